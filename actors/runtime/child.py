@@ -1,0 +1,65 @@
+"""Entry point of a child node process: ``python -m actors.runtime.child <spec>``."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import importlib
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+
+from actors.runtime.node import Node
+from actors.runtime.process import NodeSpec, system_actor
+from actors.runtime.system import SYSTEM_ACTOR, NodeReady
+from transport.zmq_channel import ZmqTransport, endpoint
+
+log = logging.getLogger("troupe.child")
+
+
+def resolve_entry(path: str):
+    module, _, func = path.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+async def run_child(spec: NodeSpec, death_fd: int) -> int:
+    loop = asyncio.get_running_loop()
+    node = Node(spec.name, ZmqTransport(endpoint(spec.ipc_dir, spec.name)))
+    system_actor(node)
+    for peer, address in spec.peers.items():
+        node.connect(peer, address)
+
+    def parent_died() -> None:
+        loop.remove_reader(death_fd)
+        node.fatal(f"parent node '{spec.parent}' died")
+
+    loop.add_reader(death_fd, parent_died)
+    loop.add_signal_handler(signal.SIGTERM, lambda: node.fatal("SIGTERM", 143))
+    loop.add_signal_handler(signal.SIGINT, lambda: None)  # the parent handles Ctrl-C
+    try:
+        info = await resolve_entry(spec.entry)(node, spec.config)
+    except Exception:
+        log.exception("node '%s' failed to start", spec.name)
+        await node.stop()
+        return 1
+    payload = msgspec.msgpack.encode(info) if info is not None else b""
+    node.ref(SYSTEM_ACTOR, spec.parent).tell(NodeReady(spec.name, os.getpid(), payload))
+    code = await node.closed
+    await node.stop()
+    return code
+
+
+def main() -> None:
+    spec = msgspec.msgpack.decode(base64.b64decode(sys.argv[1]), type=NodeSpec)
+    death_fd = int(os.environ.pop("TROUPE_DEATH_FD"))
+    logging.basicConfig(level=os.environ.get("TROUPE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s")
+    import uvloop
+    code = uvloop.run(run_child(spec, death_fd))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

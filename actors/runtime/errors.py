@@ -1,0 +1,35 @@
+"""Errors the actor runtime raises at callers: each names the actor and the message involved."""
+from __future__ import annotations
+
+
+class ActorError(Exception):
+    """Base of every runtime error."""
+
+
+class MessageRejected(ActorError, TypeError):
+    """A message outside the target actor's declared protocol (or undecodable) was refused."""
+
+
+class MailboxFull(ActorError):
+    """The target's user lane is at capacity and its overflow policy is to fail fast."""
+
+
+class AskTimeout(ActorError, TimeoutError):
+    """No reply arrived before the ask's deadline."""
+
+
+class ActorDied(ActorError):
+    """The target actor, or the process it lives in, stopped before replying."""
+
+
+class RemoteError(ActorError):
+    """A handler raised while serving an ask; carries the remote type and traceback."""
+
+    def __init__(self, actor: str, message_type: str, error_type: str, message: str,
+                 traceback: str = "") -> None:
+        super().__init__(f"{actor} failed handling {message_type}: {error_type}: {message}")
+        self.actor = actor
+        self.message_type = message_type
+        self.error_type = error_type
+        self.message = message
+        self.remote_traceback = traceback

@@ -1,0 +1,177 @@
+"""Child processes as supervised nodes.
+
+The parent starts a child with ``python -m actors.runtime.child``; the child builds a node,
+runs its entry function, and tells the parent's ``_system`` actor it is ready. The parent
+watches the child's pidfd (death noticed at once), pings it for liveness (a hung child is
+killed), and holds the write end of a death pipe: when the parent dies, the child sees EOF and
+exits. Nothing is left running either way.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import signal
+import subprocess
+import sys
+from typing import Any, Callable
+
+import msgspec
+
+from actors.runtime.errors import ActorDied, AskTimeout
+from actors.runtime.messages import Ping
+from actors.runtime.node import Node
+from actors.runtime.system import SYSTEM_ACTOR, NodeReady, Shutdown, SystemActor
+from transport.zmq_channel import endpoint
+
+log = logging.getLogger("troupe.process")
+
+
+class NodeSpec(msgspec.Struct):
+    name: str
+    entry: str                 # "package.module:function": async (node, config: bytes) -> Struct | None
+    config: bytes              # msgpack, decoded by the entry function
+    ipc_dir: str
+    parent: str
+    peers: dict[str, str]      # node name -> address, the parent's included
+    heartbeat_s: float = 2.0
+    heartbeat_timeout_s: float = 15.0
+    heartbeat_misses: int = 3
+
+
+class ChildStartError(RuntimeError):
+    pass
+
+
+class ChildProcess:
+    def __init__(self, node: Node, spec: NodeSpec, popen: subprocess.Popen[bytes],
+                 death_pipe: int, on_exit: Callable[[ChildProcess], None] | None) -> None:
+        self.node = node
+        self._death_pipe = death_pipe  # the child exits when this end closes (we died)
+        self.spec = spec
+        self.popen = popen
+        self.pid = popen.pid
+        self.returncode: int | None = None
+        self.exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._on_exit = on_exit
+        self._pidfd = os.pidfd_open(popen.pid)
+        self._heartbeat: asyncio.Task[None] | None = None
+        asyncio.get_running_loop().add_reader(self._pidfd, self._reap)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def describe_exit(self) -> str:
+        rc = self.returncode
+        if rc is None:
+            return f"process '{self.name}' (pid {self.pid}) is running"
+        if rc < 0:
+            try:
+                sig = signal.Signals(-rc).name
+            except ValueError:
+                sig = str(-rc)
+            return f"process '{self.name}' (pid {self.pid}) was killed by {sig}"
+        return f"process '{self.name}' (pid {self.pid}) exited with code {rc}"
+
+    def _reap(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        os.close(self._death_pipe)
+        self.returncode = self.popen.wait()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        reason = self.describe_exit()
+        self.node.peer_down(self.name, reason)
+        if not self.exited.done():
+            self.exited.set_result(self.returncode)
+        if self._on_exit is not None:
+            self._on_exit(self)
+
+    def start_heartbeat(self) -> None:
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+
+    async def _beat(self) -> None:
+        ref = self.node.ref(SYSTEM_ACTOR, self.name)
+        misses = 0
+        while self.returncode is None:
+            await asyncio.sleep(self.spec.heartbeat_s)
+            try:
+                await ref.ask(Ping(), timeout=self.spec.heartbeat_timeout_s)
+                misses = 0
+            except AskTimeout:
+                misses += 1
+                log.warning("process '%s' missed heartbeat %d/%d", self.name, misses,
+                            self.spec.heartbeat_misses)
+                if misses >= self.spec.heartbeat_misses:
+                    log.error("process '%s' is hung; killing it", self.name)
+                    self.kill()
+                    return
+            except ActorDied:
+                return
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    async def stop(self, timeout: float = 10.0) -> int:
+        """Ask the child to shut down; kill it if it has not exited within ``timeout``."""
+        if self.returncode is None:
+            try:
+                self.node.ref(SYSTEM_ACTOR, self.name).tell(Shutdown())
+            except ActorDied:
+                pass
+            try:
+                await asyncio.wait_for(asyncio.shield(self.exited), timeout)
+            except TimeoutError:
+                log.warning("process '%s' did not stop within %g s; killing it", self.name, timeout)
+                self.kill()
+                await self.exited
+        return self.returncode  # type: ignore[return-value]
+
+
+def system_actor(node: Node) -> SystemActor:
+    if SYSTEM_ACTOR not in node.cells:
+        node.spawn(SYSTEM_ACTOR, SystemActor)
+    return node.cells[SYSTEM_ACTOR].actor  # type: ignore[return-value]
+
+
+async def start_child(node: Node, spec: NodeSpec, *, ready_timeout: float = 600.0,
+                      on_exit: Callable[[ChildProcess], None] | None = None,
+                      env: dict[str, str] | None = None) -> tuple[ChildProcess, NodeReady]:
+    """Start a child node and wait until it is ready. Raises ChildStartError if it dies or
+    times out first (the child is then killed)."""
+    waiter = system_actor(node).expect_ready(spec.name)
+    node.connect(spec.name, endpoint(spec.ipc_dir, spec.name))
+    death_r, death_w = os.pipe()
+    os.set_inheritable(death_r, True)
+    child_env = {**os.environ, **(env or {}), "TROUPE_DEATH_FD": str(death_r)}
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "actors.runtime.child",
+         base64.b64encode(msgspec.msgpack.encode(spec)).decode()],
+        pass_fds=(death_r,), env=child_env)
+    os.close(death_r)
+    child = ChildProcess(node, spec, popen, death_w, on_exit)
+    try:
+        done, _ = await asyncio.wait({waiter, child.exited}, timeout=ready_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if waiter in done:
+            child.start_heartbeat()
+            return child, waiter.result()
+        if child.exited in done:
+            raise ChildStartError(f"{child.describe_exit()} before it was ready")
+        child.kill()
+        await child.exited
+        raise ChildStartError(f"process '{spec.name}' was not ready within {ready_timeout:g} s")
+    finally:
+        if not waiter.done():
+            waiter.cancel()
+
+
+def decode_info(ready: NodeReady, typ: Any) -> Any:
+    return msgspec.msgpack.decode(ready.info, type=typ)

@@ -1,0 +1,115 @@
+"""ActorRef: the same ``tell`` / ``ask`` / ``send`` API for an actor in this loop or in another
+process. Messages outside the target's protocol are refused at the sender when the protocol is
+known here, and at the receiver's typed decoder otherwise."""
+from __future__ import annotations
+
+import asyncio
+import typing
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from actors.runtime.errors import ActorDied, AskTimeout, MessageRejected
+from actors.runtime.mailbox import Delivery
+from actors.runtime.messages import SystemMessage
+from actors.runtime.tracing import current_context, new_trace_id, now_ns
+
+if TYPE_CHECKING:
+    from actors.runtime.actor import ActorCell
+    from actors.runtime.node import Node
+
+DEFAULT_ASK_TIMEOUT = 30.0
+
+
+def protocol_names(protocol: Any) -> str:
+    args = typing.get_args(protocol) or (protocol,)
+    return ", ".join(sorted(a.__name__ for a in args))
+
+
+def trace_parent() -> tuple[int, int]:
+    """(trace id, parent span) for a message sent from the current task."""
+    ctx = current_context.get()
+    if ctx is None:
+        return new_trace_id(), 0
+    return ctx.trace_id, ctx.span_id
+
+
+class ActorRef(ABC):
+    node_name: str
+    name: str
+
+    @abstractmethod
+    def tell(self, msg: Any) -> None:
+        """Deliver without waiting. Raises MessageRejected, MailboxFull or ActorDied at once."""
+
+    @abstractmethod
+    async def ask(self, msg: Any, timeout: float = DEFAULT_ASK_TIMEOUT) -> Any:
+        """Deliver and wait for the reply; AskTimeout after ``timeout`` seconds, RemoteError
+        with the remote traceback when the handler raised."""
+
+    async def send(self, msg: Any) -> None:
+        """Like tell, but waits for room when the target's mailbox is full (backpressure)."""
+        self.tell(msg)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}@{self.node_name}>"
+
+    def _reject(self, msg: Any, protocol: Any) -> MessageRejected:
+        return MessageRejected(
+            f"actor '{self.name}' on node '{self.node_name}' does not accept "
+            f"{type(msg).__name__}; it accepts: {protocol_names(protocol)}")
+
+
+class LocalRef(ActorRef):
+    def __init__(self, cell: ActorCell) -> None:
+        self._cell = cell
+        self.node_name = cell.node.name
+        self.name = cell.name
+
+    def _delivery(self, msg: Any, reply: Any) -> Delivery:
+        cell = self._cell
+        if not isinstance(msg, cell.accepts):
+            raise self._reject(msg, type(cell.actor).protocol | SystemMessage)
+        trace_id, parent = trace_parent()
+        return Delivery(msg, reply, trace_id, parent, cell.node.next_msg_id(), now_ns())
+
+    def tell(self, msg: Any) -> None:
+        self._cell.deliver(self._delivery(msg, None))
+
+    async def send(self, msg: Any) -> None:
+        await self._cell.mailbox.wait_space()
+        self.tell(msg)
+
+    async def ask(self, msg: Any, timeout: float = DEFAULT_ASK_TIMEOUT) -> Any:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._cell.deliver(self._delivery(msg, fut))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise AskTimeout(f"ask {type(msg).__name__} to actor '{self.name}' got no reply "
+                             f"within {timeout:g} s") from None
+
+    @property
+    def alive(self) -> bool:
+        return not self._cell.stopping
+
+
+class RemoteRef(ActorRef):
+    def __init__(self, node: Node, node_name: str, name: str, protocol: Any = None) -> None:
+        self._node = node
+        self.node_name = node_name
+        self.name = name
+        self._protocol = protocol
+
+    def _check(self, msg: Any) -> None:
+        if self._protocol is not None and not isinstance(msg, self._protocol | SystemMessage):
+            raise self._reject(msg, self._protocol)
+        if self.node_name in self._node.dead_peers:
+            raise ActorDied(f"actor '{self.name}' is unreachable: {self._node.dead_peers[self.node_name]}")
+
+    def tell(self, msg: Any) -> None:
+        self._check(msg)
+        self._node.send_remote(self.node_name, self.name, msg)
+
+    async def ask(self, msg: Any, timeout: float = DEFAULT_ASK_TIMEOUT) -> Any:
+        self._check(msg)
+        return await self._node.call_remote(self.node_name, self.name, msg, timeout)

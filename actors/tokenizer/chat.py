@@ -1,0 +1,134 @@
+"""Chat messages -> prompt text: OpenAI message normalization and the sandboxed Jinja chat-template renderer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Appended to the final message's content when it is to be continued; the render is cut where it reappears.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def content_to_text(content: Any) -> str:
+    """OpenAI message content -> one string.
+
+    Accepts a string, None (-> ""), or a list of parts where each part is a string or a
+    `{"type": "text", "text": ...}` dict; the texts are concatenated. Any other part type
+    (image_url, input_audio, file, ...) raises ValueError naming it.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        part_type = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if part_type != "text":
+            raise ValueError(f"message content part of type {part_type!r} is not supported; only 'text' parts are")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"a 'text' content part needs a string 'text' field, got {text!r}")
+        texts.append(text)
+    return "".join(texts)
+
+
+def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> fresh dicts a chat template can render.
+
+    Keys whose value is None are dropped (APIs send `content: null` beside `tool_calls`, and
+    templates handle a missing key better than a literal None); `content`, when present, becomes
+    a string via `content_to_text`. Every message needs a string `role`.
+    """
+    normalized = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a string 'role', got {message.get('role')!r}")
+        out = {key: value for key, value in message.items() if value is not None}
+        if "content" in out:
+            try:
+                out["content"] = content_to_text(out["content"])
+            except ValueError as e:
+                raise ValueError(f"messages[{i}]: {e}") from None
+        normalized.append(out)
+    return normalized
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; we render the body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON (as in transformers).
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """A compiled chat template, rendered the way transformers' `apply_chat_template` renders it.
+
+    The template is untrusted code from the model file, so it runs in Jinja's immutable sandbox.
+    """
+
+    def __init__(self, source: str):
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        self.source = source
+        self._template = env.from_string(source)
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **variables: Any) -> str:
+        """Render normalized `messages`; `variables` (tools, documents, bos_token, ...) become template globals.
+
+        With `continue_final_message` the text ends inside the last message, right after its content,
+        so the model continues it; `add_generation_prompt` is then ignored.
+        """
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise ValueError("continue_final_message needs a final message with string content")
+            final = messages[-1]["content"]
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
+            add_generation_prompt = False
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        if not continue_final_message:
+            return text
+        return _cut_at_continue_tag(text, final)
+
+
+def _cut_at_continue_tag(text: str, final: str) -> str:
+    tag_at = text.rfind(_CONTINUE_TAG.strip())
+    if tag_at < 0 or final.strip() not in text:
+        raise ValueError("continue_final_message: the chat template dropped or altered the final message's content")
+    if text.startswith(_CONTINUE_TAG, tag_at):
+        return text[:tag_at]
+    return text[:tag_at].rstrip()  # the template trimmed the content's trailing whitespace (and our tag's space)

@@ -1,0 +1,80 @@
+"""Actors used by the runtime tests, importable by child node processes."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+import torch
+
+from actors.runtime import Actor, Msg
+
+
+class Echoed(msgspec.Struct):
+    text: str
+    count: int
+
+
+class Echo(Msg):
+    reply_type: ClassVar[Any] = Echoed
+    text: str
+
+
+class Count(Msg):
+    pass
+
+
+class Crash(Msg):
+    reply_type: ClassVar[Any] = int
+    why: str
+
+
+class Sleep(Msg):
+    reply_type: ClassVar[Any] = float
+    seconds: float
+
+
+class Arrays(Msg):
+    reply_type: ClassVar[Any] = "Arrays"
+    array: np.ndarray
+    tensor: torch.Tensor
+    small: np.ndarray
+
+
+class Unrelated(Msg):
+    reply_type: ClassVar[Any] = int
+    x: int
+
+
+EchoProtocol = Echo | Count | Crash | Sleep | Arrays
+
+
+class EchoActor(Actor):
+    protocol = EchoProtocol
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def receive(self, msg: EchoProtocol) -> Any:
+        match msg:
+            case Echo(text=text):
+                return Echoed(text, self.count)
+            case Count():
+                self.count += 1
+            case Crash(why=why):
+                raise ValueError(why)
+            case Sleep(seconds=s):
+                await asyncio.sleep(s)
+                return s
+            case Arrays():
+                return Arrays(msg.array * 2, msg.tensor + 1, msg.small)
+        return None
+
+
+Arrays.reply_type = Arrays
+
+
+async def echo_entry(node, config: bytes) -> dict:
+    node.spawn("echo", EchoActor)
+    return {"config": config.decode()}

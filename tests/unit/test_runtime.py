@@ -1,0 +1,254 @@
+"""The actor runtime: typed mailboxes, ask/tell in one loop and across processes, timeouts,
+supervision of handlers and of child processes, tensors as raw frames, trace records."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from actors.runtime import (ActorDied, AskTimeout, MessageRejected, Node, RemoteError)
+from actors.runtime.process import NodeSpec, decode_info, start_child, system_actor
+from actors.runtime.system import GetTrace
+from actors.runtime.tracing import to_chrome_trace
+from conftest import run_async
+from runtime_fixtures import (Arrays, Count, Crash, Echo, EchoActor, Echoed, Sleep, Unrelated)
+from transport.codec import Codec, Header
+from transport.zmq_channel import ZmqTransport, endpoint
+
+
+# -- in one event loop -------------------------------------------------------------------------
+
+def test_local_tell_then_ask_sees_messages_in_order():
+    async def main():
+        node = Node("n")
+        ref = node.spawn("echo", EchoActor)
+        for _ in range(5):
+            ref.tell(Count())
+        reply = await ref.ask(Echo("hi"), timeout=5)
+        await node.stop()
+        return reply
+    assert run_async(main()) == Echoed("hi", 5)
+
+
+def test_local_message_outside_protocol_is_rejected_with_clear_error():
+    async def main():
+        node = Node("n")
+        ref = node.spawn("echo", EchoActor)
+        with pytest.raises(MessageRejected) as err:
+            ref.tell(Unrelated(1))
+        with pytest.raises(MessageRejected):
+            await ref.ask(Unrelated(1))
+        await node.stop()
+        return str(err.value)
+    text = run_async(main())
+    assert "Unrelated" in text and "echo" in text and "Echo" in text
+
+
+def test_local_ask_times_out():
+    async def main():
+        node = Node("n")
+        ref = node.spawn("echo", EchoActor)
+        t0 = time.monotonic()
+        with pytest.raises(AskTimeout, match="Sleep"):
+            await ref.ask(Sleep(2.0), timeout=0.2)
+        elapsed = time.monotonic() - t0
+        await node.stop()
+        return elapsed
+    assert run_async(main()) < 1.0
+
+
+def test_crashing_handler_is_reported_with_actor_and_message_and_actor_resumes():
+    async def main():
+        node = Node("n")
+        failures = []
+        node.failure_listeners.append(failures.append)
+        ref = node.spawn("echo", EchoActor)
+        ref.tell(Count())
+        with pytest.raises(RemoteError) as err:
+            await ref.ask(Crash("boom"))
+        ref.tell(Crash("told, not asked"))
+        reply = await ref.ask(Echo("after"))
+        await node.stop()
+        return err.value, failures, reply
+    err, failures, reply = run_async(main())
+    assert err.actor == "echo" and err.message_type == "Crash" and err.error_type == "ValueError"
+    assert "boom" in err.remote_traceback
+    assert [(f.actor, f.message_type, str(f.error)) for f in failures] == [
+        ("echo", "Crash", "boom"), ("echo", "Crash", "told, not asked")]
+    assert reply == Echoed("after", 1)  # state kept: the default policy resumes
+
+
+def test_system_lane_is_served_before_queued_user_messages():
+    async def main():
+        node = Node("n")
+        ref = node.spawn("echo", EchoActor)
+        ref.tell(Sleep(0.2))
+        await asyncio.sleep(0.05)  # the Sleep is being handled; the rest queue behind it
+        for _ in range(100):
+            ref.tell(Count())
+        from actors.runtime import Ping
+        pong = await ref.ask(Ping(), timeout=5)
+        await node.stop()
+        return pong
+    pong = run_async(main())
+    assert pong.handled == 1 and pong.mailbox_depth == 100
+
+
+def test_trace_records_one_span_per_handled_message_and_export_to_chrome_trace():
+    async def main():
+        node = Node("n")
+        ref = node.spawn("echo", EchoActor)
+        ref.tell(Count())
+        await ref.ask(Echo("x"))
+        _, records = node.tracer.snapshot()
+        await node.stop()
+        return records
+    records = run_async(main())
+    kinds = [(r.actor, r.msg_type, r.status) for r in records]
+    assert ("echo", "Count", "ok") in kinds and ("echo", "Echo", "ok") in kinds
+    assert all(r.enqueue_ns <= r.start_ns <= r.end_ns for r in records)
+    trace = to_chrome_trace(records)
+    assert any(e["ph"] == "X" and e["name"] == "Echo" for e in trace["traceEvents"])
+
+
+# -- the wire ----------------------------------------------------------------------------------
+
+def test_large_arrays_travel_as_zero_copy_frames_small_ones_inline():
+    codec = Codec()
+    big = np.arange(100_000, dtype=np.float32)
+    msg = Arrays(big, torch.ones(3, 4, dtype=torch.bfloat16), np.arange(4))
+    frames = codec.encode(Header(0, "a", "n", "", 1, 0, "Arrays", 0, 0), msg)
+    assert len(frames) == 3  # header, body, one raw frame for the big array
+    assert np.shares_memory(np.frombuffer(frames[2], dtype=np.float32), big)
+    assert len(frames[1]) < 1000  # nothing big was inlined in the body
+    back = codec.decode(Arrays, [frames[1], bytes(frames[2])])
+    assert np.array_equal(back.array, big) and back.tensor.dtype == torch.bfloat16
+    assert torch.equal(back.tensor, msg.tensor) and np.array_equal(back.small, np.arange(4))
+
+
+# -- across processes --------------------------------------------------------------------------
+
+async def _parent_with_child(env):
+    ipc_dir = tempfile.mkdtemp(prefix="troupe-test-")
+    node = Node("parent", ZmqTransport(endpoint(ipc_dir, "parent")))
+    system_actor(node)
+    spec = NodeSpec("child", "runtime_fixtures:echo_entry", b"cfg", ipc_dir, "parent",
+                    {"parent": endpoint(ipc_dir, "parent")})
+    child, ready = await start_child(node, spec, ready_timeout=60, env=env)
+    return node, child, ready
+
+
+def test_cross_process_ask_tell_and_arrays(child_env):
+    async def main():
+        node, child, ready = await _parent_with_child(child_env)
+        try:
+            ref = node.ref("echo", "child")
+            for _ in range(3):
+                ref.tell(Count())
+            echoed = await ref.ask(Echo("remote"), timeout=10)
+            big = np.random.default_rng(0).standard_normal(50_000).astype(np.float32)
+            t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+            arrays = await ref.ask(Arrays(big, t, np.arange(3)), timeout=10)
+            chunk = await node.ref("_system", "child").ask(GetTrace(), timeout=10)
+            return decode_info(ready, dict), echoed, arrays, big, t, chunk
+        finally:
+            await child.stop()
+            await node.stop()
+    info, echoed, arrays, big, t, chunk = run_async(main())
+    assert info == {"config": "cfg"}
+    assert echoed == Echoed("remote", 3)
+    assert np.array_equal(arrays.array, big * 2) and torch.equal(arrays.tensor, t + 1)
+    assert {"Count", "Echo", "Arrays"} <= {r.msg_type for r in chunk.records}
+
+
+def test_cross_process_wrong_type_rejected_and_remote_error_raised(child_env):
+    async def main():
+        node, child, _ = await _parent_with_child(child_env)
+        try:
+            untyped = node.ref("echo", "child")              # the receiver's decoder refuses
+            with pytest.raises(MessageRejected, match="Unrelated"):
+                await untyped.ask(Unrelated(3), timeout=10)
+            from runtime_fixtures import EchoProtocol
+            typed = node.ref("echo", "child", protocol=EchoProtocol)  # refused before sending
+            with pytest.raises(MessageRejected, match="accepts"):
+                typed.tell(Unrelated(3))
+            with pytest.raises(RemoteError) as err:
+                await untyped.ask(Crash("remote boom"), timeout=10)
+            with pytest.raises(AskTimeout):
+                await untyped.ask(Sleep(3), timeout=0.3)
+            return err.value
+        finally:
+            await child.stop()
+            await node.stop()
+    err = run_async(main())
+    assert err.actor == "echo" and "remote boom" in err.remote_traceback
+
+
+def test_dead_child_process_detected_within_a_second(child_env):
+    async def main():
+        node, child, _ = await _parent_with_child(child_env)
+        try:
+            ref = node.ref("echo", "child")
+            asking = asyncio.ensure_future(ref.ask(Sleep(30), timeout=60))
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            os.kill(child.pid, signal.SIGKILL)
+            with pytest.raises(ActorDied, match="SIGKILL"):
+                await asking
+            detected = time.monotonic() - t0
+            with pytest.raises(ActorDied):
+                ref.tell(Count())
+            return detected, child.returncode
+        finally:
+            await node.stop()
+    detected, rc = run_async(main())
+    assert detected < 1.0 and rc == -signal.SIGKILL
+
+
+def test_child_exits_when_parent_dies(child_env, tmp_path):
+    """A parent process that is SIGKILLed leaves no child behind (death pipe)."""
+    import subprocess
+    import sys
+    script = tmp_path / "parent.py"
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests_dir = os.path.dirname(here)
+    root = os.path.dirname(tests_dir)
+    script.write_text(
+        "import asyncio, sys, uvloop\n"
+        f"sys.path[:0] = {[root, tests_dir, here]!r}\n"
+        "from test_runtime import _parent_with_child\n"
+        "async def main():\n"
+        "    node, child, _ = await _parent_with_child(None)\n"
+        "    print(child.pid, flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "uvloop.run(main())\n")
+    env = {**os.environ, **child_env}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, cwd=root)
+    try:
+        child_pid = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child_pid, 0)
+            except ProcessLookupError:
+                break
+            try:  # reap if it was reparented to us (it is not our child, so this may fail)
+                os.waitpid(child_pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.05)
+        else:
+            os.kill(child_pid, signal.SIGKILL)
+            pytest.fail("child outlived its parent by more than 5 s")
+    finally:
+        if parent.poll() is None:
+            parent.kill()

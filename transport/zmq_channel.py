@@ -1,0 +1,63 @@
+"""ZeroMQ channels between nodes: each node binds one PULL socket and keeps a PUSH per peer."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+
+def endpoint(ipc_dir: str, node: str) -> str:
+    return f"ipc://{os.path.join(ipc_dir, node)}.sock"
+
+
+class ZmqTransport:
+    """Frames in through one bound PULL socket; frames out through one PUSH socket per peer.
+
+    ``send`` never waits: ZMQ queues up to the high-water mark (unbounded here; the engine's
+    own flow control bounds what is in flight)."""
+
+    def __init__(self, bind: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.address = bind
+        self._pull = self.ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(bind)
+        self._peers: dict[str, zmq.asyncio.Socket] = {}
+
+    def add_peer(self, name: str, address: str) -> None:
+        self.drop_peer(name)
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        self._peers[name] = sock
+
+    def drop_peer(self, name: str) -> None:
+        sock = self._peers.pop(name, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def has_peer(self, name: str) -> bool:
+        return name in self._peers
+
+    def send(self, peer: str, frames: list[Any]) -> None:
+        sock = self._peers.get(peer)
+        if sock is None:
+            raise KeyError(peer)
+        sock.send_multipart(frames, copy=False)
+
+    async def recv(self) -> list[Any]:
+        return await self._pull.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        for name in list(self._peers):
+            self.drop_peer(name)
+        self._pull.close(linger=0)
+        self.ctx.term()
+        if self.address.startswith("ipc://"):
+            try:
+                os.unlink(self.address.removeprefix("ipc://"))
+            except FileNotFoundError:
+                pass
