@@ -3,12 +3,12 @@ which builds a model and dispatches checkpoint tensors onto it through the model
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 from torch import nn
 
-from kernels.attention.base import AttentionBackend
+from kernels.attention import AttentionBackend, CpuAttentionBackend
 from models.config import ModelConfig
 from models.gguf_loader import gguf_model_config, iter_gguf_weights, read_gguf
 from models.llama import LlamaForCausalLM
@@ -26,20 +26,24 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     return MODEL_REGISTRY[architecture]
 
 
+class LoadedModel(NamedTuple):
+    model: nn.Module
+    config: ModelConfig
+
+
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
-               attn_backend: AttentionBackend | None = None) -> tuple[nn.Module, ModelConfig]:
-    """Build the model for ``source`` with its weights, in eval mode, on the CPU."""
+               attn_backend: AttentionBackend | None = None) -> LoadedModel:
+    """Build the model for ``source`` with its weights, in eval mode, on the CPU
+    (attention through ``attn_backend``, by default the CPU backend)."""
     if source.kind != "gguf":
         raise ValueError(f"loading a {source.kind!r} model ({source.path}) is not supported yet; "
                          "supported: a .gguf file")
-    if attn_backend is None:
-        from kernels.attention.cpu import CpuAttentionBackend
-        attn_backend = CpuAttentionBackend()
+    attn_backend = attn_backend or CpuAttentionBackend()
     gguf = read_gguf(source.path)
     config = gguf_model_config(gguf)
     model = get_model_class(config.architecture)(config, attn_backend, dtype)
     load_weights(model, iter_gguf_weights(gguf, config), model.gguf_tensor_map)
-    return model.eval(), config
+    return LoadedModel(model.eval(), config)
 
 
 def _compile_tensor_map(tensor_map: dict[str, tuple[str, str | None]]) -> list[tuple[re.Pattern, str, str | None]]:

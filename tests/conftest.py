@@ -1,16 +1,8 @@
-import asyncio
 import os
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_async(coro, timeout: float = 60.0):
-    """Run a coroutine on a fresh uvloop event loop with a deadline."""
-    import uvloop
-    return uvloop.run(asyncio.wait_for(coro, timeout))
 
 
 @pytest.fixture

@@ -1,19 +1,11 @@
-"""Message base class and the runtime's own system messages.
-
-Every message is a tagged ``msgspec.Struct``. A message class may declare:
-  * ``reply_type``: the type an ``ask`` of it returns (decoded with a typed decoder);
-  * ``lane = "system"``: it jumps ahead of user messages in the target's mailbox.
-"""
+"""The runtime's own messages: error replies and the system messages every actor answers."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
 import msgspec
 
-
-class Msg(msgspec.Struct, tag=True):
-    reply_type: ClassVar[Any] = Any
-    lane: ClassVar[str] = "user"
+from transport.msg import Msg
 
 
 # -- replies -----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import msgspec
 
@@ -17,7 +17,7 @@ from actors.runtime.actor import Actor, ActorCell, OnFailure, ReplyTo
 from actors.runtime.errors import ActorDied, AskTimeout, MessageRejected, RemoteError
 from actors.runtime.mailbox import Delivery
 from actors.runtime.messages import ErrorReply
-from actors.runtime.ref import ActorRef, LocalRef, RemoteRef, trace_parent
+from actors.runtime.ref import ActorRef, DeferredRef, LocalRef, RemoteRef, trace_parent
 from actors.runtime.tracing import Tracer, now_ns
 from transport.codec import ASK, ERROR, REPLY, TELL, Codec, Header, decode_header
 
@@ -66,6 +66,7 @@ class Node:
         self._msg_ids = itertools.count(1)
         self._call_ids = itertools.count(1)
         self._recv_task: asyncio.Task[None] | None = None
+        self.on_stop: list[Callable[[], Awaitable[None]]] = []   # run first by stop()
         self.closed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         if transport is not None:
             self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop(), name="node:recv")
@@ -90,12 +91,11 @@ class Node:
         return ref
 
     def ref(self, name: str, node: str | None = None, protocol: Any = None) -> ActorRef:
-        """A reference to actor ``name`` on ``node`` (this node when None)."""
+        """A reference to actor ``name`` on ``node`` (this node when None). A local actor that
+        does not exist yet is resolved when the reference is first used."""
         if node is None or node == self.name:
             cell = self.cells.get(name)
-            if cell is None:
-                raise KeyError(f"no actor named '{name}' on node '{self.name}'")
-            return cell.ref
+            return cell.ref if cell is not None else DeferredRef(self, name)
         return RemoteRef(self, node, name, protocol)
 
     def cell_stopped(self, cell: ActorCell) -> None:
@@ -258,6 +258,12 @@ class Node:
     # -- shutdown ----------------------------------------------------------------------------
     async def stop(self, timeout: float = 5.0) -> None:
         from actors.runtime.messages import Stop
+        hooks, self.on_stop = self.on_stop, []
+        for hook in hooks:
+            try:
+                await asyncio.wait_for(hook(), timeout)
+            except Exception:
+                log.exception("node '%s': a stop hook failed", self.name)
         for cell in list(self.cells.values()):
             if not cell.stopping:
                 cell.deliver(Delivery(Stop(), None, 0, 0, 0, now_ns()))

@@ -113,3 +113,28 @@ class RemoteRef(ActorRef):
     async def ask(self, msg: Any, timeout: float = DEFAULT_ASK_TIMEOUT) -> Any:
         self._check(msg)
         return await self._node.call_remote(self.node_name, self.name, msg, timeout)
+
+
+class DeferredRef(ActorRef):
+    """A reference by name to an actor of this node that may not exist yet (or was replaced):
+    resolved at each use."""
+
+    def __init__(self, node: Node, name: str) -> None:
+        self._node = node
+        self.node_name = node.name
+        self.name = name
+
+    def _target(self) -> LocalRef:
+        cell = self._node.cells.get(self.name)
+        if cell is None:
+            raise ActorDied(f"no actor named '{self.name}' on node '{self.node_name}'")
+        return cell.ref
+
+    def tell(self, msg: Any) -> None:
+        self._target().tell(msg)
+
+    async def send(self, msg: Any) -> None:
+        await self._target().send(msg)
+
+    async def ask(self, msg: Any, timeout: float = DEFAULT_ASK_TIMEOUT) -> Any:
+        return await self._target().ask(msg, timeout)

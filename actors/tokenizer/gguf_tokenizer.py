@@ -7,23 +7,17 @@ and build the equivalent Hugging Face `tokenizers` pipeline, without importing t
 
 from __future__ import annotations
 
-import mmap
-import struct
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from actors.tokenizer.chat import ChatTemplate, normalize_messages
+from models.gguf_header import read_gguf_metadata
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 TOKEN_TYPE_CONTROL = 3  # special tokens: <|im_start|>, <|endoftext|>; skipped by skip_special_tokens
 TOKEN_TYPE_USER_DEFINED = 4  # added tokens matched whole in text but decoded like text, e.g. <think>
-
-# GGUF metadata value types: fixed-size scalars as struct codes; 8 is a string, 9 an array
-_SCALAR_FORMAT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
 
 # Pre-tokenizer split regexes for llama.cpp `tokenizer.ggml.pre` names other than the GPT-2 default
 _LLAMA3_SPLIT = (
@@ -36,65 +30,6 @@ _QWEN2_SPLIT = (
 )
 _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 _IGNORE_MERGES_PRE = {"llama3", "llama-bpe"}  # llama.cpp looks whole words up in the vocab first for these
-
-
-def read_gguf_metadata(path: str) -> dict[str, Any]:
-    """A GGUF file's key-value metadata (not its tensor table or data), read through an mmap.
-
-    Much faster than `gguf.GGUFReader`, which builds numpy views for every string in the
-    vocabulary (~1.7 s for a 49k-token vocabulary against ~0.1 s here).
-    """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
-        return _GgufMetadataParser(blob, path).parse()
-
-
-class _GgufMetadataParser:
-    """Walks the header: magic, version, tensor count, kv count, then (key, type, value) records."""
-
-    def __init__(self, blob: mmap.mmap, path: str):
-        if blob[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (starts with {blob[:4]!r})")
-        (version,) = struct.unpack_from("<I", blob, 4)
-        self.endian = "<" if version & 0xFFFF else ">"  # a byte-swapped version means a big-endian file
-        (version,) = struct.unpack_from(self.endian + "I", blob, 4)
-        if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
-        self.blob, self.pos = blob, 8
-
-    def parse(self) -> dict[str, Any]:
-        _num_tensors, num_kv = self._take("QQ")
-        metadata = {}
-        for _ in range(num_kv):
-            key = self._string()
-            (value_type,) = self._take("I")
-            metadata[key] = self._value(value_type)
-        return metadata
-
-    def _take(self, fmt: str) -> tuple:
-        fmt = self.endian + fmt
-        values = struct.unpack_from(fmt, self.blob, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return values
-
-    def _string(self) -> str:
-        (length,) = self._take("Q")
-        start, self.pos = self.pos, self.pos + length
-        return self.blob[start:self.pos].decode("utf-8")
-
-    def _value(self, value_type: int) -> Any:
-        if value_type == _STRING:
-            return self._string()
-        if value_type == _ARRAY:
-            item_type, count = self._take("IQ")
-            if item_type in _SCALAR_FORMAT:  # numbers: one numpy read instead of `count` unpacks
-                dtype = np.dtype(_SCALAR_FORMAT[item_type]).newbyteorder(self.endian)
-                items = np.frombuffer(self.blob, dtype, count, self.pos).tolist()
-                self.pos += dtype.itemsize * count
-                return items
-            return [self._value(item_type) for _ in range(count)]
-        if value_type not in _SCALAR_FORMAT:
-            raise ValueError(f"unknown GGUF metadata value type {value_type} at byte {self.pos}")
-        return self._take(_SCALAR_FORMAT[value_type])[0]
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -213,14 +148,15 @@ class TextTokenizer:
         adds BOS/EOS where the GGUF's add_bos_token/add_eos_token ask for them."""
         ids = self.backend_tokenizer.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
-            ids = self._add_bos_eos(ids)
+            ids = self._with_bos(ids)
+            if self.add_eos_token and self.eos_token_id is not None:
+                ids = [*ids, self.eos_token_id]
         return ids
 
-    def _add_bos_eos(self, ids: list[int]) -> list[int]:
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        """`ids` with BOS in front if the GGUF asks for it (add_bos_token) and it is not there already."""
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id, *ids]
-        if self.add_eos_token and self.eos_token_id is not None:
-            ids = [*ids, self.eos_token_id]
+            return [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -255,7 +191,4 @@ class TextTokenizer:
         BOS is prepended only when the GGUF's add_bos_token is set and the template did not write it.
         """
         text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **template_kwargs)
-        ids = self.backend_tokenizer.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id, *ids]
-        return ids
+        return self._with_bos(self.backend_tokenizer.encode(text, add_special_tokens=False).ids)

@@ -17,7 +17,7 @@ from actors.runtime import (ActorDied, AskTimeout, MessageRejected, Node, Remote
 from actors.runtime.process import NodeSpec, decode_info, start_child, system_actor
 from actors.runtime.system import GetTrace
 from actors.runtime.tracing import to_chrome_trace
-from conftest import run_async
+from helpers import run_async
 from runtime_fixtures import (Arrays, Count, Crash, Echo, EchoActor, Echoed, Sleep, Unrelated)
 from transport.codec import Codec, Header
 from transport.zmq_channel import ZmqTransport, endpoint

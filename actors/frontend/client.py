@@ -1,0 +1,136 @@
+"""EngineClient: what an HTTP handler or an AsyncLLM iterator uses to run one request.
+
+It opens the request's output stream, asks the Tokenizer to admit the request, then yields
+outputs until the request finishes. A caller that stops early (a client disconnect, a
+cancelled task) aborts the request in the engine, so its KV blocks are freed."""
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, AsyncIterator
+
+from actors.detokenizer.actor import Untrack
+from actors.frontend.stats import EngineStats
+from actors.frontend.streams import OutputStream, OutputStreams, RequestOutput
+from actors.runtime import ActorRef, RemoteError
+from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
+from actors.tokenizer.gguf_tokenizer import TextTokenizer
+from transport.messages import AbortRequests, EngineInfo, SamplingParams
+
+# Longest wait for any output of a running request before it is failed (nothing hangs).
+DEFAULT_STALL_TIMEOUT_S = 600.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is gone; no request can be served."""
+
+
+class EngineClient:
+    def __init__(self, info: EngineInfo, tokenizer: TextTokenizer, tokenizer_actor: ActorRef,
+                 detokenizer: ActorRef, engine: ActorRef, streams: OutputStreams,
+                 stats: EngineStats, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+        self.tokenizer_actor = tokenizer_actor
+        self.detokenizer = detokenizer
+        self.engine = engine
+        self.streams = streams
+        self.stats = stats
+        self.stall_timeout_s = stall_timeout_s
+        self.dead: str | None = None
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid():x}"
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model.served_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.model.max_model_len
+
+    def new_request_id(self) -> str:
+        return f"req-{self._prefix}-{next(self._ids)}"
+
+    def mark_dead(self, reason: str) -> None:
+        """The engine died: fail every open request now and refuse new ones."""
+        self.dead = reason
+        self.streams.fail_all(reason)
+
+    async def submit(self, params: SamplingParams, *, request_id: str | None = None,
+                     max_tokens: int | None = None, prompt: str | None = None,
+                     prompt_token_ids: list[int] | None = None,
+                     messages: list[dict[str, Any]] | None = None,
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     chat_template_kwargs: dict[str, Any] | None = None,
+                     priority: int = 0) -> RequestHandle:
+        """Admit one request. Raises InvalidPrompt (or PromptTooLong) when it is refused and
+        EngineDeadError when the engine is gone."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        rid = request_id or self.new_request_id()
+        stream = self.streams.open(rid)
+        try:
+            accepted = await self.tokenizer_actor.ask(Generate(
+                rid, params, max_tokens, prompt, prompt_token_ids, messages,
+                add_generation_prompt, continue_final_message, chat_template_kwargs or {},
+                priority), timeout=60)
+        except RemoteError as exc:
+            self.streams.close(rid)
+            raise _refusal(exc) from None
+        except BaseException:
+            self.streams.close(rid)
+            raise
+        return RequestHandle(self, rid, stream, accepted.num_prompt_tokens)
+
+    async def generate(self, params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Submit, then yield outputs until the request finishes (the last has ``finished``)."""
+        handle = await self.submit(params, **kwargs)
+        try:
+            async for out in handle:
+                yield out
+        finally:
+            handle.close()
+
+    def abort(self, request_ids: list[str]) -> None:
+        if self.dead is None:
+            self.engine.tell(AbortRequests(request_ids))
+            self.detokenizer.tell(Untrack(request_ids))
+
+
+def _refusal(exc: RemoteError) -> Exception:
+    kinds = {"PromptTooLong": PromptTooLong, "InvalidPrompt": InvalidPrompt}
+    cls = kinds.get(exc.error_type)
+    return cls(exc.message) if cls is not None else exc
+
+
+class RequestHandle:
+    """An admitted request: iterate it for outputs; ``close`` it when done. Closing before it
+    finished aborts it in the engine (its KV blocks are freed)."""
+
+    def __init__(self, client: EngineClient, request_id: str, stream: OutputStream,
+                 num_prompt_tokens: int) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.stream = stream
+        self.num_prompt_tokens = num_prompt_tokens
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.stream.get(self.client.stall_timeout_s)
+        self.finished = out.finished
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.client.streams.close(self.request_id)
+        if not self.finished:
+            self.client.abort([self.request_id])

@@ -1,0 +1,104 @@
+"""Starting Troupe: the frontend's actors around an engine core that runs either in its own
+process (with the worker in a third) or in this event loop (offline use and tests)."""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+
+import msgspec
+
+from actors.detokenizer.actor import DetokenizerActor
+from actors.engine_core import EngineConfig, EngineCore
+from actors.frontend.client import EngineClient
+from actors.frontend.stats import EngineStats
+from actors.frontend.streams import OutputStreams
+from actors.runtime import ActorRef, Node
+from actors.runtime.process import ChildProcess, NodeSpec, decode_info, start_child, system_actor
+from actors.scheduler.actor import SchedulerProtocol
+from actors.tokenizer.actor import TokenizerActor
+from actors.tokenizer.gguf_tokenizer import TextTokenizer
+from models.resolve import resolve_model
+from transport.messages import EngineInfo
+from transport.zmq_channel import ZmqTransport, endpoint
+
+log = logging.getLogger("troupe.launch")
+
+FRONTEND_NODE = "frontend"
+ENGINE_NODE = "engine"
+
+
+class Frontend:
+    """A running Troupe: the frontend node, its EngineClient, and the engine it talks to."""
+
+    def __init__(self, node: Node, ipc_dir: str | None = None) -> None:
+        self.node = node
+        self.ipc_dir = ipc_dir
+        self.client: EngineClient | None = None
+        self.engine_process: ChildProcess | None = None
+        self.engine_core: EngineCore | None = None
+
+    def engine_exited(self, child: ChildProcess) -> None:
+        """The engine process is gone: fail what is in flight and stop with a clear message."""
+        if self.node.closed.done():
+            return
+        reason = f"the engine core died ({child.describe_exit()})"
+        if self.client is not None:
+            self.client.mark_dead(reason)
+        self.node.fatal(reason, code=1)
+
+    async def shutdown(self) -> None:
+        if self.engine_process is not None:
+            await self.engine_process.stop()
+        if self.engine_core is not None:
+            await self.engine_core.stop()
+        await self.node.stop()
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+async def start_frontend(cfg: EngineConfig, *, multiprocess: bool = True,
+                         ready_timeout: float = 600.0) -> Frontend:
+    """Start the engine and the frontend actors; returns once the model is loaded."""
+    source = resolve_model(cfg.model)   # fails fast, with the install command, if it is missing
+    if source.kind != "gguf":
+        raise ValueError(f"only GGUF models are supported so far, got {source.path}")
+    tokenizer = TextTokenizer.from_gguf(source.path)
+    if multiprocess:
+        ipc_dir = tempfile.mkdtemp(prefix="troupe-")
+        node = Node(FRONTEND_NODE, ZmqTransport(endpoint(ipc_dir, FRONTEND_NODE)))
+        system_actor(node)
+        fe = Frontend(node, ipc_dir)
+        cfg = msgspec.structs.replace(cfg, ipc_dir=ipc_dir, worker_process=True,
+                                      output_node=FRONTEND_NODE, output_actor="detokenizer")
+        spec = NodeSpec(ENGINE_NODE, "actors.engine_core:engine_entry", msgspec.msgpack.encode(cfg),
+                        ipc_dir, FRONTEND_NODE, {FRONTEND_NODE: endpoint(ipc_dir, FRONTEND_NODE)})
+        try:
+            fe.engine_process, ready = await start_child(node, spec, ready_timeout=ready_timeout,
+                                                         on_exit=fe.engine_exited)
+        except BaseException:
+            await node.stop()
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
+        info = decode_info(ready, EngineInfo)
+        engine: ActorRef = node.ref("scheduler", ENGINE_NODE, SchedulerProtocol)
+    else:
+        node = Node(FRONTEND_NODE)
+        fe = Frontend(node)
+        cfg = msgspec.structs.replace(cfg, worker_process=False, output_node=FRONTEND_NODE,
+                                      output_actor="detokenizer")
+        fe.engine_core = EngineCore(node, cfg)
+        info = await fe.engine_core.start()
+        engine = fe.engine_core.scheduler
+    streams = OutputStreams()
+    stats = EngineStats(model=info.model.served_name)
+    detok = node.spawn("detokenizer", lambda: DetokenizerActor(tokenizer, streams, stats, engine))
+
+    def count_prompt_tokens(n: int) -> None:
+        stats.prompt_tokens += n
+
+    tok = node.spawn("tokenizer", lambda: TokenizerActor(
+        tokenizer, info.model.max_model_len, info.model.eos_token_ids, detok, engine,
+        count_prompt_tokens))
+    fe.client = EngineClient(info, tokenizer, tok, detok, engine, streams, stats)
+    return fe

@@ -1,0 +1,87 @@
+"""Per-request output streams between the Detokenizer and whoever awaits the request (an HTTP
+handler or an AsyncLLM iterator). A slow reader never makes outputs pile up: deltas that
+arrive before it reads are merged into one."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    text: str = ""                    # new text since the previous output
+    token_ids: list[int] = field(default_factory=list)   # new token ids since the previous output
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0        # cumulative
+    error: str | None = None
+
+    def merge(self, later: RequestOutput) -> None:
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        self.finished = later.finished
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+        self.num_output_tokens = later.num_output_tokens
+        self.error = later.error
+
+
+class StreamTimeout(TimeoutError):
+    pass
+
+
+class OutputStream:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._pending: RequestOutput | None = None
+        self._ready = asyncio.Event()
+        self.finished = False
+
+    def put(self, out: RequestOutput) -> None:
+        if self._pending is None:
+            self._pending = out
+        else:
+            self._pending.merge(out)
+        self.finished = self.finished or out.finished
+        self._ready.set()
+
+    async def get(self, timeout: float) -> RequestOutput:
+        """The next output (possibly several merged); StreamTimeout if none comes in time."""
+        if self._pending is None:
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout)
+            except TimeoutError:
+                raise StreamTimeout(f"no output for request {self.request_id} within {timeout:g} s") from None
+        out, self._pending = self._pending, None
+        self._ready.clear()
+        return out  # type: ignore[return-value]
+
+
+class OutputStreams:
+    """The registry of open streams, shared by the frontend's actors in one event loop."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, OutputStream] = {}
+
+    def open(self, request_id: str) -> OutputStream:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        s = self._streams[request_id] = OutputStream(request_id)
+        return s
+
+    def get(self, request_id: str) -> OutputStream | None:
+        return self._streams.get(request_id)
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def fail_all(self, error: str) -> None:
+        for rid, s in list(self._streams.items()):
+            if not s.finished:
+                s.put(RequestOutput(rid, finished=True, finish_reason="error", error=error))

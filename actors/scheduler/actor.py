@@ -1,0 +1,104 @@
+"""Scheduler actor: runs the engine step loop around the pure Scheduler.
+
+One step: take what arrived (new requests and aborts wait in the mailbox while a step runs),
+schedule, one KV commit, one SchedulerOutput to the executor, one EngineCoreOutputs batch to
+the frontend. A step is queued by telling ourselves ``Step``, so messages that arrived during a
+step are handled before the next one.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from actors.kv_manager.messages import KVReset
+from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteError
+from actors.scheduler.scheduler import Scheduler
+from transport.messages import (AbortRequests, AddRequest, EngineCoreOutput, EngineCoreOutputs)
+
+log = logging.getLogger("troupe.scheduler")
+
+
+class Step(Msg):
+    pass
+
+
+class WorkersReady(Msg):
+    """The workers of ``generation`` are up; requests they never saw may run on them."""
+    generation: int
+
+
+SchedulerProtocol = AddRequest | AbortRequests | Step | WorkersReady
+
+STEP_TIMEOUT_S = 600.0
+
+
+class SchedulerActor(Actor):
+    protocol = SchedulerProtocol
+    on_failure = "escalate"      # an exception here means broken scheduling state
+
+    def __init__(self, core: Scheduler, kv: ActorRef, executor: ActorRef, outputs: ActorRef,
+                 generation: int = 0) -> None:
+        self.core = core
+        self.kv = kv
+        self.executor = executor
+        self.outputs = outputs
+        self.generation = generation
+        self.paused = False
+        self._step_queued = False
+
+    async def receive(self, msg: SchedulerProtocol) -> Any:
+        match msg:
+            case AddRequest(request=r):
+                err = self.core.add_request(r)
+                if err is not None:
+                    self._emit([err])
+                self._kick()
+            case AbortRequests(request_ids=ids):
+                self._emit(self.core.abort_requests(ids))
+                self._kick()
+            case Step():
+                self._step_queued = False
+                await self._step()
+                self._kick()
+            case WorkersReady(generation=g):
+                if g != self.generation:
+                    self.generation = g
+                    self._emit(self.core.fail_running("the worker process was restarted"))
+                    await self.kv.ask(KVReset())
+                    self.core.reset_blocks()
+                self.paused = False
+                self._kick()
+
+    def _kick(self) -> None:
+        if self._step_queued or self.paused:
+            return
+        if self.core.has_work():
+            self._step_queued = True
+            self.ctx.self_ref.tell(Step())
+        else:  # idle: hand the blocks of finished requests back now
+            commit = self.core.release_commit()
+            if commit is not None:
+                self.kv.tell(commit)
+
+    async def _step(self) -> None:
+        plan = self.core.schedule()
+        kv_result = await self.kv.ask(plan.kv_commit)
+        if not plan.scheduled:
+            return
+        so = self.core.build_output(plan, kv_result)
+        self.ctx.link(list(so.num_scheduled_tokens))
+        try:
+            runner_out = await self.executor.ask(so, timeout=STEP_TIMEOUT_S)
+        except (ActorDied, RemoteError, AskTimeout) as exc:
+            reason = exc.message if isinstance(exc, RemoteError) else str(exc)
+            log.error("step %d failed on the workers: %s", so.step, reason)
+            # A dead worker is being restarted: wait for WorkersReady before stepping again.
+            died = isinstance(exc, ActorDied) or (isinstance(exc, RemoteError)
+                                                  and exc.error_type == "ActorDied")
+            self.paused = self.paused or died
+            self._emit(self.core.fail_running(f"the worker failed: {reason}"))
+            return
+        self._emit(self.core.update_from_output(so, runner_out))
+
+    def _emit(self, outs: list[EngineCoreOutput]) -> None:
+        self.outputs.tell(EngineCoreOutputs(outs, self.core.stats()))

@@ -1,0 +1,104 @@
+"""Tokenizer actor: renders the chat template, tokenizes, validates against the context
+length, registers the request with the Detokenizer and hands it to the engine."""
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+import msgspec
+
+from actors.runtime import Actor, ActorRef, Msg
+from actors.tokenizer.gguf_tokenizer import TextTokenizer
+from transport.messages import AddRequest, EngineCoreRequest, SamplingParams
+
+
+class PromptAccepted(msgspec.Struct):
+    num_prompt_tokens: int
+
+
+class Generate(Msg):
+    """Exactly one of ``prompt``, ``prompt_token_ids`` and ``messages`` is set.
+    ``max_tokens`` None means: up to the end of the context."""
+    reply_type: ClassVar[Any] = PromptAccepted
+    request_id: str
+    sampling_params: SamplingParams
+    max_tokens: int | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = {}
+    priority: int = 0
+
+
+class TrackRequest(Msg):
+    """Tells the Detokenizer a request is coming (sent before the engine sees it)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class InvalidPrompt(ValueError):
+    """The prompt cannot be served as given (an HTTP 400)."""
+
+
+class PromptTooLong(InvalidPrompt):
+    """Prompt plus requested tokens exceed the model's context (context_length_exceeded)."""
+
+
+TokenizerProtocol = Generate
+
+
+class TokenizerActor(Actor):
+    protocol = TokenizerProtocol
+    concurrent = True            # stateless: requests need not queue behind each other
+
+    def __init__(self, tokenizer: TextTokenizer, max_model_len: int, eos_token_ids: list[int],
+                 detokenizer: ActorRef, engine: ActorRef, on_prompt_tokens=None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.detokenizer = detokenizer
+        self.engine = engine
+        self.on_prompt_tokens = on_prompt_tokens
+
+    async def receive(self, msg: Generate) -> PromptAccepted:
+        ids = self._prompt_ids(msg)
+        n = len(ids)
+        if n == 0:
+            raise InvalidPrompt("the prompt is empty")
+        if n >= self.max_model_len:
+            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
+                                f"However, your prompt has {n} tokens.")
+        max_tokens = msg.max_tokens if msg.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
+                                f"However, you requested {n + max_tokens} tokens ({n} in the "
+                                f"prompt, {max_tokens} for the completion). Please reduce the "
+                                f"prompt or max_tokens.")
+        params = msgspec.structs.replace(msg.sampling_params, max_tokens=max_tokens)
+        self.detokenizer.tell(TrackRequest(msg.request_id, ids, params))
+        self.engine.tell(AddRequest(EngineCoreRequest(
+            msg.request_id, ids, params, time.time(), self.eos_token_ids, msg.priority)))
+        if self.on_prompt_tokens is not None:
+            self.on_prompt_tokens(n)
+        return PromptAccepted(n)
+
+    def _prompt_ids(self, msg: Generate) -> list[int]:
+        if msg.messages is not None:
+            try:
+                return self.tokenizer.encode_chat(
+                    msg.messages, add_generation_prompt=msg.add_generation_prompt,
+                    continue_final_message=msg.continue_final_message, **msg.chat_template_kwargs)
+            except (ValueError, TypeError) as exc:
+                raise InvalidPrompt(f"could not render the chat template: {exc}") from exc
+        if msg.prompt_token_ids is not None:
+            vocab = self.tokenizer.vocab_size
+            bad = [t for t in msg.prompt_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidPrompt(f"token ids out of range [0, {vocab}): {bad[:5]}")
+            return list(msg.prompt_token_ids)
+        if msg.prompt is not None:
+            return self.tokenizer.encode(msg.prompt)
+        raise InvalidPrompt("one of prompt, prompt_token_ids or messages is required")

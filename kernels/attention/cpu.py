@@ -1,0 +1,144 @@
+"""The CPU attention backend (pure torch over the paged KV cache) and its slow reference."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention.base import AttentionBackend, AttentionMetadata
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """Gathers each request's K/V through the block table and runs SDPA on (request, kv head)
+    batches, with the query heads of one KV group stacked along the query axis, so grouped-query
+    attention never repeats K/V.
+
+    Pure decode is one batched call. Otherwise decode rows (one query) and prefill rows (padded
+    to their longest query) are two batched calls, so one long chunk does not pad every decode.
+    """
+
+    name = "cpu"
+
+    def refusal(self, dtype: torch.dtype, head_size: int, block_size: int,
+                sliding_window: int | None = None) -> str | None:
+        """None when this backend supports the configuration, else why not."""
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"cpu: dtype {dtype} not supported (float32, bfloat16, float16)"
+        if sliding_window is not None:
+            return "cpu: sliding-window attention is not implemented"
+        return None
+
+    def forward(
+        self,
+        query: torch.Tensor,     # (T, H, D)
+        key: torch.Tensor,       # (T, KVH, D)
+        value: torch.Tensor,     # (T, KVH, D)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, KVH, D)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        B, T = meta.num_reqs, query.shape[0]
+        seq_lens = meta.seq_lens[:B].long()
+        block_table = meta.block_table[:B]
+        if meta.is_pure_decode and T == B:  # no padding: request i owns token i
+            starts = torch.arange(B)
+            return _attend(query, kv_cache, block_table, seq_lens, starts, torch.ones_like(starts),
+                           1, meta.max_seq_len, scale)[0]
+        out = query.new_zeros(query.shape)
+        qsl = meta.query_start_loc[:B + 1].long()
+        starts, query_lens = qsl[:-1], qsl[1:] - qsl[:-1]  # (B,) each
+        is_decode = query_lens == 1
+        for rows, max_query_len in ((is_decode, 1), (~is_decode, meta.max_query_len)):
+            if meta.is_pure_decode and max_query_len > 1:
+                continue
+            idx = rows.nonzero().squeeze(1)                     # (b,) request indices
+            if idx.numel() == 0:
+                continue
+            sub_seq_lens = seq_lens[idx]
+            o, tokens = _attend(query, kv_cache, block_table[idx], sub_seq_lens, starts[idx], query_lens[idx],
+                                max_query_len, int(sub_seq_lens.max()), scale)
+            out[tokens] = o
+        return out
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """kv_cache[:, slot // block_size, slot % block_size] = key/value for every slot >= 0."""
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous to be written through slot_mapping")
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
+    slots = slot_mapping[: key.shape[0]]
+    if bool((slots < 0).any()):
+        keep = (slots >= 0).nonzero().squeeze(1)
+        slots, key, value = slots[keep], key[keep], value[keep]
+    flat[0].index_copy_(0, slots, key)
+    flat[1].index_copy_(0, slots, value)
+
+
+def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+            starts: torch.Tensor, query_lens: torch.Tensor, max_query_len: int, max_seq_len: int,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention for b requests whose queries are query[starts[i] : starts[i] + query_lens[i]],
+    the last query_lens[i] of their seq_lens[i] tokens. Returns (outputs (n, H, D), their token
+    indices (n,)), n = sum(query_lens)."""
+    _, _, block_size, KVH, D = kv_cache.shape
+    b, Q, H = block_table.shape[0], max_query_len, query.shape[1]
+    G = H // KVH
+
+    # 1) queries padded to Q per request, heads of a KV group stacked: (b, KVH, G*Q, D)
+    j = torch.arange(Q)
+    valid = j < query_lens[:, None]                                      # (b, Q)
+    tokens = (starts[:, None] + j).masked_fill(~valid, 0)                # (b, Q)
+    q = query[tokens].view(b, Q, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(b, KVH, G * Q, D)
+
+    # 2) keys/values gathered through the block table: (b, KVH, L, D), L = whole blocks
+    nb = -(-max_seq_len // block_size)
+    L = nb * block_size
+    blocks = block_table[:, :nb].reshape(-1).long()                      # (b * nb,)
+    kv = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)  # (2, b * nb, bs * KVH * D)
+    k, v = kv.view(2, b, L, KVH, D).transpose(2, 3).unbind(0)            # (b, KVH, L, D) each
+
+    # 3) causal mask at absolute positions; padded queries take the last position (discarded)
+    pos = seq_lens[:, None] - query_lens[:, None] + j                    # (b, Q)
+    pos = torch.minimum(pos, seq_lens[:, None] - 1)
+    mask = torch.arange(L)[None, None, :] <= pos[:, :, None]            # (b, Q, L)
+    mask = mask[:, None].expand(b, G, Q, L).reshape(b, 1, G * Q, L)
+
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (b, KVH, G*Q, D)
+    o = o.view(b, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(b, Q, H, D)
+    return o[valid], tokens[valid]
+
+
+def reference_paged_attention(
+    query: torch.Tensor,     # (T, H, D)
+    key: torch.Tensor,       # (T, KVH, D)
+    value: torch.Tensor,     # (T, KVH, D)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, KVH, D), written in place
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
+    """Slow and plain: write token by token, then per request gather its context block by block,
+    repeat K/V per query head, softmax with a causal mask."""
+    bs = meta.block_size
+    for t in range(query.shape[0]):
+        slot = int(meta.slot_mapping[t])
+        if slot >= 0:
+            kv_cache[0, slot // bs, slot % bs] = key[t]
+            kv_cache[1, slot // bs, slot % bs] = value[t]
+    out = torch.zeros_like(query)
+    group = query.shape[1] // key.shape[1]
+    for i in range(meta.num_reqs):
+        start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
+        seq_len = int(meta.seq_lens[i])
+        blocks = [int(meta.block_table[i, n // bs]) for n in range(seq_len)]
+        k = torch.stack([kv_cache[0, blocks[n], n % bs] for n in range(seq_len)])   # (S, KVH, D)
+        v = torch.stack([kv_cache[1, blocks[n], n % bs] for n in range(seq_len)])   # (S, KVH, D)
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1).float()               # (H, S, D)
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1).float()               # (H, S, D)
+        q = query[start:end].transpose(0, 1).float()                                # (H, q, D)
+        scores = q @ k.transpose(1, 2) * scale                                      # (H, q, S)
+        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos[:, None], float("-inf"))
+        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1).to(query.dtype)   # (q, H, D)
+    return out

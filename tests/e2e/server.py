@@ -1,0 +1,101 @@
+"""Start ``python -m tools.serve`` as a user would, on a free port, and stop it by pid."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class Server:
+    def __init__(self, *args: str, ready_timeout: float = 180.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.serve", "--port", "0", *args], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self._ready.wait(ready_timeout):
+            self.stop()
+            raise RuntimeError("server not ready in time:\n" + self.log())
+        if not self.url:
+            self.stop()
+            raise RuntimeError("server exited before it was ready:\n" + self.log())
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(r"Troupe ready on (http://\S+)", line)
+            if m:
+                self.url = m.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def engine_pid(self) -> int:
+        (pid,) = children(self.pid)
+        return pid
+
+    def worker_pid(self) -> int:
+        (pid,) = children(self.engine_pid())
+        return pid
+
+    def all_pids(self) -> list[int]:
+        pids, todo = [], [self.pid]
+        while todo:
+            p = todo.pop()
+            pids.append(p)
+            todo.extend(children(p))
+        return pids
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        pids = self.all_pids()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        deadline = time.monotonic() + 10
+        for p in pids:  # children exit with their parent; make sure of it
+            while alive(p) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if alive(p):
+                os.kill(p, signal.SIGKILL)

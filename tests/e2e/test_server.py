@@ -1,0 +1,175 @@
+"""The real server, started as a user would start it, over real HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from server import Server, alive
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+async def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async with session.post(url + path, json=body) as resp:
+            return resp.status, await resp.json()
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, path: str, body: dict) -> list[str]:
+    """The raw SSE lines of one streamed request (blank separators dropped)."""
+    async with session.post(url + path, json={**body, "stream": True}) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await resp.read()).decode()
+    assert raw.endswith("\n\n")
+    return [line for line in raw.split("\n") if line]
+
+
+def _events(lines: list[str]) -> list[dict]:
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    assert lines.count("data: [DONE]") == 1
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_chat_at_temperature_zero_answers_paris(server):
+    status, body = asyncio.run(_post(server.url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0, "max_tokens": 32}))
+    assert status == 200, body
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["object"] == "chat.completion"
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+
+
+def test_eight_concurrent_streams_complete_and_share_engine_steps(server):
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            chats = [_stream(session, server.url, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": f"Write a short poem about the number {i}."}],
+                "max_tokens": 48, "temperature": 0.8, "seed": i}) for i in range(4)]
+            texts = [_stream(session, server.url, "/v1/completions", {
+                "prompt": f"Item {i}: the history of", "max_tokens": 48, "temperature": 0}) for i in range(4)]
+            results = await asyncio.gather(*chats, *texts)
+            async with session.get(server.url + "/debug/engine") as resp:
+                stats = await resp.json()
+            async with session.get(server.url + "/metrics") as resp:
+                metrics = await resp.text()
+        return results, stats, metrics
+    results, stats, metrics = asyncio.run(main())
+    for i, lines in enumerate(results):
+        events = _events(lines)
+        chat = i < 4
+        assert all(e["object"] == ("chat.completion.chunk" if chat else "text_completion") for e in events)
+        assert len({e["id"] for e in events}) == 1
+        finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        assert finishes == ["length"] or finishes == ["stop"], finishes
+        if chat:
+            assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+            text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+        else:
+            text = "".join(e["choices"][0]["text"] for e in events)
+        assert text.strip()
+    assert stats["max_batch_size"] > 1, stats
+    assert "troupe:batch_size_bucket" in metrics and "troupe:num_requests_running" in metrics
+
+
+def test_bad_input_gets_openai_shaped_4xx_never_500(server):
+    async def main():
+        cases = [
+            ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+            ({"prompt": "x", "temperature": 7}, 400, "temperature"),
+            ({"prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
+            ({"prompt": "x", "model": "no-such-model"}, 404, "model"),
+            ({"prompt": "x", "max_tokens": 100_000}, 400, "prompt"),
+        ]
+        out = []
+        for body, status, param in cases:
+            got, payload = await _post(server.url, "/v1/completions", body)
+            out.append((got, payload, status, param))
+        return out
+    for got, payload, status, param in asyncio.run(main()):
+        assert got == status, payload
+        err = payload["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert err["param"] == param
+
+
+def test_killed_worker_fails_inflight_requests_within_5s_and_server_recovers():
+    s = Server()
+    try:
+        async def main():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+                async def long_request(i):
+                    async with session.post(s.url + "/v1/completions", json={
+                            "prompt": f"Story {i}:", "max_tokens": 2000, "ignore_eos": True}) as resp:
+                        return resp.status, await resp.json(), time.monotonic()
+                tasks = [asyncio.ensure_future(long_request(i)) for i in range(4)]
+                streaming = asyncio.ensure_future(_stream(session, s.url, "/v1/completions", {
+                    "prompt": "Streamed story:", "max_tokens": 2000, "ignore_eos": True}))
+                await asyncio.sleep(2.0)   # all are running by now
+                worker = s.worker_pid()
+                killed_at = time.monotonic()
+                os.kill(worker, signal.SIGKILL)
+                results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+                stream_lines = await asyncio.wait_for(streaming, 10)
+                # the engine restarts the worker; the next request is served
+                deadline = time.monotonic() + 60
+                while True:
+                    async with session.post(s.url + "/v1/completions", json={
+                            "prompt": "After the restart,", "max_tokens": 8}) as resp:
+                        if resp.status == 200:
+                            after = await resp.json()
+                            break
+                    if time.monotonic() > deadline:
+                        raise AssertionError("the server did not recover")
+                    await asyncio.sleep(1.0)
+                return killed_at, worker, results, stream_lines, after
+        killed_at, worker, results, stream_lines, after = asyncio.run(main())
+        for status, body, done_at in results:
+            assert status == 500, body
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+            assert "worker" in body["error"]["message"]
+            assert done_at - killed_at < 5.0
+        assert any('"error"' in line for line in stream_lines) and stream_lines[-1] == "data: [DONE]"
+        assert after["choices"][0]["text"]
+        assert s.worker_pid() != worker and s.proc.poll() is None
+    finally:
+        s.stop()
+
+
+def test_killed_engine_process_makes_server_exit_nonzero_with_clear_message():
+    s = Server()
+    try:
+        engine = s.engine_pid()
+        os.kill(engine, signal.SIGKILL)
+        code = s.wait(30)
+        assert code != 0
+        assert "engine core died" in s.log()
+    finally:
+        s.stop()
+
+
+def test_sigterm_stops_all_three_processes():
+    s = Server()
+    pids = s.all_pids()
+    assert len(pids) == 3
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)

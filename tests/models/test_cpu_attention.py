@@ -1,0 +1,83 @@
+"""CpuAttentionBackend against the slow reference on random paged caches."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention import CpuAttentionBackend, build_attention_metadata, reference_paged_attention
+
+HEAD_SIZE = 16
+# Each scenario: one (cached context length, query length) per request.
+SCENARIOS = {
+    "pure_decode": [(0, 1), (16, 1), (39, 1), (4, 1), (70, 1)],
+    "pure_prefill": [(0, 7), (0, 33), (0, 16)],
+    "chunked_prefill": [(20, 13), (48, 5), (32, 32)],
+    "mixed": [(0, 9), (30, 1), (15, 1), (7, 6), (64, 1)],
+}
+
+
+def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    block_counts = [-(-(ctx + q) // block_size) for ctx, q in reqs]
+    num_blocks = sum(block_counts) + 3
+    # Non-contiguous, shuffled physical blocks; block 0 is left to padding.
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_tables, used = [], 0
+    for n in block_counts:
+        block_tables.append(perm[used:used + n])
+        used += n
+    meta = build_attention_metadata([q for _, q in reqs], [ctx + q for ctx, q in reqs], block_tables, block_size,
+                                    num_tokens=sum(q for _, q in reqs) + num_padding)
+    T = meta.num_tokens
+    query = torch.randn(T, num_heads, HEAD_SIZE, generator=gen)
+    key = torch.randn(T, num_kv_heads, HEAD_SIZE, generator=gen)
+    value = torch.randn(T, num_kv_heads, HEAD_SIZE, generator=gen)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_SIZE, generator=gen)  # the cached prefix
+    ours_cache, ref_cache = cache.clone(), cache.clone()
+    scale = HEAD_SIZE ** -0.5
+    ours = CpuAttentionBackend().forward(query, key, value, ours_cache, meta, scale)
+    ref = reference_paged_attention(query, key, value, ref_cache, meta, scale)
+    return ours, ref, ours_cache, ref_cache, cache, meta
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+def test_backend_matches_reference(scenario, block_size, num_heads, num_kv_heads):
+    ours, ref, ours_cache, ref_cache, _, _ = _run_case(SCENARIOS[scenario], block_size, num_heads, num_kv_heads)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_cache, ref_cache, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("scenario", ["pure_decode", "mixed"])
+def test_padding_slots_are_not_written(scenario):
+    ours, ref, ours_cache, ref_cache, before, meta = _run_case(SCENARIOS[scenario], 16, 9, 3, num_padding=5, seed=1)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_cache, ref_cache, atol=0, rtol=0)
+    n_real = int(meta.query_start_loc[-1])
+    assert (ours[n_real:] == 0).all()
+    written = torch.zeros(ours_cache.shape[1] * ours_cache.shape[2], dtype=torch.bool)
+    written[meta.slot_mapping[:n_real]] = True
+    flat_before = before.view(2, -1, 3, HEAD_SIZE)
+    flat_after = ours_cache.view(2, -1, 3, HEAD_SIZE)
+    assert torch.equal(flat_after[:, ~written], flat_before[:, ~written])  # block 0 (padding's target) included
+    assert not torch.equal(flat_after[:, written], flat_before[:, written])
+
+
+def test_decode_sees_only_its_own_context():
+    """Changing a cache entry beyond a request's seq_len, or in another request's block,
+    must not change its output."""
+    reqs = [(10, 1), (20, 1)]
+    ours, _, cache, _, _, meta = _run_case(reqs, 16, 4, 2, seed=2)
+    other_block = int(meta.block_table[1, 0])
+    tail_slot = 12  # position 12 > seq_len 11 of request 0, same first block
+    cache2 = cache.clone()
+    cache2[:, other_block] += 100.0
+    cache2[:, int(meta.block_table[0, 0]), tail_slot] += 100.0
+    q = torch.randn(2, 4, HEAD_SIZE)
+    k = torch.randn(2, 2, HEAD_SIZE)
+    v = torch.randn(2, 2, HEAD_SIZE)
+    out1 = CpuAttentionBackend().forward(q, k, v, cache.clone(), meta, 0.25)
+    out2 = CpuAttentionBackend().forward(q, k, v, cache2, meta, 0.25)
+    torch.testing.assert_close(out1[0], out2[0])
+    assert not torch.allclose(out1[1], out2[1])

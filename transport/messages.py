@@ -1,0 +1,141 @@
+"""The engine's cross-process protocol: the messages the frontend, the engine core and the
+workers exchange. Hot paths carry one message per engine step, never one per token."""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+from transport.msg import Msg
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 = off
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class EngineCoreRequest(msgspec.Struct):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_ids: list[int] = []
+    priority: int = 0
+
+
+class AddRequest(Msg):
+    request: EngineCoreRequest
+
+
+class AbortRequests(Msg):
+    lane: ClassVar[str] = "system"
+    request_ids: list[str]
+
+
+# -- engine outputs (engine core -> frontend), one message per step ---------------------------
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None        # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None    # the stop token id that ended it, if any
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    step: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_scheduled_reqs: int = 0          # requests served by this step (the batch size)
+    num_scheduled_tokens: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0             # since start
+
+
+class EngineCoreOutputs(Msg):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats | None = None
+
+
+# -- engine core <-> worker ------------------------------------------------------------------
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """Everything a worker needs about a request it has not seen (or saw before a preemption)."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """Diffs for requests the worker already holds: blocks added and the computed-token count."""
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]     # empty for a request whose prompt is not done yet
+
+
+class SchedulerOutput(Msg):
+    """One engine step for the workers. Requests appear in ``num_scheduled_tokens`` order."""
+    reply_type: ClassVar[Any] = ModelRunnerOutput
+    step: int
+    new_reqs: list[NewRequestData]
+    cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]              # finished, aborted or preempted: drop their state
+
+
+class ModelInfo(msgspec.Struct):
+    """What a worker reports once its model is loaded."""
+    served_name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    kv_bytes_per_token: int
+    device: str
+    dtype: str
+    load_seconds: float
+
+
+class KVCacheInfo(msgspec.Struct):
+    num_blocks: int
+    block_size: int
+    bytes: int
+
+
+class InitKVCache(Msg):
+    reply_type: ClassVar[Any] = KVCacheInfo
+    num_blocks: int
+    block_size: int
+
+
+class EngineInfo(msgspec.Struct):
+    """What the engine core reports to the frontend once it is ready."""
+    model: ModelInfo
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
