@@ -56,8 +56,8 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: fe.node.closed.done() or fe.node.closed.set_result(0))
     try:
-        http = await fe.node.start("http", lambda: HttpFrontend(fe.client, args.host, args.port,
-                                                                args.api_key))
+        http = await fe.node.start("http", lambda: HttpFrontend(
+            fe.client, args.host, args.port, args.api_key, trace=fe.trace))
         addr = await http.ask(GetAddress())
         log.info("serving %s on http://%s:%d (engine pid %d)", fe.client.model_name, addr.host,
                  addr.port, fe.engine_process.pid)

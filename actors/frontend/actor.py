@@ -1,7 +1,7 @@
 """HttpFrontend actor: owns the aiohttp server for its lifetime."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Awaitable, Callable, ClassVar
 
 import msgspec
 from aiohttp import web
@@ -27,8 +27,9 @@ class HttpFrontend(Actor):
     protocol = HttpFrontendProtocol
     on_failure = "escalate"
 
-    def __init__(self, client: EngineClient, host: str, port: int, api_key: str | None = None) -> None:
-        self.server = OpenAIServer(client, api_key)
+    def __init__(self, client: EngineClient, host: str, port: int, api_key: str | None = None,
+                 trace: Callable[[int], Awaitable[list]] | None = None) -> None:
+        self.server = OpenAIServer(client, api_key, trace)
         self.host = host
         self.port = port
         self.runner: web.AppRunner | None = None

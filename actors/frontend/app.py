@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
@@ -14,6 +14,7 @@ from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
 from actors.frontend.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest,
                                       chat_messages, decode_body, sampling_params)
 from actors.frontend.streams import RequestOutput, StreamTimeout
+from actors.runtime.tracing import to_chrome_trace
 from actors.tokenizer.actor import InvalidPrompt, PromptTooLong
 
 log = logging.getLogger("troupe.http")
@@ -39,9 +40,11 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 class OpenAIServer:
-    def __init__(self, client: EngineClient, api_key: str | None = None) -> None:
+    def __init__(self, client: EngineClient, api_key: str | None = None,
+                 trace: Callable[[int], Awaitable[list]] | None = None) -> None:
         self.client = client
         self.api_key = api_key
+        self.trace = trace
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._middleware])
@@ -49,6 +52,7 @@ class OpenAIServer:
         app.router.add_get("/ping", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/debug/engine", self.debug_engine)
+        app.router.add_get("/debug/trace", self.debug_trace)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
@@ -86,6 +90,19 @@ class OpenAIServer:
 
     async def debug_engine(self, request: web.Request) -> web.Response:
         return web.json_response(self.client.stats.as_dict())
+
+    async def debug_trace(self, request: web.Request) -> web.Response:
+        """The actors' recent message spans in every process, as Chrome-trace / Perfetto JSON."""
+        if self.trace is None:
+            return error_response(404, "tracing is not available here")
+        try:
+            limit = int(request.query.get("limit", "20000"))
+        except ValueError:
+            return error_response(400, "limit must be an integer", param="limit")
+        if limit < 1:
+            return error_response(400, "limit must be at least 1", param="limit")
+        records = await self.trace(limit)
+        return web.Response(body=_json.encode(to_chrome_trace(records)), content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
         c = self.client

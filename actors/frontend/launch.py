@@ -15,6 +15,7 @@ from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams
 from actors.runtime import ActorRef, Node
 from actors.runtime.process import ChildProcess, NodeSpec, decode_info, start_child, system_actor
+from actors.runtime.system import SYSTEM_ACTOR, GetTrace
 from actors.scheduler.actor import SchedulerProtocol
 from actors.tokenizer.actor import TokenizerActor
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
@@ -46,6 +47,11 @@ class Frontend:
         if self.client is not None:
             self.client.mark_dead(reason)
         self.node.fatal(reason, code=1)
+
+    async def trace(self, limit: int = 20000) -> list:
+        """The newest trace records of every process (at most ``limit`` each)."""
+        chunk = await self.node.ref(SYSTEM_ACTOR).ask(GetTrace(0, limit, recursive=True), timeout=10)
+        return chunk.all_records()
 
     async def shutdown(self) -> None:
         if self.engine_process is not None:
@@ -84,6 +90,7 @@ async def start_frontend(cfg: EngineConfig, *, multiprocess: bool = True,
         engine: ActorRef = node.ref("scheduler", ENGINE_NODE, SchedulerProtocol)
     else:
         node = Node(FRONTEND_NODE)
+        system_actor(node)
         fe = Frontend(node)
         cfg = msgspec.structs.replace(cfg, worker_process=False, output_node=FRONTEND_NODE,
                                       output_actor="detokenizer")

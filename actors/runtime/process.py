@@ -162,6 +162,7 @@ async def start_child(node: Node, spec: NodeSpec, *, ready_timeout: float = 600.
                                      return_when=asyncio.FIRST_COMPLETED)
         if waiter in done:
             child.start_heartbeat()
+            system_actor(node).children.add(spec.name)
             return child, waiter.result()
         if child.exited in done:
             raise ChildStartError(f"{child.describe_exit()} before it was ready")

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from actors.runtime.actor import Actor
+from actors.runtime.errors import ActorError
 from actors.runtime.messages import Msg
 from actors.runtime.tracing import SpanRecord
 
@@ -26,12 +27,23 @@ class TraceChunk(msgspec.Struct):
     node: str
     next_seq: int
     records: list[SpanRecord]
+    children: list[TraceChunk] = []
+
+    def all_records(self) -> list[SpanRecord]:
+        out = list(self.records)
+        for child in self.children:
+            out.extend(child.all_records())
+        return out
 
 
 class GetTrace(Msg):
+    """This node's trace records from sequence ``since`` (at most ``limit``, the newest);
+    with ``recursive``, its child nodes' too."""
     reply_type: ClassVar[Any] = TraceChunk
     lane: ClassVar[str] = "system"
     since: int = 0
+    limit: int = 0
+    recursive: bool = False
 
 
 class Shutdown(Msg):
@@ -46,9 +58,11 @@ SystemProtocol = NodeReady | GetTrace | Shutdown
 
 class SystemActor(Actor):
     protocol = SystemProtocol
+    concurrent = True          # a trace collection waiting on children blocks nothing else
 
     def __init__(self) -> None:
         self.ready_waiters: dict[str, asyncio.Future[NodeReady]] = {}
+        self.children: set[str] = set()     # child nodes, for recursive trace collection
 
     def expect_ready(self, node: str) -> asyncio.Future[NodeReady]:
         fut = asyncio.get_running_loop().create_future()
@@ -62,9 +76,7 @@ class SystemActor(Actor):
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             case GetTrace():
-                tracer = self.ctx.node.tracer
-                nxt, records = tracer.snapshot(msg.since)
-                return TraceChunk(tracer.node, nxt, records)
+                return await self._trace(msg)
             case Shutdown():
                 node = self.ctx.node
                 if msg.code:
@@ -72,3 +84,18 @@ class SystemActor(Actor):
                 elif not node.closed.done():
                     node.closed.set_result(0)
         return None
+
+    async def _trace(self, msg: GetTrace) -> TraceChunk:
+        node = self.ctx.node
+        nxt, records = node.tracer.snapshot(msg.since)
+        if msg.limit:
+            records = records[-msg.limit:]
+        chunk = TraceChunk(node.tracer.node, nxt, records)
+        if msg.recursive:
+            for child in sorted(self.children):
+                try:
+                    chunk.children.append(await node.ref(SYSTEM_ACTOR, child).ask(
+                        GetTrace(0, msg.limit, True), timeout=5.0))
+                except ActorError:
+                    pass   # a child that is down has no trace to give
+        return chunk

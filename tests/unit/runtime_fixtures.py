@@ -78,3 +78,11 @@ Arrays.reply_type = Arrays
 async def echo_entry(node, config: bytes) -> dict:
     node.spawn("echo", EchoActor)
     return {"config": config.decode()}
+
+
+class Restarting(EchoActor):
+    on_failure = "restart"
+
+
+class Escalating(EchoActor):
+    on_failure = "escalate"

@@ -252,3 +252,39 @@ def test_child_exits_when_parent_dies(child_env, tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_restart_policy_gives_a_fresh_actor_and_escalates_past_the_intensity_limit():
+    from runtime_fixtures import Restarting
+
+    async def main():
+        node = Node("n", max_restarts=2, restart_window_s=60)
+        ref = node.spawn("r", Restarting)
+        ref.tell(Count())
+        ref.tell(Count())
+        with pytest.raises(RemoteError):
+            await ref.ask(Crash("first"))
+        fresh = await ref.ask(Echo("after restart"))      # state was reset by the restart
+        with pytest.raises(RemoteError):
+            await ref.ask(Crash("second"))
+        assert not node.closed.done()
+        with pytest.raises(RemoteError):
+            await ref.ask(Crash("third"))                 # a third restart within the window
+        code = await asyncio.wait_for(node.closed, 5)
+        await node.stop()
+        return fresh, code
+    fresh, code = run_async(main())
+    assert fresh == Echoed("after restart", 0) and code == 1
+
+
+def test_escalating_actor_stops_its_node_with_nonzero_code():
+    from runtime_fixtures import Escalating
+
+    async def main():
+        node = Node("n")
+        ref = node.spawn("e", Escalating)
+        ref.tell(Crash("fatal"))
+        code = await asyncio.wait_for(node.closed, 5)
+        await node.stop()
+        return code
+    assert run_async(main()) == 1
