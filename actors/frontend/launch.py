@@ -38,10 +38,11 @@ class Frontend:
         self.client: EngineClient | None = None
         self.engine_process: ChildProcess | None = None
         self.engine_core: EngineCore | None = None
+        self.stopping = False
 
     def engine_exited(self, child: ChildProcess) -> None:
         """The engine process is gone: fail what is in flight and stop with a clear message."""
-        if self.node.closed.done():
+        if self.stopping or self.node.closed.done():
             return
         reason = f"the engine core died ({child.describe_exit()})"
         if self.client is not None:
@@ -54,6 +55,7 @@ class Frontend:
         return chunk.all_records()
 
     async def shutdown(self) -> None:
+        self.stopping = True
         if self.engine_process is not None:
             await self.engine_process.stop()
         if self.engine_core is not None:
