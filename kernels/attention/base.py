@@ -1,8 +1,10 @@
-"""The attention-backend interface: per-step metadata and the contract every backend keeps."""
+"""The attention-backend interface: per-step metadata, what a layer needs from a backend, and
+the contract every backend keeps. Backends declare what they support and say why they refuse."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 
@@ -30,15 +32,58 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionRequirements:
+    """What one model's attention layers need from a backend."""
+    dtype: torch.dtype               # query / key / value dtype
+    kv_cache_dtype: torch.dtype
+    head_size: int
+    block_size: int
+    sliding_window: int | None       # the largest window of any layer; None = full attention only
+    device: str                      # "cpu" | "cuda"
+
+
+CudaGraphSupport = Literal["never", "uniform_decode", "always"]
+
+
 class AttentionBackend(ABC):
     """Contract: ``forward`` first writes ``key``/``value`` into ``kv_cache`` through
     ``meta.slot_mapping`` (slots of -1 are skipped), then returns causal attention of each
     request's queries over that request's whole context, read through ``meta.block_table``.
+    A query at absolute position p sees keys at positions k with k <= p, and, when
+    ``sliding_window`` W is given, also p - k < W (the last W positions, itself included; the
+    Hugging Face convention).
 
     kv_cache: (2, num_blocks, block_size, num_kv_heads, head_size), [0] keys and [1] values.
+
+    Subclasses declare their capabilities; ``refusal`` turns them into a reason string.
     """
 
-    name: str = "base"
+    name: ClassVar[str] = "base"
+    devices: ClassVar[tuple[str, ...]] = ()
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
+    head_sizes: ClassVar[tuple[int, ...] | None] = None      # None: any
+    block_sizes: ClassVar[tuple[int, ...] | None] = None     # None: any
+    supports_sliding_window: ClassVar[bool] = False
+    cudagraph_support: ClassVar[CudaGraphSupport] = "never"
+
+    @classmethod
+    def refusal(cls, req: AttentionRequirements) -> str | None:
+        """None when this backend can serve ``req``, else the reason it cannot."""
+        if req.device not in cls.devices:
+            return f"{cls.name}: runs on {', '.join(cls.devices)}, not {req.device}"
+        if req.dtype not in cls.dtypes:
+            return f"{cls.name}: dtype {req.dtype} not supported ({_names(cls.dtypes)})"
+        if req.kv_cache_dtype not in cls.kv_cache_dtypes:
+            return f"{cls.name}: KV cache dtype {req.kv_cache_dtype} not supported ({_names(cls.kv_cache_dtypes)})"
+        if cls.head_sizes is not None and req.head_size not in cls.head_sizes:
+            return f"{cls.name}: head size {req.head_size} not supported ({cls.head_sizes})"
+        if cls.block_sizes is not None and req.block_size not in cls.block_sizes:
+            return f"{cls.name}: block size {req.block_size} not supported ({cls.block_sizes})"
+        if req.sliding_window is not None and not cls.supports_sliding_window:
+            return f"{cls.name}: sliding-window attention not supported"
+        return None
 
     @abstractmethod
     def forward(
@@ -49,5 +94,10 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_size)
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:           # (T, num_heads, head_size)
         ...
+
+
+def _names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)

@@ -17,15 +17,9 @@ class CpuAttentionBackend(AttentionBackend):
     """
 
     name = "cpu"
-
-    def refusal(self, dtype: torch.dtype, head_size: int, block_size: int,
-                sliding_window: int | None = None) -> str | None:
-        """None when this backend supports the configuration, else why not."""
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"cpu: dtype {dtype} not supported (float32, bfloat16, float16)"
-        if sliding_window is not None:
-            return "cpu: sliding-window attention is not implemented"
-        return None
+    devices = ("cpu",)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def forward(
         self,
@@ -35,7 +29,10 @@ class CpuAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, KVH, D)
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
+        if sliding_window is not None:
+            raise ValueError("the cpu attention backend does not support sliding windows yet")
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         B, T = meta.num_reqs, query.shape[0]
         seq_lens = meta.seq_lens[:B].long()
