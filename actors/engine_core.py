@@ -36,6 +36,8 @@ class EngineConfig(msgspec.Struct):
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0                 # 0 = the model's own
     long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"          # "fcfs" | "priority"
     num_threads: int = 0
     seed: int = 0
     worker_process: bool = True            # False: the worker runs in the engine's event loop
@@ -55,6 +57,7 @@ class EngineCore:
         self.generation = 0
         self.worker: ChildProcess | None = None
         self.num_blocks = 0
+        self.max_model_len = 0
         self._restarts: deque[float] = deque()
         self.scheduler: ActorRef | None = None
         self.executor: ActorRef | None = None
@@ -80,13 +83,18 @@ class EngineCore:
         self.num_blocks = max(cfg.kv_cache_bytes // per_block, 2)
         max_len = min(cfg.max_model_len or info.max_model_len,
                       (self.num_blocks - 1) * cfg.block_size)
-        kv_info = await worker.ask(InitKVCache(self.num_blocks, cfg.block_size), timeout=120)
+        self.max_model_len = max_len
+        kv_info = await worker.ask(self._init_kv(), timeout=120)
         log.info("model %s loaded in %.1f s; KV cache: %d blocks of %d tokens (%.0f MiB); "
                  "max model len %d", info.served_name, info.load_seconds, self.num_blocks,
                  cfg.block_size, kv_info.bytes / 2**20, max_len)
-        sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len,
-                                    cfg.block_size, cfg.long_prefill_token_threshold)
-        kv = self.node.spawn("kv_manager", lambda: KVManager(self.num_blocks, cfg.block_size))
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=max_len, block_size=cfg.block_size,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+            policy=cfg.scheduling_policy, enable_prefix_caching=cfg.enable_prefix_caching)
+        kv = self.node.spawn("kv_manager", lambda: KVManager(self.num_blocks, cfg.block_size,
+                                                             cfg.enable_prefix_caching))
         self.executor = self.node.spawn("executor", lambda: Executor([worker]))
         outputs = self.node.ref(cfg.output_actor, cfg.output_node, EngineCoreOutputs)
         self.scheduler = self.node.spawn("scheduler", lambda: SchedulerActor(
@@ -94,6 +102,10 @@ class EngineCore:
         info.max_model_len = max_len
         return EngineInfo(info, self.num_blocks, cfg.block_size, cfg.max_num_seqs,
                           cfg.max_num_batched_tokens)
+
+    def _init_kv(self) -> InitKVCache:
+        return InitKVCache(self.num_blocks, self.cfg.block_size, self.cfg.max_num_seqs,
+                           self.max_model_len)
 
     # -- worker supervision ------------------------------------------------------------------
     def _worker_exited(self, child: ChildProcess) -> None:
@@ -113,7 +125,7 @@ class EngineCore:
     async def _restart_worker(self) -> None:
         try:
             worker, _ = await self._start_worker()
-            await worker.ask(InitKVCache(self.num_blocks, self.cfg.block_size), timeout=120)
+            await worker.ask(self._init_kv(), timeout=120)
         except Exception as exc:  # whatever went wrong, the engine cannot go on without a worker
             self.node.fatal(f"could not restart the worker: {exc}")
             return

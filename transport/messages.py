@@ -16,11 +16,20 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                  # 0 = off
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = []
+    logprobs: int | None = None         # top alternatives per sampled token (0: its own only)
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -36,6 +45,7 @@ class EngineCoreRequest(msgspec.Struct):
     arrival_time: float
     eos_token_ids: list[int] = []
     priority: int = 0
+    cache_salt: str | None = None
 
 
 class AddRequest(Msg):
@@ -49,12 +59,28 @@ class AbortRequests(Msg):
 
 # -- engine outputs (engine core -> frontend), one message per step ---------------------------
 
+class Logprobs(msgspec.Struct, array_like=True):
+    """Log-probs of consecutive positions: per position, the chosen token first, then the top
+    alternatives, each with its log-prob; and the chosen token's rank (1 = most likely)."""
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def extend(self, other: Logprobs) -> None:
+        self.token_ids.extend(other.token_ids)
+        self.logprobs.extend(other.logprobs)
+        self.ranks.extend(other.ranks)
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None        # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None    # the stop token id that ended it, if any
     error: str | None = None
+    logprobs: Logprobs | None = None        # one position per new token
+    prompt_logprobs: Logprobs | None = None # the prompt positions computed in this step
+    num_cached_tokens: int = 0              # prompt tokens served from the prefix cache
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -65,6 +91,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_scheduled_tokens: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0             # since start
+    prefix_cache_queries: int = 0        # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0           # of those, tokens served from the cache
 
 
 class EngineCoreOutputs(Msg):
@@ -94,6 +122,8 @@ class CachedRequestData(msgspec.Struct, array_like=True):
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     req_ids: list[str]
     sampled_token_ids: list[list[int]]     # empty for a request whose prompt is not done yet
+    logprobs: dict[str, Logprobs] = {}     # for requests that asked, their sampled tokens'
+    prompt_logprobs: dict[str, Logprobs] = {}
 
 
 class SchedulerOutput(Msg):
@@ -130,6 +160,8 @@ class InitKVCache(Msg):
     reply_type: ClassVar[Any] = KVCacheInfo
     num_blocks: int
     block_size: int
+    max_num_seqs: int
+    max_model_len: int
 
 
 class EngineInfo(msgspec.Struct):

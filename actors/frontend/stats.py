@@ -44,6 +44,8 @@ class EngineStats:
         return {"model": self.model, "steps": self.steps, "max_batch_size": self.max_batch_size,
                 "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
                 "kv_cache_usage": s.kv_cache_usage, "num_preemptions": s.num_preemptions,
+                "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits,
                 "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
                 "requests_finished": dict(self.requests_finished)}
 
@@ -62,6 +64,12 @@ class EngineStats:
             "# HELP troupe:num_preemptions_total Requests preempted since start.",
             "# TYPE troupe:num_preemptions_total counter",
             f"troupe:num_preemptions_total{{{m}}} {s.num_preemptions}",
+            "# HELP troupe:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.",
+            "# TYPE troupe:prefix_cache_queries_total counter",
+            f"troupe:prefix_cache_queries_total{{{m}}} {s.prefix_cache_queries}",
+            "# HELP troupe:prefix_cache_hits_total Prompt tokens served from the prefix cache.",
+            "# TYPE troupe:prefix_cache_hits_total counter",
+            f"troupe:prefix_cache_hits_total{{{m}}} {s.prefix_cache_hits}",
             "# HELP troupe:prompt_tokens_total Prompt tokens received.",
             "# TYPE troupe:prompt_tokens_total counter",
             f"troupe:prompt_tokens_total{{{m}}} {self.prompt_tokens}",

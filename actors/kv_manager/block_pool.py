@@ -1,11 +1,19 @@
-"""The pool of physical KV blocks.
+"""The pool of physical KV blocks, with reference counts and the prefix-cache map.
 
-Block 0 is the null block: it is never handed out, and padding rows of block tables point at
-it, so a padded lane reads harmless memory and never a live request's KV.
+Block 0 is the null block: never handed out; padding rows of block tables point at it.
+
+Free blocks wait in an eviction-ordered queue (head = evicted first). A freed block with a hash
+goes to the tail, so cached prefixes are evicted least-recently-used first; a freed block
+without a hash goes to the head, since nothing can reuse its contents. A cached free block that
+a new request hits leaves the queue from the middle ("touch"): the queue is an intrusive doubly
+linked list so that removal is O(1), which a deque cannot do.
 """
 from __future__ import annotations
 
-from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from actors.kv_manager.block_hash import BlockHash
 
 NULL_BLOCK = 0
 
@@ -14,28 +22,142 @@ class KVCacheExhausted(RuntimeError):
     pass
 
 
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    owners: set[str] = field(default_factory=set)   # requests holding it; ref count = len(owners)
+    block_hash: BlockHash | None = None
+    prev_free: KVCacheBlock | None = field(default=None, repr=False)
+    next_free: KVCacheBlock | None = field(default=None, repr=False)
+
+    @property
+    def ref_cnt(self) -> int:
+        return len(self.owners)
+
+
+class FreeKVCacheBlockQueue:
+    """Free blocks in eviction order, as a doubly linked list between two sentinels."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free_blocks = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, b: KVCacheBlock) -> None:
+        self._insert(b, self._tail.prev_free, self._tail)
+
+    def appendleft(self, b: KVCacheBlock) -> None:
+        self._insert(b, self._head, self._head.next_free)
+
+    def _insert(self, b: KVCacheBlock, before: KVCacheBlock, after: KVCacheBlock) -> None:
+        b.prev_free, b.next_free = before, after
+        before.next_free = after.prev_free = b
+        self.num_free_blocks += 1
+
+    def remove(self, b: KVCacheBlock) -> None:
+        if b.prev_free is None or b.next_free is None:
+            raise RuntimeError(f"block {b.block_id} is not in the free queue")
+        b.prev_free.next_free, b.next_free.prev_free = b.next_free, b.prev_free
+        b.prev_free = b.next_free = None
+        self.num_free_blocks -= 1
+
+    def popleft(self) -> KVCacheBlock:
+        b = self._head.next_free
+        if b is self._tail:
+            raise KVCacheExhausted("no free KV blocks")
+        self.remove(b)
+        return b
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        b = self._head.next_free
+        while b is not self._tail:
+            yield b
+            b = b.next_free
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self.free_queue)
 
     @property
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise KVCacheExhausted(f"asked for {n} blocks, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
-
-    def free(self, block_ids: list[int]) -> None:
-        self._free.extend(block_ids)
-
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_usable_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def get_new_blocks(self, owner: str, n: int) -> list[KVCacheBlock]:
+        """``n`` blocks from the head of the free queue, their old cached contents evicted."""
+        if n > self.num_free_blocks:
+            raise KVCacheExhausted(f"asked for {n} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            b = self.free_queue.popleft()
+            if b.block_hash is not None:
+                if self.cached.get(b.block_hash) is b:
+                    del self.cached[b.block_hash]
+                b.block_hash = None
+            b.owners.add(owner)
+            out.append(b)
+        return out
+
+    def touch(self, owner: str, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Add ``owner`` to cache-hit blocks (reviving free ones); returns the blocks whose
+        previously sole owner now shares them."""
+        newly_shared = []
+        for b in blocks:
+            if not b.owners:
+                self.free_queue.remove(b)
+            elif len(b.owners) == 1:
+                newly_shared.append(b)
+            b.owners.add(owner)
+        return newly_shared
+
+    def free_blocks(self, owner: str, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Release ``owner``'s hold, in the given order (callers pass a request's blocks tail
+        first, so its tail is evicted before its head). Returns blocks left with one owner."""
+        now_exclusive = []
+        for b in blocks:
+            b.owners.discard(owner)
+            if not b.owners:
+                if b.block_hash is not None:
+                    self.free_queue.append(b)
+                else:
+                    self.free_queue.appendleft(b)
+            elif len(b.owners) == 1:
+                now_exclusive.append(b)
+        return now_exclusive
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def cache_full_block(self, b: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a block whose tokens are complete (computed by the step being scheduled)."""
+        if not self.enable_caching or b.block_hash is not None:
+            return
+        if block_hash in self.cached:   # an identical block is cached already: keep that one
+            return
+        b.block_hash = block_hash
+        self.cached[block_hash] = b
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their contents, lose their hash)."""
+        for b in self.cached.values():
+            b.block_hash = None
+        self.cached.clear()

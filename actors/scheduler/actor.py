@@ -64,28 +64,33 @@ class SchedulerActor(Actor):
                 if g != self.generation:
                     self.generation = g
                     self._emit(self.core.fail_running("the worker process was restarted"))
-                    await self.kv.ask(KVReset())
+                    await self.kv.ask(KVReset())     # the new worker's cache holds nothing
                     self.core.reset_blocks()
                 self.paused = False
                 self._kick()
 
     def _kick(self) -> None:
+        """Queue a step when there is work, or blocks of finished requests to hand back."""
         if self._step_queued or self.paused:
             return
-        if self.core.has_work():
+        if self.core.has_work() or self.core.has_pending_frees():
             self._step_queued = True
             self.ctx.self_ref.tell(Step())
-        else:  # idle: hand the blocks of finished requests back now
-            commit = self.core.release_commit()
-            if commit is not None:
-                self.kv.tell(commit)
 
     async def _step(self) -> None:
+        if not self.core.has_work():
+            release = self.core.release()
+            if release is not None:
+                self.core.apply_prepare(await self.kv.ask(release))
+            return
+        prepare = self.core.begin_step()                     # round trip 1, when needed
+        if prepare is not None:
+            self.core.apply_prepare(await self.kv.ask(prepare))
         plan = self.core.schedule()
-        kv_result = await self.kv.ask(plan.kv_commit)
+        kv_result = await self.kv.ask(plan.kv_commit)       # round trip 2
+        so = self.core.build_output(plan, kv_result)
         if not plan.scheduled:
             return
-        so = self.core.build_output(plan, kv_result)
         self.ctx.link(list(so.num_scheduled_tokens))
         try:
             runner_out = await self.executor.ask(so, timeout=STEP_TIMEOUT_S)

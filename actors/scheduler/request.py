@@ -1,9 +1,11 @@
-"""A request inside the engine core: its tokens, how many are computed, and its status."""
+"""A request inside the engine core: its tokens, how many are computed, its status, and the
+hashes of its full blocks (extended as tokens arrive) for prefix caching."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
+from actors.kv_manager.block_hash import BlockHash, extend_block_hashes
 from transport.messages import EngineCoreRequest, SamplingParams
 
 
@@ -43,22 +45,29 @@ class Request:
     arrival_time: float
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
+    block_size: int = 0               # for block hashes; 0 = no hashing
+    cache_salt: str | None = None
+    lora_name: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_blocks: int = 0               # KV blocks held (ids live in the KV manager)
+    num_cached_tokens: int = 0        # prompt tokens served from the prefix cache at admission
+    num_blocks: int = 0               # KV blocks held (their ids live in the KV manager)
+    num_exclusive_blocks: int = 0     # of those, blocks no other request holds
     num_preemptions: int = 0
     stop_reason: int | str | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        self._update_block_hashes()
 
     @classmethod
-    def from_engine_request(cls, r: EngineCoreRequest) -> Request:
+    def from_engine_request(cls, r: EngineCoreRequest, block_size: int = 0) -> Request:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.arrival_time,
-                   tuple(r.eos_token_ids), r.priority)
+                   tuple(r.eos_token_ids), r.priority, block_size, r.cache_salt)
 
     @property
     def num_tokens(self) -> int:
@@ -75,3 +84,9 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        if self.block_size:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
+                                self.lora_name, self.cache_salt)

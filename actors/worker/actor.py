@@ -47,7 +47,8 @@ class WorkerActor(Actor):
                 from actors.worker.model_runner import ModelRunner
                 if self.model is None:
                     raise RuntimeError("no model loaded (LoadModel first)")
-                self.runner = ModelRunner(self.model, self.config, nb, bs, self.dtype)
+                self.runner = ModelRunner(self.model, self.config, nb, bs, msg.max_num_seqs,
+                                          msg.max_model_len, self.dtype)
                 nbytes = sum(t.numel() * t.element_size() for t in self.runner.kv_caches)
                 return KVCacheInfo(nb, bs, nbytes)
 

@@ -1,129 +1,161 @@
-"""ModelRunner: the worker's persistent batch, input preparation, forward pass and sampling.
+"""ModelRunner: applies the scheduler's diffs to the persistent batch, prepares a step's inputs,
+runs the model, samples, and reports log-probs. Pure: no asyncio, no transport.
 
 The scheduler sends full data for a request once (``new_reqs``) and diffs afterwards
-(``cached_reqs``: new block ids, computed-token counts). The runner keeps each request's
-tokens and blocks, appends what it samples, and drops requests listed as finished.
-Pure: no asyncio, no transport.
+(``cached_reqs``: new block ids, computed-token counts); the runner appends what it samples.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from actors.worker.input_batch import InputBatch
 from kernels.attention import allocate_kv_caches
 from kernels.attention.base import AttentionMetadata
 from models.config import ModelConfig
-from models.sampler import Sampler, SamplingMetadata
-from transport.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
-
-
-@dataclass(slots=True)
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]                 # prompt + output so far
-    block_ids: list[int]
-    num_computed_tokens: int
-    params: SamplingParams
-    generator: torch.Generator | None
+from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs)
+from transport.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 
 class StepInputs(NamedTuple):
     input_ids: torch.Tensor        # (T,) int64
     positions: torch.Tensor        # (T,) int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor   # (S,) int64: last token of each request that samples
-    sampling_rows: list[int]       # batch row of each of those S requests
+    slots: np.ndarray              # (B,) batch slot of each scheduled request, in order
+    sample_rows: np.ndarray        # (S,) rows of the requests that sample this step
+    logits_indices: torch.Tensor   # (S,) int64: their last token
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int,
-                 block_size: int, dtype: torch.dtype = torch.float32) -> None:
+                 block_size: int, max_num_seqs: int, max_model_len: int,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, dtype)
-        self.requests: dict[str, CachedRequestState] = {}
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.sampler = Sampler()
 
-    # -- 1) apply the scheduler's diffs to the persistent batch ------------------------------
+    # -- 1) the scheduler's diffs ------------------------------------------------------------
     def update_states(self, so: SchedulerOutput) -> None:
+        b = self.batch
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            b.remove(rid)
         for r in so.new_reqs:
-            p = r.sampling_params
-            gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-            self.requests[r.req_id] = CachedRequestState(
-                r.req_id, list(r.prompt_token_ids) + list(r.output_token_ids), list(r.block_ids),
-                r.num_computed_tokens, p, gen)
+            b.add(r)
         c = so.cached_reqs
         for rid, blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
-            st = self.requests.get(rid)
-            if st is None:
-                raise KeyError(f"step {so.step} updates request {rid!r}, which this worker does not hold")
-            st.block_ids.extend(blocks)
-            st.num_computed_tokens = computed
+            i = b.slot(rid)
+            b.append_blocks(i, blocks)
+            b.num_computed_tokens[i] = computed
 
-    # -- 2) inputs for the forward pass ---------------------------------------------------------
+    # -- 2) the step's inputs ----------------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        bs = self.block_size
-        states = [self.requests[rid] for rid in so.num_scheduled_tokens]
-        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
-        start = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
-        cu = np.zeros(len(states) + 1, dtype=np.int64)
+        b, bs = self.batch, self.block_size
+        slots = np.fromiter((b.slot(r) for r in so.num_scheduled_tokens), dtype=np.int64,
+                            count=len(so.num_scheduled_tokens))
+        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(slots))
+        start = b.num_computed_tokens[slots]                                # (B,)
+        cu = np.zeros(len(slots) + 1, dtype=np.int64)
         np.cumsum(n, out=cu[1:])
-        num_tokens = int(cu[-1])
-        row = np.repeat(np.arange(len(states)), n)                         # (T,)
-        positions = np.arange(num_tokens) - cu[:-1][row] + start[row]      # (T,)
-        input_ids = np.fromiter(
-            (t for s, a, k in zip(states, start, n) for t in s.token_ids[a:a + k]),
-            dtype=np.int64, count=num_tokens)
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((len(states), max_blocks), dtype=np.int32)  # padding -> null block
-        for i, s in enumerate(states):
-            block_table[i, :len(s.block_ids)] = s.block_ids
+        row = np.repeat(np.arange(len(slots)), n)                          # (T,)
+        positions = np.arange(cu[-1]) - cu[:-1][row] + start[row]          # (T,)
+        input_ids = b.token_ids[slots[row], positions]                     # (T,)
+        max_blocks = int(b.num_blocks[slots].max())
+        block_table = b.block_table[slots, :max_blocks]                    # (B, max_blocks)
         slot_mapping = block_table[row, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = start + n
-        done = seq_lens == np.fromiter((len(s.token_ids) for s in states), dtype=np.int64,
-                                       count=len(states))
-        rows = np.flatnonzero(done)
+        sample_rows = np.flatnonzero(seq_lens == b.num_tokens[slots])      # prompt complete
         meta = AttentionMetadata(
-            num_reqs=len(states), num_tokens=num_tokens, max_query_len=int(n.max()),
+            num_reqs=len(slots), num_tokens=int(cu[-1]), max_query_len=int(n.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc=torch.from_numpy(cu.astype(np.int32)),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            block_table=torch.from_numpy(block_table),
+            block_table=torch.from_numpy(np.ascontiguousarray(block_table)),
             slot_mapping=torch.from_numpy(slot_mapping), block_size=bs)
-        return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
-                          torch.from_numpy(cu[1:][rows] - 1), rows.tolist())
+        return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, slots,
+                          sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1))
 
     # -- 3) forward, sample, record -----------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
         req_ids = list(so.num_scheduled_tokens)
-        sampled_ids: list[list[int]] = [[] for _ in req_ids]
+        out = ModelRunnerOutput(req_ids, [[] for _ in req_ids], {}, {})
         if not req_ids:
-            return ModelRunnerOutput(req_ids, sampled_ids)
-        inputs = self.prepare_inputs(so)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        for rid, k in so.num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += k
-        if inputs.sampling_rows:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])   # (S, vocab)
-            states = [self.requests[req_ids[i]] for i in inputs.sampling_rows]
-            tokens = self.sampler(logits, sampling_metadata(states)).tolist()
-            for i, st, tok in zip(inputs.sampling_rows, states, tokens):
-                st.token_ids.append(tok)
-                sampled_ids[i] = [tok]
-        return ModelRunnerOutput(req_ids, sampled_ids)
+            return out
+        inp = self.prepare_inputs(so)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)   # (T, hidden)
+        b = self.batch
+        b.num_computed_tokens[inp.slots] += np.fromiter(so.num_scheduled_tokens.values(),
+                                                        dtype=np.int64, count=len(req_ids))
+        self._prompt_logprobs(so, inp, hidden, out)
+        if len(inp.sample_rows):
+            logits = self.model.compute_logits(hidden[inp.logits_indices])            # (S, vocab)
+            sample_slots = inp.slots[inp.sample_rows]
+            result = self.sampler(logits, self.sampling_metadata(sample_slots))
+            tokens = result.sampled_token_ids.numpy()
+            b.append_tokens(sample_slots, tokens)
+            for row, tok in zip(inp.sample_rows.tolist(), tokens.tolist()):
+                out.sampled_token_ids[row] = [tok]
+            if result.logprobs is not None:
+                self._sample_logprobs(req_ids, inp.sample_rows, sample_slots, result.logprobs, out)
+        return out
 
+    def sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
+        b = self.batch
+        states = [b.states[i] for i in slots.tolist()]
+        ps = [s.params for s in states]
+        penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                        for p in ps)
+        needs_output = penalties or any(p.bad_words_token_ids or p.min_tokens for p in ps)
+        output = [b.output_token_ids(i) for i in slots.tolist()] if needs_output else None
+        prompt = ([b.prompt_token_ids(i) for i in slots.tolist()]
+                  if any(p.repetition_penalty != 1.0 for p in ps) else None)
+        want = [p.logprobs for p in ps if p.logprobs is not None]
+        eos = list(self.config.eos_token_ids)
+        return SamplingMetadata.from_lists(
+            temperature=[p.temperature for p in ps], top_p=[p.top_p for p in ps],
+            top_k=[p.top_k for p in ps], generators=[s.generator for s in states],
+            min_p=[p.min_p for p in ps],
+            presence_penalty=[p.presence_penalty for p in ps],
+            frequency_penalty=[p.frequency_penalty for p in ps],
+            repetition_penalty=[p.repetition_penalty for p in ps],
+            prompt_token_ids=prompt, output_token_ids=output,
+            min_tokens=[p.min_tokens for p in ps], stop_token_ids=[p.stop_token_ids for p in ps],
+            eos_token_ids=[[] if p.ignore_eos else eos for p in ps],
+            logit_bias=[p.logit_bias for p in ps], allowed_token_ids=[p.allowed_token_ids for p in ps],
+            bad_words_token_ids=[p.bad_words_token_ids or None for p in ps],
+            max_num_logprobs=max(want) if want else None)
 
-def sampling_metadata(states: list[CachedRequestState]) -> SamplingMetadata:
-    ps = [s.params for s in states]
-    return SamplingMetadata.from_lists(
-        temperature=[p.temperature for p in ps], top_p=[p.top_p for p in ps],
-        top_k=[p.top_k for p in ps], generators=[s.generator for s in states])
+    def _sample_logprobs(self, req_ids: list[str], rows: np.ndarray, slots: np.ndarray,
+                         lp: LogprobsTensors, out: ModelRunnerOutput) -> None:
+        ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        for j, (row, i) in enumerate(zip(rows.tolist(), slots.tolist())):
+            k = self.batch.states[i].params.logprobs
+            if k is not None:
+                out.logprobs[req_ids[row]] = Logprobs([ids[j][:k + 1]], [vals[j][:k + 1]], [ranks[j]])
+
+    def _prompt_logprobs(self, so: SchedulerOutput, inp: StepInputs, hidden: torch.Tensor,
+                         out: ModelRunnerOutput) -> None:
+        """Log-probs of the prompt tokens whose predecessors were computed in this step."""
+        b = self.batch
+        cu = inp.meta.query_start_loc.tolist()
+        for row, (rid, n) in enumerate(so.num_scheduled_tokens.items()):
+            i = int(inp.slots[row])
+            k = b.states[i].params.prompt_logprobs
+            if k is None:
+                continue
+            start = int(b.num_computed_tokens[i]) - n            # first position of this chunk
+            stop = min(start + n, int(b.num_prompt_tokens[i]) - 1)   # predicts positions < prompt end
+            if stop <= start:
+                continue
+            logits = self.model.compute_logits(hidden[cu[row]:cu[row] + stop - start])
+            targets = torch.from_numpy(b.token_ids[i, start + 1:stop + 1])
+            lp = compute_prompt_logprobs(logits, targets, k)
+            out.prompt_logprobs[rid] = Logprobs(lp.token_ids.tolist(), lp.logprobs.tolist(),
+                                                lp.ranks.tolist())

@@ -1,133 +1,274 @@
-"""The pure Scheduler with a real KVCacheManager, driven by hand-made runner outputs."""
+"""The pure Scheduler with a real KVCacheManager, driven by hand-made runner outputs
+(in the style of vLLM's tests/v1/core)."""
 from __future__ import annotations
 
-from actors.kv_manager.manager import KVCacheManager
-from actors.scheduler.scheduler import Scheduler, SchedulerConfig
-from transport.messages import EngineCoreRequest, ModelRunnerOutput, SamplingParams, SchedulerOutput
+import pytest
 
-EOS = 2
-
-
-def make(num_blocks=64, **cfg):
-    config = SchedulerConfig(**{"block_size": 4, "max_num_batched_tokens": 64, **cfg})
-    return Scheduler(config, num_blocks), KVCacheManager(num_blocks, config.block_size)
-
-
-def add(s, rid, n_prompt, max_tokens=8, **params):
-    err = s.add_request(EngineCoreRequest(rid, list(range(10, 10 + n_prompt)),
-                                          SamplingParams(max_tokens=max_tokens, temperature=0, **params),
-                                          0.0, [EOS]))
-    assert err is None
-
-
-def step(s, kv, token=7) -> tuple[SchedulerOutput, list]:
-    """One step: schedule, commit blocks, and sample ``token`` for every request whose
-    prompt is complete (as a worker would)."""
-    plan = s.schedule()
-    so = s.build_output(plan, kv.commit(plan.kv_commit))
-    sampled = []
-    for req, n in plan.scheduled:
-        sampled.append([token] if req.num_computed_tokens == req.num_tokens else [])
-    outs = s.update_from_output(so, ModelRunnerOutput(list(so.num_scheduled_tokens), sampled))
-    if not s.has_work():   # idle: the actor hands finished requests' blocks back at once
-        release = s.release_commit()
-        if release is not None:
-            kv.commit(release)
-    kv.check_integrity()
-    return so, outs
-
-
-def held_blocks(kv):
-    return sum(len(b) for b in kv.req_to_blocks.values())
+from sched_utils import EOS, Harness, held_blocks
+from transport.messages import EngineCoreRequest, SamplingParams
 
 
 def test_long_prompt_is_prefilled_in_chunks_under_the_token_budget():
-    s, kv = make(max_num_batched_tokens=16)
-    add(s, "a", 40)
-    chunks = []
+    h = Harness(max_num_batched_tokens=16)
+    h.add("a", 40)
+    chunks, outs = [], None
     for _ in range(3):
-        so, outs = step(s, kv)
+        so, outs = h.step()
         chunks.append(so.num_scheduled_tokens["a"])
     assert chunks == [16, 16, 8]
     assert outs[-1].new_token_ids == [7]          # sampled only once the prompt is done
-    so, _ = step(s, kv)
+    so, _ = h.step()
     assert so.num_scheduled_tokens == {"a": 1}     # then one token per step
 
 
 def test_decodes_and_a_new_prefill_share_one_step():
-    s, kv = make()
-    add(s, "a", 5)
-    step(s, kv)
-    add(s, "b", 9)
-    so, outs = step(s, kv)
+    h = Harness()
+    h.add("a", 5)
+    h.step()
+    h.add("b", 9)
+    so, outs = h.step()
     assert so.num_scheduled_tokens == {"a": 1, "b": 9}
     assert [n.req_id for n in so.new_reqs] == ["b"] and so.cached_reqs.req_ids == ["a"]
     assert {o.request_id for o in outs} == {"a", "b"}
 
 
 def test_max_num_seqs_limits_the_running_batch():
-    s, kv = make(max_num_seqs=2)
+    h = Harness(max_num_seqs=2)
     for r in "abc":
-        add(s, r, 3)
-    so, _ = step(s, kv)
-    assert set(so.num_scheduled_tokens) == {"a", "b"} and len(s.waiting) == 1
+        h.add(r, 3)
+    so, _ = h.step()
+    assert set(so.num_scheduled_tokens) == {"a", "b"} and len(h.s.waiting) == 1
+
+
+def test_token_budget_limits_what_joins_a_step():
+    h = Harness(max_num_batched_tokens=10)
+    h.add("a", 6)
+    h.add("b", 6)
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"a": 6, "b": 4}     # b's prompt starts in a chunk
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 2}
+
+
+def test_long_prefill_threshold_caps_chunks_but_not_a_lone_request():
+    h = Harness(long_prefill_token_threshold=4, max_num_batched_tokens=64)
+    h.add("alone", 12)
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"alone": 12}
+    h.add("x", 12)
+    h.add("y", 12)
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"alone": 1, "x": 4, "y": 4}
 
 
 def test_finished_requests_free_their_blocks_and_are_dropped_by_workers():
-    s, kv = make()
-    add(s, "a", 6, max_tokens=2)
-    step(s, kv)
-    assert held_blocks(kv) == 2
-    _, outs = step(s, kv)
+    h = Harness()
+    h.add("a", 6, max_tokens=2)
+    h.step()
+    assert held_blocks(h.kv) == 2
+    _, outs = h.step()
     assert outs[0].finish_reason == "length"
-    add(s, "b", 3)
-    so, _ = step(s, kv)
-    assert so.finished_req_ids == ["a"] and "a" not in kv.req_to_blocks
+    assert "a" not in h.kv.req_to_blocks            # released at once though the engine is idle
+    h.add("b", 3)
+    so, _ = h.step()
+    assert so.finished_req_ids == ["a"]
 
 
 def test_eos_stops_unless_ignored_and_min_tokens_defers_it():
-    s, kv = make()
-    add(s, "a", 3)
-    add(s, "b", 3, ignore_eos=True)
-    add(s, "c", 3, min_tokens=2)
-    _, outs = step(s, kv, token=EOS)
-    reasons = {o.request_id: o.finish_reason for o in outs}
-    assert reasons == {"a": "stop", "b": None, "c": None}
-    _, outs = step(s, kv, token=EOS)
+    h = Harness()
+    h.add("a", 3)
+    h.add("b", 3, ignore_eos=True)
+    h.add("c", 3, min_tokens=2)
+    _, outs = h.step(token=EOS)
+    assert {o.request_id: o.finish_reason for o in outs} == {"a": "stop", "b": None, "c": None}
+    _, outs = h.step(token=EOS)
     assert {o.request_id: o.finish_reason for o in outs} == {"b": None, "c": "stop"}
 
 
-def test_preemption_frees_the_tail_and_recomputes_it_later():
-    # 7 usable blocks of 4 tokens: two requests of 12 prompt tokens take 6; growing needs more.
-    s, kv = make(num_blocks=8, watermark=0.0)
-    add(s, "a", 12, max_tokens=10)
-    add(s, "b", 12, max_tokens=10)
-    step(s, kv)
-    preempted_seen = False
-    for _ in range(30):
-        so, _ = step(s, kv)
-        if "b" in so.finished_req_ids and "b" in s.requests:
-            preempted_seen = True
-            assert s.requests["b"].num_computed_tokens == 0 or "b" in so.num_scheduled_tokens
-        if not s.has_work():
+def test_stop_token_ids_end_a_request_and_are_reported():
+    h = Harness()
+    h.add("a", 3, stop_token_ids=[9])
+    _, outs = h.step(token=9)
+    assert outs[0].finish_reason == "stop" and outs[0].stop_reason == 9
+
+
+def test_preemption_frees_the_tail_and_resumes_it_with_recompute():
+    # 7 usable blocks of 4 tokens: two 12-token prompts take 6; growing needs more
+    h = Harness(num_blocks=8, watermark=0.0, enable_prefix_caching=False)
+    h.add("a", 12, max_tokens=10)
+    h.add("b", 12, max_tokens=10)
+    h.step()
+    preempted_at = None
+    for i in range(40):
+        so, _ = h.step()
+        if "b" in so.finished_req_ids and preempted_at is None:
+            preempted_at = i
+            assert h.s.requests["b"].num_computed_tokens == 0          # recompute from scratch
+        if preempted_at is not None and "b" in {r.req_id for r in so.new_reqs}:
+            resumed = next(r for r in so.new_reqs if r.req_id == "b")
+            assert resumed.output_token_ids and resumed.num_computed_tokens == 0
+        if not h.s.has_work():
             break
-    assert preempted_seen and s.counters.num_preemptions >= 1
-    assert not s.has_work() and held_blocks(kv) == 0
+    assert preempted_at is not None and h.s.counters.num_preemptions >= 1
+    assert not h.s.has_work() and held_blocks(h.kv) == 0
+
+
+def test_preempted_request_budget_is_refunded_to_later_requests():
+    # priority policy: the lowest-priority victim sits before the request that needs blocks
+    h = Harness(num_blocks=7, watermark=0.0, policy="priority", enable_prefix_caching=False,
+                max_num_batched_tokens=64)
+    h.add("low", 8, priority=5, arrival=0.0, max_tokens=20)
+    h.add("high", 8, priority=0, arrival=1.0, max_tokens=20)
+    so, _ = h.step()
+    assert set(so.num_scheduled_tokens) == {"low", "high"}
+    for _ in range(12):
+        so, _ = h.step()
+        if "low" in so.finished_req_ids:
+            break
+    assert "low" in so.finished_req_ids and "high" in so.num_scheduled_tokens
+    assert h.s.requests["low"].status.name == "PREEMPTED"
+
+
+def test_priority_policy_admits_the_most_urgent_first():
+    h = Harness(max_num_seqs=1, policy="priority")
+    h.add("later-urgent", 3, priority=0, arrival=2.0)
+    h.add("early-lax", 3, priority=3, arrival=1.0)
+    so, _ = h.step()
+    assert list(so.num_scheduled_tokens) == ["later-urgent"]
 
 
 def test_abort_running_and_waiting_requests_frees_everything():
-    s, kv = make(max_num_seqs=1)
-    add(s, "a", 5)
-    add(s, "b", 5)
-    step(s, kv)
-    outs = s.abort_requests(["a", "b", "unknown"])
+    h = Harness(max_num_seqs=1)
+    h.add("a", 5)
+    h.add("b", 5)
+    h.step()
+    outs = h.s.abort_requests(["a", "b", "unknown"])
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "abort"), ("b", "abort")]
-    assert not s.has_work() and s.num_free_blocks == s.num_usable_blocks
-    kv.commit(s.release_commit())
-    assert held_blocks(kv) == 0
+    assert not h.s.has_work()
+    h.idle_release()
+    assert held_blocks(h.kv) == 0 and h.s.num_free_blocks == h.kv.pool.num_usable_blocks
 
 
 def test_prompt_that_can_never_fit_is_refused_at_once():
-    s, _ = make(num_blocks=4)
-    err = s.add_request(EngineCoreRequest("big", list(range(20)), SamplingParams(), 0.0))
+    h = Harness(num_blocks=4)
+    err = h.s.add_request(EngineCoreRequest("big", list(range(20)), SamplingParams(), 0.0))
     assert err is not None and err.finish_reason == "error" and "20 tokens" in err.error
+
+
+# -- prefix caching --------------------------------------------------------------------------
+
+def test_prefix_hit_across_requests_skips_full_cached_blocks():
+    h = Harness()
+    h.add("a", list(range(100, 114)), max_tokens=1)      # 14 tokens: 3 full blocks of 4
+    h.step()
+    h.add("b", list(range(100, 114)) + [500, 501])
+    so, _ = h.step()
+    (new,) = so.new_reqs
+    assert new.num_computed_tokens == 12 and so.num_scheduled_tokens == {"b": 4}
+    assert h.s.counters.prefix_cache_hits == 12
+
+
+def test_partial_last_block_is_not_a_hit():
+    h = Harness()
+    h.add("a", list(range(100, 110)), max_tokens=1)      # 2 full blocks + 2 tokens
+    h.step()
+    h.add("b", list(range(100, 110)) + [7])
+    so, _ = h.step()
+    assert so.new_reqs[0].num_computed_tokens == 8
+
+
+def test_full_hit_is_capped_so_the_last_token_is_computed():
+    h = Harness()
+    prompt = list(range(100, 112))                        # exactly 3 blocks
+    h.add("a", prompt, max_tokens=1)
+    h.step()
+    h.add("b", prompt)
+    so, outs = h.step()
+    assert so.new_reqs[0].num_computed_tokens == 8 and so.num_scheduled_tokens == {"b": 4}
+    assert outs[0].new_token_ids == [7]
+
+
+def test_shared_prefix_blocks_are_reference_counted():
+    h = Harness()
+    h.add("a", list(range(100, 116)), max_tokens=20)
+    h.step()
+    h.add("b", list(range(100, 116)), max_tokens=20)
+    h.step()
+    shared = [b for b in h.kv.req_to_blocks["a"] if b in h.kv.req_to_blocks["b"]]
+    assert len(shared) == 3 and all(b.ref_cnt == 2 for b in shared)
+    h.s.abort_requests(["a"])
+    h.step()
+    assert all(b.ref_cnt == 1 and b.owners == {"b"} for b in shared)
+    assert h.s.requests["b"].num_exclusive_blocks == h.kv.exclusive_blocks("b")
+
+
+def test_freed_cached_blocks_are_evicted_least_recently_used_first():
+    h = Harness(num_blocks=9, watermark=0.0)              # 8 usable blocks
+    h.add("old", list(range(100, 108)), max_tokens=1)     # 2 full blocks, cached
+    h.step()
+    h.add("new", list(range(200, 208)), max_tokens=1)
+    h.step()
+    free_order = [b.block_hash is not None for b in h.kv.pool.free_queue]
+    assert free_order[:4] == [False] * 4                  # never-hashed blocks are reused first
+    h.add("filler", list(range(300, 324)), max_tokens=1)  # needs 6 blocks: evicts "old" first
+    h.step()
+    old_hashes = _hashes(list(range(100, 108)))
+    new_hashes = _hashes(list(range(200, 208)))
+    assert h.kv.find_longest_cache_hit(old_hashes) == []
+    assert len(h.kv.find_longest_cache_hit(new_hashes)) == 2
+
+
+def test_cache_salt_isolates_prefixes():
+    h = Harness()
+    h.s.add_request(EngineCoreRequest("a", list(range(100, 114)), SamplingParams(max_tokens=1), 0.0,
+                                      [EOS], cache_salt="tenant-1"))
+    h.step()
+    h.s.add_request(EngineCoreRequest("b", list(range(100, 114)), SamplingParams(max_tokens=1), 0.0,
+                                      [EOS], cache_salt="tenant-2"))
+    so, _ = h.step()
+    assert so.new_reqs[0].num_computed_tokens == 0
+
+
+def test_preempted_request_resumes_from_its_cached_blocks():
+    h = Harness(num_blocks=8, watermark=0.0)
+    h.add("a", 12, max_tokens=10)
+    h.add("b", 12, max_tokens=10)
+    resumed = None
+    for _ in range(40):
+        so, _ = h.step()
+        for r in so.new_reqs:
+            if r.req_id == "b" and h.s.requests["b"].num_preemptions:
+                resumed = r
+        if not h.s.has_work():
+            break
+    assert resumed is not None and resumed.num_computed_tokens > 0
+
+
+def test_at_most_two_kv_round_trips_per_step_whatever_the_batch():
+    h = Harness(num_blocks=512, max_num_seqs=64, max_num_batched_tokens=4096)
+    for i in range(48):
+        h.add(f"r{i}", 20 + i % 7, max_tokens=5 + i % 4)
+    while h.s.has_work():
+        h.step()
+    assert max(h.round_trips) <= 2
+
+
+def _hashes(tokens: list[int], bs: int = 4) -> list[bytes]:
+    from actors.kv_manager.block_hash import extend_block_hashes
+    out: list = []
+    extend_block_hashes(out, tokens, bs)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_many_requests_through_a_tight_cache_all_finish(policy):
+    h = Harness(num_blocks=12, watermark=0.0, policy=policy)
+    for i in range(10):
+        h.add(f"r{i}", 6 + i, max_tokens=6, priority=i % 3)
+    finished = set()
+    for _ in range(400):
+        _, outs = h.step()
+        finished |= {o.request_id for o in outs if o.finish_reason}
+        if not h.s.has_work():
+            break
+    assert finished == {f"r{i}" for i in range(10)} and held_blocks(h.kv) == 0

@@ -1,0 +1,95 @@
+"""KV cache specifications: what one attention layer needs per block, the registry that
+resolves a block manager for each spec class, and the cache tensor layout with its per-layer
+views.
+
+Layout: one flat buffer, layer-outermost:
+    [layer 0: K blocks | V blocks][layer 1: K blocks | V blocks] ...
+each layer's view is (2, num_blocks, block_size, num_kv_heads, head_size), so a block's keys
+for one layer are contiguous (page_size_bytes / 2 bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block of this layer takes: keys and values."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec(KVCacheSpec):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindowSpec(KVCacheSpec):
+    sliding_window: int = 0
+
+
+# Spec class -> the block manager policy that serves it. Resolved through the class's MRO, so a
+# subclass of a registered spec inherits its manager unless registered itself. With a single KV
+# cache group, sliding-window layers keep every block, like full attention (vLLM does the same
+# with its hybrid allocator off); only the attention kernel applies the window.
+_MANAGERS: dict[type, str] = {
+    FullAttentionSpec: "full_attention",
+    SlidingWindowSpec: "full_attention",
+}
+
+
+def register_spec(spec_cls: type, manager: str) -> None:
+    _MANAGERS[spec_cls] = manager
+
+
+def manager_for(spec: KVCacheSpec) -> str:
+    for cls in type(spec).__mro__:
+        if cls in _MANAGERS:
+            return _MANAGERS[cls]
+    raise ValueError(f"no KV cache manager is registered for {type(spec).__name__}; "
+                     f"registered: {sorted(c.__name__ for c in _MANAGERS)}")
+
+
+def check_kv_cache_specs(specs: list[KVCacheSpec]) -> str:
+    """Validate every layer's spec at start-up (raises ValueError, never an assert) and return
+    the single manager they share."""
+    if not specs:
+        raise ValueError("the model declares no KV cache layers")
+    managers = {manager_for(s) for s in specs}
+    shapes = {(s.block_size, s.num_kv_heads, s.head_size, s.dtype_bytes) for s in specs}
+    if len(managers) != 1 or len(shapes) != 1:
+        raise ValueError(f"all layers must share one KV cache shape and manager for now; got "
+                         f"shapes {sorted(shapes)} and managers {sorted(managers)}")
+    return managers.pop()
+
+
+def num_blocks_for(specs: list[KVCacheSpec], memory_bytes: int) -> int:
+    """How many blocks fit in ``memory_bytes`` when every layer holds each block."""
+    per_block = sum(s.page_size_bytes for s in specs)
+    return memory_bytes // per_block
+
+
+def create_kv_cache_views(specs: list[KVCacheSpec], num_blocks: int, dtype: torch.dtype,
+                          device: Any = "cpu") -> list[torch.Tensor]:
+    """One flat buffer, and per layer a (2, num_blocks, block_size, num_kv_heads, head_size)
+    view into it."""
+    import torch
+    check_kv_cache_specs(specs)
+    s = specs[0]
+    if torch.tensor([], dtype=dtype).element_size() != s.dtype_bytes:
+        raise ValueError(f"dtype {dtype} does not match the spec's {s.dtype_bytes}-byte elements")
+    per_layer = 2 * num_blocks * s.block_size * s.num_kv_heads * s.head_size
+    buf = torch.zeros(per_layer * len(specs), dtype=dtype, device=device)
+    shape = (2, num_blocks, s.block_size, s.num_kv_heads, s.head_size)
+    return [buf[i * per_layer:(i + 1) * per_layer].view(shape) for i in range(len(specs))]

@@ -1,0 +1,98 @@
+"""The worker's persistent batch: every request it holds lives in a slot of preallocated numpy
+arrays (its tokens, its block table, its counters), so a step's inputs are gathered with
+vectorized indexing instead of rebuilt request by request.
+
+Slots are reused: a finished request frees its slot, a new one takes the lowest free slot.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from transport.messages import NewRequestData, SamplingParams
+
+
+@dataclass(slots=True)
+class SlotState:
+    """What does not fit in the arrays: the request's parameters and its seeded generator."""
+    req_id: str
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)  # 0: null block
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.slots: dict[str, int] = {}
+        self.states: list[SlotState | None] = [None] * max_num_reqs
+        self._free = list(range(max_num_reqs))
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.slots
+
+    def add(self, r: NewRequestData) -> int:
+        if r.req_id in self.slots:
+            raise ValueError(f"request {r.req_id!r} is already in the batch")
+        if not self._free:
+            raise RuntimeError(f"the batch is full ({self.max_num_reqs} requests)")
+        tokens = r.prompt_token_ids + r.output_token_ids
+        if len(tokens) > self.max_model_len:
+            raise ValueError(f"request {r.req_id!r} has {len(tokens)} tokens, more than {self.max_model_len}")
+        i = heapq.heappop(self._free)
+        self.slots[r.req_id] = i
+        n = len(tokens)
+        self.token_ids[i, :n] = tokens
+        self.num_tokens[i] = n
+        self.num_prompt_tokens[i] = len(r.prompt_token_ids)
+        self.num_computed_tokens[i] = r.num_computed_tokens
+        self.num_blocks[i] = 0
+        self.append_blocks(i, r.block_ids)
+        p = r.sampling_params
+        gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        self.states[i] = SlotState(r.req_id, p, gen)
+        return i
+
+    def remove(self, req_id: str) -> None:
+        i = self.slots.pop(req_id, None)
+        if i is not None:
+            self.states[i] = None
+            self.block_table[i, :self.num_blocks[i]] = 0
+            heapq.heappush(self._free, i)
+
+    def slot(self, req_id: str) -> int:
+        try:
+            return self.slots[req_id]
+        except KeyError:
+            raise KeyError(f"this worker does not hold request {req_id!r}") from None
+
+    def append_blocks(self, i: int, block_ids: list[int]) -> None:
+        k, n = int(self.num_blocks[i]), len(block_ids)
+        if n:
+            self.block_table[i, k:k + n] = block_ids
+            self.num_blocks[i] = k + n
+
+    def append_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """One new token per given slot (vectorized)."""
+        self.token_ids[slots, self.num_tokens[slots]] = tokens
+        self.num_tokens[slots] += 1
+
+    def output_token_ids(self, i: int) -> list[int]:
+        return self.token_ids[i, self.num_prompt_tokens[i]:self.num_tokens[i]].tolist()
+
+    def prompt_token_ids(self, i: int) -> list[int]:
+        return self.token_ids[i, :self.num_prompt_tokens[i]].tolist()
