@@ -30,6 +30,7 @@ WORKER_ACTOR = "worker0"
 class EngineConfig(msgspec.Struct):
     model: str | None = None
     dtype: str = "float32"
+    quantization: str | None = None        # None (exact) | "int8"
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64
@@ -64,7 +65,7 @@ class EngineCore:
 
     def _worker_config(self) -> WorkerConfig:
         c = self.cfg
-        return WorkerConfig(c.model, c.dtype, c.num_threads, c.seed)
+        return WorkerConfig(c.model, c.dtype, c.num_threads, c.seed, c.quantization, c.block_size)
 
     async def _start_worker(self) -> tuple[ActorRef, ModelInfo]:
         if not self.cfg.worker_process:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types values
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -20,7 +22,43 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # -- optional features; the defaults are plain Llama ------------------------------------
+    qkv_bias: bool = False                     # bias on q/k/v projections (Qwen2, attention_bias)
+    o_bias: bool = False                       # bias on the output projection (attention_bias)
+    hidden_act: str = "silu"                   # gated MLP activation: "silu" | "gelu_pytorch_tanh"
+    sliding_window: int | None = None          # W: a sliding layer's query at p sees keys p-W < k <= p
+    layer_types: tuple[str, ...] | None = None  # per layer SLIDING | FULL; None: every layer slides iff W
+    rope_local_theta: float | None = None      # rotary base of sliding layers (Gemma 3); None: rope_theta
+    rope_scaling_factor: float = 1.0           # linear rope scaling (positions / factor) of full layers
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_size ** -0.5
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            if not set(self.layer_types) <= {SLIDING, FULL}:
+                raise ValueError(f"layer_types may hold {SLIDING!r} and {FULL!r}, got {sorted(set(self.layer_types))}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         """Bytes of K and V one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * dtype_bytes
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of ``layer``'s attention, None for full attention."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    @property
+    def max_sliding_window(self) -> int | None:
+        """The largest window of any layer (what the attention backend must support)."""
+        windows = [w for w in map(self.layer_sliding_window, range(self.num_layers)) if w is not None]
+        return max(windows, default=None)
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_size) ** -0.5

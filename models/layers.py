@@ -1,14 +1,19 @@
 """Building blocks shared by the architectures: linear layers (plain and fused), embedding,
-RMSNorm, rotary position embedding and the gated activation.
+RMSNorm (plain and Gemma's 1 + weight), rotary position embedding, gated activations and the
+paged self-attention block.
 
 Parameters are allocated with ``torch.empty`` (no random init: weights come from a checkpoint)
 and never require grad.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.attention.base import AttentionBackend, AttentionMetadata
 
 
 def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -16,28 +21,30 @@ def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T without bias. ``weight`` may be an existing parameter (a tied LM head)."""
+    """y = x W^T (+ b). ``weight`` may be an existing parameter (a tied LM head)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 weight: nn.Parameter | None = None) -> None:
+                 weight: nn.Parameter | None = None, bias: bool = False) -> None:
         super().__init__()
         if weight is not None and tuple(weight.shape) != (out_features, in_features):
             raise ValueError(f"tied weight has shape {tuple(weight.shape)}, expected {(out_features, in_features)}")
         self.weight = weight if weight is not None else _empty_param(out_features, in_features, dtype=dtype)
+        self.bias = _empty_param(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
     """Several projections of the same input fused into one matmul, e.g. q|k|v or gate|up.
 
     The output is the concatenation of the shards in declaration order; a checkpoint's separate
-    tensors are copied into their row ranges by ``load_shard``.
+    tensors (weights and, with ``bias``, biases) are copied into their row ranges by ``load_shard``.
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], dtype: torch.dtype) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), dtype)
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], dtype: torch.dtype,
+                 bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), dtype, bias=bias)
         self.shard_sizes = dict(shard_sizes)
         self.shard_offsets: dict[str, int] = {}
         offset = 0
@@ -45,14 +52,17 @@ class MergedLinear(Linear):
             self.shard_offsets[name] = offset
             offset += size
 
-    def load_shard(self, shard: str, tensor: torch.Tensor) -> None:
+    def load_shard(self, shard: str, tensor: torch.Tensor, param: str = "weight") -> None:
         if shard not in self.shard_sizes:
             raise KeyError(f"no shard {shard!r}; shards are {list(self.shard_sizes)}")
+        target = getattr(self, param)
+        if target is None:
+            raise ValueError(f"shard {shard!r} of a {param} given, but this layer has no {param}")
         start, size = self.shard_offsets[shard], self.shard_sizes[shard]
-        expected = (size, self.weight.shape[1])
+        expected = (size, *target.shape[1:])
         if tuple(tensor.shape) != expected:
-            raise ValueError(f"shard {shard!r} has shape {tuple(tensor.shape)}, expected {expected}")
-        self.weight.data[start:start + size].copy_(tensor)
+            raise ValueError(f"{param} shard {shard!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        target.data[start:start + size].copy_(tensor)
 
 
 class Embedding(nn.Module):
@@ -65,30 +75,46 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, normalized in float32."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., hidden) -> (..., hidden)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight.float(), self.eps)
         y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return self.weight * y.to(x.dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's variant: x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32, then cast.
+    The checkpoint stores ``weight`` (zero = identity); llama.cpp's GGUF stores 1 + weight."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__(hidden_size, eps, dtype)
+        self.weight.data.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., hidden) -> (..., hidden)
+        y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """Hugging Face-style ("half-split", NeoX) rotary: dimension j pairs with j + head_size/2.
 
-    cos/sin for every position up to max_positions are precomputed once in float32.
+    cos/sin for every position up to max_positions are precomputed once in float32;
+    ``scaling_factor`` > 1 is linear scaling (position p rotates like p / factor).
     """
 
-    def __init__(self, head_size: int, max_positions: int, theta: float) -> None:
+    def __init__(self, head_size: int, max_positions: int, theta: float, scaling_factor: float = 1.0) -> None:
         super().__init__()
         # Same arithmetic as transformers' default rope init, so float32 results match bit for bit.
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+        if scaling_factor != 1.0:
+            inv_freq = inv_freq / scaling_factor
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)                                         # (P, D)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
@@ -112,3 +138,65 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up (T, 2I) = gate | up -> (T, I)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up (T, 2I) = gate | up -> (T, I)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": silu_and_mul,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,
+}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate|up fused."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        if hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"activation {hidden_act!r} is not supported; supported: {sorted(GATED_ACTIVATIONS)}")
+        self.act = GATED_ACTIVATIONS[hidden_act]
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SelfAttention(nn.Module):
+    """q|k|v projection, optional per-head q/k norm, rotary, paged attention through the
+    backend (with this layer's sliding window, if any), output projection."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int,
+                 backend: AttentionBackend, dtype: torch.dtype, *, scale: float,
+                 sliding_window: int | None = None, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: Callable[[], nn.Module] | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
+        self.scale, self.sliding_window = scale, sliding_window
+        self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                     dtype, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden_size, dtype, bias=o_bias)
+        self.q_norm = qk_norm() if qk_norm else None   # over head_size, per head
+        self.k_norm = qk_norm() if qk_norm else None
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_size)       # (T, H, D)
+        k = k.view(T, self.num_kv_heads, self.head_size)    # (T, KVH, D)
+        v = v.view(T, self.num_kv_heads, self.head_size)    # (T, KVH, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(T, self.q_size))     # (T, hidden)

@@ -1,57 +1,31 @@
-"""The Llama architecture (SmolLM2, Llama 2/3 without rope scaling) over a paged KV cache."""
+"""The Llama architecture (SmolLM2, Llama 2/3 without rope scaling beyond linear) over a paged
+KV cache. Qwen2, Qwen3 and Mistral are this model with a different tensor map or a flag."""
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.config import ModelConfig
-from models.layers import (Embedding, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary,
-                           silu_and_mul)
+from models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention
 
-
-class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        if config.num_heads % config.num_kv_heads:
-            raise ValueError(f"num_heads {config.num_heads} is not a multiple of num_kv_heads {config.num_kv_heads}")
-        self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, config.head_size
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
-        self.scale = self.head_size ** -0.5
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, dtype)
-        self.backend = backend
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(T, self.num_heads, self.head_size), cos, sin)     # (T, H, D)
-        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_size), cos, sin)  # (T, KVH, D)
-        v = v.view(T, self.num_kv_heads, self.head_size)                          # (T, KVH, D)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)           # (T, H, D)
-        return self.o_proj(out.reshape(T, self.q_size))                           # (T, hidden)
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, dtype)
-        self.down_proj = Linear(size, config.hidden_size, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+TensorMap = dict[str, tuple[str, str | None]]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
+                 qk_norm: bool = False) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, backend, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = SelfAttention(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
+            sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
+            qk_norm=(lambda: RMSNorm(c.head_size, c.rms_norm_eps, dtype)) if qk_norm else None)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -60,15 +34,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    qk_norm: ClassVar[bool] = False   # per-head RMSNorm of q and k before rotary (Qwen3)
+
     # Checkpoint tensor name -> (our parameter, shard of a fused parameter or None).
     # "{i}" stands for the layer index. The loaders only look names up here.
-    gguf_tensor_map: dict[str, tuple[str, str | None]] = {
+    gguf_tensor_map: ClassVar[TensorMap] = {
         "token_embd.weight": ("embed_tokens.weight", None),
         "blk.{i}.attn_norm.weight": ("layers.{i}.input_layernorm.weight", None),
-        "blk.{i}.attn_q.weight": ("layers.{i}.self_attn.qkv_proj.weight", "q"),
-        "blk.{i}.attn_k.weight": ("layers.{i}.self_attn.qkv_proj.weight", "k"),
-        "blk.{i}.attn_v.weight": ("layers.{i}.self_attn.qkv_proj.weight", "v"),
+        **{f"blk.{{i}}.attn_{s}.{p}": (f"layers.{{i}}.self_attn.qkv_proj.{p}", s)
+           for s in "qkv" for p in ("weight", "bias")},
         "blk.{i}.attn_output.weight": ("layers.{i}.self_attn.o_proj.weight", None),
+        "blk.{i}.attn_output.bias": ("layers.{i}.self_attn.o_proj.bias", None),
         "blk.{i}.ffn_norm.weight": ("layers.{i}.post_attention_layernorm.weight", None),
         "blk.{i}.ffn_gate.weight": ("layers.{i}.mlp.gate_up_proj.weight", "gate"),
         "blk.{i}.ffn_up.weight": ("layers.{i}.mlp.gate_up_proj.weight", "up"),
@@ -76,13 +52,13 @@ class LlamaForCausalLM(nn.Module):
         "output_norm.weight": ("norm.weight", None),
         "output.weight": ("lm_head.weight", None),
     }
-    hf_tensor_map: dict[str, tuple[str, str | None]] = {
+    hf_tensor_map: ClassVar[TensorMap] = {
         "model.embed_tokens.weight": ("embed_tokens.weight", None),
         "model.layers.{i}.input_layernorm.weight": ("layers.{i}.input_layernorm.weight", None),
-        "model.layers.{i}.self_attn.q_proj.weight": ("layers.{i}.self_attn.qkv_proj.weight", "q"),
-        "model.layers.{i}.self_attn.k_proj.weight": ("layers.{i}.self_attn.qkv_proj.weight", "k"),
-        "model.layers.{i}.self_attn.v_proj.weight": ("layers.{i}.self_attn.qkv_proj.weight", "v"),
+        **{f"model.layers.{{i}}.self_attn.{s}_proj.{p}": (f"layers.{{i}}.self_attn.qkv_proj.{p}", s)
+           for s in "qkv" for p in ("weight", "bias")},
         "model.layers.{i}.self_attn.o_proj.weight": ("layers.{i}.self_attn.o_proj.weight", None),
+        "model.layers.{i}.self_attn.o_proj.bias": ("layers.{i}.self_attn.o_proj.bias", None),
         "model.layers.{i}.post_attention_layernorm.weight": ("layers.{i}.post_attention_layernorm.weight", None),
         "model.layers.{i}.mlp.gate_proj.weight": ("layers.{i}.mlp.gate_up_proj.weight", "gate"),
         "model.layers.{i}.mlp.up_proj.weight": ("layers.{i}.mlp.gate_up_proj.weight", "up"),
@@ -94,10 +70,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        if config.attn_logit_softcapping is not None:
+            raise ValueError(f"{type(self).__name__}: attention logit softcapping is not supported")
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.rotary_emb = RotaryEmbedding(config.head_size, config.max_model_len, config.rope_theta)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn_backend, dtype) for _ in range(config.num_layers))
+        self.rotary_emb = RotaryEmbedding(config.head_size, config.max_model_len, config.rope_theta,
+                                          config.rope_scaling_factor)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attn_backend, dtype, self.qk_norm)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         tied = self.embed_tokens.weight if config.tie_word_embeddings else None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, weight=tied)

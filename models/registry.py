@@ -1,23 +1,36 @@
 """The architecture registry (keyed by Hugging Face architecture name) and ``load_model``,
-which builds a model and dispatches checkpoint tensors onto it through the model's tensor map."""
+which picks an attention backend, builds a model and dispatches checkpoint tensors onto it
+through the model's tensor map."""
 from __future__ import annotations
 
 import re
-from typing import Iterable, NamedTuple
+from typing import Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
-from kernels.attention import AttentionBackend, CpuAttentionBackend
+from kernels.attention.base import AttentionBackend, AttentionRequirements
+from kernels.attention.selector import select_backend
 from models.config import ModelConfig
+from models.gemma3 import Gemma3ForCausalLM
 from models.gguf_loader import gguf_model_config, iter_gguf_weights, read_gguf
-from models.llama import LlamaForCausalLM
+from models.hf_config import read_hf_config
 from models.layers import MergedLinear
+from models.llama import LlamaForCausalLM
+from models.mistral import MistralForCausalLM
+from models.qwen2 import Qwen2ForCausalLM
+from models.qwen3 import Qwen3ForCausalLM
 from models.resolve import ModelSource
+from models.safetensors_loader import iter_safetensors_weights
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
+DEFAULT_BLOCK_SIZE = 16   # what backend selection assumes when the caller does not say
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
@@ -31,19 +44,34 @@ class LoadedModel(NamedTuple):
     config: ModelConfig
 
 
+def attention_requirements(config: ModelConfig, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
+                           device: str = "cpu") -> AttentionRequirements:
+    return AttentionRequirements(dtype=dtype, kv_cache_dtype=dtype, head_size=config.head_size,
+                                 block_size=block_size, sliding_window=config.max_sliding_window, device=device)
+
+
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
-               attn_backend: AttentionBackend | None = None) -> LoadedModel:
-    """Build the model for ``source`` with its weights, in eval mode, on the CPU
-    (attention through ``attn_backend``, by default the CPU backend)."""
-    if source.kind != "gguf":
-        raise ValueError(f"loading a {source.kind!r} model ({source.path}) is not supported yet; "
-                         "supported: a .gguf file")
-    attn_backend = attn_backend or CpuAttentionBackend()
-    gguf = read_gguf(source.path)
-    config = gguf_model_config(gguf)
-    model = get_model_class(config.architecture)(config, attn_backend, dtype)
-    load_weights(model, iter_gguf_weights(gguf, config), model.gguf_tensor_map)
+               attn_backend: AttentionBackend | None = None,
+               block_size: int = DEFAULT_BLOCK_SIZE) -> LoadedModel:
+    """Build the model for ``source`` with its weights, in eval mode, on the CPU. Attention goes
+    through ``attn_backend``, by default the first backend that accepts the model's requirements
+    (raises ValueError naming every backend's refusal when none does)."""
+    config, weights, map_name = _open_checkpoint(source)
+    backend = attn_backend or select_backend(attention_requirements(config, dtype, block_size))
+    model = get_model_class(config.architecture)(config, backend, dtype)
+    load_weights(model, weights, getattr(model, map_name))
     return LoadedModel(model.eval(), config)
+
+
+def _open_checkpoint(source: ModelSource) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], str]:
+    """(config, lazy weight iterator, name of the model's tensor map) for a source."""
+    if source.kind == "gguf":
+        gguf = read_gguf(source.path)
+        config = gguf_model_config(gguf)
+        return config, iter_gguf_weights(gguf, config), "gguf_tensor_map"
+    if source.kind == "hf_dir":
+        return read_hf_config(source.path), iter_safetensors_weights(source.path), "hf_tensor_map"
+    raise ValueError(f"model source kind {source.kind!r} is not supported; supported: 'gguf', 'hf_dir'")
 
 
 def _compile_tensor_map(tensor_map: dict[str, tuple[str, str | None]]) -> list[tuple[re.Pattern, str, str | None]]:
@@ -56,17 +84,21 @@ def _compile_tensor_map(tensor_map: dict[str, tuple[str, str | None]]) -> list[t
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  tensor_map: dict[str, tuple[str, str | None]]) -> None:
-    """Copy each (checkpoint name, tensor) into the parameter (or fused shard) the map names.
-    Fails on a tensor without a place, a shape mismatch, or a parameter left unloaded."""
+    """Copy each (checkpoint name, tensor) into the parameter (or fused shard) the map names,
+    converting to the parameter's dtype. A checkpoint's copy of a tied weight (lm_head beside
+    embed_tokens) is skipped. Fails on a tensor without a place, a shape mismatch, or a
+    parameter left unloaded."""
     compiled = _compile_tensor_map(tensor_map)
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
     modules = dict(model.named_modules())
     unloaded = {(name, shard) for name, p in params.items() for shard in _shards_of(modules, name)}
     for ckpt_name, tensor in weights:
         param_name, shard = _lookup(compiled, ckpt_name, type(model).__name__)
+        if param_name in aliases:
+            continue
         if param_name not in params:
-            raise ValueError(f"{ckpt_name} maps to {param_name}, which {type(model).__name__} does not have "
-                             "(a tied weight given twice?)")
+            raise ValueError(f"{ckpt_name} maps to {param_name}, which {type(model).__name__} does not have")
         with torch.no_grad():
             if shard is None:
                 if params[param_name].shape != tensor.shape:
@@ -74,7 +106,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                                      f"{param_name} expects {tuple(params[param_name].shape)}")
                 params[param_name].copy_(tensor)
             else:
-                modules[param_name.rsplit(".", 1)[0]].load_shard(shard, tensor)
+                owner, attr = param_name.rsplit(".", 1)
+                modules[owner].load_shard(shard, tensor, attr)
         unloaded.discard((param_name, shard))
     if unloaded:
         missing = sorted(f"{n}[{s}]" if s else n for n, s in unloaded)

@@ -49,6 +49,17 @@ _MANAGERS: dict[type, str] = {
 }
 
 
+def model_kv_cache_specs(config: Any, block_size: int, dtype_bytes: int) -> list[KVCacheSpec]:
+    """One spec per attention layer of a model (``models.config.ModelConfig``)."""
+    specs: list[KVCacheSpec] = []
+    for layer in range(config.num_layers):
+        window = config.layer_sliding_window(layer)
+        shape = (block_size, config.num_kv_heads, config.head_size, dtype_bytes)
+        specs.append(SlidingWindowSpec(*shape, sliding_window=window) if window
+                     else FullAttentionSpec(*shape))
+    return specs
+
+
 def register_spec(spec_cls: type, manager: str) -> None:
     _MANAGERS[spec_cls] = manager
 

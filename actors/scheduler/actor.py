@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from actors.kv_manager.messages import KVReset
+from actors.kv_manager.messages import KVReset, ResetPrefixCache
 from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteError
 from actors.scheduler.scheduler import Scheduler
 from transport.messages import (AbortRequests, AddRequest, EngineCoreOutput, EngineCoreOutputs)
@@ -27,7 +27,7 @@ class WorkersReady(Msg):
     generation: int
 
 
-SchedulerProtocol = AddRequest | AbortRequests | Step | WorkersReady
+SchedulerProtocol = AddRequest | AbortRequests | Step | WorkersReady | ResetPrefixCache
 
 STEP_TIMEOUT_S = 600.0
 
@@ -60,6 +60,8 @@ class SchedulerActor(Actor):
                 self._step_queued = False
                 await self._step()
                 self._kick()
+            case ResetPrefixCache():
+                return await self.kv.ask(msg)      # between steps: no step reads the cache now
             case WorkersReady(generation=g):
                 if g != self.generation:
                     self.generation = g

@@ -2,7 +2,8 @@
 
 A GGUF file has no tokenizer.json; it stores llama.cpp's description of one (vocabulary, merges,
 token types, pre-tokenizer name, special ids). We read those keys straight from the file header
-and build the equivalent Hugging Face `tokenizers` pipeline, without importing transformers.
+and build the equivalent Hugging Face `tokenizers` pipeline, without importing transformers:
+byte-level BPE ("gpt2") and Gemma's SentencePiece BPE ("llama" in a gemma/gemma2/gemma3 file).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from actors.tokenizer.chat import ChatTemplate, normalize_messages
 from models.gguf_header import read_gguf_metadata
@@ -18,6 +19,8 @@ from models.gguf_header import read_gguf_metadata
 # llama.cpp's token types (tokenizer.ggml.token_type)
 TOKEN_TYPE_CONTROL = 3  # special tokens: <|im_start|>, <|endoftext|>; skipped by skip_special_tokens
 TOKEN_TYPE_USER_DEFINED = 4  # added tokens matched whole in text but decoded like text, e.g. <think>
+SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's spelling of a space
+_GEMMA_ARCHITECTURES = {"gemma", "gemma2", "gemma3"}
 
 # Pre-tokenizer split regexes for llama.cpp `tokenizer.ggml.pre` names other than the GPT-2 default
 _LLAMA3_SPLIT = (
@@ -45,14 +48,60 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def build_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
-    """The `tokenizers.Tokenizer` the GGUF `tokenizer.*` metadata describes. Only byte-level BPE ("gpt2") so far."""
+    """The `tokenizers.Tokenizer` the GGUF `tokenizer.*` metadata describes: byte-level BPE ("gpt2"), or
+    SentencePiece BPE ("llama") for Gemma files."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"tokenizer.ggml.model {kind!r} is not supported yet; supported: 'gpt2' (byte-level BPE). "
-            "SentencePiece vocabularies ('llama', e.g. Gemma, Llama 2) are not implemented."
-        )
-    return _byte_level_bpe(metadata)
+    arch = metadata.get("general.architecture")
+    if kind == "gpt2":
+        return _byte_level_bpe(metadata)
+    if kind == "llama" and arch in _GEMMA_ARCHITECTURES:
+        return _gemma_bpe(metadata)
+    raise ValueError(
+        f"tokenizer.ggml.model {kind!r} is not supported yet for architecture {arch!r}; supported: 'gpt2' "
+        f"(byte-level BPE), and 'llama' (SentencePiece BPE) for the architectures {sorted(_GEMMA_ARCHITECTURES)}"
+    )
+
+
+def _gemma_bpe(metadata: dict[str, Any]) -> Tokenizer:
+    """Gemma's SentencePiece BPE as its tokenizer.json (and transformers' GGUF converter) has it: spaces
+    become "▁", no pre-splitting, byte fallback to <0xNN> tokens. The file lists no merges; they are every
+    split of a token into two vocabulary pieces, ranked by the token's position in the vocabulary (Gemma's
+    scores do not follow its merge order), longer left piece first."""
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    special_ids = _special_ids(metadata, types)
+    # llama.cpp stores tokens of two or more spaces as spaces; the model's vocabulary spells them with "▁"
+    pieces = [SPIECE_SPACE * len(t) if t and set(t) == {" "} else t for t in tokens]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    if len(vocab) != len(pieces):
+        raise ValueError(f"the GGUF vocabulary has {len(pieces) - len(vocab)} duplicate tokens")
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None else "<unk>"
+    tokenizer = Tokenizer(models.BPE(vocab, _merges_by_rank(pieces, vocab), unk_token=unk, fuse_unk=True,
+                                     byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(),
+                                           decoders.Fuse()])
+    # Respelled whitespace tokens are left to the BPE, as transformers does.
+    user_defined = [i for i, t in enumerate(types)
+                    if t == TOKEN_TYPE_USER_DEFINED and i not in special_ids and pieces[i] == tokens[i]]
+    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special_ids)])
+    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user_defined])
+    return tokenizer
+
+
+def _merges_by_rank(pieces: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """(left, right) for every split of every piece into two vocabulary pieces: pieces in vocabulary
+    order, and within one piece the longer left part first (~0.5M merges for Gemma's 262k pieces)."""
+    merges = []
+    for piece in pieces:
+        for cut in range(len(piece) - 1, 0, -1):
+            left = piece[:cut]
+            if left in vocab:
+                right = piece[cut:]
+                if right in vocab:
+                    merges.append((left, right))
+    return merges
 
 
 def _byte_level_bpe(metadata: dict[str, Any]) -> Tokenizer:

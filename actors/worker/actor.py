@@ -16,6 +16,8 @@ class WorkerConfig(msgspec.Struct):
     dtype: str = "float32"
     num_threads: int = 0          # 0 = all cores
     seed: int = 0
+    quantization: str | None = None   # "int8": int8 weights, dynamic int8 activations
+    block_size: int = 16              # the KV cache's, so the attention backend is chosen for it
 
 
 class LoadModel(Msg):
@@ -64,7 +66,12 @@ class WorkerActor(Actor):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"unknown dtype {cfg.dtype!r}; accepted: float32, bfloat16")
         source = resolve_model(cfg.model)
-        self.model, self.config = load_model(source, dtype)
+        self.model, self.config = load_model(source, dtype, block_size=cfg.block_size)
+        from actors.kv_manager.kv_cache_spec import check_kv_cache_specs, model_kv_cache_specs
+        check_kv_cache_specs(model_kv_cache_specs(self.config, cfg.block_size, dtype.itemsize))
+        if cfg.quantization:
+            from models.quant import quantize
+            quantize(self.model, cfg.quantization)
         self.dtype = dtype
         c = self.config
         return ModelInfo(source.served_name, c.architecture, c.max_model_len, c.vocab_size,

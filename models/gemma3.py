@@ -1,0 +1,109 @@
+"""Gemma 3 (text): sliding-window layers interleaved with global ones, each kind with its own
+rotary base; (1 + weight) RMSNorms before and after attention and the MLP; per-head q/k norm;
+embeddings scaled by sqrt(hidden); gelu-tanh MLP; tied LM head, optional final softcap."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from kernels.attention.base import AttentionBackend, AttentionMetadata
+from models.config import ModelConfig
+from models.layers import Embedding, GatedMLP, GemmaRMSNorm, Linear, RotaryEmbedding, SelfAttention
+from models.llama import TensorMap
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.is_sliding = c.layer_sliding_window(layer) is not None
+        self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = SelfAttention(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
+            sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
+            qk_norm=lambda: GemmaRMSNorm(c.head_size, c.rms_norm_eps, dtype))
+        self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+
+_LAYER = {  # Hugging Face name under model.layers.{i}. -> GGUF name under blk.{i}.
+    "input_layernorm": "attn_norm",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.down_proj": "ffn_down",
+}
+_FUSED = {  # Hugging Face name -> (GGUF name, our fused parameter, shard)
+    "self_attn.q_proj": ("attn_q", "self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("attn_k", "self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("attn_v", "self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("ffn_gate", "mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("ffn_up", "mlp.gate_up_proj", "up"),
+}
+
+
+class Gemma3ForCausalLM(nn.Module):
+    gguf_tensor_map: ClassVar[TensorMap] = {
+        "token_embd.weight": ("embed_tokens.weight", None),
+        **{f"blk.{{i}}.{g}.weight": (f"layers.{{i}}.{h}.weight", None) for h, g in _LAYER.items()},
+        **{f"blk.{{i}}.{g}.weight": (f"layers.{{i}}.{ours}.weight", s) for g, ours, s in _FUSED.values()},
+        "output_norm.weight": ("norm.weight", None),
+        "output.weight": ("lm_head.weight", None),
+    }
+    hf_tensor_map: ClassVar[TensorMap] = {
+        "model.embed_tokens.weight": ("embed_tokens.weight", None),
+        **{f"model.layers.{{i}}.{h}.weight": (f"layers.{{i}}.{h}.weight", None) for h in _LAYER},
+        **{f"model.layers.{{i}}.{h}.weight": (f"layers.{{i}}.{ours}.weight", s)
+           for h, (_, ours, s) in _FUSED.items()},
+        "model.norm.weight": ("norm.weight", None),
+        "lm_head.weight": ("lm_head.weight", None),
+    }
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if config.attn_logit_softcapping is not None:
+            raise ValueError("Gemma3ForCausalLM: attention logit softcapping is not supported by the attention "
+                             "backends; this checkpoint sets attn_logit_softcapping")
+        c = self.config = config
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
+        self.embed_scale = c.hidden_size ** 0.5    # applied in the model dtype, as transformers does
+        self.rotary_global = RotaryEmbedding(c.head_size, c.max_model_len, c.rope_theta, c.rope_scaling_factor)
+        self.rotary_local = RotaryEmbedding(c.head_size, c.max_model_len, c.rope_local_theta or c.rope_theta)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, i, attn_backend, dtype) for i in range(c.num_layers))
+        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        tied = self.embed_tokens.weight if c.tie_word_embeddings else None
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype, weight=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions (T,) int64; kv_caches[l] (2, num_blocks, block_size, KVH, D)
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        hidden = self.embed_tokens(input_ids)                                     # (T, hidden)
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        rope_global = self.rotary_global(positions, hidden.dtype)                 # cos, sin (T, 1, D)
+        rope_local = self.rotary_local(positions, hidden.dtype)                   # cos, sin (T, 1, D)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            cos, sin = rope_local if layer.is_sliding else rope_global
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)                                                  # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()                # (N, hidden) -> (N, vocab) float32
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,114 @@
+"""TritonAttentionBackend end to end (KV store, then decode or prefill kernel) against the CPU
+backend and the slow reference, on the CPU under TRITON_INTERPRET=1; plus its declared
+capabilities and refusals."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+import pytest  # noqa: E402
+
+from kernels.attention import CpuAttentionBackend, build_attention_metadata, reference_paged_attention  # noqa: E402
+from kernels.attention.base import AttentionRequirements  # noqa: E402
+from kernels.attention.selector import select_backend  # noqa: E402
+from kernels.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from kernels.triton.paged_prefill import paged_attention_ref  # noqa: E402
+from paged_cases import DEVICE, assert_close, make_case, meta_on  # noqa: E402
+
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
+
+HEAD_SIZE = 16
+SCENARIOS = {
+    "decode": [(0, 1), (16, 1), (39, 1), (4, 1), (300, 1)],          # 300: split-K
+    "prefill_cached_prefix": [(20, 13), (48, 5), (0, 16)],
+    "mixed": [(0, 9), (30, 1), (15, 1), (7, 6), (64, 1)],
+}
+CASES = [("decode", (4, 4), 16, torch.float32), ("decode", (6, 2), 32, torch.bfloat16),
+         ("decode", (8, 1), 16, torch.bfloat16),
+         ("prefill_cached_prefix", (4, 4), 32, torch.bfloat16), ("prefill_cached_prefix", (6, 2), 16, torch.float32),
+         ("mixed", (8, 1), 32, torch.float32), ("mixed", (6, 2), 16, torch.bfloat16)]
+
+
+@pytest.fixture
+def backend(monkeypatch) -> TritonAttentionBackend:
+    monkeypatch.setattr(TritonAttentionBackend, "devices", ("cuda", "cpu"))
+    return TritonAttentionBackend()
+
+
+def _id(value: object) -> str | None:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return f"h{value[0]}kv{value[1]}" if isinstance(value, tuple) else None
+
+
+@pytest.mark.parametrize("scenario, heads, block_size, dtype", CASES, ids=_id)
+def test_backend_matches_cpu_backend_and_reference(backend, scenario, heads, block_size, dtype):
+    case = make_case(SCENARIOS[scenario], block_size, *heads, HEAD_SIZE, dtype, num_padding=2)
+    scale = HEAD_SIZE ** -0.5
+    ours_cache = case.kv_cache.clone()
+    out = backend.forward(case.query, case.key, case.value, ours_cache, case.meta, scale)
+
+    cpu = [x.cpu() for x in (case.query, case.key, case.value)]
+    cpu_meta = meta_on(case.meta, "cpu")
+    ref_cache = case.kv_cache.cpu().clone()
+    expected = reference_paged_attention(*cpu, ref_cache, cpu_meta, scale)
+    assert torch.equal(ours_cache.cpu(), ref_cache)
+    assert_close(out, expected)
+    assert torch.equal(out[-2:].cpu(), torch.zeros_like(expected[-2:]))      # padding rows
+    if dtype == torch.float32:
+        cpu_out = CpuAttentionBackend().forward(*cpu, case.kv_cache.cpu().clone(), cpu_meta, scale)
+        assert_close(out, cpu_out)
+
+
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+def test_backend_sliding_window(backend, scenario):
+    case = make_case(SCENARIOS[scenario], 16, 6, 2, HEAD_SIZE, seed=1)
+    m = case.meta
+    cache = case.kv_cache.clone()
+    out = backend.forward(case.query, case.key, case.value, cache, m, 0.25, sliding_window=12)
+    expected = paged_attention_ref(case.query, cache, m.query_start_loc, m.seq_lens, m.block_table, 0.25, 12)
+    assert_close(out, expected)
+
+
+def test_decode_step_after_prefill_matches_one_prefill(backend):
+    """The invariant the engine relies on: prefilling 20 tokens then decoding the 21st gives the
+    21st token the same attention output as one prefill of all 21."""
+    full = make_case([(0, 21)], 16, 4, 2, HEAD_SIZE, seed=2)
+    one = backend.forward(full.query, full.key, full.value, full.kv_cache.clone(), full.meta, 0.3)
+    pages = [full.meta.block_table[0].tolist()]
+    prefill = meta_on(build_attention_metadata([20], [20], pages, 16), DEVICE)
+    decode = meta_on(build_attention_metadata([1], [21], pages, 16), DEVICE)
+    assert decode.is_pure_decode
+    cache = full.kv_cache.clone()
+    backend.forward(full.query[:20], full.key[:20], full.value[:20], cache, prefill, 0.3)
+    last = backend.forward(full.query[20:], full.key[20:], full.value[20:], cache, decode, 0.3)
+    assert_close(last, one[20:])
+
+
+def _req(device: str = "cuda", **kw) -> AttentionRequirements:
+    args = dict(dtype=torch.bfloat16, kv_cache_dtype=torch.bfloat16, head_size=128, block_size=16,
+                sliding_window=4096, device=device)
+    return AttentionRequirements(**(args | kw))
+
+
+def test_capabilities_and_refusals():
+    cls = TritonAttentionBackend
+    assert cls.refusal(_req()) is None
+    assert cls.refusal(_req(dtype=torch.float32, kv_cache_dtype=torch.float32, head_size=80, block_size=64)) is None
+    assert cls.cudagraph_support == "uniform_decode" and cls.supports_sliding_window
+    assert "head size 512" in cls.refusal(_req(head_size=512))
+    assert "block size 8" in cls.refusal(_req(block_size=8))
+    assert "must equal the model dtype" in cls.refusal(_req(kv_cache_dtype=torch.float16))
+    assert isinstance(select_backend(_req(), ["triton"]), TritonAttentionBackend)
+
+
+def test_cpu_only_when_asked(monkeypatch):
+    if "cpu" not in TritonAttentionBackend.devices:
+        assert "runs on cuda" in TritonAttentionBackend.refusal(_req("cpu"))
+        assert isinstance(select_backend(_req("cpu", sliding_window=None)), CpuAttentionBackend)
+    monkeypatch.setattr(TritonAttentionBackend, "devices", ("cuda", "cpu"))
+    assert TritonAttentionBackend.refusal(_req("cpu")) is None

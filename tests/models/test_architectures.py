@@ -1,0 +1,235 @@
+"""Every architecture against transformers on tiny random weights saved as safetensors and read
+back by our loader: plain prefill, step-by-step decode through the paged cache, chunked prefill,
+a prefix-cache hit mixed with another request's decode, decode-vs-prefill log-probs, bfloat16."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels.attention import allocate_kv_caches, build_attention_metadata
+from models.registry import get_model_class, load_model
+from models.resolve import resolve_model
+
+BLOCK_SIZE = 4
+VOCAB = 128
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**TINY, num_hidden_layers=2, rope_theta=5000.0, tie_word_embeddings=False))
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(**TINY, num_hidden_layers=2, rope_theta=20000.0, tie_word_embeddings=False))
+
+
+def _qwen3():  # q/k norm, tied embeddings, sliding window on layers >= 1
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM(Qwen3Config(**TINY, num_hidden_layers=3, tie_word_embeddings=True,
+                                        use_sliding_window=True, sliding_window=5, max_window_layers=1))
+
+
+def _mistral():  # one window for every layer
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(**TINY, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False))
+
+
+def _gemma3():  # local layers with W = 4 and their own rope base, linear-scaled global rope, softcap
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    rope = {FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            SLIDING: {"rope_type": "default", "rope_theta": 500.0}}
+    return Gemma3ForCausalLM(Gemma3TextConfig(**TINY, num_hidden_layers=4, sliding_window=4,
+                                              layer_types=[SLIDING, FULL, SLIDING, SLIDING], query_pre_attn_scalar=24,
+                                              final_logit_softcapping=30.0, rope_parameters=rope))
+
+
+BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
+            "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def case(request, tmp_path_factory):
+    """(our model, config, transformers model, checkpoint dir) for one architecture."""
+    torch.manual_seed(0)
+    hf = BUILDERS[request.param]()
+    with torch.no_grad():  # weights large enough that logits spread out: a wrong detail shows
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") and "Gemma" not in request.param else 0.0, 0.15)
+    hf.config._attn_implementation = "eager"
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path, max_shard_size="40KB" if request.param == "LlamaForCausalLM" else "50GB")
+    model, config = load_model(resolve_model(str(path)))
+    assert config.architecture == request.param and isinstance(model, get_model_class(request.param))
+    return model, config, hf.eval(), path
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:  # (T, V)
+    with torch.inference_mode():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+class Paged:
+    """A hand-driven paged KV cache: the test plays scheduler and block manager."""
+
+    def __init__(self, config, num_blocks: int = 64, dtype: torch.dtype = torch.float32):
+        self.kv_caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, dtype)
+        self.free = list(range(num_blocks - 1, 0, -1))   # block 0 stays free: padding points at it
+
+    def blocks_for(self, table: list[int], num_tokens: int) -> list[int]:
+        while len(table) * BLOCK_SIZE < num_tokens:
+            table.append(self.free.pop())
+        return table
+
+    def step(self, model, reqs: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
+        """reqs: (new tokens, num_computed_tokens, block table). Returns each request's (q, V) logits."""
+        ids = torch.tensor([t for toks, _, _ in reqs for t in toks])
+        pos = torch.tensor([p for toks, start, _ in reqs for p in range(start, start + len(toks))])
+        meta = build_attention_metadata([len(t) for t, _, _ in reqs], [s + len(t) for t, s, _ in reqs],
+                                        [table for _, _, table in reqs], BLOCK_SIZE)
+        with torch.inference_mode():
+            logits = model.compute_logits(model(ids, pos, self.kv_caches, meta))   # (T, V)
+        return list(logits.split([len(t) for t, _, _ in reqs]))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _close(ours: torch.Tensor, expected: torch.Tensor) -> None:
+    assert expected.std() > 0.5, "reference logits too flat for the comparison to mean anything"
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill(case):
+    model, config, hf, _ = case
+    tokens = _prompt(29, 1)
+    paged = Paged(config)
+    (logits,) = paged.step(model, [(tokens, 0, paged.blocks_for([], 29))])
+    _close(logits, hf_logits(hf, tokens))
+
+
+def test_sliding_window_matters(case):
+    model, config, hf, path = case
+    if config.max_sliding_window is None:
+        pytest.skip("no sliding window in this configuration")
+    full_config = dataclasses.replace(config, sliding_window=None)
+    full = get_model_class(config.architecture)(full_config, model.layers[0].self_attn.backend)
+    full.load_state_dict(model.state_dict())
+    tokens = _prompt(29, 1)
+    paged, paged_full = Paged(config), Paged(config)
+    (windowed,) = paged.step(model, [(tokens, 0, paged.blocks_for([], 29))])
+    (unwindowed,) = paged_full.step(full.eval(), [(tokens, 0, paged_full.blocks_for([], 29))])
+    assert (windowed - unwindowed)[8:].abs().max() > 1e-2
+
+
+def test_decode_step_by_step(case):
+    model, config, hf, _ = case
+    tokens = _prompt(26, 2)
+    paged, table = Paged(config), []
+    outs = paged.step(model, [(tokens[:5], 0, paged.blocks_for(table, 5))])
+    for p in range(5, len(tokens)):
+        outs += paged.step(model, [(tokens[p:p + 1], p, paged.blocks_for(table, p + 1))])
+    _close(torch.cat(outs), hf_logits(hf, tokens))
+
+
+def test_chunked_prefill(case):
+    model, config, hf, _ = case
+    tokens = _prompt(31, 3)
+    paged, table, outs, start = Paged(config), [], [], 0
+    for chunk in (7, 1, 9, 14):
+        outs += paged.step(model, [(tokens[start:start + chunk], start, paged.blocks_for(table, start + chunk))])
+        start += chunk
+    _close(torch.cat(outs), hf_logits(hf, tokens))
+
+
+def test_prefix_cache_hit_mixed_with_decode(case):
+    """Request B's first 3 blocks are request A's (same 12 tokens, already cached): only B's suffix
+    is computed, in the same step as A's next decode."""
+    model, config, hf, _ = case
+    a = _prompt(21, 4)
+    b = a[:12] + _prompt(9, 5)
+    paged, table_a = Paged(config), []
+    paged.step(model, [(a, 0, paged.blocks_for(table_a, 21))])
+    a_next = a + [7]
+    table_b = paged.blocks_for(table_a[:3], 21)
+    decode_a, suffix_b = paged.step(model, [(a_next[21:], 21, paged.blocks_for(table_a, 22)), (b[12:], 12, table_b)])
+    _close(decode_a, hf_logits(hf, a_next)[21:])
+    _close(suffix_b, hf_logits(hf, b)[12:])
+
+
+def test_decode_logprobs_match_one_prefill(case):
+    model, config, _, _ = case
+    prompt = _prompt(11, 6)
+    paged, table, tokens, logprobs = Paged(config), [], list(prompt), []
+    (logits,) = paged.step(model, [(prompt, 0, paged.blocks_for(table, len(prompt)))])
+    for _ in range(16):
+        lp = logits[-1].log_softmax(-1)
+        tokens.append(int(lp.argmax()))
+        logprobs.append(lp[tokens[-1]])
+        (logits,) = paged.step(model, [(tokens[-1:], len(tokens) - 1, paged.blocks_for(table, len(tokens)))])
+    fresh = Paged(config)
+    (full,) = fresh.step(model, [(tokens[:-1], 0, fresh.blocks_for([], len(tokens) - 1))])
+    expected = full[len(prompt) - 1:].log_softmax(-1).gather(1, torch.tensor(tokens[len(prompt):])[:, None])[:, 0]
+    torch.testing.assert_close(torch.stack(logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_weights(case):
+    """bfloat16 weights and cache: our error against float32 is of the size of transformers' own
+    bfloat16 error."""
+    import copy
+    model, config, hf, path = case
+    bf16, bf16_config = load_model(resolve_model(str(path)), dtype=torch.bfloat16)
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    tokens = _prompt(29, 1)
+    paged = Paged(bf16_config, dtype=torch.bfloat16)
+    (logits,) = paged.step(bf16, [(tokens, 0, paged.blocks_for([], 29))])
+    expected = hf_logits(hf, tokens)
+    hf_error = (hf_logits(copy.deepcopy(hf).to(torch.bfloat16), tokens) - expected).abs().max()
+    assert (logits - expected).abs().max() < 2 * hf_error + 1e-2
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+def test_no_backend_for_the_requirements(case):
+    _, _, _, path = case
+    with pytest.raises(ValueError, match="no attention backend supports this model") as info:
+        load_model(resolve_model(str(path)), dtype=torch.float64)
+    assert "cpu: dtype torch.float64 not supported" in str(info.value)
+
+
+def test_hf_config_defaults_and_errors():
+    from models.hf_config import hf_model_config
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                max_position_embeddings=64, rms_norm_eps=1e-5)
+    mistral = hf_model_config({**base, "architectures": ["MistralForCausalLM"]})
+    assert mistral.sliding_window == 4096 and mistral.head_size == 16 and mistral.num_kv_heads == 4
+    assert hf_model_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None}).sliding_window is None
+    gemma = hf_model_config({**base, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 12,
+                             "rope_local_base_freq": 500.0, "eos_token_id": [1, 106]})
+    assert (gemma.head_size, gemma.rope_theta, gemma.rope_local_theta, gemma.tie_word_embeddings) == (256, 1e6, 500.0, True)
+    assert [gemma.layer_sliding_window(i) for i in (0, 5, 11)] == [4096, None, None] and gemma.eos_token_ids == (1, 106)
+    qwen2 = hf_model_config({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 8})
+    assert qwen2.qkv_bias and not qwen2.o_bias and qwen2.max_sliding_window is None   # use_sliding_window is off
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        hf_model_config({**base, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="architectures \\['GPT2LMHeadModel'\\] is not supported"):
+        hf_model_config({**base, "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_tied_head_copy_in_checkpoint_is_skipped(case):
+    """A checkpoint may carry lm_head.weight beside the embedding it is tied to (state_dict does)."""
+    from models.registry import load_weights
+    model, config, hf, _ = case
+    if not config.tie_word_embeddings:
+        pytest.skip("untied head")
+    state = hf.state_dict()
+    assert "lm_head.weight" in state
+    fresh = get_model_class(config.architecture)(config, model.layers[0].self_attn.backend)
+    load_weights(fresh, state.items(), fresh.hf_tensor_map)
+    assert fresh.lm_head.weight is fresh.embed_tokens.weight
+    torch.testing.assert_close(fresh.embed_tokens.weight, model.embed_tokens.weight, atol=0, rtol=0)

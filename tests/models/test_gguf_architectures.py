@@ -1,0 +1,106 @@
+"""The GGUF path of each architecture: a tiny random transformers model converted to a float32
+GGUF the way llama.cpp's convert_hf_to_gguf does (names from gguf's own tensor-name map, llama's
+q/k rows permuted, Gemma's norms stored as 1 + weight, hyper-parameters as llama.cpp keys; what
+llama.cpp hard-codes for gemma3 left out), loaded by our loader, logits against transformers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
+
+from kernels.attention import allocate_kv_caches, build_attention_metadata
+from models.registry import load_model
+from models.resolve import ModelSource
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**TINY, num_hidden_layers=2, rope_theta=5000.0, tie_word_embeddings=False))
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(**TINY, num_hidden_layers=2, rope_theta=20000.0, tie_word_embeddings=True))
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM(Qwen3Config(**TINY, num_hidden_layers=2, rope_theta=30000.0, tie_word_embeddings=False))
+
+
+def _gemma3():  # what llama.cpp assumes: every 6th layer global, local rope base 10000, scale 1/sqrt(head_dim)
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return Gemma3ForCausalLM(Gemma3TextConfig(**TINY, num_hidden_layers=7, sliding_window=4, query_pre_attn_scalar=16,
+                                              rope_parameters=rope))
+
+
+BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma3": _gemma3}
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's LlamaModel.permute: interleave the two rotary halves of each head's rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_to_gguf(hf, arch: str, path: str) -> None:
+    c = hf.config
+    writer = GGUFWriter(path, arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    if arch == "gemma3":
+        writer.add_sliding_window(c.sliding_window)
+    arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    names = get_tensor_name_map(arch_id, c.num_hidden_layers)
+    for hf_name, tensor in hf.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        if arch == "llama" and base.endswith("q_proj"):
+            tensor = _permute(tensor, c.num_attention_heads)
+        if arch == "llama" and base.endswith("k_proj"):
+            tensor = _permute(tensor, c.num_key_value_heads)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            tensor = tensor + 1.0
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_gguf_logits_match_transformers(arch, tmp_path):
+    torch.manual_seed(0)
+    hf = BUILDERS[arch]()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") and arch != "gemma3" else 0.0, 0.15)
+    hf.config._attn_implementation = "eager"
+    path = str(tmp_path / f"{arch}.gguf")
+    convert_to_gguf(hf.eval(), arch, path)
+    model, config = load_model(ModelSource("gguf", path, arch))
+    if arch == "gemma3":
+        assert config.layer_sliding_window(0) == 4 and config.layer_sliding_window(5) is None
+    tokens = torch.randint(0, 128, (29,), generator=torch.Generator().manual_seed(1))
+    kv_caches = allocate_kv_caches(config, 9, 4)
+    meta = build_attention_metadata([29], [29], [list(range(1, 9))], 4)
+    with torch.inference_mode():
+        ours = model.compute_logits(model(tokens, torch.arange(29), kv_caches, meta))
+        expected = hf(tokens[None]).logits[0]
+    assert expected.std() > 0.5
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)

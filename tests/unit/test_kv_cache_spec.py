@@ -1,0 +1,65 @@
+"""KV cache specs: page sizes, the manager registry (resolved through the class MRO, with a
+clear start-up error for an unknown spec), and the per-layer views of one buffer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from actors.kv_manager.kv_cache_spec import (FullAttentionSpec, KVCacheSpec, SlidingWindowSpec,
+                                             check_kv_cache_specs, create_kv_cache_views,
+                                             manager_for, num_blocks_for)
+
+
+def test_page_size_counts_keys_and_values():
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype_bytes=4)
+    assert spec.page_size_bytes == 2 * 16 * 3 * 64 * 4
+
+
+def test_specs_are_frozen():
+    spec = FullAttentionSpec(16, 3, 64, 4)
+    with pytest.raises(Exception):
+        spec.block_size = 32
+
+
+def test_subclass_of_a_registered_spec_inherits_its_manager():
+    @dataclass(frozen=True, slots=True)
+    class CustomFullSpec(FullAttentionSpec):
+        pass
+    assert manager_for(CustomFullSpec(16, 3, 64, 4)) == "full_attention"
+    assert manager_for(SlidingWindowSpec(16, 3, 64, 4, sliding_window=512)) == "full_attention"
+
+
+def test_unknown_spec_fails_at_start_up_with_a_value_error():
+    @dataclass(frozen=True, slots=True)
+    class MambaLikeSpec(KVCacheSpec):
+        pass
+    with pytest.raises(ValueError, match="MambaLikeSpec"):
+        check_kv_cache_specs([FullAttentionSpec(16, 3, 64, 4), MambaLikeSpec(16, 3, 64, 4)])
+
+
+def test_layer_views_share_one_buffer_and_do_not_overlap():
+    specs = [FullAttentionSpec(4, 2, 8, 4) for _ in range(3)]
+    views = create_kv_cache_views(specs, num_blocks=5, dtype=torch.float32)
+    assert all(v.shape == (2, 5, 4, 2, 8) for v in views)
+    base = views[0].untyped_storage().data_ptr()
+    assert all(v.untyped_storage().data_ptr() == base for v in views)
+    views[1].fill_(1.0)
+    assert views[0].sum() == 0 and views[2].sum() == 0
+
+
+def test_num_blocks_for_a_memory_budget():
+    specs = [FullAttentionSpec(16, 3, 64, 4)] * 30
+    per_block = 30 * specs[0].page_size_bytes
+    assert num_blocks_for(specs, 10 * per_block + 5) == 10
+
+
+def test_model_specs_follow_each_layers_window():
+    from models.config import FULL, SLIDING, ModelConfig
+    from actors.kv_manager.kv_cache_spec import model_kv_cache_specs
+    cfg = ModelConfig("Gemma3ForCausalLM", 100, 64, 128, 3, 4, 2, 16, 512, 1e4, 1e-6, True, None, (1,),
+                      sliding_window=8, layer_types=(SLIDING, SLIDING, FULL))
+    specs = model_kv_cache_specs(cfg, 16, 4)
+    assert [type(s).__name__ for s in specs] == ["SlidingWindowSpec", "SlidingWindowSpec", "FullAttentionSpec"]
+    assert specs[0].sliding_window == 8 and check_kv_cache_specs(specs) == "full_attention"

@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput, an online load generator, and single-stream latency."""

@@ -1,0 +1,65 @@
+"""``python -m tools.bench {offline,serve,latency,agreement}``: each prints one JSON line last."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from tools.bench import workload
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m tools.bench")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    off = sub.add_parser("offline", help="offline throughput of an in-process engine")
+    workload.add_arguments(off)
+    off.add_argument("--model", default=None)
+    off.add_argument("--dtype", default="float32")
+    off.add_argument("--quantization", default=None, choices=["int8"])
+    off.add_argument("--max-num-seqs", type=int, default=256)
+    off.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    off.add_argument("--kv-cache-gib", type=float, default=0)
+    off.add_argument("--multiprocess", action="store_true", help="the server's 3-process layout")
+
+    srv = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
+    workload.add_arguments(srv)
+    srv.add_argument("--url", required=True)
+    srv.add_argument("--model", default=None, help="model name (default: the server's first)")
+    srv.add_argument("--request-rate", type=float, default=float("inf"),
+                     help="Poisson arrivals per second (inf: all at once)")
+    srv.add_argument("--concurrency", type=int, default=0, help="fixed concurrency instead of a rate")
+    srv.add_argument("--timeout", type=float, default=1800)
+
+    lat = sub.add_parser("latency", help="single-stream prefill, decode and cold start")
+    lat.add_argument("--model", default=None)
+    lat.add_argument("--dtype", default="float32")
+    lat.add_argument("--quantization", default=None, choices=["int8"])
+    lat.add_argument("--prompt-len", type=int, default=128)
+    lat.add_argument("--decode-tokens", type=int, default=128)
+    lat.add_argument("--repeats", type=int, default=3)
+    lat.add_argument("--seed", type=int, default=0)
+
+    agr = sub.add_parser("agreement", help="greedy agreement of a quantized mode with exact mode")
+    agr.add_argument("--model", default=None)
+    agr.add_argument("--quantization", default="int8", choices=["int8"])
+    agr.add_argument("--n", type=int, default=20)
+    agr.add_argument("--tokens", type=int, default=64)
+
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.cmd == "offline":
+        from tools.bench import offline
+        offline.main(args)
+    elif args.cmd == "serve":
+        from tools.bench import serve
+        serve.main(args)
+    elif args.cmd == "latency":
+        from tools.bench import latency
+        latency.main(args)
+    else:
+        from tools.bench import agreement
+        agreement.main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Offline throughput: every request of a workload submitted at once to an in-process engine."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from tools.bench import flops, workload
+
+
+async def run(args: Any) -> dict[str, Any]:
+    from actors.api import AsyncLLM, SamplingParams
+    from models.gguf_header import read_gguf
+    from models.gguf_loader import gguf_model_config
+    from models.resolve import resolve_model
+
+    reqs = workload.from_args(args)
+    engine_opts = {"dtype": args.dtype, "quantization": args.quantization,
+                   "max_num_seqs": args.max_num_seqs,
+                   "max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.kv_cache_gib:
+        engine_opts["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
+    llm = await AsyncLLM.create(args.model, multiprocess=args.multiprocess, **engine_opts)
+    try:
+        async def one(r: dict, params: SamplingParams) -> int:
+            n = 0
+            async for out in llm.generate(r["prompt_token_ids"], params):
+                n += len(out.token_ids)
+            return n
+
+        def params(r: dict) -> SamplingParams:
+            return SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+
+        await asyncio.gather(*(one(r, params(r)) for r in reqs[:2]))           # warm-up
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(r, params(r)) for r in reqs))
+        seconds = time.perf_counter() - t0
+        stats = llm.client.stats
+    finally:
+        await llm.shutdown()
+    config = gguf_model_config(read_gguf(resolve_model(args.model).path))
+    n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
+    n_out = sum(outs)
+    gflops = flops.workload_flops(config, reqs) / seconds / 1e9
+    peak = flops.matmul_peak_gflops()
+    return {"bench": "offline", "engine": "troupe", "dtype": args.dtype,
+            "quantization": args.quantization, "requests": len(reqs),
+            "prompt_tokens": n_in, "output_tokens": n_out, "seconds": round(seconds, 3),
+            "output_tok_per_s": round(n_out / seconds, 2),
+            "total_tok_per_s": round((n_in + n_out) / seconds, 2),
+            "gflops_per_s": round(gflops, 1), "matmul_peak_gflops_per_s": round(peak, 1),
+            "fraction_of_peak": round(gflops / peak, 3), "steps": stats.steps,
+            "max_batch_size": stats.max_batch_size}
+
+
+def main(args: Any) -> None:
+    import uvloop
+    print(json.dumps(uvloop.run(run(args))), flush=True)

@@ -1,0 +1,42 @@
+"""Workloads in the format of ../shared/bench/make_workload.py: a JSON list of
+{"prompt_token_ids": [...], "max_tokens": N}; greedy, every request runs to max_tokens."""
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+
+def generate(n: int, inp: tuple[int, int], out: tuple[int, int], seed: int = 0,
+             vocab: int = 49152) -> list[dict[str, Any]]:
+    """The same requests make_workload.py writes for the same parameters."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        n_in = rng.randint(*inp)
+        reqs.append({"prompt_token_ids": [rng.randint(100, vocab - 1) for _ in range(n_in)],
+                     "max_tokens": rng.randint(*out)})
+    return reqs
+
+
+def load(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        reqs = json.load(f)
+    if not isinstance(reqs, list) or not all(
+            isinstance(r, dict) and "prompt_token_ids" in r and "max_tokens" in r for r in reqs):
+        raise ValueError(f"{path}: expected a list of {{prompt_token_ids, max_tokens}} objects")
+    return reqs
+
+
+def from_args(args: Any) -> list[dict[str, Any]]:
+    if args.workload:
+        return load(args.workload)
+    return generate(args.n, tuple(args.inp), tuple(args.out), args.seed)
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--workload", help="a workload JSON file (make_workload.py format)")
+    p.add_argument("--n", type=int, default=32, help="requests to generate (no --workload)")
+    p.add_argument("--in", dest="inp", type=int, nargs=2, default=[64, 256], metavar=("LO", "HI"))
+    p.add_argument("--out", type=int, nargs=2, default=[64, 128], metavar=("LO", "HI"))
+    p.add_argument("--seed", type=int, default=0)
