@@ -102,7 +102,7 @@ def _gemma3_fields(meta: dict[str, Any], fields: dict[str, Any]) -> dict[str, An
     )
 
 
-def _tensor_data(data: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
+def raw_tensor_data(data: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
     """The raw (still quantized) data as gguf.quants.dequantize expects it."""
     shape = info.shape
     n_elements = int(np.prod(shape))
@@ -142,7 +142,7 @@ def _gguf_fixups(config: ModelConfig) -> list[tuple[str, Fixup]]:
 def dequantize_tensor(data: np.memmap, info: GGUFTensorInfo) -> torch.Tensor:
     """One tensor as float32 in numpy/torch order ((out, in) for a weight)."""
     try:
-        array = dequantize(_tensor_data(data, info), info.ggml_type)
+        array = dequantize(raw_tensor_data(data, info), info.ggml_type)
     except NotImplementedError as exc:
         raise ValueError(f"tensor {info.name}: the gguf package cannot dequantize {info.ggml_type.name} ({exc})") from exc
     if not array.flags.writeable:  # F32 comes back as a view of the read-only map

@@ -1,0 +1,95 @@
+"""The native CPU kernels (``gguf_gemm.c``): compiled with the system C compiler on first use
+into a per-user cache, loaded with ctypes (no torch headers, so the build takes about a second).
+
+``available()`` says whether they can run here and, if not, why.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gguf_gemm.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+QK = 32
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("TROUPE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "troupe")
+    path = os.path.join(root, "native")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        return None, f"this CPU lacks {', '.join(sorted(missing))}"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None, "no C compiler (cc or gcc) on PATH"
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"gguf_gemm-{digest}.so")
+    if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        os.close(fd)
+        proc = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            return None, f"compiling {SOURCE} failed: {proc.stderr.strip()[:500]}"
+        os.replace(tmp, path)      # atomic: concurrent processes never load a partial file
+    lib = ctypes.CDLL(path)
+    for name in ("q4_1_gemm", "q8_0_gemm"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_void_p]
+    return lib, ""
+
+
+def available() -> tuple[bool, str]:
+    lib, reason = _library()
+    return lib is not None, reason
+
+
+def gguf_gemm(qtype: str, blocks: torch.Tensor, n: int, k: int, x: torch.Tensor) -> torch.Tensor:
+    """x (T, k) float32 @ W^T where W (n, k) is stored as GGUF ``qtype`` blocks (uint8 tensor of
+    n * k / 32 blocks, row-major) -> (T, n) float32."""
+    lib, reason = _library()
+    if lib is None:
+        raise RuntimeError(f"the native GGUF kernels are unavailable: {reason}")
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"no native kernel for {qtype}; supported: {sorted(BLOCK_BYTES)}")
+    if k % QK or blocks.dtype != torch.uint8 or blocks.numel() != n * k // QK * BLOCK_BYTES[qtype]:
+        raise ValueError(f"{qtype} weight of ({n}, {k}) needs {n * k // QK * BLOCK_BYTES[qtype]} "
+                         f"uint8 bytes, got {blocks.numel()} {blocks.dtype}")
+    if not blocks.is_contiguous():
+        raise ValueError("the weight blocks must be contiguous")
+    x = x.to(torch.float32).contiguous()
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be (T, {k}), got {tuple(x.shape)}")
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    fn = lib.q4_1_gemm if qtype == "Q4_1" else lib.q8_0_gemm
+    fn(blocks.data_ptr(), n, k, x.data_ptr(), x.shape[0], y.data_ptr())
+    return y

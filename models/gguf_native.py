@@ -1,0 +1,94 @@
+"""The GGUF block formats run natively: each linear layer keeps its checkpoint's Q4_1 / Q8_0
+blocks (a sixth / a quarter of float32's bytes) and small batches multiply them by float32
+activations with the native kernels of ``kernels/cpu``, which read the weights once per step;
+large batches go to a ``fallback`` module (the split-int8 path, or float32 for the LM head).
+
+Fused layers (q|k|v, gate|up) take their shards' block rows in shard order; llama.cpp's
+row permutation of attn_q / attn_k is undone on whole block rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from kernels.cpu.native import gguf_gemm
+from models.config import ModelConfig
+from models.gguf_header import GGUFFile
+from models.gguf_loader import raw_tensor_data, unpermute_rotary_rows
+from models.layers import Linear, MergedLinear
+from models.registry import _compile_tensor_map, _lookup
+
+NATIVE_TYPES = {GGMLQuantizationType.Q4_1: "Q4_1", GGMLQuantizationType.Q8_0: "Q8_0"}
+MAX_NATIVE_ROWS = 8      # above this, the batch is compute-bound: the fallback is faster
+
+
+class NativeGGUFLinear(nn.Module):
+    def __init__(self, qtype: str, blocks: torch.Tensor, out_features: int, in_features: int,
+                 bias: torch.Tensor | None, fallback: nn.Module) -> None:
+        super().__init__()
+        self.qtype = qtype
+        self.blocks = blocks                      # (out * in / 32 * block bytes,) uint8
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = None if bias is None else bias.detach().float()
+        self.fallback = fallback
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:        # (T, in) -> (T, out)
+        if x.shape[0] > MAX_NATIVE_ROWS:
+            return self.fallback(x)
+        y = gguf_gemm(self.qtype, self.blocks, self.out_features, self.in_features, x)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def _row_fix(config: ModelConfig, name: str):
+    if config.architecture == "LlamaForCausalLM":
+        if name.endswith(".attn_q.weight"):
+            return lambda rows: unpermute_rotary_rows(rows, config.num_heads)
+        if name.endswith(".attn_k.weight"):
+            return lambda rows: unpermute_rotary_rows(rows, config.num_kv_heads)
+    return None
+
+
+def native_blocks(model: nn.Module, gguf: GGUFFile, config: ModelConfig) -> dict[str, dict]:
+    """module name -> {shard (None for unfused): (qtype, (rows, row_bytes) uint8 tensor)} for
+    every weight stored in a natively supported format."""
+    compiled = _compile_tensor_map(model.gguf_tensor_map)
+    data = np.memmap(gguf.path, mode="r")
+    out: dict[str, dict] = {}
+    for info in gguf.tensors.values():
+        if info.ggml_type not in NATIVE_TYPES or len(info.shape) != 2:
+            continue
+        param, shard = _lookup(compiled, info.name, type(model).__name__)
+        rows = torch.from_numpy(np.array(raw_tensor_data(data, info)))  # (out, row_bytes) copy
+        fix = _row_fix(config, info.name)
+        if fix is not None:
+            rows = fix(rows).contiguous()
+        out.setdefault(param.removesuffix(".weight"), {})[shard] = (NATIVE_TYPES[info.ggml_type], rows)
+    if config.tie_word_embeddings and "embed_tokens" in out:
+        out.setdefault("lm_head", out["embed_tokens"])
+    return out
+
+
+def run_natively(model: nn.Module, gguf: GGUFFile, config: ModelConfig,
+                 make_fallback) -> int:
+    """Replace every linear layer whose weights are stored natively; ``make_fallback(name,
+    linear)`` gives the module that serves large batches. Returns how many were replaced."""
+    blocks = native_blocks(model, gguf, config)
+    replaced = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            shards = blocks.get(full)
+            if not isinstance(child, Linear) or not shards:
+                continue
+            order = list(child.shard_sizes) if isinstance(child, MergedLinear) else [None]
+            if set(order) != set(shards) or len({q for q, _ in shards.values()}) != 1:
+                continue                          # mixed formats: keep the float32 layer
+            qtype = next(iter(shards.values()))[0]
+            raw = torch.cat([shards[s][1] for s in order]).reshape(-1).contiguous()
+            out_f, in_f = child.weight.shape
+            setattr(parent, name, NativeGGUFLinear(qtype, raw, out_f, in_f, child.bias,
+                                                   make_fallback(full, child)))
+            replaced += 1
+    return replaced
