@@ -22,7 +22,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--lenient", action="store_true",
+                   help="accept (and log) unknown request fields instead of answering 400")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="'priority': requests' priority field orders the queue (lower first)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "gguf"],
+                   help="int8 weights with dynamic int8 activations (faster, near-exact)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -41,24 +47,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+    return EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                        block_size=args.block_size,
                         kv_cache_bytes=int(args.kv_cache_gib * 2**30),
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, num_threads=args.threads, seed=args.seed)
+                        max_model_len=args.max_model_len, num_threads=args.threads, seed=args.seed,
+                        scheduling_policy=args.scheduling_policy)
 
 
 async def serve(args: argparse.Namespace) -> int:
+    """Listen first (probes answer 503 while the model loads), then load and serve."""
     from actors.frontend.actor import GetAddress, HttpFrontend
-    from actors.frontend.launch import start_frontend
-    fe = await start_frontend(engine_config(args), multiprocess=True)
+    from actors.frontend.app import OpenAIServer, ServerOptions
+    from actors.frontend.launch import create_frontend
+    fe = create_frontend(multiprocess=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: fe.node.closed.done() or fe.node.closed.set_result(0))
     try:
-        http = await fe.node.start("http", lambda: HttpFrontend(
-            fe.client, args.host, args.port, args.api_key, trace=fe.trace))
+        server = OpenAIServer(options=ServerOptions(args.api_key, args.lenient, args.scheduling_policy),
+                              trace=fe.trace)
+        http = await fe.node.start("http", lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())
+        print(f"Troupe listening on http://{addr.host}:{addr.port} (loading the model)", flush=True)
+        loading = asyncio.ensure_future(fe.start(engine_config(args)))
+        await asyncio.wait([loading, fe.node.closed], return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():          # a signal during loading
+            loading.cancel()
+            return fe.node.closed.result()
+        server.attach(loading.result())
         log.info("serving %s on http://%s:%d (engine pid %d)", fe.client.model_name, addr.host,
                  addr.port, fe.engine_process.pid)
         print(f"Troupe ready on http://{addr.host}:{addr.port}", flush=True)

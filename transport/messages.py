@@ -81,6 +81,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: Logprobs | None = None        # one position per new token
     prompt_logprobs: Logprobs | None = None # the prompt positions computed in this step
     num_cached_tokens: int = 0              # prompt tokens served from the prefix cache
+    # time.time() when the request was first scheduled (its queue time ends there); set at least
+    # on the request's first output. 0.0 = not reported.
+    first_scheduled_time: float = 0.0
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):

@@ -1,7 +1,9 @@
 """Detokenizer actor: one EngineCoreOutputs batch per engine step in; text deltas out to each
-request's stream. Stop strings end a request here, and the engine is told to abort it."""
+request's stream. Stop strings end a request here, and the engine is told to abort it. It also
+observes the request latencies (TTFT, inter-token, end-to-end, queue time) for the metrics."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from actors.detokenizer.incremental import IncrementalDetokenizer
@@ -9,11 +11,11 @@ from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams, RequestOutput
 from actors.runtime import Actor, ActorRef, Msg
 from actors.tokenizer.actor import TrackRequest
-from transport.messages import AbortRequests, EngineCoreOutput, EngineCoreOutputs
+from transport.messages import AbortRequests, EngineCoreOutput, EngineCoreOutputs, Logprobs
 
 
 class Untrack(Msg):
-    """Forget requests the client gave up on."""
+    """Forget requests the client gave up on (they count as aborted)."""
     request_ids: list[str]
 
 
@@ -21,12 +23,21 @@ DetokenizerProtocol = TrackRequest | EngineCoreOutputs | Untrack
 
 
 class _State:
-    __slots__ = ("detok", "num_prompt_tokens", "num_output_tokens")
+    __slots__ = ("detok", "num_prompt_tokens", "arrival_time", "last_token_time", "queued")
 
-    def __init__(self, detok: IncrementalDetokenizer, num_prompt_tokens: int) -> None:
+    def __init__(self, detok: IncrementalDetokenizer, num_prompt_tokens: int, arrival_time: float) -> None:
         self.detok = detok
         self.num_prompt_tokens = num_prompt_tokens
-        self.num_output_tokens = 0
+        self.arrival_time = arrival_time or time.time()
+        self.last_token_time = 0.0       # 0.0 until the first token
+        self.queued = True               # until the engine reports its first scheduling
+
+
+def _head(lp: Logprobs | None, n: int) -> Logprobs | None:
+    """The first ``n`` positions (tokens after a matched stop string are dropped)."""
+    if lp is None or len(lp.ranks) <= n:
+        return lp
+    return Logprobs(lp.token_ids[:n], lp.logprobs[:n], lp.ranks[:n])
 
 
 class DetokenizerActor(Actor):
@@ -45,26 +56,30 @@ class DetokenizerActor(Actor):
             case EngineCoreOutputs(outputs=outputs, stats=stats):
                 if stats is not None:
                     self.stats.observe_step(stats)
-                aborts = [o.request_id for o in outputs if self._process(o)]
+                now = time.time()
+                aborts = [o.request_id for o in outputs if self._process(o, now)]
                 if aborts:
                     self.engine.tell(AbortRequests(aborts))
-            case TrackRequest(request_id=rid, prompt_token_ids=ids, sampling_params=p):
+            case TrackRequest(request_id=rid, prompt_token_ids=ids, sampling_params=p,
+                              arrival_time=arrival):
                 detok = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
                     include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)
-                self.states[rid] = _State(detok, len(ids))
+                self.states[rid] = _State(detok, len(ids), arrival)
             case Untrack(request_ids=ids):
                 for rid in ids:
-                    self.states.pop(rid, None)
+                    if self.states.pop(rid, None) is not None:
+                        self.stats.observe_finished("abort")
 
-    def _process(self, o: EngineCoreOutput) -> bool:
+    def _process(self, o: EngineCoreOutput, now: float) -> bool:
         """Deliver one request's output; True if a stop string ended it (abort in the engine)."""
         st = self.states.get(o.request_id)
         if st is None:
             return False
-        st.num_output_tokens += len(o.new_token_ids)
-        self.stats.generation_tokens += len(o.new_token_ids)
+        before = st.detok.num_output_tokens
         delta = st.detok.update(o.new_token_ids)
+        num_new = st.detok.num_output_tokens - before     # tokens past a stop string are dropped
+        self._observe_timing(st, o, num_new, now)
         text, finish_reason, stop_reason = delta.text, o.finish_reason, o.stop_reason
         stopped_here = delta.finished and finish_reason is None
         if delta.finished:
@@ -75,9 +90,24 @@ class DetokenizerActor(Actor):
         if finished:
             del self.states[o.request_id]
             self.stats.observe_finished(finish_reason)
+            self.stats.e2e_request_latency.observe(now - st.arrival_time)
         stream = self.streams.get(o.request_id)
         if stream is not None:
-            stream.put(RequestOutput(o.request_id, text, list(o.new_token_ids), finished,
-                                     finish_reason, stop_reason, st.num_prompt_tokens,
-                                     st.num_output_tokens, o.error))
+            stream.put(RequestOutput(
+                o.request_id, text, list(o.new_token_ids[:num_new]), finished, finish_reason,
+                stop_reason, st.num_prompt_tokens, st.detok.num_output_tokens, o.error,
+                _head(o.logprobs, num_new), o.prompt_logprobs, o.num_cached_tokens))
         return stopped_here
+
+    def _observe_timing(self, st: _State, o: EngineCoreOutput, num_new: int, now: float) -> None:
+        if st.queued and o.first_scheduled_time > 0.0:
+            st.queued = False
+            self.stats.request_queue_time.observe(max(o.first_scheduled_time - st.arrival_time, 0.0))
+        if num_new == 0:
+            return
+        self.stats.generation_tokens += num_new
+        if st.last_token_time == 0.0:
+            self.stats.time_to_first_token.observe(now - st.arrival_time)
+        else:
+            self.stats.inter_token_latency.observe(now - st.last_token_time)
+        st.last_token_time = now

@@ -1,13 +1,12 @@
 """HttpFrontend actor: owns the aiohttp server for its lifetime."""
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 from aiohttp import web
 
 from actors.frontend.app import OpenAIServer
-from actors.frontend.client import EngineClient
 from actors.runtime import Actor, Msg
 
 
@@ -27,15 +26,17 @@ class HttpFrontend(Actor):
     protocol = HttpFrontendProtocol
     on_failure = "escalate"
 
-    def __init__(self, client: EngineClient, host: str, port: int, api_key: str | None = None,
-                 trace: Callable[[int], Awaitable[list]] | None = None) -> None:
-        self.server = OpenAIServer(client, api_key, trace)
+    def __init__(self, server: OpenAIServer, host: str, port: int) -> None:
+        self.server = server
         self.host = host
         self.port = port
         self.runner: web.AppRunner | None = None
 
     async def started(self) -> None:
-        self.runner = web.AppRunner(self.server.app(), access_log=None, shutdown_timeout=2.0)
+        # handler_cancellation: a client that disconnects cancels its handler, whose
+        # ``finally`` aborts the engine requests (their KV blocks are freed)
+        self.runner = web.AppRunner(self.server.app(), access_log=None, shutdown_timeout=2.0,
+                                    handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)
         await site.start()

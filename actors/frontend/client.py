@@ -5,6 +5,7 @@ outputs until the request finishes. A caller that stops early (a client disconne
 cancelled task) aborts the request in the engine, so its KV blocks are freed."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 from typing import Any, AsyncIterator
@@ -63,25 +64,31 @@ class EngineClient:
                      messages: list[dict[str, Any]] | None = None,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      chat_template_kwargs: dict[str, Any] | None = None,
-                     priority: int = 0) -> RequestHandle:
+                     priority: int = 0, arrival_time: float = 0.0,
+                     add_special_tokens: bool = False) -> RequestHandle:
         """Admit one request. Raises InvalidPrompt (or PromptTooLong) when it is refused and
         EngineDeadError when the engine is gone."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         rid = request_id or self.new_request_id()
         stream = self.streams.open(rid)
+        admit = asyncio.ensure_future(self.tokenizer_actor.ask(Generate(
+            rid, params, max_tokens, prompt, prompt_token_ids, messages,
+            add_generation_prompt, continue_final_message, chat_template_kwargs or {},
+            priority, arrival_time, add_special_tokens), timeout=60))
         try:
-            accepted = await self.tokenizer_actor.ask(Generate(
-                rid, params, max_tokens, prompt, prompt_token_ids, messages,
-                add_generation_prompt, continue_final_message, chat_template_kwargs or {},
-                priority), timeout=60)
+            accepted = await asyncio.shield(admit)
         except RemoteError as exc:
             self.streams.close(rid)
             raise _refusal(exc) from None
         except BaseException:
+            # the caller went away (a disconnect) while the Tokenizer was admitting: if the
+            # request got in after all, abort it, or it would run with nobody reading it
             self.streams.close(rid)
+            admit.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                    or self.abort([rid]))
             raise
-        return RequestHandle(self, rid, stream, accepted.num_prompt_tokens)
+        return RequestHandle(self, rid, stream, accepted.num_prompt_tokens, accepted.prompt_token_ids)
 
     async def generate(self, params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Submit, then yield outputs until the request finishes (the last has ``finished``)."""
@@ -109,11 +116,12 @@ class RequestHandle:
     finished aborts it in the engine (its KV blocks are freed)."""
 
     def __init__(self, client: EngineClient, request_id: str, stream: OutputStream,
-                 num_prompt_tokens: int) -> None:
+                 num_prompt_tokens: int, prompt_token_ids: list[int] | None = None) -> None:
         self.client = client
         self.request_id = request_id
         self.stream = stream
         self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_token_ids = prompt_token_ids or []
         self.finished = False
         self._closed = False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+from typing import NamedTuple
 
 import msgspec
 
@@ -54,6 +55,27 @@ class Frontend:
         chunk = await self.node.ref(SYSTEM_ACTOR).ask(GetTrace(0, limit, recursive=True), timeout=10)
         return chunk.all_records()
 
+    async def start(self, cfg: EngineConfig, ready_timeout: float = 600.0) -> EngineClient:
+        """Load the model (engine and worker processes), then start the tokenizer and
+        detokenizer actors; sets ``client``."""
+        source = resolve_model(cfg.model)   # fails fast, with the install command, if missing
+        if source.kind != "gguf":
+            raise ValueError(f"only GGUF models are supported so far, got {source.path}")
+        tokenizer = TextTokenizer.from_gguf(source.path)
+        info, engine = await _start_engine(self, cfg, ready_timeout)
+        streams = OutputStreams()
+        stats = EngineStats(model=info.model.served_name)
+        detok = self.node.spawn("detokenizer", lambda: DetokenizerActor(tokenizer, streams, stats, engine))
+
+        def count_prompt_tokens(n: int) -> None:
+            stats.prompt_tokens += n
+
+        tok = self.node.spawn("tokenizer", lambda: TokenizerActor(
+            tokenizer, info.model.max_model_len, info.model.eos_token_ids, detok, engine,
+            count_prompt_tokens))
+        self.client = EngineClient(info, tokenizer, tok, detok, engine, streams, stats)
+        return self.client
+
     async def shutdown(self) -> None:
         self.stopping = True
         if self.engine_process is not None:
@@ -68,46 +90,48 @@ class Frontend:
 async def start_frontend(cfg: EngineConfig, *, multiprocess: bool = True,
                          ready_timeout: float = 600.0) -> Frontend:
     """Start the engine and the frontend actors; returns once the model is loaded."""
-    source = resolve_model(cfg.model)   # fails fast, with the install command, if it is missing
-    if source.kind != "gguf":
-        raise ValueError(f"only GGUF models are supported so far, got {source.path}")
-    tokenizer = TextTokenizer.from_gguf(source.path)
+    fe = create_frontend(multiprocess)
+    try:
+        await fe.start(cfg, ready_timeout=ready_timeout)
+    except BaseException:
+        await fe.node.stop()
+        if fe.ipc_dir:
+            shutil.rmtree(fe.ipc_dir, ignore_errors=True)
+        raise
+    return fe
+
+
+def create_frontend(multiprocess: bool = True) -> Frontend:
+    """The frontend node alone (no engine yet): a server can listen, and answer 503, while
+    ``Frontend.start`` loads the model."""
     if multiprocess:
         ipc_dir = tempfile.mkdtemp(prefix="troupe-")
         node = Node(FRONTEND_NODE, ZmqTransport(endpoint(ipc_dir, FRONTEND_NODE)))
         system_actor(node)
-        fe = Frontend(node, ipc_dir)
-        cfg = msgspec.structs.replace(cfg, ipc_dir=ipc_dir, worker_process=True,
+        return Frontend(node, ipc_dir)
+    node = Node(FRONTEND_NODE)
+    system_actor(node)
+    return Frontend(node)
+
+
+class _Engine(NamedTuple):
+    info: EngineInfo
+    scheduler: ActorRef
+
+
+async def _start_engine(fe: Frontend, cfg: EngineConfig, ready_timeout: float) -> _Engine:
+    """The engine core in its own process (multiprocess) or in this event loop."""
+    if fe.ipc_dir is not None:
+        cfg = msgspec.structs.replace(cfg, ipc_dir=fe.ipc_dir, worker_process=True,
                                       output_node=FRONTEND_NODE, output_actor="detokenizer")
         spec = NodeSpec(ENGINE_NODE, "actors.engine_core:engine_entry", msgspec.msgpack.encode(cfg),
-                        ipc_dir, FRONTEND_NODE, {FRONTEND_NODE: endpoint(ipc_dir, FRONTEND_NODE)})
-        try:
-            fe.engine_process, ready = await start_child(node, spec, ready_timeout=ready_timeout,
-                                                         on_exit=fe.engine_exited)
-        except BaseException:
-            await node.stop()
-            shutil.rmtree(ipc_dir, ignore_errors=True)
-            raise
-        info = decode_info(ready, EngineInfo)
-        engine: ActorRef = node.ref("scheduler", ENGINE_NODE, SchedulerProtocol)
-    else:
-        node = Node(FRONTEND_NODE)
-        system_actor(node)
-        fe = Frontend(node)
-        cfg = msgspec.structs.replace(cfg, worker_process=False, output_node=FRONTEND_NODE,
-                                      output_actor="detokenizer")
-        fe.engine_core = EngineCore(node, cfg)
-        info = await fe.engine_core.start()
-        engine = fe.engine_core.scheduler
-    streams = OutputStreams()
-    stats = EngineStats(model=info.model.served_name)
-    detok = node.spawn("detokenizer", lambda: DetokenizerActor(tokenizer, streams, stats, engine))
-
-    def count_prompt_tokens(n: int) -> None:
-        stats.prompt_tokens += n
-
-    tok = node.spawn("tokenizer", lambda: TokenizerActor(
-        tokenizer, info.model.max_model_len, info.model.eos_token_ids, detok, engine,
-        count_prompt_tokens))
-    fe.client = EngineClient(info, tokenizer, tok, detok, engine, streams, stats)
-    return fe
+                        fe.ipc_dir, FRONTEND_NODE, {FRONTEND_NODE: endpoint(fe.ipc_dir, FRONTEND_NODE)})
+        fe.engine_process, ready = await start_child(fe.node, spec, ready_timeout=ready_timeout,
+                                                     on_exit=fe.engine_exited)
+        scheduler = fe.node.ref("scheduler", ENGINE_NODE, SchedulerProtocol)
+        return _Engine(decode_info(ready, EngineInfo), scheduler)
+    cfg = msgspec.structs.replace(cfg, worker_process=False, output_node=FRONTEND_NODE,
+                                  output_actor="detokenizer")
+    fe.engine_core = EngineCore(fe.node, cfg)
+    info = await fe.engine_core.start()
+    return _Engine(info, fe.engine_core.scheduler)

@@ -1,12 +1,17 @@
-"""OpenAI request bodies as msgspec structs (decoding is validation), and their conversion to
-engine sampling parameters. Field names and meanings follow the OpenAI API and vLLM."""
+"""OpenAI (and vLLM) request bodies as msgspec structs: decoding is the first validation.
+Field names and meanings follow the OpenAI API and vLLM's extensions; ``params.py`` checks
+ranges and builds the engine's sampling parameters. Optional fields accept JSON null."""
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any, Literal
 
 import msgspec
 
-from transport.messages import SamplingParams
+log = logging.getLogger("troupe.http")
+
+MAX_UNKNOWN_FIELDS = 64          # lenient mode drops at most this many before giving up
 
 
 class BadRequest(ValueError):
@@ -19,7 +24,7 @@ class BadRequest(ValueError):
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -39,89 +44,98 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    n: int = 1
-    stream: bool = False
+    min_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
     user: str | None = None
-    priority: int = 0
+    priority: int | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: str | list[Any]          # a string, token ids, or a list of either (checked later)
+    prompt: str | list[Any]          # a string, token ids, or a list of either (params.prompts)
+    logprobs: int | None = None
+    echo: bool | None = False
+    add_special_tokens: bool | None = True
 
 
-def decode_body(body: bytes, typ: type) -> Any:
-    """Decode a JSON body; a type error names the field (``param``) it is about."""
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /tokenize: a completion ``prompt`` or chat ``messages`` (exactly one)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None      # default: True for a prompt, False for messages
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+_UNKNOWN = re.compile(r"Object contains unknown field `(.+?)`(?: - at `\$(.*)`)?$")
+_PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+
+
+def decode_body(body: bytes, typ: type, lenient: bool = False) -> Any:
+    """Decode a JSON body; a type error names the field (``param``) it is about. ``lenient``
+    drops unknown fields (logging each) instead of refusing them."""
     try:
         return msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        param = None
-        if " - at `$." in text:
-            text, _, where = text.partition(" - at `$.")
-            param = where.rstrip("`")
-        elif "unknown field" in text:
-            param = text.split("`")[1] if "`" in text else None
-        raise BadRequest(text, param) from None
+        if not (lenient and _UNKNOWN.match(str(exc))):
+            raise _bad(exc) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    obj = msgspec.json.decode(body)
+    for _ in range(MAX_UNKNOWN_FIELDS):
+        try:
+            return msgspec.convert(obj, typ)
+        except msgspec.ValidationError as exc:
+            m = _UNKNOWN.match(str(exc))
+            if m is None:
+                raise _bad(exc) from None
+            container = obj
+            for key, index in _PATH_STEP.findall(m.group(2) or ""):
+                container = container[key] if key else container[int(index)]
+            log.warning("ignoring unknown field `%s%s%s` (--lenient)", (m.group(2) or "").lstrip("."),
+                        "." if m.group(2) else "", m.group(1))
+            del container[m.group(1)]
+    raise BadRequest(f"more than {MAX_UNKNOWN_FIELDS} unknown fields")
 
 
-def sampling_params(req: _Common, max_tokens: int | None) -> SamplingParams:
-    """Validate ranges and build the engine's parameters."""
-    t = 1.0 if req.temperature is None else req.temperature
-    p = 1.0 if req.top_p is None else req.top_p
-    k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
-    if not 0.0 <= t <= 2.0:
-        raise BadRequest(f"temperature must be in [0, 2], got {t}", "temperature")
-    if not 0.0 < p <= 1.0:
-        raise BadRequest(f"top_p must be in (0, 1], got {p}", "top_p")
-    if k < 0:
-        raise BadRequest(f"top_k must be -1 (off) or at least 1, got {req.top_k}", "top_k")
-    if max_tokens is not None and max_tokens < 1:
-        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    if req.n != 1:
-        raise BadRequest(f"n must be 1 for now, got {req.n}", "n")
-    if req.min_tokens < 0 or (max_tokens is not None and req.min_tokens > max_tokens):
-        raise BadRequest(f"min_tokens must be in [0, max_tokens], got {req.min_tokens}", "min_tokens")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(not s for s in stop):
-        raise BadRequest("stop strings must not be empty", "stop")
-    return SamplingParams(
-        max_tokens=max_tokens or 0, temperature=t, top_p=p, top_k=k, seed=req.seed, stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output)
-
-
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    if not req.messages:
-        raise BadRequest("messages must not be empty", "messages")
-    out = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise BadRequest(f"content part of type {part.type!r} is not supported; "
-                                     "only 'text' parts are", f"messages[{i}].content[{j}]")
-                texts.append(part.text)
-            content = "".join(texts)
-        out.append({"role": m.role, "content": content or ""})
-    return out
+def _bad(exc: msgspec.ValidationError) -> BadRequest:
+    text, param = str(exc), None
+    m = _UNKNOWN.match(text)
+    if m is not None:
+        param = ((m.group(2) or "").lstrip(".") + "." if m.group(2) else "") + m.group(1)
+    elif text.startswith("Object missing required field `") and " - at `$." not in text:
+        param = text.split("`")[1]
+    elif " - at `$." in text:
+        text, _, where = text.partition(" - at `$.")
+        param = where.rstrip("`")
+    return BadRequest(text, param)

@@ -1,4 +1,7 @@
-"""Engine and request statistics as the frontend sees them, rendered as Prometheus text."""
+"""Engine and request statistics as the frontend sees them, rendered as Prometheus text.
+
+Names follow vLLM's (``vllm:`` becomes ``troupe:``): gauges of the last engine step, counters
+since start, and latency histograms observed by the Detokenizer as outputs arrive."""
 from __future__ import annotations
 
 import time
@@ -7,6 +10,46 @@ from dataclasses import dataclass, field
 from transport.messages import SchedulerStats
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(slots=True)
+class Histogram:
+    """A Prometheus histogram: per-bucket counts (the last is +Inf), their sum and count."""
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, cumulative = [], 0
+        for bound, n in zip((*self.buckets, "+Inf"), self.counts):
+            cumulative += n
+            out.append(f'{name}_bucket{{{labels},le="{bound}"}} {cumulative}')
+        return out + [f"{name}_sum{{{labels}}} {self.sum:.6f}", f"{name}_count{{{labels}}} {cumulative}"]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 @dataclass(slots=True)
@@ -15,11 +58,14 @@ class EngineStats:
     last: SchedulerStats = field(default_factory=SchedulerStats)
     steps: int = 0
     max_batch_size: int = 0                     # most requests served by one step so far
-    batch_size_counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_BUCKETS) + 1))
-    batch_size_sum: int = 0
+    batch_size: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)   # by finish reason
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
+    request_queue_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
     started_at: float = field(default_factory=time.time)
 
     def observe_step(self, s: SchedulerStats) -> None:
@@ -28,13 +74,7 @@ class EngineStats:
             return
         self.steps += 1
         self.max_batch_size = max(self.max_batch_size, s.num_scheduled_reqs)
-        self.batch_size_sum += s.num_scheduled_reqs
-        for i, bound in enumerate(BATCH_BUCKETS):
-            if s.num_scheduled_reqs <= bound:
-                self.batch_size_counts[i] += 1
-                break
-        else:
-            self.batch_size_counts[-1] += 1
+        self.batch_size.observe(s.num_scheduled_reqs)
 
     def observe_finished(self, reason: str) -> None:
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
@@ -50,48 +90,41 @@ class EngineStats:
                 "requests_finished": dict(self.requests_finished)}
 
     def prometheus(self) -> str:
-        s, m = self.last, f'model_name="{self.model}"'
-        lines = [
-            "# HELP troupe:num_requests_running Requests in the running batch.",
-            "# TYPE troupe:num_requests_running gauge",
-            f"troupe:num_requests_running{{{m}}} {s.num_running}",
-            "# HELP troupe:num_requests_waiting Requests waiting to be scheduled.",
-            "# TYPE troupe:num_requests_waiting gauge",
-            f"troupe:num_requests_waiting{{{m}}} {s.num_waiting}",
-            "# HELP troupe:kv_cache_usage_perc Fraction of KV cache blocks in use.",
-            "# TYPE troupe:kv_cache_usage_perc gauge",
-            f"troupe:kv_cache_usage_perc{{{m}}} {s.kv_cache_usage:.6f}",
-            "# HELP troupe:num_preemptions_total Requests preempted since start.",
-            "# TYPE troupe:num_preemptions_total counter",
-            f"troupe:num_preemptions_total{{{m}}} {s.num_preemptions}",
-            "# HELP troupe:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.",
-            "# TYPE troupe:prefix_cache_queries_total counter",
-            f"troupe:prefix_cache_queries_total{{{m}}} {s.prefix_cache_queries}",
-            "# HELP troupe:prefix_cache_hits_total Prompt tokens served from the prefix cache.",
-            "# TYPE troupe:prefix_cache_hits_total counter",
-            f"troupe:prefix_cache_hits_total{{{m}}} {s.prefix_cache_hits}",
-            "# HELP troupe:prompt_tokens_total Prompt tokens received.",
-            "# TYPE troupe:prompt_tokens_total counter",
-            f"troupe:prompt_tokens_total{{{m}}} {self.prompt_tokens}",
-            "# HELP troupe:generation_tokens_total Tokens generated.",
-            "# TYPE troupe:generation_tokens_total counter",
-            f"troupe:generation_tokens_total{{{m}}} {self.generation_tokens}",
-            "# HELP troupe:max_batch_size Most requests served by one engine step.",
-            "# TYPE troupe:max_batch_size gauge",
-            f"troupe:max_batch_size{{{m}}} {self.max_batch_size}",
-            "# HELP troupe:batch_size Requests served per engine step.",
-            "# TYPE troupe:batch_size histogram",
-        ]
-        cumulative = 0
-        for bound, count in zip(BATCH_BUCKETS, self.batch_size_counts):
-            cumulative += count
-            lines.append(f'troupe:batch_size_bucket{{{m},le="{bound}"}} {cumulative}')
-        cumulative += self.batch_size_counts[-1]
-        lines += [f'troupe:batch_size_bucket{{{m},le="+Inf"}} {cumulative}',
-                  f"troupe:batch_size_sum{{{m}}} {self.batch_size_sum}",
-                  f"troupe:batch_size_count{{{m}}} {cumulative}",
-                  "# HELP troupe:request_success_total Finished requests by finish reason.",
-                  "# TYPE troupe:request_success_total counter"]
-        for reason, n in sorted(self.requests_finished.items()):
-            lines.append(f'troupe:request_success_total{{{m},finished_reason="{reason}"}} {n}')
+        s, m = self.last, f'model_name="{_escape(self.model)}"'
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[str]) -> None:
+            lines.extend([f"# HELP troupe:{name} {help_}", f"# TYPE troupe:{name} {kind}", *samples])
+
+        def scalar(name: str, kind: str, help_: str, value: float | int) -> None:
+            metric(name, kind, help_, [f"troupe:{name}{{{m}}} {value}"])
+
+        def histogram(name: str, help_: str, h: Histogram) -> None:
+            metric(name, "histogram", help_, h.lines(f"troupe:{name}", m))
+
+        scalar("num_requests_running", "gauge", "Requests in the running batch.", s.num_running)
+        scalar("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", s.num_waiting)
+        scalar("kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (1 = full).",
+               f"{s.kv_cache_usage:.6f}")
+        scalar("num_preemptions_total", "counter", "Requests preempted since start.", s.num_preemptions)
+        scalar("prefix_cache_queries_total", "counter",
+               "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        scalar("prefix_cache_hits_total", "counter",
+               "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
+        scalar("prompt_tokens_total", "counter", "Prompt tokens received.", self.prompt_tokens)
+        scalar("generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens)
+        metric("request_success_total", "counter",
+               "Finished requests by finish reason (stop, length, abort, error).",
+               [f'troupe:request_success_total{{{m},finished_reason="{_escape(r)}"}} {n}'
+                for r, n in sorted(self.requests_finished.items())])
+        histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.",
+                  self.time_to_first_token)
+        histogram("inter_token_latency_seconds", "Time between successive outputs of a request.",
+                  self.inter_token_latency)
+        histogram("e2e_request_latency_seconds", "Time from arrival to the last output.",
+                  self.e2e_request_latency)
+        histogram("request_queue_time_seconds",
+                  "Time from arrival to the first scheduling in the engine.", self.request_queue_time)
+        scalar("max_batch_size", "gauge", "Most requests served by one engine step.", self.max_batch_size)
+        histogram("batch_size", "Requests served per engine step.", self.batch_size)
         return "\n".join(lines) + "\n"

@@ -6,6 +6,14 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from transport.messages import Logprobs
+
+
+def _joined(a: Logprobs | None, b: Logprobs | None) -> Logprobs | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return Logprobs(a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.ranks + b.ranks)
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -18,6 +26,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0        # cumulative
     error: str | None = None
+    logprobs: Logprobs | None = None          # one position per entry of token_ids
+    prompt_logprobs: Logprobs | None = None   # new prompt positions (never the first token)
+    num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
 
     def merge(self, later: RequestOutput) -> None:
         self.text += later.text
@@ -27,6 +38,9 @@ class RequestOutput:
         self.stop_reason = later.stop_reason
         self.num_output_tokens = later.num_output_tokens
         self.error = later.error
+        self.logprobs = _joined(self.logprobs, later.logprobs)
+        self.prompt_logprobs = _joined(self.prompt_logprobs, later.prompt_logprobs)
+        self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
 
 
 class StreamTimeout(TimeoutError):

@@ -84,6 +84,7 @@ class SchedulerActor(Actor):
             release = self.core.release()
             if release is not None:
                 self.core.apply_prepare(await self.kv.ask(release))
+                self._emit([])           # the frontend's KV usage drops back when idle
             return
         prepare = self.core.begin_step()                     # round trip 1, when needed
         if prepare is not None:

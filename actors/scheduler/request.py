@@ -57,6 +57,8 @@ class Request:
     num_blocks: int = 0               # KV blocks held (their ids live in the KV manager)
     num_exclusive_blocks: int = 0     # of those, blocks no other request holds
     num_preemptions: int = 0
+    first_scheduled_time: float = 0.0  # time.time() when first scheduled: its queue time ends
+    first_output_sent: bool = False
     stop_reason: int | str | None = None
 
     def __post_init__(self) -> None:

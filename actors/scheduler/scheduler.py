@@ -23,6 +23,7 @@ exactly what fits before the commit.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -227,6 +228,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
+            if not req.first_scheduled_time:
+                req.first_scheduled_time = time.time()
             req.num_computed_tokens = req.num_cached_tokens = computed
             self.counters.prefix_cache_queries += req.num_tokens
             self.counters.prefix_cache_hits += computed
@@ -324,6 +327,9 @@ class Scheduler:
             outs.append(EngineCoreOutput(rid, new_ids, logprobs=out.logprobs.get(rid),
                                          prompt_logprobs=prompt_lp,
                                          num_cached_tokens=req.num_cached_tokens))
+            if not req.first_output_sent:
+                outs[-1].first_scheduled_time = req.first_scheduled_time
+                req.first_output_sent = True
             if status is not None:
                 outs[-1].finish_reason = status.finish_reason
                 outs[-1].stop_reason = req.stop_reason

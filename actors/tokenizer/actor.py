@@ -3,7 +3,7 @@ length, registers the request with the Detokenizer and hands it to the engine.""
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import msgspec
 
@@ -14,11 +14,13 @@ from transport.messages import AddRequest, EngineCoreRequest, SamplingParams
 
 class PromptAccepted(msgspec.Struct):
     num_prompt_tokens: int
+    prompt_token_ids: list[int] = []
 
 
 class Generate(Msg):
     """Exactly one of ``prompt``, ``prompt_token_ids`` and ``messages`` is set.
-    ``max_tokens`` None means: up to the end of the context."""
+    ``max_tokens`` None means: up to the end of the context. ``arrival_time`` (time.time() when
+    the request reached the server; 0.0 = now) starts its latency clocks."""
     reply_type: ClassVar[Any] = PromptAccepted
     request_id: str
     sampling_params: SamplingParams
@@ -30,6 +32,8 @@ class Generate(Msg):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = {}
     priority: int = 0
+    arrival_time: float = 0.0
+    add_special_tokens: bool = False       # BOS/EOS around a text prompt, as the GGUF asks
 
 
 class TrackRequest(Msg):
@@ -37,6 +41,7 @@ class TrackRequest(Msg):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    arrival_time: float = 0.0
 
 
 class InvalidPrompt(ValueError):
@@ -55,7 +60,8 @@ class TokenizerActor(Actor):
     concurrent = True            # stateless: requests need not queue behind each other
 
     def __init__(self, tokenizer: TextTokenizer, max_model_len: int, eos_token_ids: list[int],
-                 detokenizer: ActorRef, engine: ActorRef, on_prompt_tokens=None) -> None:
+                 detokenizer: ActorRef, engine: ActorRef,
+                 on_prompt_tokens: Callable[[int], None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -78,12 +84,13 @@ class TokenizerActor(Actor):
                                 f"prompt, {max_tokens} for the completion). Please reduce the "
                                 f"prompt or max_tokens.")
         params = msgspec.structs.replace(msg.sampling_params, max_tokens=max_tokens)
-        self.detokenizer.tell(TrackRequest(msg.request_id, ids, params))
+        arrival = msg.arrival_time or time.time()
+        self.detokenizer.tell(TrackRequest(msg.request_id, ids, params, arrival))
         self.engine.tell(AddRequest(EngineCoreRequest(
-            msg.request_id, ids, params, time.time(), self.eos_token_ids, msg.priority)))
+            msg.request_id, ids, params, arrival, self.eos_token_ids, msg.priority)))
         if self.on_prompt_tokens is not None:
             self.on_prompt_tokens(n)
-        return PromptAccepted(n)
+        return PromptAccepted(n, ids)
 
     def _prompt_ids(self, msg: Generate) -> list[int]:
         if msg.messages is not None:
@@ -91,7 +98,7 @@ class TokenizerActor(Actor):
                 return self.tokenizer.encode_chat(
                     msg.messages, add_generation_prompt=msg.add_generation_prompt,
                     continue_final_message=msg.continue_final_message, **msg.chat_template_kwargs)
-            except (ValueError, TypeError) as exc:
+            except Exception as exc:   # template errors (raise_exception, bad kwargs) are the input's
                 raise InvalidPrompt(f"could not render the chat template: {exc}") from exc
         if msg.prompt_token_ids is not None:
             vocab = self.tokenizer.vocab_size
@@ -100,5 +107,8 @@ class TokenizerActor(Actor):
                 raise InvalidPrompt(f"token ids out of range [0, {vocab}): {bad[:5]}")
             return list(msg.prompt_token_ids)
         if msg.prompt is not None:
-            return self.tokenizer.encode(msg.prompt)
+            try:
+                return self.tokenizer.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)
+            except Exception as exc:   # e.g. text that is not valid Unicode (lone surrogates)
+                raise InvalidPrompt(f"could not tokenize the prompt: {exc}") from exc
         raise InvalidPrompt("one of prompt, prompt_token_ids or messages is required")

@@ -1,0 +1,91 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, n choices,
+plain or streamed (a role chunk per choice first), chat-shaped log-probs."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from actors.frontend.fanout import Choice, submit_choices
+from actors.frontend.generation import Generation
+from actors.frontend.logprobs import TokenText, chat_logprobs
+from actors.frontend.params import (chat_logprobs as requested_logprobs, chat_messages,
+                                    check_chat_flags, check_priority, num_choices, sampling_params,
+                                    stream_flags)
+from actors.frontend.protocol import ChatCompletionRequest
+from actors.frontend.streams import RequestOutput
+
+if TYPE_CHECKING:
+    from actors.frontend.app import OpenAIServer
+
+
+class ChatGeneration(Generation):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, request_id: str, model: str, choices: list[Choice], include_usage: bool,
+                 token_text: TokenText, top_logprobs: int | None) -> None:
+        super().__init__(request_id, model, choices, include_usage)
+        self.token_text = token_text
+        self.top = top_logprobs          # None: no log-probs asked for
+        for c in choices:
+            c.state = []                 # log-prob entries so far (non-streamed)
+
+    def _logprobs(self, out: RequestOutput) -> list[dict[str, Any]] | None:
+        if self.top is None:
+            return None
+        return chat_logprobs(out.logprobs, self.token_text, self.top)
+
+    def start_chunks(self) -> list[dict]:
+        return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}]) for c in self.choices]
+
+    def delta(self, c: Choice, out: RequestOutput) -> dict | None:
+        lp = self._logprobs(out)
+        if not out.text and not lp:
+            return None
+        return {"index": c.index, "delta": {"content": out.text},
+                "logprobs": None if lp is None else {"content": lp}, "finish_reason": None}
+
+    def finish(self, c: Choice, out: RequestOutput) -> dict:
+        return {"index": c.index, "delta": {}, "logprobs": None,
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+    def observe(self, c: Choice, out: RequestOutput) -> None:
+        c.text.append(out.text)
+        lp = self._logprobs(out)
+        if lp:
+            c.state.extend(lp)
+
+    def final(self, c: Choice) -> dict:
+        last = c.last
+        return {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": None if self.top is None else {"content": c.state},
+                "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
+
+
+async def chat_completions(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
+    arrival = time.time()
+    req: ChatCompletionRequest = await server.read(request, ChatCompletionRequest)
+    client = server.engine()
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    n = num_choices(req)
+    stream, include_usage = stream_flags(req)
+    top = requested_logprobs(req)
+    messages = chat_messages(req.messages)
+    add_generation_prompt = req.add_generation_prompt is not False
+    continue_final_message = bool(req.continue_final_message)
+    check_chat_flags(add_generation_prompt, continue_final_message)
+    params = sampling_params(req, max_tokens, server.vocab_size, logprobs=top,
+                             max_tokens_param="max_completion_tokens"
+                             if req.max_completion_tokens is not None else "max_tokens")
+    priority = check_priority(req, server.options.scheduling_policy)
+    rid = client.new_request_id()
+    choices = await submit_choices(
+        server.submit, rid, params, n, None, max_tokens=max_tokens, messages=messages,
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+        chat_template_kwargs=req.chat_template_kwargs, priority=priority, arrival_time=arrival)
+    gen = ChatGeneration(rid, client.model_name, choices, include_usage, server.token_text, top)
+    return await gen.respond(request, stream)

@@ -1,0 +1,119 @@
+"""What chat and text completions share once their choices are admitted: collecting outputs
+into one response, or streaming them as chunks (one finish chunk per choice, then an optional
+usage chunk), with usage accounting and error mapping. Subclasses shape the choices."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from actors.frontend.errors import error_body, error_response, json_encoder
+from actors.frontend.fanout import Choice, close_all, merged_outputs
+from actors.frontend.sse import send_events
+from actors.frontend.streams import RequestOutput, StreamTimeout
+
+
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+def _failure(out: RequestOutput | None) -> str:
+    if out is None:
+        return "the request ended without output"
+    return f"the request failed: {out.error}"
+
+
+class Generation:
+    """One admitted chat or completion request: its choices and how to answer with them."""
+    object_name = ""       # "chat.completion" | "text_completion"
+    chunk_object = ""      # "chat.completion.chunk" | "text_completion"
+    id_prefix = ""         # "chatcmpl-" | "cmpl-"
+
+    def __init__(self, request_id: str, model: str, choices: list[Choice],
+                 include_usage: bool) -> None:
+        self.id = self.id_prefix + request_id
+        self.model = model
+        self.choices = choices
+        self.include_usage = include_usage
+        self.created = int(time.time())
+
+    # -- what subclasses shape ---------------------------------------------------------------
+    def start_chunks(self) -> list[dict]:
+        return []
+
+    def delta(self, c: Choice, out: RequestOutput) -> dict | None:
+        """The streamed choice entry for this output (None: nothing to show yet)."""
+        raise NotImplementedError
+
+    def finish(self, c: Choice, out: RequestOutput) -> dict:
+        """The streamed choice entry that closes choice ``c``."""
+        raise NotImplementedError
+
+    def final(self, c: Choice) -> dict:
+        """The choice entry of a non-streamed response (after every output was seen)."""
+        raise NotImplementedError
+
+    def observe(self, c: Choice, out: RequestOutput) -> None:
+        """Non-streamed: take in one output."""
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------------
+    def usage(self) -> dict[str, Any]:
+        prompts: dict[int, Choice] = {}
+        for c in self.choices:
+            prompts.setdefault(c.prompt_index, c)
+        cached = sum(c.last.num_cached_tokens for c in prompts.values() if c.last is not None)
+        return usage(sum(c.handle.num_prompt_tokens for c in prompts.values()),
+                     sum(c.num_output_tokens for c in self.choices), cached)
+
+    def chunk(self, choices: list[dict], **extra: Any) -> dict:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    async def respond(self, request: web.Request, stream: bool) -> web.StreamResponse:
+        try:
+            if stream:
+                return await send_events(request, self.events())
+            return await self.complete()
+        finally:
+            close_all(self.choices)     # aborts what did not finish (e.g. the client left)
+
+    async def complete(self) -> web.Response:
+        try:
+            async for c, out in merged_outputs(self.choices):
+                c.last = out
+                self.observe(c, out)
+        except StreamTimeout as exc:
+            return error_response(504, str(exc), "server_error", code=504)
+        for c in self.choices:
+            if c.last is None or c.last.error is not None:
+                return error_response(500, _failure(c.last), "server_error", code=500)
+        body = {"id": self.id, "object": self.object_name, "created": self.created,
+                "model": self.model, "choices": [self.final(c) for c in self.choices],
+                "usage": self.usage()}
+        return web.Response(body=json_encoder.encode(body), content_type="application/json")
+
+    async def events(self) -> AsyncIterator[dict]:
+        for chunk in self.start_chunks():
+            yield chunk
+        try:
+            async for c, out in merged_outputs(self.choices):
+                c.last = out
+                if out.error is not None:
+                    yield error_body(_failure(out), "server_error", code=500)
+                    return
+                entry = self.delta(c, out)
+                if entry is not None:
+                    yield self.chunk([entry])
+                if out.finished:
+                    yield self.chunk([self.finish(c, out)])
+        except StreamTimeout as exc:
+            yield error_body(str(exc), "server_error", code=504)
+            return
+        if self.include_usage:
+            yield self.chunk([], usage=self.usage())

@@ -1,0 +1,113 @@
+"""The endpoints around generation: models, tokenize / detokenize (vLLM's shapes), version,
+probes, metrics and the debug views."""
+from __future__ import annotations
+
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from actors.frontend.errors import error_response, json_encoder, not_found
+from actors.frontend.params import chat_messages, check_chat_flags
+from actors.frontend.protocol import BadRequest, DetokenizeRequest, TokenizeRequest
+from actors.runtime.tracing import to_chrome_trace
+
+if TYPE_CHECKING:
+    from actors.frontend.app import OpenAIServer
+
+
+def _json(body: object) -> web.Response:
+    return web.Response(body=json_encoder.encode(body), content_type="application/json")
+
+
+def version() -> str:
+    try:
+        return metadata.version("troupe")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+async def health(server: OpenAIServer, request: web.Request) -> web.Response:
+    """200 when serving; 503 while the model loads and once the engine died."""
+    if server.client is None:
+        return error_response(503, "the model is loading", "server_error", code=503)
+    if server.client.dead is not None:
+        return error_response(503, server.client.dead, "server_error", code=503)
+    return web.Response(status=200)
+
+
+async def get_version(server: OpenAIServer, request: web.Request) -> web.Response:
+    return _json({"version": version()})
+
+
+async def metrics(server: OpenAIServer, request: web.Request) -> web.Response:
+    return web.Response(text=server.engine().stats.prometheus(), content_type="text/plain")
+
+
+async def debug_engine(server: OpenAIServer, request: web.Request) -> web.Response:
+    return _json(server.engine().stats.as_dict())
+
+
+async def debug_trace(server: OpenAIServer, request: web.Request) -> web.Response:
+    """The actors' recent message spans in every process, as Chrome-trace / Perfetto JSON."""
+    if server.trace is None:
+        return error_response(404, "tracing is not available here")
+    try:
+        limit = int(request.query.get("limit", "20000"))
+    except ValueError:
+        return error_response(400, "limit must be an integer", param="limit")
+    if limit < 1:
+        return error_response(400, "limit must be at least 1", param="limit")
+    records = await server.trace(limit)
+    return _json(to_chrome_trace(records))
+
+
+def _card(server: OpenAIServer) -> dict:
+    c = server.engine()
+    return {"id": c.model_name, "object": "model", "created": int(c.stats.started_at),
+            "owned_by": "troupe", "root": c.model_name, "parent": None,
+            "max_model_len": c.max_model_len}
+
+
+async def models(server: OpenAIServer, request: web.Request) -> web.Response:
+    return _json({"object": "list", "data": [_card(server)]})
+
+
+async def model(server: OpenAIServer, request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    if name != server.engine().model_name:
+        raise not_found(f"The model `{name}` does not exist.", "model", "model_not_found")
+    return _json(_card(server))
+
+
+async def tokenize(server: OpenAIServer, request: web.Request) -> web.Response:
+    req: TokenizeRequest = await server.read(request, TokenizeRequest)
+    tok = server.engine().tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise BadRequest("give exactly one of prompt and messages", "prompt")
+    try:
+        if req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        else:   # tokenized exactly as /v1/chat/completions does (BOS as the GGUF asks)
+            add_generation_prompt = req.add_generation_prompt is not False
+            check_chat_flags(add_generation_prompt, bool(req.continue_final_message))
+            ids = tok.encode_chat(chat_messages(req.messages), add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=bool(req.continue_final_message),
+                                  **(req.chat_template_kwargs or {}))
+    except BadRequest:
+        raise
+    except Exception as exc:      # template errors, text that is not valid Unicode: the input's
+        raise BadRequest(f"could not tokenize: {exc}", "messages" if req.messages else "prompt") from None
+    body = {"count": len(ids), "max_model_len": server.engine().max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        body["token_strs"] = tok.convert_ids_to_tokens(ids)
+    return _json(body)
+
+
+async def detokenize(server: OpenAIServer, request: web.Request) -> web.Response:
+    req: DetokenizeRequest = await server.read(request, DetokenizeRequest)
+    vocab = server.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(f"token ids must be in [0, {vocab}), got {bad[:5]}", "tokens")
+    return _json({"prompt": server.engine().tokenizer.decode(req.tokens, skip_special_tokens=False)})

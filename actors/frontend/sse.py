@@ -1,0 +1,45 @@
+"""Server-sent events for streamed completions: ``data: {json}`` per event, an error event if
+the request fails mid-stream, then ``data: [DONE]``. A client that leaves ends the stream
+quietly (the caller's ``finally`` aborts its engine requests)."""
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from actors.frontend.errors import error_body, json_encoder
+
+log = logging.getLogger("troupe.http")
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(payload: dict) -> bytes:
+    return b"data: " + json_encoder.encode(payload) + b"\n\n"
+
+
+async def send_events(request: web.Request, events: AsyncIterator[dict]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    rid = request.headers.get("X-Request-Id")
+    if rid:
+        resp.headers["X-Request-Id"] = rid
+    await resp.prepare(request)
+    try:
+        try:
+            async with aclosing(events) as stream:
+                async for payload in stream:
+                    await resp.write(event(payload))
+        except ConnectionResetError:
+            raise
+        except Exception:
+            log.exception("%s %s failed mid-stream", request.method, request.path)
+            await resp.write(event(error_body("internal error (see the server log)",
+                                              "server_error", code=500)))
+        await resp.write(DONE)
+        await resp.write_eof()
+    except ConnectionResetError:
+        log.debug("%s %s: the client left mid-stream", request.method, request.path)
+    return resp

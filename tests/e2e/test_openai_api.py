@@ -1,0 +1,462 @@
+"""OpenAI conformance, part 1: every endpoint and every parameter's effect, driven with the
+official openai client against the real server (raw HTTP where the client hides details)."""
+from __future__ import annotations
+
+import http.client as http_client
+import json
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+
+from server import Server
+
+pytestmark = pytest.mark.slow
+
+# One compute thread: on a shared 2-core machine, two spinning torch threads per step make
+# every step several times slower, and these tests are about the API, not throughput.
+SERVER_ARGS = ("--threads", "1")
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server(*SERVER_ARGS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+class Response:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status_code, self.headers, self.content = status, headers, body
+
+    @property
+    def text(self) -> str:
+        return self.content.decode()
+
+    def json(self):
+        return json.loads(self.content)
+
+
+class Http:
+    """Raw HTTP (one connection per call): what the openai client hides."""
+
+    def __init__(self, url: str) -> None:
+        self.netloc = urlsplit(url).netloc
+
+    def request(self, method: str, path: str, json_body=None, content: bytes | None = None,
+                headers: dict[str, str] | None = None) -> Response:
+        conn = http_client.HTTPConnection(self.netloc, timeout=120)
+        try:
+            body = content if json_body is None else json.dumps(json_body).encode()
+            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=body, headers=hdrs)
+            resp = conn.getresponse()
+            return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+        finally:
+            conn.close()
+
+    def get(self, path: str, **kw) -> Response:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, json=None, **kw) -> Response:
+        return self.request("POST", path, json_body=json, **kw)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    return Http(server.url)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def sse(http: Http, path: str, body: dict) -> list[dict]:
+    """A streamed request's events, checking the framing: data lines, one [DONE], last."""
+    resp = http.post(path, json={**body, "stream": True})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    raw = resp.text
+    assert raw.endswith("data: [DONE]\n\n")
+    blocks = raw.split("\n\n")[:-1]
+    assert all(b.startswith("data: ") and "\n" not in b for b in blocks), blocks
+    assert [b for b in blocks if b == "data: [DONE]"] == ["data: [DONE]"]
+    return [json.loads(b[6:]) for b in blocks[:-1]]
+
+
+def stream_text(events: list[dict], index: int = 0) -> str:
+    return "".join(c["text"] for e in events for c in e["choices"] if c["index"] == index)
+
+
+# -- models, probes, version, tokenize ----------------------------------------------------------
+def test_models_list_retrieve_and_unknown_model(client, model):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model] and models.data[0].object == "model"
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("no-such-model")
+    assert exc.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert exc.value.body["param"] == "model"
+
+
+def test_probes_and_version(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/ping").status_code == 200
+    version = http.get("/version").json()["version"]
+    assert version and version[0].isdigit()
+
+
+def test_tokenize_and_detokenize_agree_with_usage(client, http, model):
+    tok = http.post("/tokenize", json={"model": model, "prompt": "The sky is blue",
+                                       "return_token_strs": True}).json()
+    assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) and tok["max_model_len"] > 0
+    back = http.post("/detokenize", json={"model": model, "tokens": tok["tokens"]}).json()
+    assert back == {"prompt": "The sky is blue"}
+    done = client.completions.create(model=model, prompt="The sky is blue", max_tokens=1)
+    assert done.usage.prompt_tokens == tok["count"]
+    chat_tok = http.post("/tokenize", json={"messages": CAPITAL}).json()
+    chat = client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=1)
+    assert chat.usage.prompt_tokens == chat_tok["count"]
+    for body in ({}, {"prompt": "x", "messages": CAPITAL}, {"prompt": 3}):
+        r = http.post("/tokenize", json=body)
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = http.post("/detokenize", json={"tokens": [10 ** 9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+# -- chat ---------------------------------------------------------------------------------------
+def test_chat_plain_usage_and_request_id_header(client, http, model):
+    resp = client.chat.completions.with_raw_response.create(
+        model=model, messages=CAPITAL, temperature=0, max_tokens=10,
+        extra_headers={"X-Request-Id": "my-request-7"})
+    assert resp.headers["x-request-id"] == "my-request-7"
+    chat = resp.parse()
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    (choice,) = chat.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert "Paris" in choice.message.content and choice.finish_reason in ("stop", "length")
+    u = chat.usage
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens and 0 < u.completion_tokens <= 10
+    three = client.chat.completions.create(model=model, messages=CAPITAL, n=3, max_tokens=2, seed=1)
+    assert [c.index for c in three.choices] == [0, 1, 2] and three.usage.completion_tokens == 6
+    assert three.usage.prompt_tokens == u.prompt_tokens          # the prompt counts once
+    streamed = http.post("/v1/chat/completions", headers={"X-Request-Id": "abc"},
+                         json={"messages": CAPITAL, "max_tokens": 2, "stream": True})
+    assert streamed.headers["x-request-id"] == "abc"
+
+
+def test_chat_stream_framing_role_first_finish_then_usage(client, http, model):
+    events = sse(http, "/v1/chat/completions", {"messages": CAPITAL, "temperature": 0, "n": 2,
+                                                "max_tokens": 6, "stream_options": {"include_usage": True}})
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert len({e["id"] for e in events}) == 1
+    roles = [c["index"] for e in events[:2] for c in e["choices"] if c["delta"].get("role") == "assistant"]
+    assert sorted(roles) == [0, 1]                      # a role chunk per choice, first
+    *chunks, usage = events
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    for i in (0, 1):
+        mine = [c for e in chunks for c in e["choices"] if c["index"] == i]
+        finishes = [c for c in mine if c["finish_reason"] is not None]
+        assert len(finishes) == 1 and mine[-1] is finishes[0] and finishes[0]["finish_reason"] == "length"
+        text = "".join(c["delta"].get("content", "") for c in mine)
+        plain = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=6)
+        assert text == plain.choices[0].message.content
+    # the openai client parses the same stream
+    got = list(client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=3, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert got[0].choices[0].delta.role == "assistant" and got[-1].usage.completion_tokens == 3
+
+
+def test_chat_content_parts_max_completion_tokens_and_template_options(client, http, model):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    a = client.chat.completions.create(model=model, messages=parts, temperature=0, max_completion_tokens=5)
+    b = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=5)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.completion_tokens == 5 and a.choices[0].finish_reason == "length"
+    partial = CAPITAL + [{"role": "assistant", "content": "The capital of France is"}]
+    cont = client.chat.completions.create(
+        model=model, messages=partial, temperature=0, max_tokens=4,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert "Paris" in cont.choices[0].message.content
+    no_gen = http.post("/tokenize", json={"messages": CAPITAL, "add_generation_prompt": False}).json()
+    gen = http.post("/tokenize", json={"messages": CAPITAL}).json()
+    assert gen["count"] > no_gen["count"]
+    kw = client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=1, user="u-1",
+                                        extra_body={"chat_template_kwargs": {"custom_flag": True}})
+    assert kw.usage.completion_tokens == 1
+    r = http.post("/v1/chat/completions", json={"messages": CAPITAL, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_chat_logprobs_shape(client, model):
+    chat = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=5,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token            # greedy picks the top one
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                  reverse=True)
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token or entry.token.startswith("bytes:")
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    plain = client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=2, logprobs=True)
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    assert client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=1).choices[0].logprobs is None
+
+
+# -- completions ----------------------------------------------------------------------------------
+def test_completion_prompt_forms_and_choice_indices(client, http, model):
+    ids = http.post("/tokenize", json={"prompt": "The sky is"}).json()["tokens"]
+    texts = {}
+    for prompt in ("The sky is", ids, ["The sky is"], [ids]):
+        out = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=3)
+        assert out.object == "text_completion" and out.id.startswith("cmpl-") and len(out.choices) == 1
+        texts[json.dumps(prompt)] = out.choices[0].text
+        assert out.usage.prompt_tokens == len(ids)
+    assert len(set(texts.values())) == 1
+    many = client.completions.create(model=model, prompt=["The sky is", "One, two,", ids], n=2,
+                                     temperature=0, max_tokens=3)
+    assert [c.index for c in many.choices] == list(range(6))
+    assert many.choices[0].text == many.choices[1].text == many.choices[4].text == texts[json.dumps(ids)]
+    two = http.post("/tokenize", json={"prompt": "One, two,"}).json()["count"]
+    assert many.usage.prompt_tokens == 2 * len(ids) + two and many.usage.completion_tokens == 18
+    events = sse(http, "/v1/completions", {"prompt": ["The sky is", "One, two,"], "n": 2, "max_tokens": 3,
+                                           "temperature": 0, "stream_options": {"include_usage": True}})
+    finishes = sorted(c["index"] for e in events for c in e["choices"] if c["finish_reason"])
+    assert finishes == [0, 1, 2, 3] and events[-1]["usage"]["completion_tokens"] == 12
+    assert stream_text(events, 2) == many.choices[2].text
+
+
+def test_max_tokens_ignore_eos_and_finish_reasons(client, model):
+    out = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=7,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 7
+    default = client.completions.create(model=model, prompt="Once upon a time", extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16                  # OpenAI's default max_tokens
+    short = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
+    chat = client.chat.completions.create(model=model, messages=short, temperature=0, max_tokens=20)
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens < 20
+
+
+def test_greedy_equivalents_and_seeds_reproducible(client, model):
+    def text(**kw):
+        return client.completions.create(model=model, prompt="My favourite food is", max_tokens=4,
+                                         **kw).choices[0].text
+    greedy = text(temperature=0)
+    assert text(temperature=0) == greedy
+    assert text(temperature=1, top_p=1e-6) == greedy
+    assert text(temperature=1, extra_body={"top_k": 1}) == greedy
+    assert text(temperature=1, extra_body={"min_p": 1.0}) == greedy
+    seeded = [text(temperature=1, seed=11) for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    n_seeded = [client.completions.create(model=model, prompt="My favourite food is", max_tokens=4,
+                                          temperature=1, seed=5, n=2) for _ in range(2)]
+    assert [c.text for c in n_seeded[0].choices] == [c.text for c in n_seeded[1].choices]
+    # choice i runs with seed + i: choice 1 of seed 5 is choice 0 of seed 6
+    assert n_seeded[0].choices[1].text == text(temperature=1, seed=6)
+
+
+def test_penalties_and_logit_bias_change_the_output(client, http, model):
+    prompt = "a, b, a, b, a, b, a,"
+    def text(**extra):
+        return client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=8,
+                                         extra_body=extra).choices[0].text
+    base = text()
+    assert set(base.replace(",", " ").split()) <= {"a", "b"}     # greedy repeats itself
+    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 2.0}):
+        assert text(**extra) != base, extra
+    (tok,) = http.post("/tokenize", json={"prompt": " banana"}).json()["tokens"]
+    biased = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=3,
+                                       logit_bias={str(tok): 100}).choices[0].text
+    assert biased == " banana" * 3
+
+
+def test_completion_logprobs_shape_and_echo(client, model):
+    out = client.completions.create(model=model, prompt="The sky is", temperature=0, max_tokens=4, logprobs=2)
+    lp = out.choices[0].logprobs
+    n = out.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for token, value, tops in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and token in tops and len(tops) == 2        # greedy: the token is a top one
+        assert max(tops.values()) == pytest.approx(value, abs=1e-4)
+    echo = client.completions.create(model=model, prompt="The sky is", temperature=0, max_tokens=4,
+                                     logprobs=1, echo=True)
+    c = echo.choices[0]
+    assert c.text == "The sky is" + out.choices[0].text
+    assert c.logprobs.tokens[:3] == ["The", " sky", " is"] and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.top_logprobs[0] is None and all(v <= 0 for v in c.logprobs.token_logprobs[1:])
+    assert len(c.logprobs.tokens) == 3 + 4 and c.logprobs.tokens[3:] == lp.tokens
+    assert c.logprobs.text_offset[3] == len("The sky is")
+    plain_echo = client.completions.create(model=model, prompt="The sky is", max_tokens=1, echo=True)
+    assert plain_echo.choices[0].text.startswith("The sky is") and plain_echo.choices[0].logprobs is None
+
+
+def test_streamed_echo_and_logprobs_match_plain(client, http, model):
+    body = {"prompt": "The sky is", "temperature": 0, "max_tokens": 4, "logprobs": 1, "echo": True}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    events = sse(http, "/v1/completions", body)
+    chunks = [c for e in events for c in e["choices"] if c["logprobs"]]
+    assert stream_text(events) == plain["text"]
+    assert sum((c["logprobs"]["tokens"] for c in chunks), []) == plain["logprobs"]["tokens"]
+    assert sum((c["logprobs"]["text_offset"] for c in chunks), []) == plain["logprobs"]["text_offset"]
+
+
+def test_skip_special_tokens_and_multibyte_text(client, http, model):
+    eos = http.post("/tokenize", json={"prompt": "<|im_end|>"}).json()["tokens"]
+    body = {"prompt": "Hello", "max_tokens": 2, "logit_bias": {str(eos[0]): 100}, "ignore_eos": True}
+    assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == ""
+    kept = http.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()
+    assert kept["choices"][0]["text"] == "<|im_end|>" * 2
+    body = {"prompt": "日本 日本 日本 日本 日本 日本", "temperature": 0, "max_tokens": 8}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert "日本" in plain and "\ufffd" not in plain
+    events = sse(http, "/v1/completions", body)
+    pieces = [c["text"] for e in events for c in e["choices"] if c["text"]]
+    assert "".join(pieces) == plain and not any("\ufffd" in p for p in pieces) and len(pieces) > 1
+
+
+# -- stop conditions -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def greedy_story(client, model):
+    """A greedy continuation and its tokens (to pick stop strings that span token boundaries)."""
+    out = client.completions.create(model=model, prompt="Once upon a time, in a small village,",
+                                    temperature=0, max_tokens=12, logprobs=0,
+                                    extra_body={"ignore_eos": True})
+    return out.choices[0].text, out.choices[0].logprobs.tokens
+
+
+def _spanning_stop(text: str, tokens: list[str]) -> tuple[str, int]:
+    """A stop string made of the end of one token and the start of the next, found first at
+    that boundary: (stop, where it starts in text)."""
+    pos = 0
+    for left, right in zip(tokens, tokens[1:]):
+        pos += len(left)
+        if pos > 4 and len(left) >= 2 and len(right) >= 2:
+            stop = left[-2:] + right[:2]
+            if text.find(stop) == pos - 2:
+                return stop, pos - 2
+    raise AssertionError(f"no usable token boundary in {tokens}")
+
+
+def test_stop_strings_plain_and_streamed(client, http, model, greedy_story):
+    text, tokens = greedy_story
+    stop, at = _spanning_stop(text, tokens)
+    body = {"prompt": "Once upon a time, in a small village,", "temperature": 0, "max_tokens": 12,
+            "ignore_eos": True, "stop": [stop, "zzzz-never"]}
+    plain = client.completions.create(model=model, **{k: v for k, v in body.items() if k != "ignore_eos"},
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert plain.text == text[:at] and plain.finish_reason == "stop" and plain.stop_reason == stop
+    events = sse(http, "/v1/completions", body)
+    pieces = [c["text"] for e in events for c in e["choices"]]
+    assert "".join(pieces) == text[:at]          # released text is never withdrawn: nothing leaked
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["stop"]
+    incl = http.post("/v1/completions", json={**body, "include_stop_str_in_output": True}).json()
+    assert incl["choices"][0]["text"] == text[:at] + stop
+    one = http.post("/v1/completions", json={**body, "stop": stop}).json()     # a single string
+    assert one["choices"][0]["text"] == text[:at]
+    chat = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=10,
+                                          stop=["Paris"])
+    assert "Paris" not in chat.choices[0].message.content and chat.choices[0].finish_reason == "stop"
+
+
+def test_stop_token_ids_and_min_tokens(client, http, model, greedy_story):
+    text, tokens = greedy_story
+    base = {"prompt": "Once upon a time, in a small village,", "temperature": 0, "max_tokens": 12,
+            "ignore_eos": True}
+    # a generated token that is one id on its own and first appears at position k >= 2
+    k, ids = next((k, ids) for k in range(2, len(tokens))
+                  if tokens.index(tokens[k]) == k
+                  and len(ids := http.post("/tokenize", json={"prompt": tokens[k]}).json()["tokens"]) == 1)
+    out = http.post("/v1/completions", json={**base, "stop_token_ids": ids}).json()["choices"][0]
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == ids[0]
+    assert out["text"] == "".join(tokens[:k + 1])          # the stop token's text is kept
+    first_word = tokens[0]
+    early = http.post("/v1/completions", json={**base, "stop": [first_word]}).json()
+    assert early["choices"][0]["text"] == "" and early["usage"]["completion_tokens"] == 1
+    held = http.post("/v1/completions", json={**base, "stop": [first_word], "min_tokens": 6}).json()
+    assert held["usage"]["completion_tokens"] >= 6 and len(held["choices"][0]["text"]) > len(first_word)
+
+
+# -- errors --------------------------------------------------------------------------------------
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": 7}, "temperature"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": -5}, "top_k"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"prompt": "x", "stop": ""}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "x", "min_tokens": 99, "max_tokens": 3}, "min_tokens"),
+    ({"prompt": "x", "seed": 2 ** 70}, "seed"),
+    ({"prompt": "x", "priority": 1}, "priority"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "bogus_field": 1}, "bogus_field"),
+    ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [10 ** 8]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({}, "prompt"),
+]
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "text": None}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
+    ({"messages": CAPITAL, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": CAPITAL, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": CAPITAL, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": CAPITAL, "max_tokens": 0}, "max_tokens"),
+]
+
+
+def test_bad_input_gets_400_naming_the_field(http):
+    for path, cases in (("/v1/completions", BAD_COMPLETIONS), ("/v1/chat/completions", BAD_CHATS)):
+        for body, param in cases:
+            r = http.post(path, json=body)
+            err = r.json()["error"]
+            assert r.status_code == 400, (body, r.text)
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], body
+            assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+    for raw in (b"", b"{", b"[]", b"null", b'"text"', b"\xff\xfe"):
+        r = http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"], raw
+
+
+def test_context_length_and_oversized_body(client, http, model):
+    max_len = client.models.retrieve(model).model_extra["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=model, prompt="x", max_tokens=max_len)
+    assert exc.value.body["code"] == "context_length_exceeded" and exc.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=max_len)
+    assert exc.value.body["code"] == "context_length_exceeded" and exc.value.body["param"] == "messages"
+    long_prompt = list(range(100, 100 + max_len))
+    r = http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (9 << 20) + b'"}',
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code in (400, 413) and r.json()["error"]["message"]

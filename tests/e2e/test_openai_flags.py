@@ -1,0 +1,132 @@
+"""Server flags: probes answer 503 while the model loads; --api-key guards /v1/* only;
+--lenient accepts unknown fields; --scheduling-policy priority orders the queue by priority."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+
+from server import Server
+
+pytestmark = pytest.mark.slow
+
+# One compute thread: on a shared 2-core machine, two spinning torch threads per step make
+# every step several times slower, and these tests are about the API, not throughput.
+SERVER_ARGS = ("--threads", "1")
+
+KEY = "sk-test-key"
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0               # not listening yet
+
+
+@pytest.fixture(scope="module")
+def started():
+    """The server (one request at a time, priority policy) and the /health codes seen while
+    it started, polled on a port chosen up front."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    box: dict = {}
+
+    def start() -> None:
+        try:
+            box["server"] = Server(*SERVER_ARGS, "--port", str(port), "--api-key", KEY,
+                                   "--lenient", "--scheduling-policy", "priority",
+                                   "--max-num-seqs", "1")
+        except BaseException as exc:   # reported by the fixture below
+            box["error"] = exc
+    t = threading.Thread(target=start)
+    t.start()
+    seen = []
+    while t.is_alive():
+        seen.append(_status(f"http://127.0.0.1:{port}/health"))
+        time.sleep(0.05)
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    yield box["server"], seen
+    box["server"].stop()
+
+
+@pytest.fixture(scope="module")
+def server(started):
+    return started[0]
+
+
+def test_health_is_503_while_loading_then_200(started):
+    server, seen = started
+    assert 503 in seen, seen
+    assert _status(server.url + "/health") == 200
+    after_503 = seen[seen.index(503):]
+    assert set(after_503) <= {503, 200}          # once listening, only "loading" or "ready"
+
+
+def test_api_key_guards_v1_only(server):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as exc:
+        bad.models.list()
+    assert set(exc.value.body) == {"message", "type", "param", "code"}
+    good = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    assert good.models.list().data
+    for path in ("/health", "/ping", "/metrics", "/version"):
+        assert _status(server.url + path) == 200, path
+    req = urllib.request.Request(server.url + "/v1/completions", data=b'{"prompt": "x"}',
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as http_exc:
+        urllib.request.urlopen(req, timeout=30)
+    assert http_exc.value.code == 401
+
+
+def test_lenient_accepts_and_drops_unknown_fields(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    out = client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=2,
+        messages=[{"role": "user", "content": "Hi", "mood": "happy"}],
+        extra_body={"no_such_option": {"deep": 1}, "another_one": 3})
+    assert out.usage.completion_tokens == 2
+    assert "ignoring unknown field `messages[0].mood`" in server.log()
+    assert "ignoring unknown field `no_such_option`" in server.log()
+    with pytest.raises(openai.BadRequestError):        # wrong types are still refused
+        client.completions.create(model=out.model, prompt="x", max_tokens="two")
+
+
+def test_priority_orders_the_waiting_queue(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def run(session, body, done):
+        async with session.post(server.url + "/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+        done.append(body["prompt"])
+
+    async def main():
+        done: list[str] = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            first = session.post(server.url + "/v1/completions", headers=headers, json={
+                "prompt": "first", "max_tokens": 40, "ignore_eos": True, "stream": True})
+            async with first as resp:     # the only running request (--max-num-seqs 1)
+                await resp.content.readline()
+                late = asyncio.ensure_future(run(session, {"prompt": "low", "max_tokens": 2,
+                                                           "priority": 5}, done))
+                await asyncio.sleep(0.2)
+                urgent = asyncio.ensure_future(run(session, {"prompt": "urgent", "max_tokens": 2,
+                                                             "priority": -5}, done))
+                await resp.read()
+            await asyncio.gather(late, urgent)
+        return done
+    assert asyncio.run(main()) == ["urgent", "low"]
