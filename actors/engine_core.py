@@ -29,7 +29,7 @@ WORKER_ACTOR = "worker0"
 
 class EngineConfig(msgspec.Struct):
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"                    # "auto": float32 on the CPU, bfloat16 on a GPU
     quantization: str | None = None        # None (exact) | "int8"
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -47,6 +47,8 @@ class EngineConfig(msgspec.Struct):
     ipc_dir: str = ""
     max_worker_restarts: int = 3
     worker_restart_window_s: float = 120.0
+    device: str = "auto"                   # "auto" (CUDA when present) | "cpu" | "cuda"
+    enforce_eager: bool = False            # CUDA: no graph capture
 
 
 class EngineCore:
@@ -65,7 +67,8 @@ class EngineCore:
 
     def _worker_config(self) -> WorkerConfig:
         c = self.cfg
-        return WorkerConfig(c.model, c.dtype, c.num_threads, c.seed, c.quantization, c.block_size)
+        return WorkerConfig(c.model, c.dtype, c.num_threads, c.seed, c.quantization, c.block_size,
+                            device=c.device, enforce_eager=c.enforce_eager)
 
     async def _start_worker(self) -> tuple[ActorRef, ModelInfo]:
         if not self.cfg.worker_process:

@@ -52,14 +52,18 @@ def attention_requirements(config: ModelConfig, dtype: torch.dtype, block_size: 
 
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
                attn_backend: AttentionBackend | None = None,
-               block_size: int = DEFAULT_BLOCK_SIZE) -> LoadedModel:
-    """Build the model for ``source`` with its weights, in eval mode, on the CPU. Attention goes
-    through ``attn_backend``, by default the first backend that accepts the model's requirements
-    (raises ValueError naming every backend's refusal when none does)."""
+               block_size: int = DEFAULT_BLOCK_SIZE, device: str = "cpu") -> LoadedModel:
+    """Build the model for ``source`` with its weights, in eval mode, on ``device`` ("cpu" or
+    "cuda"). Attention goes through ``attn_backend``, by default the first backend that accepts
+    the model's requirements on that device (raises ValueError naming every backend's refusal
+    when none does). Weights are always read and converted on the CPU, then moved: the host
+    briefly holds the model in ``dtype`` (plus one float32 tensor at a time while loading)."""
     config, weights, map_name = _open_checkpoint(source)
-    backend = attn_backend or select_backend(attention_requirements(config, dtype, block_size))
+    backend = attn_backend or select_backend(attention_requirements(config, dtype, block_size, device))
     model = get_model_class(config.architecture)(config, backend, dtype)
     load_weights(model, weights, getattr(model, map_name))
+    if device != "cpu":
+        model = model.to(device)
     return LoadedModel(model.eval(), config)
 
 

@@ -61,6 +61,7 @@ class OpenAIServer:
             ("GET", "/debug/engine", misc.debug_engine), ("GET", "/debug/trace", misc.debug_trace),
             ("GET", "/v1/models", misc.models), ("GET", "/v1/models/{model:.+}", misc.model),
             ("POST", "/tokenize", misc.tokenize), ("POST", "/detokenize", misc.detokenize),
+            ("POST", "/reset_prefix_cache", misc.reset_prefix_cache),
             ("POST", "/v1/chat/completions", chat.chat_completions),
             ("POST", "/v1/completions", completions.completions),
         ]

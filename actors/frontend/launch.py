@@ -59,9 +59,7 @@ class Frontend:
         """Load the model (engine and worker processes), then start the tokenizer and
         detokenizer actors; sets ``client``."""
         source = resolve_model(cfg.model)   # fails fast, with the install command, if missing
-        if source.kind != "gguf":
-            raise ValueError(f"only GGUF models are supported so far, got {source.path}")
-        tokenizer = TextTokenizer.from_gguf(source.path)
+        tokenizer = TextTokenizer.from_source(source.kind, source.path)
         info, engine = await _start_engine(self, cfg, ready_timeout)
         streams = OutputStreams()
         stats = EngineStats(model=info.model.served_name)

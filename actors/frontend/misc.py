@@ -48,6 +48,13 @@ async def debug_engine(server: OpenAIServer, request: web.Request) -> web.Respon
     return _json(server.engine().stats.as_dict())
 
 
+async def reset_prefix_cache(server: OpenAIServer, request: web.Request) -> web.Response:
+    """Forget every cached prefix (vLLM's endpoint of the same name)."""
+    from actors.kv_manager.messages import ResetPrefixCache
+    await server.engine().engine.ask(ResetPrefixCache(), timeout=30)
+    return web.Response(status=200)
+
+
 async def debug_trace(server: OpenAIServer, request: web.Request) -> web.Response:
     """The actors' recent message spans in every process, as Chrome-trace / Perfetto JSON."""
     if server.trace is None:

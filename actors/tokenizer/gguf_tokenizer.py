@@ -8,6 +8,9 @@ byte-level BPE ("gpt2") and Gemma's SentencePiece BPE ("llama" in a gemma/gemma2
 
 from __future__ import annotations
 
+import json
+import os
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -149,6 +152,13 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # "default", "gpt2", unknown names
 
 
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def _special_ids(metadata: dict[str, Any], types: list[int]) -> set[int]:
     """CONTROL tokens plus whichever of bos/eos/unk/pad the file names."""
     ids = {i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL}
@@ -180,6 +190,49 @@ class TextTokenizer:
     def from_gguf(cls, path: str) -> TextTokenizer:
         metadata = read_gguf_metadata(path)
         return cls(build_tokenizer(metadata), metadata)
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> TextTokenizer:
+        """A Hugging Face checkpoint directory: tokenizer.json, and tokenizer_config.json for the
+        special tokens, the BOS flag and the chat template (or chat_template.jinja)."""
+        tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
+        types = [0] * n
+        for token_id, added in tokenizer.get_added_tokens_decoder().items():
+            if added.special and token_id < n:
+                types[token_id] = TOKEN_TYPE_CONTROL
+
+        def token_id(key: str) -> int | None:
+            tok = config.get(key)
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            return tokenizer.token_to_id(tok) if isinstance(tok, str) else None
+        template = config.get("chat_template")
+        if isinstance(template, list):   # named templates: use the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja):
+            with open(jinja) as f:
+                template = f.read()
+        metadata = {
+            "tokenizer.ggml.tokens": range(n), "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": token_id("bos_token"),
+            "tokenizer.ggml.eos_token_id": token_id("eos_token"),
+            "tokenizer.ggml.padding_token_id": token_id("pad_token"),
+            "tokenizer.ggml.unknown_token_id": token_id("unk_token"),
+            "tokenizer.ggml.add_bos_token": bool(config.get("add_bos_token", False)),
+            "tokenizer.ggml.add_eos_token": bool(config.get("add_eos_token", False)),
+            "tokenizer.chat_template": template,
+        }
+        return cls(tokenizer, metadata)
+
+    @classmethod
+    def from_source(cls, kind: str, path: str) -> TextTokenizer:
+        if kind == "gguf":
+            return cls.from_gguf(path)
+        if kind == "hf_dir":
+            return cls.from_hf_dir(path)
+        raise ValueError(f"no tokenizer for a model source of kind {kind!r}")
 
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend_tokenizer.id_to_token(token_id)

@@ -3,6 +3,8 @@ arrays (its tokens, its block table, its counters), so a step's inputs are gathe
 vectorized indexing instead of rebuilt request by request.
 
 Slots are reused: a finished request frees its slot, a new one takes the lowest free slot.
+The arrays stay on the host whatever the model's device; only seeded generators live on the
+device (a CUDA tensor draws from a CUDA generator).
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ class SlotState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
+                 device: torch.device | str = "cpu") -> None:
         self.max_num_reqs = max_num_reqs
+        self.device = torch.device(device)
         self.max_model_len = max_model_len
         self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
@@ -63,7 +67,7 @@ class InputBatch:
         self.num_blocks[i] = 0
         self.append_blocks(i, r.block_ids)
         p = r.sampling_params
-        gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        gen = torch.Generator(self.device).manual_seed(p.seed) if p.seed is not None else None
         self.states[i] = SlotState(r.req_id, p, gen)
         return i
 

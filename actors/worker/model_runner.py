@@ -3,14 +3,22 @@ runs the model, samples, and reports log-probs. Pure: no asyncio, no transport.
 
 The scheduler sends full data for a request once (``new_reqs``) and diffs afterwards
 (``cached_reqs``: new block ids, computed-token counts); the runner appends what it samples.
+
+Inputs are always prepared on the CPU (numpy over the persistent batch). On CUDA they are copied
+to the device: uniform decode steps through the padded buffers of ``CudaGraphRunner`` (a graph
+replay once captured), every other step as plain tensors for an eager forward. On the CPU the
+step runs on the prepared tensors directly, unless ``cudagraph_sizes`` asks for the padded path
+(tests use it to check padding without a GPU).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.input_batch import InputBatch
 from actors.kv_manager.kv_cache_spec import create_kv_cache_views, model_kv_cache_specs
 from kernels.attention.base import AttentionMetadata
@@ -31,15 +39,25 @@ class StepInputs(NamedTuple):
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 cudagraph_sizes: list[int] | None = None) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.device = torch.device(device)
         specs = model_kv_cache_specs(config, block_size, torch.tensor([], dtype=dtype).element_size())
-        self.kv_caches = create_kv_cache_views(specs, num_blocks, dtype)     # validates the specs
-        self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
+        self.kv_caches = create_kv_cache_views(specs, num_blocks, dtype, self.device)  # validates the specs
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device)
         self.sampler = Sampler()
+        self.graphs = (CudaGraphRunner(model, self.kv_caches, cudagraph_sizes, max_model_len, block_size,
+                                       self.device) if cudagraph_sizes else None)
+
+    def capture_cudagraphs(self) -> float:
+        """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""
+        if self.graphs is None:
+            raise RuntimeError("this runner was built without cudagraph_sizes")
+        return self.graphs.capture()
 
     # -- 1) the scheduler's diffs ------------------------------------------------------------
     def update_states(self, so: SchedulerOutput) -> None:
@@ -90,22 +108,34 @@ class ModelRunner:
         if not req_ids:
             return out
         inp = self.prepare_inputs(so)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)   # (T, hidden)
+        hidden = self._forward(inp)                                                    # (T, hidden)
         b = self.batch
         b.num_computed_tokens[inp.slots] += np.fromiter(so.num_scheduled_tokens.values(),
                                                         dtype=np.int64, count=len(req_ids))
         self._prompt_logprobs(so, inp, hidden, out)
         if len(inp.sample_rows):
-            logits = self.model.compute_logits(hidden[inp.logits_indices])            # (S, vocab)
+            logits = self.model.compute_logits(hidden[inp.logits_indices.to(self.device)])  # (S, vocab)
             sample_slots = inp.slots[inp.sample_rows]
             result = self.sampler(logits, self.sampling_metadata(sample_slots))
-            tokens = result.sampled_token_ids.numpy()
+            tokens = result.sampled_token_ids.cpu().numpy()
             b.append_tokens(sample_slots, tokens)
             for row, tok in zip(inp.sample_rows.tolist(), tokens.tolist()):
                 out.sampled_token_ids[row] = [tok]
             if result.logprobs is not None:
                 self._sample_logprobs(req_ids, inp.sample_rows, sample_slots, result.logprobs, out)
         return out
+
+    def _forward(self, inp: StepInputs) -> torch.Tensor:
+        """Hidden states (T, hidden) of the step's tokens, on the model's device."""
+        desc = self.graphs.dispatch(inp.meta) if self.graphs is not None else None
+        if desc is not None:
+            return self.graphs.run(desc, inp)                  # padded buffers, a graph on CUDA
+        if self.device.type == "cpu":
+            return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        to_dev = lambda t: t.to(self.device, non_blocking=True)    # noqa: E731 (pageable: copied at once)
+        meta = dataclasses.replace(inp.meta, **{name: to_dev(getattr(inp.meta, name)) for name in
+                                                ("query_start_loc", "seq_lens", "block_table", "slot_mapping")})
+        return self.model(to_dev(inp.input_ids), to_dev(inp.positions), self.kv_caches, meta)
 
     def sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
         b = self.batch
@@ -131,7 +161,7 @@ class ModelRunner:
             eos_token_ids=[[] if p.ignore_eos else eos for p in ps],
             logit_bias=[p.logit_bias for p in ps], allowed_token_ids=[p.allowed_token_ids for p in ps],
             bad_words_token_ids=[p.bad_words_token_ids or None for p in ps],
-            max_num_logprobs=max(want) if want else None)
+            max_num_logprobs=max(want) if want else None, device=self.device)
 
     def _sample_logprobs(self, req_ids: list[str], rows: np.ndarray, slots: np.ndarray,
                          lp: LogprobsTensors, out: ModelRunnerOutput) -> None:
@@ -156,7 +186,7 @@ class ModelRunner:
             if stop <= start:
                 continue
             logits = self.model.compute_logits(hidden[cu[row]:cu[row] + stop - start])
-            targets = torch.from_numpy(b.token_ids[i, start + 1:stop + 1])
+            targets = torch.from_numpy(b.token_ids[i, start + 1:stop + 1]).to(self.device)
             lp = compute_prompt_logprobs(logits, targets, k)
             out.prompt_logprobs[rid] = Logprobs(lp.token_ids.tolist(), lp.logprobs.tolist(),
                                                 lp.ranks.tolist())

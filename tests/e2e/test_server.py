@@ -189,3 +189,27 @@ def test_trace_endpoint_shows_spans_of_all_three_processes(server):
     slices = {e["name"] for e in events if e["ph"] == "X"}
     assert {"Generate", "AddRequest", "Step", "SchedulerOutput", "EngineCoreOutputs"} <= slices
     assert any(e["ph"] == "s" for e in events)   # flow arrows between processes
+
+
+def test_reset_prefix_cache_makes_a_repeated_prompt_miss(server):
+    prompt = list(range(1000, 1100))          # 100 tokens: 6 full blocks
+
+    async def hits_of_one_request():
+        async with aiohttp.ClientSession() as session:
+            async def stats():
+                async with session.get(server.url + "/debug/engine") as resp:
+                    return (await resp.json())["prefix_cache_hits"]
+            before = await stats()
+            async with session.post(server.url + "/v1/completions",
+                                    json={"prompt": prompt, "max_tokens": 1}) as resp:
+                assert resp.status == 200
+            return await stats() - before
+
+    async def reset():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + "/reset_prefix_cache") as resp:
+                return resp.status
+    asyncio.run(hits_of_one_request())
+    assert asyncio.run(hits_of_one_request()) == 96
+    assert asyncio.run(reset()) == 200
+    assert asyncio.run(hits_of_one_request()) == 0

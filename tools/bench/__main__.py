@@ -14,7 +14,7 @@ def main() -> None:
     off = sub.add_parser("offline", help="offline throughput of an in-process engine")
     workload.add_arguments(off)
     off.add_argument("--model", default=None)
-    off.add_argument("--dtype", default="float32")
+    off.add_argument("--dtype", default="auto")
     off.add_argument("--quantization", default=None, choices=["int8", "gguf"])
     off.add_argument("--max-num-seqs", type=int, default=256)
     off.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -32,7 +32,7 @@ def main() -> None:
 
     lat = sub.add_parser("latency", help="single-stream prefill, decode and cold start")
     lat.add_argument("--model", default=None)
-    lat.add_argument("--dtype", default="float32")
+    lat.add_argument("--dtype", default="auto")
     lat.add_argument("--quantization", default=None, choices=["int8", "gguf"])
     lat.add_argument("--prompt-len", type=int, default=128)
     lat.add_argument("--decode-tokens", type=int, default=128)

@@ -1,0 +1,124 @@
+"""The GPU worker (``-m gpu``, skipped without CUDA): device and dtype chosen automatically, the
+model and KV cache on CUDA with the Triton backend, decode graphs captured at InitKVCache, and
+graph replays giving what the eager CUDA path and the CPU path give, on a tiny random Llama."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from kernels.triton import interpreting  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET=1: kernels would not be compiled"),
+]
+
+BLOCK_SIZE = 16
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=512, rms_norm_eps=1e-6, num_hidden_layers=2,
+                                      tie_word_embeddings=False))
+    with torch.no_grad():   # spread-out logits, so that greedy tokens are stable across devices
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+    path = tmp_path_factory.mktemp("tiny_llama_gpu")
+    hf.save_pretrained(path)
+    return str(path)
+
+
+def _worker(path: str, **cfg):
+    from actors.worker.actor import LoadModel, WorkerActor, WorkerConfig
+    from transport.messages import InitKVCache
+    worker = WorkerActor()
+    info = asyncio.run(worker.receive(LoadModel(WorkerConfig(model=path, **cfg))))
+    kv = asyncio.run(worker.receive(InitKVCache(128, BLOCK_SIZE, 8, 512)))
+    return worker, info, kv
+
+
+def test_worker_goes_to_cuda_in_bfloat16_and_captures_decode_graphs(tiny_llama):
+    from actors.worker.cuda_graphs import BatchDescriptor, capture_sizes
+    from kernels.attention.triton_backend import TritonAttentionBackend
+    from tools.gpu_check.driver import generate
+    worker, info, kv = _worker(tiny_llama)
+    assert (info.device, info.dtype) == ("cuda", "bfloat16")
+    assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in worker.model.parameters())
+    assert isinstance(worker.model.layers[0].self_attn.backend, TritonAttentionBackend)
+    runner = worker.runner
+    assert all(t.is_cuda for t in runner.kv_caches) and kv.bytes > 0
+    assert list(runner.graphs.graphs) == [BatchDescriptor(n, n, True) for n in reversed(capture_sizes(8))]
+    outs = generate(runner, [[1, 2, 3], list(range(5, 40)), [7] * 20], 12, BLOCK_SIZE)
+    assert [len(o) for o in outs] == [12, 12, 12] and all(0 <= t < VOCAB for o in outs for t in o)
+
+
+def test_enforce_eager_and_cpu_capture_nothing(tiny_llama):
+    worker, info, _ = _worker(tiny_llama, enforce_eager=True)
+    assert info.device == "cuda" and worker.runner.graphs is None
+    worker, info, _ = _worker(tiny_llama, device="cpu")
+    assert (info.device, info.dtype) == ("cpu", "float32") and worker.runner.graphs is None
+
+
+def _runner(path: str, device: str, sizes: list[int] | None):
+    from actors.worker.model_runner import ModelRunner
+    from models.registry import load_model
+    from models.resolve import resolve_model
+    model, config = load_model(resolve_model(path), torch.float32, block_size=BLOCK_SIZE, device=device)
+    runner = ModelRunner(model, config, 96, BLOCK_SIZE, 8, config.max_model_len, torch.float32, device, sizes)
+    if sizes and device == "cuda":
+        runner.capture_cudagraphs()
+    return runner
+
+
+def _assert_same(expected, got, atol: float, skip: tuple[str, ...] = ()) -> None:
+    for (ids_e, tok_e, lp_e), (ids_g, tok_g, lp_g) in zip(expected, got, strict=True):
+        assert ids_g == ids_e
+        for rid, te, tg in zip(ids_e, tok_e, tok_g):
+            if rid not in skip:
+                assert tg == te, rid
+        for rid, (ids, vals) in lp_e.items():
+            if rid not in skip:
+                assert lp_g[rid][0][0][:1] == ids[0][:1]
+                np.testing.assert_allclose(lp_g[rid][1][0][0], vals[0][0], rtol=0, atol=atol)
+
+
+def test_graph_replays_equal_eager_cuda_and_cpu_in_float32(tiny_llama):
+    """float32 everywhere, so the three paths agree to rounding: graphs (padded replays) vs the
+    eager CUDA path (seeded row included: same device, same generator), and vs the CPU path
+    (seeded row excluded: CUDA and CPU generators draw different streams)."""
+    from tools.gpu_check.driver import padding_scenario
+    graphs = _runner(tiny_llama, "cuda", [1, 2, 4, 8])
+    replays = []
+    run = graphs.graphs.run
+    graphs.graphs.run = lambda desc, inp: replays.append(desc.num_reqs) or run(desc, inp)
+    got = padding_scenario(graphs, BLOCK_SIZE, VOCAB)
+    assert set(replays) == {1, 2, 4, 8}
+    eager = padding_scenario(_runner(tiny_llama, "cuda", None), BLOCK_SIZE, VOCAB)
+    cpu = padding_scenario(_runner(tiny_llama, "cpu", None), BLOCK_SIZE, VOCAB)
+    _assert_same(eager, got, atol=1e-4)
+    _assert_same(cpu, got, atol=2e-3, skip=("s",))
+
+
+def test_batches_beyond_the_largest_graph_run_eagerly(tiny_llama):
+    from tools.gpu_check.driver import generate
+    small = _runner(tiny_llama, "cuda", [1, 2])
+    replays = []
+    run = small.graphs.run
+    small.graphs.run = lambda desc, inp: replays.append(desc.num_reqs) or run(desc, inp)
+    prompts = [[3, 4, 5], [9] * 7, list(range(10, 30))]
+    assert generate(small, prompts, 6, BLOCK_SIZE) == generate(_runner(tiny_llama, "cuda", None), prompts, 6,
+                                                                BLOCK_SIZE)
+    assert replays == []              # 3 rows: no graph that large, so every decode ran eagerly
