@@ -19,7 +19,8 @@ class WorkerConfig(msgspec.Struct):
     dtype: str = "auto"           # "auto": bfloat16 on CUDA, float32 on the CPU
     num_threads: int = 0          # 0 = all cores
     seed: int = 0
-    quantization: str | None = None   # "int8": int8 weights, dynamic int8 activations
+    quantization: str | None = None   # "gguf": the checkpoint's GGUF blocks run natively
+    prepack: bool = True              # CPU: linear layers through oneDNN with prepacked weights
     block_size: int = 16              # the KV cache's, so the attention backend is chosen for it
     device: str = "auto"              # "auto" (CUDA when present) | "cpu" | "cuda"
     enforce_eager: bool = False       # CUDA: no graph capture, every step eager
@@ -76,6 +77,9 @@ class WorkerActor(Actor):
         if cfg.quantization:
             from models.quant import quantize
             quantize(self.model, cfg.quantization, source.path)
+        if cfg.prepack and not place.on_cuda:
+            from models.onednn import prepack_linears
+            prepack_linears(self.model)
         self.dtype, self.placement, self.worker_config = dtype, place, cfg
         c = self.config
         return ModelInfo(source.served_name, c.architecture, c.max_model_len, c.vocab_size,

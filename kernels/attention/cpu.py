@@ -12,8 +12,10 @@ class CpuAttentionBackend(AttentionBackend):
     batches, with the query heads of one KV group stacked along the query axis, so grouped-query
     attention never repeats K/V.
 
-    Pure decode is one batched call. Otherwise decode rows (one query) and prefill rows (padded
-    to their longest query) are two batched calls, so one long chunk does not pad every decode.
+    Pure decode in float32 reads the cache in place with the native kernel of kernels/cpu
+    (no gather copy); otherwise it is one batched call. Mixed batches are two batched calls,
+    decode rows (one query) and prefill rows (padded to their longest query), so one long chunk
+    does not pad every decode.
     With a sliding window only the blocks a request's queries can see are gathered.
     """
 
@@ -22,6 +24,16 @@ class CpuAttentionBackend(AttentionBackend):
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     supports_sliding_window = True
+
+    def __init__(self, native: bool = True) -> None:
+        self.native = native      # decode through kernels/cpu's in-place paged attention
+
+    def _native_decode(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        if not self.native or query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+            return False
+        from kernels.cpu.native import available
+        self.native = available()[0]
+        return self.native
 
     def forward(
         self,
@@ -40,6 +52,9 @@ class CpuAttentionBackend(AttentionBackend):
         seq_lens = meta.seq_lens[:B].long()
         block_table = meta.block_table[:B]
         if meta.is_pure_decode and T == B:  # no padding: request i owns token i
+            if self._native_decode(query, kv_cache):
+                from kernels.cpu.native import paged_decode
+                return paged_decode(query, kv_cache, block_table, seq_lens, scale, sliding_window)
             starts = torch.arange(B)
             return _attend(query, kv_cache, block_table, seq_lens, starts, torch.ones_like(starts),
                            1, scale, sliding_window)[0]

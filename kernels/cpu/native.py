@@ -15,8 +15,10 @@ from functools import lru_cache
 
 import torch
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gguf_gemm.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = [os.path.join(HERE, "gguf_gemm.c"), os.path.join(HERE, "paged_attention.c")]
+# -march=native: the library is built on the machine that runs it (the cache key has its CPU).
+FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 QK = 32
 
@@ -48,23 +50,27 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None, "no C compiler (cc or gcc) on PATH"
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"gguf_gemm-{digest}.so")
+    h = hashlib.sha256(" ".join(FLAGS + sorted(_cpu_flags())).encode())
+    for src in SOURCES:
+        with open(src, "rb") as f:
+            h.update(f.read())
+    path = os.path.join(_cache_dir(), f"troupe-native-{h.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)
-        proc = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, *SOURCES, "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
-            return None, f"compiling {SOURCE} failed: {proc.stderr.strip()[:500]}"
+            return None, f"compiling {', '.join(SOURCES)} failed: {proc.stderr.strip()[:500]}"
         os.replace(tmp, path)      # atomic: concurrent processes never load a partial file
     lib = ctypes.CDLL(path)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in ("q4_1_gemm", "q8_0_gemm"):
         fn = getattr(lib, name)
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_void_p]
+        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.paged_decode_f32.restype = None
+    lib.paged_decode_f32.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, i64]
     return lib, ""
 
 
@@ -93,3 +99,28 @@ def gguf_gemm(qtype: str, blocks: torch.Tensor, n: int, k: int, x: torch.Tensor)
     fn = lib.q4_1_gemm if qtype == "Q4_1" else lib.q8_0_gemm
     fn(blocks.data_ptr(), n, k, x.data_ptr(), x.shape[0], y.data_ptr())
     return y
+
+
+def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Decode attention read in place through the block table (see paged_attention.c).
+    query (B, H, D) float32, kv_cache (2, num_blocks, BS, KVH, D) float32, block_table (B, M)
+    int32, seq_lens (B,) int32 -> (B, H, D)."""
+    lib, reason = _library()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    B, H, D = query.shape
+    _, num_blocks, BS, KVH, Dk = kv_cache.shape
+    if (query.dtype != torch.float32 or kv_cache.dtype != torch.float32 or Dk != D or H % KVH
+            or H > 64 or D > 256 or not kv_cache.is_contiguous()):
+        raise ValueError(f"native decode attention takes float32 query (B, H, D) and a contiguous "
+                         f"float32 cache (2, N, BS, KVH, D) with H % KVH == 0, H <= 64, D <= 256; "
+                         f"got {tuple(query.shape)} {query.dtype}, {tuple(kv_cache.shape)} {kv_cache.dtype}")
+    q = query.contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    lib.paged_decode_f32(q.data_ptr(), kv_cache.data_ptr(), table.data_ptr(), lens.data_ptr(),
+                         out.data_ptr(), B, H, KVH, D, BS, num_blocks, table.shape[1], scale,
+                         sliding_window or 0)
+    return out

@@ -149,3 +149,30 @@ def test_selection_names_every_refusal():
     for name in BACKENDS:
         assert f"{name}:" in str(info.value)
     assert "cpu: runs on cpu, not tpu" in str(info.value)
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("gqa", [1, 3])
+def test_native_decode_matches_the_gather_path_and_the_reference(window, gqa):
+    from kernels.cpu.native import available
+    if not available()[0]:
+        pytest.skip(available()[1])
+    from kernels.attention import build_attention_metadata
+    from kernels.attention.cpu import CpuAttentionBackend, reference_paged_attention
+    torch.manual_seed(gqa)
+    B, KVH, D, BS = 7, 2, 32, 16
+    H = KVH * gqa
+    lens = [1, 15, 16, 17, 60, 3, 33]
+    blocks = (torch.randperm(40)[:sum(-(-n // BS) for n in lens)] + 1).tolist()
+    tables, i = [], 0
+    for n in lens:
+        k = -(-n // BS)
+        tables.append(blocks[i:i + k])
+        i += k
+    meta = build_attention_metadata([1] * B, lens, tables, BS)
+    cache = torch.randn(2, 41, BS, KVH, D)
+    q, k, v = torch.randn(B, H, D), torch.randn(B, KVH, D), torch.randn(B, KVH, D)
+    native = CpuAttentionBackend().forward(q, k, v, cache.clone(), meta, 0.2, window)
+    gather = CpuAttentionBackend(native=False).forward(q, k, v, cache.clone(), meta, 0.2, window)
+    ref = reference_paged_attention(q, k, v, cache.clone(), meta, 0.2, sliding_window=window)
+    assert torch.allclose(native, ref, atol=2e-6) and torch.allclose(gather, ref, atol=2e-6)
