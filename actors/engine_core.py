@@ -67,7 +67,8 @@ class EngineCore:
 
     def _worker_config(self) -> WorkerConfig:
         c = self.cfg
-        return WorkerConfig(c.model, c.dtype, c.num_threads, c.seed, c.quantization, c.block_size,
+        return WorkerConfig(model=c.model, dtype=c.dtype, num_threads=c.num_threads, seed=c.seed,
+                            quantization=c.quantization, block_size=c.block_size,
                             device=c.device, enforce_eager=c.enforce_eager)
 
     async def _start_worker(self) -> tuple[ActorRef, ModelInfo]:

@@ -181,9 +181,9 @@ def test_header_parser_agrees_with_gguf_reader():
     ours = read_gguf(path).tensors
     assert list(ours) == [t.name for t in reader.tensors]
     import numpy as np
-    from models.gguf_loader import _tensor_data
+    from models.gguf_loader import raw_tensor_data
     data = np.memmap(path, mode="r")
     for t in reader.tensors:
         info = ours[t.name]
         assert info.ggml_type == t.tensor_type and list(info.dims) == t.shape.tolist()
-        assert np.array_equal(_tensor_data(data, info), t.data)
+        assert np.array_equal(raw_tensor_data(data, info), t.data)
