@@ -96,6 +96,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0             # since start
     prefix_cache_queries: int = 0        # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0           # of those, tokens served from the cache
+    busy_seconds: float = 0.0            # since start: wall time of back-to-back step cycles
+    compute_seconds: float = 0.0         # since start: of that, model forward and sampling
 
 
 class EngineCoreOutputs(Msg):
@@ -127,6 +129,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     sampled_token_ids: list[list[int]]     # empty for a request whose prompt is not done yet
     logprobs: dict[str, Logprobs] = {}     # for requests that asked, their sampled tokens'
     prompt_logprobs: dict[str, Logprobs] = {}
+    compute_s: float = 0.0                 # seconds of model forward and sampling in this step
 
 
 class SchedulerOutput(Msg):

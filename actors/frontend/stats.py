@@ -86,6 +86,7 @@ class EngineStats:
                 "kv_cache_usage": s.kv_cache_usage, "num_preemptions": s.num_preemptions,
                 "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits,
+                "busy_seconds": round(s.busy_seconds, 3), "compute_seconds": round(s.compute_seconds, 3),
                 "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
                 "requests_finished": dict(self.requests_finished)}
 

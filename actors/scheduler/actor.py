@@ -8,6 +8,7 @@ step are handled before the next one.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from actors.kv_manager.messages import KVReset, ResetPrefixCache
@@ -45,6 +46,7 @@ class SchedulerActor(Actor):
         self.generation = generation
         self.paused = False
         self._step_queued = False
+        self._last_step_start = 0.0
 
     async def receive(self, msg: SchedulerProtocol) -> Any:
         match msg:
@@ -60,6 +62,9 @@ class SchedulerActor(Actor):
                 self._step_queued = False
                 await self._step()
                 self._kick()
+                if not self._step_queued:          # idle now: close the cycle, start afresh
+                    self._account_cycle()
+                    self._last_step_start = 0.0
             case ResetPrefixCache():
                 return await self.kv.ask(msg)      # between steps: no step reads the cache now
             case WorkersReady(generation=g):
@@ -86,6 +91,7 @@ class SchedulerActor(Actor):
                 self.core.apply_prepare(await self.kv.ask(release))
                 self._emit([])           # the frontend's KV usage drops back when idle
             return
+        self._account_cycle()
         prepare = self.core.begin_step()                     # round trip 1, when needed
         if prepare is not None:
             self.core.apply_prepare(await self.kv.ask(prepare))
@@ -106,7 +112,17 @@ class SchedulerActor(Actor):
             self.paused = self.paused or died
             self._emit(self.core.fail_running(f"the worker failed: {reason}"))
             return
+        self.core.counters.compute_seconds += runner_out.compute_s
         self._emit(self.core.update_from_output(so, runner_out))
+
+    def _account_cycle(self) -> None:
+        """Steps that follow each other back to back count their whole cycle as busy time: the
+        part not spent in model compute is the engine's overhead (scheduling, messaging, input
+        preparation, output processing)."""
+        now = time.perf_counter()
+        if self._last_step_start:
+            self.core.counters.busy_seconds += now - self._last_step_start
+        self._last_step_start = now
 
     def _emit(self, outs: list[EngineCoreOutput]) -> None:
         self.outputs.tell(EngineCoreOutputs(outs, self.core.stats()))

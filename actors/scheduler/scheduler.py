@@ -67,6 +67,8 @@ class _Counters:
     last_scheduled_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    busy_seconds: float = 0.0
+    compute_seconds: float = 0.0
 
 
 class Scheduler:
@@ -354,4 +356,5 @@ class Scheduler:
         return SchedulerStats(c.step, len(self.running), len(self.waiting), c.last_scheduled_reqs,
                               c.last_scheduled_tokens,
                               1.0 - self.num_free_blocks / max(self.num_usable_blocks, 1),
-                              c.num_preemptions, c.prefix_cache_queries, c.prefix_cache_hits)
+                              c.num_preemptions, c.prefix_cache_queries, c.prefix_cache_hits,
+                              c.busy_seconds, c.compute_seconds)

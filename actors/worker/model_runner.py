@@ -12,6 +12,8 @@ step runs on the prepared tensors directly, unless ``cudagraph_sizes`` asks for 
 """
 from __future__ import annotations
 
+import time
+
 import dataclasses
 from typing import NamedTuple
 
@@ -108,6 +110,7 @@ class ModelRunner:
         if not req_ids:
             return out
         inp = self.prepare_inputs(so)
+        t0 = time.perf_counter()
         hidden = self._forward(inp)                                                    # (T, hidden)
         b = self.batch
         b.num_computed_tokens[inp.slots] += np.fromiter(so.num_scheduled_tokens.values(),
@@ -123,6 +126,7 @@ class ModelRunner:
                 out.sampled_token_ids[row] = [tok]
             if result.logprobs is not None:
                 self._sample_logprobs(req_ids, inp.sample_rows, sample_slots, result.logprobs, out)
+        out.compute_s = time.perf_counter() - t0      # forward and sampling: model compute
         return out
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:

@@ -33,10 +33,13 @@ async def run(args: Any) -> dict[str, Any]:
             return SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
 
         await asyncio.gather(*(one(r, params(r)) for r in reqs[:2]))           # warm-up
+        before = llm.client.stats.last
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(r, params(r)) for r in reqs))
         seconds = time.perf_counter() - t0
         stats = llm.client.stats
+        busy = stats.last.busy_seconds - before.busy_seconds
+        compute = stats.last.compute_seconds - before.compute_seconds
     finally:
         await llm.shutdown()
     config = gguf_model_config(read_gguf(resolve_model(args.model).path))
@@ -51,6 +54,7 @@ async def run(args: Any) -> dict[str, Any]:
             "total_tok_per_s": round((n_in + n_out) / seconds, 2),
             "gflops_per_s": round(gflops, 1), "matmul_peak_gflops_per_s": round(peak, 1),
             "fraction_of_peak": round(gflops / peak, 3), "steps": stats.steps,
+            "engine_overhead_fraction": round(1 - compute / busy, 4) if busy else None,
             "max_batch_size": stats.max_batch_size}
 
 
