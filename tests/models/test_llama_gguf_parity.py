@@ -187,3 +187,19 @@ def test_header_parser_agrees_with_gguf_reader():
         info = ours[t.name]
         assert info.ggml_type == t.tensor_type and list(info.dims) == t.shape.tolist()
         assert np.array_equal(raw_tensor_data(data, info), t.data)
+
+
+@pytest.mark.slow
+def test_the_engine_exact_mode_generates_transformers_greedy_tokens(hf, prompts):
+    """Through the whole engine (prepacked oneDNN linear layers, native decode attention), all
+    prompts in one batch, as a user would run it."""
+    from actors.api import LLM, SamplingParams
+    model, _ = hf
+    with LLM() as llm:
+        ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW),
+                            use_tqdm=False)
+    for prompt, result in zip(prompts, ours):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False)
+        assert result.token_ids == out[0, len(prompt):].tolist(), f"prompt {prompt[:8]}..."
