@@ -62,16 +62,41 @@ class CpuAttentionBackend(AttentionBackend):
         qsl = meta.query_start_loc[:B + 1].long()
         starts, query_lens = qsl[:-1], qsl[1:] - qsl[:-1]  # (B,) each
         is_decode = query_lens == 1
-        for rows, max_query_len in ((is_decode, 1), (~is_decode, meta.max_query_len)):
-            if meta.is_pure_decode and max_query_len > 1:
-                continue
-            idx = rows.nonzero().squeeze(1)                     # (b,) request indices
-            if idx.numel() == 0:
-                continue
-            o, tokens = _attend(query, kv_cache, block_table[idx], seq_lens[idx], starts[idx], query_lens[idx],
-                                max_query_len, scale, sliding_window)
+        # A prompt's first chunk attends only to its own keys, which are the step's k/v: causal
+        # attention on them directly, without reading the cache (and skipping the masked half).
+        fresh = (query_lens == seq_lens) & ~is_decode if sliding_window is None else is_decode & False
+        decode_idx = is_decode.nonzero().squeeze(1)
+        if decode_idx.numel():
+            tokens = starts[decode_idx]
+            if self._native_decode(query, kv_cache):
+                from kernels.cpu.native import paged_decode
+                out[tokens] = paged_decode(query[tokens], kv_cache, block_table[decode_idx],
+                                           seq_lens[decode_idx], scale, sliding_window)
+            else:
+                o, _ = _attend(query, kv_cache, block_table[decode_idx], seq_lens[decode_idx], tokens,
+                               query_lens[decode_idx], 1, scale, sliding_window)
+                out[tokens] = o
+        for i in fresh.nonzero().squeeze(1).tolist():
+            a, b = int(starts[i]), int(starts[i] + query_lens[i])
+            out[a:b] = _causal_self_attention(query[a:b], key[a:b], value[a:b], scale)
+        rest = (~is_decode & ~fresh).nonzero().squeeze(1)  # chunks after cached context
+        if rest.numel():
+            o, tokens = _attend(query, kv_cache, block_table[rest], seq_lens[rest], starts[rest],
+                                query_lens[rest], meta.max_query_len, scale, sliding_window)
             out[tokens] = o
         return out
+
+
+def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q (L, H, D), k and v (L, KVH, D) of one request with no earlier context -> (L, H, D)."""
+    L, H, D = q.shape
+    KVH = k.shape[1]
+    q4 = q.transpose(0, 1).unsqueeze(0)                                    # (1, H, L, D)
+    k4 = k.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)  # (1, H, L, D)
+    v4 = v.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)
+    o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+    return o[0].transpose(0, 1)                                             # (L, H, D)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
