@@ -4,6 +4,7 @@ usage chunk), with usage accounting and error mapping. Subclasses shape the choi
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from typing import Any, AsyncIterator
 
 from aiohttp import web
@@ -28,7 +29,7 @@ def _failure(out: RequestOutput | None) -> str:
     return f"the request failed: {out.error}"
 
 
-class Generation:
+class Generation(ABC):
     """One admitted chat or completion request: its choices and how to answer with them."""
     object_name = ""       # "chat.completion" | "text_completion"
     chunk_object = ""      # "chat.completion.chunk" | "text_completion"
@@ -46,21 +47,21 @@ class Generation:
     def start_chunks(self) -> list[dict]:
         return []
 
+    @abstractmethod
     def delta(self, c: Choice, out: RequestOutput) -> dict | None:
         """The streamed choice entry for this output (None: nothing to show yet)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def finish(self, c: Choice, out: RequestOutput) -> dict:
         """The streamed choice entry that closes choice ``c``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def final(self, c: Choice) -> dict:
         """The choice entry of a non-streamed response (after every output was seen)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def observe(self, c: Choice, out: RequestOutput) -> None:
         """Non-streamed: take in one output."""
-        raise NotImplementedError
 
     # -- shared ------------------------------------------------------------------------------
     def usage(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@ shutdown. Its messages travel in the system lane."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, ClassVar
 
 import msgspec
@@ -13,6 +14,7 @@ from actors.runtime.messages import Msg
 from actors.runtime.tracing import SpanRecord
 
 SYSTEM_ACTOR = "_system"
+log = logging.getLogger("troupe.system")
 
 
 class NodeReady(Msg):
@@ -96,6 +98,6 @@ class SystemActor(Actor):
                 try:
                     chunk.children.append(await node.ref(SYSTEM_ACTOR, child).ask(
                         GetTrace(0, msg.limit, True), timeout=5.0))
-                except ActorError:
-                    pass   # a child that is down has no trace to give
+                except ActorError as exc:   # a child that is down has no trace to give
+                    log.warning("no trace from node '%s': %s", child, exc)
         return chunk
