@@ -80,6 +80,13 @@ class CpuAttentionBackend(AttentionBackend):
             a, b = int(starts[i]), int(starts[i] + query_lens[i])
             out[a:b] = _causal_self_attention(query[a:b], key[a:b], value[a:b], scale)
         rest = (~is_decode & ~fresh).nonzero().squeeze(1)  # chunks after cached context
+        if sliding_window is None:
+            for i in rest.tolist():
+                a, n = int(starts[i]), int(query_lens[i])
+                context = _gather_context(kv_cache, block_table[i], int(seq_lens[i]) - n)
+                out[a:a + n] = _chunk_attention(query[a:a + n], key[a:a + n], value[a:a + n],
+                                                *context, scale)
+            rest = rest[:0]
         if rest.numel():
             o, tokens = _attend(query, kv_cache, block_table[rest], seq_lens[rest], starts[rest],
                                 query_lens[rest], meta.max_query_len, scale, sliding_window)
@@ -96,6 +103,36 @@ def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k4 = k.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)  # (1, H, L, D)
     v4 = v.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)
     o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+    return o[0].transpose(0, 1)                                             # (L, H, D)
+
+
+def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor,
+                    length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached keys and values (length, KVH, D) of one request's first ``length`` positions."""
+    _, num_blocks, block_size, KVH, D = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, KVH, D)
+    pos = torch.arange(length)
+    slots = blocks[pos // block_size].long() * block_size + pos % block_size
+    return flat[0].index_select(0, slots), flat[1].index_select(0, slots)
+
+
+def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ctx: torch.Tensor,
+                     v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prompt chunk after cached context: q (L, H, D), its own k/v (L, KVH, D), the context's
+    (C, KVH, D) -> (L, H, D). Every query sees the whole context and, causally, the chunk; the
+    two softmaxes are computed apart (no mask to build, the chunk's masked half skipped) and
+    merged by their log-sum-exps."""
+    H, KVH = q.shape[1], k.shape[1]
+    q4 = q.transpose(0, 1).unsqueeze(0)                                    # (1, H, L, D)
+
+    def heads(t: torch.Tensor) -> torch.Tensor:                            # (N, KVH, D) -> (1, H, N, D)
+        return t.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o1, lse1 = flash(q4, heads(k_ctx), heads(v_ctx), 0.0, False, scale=scale)
+    o2, lse2 = flash(q4, heads(k), heads(v), 0.0, True, scale=scale)
+    m = torch.maximum(lse1, lse2)                                          # (1, H, L)
+    w1, w2 = (lse1 - m).exp(), (lse2 - m).exp()
+    o = (o1 * w1.unsqueeze(-1) + o2 * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1)
     return o[0].transpose(0, 1)                                             # (L, H, D)
 
 
