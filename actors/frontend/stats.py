@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from transport.messages import SchedulerStats
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -59,6 +60,7 @@ class EngineStats:
     steps: int = 0
     max_batch_size: int = 0                     # most requests served by one step so far
     batch_size: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))
+    step_tokens: Histogram = field(default_factory=lambda: Histogram(STEP_TOKEN_BUCKETS))
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)   # by finish reason
@@ -75,6 +77,7 @@ class EngineStats:
         self.steps += 1
         self.max_batch_size = max(self.max_batch_size, s.num_scheduled_reqs)
         self.batch_size.observe(s.num_scheduled_reqs)
+        self.step_tokens.observe(s.num_scheduled_tokens)
 
     def observe_finished(self, reason: str) -> None:
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
@@ -128,4 +131,10 @@ class EngineStats:
                   "Time from arrival to the first scheduling in the engine.", self.request_queue_time)
         scalar("max_batch_size", "gauge", "Most requests served by one engine step.", self.max_batch_size)
         histogram("batch_size", "Requests served per engine step.", self.batch_size)
+        histogram("iteration_tokens_total", "Tokens scheduled per engine step.", self.step_tokens)
+        scalar("engine_busy_seconds_total", "counter",
+               "Wall time of back-to-back engine step cycles.", f"{s.busy_seconds:.6f}")
+        scalar("engine_compute_seconds_total", "counter",
+               "Of that, model forward and sampling (the rest is engine overhead).",
+               f"{s.compute_seconds:.6f}")
         return "\n".join(lines) + "\n"

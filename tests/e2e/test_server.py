@@ -85,6 +85,7 @@ def test_eight_concurrent_streams_complete_and_share_engine_steps(server):
         assert text.strip()
     assert stats["max_batch_size"] > 1, stats
     assert "troupe:batch_size_bucket" in metrics and "troupe:num_requests_running" in metrics
+    assert "troupe:iteration_tokens_total_bucket" in metrics and "troupe:engine_compute_seconds_total" in metrics
 
 
 def test_bad_input_gets_openai_shaped_4xx_never_500(server):
