@@ -1,11 +1,14 @@
-"""The native CPU kernels (``gguf_gemm.c``): compiled with the system C compiler on first use
-into a per-user cache, loaded with ctypes (no torch headers, so the build takes about a second).
+"""The native CPU kernels (every ``*.c`` file of this folder): compiled together with the system
+C compiler on first use into a per-user cache, loaded with ctypes (no torch headers, so the build
+takes a second or two).
 
-``available()`` says whether they can run here and, if not, why.
+``available()`` says whether they can run here and, if not, why. Other modules declare the
+ctypes signatures of their own kernels with ``declare`` and reach the library through ``library``.
 """
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import os
 import shutil
@@ -16,7 +19,7 @@ from functools import lru_cache
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(HERE, "gguf_gemm.c"), os.path.join(HERE, "paged_attention.c")]
+SOURCES = sorted(glob.glob(os.path.join(HERE, "*.c")))
 # -march=native: the library is built on the machine that runs it (the cache key has its CPU).
 FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
@@ -72,6 +75,21 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.paged_decode_f32.restype = None
     lib.paged_decode_f32.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, i64]
     return lib, ""
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library; RuntimeError naming the reason when the kernels cannot run here."""
+    lib, reason = _library()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    return lib
+
+
+def declare(name: str, argtypes: list, restype=None) -> ctypes._CFuncPtr:
+    """The kernel ``name`` with its ctypes signature set (idempotent)."""
+    fn = getattr(library(), name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 def available() -> tuple[bool, str]:
