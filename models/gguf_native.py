@@ -1,7 +1,9 @@
 """The GGUF block formats run natively: each linear layer keeps its checkpoint's Q4_1 / Q8_0
-blocks (a sixth / a quarter of float32's bytes) and small batches multiply them by float32
-activations with the native kernels of ``kernels/cpu``, which read the weights once per step;
-large batches go to a ``fallback`` module (the split-int8 path, or float32 for the LM head).
+weights (repacked into the panels of ``kernels/cpu/gemm.c``: 0.75 / 1.1 bytes a weight instead
+of float32's 4) and multiplies them by float32 activations with the native panel kernel, which
+dequantizes to exactly the checkpoint's float32 values, so only the summation order differs
+from the exact mode. A decode step reads a fifth of float32's weight bytes; larger batches
+dequantize each panel once per call and run at float32 speed.
 
 Fused layers (q|k|v, gate|up) take their shards' block rows in shard order; llama.cpp's
 row permutation of attn_q / attn_k is undone on whole block rows.
@@ -13,32 +15,15 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from kernels.cpu.native import gguf_gemm
+from kernels.cpu.panels import PanelWeight
 from models.config import ModelConfig
 from models.gguf_header import GGUFFile
 from models.gguf_loader import raw_tensor_data, unpermute_rotary_rows
 from models.layers import Linear, MergedLinear
+from models.packed import PanelLinear
 from models.registry import _compile_tensor_map, _lookup
 
 NATIVE_TYPES = {GGMLQuantizationType.Q4_1: "Q4_1", GGMLQuantizationType.Q8_0: "Q8_0"}
-MAX_NATIVE_ROWS = 8      # above this, the batch is compute-bound: the fallback is faster
-
-
-class NativeGGUFLinear(nn.Module):
-    def __init__(self, qtype: str, blocks: torch.Tensor, out_features: int, in_features: int,
-                 bias: torch.Tensor | None, fallback: nn.Module) -> None:
-        super().__init__()
-        self.qtype = qtype
-        self.blocks = blocks                      # (out * in / 32 * block bytes,) uint8
-        self.out_features, self.in_features = out_features, in_features
-        self.bias = None if bias is None else bias.detach().float()
-        self.fallback = fallback
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:        # (T, in) -> (T, out)
-        if x.shape[0] > MAX_NATIVE_ROWS:
-            return self.fallback(x)
-        y = gguf_gemm(self.qtype, self.blocks, self.out_features, self.in_features, x)
-        return y if self.bias is None else y.add_(self.bias)
 
 
 def _row_fix(config: ModelConfig, name: str):
@@ -70,10 +55,9 @@ def native_blocks(model: nn.Module, gguf: GGUFFile, config: ModelConfig) -> dict
     return out
 
 
-def run_natively(model: nn.Module, gguf: GGUFFile, config: ModelConfig,
-                 make_fallback) -> int:
-    """Replace every linear layer whose weights are stored natively; ``make_fallback(name,
-    linear)`` gives the module that serves large batches. Returns how many were replaced."""
+def run_natively(model: nn.Module, gguf: GGUFFile, config: ModelConfig) -> int:
+    """Replace every linear layer whose weights are stored natively (its float32 weight is
+    dropped, unless tied to an embedding). Returns how many were replaced."""
     blocks = native_blocks(model, gguf, config)
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
@@ -88,7 +72,6 @@ def run_natively(model: nn.Module, gguf: GGUFFile, config: ModelConfig,
             qtype = next(iter(shards.values()))[0]
             raw = torch.cat([shards[s][1] for s in order]).reshape(-1).contiguous()
             out_f, in_f = child.weight.shape
-            setattr(parent, name, NativeGGUFLinear(qtype, raw, out_f, in_f, child.bias,
-                                                   make_fallback(full, child)))
+            setattr(parent, name, PanelLinear(PanelWeight.pack_gguf(qtype, raw, out_f, in_f), child.bias))
             replaced += 1
     return replaced

@@ -1,11 +1,10 @@
 """The quantized mode, as a transformation applied after loading (the model files know nothing
 of it).
 
-``gguf``: linear layers stored as Q4_1 / Q8_0 in the GGUF file keep those blocks, and batches of
-up to ``MAX_NATIVE_ROWS`` rows multiply them by float32 activations with the native AVX2 kernels
-(``kernels/cpu``): the weights are exactly the checkpoint's, only the summation order differs,
-and a decode step reads a sixth of float32's weight bytes. Larger batches, which are
-compute-bound, keep the float32 layer (prepacked for oneDNN by the worker).
+``gguf``: linear layers stored as Q4_1 / Q8_0 in the GGUF file keep those weights and multiply
+them by float32 activations with the native panel kernel (``models/gguf_native.py``,
+``kernels/cpu/gemm.c``): the weights are exactly the checkpoint's, only the summation order
+differs, and a decode step reads a fifth of float32's weight bytes.
 
 Measured here and rejected: int8 weights with dynamic int8 activations (per token) change one
 greedy token in ten on SmolLM2; two int8 parts per weight and activation (three int8 products)
@@ -30,5 +29,5 @@ def quantize(model: nn.Module, mode: str, gguf_path: str | None = None) -> nn.Mo
         raise ValueError(f"the gguf quantization mode needs the native CPU kernels: {reason}")
     if gguf_path is None or not gguf_path.endswith(".gguf"):
         raise ValueError("the gguf quantization mode needs a model loaded from a .gguf file")
-    run_natively(model, read_gguf(gguf_path), model.config, lambda name, linear: linear)
+    run_natively(model, read_gguf(gguf_path), model.config)
     return model

@@ -20,7 +20,7 @@ class WorkerConfig(msgspec.Struct):
     num_threads: int = 0          # 0 = all cores
     seed: int = 0
     quantization: str | None = None   # "gguf": the checkpoint's GGUF blocks run natively
-    prepack: bool = True              # CPU: linear layers through oneDNN with prepacked weights
+    prepack: bool = True              # CPU: linear layers with weights packed once (models/packed.py)
     block_size: int = 16              # the KV cache's, so the attention backend is chosen for it
     device: str = "auto"              # "auto" (CUDA when present) | "cpu" | "cuda"
     enforce_eager: bool = False       # CUDA: no graph capture, every step eager
@@ -78,7 +78,7 @@ class WorkerActor(Actor):
             from models.quant import quantize
             quantize(self.model, cfg.quantization, source.path)
         if cfg.prepack and not place.on_cuda:
-            from models.onednn import prepack_linears
+            from models.packed import prepack_linears
             prepack_linears(self.model)
         self.dtype, self.placement, self.worker_config = dtype, place, cfg
         c = self.config

@@ -22,8 +22,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = sorted(glob.glob(os.path.join(HERE, "*.c")))
 # -march=native: the library is built on the machine that runs it (the cache key has its CPU).
 FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
-QK = 32
 
 
 def _cache_dir() -> str:
@@ -68,10 +66,6 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         os.replace(tmp, path)      # atomic: concurrent processes never load a partial file
     lib = ctypes.CDLL(path)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in ("q4_1_gemm", "q8_0_gemm"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     lib.paged_decode_f32.restype = None
     lib.paged_decode_f32.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, i64]
     return lib, ""
@@ -95,28 +89,6 @@ def declare(name: str, argtypes: list, restype=None) -> ctypes._CFuncPtr:
 def available() -> tuple[bool, str]:
     lib, reason = _library()
     return lib is not None, reason
-
-
-def gguf_gemm(qtype: str, blocks: torch.Tensor, n: int, k: int, x: torch.Tensor) -> torch.Tensor:
-    """x (T, k) float32 @ W^T where W (n, k) is stored as GGUF ``qtype`` blocks (uint8 tensor of
-    n * k / 32 blocks, row-major) -> (T, n) float32."""
-    lib, reason = _library()
-    if lib is None:
-        raise RuntimeError(f"the native GGUF kernels are unavailable: {reason}")
-    if qtype not in BLOCK_BYTES:
-        raise ValueError(f"no native kernel for {qtype}; supported: {sorted(BLOCK_BYTES)}")
-    if k % QK or blocks.dtype != torch.uint8 or blocks.numel() != n * k // QK * BLOCK_BYTES[qtype]:
-        raise ValueError(f"{qtype} weight of ({n}, {k}) needs {n * k // QK * BLOCK_BYTES[qtype]} "
-                         f"uint8 bytes, got {blocks.numel()} {blocks.dtype}")
-    if not blocks.is_contiguous():
-        raise ValueError("the weight blocks must be contiguous")
-    x = x.to(torch.float32).contiguous()
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be (T, {k}), got {tuple(x.shape)}")
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    fn = lib.q4_1_gemm if qtype == "Q4_1" else lib.q8_0_gemm
-    fn(blocks.data_ptr(), n, k, x.data_ptr(), x.shape[0], y.data_ptr())
-    return y
 
 
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

@@ -27,13 +27,17 @@ def workload_flops(c: ModelConfig, reqs: list[dict]) -> float:
 
 def matmul_peak_gflops(rows: int = 256, seconds: float = 1.0) -> float:
     """float32 matmul throughput for this model's shapes at ``rows`` rows, on all threads, by the
-    fastest path this machine offers (oneDNN with a prepacked weight when available)."""
+    fastest path this machine offers (the packed linear layer the worker uses)."""
     import torch
 
-    from models.onednn import OneDNNLinear, available
+    from models.layers import Linear
+    from models.packed import prepack_linears
     a = torch.randn(rows, 576)
-    w = torch.randn(1536, 576)
-    mm = OneDNNLinear(w, None) if available() else (lambda x: torch.nn.functional.linear(x, w))
+    holder = torch.nn.Module()
+    holder.mm = Linear(576, 1536, torch.float32)
+    holder.mm.weight.data.normal_()
+    prepack_linears(holder)
+    mm = holder.mm
     for _ in range(10):
         mm(a)
     n, t0 = 0, time.perf_counter()

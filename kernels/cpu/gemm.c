@@ -1,0 +1,265 @@
+/* Few-row matrix multiplication on the CPU for decode steps:
+ *
+ *   y (M, N) = x (M, K) W^T          x, y float32 row-major; M small (decode batches)
+ *
+ * W is stored in panels of 32 output features, so that one step of the inner loop reads the
+ * 32 weights of one input feature contiguously:
+ *   float32  codes (P, K, 32) floats             w[32p + j, k] = codes[p, k, j]
+ *   Q4_1     codes (P, K, 16) bytes; d, m (P, K / 32, 32) floats
+ *            byte j of (p, k) holds j's nibble low, j + 16's high; w = d * q + m
+ *   Q8_0     codes (P, K, 32) int8;  d (P, K / 32, 32) floats;  w = d * q
+ * (P = ceil(N / 32); the last panel's missing rows are zero.) The GGUF formats are repacked from
+ * their checkpoint blocks once at load (models/gguf_native.py), the float32 one from the weight.
+ *
+ * A quantized panel is dequantized once per call into a per-thread buffer (the same float32
+ * values as dequantizing the checkpoint: d * q rounded, then + m rounded, no fused multiply-add)
+ * and multiplied from there, so every row of x reuses it. The multiply is a register-blocked
+ * kernel of up to 12 rows x 32 columns (24 AVX-512 accumulators), each accumulator summing its
+ * products in input-feature order in float32. Panels are split across OpenMP threads; each is
+ * read from memory once per call, which is what bounds a decode step.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define NR 32
+#define MAX_MR 12
+#define QK 32
+
+enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2 };
+
+/* out[k * 32 + j] = w[32 p + j, k] for one quantized panel. */
+__attribute__((optimize("fp-contract=off")))
+static void dequant_panel(int kind, const uint8_t *codes, const float *d, const float *m,
+                          int64_t p, int64_t K, float *out) {
+    const int64_t nb = K / QK;
+    if (kind == W_Q4_1) {
+        const uint8_t *c = codes + p * K * 16;
+        const float *dp = d + p * nb * NR, *mp = m + p * nb * NR;
+        for (int64_t k = 0; k < K; k++) {
+            const float *db = dp + (k / QK) * NR, *mb = mp + (k / QK) * NR;
+            const uint8_t *ck = c + k * 16;
+            float *o = out + k * NR;
+#ifdef __AVX512F__
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)ck);
+            const __m128i low4 = _mm_set1_epi8(0x0F);
+            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(db), q0), _mm512_loadu_ps(mb)));
+            _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(db + 16), q1),
+                                                   _mm512_loadu_ps(mb + 16)));
+#else
+            for (int j = 0; j < 16; j++) {
+                const float lo = (float)(ck[j] & 0x0F), hi = (float)(ck[j] >> 4);
+                const float a = db[j] * lo, b = db[j + 16] * hi;
+                o[j] = a + mb[j];
+                o[j + 16] = b + mb[j + 16];
+            }
+#endif
+        }
+    } else {                                           /* W_Q8_0 */
+        const int8_t *c = (const int8_t *)codes + p * K * NR;
+        const float *dp = d + p * nb * NR;
+        for (int64_t k = 0; k < K; k++) {
+            const float *db = dp + (k / QK) * NR;
+            const int8_t *ck = c + k * NR;
+            float *o = out + k * NR;
+#ifdef __AVX512F__
+            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)ck)));
+            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ck + 16))));
+            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(db), q0));
+            _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_loadu_ps(db + 16), q1));
+#else
+            for (int j = 0; j < NR; j++) o[j] = db[j] * (float)ck[j];
+#endif
+        }
+    }
+}
+
+/* y[r, 0:cols] = sum_k x[r, k] * pan[k, 0:cols] for r < MR (MR a constant after inlining). */
+static inline __attribute__((always_inline)) void micro(const int MR, const float *x, int64_t ldx,
+                                                        const float *pan, int64_t K, float *y,
+                                                        int64_t ldy, int64_t cols) {
+#ifdef __AVX512F__
+    __m512 c0[MAX_MR], c1[MAX_MR];
+    for (int r = 0; r < MR; r++) { c0[r] = _mm512_setzero_ps(); c1[r] = _mm512_setzero_ps(); }
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 b0 = _mm512_loadu_ps(pan + k * NR), b1 = _mm512_loadu_ps(pan + k * NR + 16);
+        for (int r = 0; r < MR; r++) {
+            const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+            c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
+            c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+        }
+    }
+    if (cols == NR) {
+        for (int r = 0; r < MR; r++) {
+            _mm512_storeu_ps(y + r * ldy, c0[r]);
+            _mm512_storeu_ps(y + r * ldy + 16, c1[r]);
+        }
+    } else {
+        const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+        const __mmask16 m1 = cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+        for (int r = 0; r < MR; r++) {
+            _mm512_mask_storeu_ps(y + r * ldy, m0, c0[r]);
+            _mm512_mask_storeu_ps(y + r * ldy + 16, m1, c1[r]);
+        }
+    }
+#else
+    float acc[MAX_MR][NR];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NR; j++) acc[r][j] = 0.f;
+    for (int64_t k = 0; k < K; k++)
+        for (int r = 0; r < MR; r++) {
+            const float a = x[r * ldx + k];
+            #pragma omp simd
+            for (int j = 0; j < NR; j++) acc[r][j] += a * pan[k * NR + j];
+        }
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < cols; j++) y[r * ldy + j] = acc[r][j];
+#endif
+}
+
+#ifdef __AVX512F__
+#define DIRECT_ROWS 8
+/* One or two rows straight from a quantized panel, dequantizing in registers (the same values
+ * as dequant_panel): for so few rows, writing the panel out and reading it back costs more than
+ * the multiply. */
+__attribute__((optimize("fp-contract=off")))
+static void quant_rows(int kind, const uint8_t *codes, const float *d, const float *m, int64_t p,
+                       int64_t K, const float *x, int64_t M, float *y, int64_t ldy, int64_t cols) {
+    const int64_t nb = K / QK;
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m512 c0[DIRECT_ROWS], c1[DIRECT_ROWS];
+    for (int r = 0; r < DIRECT_ROWS; r++) { c0[r] = _mm512_setzero_ps(); c1[r] = _mm512_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        const float *db = d + (p * nb + b) * NR;
+        const __m512 d0 = _mm512_loadu_ps(db), d1 = _mm512_loadu_ps(db + 16);
+        __m512 m0 = d0, m1 = d1;
+        if (kind == W_Q4_1) {
+            m0 = _mm512_loadu_ps(m + (p * nb + b) * NR);
+            m1 = _mm512_loadu_ps(m + (p * nb + b) * NR + 16);
+        }
+        for (int64_t k = b * QK; k < (b + 1) * QK; k++) {
+            __m512 w0, w1;
+            if (kind == W_Q4_1) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(codes + (p * K + k) * 16));
+                w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+                w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+                w0 = _mm512_add_ps(_mm512_mul_ps(d0, w0), m0);
+                w1 = _mm512_add_ps(_mm512_mul_ps(d1, w1), m1);
+            } else {
+                const int8_t *ck = (const int8_t *)codes + (p * K + k) * NR;
+                w0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)ck))));
+                w1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ck + 16)))));
+            }
+            for (int r = 0; r < DIRECT_ROWS; r++) {
+                if (r >= M) break;
+                const __m512 a = _mm512_set1_ps(x[r * K + k]);
+                c0[r] = _mm512_fmadd_ps(a, w0, c0[r]);
+                c1[r] = _mm512_fmadd_ps(a, w1, c1[r]);
+            }
+        }
+    }
+    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 k1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
+    for (int r = 0; r < M; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, k0, c0[r]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, k1, c1[r]);
+    }
+}
+#else
+#define DIRECT_ROWS 0
+#endif
+
+static void panel_rows(const float *x, int64_t M, int64_t K, const float *pan, float *y, int64_t N,
+                       int64_t cols) {
+    /* rows in near-equal chunks of at most MAX_MR */
+    const int64_t chunks = (M + MAX_MR - 1) / MAX_MR;
+    int64_t r0 = 0;
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t mr = (M - r0) / (chunks - c) + ((M - r0) % (chunks - c) ? 1 : 0);
+        const float *xr = x + r0 * K;
+        float *yr = y + r0 * N;
+        switch (mr) {
+            case 1: micro(1, xr, K, pan, K, yr, N, cols); break;
+            case 2: micro(2, xr, K, pan, K, yr, N, cols); break;
+            case 3: micro(3, xr, K, pan, K, yr, N, cols); break;
+            case 4: micro(4, xr, K, pan, K, yr, N, cols); break;
+            case 5: micro(5, xr, K, pan, K, yr, N, cols); break;
+            case 6: micro(6, xr, K, pan, K, yr, N, cols); break;
+            case 7: micro(7, xr, K, pan, K, yr, N, cols); break;
+            case 8: micro(8, xr, K, pan, K, yr, N, cols); break;
+            case 9: micro(9, xr, K, pan, K, yr, N, cols); break;
+            case 10: micro(10, xr, K, pan, K, yr, N, cols); break;
+            case 11: micro(11, xr, K, pan, K, yr, N, cols); break;
+            default: micro(12, xr, K, pan, K, yr, N, cols); break;
+        }
+        r0 += mr;
+    }
+}
+
+static __thread float *scratch;
+static __thread int64_t scratch_len;
+
+/* Rows of x per pass over the panels: x's rows stay in the cache while every panel is read. */
+#define ROW_BLOCK_BYTES (4 << 20)
+
+/* y (M, N) = x (M, K) W^T with W in panels of kind W_F32 / W_Q4_1 / W_Q8_0 (see the top).
+ * Returns 0 when a per-thread buffer could not be allocated (y is then incomplete). */
+int panel_gemm(int kind, const void *codes, const float *d, const float *m, int64_t N, int64_t K,
+               const float *x, int64_t M, float *y) {
+    const int64_t P = (N + NR - 1) / NR;
+    int64_t rows = ROW_BLOCK_BYTES / (K * (int64_t)sizeof(float));
+    if (rows < 64) rows = 64;
+    int ok = 1;
+    for (int64_t r0 = 0; r0 < M; r0 += rows) {
+        const int64_t mb = M - r0 < rows ? M - r0 : rows;
+        const float *xb = x + r0 * K;
+        float *yb = y + r0 * N;
+        #pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+            const float *pan;
+#ifdef __AVX512F__
+            if (kind != W_F32 && mb <= DIRECT_ROWS) {
+                quant_rows(kind, (const uint8_t *)codes, d, m, p, K, xb, mb, yb + p * NR, N, cols);
+                continue;
+            }
+#endif
+            if (kind == W_F32) {
+                pan = (const float *)codes + p * K * NR;
+            } else {
+                if (scratch_len < K * NR) {
+                    free(scratch);
+                    scratch = aligned_alloc(64, (size_t)(K * NR * sizeof(float) + 63) / 64 * 64);
+                    scratch_len = scratch ? K * NR : 0;
+                }
+                if (!scratch) {
+                    #pragma omp atomic write
+                    ok = 0;
+                    continue;
+                }
+                dequant_panel(kind, (const uint8_t *)codes, d, m, p, K, scratch);
+                pan = scratch;
+            }
+            panel_rows(xb, mb, K, pan, yb + p * NR, N, cols);
+        }
+    }
+    return ok;
+}
+
+/* Float32 weight (N, K) row-major -> panels (P, K, 32), zero-padded. */
+void pack_f32_panels(const float *w, int64_t N, int64_t K, float *out) {
+    const int64_t P = (N + NR - 1) / NR;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < NR; j++) {
+                const int64_t n = p * NR + j;
+                out[(p * K + k) * NR + j] = n < N ? w[n * K + k] : 0.f;
+            }
+}

@@ -1,0 +1,113 @@
+"""Weights in panels of 32 output features for the native matrix multiply of ``gemm.c``:
+float32 (repacked from a weight matrix) or the GGUF Q4_1 / Q8_0 blocks of a checkpoint
+(repacked from the file's bytes, same values once dequantized).
+
+``PanelWeight.pack_f32`` / ``PanelWeight.pack_gguf`` build one at load time; ``matmul(x, w)``
+computes x W^T for any number of rows.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from kernels.cpu import native
+
+NR = 32                       # output features per panel
+QK = 32                       # weights per GGUF block
+KINDS = {"F32": 0, "Q4_1": 1, "Q8_0": 2}
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    kind: str                  # "F32" | "Q4_1" | "Q8_0"
+    out_features: int
+    in_features: int
+    codes: torch.Tensor        # F32 (P, K, 32) float32; Q4_1 (P, K, 16) uint8; Q8_0 (P, K, 32) int8
+    d: torch.Tensor | None     # quantized: (P, K / 32, 32) float32 scales
+    m: torch.Tensor | None     # Q4_1: (P, K / 32, 32) float32 minimums
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m) if t is not None)
+
+    @classmethod
+    def pack_f32(cls, weight: torch.Tensor) -> "PanelWeight":
+        """weight (N, K) float32 -> panels, zero-padded to a multiple of 32 rows."""
+        if weight.dim() != 2 or weight.dtype != torch.float32:
+            raise ValueError(f"pack_f32 takes a 2-D float32 weight, got {tuple(weight.shape)} {weight.dtype}")
+        n, k = weight.shape
+        w = weight.detach().contiguous()
+        codes = torch.empty(_panels(n), k, NR, dtype=torch.float32)
+        _pack_f32()(w.data_ptr(), n, k, codes.data_ptr())
+        return cls("F32", n, k, codes, None, None)
+
+    @classmethod
+    def pack_gguf(cls, qtype: str, rows: np.ndarray | torch.Tensor, n: int, k: int) -> "PanelWeight":
+        """The GGUF blocks of an (n, k) weight, one row of k / 32 blocks per output feature, as
+        ``(n, row_bytes)`` or flat uint8 -> panels."""
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"no native kernel for {qtype}; supported: {sorted(BLOCK_BYTES)}")
+        nb = k // QK
+        raw = np.asarray(rows.numpy() if isinstance(rows, torch.Tensor) else rows)
+        if k % QK or raw.dtype != np.uint8 or raw.size != n * nb * BLOCK_BYTES[qtype]:
+            raise ValueError(f"{qtype} weight of ({n}, {k}) needs {n * nb * BLOCK_BYTES[qtype]} uint8 "
+                             f"bytes in blocks of {QK}, got {raw.size} {raw.dtype}")
+        blocks = raw.reshape(n, nb, BLOCK_BYTES[qtype])
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)          # (n, nb)
+        if qtype == "Q4_1":
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            nibbles = blocks[..., 4:20]
+            q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, k)  # 0..15
+            qp = _to_panels(q)                                                          # (P, K, 32)
+            codes = np.ascontiguousarray(qp[..., :16] | (qp[..., 16:] << 4))            # (P, K, 16)
+            return cls(qtype, n, k, torch.from_numpy(codes), _scales(d), _scales(m))
+        q = blocks[..., 2:34].copy().view(np.int8).reshape(n, k)
+        return cls(qtype, n, k, torch.from_numpy(_to_panels(q)), _scales(d), None)
+
+
+@lru_cache(maxsize=1)
+def _pack_f32():
+    return native.declare("pack_f32_panels", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
+
+
+@lru_cache(maxsize=1)
+def _panel_gemm():
+    return native.declare("panel_gemm", [ctypes.c_int] + [ctypes.c_void_p] * 3
+                          + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)
+
+
+def _panels(n: int) -> int:
+    return (n + NR - 1) // NR
+
+
+def _to_panels(a: np.ndarray) -> np.ndarray:
+    """(n, k) -> (P, k, 32): column j of panel p is row 32 p + j (zeros past n)."""
+    n, k = a.shape
+    padded = np.zeros((_panels(n) * NR, k), a.dtype)
+    padded[:n] = a
+    return np.ascontiguousarray(padded.reshape(-1, NR, k).transpose(0, 2, 1))
+
+
+def _scales(s: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(_to_panels(s))          # (n, nb) -> (P, nb, 32)
+
+
+def matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
+    """x (T, K) float32 -> x W^T (T, N) float32."""
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must be (T, {w.in_features}), got {tuple(x.shape)}")
+    x = x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return y
+    ok = _panel_gemm()(KINDS[w.kind], w.codes.data_ptr(), None if w.d is None else w.d.data_ptr(),
+            None if w.m is None else w.m.data_ptr(), w.out_features, w.in_features,
+            x.data_ptr(), x.shape[0], y.data_ptr())
+    if not ok:
+        raise MemoryError("the native matmul could not allocate its dequantization buffer")
+    return y

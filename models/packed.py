@@ -1,0 +1,75 @@
+"""Linear layers with their weights packed once for the CPU, as a transformation applied after
+loading (the model files know nothing of it).
+
+Float32 weights go to the native panel kernel of ``kernels/cpu/gemm.c`` (same float32 products,
+each output summed in input-feature order; about 1.5x oneDNN's speed at decode batch sizes on
+AVX-512 CPUs, a little faster at prefill sizes too). bfloat16 weights, and float32 ones where
+the native kernels cannot be built, go to oneDNN's blocked layout (``torch.ops.mkldnn``), which
+is still about twice the plain matmul's speed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.layers import Linear
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class OneDNNLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = weight.detach().to_mkldnn()                     # (out, in), blocked layout
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:              # (T, in) -> (T, out)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class PanelLinear(nn.Module):
+    """y = x W^T (+ b) through the native panel kernel; W float32 or GGUF Q4_1 / Q8_0 panels."""
+
+    def __init__(self, weight, bias: torch.Tensor | None) -> None:   # weight: kernels.cpu.panels.PanelWeight
+        super().__init__()
+        self.weight = weight
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.bias = None if bias is None else bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:              # (T, in) -> (T, out)
+        from kernels.cpu.panels import matmul
+        y = matmul(x.reshape(-1, self.in_features), self.weight)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.kind}, in={self.in_features}, out={self.out_features}"
+
+
+def native_available() -> bool:
+    from kernels.cpu.native import available
+    return available()[0]
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every float32 / bfloat16 ``Linear`` on the CPU; returns how many."""
+    native = native_available()
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if not isinstance(child, Linear) or child.weight.device.type != "cpu":
+                continue
+            if child.weight.dtype == torch.float32 and native:
+                from kernels.cpu.panels import PanelWeight
+                packed: nn.Module = PanelLinear(PanelWeight.pack_f32(child.weight), child.bias)
+            elif child.weight.dtype in (torch.float32, torch.bfloat16) and onednn_available():
+                packed = OneDNNLinear(child.weight, child.bias)
+            else:
+                continue
+            setattr(module, name, packed)
+            replaced += 1
+    return replaced

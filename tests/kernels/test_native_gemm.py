@@ -1,0 +1,118 @@
+"""The native panel matmul (kernels/cpu/gemm.c): float32 panels and the GGUF Q4_1 / Q8_0 blocks
+times float32 activations equal the float32 product with the (dequantized) weights to float32
+rounding, for any number of rows (the in-register path for few rows, the dequantized-panel path
+above, several row blocks for long inputs) and any number of output features; the dequantized
+values are exactly the gguf package's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from kernels.cpu.native import available
+from kernels.cpu.panels import PanelWeight, matmul
+
+pytestmark = pytest.mark.skipif(not available()[0], reason=f"native kernels: {available()[1]}")
+
+
+def _gguf(qtype: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    raw = quantize(w, Q[qtype])
+    dense = torch.from_numpy(dequantize(raw, Q[qtype]).astype(np.float32))
+    return np.ascontiguousarray(raw).view(np.uint8), dense
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, tol: float = 2e-6) -> bool:
+    return bool(((got.double() - ref).abs().max() / ref.abs().max()) < tol)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 70])
+@pytest.mark.parametrize("shape", [(96, 64), (200, 160), (33, 32)])
+def test_gguf_panels_match_dequantized_float32(qtype, rows, shape):
+    n, k = shape
+    raw, dense = _gguf(qtype, n, k, rows)
+    w = PanelWeight.pack_gguf(qtype, raw, n, k)
+    x = torch.randn(rows, k)
+    got = matmul(x, w)
+    assert got.shape == (rows, n)
+    assert _close(got, x.double() @ dense.double().T)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 5, 40])          # the in-register and the panel paths
+def test_gguf_dequantized_values_are_bit_exact(qtype, rows):
+    n, k = 70, 96
+    raw, dense = _gguf(qtype, n, k, 7)
+    w = PanelWeight.pack_gguf(qtype, raw, n, k)
+    picks = torch.zeros(rows, k)
+    cols = torch.arange(rows) % k
+    picks[torch.arange(rows), cols] = 1.0                  # row r reads input feature cols[r]
+    got = matmul(picks, w)
+    assert torch.equal(got, dense[:, cols].T.contiguous())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 11, 12, 13, 64, 300])
+@pytest.mark.parametrize("shape", [(96, 160), (31, 7), (65, 1)])
+def test_float32_panels_match_plain_product(rows, shape):
+    n, k = shape
+    w = torch.randn(n, k)
+    x = torch.randn(rows, k)
+    got = matmul(x, PanelWeight.pack_f32(w))
+    assert _close(got, x.double() @ w.double().T)
+
+
+def test_long_inputs_span_several_row_blocks():
+    w = torch.randn(40, 4096)                              # 4 MiB of rows every 256 rows
+    x = torch.randn(600, 4096)
+    ref = x.double() @ w.double().T                       # 4096-term sums: float32 rounding grows
+    assert _close(matmul(x, PanelWeight.pack_f32(w)), ref, tol=1e-5)
+
+
+def test_zero_rows_give_an_empty_result():
+    assert matmul(torch.randn(0, 64), PanelWeight.pack_f32(torch.randn(8, 64))).shape == (0, 8)
+
+
+def test_bad_shapes_are_refused_with_clear_errors():
+    raw, _ = _gguf("Q4_1", 2, 64)
+    with pytest.raises(ValueError, match="needs 80"):
+        PanelWeight.pack_gguf("Q4_1", raw.reshape(-1)[:60], 2, 64)
+    with pytest.raises(ValueError, match="no native kernel"):
+        PanelWeight.pack_gguf("Q5_K", raw, 2, 64)
+    with pytest.raises(ValueError, match=r"x must be \(T, 64\)"):
+        matmul(torch.randn(1, 32), PanelWeight.pack_gguf("Q4_1", raw, 2, 64))
+    with pytest.raises(ValueError, match="float32"):
+        PanelWeight.pack_f32(torch.randn(4, 4, dtype=torch.float64))
+
+
+def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeypatch):
+    """CPUs without AVX-512 compile the plain-C paths of gemm.c: same results."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    import kernels.cpu.panels as panels
+    from kernels.cpu.native import HERE
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    so = tmp_path / "gemm_portable.so"
+    subprocess.run([cc, "-O2", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC",
+                    f"{HERE}/gemm.c", "-o", str(so), "-lm"], check=True)
+    fn = ctypes.CDLL(str(so)).panel_gemm
+    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    monkeypatch.setattr(panels, "_panel_gemm", lambda: fn)
+    for qtype in ("Q4_1", "Q8_0"):
+        raw, dense = _gguf(qtype, 70, 96, 3)
+        w = PanelWeight.pack_gguf(qtype, raw, 70, 96)
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, 96)
+            assert _close(matmul(x, w), x.double() @ dense.double().T)
+    w = torch.randn(45, 33)
+    x = torch.randn(13, 33)
+    assert _close(matmul(x, PanelWeight.pack_f32(w)), x.double() @ w.double().T)
