@@ -27,6 +27,8 @@ from typing import Literal, NamedTuple, Sequence
 
 import torch
 
+from kernels.cpu.native import argmax_rows
+
 _SAMPLING_EPS = 1e-5   # temperature below this is greedy
 LogprobsMode = Literal["raw", "processed"]
 
@@ -364,7 +366,7 @@ class Sampler:
                want_processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> sampled (B,) int64 and, if asked, the log-probs (B, V) of the distribution drawn from
         (greedy rows: temperature 1 and no truncation)."""
-        greedy = logits.argmax(dim=-1)                                    # (B,)
+        greedy = argmax_rows(logits)                                      # (B,)
         if meta.all_greedy:
             return greedy, logits.log_softmax(dim=-1) if want_processed else None
         is_greedy = meta.temperature < _SAMPLING_EPS                      # (B,)
@@ -377,7 +379,7 @@ class Sampler:
             apply_top_k_only(logits, meta.top_k, meta.max_top_k)
         processed = logits.log_softmax(dim=-1) if want_processed else None
         probs = logits.softmax(dim=-1)                                    # (B, V)
-        sampled = probs.div_(exponential_noise(probs, meta.generators)).argmax(dim=-1)
+        sampled = argmax_rows(probs.div_(exponential_noise(probs, meta.generators)))
         if meta.all_random:
             return sampled, processed
         return torch.where(is_greedy, greedy, sampled), processed

@@ -91,6 +91,21 @@ def available() -> tuple[bool, str]:
     return lib is not None, reason
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for a 2-D float32 CPU tensor with unit stride along the rows,
+    through sampling.c when the kernels are built here, torch otherwise."""
+    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1
+            or not x.shape[0] or not x.shape[1] or _library()[0] is None):
+        return x.argmax(dim=-1)
+    fn = _library()[0].argmax_rows_f32
+    if fn.argtypes is None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        fn.restype = None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out
+
+
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Decode attention read in place through the block table (see paged_attention.c).

@@ -1,8 +1,8 @@
-"""The native panel matmul (kernels/cpu/gemm.c): float32 panels and the GGUF Q4_1 / Q8_0 blocks
+"""The native CPU kernels. The panel matmul (kernels/cpu/gemm.c): float32 panels and the GGUF Q4_1 / Q8_0 blocks
 times float32 activations equal the float32 product with the (dequantized) weights to float32
 rounding, for any number of rows (the in-register path for few rows, the dequantized-panel path
 above, several row blocks for long inputs) and any number of output features; the dequantized
-values are exactly the gguf package's."""
+values are exactly the gguf package's. The greedy argmax (sampling.c) answers as torch.argmax."""
 from __future__ import annotations
 
 import numpy as np
@@ -116,3 +116,15 @@ def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeyp
     w = torch.randn(45, 33)
     x = torch.randn(13, 33)
     assert _close(matmul(x, PanelWeight.pack_f32(w)), x.double() @ w.double().T)
+
+
+def test_native_argmax_matches_torch_including_ties_nan_and_minus_infinity():
+    from kernels.cpu.native import argmax_rows
+    x = torch.randn(9, 49152)
+    x[1, 100] = float("nan")
+    x[1, 200] = float("nan")
+    x[2] = float("-inf")
+    x[3, 7] = x[3, 9000] = 50.0                        # a tie: the first index
+    x[4, -1] = 99.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x[:, :1000]), x[:, :1000].argmax(dim=-1))   # strided rows
