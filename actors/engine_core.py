@@ -30,7 +30,7 @@ WORKER_ACTOR = "worker0"
 class EngineConfig(msgspec.Struct):
     model: str | None = None
     dtype: str = "auto"                    # "auto": float32 on the CPU, bfloat16 on a GPU
-    quantization: str | None = None        # None (exact) | "gguf"
+    quantization: str | None = None        # None (exact) | "gguf" | "gguf-i8" (models/quant.py)
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64

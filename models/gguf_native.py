@@ -55,9 +55,11 @@ def native_blocks(model: nn.Module, gguf: GGUFFile, config: ModelConfig) -> dict
     return out
 
 
-def run_natively(model: nn.Module, gguf: GGUFFile, config: ModelConfig) -> int:
+def run_natively(model: nn.Module, gguf: GGUFFile, config: ModelConfig,
+                 int8_activations: bool = False) -> int:
     """Replace every linear layer whose weights are stored natively (its float32 weight is
-    dropped, unless tied to an embedding). Returns how many were replaced."""
+    dropped, unless tied to an embedding); ``int8_activations``: Q4_1 layers take their
+    activations in two int8 parts. Returns how many were replaced."""
     blocks = native_blocks(model, gguf, config)
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
@@ -72,6 +74,7 @@ def run_natively(model: nn.Module, gguf: GGUFFile, config: ModelConfig) -> int:
             qtype = next(iter(shards.values()))[0]
             raw = torch.cat([shards[s][1] for s in order]).reshape(-1).contiguous()
             out_f, in_f = child.weight.shape
-            setattr(parent, name, PanelLinear(PanelWeight.pack_gguf(qtype, raw, out_f, in_f), child.bias))
+            setattr(parent, name, PanelLinear(
+                PanelWeight.pack_gguf(qtype, raw, out_f, in_f, int8_activations), child.bias))
             replaced += 1
     return replaced

@@ -32,9 +32,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: a CUDA GPU when one is present, else the CPU")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs (GPU only; for debugging)")
-    p.add_argument("--quantization", default=None, choices=["gguf"],
-                   help="'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively for batches "
-                        "of up to 8 rows (faster decoding; keeps >= 95%% of exact greedy tokens)")
+    p.add_argument("--quantization", default=None, choices=["gguf", "gguf-i8"],
+                   help="'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively with float32 "
+                        "activations (same weights, faster decoding); 'gguf-i8': Q4_1 layers also "
+                        "take int8 activations in two parts (AVX512-VNNI; faster prefill, rare "
+                        "token changes)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -19,7 +19,7 @@ class WorkerConfig(msgspec.Struct):
     dtype: str = "auto"           # "auto": bfloat16 on CUDA, float32 on the CPU
     num_threads: int = 0          # 0 = all cores
     seed: int = 0
-    quantization: str | None = None   # "gguf": the checkpoint's GGUF blocks run natively
+    quantization: str | None = None   # "gguf" | "gguf-i8": the checkpoint's GGUF blocks run natively
     prepack: bool = True              # CPU: linear layers with weights packed once (models/packed.py)
     block_size: int = 16              # the KV cache's, so the attention backend is chosen for it
     device: str = "auto"              # "auto" (CUDA when present) | "cpu" | "cuda"

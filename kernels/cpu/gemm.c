@@ -263,3 +263,144 @@ void pack_f32_panels(const float *w, int64_t N, int64_t K, float *out) {
                 out[(p * K + k) * NR + j] = n < N ? w[n * K + k] : 0.f;
             }
 }
+
+/* ---- Q4_1 weights times int8 activations in two parts (AVX512-VNNI) --------------------------
+ *
+ * The opt-in "gguf-i8" mode: each block of 32 activations is split into two int8 parts,
+ * x ~= s1 q1 + s2 q2 (the second quantizes what the first missed, so about 14 bits survive), and
+ * multiplied by the Q4_1 nibbles with integer dot products (vpdpbusd: unsigned weight bytes x
+ * signed activation bytes, exact int32 sums); per block,
+ *     y += d * (s1 * (q . q1) + s2 * (q . q2)) + m * sum(x)          (sum(x) exact, float32)
+ * Layout of a panel: (K / 4, 64) bytes, byte 4 j + i of group g holding q[n = j, k = 4 g + i] in
+ * its low nibble and q[n = 16 + j, same k] in its high one, so one 64-byte load feeds 16
+ * output features x 4 input features for each half of the panel. Rows go 3 at a time.
+ */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define I8_MR 3      /* 12 int32 + 6 float accumulators: more rows spill registers */
+
+/* Activation rows -> two int8 parts per block of 32: x ~= s1 q1 + s2 q2, plus exact block sums.
+ * q1, q2 (M, K) int8; s1, s2, xsum (M, K / 32) float32. */
+static void split_i8x2(const float *x, int64_t M, int64_t K, int8_t *q1, int8_t *q2, float *s1,
+                       float *s2, float *xsum) {
+    const int64_t nb = K / QK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * K + b * QK;
+            const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float sa = amax / 127.f, ia = amax > 0.f ? 127.f / amax : 0.f;
+            const __m512i a0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(ia)));
+            const __m512i a1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(ia)));
+            const __m512 r0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_set1_ps(sa), v0);
+            const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(sa), v1);
+            const float rmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(r0), _mm512_abs_ps(r1)));
+            const float sb = rmax / 127.f, ib = rmax > 0.f ? 127.f / rmax : 0.f;
+            const __m512i b0 = _mm512_cvtps_epi32(_mm512_mul_ps(r0, _mm512_set1_ps(ib)));
+            const __m512i b1 = _mm512_cvtps_epi32(_mm512_mul_ps(r1, _mm512_set1_ps(ib)));
+            _mm_storeu_si128((__m128i *)(q1 + r * K + b * QK), _mm512_cvtsepi32_epi8(a0));
+            _mm_storeu_si128((__m128i *)(q1 + r * K + b * QK + 16), _mm512_cvtsepi32_epi8(a1));
+            _mm_storeu_si128((__m128i *)(q2 + r * K + b * QK), _mm512_cvtsepi32_epi8(b0));
+            _mm_storeu_si128((__m128i *)(q2 + r * K + b * QK + 16), _mm512_cvtsepi32_epi8(b1));
+            s1[r * nb + b] = sa;
+            s2[r * nb + b] = sb;
+            xsum[r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        }
+    }
+}
+
+/* Rows r < MR of one panel. codes (K / 4, 64) bytes for this panel: byte 4 j + i of group g is
+ * q[n = j, k = 4 g + i] (low nibble) and q[n = 16 + j, same k] (high nibble). */
+static inline __attribute__((always_inline)) void i8_micro(
+    const int MR, const uint8_t *codes, const float *d, const float *m, int64_t K,
+    const int8_t *q1, const int8_t *q2, const float *s1, const float *s2, const float *xsum,
+    float *y, int64_t ldy, int64_t cols) {
+    const int64_t nb = K / QK;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 f0[I8_MR], f1[I8_MR];
+    for (int r = 0; r < MR; r++) { f0[r] = _mm512_setzero_ps(); f1[r] = _mm512_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i i00[I8_MR], i01[I8_MR], i10[I8_MR], i11[I8_MR];   /* [half][part] */
+        for (int r = 0; r < MR; r++) {
+            i00[r] = _mm512_setzero_si512(); i01[r] = _mm512_setzero_si512();
+            i10[r] = _mm512_setzero_si512(); i11[r] = _mm512_setzero_si512();
+        }
+        for (int g = 0; g < QK / 4; g++) {
+            const __m512i v = _mm512_loadu_si512(codes + (b * (QK / 4) + g) * 64);
+            const __m512i w0 = _mm512_and_si512(v, low4);
+            const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            for (int r = 0; r < MR; r++) {
+                int32_t a, c;
+                memcpy(&a, q1 + r * K + b * QK + 4 * g, 4);
+                memcpy(&c, q2 + r * K + b * QK + 4 * g, 4);
+                const __m512i va = _mm512_set1_epi32(a), vc = _mm512_set1_epi32(c);
+                i00[r] = _mm512_dpbusd_epi32(i00[r], w0, va);
+                i10[r] = _mm512_dpbusd_epi32(i10[r], w1, va);
+                i01[r] = _mm512_dpbusd_epi32(i01[r], w0, vc);
+                i11[r] = _mm512_dpbusd_epi32(i11[r], w1, vc);
+            }
+        }
+        const __m512 d0 = _mm512_loadu_ps(d + b * NR), d1 = _mm512_loadu_ps(d + b * NR + 16);
+        const __m512 m0 = _mm512_loadu_ps(m + b * NR), m1 = _mm512_loadu_ps(m + b * NR + 16);
+        for (int r = 0; r < MR; r++) {
+            const __m512 sa = _mm512_set1_ps(s1[r * nb + b]), sb = _mm512_set1_ps(s2[r * nb + b]);
+            const __m512 xs = _mm512_set1_ps(xsum[r * nb + b]);
+            const __m512 t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i01[r]), sb, _mm512_mul_ps(_mm512_cvtepi32_ps(i00[r]), sa));
+            const __m512 t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i11[r]), sb, _mm512_mul_ps(_mm512_cvtepi32_ps(i10[r]), sa));
+            f0[r] = _mm512_fmadd_ps(m0, xs, _mm512_fmadd_ps(t0, d0, f0[r]));
+            f1[r] = _mm512_fmadd_ps(m1, xs, _mm512_fmadd_ps(t1, d1, f1[r]));
+        }
+    }
+    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 k1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
+    for (int r = 0; r < MR; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, k0, f0[r]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, k1, f1[r]);
+    }
+}
+
+static __thread void *abuf;
+static __thread size_t abuf_len;
+
+int q4_1_i8x2_available(void) { return 1; }
+
+int q4_1_i8x2_gemm(const uint8_t *codes, const float *d, const float *m, int64_t N, int64_t K,
+                   const float *x, int64_t M, float *y) {
+    const int64_t nb = K / QK, P = (N + NR - 1) / NR;
+    const size_t need = (size_t)M * K * 2 + (size_t)M * nb * 3 * sizeof(float) + 64;
+    if (abuf_len < need) {
+        free(abuf);
+        abuf = malloc(need);
+        abuf_len = abuf ? need : 0;
+        if (!abuf) return 0;
+    }
+    float *s1 = (float *)abuf, *s2 = s1 + M * nb, *xsum = s2 + M * nb;
+    int8_t *q1 = (int8_t *)(xsum + M * nb), *q2 = q1 + M * K;
+    split_i8x2(x, M, K, q1, q2, s1, s2, xsum);
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+        const uint8_t *pc = codes + p * (K / 4) * 64;
+        const float *pd = d + p * nb * NR, *pm = m + p * nb * NR;
+        for (int64_t r0 = 0; r0 < M; r0 += I8_MR) {
+            const int64_t mr = M - r0 < I8_MR ? M - r0 : I8_MR;
+            const int8_t *a = q1 + r0 * K, *c = q2 + r0 * K;
+            const float *sa = s1 + r0 * nb, *sb = s2 + r0 * nb, *xs = xsum + r0 * nb;
+            float *yr = y + r0 * N + p * NR;
+            switch (mr) {
+                case 1: i8_micro(1, pc, pd, pm, K, a, c, sa, sb, xs, yr, N, cols); break;
+                case 2: i8_micro(2, pc, pd, pm, K, a, c, sa, sb, xs, yr, N, cols); break;
+                default: i8_micro(3, pc, pd, pm, K, a, c, sa, sb, xs, yr, N, cols); break;
+            }
+        }
+    }
+    return 1;
+}
+#else
+int q4_1_i8x2_available(void) { return 0; }
+int q4_1_i8x2_gemm(const uint8_t *codes, const float *d, const float *m, int64_t N, int64_t K,
+                   const float *x, int64_t M, float *y) {
+    (void)codes; (void)d; (void)m; (void)N; (void)K; (void)x; (void)M; (void)y;
+    return 0;
+}
+#endif

@@ -1,6 +1,7 @@
 """Weights in panels of 32 output features for the native matrix multiply of ``gemm.c``:
 float32 (repacked from a weight matrix) or the GGUF Q4_1 / Q8_0 blocks of a checkpoint
-(repacked from the file's bytes, same values once dequantized).
+(repacked from the file's bytes, same values once dequantized), and Q4_1 laid out for integer
+dot products with int8 activations in two parts (``int8_activations=True``, AVX512-VNNI only).
 
 ``PanelWeight.pack_f32`` / ``PanelWeight.pack_gguf`` build one at load time; ``matmul(x, w)``
 computes x W^T for any number of rows.
@@ -18,16 +19,17 @@ from kernels.cpu import native
 
 NR = 32                       # output features per panel
 QK = 32                       # weights per GGUF block
-KINDS = {"F32": 0, "Q4_1": 1, "Q8_0": 2}
+KINDS = {"F32": 0, "Q4_1": 1, "Q8_0": 2}          # "Q4_1_I8X2" has its own kernel
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 
 
 @dataclass(frozen=True)
 class PanelWeight:
-    kind: str                  # "F32" | "Q4_1" | "Q8_0"
+    kind: str                  # "F32" | "Q4_1" | "Q8_0" | "Q4_1_I8X2"
     out_features: int
     in_features: int
-    codes: torch.Tensor        # F32 (P, K, 32) float32; Q4_1 (P, K, 16) uint8; Q8_0 (P, K, 32) int8
+    codes: torch.Tensor        # F32 (P, K, 32) float32; Q4_1 (P, K, 16) uint8; Q8_0 (P, K, 32) int8;
+                               # Q4_1_I8X2 (P, K / 4, 64) uint8
     d: torch.Tensor | None     # quantized: (P, K / 32, 32) float32 scales
     m: torch.Tensor | None     # Q4_1: (P, K / 32, 32) float32 minimums
 
@@ -47,11 +49,15 @@ class PanelWeight:
         return cls("F32", n, k, codes, None, None)
 
     @classmethod
-    def pack_gguf(cls, qtype: str, rows: np.ndarray | torch.Tensor, n: int, k: int) -> "PanelWeight":
+    def pack_gguf(cls, qtype: str, rows: np.ndarray | torch.Tensor, n: int, k: int,
+                  int8_activations: bool = False) -> "PanelWeight":
         """The GGUF blocks of an (n, k) weight, one row of k / 32 blocks per output feature, as
-        ``(n, row_bytes)`` or flat uint8 -> panels."""
+        ``(n, row_bytes)`` or flat uint8 -> panels. ``int8_activations``: Q4_1 multiplied by
+        int8 activations in two parts (see gemm.c); other formats ignore it."""
         if qtype not in BLOCK_BYTES:
             raise ValueError(f"no native kernel for {qtype}; supported: {sorted(BLOCK_BYTES)}")
+        if int8_activations and qtype == "Q4_1" and not int8_available():
+            raise ValueError("int8 activations need a CPU with AVX512-VNNI")
         nb = k // QK
         raw = np.asarray(rows.numpy() if isinstance(rows, torch.Tensor) else rows)
         if k % QK or raw.dtype != np.uint8 or raw.size != n * nb * BLOCK_BYTES[qtype]:
@@ -64,6 +70,10 @@ class PanelWeight:
             nibbles = blocks[..., 4:20]
             q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, k)  # 0..15
             qp = _to_panels(q)                                                          # (P, K, 32)
+            if int8_activations:           # (P, K/4, j, i, half) -> byte 4 j + i of group K/4
+                g = qp.reshape(qp.shape[0], k // 4, 4, 2, 16).transpose(0, 1, 4, 2, 3)
+                codes = np.ascontiguousarray(g[..., 0] | (g[..., 1] << 4)).reshape(-1, k // 4, 64)
+                return cls("Q4_1_I8X2", n, k, torch.from_numpy(codes), _scales(d), _scales(m))
             codes = np.ascontiguousarray(qp[..., :16] | (qp[..., 16:] << 4))            # (P, K, 16)
             return cls(qtype, n, k, torch.from_numpy(codes), _scales(d), _scales(m))
         q = blocks[..., 2:34].copy().view(np.int8).reshape(n, k)
@@ -97,6 +107,18 @@ def _scales(s: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(_to_panels(s))          # (n, nb) -> (P, nb, 32)
 
 
+@lru_cache(maxsize=1)
+def _i8x2_gemm():
+    return native.declare("q4_1_i8x2_gemm", [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                          + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)
+
+
+@lru_cache(maxsize=1)
+def int8_available() -> bool:
+    """Whether the int8-activation kernel was built here (AVX512-VNNI)."""
+    return native.available()[0] and bool(native.declare("q4_1_i8x2_available", [], ctypes.c_int)())
+
+
 def matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
     """x (T, K) float32 -> x W^T (T, N) float32."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
@@ -104,6 +126,12 @@ def matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
     x = x.to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
     if x.shape[0] == 0:
+        return y
+    if w.kind == "Q4_1_I8X2":
+        ok = _i8x2_gemm()(w.codes.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.out_features,
+                          w.in_features, x.data_ptr(), x.shape[0], y.data_ptr())
+        if not ok:
+            raise MemoryError("the int8 matmul could not allocate its activation buffer")
         return y
     ok = _panel_gemm()(KINDS[w.kind], w.codes.data_ptr(), None if w.d is None else w.d.data_ptr(),
             None if w.m is None else w.m.data_ptr(), w.out_features, w.in_features,

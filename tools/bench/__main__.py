@@ -15,7 +15,7 @@ def main() -> None:
     workload.add_arguments(off)
     off.add_argument("--model", default=None)
     off.add_argument("--dtype", default="auto")
-    off.add_argument("--quantization", default=None, choices=["gguf"])
+    off.add_argument("--quantization", default=None, choices=["gguf", "gguf-i8"])
     off.add_argument("--max-num-seqs", type=int, default=256)
     off.add_argument("--max-num-batched-tokens", type=int, default=2048)
     off.add_argument("--kv-cache-gib", type=float, default=0)
@@ -33,7 +33,7 @@ def main() -> None:
     lat = sub.add_parser("latency", help="single-stream prefill, decode and cold start")
     lat.add_argument("--model", default=None)
     lat.add_argument("--dtype", default="auto")
-    lat.add_argument("--quantization", default=None, choices=["gguf"])
+    lat.add_argument("--quantization", default=None, choices=["gguf", "gguf-i8"])
     lat.add_argument("--prompt-len", type=int, default=128)
     lat.add_argument("--decode-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
@@ -41,7 +41,7 @@ def main() -> None:
 
     agr = sub.add_parser("agreement", help="greedy agreement of a quantized mode with exact mode")
     agr.add_argument("--model", default=None)
-    agr.add_argument("--quantization", default="gguf", choices=["gguf"])
+    agr.add_argument("--quantization", default="gguf", choices=["gguf", "gguf-i8"])
     agr.add_argument("--n", type=int, default=20)
     agr.add_argument("--tokens", type=int, default=64)
 
