@@ -2,6 +2,9 @@
 RMSNorm (plain and Gemma's 1 + weight), rotary position embedding, gated activations and the
 paged self-attention block.
 
+RMSNorm (with the residual add folded in), rotary and SiLU-and-multiply run as fused native
+kernels on float32 CPU tensors (kernels/cpu/fused.py decides), as plain torch ops otherwise.
+
 Parameters are allocated with ``torch.empty`` (no random init: weights come from a checkpoint)
 and never require grad.
 """
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
+from kernels.cpu import fused
 
 
 def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -75,14 +79,30 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, normalized in float32."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, normalized in float32.
+
+    Called with a ``residual`` it first adds x to it, vLLM's fused add + norm:
+    ``norm(x, residual) -> (norm(residual + x), residual + x)``, the sum being the next
+    residual; the fused kernel updates ``residual`` in place.
+    """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., hidden) -> (..., hidden)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # (..., hidden) -> (..., hidden)
+        if residual is None:
+            if x.dim() == 2 and fused.supports(x, self.weight):
+                return fused.rms_norm(x, self.weight, self.eps)
+            return self._norm(x)
+        if x.dim() == 2 and fused.supports(x, self.weight, residual) and residual.is_contiguous():
+            return fused.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight.float(), self.eps)
         y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
@@ -134,8 +154,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary on q (T, H, D) and k (T, KVH, D); the fused kernel rotates them in place (they may
+    be views into the qkv output), the plain path returns new tensors. Same results either way."""
+    D = q.shape[-1]
+    if (fused.supports(q, k, cos, sin) and q.stride(1) == D and k.stride(1) == D
+            and cos.stride(0) == sin.stride(0)):
+        fused.rotary_(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up (T, 2I) = gate | up -> (T, I)
+    if gate_up.dim() == 2 and fused.supports(gate_up):
+        return fused.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -197,6 +231,6 @@ class SelfAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_size)    # (T, KVH, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(T, self.q_size))     # (T, hidden)

@@ -27,10 +27,20 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried apart from the sublayer outputs, so each add folds into
+        the next norm: with r the stream entering the layer (r = hidden + residual, or hidden in
+        the first layer), r' = r + attn(norm(r)) and the layer returns (mlp(norm(r')), r'); the
+        next norm (or the final one) adds the two."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -89,9 +99,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)                  # (T, hidden)
         cos, sin = self.rotary_emb(positions, hidden.dtype)    # (T, 1, D) each
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)                               # (T, hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()                    # (N, hidden) -> (N, vocab) float32

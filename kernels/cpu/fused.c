@@ -1,0 +1,123 @@
+/* Fused elementwise kernels for the float32 CPU path of the decoder layers: RMSNorm (optionally
+ * with the residual add folded in), rotary embedding in place on q and k, and SiLU(gate) * up.
+ * Each replaces a handful of torch ops (and their temporaries) with one pass over the rows.
+ * OpenMP over rows; the inner loops are plain C that the compiler vectorizes (omp simd).
+ *
+ * The arithmetic follows the torch ops they replace, rounding step by step in the same order,
+ * so rotary and the residual add are bit-identical and RMSNorm differs only in the order of its
+ * sum of squares; SiLU's exp is a vectorizable polynomial within an ulp of expf. Multiply-add
+ * contraction into FMA is switched off for this file (torch rounds x * cos and x2 * sin
+ * separately, and so must we); exp's polynomial asks for its FMAs explicitly (fmaf). */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Threads pay off only from some tens of thousands of elements; most decode calls stay on one. */
+#define PAR_MIN_ELEMENTS 32768
+
+/* ---- RMSNorm ---------------------------------------------------------------------------------
+ *   residual == NULL:  out = x * (1 / sqrt(mean(x^2) + eps)) * w
+ *   residual != NULL:  residual += x (in place), then out = norm(residual) as above
+ * x, residual, out (T, N) with row strides x_stride, N, N; w (N,). */
+void rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *w, float *out,
+                  int64_t T, int64_t N, float eps) {
+    #pragma omp parallel for schedule(static) if (T * N >= PAR_MIN_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * x_stride;
+        float *o = out + t * N;
+        const float *src = xr;
+        float ss = 0.f;
+        if (residual != NULL) {
+            float *r = residual + t * N;
+            #pragma omp simd reduction(+:ss)
+            for (int64_t i = 0; i < N; i++) {
+                const float v = r[i] + xr[i];
+                r[i] = v;
+                ss += v * v;
+            }
+            src = r;
+        } else {
+            #pragma omp simd reduction(+:ss)
+            for (int64_t i = 0; i < N; i++)
+                ss += xr[i] * xr[i];
+        }
+        const float rstd = 1.f / sqrtf(ss / (float)N + eps);
+        #pragma omp simd
+        for (int64_t i = 0; i < N; i++)
+            o[i] = (src[i] * rstd) * w[i];
+    }
+}
+
+/* ---- Rotary embedding (NeoX / Hugging Face half-split), in place ----------------------------
+ * Dimension j pairs with j + D/2:  x' = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+ * q (T, H, D) and k (T, KVH, D) with heads contiguous inside a row and row strides q_stride,
+ * k_stride (views into the fused qkv output need no copy); cos, sin (T, D) with row stride
+ * cs_stride, already looked up by position. */
+static inline void rotate_heads(float *x, int64_t heads, int64_t D, const float *c, const float *s) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *x1 = x + h * D, *x2 = x1 + half;
+        #pragma omp simd
+        for (int64_t j = 0; j < half; j++) {
+            const float a = x1[j], b = x2[j];
+            x1[j] = a * c[j] - b * s[j];
+            x2[j] = b * c[j + half] + a * s[j + half];
+        }
+    }
+}
+
+void rotary_f32(float *q, int64_t q_stride, int64_t H, float *k, int64_t k_stride, int64_t KVH,
+                const float *cos, const float *sin, int64_t cs_stride, int64_t T, int64_t D) {
+    #pragma omp parallel for schedule(static) if (T * (H + KVH) * D >= PAR_MIN_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * cs_stride, *s = sin + t * cs_stride;
+        rotate_heads(q + t * q_stride, H, D, c, s);
+        rotate_heads(k + t * k_stride, KVH, D, c, s);
+    }
+}
+
+/* ---- SiLU and multiply -------------------------------------------------------------------------
+ * gate_up (T, 2I) row stride in_stride = gate | up  ->  out (T, I) = silu(gate) * up,
+ * silu(g) = g / (1 + exp(-g)). */
+
+/* expf in a form the compiler vectorizes (libm's expf is a call per element): Cephes' range
+ * reduction x = n ln2 + r, |r| <= ln2 / 2, and its degree-5 polynomial; max error about 1 ulp.
+ * Inputs are clamped to [-87, 88], where the result stays normal and finite. */
+static inline float exp_f32(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);    /* not fminf/fmaxf: libm calls */
+    /* n = round(x / ln2): adding 1.5 * 2^23 rounds to an integer (floorf does not vectorize) */
+    const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    float r = x - n * 0.693359375f;          /* ln2 split in two: the first part is exact */
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    const float y = fmaf(p, r * r, r) + 1.f;
+    const int32_t bits = ((int32_t)n + 127) << 23;   /* 2^n */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+static inline void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o,
+                                int64_t I) {
+    #pragma omp simd
+    for (int64_t i = 0; i < I; i++)
+        o[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
+}
+
+void silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t T, int64_t I) {
+    #pragma omp parallel for schedule(static) if (T * I >= PAR_MIN_ELEMENTS)
+    for (int64_t t = 0; t < T; t++)
+        silu_mul_row(gate_up + t * in_stride, gate_up + t * in_stride + I, out + t * I, I);
+}
