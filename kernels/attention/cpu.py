@@ -54,7 +54,7 @@ class CpuAttentionBackend(AttentionBackend):
         if meta.is_pure_decode and T == B:  # no padding: request i owns token i
             if self._native_decode(query, kv_cache):
                 from kernels.cpu.native import paged_decode
-                return paged_decode(query, kv_cache, block_table, seq_lens, scale, sliding_window)
+                return paged_decode(query, kv_cache, block_table, meta.seq_lens[:B], scale, sliding_window)
             starts = torch.arange(B)
             return _attend(query, kv_cache, block_table, seq_lens, starts, torch.ones_like(starts),
                            1, scale, sliding_window)[0]

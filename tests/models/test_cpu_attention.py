@@ -176,3 +176,114 @@ def test_native_decode_matches_the_gather_path_and_the_reference(window, gqa):
     gather = CpuAttentionBackend(native=False).forward(q, k, v, cache.clone(), meta, 0.2, window)
     ref = reference_paged_attention(q, k, v, cache.clone(), meta, 0.2, sliding_window=window)
     assert torch.allclose(native, ref, atol=2e-6) and torch.allclose(gather, ref, atol=2e-6)
+
+
+# ---- the native kernel alone, against a float64 reference ---------------------------------------
+
+def _native_case(lens, H, KVH, D, BS, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // BS) for n in lens]
+    N = sum(counts) + 2
+    perm = (torch.randperm(N - 1, generator=gen) + 1).tolist()  # shuffled blocks, 0 unused
+    table = torch.zeros(len(lens), max(max(counts), 1), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(counts):
+        table[i, :n] = torch.tensor(perm[used:used + n], dtype=torch.int32)
+        used += n
+    cache = torch.randn(2, N, BS, KVH, D, generator=gen)
+    q = torch.randn(len(lens), H, D, generator=gen) * 2                   # peaky softmaxes too
+    return q, cache, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def _reference_decode(q, cache, table, lens, scale, window=None):
+    B, H, D = q.shape
+    BS, KVH = cache.shape[2], cache.shape[3]
+    out = torch.zeros(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(lens[b])
+        pos = torch.arange(n)
+        blocks = table[b, pos // BS].long()
+        k = cache[0, blocks, pos % BS].double().repeat_interleave(H // KVH, 1).transpose(0, 1)  # (H, n, D)
+        v = cache[1, blocks, pos % BS].double().repeat_interleave(H // KVH, 1).transpose(0, 1)
+        s = torch.einsum("hd,hnd->hn", q[b].double(), k) * scale
+        if window is not None:
+            s[:, pos <= n - 1 - window] = float("-inf")
+        out[b] = torch.einsum("hn,hnd->hd", s.softmax(-1), v)
+    return out
+
+
+def _with_omp_threads(n):
+    """Run the native kernels with n OpenMP threads (so a 2-core machine also takes the split
+    path of many chunks), restoring the count after."""
+    import contextlib
+    import ctypes
+
+    from kernels.cpu.native import library
+    lib = library()
+    try:
+        get, put = lib.omp_get_max_threads, lib.omp_set_num_threads
+    except AttributeError:
+        return contextlib.nullcontext()
+    put.argtypes = [ctypes.c_int]
+
+    @contextlib.contextmanager
+    def ctx():
+        before = get()
+        put(n)
+        try:
+            yield
+        finally:
+            put(before)
+    return ctx()
+
+
+NATIVE_LENS = {
+    "odd": [1, 2, 15, 17, 31, 33, 47, 95, 130, 7],
+    "block_edges": [16, 32, 48, 64, 160, 15, 17],
+    "long_batch1": [1000],                    # cut into chunks merged by log-sum-exp
+    "long_and_short": [700, 3, 1, 257],
+}
+
+
+@pytest.mark.parametrize("lens", sorted(NATIVE_LENS))
+@pytest.mark.parametrize("H,KVH", [(4, 4), (9, 3), (8, 1), (12, 2), (5, 1)])   # GQA 1, 3, 8, 6, 5
+@pytest.mark.parametrize("window", [None, 1, 9, 16, 100])
+def test_native_decode_kernel(lens, H, KVH, window):
+    from kernels.cpu.native import available, paged_decode
+    if not available()[0]:
+        pytest.skip(available()[1])
+    q, cache, table, lt = _native_case(NATIVE_LENS[lens], H, KVH, 64, 16, seed=H * 7 + KVH)
+    ref = _reference_decode(q, cache, table, lt, 0.125, window)
+    for threads in (1, 2, 5):
+        with _with_omp_threads(threads):
+            out = paged_decode(q, cache, table, lt, 0.125, window)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("D", [16, 24, 48, 64, 128, 256])   # 24: the portable (non-AVX-512) tile
+@pytest.mark.parametrize("BS", [1, 5, 16, 32])
+@pytest.mark.parametrize("window", [None, 20])
+def test_native_decode_kernel_shapes(D, BS, window):
+    from kernels.cpu.native import available, paged_decode
+    if not available()[0]:
+        pytest.skip(available()[1])
+    lens = [1, 5, 16, 33, 300, 64]
+    q, cache, table, lt = _native_case(lens, 6, 2, D, BS, seed=D + BS)
+    ref = _reference_decode(q, cache, table, lt, D ** -0.5, window)
+    for threads in (1, 3):
+        with _with_omp_threads(threads):
+            out = paged_decode(q, cache, table, lt, D ** -0.5, window)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_native_decode_ignores_positions_past_seq_len():
+    from kernels.cpu.native import available, paged_decode
+    if not available()[0]:
+        pytest.skip(available()[1])
+    q, cache, table, lt = _native_case([21, 300], 9, 3, 64, 16, seed=9)
+    out = paged_decode(q, cache, table, lt, 0.125)
+    cache2 = cache.clone()
+    cache2[:, int(table[0, 1]), 5:] = 1e4                 # request 0's block 1 past position 20
+    cache2[:, int(table[1, 18]), 12:] = float("nan")      # request 1's last block past position 299
+    with _with_omp_threads(4):
+        torch.testing.assert_close(paged_decode(q, cache2, table, lt, 0.125), out, atol=1e-6, rtol=1e-6)
