@@ -6,7 +6,7 @@ them by float32 activations with the native panel kernel (``models/gguf_native.p
 ``kernels/cpu/gemm.c``): the weights are exactly the checkpoint's, only the summation order
 differs, and a decode step reads a fifth of float32's weight bytes.
 
-``gguf-i8``: the same weights, but the Q4_1 layers multiply them by the activations split into
+``gguf-i8``: the same weights, but multiplied by the activations split into
 two int8 parts per block of 32 (x ~= s1 q1 + s2 q2, about 14 bits kept) with integer dot
 products (AVX512-VNNI): compute-bound batches run faster, at the price of rare greedy-token
 changes (measured with ``python -m tools.bench agreement --quantization gguf-i8``). One int8

@@ -264,7 +264,7 @@ void pack_f32_panels(const float *w, int64_t N, int64_t K, float *out) {
             }
 }
 
-/* ---- Q4_1 weights times int8 activations in two parts (AVX512-VNNI) --------------------------
+/* ---- Q4_1 / Q8_0 weights times int8 activations in two parts (AVX512-VNNI) --------------------
  *
  * The opt-in "gguf-i8" mode: each block of 32 activations is split into two int8 parts,
  * x ~= s1 q1 + s2 q2 (the second quantizes what the first missed, so about 14 bits survive), and
@@ -359,13 +359,69 @@ static inline __attribute__((always_inline)) void i8_micro(
     }
 }
 
+/* The same for Q8_0 weights, signed: the activation bytes become the unsigned operand by adding
+ * 128 (q ^ 0x80), and 128 * sum(w) per block (``wsum128``, int32, precomputed) is taken back.
+ * codes (K / 4, 128) bytes for this panel: 64 bytes for features 0-15 (byte 4 j + i: q[j, 4 g + i]),
+ * then 64 for features 16-31. */
+static inline __attribute__((always_inline)) void i8_micro_q8(
+    const int MR, const int8_t *codes, const float *d, const int32_t *wsum128, int64_t K,
+    const int8_t *q1, const int8_t *q2, const float *s1, const float *s2,
+    float *y, int64_t ldy, int64_t cols) {
+    const int64_t nb = K / QK;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 f0[I8_MR], f1[I8_MR];
+    for (int r = 0; r < MR; r++) { f0[r] = _mm512_setzero_ps(); f1[r] = _mm512_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i i00[I8_MR], i01[I8_MR], i10[I8_MR], i11[I8_MR];   /* [half][part] */
+        for (int r = 0; r < MR; r++) {
+            i00[r] = _mm512_setzero_si512(); i01[r] = _mm512_setzero_si512();
+            i10[r] = _mm512_setzero_si512(); i11[r] = _mm512_setzero_si512();
+        }
+        for (int g = 0; g < QK / 4; g++) {
+            const __m512i w0 = _mm512_loadu_si512(codes + (b * (QK / 4) + g) * 128);
+            const __m512i w1 = _mm512_loadu_si512(codes + (b * (QK / 4) + g) * 128 + 64);
+            for (int r = 0; r < MR; r++) {
+                int32_t a, c;
+                memcpy(&a, q1 + r * K + b * QK + 4 * g, 4);
+                memcpy(&c, q2 + r * K + b * QK + 4 * g, 4);
+                const __m512i va = _mm512_xor_si512(_mm512_set1_epi32(a), flip);
+                const __m512i vc = _mm512_xor_si512(_mm512_set1_epi32(c), flip);
+                i00[r] = _mm512_dpbusd_epi32(i00[r], va, w0);
+                i10[r] = _mm512_dpbusd_epi32(i10[r], va, w1);
+                i01[r] = _mm512_dpbusd_epi32(i01[r], vc, w0);
+                i11[r] = _mm512_dpbusd_epi32(i11[r], vc, w1);
+            }
+        }
+        const __m512 d0 = _mm512_loadu_ps(d + b * NR), d1 = _mm512_loadu_ps(d + b * NR + 16);
+        const __m512i c0 = _mm512_loadu_si512(wsum128 + b * NR), c1 = _mm512_loadu_si512(wsum128 + b * NR + 16);
+        for (int r = 0; r < MR; r++) {
+            const __m512 sa = _mm512_set1_ps(s1[r * nb + b]), sb = _mm512_set1_ps(s2[r * nb + b]);
+            const __m512 t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i01[r], c0)), sb,
+                                              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i00[r], c0)), sa));
+            const __m512 t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i11[r], c1)), sb,
+                                              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i10[r], c1)), sa));
+            f0[r] = _mm512_fmadd_ps(t0, d0, f0[r]);
+            f1[r] = _mm512_fmadd_ps(t1, d1, f1[r]);
+        }
+    }
+    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 k1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
+    for (int r = 0; r < MR; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, k0, f0[r]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, k1, f1[r]);
+    }
+}
+
 static __thread void *abuf;
 static __thread size_t abuf_len;
 
-int q4_1_i8x2_available(void) { return 1; }
+int i8x2_available(void) { return 1; }
 
-int q4_1_i8x2_gemm(const uint8_t *codes, const float *d, const float *m, int64_t N, int64_t K,
-                   const float *x, int64_t M, float *y) {
+/* y (M, N) = x (M, K) W^T, W Q4_1 (m: the minimums) or Q8_0 (m: 128 * block sums, int32) in the
+ * layouts above, x split into two int8 parts. Returns 0 when the activation buffer could not be
+ * allocated. */
+int i8x2_gemm(int kind, const uint8_t *codes, const float *d, const void *m, int64_t N, int64_t K,
+              const float *x, int64_t M, float *y) {
     const int64_t nb = K / QK, P = (N + NR - 1) / NR;
     const size_t need = (size_t)M * K * 2 + (size_t)M * nb * 3 * sizeof(float) + 64;
     if (abuf_len < need) {
@@ -380,13 +436,24 @@ int q4_1_i8x2_gemm(const uint8_t *codes, const float *d, const float *m, int64_t
     #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < P; p++) {
         const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
-        const uint8_t *pc = codes + p * (K / 4) * 64;
-        const float *pd = d + p * nb * NR, *pm = m + p * nb * NR;
+        const float *pd = d + p * nb * NR;
         for (int64_t r0 = 0; r0 < M; r0 += I8_MR) {
             const int64_t mr = M - r0 < I8_MR ? M - r0 : I8_MR;
             const int8_t *a = q1 + r0 * K, *c = q2 + r0 * K;
             const float *sa = s1 + r0 * nb, *sb = s2 + r0 * nb, *xs = xsum + r0 * nb;
             float *yr = y + r0 * N + p * NR;
+            if (kind == W_Q8_0) {
+                const int8_t *pc = (const int8_t *)codes + p * (K / 4) * 128;
+                const int32_t *pw = (const int32_t *)m + p * nb * NR;
+                switch (mr) {
+                    case 1: i8_micro_q8(1, pc, pd, pw, K, a, c, sa, sb, yr, N, cols); break;
+                    case 2: i8_micro_q8(2, pc, pd, pw, K, a, c, sa, sb, yr, N, cols); break;
+                    default: i8_micro_q8(3, pc, pd, pw, K, a, c, sa, sb, yr, N, cols); break;
+                }
+                continue;
+            }
+            const uint8_t *pc = codes + p * (K / 4) * 64;
+            const float *pm = (const float *)m + p * nb * NR;
             switch (mr) {
                 case 1: i8_micro(1, pc, pd, pm, K, a, c, sa, sb, xs, yr, N, cols); break;
                 case 2: i8_micro(2, pc, pd, pm, K, a, c, sa, sb, xs, yr, N, cols); break;
@@ -397,10 +464,10 @@ int q4_1_i8x2_gemm(const uint8_t *codes, const float *d, const float *m, int64_t
     return 1;
 }
 #else
-int q4_1_i8x2_available(void) { return 0; }
-int q4_1_i8x2_gemm(const uint8_t *codes, const float *d, const float *m, int64_t N, int64_t K,
-                   const float *x, int64_t M, float *y) {
-    (void)codes; (void)d; (void)m; (void)N; (void)K; (void)x; (void)M; (void)y;
+int i8x2_available(void) { return 0; }
+int i8x2_gemm(int kind, const uint8_t *codes, const float *d, const void *m, int64_t N, int64_t K,
+              const float *x, int64_t M, float *y) {
+    (void)kind; (void)codes; (void)d; (void)m; (void)N; (void)K; (void)x; (void)M; (void)y;
     return 0;
 }
 #endif

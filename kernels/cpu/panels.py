@@ -1,7 +1,8 @@
 """Weights in panels of 32 output features for the native matrix multiply of ``gemm.c``:
 float32 (repacked from a weight matrix) or the GGUF Q4_1 / Q8_0 blocks of a checkpoint
-(repacked from the file's bytes, same values once dequantized), and Q4_1 laid out for integer
-dot products with int8 activations in two parts (``int8_activations=True``, AVX512-VNNI only).
+(repacked from the file's bytes, same values once dequantized), or either GGUF format laid out
+for integer dot products with int8 activations in two parts (``int8_activations=True``,
+AVX512-VNNI only).
 
 ``PanelWeight.pack_f32`` / ``PanelWeight.pack_gguf`` build one at load time; ``matmul(x, w)``
 computes x W^T for any number of rows.
@@ -25,13 +26,13 @@ BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 
 @dataclass(frozen=True)
 class PanelWeight:
-    kind: str                  # "F32" | "Q4_1" | "Q8_0" | "Q4_1_I8X2"
+    kind: str                  # "F32" | "Q4_1" | "Q8_0" | "Q4_1_I8X2" | "Q8_0_I8X2"
     out_features: int
     in_features: int
     codes: torch.Tensor        # F32 (P, K, 32) float32; Q4_1 (P, K, 16) uint8; Q8_0 (P, K, 32) int8;
-                               # Q4_1_I8X2 (P, K / 4, 64) uint8
+                               # Q4_1_I8X2 (P, K / 4, 64) uint8; Q8_0_I8X2 (P, K / 4, 128) int8
     d: torch.Tensor | None     # quantized: (P, K / 32, 32) float32 scales
-    m: torch.Tensor | None     # Q4_1: (P, K / 32, 32) float32 minimums
+    m: torch.Tensor | None     # Q4_1: (P, K / 32, 32) float32 minimums; Q8_0_I8X2: 128 * block sums, int32
 
     @property
     def nbytes(self) -> int:
@@ -52,11 +53,11 @@ class PanelWeight:
     def pack_gguf(cls, qtype: str, rows: np.ndarray | torch.Tensor, n: int, k: int,
                   int8_activations: bool = False) -> "PanelWeight":
         """The GGUF blocks of an (n, k) weight, one row of k / 32 blocks per output feature, as
-        ``(n, row_bytes)`` or flat uint8 -> panels. ``int8_activations``: Q4_1 multiplied by
-        int8 activations in two parts (see gemm.c); other formats ignore it."""
+        ``(n, row_bytes)`` or flat uint8 -> panels. ``int8_activations``: multiplied by int8
+        activations in two parts (see gemm.c)."""
         if qtype not in BLOCK_BYTES:
             raise ValueError(f"no native kernel for {qtype}; supported: {sorted(BLOCK_BYTES)}")
-        if int8_activations and qtype == "Q4_1" and not int8_available():
+        if int8_activations and not int8_available():
             raise ValueError("int8 activations need a CPU with AVX512-VNNI")
         nb = k // QK
         raw = np.asarray(rows.numpy() if isinstance(rows, torch.Tensor) else rows)
@@ -77,7 +78,14 @@ class PanelWeight:
             codes = np.ascontiguousarray(qp[..., :16] | (qp[..., 16:] << 4))            # (P, K, 16)
             return cls(qtype, n, k, torch.from_numpy(codes), _scales(d), _scales(m))
         q = blocks[..., 2:34].copy().view(np.int8).reshape(n, k)
-        return cls(qtype, n, k, torch.from_numpy(_to_panels(q)), _scales(d), None)
+        qp = _to_panels(q)                                                              # (P, K, 32)
+        if int8_activations:           # (P, K/4, half, j, i): 64 bytes per half of the panel
+            g = qp.reshape(qp.shape[0], k // 4, 4, 2, 16).transpose(0, 1, 3, 4, 2)
+            codes = np.ascontiguousarray(g).reshape(-1, k // 4, 128)
+            sums = (q.astype(np.int32).reshape(n, k // QK, QK).sum(-1) * 128).astype(np.int32)  # (n, nb)
+            return cls("Q8_0_I8X2", n, k, torch.from_numpy(codes), _scales(d),
+                       torch.from_numpy(_to_panels(sums)))
+        return cls(qtype, n, k, torch.from_numpy(qp), _scales(d), None)
 
 
 @lru_cache(maxsize=1)
@@ -109,14 +117,14 @@ def _scales(s: np.ndarray) -> torch.Tensor:
 
 @lru_cache(maxsize=1)
 def _i8x2_gemm():
-    return native.declare("q4_1_i8x2_gemm", [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    return native.declare("i8x2_gemm", [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
                           + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)
 
 
 @lru_cache(maxsize=1)
 def int8_available() -> bool:
     """Whether the int8-activation kernel was built here (AVX512-VNNI)."""
-    return native.available()[0] and bool(native.declare("q4_1_i8x2_available", [], ctypes.c_int)())
+    return native.available()[0] and bool(native.declare("i8x2_available", [], ctypes.c_int)())
 
 
 def matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
@@ -127,8 +135,8 @@ def matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
     if x.shape[0] == 0:
         return y
-    if w.kind == "Q4_1_I8X2":
-        ok = _i8x2_gemm()(w.codes.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.out_features,
+    if w.kind.endswith("_I8X2"):
+        ok = _i8x2_gemm()(KINDS[w.kind[:4]], w.codes.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.out_features,
                           w.in_features, x.data_ptr(), x.shape[0], y.data_ptr())
         if not ok:
             raise MemoryError("the int8 matmul could not allocate its activation buffer")

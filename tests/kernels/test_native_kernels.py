@@ -131,14 +131,15 @@ def test_native_argmax_matches_torch_including_ties_nan_and_minus_infinity():
 
 
 @pytest.mark.skipif(not available()[0] or not int8_available(), reason="the int8 kernel needs AVX512-VNNI")
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("shape", [(96, 64), (200, 160), (33, 32)])
-def test_int8_activation_panels_are_close_and_batch_invariant(shape):
+def test_int8_activation_panels_are_close_and_batch_invariant(qtype, shape):
     """Two int8 parts keep about 14 bits of each activation block: products within 2e-4 of the
     float32 ones, and a row's result does not depend on the rows batched with it."""
     n, k = shape
-    raw, dense = _gguf("Q4_1", n, k, 5)
-    w = PanelWeight.pack_gguf("Q4_1", raw, n, k, int8_activations=True)
-    assert w.kind == "Q4_1_I8X2"
+    raw, dense = _gguf(qtype, n, k, 5)
+    w = PanelWeight.pack_gguf(qtype, raw, n, k, int8_activations=True)
+    assert w.kind == f"{qtype}_I8X2"
     x = torch.randn(37, k)
     x[3] = 0.0                                             # an all-zero row (zero scales)
     got = matmul(x, w)
