@@ -1,6 +1,8 @@
 """The CPU attention backend (pure torch over the paged KV cache) and its slow reference."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -13,7 +15,10 @@ class CpuAttentionBackend(AttentionBackend):
     attention never repeats K/V.
 
     Pure decode in float32 reads the cache in place with the native kernel of kernels/cpu
-    (no gather copy); otherwise it is one batched call. Mixed batches are two batched calls,
+    (no gather copy); otherwise it is one batched call. Fresh prompts (a first chunk with no
+    cached context) in float32 are attended all together by one native causal flash-attention
+    call reading the step's q/k/v in place (``causal_prefill``); without the native kernels,
+    per request by SDPA (``_causal_self_attention``). Mixed batches are two batched calls,
     decode rows (one query) and prefill rows (padded to their longest query), so one long chunk
     does not pad every decode.
     With a sliding window only the blocks a request's queries can see are gathered.
@@ -30,6 +35,13 @@ class CpuAttentionBackend(AttentionBackend):
 
     def _native_decode(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         if not self.native or query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+            return False
+        from kernels.cpu.native import available
+        self.native = available()[0]
+        return self.native
+
+    def _native_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+        if not self.native or not query.dtype == key.dtype == value.dtype == torch.float32:
             return False
         from kernels.cpu.native import available
         self.native = available()[0]
@@ -76,9 +88,13 @@ class CpuAttentionBackend(AttentionBackend):
                 o, _ = _attend(query, kv_cache, block_table[decode_idx], seq_lens[decode_idx], tokens,
                                query_lens[decode_idx], 1, scale, sliding_window)
                 out[tokens] = o
-        for i in fresh.nonzero().squeeze(1).tolist():
-            a, b = int(starts[i]), int(starts[i] + query_lens[i])
-            out[a:b] = _causal_self_attention(query[a:b], key[a:b], value[a:b], scale)
+        fresh_idx = fresh.nonzero().squeeze(1)
+        if fresh_idx.numel() and not (self._native_prefill(query, key, value)
+                                      and causal_prefill(query, key, value, out, starts[fresh_idx],
+                                                         query_lens[fresh_idx], scale)):
+            for i in fresh_idx.tolist():
+                a, b = int(starts[i]), int(starts[i] + query_lens[i])
+                out[a:b] = _causal_self_attention(query[a:b], key[a:b], value[a:b], scale)
         rest = (~is_decode & ~fresh).nonzero().squeeze(1)  # chunks after cached context
         if sliding_window is None:
             for i in rest.tolist():
@@ -92,6 +108,31 @@ class CpuAttentionBackend(AttentionBackend):
                                 query_lens[rest], meta.max_query_len, scale, sliding_window)
             out[tokens] = o
         return out
+
+
+def causal_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                   starts: torch.Tensor, lens: torch.Tensor, scale: float) -> bool:
+    """Causal self-attention of fresh prompts (no cached context) in one native call
+    (causal_prefill_f32 of kernels/cpu/paged_attention.c): request i is the tokens
+    starts[i] .. starts[i] + lens[i] of query (T, H, D) and key, value (T, KVH, D), all float32
+    with unit stride along D (strided rows and heads, e.g. views into a fused qkv, are read in
+    place); its rows of out (T, H, D) are written. False, with nothing written, when the kernel
+    cannot take these tensors (the caller falls back to _causal_self_attention)."""
+    T, H, D = query.shape
+    KVH = key.shape[1]
+    tensors = (query, key, value, out)
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(2) != 1 for t in tensors)
+            or key.shape != value.shape or key.shape[0] != T or key.shape[2] != D or out.shape != query.shape
+            or KVH < 1 or H % KVH):
+        return False
+    from kernels.cpu.native import declare
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn = declare("causal_prefill_f32", [ptr] * 6 + [i64] * 12 + [ctypes.c_float], i64)
+    st = starts.to(torch.int64).contiguous()
+    ln = lens.to(torch.int64).contiguous()
+    return fn(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), st.data_ptr(),
+              ln.data_ptr(), st.numel(), H, KVH, D, query.stride(0), query.stride(1), key.stride(0),
+              key.stride(1), value.stride(0), value.stride(1), out.stride(0), out.stride(1), scale) == 0
 
 
 def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

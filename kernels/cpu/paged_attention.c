@@ -405,3 +405,296 @@ void paged_decode_f32(const float *q, const float *kv, const int32_t *table, con
     free(item_b);
     free(part);
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Causal self-attention of fresh prompts (prefill with no cached context), all the step's
+ * prompts in one call, their q/k/v read in place from the projection's output:
+ *
+ *   q    (T, H, D)    rows qs0 apart, heads qs1 apart, unit stride along D      float32
+ *   k, v (T, KVH, D)  rows ks0 / vs0 apart, heads ks1 / vs1 apart               float32
+ *   out  (T, H, D)    rows os0 apart, heads os1 apart; only the requests' rows are written
+ *   starts, lens (R,) the requests' first token and length (int64)
+ *
+ * Flash-attention style: work items are (request, KV head, query tile of 16 positions), the
+ * longest (latest query tiles) first, shared dynamically among the OpenMP threads. An item
+ * walks the request's key tiles of 16 up to the diagonal and, for each of the G query heads of
+ * its KV head:
+ *   1. scores 16 x 16: the key tile is stored transposed (D rows of 16 keys, done once for the
+ *      whole call by a first pass), so each query's 16 scores are one vector accumulated over D
+ *      by broadcast FMAs (the query pre-multiplied by the scale);
+ *   2. the causal mask on the diagonal tile only; the 16 rows' maxima and sums as one vector
+ *      each (transpose-and-reduce), one rescale per row per tile, the vectorized exp;
+ *   3. acc += P V, 4 rows x 4 vectors of D held in registers per pass over the tile's values.
+ * D not a multiple of 16 (or no AVX-512) takes a plain C path: per query, its scores, softmax
+ * and weighted sum of values.
+ * Returns 0, or -1 when its scratch memory could not be allocated (nothing written then).
+ */
+#define CP_TILE 16
+
+#ifdef __AVX512F__
+/* v[t]: lane t of the result is the max over the lanes of v[t] (the max twin of pa_sum16). */
+static inline __m512 cp_max16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_max_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_max_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* acc rows rg..rg+3 (of one head, D apart), vectors d0..d0+W-1: acc = acc * c + P V. */
+#define CP_PV(W)                                                                                  \
+    do {                                                                                          \
+        __m512 a[4][W];                                                                           \
+        for (int i = 0; i < 4; i++) {                                                             \
+            const __m512 ci = _mm512_set1_ps(cr[rg + i]);                                         \
+            for (int j = 0; j < W; j++)                                                           \
+                a[i][j] = _mm512_mul_ps(_mm512_load_ps(ah + (rg + i) * D + 16 * (d0 + j)), ci);  \
+        }                                                                                         \
+        for (int t = 0; t < nk; t++) {                                                            \
+            const float *vt = V + t * vs0 + 16 * d0;                                              \
+            __m512 vv[W];                                                                         \
+            for (int j = 0; j < W; j++) vv[j] = _mm512_loadu_ps(vt + 16 * j);                     \
+            for (int i = 0; i < 4; i++) {                                                         \
+                const __m512 pb = _mm512_set1_ps(P[(rg + i) * CP_TILE + t]);                      \
+                for (int j = 0; j < W; j++) a[i][j] = _mm512_fmadd_ps(pb, vv[j], a[i][j]);        \
+            }                                                                                     \
+        }                                                                                         \
+        for (int i = 0; i < 4; i++)                                                               \
+            for (int j = 0; j < W; j++) _mm512_store_ps(ah + (rg + i) * D + 16 * (d0 + j), a[i][j]); \
+    } while (0)
+
+/* One item: query tile qt (nq rows) of one request, the G query heads of one KV head.
+ * q0/o0: the tile's first row at the group's first head; kT: the request's first transposed key
+ * tile of this KV head (tiles kstep apart); V: the request's first value row of this KV head.
+ * ws: 64-byte aligned scratch of cp_ws_floats(G, D) floats. */
+static inline __attribute__((always_inline)) void
+cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
+           const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int nq, int G,
+           int64_t Dr, float scale, float *ws) {
+    const int64_t DV = DVc ? DVc : Dr / 16, D = 16 * DV;
+    float *Qs = ws;                                  /* [G][16][D], scaled, padded rows zero */
+    float *acc = Qs + (int64_t)G * CP_TILE * D;      /* [G][16][D] */
+    float *mv = acc + (int64_t)G * CP_TILE * D;      /* [G][16] running max */
+    float *lv = mv + G * CP_TILE;                    /* [G][16] running sum */
+    float *P = lv + G * CP_TILE;                     /* [16][16] */
+    float *mr = P + CP_TILE * CP_TILE;               /* [16] new max per row */
+    float *cr = mr + CP_TILE;                        /* [16] rescale per row */
+    for (int h = 0; h < G; h++)
+        for (int r = 0; r < CP_TILE; r++) {
+            float *dst = Qs + (h * CP_TILE + r) * D;
+            if (r < nq) {
+                const float *src = q0 + r * qs0 + h * qs1;
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_store_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_set1_ps(scale)));
+            } else {
+                memset(dst, 0, sizeof(float) * D);
+            }
+        }
+    memset(acc, 0, sizeof(float) * G * CP_TILE * D);
+    for (int i = 0; i < G * CP_TILE; i++) {
+        mv[i] = -INFINITY;
+        lv[i] = 0.f;
+    }
+    const int rows = (nq + 3) & ~3;
+    for (int64_t kt = 0; kt <= qt; kt++) {
+        const float *K = kT + kt * kstep;
+        const float *V = V0 + kt * CP_TILE * vs0;
+        const int diag = kt == qt, nk = diag ? nq : CP_TILE;
+        for (int h = 0; h < G; h++) {
+            const float *Qh = Qs + h * CP_TILE * D;
+            __m512 s[CP_TILE];
+            for (int r = 0; r < CP_TILE; r++) s[r] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                const __m512 kd = _mm512_load_ps(K + d * CP_TILE);
+                for (int r = 0; r < CP_TILE; r++)
+                    s[r] = _mm512_fmadd_ps(_mm512_set1_ps(Qh[r * D + d]), kd, s[r]);
+            }
+            if (diag)
+                for (int r = 0; r < CP_TILE; r++)
+                    s[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((2u << r) - 1u), s[r]);
+            const __m512 mold = _mm512_load_ps(mv + h * CP_TILE);
+            const __m512 mnew = _mm512_max_ps(mold, cp_max16(s));
+            const __m512 c = pa_exp512(_mm512_sub_ps(mold, mnew));   /* 0 on the first tile */
+            _mm512_store_ps(mv + h * CP_TILE, mnew);
+            _mm512_store_ps(mr, mnew);
+            _mm512_store_ps(cr, c);
+            for (int r = 0; r < CP_TILE; r++) {
+                __m512 e = pa_exp512(_mm512_sub_ps(s[r], _mm512_set1_ps(mr[r])));
+                if (diag) e = _mm512_maskz_mov_ps((__mmask16)((2u << r) - 1u), e);
+                _mm512_store_ps(P + r * CP_TILE, e);
+                s[r] = e;
+            }
+            _mm512_store_ps(lv + h * CP_TILE,
+                            _mm512_fmadd_ps(_mm512_load_ps(lv + h * CP_TILE), c, pa_sum16(s)));
+            float *ah = acc + h * CP_TILE * D;
+            for (int rg = 0; rg < rows; rg += 4) {
+                int64_t d0 = 0;
+                for (; d0 + 4 <= DV; d0 += 4) CP_PV(4);
+                for (; d0 < DV; d0++) CP_PV(1);
+            }
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int r = 0; r < nq; r++) {
+            const float l = lv[h * CP_TILE + r];
+            const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+            const float *a = acc + (h * CP_TILE + r) * D;
+            float *dst = o0 + r * os0 + h * os1;
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(a + d), inv));
+        }
+}
+
+typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
+                           float *, int64_t, int64_t, int64_t, int, int, int64_t, float, float *);
+#define CP_ITEM_FN(DV)                                                                             \
+    static void cp_item512_##DV(const float *q0, int64_t qs0, int64_t qs1, const float *kT,        \
+                                int64_t kstep, const float *V0, int64_t vs0, float *o0, int64_t os0, \
+                                int64_t os1, int64_t qt, int nq, int G, int64_t D, float scale,     \
+                                float *ws) {                                                       \
+        cp_item512(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, nq, G, D, scale, ws);   \
+    }
+CP_ITEM_FN(0) CP_ITEM_FN(4) CP_ITEM_FN(8)
+#endif
+
+/* Portable item: per query of the tile and head, its scores, softmax and weighted values.
+ * sc: scratch of at least qt * 16 + nq floats; od: of D doubles. */
+static void cp_item_c(const float *q0, int64_t qs0, int64_t qs1, const float *K0, int64_t ks0,
+                      const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt,
+                      int nq, int G, int64_t D, float scale, float *sc, double *od) {
+    for (int h = 0; h < G; h++)
+        for (int r = 0; r < nq; r++) {
+            const float *qq = q0 + r * qs0 + h * qs1;
+            const int64_t n = qt * CP_TILE + r + 1;          /* keys 0 .. position */
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < n; j++) {
+                const float *kj = K0 + j * ks0;
+                float dot = 0.f;
+                #pragma omp simd reduction(+:dot)
+                for (int64_t d = 0; d < D; d++) dot += qq[d] * kj[d];
+                sc[j] = dot * scale;
+                mx = sc[j] > mx ? sc[j] : mx;
+            }
+            double sum = 0.;                                 /* long sums in double */
+            for (int64_t j = 0; j < n; j++) {
+                sc[j] = expf(sc[j] - mx);
+                sum += sc[j];
+            }
+            for (int64_t d = 0; d < D; d++) od[d] = 0.;
+            for (int64_t j = 0; j < n; j++) {
+                const float *vj = V0 + j * vs0;
+                const double w = sc[j];
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) od[d] += w * vj[d];
+            }
+            float *o = o0 + r * os0 + h * os1;
+            for (int64_t d = 0; d < D; d++) o[d] = (float)(od[d] / sum);
+        }
+}
+
+int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float *out,
+                           const int64_t *starts, const int64_t *lens, int64_t R, int64_t H,
+                           int64_t KVH, int64_t D, int64_t qs0, int64_t qs1, int64_t ks0, int64_t ks1,
+                           int64_t vs0, int64_t vs1, int64_t os0, int64_t os1, float scale) {
+    if (R <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0) return R <= 0 ? 0 : -1;
+    const int64_t G = H / KVH;
+    int vec = 0;
+#ifdef __AVX512F__
+    vec = D % 16 == 0;
+#endif
+    /* the requests' tiles: tile_base[i] = tiles of the requests before i */
+    int64_t *tile_base = (int64_t *)malloc(sizeof(int64_t) * (R + 1));
+    if (!tile_base) return -1;
+    int64_t max_tiles = 0, max_len = 0;
+    tile_base[0] = 0;
+    for (int64_t i = 0; i < R; i++) {
+        const int64_t nt = lens[i] > 0 ? (lens[i] + CP_TILE - 1) / CP_TILE : 0;
+        tile_base[i + 1] = tile_base[i] + nt;
+        max_tiles = nt > max_tiles ? nt : max_tiles;
+        max_len = lens[i] > max_len ? lens[i] : max_len;
+    }
+    const int64_t tiles = tile_base[R], items = tiles * KVH;
+    /* items (request, query tile, kv head), latest query tiles (the most key tiles) first */
+    int64_t *item = (int64_t *)malloc(sizeof(int64_t) * 3 * (items ? items : 1));
+    int64_t *tile_req = (int64_t *)malloc(sizeof(int64_t) * (tiles ? tiles : 1));
+    float *kT = NULL;
+    if (vec && tiles) kT = (float *)aligned_alloc(64, sizeof(float) * tiles * KVH * D * CP_TILE);
+    if (!item || !tile_req || (vec && tiles && !kT)) {
+        free(tile_base); free(item); free(tile_req); free(kT);
+        return -1;
+    }
+    int64_t n = 0;
+    for (int64_t qt = max_tiles - 1; qt >= 0; qt--)
+        for (int64_t i = 0; i < R; i++)
+            if (tile_base[i + 1] - tile_base[i] > qt)
+                for (int64_t g = 0; g < KVH; g++) {
+                    item[3 * n] = i;
+                    item[3 * n + 1] = qt;
+                    item[3 * n + 2] = g;
+                    n++;
+                }
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t t = tile_base[i]; t < tile_base[i + 1]; t++) tile_req[t] = i;
+    const int64_t ws_floats = vec ? 2 * G * CP_TILE * D + 2 * G * CP_TILE + CP_TILE * CP_TILE + 2 * CP_TILE
+                                  : (max_len + 1) / 2 * 2 + 2 * D;   /* scores, then D doubles */
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *ws = (float *)aligned_alloc(64, sizeof(float) * ((ws_floats + 15) & ~(int64_t)15));
+        if (!ws) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        if (vec) {   /* keys transposed: kT[tile][g][d][16], positions past the request zero */
+            #pragma omp for schedule(static)
+            for (int64_t x = 0; x < tiles * KVH; x++) {
+                const int64_t t = x / KVH, g = x % KVH, i = tile_req[t], p0 = (t - tile_base[i]) * CP_TILE;
+                float *dst = kT + x * D * CP_TILE;
+                for (int j = 0; j < CP_TILE; j++) {
+                    const int64_t p = p0 + j;
+                    if (p < lens[i]) {
+                        const float *src = k + (starts[i] + p) * ks0 + g * ks1;
+                        for (int64_t d = 0; d < D; d++) dst[d * CP_TILE + j] = src[d];
+                    } else {
+                        for (int64_t d = 0; d < D; d++) dst[d * CP_TILE + j] = 0.f;
+                    }
+                }
+            }
+        }
+        #pragma omp barrier
+        if (!failed) {
+#ifdef __AVX512F__
+            const cp_item_fn fn = D == 64 ? cp_item512_4 : D == 128 ? cp_item512_8 : cp_item512_0;
+#endif
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t x = 0; x < items; x++) {
+                const int64_t i = item[3 * x], qt = item[3 * x + 1], g = item[3 * x + 2];
+                const int64_t p0 = starts[i] + qt * CP_TILE;
+                const int nq = (int)(lens[i] - qt * CP_TILE < CP_TILE ? lens[i] - qt * CP_TILE : CP_TILE);
+                const float *q0 = q + p0 * qs0 + g * G * qs1;
+                float *o0 = out + p0 * os0 + g * G * os1;
+                const float *V0 = v + starts[i] * vs0 + g * vs1;
+#ifdef __AVX512F__
+                if (vec) {
+                    fn(q0, qs0, qs1, kT + (tile_base[i] * KVH + g) * D * CP_TILE, KVH * D * CP_TILE, V0, vs0,
+                       o0, os0, os1, qt, nq, (int)G, D, scale, ws);
+                    continue;
+                }
+#endif
+                cp_item_c(q0, qs0, qs1, k + starts[i] * ks0 + g * ks1, ks0, V0, vs0, o0, os0, os1, qt, nq,
+                          (int)G, D, scale, ws, (double *)(ws + (max_len + 1) / 2 * 2));
+            }
+        }
+        free(ws);
+    }
+    free(tile_base); free(item); free(tile_req); free(kT);
+    return failed ? -1 : 0;
+}
