@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -185,11 +186,43 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         raise ValueError("kv_cache must be contiguous to be written through slot_mapping")
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
     slots = slot_mapping[: key.shape[0]]
+    if _kv_store_native(key, value, kv_cache, slots):
+        return
     if bool((slots < 0).any()):
         keep = (slots >= 0).nonzero().squeeze(1)
         slots, key, value = slots[keep], key[keep], value[keep]
     flat[0].index_copy_(0, slots, key)
     flat[1].index_copy_(0, slots, value)
+
+
+@lru_cache(maxsize=1)
+def _kv_store_kernel():
+    from kernels.cpu import native
+    if not native.available()[0]:
+        return None
+    return native.declare("kv_store_f32", [ctypes.c_void_p, ctypes.c_int64] * 2 + [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], ctypes.c_int64)
+
+
+def _kv_store_native(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     slots: torch.Tensor) -> bool:
+    """write_kv_cache through kernels/cpu (one pass, no masks or syncs) when the layouts allow;
+    False when they do not (nothing written)."""
+    D = kv_cache.shape[-1]
+    if not (kv_cache.dtype == key.dtype == value.dtype == torch.float32 and kv_cache.is_cpu
+            and slots.dtype == torch.int64 and slots.is_contiguous() and key.dim() == 3
+            and key.stride(2) == value.stride(2) == 1 and key.stride(1) == value.stride(1) == D):
+        return False
+    fn = _kv_store_kernel()
+    if fn is None:
+        return False
+    _, num_blocks, block_size, kvh, _ = kv_cache.shape
+    bad = fn(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(),
+             key.shape[0], kv_cache.data_ptr(), num_blocks * block_size, kvh * D)
+    if bad >= 0:
+        raise IndexError(f"slot {int(slots[bad])} of token {bad} is past the KV cache's "
+                         f"{num_blocks * block_size} slots")
+    return True
 
 
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,

@@ -698,3 +698,22 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
     free(tile_base); free(item); free(tile_req); free(kT);
     return failed ? -1 : 0;
 }
+
+/* The step's keys and values into the paged cache: kv[0 or 1][slot] = key / value row of token
+ * t for every slot_mapping[t] >= 0 (padding tokens carry -1). key, value (T, KVH, D) with heads
+ * packed and any row stride (views into the qkv projection); kv (2, num_slots, KVH, D).
+ * Returns -1, or the first token whose slot is past the cache (then nothing is written). */
+int64_t kv_store_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                     const int64_t *slots, int64_t T, float *kv, int64_t num_slots, int64_t row) {
+    float *vbase = kv + num_slots * row;
+    for (int64_t t = 0; t < T; t++) {            /* a slot past the cache: nothing written */
+        if (slots[t] >= num_slots) return t;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        memcpy(kv + s * row, key + t * key_stride, sizeof(float) * row);
+        memcpy(vbase + s * row, value + t * value_stride, sizeof(float) * row);
+    }
+    return -1;
+}

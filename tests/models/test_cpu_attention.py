@@ -393,3 +393,21 @@ def test_backend_native_prefill_in_mixed_batches(H, KVH, D):
                                        atol=1e-5, rtol=1e-5)
         a += n
     assert (native[a:] == 0).all()
+
+
+def test_native_kv_store_equals_index_copy_and_refuses_slots_past_the_cache():
+    import kernels.attention.cpu as cpu_mod
+    qkv = torch.randn(7, (4 + 2 * 2) * 16)                      # fused projection rows
+    k = qkv[:, 64:96].view(7, 2, 16)
+    v = qkv[:, 96:].view(7, 2, 16)
+    slots = torch.tensor([5, -1, 0, 17, 31, -1, 8])
+    ref = torch.zeros(2, 4, 8, 2, 16)
+    flat = ref.view(2, 32, 2, 16)
+    keep = slots >= 0
+    flat[0][slots[keep]] = k[keep]
+    flat[1][slots[keep]] = v[keep]
+    got = torch.zeros(2, 4, 8, 2, 16)
+    cpu_mod.write_kv_cache(k, v, got, slots)
+    assert torch.equal(got, ref)
+    with pytest.raises(IndexError, match="past the KV cache"):
+        cpu_mod.write_kv_cache(k, v, got, torch.tensor([1, 2, 32, 0, 0, 0, 0]))
