@@ -17,9 +17,12 @@ async def warm(args: Any) -> dict[str, float]:
     from actors.api import AsyncLLM, SamplingParams
     llm = await AsyncLLM.create(args.model, dtype=args.dtype, quantization=args.quantization)
     try:
-        prompt = workload.generate(1, (args.prompt_len, args.prompt_len), (1, 1), args.seed)[0]["prompt_token_ids"]
+        # a fresh prompt for every run: a repeated one would be served from the prefix cache
+        prompts = [r["prompt_token_ids"] for r in workload.generate(
+            args.repeats + 2, (args.prompt_len, args.prompt_len), (1, 1), args.seed)]
 
         async def timed(max_tokens: int) -> tuple[float, float, int]:
+            prompt = prompts.pop()
             t0 = time.perf_counter()
             first, n = 0.0, 0
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

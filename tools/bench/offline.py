@@ -32,7 +32,8 @@ async def run(args: Any) -> dict[str, Any]:
         def params(r: dict) -> SamplingParams:
             return SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
 
-        await asyncio.gather(*(one(r, params(r)) for r in reqs[:2]))           # warm-up
+        # warm-up on the first two requests, as ../shared/bench/vllm_offline.py does for vLLM
+        await asyncio.gather(*(one(r, params(r)) for r in reqs[:2]))
         before = llm.client.stats.last
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(r, params(r)) for r in reqs))
