@@ -31,6 +31,16 @@
 
 enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2 };
 
+#ifdef __AVX512F__
+/* y[0:cols] = the first cols of the 32 lanes of (c0, c1) */
+static inline void store_cols(float *y, __m512 c0, __m512 c1, int64_t cols) {
+    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 k1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
+    _mm512_mask_storeu_ps(y, k0, c0);
+    _mm512_mask_storeu_ps(y + 16, k1, c1);
+}
+#endif
+
 /* out[k * 32 + j] = w[32 p + j, k] for one quantized panel. */
 __attribute__((optimize("fp-contract=off")))
 static void dequant_panel(int kind, const uint8_t *codes, const float *d, const float *m,
@@ -101,12 +111,7 @@ static inline __attribute__((always_inline)) void micro(const int MR, const floa
             _mm512_storeu_ps(y + r * ldy + 16, c1[r]);
         }
     } else {
-        const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-        const __mmask16 m1 = cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-        for (int r = 0; r < MR; r++) {
-            _mm512_mask_storeu_ps(y + r * ldy, m0, c0[r]);
-            _mm512_mask_storeu_ps(y + r * ldy + 16, m1, c1[r]);
-        }
+        for (int r = 0; r < MR; r++) store_cols(y + r * ldy, c0[r], c1[r], cols);
     }
 #else
     float acc[MAX_MR][NR];
@@ -164,12 +169,7 @@ static void quant_rows(int kind, const uint8_t *codes, const float *d, const flo
             }
         }
     }
-    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-    const __mmask16 k1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
-    for (int r = 0; r < M; r++) {
-        _mm512_mask_storeu_ps(y + r * ldy, k0, c0[r]);
-        _mm512_mask_storeu_ps(y + r * ldy + 16, k1, c1[r]);
-    }
+    for (int r = 0; r < M; r++) store_cols(y + r * ldy, c0[r], c1[r], cols);
 }
 #else
 #define DIRECT_ROWS 0
@@ -351,12 +351,7 @@ static inline __attribute__((always_inline)) void i8_micro(
             f1[r] = _mm512_fmadd_ps(m1, xs, _mm512_fmadd_ps(t1, d1, f1[r]));
         }
     }
-    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-    const __mmask16 k1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
-    for (int r = 0; r < MR; r++) {
-        _mm512_mask_storeu_ps(y + r * ldy, k0, f0[r]);
-        _mm512_mask_storeu_ps(y + r * ldy + 16, k1, f1[r]);
-    }
+    for (int r = 0; r < MR; r++) store_cols(y + r * ldy, f0[r], f1[r], cols);
 }
 
 /* The same for Q8_0 weights, signed: the activation bytes become the unsigned operand by adding
@@ -404,12 +399,7 @@ static inline __attribute__((always_inline)) void i8_micro_q8(
             f1[r] = _mm512_fmadd_ps(t1, d1, f1[r]);
         }
     }
-    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-    const __mmask16 k1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
-    for (int r = 0; r < MR; r++) {
-        _mm512_mask_storeu_ps(y + r * ldy, k0, f0[r]);
-        _mm512_mask_storeu_ps(y + r * ldy + 16, k1, f1[r]);
-    }
+    for (int r = 0; r < MR; r++) store_cols(y + r * ldy, f0[r], f1[r], cols);
 }
 
 static __thread void *abuf;
