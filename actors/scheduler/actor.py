@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Any
 
 from actors.kv_manager.messages import KVReset, ResetPrefixCache
@@ -31,6 +32,7 @@ class WorkersReady(Msg):
 SchedulerProtocol = AddRequest | AbortRequests | Step | WorkersReady | ResetPrefixCache
 
 STEP_TIMEOUT_S = 600.0
+MAX_EARLY_ABORTS = 4096          # remembered ids of aborts that came before their request
 
 
 class SchedulerActor(Actor):
@@ -47,16 +49,30 @@ class SchedulerActor(Actor):
         self.paused = False
         self._step_queued = False
         self._last_step_start = 0.0
+        # Aborts of requests not (yet) known here: an abort sent while the request was being
+        # admitted may overtake it, and the request must then not run for nobody.
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
 
     async def receive(self, msg: SchedulerProtocol) -> Any:
         match msg:
             case AddRequest(request=r):
+                if r.request_id in self._early_aborts:     # its abort came first
+                    del self._early_aborts[r.request_id]
+                    self._emit([EngineCoreOutput(r.request_id, [], "abort")])
+                    return None
                 err = self.core.add_request(r)
                 if err is not None:
                     self._emit([err])
                 self._kick()
             case AbortRequests(request_ids=ids):
-                self._emit(self.core.abort_requests(ids))
+                outs = self.core.abort_requests(ids)
+                aborted = {o.request_id for o in outs}
+                for rid in ids:
+                    if rid not in aborted and not self.core.has_request(rid):
+                        self._early_aborts[rid] = None
+                while len(self._early_aborts) > MAX_EARLY_ABORTS:
+                    self._early_aborts.popitem(last=False)
+                self._emit(outs)
                 self._kick()
             case Step():
                 self._step_queued = False

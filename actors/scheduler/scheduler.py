@@ -103,6 +103,9 @@ class Scheduler:
         self.waiting.add(req)
         return None
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outs = []
         for rid in request_ids:

@@ -153,3 +153,27 @@ def test_queue_time_is_observed(server):
     before, after = asyncio.run(main())
     name = "troupe:request_queue_time_seconds_count"
     assert after[name] - before.get(name, 0) == 1
+
+
+
+def test_request_whose_client_left_at_once_does_not_run(server):
+    """A client that sends a whole request and closes at once: whether the server notices before
+    or after its handler starts, nothing is left generating for nobody."""
+    import socket
+    from urllib.parse import urlparse
+    u = urlparse(server.url)
+    body = b'{"prompt": "A very long essay:", "max_tokens": 1000, "ignore_eos": true}'
+    for _ in range(3):
+        with socket.create_connection((u.hostname, u.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock.shutdown(socket.SHUT_RDWR)
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            await asyncio.sleep(0.5)                       # let the requests reach the engine
+            return await wait_for(session, server.url, lambda m: (
+                m["troupe:num_requests_running"] == 0 and m["troupe:num_requests_waiting"] == 0),
+                timeout=2.0)
+    took, m = asyncio.run(main())
+    assert m["troupe:num_requests_running"] == 0 and m["troupe:num_requests_waiting"] == 0, m
