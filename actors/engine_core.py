@@ -33,6 +33,7 @@ class EngineConfig(msgspec.Struct):
     quantization: str | None = None        # None (exact) | "gguf" | "gguf-i8" (models/quant.py)
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
+    kv_cache_dtype: str = "auto"           # "auto" (the model's dtype) | "float32" | "float16" | "bfloat16"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0                 # 0 = the model's own
@@ -69,6 +70,7 @@ class EngineCore:
         c = self.cfg
         return WorkerConfig(model=c.model, dtype=c.dtype, num_threads=c.num_threads, seed=c.seed,
                             quantization=c.quantization, block_size=c.block_size,
+                            kv_cache_dtype=c.kv_cache_dtype,
                             device=c.device, enforce_eager=c.enforce_eager)
 
     async def _start_worker(self) -> tuple[ActorRef, ModelInfo]:
@@ -90,9 +92,9 @@ class EngineCore:
                       (self.num_blocks - 1) * cfg.block_size)
         self.max_model_len = max_len
         kv_info = await worker.ask(self._init_kv(), timeout=120)
-        log.info("model %s loaded in %.1f s; KV cache: %d blocks of %d tokens (%.0f MiB); "
+        log.info("model %s loaded in %.1f s; KV cache: %d blocks of %d tokens (%.0f MiB, %s); "
                  "max model len %d", info.served_name, info.load_seconds, self.num_blocks,
-                 cfg.block_size, kv_info.bytes / 2**20, max_len)
+                 cfg.block_size, kv_info.bytes / 2**20, info.kv_cache_dtype or info.dtype, max_len)
         sched_cfg = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max_len, block_size=cfg.block_size,

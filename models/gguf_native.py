@@ -1,5 +1,5 @@
 """The GGUF block formats run natively: each linear layer keeps its checkpoint's Q4_1 / Q8_0
-weights (repacked into the panels of ``kernels/cpu/gemm.c``: 0.75 / 1.1 bytes a weight instead
+weights (repacked into the panels of ``kernels/cpu/gemm.c``: 0.625 / 1.06 bytes a weight instead
 of float32's 4) and multiplies them by float32 activations with the native panel kernel, which
 dequantizes to exactly the checkpoint's float32 values, so only the summation order differs
 from the exact mode. A decode step reads a fifth of float32's weight bytes; larger batches

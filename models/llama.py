@@ -45,6 +45,9 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qk_norm: ClassVar[bool] = False   # per-head RMSNorm of q and k before rotary (Qwen3)
+    # models/native_decode.py: all layers of a pure-decode step in one native call (CPU), set
+    # once the weights are packed when the layers qualify; the per-layer path otherwise.
+    native_decode = None
 
     # Checkpoint tensor name -> (our parameter, shard of a fused parameter or None).
     # "{i}" stands for the layer index. The loaders only look names up here.
@@ -99,6 +102,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)                  # (T, hidden)
         cos, sin = self.rotary_emb(positions, hidden.dtype)    # (T, 1, D) each
+        if self.native_decode is not None:
+            out = self.native_decode.run(hidden, cos, sin, kv_caches, meta)
+            if out is not None:
+                return self.norm(*out)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)

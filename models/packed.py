@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.cpu.panels import matmul
 from models.layers import Linear
 
 
@@ -39,8 +40,9 @@ class PanelLinear(nn.Module):
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.bias = None if bias is None else bias.detach().float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:              # (T, in) -> (T, out)
-        from kernels.cpu.panels import matmul
+    def forward(self, x: torch.Tensor) -> torch.Tensor:              # (..., in) -> (..., out)
+        if x.dim() == 2 and self.bias is None:
+            return matmul(x, self.weight)
         y = matmul(x.reshape(-1, self.in_features), self.weight)
         if self.bias is not None:
             y.add_(self.bias)

@@ -45,21 +45,23 @@ class LoadedModel(NamedTuple):
 
 
 def attention_requirements(config: ModelConfig, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
-                           device: str = "cpu") -> AttentionRequirements:
-    return AttentionRequirements(dtype=dtype, kv_cache_dtype=dtype, head_size=config.head_size,
+                           device: str = "cpu", kv_cache_dtype: torch.dtype | None = None) -> AttentionRequirements:
+    return AttentionRequirements(dtype=dtype, kv_cache_dtype=kv_cache_dtype or dtype, head_size=config.head_size,
                                  block_size=block_size, sliding_window=config.max_sliding_window, device=device)
 
 
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
                attn_backend: AttentionBackend | None = None,
-               block_size: int = DEFAULT_BLOCK_SIZE, device: str = "cpu") -> LoadedModel:
+               block_size: int = DEFAULT_BLOCK_SIZE, device: str = "cpu",
+               kv_cache_dtype: torch.dtype | None = None) -> LoadedModel:
     """Build the model for ``source`` with its weights, in eval mode, on ``device`` ("cpu" or
     "cuda"). Attention goes through ``attn_backend``, by default the first backend that accepts
-    the model's requirements on that device (raises ValueError naming every backend's refusal
-    when none does). Weights are always read and converted on the CPU, then moved: the host
+    the model's requirements on that device and KV cache dtype (``kv_cache_dtype``, by default
+    ``dtype``; raises ValueError naming every backend's refusal when none does). Weights are always read and converted on the CPU, then moved: the host
     briefly holds the model in ``dtype`` (plus one float32 tensor at a time while loading)."""
     config, weights, map_name = _open_checkpoint(source)
-    backend = attn_backend or select_backend(attention_requirements(config, dtype, block_size, device))
+    backend = attn_backend or select_backend(attention_requirements(config, dtype, block_size, device,
+                                                                          kv_cache_dtype))
     model = get_model_class(config.architecture)(config, backend, dtype)
     load_weights(model, weights, getattr(model, map_name))
     if device != "cpu":

@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "take int8 activations in two parts (AVX512-VNNI; faster prefill, rare "
                         "token changes)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="auto: the model's dtype; float16 / bfloat16 store K and V rounded to 16 bits "
+                        "(twice the tokens per GiB, half the bytes long-context decoding reads)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -58,7 +61,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         enforce_eager=args.enforce_eager, quantization=args.quantization,
                         block_size=args.block_size,
-                        kv_cache_bytes=int(args.kv_cache_gib * 2**30),
+                        kv_cache_bytes=int(args.kv_cache_gib * 2**30), kv_cache_dtype=args.kv_cache_dtype,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, num_threads=args.threads, seed=args.seed,

@@ -154,6 +154,7 @@ class ModelInfo(msgspec.Struct):
     device: str
     dtype: str
     load_seconds: float
+    kv_cache_dtype: str = ""
 
 
 class KVCacheInfo(msgspec.Struct):

@@ -42,6 +42,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: "auto" is the model's dtype; float16 / bfloat16 halve the
+    bytes each cached token takes (and that decode attention reads) at a rounding of K and V."""
+    if name == "auto":
+        return dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r}; accepted: {', '.join(KV_CACHE_DTYPES)}")
+    return getattr(torch, name)
+
+
 def resolve_placement(device: str, dtype: str) -> Placement:
     dev = resolve_device(device)
     return Placement(dev, resolve_dtype(dtype, dev))

@@ -42,14 +42,15 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 cudagraph_sizes: list[int] | None = None) -> None:
+                 cudagraph_sizes: list[int] | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        specs = model_kv_cache_specs(config, block_size, torch.tensor([], dtype=dtype).element_size())
-        self.kv_caches = create_kv_cache_views(specs, num_blocks, dtype, self.device)  # validates the specs
+        kv_dtype = kv_cache_dtype or dtype
+        specs = model_kv_cache_specs(config, block_size, kv_dtype.itemsize)
+        self.kv_caches = create_kv_cache_views(specs, num_blocks, kv_dtype, self.device)  # validates the specs
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device)
         self.sampler = Sampler()
         self.graphs = (CudaGraphRunner(model, self.kv_caches, cudagraph_sizes, max_model_len, block_size,

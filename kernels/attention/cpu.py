@@ -16,7 +16,8 @@ class CpuAttentionBackend(AttentionBackend):
     attention never repeats K/V.
 
     Pure decode in float32 reads the cache in place with the native kernel of kernels/cpu
-    (no gather copy); otherwise it is one batched call. Fresh prompts (a first chunk with no
+    (no gather copy; a float16 or bfloat16 cache, ``--kv-cache-dtype``, is widened as it is
+    read, halving the bytes a long context costs); otherwise it is one batched call. Fresh prompts (a first chunk with no
     cached context) in float32 are attended all together by one native causal flash-attention
     call reading the step's q/k/v in place (``causal_prefill``); without the native kernels,
     per request by SDPA (``_causal_self_attention``). Mixed batches are two batched calls,
@@ -35,7 +36,8 @@ class CpuAttentionBackend(AttentionBackend):
         self.native = native      # decode through kernels/cpu's in-place paged attention
 
     def _native_decode(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        if not self.native or query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+        if (not self.native or query.dtype != torch.float32
+                or kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
             return False
         from kernels.cpu.native import available
         self.native = available()[0]
@@ -100,9 +102,9 @@ class CpuAttentionBackend(AttentionBackend):
         if sliding_window is None:
             for i in rest.tolist():
                 a, n = int(starts[i]), int(query_lens[i])
-                context = _gather_context(kv_cache, block_table[i], int(seq_lens[i]) - n)
+                k_ctx, v_ctx = _gather_context(kv_cache, block_table[i], int(seq_lens[i]) - n)
                 out[a:a + n] = _chunk_attention(query[a:a + n], key[a:a + n], value[a:a + n],
-                                                *context, scale)
+                                                k_ctx.to(query.dtype), v_ctx.to(query.dtype), scale)
             rest = rest[:0]
         if rest.numel():
             o, tokens = _attend(query, kv_cache, block_table[rest], seq_lens[rest], starts[rest],
@@ -155,7 +157,7 @@ def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor,
     flat = kv_cache.view(2, num_blocks * block_size, KVH, D)
     pos = torch.arange(length)
     slots = blocks[pos // block_size].long() * block_size + pos % block_size
-    return flat[0].index_select(0, slots), flat[1].index_select(0, slots)
+    return flat[0].index_select(0, slots), flat[1].index_select(0, slots)  # in the cache's dtype
 
 
 def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ctx: torch.Tensor,
@@ -191,8 +193,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     if bool((slots < 0).any()):
         keep = (slots >= 0).nonzero().squeeze(1)
         slots, key, value = slots[keep], key[keep], value[keep]
-    flat[0].index_copy_(0, slots, key)
-    flat[1].index_copy_(0, slots, value)
+    flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
 
 
 @lru_cache(maxsize=1)
@@ -200,16 +202,17 @@ def _kv_store_kernel():
     from kernels.cpu import native
     if not native.available()[0]:
         return None
-    return native.declare("kv_store_f32", [ctypes.c_void_p, ctypes.c_int64] * 2 + [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], ctypes.c_int64)
+    return native.declare("kv_store", [ctypes.c_void_p, ctypes.c_int64] * 2 + [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3, ctypes.c_int64)
 
 
 def _kv_store_native(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                      slots: torch.Tensor) -> bool:
     """write_kv_cache through kernels/cpu (one pass, no masks or syncs) when the layouts allow;
     False when they do not (nothing written)."""
+    from kernels.cpu.native import KV_TYPES
     D = kv_cache.shape[-1]
-    if not (kv_cache.dtype == key.dtype == value.dtype == torch.float32 and kv_cache.is_cpu
+    if not (key.dtype == value.dtype == torch.float32 and kv_cache.dtype in KV_TYPES and kv_cache.is_cpu
             and slots.dtype == torch.int64 and slots.is_contiguous() and key.dim() == 3
             and key.stride(2) == value.stride(2) == 1 and key.stride(1) == value.stride(1) == D):
         return False
@@ -218,7 +221,7 @@ def _kv_store_native(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Ten
         return False
     _, num_blocks, block_size, kvh, _ = kv_cache.shape
     bad = fn(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(),
-             key.shape[0], kv_cache.data_ptr(), num_blocks * block_size, kvh * D)
+             key.shape[0], kv_cache.data_ptr(), KV_TYPES[kv_cache.dtype], num_blocks * block_size, kvh * D)
     if bad >= 0:
         raise IndexError(f"slot {int(slots[bad])} of token {bad} is past the KV cache's "
                          f"{num_blocks * block_size} slots")
@@ -261,7 +264,7 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     block_idx = (first_block[:, None] + torch.arange(nb)).clamp(max=block_table.shape[1] - 1)  # (b, nb)
     blocks = block_table.gather(1, block_idx).reshape(-1).long()          # (b * nb,)
     kv = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)  # (2, b * nb, bs * KVH * D)
-    k, v = kv.view(2, b, L, KVH, D).transpose(2, 3).unbind(0)            # (b, KVH, L, D) each
+    k, v = kv.to(query.dtype).view(2, b, L, KVH, D).transpose(2, 3).unbind(0)  # (b, KVH, L, D) each
 
     # 3) causal (and window) mask at absolute positions; padded queries take the last position
     pos = torch.minimum(first_pos[:, None] + j, seq_lens[:, None] - 1)   # (b, Q)

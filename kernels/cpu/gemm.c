@@ -5,11 +5,14 @@
  * W is stored in panels of 32 output features, so that one step of the inner loop reads the
  * 32 weights of one input feature contiguously:
  *   float32  codes (P, K, 32) floats             w[32p + j, k] = codes[p, k, j]
- *   Q4_1     codes (P, K, 16) bytes; d, m (P, K / 32, 32) floats
+ *   Q4_1     codes (P, K, 16) bytes; d, m (P, K / 32, 32) float16
  *            byte j of (p, k) holds j's nibble low, j + 16's high; w = d * q + m
- *   Q8_0     codes (P, K, 32) int8;  d (P, K / 32, 32) floats;  w = d * q
+ *   Q8_0     codes (P, K, 32) int8;  d (P, K / 32, 32) float16;  w = d * q
  * (P = ceil(N / 32); the last panel's missing rows are zero.) The GGUF formats are repacked from
  * their checkpoint blocks once at load (models/gguf_native.py), the float32 one from the weight.
+ * The scales stay the checkpoint's float16 and are widened to float32 (exactly) as each block is
+ * used: one row's multiply streams the weights from memory, and float32 scales would make a Q4_1
+ * weight 0.75 bytes instead of 0.625.
  *
  * A quantized panel is dequantized once per call into a per-thread buffer (the same float32
  * values as dequantizing the checkpoint: d * q rounded, then + m rounded, no fused multiply-add)
@@ -32,6 +35,11 @@
 enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2 };
 
 #ifdef __AVX512F__
+/* 16 float16 values -> float32 */
+static inline __m512 load_f16(const uint16_t *h) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+}
+
 /* y[0:cols] = the first cols of the 32 lanes of (c0, c1) */
 static inline void store_cols(float *y, __m512 c0, __m512 c1, int64_t cols) {
     const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
@@ -39,52 +47,78 @@ static inline void store_cols(float *y, __m512 c0, __m512 c1, int64_t cols) {
     _mm512_mask_storeu_ps(y, k0, c0);
     _mm512_mask_storeu_ps(y + 16, k1, c1);
 }
+#else
+/* One float16 value -> float32, exactly (no F16C / _Float16 needed). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0x1F) {
+        bits = sign | 0x7F800000u | man << 13;                  /* infinity, NaN */
+    } else if (e == 0) {
+        const float v = (float)man * 0x1p-24f;                  /* zero, subnormal: man 2^-24 */
+        return sign ? -v : v;
+    } else {
+        bits = sign | (e + 112) << 23 | man << 13;              /* rebias 15 -> 127 */
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 #endif
 
 /* out[k * 32 + j] = w[32 p + j, k] for one quantized panel. */
 __attribute__((optimize("fp-contract=off")))
-static void dequant_panel(int kind, const uint8_t *codes, const float *d, const float *m,
+static void dequant_panel(int kind, const uint8_t *codes, const uint16_t *d, const uint16_t *m,
                           int64_t p, int64_t K, float *out) {
     const int64_t nb = K / QK;
     if (kind == W_Q4_1) {
         const uint8_t *c = codes + p * K * 16;
-        const float *dp = d + p * nb * NR, *mp = m + p * nb * NR;
-        for (int64_t k = 0; k < K; k++) {
-            const float *db = dp + (k / QK) * NR, *mb = mp + (k / QK) * NR;
-            const uint8_t *ck = c + k * 16;
-            float *o = out + k * NR;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint16_t *db = d + (p * nb + b) * NR, *mb = m + (p * nb + b) * NR;
 #ifdef __AVX512F__
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)ck);
+            const __m512 d0 = load_f16(db), d1 = load_f16(db + 16), m0 = load_f16(mb), m1 = load_f16(mb + 16);
             const __m128i low4 = _mm_set1_epi8(0x0F);
-            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
-            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
-            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(db), q0), _mm512_loadu_ps(mb)));
-            _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(db + 16), q1),
-                                                   _mm512_loadu_ps(mb + 16)));
+            for (int64_t k = b * QK; k < (b + 1) * QK; k++) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(c + k * 16));
+                const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+                const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+                _mm512_storeu_ps(out + k * NR, _mm512_add_ps(_mm512_mul_ps(d0, q0), m0));
+                _mm512_storeu_ps(out + k * NR + 16, _mm512_add_ps(_mm512_mul_ps(d1, q1), m1));
+            }
 #else
-            for (int j = 0; j < 16; j++) {
-                const float lo = (float)(ck[j] & 0x0F), hi = (float)(ck[j] >> 4);
-                const float a = db[j] * lo, b = db[j + 16] * hi;
-                o[j] = a + mb[j];
-                o[j + 16] = b + mb[j + 16];
+            float ds[NR], ms[NR];
+            for (int j = 0; j < NR; j++) { ds[j] = f16_to_f32(db[j]); ms[j] = f16_to_f32(mb[j]); }
+            for (int64_t k = b * QK; k < (b + 1) * QK; k++) {
+                const uint8_t *ck = c + k * 16;
+                float *o = out + k * NR;
+                for (int j = 0; j < 16; j++) {
+                    const float lo = (float)(ck[j] & 0x0F), hi = (float)(ck[j] >> 4);
+                    const float dl = ds[j] * lo, dh = ds[j + 16] * hi;
+                    o[j] = dl + ms[j];
+                    o[j + 16] = dh + ms[j + 16];
+                }
             }
 #endif
         }
     } else {                                           /* W_Q8_0 */
         const int8_t *c = (const int8_t *)codes + p * K * NR;
-        const float *dp = d + p * nb * NR;
-        for (int64_t k = 0; k < K; k++) {
-            const float *db = dp + (k / QK) * NR;
-            const int8_t *ck = c + k * NR;
-            float *o = out + k * NR;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint16_t *db = d + (p * nb + b) * NR;
 #ifdef __AVX512F__
-            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)ck)));
-            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ck + 16))));
-            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(db), q0));
-            _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_loadu_ps(db + 16), q1));
+            const __m512 d0 = load_f16(db), d1 = load_f16(db + 16);
+            for (int64_t k = b * QK; k < (b + 1) * QK; k++) {
+                const int8_t *ck = c + k * NR;
+                const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)ck)));
+                const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ck + 16))));
+                _mm512_storeu_ps(out + k * NR, _mm512_mul_ps(d0, q0));
+                _mm512_storeu_ps(out + k * NR + 16, _mm512_mul_ps(d1, q1));
+            }
 #else
-            for (int j = 0; j < NR; j++) o[j] = db[j] * (float)ck[j];
+            float ds[NR];
+            for (int j = 0; j < NR; j++) ds[j] = f16_to_f32(db[j]);
+            for (int64_t k = b * QK; k < (b + 1) * QK; k++)
+                for (int j = 0; j < NR; j++) out[k * NR + j] = ds[j] * (float)c[k * NR + j];
 #endif
         }
     }
@@ -134,19 +168,19 @@ static inline __attribute__((always_inline)) void micro(const int MR, const floa
  * as dequant_panel): for so few rows, writing the panel out and reading it back costs more than
  * the multiply. */
 __attribute__((optimize("fp-contract=off")))
-static void quant_rows(int kind, const uint8_t *codes, const float *d, const float *m, int64_t p,
+static void quant_rows(int kind, const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t p,
                        int64_t K, const float *x, int64_t M, float *y, int64_t ldy, int64_t cols) {
     const int64_t nb = K / QK;
     const __m128i low4 = _mm_set1_epi8(0x0F);
     __m512 c0[DIRECT_ROWS], c1[DIRECT_ROWS];
     for (int r = 0; r < DIRECT_ROWS; r++) { c0[r] = _mm512_setzero_ps(); c1[r] = _mm512_setzero_ps(); }
     for (int64_t b = 0; b < nb; b++) {
-        const float *db = d + (p * nb + b) * NR;
-        const __m512 d0 = _mm512_loadu_ps(db), d1 = _mm512_loadu_ps(db + 16);
+        const uint16_t *db = d + (p * nb + b) * NR;
+        const __m512 d0 = load_f16(db), d1 = load_f16(db + 16);
         __m512 m0 = d0, m1 = d1;
         if (kind == W_Q4_1) {
-            m0 = _mm512_loadu_ps(m + (p * nb + b) * NR);
-            m1 = _mm512_loadu_ps(m + (p * nb + b) * NR + 16);
+            m0 = load_f16(m + (p * nb + b) * NR);
+            m1 = load_f16(m + (p * nb + b) * NR + 16);
         }
         for (int64_t k = b * QK; k < (b + 1) * QK; k++) {
             __m512 w0, w1;
@@ -210,7 +244,7 @@ static __thread int64_t scratch_len;
 
 /* y (M, N) = x (M, K) W^T with W in panels of kind W_F32 / W_Q4_1 / W_Q8_0 (see the top).
  * Returns 0 when a per-thread buffer could not be allocated (y is then incomplete). */
-int panel_gemm(int kind, const void *codes, const float *d, const float *m, int64_t N, int64_t K,
+int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
                const float *x, int64_t M, float *y) {
     const int64_t P = (N + NR - 1) / NR;
     int64_t rows = ROW_BLOCK_BYTES / (K * (int64_t)sizeof(float));
@@ -312,7 +346,7 @@ static void split_i8x2(const float *x, int64_t M, int64_t K, int8_t *q1, int8_t 
 /* Rows r < MR of one panel. codes (K / 4, 64) bytes for this panel: byte 4 j + i of group g is
  * q[n = j, k = 4 g + i] (low nibble) and q[n = 16 + j, same k] (high nibble). */
 static inline __attribute__((always_inline)) void i8_micro(
-    const int MR, const uint8_t *codes, const float *d, const float *m, int64_t K,
+    const int MR, const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t K,
     const int8_t *q1, const int8_t *q2, const float *s1, const float *s2, const float *xsum,
     float *y, int64_t ldy, int64_t cols) {
     const int64_t nb = K / QK;
@@ -340,8 +374,8 @@ static inline __attribute__((always_inline)) void i8_micro(
                 i11[r] = _mm512_dpbusd_epi32(i11[r], w1, vc);
             }
         }
-        const __m512 d0 = _mm512_loadu_ps(d + b * NR), d1 = _mm512_loadu_ps(d + b * NR + 16);
-        const __m512 m0 = _mm512_loadu_ps(m + b * NR), m1 = _mm512_loadu_ps(m + b * NR + 16);
+        const __m512 d0 = load_f16(d + b * NR), d1 = load_f16(d + b * NR + 16);
+        const __m512 m0 = load_f16(m + b * NR), m1 = load_f16(m + b * NR + 16);
         for (int r = 0; r < MR; r++) {
             const __m512 sa = _mm512_set1_ps(s1[r * nb + b]), sb = _mm512_set1_ps(s2[r * nb + b]);
             const __m512 xs = _mm512_set1_ps(xsum[r * nb + b]);
@@ -355,11 +389,11 @@ static inline __attribute__((always_inline)) void i8_micro(
 }
 
 /* The same for Q8_0 weights, signed: the activation bytes become the unsigned operand by adding
- * 128 (q ^ 0x80), and 128 * sum(w) per block (``wsum128``, int32, precomputed) is taken back.
+ * 128 (q ^ 0x80), and 128 * sum(w) per block (``wsum``: sum(w), int16, precomputed) is taken back.
  * codes (K / 4, 128) bytes for this panel: 64 bytes for features 0-15 (byte 4 j + i: q[j, 4 g + i]),
  * then 64 for features 16-31. */
 static inline __attribute__((always_inline)) void i8_micro_q8(
-    const int MR, const int8_t *codes, const float *d, const int32_t *wsum128, int64_t K,
+    const int MR, const int8_t *codes, const uint16_t *d, const int16_t *wsum, int64_t K,
     const int8_t *q1, const int8_t *q2, const float *s1, const float *s2,
     float *y, int64_t ldy, int64_t cols) {
     const int64_t nb = K / QK;
@@ -387,8 +421,10 @@ static inline __attribute__((always_inline)) void i8_micro_q8(
                 i11[r] = _mm512_dpbusd_epi32(i11[r], vc, w1);
             }
         }
-        const __m512 d0 = _mm512_loadu_ps(d + b * NR), d1 = _mm512_loadu_ps(d + b * NR + 16);
-        const __m512i c0 = _mm512_loadu_si512(wsum128 + b * NR), c1 = _mm512_loadu_si512(wsum128 + b * NR + 16);
+        const __m512 d0 = load_f16(d + b * NR), d1 = load_f16(d + b * NR + 16);
+        /* 128 * sum(w): the int16 sums widened, shifted left by 7 */
+        const __m512i c0 = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(wsum + b * NR))), 7);
+        const __m512i c1 = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(wsum + b * NR + 16))), 7);
         for (int r = 0; r < MR; r++) {
             const __m512 sa = _mm512_set1_ps(s1[r * nb + b]), sb = _mm512_set1_ps(s2[r * nb + b]);
             const __m512 t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i01[r], c0)), sb,
@@ -407,10 +443,10 @@ static __thread size_t abuf_len;
 
 int i8x2_available(void) { return 1; }
 
-/* y (M, N) = x (M, K) W^T, W Q4_1 (m: the minimums) or Q8_0 (m: 128 * block sums, int32) in the
- * layouts above, x split into two int8 parts. Returns 0 when the activation buffer could not be
- * allocated. */
-int i8x2_gemm(int kind, const uint8_t *codes, const float *d, const void *m, int64_t N, int64_t K,
+/* y (M, N) = x (M, K) W^T, W Q4_1 (d, m: float16 scales, minimums) or Q8_0 (d: float16 scales,
+ * m: block sums of the codes, int16) in the layouts above, x split into two int8 parts. Returns 0
+ * when the activation buffer could not be allocated. */
+int i8x2_gemm(int kind, const uint8_t *codes, const uint16_t *d, const void *m, int64_t N, int64_t K,
               const float *x, int64_t M, float *y) {
     const int64_t nb = K / QK, P = (N + NR - 1) / NR;
     const size_t need = (size_t)M * K * 2 + (size_t)M * nb * 3 * sizeof(float) + 64;
@@ -426,7 +462,7 @@ int i8x2_gemm(int kind, const uint8_t *codes, const float *d, const void *m, int
     #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < P; p++) {
         const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
-        const float *pd = d + p * nb * NR;
+        const uint16_t *pd = d + p * nb * NR;
         for (int64_t r0 = 0; r0 < M; r0 += I8_MR) {
             const int64_t mr = M - r0 < I8_MR ? M - r0 : I8_MR;
             const int8_t *a = q1 + r0 * K, *c = q2 + r0 * K;
@@ -434,7 +470,7 @@ int i8x2_gemm(int kind, const uint8_t *codes, const float *d, const void *m, int
             float *yr = y + r0 * N + p * NR;
             if (kind == W_Q8_0) {
                 const int8_t *pc = (const int8_t *)codes + p * (K / 4) * 128;
-                const int32_t *pw = (const int32_t *)m + p * nb * NR;
+                const int16_t *pw = (const int16_t *)m + p * nb * NR;
                 switch (mr) {
                     case 1: i8_micro_q8(1, pc, pd, pw, K, a, c, sa, sb, yr, N, cols); break;
                     case 2: i8_micro_q8(2, pc, pd, pw, K, a, c, sa, sb, yr, N, cols); break;
@@ -443,7 +479,7 @@ int i8x2_gemm(int kind, const uint8_t *codes, const float *d, const void *m, int
                 continue;
             }
             const uint8_t *pc = codes + p * (K / 4) * 64;
-            const float *pm = (const float *)m + p * nb * NR;
+            const uint16_t *pm = (const uint16_t *)m + p * nb * NR;
             switch (mr) {
                 case 1: i8_micro(1, pc, pd, pm, K, a, c, sa, sb, xs, yr, N, cols); break;
                 case 2: i8_micro(2, pc, pd, pm, K, a, c, sa, sb, xs, yr, N, cols); break;
@@ -455,7 +491,7 @@ int i8x2_gemm(int kind, const uint8_t *codes, const float *d, const void *m, int
 }
 #else
 int i8x2_available(void) { return 0; }
-int i8x2_gemm(int kind, const uint8_t *codes, const float *d, const void *m, int64_t N, int64_t K,
+int i8x2_gemm(int kind, const uint8_t *codes, const uint16_t *d, const void *m, int64_t N, int64_t K,
               const float *x, int64_t M, float *y) {
     (void)kind; (void)codes; (void)d; (void)m; (void)N; (void)K; (void)x; (void)M; (void)y;
     return 0;

@@ -66,8 +66,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         os.replace(tmp, path)      # atomic: concurrent processes never load a partial file
     lib = ctypes.CDLL(path)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode_f32.restype = None
-    lib.paged_decode_f32.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, i64]
+    lib.paged_decode.restype = None
+    lib.paged_decode.argtypes = [ptr, ptr, i64] + [ptr] * 3 + [i64] * 7 + [ctypes.c_float, i64]
     return lib, ""
 
 
@@ -106,26 +106,32 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# The KV cache element types the native kernels read and write (paged_attention.c's PA_*).
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Decode attention read in place through the block table (see paged_attention.c).
-    query (B, H, D) float32, kv_cache (2, num_blocks, BS, KVH, D) float32, block_table (B, M)
-    int32, seq_lens (B,) int32 -> (B, H, D)."""
+    query (B, H, D) float32, kv_cache (2, num_blocks, BS, KVH, D) float32, float16 or bfloat16
+    (16-bit rows are widened as they are read), block_table (B, M) int32, seq_lens (B,) int32
+    -> (B, H, D) float32."""
     lib, reason = _library()
     if lib is None:
         raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
     B, H, D = query.shape
     _, num_blocks, BS, KVH, Dk = kv_cache.shape
-    if (query.dtype != torch.float32 or kv_cache.dtype != torch.float32 or Dk != D or H % KVH
+    if (query.dtype != torch.float32 or kv_cache.dtype not in KV_TYPES or Dk != D or H % KVH
             or H > 64 or D > 256 or not kv_cache.is_contiguous()):
-        raise ValueError(f"native decode attention takes float32 query (B, H, D) and a contiguous "
-                         f"float32 cache (2, N, BS, KVH, D) with H % KVH == 0, H <= 64, D <= 256; "
-                         f"got {tuple(query.shape)} {query.dtype}, {tuple(kv_cache.shape)} {kv_cache.dtype}")
+        raise ValueError(f"native decode attention takes a float32 query (B, H, D) and a contiguous "
+                         f"float32, float16 or bfloat16 cache (2, N, BS, KVH, D) with H % KVH == 0, "
+                         f"H <= 64, D <= 256; got {tuple(query.shape)} {query.dtype}, "
+                         f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
     q = query.contiguous()
     table = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    lib.paged_decode_f32(q.data_ptr(), kv_cache.data_ptr(), table.data_ptr(), lens.data_ptr(),
-                         out.data_ptr(), B, H, KVH, D, BS, num_blocks, table.shape[1], scale,
-                         sliding_window or 0)
+    lib.paged_decode(q.data_ptr(), kv_cache.data_ptr(), KV_TYPES[kv_cache.dtype], table.data_ptr(),
+                     lens.data_ptr(), out.data_ptr(), B, H, KVH, D, BS, num_blocks, table.shape[1], scale,
+                     sliding_window or 0)
     return out

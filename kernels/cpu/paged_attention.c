@@ -2,7 +2,9 @@
  * in place through the block table (no gather copy), grouped-query heads sharing each K/V load.
  *
  *   q       (B, H, D)                       float32
- *   kv      (2, num_blocks, BS, KVH, D)     float32, [0] keys, [1] values
+ *   kv      (2, num_blocks, BS, KVH, D)     float32, float16 or bfloat16 (kt: PA_F32, PA_F16,
+ *                                           PA_BF16), [0] keys, [1] values; 16-bit rows are
+ *                                           widened to float32 as they are loaded
  *   table   (B, max_blocks)                 int32 block ids
  *   seq_lens(B,)                            int32: tokens in the cache, the query's included
  *   out     (B, H, D)                       float32
@@ -47,13 +49,57 @@
 #define PA_PF_LOC 3         /* __builtin_prefetch locality: 3 = into L1 */
 #endif
 
+#define PA_F32 0
+#define PA_F16 1
+#define PA_BF16 2
+
 typedef struct {
-    const float *kv, *vbase;
-    int64_t D, token_stride, block_stride, BS;
+    const char *kv, *vbase;        /* the cache's keys and values; offsets below are in elements */
+    int64_t D, token_stride, block_stride, BS, es;   /* es: bytes per element */
+    int kt;
     float scale;
 } pa_ctx;
 
+/* One element of a 16-bit cache row as float32 (the portable path). */
+static inline float pa_half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t bits;
+    if (e == 0x1f) bits = sign | 0x7f800000u | (m << 13);          /* inf, nan */
+    else if (e) bits = sign | ((e + 112u) << 23) | (m << 13);      /* normal */
+    else if (!m) bits = sign;                                     /* zero */
+    else {                                                        /* subnormal: normalize */
+        int sh = 0;
+        uint32_t mm = m;
+        while (!(mm & 0x400u)) { mm <<= 1; sh++; }
+        bits = sign | ((uint32_t)(113 - sh) << 23) | ((mm & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline void pa_row_to_f32(const char *src, int kt, int64_t n, float *dst) {
+    if (kt == PA_F32) { memcpy(dst, src, sizeof(float) * n); return; }
+    const uint16_t *h = (const uint16_t *)src;
+    if (kt == PA_F16)
+        for (int64_t i = 0; i < n; i++) dst[i] = pa_half_to_f32(h[i]);
+    else
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t bits = (uint32_t)h[i] << 16;
+            memcpy(dst + i, &bits, 4);
+        }
+}
+
 #ifdef __AVX512F__
+/* 16 consecutive elements of a cache row (kt a compile-time constant where inlined) as float32. */
+static inline __attribute__((always_inline)) __m512 pa_load16(const char *p, const int kt) {
+    if (kt == PA_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    if (kt == PA_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
 /* expf of 16 lanes, x <= ~88 (Cephes' polynomial, about 1 ulp); -inf and very negative -> 0. */
 static inline __m512 pa_exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
@@ -91,26 +137,29 @@ static inline __m512 pa_sum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-/* One tile of n (1..16) positions for NH query heads sharing one KV head.
+/* One tile of n (1..16) positions for NH query heads sharing one KV head, KT the cache's
+ * element type (PA_F32 / PA_F16 / PA_BF16).
  * qh: the first head's query (heads D apart); k, v: the tile's first key/value row of this KV
- * head (rows ts apart); m, l, acc: the heads' running max, sum and accumulator (acc D apart). */
+ * head (rows ts elements apart); m, l, acc: the heads' running max, sum and accumulator (acc D
+ * apart); kp, vp, np: the rows of a later tile to prefetch. */
 static inline __attribute__((always_inline)) void
-pa_tile512(const int NH, const int64_t DVc, const float *qh, const float *k, const float *v, int64_t ts,
-           int n, int64_t Dr, float scale, float *m, float *l, float *acc, const float *kp,
-           const float *vp, int np) {
+pa_tile512(const int NH, const int64_t DVc, const int KT, const float *qh, const char *k, const char *v,
+           int64_t ts, int n, int64_t Dr, float scale, float *m, float *l, float *acc, const char *kp,
+           const char *vp, int np) {
     const int64_t DV = DVc ? DVc : Dr / 16, D = 16 * DV;   /* DVc: D / 16 known at compile time */
+    const int64_t ES = KT == PA_F32 ? 4 : 2, tb = ts * ES;   /* bytes per element, per row */
     __m512 part[PA_GROUP][PA_TILE];
     for (int t = 0; t < n; t++) {
-        const float *kt = k + t * ts;
+        const char *kt = k + t * tb;
         if (t < np)                     /* a later tile's rows of this KV head, on their way */
-            for (int64_t x = 0; x < D; x += 16) {
-                __builtin_prefetch(kp + t * ts + x, 0, PA_PF_LOC);
-                __builtin_prefetch(vp + t * ts + x, 0, PA_PF_LOC);
+            for (int64_t x = 0; x < D * ES; x += 64) {
+                __builtin_prefetch(kp + t * tb + x, 0, PA_PF_LOC);
+                __builtin_prefetch(vp + t * tb + x, 0, PA_PF_LOC);
             }
         __m512 s[PA_GROUP];
         for (int h = 0; h < NH; h++) s[h] = _mm512_setzero_ps();
         for (int64_t dv = 0; dv < DV; dv++) {
-            const __m512 kk = _mm512_loadu_ps(kt + 16 * dv);
+            const __m512 kk = pa_load16(kt + 16 * dv * ES, KT);
             for (int h = 0; h < NH; h++)
                 s[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + h * D + 16 * dv), kk, s[h]);
         }
@@ -141,9 +190,9 @@ pa_tile512(const int NH, const int64_t DVc, const float *qh, const float *k, con
                 for (int j = 0; j < 4; j++)
                     a[h][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * (d0 + j)), _mm512_set1_ps(c[h]));
             for (int t = 0; t < n; t++) {
-                const float *vt = v + t * ts + 16 * d0;
-                const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16),
-                             v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+                const char *vt = v + t * tb + 16 * d0 * ES;
+                const __m512 v0 = pa_load16(vt, KT), v1 = pa_load16(vt + 16 * ES, KT),
+                             v2 = pa_load16(vt + 32 * ES, KT), v3 = pa_load16(vt + 48 * ES, KT);
                 for (int h = 0; h < NH; h++) {
                     const __m512 pb = _mm512_set1_ps(p[h][t]);
                     a[h][0] = _mm512_fmadd_ps(pb, v0, a[h][0]);
@@ -160,7 +209,7 @@ pa_tile512(const int NH, const int64_t DVc, const float *qh, const float *k, con
                 for (int h = 0; h < NH; h++)
                     a[h] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * (d0 + j)), _mm512_set1_ps(c[h]));
                 for (int t = 0; t < n; t++) {
-                    const __m512 vv = _mm512_loadu_ps(v + t * ts + 16 * (d0 + j));
+                    const __m512 vv = pa_load16(v + t * tb + 16 * (d0 + j) * ES, KT);
                     for (int h = 0; h < NH; h++) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][t]), vv, a[h]);
                 }
                 for (int h = 0; h < NH; h++) _mm512_storeu_ps(acc + h * D + 16 * (d0 + j), a[h]);
@@ -169,22 +218,26 @@ pa_tile512(const int NH, const int64_t DVc, const float *qh, const float *k, con
     }
 }
 
-typedef void (*pa_tile_fn)(const float *, const float *, const float *, int64_t, int, int64_t, float,
-                           float *, float *, float *, const float *, const float *, int);
-#define PA_TILE_FN(NH, DV)                                                                          \
-    static void pa_tile512_##NH##_##DV(const float *q, const float *k, const float *v, int64_t ts,   \
-                                       int n, int64_t D, float scale, float *m, float *l, float *acc, \
-                                       const float *kp, const float *vp, int np) {                   \
-        pa_tile512(NH, DV, q, k, v, ts, n, D, scale, m, l, acc, kp, vp, np);                         \
+typedef void (*pa_tile_fn)(const float *, const char *, const char *, int64_t, int, int64_t, float,
+                           float *, float *, float *, const char *, const char *, int);
+#define PA_TILE_FN(KT, NH, DV)                                                                       \
+    static void pa_tile512_##KT##_##NH##_##DV(const float *q, const char *k, const char *v, int64_t ts,\
+                                              int n, int64_t D, float scale, float *m, float *l,      \
+                                              float *acc, const char *kp, const char *vp, int np) {   \
+        pa_tile512(NH, DV, KT, q, k, v, ts, n, D, scale, m, l, acc, kp, vp, np);                      \
     }
-PA_TILE_FN(1, 0) PA_TILE_FN(2, 0) PA_TILE_FN(3, 0) PA_TILE_FN(4, 0)
-PA_TILE_FN(1, 4) PA_TILE_FN(2, 4) PA_TILE_FN(3, 4) PA_TILE_FN(4, 4)
-PA_TILE_FN(1, 8) PA_TILE_FN(2, 8) PA_TILE_FN(3, 8) PA_TILE_FN(4, 8)
-/* [D / 16 == 4, == 8, other][heads - 1] */
-static const pa_tile_fn pa_tiles512[3][PA_GROUP] = {
-    {pa_tile512_1_4, pa_tile512_2_4, pa_tile512_3_4, pa_tile512_4_4},
-    {pa_tile512_1_8, pa_tile512_2_8, pa_tile512_3_8, pa_tile512_4_8},
-    {pa_tile512_1_0, pa_tile512_2_0, pa_tile512_3_0, pa_tile512_4_0},
+#define PA_TILE_FNS(KT)                                                                              \
+    PA_TILE_FN(KT, 1, 0) PA_TILE_FN(KT, 2, 0) PA_TILE_FN(KT, 3, 0) PA_TILE_FN(KT, 4, 0)               \
+    PA_TILE_FN(KT, 1, 4) PA_TILE_FN(KT, 2, 4) PA_TILE_FN(KT, 3, 4) PA_TILE_FN(KT, 4, 4)               \
+    PA_TILE_FN(KT, 1, 8) PA_TILE_FN(KT, 2, 8) PA_TILE_FN(KT, 3, 8) PA_TILE_FN(KT, 4, 8)
+PA_TILE_FNS(0) PA_TILE_FNS(1) PA_TILE_FNS(2)
+#define PA_TILE_ROW(KT, DV) {pa_tile512_##KT##_1_##DV, pa_tile512_##KT##_2_##DV, pa_tile512_##KT##_3_##DV, \
+                             pa_tile512_##KT##_4_##DV}
+/* [element type][D / 16 == 4, == 8, other][heads - 1] */
+static const pa_tile_fn pa_tiles512[3][3][PA_GROUP] = {
+    {PA_TILE_ROW(0, 4), PA_TILE_ROW(0, 8), PA_TILE_ROW(0, 0)},
+    {PA_TILE_ROW(1, 4), PA_TILE_ROW(1, 8), PA_TILE_ROW(1, 0)},
+    {PA_TILE_ROW(2, 4), PA_TILE_ROW(2, 8), PA_TILE_ROW(2, 0)},
 };
 #endif
 
@@ -237,7 +290,7 @@ static void pa_tile_c(int NH, const float *qh, const float *k, const float *v, i
  * every head (acc heads D apart). */
 static void pa_range(const pa_ctx *cx, const float *qb, const int32_t *tab, int64_t H, int64_t KVH,
                      int64_t p0, int64_t p1, float *m, float *l, float *acc) {
-    const int64_t D = cx->D, G = H / KVH, BS = cx->BS, ts = cx->token_stride;
+    const int64_t D = cx->D, G = H / KVH, BS = cx->BS, ts = cx->token_stride, es = cx->es;
     for (int64_t h = 0; h < H; h++) {
         m[h] = -INFINITY;
         l[h] = 0.f;
@@ -245,18 +298,18 @@ static void pa_range(const pa_ctx *cx, const float *qb, const int32_t *tab, int6
     memset(acc, 0, sizeof(float) * H * D);
 #ifdef __AVX512F__
     const int vec = D % 16 == 0;
-    const pa_tile_fn *tiles = pa_tiles512[D == 64 ? 0 : D == 128 ? 1 : 2];
+    const pa_tile_fn *tiles = pa_tiles512[cx->kt][D == 64 ? 0 : D == 128 ? 1 : 2];
 #endif
     for (int64_t pos = p0; pos < p1;) {
         const int64_t in_blk = pos % BS;
         int64_t n = BS - in_blk;
         if (n > PA_TILE) n = PA_TILE;
         if (n > p1 - pos) n = p1 - pos;
-        const int64_t off = (int64_t)tab[pos / BS] * cx->block_stride + in_blk * ts;
-        const float *kt = cx->kv + off, *vt = cx->vbase + off;
+        const int64_t off = ((int64_t)tab[pos / BS] * cx->block_stride + in_blk * ts) * es;
+        const char *kt = cx->kv + off, *vt = cx->vbase + off;
         /* the tile PA_PREFETCH tiles ahead: each KV head's rows are prefetched while the same
          * head's rows of this tile are read, spread over its tokens */
-        const float *ka = cx->kv, *va = cx->vbase;
+        const char *ka = cx->kv, *va = cx->vbase;
         int64_t an = 0;
         const int64_t ap = pos + PA_PREFETCH * PA_TILE;
         if (PA_PREFETCH > 0 && ap < p1) {
@@ -264,23 +317,39 @@ static void pa_range(const pa_ctx *cx, const float *qb, const int32_t *tab, int6
             an = BS - ab;
             if (an > PA_TILE) an = PA_TILE;
             if (an > p1 - ap) an = p1 - ap;
-            const int64_t aoff = (int64_t)tab[ap / BS] * cx->block_stride + ab * ts;
+            const int64_t aoff = ((int64_t)tab[ap / BS] * cx->block_stride + ab * ts) * es;
             ka += aoff;
             va += aoff;
         }
         for (int64_t g = 0; g < KVH; g++) {
+            const char *k = kt + g * D * es, *v = vt + g * D * es;
+            float kbuf[PA_TILE * PA_MAX_D], vbuf[PA_TILE * PA_MAX_D];
+            int converted = 0;
             for (int64_t h0 = g * G; h0 < (g + 1) * G; h0 += PA_GROUP) {
                 const int nh = (g + 1) * G - h0 < PA_GROUP ? (int)((g + 1) * G - h0) : PA_GROUP;
-                const float *qh = qb + h0 * D, *k = kt + g * D, *v = vt + g * D;
+                const float *qh = qb + h0 * D;
                 float *mh = m + h0, *lh = l + h0, *ah = acc + h0 * D;
                 const int np = h0 == g * G ? (int)an : 0;
 #ifdef __AVX512F__
                 if (vec) {
-                    tiles[nh - 1](qh, k, v, ts, (int)n, D, cx->scale, mh, lh, ah, ka + g * D, va + g * D, np);
+                    tiles[nh - 1](qh, k, v, ts, (int)n, D, cx->scale, mh, lh, ah, ka + g * D * es,
+                                  va + g * D * es, np);
                     continue;
                 }
 #endif
-                pa_tile_c(nh, qh, k, v, ts, (int)n, D, cx->scale, mh, lh, ah, ka + g * D, va + g * D, np);
+                if (cx->kt == PA_F32) {
+                    pa_tile_c(nh, qh, (const float *)k, (const float *)v, ts, (int)n, D, cx->scale, mh, lh,
+                              ah, (const float *)(ka + g * D * es), (const float *)(va + g * D * es), np);
+                    continue;
+                }
+                if (!converted) {       /* 16-bit rows widened once per KV head and tile */
+                    for (int64_t t = 0; t < n; t++) {
+                        pa_row_to_f32(k + t * ts * es, cx->kt, D, kbuf + t * D);
+                        pa_row_to_f32(v + t * ts * es, cx->kt, D, vbuf + t * D);
+                    }
+                    converted = 1;
+                }
+                pa_tile_c(nh, qh, kbuf, vbuf, D, (int)n, D, cx->scale, mh, lh, ah, kbuf, vbuf, 0);
             }
         }
         pos += n;
@@ -294,17 +363,19 @@ static void pa_write(float *o, const float *acc, const float *l, int64_t H, int6
     }
 }
 
-void paged_decode_f32(const float *q, const float *kv, const int32_t *table, const int32_t *seq_lens,
-                      float *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                      int64_t num_blocks, int64_t max_blocks, float scale, int64_t window) {
-    if (B <= 0) return;
+void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *table,
+                  const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                  int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window) {
+    if (B <= 0 || kt < PA_F32 || kt > PA_BF16) return;
     pa_ctx cx;
-    cx.kv = kv;
+    cx.kt = (int)kt;
+    cx.es = kt == PA_F32 ? 4 : 2;
+    cx.kv = (const char *)kv;
     cx.D = D;
     cx.BS = BS;
     cx.token_stride = KVH * D;
     cx.block_stride = BS * KVH * D;
-    cx.vbase = kv + num_blocks * cx.block_stride;
+    cx.vbase = cx.kv + num_blocks * cx.block_stride * cx.es;
     cx.scale = scale;
     int nth = 1;
 #ifdef _OPENMP
@@ -699,21 +770,51 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
     return failed ? -1 : 0;
 }
 
+static inline uint16_t pa_f32_to_bf16(float f) {   /* round to nearest even, NaN kept quiet */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static void pa_store_row(char *dst, const float *src, int64_t n, int kt) {
+    if (kt == PA_F32) {
+        memcpy(dst, src, sizeof(float) * n);
+    } else if (kt == PA_F16) {
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i *)(dst + 2 * i),
+                                _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+        for (; i < n; i++) {
+            const _Float16 h = (_Float16)src[i];              /* round to nearest even */
+            memcpy(dst + 2 * i, &h, 2);
+        }
+    } else {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = pa_f32_to_bf16(src[i]);
+    }
+}
+
 /* The step's keys and values into the paged cache: kv[0 or 1][slot] = key / value row of token
- * t for every slot_mapping[t] >= 0 (padding tokens carry -1). key, value (T, KVH, D) with heads
- * packed and any row stride (views into the qkv projection); kv (2, num_slots, KVH, D).
+ * t for every slot_mapping[t] >= 0 (padding tokens carry -1). key, value (T, KVH, D) float32
+ * with heads packed and any row stride (views into the qkv projection); kv (2, num_slots, KVH,
+ * D) of element type kt (PA_F32 / PA_F16 / PA_BF16; rounded to nearest even, as torch's .to()).
  * Returns -1, or the first token whose slot is past the cache (then nothing is written). */
-int64_t kv_store_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
-                     const int64_t *slots, int64_t T, float *kv, int64_t num_slots, int64_t row) {
-    float *vbase = kv + num_slots * row;
+int64_t kv_store(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                 const int64_t *slots, int64_t T, void *kv, int64_t kt, int64_t num_slots, int64_t row) {
+    if (kt < PA_F32 || kt > PA_BF16) return T;
+    const int64_t es = kt == PA_F32 ? 4 : 2;
+    char *kbase = (char *)kv, *vbase = kbase + num_slots * row * es;
     for (int64_t t = 0; t < T; t++) {            /* a slot past the cache: nothing written */
         if (slots[t] >= num_slots) return t;
     }
     for (int64_t t = 0; t < T; t++) {
         const int64_t s = slots[t];
         if (s < 0) continue;
-        memcpy(kv + s * row, key + t * key_stride, sizeof(float) * row);
-        memcpy(vbase + s * row, value + t * value_stride, sizeof(float) * row);
+        pa_store_row(kbase + s * row * es, key + t * key_stride, row, (int)kt);
+        pa_store_row(vbase + s * row * es, value + t * value_stride, row, (int)kt);
     }
     return -1;
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -31,8 +31,18 @@ class PanelWeight:
     in_features: int
     codes: torch.Tensor        # F32 (P, K, 32) float32; Q4_1 (P, K, 16) uint8; Q8_0 (P, K, 32) int8;
                                # Q4_1_I8X2 (P, K / 4, 64) uint8; Q8_0_I8X2 (P, K / 4, 128) int8
-    d: torch.Tensor | None     # quantized: (P, K / 32, 32) float32 scales
-    m: torch.Tensor | None     # Q4_1: (P, K / 32, 32) float32 minimums; Q8_0_I8X2: 128 * block sums, int32
+    d: torch.Tensor | None     # quantized: (P, K / 32, 32) float16 scales (the checkpoint's)
+    m: torch.Tensor | None     # Q4_1: (P, K / 32, 32) float16 minimums; Q8_0_I8X2: block sums of the codes, int16
+
+    @cached_property
+    def call(self) -> tuple:
+        """(kernel, its leading arguments): the ctypes function for this kind and the weight's
+        fixed arguments, bound once (a decode step calls every weight, so per-call set-up
+        shows)."""
+        fn = _i8x2_gemm() if self.kind.endswith("_I8X2") else _panel_gemm()
+        kind = KINDS[self.kind.removesuffix("_I8X2")]
+        ptr = lambda t: None if t is None else t.data_ptr()      # noqa: E731
+        return fn, (kind, ptr(self.codes), ptr(self.d), ptr(self.m), self.out_features, self.in_features)
 
     @property
     def nbytes(self) -> int:
@@ -65,9 +75,9 @@ class PanelWeight:
             raise ValueError(f"{qtype} weight of ({n}, {k}) needs {n * nb * BLOCK_BYTES[qtype]} uint8 "
                              f"bytes in blocks of {QK}, got {raw.size} {raw.dtype}")
         blocks = raw.reshape(n, nb, BLOCK_BYTES[qtype])
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)          # (n, nb)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]                             # (n, nb)
         if qtype == "Q4_1":
-            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
             nibbles = blocks[..., 4:20]
             q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, k)  # 0..15
             qp = _to_panels(q)                                                          # (P, K, 32)
@@ -82,7 +92,7 @@ class PanelWeight:
         if int8_activations:           # (P, K/4, half, j, i): 64 bytes per half of the panel
             g = qp.reshape(qp.shape[0], k // 4, 4, 2, 16).transpose(0, 1, 3, 4, 2)
             codes = np.ascontiguousarray(g).reshape(-1, k // 4, 128)
-            sums = (q.astype(np.int32).reshape(n, k // QK, QK).sum(-1) * 128).astype(np.int32)  # (n, nb)
+            sums = q.reshape(n, nb, QK).sum(-1, dtype=np.int16)             # (n, nb), |sum| <= 4096
             return cls("Q8_0_I8X2", n, k, torch.from_numpy(codes), _scales(d),
                        torch.from_numpy(_to_panels(sums)))
         return cls(qtype, n, k, torch.from_numpy(qp), _scales(d), None)
@@ -131,19 +141,13 @@ def matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
     """x (T, K) float32 -> x W^T (T, N) float32."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be (T, {w.in_features}), got {tuple(x.shape)}")
-    x = x.to(torch.float32).contiguous()
-    y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-    if x.shape[0] == 0:
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()
+    rows = x.shape[0]
+    y = torch.empty(rows, w.out_features, dtype=torch.float32)
+    if rows == 0:
         return y
-    if w.kind.endswith("_I8X2"):
-        ok = _i8x2_gemm()(KINDS[w.kind[:4]], w.codes.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.out_features,
-                          w.in_features, x.data_ptr(), x.shape[0], y.data_ptr())
-        if not ok:
-            raise MemoryError("the int8 matmul could not allocate its activation buffer")
-        return y
-    ok = _panel_gemm()(KINDS[w.kind], w.codes.data_ptr(), None if w.d is None else w.d.data_ptr(),
-            None if w.m is None else w.m.data_ptr(), w.out_features, w.in_features,
-            x.data_ptr(), x.shape[0], y.data_ptr())
-    if not ok:
-        raise MemoryError("the native matmul could not allocate its dequantization buffer")
+    fn, args = w.call
+    if not fn(*args, x.data_ptr(), rows, y.data_ptr()):
+        raise MemoryError(f"the native {w.kind} matmul could not allocate its buffer")
     return y

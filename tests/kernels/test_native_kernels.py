@@ -2,7 +2,7 @@
 times float32 activations equal the float32 product with the (dequantized) weights to float32
 rounding, for any number of rows (the in-register path for few rows, the dequantized-panel path
 above, several row blocks for long inputs) and any number of output features; the dequantized
-values are exactly the gguf package's. The greedy argmax (sampling.c) answers as torch.argmax."""
+values are exactly the gguf package's, whatever the float16 scales. The greedy argmax (sampling.c) answers as torch.argmax."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from kernels.cpu.native import available
-from kernels.cpu.panels import PanelWeight, int8_available, matmul
+from kernels.cpu.panels import BLOCK_BYTES, PanelWeight, int8_available, matmul
 
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"native kernels: {available()[1]}")
 
@@ -27,6 +27,32 @@ def _gguf(qtype: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.
 
 def _close(got: torch.Tensor, ref: torch.Tensor, tol: float = 2e-6) -> bool:
     return bool(((got.double() - ref).abs().max() / ref.abs().max()) < tol)
+
+
+# float16 scales whose widening to float32 is easy to get wrong: subnormals, -0, a negative
+# subnormal, the smallest normal, the largest finite values
+SPECIAL_F16 = np.array([0x0001, 0x03FF, 0x8000, 0x8201, 0x0400, 0x7BFF, 0xFBFF], np.uint16)
+
+
+def _special_scales(qtype: str, raw: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    """raw (n, row_bytes) with the first block of rows 0-6 scaled by SPECIAL_F16 (and for Q4_1,
+    rows 7-13 offset by them), and its dequantized weight."""
+    out = raw.copy()
+    blocks = out.reshape(raw.shape[0], -1, BLOCK_BYTES[qtype])
+    s = SPECIAL_F16.view(np.uint8).reshape(-1, 2)
+    blocks[:len(s), 0, 0:2] = s
+    if qtype == "Q4_1":
+        blocks[len(s):2 * len(s), 0, 2:4] = s
+    return out, torch.from_numpy(dequantize(out, Q[qtype]).astype(np.float32))
+
+
+def _assert_dequantized_exactly(w: PanelWeight, dense: torch.Tensor, rows: int) -> None:
+    """Row r of x picks input feature r mod K: the products are the weight's columns."""
+    k = dense.shape[1]
+    picks = torch.zeros(rows, k)
+    cols = torch.arange(rows) % k
+    picks[torch.arange(rows), cols] = 1.0
+    assert torch.equal(matmul(picks, w), dense[:, cols].T.contiguous())
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
@@ -46,13 +72,8 @@ def test_gguf_panels_match_dequantized_float32(qtype, rows, shape):
 @pytest.mark.parametrize("rows", [1, 5, 40])          # the in-register and the panel paths
 def test_gguf_dequantized_values_are_bit_exact(qtype, rows):
     n, k = 70, 96
-    raw, dense = _gguf(qtype, n, k, 7)
-    w = PanelWeight.pack_gguf(qtype, raw, n, k)
-    picks = torch.zeros(rows, k)
-    cols = torch.arange(rows) % k
-    picks[torch.arange(rows), cols] = 1.0                  # row r reads input feature cols[r]
-    got = matmul(picks, w)
-    assert torch.equal(got, dense[:, cols].T.contiguous())
+    raw, dense = _special_scales(qtype, _gguf(qtype, n, k, 7)[0])
+    _assert_dequantized_exactly(PanelWeight.pack_gguf(qtype, raw, n, k), dense, rows)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 11, 12, 13, 64, 300])
@@ -113,6 +134,8 @@ def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeyp
         for rows in (1, 5, 40):
             x = torch.randn(rows, 96)
             assert _close(matmul(x, w), x.double() @ dense.double().T)
+        raw, dense = _special_scales(qtype, raw)
+        _assert_dequantized_exactly(PanelWeight.pack_gguf(qtype, raw, 70, 96), dense, 40)
     w = torch.randn(45, 33)
     x = torch.randn(13, 33)
     assert _close(matmul(x, PanelWeight.pack_f32(w)), x.double() @ w.double().T)

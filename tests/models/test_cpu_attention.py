@@ -289,6 +289,77 @@ def test_native_decode_ignores_positions_past_seq_len():
         torch.testing.assert_close(paged_decode(q, cache2, table, lt, 0.125), out, atol=1e-6, rtol=1e-6)
 
 
+# ---- a 16-bit KV cache (--kv-cache-dtype float16 / bfloat16) ---------------------------------------
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [24, 64, 128])                              # 24: the portable path
+@pytest.mark.parametrize("window", [None, 20])
+def test_native_decode_reads_a_16_bit_cache_exactly_as_its_float32_widening(kv_dtype, D, window):
+    from kernels.cpu.native import available, paged_decode
+    if not available()[0]:
+        pytest.skip(available()[1])
+    q, cache, table, lt = _native_case([1, 17, 300, 64, 1000], 9, 3, D, 16, seed=D)
+    half = cache.to(kv_dtype)
+    for threads in (1, 3):
+        with _with_omp_threads(threads):
+            out = paged_decode(q, half, table, lt, D ** -0.5, window)
+            assert torch.equal(out, paged_decode(q, half.float(), table, lt, D ** -0.5, window))
+    ref = _reference_decode(q, half.float(), table, lt, D ** -0.5, window)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_kv_store_into_a_16_bit_cache_rounds_as_torch_does(kv_dtype):
+    import kernels.attention.cpu as cpu_mod
+    T, KVH, D = 9, 2, 48
+    qkv = torch.randn(T, (4 + 2 * KVH) * D) * 3
+    specials = torch.tensor([0.0, -0.0, 1e-8, -6e-6, 65504.0, 65520.0, 1e6, float("inf"), float("-inf"),
+                             float("nan"), 1.0009765625, 1.00048828125, 3.0517578125e-05])
+    qkv[2, 4 * D:4 * D + len(specials)] = specials                      # token 2's first key row
+    k = qkv[:, 4 * D:(4 + KVH) * D].view(T, KVH, D)
+    v = qkv[:, (4 + KVH) * D:].view(T, KVH, D)
+    slots = torch.tensor([5, -1, 0, 17, 31, -1, 8, 30, 2])
+    got = torch.zeros(2, 4, 8, KVH, D, dtype=kv_dtype)
+    cpu_mod.write_kv_cache(k, v, got, slots)
+    ref = torch.zeros(2, 4, 8, KVH, D, dtype=kv_dtype)
+    keep = slots >= 0
+    ref.view(2, 32, KVH, D)[0][slots[keep]] = k[keep].to(kv_dtype)
+    ref.view(2, 32, KVH, D)[1][slots[keep]] = v[keep].to(kv_dtype)
+    assert torch.equal(got.isnan(), ref.isnan())                         # NaN stays NaN (any payload)
+    assert torch.equal(got.nan_to_num().view(torch.int16), ref.nan_to_num().view(torch.int16))  # bit for bit
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("window", [None, 24])
+def test_backend_with_a_16_bit_cache_matches_the_reference(kv_dtype, scenario, window):
+    """Every path (native decode, fresh prompts, chunks after cached context, the batched torch
+    path with a window) reads the rounded cache; fresh prompts attend to the step's own float32
+    keys, hence the tolerance of one 16-bit rounding."""
+    gen = torch.Generator().manual_seed(3)
+    reqs = SCENARIOS[scenario]
+    block_size, H, KVH = 16, 6, 2
+    counts = [-(-(ctx + q) // block_size) for ctx, q in reqs]
+    num_blocks = sum(counts) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, used = [], 0
+    for n in counts:
+        tables.append(perm[used:used + n])
+        used += n
+    meta = build_attention_metadata([q for _, q in reqs], [c + q for c, q in reqs], tables, block_size,
+                                    num_tokens=sum(q for _, q in reqs))
+    T = meta.num_tokens
+    query, key, value = (torch.randn(T, h, HEAD_SIZE, generator=gen) for h in (H, KVH, KVH))
+    cache = torch.randn(2, num_blocks, block_size, KVH, HEAD_SIZE, generator=gen).to(kv_dtype)
+    ours_cache, ref_cache = cache.clone(), cache.clone()
+    ours = CpuAttentionBackend().forward(query, key, value, ours_cache, meta, 0.25, sliding_window=window)
+    ref = reference_paged_attention(query, key, value, ref_cache, meta, 0.25, sliding_window=window)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours_cache, ref_cache)
+    tol = 2e-3 if kv_dtype == torch.float16 else 2e-2
+    torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+
+
 # ---- the native causal prefill kernel (fresh prompts, no cached context) -------------------------
 
 def _fused_qkv(T, H, KVH, D, gen):

@@ -19,6 +19,7 @@ def main() -> None:
     off.add_argument("--max-num-seqs", type=int, default=256)
     off.add_argument("--max-num-batched-tokens", type=int, default=2048)
     off.add_argument("--kv-cache-gib", type=float, default=0)
+    off.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     off.add_argument("--multiprocess", action="store_true", help="the server's 3-process layout")
 
     srv = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
@@ -34,6 +35,7 @@ def main() -> None:
     lat.add_argument("--model", default=None)
     lat.add_argument("--dtype", default="auto")
     lat.add_argument("--quantization", default=None, choices=["gguf", "gguf-i8"])
+    lat.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     lat.add_argument("--prompt-len", type=int, default=128)
     lat.add_argument("--decode-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
@@ -41,7 +43,9 @@ def main() -> None:
 
     agr = sub.add_parser("agreement", help="greedy agreement of a quantized mode with exact mode")
     agr.add_argument("--model", default=None)
-    agr.add_argument("--quantization", default="gguf", choices=["gguf", "gguf-i8"])
+    agr.add_argument("--quantization", default="gguf", choices=["gguf", "gguf-i8", "none"],
+                     help="'none': exact weights (with --kv-cache-dtype, the KV cache's effect alone)")
+    agr.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     agr.add_argument("--n", type=int, default=20)
     agr.add_argument("--tokens", type=int, default=64)
 

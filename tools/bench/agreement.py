@@ -19,9 +19,10 @@ PROMPTS = [
 ]
 
 
-def generate(quantization: str | None, prompts: list[str], tokens: int, model: str | None) -> list[list[int]]:
+def generate(quantization: str | None, prompts: list[str], tokens: int, model: str | None,
+             kv_cache_dtype: str = "auto") -> list[list[int]]:
     from actors.api import LLM, SamplingParams
-    with LLM(model, quantization=quantization) as llm:
+    with LLM(model, quantization=quantization, kv_cache_dtype=kv_cache_dtype) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     return [r.token_ids for r in results]
@@ -35,9 +36,11 @@ def agreement(exact: list[list[int]], fast: list[list[int]]) -> float:
 def main(args: Any) -> None:
     prompts = PROMPTS[:args.n]
     exact = generate(None, prompts, args.tokens, args.model)
-    fast = generate(args.quantization, prompts, args.tokens, args.model)
+    quantization = None if args.quantization == "none" else args.quantization
+    fast = generate(quantization, prompts, args.tokens, args.model, args.kv_cache_dtype)
     first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(exact, fast)]
-    print(json.dumps({"bench": "agreement", "quantization": args.quantization, "prompts": len(prompts),
+    print(json.dumps({"bench": "agreement", "quantization": quantization,
+                      "kv_cache_dtype": args.kv_cache_dtype, "prompts": len(prompts),
                       "tokens": args.tokens, "agreement": round(agreement(exact, fast), 4),
                       "identical_prompts": sum(d is None for d in first_diff),
                       "first_divergence": first_diff}), flush=True)

@@ -15,7 +15,8 @@ from tools.bench import workload
 
 async def warm(args: Any) -> dict[str, float]:
     from actors.api import AsyncLLM, SamplingParams
-    llm = await AsyncLLM.create(args.model, dtype=args.dtype, quantization=args.quantization)
+    llm = await AsyncLLM.create(args.model, dtype=args.dtype, quantization=args.quantization,
+                                kv_cache_dtype=args.kv_cache_dtype)
     try:
         # a fresh prompt for every run: a repeated one would be served from the prefix cache
         prompts = [r["prompt_token_ids"] for r in workload.generate(
@@ -46,6 +47,7 @@ def cold_start(args: Any) -> float:
     cmd = [sys.executable, "-m", "tools.serve", "--port", "0"] + (["--model", args.model] if args.model else [])
     if args.quantization:
         cmd += ["--quantization", args.quantization]
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -73,6 +75,7 @@ def cold_start(args: Any) -> float:
 def main(args: Any) -> None:
     import uvloop
     result: dict[str, Any] = {"bench": "latency", "engine": "troupe", "quantization": args.quantization,
+                              "kv_cache_dtype": args.kv_cache_dtype,
                               "prompt_tokens": args.prompt_len}
     result.update(uvloop.run(warm(args)))
     result["cold_start_to_first_token_s"] = round(cold_start(args), 2)

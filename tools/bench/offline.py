@@ -17,6 +17,7 @@ async def run(args: Any) -> dict[str, Any]:
 
     reqs = workload.from_args(args)
     engine_opts = {"dtype": args.dtype, "quantization": args.quantization,
+                   "kv_cache_dtype": args.kv_cache_dtype,
                    "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.kv_cache_gib:
@@ -49,7 +50,8 @@ async def run(args: Any) -> dict[str, Any]:
     gflops = flops.workload_flops(config, reqs) / seconds / 1e9
     peak = flops.matmul_peak_gflops()
     return {"bench": "offline", "engine": "troupe", "dtype": args.dtype,
-            "quantization": args.quantization, "requests": len(reqs),
+            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+            "requests": len(reqs),
             "prompt_tokens": n_in, "output_tokens": n_out, "seconds": round(seconds, 3),
             "output_tok_per_s": round(n_out / seconds, 2),
             "total_tok_per_s": round((n_in + n_out) / seconds, 2),

@@ -1,0 +1,100 @@
+/* All decoder layers of a Llama-style model for one pure-decode step, in one call.
+ *
+ * A decode step of a small model spends as much time between its kernels as in them: at one
+ * request, each of the ~15 native calls a layer makes costs a few microseconds of Python
+ * around a few microseconds of work. This runs the same kernels, in the same order, on the
+ * same buffers as the per-layer Python path (models/llama.py with the fused kernels, native
+ * matmuls and native attention), so its results are bit for bit those of that path:
+ *
+ *   layer 0:   residual = emb,  x = rmsnorm(emb)
+ *   layer l>0: residual += h,   x = rmsnorm(residual)          (rms_norm_f32 with residual)
+ *   qkv = x Wqkv^T (+ b);  rotary on q, k in place;  k, v into the paged cache (kv_store)
+ *   a = paged decode attention of q (copied contiguous, as the Python path does)
+ *   o = a Wo^T (+ b);  residual += o,  x = rmsnorm(residual)
+ *   h = (silu(x Wg^T) * x Wu^T) Wd^T
+ * and returns h and residual (the caller applies the final norm).
+ *
+ * Per layer, desc holds DS_WORDS int64 words (four linears of DS_LIN words each: kernel, kind,
+ * codes, d, m, N, K, bias; then the two norm weights, the layer's KV cache, its window) and
+ * fdesc three floats (attention scale, the two norms' eps). Linear kernel 0 is panel_gemm,
+ * 1 is i8x2_gemm (kinds as gemm.c numbers them).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *w, float *out,
+                  int64_t T, int64_t N, float eps);
+void rotary_f32(float *q, int64_t q_stride, int64_t H, float *k, int64_t k_stride, int64_t KVH,
+                const float *cos, const float *sin, int64_t cs_stride, int64_t T, int64_t D);
+void silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t T, int64_t I);
+int panel_gemm(int kind, const void *codes, const void *d, const void *m, int64_t N, int64_t K,
+               const float *x, int64_t M, float *y);
+int i8x2_gemm(int kind, const void *codes, const void *d, const void *m, int64_t N, int64_t K,
+              const float *x, int64_t M, float *y);
+int64_t kv_store(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                 const int64_t *slots, int64_t T, void *kv, int64_t kt, int64_t num_slots, int64_t row);
+void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *table,
+                  const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                  int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window);
+
+#define DS_LIN 8
+#define DS_WORDS (4 * DS_LIN + 4)
+#define DS_ALLOC_FAILED (-2)
+
+/* y (M, N) = x W^T (+ bias) through the linear described at lin. 0 when a buffer failed. */
+static int ds_linear(const int64_t *lin, const float *x, int64_t M, float *y) {
+    const void *codes = (const void *)(intptr_t)lin[2], *d = (const void *)(intptr_t)lin[3],
+               *m = (const void *)(intptr_t)lin[4];
+    const int64_t N = lin[5], K = lin[6];
+    const int ok = lin[0] ? i8x2_gemm((int)lin[1], codes, d, m, N, K, x, M, y)
+                          : panel_gemm((int)lin[1], codes, d, m, N, K, x, M, y);
+    const float *bias = (const float *)(intptr_t)lin[7];
+    if (bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t j = 0; j < N; j++) y[r * N + j] += bias[j];
+    return ok;
+}
+
+/* emb (B, Hd) -> h, residual (B, Hd). Returns -1, DS_ALLOC_FAILED, or the first token whose
+ * slot lies past the cache (nothing of that layer's keys written, the outputs incomplete). */
+int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const float *emb, float *h,
+                     float *residual, int64_t B, int64_t Hd, int64_t H, int64_t KVH, int64_t D, int64_t I,
+                     const float *cos, const float *sin, int64_t cs_stride, const int64_t *slots,
+                     const int32_t *table, int64_t max_blocks, const int32_t *seq_lens, int64_t kt,
+                     int64_t num_blocks, int64_t BS) {
+    const int64_t NQKV = (H + 2 * KVH) * D, HD = H * D;
+    float *buf = malloc(sizeof(float) * B * (Hd + NQKV + 2 * HD + Hd + 3 * I));
+    if (!buf) return DS_ALLOC_FAILED;
+    float *x = buf, *qkv = x + B * Hd, *q = qkv + B * NQKV, *a = q + B * HD, *o = a + B * HD,
+          *gu = o + B * Hd, *act = gu + B * 2 * I;
+    int64_t status = -1;
+    memcpy(residual, emb, sizeof(float) * B * Hd);
+    for (int64_t l = 0; l < L && status == -1; l++) {
+        const int64_t *ld = desc + l * DS_WORDS;
+        const int64_t *wqkv = ld, *wo = ld + DS_LIN, *wgu = ld + 2 * DS_LIN, *wd = ld + 3 * DS_LIN;
+        const float *in_w = (const float *)(intptr_t)ld[4 * DS_LIN];
+        const float *post_w = (const float *)(intptr_t)ld[4 * DS_LIN + 1];
+        void *kv = (void *)(intptr_t)ld[4 * DS_LIN + 2];
+        const int64_t window = ld[4 * DS_LIN + 3];
+        const float scale = fdesc[3 * l], eps_in = fdesc[3 * l + 1], eps_post = fdesc[3 * l + 2];
+
+        if (l == 0) rms_norm_f32(emb, Hd, NULL, in_w, x, B, Hd, eps_in);
+        else rms_norm_f32(h, Hd, residual, in_w, x, B, Hd, eps_in);
+        if (!ds_linear(wqkv, x, B, qkv)) { status = DS_ALLOC_FAILED; break; }
+        rotary_f32(qkv, NQKV, H, qkv + HD, NQKV, KVH, cos, sin, cs_stride, B, D);
+        const int64_t bad = kv_store(qkv + HD, NQKV, qkv + HD + KVH * D, NQKV, slots, B, kv, kt,
+                                     num_blocks * BS, KVH * D);
+        if (bad >= 0) { status = bad; break; }
+        for (int64_t b = 0; b < B; b++) memcpy(q + b * HD, qkv + b * NQKV, sizeof(float) * HD);
+        paged_decode(q, kv, kt, table, seq_lens, a, B, H, KVH, D, BS, num_blocks, max_blocks, scale,
+                     window);
+        if (!ds_linear(wo, a, B, o)) { status = DS_ALLOC_FAILED; break; }
+        rms_norm_f32(o, Hd, residual, post_w, x, B, Hd, eps_post);
+        if (!ds_linear(wgu, x, B, gu)) { status = DS_ALLOC_FAILED; break; }
+        silu_and_mul_f32(gu, 2 * I, act, B, I);
+        if (!ds_linear(wd, act, B, h)) { status = DS_ALLOC_FAILED; break; }
+    }
+    free(buf);
+    return status;
+}

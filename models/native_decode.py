@@ -1,0 +1,140 @@
+"""Pure-decode steps of Llama-style models in one native call (kernels/cpu/decode_stack.c).
+
+``NativeDecodeStack.build(model)`` checks, once after the weights are packed, that every layer
+is one the native stack reproduces exactly: RMSNorms, a q|k|v projection without per-head norms,
+SiLU-gated MLP, every linear a ``PanelLinear`` (float32 or GGUF panels), attention through the
+CPU backend with its native kernels, float32 weights and activations. It returns None otherwise,
+and the model keeps its per-layer path. ``run`` then takes a step's embeddings and returns the
+last layer's output and the residual stream, bit for bit what the per-layer path computes (same
+kernels, same order), or None when the step is not one it takes (a prompt in the batch, a
+KV cache of another dtype), so the caller falls back.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from kernels.attention.base import AttentionMetadata
+
+WORDS = 4 * 8 + 4         # decode_stack.c's DS_WORDS
+
+
+@lru_cache(maxsize=1)
+def _kernel():
+    from kernels.cpu import native
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return native.declare("decode_stack", [i64, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [ptr, ptr, i64, ptr, ptr, i64,
+                                                                                  ptr, i64, i64, i64], i64)
+
+
+def _linear_words(module: nn.Module) -> list[int] | None:
+    from models.packed import PanelLinear
+    if type(module) is not PanelLinear:
+        return None
+    fn, args = module.weight.call
+    from kernels.cpu.panels import _i8x2_gemm
+    kind, codes, d, m, n, k = args
+    bias = module.bias
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    return [1 if fn is _i8x2_gemm() else 0, kind, codes, d or 0, m or 0, n, k,
+            0 if bias is None else bias.data_ptr()]
+
+
+class NativeDecodeStack:
+    def __init__(self, model: nn.Module, words: torch.Tensor, floats: torch.Tensor, dims: tuple[int, ...]) -> None:
+        self.model = model          # holds the weights whose addresses ``words`` records
+        self.words = words          # (L, WORDS) int64; the KV cache addresses are filled per runner
+        self.floats = floats        # (L, 3) float32: scale, eps of the two norms
+        self.dims = dims            # hidden, heads, kv heads, head size, intermediate
+        self._caches: list[torch.Tensor] | None = None
+
+    @classmethod
+    def build(cls, model: nn.Module) -> "NativeDecodeStack | None":
+        from kernels.attention.cpu import CpuAttentionBackend
+        from kernels.cpu import fused, native
+        from models.layers import GatedMLP, RMSNorm, SelfAttention, silu_and_mul
+        layers = getattr(model, "layers", None)
+        if not layers or not native.available()[0] or not fused.ENABLED:
+            return None
+        try:
+            _kernel()
+        except AttributeError:
+            return None
+        rows, floats = [], []
+        dims = None
+        for layer in layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+            if (type(attn) is not SelfAttention or type(mlp) is not GatedMLP or mlp.act is not silu_and_mul
+                    or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
+                           for n in norms)
+                    or attn.q_norm is not None or type(attn.backend) is not CpuAttentionBackend
+                    or not attn.backend.native or attn.head_size % 2):
+                return None
+            lins = [_linear_words(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(w is None for w in lins):
+                return None
+            d = (attn.o_proj.out_features, attn.num_heads, attn.num_kv_heads, attn.head_size,
+                 mlp.down_proj.in_features)
+            if dims is not None and d != dims:
+                return None
+            dims = d
+            rows.append([w for lin in lins for w in lin] + [norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
+                                                             0, attn.sliding_window or 0])
+            floats.append([attn.scale, norms[0].eps, norms[1].eps])
+        return cls(model, torch.tensor(rows, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32), dims)
+
+    def _bind(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Record the layers' cache addresses (once per list of caches)."""
+        from kernels.cpu.native import KV_TYPES
+        if self._caches is kv_caches:
+            return True
+        first = kv_caches[0]
+        if (len(kv_caches) != self.words.shape[0] or first.dtype not in KV_TYPES
+                or any(c.dtype != first.dtype or c.shape != first.shape or not c.is_contiguous()
+                       or c.device.type != "cpu" for c in kv_caches)
+                or first.shape[3] != self.dims[2] or first.shape[4] != self.dims[3]):
+            return False
+        self.words[:, WORDS - 2] = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64)
+        self._caches = kv_caches
+        return True
+
+    def run(self, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """emb (B, hidden) of a pure-decode step (one token per request, no padding) ->
+        (last layer's output, residual stream), or None when this step is not one it takes."""
+        from kernels.cpu.native import KV_TYPES
+        B = meta.num_reqs
+        if (not meta.is_pure_decode or meta.num_tokens != B or emb.dtype != torch.float32 or emb.dim() != 2
+                or not emb.is_contiguous() or cos.dtype != torch.float32 or not self._bind(kv_caches)):
+            return None
+        Hd, H, KVH, D, I = self.dims
+        _, num_blocks, BS, _, _ = kv_caches[0].shape
+        slots = meta.slot_mapping[:B].to(torch.int64).contiguous()
+        table = meta.block_table[:B].to(torch.int32).contiguous()
+        lens = meta.seq_lens[:B].to(torch.int32).contiguous()
+        h = torch.empty(B, Hd)
+        residual = torch.empty(B, Hd)
+        status = _kernel()(self.words.shape[0], self.words.data_ptr(), self.floats.data_ptr(), emb.data_ptr(),
+                           h.data_ptr(), residual.data_ptr(), B, Hd, H, KVH, D, I, cos.data_ptr(), sin.data_ptr(),
+                           cos.stride(0), slots.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(),
+                           KV_TYPES[kv_caches[0].dtype], num_blocks, BS)
+        if status == -2:
+            raise MemoryError("the native decode stack could not allocate its buffers")
+        if status >= 0:
+            raise IndexError(f"slot {int(slots[status])} of token {status} is past the KV cache's "
+                             f"{num_blocks * BS} slots")
+        return h, residual
+
+
+def attach(model: nn.Module) -> bool:
+    """Give ``model`` (a LlamaForCausalLM or subclass, weights packed) its native decode stack
+    when it qualifies; returns whether it does."""
+    stack = NativeDecodeStack.build(model)
+    model.native_decode = stack
+    return stack is not None
+

@@ -1,0 +1,127 @@
+"""The one-call native decode stack (models/native_decode.py, kernels/cpu/decode_stack.c)
+against the per-layer path it replaces: identical logits, bit for bit, for every weight kind
+and KV cache dtype, and the steps and models it must leave to the per-layer path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.attention import CpuAttentionBackend, allocate_kv_caches, build_attention_metadata
+from kernels.cpu.native import available
+from models import native_decode
+from models.config import ModelConfig
+from models.llama import LlamaForCausalLM
+from models.mistral import MistralForCausalLM
+from models.packed import PanelLinear, prepack_linears
+from models.qwen3 import Qwen3ForCausalLM
+
+pytestmark = pytest.mark.skipif(not available()[0], reason=f"native kernels unavailable: {available()[1]}")
+
+BLOCK_SIZE = 4
+
+
+def _model(cls=LlamaForCausalLM, weights="f32", **overrides):
+    config = ModelConfig(architecture=cls.__name__, vocab_size=96, hidden_size=64, intermediate_size=96,
+                         num_layers=3, num_heads=4, num_kv_heads=2, head_size=16, max_model_len=256,
+                         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_ids=(), **overrides)
+    model = cls(config, CpuAttentionBackend()).eval()
+    g = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        p.data.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15, generator=g)
+    if weights == "f32":
+        prepack_linears(model)
+    else:
+        _gguf_linears(model, weights)
+    return model, config
+
+
+def _gguf_linears(model, weights: str) -> None:
+    """Every decoder linear as GGUF panels ("Q4_1", "Q4_1_i8", "Q8_0_i8") of its own values."""
+    from gguf import GGMLQuantizationType, quantize
+    from kernels.cpu.panels import PanelWeight, int8_available
+    qtype = weights[:4]
+    if weights.endswith("_i8") and not int8_available():
+        pytest.skip("int8 activations need AVX512-VNNI")
+    for layer in model.layers:
+        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            lin = getattr(owner, name)
+            n, k = lin.weight.shape
+            raw = quantize(lin.weight.detach().numpy().astype(np.float32), GGMLQuantizationType[qtype])
+            packed = PanelWeight.pack_gguf(qtype, np.ascontiguousarray(raw).view(np.uint8), n, k,
+                                           int8_activations=weights.endswith("_i8"))
+            setattr(owner, name, PanelLinear(packed, lin.bias))
+
+
+def _steps(model, config, kv_dtype=torch.float32, decode_steps=7):
+    """Logits of three prompts prefilled together, then decode steps of all three (crossing
+    block boundaries), one row per sampled token."""
+    caches = allocate_kv_caches(config, 64, BLOCK_SIZE, kv_dtype)
+    tables = [list(range(1, 12)), list(range(12, 20)), list(range(20, 30))]
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (n,), generator=g) for n in (13, 2, 6)]
+    done = [0, 0, 0]
+    logits = []
+    steps = [prompts] + [[torch.tensor([(7 * s + r) % 96]) for r in range(3)] for s in range(decode_steps)]
+    for new in steps:
+        ids = torch.cat(new)
+        pos = torch.cat([torch.arange(d, d + len(n)) for d, n in zip(done, new)])
+        done = [d + len(n) for d, n in zip(done, new)]
+        meta = build_attention_metadata([len(n) for n in new], done, tables, BLOCK_SIZE)
+        with torch.inference_mode():
+            logits.append(model.compute_logits(model(ids, pos, caches, meta)))
+    return torch.cat(logits)
+
+
+def _compare(model, config, monkeypatch, kv_dtype=torch.float32):
+    assert native_decode.attach(model)
+    ran = []
+    real_run = native_decode.NativeDecodeStack.run
+
+    def run(self, *args):
+        out = real_run(self, *args)
+        ran.append(out is not None)
+        return out
+    monkeypatch.setattr(native_decode.NativeDecodeStack, "run", run)
+    ours = _steps(model, config, kv_dtype)
+    assert ran == [False] + [True] * 7           # the prefill step is left to the layers
+    model.native_decode = None
+    ref = _steps(model, config, kv_dtype)
+    assert ref.std() > 0.3
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("weights", ["f32", "Q4_1", "Q4_1_i8", "Q8_0_i8"])
+def test_native_decode_stack_equals_the_per_layer_path(weights, monkeypatch):
+    model, config = _model(weights=weights)
+    _compare(model, config, monkeypatch)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_native_decode_stack_with_a_16_bit_kv_cache(kv_dtype, monkeypatch):
+    model, config = _model()
+    _compare(model, config, monkeypatch, kv_dtype)
+
+
+def test_native_decode_stack_with_qkv_bias_and_a_sliding_window(monkeypatch):
+    model, config = _model(MistralForCausalLM, qkv_bias=True, o_bias=True, sliding_window=5)
+    _compare(model, config, monkeypatch)
+
+
+def test_models_the_stack_cannot_reproduce_keep_their_layers():
+    qwen3, _ = _model(Qwen3ForCausalLM)                       # per-head q/k norms
+    assert not native_decode.attach(qwen3) and qwen3.native_decode is None
+    plain = LlamaForCausalLM(_model()[1], CpuAttentionBackend()).eval()   # weights not packed
+    assert not native_decode.attach(plain)
+
+
+def test_a_slot_past_the_cache_is_refused_with_a_clear_error():
+    model, config = _model()
+    assert native_decode.attach(model)
+    caches = allocate_kv_caches(config, 4, BLOCK_SIZE, torch.float32)
+    meta = build_attention_metadata([1], [3], [[1]], BLOCK_SIZE)
+    meta.slot_mapping[0] = 4 * BLOCK_SIZE + 1
+    with pytest.raises(IndexError, match="past the KV cache"), torch.inference_mode():
+        model(torch.tensor([5]), torch.tensor([2]), caches, meta)
