@@ -99,6 +99,10 @@ class CpuAttentionBackend(AttentionBackend):
                 a, b = int(starts[i]), int(starts[i] + query_lens[i])
                 out[a:b] = _causal_self_attention(query[a:b], key[a:b], value[a:b], scale)
         rest = (~is_decode & ~fresh).nonzero().squeeze(1)  # chunks after cached context
+        if sliding_window is None and rest.numel() and self._native_prefill(query, key, value):
+            if _chunks_after_context(query, kv_cache, block_table[rest], seq_lens[rest], starts[rest],
+                                     query_lens[rest], out, scale):
+                rest = rest[:0]
         if sliding_window is None:
             for i in rest.tolist():
                 a, n = int(starts[i]), int(query_lens[i])
@@ -114,28 +118,53 @@ class CpuAttentionBackend(AttentionBackend):
 
 
 def causal_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-                   starts: torch.Tensor, lens: torch.Tensor, scale: float) -> bool:
-    """Causal self-attention of fresh prompts (no cached context) in one native call
-    (causal_prefill_f32 of kernels/cpu/paged_attention.c): request i is the tokens
-    starts[i] .. starts[i] + lens[i] of query (T, H, D) and key, value (T, KVH, D), all float32
-    with unit stride along D (strided rows and heads, e.g. views into a fused qkv, are read in
-    place); its rows of out (T, H, D) are written. False, with nothing written, when the kernel
-    cannot take these tensors (the caller falls back to _causal_self_attention)."""
+                   starts: torch.Tensor, lens: torch.Tensor, scale: float,
+                   kstarts: torch.Tensor | None = None, ctx: torch.Tensor | None = None) -> bool:
+    """Causal attention of prompt chunks in one native call (causal_prefill_f32 of
+    kernels/cpu/paged_attention.c). Request i's queries are the rows starts[i] .. starts[i] +
+    lens[i] of query (T, H, D); its keys and values the rows kstarts[i] .. kstarts[i] + ctx[i] +
+    lens[i] of key, value (S, KVH, D): ctx[i] of cached context, then the chunk's own (without
+    ``kstarts``/``ctx``: fresh prompts whose keys are the query's rows). All float32 with unit
+    stride along D (strided rows and heads, e.g. views into a fused qkv, are read in place); the
+    requests' rows of out (T, H, D) are written. False, with nothing written, when the kernel
+    cannot take these tensors (the caller falls back to torch)."""
     T, H, D = query.shape
     KVH = key.shape[1]
     tensors = (query, key, value, out)
     if (any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(2) != 1 for t in tensors)
-            or key.shape != value.shape or key.shape[0] != T or key.shape[2] != D or out.shape != query.shape
-            or KVH < 1 or H % KVH):
+            or key.shape != value.shape or (kstarts is None and key.shape[0] != T) or key.shape[2] != D
+            or out.shape != query.shape or KVH < 1 or H % KVH):
         return False
     from kernels.cpu.native import declare
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn = declare("causal_prefill_f32", [ptr] * 6 + [i64] * 12 + [ctypes.c_float], i64)
+    fn = declare("causal_prefill_f32", [ptr] * 8 + [i64] * 12 + [ctypes.c_float], i64)
     st = starts.to(torch.int64).contiguous()
+    ks = st if kstarts is None else kstarts.to(torch.int64).contiguous()
     ln = lens.to(torch.int64).contiguous()
-    return fn(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), st.data_ptr(),
-              ln.data_ptr(), st.numel(), H, KVH, D, query.stride(0), query.stride(1), key.stride(0),
-              key.stride(1), value.stride(0), value.stride(1), out.stride(0), out.stride(1), scale) == 0
+    cx = torch.zeros_like(st) if ctx is None else ctx.to(torch.int64).contiguous()
+    return fn(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), st.data_ptr(), ks.data_ptr(),
+              ln.data_ptr(), cx.data_ptr(), st.numel(), H, KVH, D, query.stride(0), query.stride(1),
+              key.stride(0), key.stride(1), value.stride(0), value.stride(1), out.stride(0), out.stride(1),
+              scale) == 0
+
+
+def _chunks_after_context(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                          seq_lens: torch.Tensor, starts: torch.Tensor, query_lens: torch.Tensor,
+                          out: torch.Tensor, scale: float) -> bool:
+    """Prompt chunks after cached context (b requests, their queries query[starts[i] :
+    starts[i] + query_lens[i]], the last of seq_lens[i] positions) through the native kernel:
+    every position's keys and values, the chunk's own included (written before), gathered from
+    the cache in one pass as float32, then one causal_prefill call. False when it cannot."""
+    _, num_blocks, bs, KVH, D = kv_cache.shape
+    total = int(seq_lens.sum())
+    req = torch.repeat_interleave(torch.arange(len(seq_lens)), seq_lens)          # (total,)
+    kstarts = torch.cumsum(seq_lens, 0) - seq_lens                                 # (b,)
+    pos = torch.arange(total) - kstarts[req]
+    slots = block_table[req, pos // bs].long() * bs + pos % bs
+    flat = kv_cache.view(2, num_blocks * bs, KVH, D)
+    k = flat[0].index_select(0, slots).to(torch.float32)
+    v = flat[1].index_select(0, slots).to(torch.float32)
+    return causal_prefill(query, k, v, out, starts, query_lens, scale, kstarts, seq_lens - query_lens)
 
 
 def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

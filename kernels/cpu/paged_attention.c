@@ -478,18 +478,22 @@ void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *tab
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Causal self-attention of fresh prompts (prefill with no cached context), all the step's
- * prompts in one call, their q/k/v read in place from the projection's output:
+ * Causal attention of prompt chunks, all the step's chunks in one call: request i's lens[i]
+ * queries are the positions ctx[i] .. ctx[i] + lens[i] - 1 of a sequence whose keys and values
+ * 0 .. ctx[i] + lens[i] - 1 are rows kstarts[i] .. of k and v. A fresh prompt (ctx 0) reads
+ * its q/k/v in place from the projection's output (kstarts = qstarts); a chunk after cached
+ * context reads keys its caller gathered (the context, then the chunk's own).
  *
  *   q    (T, H, D)    rows qs0 apart, heads qs1 apart, unit stride along D      float32
- *   k, v (T, KVH, D)  rows ks0 / vs0 apart, heads ks1 / vs1 apart               float32
+ *   k, v (S, KVH, D)  rows ks0 / vs0 apart, heads ks1 / vs1 apart               float32
  *   out  (T, H, D)    rows os0 apart, heads os1 apart; only the requests' rows are written
- *   starts, lens (R,) the requests' first token and length (int64)
+ *   qstarts, kstarts, lens, ctx (R,) int64
  *
- * Flash-attention style: work items are (request, KV head, query tile of 16 positions), the
- * longest (latest query tiles) first, shared dynamically among the OpenMP threads. An item
- * walks the request's key tiles of 16 up to the diagonal and, for each of the G query heads of
- * its KV head:
+ * Flash-attention style: work items are (request, KV head, query tile of 16 positions, aligned
+ * with the key tiles, so a chunk's first and last tiles may hold fewer queries), the longest
+ * (latest query tiles) first, shared dynamically among the OpenMP threads. An item walks the
+ * request's key tiles of 16 up to the diagonal and, for each of the G query heads of its KV
+ * head:
  *   1. scores 16 x 16: the key tile is stored transposed (D rows of 16 keys, done once for the
  *      whole call by a first pass), so each query's 16 scores are one vector accumulated over D
  *      by broadcast FMAs (the query pre-multiplied by the scale);
@@ -542,14 +546,15 @@ static inline __m512 cp_max16(const __m512 *v) {
             for (int j = 0; j < W; j++) _mm512_store_ps(ah + (rg + i) * D + 16 * (d0 + j), a[i][j]); \
     } while (0)
 
-/* One item: query tile qt (nq rows) of one request, the G query heads of one KV head.
- * q0/o0: the tile's first row at the group's first head; kT: the request's first transposed key
- * tile of this KV head (tiles kstep apart); V: the request's first value row of this KV head.
- * ws: 64-byte aligned scratch of cp_ws_floats(G, D) floats. */
+/* One item: query tile qt (positions 16 qt + r, queries in rows r0 <= r < nq) of one request,
+ * the G query heads of one KV head. q0/o0: row r0's query / output at the group's first head;
+ * kT: the request's first transposed key tile of this KV head (tiles kstep apart); V: the
+ * request's first value row of this KV head. ws: 64-byte aligned scratch of cp_ws_floats(G, D)
+ * floats. */
 static inline __attribute__((always_inline)) void
 cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
-           const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int nq, int G,
-           int64_t Dr, float scale, float *ws) {
+           const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
+           int G, int64_t Dr, float scale, float *ws) {
     const int64_t DV = DVc ? DVc : Dr / 16, D = 16 * DV;
     float *Qs = ws;                                  /* [G][16][D], scaled, padded rows zero */
     float *acc = Qs + (int64_t)G * CP_TILE * D;      /* [G][16][D] */
@@ -561,8 +566,8 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     for (int h = 0; h < G; h++)
         for (int r = 0; r < CP_TILE; r++) {
             float *dst = Qs + (h * CP_TILE + r) * D;
-            if (r < nq) {
-                const float *src = q0 + r * qs0 + h * qs1;
+            if (r >= r0 && r < nq) {
+                const float *src = q0 + (r - r0) * qs0 + h * qs1;
                 for (int64_t d = 0; d < D; d += 16)
                     _mm512_store_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_set1_ps(scale)));
             } else {
@@ -614,24 +619,24 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
         }
     }
     for (int h = 0; h < G; h++)
-        for (int r = 0; r < nq; r++) {
+        for (int r = r0; r < nq; r++) {
             const float l = lv[h * CP_TILE + r];
             const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
             const float *a = acc + (h * CP_TILE + r) * D;
-            float *dst = o0 + r * os0 + h * os1;
+            float *dst = o0 + (r - r0) * os0 + h * os1;
             for (int64_t d = 0; d < D; d += 16)
                 _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(a + d), inv));
         }
 }
 
 typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
-                           float *, int64_t, int64_t, int64_t, int, int, int64_t, float, float *);
+                           float *, int64_t, int64_t, int64_t, int, int, int, int64_t, float, float *);
 #define CP_ITEM_FN(DV)                                                                             \
     static void cp_item512_##DV(const float *q0, int64_t qs0, int64_t qs1, const float *kT,        \
                                 int64_t kstep, const float *V0, int64_t vs0, float *o0, int64_t os0, \
-                                int64_t os1, int64_t qt, int nq, int G, int64_t D, float scale,     \
-                                float *ws) {                                                       \
-        cp_item512(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, nq, G, D, scale, ws);   \
+                                int64_t os1, int64_t qt, int r0, int nq, int G, int64_t D,          \
+                                float scale, float *ws) {                                          \
+        cp_item512(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws); \
     }
 CP_ITEM_FN(0) CP_ITEM_FN(4) CP_ITEM_FN(8)
 #endif
@@ -640,10 +645,10 @@ CP_ITEM_FN(0) CP_ITEM_FN(4) CP_ITEM_FN(8)
  * sc: scratch of at least qt * 16 + nq floats; od: of D doubles. */
 static void cp_item_c(const float *q0, int64_t qs0, int64_t qs1, const float *K0, int64_t ks0,
                       const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt,
-                      int nq, int G, int64_t D, float scale, float *sc, double *od) {
+                      int r0, int nq, int G, int64_t D, float scale, float *sc, double *od) {
     for (int h = 0; h < G; h++)
-        for (int r = 0; r < nq; r++) {
-            const float *qq = q0 + r * qs0 + h * qs1;
+        for (int r = r0; r < nq; r++) {
+            const float *qq = q0 + (r - r0) * qs0 + h * qs1;
             const int64_t n = qt * CP_TILE + r + 1;          /* keys 0 .. position */
             float mx = -INFINITY;
             for (int64_t j = 0; j < n; j++) {
@@ -666,46 +671,49 @@ static void cp_item_c(const float *q0, int64_t qs0, int64_t qs1, const float *K0
                 #pragma omp simd
                 for (int64_t d = 0; d < D; d++) od[d] += w * vj[d];
             }
-            float *o = o0 + r * os0 + h * os1;
+            float *o = o0 + (r - r0) * os0 + h * os1;
             for (int64_t d = 0; d < D; d++) o[d] = (float)(od[d] / sum);
         }
 }
 
 int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float *out,
-                           const int64_t *starts, const int64_t *lens, int64_t R, int64_t H,
-                           int64_t KVH, int64_t D, int64_t qs0, int64_t qs1, int64_t ks0, int64_t ks1,
-                           int64_t vs0, int64_t vs1, int64_t os0, int64_t os1, float scale) {
+                           const int64_t *qstarts, const int64_t *kstarts, const int64_t *lens,
+                           const int64_t *ctx, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t qs0,
+                           int64_t qs1, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1, int64_t os0,
+                           int64_t os1, float scale) {
     if (R <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0) return R <= 0 ? 0 : -1;
     const int64_t G = H / KVH;
     int vec = 0;
 #ifdef __AVX512F__
     vec = D % 16 == 0;
 #endif
-    /* the requests' tiles: tile_base[i] = tiles of the requests before i */
-    int64_t *tile_base = (int64_t *)malloc(sizeof(int64_t) * (R + 1));
-    if (!tile_base) return -1;
-    int64_t max_tiles = 0, max_len = 0;
-    tile_base[0] = 0;
+    /* key tiles of the requests (ktile_base[i]: those of the requests before i); query tiles
+     * are the key tiles from the one of position ctx[i] on */
+    int64_t *ktile_base = (int64_t *)malloc(sizeof(int64_t) * (R + 1));
+    if (!ktile_base) return -1;
+    int64_t max_tiles = 0, max_len = 0, items = 0;
+    ktile_base[0] = 0;
     for (int64_t i = 0; i < R; i++) {
-        const int64_t nt = lens[i] > 0 ? (lens[i] + CP_TILE - 1) / CP_TILE : 0;
-        tile_base[i + 1] = tile_base[i] + nt;
+        const int64_t L = lens[i] > 0 ? ctx[i] + lens[i] : 0, nt = (L + CP_TILE - 1) / CP_TILE;
+        ktile_base[i + 1] = ktile_base[i] + nt;
         max_tiles = nt > max_tiles ? nt : max_tiles;
-        max_len = lens[i] > max_len ? lens[i] : max_len;
+        max_len = L > max_len ? L : max_len;
+        if (L) items += (nt - ctx[i] / CP_TILE) * KVH;
     }
-    const int64_t tiles = tile_base[R], items = tiles * KVH;
+    const int64_t tiles = ktile_base[R];
     /* items (request, query tile, kv head), latest query tiles (the most key tiles) first */
     int64_t *item = (int64_t *)malloc(sizeof(int64_t) * 3 * (items ? items : 1));
     int64_t *tile_req = (int64_t *)malloc(sizeof(int64_t) * (tiles ? tiles : 1));
     float *kT = NULL;
     if (vec && tiles) kT = (float *)aligned_alloc(64, sizeof(float) * tiles * KVH * D * CP_TILE);
     if (!item || !tile_req || (vec && tiles && !kT)) {
-        free(tile_base); free(item); free(tile_req); free(kT);
+        free(ktile_base); free(item); free(tile_req); free(kT);
         return -1;
     }
     int64_t n = 0;
     for (int64_t qt = max_tiles - 1; qt >= 0; qt--)
         for (int64_t i = 0; i < R; i++)
-            if (tile_base[i + 1] - tile_base[i] > qt)
+            if (ktile_base[i + 1] - ktile_base[i] > qt && qt >= ctx[i] / CP_TILE)
                 for (int64_t g = 0; g < KVH; g++) {
                     item[3 * n] = i;
                     item[3 * n + 1] = qt;
@@ -713,7 +721,7 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
                     n++;
                 }
     for (int64_t i = 0; i < R; i++)
-        for (int64_t t = tile_base[i]; t < tile_base[i + 1]; t++) tile_req[t] = i;
+        for (int64_t t = ktile_base[i]; t < ktile_base[i + 1]; t++) tile_req[t] = i;
     const int64_t ws_floats = vec ? 2 * G * CP_TILE * D + 2 * G * CP_TILE + CP_TILE * CP_TILE + 2 * CP_TILE
                                   : (max_len + 1) / 2 * 2 + 2 * D;   /* scores, then D doubles */
     int failed = 0;
@@ -727,12 +735,12 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
         if (vec) {   /* keys transposed: kT[tile][g][d][16], positions past the request zero */
             #pragma omp for schedule(static)
             for (int64_t x = 0; x < tiles * KVH; x++) {
-                const int64_t t = x / KVH, g = x % KVH, i = tile_req[t], p0 = (t - tile_base[i]) * CP_TILE;
+                const int64_t t = x / KVH, g = x % KVH, i = tile_req[t], p0 = (t - ktile_base[i]) * CP_TILE;
                 float *dst = kT + x * D * CP_TILE;
                 for (int j = 0; j < CP_TILE; j++) {
                     const int64_t p = p0 + j;
-                    if (p < lens[i]) {
-                        const float *src = k + (starts[i] + p) * ks0 + g * ks1;
+                    if (p < ctx[i] + lens[i]) {
+                        const float *src = k + (kstarts[i] + p) * ks0 + g * ks1;
                         for (int64_t d = 0; d < D; d++) dst[d * CP_TILE + j] = src[d];
                     } else {
                         for (int64_t d = 0; d < D; d++) dst[d * CP_TILE + j] = 0.f;
@@ -748,25 +756,27 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
             #pragma omp for schedule(dynamic, 1)
             for (int64_t x = 0; x < items; x++) {
                 const int64_t i = item[3 * x], qt = item[3 * x + 1], g = item[3 * x + 2];
-                const int64_t p0 = starts[i] + qt * CP_TILE;
-                const int nq = (int)(lens[i] - qt * CP_TILE < CP_TILE ? lens[i] - qt * CP_TILE : CP_TILE);
-                const float *q0 = q + p0 * qs0 + g * G * qs1;
-                float *o0 = out + p0 * os0 + g * G * os1;
-                const float *V0 = v + starts[i] * vs0 + g * vs1;
+                const int64_t L = ctx[i] + lens[i], first = qt * CP_TILE;   /* the tile's first position */
+                const int r0 = (int)(ctx[i] > first ? ctx[i] - first : 0);
+                const int nq = (int)(L - first < CP_TILE ? L - first : CP_TILE);
+                const int64_t row = qstarts[i] + first + r0 - ctx[i];          /* q / out row of r0 */
+                const float *q0 = q + row * qs0 + g * G * qs1;
+                float *o0 = out + row * os0 + g * G * os1;
+                const float *V0 = v + kstarts[i] * vs0 + g * vs1;
 #ifdef __AVX512F__
                 if (vec) {
-                    fn(q0, qs0, qs1, kT + (tile_base[i] * KVH + g) * D * CP_TILE, KVH * D * CP_TILE, V0, vs0,
-                       o0, os0, os1, qt, nq, (int)G, D, scale, ws);
+                    fn(q0, qs0, qs1, kT + (ktile_base[i] * KVH + g) * D * CP_TILE, KVH * D * CP_TILE, V0, vs0,
+                       o0, os0, os1, qt, r0, nq, (int)G, D, scale, ws);
                     continue;
                 }
 #endif
-                cp_item_c(q0, qs0, qs1, k + starts[i] * ks0 + g * ks1, ks0, V0, vs0, o0, os0, os1, qt, nq,
+                cp_item_c(q0, qs0, qs1, k + kstarts[i] * ks0 + g * ks1, ks0, V0, vs0, o0, os0, os1, qt, r0, nq,
                           (int)G, D, scale, ws, (double *)(ws + (max_len + 1) / 2 * 2));
             }
         }
         free(ws);
     }
-    free(tile_base); free(item); free(tile_req); free(kT);
+    free(ktile_base); free(item); free(tile_req); free(kT);
     return failed ? -1 : 0;
 }
 

@@ -408,6 +408,41 @@ def test_native_causal_prefill_kernel(H, KVH, D):
         assert (out[:3] == 7).all() and (out[a:] == 7).all()
 
 
+@pytest.mark.parametrize("H,KVH", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("D", [24, 64, 128])                              # 24: the portable path
+def test_native_prefill_of_chunks_after_cached_context(H, KVH, D):
+    """Queries that are the last lens[i] of ctx[i] + lens[i] positions (keys rows kstarts[i]..),
+    context lengths on and off the 16-position tiles, against the float64 reference."""
+    from kernels.attention.cpu import causal_prefill
+    from kernels.cpu.native import available
+    if not available()[0]:
+        pytest.skip(available()[1])
+    gen = torch.Generator().manual_seed(H * 17 + KVH + D)
+    cases = [(0, 5), (3, 1), (16, 16), (17, 40), (100, 3), (31, 33), (250, 70)]    # (ctx, lens)
+    starts, kstarts, a, b = [], [], 2, 1
+    for c, n in cases:
+        starts.append(a)
+        kstarts.append(b)
+        a, b = a + n, b + c + n
+    T, S = a + 3, b + 2
+    q = torch.randn(T, H, D, generator=gen) * 1.5
+    kv = torch.randn(2, S, KVH, D, generator=gen) * 1.5
+    scale = D ** -0.5
+    for threads in (1, 3):
+        out = torch.full((T, H, D), 7.0)
+        with _with_omp_threads(threads):
+            assert causal_prefill(q, kv[0], kv[1], out, torch.tensor(starts), torch.tensor([n for _, n in cases]),
+                                  scale, torch.tensor(kstarts), torch.tensor([c for c, _ in cases]))
+        for (c, n), s, ks in zip(cases, starts, kstarts):
+            k, v = kv[0, ks:ks + c + n].double(), kv[1, ks:ks + c + n].double()
+            G = H // KVH
+            sc = q[s:s + n].double().transpose(0, 1) @ k.repeat_interleave(G, 1).permute(1, 2, 0) * scale
+            hidden = torch.arange(c + n)[None, :] > torch.arange(c, c + n)[:, None]     # (n, c + n)
+            ref = (sc.masked_fill(hidden, float("-inf")).softmax(-1) @ v.repeat_interleave(G, 1).transpose(0, 1))
+            torch.testing.assert_close(out[s:s + n].double(), ref.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        assert (out[:2] == 7).all() and (out[a:] == 7).all()
+
+
 @pytest.mark.parametrize("D", [64, 40])
 def test_native_causal_prefill_long(D):
     from kernels.attention.cpu import causal_prefill
