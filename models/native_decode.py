@@ -20,6 +20,9 @@ from torch import nn
 from kernels.attention.base import AttentionMetadata
 
 WORDS = 4 * 8 + 4         # decode_stack.c's DS_WORDS
+# decode_stack.c's phases, in its order: the keys of NativeDecodeStack.profile_seconds()
+PHASES = ("norm", "qkv_proj", "rotary_kv_store", "attention", "o_proj", "gate_up_proj", "silu_and_mul",
+          "down_proj")
 
 
 @lru_cache(maxsize=1)
@@ -27,7 +30,7 @@ def _kernel():
     from kernels.cpu import native
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return native.declare("decode_stack", [i64, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [ptr, ptr, i64, ptr, ptr, i64,
-                                                                                  ptr, i64, i64, i64], i64)
+                                                                                  ptr, i64, i64, i64, ptr], i64)
 
 
 def _linear_words(module: nn.Module) -> list[int] | None:
@@ -50,6 +53,7 @@ class NativeDecodeStack:
         self.words = words          # (L, WORDS) int64; the KV cache addresses are filled per runner
         self.floats = floats        # (L, 3) float32: scale, eps of the two norms
         self.dims = dims            # hidden, heads, kv heads, head size, intermediate
+        self.profile: torch.Tensor | None = None   # (len(PHASES),) float64 seconds, when profiling
         self._caches: list[torch.Tensor] | None = None
 
     @classmethod
@@ -122,13 +126,22 @@ class NativeDecodeStack:
         status = _kernel()(self.words.shape[0], self.words.data_ptr(), self.floats.data_ptr(), emb.data_ptr(),
                            h.data_ptr(), residual.data_ptr(), B, Hd, H, KVH, D, I, cos.data_ptr(), sin.data_ptr(),
                            cos.stride(0), slots.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(),
-                           KV_TYPES[kv_caches[0].dtype], num_blocks, BS)
+                           KV_TYPES[kv_caches[0].dtype], num_blocks, BS,
+                           None if self.profile is None else self.profile.data_ptr())
         if status == -2:
             raise MemoryError("the native decode stack could not allocate its buffers")
         if status >= 0:
             raise IndexError(f"slot {int(slots[status])} of token {status} is past the KV cache's "
                              f"{num_blocks * BS} slots")
         return h, residual
+
+
+    def start_profile(self) -> None:
+        """Accumulate each phase's wall time over the following steps (profile_seconds)."""
+        self.profile = torch.zeros(len(PHASES), dtype=torch.float64)
+
+    def profile_seconds(self) -> dict[str, float]:
+        return {} if self.profile is None else dict(zip(PHASES, self.profile.tolist()))
 
 
 def attach(model: nn.Module) -> bool:

@@ -18,10 +18,14 @@
  * codes, d, m, N, K, bias; then the two norm weights, the layer's KV cache, its window) and
  * fdesc three floats (attention scale, the two norms' eps). Linear kernel 0 is panel_gemm,
  * 1 is i8x2_gemm (kinds as gemm.c numbers them).
+ *
+ * seconds, when not NULL, accumulates the wall time of each phase (DS_PHASES of them, in the
+ * order of ds_phase) over all layers: the profile of a decode step.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 void rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *w, float *out,
                   int64_t T, int64_t N, float eps);
@@ -41,6 +45,22 @@ void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *tab
 #define DS_LIN 8
 #define DS_WORDS (4 * DS_LIN + 4)
 #define DS_ALLOC_FAILED (-2)
+
+enum ds_phase { DS_NORM, DS_QKV, DS_ROTARY_STORE, DS_ATTENTION, DS_O, DS_GATE_UP, DS_SILU, DS_DOWN, DS_PHASES };
+
+static double ds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* seconds[phase] += the time since *t; *t = now (nothing without seconds). */
+static inline void ds_lap(double *seconds, int phase, double *t) {
+    if (!seconds) return;
+    const double now = ds_now();
+    seconds[phase] += now - *t;
+    *t = now;
+}
 
 /* y (M, N) = x W^T (+ bias) through the linear described at lin. 0 when a buffer failed. */
 static int ds_linear(const int64_t *lin, const float *x, int64_t M, float *y) {
@@ -62,13 +82,14 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
                      float *residual, int64_t B, int64_t Hd, int64_t H, int64_t KVH, int64_t D, int64_t I,
                      const float *cos, const float *sin, int64_t cs_stride, const int64_t *slots,
                      const int32_t *table, int64_t max_blocks, const int32_t *seq_lens, int64_t kt,
-                     int64_t num_blocks, int64_t BS) {
+                     int64_t num_blocks, int64_t BS, double *seconds) {
     const int64_t NQKV = (H + 2 * KVH) * D, HD = H * D;
     float *buf = malloc(sizeof(float) * B * (Hd + NQKV + 2 * HD + Hd + 3 * I));
     if (!buf) return DS_ALLOC_FAILED;
     float *x = buf, *qkv = x + B * Hd, *q = qkv + B * NQKV, *a = q + B * HD, *o = a + B * HD,
           *gu = o + B * Hd, *act = gu + B * 2 * I;
     int64_t status = -1;
+    double t = seconds ? ds_now() : 0.;
     memcpy(residual, emb, sizeof(float) * B * Hd);
     for (int64_t l = 0; l < L && status == -1; l++) {
         const int64_t *ld = desc + l * DS_WORDS;
@@ -81,19 +102,28 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
 
         if (l == 0) rms_norm_f32(emb, Hd, NULL, in_w, x, B, Hd, eps_in);
         else rms_norm_f32(h, Hd, residual, in_w, x, B, Hd, eps_in);
+        ds_lap(seconds, DS_NORM, &t);
         if (!ds_linear(wqkv, x, B, qkv)) { status = DS_ALLOC_FAILED; break; }
+        ds_lap(seconds, DS_QKV, &t);
         rotary_f32(qkv, NQKV, H, qkv + HD, NQKV, KVH, cos, sin, cs_stride, B, D);
         const int64_t bad = kv_store(qkv + HD, NQKV, qkv + HD + KVH * D, NQKV, slots, B, kv, kt,
                                      num_blocks * BS, KVH * D);
         if (bad >= 0) { status = bad; break; }
         for (int64_t b = 0; b < B; b++) memcpy(q + b * HD, qkv + b * NQKV, sizeof(float) * HD);
+        ds_lap(seconds, DS_ROTARY_STORE, &t);
         paged_decode(q, kv, kt, table, seq_lens, a, B, H, KVH, D, BS, num_blocks, max_blocks, scale,
                      window);
+        ds_lap(seconds, DS_ATTENTION, &t);
         if (!ds_linear(wo, a, B, o)) { status = DS_ALLOC_FAILED; break; }
+        ds_lap(seconds, DS_O, &t);
         rms_norm_f32(o, Hd, residual, post_w, x, B, Hd, eps_post);
+        ds_lap(seconds, DS_NORM, &t);
         if (!ds_linear(wgu, x, B, gu)) { status = DS_ALLOC_FAILED; break; }
+        ds_lap(seconds, DS_GATE_UP, &t);
         silu_and_mul_f32(gu, 2 * I, act, B, I);
+        ds_lap(seconds, DS_SILU, &t);
         if (!ds_linear(wd, act, B, h)) { status = DS_ALLOC_FAILED; break; }
+        ds_lap(seconds, DS_DOWN, &t);
     }
     free(buf);
     return status;

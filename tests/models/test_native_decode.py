@@ -125,3 +125,14 @@ def test_a_slot_past_the_cache_is_refused_with_a_clear_error():
     meta.slot_mapping[0] = 4 * BLOCK_SIZE + 1
     with pytest.raises(IndexError, match="past the KV cache"), torch.inference_mode():
         model(torch.tensor([5]), torch.tensor([2]), caches, meta)
+
+
+def test_a_profiled_step_accounts_its_time_to_every_phase():
+    model, config = _model()
+    assert native_decode.attach(model)
+    model.native_decode.start_profile()
+    ref = _steps(model, config, decode_steps=3)
+    seconds = model.native_decode.profile_seconds()
+    assert set(seconds) == set(native_decode.PHASES) and all(s > 0 for s in seconds.values())
+    model.native_decode.profile = None
+    assert torch.equal(_steps(model, config, decode_steps=3), ref)      # profiling changes nothing
