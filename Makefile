@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.troupe-installed
 
-.PHONY: install serve test test-fast clean
+.PHONY: install serve test test-fast bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,14 @@ test: install
 # The quick subset: everything but the end-to-end tests that start servers or load the model.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+# Our side of README "Benchmarks" (the peers are measured by hand, commands there): the small
+# offline workload in exact and in the fastest quantized configuration, then single stream.
+bench: install
+	$(PY) -m tools.bench offline --n 32 --in 64 256 --out 64 128 --seed 0 $(ARGS)
+	$(PY) -m tools.bench offline --n 32 --in 64 256 --out 64 128 --seed 0 --quantization gguf-i8 --kv-cache-dtype float16 $(ARGS)
+	$(PY) -m tools.bench latency
+	$(PY) -m tools.bench latency --quantization gguf-i8
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
