@@ -198,6 +198,11 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        if self.act is silu_and_mul:      # a packed projection may fuse the activation in
+            fused_act = getattr(self.gate_up_proj, "silu_and_mul_forward", None)
+            act = fused_act(x) if fused_act is not None else None
+            if act is not None:
+                return self.down_proj(act)
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

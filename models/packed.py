@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu.panels import matmul
+from kernels.cpu import fused
+from kernels.cpu.panels import gated_silu_matmul, matmul
 from models.layers import Linear
 
 
@@ -47,6 +48,14 @@ class PanelLinear(nn.Module):
         if self.bias is not None:
             y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def silu_and_mul_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a gate|up projection: silu(gate) * up in one native pass (kernels/cpu/panels.py
+        gated_silu_matmul), bit for bit ``silu_and_mul(self(x))``; None when there is no such
+        kernel for these weights (the caller takes the two-step path)."""
+        if self.bias is not None or x.dim() != 2 or not fused.ENABLED:
+            return None
+        return gated_silu_matmul(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.weight.kind}, in={self.in_features}, out={self.out_features}"

@@ -116,6 +116,12 @@ static inline void silu_mul_row(const float *restrict g, const float *restrict u
         o[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
 }
 
+/* The same on the calling thread only (for callers already inside a parallel region). */
+void silu_and_mul_serial_f32(const float *gate_up, int64_t in_stride, float *out, int64_t T, int64_t I) {
+    for (int64_t t = 0; t < T; t++)
+        silu_mul_row(gate_up + t * in_stride, gate_up + t * in_stride + I, out + t * I, I);
+}
+
 void silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t T, int64_t I) {
     #pragma omp parallel for schedule(static) if (T * I >= PAR_MIN_ELEMENTS)
     for (int64_t t = 0; t < T; t++)

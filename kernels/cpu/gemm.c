@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+void silu_and_mul_serial_f32(const float *gate_up, int64_t in_stride, float *out, int64_t T, int64_t I);  /* fused.c */
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -446,9 +448,11 @@ int i8x2_available(void) { return 1; }
 /* y (M, N) = x (M, K) W^T, W Q4_1 (d, m: float16 scales, minimums) or Q8_0 (d: float16 scales,
  * m: block sums of the codes, int16) in the layouts above, x split into two int8 parts. Returns 0
  * when the activation buffer could not be allocated. */
-int i8x2_gemm(int kind, const uint8_t *codes, const uint16_t *d, const void *m, int64_t N, int64_t K,
-              const float *x, int64_t M, float *y) {
-    const int64_t nb = K / QK, P = (N + NR - 1) / NR;
+/* The int8 activation parts of x (M, K), in the thread's buffer: NULL when it could not grow. */
+typedef struct { int8_t *q1, *q2; float *s1, *s2, *xsum; } i8_acts;
+
+static int i8_split(const float *x, int64_t M, int64_t K, i8_acts *A) {
+    const int64_t nb = K / QK;
     const size_t need = (size_t)M * K * 2 + (size_t)M * nb * 3 * sizeof(float) + 64;
     if (abuf_len < need) {
         free(abuf);
@@ -456,35 +460,78 @@ int i8x2_gemm(int kind, const uint8_t *codes, const uint16_t *d, const void *m, 
         abuf_len = abuf ? need : 0;
         if (!abuf) return 0;
     }
-    float *s1 = (float *)abuf, *s2 = s1 + M * nb, *xsum = s2 + M * nb;
-    int8_t *q1 = (int8_t *)(xsum + M * nb), *q2 = q1 + M * K;
-    split_i8x2(x, M, K, q1, q2, s1, s2, xsum);
+    A->s1 = (float *)abuf;
+    A->s2 = A->s1 + M * nb;
+    A->xsum = A->s2 + M * nb;
+    A->q1 = (int8_t *)(A->xsum + M * nb);
+    A->q2 = A->q1 + M * K;
+    split_i8x2(x, M, K, A->q1, A->q2, A->s1, A->s2, A->xsum);
+    return 1;
+}
+
+/* Rows r0 .. r0 + mr (mr <= I8_MR) of panel p into yr (rows ys apart, cols columns). */
+static inline void i8_panel_rows(int kind, const uint8_t *codes, const uint16_t *d, const void *m, int64_t K,
+                                 int64_t p, const i8_acts *A, int64_t r0, int64_t mr, float *yr, int64_t ys,
+                                 int64_t cols) {
+    const int64_t nb = K / QK;
+    const uint16_t *pd = d + p * nb * NR;
+    const int8_t *a = A->q1 + r0 * K, *c = A->q2 + r0 * K;
+    const float *sa = A->s1 + r0 * nb, *sb = A->s2 + r0 * nb, *xs = A->xsum + r0 * nb;
+    if (kind == W_Q8_0) {
+        const int8_t *pc = (const int8_t *)codes + p * (K / 4) * 128;
+        const int16_t *pw = (const int16_t *)m + p * nb * NR;
+        switch (mr) {
+            case 1: i8_micro_q8(1, pc, pd, pw, K, a, c, sa, sb, yr, ys, cols); break;
+            case 2: i8_micro_q8(2, pc, pd, pw, K, a, c, sa, sb, yr, ys, cols); break;
+            default: i8_micro_q8(3, pc, pd, pw, K, a, c, sa, sb, yr, ys, cols); break;
+        }
+        return;
+    }
+    const uint8_t *pc = codes + p * (K / 4) * 64;
+    const uint16_t *pm = (const uint16_t *)m + p * nb * NR;
+    switch (mr) {
+        case 1: i8_micro(1, pc, pd, pm, K, a, c, sa, sb, xs, yr, ys, cols); break;
+        case 2: i8_micro(2, pc, pd, pm, K, a, c, sa, sb, xs, yr, ys, cols); break;
+        default: i8_micro(3, pc, pd, pm, K, a, c, sa, sb, xs, yr, ys, cols); break;
+    }
+}
+
+int i8x2_gemm(int kind, const uint8_t *codes, const uint16_t *d, const void *m, int64_t N, int64_t K,
+              const float *x, int64_t M, float *y) {
+    const int64_t P = (N + NR - 1) / NR;
+    i8_acts A;
+    if (!i8_split(x, M, K, &A)) return 0;
     #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < P; p++) {
         const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
-        const uint16_t *pd = d + p * nb * NR;
         for (int64_t r0 = 0; r0 < M; r0 += I8_MR) {
             const int64_t mr = M - r0 < I8_MR ? M - r0 : I8_MR;
-            const int8_t *a = q1 + r0 * K, *c = q2 + r0 * K;
-            const float *sa = s1 + r0 * nb, *sb = s2 + r0 * nb, *xs = xsum + r0 * nb;
-            float *yr = y + r0 * N + p * NR;
-            if (kind == W_Q8_0) {
-                const int8_t *pc = (const int8_t *)codes + p * (K / 4) * 128;
-                const int16_t *pw = (const int16_t *)m + p * nb * NR;
-                switch (mr) {
-                    case 1: i8_micro_q8(1, pc, pd, pw, K, a, c, sa, sb, yr, N, cols); break;
-                    case 2: i8_micro_q8(2, pc, pd, pw, K, a, c, sa, sb, yr, N, cols); break;
-                    default: i8_micro_q8(3, pc, pd, pw, K, a, c, sa, sb, yr, N, cols); break;
-                }
-                continue;
-            }
-            const uint8_t *pc = codes + p * (K / 4) * 64;
-            const uint16_t *pm = (const uint16_t *)m + p * nb * NR;
-            switch (mr) {
-                case 1: i8_micro(1, pc, pd, pm, K, a, c, sa, sb, xs, yr, N, cols); break;
-                case 2: i8_micro(2, pc, pd, pm, K, a, c, sa, sb, xs, yr, N, cols); break;
-                default: i8_micro(3, pc, pd, pm, K, a, c, sa, sb, xs, yr, N, cols); break;
-            }
+            i8_panel_rows(kind, codes, d, m, K, p, &A, r0, mr, y + r0 * N + p * NR, N, cols);
+        }
+    }
+    return 1;
+}
+
+/* out (M, I) = silu(x Wg^T) * (x Wu^T) for W (2I, K) = the gate rows then the up rows, I a
+ * multiple of 32: each gate panel is computed with its up panel, a few rows at a time, and
+ * fused.c's SiLU-and-multiply applied to that tile, so the (M, 2I) product is never stored. The
+ * same values as i8x2_gemm followed by silu_and_mul_f32. */
+int i8x2_gated_gemm(int kind, const uint8_t *codes, const uint16_t *d, const void *m, int64_t N, int64_t K,
+                    const float *x, int64_t M, float *out) {
+    const int64_t I = N / 2, PI = I / NR;
+    if (N % (2 * NR)) return 0;
+    i8_acts A;
+    if (!i8_split(x, M, K, &A)) return 0;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < PI; p++) {
+        float gu[I8_MR * 2 * NR] __attribute__((aligned(64)));   /* [row][gate 32 | up 32] */
+        float act[I8_MR * NR] __attribute__((aligned(64)));
+        for (int64_t r0 = 0; r0 < M; r0 += I8_MR) {
+            const int64_t mr = M - r0 < I8_MR ? M - r0 : I8_MR;
+            i8_panel_rows(kind, codes, d, m, K, p, &A, r0, mr, gu, 2 * NR, NR);
+            i8_panel_rows(kind, codes, d, m, K, p + PI, &A, r0, mr, gu + NR, 2 * NR, NR);
+            silu_and_mul_serial_f32(gu, 2 * NR, act, mr, NR);
+            for (int64_t r = 0; r < mr; r++) memcpy(out + (r0 + r) * I + p * NR, act + r * NR, sizeof(float) * NR);
         }
     }
     return 1;
@@ -494,6 +541,11 @@ int i8x2_available(void) { return 0; }
 int i8x2_gemm(int kind, const uint8_t *codes, const uint16_t *d, const void *m, int64_t N, int64_t K,
               const float *x, int64_t M, float *y) {
     (void)kind; (void)codes; (void)d; (void)m; (void)N; (void)K; (void)x; (void)M; (void)y;
+    return 0;
+}
+int i8x2_gated_gemm(int kind, const uint8_t *codes, const uint16_t *d, const void *m, int64_t N, int64_t K,
+                    const float *x, int64_t M, float *out) {
+    (void)kind; (void)codes; (void)d; (void)m; (void)N; (void)K; (void)x; (void)M; (void)out;
     return 0;
 }
 #endif

@@ -170,3 +170,23 @@ def test_int8_activation_panels_are_close_and_batch_invariant(qtype, shape):
     for rows in (1, 2, 5):
         assert torch.equal(matmul(x[:rows], w), got[:rows])
     assert torch.equal(matmul(x[10:11], w), got[10:11])
+
+
+@pytest.mark.skipif(not int8_available(), reason="int8 activations need AVX512-VNNI")
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(qtype):
+    from kernels.cpu import fused
+    from kernels.cpu.panels import gated_silu_matmul
+    n, k = 2 * 96, 160                                      # gate | up, 3 panels each
+    raw, _ = _gguf(qtype, n, k, 9)
+    w = PanelWeight.pack_gguf(qtype, raw, n, k, int8_activations=True)
+    x = torch.randn(301, k) * 2
+    x[4] = 0.0
+    for rows in (1, 2, 3, 4, 7, 64, 301):
+        got = gated_silu_matmul(x[:rows], w)
+        assert got.shape == (rows, n // 2)
+        assert torch.equal(got, fused.silu_and_mul(matmul(x[:rows], w)))
+    plain = PanelWeight.pack_gguf(qtype, raw, n, k)         # float32 activations: no such kernel
+    assert gated_silu_matmul(x, plain) is None
+    odd = PanelWeight.pack_gguf(qtype, raw[:160], 160, k, int8_activations=True)   # halves of 80
+    assert gated_silu_matmul(x, odd) is None
