@@ -16,7 +16,8 @@ SCENARIOS = {
 }
 
 
-def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, sliding_window=None):
+def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, sliding_window=None,
+              kv_dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     block_counts = [-(-(ctx + q) // block_size) for ctx, q in reqs]
     num_blocks = sum(block_counts) + 3
@@ -32,7 +33,7 @@ def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, 
     query = torch.randn(T, num_heads, HEAD_SIZE, generator=gen)
     key = torch.randn(T, num_kv_heads, HEAD_SIZE, generator=gen)
     value = torch.randn(T, num_kv_heads, HEAD_SIZE, generator=gen)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_SIZE, generator=gen)  # the cached prefix
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_SIZE, generator=gen).to(kv_dtype)  # the cached prefix
     ours_cache, ref_cache = cache.clone(), cache.clone()
     scale = HEAD_SIZE ** -0.5
     ours = CpuAttentionBackend().forward(query, key, value, ours_cache, meta, scale, sliding_window=sliding_window)
@@ -336,24 +337,8 @@ def test_backend_with_a_16_bit_cache_matches_the_reference(kv_dtype, scenario, w
     """Every path (native decode, fresh prompts, chunks after cached context, the batched torch
     path with a window) reads the rounded cache; fresh prompts attend to the step's own float32
     keys, hence the tolerance of one 16-bit rounding."""
-    gen = torch.Generator().manual_seed(3)
-    reqs = SCENARIOS[scenario]
-    block_size, H, KVH = 16, 6, 2
-    counts = [-(-(ctx + q) // block_size) for ctx, q in reqs]
-    num_blocks = sum(counts) + 3
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables, used = [], 0
-    for n in counts:
-        tables.append(perm[used:used + n])
-        used += n
-    meta = build_attention_metadata([q for _, q in reqs], [c + q for c, q in reqs], tables, block_size,
-                                    num_tokens=sum(q for _, q in reqs))
-    T = meta.num_tokens
-    query, key, value = (torch.randn(T, h, HEAD_SIZE, generator=gen) for h in (H, KVH, KVH))
-    cache = torch.randn(2, num_blocks, block_size, KVH, HEAD_SIZE, generator=gen).to(kv_dtype)
-    ours_cache, ref_cache = cache.clone(), cache.clone()
-    ours = CpuAttentionBackend().forward(query, key, value, ours_cache, meta, 0.25, sliding_window=window)
-    ref = reference_paged_attention(query, key, value, ref_cache, meta, 0.25, sliding_window=window)
+    ours, ref, ours_cache, ref_cache, _, _ = _run_case(SCENARIOS[scenario], 16, 6, 2, seed=3,
+                                                       sliding_window=window, kv_dtype=kv_dtype)
     assert ours.dtype == torch.float32
     assert torch.equal(ours_cache, ref_cache)
     tol = 2e-3 if kv_dtype == torch.float16 else 2e-2

@@ -6,13 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import CpuAttentionBackend, allocate_kv_caches, build_attention_metadata
+from kernels.attention import CpuAttentionBackend, allocate_kv_caches
 from kernels.cpu import fused
 from kernels.cpu.native import available
 from models.config import ModelConfig
 from models.layers import RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_qk, silu_and_mul
 from models.llama import LlamaForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
+from helpers import run_steps
 
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"native kernels unavailable: {available()[1]}")
 
@@ -138,17 +139,8 @@ def _prefill_then_decode(model, config) -> torch.Tensor:
     caches = allocate_kv_caches(config, 64, BLOCK_SIZE, torch.float32)
     tables = [list(range(1, 12)), list(range(12, 20))]
     prompts = [torch.randint(0, 96, (37,), generator=_gen(2)), torch.randint(0, 96, (5,), generator=_gen(3))]
-    done = [0, 0]
-    logits = []
     steps = [prompts] + [[torch.tensor([7 + s]), torch.tensor([11 + s])] for s in range(2)]
-    for new in steps:
-        ids = torch.cat(new)
-        pos = torch.cat([torch.arange(d, d + len(n)) for d, n in zip(done, new)])
-        done = [d + len(n) for d, n in zip(done, new)]
-        meta = build_attention_metadata([len(n) for n in new], done, tables, BLOCK_SIZE)
-        with torch.inference_mode():
-            logits.append(model.compute_logits(model(ids, pos, caches, meta)))
-    return torch.cat(logits)
+    return run_steps(model, caches, tables, steps, BLOCK_SIZE)
 
 
 @pytest.mark.parametrize("cls,overrides", [(LlamaForCausalLM, {}), (LlamaForCausalLM, {"qkv_bias": True}),

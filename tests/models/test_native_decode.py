@@ -15,6 +15,7 @@ from models.llama import LlamaForCausalLM
 from models.mistral import MistralForCausalLM
 from models.packed import PanelLinear, prepack_linears
 from models.qwen3 import Qwen3ForCausalLM
+from helpers import run_steps
 
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"native kernels unavailable: {available()[1]}")
 
@@ -62,17 +63,8 @@ def _steps(model, config, kv_dtype=torch.float32, decode_steps=7):
     tables = [list(range(1, 12)), list(range(12, 20)), list(range(20, 30))]
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 96, (n,), generator=g) for n in (13, 2, 6)]
-    done = [0, 0, 0]
-    logits = []
     steps = [prompts] + [[torch.tensor([(7 * s + r) % 96]) for r in range(3)] for s in range(decode_steps)]
-    for new in steps:
-        ids = torch.cat(new)
-        pos = torch.cat([torch.arange(d, d + len(n)) for d, n in zip(done, new)])
-        done = [d + len(n) for d, n in zip(done, new)]
-        meta = build_attention_metadata([len(n) for n in new], done, tables, BLOCK_SIZE)
-        with torch.inference_mode():
-            logits.append(model.compute_logits(model(ids, pos, caches, meta)))
-    return torch.cat(logits)
+    return run_steps(model, caches, tables, steps, BLOCK_SIZE)
 
 
 def _compare(model, config, monkeypatch, kv_dtype=torch.float32):
