@@ -114,7 +114,9 @@ class NativeDecodeStack:
         from kernels.cpu.native import KV_TYPES
         B = meta.num_reqs
         if (not meta.is_pure_decode or meta.num_tokens != B or emb.dtype != torch.float32 or emb.dim() != 2
-                or not emb.is_contiguous() or cos.dtype != torch.float32 or not self._bind(kv_caches)):
+                or not emb.is_contiguous() or cos.dtype != torch.float32 or sin.dtype != torch.float32
+                or cos.stride(0) != sin.stride(0) or cos.stride(-1) != 1 or sin.stride(-1) != 1
+                or not self._bind(kv_caches)):
             return None
         Hd, H, KVH, D, I = self.dims
         _, num_blocks, BS, _, _ = kv_caches[0].shape
@@ -134,7 +136,6 @@ class NativeDecodeStack:
             raise IndexError(f"slot {int(slots[status])} of token {status} is past the KV cache's "
                              f"{num_blocks * BS} slots")
         return h, residual
-
 
     def start_profile(self) -> None:
         """Accumulate each phase's wall time over the following steps (profile_seconds)."""

@@ -17,12 +17,13 @@ class CpuAttentionBackend(AttentionBackend):
 
     Pure decode in float32 reads the cache in place with the native kernel of kernels/cpu
     (no gather copy; a float16 or bfloat16 cache, ``--kv-cache-dtype``, is widened as it is
-    read, halving the bytes a long context costs); otherwise it is one batched call. Fresh prompts (a first chunk with no
-    cached context) in float32 are attended all together by one native causal flash-attention
-    call reading the step's q/k/v in place (``causal_prefill``); without the native kernels,
-    per request by SDPA (``_causal_self_attention``). Mixed batches are two batched calls,
-    decode rows (one query) and prefill rows (padded to their longest query), so one long chunk
-    does not pad every decode.
+    read, halving the bytes a long context costs); otherwise it is one batched call. Fresh
+    prompts (a first chunk with no cached context) in float32 are attended all together by one
+    native causal flash-attention call reading the step's q/k/v in place (``causal_prefill``),
+    and chunks after cached context by another, on their keys gathered from the cache
+    (``_chunks_after_context``); without the native kernels, per request by SDPA. Mixed batches
+    on the torch path are two batched calls, decode rows (one query) and prefill rows (padded to
+    their longest query), so one long chunk does not pad every decode.
     With a sliding window only the blocks a request's queries can see are gathered.
     """
 
