@@ -3,7 +3,8 @@ RMSNorm (plain and Gemma's 1 + weight), rotary position embedding, gated activat
 paged self-attention block.
 
 RMSNorm (with the residual add folded in), rotary and SiLU-and-multiply run as fused native
-kernels on float32 CPU tensors (kernels/cpu/fused.py decides), as plain torch ops otherwise.
+kernels on float32 CPU tensors (kernels/cpu/fused.py decides), as Triton kernels on CUDA
+tensors (kernels/triton/fused.py decides), as plain torch ops otherwise.
 
 Parameters are allocated with ``torch.empty`` (no random init: weights come from a checkpoint)
 and never require grad.
@@ -18,6 +19,7 @@ from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from kernels.cpu import fused
+from kernels.triton import fused as triton_fused
 
 
 def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -96,9 +98,13 @@ class RMSNorm(nn.Module):
         if residual is None:
             if x.dim() == 2 and fused.supports(x, self.weight):
                 return fused.rms_norm(x, self.weight, self.eps)
+            if x.dim() == 2 and triton_fused.supports(x, self.weight):
+                return triton_fused.rms_norm(x, self.weight, self.eps)[0]
             return self._norm(x)
         if x.dim() == 2 and fused.supports(x, self.weight, residual) and residual.is_contiguous():
             return fused.rms_norm(x, self.weight, self.eps, residual), residual
+        if x.dim() == 2 and triton_fused.supports(x, self.weight, residual) and residual.dtype == x.dtype:
+            return triton_fused.rms_norm(x, self.weight, self.eps, residual)
         residual = residual + x
         return self._norm(residual), residual
 
@@ -163,6 +169,9 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             and cos.stride(0) == sin.stride(0)):
         fused.rotary_(q, k, cos, sin)
         return q, k
+    if triton_fused.supports(q, k, cos, sin) and cos.dtype == sin.dtype:
+        triton_fused.rotary_(q, k, cos, sin)
+        return q, k
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
@@ -170,6 +179,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up (T, 2I) = gate | up -> (T, I)
     if gate_up.dim() == 2 and fused.supports(gate_up):
         return fused.silu_and_mul(gate_up)
+    if gate_up.dim() == 2 and triton_fused.supports(gate_up):
+        return triton_fused.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -19,6 +19,11 @@ The chain, in order (the order is the semantics; see the book's sampler chapter)
      10) min_p                           drop p < min_p * max p
      11) top-k, top-p
      12) exponential race (seeded rows draw from their own generator); torch.where(greedy)
+
+On CUDA, 9-12 run as one Triton kernel (kernels/triton/sampling.py: cut-offs by bisection, no
+sort, no host synchronisation) when no row uses min_p and the processed log-probs are not needed;
+it races the same Exp(1) noise from the same generators, so a seeded row draws the same token as
+on the torch path unless two candidates tie to float rounding.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from typing import Literal, NamedTuple, Sequence
 import torch
 
 from kernels.cpu.native import argmax_rows
+from kernels.triton import fused as triton_fused
 
 _SAMPLING_EPS = 1e-5   # temperature below this is greedy
 LogprobsMode = Literal["raw", "processed"]
@@ -366,10 +372,15 @@ class Sampler:
                want_processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> sampled (B,) int64 and, if asked, the log-probs (B, V) of the distribution drawn from
         (greedy rows: temperature 1 and no truncation)."""
-        greedy = argmax_rows(logits)                                      # (B,)
         if meta.all_greedy:
-            return greedy, logits.log_softmax(dim=-1) if want_processed else None
+            return argmax_rows(logits), logits.log_softmax(dim=-1) if want_processed else None
         is_greedy = meta.temperature < _SAMPLING_EPS                      # (B,)
+        if meta.no_min_p and not want_processed and triton_fused.supports(logits, meta.temperature):
+            # one kernel: greedy rows, then temperature, top-k, top-p and the race, no sort
+            temperature = torch.where(is_greedy, 0.0, meta.temperature)
+            noise = exponential_noise(logits, meta.generators)
+            return triton_fused.sample(logits, temperature, meta.top_k, meta.top_p, noise), None
+        greedy = argmax_rows(logits)                                      # (B,)
         logits.div_(torch.where(is_greedy, 1.0, meta.temperature)[:, None])
         if not meta.no_min_p:
             apply_min_p(logits, meta.min_p)

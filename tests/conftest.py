@@ -10,3 +10,32 @@ def child_env():
     """Environment for child nodes that import test modules."""
     return {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "unit"),
                                            os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_rounds_bfloat16_like_the_gpu():
+    """Triton's interpreter narrows float32 to bfloat16 by dropping the low bits (rounding toward
+    zero); a GPU's conversion rounds to nearest even, as torch does. Under TRITON_INTERPRET=1 the
+    kernels' bfloat16 results are made to round like on the GPU, so that comparisons with torch
+    measure the kernels, not the interpreter."""
+    from kernels.triton import interpreting
+    if not interpreting():
+        yield
+        return
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    cast_impl = builder.cast_impl
+
+    def rounding_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            narrowed = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interpreter.TensorHandle(narrowed.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    builder.cast_impl = rounding_cast
+    yield
+    builder.cast_impl = cast_impl

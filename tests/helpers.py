@@ -25,3 +25,34 @@ def run_steps(model, caches, tables, steps, block_size):
         with torch.inference_mode():
             logits.append(model.compute_logits(model(ids, pos, caches, meta)))
     return torch.cat(logits)
+
+
+def save_tiny_llama(path, vocab: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
+                    head_dim: int, max_positions: int) -> str:
+    """A random 2-layer Llama checkpoint (transformers' format) at ``path``, with spread-out
+    weights so that greedy tokens are stable across devices and dtypes, yet a wrong row or
+    position changes them. -> str(path)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                                      max_position_embeddings=max_positions, rms_norm_eps=1e-6,
+                                      num_hidden_layers=2, tie_word_embeddings=False))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+    hf.save_pretrained(path)
+    return str(path)
+
+
+def assert_same_steps(expected, got, atol: float) -> None:
+    """Two runs of tools.gpu_check.driver.padding_scenario: the same requests, the same sampled
+    tokens, the same top log-prob ids, and log-prob values within ``atol``."""
+    import numpy as np
+    for (ids_e, tok_e, lp_e), (ids_g, tok_g, lp_g) in zip(expected, got, strict=True):
+        assert ids_g == ids_e and tok_g == tok_e
+        assert lp_g.keys() == lp_e.keys()
+        for rid, (ids, vals) in lp_e.items():
+            assert lp_g[rid][0] == ids
+            np.testing.assert_allclose(lp_g[rid][1], vals, rtol=0, atol=atol)

@@ -5,9 +5,13 @@ For a head vector x and rot_dim = cos_sin_cache.shape[1] (<= head_size), dimensi
 pairs with j + rot_dim/2:
     out[j]             = x[j] * cos[j] - x[j + rot/2] * sin[j]
     out[j + rot/2]     = x[j + rot/2] * cos[j] + x[j] * sin[j]
-and dimensions >= rot_dim pass through. cos_sin_cache rows are cat(cos, sin) per position,
-vLLM's layout; from the model's (P, D) cos/sin caches it is
-``torch.cat([cos_cache[:, :D // 2], sin_cache[:, :D // 2]], dim=-1)``.
+and dimensions >= rot_dim pass through. Two ways to give cos and sin:
+
+* ``rotary_embedding(positions, q, k, cos_sin_cache)``: rows of cat(cos, sin) per position,
+  vLLM's layout, gathered by the kernel; from the model's (P, D) cos/sin caches it is
+  ``torch.cat([cos_cache[:, :D // 2], sin_cache[:, :D // 2]], dim=-1)``;
+* ``rotary_embedding_rows(q, k, cos, sin)``: one cos and one sin row per token, Hugging Face's
+  layout (the halves repeated, only the first half read), as the model layers already hold them.
 """
 from __future__ import annotations
 
@@ -41,19 +45,24 @@ def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half,
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr,      # (T,) int64 or int32
+    positions_ptr,      # (T,) int64 or int32, read when HAS_POSITIONS
     q_ptr,              # (T, H, D), rotated in place
     k_ptr,              # (T, KVH, D), rotated in place
-    cos_sin_ptr,        # (max_positions, rot_dim): cos | sin
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    cos_ptr,            # row r: cos[0:half]; r = positions[t] (HAS_POSITIONS) or t
+    sin_ptr,            # row r: sin[0:half]
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
     num_heads, num_kv_heads, half,
+    HAS_POSITIONS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)   # one program per token, all heads
-    pos = tl.load(positions_ptr + t).to(tl.int64)
+    if HAS_POSITIONS:
+        row = tl.load(positions_ptr + t).to(tl.int64)
+    else:
+        row = t
     j = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + j, mask=j < half, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + j, mask=j < half, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + row * stride_cos + j, mask=j < half, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + row * stride_sin + j, mask=j < half, other=0.0).to(tl.float32)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_heads, cos, sin, half, BLOCK_H, BLOCK_HALF)
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_kv_heads, cos, sin, half, BLOCK_KVH, BLOCK_HALF)
 
@@ -76,15 +85,51 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         raise ValueError(f"cos_sin_cache has rot_dim {rot_dim}; it must be even and in [2, head_size={D}]")
     if not inplace:
         query, key = query.clone(), key.clone()
-    if T > 0:
-        KVH = key.shape[1]
-        _rotary_kernel[(T,)](
-            positions, query, key, cos_sin_cache,
-            query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_sin_cache.stride(0),
-            H, KVH, rot_dim // 2,
-            BLOCK_H=next_power_of_2(H), BLOCK_KVH=next_power_of_2(KVH), BLOCK_HALF=next_power_of_2(rot_dim // 2),
-        )
+    half = rot_dim // 2
+    _launch(positions, query, key, cos_sin_cache, cos_sin_cache[:, half:], half)
     return RotaryOutput(query, key)
+
+
+def rotary_embedding_rows(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          inplace: bool = True) -> RotaryOutput:
+    """Rotate query (T, H, D) and key (T, KVH, D) by per-token cos and sin, each (T, D) or
+    (T, 1, D) in Hugging Face's layout (cos[:, j] == cos[:, j + D/2]; the first half is read).
+    In place by default (the inputs may be strided views of a fused qkv tensor)."""
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    T, H, D = query.shape
+    dev = query.device
+    check_tensor("key", key, ndim=3, dtypes=(query.dtype,), device=dev)
+    check_shape("key", key, (T, None, D))
+    rows = []
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, device=dev)
+        if t.dim() == 3:
+            check_shape(name, t, (T, 1, None))
+            t = t[:, 0]
+        check_shape(name, t, (T, None))
+        rows.append(t)
+    cos, sin = rows
+    if cos.shape[1] != sin.shape[1] or cos.shape[1] % 2 or not 2 <= cos.shape[1] <= D:
+        raise ValueError(f"cos and sin must have the same even width in [2, head_size={D}], "
+                         f"got {cos.shape[1]} and {sin.shape[1]}")
+    if not inplace:
+        query, key = query.clone(), key.clone()
+    _launch(None, query, key, cos, sin, cos.shape[1] // 2)
+    return RotaryOutput(query, key)
+
+
+def _launch(positions: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
+            cos: torch.Tensor, sin: torch.Tensor, half: int) -> None:
+    T, H, _ = query.shape
+    if T == 0:
+        return
+    KVH = key.shape[1]
+    _rotary_kernel[(T,)](
+        positions if positions is not None else cos, query, key, cos, sin,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos.stride(0), sin.stride(0),
+        H, KVH, half, HAS_POSITIONS=positions is not None,
+        BLOCK_H=next_power_of_2(H), BLOCK_KVH=next_power_of_2(KVH), BLOCK_HALF=next_power_of_2(half),
+    )
 
 
 def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

@@ -37,7 +37,7 @@ def _exercise() -> None:
     from kernels.attention import build_attention_metadata
     from kernels.triton.kv_store import store_kv_cache
     from kernels.triton.rmsnorm import rms_norm
-    from kernels.triton.rotary import rotary_embedding
+    from kernels.triton.rotary import rotary_embedding, rotary_embedding_rows
     from kernels.triton.sampling import sample
     from kernels.triton.silu_mul import silu_and_mul
     pd.dot_in_float32 = pp.dot_in_float32 = lambda dtype: False   # what the launchers pick on a GPU
@@ -57,6 +57,9 @@ def _exercise() -> None:
     rms_norm(x, torch.ones(4096, dtype=x.dtype), 1e-6)
     rotary_embedding(torch.arange(6), torch.randn(6, 32, 128, dtype=x.dtype), torch.randn(6, 8, 128, dtype=x.dtype),
                      torch.randn(10, 128))
+    qkv = torch.randn(6, 48 * 128, dtype=x.dtype)        # the layers' way: views of qkv, (T, 1, D) rows
+    rotary_embedding_rows(qkv[:, :32 * 128].view(6, 32, 128), qkv[:, 32 * 128:40 * 128].view(6, 8, 128),
+                          torch.randn(6, 1, 128, dtype=x.dtype), torch.randn(6, 1, 128, dtype=x.dtype))
     silu_and_mul(torch.randn(3, 2 * 11008, dtype=x.dtype))
     sample(torch.randn(2, 32000), torch.ones(2), torch.zeros(2, dtype=torch.int64), torch.ones(2),
            torch.ones(2, 32000))

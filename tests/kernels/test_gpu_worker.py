@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from helpers import save_tiny_llama  # noqa: E402
 from kernels.triton import interpreting  # noqa: E402
 
 pytestmark = [
@@ -27,18 +28,7 @@ VOCAB = 256
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=512, rms_norm_eps=1e-6, num_hidden_layers=2,
-                                      tie_word_embeddings=False))
-    with torch.no_grad():   # spread-out logits, so that greedy tokens are stable across devices
-        for name, p in hf.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
-    path = tmp_path_factory.mktemp("tiny_llama_gpu")
-    hf.save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_gpu"), VOCAB, 128, 256, 4, 2, 32, 512)
 
 
 def _worker(path: str, **cfg):
@@ -50,10 +40,17 @@ def _worker(path: str, **cfg):
     return worker, info, kv
 
 
-def test_worker_goes_to_cuda_in_bfloat16_and_captures_decode_graphs(tiny_llama):
+def test_worker_goes_to_cuda_in_bfloat16_and_captures_decode_graphs(tiny_llama, monkeypatch):
     from actors.worker.cuda_graphs import BatchDescriptor, capture_sizes
     from kernels.attention.triton_backend import TritonAttentionBackend
+    from kernels.triton import fused as triton_fused
     from tools.gpu_check.driver import generate
+    calls = dict.fromkeys(("rms_norm", "rotary_", "silu_and_mul"), 0)
+    for name in calls:
+        def counted(*args, _fn=getattr(triton_fused, name), _name=name):
+            calls[_name] += 1
+            return _fn(*args)
+        monkeypatch.setattr(triton_fused, name, counted)
     worker, info, kv = _worker(tiny_llama)
     assert (info.device, info.dtype) == ("cuda", "bfloat16")
     assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in worker.model.parameters())
@@ -63,6 +60,7 @@ def test_worker_goes_to_cuda_in_bfloat16_and_captures_decode_graphs(tiny_llama):
     assert list(runner.graphs.graphs) == [BatchDescriptor(n, n, True) for n in reversed(capture_sizes(8))]
     outs = generate(runner, [[1, 2, 3], list(range(5, 40)), [7] * 20], 12, BLOCK_SIZE)
     assert [len(o) for o in outs] == [12, 12, 12] and all(0 <= t < VOCAB for o in outs for t in o)
+    assert all(calls.values()), f"the layers did not all run their Triton kernels: {calls}"
 
 
 def test_enforce_eager_and_cpu_capture_nothing(tiny_llama):

@@ -53,7 +53,7 @@ def test_attention_kernels_bf16_on_cuda():
 
 def test_pointwise_kernels_bf16_on_cuda():
     from kernels.triton.rmsnorm import rms_norm, rms_norm_ref
-    from kernels.triton.rotary import rotary_embedding, rotary_embedding_ref
+    from kernels.triton.rotary import rotary_embedding, rotary_embedding_ref, rotary_embedding_rows
     from kernels.triton.sampling import sample, sample_ref
     from kernels.triton.silu_mul import silu_and_mul, silu_and_mul_ref
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -70,6 +70,12 @@ def test_pointwise_kernels_bf16_on_cuda():
     pos = torch.randint(0, 4096, (37,), device="cuda", generator=g)
     for got, want in zip(rotary_embedding(pos, q, k, cache, inplace=False), rotary_embedding_ref(pos, q, k, cache)):
         torch.testing.assert_close(got, want, **TOL)
+    rows = cache.to(BF16)[pos]                                   # (37, 128): cos | sin per token
+    cos, sin = (torch.cat([rows[:, h], rows[:, h]], -1)[:, None] for h in (slice(0, 64), slice(64, 128)))
+    q_rows, k_rows = q.clone(), k.clone()
+    rotary_embedding_rows(q_rows, k_rows, cos, sin)              # the layers' layout, in place
+    for got, want in zip((q_rows, k_rows), rotary_embedding(pos, q, k, cache.to(BF16), inplace=False)):
+        assert torch.equal(got, want)
     gu = torch.randn(37, 2 * 11008, device="cuda", dtype=BF16, generator=g)
     torch.testing.assert_close(silu_and_mul(gu), silu_and_mul_ref(gu), **TOL)
     B, V = 16, 32000

@@ -19,6 +19,7 @@ from actors.worker.model_runner import ModelRunner  # noqa: E402
 from kernels.attention import build_attention_metadata  # noqa: E402
 from models.registry import load_model  # noqa: E402
 from models.resolve import resolve_model  # noqa: E402
+from helpers import assert_same_steps, save_tiny_llama  # noqa: E402
 from tools.gpu_check.driver import StepDriver, padding_scenario  # noqa: E402
 from transport.messages import CachedRequestData, SchedulerOutput  # noqa: E402
 
@@ -96,17 +97,7 @@ def _inputs(meta, input_ids, positions):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                                      rms_norm_eps=1e-6, num_hidden_layers=2, tie_word_embeddings=False))
-    with torch.no_grad():   # spread-out logits: a wrong row or position changes the tokens
-        for name, p in hf.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    hf.save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), VOCAB, 64, 96, 4, 2, 16, 256)
 
 
 def _backend(name: str):
@@ -144,12 +135,7 @@ def test_padded_buffers_give_the_real_rows_the_eager_results(model):
     expected = padding_scenario(plain, BLOCK_SIZE, VOCAB)
     got = padding_scenario(padded, BLOCK_SIZE, VOCAB)
     assert sorted(set(calls)) == [(1, 1), (2, 2), (4, 3), (8, 6)]
-    for (ids_e, tok_e, lp_e), (ids_g, tok_g, lp_g) in zip(expected, got, strict=True):
-        assert ids_g == ids_e and tok_g == tok_e
-        assert lp_g.keys() == lp_e.keys()
-        for rid, (ids, vals) in lp_e.items():
-            assert lp_g[rid][0] == ids
-            np.testing.assert_allclose(lp_g[rid][1], vals, rtol=0, atol=1e-4)
+    assert_same_steps(expected, got, atol=1e-4)
 
 
 def test_padded_hidden_states_equal_unpadded(model):

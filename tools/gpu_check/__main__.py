@@ -83,7 +83,8 @@ def criteria(report: dict) -> dict:
             "speedup_batch64": b64.get("speedup"),
             "speedup_batch64_ge_3": (b64["speedup"] >= 3) if b64 else None,
             "graphs_tokens_per_s_batch64": (b64.get("graphs") or {}).get("tokens_per_s"),
-            "bandwidth_fraction_forward_batch64": b64.get("bandwidth_fraction_forward")}
+            "bandwidth_fraction_forward_batch64": b64.get("bandwidth_fraction_forward"),
+            "triton_ops_speedup_batch64": b64.get("triton_ops_speedup")}
 
 
 def _parse() -> argparse.Namespace:

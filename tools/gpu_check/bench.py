@@ -2,7 +2,8 @@
 prefilled together, then timed decode steps (one token per request per step, sampling and the
 host round trip included). Reports tokens/s, the speed-up of graphs over eager, and achieved
 memory bandwidth (weights plus the KV cache read per step, over the step time and over the
-forward time alone) against the device's peak. Last line: one JSON object.
+forward time alone) against the device's peak; at the largest batch, also graphs with the
+layers' plain torch ops instead of the Triton elementwise kernels. Last line: one JSON object.
 
 The model has its source's full depth: a cut GGUF (see prepare.py) records the original layer
 count, and its kept layers are repeated to fill it, so shapes, bytes and kernel counts are
@@ -126,8 +127,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(path: str, batches: list[int], prompt_len: int, warmup: int, steps: int, device: str = "cuda") -> dict:
-    """device "cpu" is a dry run of this script (float32, the padded path run eagerly)."""
+def run(path: str, batches: list[int], prompt_len: int, warmup: int, steps: int, device: str = "cuda",
+        compare_torch_ops: bool = True) -> dict:
+    """device "cpu" is a dry run of this script (float32, the padded path run eagerly).
+    ``compare_torch_ops``: also time the largest batch's graphs with the plain torch ops."""
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, config, kept = load_full_depth(path, dtype, device)
@@ -146,6 +149,19 @@ def run(path: str, batches: list[int], prompt_len: int, warmup: int, steps: int,
             "speedup": round(graphs["tokens_per_s"] / eager["tokens_per_s"], 2),
             "bandwidth_fraction_step": round(graphs["GBps_step"] * 1e9 / peak, 4) if peak else None,
             "bandwidth_fraction_forward": round(graphs["GBps_forward"] * 1e9 / peak, 4) if peak else None}
+    # A/B at the largest batch, with time to spare: the layers' Triton elementwise kernels (RMSNorm,
+    # rotary, SiLU-and-mul) against the plain torch ops they replace, both with graphs
+    if compare_torch_ops and time.perf_counter() - t0 < 45:
+        from kernels.triton import fused as triton_fused
+        batch = max(batches)
+        triton_fused.ENABLED = False
+        try:
+            torch_ops = bench(model, config, dtype, device, batch, True, prompt_len, warmup, steps)
+        finally:
+            triton_fused.ENABLED = True
+        entry = result["batches"][str(batch)]
+        entry["graphs_torch_ops"] = torch_ops
+        entry["triton_ops_speedup"] = round(entry["graphs"]["tokens_per_s"] / torch_ops["tokens_per_s"], 2)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
 
