@@ -92,9 +92,9 @@ class EngineCore:
                       (self.num_blocks - 1) * cfg.block_size)
         self.max_model_len = max_len
         kv_info = await worker.ask(self._init_kv(), timeout=120)
-        log.info("model %s loaded in %.1f s; KV cache: %d blocks of %d tokens (%.0f MiB, %s); "
-                 "max model len %d", info.served_name, info.load_seconds, self.num_blocks,
-                 cfg.block_size, kv_info.bytes / 2**20, info.kv_cache_dtype or info.dtype, max_len)
+        log.info("model %s loaded on %s (%s) in %.1f s; KV cache: %d blocks of %d tokens (%.0f MiB, %s); "
+                 "max model len %d", info.served_name, info.device, info.dtype, info.load_seconds,
+                 self.num_blocks, cfg.block_size, kv_info.bytes / 2**20, info.kv_cache_dtype or info.dtype, max_len)
         sched_cfg = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max_len, block_size=cfg.block_size,

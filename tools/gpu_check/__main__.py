@@ -5,7 +5,7 @@
   2) model: --model (a cut SmolLM2 from prepare.py), merged with --rest into the whole model
   3) parity: greedy GPU vs CPU (tools/gpu_check/parity.py)
   4) bench: decode tokens/s eager vs CUDA graphs, bandwidth vs peak (tools/gpu_check/bench.py)
-  5) tests: pytest tests/kernels and the CUDA-graph dispatch tests, on CUDA
+  5) tests: pytest tests/kernels, the CUDA-graph dispatch tests and the server on CUDA
 Each part runs in its own process with its own timeout (all together under five minutes), so
 a hang or a crash costs that part only. The last line printed is one JSON object; it is also
 written, with each part's log, to $OUT or --out. Exit status 0 when every part passed.
@@ -56,6 +56,7 @@ def main() -> int:
     parts = {"parity": [sys.executable, "-m", "tools.gpu_check.parity", "--model", model["path"]],
              "bench": [sys.executable, "-m", "tools.gpu_check.bench", "--model", model["path"]],
              "tests": _pytest_command()}
+    os.environ["TROUPE_GPU_MODEL"] = model["path"]          # the server test serves the checked model
     if args.dry_run:
         parts["parity"] += ["--device", "cpu", "--tokens", "4"]
         parts["bench"] += ["--device", "cpu", "--batches", "2", "--prompt-len", "8", "--warmup", "1", "--steps", "2"]
@@ -168,7 +169,8 @@ def _model(args: argparse.Namespace) -> dict:
 
 
 def _pytest_command() -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/unit/test_cuda_graph_dispatch.py", "-q",
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/unit/test_cuda_graph_dispatch.py",
+           "tests/e2e/test_gpu_server.py", "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "120"]
     try:
         import xdist  # noqa: F401   (the GPU machine has pytest-xdist: compile kernels in parallel)

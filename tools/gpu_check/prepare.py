@@ -8,7 +8,7 @@ two GGUF files, byte for byte:
     DIR/smollm2.gguf        tokenizer, embedding (tied output head), final norm, layers 0..K-1
                             (llama.block_count = K; troupe.source_block_count = 30): a complete
                             model on its own, what one call checks with
-    DIR/wheels/*.whl        msgspec and gguf for the GPU machine's Python
+    DIR/wheels/*.whl        msgspec, gguf and pyzmq for the GPU machine's Python
     REST/smollm2-rest.gguf  layers K..29 (``--rest REST``): carried by a second call right after
                             the first, while the machine is still warm and keeps DIR; gpu_check
                             then merges the two into the whole model (``merge_gguf``)
@@ -24,8 +24,9 @@ import subprocess
 import sys
 
 # What the GPU machine's image lacks (see the device tool's KINDS.md), pinned to the versions
-# this project is tested with. The worker path needs no more (no pyzmq, no uvloop).
-WHEELS = ["msgspec==0.23.0", "gguf==0.19.0"]
+# this project is tested with: the worker path needs msgspec and gguf, the server test pyzmq
+# (aiohttp and uvloop are there).
+WHEELS = ["msgspec==0.23.0", "gguf==0.19.0", "pyzmq==27.3.0"]
 GPU_PYTHON = "3.12"
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "any"]
