@@ -7,6 +7,12 @@ import logging
 from tools.bench import workload
 
 
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: a CUDA GPU when one is present, else the CPU")
+    p.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m tools.bench")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -21,6 +27,7 @@ def main() -> None:
     off.add_argument("--kv-cache-gib", type=float, default=0)
     off.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     off.add_argument("--multiprocess", action="store_true", help="the server's 3-process layout")
+    add_device_arguments(off)
 
     srv = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
     workload.add_arguments(srv)
@@ -40,6 +47,7 @@ def main() -> None:
     lat.add_argument("--decode-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--seed", type=int, default=0)
+    add_device_arguments(lat)
 
     agr = sub.add_parser("agreement", help="greedy agreement of a quantized mode with exact mode")
     agr.add_argument("--model", default=None)

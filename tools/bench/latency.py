@@ -16,7 +16,8 @@ from tools.bench import workload
 async def warm(args: Any) -> dict[str, float]:
     from actors.api import AsyncLLM, SamplingParams
     llm = await AsyncLLM.create(args.model, dtype=args.dtype, quantization=args.quantization,
-                                kv_cache_dtype=args.kv_cache_dtype)
+                                kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+                                enforce_eager=args.enforce_eager)
     try:
         # a fresh prompt for every run: a repeated one would be served from the prefix cache
         prompts = [r["prompt_token_ids"] for r in workload.generate(
@@ -47,7 +48,9 @@ def cold_start(args: Any) -> float:
     cmd = [sys.executable, "-m", "tools.serve", "--port", "0"] + (["--model", args.model] if args.model else [])
     if args.quantization:
         cmd += ["--quantization", args.quantization]
-    cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--device", args.device]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -74,7 +77,8 @@ def cold_start(args: Any) -> float:
 
 def main(args: Any) -> None:
     import uvloop
-    result: dict[str, Any] = {"bench": "latency", "engine": "troupe", "quantization": args.quantization,
+    result: dict[str, Any] = {"bench": "latency", "engine": "troupe", "device": args.device,
+                              "enforce_eager": args.enforce_eager, "quantization": args.quantization,
                               "kv_cache_dtype": args.kv_cache_dtype,
                               "prompt_tokens": args.prompt_len}
     result.update(uvloop.run(warm(args)))

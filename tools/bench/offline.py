@@ -11,6 +11,7 @@ from tools.bench import flops, workload
 
 async def run(args: Any) -> dict[str, Any]:
     from actors.api import AsyncLLM, SamplingParams
+    from actors.worker.device import resolve_device
     from models.gguf_header import read_gguf
     from models.gguf_loader import gguf_model_config
     from models.resolve import resolve_model
@@ -19,7 +20,8 @@ async def run(args: Any) -> dict[str, Any]:
     engine_opts = {"dtype": args.dtype, "quantization": args.quantization,
                    "kv_cache_dtype": args.kv_cache_dtype,
                    "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens}
+                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "device": args.device, "enforce_eager": args.enforce_eager}
     if args.kv_cache_gib:
         engine_opts["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
     llm = await AsyncLLM.create(args.model, multiprocess=args.multiprocess, **engine_opts)
@@ -48,15 +50,17 @@ async def run(args: Any) -> dict[str, Any]:
     n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
     n_out = sum(outs)
     gflops = flops.workload_flops(config, reqs) / seconds / 1e9
-    peak = flops.matmul_peak_gflops()
-    return {"bench": "offline", "engine": "troupe", "dtype": args.dtype,
+    device = resolve_device(args.device).type
+    peak = flops.matmul_peak_gflops() if device == "cpu" else None    # this CPU's own float32 peak
+    return {"bench": "offline", "engine": "troupe", "device": device, "enforce_eager": args.enforce_eager,
+            "dtype": args.dtype,
             "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "requests": len(reqs),
             "prompt_tokens": n_in, "output_tokens": n_out, "seconds": round(seconds, 3),
             "output_tok_per_s": round(n_out / seconds, 2),
             "total_tok_per_s": round((n_in + n_out) / seconds, 2),
-            "gflops_per_s": round(gflops, 1), "matmul_peak_gflops_per_s": round(peak, 1),
-            "fraction_of_peak": round(gflops / peak, 3), "steps": stats.steps,
+            "gflops_per_s": round(gflops, 1), "matmul_peak_gflops_per_s": round(peak, 1) if peak else None,
+            "fraction_of_peak": round(gflops / peak, 3) if peak else None, "steps": stats.steps,
             "engine_overhead_fraction": round(1 - compute / busy, 4) if busy else None,
             "max_batch_size": stats.max_batch_size}
 

@@ -3,9 +3,11 @@
   0) no CUDA: exit 2 at once, saying so
   1) wheels: install those of --wheels DIR whose package is missing, into /tmp/troupe-site
   2) model: --model (a cut SmolLM2 from prepare.py), merged with --rest into the whole model
-  3) parity: greedy GPU vs CPU (tools/gpu_check/parity.py)
-  4) bench: decode tokens/s eager vs CUDA graphs, bandwidth vs peak (tools/gpu_check/bench.py)
-  5) tests: pytest tests/kernels, the CUDA-graph dispatch tests and the server on CUDA
+  3) tests: pytest tests/kernels, the CUDA-graph dispatch tests and the server on CUDA
+  4) parity: greedy GPU vs CPU (tools/gpu_check/parity.py)
+  5) bench: decode tokens/s eager vs CUDA graphs, bandwidth vs peak (tools/gpu_check/bench.py)
+  6) offline: the engine's offline throughput benchmark with CUDA graphs and with
+     --enforce-eager (tools/gpu_check/offline.py)
 Each part runs in its own process with its own timeout (all together under five minutes), so
 a hang or a crash costs that part only. The last line printed is one JSON object; it is also
 written, with each part's log, to $OUT or --out. Exit status 0 when every part passed.
@@ -28,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CARRY = os.path.join(ROOT, ".gpu_carry")
 SITE = "/tmp/troupe-site"
 BUDGET_S = 290                                   # the whole run
-TIMEOUTS = {"parity": 90, "bench": 100, "tests": 150}
+TIMEOUTS = {"tests": 150, "parity": 80, "bench": 90, "offline": 80}   # run in this order
 
 
 def main() -> int:
@@ -53,13 +55,16 @@ def main() -> int:
     except Exception as exc:  # no model, no checks: say which and why
         return _finish(report | {"error": f"model: {type(exc).__name__}: {exc}"}, out_dir, 1)
     report["model"] = model
-    parts = {"parity": [sys.executable, "-m", "tools.gpu_check.parity", "--model", model["path"]],
+    parts = {"tests": _pytest_command(),
+             "parity": [sys.executable, "-m", "tools.gpu_check.parity", "--model", model["path"]],
              "bench": [sys.executable, "-m", "tools.gpu_check.bench", "--model", model["path"]],
-             "tests": _pytest_command()}
+             "offline": [sys.executable, "-m", "tools.gpu_check.offline", "--model", model["path"],
+                         "--timeout", str(TIMEOUTS["offline"] - 5)]}
     os.environ["TROUPE_GPU_MODEL"] = model["path"]          # the server test serves the checked model
     if args.dry_run:
         parts["parity"] += ["--device", "cpu", "--tokens", "4"]
         parts["bench"] += ["--device", "cpu", "--batches", "2", "--prompt-len", "8", "--warmup", "1", "--steps", "2"]
+        parts["offline"] += ["--device", "cpu", "--n", "2", "--in", "8", "--out", "4"]
         parts["tests"] = parts["tests"][:5] + ["-q", "-p", "no:cacheprovider", "-k", "dispatch or backend"]
     for name, cmd in parts.items():
         if name in args.skip:
@@ -85,7 +90,8 @@ def criteria(report: dict) -> dict:
             "speedup_batch64_ge_3": (b64["speedup"] >= 3) if b64 else None,
             "graphs_tokens_per_s_batch64": (b64.get("graphs") or {}).get("tokens_per_s"),
             "bandwidth_fraction_forward_batch64": b64.get("bandwidth_fraction_forward"),
-            "triton_ops_speedup_batch64": b64.get("triton_ops_speedup")}
+            "triton_ops_speedup_batch64": b64.get("triton_ops_speedup"),
+            "offline_graphs_over_eager": (report["offline"].get("result") or {}).get("speedup")}
 
 
 def _parse() -> argparse.Namespace:
@@ -98,7 +104,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--rest", default=_existing(os.path.join(CARRY, "rest", "smollm2-rest.gguf")),
                    help="the missing layers of a cut --model, merged into the whole model")
     p.add_argument("--out", help="folder for the JSON and the logs (default: $OUT)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: parity, bench, tests")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: tests, parity, bench, offline")
     p.add_argument("--dry-run", action="store_true",
                    help="without CUDA: run each part's CPU dry run (checks this script's plumbing only)")
     args = p.parse_args()
