@@ -13,6 +13,7 @@ residual, in-place rotary) are split into ops with a single clear contract:
     fused_add_rms_norm(x, residual, weight, eps) -> (Tensor, Tensor)
     rotary_embedding(positions, query, key, cos_sin_cache) -> (Tensor, Tensor)
     rotary_embedding_(positions, query!, key!, cos_sin_cache) -> ()
+    rotary_embedding_rows_(query!, key!, cos, sin) -> ()      the layers' per-token cos/sin rows
     silu_and_mul(x) -> Tensor
     sample(logits, temperature, top_k, top_p, exp_noise) -> Tensor
 """
@@ -100,6 +101,16 @@ def rotary_embedding_(positions: torch.Tensor, query: torch.Tensor, key: torch.T
 
 @rotary_embedding_.register_fake
 def _(positions, query, key, cos_sin_cache) -> None:
+    return None
+
+
+@torch.library.custom_op("troupe::rotary_embedding_rows_", mutates_args=("query", "key"))
+def rotary_embedding_rows_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    rotary.rotary_embedding_rows(query, key, cos, sin, inplace=True)
+
+
+@rotary_embedding_rows_.register_fake
+def _(query, key, cos, sin) -> None:
     return None
 
 

@@ -41,6 +41,8 @@ def _inputs():
                              torch.randn(32, 16, generator=g).to(DEVICE)),
         "rotary_embedding_": (torch.arange(T, device=DEVICE), case.query.float(), case.key.float(),
                               torch.randn(32, 8, generator=g).to(DEVICE)),
+        "rotary_embedding_rows_": (case.query.float(), case.key.float(),
+                                   *(torch.randn(T, 1, 16, generator=g).to(DEVICE) for _ in range(2))),
         "silu_and_mul": (x,),
         "sample": (logits, torch.tensor([0.0, 0.8], device=DEVICE), torch.tensor([0, 5], device=DEVICE),
                    torch.tensor([1.0, 0.9], device=DEVICE), torch.ones_like(logits)),
@@ -66,7 +68,7 @@ def test_fake_implementations_give_real_shapes_and_dtypes():
 
 @pytest.mark.parametrize("name", ["store_kv_cache", "paged_decode_attention", "paged_prefill_attention",
                                   "rms_norm", "fused_add_rms_norm", "rotary_embedding", "rotary_embedding_",
-                                  "silu_and_mul", "sample"])
+                                  "rotary_embedding_rows_", "silu_and_mul", "sample"])
 def test_opcheck(name):
     _, inputs = _inputs()
     torch.library.opcheck(getattr(ops, name).default, inputs[name])  # schema, autograd, fake, aot_dispatch
@@ -94,6 +96,12 @@ def test_ops_compute_what_the_launchers_compute():
     q_out, k_out = ops.rotary_embedding(positions, q, k, cache)
     assert ops.rotary_embedding_(positions, q, k, cache) is None
     assert torch.equal(q, q_out) and torch.equal(k, k_out)
+    q, k, cos, sin = inputs["rotary_embedding_rows_"]
+    q_rows, k_rows = q.clone(), k.clone()
+    assert ops.rotary_embedding_rows_(q_rows, k_rows, cos, sin) is None
+    from kernels.triton.rotary import rotary_embedding_rows
+    want = rotary_embedding_rows(q, k, cos, sin, inplace=False)
+    assert torch.equal(q_rows, want.query) and torch.equal(k_rows, want.key) and not torch.equal(q_rows, q)
     key, value, kv_cache, slots = inputs["store_kv_cache"]
     ops.store_kv_cache(key, value, kv_cache, slots)
     assert not torch.equal(kv_cache, case.kv_cache)
