@@ -56,3 +56,22 @@ def assert_same_steps(expected, got, atol: float) -> None:
         for rid, (ids, vals) in lp_e.items():
             assert lp_g[rid][0] == ids
             np.testing.assert_allclose(lp_g[rid][1], vals, rtol=0, atol=atol)
+
+
+def shuffled_paged_metadata(reqs, block_size: int, gen, num_padding: int = 0, spare_blocks: int = 3):
+    """Attention metadata for requests given as (cached context length, query length) whose
+    pages are shuffled (non-contiguous block tables), page 0 left to padding; ``num_padding``
+    padding tokens at the end. -> (metadata, number of pages the cache needs)."""
+    import torch
+
+    from kernels.attention import build_attention_metadata
+    block_counts = [-(-(ctx + q) // block_size) for ctx, q in reqs]
+    num_blocks = sum(block_counts) + spare_blocks
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_tables, used = [], 0
+    for n in block_counts:
+        block_tables.append(perm[used:used + n])
+        used += n
+    meta = build_attention_metadata([q for _, q in reqs], [ctx + q for ctx, q in reqs], block_tables, block_size,
+                                    num_tokens=sum(q for _, q in reqs) + num_padding)
+    return meta, num_blocks

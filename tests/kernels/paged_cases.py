@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.attention import AttentionMetadata, build_attention_metadata
+from helpers import shuffled_paged_metadata
+from kernels.attention import AttentionMetadata
 from kernels.triton import interpreting
 
 # Under the interpreter kernels run on CPU tensors; with a GPU and no interpreter, on CUDA.
@@ -33,15 +34,7 @@ def make_case(reqs: list[tuple[int, int]], block_size: int, num_heads: int, num_
               head_size: int, dtype: torch.dtype = torch.float32, num_padding: int = 0,
               seed: int = 0) -> PagedCase:
     gen = torch.Generator().manual_seed(seed)
-    block_counts = [-(-(ctx + q) // block_size) for ctx, q in reqs]
-    num_blocks = sum(block_counts) + 3
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    block_tables, used = [], 0
-    for n in block_counts:
-        block_tables.append(perm[used:used + n])
-        used += n
-    meta = build_attention_metadata([q for _, q in reqs], [ctx + q for ctx, q in reqs], block_tables,
-                                    block_size, num_tokens=sum(q for _, q in reqs) + num_padding)
+    meta, num_blocks = shuffled_paged_metadata(reqs, block_size, gen, num_padding)
     meta = meta_on(meta, DEVICE)
     T = meta.num_tokens
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import shuffled_paged_metadata
 from kernels.attention import CpuAttentionBackend, build_attention_metadata, reference_paged_attention
 
 HEAD_SIZE = 16
@@ -19,16 +20,7 @@ SCENARIOS = {
 def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, sliding_window=None,
               kv_dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    block_counts = [-(-(ctx + q) // block_size) for ctx, q in reqs]
-    num_blocks = sum(block_counts) + 3
-    # Non-contiguous, shuffled physical blocks; block 0 is left to padding.
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    block_tables, used = [], 0
-    for n in block_counts:
-        block_tables.append(perm[used:used + n])
-        used += n
-    meta = build_attention_metadata([q for _, q in reqs], [ctx + q for ctx, q in reqs], block_tables, block_size,
-                                    num_tokens=sum(q for _, q in reqs) + num_padding)
+    meta, num_blocks = shuffled_paged_metadata(reqs, block_size, gen, num_padding)
     T = meta.num_tokens
     query = torch.randn(T, num_heads, HEAD_SIZE, generator=gen)
     key = torch.randn(T, num_kv_heads, HEAD_SIZE, generator=gen)
@@ -460,15 +452,7 @@ def test_backend_native_prefill_in_mixed_batches(H, KVH, D):
     gen = torch.Generator().manual_seed(H + D)
     reqs = [(0, 1), (0, 15), (40, 1), (0, 16), (0, 17), (20, 13), (0, 100), (9, 1), (0, 300)]  # (context, query)
     BS = 16
-    counts = [-(-(c + n) // BS) for c, n in reqs]
-    N = sum(counts) + 2
-    perm = (torch.randperm(N - 1, generator=gen) + 1).tolist()
-    tables, used = [], 0
-    for n in counts:
-        tables.append(perm[used:used + n])
-        used += n
-    meta = build_attention_metadata([n for _, n in reqs], [c + n for c, n in reqs], tables, BS,
-                                    num_tokens=sum(n for _, n in reqs) + 3)
+    meta, N = shuffled_paged_metadata(reqs, BS, gen, num_padding=3, spare_blocks=2)
     q, k, v = _fused_qkv(meta.num_tokens, H, KVH, D, gen)
     cache = torch.randn(2, N, BS, KVH, D, generator=gen)
     scale = D ** -0.5
