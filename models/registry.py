@@ -69,6 +69,13 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     return LoadedModel(model.eval(), config)
 
 
+def model_config(source: ModelSource) -> ModelConfig:
+    """The architecture config of a source, without reading its weights."""
+    if source.kind == "gguf":
+        return gguf_model_config(read_gguf(source.path))
+    return _open_checkpoint(source)[0]
+
+
 def _open_checkpoint(source: ModelSource) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], str]:
     """(config, lazy weight iterator, name of the model's tensor map) for a source."""
     if source.kind == "gguf":

@@ -12,8 +12,7 @@ from tools.bench import flops, workload
 async def run(args: Any) -> dict[str, Any]:
     from actors.api import AsyncLLM, SamplingParams
     from actors.worker.device import resolve_device
-    from models.gguf_header import read_gguf
-    from models.gguf_loader import gguf_model_config
+    from models.registry import model_config
     from models.resolve import resolve_model
 
     reqs = workload.from_args(args)
@@ -46,7 +45,7 @@ async def run(args: Any) -> dict[str, Any]:
         compute = stats.last.compute_seconds - before.compute_seconds
     finally:
         await llm.shutdown()
-    config = gguf_model_config(read_gguf(resolve_model(args.model).path))
+    config = model_config(resolve_model(args.model))
     n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
     n_out = sum(outs)
     gflops = flops.workload_flops(config, reqs) / seconds / 1e9
