@@ -51,7 +51,7 @@ class OutputStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._pending: RequestOutput | None = None
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None    # the reader's, while it waits
         self.finished = False
 
     def put(self, out: RequestOutput) -> None:
@@ -60,18 +60,29 @@ class OutputStream:
         else:
             self._pending.merge(out)
         self.finished = self.finished or out.finished
-        self._ready.set()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def get(self, timeout: float) -> RequestOutput:
         """The next output (possibly several merged); StreamTimeout if none comes in time."""
         if self._pending is None:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, _expire, waiter)   # a future and a timer: no task per wait
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout)
-            except TimeoutError:
-                raise StreamTimeout(f"no output for request {self.request_id} within {timeout:g} s") from None
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if self._pending is None:
+                raise StreamTimeout(f"no output for request {self.request_id} within {timeout:g} s")
         out, self._pending = self._pending, None
-        self._ready.clear()
-        return out  # type: ignore[return-value]
+        return out
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class OutputStreams:

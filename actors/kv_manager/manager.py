@@ -28,7 +28,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self._exclusive_changed: set[str] = set()
+        self._num_registered: dict[str, int] = {}   # leading full blocks of a request already offered
+        self._exclusive_changed: set[str] = set()   # to the prefix cache (each step offers only new ones)
 
     # -- round trip 1 ------------------------------------------------------------------------
     def prepare(self, msg: KVPrepare) -> KVPrepareResult:
@@ -82,13 +83,18 @@ class KVCacheManager:
         return blocks
 
     def _cache_full_blocks(self, a: KVAlloc, blocks: list[KVCacheBlock]) -> None:
+        """Offer the blocks that became full since the request's last step to the prefix cache."""
         n = min(a.num_full_blocks, len(a.block_hashes), len(blocks))
-        for b, h in zip(blocks[:n], a.block_hashes[:n]):
-            self.pool.cache_full_block(b, h)
+        done = self._num_registered.get(a.req_id, 0)
+        for i in range(done, n):
+            self.pool.cache_full_block(blocks[i], a.block_hashes[i])
+        if n > done:
+            self._num_registered[a.req_id] = n
 
     # -- release -----------------------------------------------------------------------------
     def free(self, req_id: str) -> None:
         blocks = self.req_to_blocks.pop(req_id, None)
+        self._num_registered.pop(req_id, None)
         self._exclusive_changed.discard(req_id)
         if blocks:
             for b in self.pool.free_blocks(req_id, blocks[::-1]):
@@ -111,6 +117,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         self.pool.reset_prefix_cache()
+        self._num_registered.clear()      # running requests offer their full blocks again
         return True
 
     def usage(self) -> float:

@@ -53,6 +53,7 @@ class ModelRunner:
         self.kv_caches = create_kv_cache_views(specs, num_blocks, kv_dtype, self.device)  # validates the specs
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device)
         self.sampler = Sampler()
+        self._meta_cache: tuple | None = None     # (row states' ids, SamplingMetadata, the states)
         self.graphs = (CudaGraphRunner(model, self.kv_caches, cudagraph_sizes, max_model_len, block_size,
                                        self.device) if cudagraph_sizes else None)
 
@@ -143,8 +144,14 @@ class ModelRunner:
         return self.model(to_dev(inp.input_ids), to_dev(inp.positions), self.kv_caches, meta)
 
     def sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
+        """The sampler's per-row tensors. Reused while the same requests sit in the same rows
+        and no row's sampling reads its tokens so far (penalties, bad words, min_tokens): then
+        nothing in it changes from step to step (seeded generators advance in place)."""
         b = self.batch
         states = [b.states[i] for i in slots.tolist()]
+        key = tuple(map(id, states))
+        if self._meta_cache is not None and self._meta_cache[0] == key:
+            return self._meta_cache[1]
         ps = [s.params for s in states]
         penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                         for p in ps)
@@ -154,7 +161,7 @@ class ModelRunner:
                   if any(p.repetition_penalty != 1.0 for p in ps) else None)
         want = [p.logprobs for p in ps if p.logprobs is not None]
         eos = list(self.config.eos_token_ids)
-        return SamplingMetadata.from_lists(
+        meta = SamplingMetadata.from_lists(
             temperature=[p.temperature for p in ps], top_p=[p.top_p for p in ps],
             top_k=[p.top_k for p in ps], generators=[s.generator for s in states],
             min_p=[p.min_p for p in ps],
@@ -167,6 +174,8 @@ class ModelRunner:
             logit_bias=[p.logit_bias for p in ps], allowed_token_ids=[p.allowed_token_ids for p in ps],
             bad_words_token_ids=[p.bad_words_token_ids or None for p in ps],
             max_num_logprobs=max(want) if want else None, device=self.device)
+        self._meta_cache = None if needs_output else (key, meta, states)   # states held: ids stay theirs
+        return meta
 
     def _sample_logprobs(self, req_ids: list[str], rows: np.ndarray, slots: np.ndarray,
                          lp: LogprobsTensors, out: ModelRunnerOutput) -> None:

@@ -168,6 +168,32 @@ def test_prefix_hit_across_requests_skips_full_cached_blocks():
     assert h.s.counters.prefix_cache_hits == 12
 
 
+def test_blocks_filled_while_decoding_are_cached_once_each():
+    h = Harness()
+    h.add("a", list(range(100, 106)), max_tokens=12)     # 6 prompt tokens, then decodes to 18
+    offered = []
+    cache = h.kv.pool.cache_full_block
+    h.kv.pool.cache_full_block = lambda b, bh: (offered.append(b.block_id), cache(b, bh))
+    for _ in range(12):
+        h.step()
+    assert sorted(offered) == sorted(set(offered)) and len(offered) == 4     # 16 of 18 tokens: 4 blocks
+    h.add("b", list(range(100, 106)) + [7] * 11 + [9])  # a's whole text so far, then something new
+    so, _ = h.step()
+    assert so.new_reqs[0].num_computed_tokens == 16
+
+
+def test_running_request_offers_its_blocks_again_after_a_prefix_cache_reset():
+    h = Harness()
+    h.add("a", list(range(100, 110)), max_tokens=20)
+    h.step()
+    h.step()
+    h.kv.reset_prefix_cache()
+    h.step()
+    h.add("b", list(range(100, 110)) + [7, 7, 5])
+    so, _ = h.step()
+    assert so.new_reqs[0].num_computed_tokens == 12       # a's 3 full blocks, cached again
+
+
 def test_partial_last_block_is_not_a_hit():
     h = Harness()
     h.add("a", list(range(100, 110)), max_tokens=1)      # 2 full blocks + 2 tokens
