@@ -73,7 +73,9 @@ def model_config(source: ModelSource) -> ModelConfig:
     """The architecture config of a source, without reading its weights."""
     if source.kind == "gguf":
         return gguf_model_config(read_gguf(source.path))
-    return _open_checkpoint(source)[0]
+    if source.kind == "hf_dir":
+        return read_hf_config(source.path)
+    return _open_checkpoint(source)[0]          # says which kinds there are
 
 
 def _open_checkpoint(source: ModelSource) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], str]:

@@ -28,8 +28,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self._num_registered: dict[str, int] = {}   # leading full blocks of a request already offered
-        self._exclusive_changed: set[str] = set()   # to the prefix cache (each step offers only new ones)
+        # per request: how many of its leading full blocks were offered to the prefix cache
+        self._num_registered: dict[str, int] = {}
+        self._exclusive_changed: set[str] = set()
 
     # -- round trip 1 ------------------------------------------------------------------------
     def prepare(self, msg: KVPrepare) -> KVPrepareResult:
