@@ -1,4 +1,5 @@
-"""Model configuration: the hyper-parameters every architecture and the engine agree on."""
+"""ArchConfig: the hyper-parameters of a model's architecture, read from its checkpoint (config.json
+or the GGUF header), that every architecture and the engine agree on."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,7 +8,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_ty
 
 
 @dataclass(frozen=True, slots=True)
-class ModelConfig:
+class ArchConfig:
     architecture: str          # Hugging Face architecture name, e.g. "LlamaForCausalLM"
     vocab_size: int
     hidden_size: int

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from models.config import ModelConfig
+from models.config import ArchConfig
 from models.layers import Embedding, GatedMLP, GemmaRMSNorm, Linear, RotaryEmbedding, SelfAttention
 from models.llama import TensorMap
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         c = config
         self.is_sliding = c.layer_sliding_window(layer) is not None
@@ -73,7 +73,7 @@ class Gemma3ForCausalLM(nn.Module):
         "lm_head.weight": ("lm_head.weight", None),
     }
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if config.attn_logit_softcapping is not None:

@@ -1,4 +1,4 @@
-"""Our GGUF loader: a ModelConfig from the header, and dequantized float32 weights in Hugging
+"""Our GGUF loader: an ArchConfig from the header, and dequantized float32 weights in Hugging
 Face layout, named as in the file (the model's tensor map places them). Tensor data is a
 ``np.memmap`` dequantized by ``gguf.quants.dequantize`` (every type it implements: F32, F16,
 BF16, Q4_0..Q8_0, the K-quants, the IQ types, ...).
@@ -15,7 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from models.config import FULL, SLIDING, ModelConfig
+from models.config import FULL, SLIDING, ArchConfig
 from models.gguf_header import GGUFFile, GGUFTensorInfo, read_gguf, read_gguf_metadata
 
 __all__ = ["GGUFFile", "GGUFTensorInfo", "read_gguf", "read_gguf_metadata", "gguf_model_config",
@@ -29,7 +29,7 @@ GEMMA3_LOCAL_ROPE_THETA = 10_000.0  # llama.cpp's rope_freq_base_train_swa for g
 _EOG_TOKENS = ("<end_of_turn>",)  # end-of-generation tokens llama.cpp recognises beside eos
 
 
-def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
+def gguf_model_config(gguf: GGUFFile) -> ArchConfig:
     meta = gguf.metadata
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -71,7 +71,7 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     )
     if arch == "gemma3":
         fields.update(_gemma3_fields(meta, fields))
-    return ModelConfig(**fields)
+    return ArchConfig(**fields)
 
 
 def _linear_rope_factor(meta: dict[str, Any], arch: str) -> float:
@@ -128,7 +128,7 @@ def unpermute_rotary_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 Fixup = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _gguf_fixups(config: ModelConfig) -> list[tuple[str, Fixup]]:
+def _gguf_fixups(config: ArchConfig) -> list[tuple[str, Fixup]]:
     """(tensor-name suffix, what undoes llama.cpp's conversion of it). Qwen2/Qwen3/Gemma use
     NeoX rotary in llama.cpp, so their q/k rows are not permuted."""
     if config.architecture == "LlamaForCausalLM":
@@ -150,7 +150,7 @@ def dequantize_tensor(data: np.memmap, info: GGUFTensorInfo) -> torch.Tensor:
     return torch.from_numpy(array.astype(np.float32, copy=False)).reshape(info.shape)
 
 
-def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(gguf: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (GGUF tensor name, float32 tensor in HF layout, (out, in) for weights)."""
     fixups = _gguf_fixups(config)
     data = np.memmap(gguf.path, mode="r")

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from kernels.cpu.panels import PanelWeight
-from models.config import ModelConfig
+from models.config import ArchConfig
 from models.gguf_header import GGUFFile
 from models.gguf_loader import raw_tensor_data, unpermute_rotary_rows
 from models.layers import Linear, MergedLinear
@@ -26,7 +26,7 @@ from models.registry import _compile_tensor_map, _lookup
 NATIVE_TYPES = {GGMLQuantizationType.Q4_1: "Q4_1", GGMLQuantizationType.Q8_0: "Q8_0"}
 
 
-def _row_fix(config: ModelConfig, name: str):
+def _row_fix(config: ArchConfig, name: str):
     if config.architecture == "LlamaForCausalLM":
         if name.endswith(".attn_q.weight"):
             return lambda rows: unpermute_rotary_rows(rows, config.num_heads)
@@ -35,7 +35,7 @@ def _row_fix(config: ModelConfig, name: str):
     return None
 
 
-def native_blocks(model: nn.Module, gguf: GGUFFile, config: ModelConfig) -> dict[str, dict]:
+def native_blocks(model: nn.Module, gguf: GGUFFile, config: ArchConfig) -> dict[str, dict]:
     """module name -> {shard (None for unfused): (qtype, (rows, row_bytes) uint8 tensor)} for
     every weight stored in a natively supported format."""
     compiled = _compile_tensor_map(model.gguf_tensor_map)
@@ -55,7 +55,7 @@ def native_blocks(model: nn.Module, gguf: GGUFFile, config: ModelConfig) -> dict
     return out
 
 
-def run_natively(model: nn.Module, gguf: GGUFFile, config: ModelConfig,
+def run_natively(model: nn.Module, gguf: GGUFFile, config: ArchConfig,
                  int8_activations: bool = False) -> int:
     """Replace every linear layer whose weights are stored natively (its float32 weight is
     dropped, unless tied to an embedding); ``int8_activations``: Q4_1 layers take their

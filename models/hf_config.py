@@ -1,4 +1,4 @@
-"""A Hugging Face ``config.json`` (plus ``generation_config.json``) -> ModelConfig.
+"""A Hugging Face ``config.json`` (plus ``generation_config.json``) -> ArchConfig.
 
 Reads both transformers 4.x keys (``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``,
 ``sliding_window_pattern``) and 5.x keys (``rope_parameters``, per layer type for Gemma 3).
@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any
 
-from models.config import FULL, SLIDING, ModelConfig
+from models.config import FULL, SLIDING, ArchConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM")
@@ -23,8 +23,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def read_hf_config(checkpoint_dir: str) -> ModelConfig:
-    """The ModelConfig of the checkpoint in ``checkpoint_dir`` (config.json required)."""
+def read_hf_config(checkpoint_dir: str) -> ArchConfig:
+    """The ArchConfig of the checkpoint in ``checkpoint_dir`` (config.json required)."""
     with open(os.path.join(checkpoint_dir, "config.json")) as f:
         raw = json.load(f)
     generation: dict[str, Any] = {}
@@ -38,7 +38,7 @@ def read_hf_config(checkpoint_dir: str) -> ModelConfig:
         raise ValueError(f"{checkpoint_dir}/config.json is missing or has a malformed field: {exc!r}") from exc
 
 
-def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ArchConfig:
     arch = _architecture(raw)
     raw = {**_DEFAULTS.get(arch, {}), **raw}   # a key present as null stays null (Mistral: no window)
     hidden, num_heads = raw["hidden_size"], raw["num_attention_heads"]
@@ -49,7 +49,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     attention_bias = bool(raw.get("attention_bias", False))
     sliding_window, layer_types = _sliding(raw, arch, num_layers)
     eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
-    return ModelConfig(
+    return ArchConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
         hidden_size=hidden,

@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from models.config import ModelConfig
+from models.config import ArchConfig
 from models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention
 
 TensorMap = dict[str, tuple[str, str | None]]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
+    def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
                  qk_norm: bool = False) -> None:
         super().__init__()
         c = config
@@ -80,7 +80,7 @@ class LlamaForCausalLM(nn.Module):
         "lm_head.weight": ("lm_head.weight", None),
     }
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if config.attn_logit_softcapping is not None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionRequirements
 from kernels.attention.selector import select_backend
-from models.config import ModelConfig
+from models.config import ArchConfig
 from models.gemma3 import Gemma3ForCausalLM
 from models.gguf_loader import gguf_model_config, iter_gguf_weights, read_gguf
 from models.hf_config import read_hf_config
@@ -41,10 +41,10 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 
 class LoadedModel(NamedTuple):
     model: nn.Module
-    config: ModelConfig
+    config: ArchConfig
 
 
-def attention_requirements(config: ModelConfig, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
+def attention_requirements(config: ArchConfig, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
                            device: str = "cpu", kv_cache_dtype: torch.dtype | None = None) -> AttentionRequirements:
     return AttentionRequirements(dtype=dtype, kv_cache_dtype=kv_cache_dtype or dtype, head_size=config.head_size,
                                  block_size=block_size, sliding_window=config.max_sliding_window, device=device)
@@ -69,7 +69,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     return LoadedModel(model.eval(), config)
 
 
-def model_config(source: ModelSource) -> ModelConfig:
+def model_config(source: ModelSource) -> ArchConfig:
     """The architecture config of a source, without reading its weights."""
     if source.kind == "gguf":
         return gguf_model_config(read_gguf(source.path))
@@ -78,7 +78,7 @@ def model_config(source: ModelSource) -> ModelConfig:
     return _open_checkpoint(source)[0]          # says which kinds there are
 
 
-def _open_checkpoint(source: ModelSource) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], str]:
+def _open_checkpoint(source: ModelSource) -> tuple[ArchConfig, Iterator[tuple[str, torch.Tensor]], str]:
     """(config, lazy weight iterator, name of the model's tensor map) for a source."""
     if source.kind == "gguf":
         gguf = read_gguf(source.path)

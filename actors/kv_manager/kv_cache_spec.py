@@ -50,7 +50,7 @@ _MANAGERS: dict[type, str] = {
 
 
 def model_kv_cache_specs(config: Any, block_size: int, dtype_bytes: int) -> list[KVCacheSpec]:
-    """One spec per attention layer of a model (``models.config.ModelConfig``)."""
+    """One spec per attention layer of a model (``models.config.ArchConfig``)."""
     specs: list[KVCacheSpec] = []
     for layer in range(config.num_layers):
         window = config.layer_sliding_window(layer)

@@ -40,7 +40,7 @@ class WorkerActor(Actor):
 
     def __init__(self) -> None:
         self.model = None
-        self.config = None            # the model's ModelConfig
+        self.config = None            # the model's ArchConfig
         self.worker_config = None
         self.placement = None
         self.dtype = None

@@ -24,7 +24,7 @@ from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.input_batch import InputBatch
 from actors.kv_manager.kv_cache_spec import create_kv_cache_views, model_kv_cache_specs
 from kernels.attention.base import AttentionMetadata
-from models.config import ModelConfig
+from models.config import ArchConfig
 from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs)
 from transport.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
@@ -39,7 +39,7 @@ class StepInputs(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int,
+    def __init__(self, model: torch.nn.Module, config: ArchConfig, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  cudagraph_sizes: list[int] | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:

@@ -10,7 +10,7 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata
 from kernels.attention.cpu import CpuAttentionBackend, reference_paged_attention
 
 
-class _KVShape(Protocol):  # the ModelConfig fields the cache needs
+class _KVShape(Protocol):  # the ArchConfig fields the cache needs
     num_layers: int
     num_kv_heads: int
     head_size: int

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kernels.attention import CpuAttentionBackend, allocate_kv_caches
 from kernels.cpu import fused
 from kernels.cpu.native import available
-from models.config import ModelConfig
+from models.config import ArchConfig
 from models.layers import RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_qk, silu_and_mul
 from models.llama import LlamaForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
@@ -123,7 +123,7 @@ BLOCK_SIZE = 4
 
 
 def _model(cls, **overrides):
-    config = ModelConfig(architecture=cls.__name__, vocab_size=96, hidden_size=72, intermediate_size=100,
+    config = ArchConfig(architecture=cls.__name__, vocab_size=96, hidden_size=72, intermediate_size=100,
                          num_layers=3, num_heads=4, num_kv_heads=2, head_size=18, max_model_len=256,
                          rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                          bos_token_id=None, eos_token_ids=(), **overrides)

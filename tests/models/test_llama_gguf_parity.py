@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.attention import CpuAttentionBackend, allocate_kv_caches, build_attention_metadata
-from models.config import ModelConfig
+from models.config import ArchConfig
 from models.gguf_loader import read_gguf, read_gguf_metadata
 from models.llama import LlamaForCausalLM
 from models.registry import get_model_class, load_model, load_weights
@@ -86,7 +86,7 @@ def test_tiny_random_llama_matches_transformers():
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                             rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
     hf = HFLlama(hf_config).eval()
-    config = ModelConfig("LlamaForCausalLM", 128, 64, 96, 2, 4, 2, 16, 256, 5000.0, 1e-5, False, None, ())
+    config = ArchConfig("LlamaForCausalLM", 128, 64, 96, 2, 4, 2, 16, 256, 5000.0, 1e-5, False, None, ())
     ours = LlamaForCausalLM(config, CpuAttentionBackend()).eval()
     load_weights(ours, hf.state_dict().items(), ours.hf_tensor_map)
     prompt = torch.randint(0, 128, (37,)).tolist()

@@ -10,7 +10,7 @@ import torch
 from kernels.attention import CpuAttentionBackend, allocate_kv_caches, build_attention_metadata
 from kernels.cpu.native import available
 from models import native_decode
-from models.config import ModelConfig
+from models.config import ArchConfig
 from models.llama import LlamaForCausalLM
 from models.mistral import MistralForCausalLM
 from models.packed import PanelLinear, prepack_linears
@@ -23,7 +23,7 @@ BLOCK_SIZE = 4
 
 
 def _model(cls=LlamaForCausalLM, weights="f32", **overrides):
-    config = ModelConfig(architecture=cls.__name__, vocab_size=96, hidden_size=64, intermediate_size=96,
+    config = ArchConfig(architecture=cls.__name__, vocab_size=96, hidden_size=64, intermediate_size=96,
                          num_layers=3, num_heads=4, num_kv_heads=2, head_size=16, max_model_len=256,
                          rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                          bos_token_id=None, eos_token_ids=(), **overrides)

@@ -56,9 +56,9 @@ def test_num_blocks_for_a_memory_budget():
 
 
 def test_model_specs_follow_each_layers_window():
-    from models.config import FULL, SLIDING, ModelConfig
+    from models.config import FULL, SLIDING, ArchConfig
     from actors.kv_manager.kv_cache_spec import model_kv_cache_specs
-    cfg = ModelConfig("Gemma3ForCausalLM", 100, 64, 128, 3, 4, 2, 16, 512, 1e4, 1e-6, True, None, (1,),
+    cfg = ArchConfig("Gemma3ForCausalLM", 100, 64, 128, 3, 4, 2, 16, 512, 1e4, 1e-6, True, None, (1,),
                       sliding_window=8, layer_types=(SLIDING, SLIDING, FULL))
     specs = model_kv_cache_specs(cfg, 16, 4)
     assert [type(s).__name__ for s in specs] == ["SlidingWindowSpec", "SlidingWindowSpec", "FullAttentionSpec"]

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import time
 
-from models.config import ModelConfig
+from models.config import ArchConfig
 
 
-def flops_per_token(c: ModelConfig, context: int) -> float:
+def flops_per_token(c: ArchConfig, context: int) -> float:
     """Decoder FLOPs of one token at ``context`` tokens of attention (2 per multiply-add)."""
     q, kv = c.num_heads * c.head_size, c.num_kv_heads * c.head_size
     linear = c.hidden_size * (q + 2 * kv + q) + 3 * c.hidden_size * c.intermediate_size
@@ -14,7 +14,7 @@ def flops_per_token(c: ModelConfig, context: int) -> float:
     return 2.0 * c.num_layers * (linear + attention)
 
 
-def workload_flops(c: ModelConfig, reqs: list[dict]) -> float:
+def workload_flops(c: ArchConfig, reqs: list[dict]) -> float:
     """Every prompt and output token through the decoder, one LM head per output token."""
     head = 2.0 * c.hidden_size * c.vocab_size
     total = 0.0
