@@ -1,6 +1,7 @@
 """The offline API: ``AsyncLLM`` (an async iterator per request) and ``LLM`` (synchronous, with a
 progress bar). By default every actor runs in one event loop in this process; pass
-``multiprocess=True`` for the same process layout as the server."""
+``multiprocess=True`` for the same process layout as the server. Engine options are
+``EngineArgs``'s fields (``actors/engine/args.py``), as keywords."""
 from __future__ import annotations
 
 import asyncio
@@ -8,10 +9,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from actors.engine_core import EngineConfig
+from actors.engine.args import EngineArgs
+from actors.engine.sampling_params import SamplingParams
 from actors.frontend.launch import Frontend, start_frontend
 from actors.frontend.streams import RequestOutput
-from transport.messages import SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "GenerationResult"]
 
@@ -27,14 +28,6 @@ class GenerationResult:
     prompt: Any = field(default=None, repr=False)
 
 
-def _engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
-    fields = set(EngineConfig.__struct_fields__)
-    unknown = set(kwargs) - fields
-    if unknown:
-        raise TypeError(f"unknown engine options {sorted(unknown)}; accepted: {sorted(fields)}")
-    return EngineConfig(model=model, **kwargs)
-
-
 class AsyncLLM:
     def __init__(self, frontend: Frontend) -> None:
         self._fe = frontend
@@ -43,23 +36,26 @@ class AsyncLLM:
     @classmethod
     async def create(cls, model: str | None = None, *, multiprocess: bool = False,
                      **engine_options: Any) -> AsyncLLM:
-        return cls(await start_frontend(_engine_config(model, engine_options), multiprocess=multiprocess))
+        return await cls.from_engine_args(
+            EngineArgs.from_options(model, {**engine_options, "multiprocess": multiprocess}))
+
+    @classmethod
+    async def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        return cls(await start_frontend(args.create_engine_config()))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one text (or token-id) prompt, as they are produced."""
         params = params or SamplingParams()
         kw: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
-        async for out in self.client.generate(params, request_id=request_id,
-                                              max_tokens=params.max_tokens, **kw):
+        async for out in self.client.generate(params, request_id=request_id, **kw):
             yield out
 
     async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
                    request_id: str | None = None, **template: Any) -> AsyncIterator[RequestOutput]:
         """Outputs of one conversation rendered with the model's chat template."""
         params = params or SamplingParams()
-        async for out in self.client.generate(params, request_id=request_id,
-                                              max_tokens=params.max_tokens, messages=messages,
+        async for out in self.client.generate(params, request_id=request_id, messages=messages,
                                               **template):
             yield out
 

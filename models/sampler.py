@@ -1,7 +1,7 @@
 """Token sampling for a batch: the logits-processor chain, greedy and seeded random sampling,
 and the log-probs of sampled and prompt tokens.
 
-The chain, in order (the order is the semantics; see the book's sampler chapter):
+The chain, in vLLM's order (the order is the semantics: each step sees what the ones before left):
 
     logits (B, V) any float dtype
       1) raw log-probs snapshot          only when log-probs are requested in "raw" mode
@@ -28,12 +28,15 @@ on the torch path unless two candidates tie to float rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
 from kernels.cpu.native import argmax_rows
 from kernels.triton import fused as triton_fused
+
+if TYPE_CHECKING:
+    from actors.engine.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5   # temperature below this is greedy
 LogprobsMode = Literal["raw", "processed"]
@@ -159,6 +162,39 @@ class SamplingMetadata:
                                  row("repetition_penalty", repetition_penalty),
                                  row("prompt_token_ids", prompt_token_ids), output, B, device),
             max_num_logprobs=max_num_logprobs, logprobs_mode=logprobs_mode)
+
+    @staticmethod
+    def reads_output_tokens(params: Sequence[SamplingParams]) -> bool:
+        """Whether any row's processing reads the tokens it generated so far (penalties, bad
+        words, min_tokens): then the metadata changes every step and cannot be reused."""
+        return any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                   or p.bad_words_token_ids or p.min_tokens for p in params)
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams],
+                    generators: Sequence[torch.Generator | None], *,
+                    eos_token_ids: Sequence[int],
+                    output_token_ids: Callable[[], list[list[int]]],
+                    prompt_token_ids: Callable[[], list[list[int]]],
+                    device: torch.device | str = "cpu") -> SamplingMetadata:
+        """The metadata of a batch whose row i samples with ``params[i]``. The token lists are
+        asked for only when some row's parameters read them."""
+        ps = params
+        want = [p.logprobs for p in ps if p.logprobs is not None]   # top-k per row; the batch takes the max
+        eos = list(eos_token_ids)
+        return cls.from_lists(
+            temperature=[p.temperature for p in ps], top_p=[p.top_p for p in ps],
+            top_k=[p.top_k for p in ps], generators=generators, min_p=[p.min_p for p in ps],
+            presence_penalty=[p.presence_penalty for p in ps],
+            frequency_penalty=[p.frequency_penalty for p in ps],
+            repetition_penalty=[p.repetition_penalty for p in ps],
+            prompt_token_ids=prompt_token_ids() if any(p.repetition_penalty != 1.0 for p in ps) else None,
+            output_token_ids=output_token_ids() if cls.reads_output_tokens(ps) else None,
+            min_tokens=[p.min_tokens for p in ps], stop_token_ids=[p.stop_token_ids for p in ps],
+            eos_token_ids=[[] if p.ignore_eos else eos for p in ps],
+            logit_bias=[p.logit_bias for p in ps], allowed_token_ids=[p.allowed_token_ids for p in ps],
+            bad_words_token_ids=[p.bad_words_token_ids or None for p in ps],
+            max_num_logprobs=max(want) if want else None, device=device)
 
 
 # -- metadata construction: per-row Python here, once per step, only for parameters in use ---------

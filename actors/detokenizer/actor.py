@@ -9,9 +9,18 @@ from typing import Any
 from actors.detokenizer.incremental import IncrementalDetokenizer
 from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams, RequestOutput
+from actors.engine.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs
+from actors.engine.sampling_params import SamplingParams
 from actors.runtime import Actor, ActorRef, Msg
-from actors.tokenizer.actor import TrackRequest
-from transport.messages import AbortRequests, EngineCoreOutput, EngineCoreOutputs, Logprobs
+from actors.scheduler.actor import AbortRequests
+
+
+class TrackRequest(Msg):
+    """A request is coming (told by the Tokenizer before the engine sees it)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
 
 
 class Untrack(Msg):

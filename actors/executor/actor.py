@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from actors.runtime import Actor, ActorDied, ActorRef, Msg
-from transport.messages import ModelRunnerOutput, SchedulerOutput
+from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
 
 
 class WorkersUp(Msg):

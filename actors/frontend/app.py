@@ -29,7 +29,6 @@ MAX_BODY_BYTES = 8 << 20
 class ServerOptions:
     api_key: str | None = None             # required as a Bearer token on /v1/*
     lenient: bool = False                  # drop (and log) unknown request fields instead of a 400
-    scheduling_policy: str = "fcfs"        # the engine's; "priority" lets requests set priority
     max_body_bytes: int = MAX_BODY_BYTES
 
 
@@ -49,7 +48,7 @@ class OpenAIServer:
 
     def attach(self, client: EngineClient) -> None:
         self.token_text = TokenText(client.tokenizer)
-        self.vocab_size = min(client.tokenizer.vocab_size, client.info.model.vocab_size)
+        self.vocab_size = min(client.tokenizer.vocab_size, client.vocab_size)
         self.client = client
 
     def app(self) -> web.Application:

@@ -10,8 +10,7 @@ from aiohttp import web
 from actors.frontend.fanout import Choice, submit_choices
 from actors.frontend.generation import Generation
 from actors.frontend.logprobs import TokenText, chat_logprobs
-from actors.frontend.params import (chat_logprobs as requested_logprobs, chat_messages,
-                                    check_chat_flags, check_priority, num_choices, sampling_params,
+from actors.frontend.params import (chat_messages, check_chat_flags, check_priority, num_choices,
                                     stream_flags)
 from actors.frontend.protocol import ChatCompletionRequest
 from actors.frontend.streams import RequestOutput
@@ -70,22 +69,19 @@ async def chat_completions(server: OpenAIServer, request: web.Request) -> web.St
     arrival = time.time()
     req: ChatCompletionRequest = await server.read(request, ChatCompletionRequest)
     client = server.engine()
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     n = num_choices(req)
     stream, include_usage = stream_flags(req)
-    top = requested_logprobs(req)
     messages = chat_messages(req.messages)
     add_generation_prompt = req.add_generation_prompt is not False
     continue_final_message = bool(req.continue_final_message)
     check_chat_flags(add_generation_prompt, continue_final_message)
-    params = sampling_params(req, max_tokens, server.vocab_size, logprobs=top,
-                             max_tokens_param="max_completion_tokens"
-                             if req.max_completion_tokens is not None else "max_tokens")
-    priority = check_priority(req, server.options.scheduling_policy)
+    params = req.to_sampling_params(server.vocab_size)
+    priority = check_priority(req, client.config.scheduler.policy)
     rid = client.new_request_id()
     choices = await submit_choices(
-        server.submit, rid, params, n, None, max_tokens=max_tokens, messages=messages,
+        server.submit, rid, params, n, None, messages=messages,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         chat_template_kwargs=req.chat_template_kwargs, priority=priority, arrival_time=arrival)
-    gen = ChatGeneration(rid, client.model_name, choices, include_usage, server.token_text, top)
+    gen = ChatGeneration(rid, client.model_name, choices, include_usage, server.token_text,
+                         params.logprobs)
     return await gen.respond(request, stream)

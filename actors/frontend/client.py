@@ -11,12 +11,15 @@ import os
 from typing import Any, AsyncIterator
 
 from actors.detokenizer.actor import Untrack
+from actors.engine.config import EngineConfig
+from actors.engine.sampling_params import SamplingParams
 from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStream, OutputStreams, RequestOutput
+from actors.kv_manager.actor import ResetPrefixCache
 from actors.runtime import ActorRef, RemoteError
+from actors.scheduler.actor import AbortRequests
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
-from transport.messages import AbortRequests, EngineInfo, SamplingParams
 
 # Longest wait for any output of a running request before it is failed (nothing hangs).
 DEFAULT_STALL_TIMEOUT_S = 600.0
@@ -27,14 +30,19 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, info: EngineInfo, tokenizer: TextTokenizer, tokenizer_actor: ActorRef,
-                 detokenizer: ActorRef, engine: ActorRef, streams: OutputStreams,
-                 stats: EngineStats, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
-        self.info = info
+    """``config``: the engine's resolved config. ``engine``: the scheduler, where requests and
+    aborts go; ``kv_manager``: the KV manager."""
+
+    def __init__(self, config: EngineConfig, tokenizer: TextTokenizer, tokenizer_actor: ActorRef,
+                 detokenizer: ActorRef, engine: ActorRef, kv_manager: ActorRef,
+                 streams: OutputStreams, stats: EngineStats,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+        self.config = config
         self.tokenizer = tokenizer
         self.tokenizer_actor = tokenizer_actor
         self.detokenizer = detokenizer
         self.engine = engine
+        self.kv_manager = kv_manager
         self.streams = streams
         self.stats = stats
         self.stall_timeout_s = stall_timeout_s
@@ -44,11 +52,15 @@ class EngineClient:
 
     @property
     def model_name(self) -> str:
-        return self.info.model.served_name
+        return self.config.model.served_model_name
 
     @property
     def max_model_len(self) -> int:
-        return self.info.model.max_model_len
+        return self.config.model.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.model.arch.vocab_size
 
     def new_request_id(self) -> str:
         return f"req-{self._prefix}-{next(self._ids)}"
@@ -59,7 +71,7 @@ class EngineClient:
         self.streams.fail_all(reason)
 
     async def submit(self, params: SamplingParams, *, request_id: str | None = None,
-                     max_tokens: int | None = None, prompt: str | None = None,
+                     prompt: str | None = None,
                      prompt_token_ids: list[int] | None = None,
                      messages: list[dict[str, Any]] | None = None,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -73,7 +85,7 @@ class EngineClient:
         rid = request_id or self.new_request_id()
         stream = self.streams.open(rid)
         admit = asyncio.ensure_future(self.tokenizer_actor.ask(Generate(
-            rid, params, max_tokens, prompt, prompt_token_ids, messages,
+            rid, params, prompt, prompt_token_ids, messages,
             add_generation_prompt, continue_final_message, chat_template_kwargs or {},
             priority, arrival_time, add_special_tokens), timeout=60))
         try:
@@ -98,6 +110,9 @@ class EngineClient:
                 yield out
         finally:
             handle.close()
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.kv_manager.ask(ResetPrefixCache(), timeout=30)
 
     def abort(self, request_ids: list[str]) -> None:
         if self.dead is None:

@@ -12,17 +12,14 @@ from aiohttp import web
 from actors.frontend.fanout import Choice, submit_choices
 from actors.frontend.generation import Generation
 from actors.frontend.logprobs import CompletionLogprobs, TokenText, merge_completion_logprobs
-from actors.frontend.params import (MAX_CHOICES, PromptInput, check_priority, completion_logprobs,
-                                    completion_prompts, num_choices, sampling_params, stream_flags)
+from actors.frontend.params import (MAX_CHOICES, PromptInput, check_priority, completion_prompts,
+                                    num_choices, stream_flags)
 from actors.frontend.protocol import BadRequest, CompletionRequest
 from actors.frontend.streams import RequestOutput
-from transport.messages import Logprobs
+from actors.engine.messages import Logprobs
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
-
-DEFAULT_MAX_TOKENS = 16     # OpenAI's default for completions
-
 
 @dataclass(slots=True)
 class _ChoiceState:
@@ -98,25 +95,22 @@ async def completions(server: OpenAIServer, request: web.Request) -> web.StreamR
     arrival = time.time()
     req: CompletionRequest = await server.read(request, CompletionRequest)
     client = server.engine()
-    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     n = num_choices(req)
     stream, include_usage = stream_flags(req)
     prompts = completion_prompts(req.prompt, server.vocab_size)
     if len(prompts) * n > MAX_CHOICES:
         raise BadRequest(f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices "
                          "per request", "n" if n > 1 else "prompt")
-    logprobs = completion_logprobs(req)
+    params = req.to_sampling_params(server.vocab_size)
     echo = bool(req.echo)
-    params = sampling_params(req, max_tokens, server.vocab_size, logprobs=logprobs,
-                             prompt_logprobs=logprobs if echo else None)
-    priority = check_priority(req, server.options.scheduling_policy)
+    priority = check_priority(req, client.config.scheduler.policy)
     rid = client.new_request_id()
     choices = await submit_choices(
-        server.submit, rid, params, n, prompts, max_tokens=max_tokens, priority=priority,
+        server.submit, rid, params, n, prompts, priority=priority,
         arrival_time=arrival, add_special_tokens=req.add_special_tokens is not False)
     echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
     gen = CompletionGeneration(rid, client.model_name, choices, include_usage, server.token_text,
-                               logprobs, echo_texts)
+                               params.logprobs, echo_texts)
     return await gen.respond(request, stream)
 
 

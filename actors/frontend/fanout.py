@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from actors.frontend.client import RequestHandle
 from actors.frontend.params import PromptInput, for_choice
 from actors.frontend.streams import RequestOutput, StreamTimeout
-from transport.messages import SamplingParams
+from actors.engine.sampling_params import SamplingParams
 
 Submit = Callable[..., Awaitable[RequestHandle]]
 

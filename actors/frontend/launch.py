@@ -1,5 +1,6 @@
 """Starting Troupe: the frontend's actors around an engine core that runs either in its own
-process (with the worker in a third) or in this event loop (offline use and tests)."""
+process (with the worker in a third) or in this event loop (offline use and tests), as the
+config's ``parallel.multiprocess`` says."""
 from __future__ import annotations
 
 import logging
@@ -9,25 +10,23 @@ from typing import NamedTuple
 
 import msgspec
 
+from actors import topology
 from actors.detokenizer.actor import DetokenizerActor
-from actors.engine_core import EngineConfig, EngineCore
+from actors.engine.config import EngineConfig
+from actors.engine.core import EngineCore
 from actors.frontend.client import EngineClient
 from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams
+from actors.kv_manager.actor import KVManagerProtocol
 from actors.runtime import ActorRef, Node
 from actors.runtime.process import ChildProcess, NodeSpec, decode_info, start_child, system_actor
 from actors.runtime.system import SYSTEM_ACTOR, GetTrace
 from actors.scheduler.actor import SchedulerProtocol
 from actors.tokenizer.actor import TokenizerActor
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
-from models.resolve import resolve_model
-from transport.messages import EngineInfo
 from transport.zmq_channel import ZmqTransport, endpoint
 
 log = logging.getLogger("troupe.launch")
-
-FRONTEND_NODE = "frontend"
-ENGINE_NODE = "engine"
 
 
 class Frontend:
@@ -55,23 +54,26 @@ class Frontend:
         chunk = await self.node.ref(SYSTEM_ACTOR).ask(GetTrace(0, limit, recursive=True), timeout=10)
         return chunk.all_records()
 
-    async def start(self, cfg: EngineConfig, ready_timeout: float = 600.0) -> EngineClient:
-        """Load the model (engine and worker processes), then start the tokenizer and
-        detokenizer actors; sets ``client``."""
-        source = resolve_model(cfg.model)   # fails fast, with the install command, if missing
+    async def start(self, config: EngineConfig, ready_timeout: float = 600.0) -> EngineClient:
+        """Load the model (in the engine's and worker's processes when the config is
+        multiprocess), then start the tokenizer and detokenizer actors; sets ``client``."""
+        source = config.model.source
         tokenizer = TextTokenizer.from_source(source.kind, source.path)
-        info, engine = await _start_engine(self, cfg, ready_timeout)
+        engine = await _start_engine(self, config, ready_timeout)
+        config = engine.config                          # resolved by the worker
         streams = OutputStreams()
-        stats = EngineStats(model=info.model.served_name)
-        detok = self.node.spawn("detokenizer", lambda: DetokenizerActor(tokenizer, streams, stats, engine))
+        stats = EngineStats(model=config.model.served_model_name)
+        detok = self.node.spawn(topology.DETOKENIZER, lambda: DetokenizerActor(
+            tokenizer, streams, stats, engine.scheduler))
 
         def count_prompt_tokens(n: int) -> None:
             stats.prompt_tokens += n
 
-        tok = self.node.spawn("tokenizer", lambda: TokenizerActor(
-            tokenizer, info.model.max_model_len, info.model.eos_token_ids, detok, engine,
-            count_prompt_tokens))
-        self.client = EngineClient(info, tokenizer, tok, detok, engine, streams, stats)
+        tok = self.node.spawn(topology.TOKENIZER, lambda: TokenizerActor(
+            tokenizer, config.model.max_model_len, list(config.model.arch.eos_token_ids), detok,
+            engine.scheduler, count_prompt_tokens))
+        self.client = EngineClient(config, tokenizer, tok, detok, engine.scheduler, engine.kv_manager,
+                                   streams, stats)
         return self.client
 
     async def shutdown(self) -> None:
@@ -85,12 +87,11 @@ class Frontend:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-async def start_frontend(cfg: EngineConfig, *, multiprocess: bool = True,
-                         ready_timeout: float = 600.0) -> Frontend:
+async def start_frontend(config: EngineConfig, *, ready_timeout: float = 600.0) -> Frontend:
     """Start the engine and the frontend actors; returns once the model is loaded."""
-    fe = create_frontend(multiprocess)
+    fe = create_frontend(config.parallel.multiprocess)
     try:
-        await fe.start(cfg, ready_timeout=ready_timeout)
+        await fe.start(config, ready_timeout=ready_timeout)
     except BaseException:
         await fe.node.stop()
         if fe.ipc_dir:
@@ -104,32 +105,34 @@ def create_frontend(multiprocess: bool = True) -> Frontend:
     ``Frontend.start`` loads the model."""
     if multiprocess:
         ipc_dir = tempfile.mkdtemp(prefix="troupe-")
-        node = Node(FRONTEND_NODE, ZmqTransport(endpoint(ipc_dir, FRONTEND_NODE)))
+        node = Node(topology.FRONTEND_NODE, ZmqTransport(endpoint(ipc_dir, topology.FRONTEND_NODE)))
         system_actor(node)
         return Frontend(node, ipc_dir)
-    node = Node(FRONTEND_NODE)
+    node = Node(topology.FRONTEND_NODE)
     system_actor(node)
     return Frontend(node)
 
 
 class _Engine(NamedTuple):
-    info: EngineInfo
+    config: EngineConfig          # resolved
     scheduler: ActorRef
+    kv_manager: ActorRef
 
 
-async def _start_engine(fe: Frontend, cfg: EngineConfig, ready_timeout: float) -> _Engine:
+async def _start_engine(fe: Frontend, config: EngineConfig, ready_timeout: float) -> _Engine:
     """The engine core in its own process (multiprocess) or in this event loop."""
-    if fe.ipc_dir is not None:
-        cfg = msgspec.structs.replace(cfg, ipc_dir=fe.ipc_dir, worker_process=True,
-                                      output_node=FRONTEND_NODE, output_actor="detokenizer")
-        spec = NodeSpec(ENGINE_NODE, "actors.engine_core:engine_entry", msgspec.msgpack.encode(cfg),
-                        fe.ipc_dir, FRONTEND_NODE, {FRONTEND_NODE: endpoint(fe.ipc_dir, FRONTEND_NODE)})
-        fe.engine_process, ready = await start_child(fe.node, spec, ready_timeout=ready_timeout,
-                                                     on_exit=fe.engine_exited)
-        scheduler = fe.node.ref("scheduler", ENGINE_NODE, SchedulerProtocol)
-        return _Engine(decode_info(ready, EngineInfo), scheduler)
-    cfg = msgspec.structs.replace(cfg, worker_process=False, output_node=FRONTEND_NODE,
-                                  output_actor="detokenizer")
-    fe.engine_core = EngineCore(fe.node, cfg)
-    info = await fe.engine_core.start()
-    return _Engine(info, fe.engine_core.scheduler)
+    if fe.ipc_dir is None:
+        if config.parallel.multiprocess:
+            raise ValueError("a multiprocess config needs a frontend made with create_frontend(True)")
+        fe.engine_core = EngineCore(fe.node, config)
+        resolved = await fe.engine_core.start()
+        return _Engine(resolved, fe.engine_core.scheduler, fe.engine_core.kv_manager)
+    payload = msgspec.msgpack.encode((fe.ipc_dir, config))
+    frontend_address = {topology.FRONTEND_NODE: endpoint(fe.ipc_dir, topology.FRONTEND_NODE)}
+    spec = NodeSpec(topology.ENGINE_NODE, "actors.engine.core:engine_entry", payload, fe.ipc_dir,
+                    topology.FRONTEND_NODE, frontend_address)
+    fe.engine_process, ready = await start_child(fe.node, spec, ready_timeout=ready_timeout,
+                                                 on_exit=fe.engine_exited)
+    return _Engine(decode_info(ready, EngineConfig),
+                   fe.node.ref(topology.SCHEDULER, topology.ENGINE_NODE, SchedulerProtocol),
+                   fe.node.ref(topology.KV_MANAGER, topology.ENGINE_NODE, KVManagerProtocol))

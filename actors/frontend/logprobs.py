@@ -12,7 +12,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from transport.messages import Logprobs
+from actors.engine.messages import Logprobs
 
 MIN_LOGPROB = -9999.0        # -inf (a token the sampler could never pick) as JSON can carry it
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -50,8 +50,7 @@ async def debug_engine(server: OpenAIServer, request: web.Request) -> web.Respon
 
 async def reset_prefix_cache(server: OpenAIServer, request: web.Request) -> web.Response:
     """Forget every cached prefix (vLLM's endpoint of the same name)."""
-    from actors.kv_manager.messages import ResetPrefixCache
-    await server.engine().engine.ask(ResetPrefixCache(), timeout=30)
+    await server.engine().reset_prefix_cache()
     return web.Response(status=200)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from transport.messages import Logprobs
+from actors.engine.messages import Logprobs
 
 
 def _joined(a: Logprobs | None, b: Logprobs | None) -> Logprobs | None:

@@ -1,29 +1,35 @@
-"""KVManager actor: the shell around KVCacheManager."""
+"""KVManager actor: the shell around KVCacheManager. The scheduler, on the same node, calls the
+core directly every step (the runtime's co-located fast path: no message, no copy of its
+state); other actors ask it by message."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
+from actors.engine.config import EngineConfig
 from actors.kv_manager.manager import KVCacheManager
-from actors.kv_manager.messages import KVCommit, KVPrepare, KVReset, ResetPrefixCache
-from actors.runtime import Actor
+from actors.runtime import Actor, Msg
 
-KVManagerProtocol = KVPrepare | KVCommit | KVReset | ResetPrefixCache
+
+class ResetPrefixCache(Msg):
+    """Forget every cached prefix (POST /reset_prefix_cache); blocks in use keep their contents."""
+    reply_type: ClassVar[Any] = bool
+
+
+KVManagerProtocol = ResetPrefixCache
 
 
 class KVManager(Actor):
     protocol = KVManagerProtocol
     on_failure = "escalate"      # a failed allocation means the block accounting is broken
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
-        self.core = KVCacheManager(num_blocks, block_size, enable_caching)
+    def __init__(self, config: EngineConfig) -> None:
+        c = config.cache
+        self.core = KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
+
+    def colocated(self) -> KVCacheManager:
+        return self.core         # every handler here is synchronous
 
     async def receive(self, msg: KVManagerProtocol) -> Any:
         match msg:
-            case KVPrepare():
-                return self.core.prepare(msg)
-            case KVCommit():
-                return self.core.commit(msg)
-            case KVReset():
-                return self.core.reset()
             case ResetPrefixCache():
                 return self.core.reset_prefix_cache()

@@ -117,22 +117,16 @@ class BlockPool:
             out.append(b)
         return out
 
-    def touch(self, owner: str, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        """Add ``owner`` to cache-hit blocks (reviving free ones); returns the blocks whose
-        previously sole owner now shares them."""
-        newly_shared = []
+    def touch(self, owner: str, blocks: list[KVCacheBlock]) -> None:
+        """Add ``owner`` to cache-hit blocks, reviving free ones out of the free queue."""
         for b in blocks:
             if not b.owners:
                 self.free_queue.remove(b)
-            elif len(b.owners) == 1:
-                newly_shared.append(b)
             b.owners.add(owner)
-        return newly_shared
 
-    def free_blocks(self, owner: str, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+    def free_blocks(self, owner: str, blocks: list[KVCacheBlock]) -> None:
         """Release ``owner``'s hold, in the given order (callers pass a request's blocks tail
-        first, so its tail is evicted before its head). Returns blocks left with one owner."""
-        now_exclusive = []
+        first, so its tail is evicted before its head)."""
         for b in blocks:
             b.owners.discard(owner)
             if not b.owners:
@@ -140,9 +134,6 @@ class BlockPool:
                     self.free_queue.append(b)
                 else:
                     self.free_queue.appendleft(b)
-            elif len(b.owners) == 1:
-                now_exclusive.append(b)
-        return now_exclusive
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached.get(block_hash)

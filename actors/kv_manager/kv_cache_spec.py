@@ -1,6 +1,5 @@
-"""KV cache specifications: what one attention layer needs per block, the registry that
-resolves a block manager for each spec class, and the cache tensor layout with its per-layer
-views.
+"""KV cache specifications: what one attention layer needs per block, the check that a model's
+layers can share one block table, and the cache tensor layout with its per-layer views.
 
 Layout: one flat buffer, layer-outermost:
     [layer 0: K blocks | V blocks][layer 1: K blocks | V blocks] ...
@@ -39,14 +38,10 @@ class SlidingWindowSpec(KVCacheSpec):
     sliding_window: int = 0
 
 
-# Spec class -> the block manager policy that serves it. Resolved through the class's MRO, so a
-# subclass of a registered spec inherits its manager unless registered itself. With a single KV
-# cache group, sliding-window layers keep every block, like full attention (vLLM does the same
-# with its hybrid allocator off); only the attention kernel applies the window.
-_MANAGERS: dict[type, str] = {
-    FullAttentionSpec: "full_attention",
-    SlidingWindowSpec: "full_attention",
-}
+# The spec kinds one block table can serve. Sliding-window layers keep every block, like full
+# attention (vLLM does the same with its hybrid allocator off); only the attention kernel applies
+# the window. A subclass of a known kind is served like it.
+SUPPORTED_SPECS = (FullAttentionSpec, SlidingWindowSpec)
 
 
 def model_kv_cache_specs(config: Any, block_size: int, dtype_bytes: int) -> list[KVCacheSpec]:
@@ -60,29 +55,18 @@ def model_kv_cache_specs(config: Any, block_size: int, dtype_bytes: int) -> list
     return specs
 
 
-def register_spec(spec_cls: type, manager: str) -> None:
-    _MANAGERS[spec_cls] = manager
-
-
-def manager_for(spec: KVCacheSpec) -> str:
-    for cls in type(spec).__mro__:
-        if cls in _MANAGERS:
-            return _MANAGERS[cls]
-    raise ValueError(f"no KV cache manager is registered for {type(spec).__name__}; "
-                     f"registered: {sorted(c.__name__ for c in _MANAGERS)}")
-
-
-def check_kv_cache_specs(specs: list[KVCacheSpec]) -> str:
-    """Validate every layer's spec at start-up (raises ValueError, never an assert) and return
-    the single manager they share."""
+def check_kv_cache_specs(specs: list[KVCacheSpec]) -> None:
+    """Validate every layer's spec at start-up (raises ValueError, never an assert): known
+    kinds only, and one page shape for all layers."""
     if not specs:
         raise ValueError("the model declares no KV cache layers")
-    managers = {manager_for(s) for s in specs}
+    unknown = sorted({type(s).__name__ for s in specs if not isinstance(s, SUPPORTED_SPECS)})
+    if unknown:
+        raise ValueError(f"no KV cache manager serves {', '.join(unknown)}; supported: "
+                         f"{', '.join(c.__name__ for c in SUPPORTED_SPECS)}")
     shapes = {(s.block_size, s.num_kv_heads, s.head_size, s.dtype_bytes) for s in specs}
-    if len(managers) != 1 or len(shapes) != 1:
-        raise ValueError(f"all layers must share one KV cache shape and manager for now; got "
-                         f"shapes {sorted(shapes)} and managers {sorted(managers)}")
-    return managers.pop()
+    if len(shapes) != 1:
+        raise ValueError(f"all layers must share one KV cache page shape for now; got {sorted(shapes)}")
 
 
 def num_blocks_for(specs: list[KVCacheSpec], memory_bytes: int) -> int:

@@ -1,21 +1,23 @@
-"""KVCacheManager: which blocks each request holds, prefix-cache lookups, and allocation.
-Pure: no asyncio, no transport.
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, and allocation; the
+only record of the KV cache's blocks (the scheduler asks it, it keeps no copy). Pure: no
+asyncio, no transport.
 
-The blocks of one request, as ``allocate`` lays them out:
+The blocks of one request, as ``allocate_slots`` lays them out:
 
-    | < computed > | < new computed > | < new > | < lookahead > |
-                   |  (cache hits)    |  < to be computed >     |
-                   |          < to be allocated >              |
+    | < computed > | < new computed > | < new > |
+                   |  (cache hits)    |  < to be computed >
+                   |      < to be allocated >   |
 
 ``computed``: blocks it already holds; ``new computed``: cached blocks hit at admission
-(taken, not allocated); ``new`` and ``lookahead``: fresh blocks from the free queue.
+(taken, not allocated); ``new``: fresh blocks from the free queue for the tokens this step
+computes.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from actors.kv_manager.block_hash import BlockHash
 from actors.kv_manager.block_pool import BlockPool, KVCacheBlock
-from actors.kv_manager.messages import (KVAlloc, KVCommit, KVCommitResult, KVPrepare,
-                                        KVPrepareResult)
 
 
 def blocks_needed(num_tokens: int, block_size: int, num_held: int) -> int:
@@ -30,99 +32,83 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # per request: how many of its leading full blocks were offered to the prefix cache
         self._num_registered: dict[str, int] = {}
-        self._exclusive_changed: set[str] = set()
 
-    # -- round trip 1 ------------------------------------------------------------------------
-    def prepare(self, msg: KVPrepare) -> KVPrepareResult:
-        for req_id in msg.free:
-            self.free(req_id)
-        hits = []
-        for _, hashes in msg.lookup:
-            blocks = self.find_longest_cache_hit(hashes)
-            hits.append((len(blocks), sum(1 for b in blocks if not b.owners)))
-        return KVPrepareResult(hits, self.pool.num_free_blocks, self._take_exclusive())
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
 
-    def find_longest_cache_hit(self, hashes: list[BlockHash]) -> list[KVCacheBlock]:
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    # -- admission ---------------------------------------------------------------------------
+    def get_computed_blocks(self, block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
+        """The longest cached prefix of ``block_hashes`` (the caller caps the hashes so that a
+        request's last prompt token is always computed)."""
         out = []
         if self.pool.enable_caching:
-            for h in hashes:
+            for h in block_hashes:
                 b = self.pool.get_cached_block(h)
                 if b is None:
                     break
                 out.append(b)
         return out
 
-    # -- round trip 2 ------------------------------------------------------------------------
-    def commit(self, msg: KVCommit) -> KVCommitResult:
-        for req_id in msg.free:
-            self.free(req_id)
-        hit_blocks = [self._take_hits(a) for a in msg.allocate]   # pin every hit first
-        ids = []
-        for a, hits in zip(msg.allocate, hit_blocks):
-            blocks = self.req_to_blocks.setdefault(a.req_id, [])
-            new = self.pool.get_new_blocks(a.req_id, a.num_new_blocks)
-            blocks.extend(new)
-            if new:
-                self._exclusive_changed.add(a.req_id)
-            self._cache_full_blocks(a, blocks)
-            ids.append([b.block_id for b in hits] + [b.block_id for b in new])
-        return KVCommitResult(ids, self.pool.num_free_blocks, self._take_exclusive())
+    # -- every step --------------------------------------------------------------------------
+    def allocate_slots(self, req_id: str, num_tokens: int, block_hashes: Sequence[BlockHash],
+                       new_computed_blocks: Sequence[KVCacheBlock] = (),
+                       watermark_blocks: int = 0) -> list[int] | None:
+        """Blocks for ``req_id`` to hold its first ``num_tokens`` tokens: those it holds, the
+        cache hits ``new_computed_blocks`` (admission only), then fresh ones. Returns the ids
+        of the blocks it gained, hits first; None, with nothing changed, when they do not fit
+        and leave ``watermark_blocks`` free. Blocks full once ``num_tokens`` are computed are
+        offered to the prefix cache under ``block_hashes``."""
+        held = self.req_to_blocks.get(req_id, [])
+        if new_computed_blocks and held:
+            raise RuntimeError(f"request {req_id} takes cache hits but already holds blocks")
+        num_new = blocks_needed(num_tokens, self.block_size, len(held) + len(new_computed_blocks))
+        revived = sum(1 for b in new_computed_blocks if not b.owners)   # hits now in the free queue
+        if num_new + revived > self.pool.num_free_blocks - watermark_blocks:
+            return None
+        self.pool.touch(req_id, list(new_computed_blocks))              # pinned before any eviction
+        new = self.pool.get_new_blocks(req_id, num_new)
+        blocks = self.req_to_blocks.setdefault(req_id, [])
+        blocks.extend(new_computed_blocks)
+        blocks.extend(new)
+        self._cache_full_blocks(req_id, blocks, num_tokens // self.block_size, block_hashes)
+        return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new]
 
-    def _take_hits(self, a: KVAlloc) -> list[KVCacheBlock]:
-        if not a.num_hit_blocks:
-            return []
-        if self.req_to_blocks.get(a.req_id):
-            raise RuntimeError(f"request {a.req_id} takes cache hits but already holds blocks")
-        blocks = self.find_longest_cache_hit(a.block_hashes[:a.num_hit_blocks])
-        if len(blocks) != a.num_hit_blocks:
-            raise RuntimeError(f"request {a.req_id}: {a.num_hit_blocks} cached blocks were planned, "
-                               f"{len(blocks)} are still cached")
-        for b in self.pool.touch(a.req_id, blocks):
-            self._exclusive_changed.update(b.owners)
-        self.req_to_blocks[a.req_id] = list(blocks)
-        self._exclusive_changed.add(a.req_id)
-        return blocks
-
-    def _cache_full_blocks(self, a: KVAlloc, blocks: list[KVCacheBlock]) -> None:
+    def _cache_full_blocks(self, req_id: str, blocks: list[KVCacheBlock], num_full: int,
+                           block_hashes: Sequence[BlockHash]) -> None:
         """Offer the blocks that became full since the request's last step to the prefix cache."""
-        n = min(a.num_full_blocks, len(a.block_hashes), len(blocks))
-        done = self._num_registered.get(a.req_id, 0)
+        n = min(num_full, len(block_hashes), len(blocks))
+        done = self._num_registered.get(req_id, 0)
         for i in range(done, n):
-            self.pool.cache_full_block(blocks[i], a.block_hashes[i])
+            self.pool.cache_full_block(blocks[i], block_hashes[i])
         if n > done:
-            self._num_registered[a.req_id] = n
+            self._num_registered[req_id] = n
 
     # -- release -----------------------------------------------------------------------------
     def free(self, req_id: str) -> None:
+        """Release a finished or preempted request's blocks, its tail first (so its tail is
+        evicted before its head)."""
         blocks = self.req_to_blocks.pop(req_id, None)
         self._num_registered.pop(req_id, None)
-        self._exclusive_changed.discard(req_id)
         if blocks:
-            for b in self.pool.free_blocks(req_id, blocks[::-1]):
-                self._exclusive_changed.update(b.owners)
+            self.pool.free_blocks(req_id, blocks[::-1])
 
-    def exclusive_blocks(self, req_id: str) -> int:
-        """Blocks that would return to the free queue if ``req_id`` freed them."""
-        return sum(1 for b in self.req_to_blocks.get(req_id, ()) if len(b.owners) == 1)
+    def num_blocks_held(self, req_id: str) -> int:
+        return len(self.req_to_blocks.get(req_id, ()))
 
-    def _take_exclusive(self) -> dict[str, int]:
-        changed = {r: self.exclusive_blocks(r) for r in self._exclusive_changed if r in self.req_to_blocks}
-        self._exclusive_changed.clear()
-        return changed
-
-    def reset(self) -> int:
+    def reset(self) -> None:
+        """Forget every allocation and cached prefix (the workers lost their caches)."""
         for req_id in list(self.req_to_blocks):
             self.free(req_id)
         self.pool.reset_prefix_cache()
-        return self.pool.num_free_blocks
 
     def reset_prefix_cache(self) -> bool:
         self.pool.reset_prefix_cache()
         self._num_registered.clear()      # running requests offer their full blocks again
         return True
-
-    def usage(self) -> float:
-        return self.pool.usage()
 
     def check_integrity(self) -> None:
         """free + in use = total; owners match holders; every cached block carries its hash."""

@@ -47,6 +47,14 @@ class Actor:
     async def stopped(self) -> None:
         """Called once when the actor stops."""
 
+    def colocated(self) -> Any:
+        """The synchronous interface actors of this node may call directly instead of asking
+        (``ActorRef.colocated``, the co-located fast path). Offer one only when no handler of
+        this actor awaits: on one event loop a direct call then cannot interleave with a
+        handler, so the actor still does one thing at a time. Actors that restart on failure
+        cannot offer one (a caller would keep the old instance)."""
+        raise TypeError(f"{type(self).__name__} offers no co-located interface; ask it instead")
+
 
 class ActorContext:
     """What an actor knows of its surroundings."""

@@ -8,7 +8,7 @@ import typing
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
-from actors.runtime.errors import ActorDied, AskTimeout, MessageRejected
+from actors.runtime.errors import ActorDied, ActorError, AskTimeout, MessageRejected
 from actors.runtime.mailbox import Delivery
 from actors.runtime.messages import SystemMessage
 from actors.runtime.tracing import current_context, new_trace_id, now_ns
@@ -50,6 +50,13 @@ class ActorRef(ABC):
         """Like tell, but waits for room when the target's mailbox is full (backpressure)."""
         self.tell(msg)
 
+    def colocated(self) -> Any:
+        """The co-located fast path: the synchronous interface the target offers to actors of
+        its own node (``Actor.colocated``), called directly instead of asked. Raises ActorError
+        for an actor on another node or one that offers none."""
+        raise ActorError(f"actor '{self.name}' is on node '{self.node_name}': only an actor of "
+                         "the caller's own node can be called directly")
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}@{self.node_name}>"
 
@@ -87,6 +94,13 @@ class LocalRef(ActorRef):
         except TimeoutError:
             raise AskTimeout(f"ask {type(msg).__name__} to actor '{self.name}' got no reply "
                              f"within {timeout:g} s") from None
+
+    def colocated(self) -> Any:
+        actor = self._cell.actor
+        if type(actor).on_failure == "restart":
+            raise ActorError(f"actor '{self.name}' restarts on failure, so a direct reference to "
+                             "it could outlive the instance; it cannot be called directly")
+        return actor.colocated()
 
     @property
     def alive(self) -> bool:
@@ -138,3 +152,6 @@ class DeferredRef(ActorRef):
 
     async def ask(self, msg: Any, timeout: float = DEFAULT_ASK_TIMEOUT) -> Any:
         return await self._target().ask(msg, timeout)
+
+    def colocated(self) -> Any:
+        return self._target().colocated()

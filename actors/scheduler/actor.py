@@ -1,23 +1,32 @@
 """Scheduler actor: runs the engine step loop around the pure Scheduler.
 
 One step: take what arrived (new requests and aborts wait in the mailbox while a step runs),
-schedule, one KV commit, one SchedulerOutput to the executor, one EngineCoreOutputs batch to
-the frontend. A step is queued by telling ourselves ``Step``, so messages that arrived during a
-step are handled before the next one.
+schedule (the Scheduler takes blocks from the KV manager's core directly), one
+SchedulerOutput to the executor, one EngineCoreOutputs batch to the frontend. A step is queued
+by telling ourselves ``Step``, so messages that arrived during a step are handled before the
+next one.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, ClassVar
 
-from actors.kv_manager.messages import KVReset, ResetPrefixCache
+from actors.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteError
 from actors.scheduler.scheduler import Scheduler
-from transport.messages import (AbortRequests, AddRequest, EngineCoreOutput, EngineCoreOutputs)
 
 log = logging.getLogger("troupe.scheduler")
+
+
+class AddRequest(Msg):
+    request: EngineCoreRequest
+
+
+class AbortRequests(Msg):
+    lane: ClassVar[str] = "system"
+    request_ids: list[str]
 
 
 class Step(Msg):
@@ -29,7 +38,7 @@ class WorkersReady(Msg):
     generation: int
 
 
-SchedulerProtocol = AddRequest | AbortRequests | Step | WorkersReady | ResetPrefixCache
+SchedulerProtocol = AddRequest | AbortRequests | Step | WorkersReady
 
 STEP_TIMEOUT_S = 600.0
 MAX_EARLY_ABORTS = 4096          # remembered ids of aborts that came before their request
@@ -39,10 +48,9 @@ class SchedulerActor(Actor):
     protocol = SchedulerProtocol
     on_failure = "escalate"      # an exception here means broken scheduling state
 
-    def __init__(self, core: Scheduler, kv: ActorRef, executor: ActorRef, outputs: ActorRef,
+    def __init__(self, core: Scheduler, executor: ActorRef, outputs: ActorRef,
                  generation: int = 0) -> None:
         self.core = core
-        self.kv = kv
         self.executor = executor
         self.outputs = outputs
         self.generation = generation
@@ -81,40 +89,26 @@ class SchedulerActor(Actor):
                 if not self._step_queued:          # idle now: close the cycle, start afresh
                     self._account_cycle()
                     self._last_step_start = 0.0
-            case ResetPrefixCache():
-                return await self.kv.ask(msg)      # between steps: no step reads the cache now
             case WorkersReady(generation=g):
                 if g != self.generation:
                     self.generation = g
                     self._emit(self.core.fail_running("the worker process was restarted"))
-                    await self.kv.ask(KVReset())     # the new worker's cache holds nothing
-                    self.core.reset_blocks()
+                    self.core.reset_blocks()         # the new worker's cache holds nothing
                 self.paused = False
                 self._kick()
 
     def _kick(self) -> None:
-        """Queue a step when there is work, or blocks of finished requests to hand back."""
-        if self._step_queued or self.paused:
-            return
-        if self.core.has_work() or self.core.has_pending_frees():
+        """Queue a step when there is work."""
+        if not self._step_queued and not self.paused and self.core.has_work():
             self._step_queued = True
             self.ctx.self_ref.tell(Step())
 
     async def _step(self) -> None:
         if not self.core.has_work():
-            release = self.core.release()
-            if release is not None:
-                self.core.apply_prepare(await self.kv.ask(release))
-                self._emit([])           # the frontend's KV usage drops back when idle
             return
         self._account_cycle()
-        prepare = self.core.begin_step()                     # round trip 1, when needed
-        if prepare is not None:
-            self.core.apply_prepare(await self.kv.ask(prepare))
-        plan = self.core.schedule()
-        kv_result = await self.kv.ask(plan.kv_commit)       # round trip 2
-        so = self.core.build_output(plan, kv_result)
-        if not plan.scheduled:
+        so = self.core.schedule()
+        if not so.num_scheduled_tokens:
             return
         self.ctx.link(list(so.num_scheduled_tokens))
         try:

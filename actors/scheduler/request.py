@@ -6,7 +6,8 @@ import enum
 from dataclasses import dataclass, field
 
 from actors.kv_manager.block_hash import BlockHash, extend_block_hashes
-from transport.messages import EngineCoreRequest, SamplingParams
+from actors.engine.messages import EngineCoreRequest
+from actors.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -54,8 +55,6 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0        # prompt tokens served from the prefix cache at admission
-    num_blocks: int = 0               # KV blocks held (their ids live in the KV manager)
-    num_exclusive_blocks: int = 0     # of those, blocks no other request holds
     num_preemptions: int = 0
     first_scheduled_time: float = 0.0  # time.time() when first scheduled: its queue time ends
     first_output_sent: bool = False

@@ -7,9 +7,12 @@ from typing import Any, Callable, ClassVar
 
 import msgspec
 
+from actors.detokenizer.actor import TrackRequest
+from actors.engine.messages import EngineCoreRequest
+from actors.engine.sampling_params import SamplingParams
 from actors.runtime import Actor, ActorRef, Msg
+from actors.scheduler.actor import AddRequest
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
-from transport.messages import AddRequest, EngineCoreRequest, SamplingParams
 
 
 class PromptAccepted(msgspec.Struct):
@@ -19,12 +22,11 @@ class PromptAccepted(msgspec.Struct):
 
 class Generate(Msg):
     """Exactly one of ``prompt``, ``prompt_token_ids`` and ``messages`` is set.
-    ``max_tokens`` None means: up to the end of the context. ``arrival_time`` (time.time() when
-    the request reached the server; 0.0 = now) starts its latency clocks."""
+    ``arrival_time`` (time.time() when the request reached the server; 0.0 = now) starts its
+    latency clocks."""
     reply_type: ClassVar[Any] = PromptAccepted
     request_id: str
     sampling_params: SamplingParams
-    max_tokens: int | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
@@ -34,14 +36,6 @@ class Generate(Msg):
     priority: int = 0
     arrival_time: float = 0.0
     add_special_tokens: bool = False       # BOS/EOS around a text prompt, as the GGUF asks
-
-
-class TrackRequest(Msg):
-    """Tells the Detokenizer a request is coming (sent before the engine sees it)."""
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float = 0.0
 
 
 class InvalidPrompt(ValueError):
@@ -77,13 +71,12 @@ class TokenizerActor(Actor):
         if n >= self.max_model_len:
             raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
                                 f"However, your prompt has {n} tokens.")
-        max_tokens = msg.max_tokens if msg.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len:
+        params = msg.sampling_params
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
-                                f"However, you requested {n + max_tokens} tokens ({n} in the "
-                                f"prompt, {max_tokens} for the completion). Please reduce the "
+                                f"However, you requested {n + params.max_tokens} tokens ({n} in the "
+                                f"prompt, {params.max_tokens} for the completion). Please reduce the "
                                 f"prompt or max_tokens.")
-        params = msgspec.structs.replace(msg.sampling_params, max_tokens=max_tokens)
         arrival = msg.arrival_time or time.time()
         self.detokenizer.tell(TrackRequest(msg.request_id, ids, params, arrival))
         self.engine.tell(AddRequest(EngineCoreRequest(

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from transport.messages import NewRequestData, SamplingParams
+from actors.engine.messages import NewRequestData
+from actors.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

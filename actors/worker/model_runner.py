@@ -12,21 +12,20 @@ step runs on the prepared tensors directly, unless ``cudagraph_sizes`` asks for 
 """
 from __future__ import annotations
 
-import time
-
 import dataclasses
+import time
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from actors.engine.config import EngineConfig
+from actors.engine.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+from actors.kv_manager.kv_cache_spec import create_kv_cache_views, model_kv_cache_specs
 from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.input_batch import InputBatch
-from actors.kv_manager.kv_cache_spec import create_kv_cache_views, model_kv_cache_specs
 from kernels.attention.base import AttentionMetadata
-from models.config import ArchConfig
-from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs)
-from transport.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+from models.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
 
 
 class StepInputs(NamedTuple):
@@ -39,22 +38,26 @@ class StepInputs(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: ArchConfig, num_blocks: int,
-                 block_size: int, max_num_seqs: int, max_model_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 cudagraph_sizes: list[int] | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
+    """Runs steps of ``model`` with the KV cache a resolved ``config`` sizes, on its device.
+    ``cudagraph_sizes``: the decode batch sizes to capture (CUDA), or to pad to (tests)."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig,
+                 cudagraph_sizes: list[int] | None = None) -> None:
+        if not config.resolved:
+            raise ValueError("the model runner needs a resolved config (EngineConfig.resolve)")
         self.model = model
         self.config = config
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.device = torch.device(device)
-        kv_dtype = kv_cache_dtype or dtype
-        specs = model_kv_cache_specs(config, block_size, kv_dtype.itemsize)
-        self.kv_caches = create_kv_cache_views(specs, num_blocks, kv_dtype, self.device)  # validates the specs
-        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device)
+        self.arch = config.model.arch
+        self.block_size = bs = config.cache.block_size
+        self.device = torch.device(config.device.device)
+        kv_dtype = getattr(torch, config.cache.cache_dtype)
+        specs = model_kv_cache_specs(self.arch, bs, kv_dtype.itemsize)
+        self.kv_caches = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device)
+        max_model_len = config.model.max_model_len
+        self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.device)
         self.sampler = Sampler()
         self._meta_cache: tuple | None = None     # (row states' ids, SamplingMetadata, the states)
-        self.graphs = (CudaGraphRunner(model, self.kv_caches, cudagraph_sizes, max_model_len, block_size,
+        self.graphs = (CudaGraphRunner(model, self.kv_caches, cudagraph_sizes, max_model_len, bs,
                                        self.device) if cudagraph_sizes else None)
 
     def capture_cudagraphs(self) -> float:
@@ -145,36 +148,21 @@ class ModelRunner:
 
     def sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
         """The sampler's per-row tensors. Reused while the same requests sit in the same rows
-        and no row's sampling reads its tokens so far (penalties, bad words, min_tokens): then
-        nothing in it changes from step to step (seeded generators advance in place)."""
+        and no row's sampling reads its tokens so far: then nothing in it changes from step to
+        step (seeded generators advance in place)."""
         b = self.batch
-        states = [b.states[i] for i in slots.tolist()]
+        rows = slots.tolist()
+        states = [b.states[i] for i in rows]
         key = tuple(map(id, states))
         if self._meta_cache is not None and self._meta_cache[0] == key:
             return self._meta_cache[1]
-        ps = [s.params for s in states]
-        penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                        for p in ps)
-        needs_output = penalties or any(p.bad_words_token_ids or p.min_tokens for p in ps)
-        output = [b.output_token_ids(i) for i in slots.tolist()] if needs_output else None
-        prompt = ([b.prompt_token_ids(i) for i in slots.tolist()]
-                  if any(p.repetition_penalty != 1.0 for p in ps) else None)
-        want = [p.logprobs for p in ps if p.logprobs is not None]
-        eos = list(self.config.eos_token_ids)
-        meta = SamplingMetadata.from_lists(
-            temperature=[p.temperature for p in ps], top_p=[p.top_p for p in ps],
-            top_k=[p.top_k for p in ps], generators=[s.generator for s in states],
-            min_p=[p.min_p for p in ps],
-            presence_penalty=[p.presence_penalty for p in ps],
-            frequency_penalty=[p.frequency_penalty for p in ps],
-            repetition_penalty=[p.repetition_penalty for p in ps],
-            prompt_token_ids=prompt, output_token_ids=output,
-            min_tokens=[p.min_tokens for p in ps], stop_token_ids=[p.stop_token_ids for p in ps],
-            eos_token_ids=[[] if p.ignore_eos else eos for p in ps],
-            logit_bias=[p.logit_bias for p in ps], allowed_token_ids=[p.allowed_token_ids for p in ps],
-            bad_words_token_ids=[p.bad_words_token_ids or None for p in ps],
-            max_num_logprobs=max(want) if want else None, device=self.device)
-        self._meta_cache = None if needs_output else (key, meta, states)   # states held: ids stay theirs
+        params = [s.params for s in states]
+        meta = SamplingMetadata.from_params(
+            params, [s.generator for s in states], eos_token_ids=self.arch.eos_token_ids,
+            output_token_ids=lambda: [b.output_token_ids(i) for i in rows],
+            prompt_token_ids=lambda: [b.prompt_token_ids(i) for i in rows], device=self.device)
+        reusable = not SamplingMetadata.reads_output_tokens(params)
+        self._meta_cache = (key, meta, states) if reusable else None   # states held: ids stay theirs
         return meta
 
     def _sample_logprobs(self, req_ids: list[str], rows: np.ndarray, slots: np.ndarray,

@@ -31,13 +31,18 @@ def tiny_llama(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_gpu"), VOCAB, 128, 256, 4, 2, 32, 512)
 
 
-def _worker(path: str, **cfg):
-    from actors.worker.actor import LoadModel, WorkerActor, WorkerConfig
-    from transport.messages import InitKVCache
+def _worker(path: str, **options):
+    """(the worker's core, the config it resolved, its KV cache bytes) for engine ``options``."""
+    import msgspec
+    from actors.engine.args import EngineArgs
+    from actors.worker.actor import InitKVCache, LoadModel, WorkerActor
+    config = EngineArgs(model=path, block_size=BLOCK_SIZE, max_num_seqs=8, max_model_len=512,
+                        **options).create_engine_config()
+    config = config.replace(cache=msgspec.structs.replace(config.cache, num_blocks=128))
     worker = WorkerActor()
-    info = asyncio.run(worker.receive(LoadModel(WorkerConfig(model=path, **cfg))))
-    kv = asyncio.run(worker.receive(InitKVCache(128, BLOCK_SIZE, 8, 512)))
-    return worker, info, kv
+    resolved = asyncio.run(worker.receive(LoadModel(config)))
+    kv_bytes = asyncio.run(worker.receive(InitKVCache()))
+    return worker.core, resolved, kv_bytes
 
 
 def test_worker_goes_to_cuda_in_bfloat16_and_captures_decode_graphs(tiny_llama, monkeypatch):
@@ -51,12 +56,12 @@ def test_worker_goes_to_cuda_in_bfloat16_and_captures_decode_graphs(tiny_llama, 
             calls[_name] += 1
             return _fn(*args)
         monkeypatch.setattr(triton_fused, name, counted)
-    worker, info, kv = _worker(tiny_llama)
-    assert (info.device, info.dtype) == ("cuda", "bfloat16")
+    worker, resolved, kv_bytes = _worker(tiny_llama)
+    assert (resolved.device.device, resolved.model.dtype) == ("cuda", "bfloat16")
     assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in worker.model.parameters())
     assert isinstance(worker.model.layers[0].self_attn.backend, TritonAttentionBackend)
     runner = worker.runner
-    assert all(t.is_cuda for t in runner.kv_caches) and kv.bytes > 0
+    assert all(t.is_cuda for t in runner.kv_caches) and kv_bytes > 0
     assert list(runner.graphs.graphs) == [BatchDescriptor(n, n, True) for n in reversed(capture_sizes(8))]
     outs = generate(runner, [[1, 2, 3], list(range(5, 40)), [7] * 20], 12, BLOCK_SIZE)
     assert [len(o) for o in outs] == [12, 12, 12] and all(0 <= t < VOCAB for o in outs for t in o)
@@ -64,18 +69,20 @@ def test_worker_goes_to_cuda_in_bfloat16_and_captures_decode_graphs(tiny_llama, 
 
 
 def test_enforce_eager_and_cpu_capture_nothing(tiny_llama):
-    worker, info, _ = _worker(tiny_llama, enforce_eager=True)
-    assert info.device == "cuda" and worker.runner.graphs is None
-    worker, info, _ = _worker(tiny_llama, device="cpu")
-    assert (info.device, info.dtype) == ("cpu", "float32") and worker.runner.graphs is None
+    worker, resolved, _ = _worker(tiny_llama, enforce_eager=True)
+    assert resolved.device.device == "cuda" and worker.runner.graphs is None
+    worker, resolved, _ = _worker(tiny_llama, device="cpu")
+    assert (resolved.device.device, resolved.model.dtype) == ("cpu", "float32") and worker.runner.graphs is None
 
 
 def _runner(path: str, device: str, sizes: list[int] | None):
     from actors.worker.model_runner import ModelRunner
     from models.registry import load_model
     from models.resolve import resolve_model
+    from tools.gpu_check.driver import runner_config
     model, config = load_model(resolve_model(path), torch.float32, block_size=BLOCK_SIZE, device=device)
-    runner = ModelRunner(model, config, 96, BLOCK_SIZE, 8, config.max_model_len, torch.float32, device, sizes)
+    runner = ModelRunner(model, runner_config(config, device, torch.float32, max_num_seqs=8, num_blocks=96,
+                                              block_size=BLOCK_SIZE), sizes)
     if sizes and device == "cuda":
         runner.capture_cudagraphs()
     return runner

@@ -3,18 +3,30 @@ from __future__ import annotations
 
 import zlib
 
+from actors.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from actors.kv_manager.manager import KVCacheManager
-from actors.scheduler.scheduler import Scheduler, SchedulerConfig, StepPlan
-from transport.messages import (EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput,
-                                SamplingParams, SchedulerOutput)
+from actors.scheduler.scheduler import Scheduler
+from models.resolve import ModelSource
+from actors.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from actors.engine.sampling_params import SamplingParams
 
 EOS = 2
 
 
+def engine_config(num_blocks: int = 64, enable_prefix_caching: bool = True, **cfg) -> EngineConfig:
+    """A resolved config for a cache of ``num_blocks`` blocks of 4 tokens (no model behind it);
+    ``cfg``: scheduler options."""
+    return EngineConfig(
+        model=ModelConfig(source=ModelSource("hf_dir", "", "fake"), max_model_len=(num_blocks - 1) * 4),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(**{"max_num_batched_tokens": 64, **cfg}))
+
+
 def make(num_blocks: int = 64, **cfg) -> tuple[Scheduler, KVCacheManager]:
-    config = SchedulerConfig(**{"block_size": 4, "max_num_batched_tokens": 64, **cfg})
-    return Scheduler(config, num_blocks), KVCacheManager(num_blocks, config.block_size,
-                                                         config.enable_prefix_caching)
+    """A Scheduler on its own KVCacheManager (see ``engine_config``)."""
+    config = engine_config(num_blocks, **cfg)
+    kv = KVCacheManager(num_blocks, 4, config.cache.enable_prefix_caching)
+    return Scheduler(config, kv), kv
 
 
 def add(s: Scheduler, rid: str, prompt: int | list[int], max_tokens: int = 8, priority: int = 0,
@@ -38,7 +50,7 @@ class FakeWorker:
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
 
-    def run(self, s: Scheduler, plan: StepPlan, so: SchedulerOutput, token: int) -> ModelRunnerOutput:
+    def run(self, so: SchedulerOutput, token: int) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self.tokens.pop(rid, None)
             self.blocks.pop(rid, None)
@@ -48,9 +60,10 @@ class FakeWorker:
         for rid, blocks in zip(so.cached_reqs.req_ids, so.cached_reqs.new_block_ids):
             self.blocks[rid].extend(blocks)
         sampled = []
-        for (req, n) in plan.scheduled:
-            rid = req.request_id
-            start = req.num_computed_tokens - n
+        starts = dict(zip(so.cached_reqs.req_ids, so.cached_reqs.num_computed_tokens))
+        starts |= {r.req_id: r.num_computed_tokens for r in so.new_reqs}
+        for rid, n in so.num_scheduled_tokens.items():
+            start = starts[rid]
             for pos in range(start, start + n):
                 slot = self.blocks[rid][pos // self.bs] * self.bs + pos % self.bs
                 self.slots[slot] = self.tokens[rid][pos]
@@ -67,48 +80,24 @@ class Harness:
     def __init__(self, num_blocks: int = 64, **cfg) -> None:
         self.s, self.kv = make(num_blocks, **cfg)
         self.worker = FakeWorker(num_blocks, self.kv.block_size)
-        self.round_trips: list[int] = []
         self.hash_tokens: dict[bytes, tuple[int, ...]] = {}   # every block hash seen -> its tokens
 
     def add(self, rid: str, prompt: int | list[int], **kw) -> None:
         add(self.s, rid, prompt, **kw)
 
     def step(self, token: int = 7, check: bool = True) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-        """One engine step with its (at most two) KV round trips; then the idle release."""
-        s, kv = self.s, self.kv
-        trips = 0
-        prepare = s.begin_step()
-        if prepare is not None:
-            s.apply_prepare(kv.prepare(prepare))
-            trips += 1
-        plan = s.schedule()
-        bs = kv.block_size
-        for req, _ in plan.scheduled:
+        """One engine step: schedule, run on the fake worker, update; then the KV manager's
+        integrity check."""
+        so = self.s.schedule()
+        bs = self.kv.block_size
+        for rid in so.num_scheduled_tokens:
+            req = self.s.requests[rid]
             for i, bh in enumerate(req.block_hashes):
                 self.hash_tokens[bh] = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
-        so = s.build_output(plan, kv.commit(plan.kv_commit))
-        self.round_trips.append(trips + 1)
-        outs = s.update_from_output(so, self.worker.run(s, plan, so, token))
-        self.idle_release()
+        outs = self.s.update_from_output(so, self.worker.run(so, token))
         if check:
-            check_accounting(s, kv)
+            self.kv.check_integrity()
         return so, outs
-
-    def idle_release(self) -> None:
-        if not self.s.has_work():
-            release = self.s.release()
-            if release is not None:
-                self.s.apply_prepare(self.kv.prepare(release))
-
-
-def check_accounting(s: Scheduler, kv: KVCacheManager) -> None:
-    kv.check_integrity()
-    assert s.num_free_blocks == kv.pool.num_free_blocks or s.has_pending_frees()
-    for rid, req in s.requests.items():
-        held = len(kv.req_to_blocks.get(rid, ()))
-        if not s.has_pending_frees():
-            assert req.num_blocks == held, (rid, req.num_blocks, held)
-            assert req.num_exclusive_blocks == kv.exclusive_blocks(rid), rid
 
 
 def held_blocks(kv: KVCacheManager) -> int:

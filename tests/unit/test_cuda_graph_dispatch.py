@@ -20,8 +20,8 @@ from kernels.attention import build_attention_metadata  # noqa: E402
 from models.registry import load_model  # noqa: E402
 from models.resolve import resolve_model  # noqa: E402
 from helpers import assert_same_steps, save_tiny_llama  # noqa: E402
-from tools.gpu_check.driver import StepDriver, padding_scenario  # noqa: E402
-from transport.messages import CachedRequestData, SchedulerOutput  # noqa: E402
+from tools.gpu_check.driver import StepDriver, padding_scenario, runner_config  # noqa: E402
+from actors.engine.messages import CachedRequestData, SchedulerOutput  # noqa: E402
 
 BLOCK_SIZE = 16
 SIZES = [1, 2, 4, 8]
@@ -123,8 +123,8 @@ def cpu_model(tiny_llama):
 
 def _runner(model, sizes=None) -> ModelRunner:
     m, config = model
-    return ModelRunner(m, config, num_blocks=96, block_size=BLOCK_SIZE, max_num_seqs=8,
-                       max_model_len=config.max_model_len, cudagraph_sizes=sizes)
+    return ModelRunner(m, runner_config(config, "cpu", torch.float32, max_num_seqs=8, num_blocks=96,
+                                        block_size=BLOCK_SIZE), cudagraph_sizes=sizes)
 
 
 def test_padded_buffers_give_the_real_rows_the_eager_results(model):

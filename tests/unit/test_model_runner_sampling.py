@@ -10,8 +10,8 @@ from actors.worker.model_runner import ModelRunner
 from helpers import save_tiny_llama
 from models.registry import load_model
 from models.resolve import resolve_model
-from tools.gpu_check.driver import GREEDY_LOGPROBS, SEEDED, StepDriver
-from transport.messages import SamplingParams
+from tools.gpu_check.driver import GREEDY_LOGPROBS, SEEDED, StepDriver, runner_config
+from actors.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 VOCAB = 128
@@ -25,7 +25,8 @@ def model(tmp_path_factory):
 
 
 def _run(model, rebuild_every_step: bool) -> list:
-    runner = ModelRunner(model.model, model.config, 64, BLOCK_SIZE, 4, 256)
+    runner = ModelRunner(model.model, runner_config(model.config, "cpu", torch.float32, max_num_seqs=4,
+                                                    num_blocks=64, block_size=BLOCK_SIZE, max_model_len=256))
     if rebuild_every_step:
         build = runner.sampling_metadata
 
@@ -64,7 +65,8 @@ def test_reused_sampling_tensors_sample_what_rebuilt_ones_do(model):
 
 
 def test_a_new_request_in_a_reused_row_gets_its_own_parameters(model):
-    runner = ModelRunner(model.model, model.config, 64, BLOCK_SIZE, 4, 256)
+    runner = ModelRunner(model.model, runner_config(model.config, "cpu", torch.float32, max_num_seqs=4,
+                                                    num_blocks=64, block_size=BLOCK_SIZE, max_model_len=256))
     d = StepDriver(runner, BLOCK_SIZE)
     d.prefill({"a": [5, 9, 2, 7]}, GREEDY_LOGPROBS)
     d.decode()

@@ -4,13 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from actors.engine.args import EngineArgs
 from tools.bench import workload
-
-
-def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: a CUDA GPU when one is present, else the CPU")
-    p.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
 
 
 def main() -> None:
@@ -19,15 +14,8 @@ def main() -> None:
 
     off = sub.add_parser("offline", help="offline throughput of an in-process engine")
     workload.add_arguments(off)
-    off.add_argument("--model", default=None)
-    off.add_argument("--dtype", default="auto")
-    off.add_argument("--quantization", default=None, choices=["gguf", "gguf-i8"])
-    off.add_argument("--max-num-seqs", type=int, default=256)
-    off.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    off.add_argument("--kv-cache-gib", type=float, default=0)
-    off.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    EngineArgs.add_cli_args(off, max_num_seqs=256)
     off.add_argument("--multiprocess", action="store_true", help="the server's 3-process layout")
-    add_device_arguments(off)
 
     srv = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
     workload.add_arguments(srv)
@@ -39,15 +27,10 @@ def main() -> None:
     srv.add_argument("--timeout", type=float, default=1800)
 
     lat = sub.add_parser("latency", help="single-stream prefill, decode and cold start")
-    lat.add_argument("--model", default=None)
-    lat.add_argument("--dtype", default="auto")
-    lat.add_argument("--quantization", default=None, choices=["gguf", "gguf-i8"])
-    lat.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    EngineArgs.add_cli_args(lat)
     lat.add_argument("--prompt-len", type=int, default=128)
     lat.add_argument("--decode-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
-    lat.add_argument("--seed", type=int, default=0)
-    add_device_arguments(lat)
 
     agr = sub.add_parser("agreement", help="greedy agreement of a quantized mode with exact mode")
     agr.add_argument("--model", default=None)

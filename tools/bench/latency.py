@@ -15,9 +15,8 @@ from tools.bench import workload
 
 async def warm(args: Any) -> dict[str, float]:
     from actors.api import AsyncLLM, SamplingParams
-    llm = await AsyncLLM.create(args.model, dtype=args.dtype, quantization=args.quantization,
-                                kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-                                enforce_eager=args.enforce_eager)
+    from actors.engine.args import EngineArgs
+    llm = await AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args, multiprocess=False))
     try:
         # a fresh prompt for every run: a repeated one would be served from the prefix cache
         prompts = [r["prompt_token_ids"] for r in workload.generate(

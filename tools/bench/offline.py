@@ -11,19 +11,11 @@ from tools.bench import flops, workload
 
 async def run(args: Any) -> dict[str, Any]:
     from actors.api import AsyncLLM, SamplingParams
-    from actors.worker.device import resolve_device
-    from models.registry import model_config
-    from models.resolve import resolve_model
+    from actors.engine.args import EngineArgs
 
     reqs = workload.from_args(args)
-    engine_opts = {"dtype": args.dtype, "quantization": args.quantization,
-                   "kv_cache_dtype": args.kv_cache_dtype,
-                   "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "device": args.device, "enforce_eager": args.enforce_eager}
-    if args.kv_cache_gib:
-        engine_opts["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
-    llm = await AsyncLLM.create(args.model, multiprocess=args.multiprocess, **engine_opts)
+    llm = await AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args, multiprocess=args.multiprocess))
+    config = llm.client.config                 # resolved
     try:
         async def one(r: dict, params: SamplingParams) -> int:
             n = 0
@@ -45,11 +37,10 @@ async def run(args: Any) -> dict[str, Any]:
         compute = stats.last.compute_seconds - before.compute_seconds
     finally:
         await llm.shutdown()
-    config = model_config(resolve_model(args.model))
     n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
     n_out = sum(outs)
-    gflops = flops.workload_flops(config, reqs) / seconds / 1e9
-    device = resolve_device(args.device).type
+    gflops = flops.workload_flops(config.model.arch, reqs) / seconds / 1e9
+    device = config.device.device
     peak = flops.matmul_peak_gflops() if device == "cpu" else None    # this CPU's own float32 peak
     return {"bench": "offline", "engine": "troupe", "device": device, "enforce_eager": args.enforce_eager,
             "dtype": args.dtype,

@@ -4,9 +4,15 @@ token per step. Blocks come from a counter (block 0 is the null block and never 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from transport.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, SamplingParams,
-                                SchedulerOutput)
+from actors.engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from actors.engine.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from actors.engine.sampling_params import SamplingParams
+from actors.worker.cuda_graphs import capture_sizes
+from actors.worker.model_runner import ModelRunner
+from models.config import ArchConfig
+from models.resolve import ModelSource
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
 GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True, logprobs=3)
@@ -25,8 +31,8 @@ class StepDriver:
 
     def _take_blocks(self, req_id: str, num_tokens: int) -> list[int]:
         need = -(-num_tokens // self.block_size) - self.num_blocks.get(req_id, 0)
-        if self.next_block + need > self.runner.num_blocks:
-            raise RuntimeError(f"out of KV blocks ({self.runner.num_blocks}); give the runner more")
+        if self.next_block + need > self.runner.config.cache.num_blocks:
+            raise RuntimeError(f"out of KV blocks ({self.runner.config.cache.num_blocks}); give the runner more")
         ids = list(range(self.next_block, self.next_block + need))
         self.next_block += need
         self.num_blocks[req_id] = self.num_blocks.get(req_id, 0) + need
@@ -104,14 +110,26 @@ def padding_scenario(runner, block_size: int, vocab_size: int, seeded: bool = Tr
     return record
 
 
-def build_runner(model, config, device: str, dtype, *, graphs: bool, max_num_seqs: int, num_blocks: int,
-                 block_size: int = 16, max_model_len: int | None = None):
+def runner_config(arch: ArchConfig, device: str, dtype: torch.dtype, *, max_num_seqs: int, num_blocks: int,
+                  block_size: int = 16, max_model_len: int | None = None,
+                  kv_cache_dtype: torch.dtype | None = None) -> EngineConfig:
+    """The resolved config of a ModelRunner for a model the caller loaded itself."""
+    name = lambda t: str(t).removeprefix("torch.")                    # noqa: E731
+    source = ModelSource("hf_dir", "", arch.architecture)              # no checkpoint to resolve
+    return EngineConfig(
+        model=ModelConfig(source=source, dtype=name(dtype), arch=arch,
+                          max_model_len=max_model_len or arch.max_model_len),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                          cache_dtype=name(kv_cache_dtype or dtype)),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), device=DeviceConfig(device=device))
+
+
+def build_runner(model, config: ArchConfig, device: str, dtype: torch.dtype, *, graphs: bool, max_num_seqs: int,
+                 num_blocks: int, block_size: int = 16, max_model_len: int | None = None):
     """A ModelRunner for an already loaded model, with decode graphs captured when ``graphs``
     (on the CPU ``graphs`` runs the same padded buffers eagerly). -> (runner, capture seconds)."""
-    from actors.worker.cuda_graphs import capture_sizes
-    from actors.worker.model_runner import ModelRunner
     sizes = capture_sizes(max_num_seqs) if graphs else None
-    runner = ModelRunner(model, config, num_blocks, block_size, max_num_seqs,
-                         max_model_len or config.max_model_len, dtype, device, sizes)
+    runner = ModelRunner(model, runner_config(config, device, dtype, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
+                                              block_size=block_size, max_model_len=max_model_len), sizes)
     seconds = runner.capture_cudagraphs() if graphs and device == "cuda" else 0.0
     return runner, seconds

@@ -27,7 +27,7 @@ import time
 import torch
 
 from tools.gpu_check.driver import StepDriver, build_runner
-from transport.messages import SamplingParams
+from actors.engine.sampling_params import SamplingParams
 
 PROMPTS = [
     "The capital of France is",

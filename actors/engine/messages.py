@@ -1,42 +1,19 @@
-"""The engine's cross-process protocol: the messages the frontend, the engine core and the
-workers exchange. Hot paths carry one message per engine step, never one per token."""
+"""The engine's request and step types: a request as it enters the engine core, the step the
+scheduler sends the workers (``SchedulerOutput``) and what they answer (``ModelRunnerOutput``),
+and what the engine core emits per step (``EngineCoreOutputs``). Hot paths carry one message
+per engine step, never one per token. Each actor's own control messages sit at the top of its
+file."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
 import msgspec
 
+from actors.engine.sampling_params import SamplingParams
 from transport.msg import Msg
 
 
 # -- requests ----------------------------------------------------------------------------------
-
-class SamplingParams(msgspec.Struct, omit_defaults=True):
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                  # 0 = off
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words_token_ids: list[list[int]] = []
-    logprobs: int | None = None         # top alternatives per sampled token (0: its own only)
-    prompt_logprobs: int | None = None  # the same for every prompt token but the first
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
 
 class EngineCoreRequest(msgspec.Struct):
     request_id: str
@@ -46,15 +23,6 @@ class EngineCoreRequest(msgspec.Struct):
     eos_token_ids: list[int] = []
     priority: int = 0
     cache_salt: str | None = None
-
-
-class AddRequest(Msg):
-    request: EngineCoreRequest
-
-
-class AbortRequests(Msg):
-    lane: ClassVar[str] = "system"
-    request_ids: list[str]
 
 
 # -- engine outputs (engine core -> frontend), one message per step ---------------------------
@@ -141,40 +109,3 @@ class SchedulerOutput(Msg):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]              # finished, aborted or preempted: drop their state
-
-
-class ModelInfo(msgspec.Struct):
-    """What a worker reports once its model is loaded."""
-    served_name: str
-    architecture: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    kv_bytes_per_token: int
-    device: str
-    dtype: str
-    load_seconds: float
-    kv_cache_dtype: str = ""
-
-
-class KVCacheInfo(msgspec.Struct):
-    num_blocks: int
-    block_size: int
-    bytes: int
-
-
-class InitKVCache(Msg):
-    reply_type: ClassVar[Any] = KVCacheInfo
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_model_len: int
-
-
-class EngineInfo(msgspec.Struct):
-    """What the engine core reports to the frontend once it is ready."""
-    model: ModelInfo
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int

@@ -1,0 +1,115 @@
+"""EngineArgs: the engine's options as one flat list, shared by the command line
+(``python -m tools.serve`` and the benchmarks: ``add_cli_args``) and the offline API
+(``LLM(**options)``), and turned into the composed ``EngineConfig`` in one place
+(``create_engine_config``)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from actors.engine.config import (DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
+                                  SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
+                                  ModelConfig, ParallelConfig, SchedulerConfig)
+from models.resolve import resolve_model
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class EngineArgs:
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    enforce_eager: bool = False
+    quantization: str | None = None
+    seed: int = 0
+    max_model_len: int = 0
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    num_threads: int = 0
+    multiprocess: bool = True
+    max_worker_restarts: int = 3
+    worker_restart_window_s: float = 120.0
+
+    @classmethod
+    def from_options(cls, model: str | None, options: dict[str, Any]) -> EngineArgs:
+        """The offline API's keyword options; an unknown one is a TypeError listing them all."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(options) - names
+        if unknown:
+            raise TypeError(f"unknown engine options {sorted(unknown)}; accepted: {sorted(names)}")
+        return cls(model=model, **options)
+
+    def create_engine_config(self) -> EngineConfig:
+        """The composed config; resolves the model's source (fails fast, naming the package to
+        install, when the model is not on this machine)."""
+        return EngineConfig(
+            model=ModelConfig(source=resolve_model(self.model), dtype=self.dtype,
+                              quantization=self.quantization, max_model_len=self.max_model_len,
+                              seed=self.seed, enforce_eager=self.enforce_eager),
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
+                              cache_dtype=self.kv_cache_dtype,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                      policy=self.scheduling_policy),
+            parallel=ParallelConfig(multiprocess=self.multiprocess,
+                                    max_worker_restarts=self.max_worker_restarts,
+                                    worker_restart_window_s=self.worker_restart_window_s),
+            device=DeviceConfig(device=self.device, num_threads=self.num_threads))
+
+    # -- the command line --------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
+        """The engine's flags; ``defaults`` overrides a flag's default by its dest name."""
+        d = {f.name: f.default for f in dataclasses.fields(EngineArgs)} | defaults
+        p.add_argument("--model", default=d["model"], help="model name, .gguf path or checkpoint dir "
+                       "(default: HuggingFaceTB/SmolLM2-135M-Instruct)")
+        p.add_argument("--dtype", default=d["dtype"], choices=DTYPES,
+                       help="auto: float32 on the CPU, bfloat16 on a GPU")
+        p.add_argument("--device", default=d["device"], choices=DEVICES,
+                       help="auto: a CUDA GPU when one is present, else the CPU")
+        p.add_argument("--enforce-eager", action="store_true", default=d["enforce_eager"],
+                       help="never capture CUDA graphs (GPU only; for debugging)")
+        p.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATIONS,
+                       help="'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively with float32 "
+                            "activations (same weights, faster decoding); 'gguf-i8': Q4_1 layers also "
+                            "take int8 activations in two parts (AVX512-VNNI; faster prefill, rare "
+                            "token changes)")
+        p.add_argument("--kv-cache-gib", type=_positive(float), dest="kv_cache_bytes",
+                       default=d["kv_cache_bytes"] / 2**30, help="memory for the KV cache")
+        p.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
+                       help="auto: the model's dtype; float16 / bfloat16 store K and V rounded to 16 "
+                            "bits (twice the tokens per GiB, half the bytes long-context decoding reads)")
+        p.add_argument("--block-size", type=_positive(int), default=d["block_size"])
+        p.add_argument("--max-num-seqs", type=_positive(int), default=d["max_num_seqs"])
+        p.add_argument("--max-num-batched-tokens", type=_positive(int), default=d["max_num_batched_tokens"])
+        p.add_argument("--max-model-len", type=int, default=d["max_model_len"], help="0: the model's own")
+        p.add_argument("--scheduling-policy", default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
+                       help="'priority': requests' priority field orders the queue (lower first)")
+        p.add_argument("--threads", type=int, dest="num_threads", default=d["num_threads"],
+                       help="worker compute threads (0: all cores)")
+        p.add_argument("--seed", type=int, default=d["seed"])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        given = {k: v for k, v in vars(args).items() if k in names}
+        given["kv_cache_bytes"] = int(given["kv_cache_bytes"] * 2**30)   # the flag is in GiB
+        return cls(**(given | overrides))
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    parse.__name__ = kind.__name__        # argparse names the type in its error messages
+    return parse

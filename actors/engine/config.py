@@ -1,0 +1,136 @@
+"""EngineConfig: the engine's whole configuration, composed of model, cache, scheduler, parallel
+and device parts (vLLM's ``VllmConfig`` shape), built once by ``EngineArgs`` from the command
+line or the offline API and passed whole to every component.
+
+Values that say "auto" (device, dtype, KV cache dtype) or 0 (``max_model_len``, the number of
+KV blocks) are resolved once, by ``EngineConfig.resolve``, when the worker knows its platform and
+has read the checkpoint's architecture; the resolved config travels back to the engine core
+(scheduler, KV manager) and to the frontend (tokenizer, API). Resolving a resolved config
+changes nothing, so a restarted worker is given the resolved one.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from actors.kv_manager.kv_cache_spec import model_kv_cache_specs, num_blocks_for
+from models.config import ArchConfig
+from models.resolve import ModelSource
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("gguf", "gguf-i8")           # None: exact (models/quant.py)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    source: ModelSource                    # the checkpoint, resolved from the user's model name
+    dtype: str = "auto"                    # "auto": bfloat16 on CUDA, float32 on the CPU
+    quantization: str | None = None        # None (exact) | "gguf" | "gguf-i8"
+    max_model_len: int = 0                 # 0: the model's own, capped by the KV cache
+    seed: int = 0
+    enforce_eager: bool = False            # CUDA: no graph capture, every step eager
+    arch: ArchConfig | None = None         # the checkpoint's architecture, once resolved
+
+    @property
+    def served_model_name(self) -> str:
+        return self.source.served_name
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    cache_dtype: str = "auto"              # "auto": the model's dtype
+    enable_prefix_caching: bool = True
+    num_blocks: int = 0                    # 0: as many as kv_cache_memory_bytes holds
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # 0 = off
+    policy: str = "fcfs"                   # "fcfs" | "priority"
+    watermark: float = 0.01                # fraction of blocks kept free when admitting
+
+
+class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    multiprocess: bool = True              # engine core and worker in processes of their own
+    max_worker_restarts: int = 3           # a worker dying more often than this ...
+    worker_restart_window_s: float = 120.0  # ... within this window stops the engine
+
+
+class DeviceConfig(msgspec.Struct, frozen=True, kw_only=True):
+    device: str = "auto"                   # "auto": CUDA when torch sees a device, else the CPU
+    num_threads: int = 0                   # worker compute threads; 0: all cores
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    device: DeviceConfig = DeviceConfig()
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+    @property
+    def resolved(self) -> bool:
+        return self.model.arch is not None
+
+    def replace(self, **parts: msgspec.Struct) -> EngineConfig:
+        return msgspec.structs.replace(self, **parts)
+
+    def resolve(self, cuda_available: bool, arch: ArchConfig) -> EngineConfig:
+        """Every "auto" decided, given whether the worker's torch sees a CUDA device and the
+        checkpoint's architecture."""
+        device = _resolve_device(self.device.device, cuda_available)
+        dtype = self.model.dtype if self.model.dtype != "auto" else (
+            "bfloat16" if device == "cuda" else "float32")
+        if self.model.quantization and device == "cuda":
+            raise ValueError(f"quantization {self.model.quantization!r} runs on the CPU only; "
+                             "use device 'cpu'")
+        cache_dtype = dtype if self.cache.cache_dtype == "auto" else self.cache.cache_dtype
+        bs = self.cache.block_size
+        specs = model_kv_cache_specs(arch, bs, DTYPE_BYTES[cache_dtype])
+        num_blocks = self.cache.num_blocks or max(num_blocks_for(specs, self.cache.kv_cache_memory_bytes), 2)
+        # one request alone must fit in the cache (block 0 is the null block)
+        max_model_len = min(self.model.max_model_len or arch.max_model_len, (num_blocks - 1) * bs)
+        return self.replace(
+            model=msgspec.structs.replace(self.model, dtype=dtype, max_model_len=max_model_len, arch=arch),
+            cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
+            device=msgspec.structs.replace(self.device, device=device))
+
+
+def _resolve_device(name: str, cuda_available: bool) -> str:
+    if name == "cuda" and not cuda_available:
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device; "
+                         "use device 'cpu' or 'auto'")
+    if name == "auto":
+        return "cuda" if cuda_available else "cpu"
+    return name
+
+
+def check_config(cfg: EngineConfig) -> None:
+    """Refuse values no component could serve, naming the field and what is accepted."""
+    _one_of("device", cfg.device.device, DEVICES)
+    _one_of("dtype", cfg.model.dtype, DTYPES)
+    _one_of("kv_cache_dtype", cfg.cache.cache_dtype, KV_CACHE_DTYPES)
+    _one_of("scheduling_policy", cfg.scheduler.policy, SCHEDULING_POLICIES)
+    if cfg.model.quantization is not None:
+        _one_of("quantization", cfg.model.quantization, QUANTIZATIONS)
+    for name, value in (("block_size", cfg.cache.block_size),
+                        ("max_num_seqs", cfg.scheduler.max_num_seqs),
+                        ("max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if cfg.cache.kv_cache_memory_bytes <= 0:
+        raise ValueError(f"the KV cache's memory must be positive, got {cfg.cache.kv_cache_memory_bytes} bytes")
+    if cfg.model.max_model_len < 0:
+        raise ValueError(f"max_model_len must be at least 0 (0: the model's own), got {cfg.model.max_model_len}")
+
+
+def _one_of(name: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"unknown {name} {value!r}; accepted: {', '.join(accepted)}")

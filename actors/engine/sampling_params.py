@@ -1,0 +1,34 @@
+"""SamplingParams: everything a request asks of sampling and stopping, the one struct that
+carries it from the API (``to_sampling_params`` of the OpenAI request classes, or the offline
+API) through the tokenizer, the scheduler and the worker to the sampler
+(``SamplingMetadata.from_params``). Names and meanings are vLLM's."""
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    max_tokens: int | None = 16          # None: until the end of the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                       # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = []
+    logprobs: int | None = None          # top alternatives per sampled token (0: its own only)
+    prompt_logprobs: int | None = None   # the same for every prompt token but the first
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

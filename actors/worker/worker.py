@@ -1,0 +1,71 @@
+"""The worker's core: one model and its paged KV cache on one device. Loading resolves the
+engine's config (the worker knows its platform and reads the checkpoint's architecture), then
+the model is built, quantized or packed for the CPU; ``init_kv_cache`` allocates the cache the
+resolved config sizes and captures the decode graphs on CUDA; ``execute_model`` runs one step.
+Pure: no asyncio, no transport."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from actors.engine.config import EngineConfig
+from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
+from actors.worker.cuda_graphs import capture_sizes
+from actors.worker.model_runner import ModelRunner
+from models.native_decode import attach as attach_native_decode
+from models.packed import prepack_linears
+from models.quant import quantize
+from models.registry import load_model, model_config
+
+log = logging.getLogger("troupe.worker")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A resolved dtype name ("float32", "bfloat16", "float16") as torch's."""
+    return getattr(torch, name)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        """Resolve ``config`` for this platform and checkpoint and load the model."""
+        t0 = time.monotonic()
+        torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
+        torch.manual_seed(config.model.seed)
+        source = config.model.source
+        self.config = config.resolve(torch.cuda.is_available(), model_config(source))
+        self.device = torch.device(self.config.device.device)
+        self.model = self._load()
+        self.runner: ModelRunner | None = None         # until init_kv_cache
+        log.info("model %s loaded on %s (%s) in %.1f s", source.served_name, self.device.type,
+                 self.config.model.dtype, time.monotonic() - t0)
+
+    def _load(self) -> torch.nn.Module:
+        cfg = self.config
+        model, _ = load_model(cfg.model.source, torch_dtype(cfg.model.dtype), block_size=cfg.cache.block_size,
+                              device=self.device.type, kv_cache_dtype=torch_dtype(cfg.cache.cache_dtype))
+        if cfg.model.quantization:
+            quantize(model, cfg.model.quantization, cfg.model.source.path)
+        if self.device.type == "cpu":        # linear layers packed once for the native kernels
+            prepack_linears(model)
+            attach_native_decode(model)
+        return model
+
+    def init_kv_cache(self) -> int:
+        """Allocate the KV cache (and on CUDA capture the decode graphs); returns its bytes."""
+        cfg = self.config
+        sizes = (capture_sizes(cfg.scheduler.max_num_seqs)
+                 if self.device.type == "cuda" and not cfg.model.enforce_eager else None)
+        self.runner = ModelRunner(self.model, cfg, sizes)
+        if sizes:
+            seconds = self.runner.capture_cudagraphs()
+            log.info("captured %d CUDA graphs (decode batches of %s requests) in %.1f s",
+                     len(sizes), ", ".join(map(str, sizes)), seconds)
+        return sum(t.numel() * t.element_size() for t in self.runner.kv_caches)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.runner is None:
+            raise RuntimeError("the KV cache is not initialized (InitKVCache first)")
+        return self.runner.execute_model(so)
