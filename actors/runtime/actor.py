@@ -7,7 +7,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
 from actors.runtime.errors import RemoteError
-from actors.runtime.mailbox import Delivery, Mailbox, Overflow
+from actors.runtime.mailbox import Delivery, Mailbox
 from actors.runtime.messages import ErrorReply, Ping, Pong, Stop, SystemMessage
 from actors.runtime.tracing import SpanRecord, TraceContext, current_context, now_ns
 
@@ -32,8 +32,6 @@ class Actor:
 
     protocol: ClassVar[Any]
     concurrent: ClassVar[bool] = False
-    mailbox_capacity: ClassVar[int] = 65536
-    overflow: ClassVar[Overflow] = "fail"
     on_failure: ClassVar[OnFailure] = "resume"
 
     ctx: ActorContext
@@ -94,7 +92,7 @@ class ActorCell:
         self.actor = factory()
         cls = type(self.actor)
         self.accepts: Any = cls.protocol | SystemMessage
-        self.mailbox = Mailbox(cls.mailbox_capacity, cls.overflow)
+        self.mailbox = Mailbox()
         self.handled = 0
         self.links: tuple[str, ...] = ()
         self.stopping = False

@@ -1,14 +1,15 @@
-"""A single-consumer mailbox with two lanes: system (always drained first) and user (bounded)."""
+"""A single-consumer mailbox with two lanes: system (always taken first) and user (bounded: a
+full user lane refuses at once with MailboxFull, so memory stays bounded)."""
 from __future__ import annotations
 
 import asyncio
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from actors.runtime.errors import MailboxFull
 
-Overflow = Literal["fail", "drop_oldest"]
+MAILBOX_CAPACITY = 65536          # user messages waiting in one mailbox
 
 
 @dataclass(slots=True)
@@ -24,14 +25,11 @@ class Delivery:
 
 
 class Mailbox:
-    def __init__(self, capacity: int = 65536, overflow: Overflow = "fail") -> None:
+    def __init__(self, capacity: int = MAILBOX_CAPACITY) -> None:
         self.capacity = capacity
-        self.overflow = overflow
         self._system: deque[Delivery] = deque()
         self._user: deque[Delivery] = deque()
         self._ready = asyncio.Event()
-        self._space = asyncio.Event()
-        self.dropped = 0
 
     def __len__(self) -> int:
         return len(self._system) + len(self._user)
@@ -41,17 +39,9 @@ class Mailbox:
             self._system.append(d)
         else:
             if len(self._user) >= self.capacity:
-                if self.overflow == "fail":
-                    raise MailboxFull(f"mailbox full ({self.capacity} messages) for {type(d.msg).__name__}")
-                self._user.popleft()
-                self.dropped += 1
+                raise MailboxFull(f"mailbox full ({self.capacity} messages) for {type(d.msg).__name__}")
             self._user.append(d)
         self._ready.set()
-
-    async def wait_space(self) -> None:
-        while len(self._user) >= self.capacity:
-            self._space.clear()
-            await self._space.wait()
 
     async def get(self) -> Delivery:
         while not (self._system or self._user):
@@ -59,20 +49,10 @@ class Mailbox:
             await self._ready.wait()
         if self._system:
             return self._system.popleft()
-        d = self._user.popleft()
-        self._space.set()
-        return d
-
-    def drain(self) -> list[Delivery]:
-        """Everything pending in the user lane, at once (system messages stay for the loop)."""
-        items = list(self._user)
-        self._user.clear()
-        self._space.set()
-        return items
+        return self._user.popleft()
 
     def clear(self) -> list[Delivery]:
         items = list(self._system) + list(self._user)
         self._system.clear()
         self._user.clear()
-        self._space.set()
         return items

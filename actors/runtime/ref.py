@@ -1,6 +1,7 @@
-"""ActorRef: the same ``tell`` / ``ask`` / ``send`` API for an actor in this loop or in another
-process. Messages outside the target's protocol are refused at the sender when the protocol is
-known here, and at the receiver's typed decoder otherwise."""
+"""ActorRef: the same ``tell`` / ``ask`` API for an actor in this loop or in another process,
+and ``colocated`` for the direct calls an actor of the same node may make. Messages outside the
+target's protocol are refused at the sender when the protocol is known here, and at the
+receiver's typed decoder otherwise."""
 from __future__ import annotations
 
 import asyncio
@@ -46,10 +47,6 @@ class ActorRef(ABC):
         """Deliver and wait for the reply; AskTimeout after ``timeout`` seconds, RemoteError
         with the remote traceback when the handler raised."""
 
-    async def send(self, msg: Any) -> None:
-        """Like tell, but waits for room when the target's mailbox is full (backpressure)."""
-        self.tell(msg)
-
     def colocated(self) -> Any:
         """The co-located fast path: the synchronous interface the target offers to actors of
         its own node (``Actor.colocated``), called directly instead of asked. Raises ActorError
@@ -81,10 +78,6 @@ class LocalRef(ActorRef):
 
     def tell(self, msg: Any) -> None:
         self._cell.deliver(self._delivery(msg, None))
-
-    async def send(self, msg: Any) -> None:
-        await self._cell.mailbox.wait_space()
-        self.tell(msg)
 
     async def ask(self, msg: Any, timeout: float = DEFAULT_ASK_TIMEOUT) -> Any:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -146,9 +139,6 @@ class DeferredRef(ActorRef):
 
     def tell(self, msg: Any) -> None:
         self._target().tell(msg)
-
-    async def send(self, msg: Any) -> None:
-        await self._target().send(msg)
 
     async def ask(self, msg: Any, timeout: float = DEFAULT_ASK_TIMEOUT) -> Any:
         return await self._target().ask(msg, timeout)

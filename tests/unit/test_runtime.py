@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.runtime import (ActorDied, AskTimeout, MessageRejected, Node, RemoteError)
+from actors.runtime import (ActorDied, AskTimeout, MailboxFull, MessageRejected, Node, RemoteError)
 from actors.runtime.process import NodeSpec, decode_info, start_child, system_actor
 from actors.runtime.system import GetTrace
 from actors.runtime.tracing import to_chrome_trace
@@ -99,6 +99,24 @@ def test_system_lane_is_served_before_queued_user_messages():
         return pong
     pong = run_async(main())
     assert pong.handled == 1 and pong.mailbox_depth == 100
+
+
+def test_a_full_user_lane_refuses_at_once_and_the_system_lane_still_gets_through():
+    async def main():
+        node = Node("n")
+        ref = node.spawn("echo", EchoActor)
+        node.cells["echo"].mailbox.capacity = 3
+        ref.tell(Sleep(0.2))
+        await asyncio.sleep(0.05)  # the Sleep is being handled; the rest queue behind it
+        for _ in range(3):
+            ref.tell(Count())
+        with pytest.raises(MailboxFull, match="3 messages"):
+            ref.tell(Count())
+        from actors.runtime import Ping
+        pong = await ref.ask(Ping(), timeout=5)
+        await node.stop()
+        return pong
+    assert run_async(main()).mailbox_depth == 3
 
 
 def test_trace_records_one_span_per_handled_message_and_export_to_chrome_trace():
