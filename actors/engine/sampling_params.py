@@ -23,6 +23,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = []            # never generated; the Tokenizer adds their token ids below
     bad_words_token_ids: list[list[int]] = []
     logprobs: int | None = None          # top alternatives per sampled token (0: its own only)
     prompt_logprobs: int | None = None   # the same for every prompt token but the first

@@ -79,6 +79,7 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     include_stop_str_in_output: bool | None = False
     user: str | None = None
     priority: int | None = None
+    bad_words: list[str] | None = None
 
     def _sampling_params(self, vocab_size: int, max_tokens: int | None, max_tokens_param: str,
                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
@@ -108,6 +109,9 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         stop_ids = list(self.stop_token_ids or [])
         require(all(0 <= t < vocab_size for t in stop_ids),
                 f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+        bad_words = list(self.bad_words or [])
+        require(all(w.strip() for w in bad_words), "bad_words must not be empty or blank", "bad_words")
+        require(len(bad_words) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} bad words", "bad_words")
         return SamplingParams(
             max_tokens=max_tokens, temperature=t, top_p=p, top_k=max(k, 0), min_p=min_p,
             seed=self.seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(self.ignore_eos),
@@ -115,7 +119,7 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             frequency_penalty=or_default(self.frequency_penalty, 0.0), repetition_penalty=rep,
             logit_bias=_logit_bias(self.logit_bias, vocab_size), logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=or_default(self.skip_special_tokens, True),
-            include_stop_str_in_output=bool(self.include_stop_str_in_output))
+            include_stop_str_in_output=bool(self.include_stop_str_in_output), bad_words=bad_words)
 
 
 class ChatCompletionRequest(GenerationRequest, kw_only=True):

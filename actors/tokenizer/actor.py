@@ -71,7 +71,7 @@ class TokenizerActor(Actor):
         if n >= self.max_model_len:
             raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
                                 f"However, your prompt has {n} tokens.")
-        params = msg.sampling_params
+        params = self._with_bad_word_ids(msg.sampling_params)
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
                                 f"However, you requested {n + params.max_tokens} tokens ({n} in the "
@@ -84,6 +84,20 @@ class TokenizerActor(Actor):
         if self.on_prompt_tokens is not None:
             self.on_prompt_tokens(n)
         return PromptAccepted(n, ids)
+
+    def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
+        """Each bad word as token ids, as it reads at the start of the text and after a space
+        (the two tokenizations differ in byte-level BPE); the sampler bans the last token of any
+        of them whose other tokens the output ends with."""
+        if not params.bad_words:
+            return params
+        ids = list(params.bad_words_token_ids)
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                tokens = self.tokenizer.encode(text, add_special_tokens=False)
+                if tokens and tokens not in ids:
+                    ids.append(tokens)
+        return msgspec.structs.replace(params, bad_words_token_ids=ids)
 
     def _prompt_ids(self, msg: Generate) -> list[int]:
         if msg.messages is not None:

@@ -284,6 +284,21 @@ def test_penalties_and_logit_bias_change_the_output(client, http, model):
     assert biased == " banana" * 3
 
 
+def test_bad_words_are_never_generated(client, http, model):
+    def chat(**extra):
+        return client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=12,
+                                              extra_body=extra).choices[0].message.content
+    assert "Paris" in chat()
+    assert "Paris" not in chat(bad_words=["Paris"])
+    story = {"prompt": "Once upon a time, in a small village,", "temperature": 0, "max_tokens": 12}
+    text = http.post("/v1/completions", json=story).json()["choices"][0]["text"]
+    phrase = " ".join(text.split()[:2])                  # a phrase of several tokens, banned whole
+    banned = http.post("/v1/completions", json={**story, "bad_words": [phrase]}).json()["choices"][0]["text"]
+    assert phrase not in banned and banned != text
+    blank = http.post("/v1/completions", json={**story, "bad_words": ["  "]})
+    assert blank.status_code == 400 and blank.json()["error"]["param"] == "bad_words"
+
+
 def test_completion_logprobs_shape_and_echo(client, model):
     out = client.completions.create(model=model, prompt="The sky is", temperature=0, max_tokens=4, logprobs=2)
     lp = out.choices[0].logprobs
