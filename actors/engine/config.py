@@ -62,7 +62,7 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class DeviceConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"                   # "auto": CUDA when torch sees a device, else the CPU
-    num_threads: int = 0                   # worker compute threads; 0: all cores
+    num_threads: int = 0                   # worker compute threads; 0: all the worker's cores
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,9 +82,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def replace(self, **parts: msgspec.Struct) -> EngineConfig:
         return msgspec.structs.replace(self, **parts)
 
-    def resolve(self, cuda_available: bool, arch: ArchConfig) -> EngineConfig:
-        """Every "auto" decided, given whether the worker's torch sees a CUDA device and the
-        checkpoint's architecture."""
+    def resolve(self, *, cuda_available: bool, cpu_count: int, arch: ArchConfig) -> EngineConfig:
+        """Every "auto" decided, given the worker's platform (whether its torch sees a CUDA
+        device, how many cores it has) and the checkpoint's architecture."""
         device = _resolve_device(self.device.device, cuda_available)
         dtype = self.model.dtype if self.model.dtype != "auto" else (
             "bfloat16" if device == "cuda" else "float32")
@@ -100,7 +100,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.replace(
             model=msgspec.structs.replace(self.model, dtype=dtype, max_model_len=max_model_len, arch=arch),
             cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
-            device=msgspec.structs.replace(self.device, device=device))
+            device=msgspec.structs.replace(self.device, device=device,
+                                           num_threads=self.device.num_threads or cpu_count))
 
 
 def _resolve_device(name: str, cuda_available: bool) -> str:

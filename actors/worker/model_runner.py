@@ -28,6 +28,11 @@ from kernels.attention.base import AttentionMetadata
 from models.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """A resolved config's dtype name ("float32", "bfloat16", "float16") as torch's."""
+    return getattr(torch, name)
+
+
 class StepInputs(NamedTuple):
     input_ids: torch.Tensor        # (T,) int64
     positions: torch.Tensor        # (T,) int64
@@ -50,7 +55,7 @@ class ModelRunner:
         self.arch = config.model.arch
         self.block_size = bs = config.cache.block_size
         self.device = torch.device(config.device.device)
-        kv_dtype = getattr(torch, config.cache.cache_dtype)
+        kv_dtype = torch_dtype(config.cache.cache_dtype)
         specs = model_kv_cache_specs(self.arch, bs, kv_dtype.itemsize)
         self.kv_caches = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device)
         max_model_len = config.model.max_model_len

@@ -14,7 +14,7 @@ import torch
 from actors.engine.config import EngineConfig
 from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
 from actors.worker.cuda_graphs import capture_sizes
-from actors.worker.model_runner import ModelRunner
+from actors.worker.model_runner import ModelRunner, torch_dtype
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
 from models.quant import quantize
@@ -23,19 +23,15 @@ from models.registry import load_model, model_config
 log = logging.getLogger("troupe.worker")
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """A resolved dtype name ("float32", "bfloat16", "float16") as torch's."""
-    return getattr(torch, name)
-
-
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         """Resolve ``config`` for this platform and checkpoint and load the model."""
         t0 = time.monotonic()
-        torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
-        torch.manual_seed(config.model.seed)
         source = config.model.source
-        self.config = config.resolve(torch.cuda.is_available(), model_config(source))
+        self.config = config.resolve(cuda_available=torch.cuda.is_available(), cpu_count=os.cpu_count() or 1,
+                                     arch=model_config(source))
+        torch.set_num_threads(self.config.device.num_threads)
+        torch.manual_seed(self.config.model.seed)
         self.device = torch.device(self.config.device.device)
         self.model = self._load()
         self.runner: ModelRunner | None = None         # until init_kv_cache

@@ -1,0 +1,77 @@
+"""The composed EngineConfig: built once from the command line or the offline API's options,
+"auto" resolved once for the worker's platform and checkpoint, and the resolved config the same
+after a trip between processes and after being resolved again."""
+from __future__ import annotations
+
+import argparse
+
+import msgspec
+import pytest
+
+from actors.engine.args import EngineArgs
+from actors.engine.config import EngineConfig
+from models.config import ArchConfig
+
+# SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 -> 23,040 bytes of float32 K and V per token
+ARCH = ArchConfig("LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64, 8192, 1e5, 1e-5, True, 1, (2,))
+
+
+def resolved(**options) -> EngineConfig:
+    config = EngineArgs(**options).create_engine_config()
+    return config.resolve(cuda_available=False, cpu_count=2, arch=ARCH)
+
+
+def test_cpu_auto_values_resolve_to_float32_and_the_cache_the_memory_holds():
+    c = resolved(kv_cache_bytes=1 << 30)
+    per_block = ARCH.kv_bytes_per_token(4) * 16
+    assert (c.device.device, c.model.dtype, c.cache.cache_dtype) == ("cpu", "float32", "float32")
+    assert c.cache.num_blocks == (1 << 30) // per_block and c.device.num_threads == 2
+    assert c.model.max_model_len == min(8192, (c.cache.num_blocks - 1) * 16)   # one request must fit
+    assert c.model.arch == ARCH and c.model.served_model_name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_a_16_bit_kv_cache_holds_twice_the_blocks_and_caps_the_context_length():
+    small = resolved(kv_cache_bytes=50 * ARCH.kv_bytes_per_token(4) * 16)       # 50 float32 blocks
+    half = resolved(kv_cache_bytes=50 * ARCH.kv_bytes_per_token(4) * 16, kv_cache_dtype="float16")
+    assert (small.cache.num_blocks, half.cache.num_blocks) == (50, 100)
+    assert (small.model.max_model_len, half.model.max_model_len) == (49 * 16, 99 * 16)
+
+
+def test_cuda_defaults_to_bfloat16_and_refuses_cpu_only_quantization():
+    config = EngineArgs().create_engine_config()
+    c = config.resolve(cuda_available=True, cpu_count=16, arch=ARCH)
+    assert (c.device.device, c.model.dtype, c.cache.cache_dtype) == ("cuda", "bfloat16", "bfloat16")
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        EngineArgs(quantization="gguf").create_engine_config().resolve(cuda_available=True, cpu_count=16, arch=ARCH)
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        EngineArgs(device="cuda").create_engine_config().resolve(cuda_available=False, cpu_count=2, arch=ARCH)
+
+
+def test_resolving_is_done_once_a_resolved_config_stays_the_same():
+    c = resolved(max_model_len=1000, kv_cache_dtype="bfloat16", num_threads=1)
+    assert c.resolve(cuda_available=True, cpu_count=64, arch=ARCH) == c
+    travelled = msgspec.msgpack.decode(msgspec.msgpack.encode(c), type=EngineConfig)
+    assert travelled == c and travelled.resolved and travelled.model.max_model_len == 1000
+
+
+def test_bad_values_are_refused_naming_the_option_and_what_is_accepted():
+    with pytest.raises(ValueError, match="unknown dtype 'float8'; accepted: auto, float32"):
+        EngineArgs(dtype="float8").create_engine_config()
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
+        EngineArgs(max_num_seqs=0).create_engine_config()
+    with pytest.raises(TypeError, match=r"unknown engine options \['max_batch'\]; accepted: .*max_num_seqs"):
+        EngineArgs.from_options(None, {"max_batch": 4})
+
+
+def test_command_line_flags_build_the_same_config_as_the_offline_options():
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    args = p.parse_args(["--kv-cache-gib", "0.5", "--kv-cache-dtype", "float16", "--max-num-seqs", "8",
+                         "--threads", "1", "--scheduling-policy", "priority"])
+    from_cli = EngineArgs.from_cli_args(args).create_engine_config()
+    offline = EngineArgs.from_options(None, {"kv_cache_bytes": 1 << 29, "kv_cache_dtype": "float16",
+                                             "max_num_seqs": 8, "num_threads": 1,
+                                             "scheduling_policy": "priority"}).create_engine_config()
+    assert from_cli == offline
+    with pytest.raises(SystemExit):
+        p.parse_args(["--block-size", "0"])
