@@ -19,13 +19,12 @@ from actors.runtime import ActorRef, Node
 from actors.runtime.process import ChildProcess, NodeSpec, decode_info, start_child
 from actors.scheduler.actor import SchedulerActor, WorkersReady
 from actors.scheduler.scheduler import Scheduler
-from actors.worker.actor import InitKVCache, LoadModel, WorkerActor
+from actors.worker.actor import LOAD_TIMEOUT_S, InitKVCache, LoadModel, WorkerActor
 from transport.zmq_channel import endpoint
 
 log = logging.getLogger("troupe.engine")
 
 WORKER_NODE = topology.worker_node(0)
-LOAD_TIMEOUT_S = 600.0
 INIT_KV_TIMEOUT_S = 120.0
 
 
