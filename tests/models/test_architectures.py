@@ -221,6 +221,23 @@ def test_hf_config_defaults_and_errors():
         hf_model_config({**base, "architectures": ["GPT2LMHeadModel"]})
 
 
+def test_the_registry_is_the_only_list_of_architectures():
+    """The readers name no architecture; the GGUF names come from the classes; an unknown name
+    is refused with the supported ones listed."""
+    import inspect
+    from models import gguf_loader, hf_config
+    from models.registry import GGUF_ARCHITECTURES, MODEL_REGISTRY, hf_architecture_of_gguf
+    for reader in (hf_config, gguf_loader):
+        source = inspect.getsource(reader)
+        assert not [name for name in MODEL_REGISTRY if name in source], reader.__name__
+    assert GGUF_ARCHITECTURES == {g: name for name, cls in MODEL_REGISTRY.items() for g in cls.gguf_architectures}
+    assert GGUF_ARCHITECTURES["llama"] == "LlamaForCausalLM" and "MistralForCausalLM" not in GGUF_ARCHITECTURES.values()
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: .*'gemma3'"):
+        hf_architecture_of_gguf("mamba")
+    with pytest.raises(ValueError, match="supported: .*Gemma3ForCausalLM.*LlamaForCausalLM"):
+        get_model_class("MambaForCausalLM")
+
+
 def test_tied_head_copy_in_checkpoint_is_skipped(case):
     """A checkpoint may carry lm_head.weight beside the embedding it is tied to (state_dict does)."""
     from models.registry import load_weights
