@@ -122,7 +122,7 @@ def _compile_tensor_map(tensor_map: dict[str, tuple[str, str | None]]) -> list[t
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  tensor_map: dict[str, tuple[str, str | None]]) -> None:
     """Copy each (checkpoint name, tensor) into the parameter (or fused shard) the map names,
-    converting to the parameter's dtype. A checkpoint's copy of a tied weight (lm_head beside
+    converting to the parameter's dtype; a fused parameter takes its shards or one whole tensor. A checkpoint's copy of a tied weight (lm_head beside
     embed_tokens) is skipped. Fails on a tensor without a place, a shape mismatch, or a
     parameter left unloaded."""
     compiled = _compile_tensor_map(tensor_map)
@@ -145,7 +145,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             else:
                 owner, attr = param_name.rsplit(".", 1)
                 modules[owner].load_shard(shard, tensor, attr)
-        unloaded.discard((param_name, shard))
+        unloaded.difference_update([(param_name, shard)] if shard is not None   # a whole fused tensor fills every shard
+                                   else [(param_name, s) for s in _shards_of(modules, param_name)])
     if unloaded:
         missing = sorted(f"{n}[{s}]" if s else n for n, s in unloaded)
         raise ValueError(f"checkpoint left {len(missing)} parameters unloaded: {missing[:8]}")

@@ -238,6 +238,26 @@ def test_the_registry_is_the_only_list_of_architectures():
         get_model_class("MambaForCausalLM")
 
 
+def test_a_fused_parameter_loads_whole():
+    """A checkpoint may hold q|k|v or gate|up already fused (Phi-3): the one tensor fills every
+    shard; a fused parameter left out is still reported."""
+    from kernels.attention import CpuAttentionBackend
+    from models.config import ArchConfig
+    from models.registry import load_weights
+    config = ArchConfig(architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                        num_layers=2, num_heads=4, num_kv_heads=2, head_size=16, max_model_len=64, rope_theta=1e4,
+                        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_ids=(),
+                        qkv_bias=True)
+    cls = get_model_class(config.architecture)
+    state = {name: torch.randn(p.shape) for name, p in cls(config, CpuAttentionBackend()).named_parameters()}
+    identity = {name: (name, None) for name in state}      # fused names, whole tensors
+    fresh = cls(config, CpuAttentionBackend())
+    load_weights(fresh, state.items(), identity)
+    assert all(torch.equal(p, state[name]) for name, p in fresh.named_parameters())
+    with pytest.raises(ValueError, match=r"unloaded: \['layers.1.self_attn.qkv_proj.bias\[k\]'"):
+        load_weights(fresh, [(n, t) for n, t in state.items() if n != "layers.1.self_attn.qkv_proj.bias"], identity)
+
+
 def test_tied_head_copy_in_checkpoint_is_skipped(case):
     """A checkpoint may carry lm_head.weight beside the embedding it is tied to (state_dict does)."""
     from models.registry import load_weights
