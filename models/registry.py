@@ -27,6 +27,7 @@ _ARCHITECTURES = {   # Hugging Face architecture name -> the models/ module defi
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     name: getattr(importlib.import_module(f"models.{module}"), name) for name, module in _ARCHITECTURES.items()}
