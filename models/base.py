@@ -1,6 +1,6 @@
-"""CausalLM: what a model class declares to the registry and the checkpoint readers, with the
-defaults of an architecture that has nothing particular (plain Llama); a class overrides only
-its differences."""
+"""CausalLM: what a model class declares to the registry and the checkpoint readers. The
+defaults declare nothing particular (config.json read as Llama's, no GGUF form, no tensor
+fixups); a class overrides only its differences."""
 from __future__ import annotations
 
 from typing import Any, Callable, ClassVar

@@ -13,7 +13,7 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.base import CausalLM, Fixups, TensorMap
 from models.config import FULL, SLIDING, ArchConfig
 from models.gguf_loader import GGUFArchKeys
-from models.hf_config import rope_parameters
+from models.hf_config import rope_theta_and_factor
 from models.layers import Embedding, GatedMLP, GemmaRMSNorm, Linear, RotaryEmbedding, SelfAttention
 
 SLIDING_PATTERN = 6           # transformers' and llama.cpp's default: every 6th layer is global
@@ -97,8 +97,10 @@ class Gemma3ForCausalLM(CausalLM):
             raise ValueError("Gemma 3 with use_bidirectional_attention=true (an encoder) is not supported")
         types = raw.get("layer_types") or _layer_types(raw.get("sliding_window_pattern", SLIDING_PATTERN),
                                                        fields["num_layers"])
-        local_theta = (float(raw.get("rope_local_base_freq", LOCAL_ROPE_THETA)) if raw.get("rope_parameters") is None
-                       else rope_parameters(raw, SLIDING)[0])     # 4.x key, else 5.x per layer type
+        if raw.get("rope_parameters") is None:                       # 4.x
+            local_theta = float(raw.get("rope_local_base_freq", LOCAL_ROPE_THETA))
+        else:                                                          # 5.x, per layer type
+            local_theta = rope_theta_and_factor(raw, SLIDING)[0]
         return dict(sliding_window=raw.get("sliding_window"), layer_types=tuple(types), rope_local_theta=local_theta,
                     query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
                     hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu")

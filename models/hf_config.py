@@ -1,4 +1,4 @@
-"""config.json (+ generation_config.json) -> ArchConfig: the keys all architectures share; a model class reads its own."""
+"""config.json (+ generation_config.json) -> ArchConfig: the keys all architectures share; a class reads its own."""
 from __future__ import annotations
 
 import json
@@ -28,12 +28,12 @@ def read_hf_config(checkpoint_dir: str) -> ArchConfig:
 def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ArchConfig:
     """The ArchConfig of a parsed config.json (``generation``: its generation_config.json)."""
     model_class = _model_class(raw)
-    raw = {**model_class.hf_defaults, **raw}   # a key present as null stays null (Mistral: no window)
+    raw = {**model_class.hf_defaults, **raw}   # a key present as null stays null (sliding_window: none)
     fields = _generic_fields(raw, generation or {})
     return ArchConfig(**{**fields, **model_class.hf_fields(raw, fields)})
 
 
-def rope_parameters(raw: dict[str, Any], layer_type: str = FULL) -> tuple[float, float]:
+def rope_theta_and_factor(raw: dict[str, Any], layer_type: str = FULL) -> tuple[float, float]:
     """(theta, linear scaling factor) of the layers of ``layer_type``: from transformers 5.x's
     ``rope_parameters`` (one dict, or one per layer type), else 4.x's ``rope_theta`` and
     ``rope_scaling``. Refuses rope types other than ROPE_TYPES."""
@@ -71,7 +71,7 @@ def _generic_fields(raw: dict[str, Any], generation: dict[str, Any]) -> dict[str
     if raw.get("mlp_bias"):
         raise ValueError(f"{arch} with mlp_bias=true is not supported")
     hidden, num_heads = raw["hidden_size"], raw["num_attention_heads"]
-    theta, factor = rope_parameters(raw)
+    theta, factor = rope_theta_and_factor(raw)
     attention_bias = bool(raw.get("attention_bias", False))
     return dict(
         architecture=arch,

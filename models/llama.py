@@ -1,5 +1,6 @@
 """The Llama architecture (SmolLM2, Llama 2/3 without rope scaling beyond linear) over a paged
-KV cache. Qwen2, Qwen3 and Mistral are this model with a different tensor map or a flag."""
+KV cache. Qwen2, Qwen3, Mistral and Phi-3 are this model with their differences declared (a
+tensor map, a flag, a config hook)."""
 from __future__ import annotations
 
 from typing import ClassVar

@@ -40,7 +40,8 @@ def _gguf_architectures(registry: dict[str, type[CausalLM]]) -> dict[str, str]:
     for architecture, model_class in registry.items():
         for gguf_name in model_class.gguf_architectures:
             if gguf_name in names:
-                raise ValueError(f"GGUF architecture {gguf_name!r} is declared by {names[gguf_name]} and {architecture}")
+                raise ValueError(f"GGUF architecture {gguf_name!r} is declared by both {names[gguf_name]} "
+                                 f"and {architecture}")
             names[gguf_name] = architecture
     return names
 
@@ -123,9 +124,9 @@ def _compile_tensor_map(tensor_map: dict[str, tuple[str, str | None]]) -> list[t
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  tensor_map: dict[str, tuple[str, str | None]]) -> None:
     """Copy each (checkpoint name, tensor) into the parameter (or fused shard) the map names,
-    converting to the parameter's dtype; a fused parameter takes its shards or one whole tensor. A checkpoint's copy of a tied weight (lm_head beside
-    embed_tokens) is skipped. Fails on a tensor without a place, a shape mismatch, or a
-    parameter left unloaded."""
+    converting to the parameter's dtype; a fused parameter takes its shards or one whole
+    tensor. A checkpoint's copy of a tied weight (lm_head beside embed_tokens) is skipped.
+    Fails on a tensor without a place, a shape mismatch, or a parameter left unloaded."""
     compiled = _compile_tensor_map(tensor_map)
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
@@ -146,8 +147,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             else:
                 owner, attr = param_name.rsplit(".", 1)
                 modules[owner].load_shard(shard, tensor, attr)
-        unloaded.difference_update([(param_name, shard)] if shard is not None   # a whole fused tensor fills every shard
-                                   else [(param_name, s) for s in _shards_of(modules, param_name)])
+        filled = [shard] if shard is not None else _shards_of(modules, param_name)   # whole: every shard
+        unloaded.difference_update((param_name, s) for s in filled)
     if unloaded:
         missing = sorted(f"{n}[{s}]" if s else n for n, s in unloaded)
         raise ValueError(f"checkpoint left {len(missing)} parameters unloaded: {missing[:8]}")
