@@ -1,17 +1,23 @@
 """Gemma 3 (text): sliding-window layers interleaved with global ones, each kind with its own
 rotary base; (1 + weight) RMSNorms before and after attention and the MLP; per-head q/k norm;
-embeddings scaled by sqrt(hidden); gelu-tanh MLP; tied LM head, optional final softcap."""
+embeddings scaled by sqrt(hidden); gelu-tanh MLP; tied LM head, optional final softcap.
+Its GGUF stores the norms as 1 + weight and leaves out what llama.cpp hard-codes."""
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from models.config import ArchConfig
+from models.base import CausalLM, Fixups, TensorMap
+from models.config import FULL, SLIDING, ArchConfig
+from models.gguf_loader import GGUFArchKeys
+from models.hf_config import rope_theta_and_factor
 from models.layers import Embedding, GatedMLP, GemmaRMSNorm, Linear, RotaryEmbedding, SelfAttention
-from models.llama import TensorMap
+
+SLIDING_PATTERN = 6           # transformers' and llama.cpp's default: every 6th layer is global
+LOCAL_ROPE_THETA = 10_000.0   # the sliding layers' rotary base, when a config does not say
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -56,7 +62,17 @@ _FUSED = {  # Hugging Face name -> (GGUF name, our fused parameter, shard)
 }
 
 
-class Gemma3ForCausalLM(nn.Module):
+def _layer_types(pattern: int, num_layers: int) -> tuple[str, ...]:
+    return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
+
+
+class Gemma3ForCausalLM(CausalLM):
+    hf_defaults: ClassVar[dict[str, Any]] = {
+        "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}
+    gguf_architectures: ClassVar[tuple[str, ...]] = ("gemma3",)
+    gguf_eog_tokens: ClassVar[tuple[str, ...]] = ("<end_of_turn>",)
+
     gguf_tensor_map: ClassVar[TensorMap] = {
         "token_embd.weight": ("embed_tokens.weight", None),
         **{f"blk.{{i}}.{g}.weight": (f"layers.{{i}}.{h}.weight", None) for h, g in _LAYER.items()},
@@ -72,6 +88,45 @@ class Gemma3ForCausalLM(nn.Module):
         "model.norm.weight": ("norm.weight", None),
         "lm_head.weight": ("lm_head.weight", None),
     }
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        """Sliding layers by ``layer_types`` (else every SLIDING_PATTERN-th layer global), their
+        own rotary base, the attention scale's query_pre_attn_scalar, ``hidden_activation``."""
+        if raw.get("use_bidirectional_attention"):
+            raise ValueError("Gemma 3 with use_bidirectional_attention=true (an encoder) is not supported")
+        types = raw.get("layer_types") or _layer_types(raw.get("sliding_window_pattern", SLIDING_PATTERN),
+                                                       fields["num_layers"])
+        if raw.get("rope_parameters") is None:                       # 4.x
+            local_theta = float(raw.get("rope_local_base_freq", LOCAL_ROPE_THETA))
+        else:                                                          # 5.x, per layer type
+            local_theta = rope_theta_and_factor(raw, SLIDING)[0]
+        return dict(sliding_window=raw.get("sliding_window"), layer_types=tuple(types), rope_local_theta=local_theta,
+                    query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+                    hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu")
+
+    @classmethod
+    def gguf_fields(cls, keys: GGUFArchKeys, fields: dict[str, Any]) -> dict[str, Any]:
+        """What llama.cpp hard-codes for gemma3 (or reads from newer keys when present)."""
+        n = fields["num_layers"]
+        pattern = keys.get("attention.sliding_window_pattern", SLIDING_PATTERN)
+        layer_types = (tuple(SLIDING if s else FULL for s in pattern) if isinstance(pattern, list)  # True: sliding
+                       else _layer_types(pattern, n))
+        # llama.cpp: 27B (62 layers) scales by hidden / heads, every other size by head_size
+        scalar = fields["hidden_size"] // fields["num_heads"] if n == 62 else fields["head_size"]
+        return dict(
+            hidden_act="gelu_pytorch_tanh",
+            sliding_window=keys.require("attention.sliding_window"),
+            layer_types=layer_types,
+            rope_local_theta=float(keys.get("rope.freq_base_swa", LOCAL_ROPE_THETA)),
+            query_pre_attn_scalar=float(scalar),
+            attn_logit_softcapping=keys.get("attn_logit_softcapping"),
+            final_logit_softcapping=keys.get("final_logit_softcapping"),
+        )
+
+    @classmethod
+    def gguf_value_fixups(cls, config: ArchConfig) -> Fixups:
+        return [("norm.weight", lambda w: w - 1.0)]    # every *norm.weight holds 1 + weight
 
     def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32) -> None:

@@ -5,8 +5,9 @@ dequantizes to exactly the checkpoint's float32 values, so only the summation or
 from the exact mode. A decode step reads a fifth of float32's weight bytes; larger batches
 dequantize each panel once per call and run at float32 speed.
 
-Fused layers (q|k|v, gate|up) take their shards' block rows in shard order; llama.cpp's
-row permutation of attn_q / attn_k is undone on whole block rows.
+Fused layers (q|k|v, gate|up) take their shards' block rows in shard order; the model class's
+row fixups (llama.cpp's permutation of attn_q / attn_k) are undone on whole block rows, and a
+tensor with a value fixup keeps its float32 layer.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch import nn
 from kernels.cpu.panels import PanelWeight
 from models.config import ArchConfig
 from models.gguf_header import GGUFFile
-from models.gguf_loader import raw_tensor_data, unpermute_rotary_rows
+from models.gguf_loader import raw_tensor_data
 from models.layers import Linear, MergedLinear
 from models.packed import PanelLinear
 from models.registry import _compile_tensor_map, _lookup
@@ -26,29 +27,22 @@ from models.registry import _compile_tensor_map, _lookup
 NATIVE_TYPES = {GGMLQuantizationType.Q4_1: "Q4_1", GGMLQuantizationType.Q8_0: "Q8_0"}
 
 
-def _row_fix(config: ArchConfig, name: str):
-    if config.architecture == "LlamaForCausalLM":
-        if name.endswith(".attn_q.weight"):
-            return lambda rows: unpermute_rotary_rows(rows, config.num_heads)
-        if name.endswith(".attn_k.weight"):
-            return lambda rows: unpermute_rotary_rows(rows, config.num_kv_heads)
-    return None
-
-
 def native_blocks(model: nn.Module, gguf: GGUFFile, config: ArchConfig) -> dict[str, dict]:
     """module name -> {shard (None for unfused): (qtype, (rows, row_bytes) uint8 tensor)} for
     every weight stored in a natively supported format."""
     compiled = _compile_tensor_map(model.gguf_tensor_map)
+    row_fixups, value_fixups = type(model).gguf_row_fixups(config), type(model).gguf_value_fixups(config)
     data = np.memmap(gguf.path, mode="r")
     out: dict[str, dict] = {}
     for info in gguf.tensors.values():
-        if info.ggml_type not in NATIVE_TYPES or len(info.shape) != 2:
+        if (info.ggml_type not in NATIVE_TYPES or len(info.shape) != 2
+                or any(info.name.endswith(suffix) for suffix, _ in value_fixups)):
             continue
         param, shard = _lookup(compiled, info.name, type(model).__name__)
         rows = torch.from_numpy(np.array(raw_tensor_data(data, info)))  # (out, row_bytes) copy
-        fix = _row_fix(config, info.name)
-        if fix is not None:
-            rows = fix(rows).contiguous()
+        for suffix, fix in row_fixups:
+            if info.name.endswith(suffix):
+                rows = fix(rows).contiguous()
         out.setdefault(param.removesuffix(".weight"), {})[shard] = (NATIVE_TYPES[info.ggml_type], rows)
     if config.tie_word_embeddings and "embed_tokens" in out:
         out.setdefault("lm_head", out["embed_tokens"])

@@ -1,5 +1,6 @@
 """The Llama architecture (SmolLM2, Llama 2/3 without rope scaling beyond linear) over a paged
-KV cache. Qwen2, Qwen3 and Mistral are this model with a different tensor map or a flag."""
+KV cache. Qwen2, Qwen3, Mistral and Phi-3 are this model with their differences declared (a
+tensor map, a flag, a config hook)."""
 from __future__ import annotations
 
 from typing import ClassVar
@@ -8,10 +9,9 @@ import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
+from models.base import CausalLM, TensorMap
 from models.config import ArchConfig
 from models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention
-
-TensorMap = dict[str, tuple[str, str | None]]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -43,14 +43,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     qk_norm: ClassVar[bool] = False   # per-head RMSNorm of q and k before rotary (Qwen3)
+    gguf_architectures: ClassVar[tuple[str, ...]] = ("llama",)
+    gguf_permuted_qk: ClassVar[bool] = True
     # models/native_decode.py: all layers of a pure-decode step in one native call (CPU), set
     # once the weights are packed when the layers qualify; the per-layer path otherwise.
     native_decode = None
 
-    # Checkpoint tensor name -> (our parameter, shard of a fused parameter or None).
-    # "{i}" stands for the layer index. The loaders only look names up here.
     gguf_tensor_map: ClassVar[TensorMap] = {
         "token_embd.weight": ("embed_tokens.weight", None),
         "blk.{i}.attn_norm.weight": ("layers.{i}.input_layernorm.weight", None),

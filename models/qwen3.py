@@ -1,13 +1,19 @@
-"""Qwen3: Llama with a per-head RMSNorm of q and k before rotary, no q/k/v bias by default."""
+"""Qwen3: Llama with a per-head RMSNorm of q and k before rotary, no q/k/v bias by default, and
+Qwen2's sliding-window rule; its GGUF, like Qwen2's, keeps q/k rows as they are."""
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from models.llama import LlamaForCausalLM, TensorMap
+from models.base import TensorMap
+from models.llama import LlamaForCausalLM
+from models.qwen2 import qwen_sliding_fields
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm: ClassVar[bool] = True
+    hf_defaults: ClassVar[dict[str, Any]] = {"head_dim": 128}
+    gguf_architectures: ClassVar[tuple[str, ...]] = ("qwen3",)
+    gguf_permuted_qk: ClassVar[bool] = False
 
     gguf_tensor_map: ClassVar[TensorMap] = {
         **LlamaForCausalLM.gguf_tensor_map,
@@ -19,3 +25,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         "model.layers.{i}.self_attn.q_norm.weight": ("layers.{i}.self_attn.q_norm.weight", None),
         "model.layers.{i}.self_attn.k_norm.weight": ("layers.{i}.self_attn.k_norm.weight", None),
     }
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        return qwen_sliding_fields(raw, fields["num_layers"])

@@ -1,8 +1,10 @@
-"""The architecture registry (keyed by Hugging Face architecture name) and ``load_model``,
-which picks an attention backend, builds a model and dispatches checkpoint tensors onto it
-through the model's tensor map."""
+"""The architecture registry, the only list of architectures (keyed by Hugging Face
+architecture name; each class declares the rest, models/base.py), and ``load_model``, which
+picks an attention backend, builds a model and dispatches checkpoint tensors onto it through
+the model's tensor map."""
 from __future__ import annotations
 
+import importlib
 import re
 from typing import Iterable, Iterator, NamedTuple
 
@@ -11,32 +13,54 @@ from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionRequirements
 from kernels.attention.selector import select_backend
+from models.base import CausalLM
 from models.config import ArchConfig
-from models.gemma3 import Gemma3ForCausalLM
 from models.gguf_loader import gguf_model_config, iter_gguf_weights, read_gguf
 from models.hf_config import read_hf_config
 from models.layers import MergedLinear
-from models.llama import LlamaForCausalLM
-from models.mistral import MistralForCausalLM
-from models.qwen2 import Qwen2ForCausalLM
-from models.qwen3 import Qwen3ForCausalLM
 from models.resolve import ModelSource
 from models.safetensors_loader import iter_safetensors_weights
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+_ARCHITECTURES = {   # Hugging Face architecture name -> the models/ module defining the class of that name
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+    name: getattr(importlib.import_module(f"models.{module}"), name) for name, module in _ARCHITECTURES.items()}
 DEFAULT_BLOCK_SIZE = 16   # what backend selection assumes when the caller does not say
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def _gguf_architectures(registry: dict[str, type[CausalLM]]) -> dict[str, str]:
+    """general.architecture -> Hugging Face architecture name, from the classes' declarations."""
+    names: dict[str, str] = {}
+    for architecture, model_class in registry.items():
+        for gguf_name in model_class.gguf_architectures:
+            if gguf_name in names:
+                raise ValueError(f"GGUF architecture {gguf_name!r} is declared by both {names[gguf_name]} "
+                                 f"and {architecture}")
+            names[gguf_name] = architecture
+    return names
+
+
+GGUF_ARCHITECTURES = _gguf_architectures(MODEL_REGISTRY)
+
+
+def get_model_class(architecture: str) -> type[CausalLM]:
     if architecture not in MODEL_REGISTRY:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
     return MODEL_REGISTRY[architecture]
+
+
+def hf_architecture_of_gguf(gguf_architecture: str | None) -> str:
+    """The Hugging Face architecture name of a GGUF ``general.architecture``."""
+    if gguf_architecture not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {gguf_architecture!r} is not supported; "
+                         f"supported: {sorted(GGUF_ARCHITECTURES)}")
+    return GGUF_ARCHITECTURES[gguf_architecture]
 
 
 class LoadedModel(NamedTuple):
@@ -100,9 +124,9 @@ def _compile_tensor_map(tensor_map: dict[str, tuple[str, str | None]]) -> list[t
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  tensor_map: dict[str, tuple[str, str | None]]) -> None:
     """Copy each (checkpoint name, tensor) into the parameter (or fused shard) the map names,
-    converting to the parameter's dtype. A checkpoint's copy of a tied weight (lm_head beside
-    embed_tokens) is skipped. Fails on a tensor without a place, a shape mismatch, or a
-    parameter left unloaded."""
+    converting to the parameter's dtype; a fused parameter takes its shards or one whole
+    tensor. A checkpoint's copy of a tied weight (lm_head beside embed_tokens) is skipped.
+    Fails on a tensor without a place, a shape mismatch, or a parameter left unloaded."""
     compiled = _compile_tensor_map(tensor_map)
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
@@ -123,7 +147,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             else:
                 owner, attr = param_name.rsplit(".", 1)
                 modules[owner].load_shard(shard, tensor, attr)
-        unloaded.discard((param_name, shard))
+        filled = [shard] if shard is not None else _shards_of(modules, param_name)   # whole: every shard
+        unloaded.difference_update((param_name, s) for s in filled)
     if unloaded:
         missing = sorted(f"{n}[{s}]" if s else n for n, s in unloaded)
         raise ValueError(f"checkpoint left {len(missing)} parameters unloaded: {missing[:8]}")

@@ -49,8 +49,15 @@ def _gemma3():  # local layers with W = 4 and their own rope base, linear-scaled
                                               final_logit_softcapping=30.0, rope_parameters=rope))
 
 
+def _phi3():  # q|k|v and gate|up fused in the checkpoint, one window for every layer
+    from transformers import Phi3Config, Phi3ForCausalLM
+    return Phi3ForCausalLM(Phi3Config(**TINY, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
-            "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3}
+            "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -219,6 +226,62 @@ def test_hf_config_defaults_and_errors():
         hf_model_config({**base, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="architectures \\['GPT2LMHeadModel'\\] is not supported"):
         hf_model_config({**base, "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_phi3_refuses_what_we_do_not_implement():
+    """Phi-3's config: one window for every layer; a partial rotary (4.x or 5.x key) and
+    longrope (5.x name, or 4.x's "su") are refused by name."""
+    from models.hf_config import hf_model_config
+    base = dict(architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5)
+    phi3 = hf_model_config({**base, "sliding_window": 2047})
+    assert [phi3.layer_sliding_window(i) for i in range(2)] == [2047, 2047] and not phi3.qkv_bias
+    assert hf_model_config(base).max_sliding_window is None
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75 is not supported"):
+        hf_model_config({**base, "partial_rotary_factor": 0.75})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported"):
+        hf_model_config({**base, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}})
+    with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
+        hf_model_config({**base, "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8}})
+    with pytest.raises(ValueError, match="rope type 'su' is not supported"):
+        hf_model_config({**base, "rope_scaling": {"type": "su", "short_factor": [1.0] * 8}})
+
+
+def test_the_registry_is_the_only_list_of_architectures():
+    """The readers name no architecture; the GGUF names come from the classes; an unknown name
+    is refused with the supported ones listed."""
+    import inspect
+    from models import gguf_loader, hf_config
+    from models.registry import GGUF_ARCHITECTURES, MODEL_REGISTRY, hf_architecture_of_gguf
+    for reader in (hf_config, gguf_loader):
+        source = inspect.getsource(reader)
+        assert not [name for name in MODEL_REGISTRY if name in source], reader.__name__
+    assert GGUF_ARCHITECTURES == {g: name for name, cls in MODEL_REGISTRY.items() for g in cls.gguf_architectures}
+    assert GGUF_ARCHITECTURES["llama"] == "LlamaForCausalLM" and "MistralForCausalLM" not in GGUF_ARCHITECTURES.values()
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: .*'gemma3'"):
+        hf_architecture_of_gguf("mamba")
+    with pytest.raises(ValueError, match="supported: .*Gemma3ForCausalLM.*LlamaForCausalLM"):
+        get_model_class("MambaForCausalLM")
+
+
+def test_a_fused_parameter_loads_whole():
+    """A checkpoint may hold q|k|v or gate|up already fused (Phi-3): the one tensor fills every
+    shard; a fused parameter left out is still reported."""
+    from kernels.attention import CpuAttentionBackend
+    from models.config import ArchConfig
+    from models.registry import load_weights
+    config = ArchConfig(architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                        num_layers=2, num_heads=4, num_kv_heads=2, head_size=16, max_model_len=64, rope_theta=1e4,
+                        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_ids=(),
+                        qkv_bias=True)
+    cls = get_model_class(config.architecture)
+    state = {name: torch.randn(p.shape) for name, p in cls(config, CpuAttentionBackend()).named_parameters()}
+    identity = {name: (name, None) for name in state}      # fused names, whole tensors
+    fresh = cls(config, CpuAttentionBackend())
+    load_weights(fresh, state.items(), identity)
+    assert all(torch.equal(p, state[name]) for name, p in fresh.named_parameters())
+    with pytest.raises(ValueError, match=r"unloaded: \['layers.1.self_attn.qkv_proj.bias\[k\]'"):
+        load_weights(fresh, [(n, t) for n, t in state.items() if n != "layers.1.self_attn.qkv_proj.bias"], identity)
 
 
 def test_tied_head_copy_in_checkpoint_is_skipped(case):

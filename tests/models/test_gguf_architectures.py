@@ -1,7 +1,8 @@
 """The GGUF path of each architecture: a tiny random transformers model converted to a float32
 GGUF the way llama.cpp's convert_hf_to_gguf does (names from gguf's own tensor-name map, llama's
-q/k rows permuted, Gemma's norms stored as 1 + weight, hyper-parameters as llama.cpp keys; what
-llama.cpp hard-codes for gemma3 left out), loaded by our loader, logits against transformers."""
+q/k rows permuted, Gemma's norms stored as 1 + weight, Phi-3's fused tensors kept fused,
+hyper-parameters as llama.cpp keys; what llama.cpp hard-codes for gemma3 left out), loaded by
+our loader, logits against transformers."""
 from __future__ import annotations
 
 import numpy as np
@@ -40,7 +41,14 @@ def _gemma3():  # what llama.cpp assumes: every 6th layer global, local rope bas
                                               rope_parameters=rope))
 
 
-BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma3": _gemma3}
+def _phi3():  # attn_qkv and ffn_up (gate | up) fused; its window in the header
+    from transformers import Phi3Config, Phi3ForCausalLM
+    return Phi3ForCausalLM(Phi3Config(**TINY, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma3": _gemma3, "phi3": _phi3}
 
 
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -62,8 +70,9 @@ def convert_to_gguf(hf, arch: str, path: str) -> None:
     writer.add_rope_freq_base(c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
-    if arch == "gemma3":
+    if getattr(c, "sliding_window", None) is not None:
         writer.add_sliding_window(c.sliding_window)
+    writer.add_rope_dimension_count(c.head_dim)
     arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
     names = get_tensor_name_map(arch_id, c.num_hidden_layers)
     for hf_name, tensor in hf.state_dict().items():
@@ -96,6 +105,8 @@ def test_gguf_logits_match_transformers(arch, tmp_path):
     model, config = load_model(ModelSource("gguf", path, arch))
     if arch == "gemma3":
         assert config.layer_sliding_window(0) == 4 and config.layer_sliding_window(5) is None
+    if arch == "phi3":
+        assert config.layer_sliding_window(0) == config.layer_sliding_window(1) == 6
     tokens = torch.randint(0, 128, (29,), generator=torch.Generator().manual_seed(1))
     kv_caches = allocate_kv_caches(config, 9, 4)
     meta = build_attention_metadata([29], [29], [list(range(1, 9))], 4)
@@ -104,3 +115,22 @@ def test_gguf_logits_match_transformers(arch, tmp_path):
         expected = hf(tokens[None]).logits[0]
     assert expected.std() > 0.5
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("key, value, error", [("rope.dimension_count", 12, "rotary over 12 of 16 head dimensions"),
+                                               ("rope.scaling.attn_factor", 1.19, "longrope scaling")])
+def test_phi3_gguf_refuses_what_we_do_not_implement(key, value, error, tmp_path):
+    from models.gguf_loader import gguf_model_config, read_gguf
+    path = str(tmp_path / "phi3.gguf")
+    writer = GGUFWriter(path, "phi3")
+    for name, v in (("block_count", 2), ("context_length", 64), ("embedding_length", 64), ("feed_forward_length", 96),
+                    ("attention.head_count", 4), ("vocab_size", 128)):
+        writer.add_uint32(f"phi3.{name}", v)
+    writer.add_float32("phi3.attention.layer_norm_rms_epsilon", 1e-5)
+    (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(f"phi3.{key}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=error):
+        gguf_model_config(read_gguf(path))

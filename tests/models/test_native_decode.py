@@ -14,6 +14,7 @@ from models.config import ArchConfig
 from models.llama import LlamaForCausalLM
 from models.mistral import MistralForCausalLM
 from models.packed import PanelLinear, prepack_linears
+from models.phi3 import Phi3ForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from helpers import run_steps
 
@@ -99,6 +100,12 @@ def test_native_decode_stack_with_a_16_bit_kv_cache(kv_dtype, monkeypatch):
 
 def test_native_decode_stack_with_qkv_bias_and_a_sliding_window(monkeypatch):
     model, config = _model(MistralForCausalLM, qkv_bias=True, o_bias=True, sliding_window=5)
+    _compare(model, config, monkeypatch)
+
+
+def test_native_decode_stack_takes_phi3(monkeypatch):
+    """Phi-3's layers are Llama's (only its checkpoint's tensors come fused): the stack qualifies."""
+    model, config = _model(Phi3ForCausalLM, sliding_window=5)
     _compare(model, config, monkeypatch)
 
 
