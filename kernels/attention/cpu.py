@@ -5,12 +5,14 @@ import ctypes
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
+from kernels.attention.cpu_torch import attend, causal_self_attention, chunk_attention, gather_context
 from kernels.attention.reference import reference_paged_attention
 
 __all__ = ["CpuAttentionBackend", "causal_prefill", "write_kv_cache", "reference_paged_attention"]
+
+_causal_self_attention = causal_self_attention  # its name before cpu_torch.py: tests import it from here
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -75,7 +77,7 @@ class CpuAttentionBackend(AttentionBackend):
                 from kernels.cpu.native import paged_decode
                 return paged_decode(query, kv_cache, block_table, meta.seq_lens[:B], scale, sliding_window)
             starts = torch.arange(B)
-            return _attend(query, kv_cache, block_table, seq_lens, starts, torch.ones_like(starts),
+            return attend(query, kv_cache, block_table, seq_lens, starts, torch.ones_like(starts),
                            1, scale, sliding_window)[0]
         out = query.new_zeros(query.shape)
         qsl = meta.query_start_loc[:B + 1].long()
@@ -92,7 +94,7 @@ class CpuAttentionBackend(AttentionBackend):
                 out[tokens] = paged_decode(query[tokens], kv_cache, block_table[decode_idx],
                                            seq_lens[decode_idx], scale, sliding_window)
             else:
-                o, _ = _attend(query, kv_cache, block_table[decode_idx], seq_lens[decode_idx], tokens,
+                o, _ = attend(query, kv_cache, block_table[decode_idx], seq_lens[decode_idx], tokens,
                                query_lens[decode_idx], 1, scale, sliding_window)
                 out[tokens] = o
         fresh_idx = fresh.nonzero().squeeze(1)
@@ -101,7 +103,7 @@ class CpuAttentionBackend(AttentionBackend):
                                                          query_lens[fresh_idx], scale)):
             for i in fresh_idx.tolist():
                 a, b = int(starts[i]), int(starts[i] + query_lens[i])
-                out[a:b] = _causal_self_attention(query[a:b], key[a:b], value[a:b], scale)
+                out[a:b] = causal_self_attention(query[a:b], key[a:b], value[a:b], scale)
         rest = (~is_decode & ~fresh).nonzero().squeeze(1)  # chunks after cached context
         if sliding_window is None and rest.numel() and self._native_prefill(query, key, value):
             if _chunks_after_context(query, kv_cache, block_table[rest], seq_lens[rest], starts[rest],
@@ -110,12 +112,12 @@ class CpuAttentionBackend(AttentionBackend):
         if sliding_window is None:
             for i in rest.tolist():
                 a, n = int(starts[i]), int(query_lens[i])
-                k_ctx, v_ctx = _gather_context(kv_cache, block_table[i], int(seq_lens[i]) - n)
-                out[a:a + n] = _chunk_attention(query[a:a + n], key[a:a + n], value[a:a + n],
+                k_ctx, v_ctx = gather_context(kv_cache, block_table[i], int(seq_lens[i]) - n)
+                out[a:a + n] = chunk_attention(query[a:a + n], key[a:a + n], value[a:a + n],
                                                 k_ctx.to(query.dtype), v_ctx.to(query.dtype), scale)
             rest = rest[:0]
         if rest.numel():
-            o, tokens = _attend(query, kv_cache, block_table[rest], seq_lens[rest], starts[rest],
+            o, tokens = attend(query, kv_cache, block_table[rest], seq_lens[rest], starts[rest],
                                 query_lens[rest], meta.max_query_len, scale, sliding_window)
             out[tokens] = o
         return out
@@ -171,48 +173,6 @@ def _chunks_after_context(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
     return causal_prefill(query, k, v, out, starts, query_lens, scale, kstarts, seq_lens - query_lens)
 
 
-def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """q (L, H, D), k and v (L, KVH, D) of one request with no earlier context -> (L, H, D)."""
-    L, H, D = q.shape
-    KVH = k.shape[1]
-    q4 = q.transpose(0, 1).unsqueeze(0)                                    # (1, H, L, D)
-    k4 = k.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)  # (1, H, L, D)
-    v4 = v.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)
-    o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
-    return o[0].transpose(0, 1)                                             # (L, H, D)
-
-
-def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor,
-                    length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cached keys and values (length, KVH, D) of one request's first ``length`` positions."""
-    _, num_blocks, block_size, KVH, D = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, KVH, D)
-    pos = torch.arange(length)
-    slots = blocks[pos // block_size].long() * block_size + pos % block_size
-    return flat[0].index_select(0, slots), flat[1].index_select(0, slots)  # in the cache's dtype
-
-
-def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ctx: torch.Tensor,
-                     v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
-    """A prompt chunk after cached context: q (L, H, D), its own k/v (L, KVH, D), the context's
-    (C, KVH, D) -> (L, H, D). Every query sees the whole context and, causally, the chunk; the
-    two softmaxes are computed apart (no mask to build, the chunk's masked half skipped) and
-    merged by their log-sum-exps."""
-    H, KVH = q.shape[1], k.shape[1]
-    q4 = q.transpose(0, 1).unsqueeze(0)                                    # (1, H, L, D)
-
-    def heads(t: torch.Tensor) -> torch.Tensor:                            # (N, KVH, D) -> (1, H, N, D)
-        return t.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    o1, lse1 = flash(q4, heads(k_ctx), heads(v_ctx), 0.0, False, scale=scale)
-    o2, lse2 = flash(q4, heads(k), heads(v), 0.0, True, scale=scale)
-    m = torch.maximum(lse1, lse2)                                          # (1, H, L)
-    w1, w2 = (lse1 - m).exp(), (lse2 - m).exp()
-    o = (o1 * w1.unsqueeze(-1) + o2 * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1)
-    return o[0].transpose(0, 1)                                             # (L, H, D)
-
-
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """kv_cache[:, slot // block_size, slot % block_size] = key/value for every slot >= 0."""
@@ -259,55 +219,3 @@ def _kv_store_native(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Ten
         raise IndexError(f"slot {int(slots[bad])} of token {bad} is past the KV cache's "
                          f"{num_blocks * block_size} slots")
     return True
-
-
-def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-            starts: torch.Tensor, query_lens: torch.Tensor, max_query_len: int, scale: float,
-            sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention for b requests whose queries are query[starts[i] : starts[i] + query_lens[i]],
-    the last query_lens[i] of their seq_lens[i] tokens. Returns (outputs (n, H, D), their token
-    indices (n,)), n = sum(query_lens).
-
-    Keys are gathered from a window of nb blocks per request starting at first_block[i]: block 0
-    without a sliding window; with one, the block of the oldest key the first query can see, so
-    a decode reads about W / block_size blocks however long its context:
-
-        positions  0 ........................ seq_len
-        blocks     | 0 | 1 | 2 | 3 | 4 | 5 | 6 |
-                           ^first_block    ^ queries (p - W < k <= p)
-    """
-    _, _, block_size, KVH, D = kv_cache.shape
-    b, Q, H = block_table.shape[0], max_query_len, query.shape[1]
-    G = H // KVH
-
-    # 1) queries padded to Q per request, heads of a KV group stacked: (b, KVH, G*Q, D)
-    j = torch.arange(Q)
-    valid = j < query_lens[:, None]                                      # (b, Q)
-    tokens = (starts[:, None] + j).masked_fill(~valid, 0)                # (b, Q)
-    q = query[tokens].view(b, Q, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(b, KVH, G * Q, D)
-
-    # 2) keys/values of blocks first_block[i] .. + nb through the block table: (b, KVH, L, D)
-    first_pos = seq_lens - query_lens                                    # (b,) position of the first query
-    if sliding_window is None:
-        first_block = torch.zeros_like(seq_lens)
-    else:
-        first_block = (first_pos - sliding_window + 1).clamp(min=0) // block_size
-    nb = int(((seq_lens - 1) // block_size - first_block).max()) + 1
-    L = nb * block_size
-    block_idx = (first_block[:, None] + torch.arange(nb)).clamp(max=block_table.shape[1] - 1)  # (b, nb)
-    blocks = block_table.gather(1, block_idx).reshape(-1).long()          # (b * nb,)
-    kv = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)  # (2, b * nb, bs * KVH * D)
-    k, v = kv.to(query.dtype).view(2, b, L, KVH, D).transpose(2, 3).unbind(0)  # (b, KVH, L, D) each
-
-    # 3) causal (and window) mask at absolute positions; padded queries take the last position
-    pos = torch.minimum(first_pos[:, None] + j, seq_lens[:, None] - 1)   # (b, Q)
-    key_pos = first_block[:, None] * block_size + torch.arange(L)        # (b, L)
-    mask = key_pos[:, None, :] <= pos[:, :, None]                        # (b, Q, L)
-    if sliding_window is not None:
-        mask &= key_pos[:, None, :] > pos[:, :, None] - sliding_window
-    mask = mask[:, None].expand(b, G, Q, L).reshape(b, 1, G * Q, L)
-
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (b, KVH, G*Q, D)
-    o = o.view(b, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(b, Q, H, D)
-    return o[valid], tokens[valid]
-
