@@ -7,7 +7,8 @@ from typing import Protocol, Sequence
 import torch
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from kernels.attention.cpu import CpuAttentionBackend, reference_paged_attention
+from kernels.attention.cpu import CpuAttentionBackend
+from kernels.attention.reference import reference_paged_attention
 
 
 class _KVShape(Protocol):  # the ArchConfig fields the cache needs

@@ -18,7 +18,7 @@ SCENARIOS = {
 
 
 def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, sliding_window=None,
-              kv_dtype=torch.float32):
+              kv_dtype=torch.float32, native=True):
     gen = torch.Generator().manual_seed(seed)
     meta, num_blocks = shuffled_paged_metadata(reqs, block_size, gen, num_padding)
     T = meta.num_tokens
@@ -28,7 +28,7 @@ def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, 
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_SIZE, generator=gen).to(kv_dtype)  # the cached prefix
     ours_cache, ref_cache = cache.clone(), cache.clone()
     scale = HEAD_SIZE ** -0.5
-    ours = CpuAttentionBackend().forward(query, key, value, ours_cache, meta, scale, sliding_window=sliding_window)
+    ours = CpuAttentionBackend(native).forward(query, key, value, ours_cache, meta, scale, sliding_window=sliding_window)
     ref = reference_paged_attention(query, key, value, ref_cache, meta, scale, sliding_window=sliding_window)
     return ours, ref, ours_cache, ref_cache, cache, meta
 
@@ -169,6 +169,57 @@ def test_native_decode_matches_the_gather_path_and_the_reference(window, gqa):
     gather = CpuAttentionBackend(native=False).forward(q, k, v, cache.clone(), meta, 0.2, window)
     ref = reference_paged_attention(q, k, v, cache.clone(), meta, 0.2, sliding_window=window)
     assert torch.allclose(native, ref, atol=2e-6) and torch.allclose(gather, ref, atol=2e-6)
+
+
+# ---- the native flag, and the torch paths it leaves -------------------------------------------
+
+def test_the_native_flag_is_decided_once_at_construction(monkeypatch):
+    """``native`` becomes "asked for and available()" in __init__; forward never probes again nor
+    changes it, and a CPU without the kernels gets the torch paths from its first step."""
+    import kernels.attention.cpu as cpu_mod
+    real = cpu_mod.available()
+    _run_case(SCENARIOS["mixed"], 16, 6, 2)             # the module's once-per-process kernel lookups done
+    probes = []
+    monkeypatch.setattr(cpu_mod, "available", lambda: probes.append(1) or real)
+    asked, declined = CpuAttentionBackend(), CpuAttentionBackend(native=False)
+    assert (asked.native, declined.native, len(probes)) == (real[0], False, 1)
+    gen = torch.Generator().manual_seed(7)
+    for reqs in SCENARIOS.values():
+        meta, num_blocks = shuffled_paged_metadata(reqs, 16, gen, num_padding=2)
+        T = meta.num_tokens
+        q, k, v = torch.randn(T, 6, HEAD_SIZE), torch.randn(T, 2, HEAD_SIZE), torch.randn(T, 2, HEAD_SIZE)
+        cache = torch.randn(2, num_blocks, 16, 2, HEAD_SIZE)
+        for backend in (asked, declined):
+            for window in (None, 5):
+                backend.forward(q, k, v, cache.clone(), meta, 0.25, window)
+    assert (asked.native, declined.native, len(probes)) == (real[0], False, 1)
+
+    monkeypatch.setattr(cpu_mod, "available", lambda: (False, "no kernels on this CPU"))
+    unavailable = CpuAttentionBackend()
+    assert unavailable.native is False
+    reqs = SCENARIOS["mixed"]
+    meta, num_blocks = shuffled_paged_metadata(reqs, 16, gen)
+    T = meta.num_tokens
+    q, k, v = torch.randn(T, 6, HEAD_SIZE), torch.randn(T, 2, HEAD_SIZE), torch.randn(T, 2, HEAD_SIZE)
+    cache = torch.randn(2, num_blocks, 16, 2, HEAD_SIZE)
+    assert torch.equal(unavailable.forward(q, k, v, cache.clone(), meta, 0.25),
+                       declined.forward(q, k, v, cache.clone(), meta, 0.25))
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("num_padding", [0, 3])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_torch_paths_match_the_reference(scenario, window, num_padding, kv_dtype):
+    """native=False: decodes by the batched attend, fresh prompts by SDPA per request, chunks after
+    cached context by SDPA per request (by the batched attend with a window), padding rows zero."""
+    ours, ref, ours_cache, ref_cache, _, meta = _run_case(SCENARIOS[scenario], 16, 6, 2, num_padding=num_padding,
+                                                          seed=11, sliding_window=window, kv_dtype=kv_dtype,
+                                                          native=False)
+    assert torch.equal(ours_cache, ref_cache)
+    tol = 1e-5 if kv_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+    assert (ours[int(meta.query_start_loc[-1]):] == 0).all()
 
 
 # ---- the native kernel alone, against a float64 reference ---------------------------------------
