@@ -9,12 +9,9 @@ import torch
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from kernels.attention.cpu_torch import attend, causal_self_attention, chunk_attention, gather_context
-from kernels.attention.reference import reference_paged_attention
 from kernels.cpu.native import KV_TYPES, available, declare, paged_decode
 
-__all__ = ["CpuAttentionBackend", "causal_prefill", "write_kv_cache", "reference_paged_attention"]
-
-_causal_self_attention = causal_self_attention  # its name before cpu_torch.py: tests import it from here
+__all__ = ["CpuAttentionBackend", "causal_prefill", "write_kv_cache"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 

@@ -150,8 +150,6 @@ def test_native_decode_matches_the_gather_path_and_the_reference(window, gqa):
     from kernels.cpu.native import available
     if not available()[0]:
         pytest.skip(available()[1])
-    from kernels.attention import build_attention_metadata
-    from kernels.attention.cpu import CpuAttentionBackend, reference_paged_attention
     torch.manual_seed(gqa)
     B, KVH, D, BS = 7, 2, 32, 16
     H = KVH * gqa
@@ -483,11 +481,11 @@ def test_native_causal_prefill_long(D):
     out = torch.zeros(q.shape)
     starts = [0, 4096, 4101]
     assert causal_prefill(q, k, v, out, torch.tensor(starts), torch.tensor(lens), 0.3)
-    from kernels.attention.cpu import _causal_self_attention
+    from kernels.attention.cpu_torch import causal_self_attention
     for s, n in zip(starts, lens):
         ref = _reference_causal(q[s:s + n], k[s:s + n], v[s:s + n], 0.3)
         # 4096 keys: float32 rounding reaches ~1e-5 (SDPA's own error is as large); no worse than SDPA
-        sdpa_err = (_causal_self_attention(q[s:s + n], k[s:s + n], v[s:s + n], 0.3).double() - ref).abs().max()
+        sdpa_err = (causal_self_attention(q[s:s + n], k[s:s + n], v[s:s + n], 0.3).double() - ref).abs().max()
         assert (out[s:s + n].double() - ref).abs().max() <= max(1.5 * sdpa_err, 1e-5)
 
 
@@ -496,7 +494,7 @@ def test_native_causal_prefill_long(D):
 def test_backend_native_prefill_in_mixed_batches(H, KVH, D):
     """Decode rows, fresh prompts of odd lengths and a chunk after cached context in one step, with
     q/k/v strided views of a fused projection: the native path agrees with SDPA's and the reference."""
-    from kernels.attention.cpu import _causal_self_attention
+    from kernels.attention.cpu_torch import causal_self_attention
     from kernels.cpu.native import available
     if not available()[0]:
         pytest.skip(available()[1])
@@ -515,7 +513,7 @@ def test_backend_native_prefill_in_mixed_batches(H, KVH, D):
     a = 0
     for c, n in reqs:                        # the fresh prompts' rows against SDPA per request
         if c == 0 and n > 1:
-            torch.testing.assert_close(native[a:a + n], _causal_self_attention(q[a:a + n], k[a:a + n], v[a:a + n], scale),
+            torch.testing.assert_close(native[a:a + n], causal_self_attention(q[a:a + n], k[a:a + n], v[a:a + n], scale),
                                        atol=1e-5, rtol=1e-5)
         a += n
     assert (native[a:] == 0).all()
