@@ -66,36 +66,13 @@ class EngineArgs:
 
     # -- the command line --------------------------------------------------------------------
     @staticmethod
-    def add_cli_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
-        """The engine's flags; ``defaults`` overrides a flag's default by its dest name."""
+    def add_cli_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = (), **defaults: Any) -> None:
+        """The engine's flags; ``defaults`` overrides a flag's default by its dest name, ``skip``
+        leaves out flags (by dest name) the caller's parser already has."""
         d = {f.name: f.default for f in dataclasses.fields(EngineArgs)} | defaults
-        p.add_argument("--model", default=d["model"], help="model name, .gguf path or checkpoint dir "
-                       "(default: HuggingFaceTB/SmolLM2-135M-Instruct)")
-        p.add_argument("--dtype", default=d["dtype"], choices=DTYPES,
-                       help="auto: float32 on the CPU, bfloat16 on a GPU")
-        p.add_argument("--device", default=d["device"], choices=DEVICES,
-                       help="auto: a CUDA GPU when one is present, else the CPU")
-        p.add_argument("--enforce-eager", action="store_true", default=d["enforce_eager"],
-                       help="never capture CUDA graphs (GPU only; for debugging)")
-        p.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATIONS,
-                       help="'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively with float32 "
-                            "activations (same weights, faster decoding); 'gguf-i8': Q4_1 layers also "
-                            "take int8 activations in two parts (AVX512-VNNI; faster prefill, rare "
-                            "token changes)")
-        p.add_argument("--kv-cache-gib", type=_positive(float), dest="kv_cache_bytes",
-                       default=d["kv_cache_bytes"] / 2**30, help="memory for the KV cache")
-        p.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
-                       help="auto: the model's dtype; float16 / bfloat16 store K and V rounded to 16 "
-                            "bits (twice the tokens per GiB, half the bytes long-context decoding reads)")
-        p.add_argument("--block-size", type=_positive(int), default=d["block_size"])
-        p.add_argument("--max-num-seqs", type=_positive(int), default=d["max_num_seqs"])
-        p.add_argument("--max-num-batched-tokens", type=_positive(int), default=d["max_num_batched_tokens"])
-        p.add_argument("--max-model-len", type=int, default=d["max_model_len"], help="0: the model's own")
-        p.add_argument("--scheduling-policy", default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
-                       help="'priority': requests' priority field orders the queue (lower first)")
-        p.add_argument("--threads", type=int, dest="num_threads", default=d["num_threads"],
-                       help="worker compute threads (0: all cores)")
-        p.add_argument("--seed", type=int, default=d["seed"])
+        for flag, dest, options in _cli_flags(d):
+            if dest not in skip:
+                p.add_argument(flag, dest=dest, **options)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
@@ -103,6 +80,42 @@ class EngineArgs:
         given = {k: v for k, v in vars(args).items() if k in names}
         given["kv_cache_bytes"] = int(given["kv_cache_bytes"] * 2**30)   # the flag is in GiB
         return cls(**(given | overrides))
+
+
+def _cli_flags(d: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(flag, dest, argparse options) of every engine flag, with defaults from ``d``."""
+    return [
+        ("--model", "model", dict(default=d["model"], help="model name, .gguf path or checkpoint dir "
+                                  "(default: HuggingFaceTB/SmolLM2-135M-Instruct)")),
+        ("--dtype", "dtype", dict(default=d["dtype"], choices=DTYPES,
+                                  help="auto: float32 on the CPU, bfloat16 on a GPU")),
+        ("--device", "device", dict(default=d["device"], choices=DEVICES,
+                                    help="auto: a CUDA GPU when one is present, else the CPU")),
+        ("--enforce-eager", "enforce_eager", dict(action="store_true", default=d["enforce_eager"],
+                                                  help="never capture CUDA graphs (GPU only; for debugging)")),
+        ("--quantization", "quantization", dict(
+            default=d["quantization"], choices=QUANTIZATIONS,
+            help="'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively with float32 activations "
+                 "(same weights, faster decoding); 'gguf-i8': Q4_1 layers also take int8 activations in "
+                 "two parts (AVX512-VNNI; faster prefill, rare token changes)")),
+        ("--kv-cache-gib", "kv_cache_bytes", dict(type=_positive(float), default=d["kv_cache_bytes"] / 2**30,
+                                                  metavar="GIB", help="memory for the KV cache")),
+        ("--kv-cache-dtype", "kv_cache_dtype", dict(
+            default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
+            help="auto: the model's dtype; float16 / bfloat16 store K and V rounded to 16 bits (twice the "
+                 "tokens per GiB, half the bytes long-context decoding reads)")),
+        ("--block-size", "block_size", dict(type=_positive(int), default=d["block_size"])),
+        ("--max-num-seqs", "max_num_seqs", dict(type=_positive(int), default=d["max_num_seqs"])),
+        ("--max-num-batched-tokens", "max_num_batched_tokens",
+         dict(type=_positive(int), default=d["max_num_batched_tokens"])),
+        ("--max-model-len", "max_model_len", dict(type=int, default=d["max_model_len"], help="0: the model's own")),
+        ("--scheduling-policy", "scheduling_policy", dict(
+            default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
+            help="'priority': requests' priority field orders the queue (lower first)")),
+        ("--threads", "num_threads", dict(type=int, default=d["num_threads"], metavar="N",
+                                          help="worker compute threads (0: all cores)")),
+        ("--seed", "seed", dict(type=int, default=d["seed"])),
+    ]
 
 
 def _positive(kind: type) -> Any:

@@ -14,7 +14,7 @@ def main() -> None:
 
     off = sub.add_parser("offline", help="offline throughput of an in-process engine")
     workload.add_arguments(off)
-    EngineArgs.add_cli_args(off, max_num_seqs=256)
+    EngineArgs.add_cli_args(off, skip=("seed",), max_num_seqs=256)   # the workload's --seed seeds the engine too
     off.add_argument("--multiprocess", action="store_true", help="the server's 3-process layout")
 
     srv = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
