@@ -68,6 +68,14 @@ class LoadedModel(NamedTuple):
     config: ArchConfig
 
 
+class Checkpoint(NamedTuple):
+    """A checkpoint opened for loading: its architecture, read from its header, and its weights,
+    read only as a model is built."""
+    config: ArchConfig
+    weights: Iterator[tuple[str, torch.Tensor]]     # lazy (checkpoint name, float32 tensor)
+    tensor_map: str                                 # the model class's map for these names
+
+
 def attention_requirements(config: ArchConfig, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
                            device: str = "cpu", kv_cache_dtype: torch.dtype | None = None) -> AttentionRequirements:
     return AttentionRequirements(dtype=dtype, kv_cache_dtype=kv_cache_dtype or dtype, head_size=config.head_size,
@@ -83,14 +91,22 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     the model's requirements on that device and KV cache dtype (``kv_cache_dtype``, by default
     ``dtype``; raises ValueError naming every backend's refusal when none does). Weights are always read and converted on the CPU, then moved: the host
     briefly holds the model in ``dtype`` (plus one float32 tensor at a time while loading)."""
-    config, weights, map_name = _open_checkpoint(source)
+    ckpt = open_checkpoint(source)
+    return LoadedModel(build_model(ckpt, dtype, attn_backend, block_size, device, kv_cache_dtype), ckpt.config)
+
+
+def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backend: AttentionBackend | None = None,
+                block_size: int = DEFAULT_BLOCK_SIZE, device: str = "cpu",
+                kv_cache_dtype: torch.dtype | None = None) -> nn.Module:
+    """``load_model`` for a checkpoint already opened (its weights are consumed)."""
+    config = ckpt.config
     backend = attn_backend or select_backend(attention_requirements(config, dtype, block_size, device,
-                                                                          kv_cache_dtype))
+                                                                    kv_cache_dtype))
     model = get_model_class(config.architecture)(config, backend, dtype)
-    load_weights(model, weights, getattr(model, map_name))
+    load_weights(model, ckpt.weights, getattr(model, ckpt.tensor_map))
     if device != "cpu":
         model = model.to(device)
-    return LoadedModel(model.eval(), config)
+    return model.eval()
 
 
 def model_config(source: ModelSource) -> ArchConfig:
@@ -99,17 +115,17 @@ def model_config(source: ModelSource) -> ArchConfig:
         return gguf_model_config(read_gguf(source.path))
     if source.kind == "hf_dir":
         return read_hf_config(source.path)
-    return _open_checkpoint(source)[0]          # says which kinds there are
+    return open_checkpoint(source).config       # says which kinds there are
 
 
-def _open_checkpoint(source: ModelSource) -> tuple[ArchConfig, Iterator[tuple[str, torch.Tensor]], str]:
-    """(config, lazy weight iterator, name of the model's tensor map) for a source."""
+def open_checkpoint(source: ModelSource) -> Checkpoint:
+    """The checkpoint of a source: its header read, its weights not yet."""
     if source.kind == "gguf":
         gguf = read_gguf(source.path)
         config = gguf_model_config(gguf)
-        return config, iter_gguf_weights(gguf, config), "gguf_tensor_map"
+        return Checkpoint(config, iter_gguf_weights(gguf, config), "gguf_tensor_map")
     if source.kind == "hf_dir":
-        return read_hf_config(source.path), iter_safetensors_weights(source.path), "hf_tensor_map"
+        return Checkpoint(read_hf_config(source.path), iter_safetensors_weights(source.path), "hf_tensor_map")
     raise ValueError(f"model source kind {source.kind!r} is not supported; supported: 'gguf', 'hf_dir'")
 
 

@@ -18,7 +18,7 @@ from actors.worker.model_runner import ModelRunner, torch_dtype
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
 from models.quant import quantize
-from models.registry import load_model, model_config
+from models.registry import Checkpoint, build_model, open_checkpoint
 
 log = logging.getLogger("troupe.worker")
 
@@ -28,20 +28,21 @@ class Worker:
         """Resolve ``config`` for this platform and checkpoint and load the model."""
         t0 = time.monotonic()
         source = config.model.source
+        ckpt = open_checkpoint(source)
         self.config = config.resolve(cuda_available=torch.cuda.is_available(), cpu_count=os.cpu_count() or 1,
-                                     arch=model_config(source))
+                                     arch=ckpt.config)
         torch.set_num_threads(self.config.device.num_threads)
         torch.manual_seed(self.config.model.seed)
         self.device = torch.device(self.config.device.device)
-        self.model = self._load()
+        self.model = self._load(ckpt)
         self.runner: ModelRunner | None = None         # until init_kv_cache
         log.info("model %s loaded on %s (%s) in %.1f s", source.served_name, self.device.type,
                  self.config.model.dtype, time.monotonic() - t0)
 
-    def _load(self) -> torch.nn.Module:
+    def _load(self, ckpt: Checkpoint) -> torch.nn.Module:
         cfg = self.config
-        model, _ = load_model(cfg.model.source, torch_dtype(cfg.model.dtype), block_size=cfg.cache.block_size,
-                              device=self.device.type, kv_cache_dtype=torch_dtype(cfg.cache.cache_dtype))
+        model = build_model(ckpt, torch_dtype(cfg.model.dtype), block_size=cfg.cache.block_size,
+                            device=self.device.type, kv_cache_dtype=torch_dtype(cfg.cache.cache_dtype))
         if cfg.model.quantization:
             quantize(model, cfg.model.quantization, cfg.model.source.path)
         if self.device.type == "cpu":        # linear layers packed once for the native kernels
