@@ -369,6 +369,24 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return sorted_logits.scatter(1, order, sorted_logits)
 
 
+def draw_row_noise(q_row: torch.Tensor, gen: torch.Generator) -> None:
+    """A seeded row's draw: V uniforms from its own generator, once per sampled token."""
+    q_row.uniform_(generator=gen)
+
+
+def seeded_generator(seed: int, temperature: float, num_sampled: int, vocab_size: int,
+                     device: torch.device | str = "cpu") -> torch.Generator:
+    """A seeded row's generator, moved past the draws of the ``num_sampled`` tokens the request
+    sampled already (none if it is greedy): a request recomputed after a preemption resumes its
+    stream where it was, so its tokens do not depend on having been preempted."""
+    gen = torch.Generator(device).manual_seed(seed)
+    if temperature >= _SAMPLING_EPS:
+        row = torch.empty(vocab_size, dtype=torch.float32, device=device)
+        for _ in range(num_sampled):
+            draw_row_noise(row, gen)
+    return gen
+
+
 def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """q ~ Exp(1) of probs' shape; argmax(probs / q) is a draw from probs (exponential race).
     A seeded row draws its own V values from its own generator, so its tokens do not depend on
@@ -378,7 +396,7 @@ def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator
     if len(generators) < probs.shape[0]:
         q.uniform_()
     for row, gen in generators.items():
-        q[row].uniform_(generator=gen)
+        draw_row_noise(q[row], gen)
     return q.log_().neg_()
 
 

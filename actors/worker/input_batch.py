@@ -4,7 +4,9 @@ vectorized indexing instead of rebuilt request by request.
 
 Slots are reused: a finished request frees its slot, a new one takes the lowest free slot.
 The arrays stay on the host whatever the model's device; only seeded generators live on the
-device (a CUDA tensor draws from a CUDA generator).
+device (a CUDA tensor draws from a CUDA generator). A seeded request that comes back after a
+preemption has its generator moved past the draws of the tokens it already sampled, so its
+tokens do not depend on whether it was preempted.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from actors.engine.messages import NewRequestData
 from actors.engine.sampling_params import SamplingParams
+from models.sampler import seeded_generator
 
 
 @dataclass(slots=True)
@@ -27,9 +30,10 @@ class SlotState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
                  device: torch.device | str = "cpu") -> None:
         self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -67,10 +71,15 @@ class InputBatch:
         self.num_computed_tokens[i] = r.num_computed_tokens
         self.num_blocks[i] = 0
         self.append_blocks(i, r.block_ids)
-        p = r.sampling_params
-        gen = torch.Generator(self.device).manual_seed(p.seed) if p.seed is not None else None
-        self.states[i] = SlotState(r.req_id, p, gen)
+        self.states[i] = SlotState(r.req_id, r.sampling_params, self._generator(r))
         return i
+
+    def _generator(self, r: NewRequestData) -> torch.Generator | None:
+        """A seeded request's generator, past the draws of the tokens it already sampled."""
+        p = r.sampling_params
+        if p.seed is None:
+            return None
+        return seeded_generator(p.seed, p.temperature, len(r.output_token_ids), self.vocab_size, self.device)
 
     def remove(self, req_id: str) -> None:
         i = self.slots.pop(req_id, None)

@@ -59,7 +59,7 @@ class ModelRunner:
         specs = model_kv_cache_specs(self.arch, bs, kv_dtype.itemsize)
         self.kv_caches = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device)
         max_model_len = config.model.max_model_len
-        self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.device)
+        self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device)
         self.sampler = Sampler()
         self._meta_cache: tuple | None = None     # (row states' ids, SamplingMetadata, the states)
         self.graphs = (CudaGraphRunner(model, self.kv_caches, cudagraph_sizes, max_model_len, bs,

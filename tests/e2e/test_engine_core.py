@@ -48,3 +48,19 @@ def test_64_requests_through_a_tiny_kv_cache_match_a_large_cache():
     assert preemptions > 0
     assert all(r.finish_reason == "length" and len(r.token_ids) == 16 for r in tight)
     assert [r.token_ids for r in tight] == [r.token_ids for r in roomy]
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_in_a_batch_and_under_preemption():
+    rng = random.Random(2)
+    prompts = [[rng.randrange(200, 40000) for _ in range(rng.randint(8, 20))] for _ in range(16)]
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    per_token = 2 * 30 * 3 * 64 * 4
+    with LLM() as roomy:
+        (alone,) = roomy.generate(prompts[3], params, use_tqdm=False)
+        batch = roomy.generate(prompts, params, use_tqdm=False)
+    with LLM(kv_cache_bytes=13 * 16 * per_token) as tiny:           # 12 usable blocks: ~5 requests
+        tight = tiny.generate(prompts, params, use_tqdm=False)
+        preemptions = tiny._llm.client.stats.last.num_preemptions
+    assert preemptions > 0
+    assert batch[3].token_ids == alone.token_ids and len(set(alone.token_ids)) > 4
+    assert [r.token_ids for r in tight] == [r.token_ids for r in batch]

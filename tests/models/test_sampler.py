@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, apply_grammar_bitmask,
-                            apply_logits_processors, compute_prompt_logprobs)
+                            apply_logits_processors, compute_prompt_logprobs, seeded_generator)
 
 V = 1000
 INF = float("inf")
@@ -335,6 +335,18 @@ def test_seeded_row_is_independent_of_batch_composition():
     assert alone == in_small == in_large == at_end
     assert len(set(alone)) > 1  # the row really samples
     assert _seeded_run(row, _logits(0), 0, seed=124) != alone
+
+
+def test_a_seeded_generator_resumed_after_k_tokens_continues_the_same_stream():
+    row = torch.randn(V) * 0.5
+    meta = lambda gen: SamplingMetadata.from_lists([0.9], generators=[gen])    # noqa: E731
+    straight = seeded_generator(77, 0.9, 0, V)
+    tokens = [int(Sampler()(row[None], meta(straight)).sampled_token_ids[0]) for _ in range(12)]
+    resumed = seeded_generator(77, 0.9, 5, V)           # as after a preemption at 5 sampled tokens
+    assert [int(Sampler()(row[None], meta(resumed)).sampled_token_ids[0]) for _ in range(7)] == tokens[5:]
+    assert len(set(tokens)) > 1
+    greedy = seeded_generator(77, 0.0, 5, V)            # greedy rows draw nothing: nothing to skip
+    assert torch.equal(greedy.get_state(), torch.Generator().manual_seed(77).get_state())
 
 
 # -- log-probs ---------------------------------------------------------------------------------------
