@@ -13,11 +13,11 @@ import msgspec
 from actors import topology
 from actors.engine.config import EngineConfig
 from actors.engine.messages import EngineCoreOutputs
-from actors.executor.actor import Executor, WorkersUp
+from actors.executor.actor import Executor, WorkersDown, WorkersUp
 from actors.kv_manager.actor import KVManager
 from actors.runtime import ActorRef, Node
 from actors.runtime.process import ChildProcess, NodeSpec, decode_info, start_child
-from actors.scheduler.actor import SchedulerActor, WorkersReady
+from actors.scheduler.actor import SchedulerActor, WorkersLost, WorkersReady
 from actors.scheduler.scheduler import Scheduler
 from actors.worker.actor import LOAD_TIMEOUT_S, InitKVCache, LoadModel, WorkerActor
 from transport.zmq_channel import endpoint
@@ -53,7 +53,7 @@ class EngineCore:
                  cfg.cache.block_size, cfg.cache.cache_dtype, cfg.model.max_model_len)
         self.kv_manager = self.node.spawn(topology.KV_MANAGER, lambda: KVManager(cfg))
         kv = self.kv_manager.colocated()            # the scheduler calls the KV manager directly
-        self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor([worker]))
+        self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor(worker))
         outputs = self.node.ref(topology.DETOKENIZER, topology.FRONTEND_NODE, EngineCoreOutputs)
         self.scheduler = self.node.spawn(topology.SCHEDULER, lambda: SchedulerActor(
             Scheduler(cfg, kv), self.executor, outputs))
@@ -73,9 +73,12 @@ class EngineCore:
 
     # -- worker supervision ------------------------------------------------------------------
     def _worker_exited(self, child: ChildProcess) -> None:
-        if self.node.closed.done():
+        if self.node.closed.done() or self.scheduler is None:   # dying at start-up: start() reports it
             return
         log.error("%s", child.describe_exit())
+        # steps wait for the replacement; running requests go back to the queue (their KV is gone)
+        self.executor.tell(WorkersDown(self.generation))
+        self.scheduler.tell(WorkersLost(self.generation, child.describe_exit()))
         now = time.monotonic()
         window = self.config.parallel.worker_restart_window_s
         self._restarts.append(now)
@@ -95,7 +98,7 @@ class EngineCore:
             return
         self.generation += 1
         log.info("worker restarted (generation %d)", self.generation)
-        self.executor.tell(WorkersUp(self.generation, WORKER_NODE, [topology.WORKER]))
+        self.executor.tell(WorkersUp(self.generation, WORKER_NODE, topology.WORKER))
         self.scheduler.tell(WorkersReady(self.generation))
 
     async def stop(self) -> None:

@@ -33,12 +33,18 @@ class Step(Msg):
     pass
 
 
+class WorkersLost(Msg):
+    """The workers of ``generation`` died (``reason``); a replacement is starting."""
+    generation: int
+    reason: str
+
+
 class WorkersReady(Msg):
     """The workers of ``generation`` are up; requests they never saw may run on them."""
     generation: int
 
 
-SchedulerProtocol = AddRequest | AbortRequests | Step | WorkersReady
+SchedulerProtocol = AddRequest | AbortRequests | Step | WorkersLost | WorkersReady
 
 STEP_TIMEOUT_S = 600.0
 MAX_EARLY_ABORTS = 4096          # remembered ids of aborts that came before their request
@@ -89,10 +95,12 @@ class SchedulerActor(Actor):
                 if not self._step_queued:          # idle now: close the cycle, start afresh
                     self._account_cycle()
                     self._last_step_start = 0.0
+            case WorkersLost(reason=reason):
+                self._workers_lost(reason)
             case WorkersReady(generation=g):
                 if g != self.generation:
                     self.generation = g
-                    self._emit(self.core.fail_running("the worker process was restarted"))
+                    self._workers_lost("the worker process was restarted")
                     self.core.reset_blocks()         # the new worker's cache holds nothing
                 self.paused = False
                 self._kick()
@@ -116,14 +124,19 @@ class SchedulerActor(Actor):
         except (ActorDied, RemoteError, AskTimeout) as exc:
             reason = exc.message if isinstance(exc, RemoteError) else str(exc)
             log.error("step %d failed on the workers: %s", so.step, reason)
-            # A dead worker is being restarted: wait for WorkersReady before stepping again.
-            died = isinstance(exc, ActorDied) or (isinstance(exc, RemoteError)
-                                                  and exc.error_type == "ActorDied")
-            self.paused = self.paused or died
-            self._emit(self.core.fail_running(f"the worker failed: {reason}"))
+            if isinstance(exc, ActorDied) or (isinstance(exc, RemoteError) and exc.error_type == "ActorDied"):
+                self._workers_lost(reason)      # recomputed once the replacement is up
+            else:
+                self._emit(self.core.fail_running(f"the worker failed: {reason}"))
             return
         self.core.counters.compute_seconds += runner_out.compute_s
         self._emit(self.core.update_from_output(so, runner_out))
+
+    def _workers_lost(self, reason: str) -> None:
+        """Stop stepping until WorkersReady; the running requests' KV is gone with the worker,
+        so they go back to the queue to be recomputed (those that lost too many workers fail)."""
+        self.paused = True
+        self._emit(self.core.requeue_running(reason))
 
     def _account_cycle(self) -> None:
         """Steps that follow each other back to back count their whole cycle as busy time: the

@@ -56,6 +56,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0        # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    num_worker_failures: int = 0      # workers that died while it was running
     first_scheduled_time: float = 0.0  # time.time() when first scheduled: its queue time ends
     first_output_sent: bool = False
     stop_reason: int | str | None = None

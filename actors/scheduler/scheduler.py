@@ -30,6 +30,8 @@ from actors.kv_manager.manager import KVCacheManager
 from actors.scheduler.queues import create_queue
 from actors.scheduler.request import Request, RequestStatus
 
+MAX_WORKER_FAILURES = 3      # a request running when this many workers died fails (it may be the cause)
+
 
 @dataclass(slots=True)
 class _Counters:
@@ -91,6 +93,22 @@ class Scheduler:
             if req is not None:
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
                 outs.append(EngineCoreOutput(rid, [], "abort"))
+        return outs
+
+    def requeue_running(self, reason: str) -> list[EngineCoreOutput]:
+        """The workers died, and the running requests' KV with them: each goes back to the
+        front of the queue to be recomputed, as after a preemption, unless it already lost
+        MAX_WORKER_FAILURES workers (then it fails with ``reason``)."""
+        outs = []
+        for req in reversed(self.running):        # prepended in reverse: the queue keeps their order
+            req.num_worker_failures += 1
+            if req.num_worker_failures >= MAX_WORKER_FAILURES:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outs.append(EngineCoreOutput(req.request_id, [], "error", error=(
+                    f"the worker died {req.num_worker_failures} times while this request ran: {reason}")))
+            else:
+                self._recompute_later(req)
+        self.running.clear()
         return outs
 
     def fail_running(self, error: str) -> list[EngineCoreOutput]:
@@ -211,13 +229,18 @@ class Scheduler:
         self.running.remove(req)
         step.budget += step.num_tokens.pop(req, 0)
         step.new_block_ids.pop(req, None)
+        self._recompute_later(req)
+        req.num_preemptions += 1
+        step.preempted.append(req)
+        self.counters.num_preemptions += 1
+
+    def _recompute_later(self, req: Request) -> None:
+        """Back to the front of the queue without blocks: prompt and output so far are
+        computed again when it is scheduled."""
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
         self.waiting.prepend(req)
-        step.preempted.append(req)
-        self.counters.num_preemptions += 1
 
     def _output(self, step: _Step) -> SchedulerOutput:
         """The workers' step message: new requests in full, the others as diffs."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sched_utils import EOS, Harness, held_blocks
+from actors.scheduler.scheduler import MAX_WORKER_FAILURES
+from sched_utils import EOS, FakeWorker, Harness, held_blocks
 from actors.engine.messages import EngineCoreRequest
 from actors.engine.sampling_params import SamplingParams
 
@@ -288,3 +289,25 @@ def test_many_requests_through_a_tight_cache_all_finish(policy):
         if not h.s.has_work():
             break
     assert finished == {f"r{i}" for i in range(10)} and held_blocks(h.kv) == 0
+
+
+def test_requests_running_when_the_worker_died_are_recomputed_then_fail_past_the_limit():
+    h = Harness()
+    h.add("a", 6, max_tokens=30)
+    h.add("b", 5, max_tokens=30)
+    h.step()
+    h.step()
+    assert h.s.requeue_running("the worker died") == []             # both go back to the queue
+    assert held_blocks(h.kv) == 0 and [r.request_id for r in h.s.waiting.first(2)] == ["a", "b"]
+    h.s.reset_blocks()                                             # the replacement's cache is empty
+    h.worker = FakeWorker(64, 4)
+    so, _ = h.step()
+    assert {r.req_id: (len(r.output_token_ids), r.num_computed_tokens) for r in so.new_reqs} == \
+        {"a": (2, 0), "b": (2, 0)}                                 # recomputed with the tokens so far
+    for _ in range(MAX_WORKER_FAILURES - 1):
+        outs = h.s.requeue_running("the worker died")
+        h.s.reset_blocks()
+        h.worker = FakeWorker(64, 4)
+        h.step()
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [("a", "error"), ("b", "error")]
+    assert "died 3 times" in outs[0].error and not h.s.has_work()
