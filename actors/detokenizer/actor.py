@@ -4,7 +4,7 @@ observes the request latencies (TTFT, inter-token, end-to-end, queue time) for t
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from actors.detokenizer.incremental import IncrementalDetokenizer
 from actors.frontend.stats import EngineStats
@@ -28,7 +28,14 @@ class Untrack(Msg):
     request_ids: list[str]
 
 
-DetokenizerProtocol = TrackRequest | EngineCoreOutputs | Untrack
+class EngineLost(Msg):
+    """The engine died: every request in flight ends now with ``reason`` (no output of theirs
+    will come)."""
+    lane: ClassVar[str] = "system"
+    reason: str
+
+
+DetokenizerProtocol = TrackRequest | EngineCoreOutputs | Untrack | EngineLost
 
 
 class _State:
@@ -79,6 +86,11 @@ class DetokenizerActor(Actor):
                 for rid in ids:
                     if self.states.pop(rid, None) is not None:
                         self.stats.observe_finished("abort")
+            case EngineLost(reason=reason):
+                for _ in self.states:
+                    self.stats.observe_finished("error")
+                self.states.clear()
+                self.streams.fail_all(reason)      # those still being admitted too
 
     def _process(self, o: EngineCoreOutput, now: float) -> bool:
         """Deliver one request's output; True if a stop string ended it (abort in the engine)."""

@@ -33,8 +33,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     num_threads: int = 0
     multiprocess: bool = True
-    max_worker_restarts: int = 3
-    worker_restart_window_s: float = 120.0
+    max_restarts: int = 3
+    restart_window_s: float = 120.0
 
     @classmethod
     def from_options(cls, model: str | None, options: dict[str, Any]) -> EngineArgs:
@@ -59,9 +59,8 @@ class EngineArgs:
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
                                       policy=self.scheduling_policy),
-            parallel=ParallelConfig(multiprocess=self.multiprocess,
-                                    max_worker_restarts=self.max_worker_restarts,
-                                    worker_restart_window_s=self.worker_restart_window_s),
+            parallel=ParallelConfig(multiprocess=self.multiprocess, max_restarts=self.max_restarts,
+                                    restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads))
 
     # -- the command line --------------------------------------------------------------------

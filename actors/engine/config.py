@@ -56,8 +56,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     multiprocess: bool = True              # engine core and worker in processes of their own
-    max_worker_restarts: int = 3           # a worker dying more often than this ...
-    worker_restart_window_s: float = 120.0  # ... within this window stops the engine
+    max_restarts: int = 3                  # a worker or engine process dying more often than this ...
+    restart_window_s: float = 120.0        # ... within this window stops the server
 
 
 class DeviceConfig(msgspec.Struct, frozen=True, kw_only=True):

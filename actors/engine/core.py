@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import deque
 
 import msgspec
 
@@ -16,7 +14,7 @@ from actors.engine.messages import EngineCoreOutputs
 from actors.executor.actor import Executor, WorkersDown, WorkersUp
 from actors.kv_manager.actor import KVManager
 from actors.runtime import ActorRef, Node
-from actors.runtime.process import ChildProcess, NodeSpec, decode_info, start_child
+from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, decode_info, start_child
 from actors.scheduler.actor import SchedulerActor, WorkersLost, WorkersReady
 from actors.scheduler.scheduler import Scheduler
 from actors.worker.actor import LOAD_TIMEOUT_S, InitKVCache, LoadModel, WorkerActor
@@ -38,7 +36,7 @@ class EngineCore:
         self.ipc_dir = ipc_dir
         self.generation = 0
         self.worker: ChildProcess | None = None
-        self._restarts: deque[float] = deque()
+        self._restarts = RestartBudget(config.parallel.max_restarts, config.parallel.restart_window_s)
         self.scheduler: ActorRef | None = None
         self.executor: ActorRef | None = None
         self.kv_manager: ActorRef | None = None
@@ -79,13 +77,8 @@ class EngineCore:
         # steps wait for the replacement; running requests go back to the queue (their KV is gone)
         self.executor.tell(WorkersDown(self.generation))
         self.scheduler.tell(WorkersLost(self.generation, child.describe_exit()))
-        now = time.monotonic()
-        window = self.config.parallel.worker_restart_window_s
-        self._restarts.append(now)
-        while self._restarts and now - self._restarts[0] > window:
-            self._restarts.popleft()
-        if len(self._restarts) > self.config.parallel.max_worker_restarts:
-            self.node.fatal(f"the worker died {len(self._restarts)} times within {window:g} s; giving up")
+        if not self._restarts.spend():
+            self.node.fatal(f"the worker died {self._restarts.describe()}; giving up")
             return
         asyncio.get_running_loop().create_task(self._restart_worker())
 

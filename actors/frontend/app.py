@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -118,7 +119,17 @@ class OpenAIServer:
             code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
             raise bad_request(str(exc), param, code) from None
         except EngineDeadError as exc:
-            raise server_error(503, f"the engine is not running: {exc}") from None
+            raise unavailable(f"the engine is not running: {exc}", exc.retry_after) from None
         except RemoteError as exc:
+            if exc.error_type == "ActorDied":        # the engine died while admitting it
+                raise unavailable(f"the engine is not running: {exc.message}", None) from None
             log.error("admitting a request failed: %s", exc)
             raise server_error(500, f"the request could not be admitted: {exc.message}") from None
+
+
+def unavailable(message: str, retry_after: float | None) -> ApiError:
+    """503, with ``Retry-After`` (whole seconds) when the engine should be back by then."""
+    err = server_error(503, message)
+    if retry_after is not None:
+        err.response.headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+    return err

@@ -10,7 +10,7 @@ import itertools
 import os
 from typing import Any, AsyncIterator
 
-from actors.detokenizer.actor import Untrack
+from actors.detokenizer.actor import EngineLost, Untrack
 from actors.engine.config import EngineConfig
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.stats import EngineStats
@@ -26,7 +26,12 @@ DEFAULT_STALL_TIMEOUT_S = 600.0
 
 
 class EngineDeadError(RuntimeError):
-    """The engine is gone; no request can be served."""
+    """The engine is gone (for now: ``retry_after`` seconds is when it may be back; None when it
+    will not be); no request can be served."""
+
+    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
 
 
 class EngineClient:
@@ -46,7 +51,8 @@ class EngineClient:
         self.streams = streams
         self.stats = stats
         self.stall_timeout_s = stall_timeout_s
-        self.dead: str | None = None
+        self.dead: str | None = None           # why no request can be served now
+        self.retry_after: float | None = None  # while ``dead``: seconds until it may be back
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}"
 
@@ -65,10 +71,14 @@ class EngineClient:
     def new_request_id(self) -> str:
         return f"req-{self._prefix}-{next(self._ids)}"
 
-    def mark_dead(self, reason: str) -> None:
-        """The engine died: fail every open request now and refuse new ones."""
-        self.dead = reason
-        self.streams.fail_all(reason)
+    def mark_dead(self, reason: str, retry_after: float | None = None) -> None:
+        """The engine died: fail every open request now and refuse new ones (until
+        ``mark_alive``, when it is being restarted)."""
+        self.dead, self.retry_after = reason, retry_after
+        self.detokenizer.tell(EngineLost(reason))
+
+    def mark_alive(self) -> None:
+        self.dead = self.retry_after = None
 
     async def submit(self, params: SamplingParams, *, request_id: str | None = None,
                      prompt: str | None = None,
@@ -81,7 +91,7 @@ class EngineClient:
         """Admit one request. Raises InvalidPrompt (or PromptTooLong) when it is refused and
         EngineDeadError when the engine is gone."""
         if self.dead is not None:
-            raise EngineDeadError(self.dead)
+            raise EngineDeadError(self.dead, self.retry_after)
         rid = request_id or self.new_request_id()
         stream = self.streams.open(rid)
         admit = asyncio.ensure_future(self.tokenizer_actor.ask(Generate(

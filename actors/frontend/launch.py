@@ -1,8 +1,11 @@
 """Starting Troupe: the frontend's actors around an engine core that runs either in its own
 process (with the worker in a third) or in this event loop (offline use and tests), as the
-config's ``parallel.multiprocess`` says."""
+config's ``parallel.multiprocess`` says. An engine process that dies fails what was in flight at
+once and is restarted (within the config's restart budget); meanwhile requests get 503 with
+``Retry-After``."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import tempfile
@@ -19,7 +22,8 @@ from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams
 from actors.kv_manager.actor import KVManagerProtocol
 from actors.runtime import ActorRef, Node
-from actors.runtime.process import ChildProcess, NodeSpec, decode_info, start_child, system_actor
+from actors.runtime.process import (ChildProcess, NodeSpec, RestartBudget, decode_info, start_child,
+                                    system_actor)
 from actors.runtime.system import SYSTEM_ACTOR, GetTrace
 from actors.scheduler.actor import SchedulerProtocol
 from actors.tokenizer.actor import TokenizerActor
@@ -27,6 +31,9 @@ from actors.tokenizer.gguf_tokenizer import TextTokenizer
 from transport.zmq_channel import ZmqTransport, endpoint
 
 log = logging.getLogger("troupe.launch")
+
+READY_TIMEOUT_S = 600.0
+RESTART_RETRY_AFTER_S = 10.0     # what a 503 tells clients while the engine restarts
 
 
 class Frontend:
@@ -39,26 +46,43 @@ class Frontend:
         self.engine_process: ChildProcess | None = None
         self.engine_core: EngineCore | None = None
         self.stopping = False
+        self._restarts: RestartBudget | None = None
 
     def engine_exited(self, child: ChildProcess) -> None:
-        """The engine process is gone: fail what is in flight and stop with a clear message."""
+        """The engine process is gone: fail what is in flight at once, then restart it, or stop
+        with a clear message when it keeps dying."""
         if self.stopping or self.node.closed.done():
             return
         reason = f"the engine core died ({child.describe_exit()})"
-        if self.client is not None:
-            self.client.mark_dead(reason)
-        self.node.fatal(reason, code=1)
+        log.error("%s", reason)
+        if self.client is None:                # died while starting: start() reports it
+            return
+        self.client.mark_dead(reason, RESTART_RETRY_AFTER_S)
+        if not self._restarts.spend():
+            self.node.fatal(f"{reason}; it died {self._restarts.describe()}, giving up", code=1)
+            return
+        asyncio.get_running_loop().create_task(self._restart_engine())
+
+    async def _restart_engine(self) -> None:
+        try:
+            await _start_engine(self, self.client.config, READY_TIMEOUT_S)
+        except Exception as exc:   # whatever went wrong, nothing can be served without an engine
+            self.node.fatal(f"could not restart the engine core: {exc}", code=1)
+            return
+        log.info("engine core restarted (pid %d)", self.engine_process.pid)
+        self.client.mark_alive()
 
     async def trace(self, limit: int = 20000) -> list:
         """The newest trace records of every process (at most ``limit`` each)."""
         chunk = await self.node.ref(SYSTEM_ACTOR).ask(GetTrace(0, limit, recursive=True), timeout=10)
         return chunk.all_records()
 
-    async def start(self, config: EngineConfig, ready_timeout: float = 600.0) -> EngineClient:
+    async def start(self, config: EngineConfig, ready_timeout: float = READY_TIMEOUT_S) -> EngineClient:
         """Load the model (in the engine's and worker's processes when the config is
         multiprocess), then start the tokenizer and detokenizer actors; sets ``client``."""
         source = config.model.source
         tokenizer = TextTokenizer.from_source(source.kind, source.path)
+        self._restarts = RestartBudget(config.parallel.max_restarts, config.parallel.restart_window_s)
         engine = await _start_engine(self, config, ready_timeout)
         config = engine.config                          # resolved by the worker
         streams = OutputStreams()
@@ -87,7 +111,7 @@ class Frontend:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-async def start_frontend(config: EngineConfig, *, ready_timeout: float = 600.0) -> Frontend:
+async def start_frontend(config: EngineConfig, *, ready_timeout: float = READY_TIMEOUT_S) -> Frontend:
     """Start the engine and the frontend actors; returns once the model is loaded."""
     fe = create_frontend(config.parallel.multiprocess)
     try:

@@ -15,6 +15,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections import deque
 from typing import Any, Callable
 
 import msgspec
@@ -42,6 +44,27 @@ class NodeSpec(msgspec.Struct):
 
 class ChildStartError(RuntimeError):
     pass
+
+
+class RestartBudget:
+    """OTP's restart intensity for a supervised child process: at most ``max_restarts``
+    restarts within any ``window_s`` seconds; past that the supervisor gives up."""
+
+    def __init__(self, max_restarts: int, window_s: float) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def spend(self) -> bool:
+        """Count a restart now; False when it is one too many for the window."""
+        now = time.monotonic()
+        self._times.append(now)
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        return len(self._times) <= self.max_restarts
+
+    def describe(self) -> str:
+        return f"{len(self._times)} times within {self.window_s:g} s"
 
 
 class ChildProcess:
