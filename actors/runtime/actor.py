@@ -163,6 +163,8 @@ class ActorCell:
         status = "ok"
         self.links = ()
         try:
+            if self.node.faults.raises:
+                self.node.faults.check_handler(self.name, type(msg).__name__)
             result = await self.actor.receive(msg)
         except Exception as exc:
             status = "error"

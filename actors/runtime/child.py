@@ -8,11 +8,13 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 import msgspec
 
 from actors.runtime.node import Node
-from actors.runtime.process import NodeSpec, system_actor
+from actors.runtime.process import BEAT, NodeSpec, system_actor
 from actors.runtime.system import SYSTEM_ACTOR, NodeReady
 from transport.zmq_channel import ZmqTransport, endpoint
 
@@ -24,8 +26,30 @@ def resolve_entry(path: str):
     return getattr(importlib.import_module(module), func)
 
 
-async def run_child(spec: NodeSpec, death_fd: int) -> int:
+def _heartbeat(fd: int, interval: float, turns: list[int]) -> None:
+    """The heartbeat thread: never waits for the event loop, so a long synchronous step does not
+    silence it; what it reports (loop turns, CPU used) lets the parent tell a step from a hang."""
+    try:
+        while True:
+            os.write(fd, BEAT.pack(turns[0], time.process_time()))
+            time.sleep(interval)
+    except OSError:               # the parent is gone; the death pipe ends this process
+        return
+
+
+def start_heartbeat(loop: asyncio.AbstractEventLoop, fd: int, interval: float) -> None:
+    turns = [0]                   # event-loop turns, counted by a callback the loop runs
+
+    def tick() -> None:
+        turns[0] += 1
+        loop.call_later(interval / 2, tick)
+    tick()
+    threading.Thread(target=_heartbeat, args=(fd, interval, turns), name="heartbeat", daemon=True).start()
+
+
+async def run_child(spec: NodeSpec, death_fd: int, heartbeat_fd: int) -> int:
     loop = asyncio.get_running_loop()
+    start_heartbeat(loop, heartbeat_fd, spec.heartbeat_s)
     node = Node(spec.name, ZmqTransport(endpoint(spec.ipc_dir, spec.name)))
     system_actor(node)
     for peer, address in spec.peers.items():
@@ -54,10 +78,11 @@ async def run_child(spec: NodeSpec, death_fd: int) -> int:
 def main() -> None:
     spec = msgspec.msgpack.decode(base64.b64decode(sys.argv[1]), type=NodeSpec)
     death_fd = int(os.environ.pop("TROUPE_DEATH_FD"))
+    heartbeat_fd = int(os.environ.pop("TROUPE_HEARTBEAT_FD"))
     logging.basicConfig(level=os.environ.get("TROUPE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s")
     import uvloop
-    code = uvloop.run(run_child(spec, death_fd))
+    code = uvloop.run(run_child(spec, death_fd, heartbeat_fd))
     sys.exit(code)
 
 

@@ -15,6 +15,7 @@ import msgspec
 
 from actors.runtime.actor import Actor, ActorCell, OnFailure, ReplyTo
 from actors.runtime.errors import ActorDied, AskTimeout, MessageRejected, RemoteError
+from actors.runtime.faults import Faults
 from actors.runtime.mailbox import Delivery
 from actors.runtime.messages import ErrorReply
 from actors.runtime.ref import ActorRef, DeferredRef, LocalRef, RemoteRef, trace_parent
@@ -60,6 +61,7 @@ class Node:
         self.failure_listeners: list[Callable[[Failure], None]] = []
         self.late_replies = 0
         self.rejected = 0
+        self.faults = Faults()                  # armed only by the tests' fault injection
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
         self._restarts: dict[str, deque[float]] = {}
@@ -143,6 +145,8 @@ class Node:
     def _send(self, peer: str, header: Header, msg: Any) -> None:
         if self.transport is None:
             raise ActorDied(f"node '{self.name}' has no transport to reach node '{peer}'")
+        if self.faults.drop_frames and self.faults.take_drop():
+            return
         frames = self.codec.encode(header, msg)
         try:
             self.transport.send(peer, frames)

@@ -2,9 +2,15 @@
 
 The parent starts a child with ``python -m actors.runtime.child``; the child builds a node,
 runs its entry function, and tells the parent's ``_system`` actor it is ready. The parent
-watches the child's pidfd (death noticed at once), pings it for liveness (a hung child is
+watches the child's pidfd (death noticed at once), reads its heartbeats (a hung child is
 killed), and holds the write end of a death pipe: when the parent dies, the child sees EOF and
 exits. Nothing is left running either way.
+
+Heartbeats come from a thread of the child that never waits for its event loop, over a pipe of
+their own: each says how often the child's event loop has turned and how much CPU the process
+has used. A child is hung when neither moved for ``hung_after_s`` (or no beat came): a long
+synchronous step (a huge prefill, a first CUDA-graph capture, compilation) keeps using CPU, so it
+is not mistaken for a hang.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import base64
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -21,13 +28,15 @@ from typing import Any, Callable
 
 import msgspec
 
-from actors.runtime.errors import ActorDied, AskTimeout
-from actors.runtime.messages import Ping
+from actors.runtime.errors import ActorDied
 from actors.runtime.node import Node
 from actors.runtime.system import SYSTEM_ACTOR, NodeReady, Shutdown, SystemActor
 from transport.zmq_channel import endpoint
 
 log = logging.getLogger("troupe.process")
+
+BEAT = struct.Struct("<Qd")       # a heartbeat: the child's event-loop turns, its process CPU seconds
+PROGRESS_CPU_S = 0.05             # CPU the heartbeat thread alone never uses while the loop is stuck
 
 
 class NodeSpec(msgspec.Struct):
@@ -37,9 +46,8 @@ class NodeSpec(msgspec.Struct):
     ipc_dir: str
     parent: str
     peers: dict[str, str]      # node name -> address, the parent's included
-    heartbeat_s: float = 2.0
-    heartbeat_timeout_s: float = 15.0
-    heartbeat_misses: int = 3
+    heartbeat_s: float = 1.0          # between two beats of the child's heartbeat thread
+    hung_after_s: float = 45.0        # no loop turn, no CPU used, for this long: hung
 
 
 class ChildStartError(RuntimeError):
@@ -68,10 +76,11 @@ class RestartBudget:
 
 
 class ChildProcess:
-    def __init__(self, node: Node, spec: NodeSpec, popen: subprocess.Popen[bytes],
-                 death_pipe: int, on_exit: Callable[[ChildProcess], None] | None) -> None:
+    def __init__(self, node: Node, spec: NodeSpec, popen: subprocess.Popen[bytes], death_pipe: int,
+                 beats: int, on_exit: Callable[[ChildProcess], None] | None) -> None:
         self.node = node
         self._death_pipe = death_pipe  # the child exits when this end closes (we died)
+        self._beats = beats            # read end of the child's heartbeat pipe (non-blocking)
         self.spec = spec
         self.popen = popen
         self.pid = popen.pid
@@ -79,7 +88,10 @@ class ChildProcess:
         self.exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._on_exit = on_exit
         self._pidfd = os.pidfd_open(popen.pid)
-        self._heartbeat: asyncio.Task[None] | None = None
+        self._beat_buf = b""
+        self._progress = (0, 0.0)                  # (loop turns, CPU seconds) at the last progress
+        self._last_progress = time.monotonic()
+        self._watch: asyncio.TimerHandle | None = None
         asyncio.get_running_loop().add_reader(self._pidfd, self._reap)
 
     @property
@@ -101,11 +113,13 @@ class ChildProcess:
     def _reap(self) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._pidfd)
+        loop.remove_reader(self._beats)
         os.close(self._pidfd)
         os.close(self._death_pipe)
+        os.close(self._beats)
         self.returncode = self.popen.wait()
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
         reason = self.describe_exit()
         self.node.peer_down(self.name, reason)
         if not self.exited.done():
@@ -114,26 +128,36 @@ class ChildProcess:
             self._on_exit(self)
 
     def start_heartbeat(self) -> None:
-        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+        """Watch the child's heartbeats from now on (it is ready)."""
+        self._last_progress = time.monotonic()
+        asyncio.get_running_loop().add_reader(self._beats, self._read_beats)
+        self._watch = asyncio.get_running_loop().call_later(self.spec.heartbeat_s, self._check)
 
-    async def _beat(self) -> None:
-        ref = self.node.ref(SYSTEM_ACTOR, self.name)
-        misses = 0
-        while self.returncode is None:
-            await asyncio.sleep(self.spec.heartbeat_s)
-            try:
-                await ref.ask(Ping(), timeout=self.spec.heartbeat_timeout_s)
-                misses = 0
-            except AskTimeout:
-                misses += 1
-                log.warning("process '%s' missed heartbeat %d/%d", self.name, misses,
-                            self.spec.heartbeat_misses)
-                if misses >= self.spec.heartbeat_misses:
-                    log.error("process '%s' is hung; killing it", self.name)
-                    self.kill()
-                    return
-            except ActorDied:
-                return
+    def _read_beats(self) -> None:
+        try:
+            data = os.read(self._beats, 4096)
+        except BlockingIOError:
+            return
+        if not data:                              # the child closed it: it is exiting
+            asyncio.get_running_loop().remove_reader(self._beats)
+            return
+        self._beat_buf += data
+        n = len(self._beat_buf) // BEAT.size
+        for turns, cpu in BEAT.iter_unpack(self._beat_buf[:n * BEAT.size]):
+            if turns != self._progress[0] or cpu - self._progress[1] >= PROGRESS_CPU_S:
+                self._progress, self._last_progress = (turns, cpu), time.monotonic()
+        self._beat_buf = self._beat_buf[n * BEAT.size:]
+
+    def _check(self) -> None:
+        if self.returncode is not None:
+            return
+        stuck = time.monotonic() - self._last_progress
+        if stuck > self.spec.hung_after_s:
+            log.error("process '%s' is hung (no event-loop turn and no CPU used for %.0f s); killing it",
+                      self.name, stuck)
+            self.kill()
+            return
+        self._watch = asyncio.get_running_loop().call_later(self.spec.heartbeat_s, self._check)
 
     def kill(self) -> None:
         if self.returncode is None:
@@ -172,14 +196,19 @@ async def start_child(node: Node, spec: NodeSpec, *, ready_timeout: float = 600.
     waiter = system_actor(node).expect_ready(spec.name)
     node.connect(spec.name, endpoint(spec.ipc_dir, spec.name))
     death_r, death_w = os.pipe()
+    beats_r, beats_w = os.pipe()
     os.set_inheritable(death_r, True)
-    child_env = {**os.environ, **(env or {}), "TROUPE_DEATH_FD": str(death_r)}
+    os.set_inheritable(beats_w, True)
+    os.set_blocking(beats_r, False)
+    child_env = {**os.environ, **(env or {}), "TROUPE_DEATH_FD": str(death_r),
+                 "TROUPE_HEARTBEAT_FD": str(beats_w)}
     popen = subprocess.Popen(
         [sys.executable, "-m", "actors.runtime.child",
          base64.b64encode(msgspec.msgpack.encode(spec)).decode()],
-        pass_fds=(death_r,), env=child_env)
+        pass_fds=(death_r, beats_w), env=child_env)
     os.close(death_r)
-    child = ChildProcess(node, spec, popen, death_w, on_exit)
+    os.close(beats_w)
+    child = ChildProcess(node, spec, popen, death_w, beats_r, on_exit)
     try:
         done, _ = await asyncio.wait({waiter, child.exited}, timeout=ready_timeout,
                                      return_when=asyncio.FIRST_COMPLETED)

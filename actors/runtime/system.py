@@ -9,7 +9,9 @@ from typing import Any, ClassVar
 import msgspec
 
 from actors.runtime.actor import Actor
+from actors.runtime import faults
 from actors.runtime.errors import ActorError
+from actors.runtime.faults import InjectFault
 from actors.runtime.messages import Msg
 from actors.runtime.tracing import SpanRecord
 
@@ -55,7 +57,7 @@ class Shutdown(Msg):
     reason: str = "asked to shut down"
 
 
-SystemProtocol = NodeReady | GetTrace | Shutdown
+SystemProtocol = NodeReady | GetTrace | Shutdown | InjectFault
 
 
 class SystemActor(Actor):
@@ -85,7 +87,26 @@ class SystemActor(Actor):
                     node.fatal(msg.reason, msg.code)
                 elif not node.closed.done():
                     node.closed.set_result(0)
+            case InjectFault():
+                return await self._inject(msg)
         return None
+
+    async def _inject(self, msg: InjectFault) -> bool:
+        """Arm the fault here, or pass it down to the child node it names."""
+        if not faults.enabled():
+            raise ActorError(f"fault injection is off (start with {faults.ENV}=1)")
+        node = self.ctx.node
+        if msg.node in ("", node.name):
+            log.warning("node '%s': injecting fault %s", node.name, msg)
+            if msg.kind == "drop":       # armed once this reply is sent, or it would drop the reply
+                asyncio.get_running_loop().call_soon(node.faults.arm, msg)
+            else:
+                node.faults.arm(msg)
+            return True
+        for child in sorted(self.children):
+            if await node.ref(SYSTEM_ACTOR, child).ask(msg, timeout=msg.seconds + 30.0):
+                return True
+        return False
 
     async def _trace(self, msg: GetTrace) -> TraceChunk:
         node = self.ctx.node

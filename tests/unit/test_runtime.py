@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from actors.runtime import (ActorDied, AskTimeout, MailboxFull, MessageRejected, Node, RemoteError)
+from actors.runtime.faults import InjectFault
 from actors.runtime.process import NodeSpec, decode_info, start_child, system_actor
 from actors.runtime.system import GetTrace
 from actors.runtime.tracing import to_chrome_trace
@@ -153,12 +154,12 @@ def test_large_arrays_travel_as_zero_copy_frames_small_ones_inline():
 
 # -- across processes --------------------------------------------------------------------------
 
-async def _parent_with_child(env):
+async def _parent_with_child(env, **heartbeat):
     ipc_dir = tempfile.mkdtemp(prefix="troupe-test-")
     node = Node("parent", ZmqTransport(endpoint(ipc_dir, "parent")))
     system_actor(node)
     spec = NodeSpec("child", "runtime_fixtures:echo_entry", b"cfg", ipc_dir, "parent",
-                    {"parent": endpoint(ipc_dir, "parent")})
+                    {"parent": endpoint(ipc_dir, "parent")}, **heartbeat)
     child, ready = await start_child(node, spec, ready_timeout=60, env=env)
     return node, child, ready
 
@@ -228,6 +229,71 @@ def test_dead_child_process_detected_within_a_second(child_env):
             await node.stop()
     detected, rc = run_async(main())
     assert detected < 1.0 and rc == -signal.SIGKILL
+
+
+FAST_HEARTBEAT = dict(heartbeat_s=0.2, hung_after_s=2.0)
+
+
+def test_a_long_busy_step_is_not_a_hang_but_a_stalled_idle_child_is_killed(child_env):
+    """The heartbeat comes from a thread of the child: a step that holds the event loop for
+    twice the hang limit while computing is left alone; a loop stuck without using CPU is
+    killed once the limit passes."""
+    async def main():
+        env = {**child_env, "TROUPE_FAULT_INJECTION": "1"}
+        node, child, _ = await _parent_with_child(env, **FAST_HEARTBEAT)
+        try:
+            system = node.ref("_system", "child")
+            await system.ask(InjectFault("stall", seconds=4.0, busy=True), timeout=30)
+            survived = child.returncode is None and await node.ref("echo", "child").ask(Echo("x"), timeout=10)
+            t0 = time.monotonic()
+            with pytest.raises(ActorDied):
+                await system.ask(InjectFault("stall", seconds=30.0, busy=False), timeout=60)
+            return survived, time.monotonic() - t0, child.returncode
+        finally:
+            await child.stop()
+            await node.stop()
+    survived, killed_after, rc = run_async(main())
+    assert survived == Echoed("x", 0)
+    assert 2.0 <= killed_after < 5.0 and rc == -signal.SIGKILL
+
+
+def test_injected_faults_raise_in_a_handler_drop_frames_and_kill_a_process(child_env):
+    async def main():
+        env = {**child_env, "TROUPE_FAULT_INJECTION": "1"}
+        node, child, _ = await _parent_with_child(env)
+        try:
+            system, echo = node.ref("_system", "child"), node.ref("echo", "child")
+            assert await system.ask(InjectFault("raise", actor="echo", message_type="Echo"), timeout=10)
+            with pytest.raises(RemoteError, match="injected fault: echo handling Echo"):
+                await echo.ask(Echo("a"), timeout=10)
+            after_raise = await echo.ask(Echo("b"), timeout=10)          # the actor resumed
+            assert await system.ask(InjectFault("drop", count=1), timeout=10)
+            with pytest.raises(AskTimeout):                              # its reply is lost
+                await echo.ask(Echo("c"), timeout=1.0)
+            after_drop = await echo.ask(Echo("d"), timeout=10)
+            assert not await system.ask(InjectFault("kill", node="nowhere"), timeout=10)
+            with pytest.raises(ActorDied):
+                await system.ask(InjectFault("kill"), timeout=10)
+            await asyncio.wait_for(child.exited, 10)
+            return after_raise, after_drop, child.returncode
+        finally:
+            await child.stop()
+            await node.stop()
+    after_raise, after_drop, rc = run_async(main())
+    assert after_raise == Echoed("b", 0) and after_drop == Echoed("d", 0) and rc == -signal.SIGKILL
+
+
+def test_fault_injection_is_refused_unless_enabled(child_env):
+    async def main():
+        node, child, _ = await _parent_with_child(child_env)
+        try:
+            with pytest.raises(RemoteError, match="fault injection is off"):
+                await node.ref("_system", "child").ask(InjectFault("kill"), timeout=10)
+            return child.returncode
+        finally:
+            await child.stop()
+            await node.stop()
+    assert run_async(main()) is None
 
 
 def test_child_exits_when_parent_dies(child_env, tmp_path):
