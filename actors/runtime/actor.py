@@ -6,7 +6,7 @@ import logging
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
-from actors.runtime.errors import RemoteError
+from actors.runtime.errors import Refusal, RemoteError
 from actors.runtime.mailbox import Delivery, Mailbox
 from actors.runtime.messages import ErrorReply, Ping, Pong, Stop, SystemMessage
 from actors.runtime.tracing import SpanRecord, TraceContext, current_context, now_ns
@@ -166,6 +166,10 @@ class ActorCell:
             if self.node.faults.raises:
                 self.node.faults.check_handler(self.name, type(msg).__name__)
             result = await self.actor.receive(msg)
+        except Refusal as exc:
+            status = "refused"
+            self._reply_error(d, exc)
+            log.info("actor '%s' refused %s: %s", self.name, type(msg).__name__, exc)
         except Exception as exc:
             status = "error"
             self._reply_error(d, exc)

@@ -11,7 +11,13 @@ class MessageRejected(ActorError, TypeError):
 
 
 class MailboxFull(ActorError):
-    """The target's user lane is at capacity and its overflow policy is to fail fast."""
+    """The target's user lane is at capacity: the message is refused at once."""
+
+
+class Refusal(Exception):
+    """Raised by a handler that will not serve a message as asked because of the message (a
+    client's bad input, a request over a limit): the asker gets it as an error reply, and it is
+    logged in one line at INFO; it is not the actor's failure (no traceback, no supervision)."""
 
 
 class AskTimeout(ActorError, TimeoutError):

@@ -2,6 +2,7 @@
 length, registers the request with the Detokenizer and hands it to the engine."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Callable, ClassVar
 
@@ -10,9 +11,12 @@ import msgspec
 from actors.detokenizer.actor import TrackRequest
 from actors.engine.messages import EngineCoreRequest
 from actors.engine.sampling_params import SamplingParams
-from actors.runtime import Actor, ActorRef, Msg
+from actors.runtime import Actor, ActorRef, Msg, Refusal
 from actors.scheduler.actor import AddRequest
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
+
+
+OFF_LOOP_CHARS = 20_000          # longer prompts are tokenized in a thread
 
 
 class PromptAccepted(msgspec.Struct):
@@ -38,7 +42,7 @@ class Generate(Msg):
     add_special_tokens: bool = False       # BOS/EOS around a text prompt, as the GGUF asks
 
 
-class InvalidPrompt(ValueError):
+class InvalidPrompt(ValueError, Refusal):
     """The prompt cannot be served as given (an HTTP 400)."""
 
 
@@ -64,7 +68,10 @@ class TokenizerActor(Actor):
         self.on_prompt_tokens = on_prompt_tokens
 
     async def receive(self, msg: Generate) -> PromptAccepted:
-        ids = self._prompt_ids(msg)
+        chars = self._check_size(msg)
+        # a long text is tokenized in a thread (the tokenizer releases the GIL), so the
+        # frontend's other requests and probes do not wait behind it
+        ids = await asyncio.to_thread(self._prompt_ids, msg) if chars > OFF_LOOP_CHARS else self._prompt_ids(msg)
         n = len(ids)
         if n == 0:
             raise InvalidPrompt("the prompt is empty")
@@ -84,6 +91,19 @@ class TokenizerActor(Actor):
         if self.on_prompt_tokens is not None:
             self.on_prompt_tokens(n)
         return PromptAccepted(n, ids)
+
+    def _check_size(self, msg: Generate) -> int:
+        """The prompt's characters; PromptTooLong at once, before tokenizing, when there are
+        so many that no tokenization could fit the context."""
+        if msg.messages is not None:
+            chars = sum(len(m["content"]) for m in msg.messages if isinstance(m.get("content"), str))
+        else:
+            chars = len(msg.prompt or "")
+        at_least = chars // self.tokenizer.max_token_chars
+        if at_least >= self.max_model_len:
+            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
+                                f"However, your prompt has at least {at_least} tokens ({chars} characters).")
+        return chars
 
     def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
         """Each bad word as token ids, as it reads at the start of the text and after a space

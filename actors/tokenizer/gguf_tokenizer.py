@@ -8,6 +8,8 @@ byte-level BPE ("gpt2") and Gemma's SentencePiece BPE ("llama" in a gemma/gemma2
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 
@@ -248,7 +250,7 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token text (`<|im_start|>`) always maps to its id; `add_special_tokens`
         adds BOS/EOS where the GGUF's add_bos_token/add_eos_token ask for them."""
-        ids = self.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self._ids(text)
         if add_special_tokens:
             ids = self._with_bos(ids)
             if self.add_eos_token and self.eos_token_id is not None:
@@ -293,4 +295,15 @@ class TextTokenizer:
         BOS is prepended only when the GGUF's add_bos_token is set and the template did not write it.
         """
         text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **template_kwargs)
-        return self._with_bos(self.backend_tokenizer.encode(text, add_special_tokens=False).ids)
+        return self._with_bos(self._ids(text))
+
+    def _ids(self, text: str) -> list[int]:
+        # encode_batch releases the GIL (encode does not): from a thread, a long text does not
+        # hold up the event loop; the ids are the same
+        return self.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: a text of n characters has at least
+        n / max_token_chars tokens."""
+        return max(map(len, self.backend_tokenizer.get_vocab(with_added_tokens=True)), default=1)

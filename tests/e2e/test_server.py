@@ -109,6 +109,44 @@ def test_bad_input_gets_openai_shaped_4xx_never_500(server):
         assert err["param"] == param
 
 
+def test_client_errors_are_logged_in_one_line_not_as_server_errors(server):
+    before = len(server.lines)
+    status, body = asyncio.run(_post(server.url, "/v1/completions", {
+        "prompt": "word " * 9000, "max_tokens": 4}))                 # past the 8192-token context
+    assert status == 400 and "maximum context length" in body["error"]["message"], body
+    time.sleep(0.5)
+    logged = server.lines[before:]
+    assert not any("ERROR" in line or "Traceback" in line for line in logged), logged
+    assert sum("refused Generate" in line for line in logged) == 1
+
+
+def test_a_huge_prompt_is_refused_at_once_and_a_long_one_does_not_stall_the_server(server):
+    """A 5 MB prompt cannot fit the context whatever its tokens: 400 before tokenizing. A long
+    prompt is tokenized off the event loop: probes keep answering meanwhile."""
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            t0 = time.monotonic()
+            async with session.post(server.url + "/v1/completions",
+                                    json={"prompt": "word " * 1_000_000, "max_tokens": 1}) as resp:
+                huge = resp.status, await resp.json(), time.monotonic() - t0
+            long_text = " ".join(f"w{i * 7919 % 1_000_003}" for i in range(80_000))   # ~650k characters
+            long = asyncio.ensure_future(session.post(server.url + "/v1/completions",
+                                                      json={"prompt": long_text, "max_tokens": 1}))
+            lags = []
+            while not long.done():
+                t1 = time.monotonic()
+                async with session.get(server.url + "/health") as probe:
+                    assert probe.status == 200
+                lags.append(time.monotonic() - t1)
+                await asyncio.sleep(0.02)
+            async with await long as resp:
+                return huge, (resp.status, await resp.json()), lags
+    (status, body, took), (long_status, long_body), lags = asyncio.run(main())
+    assert status == 400 and "at least" in body["error"]["message"] and took < 1.0, (body, took)
+    assert long_status == 400 and "maximum context length" in long_body["error"]["message"]
+    assert len(lags) >= 5 and max(lags) < 0.25, lags
+
+
 def test_streams_running_when_the_worker_is_killed_are_recomputed_and_complete():
     """SIGKILL of the worker under 20 streaming requests (and 4 more queued behind them): the
     engine restarts the worker, the requests that were running are recomputed from their prompt
