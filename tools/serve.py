@@ -15,6 +15,9 @@ from actors.engine.args import EngineArgs
 
 log = logging.getLogger("troupe.serve")
 
+SERVE_MAX_WAITING_REQUESTS = 256
+SERVE_MAX_WAITING_TOKENS = 262_144      # about two minutes of prefill on a 2-core CPU
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.serve", description=__doc__.splitlines()[0])
@@ -24,7 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lenient", action="store_true",
                    help="accept (and log) unknown request fields instead of answering 400")
     p.add_argument("--log-level", default="INFO")
-    EngineArgs.add_cli_args(p)
+    # a server bounds its queue (the offline API queues whatever it is given)
+    EngineArgs.add_cli_args(p, max_waiting_requests=SERVE_MAX_WAITING_REQUESTS,
+                            max_waiting_tokens=SERVE_MAX_WAITING_TOKENS)
     return p.parse_args(argv)
 
 

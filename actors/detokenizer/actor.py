@@ -11,6 +11,7 @@ from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams, RequestOutput
 from actors.engine.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs
 from actors.engine.sampling_params import SamplingParams
+from actors.frontend.admission import WaitingRequests
 from actors.runtime import Actor, ActorRef, Msg
 from actors.scheduler.actor import AbortRequests
 
@@ -60,8 +61,9 @@ class DetokenizerActor(Actor):
     protocol = DetokenizerProtocol
 
     def __init__(self, tokenizer: Any, streams: OutputStreams, stats: EngineStats,
-                 engine: ActorRef) -> None:
+                 engine: ActorRef, waiting: WaitingRequests) -> None:
         self.tokenizer = tokenizer
+        self.waiting = waiting
         self.streams = streams
         self.stats = stats
         self.engine = engine
@@ -84,12 +86,14 @@ class DetokenizerActor(Actor):
                 self.states[rid] = _State(detok, len(ids), arrival)
             case Untrack(request_ids=ids):
                 for rid in ids:
+                    self.waiting.release(rid)
                     if self.states.pop(rid, None) is not None:
                         self.stats.observe_finished("abort")
             case EngineLost(reason=reason):
                 for _ in self.states:
                     self.stats.observe_finished("error")
                 self.states.clear()
+                self.waiting.release_all()
                 self.streams.fail_all(reason)      # those still being admitted too
 
     def _process(self, o: EngineCoreOutput, now: float) -> bool:
@@ -110,6 +114,7 @@ class DetokenizerActor(Actor):
         finished = finish_reason is not None
         if finished:
             del self.states[o.request_id]
+            self.waiting.release(o.request_id)
             self.stats.observe_finished(finish_reason)
             self.stats.e2e_request_latency.observe(now - st.arrival_time)
         stream = self.streams.get(o.request_id)
@@ -123,6 +128,7 @@ class DetokenizerActor(Actor):
     def _observe_timing(self, st: _State, o: EngineCoreOutput, num_new: int, now: float) -> None:
         if st.queued and o.first_scheduled_time > 0.0:
             st.queued = False
+            self.waiting.release(o.request_id)
             self.stats.request_queue_time.observe(max(o.first_scheduled_time - st.arrival_time, 0.0))
         if num_new == 0:
             return

@@ -31,6 +31,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    max_waiting_requests: int = 0
+    max_waiting_tokens: int = 0
     num_threads: int = 0
     multiprocess: bool = True
     max_restarts: int = 3
@@ -58,7 +60,9 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
-                                      policy=self.scheduling_policy),
+                                      policy=self.scheduling_policy,
+                                      max_waiting_requests=self.max_waiting_requests,
+                                      max_waiting_tokens=self.max_waiting_tokens),
             parallel=ParallelConfig(multiprocess=self.multiprocess, max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads))
@@ -111,6 +115,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
         ("--scheduling-policy", "scheduling_policy", dict(
             default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
             help="'priority': requests' priority field orders the queue (lower first)")),
+        ("--max-waiting-requests", "max_waiting_requests", dict(
+            type=int, default=d["max_waiting_requests"], metavar="N",
+            help="requests queued for the engine beyond which new ones get 503 with Retry-After (0: no bound)")),
+        ("--max-waiting-tokens", "max_waiting_tokens", dict(
+            type=int, default=d["max_waiting_tokens"], metavar="N",
+            help="the same bound on their prompt tokens (0: none)")),
         ("--threads", "num_threads", dict(type=int, default=d["num_threads"], metavar="N",
                                           help="worker compute threads (0: all cores)")),
         ("--seed", "seed", dict(type=int, default=d["seed"])),

@@ -52,6 +52,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     long_prefill_token_threshold: int = 0  # 0 = off
     policy: str = "fcfs"                   # "fcfs" | "priority"
     watermark: float = 0.01                # fraction of blocks kept free when admitting
+    max_waiting_requests: int = 0          # requests queued before new ones get 503; 0: no bound
+    max_waiting_tokens: int = 0            # the same for their prompt tokens
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -128,6 +130,10 @@ def check_config(cfg: EngineConfig) -> None:
             raise ValueError(f"{name} must be at least 1, got {value}")
     if cfg.cache.kv_cache_memory_bytes <= 0:
         raise ValueError(f"the KV cache's memory must be positive, got {cfg.cache.kv_cache_memory_bytes} bytes")
+    for name, value in (("max_waiting_requests", cfg.scheduler.max_waiting_requests),
+                        ("max_waiting_tokens", cfg.scheduler.max_waiting_tokens)):
+        if value < 0:
+            raise ValueError(f"{name} must be at least 0 (0: no bound), got {value}")
     if cfg.model.max_model_len < 0:
         raise ValueError(f"max_model_len must be at least 0 (0: the model's own), got {cfg.model.max_model_len}")
 

@@ -14,6 +14,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from actors.frontend import chat, completions, misc
+from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
 from actors.frontend.errors import ApiError, bad_request, error_response, not_found, server_error
 from actors.frontend.logprobs import TokenText
@@ -118,6 +119,8 @@ class OpenAIServer:
             param = "messages" if kwargs.get("messages") is not None else "prompt"
             code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
             raise bad_request(str(exc), param, code) from None
+        except Overloaded as exc:
+            raise unavailable(str(exc), exc.retry_after) from None
         except EngineDeadError as exc:
             raise unavailable(f"the engine is not running: {exc}", exc.retry_after) from None
         except RemoteError as exc:

@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator
 
 from actors.detokenizer.actor import EngineLost, Untrack
 from actors.engine.config import EngineConfig
+from actors.frontend.admission import Overloaded, WaitingRequests
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStream, OutputStreams, RequestOutput
@@ -40,9 +41,10 @@ class EngineClient:
 
     def __init__(self, config: EngineConfig, tokenizer: TextTokenizer, tokenizer_actor: ActorRef,
                  detokenizer: ActorRef, engine: ActorRef, kv_manager: ActorRef,
-                 streams: OutputStreams, stats: EngineStats,
+                 streams: OutputStreams, stats: EngineStats, waiting: WaitingRequests,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.config = config
+        self.waiting = waiting
         self.tokenizer = tokenizer
         self.tokenizer_actor = tokenizer_actor
         self.detokenizer = detokenizer
@@ -88,10 +90,11 @@ class EngineClient:
                      chat_template_kwargs: dict[str, Any] | None = None,
                      priority: int = 0, arrival_time: float = 0.0,
                      add_special_tokens: bool = False) -> RequestHandle:
-        """Admit one request. Raises InvalidPrompt (or PromptTooLong) when it is refused and
-        EngineDeadError when the engine is gone."""
+        """Admit one request. Raises InvalidPrompt (or PromptTooLong) when it is refused,
+        Overloaded when too many wait already, and EngineDeadError when the engine is gone."""
         if self.dead is not None:
             raise EngineDeadError(self.dead, self.retry_after)
+        self.waiting.check_room()
         rid = request_id or self.new_request_id()
         stream = self.streams.open(rid)
         admit = asyncio.ensure_future(self.tokenizer_actor.ask(Generate(
@@ -131,7 +134,7 @@ class EngineClient:
 
 
 def _refusal(exc: RemoteError) -> Exception:
-    kinds = {"PromptTooLong": PromptTooLong, "InvalidPrompt": InvalidPrompt}
+    kinds = {"PromptTooLong": PromptTooLong, "InvalidPrompt": InvalidPrompt, "Overloaded": Overloaded}
     cls = kinds.get(exc.error_type)
     return cls(exc.message) if cls is not None else exc
 

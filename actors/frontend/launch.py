@@ -17,6 +17,7 @@ from actors import topology
 from actors.detokenizer.actor import DetokenizerActor
 from actors.engine.config import EngineConfig
 from actors.engine.core import EngineCore
+from actors.frontend.admission import WaitingRequests
 from actors.frontend.client import EngineClient
 from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams
@@ -87,17 +88,18 @@ class Frontend:
         config = engine.config                          # resolved by the worker
         streams = OutputStreams()
         stats = EngineStats(model=config.model.served_model_name)
+        waiting = WaitingRequests(config.scheduler.max_waiting_requests, config.scheduler.max_waiting_tokens)
         detok = self.node.spawn(topology.DETOKENIZER, lambda: DetokenizerActor(
-            tokenizer, streams, stats, engine.scheduler))
+            tokenizer, streams, stats, engine.scheduler, waiting))
 
         def count_prompt_tokens(n: int) -> None:
             stats.prompt_tokens += n
 
         tok = self.node.spawn(topology.TOKENIZER, lambda: TokenizerActor(
             tokenizer, config.model.max_model_len, list(config.model.arch.eos_token_ids), detok,
-            engine.scheduler, count_prompt_tokens))
+            engine.scheduler, waiting, count_prompt_tokens))
         self.client = EngineClient(config, tokenizer, tok, detok, engine.scheduler, engine.kv_manager,
-                                   streams, stats)
+                                   streams, stats, waiting)
         return self.client
 
     async def shutdown(self) -> None:

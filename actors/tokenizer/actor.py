@@ -11,6 +11,7 @@ import msgspec
 from actors.detokenizer.actor import TrackRequest
 from actors.engine.messages import EngineCoreRequest
 from actors.engine.sampling_params import SamplingParams
+from actors.frontend.admission import WaitingRequests
 from actors.runtime import Actor, ActorRef, Msg, Refusal
 from actors.scheduler.actor import AddRequest
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
@@ -58,9 +59,10 @@ class TokenizerActor(Actor):
     concurrent = True            # stateless: requests need not queue behind each other
 
     def __init__(self, tokenizer: TextTokenizer, max_model_len: int, eos_token_ids: list[int],
-                 detokenizer: ActorRef, engine: ActorRef,
+                 detokenizer: ActorRef, engine: ActorRef, waiting: WaitingRequests,
                  on_prompt_tokens: Callable[[int], None] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.waiting = waiting
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.detokenizer = detokenizer
@@ -84,6 +86,7 @@ class TokenizerActor(Actor):
                                 f"However, you requested {n + params.max_tokens} tokens ({n} in the "
                                 f"prompt, {params.max_tokens} for the completion). Please reduce the "
                                 f"prompt or max_tokens.")
+        self.waiting.admit(msg.request_id, n)               # Overloaded: the queue is full
         arrival = msg.arrival_time or time.time()
         self.detokenizer.tell(TrackRequest(msg.request_id, ids, params, arrival))
         self.engine.tell(AddRequest(EngineCoreRequest(
