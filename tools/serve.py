@@ -1,7 +1,9 @@
 """``python -m tools.serve``: the OpenAI-compatible server on the default (or given) model.
 
 Three processes: this one (HTTP frontend, tokenizer, detokenizer), the engine core
-(scheduler, KV manager, executor) and the worker (model runner). Ctrl-C stops all three."""
+(scheduler, KV manager, executor) and the worker (model runner). Ctrl-C or SIGTERM stops taking
+requests, lets the running ones finish (``--shutdown-timeout``) and stops all three; a second
+one stops at once."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +11,8 @@ import asyncio
 import logging
 import signal
 import sys
+import time
+from typing import Any
 
 from actors import topology
 from actors.engine.args import EngineArgs
@@ -26,6 +30,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--lenient", action="store_true",
                    help="accept (and log) unknown request fields instead of answering 400")
+    p.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="abort a request (freeing its KV cache) that has not finished this long after "
+                        "it arrived; 0: no limit (a request may set its own, request_timeout)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, stop taking requests and let running ones finish this long, "
+                        "then abort the rest")
     p.add_argument("--log-level", default="INFO")
     # a server bounds its queue (the offline API queues whatever it is given)
     EngineArgs.add_cli_args(p, max_waiting_requests=SERVE_MAX_WAITING_REQUESTS,
@@ -40,10 +50,17 @@ async def serve(args: argparse.Namespace) -> int:
     from actors.frontend.launch import create_frontend
     fe = create_frontend(multiprocess=True)
     loop = asyncio.get_running_loop()
+    stop_asked = asyncio.Event()
+
+    def on_signal() -> None:
+        """The first signal drains (once serving), the next stops at once."""
+        if stop_asked.is_set() or fe.client is None:
+            fe.node.closed.done() or fe.node.closed.set_result(0)
+        stop_asked.set()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: fe.node.closed.done() or fe.node.closed.set_result(0))
+        loop.add_signal_handler(sig, on_signal)
     try:
-        server = OpenAIServer(options=ServerOptions(args.api_key, args.lenient),
+        server = OpenAIServer(options=ServerOptions(args.api_key, args.lenient, args.request_timeout),
                               trace=fe.trace)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())
@@ -58,13 +75,33 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("serving %s on http://%s:%d (engine pid %d)", fe.client.model_name, addr.host,
                  addr.port, fe.engine_process.pid)
         print(f"Troupe ready on http://{addr.host}:{addr.port}", flush=True)
+        draining = asyncio.ensure_future(drain(stop_asked, fe, args.shutdown_timeout))
         code = await fe.node.closed
+        draining.cancel()
         if code:
             await asyncio.sleep(1.0)   # let error responses reach their clients
             log.error("shutting down with exit code %d", code)
         return code
     finally:
         await fe.shutdown()
+
+
+async def drain(stop_asked: asyncio.Event, fe: Any, timeout: float) -> None:
+    """Once a stop is asked: take no new request (503), let the running ones finish for up to
+    ``timeout`` seconds, fail the rest with a clear error, then stop the node (exit code 0)."""
+    await stop_asked.wait()
+    client = fe.client
+    log.info("stopping: no new requests; %d running get up to %g s to finish", client.num_open, timeout)
+    client.drain("the server is shutting down")
+    deadline = time.monotonic() + timeout
+    while client.num_open and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if client.num_open:
+        log.warning("stopping: %d requests did not finish within %g s; they end with an error",
+                    client.num_open, timeout)
+        client.mark_dead(f"the server shut down before the request finished (--shutdown-timeout {timeout:g})")
+        await asyncio.sleep(1.0)            # let their errors reach their clients
+    fe.node.closed.done() or fe.node.closed.set_result(0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ MAX_BODY_BYTES = 8 << 20
 class ServerOptions:
     api_key: str | None = None             # required as a Bearer token on /v1/*
     lenient: bool = False                  # drop (and log) unknown request fields instead of a 400
+    request_timeout: float = 0.0           # seconds a request may take before it is aborted; 0: none
     max_body_bytes: int = MAX_BODY_BYTES
 
 
@@ -112,7 +113,10 @@ class OpenAIServer:
         return req
 
     async def submit(self, params: Any, **kwargs: Any) -> RequestHandle:
-        """Admit one engine request, mapping refusals to OpenAI errors."""
+        """Admit one engine request, mapping refusals to OpenAI errors. Without a timeout of
+        its own, a request gets the server's (``--request-timeout``)."""
+        if kwargs.get("timeout_s") is None:
+            kwargs["timeout_s"] = self.options.request_timeout or None
         try:
             return await self.engine().submit(params, **kwargs)
         except InvalidPrompt as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from typing import Any, AsyncIterator
 
 from actors.detokenizer.actor import EngineLost, Untrack
@@ -15,7 +16,7 @@ from actors.engine.config import EngineConfig
 from actors.frontend.admission import Overloaded, WaitingRequests
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.stats import EngineStats
-from actors.frontend.streams import OutputStream, OutputStreams, RequestOutput
+from actors.frontend.streams import OutputStream, OutputStreams, RequestOutput, StreamTimeout
 from actors.kv_manager.actor import ResetPrefixCache
 from actors.runtime import ActorRef, RemoteError
 from actors.scheduler.actor import AbortRequests
@@ -55,6 +56,7 @@ class EngineClient:
         self.stall_timeout_s = stall_timeout_s
         self.dead: str | None = None           # why no request can be served now
         self.retry_after: float | None = None  # while ``dead``: seconds until it may be back
+        self.draining: str | None = None       # why no new request is taken (running ones finish)
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}"
 
@@ -82,6 +84,15 @@ class EngineClient:
     def mark_alive(self) -> None:
         self.dead = self.retry_after = None
 
+    def drain(self, reason: str) -> None:
+        """Take no new request (``reason``); those admitted go on to the end."""
+        self.draining = reason
+
+    @property
+    def num_open(self) -> int:
+        """Requests admitted or being admitted, not yet closed."""
+        return len(self.streams)
+
     async def submit(self, params: SamplingParams, *, request_id: str | None = None,
                      prompt: str | None = None,
                      prompt_token_ids: list[int] | None = None,
@@ -89,11 +100,16 @@ class EngineClient:
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      chat_template_kwargs: dict[str, Any] | None = None,
                      priority: int = 0, arrival_time: float = 0.0,
-                     add_special_tokens: bool = False) -> RequestHandle:
-        """Admit one request. Raises InvalidPrompt (or PromptTooLong) when it is refused,
-        Overloaded when too many wait already, and EngineDeadError when the engine is gone."""
+                     add_special_tokens: bool = False, timeout_s: float | None = None) -> RequestHandle:
+        """Admit one request; ``timeout_s``: it is aborted (its KV freed) if it has not finished
+        that long after now. Raises InvalidPrompt (or PromptTooLong) when it is refused,
+        Overloaded when too many wait already, and EngineDeadError when the engine is gone or
+        the server is shutting down."""
         if self.dead is not None:
             raise EngineDeadError(self.dead, self.retry_after)
+        if self.draining is not None:
+            raise EngineDeadError(self.draining)
+        deadline = time.monotonic() + timeout_s if timeout_s else None
         self.waiting.check_room()
         rid = request_id or self.new_request_id()
         stream = self.streams.open(rid)
@@ -113,7 +129,8 @@ class EngineClient:
             admit.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
                                     or self.abort([rid]))
             raise
-        return RequestHandle(self, rid, stream, accepted.num_prompt_tokens, accepted.prompt_token_ids)
+        return RequestHandle(self, rid, stream, accepted.num_prompt_tokens, accepted.prompt_token_ids,
+                             deadline, timeout_s)
 
     async def generate(self, params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Submit, then yield outputs until the request finishes (the last has ``finished``)."""
@@ -139,17 +156,25 @@ def _refusal(exc: RemoteError) -> Exception:
     return cls(exc.message) if cls is not None else exc
 
 
+class RequestTimedOut(StreamTimeout):
+    """The request did not finish within its timeout (it is aborted)."""
+
+
 class RequestHandle:
     """An admitted request: iterate it for outputs; ``close`` it when done. Closing before it
-    finished aborts it in the engine (its KV blocks are freed)."""
+    finished aborts it in the engine (its KV blocks are freed). Past ``deadline`` (monotonic
+    seconds) iterating raises RequestTimedOut."""
 
     def __init__(self, client: EngineClient, request_id: str, stream: OutputStream,
-                 num_prompt_tokens: int, prompt_token_ids: list[int] | None = None) -> None:
+                 num_prompt_tokens: int, prompt_token_ids: list[int] | None = None,
+                 deadline: float | None = None, timeout_s: float | None = None) -> None:
         self.client = client
         self.request_id = request_id
         self.stream = stream
         self.num_prompt_tokens = num_prompt_tokens
         self.prompt_token_ids = prompt_token_ids or []
+        self.deadline = deadline
+        self.timeout_s = timeout_s
         self.finished = False
         self._closed = False
 
@@ -159,7 +184,16 @@ class RequestHandle:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        out = await self.stream.get(self.client.stall_timeout_s)
+        wait = self.client.stall_timeout_s
+        if self.deadline is not None:
+            wait = min(wait, max(self.deadline - time.monotonic(), 0.0))
+        try:
+            out = await self.stream.get(wait)
+        except StreamTimeout:
+            if self.deadline is not None and time.monotonic() >= self.deadline - 1e-3:
+                raise RequestTimedOut(f"the request did not finish within its timeout of "
+                                      f"{self.timeout_s:g} s") from None
+            raise
         self.finished = out.finished
         return out
 
