@@ -4,7 +4,7 @@ and the log-probs of sampled and prompt tokens.
 The chain, in vLLM's order (the order is the semantics: each step sees what the ones before left):
 
     logits (B, V) any float dtype
-      1) raw log-probs snapshot          only when log-probs are requested in "raw" mode
+      1) raw snapshot                    only when log-probs are requested in a "raw_*" mode
       2) upcast to float32               one owned copy; the caller's logits are never written
       3) grammar bitmask                 structured output: the tokens the grammar allows
                                          (after the snapshot: raw log-probs ignore the grammar)
@@ -28,10 +28,11 @@ on the torch path unless two candidates tie to float rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
+from actors.engine.sampling_params import LOGPROBS_MODES, LogprobsMode
 from kernels.cpu.native import argmax_rows
 from kernels.triton import fused as triton_fused
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from actors.engine.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5   # temperature below this is greedy
-LogprobsMode = Literal["raw", "processed"]
+
 
 
 class LogprobsTensors(NamedTuple):
@@ -91,7 +92,7 @@ class SamplingMetadata:
     logit_bias: tuple[RowTokens, torch.Tensor] | None   # cells and their (N,) float32 biases
     penalties: Penalties | None
     max_num_logprobs: int | None              # k for every row; -1 = whole vocab; None = no log-probs
-    logprobs_mode: LogprobsMode               # "raw": before any processing; "processed": as sampled
+    logprobs_mode: LogprobsMode               # what the returned log-probs are (LOGPROBS_MODES)
 
     @property
     def no_logits_processors(self) -> bool:
@@ -118,7 +119,7 @@ class SamplingMetadata:
         bad_words_token_ids: Sequence[Sequence[Sequence[int]] | None] | None = None,
         grammar_bitmask: torch.Tensor | None = None,
         max_num_logprobs: int | None = None,
-        logprobs_mode: LogprobsMode = "raw",
+        logprobs_mode: LogprobsMode = "raw_logprobs",
         device: torch.device | str = "cpu",
     ) -> "SamplingMetadata":
         """Every list has one entry per row; None means no row uses that parameter.
@@ -133,8 +134,8 @@ class SamplingMetadata:
             greedy, row(name, values) or [default] * B)]
         top_p, top_k, min_p = off("top_p", top_p, 1.0), off("top_k", top_k, 0), off("min_p", min_p, 0.0)
         gens = row("generators", generators) or []
-        if logprobs_mode not in ("raw", "processed"):
-            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         if max_num_logprobs is not None and max_num_logprobs < -1:
             raise ValueError(f"max_num_logprobs must be >= -1 or None, got {max_num_logprobs}")
         _check_bitmask(grammar_bitmask, B)
@@ -176,6 +177,7 @@ class SamplingMetadata:
                     eos_token_ids: Sequence[int],
                     output_token_ids: Callable[[], list[list[int]]],
                     prompt_token_ids: Callable[[], list[list[int]]],
+                    logprobs_mode: LogprobsMode = "raw_logprobs",
                     device: torch.device | str = "cpu") -> SamplingMetadata:
         """The metadata of a batch whose row i samples with ``params[i]``. The token lists are
         asked for only when some row's parameters read them."""
@@ -194,7 +196,7 @@ class SamplingMetadata:
             eos_token_ids=[[] if p.ignore_eos else eos for p in ps],
             logit_bias=[p.logit_bias for p in ps], allowed_token_ids=[p.allowed_token_ids for p in ps],
             bad_words_token_ids=[p.bad_words_token_ids or None for p in ps],
-            max_num_logprobs=max(want) if want else None, device=device)
+            max_num_logprobs=max(want) if want else None, logprobs_mode=logprobs_mode, device=device)
 
 
 # -- metadata construction: per-row Python here, once per step, only for parameters in use ---------
@@ -409,8 +411,8 @@ class Sampler:
         # logits (B, V) in any float dtype; never written
         want_logprobs = meta.max_num_logprobs is not None
         # 1) the raw snapshot: the model's own distribution, before penalties and temperature
-        raw = logits.log_softmax(-1, dtype=torch.float32) if (
-            want_logprobs and meta.logprobs_mode == "raw") else None
+        raw = _values(logits, meta.logprobs_mode) if (
+            want_logprobs and meta.logprobs_mode.startswith("raw")) else None
         # 2) upcast into an owned copy, unless nothing below writes
         logits = logits.to(torch.float32, copy=not (meta.all_greedy and meta.no_logits_processors))
         # 3-8) processors that may change the argmax
@@ -424,10 +426,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
                want_processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> sampled (B,) int64 and, if asked, the log-probs (B, V) of the distribution drawn from
-        (greedy rows: temperature 1 and no truncation)."""
+        """-> sampled (B,) int64 and, if asked, the log-probs (or logits, as ``logprobs_mode``
+        says) (B, V) of the distribution drawn from (greedy rows: temperature 1, no truncation)."""
         if meta.all_greedy:
-            return argmax_rows(logits), logits.log_softmax(dim=-1) if want_processed else None
+            return argmax_rows(logits), _values(logits, meta.logprobs_mode) if want_processed else None
         is_greedy = meta.temperature < _SAMPLING_EPS                      # (B,)
         if meta.no_min_p and not want_processed and triton_fused.supports(logits, meta.temperature):
             # one kernel: greedy rows, then temperature, top-k, top-p and the race, no sort
@@ -442,12 +444,19 @@ class Sampler:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         elif not meta.no_top_k:
             apply_top_k_only(logits, meta.top_k, meta.max_top_k)
-        processed = logits.log_softmax(dim=-1) if want_processed else None
+        processed = _values(logits, meta.logprobs_mode) if want_processed else None
         probs = logits.softmax(dim=-1)                                    # (B, V)
         sampled = argmax_rows(probs.div_(exponential_noise(probs, meta.generators)))
         if meta.all_random:
             return sampled, processed
         return torch.where(is_greedy, greedy, sampled), processed
+
+
+def _values(logits: torch.Tensor, mode: str) -> torch.Tensor:
+    """(B, V) float32: the log-probs of ``logits``, or (``*_logits`` modes) a copy of them."""
+    if mode.endswith("logits"):
+        return logits.to(torch.float32, copy=True)
+    return logits.log_softmax(-1, dtype=torch.float32)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:

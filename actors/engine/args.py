@@ -11,6 +11,7 @@ from typing import Any
 from actors.engine.config import (DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
                                   SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
                                   ModelConfig, ParallelConfig, SchedulerConfig)
+from actors.engine.sampling_params import LOGPROBS_MODES
 from models.resolve import resolve_model
 
 
@@ -21,6 +22,7 @@ class EngineArgs:
     device: str = "auto"
     enforce_eager: bool = False
     quantization: str | None = None
+    logprobs_mode: str = "raw_logprobs"
     seed: int = 0
     max_model_len: int = 0
     block_size: int = 16
@@ -53,7 +55,8 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(source=resolve_model(self.model), dtype=self.dtype,
                               quantization=self.quantization, max_model_len=self.max_model_len,
-                              seed=self.seed, enforce_eager=self.enforce_eager),
+                              seed=self.seed, enforce_eager=self.enforce_eager,
+                              logprobs_mode=self.logprobs_mode),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
                               cache_dtype=self.kv_cache_dtype,
                               enable_prefix_caching=self.enable_prefix_caching),
@@ -101,6 +104,10 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
             help="'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively with float32 activations "
                  "(same weights, faster decoding); 'gguf-i8': Q4_1 layers also take int8 activations in "
                  "two parts (AVX512-VNNI; faster prefill, rare token changes)")),
+        ("--logprobs-mode", "logprobs_mode", dict(
+            default=d["logprobs_mode"], choices=LOGPROBS_MODES,
+            help="what returned log-probs are: the model's own (raw_*) or those sampled from, after "
+                 "penalties, temperature and truncation (processed_*); log-probs or logits")),
         ("--kv-cache-gib", "kv_cache_bytes", dict(type=_positive(float), default=d["kv_cache_bytes"] / 2**30,
                                                   metavar="GIB", help="memory for the KV cache")),
         ("--kv-cache-dtype", "kv_cache_dtype", dict(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from actors.engine.sampling_params import LOGPROBS_MODES
 from actors.kv_manager.kv_cache_spec import model_kv_cache_specs, num_blocks_for
 from models.config import ArchConfig
 from models.resolve import ModelSource
@@ -31,6 +32,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 0                 # 0: the model's own, capped by the KV cache
     seed: int = 0
     enforce_eager: bool = False            # CUDA: no graph capture, every step eager
+    logprobs_mode: str = "raw_logprobs"    # what returned log-probs are (LOGPROBS_MODES)
     arch: ArchConfig | None = None         # the checkpoint's architecture, once resolved
 
     @property
@@ -121,6 +123,7 @@ def check_config(cfg: EngineConfig) -> None:
     _one_of("dtype", cfg.model.dtype, DTYPES)
     _one_of("kv_cache_dtype", cfg.cache.cache_dtype, KV_CACHE_DTYPES)
     _one_of("scheduling_policy", cfg.scheduler.policy, SCHEDULING_POLICIES)
+    _one_of("logprobs_mode", cfg.model.logprobs_mode, LOGPROBS_MODES)
     if cfg.model.quantization is not None:
         _one_of("quantization", cfg.model.quantization, QUANTIZATIONS)
     for name, value in (("block_size", cfg.cache.block_size),

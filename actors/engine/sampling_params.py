@@ -4,7 +4,15 @@ API) through the tokenizer, the scheduler and the worker to the sampler
 (``SamplingMetadata.from_params``). Names and meanings are vLLM's."""
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+# vLLM's --logprobs-mode: what the log-probs a request asks for are. "raw_*": the model's own
+# distribution, before any processor; "processed_*": the one sampled from (after penalties,
+# temperature, truncation); "*_logits": the values before the softmax.
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):

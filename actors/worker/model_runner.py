@@ -165,7 +165,8 @@ class ModelRunner:
         meta = SamplingMetadata.from_params(
             params, [s.generator for s in states], eos_token_ids=self.arch.eos_token_ids,
             output_token_ids=lambda: [b.output_token_ids(i) for i in rows],
-            prompt_token_ids=lambda: [b.prompt_token_ids(i) for i in rows], device=self.device)
+            prompt_token_ids=lambda: [b.prompt_token_ids(i) for i in rows],
+            logprobs_mode=self.config.model.logprobs_mode, device=self.device)
         reusable = not SamplingMetadata.reads_output_tokens(params)
         self._meta_cache = (key, meta, states) if reusable else None   # states held: ids stay theirs
         return meta

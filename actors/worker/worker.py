@@ -15,10 +15,11 @@ from actors.engine.config import EngineConfig
 from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
 from actors.worker.cuda_graphs import capture_sizes
 from actors.worker.model_runner import ModelRunner, torch_dtype
+from kernels.attention.selector import select_backend
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
 from models.quant import quantize
-from models.registry import Checkpoint, build_model, open_checkpoint
+from models.registry import Checkpoint, attention_requirements, build_model, open_checkpoint
 
 log = logging.getLogger("troupe.worker")
 
@@ -34,6 +35,9 @@ class Worker:
         torch.set_num_threads(self.config.device.num_threads)
         torch.manual_seed(self.config.model.seed)
         self.device = torch.device(self.config.device.device)
+        self.attn_backend = select_backend(attention_requirements(
+            ckpt.config, torch_dtype(self.config.model.dtype), self.config.cache.block_size, self.device.type,
+            torch_dtype(self.config.cache.cache_dtype)))
         self.model = self._load(ckpt)
         self.runner: ModelRunner | None = None         # until init_kv_cache
         log.info("model %s loaded on %s (%s) in %.1f s", source.served_name, self.device.type,
@@ -41,8 +45,8 @@ class Worker:
 
     def _load(self, ckpt: Checkpoint) -> torch.nn.Module:
         cfg = self.config
-        model = build_model(ckpt, torch_dtype(cfg.model.dtype), block_size=cfg.cache.block_size,
-                            device=self.device.type, kv_cache_dtype=torch_dtype(cfg.cache.cache_dtype))
+        model = build_model(ckpt, torch_dtype(cfg.model.dtype), self.attn_backend, cfg.cache.block_size,
+                            self.device.type, torch_dtype(cfg.cache.cache_dtype))
         if cfg.model.quantization:
             quantize(model, cfg.model.quantization, cfg.model.source.path)
         if self.device.type == "cpu":        # linear layers packed once for the native kernels
@@ -53,14 +57,24 @@ class Worker:
     def init_kv_cache(self) -> int:
         """Allocate the KV cache (and on CUDA capture the decode graphs); returns its bytes."""
         cfg = self.config
-        sizes = (capture_sizes(cfg.scheduler.max_num_seqs)
-                 if self.device.type == "cuda" and not cfg.model.enforce_eager else None)
+        sizes = capture_sizes(cfg.scheduler.max_num_seqs) if self._captures_graphs() else None
         self.runner = ModelRunner(self.model, cfg, sizes)
         if sizes:
             seconds = self.runner.capture_cudagraphs()
             log.info("captured %d CUDA graphs (decode batches of %s requests) in %.1f s",
                      len(sizes), ", ".join(map(str, sizes)), seconds)
         return sum(t.numel() * t.element_size() for t in self.runner.kv_caches)
+
+    def _captures_graphs(self) -> bool:
+        """CUDA graphs of decode steps: on CUDA, unless eager is enforced or the attention
+        backend cannot run inside a graph."""
+        if self.device.type != "cuda" or self.config.model.enforce_eager:
+            return False
+        if self.attn_backend.cudagraph_support == "never":
+            log.warning("attention backend %s cannot run in CUDA graphs: every step runs eagerly",
+                        self.attn_backend.name)
+            return False
+        return True
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner is None:

@@ -144,7 +144,7 @@ def test_sampler_draws_through_the_kernel_only_when_it_can(triton_on_cpu, monkey
     assert got[0] == logits[0].argmax() and got[5] == logits[5].argmax()
     monkeypatch.setattr(triton_fused, "ON_CPU", True)
     Sampler()(logits, SamplingMetadata.from_lists(generators=gens(), min_p=[0.0, 0.1, 0, 0, 0, 0], **kw))
-    Sampler()(logits, SamplingMetadata.from_lists(generators=gens(), max_num_logprobs=2, logprobs_mode="processed",
+    Sampler()(logits, SamplingMetadata.from_lists(generators=gens(), max_num_logprobs=2, logprobs_mode="processed_logprobs",
                                                   **kw))
     assert calls["sample"] == 1
 

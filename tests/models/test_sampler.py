@@ -27,7 +27,7 @@ def _processed(logits: torch.Tensor, **kw) -> torch.Tensor:
 
 def _processed_logprobs(logits: torch.Tensor, temperature: list[float], **kw) -> torch.Tensor:
     """The whole chain, read back through 'processed' log-probs over the whole vocab: (B, V)."""
-    meta = SamplingMetadata.from_lists(temperature, max_num_logprobs=-1, logprobs_mode="processed", **kw)
+    meta = SamplingMetadata.from_lists(temperature, max_num_logprobs=-1, logprobs_mode="processed_logprobs", **kw)
     lp = Sampler()(logits, meta).logprobs
     return torch.empty_like(logits).scatter_(1, lp.token_ids[:, 1:], lp.logprobs[:, 1:])
 
@@ -379,7 +379,7 @@ def test_processed_logprobs_and_widths():
     temperature, kw = [0.5, 0.0, 1.0, 2.0], dict(top_k=[0, 0, 5, 0], presence_penalty=[1.0] * 4,
                                                   output_token_ids=[[1], [2], [3], [4]])
     out = Sampler()(logits, SamplingMetadata.from_lists(temperature, max_num_logprobs=3,
-                                                        logprobs_mode="processed", **kw))
+                                                        logprobs_mode="processed_logprobs", **kw))
     reference = _processed_logprobs(logits, temperature, **kw)
     _check_logprobs(out.logprobs, reference, out.sampled_token_ids, 3)
     assert (out.logprobs.ranks[2] <= 5) and out.logprobs.ranks[1] == 1
@@ -388,6 +388,20 @@ def test_processed_logprobs_and_widths():
     full = Sampler()(logits, SamplingMetadata.from_lists(temperature, max_num_logprobs=-1)).logprobs
     assert full.token_ids.shape == (4, 31)
     assert Sampler()(logits, SamplingMetadata.from_lists(temperature)).logprobs is None
+
+
+def test_logits_modes_return_the_values_before_the_softmax():
+    logits = _logits(3, seed=18, vocab=30)
+    temperature, kw = [0.0, 1.0, 0.5], dict(logit_bias=[{2: 3.0}] * 3)
+    raw = Sampler()(logits, SamplingMetadata.from_lists(temperature, max_num_logprobs=2,
+                                                        logprobs_mode="raw_logits", **kw)).logprobs
+    torch.testing.assert_close(raw.logprobs[:, 0], logits.gather(1, raw.token_ids[:, :1])[:, 0])
+    processed = Sampler()(logits, SamplingMetadata.from_lists(temperature, max_num_logprobs=2,
+                                                              logprobs_mode="processed_logits", **kw)).logprobs
+    reference = _processed_logprobs(logits, temperature, **kw)       # log-softmax of the processed logits
+    want = reference.gather(1, processed.token_ids)                   # logits and log-probs differ by a
+    got = processed.logprobs                                          # constant per row: compare gaps
+    torch.testing.assert_close(got - got[:, :1], want - want[:, :1])
 
 
 def test_prompt_logprobs():
