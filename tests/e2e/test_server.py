@@ -148,19 +148,19 @@ def test_a_huge_prompt_is_refused_at_once_and_a_long_one_does_not_stall_the_serv
 
 
 def test_streams_running_when_the_worker_is_killed_are_recomputed_and_complete():
-    """SIGKILL of the worker under 20 streaming requests (and 4 more queued behind them): the
-    engine restarts the worker, the requests that were running are recomputed from their prompt
-    and the tokens they already streamed, every stream completes, nothing hangs, and a new
-    request is served within 30 s of the kill."""
-    s = Server("--max-num-seqs", "20")
+    """SIGKILL of the worker under 20 streaming requests (16 running, 4 queued): the engine
+    restarts the worker, the requests that were running are recomputed from their prompt and the
+    tokens they already streamed, every stream completes, nothing hangs, and a new request is
+    served within 30 s of the kill."""
+    s = Server("--max-num-seqs", "16")
     try:
         async def main():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as session:
                 body = {"max_tokens": 40, "ignore_eos": True, "temperature": 0,
                         "stream_options": {"include_usage": True}}
                 streams = [asyncio.ensure_future(_stream(session, s.url, "/v1/completions",
-                                                         {**body, "prompt": f"Story {i}:"})) for i in range(24)]
-                await asyncio.sleep(3.0)   # 20 are running by now, 4 wait
+                                                         {**body, "prompt": f"Story {i}:"})) for i in range(20)]
+                await asyncio.sleep(3.0)   # 16 are running by now, 4 wait
                 worker = s.worker_pid()
                 killed_at = time.monotonic()
                 os.kill(worker, signal.SIGKILL)
@@ -175,6 +175,7 @@ def test_streams_running_when_the_worker_is_killed_are_recomputed_and_complete()
             assert events[-1]["usage"]["completion_tokens"] == 40
             finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
             assert finish == ["length"]
+        print(f"\nworker killed under 20 streams: all completed; a new request served {served_in:.1f} s after the kill")
         assert status == 200 and after["choices"][0]["text"] and served_in < 30.0
         assert s.worker_pid() != worker and s.proc.poll() is None
         assert "worker restarted (generation 1)" in s.log()
@@ -208,12 +209,15 @@ def test_killed_engine_fails_inflight_requests_within_5s_and_is_restarted():
                     async with session.post(s.url + "/v1/completions", json={
                             "prompt": "After the restart,", "max_tokens": 8}) as resp:
                         if resp.status == 200:
-                            return engine, killed_at, results, stream_lines, refusals, await resp.json()
+                            recovered_in = time.monotonic() - killed_at
+                            return engine, killed_at, results, stream_lines, refusals, await resp.json(), recovered_in
                         refusals.append((resp.status, resp.headers.get("Retry-After"), await resp.json()))
                     if time.monotonic() > deadline:
                         raise AssertionError(f"the server did not recover: {refusals[-3:]}")
                     await asyncio.sleep(0.5)
-        engine, killed_at, results, stream_lines, refusals, after = asyncio.run(main())
+        engine, killed_at, results, stream_lines, refusals, after, recovered_in = asyncio.run(main())
+        print(f"\nengine killed: in-flight errors after {max(r[2] for r in results) - killed_at:.2f} s at most; "
+              f"{len(refusals)} requests got 503 while it restarted; served again {recovered_in:.1f} s after the kill")
         for status, body, done_at in results:
             assert status == 500, body
             assert set(body["error"]) == {"message", "type", "param", "code"}
