@@ -61,7 +61,7 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal)
     try:
         server = OpenAIServer(options=ServerOptions(args.api_key, args.lenient, args.request_timeout),
-                              trace=fe.trace)
+                              trace=fe.trace, inject=fe.inject_fault)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())
         print(f"Troupe listening on http://{addr.host}:{addr.port} (loading the model)", flush=True)

@@ -13,13 +13,14 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from actors.frontend import chat, completions, misc
+from actors.frontend import chat, completions, debug, misc
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
 from actors.frontend.errors import ApiError, bad_request, error_response, not_found, server_error
 from actors.frontend.logprobs import TokenText
 from actors.frontend.protocol import BadRequest, decode_body
-from actors.runtime import RemoteError
+from actors.runtime import RemoteError, faults
+from actors.runtime.faults import InjectFault
 from actors.tokenizer.actor import InvalidPrompt, PromptTooLong
 
 log = logging.getLogger("troupe.http")
@@ -40,9 +41,11 @@ class OpenAIServer:
     (``attach`` sets it): probes answer 503 and every other endpoint 503 too."""
 
     def __init__(self, client: EngineClient | None = None, options: ServerOptions = ServerOptions(),
-                 trace: Callable[[int], Awaitable[list]] | None = None) -> None:
+                 trace: Callable[[int], Awaitable[list]] | None = None,
+                 inject: Callable[[InjectFault], Awaitable[bool]] | None = None) -> None:
         self.options = options
         self.trace = trace
+        self.inject = inject
         self.client: EngineClient | None = None
         self.token_text: TokenText | None = None
         self.vocab_size = 0
@@ -67,6 +70,8 @@ class OpenAIServer:
             ("POST", "/v1/chat/completions", chat.chat_completions),
             ("POST", "/v1/completions", completions.completions),
         ]
+        if self.inject is not None and faults.enabled():
+            routes.append(("POST", "/debug/fault", debug.inject_fault))
         for method, path, handler in routes:
             app.router.add_route(method, path, functools.partial(handler, self))
         return app

@@ -25,6 +25,7 @@ from actors.kv_manager.actor import KVManagerProtocol
 from actors.runtime import ActorRef, Node
 from actors.runtime.process import (ChildProcess, NodeSpec, RestartBudget, decode_info, start_child,
                                     system_actor)
+from actors.runtime.faults import InjectFault
 from actors.runtime.system import SYSTEM_ACTOR, GetTrace
 from actors.scheduler.actor import SchedulerProtocol
 from actors.tokenizer.actor import TokenizerActor
@@ -77,6 +78,10 @@ class Frontend:
         """The newest trace records of every process (at most ``limit`` each)."""
         chunk = await self.node.ref(SYSTEM_ACTOR).ask(GetTrace(0, limit, recursive=True), timeout=10)
         return chunk.all_records()
+
+    async def inject_fault(self, fault: InjectFault) -> bool:
+        """Arm ``fault`` in the process it names (this one, the engine's or the worker's)."""
+        return await self.node.ref(SYSTEM_ACTOR).ask(fault, timeout=fault.seconds + 30.0)
 
     async def start(self, config: EngineConfig, ready_timeout: float = READY_TIMEOUT_S) -> EngineClient:
         """Load the model (in the engine's and worker's processes when the config is

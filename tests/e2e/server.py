@@ -33,11 +33,11 @@ def alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, *args: str, ready_timeout: float = 180.0) -> None:
+    def __init__(self, *args: str, ready_timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tools.serve", "--port", "0", *args], cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url = ""
