@@ -101,7 +101,7 @@ async def completions(server: OpenAIServer, request: web.Request) -> web.StreamR
     if len(prompts) * n > MAX_CHOICES:
         raise BadRequest(f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices "
                          "per request", "n" if n > 1 else "prompt")
-    params = req.to_sampling_params(server.vocab_size)
+    params = req.to_sampling_params(server.vocab_size, client.max_model_len)
     echo = bool(req.echo)
     priority = check_priority(req, client.config.scheduler.policy)
     rid = client.new_request_id()

@@ -7,7 +7,8 @@ from typing import Any, NamedTuple
 import msgspec
 
 from actors.engine.sampling_params import SamplingParams
-from actors.frontend.protocol import MAX_N, BadRequest, GenerationRequest, or_default, require
+from actors.frontend.protocol import (MAX_N, PRIORITY_RANGE, BadRequest, GenerationRequest, or_default,
+                                      require, require_in)
 
 MAX_CHOICES = 256            # choices per request (prompts x n)
 
@@ -45,6 +46,7 @@ def stream_flags(req: GenerationRequest) -> StreamFlags:
 
 def check_priority(req: GenerationRequest, scheduling_policy: str) -> int:
     priority = or_default(req.priority, 0)
+    require_in(priority, *PRIORITY_RANGE, "priority")
     if priority != 0 and scheduling_policy != "priority":
         raise BadRequest(f"priority {priority} needs a server started with --scheduling-policy "
                          "priority", "priority")

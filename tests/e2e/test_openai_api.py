@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client as http_client
 import json
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import openai
@@ -103,10 +104,11 @@ def test_models_list_retrieve_and_unknown_model(client, model):
     assert client.models.retrieve(model).id == model
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("no-such-model")
-    assert exc.value.body["code"] == "model_not_found"
+    assert exc.value.body == {"message": "The model `no-such-model` does not exist.", "type": "NotFoundError",
+                              "param": "model", "code": 404}
     with pytest.raises(openai.NotFoundError) as exc:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
-    assert exc.value.body["param"] == "model"
+    assert exc.value.body["param"] == "model" and exc.value.body["code"] == exc.value.status_code == 404
 
 
 def test_probes_and_version(http):
@@ -455,23 +457,88 @@ def test_bad_input_gets_400_naming_the_field(http):
             err = r.json()["error"]
             assert r.status_code == 400, (body, r.text)
             assert set(err) == {"message", "type", "param", "code"} and err["message"], body
-            assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+            assert err["type"] == "BadRequestError" and err["code"] == 400, (body, err)
+            assert err["param"] == param, (body, err)
     for raw in (b"", b"{", b"[]", b"null", b'"text"', b"\xff\xfe"):
         r = http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["message"], raw
 
 
+def context_length_exceeded(body: dict, max_len: int, param: str) -> bool:
+    """vLLM's shape for OpenAI's context_length_exceeded: a 400 whose message says it."""
+    return (body["code"] == 400 and body["type"] == "BadRequestError" and body["param"] == param
+            and f"maximum context length is {max_len} tokens" in body["message"])
+
+
 def test_context_length_and_oversized_body(client, http, model):
     max_len = client.models.retrieve(model).model_extra["max_model_len"]
+    prompt = "The capital of France is"
     with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(model=model, prompt="x", max_tokens=max_len)
-    assert exc.value.body["code"] == "context_length_exceeded" and exc.value.body["param"] == "prompt"
+        client.completions.create(model=model, prompt=prompt, max_tokens=max_len - 2)
+    assert context_length_exceeded(exc.value.body, max_len, "prompt"), exc.value.body
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=max_len)
-    assert exc.value.body["code"] == "context_length_exceeded" and exc.value.body["param"] == "messages"
+        client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=max_len - 2)
+    assert context_length_exceeded(exc.value.body, max_len, "messages"), exc.value.body
+    for too_many in (max_len, 2 ** 64, 10 ** 30):     # no prompt fits beside these: refused at once
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": too_many})
+        assert r.status_code == 400 and context_length_exceeded(r.json()["error"], max_len, "max_tokens")
     long_prompt = list(range(100, 100 + max_len))
     r = http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.status_code == 400 and context_length_exceeded(r.json()["error"], max_len, "prompt")
     r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (9 << 20) + b'"}',
                   headers={"Content-Type": "application/json"})
-    assert r.status_code in (400, 413) and r.json()["error"]["message"]
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413 and r.json()["error"]["message"]
+
+
+# -- the edge holds: hostile values never reach the engine ---------------------------------------
+HUGE = 2 ** 64
+HOSTILE = [   # (path, body: a dict or raw JSON text, the param named)
+    ("/v1/completions", {"prompt": "x", "top_k": 2 ** 63}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "top_k": HUGE}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "top_k": 10 ** 6}, "top_k"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "min_tokens": 2 ** 70}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "seed": HUGE}, "seed"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [HUGE]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [2 ** 63]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1_0": 1}}, "logit_bias"),
+    ("/v1/completions", '{"prompt": "x", "temperature": 1e400}', "temperature"),
+    ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": -1e400}}', "logit_bias"),
+    ("/v1/completions", '{"prompt": "x", "top_p": NaN}', None),
+    ("/v1/completions", {"prompt": "x", "n": HUGE}, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": HUGE}, "logprobs"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "logprobs": True, "top_logprobs": HUGE}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "priority": HUGE}, "priority"),
+]
+
+
+def test_out_of_range_values_are_refused_and_never_fail_a_shared_step(http):
+    """A top_k past int64 used to reach the sampler and fail the whole step (a 500 for it and
+    for every request in the step); now each such value is a 400 while a neighbour runs on."""
+    neighbour = {"prompt": "Once upon a time", "max_tokens": 32, "ignore_eos": True, "temperature": 0}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(http.post, "/v1/completions", json=neighbour)
+        while not running.done():
+            for path, body, param in HOSTILE:
+                raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+                r = http.post(path, content=raw)
+                assert r.status_code == 400, (body, r.text)
+                err = r.json()["error"]
+                assert (err["type"], err["code"], err["param"]) == ("BadRequestError", 400, param), (body, err)
+        done = running.result()
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["completion_tokens"] == 32
+
+
+def test_bodies_nested_too_deeply_are_400(http):
+    deep = b"[" * 1000 + b"]" * 1000
+    for path, body in (("/v1/completions", b'{"prompt": ' + deep + b"}"),
+                       ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+                       ("/v1/chat/completions", b'{"messages": ' + deep + b"}"),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": ' + deep + b"}]}"),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
+                                                b'"chat_template_kwargs": {"x": ' + deep + b"}}"),
+                       ("/tokenize", b'{"prompt": ' + deep + b"}"),
+                       ("/detokenize", b'{"tokens": ' + deep + b"}")):
+        r = http.post(path, content=body)
+        assert r.status_code == 400, (path, body[:60], r.text)
+        assert r.json()["error"]["code"] == 400 and r.json()["error"]["type"] == "BadRequestError"
