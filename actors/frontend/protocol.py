@@ -59,10 +59,25 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str | dict[str, Any]     # OpenAI: JSON text (tokenizer.chat parses it); vLLM: an object too
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """OpenAI's message; ``params.chat_messages`` checks what the types cannot (content is
+    required but for an assistant's tool calls, each field on the roles that have it)."""
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None    # an assistant's calls
+    tool_call_id: str | None = None             # a tool's result: the call it answers
 
 
 class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -542,3 +542,35 @@ def test_bodies_nested_too_deeply_are_400(http):
         r = http.post(path, content=body)
         assert r.status_code == 400, (path, body[:60], r.text)
         assert r.json()["error"]["code"] == 400 and r.json()["error"]["type"] == "BadRequestError"
+
+
+def test_a_message_without_content_is_400_naming_it(http):
+    for i, message in ((0, {"role": "user"}), (0, {"role": "user", "content": None}),
+                       (1, {"role": "system", "content": None}), (1, {"role": "assistant"})):
+        messages = [message] if i == 0 else [{"role": "user", "content": "hi"}, message]
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert r.status_code == 400, (message, r.text)
+        assert r.json()["error"]["param"] == f"messages[{i}].content", r.text
+    r = http.post("/tokenize", json={"messages": [{"role": "user", "content": None}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+
+
+def tool_history(arguments: str) -> list[dict]:
+    return [{"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "content": "22 degrees and sunny", "tool_call_id": "call_1"}]
+
+
+def test_tool_calls_and_tool_results_in_history_are_accepted(client, http, model):
+    for arguments in ('{"city": "Paris"}', '{"city": "Par'):     # malformed: rendered as {}
+        out = client.chat.completions.create(model=model, messages=tool_history(arguments),
+                                             temperature=0, max_tokens=3)
+        assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens == 3
+    with_result = http.post("/tokenize", json={"messages": tool_history("{}")}).json()["count"]
+    without = http.post("/tokenize", json={"messages": tool_history("{}")[:2]}).json()["count"]
+    assert with_result > without            # the default template renders the tool's answer
+    r = http.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": "x", "tool_calls": tool_history("{}")[1]["tool_calls"]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].tool_calls"

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from actors.frontend.app import OpenAIServer, ServerOptions
 from actors.frontend.errors import MAX_MESSAGE_CHARS, error_body, error_response, error_type
-from actors.frontend.params import check_priority, for_choice
+from actors.frontend.params import chat_messages, check_priority, for_choice
 from actors.frontend.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest,
                                       TokenizeRequest, decode_body)
 from models.sampler import Sampler, SamplingMetadata
@@ -163,6 +163,46 @@ def test_bodies_nested_too_deeply_are_bad_requests(typ, body, lenient):
 def test_bodies_that_do_not_decode_are_bad_requests(body):
     with pytest.raises(BadRequest):
         decode_body(body, CompletionRequest)
+
+
+# -- chat messages ---------------------------------------------------------------------------------
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool", "assistant"])
+@pytest.mark.parametrize("missing", [{}, {"content": None}])
+def test_a_message_without_content_is_refused_naming_it(role, missing):
+    req = chat([{"role": "user", "content": "hi"}, {"role": role, **missing}])
+    with pytest.raises(BadRequest) as exc:
+        chat_messages(req.messages)
+    assert exc.value.param == "messages[1].content"
+
+
+def test_an_assistant_tool_call_may_leave_content_null_and_a_tool_answers_it():
+    req = chat([{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+                {"role": "tool", "content": "22 C", "tool_call_id": "call_1"}])
+    user, call, answer = chat_messages(req.messages)
+    assert call == {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]}
+    assert answer == {"role": "tool", "content": "22 C", "tool_call_id": "call_1"}
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "user", "content": "x", "tool_calls": [TOOL_CALL]}, "messages[0].tool_calls"),
+    ({"role": "assistant", "content": "x", "tool_call_id": "call_1"}, "messages[0].tool_call_id"),
+])
+def test_tool_fields_belong_to_their_roles(message, param):
+    with pytest.raises(BadRequest) as exc:
+        chat_messages(chat([message]).messages)
+    assert exc.value.param == param
+
+
+def test_tool_calls_must_have_openai_shape():
+    for bad in ({**TOOL_CALL, "type": "retrieval"}, {"id": "1"}, {**TOOL_CALL, "function": {"name": "f"}}):
+        body = json.dumps({"messages": [{"role": "assistant", "tool_calls": [bad]}]}).encode()
+        with pytest.raises(BadRequest) as exc:
+            decode_body(body, ChatCompletionRequest)
+        assert exc.value.param.startswith("messages[0].tool_calls[0]"), exc.value.param
 
 
 # -- the error shape -------------------------------------------------------------------------------
