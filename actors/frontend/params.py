@@ -2,7 +2,8 @@
 from the request's ``to_sampling_params``): choices, prompts, chat messages, streaming flags."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import inspect
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 
@@ -122,6 +123,18 @@ def _content_text(i: int, content: Any) -> str:
             raise BadRequest(f"content part of type {part.type!r} is not supported; only 'text' parts are",
                              f"messages[{i}].content[{j}]")
     return "".join(part.text for part in content)
+
+
+def cache_salt(req: GenerationRequest, submit: Callable) -> dict[str, str]:
+    """The ``cache_salt`` keyword for ``submit`` (vLLM's rule: a non-empty string when set).
+    Until the engine client takes it, a salt is refused rather than dropped: dropped, the
+    request would share cached prefixes its client asked to keep apart."""
+    if req.cache_salt is None:
+        return {}
+    require(req.cache_salt != "", "cache_salt must be a non-empty string if provided", "cache_salt")
+    require("cache_salt" in inspect.signature(submit).parameters,
+            "cache_salt is not supported by this server yet", "cache_salt")
+    return {"cache_salt": req.cache_salt}
 
 
 def check_chat_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:

@@ -105,6 +105,7 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     user: str | None = None
     priority: int | None = None
     bad_words: list[str] | None = None
+    cache_salt: str | None = None       # vLLM's: mixed into the first block's hash (params.cache_salt)
 
     def _sampling_params(self, vocab_size: int, max_model_len: int, max_tokens: int | None,
                          max_tokens_param: str, logprobs: int | None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client as http_client
 import json
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -574,3 +575,25 @@ def test_tool_calls_and_tool_results_in_history_are_accepted(client, http, model
     r = http.post("/v1/chat/completions", json={"messages": [
         {"role": "user", "content": "x", "tool_calls": tool_history("{}")[1]["tool_calls"]}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].tool_calls"
+
+
+def test_cache_salt_must_be_a_non_empty_string(http):
+    for salt in ("", 5, ["a"]):
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "cache_salt": salt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", (salt, r.text)
+
+
+def test_cache_salt_keeps_cached_prefixes_apart(http):
+    """vLLM's cache_salt: requests share a cached prefix only when their salts are equal."""
+    prompt = f"{uuid.uuid4()} " + "The quick brown fox jumps over the lazy dog. " * 20
+    def cached(**salt) -> int:
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, **salt})
+        if r.status_code == 400 and r.json()["error"]["param"] == "cache_salt":
+            pytest.skip("cache_salt is not carried to the engine yet (EngineClient.submit and the "
+                        f"Tokenizer actor do not take it): {r.json()['error']['message']}")
+        assert r.status_code == 200, r.text
+        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0           # another salt: no hit
+    assert cached() == 0                                # no salt: no hit on a salted prefix
+    assert cached(cache_salt="tenant-a") > 0            # the same salt: a hit

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from actors.frontend.app import OpenAIServer, ServerOptions
 from actors.frontend.errors import MAX_MESSAGE_CHARS, error_body, error_response, error_type
-from actors.frontend.params import chat_messages, check_priority, for_choice
+from actors.frontend.params import cache_salt, chat_messages, check_priority, for_choice
 from actors.frontend.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest,
                                       TokenizeRequest, decode_body)
 from models.sampler import Sampler, SamplingMetadata
@@ -203,6 +203,25 @@ def test_tool_calls_must_have_openai_shape():
         with pytest.raises(BadRequest) as exc:
             decode_body(body, ChatCompletionRequest)
         assert exc.value.param.startswith("messages[0].tool_calls[0]"), exc.value.param
+
+
+# -- cache_salt ------------------------------------------------------------------------------------
+async def _submit_with_salt(params, *, cache_salt: str | None = None, **kwargs): ...
+
+
+async def _submit_without_salt(params, **kwargs): ...
+
+
+def test_cache_salt_is_a_non_empty_string_carried_only_where_the_engine_takes_it():
+    assert cache_salt(completion(), _submit_without_salt) == {}
+    with pytest.raises(BadRequest, match="non-empty") as exc:
+        cache_salt(completion(cache_salt=""), _submit_with_salt)
+    assert exc.value.param == "cache_salt"
+    with pytest.raises(BadRequest, match="not supported"):
+        cache_salt(completion(cache_salt="tenant-a"), _submit_without_salt)
+    assert cache_salt(completion(cache_salt="tenant-a"), _submit_with_salt) == {"cache_salt": "tenant-a"}
+    with pytest.raises(BadRequest):
+        decode_body(b'{"prompt": "x", "cache_salt": 5}', CompletionRequest)
 
 
 # -- the error shape -------------------------------------------------------------------------------
