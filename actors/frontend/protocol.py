@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -82,6 +82,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
 
 class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """What chat and text completion requests share."""
+    prompt_param: ClassVar[str]         # what a context-length error names, as OpenAI does
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -125,7 +126,7 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         rep = or_default(self.repetition_penalty, 1.0)
         require_in(rep, 0.0, 10.0, "repetition_penalty", lo_open=True)
         min_tokens = or_default(self.min_tokens, 0)
-        _check_output_length(max_tokens, max_tokens_param, min_tokens, max_model_len)
+        _check_output_length(max_tokens, max_tokens_param, min_tokens, max_model_len, self.prompt_param)
         if self.seed is not None:
             require_in(self.seed, SEED_RANGE[0], SEED_RANGE[1] - MAX_N, "seed")   # choice i: seed + i
         stop, stop_ids, bad_words = self._stop_conditions(vocab_size)
@@ -151,14 +152,16 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         return stop, stop_ids, bad_words
 
 
-def _check_output_length(max_tokens: int | None, param: str, min_tokens: int, max_model_len: int) -> None:
+def _check_output_length(max_tokens: int | None, param: str, min_tokens: int, max_model_len: int,
+                         prompt_param: str) -> None:
     """``max_tokens`` (None: until the end of the context) leaves room for a prompt of at least
-    one token; ``min_tokens`` is at most what may be generated."""
+    one token, else the Tokenizer's context-length error comes early (naming ``prompt_param``, as
+    the Tokenizer's does); ``min_tokens`` is at most what may be generated."""
     require(max_tokens is None or max_tokens >= 1, f"{param} must be at least 1, got {max_tokens}", param)
     if max_tokens is not None and max_tokens >= max_model_len:
         raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, you "
                          f"requested {max_tokens} tokens for the completion alone, which leaves no room "
-                         f"for the prompt. Please reduce {param}.", param)
+                         f"for the prompt. Please reduce {param}.", prompt_param)
     limit, what = (max_model_len - 1, "the context less a prompt token") if max_tokens is None \
         else (max_tokens, param)
     require(0 <= min_tokens <= limit, f"min_tokens must be in [0, {limit}] (at most {what}), got {min_tokens}",
@@ -166,6 +169,7 @@ def _check_output_length(max_tokens: int | None, param: str, min_tokens: int, ma
 
 
 class ChatCompletionRequest(GenerationRequest, kw_only=True):
+    prompt_param: ClassVar[str] = "messages"
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -192,6 +196,7 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):
+    prompt_param: ClassVar[str] = "prompt"
     prompt: str | list[Any]          # a string, token ids, or a list of either (params.prompts)
     logprobs: int | None = None
     echo: bool | None = False

@@ -482,7 +482,9 @@ def test_context_length_and_oversized_body(client, http, model):
     assert context_length_exceeded(exc.value.body, max_len, "messages"), exc.value.body
     for too_many in (max_len, 2 ** 64, 10 ** 30):     # no prompt fits beside these: refused at once
         r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": too_many})
-        assert r.status_code == 400 and context_length_exceeded(r.json()["error"], max_len, "max_tokens")
+        assert r.status_code == 400 and context_length_exceeded(r.json()["error"], max_len, "prompt")
+        r = http.post("/v1/chat/completions", json={"messages": CAPITAL, "max_completion_tokens": too_many})
+        assert r.status_code == 400 and context_length_exceeded(r.json()["error"], max_len, "messages")
     long_prompt = list(range(100, 100 + max_len))
     r = http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1})
     assert r.status_code == 400 and context_length_exceeded(r.json()["error"], max_len, "prompt")

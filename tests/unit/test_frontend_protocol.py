@@ -71,12 +71,12 @@ def test_logit_bias_keys_must_be_plain_token_ids_in_the_vocabulary(key):
 
 
 def test_max_tokens_beyond_the_context_is_refused_with_the_context_length_message():
+    """Named as the Tokenizer's context-length error names it (OpenAI's param: the prompt)."""
     for value in (MAX_MODEL_LEN, 2 ** 63, 2 ** 64, 2 ** 70):
-        message = refused(completion(max_tokens=value), "max_tokens")
-        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message
-        message = refused(chat([{"role": "user", "content": "x"}], max_completion_tokens=value),
-                          "max_completion_tokens")
-        assert "maximum context length" in message
+        message = refused(completion(max_tokens=value), "prompt")
+        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message and "max_tokens" in message
+        message = refused(chat([{"role": "user", "content": "x"}], max_completion_tokens=value), "messages")
+        assert "maximum context length" in message and "max_completion_tokens" in message
     assert completion(max_tokens=MAX_MODEL_LEN - 1).to_sampling_params(VOCAB, MAX_MODEL_LEN).max_tokens \
         == MAX_MODEL_LEN - 1
 
