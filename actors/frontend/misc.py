@@ -30,9 +30,9 @@ def version() -> str:
 async def health(server: OpenAIServer, request: web.Request) -> web.Response:
     """200 when serving; 503 while the model loads and once the engine died."""
     if server.client is None:
-        return error_response(503, "the model is loading", "server_error", code=503)
+        return error_response(503, "the model is loading")
     if server.client.dead is not None:
-        return error_response(503, server.client.dead, "server_error", code=503)
+        return error_response(503, server.client.dead)
     return web.Response(status=200)
 
 
@@ -82,7 +82,7 @@ async def models(server: OpenAIServer, request: web.Request) -> web.Response:
 async def model(server: OpenAIServer, request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name != server.engine().model_name:
-        raise not_found(f"The model `{name}` does not exist.", "model", "model_not_found")
+        raise not_found(f"The model `{name}` does not exist.", "model")
     return _json(_card(server))
 
 

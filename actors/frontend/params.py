@@ -2,12 +2,14 @@
 from the request's ``to_sampling_params``): choices, prompts, chat messages, streaming flags."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import inspect
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 
 from actors.engine.sampling_params import SamplingParams
-from actors.frontend.protocol import MAX_N, BadRequest, GenerationRequest, or_default, require
+from actors.frontend.protocol import (MAX_N, PRIORITY_RANGE, BadRequest, ChatMessage, GenerationRequest,
+                                      or_default, require, require_in)
 
 MAX_CHOICES = 256            # choices per request (prompts x n)
 
@@ -45,6 +47,7 @@ def stream_flags(req: GenerationRequest) -> StreamFlags:
 
 def check_priority(req: GenerationRequest, scheduling_policy: str) -> int:
     priority = or_default(req.priority, 0)
+    require_in(priority, *PRIORITY_RANGE, "priority")
     if priority != 0 and scheduling_policy != "priority":
         raise BadRequest(f"priority {priority} needs a server started with --scheduling-policy "
                          "priority", "priority")
@@ -80,25 +83,58 @@ def _token_ids(ids: list[int], vocab_size: int) -> list[int]:
     return ids
 
 
-def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them: content as one string, an assistant's
+    ``tool_calls`` in OpenAI's shape (tokenizer.chat parses their arguments), a tool's
+    ``tool_call_id``."""
     if not messages:
         raise BadRequest("messages must not be empty", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise BadRequest(f"content part of type {part.type!r} is not supported; "
-                                     "only 'text' parts are", f"messages[{i}].content[{j}]")
-                texts.append(part.text)
-            content = "".join(texts)
-        msg = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            msg["name"] = m.name
-        out.append(msg)
-    return out
+    return [_chat_message(i, m) for i, m in enumerate(messages)]
+
+
+def _chat_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise BadRequest(f"messages[{i}].content is required (a string or a list of text parts); "
+                         "only an assistant message with tool_calls may leave it out or null",
+                         f"messages[{i}].content")
+    require(m.tool_calls is None or m.role == "assistant",
+            f"tool_calls may only be set on assistant messages, not on a {m.role!r} message",
+            f"messages[{i}].tool_calls")
+    require(m.tool_call_id is None or m.role == "tool",
+            f"tool_call_id may only be set on tool messages, not on a {m.role!r} message",
+            f"messages[{i}].tool_call_id")
+    msg: dict[str, Any] = {"role": m.role, "content": _content_text(i, m.content)}
+    if m.name is not None:
+        msg["name"] = m.name
+    if m.tool_calls:
+        msg["tool_calls"] = [{"id": c.id, "type": c.type,
+                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
+
+
+def _content_text(i: int, content: Any) -> str:
+    if not isinstance(content, list):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise BadRequest(f"content part of type {part.type!r} is not supported; only 'text' parts are",
+                             f"messages[{i}].content[{j}]")
+    return "".join(part.text for part in content)
+
+
+def cache_salt(req: GenerationRequest, submit: Callable) -> dict[str, str]:
+    """The ``cache_salt`` keyword for ``submit`` (vLLM's rule: a non-empty string when set).
+    Until the engine client takes it, a salt is refused rather than dropped: dropped, the
+    request would share cached prefixes its client asked to keep apart."""
+    if req.cache_salt is None:
+        return {}
+    require(req.cache_salt != "", "cache_salt must be a non-empty string if provided", "cache_salt")
+    require("cache_salt" in inspect.signature(submit).parameters,
+            "cache_salt is not supported by this server yet", "cache_salt")
+    return {"cache_salt": req.cache_salt}
 
 
 def check_chat_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -18,22 +18,32 @@ MAX_N = 128                      # choices per prompt
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_STOP_STRINGS = 64
+# The engine's messages carry integers as msgspec int64 / uint64 and its tensors as int64: a
+# value outside these ranges would fail the encoding (a 500) or a whole engine step.
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+PRIORITY_RANGE = (-(1 << 63), (1 << 63) - 1)
 DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for completions
 
 
 class BadRequest(ValueError):
     """Invalid input: an HTTP 400 naming the offending field."""
+    code = None            # read by app.py's middleware; the error's code is its HTTP status
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-        self.code = code
 
 
 def require(ok: bool, message: str, param: str) -> None:
     if not ok:
         raise BadRequest(message, param)
+
+
+def require_in(value: float, lo: float, hi: float, param: str, *, lo_open: bool = False) -> None:
+    """``value`` in [lo, hi], or (lo, hi] with ``lo_open``. NaN fails every comparison and
+    infinities fail a finite bound, so a value that passes is finite."""
+    ok = (lo < value if lo_open else lo <= value) and value <= hi
+    require(ok, f"{param} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param)
 
 
 def or_default(value: Any, default: Any) -> Any:
@@ -49,14 +59,30 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str | dict[str, Any]     # OpenAI: JSON text (tokenizer.chat parses it); vLLM: an object too
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """OpenAI's message; ``params.chat_messages`` checks what the types cannot (content is
+    required but for an assistant's tool calls, each field on the roles that have it)."""
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None    # an assistant's calls
+    tool_call_id: str | None = None             # a tool's result: the call it answers
 
 
 class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """What chat and text completion requests share."""
+    prompt_param: ClassVar[str]         # what a context-length error names, as OpenAI does
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -80,38 +106,30 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     user: str | None = None
     priority: int | None = None
     bad_words: list[str] | None = None
+    cache_salt: str | None = None       # vLLM's: mixed into the first block's hash (params.cache_salt)
 
-    def _sampling_params(self, vocab_size: int, max_tokens: int | None, max_tokens_param: str,
-                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-        """Validate ranges and build the engine's parameters (one choice; see ``for_choice``)."""
+    def _sampling_params(self, vocab_size: int, max_model_len: int, max_tokens: int | None,
+                         max_tokens_param: str, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """Validate and build the engine's parameters (one choice; see ``for_choice``). Every
+        value that reaches SamplingParams is in range: one the engine cannot hold would fail a
+        whole step, and with it every request in the step."""
         t, p, k = or_default(self.temperature, 1.0), or_default(self.top_p, 1.0), or_default(self.top_k, 0)
-        require(0.0 <= t <= 2.0, f"temperature must be in [0, 2], got {t}", "temperature")
-        require(0.0 < p <= 1.0, f"top_p must be in (0, 1], got {p}", "top_p")
-        require(k >= -1, f"top_k must be -1 or 0 (off) or at least 1, got {k}", "top_k")
+        require_in(t, 0.0, 2.0, "temperature")
+        require_in(p, 0.0, 1.0, "top_p", lo_open=True)
+        require(k in (-1, 0) or 1 <= k <= vocab_size,
+                f"top_k must be -1 or 0 (off) or in [1, {vocab_size}], got {k}", "top_k")
         min_p = or_default(self.min_p, 0.0)
-        require(0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], got {min_p}", "min_p")
+        require_in(min_p, 0.0, 1.0, "min_p")
         for name in ("presence_penalty", "frequency_penalty"):
-            v = or_default(getattr(self, name), 0.0)
-            require(-2.0 <= v <= 2.0, f"{name} must be in [-2, 2], got {v}", name)
+            require_in(or_default(getattr(self, name), 0.0), -2.0, 2.0, name)
         rep = or_default(self.repetition_penalty, 1.0)
-        require(0.0 < rep <= 10.0, f"repetition_penalty must be in (0, 10], got {rep}", "repetition_penalty")
-        require(max_tokens is None or max_tokens >= 1,
-                f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
+        require_in(rep, 0.0, 10.0, "repetition_penalty", lo_open=True)
         min_tokens = or_default(self.min_tokens, 0)
-        require(0 <= min_tokens and (max_tokens is None or min_tokens <= max_tokens),
-                f"min_tokens must be in [0, max_tokens], got {min_tokens}", "min_tokens")
+        _check_output_length(max_tokens, max_tokens_param, min_tokens, max_model_len, self.prompt_param)
         if self.seed is not None:
-            require(SEED_RANGE[0] <= self.seed <= SEED_RANGE[1] - MAX_N,
-                    f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1] - MAX_N}], got {self.seed}", "seed")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        require(all(stop), "stop strings must not be empty", "stop")
-        require(len(stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings", "stop")
-        stop_ids = list(self.stop_token_ids or [])
-        require(all(0 <= t < vocab_size for t in stop_ids),
-                f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
-        bad_words = list(self.bad_words or [])
-        require(all(w.strip() for w in bad_words), "bad_words must not be empty or blank", "bad_words")
-        require(len(bad_words) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} bad words", "bad_words")
+            require_in(self.seed, SEED_RANGE[0], SEED_RANGE[1] - MAX_N, "seed")   # choice i: seed + i
+        stop, stop_ids, bad_words = self._stop_conditions(vocab_size)
         return SamplingParams(
             max_tokens=max_tokens, temperature=t, top_p=p, top_k=max(k, 0), min_p=min_p,
             seed=self.seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(self.ignore_eos),
@@ -121,8 +139,37 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             prompt_logprobs=prompt_logprobs, skip_special_tokens=or_default(self.skip_special_tokens, True),
             include_stop_str_in_output=bool(self.include_stop_str_in_output), bad_words=bad_words)
 
+    def _stop_conditions(self, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        require(all(stop), "stop strings must not be empty", "stop")
+        require(len(stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+        stop_ids = list(self.stop_token_ids or [])
+        bad = [t for t in stop_ids if not 0 <= t < vocab_size]
+        require(not bad, f"stop_token_ids must be in [0, {vocab_size}), got {bad[:5]}", "stop_token_ids")
+        bad_words = list(self.bad_words or [])
+        require(all(w.strip() for w in bad_words), "bad_words must not be empty or blank", "bad_words")
+        require(len(bad_words) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} bad words", "bad_words")
+        return stop, stop_ids, bad_words
+
+
+def _check_output_length(max_tokens: int | None, param: str, min_tokens: int, max_model_len: int,
+                         prompt_param: str) -> None:
+    """``max_tokens`` (None: until the end of the context) leaves room for a prompt of at least
+    one token, else the Tokenizer's context-length error comes early (naming ``prompt_param``, as
+    the Tokenizer's does); ``min_tokens`` is at most what may be generated."""
+    require(max_tokens is None or max_tokens >= 1, f"{param} must be at least 1, got {max_tokens}", param)
+    if max_tokens is not None and max_tokens >= max_model_len:
+        raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                         f"requested {max_tokens} tokens for the completion alone, which leaves no room "
+                         f"for the prompt. Please reduce {param}.", prompt_param)
+    limit, what = (max_model_len - 1, "the context less a prompt token") if max_tokens is None \
+        else (max_tokens, param)
+    require(0 <= min_tokens <= limit, f"min_tokens must be in [0, {limit}] (at most {what}), got {min_tokens}",
+            "min_tokens")
+
 
 class ChatCompletionRequest(GenerationRequest, kw_only=True):
+    prompt_param: ClassVar[str] = "messages"
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -131,36 +178,41 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(self, vocab_size: int, max_model_len: int) -> SamplingParams:
         """Unset max_completion_tokens / max_tokens: until the end of the context."""
         if self.max_completion_tokens is not None:
-            return self._sampling_params(vocab_size, self.max_completion_tokens, "max_completion_tokens",
-                                         self.requested_logprobs())
-        return self._sampling_params(vocab_size, self.max_tokens, "max_tokens", self.requested_logprobs())
+            return self._sampling_params(vocab_size, max_model_len, self.max_completion_tokens,
+                                         "max_completion_tokens", self.requested_logprobs())
+        return self._sampling_params(vocab_size, max_model_len, self.max_tokens, "max_tokens",
+                                     self.requested_logprobs())
 
     def requested_logprobs(self) -> int | None:
         """Top alternatives per token, or None when log-probs are not asked for."""
         top = self.top_logprobs
         if top is not None:
-            require(0 <= top <= MAX_CHAT_TOP_LOGPROBS,
-                    f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {top}", "top_logprobs")
+            require_in(top, 0, MAX_CHAT_TOP_LOGPROBS, "top_logprobs")
             require(bool(self.logprobs), "top_logprobs needs logprobs set to true", "top_logprobs")
         return (top or 0) if self.logprobs else None
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):
+    prompt_param: ClassVar[str] = "prompt"
     prompt: str | list[Any]          # a string, token ids, or a list of either (params.prompts)
     logprobs: int | None = None
     echo: bool | None = False
     add_special_tokens: bool | None = True
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(self, vocab_size: int, max_model_len: int) -> SamplingParams:
         """Unset max_tokens: OpenAI's 16. With ``echo``, the prompt's log-probs too."""
         lp = self.logprobs
-        require(lp is None or 0 <= lp <= MAX_COMPLETION_LOGPROBS,
-                f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {lp}", "logprobs")
-        return self._sampling_params(vocab_size, or_default(self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS),
+        if lp is not None:
+            require_in(lp, 0, MAX_COMPLETION_LOGPROBS, "logprobs")
+        return self._sampling_params(vocab_size, max_model_len,
+                                     or_default(self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS),
                                      "max_tokens", lp, lp if self.echo else None)
+
+
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
@@ -168,15 +220,10 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
         return None
     out = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-        require(0 <= token < vocab_size, f"logit_bias token {token} is not in [0, {vocab_size})",
-                "logit_bias")
-        require(-100.0 <= value <= 100.0, f"logit_bias values must be in [-100, 100], got {value}",
-                "logit_bias")
-        out[token] = value
+        require(_TOKEN_ID.fullmatch(key) is not None and int(key) < vocab_size,
+                f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+        require_in(value, -100.0, 100.0, "logit_bias")
+        out[int(key)] = value
     return out
 
 
@@ -203,7 +250,20 @@ _PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 def decode_body(body: bytes, typ: type, lenient: bool = False) -> Any:
     """Decode a JSON body; a type error names the field (``param``) it is about. ``lenient``
-    drops unknown fields (logging each) instead of refusing them."""
+    drops unknown fields (logging each) instead of refusing them. Whatever the decoder or the
+    converter raises (a body nested deeper than they recurse included) is the body's fault: a
+    BadRequest."""
+    try:
+        return _decode(body, typ, lenient)
+    except BadRequest:
+        raise
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply to decode") from None
+    except Exception as exc:
+        raise BadRequest(f"the request body could not be decoded: {exc}") from None
+
+
+def _decode(body: bytes, typ: type, lenient: bool) -> Any:
     try:
         return msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as exc:
@@ -237,5 +297,5 @@ def _bad(exc: msgspec.ValidationError) -> BadRequest:
         param = text.split("`")[1]
     elif " - at `$." in text:
         text, _, where = text.partition(" - at `$.")
-        param = where.rstrip("`")
+        param = where.rstrip("`").replace("[...]", "")     # msgspec's "[...]": a value of a mapping
     return BadRequest(text, param)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+log = logging.getLogger("troupe.tokenizer")
 
 # Appended to the final message's content when it is to be continued; the render is cut where it reappears.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -48,7 +51,8 @@ def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, 
 
     Keys whose value is None are dropped (APIs send `content: null` beside `tool_calls`, and
     templates handle a missing key better than a literal None); `content`, when present, becomes
-    a string via `content_to_text`. Every message needs a string `role`.
+    a string via `content_to_text`; an assistant's `tool_calls` get their `arguments` as
+    objects (`tool_calls_for_template`). Every message needs a string `role`.
     """
     normalized = []
     for i, message in enumerate(messages):
@@ -57,13 +61,53 @@ def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, 
         if not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] needs a string 'role', got {message.get('role')!r}")
         out = {key: value for key, value in message.items() if value is not None}
-        if "content" in out:
-            try:
+        try:
+            if "content" in out:
                 out["content"] = content_to_text(out["content"])
-            except ValueError as e:
-                raise ValueError(f"messages[{i}]: {e}") from None
+            if "tool_calls" in out:
+                out["tool_calls"] = tool_calls_for_template(out["tool_calls"])
+                if not out["tool_calls"]:
+                    del out["tool_calls"]    # an empty list: the template's plain assistant path
+        except ValueError as e:
+            raise ValueError(f"messages[{i}]: {e}") from None
         normalized.append(out)
     return normalized
+
+
+def tool_calls_for_template(tool_calls: Any) -> list[dict[str, Any]]:
+    """OpenAI tool calls -> fresh dicts whose `function.arguments` is an object, as Hugging Face
+    templates read them (`tool_call.function.arguments | tojson`, `.items()`).
+
+    OpenAI sends `arguments` as JSON text. Text that is not a JSON object becomes `{}` with a
+    warning (vLLM's rule): it is history the model wrote, and refusing it would fail every later
+    turn of the conversation too. Missing or empty arguments are `{}` as well.
+    """
+    if not isinstance(tool_calls, list):
+        raise ValueError(f"tool_calls must be a list, got {type(tool_calls).__name__}")
+    out = []
+    for j, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or call.get("type", "function") != "function":
+            raise ValueError(f"tool_calls[{j}] must be an object of type 'function' with a 'function' object")
+        out.append({**call, "function": {**function, "arguments": _arguments(function)}})
+    return out
+
+
+def _arguments(function: Mapping[str, Any]) -> dict[str, Any]:
+    arguments = function.get("arguments")
+    if isinstance(arguments, Mapping):
+        return dict(arguments)
+    if not arguments:
+        return {}
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except (ValueError, RecursionError):     # not JSON (JSONDecodeError), or past json's limits
+        parsed = None
+    if not isinstance(parsed, dict):
+        log.warning("tool call %r: arguments are not a JSON object (%d characters); rendered as {}",
+                    function.get("name"), len(str(arguments)))
+        return {}
+    return parsed
 
 
 class _GenerationTag(jinja2.ext.Extension):

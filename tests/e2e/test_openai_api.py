@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import http.client as http_client
 import json
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import openai
@@ -103,10 +105,11 @@ def test_models_list_retrieve_and_unknown_model(client, model):
     assert client.models.retrieve(model).id == model
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("no-such-model")
-    assert exc.value.body["code"] == "model_not_found"
+    assert exc.value.body == {"message": "The model `no-such-model` does not exist.", "type": "NotFoundError",
+                              "param": "model", "code": 404}
     with pytest.raises(openai.NotFoundError) as exc:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
-    assert exc.value.body["param"] == "model"
+    assert exc.value.body["param"] == "model" and exc.value.body["code"] == exc.value.status_code == 404
 
 
 def test_probes_and_version(http):
@@ -455,23 +458,144 @@ def test_bad_input_gets_400_naming_the_field(http):
             err = r.json()["error"]
             assert r.status_code == 400, (body, r.text)
             assert set(err) == {"message", "type", "param", "code"} and err["message"], body
-            assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+            assert err["type"] == "BadRequestError" and err["code"] == 400, (body, err)
+            assert err["param"] == param, (body, err)
     for raw in (b"", b"{", b"[]", b"null", b'"text"', b"\xff\xfe"):
         r = http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["message"], raw
 
 
+def context_length_exceeded(body: dict, max_len: int, param: str) -> bool:
+    """vLLM's shape for OpenAI's context_length_exceeded: a 400 whose message says it."""
+    return (body["code"] == 400 and body["type"] == "BadRequestError" and body["param"] == param
+            and f"maximum context length is {max_len} tokens" in body["message"])
+
+
 def test_context_length_and_oversized_body(client, http, model):
     max_len = client.models.retrieve(model).model_extra["max_model_len"]
+    prompt = "The capital of France is"
     with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(model=model, prompt="x", max_tokens=max_len)
-    assert exc.value.body["code"] == "context_length_exceeded" and exc.value.body["param"] == "prompt"
+        client.completions.create(model=model, prompt=prompt, max_tokens=max_len - 2)
+    assert context_length_exceeded(exc.value.body, max_len, "prompt"), exc.value.body
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=max_len)
-    assert exc.value.body["code"] == "context_length_exceeded" and exc.value.body["param"] == "messages"
+        client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=max_len - 2)
+    assert context_length_exceeded(exc.value.body, max_len, "messages"), exc.value.body
+    for too_many in (max_len, 2 ** 64, 10 ** 30):     # no prompt fits beside these: refused at once
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": too_many})
+        assert r.status_code == 400 and context_length_exceeded(r.json()["error"], max_len, "prompt")
+        r = http.post("/v1/chat/completions", json={"messages": CAPITAL, "max_completion_tokens": too_many})
+        assert r.status_code == 400 and context_length_exceeded(r.json()["error"], max_len, "messages")
     long_prompt = list(range(100, 100 + max_len))
     r = http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.status_code == 400 and context_length_exceeded(r.json()["error"], max_len, "prompt")
     r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (9 << 20) + b'"}',
                   headers={"Content-Type": "application/json"})
-    assert r.status_code in (400, 413) and r.json()["error"]["message"]
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413 and r.json()["error"]["message"]
+
+
+# -- the edge holds: hostile values never reach the engine ---------------------------------------
+HUGE = 2 ** 64
+HOSTILE = [   # (path, body: a dict or raw JSON text, the param named)
+    ("/v1/completions", {"prompt": "x", "top_k": 2 ** 63}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "top_k": HUGE}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "top_k": 10 ** 6}, "top_k"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "min_tokens": 2 ** 70}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "seed": HUGE}, "seed"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [HUGE]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [2 ** 63]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1_0": 1}}, "logit_bias"),
+    ("/v1/completions", '{"prompt": "x", "temperature": 1e400}', "temperature"),
+    ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": -1e400}}', "logit_bias"),
+    ("/v1/completions", '{"prompt": "x", "top_p": NaN}', None),
+    ("/v1/completions", {"prompt": "x", "n": HUGE}, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": HUGE}, "logprobs"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "logprobs": True, "top_logprobs": HUGE}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "priority": HUGE}, "priority"),
+]
+
+
+def test_out_of_range_values_are_refused_and_never_fail_a_shared_step(http):
+    """A top_k past int64 used to reach the sampler and fail the whole step (a 500 for it and
+    for every request in the step); now each such value is a 400 while a neighbour runs on."""
+    neighbour = {"prompt": "Once upon a time", "max_tokens": 32, "ignore_eos": True, "temperature": 0}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(http.post, "/v1/completions", json=neighbour)
+        while not running.done():
+            for path, body, param in HOSTILE:
+                raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+                r = http.post(path, content=raw)
+                assert r.status_code == 400, (body, r.text)
+                err = r.json()["error"]
+                assert (err["type"], err["code"], err["param"]) == ("BadRequestError", 400, param), (body, err)
+        done = running.result()
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["completion_tokens"] == 32
+
+
+def test_bodies_nested_too_deeply_are_400(http):
+    deep = b"[" * 1000 + b"]" * 1000
+    for path, body in (("/v1/completions", b'{"prompt": ' + deep + b"}"),
+                       ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+                       ("/v1/chat/completions", b'{"messages": ' + deep + b"}"),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": ' + deep + b"}]}"),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
+                                                b'"chat_template_kwargs": {"x": ' + deep + b"}}"),
+                       ("/tokenize", b'{"prompt": ' + deep + b"}"),
+                       ("/detokenize", b'{"tokens": ' + deep + b"}")):
+        r = http.post(path, content=body)
+        assert r.status_code == 400, (path, body[:60], r.text)
+        assert r.json()["error"]["code"] == 400 and r.json()["error"]["type"] == "BadRequestError"
+
+
+def test_a_message_without_content_is_400_naming_it(http):
+    for i, message in ((0, {"role": "user"}), (0, {"role": "user", "content": None}),
+                       (1, {"role": "system", "content": None}), (1, {"role": "assistant"})):
+        messages = [message] if i == 0 else [{"role": "user", "content": "hi"}, message]
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert r.status_code == 400, (message, r.text)
+        assert r.json()["error"]["param"] == f"messages[{i}].content", r.text
+    r = http.post("/tokenize", json={"messages": [{"role": "user", "content": None}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+
+
+def tool_history(arguments: str) -> list[dict]:
+    return [{"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "content": "22 degrees and sunny", "tool_call_id": "call_1"}]
+
+
+def test_tool_calls_and_tool_results_in_history_are_accepted(client, http, model):
+    for arguments in ('{"city": "Paris"}', '{"city": "Par'):     # malformed: rendered as {}
+        out = client.chat.completions.create(model=model, messages=tool_history(arguments),
+                                             temperature=0, max_tokens=3)
+        assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens == 3
+    with_result = http.post("/tokenize", json={"messages": tool_history("{}")}).json()["count"]
+    without = http.post("/tokenize", json={"messages": tool_history("{}")[:2]}).json()["count"]
+    assert with_result > without            # the default template renders the tool's answer
+    r = http.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": "x", "tool_calls": tool_history("{}")[1]["tool_calls"]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].tool_calls"
+
+
+def test_cache_salt_must_be_a_non_empty_string(http):
+    for salt in ("", 5, ["a"]):
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "cache_salt": salt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", (salt, r.text)
+
+
+def test_cache_salt_keeps_cached_prefixes_apart(http):
+    """vLLM's cache_salt: requests share a cached prefix only when their salts are equal."""
+    prompt = f"{uuid.uuid4()} " + "The quick brown fox jumps over the lazy dog. " * 20
+    def cached(**salt) -> int:
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, **salt})
+        if r.status_code == 400 and r.json()["error"]["param"] == "cache_salt":
+            pytest.skip("cache_salt is not carried to the engine yet (EngineClient.submit and the "
+                        f"Tokenizer actor do not take it): {r.json()['error']['message']}")
+        assert r.status_code == 200, r.text
+        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0           # another salt: no hit
+    assert cached() == 0                                # no salt: no hit on a salted prefix
+    assert cached(cache_salt="tenant-a") > 0            # the same salt: a hit

@@ -184,8 +184,9 @@ def test_non_text_parts_rejected():
 
 
 def test_none_values_dropped():
-    messages = normalize_messages([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}], "name": None}])
-    assert messages == [{"role": "assistant", "tool_calls": [{"id": "1"}]}]
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = normalize_messages([{"role": "assistant", "content": None, "tool_calls": [call], "name": None}])
+    assert messages == [{"role": "assistant", "tool_calls": [{**call, "function": {"name": "f", "arguments": {}}}]}]
 
 
 def test_template_globals_and_sandbox():
