@@ -21,7 +21,7 @@ from actors.frontend.logprobs import TokenText
 from actors.frontend.protocol import BadRequest, decode_body
 from actors.runtime import RemoteError, faults
 from actors.runtime.faults import InjectFault
-from actors.tokenizer.actor import InvalidPrompt, PromptTooLong
+from actors.tokenizer.actor import InvalidPrompt
 
 log = logging.getLogger("troupe.http")
 
@@ -80,22 +80,20 @@ class OpenAIServer:
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         if self.options.api_key and request.path.startswith("/v1/"):
             if request.headers.get("Authorization", "") != f"Bearer {self.options.api_key}":
-                return error_response(401, "invalid or missing API key", "authentication_error",
-                                      code="invalid_api_key")
+                return error_response(401, "invalid or missing API key")
         try:
             response = await handler(request)
         except ApiError as exc:
             response = exc.response
         except BadRequest as exc:
-            response = error_response(400, str(exc), param=exc.param, code=exc.code)
+            response = error_response(400, str(exc), param=exc.param)
         except web.HTTPRequestEntityTooLarge:
-            response = error_response(413, f"the request body is larger than "
-                                      f"{self.options.max_body_bytes} bytes", code=413)
+            response = error_response(413, f"the request body is larger than {self.options.max_body_bytes} bytes")
         except web.HTTPException as exc:
-            response = error_response(exc.status, exc.reason, code=exc.status)
+            response = error_response(exc.status, exc.reason)
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
-            response = error_response(500, "internal error (see the server log)", "server_error", code=500)
+            response = error_response(500, "internal error (see the server log)")
         rid = request.headers.get("X-Request-Id")
         if rid and not response.prepared:
             response.headers["X-Request-Id"] = rid
@@ -114,7 +112,7 @@ class OpenAIServer:
         body = await request.read()
         req = decode_body(body, typ, self.options.lenient)
         if req.model is not None and req.model != client.model_name:
-            raise not_found(f"The model `{req.model}` does not exist.", "model", "model_not_found")
+            raise not_found(f"The model `{req.model}` does not exist.", "model")
         return req
 
     async def submit(self, params: Any, **kwargs: Any) -> RequestHandle:
@@ -125,9 +123,7 @@ class OpenAIServer:
         try:
             return await self.engine().submit(params, **kwargs)
         except InvalidPrompt as exc:
-            param = "messages" if kwargs.get("messages") is not None else "prompt"
-            code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
-            raise bad_request(str(exc), param, code) from None
+            raise bad_request(str(exc), "messages" if kwargs.get("messages") is not None else "prompt") from None
         except Overloaded as exc:
             raise unavailable(str(exc), exc.retry_after) from None
         except EngineDeadError as exc:

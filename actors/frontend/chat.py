@@ -11,7 +11,7 @@ from actors.frontend.fanout import Choice, submit_choices
 from actors.frontend.generation import Generation
 from actors.frontend.logprobs import TokenText, chat_logprobs
 from actors.frontend.params import (cache_salt, chat_messages, check_chat_flags, check_priority,
-                                    num_choices, stream_flags)
+                                    num_choices, request_timeout, stream_flags)
 from actors.frontend.protocol import ChatCompletionRequest
 from actors.frontend.streams import RequestOutput
 
@@ -77,12 +77,12 @@ async def chat_completions(server: OpenAIServer, request: web.Request) -> web.St
     check_chat_flags(add_generation_prompt, continue_final_message)
     params = req.to_sampling_params(server.vocab_size, client.max_model_len)
     priority = check_priority(req, client.config.scheduler.policy)
-    salt = cache_salt(req, client.submit)
     rid = client.new_request_id()
     choices = await submit_choices(
         server.submit, rid, params, n, None, messages=messages,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-        chat_template_kwargs=req.chat_template_kwargs, priority=priority, arrival_time=arrival, **salt)
+        chat_template_kwargs=req.chat_template_kwargs, priority=priority, arrival_time=arrival,
+        cache_salt=cache_salt(req), timeout_s=request_timeout(req))
     gen = ChatGeneration(rid, client.model_name, choices, include_usage, server.token_text,
                          params.logprobs)
     return await gen.respond(request, stream)

@@ -100,7 +100,8 @@ class EngineClient:
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      chat_template_kwargs: dict[str, Any] | None = None,
                      priority: int = 0, arrival_time: float = 0.0,
-                     add_special_tokens: bool = False, timeout_s: float | None = None) -> RequestHandle:
+                     add_special_tokens: bool = False, cache_salt: str | None = None,
+                     timeout_s: float | None = None) -> RequestHandle:
         """Admit one request; ``timeout_s``: it is aborted (its KV freed) if it has not finished
         that long after now. Raises InvalidPrompt (or PromptTooLong) when it is refused,
         Overloaded when too many wait already, and EngineDeadError when the engine is gone or
@@ -116,7 +117,7 @@ class EngineClient:
         admit = asyncio.ensure_future(self.tokenizer_actor.ask(Generate(
             rid, params, prompt, prompt_token_ids, messages,
             add_generation_prompt, continue_final_message, chat_template_kwargs or {},
-            priority, arrival_time, add_special_tokens), timeout=60))
+            priority, arrival_time, add_special_tokens, cache_salt), timeout=60))
         try:
             accepted = await asyncio.shield(admit)
         except RemoteError as exc:

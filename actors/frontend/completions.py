@@ -13,7 +13,7 @@ from actors.frontend.fanout import Choice, submit_choices
 from actors.frontend.generation import Generation
 from actors.frontend.logprobs import CompletionLogprobs, TokenText, merge_completion_logprobs
 from actors.frontend.params import (MAX_CHOICES, PromptInput, cache_salt, check_priority,
-                                    completion_prompts, num_choices, stream_flags)
+                                    completion_prompts, num_choices, request_timeout, stream_flags)
 from actors.frontend.protocol import BadRequest, CompletionRequest
 from actors.frontend.streams import RequestOutput
 from actors.engine.messages import Logprobs
@@ -104,11 +104,11 @@ async def completions(server: OpenAIServer, request: web.Request) -> web.StreamR
     params = req.to_sampling_params(server.vocab_size, client.max_model_len)
     echo = bool(req.echo)
     priority = check_priority(req, client.config.scheduler.policy)
-    salt = cache_salt(req, client.submit)
     rid = client.new_request_id()
     choices = await submit_choices(
         server.submit, rid, params, n, prompts, priority=priority,
-        arrival_time=arrival, add_special_tokens=req.add_special_tokens is not False, **salt)
+        arrival_time=arrival, add_special_tokens=req.add_special_tokens is not False,
+        cache_salt=cache_salt(req), timeout_s=request_timeout(req))
     echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
     gen = CompletionGeneration(rid, client.model_name, choices, include_usage, server.token_text,
                                params.logprobs, echo_texts)

@@ -25,5 +25,5 @@ async def inject_fault(server: OpenAIServer, request: web.Request) -> web.Respon
     try:
         armed = await server.inject(fault)
     except ActorError as exc:
-        return error_response(500, f"the fault could not be armed: {exc}", "server_error", code=500)
+        return error_response(500, f"the fault could not be armed: {exc}")
     return web.Response(body=json_encoder.encode({"armed": armed}), content_type="application/json")

@@ -44,18 +44,14 @@ def clip(message: str) -> str:
     return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message)} characters in all)"
 
 
-def error_body(message: str, type_: str | None = None, param: str | None = None,
-               code: int = 500) -> dict[str, Any]:
-    """The error object; ``code`` is the HTTP status. ``type_`` is not used (the type follows
-    from the status): it stays for callers that still pass OpenAI's old type strings."""
+def error_body(message: str, param: str | None = None, code: int = 500) -> dict[str, Any]:
+    """The error object; ``code`` is the HTTP status (the type follows from it)."""
     return {"error": {"message": clip(message), "type": error_type(code), "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, type_: str | None = None, param: str | None = None,
-                   code: Any = None) -> web.Response:
-    """An error response of HTTP ``status``. ``type_`` and ``code`` are not used (both follow
-    from ``status``): they stay for callers that still pass OpenAI's old strings."""
-    return web.Response(status=status, body=json_encoder.encode(error_body(message, param=param, code=status)),
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    """An error response of HTTP ``status``."""
+    return web.Response(status=status, body=json_encoder.encode(error_body(message, param, status)),
                         content_type="application/json")
 
 
@@ -67,12 +63,12 @@ class ApiError(Exception):
         self.response = response
 
 
-def bad_request(message: str, param: str | None = None, code: Any = None) -> ApiError:
-    return ApiError(error_response(400, message, param=param))
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(error_response(400, message, param))
 
 
-def not_found(message: str, param: str | None = None, code: Any = None) -> ApiError:
-    return ApiError(error_response(404, message, param=param))
+def not_found(message: str, param: str | None = None) -> ApiError:
+    return ApiError(error_response(404, message, param))
 
 
 def server_error(status: int, message: str) -> ApiError:

@@ -90,10 +90,10 @@ class Generation(ABC):
                 c.last = out
                 self.observe(c, out)
         except StreamTimeout as exc:
-            return error_response(504, str(exc), "server_error", code=504)
+            return error_response(504, str(exc))
         for c in self.choices:
             if c.last is None or c.last.error is not None:
-                return error_response(500, _failure(c.last), "server_error", code=500)
+                return error_response(500, _failure(c.last))
         body = {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": [self.final(c) for c in self.choices],
                 "usage": self.usage()}
@@ -106,7 +106,7 @@ class Generation(ABC):
             async for c, out in merged_outputs(self.choices):
                 c.last = out
                 if out.error is not None:
-                    yield error_body(_failure(out), "server_error", code=500)
+                    yield error_body(_failure(out), code=500)
                     return
                 entry = self.delta(c, out)
                 if entry is not None:
@@ -114,7 +114,7 @@ class Generation(ABC):
                 if out.finished:
                     yield self.chunk([self.finish(c, out)])
         except StreamTimeout as exc:
-            yield error_body(str(exc), "server_error", code=504)
+            yield error_body(str(exc), code=504)
             return
         if self.include_usage:
             yield self.chunk([], usage=self.usage())

@@ -2,8 +2,7 @@
 from the request's ``to_sampling_params``): choices, prompts, chat messages, streaming flags."""
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -12,6 +11,7 @@ from actors.frontend.protocol import (MAX_N, PRIORITY_RANGE, BadRequest, ChatMes
                                       or_default, require, require_in)
 
 MAX_CHOICES = 256            # choices per request (prompts x n)
+MAX_REQUEST_TIMEOUT_S = 86_400.0
 
 
 class PromptInput(NamedTuple):
@@ -125,16 +125,19 @@ def _content_text(i: int, content: Any) -> str:
     return "".join(part.text for part in content)
 
 
-def cache_salt(req: GenerationRequest, submit: Callable) -> dict[str, str]:
-    """The ``cache_salt`` keyword for ``submit`` (vLLM's rule: a non-empty string when set).
-    Until the engine client takes it, a salt is refused rather than dropped: dropped, the
-    request would share cached prefixes its client asked to keep apart."""
-    if req.cache_salt is None:
-        return {}
+def cache_salt(req: GenerationRequest) -> str | None:
+    """vLLM's rule: a non-empty string when set. It is mixed into the hash of the prompt's first
+    block, so only requests with equal salts share cached prefixes."""
     require(req.cache_salt != "", "cache_salt must be a non-empty string if provided", "cache_salt")
-    require("cache_salt" in inspect.signature(submit).parameters,
-            "cache_salt is not supported by this server yet", "cache_salt")
-    return {"cache_salt": req.cache_salt}
+    return req.cache_salt
+
+
+def request_timeout(req: GenerationRequest) -> float | None:
+    """Seconds the request may take before it is aborted (None: the server's --request-timeout)."""
+    t = req.request_timeout
+    require(t is None or 0.0 < t <= MAX_REQUEST_TIMEOUT_S,
+            f"request_timeout must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got {t}", "request_timeout")
+    return t
 
 
 def check_chat_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:

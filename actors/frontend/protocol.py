@@ -27,7 +27,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for completions
 
 class BadRequest(ValueError):
     """Invalid input: an HTTP 400 naming the offending field."""
-    code = None            # read by app.py's middleware; the error's code is its HTTP status
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -107,6 +106,7 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     priority: int | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None       # vLLM's: mixed into the first block's hash (params.cache_salt)
+    request_timeout: float | None = None  # seconds before it is aborted (params.request_timeout)
 
     def _sampling_params(self, vocab_size: int, max_model_len: int, max_tokens: int | None,
                          max_tokens_param: str, logprobs: int | None,

@@ -36,8 +36,7 @@ async def send_events(request: web.Request, events: AsyncIterator[dict]) -> web.
             raise
         except Exception:
             log.exception("%s %s failed mid-stream", request.method, request.path)
-            await resp.write(event(error_body("internal error (see the server log)",
-                                              "server_error", code=500)))
+            await resp.write(event(error_body("internal error (see the server log)", code=500)))
         await resp.write(DONE)
         await resp.write_eof()
     except ConnectionResetError:

@@ -41,6 +41,7 @@ class Generate(Msg):
     priority: int = 0
     arrival_time: float = 0.0
     add_special_tokens: bool = False       # BOS/EOS around a text prompt, as the GGUF asks
+    cache_salt: str | None = None          # mixed into the first block's hash: prefixes shared only within it
 
 
 class InvalidPrompt(ValueError, Refusal):
@@ -90,7 +91,7 @@ class TokenizerActor(Actor):
         arrival = msg.arrival_time or time.time()
         self.detokenizer.tell(TrackRequest(msg.request_id, ids, params, arrival))
         self.engine.tell(AddRequest(EngineCoreRequest(
-            msg.request_id, ids, params, arrival, self.eos_token_ids, msg.priority)))
+            msg.request_id, ids, params, arrival, self.eos_token_ids, msg.priority, msg.cache_salt)))
         if self.on_prompt_tokens is not None:
             self.on_prompt_tokens(n)
         return PromptAccepted(n, ids)

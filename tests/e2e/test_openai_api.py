@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client as http_client
 import json
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
@@ -585,14 +586,21 @@ def test_cache_salt_must_be_a_non_empty_string(http):
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", (salt, r.text)
 
 
+def test_request_timeout_field_aborts_a_request_past_it(http):
+    t0 = time.monotonic()
+    r = http.post("/v1/completions", json={"prompt": "Tell a long story:", "max_tokens": 4000,
+                                           "ignore_eos": True, "request_timeout": 1.5})
+    assert r.status_code == 504 and "timeout of 1.5 s" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - t0 < 5.0
+    bad = http.post("/v1/completions", json={"prompt": "x", "request_timeout": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_timeout"
+
+
 def test_cache_salt_keeps_cached_prefixes_apart(http):
     """vLLM's cache_salt: requests share a cached prefix only when their salts are equal."""
     prompt = f"{uuid.uuid4()} " + "The quick brown fox jumps over the lazy dog. " * 20
     def cached(**salt) -> int:
         r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, **salt})
-        if r.status_code == 400 and r.json()["error"]["param"] == "cache_salt":
-            pytest.skip("cache_salt is not carried to the engine yet (EngineClient.submit and the "
-                        f"Tokenizer actor do not take it): {r.json()['error']['message']}")
         assert r.status_code == 200, r.text
         return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     assert cached(cache_salt="tenant-a") == 0

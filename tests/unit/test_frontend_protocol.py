@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from actors.frontend.app import OpenAIServer, ServerOptions
 from actors.frontend.errors import MAX_MESSAGE_CHARS, error_body, error_response, error_type
-from actors.frontend.params import cache_salt, chat_messages, check_priority, for_choice
+from actors.frontend.params import cache_salt, chat_messages, check_priority, for_choice, request_timeout
 from actors.frontend.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest,
                                       TokenizeRequest, decode_body)
 from models.sampler import Sampler, SamplingMetadata
@@ -205,34 +205,33 @@ def test_tool_calls_must_have_openai_shape():
         assert exc.value.param.startswith("messages[0].tool_calls[0]"), exc.value.param
 
 
-# -- cache_salt ------------------------------------------------------------------------------------
-async def _submit_with_salt(params, *, cache_salt: str | None = None, **kwargs): ...
-
-
-async def _submit_without_salt(params, **kwargs): ...
-
-
-def test_cache_salt_is_a_non_empty_string_carried_only_where_the_engine_takes_it():
-    assert cache_salt(completion(), _submit_without_salt) == {}
+# -- cache_salt and request_timeout ----------------------------------------------------------------
+def test_cache_salt_is_a_non_empty_string():
+    assert cache_salt(completion()) is None
     with pytest.raises(BadRequest, match="non-empty") as exc:
-        cache_salt(completion(cache_salt=""), _submit_with_salt)
+        cache_salt(completion(cache_salt=""))
     assert exc.value.param == "cache_salt"
-    with pytest.raises(BadRequest, match="not supported"):
-        cache_salt(completion(cache_salt="tenant-a"), _submit_without_salt)
-    assert cache_salt(completion(cache_salt="tenant-a"), _submit_with_salt) == {"cache_salt": "tenant-a"}
+    assert cache_salt(completion(cache_salt="tenant-a")) == "tenant-a"
     with pytest.raises(BadRequest):
         decode_body(b'{"prompt": "x", "cache_salt": 5}', CompletionRequest)
 
 
+def test_request_timeout_is_positive_and_bounded():
+    assert request_timeout(completion()) is None and request_timeout(completion(request_timeout=2.5)) == 2.5
+    for bad in (0, -1, 1e9, float("inf"), float("nan")):
+        with pytest.raises(BadRequest) as exc:
+            request_timeout(completion(request_timeout=bad))
+        assert exc.value.param == "request_timeout"
+
+
 # -- the error shape -------------------------------------------------------------------------------
 def test_error_body_is_vllms_shape_with_the_status_as_code():
-    assert error_body("boom", "server_error", code=504) == {"error": {
+    assert error_body("boom", code=504) == {"error": {
         "message": "boom", "type": "InternalServerError", "param": None, "code": 504}}
     assert [error_type(s) for s in (400, 401, 404, 405, 413, 500, 503)] == [
         "BadRequestError", "AuthenticationError", "NotFoundError", "MethodNotAllowedError",
         "RequestEntityTooLargeError", "InternalServerError", "InternalServerError"]
-    body = json.loads(error_response(400, "x" * 10 ** 6, "invalid_request_error", "prompt",
-                                     code="context_length_exceeded").body)
+    body = json.loads(error_response(400, "x" * 10 ** 6, "prompt").body)
     assert body["error"]["code"] == 400 and body["error"]["param"] == "prompt"
     assert len(body["error"]["message"]) < MAX_MESSAGE_CHARS + 100
 
