@@ -8,7 +8,7 @@ import msgspec
 
 from actors import topology
 from actors.engine.config import EngineConfig
-from actors.engine.messages import SchedulerOutput
+from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
 from actors.runtime import Actor, Msg, Node
 
 if TYPE_CHECKING:
@@ -27,7 +27,20 @@ class InitKVCache(Msg):
     reply_type: ClassVar[Any] = int
 
 
-WorkerProtocol = LoadModel | InitKVCache | SchedulerOutput
+class StepResult(msgspec.Struct):
+    ran: bool                                   # the worker ran the step asked about
+    output: ModelRunnerOutput | None = None     # and this was its output
+
+
+class StepStatus(Msg):
+    """Did step ``step`` run, and with what output? Sent when its reply is late: queued behind
+    the step (same lane), it is answered once the step ran, so it tells a lost reply (ran: the
+    output again) from a lost step (not ran: send it again)."""
+    reply_type: ClassVar[Any] = StepResult
+    step: int
+
+
+WorkerProtocol = LoadModel | InitKVCache | SchedulerOutput | StepStatus
 
 LOAD_TIMEOUT_S = 600.0
 
@@ -37,11 +50,17 @@ class WorkerActor(Actor):
 
     def __init__(self) -> None:
         self.core: Worker | None = None            # until LoadModel
+        self.last_step = StepResult(False)         # the output of the last step run, for StepStatus
+        self.last_step_number = -1
 
     async def receive(self, msg: WorkerProtocol) -> Any:
         match msg:
             case SchedulerOutput():
-                return self._loaded().execute_model(msg)
+                out = self._loaded().execute_model(msg)
+                self.last_step, self.last_step_number = StepResult(True, out), msg.step
+                return out
+            case StepStatus(step=step):
+                return self.last_step if step == self.last_step_number else StepResult(False)
             case LoadModel(config=config):
                 # The core imports torch and the models: imported here, at the first load, and
                 # not with this protocol, which the engine-core process imports without torch.

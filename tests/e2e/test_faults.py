@@ -1,7 +1,8 @@
 """Faults injected into the real server's processes (the runtime's fault injection, armed over
 POST /debug/fault): a step whose handler raises fails that step's requests alone; a slow step is
-not taken for a hang; a frame lost between processes costs its request a clear timeout, not a
-hang; the server serves on after each."""
+not taken for a hang; a request frame lost on its way to the engine costs that request a clear
+timeout, and a step or step reply lost between engine and worker is recovered; the server serves
+on after each."""
 from __future__ import annotations
 
 import asyncio
@@ -82,6 +83,21 @@ def test_a_lost_frame_costs_its_request_a_timeout_not_a_hang(server):
     (status, body), took, (after_status, _) = run(scenario)
     assert status == 504 and "timeout of 8 s" in body["error"]["message"] and took < 12, (body, took)
     assert after_status == 200
+
+
+@pytest.mark.parametrize("node", ["engine", WORKER])
+def test_a_step_or_its_reply_lost_between_engine_and_worker_is_recovered(server, node):
+    """The engine's next frame is a step to the worker; the worker's, that step's reply. Either
+    lost, the executor asks the worker about the late step and sends it again or takes its
+    output again: the request completes, a few seconds late."""
+    async def scenario(session):
+        assert await inject(session, server.url, kind="drop", node=node, count=1)
+        t0 = time.monotonic()
+        result = await complete(session, server.url, "Despite a lost frame:")
+        return result, time.monotonic() - t0
+    (status, body), took = run(scenario)
+    assert status == 200 and body["usage"]["completion_tokens"] == 6 and took < 7.0, (body, took)
+    assert "never reached the worker" in server.log() if node == "engine" else "reply was lost" in server.log()
 
 
 def test_faults_cannot_be_injected_into_a_server_started_without_them():
