@@ -95,11 +95,17 @@ class LLM:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
-                 params: SamplingParams | None = None, *, use_tqdm: bool = True) -> list[GenerationResult]:
-        """Generate for every prompt concurrently (they share engine steps); results in order."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[GenerationResult]:
+        """Generate for every prompt concurrently (they share engine steps); results in order.
+        ``params``: one for all prompts, or one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        return self._batch([(p, lambda p=p: self._llm.generate(p, params)) for p in prompts], use_tqdm)
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling parameters for {len(prompts)} prompts")
+        return self._batch([(p, lambda p=p, sp=sp: self._llm.generate(p, sp))
+                            for p, sp in zip(prompts, per_prompt)], use_tqdm)
 
     def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              params: SamplingParams | None = None, *, use_tqdm: bool = True,

@@ -3,7 +3,7 @@ place they are spelled.
 
     frontend node            engine node                 worker node (one per rank)
       HTTP, TOKENIZER,         SCHEDULER, KV_MANAGER,      WORKER
-      DETOKENIZER              EXECUTOR
+      DETOKENIZER              GRAMMAR, EXECUTOR
 
 Offline (``LLM()``, ``AsyncLLM.create()``) every actor runs on the frontend node, in one event
 loop; the names do not change.
@@ -18,6 +18,7 @@ TOKENIZER = "tokenizer"
 DETOKENIZER = "detokenizer"
 SCHEDULER = "scheduler"
 KV_MANAGER = "kv_manager"
+GRAMMAR = "grammar"
 EXECUTOR = "executor"
 WORKER = "worker"
 

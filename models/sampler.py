@@ -289,7 +289,11 @@ def _penalties(presence: list | None, frequency: list | None, repetition: list |
 # -- processors: each writes into the float32 logits it is given ---------------------------------
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits (B, V); bitmask (B, W) int32. Tokens beyond the mask's 32*W are disallowed."""
+    """logits (B, V); bitmask (B, W) int32. Tokens beyond the mask's 32*W are disallowed. On
+    CUDA, one Triton kernel."""
+    if triton_fused.supports(logits, bitmask):
+        triton_fused.apply_bitmask_(logits, bitmask)
+        return
     B, V = logits.shape
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).view(B, -1)[:, :V].bool()   # (B, min(32W, V))

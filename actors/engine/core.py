@@ -12,6 +12,8 @@ from actors import topology
 from actors.engine.config import EngineConfig
 from actors.engine.messages import EngineCoreOutputs
 from actors.executor.actor import Executor, WorkersDown, WorkersUp
+from actors.grammar.actor import GrammarCompilerActor
+from actors.grammar.matchers import StructuredOutputs
 from actors.kv_manager.actor import KVManager
 from actors.runtime import ActorRef, Node
 from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, decode_info, start_child
@@ -40,6 +42,7 @@ class EngineCore:
         self.scheduler: ActorRef | None = None
         self.executor: ActorRef | None = None
         self.kv_manager: ActorRef | None = None
+        self.grammar: ActorRef | None = None
 
     async def start(self) -> EngineConfig:
         """Load the model, allocate the KV cache, start the engine's actors; returns the
@@ -50,11 +53,14 @@ class EngineCore:
         log.info("KV cache: %d blocks of %d tokens (%s); max model len %d", cfg.cache.num_blocks,
                  cfg.cache.block_size, cfg.cache.cache_dtype, cfg.model.max_model_len)
         self.kv_manager = self.node.spawn(topology.KV_MANAGER, lambda: KVManager(cfg))
-        kv = self.kv_manager.colocated()            # the scheduler calls the KV manager directly
+        self.grammar = self.node.spawn(topology.GRAMMAR, lambda: GrammarCompilerActor(cfg))
+        # the scheduler calls the KV manager's core and reads compiled grammars directly
+        kv, grammars = self.kv_manager.colocated(), self.grammar.colocated()
+        structured = StructuredOutputs(grammars, cfg.model.arch.vocab_size)
         self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor(worker))
         outputs = self.node.ref(topology.DETOKENIZER, topology.FRONTEND_NODE, EngineCoreOutputs)
         self.scheduler = self.node.spawn(topology.SCHEDULER, lambda: SchedulerActor(
-            Scheduler(cfg, kv), self.executor, outputs))
+            Scheduler(cfg, kv, structured), self.executor, outputs, self.grammar))
         return cfg
 
     async def _start_worker(self) -> tuple[ActorRef, EngineConfig]:

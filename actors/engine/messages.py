@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import msgspec
+import numpy as np
 
 from actors.engine.sampling_params import SamplingParams
 from transport.msg import Msg
@@ -109,3 +110,7 @@ class SchedulerOutput(Msg):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]              # finished, aborted or preempted: drop their state
+    # structured outputs: row i of the bitmask, (rows, ceil(vocab / 32)) int32, is the tokens
+    # grammar_req_ids[i] may sample this step (bit j of word w allows token 32 w + j)
+    grammar_req_ids: list[str] = []
+    grammar_bitmask: np.ndarray | None = None

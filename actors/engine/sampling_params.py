@@ -15,6 +15,28 @@ LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "proc
 LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, frozen=True):
+    """vLLM's structured outputs: exactly one of these constrains what the request generates.
+    ``json``: a JSON schema as JSON text; ``json_object``: any JSON object; ``regex``: a regular
+    expression the whole output matches; ``choice``: one of these strings; ``grammar``: an EBNF
+    (xgrammar's, as GBNF) or Lark grammar."""
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def kind(self) -> str:
+        """Which constraint it is; ValueError unless exactly one is set."""
+        kinds = [name for name, on in (("json", self.json is not None), ("json_object", self.json_object),
+                                       ("regex", self.regex is not None), ("choice", self.choice is not None),
+                                       ("grammar", self.grammar is not None)) if on]
+        if len(kinds) != 1:
+            raise ValueError(f"give exactly one of json, json_object, regex, choice and grammar, got "
+                             f"{', '.join(kinds) or 'none'}")
+        return kinds[0]
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_tokens: int | None = 16          # None: until the end of the context
     temperature: float = 1.0
@@ -37,6 +59,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: int | None = None   # the same for every prompt token but the first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None   # the grammar the output follows
 
     @property
     def greedy(self) -> bool:

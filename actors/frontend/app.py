@@ -14,11 +14,13 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from actors.frontend import chat, completions, debug, misc
+from actors.engine.sampling_params import SamplingParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
 from actors.frontend.errors import ApiError, bad_request, error_response, not_found, server_error
 from actors.frontend.logprobs import TokenText
-from actors.frontend.protocol import BadRequest, decode_body
+from actors.frontend.protocol import BadRequest, GenerationRequest, decode_body
+from actors.grammar.actor import InvalidGrammar
 from actors.runtime import RemoteError, faults
 from actors.runtime.faults import InjectFault
 from actors.tokenizer.actor import InvalidPrompt
@@ -114,6 +116,17 @@ class OpenAIServer:
         if req.model is not None and req.model != client.model_name:
             raise not_found(f"The model `{req.model}` does not exist.", "model")
         return req
+
+    async def check_grammar(self, req: GenerationRequest, params: SamplingParams) -> None:
+        """A request with structured outputs: its grammar compiled before it is admitted; 400
+        naming the request field that asked when it cannot be."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await self.engine().check_grammar(params.structured_outputs)
+        except InvalidGrammar as exc:
+            param = req.constraint().param
+            raise bad_request(f"invalid {param}: {exc}", param) from None
 
     async def submit(self, params: Any, **kwargs: Any) -> RequestHandle:
         """Admit one engine request, mapping refusals to OpenAI errors. Without a timeout of

@@ -76,6 +76,7 @@ async def chat_completions(server: OpenAIServer, request: web.Request) -> web.St
     continue_final_message = bool(req.continue_final_message)
     check_chat_flags(add_generation_prompt, continue_final_message)
     params = req.to_sampling_params(server.vocab_size, client.max_model_len)
+    await server.check_grammar(req, params)
     priority = check_priority(req, client.config.scheduler.policy)
     rid = client.new_request_id()
     choices = await submit_choices(

@@ -14,8 +14,9 @@ from typing import Any, AsyncIterator
 from actors.detokenizer.actor import EngineLost, Untrack
 from actors.engine.config import EngineConfig
 from actors.frontend.admission import Overloaded, WaitingRequests
-from actors.engine.sampling_params import SamplingParams
+from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from actors.frontend.stats import EngineStats
+from actors.grammar.actor import CompileGrammar, InvalidGrammar
 from actors.frontend.streams import OutputStream, OutputStreams, RequestOutput, StreamTimeout
 from actors.kv_manager.actor import ResetPrefixCache
 from actors.runtime import ActorRef, RemoteError
@@ -25,6 +26,7 @@ from actors.tokenizer.gguf_tokenizer import TextTokenizer
 
 # Longest wait for any output of a running request before it is failed (nothing hangs).
 DEFAULT_STALL_TIMEOUT_S = 600.0
+GRAMMAR_TIMEOUT_S = 120.0
 
 
 class EngineDeadError(RuntimeError):
@@ -41,7 +43,7 @@ class EngineClient:
     aborts go; ``kv_manager``: the KV manager."""
 
     def __init__(self, config: EngineConfig, tokenizer: TextTokenizer, tokenizer_actor: ActorRef,
-                 detokenizer: ActorRef, engine: ActorRef, kv_manager: ActorRef,
+                 detokenizer: ActorRef, engine: ActorRef, kv_manager: ActorRef, grammar: ActorRef,
                  streams: OutputStreams, stats: EngineStats, waiting: WaitingRequests,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.config = config
@@ -51,6 +53,7 @@ class EngineClient:
         self.detokenizer = detokenizer
         self.engine = engine
         self.kv_manager = kv_manager
+        self.grammar = grammar
         self.streams = streams
         self.stats = stats
         self.stall_timeout_s = stall_timeout_s
@@ -141,6 +144,17 @@ class EngineClient:
                 yield out
         finally:
             handle.close()
+
+    async def check_grammar(self, spec: StructuredOutputsParams) -> float:
+        """Have the engine compile ``spec`` (cached for the request that follows); raises
+        InvalidGrammar with xgrammar's reason when it cannot. Returns the compile seconds."""
+        try:
+            compiled = await self.grammar.ask(CompileGrammar(spec), timeout=GRAMMAR_TIMEOUT_S)
+        except RemoteError as exc:
+            if exc.error_type == "InvalidGrammar":
+                raise InvalidGrammar(exc.message) from None
+            raise
+        return compiled.seconds
 
     async def reset_prefix_cache(self) -> bool:
         return await self.kv_manager.ask(ResetPrefixCache(), timeout=30)

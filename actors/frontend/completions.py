@@ -102,6 +102,7 @@ async def completions(server: OpenAIServer, request: web.Request) -> web.StreamR
         raise BadRequest(f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices "
                          "per request", "n" if n > 1 else "prompt")
     params = req.to_sampling_params(server.vocab_size, client.max_model_len)
+    await server.check_grammar(req, params)
     echo = bool(req.echo)
     priority = check_priority(req, client.config.scheduler.policy)
     rid = client.new_request_id()

@@ -20,6 +20,7 @@ from actors.engine.core import EngineCore
 from actors.frontend.admission import WaitingRequests
 from actors.frontend.client import EngineClient
 from actors.frontend.stats import EngineStats
+from actors.grammar.actor import GrammarCompilerProtocol
 from actors.frontend.streams import OutputStreams
 from actors.kv_manager.actor import KVManagerProtocol
 from actors.runtime import ActorRef, Node
@@ -104,7 +105,7 @@ class Frontend:
             tokenizer, config.model.max_model_len, list(config.model.arch.eos_token_ids), detok,
             engine.scheduler, waiting, count_prompt_tokens))
         self.client = EngineClient(config, tokenizer, tok, detok, engine.scheduler, engine.kv_manager,
-                                   streams, stats, waiting)
+                                   engine.grammar, streams, stats, waiting)
         return self.client
 
     async def shutdown(self) -> None:
@@ -148,6 +149,7 @@ class _Engine(NamedTuple):
     config: EngineConfig          # resolved
     scheduler: ActorRef
     kv_manager: ActorRef
+    grammar: ActorRef
 
 
 async def _start_engine(fe: Frontend, config: EngineConfig, ready_timeout: float) -> _Engine:
@@ -157,7 +159,7 @@ async def _start_engine(fe: Frontend, config: EngineConfig, ready_timeout: float
             raise ValueError("a multiprocess config needs a frontend made with create_frontend(True)")
         fe.engine_core = EngineCore(fe.node, config)
         resolved = await fe.engine_core.start()
-        return _Engine(resolved, fe.engine_core.scheduler, fe.engine_core.kv_manager)
+        return _Engine(resolved, fe.engine_core.scheduler, fe.engine_core.kv_manager, fe.engine_core.grammar)
     payload = msgspec.msgpack.encode((fe.ipc_dir, config))
     frontend_address = {topology.FRONTEND_NODE: endpoint(fe.ipc_dir, topology.FRONTEND_NODE)}
     spec = NodeSpec(topology.ENGINE_NODE, "actors.engine.core:engine_entry", payload, fe.ipc_dir,
@@ -166,4 +168,5 @@ async def _start_engine(fe: Frontend, config: EngineConfig, ready_timeout: float
                                                  on_exit=fe.engine_exited)
     return _Engine(decode_info(ready, EngineConfig),
                    fe.node.ref(topology.SCHEDULER, topology.ENGINE_NODE, SchedulerProtocol),
-                   fe.node.ref(topology.KV_MANAGER, topology.ENGINE_NODE, KVManagerProtocol))
+                   fe.node.ref(topology.KV_MANAGER, topology.ENGINE_NODE, KVManagerProtocol),
+                   fe.node.ref(topology.GRAMMAR, topology.ENGINE_NODE, GrammarCompilerProtocol))

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from actors.engine.sampling_params import SamplingParams
+from actors.frontend.structured import Constraint, NotStructured, StructuredOutputsFields, constraint_of
 
 log = logging.getLogger("troupe.http")
 
@@ -79,7 +80,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     tool_call_id: str | None = None             # a tool's result: the call it answers
 
 
-class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_only=True):
     """What chat and text completion requests share."""
     prompt_param: ClassVar[str]         # what a context-length error names, as OpenAI does
     model: str | None = None
@@ -130,6 +131,7 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         if self.seed is not None:
             require_in(self.seed, SEED_RANGE[0], SEED_RANGE[1] - MAX_N, "seed")   # choice i: seed + i
         stop, stop_ids, bad_words = self._stop_conditions(vocab_size)
+        constraint = self.constraint()
         return SamplingParams(
             max_tokens=max_tokens, temperature=t, top_p=p, top_k=max(k, 0), min_p=min_p,
             seed=self.seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(self.ignore_eos),
@@ -137,7 +139,15 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             frequency_penalty=or_default(self.frequency_penalty, 0.0), repetition_penalty=rep,
             logit_bias=_logit_bias(self.logit_bias, vocab_size), logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=or_default(self.skip_special_tokens, True),
-            include_stop_str_in_output=bool(self.include_stop_str_in_output), bad_words=bad_words)
+            include_stop_str_in_output=bool(self.include_stop_str_in_output), bad_words=bad_words,
+            structured_outputs=constraint.params if constraint else None)
+
+    def constraint(self) -> Constraint | None:
+        """The structured outputs the request asks for (and the field that asks)."""
+        try:
+            return constraint_of(self)
+        except NotStructured as exc:
+            raise BadRequest(str(exc), exc.param) from None
 
     def _stop_conditions(self, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

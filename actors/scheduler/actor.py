@@ -8,12 +8,15 @@ next one.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
 from typing import Any, ClassVar
 
 from actors.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from actors.engine.sampling_params import StructuredOutputsParams
+from actors.grammar.actor import CompileGrammar
 from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteError
 from actors.scheduler.scheduler import Scheduler
 
@@ -33,6 +36,12 @@ class Step(Msg):
     pass
 
 
+class GrammarReady(Msg):
+    """The grammar of a request waiting for it was compiled (or could not be: ``error``)."""
+    request_id: str
+    error: str | None = None
+
+
 class WorkersLost(Msg):
     """The workers of ``generation`` died (``reason``); a replacement is starting."""
     generation: int
@@ -44,9 +53,10 @@ class WorkersReady(Msg):
     generation: int
 
 
-SchedulerProtocol = AddRequest | AbortRequests | Step | WorkersLost | WorkersReady
+SchedulerProtocol = AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady
 
 STEP_TIMEOUT_S = 600.0
+GRAMMAR_TIMEOUT_S = 120.0
 MAX_EARLY_ABORTS = 4096          # remembered ids of aborts that came before their request
 
 
@@ -55,10 +65,12 @@ class SchedulerActor(Actor):
     on_failure = "escalate"      # an exception here means broken scheduling state
 
     def __init__(self, core: Scheduler, executor: ActorRef, outputs: ActorRef,
-                 generation: int = 0) -> None:
+                 grammar: ActorRef | None = None, generation: int = 0) -> None:
         self.core = core
         self.executor = executor
         self.outputs = outputs
+        self.grammar = grammar
+        self._tasks: set[asyncio.Task[None]] = set()      # grammar compiles under way
         self.generation = generation
         self.paused = False
         self._step_queued = False
@@ -77,6 +89,14 @@ class SchedulerActor(Actor):
                 err = self.core.add_request(r)
                 if err is not None:
                     self._emit([err])
+                elif r.request_id in self.core.awaiting_grammar:
+                    task = asyncio.ensure_future(self._compile_grammar(r.request_id,
+                                                                       r.sampling_params.structured_outputs))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                self._kick()
+            case GrammarReady(request_id=rid, error=error):
+                self._emit(self.core.grammar_ready(rid, error))
                 self._kick()
             case AbortRequests(request_ids=ids):
                 outs = self.core.abort_requests(ids)
@@ -104,6 +124,16 @@ class SchedulerActor(Actor):
                     self.core.reset_blocks()         # the new worker's cache holds nothing
                 self.paused = False
                 self._kick()
+
+    async def _compile_grammar(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        """Have the GrammarCompiler compile a waiting request's grammar; GrammarReady to
+        ourselves when it is done (the request waits without holding back the queue)."""
+        try:
+            await self.grammar.ask(CompileGrammar(spec), timeout=GRAMMAR_TIMEOUT_S)
+            error = None
+        except (RemoteError, AskTimeout, ActorDied) as exc:
+            error = f"the grammar cannot be compiled: {exc.message if isinstance(exc, RemoteError) else exc}"
+        self.ctx.self_ref.tell(GrammarReady(request_id, error))
 
     def _kick(self) -> None:
         """Queue a step when there is work."""

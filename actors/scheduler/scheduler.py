@@ -26,6 +26,8 @@ from actors.engine.config import EngineConfig
 from actors.engine.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest,
                                     ModelRunnerOutput, NewRequestData, SchedulerOutput,
                                     SchedulerStats)
+from actors.grammar.compiler import GrammarError
+from actors.grammar.matchers import StructuredOutputs
 from actors.kv_manager.manager import KVCacheManager
 from actors.scheduler.queues import create_queue
 from actors.scheduler.request import Request, RequestStatus
@@ -56,8 +58,13 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    """``structured``: the matchers of requests with structured outputs (None: refused)."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
+                 structured: StructuredOutputs | None = None) -> None:
         self.config = config.scheduler
+        self.structured = structured
+        self.awaiting_grammar: dict[str, Request] = {}    # WAITING_FOR_GRAMMAR, out of the queue
         self.block_size = config.cache.block_size
         self.enable_prefix_caching = config.cache.enable_prefix_caching
         self.max_model_len = config.model.max_model_len      # a request alone always fits
@@ -79,9 +86,33 @@ class Scheduler:
                 f"prompt of {len(r.prompt_token_ids)} tokens leaves no room to generate "
                 f"(limit {self.max_model_len} tokens)"))
         req = Request.from_engine_request(r, self.block_size if self.enable_prefix_caching else 0)
+        spec = r.sampling_params.structured_outputs
+        if spec is not None:
+            if self.structured is None:
+                return EngineCoreOutput(r.request_id, [], "error", error="structured outputs are not available here")
+            try:
+                ready = self.structured.start(r.request_id, spec)
+            except GrammarError as exc:
+                return EngineCoreOutput(r.request_id, [], "error", error=f"invalid structured outputs: {exc}")
+            if not ready:              # compiled on the side; the queue goes on without it
+                req.status = RequestStatus.WAITING_FOR_GRAMMAR
+                self.requests[req.request_id] = self.awaiting_grammar[req.request_id] = req
+                return None
         self.requests[req.request_id] = req
         self.waiting.add(req)
         return None
+
+    def grammar_ready(self, request_id: str, error: str | None = None) -> list[EngineCoreOutput]:
+        """A waiting request's grammar was compiled (or could not be: ``error``)."""
+        req = self.awaiting_grammar.pop(request_id, None)
+        if req is None:
+            return []                  # aborted meanwhile
+        if error is None and self.structured.start(request_id, req.sampling_params.structured_outputs):
+            req.status = RequestStatus.WAITING
+            self.waiting.add(req)
+            return []
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        return [EngineCoreOutput(request_id, [], "error", error=error or "its grammar was not compiled")]
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -135,9 +166,11 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self._finished_for_workers.append(req.request_id)
-        else:
+        elif self.awaiting_grammar.pop(req.request_id, None) is None:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        if self.structured is not None:
+            self.structured.free(req.request_id)
         del self.requests[req.request_id]
 
     # -- the step ----------------------------------------------------------------------------
@@ -262,8 +295,17 @@ class Scheduler:
             self._finished_for_workers = []
         else:
             self._finished_for_workers = finished
+        grammar_ids = self._sampling_constrained(step)
         return SchedulerOutput(self.counters.step, new_reqs, cached, num_scheduled,
-                               sum(num_scheduled.values()), finished)
+                               sum(num_scheduled.values()), finished, grammar_ids,
+                               self.structured.fill_bitmask(grammar_ids) if grammar_ids else None)
+
+    def _sampling_constrained(self, step: _Step) -> list[str]:
+        """The requests with a grammar that sample this step (their tokens all computed)."""
+        if self.structured is None:
+            return []
+        return [req.request_id for req in step.num_tokens
+                if req.request_id in self.structured and req.num_computed_tokens == req.num_tokens]
 
     # -- the step's results ------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -275,11 +317,13 @@ class Scheduler:
             if req is None or req.status.finished or not (sampled or prompt_lp):
                 continue   # aborted meanwhile, or a prompt chunk with nothing to report
             new_ids: list[int] = []
-            status = None
+            status = error = None
             for tok in sampled:
                 req.append_output_token_ids([tok])
                 new_ids.append(tok)
-                status = self._check_stop(req, tok)
+                status, error = self._check_stop(req, tok), None
+                if self.structured is not None and rid in self.structured:
+                    status, error = self._advance_grammar(req, tok, status)
                 if status is not None:
                     break
             outs.append(EngineCoreOutput(rid, new_ids, logprobs=out.logprobs.get(rid),
@@ -291,8 +335,19 @@ class Scheduler:
             if status is not None:
                 outs[-1].finish_reason = status.finish_reason
                 outs[-1].stop_reason = req.stop_reason
+                outs[-1].error = error
                 self._finish(req, status)
         return outs
+
+    def _advance_grammar(self, req: Request, tok: int,
+                         status: RequestStatus | None) -> tuple[RequestStatus | None, str | None]:
+        """The request's matcher takes the sampled token: a complete grammar ends the request
+        (stop), a token it does not allow is an error."""
+        try:
+            done = self.structured.accept(req.request_id, tok)
+        except ValueError as exc:
+            return RequestStatus.FINISHED_ERROR, str(exc)
+        return (status or RequestStatus.FINISHED_STOPPED) if done else status, None
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.sampling_params
@@ -309,7 +364,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         c = self.counters
-        return SchedulerStats(c.step, len(self.running), len(self.waiting), c.last_scheduled_reqs,
+        return SchedulerStats(c.step, len(self.running), len(self.waiting) + len(self.awaiting_grammar),
+                              c.last_scheduled_reqs,
                               c.last_scheduled_tokens, self.kv.usage(), c.num_preemptions,
                               c.prefix_cache_queries, c.prefix_cache_hits, c.busy_seconds,
                               c.compute_seconds)

@@ -129,7 +129,10 @@ class ModelRunner:
         if len(inp.sample_rows):
             logits = self.model.compute_logits(hidden[inp.logits_indices.to(self.device)])  # (S, vocab)
             sample_slots = inp.slots[inp.sample_rows]
-            result = self.sampler(logits, self.sampling_metadata(sample_slots))
+            meta = self.sampling_metadata(sample_slots)
+            if so.grammar_bitmask is not None:
+                meta = dataclasses.replace(meta, grammar_bitmask=self._grammar_bitmask(so, req_ids, inp))
+            result = self.sampler(logits, meta)
             tokens = result.sampled_token_ids.cpu().numpy()
             b.append_tokens(sample_slots, tokens)
             for row, tok in zip(inp.sample_rows.tolist(), tokens.tolist()):
@@ -170,6 +173,15 @@ class ModelRunner:
         reusable = not SamplingMetadata.reads_output_tokens(params)
         self._meta_cache = (key, meta, states) if reusable else None   # states held: ids stay theirs
         return meta
+
+    def _grammar_bitmask(self, so: SchedulerOutput, req_ids: list[str], inp: StepInputs) -> torch.Tensor:
+        """(S, words) int32 for the rows that sample: the scheduler's row for each request with a
+        grammar, every token allowed for the others."""
+        rows = {req_ids[r]: j for j, r in enumerate(inp.sample_rows.tolist())}
+        mask = np.full((len(rows), so.grammar_bitmask.shape[1]), -1, dtype=np.int32)
+        for i, rid in enumerate(so.grammar_req_ids):
+            mask[rows[rid]] = so.grammar_bitmask[i]
+        return torch.from_numpy(mask).to(self.device)
 
     def _sample_logprobs(self, req_ids: list[str], rows: np.ndarray, slots: np.ndarray,
                          lp: LogprobsTensors, out: ModelRunnerOutput) -> None:

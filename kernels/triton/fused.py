@@ -1,6 +1,7 @@
 """The GPU path's fused elementwise ops and token draw, as the model layers and the sampler call
-them: RMSNorm with the residual add folded in, rotary on q and k in place, SiLU(gate) * up, and
-the temperature / top-k / top-p draw without a sort or a host synchronisation.
+them: RMSNorm with the residual add folded in, rotary on q and k in place, SiLU(gate) * up, the
+structured-output bitmask, and the temperature / top-k / top-p draw without a sort or a host
+synchronisation.
 
 ``supports`` is the one place that decides between these Triton kernels and the plain torch
 ops (the twin of ``kernels.cpu.fused.supports`` for the CPU): every tensor on CUDA, and
@@ -49,6 +50,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up (T, 2I) = gate | up -> SiLU(gate) * up, (T, I)."""
     from kernels.triton.silu_mul import silu_and_mul as launch
     return launch(gate_up)
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf on every logit of (B, V) whose bit in the (B, ceil(V / 32)) int32 bitmask is clear."""
+    from kernels.triton.bitmask import apply_bitmask_ as launch
+    launch(logits, bitmask)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

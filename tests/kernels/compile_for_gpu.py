@@ -35,6 +35,7 @@ def _exercise() -> None:
     import kernels.triton.paged_decode as pd
     import kernels.triton.paged_prefill as pp
     from kernels.attention import build_attention_metadata
+    from kernels.triton.bitmask import apply_bitmask_
     from kernels.triton.kv_store import store_kv_cache
     from kernels.triton.rmsnorm import rms_norm
     from kernels.triton.rotary import rotary_embedding, rotary_embedding_rows
@@ -63,6 +64,7 @@ def _exercise() -> None:
     silu_and_mul(torch.randn(3, 2 * 11008, dtype=x.dtype))
     sample(torch.randn(2, 32000), torch.ones(2), torch.zeros(2, dtype=torch.int64), torch.ones(2),
            torch.ones(2, 32000))
+    apply_bitmask_(torch.randn(2, 32000), torch.zeros(2, 1000, dtype=torch.int32))
 
 
 def _source(fn: JITFunction, args: tuple, kwargs: dict) -> ASTSource:

@@ -13,7 +13,7 @@ import pytest
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_for_gpu.py")
 KERNELS = {"_store_kv_cache_kernel", "_paged_decode_kernel", "_paged_decode_reduce_kernel", "_paged_prefill_kernel",
-           "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_sample_kernel"}
+           "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_sample_kernel", "_apply_bitmask_kernel"}
 
 
 def test_kernels_compile_for_cuda_targets():

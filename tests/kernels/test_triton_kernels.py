@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 import pytest  # noqa: E402
 
+from kernels.triton.bitmask import apply_bitmask_, apply_bitmask_ref  # noqa: E402
 from kernels.triton.kv_store import store_kv_cache, store_kv_cache_ref  # noqa: E402
 from kernels.triton.paged_decode import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from kernels.triton.paged_prefill import paged_attention_ref, paged_prefill_attention  # noqa: E402
@@ -346,3 +347,16 @@ def test_launchers_reject_bad_arguments():
                 silu_and_mul(_randn(2, 8))
         finally:
             os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.mark.parametrize("vocab,words", [(70, 3), (96, 3), (100, 2), (1000, 32)])
+def test_bitmask_kernel_matches_reference(vocab, words):
+    g = _gen(7)
+    logits = torch.randn(5, vocab, generator=g).to(DEVICE)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), generator=g, dtype=torch.int64).to(torch.int32).to(DEVICE)
+    bitmask[1] = -1                                              # a row with everything allowed
+    got, want = logits.clone(), logits.clone()
+    apply_bitmask_(got, bitmask)
+    apply_bitmask_ref(want, bitmask)
+    assert torch.equal(got, want)
+    assert torch.isfinite(got[1, :min(vocab, 32 * words)]).all()

@@ -1,0 +1,146 @@
+"""Structured outputs in the engine core, with xgrammar and the default model's vocabulary: the
+grammar cache (one compile per schema, clear refusals), and the scheduler's side: a request that
+waits for its grammar holds nobody back, constrained rows get their bitmask, the grammar ends
+the request, preemption keeps its matcher's state and an abort frees it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from actors.engine.args import EngineArgs
+from actors.engine.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from actors.grammar.actor import xgrammar_compiler
+from actors.grammar.compiler import GrammarCache, GrammarError, grammar_key
+from actors.grammar.matchers import StructuredOutputs
+from actors.kv_manager.manager import KVCacheManager
+from actors.scheduler.scheduler import Scheduler
+from actors.tokenizer.gguf_tokenizer import TextTokenizer
+from models.registry import model_config
+from sched_utils import FakeWorker, engine_config
+
+CHOICES = ["yes", "no", "maybe later"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = EngineArgs().create_engine_config()
+    arch = model_config(config.model.source)
+    resolved = config.resolve(cuda_available=False, cpu_count=2, arch=arch)
+    tokenizer = TextTokenizer.from_source(config.model.source.kind, config.model.source.path)
+    return GrammarCache(lambda: xgrammar_compiler(resolved)), arch, tokenizer
+
+
+def test_the_same_schema_compiles_once_whatever_its_spacing(setup):
+    cache, _, _ = setup
+    a = grammar_key(StructuredOutputsParams(json='{"type": "object", "properties": {"b": {"type": "integer"}}}'))
+    b = grammar_key(StructuredOutputsParams(json='{"type":"object","properties":{"b":{"type":"integer"}}}'))
+    assert a == b and cache.get(a) is None
+    assert cache.compile(a) is cache.compile(b) is cache.get(b)
+
+
+@pytest.mark.parametrize("spec,message", [
+    (StructuredOutputsParams(json="{not json"), "not valid JSON"),
+    (StructuredOutputsParams(json='{"type": "objectx"}'), "objectx"),
+    (StructuredOutputsParams(regex="(unclosed"), "parenthesis is not closed"),
+    (StructuredOutputsParams(grammar='root ::= "a" |'), "EBNF parser error"),
+    (StructuredOutputsParams(choice=[]), "at least one"),
+    (StructuredOutputsParams(regex="a", choice=["b"]), "exactly one"),
+])
+def test_a_spec_xgrammar_cannot_compile_is_refused_with_the_reason(setup, spec, message):
+    cache, _, _ = setup
+    with pytest.raises(GrammarError, match=message):
+        cache.compile(grammar_key(spec))
+
+
+class GrammarWorker(FakeWorker):
+    """Samples, for a constrained row, the first token its bitmask allows (else ``token``)."""
+
+    def run(self, so: SchedulerOutput, token: int) -> ModelRunnerOutput:
+        out = super().run(so, token)
+        for i, rid in enumerate(so.grammar_req_ids):
+            bits = np.unpackbits(so.grammar_bitmask[i].view(np.uint8), bitorder="little")
+            row = out.req_ids.index(rid)
+            out.sampled_token_ids[row] = [int(np.flatnonzero(bits)[0])]
+            self.tokens[rid][-1] = out.sampled_token_ids[row][0]
+        return out
+
+
+def _scheduler(setup, num_blocks: int = 64, **cfg) -> tuple[Scheduler, KVCacheManager, StructuredOutputs]:
+    cache, arch, _ = setup
+    config = engine_config(num_blocks, **cfg)
+    kv = KVCacheManager(num_blocks, 4)
+    structured = StructuredOutputs(cache, arch.vocab_size)
+    return Scheduler(config, kv, structured), kv, structured
+
+
+def _request(rid: str, prompt: list[int], spec: StructuredOutputsParams | None, eos: int, **params) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=40, temperature=0, structured_outputs=spec,
+                                                         **params), 0.0, [eos])
+
+
+def _run(s: Scheduler, worker: GrammarWorker, steps: int = 60) -> dict[str, tuple[list[int], str | None]]:
+    done: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+    for _ in range(steps):
+        if not s.has_work():
+            break
+        so = s.schedule()
+        for o in s.update_from_output(so, worker.run(so, token=100)):
+            done.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason:
+                reasons[o.request_id] = o.finish_reason
+    return {rid: (ids, reasons.get(rid)) for rid, ids in done.items()}
+
+
+def test_a_request_waiting_for_its_grammar_holds_nobody_back_and_its_grammar_ends_it(setup):
+    cache, arch, tokenizer = setup
+    s, kv, structured = _scheduler(setup)
+    eos = arch.eos_token_ids[0]
+    spec = StructuredOutputsParams(choice=CHOICES)
+    assert s.add_request(_request("constrained", list(range(1000, 1010)), spec, eos)) is None
+    assert "constrained" in s.awaiting_grammar
+    s.add_request(_request("free", list(range(2000, 2010)), None, eos, ignore_eos=True))
+    worker = GrammarWorker(64, 4)
+    so = s.schedule()
+    assert list(so.num_scheduled_tokens) == ["free"]            # the free one ran, not held back
+    s.update_from_output(so, worker.run(so, token=100))
+    cache.compile(grammar_key(spec))                            # what the GrammarCompiler does
+    assert s.grammar_ready("constrained") == []
+    results = _run(s, worker)
+    ids, reason = results["constrained"]
+    assert reason == "stop" and ids[-1] == eos
+    assert tokenizer.decode(ids) in CHOICES
+    assert "constrained" not in structured and not s.has_work()
+
+
+def test_a_grammar_that_cannot_compile_fails_its_request_alone(setup):
+    s, _, _ = _scheduler(setup)
+    s.add_request(_request("bad", [1000, 1001], StructuredOutputsParams(regex="(x"), 2))
+    outs = s.grammar_ready("bad", "the grammar cannot be compiled: parenthesis")
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("bad", "error")]
+    assert not s.requests and not s.awaiting_grammar
+
+
+def test_preemption_keeps_the_matcher_and_an_abort_frees_it(setup):
+    cache, arch, tokenizer = setup
+    eos = arch.eos_token_ids[0]
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 8}}, ' \
+             '"required": ["n", "s"]}'
+    spec = StructuredOutputsParams(json=schema)
+    cache.compile(grammar_key(spec))
+    s, kv, structured = _scheduler(setup, num_blocks=12, watermark=0.0, enable_prefix_caching=False)
+    for i in range(3):                                          # 11 usable blocks of 4: they preempt
+        s.add_request(_request(f"r{i}", list(range(1000 + 100 * i, 1008 + 100 * i)), spec, eos))
+    results = _run(s, GrammarWorker(12, 4), steps=400)
+    assert s.counters.num_preemptions > 0
+    for i in range(3):
+        ids, reason = results[f"r{i}"]
+        assert reason == "stop", (i, tokenizer.decode(ids))
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert text.startswith('{"n": ') and text.endswith("}")
+    s.add_request(_request("gone", [3000, 3001, 3002], spec, eos))
+    s.schedule()
+    assert "gone" in structured and s.requests["gone"].status.name == "RUNNING"
+    s.abort_requests(["gone"])
+    assert "gone" not in structured and not s.has_work()
