@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import torch
 
 from actors.engine.sampling_params import LOGPROBS_MODES, LogprobsMode
+from kernels.cpu.native import apply_bitmask_ as native_apply_bitmask_
 from kernels.cpu.native import argmax_rows
 from kernels.triton import fused as triton_fused
 
@@ -293,6 +294,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     CUDA, one Triton kernel."""
     if triton_fused.supports(logits, bitmask):
         triton_fused.apply_bitmask_(logits, bitmask)
+        return
+    if native_apply_bitmask_(logits, bitmask):
         return
     B, V = logits.shape
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -60,10 +61,9 @@ class GrammarCompilerActor(Actor):
         key = grammar_key(spec)
         if self.cache.get(key) is not None:
             return 0.0
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        await loop.run_in_executor(self.pool, self.cache.compile, key)
-        return loop.time() - t0
+        t0 = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(self.pool, self.cache.compile, key)
+        return time.perf_counter() - t0
 
     async def stopped(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

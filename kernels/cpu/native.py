@@ -106,6 +106,19 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def apply_bitmask_(x: torch.Tensor, bitmask: torch.Tensor) -> bool:
+    """In place: -inf on x's (B, V) float32 logits whose bit in the (B, W) int32 bitmask is clear,
+    through sampling.c. False, with nothing written, when the kernels cannot take these tensors."""
+    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1
+            or bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or bitmask.device.type != "cpu"
+            or bitmask.shape[0] != x.shape[0] or _library()[0] is None):
+        return False
+    fn = declare("apply_bitmask_f32", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_int64])
+    fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), bitmask.data_ptr(), bitmask.shape[1])
+    return True
+
+
 # The KV cache element types the native kernels read and write (paged_attention.c's PA_*).
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 

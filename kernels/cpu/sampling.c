@@ -29,3 +29,24 @@ void argmax_rows_f32(const float *x, int64_t B, int64_t V, int64_t ld, int64_t *
         out[b] = at;
     }
 }
+
+/* A structured-output bitmask applied in place: logit v of row b becomes -inf unless bit v % 32
+ * of word v / 32 of mask row b is set (tokens past 32 W are disallowed). OpenMP over rows.
+ *
+ *   x (B, V) float32 rows ld apart;  mask (B, W) int32 rows W apart
+ */
+void apply_bitmask_f32(float *x, int64_t B, int64_t V, int64_t ld, const int32_t *mask, int64_t W) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        float *row = x + b * ld;
+        const uint32_t *m = (const uint32_t *)(mask + b * W);
+        for (int64_t w = 0; w < W && 32 * w < V; w++) {
+            uint32_t bits = m[w];
+            if (bits == 0xFFFFFFFFu) continue;                   /* a whole word allowed */
+            int64_t end = 32 * w + 32 < V ? 32 * w + 32 : V;
+            for (int64_t v = 32 * w; v < end; v++)
+                if (!((bits >> (v - 32 * w)) & 1u)) row[v] = -INFINITY;
+        }
+        for (int64_t v = 32 * W; v < V; v++) row[v] = -INFINITY;
+    }
+}

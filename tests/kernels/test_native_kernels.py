@@ -190,3 +190,17 @@ def test_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(qtype):
     assert gated_silu_matmul(x, plain) is None
     odd = PanelWeight.pack_gguf(qtype, raw[:160], 160, k, int8_activations=True)   # halves of 80
     assert gated_silu_matmul(x, odd) is None
+
+
+@pytest.mark.parametrize("vocab,words", [(70, 2), (70, 3), (1000, 32), (49152, 1536)])
+def test_native_bitmask_matches_the_reference(vocab, words):
+    from kernels.cpu.native import apply_bitmask_
+    from kernels.triton.bitmask import apply_bitmask_ref
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[2] = -1                                           # a row with every word allowed
+    got, want = logits.clone(), logits.clone()
+    assert apply_bitmask_(got, bitmask)
+    apply_bitmask_ref(want, bitmask)
+    assert torch.equal(got, want)

@@ -1,4 +1,5 @@
-"""``python -m tools.bench {offline,serve,latency,agreement}``: each prints one JSON line last."""
+"""``python -m tools.bench {offline,serve,latency,agreement,structured}``: each prints one JSON
+line last."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,12 @@ def main() -> None:
     lat.add_argument("--decode-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
 
+    st = sub.add_parser("structured", help="structured outputs: throughput against free requests, compile "
+                                           "times, bitmask fill time")
+    EngineArgs.add_cli_args(st, max_num_seqs=64)
+    st.add_argument("--n", type=int, default=32, help="concurrent requests of each kind")
+    st.add_argument("--bitmask-batch", type=int, default=64)
+
     agr = sub.add_parser("agreement", help="greedy agreement of a quantized mode with exact mode")
     agr.add_argument("--model", default=None)
     agr.add_argument("--quantization", default="gguf", choices=["gguf", "gguf-i8", "none"],
@@ -45,6 +52,9 @@ def main() -> None:
     if args.cmd == "offline":
         from tools.bench import offline
         offline.main(args)
+    elif args.cmd == "structured":
+        from tools.bench import structured
+        structured.main(args)
     elif args.cmd == "serve":
         from tools.bench import serve
         serve.main(args)
