@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured}``: each prints one JSON
+"""``python -m tools.bench {offline,serve,latency,agreement,structured,workload}``: each prints one JSON
 line last."""
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ def main() -> None:
     st.add_argument("--n", type=int, default=32, help="concurrent requests of each kind")
     st.add_argument("--bitmask-batch", type=int, default=64)
 
+    wl = sub.add_parser("workload", help="write a workload JSON file (random prompt token ids) to stdout, "
+                                         "for the peers' harnesses to read the same requests")
+    workload.add_arguments(wl)
+
     agr = sub.add_parser("agreement", help="greedy agreement of a quantized mode with exact mode")
     agr.add_argument("--model", default=None)
     agr.add_argument("--quantization", default="gguf", choices=["gguf", "gguf-i8", "none"],
@@ -58,6 +62,11 @@ def main() -> None:
     elif args.cmd == "serve":
         from tools.bench import serve
         serve.main(args)
+    elif args.cmd == "workload":
+        import json
+        import sys
+        json.dump(workload.from_args(args), sys.stdout)
+        sys.stdout.write("\n")
     elif args.cmd == "latency":
         from tools.bench import latency
         latency.main(args)

