@@ -16,6 +16,7 @@ from typing import Any
 
 from actors import topology
 from actors.engine.args import EngineArgs
+from actors.frontend.tool_parsers import TOOL_PARSERS
 
 log = logging.getLogger("troupe.serve")
 
@@ -36,11 +37,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, stop taking requests and let running ones finish this long, "
                         "then abort the rest")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default when a request has tools): tool calls read out of '
+                        "the model's text with --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
+                        "Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": ...})")
     p.add_argument("--log-level", default="INFO")
     # a server bounds its queue (the offline API queues whatever it is given)
     EngineArgs.add_cli_args(p, max_waiting_requests=SERVE_MAX_WAITING_REQUESTS,
                             max_waiting_tokens=SERVE_MAX_WAITING_TOKENS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        p.error("--enable-auto-tool-choice requires --tool-call-parser")
+    return args
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -60,7 +70,9 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     try:
-        server = OpenAIServer(options=ServerOptions(args.api_key, args.lenient, args.request_timeout),
+        server = OpenAIServer(options=ServerOptions(args.api_key, args.lenient, args.request_timeout,
+                                                    enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                                    tool_call_parser=args.tool_call_parser),
                               trace=fe.trace, inject=fe.inject_fault)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())

@@ -102,7 +102,7 @@ class DetokenizerActor(Actor):
         if st is None:
             return False
         before = st.detok.num_output_tokens
-        delta = st.detok.update(o.new_token_ids)
+        delta = st.detok.update(o.new_token_ids, stop_terminated=o.finish_reason == "stop")
         num_new = st.detok.num_output_tokens - before     # tokens past a stop string are dropped
         self._observe_timing(st, o, num_new, now)
         text, finish_reason, stop_reason = delta.text, o.finish_reason, o.stop_reason

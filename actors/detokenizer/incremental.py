@@ -60,11 +60,19 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self.finished = False
 
-    def update(self, new_token_ids: Sequence[int]) -> DetokenizerDelta:
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> DetokenizerDelta:
         """Feed the tokens generated this step; returns the text that may now be shown.
+        ``stop_terminated``: the last of them is the EOS or stop token that ended the request,
+        counted but not shown unless ``include_stop_str_in_output`` (vLLM's rule, whether
+        special tokens are skipped or not).
 
         Tokens arriving after the request finished (a stop matched earlier) are ignored.
         """
+        if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
+            delta = self.update(new_token_ids[:-1])
+            if not self.finished:
+                self.num_output_tokens += 1
+            return delta
         for token_id in new_token_ids:
             if self.finished:
                 break

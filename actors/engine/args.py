@@ -23,6 +23,7 @@ class EngineArgs:
     enforce_eager: bool = False
     quantization: str | None = None
     logprobs_mode: str = "raw_logprobs"
+    chat_template: str | None = None
     seed: int = 0
     max_model_len: int = 0
     block_size: int = 16
@@ -56,7 +57,8 @@ class EngineArgs:
             model=ModelConfig(source=resolve_model(self.model), dtype=self.dtype,
                               quantization=self.quantization, max_model_len=self.max_model_len,
                               seed=self.seed, enforce_eager=self.enforce_eager,
-                              logprobs_mode=self.logprobs_mode),
+                              logprobs_mode=self.logprobs_mode,
+                              chat_template=load_chat_template(self.chat_template)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
                               cache_dtype=self.kv_cache_dtype,
                               enable_prefix_caching=self.enable_prefix_caching),
@@ -88,6 +90,21 @@ class EngineArgs:
         return cls(**(given | overrides))
 
 
+def load_chat_template(template: str | None) -> str | None:
+    """vLLM's reading of --chat-template: a file's text, or the template itself when it has
+    Jinja's or a line's characters; anything else is a missing file."""
+    if template is None:
+        return None
+    try:
+        with open(template) as f:
+            return f.read()
+    except OSError as exc:
+        if any(c in template for c in "{}\n"):
+            return template
+        raise ValueError(f"--chat-template {template!r}: not a readable file ({exc.strerror}) "
+                         "nor a template") from None
+
+
 def _cli_flags(d: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     """(flag, dest, argparse options) of every engine flag, with defaults from ``d``."""
     return [
@@ -108,6 +125,9 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
             default=d["logprobs_mode"], choices=LOGPROBS_MODES,
             help="what returned log-probs are: the model's own (raw_*) or those sampled from, after "
                  "penalties, temperature and truncation (processed_*); log-probs or logits")),
+        ("--chat-template", "chat_template", dict(
+            default=d["chat_template"], metavar="FILE_OR_TEMPLATE",
+            help="a Jinja chat template (a file, or the template itself) used instead of the model's")),
         ("--kv-cache-gib", "kv_cache_bytes", dict(type=_positive(float), default=d["kv_cache_bytes"] / 2**30,
                                                   metavar="GIB", help="memory for the KV cache")),
         ("--kv-cache-dtype", "kv_cache_dtype", dict(

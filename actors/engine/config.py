@@ -33,6 +33,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     enforce_eager: bool = False            # CUDA: no graph capture, every step eager
     logprobs_mode: str = "raw_logprobs"    # what returned log-probs are (LOGPROBS_MODES)
+    chat_template: str | None = None       # used instead of the checkpoint's
     arch: ArchConfig | None = None         # the checkpoint's architecture, once resolved
 
     @property

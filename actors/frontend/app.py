@@ -36,6 +36,8 @@ class ServerOptions:
     lenient: bool = False                  # drop (and log) unknown request fields instead of a 400
     request_timeout: float = 0.0           # seconds a request may take before it is aborted; 0: none
     max_body_bytes: int = MAX_BODY_BYTES
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" read with tool_call_parser
+    tool_call_parser: str | None = None    # a name in tool_parsers.TOOL_PARSERS
 
 
 class OpenAIServer:

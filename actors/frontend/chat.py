@@ -1,10 +1,13 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, n choices,
-plain or streamed (a role chunk per choice first), chat-shaped log-probs."""
+"""POST /v1/chat/completions: messages (and tools) rendered with the model's chat template, n
+choices, plain or streamed (a role chunk per choice first), chat-shaped log-probs, and the tool
+calls read out of each choice's text (``tools.py``)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 
 from actors.frontend.fanout import Choice, submit_choices
@@ -12,8 +15,11 @@ from actors.frontend.generation import Generation
 from actors.frontend.logprobs import TokenText, chat_logprobs
 from actors.frontend.params import (cache_salt, chat_messages, check_chat_flags, check_priority,
                                     num_choices, request_timeout, stream_flags)
-from actors.frontend.protocol import ChatCompletionRequest
+from actors.frontend.protocol import BadRequest, ChatCompletionRequest
 from actors.frontend.streams import RequestOutput
+from actors.frontend.structured import NotStructured
+from actors.frontend.tool_parsers import ToolCallStream
+from actors.frontend.tools import ToolUse, template_tools, tool_use
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
@@ -25,12 +31,14 @@ class ChatGeneration(Generation):
     id_prefix = "chatcmpl-"
 
     def __init__(self, request_id: str, model: str, choices: list[Choice], include_usage: bool,
-                 token_text: TokenText, top_logprobs: int | None) -> None:
+                 token_text: TokenText, top_logprobs: int | None, tools: ToolUse | None = None) -> None:
         super().__init__(request_id, model, choices, include_usage)
         self.token_text = token_text
         self.top = top_logprobs          # None: no log-probs asked for
+        self.tools = tools               # None: the text is all content
         for c in choices:
-            c.state = []                 # log-prob entries so far (non-streamed)
+            # log-prob entries so far (non-streamed); the tool calls read so far
+            c.state = ChoiceState([], tools.stream() if tools is not None else None)
 
     def _logprobs(self, out: RequestOutput) -> list[dict[str, Any]] | None:
         if self.top is None:
@@ -43,26 +51,57 @@ class ChatGeneration(Generation):
 
     def delta(self, c: Choice, out: RequestOutput) -> dict | None:
         lp = self._logprobs(out)
-        if not out.text and not lp:
+        delta: dict[str, Any] = {"content": out.text}
+        calls = c.state.calls
+        if calls is not None:
+            content, entries = calls.feed(out.text, out.finished)
+            delta = {"content": content} if content else {}
+            if entries:
+                delta["tool_calls"] = entries
+        if not delta.get("content") and "tool_calls" not in delta and not lp:
             return None
-        return {"index": c.index, "delta": {"content": out.text},
+        return {"index": c.index, "delta": delta,
                 "logprobs": None if lp is None else {"content": lp}, "finish_reason": None}
 
     def finish(self, c: Choice, out: RequestOutput) -> dict:
         return {"index": c.index, "delta": {}, "logprobs": None,
-                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                "finish_reason": self._finish_reason(c, out), "stop_reason": out.stop_reason}
+
+    def _finish_reason(self, c: Choice, out: RequestOutput) -> str | None:
+        """vLLM's rule: "stop" becomes "tool_calls" when "auto" or "required" made calls (a
+        named function's call finishes as "stop", as OpenAI's does)."""
+        calls = c.state.calls
+        if (out.finish_reason == "stop" and calls is not None and calls.reading.calls
+                and self.tools is not None and self.tools.finish_as_tool_calls):
+            return "tool_calls"
+        return out.finish_reason
 
     def observe(self, c: Choice, out: RequestOutput) -> None:
         c.text.append(out.text)
+        if c.state.calls is not None:
+            c.state.calls.feed(out.text, out.finished)
         lp = self._logprobs(out)
         if lp:
-            c.state.extend(lp)
+            c.state.logprobs.extend(lp)
 
     def final(self, c: Choice) -> dict:
         last = c.last
-        return {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                "logprobs": None if self.top is None else {"content": c.state},
-                "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
+        calls = c.state.calls
+        if calls is not None:
+            made = calls.message_calls()
+            content = calls.reading.content
+            message = {"role": "assistant", "content": None if made and not content.strip() else content,
+                       "tool_calls": made}
+        return {"index": c.index, "message": message,
+                "logprobs": None if self.top is None else {"content": c.state.logprobs},
+                "finish_reason": self._finish_reason(c, last), "stop_reason": last.stop_reason}
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    logprobs: list[dict[str, Any]]
+    calls: ToolCallStream | None
 
 
 async def chat_completions(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
@@ -76,14 +115,23 @@ async def chat_completions(server: OpenAIServer, request: web.Request) -> web.St
     continue_final_message = bool(req.continue_final_message)
     check_chat_flags(add_generation_prompt, continue_final_message)
     params = req.to_sampling_params(server.vocab_size, client.max_model_len)
+    try:
+        tools = tool_use(req, server.options.tool_call_parser if server.options.enable_auto_tool_choice else None)
+    except NotStructured as exc:
+        raise BadRequest(str(exc), exc.param) from None
+    if tools is not None and tools.parser.keeps_special_tokens:
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
+    template_kwargs = req.chat_template_kwargs
+    if req.tools:
+        template_kwargs = {"tools": template_tools(req), **(template_kwargs or {})}
     await server.check_grammar(req, params)
     priority = check_priority(req, client.config.scheduler.policy)
     rid = client.new_request_id()
     choices = await submit_choices(
         server.submit, rid, params, n, None, messages=messages,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-        chat_template_kwargs=req.chat_template_kwargs, priority=priority, arrival_time=arrival,
+        chat_template_kwargs=template_kwargs, priority=priority, arrival_time=arrival,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req))
     gen = ChatGeneration(rid, client.model_name, choices, include_usage, server.token_text,
-                         params.logprobs)
+                         params.logprobs, tools)
     return await gen.respond(request, stream)

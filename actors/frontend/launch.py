@@ -89,6 +89,8 @@ class Frontend:
         multiprocess), then start the tokenizer and detokenizer actors; sets ``client``."""
         source = config.model.source
         tokenizer = TextTokenizer.from_source(source.kind, source.path)
+        if config.model.chat_template is not None:
+            tokenizer.set_chat_template(config.model.chat_template)
         self._restarts = RestartBudget(config.parallel.max_restarts, config.parallel.restart_window_s)
         engine = await _start_engine(self, config, ready_timeout)
         config = engine.config                          # resolved by the worker

@@ -11,6 +11,7 @@ import msgspec
 
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.structured import Constraint, NotStructured, StructuredOutputsFields, constraint_of
+from actors.frontend.tools import Tool, ToolChoice, check_tools, tool_constraint
 
 log = logging.getLogger("troupe.http")
 
@@ -187,6 +188,24 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def constraint(self) -> Constraint | None:
+        """What the structured-output fields ask for, or what ``tool_choice`` "required" or a
+        named function does (not both)."""
+        asked = super().constraint()
+        try:
+            check_tools(self)
+            tools = tool_constraint(self)
+        except NotStructured as exc:
+            raise BadRequest(str(exc), exc.param) from None
+        if asked is not None and tools is not None:
+            raise BadRequest(f"{asked.param} cannot be combined with tool_choice "
+                             f"{self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'}",
+                             asked.param)
+        return asked or tools
 
     def to_sampling_params(self, vocab_size: int, max_model_len: int) -> SamplingParams:
         """Unset max_completion_tokens / max_tokens: until the end of the context."""

@@ -236,6 +236,11 @@ class TextTokenizer:
             return cls.from_hf_dir(path)
         raise ValueError(f"no tokenizer for a model source of kind {kind!r}")
 
+    def set_chat_template(self, source: str) -> None:
+        """Use ``source`` (Jinja) instead of the checkpoint's chat template."""
+        self._chat_template = ChatTemplate(source)
+        self.chat_template = source
+
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend_tokenizer.id_to_token(token_id)
 

@@ -403,7 +403,12 @@ def test_stop_token_ids_and_min_tokens(client, http, model, greedy_story):
                   and len(ids := http.post("/tokenize", json={"prompt": tokens[k]}).json()["tokens"]) == 1)
     out = http.post("/v1/completions", json={**base, "stop_token_ids": ids}).json()["choices"][0]
     assert out["finish_reason"] == "stop" and out["stop_reason"] == ids[0]
-    assert out["text"] == "".join(tokens[:k + 1])          # the stop token's text is kept
+    assert out["text"] == "".join(tokens[:k])              # vLLM's rule: the stop token's text is not shown
+    assert out["logprobs"] is None and http.post("/v1/completions", json={**base, "stop_token_ids": ids}).json()[
+        "usage"]["completion_tokens"] == k + 1               # though it is counted
+    kept = http.post("/v1/completions", json={**base, "stop_token_ids": ids,
+                                              "include_stop_str_in_output": True}).json()["choices"][0]
+    assert kept["text"] == "".join(tokens[:k + 1])
     first_word = tokens[0]
     early = http.post("/v1/completions", json={**base, "stop": [first_word]}).json()
     assert early["choices"][0]["text"] == "" and early["usage"]["completion_tokens"] == 1

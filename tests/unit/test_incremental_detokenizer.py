@@ -144,3 +144,12 @@ def test_special_token_and_stop(tok):
 def test_empty_stop_string_rejected(tok):
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tok, [], stop=[""])
+
+
+def test_the_token_that_ended_a_request_is_counted_but_not_shown(tok):
+    ids = tok.encode("Done.<|im_end|>")
+    d = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    delta = d.update(ids, stop_terminated=True)
+    assert delta.text + d.flush().text == "Done." and d.num_output_tokens == len(ids)
+    kept = IncrementalDetokenizer(tok, [], skip_special_tokens=False, include_stop_str_in_output=True)
+    assert kept.update(ids, stop_terminated=True).text + kept.flush().text == "Done.<|im_end|>"

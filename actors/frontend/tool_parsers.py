@@ -1,0 +1,325 @@
+"""Tool calls read out of generated text. One parser per format: the model formats chosen with
+``--tool-call-parser`` (vLLM's names, ``TOOL_PARSERS``: ``hermes``, the
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` of Hermes and Qwen2.5 models, and
+``llama3_json``, ``{"name": ..., "parameters": ...}`` objects joined by ``;``), and the two that
+constrained decoding produces for ``tool_choice`` ``"required"`` (a JSON array of
+``{"name", "parameters"}``) and a named function (its arguments alone).
+
+A parser reads the whole text so far and says what is safely known of it: the content, and each
+call whose name is known with the raw JSON text of its arguments so far. Each reading extends
+the one before, so a stream sends what a reading adds (``ToolCallStream``) and the
+concatenated stream equals the plain answer, which is the final reading."""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    name: str
+    arguments: str          # JSON text; whole once the call is
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    content: str
+    calls: list[Call] = field(default_factory=list)
+
+
+class Malformed(ValueError):
+    """Text that cannot be the JSON a format expects."""
+
+
+# -- scanning JSON that may still be arriving -------------------------------------------------
+_WS = re.compile(r"\s*")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_PLAIN = re.compile(r'[^"{}\[\]]+')
+_LITERAL = re.compile(r"-?[0-9][0-9.eE+\-]*|-|true|false|null|t|tr|tru|f|fa|fal|fals|n|nu|nul")
+
+
+def skip_ws(s: str, i: int) -> int:
+    return _WS.match(s, i).end()
+
+
+def value_end(s: str, i: int) -> int | None:
+    """Where the JSON value starting at ``s[i]`` ends, or None while it is incomplete."""
+    c = s[i]
+    if c == '"':
+        m = _STRING.match(s, i)
+        return m.end() if m else None
+    if c in "{[":
+        depth, j = 0, i
+        while j < len(s):
+            ch = s[j]
+            if ch == '"':
+                m = _STRING.match(s, j)
+                if m is None:
+                    return None
+                j = m.end()
+                continue
+            if ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            else:
+                j = _PLAIN.match(s, j).end()
+                continue
+            j += 1
+        return None
+    m = _LITERAL.match(s, i)
+    if m is None:
+        raise Malformed(f"not a JSON value at {s[i:i + 20]!r}")
+    return m.end() if m.end() < len(s) else None       # a literal at the end may go on
+
+
+@dataclass(slots=True)
+class ObjectScan:
+    members: dict[str, tuple[int, int | None]]   # key -> the span of its value (end None: incomplete)
+    end: int | None                              # past the closing brace; None: incomplete
+
+
+def scan_object(s: str, i: int) -> ObjectScan:
+    """The members of the JSON object starting at ``s[i] == "{"``, as far as the text goes."""
+    scan = ObjectScan({}, None)
+    j = skip_ws(s, i + 1)
+    if j < len(s) and s[j] == "}":
+        scan.end = j + 1
+        return scan
+    while j < len(s):
+        if s[j] != '"':
+            raise Malformed(f"expected a key at {s[j:j + 20]!r}")
+        m = _STRING.match(s, j)
+        if m is None:
+            return scan
+        key = json.loads(m.group())
+        j = skip_ws(s, m.end())
+        if j >= len(s):
+            return scan
+        if s[j] != ":":
+            raise Malformed(f"expected ':' at {s[j:j + 20]!r}")
+        j = skip_ws(s, j + 1)
+        if j >= len(s):
+            return scan
+        end = value_end(s, j)
+        scan.members[key] = (j, end)
+        if end is None:
+            return scan
+        j = skip_ws(s, end)
+        if j >= len(s):
+            return scan
+        if s[j] == "}":
+            scan.end = j + 1
+            return scan
+        if s[j] != ",":
+            raise Malformed(f"expected ',' or '}}' at {s[j:j + 20]!r}")
+        j = skip_ws(s, j + 1)
+    return scan
+
+
+def call_of(s: str, scan: ObjectScan, argument_keys: tuple[str, ...]) -> Call | None:
+    """The call an object states, once its name is whole; arguments under the first of
+    ``argument_keys`` present (raw JSON text, or the text of a JSON string holding it)."""
+    span = scan.members.get("name")
+    if span is None or span[1] is None:
+        return None
+    name = json.loads(s[span[0]:span[1]])
+    if not isinstance(name, str):
+        raise Malformed(f"a tool call's name must be a string, got {name!r}")
+    key = next((k for k in argument_keys if k in scan.members), None)
+    if key is None:
+        return Call(name, "{}" if scan.end is not None else "")
+    start, end = scan.members[key]
+    if s[start] == '"':                 # arguments sent as a JSON string: whole or nothing
+        return Call(name, json.loads(s[start:end]) if end is not None else "")
+    return Call(name, s[start:end if end is not None else len(s)])
+
+
+def held_back(text: str, tag: str) -> str:
+    """``text`` less a tail that may be the start of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return text[:-k]
+    return text
+
+
+def _objects(text: str, j: int, argument_keys: tuple[str, ...], sep: str) -> tuple[list[Call], int | None]:
+    """Calls stated by objects from ``text[j]`` on, separated by ``sep``; and where the last
+    whole one ends (None: the text stops inside one, or is not such a list)."""
+    calls: list[Call] = []
+    while True:
+        j = skip_ws(text, j)
+        if j >= len(text) or text[j] != "{":
+            return calls, None
+        try:
+            scan = scan_object(text, j)
+            call = call_of(text, scan, argument_keys)
+        except (Malformed, ValueError):
+            return calls, None
+        if call is not None:
+            calls.append(call)
+        if scan.end is None:
+            return calls, None
+        j = skip_ws(text, scan.end)
+        if j < len(text) and text[j] == sep:
+            j += 1
+            continue
+        return calls, j
+
+
+# -- parsers --------------------------------------------------------------------------------
+class ToolParser(ABC):
+    name: ClassVar[str]
+    # the format's markers are special tokens in some vocabularies: keep them in the text
+    keeps_special_tokens: ClassVar[bool] = False
+
+    @abstractmethod
+    def read(self, text: str, final: bool) -> Reading:
+        """What ``text`` (the whole output so far; ``final``: all of it) says."""
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {}
+
+
+def register(cls: type[ToolParser]) -> type[ToolParser]:
+    TOOL_PARSERS[cls.name] = cls
+    return cls
+
+
+def tool_parser(name: str) -> ToolParser:
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; choose from {', '.join(sorted(TOOL_PARSERS))}")
+    return TOOL_PARSERS[name]()
+
+
+@register
+class HermesToolParser(ToolParser):
+    """Content, then ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes,
+    Qwen2.5). Text between and after the blocks joins the content, stripped."""
+    name = "hermes"
+    keeps_special_tokens = True
+    START, END = "<tool_call>", "</tool_call>"
+
+    def read(self, text: str, final: bool) -> Reading:
+        content: list[str] = []
+        calls: list[Call] = []
+        i = 0
+        while True:
+            k = text.find(self.START, i)
+            if k < 0:
+                tail = text[i:] if final else held_back(text[i:], self.START)
+                content.append(tail if not calls else tail.strip())
+                break
+            content.append(text[i:k] if not calls else text[i:k].strip())
+            found, end = _objects(text, k + len(self.START), ("arguments", "parameters"), "\0")
+            calls += found[:1]
+            if end is None:
+                break
+            close = text.find(self.END, end)
+            if close < 0:
+                break
+            i = close + len(self.END)
+        return Reading("".join(content), calls)
+
+
+@register
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.x JSON calls: the output is ``{"name": ..., "parameters": {...}}`` objects joined
+    by ``;``, after an optional ``<|python_tag|>``; any other output is content."""
+    name = "llama3_json"
+    keeps_special_tokens = True
+    TAG = "<|python_tag|>"
+
+    def read(self, text: str, final: bool) -> Reading:
+        s = text.lstrip()
+        start = len(text) - len(s)
+        if s.startswith(self.TAG):
+            start += len(self.TAG)
+        elif not s.startswith("{"):
+            return Reading("" if not final and self.TAG.startswith(s) else text)
+        calls, _ = _objects(text, start, ("parameters", "arguments"), ";")
+        if final and not calls:
+            return Reading(text)
+        return Reading("", calls)
+
+
+class RequiredToolParser(ToolParser):
+    """``tool_choice: "required"``: the constrained output is ``[{"name", "parameters"}, ...]``."""
+    name = "required"
+
+    def read(self, text: str, final: bool) -> Reading:
+        j = skip_ws(text, 0)
+        if j >= len(text) or text[j] != "[":
+            return Reading(text if final else "")
+        calls, _ = _objects(text, j + 1, ("parameters",), ",")
+        return Reading("", calls)
+
+
+class NamedToolParser(ToolParser):
+    """A named ``tool_choice``: the constrained output is that function's arguments."""
+    name = "named"
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+
+    def read(self, text: str, final: bool) -> Reading:
+        return Reading("", [Call(self.function, text)])
+
+
+# -- streaming ------------------------------------------------------------------------------
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class ToolCallStream:
+    """One choice's output read through a parser as it arrives: each ``feed`` gives the content
+    and the ``tool_calls`` delta entries (OpenAI's shape: the first entry of a call carries its
+    id, type and name; later ones pieces of its arguments) that the new text adds."""
+
+    def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
+        self.parser = parser
+        self.max_calls = max_calls          # parallel_tool_calls false: the first call only
+        self.text = ""
+        self.reading = Reading("")
+        self.ids: list[str] = []
+        self.sent: list[int] = []           # argument characters sent, per call
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        self.text += delta
+        before = self.reading
+        self.reading = self.read(final)
+        entries: list[dict[str, Any]] = []
+        for i, call in enumerate(self.reading.calls):
+            if i == len(self.ids):
+                self.ids.append(new_call_id())
+                self.sent.append(0)
+                entries.append({"index": i, "id": self.ids[i], "type": "function",
+                                "function": {"name": call.name, "arguments": ""}})
+            piece = call.arguments[self.sent[i]:]
+            if piece:
+                if entries and entries[-1]["index"] == i and "id" in entries[-1]:
+                    entries[-1]["function"]["arguments"] = piece
+                else:
+                    entries.append({"index": i, "function": {"arguments": piece}})
+                self.sent[i] = len(call.arguments)
+        return self.reading.content[len(before.content):], entries
+
+    def read(self, final: bool) -> Reading:
+        r = self.parser.read(self.text, final)
+        if self.max_calls is not None and len(r.calls) > self.max_calls:
+            r = Reading(r.content, r.calls[:self.max_calls])
+        return r
+
+    def message_calls(self) -> list[dict[str, Any]]:
+        """The calls of the final reading in a message's shape, with the ids streamed."""
+        while len(self.ids) < len(self.reading.calls):
+            self.ids.append(new_call_id())
+        return [{"id": self.ids[i], "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}}
+                for i, c in enumerate(self.reading.calls)]

@@ -1,0 +1,152 @@
+"""Tool calling on chat completions, with OpenAI's and vLLM's names and rules: ``tools``,
+``tool_choice`` (``"none"``, ``"auto"``, ``"required"`` or a named function) and
+``parallel_tool_calls``. ``"required"`` and a named function are enforced by constrained decoding
+(a JSON schema made of the functions' ``parameters``), so their arguments always parse and
+validate; ``"auto"`` reads the model's own format with the server's ``--tool-call-parser``
+(``--enable-auto-tool-choice``). Tools given without ``tool_choice`` mean ``"auto"``."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from actors.engine.sampling_params import StructuredOutputsParams
+from actors.frontend.structured import Constraint, NotStructured
+from actors.frontend.tool_parsers import (NamedToolParser, RequiredToolParser, ToolCallStream, ToolParser,
+                                          tool_parser)
+
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None      # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolFields(Protocol):
+    """The fields of a chat request about tools (ChatCompletionRequest's)."""
+    tools: list[Tool] | None
+    tool_choice: ToolChoice | None
+    parallel_tool_calls: bool | None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """How a request's output is read for tool calls."""
+    parser: ToolParser
+    finish_as_tool_calls: bool      # a "stop" with calls made finishes as "tool_calls"
+    max_calls: int | None           # parallel_tool_calls false: 1
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self.parser, self.max_calls)
+
+
+def choice_of(req: ToolFields) -> str | NamedToolChoice:
+    """The effective tool_choice (vLLM's rule: tools without one mean "auto"), checked against
+    the tools: NotStructured naming the field otherwise."""
+    choice = req.tool_choice
+    if choice is None:
+        return "auto" if req.tools else "none"
+    if choice == "none":
+        return choice
+    if not req.tools:
+        raise NotStructured("when using `tool_choice`, `tools` must be set", "tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in _names(req):
+        raise NotStructured(f"tool_choice names the function {choice.function.name!r}, which is not "
+                            f"among the tools ({', '.join(_names(req))})", "tool_choice")
+    return choice
+
+
+def check_tools(req: ToolFields) -> None:
+    names = _names(req)
+    for i, name in enumerate(names):
+        if not name:
+            raise NotStructured("a function needs a non-empty name", f"tools[{i}].function.name")
+        if name in names[:i]:
+            raise NotStructured(f"two tools are named {name!r}", f"tools[{i}].function.name")
+
+
+def tool_constraint(req: ToolFields) -> Constraint | None:
+    """The JSON schema ``"required"`` or a named function holds the output to."""
+    choice = choice_of(req)
+    if isinstance(choice, NamedToolChoice):
+        tool = next(t for t in req.tools or [] if t.function.name == choice.function.name)
+        return Constraint(StructuredOutputsParams(json=json.dumps(_parameters(tool))), "tool_choice")
+    if choice == "required":
+        schema = required_schema(req.tools or [], 1 if req.parallel_tool_calls is False else None)
+        return Constraint(StructuredOutputsParams(json=json.dumps(schema)), "tools")
+    return None
+
+
+def required_schema(tools: list[Tool], max_calls: int | None = None) -> dict[str, Any]:
+    """An array of at least one (and at most ``max_calls``) ``{"name": <a tool's name>,
+    "parameters": <its arguments>}`` (vLLM's shape for "required"); the tools' ``$defs``
+    gathered at the top."""
+    defs: dict[str, Any] = {}
+    variants = []
+    for t in tools:
+        params = dict(_parameters(t))
+        defs.update(params.pop("$defs", {}))
+        variants.append({"properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                        "parameters": params},
+                         "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def tool_use(req: ToolFields, auto_parser: str | None) -> ToolUse | None:
+    """How the output is read, or None when it is plain content. ``auto_parser``: the server's
+    --tool-call-parser when --enable-auto-tool-choice is set."""
+    choice = choice_of(req)
+    max_calls = 1 if req.parallel_tool_calls is False else None
+    if isinstance(choice, NamedToolChoice):
+        return ToolUse(NamedToolParser(choice.function.name), False, 1)
+    if choice == "required":
+        return ToolUse(RequiredToolParser(), True, max_calls)
+    if choice == "auto":
+        if auto_parser is None:
+            raise NotStructured('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                'to be set', "tool_choice")
+        return ToolUse(tool_parser(auto_parser), True, max_calls)
+    return None
+
+
+def template_tools(req: ToolFields) -> list[dict[str, Any]] | None:
+    """The tools as a chat template reads them (OpenAI's shape, as plain objects)."""
+    if not req.tools:
+        return None
+    return [{"type": "function", "function": {k: v for k, v in msgspec.structs.asdict(t.function).items()
+                                              if v is not None}} for t in req.tools]
+
+
+def _names(req: ToolFields) -> list[str]:
+    return [t.function.name for t in req.tools or []]
+
+
+def _parameters(tool: Tool) -> dict[str, Any]:
+    return tool.function.parameters or EMPTY_PARAMETERS

@@ -1,0 +1,144 @@
+"""Tool-call parsers: what each format's text says, and that streaming it in any chunking sends
+deltas that add up to the plain reading (name first, arguments in pieces, content held back only
+while it may be the start of a tag)."""
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import msgspec
+import pytest
+
+from actors.frontend.protocol import ChatCompletionRequest
+from actors.frontend.structured import NotStructured
+from actors.frontend.tool_parsers import (Call, HermesToolParser, Llama3JsonToolParser, NamedToolParser,
+                                          RequiredToolParser, ToolCallStream, tool_parser)
+from actors.frontend.tools import required_schema, tool_constraint, tool_use
+
+HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], '
+          '"note": "a } and a \\" inside"}}\n</tool_call>\n<tool_call>\n{"arguments": {"a": -1.5e3}, "name": "add"}'
+          '\n</tool_call>')
+LLAMA = '<|python_tag|>{"name": "f", "parameters": {"x": [1, {"y": "}"}]}}; {"name": "g", "parameters": {}}'
+
+
+def stream_all(parser, text: str, sizes: list[int], max_calls=None) -> tuple[str, list[dict], ToolCallStream]:
+    s = ToolCallStream(parser, max_calls)
+    content, calls, pos = "", {}, 0
+    for size in sizes:
+        piece, pos = text[pos:pos + size], pos + size
+        got, entries = s.feed(piece, pos >= len(text))
+        content += got
+        for e in entries:
+            if "id" in e:
+                assert e["index"] not in calls and e["type"] == "function"
+                calls[e["index"]] = {"id": e["id"], "name": e["function"]["name"], "arguments": ""}
+            calls[e["index"]]["arguments"] += e["function"]["arguments"]
+        if pos >= len(text):
+            break
+    return content, [calls[i] for i in sorted(calls)], s
+
+
+@pytest.mark.parametrize("parser, text", [(HermesToolParser(), HERMES), (Llama3JsonToolParser(), LLAMA),
+                                          (RequiredToolParser(), '[{"name": "f", "parameters": {"a": "b,c"}}, '
+                                                                 '{"name": "g", "parameters": {}}]'),
+                                          (NamedToolParser("f"), '{"a": [1, 2, "]"]}')])
+def test_any_chunking_of_a_stream_adds_up_to_the_plain_reading(parser, text):
+    final = parser.read(text, True)
+    assert final.calls
+    rng = random.Random(0)
+    for sizes in ([1] * len(text), [len(text)], *([rng.randint(1, 7) for _ in text] for _ in range(30))):
+        content, calls, s = stream_all(parser, text, sizes)
+        assert content == final.content
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in final.calls]
+        assert [c["id"] for c in s.message_calls()] == [c["id"] for c in calls]
+        for c in calls:
+            json.loads(c["arguments"])
+
+
+def test_hermes_reads_content_then_calls_with_their_raw_arguments():
+    r = HermesToolParser().read(HERMES, True)
+    assert r.content == "Let me look.\n"
+    assert [c.name for c in r.calls] == ["get_weather", "add"]
+    assert json.loads(r.calls[0].arguments)["note"] == 'a } and a " inside'
+    assert json.loads(r.calls[1].arguments) == {"a": -1500.0}
+
+
+def test_hermes_holds_back_what_may_start_a_tag_and_keeps_it_when_it_does_not():
+    p = HermesToolParser()
+    assert p.read("Hi <tool_", False).content == "Hi "
+    assert p.read("Hi <tool_", True).content == "Hi <tool_"
+    assert p.read("Hi <b>", False).content == "Hi <b>"
+
+
+def test_hermes_arguments_sent_as_a_json_string_come_whole():
+    text = '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>'
+    assert HermesToolParser().read(text, True).calls == [Call("f", '{"x": 1}')]
+    assert HermesToolParser().read(text[:-25], False).calls == [Call("f", "")]
+
+
+def test_a_cut_off_call_shows_its_name_and_the_arguments_so_far():
+    r = HermesToolParser().read('<tool_call>\n{"name": "f", "arguments": {"city": "Par', True)
+    assert r.calls == [Call("f", '{"city": "Par')] and r.content == ""
+
+
+def test_malformed_json_in_a_block_ends_the_reading_without_raising():
+    r = HermesToolParser().read('<tool_call>\n{"name": "f" "arguments": 1}\n</tool_call>', True)
+    assert r.calls == []
+
+
+def test_llama3_json_reads_calls_joined_by_semicolons_and_other_output_as_content():
+    p = Llama3JsonToolParser()
+    r = p.read(LLAMA, True)
+    assert [(c.name, json.loads(c.arguments)) for c in r.calls] == [("f", {"x": [1, {"y": "}"}]}), ("g", {})]
+    assert p.read("The answer is 4.", True).content == "The answer is 4."
+    assert p.read('{"answer": 4}', False).content == ""          # may still become a call
+    assert p.read('{"answer": 4}', True).content == '{"answer": 4}'
+    assert p.read("<|pyth", False).content == ""
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    content, calls, _ = stream_all(HermesToolParser(), HERMES, [5] * len(HERMES), max_calls=1)
+    assert [c["name"] for c in calls] == ["get_weather"]
+
+
+def test_the_registry_names_vllms_parsers_and_refuses_others():
+    assert isinstance(tool_parser("hermes"), HermesToolParser)
+    assert isinstance(tool_parser("llama3_json"), Llama3JsonToolParser)
+    with pytest.raises(ValueError, match="hermes"):
+        tool_parser("mistral_v9")
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+             "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
+             "$defs": {"P": {"type": "integer"}}}}},
+         {"type": "function", "function": {"name": "g"}}]
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **fields}, ChatCompletionRequest)
+
+
+def test_required_is_an_array_of_the_tools_calls_with_their_defs_at_the_top():
+    req = request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(tool_constraint(req).params.json)
+    assert schema == required_schema(req.tools, 1) and schema["maxItems"] == 1 and "P" in schema["$defs"]
+    jsonschema.validate([{"name": "f", "parameters": {"p": 3}}], schema)
+    for bad in ([], [{"name": "h", "parameters": {}}], [{"name": "f", "parameters": {"p": "x"}}],
+                [{"name": "g", "parameters": {}}] * 2):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_a_named_function_holds_the_output_to_its_parameters():
+    req = request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}})
+    assert json.loads(tool_constraint(req).params.json) == {"type": "object", "properties": {}}
+    assert tool_use(req, None).finish_as_tool_calls is False
+
+
+def test_auto_needs_the_servers_parser_and_tools_without_a_choice_mean_auto():
+    with pytest.raises(NotStructured, match="--enable-auto-tool-choice"):
+        tool_use(request(tools=TOOLS), None)
+    assert isinstance(tool_use(request(tools=TOOLS), "hermes").parser, HermesToolParser)
+    assert tool_use(request(tools=TOOLS, tool_choice="none"), None) is None
+    assert tool_use(request(), None) is None
