@@ -3,7 +3,7 @@ place they are spelled.
 
     frontend node            engine node                 worker node (one per rank)
       HTTP, TOKENIZER,         SCHEDULER, KV_MANAGER,      WORKER
-      DETOKENIZER              GRAMMAR, EXECUTOR
+      DETOKENIZER, TELEMETRY   GRAMMAR, EXECUTOR
 
 Offline (``LLM()``, ``AsyncLLM.create()``) every actor runs on the frontend node, in one event
 loop; the names do not change.
@@ -16,6 +16,7 @@ ENGINE_NODE = "engine"
 HTTP = "http"
 TOKENIZER = "tokenizer"
 DETOKENIZER = "detokenizer"
+TELEMETRY = "telemetry"
 SCHEDULER = "scheduler"
 KV_MANAGER = "kv_manager"
 GRAMMAR = "grammar"

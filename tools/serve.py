@@ -73,12 +73,12 @@ async def serve(args: argparse.Namespace) -> int:
         server = OpenAIServer(options=ServerOptions(args.api_key, args.lenient, args.request_timeout,
                                                     enable_auto_tool_choice=args.enable_auto_tool_choice,
                                                     tool_call_parser=args.tool_call_parser),
-                              trace=fe.trace, inject=fe.inject_fault)
+                              telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())
         print(f"Troupe listening on http://{addr.host}:{addr.port} (loading the model)", flush=True)
         config = EngineArgs.from_cli_args(args).create_engine_config()
-        loading = asyncio.ensure_future(fe.start(config))
+        loading = asyncio.ensure_future(fe.start(config, telemetry=True))
         await asyncio.wait([loading, fe.node.closed], return_when=asyncio.FIRST_COMPLETED)
         if not loading.done():          # a signal during loading
             loading.cancel()

@@ -72,6 +72,7 @@ class DetokenizerActor(Actor):
     async def receive(self, msg: DetokenizerProtocol) -> Any:
         match msg:
             case EngineCoreOutputs(outputs=outputs, stats=stats):
+                self.ctx.link([o.request_id for o in outputs])
                 if stats is not None:
                     self.stats.observe_step(stats)
                 now = time.time()
@@ -80,6 +81,7 @@ class DetokenizerActor(Actor):
                     self.engine.tell(AbortRequests(aborts))
             case TrackRequest(request_id=rid, prompt_token_ids=ids, sampling_params=p,
                               arrival_time=arrival):
+                self.ctx.link((rid,))
                 detok = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
                     include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)

@@ -10,7 +10,7 @@ from typing import Any
 
 from actors.engine.config import (DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
                                   SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
-                                  ModelConfig, ParallelConfig, SchedulerConfig)
+                                  ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig)
 from actors.engine.sampling_params import LOGPROBS_MODES
 from models.resolve import resolve_model
 
@@ -40,6 +40,8 @@ class EngineArgs:
     multiprocess: bool = True
     max_restarts: int = 3
     restart_window_s: float = 120.0
+    trace: bool = True
+    flight_recorder_dir: str = ""
 
     @classmethod
     def from_options(cls, model: str | None, options: dict[str, Any]) -> EngineArgs:
@@ -70,7 +72,8 @@ class EngineArgs:
                                       max_waiting_tokens=self.max_waiting_tokens),
             parallel=ParallelConfig(multiprocess=self.multiprocess, max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
-            device=DeviceConfig(device=self.device, num_threads=self.num_threads))
+            device=DeviceConfig(device=self.device, num_threads=self.num_threads),
+            observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir))
 
     # -- the command line --------------------------------------------------------------------
     @staticmethod
@@ -151,6 +154,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
         ("--threads", "num_threads", dict(type=int, default=d["num_threads"], metavar="N",
                                           help="worker compute threads (0: all cores)")),
         ("--seed", "seed", dict(type=int, default=d["seed"])),
+        ("--no-trace", "trace", dict(action="store_false", default=d["trace"],
+                                     help="record no trace spans (the dashboard then shows counters only)")),
+        ("--flight-recorder-dir", "flight_recorder_dir", dict(
+            default=d["flight_recorder_dir"], metavar="DIR",
+            help="where the last seconds of a process that dies are written as a trace file "
+                 "(default: troupe-flight-recorder in the temp dir)")),
     ]
 
 

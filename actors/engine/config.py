@@ -70,12 +70,18 @@ class DeviceConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int = 0                   # worker compute threads; 0: all the worker's cores
 
 
+class ObservabilityConfig(msgspec.Struct, frozen=True, kw_only=True):
+    trace: bool = True                     # every process records a span per handled message
+    flight_recorder_dir: str = ""          # where a dead process's last seconds go ("": a temp dir)
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     device: DeviceConfig = DeviceConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
 
     def __post_init__(self) -> None:
         check_config(self)

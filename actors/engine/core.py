@@ -70,7 +70,9 @@ class EngineCore:
             return ref, await ref.ask(LoadModel(self.config), timeout=LOAD_TIMEOUT_S)
         spec = NodeSpec(WORKER_NODE, "actors.worker.actor:worker_entry",
                         msgspec.msgpack.encode(self.config), self.ipc_dir, self.node.name,
-                        {self.node.name: endpoint(self.ipc_dir, self.node.name)})
+                        {self.node.name: endpoint(self.ipc_dir, self.node.name)},
+                        trace=self.config.observability.trace,
+                        flight_dir=self.config.observability.flight_recorder_dir)
         self.worker, ready = await start_child(self.node, spec, ready_timeout=LOAD_TIMEOUT_S,
                                                on_exit=self._worker_exited)
         return self.node.ref(topology.WORKER, WORKER_NODE), decode_info(ready, EngineConfig)

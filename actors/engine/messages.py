@@ -99,6 +99,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: dict[str, Logprobs] = {}     # for requests that asked, their sampled tokens'
     prompt_logprobs: dict[str, Logprobs] = {}
     compute_s: float = 0.0                 # seconds of model forward and sampling in this step
+    prepare_s: float = 0.0                 # of the step in the worker: input preparation
+    sample_s: float = 0.0                  # logits and sampling (part of compute_s)
+    worker_s: float = 0.0                  # the whole step in the worker's handler
 
 
 class SchedulerOutput(Msg):

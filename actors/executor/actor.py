@@ -47,6 +47,7 @@ class Executor(Actor):
     async def receive(self, msg: ExecutorProtocol) -> Any:
         match msg:
             case SchedulerOutput():
+                self.ctx.link(list(msg.num_scheduled_tokens))
                 return await self._execute(msg)
             case WorkersDown():
                 self._up.clear()

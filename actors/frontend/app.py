@@ -13,21 +13,25 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from actors.frontend import chat, completions, debug, misc
+from actors.frontend import chat, completions, debug, misc, observe
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
 from actors.frontend.errors import ApiError, bad_request, error_response, not_found, server_error
+from actors.frontend.http_trace import HttpSpan
 from actors.frontend.logprobs import TokenText
+from actors.frontend.telemetry import Telemetry
 from actors.frontend.protocol import BadRequest, GenerationRequest, decode_body
 from actors.grammar.actor import InvalidGrammar
 from actors.runtime import RemoteError, faults
 from actors.runtime.faults import InjectFault
+from actors.runtime.tracing import Tracer
 from actors.tokenizer.actor import InvalidPrompt
 
 log = logging.getLogger("troupe.http")
 
 MAX_BODY_BYTES = 8 << 20
+PROTECTED_PATHS = ("/v1/", "/debug/", "/dashboard")    # need the API key when one is set
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +49,12 @@ class OpenAIServer:
     (``attach`` sets it): probes answer 503 and every other endpoint 503 too."""
 
     def __init__(self, client: EngineClient | None = None, options: ServerOptions = ServerOptions(),
-                 trace: Callable[[int], Awaitable[list]] | None = None,
-                 inject: Callable[[InjectFault], Awaitable[bool]] | None = None) -> None:
+                 telemetry: Callable[[], Telemetry | None] | None = None,
+                 inject: Callable[[InjectFault], Awaitable[bool]] | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.options = options
-        self.trace = trace
+        self.telemetry = telemetry           # the dashboard's data, once the model is loaded
+        self.tracer = tracer                 # records a span per HTTP request
         self.inject = inject
         self.client: EngineClient | None = None
         self.token_text: TokenText | None = None
@@ -67,7 +73,7 @@ class OpenAIServer:
         routes: list[tuple[str, str, Callable]] = [
             ("GET", "/health", misc.health), ("GET", "/ping", misc.health), ("POST", "/ping", misc.health),
             ("GET", "/version", misc.get_version), ("GET", "/metrics", misc.metrics),
-            ("GET", "/debug/engine", misc.debug_engine), ("GET", "/debug/trace", misc.debug_trace),
+            ("GET", "/debug/engine", misc.debug_engine), *observe.ROUTES,
             ("GET", "/v1/models", misc.models), ("GET", "/v1/models/{model:.+}", misc.model),
             ("POST", "/tokenize", misc.tokenize), ("POST", "/detokenize", misc.detokenize),
             ("POST", "/reset_prefix_cache", misc.reset_prefix_cache),
@@ -82,9 +88,19 @@ class OpenAIServer:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        if self.options.api_key and request.path.startswith("/v1/"):
+        if self.options.api_key and request.path.startswith(PROTECTED_PATHS):
             if request.headers.get("Authorization", "") != f"Bearer {self.options.api_key}":
                 return error_response(401, "invalid or missing API key")
+        span = HttpSpan.start(self.tracer, request)
+        try:
+            response = await self._handle(request, handler)
+        finally:
+            span.end()
+        if not response.prepared and "X-Request-Id" not in response.headers:
+            response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or span.request_id()
+        return response
+
+    async def _handle(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         try:
             response = await handler(request)
         except ApiError as exc:
@@ -98,9 +114,6 @@ class OpenAIServer:
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             response = error_response(500, "internal error (see the server log)")
-        rid = request.headers.get("X-Request-Id")
-        if rid and not response.prepared:
-            response.headers["X-Request-Id"] = rid
         return response
 
     # -- what the endpoints share --------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
+from actors.frontend import http_trace
 from actors.frontend.errors import error_body, error_response, json_encoder
 from actors.frontend.fanout import Choice, close_all, merged_outputs
 from actors.frontend.sse import send_events
@@ -77,10 +78,15 @@ class Generation(ABC):
                 "model": self.model, "choices": choices, **extra}
 
     async def respond(self, request: web.Request, stream: bool) -> web.StreamResponse:
+        http_trace.serving(c.handle.request_id for c in self.choices)
+        http_trace.mark("receive")          # from the request's arrival to its admission
+        header_id = request.headers.get("X-Request-Id") or self.id     # the client's, echoed
         try:
             if stream:
-                return await send_events(request, self.events())
-            return await self.complete()
+                return await send_events(request, self.events(), header_id)
+            response = await self.complete()
+            response.headers["X-Request-Id"] = header_id
+            return response
         finally:
             close_all(self.choices)     # aborts what did not finish (e.g. the client left)
 

@@ -20,6 +20,7 @@ from actors.engine.core import EngineCore
 from actors.frontend.admission import WaitingRequests
 from actors.frontend.client import EngineClient
 from actors.frontend.stats import EngineStats
+from actors.frontend.telemetry import Telemetry, TelemetryActor, TelemetryWindow
 from actors.grammar.actor import GrammarCompilerProtocol
 from actors.frontend.streams import OutputStreams
 from actors.kv_manager.actor import KVManagerProtocol
@@ -27,7 +28,7 @@ from actors.runtime import ActorRef, Node
 from actors.runtime.process import (ChildProcess, NodeSpec, RestartBudget, decode_info, start_child,
                                     system_actor)
 from actors.runtime.faults import InjectFault
-from actors.runtime.system import SYSTEM_ACTOR, GetTrace
+from actors.runtime.system import SYSTEM_ACTOR
 from actors.scheduler.actor import SchedulerProtocol
 from actors.tokenizer.actor import TokenizerActor
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
@@ -50,6 +51,7 @@ class Frontend:
         self.engine_core: EngineCore | None = None
         self.stopping = False
         self._restarts: RestartBudget | None = None
+        self.telemetry: Telemetry | None = None      # with start(telemetry=True)
 
     def engine_exited(self, child: ChildProcess) -> None:
         """The engine process is gone: fail what is in flight at once, then restart it, or stop
@@ -75,19 +77,19 @@ class Frontend:
         log.info("engine core restarted (pid %d)", self.engine_process.pid)
         self.client.mark_alive()
 
-    async def trace(self, limit: int = 20000) -> list:
-        """The newest trace records of every process (at most ``limit`` each)."""
-        chunk = await self.node.ref(SYSTEM_ACTOR).ask(GetTrace(0, limit, recursive=True), timeout=10)
-        return chunk.all_records()
-
     async def inject_fault(self, fault: InjectFault) -> bool:
         """Arm ``fault`` in the process it names (this one, the engine's or the worker's)."""
         return await self.node.ref(SYSTEM_ACTOR).ask(fault, timeout=fault.seconds + 30.0)
 
-    async def start(self, config: EngineConfig, ready_timeout: float = READY_TIMEOUT_S) -> EngineClient:
+    async def start(self, config: EngineConfig, ready_timeout: float = READY_TIMEOUT_S,
+                    telemetry: bool = False) -> EngineClient:
         """Load the model (in the engine's and worker's processes when the config is
-        multiprocess), then start the tokenizer and detokenizer actors; sets ``client``."""
+        multiprocess), then start the tokenizer and detokenizer actors (and, with ``telemetry``,
+        the collector of every process's trace records for the dashboard); sets ``client``."""
         source = config.model.source
+        self.node.tracer.enabled = config.observability.trace
+        if config.observability.flight_recorder_dir:
+            system_actor(self.node).flight_dir = config.observability.flight_recorder_dir
         tokenizer = TextTokenizer.from_source(source.kind, source.path)
         if config.model.chat_template is not None:
             tokenizer.set_chat_template(config.model.chat_template)
@@ -108,6 +110,9 @@ class Frontend:
             engine.scheduler, waiting, count_prompt_tokens))
         self.client = EngineClient(config, tokenizer, tok, detok, engine.scheduler, engine.kv_manager,
                                    engine.grammar, streams, stats, waiting)
+        if telemetry and topology.TELEMETRY not in self.node.cells:
+            self.telemetry = Telemetry(self.node.spawn(topology.TELEMETRY, lambda: TelemetryActor(
+                TelemetryWindow(), lambda: _engine_sample(self.client.stats))))
         return self.client
 
     async def shutdown(self) -> None:
@@ -119,6 +124,11 @@ class Frontend:
         await self.node.stop()
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _engine_sample(stats: EngineStats) -> tuple[float, int, int, int, int]:
+    s = stats.last
+    return s.kv_cache_usage, s.num_running, s.num_waiting, s.prefix_cache_queries, s.prefix_cache_hits
 
 
 async def start_frontend(config: EngineConfig, *, ready_timeout: float = READY_TIMEOUT_S) -> Frontend:
@@ -165,7 +175,8 @@ async def _start_engine(fe: Frontend, config: EngineConfig, ready_timeout: float
     payload = msgspec.msgpack.encode((fe.ipc_dir, config))
     frontend_address = {topology.FRONTEND_NODE: endpoint(fe.ipc_dir, topology.FRONTEND_NODE)}
     spec = NodeSpec(topology.ENGINE_NODE, "actors.engine.core:engine_entry", payload, fe.ipc_dir,
-                    topology.FRONTEND_NODE, frontend_address)
+                    topology.FRONTEND_NODE, frontend_address, trace=config.observability.trace,
+                    flight_dir=config.observability.flight_recorder_dir)
     fe.engine_process, ready = await start_child(fe.node, spec, ready_timeout=ready_timeout,
                                                  on_exit=fe.engine_exited)
     return _Engine(decode_info(ready, EngineConfig),

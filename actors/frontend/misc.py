@@ -10,7 +10,6 @@ from aiohttp import web
 from actors.frontend.errors import error_response, json_encoder, not_found
 from actors.frontend.params import chat_messages, check_chat_flags
 from actors.frontend.protocol import BadRequest, DetokenizeRequest, TokenizeRequest
-from actors.runtime.tracing import to_chrome_trace
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
@@ -52,20 +51,6 @@ async def reset_prefix_cache(server: OpenAIServer, request: web.Request) -> web.
     """Forget every cached prefix (vLLM's endpoint of the same name)."""
     await server.engine().reset_prefix_cache()
     return web.Response(status=200)
-
-
-async def debug_trace(server: OpenAIServer, request: web.Request) -> web.Response:
-    """The actors' recent message spans in every process, as Chrome-trace / Perfetto JSON."""
-    if server.trace is None:
-        return error_response(404, "tracing is not available here")
-    try:
-        limit = int(request.query.get("limit", "20000"))
-    except ValueError:
-        return error_response(400, "limit must be an integer", param="limit")
-    if limit < 1:
-        return error_response(400, "limit must be at least 1", param="limit")
-    records = await server.trace(limit)
-    return _json(to_chrome_trace(records))
 
 
 def _card(server: OpenAIServer) -> dict:

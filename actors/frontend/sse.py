@@ -9,7 +9,9 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
+from actors.frontend import http_trace
 from actors.frontend.errors import error_body, json_encoder
+from actors.runtime.tracing import now_ns
 
 log = logging.getLogger("troupe.http")
 
@@ -20,18 +22,19 @@ def event(payload: dict) -> bytes:
     return b"data: " + json_encoder.encode(payload) + b"\n\n"
 
 
-async def send_events(request: web.Request, events: AsyncIterator[dict]) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
-    rid = request.headers.get("X-Request-Id")
-    if rid:
-        resp.headers["X-Request-Id"] = rid
+async def send_events(request: web.Request, events: AsyncIterator[dict], response_id: str) -> web.StreamResponse:
+    """``response_id``: the X-Request-Id header. Each chunk written is a span of the request's
+    trace."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Request-Id": response_id})
     await resp.prepare(request)
     try:
         try:
             async with aclosing(events) as stream:
                 async for payload in stream:
+                    t = now_ns()
                     await resp.write(event(payload))
+                    http_trace.mark("chunk", t)
         except ConnectionResetError:
             raise
         except Exception:

@@ -31,6 +31,7 @@ class CompileGrammar(Msg):
     when xgrammar cannot compile it."""
     reply_type: ClassVar[Any] = GrammarCompiled
     spec: StructuredOutputsParams
+    request_id: str = ""         # the request it is compiled for, if any (tracing)
 
 
 GrammarCompilerProtocol = CompileGrammar
@@ -52,6 +53,8 @@ class GrammarCompilerActor(Actor):
         return self.cache        # thread-safe; its entries are only ever added whole
 
     async def receive(self, msg: GrammarCompilerProtocol) -> GrammarCompiled:
+        if msg.request_id:
+            self.ctx.link((msg.request_id,))
         try:
             return GrammarCompiled(await self._compile(msg.spec))
         except GrammarError as exc:

@@ -14,7 +14,9 @@ computes.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+import time
+from typing import Any, Callable, Sequence, TypeVar
 
 from actors.kv_manager.block_hash import BlockHash
 from actors.kv_manager.block_pool import BlockPool, KVCacheBlock
@@ -25,8 +27,24 @@ def blocks_needed(num_tokens: int, block_size: int, num_held: int) -> int:
     return max(-(-num_tokens // block_size) - num_held, 0)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _timed(method: F) -> F:
+    """Count the method's time in ``busy_ns`` (the engine step's KV bookkeeping phase)."""
+    @functools.wraps(method)
+    def timed(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.busy_ns += time.perf_counter_ns() - t0
+    return timed  # type: ignore[return-value]
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.busy_ns = 0                 # time spent in lookups, allocation and freeing
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -41,6 +59,7 @@ class KVCacheManager:
         return self.pool.usage()
 
     # -- admission ---------------------------------------------------------------------------
+    @_timed
     def get_computed_blocks(self, block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
         """The longest cached prefix of ``block_hashes`` (the caller caps the hashes so that a
         request's last prompt token is always computed)."""
@@ -54,6 +73,7 @@ class KVCacheManager:
         return out
 
     # -- every step --------------------------------------------------------------------------
+    @_timed
     def allocate_slots(self, req_id: str, num_tokens: int, block_hashes: Sequence[BlockHash],
                        new_computed_blocks: Sequence[KVCacheBlock] = (),
                        watermark_blocks: int = 0) -> list[int] | None:
@@ -88,6 +108,7 @@ class KVCacheManager:
             self._num_registered[req_id] = n
 
     # -- release -----------------------------------------------------------------------------
+    @_timed
     def free(self, req_id: str) -> None:
         """Release a finished or preempted request's blocks, its tail first (so its tail is
         evicted before its head)."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 from actors.runtime.errors import Refusal, RemoteError
 from actors.runtime.mailbox import Delivery, Mailbox
 from actors.runtime.messages import ErrorReply, Ping, Pong, Stop, SystemMessage
-from actors.runtime.tracing import SpanRecord, TraceContext, current_context, now_ns
+from actors.runtime.tracing import ActorStats, SpanRecord, TraceContext, current_context, current_links, now_ns
 
 if TYPE_CHECKING:
     from actors.runtime.node import Node
@@ -72,7 +72,7 @@ class ActorContext:
 
     def link(self, request_ids: tuple[str, ...] | list[str]) -> None:
         """Record, in this message's trace span, the requests it served."""
-        self._cell.links = tuple(request_ids)
+        current_links.set(tuple(request_ids))
 
 
 class ReplyTo:
@@ -93,8 +93,13 @@ class ActorCell:
         cls = type(self.actor)
         self.accepts: Any = cls.protocol | SystemMessage
         self.mailbox = Mailbox()
+        self.label = f"{node.name}/{name}"     # what spans name as the sender of its messages
         self.handled = 0
-        self.links: tuple[str, ...] = ()
+        self.max_depth = 0
+        self.busy_ns = 0
+        self.errors = 0
+        self.restarts = 0
+        self.last_error: str | None = None
         self.stopping = False
         self._restart_pending = False
         self.task: asyncio.Task[None] | None = None
@@ -115,6 +120,12 @@ class ActorCell:
             self._fail_delivery(d, "stopped")
             return
         self.mailbox.put(d, system=type(d.msg).lane == "system")
+        if len(self.mailbox) > self.max_depth:
+            self.max_depth = len(self.mailbox)
+
+    def stats(self) -> ActorStats:
+        return ActorStats(self.name, len(self.mailbox), self.max_depth, self.handled, self.busy_ns,
+                          self.errors, self.restarts, self.last_error)
 
     async def _run(self) -> None:
         try:
@@ -157,11 +168,11 @@ class ActorCell:
             return
         tracer = self.node.tracer
         span = tracer.new_span_id()
-        token = current_context.set(TraceContext(d.trace_id, span))
+        token = current_context.set(TraceContext(d.trace_id, span, self.label))
+        links = current_links.set(())
         start = now_ns()
         depth = len(self.mailbox)
         status = "ok"
-        self.links = ()
         try:
             if self.node.faults.raises:
                 self.node.faults.check_handler(self.name, type(msg).__name__)
@@ -172,18 +183,24 @@ class ActorCell:
             log.info("actor '%s' refused %s: %s", self.name, type(msg).__name__, exc)
         except Exception as exc:
             status = "error"
+            self.errors += 1
+            self.last_error = f"{type(msg).__name__}: {type(exc).__name__}: {exc}"[:500]
             self._reply_error(d, exc)
             if self.node.report_failure(self, msg, exc) == "restart":
                 self._restart_pending = True
         else:
             self._reply(d, result)
         finally:
+            served = current_links.get()
+            current_links.reset(links)
             current_context.reset(token)
             self.handled += 1
+            end = now_ns()
+            self.busy_ns += end - start
             if tracer.enabled:
                 tracer.record(SpanRecord(d.trace_id, span, d.parent_span, d.msg_id, tracer.node,
                                          self.name, type(msg).__name__, d.enqueue_ns, start,
-                                         now_ns(), depth, status, d.size, self.links))
+                                         end, depth, status, d.size, served, d.sender))
 
     def _reply(self, d: Delivery, result: Any) -> None:
         if d.reply is None:
@@ -220,6 +237,7 @@ class ActorCell:
     async def _restart(self) -> None:
         """Replace the actor with a fresh instance; its mailbox and ref stay."""
         self._restart_pending = False
+        self.restarts += 1
         self.actor = self.factory()
         self.actor.ctx = ActorContext(self)
         try:

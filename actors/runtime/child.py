@@ -16,6 +16,7 @@ import msgspec
 from actors.runtime.node import Node
 from actors.runtime.process import BEAT, NodeSpec, system_actor
 from actors.runtime.system import SYSTEM_ACTOR, NodeReady
+from actors.runtime.tracing import Tracer, write_flight_record
 from transport.zmq_channel import ZmqTransport, endpoint
 
 log = logging.getLogger("troupe.child")
@@ -50,8 +51,11 @@ def start_heartbeat(loop: asyncio.AbstractEventLoop, fd: int, interval: float) -
 async def run_child(spec: NodeSpec, death_fd: int, heartbeat_fd: int) -> int:
     loop = asyncio.get_running_loop()
     start_heartbeat(loop, heartbeat_fd, spec.heartbeat_s)
-    node = Node(spec.name, ZmqTransport(endpoint(spec.ipc_dir, spec.name)))
-    system_actor(node)
+    node = Node(spec.name, ZmqTransport(endpoint(spec.ipc_dir, spec.name)),
+                tracer=Tracer(spec.name, enabled=spec.trace))
+    system = system_actor(node)
+    if spec.flight_dir:
+        system.flight_dir = spec.flight_dir
     for peer, address in spec.peers.items():
         node.connect(peer, address)
 
@@ -71,8 +75,22 @@ async def run_child(spec: NodeSpec, death_fd: int, heartbeat_fd: int) -> int:
     payload = msgspec.msgpack.encode(info) if info is not None else b""
     node.ref(SYSTEM_ACTOR, spec.parent).tell(NodeReady(spec.name, os.getpid(), payload))
     code = await node.closed
+    if code != 0:
+        flight_record(node, system.flight_dir, f"exit code {code}")
     await node.stop()
     return code
+
+
+def flight_record(node: Node, directory: str, reason: str) -> None:
+    """A node stopping on a failure writes its own last seconds (its parent writes what reached
+    it when the process is killed outright)."""
+    records = node.tracer.recent()
+    if not records:
+        return
+    steps = [(node.name, s) for s in node.tracer.steps.since(0)[0] if s.end_ns >= records[0].start_ns]
+    path = write_flight_record(directory, node.name, os.getpid(), reason, records, steps)
+    if path:
+        log.error("flight recorder: the last seconds of node '%s' are in %s", node.name, path)
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ class Delivery:
     msg_id: int
     enqueue_ns: int
     size: int = 0
+    sender: str = ""      # "node/actor" that sent it, for tracing
 
 
 class Mailbox:

@@ -19,7 +19,7 @@ from actors.runtime.faults import Faults
 from actors.runtime.mailbox import Delivery
 from actors.runtime.messages import ErrorReply
 from actors.runtime.ref import ActorRef, DeferredRef, LocalRef, RemoteRef, trace_parent
-from actors.runtime.tracing import Tracer, now_ns
+from actors.runtime.tracing import ActorStats, Tracer, now_ns
 from transport.codec import ASK, ERROR, REPLY, TELL, Codec, Header, decode_header
 
 log = logging.getLogger("troupe.node")
@@ -100,6 +100,9 @@ class Node:
             return cell.ref if cell is not None else DeferredRef(self, name)
         return RemoteRef(self, node, name, protocol)
 
+    def actor_stats(self) -> list[ActorStats]:
+        return [cell.stats() for cell in self.cells.values()]
+
     def cell_stopped(self, cell: ActorCell) -> None:
         if self.cells.get(cell.name) is cell:
             del self.cells[cell.name]
@@ -139,8 +142,9 @@ class Node:
 
     # -- remote messaging -----------------------------------------------------------------------
     def _header(self, kind: int, dst: str, msg_type: str, call_id: int = 0) -> Header:
-        trace_id, parent = trace_parent()
-        return Header(kind, dst, self.name, "", self.next_msg_id(), call_id, msg_type, trace_id, parent)
+        trace_id, parent, sender = trace_parent()
+        return Header(kind, dst, self.name, sender.partition("/")[2], self.next_msg_id(), call_id, msg_type,
+                      trace_id, parent)
 
     def _send(self, peer: str, header: Header, msg: Any) -> None:
         if self.transport is None:
@@ -211,7 +215,7 @@ class Node:
         reply = ReplyTo(header.src_node, header.call_id) if header.kind == ASK else None
         size = sum(len(getattr(f, "buffer", f)) for f in frames[1:])
         cell.deliver(Delivery(msg, reply, header.trace_id, header.parent_span, header.msg_id,
-                              now_ns(), size))
+                              now_ns(), size, f"{header.src_node}/{header.src}"))
 
     def _reject(self, header: Header, reason: str) -> None:
         self.rejected += 1

@@ -48,6 +48,8 @@ class NodeSpec(msgspec.Struct):
     peers: dict[str, str]      # node name -> address, the parent's included
     heartbeat_s: float = 1.0          # between two beats of the child's heartbeat thread
     hung_after_s: float = 45.0        # no loop turn, no CPU used, for this long: hung
+    trace: bool = True                # record trace spans
+    flight_dir: str = ""              # where flight-recorder files go ("": the default)
 
 
 class ChildStartError(RuntimeError):
@@ -122,6 +124,8 @@ class ChildProcess:
             self._watch.cancel()
         reason = self.describe_exit()
         self.node.peer_down(self.name, reason)
+        if self.returncode != 0:
+            system_actor(self.node).child_exited(self.name, self.pid, reason)
         if not self.exited.done():
             self.exited.set_result(self.returncode)
         if self._on_exit is not None:

@@ -26,12 +26,13 @@ def protocol_names(protocol: Any) -> str:
     return ", ".join(sorted(a.__name__ for a in args))
 
 
-def trace_parent() -> tuple[int, int]:
-    """(trace id, parent span) for a message sent from the current task."""
+def trace_parent() -> tuple[int, int, str]:
+    """(trace id, parent span, sending actor as "node/actor") for a message sent from the
+    current task; a task outside any actor's handler starts a new trace."""
     ctx = current_context.get()
     if ctx is None:
-        return new_trace_id(), 0
-    return ctx.trace_id, ctx.span_id
+        return new_trace_id(), 0, ""
+    return ctx.trace_id, ctx.span_id, ctx.actor
 
 
 class ActorRef(ABC):
@@ -73,8 +74,9 @@ class LocalRef(ActorRef):
         cell = self._cell
         if not isinstance(msg, cell.accepts):
             raise self._reject(msg, type(cell.actor).protocol | SystemMessage)
-        trace_id, parent = trace_parent()
-        return Delivery(msg, reply, trace_id, parent, cell.node.next_msg_id(), now_ns())
+        trace_id, parent, sender = trace_parent()
+        return Delivery(msg, reply, trace_id, parent, cell.node.next_msg_id(), now_ns(), 0,
+                        sender or f"{cell.node.name}/")
 
     def tell(self, msg: Any) -> None:
         self._cell.deliver(self._delivery(msg, None))

@@ -1,9 +1,11 @@
-"""The system actor every node runs as ``_system``: readiness of child nodes, trace export,
-shutdown. Its messages travel in the system lane."""
+"""The system actor every node runs as ``_system``: readiness of child nodes, telemetry (its
+node's trace records and actor counters, and its children's), the flight recorder of its
+children, shutdown. Its messages travel in the system lane."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any, ClassVar
 
 import msgspec
@@ -13,7 +15,8 @@ from actors.runtime import faults
 from actors.runtime.errors import ActorError
 from actors.runtime.faults import InjectFault
 from actors.runtime.messages import Msg
-from actors.runtime.tracing import SpanRecord
+from actors.runtime.tracing import (ActorStats, RecentRecords, SpanRecord, StepRecord, default_flight_dir,
+                                    write_flight_record)
 
 SYSTEM_ACTOR = "_system"
 log = logging.getLogger("troupe.system")
@@ -27,27 +30,39 @@ class NodeReady(Msg):
     info: bytes = b""
 
 
-class TraceChunk(msgspec.Struct):
-    node: str
-    next_seq: int
-    records: list[SpanRecord]
-    children: list[TraceChunk] = []
+class Cursor(msgspec.Struct, array_like=True):
+    """Where a node's last telemetry read ended, in its span and step rings."""
+    spans: int = 0
+    steps: int = 0
 
-    def all_records(self) -> list[SpanRecord]:
-        out = list(self.records)
+
+class TelemetryChunk(msgspec.Struct):
+    """A node's records since a cursor, its actors' counters now, and its children's chunks."""
+    node: str
+    pid: int
+    spans: list[SpanRecord]
+    steps: list[StepRecord]
+    actors: list[ActorStats]
+    cursor: Cursor                       # where the next read starts
+    missed: int = 0                      # records overwritten before they could be read
+    children: list[TelemetryChunk] = []
+    down: dict[str, str] = {}            # child nodes that did not answer, and why
+
+    def walk(self) -> list[TelemetryChunk]:
+        out = [self]
         for child in self.children:
-            out.extend(child.all_records())
+            out.extend(child.walk())
         return out
 
 
-class GetTrace(Msg):
-    """This node's trace records from sequence ``since`` (at most ``limit``, the newest);
-    with ``recursive``, its child nodes' too."""
-    reply_type: ClassVar[Any] = TraceChunk
+class GetTelemetry(Msg):
+    """This node's telemetry from its cursor in ``cursors`` (at most ``limit`` span records,
+    the newest); with ``recursive``, its child nodes' too."""
+    reply_type: ClassVar[Any] = TelemetryChunk
     lane: ClassVar[str] = "system"
-    since: int = 0
-    limit: int = 0
-    recursive: bool = False
+    cursors: dict[str, Cursor] = {}
+    limit: int = 20000
+    recursive: bool = True
 
 
 class Shutdown(Msg):
@@ -57,7 +72,7 @@ class Shutdown(Msg):
     reason: str = "asked to shut down"
 
 
-SystemProtocol = NodeReady | GetTrace | Shutdown | InjectFault
+SystemProtocol = NodeReady | GetTelemetry | Shutdown | InjectFault
 
 
 class SystemActor(Actor):
@@ -66,7 +81,9 @@ class SystemActor(Actor):
 
     def __init__(self) -> None:
         self.ready_waiters: dict[str, asyncio.Future[NodeReady]] = {}
-        self.children: set[str] = set()     # child nodes, for recursive trace collection
+        self.children: set[str] = set()     # child nodes, for recursive telemetry
+        self.flight_dir = default_flight_dir()
+        self.recent: dict[str, RecentRecords] = {}   # each child's last seconds, for the flight recorder
 
     def expect_ready(self, node: str) -> asyncio.Future[NodeReady]:
         fut = asyncio.get_running_loop().create_future()
@@ -79,8 +96,8 @@ class SystemActor(Actor):
                 fut = self.ready_waiters.pop(msg.node, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
-            case GetTrace():
-                return await self._trace(msg)
+            case GetTelemetry():
+                return await self._telemetry(msg)
             case Shutdown():
                 node = self.ctx.node
                 if msg.code:
@@ -108,17 +125,41 @@ class SystemActor(Actor):
                 return True
         return False
 
-    async def _trace(self, msg: GetTrace) -> TraceChunk:
+    async def _telemetry(self, msg: GetTelemetry) -> TelemetryChunk:
         node = self.ctx.node
-        nxt, records = node.tracer.snapshot(msg.since)
-        if msg.limit:
-            records = records[-msg.limit:]
-        chunk = TraceChunk(node.tracer.node, nxt, records)
-        if msg.recursive:
-            for child in sorted(self.children):
-                try:
-                    chunk.children.append(await node.ref(SYSTEM_ACTOR, child).ask(
-                        GetTrace(0, msg.limit, True), timeout=5.0))
-                except ActorError as exc:   # a child that is down has no trace to give
-                    log.warning("no trace from node '%s': %s", child, exc)
+        tracer = node.tracer
+        cursor = msg.cursors.get(node.name, Cursor())
+        spans, missed = tracer.spans.since(cursor.spans, msg.limit)
+        steps, _ = tracer.steps.since(cursor.steps)
+        chunk = TelemetryChunk(node.name, os.getpid(), spans, steps, node.actor_stats(),
+                               Cursor(tracer.spans.next, tracer.steps.next), missed)
+        if msg.recursive and self.children:
+            names = sorted(self.children)
+            answers = await asyncio.gather(*(node.ref(SYSTEM_ACTOR, child).ask(msg, timeout=5.0) for child in names),
+                                           return_exceptions=True)
+            for child, answer in zip(names, answers):
+                if isinstance(answer, TelemetryChunk):
+                    chunk.children.append(answer)
+                    self._keep_recent(child, answer)
+                else:
+                    chunk.down[child] = str(answer)
         return chunk
+
+    def _keep_recent(self, child: str, chunk: TelemetryChunk) -> None:
+        recent = self.recent.setdefault(child, RecentRecords())
+        for c in chunk.walk():
+            recent.pids[c.node] = c.pid
+            recent.add(c.spans, [(c.node, s) for s in c.steps])
+
+    def child_exited(self, child: str, pid: int, reason: str) -> None:
+        """Flight recorder: write what a dead child's last seconds were, as far as they reached
+        this node, and say where."""
+        self.children.discard(child)
+        recent = self.recent.pop(child, None)
+        if recent is None or not recent.spans:
+            return
+        path = write_flight_record(self.flight_dir, child, pid, reason, list(recent.spans),
+                                   list(recent.steps), recent.pids)
+        if path:
+            log.error("flight recorder: the last %g s of node '%s' (pid %d) are in %s",
+                      recent.seconds, child, pid, path)

@@ -14,10 +14,12 @@ import time
 from collections import OrderedDict
 from typing import Any, ClassVar
 
-from actors.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from actors.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput,
+                                    SchedulerOutput)
 from actors.engine.sampling_params import StructuredOutputsParams
 from actors.grammar.actor import CompileGrammar
 from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteError
+from actors.runtime.tracing import StepRecord, now_ns
 from actors.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("troupe.scheduler")
@@ -75,6 +77,7 @@ class SchedulerActor(Actor):
         self.paused = False
         self._step_queued = False
         self._last_step_start = 0.0
+        self._last_step_end = 0              # monotonic ns: the gap before the next step
         # Aborts of requests not (yet) known here: an abort sent while the request was being
         # admitted may overtake it, and the request must then not run for nobody.
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
@@ -82,6 +85,7 @@ class SchedulerActor(Actor):
     async def receive(self, msg: SchedulerProtocol) -> Any:
         match msg:
             case AddRequest(request=r):
+                self.ctx.link((r.request_id,))
                 if r.request_id in self._early_aborts:     # its abort came first
                     del self._early_aborts[r.request_id]
                     self._emit([EngineCoreOutput(r.request_id, [], "abort")])
@@ -96,9 +100,11 @@ class SchedulerActor(Actor):
                     task.add_done_callback(self._tasks.discard)
                 self._kick()
             case GrammarReady(request_id=rid, error=error):
+                self.ctx.link((rid,))
                 self._emit(self.core.grammar_ready(rid, error))
                 self._kick()
             case AbortRequests(request_ids=ids):
+                self.ctx.link(ids)
                 outs = self.core.abort_requests(ids)
                 aborted = {o.request_id for o in outs}
                 for rid in ids:
@@ -129,7 +135,7 @@ class SchedulerActor(Actor):
         """Have the GrammarCompiler compile a waiting request's grammar; GrammarReady to
         ourselves when it is done (the request waits without holding back the queue)."""
         try:
-            await self.grammar.ask(CompileGrammar(spec), timeout=GRAMMAR_TIMEOUT_S)
+            await self.grammar.ask(CompileGrammar(spec, request_id), timeout=GRAMMAR_TIMEOUT_S)
             error = None
         except (RemoteError, AskTimeout, ActorDied) as exc:
             error = f"the grammar cannot be compiled: {exc.message if isinstance(exc, RemoteError) else exc}"
@@ -145,10 +151,12 @@ class SchedulerActor(Actor):
         if not self.core.has_work():
             return
         self._account_cycle()
+        t0, kv0 = now_ns(), self.core.kv.busy_ns
         so = self.core.schedule()
         if not so.num_scheduled_tokens:
             return
         self.ctx.link(list(so.num_scheduled_tokens))
+        t1, kv1 = now_ns(), self.core.kv.busy_ns
         try:
             runner_out = await self.executor.ask(so, timeout=STEP_TIMEOUT_S)
         except (ActorDied, RemoteError, AskTimeout) as exc:
@@ -160,7 +168,30 @@ class SchedulerActor(Actor):
                 self._emit(self.core.fail_running(f"the worker failed: {reason}"))
             return
         self.core.counters.compute_seconds += runner_out.compute_s
+        t2 = now_ns()
         self._emit(self.core.update_from_output(so, runner_out))
+        tracer = self.ctx.node.tracer
+        if tracer.enabled:
+            t3 = now_ns()
+            tracer.record_step(self._step_record(so, runner_out, (t0, t1, t2, t3),
+                                                 (kv1 - kv0, self.core.kv.busy_ns - kv1)))
+        self._last_step_end = now_ns()
+
+    def _step_record(self, so: SchedulerOutput, out: ModelRunnerOutput, t: tuple[int, int, int, int],
+                     kv: tuple[int, int]) -> StepRecord:
+        """Where the step's time went: scheduling (less its KV bookkeeping), KV bookkeeping,
+        the worker's input preparation, forward and sampling, messaging (the round trip less the
+        worker's time), and output handling."""
+        t0, t1, t2, t3 = t
+        ms = 1e-6
+        worker_ns = out.worker_s * 1e9
+        phases = {"schedule": (t1 - t0 - kv[0]) * ms, "kv": (kv[0] + kv[1]) * ms,
+                  "prepare": (out.worker_s - out.compute_s) * 1e3, "forward": (out.compute_s - out.sample_s) * 1e3,
+                  "sample": out.sample_s * 1e3, "messaging": max(t2 - t1 - worker_ns, 0) * ms,
+                  "output": (t3 - t2 - kv[1]) * ms}
+        gap = t0 - self._last_step_end if self._last_step_end else 0
+        return StepRecord(so.step, t0, t3, gap, len(so.num_scheduled_tokens), so.total_num_scheduled_tokens,
+                          {k: round(v, 4) for k, v in phases.items()})
 
     def _workers_lost(self, reason: str) -> None:
         """Stop stepping until WorkersReady; the running requests' KV is gone with the worker,

@@ -71,6 +71,7 @@ class TokenizerActor(Actor):
         self.on_prompt_tokens = on_prompt_tokens
 
     async def receive(self, msg: Generate) -> PromptAccepted:
+        self.ctx.link((msg.request_id,))
         chars = self._check_size(msg)
         # a long text is tokenized in a thread (the tokenizer releases the GIL), so the
         # frontend's other requests and probes do not wait behind it

@@ -2,6 +2,8 @@
 allocate the KV cache, then run one step per message."""
 from __future__ import annotations
 
+import time
+
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
@@ -56,7 +58,10 @@ class WorkerActor(Actor):
     async def receive(self, msg: WorkerProtocol) -> Any:
         match msg:
             case SchedulerOutput():
+                self.ctx.link(list(msg.num_scheduled_tokens))
+                t0 = time.perf_counter()
                 out = self._loaded().execute_model(msg)
+                out.worker_s = time.perf_counter() - t0
                 self.last_step, self.last_step_number = StepResult(True, out), msg.step
                 return out
             case StepStatus(step=step):

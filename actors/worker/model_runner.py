@@ -119,13 +119,16 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids, [[] for _ in req_ids], {}, {})
         if not req_ids:
             return out
+        t_prepare = time.perf_counter()
         inp = self.prepare_inputs(so)
         t0 = time.perf_counter()
+        out.prepare_s = t0 - t_prepare
         hidden = self._forward(inp)                                                    # (T, hidden)
         b = self.batch
         b.num_computed_tokens[inp.slots] += np.fromiter(so.num_scheduled_tokens.values(),
                                                         dtype=np.int64, count=len(req_ids))
         self._prompt_logprobs(so, inp, hidden, out)
+        t_sample = time.perf_counter()
         if len(inp.sample_rows):
             logits = self.model.compute_logits(hidden[inp.logits_indices.to(self.device)])  # (S, vocab)
             sample_slots = inp.slots[inp.sample_rows]
@@ -139,7 +142,9 @@ class ModelRunner:
                 out.sampled_token_ids[row] = [tok]
             if result.logprobs is not None:
                 self._sample_logprobs(req_ids, inp.sample_rows, sample_slots, result.logprobs, out)
-        out.compute_s = time.perf_counter() - t0      # forward and sampling: model compute
+        t_end = time.perf_counter()
+        out.compute_s = t_end - t0                    # forward and sampling: model compute
+        out.sample_s = t_end - t_sample
         return out
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:

@@ -245,22 +245,6 @@ def test_sigterm_stops_all_three_processes():
     assert not any(alive(p) for p in pids)
 
 
-def test_trace_endpoint_shows_spans_of_all_three_processes(server):
-    async def main():
-        await _post(server.url, "/v1/completions", {"prompt": "Trace me", "max_tokens": 4})
-        async with aiohttp.ClientSession() as session:
-            async with session.get(server.url + "/debug/trace?limit=5000") as resp:
-                return resp.status, await resp.json()
-    status, trace = asyncio.run(main())
-    assert status == 200
-    events = trace["traceEvents"]
-    processes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
-    assert {"frontend", "engine", "worker0"} <= processes
-    slices = {e["name"] for e in events if e["ph"] == "X"}
-    assert {"Generate", "AddRequest", "Step", "SchedulerOutput", "EngineCoreOutputs"} <= slices
-    assert any(e["ph"] == "s" for e in events)   # flow arrows between processes
-
-
 def test_reset_prefix_cache_makes_a_repeated_prompt_miss(server):
     prompt = list(range(1000, 1100))          # 100 tokens: 6 full blocks
 

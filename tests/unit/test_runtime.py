@@ -16,7 +16,7 @@ import torch
 from actors.runtime import (ActorDied, AskTimeout, MailboxFull, MessageRejected, Node, RemoteError)
 from actors.runtime.faults import InjectFault
 from actors.runtime.process import NodeSpec, decode_info, start_child, system_actor
-from actors.runtime.system import GetTrace
+from actors.runtime.system import GetTelemetry
 from actors.runtime.tracing import to_chrome_trace
 from helpers import run_async
 from runtime_fixtures import (Arrays, Count, Crash, Echo, EchoActor, Echoed, Sleep, Unrelated)
@@ -175,7 +175,7 @@ def test_cross_process_ask_tell_and_arrays(child_env):
             big = np.random.default_rng(0).standard_normal(50_000).astype(np.float32)
             t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
             arrays = await ref.ask(Arrays(big, t, np.arange(3)), timeout=10)
-            chunk = await node.ref("_system", "child").ask(GetTrace(), timeout=10)
+            chunk = await node.ref("_system", "child").ask(GetTelemetry(), timeout=10)
             return decode_info(ready, dict), echoed, arrays, big, t, chunk
         finally:
             await child.stop()
@@ -184,7 +184,9 @@ def test_cross_process_ask_tell_and_arrays(child_env):
     assert info == {"config": "cfg"}
     assert echoed == Echoed("remote", 3)
     assert np.array_equal(arrays.array, big * 2) and torch.equal(arrays.tensor, t + 1)
-    assert {"Count", "Echo", "Arrays"} <= {r.msg_type for r in chunk.records}
+    assert {"Count", "Echo", "Arrays"} <= {r.msg_type for r in chunk.spans}
+    assert {r.sender for r in chunk.spans if r.msg_type == "Echo"} == {"parent/"}    # sent from outside any actor
+    assert chunk.node == "child" and chunk.pid != os.getpid() and chunk.cursor.spans >= 3
 
 
 def test_cross_process_wrong_type_rejected_and_remote_error_raised(child_env):
