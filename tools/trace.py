@@ -1,6 +1,8 @@
-"""``python -m tools.trace URL [-o FILE] [--request-id ID] [--seconds N] [--api-key KEY]``: save a
-running server's trace (Chrome trace-event JSON, for chrome://tracing or ui.perfetto.dev): the
-last seconds of every process, or one request's path across them."""
+"""Save a running server's trace as Chrome trace-event JSON, for chrome://tracing or
+ui.perfetto.dev: the last seconds of every process, or one request's path across them.
+
+    python -m tools.trace URL [-o FILE] [--request-id ID] [--seconds N] [--api-key KEY]
+"""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +14,7 @@ import urllib.request
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.trace", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.trace", description=__doc__.split("\n\n")[0])
     p.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("-o", "--output", default="troupe-trace.json", help="where to write it ('-': stdout)")
     p.add_argument("--request-id", help="only this request (its response id or X-Request-Id)")

@@ -6,6 +6,7 @@ Endpoints live beside it: ``chat.py``, ``completions.py`` and ``misc.py``."""
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import math
 from dataclasses import dataclass
@@ -32,6 +33,12 @@ log = logging.getLogger("troupe.http")
 
 MAX_BODY_BYTES = 8 << 20
 PROTECTED_PATHS = ("/v1/", "/debug/", "/dashboard")    # need the API key when one is set
+KEY_COOKIE = "troupe_api_key"                          # the key, for the dashboard's own requests
+
+
+def _same(given: str, key: str) -> bool:
+    """A key check in constant time (bytes: any text a client sends compares, none raises)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +96,10 @@ class OpenAIServer:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        login = False
         if self.options.api_key and request.path.startswith(PROTECTED_PATHS):
-            if request.headers.get("Authorization", "") != f"Bearer {self.options.api_key}":
+            login = self._login(request)
+            if not (login or self._authorized(request)):
                 return error_response(401, "invalid or missing API key")
         span = HttpSpan.start(self.tracer, request)
         try:
@@ -99,7 +108,26 @@ class OpenAIServer:
             span.end()
         if not response.prepared and "X-Request-Id" not in response.headers:
             response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or span.request_id()
+        if login and not response.prepared:
+            response.set_cookie(KEY_COOKIE, self.options.api_key, httponly=True, samesite="Strict",
+                                path="/")
         return response
+
+    def _authorized(self, request: web.Request) -> bool:
+        """The key as a Bearer token; for the dashboard and /debug/* also as the cookie that
+        ``_login`` set, since a browser sends no header of its own (EventSource included)."""
+        key = self.options.api_key
+        if _same(request.headers.get("Authorization", ""), f"Bearer {key}"):
+            return True
+        return (not request.path.startswith("/v1/")
+                and _same(request.cookies.get(KEY_COOKIE, ""), key))
+
+    def _login(self, request: web.Request) -> bool:
+        """``GET /dashboard?api_key=KEY``: the page opened from a browser with the key once; the
+        answer sets it as an HttpOnly cookie for the page's own requests."""
+        given = request.query.get("api_key")
+        return (request.path == "/dashboard" and given is not None
+                and _same(given, self.options.api_key))
 
     async def _handle(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         try:

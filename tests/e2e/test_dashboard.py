@@ -102,14 +102,14 @@ def errors() -> list[str]:
 
 @pytest.fixture(scope="module")
 def page(server, load, browser, errors):
-    """The dashboard, open with the key sent on every request (EventSource included)."""
-    context = browser.new_context(viewport={"width": 1400, "height": 1000},
-                                  extra_http_headers={"Authorization": f"Bearer {KEY}"})
+    """The dashboard, opened as a person would under --api-key: the key once in the URL, then
+    the cookie it sets carries the page's own requests (EventSource included)."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
     p = context.new_page()
     p.set_default_timeout(WAIT_MS)
     p.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
     p.on("pageerror", lambda exc: errors.append(f"uncaught: {exc}"))
-    p.goto(server.url + "/dashboard")
+    p.goto(server.url + f"/dashboard?api_key={KEY}")
     yield p
     context.close()
 
@@ -211,3 +211,16 @@ def test_the_page_and_its_data_need_the_api_key(server):
     assert status(server.url + "/dashboard/static/dashboard.js", auth) == (200, "text/javascript")
     assert status(server.url + "/dashboard/static/dashboard.css", auth) == (200, "text/css")
     assert status(server.url + "/dashboard/static/app.py", auth)[0] == 404
+
+
+def test_the_key_in_the_dashboards_url_opens_the_page_and_its_data_only(server):
+    assert status(server.url + "/dashboard?api_key=wrong", {})[0] == 401
+    req = urllib.request.Request(server.url + f"/dashboard?api_key={KEY}")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        cookie = resp.headers["Set-Cookie"].split(";")[0]
+        assert "HttpOnly" in resp.headers["Set-Cookie"]
+    assert status(server.url + "/debug/actors", {"Cookie": cookie})[0] == 200
+    assert status(server.url + "/dashboard/static/dashboard.js", {"Cookie": cookie})[0] == 200
+    assert status(server.url + "/v1/models", {"Cookie": cookie})[0] == 401      # never the API
+    assert status(server.url + "/debug/actors", {"Cookie": "troupe_api_key=wrong"})[0] == 401
+    assert status(server.url + "/debug/actors", {"Authorization": "Bearer \u00e9"})[0] == 401

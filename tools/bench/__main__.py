@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured,workload}``: each prints one JSON
+"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload}``: each prints one JSON
 line last."""
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ def main() -> None:
     st.add_argument("--n", type=int, default=32, help="concurrent requests of each kind")
     st.add_argument("--bitmask-batch", type=int, default=64)
 
+    tr = sub.add_parser("tracing", help="what tracing costs per actor message (on against --no-trace)")
+    tr.add_argument("--messages", type=int, default=200_000)
+    tr.add_argument("--repeats", type=int, default=5)
+
     wl = sub.add_parser("workload", help="write a workload JSON file (random prompt token ids) to stdout, "
                                          "for the peers' harnesses to read the same requests")
     workload.add_arguments(wl)
@@ -67,6 +71,9 @@ def main() -> None:
         import sys
         json.dump(workload.from_args(args), sys.stdout)
         sys.stdout.write("\n")
+    elif args.cmd == "tracing":
+        from tools.bench import tracing
+        tracing.main(args)
     elif args.cmd == "latency":
         from tools.bench import latency
         latency.main(args)

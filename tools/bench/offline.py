@@ -29,12 +29,15 @@ async def run(args: Any) -> dict[str, Any]:
         # warm-up on the first two requests, as ../shared/bench/vllm_offline.py does for vLLM
         await asyncio.gather(*(one(r, params(r)) for r in reqs[:2]))
         before = llm.client.stats.last
+        tracer = llm._fe.node.tracer               # in one process: every actor's spans
+        spans0, steps0 = tracer.spans.next, llm.client.stats.steps
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(r, params(r)) for r in reqs))
         seconds = time.perf_counter() - t0
         stats = llm.client.stats
         busy = stats.last.busy_seconds - before.busy_seconds
         compute = stats.last.compute_seconds - before.compute_seconds
+        spans_per_step = (tracer.spans.next - spans0) / max(stats.steps - steps0, 1)
     finally:
         await llm.shutdown()
     n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
@@ -43,7 +46,7 @@ async def run(args: Any) -> dict[str, Any]:
     device = config.device.device
     peak = flops.matmul_peak_gflops() if device == "cpu" else None    # this CPU's own float32 peak
     return {"bench": "offline", "engine": "troupe", "device": device, "enforce_eager": args.enforce_eager,
-            "dtype": args.dtype,
+            "dtype": args.dtype, "trace": config.observability.trace, "multiprocess": args.multiprocess,
             "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "requests": len(reqs),
             "prompt_tokens": n_in, "output_tokens": n_out, "seconds": round(seconds, 3),
@@ -52,7 +55,8 @@ async def run(args: Any) -> dict[str, Any]:
             "gflops_per_s": round(gflops, 1), "matmul_peak_gflops_per_s": round(peak, 1) if peak else None,
             "fraction_of_peak": round(gflops / peak, 3) if peak else None, "steps": stats.steps,
             "engine_overhead_fraction": round(1 - compute / busy, 4) if busy else None,
-            "max_batch_size": stats.max_batch_size}
+            "max_batch_size": stats.max_batch_size,
+            "trace_spans_per_step": round(spans_per_step, 1) if args.trace and not args.multiprocess else None}
 
 
 def main(args: Any) -> None:
