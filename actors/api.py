@@ -5,9 +5,12 @@ progress bar). By default every actor runs in one event loop in this process; pa
 from __future__ import annotations
 
 import asyncio
+import itertools
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Iterable, Iterator, Sequence, Sized, Union
 
 from actors.engine.args import EngineArgs
 from actors.engine.sampling_params import SamplingParams
@@ -26,6 +29,26 @@ class GenerationResult:
     num_prompt_tokens: int
     error: str | None = None
     prompt: Any = field(default=None, repr=False)
+    index: int = 0                       # the prompt's place in the list it came in
+
+
+class Progress:
+    """A tqdm bar on standard error: requests done, output tokens per second, time left."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
+        self.started = time.monotonic()
+        self.tokens = 0
+
+    def update(self, output_tokens: int) -> None:
+        self.tokens += output_tokens
+        rate = self.tokens / max(time.monotonic() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class AsyncLLM:
@@ -59,8 +82,85 @@ class AsyncLLM:
                                               **template):
             yield out
 
+    async def generate_many(self, prompts: Iterable[Prompt],
+                            params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                            max_pending: int = 1024, use_tqdm: bool = False,
+                            **template: Any) -> AsyncIterator[GenerationResult]:
+        """Results of many prompts (text, token ids, or a conversation: a list of messages), in
+        the order they finish; ``result.index`` is the prompt's place. At most ``max_pending``
+        requests are in the engine or finished and not yet taken, so a long (even endless)
+        input runs in bounded memory. ``params``: one for all, or one per prompt."""
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        per_prompt = params if isinstance(params, Sequence) else None
+        slots = asyncio.Semaphore(max_pending)
+        arrived: asyncio.Queue[Any] = asyncio.Queue()     # results, errors, then the count
+        tasks: set[asyncio.Future] = set()
+        bar = Progress(len(prompts), "Generating") if use_tqdm and isinstance(prompts, Sized) else None
+
+        async def one(i: int, prompt: Prompt, sp: SamplingParams | None) -> None:
+            try:
+                stream = (self.chat(prompt, sp, **template) if _is_conversation(prompt)  # type: ignore[arg-type]
+                          else self.generate(prompt, sp))                                 # type: ignore[arg-type]
+                result = await _collect(stream, prompt)
+                result.index = i
+                arrived.put_nowait(result)
+            except Exception as exc:
+                arrived.put_nowait(exc)
+
+        async def feed() -> None:
+            n, it = 0, iter(prompts)
+            try:
+                for i in itertools.count():
+                    await slots.acquire()           # a slot first: no prompt is read ahead of one
+                    try:
+                        prompt = next(it)
+                    except StopIteration:
+                        break
+                    task = asyncio.ensure_future(one(i, prompt, per_prompt[i] if per_prompt is not None else params))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    n += 1
+            except Exception as exc:          # the prompts' iterator failed: the consumer sees it
+                arrived.put_nowait(exc)
+            arrived.put_nowait(_Total(n))
+
+        feeder = asyncio.ensure_future(feed())
+        total, taken = None, 0
+        try:
+            while total is None or taken < total:
+                item = await arrived.get()
+                if isinstance(item, _Total):
+                    total = item.n
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                taken += 1
+                slots.release()
+                if bar is not None:
+                    bar.update(len(item.token_ids))
+                yield item
+        finally:
+            feeder.cancel()
+            for task in list(tasks):
+                task.cancel()
+            if bar is not None:
+                bar.close()
+
     async def shutdown(self) -> None:
         await self._fe.shutdown()
+
+
+@dataclass(slots=True)
+class _Total:
+    n: int                               # how many prompts there were
+
+
+Prompt = Union[str, list[int], list[dict[str, Any]]]
+
+
+def _is_conversation(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
 async def _collect(stream: AsyncIterator[RequestOutput], prompt: Any) -> GenerationResult:
@@ -116,20 +216,38 @@ class LLM:
         return self._batch([(c, lambda c=c: self._llm.chat(c, params, **template))
                             for c in conversations], use_tqdm)
 
+    def generate_many(self, prompts: Iterable[Prompt],
+                      params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                      max_pending: int = 1024, use_tqdm: bool = True,
+                      **template: Any) -> Iterator[GenerationResult]:
+        """``AsyncLLM.generate_many`` for a synchronous caller: results as they finish, in
+        bounded memory."""
+        results = self._llm.generate_many(prompts, params, max_pending=max_pending, use_tqdm=use_tqdm,
+                                          **template)
+        try:
+            while True:
+                try:
+                    yield self._run(results.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if self._loop.is_running():     # not after close(): the engine is gone already
+                self._run(results.aclose(), timeout=60)
+
     def _batch(self, jobs: list[tuple[Any, Any]], use_tqdm: bool) -> list[GenerationResult]:
         async def run_all() -> list[GenerationResult]:
-            bar = None
-            if use_tqdm and len(jobs) > 1:
-                from tqdm import tqdm
-                bar = tqdm(total=len(jobs), desc="Generating", unit="req")
+            bar = Progress(len(jobs), "Generating") if use_tqdm and len(jobs) > 1 else None
 
             async def one(prompt: Any, make: Any) -> GenerationResult:
                 result = await _collect(make(), prompt)
                 if bar is not None:
-                    bar.update(1)
+                    bar.update(len(result.token_ids))
                 return result
             try:
-                return list(await asyncio.gather(*(one(p, m) for p, m in jobs)))
+                results = list(await asyncio.gather(*(one(p, m) for p, m in jobs)))
+                for i, r in enumerate(results):
+                    r.index = i
+                return results
             finally:
                 if bar is not None:
                     bar.close()

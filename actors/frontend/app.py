@@ -130,8 +130,12 @@ class OpenAIServer:
                 and _same(given, self.options.api_key))
 
     async def _handle(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        return await self.answer(lambda: handler(request), f"{request.method} {request.path}")
+
+    async def answer(self, call: Callable[[], Awaitable[web.StreamResponse]], what: str) -> web.StreamResponse:
+        """``call``'s response, or the OpenAI error response its failure maps to."""
         try:
-            response = await handler(request)
+            response = await call()
         except ApiError as exc:
             response = exc.response
         except BadRequest as exc:
@@ -141,7 +145,7 @@ class OpenAIServer:
         except web.HTTPException as exc:
             response = error_response(exc.status, exc.reason)
         except Exception:
-            log.exception("%s %s failed", request.method, request.path)
+            log.exception("%s failed", what)
             response = error_response(500, "internal error (see the server log)")
         return response
 
@@ -154,8 +158,10 @@ class OpenAIServer:
 
     async def read(self, request: web.Request, typ: type) -> Any:
         """Decode and type-check the JSON body; 404 for a model this server does not serve."""
+        return self.decode(await request.read(), typ)
+
+    def decode(self, body: bytes, typ: type) -> Any:
         client = self.engine()
-        body = await request.read()
         req = decode_body(body, typ, self.options.lenient)
         if req.model is not None and req.model != client.model_name:
             raise not_found(f"The model `{req.model}` does not exist.", "model")

@@ -107,6 +107,15 @@ class ChoiceState:
 async def chat_completions(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
     arrival = time.time()
     req: ChatCompletionRequest = await server.read(request, ChatCompletionRequest)
+    gen, stream = await start_chat(server, req, arrival)
+    return await gen.respond(request, stream)
+
+
+async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
+                     arrival: float) -> tuple[ChatGeneration, bool]:
+    """Check a decoded chat request and admit its choices; the generation answers it (whole or
+    streamed) and whether the client asked for a stream. The batch runner answers its lines
+    through this too."""
     client = server.engine()
     n = num_choices(req)
     stream, include_usage = stream_flags(req)
@@ -134,4 +143,4 @@ async def chat_completions(server: OpenAIServer, request: web.Request) -> web.St
         cache_salt=cache_salt(req), timeout_s=request_timeout(req))
     gen = ChatGeneration(rid, client.model_name, choices, include_usage, server.token_text,
                          params.logprobs, tools)
-    return await gen.respond(request, stream)
+    return gen, stream

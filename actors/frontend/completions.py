@@ -94,6 +94,13 @@ class CompletionGeneration(Generation):
 async def completions(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
     arrival = time.time()
     req: CompletionRequest = await server.read(request, CompletionRequest)
+    gen, stream = await start_completion(server, req, arrival)
+    return await gen.respond(request, stream)
+
+
+async def start_completion(server: OpenAIServer, req: CompletionRequest,
+                           arrival: float) -> tuple[CompletionGeneration, bool]:
+    """Check a decoded completion request and admit its choices (see ``chat.start_chat``)."""
     client = server.engine()
     n = num_choices(req)
     stream, include_usage = stream_flags(req)
@@ -113,7 +120,7 @@ async def completions(server: OpenAIServer, request: web.Request) -> web.StreamR
     echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
     gen = CompletionGeneration(rid, client.model_name, choices, include_usage, server.token_text,
                                params.logprobs, echo_texts)
-    return await gen.respond(request, stream)
+    return gen, stream
 
 
 def _prompt_text(tokenizer, prompt: PromptInput) -> str:

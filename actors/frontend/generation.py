@@ -90,6 +90,13 @@ class Generation(ABC):
         finally:
             close_all(self.choices)     # aborts what did not finish (e.g. the client left)
 
+    async def whole(self) -> web.Response:
+        """The whole answer as one body, away from HTTP (the batch runner's)."""
+        try:
+            return await self.complete()
+        finally:
+            close_all(self.choices)
+
     async def complete(self) -> web.Response:
         try:
             async for c, out in merged_outputs(self.choices):

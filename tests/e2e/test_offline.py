@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,6 +40,44 @@ def test_seeded_sampling_is_reproducible(llm):
     a = llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
     b = llm.generate(["Once upon a time", "Unrelated prompt in the batch"], params, use_tqdm=False)[0]
     assert a.token_ids == b.token_ids
+
+
+def test_generate_many_yields_every_prompt_kind_as_it_finishes(llm):
+    """Text, token ids and a conversation, one sampling parameter each; results carry the
+    prompt's index and equal what generate and chat give for the same prompt."""
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    conversation = [{"role": "user", "content": "Name a colour."}]
+    prompts = ["The sky is", [1, 2, 3, 4], conversation]
+    results = list(llm.generate_many(prompts, [long, long, short], use_tqdm=False))
+    assert results[0].index == 2                       # the shortest finished first
+    by_index = {r.index: r for r in results}
+    assert sorted(by_index) == [0, 1, 2]
+    assert by_index[0].token_ids == llm.generate("The sky is", long, use_tqdm=False)[0].token_ids
+    assert by_index[1].token_ids == llm.generate([1, 2, 3, 4], long, use_tqdm=False)[0].token_ids
+    assert by_index[2].token_ids == llm.chat(conversation, short, use_tqdm=False)[0].token_ids
+
+
+def test_generate_many_holds_at_most_max_pending_requests(llm):
+    taken = []
+
+    def prompts():                     # an input that could go on for ever
+        for i in range(1000):
+            taken.append(i)
+            yield f"Item {i}:"
+    results = llm.generate_many(prompts(), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                                max_pending=3, use_tqdm=False)
+    first = next(results)
+    time.sleep(0.5)                    # unconsumed results hold their slots: nothing more is read
+    assert len(taken) <= 4
+    assert first.index in (0, 1, 2)
+    results.close()
+
+
+def test_progress_bar_shows_requests_and_tokens_per_second(llm, capfd):
+    llm.generate(["a", "b", "c"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    err = capfd.readouterr().err
+    assert "3/3" in err and "tok/s" in err
 
 
 def test_chat_repl_streams_a_reply_from_piped_input():

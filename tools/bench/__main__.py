@@ -46,6 +46,8 @@ def main() -> None:
     wl = sub.add_parser("workload", help="write a workload JSON file (random prompt token ids) to stdout, "
                                          "for the peers' harnesses to read the same requests")
     workload.add_arguments(wl)
+    wl.add_argument("--format", choices=["json", "batch"], default="json",
+                    help="'batch': an OpenAI batch file of the same requests, for python -m tools.batch")
 
     agr = sub.add_parser("agreement", help="greedy agreement of a quantized mode with exact mode")
     agr.add_argument("--model", default=None)
@@ -69,8 +71,12 @@ def main() -> None:
     elif args.cmd == "workload":
         import json
         import sys
-        json.dump(workload.from_args(args), sys.stdout)
-        sys.stdout.write("\n")
+        reqs = workload.from_args(args)
+        if args.format == "batch":
+            sys.stdout.write("".join(line + "\n" for line in workload.batch_lines(reqs)))
+        else:
+            json.dump(reqs, sys.stdout)
+            sys.stdout.write("\n")
     elif args.cmd == "tracing":
         from tools.bench import tracing
         tracing.main(args)

@@ -20,6 +20,18 @@ def generate(n: int, inp: tuple[int, int], out: tuple[int, int], seed: int = 0,
     return reqs
 
 
+def batch_lines(reqs: list[dict[str, Any]], model: str | None = None) -> list[str]:
+    """The workload as an OpenAI batch file (``python -m tools.batch``): one completion per
+    request, greedy, run to its max_tokens."""
+    lines = []
+    for i, r in enumerate(reqs):
+        body = {"prompt": r["prompt_token_ids"], "max_tokens": r["max_tokens"], "temperature": 0,
+                "ignore_eos": True, **({"model": model} if model else {})}
+        lines.append(json.dumps({"custom_id": f"request-{i}", "method": "POST", "url": "/v1/completions",
+                                 "body": body}))
+    return lines
+
+
 def load(path: str) -> list[dict[str, Any]]:
     with open(path) as f:
         reqs = json.load(f)
