@@ -26,7 +26,7 @@ async def run(args: Any) -> dict[str, Any]:
         def params(r: dict) -> SamplingParams:
             return SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
 
-        # warm-up on the first two requests, as ../shared/bench/vllm_offline.py does for vLLM
+        # warm-up on the first two requests, as tools/bench/vllm_peer.py does for vLLM
         await asyncio.gather(*(one(r, params(r)) for r in reqs[:2]))
         before = llm.client.stats.last
         tracer = llm._fe.node.tracer               # in one process: every actor's spans
