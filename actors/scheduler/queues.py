@@ -19,6 +19,12 @@ class RequestQueue(ABC):
         """Put back a preempted request so that it is served before newer ones."""
 
     @abstractmethod
+    def readmit(self, req: Request) -> None:
+        """Put back a request that was held aside (its grammar compiling) where its arrival
+        places it: ahead of the requests that came after it (vLLM's skipped waiting requests
+        keep their place the same way)."""
+
+    @abstractmethod
     def peek(self) -> Request: ...
 
     @abstractmethod
@@ -47,6 +53,13 @@ class FCFSQueue(RequestQueue):
 
     def prepend(self, req: Request) -> None:
         self._q.appendleft(req)
+
+    def readmit(self, req: Request) -> None:
+        # from the back: a request held aside is usually among the newest
+        i = len(self._q)
+        while i > 0 and self._q[i - 1].arrival_time > req.arrival_time:
+            i -= 1
+        self._q.insert(i, req)
 
     def peek(self) -> Request:
         return self._q[0]
@@ -80,6 +93,7 @@ class PriorityQueue(RequestQueue):
         heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
 
     prepend = add   # a preempted request sorts by its own priority and arrival
+    readmit = add
 
     def peek(self) -> Request:
         return self._heap[0][3]

@@ -109,7 +109,7 @@ class Scheduler:
             return []                  # aborted meanwhile
         if error is None and self.structured.start(request_id, req.sampling_params.structured_outputs):
             req.status = RequestStatus.WAITING
-            self.waiting.add(req)
+            self.waiting.readmit(req)          # its place by arrival, ahead of later requests
             return []
         self._finish(req, RequestStatus.FINISHED_ERROR)
         return [EngineCoreOutput(request_id, [], "error", error=error or "its grammar was not compiled")]

@@ -114,6 +114,31 @@ def test_a_request_waiting_for_its_grammar_holds_nobody_back_and_its_grammar_end
     assert "constrained" not in structured and not s.has_work()
 
 
+def test_a_request_whose_grammar_is_ready_keeps_its_place_ahead_of_later_arrivals(setup):
+    cache, arch, _ = setup
+    s, _, _ = _scheduler(setup, max_num_seqs=1)
+    eos = arch.eos_token_ids[0]
+    spec = StructuredOutputsParams(choice=["first", "second"])
+    s.add_request(EngineCoreRequest("free-1", [2000, 2001], SamplingParams(max_tokens=2, ignore_eos=True), 1.0, [eos]))
+    s.add_request(EngineCoreRequest("constrained", [1000, 1001], SamplingParams(max_tokens=8, structured_outputs=spec),
+                                    2.0, [eos]))
+    s.add_request(EngineCoreRequest("free-3", [3000, 3001], SamplingParams(max_tokens=2, ignore_eos=True), 3.0, [eos]))
+    worker = GrammarWorker(64, 4)
+    so = s.schedule()
+    assert list(so.num_scheduled_tokens) == ["free-1"]
+    s.update_from_output(so, worker.run(so, token=100))
+    cache.compile(grammar_key(spec))
+    s.grammar_ready("constrained")
+    order = ["free-1"]
+    for _ in range(40):
+        if not s.has_work():
+            break
+        so = s.schedule()
+        order += [rid for rid in so.num_scheduled_tokens if rid not in order]
+        s.update_from_output(so, worker.run(so, token=100))
+    assert order == ["free-1", "constrained", "free-3"]
+
+
 def test_a_grammar_that_cannot_compile_fails_its_request_alone(setup):
     s, _, _ = _scheduler(setup)
     s.add_request(_request("bad", [1000, 1001], StructuredOutputsParams(regex="(x"), 2))
