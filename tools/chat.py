@@ -201,8 +201,8 @@ async def repl(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.chat", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "python -m tools.chat") -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
     p.add_argument("--system", default=None, help="a system prompt")

@@ -1,4 +1,6 @@
-"""``python -m tools.serve``: the OpenAI-compatible server on the default (or given) model.
+"""``troupe serve [MODEL]`` (or ``python -m tools.serve``): the OpenAI-compatible server on the
+default (or given) model, with vLLM's flags (``vllm serve``'s command line runs unchanged; the
+vLLM flags Troupe does not implement are refused by name: tools/vllm_flags.py).
 
 Three processes: this one (HTTP frontend, tokenizer, detokenizer), the engine core
 (scheduler, KV manager, executor) and the worker (model runner). Ctrl-C or SIGTERM stops taking
@@ -16,7 +18,9 @@ from typing import Any
 
 from actors import topology
 from actors.engine.args import EngineArgs
+from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tool_parsers import TOOL_PARSERS
+from tools.vllm_flags import add_vllm_flags
 
 log = logging.getLogger("troupe.serve")
 
@@ -24,8 +28,28 @@ SERVE_MAX_WAITING_REQUESTS = 256
 SERVE_MAX_WAITING_TOKENS = 262_144      # about two minutes of prefill on a 2-core CPU
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.serve", description=__doc__.splitlines()[0])
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")   # vLLM's --uvicorn-log-level
+
+
+def _uvicorn_level(text: str) -> str:
+    """vLLM's --uvicorn-log-level as a Python logging level ("trace" is DEBUG here)."""
+    level = text.lower()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(LOG_LEVELS)})")
+    return "DEBUG" if level == "trace" else level.upper()
+
+
+_uvicorn_level.__name__ = "level"
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve") -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=prog, description="The OpenAI-compatible server, with vLLM's flags: a `vllm serve` command "
+                               "line runs as `troupe serve` unchanged.",
+        epilog="vLLM's flags that Troupe does not implement (e.g. --tensor-parallel-size) are refused, "
+               "each naming itself, with exit code 2.")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="the model, as --model takes it (vLLM's `vllm serve MODEL`)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -43,14 +67,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
                         "Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": ...})")
+    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request at INFO once admitted: its id, prompt tokens and the sampling "
+                        "parameters it set (default: off, as in vLLM)")
+    p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="vLLM's older flag: do not log each request (the default)")
+    p.add_argument("--metrics-prefix", type=_prefixes, default=PREFIXES, metavar="PREFIXES",
+                   help="the name prefixes /metrics writes, a comma list of vllm (the metrics vLLM has, "
+                        "under vLLM's names) and troupe (those and Troupe's own) (default: vllm,troupe)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--uvicorn-log-level", dest="log_level", type=_uvicorn_level, default=argparse.SUPPRESS,
+                   metavar="{" + ",".join(LOG_LEVELS) + "}", help="vLLM's name for --log-level (trace: debug)")
+    p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
+                   help="accepted for vLLM's command lines; Troupe runs no code from checkpoints")
     # a server bounds its queue (the offline API queues whatever it is given)
     EngineArgs.add_cli_args(p, max_waiting_requests=SERVE_MAX_WAITING_REQUESTS,
                             max_waiting_tokens=SERVE_MAX_WAITING_TOKENS)
+    add_vllm_flags(p)
     args = p.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            p.error(f"the model is given twice, and differently: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.kv_cache_bytes is not None and args.kv_cache_memory_bytes is not None:
+        p.error("give --kv-cache-gib or --kv-cache-memory-bytes, not both")
     return args
+
+
+def _prefixes(text: str) -> tuple[str, ...]:
+    try:
+        return parse_prefixes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_prefixes.__name__ = "prefixes"
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -72,20 +125,26 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         server = OpenAIServer(options=ServerOptions(args.api_key, args.lenient, args.request_timeout,
                                                     enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                                    tool_call_parser=args.tool_call_parser),
+                                                    tool_call_parser=args.tool_call_parser,
+                                                    log_requests=args.enable_log_requests,
+                                                    metrics_prefixes=args.metrics_prefix),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())
         print(f"Troupe listening on http://{addr.host}:{addr.port} (loading the model)", flush=True)
         config = EngineArgs.from_cli_args(args).create_engine_config()
+        defaults = config.model.sampling_defaults.as_dict()
+        if defaults:
+            log.warning("requests that leave them unset get the generation config's defaults %s "
+                        "(--generation-config vllm ignores it)", defaults)
         loading = asyncio.ensure_future(fe.start(config, telemetry=True))
         await asyncio.wait([loading, fe.node.closed], return_when=asyncio.FIRST_COMPLETED)
         if not loading.done():          # a signal during loading
             loading.cancel()
             return fe.node.closed.result()
         server.attach(loading.result())
-        log.info("serving %s on http://%s:%d (engine pid %d)", fe.client.model_name, addr.host,
-                 addr.port, fe.engine_process.pid)
+        log.info("serving %s as %s on http://%s:%d (engine pid %d)", config.model.source.served_name,
+                 ", ".join(fe.client.model_names), addr.host, addr.port, fe.engine_process.pid)
         print(f"Troupe ready on http://{addr.host}:{addr.port}", flush=True)
         draining = asyncio.ensure_future(drain(stop_asked, fe, args.shutdown_timeout))
         code = await fe.node.closed
@@ -116,10 +175,12 @@ async def drain(stop_asked: asyncio.Event, fe: Any, timeout: float) -> None:
     fe.node.closed.done() or fe.node.closed.set_result(0)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m tools.serve") -> None:
+    args = parse_args(argv, prog)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s [frontend] %(name)s: %(message)s")
+    if args.trust_remote_code:
+        log.warning("--trust-remote-code is accepted and changes nothing: Troupe runs no code from checkpoints")
     import uvloop
     try:
         code = uvloop.run(serve(args))

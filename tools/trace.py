@@ -13,8 +13,8 @@ import urllib.parse
 import urllib.request
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.trace", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m tools.trace") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("-o", "--output", default="troupe-trace.json", help="where to write it ('-': stdout)")
     p.add_argument("--request-id", help="only this request (its response id or X-Request-Id)")

@@ -1,6 +1,7 @@
 """Detokenizer actor: one EngineCoreOutputs batch per engine step in; text deltas out to each
 request's stream. Stop strings end a request here, and the engine is told to abort it. It also
-observes the request latencies (TTFT, inter-token, end-to-end, queue time) for the metrics."""
+observes requests for the metrics: latencies (TTFT, inter-token, end-to-end, queue, prefill,
+decode), sizes, and for the n choices of one request (a group) its n and longest choice."""
 from __future__ import annotations
 
 import time
@@ -17,16 +18,25 @@ from actors.scheduler.actor import AbortRequests
 
 
 class TrackRequest(Msg):
-    """A request is coming (told by the Tokenizer before the engine sees it)."""
+    """A request is coming (told by the Tokenizer before the engine sees it). ``parent_id``: it
+    is one of the ``n`` choices of that request ("": a request of its own)."""
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    parent_id: str = ""
+    n: int = 1
 
 
 class Untrack(Msg):
     """Forget requests the client gave up on (they count as aborted)."""
     request_ids: list[str]
+
+
+class EndGroup(Msg):
+    """Only ``num_admitted`` choices of ``parent_id`` were admitted (the rest were refused)."""
+    parent_id: str
+    num_admitted: int
 
 
 class EngineLost(Msg):
@@ -36,18 +46,33 @@ class EngineLost(Msg):
     reason: str
 
 
-DetokenizerProtocol = TrackRequest | EngineCoreOutputs | Untrack | EngineLost
+DetokenizerProtocol = TrackRequest | EngineCoreOutputs | Untrack | EndGroup | EngineLost
 
 
 class _State:
-    __slots__ = ("detok", "num_prompt_tokens", "arrival_time", "last_token_time", "queued")
+    __slots__ = ("detok", "num_prompt_tokens", "arrival_time", "last_token_time", "queued",
+                 "scheduled_time", "first_token_time", "max_tokens", "parent_id")
 
-    def __init__(self, detok: IncrementalDetokenizer, num_prompt_tokens: int, arrival_time: float) -> None:
+    def __init__(self, detok: IncrementalDetokenizer, num_prompt_tokens: int, arrival_time: float,
+                 max_tokens: int | None, parent_id: str) -> None:
         self.detok = detok
         self.num_prompt_tokens = num_prompt_tokens
         self.arrival_time = arrival_time or time.time()
-        self.last_token_time = 0.0       # 0.0 until the first token
+        self.first_token_time = 0.0      # 0.0 until the first token
+        self.last_token_time = 0.0
         self.queued = True               # until the engine reports its first scheduling
+        self.scheduled_time = 0.0        # when it was first scheduled (the engine's clock)
+        self.max_tokens = max_tokens
+        self.parent_id = parent_id
+
+
+class _Group:
+    """The choices of one request with n > 1: it counts as finished once all have."""
+    __slots__ = ("n", "expected", "finished", "max_generation_tokens")
+
+    def __init__(self, n: int) -> None:
+        self.n = self.expected = n
+        self.finished = self.max_generation_tokens = 0
 
 
 def _head(lp: Logprobs | None, n: int) -> Logprobs | None:
@@ -68,6 +93,7 @@ class DetokenizerActor(Actor):
         self.stats = stats
         self.engine = engine
         self.states: dict[str, _State] = {}
+        self.groups: dict[str, _Group] = {}
 
     async def receive(self, msg: DetokenizerProtocol) -> Any:
         match msg:
@@ -80,21 +106,30 @@ class DetokenizerActor(Actor):
                 if aborts:
                     self.engine.tell(AbortRequests(aborts))
             case TrackRequest(request_id=rid, prompt_token_ids=ids, sampling_params=p,
-                              arrival_time=arrival):
+                              arrival_time=arrival, parent_id=parent, n=n):
                 self.ctx.link((rid,))
                 detok = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
                     include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)
-                self.states[rid] = _State(detok, len(ids), arrival)
+                self.states[rid] = _State(detok, len(ids), arrival, p.max_tokens, parent)
+                if parent and parent not in self.groups:
+                    self.groups[parent] = _Group(n)
             case Untrack(request_ids=ids):
                 for rid in ids:
                     self.waiting.release(rid)
-                    if self.states.pop(rid, None) is not None:
-                        self.stats.observe_finished("abort")
+                    st = self.states.pop(rid, None)
+                    if st is not None:
+                        self._finished(st, "abort")
+            case EndGroup(parent_id=parent, num_admitted=admitted):
+                group = self.groups.get(parent)
+                if group is not None:
+                    group.expected = admitted
+                    self._group_done(parent, group)
             case EngineLost(reason=reason):
                 for _ in self.states:
                     self.stats.observe_finished("error")
                 self.states.clear()
+                self.groups.clear()
                 self.waiting.release_all()
                 self.streams.fail_all(reason)      # those still being admitted too
 
@@ -117,8 +152,11 @@ class DetokenizerActor(Actor):
         if finished:
             del self.states[o.request_id]
             self.waiting.release(o.request_id)
-            self.stats.observe_finished(finish_reason)
-            self.stats.e2e_request_latency.observe(now - st.arrival_time)
+            self.stats.observe_request(
+                num_prompt_tokens=st.num_prompt_tokens, num_generation_tokens=st.detok.num_output_tokens,
+                max_tokens=st.max_tokens, arrival_time=st.arrival_time, scheduled_time=st.scheduled_time,
+                first_token_time=st.first_token_time, last_token_time=st.last_token_time, now=now)
+            self._finished(st, finish_reason)
         stream = self.streams.get(o.request_id)
         if stream is not None:
             stream.put(RequestOutput(
@@ -127,15 +165,35 @@ class DetokenizerActor(Actor):
                 _head(o.logprobs, num_new), o.prompt_logprobs, o.num_cached_tokens))
         return stopped_here
 
+    def _finished(self, st: _State, reason: str) -> None:
+        """Count a request that ended (``reason``), and its group's end once all its choices did."""
+        self.stats.observe_finished(reason)
+        if not st.parent_id:
+            self.stats.observe_choices(1, st.detok.num_output_tokens)
+            return
+        group = self.groups.get(st.parent_id)
+        if group is not None:
+            group.finished += 1
+            group.max_generation_tokens = max(group.max_generation_tokens, st.detok.num_output_tokens)
+            self._group_done(st.parent_id, group)
+
+    def _group_done(self, parent_id: str, group: _Group) -> None:
+        if group.finished >= group.expected:
+            del self.groups[parent_id]
+            if group.finished:
+                self.stats.observe_choices(group.n, group.max_generation_tokens)
+
     def _observe_timing(self, st: _State, o: EngineCoreOutput, num_new: int, now: float) -> None:
         if st.queued and o.first_scheduled_time > 0.0:
             st.queued = False
+            st.scheduled_time = o.first_scheduled_time
             self.waiting.release(o.request_id)
             self.stats.request_queue_time.observe(max(o.first_scheduled_time - st.arrival_time, 0.0))
         if num_new == 0:
             return
         self.stats.generation_tokens += num_new
         if st.last_token_time == 0.0:
+            st.first_token_time = now
             self.stats.time_to_first_token.observe(now - st.arrival_time)
         else:
             self.stats.inter_token_latency.observe(now - st.last_token_time)

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import re
 from typing import Any
 
-from actors.engine.config import (DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
-                                  SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
-                                  ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig)
-from actors.engine.sampling_params import LOGPROBS_MODES
-from models.resolve import resolve_model
+from actors.engine.config import (DEFAULT_MAX_LOGPROBS, DEVICES, DTYPES, GENERATION_CONFIGS,
+                                  KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, CacheConfig,
+                                  DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig,
+                                  ParallelConfig, SchedulerConfig)
+from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
+from models.resolve import ModelSource, resolve_model
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -24,10 +28,15 @@ class EngineArgs:
     quantization: str | None = None
     logprobs_mode: str = "raw_logprobs"
     chat_template: str | None = None
+    served_model_name: str | list[str] | tuple[str, ...] | None = None   # None: the model's own name
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    generation_config: str = "auto"       # "auto" | "vllm" | a folder with a generation_config.json
     seed: int = 0
     max_model_len: int = 0
     block_size: int = 16
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int = 0               # 0: 1 GiB on the CPU; on CUDA, what gpu_memory_utilization leaves
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int = 0      # 0: as many blocks as the KV cache's memory holds
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
@@ -54,15 +63,21 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The composed config; resolves the model's source (fails fast, naming the package to
-        install, when the model is not on this machine)."""
+        install, when the model is not on this machine) and reads its generation config."""
+        source = resolve_model(self.model)
+        names = self.served_model_name
         return EngineConfig(
-            model=ModelConfig(source=resolve_model(self.model), dtype=self.dtype,
+            model=ModelConfig(source=source, dtype=self.dtype,
                               quantization=self.quantization, max_model_len=self.max_model_len,
                               seed=self.seed, enforce_eager=self.enforce_eager,
                               logprobs_mode=self.logprobs_mode,
-                              chat_template=load_chat_template(self.chat_template)),
+                              chat_template=load_chat_template(self.chat_template),
+                              served_model_names=(names,) if isinstance(names, str) else tuple(names or ()),
+                              max_logprobs=self.max_logprobs, generation_config=self.generation_config,
+                              sampling_defaults=load_sampling_defaults(source, self.generation_config)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
-                              cache_dtype=self.kv_cache_dtype,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              num_blocks=self.num_gpu_blocks_override, cache_dtype=self.kv_cache_dtype,
                               enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
@@ -78,19 +93,84 @@ class EngineArgs:
     # -- the command line --------------------------------------------------------------------
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = (), **defaults: Any) -> None:
-        """The engine's flags; ``defaults`` overrides a flag's default by its dest name, ``skip``
-        leaves out flags (by dest name) the caller's parser already has."""
+        """The engine's flags (vLLM's names where vLLM has the option); ``defaults`` overrides a
+        flag's default by its dest name, ``skip`` leaves out flags (by dest name) the caller's
+        parser already has."""
         d = {f.name: f.default for f in dataclasses.fields(EngineArgs)} | defaults
-        for flag, dest, options in _cli_flags(d):
+        for flags, dest, options in _cli_flags(d):
             if dest not in skip:
-                p.add_argument(flag, dest=dest, **options)
+                p.add_argument(*flags, dest=dest, **options)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         given = {k: v for k, v in vars(args).items() if k in names}
-        given["kv_cache_bytes"] = int(given["kv_cache_bytes"] * 2**30)   # the flag is in GiB
+        given["kv_cache_bytes"] = kv_cache_bytes(given.get("kv_cache_bytes"),
+                                                 getattr(args, "kv_cache_memory_bytes", None))
+        if given.get("num_gpu_blocks_override") is None:
+            given.pop("num_gpu_blocks_override", None)
         return cls(**(given | overrides))
+
+
+def kv_cache_bytes(gib: float | None, memory_bytes: int | None) -> int:
+    """The KV cache's bytes from --kv-cache-gib or vLLM's --kv-cache-memory-bytes (one at
+    most); 0 when neither is given (the default size)."""
+    if gib is not None and memory_bytes is not None:
+        raise ValueError("give --kv-cache-gib or --kv-cache-memory-bytes, not both")
+    if memory_bytes is not None:
+        return memory_bytes
+    return int(gib * 2**30) if gib else 0
+
+
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def load_sampling_defaults(source: ModelSource, generation_config: str) -> SamplingDefaults:
+    """vLLM's --generation-config: "auto" reads the checkpoint directory's
+    generation_config.json (a GGUF file has none), "vllm" reads nothing, anything else is a
+    folder holding a generation_config.json (or that file itself). Its sampling fields
+    (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens as max_tokens) become
+    the defaults of requests that leave them unset."""
+    if generation_config == "vllm":
+        return SamplingDefaults()
+    if generation_config == "auto":
+        path = os.path.join(source.path, "generation_config.json") if source.kind == "hf_dir" else None
+        if path is None or not os.path.isfile(path):
+            return SamplingDefaults()
+    else:
+        path = os.path.expanduser(generation_config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "generation_config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--generation-config {generation_config!r}: no generation_config.json there "
+                             f"(accepted: {', '.join(GENERATION_CONFIGS)}, or a folder holding one)")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    values: dict[str, Any] = {}
+    for name in GENERATION_FIELDS:
+        value = raw.get(name)
+        if value is None:
+            continue
+        integral = name in ("top_k", "max_new_tokens")
+        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+            raise ValueError(f"{path}: {name} must be {'an integer' if integral else 'a number'}, got {value!r}")
+        if not _GENERATION_RANGES[name](value):
+            raise ValueError(f"{path}: {name} {value!r} is out of the range a request may ask for")
+        values["max_tokens" if name == "max_new_tokens" else name] = value if integral else float(value)
+    return SamplingDefaults(**values)
+
+
+# what a request's own field accepts (protocol.py), so a default never fails a request
+_GENERATION_RANGES = {
+    "temperature": lambda v: 0.0 <= v <= 2.0, "top_p": lambda v: 0.0 < v <= 1.0,
+    "top_k": lambda v: v >= -1, "min_p": lambda v: 0.0 <= v <= 1.0,
+    "repetition_penalty": lambda v: 0.0 < v <= 10.0, "max_new_tokens": lambda v: v >= 1,
+}
 
 
 def load_chat_template(template: str | None) -> str | None:
@@ -108,59 +188,141 @@ def load_chat_template(template: str | None) -> str | None:
                          "nor a template") from None
 
 
-def _cli_flags(d: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
-    """(flag, dest, argparse options) of every engine flag, with defaults from ``d``."""
+def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, Any]]]:
+    """(flags, dest, argparse options) of every engine flag, with defaults from ``d``."""
     return [
-        ("--model", "model", dict(default=d["model"], help="model name, .gguf path or checkpoint dir "
-                                  "(default: HuggingFaceTB/SmolLM2-135M-Instruct)")),
-        ("--dtype", "dtype", dict(default=d["dtype"], choices=DTYPES,
-                                  help="auto: float32 on the CPU, bfloat16 on a GPU")),
-        ("--device", "device", dict(default=d["device"], choices=DEVICES,
-                                    help="auto: a CUDA GPU when one is present, else the CPU")),
-        ("--enforce-eager", "enforce_eager", dict(action="store_true", default=d["enforce_eager"],
-                                                  help="never capture CUDA graphs (GPU only; for debugging)")),
-        ("--quantization", "quantization", dict(
+        (("--model",), "model", dict(default=d["model"], help="model name, .gguf path or checkpoint dir "
+                                     "(default: HuggingFaceTB/SmolLM2-135M-Instruct)")),
+        (("--served-model-name",), "served_model_name", dict(
+            nargs="+", default=d["served_model_name"], metavar="NAME",
+            help="the names the model answers to in /v1/models and a request's model field; the "
+                 "first is the one responses and metrics report (default: the model's name)")),
+        (("--dtype",), "dtype", dict(default=d["dtype"], choices=DTYPES, type=_dtype,
+                                     help="auto: float32 on the CPU, bfloat16 on a GPU (half: float16, "
+                                          "float: float32)")),
+        (("--device",), "device", dict(default=d["device"], choices=DEVICES,
+                                       help="auto: a CUDA GPU when one is present, else the CPU")),
+        (("--enforce-eager",), "enforce_eager", dict(
+            action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
+            help="never capture CUDA graphs (GPU only; for debugging)")),
+        (("--quantization", "-q"), "quantization", dict(
             default=d["quantization"], choices=QUANTIZATIONS,
             help="'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively with float32 activations "
                  "(same weights, faster decoding); 'gguf-i8': Q4_1 layers also take int8 activations in "
                  "two parts (AVX512-VNNI; faster prefill, rare token changes)")),
-        ("--logprobs-mode", "logprobs_mode", dict(
+        (("--logprobs-mode",), "logprobs_mode", dict(
             default=d["logprobs_mode"], choices=LOGPROBS_MODES,
             help="what returned log-probs are: the model's own (raw_*) or those sampled from, after "
                  "penalties, temperature and truncation (processed_*); log-probs or logits")),
-        ("--chat-template", "chat_template", dict(
+        (("--max-logprobs",), "max_logprobs", dict(
+            type=int, default=d["max_logprobs"], metavar="N",
+            help="the most log-probs a request may ask for (chat top_logprobs, completions logprobs, "
+                 "also for the echoed prompt); more is a 400 naming the field; -1: no bound")),
+        (("--generation-config",), "generation_config", dict(
+            default=d["generation_config"], metavar="{auto,vllm,FOLDER}",
+            help="auto: the checkpoint directory's generation_config.json gives the defaults of requests "
+                 "that leave temperature, top_p, top_k, min_p, repetition_penalty or (chat) max_tokens "
+                 "unset (max_new_tokens); vllm: ignore it; FOLDER: that folder's generation_config.json")),
+        (("--chat-template",), "chat_template", dict(
             default=d["chat_template"], metavar="FILE_OR_TEMPLATE",
             help="a Jinja chat template (a file, or the template itself) used instead of the model's")),
-        ("--kv-cache-gib", "kv_cache_bytes", dict(type=_positive(float), default=d["kv_cache_bytes"] / 2**30,
-                                                  metavar="GIB", help="memory for the KV cache")),
-        ("--kv-cache-dtype", "kv_cache_dtype", dict(
+        (("--kv-cache-gib",), "kv_cache_bytes", dict(
+            type=_positive(float), default=None, metavar="GIB",
+            help="memory for the KV cache (default: 1 GiB on the CPU; on CUDA, what "
+                 "--gpu-memory-utilization leaves)")),
+        (("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", dict(
+            type=_positive(human_readable_int), default=None, metavar="BYTES",
+            help="the same in bytes, as vLLM takes it (1k = 1000, 1K = 1024, 4G = 4 GiB)")),
+        (("--gpu-memory-utilization",), "gpu_memory_utilization", dict(
+            type=_fraction, default=d["gpu_memory_utilization"], metavar="FRACTION",
+            help="CUDA: the share of the GPU's total memory for weights, activations and the KV cache; "
+                 "the KV cache gets what is left of it once the weights are loaded and a forward pass "
+                 "ran (--kv-cache-gib wins). Does not apply on the CPU, where the KV cache takes "
+                 "--kv-cache-gib (default 1 GiB)")),
+        (("--num-gpu-blocks-override",), "num_gpu_blocks_override", dict(
+            type=_positive(int), default=None, metavar="N",
+            help="the KV cache's number of blocks, whatever its memory would hold")),
+        (("--kv-cache-dtype",), "kv_cache_dtype", dict(
             default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
             help="auto: the model's dtype; float16 / bfloat16 store K and V rounded to 16 bits (twice the "
                  "tokens per GiB, half the bytes long-context decoding reads)")),
-        ("--block-size", "block_size", dict(type=_positive(int), default=d["block_size"])),
-        ("--max-num-seqs", "max_num_seqs", dict(type=_positive(int), default=d["max_num_seqs"])),
-        ("--max-num-batched-tokens", "max_num_batched_tokens",
-         dict(type=_positive(int), default=d["max_num_batched_tokens"])),
-        ("--max-model-len", "max_model_len", dict(type=int, default=d["max_model_len"], help="0: the model's own")),
-        ("--scheduling-policy", "scheduling_policy", dict(
+        (("--enable-prefix-caching",), "enable_prefix_caching", dict(
+            action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
+            help="reuse the KV cache of prompt prefixes seen before (whole blocks)")),
+        (("--block-size",), "block_size", dict(type=_positive(int), default=d["block_size"],
+                                               help="tokens per KV cache block")),
+        (("--max-num-seqs",), "max_num_seqs", dict(type=_positive(int), default=d["max_num_seqs"],
+                                                   help="requests per engine step at most")),
+        (("--max-num-batched-tokens",), "max_num_batched_tokens",
+         dict(type=_positive(human_readable_int), default=d["max_num_batched_tokens"],
+              help="tokens per engine step at most (prompts are chunked to fit)")),
+        (("--long-prefill-token-threshold",), "long_prefill_token_threshold", dict(
+            type=int, default=d["long_prefill_token_threshold"], metavar="N",
+            help="a prompt with more tokens than this left to compute gets at most this many per step "
+                 "while other requests run or wait (0: off)")),
+        (("--max-model-len",), "max_model_len", dict(type=human_readable_int, default=d["max_model_len"],
+                                                     help="0: the model's own")),
+        (("--scheduling-policy",), "scheduling_policy", dict(
             default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
             help="'priority': requests' priority field orders the queue (lower first)")),
-        ("--max-waiting-requests", "max_waiting_requests", dict(
+        (("--max-waiting-requests",), "max_waiting_requests", dict(
             type=int, default=d["max_waiting_requests"], metavar="N",
             help="requests queued for the engine beyond which new ones get 503 with Retry-After (0: no bound)")),
-        ("--max-waiting-tokens", "max_waiting_tokens", dict(
+        (("--max-waiting-tokens",), "max_waiting_tokens", dict(
             type=int, default=d["max_waiting_tokens"], metavar="N",
             help="the same bound on their prompt tokens (0: none)")),
-        ("--threads", "num_threads", dict(type=int, default=d["num_threads"], metavar="N",
-                                          help="worker compute threads (0: all cores)")),
-        ("--seed", "seed", dict(type=int, default=d["seed"])),
-        ("--no-trace", "trace", dict(action="store_false", default=d["trace"],
-                                     help="record no trace spans (the dashboard then shows counters only)")),
-        ("--flight-recorder-dir", "flight_recorder_dir", dict(
+        (("--threads",), "num_threads", dict(type=int, default=d["num_threads"], metavar="N",
+                                             help="worker compute threads (0: all cores)")),
+        (("--seed",), "seed", dict(type=int, default=d["seed"])),
+        (("--no-trace",), "trace", dict(action="store_false", default=d["trace"],
+                                        help="record no trace spans (the dashboard then shows counters only)")),
+        (("--flight-recorder-dir",), "flight_recorder_dir", dict(
             default=d["flight_recorder_dir"], metavar="DIR",
             help="where the last seconds of a process that dies are written as a trace file "
                  "(default: troupe-flight-recorder in the temp dir)")),
     ]
+
+
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}     # vLLM's other names
+
+
+def _dtype(text: str) -> str:
+    return DTYPE_ALIASES.get(text, text)
+
+
+_HUMAN_INT = re.compile(r"([0-9]+(?:\.[0-9]+)?)([kmgtKMGT]?)")
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's reading of sizes: an integer, or with a suffix: k, m, g, t are powers of 1000
+    (decimals allowed: 25.6k), K, M, G, T powers of 1024 (whole numbers only)."""
+    m = _HUMAN_INT.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a number (like 4096, 32k or 2G): {text!r}")
+    number, suffix = m.groups()
+    if not suffix:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+        return int(number)
+    power = "kmgt".index(suffix.lower()) + 1
+    if suffix.isupper():
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r}: K, M, G and T (powers of 1024) take whole numbers")
+        return int(number) * 1024 ** power
+    return int(round(float(number) * 1000 ** power))
+
+
+human_readable_int.__name__ = "int"
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+_fraction.__name__ = "float"
 
 
 def _positive(kind: type) -> Any:

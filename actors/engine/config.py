@@ -6,13 +6,15 @@ Values that say "auto" (device, dtype, KV cache dtype) or 0 (``max_model_len``, 
 KV blocks) are resolved once, by ``EngineConfig.resolve``, when the worker knows its platform and
 has read the checkpoint's architecture; the resolved config travels back to the engine core
 (scheduler, KV manager) and to the frontend (tokenizer, API). Resolving a resolved config
-changes nothing, so a restarted worker is given the resolved one.
+changes nothing, so a restarted worker is given the resolved one. On CUDA without a KV cache
+size, the number of blocks is left to the worker, which measures what gpu_memory_utilization
+leaves once the weights are loaded (``with_kv_cache_bytes``).
 """
 from __future__ import annotations
 
 import msgspec
 
-from actors.engine.sampling_params import LOGPROBS_MODES
+from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_manager.kv_cache_spec import model_kv_cache_specs, num_blocks_for
 from models.config import ArchConfig
 from models.resolve import ModelSource
@@ -23,6 +25,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("gguf", "gguf-i8")           # None: exact (models/quant.py)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DEFAULT_MAX_LOGPROBS = 20                     # vLLM's --max-logprobs default (OpenAI's top_logprobs limit)
+GENERATION_CONFIGS = ("auto", "vllm")         # or a folder holding a generation_config.json
+CPU_KV_CACHE_BYTES = 1 << 30                  # the CPU's KV cache when no size is given
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,19 +39,32 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False            # CUDA: no graph capture, every step eager
     logprobs_mode: str = "raw_logprobs"    # what returned log-probs are (LOGPROBS_MODES)
     chat_template: str | None = None       # used instead of the checkpoint's
+    served_model_names: tuple[str, ...] = ()   # the names the API answers to; (): the source's name
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS   # most log-probs a request may ask for; -1: no bound
+    generation_config: str = "auto"        # where request defaults come from (GENERATION_CONFIGS or a folder)
+    sampling_defaults: SamplingDefaults = SamplingDefaults()   # what generation_config gave
     arch: ArchConfig | None = None         # the checkpoint's architecture, once resolved
 
     @property
     def served_model_name(self) -> str:
-        return self.source.served_name
+        """The name responses and metrics report: the first served name."""
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request's ``model`` may give (vLLM's --served-model-name)."""
+        return self.served_model_names or (self.source.served_name,)
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30
+    # 0: CPU_KV_CACHE_BYTES on the CPU; on CUDA, what gpu_memory_utilization leaves once the
+    # model is loaded (the worker measures it: ``EngineConfig.with_kv_cache_bytes``)
+    kv_cache_memory_bytes: int = 0
+    gpu_memory_utilization: float = 0.9    # CUDA: the share of the GPU's memory for weights, activations, KV
     cache_dtype: str = "auto"              # "auto": the model's dtype
     enable_prefix_caching: bool = True
-    num_blocks: int = 0                    # 0: as many as kv_cache_memory_bytes holds
+    num_blocks: int = 0                    # 0: as many as the KV cache's memory holds
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -105,14 +123,41 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         cache_dtype = dtype if self.cache.cache_dtype == "auto" else self.cache.cache_dtype
         bs = self.cache.block_size
         specs = model_kv_cache_specs(arch, bs, DTYPE_BYTES[cache_dtype])
-        num_blocks = self.cache.num_blocks or max(num_blocks_for(specs, self.cache.kv_cache_memory_bytes), 2)
-        # one request alone must fit in the cache (block 0 is the null block)
-        max_model_len = min(self.model.max_model_len or arch.max_model_len, (num_blocks - 1) * bs)
+        kv_bytes = self.cache.kv_cache_memory_bytes
+        if self.cache.num_blocks:
+            num_blocks = self.cache.num_blocks
+        elif kv_bytes or device != "cuda":
+            num_blocks = max(num_blocks_for(specs, kv_bytes or CPU_KV_CACHE_BYTES), 2)
+        else:       # sized by the worker once the weights are on the GPU (with_kv_cache_bytes)
+            num_blocks = 0
+        max_model_len = self.model.max_model_len or arch.max_model_len
+        if num_blocks:   # one request alone must fit in the cache (block 0 is the null block)
+            max_model_len = min(max_model_len, (num_blocks - 1) * bs)
         return self.replace(
             model=msgspec.structs.replace(self.model, dtype=dtype, max_model_len=max_model_len, arch=arch),
             cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
             device=msgspec.structs.replace(self.device, device=device,
                                            num_threads=self.device.num_threads or cpu_count))
+
+
+    @property
+    def kv_cache_sized(self) -> bool:
+        """False for a config resolved for CUDA whose KV cache is to take what
+        gpu_memory_utilization leaves: the worker measures it (``with_kv_cache_bytes``)."""
+        return self.cache.num_blocks > 0
+
+    def with_kv_cache_bytes(self, kv_bytes: int) -> EngineConfig:
+        """The resolved config with a KV cache of ``kv_bytes`` (as many blocks as they hold) and
+        the context length capped to what one request can hold in it."""
+        if not self.resolved:
+            raise ValueError("with_kv_cache_bytes needs a resolved config")
+        bs = self.cache.block_size
+        specs = model_kv_cache_specs(self.model.arch, bs, DTYPE_BYTES[self.cache.cache_dtype])
+        num_blocks = max(num_blocks_for(specs, kv_bytes), 2)
+        return self.replace(
+            model=msgspec.structs.replace(self.model, max_model_len=min(self.model.max_model_len,
+                                                                         (num_blocks - 1) * bs)),
+            cache=msgspec.structs.replace(self.cache, kv_cache_memory_bytes=kv_bytes, num_blocks=num_blocks))
 
 
 def _resolve_device(name: str, cuda_available: bool) -> str:
@@ -138,8 +183,18 @@ def check_config(cfg: EngineConfig) -> None:
                         ("max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    if cfg.cache.kv_cache_memory_bytes <= 0:
-        raise ValueError(f"the KV cache's memory must be positive, got {cfg.cache.kv_cache_memory_bytes} bytes")
+    if cfg.cache.kv_cache_memory_bytes < 0:
+        raise ValueError(f"the KV cache's memory must be positive (0: the default), got "
+                         f"{cfg.cache.kv_cache_memory_bytes} bytes")
+    if not 0.0 < cfg.cache.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cfg.cache.gpu_memory_utilization}")
+    if cfg.cache.num_blocks < 0:
+        raise ValueError(f"num_blocks must be at least 0 (0: as many as the KV cache's memory holds), "
+                         f"got {cfg.cache.num_blocks}")
+    if cfg.model.max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be at least 0 (-1: no bound), got {cfg.model.max_logprobs}")
+    if any(not name for name in cfg.model.served_model_names):
+        raise ValueError("served model names must not be empty")
     for name, value in (("max_waiting_requests", cfg.scheduler.max_waiting_requests),
                         ("max_waiting_tokens", cfg.scheduler.max_waiting_tokens)):
         if value < 0:

@@ -64,3 +64,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+class SamplingDefaults(msgspec.Struct, omit_defaults=True, frozen=True):
+    """Defaults for the sampling fields a request leaves unset, read from the model's
+    generation_config.json (vLLM's --generation-config auto, or a folder's); None: the API's own
+    default. ``max_tokens`` is generation_config.json's ``max_new_tokens``."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not None}

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+import msgspec
 from aiohttp import web
 
 from actors.frontend import chat, completions, dashboard, debug, misc, observe
@@ -22,7 +23,7 @@ from actors.frontend.errors import ApiError, bad_request, error_response, not_fo
 from actors.frontend.http_trace import HttpSpan
 from actors.frontend.logprobs import TokenText
 from actors.frontend.telemetry import Telemetry
-from actors.frontend.protocol import BadRequest, GenerationRequest, decode_body
+from actors.frontend.protocol import BadRequest, GenerationRequest, ServerDefaults, decode_body
 from actors.grammar.actor import InvalidGrammar
 from actors.runtime import RemoteError, faults
 from actors.runtime.faults import InjectFault
@@ -49,6 +50,8 @@ class ServerOptions:
     max_body_bytes: int = MAX_BODY_BYTES
     enable_auto_tool_choice: bool = False  # tool_choice "auto" read with tool_call_parser
     tool_call_parser: str | None = None    # a name in tool_parsers.TOOL_PARSERS
+    log_requests: bool = False             # one INFO line per admitted request (--enable-log-requests)
+    metrics_prefixes: tuple[str, ...] = ("vllm", "troupe")   # /metrics names (--metrics-prefix)
 
 
 class OpenAIServer:
@@ -66,12 +69,15 @@ class OpenAIServer:
         self.client: EngineClient | None = None
         self.token_text: TokenText | None = None
         self.vocab_size = 0
+        self.request_defaults = ServerDefaults()
         if client is not None:
             self.attach(client)
 
     def attach(self, client: EngineClient) -> None:
         self.token_text = TokenText(client.tokenizer)
         self.vocab_size = min(client.tokenizer.vocab_size, client.vocab_size)
+        model = client.config.model
+        self.request_defaults = ServerDefaults(model.max_logprobs, model.sampling_defaults)
         self.client = client
 
     def app(self) -> web.Application:
@@ -157,14 +163,19 @@ class OpenAIServer:
         return self.client
 
     async def read(self, request: web.Request, typ: type) -> Any:
-        """Decode and type-check the JSON body; 404 for a model this server does not serve."""
+        """Decode and type-check the JSON body; 404 for a model this server does not serve (by
+        none of its --served-model-name names). A generation request gets the server's
+        defaults (--max-logprobs, --generation-config) attached."""
         return self.decode(await request.read(), typ)
 
     def decode(self, body: bytes, typ: type) -> Any:
+        """``read`` for a body already in hand (the batch runner's)."""
         client = self.engine()
         req = decode_body(body, typ, self.options.lenient)
-        if req.model is not None and req.model != client.model_name:
+        if req.model is not None and req.model not in client.model_names:
             raise not_found(f"The model `{req.model}` does not exist.", "model")
+        if isinstance(req, GenerationRequest):
+            req.with_server_defaults(self.request_defaults)
         return req
 
     async def check_grammar(self, req: GenerationRequest, params: SamplingParams) -> None:
@@ -184,7 +195,11 @@ class OpenAIServer:
         if kwargs.get("timeout_s") is None:
             kwargs["timeout_s"] = self.options.request_timeout or None
         try:
-            return await self.engine().submit(params, **kwargs)
+            handle = await self.engine().submit(params, **kwargs)
+            if self.options.log_requests:
+                log.info("request %s: %d prompt tokens, %s", handle.request_id, handle.num_prompt_tokens,
+                         params_summary(params))
+            return handle
         except InvalidPrompt as exc:
             raise bad_request(str(exc), "messages" if kwargs.get("messages") is not None else "prompt") from None
         except Overloaded as exc:
@@ -196,6 +211,16 @@ class OpenAIServer:
                 raise unavailable(f"the engine is not running: {exc.message}", None) from None
             log.error("admitting a request failed: %s", exc)
             raise server_error(500, f"the request could not be admitted: {exc.message}") from None
+
+
+def params_summary(params: SamplingParams) -> str:
+    """The sampling parameters a request set (those not at their defaults), for the request log."""
+    fields = msgspec.structs.asdict(params)
+    default = SamplingParams()
+    shown = {k: v for k, v in fields.items() if v != getattr(default, k) and k != "bad_words_token_ids"}
+    if "structured_outputs" in shown:
+        shown["structured_outputs"] = params.structured_outputs.kind()
+    return "params: " + ", ".join(f"{k}={v!r}" for k, v in shown.items()) if shown else "default params"
 
 
 def unavailable(message: str, retry_after: float | None) -> ApiError:

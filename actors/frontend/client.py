@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any, AsyncIterator
 
-from actors.detokenizer.actor import EngineLost, Untrack
+from actors.detokenizer.actor import EndGroup, EngineLost, Untrack
 from actors.engine.config import EngineConfig
 from actors.frontend.admission import Overloaded, WaitingRequests
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -65,7 +65,13 @@ class EngineClient:
 
     @property
     def model_name(self) -> str:
+        """The name responses report (the first --served-model-name)."""
         return self.config.model.served_model_name
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may give as its model."""
+        return self.config.model.model_names
 
     @property
     def max_model_len(self) -> int:
@@ -104,11 +110,12 @@ class EngineClient:
                      chat_template_kwargs: dict[str, Any] | None = None,
                      priority: int = 0, arrival_time: float = 0.0,
                      add_special_tokens: bool = False, cache_salt: str | None = None,
-                     timeout_s: float | None = None) -> RequestHandle:
+                     timeout_s: float | None = None, parent_id: str = "", n: int = 1) -> RequestHandle:
         """Admit one request; ``timeout_s``: it is aborted (its KV freed) if it has not finished
-        that long after now. Raises InvalidPrompt (or PromptTooLong) when it is refused,
-        Overloaded when too many wait already, and EngineDeadError when the engine is gone or
-        the server is shutting down."""
+        that long after now. ``parent_id`` and ``n``: it is one of the n choices of request
+        ``parent_id`` (for the metrics of requests with n > 1; see ``end_group``). Raises
+        InvalidPrompt (or PromptTooLong) when it is refused, Overloaded when too many wait
+        already, and EngineDeadError when the engine is gone or the server is shutting down."""
         if self.dead is not None:
             raise EngineDeadError(self.dead, self.retry_after)
         if self.draining is not None:
@@ -120,7 +127,7 @@ class EngineClient:
         admit = asyncio.ensure_future(self.tokenizer_actor.ask(Generate(
             rid, params, prompt, prompt_token_ids, messages,
             add_generation_prompt, continue_final_message, chat_template_kwargs or {},
-            priority, arrival_time, add_special_tokens, cache_salt), timeout=60))
+            priority, arrival_time, add_special_tokens, cache_salt, parent_id, n), timeout=60))
         try:
             accepted = await asyncio.shield(admit)
         except RemoteError as exc:
@@ -163,6 +170,11 @@ class EngineClient:
         if self.dead is None:
             self.engine.tell(AbortRequests(request_ids))
             self.detokenizer.tell(Untrack(request_ids))
+
+    def end_group(self, parent_id: str, num_admitted: int) -> None:
+        """Only ``num_admitted`` of the choices of ``parent_id`` were admitted (the others were
+        refused): the group is complete once those finished."""
+        self.detokenizer.tell(EndGroup(parent_id, num_admitted))
 
 
 def _refusal(exc: RemoteError) -> Exception:

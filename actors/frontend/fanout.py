@@ -1,7 +1,8 @@
 """One HTTP request, several engine requests: n choices per prompt, several prompts per
 completion request. Choice ``index = prompt_index * n + i`` runs as engine request
 ``{rid}-{index}`` (just ``rid`` when there is one choice); siblings share the prompt's token
-ids, so the prefix cache serves all but the first."""
+ids, so the prefix cache serves all but the first. With n > 1, a prompt's choices form a group
+(``{rid}-p{prompt_index}``) the metrics count as one request with n choices, as vLLM does."""
 from __future__ import annotations
 
 import asyncio
@@ -36,13 +37,15 @@ async def submit_choices(submit: Submit, request_id: str, params: SamplingParams
     ``prompts`` None, ``kwargs`` say what the single prompt is (chat messages)."""
     choices: list[Choice] = []
     single = n == 1 and (prompts is None or len(prompts) == 1)
+    group, p = "", 0
     try:
         for p, prompt in enumerate(prompts if prompts is not None else [None]):
             ids: list[int] | None = None
+            group = f"{request_id}-p{p}" if n > 1 else ""
             for i in range(n):
                 index = p * n + i
                 rid = request_id if single else f"{request_id}-{index}"
-                what = dict(kwargs)
+                what = dict(kwargs, parent_id=group, n=n) if group else dict(kwargs)
                 if ids is not None:            # a sibling: the first choice's token ids
                     what.update(messages=None, prompt=None, prompt_token_ids=ids)
                 elif prompt is not None:
@@ -52,6 +55,9 @@ async def submit_choices(submit: Submit, request_id: str, params: SamplingParams
                 choices.append(Choice(index, p, handle))
     except BaseException:
         close_all(choices)
+        admitted = [c for c in choices if c.prompt_index == p] if group else []
+        if admitted:               # the group's other choices never came: it ends with these
+            admitted[0].handle.client.end_group(group, len(admitted))
         raise
     return choices
 

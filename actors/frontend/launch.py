@@ -19,7 +19,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.core import EngineCore
 from actors.frontend.admission import WaitingRequests
 from actors.frontend.client import EngineClient
-from actors.frontend.stats import EngineStats
+from actors.frontend.stats import EngineStats, cache_config_info
 from actors.frontend.telemetry import Telemetry, TelemetryActor, TelemetryWindow
 from actors.grammar.actor import GrammarCompilerProtocol
 from actors.frontend.streams import OutputStreams
@@ -97,7 +97,11 @@ class Frontend:
         engine = await _start_engine(self, config, ready_timeout)
         config = engine.config                          # resolved by the worker
         streams = OutputStreams()
-        stats = EngineStats(model=config.model.served_model_name)
+        cache = config.cache
+        stats = EngineStats(model=config.model.served_model_name, max_model_len=config.model.max_model_len,
+                            cache_info=cache_config_info(cache.block_size, cache.cache_dtype,
+                                                         cache.enable_prefix_caching,
+                                                         cache.gpu_memory_utilization, cache.num_blocks))
         waiting = WaitingRequests(config.scheduler.max_waiting_requests, config.scheduler.max_waiting_tokens)
         detok = self.node.spawn(topology.DETOKENIZER, lambda: DetokenizerActor(
             tokenizer, streams, stats, engine.scheduler, waiting))

@@ -40,7 +40,9 @@ async def get_version(server: OpenAIServer, request: web.Request) -> web.Respons
 
 
 async def metrics(server: OpenAIServer, request: web.Request) -> web.Response:
-    return web.Response(text=server.engine().stats.prometheus(), content_type="text/plain")
+    """Prometheus text: vLLM's metric names under the --metrics-prefix prefixes."""
+    return web.Response(text=server.engine().stats.prometheus(server.options.metrics_prefixes),
+                        content_type="text/plain")
 
 
 async def debug_engine(server: OpenAIServer, request: web.Request) -> web.Response:
@@ -53,22 +55,24 @@ async def reset_prefix_cache(server: OpenAIServer, request: web.Request) -> web.
     return web.Response(status=200)
 
 
-def _card(server: OpenAIServer) -> dict:
+def _card(server: OpenAIServer, name: str) -> dict:
+    """One served name's card; ``root`` is the model it serves (vLLM's shape)."""
     c = server.engine()
-    return {"id": c.model_name, "object": "model", "created": int(c.stats.started_at),
-            "owned_by": "troupe", "root": c.model_name, "parent": None,
+    return {"id": name, "object": "model", "created": int(c.stats.started_at),
+            "owned_by": "troupe", "root": c.config.model.source.served_name, "parent": None,
             "max_model_len": c.max_model_len}
 
 
 async def models(server: OpenAIServer, request: web.Request) -> web.Response:
-    return _json({"object": "list", "data": [_card(server)]})
+    """A card per --served-model-name (the model's own name when none was given)."""
+    return _json({"object": "list", "data": [_card(server, n) for n in server.engine().model_names]})
 
 
 async def model(server: OpenAIServer, request: web.Request) -> web.Response:
     name = request.match_info["model"]
-    if name != server.engine().model_name:
+    if name not in server.engine().model_names:
         raise not_found(f"The model `{name}` does not exist.", "model")
-    return _json(_card(server))
+    return _json(_card(server, name))
 
 
 async def tokenize(server: OpenAIServer, request: web.Request) -> web.Response:

@@ -1,15 +1,21 @@
 """OpenAI (and vLLM) request bodies as msgspec structs: decoding is the first validation, then
 ``to_sampling_params`` checks ranges and builds the engine's SamplingParams. Field names and
-meanings follow the OpenAI API and vLLM's extensions. Optional fields accept JSON null."""
+meanings follow the OpenAI API and vLLM's extensions. Optional fields accept JSON null.
+
+What the server's configuration adds (the bound on log-probs, the generation config's sampling
+defaults: ``ServerDefaults``) is attached to a decoded request by the server that decoded it
+(``with_server_defaults``); a request without it gets vLLM's defaults."""
 from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from actors.engine.sampling_params import SamplingParams
+from actors.engine.config import DEFAULT_MAX_LOGPROBS
+from actors.engine.sampling_params import SamplingDefaults, SamplingParams
 from actors.frontend.structured import Constraint, NotStructured, StructuredOutputsFields, constraint_of
 from actors.frontend.tools import Tool, ToolChoice, check_tools, tool_constraint
 
@@ -17,8 +23,6 @@ log = logging.getLogger("troupe.http")
 
 MAX_UNKNOWN_FIELDS = 64          # lenient mode drops at most this many before giving up
 MAX_N = 128                      # choices per prompt
-MAX_CHAT_TOP_LOGPROBS = 20
-MAX_COMPLETION_LOGPROBS = 5
 MAX_STOP_STRINGS = 64
 # The engine's messages carry integers as msgspec int64 / uint64 and its tensors as int64: a
 # value outside these ranges would fail the encoding (a 500) or a whole engine step.
@@ -51,6 +55,21 @@ def or_default(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+@dataclass(frozen=True, slots=True)
+class ServerDefaults:
+    """What a server's configuration adds to every request it decodes: the most log-probs a
+    request may ask for (--max-logprobs; -1: no bound but the vocabulary) and the defaults of
+    sampling fields a request leaves unset (--generation-config)."""
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+    def logprobs_bound(self, vocab_size: int) -> int:
+        return vocab_size if self.max_logprobs < 0 else self.max_logprobs
+
+
+VLLM_DEFAULTS = ServerDefaults()
+
+
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = False
 
@@ -81,8 +100,9 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     tool_call_id: str | None = None             # a tool's result: the call it answers
 
 
-class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_only=True):
-    """What chat and text completion requests share."""
+class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_only=True, dict=True):
+    """What chat and text completion requests share. (``dict``: the server's defaults are
+    attached to a decoded request; see ``with_server_defaults``.)"""
     prompt_param: ClassVar[str]         # what a context-length error names, as OpenAI does
     model: str | None = None
     max_tokens: int | None = None
@@ -110,22 +130,42 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     cache_salt: str | None = None       # vLLM's: mixed into the first block's hash (params.cache_salt)
     request_timeout: float | None = None  # seconds before it is aborted (params.request_timeout)
 
+    def with_server_defaults(self, defaults: ServerDefaults) -> GenerationRequest:
+        """Attach the server's log-probs bound and sampling defaults (``to_sampling_params``
+        reads them); returns the request."""
+        self._server_defaults = defaults
+        return self
+
+    @property
+    def server_defaults(self) -> ServerDefaults:
+        return getattr(self, "_server_defaults", VLLM_DEFAULTS)
+
+    def check_logprobs(self, value: int, param: str, vocab_size: int) -> None:
+        """At most the server's --max-logprobs alternatives per token (vLLM's bound)."""
+        bound = self.server_defaults.logprobs_bound(vocab_size)
+        require(0 <= value <= bound, f"{param} must be in [0, {bound}] (the server's --max-logprobs), "
+                f"got {value}", param)
+
     def _sampling_params(self, vocab_size: int, max_model_len: int, max_tokens: int | None,
                          max_tokens_param: str, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
         """Validate and build the engine's parameters (one choice; see ``for_choice``). Every
         value that reaches SamplingParams is in range: one the engine cannot hold would fail a
-        whole step, and with it every request in the step."""
-        t, p, k = or_default(self.temperature, 1.0), or_default(self.top_p, 1.0), or_default(self.top_k, 0)
+        whole step, and with it every request in the step. Unset sampling fields take the
+        server's generation-config defaults, else the API's."""
+        d = self.server_defaults.sampling
+        t = or_default(self.temperature, or_default(d.temperature, 1.0))
+        p = or_default(self.top_p, or_default(d.top_p, 1.0))
+        k = or_default(self.top_k, or_default(d.top_k, 0))
         require_in(t, 0.0, 2.0, "temperature")
         require_in(p, 0.0, 1.0, "top_p", lo_open=True)
         require(k in (-1, 0) or 1 <= k <= vocab_size,
                 f"top_k must be -1 or 0 (off) or in [1, {vocab_size}], got {k}", "top_k")
-        min_p = or_default(self.min_p, 0.0)
+        min_p = or_default(self.min_p, or_default(d.min_p, 0.0))
         require_in(min_p, 0.0, 1.0, "min_p")
         for name in ("presence_penalty", "frequency_penalty"):
             require_in(or_default(getattr(self, name), 0.0), -2.0, 2.0, name)
-        rep = or_default(self.repetition_penalty, 1.0)
+        rep = or_default(self.repetition_penalty, or_default(d.repetition_penalty, 1.0))
         require_in(rep, 0.0, 10.0, "repetition_penalty", lo_open=True)
         min_tokens = or_default(self.min_tokens, 0)
         _check_output_length(max_tokens, max_tokens_param, min_tokens, max_model_len, self.prompt_param)
@@ -208,18 +248,23 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
         return asked or tools
 
     def to_sampling_params(self, vocab_size: int, max_model_len: int) -> SamplingParams:
-        """Unset max_completion_tokens / max_tokens: until the end of the context."""
+        """Unset max_completion_tokens / max_tokens: the generation config's max_new_tokens,
+        else until the end of the context."""
+        logprobs = self.requested_logprobs(vocab_size)
         if self.max_completion_tokens is not None:
             return self._sampling_params(vocab_size, max_model_len, self.max_completion_tokens,
-                                         "max_completion_tokens", self.requested_logprobs())
-        return self._sampling_params(vocab_size, max_model_len, self.max_tokens, "max_tokens",
-                                     self.requested_logprobs())
+                                         "max_completion_tokens", logprobs)
+        max_tokens = self.max_tokens
+        default = self.server_defaults.sampling.max_tokens
+        if max_tokens is None and default is not None:
+            max_tokens = min(default, max_model_len - 1)     # a default leaves room for the prompt
+        return self._sampling_params(vocab_size, max_model_len, max_tokens, "max_tokens", logprobs)
 
-    def requested_logprobs(self) -> int | None:
+    def requested_logprobs(self, vocab_size: int) -> int | None:
         """Top alternatives per token, or None when log-probs are not asked for."""
         top = self.top_logprobs
         if top is not None:
-            require_in(top, 0, MAX_CHAT_TOP_LOGPROBS, "top_logprobs")
+            self.check_logprobs(top, "top_logprobs", vocab_size)
             require(bool(self.logprobs), "top_logprobs needs logprobs set to true", "top_logprobs")
         return (top or 0) if self.logprobs else None
 
@@ -232,10 +277,11 @@ class CompletionRequest(GenerationRequest, kw_only=True):
     add_special_tokens: bool | None = True
 
     def to_sampling_params(self, vocab_size: int, max_model_len: int) -> SamplingParams:
-        """Unset max_tokens: OpenAI's 16. With ``echo``, the prompt's log-probs too."""
+        """Unset max_tokens: OpenAI's 16 (vLLM's too, whatever the generation config says).
+        With ``echo``, the prompt's log-probs too."""
         lp = self.logprobs
         if lp is not None:
-            require_in(lp, 0, MAX_COMPLETION_LOGPROBS, "logprobs")
+            self.check_logprobs(lp, "logprobs", vocab_size)
         return self._sampling_params(vocab_size, max_model_len,
                                      or_default(self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS),
                                      "max_tokens", lp, lp if self.echo else None)

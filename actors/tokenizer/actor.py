@@ -42,6 +42,8 @@ class Generate(Msg):
     arrival_time: float = 0.0
     add_special_tokens: bool = False       # BOS/EOS around a text prompt, as the GGUF asks
     cache_salt: str | None = None          # mixed into the first block's hash: prefixes shared only within it
+    parent_id: str = ""                    # with n > 1: the request this is one choice of (for metrics)
+    n: int = 1                             # the choices of that request
 
 
 class InvalidPrompt(ValueError, Refusal):
@@ -90,7 +92,7 @@ class TokenizerActor(Actor):
                                 f"prompt or max_tokens.")
         self.waiting.admit(msg.request_id, n)               # Overloaded: the queue is full
         arrival = msg.arrival_time or time.time()
-        self.detokenizer.tell(TrackRequest(msg.request_id, ids, params, arrival))
+        self.detokenizer.tell(TrackRequest(msg.request_id, ids, params, arrival, msg.parent_id, msg.n))
         self.engine.tell(AddRequest(EngineCoreRequest(
             msg.request_id, ids, params, arrival, self.eos_token_ids, msg.priority, msg.cache_salt)))
         if self.on_prompt_tokens is not None:

@@ -1,19 +1,23 @@
 """The worker's core: one model and its paged KV cache on one device. Loading resolves the
 engine's config (the worker knows its platform and reads the checkpoint's architecture), then
-the model is built, quantized or packed for the CPU; ``init_kv_cache`` allocates the cache the
-resolved config sizes and captures the decode graphs on CUDA; ``execute_model`` runs one step.
-Pure: no asyncio, no transport."""
+the model is built, quantized or packed for the CPU; on CUDA without a KV cache size, a forward
+pass measures what --gpu-memory-utilization leaves for the cache (``gpu_memory.py``);
+``init_kv_cache`` allocates the cache the resolved config sizes and captures the decode graphs on
+CUDA; ``execute_model`` runs one step. Pure: no asyncio, no transport."""
 from __future__ import annotations
 
 import logging
 import os
 import time
 
+import msgspec
 import torch
 
 from actors.engine.config import EngineConfig
-from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
+from actors.engine.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from actors.engine.sampling_params import SamplingParams
 from actors.worker.cuda_graphs import capture_sizes
+from actors.worker.gpu_memory import GIB, device_memory, kv_cache_bytes_for_gpu
 from actors.worker.model_runner import ModelRunner, torch_dtype
 from kernels.attention.selector import select_backend
 from models.native_decode import attach as attach_native_decode
@@ -42,6 +46,21 @@ class Worker:
         self.runner: ModelRunner | None = None         # until init_kv_cache
         log.info("model %s loaded on %s (%s) in %.1f s", source.served_name, self.device.type,
                  self.config.model.dtype, time.monotonic() - t0)
+        if not self.config.kv_cache_sized:             # CUDA, sized by --gpu-memory-utilization
+            self.config = self.config.with_kv_cache_bytes(self._gpu_kv_cache_bytes())
+
+    def _gpu_kv_cache_bytes(self) -> int:
+        """What --gpu-memory-utilization leaves for the KV cache once the weights are loaded
+        and the largest step's forward pass ran (its activations stay reserved until then)."""
+        profile_run(self.model, self.config)
+        torch.cuda.synchronize()
+        free, total = device_memory(torch.cuda.current_device())
+        utilization = self.config.cache.gpu_memory_utilization
+        kv_bytes = kv_cache_bytes_for_gpu(total, total - free, utilization)
+        torch.cuda.empty_cache()
+        log.info("KV cache: %.2f GiB (%g of the GPU's %.2f GiB, %.2f GiB in use after loading and a "
+                 "forward pass)", kv_bytes / GIB, utilization, total / GIB, (total - free) / GIB)
+        return kv_bytes
 
     def _load(self, ckpt: Checkpoint) -> torch.nn.Module:
         cfg = self.config
@@ -80,3 +99,22 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("the KV cache is not initialized (InitKVCache first)")
         return self.runner.execute_model(so)
+
+
+PROFILE_REQUEST = "profile"
+
+
+def profile_run(model: torch.nn.Module, config: EngineConfig) -> None:
+    """One forward pass, with sampling, of the largest step the scheduler may send: a prompt of
+    max_num_batched_tokens (less than the context length), in a scratch KV cache just large
+    enough for it. Its activations are what a step needs beside the weights and the cache."""
+    bs = config.cache.block_size
+    n = max(1, min(config.scheduler.max_num_batched_tokens, config.model.max_model_len - 1))
+    blocks = -(-n // bs)
+    scratch = config.replace(cache=msgspec.structs.replace(config.cache, num_blocks=blocks + 1))
+    runner = ModelRunner(model, scratch)
+    request = NewRequestData(PROFILE_REQUEST, [0] * n, [], SamplingParams(temperature=0.0, max_tokens=1),
+                             list(range(1, blocks + 1)), 0)
+    out = runner.execute_model(SchedulerOutput(0, [request], CachedRequestData(), {PROFILE_REQUEST: n}, n, []))
+    if [len(t) for t in out.sampled_token_ids] != [1]:
+        raise RuntimeError(f"the profiling step sampled {out.sampled_token_ids}, not one token")

@@ -1,9 +1,11 @@
-"""Start ``python -m tools.serve`` as a user would, on a free port, and stop it by pid."""
+"""Start ``python -m tools.serve`` as a user would, on a free port, and stop it by pid (or any
+other command that serves, e.g. ``python -m tools.cli serve ...``)."""
 from __future__ import annotations
 
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,10 +34,22 @@ def alive(pid: int) -> bool:
         return False
 
 
+def free_port() -> int:
+    """A port nothing listens on now on 127.0.0.1 (for commands that need one named)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Server:
-    def __init__(self, *args: str, ready_timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
+    """``python -m tools.serve --port 0 ARGS``; or ``python -m COMMAND...`` when ``command`` is
+    given (it names its port itself). Ready once it prints "Troupe ready on URL"."""
+
+    def __init__(self, *args: str, ready_timeout: float = 180.0, env: dict[str, str] | None = None,
+                 command: list[str] | None = None) -> None:
+        argv = command if command is not None else ["tools.serve", "--port", "0", *args]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tools.serve", "--port", "0", *args], cwd=ROOT,
+            [sys.executable, "-m", *argv], cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: list[str] = []

@@ -431,7 +431,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
-    ({"prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),         # past --max-logprobs (20)
     ({"prompt": "x", "stop": ""}, "stop"),
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "x", "min_tokens": 99, "max_tokens": 3}, "min_tokens"),

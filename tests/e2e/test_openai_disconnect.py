@@ -28,13 +28,14 @@ def server():
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Samples keyed by name plus the labels other than model_name: ``name{label=value}``."""
+    """Samples keyed by name plus the labels other than model_name and engine: ``name{label=value}``."""
     out = {}
     for line in text.splitlines():
         m = SAMPLE.match(line)
         if m is None:
             continue
-        labels = [p for p in (m.group(2) or "").split(",") if p and not p.startswith("model_name=")]
+        labels = [p for p in (m.group(2) or "").split(",")
+                  if p and not p.startswith(("model_name=", "engine="))]
         key = m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")
         out[key] = float(m.group(3))
     return out

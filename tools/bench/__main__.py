@@ -9,8 +9,8 @@ from actors.engine.args import EngineArgs
 from tools.bench import workload
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.bench")
+def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> None:
+    p = argparse.ArgumentParser(prog=prog)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     off = sub.add_parser("offline", help="offline throughput of an in-process engine")
@@ -57,7 +57,7 @@ def main() -> None:
     agr.add_argument("--n", type=int, default=20)
     agr.add_argument("--tokens", type=int, default=64)
 
-    args = p.parse_args()
+    args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.cmd == "offline":
         from tools.bench import offline

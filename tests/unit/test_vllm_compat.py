@@ -1,0 +1,353 @@
+"""A vLLM user changes nothing but the command: `vllm serve` command lines parse into the same
+engine options under `troupe serve`, vLLM's flags Troupe lacks are refused by name (one line,
+exit 2), --gpu-memory-utilization sizes the KV cache from the GPU's memory, --generation-config
+gives request defaults, --max-logprobs bounds requests, and /metrics has vLLM's names."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from actors.engine.args import EngineArgs, load_sampling_defaults
+from actors.engine.config import CPU_KV_CACHE_BYTES
+from actors.engine.sampling_params import SamplingDefaults
+from actors.frontend.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, ServerDefaults
+from actors.frontend.stats import METRICS, VLLM_METRIC_NAMES, EngineStats, parse_prefixes
+from actors.worker.gpu_memory import GIB, NotEnoughGpuMemory, kv_cache_bytes_for_gpu
+from models.config import ArchConfig
+from models.resolve import DEFAULT_MODEL, ModelSource
+from tools import serve, vllm_flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 -> 23,040 bytes of float32 K and V per token
+ARCH = ArchConfig("LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64, 8192, 1e5, 1e-5, True, 1, (2,))
+
+
+# -- the command line -------------------------------------------------------------------------
+
+def test_a_vllm_serve_command_line_builds_the_engine_config_it_asks_for():
+    args = serve.parse_args([
+        DEFAULT_MODEL, "--served-model-name", "my-model", "other-name", "--gpu-memory-utilization", "0.5",
+        "--no-enable-prefix-caching", "--max-logprobs", "5", "--seed", "3", "--generation-config", "vllm",
+        "--uvicorn-log-level", "warning", "--disable-log-requests", "--trust-remote-code",
+        "--max-model-len", "4k", "--kv-cache-memory-bytes", "1G", "--dtype", "half",
+        "--enable-chunked-prefill", "--disable-log-stats", "--max-num-batched-tokens", "8K"])
+    assert (args.model, args.log_level, args.enable_log_requests, args.trust_remote_code) == \
+        (DEFAULT_MODEL, "WARNING", False, True)
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    m, c = config.model, config.cache
+    assert m.model_names == ("my-model", "other-name") and m.served_model_name == "my-model"
+    assert (m.max_logprobs, m.seed, m.generation_config, m.dtype, m.max_model_len) == (5, 3, "vllm", "float16", 4000)
+    assert (c.gpu_memory_utilization, c.enable_prefix_caching, c.kv_cache_memory_bytes) == (0.5, False, 1 << 30)
+    assert config.scheduler.max_num_batched_tokens == 8192
+
+
+def test_server_flags_have_vllms_defaults_and_troupes_own_keep_working():
+    args = serve.parse_args([])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert (args.enable_log_requests, args.metrics_prefix, args.log_level) == (False, ("vllm", "troupe"), "INFO")
+    assert (config.model.max_logprobs, config.model.generation_config, config.cache.gpu_memory_utilization,
+            config.cache.enable_prefix_caching, config.cache.kv_cache_memory_bytes) == (20, "auto", 0.9, True, 0)
+    assert config.model.model_names == (DEFAULT_MODEL,)
+    on = serve.parse_args(["--enable-log-requests", "--metrics-prefix", "vllm", "--log-level", "debug",
+                           "--kv-cache-gib", "0.5", "--num-gpu-blocks-override", "100", "-q", "gguf"])
+    on_config = EngineArgs.from_cli_args(on).create_engine_config()
+    assert (on.enable_log_requests, on.metrics_prefix, on.log_level) == (True, ("vllm",), "debug")
+    assert (on_config.cache.kv_cache_memory_bytes, on_config.cache.num_blocks) == (1 << 29, 100)
+    assert on_config.model.quantization == "gguf"
+
+
+def test_the_model_may_be_given_first_as_in_vllm_serve_but_not_twice_differently(capsys):
+    assert serve.parse_args(["smollm2", "--port", "0"]).model == "smollm2"
+    assert serve.parse_args(["--model", "smollm2", "smollm2"]).model == "smollm2"
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args(["smollm2", "--model", "gemma3-270m"])
+    assert exc.value.code == 2 and "given twice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [["--gpu-memory-utilization", "1.5"], ["--metrics-prefix", "prometheus"],
+                                 ["--uvicorn-log-level", "loud"], ["--kv-cache-gib", "1", "--kv-cache-memory-bytes", "2G"],
+                                 ["--max-model-len", "12.5K"]])
+def test_bad_values_of_the_new_flags_exit_2_naming_the_flag(bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args(bad)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and bad[0] in err, err
+
+
+REFUSED = sorted(vllm_flags.REFUSED) + sorted(vllm_flags.ALIASES) + sorted(vllm_flags.NEVER)
+
+
+@pytest.mark.parametrize("flag", REFUSED)
+def test_each_vllm_flag_troupe_does_not_implement_exits_2_with_one_line_naming_it(flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args([DEFAULT_MODEL, "--port", "0", flag, "1"] if flag not in vllm_flags.NEVER
+                         else [flag])
+    out, err = capsys.readouterr()
+    long = vllm_flags.ALIASES.get(flag, flag)
+    named = long if long == flag else f"{long} ({flag})"
+    assert exc.value.code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"troupe: error: {named} is a vLLM flag Troupe does not implement")
+
+
+def test_refused_flags_are_refused_in_every_spelling_and_only_their_no_forms_pass(capsys):
+    for argv in (["--tensor-parallel-size=2"], ["-tp", "2"], ["-O3"], ["--enable-lora"],
+                 ["--lora-modules", "a=b", "c=d"], ["--port", "0", "--speculative-config", '{"n": 1}']):
+        with pytest.raises(SystemExit) as exc:
+            serve.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and "is a vLLM flag" in err, (argv, err)
+    serve.parse_args(["--no-enable-lora", "--no-enable-expert-parallel", "--no-trust-remote-code",
+                      "--disable-uvicorn-access-log", "--enable-request-id-headers", "--disable-fastapi-docs"])
+    assert vllm_flags.BOOLEAN <= set(vllm_flags.REFUSED)
+
+
+def test_help_describes_the_new_flags_and_hides_the_refused_ones(capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--served-model-name NAME [NAME ...]", "--gpu-memory-utilization FRACTION", "--max-logprobs N",
+                 "--enable-prefix-caching, --no-enable-prefix-caching", "--generation-config {auto,vllm,FOLDER}",
+                 "--enable-log-requests", "--disable-log-requests", "--uvicorn-log-level", "--trust-remote-code",
+                 "--metrics-prefix", "--chat-template", "--seed", "--kv-cache-memory-bytes", "[MODEL]"):
+        assert flag in text, flag
+    assert "Does not apply on the CPU" in text and "runs no code from checkpoints" in text
+    assert "--tensor-parallel-size" not in text.replace("(e.g. --tensor-parallel-size)", "")
+
+
+# -- --gpu-memory-utilization ----------------------------------------------------------------
+
+def test_the_kv_cache_gets_what_the_utilization_leaves_after_weights_and_activations():
+    assert kv_cache_bytes_for_gpu(80 * GIB, 20 * GIB, 0.9) == 52 * GIB
+    assert kv_cache_bytes_for_gpu(139 * GIB, 3 * GIB, 0.5) == int(139 * GIB * 0.5) - 3 * GIB
+    with pytest.raises(NotEnoughGpuMemory, match=r"--gpu-memory-utilization 0.25 allows 20.00 GiB .* 30.00 GiB "
+                                                 r"are already in use.*--kv-cache-gib"):
+        kv_cache_bytes_for_gpu(80 * GIB, 30 * GIB, 0.25)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        kv_cache_bytes_for_gpu(80 * GIB, 1, 1.2)
+
+
+def test_on_cuda_an_unsized_cache_waits_for_the_worker_and_an_explicit_size_wins():
+    auto = EngineArgs().create_engine_config().resolve(cuda_available=True, cpu_count=8, arch=ARCH)
+    assert not auto.kv_cache_sized and auto.model.max_model_len == 8192
+    assert auto.resolve(cuda_available=True, cpu_count=8, arch=ARCH) == auto
+    per_block = ARCH.kv_bytes_per_token(2) * 16                              # bfloat16 blocks
+    sized = auto.with_kv_cache_bytes(100 * per_block)
+    assert sized.kv_cache_sized and sized.cache.num_blocks == 100 and sized.model.max_model_len == 99 * 16
+    assert sized.resolve(cuda_available=True, cpu_count=8, arch=ARCH) == sized     # a restarted worker's
+    explicit = EngineArgs(kv_cache_bytes=50 * per_block).create_engine_config().resolve(
+        cuda_available=True, cpu_count=8, arch=ARCH)
+    assert explicit.kv_cache_sized and explicit.cache.num_blocks == 50
+    cpu = EngineArgs(gpu_memory_utilization=0.1).create_engine_config().resolve(
+        cuda_available=False, cpu_count=2, arch=ARCH)
+    assert cpu.cache.num_blocks == CPU_KV_CACHE_BYTES // (ARCH.kv_bytes_per_token(4) * 16)   # does not apply
+
+
+def test_a_worker_sizes_an_unsized_cache_from_the_memory_left_after_a_forward_pass(tmp_path, monkeypatch):
+    """The CUDA path on the CPU: the profiling step runs through the real model runner, the
+    device's memory is what a fake NVML reports."""
+    import torch
+
+    from actors.worker import worker as worker_module
+    from actors.worker.worker import Worker
+    from helpers import save_tiny_llama
+    path = save_tiny_llama(tmp_path, 256, 64, 128, 4, 2, 16, 512)
+    w = Worker(EngineArgs(model=path, device="cpu", max_num_batched_tokens=100, max_model_len=512,
+                          num_threads=1).create_engine_config())
+    w.config = w.config.replace(cache=msgspec.structs.replace(w.config.cache, num_blocks=0,
+                                                              gpu_memory_utilization=0.5))
+    monkeypatch.setattr(worker_module, "device_memory", lambda index: (70 * GIB, 100 * GIB))
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert w._gpu_kv_cache_bytes() == 20 * GIB                # 0.5 x 100 GiB - 30 GiB in use
+
+
+def test_gpu_memory_is_read_through_nvml_and_else_through_torch(monkeypatch):
+    import torch
+
+    from actors.worker import gpu_memory
+    monkeypatch.setitem(sys.modules, "pynvml", None)           # nvidia-ml-py missing
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (3 * GIB, 8 * GIB))
+    assert gpu_memory.device_memory(0) == (3 * GIB, 8 * GIB)
+    monkeypatch.setattr(gpu_memory, "_nvml_memory", lambda index: (5 * GIB, 8 * GIB))
+    assert gpu_memory.device_memory(0) == (5 * GIB, 8 * GIB)
+
+
+# -- --generation-config ----------------------------------------------------------------------
+
+def _checkpoint_dir(path, generation: dict | None) -> ModelSource:
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text("{}")
+    if generation is not None:
+        (path / "generation_config.json").write_text(msgspec.json.encode(generation).decode())
+    return ModelSource("hf_dir", str(path), "my/checkpoint")
+
+
+def test_auto_reads_the_checkpoints_generation_config_vllm_ignores_it_a_folder_is_read(tmp_path):
+    source = _checkpoint_dir(tmp_path / "ckpt", {
+        "bos_token_id": 1, "eos_token_id": [2, 3], "do_sample": True, "temperature": 0.6, "top_p": 0.9,
+        "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "max_new_tokens": 300})
+    expected = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1,
+                                max_tokens=300)
+    assert load_sampling_defaults(source, "auto") == expected
+    assert load_sampling_defaults(source, "vllm") == SamplingDefaults()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"temperature": 0.2}')
+    assert load_sampling_defaults(source, str(other)) == SamplingDefaults(temperature=0.2)
+    assert load_sampling_defaults(source, str(other / "generation_config.json")).temperature == 0.2
+    gguf = ModelSource("gguf", str(tmp_path / "model.gguf"), "m")
+    assert load_sampling_defaults(gguf, "auto") == SamplingDefaults()          # a GGUF file has none
+    with pytest.raises(ValueError, match="no generation_config.json there"):
+        load_sampling_defaults(source, str(tmp_path / "missing"))
+    (other / "generation_config.json").write_text('{"top_k": "many"}')
+    with pytest.raises(ValueError, match="top_k must be an integer"):
+        load_sampling_defaults(source, str(other))
+    (other / "generation_config.json").write_text('{"temperature": 7}')
+    with pytest.raises(ValueError, match="temperature 7 is out of the range"):
+        load_sampling_defaults(source, str(other))
+
+
+def test_a_checkpoint_without_sampling_fields_leaves_the_defaults_alone(tmp_path):
+    source = _checkpoint_dir(tmp_path / "a", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2})
+    assert load_sampling_defaults(source, "auto") == SamplingDefaults()
+    assert load_sampling_defaults(_checkpoint_dir(tmp_path / "b", None), "auto") == SamplingDefaults()
+
+
+def test_generation_defaults_fill_only_the_fields_a_request_leaves_unset():
+    defaults = ServerDefaults(sampling=SamplingDefaults(temperature=0.6, top_k=20, repetition_penalty=1.1,
+                                                        max_tokens=300))
+    chat = lambda **f: msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **f},  # noqa: E731
+                                       ChatCompletionRequest).with_server_defaults(defaults)
+    p = chat().to_sampling_params(49152, 8192)
+    assert (p.temperature, p.top_k, p.repetition_penalty, p.top_p, p.max_tokens) == (0.6, 20, 1.1, 1.0, 300)
+    p = chat(temperature=0, top_k=None, max_tokens=7).to_sampling_params(49152, 8192)
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 20, 7)
+    assert chat(max_completion_tokens=9).to_sampling_params(49152, 8192).max_tokens == 9
+    assert chat().to_sampling_params(49152, 256).max_tokens == 255     # a default leaves room for the prompt
+    completion = msgspec.convert({"prompt": "x"}, CompletionRequest).with_server_defaults(defaults)
+    p = completion.to_sampling_params(49152, 8192)
+    assert (p.temperature, p.max_tokens) == (0.6, 16)          # completions keep OpenAI's 16, as vLLM does
+    bare = msgspec.convert({"messages": [{"role": "user", "content": "hi"}]}, ChatCompletionRequest)
+    p = bare.to_sampling_params(49152, 8192)
+    assert (p.temperature, p.top_k, p.max_tokens) == (1.0, 0, None)
+
+
+# -- --max-logprobs ---------------------------------------------------------------------------
+
+def test_max_logprobs_bounds_chat_top_logprobs_and_completion_logprobs_naming_the_field():
+    five = ServerDefaults(max_logprobs=5)
+    chat = lambda top, d=five: msgspec.convert(  # noqa: E731
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": top},
+        ChatCompletionRequest).with_server_defaults(d)
+    assert chat(5).to_sampling_params(100, 1000).logprobs == 5
+    with pytest.raises(BadRequest, match=r"top_logprobs must be in \[0, 5\] \(the server's --max-logprobs\)") as exc:
+        chat(6).to_sampling_params(100, 1000)
+    assert exc.value.param == "top_logprobs"
+    with pytest.raises(BadRequest):
+        chat(21, ServerDefaults()).to_sampling_params(100, 1000)          # vLLM's default: 20
+    assert chat(90, ServerDefaults(max_logprobs=-1)).to_sampling_params(100, 1000).logprobs == 90
+    completion = lambda lp, echo=False: msgspec.convert(  # noqa: E731
+        {"prompt": "x", "logprobs": lp, "echo": echo}, CompletionRequest).with_server_defaults(five)
+    assert completion(5, echo=True).to_sampling_params(100, 1000).prompt_logprobs == 5
+    with pytest.raises(BadRequest) as exc:
+        completion(6, echo=True).to_sampling_params(100, 1000)
+    assert exc.value.param == "logprobs"
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+def test_metrics_are_written_under_vllm_and_troupe_prefixes_as_chosen():
+    stats = EngineStats(model="my-model", max_model_len=1000)
+    both = stats.prometheus()
+    for m in METRICS:
+        for prefix in ("vllm", "troupe") if m.vllm else ("troupe",):
+            assert f"# TYPE {prefix}:{m.name} {m.kind}\n" in both, (prefix, m.name)
+            assert re.search(rf"^{prefix}:{m.name}(_bucket|_sum|_count)?{{", both, re.M), (prefix, m.name)
+    assert "vllm:batch_size" not in both and "troupe:batch_size" in both
+    only_vllm = stats.prometheus(("vllm",))
+    assert "troupe:" not in only_vllm and all(f"# TYPE {n} " in only_vllm for n in VLLM_METRIC_NAMES)
+    assert 'vllm:num_requests_running{model_name="my-model",engine="0"} 0' in only_vllm
+    assert parse_prefixes("troupe, vllm") == ("troupe", "vllm")
+    for bad in ("", "vllm,vllm", "prom"):
+        with pytest.raises(ValueError):
+            parse_prefixes(bad)
+
+
+def test_request_histograms_count_sizes_phases_and_choices():
+    stats = EngineStats(model="m", max_model_len=100)
+    stats.observe_request(num_prompt_tokens=10, num_generation_tokens=5, max_tokens=None, arrival_time=100.0,
+                          scheduled_time=100.5, first_token_time=101.0, last_token_time=103.0, now=103.5)
+    stats.observe_choices(3, 5)
+    assert stats.request_prefill_time.sum == pytest.approx(0.5)
+    assert stats.request_decode_time.sum == pytest.approx(2.0)
+    assert stats.request_inference_time.sum == pytest.approx(2.5)
+    assert stats.request_time_per_output_token.sum == pytest.approx(0.5)      # 2 s over 4 tokens
+    assert stats.request_params_max_tokens.sum == 90                            # what the context left
+    assert stats.e2e_request_latency.sum == pytest.approx(3.5)
+    assert stats.request_params_n.sum == 3 and stats.request_max_num_generation_tokens.sum == 5
+    assert stats.request_prompt_tokens.buckets == (1, 2, 5, 10, 20, 50, 100)
+
+
+def test_the_readme_metrics_table_lists_every_metric_and_no_other():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme.split("### Metrics", 1)[1].split("\n#", 1)[0]
+    listed = re.findall(r"^\| `(vllm|troupe):([a-z0-9_]+)`", section, re.M)
+    assert sorted(name for _, name in listed) == sorted(m.name for m in METRICS)
+    assert all((prefix == "vllm") == m.vllm for (prefix, name), m in
+               zip(sorted(listed, key=lambda p: p[1]), sorted(METRICS, key=lambda m: m.name)))
+    for m in METRICS:
+        row = next(line for line in section.splitlines() if f":{m.name}` |" in line)
+        assert f"| {m.kind} |" in row and ("troupe: only" in row) == (not m.vllm), row
+
+
+# -- the troupe command -----------------------------------------------------------------------
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_troupe_command_lists_its_subcommands_and_prints_its_version():
+    r = _cli("--help")
+    assert r.returncode == 0 and all(name in r.stdout for name in ("serve", "chat", "batch", "bench", "trace"))
+    r = _cli("--version")
+    assert r.returncode == 0 and re.fullmatch(r"troupe \S+\n", r.stdout)
+    r = _cli("trace", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: troupe trace")
+    r = _cli("bench", "--help")
+    assert r.returncode == 0 and "offline" in r.stdout
+    r = _cli("launch")
+    assert r.returncode == 2 and "unknown subcommand 'launch'" in r.stderr
+
+
+# -- --enable-log-requests --------------------------------------------------------------------
+
+def test_with_enable_log_requests_each_admitted_request_is_logged_once_at_info(caplog):
+    import asyncio
+    from types import SimpleNamespace
+
+    from actors.engine.sampling_params import SamplingParams
+    from actors.frontend.app import OpenAIServer, ServerOptions
+
+    class Engine:
+        async def submit(self, params, **kwargs):
+            return SimpleNamespace(request_id=kwargs["request_id"], num_prompt_tokens=7)
+
+    for log_requests in (True, False):
+        server = OpenAIServer(options=ServerOptions(log_requests=log_requests))
+        server.client = Engine()
+        with caplog.at_level("INFO", logger="troupe.http"):
+            caplog.clear()
+            asyncio.run(server.submit(SamplingParams(temperature=0.5, max_tokens=9, seed=3), request_id="req-1"))
+        lines = [r.getMessage() for r in caplog.records if r.name == "troupe.http"]
+        if log_requests:
+            assert lines == ["request req-1: 7 prompt tokens, params: max_tokens=9, temperature=0.5, seed=3"]
+        else:
+            assert lines == []

@@ -1,0 +1,203 @@
+"""The flags of vLLM's ``vllm serve`` that Troupe's server does not implement, in one place.
+
+A vLLM command line runs unchanged but for the command (``troupe serve MODEL ...``): flags
+Troupe implements have vLLM's names and meanings (tools/serve.py, actors/engine/args.py); the
+flags below are refused by name, one line on stderr and exit code 2, before anything loads::
+
+    troupe: error: --tensor-parallel-size is a vLLM flag Troupe does not implement: ...
+
+A few vLLM flags ask for what Troupe always does; those are accepted (``ALWAYS``). vLLM gives
+its boolean flags a ``--no-`` form: for a refused boolean flag, the ``--no-`` form asks for what
+Troupe does anyway and is accepted."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn
+
+_PARALLEL = "Troupe runs one engine with one worker on one device"
+_LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directories as they are"
+_MODALITY = "Troupe serves text-only models"
+_LORA = "Troupe serves the base model only (no LoRA adapters)"
+_SPEC = "Troupe has no speculative decoding"
+_COMPILE = "Troupe captures CUDA graphs of decode steps itself (--enforce-eager turns them off)"
+_HTTP = "Troupe's HTTP server has no such option"
+_KV = "Troupe keeps the KV cache on one device, in blocks of one layout"
+_SCHED = "Troupe's scheduler has no such option"
+_LOGS = "Troupe has no such logging option (see --enable-log-requests, /metrics, /debug/*)"
+_STRUCT = "Troupe's structured outputs always use xgrammar"
+
+# long flag -> why Troupe does not implement it
+REFUSED: dict[str, str] = {
+    # parallelism and distribution
+    "--tensor-parallel-size": _PARALLEL, "--pipeline-parallel-size": _PARALLEL,
+    "--data-parallel-size": _PARALLEL, "--decode-context-parallel-size": _PARALLEL,
+    "--data-parallel-rank": _PARALLEL, "--data-parallel-start-rank": _PARALLEL,
+    "--data-parallel-size-local": _PARALLEL, "--data-parallel-address": _PARALLEL,
+    "--data-parallel-rpc-port": _PARALLEL, "--data-parallel-backend": _PARALLEL,
+    "--data-parallel-hybrid-lb": _PARALLEL, "--data-parallel-external-lb": _PARALLEL,
+    "--distributed-executor-backend": _PARALLEL, "--enable-expert-parallel": _PARALLEL,
+    "--all2all-backend": _PARALLEL, "--enable-dbo": _PARALLEL, "--dbo-decode-token-threshold": _PARALLEL,
+    "--dbo-prefill-token-threshold": _PARALLEL, "--disable-nccl-for-dp-synchronization": _PARALLEL,
+    "--enable-eplb": _PARALLEL, "--eplb-config": _PARALLEL, "--expert-placement-strategy": _PARALLEL,
+    "--num-redundant-experts": _PARALLEL, "--eplb-window-size": _PARALLEL,
+    "--eplb-step-interval": _PARALLEL, "--eplb-log-balancedness": _PARALLEL,
+    "--max-parallel-loading-workers": _PARALLEL, "--ray-workers-use-nsight": _PARALLEL,
+    "--disable-custom-all-reduce": _PARALLEL, "--worker-cls": _PARALLEL, "--worker-extension-cls": _PARALLEL,
+    "--enable-multimodal-encoder-data-parallel": _PARALLEL, "--headless": _PARALLEL,
+    "--api-server-count": "Troupe serves HTTP from one frontend process",
+    "--nnodes": _PARALLEL, "--node-rank": _PARALLEL, "--master-addr": _PARALLEL, "--master-port": _PARALLEL,
+    "--disable-frontend-multiprocessing": "Troupe's engine always runs in a process of its own",
+    # loading the model
+    "--tokenizer": "Troupe reads the tokenizer from the model's GGUF file or checkpoint directory",
+    "--tokenizer-mode": _LOADING, "--tokenizer-revision": _LOADING, "--revision": _LOADING,
+    "--code-revision": _LOADING, "--hf-config-path": _LOADING, "--hf-token": "Troupe never downloads",
+    "--hf-overrides": _LOADING, "--download-dir": "Troupe never downloads", "--load-format": _LOADING,
+    "--safetensors-load-strategy": _LOADING, "--model-loader-extra-config": _LOADING,
+    "--ignore-patterns": _LOADING, "--use-tqdm-on-load": _LOADING, "--pt-load-map-location": _LOADING,
+    "--config-format": _LOADING, "--skip-tokenizer-init": _LOADING, "--model-impl": _LOADING,
+    "--rope-scaling": _LOADING, "--rope-theta": _LOADING, "--override-attention-dtype": _LOADING,
+    "--disable-sliding-window": _LOADING, "--disable-cascade-attn": _LOADING,
+    "--max-seq-len-to-capture": _COMPILE, "--config": "Troupe reads its options from the command line only",
+    "--quantization-param-path": _LOADING,
+    # what the model is run for
+    "--task": "Troupe serves text generation only", "--runner": "Troupe serves text generation only",
+    "--convert": "Troupe serves text generation only", "--pooler-config": "Troupe serves text generation only",
+    "--override-pooler-config": "Troupe serves text generation only",
+    "--enable-prompt-embeds": "Troupe takes prompts as text or token ids",
+    "--io-processor-plugin": "Troupe loads no plugins", "--logits-processors": "Troupe loads no plugins",
+    "--logits-processor-pattern": "Troupe loads no plugins",
+    "--enable-sleep-mode": "Troupe's engine never sleeps",
+    "--override-generation-config": "Troupe reads generation_config.json as it is (see --generation-config)",
+    # other modalities
+    "--limit-mm-per-prompt": _MODALITY, "--enable-mm-embeds": _MODALITY, "--media-io-kwargs": _MODALITY,
+    "--mm-processor-kwargs": _MODALITY, "--mm-processor-cache-gb": _MODALITY,
+    "--disable-mm-preprocessor-cache": _MODALITY, "--mm-processor-cache-type": _MODALITY,
+    "--mm-shm-cache-max-object-size-mb": _MODALITY, "--mm-encoder-tp-mode": _MODALITY,
+    "--mm-encoder-attn-backend": _MODALITY, "--interleave-mm-strings": _MODALITY,
+    "--skip-mm-profiling": _MODALITY, "--video-pruning-rate": _MODALITY,
+    "--allowed-local-media-path": _MODALITY, "--allowed-media-domains": _MODALITY,
+    # adapters and speculative decoding
+    "--enable-lora": _LORA, "--lora-modules": _LORA, "--max-loras": _LORA, "--max-lora-rank": _LORA,
+    "--lora-extra-vocab-size": _LORA, "--lora-dtype": _LORA, "--max-cpu-loras": _LORA,
+    "--fully-sharded-loras": _LORA, "--default-mm-loras": _LORA, "--enable-prompt-adapter": _LORA,
+    "--prompt-adapters": _LORA, "--max-prompt-adapters": _LORA, "--max-prompt-adapter-token": _LORA,
+    "--speculative-config": _SPEC, "--speculative-model": _SPEC, "--num-speculative-tokens": _SPEC,
+    # the KV cache
+    "--swap-space": _KV, "--cpu-offload-gb": _KV, "--prefix-caching-hash-algo": _KV,
+    "--calculate-kv-scales": _KV, "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _KV,
+    "--mamba-ssm-cache-dtype": _KV, "--mamba-block-size": _KV, "--kv-transfer-config": _KV,
+    "--kv-events-config": _KV, "--kv-cache-metrics": _KV, "--kv-cache-metrics-sample": _KV,
+    "--kv-offloading-size": _KV, "--kv-offloading-backend": _KV,
+    # the scheduler and compilation
+    "--max-num-partial-prefills": _SCHED, "--max-long-partial-prefills": _SCHED,
+    "--num-lookahead-slots": _SCHED, "--disable-chunked-mm-input": _MODALITY, "--scheduler-cls": _SCHED,
+    "--disable-hybrid-kv-cache-manager": _KV, "--async-scheduling": _SCHED, "--num-scheduler-steps": _SCHED,
+    "--preemption-mode": "Troupe preempts by recomputing (no swapping)", "--scheduler-delay-factor": _SCHED,
+    "--compilation-config": _COMPILE, "--cudagraph-capture-sizes": _COMPILE, "--cuda-graph-sizes": _COMPILE,
+    "--max-cudagraph-capture-size": _COMPILE, "--additional-config": "Troupe loads no platform plugins",
+    # structured outputs and reasoning
+    "--reasoning-parser": "Troupe has no reasoning parsers", "--enable-reasoning": "Troupe has no reasoning parsers",
+    "--guided-decoding-backend": _STRUCT, "--guided-decoding-disable-fallback": _STRUCT,
+    "--guided-decoding-disable-any-whitespace": _STRUCT,
+    "--guided-decoding-disable-additional-properties": _STRUCT, "--structured-outputs-config": _STRUCT,
+    # observability
+    "--show-hidden-metrics-for-version": "Troupe shows every metric it has (see /metrics)",
+    "--otlp-traces-endpoint": "Troupe exports traces as Perfetto JSON (/debug/trace, python -m tools.trace)",
+    "--collect-detailed-traces": "Troupe records spans with --no-trace off (/debug/trace)",
+    "--aggregate-engine-logging": _PARALLEL, "--log-config-file": _LOGS, "--max-log-len": _LOGS,
+    "--enable-log-outputs": _LOGS, "--log-error-stack": _LOGS,
+    # the HTTP frontend
+    "--uds": _HTTP, "--allow-credentials": "Troupe sends no CORS headers",
+    "--allowed-origins": "Troupe sends no CORS headers", "--allowed-methods": "Troupe sends no CORS headers",
+    "--allowed-headers": "Troupe sends no CORS headers", "--ssl-keyfile": "Troupe serves plain HTTP (put a "
+    "TLS proxy in front)", "--ssl-certfile": "Troupe serves plain HTTP (put a TLS proxy in front)",
+    "--ssl-ca-certs": "Troupe serves plain HTTP", "--enable-ssl-refresh": "Troupe serves plain HTTP",
+    "--ssl-cert-reqs": "Troupe serves plain HTTP", "--root-path": _HTTP, "--middleware": "Troupe loads no plugins",
+    "--response-role": _HTTP, "--return-tokens-as-token-ids": _HTTP,
+    "--chat-template-content-format": "Troupe renders message content as a string",
+    "--trust-request-chat-template": "Troupe uses the server's chat template only",
+    "--tool-parser-plugin": "Troupe loads no plugins (see --tool-call-parser)",
+    "--tool-server": "Troupe runs no built-in tools", "--exclude-tools-when-tool-choice-none": _HTTP,
+    "--enable-prompt-tokens-details": "Troupe reports prompt_tokens_details.cached_tokens whenever the "
+                                      "prefix cache served part of a prompt",
+    "--enable-server-load-tracking": _HTTP, "--enable-force-include-usage": _HTTP,
+    "--enable-tokenizer-info-endpoint": _HTTP, "--h11-max-incomplete-event-size": _HTTP,
+    "--h11-max-header-count": _HTTP, "--tokens-only": _HTTP,
+}
+
+# vLLM's short forms
+ALIASES: dict[str, str] = {
+    "-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size", "-dp": "--data-parallel-size",
+    "-dcp": "--decode-context-parallel-size", "-dpn": "--data-parallel-rank",
+    "-dpr": "--data-parallel-start-rank", "-dpl": "--data-parallel-size-local",
+    "-dpa": "--data-parallel-address", "-dpp": "--data-parallel-rpc-port", "-dpb": "--data-parallel-backend",
+    "-asc": "--api-server-count", "-O": "--compilation-config",
+}
+
+# Refused flags that are booleans in vLLM: their --no- form asks for what Troupe does.
+BOOLEAN = frozenset({
+    "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--enable-expert-parallel", "--enable-dbo",
+    "--disable-nccl-for-dp-synchronization", "--enable-eplb", "--eplb-log-balancedness",
+    "--ray-workers-use-nsight", "--disable-custom-all-reduce", "--disable-frontend-multiprocessing",
+    "--use-tqdm-on-load", "--skip-tokenizer-init", "--disable-sliding-window", "--disable-cascade-attn",
+    "--enable-prompt-embeds", "--enable-sleep-mode", "--enable-mm-embeds", "--interleave-mm-strings",
+    "--skip-mm-profiling", "--enable-lora", "--fully-sharded-loras", "--calculate-kv-scales",
+    "--kv-sharing-fast-prefill", "--disable-chunked-mm-input", "--disable-hybrid-kv-cache-manager",
+    "--async-scheduling", "--enable-log-outputs", "--log-error-stack", "--allow-credentials",
+    "--enable-ssl-refresh", "--return-tokens-as-token-ids", "--trust-request-chat-template",
+    "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details",
+    "--enable-server-load-tracking", "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
+    "--tokens-only", "--kv-cache-metrics",
+})
+
+# vLLM flags that ask for what Troupe always does: accepted, changing nothing.
+ALWAYS: dict[str, str] = {
+    "--enable-chunked-prefill": "Troupe always chunks prompts longer than --max-num-batched-tokens "
+                                "(--no-enable-chunked-prefill is refused)",
+    "--disable-log-stats": "Troupe logs no periodic statistics (see /metrics)",
+    "--disable-uvicorn-access-log": "Troupe writes no access log",
+    "--disable-fastapi-docs": "Troupe serves no API documentation pages",
+    "--enable-request-id-headers": "Troupe always answers with an X-Request-Id header",
+}
+NEVER: dict[str, str] = {    # the opposite of an ALWAYS flag: refused
+    "--no-enable-chunked-prefill": "Troupe always chunks prompts longer than --max-num-batched-tokens",
+}
+
+
+def message(flag: str) -> str:
+    """The one line a refused flag gets (``flag`` as given: long, short or --no- form)."""
+    long = ALIASES.get(flag, flag)
+    named = long if long == flag else f"{long} ({flag})"
+    reason = REFUSED.get(long) or NEVER.get(long)
+    return f"troupe: error: {named} is a vLLM flag Troupe does not implement" + (f": {reason}" if reason else "")
+
+
+def refuse(flag: str) -> NoReturn:
+    sys.stderr.write(message(flag) + "\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
+class _Refuse(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        refuse(option_string or self.option_strings[0])
+
+
+def add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    """Refuse ``REFUSED`` (and their short forms) when given; accept ``ALWAYS``, and the --no-
+    forms of the refused booleans."""
+    shorts: dict[str, list[str]] = {}
+    for short, long in ALIASES.items():
+        shorts.setdefault(long, []).append(short)
+    for flag in REFUSED:
+        p.add_argument(flag, *shorts.get(flag, ()), action=_Refuse, nargs="?", dest="vllm_refused",
+                       help=argparse.SUPPRESS)
+        if flag in BOOLEAN:
+            p.add_argument("--no-" + flag[2:], action="store_true", dest="vllm_no_op", help=argparse.SUPPRESS)
+    for flag in NEVER:
+        p.add_argument(flag, action=_Refuse, nargs=0, dest="vllm_refused", help=argparse.SUPPRESS)
+    group = p.add_argument_group("vLLM flags for what Troupe always does (accepted; they change nothing)")
+    for flag, why in ALWAYS.items():
+        group.add_argument(flag, action="store_true", dest="vllm_no_op", help=why)
