@@ -24,7 +24,8 @@ from actors.scheduler.actor import AbortRequests
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
 
-# Longest wait for any output of a running request before it is failed (nothing hangs).
+# Longest time a request waits for output while the engine runs nothing at all before it is
+# failed (nothing hangs); a request queued behind others waits as long as the engine progresses.
 DEFAULT_STALL_TIMEOUT_S = 600.0
 GRAMMAR_TIMEOUT_S = 120.0
 
@@ -211,16 +212,22 @@ class RequestHandle:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        wait = self.client.stall_timeout_s
-        if self.deadline is not None:
-            wait = min(wait, max(self.deadline - time.monotonic(), 0.0))
-        try:
-            out = await self.stream.get(wait)
-        except StreamTimeout:
-            if self.deadline is not None and time.monotonic() >= self.deadline - 1e-3:
-                raise RequestTimedOut(f"the request did not finish within its timeout of "
-                                      f"{self.timeout_s:g} s") from None
-            raise
+        stall = self.client.stall_timeout_s
+        while True:
+            wait = stall
+            if self.deadline is not None:
+                wait = min(wait, max(self.deadline - time.monotonic(), 0.0))
+            try:
+                out = await self.stream.get(wait)
+                break
+            except StreamTimeout:
+                if self.deadline is not None and time.monotonic() >= self.deadline - 1e-3:
+                    raise RequestTimedOut(f"the request did not finish within its timeout of "
+                                          f"{self.timeout_s:g} s") from None
+                # A request queued behind many others waits as long as the engine makes
+                # progress; a stall is an engine that ran nothing for that long.
+                if time.monotonic() - self.client.stats.last_progress >= stall:
+                    raise
         self.finished = out.finished
         return out
 

@@ -139,6 +139,7 @@ class EngineStats:
     cache_info: dict[str, str] = field(default_factory=dict)   # cache_config_info's labels
     last: SchedulerStats = field(default_factory=SchedulerStats)
     steps: int = 0
+    last_progress: float = field(default_factory=time.monotonic)   # the last step that ran tokens
     max_batch_size: int = 0                     # most requests served by one step so far
     batch_size: Histogram = field(default_factory=_hist(BATCH_BUCKETS))
     step_tokens: Histogram = field(default_factory=_hist(STEP_TOKEN_BUCKETS))
@@ -173,6 +174,7 @@ class EngineStats:
         if s.num_scheduled_reqs == 0:
             return
         self.steps += 1
+        self.last_progress = time.monotonic()
         self.max_batch_size = max(self.max_batch_size, s.num_scheduled_reqs)
         self.batch_size.observe(s.num_scheduled_reqs)
         self.step_tokens.observe(s.num_scheduled_tokens)
