@@ -195,8 +195,8 @@ async def run(args: argparse.Namespace, lines: list[Line], out: IO[str]) -> Runn
     return runner
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.batch", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.batch") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("-i", "--input-file", required=True, help="OpenAI batch input (JSONL); '-': standard input")
     p.add_argument("-o", "--output-file", required=True, help="where results go (JSONL); '-': standard output")
     p.add_argument("--resume", action="store_true",
@@ -211,8 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m tools.batch") -> int:
+    args = parse_args(argv, prog)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [batch] %(name)s: %(message)s")
     try:

@@ -62,10 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write(f"{PROG}: error: {first}: {name} is not part of this installation\n")
         sys.exit(1)
     prog = f"{PROG} {first}"
-    if first == "batch":           # its main takes the arguments only
-        code = module.main(rest)
-    else:
-        code = module.main(rest, prog=prog)
+    code = module.main(rest, prog=prog)
     sys.exit(code or 0)
 
 
