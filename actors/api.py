@@ -66,10 +66,17 @@ class AsyncLLM:
     async def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
         return cls(await start_frontend(args.create_engine_config()))
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a prompt given no SamplingParams samples with: vLLM's defaults, overridden by
+        the model's generation_config.json under ``generation_config="auto"`` (as vLLM's
+        ``LLM.get_default_sampling_params``)."""
+        defaults = self.client.config.model.sampling_defaults
+        return SamplingParams(**defaults.as_dict()) if defaults is not None else SamplingParams()
+
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one text (or token-id) prompt, as they are produced."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         kw: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
         async for out in self.client.generate(params, request_id=request_id, **kw):
             yield out
@@ -77,7 +84,7 @@ class AsyncLLM:
     async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
                    request_id: str | None = None, **template: Any) -> AsyncIterator[RequestOutput]:
         """Outputs of one conversation rendered with the model's chat template."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         async for out in self.client.generate(params, request_id=request_id, messages=messages,
                                               **template):
             yield out

@@ -351,3 +351,17 @@ def test_with_enable_log_requests_each_admitted_request_is_logged_once_at_info(c
             assert lines == ["request req-1: 7 prompt tokens, params: max_tokens=9, temperature=0.5, seed=3"]
         else:
             assert lines == []
+
+
+def test_the_offline_api_samples_with_generation_config_defaults_when_given_no_params():
+    from types import SimpleNamespace
+
+    from actors.api import AsyncLLM
+    from actors.engine.sampling_params import SamplingDefaults
+    llm = AsyncLLM.__new__(AsyncLLM)
+    model = SimpleNamespace(sampling_defaults=SamplingDefaults(temperature=0.6, top_p=0.9, max_tokens=12))
+    llm.client = SimpleNamespace(config=SimpleNamespace(model=model))
+    params = llm.default_sampling_params()
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.6, 0.9, 12)
+    model.sampling_defaults = SamplingDefaults()
+    assert llm.default_sampling_params().temperature == 1.0      # vLLM's own default
