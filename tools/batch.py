@@ -128,6 +128,7 @@ class Runner:
         self.errors = 0
         self.unfinished = 0
         self.finished = self.started
+        self.steps = self.max_batch_size = 0           # the engine's, for the summary
 
     def write(self, rec: dict[str, Any]) -> None:
         self.out.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -188,6 +189,7 @@ async def run(args: argparse.Namespace, lines: list[Line], out: IO[str]) -> Runn
     try:
         await asyncio.gather(*(runner.run_line(line) for line in lines))
         runner.finished = time.monotonic()
+        runner.steps, runner.max_batch_size = fe.client.stats.steps, fe.client.stats.max_batch_size
     finally:
         if bar is not None:
             bar.close()
@@ -249,7 +251,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.batch") -> 
     seconds = runner.finished - runner.started        # from the model loaded to the last answer
     print(json.dumps({"requests": runner.done, "errors": runner.errors, "not_run": runner.unfinished,
                       "output_tokens": runner.output_tokens, "seconds": round(seconds, 3),
-                      "output_tok_per_s": round(runner.output_tokens / max(seconds, 1e-9), 2)}),
+                      "output_tok_per_s": round(runner.output_tokens / max(seconds, 1e-9), 2),
+                      "engine_steps": runner.steps, "max_batch_size": runner.max_batch_size}),
           file=sys.stderr, flush=True)
     if runner.unfinished:
         print(f"troupe batch: {runner.unfinished} requests could not run (the engine was not "
