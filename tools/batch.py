@@ -38,6 +38,7 @@ URLS = ("/v1/chat/completions", "/v1/completions")
 IGNORED_FIELDS = ("stream", "stream_options")     # a batch answers whole, as OpenAI's does
 RETRY_STATUS = 503                                 # the engine restarting or its queue full
 MAX_RETRIES = 20
+BATCH_MAX_NUM_SEQS = 256                           # the offline benchmark's default too
 
 
 class BatchError(Exception):
@@ -206,7 +207,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.batch
     p.add_argument("--lenient", action="store_true", help="drop unknown body fields instead of an error")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--log-level", default="WARNING")
-    EngineArgs.add_cli_args(p)
+    # an offline job: as vLLM's offline engine, up to 256 requests in a step (the server: 64)
+    EngineArgs.add_cli_args(p, max_num_seqs=BATCH_MAX_NUM_SEQS)
     args = p.parse_args(argv)
     if args.resume and args.output_file == "-":
         p.error("--resume needs an output file, not standard output")
