@@ -29,6 +29,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -62,7 +63,7 @@ class EngineArgs:
                               logprobs_mode=self.logprobs_mode,
                               chat_template=load_chat_template(self.chat_template)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
-                              cache_dtype=self.kv_cache_dtype,
+                              cache_dtype=self.kv_cache_dtype, calculate_kv_scales=self.calculate_kv_scales,
                               enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
@@ -136,7 +137,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
         ("--kv-cache-dtype", "kv_cache_dtype", dict(
             default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
             help="auto: the model's dtype; float16 / bfloat16 store K and V rounded to 16 bits (twice the "
-                 "tokens per GiB, half the bytes long-context decoding reads)")),
+                 "tokens per GiB, half the bytes long-context decoding reads); fp8 (= fp8_e4m3) / fp8_e5m2 "
+                 "store them as 8-bit floats with a scale per layer (four times float32's tokens per GiB)")),
+        ("--calculate-kv-scales", "calculate_kv_scales", dict(
+            action="store_true", default=d["calculate_kv_scales"],
+            help="with an fp8 KV cache: each layer's K and V scales from the first batch's largest "
+                 "magnitudes (amax / the format's max), instead of 1.0")),
         ("--block-size", "block_size", dict(type=_positive(int), default=d["block_size"])),
         ("--max-num-seqs", "max_num_seqs", dict(type=_positive(int), default=d["max_num_seqs"])),
         ("--max-num-batched-tokens", "max_num_batched_tokens",

@@ -19,10 +19,10 @@ from models.resolve import ModelSource
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")   # fp8: e4m3
 QUANTIZATIONS = ("gguf", "gguf-i8")           # None: exact (models/quant.py)
 SCHEDULING_POLICIES = ("fcfs", "priority")
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,7 +44,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30
-    cache_dtype: str = "auto"              # "auto": the model's dtype
+    cache_dtype: str = "auto"              # "auto": the model's dtype; "fp8" resolves to "fp8_e4m3"
+    calculate_kv_scales: bool = False      # fp8: per-layer K/V scales from the first batch (else 1.0)
     enable_prefix_caching: bool = True
     num_blocks: int = 0                    # 0: as many as kv_cache_memory_bytes holds
 
@@ -102,7 +103,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.model.quantization and device == "cuda":
             raise ValueError(f"quantization {self.model.quantization!r} runs on the CPU only; "
                              "use device 'cpu'")
-        cache_dtype = dtype if self.cache.cache_dtype == "auto" else self.cache.cache_dtype
+        cache_dtype = {"auto": dtype, "fp8": "fp8_e4m3"}.get(self.cache.cache_dtype, self.cache.cache_dtype)
         bs = self.cache.block_size
         specs = model_kv_cache_specs(arch, bs, DTYPE_BYTES[cache_dtype])
         num_blocks = self.cache.num_blocks or max(num_blocks_for(specs, self.cache.kv_cache_memory_bytes), 2)
@@ -113,6 +114,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
             device=msgspec.structs.replace(self.device, device=device,
                                            num_threads=self.device.num_threads or cpu_count))
+
+
+def kv_scales_note(cache: CacheConfig) -> str:
+    """How an fp8 cache's K/V scales are set, for the startup log ("" for other dtypes)."""
+    if not cache.cache_dtype.startswith("fp8"):
+        return ""
+    return ", K/V scales from the first batch" if cache.calculate_kv_scales else ", K/V scales 1.0"
 
 
 def _resolve_device(name: str, cuda_available: bool) -> str:

@@ -97,7 +97,10 @@ class Frontend:
         engine = await _start_engine(self, config, ready_timeout)
         config = engine.config                          # resolved by the worker
         streams = OutputStreams()
-        stats = EngineStats(model=config.model.served_model_name)
+        c = config.cache
+        stats = EngineStats(model=config.model.served_model_name, kv_cache={
+            "dtype": c.cache_dtype, "num_blocks": c.num_blocks, "block_size": c.block_size,
+            "num_tokens": c.num_blocks * c.block_size, "calculate_kv_scales": c.calculate_kv_scales})
         waiting = WaitingRequests(config.scheduler.max_waiting_requests, config.scheduler.max_waiting_tokens)
         detok = self.node.spawn(topology.DETOKENIZER, lambda: DetokenizerActor(
             tokenizer, streams, stats, engine.scheduler, waiting))

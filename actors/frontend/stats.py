@@ -69,6 +69,7 @@ class EngineStats:
     e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
     request_queue_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
     started_at: float = field(default_factory=time.time)
+    kv_cache: dict = field(default_factory=dict)  # dtype, blocks, block size, tokens, scales (the resolved config)
 
     def observe_step(self, s: SchedulerStats) -> None:
         self.last = s
@@ -91,7 +92,7 @@ class EngineStats:
                 "prefix_cache_hits": s.prefix_cache_hits,
                 "busy_seconds": round(s.busy_seconds, 3), "compute_seconds": round(s.compute_seconds, 3),
                 "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
-                "requests_finished": dict(self.requests_finished)}
+                "requests_finished": dict(self.requests_finished), "kv_cache": dict(self.kv_cache)}
 
     def prometheus(self) -> str:
         s, m = self.last, f'model_name="{_escape(self.model)}"'
