@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
+from kernels.attention.fp8 import calibrated_scale, is_fp8
 from kernels.cpu import fused
 from kernels.triton import fused as triton_fused
 
@@ -219,7 +220,13 @@ class GatedMLP(nn.Module):
 
 class SelfAttention(nn.Module):
     """q|k|v projection, optional per-head q/k norm, rotary, paged attention through the
-    backend (with this layer's sliding window, if any), output projection."""
+    backend (with this layer's sliding window, if any), output projection.
+
+    ``k_scale`` / ``v_scale`` (float32 scalars, vLLM's names) scale this layer's keys and values
+    in an fp8 KV cache: stored fp8(k / k_scale), read fp8 * k_scale. They are 1.0 unless
+    ``calculate_kv_scales`` is set, in which case the next forward that writes an fp8 cache sets
+    them from its keys' and values' largest magnitudes (amax / the format's max) and clears the
+    flag. They are updated in place only: kernels may hold their addresses."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int,
                  backend: AttentionBackend, dtype: torch.dtype, *, scale: float,
@@ -237,6 +244,9 @@ class SelfAttention(nn.Module):
         self.q_norm = qk_norm() if qk_norm else None   # over head_size, per head
         self.k_norm = qk_norm() if qk_norm else None
         self.backend = backend
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.calculate_kv_scales = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -248,5 +258,34 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window)
+        if self.calculate_kv_scales:
+            self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
+                                   k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(T, self.q_size))     # (T, hidden)
+
+    def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype,
+                             meta: AttentionMetadata) -> None:
+        """vLLM's --calculate-kv-scales, from this batch's real tokens (padding left out)."""
+        self.calculate_kv_scales = False
+        if not is_fp8(kv_dtype):
+            return
+        real = meta.slot_mapping[:k.shape[0]] >= 0
+        self.k_scale.copy_(calibrated_scale(k[real], kv_dtype))
+        self.v_scale.copy_(calibrated_scale(v[real], kv_dtype))
+
+
+def calculate_kv_scales_on_next_batch(model: nn.Module) -> int:
+    """Every attention layer of ``model`` sets its fp8 KV scales from the next batch it runs
+    (--calculate-kv-scales); returns how many layers will."""
+    layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    for m in layers:
+        m.calculate_kv_scales = True
+    return len(layers)
+
+
+def first_attention(model: nn.Module) -> SelfAttention | None:
+    """The model's first attention layer: while its ``calculate_kv_scales`` is set, the layers
+    still wait for a batch to set their KV scales, so a step must run through their forward, not
+    a path that skips it (a captured graph, the native decode stack)."""
+    return next((m for m in model.modules() if isinstance(m, SelfAttention)), None)

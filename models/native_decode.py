@@ -7,7 +7,8 @@ CPU backend with its native kernels, float32 weights and activations. It returns
 and the model keeps its per-layer path. ``run`` then takes a step's embeddings and returns the
 last layer's output and the residual stream, bit for bit what the per-layer path computes (same
 kernels, same order), or None when the step is not one it takes (a prompt in the batch, a
-KV cache of another dtype), so the caller falls back.
+KV cache of another dtype, a step whose layers still have to set their KV scales from it), so the
+caller falls back.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from torch import nn
 
 from kernels.attention.base import AttentionMetadata
 
-WORDS = 4 * 8 + 4         # decode_stack.c's DS_WORDS
+WORDS = 4 * 8 + 6         # decode_stack.c's DS_WORDS
+KV_WORD = 4 * 8 + 2       # the word of a layer's KV cache address (then its window, k_scale, v_scale)
 # decode_stack.c's phases, in its order: the keys of NativeDecodeStack.profile_seconds()
 PHASES = ("norm", "qkv_proj", "rotary_kv_store", "attention", "o_proj", "gate_up_proj", "silu_and_mul",
           "down_proj")
@@ -48,13 +50,15 @@ def _linear_words(module: nn.Module) -> list[int] | None:
 
 
 class NativeDecodeStack:
-    def __init__(self, model: nn.Module, words: torch.Tensor, floats: torch.Tensor, dims: tuple[int, ...]) -> None:
-        self.model = model          # holds the weights whose addresses ``words`` records
+    def __init__(self, model: nn.Module, words: torch.Tensor, floats: torch.Tensor, dims: tuple[int, ...],
+                 first_attn: nn.Module) -> None:
+        self.model = model          # holds the weights (and KV scales) whose addresses ``words`` records
         self.words = words          # (L, WORDS) int64; the KV cache addresses are filled per runner
         self.floats = floats        # (L, 3) float32: scale, eps of the two norms
         self.dims = dims            # hidden, heads, kv heads, head size, intermediate
         self.profile: torch.Tensor | None = None   # (len(PHASES),) float64 seconds, when profiling
         self._caches: list[torch.Tensor] | None = None
+        self._first_attn = first_attn   # its calculate_kv_scales: the layers wait to set their KV scales
 
     @classmethod
     def build(cls, model: nn.Module) -> "NativeDecodeStack | None":
@@ -87,10 +91,15 @@ class NativeDecodeStack:
             if dims is not None and d != dims:
                 return None
             dims = d
+            if any(t.dtype != torch.float32 or t.numel() != 1 or t.device.type != "cpu"
+                   for t in (attn.k_scale, attn.v_scale)):
+                return None
             rows.append([w for lin in lins for w in lin] + [norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
-                                                             0, attn.sliding_window or 0])
+                                                             0, attn.sliding_window or 0, attn.k_scale.data_ptr(),
+                                                             attn.v_scale.data_ptr()])
             floats.append([attn.scale, norms[0].eps, norms[1].eps])
-        return cls(model, torch.tensor(rows, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32), dims)
+        return cls(model, torch.tensor(rows, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32), dims,
+                   layers[0].self_attn)
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> bool:
         """Record the layers' cache addresses (once per list of caches)."""
@@ -103,7 +112,7 @@ class NativeDecodeStack:
                        or c.device.type != "cpu" for c in kv_caches)
                 or first.shape[3] != self.dims[2] or first.shape[4] != self.dims[3]):
             return False
-        self.words[:, WORDS - 2] = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64)
+        self.words[:, KV_WORD] = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64)
         self._caches = kv_caches
         return True
 
@@ -116,7 +125,7 @@ class NativeDecodeStack:
         if (not meta.is_pure_decode or meta.num_tokens != B or emb.dtype != torch.float32 or emb.dim() != 2
                 or not emb.is_contiguous() or cos.dtype != torch.float32 or sin.dtype != torch.float32
                 or cos.stride(0) != sin.stride(0) or cos.stride(-1) != 1 or sin.stride(-1) != 1
-                or not self._bind(kv_caches)):
+                or self._first_attn.calculate_kv_scales or not self._bind(kv_caches)):
             return None
         Hd, H, KVH, D, I = self.dims
         _, num_blocks, BS, _, _ = kv_caches[0].shape

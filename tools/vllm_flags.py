@@ -85,7 +85,7 @@ REFUSED: dict[str, str] = {
     "--speculative-config": _SPEC, "--speculative-model": _SPEC, "--num-speculative-tokens": _SPEC,
     # the KV cache
     "--swap-space": _KV, "--cpu-offload-gb": _KV, "--prefix-caching-hash-algo": _KV,
-    "--calculate-kv-scales": _KV, "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _KV,
+    "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _KV,
     "--mamba-ssm-cache-dtype": _KV, "--mamba-block-size": _KV, "--kv-transfer-config": _KV,
     "--kv-events-config": _KV, "--kv-cache-metrics": _KV, "--kv-cache-metrics-sample": _KV,
     "--kv-offloading-size": _KV, "--kv-offloading-backend": _KV,
@@ -142,7 +142,7 @@ BOOLEAN = frozenset({
     "--ray-workers-use-nsight", "--disable-custom-all-reduce", "--disable-frontend-multiprocessing",
     "--use-tqdm-on-load", "--skip-tokenizer-init", "--disable-sliding-window", "--disable-cascade-attn",
     "--enable-prompt-embeds", "--enable-sleep-mode", "--enable-mm-embeds", "--interleave-mm-strings",
-    "--skip-mm-profiling", "--enable-lora", "--fully-sharded-loras", "--calculate-kv-scales",
+    "--skip-mm-profiling", "--enable-lora", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input", "--disable-hybrid-kv-cache-manager",
     "--async-scheduling", "--enable-log-outputs", "--log-error-stack", "--allow-credentials",
     "--enable-ssl-refresh", "--return-tokens-as-token-ids", "--trust-request-chat-template",

@@ -38,6 +38,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int = 0      # 0: as many blocks as the KV cache's memory holds
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -78,6 +79,7 @@ class EngineArgs:
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               num_blocks=self.num_gpu_blocks_override, cache_dtype=self.kv_cache_dtype,
+                              calculate_kv_scales=self.calculate_kv_scales,
                               enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
@@ -245,7 +247,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--kv-cache-dtype",), "kv_cache_dtype", dict(
             default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
             help="auto: the model's dtype; float16 / bfloat16 store K and V rounded to 16 bits (twice the "
-                 "tokens per GiB, half the bytes long-context decoding reads)")),
+                 "tokens per GiB, half the bytes long-context decoding reads); fp8 (= fp8_e4m3) / fp8_e5m2 "
+                 "store them as 8-bit floats with a scale per layer (four times float32's tokens per GiB)")),
+        (("--calculate-kv-scales",), "calculate_kv_scales", dict(
+            action="store_true", default=d["calculate_kv_scales"],
+            help="with an fp8 KV cache: each layer's K and V scales from the first batch's largest "
+                 "magnitudes (amax / the format's max), instead of 1.0")),
         (("--enable-prefix-caching",), "enable_prefix_caching", dict(
             action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
             help="reuse the KV cache of prompt prefixes seen before (whole blocks)")),

@@ -21,10 +21,10 @@ from models.resolve import ModelSource
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")   # fp8: e4m3
 QUANTIZATIONS = ("gguf", "gguf-i8")           # None: exact (models/quant.py)
 SCHEDULING_POLICIES = ("fcfs", "priority")
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 DEFAULT_MAX_LOGPROBS = 20                     # vLLM's --max-logprobs default (OpenAI's top_logprobs limit)
 GENERATION_CONFIGS = ("auto", "vllm")         # or a folder holding a generation_config.json
 CPU_KV_CACHE_BYTES = 1 << 30                  # the CPU's KV cache when no size is given
@@ -62,7 +62,8 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     # model is loaded (the worker measures it: ``EngineConfig.with_kv_cache_bytes``)
     kv_cache_memory_bytes: int = 0
     gpu_memory_utilization: float = 0.9    # CUDA: the share of the GPU's memory for weights, activations, KV
-    cache_dtype: str = "auto"              # "auto": the model's dtype
+    cache_dtype: str = "auto"              # "auto": the model's dtype; "fp8" resolves to "fp8_e4m3"
+    calculate_kv_scales: bool = False      # fp8: per-layer K/V scales from the first batch (else 1.0)
     enable_prefix_caching: bool = True
     num_blocks: int = 0                    # 0: as many as the KV cache's memory holds
 
@@ -120,7 +121,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.model.quantization and device == "cuda":
             raise ValueError(f"quantization {self.model.quantization!r} runs on the CPU only; "
                              "use device 'cpu'")
-        cache_dtype = dtype if self.cache.cache_dtype == "auto" else self.cache.cache_dtype
+        cache_dtype = {"auto": dtype, "fp8": "fp8_e4m3"}.get(self.cache.cache_dtype, self.cache.cache_dtype)
         bs = self.cache.block_size
         specs = model_kv_cache_specs(arch, bs, DTYPE_BYTES[cache_dtype])
         kv_bytes = self.cache.kv_cache_memory_bytes
@@ -158,6 +159,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             model=msgspec.structs.replace(self.model, max_model_len=min(self.model.max_model_len,
                                                                          (num_blocks - 1) * bs)),
             cache=msgspec.structs.replace(self.cache, kv_cache_memory_bytes=kv_bytes, num_blocks=num_blocks))
+
+
+def kv_scales_note(cache: CacheConfig) -> str:
+    """How an fp8 cache's K/V scales are set, for the startup log ("" for other dtypes)."""
+    if not cache.cache_dtype.startswith("fp8"):
+        return ""
+    return ", K/V scales from the first batch" if cache.calculate_kv_scales else ", K/V scales 1.0"
 
 
 def _resolve_device(name: str, cuda_available: bool) -> str:

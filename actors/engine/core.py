@@ -9,7 +9,7 @@ import logging
 import msgspec
 
 from actors import topology
-from actors.engine.config import EngineConfig
+from actors.engine.config import EngineConfig, kv_scales_note
 from actors.engine.messages import EngineCoreOutputs
 from actors.executor.actor import Executor, WorkersDown, WorkersUp
 from actors.grammar.actor import GrammarCompilerActor
@@ -50,8 +50,9 @@ class EngineCore:
         worker, self.config = await self._start_worker()
         await worker.ask(InitKVCache(), timeout=INIT_KV_TIMEOUT_S)
         cfg = self.config
-        log.info("KV cache: %d blocks of %d tokens (%s); max model len %d", cfg.cache.num_blocks,
-                 cfg.cache.block_size, cfg.cache.cache_dtype, cfg.model.max_model_len)
+        log.info("KV cache: %d blocks of %d tokens, %d tokens (%s%s); max model len %d", cfg.cache.num_blocks,
+                 cfg.cache.block_size, cfg.cache.num_blocks * cfg.cache.block_size, cfg.cache.cache_dtype,
+                 kv_scales_note(cfg.cache), cfg.model.max_model_len)
         self.kv_manager = self.node.spawn(topology.KV_MANAGER, lambda: KVManager(cfg))
         self.grammar = self.node.spawn(topology.GRAMMAR, lambda: GrammarCompilerActor(cfg))
         # the scheduler calls the KV manager's core and reads compiled grammars directly

@@ -101,7 +101,11 @@ class Frontend:
         stats = EngineStats(model=config.model.served_model_name, max_model_len=config.model.max_model_len,
                             cache_info=cache_config_info(cache.block_size, cache.cache_dtype,
                                                          cache.enable_prefix_caching,
-                                                         cache.gpu_memory_utilization, cache.num_blocks))
+                                                         cache.gpu_memory_utilization, cache.num_blocks),
+                            kv_cache={"dtype": cache.cache_dtype, "num_blocks": cache.num_blocks,
+                                      "block_size": cache.block_size,
+                                      "num_tokens": cache.num_blocks * cache.block_size,
+                                      "calculate_kv_scales": cache.calculate_kv_scales})
         waiting = WaitingRequests(config.scheduler.max_waiting_requests, config.scheduler.max_waiting_tokens)
         detok = self.node.spawn(topology.DETOKENIZER, lambda: DetokenizerActor(
             tokenizer, streams, stats, engine.scheduler, waiting))

@@ -161,6 +161,7 @@ class EngineStats:
     request_max_num_generation_tokens: Histogram = field(init=False)
     request_params_max_tokens: Histogram = field(init=False)
     started_at: float = field(default_factory=time.time)
+    kv_cache: dict = field(default_factory=dict)  # dtype, blocks, block size, tokens, scales (the resolved config)
 
     def __post_init__(self) -> None:
         buckets = build_1_2_5_buckets(max(self.max_model_len, 1))
@@ -217,7 +218,7 @@ class EngineStats:
                 "prefix_cache_hits": s.prefix_cache_hits,
                 "busy_seconds": round(s.busy_seconds, 3), "compute_seconds": round(s.compute_seconds, 3),
                 "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
-                "requests_finished": dict(self.requests_finished)}
+                "requests_finished": dict(self.requests_finished), "kv_cache": dict(self.kv_cache)}
 
     # -- Prometheus text ---------------------------------------------------------------------
     def _samples(self, m: Metric, name: str, labels: str) -> list[str]:

@@ -25,12 +25,15 @@ from actors.kv_manager.kv_cache_spec import create_kv_cache_views, model_kv_cach
 from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.input_batch import InputBatch
 from kernels.attention.base import AttentionMetadata
+from kernels.attention.fp8 import FP8_NAMES
+from models.layers import first_attention
 from models.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """A resolved config's dtype name ("float32", "bfloat16", "float16") as torch's."""
-    return getattr(torch, name)
+    """A resolved config's dtype name ("float32", "bfloat16", "float16", and for the KV cache
+    "fp8_e4m3", "fp8_e5m2") as torch's."""
+    return FP8_NAMES[name] if name in FP8_NAMES else getattr(torch, name)
 
 
 class StepInputs(NamedTuple):
@@ -64,6 +67,7 @@ class ModelRunner:
         self._meta_cache: tuple | None = None     # (row states' ids, SamplingMetadata, the states)
         self.graphs = (CudaGraphRunner(model, self.kv_caches, cudagraph_sizes, max_model_len, bs,
                                        self.device) if cudagraph_sizes else None)
+        self._first_attn = first_attention(model)   # its calculate_kv_scales: the next step runs eagerly
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""
@@ -149,7 +153,8 @@ class ModelRunner:
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states (T, hidden) of the step's tokens, on the model's device."""
-        desc = self.graphs.dispatch(inp.meta) if self.graphs is not None else None
+        eager = self._first_attn is not None and self._first_attn.calculate_kv_scales   # layers set KV scales
+        desc = self.graphs.dispatch(inp.meta) if self.graphs is not None and not eager else None
         if desc is not None:
             return self.graphs.run(desc, inp)                  # padded buffers, a graph on CUDA
         if self.device.type == "cpu":

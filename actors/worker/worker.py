@@ -20,6 +20,7 @@ from actors.worker.cuda_graphs import capture_sizes
 from actors.worker.gpu_memory import GIB, device_memory, kv_cache_bytes_for_gpu
 from actors.worker.model_runner import ModelRunner, torch_dtype
 from kernels.attention.selector import select_backend
+from models.layers import calculate_kv_scales_on_next_batch
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
 from models.quant import quantize
@@ -82,6 +83,9 @@ class Worker:
             seconds = self.runner.capture_cudagraphs()
             log.info("captured %d CUDA graphs (decode batches of %s requests) in %.1f s",
                      len(sizes), ", ".join(map(str, sizes)), seconds)
+        if cfg.cache.calculate_kv_scales and cfg.cache.cache_dtype.startswith("fp8"):
+            # after the graphs' capture: their dummy batches must not set the scales
+            calculate_kv_scales_on_next_batch(self.model)
         return sum(t.numel() * t.element_size() for t in self.runner.kv_caches)
 
     def _captures_graphs(self) -> bool:

@@ -55,6 +55,10 @@ class AttentionBackend(ABC):
     Hugging Face convention).
 
     kv_cache: (2, num_blocks, block_size, num_kv_heads, head_size), [0] keys and [1] values.
+    An 8-bit float cache (float8_e4m3fn / float8_e5m2, ``--kv-cache-dtype fp8``) holds
+    fp8(key / k_scale) and fp8(value / v_scale), rounded to nearest even and saturated, and every
+    read is fp8 * scale (kernels/attention/fp8.py); ``k_scale`` / ``v_scale`` are the layer's
+    float32 scalars on the cache's device (None: 1.0), unused by the other cache dtypes.
 
     Subclasses declare their capabilities; ``refusal`` turns them into a reason string.
     """
@@ -95,6 +99,8 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,   # () float32
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:           # (T, num_heads, head_size)
         ...
 

@@ -9,7 +9,8 @@ import torch
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from kernels.attention.cpu_torch import attend, causal_self_attention, chunk_attention, gather_context
-from kernels.cpu.native import KV_TYPES, available, declare, paged_decode
+from kernels.attention.fp8 import dequantize_kv, is_fp8, quantize_kv, store_rows_
+from kernels.cpu.native import KV_TYPES, available, declare, paged_decode, ptr, scale_tensor
 
 __all__ = ["CpuAttentionBackend", "causal_prefill", "write_kv_cache"]
 
@@ -20,13 +21,18 @@ class CpuAttentionBackend(AttentionBackend):
     """Paged attention on the CPU. A step's requests take one of three paths, native when the
     kernels run here and take the tensors (float32 queries; float32 keys too for the prompts):
 
-        decode (one query)          native: paged_decode reads the cache in place (a float16 or
-                                    bfloat16 cache, ``--kv-cache-dtype``, widened as it is read)
+        decode (one query)          native: paged_decode reads the cache in place (a float16,
+                                    bfloat16 or fp8 cache, ``--kv-cache-dtype``, widened as it is read)
                                     torch:  one batched ``attend``
         fresh prompt (first chunk,  native: one causal_prefill call for all, on the step's q/k/v
           no cached context)        torch:  SDPA per request
         chunk after cached context  native: one causal_prefill call on keys gathered from the cache
+                                    (kv_gather: widened, fp8 dequantized, in one pass)
                                     torch:  SDPA per request, context and chunk merged by LSE
+
+    An fp8 cache (float8_e4m3fn / float8_e5m2) stores fp8(k / k_scale), fp8(v / v_scale) and is
+    read as fp8 * scale on every path (kernels/attention/fp8.py); k_scale / v_scale are the
+    layer's float32 scalars (None: 1.0), ignored for the other cache dtypes.
 
     With a sliding window every prompt chunk takes one batched ``attend`` instead, the path that
     masks a window, gathering only the blocks its queries can see. Decode rows are attended
@@ -36,7 +42,7 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     devices = ("cpu",)
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
     supports_sliding_window = True
 
     def __init__(self, native: bool = True) -> None:
@@ -53,36 +59,40 @@ class CpuAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,   # () float32, fp8 caches only
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        scales = _Scales(k_scale, v_scale)
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         B = meta.num_reqs
         if meta.is_pure_decode and query.shape[0] == B:  # no padding: request i owns token i
-            return self._decode(query, kv_cache, meta.block_table[:B], meta.seq_lens[:B], scale, sliding_window)
+            return self._decode(query, kv_cache, meta.block_table[:B], meta.seq_lens[:B], scale, sliding_window,
+                                scales)
         out = query.new_zeros(query.shape)                # (T, H, D); padding rows stay zero
         reqs = _Requests.of(meta)
         split = reqs.split(sliding_window)
         if split.decode.numel():
             tokens = reqs.starts[split.decode]            # (d,)
             out[tokens] = self._decode(query[tokens], kv_cache, reqs.block_table[split.decode],
-                                       reqs.seq_lens[split.decode], scale, sliding_window)
+                                       reqs.seq_lens[split.decode], scale, sliding_window, scales)
         if split.fresh.numel():
             self._fresh_prompts(query, key, value, out, reqs.starts[split.fresh], reqs.query_lens[split.fresh],
                                 scale)
         if split.chunks.numel():
             self._chunks(query, key, value, kv_cache, out, reqs.take(split.chunks), meta.max_query_len, scale,
-                         sliding_window)
+                         sliding_window, scales)
         return out
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+                seq_lens: torch.Tensor, scale: float, sliding_window: int | None, scales: _Scales) -> torch.Tensor:
         """One query per request, request i's in row i: query (b, H, D) -> (b, H, D)."""
         if self._native_takes_decode(query, kv_cache):
-            return paged_decode(query, kv_cache, block_table, seq_lens, scale, sliding_window)
+            return paged_decode(query, kv_cache, block_table, seq_lens, scale, sliding_window, *scales)
         rows = torch.arange(query.shape[0])              # (b,)
         return attend(query, kv_cache, block_table, seq_lens.long(), rows, torch.ones_like(rows), 1, scale,
-                      sliding_window)[0]
+                      sliding_window, *scales)[0]
 
     def _fresh_prompts(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                        starts: torch.Tensor, query_lens: torch.Tensor, scale: float) -> None:
@@ -96,27 +106,38 @@ class CpuAttentionBackend(AttentionBackend):
 
     def _chunks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 out: torch.Tensor, reqs: _Requests, max_query_len: int, scale: float,
-                sliding_window: int | None) -> None:
+                sliding_window: int | None, scales: _Scales) -> None:
         """Writes out's rows of prompt chunks after cached context (of every prompt chunk, with a
         sliding window); a chunk's own keys are already in the cache."""
         if sliding_window is not None:                   # the one path that masks a window
             o, tokens = attend(query, kv_cache, reqs.block_table, reqs.seq_lens, reqs.starts, reqs.query_lens,
-                               max_query_len, scale, sliding_window)
+                               max_query_len, scale, sliding_window, *scales)
             out[tokens] = o
             return
-        if self._native_takes_prefill(query, key, value) and _native_chunks(query, kv_cache, reqs, out, scale):
+        if self._native_takes_prefill(query, key, value) and _native_chunks(query, kv_cache, reqs, out, scale,
+                                                                            scales):
             return
         for a, n, seq_len, blocks in zip(reqs.starts.tolist(), reqs.query_lens.tolist(), reqs.seq_lens.tolist(),
                                          reqs.block_table):
             k_ctx, v_ctx = gather_context(kv_cache, blocks, seq_len - n)   # (seq_len - n, KVH, D) each
-            out[a:a + n] = chunk_attention(query[a:a + n], key[a:a + n], value[a:a + n], k_ctx.to(query.dtype),
-                                           v_ctx.to(query.dtype), scale)
+            k, v = key[a:a + n], value[a:a + n]
+            if is_fp8(kv_cache.dtype):     # the chunk's own keys as the cache holds them, as natively
+                k = dequantize_kv(quantize_kv(k, kv_cache.dtype, scales.k), scales.k, query.dtype)
+                v = dequantize_kv(quantize_kv(v, kv_cache.dtype, scales.v), scales.v, query.dtype)
+            out[a:a + n] = chunk_attention(query[a:a + n], k, v, dequantize_kv(k_ctx, scales.k, query.dtype),
+                                           dequantize_kv(v_ctx, scales.v, query.dtype), scale)
 
     def _native_takes_decode(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return self.native and query.dtype == torch.float32 and kv_cache.dtype in KV_TYPES
 
     def _native_takes_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         return self.native and query.dtype == key.dtype == value.dtype == torch.float32
+
+
+class _Scales(NamedTuple):
+    """A layer's KV scales, passed along to the paths that read the cache."""
+    k: torch.Tensor | None
+    v: torch.Tensor | None
 
 
 class _Split(NamedTuple):
@@ -182,42 +203,53 @@ def causal_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 def _native_chunks(query: torch.Tensor, kv_cache: torch.Tensor, reqs: _Requests, out: torch.Tensor,
-                   scale: float) -> bool:
+                   scale: float, scales: _Scales) -> bool:
     """Prompt chunks after cached context through causal_prefill: every position's keys and
     values, the chunks' own included, gathered from the cache in one pass as float32 (S, KVH, D),
-    S = sum(seq_lens), request after request. False, nothing written, when the kernel cannot."""
+    S = sum(seq_lens), request after request (kv_gather: 16-bit rows widened, fp8 ones times
+    their scale). False, nothing written, when the kernels cannot."""
+    if not kv_cache.is_contiguous():
+        return False
     _, num_blocks, bs, KVH, D = kv_cache.shape
     seq_lens = reqs.seq_lens                                                       # (b,)
     req = torch.repeat_interleave(torch.arange(len(seq_lens)), seq_lens)           # (S,)
     kstarts = torch.cumsum(seq_lens, 0) - seq_lens                                 # (b,)
     pos = torch.arange(int(seq_lens.sum())) - kstarts[req]                         # (S,)
-    slots = reqs.block_table[req, pos // bs].long() * bs + pos % bs                # (S,)
-    flat = kv_cache.view(2, num_blocks * bs, KVH, D)
-    k = flat[0].index_select(0, slots).to(torch.float32)                           # (S, KVH, D)
-    v = flat[1].index_select(0, slots).to(torch.float32)                           # (S, KVH, D)
+    slots = (reqs.block_table[req, pos // bs].long() * bs + pos % bs).contiguous()  # (S,)
+    S = slots.shape[0]
+    k = torch.empty(S, KVH, D)
+    v = torch.empty(S, KVH, D)
+    ks, vs = scale_tensor(scales.k), scale_tensor(scales.v)
+    bad = _kv_gather_kernel()(kv_cache.data_ptr(), KV_TYPES[kv_cache.dtype], num_blocks * bs, KVH * D,
+                              slots.data_ptr(), S, ptr(ks), ptr(vs), k.data_ptr(), v.data_ptr())
+    if bad >= 0:
+        raise IndexError(f"slot {int(slots[bad])} of position {bad} is outside the KV cache's "
+                         f"{num_blocks * bs} slots")
     return causal_prefill(query, k, v, out, reqs.starts, reqs.query_lens, scale, kstarts,
                           seq_lens - reqs.query_lens)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """kv_cache[:, slot // block_size, slot % block_size] = key/value for every slot >= 0."""
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+    """kv_cache[:, slot // block_size, slot % block_size] = key/value for every slot >= 0 (for
+    an fp8 cache, fp8(key / k_scale) and fp8(value / v_scale), saturated)."""
     _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous to be written through slot_mapping")
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
     slots = slot_mapping[: key.shape[0]]                                           # (T,)
-    if _kv_store_native(key, value, kv_cache, slots):
+    if _kv_store_native(key, value, kv_cache, slots, k_scale, v_scale):
         return
     if bool((slots < 0).any()):
         keep = (slots >= 0).nonzero().squeeze(1)
         slots, key, value = slots[keep], key[keep], value[keep]
-    flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+    store_rows_(flat[0], slots, key, k_scale)
+    store_rows_(flat[1], slots, value, v_scale)
 
 
 def _kv_store_native(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                     slots: torch.Tensor) -> bool:
+                     slots: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
     """write_kv_cache through kernels/cpu (one pass, no masks or syncs) when the layouts allow;
     False when they do not (nothing written)."""
     D = kv_cache.shape[-1]
@@ -229,8 +261,10 @@ def _kv_store_native(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Ten
     if fn is None:
         return False
     _, num_blocks, block_size, kvh, _ = kv_cache.shape
+    ks, vs = scale_tensor(k_scale), scale_tensor(v_scale)
     bad = fn(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(),
-             key.shape[0], kv_cache.data_ptr(), KV_TYPES[kv_cache.dtype], num_blocks * block_size, kvh * D)
+             key.shape[0], kv_cache.data_ptr(), KV_TYPES[kv_cache.dtype], num_blocks * block_size, kvh * D,
+             ptr(ks), ptr(vs))
     if bad >= 0:
         raise IndexError(f"slot {int(slots[bad])} of token {bad} is past the KV cache's "
                          f"{num_blocks * block_size} slots")
@@ -248,4 +282,10 @@ def _kv_store_kernel() -> ctypes._CFuncPtr | None:
     """paged_attention.c's kv_store, declared once; None when the kernels cannot run here."""
     if not available()[0]:
         return None
-    return declare("kv_store", [_PTR, _I64] * 2 + [_PTR, _I64, _PTR] + [_I64] * 3, _I64)
+    return declare("kv_store", [_PTR, _I64] * 2 + [_PTR, _I64, _PTR] + [_I64] * 3 + [_PTR, _PTR], _I64)
+
+
+@lru_cache(maxsize=1)
+def _kv_gather_kernel() -> ctypes._CFuncPtr:
+    """paged_attention.c's kv_gather, declared once; RuntimeError when the kernels cannot run here."""
+    return declare("kv_gather", [_PTR] + [_I64] * 3 + [_PTR, _I64] + [_PTR] * 4, _I64)

@@ -4,14 +4,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.attention.fp8 import dequantize_kv, is_fp8
+
 
 def attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            starts: torch.Tensor, query_lens: torch.Tensor, max_query_len: int, scale: float,
-           sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+           sliding_window: int | None, k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention for b requests whose queries are query[starts[i] : starts[i] + query_lens[i]],
     the last query_lens[i] of their seq_lens[i] (int64) tokens, in one SDPA call with every
     request's queries padded to max_query_len. Returns (outputs (n, H, D), their token indices
-    (n,)), n = sum(query_lens).
+    (n,)), n = sum(query_lens). An fp8 cache is read as fp8 * k_scale / v_scale.
 
     Keys are gathered from a window of nb blocks per request starting at first_block[i]: block 0
     without a sliding window; with one, the block of the oldest key the first query can see, so
@@ -42,6 +45,8 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_idx = (first_block[:, None] + torch.arange(nb)).clamp(max=block_table.shape[1] - 1)  # (b, nb)
     blocks = block_table.gather(1, block_idx).reshape(-1).long()          # (b * nb,)
     kv = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)  # (2, b * nb, bs * KVH * D)
+    if is_fp8(kv.dtype):
+        kv = torch.stack([dequantize_kv(kv[0], k_scale), dequantize_kv(kv[1], v_scale)])
     k, v = kv.to(query.dtype).view(2, b, L, KVH, D).transpose(2, 3).unbind(0)  # (b, KVH, L, D) each
 
     # 3) causal (and window) mask at absolute positions; padded queries take the last position

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention.base import AttentionMetadata
+from kernels.attention.fp8 import dequantize_kv, is_fp8, quantize_kv
 
 
 def reference_paged_attention(
@@ -14,15 +15,20 @@ def reference_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | float | None = None,   # fp8 caches: stored fp8(k / k_scale), read fp8 * k_scale
+    v_scale: torch.Tensor | float | None = None,
 ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
     """Slow and plain: write token by token, then per request gather its context block by block,
     repeat K/V per query head, softmax with a causal mask (and p - W < k with a window W)."""
     bs = meta.block_size
+    fp8 = is_fp8(kv_cache.dtype)
+    store = kv_cache.view(torch.uint8) if fp8 else kv_cache      # torch assigns fp8 only through bytes
     for t in range(query.shape[0]):
         slot = int(meta.slot_mapping[t])
         if slot >= 0:
-            kv_cache[0, slot // bs, slot % bs] = key[t]
-            kv_cache[1, slot // bs, slot % bs] = value[t]
+            k, v = quantize_kv(key[t], kv_cache.dtype, k_scale), quantize_kv(value[t], kv_cache.dtype, v_scale)
+            store[0, slot // bs, slot % bs] = k.view(torch.uint8) if fp8 else k
+            store[1, slot // bs, slot % bs] = v.view(torch.uint8) if fp8 else v
     out = torch.zeros_like(query)
     group = query.shape[1] // key.shape[1]
     for i in range(meta.num_reqs):
@@ -31,8 +37,8 @@ def reference_paged_attention(
         blocks = [int(meta.block_table[i, n // bs]) for n in range(seq_len)]
         k = torch.stack([kv_cache[0, blocks[n], n % bs] for n in range(seq_len)])   # (S, KVH, D)
         v = torch.stack([kv_cache[1, blocks[n], n % bs] for n in range(seq_len)])   # (S, KVH, D)
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1).float()               # (H, S, D)
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1).float()               # (H, S, D)
+        k = dequantize_kv(k, k_scale).repeat_interleave(group, dim=1).transpose(0, 1)  # (H, S, D) float32
+        v = dequantize_kv(v, v_scale).repeat_interleave(group, dim=1).transpose(0, 1)  # (H, S, D)
         q = query[start:end].transpose(0, 1).float()                                # (H, q, D)
         scores = q @ k.transpose(1, 2) * scale                                      # (H, q, S)
         q_pos = torch.arange(seq_len - (end - start), seq_len)

@@ -20,7 +20,7 @@ import os
 import torch
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionRequirements
-from kernels.triton import interpreting
+from kernels.triton import FP8_DTYPES, interpreting
 from kernels.triton.kv_store import store_kv_cache
 from kernels.triton.paged_decode import default_num_splits, paged_decode_attention
 from kernels.triton.paged_prefill import paged_prefill_attention
@@ -35,12 +35,13 @@ def _devices() -> tuple[str, ...]:
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention in Triton. Any head size up to 256 (padded to a power of two >= 16 inside
-    the kernels); pages of 16, 32 or 64 tokens; the KV cache in the query's dtype."""
+    the kernels); pages of 16, 32 or 64 tokens; the KV cache in the query's dtype or fp8
+    (float8_e4m3fn / float8_e5m2 with the layer's k_scale / v_scale, converted in the kernels)."""
 
     name = "triton"
     devices = _devices()
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    kv_cache_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    kv_cache_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
     head_sizes = None
     block_sizes = (16, 32, 64)
     supports_sliding_window = True
@@ -53,8 +54,9 @@ class TritonAttentionBackend(AttentionBackend):
             return reason
         if req.head_size > MAX_HEAD_SIZE:
             return f"{cls.name}: head size {req.head_size} not supported (at most {MAX_HEAD_SIZE})"
-        if req.kv_cache_dtype != req.dtype:
-            return f"{cls.name}: KV cache dtype {req.kv_cache_dtype} must equal the model dtype {req.dtype}"
+        if req.kv_cache_dtype != req.dtype and req.kv_cache_dtype not in FP8_DTYPES:
+            return (f"{cls.name}: KV cache dtype {req.kv_cache_dtype} must equal the model dtype {req.dtype} "
+                    f"or be fp8")
         return None
 
     def forward(
@@ -66,18 +68,21 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,   # () float32, fp8 caches only
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
         if kv_cache.shape[2] != meta.block_size:
             raise ValueError(f"kv_cache pages hold {kv_cache.shape[2]} tokens, metadata says {meta.block_size}")
-        store_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        store_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         B = meta.num_reqs
         if meta.is_pure_decode:
             # pure decode: request i owns token i (query_start_loc = 0, 1, ..., B); tokens past B are padding
             out = torch.empty_like(query)
             num_splits = default_num_splits(B, kv_cache.shape[3], meta.max_seq_len)
             paged_decode_attention(query[:B], kv_cache, meta.block_table[:B], meta.seq_lens[:B], scale,
-                                   sliding_window, num_splits, out=out[:B])
+                                   sliding_window, num_splits, out=out[:B], k_scale=k_scale, v_scale=v_scale)
             out[B:].zero_()
             return out
         return paged_prefill_attention(query, kv_cache, meta.query_start_loc[:B + 1], meta.seq_lens[:B],
-                                       meta.block_table[:B], meta.max_query_len, scale, sliding_window)
+                                       meta.block_table[:B], meta.max_query_len, scale, sliding_window,
+                                       k_scale=k_scale, v_scale=v_scale)

@@ -15,7 +15,8 @@
  * and returns h and residual (the caller applies the final norm).
  *
  * Per layer, desc holds DS_WORDS int64 words (four linears of DS_LIN words each: kernel, kind,
- * codes, d, m, N, K, bias; then the two norm weights, the layer's KV cache, its window) and
+ * codes, d, m, N, K, bias; then the two norm weights, the layer's KV cache, its window, and the
+ * addresses of its k_scale and v_scale floats, read at each call, for an 8-bit cache) and
  * fdesc three floats (attention scale, the two norms' eps). Linear kernel 0 is panel_gemm,
  * 1 is i8x2_gemm (kinds as gemm.c numbers them).
  *
@@ -39,13 +40,15 @@ int i8x2_gemm(int kind, const void *codes, const void *d, const void *m, int64_t
 int i8x2_gated_gemm(int kind, const void *codes, const void *d, const void *m, int64_t N, int64_t K,
                     const float *x, int64_t M, float *out);
 int64_t kv_store(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
-                 const int64_t *slots, int64_t T, void *kv, int64_t kt, int64_t num_slots, int64_t row);
+                 const int64_t *slots, int64_t T, void *kv, int64_t kt, int64_t num_slots, int64_t row,
+                 const float *k_scale, const float *v_scale);
 void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *table,
                   const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                  int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window);
+                  int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window,
+                  const float *k_scale, const float *v_scale);
 
 #define DS_LIN 8
-#define DS_WORDS (4 * DS_LIN + 4)
+#define DS_WORDS (4 * DS_LIN + 6)
 #define DS_ALLOC_FAILED (-2)
 
 enum ds_phase { DS_NORM, DS_QKV, DS_ROTARY_STORE, DS_ATTENTION, DS_O, DS_GATE_UP, DS_SILU, DS_DOWN, DS_PHASES };
@@ -100,6 +103,8 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         const float *post_w = (const float *)(intptr_t)ld[4 * DS_LIN + 1];
         void *kv = (void *)(intptr_t)ld[4 * DS_LIN + 2];
         const int64_t window = ld[4 * DS_LIN + 3];
+        const float *k_scale = (const float *)(intptr_t)ld[4 * DS_LIN + 4];
+        const float *v_scale = (const float *)(intptr_t)ld[4 * DS_LIN + 5];
         const float scale = fdesc[3 * l], eps_in = fdesc[3 * l + 1], eps_post = fdesc[3 * l + 2];
 
         if (l == 0) rms_norm_f32(emb, Hd, NULL, in_w, x, B, Hd, eps_in);
@@ -109,12 +114,12 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         ds_lap(seconds, DS_QKV, &t);
         rotary_f32(qkv, NQKV, H, qkv + HD, NQKV, KVH, cos, sin, cs_stride, B, D);
         const int64_t bad = kv_store(qkv + HD, NQKV, qkv + HD + KVH * D, NQKV, slots, B, kv, kt,
-                                     num_blocks * BS, KVH * D);
+                                     num_blocks * BS, KVH * D, k_scale, v_scale);
         if (bad >= 0) { status = bad; break; }
         for (int64_t b = 0; b < B; b++) memcpy(q + b * HD, qkv + b * NQKV, sizeof(float) * HD);
         ds_lap(seconds, DS_ROTARY_STORE, &t);
         paged_decode(q, kv, kt, table, seq_lens, a, B, H, KVH, D, BS, num_blocks, max_blocks, scale,
-                     window);
+                     window, k_scale, v_scale);
         ds_lap(seconds, DS_ATTENTION, &t);
         if (!ds_linear(wo, a, B, o)) { status = DS_ALLOC_FAILED; break; }
         ds_lap(seconds, DS_O, &t);

@@ -67,7 +67,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib = ctypes.CDLL(path)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_decode.restype = None
-    lib.paged_decode.argtypes = [ptr, ptr, i64] + [ptr] * 3 + [i64] * 7 + [ctypes.c_float, i64]
+    lib.paged_decode.argtypes = [ptr, ptr, i64] + [ptr] * 3 + [i64] * 7 + [ctypes.c_float, i64, ptr, ptr]
     return lib, ""
 
 
@@ -120,14 +120,34 @@ def apply_bitmask_(x: torch.Tensor, bitmask: torch.Tensor) -> bool:
 
 
 # The KV cache element types the native kernels read and write (paged_attention.c's PA_*).
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+
+
+def scale_tensor(scale: torch.Tensor | float | None) -> torch.Tensor | None:
+    """A KV scale as the kernels take it: one float32 on the CPU, whose address they are given
+    (``ptr``) and read at the call; None stays None (NULL: 1.0)."""
+    if scale is None:
+        return None
+    if not isinstance(scale, torch.Tensor):
+        return torch.tensor(float(scale), dtype=torch.float32)
+    if scale.dtype != torch.float32 or scale.numel() != 1 or scale.device.type != "cpu":
+        raise ValueError(f"a KV scale must be one float32 on the CPU, got {tuple(scale.shape)} {scale.dtype} "
+                         f"on {scale.device}")
+    return scale
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                 k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None
+                 ) -> torch.Tensor:
     """Decode attention read in place through the block table (see paged_attention.c).
-    query (B, H, D) float32, kv_cache (2, num_blocks, BS, KVH, D) float32, float16 or bfloat16
-    (16-bit rows are widened as they are read), block_table (B, M) int32, seq_lens (B,) int32
+    query (B, H, D) float32, kv_cache (2, num_blocks, BS, KVH, D) float32, float16, bfloat16,
+    float8_e4m3fn or float8_e5m2 (narrower rows are widened as they are read; 8-bit ones read as
+    value * k_scale / v_scale, None: 1), block_table (B, M) int32, seq_lens (B,) int32
     -> (B, H, D) float32."""
     lib, reason = _library()
     if lib is None:
@@ -137,14 +157,15 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if (query.dtype != torch.float32 or kv_cache.dtype not in KV_TYPES or Dk != D or H % KVH
             or H > 64 or D > 256 or not kv_cache.is_contiguous()):
         raise ValueError(f"native decode attention takes a float32 query (B, H, D) and a contiguous "
-                         f"float32, float16 or bfloat16 cache (2, N, BS, KVH, D) with H % KVH == 0, "
+                         f"float32, float16, bfloat16 or fp8 cache (2, N, BS, KVH, D) with H % KVH == 0, "
                          f"H <= 64, D <= 256; got {tuple(query.shape)} {query.dtype}, "
                          f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
     q = query.contiguous()
     table = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
+    ks, vs = scale_tensor(k_scale), scale_tensor(v_scale)      # alive through the call
     lib.paged_decode(q.data_ptr(), kv_cache.data_ptr(), KV_TYPES[kv_cache.dtype], table.data_ptr(),
                      lens.data_ptr(), out.data_ptr(), B, H, KVH, D, BS, num_blocks, table.shape[1], scale,
-                     sliding_window or 0)
+                     sliding_window or 0, ptr(ks), ptr(vs))
     return out

@@ -2,9 +2,14 @@
  * in place through the block table (no gather copy), grouped-query heads sharing each K/V load.
  *
  *   q       (B, H, D)                       float32
- *   kv      (2, num_blocks, BS, KVH, D)     float32, float16 or bfloat16 (kt: PA_F32, PA_F16,
- *                                           PA_BF16), [0] keys, [1] values; 16-bit rows are
- *                                           widened to float32 as they are loaded
+ *   kv      (2, num_blocks, BS, KVH, D)     float32, float16, bfloat16 or an 8-bit float (kt:
+ *                                           PA_F32, PA_F16, PA_BF16, PA_FP8E4M3, PA_FP8E5M2),
+ *                                           [0] keys, [1] values; narrower rows are widened to
+ *                                           float32 as they are loaded
+ *   k_scale, v_scale                        8-bit caches only (NULL: 1): a stored key is
+ *                                           fp8(key / k_scale), read as fp8 * k_scale; the
+ *                                           scales are applied once per score and per output,
+ *                                           not per element (vLLM's k_scale / v_scale)
  *   table   (B, max_blocks)                 int32 block ids
  *   seq_lens(B,)                            int32: tokens in the cache, the query's included
  *   out     (B, H, D)                       float32
@@ -52,13 +57,75 @@
 #define PA_F32 0
 #define PA_F16 1
 #define PA_BF16 2
+#define PA_FP8E4M3 3        /* torch.float8_e4m3fn: 4 exponent bits (bias 7), 3 mantissa, max 448, no inf */
+#define PA_FP8E5M2 4        /* torch.float8_e5m2: the top byte of a float16, max 57344 */
+#define PA_KT_COUNT 5
+#define PA_ES(kt) ((kt) == PA_F32 ? 4 : (kt) <= PA_BF16 ? 2 : 1)   /* bytes per element */
 
 typedef struct {
     const char *kv, *vbase;        /* the cache's keys and values; offsets below are in elements */
     int64_t D, token_stride, block_stride, BS, es;   /* es: bytes per element */
     int kt;
-    float scale;
+    float scale;                   /* softmax scale, times the keys' read factor (8-bit caches) */
+    float vmul;                    /* the values' read factor (1 but for 8-bit caches) */
 } pa_ctx;
+
+/* ---- 8-bit floats ------------------------------------------------------------------------
+ * float32 -> fp8: round to nearest even, the same bit arithmetic as torch's .to() (c10's
+ * fp8e4m3fn/fp8e5m2_from_fp32_value), so every value in range gets torch's byte; beyond the
+ * largest finite value (448 / 57344, infinities included) it saturates there, as vLLM's
+ * kernels do; NaN stays NaN (0x7f with its sign). fp8 -> float32 is exact: a 256-entry table. */
+static inline uint8_t pa_f32_to_fp8(float f, int kt) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    const uint32_t sign = (bits >> 24) & 0x80u, u = bits & 0x7fffffffu;
+    if (u > 0x7f800000u) return (uint8_t)(sign | 0x7fu);
+    const int e4 = kt == PA_FP8E4M3;
+    uint32_t code;
+    if (u >= (e4 ? 121u : 113u) << 23) {              /* normal: round the mantissa, rebias */
+        const int sh = e4 ? 20 : 21;
+        const uint32_t r = u - ((e4 ? 120u : 112u) << 23);
+        code = (r + ((1u << (sh - 1)) - 1u) + ((r >> sh) & 1u)) >> sh;
+        const uint32_t mx = e4 ? 0x7eu : 0x7bu;
+        if (code > mx) code = mx;
+    } else {                                          /* subnormal: adding 2^14 (2^7) rounds |f| */
+        float a, big = e4 ? 16384.f : 128.f;          /* to the fp8 step, 2^-9 (2^-16), by the FPU */
+        memcpy(&a, &u, 4);
+        const float t = a + big;
+        uint32_t tb, bb;
+        memcpy(&tb, &t, 4);
+        memcpy(&bb, &big, 4);
+        code = tb - bb;
+    }
+    return (uint8_t)(sign | code);
+}
+
+static float pa_fp8_value(uint8_t b, int kt) {
+    const int e4 = kt == PA_FP8E4M3, mbits = e4 ? 3 : 2, bias = e4 ? 7 : 15;
+    const int e = (b & 0x7f) >> mbits, m = b & ((1 << mbits) - 1);
+    float v;
+    if (e4 && (b & 0x7f) == 0x7f) v = NAN;
+    else if (!e4 && e == 31) v = m ? NAN : INFINITY;
+    else if (e == 0) v = ldexpf((float)m, 1 - bias - mbits);
+    else v = ldexpf((float)(m + (1 << mbits)), e - bias - mbits);
+    return (b & 0x80) ? -v : v;
+}
+
+static float pa_fp8_lut[2][256];       /* [kt - PA_FP8E4M3][byte]: the byte's value */
+
+__attribute__((constructor)) static void pa_fp8_init(void) {
+    for (int t = 0; t < 2; t++)
+        for (int b = 0; b < 256; b++) pa_fp8_lut[t][b] = pa_fp8_value((uint8_t)b, PA_FP8E4M3 + t);
+}
+
+/* Element to float32 conversion of a whole call for an 8-bit cache read with scale s: the
+ * portable path reads the table's exact values (factor 1); the AVX-512 tiles read e4m3 bytes
+ * as float16 bit patterns, 2^-8 of their value (every fp8 value, subnormals included, exact),
+ * so their factor is 256. */
+static inline float pa_read_factor(int kt, int vec, const float *s) {
+    if (kt < PA_FP8E4M3) return 1.f;
+    return (s ? *s : 1.f) * (vec && kt == PA_FP8E4M3 ? 256.f : 1.f);
+}
 
 /* One element of a 16-bit cache row as float32 (the portable path). */
 static inline float pa_half_to_f32(uint16_t h) {
@@ -80,6 +147,12 @@ static inline float pa_half_to_f32(uint16_t h) {
 
 static inline void pa_row_to_f32(const char *src, int kt, int64_t n, float *dst) {
     if (kt == PA_F32) { memcpy(dst, src, sizeof(float) * n); return; }
+    if (kt >= PA_FP8E4M3) {
+        const uint8_t *b = (const uint8_t *)src;
+        const float *lut = pa_fp8_lut[kt - PA_FP8E4M3];
+        for (int64_t i = 0; i < n; i++) dst[i] = lut[b[i]];
+        return;
+    }
     const uint16_t *h = (const uint16_t *)src;
     if (kt == PA_F16)
         for (int64_t i = 0; i < n; i++) dst[i] = pa_half_to_f32(h[i]);
@@ -91,8 +164,17 @@ static inline void pa_row_to_f32(const char *src, int kt, int64_t n, float *dst)
 }
 
 #ifdef __AVX512F__
-/* 16 consecutive elements of a cache row (kt a compile-time constant where inlined) as float32. */
+/* 16 consecutive elements of a cache row (kt a compile-time constant where inlined) as float32;
+ * e4m3 bytes as 2^-8 of their value (see pa_read_factor). */
 static inline __attribute__((always_inline)) __m512 pa_load16(const char *p, const int kt) {
+    if (kt == PA_FP8E4M3) {   /* s eeee mmm -> float16 s 0eeee mmm0000000: bias 15 for 7 */
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+                                          _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+        return _mm512_cvtph_ps(h);
+    }
+    if (kt == PA_FP8E5M2)     /* the top byte of a float16 */
+        return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
     if (kt == PA_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     if (kt == PA_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -138,7 +220,7 @@ static inline __m512 pa_sum16(const __m512 *v) {
 }
 
 /* One tile of n (1..16) positions for NH query heads sharing one KV head, KT the cache's
- * element type (PA_F32 / PA_F16 / PA_BF16).
+ * element type (PA_F32 / PA_F16 / PA_BF16 / PA_FP8E4M3 / PA_FP8E5M2).
  * qh: the first head's query (heads D apart); k, v: the tile's first key/value row of this KV
  * head (rows ts elements apart); m, l, acc: the heads' running max, sum and accumulator (acc D
  * apart); kp, vp, np: the rows of a later tile to prefetch. */
@@ -147,7 +229,7 @@ pa_tile512(const int NH, const int64_t DVc, const int KT, const float *qh, const
            int64_t ts, int n, int64_t Dr, float scale, float *m, float *l, float *acc, const char *kp,
            const char *vp, int np) {
     const int64_t DV = DVc ? DVc : Dr / 16, D = 16 * DV;   /* DVc: D / 16 known at compile time */
-    const int64_t ES = KT == PA_F32 ? 4 : 2, tb = ts * ES;   /* bytes per element, per row */
+    const int64_t ES = PA_ES(KT), tb = ts * ES;   /* bytes per element, per row */
     __m512 part[PA_GROUP][PA_TILE];
     for (int t = 0; t < n; t++) {
         const char *kt = k + t * tb;
@@ -230,14 +312,16 @@ typedef void (*pa_tile_fn)(const float *, const char *, const char *, int64_t, i
     PA_TILE_FN(KT, 1, 0) PA_TILE_FN(KT, 2, 0) PA_TILE_FN(KT, 3, 0) PA_TILE_FN(KT, 4, 0)               \
     PA_TILE_FN(KT, 1, 4) PA_TILE_FN(KT, 2, 4) PA_TILE_FN(KT, 3, 4) PA_TILE_FN(KT, 4, 4)               \
     PA_TILE_FN(KT, 1, 8) PA_TILE_FN(KT, 2, 8) PA_TILE_FN(KT, 3, 8) PA_TILE_FN(KT, 4, 8)
-PA_TILE_FNS(0) PA_TILE_FNS(1) PA_TILE_FNS(2)
+PA_TILE_FNS(0) PA_TILE_FNS(1) PA_TILE_FNS(2) PA_TILE_FNS(3) PA_TILE_FNS(4)
 #define PA_TILE_ROW(KT, DV) {pa_tile512_##KT##_1_##DV, pa_tile512_##KT##_2_##DV, pa_tile512_##KT##_3_##DV, \
                              pa_tile512_##KT##_4_##DV}
 /* [element type][D / 16 == 4, == 8, other][heads - 1] */
-static const pa_tile_fn pa_tiles512[3][3][PA_GROUP] = {
+static const pa_tile_fn pa_tiles512[PA_KT_COUNT][3][PA_GROUP] = {
     {PA_TILE_ROW(0, 4), PA_TILE_ROW(0, 8), PA_TILE_ROW(0, 0)},
     {PA_TILE_ROW(1, 4), PA_TILE_ROW(1, 8), PA_TILE_ROW(1, 0)},
     {PA_TILE_ROW(2, 4), PA_TILE_ROW(2, 8), PA_TILE_ROW(2, 0)},
+    {PA_TILE_ROW(3, 4), PA_TILE_ROW(3, 8), PA_TILE_ROW(3, 0)},
+    {PA_TILE_ROW(4, 4), PA_TILE_ROW(4, 8), PA_TILE_ROW(4, 0)},
 };
 #endif
 
@@ -342,7 +426,7 @@ static void pa_range(const pa_ctx *cx, const float *qb, const int32_t *tab, int6
                               ah, (const float *)(ka + g * D * es), (const float *)(va + g * D * es), np);
                     continue;
                 }
-                if (!converted) {       /* 16-bit rows widened once per KV head and tile */
+                if (!converted) {       /* narrower rows widened once per KV head and tile */
                     for (int64_t t = 0; t < n; t++) {
                         pa_row_to_f32(k + t * ts * es, cx->kt, D, kbuf + t * D);
                         pa_row_to_f32(v + t * ts * es, cx->kt, D, vbuf + t * D);
@@ -356,27 +440,33 @@ static void pa_range(const pa_ctx *cx, const float *qb, const int32_t *tab, int6
     }
 }
 
-static void pa_write(float *o, const float *acc, const float *l, int64_t H, int64_t D) {
+static void pa_write(float *o, const float *acc, const float *l, int64_t H, int64_t D, float vmul) {
     for (int64_t h = 0; h < H; h++) {
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        const float inv = l[h] > 0.f ? vmul / l[h] : 0.f;
         for (int64_t d = 0; d < D; d++) o[h * D + d] = acc[h * D + d] * inv;
     }
 }
 
 void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *table,
                   const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                  int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window) {
-    if (B <= 0 || kt < PA_F32 || kt > PA_BF16) return;
+                  int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window,
+                  const float *k_scale, const float *v_scale) {
+    if (B <= 0 || kt < PA_F32 || kt >= PA_KT_COUNT) return;
+    int vec = 0;
+#ifdef __AVX512F__
+    vec = D % 16 == 0;
+#endif
     pa_ctx cx;
     cx.kt = (int)kt;
-    cx.es = kt == PA_F32 ? 4 : 2;
+    cx.es = PA_ES(kt);
     cx.kv = (const char *)kv;
     cx.D = D;
     cx.BS = BS;
     cx.token_stride = KVH * D;
     cx.block_stride = BS * KVH * D;
     cx.vbase = cx.kv + num_blocks * cx.block_stride * cx.es;
-    cx.scale = scale;
+    cx.scale = scale * pa_read_factor((int)kt, vec, k_scale);    /* exactly scale but for 8-bit caches */
+    cx.vmul = pa_read_factor((int)kt, vec, v_scale);
     int nth = 1;
 #ifdef _OPENMP
     nth = omp_get_max_threads();
@@ -436,7 +526,7 @@ void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *tab
                 float m[PA_MAX_HEADS], l[PA_MAX_HEADS];
                 float acc[PA_MAX_HEADS * PA_MAX_D] __attribute__((aligned(64)));
                 pa_range(&cx, qb, tab, H, KVH, p0, p1, m, l, acc);
-                pa_write(out + b * H * D, acc, l, H, D);
+                pa_write(out + b * H * D, acc, l, H, D, cx.vmul);
             } else {
                 float *pm = part + i * part_stride;
                 pa_range(&cx, qb, tab, H, KVH, p0, p1, pm, pm + H, pm + 2 * H);
@@ -465,7 +555,7 @@ void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *tab
                         #pragma omp simd
                         for (int64_t d = 0; d < D; d++) oh[d] += a[d] * w;
                     }
-                    const float inv = L > 0.f ? 1.f / L : 0.f;
+                    const float inv = L > 0.f ? cx.vmul / L : 0.f;
                     #pragma omp simd
                     for (int64_t d = 0; d < D; d++) oh[d] *= inv;
                 }
@@ -787,8 +877,47 @@ static inline uint16_t pa_f32_to_bf16(float f) {   /* round to nearest even, NaN
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-static void pa_store_row(char *dst, const float *src, int64_t n, int kt) {
-    if (kt == PA_F32) {
+#ifdef __AVX512F__
+/* pa_f32_to_fp8 of 16 lanes (the same arithmetic), as 16 bytes. */
+static inline __m128i pa_fp8_16(__m512 f, const int kt) {
+    const int e4 = kt == PA_FP8E4M3, sh = e4 ? 20 : 21;
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+    const __m512i u = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(0x7f800000));
+    const __mmask16 normal = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32((e4 ? 121 : 113) << 23));
+    const __m512i r = _mm512_sub_epi32(u, _mm512_set1_epi32((e4 ? 120 : 112) << 23));
+    __m512i code = _mm512_add_epi32(_mm512_add_epi32(r, _mm512_set1_epi32((1 << (sh - 1)) - 1)),
+                                    _mm512_and_si512(_mm512_srli_epi32(r, sh), _mm512_set1_epi32(1)));
+    code = _mm512_min_epu32(_mm512_srli_epi32(code, sh), _mm512_set1_epi32(e4 ? 0x7e : 0x7b));
+    const __m512 big = _mm512_set1_ps(e4 ? 16384.f : 128.f);
+    const __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(u), big)),
+                                         _mm512_castps_si512(big));
+    code = _mm512_mask_mov_epi32(sub, normal, code);
+    code = _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(0x7f));
+    return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
+}
+#endif
+
+/* A row of n float32 values into the cache's element type: 16-bit rounded to nearest even;
+ * 8-bit as fp8(x / s) (pa_f32_to_fp8). */
+static void pa_store_row(char *dst, const float *src, int64_t n, int kt, float s) {
+    if (kt >= PA_FP8E4M3) {
+        uint8_t *d = (uint8_t *)dst;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        const __m512 sv = _mm512_set1_ps(s);
+        if (kt == PA_FP8E4M3)
+            for (; i + 16 <= n; i += 16)
+                _mm_storeu_si128((__m128i *)(d + i),
+                                 pa_fp8_16(_mm512_div_ps(_mm512_loadu_ps(src + i), sv), PA_FP8E4M3));
+        else
+            for (; i + 16 <= n; i += 16)
+                _mm_storeu_si128((__m128i *)(d + i),
+                                 pa_fp8_16(_mm512_div_ps(_mm512_loadu_ps(src + i), sv), PA_FP8E5M2));
+#endif
+        for (; i < n; i++) d[i] = pa_f32_to_fp8(src[i] / s, kt);
+    } else if (kt == PA_F32) {
         memcpy(dst, src, sizeof(float) * n);
     } else if (kt == PA_F16) {
         int64_t i = 0;
@@ -810,12 +939,15 @@ static void pa_store_row(char *dst, const float *src, int64_t n, int kt) {
 /* The step's keys and values into the paged cache: kv[0 or 1][slot] = key / value row of token
  * t for every slot_mapping[t] >= 0 (padding tokens carry -1). key, value (T, KVH, D) float32
  * with heads packed and any row stride (views into the qkv projection); kv (2, num_slots, KVH,
- * D) of element type kt (PA_F32 / PA_F16 / PA_BF16; rounded to nearest even, as torch's .to()).
+ * D) of element type kt (PA_F32 / PA_F16 / PA_BF16: rounded to nearest even, as torch's .to();
+ * PA_FP8E4M3 / PA_FP8E5M2: fp8(key / *k_scale), fp8(value / *v_scale), NULL scales 1).
  * Returns -1, or the first token whose slot is past the cache (then nothing is written). */
 int64_t kv_store(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
-                 const int64_t *slots, int64_t T, void *kv, int64_t kt, int64_t num_slots, int64_t row) {
-    if (kt < PA_F32 || kt > PA_BF16) return T;
-    const int64_t es = kt == PA_F32 ? 4 : 2;
+                 const int64_t *slots, int64_t T, void *kv, int64_t kt, int64_t num_slots, int64_t row,
+                 const float *k_scale, const float *v_scale) {
+    if (kt < PA_F32 || kt >= PA_KT_COUNT) return T;
+    const int64_t es = PA_ES(kt);
+    const float ks = k_scale ? *k_scale : 1.f, vs = v_scale ? *v_scale : 1.f;
     char *kbase = (char *)kv, *vbase = kbase + num_slots * row * es;
     for (int64_t t = 0; t < T; t++) {            /* a slot past the cache: nothing written */
         if (slots[t] >= num_slots) return t;
@@ -823,8 +955,34 @@ int64_t kv_store(const float *key, int64_t key_stride, const float *value, int64
     for (int64_t t = 0; t < T; t++) {
         const int64_t s = slots[t];
         if (s < 0) continue;
-        pa_store_row(kbase + s * row * es, key + t * key_stride, row, (int)kt);
-        pa_store_row(vbase + s * row * es, value + t * value_stride, row, (int)kt);
+        pa_store_row(kbase + s * row * es, key + t * key_stride, row, (int)kt, ks);
+        pa_store_row(vbase + s * row * es, value + t * value_stride, row, (int)kt, vs);
+    }
+    return -1;
+}
+
+/* The cache's rows at slots[0..S) as float32, as the attention reads them: kout[i] = kv[0][slots[i]]
+ * and vout[i] = kv[1][slots[i]] (rows of `row` elements), widened, 8-bit ones times *k_scale /
+ * *v_scale (NULL: 1), the same float32 product as torch's fp8.float() * scale. Returns -1, or the
+ * first index whose slot is outside the cache (nothing written then). */
+int64_t kv_gather(const void *kv, int64_t kt, int64_t num_slots, int64_t row, const int64_t *slots, int64_t S,
+                  const float *k_scale, const float *v_scale, float *kout, float *vout) {
+    if (kt < PA_F32 || kt >= PA_KT_COUNT) return 0;
+    for (int64_t i = 0; i < S; i++)
+        if (slots[i] < 0 || slots[i] >= num_slots) return i;
+    const int64_t es = PA_ES(kt);
+    const char *kbase = (const char *)kv, *vbase = kbase + num_slots * row * es;
+    const float ks = kt >= PA_FP8E4M3 && k_scale ? *k_scale : 1.f;
+    const float vs = kt >= PA_FP8E4M3 && v_scale ? *v_scale : 1.f;
+    #pragma omp parallel for schedule(static) if (S * row >= (1 << 16))
+    for (int64_t i = 0; i < S; i++) {
+        float *ko = kout + i * row, *vo = vout + i * row;
+        pa_row_to_f32(kbase + slots[i] * row * es, (int)kt, row, ko);
+        pa_row_to_f32(vbase + slots[i] * row * es, (int)kt, row, vo);
+        if (ks != 1.f)
+            for (int64_t d = 0; d < row; d++) ko[d] *= ks;
+        if (vs != 1.f)
+            for (int64_t d = 0; d < row; d++) vo[d] *= vs;
     }
     return -1;
 }

@@ -13,6 +13,8 @@ from typing import Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+KV_CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES     # an fp8 cache goes to the kernels as its uint8 bytes
 LOG2E = 1.4426950408889634   # softmax runs in base 2: exp(x) = exp2(x * log2(e))
 
 
@@ -65,6 +67,27 @@ def check_attention_args(H: int, KVH: int, D: int, block_size: int, sliding_wind
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def kv_scale_args(kv_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale pointers a kernel takes for ``kv_cache``: for an fp8 cache the layer's () float32
+    scales (None: a shared 1.0 on the cache's device); for the others the cache itself, never read."""
+    if kv_cache.dtype not in FP8_DTYPES:
+        return kv_cache, kv_cache
+    dev = kv_cache.device
+    if k_scale is None or v_scale is None:
+        if dev not in _ONES:
+            _ONES[dev] = torch.ones((), dtype=torch.float32, device=dev)
+        k_scale = _ONES[dev] if k_scale is None else k_scale
+        v_scale = _ONES[dev] if v_scale is None else v_scale
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s.dtype != torch.float32 or s.numel() != 1 or s.device != dev:
+            raise ValueError(f"{name} must be one float32 on {dev}, got {tuple(s.shape)} {s.dtype} on {s.device}")
+    return k_scale, v_scale
 
 
 def dot_in_float32(dtype: torch.dtype) -> bool:

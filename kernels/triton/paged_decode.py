@@ -16,8 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import (FLOAT_DTYPES, LOG2E, check_attention_args, check_shape, check_tensor, dot_in_float32,
-                            dot_precision, next_power_of_2)
+from kernels.attention.fp8 import dequantize_kv
+from kernels.triton import (FLOAT_DTYPES, FP8_DTYPES, LOG2E, check_attention_args, check_shape, check_tensor,
+                            dot_in_float32, dot_precision, kv_scale_args, next_power_of_2)
+from kernels.triton.fp8 import fp8_format, fp8_to_float
 
 MAX_SPLITS = 16
 MIN_TOKENS_PER_SPLIT = 128
@@ -26,13 +28,15 @@ MIN_TOKENS_PER_SPLIT = 128
 @triton.jit
 def _paged_decode_kernel(
     q_ptr,              # (B, H, D)
-    cache_ptr,          # (2, num_blocks, BLOCK_SIZE, KVH, D)
+    cache_ptr,          # (2, num_blocks, BLOCK_SIZE, KVH, D); uint8 bytes of an fp8 cache
     block_table_ptr,    # (B, max_blocks) int32
     seq_lens_ptr,       # (B,) int32
     out_ptr,            # (B, H, D), written when NUM_SPLITS == 1
     part_acc_ptr,       # (B, H, NUM_SPLITS, D) float32, unnormalised partial outputs
     part_m_ptr,         # (B, H, NUM_SPLITS) float32, running max of the log2-scaled scores
     part_l_ptr,         # (B, H, NUM_SPLITS) float32, sum of exp2(score - max)
+    k_scale_ptr,        # () float32, read when FP8: keys are fp8 * k_scale
+    v_scale_ptr,        # () float32, read when FP8
     qk_scale,           # softmax scale * log2(e)
     window,             # sliding window in tokens, 0 = none
     stride_qb, stride_qh,
@@ -42,6 +46,7 @@ def _paged_decode_kernel(
     num_heads, group, head_size,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -77,7 +82,10 @@ def _paged_decode_kernel(
         page = tl.load(block_table_ptr + b * stride_bt + blk).to(tl.int64)
         k = tl.load(kv_base + page * stride_c_block, mask=d_mask[None, :], other=0.0)
         v = tl.load(kv_base + stride_c_kv + page * stride_c_block, mask=d_mask[None, :], other=0.0)
-        if DOT_F32:
+        if FP8:                # dequantized in float32, then the dot's dtype (vLLM's Triton kernels' way)
+            k = (fp8_to_float(k, FP8) * tl.load(k_scale_ptr)).to(q.dtype)
+            v = (fp8_to_float(v, FP8) * tl.load(v_scale_ptr)).to(q.dtype)
+        elif DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_SIZE)
@@ -147,13 +155,16 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     num_splits: int = 1,
     out: torch.Tensor | None = None,  # (B, H, D), written in place when given
+    k_scale: torch.Tensor | None = None,  # () float32 on the device: an fp8 cache's keys are fp8 * k_scale
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:                    # (B, H, D); rows with seq_len 0 are zeros
     """Attention of each request's single query (at position seq_len - 1) over its cached
-    context. The cache must already hold the query's own key and value."""
+    context. The cache must already hold the query's own key and value. The cache is in the
+    query's dtype or fp8 (float8_e4m3fn / float8_e5m2, dequantized as it is read)."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     B, H, D = query.shape
     dev = query.device
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(query.dtype,), device=dev)
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(query.dtype,) + FP8_DTYPES, device=dev)
     _, _, block_size, KVH, _ = kv_cache.shape
     check_shape("kv_cache", kv_cache, (2, None, block_size, KVH, D))
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=dev)
@@ -177,15 +188,19 @@ def paged_decode_attention(
         part_l = torch.empty(B, H, num_splits, dtype=torch.float32, device=dev)
     else:
         part_acc = part_m = part_l = out  # unused by the kernel
+    fmt = fp8_format(kv_cache.dtype)
+    k_scale, v_scale = kv_scale_args(kv_cache, k_scale, v_scale)
+    cache = kv_cache.view(torch.uint8) if fmt else kv_cache
     _paged_decode_kernel[(B, KVH, num_splits)](
-        query, kv_cache, block_table, seq_lens, out, part_acc, part_m, part_l,
+        query, cache, block_table, seq_lens, out, part_acc, part_m, part_l, k_scale, v_scale,
         scale * LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_table.stride(0), out.stride(0), out.stride(1),
         H, group, D,
         BLOCK_SIZE=block_size, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=max(16, next_power_of_2(D)),
         NUM_SPLITS=num_splits, DOT_F32=dot_in_float32(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
+        FP8=fmt,
     )
     if num_splits > 1:
         _paged_decode_reduce_kernel[(B, H)](
@@ -197,9 +212,11 @@ def paged_decode_attention(
 
 def paged_decode_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float,
-                               sliding_window: int | None = None) -> torch.Tensor:
-    """Per request: gather the context token by token, repeat K/V per query head, softmax in
-    float32 over the visible positions (p - W < k <= p, p = seq_len - 1)."""
+                               sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Per request: gather the context token by token (an fp8 cache dequantized: fp8 * scale),
+    repeat K/V per query head, softmax in float32 over the visible positions (p - W < k <= p,
+    p = seq_len - 1)."""
     B, H, D = query.shape
     block_size, KVH = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.zeros_like(query)
@@ -209,8 +226,8 @@ def paged_decode_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, bloc
             continue
         pos = torch.arange(seq_len, device=query.device)
         pages = block_table[b, pos // block_size].long()
-        k = kv_cache[0, pages, pos % block_size].float().repeat_interleave(H // KVH, dim=1)  # (S, H, D)
-        v = kv_cache[1, pages, pos % block_size].float().repeat_interleave(H // KVH, dim=1)  # (S, H, D)
+        k = dequantize_kv(kv_cache[0, pages, pos % block_size], k_scale).repeat_interleave(H // KVH, dim=1)
+        v = dequantize_kv(kv_cache[1, pages, pos % block_size], v_scale).repeat_interleave(H // KVH, dim=1)
         scores = torch.einsum("hd,shd->hs", query[b].float(), k) * scale                   # (H, S)
         if sliding_window is not None:
             scores[:, pos <= seq_len - 1 - sliding_window] = float("-inf")

@@ -20,18 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import (FLOAT_DTYPES, LOG2E, check_attention_args, check_shape, check_tensor, dot_in_float32,
-                            dot_precision, next_power_of_2)
+from kernels.attention.fp8 import dequantize_kv
+from kernels.triton import (FLOAT_DTYPES, FP8_DTYPES, LOG2E, check_attention_args, check_shape, check_tensor,
+                            dot_in_float32, dot_precision, kv_scale_args, next_power_of_2)
+from kernels.triton.fp8 import fp8_format, fp8_to_float
 
 
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr,              # (T, H, D)
-    cache_ptr,          # (2, num_blocks, BLOCK_SIZE, KVH, D)
+    cache_ptr,          # (2, num_blocks, BLOCK_SIZE, KVH, D); uint8 bytes of an fp8 cache
     block_table_ptr,    # (B, max_blocks) int32
     seq_lens_ptr,       # (B,) int32
     query_start_loc_ptr,  # (B + 1,) int32
     out_ptr,            # (T, H, D)
+    k_scale_ptr,        # () float32, read when FP8: keys are fp8 * k_scale
+    v_scale_ptr,        # () float32, read when FP8
     qk_scale,           # softmax scale * log2(e)
     window,             # sliding window in tokens, 0 = none
     stride_qt, stride_qh,
@@ -41,6 +45,7 @@ def _paged_prefill_kernel(
     group, head_size,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     tile_start = tl.program_id(1) * BLOCK_Q      # first query (relative to the request) of this tile
@@ -80,7 +85,10 @@ def _paged_prefill_kernel(
             page = tl.load(block_table_ptr + b * stride_bt + blk).to(tl.int64)
             k = tl.load(kv_base + page * stride_c_block, mask=d_mask[None, :], other=0.0)
             v = tl.load(kv_base + stride_c_kv + page * stride_c_block, mask=d_mask[None, :], other=0.0)
-            if DOT_F32:
+            if FP8:                # dequantized in float32, then the dot's dtype (vLLM's Triton kernels' way)
+                k = (fp8_to_float(k, FP8) * tl.load(k_scale_ptr)).to(q.dtype)
+                v = (fp8_to_float(v, FP8) * tl.load(v_scale_ptr)).to(q.dtype)
+            elif DOT_F32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_SIZE)
@@ -110,14 +118,17 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     block_m: int = 64,
+    k_scale: torch.Tensor | None = None,  # () float32 on the device: an fp8 cache's keys are fp8 * k_scale
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:                  # (T, H, D); rows of tokens past query_start_loc[B] are zeros
     """Causal attention of every request's queries over its cached context (which must already
     hold the new keys and values). ``max_query_len`` is a host int that sizes the grid; a request
-    with a longer query would have its tail left at zero, so it must be exact or larger."""
+    with a longer query would have its tail left at zero, so it must be exact or larger. The
+    cache is in the query's dtype or fp8 (float8_e4m3fn / float8_e5m2, dequantized as it is read)."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     T, H, D = query.shape
     dev = query.device
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(query.dtype,), device=dev)
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(query.dtype,) + FP8_DTYPES, device=dev)
     _, _, block_size, KVH, _ = kv_cache.shape
     check_shape("kv_cache", kv_cache, (2, None, block_size, KVH, D))
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)
@@ -137,24 +148,30 @@ def paged_prefill_attention(
     BLOCK_M = max(block_m, next_power_of_2(group))
     BLOCK_Q = BLOCK_M // group
     grid = (B, triton.cdiv(max_query_len, BLOCK_Q), KVH)
+    fmt = fp8_format(kv_cache.dtype)
+    k_scale, v_scale = kv_scale_args(kv_cache, k_scale, v_scale)
+    cache = kv_cache.view(torch.uint8) if fmt else kv_cache
     _paged_prefill_kernel[grid](
-        query, kv_cache, block_table, seq_lens, query_start_loc, out,
+        query, cache, block_table, seq_lens, query_start_loc, out, k_scale, v_scale,
         scale * LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_table.stride(0), out.stride(0), out.stride(1),
         group, D,
         BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, BLOCK_D=max(16, next_power_of_2(D)),
         DOT_F32=dot_in_float32(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
+        FP8=fmt,
     )
     return out
 
 
 def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                        sliding_window: int | None = None) -> torch.Tensor:
-    """Per request: gather its context token by token, repeat K/V per query head, mask at
-    absolute positions (causal, and p - W < k when windowed), softmax in float32."""
+                        sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Per request: gather its context token by token (an fp8 cache dequantized: fp8 * scale),
+    repeat K/V per query head, mask at absolute positions (causal, and p - W < k when windowed),
+    softmax in float32."""
     T, H, D = query.shape
     block_size, KVH = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.zeros_like(query)
@@ -164,8 +181,8 @@ def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, query_start
             continue
         kpos = torch.arange(seq_len, device=query.device)
         pages = block_table[b, kpos // block_size].long()
-        k = kv_cache[0, pages, kpos % block_size].float().repeat_interleave(H // KVH, dim=1)  # (S, H, D)
-        v = kv_cache[1, pages, kpos % block_size].float().repeat_interleave(H // KVH, dim=1)  # (S, H, D)
+        k = dequantize_kv(kv_cache[0, pages, kpos % block_size], k_scale).repeat_interleave(H // KVH, dim=1)
+        v = dequantize_kv(kv_cache[1, pages, kpos % block_size], v_scale).repeat_interleave(H // KVH, dim=1)
         scores = torch.einsum("qhd,shd->hqs", query[start:end].float(), k) * scale              # (H, q, S)
         qpos = torch.arange(seq_len - (end - start), seq_len, device=query.device)[:, None]     # (q, 1)
         hidden = kpos[None, :] > qpos

@@ -84,6 +84,8 @@ def test_eight_concurrent_streams_complete_and_share_engine_steps(server):
             text = "".join(e["choices"][0]["text"] for e in events)
         assert text.strip()
     assert stats["max_batch_size"] > 1, stats
+    kv = stats["kv_cache"]                     # the resolved cache: dtype, blocks, tokens
+    assert kv["dtype"] == "float32" and kv["num_blocks"] > 1 and kv["num_tokens"] == kv["num_blocks"] * kv["block_size"]
     assert "troupe:batch_size_bucket" in metrics and "troupe:num_requests_running" in metrics
     assert "troupe:iteration_tokens_total_bucket" in metrics and "troupe:engine_compute_seconds_total" in metrics
 

@@ -89,6 +89,26 @@ def test_decode_step_after_prefill_matches_one_prefill(backend):
     assert_close(last, one[20:])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+def test_backend_with_an_fp8_cache_matches_the_reference(backend, kv_dtype, scenario):
+    """KV store then decode or prefill kernel over an fp8 cache with per-layer scales: the bytes
+    the reference stores, and its attention over the dequantized cache."""
+    from kernels.attention.fp8 import quantize_kv
+    case = make_case(SCENARIOS[scenario], 16, 6, 2, HEAD_SIZE, num_padding=2, seed=3)
+    k_scale = torch.tensor(0.011, device=DEVICE)
+    v_scale = torch.tensor(0.006, device=DEVICE)
+    cache = torch.stack([quantize_kv(case.kv_cache[0], kv_dtype, k_scale),
+                         quantize_kv(case.kv_cache[1], kv_dtype, v_scale)])
+    ours = cache.clone()
+    out = backend.forward(case.query, case.key, case.value, ours, case.meta, 0.25, k_scale=k_scale, v_scale=v_scale)
+    ref_cache = cache.cpu().clone()
+    expected = reference_paged_attention(case.query.cpu(), case.key.cpu(), case.value.cpu(), ref_cache,
+                                         meta_on(case.meta, "cpu"), 0.25, k_scale=k_scale.cpu(), v_scale=v_scale.cpu())
+    assert torch.equal(ours.cpu().view(torch.uint8), ref_cache.view(torch.uint8))
+    assert_close(out, expected)
+
+
 def _req(device: str = "cuda", **kw) -> AttentionRequirements:
     args = dict(dtype=torch.bfloat16, kv_cache_dtype=torch.bfloat16, head_size=128, block_size=16,
                 sliding_window=4096, device=device)
@@ -103,6 +123,9 @@ def test_capabilities_and_refusals():
     assert "head size 512" in cls.refusal(_req(head_size=512))
     assert "block size 8" in cls.refusal(_req(block_size=8))
     assert "must equal the model dtype" in cls.refusal(_req(kv_cache_dtype=torch.float16))
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):           # an fp8 cache under any model dtype
+        assert cls.refusal(_req(kv_cache_dtype=fp8)) is None
+        assert cls.refusal(_req(dtype=torch.float32, kv_cache_dtype=fp8)) is None
     assert isinstance(select_backend(_req(), ["triton"]), TritonAttentionBackend)
 
 

@@ -10,7 +10,11 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 import pytest  # noqa: E402
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from kernels.triton.bitmask import apply_bitmask_, apply_bitmask_ref  # noqa: E402
+from kernels.triton.fp8 import float_to_fp8, fp8_to_float  # noqa: E402
 from kernels.triton.kv_store import store_kv_cache, store_kv_cache_ref  # noqa: E402
 from kernels.triton.paged_decode import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from kernels.triton.paged_prefill import paged_attention_ref, paged_prefill_attention  # noqa: E402
@@ -177,6 +181,96 @@ def test_decode_kernel_agrees_with_prefill_kernel():
     pre = paged_prefill_attention(case.query, case.kv_cache, m.query_start_loc, m.seq_lens, m.block_table, 1,
                                   0.2, 17)
     assert_close(dec, pre)
+
+
+# --- fp8 KV caches: the in-kernel conversions, the KV store, decode and prefill ------------------
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@triton.jit
+def _fp8_convert(x_ptr, y_ptr, z_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr):
+    """y = float_to_fp8(x); z[i] = fp8_to_float(byte i % 256)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(y_ptr + i, float_to_fp8(tl.load(x_ptr + i, mask=m, other=0.0), FMT), mask=m)
+    tl.store(z_ptr + i, fp8_to_float((i % 256).to(tl.uint8), FMT), mask=m)
+
+
+def _fp8_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.float8_")
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
+def test_fp8_conversions_in_the_kernels_are_bit_exact(dtype):
+    """float_to_fp8 gives torch's bytes (saturated past the largest finite value) over random
+    values of every binade, every tie between neighbouring codes and the edges; fp8_to_float
+    gives torch's value of each of the 256 bytes (NaN and infinities included)."""
+    from kernels.attention.fp8 import FP8_MAX, quantize_kv
+    from kernels.triton.fp8 import fp8_format
+
+    mx = FP8_MAX[dtype]
+    g = _gen(3)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    finite = codes[codes.isfinite() & (codes >= 0)].sort().values
+    ties = (finite[1:] + finite[:-1]) / 2
+    x = torch.cat([torch.randn(1 << 14, generator=g) * s for s in (1e-4, 1e-2, 1.0, mx / 8)]
+                  + [ties, -ties, finite, -finite,
+                     torch.tensor([0.0, -0.0, mx * 1.1, -mx * 3, float("inf"), float("-inf"), float("nan")])])
+    y = torch.empty(len(x), dtype=torch.uint8, device=DEVICE)
+    z = torch.empty(len(x), device=DEVICE)
+    _fp8_convert[(triton.cdiv(len(x), 1024),)](x.to(DEVICE), y, z, len(x), FMT=fp8_format(dtype), BLOCK=1024)
+    assert torch.equal(y.cpu(), quantize_kv(x, dtype).view(torch.uint8))
+    finite_torch = x.to(dtype).float().isfinite()                     # where torch's own .to() is finite
+    assert torch.equal(y.cpu()[finite_torch], x.to(dtype).view(torch.uint8)[finite_torch])
+    want = codes[torch.arange(len(x)) % 256]
+    assert torch.equal(z.cpu().isnan(), want.isnan()) and torch.equal(z.cpu().nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
+@pytest.mark.parametrize("key_dtype", DTYPES, ids=_id)
+def test_store_kv_cache_into_fp8(dtype, key_dtype):
+    from kernels.attention.fp8 import quantize_kv
+    case = make_case([(3, 5), (40, 1), (0, 9)], 16, 6, 3, HEAD_SIZE, key_dtype, num_padding=4)
+    cache = quantize_kv(case.kv_cache, dtype)
+    k_scale, v_scale = torch.tensor(0.013, device=DEVICE), torch.tensor(2.0, device=DEVICE)
+    ours, ref = cache.clone(), cache.clone()
+    key = case.key * 5                                               # some past e4m3's 448 * 0.013: saturated
+    store_kv_cache(key, case.value, ours, case.meta.slot_mapping, k_scale, v_scale)
+    store_kv_cache_ref(key, case.value, ref, case.meta.slot_mapping, k_scale, v_scale)
+    assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+    assert not torch.equal(ours.view(torch.uint8), cache.view(torch.uint8))
+
+
+def _fp8_paged(reqs, heads, dtype, kv_dtype, seed=0):
+    """A case whose cache is fp8 with scales, and those scales."""
+    from kernels.attention.fp8 import quantize_kv
+    case = make_case(reqs, 16, *heads, HEAD_SIZE, dtype, seed=seed)
+    k_scale, v_scale = torch.tensor(0.007, device=DEVICE), torch.tensor(0.004, device=DEVICE)
+    cache = torch.stack([quantize_kv(case.kv_cache[0], kv_dtype, k_scale),
+                         quantize_kv(case.kv_cache[1], kv_dtype, v_scale)])
+    return case, cache, k_scale, v_scale
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=_fp8_id)
+@pytest.mark.parametrize("dtype, heads, num_splits", [(torch.float32, (6, 2), 1), (torch.bfloat16, (8, 1), 3)], ids=_id)
+def test_paged_decode_over_an_fp8_cache(kv_dtype, dtype, heads, num_splits):
+    case, cache, ks, vs = _fp8_paged(DECODE_REQS, heads, dtype, kv_dtype)
+    m = case.meta
+    args = (case.query, cache, m.block_table, m.seq_lens, HEAD_SIZE ** -0.5)
+    assert_close(paged_decode_attention(*args, num_splits=num_splits, k_scale=ks, v_scale=vs),
+                 paged_decode_attention_ref(*args, k_scale=ks, v_scale=vs))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=_fp8_id)
+@pytest.mark.parametrize("dtype, heads", [(torch.float32, (4, 4)), (torch.bfloat16, (6, 2))], ids=_id)
+def test_paged_prefill_over_an_fp8_cache(kv_dtype, dtype, heads):
+    case, cache, ks, vs = _fp8_paged([(0, 9), (30, 1), (20, 13)], heads, dtype, kv_dtype, seed=4)
+    m = case.meta
+    out = paged_prefill_attention(case.query, cache, m.query_start_loc, m.seq_lens, m.block_table, m.max_query_len,
+                                  0.3, sliding_window=8, k_scale=ks, v_scale=vs)
+    assert_close(out, paged_attention_ref(case.query, cache, m.query_start_loc, m.seq_lens, m.block_table, 0.3, 8,
+                                          k_scale=ks, v_scale=vs))
 
 
 # --- RMSNorm, rotary, SiLU ------------------------------------------------------------------

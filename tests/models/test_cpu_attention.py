@@ -535,3 +535,216 @@ def test_native_kv_store_equals_index_copy_and_refuses_slots_past_the_cache():
     assert torch.equal(got, ref)
     with pytest.raises(IndexError, match="past the KV cache"):
         cpu_mod.write_kv_cache(k, v, got, torch.tensor([1, 2, 32, 0, 0, 0, 0]))
+
+
+# ---- an fp8 KV cache (--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2): stored fp8(x / scale), read fp8 * scale --
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _fp8_id(dtype):
+    return str(dtype).removeprefix("torch.float8_")
+
+
+def _fp8_values(dtype, n=1 << 16, seed=0):
+    """Random float32 values over every binade of the format (subnormals, around 1, near the
+    largest finite value), exact ties between neighbours, and the edges: zeros, the largest
+    finite value and just past it, the smallest subnormal and half of it."""
+    import math
+
+    from kernels.attention.fp8 import FP8_MAX
+    mx = FP8_MAX[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    tiny = 2.0 ** (-9 if dtype == torch.float8_e4m3fn else -16)         # the smallest subnormal
+    mags = torch.exp2(torch.empty(n).uniform_(math.log2(tiny / 4), math.log2(mx), generator=gen))
+    signs = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    finite = codes[codes.isfinite() & (codes >= 0)].sort().values
+    ties = (finite[1:] + finite[:-1]) / 2                                  # round half to even
+    edges = torch.tensor([0.0, -0.0, mx, -mx, tiny, -tiny, tiny / 2, tiny * 1.5, tiny / 2 * 1.0001])
+    return torch.cat([mags * signs, ties, -ties, finite, -finite, edges])
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
+@pytest.mark.parametrize("scale", [1.0, 0.0371, 3.5])
+def test_fp8_kv_store_rounds_bit_for_bit_as_torch_does(dtype, scale):
+    """kv_store (the AVX-512 16-lane rows and the scalar tail) stores fp8(x / scale) with exactly
+    torch's bytes for every value torch keeps finite (subnormals, ties to even, values near the
+    largest), over many random values and every tie between neighbouring codes."""
+    import kernels.attention.cpu as cpu_mod
+    from kernels.attention.fp8 import quantize_kv
+    x = _fp8_values(dtype) * scale
+    D = 24                                                   # rows of 24: one 16-lane vector and 8 scalars
+    x = torch.cat([x, torch.zeros(-len(x) % D)])
+    T = len(x) // D
+    k = x.view(T, 1, D)
+    v = -x.flip(0).view(T, 1, D)
+    got = torch.zeros(2, T, 1, 1, D, dtype=dtype)
+    s = torch.tensor(scale)
+    cpu_mod.write_kv_cache(k, v, got, torch.arange(T), s, s)
+    want = torch.stack([quantize_kv(k, dtype, s), quantize_kv(v, dtype, s)]).view(2, T, 1, 1, D)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    plain = (x / scale).to(dtype)                            # torch's own .to(), where it is finite
+    kept = plain.float().isfinite()
+    assert kept.float().mean() > 0.99
+    assert torch.equal(got[0].reshape(-1)[kept].view(torch.uint8), plain[kept].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
+def test_fp8_kv_store_saturates_at_the_largest_finite_value(dtype):
+    """Past the largest finite value (torch's e5m2 rounds to inf there) the byte is the largest
+    finite one, infinities included; NaN stays NaN; the torch fallback path does the same."""
+    import kernels.attention.cpu as cpu_mod
+    from kernels.attention.fp8 import FP8_MAX
+    mx = FP8_MAX[dtype]
+    row = torch.tensor([mx * 1.07, -mx * 1.2, 1e30, float("inf"), float("-inf"), float("nan"), mx, -mx] * 2)
+    for native in (True, False):
+        got = torch.zeros(2, 1, 1, 1, 16, dtype=dtype)
+        k = row.view(1, 1, 16)
+        if native:
+            cpu_mod.write_kv_cache(k, k, got, torch.tensor([0]))
+        else:                                                # a strided key: the torch path
+            wide = torch.stack([k, k], -1)[..., 0]
+            cpu_mod.write_kv_cache(wide, wide, got, torch.tensor([0]))
+        vals = got[0].float().view(-1)
+        assert torch.equal(vals[[0, 2, 3, 6]], torch.full((4,), mx))
+        assert torch.equal(vals[[1, 4, 7]], torch.full((3,), -mx))
+        assert vals[5].isnan()
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
+def test_fp8_cache_bytes_are_read_back_exactly(dtype):
+    """kv_gather (the gather for chunks after cached context) reads every one of the 256 bytes as
+    torch's float32 value times the scale, the same float32 product."""
+    from kernels.attention.cpu import _kv_gather_kernel
+    from kernels.cpu.native import KV_TYPES, available
+    if not available()[0]:
+        pytest.skip(available()[1])
+    cache = torch.arange(512, dtype=torch.int32).remainder(256).to(torch.uint8).view(dtype).view(2, 16, 16)
+    slots = torch.tensor([3, 0, 15, 7, 7])
+    k, v = torch.empty(5, 16), torch.empty(5, 16)
+    ks, vs = torch.tensor(0.37), torch.tensor(2.5)
+    assert _kv_gather_kernel()(cache.data_ptr(), KV_TYPES[dtype], 16, 16, slots.data_ptr(), 5, ks.data_ptr(),
+                               vs.data_ptr(), k.data_ptr(), v.data_ptr()) == -1
+    for got, half, s in ((k, cache[0], ks), (v, cache[1], vs)):
+        want = half[slots].float() * s
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def _fp8_cache(cache, dtype, scale):
+    """cache (float32 values) stored as fp8 with ``scale``."""
+    from kernels.attention.fp8 import quantize_kv
+    return torch.stack([quantize_kv(cache[0], dtype, scale[0]), quantize_kv(cache[1], dtype, scale[1])])
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
+@pytest.mark.parametrize("D", [24, 64, 128])                              # 24: the portable path
+@pytest.mark.parametrize("window", [None, 20])
+def test_native_decode_reads_an_fp8_cache_as_its_dequantized_values(dtype, D, window):
+    """The kernel's only error is the fp8 storage: against the float64 reference over the same
+    dequantized values (fp8 * scale) it is within float32 rounding, for one thread and several
+    (requests cut into chunks merged by log-sum-exp)."""
+    from kernels.attention.fp8 import dequantize_kv
+    from kernels.cpu.native import available, paged_decode
+    if not available()[0]:
+        pytest.skip(available()[1])
+    q, cache, table, lt = _native_case([1, 17, 300, 64, 1000], 9, 3, D, 16, seed=D)
+    scales = (torch.tensor(0.0213), torch.tensor(0.0087))     # keys up to ~4.5 / 0.0213: e4m3's whole range
+    fp8 = _fp8_cache(cache, dtype, scales)
+    deq = torch.stack([dequantize_kv(fp8[0], scales[0]), dequantize_kv(fp8[1], scales[1])])
+    ref = _reference_decode(q, deq, table, lt, D ** -0.5, window)
+    for threads in (1, 3):
+        with _with_omp_threads(threads):
+            out = paged_decode(q, fp8, table, lt, D ** -0.5, window, *scales)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out.double(), _reference_decode(q, cache, table, lt, D ** -0.5, window), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_backend_with_an_fp8_cache_matches_the_reference(dtype, scenario, window, native):
+    """Every path writes the reference's bytes and reads fp8 * scale: decodes and chunks after
+    cached context (native: kv_gather then causal_prefill; torch: SDPA, the chunk's own keys as
+    the cache holds them) agree with the reference over the fp8 cache to float32 rounding; fresh
+    prompts attend to the step's own float32 keys, so they agree with the reference over a
+    float32 cache."""
+    gen = torch.Generator().manual_seed(5)
+    reqs = SCENARIOS[scenario]
+    meta, num_blocks = shuffled_paged_metadata(reqs, 16, gen, num_padding=2)
+    T, H, KVH = meta.num_tokens, 6, 2
+    query, key, value = (torch.randn(T, n, HEAD_SIZE, generator=gen) * 3 for n in (H, KVH, KVH))
+    scales = (torch.tensor(0.021), torch.tensor(0.013))
+    cache = _fp8_cache(torch.randn(2, num_blocks, 16, KVH, HEAD_SIZE, generator=gen) * 3, dtype, scales)
+    ours_cache, ref_cache = cache.clone(), cache.clone()
+    kw = dict(sliding_window=window, k_scale=scales[0], v_scale=scales[1])
+    ours = CpuAttentionBackend(native).forward(query, key, value, ours_cache, meta, HEAD_SIZE ** -0.5, **kw)
+    ref = reference_paged_attention(query, key, value, ref_cache, meta, HEAD_SIZE ** -0.5, **kw)
+    assert torch.equal(ours_cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    exact = reference_paged_attention(query, key, value, torch.zeros(cache.shape), meta, HEAD_SIZE ** -0.5,
+                                      sliding_window=window)                  # float32 keys everywhere
+    a = 0
+    for ctx, n in reqs:
+        fresh = ctx == 0 and n > 1 and window is None
+        torch.testing.assert_close(ours[a:a + n], (exact if fresh else ref)[a:a + n], atol=2e-5, rtol=2e-5)
+        a += n
+    assert (ours[a:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
+def test_an_fp8_cache_without_scales_reads_scale_one(dtype):
+    """None scales are 1.0 on every path (vLLM's default without calibration)."""
+    gen = torch.Generator().manual_seed(8)
+    meta, num_blocks = shuffled_paged_metadata(SCENARIOS["mixed"], 16, gen)
+    T = meta.num_tokens
+    q, k, v = torch.randn(T, 4, HEAD_SIZE, generator=gen), torch.randn(T, 2, HEAD_SIZE, generator=gen), \
+        torch.randn(T, 2, HEAD_SIZE, generator=gen)
+    cache = torch.randn(2, num_blocks, 16, 2, HEAD_SIZE, generator=gen).to(dtype)
+    one = torch.tensor(1.0)
+    for native in (True, False):
+        a, b = cache.clone(), cache.clone()
+        x = CpuAttentionBackend(native).forward(q, k, v, a, meta, 0.25)
+        y = CpuAttentionBackend(native).forward(q, k, v, b, meta, 0.25, k_scale=one, v_scale=one)
+        assert torch.equal(x, y) and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_build_without_avx512_stores_and_reads_fp8_caches_the_same(tmp_path):
+    """CPUs without AVX-512 compile the plain-C paths of paged_attention.c: the same fp8 bytes from
+    the KV store, and decode attention over the dequantized values to float32 rounding."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from kernels.attention.fp8 import dequantize_kv, quantize_kv
+    from kernels.cpu.native import HERE, KV_TYPES, available
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not available()[0]:
+        pytest.skip("no C compiler or native kernels")
+    so = tmp_path / "paged_portable.so"
+    subprocess.run([cc, "-O2", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC",
+                    f"{HERE}/paged_attention.c", "-o", str(so), "-lm"], check=True)
+    lib = ctypes.CDLL(str(so))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kv_store.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
+    lib.kv_store.restype = i64
+    lib.paged_decode.argtypes = [ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 7 + [ctypes.c_float, i64, ptr, ptr]
+    lib.paged_decode.restype = None
+    for dtype in FP8:
+        x = _fp8_values(dtype, n=1 << 12)[:4096].view(64, 1, 64) * 0.5
+        s = torch.tensor(0.5)
+        got = torch.zeros(2, 64, 1, 1, 64, dtype=dtype)
+        slots = torch.arange(64)
+        assert lib.kv_store(x.data_ptr(), 64, x.data_ptr(), 64, slots.data_ptr(), 64, got.data_ptr(), KV_TYPES[dtype],
+                            64, 64, s.data_ptr(), s.data_ptr()) == -1
+        assert torch.equal(got[0].view(torch.uint8).view(-1), quantize_kv(x, dtype, s).view(torch.uint8).view(-1))
+        q, cache, table, lt = _native_case([1, 17, 300, 64], 6, 2, 64, 16, seed=1)
+        scales = (torch.tensor(0.02), torch.tensor(0.01))
+        fp8 = _fp8_cache(cache, dtype, scales)
+        out = torch.empty_like(q)
+        lib.paged_decode(q.data_ptr(), fp8.data_ptr(), KV_TYPES[dtype], table.data_ptr(), lt.data_ptr(), out.data_ptr(),
+                         4, 6, 2, 64, 16, fp8.shape[1], table.shape[1], 0.125, 0, scales[0].data_ptr(),
+                         scales[1].data_ptr())
+        deq = torch.stack([dequantize_kv(fp8[0], scales[0]), dequantize_kv(fp8[1], scales[1])])
+        torch.testing.assert_close(out.double(), _reference_decode(q, deq, table, lt, 0.125), atol=1e-5, rtol=1e-5)

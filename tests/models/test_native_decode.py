@@ -98,6 +98,47 @@ def test_native_decode_stack_with_a_16_bit_kv_cache(kv_dtype, monkeypatch):
     _compare(model, config, monkeypatch, kv_dtype)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_native_decode_stack_with_an_fp8_kv_cache_and_per_layer_scales(kv_dtype, monkeypatch):
+    """Each layer's own k_scale / v_scale, read by the stack through their addresses: bit for bit
+    the per-layer path, and the scales matter (other scales, other logits)."""
+    model, config = _model()
+    for i, layer in enumerate(model.layers):
+        layer.self_attn.k_scale.fill_(0.004 * (i + 1))
+        layer.self_attn.v_scale.fill_(0.001 * (3 - i))
+    _compare(model, config, monkeypatch, kv_dtype)
+    scaled = _steps(model, config, kv_dtype)
+    for layer in model.layers:
+        layer.self_attn.k_scale.fill_(1.0)             # in place: the stack reads the new values
+        layer.self_attn.v_scale.fill_(1.0)
+    assert not torch.equal(_steps(model, config, kv_dtype), scaled)
+
+
+def test_calculated_kv_scales_come_from_the_first_batch_which_the_layers_run(monkeypatch):
+    """--calculate-kv-scales: the first batch (here one token per request, a pure-decode shape
+    the stack would otherwise take) runs through the layers, each setting its scales to its keys'
+    and values' amax / 448; the stack takes the later steps with those scales."""
+    from kernels.attention.cpu import CpuAttentionBackend as Backend
+    from models.layers import calculate_kv_scales_on_next_batch
+    model, config = _model()
+    assert native_decode.attach(model)
+    seen = []
+    real_forward = Backend.forward
+
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None):
+        seen.append((k.abs().max() / 448, v.abs().max() / 448, k_scale.clone(), v_scale.clone()))
+        return real_forward(self, q, k, v, kv_cache, meta, scale, sliding_window, k_scale, v_scale)
+    monkeypatch.setattr(Backend, "forward", forward)
+    assert calculate_kv_scales_on_next_batch(model) == 3
+    caches = allocate_kv_caches(config, 16, BLOCK_SIZE, torch.float8_e4m3fn)
+    steps = [[torch.tensor([5]), torch.tensor([9])], [torch.tensor([1]), torch.tensor([2])]]
+    run_steps(model, caches, [[1, 2], [3, 4]], steps, BLOCK_SIZE)
+    assert len(seen) == 3                                # the second step: the stack, no layer forward
+    for layer, (k_want, v_want, k_scale, v_scale) in zip(model.layers, seen):
+        assert torch.equal(k_scale, k_want) and torch.equal(v_scale, v_want)
+        assert torch.equal(layer.self_attn.k_scale, k_want) and not layer.self_attn.calculate_kv_scales
+
+
 def test_native_decode_stack_with_qkv_bias_and_a_sliding_window(monkeypatch):
     model, config = _model(MistralForCausalLM, qkv_bias=True, o_bias=True, sliding_window=5)
     _compare(model, config, monkeypatch)

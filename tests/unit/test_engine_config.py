@@ -75,3 +75,43 @@ def test_command_line_flags_build_the_same_config_as_the_offline_options():
     assert from_cli == offline
     with pytest.raises(SystemExit):
         p.parse_args(["--block-size", "0"])
+
+
+@pytest.mark.parametrize("name,resolved_name",
+                         [("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")])
+def test_an_fp8_kv_cache_holds_four_times_the_blocks_of_float32(name, resolved_name):
+    """One byte per element: 4x float32's blocks and 2x float16's in the same memory (also in
+    1 GiB, up to the floor of each division), the context cap following; "fp8" is e4m3 (vLLM's
+    meaning), resolved once; the worker's cache tensors are torch's fp8 dtypes."""
+    import torch
+
+    from actors.kv_manager.kv_cache_spec import create_kv_cache_views, model_kv_cache_specs
+    from actors.worker.model_runner import torch_dtype
+    per_f32_block = ARCH.kv_bytes_per_token(4) * 16
+    f32 = resolved(kv_cache_bytes=50 * per_f32_block)
+    f16 = resolved(kv_cache_bytes=50 * per_f32_block, kv_cache_dtype="float16")
+    fp8 = resolved(kv_cache_bytes=50 * per_f32_block, kv_cache_dtype=name)
+    assert (f32.cache.num_blocks, f16.cache.num_blocks, fp8.cache.num_blocks) == (50, 100, 200)
+    assert fp8.cache.cache_dtype == resolved_name and fp8.model.max_model_len == 199 * 16
+    assert fp8.resolve(cuda_available=False, cpu_count=2, arch=ARCH) == fp8
+    gib = {d: resolved(kv_cache_dtype=d).cache.num_blocks for d in ("float32", "float16", name)}
+    assert gib == {"float32": (1 << 30) // per_f32_block, "float16": (1 << 30) // (per_f32_block // 2),
+                   name: (1 << 30) // (per_f32_block // 4)}
+    assert 4 * gib["float32"] <= gib[name] < 4 * (gib["float32"] + 1)
+    dtype = torch_dtype(fp8.cache.cache_dtype)
+    assert dtype == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[resolved_name]
+    caches = create_kv_cache_views(model_kv_cache_specs(ARCH, 16, 1), 3, dtype)
+    assert len(caches) == 30 and caches[0].shape == (2, 3, 16, 3, 64) and caches[0].dtype == dtype
+
+
+def test_fp8_flags_on_the_command_line_and_offline():
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    args = p.parse_args(["--kv-cache-dtype", "fp8", "--calculate-kv-scales"])
+    from_cli = EngineArgs.from_cli_args(args).create_engine_config()
+    offline = EngineArgs.from_options(None, {"kv_cache_dtype": "fp8",
+                                             "calculate_kv_scales": True}).create_engine_config()
+    assert from_cli == offline and from_cli.cache.calculate_kv_scales and from_cli.cache.cache_dtype == "fp8"
+    assert not EngineArgs().create_engine_config().cache.calculate_kv_scales
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype 'fp8_e3m4'; accepted: .*fp8, fp8_e4m3, fp8_e5m2"):
+        EngineArgs(kv_cache_dtype="fp8_e3m4").create_engine_config()

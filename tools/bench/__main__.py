@@ -1,11 +1,12 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload}``: each prints one JSON
-line last."""
+"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes}``: each
+prints one JSON line last."""
 from __future__ import annotations
 
 import argparse
 import logging
 
 from actors.engine.args import EngineArgs
+from actors.engine.config import KV_CACHE_DTYPES
 from tools.bench import workload
 
 
@@ -53,9 +54,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     agr.add_argument("--model", default=None)
     agr.add_argument("--quantization", default="gguf", choices=["gguf", "gguf-i8", "none"],
                      help="'none': exact weights (with --kv-cache-dtype, the KV cache's effect alone)")
-    agr.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    agr.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    agr.add_argument("--calculate-kv-scales", action="store_true",
+                     help="with an fp8 KV cache: per-layer K/V scales from the first batch (else 1.0)")
     agr.add_argument("--n", type=int, default=20)
     agr.add_argument("--tokens", type=int, default=64)
+
+    kvd = sub.add_parser("kv-dtypes", help="decode attention and a decode step over each KV cache dtype "
+                                           "(float32, float16, fp8_e4m3, fp8_e5m2)")
+    kvd.add_argument("--model", default=None)
+    kvd.add_argument("--batch", type=int, default=32)
+    kvd.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
+    kvd.add_argument("--repeats", type=int, default=12)
+    kvd.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
 
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -80,6 +91,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "tracing":
         from tools.bench import tracing
         tracing.main(args)
+    elif args.cmd == "kv-dtypes":
+        from tools.bench import kv_dtypes
+        kv_dtypes.main(args)
     elif args.cmd == "latency":
         from tools.bench import latency
         latency.main(args)

@@ -47,7 +47,9 @@ async def run(args: Any) -> dict[str, Any]:
     peak = flops.matmul_peak_gflops() if device == "cpu" else None    # this CPU's own float32 peak
     return {"bench": "offline", "engine": "troupe", "device": device, "enforce_eager": args.enforce_eager,
             "dtype": args.dtype, "trace": config.observability.trace, "multiprocess": args.multiprocess,
-            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+            "quantization": args.quantization, "kv_cache_dtype": config.cache.cache_dtype,
+            "kv_cache_blocks": config.cache.num_blocks,
+            "kv_cache_tokens": config.cache.num_blocks * config.cache.block_size,
             "requests": len(reqs),
             "prompt_tokens": n_in, "output_tokens": n_out, "seconds": round(seconds, 3),
             "output_tok_per_s": round(n_out / seconds, 2),
