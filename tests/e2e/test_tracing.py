@@ -137,7 +137,8 @@ def test_the_live_stream_sends_updates_about_once_a_second(server):
                 events.append(json.loads(line[6:]))
             if len(events) == 3:
                 break
-    assert 1.5 < time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 > 1.5      # paced by the server, not a tight loop (no upper bound:
+                                            # a loaded machine is slow, the read has its timeout)
     assert all({"actors", "steps", "requests"} <= set(e) for e in events)
     assert events[-1]["actors"]["processes"]
 
