@@ -43,8 +43,6 @@ def test_a_request_fails_when_the_engine_runs_nothing_for_the_stall_timeout():
     async def main():
         handle, _, stats = _handle(stall=0.2)
         stats.last_progress = time.monotonic() - 1.0
-        t0 = time.monotonic()
         with pytest.raises(StreamTimeout, match="no output for request r"):
             await handle.__anext__()
-        return time.monotonic() - t0
-    assert run_async(main()) < 5.0
+    run_async(main(), timeout=30)                   # fails rather than waiting on
