@@ -43,6 +43,10 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    kv_cache_watermark: float = 0.01
+    async_scheduling: bool | None = None  # None: on when the worker has a process of its own
     scheduling_policy: str = "fcfs"
     max_waiting_requests: int = 0
     max_waiting_tokens: int = 0
@@ -84,6 +88,10 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                      max_num_partial_prefills=self.max_num_partial_prefills,
+                                      max_long_partial_prefills=self.max_long_partial_prefills,
+                                      watermark=self.kv_cache_watermark,
+                                      async_scheduling=self.async_scheduling,
                                       policy=self.scheduling_policy,
                                       max_waiting_requests=self.max_waiting_requests,
                                       max_waiting_tokens=self.max_waiting_tokens),
@@ -266,7 +274,24 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--long-prefill-token-threshold",), "long_prefill_token_threshold", dict(
             type=int, default=d["long_prefill_token_threshold"], metavar="N",
             help="a prompt with more tokens than this left to compute gets at most this many per step "
-                 "while other requests run or wait (0: off)")),
+                 "while other requests run or wait, and counts as long for --max-long-partial-prefills "
+                 "(0: off; with --max-num-partial-prefills above 1, 4%% of the context length)")),
+        (("--max-num-partial-prefills",), "max_num_partial_prefills", dict(
+            type=_positive(int), default=d["max_num_partial_prefills"], metavar="N",
+            help="prompts that may be part-way computed at once (a chunked prompt counts until its last "
+                 "chunk); a waiting prompt that would exceed it waits")),
+        (("--max-long-partial-prefills",), "max_long_partial_prefills", dict(
+            type=_positive(int), default=d["max_long_partial_prefills"], metavar="N",
+            help="of those, prompts longer than --long-prefill-token-threshold, so short prompts pass "
+                 "long ones (at most --max-num-partial-prefills)")),
+        (("--kv-cache-watermark",), "kv_cache_watermark", dict(
+            type=float, default=d["kv_cache_watermark"], metavar="FRACTION",
+            help="share of the KV cache's blocks a new request may not take while others run, so "
+                 "running requests can grow without preemption")),
+        (("--async-scheduling",), "async_scheduling", dict(
+            action=argparse.BooleanOptionalAction, default=d["async_scheduling"],
+            help="plan the next engine step while the worker computes this one (default: on when the "
+                 "worker runs in a process of its own; the same tokens either way)")),
         (("--max-model-len",), "max_model_len", dict(type=human_readable_int, default=d["max_model_len"],
                                                      help="0: the model's own")),
         (("--scheduling-policy",), "scheduling_policy", dict(

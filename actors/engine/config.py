@@ -71,9 +71,14 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 0  # 0 = off
+    long_prefill_token_threshold: int = 0  # 0 = off (with max_num_partial_prefills > 1: 4% of max_model_len)
+    max_num_partial_prefills: int = 1      # prompts that may be part-way computed at once
+    max_long_partial_prefills: int = 1     # of those, prompts longer than long_prefill_token_threshold
     policy: str = "fcfs"                   # "fcfs" | "priority"
     watermark: float = 0.01                # fraction of blocks kept free when admitting
+    # None: on where the worker runs in a process of its own (the engine plans step N+1 while it
+    # computes step N), off in one event loop with it (nothing to overlap)
+    async_scheduling: bool | None = None
     max_waiting_requests: int = 0          # requests queued before new ones get 503; 0: no bound
     max_waiting_tokens: int = 0            # the same for their prompt tokens
 
@@ -134,7 +139,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         max_model_len = self.model.max_model_len or arch.max_model_len
         if num_blocks:   # one request alone must fit in the cache (block 0 is the null block)
             max_model_len = min(max_model_len, (num_blocks - 1) * bs)
+        sched = self.scheduler
+        if sched.async_scheduling is None:
+            sched = msgspec.structs.replace(sched, async_scheduling=self.parallel.multiprocess)
+        if sched.max_num_partial_prefills > 1 and not sched.long_prefill_token_threshold:
+            sched = msgspec.structs.replace(sched, long_prefill_token_threshold=max(max_model_len * 4 // 100, 1))
         return self.replace(
+            scheduler=sched,
             model=msgspec.structs.replace(self.model, dtype=dtype, max_model_len=max_model_len, arch=arch),
             cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
             device=msgspec.structs.replace(self.device, device=device,
@@ -207,6 +218,18 @@ def check_config(cfg: EngineConfig) -> None:
                         ("max_waiting_tokens", cfg.scheduler.max_waiting_tokens)):
         if value < 0:
             raise ValueError(f"{name} must be at least 0 (0: no bound), got {value}")
+    for name, value in (("max_num_partial_prefills", cfg.scheduler.max_num_partial_prefills),
+                        ("max_long_partial_prefills", cfg.scheduler.max_long_partial_prefills)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if cfg.scheduler.max_long_partial_prefills > cfg.scheduler.max_num_partial_prefills:
+        raise ValueError(f"max_long_partial_prefills ({cfg.scheduler.max_long_partial_prefills}) must not exceed "
+                         f"max_num_partial_prefills ({cfg.scheduler.max_num_partial_prefills})")
+    if cfg.scheduler.long_prefill_token_threshold < 0:
+        raise ValueError(f"long_prefill_token_threshold must be at least 0 (0: off), got "
+                         f"{cfg.scheduler.long_prefill_token_threshold}")
+    if not 0.0 <= cfg.scheduler.watermark < 1.0:
+        raise ValueError(f"watermark must be in [0, 1), got {cfg.scheduler.watermark}")
     if cfg.model.max_model_len < 0:
         raise ValueError(f"max_model_len must be at least 0 (0: the model's own), got {cfg.model.max_model_len}")
 

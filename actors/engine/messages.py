@@ -117,3 +117,4 @@ class SchedulerOutput(Msg):
     # grammar_req_ids[i] may sample this step (bit j of word w allows token 32 w + j)
     grammar_req_ids: list[str] = []
     grammar_bitmask: np.ndarray | None = None
+    prev_step: int = -1                      # the step the worker must have taken before this one (-1: none)

@@ -1,8 +1,15 @@
 """Executor actor: sends each SchedulerOutput to the worker and returns its ModelRunnerOutput.
 While the worker is being restarted it holds steps until the replacement is up (its KV cache
-allocated), so no step reaches a worker that cannot run it. A step whose reply is late is asked
-about (StepStatus): a lost reply is recovered, a lost step sent again, so a dropped frame costs
-seconds, not the step timeout."""
+allocated), so no step reaches a worker that cannot run it; a step held across a restart fails
+as the worker's death (its requests are recomputed on the new one). A step whose reply is late is
+asked about (StepStatus): a lost reply is recovered, a lost step sent again, so a dropped frame
+costs seconds, not the step timeout.
+
+Steps may be in flight two at a time (async scheduling): each carries the number of the step
+sent before it, and the worker refuses one that overtook its predecessor (StepOutOfOrder: the
+predecessor was lost and is being sent again); it is sent again once its predecessor settled,
+then without a predecessor to wait for (one that failed before the worker took it leaves nothing
+to order against)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +17,7 @@ import logging
 from typing import Any
 
 from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
-from actors.runtime import Actor, ActorDied, ActorRef, Msg
+from actors.runtime import Actor, ActorDied, ActorRef, Msg, RemoteError
 from actors.worker.actor import StepStatus
 
 log = logging.getLogger("troupe.executor")
@@ -43,24 +50,50 @@ class Executor(Actor):
         self.worker = worker
         self._up = asyncio.Event()
         self._up.set()
+        self._generation = 0
+        self._last_sent = -1                      # the step sent last to this generation's worker
+        self._executing: dict[int, asyncio.Future[None]] = {}   # step -> done when it is settled
 
     async def receive(self, msg: ExecutorProtocol) -> Any:
         match msg:
             case SchedulerOutput():
                 self.ctx.link(list(msg.num_scheduled_tokens))
-                return await self._execute(msg)
+                msg.prev_step, self._last_sent = self._last_sent, msg.step     # in arrival order
+                done = asyncio.get_running_loop().create_future()
+                self._executing[msg.step] = done
+                try:
+                    return await self._execute(msg, self._generation)
+                finally:
+                    del self._executing[msg.step]
+                    done.set_result(None)
             case WorkersDown():
                 self._up.clear()
-            case WorkersUp(node=node, name=name):
+            case WorkersUp(generation=generation, node=node, name=name):
                 self.worker = self.ctx.node.ref(name, node)
+                self._generation, self._last_sent = generation, -1
                 self._up.set()
         return None
 
-    async def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    async def _execute(self, so: SchedulerOutput, generation: int) -> ModelRunnerOutput:
         try:
             await asyncio.wait_for(self._up.wait(), RESTART_WAIT_S)
         except TimeoutError:
             raise ActorDied(f"no worker came back within {RESTART_WAIT_S:g} s") from None
+        if generation != self._generation:
+            raise ActorDied("the worker was restarted while the step waited: it holds none of its requests")
+        try:
+            return await self._send(so)
+        except RemoteError as exc:
+            if exc.error_type != "StepOutOfOrder":
+                raise
+            predecessor = self._executing.get(so.prev_step)
+            log.warning("step %d overtook step %d, which was sent again; sending it after", so.step, so.prev_step)
+            if predecessor is not None:
+                await predecessor
+            so.prev_step = -1
+            return await self._send(so)
+
+    async def _send(self, so: SchedulerOutput) -> ModelRunnerOutput:
         worker = self.worker
         reply = asyncio.ensure_future(worker.ask(so, timeout=STEP_TIMEOUT_S))
         try:

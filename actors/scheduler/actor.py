@@ -5,13 +5,21 @@ schedule (the Scheduler takes blocks from the KV manager's core directly), one
 SchedulerOutput to the executor, one EngineCoreOutputs batch to the frontend. A step is queued
 by telling ourselves ``Step``, so messages that arrived during a step are handled before the
 next one.
+
+With async scheduling (``--async-scheduling``) two steps are in flight: step N+1 is planned and
+sent while the worker still runs step N, then N's output is handled; the worker starts N+1 as
+soon as N is done, so scheduling, messaging and output handling hide behind its compute. A step
+with constrained requests whose tokens are still in flight waits for them first (their matchers
+must see every token before the next bitmask). A failed step settles every step in flight
+before its requests are failed or recomputed.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from actors.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput,
@@ -62,6 +70,16 @@ GRAMMAR_TIMEOUT_S = 120.0
 MAX_EARLY_ABORTS = 4096          # remembered ids of aborts that came before their request
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A step sent to the executor: its reply, and when it was planned (for its StepRecord)."""
+    so: SchedulerOutput
+    reply: asyncio.Future[ModelRunnerOutput]
+    t0: int                      # schedule() began
+    t1: int                      # schedule() ended: sent
+    kv_ns: int                   # the KV manager's time within schedule()
+
+
 class SchedulerActor(Actor):
     protocol = SchedulerProtocol
     on_failure = "escalate"      # an exception here means broken scheduling state
@@ -78,6 +96,8 @@ class SchedulerActor(Actor):
         self._step_queued = False
         self._last_step_start = 0.0
         self._last_step_end = 0              # monotonic ns: the gap before the next step
+        self._depth = 2 if core.async_scheduling else 1     # steps in flight at most
+        self._in_flight: deque[_InFlight] = deque()
         # Aborts of requests not (yet) known here: an abort sent while the request was being
         # admitted may overtake it, and the request must then not run for nobody.
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
@@ -142,40 +162,67 @@ class SchedulerActor(Actor):
         self.ctx.self_ref.tell(GrammarReady(request_id, error))
 
     def _kick(self) -> None:
-        """Queue a step when there is work."""
-        if not self._step_queued and not self.paused and self.core.has_work():
+        """Queue a step when there is work (or a step in flight to finish)."""
+        if not self._step_queued and not self.paused and (self.core.has_work() or self._in_flight):
             self._step_queued = True
             self.ctx.self_ref.tell(Step())
 
     async def _step(self) -> None:
-        if not self.core.has_work():
-            return
-        self._account_cycle()
-        t0, kv0 = now_ns(), self.core.kv.busy_ns
-        so = self.core.schedule()
-        if not so.num_scheduled_tokens:
-            return
-        self.ctx.link(list(so.num_scheduled_tokens))
-        t1, kv1 = now_ns(), self.core.kv.busy_ns
+        """Plan and send the next step; then settle the oldest step in flight when the
+        pipeline is full (or nothing new could be planned)."""
+        sent = False
+        if self.core.has_work():
+            self._account_cycle()
+            if self._in_flight and self.core.grammar_needs_outputs():
+                await self._settle_all()             # the matchers see the tokens in flight first
+            if self.paused or not self.core.has_work():
+                return
+            t0, kv0 = now_ns(), self.core.kv.busy_ns
+            so = self.core.schedule()
+            if so.num_scheduled_tokens:
+                self.ctx.link(list(so.num_scheduled_tokens))
+                reply = asyncio.ensure_future(self.executor.ask(so, timeout=STEP_TIMEOUT_S))
+                self._in_flight.append(_InFlight(so, reply, t0, now_ns(), self.core.kv.busy_ns - kv0))
+                sent = True
+        while self._in_flight and (len(self._in_flight) >= self._depth or not sent):
+            await self._settle_oldest()
+            sent = True                              # one settled is progress enough
+
+    async def _settle_all(self) -> None:
+        while self._in_flight:
+            await self._settle_oldest()
+
+    async def _settle_oldest(self) -> None:
+        """Wait for the oldest step in flight and hand its output to the scheduler; a failure
+        settles every step in flight (their outputs are dropped) before it is handled."""
+        f = self._in_flight.popleft()
         try:
-            runner_out = await self.executor.ask(so, timeout=STEP_TIMEOUT_S)
+            runner_out = await f.reply
         except (ActorDied, RemoteError, AskTimeout) as exc:
             reason = exc.message if isinstance(exc, RemoteError) else str(exc)
-            log.error("step %d failed on the workers: %s", so.step, reason)
+            log.error("step %d failed on the workers: %s", f.so.step, reason)
+            await self._drop_in_flight()
             if isinstance(exc, ActorDied) or (isinstance(exc, RemoteError) and exc.error_type == "ActorDied"):
                 self._workers_lost(reason)      # recomputed once the replacement is up
             else:
                 self._emit(self.core.fail_running(f"the worker failed: {reason}"))
             return
         self.core.counters.compute_seconds += runner_out.compute_s
-        t2 = now_ns()
-        self._emit(self.core.update_from_output(so, runner_out))
+        t2, kv2 = now_ns(), self.core.kv.busy_ns
+        self._emit(self.core.update_from_output(f.so, runner_out))
         tracer = self.ctx.node.tracer
         if tracer.enabled:
             t3 = now_ns()
-            tracer.record_step(self._step_record(so, runner_out, (t0, t1, t2, t3),
-                                                 (kv1 - kv0, self.core.kv.busy_ns - kv1)))
+            tracer.record_step(self._step_record(f.so, runner_out, (f.t0, f.t1, t2, t3),
+                                                 (f.kv_ns, self.core.kv.busy_ns - kv2)))
         self._last_step_end = now_ns()
+
+    async def _drop_in_flight(self) -> None:
+        """Wait for every step in flight to settle, whatever its outcome, and drop its output."""
+        pending = [f.reply for f in self._in_flight]
+        self._in_flight.clear()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
     def _step_record(self, so: SchedulerOutput, out: ModelRunnerOutput, t: tuple[int, int, int, int],
                      kv: tuple[int, int]) -> StepRecord:
@@ -195,8 +242,12 @@ class SchedulerActor(Actor):
 
     def _workers_lost(self, reason: str) -> None:
         """Stop stepping until WorkersReady; the running requests' KV is gone with the worker,
-        so they go back to the queue to be recomputed (those that lost too many workers fail)."""
+        so they go back to the queue to be recomputed (those that lost too many workers fail).
+        The outputs of steps still in flight are not waited for."""
         self.paused = True
+        for f in self._in_flight:
+            f.reply.cancel()
+        self._in_flight.clear()
         self._emit(self.core.requeue_running(reason))
 
     def _account_cycle(self) -> None:

@@ -54,6 +54,9 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # tokens sampled by steps sent to the workers whose outputs have not come back yet (async
+    # scheduling plans the next step on the assumption that each will be there)
+    num_output_placeholders: int = 0
     num_cached_tokens: int = 0        # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     num_worker_failures: int = 0      # workers that died while it was running

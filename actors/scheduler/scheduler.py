@@ -14,6 +14,16 @@ Pure: no asyncio, no transport. One step:
     ... the workers run ``so`` ...
     update_from_output(so, runner_output)
 
+Async scheduling (the book's chapter 4) calls schedule() for step N+1 before step N's output came
+back: a request that samples in a step counts an output placeholder until that output arrives,
+so the next step already computes the token the worker sampled (the worker keeps its own copy of
+every request's tokens and reads it from there). A request whose placeholders would take it to
+max_tokens or the context length is not scheduled again. A request preempted with outputs in
+flight waits, skipped in the queue but keeping its place, until they arrived: the tokens are
+kept (they were sampled from the right state) and recomputed with the rest. A constrained
+request's matcher must have seen every token before its next bitmask: while one runs with tokens
+in flight (``grammar_needs_outputs``), the caller settles the steps in flight before scheduling.
+
 The KV manager is asked directly, request by request, as vLLM's scheduler does: it is the
 only record of the blocks; the scheduler keeps no count of its own.
 """
@@ -55,6 +65,8 @@ class _Step:
     new_block_ids: dict[Request, list[int]]
     admitted: set[Request]                  # the workers get these in full
     preempted: list[Request]
+    partial_prefills: int = 0               # prompts still part-way computed after this step
+    long_partial_prefills: int = 0          # of those, longer than long_prefill_token_threshold
 
 
 class Scheduler:
@@ -63,6 +75,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager,
                  structured: StructuredOutputs | None = None) -> None:
         self.config = config.scheduler
+        self.async_scheduling = config.scheduler.async_scheduling
         self.structured = structured
         self.awaiting_grammar: dict[str, Request] = {}    # WAITING_FOR_GRAMMAR, out of the queue
         self.block_size = config.cache.block_size
@@ -74,6 +87,7 @@ class Scheduler:
         self.waiting = create_queue(self.config.policy)
         self.running: list[Request] = []
         self._finished_for_workers: list[str] = []
+        self._in_flight: dict[int, list[str]] = {}     # step -> the requests that sample in it
         self.counters = _Counters()
 
     # -- admission and abort -----------------------------------------------------------------
@@ -130,6 +144,7 @@ class Scheduler:
         """The workers died, and the running requests' KV with them: each goes back to the
         front of the queue to be recomputed, as after a preemption, unless it already lost
         MAX_WORKER_FAILURES workers (then it fails with ``reason``)."""
+        self.forget_in_flight()
         outs = []
         for req in reversed(self.running):        # prepended in reverse: the queue keeps their order
             req.num_worker_failures += 1
@@ -144,11 +159,22 @@ class Scheduler:
 
     def fail_running(self, error: str) -> list[EngineCoreOutput]:
         """The workers failed mid-step: every running request ends with ``error``."""
+        self.forget_in_flight()
         outs = []
         for req in list(self.running):
             self._finish(req, RequestStatus.FINISHED_ERROR)
             outs.append(EngineCoreOutput(req.request_id, [], "error", error=error))
         return outs
+
+    def forget_in_flight(self) -> None:
+        """The outputs of the steps sent to the workers will not come back (the workers died or
+        failed): no request waits for them any more."""
+        for rids in self._in_flight.values():
+            for rid in rids:
+                req = self.requests.get(rid)
+                if req is not None:
+                    req.num_output_placeholders = 0
+        self._in_flight.clear()
 
     def reset_blocks(self) -> None:
         """The workers lost their caches: forget every allocation and cached prefix. Only
@@ -184,16 +210,24 @@ class Scheduler:
         c.step += 1
         c.last_scheduled_reqs = len(step.num_tokens)
         c.last_scheduled_tokens = self.config.max_num_batched_tokens - step.budget
+        sampling: list[Request] = []
         for req, n in step.num_tokens.items():
             req.num_computed_tokens += n           # scheduled tokens count as computed
-        return self._output(step)
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                sampling.append(req)               # its prompt complete: it samples a token
+        so = self._output(step, sampling)
+        for req in sampling:
+            req.num_output_placeholders += 1
+        if sampling:
+            self._in_flight[so.step] = [req.request_id for req in sampling]
+        return so
 
     def _schedule_running(self, step: _Step) -> None:
         """Running requests, in order; victims preempted when blocks run out."""
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = self._num_new_tokens(req, req.num_computed_tokens, step.budget)
+            n = 0 if self._reaches_limit(req) else self._num_new_tokens(req, req.num_computed_tokens, step.budget)
             if n == 0:
                 i += 1
                 continue
@@ -212,16 +246,43 @@ class Scheduler:
             step.num_tokens[req] = n
             step.new_block_ids[req] = blocks
             step.budget -= n
+            self._count_partial(req, req.num_computed_tokens, n, step)
             i += 1
 
+    def _reaches_limit(self, req: Request) -> bool:
+        """Whether the tokens in flight already take ``req`` to max_tokens or the context length
+        (then the step that would sample past them is not worth running)."""
+        pending = req.num_output_placeholders
+        if not pending:
+            return False
+        max_tokens = req.sampling_params.max_tokens
+        return ((max_tokens is not None and req.num_output_tokens + pending >= max_tokens)
+                or req.num_tokens + pending >= self.max_model_len)
+
     def _schedule_waiting(self, step: _Step) -> None:
-        """Waiting requests, while the budget, the batch and the KV cache allow."""
+        """Waiting requests, while the budget, the batch and the KV cache allow. Requests that
+        cannot start yet (outputs of a step before their preemption still in flight) are
+        skipped and keep their place (vLLM's ``skipped_waiting``)."""
+        skipped: list[Request] = []
+        try:
+            self._admit_waiting(step, skipped)
+        finally:
+            for req in reversed(skipped):
+                self.waiting.prepend(req)
+
+    def _admit_waiting(self, step: _Step, skipped: list[Request]) -> None:
         bs = self.block_size
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
+            if req.num_output_placeholders:
+                skipped.append(self.waiting.pop())
+                continue
             hits = self.kv.get_computed_blocks(self._lookup_hashes(req))
             computed = len(hits) * bs
             n = self._num_new_tokens(req, computed, step.budget)
+            if self._partial_prefills_full(req, computed, n, step):
+                skipped.append(self.waiting.pop())    # a prompt that fits whole may pass it
+                continue
             watermark = self.watermark_blocks if (self.running or step.num_tokens) else 0
             blocks = self.kv.allocate_slots(req.request_id, computed + n, req.block_hashes, hits, watermark)
             if blocks is None:
@@ -237,6 +298,29 @@ class Scheduler:
             step.new_block_ids[req] = blocks
             step.admitted.add(req)
             step.budget -= n
+            self._count_partial(req, computed, n, step)
+
+    def _is_partial(self, req: Request, computed: int, n: int) -> tuple[bool, bool]:
+        """Whether ``req``'s prompt is still part-way computed after ``n`` more tokens, and
+        whether it is a long one (more than long_prefill_token_threshold tokens left)."""
+        left = req.num_tokens + req.num_output_placeholders - computed
+        threshold = self.config.long_prefill_token_threshold
+        return n < left, 0 < threshold < left
+
+    def _count_partial(self, req: Request, computed: int, n: int, step: _Step) -> None:
+        partial, long = self._is_partial(req, computed, n)
+        if partial:
+            step.partial_prefills += 1
+            step.long_partial_prefills += long
+
+    def _partial_prefills_full(self, req: Request, computed: int, n: int, step: _Step) -> bool:
+        """Whether admitting ``req`` would leave more prompts part-way computed than
+        max_num_partial_prefills (or long ones than max_long_partial_prefills) allow."""
+        partial, long = self._is_partial(req, computed, n)
+        if not partial:
+            return False
+        return (step.partial_prefills >= self.config.max_num_partial_prefills
+                or (long and step.long_partial_prefills >= self.config.max_long_partial_prefills))
 
     def _lookup_hashes(self, req: Request) -> list:
         """The block hashes a waiting request may hit: capped so its last token is computed;
@@ -246,7 +330,7 @@ class Scheduler:
         return req.block_hashes[:(req.num_tokens - 1) // self.block_size]
 
     def _num_new_tokens(self, req: Request, computed: int, budget: int) -> int:
-        n = req.num_tokens - computed
+        n = req.num_tokens + req.num_output_placeholders - computed
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n and len(self.running) + len(self.waiting) > 1:
             n = threshold
@@ -275,7 +359,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         self.waiting.prepend(req)
 
-    def _output(self, step: _Step) -> SchedulerOutput:
+    def _output(self, step: _Step, sampling: list[Request]) -> SchedulerOutput:
         """The workers' step message: new requests in full, the others as diffs."""
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
@@ -295,21 +379,31 @@ class Scheduler:
             self._finished_for_workers = []
         else:
             self._finished_for_workers = finished
-        grammar_ids = self._sampling_constrained(step)
+        grammar_ids = []
+        if self.structured is not None:
+            for req in sampling:
+                if req.request_id in self.structured:
+                    if req.num_output_placeholders:
+                        raise RuntimeError(f"request {req.request_id}'s matcher has not seen its tokens in "
+                                           "flight: settle the steps in flight first (grammar_needs_outputs)")
+                    grammar_ids.append(req.request_id)
         return SchedulerOutput(self.counters.step, new_reqs, cached, num_scheduled,
                                sum(num_scheduled.values()), finished, grammar_ids,
                                self.structured.fill_bitmask(grammar_ids) if grammar_ids else None)
 
-    def _sampling_constrained(self, step: _Step) -> list[str]:
-        """The requests with a grammar that sample this step (their tokens all computed)."""
-        if self.structured is None:
-            return []
-        return [req.request_id for req in step.num_tokens
-                if req.request_id in self.structured and req.num_computed_tokens == req.num_tokens]
+    def grammar_needs_outputs(self) -> bool:
+        """Whether a running request with a grammar has tokens in flight: its matcher must see
+        them before the next step's bitmask, so the steps in flight are settled first."""
+        return self.structured is not None and any(
+            req.num_output_placeholders and req.request_id in self.structured for req in self.running)
 
     # -- the step's results ------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, check stop conditions, and finish requests that are done."""
+        for rid in self._in_flight.pop(so.step, ()):
+            req = self.requests.get(rid)
+            if req is not None and req.num_output_placeholders:
+                req.num_output_placeholders -= 1
         outs = []
         for rid, sampled in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)

@@ -3,7 +3,7 @@ allocate the KV cache, then run one step per message."""
 from __future__ import annotations
 
 import time
-
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
@@ -42,9 +42,15 @@ class StepStatus(Msg):
     step: int
 
 
+class StepOutOfOrder(RuntimeError):
+    """A step came before the step it follows (that one was lost on the way and is being sent
+    again): it is refused without running, and sent again after its predecessor."""
+
+
 WorkerProtocol = LoadModel | InitKVCache | SchedulerOutput | StepStatus
 
 LOAD_TIMEOUT_S = 600.0
+RECENT_STEPS = 8                 # outputs kept for StepStatus (async scheduling keeps two in flight)
 
 
 class WorkerActor(Actor):
@@ -52,20 +58,27 @@ class WorkerActor(Actor):
 
     def __init__(self) -> None:
         self.core: Worker | None = None            # until LoadModel
-        self.last_step = StepResult(False)         # the output of the last step run, for StepStatus
-        self.last_step_number = -1
+        self.recent: OrderedDict[int, ModelRunnerOutput] = OrderedDict()   # for StepStatus
+        self.last_step_number = -1                 # the last step taken (run, or failed)
 
     async def receive(self, msg: WorkerProtocol) -> Any:
         match msg:
             case SchedulerOutput():
                 self.ctx.link(list(msg.num_scheduled_tokens))
+                if msg.prev_step >= 0 and msg.prev_step != self.last_step_number:
+                    raise StepOutOfOrder(f"step {msg.step} follows step {msg.prev_step}, but the last "
+                                         f"step here was {self.last_step_number}")
+                self.last_step_number = msg.step
                 t0 = time.perf_counter()
                 out = self._loaded().execute_model(msg)
                 out.worker_s = time.perf_counter() - t0
-                self.last_step, self.last_step_number = StepResult(True, out), msg.step
+                self.recent[msg.step] = out
+                while len(self.recent) > RECENT_STEPS:
+                    self.recent.popitem(last=False)
                 return out
             case StepStatus(step=step):
-                return self.last_step if step == self.last_step_number else StepResult(False)
+                out = self.recent.get(step)
+                return StepResult(out is not None, out)
             case LoadModel(config=config):
                 # The core imports torch and the models: imported here, at the first load, and
                 # not with this protocol, which the engine-core process imports without torch.

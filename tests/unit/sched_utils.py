@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import zlib
+from collections import deque
+from typing import Callable
 
 from actors.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from actors.kv_manager.manager import KVCacheManager
@@ -42,7 +44,10 @@ def add(s: Scheduler, rid: str, prompt: int | list[int], max_tokens: int = 8, pr
 
 class FakeWorker:
     """Writes each scheduled token id into its slot, so cached blocks can be checked against
-    their hashes, and samples ``token`` for every request whose prompt is complete."""
+    their hashes, and samples ``token`` (or ``token(tokens so far)``) for every request whose
+    tokens are all computed. It keeps its own copy of each request's tokens, as the real worker
+    does, so a step planned before the previous one's output came back computes the token sampled
+    there."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.bs = block_size
@@ -50,7 +55,7 @@ class FakeWorker:
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
 
-    def run(self, so: SchedulerOutput, token: int) -> ModelRunnerOutput:
+    def run(self, so: SchedulerOutput, token: int | Callable[[list[int]], int]) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self.tokens.pop(rid, None)
             self.blocks.pop(rid, None)
@@ -68,9 +73,10 @@ class FakeWorker:
                 slot = self.blocks[rid][pos // self.bs] * self.bs + pos % self.bs
                 self.slots[slot] = self.tokens[rid][pos]
             done = start + n == len(self.tokens[rid])
-            sampled.append([token] if done else [])
+            tok = token(self.tokens[rid]) if callable(token) else token
+            sampled.append([tok] if done else [])
             if done:
-                self.tokens[rid].append(token)
+                self.tokens[rid].append(tok)
         return ModelRunnerOutput(list(so.num_scheduled_tokens), sampled)
 
 
@@ -88,16 +94,48 @@ class Harness:
     def step(self, token: int = 7, check: bool = True) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """One engine step: schedule, run on the fake worker, update; then the KV manager's
         integrity check."""
+        so = self.schedule()
+        outs = self.s.update_from_output(so, self.worker.run(so, token))
+        if check:
+            self.kv.check_integrity()
+        return so, outs
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step, its requests' block hashes noted (for check_cached_contents)."""
         so = self.s.schedule()
         bs = self.kv.block_size
         for rid in so.num_scheduled_tokens:
             req = self.s.requests[rid]
             for i, bh in enumerate(req.block_hashes):
                 self.hash_tokens[bh] = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
-        outs = self.s.update_from_output(so, self.worker.run(so, token))
+        return so
+
+
+class AsyncHarness(Harness):
+    """As Harness, but stepped as the scheduler actor does with async scheduling: step N+1 is
+    planned (and run by the in-order worker) before step N's output is handed back."""
+
+    def __init__(self, num_blocks: int = 64, **cfg) -> None:
+        super().__init__(num_blocks, **cfg)
+        self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+
+    def step(self, token=7, check: bool = True) -> tuple[SchedulerOutput | None, list[EngineCoreOutput]]:
+        """Plan and run the next step; hand back the oldest output once two are in flight (or
+        when nothing new was planned). Returns the planned step and the outputs handed back."""
+        so, outs = None, []
+        if self.s.has_work():
+            planned = self.schedule()
+            if planned.num_scheduled_tokens:
+                so = planned
+                self.in_flight.append((so, self.worker.run(so, token)))
+        if self.in_flight and (len(self.in_flight) >= 2 or so is None):
+            outs += self.s.update_from_output(*self.in_flight.popleft())
         if check:
             self.kv.check_integrity()
         return so, outs
+
+    def busy(self) -> bool:
+        return self.s.has_work() or bool(self.in_flight)
 
 
 def held_blocks(kv: KVCacheManager) -> int:

@@ -53,7 +53,8 @@ def test_token_budget_limits_what_joins_a_step():
 
 
 def test_long_prefill_threshold_caps_chunks_but_not_a_lone_request():
-    h = Harness(long_prefill_token_threshold=4, max_num_batched_tokens=64)
+    h = Harness(long_prefill_token_threshold=4, max_num_batched_tokens=64, max_num_partial_prefills=2,
+                max_long_partial_prefills=2)
     h.add("alone", 12)
     so, _ = h.step()
     assert so.num_scheduled_tokens == {"alone": 12}
@@ -311,3 +312,51 @@ def test_requests_running_when_the_worker_died_are_recomputed_then_fail_past_the
         h.step()
     assert sorted((o.request_id, o.finish_reason) for o in outs) == [("a", "error"), ("b", "error")]
     assert "died 3 times" in outs[0].error and not h.s.has_work()
+
+
+def test_one_prompt_is_part_way_computed_at_a_time_by_default_and_whole_prompts_pass_it():
+    h = Harness(long_prefill_token_threshold=4, max_num_batched_tokens=64)
+    h.add("x", 12)
+    h.add("y", 12)
+    h.add("short", 3)
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"x": 4, "short": 3}      # y would be a second partial prompt
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"x": 4, "short": 1}
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"x": 4, "short": 1, "y": 4}   # x's last chunk: y may start
+
+
+def test_max_long_partial_prefills_lets_short_prompts_pass_long_ones():
+    h = Harness(long_prefill_token_threshold=8, max_num_batched_tokens=20, max_num_partial_prefills=2,
+                max_long_partial_prefills=1)
+    h.add("long-1", 30)
+    h.add("long-2", 30)
+    h.add("short", 8)
+    h.add("short-2", 8)
+    so, _ = h.step()
+    # long-1 takes 8 (capped), long-2 would be a second long partial prompt, short fits whole,
+    # short-2 gets the 4 tokens left: a second partial prompt, but not a long one
+    assert so.num_scheduled_tokens == {"long-1": 8, "short": 8, "short-2": 4}
+
+
+def test_async_scheduling_plans_no_step_past_max_tokens_and_drops_a_stopped_requests_extra_token():
+    from sched_utils import AsyncHarness
+    h = AsyncHarness()
+    h.add("capped", 4, max_tokens=2)
+    h.add("stops", 4, max_tokens=10)
+    so, _ = h.step(token=7)                          # both prompts; nothing back yet
+    assert so.num_scheduled_tokens == {"capped": 4, "stops": 4}
+    so, outs = h.step(token=7)                       # their first tokens are in flight ...
+    assert so.num_scheduled_tokens == {"capped": 1, "stops": 1}       # ... and computed already
+    assert {o.request_id: o.new_token_ids for o in outs} == {"capped": [7], "stops": [7]}
+    so, outs = h.step(token=EOS)                     # capped has its 2 tokens in flight: not planned
+    assert so.num_scheduled_tokens == {"stops": 1}
+    assert {o.request_id: (o.new_token_ids, o.finish_reason) for o in outs} == {
+        "capped": ([7], "length"), "stops": ([7], None)}
+    so, outs = h.step(token=7)                       # stops' EOS comes back: its planned step is waste
+    assert {o.request_id: (o.new_token_ids, o.finish_reason) for o in outs} == {"stops": ([EOS], "stop")}
+    while h.busy():
+        _, outs = h.step(token=7)
+        assert not outs                              # the extra token sampled for it is dropped
+    assert h.kv.pool.num_free_blocks == h.kv.pool.num_usable_blocks
