@@ -76,6 +76,7 @@ class ModelRunner:
         backend = getattr(self._first_attn, "backend", None)
         self.cascade = (not config.model.disable_cascade_attn and getattr(backend, "supports_cascade", False)
                         and self.arch.max_sliding_window is None)
+        self.cascade_min_prefix = getattr(backend, "cascade_min_prefix", 0)
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""
@@ -113,7 +114,8 @@ class ModelRunner:
         slot_mapping = block_table[row, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = start + n
         prefix_len = (cascade_prefix_len(block_table, b.num_blocks[slots], start, n, bs, self.arch.num_heads,
-                                         self.arch.num_kv_heads) if self.cascade else 0)
+                                         self.arch.num_kv_heads, min_prefix=self.cascade_min_prefix)
+                      if self.cascade else 0)
         sample_rows = np.flatnonzero(seq_lens == b.num_tokens[slots])      # prompt complete
         meta = AttentionMetadata(
             num_reqs=len(slots), num_tokens=int(cu[-1]), max_query_len=int(n.max()),

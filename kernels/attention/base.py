@@ -78,6 +78,7 @@ class AttentionBackend(ABC):
     block_sizes: ClassVar[tuple[int, ...] | None] = None     # None: any
     supports_sliding_window: ClassVar[bool] = False
     supports_cascade: ClassVar[bool] = False        # uses meta.common_prefix_len
+    cascade_min_prefix: ClassVar[int] = 256         # the shortest shared prefix worth a cascade here
     cudagraph_support: ClassVar[CudaGraphSupport] = "never"
 
     @classmethod

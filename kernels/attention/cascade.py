@@ -50,12 +50,13 @@ def common_prefix_len(block_table: np.ndarray, num_blocks: np.ndarray, num_compu
 
 
 def use_cascade_attention(prefix_len: int, query_lens: np.ndarray, num_heads: int, num_kv_heads: int,
-                          sliding_window: int | None = None) -> bool:
+                          sliding_window: int | None = None, min_prefix: int = MIN_PREFIX_TOKENS) -> bool:
     """Whether cascade attention should beat plain attention for a step whose B requests (query
     lengths ``query_lens``) share ``prefix_len`` tokens.
 
-    Refused outright for a prefix under MIN_PREFIX_TOKENS, under MIN_REQUESTS requests, or a
-    sliding window. Otherwise a rough cost model, in key reads (one prefix position's K and V
+    Refused outright for a prefix under ``min_prefix`` tokens (MIN_PREFIX_TOKENS, or more for a
+    backend whose plain path is cheaper: ``AttentionBackend.cascade_min_prefix``), under
+    MIN_REQUESTS requests, or a sliding window. Otherwise a rough cost model, in key reads (one prefix position's K and V
     read by one pass, per KV head; both paths do the same multiply-adds, what differs is how
     often the prefix is read and the merge):
 
@@ -69,7 +70,7 @@ def use_cascade_attention(prefix_len: int, query_lens: np.ndarray, num_heads: in
     Decode steps (q_i = 1) gain about B-fold on the prefix; long prompt chunks fill their tiles
     already, so there cascade only adds the merge and is refused."""
     B = len(query_lens)
-    if prefix_len < MIN_PREFIX_TOKENS or B < MIN_REQUESTS or sliding_window is not None:
+    if prefix_len < max(min_prefix, MIN_PREFIX_TOKENS) or B < MIN_REQUESTS or sliding_window is not None:
         return False
     G = num_heads // num_kv_heads
     q = np.asarray(query_lens, dtype=np.int64)
@@ -81,13 +82,13 @@ def use_cascade_attention(prefix_len: int, query_lens: np.ndarray, num_heads: in
 
 def cascade_prefix_len(block_table: np.ndarray, num_blocks: np.ndarray, num_computed_tokens: np.ndarray,
                        query_lens: np.ndarray, block_size: int, num_heads: int, num_kv_heads: int,
-                       sliding_window: int | None = None) -> int:
+                       sliding_window: int | None = None, min_prefix: int = MIN_PREFIX_TOKENS) -> int:
     """The step's ``AttentionMetadata.common_prefix_len``: the shared prefix
     (``common_prefix_len``) when ``use_cascade_attention`` takes it, else 0."""
     if len(query_lens) < MIN_REQUESTS or sliding_window is not None:
         return 0
     P = common_prefix_len(block_table, num_blocks, num_computed_tokens, block_size)
-    return P if use_cascade_attention(P, query_lens, num_heads, num_kv_heads, sliding_window) else 0
+    return P if use_cascade_attention(P, query_lens, num_heads, num_kv_heads, sliding_window, min_prefix) else 0
 
 
 class SuffixView(NamedTuple):
@@ -111,8 +112,12 @@ def gather_prefix(kv_cache: torch.Tensor, meta: AttentionMetadata, dtype: torch.
     request's blocks (an fp8 cache dequantized: fp8 * scale)."""
     _, _, bs, KVH, D = kv_cache.shape
     P = meta.common_prefix_len
-    blocks = meta.block_table[0, :P // bs].long()                           # (P / bs,)
-    kv = kv_cache.index_select(1, blocks)                                   # (2, P / bs, bs, KVH, D)
+    blocks = meta.block_table[0, :P // bs]                                  # (P / bs,)
+    first = int(blocks[0])
+    if kv_cache.device.type == "cpu" and bool((blocks == first + torch.arange(len(blocks))).all()):
+        kv = kv_cache[:, first:first + len(blocks)]                        # consecutive blocks: a view
+    else:
+        kv = kv_cache.index_select(1, blocks.long())                       # (2, P / bs, bs, KVH, D)
     k = dequantize_kv(kv[0].reshape(P, KVH, D), k_scale, dtype)
     v = dequantize_kv(kv[1].reshape(P, KVH, D), v_scale, dtype)
     return k, v

@@ -174,3 +174,10 @@ def test_the_cascade_path_reads_the_prefix_once_through_the_first_requests_block
     plain = CpuAttentionBackend(native).forward(query, key, value, cache.clone(),
                                                 dataclasses.replace(lying, common_prefix_len=0), D ** -0.5)
     assert not torch.allclose(plain[1], honest[1])
+
+
+def test_a_backend_may_ask_for_a_longer_shared_prefix():
+    decodes = np.ones(16, dtype=np.int64)
+    assert use_cascade_attention(512, decodes, 9, 3)
+    assert not use_cascade_attention(512, decodes, 9, 3, min_prefix=CpuAttentionBackend.cascade_min_prefix)
+    assert use_cascade_attention(2048, decodes, 9, 3, min_prefix=CpuAttentionBackend.cascade_min_prefix)
