@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.attention import CpuAttentionBackend, build_attention_metadata, reference_paged_attention
+from helpers import shared_prefix_metadata
+from kernels.attention import CpuAttentionBackend, reference_paged_attention
 from kernels.attention.cascade import (MIN_PREFIX_TOKENS, MIN_REQUESTS, cascade_prefix_len, common_prefix_len,
                                        merge_attn_states, use_cascade_attention)
 
@@ -22,24 +23,11 @@ MIXED = [(0, 1), (5, 9), (0, 16), (30, 1), (12, 33), (2, 1), (47, 1), (0, 3), (2
 
 def shared_prefix_case(reqs, prefix_blocks: int, num_heads: int, num_kv_heads: int, seed: int = 0,
                        kv_dtype: torch.dtype = torch.float32, num_padding: int = 0):
-    """Requests whose first ``prefix_blocks`` blocks are the same physical blocks, then blocks of
-    their own in shuffled order; a random cache; q/k/v for the step. -> (query, key, value,
-    cache, meta with common_prefix_len set)."""
+    """Requests sharing their first ``prefix_blocks`` pages, a random cache, q/k/v for the step.
+    -> (query, key, value, cache, meta with common_prefix_len set)."""
     gen = torch.Generator().manual_seed(seed)
-    P = prefix_blocks * BS
-    own = [-(-(P + c + q) // BS) - prefix_blocks for c, q in reqs]
-    num_blocks = 1 + prefix_blocks + sum(own) + 2
-    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()    # block 0 left for padding
-    shared, rest = ids[:prefix_blocks], ids[prefix_blocks:]
-    tables = []
-    for n in own:
-        tables.append(shared + rest[:n])
-        rest = rest[n:]
-    query_lens = [q for _, q in reqs]
-    seq_lens = [P + c + q for c, q in reqs]
-    T = sum(query_lens) + num_padding
-    meta = build_attention_metadata(query_lens, seq_lens, tables, BS, num_tokens=T)
-    meta = dataclasses.replace(meta, common_prefix_len=P)
+    meta, num_blocks = shared_prefix_metadata(reqs, prefix_blocks, BS, gen, num_padding)
+    T = meta.num_tokens
     query = torch.randn(T, num_heads, D, generator=gen)
     key = torch.randn(T, num_kv_heads, D, generator=gen)
     value = torch.randn(T, num_kv_heads, D, generator=gen)
