@@ -212,7 +212,8 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--disable-cascade-attn",), "disable_cascade_attn", dict(
             action=argparse.BooleanOptionalAction, default=d["disable_cascade_attn"],
             help="never use cascade attention (by default a step whose requests share a prefix of 256+ "
-                 "tokens, 8+ requests, attends that prefix once for all when a cost model says it pays)")),
+                 "tokens, 1,024+ on the CPU, 8+ requests, attends that prefix once for all when a cost model "
+                 "says it pays)")),
         (("--quantization", "-q"), "quantization", dict(
             default=d["quantization"], choices=QUANTIZATIONS,
             help="'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively with float32 activations "

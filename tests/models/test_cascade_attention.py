@@ -169,3 +169,13 @@ def test_a_backend_may_ask_for_a_longer_shared_prefix():
     assert use_cascade_attention(512, decodes, 9, 3)
     assert not use_cascade_attention(512, decodes, 9, 3, min_prefix=CpuAttentionBackend.cascade_min_prefix)
     assert use_cascade_attention(2048, decodes, 9, 3, min_prefix=CpuAttentionBackend.cascade_min_prefix)
+
+
+def test_disable_cascade_attn_reaches_the_model_config():
+    import argparse
+
+    from actors.engine.args import EngineArgs
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    assert EngineArgs.from_cli_args(p.parse_args(["--disable-cascade-attn"])).disable_cascade_attn
+    assert not EngineArgs.from_cli_args(p.parse_args([])).disable_cascade_attn
