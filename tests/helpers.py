@@ -75,3 +75,27 @@ def shuffled_paged_metadata(reqs, block_size: int, gen, num_padding: int = 0, sp
     meta = build_attention_metadata([q for _, q in reqs], [ctx + q for ctx, q in reqs], block_tables, block_size,
                                     num_tokens=sum(q for _, q in reqs) + num_padding)
     return meta, num_blocks
+
+
+def shared_prefix_metadata(reqs, prefix_blocks: int, block_size: int, gen, num_padding: int = 0):
+    """Metadata for requests given as (tokens cached after the shared prefix, query length)
+    whose first ``prefix_blocks`` pages are the same pages (a shared system prompt), then pages
+    of their own, shuffled; page 0 left to padding; common_prefix_len set to the prefix.
+    -> (metadata, number of pages the cache needs)."""
+    import dataclasses
+
+    import torch
+
+    from kernels.attention import build_attention_metadata
+    P = prefix_blocks * block_size
+    own = [-(-(P + c + q) // block_size) - prefix_blocks for c, q in reqs]
+    num_blocks = 1 + prefix_blocks + sum(own) + 2
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    shared, rest = ids[:prefix_blocks], ids[prefix_blocks:]
+    tables = []
+    for n in own:
+        tables.append(shared + rest[:n])
+        rest = rest[n:]
+    meta = build_attention_metadata([q for _, q in reqs], [P + c + q for c, q in reqs], tables, block_size,
+                                    num_tokens=sum(q for _, q in reqs) + num_padding)
+    return dataclasses.replace(meta, common_prefix_len=P), num_blocks

@@ -57,7 +57,7 @@ REFUSED: dict[str, str] = {
     "--ignore-patterns": _LOADING, "--use-tqdm-on-load": _LOADING, "--pt-load-map-location": _LOADING,
     "--config-format": _LOADING, "--skip-tokenizer-init": _LOADING, "--model-impl": _LOADING,
     "--rope-scaling": _LOADING, "--rope-theta": _LOADING, "--override-attention-dtype": _LOADING,
-    "--disable-sliding-window": _LOADING, "--disable-cascade-attn": _LOADING,
+    "--disable-sliding-window": _LOADING,
     "--max-seq-len-to-capture": _COMPILE, "--config": "Troupe reads its options from the command line only",
     "--quantization-param-path": _LOADING,
     # what the model is run for
@@ -139,7 +139,7 @@ BOOLEAN = frozenset({
     "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--enable-expert-parallel", "--enable-dbo",
     "--disable-nccl-for-dp-synchronization", "--enable-eplb", "--eplb-log-balancedness",
     "--ray-workers-use-nsight", "--disable-custom-all-reduce", "--disable-frontend-multiprocessing",
-    "--use-tqdm-on-load", "--skip-tokenizer-init", "--disable-sliding-window", "--disable-cascade-attn",
+    "--use-tqdm-on-load", "--skip-tokenizer-init", "--disable-sliding-window",
     "--enable-prompt-embeds", "--enable-sleep-mode", "--enable-mm-embeds", "--interleave-mm-strings",
     "--skip-mm-profiling", "--enable-lora", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input", "--disable-hybrid-kv-cache-manager",

@@ -25,6 +25,7 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     enforce_eager: bool = False
+    disable_cascade_attn: bool = False
     quantization: str | None = None
     logprobs_mode: str = "raw_logprobs"
     chat_template: str | None = None
@@ -75,6 +76,7 @@ class EngineArgs:
             model=ModelConfig(source=source, dtype=self.dtype,
                               quantization=self.quantization, max_model_len=self.max_model_len,
                               seed=self.seed, enforce_eager=self.enforce_eager,
+                              disable_cascade_attn=self.disable_cascade_attn,
                               logprobs_mode=self.logprobs_mode,
                               chat_template=load_chat_template(self.chat_template),
                               served_model_names=(names,) if isinstance(names, str) else tuple(names or ()),
@@ -215,6 +217,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--enforce-eager",), "enforce_eager", dict(
             action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
             help="never capture CUDA graphs (GPU only; for debugging)")),
+        (("--disable-cascade-attn",), "disable_cascade_attn", dict(
+            action=argparse.BooleanOptionalAction, default=d["disable_cascade_attn"],
+            help="never use cascade attention (by default a step whose requests share a prefix of 256+ "
+                 "tokens, 1,024+ on the CPU, 8+ requests, attends that prefix once for all when a cost model "
+                 "says it pays)")),
         (("--quantization", "-q"), "quantization", dict(
             default=d["quantization"], choices=QUANTIZATIONS,
             help="'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively with float32 activations "

@@ -37,6 +37,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 0                 # 0: the model's own, capped by the KV cache
     seed: int = 0
     enforce_eager: bool = False            # CUDA: no graph capture, every step eager
+    disable_cascade_attn: bool = False     # never attend a batch's shared prefix once for all (cascade)
     logprobs_mode: str = "raw_logprobs"    # what returned log-probs are (LOGPROBS_MODES)
     chat_template: str | None = None       # used instead of the checkpoint's
     served_model_names: tuple[str, ...] = ()   # the names the API answers to; (): the source's name

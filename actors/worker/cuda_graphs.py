@@ -55,7 +55,9 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 def is_uniform_decode(meta: AttentionMetadata) -> bool:
-    return meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs
+    """One query per request, no padding, and no cascade: a cascade step runs eagerly (a graph
+    captures plain attention), as vLLM does."""
+    return meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs and not meta.common_prefix_len
 
 
 class DecodeBuffers:

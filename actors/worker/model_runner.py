@@ -9,6 +9,10 @@ to the device: uniform decode steps through the padded buffers of ``CudaGraphRun
 replay once captured), every other step as plain tensors for an eager forward. On the CPU the
 step runs on the prepared tensors directly, unless ``cudagraph_sizes`` asks for the padded path
 (tests use it to check padding without a GPU).
+
+When the step's requests share a long prefix in the same blocks, the metadata carries its length
+for cascade attention (kernels/attention/cascade.py; off with ``--disable-cascade-attn``, and for
+models with a sliding window or a backend without it); such a step runs eagerly.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from actors.kv_manager.kv_cache_spec import create_kv_cache_views, model_kv_cach
 from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.input_batch import InputBatch
 from kernels.attention.base import AttentionMetadata
+from kernels.attention.cascade import cascade_prefix_len
 from kernels.attention.fp8 import FP8_NAMES
 from models.layers import first_attention
 from models.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
@@ -68,6 +73,10 @@ class ModelRunner:
         self.graphs = (CudaGraphRunner(model, self.kv_caches, cudagraph_sizes, max_model_len, bs,
                                        self.device) if cudagraph_sizes else None)
         self._first_attn = first_attention(model)   # its calculate_kv_scales: the next step runs eagerly
+        backend = getattr(self._first_attn, "backend", None)
+        self.cascade = (not config.model.disable_cascade_attn and getattr(backend, "supports_cascade", False)
+                        and self.arch.max_sliding_window is None)
+        self.cascade_min_prefix = getattr(backend, "cascade_min_prefix", 0)
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""
@@ -104,6 +113,9 @@ class ModelRunner:
         block_table = b.block_table[slots, :max_blocks]                    # (B, max_blocks)
         slot_mapping = block_table[row, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = start + n
+        prefix_len = (cascade_prefix_len(block_table, b.num_blocks[slots], start, n, bs, self.arch.num_heads,
+                                         self.arch.num_kv_heads, min_prefix=self.cascade_min_prefix)
+                      if self.cascade else 0)
         sample_rows = np.flatnonzero(seq_lens == b.num_tokens[slots])      # prompt complete
         meta = AttentionMetadata(
             num_reqs=len(slots), num_tokens=int(cu[-1]), max_query_len=int(n.max()),
@@ -111,7 +123,7 @@ class ModelRunner:
             query_start_loc=torch.from_numpy(cu.astype(np.int32)),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
             block_table=torch.from_numpy(np.ascontiguousarray(block_table)),
-            slot_mapping=torch.from_numpy(slot_mapping), block_size=bs)
+            slot_mapping=torch.from_numpy(slot_mapping), block_size=bs, common_prefix_len=prefix_len)
         return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, slots,
                           sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1))
 

@@ -26,6 +26,8 @@ class AttentionMetadata:
     block_table: torch.Tensor       # (B, max_blocks) int32, physical block ids, padding points at block 0
     slot_mapping: torch.Tensor      # (T,) int64, block_id * block_size + offset; -1 = padding, not written
     block_size: int
+    common_prefix_len: int = 0      # P: tokens every request holds in the same first blocks (0 = none); a
+                                    # multiple of block_size, every query at a position >= P (cascade.py)
 
     @property
     def is_pure_decode(self) -> bool:
@@ -60,6 +62,11 @@ class AttentionBackend(ABC):
     read is fp8 * scale (kernels/attention/fp8.py); ``k_scale`` / ``v_scale`` are the layer's
     float32 scalars on the cache's device (None: 1.0), unused by the other cache dtypes.
 
+    ``meta.common_prefix_len`` P > 0 says that the requests' first P / block_size block-table
+    entries are the same blocks and that every query lies at a position >= P: a backend that
+    ``supports_cascade`` may attend over that prefix once for all queries (cascade attention,
+    kernels/attention/cascade.py) when the layer has no sliding window; any backend may ignore it.
+
     Subclasses declare their capabilities; ``refusal`` turns them into a reason string.
     """
 
@@ -70,6 +77,8 @@ class AttentionBackend(ABC):
     head_sizes: ClassVar[tuple[int, ...] | None] = None      # None: any
     block_sizes: ClassVar[tuple[int, ...] | None] = None     # None: any
     supports_sliding_window: ClassVar[bool] = False
+    supports_cascade: ClassVar[bool] = False        # uses meta.common_prefix_len
+    cascade_min_prefix: ClassVar[int] = 256         # the shortest shared prefix worth a cascade here
     cudagraph_support: ClassVar[CudaGraphSupport] = "never"
 
     @classmethod

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
+from kernels.attention.cascade import gather_prefix, merge_attn_states, prefix_attention, suffix_view
 from kernels.attention.cpu_torch import attend, causal_self_attention, chunk_attention, gather_context
 from kernels.attention.fp8 import dequantize_kv, is_fp8, quantize_kv, store_rows_
 from kernels.cpu.native import KV_TYPES, available, declare, paged_decode, ptr, scale_tensor
@@ -37,6 +38,11 @@ class CpuAttentionBackend(AttentionBackend):
     With a sliding window every prompt chunk takes one batched ``attend`` instead, the path that
     masks a window, gathering only the blocks its queries can see. Decode rows are attended
     apart from prompt rows, so one long chunk does not pad every decode.
+
+    Cascade (``meta.common_prefix_len`` P > 0, no sliding window): the prefix's K/V gathered
+    once (fp8 dequantized) and every query of the step attended against it in one flash call per
+    layer (a GEMM per KV head); each request's positions P.. attended as above with their
+    log-sum-exps (native decode and chunk kernels, or one batched ``attend``); the two merged.
     """
 
     name = "cpu"
@@ -44,6 +50,10 @@ class CpuAttentionBackend(AttentionBackend):
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
     supports_sliding_window = True
+    supports_cascade = True
+    # Measured (python -m tools.bench cascade, 64 decodes): below ~1k shared tokens the native decode
+    # kernel, re-reading a short prefix from the CPU's caches, beats cascade's extra passes.
+    cascade_min_prefix = 1024
 
     def __init__(self, native: bool = True) -> None:
         # Decided once: the native kernels are used when asked for and they run on this CPU.
@@ -67,6 +77,8 @@ class CpuAttentionBackend(AttentionBackend):
         scales = _Scales(k_scale, v_scale)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         B = meta.num_reqs
+        if meta.common_prefix_len > 0 and sliding_window is None:
+            return self._cascade(query, kv_cache, meta, scale, scales)
         if meta.is_pure_decode and query.shape[0] == B:  # no padding: request i owns token i
             return self._decode(query, kv_cache, meta.block_table[:B], meta.seq_lens[:B], scale, sliding_window,
                                 scales)
@@ -127,6 +139,46 @@ class CpuAttentionBackend(AttentionBackend):
             out[a:a + n] = chunk_attention(query[a:a + n], k, v, dequantize_kv(k_ctx, scales.k, query.dtype),
                                            dequantize_kv(v_ctx, scales.v, query.dtype), scale)
 
+    def _cascade(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 scales: _Scales) -> torch.Tensor:
+        """Attention over the shared prefix for all queries at once, over each request's suffix
+        apart, merged by log-sum-exp."""
+        N = int(meta.query_start_loc[meta.num_reqs])          # tokens past N are padding
+        k, v = gather_prefix(kv_cache, meta, query.dtype, *scales)               # (P, KVH, D) each
+        p_out, p_lse = prefix_attention(query[:N], k, v, scale)                  # (N, H, D), (N, H)
+        s_out, s_lse = self._suffix(query[:N], kv_cache, meta, scale, scales)    # (N, H, D), (N, H)
+        out = query.new_zeros(query.shape)                                       # (T, H, D)
+        merge_attn_states(p_out, p_lse, s_out, s_lse, out=out[:N])
+        return out
+
+    def _suffix(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                scales: _Scales) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention of the step's N queries over their requests' positions past the
+        prefix: (out (N, H, D), lse (N, H) float32)."""
+        N, H, _ = query.shape
+        sv = suffix_view(meta)
+        qsl = meta.query_start_loc[:meta.num_reqs + 1].long()
+        reqs = _Requests(qsl[:-1], qsl[1:] - qsl[:-1], sv.seq_lens.long(), sv.block_table)
+        out, lse = torch.empty_like(query), torch.empty(N, H)
+        rest = torch.arange(meta.num_reqs)                    # requests left to the torch path
+        if self._native_takes_decode(query, kv_cache):
+            is_decode = reqs.query_lens == 1
+            decode, rest = is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)
+            if decode.numel():
+                tokens = reqs.starts[decode]                                    # (d,)
+                d_lse = torch.empty(len(tokens), H)
+                out[tokens] = paged_decode(query[tokens], kv_cache, reqs.block_table[decode],
+                                           reqs.seq_lens[decode], scale, None, *scales, lse=d_lse)
+                lse[tokens] = d_lse
+            if rest.numel() and _native_chunks(query, kv_cache, reqs.take(rest), out, scale, scales, lse):
+                return out, lse
+        if rest.numel():
+            r = reqs.take(rest)
+            o, tokens, r_lse = attend(query, kv_cache, r.block_table, r.seq_lens, r.starts, r.query_lens,
+                                      int(r.query_lens.max()), scale, None, *scales, with_lse=True)
+            out[tokens], lse[tokens] = o, r_lse
+        return out, lse
+
     def _native_takes_decode(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return self.native and query.dtype == torch.float32 and kv_cache.dtype in KV_TYPES
 
@@ -175,21 +227,25 @@ class _Requests(NamedTuple):
 
 def causal_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                    starts: torch.Tensor, lens: torch.Tensor, scale: float,
-                   kstarts: torch.Tensor | None = None, ctx: torch.Tensor | None = None) -> bool:
+                   kstarts: torch.Tensor | None = None, ctx: torch.Tensor | None = None,
+                   lse: torch.Tensor | None = None) -> bool:
     """Causal attention of prompt chunks in one native call (causal_prefill_f32 of
     kernels/cpu/paged_attention.c). Request i's queries are the rows starts[i] .. starts[i] +
     lens[i] of query (T, H, D); its keys and values the rows kstarts[i] .. kstarts[i] + ctx[i] +
     lens[i] of key, value (S, KVH, D): ctx[i] of cached context, then the chunk's own (without
     ``kstarts``/``ctx``: fresh prompts whose keys are the query's rows). All float32 with unit
     stride along D (strided rows and heads, e.g. views into a fused qkv, are read in place); the
-    requests' rows of out (T, H, D) are written. False, with nothing written, when the kernel
-    cannot take these tensors (the caller falls back to torch)."""
+    requests' rows of out (T, H, D) are written, and of ``lse`` (T, H) float32 with unit stride
+    along H when given: each row's log-sum-exp of its scaled scores. False, with nothing
+    written, when the kernel cannot take these tensors (the caller falls back to torch)."""
     T, H, D = query.shape
     KVH = key.shape[1]
     tensors = (query, key, value, out)
     if (any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(2) != 1 for t in tensors)
             or key.shape != value.shape or (kstarts is None and key.shape[0] != T) or key.shape[2] != D
             or out.shape != query.shape or KVH < 1 or H % KVH):
+        return False
+    if lse is not None and (lse.dtype != torch.float32 or lse.shape != (T, H) or lse.stride(1) != 1):
         return False
     st = starts.to(torch.int64).contiguous()                                   # (b,)
     ks = st if kstarts is None else kstarts.to(torch.int64).contiguous()       # (b,)
@@ -199,11 +255,11 @@ def causal_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), st.data_ptr(), ks.data_ptr(),
         ln.data_ptr(), cx.data_ptr(), st.numel(), H, KVH, D, query.stride(0), query.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), out.stride(0), out.stride(1),
-        scale) == 0
+        scale, ptr(lse), 0 if lse is None else lse.stride(0)) == 0
 
 
 def _native_chunks(query: torch.Tensor, kv_cache: torch.Tensor, reqs: _Requests, out: torch.Tensor,
-                   scale: float, scales: _Scales) -> bool:
+                   scale: float, scales: _Scales, lse: torch.Tensor | None = None) -> bool:
     """Prompt chunks after cached context through causal_prefill: every position's keys and
     values, the chunks' own included, gathered from the cache in one pass as float32 (S, KVH, D),
     S = sum(seq_lens), request after request (kv_gather: 16-bit rows widened, fp8 ones times
@@ -226,7 +282,7 @@ def _native_chunks(query: torch.Tensor, kv_cache: torch.Tensor, reqs: _Requests,
         raise IndexError(f"slot {int(slots[bad])} of position {bad} is outside the KV cache's "
                          f"{num_blocks * bs} slots")
     return causal_prefill(query, k, v, out, reqs.starts, reqs.query_lens, scale, kstarts,
-                          seq_lens - reqs.query_lens)
+                          seq_lens - reqs.query_lens, lse)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -274,7 +330,7 @@ def _kv_store_native(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Ten
 @lru_cache(maxsize=1)
 def _causal_prefill_kernel() -> ctypes._CFuncPtr:
     """paged_attention.c's causal_prefill_f32, declared once; RuntimeError when the kernels cannot run here."""
-    return declare("causal_prefill_f32", [_PTR] * 8 + [_I64] * 12 + [ctypes.c_float], _I64)
+    return declare("causal_prefill_f32", [_PTR] * 8 + [_I64] * 12 + [ctypes.c_float, _PTR, _I64], _I64)
 
 
 @lru_cache(maxsize=1)

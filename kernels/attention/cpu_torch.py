@@ -10,11 +10,12 @@ from kernels.attention.fp8 import dequantize_kv, is_fp8
 def attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            starts: torch.Tensor, query_lens: torch.Tensor, max_query_len: int, scale: float,
            sliding_window: int | None, k_scale: torch.Tensor | None = None,
-           v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           v_scale: torch.Tensor | None = None, with_lse: bool = False) -> tuple[torch.Tensor, ...]:
     """Attention for b requests whose queries are query[starts[i] : starts[i] + query_lens[i]],
     the last query_lens[i] of their seq_lens[i] (int64) tokens, in one SDPA call with every
     request's queries padded to max_query_len. Returns (outputs (n, H, D), their token indices
-    (n,)), n = sum(query_lens). An fp8 cache is read as fp8 * k_scale / v_scale.
+    (n,)), n = sum(query_lens), and with ``with_lse`` also each output row's log-sum-exp of its
+    scaled scores (n, H) float32. An fp8 cache is read as fp8 * k_scale / v_scale.
 
     Keys are gathered from a window of nb blocks per request starting at first_block[i]: block 0
     without a sliding window; with one, the block of the oldest key the first query can see, so
@@ -57,9 +58,16 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         mask &= key_pos[:, None, :] > pos[:, :, None] - sliding_window
     mask = mask[:, None].expand(b, G, Q, L).reshape(b, 1, G * Q, L)
 
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (b, KVH, G*Q, D)
+    if not with_lse:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (b, KVH, G*Q, D)
+        o = o.view(b, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(b, Q, H, D)
+        return o[valid], tokens[valid]
+    bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))   # (b, 1, G*Q, L)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o, lse = flash(q, k, v, 0.0, False, attn_mask=bias, scale=scale)    # (b, KVH, G*Q, D), (b, KVH, G*Q)
     o = o.view(b, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(b, Q, H, D)
-    return o[valid], tokens[valid]
+    lse = lse.view(b, KVH, G, Q).permute(0, 3, 1, 2).reshape(b, Q, H)
+    return o[valid], tokens[valid], lse[valid]
 
 
 def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

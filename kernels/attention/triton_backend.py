@@ -12,6 +12,11 @@ and its grid depends on (num_reqs, num_kv_heads, num_splits) only, since each pr
 its share of the context from the request's seq_len on the device. A graph captured for a batch
 size therefore replays correctly for any seq_lens. The prefill path has no host syncs either,
 but its grid follows max_query_len, so it is not captured.
+
+Cascade (``meta.common_prefix_len`` P > 0, no sliding window; never captured): the prefix kernel
+attends every query over the shared pages at once (kernels/triton/cascade.py), the prefill kernel
+attends each request's pages from P on and returns log-sum-exps, the merge kernel combines them.
+No host syncs: padding rows are zeroed on the device.
 """
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ import os
 import torch
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionRequirements
+from kernels.attention.cascade import suffix_view
 from kernels.triton import FP8_DTYPES, interpreting
+from kernels.triton.cascade import merge_attn_states, prefix_attention
 from kernels.triton.kv_store import store_kv_cache
 from kernels.triton.paged_decode import default_num_splits, paged_decode_attention
 from kernels.triton.paged_prefill import paged_prefill_attention
@@ -45,6 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
     head_sizes = None
     block_sizes = (16, 32, 64)
     supports_sliding_window = True
+    supports_cascade = True
     cudagraph_support = "uniform_decode"
 
     @classmethod
@@ -75,6 +83,8 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"kv_cache pages hold {kv_cache.shape[2]} tokens, metadata says {meta.block_size}")
         store_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         B = meta.num_reqs
+        if meta.common_prefix_len > 0 and sliding_window is None:
+            return self._cascade(query, kv_cache, meta, scale, k_scale, v_scale)
         if meta.is_pure_decode:
             # pure decode: request i owns token i (query_start_loc = 0, 1, ..., B); tokens past B are padding
             out = torch.empty_like(query)
@@ -86,3 +96,19 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_prefill_attention(query, kv_cache, meta.query_start_loc[:B + 1], meta.seq_lens[:B],
                                        meta.block_table[:B], meta.max_query_len, scale, sliding_window,
                                        k_scale=k_scale, v_scale=v_scale)
+
+    def _cascade(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+        """Shared prefix for all queries at once, each request's suffix apart, merged."""
+        B, T, H = meta.num_reqs, query.shape[0], query.shape[1]
+        sv = suffix_view(meta)
+        s_lse = torch.empty(T, H, dtype=torch.float32, device=query.device)
+        s_out = paged_prefill_attention(query, kv_cache, meta.query_start_loc[:B + 1], sv.seq_lens, sv.block_table,
+                                        meta.max_query_len, scale, None, k_scale=k_scale, v_scale=v_scale,
+                                        lse=s_lse)
+        prefix_blocks = meta.block_table[0, :meta.common_prefix_len // meta.block_size]
+        p_out, p_lse = prefix_attention(query, kv_cache, prefix_blocks, scale, k_scale, v_scale)
+        padding = torch.arange(T, device=query.device) >= meta.query_start_loc[B]      # (T,), on the device
+        p_lse.masked_fill_(padding[:, None], float("-inf"))
+        s_lse.masked_fill_(padding[:, None], float("-inf"))      # padding rows: no keys, zero output
+        return merge_attn_states(torch.empty_like(query), p_out, p_lse, s_out, s_lse)

@@ -447,10 +447,30 @@ static void pa_write(float *o, const float *acc, const float *l, int64_t H, int6
     }
 }
 
+static void pa_write_lse(float *lse, const float *m, const float *l, int64_t H) {
+    for (int64_t h = 0; h < H; h++) lse[h] = l[h] > 0.f ? m[h] + logf(l[h]) : -INFINITY;
+}
+
+void paged_decode_lse(const float *q, const void *kv, int64_t kt, const int32_t *table,
+                      const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                      int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window,
+                      const float *k_scale, const float *v_scale, float *lse);
+
 void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *table,
                   const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                   int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window,
                   const float *k_scale, const float *v_scale) {
+    paged_decode_lse(q, kv, kt, table, seq_lens, out, B, H, KVH, D, BS, num_blocks, max_blocks, scale, window,
+                     k_scale, v_scale, NULL);
+}
+
+/* paged_decode that also writes, when lse is not NULL, each (request, head)'s log-sum-exp of
+ * its scaled scores, lse (B, H) float32 (-inf for an empty context): what merging this
+ * attention with another over other keys needs. */
+void paged_decode_lse(const float *q, const void *kv, int64_t kt, const int32_t *table,
+                      const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                      int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window,
+                      const float *k_scale, const float *v_scale, float *lse) {
     if (B <= 0 || kt < PA_F32 || kt >= PA_KT_COUNT) return;
     int vec = 0;
 #ifdef __AVX512F__
@@ -527,6 +547,7 @@ void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *tab
                 float acc[PA_MAX_HEADS * PA_MAX_D] __attribute__((aligned(64)));
                 pa_range(&cx, qb, tab, H, KVH, p0, p1, m, l, acc);
                 pa_write(out + b * H * D, acc, l, H, D, cx.vmul);
+                if (lse) pa_write_lse(lse + b * H, m, l, H);
             } else {
                 float *pm = part + i * part_stride;
                 pa_range(&cx, qb, tab, H, KVH, p0, p1, pm, pm + H, pm + 2 * H);
@@ -558,6 +579,7 @@ void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *tab
                     const float inv = L > 0.f ? cx.vmul / L : 0.f;
                     #pragma omp simd
                     for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+                    if (lse) lse[b * H + h] = L > 0.f ? M + logf(L) : -INFINITY;
                 }
             }
         }
@@ -578,6 +600,8 @@ void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *tab
  *   k, v (S, KVH, D)  rows ks0 / vs0 apart, heads ks1 / vs1 apart               float32
  *   out  (T, H, D)    rows os0 apart, heads os1 apart; only the requests' rows are written
  *   qstarts, kstarts, lens, ctx (R,) int64
+ *   lse  (T, H)       rows ls0 apart, heads contiguous, or NULL: each written query row's
+ *                     log-sum-exp of its scaled scores (for merging with attention over other keys)
  *
  * Flash-attention style: work items are (request, KV head, query tile of 16 positions, aligned
  * with the key tiles, so a chunk's first and last tiles may hold fewer queries), the longest
@@ -644,7 +668,7 @@ static inline __m512 cp_max16(const __m512 *v) {
 static inline __attribute__((always_inline)) void
 cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
            const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
-           int G, int64_t Dr, float scale, float *ws) {
+           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0) {
     const int64_t DV = DVc ? DVc : Dr / 16, D = 16 * DV;
     float *Qs = ws;                                  /* [G][16][D], scaled, padded rows zero */
     float *acc = Qs + (int64_t)G * CP_TILE * D;      /* [G][16][D] */
@@ -716,17 +740,20 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
             float *dst = o0 + (r - r0) * os0 + h * os1;
             for (int64_t d = 0; d < D; d += 16)
                 _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(a + d), inv));
+            if (lse0) lse0[(r - r0) * ls0 + h] = l > 0.f ? mv[h * CP_TILE + r] + logf(l) : -INFINITY;
         }
 }
 
 typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
-                           float *, int64_t, int64_t, int64_t, int, int, int, int64_t, float, float *);
+                           float *, int64_t, int64_t, int64_t, int, int, int, int64_t, float, float *,
+                           float *, int64_t);
 #define CP_ITEM_FN(DV)                                                                             \
     static void cp_item512_##DV(const float *q0, int64_t qs0, int64_t qs1, const float *kT,        \
                                 int64_t kstep, const float *V0, int64_t vs0, float *o0, int64_t os0, \
                                 int64_t os1, int64_t qt, int r0, int nq, int G, int64_t D,          \
-                                float scale, float *ws) {                                          \
-        cp_item512(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws); \
+                                float scale, float *ws, float *lse0, int64_t ls0) {                \
+        cp_item512(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws, \
+                   lse0, ls0);                                                                     \
     }
 CP_ITEM_FN(0) CP_ITEM_FN(4) CP_ITEM_FN(8)
 #endif
@@ -735,7 +762,8 @@ CP_ITEM_FN(0) CP_ITEM_FN(4) CP_ITEM_FN(8)
  * sc: scratch of at least qt * 16 + nq floats; od: of D doubles. */
 static void cp_item_c(const float *q0, int64_t qs0, int64_t qs1, const float *K0, int64_t ks0,
                       const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt,
-                      int r0, int nq, int G, int64_t D, float scale, float *sc, double *od) {
+                      int r0, int nq, int G, int64_t D, float scale, float *sc, double *od, float *lse0,
+                      int64_t ls0) {
     for (int h = 0; h < G; h++)
         for (int r = r0; r < nq; r++) {
             const float *qq = q0 + (r - r0) * qs0 + h * qs1;
@@ -763,6 +791,7 @@ static void cp_item_c(const float *q0, int64_t qs0, int64_t qs1, const float *K0
             }
             float *o = o0 + (r - r0) * os0 + h * os1;
             for (int64_t d = 0; d < D; d++) o[d] = (float)(od[d] / sum);
+            if (lse0) lse0[(r - r0) * ls0 + h] = mx + (float)log(sum);
         }
 }
 
@@ -770,7 +799,7 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
                            const int64_t *qstarts, const int64_t *kstarts, const int64_t *lens,
                            const int64_t *ctx, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t qs0,
                            int64_t qs1, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1, int64_t os0,
-                           int64_t os1, float scale) {
+                           int64_t os1, float scale, float *lse, int64_t ls0) {
     if (R <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0) return R <= 0 ? 0 : -1;
     const int64_t G = H / KVH;
     int vec = 0;
@@ -852,16 +881,17 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
                 const int64_t row = qstarts[i] + first + r0 - ctx[i];          /* q / out row of r0 */
                 const float *q0 = q + row * qs0 + g * G * qs1;
                 float *o0 = out + row * os0 + g * G * os1;
+                float *lse0 = lse ? lse + row * ls0 + g * G : NULL;
                 const float *V0 = v + kstarts[i] * vs0 + g * vs1;
 #ifdef __AVX512F__
                 if (vec) {
                     fn(q0, qs0, qs1, kT + (ktile_base[i] * KVH + g) * D * CP_TILE, KVH * D * CP_TILE, V0, vs0,
-                       o0, os0, os1, qt, r0, nq, (int)G, D, scale, ws);
+                       o0, os0, os1, qt, r0, nq, (int)G, D, scale, ws, lse0, ls0);
                     continue;
                 }
 #endif
                 cp_item_c(q0, qs0, qs1, k + kstarts[i] * ks0 + g * ks1, ks0, V0, vs0, o0, os0, os1, qt, r0, nq,
-                          (int)G, D, scale, ws, (double *)(ws + (max_len + 1) / 2 * 2));
+                          (int)G, D, scale, ws, (double *)(ws + (max_len + 1) / 2 * 2), lse0, ls0);
             }
         }
         free(ws);

@@ -34,6 +34,7 @@ def _paged_prefill_kernel(
     seq_lens_ptr,       # (B,) int32
     query_start_loc_ptr,  # (B + 1,) int32
     out_ptr,            # (T, H, D)
+    lse_ptr,            # (T, H) float32, written when STORE_LSE: each row's natural log-sum-exp
     k_scale_ptr,        # () float32, read when FP8: keys are fp8 * k_scale
     v_scale_ptr,        # () float32, read when FP8
     qk_scale,           # softmax scale * log2(e)
@@ -42,10 +43,11 @@ def _paged_prefill_kernel(
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt,
     stride_ot, stride_oh,
+    stride_lt,
     group, head_size,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     tile_start = tl.program_id(1) * BLOCK_Q      # first query (relative to the request) of this tile
@@ -106,6 +108,10 @@ def _paged_prefill_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        if STORE_LSE:          # log2-scaled running max and sum -> natural log-sum-exp
+            lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+            tl.store(lse_ptr + tokens * stride_lt + heads, lse, mask=row_mask)
 
 
 def paged_prefill_attention(
@@ -120,6 +126,7 @@ def paged_prefill_attention(
     block_m: int = 64,
     k_scale: torch.Tensor | None = None,  # () float32 on the device: an fp8 cache's keys are fp8 * k_scale
     v_scale: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,      # (T, H) float32, written when given: each row's log-sum-exp
 ) -> torch.Tensor:                  # (T, H, D); rows of tokens past query_start_loc[B] are zeros
     """Causal attention of every request's queries over its cached context (which must already
     hold the new keys and values). ``max_query_len`` is a host int that sizes the grid; a request
@@ -140,6 +147,11 @@ def paged_prefill_attention(
     check_attention_args(H, KVH, D, block_size, sliding_window)
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    if lse is not None:
+        check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), device=dev)
+        check_shape("lse", lse, (T, H))
+        if lse.stride(1) != 1:
+            raise ValueError("lse must have unit stride along its heads")
     out = torch.zeros_like(query)
     if B == 0 or T == 0 or max_query_len <= 0:
         return out
@@ -152,15 +164,15 @@ def paged_prefill_attention(
     k_scale, v_scale = kv_scale_args(kv_cache, k_scale, v_scale)
     cache = kv_cache.view(torch.uint8) if fmt else kv_cache
     _paged_prefill_kernel[grid](
-        query, cache, block_table, seq_lens, query_start_loc, out, k_scale, v_scale,
+        query, cache, block_table, seq_lens, query_start_loc, out, out if lse is None else lse, k_scale, v_scale,
         scale * LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        block_table.stride(0), out.stride(0), out.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         group, D,
         BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, BLOCK_D=max(16, next_power_of_2(D)),
         DOT_F32=dot_in_float32(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
-        FP8=fmt,
+        FP8=fmt, STORE_LSE=lse is not None,
     )
     return out
 

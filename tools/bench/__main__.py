@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes}``: each
+"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -68,6 +68,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     kvd.add_argument("--repeats", type=int, default=12)
     kvd.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
 
+    cas = sub.add_parser("cascade", help="a decode step of N requests sharing a long prefix, with cascade "
+                                         "attention and without")
+    cas.add_argument("--model", default=None)
+    cas.add_argument("--batch", type=int, default=64)
+    cas.add_argument("--prefixes", type=int, nargs="+", default=[512, 2048, 4096], help="shared prefix tokens")
+    cas.add_argument("--suffix", type=int, default=64, help="each request's own tokens after the prefix")
+    cas.add_argument("--repeats", type=int, default=8)
+    cas.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
+
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.cmd == "offline":
@@ -94,6 +103,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "kv-dtypes":
         from tools.bench import kv_dtypes
         kv_dtypes.main(args)
+    elif args.cmd == "cascade":
+        from tools.bench import cascade
+        cascade.main(args)
     elif args.cmd == "latency":
         from tools.bench import latency
         latency.main(args)
