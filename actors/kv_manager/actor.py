@@ -24,7 +24,7 @@ class KVManager(Actor):
 
     def __init__(self, config: EngineConfig) -> None:
         c = config.cache
-        self.core = KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
+        self.core = KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching, config.kv_cache_groups())
 
     def colocated(self) -> KVCacheManager:
         return self.core         # every handler here is synchronous
