@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes}``: each
+"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,hybrid-kv}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -68,6 +68,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     kvd.add_argument("--repeats", type=int, default=12)
     kvd.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
 
+    hyb = sub.add_parser("hybrid-kv", help="long requests a KV cache holds with and without the hybrid KV cache "
+                                           "manager (computed, then run through the scheduler)")
+    hyb.add_argument("--model", default="gemma3-270m")
+    hyb.add_argument("--kv-cache-gib", type=float, default=1.0)
+    hyb.add_argument("--prompt-len", type=int, default=4000)
+    hyb.add_argument("--num-requests", type=int, default=40, help="queued at once (and the batch's limit)")
+    hyb.add_argument("--max-tokens", type=int, default=64)
+
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.cmd == "offline":
@@ -94,6 +102,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "kv-dtypes":
         from tools.bench import kv_dtypes
         kv_dtypes.main(args)
+    elif args.cmd == "hybrid-kv":
+        from tools.bench import hybrid_kv
+        hybrid_kv.main(args)
     elif args.cmd == "latency":
         from tools.bench import latency
         latency.main(args)
