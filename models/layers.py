@@ -247,6 +247,7 @@ class SelfAttention(nn.Module):
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
         self.calculate_kv_scales = False
+        self.kv_cache_group = 0     # whose block table this layer reads (bind_kv_cache_groups)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -258,6 +259,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin)
+        meta = meta.for_group(self.kv_cache_group)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
@@ -282,6 +284,15 @@ def calculate_kv_scales_on_next_batch(model: nn.Module) -> int:
     for m in layers:
         m.calculate_kv_scales = True
     return len(layers)
+
+
+def bind_kv_cache_groups(model: nn.Module, layer_groups: list[int]) -> None:
+    """Attention layer i reads the block table of KV cache group ``layer_groups[i]``."""
+    layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    if len(layers) != len(layer_groups):
+        raise ValueError(f"{len(layer_groups)} layers in the KV cache groups, the model has {len(layers)}")
+    for m, g in zip(layers, layer_groups):
+        m.kv_cache_group = g
 
 
 def first_attention(model: nn.Module) -> SelfAttention | None:

@@ -7,8 +7,9 @@ CPU backend with its native kernels, float32 weights and activations. It returns
 and the model keeps its per-layer path. ``run`` then takes a step's embeddings and returns the
 last layer's output and the residual stream, bit for bit what the per-layer path computes (same
 kernels, same order), or None when the step is not one it takes (a prompt in the batch, a
-KV cache of another dtype, a step whose layers still have to set their KV scales from it), so the
-caller falls back. A cascade step (``meta.common_prefix_len``) takes the per-layer path too.
+KV cache of another dtype, several KV cache groups, a step whose layers still have to set their KV
+scales from it), so the caller falls back. A cascade step (``meta.common_prefix_len``) takes the
+per-layer path too.
 """
 from __future__ import annotations
 
@@ -122,7 +123,8 @@ class NativeDecodeStack:
         (last layer's output, residual stream), or None when this step is not one it takes."""
         from kernels.cpu.native import KV_TYPES
         B = meta.num_reqs
-        if (not meta.is_pure_decode or meta.num_tokens != B or meta.common_prefix_len or emb.dtype != torch.float32 or emb.dim() != 2
+        if (not meta.is_pure_decode or meta.num_tokens != B or meta.common_prefix_len or meta.groups
+                or emb.dtype != torch.float32 or emb.dim() != 2
                 or not emb.is_contiguous() or cos.dtype != torch.float32 or sin.dtype != torch.float32
                 or cos.stride(0) != sin.stride(0) or cos.stride(-1) != 1 or sin.stride(-1) != 1
                 or self._first_attn.calculate_kv_scales or not self._bind(kv_caches)):

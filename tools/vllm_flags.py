@@ -91,7 +91,7 @@ REFUSED: dict[str, str] = {
     "--kv-offloading-size": _KV, "--kv-offloading-backend": _KV,
     # the scheduler and compilation
     "--num-lookahead-slots": _SCHED, "--disable-chunked-mm-input": _MODALITY, "--scheduler-cls": _SCHED,
-    "--disable-hybrid-kv-cache-manager": _KV, "--num-scheduler-steps": _SCHED,
+    "--num-scheduler-steps": _SCHED,
     "--preemption-mode": "Troupe preempts by recomputing (no swapping)", "--scheduler-delay-factor": _SCHED,
     "--compilation-config": _COMPILE, "--cudagraph-capture-sizes": _COMPILE, "--cuda-graph-sizes": _COMPILE,
     "--max-cudagraph-capture-size": _COMPILE, "--additional-config": "Troupe loads no platform plugins",
@@ -142,7 +142,7 @@ BOOLEAN = frozenset({
     "--use-tqdm-on-load", "--skip-tokenizer-init", "--disable-sliding-window",
     "--enable-prompt-embeds", "--enable-sleep-mode", "--enable-mm-embeds", "--interleave-mm-strings",
     "--skip-mm-profiling", "--enable-lora", "--fully-sharded-loras",
-    "--kv-sharing-fast-prefill", "--disable-chunked-mm-input", "--disable-hybrid-kv-cache-manager",
+    "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",
     "--enable-log-outputs", "--log-error-stack", "--allow-credentials",
     "--enable-ssl-refresh", "--return-tokens-as-token-ids", "--trust-request-chat-template",
     "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details",

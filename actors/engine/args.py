@@ -41,6 +41,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0
@@ -96,7 +97,8 @@ class EngineArgs:
                                       async_scheduling=self.async_scheduling,
                                       policy=self.scheduling_policy,
                                       max_waiting_requests=self.max_waiting_requests,
-                                      max_waiting_tokens=self.max_waiting_tokens),
+                                      max_waiting_tokens=self.max_waiting_tokens,
+                                      disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
             parallel=ParallelConfig(multiprocess=self.multiprocess, max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
@@ -271,6 +273,10 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--enable-prefix-caching",), "enable_prefix_caching", dict(
             action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
             help="reuse the KV cache of prompt prefixes seen before (whole blocks)")),
+        (("--disable-hybrid-kv-cache-manager",), "disable_hybrid_kv_cache_manager", dict(
+            action=argparse.BooleanOptionalAction, default=d["disable_hybrid_kv_cache_manager"],
+            help="every layer holds a KV block for every token; by default the sliding-window layers of "
+                 "a model that also has full-attention ones (Gemma 3) hold only their window's blocks")),
         (("--block-size",), "block_size", dict(type=_positive(int), default=d["block_size"],
                                                help="tokens per KV cache block")),
         (("--max-num-seqs",), "max_num_seqs", dict(type=_positive(int), default=d["max_num_seqs"],

@@ -15,7 +15,8 @@ from __future__ import annotations
 import msgspec
 
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
-from actors.kv_manager.kv_cache_spec import model_kv_cache_specs, num_blocks_for
+from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, kv_cache_groups, max_tokens_per_request,
+                                             model_kv_cache_specs, num_blocks_for)
 from models.config import ArchConfig
 from models.resolve import ModelSource
 
@@ -82,6 +83,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     async_scheduling: bool | None = None
     max_waiting_requests: int = 0          # requests queued before new ones get 503; 0: no bound
     max_waiting_tokens: int = 0            # the same for their prompt tokens
+    # every layer holds every block (one KV cache group), as without vLLM's hybrid KV cache
+    # manager; else sliding-window layers hold a window's worth of blocks in groups of their own
+    disable_hybrid_kv_cache_manager: bool = False
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -128,18 +132,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"quantization {self.model.quantization!r} runs on the CPU only; "
                              "use device 'cpu'")
         cache_dtype = {"auto": dtype, "fp8": "fp8_e4m3"}.get(self.cache.cache_dtype, self.cache.cache_dtype)
-        bs = self.cache.block_size
-        specs = model_kv_cache_specs(arch, bs, DTYPE_BYTES[cache_dtype])
+        specs = model_kv_cache_specs(arch, self.cache.block_size, DTYPE_BYTES[cache_dtype])
+        groups = kv_cache_groups(specs, hybrid=not self.scheduler.disable_hybrid_kv_cache_manager)
         kv_bytes = self.cache.kv_cache_memory_bytes
         if self.cache.num_blocks:
             num_blocks = self.cache.num_blocks
         elif kv_bytes or device != "cuda":
-            num_blocks = max(num_blocks_for(specs, kv_bytes or CPU_KV_CACHE_BYTES), 2)
+            num_blocks = max(num_blocks_for(specs, kv_bytes or CPU_KV_CACHE_BYTES, groups), 2)
         else:       # sized by the worker once the weights are on the GPU (with_kv_cache_bytes)
             num_blocks = 0
         max_model_len = self.model.max_model_len or arch.max_model_len
-        if num_blocks:   # one request alone must fit in the cache (block 0 is the null block)
-            max_model_len = min(max_model_len, (num_blocks - 1) * bs)
+        if num_blocks:
+            max_model_len = self._fitting_len(groups, num_blocks, max_model_len)
         sched = self.scheduler
         if sched.async_scheduling is None:
             sched = msgspec.structs.replace(sched, async_scheduling=self.parallel.multiprocess)
@@ -164,13 +168,30 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         the context length capped to what one request can hold in it."""
         if not self.resolved:
             raise ValueError("with_kv_cache_bytes needs a resolved config")
-        bs = self.cache.block_size
-        specs = model_kv_cache_specs(self.model.arch, bs, DTYPE_BYTES[self.cache.cache_dtype])
-        num_blocks = max(num_blocks_for(specs, kv_bytes), 2)
+        specs = model_kv_cache_specs(self.model.arch, self.cache.block_size, DTYPE_BYTES[self.cache.cache_dtype])
+        groups = self.kv_cache_groups()
+        num_blocks = max(num_blocks_for(specs, kv_bytes, groups), 2)
         return self.replace(
-            model=msgspec.structs.replace(self.model, max_model_len=min(self.model.max_model_len,
-                                                                         (num_blocks - 1) * bs)),
+            model=msgspec.structs.replace(self.model, max_model_len=self._fitting_len(
+                groups, num_blocks, self.model.max_model_len)),
             cache=msgspec.structs.replace(self.cache, kv_cache_memory_bytes=kv_bytes, num_blocks=num_blocks))
+
+    def kv_cache_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        """The KV cache groups of a resolved config's model (kv_cache_spec.py)."""
+        if not self.resolved:
+            raise ValueError("the KV cache groups need a resolved config")
+        specs = model_kv_cache_specs(self.model.arch, self.cache.block_size, DTYPE_BYTES[self.cache.cache_dtype])
+        return kv_cache_groups(specs, hybrid=not self.scheduler.disable_hybrid_kv_cache_manager)
+
+    def _fitting_len(self, groups: tuple[KVCacheGroupSpec, ...], num_blocks: int, limit: int) -> int:
+        """``limit`` capped to the longest request that fits alone in the cache (block 0 is the
+        null block): every block of it in full-attention groups, a window and a step's tokens
+        in sliding-window ones."""
+        n = max_tokens_per_request(groups, num_blocks, self.scheduler.max_num_batched_tokens, limit)
+        if n < 1:
+            raise ValueError(f"a KV cache of {num_blocks} blocks cannot hold one token in each of its "
+                             f"{len(groups)} KV cache groups; give it more memory or blocks")
+        return n
 
 
 def kv_scales_note(cache: CacheConfig) -> str:

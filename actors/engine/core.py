@@ -15,6 +15,7 @@ from actors.executor.actor import Executor, WorkersDown, WorkersUp
 from actors.grammar.actor import GrammarCompilerActor
 from actors.grammar.matchers import StructuredOutputs
 from actors.kv_manager.actor import KVManager
+from actors.kv_manager.kv_cache_spec import describe_groups
 from actors.runtime import ActorRef, Node
 from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, decode_info, start_child
 from actors.scheduler.actor import SchedulerActor, WorkersLost, WorkersReady
@@ -50,9 +51,9 @@ class EngineCore:
         worker, self.config = await self._start_worker()
         await worker.ask(InitKVCache(), timeout=INIT_KV_TIMEOUT_S)
         cfg = self.config
-        log.info("KV cache: %d blocks of %d tokens, %d tokens (%s%s); max model len %d", cfg.cache.num_blocks,
-                 cfg.cache.block_size, cfg.cache.num_blocks * cfg.cache.block_size, cfg.cache.cache_dtype,
-                 kv_scales_note(cfg.cache), cfg.model.max_model_len)
+        log.info("KV cache: %d blocks of %d tokens (%s%s), %s; max model len %d", cfg.cache.num_blocks,
+                 cfg.cache.block_size, cfg.cache.cache_dtype, kv_scales_note(cfg.cache),
+                 describe_groups(cfg.kv_cache_groups()), cfg.model.max_model_len)
         self.kv_manager = self.node.spawn(topology.KV_MANAGER, lambda: KVManager(cfg))
         self.grammar = self.node.spawn(topology.GRAMMAR, lambda: GrammarCompilerActor(cfg))
         # the scheduler calls the KV manager's core and reads compiled grammars directly

@@ -82,14 +82,15 @@ class NewRequestData(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]       # per KV cache group, its block table (0: the null block)
     num_computed_tokens: int
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
-    """Diffs for requests the worker already holds: blocks added and the computed-token count."""
+    """Diffs for requests the worker already holds: blocks added (per KV cache group) and the
+    computed-token count."""
     req_ids: list[str] = []
-    new_block_ids: list[list[int]] = []
+    new_block_ids: list[tuple[list[int], ...]] = []
     num_computed_tokens: list[int] = []
 
 

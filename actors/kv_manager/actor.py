@@ -24,7 +24,8 @@ class KVManager(Actor):
 
     def __init__(self, config: EngineConfig) -> None:
         c = config.cache
-        self.core = KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
+        groups = config.kv_cache_groups() if config.resolved else None   # no model known: one group
+        self.core = KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching, groups)
 
     def colocated(self) -> KVCacheManager:
         return self.core         # every handler here is synchronous

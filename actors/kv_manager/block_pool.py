@@ -1,6 +1,11 @@
 """The pool of physical KV blocks, with reference counts and the prefix-cache map.
 
-Block 0 is the null block: never handed out; padding rows of block tables point at it.
+Block 0 is the null block: never handed out; padding rows of block tables point at it, and so
+do the entries of a sliding-window group's table for blocks that fell out of the window. Holding
+it, touching it or freeing it does nothing.
+
+The prefix-cache map is keyed by (block hash, KV cache group): the same prefix has one block per
+group, each holding that group's layers.
 
 Free blocks wait in an eviction-ordered queue (head = evicted first). A freed block with a hash
 goes to the tail, so cached prefixes are evicted least-recently-used first; a freed block
@@ -17,6 +22,8 @@ from actors.kv_manager.block_hash import BlockHash
 
 NULL_BLOCK = 0
 
+BlockHashWithGroupId = tuple[BlockHash, int]     # vLLM's name: a prefix's block in one group
+
 
 class KVCacheExhausted(RuntimeError):
     pass
@@ -26,7 +33,7 @@ class KVCacheExhausted(RuntimeError):
 class KVCacheBlock:
     block_id: int
     owners: set[str] = field(default_factory=set)   # requests holding it; ref count = len(owners)
-    block_hash: BlockHash | None = None
+    block_hash: BlockHashWithGroupId | None = None
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
 
@@ -88,8 +95,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[NULL_BLOCK]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.cached: dict[BlockHashWithGroupId, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,6 +128,8 @@ class BlockPool:
     def touch(self, owner: str, blocks: list[KVCacheBlock]) -> None:
         """Add ``owner`` to cache-hit blocks, reviving free ones out of the free queue."""
         for b in blocks:
+            if b is self.null_block:
+                continue
             if not b.owners:
                 self.free_queue.remove(b)
             b.owners.add(owner)
@@ -128,6 +138,8 @@ class BlockPool:
         """Release ``owner``'s hold, in the given order (callers pass a request's blocks tail
         first, so its tail is evicted before its head)."""
         for b in blocks:
+            if b is self.null_block or owner not in b.owners:
+                continue
             b.owners.discard(owner)
             if not b.owners:
                 if b.block_hash is not None:
@@ -135,17 +147,19 @@ class BlockPool:
                 else:
                     self.free_queue.appendleft(b)
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        return self.cached.get((block_hash, group))
 
-    def cache_full_block(self, b: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a block whose tokens are complete (computed by the step being scheduled)."""
-        if not self.enable_caching or b.block_hash is not None:
+    def cache_full_block(self, b: KVCacheBlock, block_hash: BlockHash, group: int = 0) -> None:
+        """Register a block of ``group`` whose tokens are complete (computed by the step being
+        scheduled)."""
+        if not self.enable_caching or b.block_hash is not None or b is self.null_block:
             return
-        if block_hash in self.cached:   # an identical block is cached already: keep that one
+        key = (block_hash, group)
+        if key in self.cached:          # an identical block is cached already: keep that one
             return
-        b.block_hash = block_hash
-        self.cached[block_hash] = b
+        b.block_hash = key
+        self.cached[key] = b
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents, lose their hash)."""

@@ -1,10 +1,24 @@
-"""KV cache specifications: what one attention layer needs per block, the check that a model's
-layers can share one block table, and the cache tensor layout with its per-layer views.
+"""KV cache specifications: what one attention layer needs per block, the KV cache groups (layers
+that share one block table), and the cache tensor layout with its per-layer views.
 
-Layout: one flat buffer, layer-outermost:
-    [layer 0: K blocks | V blocks][layer 1: K blocks | V blocks] ...
-each layer's view is (2, num_blocks, block_size, num_kv_heads, head_size), so a block's keys
-for one layer are contiguous (page_size_bytes / 2 bytes).
+Groups (vLLM's hybrid KV cache manager). Layers of one kind (full attention, or one sliding
+window) share a block table; a model mixing kinds has one group per kind, or several per kind,
+every group holding the same number of layers, ``group_size``, so that a block id stands for
+the same bytes in every group. Gemma 3 270m, 15 sliding layers (S) and 3 global ones (F):
+
+    group 0  F5  F11 F17          full attention: every block of the sequence
+    group 1  S0  S1  S2           sliding window: the blocks of the last window only
+    ...                           (older entries of its block table point at the null block)
+    group 5  S12 S13 S14 S15 S16  (15 sliding layers in 5 groups of 3)
+
+Layout: one flat buffer of ``group_size`` tensors, tensor-outermost:
+    [tensor 0: K blocks | V blocks][tensor 1: K blocks | V blocks] ...
+tensor j is the cache of layer j of every group: block b of tensor j holds layer j of whichever
+group block b is allocated to (the block pool hands a block to one group at a time). Each
+tensor is (2, num_blocks, block_size, num_kv_heads, head_size), so a block's keys for one layer
+are contiguous (page_size_bytes / 2 bytes). With one group of all layers (a model without
+sliding windows, or --disable-hybrid-kv-cache-manager) every layer has a tensor of its own and
+holds every block.
 """
 from __future__ import annotations
 
@@ -38,10 +52,118 @@ class SlidingWindowSpec(KVCacheSpec):
     sliding_window: int = 0
 
 
-# The spec kinds one block table can serve. Sliding-window layers keep every block, like full
-# attention (vLLM does the same with its hybrid allocator off); only the attention kernel applies
-# the window. A subclass of a known kind is served like it.
+# The spec kinds a KV cache group can serve. A subclass of a known kind is served like it.
 SUPPORTED_SPECS = (FullAttentionSpec, SlidingWindowSpec)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroupSpec:
+    """Layers sharing one block table, and the kind of attention that decides which blocks
+    that table holds (a SlidingWindowSpec: only the last window's)."""
+    layer_ids: tuple[int, ...]
+    kv_cache_spec: KVCacheSpec
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.kv_cache_spec.sliding_window if isinstance(self.kv_cache_spec, SlidingWindowSpec) else None
+
+
+def kv_cache_groups(specs: list[KVCacheSpec], hybrid: bool = True) -> tuple[KVCacheGroupSpec, ...]:
+    """The KV cache groups of a model's layers (``specs``, one per layer). ``hybrid`` False
+    (--disable-hybrid-kv-cache-manager), or a model with one kind of attention layer: one group
+    of every layer; with a single kind that is a sliding window and ``hybrid``, that group keeps
+    only the window's blocks. Otherwise one or more groups per kind, each of ``group_size``
+    layers as vLLM sizes them (the fewest layers of any kind, or the most when the counts are
+    within 25%); full attention groups first."""
+    check_kv_cache_specs(specs)
+    s = specs[0]
+    shape = (s.block_size, s.num_kv_heads, s.head_size, s.dtype_bytes)
+    kinds: dict[KVCacheSpec, list[int]] = {}
+    for layer, spec in enumerate(specs):
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        kind = SlidingWindowSpec(*shape, sliding_window=window) if window else FullAttentionSpec(*shape)
+        kinds.setdefault(kind, []).append(layer)
+    if not hybrid:
+        return (KVCacheGroupSpec(tuple(range(len(specs))), FullAttentionSpec(*shape)),)
+    if len(kinds) == 1:
+        (kind, layers), = kinds.items()
+        return (KVCacheGroupSpec(tuple(layers), kind),)
+    counts = [len(layers) for layers in kinds.values()]
+    group_size = max(counts) if max(counts) < 1.25 * min(counts) else min(counts)
+    ordered = sorted(kinds.items(), key=lambda kv: (isinstance(kv[0], SlidingWindowSpec), kv[1][0]))
+    return tuple(KVCacheGroupSpec(tuple(layers[i:i + group_size]), kind)
+                 for kind, layers in ordered for i in range(0, len(layers), group_size))
+
+
+def describe_groups(groups: tuple[KVCacheGroupSpec, ...]) -> str:
+    """The groups for the startup log: "1 group: full attention (18 layers)", or "6 groups of 3
+    layers: 1 full attention, 5 sliding window 512"."""
+    if len(groups) == 1:
+        g = groups[0]
+        kind = f"sliding window {g.sliding_window}" if g.sliding_window else "full attention"
+        return f"1 KV cache group: {kind} ({len(g.layer_ids)} layers)"
+    kinds: dict[str, int] = {}
+    for g in groups:
+        kind = f"sliding window {g.sliding_window}" if g.sliding_window else "full attention"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return (f"{len(groups)} KV cache groups of {group_size(groups)} layers: "
+            + ", ".join(f"{n} {kind}" for kind, n in kinds.items()))
+
+
+def layer_groups(groups: tuple[KVCacheGroupSpec, ...], num_layers: int) -> list[int]:
+    """The KV cache group of each layer."""
+    out = [-1] * num_layers
+    for g, group in enumerate(groups):
+        for layer in group.layer_ids:
+            out[layer] = g
+    if -1 in out:
+        raise ValueError(f"layer {out.index(-1)} belongs to no KV cache group")
+    return out
+
+
+def group_size(groups: tuple[KVCacheGroupSpec, ...]) -> int:
+    """Layers per group: the number of cache tensors, each serving one layer of every group."""
+    return max(len(g.layer_ids) for g in groups)
+
+
+def bytes_per_block(groups: tuple[KVCacheGroupSpec, ...]) -> int:
+    """Bytes one block id stands for: its page in every cache tensor."""
+    return group_size(groups) * groups[0].kv_cache_spec.page_size_bytes
+
+
+def max_blocks_per_request(group: KVCacheGroupSpec, num_tokens: int, max_num_batched_tokens: int) -> int:
+    """The most blocks ``group`` holds at once for a request of ``num_tokens`` tokens computed in
+    chunks of at most ``max_num_batched_tokens``: every block for full attention; for a sliding
+    window W, the blocks a step's chunk of n tokens and the W - 1 keys before it span, at most
+    cdiv(W - 1 + n, block_size) + 1."""
+    bs = group.kv_cache_spec.block_size
+    every = -(-num_tokens // bs)
+    window = group.sliding_window
+    if window is None:
+        return every
+    return min(every, -(-min(window - 1 + max_num_batched_tokens, num_tokens) // bs) + 1)
+
+
+def blocks_per_request(groups: tuple[KVCacheGroupSpec, ...], num_tokens: int, max_num_batched_tokens: int) -> int:
+    """Blocks of all groups a request of ``num_tokens`` tokens holds at most."""
+    return sum(max_blocks_per_request(g, num_tokens, max_num_batched_tokens) for g in groups)
+
+
+def max_tokens_per_request(groups: tuple[KVCacheGroupSpec, ...], num_blocks: int, max_num_batched_tokens: int,
+                           limit: int) -> int:
+    """The longest request, up to ``limit`` tokens, that fits alone in ``num_blocks`` blocks
+    (block 0 is the null block); 0 when not even one token does."""
+    usable = num_blocks - 1
+    if blocks_per_request(groups, limit, max_num_batched_tokens) <= usable:
+        return limit
+    lo, hi = 0, limit                  # fits(lo), not fits(hi); blocks grow with the length
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if blocks_per_request(groups, mid, max_num_batched_tokens) <= usable:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def model_kv_cache_specs(config: Any, block_size: int, dtype_bytes: int) -> list[KVCacheSpec]:
@@ -69,22 +191,34 @@ def check_kv_cache_specs(specs: list[KVCacheSpec]) -> None:
         raise ValueError(f"all layers must share one KV cache page shape for now; got {sorted(shapes)}")
 
 
-def num_blocks_for(specs: list[KVCacheSpec], memory_bytes: int) -> int:
-    """How many blocks fit in ``memory_bytes`` when every layer holds each block."""
-    per_block = sum(s.page_size_bytes for s in specs)
-    return memory_bytes // per_block
+def num_blocks_for(specs: list[KVCacheSpec], memory_bytes: int,
+                   groups: tuple[KVCacheGroupSpec, ...] | None = None) -> int:
+    """How many blocks fit in ``memory_bytes``: each block id takes a page in every cache
+    tensor (``groups``; None: one group of every layer, each layer holding each block)."""
+    groups = groups or kv_cache_groups(specs, hybrid=False)
+    return memory_bytes // bytes_per_block(groups)
 
 
 def create_kv_cache_views(specs: list[KVCacheSpec], num_blocks: int, dtype: torch.dtype,
-                          device: Any = "cpu") -> list[torch.Tensor]:
-    """One flat buffer, and per layer a (2, num_blocks, block_size, num_kv_heads, head_size)
-    view into it."""
+                          device: Any = "cpu", groups: tuple[KVCacheGroupSpec, ...] | None = None
+                          ) -> list[torch.Tensor]:
+    """One flat buffer of ``group_size`` tensors of (2, num_blocks, block_size, num_kv_heads,
+    head_size), and per layer the tensor it reads: layer j of every group shares tensor j
+    (``groups``; None: one group of every layer, a tensor each)."""
     import torch
-    check_kv_cache_specs(specs)
+    groups = groups or kv_cache_groups(specs, hybrid=False)
     s = specs[0]
     if torch.tensor([], dtype=dtype).element_size() != s.dtype_bytes:
         raise ValueError(f"dtype {dtype} does not match the spec's {s.dtype_bytes}-byte elements")
-    per_layer = 2 * num_blocks * s.block_size * s.num_kv_heads * s.head_size
-    buf = torch.zeros(per_layer * len(specs), dtype=dtype, device=device)
+    per_tensor = 2 * num_blocks * s.block_size * s.num_kv_heads * s.head_size
+    n = group_size(groups)
+    buf = torch.zeros(per_tensor * n, dtype=dtype, device=device)
     shape = (2, num_blocks, s.block_size, s.num_kv_heads, s.head_size)
-    return [buf[i * per_layer:(i + 1) * per_layer].view(shape) for i in range(len(specs))]
+    tensors = [buf[j * per_tensor:(j + 1) * per_tensor].view(shape) for j in range(n)]
+    views: list[torch.Tensor | None] = [None] * len(specs)
+    for g in groups:
+        for j, layer in enumerate(g.layer_ids):
+            views[layer] = tensors[j]
+    if any(v is None for v in views):
+        raise ValueError(f"layers {[i for i, v in enumerate(views) if v is None]} belong to no KV cache group")
+    return views

@@ -62,7 +62,7 @@ class _Step:
     """What one schedule() call decided, in batch order."""
     budget: int
     num_tokens: dict[Request, int]          # scheduled requests and their new tokens
-    new_block_ids: dict[Request, list[int]]
+    new_block_ids: dict[Request, tuple[list[int], ...]]   # per KV cache group
     admitted: set[Request]                  # the workers get these in full
     preempted: list[Request]
     partial_prefills: int = 0               # prompts still part-way computed after this step

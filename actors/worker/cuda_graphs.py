@@ -16,6 +16,10 @@ Buffers, for a padded batch of N rows of which the first n are real:
     block_table     the step's       | 0 (null block)
     query_start_loc 0, 1, 2, ..., N  (fixed)
 
+slot_mapping and block_table have one such buffer per KV cache group, (G, rows) and (G, rows,
+max_blocks): each group's layers read their own rows through the captured metadata's
+``groups``, views of the same buffers at every replay.
+
 Invariant: block-table columns past a row's seq_len may hold stale block ids from earlier
 steps; no attention backend reads past a row's seq_len, so they are never used. Padded rows
 compute harmless values that are sliced off.
@@ -23,6 +27,7 @@ compute harmless values that are sliced off.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -66,11 +71,14 @@ class DecodeBuffers:
 
     INT64 = ("input_ids", "positions", "slot_mapping")
     PAD = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 1}
+    PER_GROUP = ("slot_mapping", "block_table")      # (G, rows, ...): one per KV cache group
 
-    def __init__(self, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_reqs: int, max_blocks: int, device: torch.device, num_groups: int = 1) -> None:
         self.max_reqs = max_reqs
+        self.num_groups = G = num_groups
         pin = device.type == "cuda"
-        shapes = {name: (max_reqs,) for name in self.PAD} | {"block_table": (max_reqs, max_blocks)}
+        shapes = {"input_ids": (max_reqs,), "positions": (max_reqs,), "seq_lens": (max_reqs,),
+                  "slot_mapping": (G, max_reqs), "block_table": (G, max_reqs, max_blocks)}
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
         for name, shape in shapes.items():
@@ -89,17 +97,26 @@ class DecodeBuffers:
         if self._copied is not None:
             self._copied.synchronize()
         h = self._np
-        rows = {"input_ids": inp.input_ids, "positions": inp.positions,
-                "slot_mapping": inp.meta.slot_mapping, "seq_lens": inp.meta.seq_lens}
+        rows = {"input_ids": inp.input_ids, "positions": inp.positions, "seq_lens": inp.meta.seq_lens}
         for name, src in rows.items():
             h[name][:n] = src.numpy()
             h[name][n:N] = self.PAD[name]
-        bt = inp.meta.block_table.numpy()                                 # (n, w)
-        w = bt.shape[1]
-        h["block_table"][:n, :w] = bt
-        h["block_table"][n:N, :w] = 0                                     # column 0: null block
+        metas = inp.meta.groups or (inp.meta,)
+        if len(metas) != self.num_groups:
+            raise ValueError(f"a step of {len(metas)} KV cache groups for buffers of {self.num_groups}")
+        for g, m in enumerate(metas):
+            h["slot_mapping"][g, :n] = m.slot_mapping.numpy()
+            h["slot_mapping"][g, n:N] = -1
+            bt = m.block_table.numpy()                                    # (n, w)
+            w = bt.shape[1]
+            h["block_table"][g, :n, :w] = bt
+            h["block_table"][g, n:N, :w] = 0                              # column 0: null block
         for name, dev in self.dev.items():
-            dev[:N].copy_(self.host[name][:N], non_blocking=True)
+            if name in self.PER_GROUP:      # group by group: each copy contiguous
+                for g in range(self.num_groups):
+                    dev[g, :N].copy_(self.host[name][g, :N], non_blocking=True)
+            else:
+                dev[:N].copy_(self.host[name][:N], non_blocking=True)
         if dev.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -109,11 +126,12 @@ class DecodeBuffers:
         ``max_seq_len`` is an upper bound (the model's length): the decode kernel sizes its
         split-K grid from it, and that grid must serve any context a replay meets."""
         N = num_padded
-        return AttentionMetadata(
+        metas = [AttentionMetadata(
             num_reqs=N, num_tokens=N, max_query_len=1, max_seq_len=max_seq_len,
             query_start_loc=self.query_start_loc[:N + 1], seq_lens=self.dev["seq_lens"][:N],
-            block_table=self.dev["block_table"][:N], slot_mapping=self.dev["slot_mapping"][:N],
-            block_size=block_size)
+            block_table=self.dev["block_table"][g, :N], slot_mapping=self.dev["slot_mapping"][g, :N],
+            block_size=block_size) for g in range(self.num_groups)]
+        return metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
 
 
 class CudaGraphRunner:
@@ -122,14 +140,14 @@ class CudaGraphRunner:
     eagerly over the same buffers."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], sizes: list[int],
-                 max_model_len: int, block_size: int, device: torch.device) -> None:
+                 max_model_len: int, block_size: int, device: torch.device, num_kv_cache_groups: int = 1) -> None:
         if not sizes:
             raise ValueError("CudaGraphRunner needs at least one capture size")
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(set(sizes))
         self.device = device
-        self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device)
+        self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device, num_kv_cache_groups)
         self.metas = {N: self.buffers.metadata(N, max_model_len, block_size) for N in self.sizes}
         self.graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 

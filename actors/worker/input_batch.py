@@ -1,5 +1,5 @@
 """The worker's persistent batch: every request it holds lives in a slot of preallocated numpy
-arrays (its tokens, its block table, its counters), so a step's inputs are gathered with
+arrays (its tokens, its block table in each KV cache group, its counters), so a step's inputs are gathered with
 vectorized indexing instead of rebuilt request by request.
 
 Slots are reused: a finished request frees its slot, a new one takes the lowest free slot.
@@ -31,7 +31,7 @@ class SlotState:
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", num_kv_cache_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -42,8 +42,9 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)  # 0: null block
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        G = num_kv_cache_groups
+        self.block_table = np.zeros((G, max_num_reqs, max_blocks), dtype=np.int32)  # per group; 0: null block
+        self.num_blocks = np.zeros((G, max_num_reqs), dtype=np.int64)
         self.slots: dict[str, int] = {}
         self.states: list[SlotState | None] = [None] * max_num_reqs
         self._free = list(range(max_num_reqs))
@@ -69,7 +70,7 @@ class InputBatch:
         self.num_tokens[i] = n
         self.num_prompt_tokens[i] = len(r.prompt_token_ids)
         self.num_computed_tokens[i] = r.num_computed_tokens
-        self.num_blocks[i] = 0
+        self.num_blocks[:, i] = 0
         self.append_blocks(i, r.block_ids)
         self.states[i] = SlotState(r.req_id, r.sampling_params, self._generator(r))
         return i
@@ -85,7 +86,7 @@ class InputBatch:
         i = self.slots.pop(req_id, None)
         if i is not None:
             self.states[i] = None
-            self.block_table[i, :self.num_blocks[i]] = 0
+            self.block_table[:, i] = 0
             heapq.heappush(self._free, i)
 
     def slot(self, req_id: str) -> int:
@@ -94,11 +95,18 @@ class InputBatch:
         except KeyError:
             raise KeyError(f"this worker does not hold request {req_id!r}") from None
 
-    def append_blocks(self, i: int, block_ids: list[int]) -> None:
-        k, n = int(self.num_blocks[i]), len(block_ids)
-        if n:
-            self.block_table[i, k:k + n] = block_ids
-            self.num_blocks[i] = k + n
+    def append_blocks(self, i: int, block_ids: tuple[list[int], ...]) -> None:
+        """Slot ``i`` gains ``block_ids[g]`` at the end of its block table in group g. (Entries a
+        sliding-window group released keep their old ids here: kernels read no key out of a
+        layer's window.)"""
+        if len(block_ids) != self.block_table.shape[0]:
+            raise ValueError(f"block ids for {len(block_ids)} KV cache groups, the batch has "
+                             f"{self.block_table.shape[0]}")
+        for g, ids in enumerate(block_ids):
+            k, n = int(self.num_blocks[g, i]), len(ids)
+            if n:
+                self.block_table[g, i, k:k + n] = ids
+                self.num_blocks[g, i] = k + n
 
     def append_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """One new token per given slot (vectorized)."""

@@ -25,13 +25,13 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
-from actors.kv_manager.kv_cache_spec import create_kv_cache_views, model_kv_cache_specs
+from actors.kv_manager.kv_cache_spec import create_kv_cache_views, layer_groups, model_kv_cache_specs
 from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.input_batch import InputBatch
 from kernels.attention.base import AttentionMetadata
 from kernels.attention.cascade import cascade_prefix_len
 from kernels.attention.fp8 import FP8_NAMES
-from models.layers import first_attention
+from models.layers import bind_kv_cache_groups, first_attention
 from models.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
 
 
@@ -65,13 +65,16 @@ class ModelRunner:
         self.device = torch.device(config.device.device)
         kv_dtype = torch_dtype(config.cache.cache_dtype)
         specs = model_kv_cache_specs(self.arch, bs, kv_dtype.itemsize)
-        self.kv_caches = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device)
+        groups = config.kv_cache_groups()
+        self.num_kv_cache_groups = G = len(groups)
+        self.kv_caches = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device, groups)
+        bind_kv_cache_groups(model, layer_groups(groups, len(specs)))
         max_model_len = config.model.max_model_len
-        self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device)
+        self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G)
         self.sampler = Sampler()
         self._meta_cache: tuple | None = None     # (row states' ids, SamplingMetadata, the states)
         self.graphs = (CudaGraphRunner(model, self.kv_caches, cudagraph_sizes, max_model_len, bs,
-                                       self.device) if cudagraph_sizes else None)
+                                       self.device, G) if cudagraph_sizes else None)
         self._first_attn = first_attention(model)   # its calculate_kv_scales: the next step runs eagerly
         backend = getattr(self._first_attn, "backend", None)
         self.cascade = (not config.model.disable_cascade_attn and getattr(backend, "supports_cascade", False)
@@ -109,21 +112,23 @@ class ModelRunner:
         row = np.repeat(np.arange(len(slots)), n)                          # (T,)
         positions = np.arange(cu[-1]) - cu[:-1][row] + start[row]          # (T,)
         input_ids = b.token_ids[slots[row], positions]                     # (T,)
-        max_blocks = int(b.num_blocks[slots].max())
-        block_table = b.block_table[slots, :max_blocks]                    # (B, max_blocks)
-        slot_mapping = block_table[row, positions // bs].astype(np.int64) * bs + positions % bs
+        max_blocks = int(b.num_blocks[:, slots].max())
+        tables = b.block_table[:, slots, :max_blocks]                      # (G, B, max_blocks)
+        slot_mapping = tables[:, row, positions // bs].astype(np.int64) * bs + positions % bs   # (G, T)
         seq_lens = start + n
-        prefix_len = (cascade_prefix_len(block_table, b.num_blocks[slots], start, n, bs, self.arch.num_heads,
+        prefix_len = (cascade_prefix_len(tables[0], b.num_blocks[0, slots], start, n, bs, self.arch.num_heads,
                                          self.arch.num_kv_heads, min_prefix=self.cascade_min_prefix)
                       if self.cascade else 0)
         sample_rows = np.flatnonzero(seq_lens == b.num_tokens[slots])      # prompt complete
-        meta = AttentionMetadata(
+        query_start_loc = torch.from_numpy(cu.astype(np.int32))
+        seq_lens_t = torch.from_numpy(seq_lens.astype(np.int32))
+        metas = [AttentionMetadata(
             num_reqs=len(slots), num_tokens=int(cu[-1]), max_query_len=int(n.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            block_table=torch.from_numpy(np.ascontiguousarray(block_table)),
-            slot_mapping=torch.from_numpy(slot_mapping), block_size=bs, common_prefix_len=prefix_len)
+            max_seq_len=int(seq_lens.max()), query_start_loc=query_start_loc, seq_lens=seq_lens_t,
+            block_table=torch.from_numpy(np.ascontiguousarray(tables[g])),
+            slot_mapping=torch.from_numpy(slot_mapping[g]), block_size=bs, common_prefix_len=prefix_len)
+            for g in range(len(tables))]
+        meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
         return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, slots,
                           sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1))
 
@@ -172,8 +177,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         to_dev = lambda t: t.to(self.device, non_blocking=True)    # noqa: E731 (pageable: copied at once)
-        meta = dataclasses.replace(inp.meta, **{name: to_dev(getattr(inp.meta, name)) for name in
-                                                ("query_start_loc", "seq_lens", "block_table", "slot_mapping")})
+        shared = {name: to_dev(getattr(inp.meta, name)) for name in ("query_start_loc", "seq_lens")}
+        metas = [dataclasses.replace(m, **shared, block_table=to_dev(m.block_table),
+                                     slot_mapping=to_dev(m.slot_mapping)) for m in inp.meta.groups or (inp.meta,)]
+        meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
         return self.model(to_dev(inp.input_ids), to_dev(inp.positions), self.kv_caches, meta)
 
     def sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:

@@ -86,7 +86,8 @@ class Worker:
         if cfg.cache.calculate_kv_scales and cfg.cache.cache_dtype.startswith("fp8"):
             # after the graphs' capture: their dummy batches must not set the scales
             calculate_kv_scales_on_next_batch(self.model)
-        return sum(t.numel() * t.element_size() for t in self.runner.kv_caches)
+        tensors = {t.data_ptr(): t for t in self.runner.kv_caches}     # layers of different groups share one
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _captures_graphs(self) -> bool:
         """CUDA graphs of decode steps: on CUDA, unless eager is enforced or the attention
@@ -111,14 +112,17 @@ PROFILE_REQUEST = "profile"
 def profile_run(model: torch.nn.Module, config: EngineConfig) -> None:
     """One forward pass, with sampling, of the largest step the scheduler may send: a prompt of
     max_num_batched_tokens (less than the context length), in a scratch KV cache just large
-    enough for it. Its activations are what a step needs beside the weights and the cache."""
+    enough for it (each KV cache group its own blocks). Its activations are what a step needs
+    beside the weights and the cache."""
     bs = config.cache.block_size
     n = max(1, min(config.scheduler.max_num_batched_tokens, config.model.max_model_len - 1))
     blocks = -(-n // bs)
-    scratch = config.replace(cache=msgspec.structs.replace(config.cache, num_blocks=blocks + 1))
+    G = len(config.kv_cache_groups())
+    scratch = config.replace(cache=msgspec.structs.replace(config.cache, num_blocks=G * blocks + 1))
     runner = ModelRunner(model, scratch)
+    block_ids = tuple(list(range(1 + g * blocks, 1 + (g + 1) * blocks)) for g in range(G))
     request = NewRequestData(PROFILE_REQUEST, [0] * n, [], SamplingParams(temperature=0.0, max_tokens=1),
-                             list(range(1, blocks + 1)), 0)
+                             block_ids, 0)
     out = runner.execute_model(SchedulerOutput(0, [request], CachedRequestData(), {PROFILE_REQUEST: n}, n, []))
     if [len(t) for t in out.sampled_token_ids] != [1]:
         raise RuntimeError(f"the profiling step sampled {out.sampled_token_ids}, not one token")

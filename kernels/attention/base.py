@@ -15,6 +15,11 @@ class AttentionMetadata:
 
     Tokens of all scheduled requests are flattened into one batch of T tokens, request after
     request; request i owns tokens ``query_start_loc[i]:query_start_loc[i+1]``.
+
+    With several KV cache groups (the hybrid KV cache: sliding-window layers apart from full
+    attention ones), each group has its own block table and slot mapping: ``groups[g]`` is the
+    step's metadata for group g's layers (``for_group``), and the fields here are group 0's.
+    Backends are always given one group's metadata.
     """
 
     num_reqs: int
@@ -28,6 +33,15 @@ class AttentionMetadata:
     block_size: int
     common_prefix_len: int = 0      # P: tokens every request holds in the same first blocks (0 = none); a
                                     # multiple of block_size, every query at a position >= P (cascade.py)
+    groups: tuple[AttentionMetadata, ...] = ()   # per KV cache group when there are several
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group ``group``'s layers."""
+        if self.groups:
+            return self.groups[group]
+        if group:
+            raise ValueError(f"KV cache group {group} asked of a step with one group")
+        return self
 
     @property
     def is_pure_decode(self) -> bool:

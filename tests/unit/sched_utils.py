@@ -61,9 +61,9 @@ class FakeWorker:
             self.blocks.pop(rid, None)
         for r in so.new_reqs:
             self.tokens[r.req_id] = r.prompt_token_ids + r.output_token_ids
-            self.blocks[r.req_id] = list(r.block_ids)
+            self.blocks[r.req_id] = list(r.block_ids[0])     # one KV cache group
         for rid, blocks in zip(so.cached_reqs.req_ids, so.cached_reqs.new_block_ids):
-            self.blocks[rid].extend(blocks)
+            self.blocks[rid].extend(blocks[0])
         sampled = []
         starts = dict(zip(so.cached_reqs.req_ids, so.cached_reqs.num_computed_tokens))
         starts |= {r.req_id: r.num_computed_tokens for r in so.new_reqs}
@@ -101,14 +101,13 @@ class Harness:
         return so, outs
 
     def schedule(self) -> SchedulerOutput:
-        """The next step, its requests' block hashes noted (for check_cached_contents)."""
-        so = self.s.schedule()
+        """The next step; every request's block hashes noted first (for check_cached_contents:
+        a request may offer blocks to the cache and be preempted within one step)."""
         bs = self.kv.block_size
-        for rid in so.num_scheduled_tokens:
-            req = self.s.requests[rid]
+        for req in self.s.requests.values():
             for i, bh in enumerate(req.block_hashes):
                 self.hash_tokens[bh] = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
-        return so
+        return self.s.schedule()
 
 
 class AsyncHarness(Harness):
@@ -145,6 +144,6 @@ def held_blocks(kv: KVCacheManager) -> int:
 def check_cached_contents(h: Harness) -> None:
     """Every block in the prefix map holds exactly the tokens its hash stands for."""
     bs = h.kv.block_size
-    for bh, block in h.kv.pool.cached.items():
+    for (bh, _group), block in h.kv.pool.cached.items():
         held = tuple(h.worker.slots[block.block_id * bs:(block.block_id + 1) * bs])
         assert held == h.hash_tokens[bh], (block.block_id, held, h.hash_tokens[bh])

@@ -76,10 +76,10 @@ def test_buffers_hold_the_rows_then_padding():
     dev = runner.buffers.dev
     assert dev["input_ids"][:4].tolist() == [11, 12, 13, 0]
     assert dev["positions"][:4].tolist() == [4, 39, 16, 0]
-    assert dev["slot_mapping"][:4].tolist() == meta.slot_mapping.tolist() + [-1]
+    assert dev["slot_mapping"][0, :4].tolist() == meta.slot_mapping.tolist() + [-1]   # group 0, the only one
     assert dev["seq_lens"][:4].tolist() == [5, 40, 17, 1]
-    assert dev["block_table"][:3, :3].tolist() == meta.block_table.tolist()
-    assert dev["block_table"][3].tolist() == [0] * dev["block_table"].shape[1]   # the null block
+    assert dev["block_table"][0, :3, :3].tolist() == meta.block_table.tolist()
+    assert dev["block_table"][0, 3].tolist() == [0] * dev["block_table"].shape[2]   # the null block
     m = runner.metas[4]
     assert (m.num_reqs, m.num_tokens, m.max_query_len, m.max_seq_len) == (4, 4, 1, 256)
     assert m.query_start_loc.tolist() == [0, 1, 2, 3, 4]
@@ -143,7 +143,7 @@ def test_padded_hidden_states_equal_unpadded(model):
     d = StepDriver(runner, BLOCK_SIZE)
     d.prefill({f"r{i}": list(range(1 + i, 30 + 3 * i)) for i in range(3)})
     rids = list(d.num_tokens)
-    so = SchedulerOutput(99, [], CachedRequestData(rids, [[] for _ in rids], [d.num_tokens[r] - 1 for r in rids]),
+    so = SchedulerOutput(99, [], CachedRequestData(rids, [([],) for _ in rids], [d.num_tokens[r] - 1 for r in rids]),
                          {r: 1 for r in rids}, len(rids), [])
     runner.update_states(so)
     inp = runner.prepare_inputs(so)

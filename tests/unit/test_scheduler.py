@@ -175,7 +175,7 @@ def test_blocks_filled_while_decoding_are_cached_once_each():
     h.add("a", list(range(100, 106)), max_tokens=12)     # 6 prompt tokens, then decodes to 18
     offered = []
     cache = h.kv.pool.cache_full_block
-    h.kv.pool.cache_full_block = lambda b, bh: (offered.append(b.block_id), cache(b, bh))
+    h.kv.pool.cache_full_block = lambda b, bh, *group: (offered.append(b.block_id), cache(b, bh, *group))
     for _ in range(12):
         h.step()
     assert sorted(offered) == sorted(set(offered)) and len(offered) == 4     # 16 of 18 tokens: 4 blocks
@@ -241,7 +241,7 @@ def test_freed_cached_blocks_are_evicted_least_recently_used_first():
     h.step()
     old_hashes = _hashes(list(range(100, 108)))
     new_hashes = _hashes(list(range(200, 208)))
-    assert h.kv.get_computed_blocks(old_hashes) == []
+    assert len(h.kv.get_computed_blocks(old_hashes)) == 0
     assert len(h.kv.get_computed_blocks(new_hashes)) == 2
 
 

@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade}``: each
+"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -76,6 +76,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     cas.add_argument("--suffix", type=int, default=64, help="each request's own tokens after the prefix")
     cas.add_argument("--repeats", type=int, default=8)
     cas.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
+    hyb = sub.add_parser("hybrid-kv", help="long requests a KV cache holds with and without the hybrid KV cache "
+                                           "manager (computed, then run through the scheduler)")
+    hyb.add_argument("--model", default="gemma3-270m")
+    hyb.add_argument("--kv-cache-gib", type=float, default=1.0)
+    hyb.add_argument("--prompt-len", type=int, default=4000)
+    hyb.add_argument("--num-requests", type=int, default=40, help="queued at once (and the batch's limit)")
+    hyb.add_argument("--max-tokens", type=int, default=64)
 
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -106,6 +113,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "cascade":
         from tools.bench import cascade
         cascade.main(args)
+    elif args.cmd == "hybrid-kv":
+        from tools.bench import hybrid_kv
+        hybrid_kv.main(args)
     elif args.cmd == "latency":
         from tools.bench import latency
         latency.main(args)

@@ -47,6 +47,7 @@ async def run(args: Any) -> dict[str, Any]:
     peak = flops.matmul_peak_gflops() if device == "cpu" else None    # this CPU's own float32 peak
     return {"bench": "offline", "engine": "troupe", "device": device, "enforce_eager": args.enforce_eager,
             "dtype": args.dtype, "trace": config.observability.trace, "multiprocess": args.multiprocess,
+            "async_scheduling": config.scheduler.async_scheduling,
             "quantization": args.quantization, "kv_cache_dtype": config.cache.cache_dtype,
             "kv_cache_blocks": config.cache.num_blocks,
             "kv_cache_tokens": config.cache.num_blocks * config.cache.block_size,

@@ -29,12 +29,14 @@ class StepDriver:
         self.num_tokens: dict[str, int] = {}      # prompt + sampled tokens of each live request
         self.outputs: dict[str, list[int]] = {}
 
-    def _take_blocks(self, req_id: str, num_tokens: int) -> list[int]:
+    def _take_blocks(self, req_id: str, num_tokens: int) -> tuple[list[int], ...]:
+        """Fresh blocks for ``num_tokens`` tokens in each KV cache group of the runner."""
         need = -(-num_tokens // self.block_size) - self.num_blocks.get(req_id, 0)
-        if self.next_block + need > self.runner.config.cache.num_blocks:
+        G = self.runner.num_kv_cache_groups
+        if self.next_block + G * need > self.runner.config.cache.num_blocks:
             raise RuntimeError(f"out of KV blocks ({self.runner.config.cache.num_blocks}); give the runner more")
-        ids = list(range(self.next_block, self.next_block + need))
-        self.next_block += need
+        ids = tuple(list(range(self.next_block + g * need, self.next_block + (g + 1) * need)) for g in range(G))
+        self.next_block += G * need
         self.num_blocks[req_id] = self.num_blocks.get(req_id, 0) + need
         return ids
 

