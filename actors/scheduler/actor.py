@@ -78,6 +78,10 @@ class _InFlight:
     t0: int                      # schedule() began
     t1: int                      # schedule() ended: sent
     kv_ns: int                   # the KV manager's time within schedule()
+    t_reply: int = 0             # the reply arrived (with two in flight, it may wait to be handled)
+
+    def note_reply(self, _: asyncio.Future[ModelRunnerOutput]) -> None:
+        self.t_reply = now_ns()
 
 
 class SchedulerActor(Actor):
@@ -182,7 +186,9 @@ class SchedulerActor(Actor):
             if so.num_scheduled_tokens:
                 self.ctx.link(list(so.num_scheduled_tokens))
                 reply = asyncio.ensure_future(self.executor.ask(so, timeout=STEP_TIMEOUT_S))
-                self._in_flight.append(_InFlight(so, reply, t0, now_ns(), self.core.kv.busy_ns - kv0))
+                f = _InFlight(so, reply, t0, now_ns(), self.core.kv.busy_ns - kv0)
+                reply.add_done_callback(f.note_reply)
+                self._in_flight.append(f)
                 sent = True
         while self._in_flight and (len(self._in_flight) >= self._depth or not sent):
             await self._settle_oldest()
@@ -213,7 +219,7 @@ class SchedulerActor(Actor):
         tracer = self.ctx.node.tracer
         if tracer.enabled:
             t3 = now_ns()
-            tracer.record_step(self._step_record(f.so, runner_out, (f.t0, f.t1, t2, t3),
+            tracer.record_step(self._step_record(f.so, runner_out, (f.t0, f.t1, f.t_reply or t2, t3),
                                                  (f.kv_ns, self.core.kv.busy_ns - kv2)))
         self._last_step_end = now_ns()
 
@@ -228,7 +234,8 @@ class SchedulerActor(Actor):
                      kv: tuple[int, int]) -> StepRecord:
         """Where the step's time went: scheduling (less its KV bookkeeping), KV bookkeeping,
         the worker's input preparation, forward and sampling, messaging (the round trip less the
-        worker's time), and output handling."""
+        worker's time; with async scheduling, also the wait behind the step before it), and
+        output handling (from the reply's arrival)."""
         t0, t1, t2, t3 = t
         ms = 1e-6
         worker_ns = out.worker_s * 1e9
