@@ -57,6 +57,18 @@ def check_shape(name: str, t: torch.Tensor, expected: Sequence[int | None]) -> N
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want}")
 
 
+def check_query_and_cache(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """The paged attention kernels' first checks: a (N, H, D) float query and a
+    (2, blocks, block_size, KVH, D) cache in the query's dtype or fp8, on one device. Returns
+    (H, D, block_size, KVH)."""
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    _, H, D = query.shape
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(query.dtype,) + FP8_DTYPES, device=query.device)
+    _, _, block_size, KVH, _ = kv_cache.shape
+    check_shape("kv_cache", kv_cache, (2, None, block_size, KVH, D))
+    return H, D, block_size, KVH
+
+
 def check_attention_args(H: int, KVH: int, D: int, block_size: int, sliding_window: int | None) -> None:
     """What the paged attention kernels support: GQA, head size <= 256, power-of-two pages >= 16."""
     if KVH == 0 or H % KVH:

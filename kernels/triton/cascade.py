@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from kernels.attention.fp8 import dequantize_kv
-from kernels.triton import (FLOAT_DTYPES, FP8_DTYPES, LOG2E, check_shape, check_tensor, dot_in_float32,
-                            dot_precision, kv_scale_args, next_power_of_2)
+from kernels.triton import (LOG2E, check_query_and_cache, check_shape, check_tensor,
+                            dot_in_float32, dot_precision, kv_scale_args, next_power_of_2)
 from kernels.triton.fp8 import fp8_format, fp8_to_float
 
 
@@ -119,12 +119,8 @@ def prefix_attention(
     block_m: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:   # out (N, H, D) float32, lse (N, H) float32
     """Attention of every query over the whole prefix, unmasked, and each row's log-sum-exp."""
-    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    N, H, D = query.shape
-    dev = query.device
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(query.dtype,) + FP8_DTYPES, device=dev)
-    _, _, block_size, KVH, _ = kv_cache.shape
-    check_shape("kv_cache", kv_cache, (2, None, block_size, KVH, D))
+    H, D, block_size, KVH = check_query_and_cache(query, kv_cache)
+    N, dev = query.shape[0], query.device
     check_tensor("prefix_blocks", prefix_blocks, ndim=1, dtypes=(torch.int32,), device=dev)
     if KVH == 0 or H % KVH:
         raise ValueError(f"num_heads {H} must be a multiple of num_kv_heads {KVH}")

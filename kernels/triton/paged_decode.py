@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention.fp8 import dequantize_kv
-from kernels.triton import (FLOAT_DTYPES, FP8_DTYPES, LOG2E, check_attention_args, check_shape, check_tensor,
+from kernels.triton import (LOG2E, check_attention_args, check_query_and_cache, check_shape, check_tensor,
                             dot_in_float32, dot_precision, kv_scale_args, next_power_of_2)
 from kernels.triton.fp8 import fp8_format, fp8_to_float
 
@@ -161,12 +161,8 @@ def paged_decode_attention(
     """Attention of each request's single query (at position seq_len - 1) over its cached
     context. The cache must already hold the query's own key and value. The cache is in the
     query's dtype or fp8 (float8_e4m3fn / float8_e5m2, dequantized as it is read)."""
-    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    B, H, D = query.shape
-    dev = query.device
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(query.dtype,) + FP8_DTYPES, device=dev)
-    _, _, block_size, KVH, _ = kv_cache.shape
-    check_shape("kv_cache", kv_cache, (2, None, block_size, KVH, D))
+    H, D, block_size, KVH = check_query_and_cache(query, kv_cache)
+    B, dev = query.shape[0], query.device
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=dev)
     check_shape("block_table", block_table, (B, None))
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)

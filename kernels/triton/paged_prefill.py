@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention.fp8 import dequantize_kv
-from kernels.triton import (FLOAT_DTYPES, FP8_DTYPES, LOG2E, check_attention_args, check_shape, check_tensor,
+from kernels.triton import (LOG2E, check_attention_args, check_query_and_cache, check_shape, check_tensor,
                             dot_in_float32, dot_precision, kv_scale_args, next_power_of_2)
 from kernels.triton.fp8 import fp8_format, fp8_to_float
 
@@ -132,12 +132,8 @@ def paged_prefill_attention(
     hold the new keys and values). ``max_query_len`` is a host int that sizes the grid; a request
     with a longer query would have its tail left at zero, so it must be exact or larger. The
     cache is in the query's dtype or fp8 (float8_e4m3fn / float8_e5m2, dequantized as it is read)."""
-    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    T, H, D = query.shape
-    dev = query.device
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(query.dtype,) + FP8_DTYPES, device=dev)
-    _, _, block_size, KVH, _ = kv_cache.shape
-    check_shape("kv_cache", kv_cache, (2, None, block_size, KVH, D))
+    H, D, block_size, KVH = check_query_and_cache(query, kv_cache)
+    T, dev = query.shape[0], query.device
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)
     B = seq_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=dev)

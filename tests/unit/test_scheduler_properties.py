@@ -18,13 +18,9 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, min_size=1, max_size=60), num_blocks=st.integers(6, 24),
-       policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(),
-       budget=st.sampled_from([8, 16, 64]))
-def test_block_accounting_holds_after_every_operation(ops, num_blocks, policy, caching, budget):
-    h = Harness(num_blocks=num_blocks, watermark=0.0, policy=policy, enable_prefix_caching=caching,
-                max_num_batched_tokens=budget, max_num_seqs=6)
+def _apply(h, ops, num_blocks: int, busy) -> None:
+    """Run ``ops`` (add / step / abort) on ``h``, checking the block accounting and the cached
+    blocks' contents after each."""
     added = 0
     for o in ops:
         if o[0] == "add":
@@ -35,12 +31,22 @@ def test_block_accounting_holds_after_every_operation(ops, num_blocks, policy, c
             h.add(f"r{added}", prompt, max_tokens=max_tokens, priority=priority, arrival=added)
             added += 1
         elif o[0] == "step":
-            if h.s.has_work():
+            if busy():
                 h.step(token=o[1])
         else:
             h.s.abort_requests([f"r{o[1]}"])
         h.kv.check_integrity()
         check_cached_contents(h)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=60), num_blocks=st.integers(6, 24),
+       policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(),
+       budget=st.sampled_from([8, 16, 64]))
+def test_block_accounting_holds_after_every_operation(ops, num_blocks, policy, caching, budget):
+    h = Harness(num_blocks=num_blocks, watermark=0.0, policy=policy, enable_prefix_caching=caching,
+                max_num_batched_tokens=budget, max_num_seqs=6)
+    _apply(h, ops, num_blocks, h.s.has_work)
     for _ in range(500):                  # everything still finishes, nothing leaks
         if not h.s.has_work():
             break
@@ -112,22 +118,7 @@ def test_block_accounting_holds_with_a_step_in_flight(ops, num_blocks, policy, c
     """Aborts and finishes while a step is in flight leak no block and double-book none."""
     h = AsyncHarness(num_blocks=num_blocks, watermark=0.0, policy=policy, enable_prefix_caching=caching,
                      max_num_batched_tokens=16, max_num_seqs=6)
-    added = 0
-    for o in ops:
-        if o[0] == "add":
-            _, blocks, extra, max_tokens, priority = o
-            prompt = [t for b in blocks for t in BLOCKS[b]] + [20 + i for i in range(extra)]
-            if len(prompt) >= (num_blocks - 1) * 4:
-                continue
-            h.add(f"r{added}", prompt, max_tokens=max_tokens, priority=priority, arrival=added)
-            added += 1
-        elif o[0] == "step":
-            if h.busy():
-                h.step(token=o[1])
-        else:
-            h.s.abort_requests([f"r{o[1]}"])
-        h.kv.check_integrity()
-        check_cached_contents(h)
+    _apply(h, ops, num_blocks, h.busy)
     for _ in range(500):
         if not h.busy():
             break

@@ -9,7 +9,7 @@ import dataclasses
 import json
 from typing import Any
 
-from tools.bench.kv_dtypes import _best
+from tools.bench.kv_dtypes import _best, load_packed
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -17,17 +17,9 @@ def run(args: Any) -> dict[str, Any]:
 
     from kernels.attention import CpuAttentionBackend, allocate_kv_caches, build_attention_metadata
     from kernels.attention.cascade import use_cascade_attention
-    from models.native_decode import attach
-    from models.packed import prepack_linears
-    from models.registry import load_model
     from models.resolve import resolve_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    lm = load_model(resolve_model(args.model), torch.float32, CpuAttentionBackend())
-    model, cfg = lm.model, lm.config
-    prepack_linears(model)
-    stack = attach(model)
+    model, cfg, stack = load_packed(args)
     B, BS, S = args.batch, 16, args.suffix
     g = torch.Generator().manual_seed(0)
     out: dict[str, Any] = {"bench": "cascade", "model": resolve_model(args.model).served_name, "batch": B,

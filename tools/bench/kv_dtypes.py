@@ -29,11 +29,13 @@ def _best(fns: dict[str, Any], repeats: int, calls: int = 1) -> dict[str, float]
     return best
 
 
-def run(args: Any) -> dict[str, Any]:
+def load_packed(args: Any) -> tuple[Any, Any, Any]:
+    """``args.model`` in float32 on the CPU backend, its linears packed, with its native decode
+    stack (None where it does not apply): (model, arch config, stack). ``args.threads``: compute
+    threads (0: all cores)."""
     import torch
 
-    from kernels.attention import CpuAttentionBackend, allocate_kv_caches, build_attention_metadata
-    from kernels.cpu.native import paged_decode
+    from kernels.attention import CpuAttentionBackend
     from models.native_decode import attach
     from models.packed import prepack_linears
     from models.registry import load_model
@@ -42,9 +44,18 @@ def run(args: Any) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(resolve_model(args.model), torch.float32, CpuAttentionBackend())
-    model, cfg = lm.model, lm.config
-    prepack_linears(model)
-    stack = attach(model)
+    prepack_linears(lm.model)
+    return lm.model, lm.config, attach(lm.model)
+
+
+def run(args: Any) -> dict[str, Any]:
+    import torch
+
+    from kernels.attention import allocate_kv_caches, build_attention_metadata
+    from kernels.cpu.native import paged_decode
+    from models.resolve import resolve_model
+
+    model, cfg, stack = load_packed(args)
     B, BS = args.batch, 16
     g = torch.Generator().manual_seed(0)
     one = torch.tensor(1.0)
