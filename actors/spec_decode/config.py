@@ -55,8 +55,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             if fields.get("model") in NGRAM_MODEL_NAMES:
                 fields["model"] = None
             lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
-            fields["prompt_lookup_min"] = DEFAULT_PROMPT_LOOKUP if lo is None and hi is None else (hi if lo is None else lo)
-            fields["prompt_lookup_max"] = DEFAULT_PROMPT_LOOKUP if lo is None and hi is None else (lo if hi is None else hi)
+            if lo is None and hi is None:
+                lo = hi = DEFAULT_PROMPT_LOOKUP
+            fields["prompt_lookup_min"] = hi if lo is None else lo
+            fields["prompt_lookup_max"] = lo if hi is None else hi
         if "num_speculative_tokens" not in fields:
             raise ValueError("num_speculative_tokens is required (the number of draft tokens per step, > 0)")
         try:

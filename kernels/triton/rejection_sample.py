@@ -86,7 +86,9 @@ def _rejection_sample_kernel(
             p = tl.load(target_probs_ptr + t_row * stride_tp + v, mask=in_v, other=0.0)
             e = tl.load(noise_ptr + b * stride_noise + v, mask=in_v, other=1.0)
             if HAS_DRAFT_PROBS:
-                q = tl.load(draft_probs_ptr + (start + n_acc) * stride_dp + v, mask=in_v & (v * 0 + n_acc < k), other=0.0)
+                # `rejected` spread over the block: the interpreter cannot mask with vector & scalar
+                rejected_v = (v * 0 + n_acc) < k
+                q = tl.load(draft_probs_ptr + (start + n_acc) * stride_dp + v, mask=in_v & rejected_v, other=0.0)
             else:
                 q = tl.where(v == x_rej, 1.0, 0.0)
             r = tl.maximum(p - q, 0.0)

@@ -101,3 +101,29 @@ def test_launcher_names_the_wrong_argument():
     args[3] = args[3][:, :8]
     with pytest.raises(ValueError, match="draft_probs"):
         rejection_sample(*args)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="routes CPU tensors through the interpreter")
+@pytest.mark.parametrize("with_draft_probs", [True, False], ids=["draft_probs", "ngram"])
+def test_rejection_sampler_draws_the_same_tokens_through_the_kernel(monkeypatch, with_draft_probs):
+    """The whole sampler, seeded rows and the global RNG alike: the Triton path (CPU tensors under
+    the interpreter) against the torch path."""
+    from kernels.triton import fused
+    from models.rejection_sampler import RejectionSampler, SpecDecodeMetadata
+    from models.sampler import SamplingMetadata
+
+    g = torch.Generator().manual_seed(9)
+    num_drafts = [3, 0, 4, 2, 5, 1]
+    spec = SpecDecodeMetadata.from_lists([torch.randint(40, (k,), generator=g).tolist() for k in num_drafts])
+    logits = torch.randn(sum(num_drafts) + 6, 40, generator=g) * 3
+    draft_probs = torch.randn(sum(num_drafts), 40, generator=g).softmax(-1) if with_draft_probs else None
+
+    def run(on_kernel: bool) -> torch.Tensor:
+        monkeypatch.setattr(fused, "ON_CPU", on_kernel)
+        torch.manual_seed(0)
+        gens = [torch.Generator().manual_seed(s) if s else None for s in (0, 3, 0, 4, 0, 5)]
+        meta = SamplingMetadata.from_lists([0.0, 0.8, 1.0, 0.0, 1.2, 0.7], generators=gens,
+                                           top_k=[0, 10, 0, 0, 20, 5], top_p=[1.0, 0.9, 1.0, 1.0, 1.0, 0.95])
+        return RejectionSampler()(logits, draft_probs, spec, meta)
+
+    assert torch.equal(run(True), run(False))
