@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from kernels.attention.fp8 import calibrated_scale, is_fp8
+from kernels.attention.fp8 import K_SCALE_CONSTANT, V_SCALE_CONSTANT, calibrated_scale, is_fp8
 from kernels.cpu import fused
 from kernels.triton import fused as triton_fused
 
@@ -225,8 +225,9 @@ class SelfAttention(nn.Module):
     ``k_scale`` / ``v_scale`` (float32 scalars, vLLM's names) scale this layer's keys and values
     in an fp8 KV cache: stored fp8(k / k_scale), read fp8 * k_scale. They are 1.0 unless
     ``calculate_kv_scales`` is set, in which case the next forward that writes an fp8 cache sets
-    them from its keys' and values' largest magnitudes (amax / the format's max) and clears the
-    flag. They are updated in place only: kernels may hold their addresses."""
+    them from its keys' and values' largest magnitudes (as vLLM: key amax / 200, value amax / 100,
+    K_SCALE_CONSTANT and V_SCALE_CONSTANT) and clears the flag. They are updated in place only:
+    kernels may hold their addresses."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int,
                  backend: AttentionBackend, dtype: torch.dtype, *, scale: float,
@@ -273,8 +274,8 @@ class SelfAttention(nn.Module):
         if not is_fp8(kv_dtype):
             return
         real = meta.slot_mapping[:k.shape[0]] >= 0
-        self.k_scale.copy_(calibrated_scale(k[real], kv_dtype))
-        self.v_scale.copy_(calibrated_scale(v[real], kv_dtype))
+        self.k_scale.copy_(calibrated_scale(k[real], K_SCALE_CONSTANT))
+        self.v_scale.copy_(calibrated_scale(v[real], V_SCALE_CONSTANT))
 
 
 def calculate_kv_scales_on_next_batch(model: nn.Module) -> int:

@@ -269,7 +269,7 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--calculate-kv-scales",), "calculate_kv_scales", dict(
             action="store_true", default=d["calculate_kv_scales"],
             help="with an fp8 KV cache: each layer's K and V scales from the first batch's largest "
-                 "magnitudes (amax / the format's max), instead of 1.0")),
+                 "magnitudes (as vLLM: key amax / 200, value amax / 100), instead of 1.0")),
         (("--enable-prefix-caching",), "enable_prefix_caching", dict(
             action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
             help="reuse the KV cache of prompt prefixes seen before (whole blocks)")),

@@ -7,8 +7,8 @@ one for the values (vLLM's ``k_scale`` / ``v_scale``):
 
 Every path that writes or reads such a cache (the native kernels, the torch paths, the Triton
 kernels and the references they are tested against) does exactly this; the torch versions live here.
-The scales are 1.0 unless calibrated (``--calculate-kv-scales``: ``amax / FP8_MAX`` of the first
-batch's keys and values, per layer).
+The scales are 1.0 unless calibrated (``--calculate-kv-scales``: the first batch's key amax / 200
+and value amax / 100, per layer, vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT, for either format).
 """
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ import torch
 
 # The largest finite value of each format: saturation bound, and the calibration's divisor.
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+# vLLM's --calculate-kv-scales divisors (vllm/envs.py K_SCALE_CONSTANT, V_SCALE_CONSTANT): a scale is
+# amax / divisor, whatever the fp8 format, so later keys up to 448 / 200 = 2.24x the first batch's
+# largest (values: 4.48x) still fit e4m3 unsaturated.
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
 
 # --kv-cache-dtype names -> torch dtypes ("fp8" is e4m3, as in vLLM).
 FP8_NAMES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -49,11 +55,11 @@ def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | float | None = None,
     return y.to(dtype)
 
 
-def calibrated_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """vLLM's --calculate-kv-scales: the scale that maps x's largest magnitude to the format's
-    largest finite value (a float32 0-dim tensor on x's device; 1.0 when x is all zeros)."""
+def calibrated_scale(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """vLLM's --calculate-kv-scales: amax(|x|) / divisor (K_SCALE_CONSTANT for keys,
+    V_SCALE_CONSTANT for values); a float32 0-dim tensor on x's device, 1.0 when x is all zeros."""
     amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-    return torch.where(amax > 0, amax / FP8_MAX[dtype], torch.ones_like(amax))
+    return torch.where(amax > 0, amax / divisor, torch.ones_like(amax))
 
 
 def store_rows_(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,

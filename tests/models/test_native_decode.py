@@ -117,7 +117,8 @@ def test_native_decode_stack_with_an_fp8_kv_cache_and_per_layer_scales(kv_dtype,
 def test_calculated_kv_scales_come_from_the_first_batch_which_the_layers_run(monkeypatch):
     """--calculate-kv-scales: the first batch (here one token per request, a pure-decode shape
     the stack would otherwise take) runs through the layers, each setting its scales to its keys'
-    and values' amax / 448; the stack takes the later steps with those scales."""
+    and values' amax / 200 and / 100 (vLLM's K_ and V_SCALE_CONSTANT); the stack takes the later
+    steps with those scales."""
     from kernels.attention.cpu import CpuAttentionBackend as Backend
     from models.layers import calculate_kv_scales_on_next_batch
     model, config = _model()
@@ -126,7 +127,7 @@ def test_calculated_kv_scales_come_from_the_first_batch_which_the_layers_run(mon
     real_forward = Backend.forward
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None):
-        seen.append((k.abs().max() / 448, v.abs().max() / 448, k_scale.clone(), v_scale.clone()))
+        seen.append((k.abs().max() / 200, v.abs().max() / 100, k_scale.clone(), v_scale.clone()))
         return real_forward(self, q, k, v, kv_cache, meta, scale, sliding_window, k_scale, v_scale)
     monkeypatch.setattr(Backend, "forward", forward)
     assert calculate_kv_scales_on_next_batch(model) == 3
