@@ -21,11 +21,12 @@ from typing import Any, Mapping
 
 import msgspec
 
-from models.quant import QUANT_MODES
-
 METHODS = ("ngram", "draft_model", "self_draft")
 NGRAM_MODEL_NAMES = ("ngram", "[ngram]")      # vLLM's spellings of "no model, prompt lookup"
 DEFAULT_PROMPT_LOOKUP = 5                     # vLLM's default for both bounds
+# models.quant.QUANT_MODES, spelled out: importing models.quant loads torch, and the engine's
+# config (read by the frontend) carries this one
+QUANT_MODES = ("gguf", "gguf-i8")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
