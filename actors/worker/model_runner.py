@@ -54,6 +54,12 @@ def torch_dtype(name: str) -> torch.dtype:
     return FP8_NAMES[name] if name in FP8_NAMES else getattr(torch, name)
 
 
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of arange(start, start + length) for each pair (vectorized)."""
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
+
+
 class StepInputs(NamedTuple):
     input_ids: torch.Tensor        # (T,) int64
     positions: torch.Tensor        # (T,) int64
@@ -159,10 +165,7 @@ class ModelRunner:
             return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, slots,
                               sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1))
         k = num_drafts[sample_rows]                                         # (S,)
-        rows_per = k + 1
-        first = np.cumsum(rows_per) - rows_per                              # (S,) first logits row of each
-        within = np.arange(int(rows_per.sum())) - np.repeat(first, rows_per)
-        logits_indices = np.repeat(cu[1:][sample_rows] - rows_per, rows_per) + within   # (S + N,)
+        logits_indices = ranges(cu[1:][sample_rows] - 1 - k, k + 1)         # (S + N,)
         return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, slots,
                           sample_rows, torch.from_numpy(logits_indices), k)
 
@@ -176,7 +179,6 @@ class ModelRunner:
             return out
         t_prepare = time.perf_counter()
         inp = self.prepare_inputs(so)
-        self._step_slots = inp.slots
         t0 = time.perf_counter()
         out.prepare_s = t0 - t_prepare
         hidden = self._forward(inp)                                                    # (T, hidden)
@@ -188,22 +190,21 @@ class ModelRunner:
         if len(inp.sample_rows):
             logits = self.model.compute_logits(hidden[inp.logits_indices.to(self.device)])  # (S + N, vocab)
             if inp.num_draft_tokens is None:
-                self._sample(so, req_ids, inp.sample_rows, logits, out)
+                self._sample(so, req_ids, inp.sample_rows, inp.slots[inp.sample_rows], logits, out)
             else:
                 self._sample_with_drafts(so, req_ids, inp, logits, out)
             if self.proposer is not None:
-                self._propose(req_ids, inp.sample_rows, out)
+                self._propose(req_ids, inp.sample_rows, inp.slots[inp.sample_rows], out)
         t_end = time.perf_counter()
         out.compute_s = t_end - t0                    # forward and sampling: model compute
         out.sample_s = t_end - t_sample
         return out
 
-    def _sample(self, so: SchedulerOutput, req_ids: list[str], rows: np.ndarray, logits: torch.Tensor,
-                out: ModelRunnerOutput) -> None:
-        """One token for each of ``rows`` (batch rows) from its logits row (S, vocab), with the
-        plain Sampler; appended and reported with its log-probs."""
+    def _sample(self, so: SchedulerOutput, req_ids: list[str], rows: np.ndarray, sample_slots: np.ndarray,
+                logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """One token for each of ``rows`` (batch rows; ``sample_slots`` their slots) from its
+        logits row (S, vocab), with the plain Sampler; appended and reported with its log-probs."""
         b = self.batch
-        sample_slots = self._step_slots[rows]
         meta = self.sampling_metadata(sample_slots)
         if so.grammar_bitmask is not None:
             meta = dataclasses.replace(meta, grammar_bitmask=self._grammar_bitmask(so, req_ids, rows))
@@ -226,14 +227,13 @@ class ModelRunner:
         last = np.cumsum(rows_per) - 1                                      # (S,) each row's bonus position
         plain = np.flatnonzero(k == 0)
         if len(plain):
-            self._sample(so, req_ids, inp.sample_rows[plain], logits[torch.from_numpy(last[plain]).to(self.device)],
+            rows = inp.sample_rows[plain]
+            self._sample(so, req_ids, rows, inp.slots[rows], logits[torch.from_numpy(last[plain]).to(self.device)],
                          out)
         spec = np.flatnonzero(k > 0)
         rows = inp.sample_rows[spec]
-        slots = self._step_slots[rows]
-        first = last[spec] - k[spec]
-        idx = np.repeat(first, rows_per[spec]) + (np.arange(int(rows_per[spec].sum()))
-                                                  - np.repeat(np.cumsum(rows_per[spec]) - rows_per[spec], rows_per[spec]))
+        slots = inp.slots[rows]
+        idx = ranges(last[spec] - k[spec], rows_per[spec])                 # their draft and bonus rows
         drafts = [so.scheduled_spec_decode_tokens[req_ids[r]] for r in rows.tolist()]
         emitted = RejectionSampler.parse_output(self.rejection_sampler(
             logits[torch.from_numpy(idx).to(self.device)], None,
@@ -244,10 +244,10 @@ class ModelRunner:
         for row, tokens in zip(rows.tolist(), emitted):
             out.sampled_token_ids[row] = tokens
 
-    def _propose(self, req_ids: list[str], rows: np.ndarray, out: ModelRunnerOutput) -> None:
-        """The next step's drafts of the requests that sampled and accept drafts."""
+    def _propose(self, req_ids: list[str], rows: np.ndarray, slots: np.ndarray, out: ModelRunnerOutput) -> None:
+        """The next step's drafts of the requests that sampled (batch ``rows``, in ``slots``) and
+        accept drafts."""
         b = self.batch
-        slots = self._step_slots[rows]
         takes = b.accepts_drafts[slots]
         rows, slots = rows[takes], slots[takes]
         if not len(slots):
