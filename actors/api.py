@@ -201,6 +201,11 @@ class LLM:
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    @property
+    def client(self) -> Any:
+        """The engine client: its ``stats`` are the engine's statistics as /metrics shows them."""
+        return self._llm.client
+
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[GenerationResult]:

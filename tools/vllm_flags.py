@@ -19,7 +19,7 @@ _PARALLEL = "Troupe runs one engine with one worker on one device"
 _LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directories as they are"
 _MODALITY = "Troupe serves text-only models"
 _LORA = "Troupe serves the base model only (no LoRA adapters)"
-_SPEC = "Troupe has no speculative decoding"
+_SPEC = "Troupe takes speculative decoding as --speculative-config JSON only"
 _COMPILE = "Troupe captures CUDA graphs of decode steps itself (--enforce-eager turns them off)"
 _HTTP = "Troupe's HTTP server has no such option"
 _KV = "Troupe keeps the KV cache on one device, in blocks of one layout"
@@ -82,7 +82,7 @@ REFUSED: dict[str, str] = {
     "--lora-extra-vocab-size": _LORA, "--lora-dtype": _LORA, "--max-cpu-loras": _LORA,
     "--fully-sharded-loras": _LORA, "--default-mm-loras": _LORA, "--enable-prompt-adapter": _LORA,
     "--prompt-adapters": _LORA, "--max-prompt-adapters": _LORA, "--max-prompt-adapter-token": _LORA,
-    "--speculative-config": _SPEC, "--speculative-model": _SPEC, "--num-speculative-tokens": _SPEC,
+    "--speculative-model": _SPEC, "--num-speculative-tokens": _SPEC,
     # the KV cache
     "--swap-space": _KV, "--cpu-offload-gb": _KV, "--prefix-caching-hash-algo": _KV,
     "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _KV,

@@ -16,6 +16,7 @@ from actors.engine.config import (DEFAULT_MAX_LOGPROBS, DEVICES, DTYPES, GENERAT
                                   DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig,
                                   ParallelConfig, SchedulerConfig)
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
+from actors.spec_decode.config import SpeculativeConfig
 from models.resolve import ModelSource, resolve_model
 
 
@@ -58,6 +59,8 @@ class EngineArgs:
     restart_window_s: float = 120.0
     trace: bool = True
     flight_recorder_dir: str = ""
+    # vLLM's --speculative-config: its JSON object (text on the command line, a dict in LLM(...))
+    speculative_config: dict[str, Any] | str | None = None
 
     @classmethod
     def from_options(cls, model: str | None, options: dict[str, Any]) -> EngineArgs:
@@ -102,7 +105,8 @@ class EngineArgs:
             parallel=ParallelConfig(multiprocess=self.multiprocess, max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
-            observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir))
+            observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir),
+            speculative=speculative_config(self.speculative_config))
 
     # -- the command line --------------------------------------------------------------------
     @staticmethod
@@ -134,6 +138,13 @@ def kv_cache_bytes(gib: float | None, memory_bytes: int | None) -> int:
     if memory_bytes is not None:
         return memory_bytes
     return int(gib * 2**30) if gib else 0
+
+
+def speculative_config(value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
+    """--speculative-config's JSON text, or the offline API's dict, parsed and validated."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    return SpeculativeConfig.from_json(value) if isinstance(value, str) else SpeculativeConfig.from_dict(value)
 
 
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -305,6 +316,14 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             action=argparse.BooleanOptionalAction, default=d["async_scheduling"],
             help="plan the next engine step while the worker computes this one (default: on when the "
                  "worker runs in a process of its own; the same tokens either way)")),
+        (("--speculative-config",), "speculative_config", dict(
+            default=d["speculative_config"], metavar="JSON",
+            help='speculative decoding, as vLLM takes it: a JSON object such as {"method": "ngram", '
+                 '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram '
+                 "prompt lookup: drafts copied from earlier in the sequence, verified by the model in one "
+                 "step; the same tokens as without it for greedy requests). Requests with structured "
+                 "outputs, penalties, bad words, min_tokens, logit bias, allowed token ids or log-probs "
+                 "decode without drafts. Turns async scheduling off")),
         (("--max-model-len",), "max_model_len", dict(type=human_readable_int, default=d["max_model_len"],
                                                      help="0: the model's own")),
         (("--scheduling-policy",), "scheduling_policy", dict(

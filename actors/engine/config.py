@@ -17,6 +17,7 @@ import msgspec
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, kv_cache_groups, max_tokens_per_request,
                                              model_kv_cache_specs, num_blocks_for)
+from actors.spec_decode.config import SpeculativeConfig
 from models.config import ArchConfig
 from models.resolve import ModelSource
 
@@ -111,6 +112,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     parallel: ParallelConfig = ParallelConfig()
     device: DeviceConfig = DeviceConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
+    # --speculative-config: draft tokens verified by the target each step (None: off)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -145,8 +148,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if num_blocks:
             max_model_len = self._fitting_len(groups, num_blocks, max_model_len)
         sched = self.scheduler
-        if sched.async_scheduling is None:
-            sched = msgspec.structs.replace(sched, async_scheduling=self.parallel.multiprocess)
+        if sched.async_scheduling is None:     # a step's drafts come from the previous step's output
+            sched = msgspec.structs.replace(sched, async_scheduling=self.parallel.multiprocess
+                                            and self.speculative is None)
         if sched.max_num_partial_prefills > 1 and not sched.long_prefill_token_threshold:
             sched = msgspec.structs.replace(sched, long_prefill_token_threshold=max(max_model_len * 4 // 100, 1))
         return self.replace(
@@ -252,6 +256,14 @@ def check_config(cfg: EngineConfig) -> None:
                          f"{cfg.scheduler.long_prefill_token_threshold}")
     if not 0.0 <= cfg.scheduler.watermark < 1.0:
         raise ValueError(f"watermark must be in [0, 1), got {cfg.scheduler.watermark}")
+    if cfg.speculative is not None:
+        if cfg.speculative.method != "ngram":
+            raise ValueError(f"speculative decoding method {cfg.speculative.method!r} is not available yet; "
+                             "use method ngram")
+        if cfg.scheduler.async_scheduling:
+            raise ValueError("async scheduling and speculative decoding cannot be combined (a step's draft "
+                             "tokens come from the previous step's output); leave async_scheduling unset "
+                             "or turn it off")
     if cfg.model.max_model_len < 0:
         raise ValueError(f"max_model_len must be at least 0 (0: the model's own), got {cfg.model.max_model_len}")
 

@@ -67,6 +67,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int = 0           # of those, tokens served from the cache
     busy_seconds: float = 0.0            # since start: wall time of back-to-back step cycles
     compute_seconds: float = 0.0         # since start: of that, model forward and sampling
+    # speculative decoding, since start: requests verified with drafts (once per step), draft
+    # tokens verified, of those accepted, and accepted per draft position (0 = the first draft)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(Msg):
@@ -103,6 +109,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     prepare_s: float = 0.0                 # of the step in the worker: input preparation
     sample_s: float = 0.0                  # logits and sampling (part of compute_s)
     worker_s: float = 0.0                  # the whole step in the worker's handler
+    # speculative decoding: each request's draft tokens for its next step (none: no entry)
+    spec_token_ids: dict[str, list[int]] = {}
 
 
 class SchedulerOutput(Msg):
@@ -119,3 +127,6 @@ class SchedulerOutput(Msg):
     grammar_req_ids: list[str] = []
     grammar_bitmask: np.ndarray | None = None
     prev_step: int = -1                      # the step the worker must have taken before this one (-1: none)
+    # speculative decoding: each request's draft tokens scheduled after its own tokens (they are
+    # among its num_scheduled_tokens, at the end); the worker samples 1 to len + 1 tokens for it
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}

@@ -48,6 +48,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache."),
     Metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache."),
     Metric("num_preemptions_total", "counter", "Requests preempted since start."),
+    Metric("spec_decode_num_drafts_total", "counter", "Requests verified with draft tokens, once per step."),
+    Metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified."),
+    Metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
+    Metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+           "Draft tokens accepted at each draft position (0: the first).", labels="position"),
     Metric("prompt_tokens_total", "counter", "Prompt tokens received."),
     Metric("generation_tokens_total", "counter", "Tokens generated."),
     Metric("request_success_total", "counter", "Finished requests by finish reason (stop, length, abort, "
@@ -216,6 +221,9 @@ class EngineStats:
                 "kv_cache_usage": s.kv_cache_usage, "num_preemptions": s.num_preemptions,
                 "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits,
+                "spec_decode": {"num_drafts": s.spec_num_drafts, "num_draft_tokens": s.spec_num_draft_tokens,
+                                "num_accepted_tokens": s.spec_num_accepted_tokens,
+                                "num_accepted_tokens_per_pos": list(s.spec_num_accepted_tokens_per_pos)},
                 "busy_seconds": round(s.busy_seconds, 3), "compute_seconds": round(s.compute_seconds, 3),
                 "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
                 "requests_finished": dict(self.requests_finished), "kv_cache": dict(self.kv_cache)}
@@ -232,12 +240,18 @@ class EngineStats:
             "generation_tokens_total": self.generation_tokens, "max_batch_size": self.max_batch_size,
             "engine_busy_seconds_total": f"{s.busy_seconds:.6f}",
             "engine_compute_seconds_total": f"{s.compute_seconds:.6f}",
+            "spec_decode_num_drafts_total": s.spec_num_drafts,
+            "spec_decode_num_draft_tokens_total": s.spec_num_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": s.spec_num_accepted_tokens,
         }
         if m.name in scalars:
             return [f"{name}{{{labels}}} {scalars[m.name]}"]
         if m.name == "request_success_total":
             counts = dict.fromkeys(FINISH_REASONS, 0) | self.requests_finished
             return [f'{name}{{{labels},finished_reason="{_escape(r)}"}} {n}' for r, n in counts.items()]
+        if m.name == "spec_decode_num_accepted_tokens_per_pos_total":
+            return [f'{name}{{{labels},position="{pos}"}} {n}'
+                    for pos, n in enumerate(s.spec_num_accepted_tokens_per_pos)]
         if m.name == "engine_sleep_state":
             return [f'{name}{{{labels},sleep_state="{state}"}} {int(state == "awake")}' for state in SLEEP_STATES]
         if m.name == "cache_config_info":

@@ -116,15 +116,20 @@ class KVCacheManager:
     @_timed
     def allocate_slots(self, req_id: str, num_tokens: int, block_hashes: Sequence[BlockHash],
                        new_computed_blocks: KVCacheBlocks | None = None,
-                       watermark_blocks: int = 0) -> tuple[list[int], ...] | None:
+                       watermark_blocks: int = 0,
+                       num_computed_tokens: int | None = None) -> tuple[list[int], ...] | None:
         """Blocks for ``req_id`` to hold its first ``num_tokens`` tokens in every group: those
         it holds, the cache hits ``new_computed_blocks`` (admission only), then fresh ones.
         Returns, per group, the ids of the blocks it gained, hits first (0: the null block);
         None when they do not fit and leave ``watermark_blocks`` free, with nothing changed but
         the release of blocks already out of a window. Blocks full once ``num_tokens`` are
-        computed are offered to the prefix cache under ``block_hashes``."""
+        computed are offered to the prefix cache under ``block_hashes``. ``num_computed_tokens``:
+        the request's computed tokens when fewer than it asked slots for at its last step (draft
+        tokens rejected); the blocks a sliding window no longer reads are counted from there."""
         hits = new_computed_blocks.blocks if new_computed_blocks else tuple([] for _ in self.managers)
         computed = self._num_tokens.get(req_id)
+        if computed is not None and num_computed_tokens is not None:
+            computed = min(computed, num_computed_tokens)
         if computed is not None:
             if any(hits):
                 raise RuntimeError(f"request {req_id} takes cache hits but already holds blocks")

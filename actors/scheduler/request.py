@@ -54,6 +54,9 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # speculative decoding: draft tokens proposed for its next step, after its own tokens; never
+    # part of all_token_ids (so never hashed nor cached) until the worker accepted them
+    spec_token_ids: list[int] = field(default_factory=list)
     # tokens sampled by steps sent to the workers whose outputs have not come back yet (async
     # scheduling plans the next step on the assumption that each will be there)
     num_output_placeholders: int = 0
@@ -77,6 +80,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

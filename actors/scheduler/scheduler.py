@@ -26,11 +26,22 @@ in flight (``grammar_needs_outputs``), the caller settles the steps in flight be
 
 The KV manager is asked directly, request by request, as vLLM's scheduler does: it is the
 only record of the blocks; the scheduler keeps no count of its own.
+
+Speculative decoding (the book's chapter 12): a request's ``spec_token_ids``, the draft tokens
+the worker proposed with its last output, are scheduled after its own tokens within the token
+budget (``num_tokens_with_spec``; fewer when the budget is short) and get KV slots like them;
+``scheduled_spec_decode_tokens`` tells the worker which they are. They count as computed when
+scheduled; when the output comes back with 1 .. k + 1 tokens (the accepted drafts and one more),
+``num_computed_tokens`` goes back by the drafts rejected, and the tokens are appended one by one
+with the usual stop checks, so a stop token, max_tokens or the context length mid-draft ends the
+request there. Drafts are never in ``all_token_ids`` until accepted, so no block hash (and no
+cached block) covers them. A preempted request loses its drafts. Speculative decoding runs
+without async scheduling (its drafts need the previous step's output).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from actors.engine.config import EngineConfig
 from actors.engine.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest,
@@ -55,6 +66,10 @@ class _Counters:
     prefix_cache_hits: int = 0
     busy_seconds: float = 0.0
     compute_seconds: float = 0.0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -89,6 +104,11 @@ class Scheduler:
         self._finished_for_workers: list[str] = []
         self._in_flight: dict[int, list[str]] = {}     # step -> the requests that sample in it
         self.counters = _Counters()
+        self.speculative = config.speculative
+        if self.speculative is not None:
+            if self.async_scheduling:
+                raise ValueError("speculative decoding needs async scheduling off")
+            self.counters.spec_num_accepted_tokens_per_pos = [0] * self.speculative.num_speculative_tokens
 
     # -- admission and abort -----------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -211,11 +231,17 @@ class Scheduler:
         c.last_scheduled_reqs = len(step.num_tokens)
         c.last_scheduled_tokens = self.config.max_num_batched_tokens - step.budget
         sampling: list[Request] = []
+        spec: dict[str, list[int]] = {}
         for req, n in step.num_tokens.items():
             req.num_computed_tokens += n           # scheduled tokens count as computed
-            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+            if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 sampling.append(req)               # its prompt complete: it samples a token
-        so = self._output(step, sampling)
+            if req.spec_token_ids:                 # the drafts that fit the budget, after its tokens
+                num_spec = req.num_computed_tokens - req.num_tokens
+                if num_spec > 0:
+                    spec[req.request_id] = req.spec_token_ids[:num_spec]
+                req.spec_token_ids = []
+        so = self._output(step, sampling, spec)
         for req in sampling:
             req.num_output_placeholders += 1
         if sampling:
@@ -231,7 +257,8 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n, req.block_hashes)
+            blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n, req.block_hashes,
+                                            num_computed_tokens=req.num_computed_tokens)
             while blocks is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -240,7 +267,7 @@ class Scheduler:
                 if victim is req:
                     break
                 blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
-                                                req.block_hashes)
+                                                req.block_hashes, num_computed_tokens=req.num_computed_tokens)
             if blocks is None:
                 continue                 # req itself was preempted: the list shifted onto the next
             step.num_tokens[req] = n
@@ -330,7 +357,7 @@ class Scheduler:
         return req.block_hashes[:(req.num_tokens - 1) // self.block_size]
 
     def _num_new_tokens(self, req: Request, computed: int, budget: int) -> int:
-        n = req.num_tokens + req.num_output_placeholders - computed
+        n = req.num_tokens_with_spec + req.num_output_placeholders - computed
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n and len(self.running) + len(self.waiting) > 1:
             n = threshold
@@ -357,9 +384,10 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         self.waiting.prepend(req)
 
-    def _output(self, step: _Step, sampling: list[Request]) -> SchedulerOutput:
+    def _output(self, step: _Step, sampling: list[Request], spec: dict[str, list[int]]) -> SchedulerOutput:
         """The workers' step message: new requests in full, the others as diffs."""
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
@@ -389,7 +417,8 @@ class Scheduler:
                     grammar_ids.append(req.request_id)
         return SchedulerOutput(self.counters.step, new_reqs, cached, num_scheduled,
                                sum(num_scheduled.values()), finished, grammar_ids,
-                               self.structured.fill_bitmask(grammar_ids) if grammar_ids else None)
+                               self.structured.fill_bitmask(grammar_ids) if grammar_ids else None,
+                               scheduled_spec_decode_tokens=spec)
 
     def grammar_needs_outputs(self) -> bool:
         """Whether a running request with a grammar has tokens in flight: its matcher must see
@@ -410,6 +439,9 @@ class Scheduler:
             prompt_lp = out.prompt_logprobs.get(rid)
             if req is None or req.status.finished or not (sampled or prompt_lp):
                 continue   # aborted meanwhile, or a prompt chunk with nothing to report
+            drafts = so.scheduled_spec_decode_tokens.get(rid)
+            if drafts and sampled:
+                self._verified(req, drafts, len(sampled) - 1)
             new_ids: list[int] = []
             status = error = None
             for tok in sampled:
@@ -431,7 +463,22 @@ class Scheduler:
                 outs[-1].stop_reason = req.stop_reason
                 outs[-1].error = error
                 self._finish(req, status)
+            elif sampled and self.speculative is not None:
+                # at most k, and room left for them and the token after them in the context
+                room = min(self.speculative.num_speculative_tokens, self.max_model_len - 1 - req.num_tokens)
+                req.spec_token_ids = list(out.spec_token_ids.get(rid, ()))[:max(room, 0)]
         return outs
+
+    def _verified(self, req: Request, drafts: list[int], num_accepted: int) -> None:
+        """The worker accepted the first ``num_accepted`` of the request's scheduled drafts: the
+        rejected ones were counted as computed when scheduled, and are not."""
+        req.num_computed_tokens -= len(drafts) - num_accepted
+        c = self.counters
+        c.spec_num_drafts += 1
+        c.spec_num_draft_tokens += len(drafts)
+        c.spec_num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            c.spec_num_accepted_tokens_per_pos[pos] += 1
 
     def _advance_grammar(self, req: Request, tok: int,
                          status: RequestStatus | None) -> tuple[RequestStatus | None, str | None]:
@@ -462,4 +509,5 @@ class Scheduler:
                               c.last_scheduled_reqs,
                               c.last_scheduled_tokens, self.kv.usage(), c.num_preemptions,
                               c.prefix_cache_queries, c.prefix_cache_hits, c.busy_seconds,
-                              c.compute_seconds)
+                              c.compute_seconds, c.spec_num_drafts, c.spec_num_draft_tokens,
+                              c.spec_num_accepted_tokens, list(c.spec_num_accepted_tokens_per_pos))

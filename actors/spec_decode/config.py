@@ -17,15 +17,19 @@ ngram, any other name means draft_model.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import msgspec
 
-from models.quant import QUANT_MODES
+if TYPE_CHECKING:
+    from actors.engine.sampling_params import SamplingParams
 
 METHODS = ("ngram", "draft_model", "self_draft")
 NGRAM_MODEL_NAMES = ("ngram", "[ngram]")      # vLLM's spellings of "no model, prompt lookup"
 DEFAULT_PROMPT_LOOKUP = 5                     # vLLM's default for both bounds
+# models.quant.QUANT_MODES, spelled out: importing models.quant loads torch, and the engine's
+# config (read by the frontend) carries this one
+QUANT_MODES = ("gguf", "gguf-i8")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -115,3 +119,15 @@ def check_speculative_config(c: SpeculativeConfig) -> None:
         raise ValueError(f"quantization is required for method self_draft: one of {', '.join(QUANT_MODES)}")
     if c.quantization is not None and c.quantization not in QUANT_MODES:
         raise ValueError(f"quantization {c.quantization!r} is not supported; accepted: {', '.join(QUANT_MODES)}")
+
+
+def accepts_drafts(p: SamplingParams) -> bool:
+    """Whether a request with these parameters is given draft tokens. The rejection sampler applies
+    temperature, min_p, top-k and top-p at every draft position, but not the processors that read
+    the tokens generated so far or constrain each position (structured outputs, penalties, bad
+    words, min_tokens, logit bias, allowed token ids), nor does it report log-probs: requests that
+    ask for any of those decode one token per step, in the same batches."""
+    return (p.structured_outputs is None and not p.presence_penalty and not p.frequency_penalty
+            and p.repetition_penalty == 1.0 and not p.bad_words_token_ids and not p.bad_words
+            and not p.min_tokens and not p.logit_bias and p.allowed_token_ids is None
+            and p.logprobs is None and p.prompt_logprobs is None)

@@ -7,6 +7,13 @@ The arrays stay on the host whatever the model's device; only seeded generators 
 device (a CUDA tensor draws from a CUDA generator). A seeded request that comes back after a
 preemption has its generator moved past the draws of the tokens it already sampled, so its
 tokens do not depend on whether it was preempted.
+
+Speculative decoding: a step's draft tokens are written into the token matrix just past a
+request's tokens (the model reads its inputs from there) without being counted in ``num_tokens``;
+the tokens the rejection sampler emits then overwrite them. A seeded request with drafts draws
+more per step (the acceptance uniforms after its row): its tokens are reproducible within a run,
+but one preempted with drafts in its past resumes its generator as if it had drawn one row per
+token, so it may not replay the same tokens.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import torch
 
 from actors.engine.messages import NewRequestData
 from actors.engine.sampling_params import SamplingParams
+from actors.spec_decode.config import accepts_drafts
 from models.sampler import seeded_generator
 
 
@@ -42,6 +50,7 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.accepts_drafts = np.zeros(max_num_reqs, dtype=bool)      # speculative decoding: may get drafts
         G = num_kv_cache_groups
         self.block_table = np.zeros((G, max_num_reqs, max_blocks), dtype=np.int32)  # per group; 0: null block
         self.num_blocks = np.zeros((G, max_num_reqs), dtype=np.int64)
@@ -70,6 +79,7 @@ class InputBatch:
         self.num_tokens[i] = n
         self.num_prompt_tokens[i] = len(r.prompt_token_ids)
         self.num_computed_tokens[i] = r.num_computed_tokens
+        self.accepts_drafts[i] = accepts_drafts(r.sampling_params)
         self.num_blocks[:, i] = 0
         self.append_blocks(i, r.block_ids)
         self.states[i] = SlotState(r.req_id, r.sampling_params, self._generator(r))
@@ -112,6 +122,18 @@ class InputBatch:
         """One new token per given slot (vectorized)."""
         self.token_ids[slots, self.num_tokens[slots]] = tokens
         self.num_tokens[slots] += 1
+
+    def write_drafts(self, i: int, draft_token_ids: list[int]) -> None:
+        """Slot ``i``'s draft tokens, just past its tokens (not counted as its tokens)."""
+        n = int(self.num_tokens[i])
+        self.token_ids[i, n:n + len(draft_token_ids)] = draft_token_ids
+
+    def append_token_lists(self, slots: np.ndarray, token_lists: list[list[int]]) -> None:
+        """One or more new tokens per given slot."""
+        for i, tokens in zip(slots.tolist(), token_lists):
+            n = int(self.num_tokens[i])
+            self.token_ids[i, n:n + len(tokens)] = tokens
+            self.num_tokens[i] = n + len(tokens)
 
     def output_token_ids(self, i: int) -> list[int]:
         return self.token_ids[i, self.num_prompt_tokens[i]:self.num_tokens[i]].tolist()

@@ -13,6 +13,17 @@ step runs on the prepared tensors directly, unless ``cudagraph_sizes`` asks for 
 When the step's requests share a long prefix in the same blocks, the metadata carries its length
 for cascade attention (kernels/attention/cascade.py; off with ``--disable-cascade-attn``, and for
 models with a sliding window or a backend without it); such a step runs eagerly.
+
+Speculative decoding (``config.speculative``, n-gram): a request's draft tokens, named by the
+scheduler's ``scheduled_spec_decode_tokens``, are the last of its scheduled tokens; they are
+written into the batch's token matrix past its tokens, and the logits of its k draft positions and
+of the position after them (the bonus) go to the rejection sampler, which emits 1 .. k + 1 tokens.
+Requests without drafts in the step sample with the plain Sampler (all its processors, log-probs,
+grammar bitmasks). Emitted tokens are appended; the computed-token count goes back by the drafts
+rejected (the scheduler does the same and sends it with the next step). Then the n-gram proposer
+drafts the next step's tokens of every request that sampled and accepts drafts
+(``accepts_drafts``), and they go back in ``ModelRunnerOutput.spec_token_ids``. A step with
+drafts has several queries per request and runs eagerly.
 """
 from __future__ import annotations
 
@@ -32,6 +43,8 @@ from kernels.attention.base import AttentionMetadata
 from kernels.attention.cascade import cascade_prefix_len
 from kernels.attention.fp8 import FP8_NAMES
 from models.layers import bind_kv_cache_groups, first_attention
+from actors.spec_decode.ngram import NgramProposer
+from models.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from models.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
 
 
@@ -41,13 +54,20 @@ def torch_dtype(name: str) -> torch.dtype:
     return FP8_NAMES[name] if name in FP8_NAMES else getattr(torch, name)
 
 
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of arange(start, start + length) for each pair (vectorized)."""
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
+
+
 class StepInputs(NamedTuple):
     input_ids: torch.Tensor        # (T,) int64
     positions: torch.Tensor        # (T,) int64
     meta: AttentionMetadata
     slots: np.ndarray              # (B,) batch slot of each scheduled request, in order
     sample_rows: np.ndarray        # (S,) rows of the requests that sample this step
-    logits_indices: torch.Tensor   # (S,) int64: their last token
+    logits_indices: torch.Tensor   # (S + N,) int64: per sampling row, its k drafts' positions and its last
+    num_draft_tokens: np.ndarray | None = None   # (S,) k of each sampling row (None: no drafts in the step)
 
 
 class ModelRunner:
@@ -73,6 +93,10 @@ class ModelRunner:
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G)
         self.sampler = Sampler()
         self._meta_cache: tuple | None = None     # (row states' ids, SamplingMetadata, the states)
+        spec = config.speculative
+        # L + k + 1 <= max_model_len: the drafts and the token after them fit the context
+        self.proposer = NgramProposer.from_config(spec, max_model_len - 1) if spec is not None else None
+        self.rejection_sampler = RejectionSampler()
         self.graphs = (CudaGraphRunner(model, self.kv_caches, cudagraph_sizes, max_model_len, bs,
                                        self.device, G) if cudagraph_sizes else None)
         self._first_attn = first_attention(model)   # its calculate_kv_scales: the next step runs eagerly
@@ -111,6 +135,14 @@ class ModelRunner:
         np.cumsum(n, out=cu[1:])
         row = np.repeat(np.arange(len(slots)), n)                          # (T,)
         positions = np.arange(cu[-1]) - cu[:-1][row] + start[row]          # (T,)
+        drafts = so.scheduled_spec_decode_tokens
+        num_drafts = np.zeros(len(slots), dtype=np.int64)                  # (B,)
+        if drafts:
+            for r, rid in enumerate(so.num_scheduled_tokens):
+                d = drafts.get(rid)
+                if d:
+                    b.write_drafts(int(slots[r]), d)
+                    num_drafts[r] = len(d)
         input_ids = b.token_ids[slots[row], positions]                     # (T,)
         max_blocks = int(b.num_blocks[:, slots].max())
         tables = b.block_table[:, slots, :max_blocks]                      # (G, B, max_blocks)
@@ -119,7 +151,7 @@ class ModelRunner:
         prefix_len = (cascade_prefix_len(tables[0], b.num_blocks[0, slots], start, n, bs, self.arch.num_heads,
                                          self.arch.num_kv_heads, min_prefix=self.cascade_min_prefix)
                       if self.cascade else 0)
-        sample_rows = np.flatnonzero(seq_lens == b.num_tokens[slots])      # prompt complete
+        sample_rows = np.flatnonzero(seq_lens - num_drafts == b.num_tokens[slots])   # prompt complete
         query_start_loc = torch.from_numpy(cu.astype(np.int32))
         seq_lens_t = torch.from_numpy(seq_lens.astype(np.int32))
         metas = [AttentionMetadata(
@@ -129,8 +161,13 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slot_mapping[g]), block_size=bs, common_prefix_len=prefix_len)
             for g in range(len(tables))]
         meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
+        if not drafts:
+            return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, slots,
+                              sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1))
+        k = num_drafts[sample_rows]                                         # (S,)
+        logits_indices = ranges(cu[1:][sample_rows] - 1 - k, k + 1)         # (S + N,)
         return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, slots,
-                          sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1))
+                          sample_rows, torch.from_numpy(logits_indices), k)
 
     # -- 3) forward, sample, record -----------------------------------------------------------
     @torch.inference_mode()
@@ -151,22 +188,75 @@ class ModelRunner:
         self._prompt_logprobs(so, inp, hidden, out)
         t_sample = time.perf_counter()
         if len(inp.sample_rows):
-            logits = self.model.compute_logits(hidden[inp.logits_indices.to(self.device)])  # (S, vocab)
-            sample_slots = inp.slots[inp.sample_rows]
-            meta = self.sampling_metadata(sample_slots)
-            if so.grammar_bitmask is not None:
-                meta = dataclasses.replace(meta, grammar_bitmask=self._grammar_bitmask(so, req_ids, inp))
-            result = self.sampler(logits, meta)
-            tokens = result.sampled_token_ids.cpu().numpy()
-            b.append_tokens(sample_slots, tokens)
-            for row, tok in zip(inp.sample_rows.tolist(), tokens.tolist()):
-                out.sampled_token_ids[row] = [tok]
-            if result.logprobs is not None:
-                self._sample_logprobs(req_ids, inp.sample_rows, sample_slots, result.logprobs, out)
+            logits = self.model.compute_logits(hidden[inp.logits_indices.to(self.device)])  # (S + N, vocab)
+            if inp.num_draft_tokens is None:
+                self._sample(so, req_ids, inp.sample_rows, inp.slots[inp.sample_rows], logits, out)
+            else:
+                self._sample_with_drafts(so, req_ids, inp, logits, out)
+            if self.proposer is not None:
+                self._propose(req_ids, inp.sample_rows, inp.slots[inp.sample_rows], out)
         t_end = time.perf_counter()
         out.compute_s = t_end - t0                    # forward and sampling: model compute
         out.sample_s = t_end - t_sample
         return out
+
+    def _sample(self, so: SchedulerOutput, req_ids: list[str], rows: np.ndarray, sample_slots: np.ndarray,
+                logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """One token for each of ``rows`` (batch rows; ``sample_slots`` their slots) from its
+        logits row (S, vocab), with the plain Sampler; appended and reported with its log-probs."""
+        b = self.batch
+        meta = self.sampling_metadata(sample_slots)
+        if so.grammar_bitmask is not None:
+            meta = dataclasses.replace(meta, grammar_bitmask=self._grammar_bitmask(so, req_ids, rows))
+        result = self.sampler(logits, meta)
+        tokens = result.sampled_token_ids.cpu().numpy()
+        b.append_tokens(sample_slots, tokens)
+        for row, tok in zip(rows.tolist(), tokens.tolist()):
+            out.sampled_token_ids[row] = [tok]
+        if result.logprobs is not None:
+            self._sample_logprobs(req_ids, rows, sample_slots, result.logprobs, out)
+
+    def _sample_with_drafts(self, so: SchedulerOutput, req_ids: list[str], inp: StepInputs,
+                            logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """logits (S + N, vocab): per sampling row, its k draft positions then its bonus position.
+        Rows without drafts sample from their one row with the plain Sampler; the others go
+        through the rejection sampler, and their rejected drafts are no longer computed."""
+        b = self.batch
+        k = inp.num_draft_tokens                                            # (S,)
+        rows_per = k + 1
+        last = np.cumsum(rows_per) - 1                                      # (S,) each row's bonus position
+        plain = np.flatnonzero(k == 0)
+        if len(plain):
+            rows = inp.sample_rows[plain]
+            self._sample(so, req_ids, rows, inp.slots[rows], logits[torch.from_numpy(last[plain]).to(self.device)],
+                         out)
+        spec = np.flatnonzero(k > 0)
+        rows = inp.sample_rows[spec]
+        slots = inp.slots[rows]
+        idx = ranges(last[spec] - k[spec], rows_per[spec])                 # their draft and bonus rows
+        drafts = [so.scheduled_spec_decode_tokens[req_ids[r]] for r in rows.tolist()]
+        emitted = RejectionSampler.parse_output(self.rejection_sampler(
+            logits[torch.from_numpy(idx).to(self.device)], None,
+            SpecDecodeMetadata.from_lists(drafts, self.device), self.sampling_metadata(slots)))
+        b.append_token_lists(slots, emitted)
+        b.num_computed_tokens[slots] -= k[spec] + 1 - np.fromiter(map(len, emitted), dtype=np.int64,
+                                                                  count=len(emitted))
+        for row, tokens in zip(rows.tolist(), emitted):
+            out.sampled_token_ids[row] = tokens
+
+    def _propose(self, req_ids: list[str], rows: np.ndarray, slots: np.ndarray, out: ModelRunnerOutput) -> None:
+        """The next step's drafts of the requests that sampled (batch ``rows``, in ``slots``) and
+        accept drafts."""
+        b = self.batch
+        takes = b.accepts_drafts[slots]
+        rows, slots = rows[takes], slots[takes]
+        if not len(slots):
+            return
+        n = b.num_tokens[slots]
+        proposals = self.proposer.propose(b.token_ids[slots, :int(n.max())], n)
+        for row, d, m in zip(rows.tolist(), proposals.draft_token_ids.tolist(), proposals.num_draft_tokens.tolist()):
+            if m:
+                out.spec_token_ids[req_ids[row]] = d[:m]
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states (T, hidden) of the step's tokens, on the model's device."""
@@ -203,10 +293,10 @@ class ModelRunner:
         self._meta_cache = (key, meta, states) if reusable else None   # states held: ids stay theirs
         return meta
 
-    def _grammar_bitmask(self, so: SchedulerOutput, req_ids: list[str], inp: StepInputs) -> torch.Tensor:
+    def _grammar_bitmask(self, so: SchedulerOutput, req_ids: list[str], sample_rows: np.ndarray) -> torch.Tensor:
         """(S, words) int32 for the rows that sample: the scheduler's row for each request with a
         grammar, every token allowed for the others."""
-        rows = {req_ids[r]: j for j, r in enumerate(inp.sample_rows.tolist())}
+        rows = {req_ids[r]: j for j, r in enumerate(sample_rows.tolist())}
         mask = np.full((len(rows), so.grammar_bitmask.shape[1]), -1, dtype=np.int32)
         for i, rid in enumerate(so.grammar_req_ids):
             mask[rows[rid]] = so.grammar_bitmask[i]

@@ -96,7 +96,7 @@ def test_each_vllm_flag_troupe_does_not_implement_exits_2_with_one_line_naming_i
 
 def test_refused_flags_are_refused_in_every_spelling_and_only_their_no_forms_pass(capsys):
     for argv in (["--tensor-parallel-size=2"], ["-tp", "2"], ["-O3"], ["--enable-lora"],
-                 ["--lora-modules", "a=b", "c=d"], ["--port", "0", "--speculative-config", '{"n": 1}']):
+                 ["--lora-modules", "a=b", "c=d"], ["--port", "0", "--num-speculative-tokens", "1"]):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args(argv)
         err = capsys.readouterr().err
@@ -264,7 +264,9 @@ def test_max_logprobs_bounds_chat_top_logprobs_and_completion_logprobs_naming_th
 
 def test_metrics_are_written_under_vllm_and_troupe_prefixes_as_chosen():
     stats = EngineStats(model="my-model", max_model_len=1000)
+    stats.last = msgspec.structs.replace(stats.last, spec_num_accepted_tokens_per_pos=[3, 1])
     both = stats.prometheus()
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="my-model",engine="0",position="1"} 1' in both
     for m in METRICS:
         for prefix in ("vllm", "troupe") if m.vllm else ("troupe",):
             assert f"# TYPE {prefix}:{m.name} {m.kind}\n" in both, (prefix, m.name)
