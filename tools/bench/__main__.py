@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv}``: each
+"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -68,6 +68,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     kvd.add_argument("--repeats", type=int, default=12)
     kvd.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
 
+    spd = sub.add_parser("spec-decode", help="speculative decoding (ngram) against plain decoding: tok/s by "
+                                             "batch size, acceptance, same tokens")
+    spd.add_argument("--model", default=None)
+    spd.add_argument("--quantization", default="none", choices=["gguf", "gguf-i8", "none"])
+    spd.add_argument("--sets", nargs="+", default=["repetitive", "chat"], choices=["repetitive", "chat"])
+    spd.add_argument("--n", type=int, default=4, help="chat prompts")
+    spd.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    spd.add_argument("--lookup", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"))
+    spd.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    spd.add_argument("--max-tokens", type=int, default=96)
+    spd.add_argument("--repeats", type=int, default=2)
+    spd.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
+
     cas = sub.add_parser("cascade", help="a decode step of N requests sharing a long prefix, with cascade "
                                          "attention and without")
     cas.add_argument("--model", default=None)
@@ -110,6 +123,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "kv-dtypes":
         from tools.bench import kv_dtypes
         kv_dtypes.main(args)
+    elif args.cmd == "spec-decode":
+        from tools.bench import spec_decode
+        spec_decode.main(args)
     elif args.cmd == "cascade":
         from tools.bench import cascade
         cascade.main(args)
