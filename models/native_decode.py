@@ -10,10 +10,17 @@ kernels, same order), or None when the step is not one it takes (a prompt in the
 KV cache of another dtype, several KV cache groups, a step whose layers still have to set their KV
 scales from it), so the caller falls back. A cascade step (``meta.common_prefix_len``) takes the
 per-layer path too.
+
+A step whose requests each bring a few tokens (at most ``MAX_FLAT_QUERY``: speculative decoding's
+verification of k drafts, a draft model catching up) runs flattened: each token is a decode row of
+its own, attending over the keys up to its position in its request's blocks. Every layer stores the
+keys and values of all rows before attending, so a token sees the ones before it in its request,
+and it gets exactly the logits a decode step at that position would.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from functools import lru_cache
 
 import torch
@@ -24,6 +31,7 @@ from kernels.attention.base import AttentionMetadata
 WORDS = 4 * 8 + 6         # decode_stack.c's DS_WORDS
 KV_WORD = 4 * 8 + 2       # the word of a layer's KV cache address (then its window, k_scale, v_scale)
 # decode_stack.c's phases, in its order: the keys of NativeDecodeStack.profile_seconds()
+MAX_FLAT_QUERY = 16       # the longest query per request run flattened (longer: a prompt, per-layer path)
 PHASES = ("norm", "qkv_proj", "rotary_kv_store", "attention", "o_proj", "gate_up_proj", "silu_and_mul",
           "down_proj")
 
@@ -119,11 +127,16 @@ class NativeDecodeStack:
 
     def run(self, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """emb (B, hidden) of a pure-decode step (one token per request, no padding) ->
-        (last layer's output, residual stream), or None when this step is not one it takes."""
+        """emb (T, hidden) of a step of short queries (one token per request, no padding; or a
+        few, flattened) -> (last layer's output, residual stream), or None when this step is not
+        one it takes."""
         from kernels.cpu.native import KV_TYPES
+        if not meta.is_pure_decode:
+            if meta.max_query_len > MAX_FLAT_QUERY or emb.shape[0] != meta.num_tokens:
+                return None
+            meta = flatten(meta)
         B = meta.num_reqs
-        if (not meta.is_pure_decode or meta.num_tokens != B or meta.common_prefix_len or meta.groups
+        if (meta.num_tokens != B or meta.common_prefix_len or meta.groups
                 or emb.dtype != torch.float32 or emb.dim() != 2
                 or not emb.is_contiguous() or cos.dtype != torch.float32 or sin.dtype != torch.float32
                 or cos.stride(0) != sin.stride(0) or cos.stride(-1) != 1 or sin.stride(-1) != 1
@@ -154,6 +167,18 @@ class NativeDecodeStack:
 
     def profile_seconds(self) -> dict[str, float]:
         return {} if self.profile is None else dict(zip(PHASES, self.profile.tolist()))
+
+
+def flatten(meta: AttentionMetadata) -> AttentionMetadata:
+    """The metadata of a step with several tokens per request as a decode step of one row per
+    token: row t has its request's block table and the keys up to its own position."""
+    qsl = meta.query_start_loc[:meta.num_reqs + 1].to(torch.int64)
+    n = qsl[1:] - qsl[:-1]                                               # (B,) tokens per request
+    req = torch.repeat_interleave(torch.arange(meta.num_reqs), n)        # (T,) each token's request
+    T = int(qsl[-1])
+    lens = meta.seq_lens[:meta.num_reqs].to(torch.int64)[req] - qsl[1:][req] + torch.arange(T) + 1
+    return dataclasses.replace(meta, num_reqs=T, max_query_len=1, query_start_loc=torch.arange(T + 1, dtype=torch.int32),
+                               seq_lens=lens.to(torch.int32), block_table=meta.block_table[req])
 
 
 def attach(model: nn.Module) -> bool:

@@ -99,3 +99,15 @@ def shared_prefix_metadata(reqs, prefix_blocks: int, block_size: int, gen, num_p
     meta = build_attention_metadata([q for _, q in reqs], [P + c + q for c, q in reqs], tables, block_size,
                                     num_tokens=sum(q for _, q in reqs) + num_padding)
     return dataclasses.replace(meta, common_prefix_len=P), num_blocks
+
+
+def save_tiny_tokenizer(path, vocab: int) -> str:
+    """A word-level tokenizer.json of ``vocab`` tokens ("t0" .. "t{vocab-1}", split on spaces) in
+    checkpoint directory ``path``, so that a tiny random checkpoint serves text end to end."""
+    import os
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return str(path)

@@ -76,6 +76,7 @@ class EngineArgs:
         install, when the model is not on this machine) and reads its generation config."""
         source = resolve_model(self.model)
         names = self.served_model_name
+        speculative = speculative_config(self.speculative_config)
         return EngineConfig(
             model=ModelConfig(source=source, dtype=self.dtype,
                               quantization=self.quantization, max_model_len=self.max_model_len,
@@ -85,7 +86,8 @@ class EngineArgs:
                               chat_template=load_chat_template(self.chat_template),
                               served_model_names=(names,) if isinstance(names, str) else tuple(names or ()),
                               max_logprobs=self.max_logprobs, generation_config=self.generation_config,
-                              sampling_defaults=load_sampling_defaults(source, self.generation_config)),
+                              sampling_defaults=load_sampling_defaults(source, self.generation_config),
+                              draft_source=draft_source(speculative, source)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               num_blocks=self.num_gpu_blocks_override, cache_dtype=self.kv_cache_dtype,
@@ -106,7 +108,7 @@ class EngineArgs:
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
             observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir),
-            speculative=speculative_config(self.speculative_config))
+            speculative=speculative)
 
     # -- the command line --------------------------------------------------------------------
     @staticmethod
@@ -145,6 +147,16 @@ def speculative_config(value: dict[str, Any] | str | None) -> SpeculativeConfig 
     if value is None or isinstance(value, SpeculativeConfig):
         return value
     return SpeculativeConfig.from_json(value) if isinstance(value, str) else SpeculativeConfig.from_dict(value)
+
+
+def draft_source(spec: SpeculativeConfig | None, target: ModelSource) -> ModelSource | None:
+    """The draft model's checkpoint: the target's own for self_draft, ``model`` resolved like
+    --model for draft_model (failing fast when it is not on this machine); None for n-gram."""
+    if spec is None or spec.method == "ngram":
+        return None
+    if spec.method == "self_draft":
+        return target
+    return resolve_model(spec.model)
 
 
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -320,8 +332,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             default=d["speculative_config"], metavar="JSON",
             help='speculative decoding, as vLLM takes it: a JSON object such as {"method": "ngram", '
                  '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram '
-                 "prompt lookup: drafts copied from earlier in the sequence, verified by the model in one "
-                 "step; the same tokens as without it for greedy requests). Requests with structured "
+                 "prompt lookup: drafts copied from earlier in the sequence), {\"method\": \"draft_model\", "
+                 '"model": PATH, "num_speculative_tokens": 3} (a smaller model of the same vocabulary drafts) '
+                 'or {"method": "self_draft", "quantization": "gguf-i8", "num_speculative_tokens": 4} (the '
+                 "target's own weights, quantized, draft); the target verifies every draft in one step, so "
+                 "greedy requests get the same tokens as without it. Requests with structured "
                  "outputs, penalties, bad words, min_tokens, logit bias, allowed token ids or log-probs "
                  "decode without drafts. Turns async scheduling off")),
         (("--max-model-len",), "max_model_len", dict(type=human_readable_int, default=d["max_model_len"],

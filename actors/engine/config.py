@@ -15,8 +15,9 @@ from __future__ import annotations
 import msgspec
 
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
-from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, kv_cache_groups, max_tokens_per_request,
-                                             model_kv_cache_specs, num_blocks_for)
+from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, kv_cache_groups,
+                                             max_tokens_per_request, model_kv_cache_specs, num_blocks_for,
+                                             with_draft_layers)
 from actors.spec_decode.config import SpeculativeConfig
 from models.config import ArchConfig
 from models.resolve import ModelSource
@@ -47,6 +48,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     generation_config: str = "auto"        # where request defaults come from (GENERATION_CONFIGS or a folder)
     sampling_defaults: SamplingDefaults = SamplingDefaults()   # what generation_config gave
     arch: ArchConfig | None = None         # the checkpoint's architecture, once resolved
+    # speculative decoding with a draft model (draft_model, self_draft): its checkpoint, and its
+    # architecture once resolved (its KV cache shares the target's blocks)
+    draft_source: ModelSource | None = None
+    draft_arch: ArchConfig | None = None
 
     @property
     def served_model_name(self) -> str:
@@ -125,18 +130,31 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def replace(self, **parts: msgspec.Struct) -> EngineConfig:
         return msgspec.structs.replace(self, **parts)
 
-    def resolve(self, *, cuda_available: bool, cpu_count: int, arch: ArchConfig) -> EngineConfig:
+    def resolve(self, *, cuda_available: bool, cpu_count: int, arch: ArchConfig,
+                draft_arch: ArchConfig | None = None) -> EngineConfig:
         """Every "auto" decided, given the worker's platform (whether its torch sees a CUDA
-        device, how many cores it has) and the checkpoint's architecture."""
+        device, how many cores it has) and the checkpoint's architecture (and the draft
+        model's, for speculative decoding with one)."""
         device = _resolve_device(self.device.device, cuda_available)
         dtype = self.model.dtype if self.model.dtype != "auto" else (
             "bfloat16" if device == "cuda" else "float32")
-        if self.model.quantization and device == "cuda":
-            raise ValueError(f"quantization {self.model.quantization!r} runs on the CPU only; "
-                             "use device 'cpu'")
+        spec = self.speculative
+        for q in (self.model.quantization, spec.quantization if spec is not None else None):
+            if q and device == "cuda":
+                raise ValueError(f"quantization {q!r} runs on the CPU only; use device 'cpu'")
+        if self.model.draft_source is not None:
+            draft_arch = draft_arch or self.model.draft_arch or (arch if spec.method == "self_draft" else None)
+            if draft_arch is None:
+                raise ValueError("resolving a config with a draft model needs the draft's architecture")
+            if draft_arch.vocab_size != arch.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft_arch.vocab_size} tokens) differs from the "
+                                 f"target's ({arch.vocab_size}): a draft model must share the target's tokenizer")
         cache_dtype = {"auto": dtype, "fp8": "fp8_e4m3"}.get(self.cache.cache_dtype, self.cache.cache_dtype)
         specs = model_kv_cache_specs(arch, self.cache.block_size, DTYPE_BYTES[cache_dtype])
         groups = kv_cache_groups(specs, hybrid=not self.scheduler.disable_hybrid_kv_cache_manager)
+        if self.model.draft_source is not None:
+            groups = with_draft_layers(groups, specs, model_kv_cache_specs(
+                draft_arch, self.cache.block_size, DTYPE_BYTES[cache_dtype]))
         kv_bytes = self.cache.kv_cache_memory_bytes
         if self.cache.num_blocks:
             num_blocks = self.cache.num_blocks
@@ -155,7 +173,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             sched = msgspec.structs.replace(sched, long_prefill_token_threshold=max(max_model_len * 4 // 100, 1))
         return self.replace(
             scheduler=sched,
-            model=msgspec.structs.replace(self.model, dtype=dtype, max_model_len=max_model_len, arch=arch),
+            model=msgspec.structs.replace(self.model, dtype=dtype, max_model_len=max_model_len, arch=arch,
+                                          draft_arch=draft_arch if self.model.draft_source is not None else None),
             cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
             device=msgspec.structs.replace(self.device, device=device,
                                            num_threads=self.device.num_threads or cpu_count))
@@ -172,20 +191,29 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         the context length capped to what one request can hold in it."""
         if not self.resolved:
             raise ValueError("with_kv_cache_bytes needs a resolved config")
-        specs = model_kv_cache_specs(self.model.arch, self.cache.block_size, DTYPE_BYTES[self.cache.cache_dtype])
         groups = self.kv_cache_groups()
-        num_blocks = max(num_blocks_for(specs, kv_bytes, groups), 2)
+        num_blocks = max(num_blocks_for(self.kv_cache_specs(), kv_bytes, groups), 2)
         return self.replace(
             model=msgspec.structs.replace(self.model, max_model_len=self._fitting_len(
                 groups, num_blocks, self.model.max_model_len)),
             cache=msgspec.structs.replace(self.cache, kv_cache_memory_bytes=kv_bytes, num_blocks=num_blocks))
 
-    def kv_cache_groups(self) -> tuple[KVCacheGroupSpec, ...]:
-        """The KV cache groups of a resolved config's model (kv_cache_spec.py)."""
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """One spec per attention layer of a resolved config's model, then of its draft model."""
         if not self.resolved:
-            raise ValueError("the KV cache groups need a resolved config")
-        specs = model_kv_cache_specs(self.model.arch, self.cache.block_size, DTYPE_BYTES[self.cache.cache_dtype])
-        return kv_cache_groups(specs, hybrid=not self.scheduler.disable_hybrid_kv_cache_manager)
+            raise ValueError("the KV cache specs need a resolved config")
+        bs, dtype_bytes = self.cache.block_size, DTYPE_BYTES[self.cache.cache_dtype]
+        specs = model_kv_cache_specs(self.model.arch, bs, dtype_bytes)
+        if self.model.draft_arch is not None:
+            specs += model_kv_cache_specs(self.model.draft_arch, bs, dtype_bytes)
+        return specs
+
+    def kv_cache_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        """The KV cache groups of a resolved config's model and draft model (kv_cache_spec.py)."""
+        specs = self.kv_cache_specs()
+        L = self.model.arch.num_layers
+        groups = kv_cache_groups(specs[:L], hybrid=not self.scheduler.disable_hybrid_kv_cache_manager)
+        return groups if len(specs) == L else with_draft_layers(groups, specs[:L], specs[L:])
 
     def _fitting_len(self, groups: tuple[KVCacheGroupSpec, ...], num_blocks: int, limit: int) -> int:
         """``limit`` capped to the longest request that fits alone in the cache (block 0 is the
@@ -256,10 +284,15 @@ def check_config(cfg: EngineConfig) -> None:
                          f"{cfg.scheduler.long_prefill_token_threshold}")
     if not 0.0 <= cfg.scheduler.watermark < 1.0:
         raise ValueError(f"watermark must be in [0, 1), got {cfg.scheduler.watermark}")
-    if cfg.speculative is not None:
-        if cfg.speculative.method != "ngram":
-            raise ValueError(f"speculative decoding method {cfg.speculative.method!r} is not available yet; "
-                             "use method ngram")
+    spec = cfg.speculative
+    if (spec is not None and spec.method != "ngram") != (cfg.model.draft_source is not None):
+        raise ValueError("a draft model's checkpoint (model.draft_source) goes with speculative method "
+                         "draft_model or self_draft, and they need one")
+    if spec is not None:
+        if spec.method == "self_draft" and spec.quantization == cfg.model.quantization:
+            raise ValueError(f"self_draft drafts with a cheaper copy of the target's weights, but the target "
+                             f"already runs quantization {spec.quantization!r}; run the target exact (no "
+                             "--quantization) or draft with another quantization")
         if cfg.scheduler.async_scheduling:
             raise ValueError("async scheduling and speculative decoding cannot be combined (a step's draft "
                              "tokens come from the previous step's output); leave async_scheduling unset "

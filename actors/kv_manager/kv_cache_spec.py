@@ -19,6 +19,13 @@ tensor is (2, num_blocks, block_size, num_kv_heads, head_size), so a block's key
 are contiguous (page_size_bytes / 2 bytes). With one group of all layers (a model without
 sliding windows, or --disable-hybrid-kv-cache-manager) every layer has a tensor of its own and
 holds every block.
+
+A draft model (speculative decoding, ``with_draft_layers``) keeps its KV cache in the same blocks:
+its layers are numbered after the target's and join the target's groups, so one block id stands
+for the target's page and the draft's, and the KV manager allocates, caches and frees both at
+once. A draft of the target's own architecture (self_draft) pairs draft layer i with target layer
+i (every group doubles: Gemma 3's draft sliding layers hold a window too); another draft model
+joins a target of one group.
 """
 from __future__ import annotations
 
@@ -93,6 +100,35 @@ def kv_cache_groups(specs: list[KVCacheSpec], hybrid: bool = True) -> tuple[KVCa
     ordered = sorted(kinds.items(), key=lambda kv: (isinstance(kv[0], SlidingWindowSpec), kv[1][0]))
     return tuple(KVCacheGroupSpec(tuple(layers[i:i + group_size]), kind)
                  for kind, layers in ordered for i in range(0, len(layers), group_size))
+
+
+def with_draft_layers(groups: tuple[KVCacheGroupSpec, ...], target_specs: list[KVCacheSpec],
+                      draft_specs: list[KVCacheSpec]) -> tuple[KVCacheGroupSpec, ...]:
+    """``groups`` (the target's) with the draft model's layers (``draft_specs``, numbered after
+    the target's ``target_specs``) added: draft layer i in the group of target layer i when the
+    two models' layers are alike, else all in the target's one group. ValueError when the
+    draft's KV cache page differs from the target's, or the target has several groups and the
+    draft another architecture."""
+    check_kv_cache_specs(draft_specs)
+    t, d = target_specs[0], draft_specs[0]
+    shape = lambda s: (s.block_size, s.num_kv_heads, s.head_size, s.dtype_bytes)   # noqa: E731
+    if shape(t) != shape(d):
+        raise ValueError(f"the draft model's KV cache page ({d.num_kv_heads} KV heads of {d.head_size}) must match "
+                         f"the target's ({t.num_kv_heads} KV heads of {t.head_size}): its layers share the "
+                         "target's blocks")
+    L = len(target_specs)
+    if list(draft_specs) == list(target_specs):
+        return tuple(KVCacheGroupSpec(g.layer_ids + tuple(L + i for i in g.layer_ids), g.kv_cache_spec)
+                     for g in groups)
+    if len(groups) > 1:
+        raise ValueError("a draft model of another architecture than the target's cannot share the blocks of a "
+                         f"target with {len(groups)} KV cache groups; use --disable-hybrid-kv-cache-manager")
+    g = groups[0]
+    window = g.sliding_window
+    if window is not None and any(getattr(s, "sliding_window", None) != window for s in draft_specs):
+        raise ValueError(f"the target keeps only a sliding window of {window} tokens: the draft model's layers "
+                         "must have that window too")
+    return (KVCacheGroupSpec(g.layer_ids + tuple(range(L, L + len(draft_specs))), g.kv_cache_spec),)
 
 
 def describe_groups(groups: tuple[KVCacheGroupSpec, ...]) -> str:

@@ -117,7 +117,8 @@ class KVCacheManager:
     def allocate_slots(self, req_id: str, num_tokens: int, block_hashes: Sequence[BlockHash],
                        new_computed_blocks: KVCacheBlocks | None = None,
                        watermark_blocks: int = 0,
-                       num_computed_tokens: int | None = None) -> tuple[list[int], ...] | None:
+                       num_computed_tokens: int | None = None,
+                       num_lookahead_tokens: int = 0) -> tuple[list[int], ...] | None:
         """Blocks for ``req_id`` to hold its first ``num_tokens`` tokens in every group: those
         it holds, the cache hits ``new_computed_blocks`` (admission only), then fresh ones.
         Returns, per group, the ids of the blocks it gained, hits first (0: the null block);
@@ -125,7 +126,9 @@ class KVCacheManager:
         the release of blocks already out of a window. Blocks full once ``num_tokens`` are
         computed are offered to the prefix cache under ``block_hashes``. ``num_computed_tokens``:
         the request's computed tokens when fewer than it asked slots for at its last step (draft
-        tokens rejected); the blocks a sliding window no longer reads are counted from there."""
+        tokens rejected); the blocks a sliding window no longer reads are counted from there.
+        ``num_lookahead_tokens``: slots past ``num_tokens`` for a draft model to write the KV of
+        its drafts into (vLLM's lookahead slots); never offered to the prefix cache."""
         hits = new_computed_blocks.blocks if new_computed_blocks else tuple([] for _ in self.managers)
         computed = self._num_tokens.get(req_id)
         if computed is not None and num_computed_tokens is not None:
@@ -135,14 +138,15 @@ class KVCacheManager:
                 raise RuntimeError(f"request {req_id} takes cache hits but already holds blocks")
             for m in self.managers:
                 m.remove_skipped_blocks(req_id, computed)
-        num_new = sum(m.num_blocks_to_allocate(req_id, num_tokens, h) for m, h in zip(self.managers, hits))
+        num_slots = num_tokens + num_lookahead_tokens
+        num_new = sum(m.num_blocks_to_allocate(req_id, num_slots, h) for m, h in zip(self.managers, hits))
         if num_new > self.pool.num_free_blocks - watermark_blocks:
             return None
         for m, h in zip(self.managers, hits):      # every group's hits pinned before any eviction
             m.save_new_computed_blocks(req_id, h)
         out = []
         for m, h in zip(self.managers, hits):
-            new = m.allocate_new_blocks(req_id, num_tokens)
+            new = m.allocate_new_blocks(req_id, num_slots)
             m.cache_full_blocks(req_id, num_tokens // self.block_size, block_hashes)
             out.append([b.block_id for b in h] + [b.block_id for b in new])
         self._num_computed[req_id] = computed if computed is not None else len(hits[0]) * self.block_size

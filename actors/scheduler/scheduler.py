@@ -36,7 +36,9 @@ scheduled; when the output comes back with 1 .. k + 1 tokens (the accepted draft
 with the usual stop checks, so a stop token, max_tokens or the context length mid-draft ends the
 request there. Drafts are never in ``all_token_ids`` until accepted, so no block hash (and no
 cached block) covers them. A preempted request loses its drafts. Speculative decoding runs
-without async scheduling (its drafts need the previous step's output).
+without async scheduling (its drafts need the previous step's output). With a draft model, every
+allocation reserves k lookahead slots past the step's tokens (capped by the context length): the
+draft model writes the KV of its next drafts there in the same step, before the next schedule.
 """
 from __future__ import annotations
 
@@ -109,6 +111,8 @@ class Scheduler:
             if self.async_scheduling:
                 raise ValueError("speculative decoding needs async scheduling off")
             self.counters.spec_num_accepted_tokens_per_pos = [0] * self.speculative.num_speculative_tokens
+        drafts_with_model = self.speculative is not None and self.speculative.method != "ngram"
+        self.num_lookahead_tokens = self.speculative.num_speculative_tokens if drafts_with_model else 0
 
     # -- admission and abort -----------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -258,7 +262,8 @@ class Scheduler:
                 i += 1
                 continue
             blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n, req.block_hashes,
-                                            num_computed_tokens=req.num_computed_tokens)
+                                            num_computed_tokens=req.num_computed_tokens,
+                                            num_lookahead_tokens=self._lookahead(req.num_computed_tokens + n))
             while blocks is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -267,7 +272,8 @@ class Scheduler:
                 if victim is req:
                     break
                 blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
-                                                req.block_hashes, num_computed_tokens=req.num_computed_tokens)
+                                                req.block_hashes, num_computed_tokens=req.num_computed_tokens,
+                                                num_lookahead_tokens=self._lookahead(req.num_computed_tokens + n))
             if blocks is None:
                 continue                 # req itself was preempted: the list shifted onto the next
             step.num_tokens[req] = n
@@ -275,6 +281,10 @@ class Scheduler:
             step.budget -= n
             self._count_partial(req, req.num_computed_tokens, n, step)
             i += 1
+
+    def _lookahead(self, num_tokens: int) -> int:
+        """Slots past a request's first ``num_tokens`` for the draft model's next drafts."""
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_tokens))
 
     def _reaches_limit(self, req: Request) -> bool:
         """Whether the tokens in flight already take ``req`` to max_tokens or the context length
@@ -311,7 +321,8 @@ class Scheduler:
                 skipped.append(self.waiting.pop())    # a prompt that fits whole may pass it
                 continue
             watermark = self.watermark_blocks if (self.running or step.num_tokens) else 0
-            blocks = self.kv.allocate_slots(req.request_id, computed + n, req.block_hashes, hits, watermark)
+            blocks = self.kv.allocate_slots(req.request_id, computed + n, req.block_hashes, hits, watermark,
+                                            num_lookahead_tokens=self._lookahead(computed + n))
             if blocks is None:
                 break
             self.waiting.pop()

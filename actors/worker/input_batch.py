@@ -17,13 +17,16 @@ token, so it may not replay the same tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from actors.engine.messages import NewRequestData
+from kernels.attention.base import AttentionMetadata
 from actors.engine.sampling_params import SamplingParams
 from actors.spec_decode.config import accepts_drafts
 from models.sampler import seeded_generator
@@ -35,6 +38,15 @@ class SlotState:
     req_id: str
     params: SamplingParams
     generator: torch.Generator | None
+
+
+class TokenInputs(NamedTuple):
+    """A forward pass's inputs over the batch: tokens ``start[r] .. start[r] + n[r]`` of each
+    request in ``slots``."""
+    input_ids: np.ndarray          # (T,) int64
+    positions: np.ndarray          # (T,) int64
+    query_start_loc: np.ndarray    # (B + 1,) int64: where each request's tokens start, then T
+    meta: AttentionMetadata        # one per KV cache group in ``meta.groups`` when several
 
 
 class InputBatch:
@@ -134,6 +146,34 @@ class InputBatch:
             n = int(self.num_tokens[i])
             self.token_ids[i, n:n + len(tokens)] = tokens
             self.num_tokens[i] = n + len(tokens)
+
+    def token_inputs(self, slots: np.ndarray, start: np.ndarray, n: np.ndarray,
+                     prefix_len: Callable[[np.ndarray, np.ndarray], int] | None = None) -> TokenInputs:
+        """The inputs of a pass over tokens ``start .. start + n`` of the requests in ``slots``
+        (vectorized): their ids and positions from the token matrix, and the attention metadata
+        from the block tables. ``prefix_len(block_table (B, blocks) of group 0, its lengths (B,))``:
+        the shared prefix for cascade attention (none when not given)."""
+        bs = self.block_size
+        cu = np.zeros(len(slots) + 1, dtype=np.int64)
+        np.cumsum(n, out=cu[1:])
+        row = np.repeat(np.arange(len(slots)), n)                          # (T,)
+        positions = np.arange(cu[-1]) - cu[:-1][row] + start[row]          # (T,)
+        input_ids = self.token_ids[slots[row], positions]                  # (T,)
+        max_blocks = int(self.num_blocks[:, slots].max())
+        tables = self.block_table[:, slots, :max_blocks]                   # (G, B, max_blocks)
+        slot_mapping = tables[:, row, positions // bs].astype(np.int64) * bs + positions % bs   # (G, T)
+        seq_lens = start + n
+        common = prefix_len(tables[0], self.num_blocks[0, slots]) if prefix_len is not None else 0
+        query_start_loc = torch.from_numpy(cu.astype(np.int32))
+        seq_lens_t = torch.from_numpy(seq_lens.astype(np.int32))
+        metas = [AttentionMetadata(
+            num_reqs=len(slots), num_tokens=int(cu[-1]), max_query_len=int(n.max()),
+            max_seq_len=int(seq_lens.max()), query_start_loc=query_start_loc, seq_lens=seq_lens_t,
+            block_table=torch.from_numpy(np.ascontiguousarray(tables[g])),
+            slot_mapping=torch.from_numpy(slot_mapping[g]), block_size=bs, common_prefix_len=common)
+            for g in range(len(tables))]
+        meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
+        return TokenInputs(input_ids, positions, cu, meta)
 
     def output_token_ids(self, i: int) -> list[int]:
         return self.token_ids[i, self.num_prompt_tokens[i]:self.num_tokens[i]].tolist()

@@ -22,8 +22,10 @@ Requests without drafts in the step sample with the plain Sampler (all its proce
 grammar bitmasks). Emitted tokens are appended; the computed-token count goes back by the drafts
 rejected (the scheduler does the same and sends it with the next step). Then the n-gram proposer
 drafts the next step's tokens of every request that sampled and accepts drafts
-(``accepts_drafts``), and they go back in ``ModelRunnerOutput.spec_token_ids``. A step with
-drafts has several queries per request and runs eagerly.
+(``accepts_drafts``), and they go back in ``ModelRunnerOutput.spec_token_ids``. With a draft model
+(methods draft_model, self_draft) the draft model does so instead (actors/spec_decode/draft_model.py),
+its KV cache in views of the same blocks (the config's KV cache specs list its layers after the
+target's). A step with drafts has several queries per request and runs eagerly.
 """
 from __future__ import annotations
 
@@ -36,13 +38,14 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
-from actors.kv_manager.kv_cache_spec import create_kv_cache_views, layer_groups, model_kv_cache_specs
+from actors.kv_manager.kv_cache_spec import create_kv_cache_views, layer_groups
 from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.input_batch import InputBatch
 from kernels.attention.base import AttentionMetadata
 from kernels.attention.cascade import cascade_prefix_len
 from kernels.attention.fp8 import FP8_NAMES
 from models.layers import bind_kv_cache_groups, first_attention
+from actors.spec_decode.draft_model import DraftModelProposer
 from actors.spec_decode.ngram import NgramProposer
 from models.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from models.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
@@ -75,7 +78,7 @@ class ModelRunner:
     ``cudagraph_sizes``: the decode batch sizes to capture (CUDA), or to pad to (tests)."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig,
-                 cudagraph_sizes: list[int] | None = None) -> None:
+                 cudagraph_sizes: list[int] | None = None, draft_model: torch.nn.Module | None = None) -> None:
         if not config.resolved:
             raise ValueError("the model runner needs a resolved config (EngineConfig.resolve)")
         self.model = model
@@ -84,18 +87,29 @@ class ModelRunner:
         self.block_size = bs = config.cache.block_size
         self.device = torch.device(config.device.device)
         kv_dtype = torch_dtype(config.cache.cache_dtype)
-        specs = model_kv_cache_specs(self.arch, bs, kv_dtype.itemsize)
+        specs = config.kv_cache_specs()               # the target's layers, then a draft model's
         groups = config.kv_cache_groups()
         self.num_kv_cache_groups = G = len(groups)
-        self.kv_caches = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device, groups)
-        bind_kv_cache_groups(model, layer_groups(groups, len(specs)))
+        views = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device, groups)
+        L = self.arch.num_layers
+        self.kv_caches, self.draft_kv_caches = views[:L], views[L:]
+        group_of = layer_groups(groups, len(specs))
+        bind_kv_cache_groups(model, group_of[:L])
         max_model_len = config.model.max_model_len
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G)
         self.sampler = Sampler()
         self._meta_cache: tuple | None = None     # (row states' ids, SamplingMetadata, the states)
         spec = config.speculative
         # L + k + 1 <= max_model_len: the drafts and the token after them fit the context
-        self.proposer = NgramProposer.from_config(spec, max_model_len - 1) if spec is not None else None
+        self.proposer = (NgramProposer.from_config(spec, max_model_len - 1)
+                         if spec is not None and spec.method == "ngram" else None)
+        self.drafter = None
+        if draft_model is not None:
+            if spec is None or spec.method == "ngram" or not self.draft_kv_caches:
+                raise ValueError("a draft model needs a config with speculative method draft_model or self_draft")
+            bind_kv_cache_groups(draft_model, group_of[L:])
+            self.drafter = DraftModelProposer(draft_model, self.draft_kv_caches, spec.num_speculative_tokens,
+                                              config.scheduler.max_num_seqs, max_model_len, self.device)
         self.rejection_sampler = RejectionSampler()
         self.graphs = (CudaGraphRunner(model, self.kv_caches, cudagraph_sizes, max_model_len, bs,
                                        self.device, G) if cudagraph_sizes else None)
@@ -117,7 +131,9 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             b.remove(rid)
         for r in so.new_reqs:
-            b.add(r)
+            i = b.add(r)
+            if self.drafter is not None:
+                self.drafter.add(i, r.num_computed_tokens)
         c = so.cached_reqs
         for rid, blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             i = b.slot(rid)
@@ -131,10 +147,6 @@ class ModelRunner:
                             count=len(so.num_scheduled_tokens))
         n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(slots))
         start = b.num_computed_tokens[slots]                                # (B,)
-        cu = np.zeros(len(slots) + 1, dtype=np.int64)
-        np.cumsum(n, out=cu[1:])
-        row = np.repeat(np.arange(len(slots)), n)                          # (T,)
-        positions = np.arange(cu[-1]) - cu[:-1][row] + start[row]          # (T,)
         drafts = so.scheduled_spec_decode_tokens
         num_drafts = np.zeros(len(slots), dtype=np.int64)                  # (B,)
         if drafts:
@@ -143,31 +155,20 @@ class ModelRunner:
                 if d:
                     b.write_drafts(int(slots[r]), d)
                     num_drafts[r] = len(d)
-        input_ids = b.token_ids[slots[row], positions]                     # (T,)
-        max_blocks = int(b.num_blocks[:, slots].max())
-        tables = b.block_table[:, slots, :max_blocks]                      # (G, B, max_blocks)
-        slot_mapping = tables[:, row, positions // bs].astype(np.int64) * bs + positions % bs   # (G, T)
-        seq_lens = start + n
-        prefix_len = (cascade_prefix_len(tables[0], b.num_blocks[0, slots], start, n, bs, self.arch.num_heads,
-                                         self.arch.num_kv_heads, min_prefix=self.cascade_min_prefix)
-                      if self.cascade else 0)
-        sample_rows = np.flatnonzero(seq_lens - num_drafts == b.num_tokens[slots])   # prompt complete
-        query_start_loc = torch.from_numpy(cu.astype(np.int32))
-        seq_lens_t = torch.from_numpy(seq_lens.astype(np.int32))
-        metas = [AttentionMetadata(
-            num_reqs=len(slots), num_tokens=int(cu[-1]), max_query_len=int(n.max()),
-            max_seq_len=int(seq_lens.max()), query_start_loc=query_start_loc, seq_lens=seq_lens_t,
-            block_table=torch.from_numpy(np.ascontiguousarray(tables[g])),
-            slot_mapping=torch.from_numpy(slot_mapping[g]), block_size=bs, common_prefix_len=prefix_len)
-            for g in range(len(tables))]
-        meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
+        prefix_len = None
+        if self.cascade:
+            prefix_len = lambda tables, num_blocks: cascade_prefix_len(   # noqa: E731
+                tables, num_blocks, start, n, bs, self.arch.num_heads, self.arch.num_kv_heads,
+                min_prefix=self.cascade_min_prefix)
+        ti = b.token_inputs(slots, start, n, prefix_len)
+        cu = ti.query_start_loc
+        sample_rows = np.flatnonzero(start + n - num_drafts == b.num_tokens[slots])   # prompt complete
+        input_ids, positions = torch.from_numpy(ti.input_ids), torch.from_numpy(ti.positions)
         if not drafts:
-            return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, slots,
-                              sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1))
+            return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1))
         k = num_drafts[sample_rows]                                         # (S,)
         logits_indices = ranges(cu[1:][sample_rows] - 1 - k, k + 1)         # (S + N,)
-        return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, slots,
-                          sample_rows, torch.from_numpy(logits_indices), k)
+        return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(logits_indices), k)
 
     # -- 3) forward, sample, record -----------------------------------------------------------
     @torch.inference_mode()
@@ -195,6 +196,8 @@ class ModelRunner:
                 self._sample_with_drafts(so, req_ids, inp, logits, out)
             if self.proposer is not None:
                 self._propose(req_ids, inp.sample_rows, inp.slots[inp.sample_rows], out)
+        if self.drafter is not None:
+            self._draft(req_ids, inp, out)
         t_end = time.perf_counter()
         out.compute_s = t_end - t0                    # forward and sampling: model compute
         out.sample_s = t_end - t_sample
@@ -257,6 +260,21 @@ class ModelRunner:
         for row, d, m in zip(rows.tolist(), proposals.draft_token_ids.tolist(), proposals.num_draft_tokens.tolist()):
             if m:
                 out.spec_token_ids[req_ids[row]] = d[:m]
+
+    def _draft(self, req_ids: list[str], inp: StepInputs, out: ModelRunnerOutput) -> None:
+        """The draft model follows every scheduled request that accepts drafts up to the
+        target's computed tokens (and the tokens just emitted), and drafts the next step's tokens
+        of those that sampled."""
+        b = self.batch
+        rows = np.flatnonzero(b.accepts_drafts[inp.slots])
+        if not len(rows):
+            return
+        slots = inp.slots[rows]
+        sampled = np.isin(rows, inp.sample_rows)
+        ends = b.num_computed_tokens[slots] + sampled       # a sampling row: its tokens (the last not yet computed)
+        for r, d in zip(rows.tolist(), self.drafter.propose(b, slots, ends, sampled)):
+            if d:
+                out.spec_token_ids[req_ids[r]] = d
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states (T, hidden) of the step's tokens, on the model's device."""

@@ -19,6 +19,7 @@ from actors.engine.sampling_params import SamplingParams
 from actors.worker.cuda_graphs import capture_sizes
 from actors.worker.gpu_memory import GIB, device_memory, kv_cache_bytes_for_gpu
 from actors.worker.model_runner import ModelRunner, torch_dtype
+from kernels.attention.base import AttentionBackend
 from kernels.attention.selector import select_backend
 from models.layers import calculate_kv_scales_on_next_batch
 from models.native_decode import attach as attach_native_decode
@@ -35,18 +36,25 @@ class Worker:
         t0 = time.monotonic()
         source = config.model.source
         ckpt = open_checkpoint(source)
+        draft = config.model.draft_source
+        draft_ckpt = open_checkpoint(draft) if draft is not None else None
         self.config = config.resolve(cuda_available=torch.cuda.is_available(), cpu_count=os.cpu_count() or 1,
-                                     arch=ckpt.config)
+                                     arch=ckpt.config, draft_arch=draft_ckpt.config if draft_ckpt else None)
         torch.set_num_threads(self.config.device.num_threads)
         torch.manual_seed(self.config.model.seed)
         self.device = torch.device(self.config.device.device)
-        self.attn_backend = select_backend(attention_requirements(
-            ckpt.config, torch_dtype(self.config.model.dtype), self.config.cache.block_size, self.device.type,
-            torch_dtype(self.config.cache.cache_dtype)))
-        self.model = self._load(ckpt)
-        self.runner: ModelRunner | None = None         # until init_kv_cache
+        self.attn_backend = self._backend(ckpt)
+        self.model = self._load(ckpt, self.attn_backend, self.config.model.quantization, source.path)
         log.info("model %s loaded on %s (%s) in %.1f s", source.served_name, self.device.type,
                  self.config.model.dtype, time.monotonic() - t0)
+        self.draft_model: torch.nn.Module | None = None    # speculative decoding's draft model
+        if draft_ckpt is not None:
+            t0 = time.monotonic()
+            q = self.config.speculative.quantization
+            self.draft_model = self._load(draft_ckpt, self._backend(draft_ckpt), q, draft.path)
+            log.info("draft model %s (%s) loaded in %.1f s", draft.served_name, q or self.config.model.dtype,
+                     time.monotonic() - t0)
+        self.runner: ModelRunner | None = None         # until init_kv_cache
         if not self.config.kv_cache_sized:             # CUDA, sized by --gpu-memory-utilization
             self.config = self.config.with_kv_cache_bytes(self._gpu_kv_cache_bytes())
 
@@ -63,12 +71,18 @@ class Worker:
                  "forward pass)", kv_bytes / GIB, utilization, total / GIB, (total - free) / GIB)
         return kv_bytes
 
-    def _load(self, ckpt: Checkpoint) -> torch.nn.Module:
+    def _backend(self, ckpt: Checkpoint) -> AttentionBackend:
         cfg = self.config
-        model = build_model(ckpt, torch_dtype(cfg.model.dtype), self.attn_backend, cfg.cache.block_size,
+        return select_backend(attention_requirements(
+            ckpt.config, torch_dtype(cfg.model.dtype), cfg.cache.block_size, self.device.type,
+            torch_dtype(cfg.cache.cache_dtype)))
+
+    def _load(self, ckpt: Checkpoint, backend: AttentionBackend, quantization: str | None, path: str) -> torch.nn.Module:
+        cfg = self.config
+        model = build_model(ckpt, torch_dtype(cfg.model.dtype), backend, cfg.cache.block_size,
                             self.device.type, torch_dtype(cfg.cache.cache_dtype))
-        if cfg.model.quantization:
-            quantize(model, cfg.model.quantization, cfg.model.source.path)
+        if quantization:
+            quantize(model, quantization, path)
         if self.device.type == "cpu":        # linear layers packed once for the native kernels
             prepack_linears(model)
             attach_native_decode(model)
@@ -78,7 +92,7 @@ class Worker:
         """Allocate the KV cache (and on CUDA capture the decode graphs); returns its bytes."""
         cfg = self.config
         sizes = capture_sizes(cfg.scheduler.max_num_seqs) if self._captures_graphs() else None
-        self.runner = ModelRunner(self.model, cfg, sizes)
+        self.runner = ModelRunner(self.model, cfg, sizes, self.draft_model)
         if sizes:
             seconds = self.runner.capture_cudagraphs()
             log.info("captured %d CUDA graphs (decode batches of %s requests) in %.1f s",
@@ -86,7 +100,10 @@ class Worker:
         if cfg.cache.calculate_kv_scales and cfg.cache.cache_dtype.startswith("fp8"):
             # after the graphs' capture: their dummy batches must not set the scales
             calculate_kv_scales_on_next_batch(self.model)
-        tensors = {t.data_ptr(): t for t in self.runner.kv_caches}     # layers of different groups share one
+            if self.draft_model is not None:
+                calculate_kv_scales_on_next_batch(self.draft_model)
+        # layers of different groups share one tensor
+        tensors = {t.data_ptr(): t for t in self.runner.kv_caches + self.runner.draft_kv_caches}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _captures_graphs(self) -> bool:

@@ -58,12 +58,12 @@ def _gguf_linears(model, weights: str) -> None:
 
 
 def _steps(model, config, kv_dtype=torch.float32, decode_steps=7):
-    """Logits of three prompts prefilled together, then decode steps of all three (crossing
-    block boundaries), one row per sampled token."""
+    """Logits of three prompts prefilled together (one longer than the stack flattens), then
+    decode steps of all three (crossing block boundaries), one row per sampled token."""
     caches = allocate_kv_caches(config, 64, BLOCK_SIZE, kv_dtype)
     tables = [list(range(1, 12)), list(range(12, 20)), list(range(20, 30))]
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 96, (n,), generator=g) for n in (13, 2, 6)]
+    prompts = [torch.randint(0, 96, (n,), generator=g) for n in (native_decode.MAX_FLAT_QUERY + 4, 2, 6)]
     steps = [prompts] + [[torch.tensor([(7 * s + r) % 96]) for r in range(3)] for s in range(decode_steps)]
     return run_steps(model, caches, tables, steps, BLOCK_SIZE)
 
@@ -156,6 +156,50 @@ def test_models_the_stack_cannot_reproduce_keep_their_layers():
     assert not native_decode.attach(qwen3) and qwen3.native_decode is None
     plain = LlamaForCausalLM(_model()[1], CpuAttentionBackend()).eval()   # weights not packed
     assert not native_decode.attach(plain)
+
+
+@pytest.mark.parametrize("weights", ["f32", "Q4_1", "Q4_1_i8"])
+def test_a_step_of_short_queries_runs_flattened_and_equals_decoding_token_by_token(weights, monkeypatch):
+    """Speculative decoding's verification: requests bringing 1-5 tokens each (their last token
+    and drafts) in one step. The stack takes it, each token a decode row over the keys up to its
+    position, and its logits are bit for bit those of decoding the same tokens one step at a time
+    (float32 weights; GGUF panels sum 1-2 rows in another order than more: within rounding)."""
+    model, config = _model(weights=weights)
+    assert native_decode.attach(model)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (n,), generator=g) for n in (native_decode.MAX_FLAT_QUERY + 3, 7, 9)]
+    queries = [torch.randint(0, 96, (n,), generator=g) for n in (5, 1, 3)]
+    tables = [list(range(1, 12)), list(range(12, 20)), list(range(20, 30))]
+    ran = []
+    real_run = native_decode.NativeDecodeStack.run
+
+    def run(self, *args):
+        out = real_run(self, *args)
+        ran.append(out is not None)
+        return out
+    monkeypatch.setattr(native_decode.NativeDecodeStack, "run", run)
+    caches = allocate_kv_caches(config, 64, BLOCK_SIZE, torch.float32)
+    together = run_steps(model, caches, tables, [prompts, queries], BLOCK_SIZE)[sum(map(len, prompts)):]
+    assert ran == [False, True]
+    caches = allocate_kv_caches(config, 64, BLOCK_SIZE, torch.float32)
+    run_steps(model, caches, tables, [prompts], BLOCK_SIZE)
+    rows = {}
+    for j in range(max(map(len, queries))):           # decode steps of the requests with a j-th token
+        reqs = [r for r, q in enumerate(queries) if j < len(q)]
+        meta = build_attention_metadata([1] * len(reqs), [len(prompts[r]) + j + 1 for r in reqs],
+                                        [tables[r] for r in reqs], BLOCK_SIZE)
+        ids = torch.stack([queries[r][j] for r in reqs])
+        pos = torch.tensor([len(prompts[r]) + j for r in reqs])
+        with torch.inference_mode():
+            logits = model.compute_logits(model(ids, pos, caches, meta))
+        rows.update({(r, j): logits[i] for i, r in enumerate(reqs)})
+    assert ran[3:] == [True] * max(map(len, queries))
+    assert together.std() > 0.3
+    ref = torch.stack([rows[r, j] for r, q in enumerate(queries) for j in range(len(q))])
+    if weights != "f32":
+        torch.testing.assert_close(together, ref, rtol=0, atol=1e-3)
+    else:
+        assert torch.equal(together, ref)
 
 
 def test_a_slot_past_the_cache_is_refused_with_a_clear_error():

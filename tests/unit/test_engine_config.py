@@ -115,3 +115,22 @@ def test_fp8_flags_on_the_command_line_and_offline():
     assert not EngineArgs().create_engine_config().cache.calculate_kv_scales
     with pytest.raises(ValueError, match="unknown kv_cache_dtype 'fp8_e3m4'; accepted: .*fp8, fp8_e4m3, fp8_e5m2"):
         EngineArgs(kv_cache_dtype="fp8_e3m4").create_engine_config()
+
+
+def test_a_draft_models_kv_cache_shares_the_blocks_so_the_same_memory_holds_fewer():
+    """self_draft: the target's own checkpoint drafts; its 30 layers join the target's in every
+    block, so 1 GiB holds half the blocks; a draft of another vocabulary is refused."""
+    spec = {"method": "self_draft", "quantization": "gguf-i8", "num_speculative_tokens": 4}
+    plain, drafted = resolved(kv_cache_bytes=1 << 30), resolved(kv_cache_bytes=1 << 30, speculative_config=spec)
+    assert drafted.model.draft_source == drafted.model.source and drafted.model.draft_arch == ARCH
+    assert drafted.cache.num_blocks == plain.cache.num_blocks // 2
+    assert len(drafted.kv_cache_specs()) == 60 and drafted.kv_cache_groups()[0].layer_ids == tuple(range(60))
+    assert drafted.resolve(cuda_available=False, cpu_count=2, arch=ARCH) == drafted     # resolved once
+    config = EngineArgs(speculative_config=spec).create_engine_config()
+    other = ArchConfig("LlamaForCausalLM", 32000, 576, 1536, 30, 9, 3, 64, 8192, 1e5, 1e-5, True, 1, (2,))
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        config.resolve(cuda_available=False, cpu_count=2, arch=ARCH, draft_arch=other)
+    with pytest.raises(ValueError, match="already runs quantization 'gguf-i8'"):
+        EngineArgs(quantization="gguf-i8", speculative_config=spec).create_engine_config()
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        config.resolve(cuda_available=True, cpu_count=2, arch=ARCH, draft_arch=ARCH)

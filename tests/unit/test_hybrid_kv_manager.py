@@ -4,15 +4,19 @@ check covers every group, and freeing returns every block; the groups a model ge
 capacity a config resolves to."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from actors.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from actors.engine.messages import EngineCoreRequest
 from actors.engine.sampling_params import SamplingParams
 from actors.kv_manager.block_hash import extend_block_hashes
 from actors.kv_manager.kv_cache_spec import (FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec,
-                                             blocks_per_request, describe_groups, kv_cache_groups,
-                                             model_kv_cache_specs)
+                                             blocks_per_request, bytes_per_block, create_kv_cache_views,
+                                             describe_groups, kv_cache_groups, model_kv_cache_specs,
+                                             with_draft_layers)
 from actors.kv_manager.manager import KVCacheManager
 from actors.scheduler.scheduler import Scheduler
 from models.config import FULL, SLIDING, ArchConfig
@@ -228,3 +232,35 @@ def test_a_cache_too_small_for_one_token_in_every_group_is_a_value_error():
                        cache=CacheConfig(num_blocks=4))
     with pytest.raises(ValueError, match="6 KV cache groups"):
         cfg.resolve(cuda_available=False, cpu_count=2, arch=GEMMA)
+
+
+def test_a_self_draft_pairs_each_draft_layer_with_its_target_layer_and_doubles_every_group():
+    """Gemma 3 drafting with its own weights: 18 more layers, draft layer i (numbered 18 + i) in the
+    group of target layer i, so every group holds 6 layers of one kind and a block id stands for
+    twice the bytes; the draft's sliding layers keep a window's worth of blocks like the target's."""
+    specs = model_kv_cache_specs(GEMMA, 16, 4)
+    groups = kv_cache_groups(specs)
+    paired = with_draft_layers(groups, specs, specs)
+    assert [g.layer_ids for g in paired] == [g.layer_ids + tuple(18 + i for i in g.layer_ids) for g in groups]
+    assert [g.kv_cache_spec for g in paired] == [g.kv_cache_spec for g in groups]
+    assert bytes_per_block(paired) == 2 * bytes_per_block(groups)
+    views = create_kv_cache_views(specs + specs, 8, torch.float32, groups=paired)
+    for target, draft in zip(range(18), range(18, 36)):     # own tensors, same shape
+        assert views[target].shape == views[draft].shape and views[target].data_ptr() != views[draft].data_ptr()
+
+
+def test_another_draft_architecture_joins_a_one_group_target_or_is_refused_with_the_reason():
+    llama = ArchConfig("LlamaForCausalLM", 100, 64, 128, 4, 4, 1, 256, 4096, 1e4, 1e-6, False, None, (1,))
+    small = ArchConfig("LlamaForCausalLM", 100, 32, 64, 2, 2, 1, 256, 4096, 1e4, 1e-6, False, None, (1,))
+    target, draft = model_kv_cache_specs(llama, 16, 4), model_kv_cache_specs(small, 16, 4)
+    (group,) = with_draft_layers(kv_cache_groups(target), target, draft)
+    assert group.layer_ids == (0, 1, 2, 3, 4, 5)
+    wide = ArchConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 256, 4096, 1e4, 1e-6, False, None, (1,))
+    with pytest.raises(ValueError, match="must match the target's"):
+        with_draft_layers(kv_cache_groups(target), target, model_kv_cache_specs(wide, 16, 4))
+    gemma = model_kv_cache_specs(GEMMA, 16, 4)
+    one_kv_head = model_kv_cache_specs(dataclasses.replace(small, head_size=256), 16, 4)
+    with pytest.raises(ValueError, match="disable-hybrid-kv-cache-manager"):
+        with_draft_layers(kv_cache_groups(gemma), gemma, one_kv_head)
+    (group,) = with_draft_layers(kv_cache_groups(gemma, hybrid=False), gemma, one_kv_head)
+    assert len(group.layer_ids) == 20

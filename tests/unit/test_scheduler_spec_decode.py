@@ -8,6 +8,7 @@ from typing import Callable
 
 import json
 
+import msgspec
 import pytest
 
 from actors.engine.args import EngineArgs
@@ -47,10 +48,11 @@ class SpecWorker(FakeWorker):
     proposes drafts for the next step with ``propose``."""
 
     def __init__(self, num_blocks: int, block_size: int, propose: Callable[[Tokens], Tokens],
-                 target: Callable[[Tokens], int] = model) -> None:
+                 target: Callable[[Tokens], int] = model, draft_model: bool = False) -> None:
         super().__init__(num_blocks, block_size)
         self.propose = propose
         self.target = target
+        self.draft_model = draft_model     # writes its drafts' KV (but the last's) in the step
 
     def run(self, so: SchedulerOutput, token=None) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
@@ -87,17 +89,27 @@ class SpecWorker(FakeWorker):
             proposal = self.propose(tokens)
             if proposal:
                 spec[rid] = proposal
+            if self.draft_model and proposal:
+                # as the draft model does, no drafts past the context length (engine_config's)
+                num = min(len(proposal), len(self.slots) - self.bs - 1 - len(tokens))
+                last = len(tokens) + num - 2                  # the position of the last KV written
+                assert last < len(self.blocks[rid]) * self.bs, f"{rid}: no slot for the draft's KV at {last}"
         return ModelRunnerOutput(list(so.num_scheduled_tokens), sampled, spec_token_ids=spec)
 
 
 class SpecHarness(Harness):
     def __init__(self, propose: Callable[[Tokens], Tokens], num_blocks: int = 64,
-                 target: Callable[[Tokens], int] = model, k: int = K, **cfg) -> None:
-        config = engine_config(num_blocks, **cfg).replace(speculative=SpeculativeConfig.from_dict(
-            {"method": "ngram", "num_speculative_tokens": k}))
+                 target: Callable[[Tokens], int] = model, k: int = K, method: str = "ngram", **cfg) -> None:
+        config = engine_config(num_blocks, **cfg)
+        spec = {"method": method, "num_speculative_tokens": k}
+        model_cfg = config.model
+        if method != "ngram":                  # a draft model (its checkpoint: the fake one)
+            spec["quantization"] = "gguf-i8"
+            model_cfg = msgspec.structs.replace(model_cfg, draft_source=model_cfg.source)
+        config = config.replace(model=model_cfg, speculative=SpeculativeConfig.from_dict(spec))
         self.kv = KVCacheManager(num_blocks, 4, config.cache.enable_prefix_caching)
         self.s = Scheduler(config, self.kv)
-        self.worker = SpecWorker(num_blocks, 4, propose, target)
+        self.worker = SpecWorker(num_blocks, 4, propose, target, draft_model=method != "ngram")
         self.hash_tokens = {}
 
     def run_all(self, max_steps: int = 200) -> dict[str, Tokens]:
@@ -263,8 +275,31 @@ def test_speculative_decoding_turns_async_scheduling_off_and_refuses_it_when_ask
     assert cfg.resolve(cuda_available=False, cpu_count=2, arch=ARCH).scheduler.async_scheduling is False
     with pytest.raises(ValueError, match="async scheduling and speculative decoding cannot be combined"):
         EngineArgs(speculative_config=spec, async_scheduling=True).create_engine_config()
-    with pytest.raises(ValueError, match="not available yet"):
-        EngineArgs(speculative_config={"method": "draft_model", "model": "m",
+    with pytest.raises(ValueError, match="unknown model 'no-such-draft'"):    # fails fast, naming it
+        EngineArgs(speculative_config={"method": "draft_model", "model": "no-such-draft",
                                        "num_speculative_tokens": 3}).create_engine_config()
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineArgs(speculative_config='{"method": "ngram"}').create_engine_config()
+
+
+def test_a_draft_model_gets_k_lookahead_slots_for_its_drafts_kv_up_to_the_context_length():
+    """With a draft model, every step's blocks reach k slots past its tokens (the worker writes the
+    next drafts' keys and values there before the next schedule: the fake worker asserts it),
+    except past the context length; the tokens are those of plain decoding."""
+    prompts = {"a": [100, 101, 102], "b": [100, 104], "c": list(range(100, 130))}
+    h = SpecHarness(lambda tokens: truth(tokens, K), num_blocks=64, method="self_draft")
+    for rid, prompt in prompts.items():
+        h.add(rid, prompt, max_tokens=40 if rid != "c" else 400)
+    seen = []
+    out: dict[str, Tokens] = {}
+    while h.s.has_work():
+        so, outs = h.step()
+        for o in outs:
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        for req in h.s.running:
+            held = h.kv.num_blocks_held(req.request_id) * 4
+            seen.append(held >= min(req.num_computed_tokens + K, h.s.max_model_len))
+    assert seen and all(seen)
+    assert out == plain_run(prompts, max_tokens=40) | {"c": out["c"]}
+    assert len(prompts["c"]) + len(out["c"]) == h.s.max_model_len          # c ran to the context length
+    assert h.s.stats().spec_num_accepted_tokens == h.s.stats().spec_num_draft_tokens > 0

@@ -68,13 +68,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     kvd.add_argument("--repeats", type=int, default=12)
     kvd.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
 
-    spd = sub.add_parser("spec-decode", help="speculative decoding (ngram) against plain decoding: tok/s by "
-                                             "batch size, acceptance, same tokens")
+    spd = sub.add_parser("spec-decode", help="speculative decoding (ngram, self_draft) against plain decoding: "
+                                             "tok/s by batch size, acceptance, same tokens")
     spd.add_argument("--model", default=None)
     spd.add_argument("--quantization", default="none", choices=["gguf", "gguf-i8", "none"])
     spd.add_argument("--sets", nargs="+", default=["repetitive", "chat"], choices=["repetitive", "chat"])
     spd.add_argument("--n", type=int, default=4, help="chat prompts")
-    spd.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    spd.add_argument("--methods", nargs="+", default=["ngram", "self_draft"], choices=["ngram", "self_draft"])
+    spd.add_argument("--k", type=int, default=4, help="num_speculative_tokens (ngram)")
+    spd.add_argument("--draft-k", type=int, default=6, help="num_speculative_tokens (self_draft)")
+    spd.add_argument("--draft-quantization", default="gguf-i8", choices=["gguf", "gguf-i8"],
+                     help="the self-draft's quantization")
     spd.add_argument("--lookup", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"))
     spd.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     spd.add_argument("--max-tokens", type=int, default=96)

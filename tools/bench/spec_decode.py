@@ -1,9 +1,11 @@
 """Speculative decoding against plain decoding on the same engine: output tokens per second at
 batch sizes 1 and up (every prompt at least once, b requests at a time; greedy, run to max_tokens
 or their end), the acceptance rate
-(accepted / drafted tokens) and whether the tokens were the same. Two prompt sets: ``repetitive``
-(editing code and quoting text: what prompt lookup finds) and ``chat`` (the agreement prompts).
-Modes alternate, one engine load each, so a noisy machine weighs on both alike."""
+(accepted / drafted tokens) and whether the tokens were the same. Methods: ``ngram`` (prompt
+lookup) and ``self_draft`` (the model's own weights, quantized, draft for the exact ones). Two
+prompt sets: ``repetitive`` (editing code and quoting text: what prompt lookup finds) and ``chat``
+(the agreement prompts). Modes alternate, one engine load each, so a noisy machine weighs on all
+alike."""
 from __future__ import annotations
 
 import json
@@ -52,21 +54,26 @@ def _run(mode: dict | None, prompts: list[str], batches: list[int], args: Any) -
 
 def main(args: Any) -> None:
     sets = {"repetitive": REPETITIVE, "chat": PROMPTS[:args.n]}
-    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup[0],
-             "prompt_lookup_max": args.lookup[1]}
+    configs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup[0],
+                         "prompt_lookup_max": args.lookup[1]},
+               "self_draft": {"method": "self_draft", "quantization": args.draft_quantization,
+                              "num_speculative_tokens": args.draft_k}}
+    modes = [("none", None)] + [(m, configs[m]) for m in args.methods]
     report: dict[str, Any] = {"bench": "spec_decode", "quantization": args.quantization, "k": args.k,
-                              "lookup": args.lookup, "max_tokens": args.max_tokens, "threads": args.threads}
+                              "draft_k": args.draft_k, "lookup": args.lookup, "max_tokens": args.max_tokens,
+                              "threads": args.threads}
     for name in args.sets:
-        runs: dict[str, list[dict]] = {"none": [], "ngram": []}
+        runs: dict[str, list[dict]] = {mode: [] for mode, _ in modes}
         for _ in range(args.repeats):
-            for mode, cfg in (("none", None), ("ngram", ngram)):
+            for mode, cfg in modes:
                 runs[mode].append(_run(cfg, sets[name], args.batches, args))
         same = all(r["tokens"] == runs["none"][0]["tokens"] for rs in runs.values() for r in rs)
-        entry: dict[str, Any] = {"same_tokens": same, "acceptance": runs["ngram"][0]["acceptance"]}
+        entry: dict[str, Any] = {"same_tokens": same,
+                                 "acceptance": {m: runs[m][0]["acceptance"] for m in args.methods}}
         for b in args.batches:
             key = f"batch_{b}_tok_per_s"
             best = {mode: max(r[key] for r in rs) for mode, rs in runs.items()}
-            entry[f"batch_{b}"] = {**best, "speedup": round(best["ngram"] / best["none"], 2)}
+            entry[f"batch_{b}"] = {**best, **{f"{m}_speedup": round(best[m] / best["none"], 2) for m in args.methods}}
         report[name] = entry
         print(f"{name}: {json.dumps(entry)}", flush=True)
     print(json.dumps(report), flush=True)

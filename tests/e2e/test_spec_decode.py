@@ -1,0 +1,92 @@
+"""Speculative decoding on the real default model, in one process, with n-gram drafts and with
+self_draft (the model's own weights in gguf-i8 draft for the exact model): greedy requests get
+the tokens they get without speculation (a repetitive code prompt, a stop string, max_tokens that
+end a request mid-draft, requests that take no drafts in the same batch), also with a KV cache
+small enough to preempt, and drafts are accepted; the self-draft's KV cache comes along with the
+target's in prefix cache hits."""
+from __future__ import annotations
+
+import pytest
+
+from actors.api import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SELF_DRAFT = {"method": "self_draft", "quantization": "gguf-i8", "num_speculative_tokens": 4}
+METHODS = {"ngram": NGRAM, "self_draft": SELF_DRAFT}
+CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+        "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n")
+COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+PROMPTS = [CODE, COUNT, "red green blue red green blue red green blue", "The capital of France is", CODE,
+           "Dear diary, today"]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=40, stop=[" 15,"]),         # a stop string mid-draft
+    SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),      # max_tokens mid-draft
+    SamplingParams(temperature=0, max_tokens=32),
+    SamplingParams(temperature=0, max_tokens=21, ignore_eos=True, repetition_penalty=1.2),   # no drafts
+    SamplingParams(temperature=0, max_tokens=13, ignore_eos=True, logprobs=2),                # no drafts
+]
+SMALL_CACHE = dict(num_gpu_blocks_override=8, max_num_batched_tokens=64)
+
+
+def _run(speculative_config: dict | None, **options) -> tuple[list[tuple[list[int], str, str]], object]:
+    with LLM(multiprocess=False, speculative_config=speculative_config, **options) as llm:
+        results = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        stats = llm.client.stats.last
+    return [(r.token_ids, r.text, r.finish_reason) for r in results], stats
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _run(None)[0]
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def spec(request):
+    return request.param, _run(METHODS[request.param])
+
+
+def test_speculation_gives_every_greedy_request_the_tokens_of_plain_decoding(plain, spec):
+    _, (results, _) = spec
+    assert results == plain
+    assert len(results[0][0]) == 48 and len(results[2][0]) == 23
+    assert results[1][2] == "stop" and results[1][1].endswith(" 14,")
+
+
+def test_drafts_are_accepted_and_counted(spec):
+    method, (_, stats) = spec
+    assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens >= stats.spec_num_drafts
+    assert 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+    assert sum(stats.spec_num_accepted_tokens_per_pos) == stats.spec_num_accepted_tokens
+    assert len(stats.spec_num_accepted_tokens_per_pos) == METHODS[method]["num_speculative_tokens"]
+    if method == "self_draft":     # the quantized copy nearly always agrees with the exact weights
+        assert stats.spec_num_accepted_tokens >= 0.8 * stats.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_speculation_under_preemption_gives_the_same_tokens(plain, method):
+    results, stats = _run(METHODS[method], **SMALL_CACHE)
+    assert stats.num_preemptions > 0
+    assert results == plain
+
+
+def test_a_prefix_cache_hit_brings_the_self_drafts_kv_cache_along(plain):
+    """The second time, the prompt's blocks come from the prefix cache: they hold the draft
+    model's keys and values too, so its drafts are as good as the first time."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(multiprocess=False, speculative_config=SELF_DRAFT) as llm:
+        runs = []
+        for _ in range(2):
+            before = llm.client.stats.last
+            result = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+            after = llm.client.stats.last
+            drafted = after.spec_num_draft_tokens - (before.spec_num_draft_tokens if before else 0)
+            accepted = after.spec_num_accepted_tokens - (before.spec_num_accepted_tokens if before else 0)
+            hits = after.prefix_cache_hits - (before.prefix_cache_hits if before else 0)
+            runs.append((result.token_ids, hits, accepted / drafted))
+    (first, cached_first, rate_first), (second, cached_second, rate_second) = runs
+    assert second == first == plain[0][0][:40]
+    assert cached_first == 0 and cached_second > 0
+    assert rate_second >= 0.8 and rate_second >= rate_first - 0.1
