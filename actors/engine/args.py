@@ -336,9 +336,9 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  '"model": PATH, "num_speculative_tokens": 3} (a smaller model of the same vocabulary drafts) '
                  'or {"method": "self_draft", "quantization": "gguf-i8", "num_speculative_tokens": 4} (the '
                  "target's own weights, quantized, draft); the target verifies every draft in one step, so "
-                 "greedy requests get the same tokens as without it. Requests with structured "
-                 "outputs, penalties, bad words, min_tokens, logit bias, allowed token ids or log-probs "
-                 "decode without drafts. Turns async scheduling off")),
+                 "greedy requests get the same tokens as without it (structured outputs, penalties and "
+                 "the other logits processors apply at every draft position). Requests that ask for "
+                 "log-probs decode without drafts. Turns async scheduling off")),
         (("--max-model-len",), "max_model_len", dict(type=human_readable_int, default=d["max_model_len"],
                                                      help="0: the model's own")),
         (("--scheduling-policy",), "scheduling_policy", dict(

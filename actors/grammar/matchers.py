@@ -4,6 +4,11 @@ end of its grammar ends its request. Pure: no asyncio. A matcher keeps the token
 across a preemption (the request keeps its output tokens), and can roll back (for draft tokens).
 
 Bitmask layout, for V tokens: (rows, ceil(V / 32)) int32; bit j of word i allows token 32 i + j.
+
+Speculative decoding: a request's draft tokens are cut to the prefix its grammar allows when they
+are proposed (``allowed_drafts``), and a step verifying k drafts gets k + 1 rows, one per position
+(the matcher advanced through the drafts before each, then rolled back), so the target is masked
+at every position as it would be decoding those tokens one by one.
 """
 from __future__ import annotations
 
@@ -39,8 +44,11 @@ class StructuredOutputs:
         self._matchers[request_id] = _xgrammar().GrammarMatcher(grammar)
         return True
 
-    def fill_bitmask(self, request_ids: list[str]) -> np.ndarray:
-        """(len(request_ids), words) int32: the tokens each request's grammar allows next."""
+    def fill_bitmask(self, request_ids: list[str], drafts: dict[str, list[int]] | None = None) -> np.ndarray:
+        """(rows, words) int32: the tokens each request's grammar allows next, one row per request;
+        a request with ``drafts`` gets 1 + len(drafts) rows: next, then after each draft."""
+        if drafts and any(r in drafts for r in request_ids):
+            return self._fill_with_drafts(request_ids, drafts)
         bitmask = np.full((len(request_ids), self.words), -1, dtype=np.int32)
         matchers = [self._matchers[r] for r in request_ids]
         if len(matchers) >= BATCH_FILL_ROWS:
@@ -51,6 +59,38 @@ class StructuredOutputs:
             for i, m in enumerate(matchers):
                 m.fill_next_token_bitmask(bitmask, i)
         return bitmask
+
+    def _fill_with_drafts(self, request_ids: list[str], drafts: dict[str, list[int]]) -> np.ndarray:
+        rows = sum(1 + len(drafts.get(r, ())) for r in request_ids)
+        bitmask = np.full((rows, self.words), -1, dtype=np.int32)
+        row = 0
+        for r in request_ids:
+            m, d = self._matchers[r], drafts.get(r, ())
+            m.fill_next_token_bitmask(bitmask, row)
+            advanced = 0
+            for tok in d:       # past a draft the grammar refuses or ends on, rows stay open: never used
+                if m.is_terminated() or not m.accept_token(tok):
+                    break
+                advanced += 1
+                if not m.is_terminated():
+                    m.fill_next_token_bitmask(bitmask, row + advanced)
+            if advanced:
+                m.rollback(advanced)
+            row += 1 + len(d)
+        return bitmask
+
+    def allowed_drafts(self, request_id: str, drafts: list[int]) -> int:
+        """How many of ``drafts``, from the first, the request's grammar allows after its tokens
+        (stopping where it is complete); the matcher is left as it was."""
+        m = self._matchers[request_id]
+        n = 0
+        for tok in drafts:
+            if m.is_terminated() or not m.accept_token(tok):
+                break
+            n += 1
+        if n:
+            m.rollback(n)
+        return n
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance the request's matcher by a sampled token; True when its grammar is complete

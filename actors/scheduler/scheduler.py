@@ -34,7 +34,8 @@ budget (``num_tokens_with_spec``; fewer when the budget is short) and get KV slo
 scheduled; when the output comes back with 1 .. k + 1 tokens (the accepted drafts and one more),
 ``num_computed_tokens`` goes back by the drafts rejected, and the tokens are appended one by one
 with the usual stop checks, so a stop token, max_tokens or the context length mid-draft ends the
-request there. Drafts are never in ``all_token_ids`` until accepted, so no block hash (and no
+request there. A request with a grammar keeps the drafts its grammar allows, and its bitmask has a
+row per verified position (``StructuredOutputs.fill_bitmask``). Drafts are never in ``all_token_ids`` until accepted, so no block hash (and no
 cached block) covers them. A preempted request loses its drafts. Speculative decoding runs
 without async scheduling (its drafts need the previous step's output). With a draft model, every
 allocation reserves k lookahead slots past the step's tokens (capped by the context length): the
@@ -428,7 +429,7 @@ class Scheduler:
                     grammar_ids.append(req.request_id)
         return SchedulerOutput(self.counters.step, new_reqs, cached, num_scheduled,
                                sum(num_scheduled.values()), finished, grammar_ids,
-                               self.structured.fill_bitmask(grammar_ids) if grammar_ids else None,
+                               self.structured.fill_bitmask(grammar_ids, spec) if grammar_ids else None,
                                scheduled_spec_decode_tokens=spec)
 
     def grammar_needs_outputs(self) -> bool:
@@ -477,7 +478,10 @@ class Scheduler:
             elif sampled and self.speculative is not None:
                 # at most k, and room left for them and the token after them in the context
                 room = min(self.speculative.num_speculative_tokens, self.max_model_len - 1 - req.num_tokens)
-                req.spec_token_ids = list(out.spec_token_ids.get(rid, ()))[:max(room, 0)]
+                proposed = list(out.spec_token_ids.get(rid, ()))[:max(room, 0)]
+                if proposed and self.structured is not None and rid in self.structured:
+                    proposed = proposed[:self.structured.allowed_drafts(rid, proposed)]   # what its grammar allows
+                req.spec_token_ids = proposed
         return outs
 
     def _verified(self, req: Request, drafts: list[int], num_accepted: int) -> None:

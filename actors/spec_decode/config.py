@@ -122,12 +122,10 @@ def check_speculative_config(c: SpeculativeConfig) -> None:
 
 
 def accepts_drafts(p: SamplingParams) -> bool:
-    """Whether a request with these parameters is given draft tokens. The rejection sampler applies
-    temperature, min_p, top-k and top-p at every draft position, but not the processors that read
-    the tokens generated so far or constrain each position (structured outputs, penalties, bad
-    words, min_tokens, logit bias, allowed token ids), nor does it report log-probs: requests that
-    ask for any of those decode one token per step, in the same batches."""
-    return (p.structured_outputs is None and not p.presence_penalty and not p.frequency_penalty
-            and p.repetition_penalty == 1.0 and not p.bad_words_token_ids and not p.bad_words
-            and not p.min_tokens and not p.logit_bias and p.allowed_token_ids is None
-            and p.logprobs is None and p.prompt_logprobs is None)
+    """Whether a request with these parameters is given draft tokens. Every logits processor
+    (structured outputs through a bitmask row per position, penalties, bad words and min_tokens
+    over the tokens so far and the drafts before the position, logit bias, allowed token ids)
+    applies at each verified position, and the rejection sampler applies temperature, min_p,
+    top-k and top-p; it does not report log-probs, so requests that ask for them decode one
+    token per step, in the same batches."""
+    return p.logprobs is None and p.prompt_logprobs is None

@@ -17,7 +17,10 @@ models with a sliding window or a backend without it); such a step runs eagerly.
 Speculative decoding (``config.speculative``, n-gram): a request's draft tokens, named by the
 scheduler's ``scheduled_spec_decode_tokens``, are the last of its scheduled tokens; they are
 written into the batch's token matrix past its tokens, and the logits of its k draft positions and
-of the position after them (the bonus) go to the rejection sampler, which emits 1 .. k + 1 tokens.
+of the position after them (the bonus) go to the rejection sampler, which emits 1 .. k + 1 tokens;
+first, every verified position goes through the logits processors as decoding it would (penalties
+over the tokens so far and the drafts before it, bad words, min_tokens, logit bias, allowed ids,
+and its own row of the grammar bitmask: the scheduler sends k + 1 rows for such a request).
 Requests without drafts in the step sample with the plain Sampler (all its processors, log-probs,
 grammar bitmasks). Emitted tokens are appended; the computed-token count goes back by the drafts
 rejected (the scheduler does the same and sends it with the next step). Then the n-gram proposer
@@ -48,7 +51,8 @@ from models.layers import bind_kv_cache_groups, first_attention
 from actors.spec_decode.draft_model import DraftModelProposer
 from actors.spec_decode.ngram import NgramProposer
 from models.rejection_sampler import RejectionSampler, SpecDecodeMetadata
-from models.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
+from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, apply_logits_processors,
+                            compute_prompt_logprobs)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -238,9 +242,15 @@ class ModelRunner:
         slots = inp.slots[rows]
         idx = ranges(last[spec] - k[spec], rows_per[spec])                 # their draft and bonus rows
         drafts = [so.scheduled_spec_decode_tokens[req_ids[r]] for r in rows.tolist()]
+        meta = self.sampling_metadata(slots)
+        target = logits[torch.from_numpy(idx).to(self.device)]
+        grammar = so.grammar_bitmask is not None and any(req_ids[r] in so.grammar_req_ids for r in rows.tolist())
+        if grammar or not meta.no_logits_processors:       # per position, as decoding them one by one would
+            target = target.to(torch.float32, copy=True)
+            apply_logits_processors(target, self._position_metadata(so, [req_ids[r] for r in rows.tolist()],
+                                                                    slots, drafts))
         emitted = RejectionSampler.parse_output(self.rejection_sampler(
-            logits[torch.from_numpy(idx).to(self.device)], None,
-            SpecDecodeMetadata.from_lists(drafts, self.device), self.sampling_metadata(slots)))
+            target, None, SpecDecodeMetadata.from_lists(drafts, self.device), meta))
         b.append_token_lists(slots, emitted)
         b.num_computed_tokens[slots] -= k[spec] + 1 - np.fromiter(map(len, emitted), dtype=np.int64,
                                                                   count=len(emitted))
@@ -311,14 +321,51 @@ class ModelRunner:
         self._meta_cache = (key, meta, states) if reusable else None   # states held: ids stay theirs
         return meta
 
+    @staticmethod
+    def _grammar_rows(so: SchedulerOutput) -> dict[str, int]:
+        """Each constrained request's first row in the scheduler's bitmask (one row per request,
+        one per verified position for a request with drafts)."""
+        out, row = {}, 0
+        for rid in so.grammar_req_ids:
+            out[rid] = row
+            row += 1 + len(so.scheduled_spec_decode_tokens.get(rid, ()))
+        return out
+
     def _grammar_bitmask(self, so: SchedulerOutput, req_ids: list[str], sample_rows: np.ndarray) -> torch.Tensor:
         """(S, words) int32 for the rows that sample: the scheduler's row for each request with a
         grammar, every token allowed for the others."""
         rows = {req_ids[r]: j for j, r in enumerate(sample_rows.tolist())}
         mask = np.full((len(rows), so.grammar_bitmask.shape[1]), -1, dtype=np.int32)
-        for i, rid in enumerate(so.grammar_req_ids):
-            mask[rows[rid]] = so.grammar_bitmask[i]
+        for rid, first in self._grammar_rows(so).items():
+            if rid in rows:
+                mask[rows[rid]] = so.grammar_bitmask[first]
         return torch.from_numpy(mask).to(self.device)
+
+    def _position_metadata(self, so: SchedulerOutput, rids: list[str], slots: np.ndarray,
+                           drafts: list[list[int]]) -> SamplingMetadata:
+        """The logits processors' metadata for every verified position of requests with drafts:
+        position i of a request sees its tokens so far and its first i drafts (penalties, bad
+        words, min_tokens) and its grammar's row for that position."""
+        b = self.batch
+        counts = [len(d) + 1 for d in drafts]
+        params = [b.states[i].params for i, n in zip(slots.tolist(), counts) for _ in range(n)]
+        meta = SamplingMetadata.from_params(
+            params, [None] * len(params), eos_token_ids=self.arch.eos_token_ids,
+            output_token_ids=lambda: [b.output_token_ids(i) + d[:j] for i, d in zip(slots.tolist(), drafts)
+                                      for j in range(len(d) + 1)],
+            prompt_token_ids=lambda: [b.prompt_token_ids(i) for i, n in zip(slots.tolist(), counts)
+                                      for _ in range(n)],
+            logprobs_mode=self.config.model.logprobs_mode, device=self.device)
+        if so.grammar_bitmask is None:
+            return meta
+        first = self._grammar_rows(so)
+        mask = np.full((len(params), so.grammar_bitmask.shape[1]), -1, dtype=np.int32)
+        row = 0
+        for rid, n in zip(rids, counts):
+            if rid in first:
+                mask[row:row + n] = so.grammar_bitmask[first[rid]:first[rid] + n]
+            row += n
+        return dataclasses.replace(meta, grammar_bitmask=torch.from_numpy(mask).to(self.device))
 
     def _sample_logprobs(self, req_ids: list[str], rows: np.ndarray, slots: np.ndarray,
                          lp: LogprobsTensors, out: ModelRunnerOutput) -> None:

@@ -6,9 +6,12 @@ small enough to preempt, and drafts are accepted; the self-draft's KV cache come
 target's in prefix cache hits."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from actors.api import LLM, SamplingParams
+from actors.engine.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
@@ -18,15 +21,19 @@ METHODS = {"ngram": NGRAM, "self_draft": SELF_DRAFT}
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
         "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n")
 COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+CAT = '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}'
 PROMPTS = [CODE, COUNT, "red green blue red green blue red green blue", "The capital of France is", CODE,
-           "Dear diary, today"]
+           "Dear diary, today", "Describe a cat as JSON with its name and age: ", COUNT]
 PARAMS = [
     SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
     SamplingParams(temperature=0, max_tokens=40, stop=[" 15,"]),         # a stop string mid-draft
     SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),      # max_tokens mid-draft
     SamplingParams(temperature=0, max_tokens=32),
-    SamplingParams(temperature=0, max_tokens=21, ignore_eos=True, repetition_penalty=1.2),   # no drafts
+    SamplingParams(temperature=0, max_tokens=21, ignore_eos=True, repetition_penalty=1.2),   # penalty per position
     SamplingParams(temperature=0, max_tokens=13, ignore_eos=True, logprobs=2),                # no drafts
+    SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=CAT)),
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=0.5,       # grammar and penalty
+                   structured_outputs=StructuredOutputsParams(regex=r"( \d+,){12}")),
 ]
 SMALL_CACHE = dict(num_gpu_blocks_override=8, max_num_batched_tokens=64)
 
@@ -53,6 +60,19 @@ def test_speculation_gives_every_greedy_request_the_tokens_of_plain_decoding(pla
     assert results == plain
     assert len(results[0][0]) == 48 and len(results[2][0]) == 23
     assert results[1][2] == "stop" and results[1][1].endswith(" 14,")
+
+
+def test_constrained_and_penalized_requests_take_drafts_and_keep_their_tokens(plain, spec):
+    """Structured outputs (a bitmask row per verified position, drafts cut to what the grammar
+    allows) and penalties (over the tokens so far and the drafts before each position)."""
+    method, _ = spec
+    picked = [4, 6, 7]
+    with LLM(multiprocess=False, speculative_config=METHODS[method]) as llm:
+        results = llm.generate([PROMPTS[i] for i in picked], [PARAMS[i] for i in picked], use_tqdm=False)
+        stats = llm.client.stats.last
+    assert [(r.token_ids, r.text, r.finish_reason) for r in results] == [plain[i] for i in picked]
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    assert json.loads(results[1].text).keys() == {"name", "age"}
 
 
 def test_drafts_are_accepted_and_counted(spec):

@@ -169,3 +169,27 @@ def test_preemption_keeps_the_matcher_and_an_abort_frees_it(setup):
     assert "gone" in structured and s.requests["gone"].status.name == "RUNNING"
     s.abort_requests(["gone"])
     assert "gone" not in structured and not s.has_work()
+
+
+def test_drafts_are_cut_to_what_the_grammar_allows_and_get_a_bitmask_row_per_position(setup):
+    """Speculative decoding: the drafts a grammar refuses are dropped when proposed, and verifying
+    k drafts takes k + 1 bitmask rows, each the one decoding the drafts one by one would get;
+    the matcher is left where its accepted tokens put it."""
+    cache, arch, tokenizer = setup
+    structured = StructuredOutputs(cache, arch.vocab_size)
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    cache.compile(grammar_key(spec))
+    assert structured.start("r", spec)
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert len(yes) == 1
+    drafts = yes + [arch.eos_token_ids[0], 7]
+    assert structured.allowed_drafts("r", drafts) == 2            # "yes", then the end: nothing after it
+    assert structured.allowed_drafts("r", [7] + yes) == 0
+    rows = structured.fill_bitmask(["r"], {"r": drafts[:2]})
+    assert rows.shape == (3, structured.words)
+    one_by_one = [structured.fill_bitmask(["r"])[0]]
+    assert not structured.accept("r", yes[0])
+    one_by_one.append(structured.fill_bitmask(["r"])[0])
+    assert np.array_equal(rows[:2], np.stack(one_by_one)) and not np.array_equal(rows[0], rows[1])
+    assert (rows[2] == -1).all()              # after the end: never used, left open
+    assert structured.accept("r", drafts[1])  # the matcher was where "yes" put it: the end is next
