@@ -33,6 +33,16 @@ Random numbers: a seeded request draws from its own generator, first its race ro
 the plain sampler draws for one token), then its k_i acceptance uniforms. A request with no
 drafts therefore draws its token exactly as the plain sampler would.
 
+Point-mass drafts (``draft_probs`` None: n-gram lookup, a draft model's greedy drafts) take the
+coupled form instead: every position j draws its own race row e_j, the token the target samples
+there is x*_j = argmax(p_j / e_j), a draft is accepted iff it equals x*_j, and the token emitted
+where the walk stops is x*_j. Accepting with probability p_j(x_j) and otherwise drawing from p_j
+without x_j is exactly the standard rule for q = a point mass, so the output distribution is the
+same; and since a seeded request's race rows come from its own generator one per position, in
+order, as the plain sampler draws them, and ``rewind_generators`` then puts the generator back
+after the rows of the tokens emitted, a seeded request samples exactly the tokens it samples
+without speculation, whatever drafts it got, and resumes after a preemption where it was.
+
 On CUDA the acceptance walk and the draw run as one Triton kernel
 (kernels/triton/rejection_sample.py), fed the same probabilities and random numbers.
 """
@@ -47,7 +57,7 @@ import torch
 from kernels.cpu.native import argmax_rows
 from kernels.triton import fused as triton_fused
 from models.sampler import (_SAMPLING_EPS, SamplingMetadata, apply_min_p, apply_top_k_only,
-                            apply_top_k_top_p, exponential_noise)
+                            apply_top_k_top_p, draw_row_noise, exponential_noise)
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -79,7 +89,13 @@ class SpecDecodeMetadata:
 
 
 class RejectionSampler:
-    """Stateless; the batch is in SpecDecodeMetadata and SamplingMetadata (one row per request)."""
+    """The batch is in SpecDecodeMetadata and SamplingMetadata (one row per request); the only
+    state kept is ``generator_states`` of the last call (point-mass drafts): for each seeded
+    request, its generator's state before each of its race rows and after the last, which
+    ``rewind_generators`` uses once the emitted tokens are known."""
+
+    def __init__(self) -> None:
+        self.generator_states: dict[int, list[torch.Tensor]] = {}
 
     def __call__(self, target_logits: torch.Tensor, draft_probs: torch.Tensor | None,
                  spec: SpecDecodeMetadata, meta: SamplingMetadata) -> torch.Tensor:
@@ -94,8 +110,16 @@ class RejectionSampler:
         logits = target_logits.to(torch.float32, copy=True)                  # (T, V) owned
         target_argmax = argmax_rows(logits)                                    # (T,)
         is_greedy = meta.temperature < _SAMPLING_EPS                          # (B,)
+        self.generator_states = {}
         if meta.all_greedy:
             probs, uniforms, noise = logits, logits.new_empty(N), logits.new_empty(B, logits.shape[1])
+        elif draft_probs is None:      # the coupled race: each position's sample, then the greedy walk
+            probs = target_probs(logits, spec, meta)                           # (T, V)
+            race, self.generator_states = draw_position_noise(spec, meta, logits.shape[1], logits.device)
+            greedy_row = torch.repeat_interleave(is_greedy, spec.num_rows, output_size=logits.shape[0])
+            target_argmax = torch.where(greedy_row, target_argmax, argmax_rows(probs / race))
+            is_greedy = torch.ones_like(is_greedy)
+            uniforms, noise = logits.new_empty(N), logits.new_ones(B, logits.shape[1])
         else:
             probs = target_probs(logits, spec, meta)                           # (T, V)
             noise, uniforms = draw_random(spec, meta, logits.shape[1], logits.device)
@@ -143,6 +167,33 @@ def draw_random(spec: SpecDecodeMetadata, meta: SamplingMetadata, V: int,
             if cu[i + 1] > cu[i]:
                 uniforms[cu[i]:cu[i + 1]].uniform_(generator=gen)
     return noise, uniforms
+
+
+def draw_position_noise(spec: SpecDecodeMetadata, meta: SamplingMetadata, V: int, device: torch.device
+                        ) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
+    """-> the race noise (N + B, V) float32 Exp(1), one row per verified position, and for each
+    seeded request the states of its generator around its rows (k_i + 2 of them): its rows come
+    from its own generator, in order, one per position, as the plain sampler draws a token's."""
+    T = spec.draft_token_ids.shape[0] + len(spec.num_draft_tokens)
+    u = torch.empty(T, V, dtype=torch.float32, device=device)
+    if len(meta.generators) < len(spec.num_draft_tokens):
+        u.uniform_()
+    cu = [0, *accumulate(k + 1 for k in spec.num_draft_tokens)]
+    states: dict[int, list[torch.Tensor]] = {}
+    for i, gen in meta.generators.items():
+        states[i] = [gen.get_state()]
+        for row in range(cu[i], cu[i + 1]):
+            draw_row_noise(u[row], gen)
+            states[i].append(gen.get_state())
+    return u.log_().neg_(), states
+
+
+def rewind_generators(states: dict[int, list[torch.Tensor]], generators: dict[int, torch.Generator],
+                      emitted: list[list[int]]) -> None:
+    """Each seeded request's generator back to just after the race rows of the tokens it emitted
+    (the rows of rejected positions are drawn again when those positions are)."""
+    for i, st in states.items():
+        generators[i].set_state(st[len(emitted[i])])
 
 
 def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,9 @@ tokens do not depend on whether it was preempted.
 
 Speculative decoding: a step's draft tokens are written into the token matrix just past a
 request's tokens (the model reads its inputs from there) without being counted in ``num_tokens``;
-the tokens the rejection sampler emits then overwrite them. A seeded request with drafts draws
-more per step (the acceptance uniforms after its row): its tokens are reproducible within a run,
-but one preempted with drafts in its past resumes its generator as if it had drawn one row per
-token, so it may not replay the same tokens.
+the tokens the rejection sampler emits then overwrite them. A seeded request with drafts draws one
+race row per verified position and its generator is put back after the rows of the tokens it
+emitted (``models.rejection_sampler.rewind_generators``), so it still stands at one row per token.
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ from kernels.attention.fp8 import FP8_NAMES
 from models.layers import bind_kv_cache_groups, first_attention
 from actors.spec_decode.draft_model import DraftModelProposer
 from actors.spec_decode.ngram import NgramProposer
-from models.rejection_sampler import RejectionSampler, SpecDecodeMetadata
+from models.rejection_sampler import RejectionSampler, SpecDecodeMetadata, rewind_generators
 from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, apply_logits_processors,
                             compute_prompt_logprobs)
 
@@ -251,6 +251,7 @@ class ModelRunner:
                                                                     slots, drafts))
         emitted = RejectionSampler.parse_output(self.rejection_sampler(
             target, None, SpecDecodeMetadata.from_lists(drafts, self.device), meta))
+        rewind_generators(self.rejection_sampler.generator_states, meta.generators, emitted)
         b.append_token_lists(slots, emitted)
         b.num_computed_tokens[slots] -= k[spec] + 1 - np.fromiter(map(len, emitted), dtype=np.int64,
                                                                   count=len(emitted))

@@ -1,8 +1,9 @@
 """Speculative decoding on the real default model, in one process, with n-gram drafts and with
-self_draft (the model's own weights in gguf-i8 draft for the exact model): greedy requests get
-the tokens they get without speculation (a repetitive code prompt, a stop string, max_tokens that
-end a request mid-draft, requests that take no drafts in the same batch), also with a KV cache
-small enough to preempt, and drafts are accepted; the self-draft's KV cache comes along with the
+self_draft (the model's own weights in gguf-i8 draft for the exact model): greedy requests, and a
+seeded sampled one, get the tokens they get without speculation (a repetitive code prompt, a stop
+string, max_tokens that end a request mid-draft, penalties and structured outputs applied per
+draft position, a request that takes no drafts in the same batch), also with a KV cache small
+enough to preempt, and drafts are accepted; the self-draft's KV cache comes along with the
 target's in prefix cache hits."""
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\
 COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 CAT = '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}'
 PROMPTS = [CODE, COUNT, "red green blue red green blue red green blue", "The capital of France is", CODE,
-           "Dear diary, today", "Describe a cat as JSON with its name and age: ", COUNT]
+           "Dear diary, today", "Describe a cat as JSON with its name and age: ", COUNT, CODE]
 PARAMS = [
     SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
     SamplingParams(temperature=0, max_tokens=40, stop=[" 15,"]),         # a stop string mid-draft
@@ -34,6 +35,7 @@ PARAMS = [
     SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=CAT)),
     SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=0.5,       # grammar and penalty
                    structured_outputs=StructuredOutputsParams(regex=r"( \d+,){12}")),
+    SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=40, ignore_eos=True),   # seeded: the same draws
 ]
 SMALL_CACHE = dict(num_gpu_blocks_override=8, max_num_batched_tokens=64)
 

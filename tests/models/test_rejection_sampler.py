@@ -218,3 +218,42 @@ def test_the_distribution_check_fails_a_sampler_that_accepts_every_draft(monkeyp
     monkeypatch.setattr(rs, "draw_random", lambda *a: (draw(*a)[0], torch.zeros(a[0].draft_token_ids.shape[0])))
     p_first, p_second = _p_values(2, ngram=False)
     assert p_first < 1e-6 and p_second < 1e-6, (p_first, p_second)
+
+
+def test_the_distribution_check_fails_a_coupled_sampler_that_reuses_one_race_row(monkeypatch):
+    """Point-mass drafts take the coupled race, one race row per position: with one row for all
+    of a request's positions, its tokens are correlated and the check sees it."""
+    draw = rs.draw_position_noise
+
+    def one_row(spec, meta, V, device):
+        noise, states = draw(spec, meta, V, device)
+        first = torch.repeat_interleave(spec.cu_num_draft_tokens - torch.tensor(spec.num_draft_tokens)
+                                        + torch.arange(len(spec.num_draft_tokens)), spec.num_rows)
+        return noise[first], states
+    monkeypatch.setattr(rs, "draw_position_noise", one_row)
+    p_first, p_second = _p_values(2, ngram=True)
+    assert p_second < 1e-6, (p_first, p_second)
+
+
+def test_a_seeded_request_with_point_mass_drafts_samples_the_plain_samplers_tokens():
+    """Position by position, a seeded request's token is the plain sampler's draw from the same
+    generator, whatever its drafts (right, wrong): after the step its generator stands where the
+    plain sampler's stands after as many tokens, so the next step goes on from there."""
+    g = torch.Generator().manual_seed(6)
+    rows = torch.randn(4, V, generator=g) * 2                   # the target's logits at positions 0..3
+    kw = dict(top_k=[TOP_K], top_p=[TOP_P])
+    plain_gen = torch.Generator().manual_seed(99)
+    plain = [int(Sampler()(rows[j:j + 1], SamplingMetadata.from_lists([0.9], generators=[plain_gen], **kw))
+                 .sampled_token_ids[0]) for j in range(4)]
+    banned = int(rows[2].argsort()[0])                           # outside top-k: never the sample
+    for drafts, emitted in (([plain[0], plain[1], banned], plain[:3]), ([plain[0], plain[1], plain[2]], plain)):
+        gen = torch.Generator().manual_seed(99)
+        meta = SamplingMetadata.from_lists([0.9], generators=[gen], **kw)
+        sampler = RejectionSampler()
+        out = RejectionSampler.parse_output(sampler(rows, None, SpecDecodeMetadata.from_lists([drafts]), meta))
+        assert out == [emitted]
+        rs.rewind_generators(sampler.generator_states, meta.generators, out)
+        after = torch.Generator().manual_seed(99)
+        for _ in range(len(emitted)):
+            rs.draw_row_noise(torch.empty(V), after)
+        assert torch.equal(gen.get_state(), after.get_state())
