@@ -1,6 +1,7 @@
 """The offline API: ``AsyncLLM`` (an async iterator per request) and ``LLM`` (synchronous, with a
 progress bar). By default every actor runs in one event loop in this process; pass
-``multiprocess=True`` for the same process layout as the server. Engine options are
+``multiprocess=True`` for the same process layout as the server (the default with
+``data_parallel_size`` > 1: each engine core needs a process of its own). Engine options are
 ``EngineArgs``'s fields (``actors/engine/args.py``), as keywords."""
 from __future__ import annotations
 
@@ -57,8 +58,10 @@ class AsyncLLM:
         self.client = frontend.client
 
     @classmethod
-    async def create(cls, model: str | None = None, *, multiprocess: bool = False,
+    async def create(cls, model: str | None = None, *, multiprocess: bool | None = None,
                      **engine_options: Any) -> AsyncLLM:
+        if multiprocess is None:
+            multiprocess = engine_options.get("data_parallel_size", 1) > 1
         return await cls.from_engine_args(
             EngineArgs.from_options(model, {**engine_options, "multiprocess": multiprocess}))
 
@@ -185,7 +188,7 @@ async def _collect(stream: AsyncIterator[RequestOutput], prompt: Any) -> Generat
 class LLM:
     """Synchronous front of AsyncLLM: its event loop runs in a background thread."""
 
-    def __init__(self, model: str | None = None, *, multiprocess: bool = False,
+    def __init__(self, model: str | None = None, *, multiprocess: bool | None = None,
                  **engine_options: Any) -> None:
         import uvloop
         self._loop = uvloop.new_event_loop()

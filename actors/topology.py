@@ -4,6 +4,10 @@ place they are spelled.
     frontend node            engine node                 worker node (one per rank)
       HTTP, TOKENIZER,         SCHEDULER, KV_MANAGER,      WORKER
       DETOKENIZER, TELEMETRY   GRAMMAR, EXECUTOR
+      DP_ROUTER
+
+With data parallelism (--data-parallel-size N) there are N engine nodes ("engine", "engine1",
+...), each with its own worker nodes, and the frontend's DP_ROUTER sends each request to one.
 
 Offline (``LLM()``, ``AsyncLLM.create()``) every actor runs on the frontend node, in one event
 loop; the names do not change.
@@ -22,8 +26,14 @@ KV_MANAGER = "kv_manager"
 GRAMMAR = "grammar"
 EXECUTOR = "executor"
 WORKER = "worker"
+DP_ROUTER = "dp_router"
 
 
-def worker_node(rank: int) -> str:
-    """The node (process) of worker rank ``rank``."""
-    return f"worker{rank}"
+def engine_node(dp_rank: int = 0) -> str:
+    """The node (process) of engine core ``dp_rank`` (data parallelism)."""
+    return ENGINE_NODE if dp_rank == 0 else f"{ENGINE_NODE}{dp_rank}"
+
+
+def worker_node(rank: int, dp_rank: int = 0) -> str:
+    """The node (process) of worker rank ``rank`` of engine core ``dp_rank``."""
+    return f"worker{rank}" if dp_rank == 0 else f"dp{dp_rank}-worker{rank}"

@@ -143,8 +143,11 @@ async def serve(args: argparse.Namespace) -> int:
             loading.cancel()
             return fe.node.closed.result()
         server.attach(loading.result())
-        log.info("serving %s as %s on http://%s:%d (engine pid %d)", config.model.source.served_name,
-                 ", ".join(fe.client.model_names), addr.host, addr.port, fe.engine_process.pid)
+        pids = fe.engine_processes
+        engines = (f"engine pid {pids[0].pid}" if len(pids) == 1 else
+                   "engine pids " + ", ".join(f"{r}: {p.pid}" for r, p in sorted(pids.items())))
+        log.info("serving %s as %s on http://%s:%d (%s)", config.model.source.served_name,
+                 ", ".join(fe.client.model_names), addr.host, addr.port, engines)
         print(f"Troupe ready on http://{addr.host}:{addr.port}", flush=True)
         draining = asyncio.ensure_future(drain(stop_asked, fe, args.shutdown_timeout))
         code = await fe.node.closed

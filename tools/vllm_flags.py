@@ -31,7 +31,7 @@ _STRUCT = "Troupe's structured outputs always use xgrammar"
 REFUSED: dict[str, str] = {
     # parallelism and distribution
     "--tensor-parallel-size": _PARALLEL, "--pipeline-parallel-size": _PARALLEL,
-    "--data-parallel-size": _PARALLEL, "--decode-context-parallel-size": _PARALLEL,
+    "--decode-context-parallel-size": _PARALLEL,
     "--data-parallel-rank": _PARALLEL, "--data-parallel-start-rank": _PARALLEL,
     "--data-parallel-size-local": _PARALLEL, "--data-parallel-address": _PARALLEL,
     "--data-parallel-rpc-port": _PARALLEL, "--data-parallel-backend": _PARALLEL,
@@ -127,7 +127,7 @@ REFUSED: dict[str, str] = {
 
 # vLLM's short forms
 ALIASES: dict[str, str] = {
-    "-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size", "-dp": "--data-parallel-size",
+    "-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
     "-dcp": "--decode-context-parallel-size", "-dpn": "--data-parallel-rank",
     "-dpr": "--data-parallel-start-rank", "-dpl": "--data-parallel-size-local",
     "-dpa": "--data-parallel-address", "-dpp": "--data-parallel-rpc-port", "-dpb": "--data-parallel-backend",

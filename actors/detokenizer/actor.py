@@ -41,9 +41,10 @@ class EndGroup(Msg):
 
 class EngineLost(Msg):
     """The engine died: every request in flight ends now with ``reason`` (no output of theirs
-    will come)."""
+    will come); with ``request_ids`` (one engine core of several died), those only."""
     lane: ClassVar[str] = "system"
     reason: str
+    request_ids: list[str] | None = None
 
 
 DetokenizerProtocol = TrackRequest | EngineCoreOutputs | Untrack | EndGroup | EngineLost
@@ -97,10 +98,10 @@ class DetokenizerActor(Actor):
 
     async def receive(self, msg: DetokenizerProtocol) -> Any:
         match msg:
-            case EngineCoreOutputs(outputs=outputs, stats=stats):
+            case EngineCoreOutputs(outputs=outputs, stats=stats, engine_index=engine):
                 self.ctx.link([o.request_id for o in outputs])
                 if stats is not None:
-                    self.stats.observe_step(stats)
+                    self.stats.observe_step(stats, engine)
                 now = time.time()
                 aborts = [o.request_id for o in outputs if self._process(o, now)]
                 if aborts:
@@ -125,13 +126,19 @@ class DetokenizerActor(Actor):
                 if group is not None:
                     group.expected = admitted
                     self._group_done(parent, group)
-            case EngineLost(reason=reason):
+            case EngineLost(reason=reason, request_ids=None):
                 for _ in self.states:
                     self.stats.observe_finished("error")
                 self.states.clear()
                 self.groups.clear()
                 self.waiting.release_all()
                 self.streams.fail_all(reason)      # those still being admitted too
+            case EngineLost(reason=reason, request_ids=ids):
+                for rid in ids:
+                    if self.states.pop(rid, None) is not None:
+                        self.stats.observe_finished("error")
+                    self.waiting.release(rid)
+                    self.streams.fail(rid, reason)
 
     def _process(self, o: EngineCoreOutput, now: float) -> bool:
         """Deliver one request's output; True if a stop string ended it (abort in the engine)."""

@@ -55,6 +55,7 @@ class EngineArgs:
     max_waiting_tokens: int = 0
     num_threads: int = 0
     multiprocess: bool = True
+    data_parallel_size: int = 1
     max_restarts: int = 3
     restart_window_s: float = 120.0
     trace: bool = True
@@ -104,7 +105,8 @@ class EngineArgs:
                                       max_waiting_requests=self.max_waiting_requests,
                                       max_waiting_tokens=self.max_waiting_tokens,
                                       disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
-            parallel=ParallelConfig(multiprocess=self.multiprocess, max_restarts=self.max_restarts,
+            parallel=ParallelConfig(multiprocess=self.multiprocess, data_parallel_size=self.data_parallel_size,
+                                    max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
             observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir),
@@ -328,6 +330,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             action=argparse.BooleanOptionalAction, default=d["async_scheduling"],
             help="plan the next engine step while the worker computes this one (default: on when the "
                  "worker runs in a process of its own; the same tokens either way)")),
+        (("--data-parallel-size", "-dp"), "data_parallel_size", dict(
+            type=int, default=d["data_parallel_size"], metavar="N",
+            help="engine cores, each with its own scheduler, KV cache and worker process, behind one "
+                 "frontend that sends each request to the least loaded one (waiting plus running), "
+                 "preferring the one that served the same prompt prefix")),
         (("--speculative-config",), "speculative_config", dict(
             default=d["speculative_config"], metavar="JSON",
             help='speculative decoding, as vLLM takes it: a JSON object such as {"method": "ngram", '

@@ -96,6 +96,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     multiprocess: bool = True              # engine core and worker in processes of their own
+    # --data-parallel-size: engine cores (each its scheduler, KV cache and worker) behind one
+    # frontend; data_parallel_rank: which one this config is of (set by the frontend per engine)
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     max_restarts: int = 3                  # a worker or engine process dying more often than this ...
     restart_window_s: float = 120.0        # ... within this window stops the server
 
@@ -297,6 +301,13 @@ def check_config(cfg: EngineConfig) -> None:
             raise ValueError("async scheduling and speculative decoding cannot be combined (a step's draft "
                              "tokens come from the previous step's output); leave async_scheduling unset "
                              "or turn it off")
+    dp = cfg.parallel
+    if dp.data_parallel_size < 1 or not 0 <= dp.data_parallel_rank < dp.data_parallel_size:
+        raise ValueError(f"data_parallel_size must be at least 1 and data_parallel_rank in [0, size), got "
+                         f"{dp.data_parallel_size} and {dp.data_parallel_rank}")
+    if dp.data_parallel_size > 1 and not dp.multiprocess:
+        raise ValueError("data parallelism runs each engine core in a process of its own: it needs the "
+                         "multiprocess layout (a server, or LLM(multiprocess=True))")
     if cfg.model.max_model_len < 0:
         raise ValueError(f"max_model_len must be at least 0 (0: the model's own), got {cfg.model.max_model_len}")
 

@@ -25,7 +25,6 @@ from transport.zmq_channel import endpoint
 
 log = logging.getLogger("troupe.engine")
 
-WORKER_NODE = topology.worker_node(0)
 INIT_KV_TIMEOUT_S = 120.0
 
 
@@ -37,6 +36,8 @@ class EngineCore:
         self.node = node
         self.config = config
         self.ipc_dir = ipc_dir
+        self.dp_rank = config.parallel.data_parallel_rank
+        self.worker_node = topology.worker_node(0, self.dp_rank)
         self.generation = 0
         self.worker: ChildProcess | None = None
         self._restarts = RestartBudget(config.parallel.max_restarts, config.parallel.restart_window_s)
@@ -62,7 +63,7 @@ class EngineCore:
         self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor(worker))
         outputs = self.node.ref(topology.DETOKENIZER, topology.FRONTEND_NODE, EngineCoreOutputs)
         self.scheduler = self.node.spawn(topology.SCHEDULER, lambda: SchedulerActor(
-            Scheduler(cfg, kv, structured), self.executor, outputs, self.grammar))
+            Scheduler(cfg, kv, structured), self.executor, outputs, self.grammar, engine_index=self.dp_rank))
         return cfg
 
     async def _start_worker(self) -> tuple[ActorRef, EngineConfig]:
@@ -70,14 +71,14 @@ class EngineCore:
         if not self.config.parallel.multiprocess:
             ref = await self.node.start(topology.WORKER, WorkerActor)
             return ref, await ref.ask(LoadModel(self.config), timeout=LOAD_TIMEOUT_S)
-        spec = NodeSpec(WORKER_NODE, "actors.worker.actor:worker_entry",
+        spec = NodeSpec(self.worker_node, "actors.worker.actor:worker_entry",
                         msgspec.msgpack.encode(self.config), self.ipc_dir, self.node.name,
                         {self.node.name: endpoint(self.ipc_dir, self.node.name)},
                         trace=self.config.observability.trace,
                         flight_dir=self.config.observability.flight_recorder_dir)
         self.worker, ready = await start_child(self.node, spec, ready_timeout=LOAD_TIMEOUT_S,
                                                on_exit=self._worker_exited)
-        return self.node.ref(topology.WORKER, WORKER_NODE), decode_info(ready, EngineConfig)
+        return self.node.ref(topology.WORKER, self.worker_node), decode_info(ready, EngineConfig)
 
     # -- worker supervision ------------------------------------------------------------------
     def _worker_exited(self, child: ChildProcess) -> None:
@@ -101,7 +102,7 @@ class EngineCore:
             return
         self.generation += 1
         log.info("worker restarted (generation %d)", self.generation)
-        self.executor.tell(WorkersUp(self.generation, WORKER_NODE, topology.WORKER))
+        self.executor.tell(WorkersUp(self.generation, self.worker_node, topology.WORKER))
         self.scheduler.tell(WorkersReady(self.generation))
 
     async def stop(self) -> None:

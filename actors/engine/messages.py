@@ -78,6 +78,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
 class EngineCoreOutputs(Msg):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
+    engine_index: int = 0                # which engine core (data parallelism) sent them
 
 
 # -- engine core <-> worker ------------------------------------------------------------------

@@ -40,11 +40,12 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    """``config``: the engine's resolved config. ``engine``: the scheduler, where requests and
-    aborts go; ``kv_manager``: the KV manager."""
+    """``config``: the engine's resolved config. ``engine``: the scheduler (or, with data
+    parallelism, the router before the engine cores' schedulers), where requests and aborts go;
+    ``kv_managers``: each engine core's KV manager."""
 
     def __init__(self, config: EngineConfig, tokenizer: TextTokenizer, tokenizer_actor: ActorRef,
-                 detokenizer: ActorRef, engine: ActorRef, kv_manager: ActorRef, grammar: ActorRef,
+                 detokenizer: ActorRef, engine: ActorRef, kv_managers: list[ActorRef], grammar: ActorRef,
                  streams: OutputStreams, stats: EngineStats, waiting: WaitingRequests,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.config = config
@@ -53,7 +54,7 @@ class EngineClient:
         self.tokenizer_actor = tokenizer_actor
         self.detokenizer = detokenizer
         self.engine = engine
-        self.kv_manager = kv_manager
+        self.kv_managers = kv_managers          # each engine core's (data parallelism: several)
         self.grammar = grammar
         self.streams = streams
         self.stats = stats
@@ -165,7 +166,8 @@ class EngineClient:
         return compiled.seconds
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.kv_manager.ask(ResetPrefixCache(), timeout=30)
+        done = await asyncio.gather(*(kv.ask(ResetPrefixCache(), timeout=30) for kv in self.kv_managers))
+        return all(done)
 
     def abort(self, request_ids: list[str]) -> None:
         if self.dead is None:

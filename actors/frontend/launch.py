@@ -2,7 +2,12 @@
 process (with the worker in a third) or in this event loop (offline use and tests), as the
 config's ``parallel.multiprocess`` says. An engine process that dies fails what was in flight at
 once and is restarted (within the config's restart budget); meanwhile requests get 503 with
-``Retry-After``."""
+``Retry-After``.
+
+With data parallelism (``parallel.data_parallel_size`` N > 1) N engine processes start, each with
+its own worker, and the frontend's DataParallelRouter (dp_router.py) stands where the scheduler
+would: it sends each request to one engine. One engine that dies fails its own requests only and
+is restarted while the others serve; requests get 503 only while none is up."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +24,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.core import EngineCore
 from actors.frontend.admission import WaitingRequests
 from actors.frontend.client import EngineClient
+from actors.frontend.dp_router import DataParallelRouter, EngineDown, EngineUp
 from actors.frontend.stats import EngineStats, cache_config_info
 from actors.frontend.telemetry import Telemetry, TelemetryActor, TelemetryWindow
 from actors.grammar.actor import GrammarCompilerProtocol
@@ -47,34 +53,54 @@ class Frontend:
         self.node = node
         self.ipc_dir = ipc_dir
         self.client: EngineClient | None = None
-        self.engine_process: ChildProcess | None = None
+        self.engine_processes: dict[int, ChildProcess] = {}    # data-parallel rank -> its process
         self.engine_core: EngineCore | None = None
+        self.router: ActorRef | None = None       # with data parallelism
         self.stopping = False
         self._restarts: RestartBudget | None = None
+        self._down: set[int] = set()               # engine cores being restarted
         self.telemetry: Telemetry | None = None      # with start(telemetry=True)
 
-    def engine_exited(self, child: ChildProcess) -> None:
-        """The engine process is gone: fail what is in flight at once, then restart it, or stop
-        with a clear message when it keeps dying."""
+    @property
+    def engine_process(self) -> ChildProcess | None:
+        """The (first) engine core's process."""
+        return self.engine_processes.get(0)
+
+    def engine_exited(self, child: ChildProcess, dp_rank: int = 0) -> None:
+        """An engine process is gone: fail what it had in flight at once (with one engine core,
+        everything; with several, its own requests), then restart it, or stop with a clear
+        message when engines keep dying."""
         if self.stopping or self.node.closed.done():
             return
         reason = f"the engine core died ({child.describe_exit()})"
+        if self.router is not None:
+            reason = f"engine core {dp_rank} died ({child.describe_exit()})"
         log.error("%s", reason)
         if self.client is None:                # died while starting: start() reports it
             return
-        self.client.mark_dead(reason, RESTART_RETRY_AFTER_S)
+        self._down.add(dp_rank)
+        self.client.stats.engine_down(dp_rank)
+        if self.router is None:
+            self.client.mark_dead(reason, RESTART_RETRY_AFTER_S)
+        else:
+            self.router.tell(EngineDown(dp_rank, reason))
+            if len(self._down) == self.client.config.parallel.data_parallel_size:
+                self.client.mark_dead(f"every engine core is down ({reason})", RESTART_RETRY_AFTER_S)
         if not self._restarts.spend():
-            self.node.fatal(f"{reason}; it died {self._restarts.describe()}, giving up", code=1)
+            self.node.fatal(f"{reason}; engine cores died {self._restarts.describe()}, giving up", code=1)
             return
-        asyncio.get_running_loop().create_task(self._restart_engine())
+        asyncio.get_running_loop().create_task(self._restart_engine(dp_rank))
 
-    async def _restart_engine(self) -> None:
+    async def _restart_engine(self, dp_rank: int = 0) -> None:
         try:
-            await _start_engine(self, self.client.config, READY_TIMEOUT_S)
+            await _start_engine(self, self.client.config, READY_TIMEOUT_S, dp_rank)
         except Exception as exc:   # whatever went wrong, nothing can be served without an engine
             self.node.fatal(f"could not restart the engine core: {exc}", code=1)
             return
-        log.info("engine core restarted (pid %d)", self.engine_process.pid)
+        log.info("engine core %d restarted (pid %d)", dp_rank, self.engine_processes[dp_rank].pid)
+        self._down.discard(dp_rank)
+        if self.router is not None:
+            self.router.tell(EngineUp(dp_rank))
         self.client.mark_alive()
 
     async def inject_fault(self, fault: InjectFault) -> bool:
@@ -93,8 +119,10 @@ class Frontend:
         tokenizer = TextTokenizer.from_source(source.kind, source.path)
         if config.model.chat_template is not None:
             tokenizer.set_chat_template(config.model.chat_template)
-        self._restarts = RestartBudget(config.parallel.max_restarts, config.parallel.restart_window_s)
-        engine = await _start_engine(self, config, ready_timeout)
+        dp = config.parallel.data_parallel_size
+        self._restarts = RestartBudget(config.parallel.max_restarts * dp, config.parallel.restart_window_s)
+        engines = await asyncio.gather(*(_start_engine(self, config, ready_timeout, r) for r in range(dp)))
+        engine = engines[0]
         config = engine.config                          # resolved by the worker
         streams = OutputStreams()
         cache = config.cache
@@ -107,16 +135,21 @@ class Frontend:
                                       "num_tokens": cache.num_blocks * cache.block_size,
                                       "calculate_kv_scales": cache.calculate_kv_scales})
         waiting = WaitingRequests(config.scheduler.max_waiting_requests, config.scheduler.max_waiting_tokens)
+        scheduler = engine.scheduler            # where requests and aborts go
+        if dp > 1:
+            detok_ref = self.node.ref(topology.DETOKENIZER)
+            self.router = scheduler = self.node.spawn(topology.DP_ROUTER, lambda: DataParallelRouter(
+                [e.scheduler for e in engines], stats, streams, detok_ref, cache.block_size))
         detok = self.node.spawn(topology.DETOKENIZER, lambda: DetokenizerActor(
-            tokenizer, streams, stats, engine.scheduler, waiting))
+            tokenizer, streams, stats, scheduler, waiting))
 
         def count_prompt_tokens(n: int) -> None:
             stats.prompt_tokens += n
 
         tok = self.node.spawn(topology.TOKENIZER, lambda: TokenizerActor(
             tokenizer, config.model.max_model_len, list(config.model.arch.eos_token_ids), detok,
-            engine.scheduler, waiting, count_prompt_tokens))
-        self.client = EngineClient(config, tokenizer, tok, detok, engine.scheduler, engine.kv_manager,
+            scheduler, waiting, count_prompt_tokens))
+        self.client = EngineClient(config, tokenizer, tok, detok, scheduler, [e.kv_manager for e in engines],
                                    engine.grammar, streams, stats, waiting)
         if telemetry and topology.TELEMETRY not in self.node.cells:
             self.telemetry = Telemetry(self.node.spawn(topology.TELEMETRY, lambda: TelemetryActor(
@@ -125,8 +158,7 @@ class Frontend:
 
     async def shutdown(self) -> None:
         self.stopping = True
-        if self.engine_process is not None:
-            await self.engine_process.stop()
+        await asyncio.gather(*(p.stop() for p in self.engine_processes.values()))
         if self.engine_core is not None:
             await self.engine_core.stop()
         await self.node.stop()
@@ -172,22 +204,26 @@ class _Engine(NamedTuple):
     grammar: ActorRef
 
 
-async def _start_engine(fe: Frontend, config: EngineConfig, ready_timeout: float) -> _Engine:
-    """The engine core in its own process (multiprocess) or in this event loop."""
+async def _start_engine(fe: Frontend, config: EngineConfig, ready_timeout: float, dp_rank: int = 0) -> _Engine:
+    """Engine core ``dp_rank`` in its own process (multiprocess) or in this event loop."""
     if fe.ipc_dir is None:
         if config.parallel.multiprocess:
             raise ValueError("a multiprocess config needs a frontend made with create_frontend(True)")
         fe.engine_core = EngineCore(fe.node, config)
         resolved = await fe.engine_core.start()
         return _Engine(resolved, fe.engine_core.scheduler, fe.engine_core.kv_manager, fe.engine_core.grammar)
+    config = config.replace(parallel=msgspec.structs.replace(config.parallel, data_parallel_rank=dp_rank))
+    name = topology.engine_node(dp_rank)
     payload = msgspec.msgpack.encode((fe.ipc_dir, config))
     frontend_address = {topology.FRONTEND_NODE: endpoint(fe.ipc_dir, topology.FRONTEND_NODE)}
-    spec = NodeSpec(topology.ENGINE_NODE, "actors.engine.core:engine_entry", payload, fe.ipc_dir,
+    spec = NodeSpec(name, "actors.engine.core:engine_entry", payload, fe.ipc_dir,
                     topology.FRONTEND_NODE, frontend_address, trace=config.observability.trace,
                     flight_dir=config.observability.flight_recorder_dir)
-    fe.engine_process, ready = await start_child(fe.node, spec, ready_timeout=ready_timeout,
-                                                 on_exit=fe.engine_exited)
-    return _Engine(decode_info(ready, EngineConfig),
-                   fe.node.ref(topology.SCHEDULER, topology.ENGINE_NODE, SchedulerProtocol),
-                   fe.node.ref(topology.KV_MANAGER, topology.ENGINE_NODE, KVManagerProtocol),
-                   fe.node.ref(topology.GRAMMAR, topology.ENGINE_NODE, GrammarCompilerProtocol))
+    fe.engine_processes[dp_rank], ready = await start_child(
+        fe.node, spec, ready_timeout=ready_timeout, on_exit=lambda child: fe.engine_exited(child, dp_rank))
+    resolved = decode_info(ready, EngineConfig)
+    resolved = resolved.replace(parallel=msgspec.structs.replace(resolved.parallel, data_parallel_rank=0))
+    return _Engine(resolved,
+                   fe.node.ref(topology.SCHEDULER, name, SchedulerProtocol),
+                   fe.node.ref(topology.KV_MANAGER, name, KVManagerProtocol),
+                   fe.node.ref(topology.GRAMMAR, name, GrammarCompilerProtocol))

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import msgspec
+
 from actors.engine.messages import SchedulerStats
 
 PREFIXES = ("vllm", "troupe")
@@ -166,6 +168,7 @@ class EngineStats:
     request_max_num_generation_tokens: Histogram = field(init=False)
     request_params_max_tokens: Histogram = field(init=False)
     started_at: float = field(default_factory=time.time)
+    engines: dict[int, SchedulerStats] = field(default_factory=dict)   # each engine core's latest
     kv_cache: dict = field(default_factory=dict)  # dtype, blocks, block size, tokens, scales (the resolved config)
 
     def __post_init__(self) -> None:
@@ -175,8 +178,11 @@ class EngineStats:
         self.request_max_num_generation_tokens = Histogram(buckets)
         self.request_params_max_tokens = Histogram(buckets)
 
-    def observe_step(self, s: SchedulerStats) -> None:
-        self.last = s
+    def observe_step(self, s: SchedulerStats, engine: int = 0) -> None:
+        """A step's stats from engine core ``engine``: ``last`` is its, or with several engine
+        cores (data parallelism) the sum of every engine's latest (the KV cache usage: their mean)."""
+        self.engines[engine] = s
+        self.last = s if len(self.engines) == 1 else combine_stats(list(self.engines.values()))
         if s.num_scheduled_reqs == 0:
             return
         self.steps += 1
@@ -184,6 +190,16 @@ class EngineStats:
         self.max_batch_size = max(self.max_batch_size, s.num_scheduled_reqs)
         self.batch_size.observe(s.num_scheduled_reqs)
         self.step_tokens.observe(s.num_scheduled_tokens)
+
+    def engine_down(self, engine: int = 0) -> None:
+        """Engine core ``engine`` died: it runs and waits for nothing now (its counters stay)."""
+        s = self.engines.get(engine)
+        if s is None:
+            return
+        self.engines[engine] = msgspec.structs.replace(s, num_running=0, num_waiting=0, num_scheduled_reqs=0,
+                                                       num_scheduled_tokens=0, kv_cache_usage=0.0)
+        self.last = (self.engines[engine] if len(self.engines) == 1
+                     else combine_stats(list(self.engines.values())))
 
     def observe_finished(self, reason: str) -> None:
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
@@ -244,6 +260,9 @@ class EngineStats:
             "spec_decode_num_draft_tokens_total": s.spec_num_draft_tokens,
             "spec_decode_num_accepted_tokens_total": s.spec_num_accepted_tokens,
         }
+        if m.name in PER_ENGINE and len(self.engines) > 1:    # data parallelism: one sample per engine core
+            return [f"{name}{{{_engine_label(labels, e)}}} {PER_ENGINE[m.name](es)}"
+                    for e, es in sorted(self.engines.items())]
         if m.name in scalars:
             return [f"{name}{{{labels}}} {scalars[m.name]}"]
         if m.name == "request_success_total":
@@ -293,6 +312,35 @@ class EngineStats:
                 yield f"# HELP {name} {m.help}"
                 yield f"# TYPE {name} {m.kind}"
                 yield from self._samples(m, name, labels)
+
+
+# the gauges and counters sampled per engine core when there are several (label engine="i")
+PER_ENGINE = {
+    "num_requests_running": lambda s: s.num_running, "num_requests_waiting": lambda s: s.num_waiting,
+    "kv_cache_usage_perc": lambda s: f"{s.kv_cache_usage:.6f}", "num_preemptions_total": lambda s: s.num_preemptions,
+    "prefix_cache_queries_total": lambda s: s.prefix_cache_queries,
+    "prefix_cache_hits_total": lambda s: s.prefix_cache_hits,
+}
+
+
+def _engine_label(labels: str, engine: int) -> str:
+    return labels.replace('engine="0"', f'engine="{engine}"')
+
+
+def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """Several engine cores' latest stats as one: counts summed, KV cache usage averaged."""
+    width = max(len(s.spec_num_accepted_tokens_per_pos) for s in stats)
+    per_pos = [sum(s.spec_num_accepted_tokens_per_pos[i] for s in stats if i < len(s.spec_num_accepted_tokens_per_pos))
+               for i in range(width)]
+    total = lambda name: sum(getattr(s, name) for s in stats)   # noqa: E731
+    return SchedulerStats(
+        step=total("step"), num_running=total("num_running"), num_waiting=total("num_waiting"),
+        num_scheduled_reqs=total("num_scheduled_reqs"), num_scheduled_tokens=total("num_scheduled_tokens"),
+        kv_cache_usage=total("kv_cache_usage") / len(stats), num_preemptions=total("num_preemptions"),
+        prefix_cache_queries=total("prefix_cache_queries"), prefix_cache_hits=total("prefix_cache_hits"),
+        busy_seconds=total("busy_seconds"), compute_seconds=total("compute_seconds"),
+        spec_num_drafts=total("spec_num_drafts"), spec_num_draft_tokens=total("spec_num_draft_tokens"),
+        spec_num_accepted_tokens=total("spec_num_accepted_tokens"), spec_num_accepted_tokens_per_pos=per_pos)
 
 
 def parse_prefixes(text: str) -> tuple[str, ...]:

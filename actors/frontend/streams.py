@@ -107,6 +107,11 @@ class OutputStreams:
         return len(self._streams)
 
     def fail_all(self, error: str) -> None:
-        for rid, s in list(self._streams.items()):
-            if not s.finished:
-                s.put(RequestOutput(rid, finished=True, finish_reason="error", error=error))
+        for rid in list(self._streams):
+            self.fail(rid, error)
+
+    def fail(self, request_id: str, error: str) -> None:
+        """End one open request with ``error`` (its engine is gone)."""
+        s = self._streams.get(request_id)
+        if s is not None and not s.finished:
+            s.put(RequestOutput(request_id, finished=True, finish_reason="error", error=error))

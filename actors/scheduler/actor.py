@@ -89,8 +89,9 @@ class SchedulerActor(Actor):
     on_failure = "escalate"      # an exception here means broken scheduling state
 
     def __init__(self, core: Scheduler, executor: ActorRef, outputs: ActorRef,
-                 grammar: ActorRef | None = None, generation: int = 0) -> None:
+                 grammar: ActorRef | None = None, generation: int = 0, engine_index: int = 0) -> None:
         self.core = core
+        self.engine_index = engine_index     # this engine core's data-parallel rank, on its outputs
         self.executor = executor
         self.outputs = outputs
         self.grammar = grammar
@@ -267,4 +268,4 @@ class SchedulerActor(Actor):
         self._last_step_start = now
 
     def _emit(self, outs: list[EngineCoreOutput]) -> None:
-        self.outputs.tell(EngineCoreOutputs(outs, self.core.stats()))
+        self.outputs.tell(EngineCoreOutputs(outs, self.core.stats(), self.engine_index))

@@ -134,3 +134,15 @@ def test_a_draft_models_kv_cache_shares_the_blocks_so_the_same_memory_holds_fewe
         EngineArgs(quantization="gguf-i8", speculative_config=spec).create_engine_config()
     with pytest.raises(ValueError, match="runs on the CPU only"):
         config.resolve(cuda_available=True, cpu_count=2, arch=ARCH, draft_arch=ARCH)
+
+
+def test_data_parallelism_needs_engine_processes_of_their_own():
+    config = EngineArgs(data_parallel_size=2).create_engine_config()
+    assert (config.parallel.data_parallel_size, config.parallel.data_parallel_rank) == (2, 0)
+    with pytest.raises(ValueError, match="process of its own"):
+        EngineArgs(data_parallel_size=2, multiprocess=False).create_engine_config()
+    with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
+        EngineArgs(data_parallel_size=0).create_engine_config()
+    args = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(args)
+    assert EngineArgs.from_cli_args(args.parse_args(["-dp", "3"])).data_parallel_size == 3
