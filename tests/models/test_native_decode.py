@@ -68,8 +68,8 @@ def _steps(model, config, kv_dtype=torch.float32, decode_steps=7):
     return run_steps(model, caches, tables, steps, BLOCK_SIZE)
 
 
-def _compare(model, config, monkeypatch, kv_dtype=torch.float32):
-    assert native_decode.attach(model)
+def _spy_on_the_stack(monkeypatch) -> list[bool]:
+    """Whether the stack took each forward since (True) or left it to the layers (False)."""
     ran = []
     real_run = native_decode.NativeDecodeStack.run
 
@@ -78,6 +78,12 @@ def _compare(model, config, monkeypatch, kv_dtype=torch.float32):
         ran.append(out is not None)
         return out
     monkeypatch.setattr(native_decode.NativeDecodeStack, "run", run)
+    return ran
+
+
+def _compare(model, config, monkeypatch, kv_dtype=torch.float32):
+    assert native_decode.attach(model)
+    ran = _spy_on_the_stack(monkeypatch)
     ours = _steps(model, config, kv_dtype)
     assert ran == [False] + [True] * 7           # the prefill step is left to the layers
     model.native_decode = None
@@ -170,14 +176,7 @@ def test_a_step_of_short_queries_runs_flattened_and_equals_decoding_token_by_tok
     prompts = [torch.randint(0, 96, (n,), generator=g) for n in (native_decode.MAX_FLAT_QUERY + 3, 7, 9)]
     queries = [torch.randint(0, 96, (n,), generator=g) for n in (5, 1, 3)]
     tables = [list(range(1, 12)), list(range(12, 20)), list(range(20, 30))]
-    ran = []
-    real_run = native_decode.NativeDecodeStack.run
-
-    def run(self, *args):
-        out = real_run(self, *args)
-        ran.append(out is not None)
-        return out
-    monkeypatch.setattr(native_decode.NativeDecodeStack, "run", run)
+    ran = _spy_on_the_stack(monkeypatch)
     caches = allocate_kv_caches(config, 64, BLOCK_SIZE, torch.float32)
     together = run_steps(model, caches, tables, [prompts, queries], BLOCK_SIZE)[sum(map(len, prompts)):]
     assert ran == [False, True]
