@@ -46,6 +46,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0
+    max_step_latency_ms: float = 0.0
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     kv_cache_watermark: float = 0.01
@@ -97,6 +98,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                      max_step_latency_ms=self.max_step_latency_ms,
                                       max_num_partial_prefills=self.max_num_partial_prefills,
                                       max_long_partial_prefills=self.max_long_partial_prefills,
                                       watermark=self.kv_cache_watermark,
@@ -309,6 +311,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--max-num-batched-tokens",), "max_num_batched_tokens",
          dict(type=_positive(human_readable_int), default=d["max_num_batched_tokens"],
               help="tokens per engine step at most (prompts are chunked to fit)")),
+        (("--max-step-latency-ms",), "max_step_latency_ms", dict(
+            type=float, default=d["max_step_latency_ms"], metavar="MS",
+            help="stall-free batching: while requests are decoding, a step takes prompt chunks only as "
+                 "large as keep its predicted time under MS (a cost model of tokens and attention fitted "
+                 "on the steps run); every prompt still progresses by at least a block per step. "
+                 "0 (the default): chunks as large as --max-num-batched-tokens")),
         (("--long-prefill-token-threshold",), "long_prefill_token_threshold", dict(
             type=int, default=d["long_prefill_token_threshold"], metavar="N",
             help="a prompt with more tokens than this left to compute gets at most this many per step "

@@ -82,6 +82,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     long_prefill_token_threshold: int = 0  # 0 = off (with max_num_partial_prefills > 1: 4% of max_model_len)
     max_num_partial_prefills: int = 1      # prompts that may be part-way computed at once
     max_long_partial_prefills: int = 1     # of those, prompts longer than long_prefill_token_threshold
+    # a step with decodes in it takes prompt chunks only as large as keep its predicted time under
+    # this (a cost model fitted on the steps run; stall-free batching); 0: off
+    max_step_latency_ms: float = 0.0
     policy: str = "fcfs"                   # "fcfs" | "priority"
     watermark: float = 0.01                # fraction of blocks kept free when admitting
     # None: on where the worker runs in a process of its own (the engine plans step N+1 while it
@@ -286,6 +289,8 @@ def check_config(cfg: EngineConfig) -> None:
     if cfg.scheduler.long_prefill_token_threshold < 0:
         raise ValueError(f"long_prefill_token_threshold must be at least 0 (0: off), got "
                          f"{cfg.scheduler.long_prefill_token_threshold}")
+    if cfg.scheduler.max_step_latency_ms < 0:
+        raise ValueError(f"max_step_latency_ms must be at least 0 (0: off), got {cfg.scheduler.max_step_latency_ms}")
     if not 0.0 <= cfg.scheduler.watermark < 1.0:
         raise ValueError(f"watermark must be in [0, 1), got {cfg.scheduler.watermark}")
     spec = cfg.speculative

@@ -215,6 +215,7 @@ class SchedulerActor(Actor):
                 self._emit(self.core.fail_running(f"the worker failed: {reason}"))
             return
         self.core.counters.compute_seconds += runner_out.compute_s
+        self.core.observe_step_time(f.so.step, runner_out.compute_s)
         t2, kv2 = now_ns(), self.core.kv.busy_ns
         self._emit(self.core.update_from_output(f.so, runner_out))
         tracer = self.ctx.node.tracer

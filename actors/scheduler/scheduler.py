@@ -51,6 +51,7 @@ from actors.engine.messages import (CachedRequestData, EngineCoreOutput, EngineC
                                     ModelRunnerOutput, NewRequestData, SchedulerOutput,
                                     SchedulerStats)
 from actors.grammar.compiler import GrammarError
+from actors.scheduler.cost_model import StepCostModel, attention_pairs
 from actors.grammar.matchers import StructuredOutputs
 from actors.kv_manager.manager import KVCacheManager
 from actors.scheduler.queues import create_queue
@@ -85,6 +86,9 @@ class _Step:
     preempted: list[Request]
     partial_prefills: int = 0               # prompts still part-way computed after this step
     long_partial_prefills: int = 0          # of those, longer than long_prefill_token_threshold
+    latency_left: float | None = None       # seconds prompt chunks may add (None: no latency target)
+    reserved: frozenset = frozenset()       # the decoding requests whose share latency_left left out
+    chunked: bool = False                   # a prompt chunk was sized by the latency target already
 
 
 class Scheduler:
@@ -112,6 +116,10 @@ class Scheduler:
             if self.async_scheduling:
                 raise ValueError("speculative decoding needs async scheduling off")
             self.counters.spec_num_accepted_tokens_per_pos = [0] * self.speculative.num_speculative_tokens
+        # --max-step-latency-ms: prompt chunks sized so that steps with decodes stay under it
+        self.latency_target = self.config.max_step_latency_ms / 1000.0
+        self.cost = StepCostModel()
+        self._step_sizes: dict[int, tuple[int, int]] = {}     # step -> (tokens, attention pairs)
         drafts_with_model = self.speculative is not None and self.speculative.method != "ngram"
         self.num_lookahead_tokens = self.speculative.num_speculative_tokens if drafts_with_model else 0
 
@@ -228,6 +236,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step and take its blocks; an empty step schedules no tokens."""
         step = _Step(self.config.max_num_batched_tokens, {}, {}, set(), [])
+        step.latency_left, step.reserved = self._latency_budget()
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -237,7 +246,9 @@ class Scheduler:
         c.last_scheduled_tokens = self.config.max_num_batched_tokens - step.budget
         sampling: list[Request] = []
         spec: dict[str, list[int]] = {}
+        pairs = 0
         for req, n in step.num_tokens.items():
+            pairs += attention_pairs(req.num_computed_tokens, n)
             req.num_computed_tokens += n           # scheduled tokens count as computed
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 sampling.append(req)               # its prompt complete: it samples a token
@@ -247,18 +258,47 @@ class Scheduler:
                     spec[req.request_id] = req.spec_token_ids[:num_spec]
                 req.spec_token_ids = []
         so = self._output(step, sampling, spec)
+        if self.latency_target > 0 and step.num_tokens:
+            self._step_sizes[so.step] = (so.total_num_scheduled_tokens, pairs)
+            if len(self._step_sizes) > 64:                 # steps that failed never report a time
+                del self._step_sizes[next(iter(self._step_sizes))]
         for req in sampling:
             req.num_output_placeholders += 1
         if sampling:
             self._in_flight[so.step] = [req.request_id for req in sampling]
         return so
 
+    def _latency_budget(self) -> tuple[float | None, frozenset]:
+        """With a latency target, once the cost model is fitted and requests are decoding: the
+        seconds left for the step's other tokens after the decodes' share, and those decoding
+        requests. None otherwise (no decodes to stall: chunks as large as the token budget allows)."""
+        if self.latency_target <= 0 or not self.cost.ready:
+            return None, frozenset()
+        tokens = pairs = 0
+        decoding = []
+        for req in self.running:
+            computed = req.num_computed_tokens
+            n = req.num_tokens_with_spec + req.num_output_placeholders - computed
+            if 0 < n <= 1 + len(req.spec_token_ids):          # decoding (with its drafts)
+                tokens += n
+                pairs += attention_pairs(computed, n)
+                decoding.append(req)
+        if not tokens:
+            return None, frozenset()
+        return self.latency_target - self.cost.predict(tokens, pairs), frozenset(decoding)
+
+    def observe_step_time(self, step: int, seconds: float) -> None:
+        """The worker's compute seconds for ``step``: one more observation for the cost model."""
+        size = self._step_sizes.pop(step, None)
+        if size is not None:
+            self.cost.observe(*size, seconds)
+
     def _schedule_running(self, step: _Step) -> None:
         """Running requests, in order; victims preempted when blocks run out."""
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = 0 if self._reaches_limit(req) else self._num_new_tokens(req, req.num_computed_tokens, step.budget)
+            n = 0 if self._reaches_limit(req) else self._num_new_tokens(req, req.num_computed_tokens, step)
             if n == 0:
                 i += 1
                 continue
@@ -317,7 +357,9 @@ class Scheduler:
                 continue
             hits = self.kv.get_computed_blocks(self._lookup_hashes(req))
             computed = len(hits) * bs
-            n = self._num_new_tokens(req, computed, step.budget)
+            n = self._num_new_tokens(req, computed, step)
+            if n == 0:                                # the step's latency target leaves it no room
+                break
             if self._partial_prefills_full(req, computed, n, step):
                 skipped.append(self.waiting.pop())    # a prompt that fits whole may pass it
                 continue
@@ -368,12 +410,22 @@ class Scheduler:
             return []
         return req.block_hashes[:(req.num_tokens - 1) // self.block_size]
 
-    def _num_new_tokens(self, req: Request, computed: int, budget: int) -> int:
+    def _num_new_tokens(self, req: Request, computed: int, step: _Step) -> int:
         n = req.num_tokens_with_spec + req.num_output_placeholders - computed
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n and len(self.running) + len(self.waiting) > 1:
             n = threshold
-        return min(n, budget)
+        n = min(n, step.budget)
+        if step.latency_left is not None and n > 0 and req not in step.reserved:
+            if n > 1 + len(req.spec_token_ids):    # a prompt chunk beside decodes
+                # the largest chunk that keeps the step within the target; the step's first
+                # takes at least a block, so the oldest prompt always progresses (no starvation)
+                fits = self.cost.max_chunk(computed, step.latency_left)
+                n = min(n, fits if step.chunked else max(fits, self.block_size))
+                step.chunked = True
+            _, c1, c2 = self.cost.coef
+            step.latency_left -= c1 * n + c2 * attention_pairs(computed, n) / 1000.0
+        return n
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":

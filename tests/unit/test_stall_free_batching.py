@@ -1,0 +1,108 @@
+"""Stall-free batching (--max-step-latency-ms): the step cost model fitted on observed steps, and
+the scheduler sizing prompt chunks so that a step with decodes in it stays under the target
+(a synthetic cost model in place of the worker's timings), with no starvation: every request
+still finishes, its prompt progressing by at least a block per step."""
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.scheduler.cost_model import MIN_OBSERVATIONS, StepCostModel, attention_pairs
+from sched_utils import Harness
+
+COEF = (0.002, 0.0004, 0.00002)        # seconds: per step, per token, per 1000 attention pairs
+TARGET_MS = 40.0
+BS = 4
+
+
+def test_the_cost_model_recovers_the_coefficients_of_the_steps_it_observes():
+    rng = random.Random(0)
+    model = StepCostModel()
+    true = StepCostModel(COEF)
+    for i in range(60):
+        tokens, computed = rng.randint(1, 512), rng.randint(0, 4000)
+        pairs = attention_pairs(computed, tokens)
+        assert model.ready == (i >= MIN_OBSERVATIONS)
+        model.observe(tokens, pairs, true.predict(tokens, pairs) * rng.uniform(0.97, 1.03))
+    for tokens, computed in ((1, 100), (64, 2000), (512, 0), (256, 8000)):
+        pairs = attention_pairs(computed, tokens)
+        assert abs(model.predict(tokens, pairs) - true.predict(tokens, pairs)) <= 0.05 * true.predict(tokens, pairs)
+
+
+def test_the_largest_chunk_fits_its_time_and_one_more_token_does_not():
+    model = StepCostModel(COEF)
+    for computed in (0, 100, 3000):
+        for seconds in (0.001, 0.01, 0.1):
+            n = model.max_chunk(computed, seconds)
+            cost = lambda k: model.predict(k, attention_pairs(computed, k)) - COEF[0]   # noqa: E731
+            assert cost(n) <= seconds < cost(n + 1)
+
+
+def _predicted(so, model: StepCostModel) -> float:
+    starts = dict(zip(so.cached_reqs.req_ids, so.cached_reqs.num_computed_tokens))
+    starts |= {r.req_id: r.num_computed_tokens for r in so.new_reqs}
+    pairs = sum(attention_pairs(starts[rid], n) for rid, n in so.num_scheduled_tokens.items())
+    return model.predict(so.total_num_scheduled_tokens, pairs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 30)), min_size=2, max_size=8),
+       st.integers(0, 6))
+def test_steps_with_decodes_stay_under_the_target_and_every_request_finishes(requests, decode_first):
+    """Prompts of up to 300 tokens arrive while others decode. Every step that had decoding
+    requests when it was planned is predicted within the target, unless its one prompt chunk is
+    the one-block minimum that keeps the oldest prompt going; every request finishes within a
+    bound of steps."""
+    h = Harness(num_blocks=512, max_step_latency_ms=TARGET_MS, max_num_batched_tokens=512)
+    h.s.cost = StepCostModel(COEF)
+    steps = 0
+    finished: set[str] = set()
+    for i, (prompt, max_tokens) in enumerate(requests):
+        h.add(f"r{i}", prompt, max_tokens=max_tokens, ignore_eos=True)
+        if i < decode_first:       # some requests get going before the others arrive
+            for _ in range(2):
+                _, outs = h.step()
+                finished |= {o.request_id for o in outs if o.finish_reason}
+                steps += 1
+    bound = sum(-(-p // BS) + m for p, m in requests) + 10
+    while h.s.has_work():
+        decoding = [r for r in h.s.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        so = h.schedule()
+        outs = h.s.update_from_output(so, h.worker.run(so, 7))
+        finished |= {o.request_id for o in outs if o.finish_reason}
+        steps += 1
+        assert steps <= bound, "a request starved"
+        chunks = [n for n in so.num_scheduled_tokens.values() if n > 1]
+        if decoding and chunks:
+            assert (_predicted(so, h.s.cost) <= TARGET_MS / 1000 + 1e-9
+                    or (len(chunks) == 1 and chunks[0] <= BS)), (so.num_scheduled_tokens, _predicted(so, h.s.cost))
+    assert finished == {f"r{i}" for i in range(len(requests))}
+
+
+def test_without_decodes_or_a_target_prompts_take_the_whole_token_budget():
+    for options in ({"max_step_latency_ms": TARGET_MS}, {}):
+        h = Harness(num_blocks=512, max_num_batched_tokens=512, **options)
+        h.s.cost = StepCostModel(COEF)
+        h.add("a", 1000, max_tokens=2)
+        so, _ = h.step()
+        assert so.num_scheduled_tokens == {"a": 512}
+
+
+def test_a_decode_beside_a_long_prompt_gets_a_small_chunk_of_it_not_the_whole_budget():
+    h = Harness(num_blocks=512, max_step_latency_ms=TARGET_MS, max_num_batched_tokens=512)
+    h.s.cost = StepCostModel(COEF)
+    h.add("d", 8, max_tokens=50)
+    h.step()                                   # d's prompt; it decodes from now on
+    h.add("p", 1000, max_tokens=2)
+    so, _ = h.step()
+    chunk = so.num_scheduled_tokens["p"]
+    assert so.num_scheduled_tokens["d"] == 1 and BS <= chunk < 512
+    assert _predicted(so, h.s.cost) <= TARGET_MS / 1000
+    off = Harness(num_blocks=512, max_num_batched_tokens=512)
+    off.add("d", 8, max_tokens=50)
+    off.step()
+    off.add("p", 1000, max_tokens=2)
+    so, _ = off.step()
+    assert so.num_scheduled_tokens["p"] == 511              # the rest of the budget: the stall
