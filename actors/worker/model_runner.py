@@ -29,6 +29,12 @@ drafts the next step's tokens of every request that sampled and accepts drafts
 (methods draft_model, self_draft) the draft model does so instead (actors/spec_decode/draft_model.py),
 its KV cache in views of the same blocks (the config's KV cache specs list its layers after the
 target's). A step with drafts has several queries per request and runs eagerly.
+
+Plugins' batch-level logits processors (models/logits_processors.py; --logits-processors and
+``troupe.logits_processors`` entry points) follow the batch's slots: told of each step's added and
+removed requests before sampling, applied by the Sampler to the rows that sample (bound to their
+slots), their output lists extended with what is emitted. A request that one of them may change
+decodes without drafts (``LogitsProcessors.accepts_drafts``).
 """
 from __future__ import annotations
 

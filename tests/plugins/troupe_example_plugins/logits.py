@@ -41,9 +41,10 @@ class BanTokensLogitsProcessor(LogitsProcessor):
                 self.banned[a] = other
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.banned:
-            return logits
-        rows = [i for i, ids in self.banned.items() for _ in ids if i < logits.shape[0]]
-        cols = [t for i, ids in self.banned.items() for t in ids if i < logits.shape[0]]
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        """logits (batch_size, V): row i is batch index i."""
+        rows = [i for i, ids in self.banned.items() for _ in ids]
+        cols = [t for ids in self.banned.values() for t in ids]
+        if rows:
+            logits[torch.tensor(rows, device=logits.device),
+                   torch.tensor(cols, device=logits.device)] = float("-inf")
         return logits
