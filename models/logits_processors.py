@@ -205,8 +205,9 @@ def load_logits_processor_classes(names: Sequence[str]) -> list[type]:
     return list(dict.fromkeys(classes))
 
 
-def build_logits_processors(classes: Sequence[type], config: Any, device: torch.device) -> LogitsProcessors | None:
+def build_logits_processors(classes: Sequence[type], config: Any, device: torch.device,
+                            is_pin_memory: bool) -> LogitsProcessors | None:
     """One instance of each class for a worker on ``device`` (None when there are none)."""
     if not classes:
         return None
-    return LogitsProcessors([cls(config, device, device.type == "cuda") for cls in classes])
+    return LogitsProcessors([cls(config, device, is_pin_memory) for cls in classes])

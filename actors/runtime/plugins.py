@@ -3,7 +3,7 @@ most once per process, filtered by ``TROUPE_PLUGINS`` (vLLM's ``VLLM_PLUGINS``).
 
     group                      loaded in                         an entry point names
     troupe.general_plugins     every process, before anything    a callable run once at start-up
-    troupe.platform_plugins    every process (the platform)      a callable -> "module:Class" or None
+    troupe.platform_plugins    each worker (its platform)        a callable -> "module:Class" or None
     troupe.logits_processors   each worker (the model runner)    a LogitsProcessor class
     troupe.endpoints           the frontend (the HTTP app)       a callable given the app's router
 

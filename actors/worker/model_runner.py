@@ -50,6 +50,7 @@ from actors.engine.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from actors.kv_manager.kv_cache_spec import create_kv_cache_views, layer_groups
 from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.input_batch import InputBatch
+from actors.worker.platforms import platform_for
 from kernels.attention.base import AttentionMetadata
 from kernels.attention.cascade import cascade_prefix_len
 from kernels.attention.fp8 import FP8_NAMES
@@ -111,7 +112,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # plugins' batch-level logits processors (None: none installed nor asked for)
         self.logitsprocs = build_logits_processors(load_logits_processor_classes(config.model.logits_processors),
-                                                   config, self.device)
+                                                   config, self.device, platform_for(self.device.type).pin_memory)
         self._meta_cache: tuple | None = None     # (row states' ids, SamplingMetadata, the states)
         spec = config.speculative
         # L + k + 1 <= max_model_len: the drafts and the token after them fit the context
