@@ -55,14 +55,13 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _model_class(raw: dict[str, Any]) -> type[CausalLM]:
-    """The registered class of config.json's one architecture. The registry is imported when
-    called: it imports the model classes, which import this module."""
-    from models.registry import MODEL_REGISTRY
+    """The registered class of config.json's one architecture (plugins' included)."""
+    from models.architectures import ModelRegistry
     archs = raw.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in MODEL_REGISTRY:
+    if len(archs) != 1 or not ModelRegistry.is_supported(archs[0]):
         raise ValueError(f"config.json architectures {archs} is not supported; supported: "
-                         f"{', '.join(sorted(MODEL_REGISTRY))}")
-    return MODEL_REGISTRY[archs[0]]
+                         f"{', '.join(ModelRegistry.get_supported_archs())}")
+    return ModelRegistry.get_model_class(archs[0])
 
 
 def _generic_fields(raw: dict[str, Any], generation: dict[str, Any]) -> dict[str, Any]:

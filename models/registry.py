@@ -1,10 +1,9 @@
-"""The architecture registry, the only list of architectures (keyed by Hugging Face
-architecture name; each class declares the rest, models/base.py), and ``load_model``, which
+"""Loading models: the built-in architectures' classes (the registry itself, plugins' entries
+included, is models/architectures.py; each class declares the rest, models/base.py), and ``load_model``, which
 picks an attention backend, builds a model and dispatches checkpoint tensors onto it through
 the model's tensor map."""
 from __future__ import annotations
 
-import importlib
 import re
 from typing import Iterable, Iterator, NamedTuple
 
@@ -13,6 +12,7 @@ from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionRequirements
 from kernels.attention.selector import select_backend
+from models.architectures import BUILTIN_ARCHITECTURES, ModelRegistry
 from models.base import CausalLM
 from models.config import ArchConfig
 from models.gguf_loader import gguf_model_config, iter_gguf_weights, read_gguf
@@ -21,16 +21,8 @@ from models.layers import MergedLinear
 from models.resolve import ModelSource
 from models.safetensors_loader import iter_safetensors_weights
 
-_ARCHITECTURES = {   # Hugging Face architecture name -> the models/ module defining the class of that name
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-    "Phi3ForCausalLM": "phi3",
-}
-MODEL_REGISTRY: dict[str, type[CausalLM]] = {
-    name: getattr(importlib.import_module(f"models.{module}"), name) for name, module in _ARCHITECTURES.items()}
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {   # the built-in classes, imported
+    name: ModelRegistry.get_model_class(name) for name in BUILTIN_ARCHITECTURES}
 DEFAULT_BLOCK_SIZE = 16   # what backend selection assumes when the caller does not say
 
 
@@ -46,21 +38,21 @@ def _gguf_architectures(registry: dict[str, type[CausalLM]]) -> dict[str, str]:
     return names
 
 
-GGUF_ARCHITECTURES = _gguf_architectures(MODEL_REGISTRY)
+GGUF_ARCHITECTURES = _gguf_architectures(MODEL_REGISTRY)   # the built-in classes'
 
 
 def get_model_class(architecture: str) -> type[CausalLM]:
-    if architecture not in MODEL_REGISTRY:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
-    return MODEL_REGISTRY[architecture]
+    return ModelRegistry.get_model_class(architecture)
 
 
 def hf_architecture_of_gguf(gguf_architecture: str | None) -> str:
-    """The Hugging Face architecture name of a GGUF ``general.architecture``."""
-    if gguf_architecture not in GGUF_ARCHITECTURES:
+    """The Hugging Face architecture name of a GGUF ``general.architecture`` (any registered
+    class may declare GGUF names, plugins' included)."""
+    names = _gguf_architectures({a: get_model_class(a) for a in ModelRegistry.get_supported_archs()})
+    if gguf_architecture not in names:
         raise ValueError(f"GGUF architecture {gguf_architecture!r} is not supported; "
-                         f"supported: {sorted(GGUF_ARCHITECTURES)}")
-    return GGUF_ARCHITECTURES[gguf_architecture]
+                         f"supported: {sorted(names)}")
+    return names[gguf_architecture]
 
 
 class LoadedModel(NamedTuple):

@@ -12,11 +12,13 @@ The chain, in vLLM's order (the order is the semantics: each step sees what the 
       5) bad words                       -inf on the token that would complete a bad sequence
       6) min_tokens                      -inf on stop/EOS ids while the output is too short
       7) logit_bias                      + bias
+     7b) plugins' logits processors      those that may change the argmax (models/logits_processors.py)
       8) penalties                       repetition, then frequency and presence; before
                                          temperature, so their size does not depend on it
       -- greedy = argmax here: 3-8 may change it, 9-11 may not
       9) temperature                     greedy rows divide by 1
      10) min_p                           drop p < min_p * max p
+    10b) plugins' logits processors      the argmax-invariant ones (skipped when every row is greedy)
      11) top-k, top-p
      12) exponential race (seeded rows draw from their own generator); torch.where(greedy)
 
@@ -39,6 +41,7 @@ from kernels.triton import fused as triton_fused
 
 if TYPE_CHECKING:
     from actors.engine.sampling_params import SamplingParams
+    from models.logits_processors import BoundLogitsProcessors
 
 _SAMPLING_EPS = 1e-5   # temperature below this is greedy
 
@@ -94,12 +97,19 @@ class SamplingMetadata:
     penalties: Penalties | None
     max_num_logprobs: int | None              # k for every row; -1 = whole vocab; None = no log-probs
     logprobs_mode: LogprobsMode               # what the returned log-probs are (LOGPROBS_MODES)
+    # plugins' batch-level processors bound to this batch's rows (set by the model runner)
+    logitsprocs: BoundLogitsProcessors | None = None
 
     @property
     def no_logits_processors(self) -> bool:
         return (self.grammar_bitmask is None and self.allowed_token_ids is None
                 and self.bad_words_bans is None and self.min_tokens_bans is None
-                and self.logit_bias is None and self.penalties is None)
+                and self.logit_bias is None and self.penalties is None
+                and (self.logitsprocs is None or not self.logitsprocs.changes_argmax))
+
+    @property
+    def no_argmax_invariant_processors(self) -> bool:
+        return self.logitsprocs is None or not self.logitsprocs.has_argmax_invariant
 
     @classmethod
     def from_lists(
@@ -344,6 +354,8 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> Non
     if meta.logit_bias is not None:
         cells, bias = meta.logit_bias
         logits.index_put_((cells.rows, cells.token_ids), bias, accumulate=True)
+    if meta.logitsprocs is not None:
+        meta.logitsprocs.apply_non_argmax_invariant(logits)
     if meta.penalties is not None:
         apply_penalties(logits, meta.penalties)
 
@@ -438,7 +450,8 @@ class Sampler:
         if meta.all_greedy:
             return argmax_rows(logits), _values(logits, meta.logprobs_mode) if want_processed else None
         is_greedy = meta.temperature < _SAMPLING_EPS                      # (B,)
-        if meta.no_min_p and not want_processed and triton_fused.supports(logits, meta.temperature):
+        if (meta.no_min_p and meta.no_argmax_invariant_processors and not want_processed
+                and triton_fused.supports(logits, meta.temperature)):
             # one kernel: greedy rows, then temperature, top-k, top-p and the race, no sort
             temperature = torch.where(is_greedy, 0.0, meta.temperature)
             noise = exponential_noise(logits, meta.generators)
@@ -447,6 +460,8 @@ class Sampler:
         logits.div_(torch.where(is_greedy, 1.0, meta.temperature)[:, None])
         if not meta.no_min_p:
             apply_min_p(logits, meta.min_p)
+        if not meta.no_argmax_invariant_processors:
+            meta.logitsprocs.apply_argmax_invariant(logits)
         if not meta.no_top_p:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         elif not meta.no_top_k:

@@ -111,3 +111,12 @@ def save_tiny_tokenizer(path, vocab: int) -> str:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(os.path.join(path, "tokenizer.json"))
     return str(path)
+
+
+def write_distribution(root, entry_points: str, module: str, name: str) -> None:
+    """A distribution as pip leaves it: its module and its dist-info folder with entry points."""
+    (root / f"{name}_mod.py").write_text(module)
+    info = root / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(entry_points)

@@ -20,6 +20,7 @@ from actors import topology
 from actors.engine.args import EngineArgs
 from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tool_parsers import TOOL_PARSERS
+from actors.runtime.plugins import load_general_plugins
 from tools.vllm_flags import add_vllm_flags
 
 log = logging.getLogger("troupe.serve")
@@ -108,6 +109,7 @@ _prefixes.__name__ = "prefixes"
 
 async def serve(args: argparse.Namespace) -> int:
     """Listen first (probes answer 503 while the model loads), then load and serve."""
+    load_general_plugins()             # before anything else (a PluginError ends start-up, naming it)
     from actors.frontend.actor import GetAddress, HttpFrontend
     from actors.frontend.app import OpenAIServer, ServerOptions
     from actors.frontend.launch import create_frontend

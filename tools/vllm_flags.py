@@ -65,8 +65,8 @@ REFUSED: dict[str, str] = {
     "--convert": "Troupe serves text generation only", "--pooler-config": "Troupe serves text generation only",
     "--override-pooler-config": "Troupe serves text generation only",
     "--enable-prompt-embeds": "Troupe takes prompts as text or token ids",
-    "--io-processor-plugin": "Troupe loads no plugins", "--logits-processors": "Troupe loads no plugins",
-    "--logits-processor-pattern": "Troupe loads no plugins",
+    "--io-processor-plugin": "Troupe loads no IO processor plugins",
+    "--logits-processor-pattern": "Troupe has no per-request logits processors (see --logits-processors)",
     "--enable-sleep-mode": "Troupe's engine never sleeps",
     "--override-generation-config": "Troupe reads generation_config.json as it is (see --generation-config)",
     # other modalities
@@ -112,11 +112,11 @@ REFUSED: dict[str, str] = {
     "--allowed-headers": "Troupe sends no CORS headers", "--ssl-keyfile": "Troupe serves plain HTTP (put a "
     "TLS proxy in front)", "--ssl-certfile": "Troupe serves plain HTTP (put a TLS proxy in front)",
     "--ssl-ca-certs": "Troupe serves plain HTTP", "--enable-ssl-refresh": "Troupe serves plain HTTP",
-    "--ssl-cert-reqs": "Troupe serves plain HTTP", "--root-path": _HTTP, "--middleware": "Troupe loads no plugins",
+    "--ssl-cert-reqs": "Troupe serves plain HTTP", "--root-path": _HTTP, "--middleware": "Troupe adds no ASGI middleware (a troupe.endpoints plugin adds routes)",
     "--response-role": _HTTP, "--return-tokens-as-token-ids": _HTTP,
     "--chat-template-content-format": "Troupe renders message content as a string",
     "--trust-request-chat-template": "Troupe uses the server's chat template only",
-    "--tool-parser-plugin": "Troupe loads no plugins (see --tool-call-parser)",
+    "--tool-parser-plugin": "Troupe loads no tool parser plugins (see --tool-call-parser)",
     "--tool-server": "Troupe runs no built-in tools", "--exclude-tools-when-tool-choice-none": _HTTP,
     "--enable-prompt-tokens-details": "Troupe reports prompt_tokens_details.cached_tokens whenever the "
                                       "prefix cache served part of a prompt",

@@ -16,6 +16,7 @@ from actors.engine.config import (DEFAULT_MAX_LOGPROBS, DEVICES, DTYPES, GENERAT
                                   DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig,
                                   ParallelConfig, SchedulerConfig)
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
+from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig
 from models.resolve import ModelSource, resolve_model
 
@@ -63,6 +64,11 @@ class EngineArgs:
     flight_recorder_dir: str = ""
     # vLLM's --speculative-config: its JSON object (text on the command line, a dict in LLM(...))
     speculative_config: dict[str, Any] | str | None = None
+    # vLLM's --logits-processors: classes or their fully qualified names (models/logits_processors.py)
+    logits_processors: list[str | type] | tuple[str | type, ...] | None = None
+
+    def __post_init__(self) -> None:
+        load_general_plugins()         # this process's plugins first (e.g. an architecture they register)
 
     @classmethod
     def from_options(cls, model: str | None, options: dict[str, Any]) -> EngineArgs:
@@ -89,7 +95,8 @@ class EngineArgs:
                               served_model_names=(names,) if isinstance(names, str) else tuple(names or ()),
                               max_logprobs=self.max_logprobs, generation_config=self.generation_config,
                               sampling_defaults=load_sampling_defaults(source, self.generation_config),
-                              draft_source=draft_source(speculative, source)),
+                              draft_source=draft_source(speculative, source),
+                              logits_processors=logits_processor_names(self.logits_processors)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               num_blocks=self.num_gpu_blocks_override, cache_dtype=self.kv_cache_dtype,
@@ -134,6 +141,16 @@ class EngineArgs:
         if given.get("num_gpu_blocks_override") is None:
             given.pop("num_gpu_blocks_override", None)
         return cls(**(given | overrides))
+
+
+def logits_processor_names(given: list[str | type] | tuple[str | type, ...] | None) -> tuple[str, ...]:
+    """--logits-processors as names a worker process can import, each checked here (a class
+    that cannot be imported fails at start-up, naming it)."""
+    from models.logits_processors import check_processor_class
+    names = tuple(qualified_name(c) for c in given or ())
+    for name in names:
+        check_processor_class(resolve_class(name, "--logits-processors"), "--logits-processors")
+    return names
 
 
 def kv_cache_bytes(gib: float | None, memory_bytes: int | None) -> int:
@@ -354,6 +371,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "greedy requests get the same tokens as without it (structured outputs, penalties and "
                  "the other logits processors apply at every draft position). Requests that ask for "
                  "log-probs decode without drafts. Turns async scheduling off")),
+        (("--logits-processors",), "logits_processors", dict(
+            nargs="+", default=d["logits_processors"], metavar="CLASS",
+            help="batch-level logits processors (vLLM's interface, models/logits_processors.py), as fully "
+                 "qualified class names, applied to every step's batch beside those installed packages "
+                 "declare as troupe.logits_processors entry points; requests pass them arguments in "
+                 "vllm_xargs (SamplingParams.extra_args)")),
         (("--max-model-len",), "max_model_len", dict(type=human_readable_int, default=d["max_model_len"],
                                                      help="0: the model's own")),
         (("--scheduling-policy",), "scheduling_policy", dict(

@@ -52,6 +52,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # architecture once resolved (its KV cache shares the target's blocks)
     draft_source: ModelSource | None = None
     draft_arch: ArchConfig | None = None
+    # vLLM's --logits-processors: batch-level processors' classes ("module.Class" or "module:Class"),
+    # applied by the worker beside those of troupe.logits_processors entry points
+    logits_processors: tuple[str, ...] = ()
 
     @property
     def served_model_name(self) -> str:

@@ -4,7 +4,7 @@ API) through the tokenizer, the scheduler and the worker to the sampler
 (``SamplingMetadata.from_params``). Names and meanings are vLLM's."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -60,6 +60,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None   # the grammar the output follows
+    # arguments for the logits processors plugins add (vLLM's extra_args; the OpenAI field vllm_xargs)
+    extra_args: dict[str, Any] | None = None
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,9 @@
 failure to an OpenAI-shaped error (``errors.py``): 4xx for bad input, never a 500 for it; 500
 when the engine failed a request; 503 while the model loads or once the engine is gone.
 
-Endpoints live beside it: ``chat.py``, ``completions.py`` and ``misc.py``."""
+Endpoints live beside it: ``chat.py``, ``completions.py`` and ``misc.py``; installed packages add
+their own through ``troupe.endpoints`` entry points (actors/runtime/plugins.py), given the app's
+router (the middleware, API key and error mapping included)."""
 from __future__ import annotations
 
 import functools
@@ -27,6 +29,7 @@ from actors.frontend.protocol import BadRequest, GenerationRequest, ServerDefaul
 from actors.grammar.actor import InvalidGrammar
 from actors.runtime import RemoteError, faults
 from actors.runtime.faults import InjectFault
+from actors.runtime.plugins import ENDPOINTS, call_plugins
 from actors.runtime.tracing import Tracer
 from actors.tokenizer.actor import InvalidPrompt
 
@@ -98,6 +101,7 @@ class OpenAIServer:
         for method, path, handler in routes:
             app.router.add_route(method, path, functools.partial(handler, self))
         dashboard.add_routes(app)
+        call_plugins(ENDPOINTS, app.router)     # troupe.endpoints plugins add their routes
         return app
 
     @web.middleware

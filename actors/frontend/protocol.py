@@ -129,6 +129,8 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     bad_words: list[str] | None = None
     cache_salt: str | None = None       # vLLM's: mixed into the first block's hash (params.cache_salt)
     request_timeout: float | None = None  # seconds before it is aborted (params.request_timeout)
+    # vLLM's: arguments for the server's logits processors (plugins), SamplingParams.extra_args
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     def with_server_defaults(self, defaults: ServerDefaults) -> GenerationRequest:
         """Attach the server's log-probs bound and sampling defaults (``to_sampling_params``
@@ -181,7 +183,8 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
             logit_bias=_logit_bias(self.logit_bias, vocab_size), logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=or_default(self.skip_special_tokens, True),
             include_stop_str_in_output=bool(self.include_stop_str_in_output), bad_words=bad_words,
-            structured_outputs=constraint.params if constraint else None)
+            structured_outputs=constraint.params if constraint else None,
+            extra_args=dict(self.vllm_xargs) if self.vllm_xargs else None)
 
     def constraint(self) -> Constraint | None:
         """The structured outputs the request asks for (and the field that asks)."""

@@ -14,6 +14,7 @@ import time
 import msgspec
 
 from actors.runtime.node import Node
+from actors.runtime.plugins import PluginError, load_general_plugins
 from actors.runtime.process import BEAT, NodeSpec, system_actor
 from actors.runtime.system import SYSTEM_ACTOR, NodeReady
 from actors.runtime.tracing import Tracer, write_flight_record
@@ -99,6 +100,11 @@ def main() -> None:
     heartbeat_fd = int(os.environ.pop("TROUPE_HEARTBEAT_FD"))
     logging.basicConfig(level=os.environ.get("TROUPE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s")
+    try:
+        load_general_plugins()         # before anything else: a plugin may register what the entry needs
+    except PluginError as exc:
+        log.error("node '%s' cannot start: %s", spec.name, exc)
+        sys.exit(1)
     import uvloop
     code = uvloop.run(run_child(spec, death_fd, heartbeat_fd))
     sys.exit(code)

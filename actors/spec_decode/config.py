@@ -127,5 +127,6 @@ def accepts_drafts(p: SamplingParams) -> bool:
     over the tokens so far and the drafts before the position, logit bias, allowed token ids)
     applies at each verified position, and the rejection sampler applies temperature, min_p,
     top-k and top-p; it does not report log-probs, so requests that ask for them decode one
-    token per step, in the same batches."""
+    token per step, in the same batches. (Plugins' logits processors are not applied per
+    position: the worker also turns drafts off for the requests they may change.)"""
     return p.logprobs is None and p.prompt_logprobs is None

@@ -29,6 +29,12 @@ drafts the next step's tokens of every request that sampled and accepts drafts
 (methods draft_model, self_draft) the draft model does so instead (actors/spec_decode/draft_model.py),
 its KV cache in views of the same blocks (the config's KV cache specs list its layers after the
 target's). A step with drafts has several queries per request and runs eagerly.
+
+Plugins' batch-level logits processors (models/logits_processors.py; --logits-processors and
+``troupe.logits_processors`` entry points) follow the batch's slots: told of each step's added and
+removed requests before sampling, applied by the Sampler to the rows that sample (bound to their
+slots), their output lists extended with what is emitted. A request that one of them may change
+decodes without drafts (``LogitsProcessors.accepts_drafts``).
 """
 from __future__ import annotations
 
@@ -44,12 +50,14 @@ from actors.engine.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from actors.kv_manager.kv_cache_spec import create_kv_cache_views, layer_groups
 from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.input_batch import InputBatch
+from actors.worker.platforms import platform_for
 from kernels.attention.base import AttentionMetadata
 from kernels.attention.cascade import cascade_prefix_len
 from kernels.attention.fp8 import FP8_NAMES
 from models.layers import bind_kv_cache_groups, first_attention
 from actors.spec_decode.draft_model import DraftModelProposer
 from actors.spec_decode.ngram import NgramProposer
+from models.logits_processors import build_logits_processors, load_logits_processor_classes
 from models.rejection_sampler import RejectionSampler, SpecDecodeMetadata, rewind_generators
 from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, apply_logits_processors,
                             compute_prompt_logprobs)
@@ -102,6 +110,9 @@ class ModelRunner:
         max_model_len = config.model.max_model_len
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G)
         self.sampler = Sampler()
+        # plugins' batch-level logits processors (None: none installed nor asked for)
+        self.logitsprocs = build_logits_processors(load_logits_processor_classes(config.model.logits_processors),
+                                                   config, self.device, platform_for(self.device.type).pin_memory)
         self._meta_cache: tuple | None = None     # (row states' ids, SamplingMetadata, the states)
         spec = config.speculative
         # L + k + 1 <= max_model_len: the drafts and the token after them fit the context
@@ -131,11 +142,16 @@ class ModelRunner:
 
     # -- 1) the scheduler's diffs ------------------------------------------------------------
     def update_states(self, so: SchedulerOutput) -> None:
-        b = self.batch
+        b, procs = self.batch, self.logitsprocs
         for rid in so.finished_req_ids:
+            if procs is not None and rid in b:
+                procs.remove(b.slot(rid))
             b.remove(rid)
         for r in so.new_reqs:
             i = b.add(r)
+            if procs is not None:
+                procs.add(i, r.sampling_params, r.prompt_token_ids, r.output_token_ids)
+                b.accepts_drafts[i] &= procs.accepts_drafts(r.sampling_params)
             if self.drafter is not None:
                 self.drafter.add(i, r.num_computed_tokens)
         c = so.cached_reqs
@@ -178,6 +194,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
+        if self.logitsprocs is not None:
+            self.logitsprocs.flush()
         req_ids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids, [[] for _ in req_ids], {}, {})
         if not req_ids:
@@ -215,9 +233,13 @@ class ModelRunner:
         meta = self.sampling_metadata(sample_slots)
         if so.grammar_bitmask is not None:
             meta = dataclasses.replace(meta, grammar_bitmask=self._grammar_bitmask(so, req_ids, rows))
+        if self.logitsprocs is not None:
+            meta = dataclasses.replace(meta, logitsprocs=self.logitsprocs.bind(sample_slots))
         result = self.sampler(logits, meta)
         tokens = result.sampled_token_ids.cpu().numpy()
         b.append_tokens(sample_slots, tokens)
+        if self.logitsprocs is not None:
+            self.logitsprocs.append_outputs(sample_slots, tokens[:, None].tolist())
         for row, tok in zip(rows.tolist(), tokens.tolist()):
             out.sampled_token_ids[row] = [tok]
         if result.logprobs is not None:
@@ -253,6 +275,8 @@ class ModelRunner:
             target, None, SpecDecodeMetadata.from_lists(drafts, self.device), meta))
         rewind_generators(self.rejection_sampler.generator_states, meta.generators, emitted)
         b.append_token_lists(slots, emitted)
+        if self.logitsprocs is not None:
+            self.logitsprocs.append_outputs(slots, emitted)
         b.num_computed_tokens[slots] -= k[spec] + 1 - np.fromiter(map(len, emitted), dtype=np.int64,
                                                                   count=len(emitted))
         for row, tokens in zip(rows.tolist(), emitted):

@@ -1,5 +1,6 @@
 """The worker's core: one model and its paged KV cache on one device. Loading resolves the
-engine's config (the worker knows its platform and reads the checkpoint's architecture), then
+engine's config (the worker knows its platform, actors/worker/platforms.py, and reads the
+checkpoint's architecture), then
 the model is built, quantized or packed for the CPU; on CUDA without a KV cache size, a forward
 pass measures what --gpu-memory-utilization leaves for the cache (``gpu_memory.py``);
 ``init_kv_cache`` allocates the cache the resolved config sizes and captures the decode graphs on
@@ -19,8 +20,8 @@ from actors.engine.sampling_params import SamplingParams
 from actors.worker.cuda_graphs import capture_sizes
 from actors.worker.gpu_memory import GIB, device_memory, kv_cache_bytes_for_gpu
 from actors.worker.model_runner import ModelRunner, torch_dtype
+from actors.worker.platforms import platform_for
 from kernels.attention.base import AttentionBackend
-from kernels.attention.selector import select_backend
 from models.layers import calculate_kv_scales_on_next_batch
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
@@ -38,8 +39,11 @@ class Worker:
         ckpt = open_checkpoint(source)
         draft = config.model.draft_source
         draft_ckpt = open_checkpoint(draft) if draft is not None else None
-        self.config = config.resolve(cuda_available=torch.cuda.is_available(), cpu_count=os.cpu_count() or 1,
+        self.config = config.resolve(cuda_available=platform_for("cuda").is_available(),
+                                     cpu_count=os.cpu_count() or 1,
                                      arch=ckpt.config, draft_arch=draft_ckpt.config if draft_ckpt else None)
+        self.platform = platform_for(self.config.device.device)       # what the device runs, and how
+        self.platform.check_dtypes(self.config.model.dtype, self.config.cache.cache_dtype)
         torch.set_num_threads(self.config.device.num_threads)
         torch.manual_seed(self.config.model.seed)
         self.device = torch.device(self.config.device.device)
@@ -73,7 +77,7 @@ class Worker:
 
     def _backend(self, ckpt: Checkpoint) -> AttentionBackend:
         cfg = self.config
-        return select_backend(attention_requirements(
+        return self.platform.select_attention_backend(attention_requirements(
             ckpt.config, torch_dtype(cfg.model.dtype), cfg.cache.block_size, self.device.type,
             torch_dtype(cfg.cache.cache_dtype)))
 
@@ -83,7 +87,7 @@ class Worker:
                             self.device.type, torch_dtype(cfg.cache.cache_dtype))
         if quantization:
             quantize(model, quantization, path)
-        if self.device.type == "cpu":        # linear layers packed once for the native kernels
+        if self.platform.packs_linears:      # linear layers packed once for the native kernels
             prepack_linears(model)
             attach_native_decode(model)
         return model
@@ -109,7 +113,7 @@ class Worker:
     def _captures_graphs(self) -> bool:
         """CUDA graphs of decode steps: on CUDA, unless eager is enforced or the attention
         backend cannot run inside a graph."""
-        if self.device.type != "cuda" or self.config.model.enforce_eager:
+        if not self.platform.supports_cuda_graphs or self.config.model.enforce_eager:
             return False
         if self.attn_backend.cudagraph_support == "never":
             log.warning("attention backend %s cannot run in CUDA graphs: every step runs eagerly",

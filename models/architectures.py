@@ -1,0 +1,59 @@
+"""The architecture registry: Hugging Face architecture name -> the class that serves it, the one
+list of architectures. Entries are "module:Class" imported when a checkpoint first asks for them,
+so registering one (a plugin does, in every process) imports neither torch nor the models."""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from models.base import CausalLM
+
+_ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ module of the class of that name
+    name: f"models.{module}:{name}" for name, module in (
+        ("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
+        ("Qwen3ForCausalLM", "qwen3"), ("Gemma3ForCausalLM", "gemma3"), ("Phi3ForCausalLM", "phi3"))}
+BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
+
+
+class ModelRegistry:
+    """vLLM's ``ModelRegistry``: plugins add architectures here (``troupe.general_plugins``)."""
+
+    @staticmethod
+    def register_model(architecture: str, model_cls: type[CausalLM] | str) -> None:
+        """Serve checkpoints whose config.json "architectures" names ``architecture`` with
+        ``model_cls``: a CausalLM subclass, or "module:Class" imported only when a checkpoint
+        needs it. Registering a name again replaces it."""
+        if isinstance(model_cls, str) and ":" not in model_cls:
+            raise ValueError(f"register_model({architecture!r}, {model_cls!r}): give a class or 'module:Class'")
+        if not isinstance(model_cls, (str, type)):
+            raise ValueError(f"register_model({architecture!r}, {model_cls!r}): give a class or 'module:Class'")
+        _ARCHITECTURES[architecture] = model_cls
+
+    @staticmethod
+    def get_supported_archs() -> list[str]:
+        return sorted(_ARCHITECTURES)
+
+    @staticmethod
+    def is_supported(architecture: str) -> bool:
+        return architecture in _ARCHITECTURES
+
+    @staticmethod
+    def get_model_class(architecture: str) -> type[CausalLM]:
+        """The class of ``architecture`` (imported now if it was registered by name)."""
+        from models.base import CausalLM
+        entry = _ARCHITECTURES.get(architecture)
+        if entry is None:
+            raise ValueError(f"architecture {architecture!r} is not supported; supported: "
+                             f"{ModelRegistry.get_supported_archs()}")
+        if isinstance(entry, str):
+            module, _, name = entry.partition(":")
+            try:
+                entry = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError) as exc:
+                raise ValueError(f"architecture {architecture!r}: its class {_ARCHITECTURES[architecture]!r} "
+                                 f"cannot be imported ({exc})") from exc
+            _ARCHITECTURES[architecture] = entry
+        if not (isinstance(entry, type) and issubclass(entry, CausalLM)):
+            raise ValueError(f"architecture {architecture!r}: {entry!r} is not a CausalLM subclass (models/base.py)")
+        return entry

@@ -1,0 +1,213 @@
+"""Batch-level logits processors, vLLM v1's interface: a processor is built once per worker, told
+each step which requests joined and left the persistent batch (``update_state``), and applied to
+the logits of the whole batch (``apply``). Enabled with ``--logits-processors`` (fully qualified
+class names) or by a package's ``troupe.logits_processors`` entry point; a request passes
+arguments to them through ``SamplingParams.extra_args`` (the OpenAI field ``vllm_xargs``).
+
+Where they run in the sampler's chain (models/sampler.py), as in vLLM: processors that may change
+the argmax after logit_bias and before the penalties (step 7b), argmax-invariant ones after
+temperature, beside min_p (step 10b), and not at all for an all-greedy batch.
+
+Batch indices are the worker's batch slots (actors/worker/input_batch.py): a request keeps its
+slot while it is in the batch, so nothing ever moves (``moved`` is always empty) and
+``batch_size`` is one past the highest slot in use. The logits ``apply`` gets have one row per
+slot (rows of slots that sample nothing this step hold zeros and are ignored afterwards).
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from actors.engine.sampling_params import SamplingParams
+
+
+class MoveDirectionality(enum.Enum):
+    UNIDIRECTIONAL = 0       # a -> b, a left empty
+    SWAP = 1                 # a <-> b
+
+
+# (index, params, prompt token ids, output token ids: a list the worker extends as it samples)
+AddedRequest = tuple[int, "SamplingParams", "list[int] | None", "list[int]"]
+MovedRequest = tuple[int, int, MoveDirectionality]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchUpdate:
+    """What changed in the batch since the last step. Process ``added`` first, then
+    ``removed``, then ``moved`` (an index in ``added`` is never also in ``removed``)."""
+    batch_size: int
+    removed: Sequence[int]
+    added: Sequence[AddedRequest]
+    moved: Sequence[MovedRequest]
+
+
+class LogitsProcessor(ABC):
+    """vLLM v1's batch-level logits processor. Subclassing is optional (any class with these
+    methods works); ``applies_to`` is Troupe's addition, see below."""
+
+    @abstractmethod
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        """``vllm_config``: the engine's resolved EngineConfig; ``device``: the logits' device."""
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (batch_size, V) float32, row i = batch index i; return the processed logits
+        (writing in place and returning ``logits`` is fine)."""
+
+    @abstractmethod
+    def is_argmax_invariant(self) -> bool:
+        """True when ``apply`` never changes a row's most likely token (then greedy requests
+        skip it, and it runs after temperature)."""
+
+    @abstractmethod
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        """Called every step before sampling; None when the batch did not change."""
+
+    def applies_to(self, params: SamplingParams) -> bool:
+        """Whether this processor may change the logits of a request with ``params``.
+        Speculative decoding verifies drafts without calling processors per position, so a
+        request that a processor able to move the argmax applies to decodes without drafts.
+        Default: every request (a processor that acts only on requests asking through their
+        ``extra_args`` should say so)."""
+        return True
+
+
+_REQUIRED = ("apply", "is_argmax_invariant", "update_state")
+
+
+def check_processor_class(cls: type, what: str) -> type:
+    missing = [m for m in _REQUIRED if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"{what} {cls.__module__}.{cls.__qualname__} is not a logits processor: "
+                         f"it lacks {', '.join(missing)} (vLLM's LogitsProcessor interface)")
+    return cls
+
+
+@dataclass(slots=True)
+class _BatchChanges:
+    added: dict[int, AddedRequest] = field(default_factory=dict)
+    removed: set[int] = field(default_factory=set)
+
+
+class LogitsProcessors:
+    """The worker's processors over its persistent batch: records the batch's changes, hands
+    them over once per step (``flush``), keeps each request's output token list up to date, and
+    applies the processors to a step's sampling rows (``bind``)."""
+
+    def __init__(self, processors: list[Any]) -> None:
+        self.processors = processors
+        self.non_argmax_invariant = [p for p in processors if not p.is_argmax_invariant()]
+        self.argmax_invariant = [p for p in processors if p.is_argmax_invariant()]
+        self.outputs: dict[int, list[int]] = {}       # slot -> its request's output tokens (live)
+        self._changes = _BatchChanges()
+
+    def add(self, slot: int, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+        out = list(output_token_ids)
+        self.outputs[slot] = out
+        self._changes.removed.discard(slot)
+        self._changes.added[slot] = (slot, params, list(prompt_token_ids), out)
+
+    def remove(self, slot: int) -> None:
+        self.outputs.pop(slot, None)
+        self._changes.added.pop(slot, None)
+        self._changes.removed.add(slot)      # whoever the processors last saw there
+
+    def accepts_drafts(self, params: SamplingParams) -> bool:
+        """False when a processor that may move the argmax applies to the request (its drafts
+        could not be verified the way decoding them one by one would), or an argmax-invariant
+        one applies to a request that samples."""
+        for p in self.processors:
+            if _applies(p, params) and (p in self.non_argmax_invariant or not params.greedy):
+                return False
+        return True
+
+    @property
+    def batch_size(self) -> int:
+        return max(self.outputs) + 1 if self.outputs else 0
+
+    def flush(self) -> None:
+        """Tell every processor what changed since the last step (None: nothing)."""
+        c = self._changes
+        update = None
+        if c.added or c.removed:
+            update = BatchUpdate(self.batch_size, sorted(c.removed), [c.added[s] for s in sorted(c.added)], [])
+            self._changes = _BatchChanges()
+        for p in self.processors:
+            p.update_state(update)
+
+    def append_outputs(self, slots: np.ndarray, token_lists: Sequence[Sequence[int]]) -> None:
+        for slot, tokens in zip(slots.tolist(), token_lists):
+            self.outputs[slot].extend(tokens)
+
+    def bind(self, slots: np.ndarray) -> BoundLogitsProcessors:
+        return BoundLogitsProcessors(self, torch.from_numpy(np.asarray(slots, dtype=np.int64)))
+
+
+@dataclass(frozen=True, slots=True)
+class BoundLogitsProcessors:
+    """The processors for one sampling call: row j of the sampler's logits is slot ``slots[j]``."""
+    procs: LogitsProcessors
+    slots: torch.Tensor                      # (S,) int64
+
+    @property
+    def changes_argmax(self) -> bool:
+        return bool(self.procs.non_argmax_invariant)
+
+    @property
+    def has_argmax_invariant(self) -> bool:
+        return bool(self.procs.argmax_invariant)
+
+    def apply_non_argmax_invariant(self, logits: torch.Tensor) -> None:
+        self._apply(self.procs.non_argmax_invariant, logits)
+
+    def apply_argmax_invariant(self, logits: torch.Tensor) -> None:
+        self._apply(self.procs.argmax_invariant, logits)
+
+    def _apply(self, processors: list[Any], logits: torch.Tensor) -> None:
+        """In place on logits (S, V): scattered into the batch's (batch_size, V) rows, processed,
+        gathered back (no copy when the rows already are slots 0 .. S-1 in order)."""
+        if not processors:
+            return
+        S, V = logits.shape
+        n = self.procs.batch_size
+        identity = S == n and bool((self.slots == torch.arange(S)).all())
+        full = logits
+        if not identity:
+            full = logits.new_zeros((n, V))
+            full[self.slots.to(logits.device)] = logits
+        for p in processors:
+            full = p.apply(full)
+        if not identity:
+            logits.copy_(full[self.slots.to(logits.device)])
+        elif full is not logits:
+            logits.copy_(full)
+
+
+def _applies(processor: Any, params: SamplingParams) -> bool:
+    check = getattr(processor, "applies_to", None)
+    return True if check is None else bool(check(params))
+
+
+def load_logits_processor_classes(names: Sequence[str]) -> list[type]:
+    """The classes of the installed ``troupe.logits_processors`` entry points (as TROUPE_PLUGINS
+    allows), then those ``names`` gives (--logits-processors), each once."""
+    from actors.runtime.plugins import LOGITS_PROCESSORS, load_plugins_by_group, resolve_class
+    classes = [check_processor_class(cls, f"entry point {name!r} ({LOGITS_PROCESSORS})")
+               for name, cls in load_plugins_by_group(LOGITS_PROCESSORS).items()]
+    classes += [check_processor_class(resolve_class(name, "--logits-processors"), "--logits-processors")
+                for name in names]
+    return list(dict.fromkeys(classes))
+
+
+def build_logits_processors(classes: Sequence[type], config: Any, device: torch.device,
+                            is_pin_memory: bool) -> LogitsProcessors | None:
+    """One instance of each class for a worker on ``device`` (None when there are none)."""
+    if not classes:
+        return None
+    return LogitsProcessors([cls(config, device, is_pin_memory) for cls in classes])
