@@ -58,6 +58,7 @@ class EngineArgs:
     num_threads: int = 0
     multiprocess: bool = True
     data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
     max_restarts: int = 3
     restart_window_s: float = 120.0
     trace: bool = True
@@ -115,6 +116,7 @@ class EngineArgs:
                                       max_waiting_tokens=self.max_waiting_tokens,
                                       disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
             parallel=ParallelConfig(multiprocess=self.multiprocess, data_parallel_size=self.data_parallel_size,
+                                    tensor_parallel_size=self.tensor_parallel_size,
                                     max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
@@ -355,6 +357,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             action=argparse.BooleanOptionalAction, default=d["async_scheduling"],
             help="plan the next engine step while the worker computes this one (default: on when the "
                  "worker runs in a process of its own; the same tokens either way)")),
+        (("--tensor-parallel-size", "-tp"), "tensor_parallel_size", dict(
+            type=int, default=d["tensor_parallel_size"], metavar="N",
+            help="split the model over N worker processes: attention heads (and their KV cache) and MLP "
+                 "columns per rank, an all-reduce after each attention and MLP (gloo on the CPU, NCCL on "
+                 "GPUs); exact weights only")),
         (("--data-parallel-size", "-dp"), "data_parallel_size", dict(
             type=int, default=d["data_parallel_size"], metavar="N",
             help="engine cores, each with its own scheduler, KV cache and worker process, behind one "

@@ -12,6 +12,8 @@ leaves once the weights are loaded (``with_kv_cache_bytes``).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
@@ -106,6 +108,9 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # frontend; data_parallel_rank: which one this config is of (set by the frontend per engine)
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # --tensor-parallel-size: each engine core's model split over this many worker processes
+    # (attention heads and MLP columns; gloo on the CPU, NCCL on GPUs)
+    tensor_parallel_size: int = 1
     max_restarts: int = 3                  # a worker or engine process dying more often than this ...
     restart_window_s: float = 120.0        # ... within this window stops the server
 
@@ -160,7 +165,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"the draft model's vocabulary ({draft_arch.vocab_size} tokens) differs from the "
                                  f"target's ({arch.vocab_size}): a draft model must share the target's tokenizer")
         cache_dtype = {"auto": dtype, "fp8": "fp8_e4m3"}.get(self.cache.cache_dtype, self.cache.cache_dtype)
-        specs = model_kv_cache_specs(arch, self.cache.block_size, DTYPE_BYTES[cache_dtype])
+        specs = model_kv_cache_specs(rank_arch(arch, self.parallel.tensor_parallel_size), self.cache.block_size,
+                                     DTYPE_BYTES[cache_dtype])
         groups = kv_cache_groups(specs, hybrid=not self.scheduler.disable_hybrid_kv_cache_manager)
         if self.model.draft_source is not None:
             groups = with_draft_layers(groups, specs, model_kv_cache_specs(
@@ -186,8 +192,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             model=msgspec.structs.replace(self.model, dtype=dtype, max_model_len=max_model_len, arch=arch,
                                           draft_arch=draft_arch if self.model.draft_source is not None else None),
             cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
-            device=msgspec.structs.replace(self.device, device=device,
-                                           num_threads=self.device.num_threads or cpu_count))
+            device=msgspec.structs.replace(self.device, device=device, num_threads=self.device.num_threads or max(
+                1, cpu_count // (self.parallel.tensor_parallel_size * self.parallel.data_parallel_size))))
 
 
     @property
@@ -208,12 +214,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 groups, num_blocks, self.model.max_model_len)),
             cache=msgspec.structs.replace(self.cache, kv_cache_memory_bytes=kv_bytes, num_blocks=num_blocks))
 
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """One spec per attention layer of a resolved config's model, then of its draft model."""
+    def kv_cache_specs(self, num_kv_heads: int | None = None) -> list[KVCacheSpec]:
+        """One spec per attention layer of a resolved config's model, then of its draft model.
+        With tensor parallelism, a rank's layers hold its KV heads only: ``num_kv_heads`` (a
+        worker's own), or the most any rank holds (what a block is sized for)."""
         if not self.resolved:
             raise ValueError("the KV cache specs need a resolved config")
         bs, dtype_bytes = self.cache.block_size, DTYPE_BYTES[self.cache.cache_dtype]
-        specs = model_kv_cache_specs(self.model.arch, bs, dtype_bytes)
+        arch = rank_arch(self.model.arch, self.parallel.tensor_parallel_size, num_kv_heads)
+        specs = model_kv_cache_specs(arch, bs, dtype_bytes)
         if self.model.draft_arch is not None:
             specs += model_kv_cache_specs(self.model.draft_arch, bs, dtype_bytes)
         return specs
@@ -234,6 +243,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"a KV cache of {num_blocks} blocks cannot hold one token in each of its "
                              f"{len(groups)} KV cache groups; give it more memory or blocks")
         return n
+
+
+def rank_arch(arch: ArchConfig, tp: int, num_kv_heads: int | None = None) -> ArchConfig:
+    """The architecture as one tensor-parallel rank's KV cache sees it: ``num_kv_heads`` of its
+    own, or the most any of ``tp`` ranks holds."""
+    if tp == 1 and num_kv_heads is None:
+        return arch
+    from models.tp_layout import max_local_kv_heads
+    local = num_kv_heads or max_local_kv_heads(arch.num_heads, arch.num_kv_heads, tp)
+    return dataclasses.replace(arch, num_kv_heads=local)
 
 
 def kv_scales_note(cache: CacheConfig) -> str:
@@ -313,6 +332,18 @@ def check_config(cfg: EngineConfig) -> None:
     if dp.data_parallel_size < 1 or not 0 <= dp.data_parallel_rank < dp.data_parallel_size:
         raise ValueError(f"data_parallel_size must be at least 1 and data_parallel_rank in [0, size), got "
                          f"{dp.data_parallel_size} and {dp.data_parallel_rank}")
+    if dp.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {dp.tensor_parallel_size}")
+    if dp.tensor_parallel_size > 1:
+        if not dp.multiprocess:
+            raise ValueError("tensor parallelism runs each rank in a worker process of its own: it needs the "
+                             "multiprocess layout (a server, or LLM(multiprocess=True))")
+        if cfg.model.quantization is not None:
+            raise ValueError(f"quantization {cfg.model.quantization!r} with tensor parallelism is not supported "
+                             "yet: run the exact weights, or one worker")
+        if cfg.speculative is not None and cfg.speculative.method != "ngram":
+            raise ValueError(f"speculative method {cfg.speculative.method!r} with tensor parallelism is not "
+                             "supported yet (its draft model runs unsplit): use method ngram, or one worker")
     if dp.data_parallel_size > 1 and not dp.multiprocess:
         raise ValueError("data parallelism runs each engine core in a process of its own: it needs the "
                          "multiprocess layout (a server, or LLM(multiprocess=True))")

@@ -1,10 +1,15 @@
 """The engine core: starts the worker, builds the KVManager, Executor and Scheduler actors around
 it from the resolved config, and supervises the worker. In a server the worker is a child
-process (restarted when it dies, up to a limit); offline it is an actor in this event loop."""
+process (restarted when it dies, up to a limit); offline it is an actor in this event loop.
+
+With tensor parallelism there is one worker process per rank; they form a process group (meeting
+at a file in the IPC directory, one per generation) and run every step together. One that dies
+breaks the group: the others are stopped and all are started again, as one worker would be."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import msgspec
 
@@ -37,9 +42,11 @@ class EngineCore:
         self.config = config
         self.ipc_dir = ipc_dir
         self.dp_rank = config.parallel.data_parallel_rank
-        self.worker_node = topology.worker_node(0, self.dp_rank)
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.worker_nodes = [topology.worker_node(r, self.dp_rank) for r in range(self.tp_size)]
         self.generation = 0
-        self.worker: ChildProcess | None = None
+        self.workers: list[ChildProcess] = []          # one process per tensor-parallel rank
+        self._restarting = False
         self._restarts = RestartBudget(config.parallel.max_restarts, config.parallel.restart_window_s)
         self.scheduler: ActorRef | None = None
         self.executor: ActorRef | None = None
@@ -49,8 +56,8 @@ class EngineCore:
     async def start(self) -> EngineConfig:
         """Load the model, allocate the KV cache, start the engine's actors; returns the
         resolved config."""
-        worker, self.config = await self._start_worker()
-        await worker.ask(InitKVCache(), timeout=INIT_KV_TIMEOUT_S)
+        workers, self.config = await self._start_workers()
+        await asyncio.gather(*(w.ask(InitKVCache(), timeout=INIT_KV_TIMEOUT_S) for w in workers))
         cfg = self.config
         log.info("KV cache: %d blocks of %d tokens (%s%s), %s; max model len %d", cfg.cache.num_blocks,
                  cfg.cache.block_size, cfg.cache.cache_dtype, kv_scales_note(cfg.cache),
@@ -60,54 +67,72 @@ class EngineCore:
         # the scheduler calls the KV manager's core and reads compiled grammars directly
         kv, grammars = self.kv_manager.colocated(), self.grammar.colocated()
         structured = StructuredOutputs(grammars, cfg.model.arch.vocab_size)
-        self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor(worker))
+        self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor(workers))
         outputs = self.node.ref(topology.DETOKENIZER, topology.FRONTEND_NODE, EngineCoreOutputs)
         self.scheduler = self.node.spawn(topology.SCHEDULER, lambda: SchedulerActor(
             Scheduler(cfg, kv, structured), self.executor, outputs, self.grammar, engine_index=self.dp_rank))
         return cfg
 
-    async def _start_worker(self) -> tuple[ActorRef, EngineConfig]:
-        """The worker, with the model loaded; and the config it resolved."""
+    async def _start_workers(self) -> tuple[list[ActorRef], EngineConfig]:
+        """The workers (one per tensor-parallel rank), with the model loaded; and the config
+        rank 0 resolved."""
         if not self.config.parallel.multiprocess:
             ref = await self.node.start(topology.WORKER, WorkerActor)
-            return ref, await ref.ask(LoadModel(self.config), timeout=LOAD_TIMEOUT_S)
-        spec = NodeSpec(self.worker_node, "actors.worker.actor:worker_entry",
-                        msgspec.msgpack.encode(self.config), self.ipc_dir, self.node.name,
-                        {self.node.name: endpoint(self.ipc_dir, self.node.name)},
+            return [ref], await ref.ask(LoadModel(self.config), timeout=LOAD_TIMEOUT_S)
+        # the ranks' meeting point: a file of this generation (a fresh group after a restart)
+        init = (f"file://{self.ipc_dir}/tp-{self.dp_rank}-{self.generation}-{os.getpid()}"
+                if self.tp_size > 1 else "")
+        started = await asyncio.gather(*(self._start_rank(r, init) for r in range(self.tp_size)),
+                                       return_exceptions=True)
+        failed = [x for x in started if isinstance(x, BaseException)]
+        self.workers = [x[0] for x in started if not isinstance(x, BaseException)]
+        if failed:
+            await asyncio.gather(*(w.stop() for w in self.workers))
+            raise failed[0]
+        configs = [decode_info(ready, EngineConfig) for _, ready in started]
+        return [self.node.ref(topology.WORKER, node) for node in self.worker_nodes], configs[0]
+
+    async def _start_rank(self, rank: int, init_method: str):
+        spec = NodeSpec(self.worker_nodes[rank], "actors.worker.actor:worker_entry",
+                        msgspec.msgpack.encode(LoadModel(self.config, rank, init_method)), self.ipc_dir,
+                        self.node.name, {self.node.name: endpoint(self.ipc_dir, self.node.name)},
                         trace=self.config.observability.trace,
                         flight_dir=self.config.observability.flight_recorder_dir)
-        self.worker, ready = await start_child(self.node, spec, ready_timeout=LOAD_TIMEOUT_S,
-                                               on_exit=self._worker_exited)
-        return self.node.ref(topology.WORKER, self.worker_node), decode_info(ready, EngineConfig)
+        return await start_child(self.node, spec, ready_timeout=LOAD_TIMEOUT_S, on_exit=self._worker_exited)
 
     # -- worker supervision ------------------------------------------------------------------
     def _worker_exited(self, child: ChildProcess) -> None:
-        if self.node.closed.done() or self.scheduler is None:   # dying at start-up: start() reports it
-            return
+        if self.node.closed.done() or self.scheduler is None or self._restarting:
+            return       # dying at start-up (start() reports it), or stopped by a restart under way
         log.error("%s", child.describe_exit())
+        self._restarting = True
         # steps wait for the replacement; running requests go back to the queue (their KV is gone)
         self.executor.tell(WorkersDown(self.generation))
         self.scheduler.tell(WorkersLost(self.generation, child.describe_exit()))
         if not self._restarts.spend():
             self.node.fatal(f"the worker died {self._restarts.describe()}; giving up")
             return
-        asyncio.get_running_loop().create_task(self._restart_worker())
+        asyncio.get_running_loop().create_task(self._restart_workers())
 
-    async def _restart_worker(self) -> None:
+    async def _restart_workers(self) -> None:
         try:
-            worker, _ = await self._start_worker()
-            await worker.ask(InitKVCache(), timeout=INIT_KV_TIMEOUT_S)
+            # the other ranks' process group died with the one: all start again
+            await asyncio.gather(*(w.stop() for w in self.workers))
+            self.generation += 1
+            workers, _ = await self._start_workers()
+            await asyncio.gather(*(w.ask(InitKVCache(), timeout=INIT_KV_TIMEOUT_S) for w in workers))
         except Exception as exc:  # whatever went wrong, the engine cannot go on without a worker
             self.node.fatal(f"could not restart the worker: {exc}")
             return
-        self.generation += 1
-        log.info("worker restarted (generation %d)", self.generation)
-        self.executor.tell(WorkersUp(self.generation, self.worker_node, topology.WORKER))
+        finally:
+            self._restarting = False
+        log.info("worker%s restarted (generation %d)", "s" if self.tp_size > 1 else "", self.generation)
+        self.executor.tell(WorkersUp(self.generation, self.worker_nodes, topology.WORKER))
         self.scheduler.tell(WorkersReady(self.generation))
 
     async def stop(self) -> None:
-        if self.worker is not None:
-            await self.worker.stop()
+        self._restarting = True
+        await asyncio.gather(*(w.stop() for w in self.workers))
 
 
 async def engine_entry(node: Node, payload: bytes) -> EngineConfig:

@@ -1,4 +1,5 @@
-"""Executor actor: sends each SchedulerOutput to the worker and returns its ModelRunnerOutput.
+"""Executor actor: sends each SchedulerOutput to the worker (with tensor parallelism, to every
+rank at once) and returns its ModelRunnerOutput (rank 0's).
 While the worker is being restarted it holds steps until the replacement is up (its KV cache
 allocated), so no step reaches a worker that cannot run it; a step held across a restart fails
 as the worker's death (its requests are recomputed on the new one). A step whose reply is late is
@@ -29,9 +30,10 @@ class WorkersDown(Msg):
 
 
 class WorkersUp(Msg):
-    """The worker of ``generation`` is up (its KV cache allocated): actor ``name`` on ``node``."""
+    """The workers of ``generation`` are up (their KV caches allocated): actor ``name`` on each
+    of ``nodes`` (one per tensor-parallel rank, rank 0 first)."""
     generation: int
-    node: str
+    nodes: list[str]
     name: str
 
 
@@ -46,8 +48,8 @@ class Executor(Actor):
     protocol = ExecutorProtocol
     concurrent = True            # a held step waits while WorkersUp is handled
 
-    def __init__(self, worker: ActorRef) -> None:
-        self.worker = worker
+    def __init__(self, workers: list[ActorRef]) -> None:
+        self.workers = workers                    # one per tensor-parallel rank; rank 0's output is the step's
         self._up = asyncio.Event()
         self._up.set()
         self._generation = 0
@@ -68,8 +70,8 @@ class Executor(Actor):
                     done.set_result(None)
             case WorkersDown():
                 self._up.clear()
-            case WorkersUp(generation=generation, node=node, name=name):
-                self.worker = self.ctx.node.ref(name, node)
+            case WorkersUp(generation=generation, nodes=nodes, name=name):
+                self.workers = [self.ctx.node.ref(name, node) for node in nodes]
                 self._generation, self._last_sent = generation, -1
                 self._up.set()
         return None
@@ -94,7 +96,18 @@ class Executor(Actor):
             return await self._send(so)
 
     async def _send(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        worker = self.worker
+        """The step on every rank at once (their collectives meet); rank 0's output."""
+        if len(self.workers) == 1:
+            return await self._send_to(self.workers[0], so)
+        sends = [asyncio.ensure_future(self._send_to(w, so)) for w in self.workers]
+        try:
+            outputs = await asyncio.gather(*sends)
+        finally:
+            for f in sends:
+                f.cancel()
+        return outputs[0]
+
+    async def _send_to(self, worker: ActorRef, so: SchedulerOutput) -> ModelRunnerOutput:
         reply = asyncio.ensure_future(worker.ask(so, timeout=STEP_TIMEOUT_S))
         try:
             while True:

@@ -18,9 +18,13 @@ if TYPE_CHECKING:
 
 
 class LoadModel(Msg):
-    """Load the checkpoint ``config`` names; the reply is the config resolved by this worker."""
+    """Load the checkpoint ``config`` names; the reply is the config resolved by this worker.
+    With tensor parallelism: this worker's ``tp_rank``, and where the ranks meet to form their
+    process group (``init_method``, torch.distributed's)."""
     reply_type: ClassVar[Any] = EngineConfig
     config: EngineConfig
+    tp_rank: int = 0
+    init_method: str = ""
 
 
 class InitKVCache(Msg):
@@ -79,11 +83,11 @@ class WorkerActor(Actor):
             case StepStatus(step=step):
                 out = self.recent.get(step)
                 return StepResult(out is not None, out)
-            case LoadModel(config=config):
+            case LoadModel(config=config, tp_rank=tp_rank, init_method=init_method):
                 # The core imports torch and the models: imported here, at the first load, and
                 # not with this protocol, which the engine-core process imports without torch.
                 from actors.worker.worker import Worker
-                self.core = Worker(config)
+                self.core = Worker(config, tp_rank, init_method)
                 return self.core.config
             case InitKVCache():
                 return self._loaded().init_kv_cache()
@@ -96,7 +100,7 @@ class WorkerActor(Actor):
 
 async def worker_entry(node: Node, payload: bytes) -> EngineConfig:
     """Entry of a worker process: start the Worker actor and load the model; the process's
-    ready message carries the resolved config."""
-    config = msgspec.msgpack.decode(payload, type=EngineConfig)
+    ready message carries the resolved config. ``payload``: a LoadModel message in msgpack."""
+    load = msgspec.msgpack.decode(payload, type=LoadModel)
     ref = await node.start(topology.WORKER, WorkerActor)
-    return await ref.ask(LoadModel(config), timeout=LOAD_TIMEOUT_S)
+    return await ref.ask(load, timeout=LOAD_TIMEOUT_S)

@@ -99,7 +99,9 @@ class ModelRunner:
         self.block_size = bs = config.cache.block_size
         self.device = torch.device(config.device.device)
         kv_dtype = torch_dtype(config.cache.cache_dtype)
-        specs = config.kv_cache_specs()               # the target's layers, then a draft model's
+        # the target's layers, then a draft model's; with tensor parallelism, this rank's KV heads
+        local = first_attention(model).num_kv_heads if config.parallel.tensor_parallel_size > 1 else None
+        specs = config.kv_cache_specs(local)
         groups = config.kv_cache_groups()
         self.num_kv_cache_groups = G = len(groups)
         views = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device, groups)

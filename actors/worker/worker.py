@@ -27,14 +27,18 @@ from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
 from models.quant import quantize
 from models.registry import Checkpoint, attention_requirements, build_model, open_checkpoint
+from models.tensor_parallel import shard_model
 
 log = logging.getLogger("troupe.worker")
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
-        """Resolve ``config`` for this platform and checkpoint and load the model."""
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, init_method: str = "") -> None:
+        """Resolve ``config`` for this platform and checkpoint and load the model (with tensor
+        parallelism, rank ``tp_rank``'s part of it, after joining the ranks' process group at
+        ``init_method``)."""
         t0 = time.monotonic()
+        self.tp_rank = tp_rank
         source = config.model.source
         ckpt = open_checkpoint(source)
         draft = config.model.draft_source
@@ -47,6 +51,9 @@ class Worker:
         torch.set_num_threads(self.config.device.num_threads)
         torch.manual_seed(self.config.model.seed)
         self.device = torch.device(self.config.device.device)
+        self.tp_size = self.config.parallel.tensor_parallel_size
+        if self.tp_size > 1:
+            join_tensor_parallel_group(self.device, tp_rank, self.tp_size, init_method)
         self.attn_backend = self._backend(ckpt)
         self.model = self._load(ckpt, self.attn_backend, self.config.model.quantization, source.path)
         log.info("model %s loaded on %s (%s) in %.1f s", source.served_name, self.device.type,
@@ -85,6 +92,8 @@ class Worker:
         cfg = self.config
         model = build_model(ckpt, torch_dtype(cfg.model.dtype), backend, cfg.cache.block_size,
                             self.device.type, torch_dtype(cfg.cache.cache_dtype))
+        if self.tp_size > 1:                 # this rank's heads and columns (before packing)
+            shard_model(model, self.tp_size, self.tp_rank)
         if quantization:
             quantize(model, quantization, path)
         if self.platform.packs_linears:      # linear layers packed once for the native kernels
@@ -115,6 +124,9 @@ class Worker:
         backend cannot run inside a graph."""
         if not self.platform.supports_cuda_graphs or self.config.model.enforce_eager:
             return False
+        if self.tp_size > 1:
+            log.warning("tensor parallelism runs every step eagerly for now (no all-reduce inside CUDA graphs)")
+            return False
         if self.attn_backend.cudagraph_support == "never":
             log.warning("attention backend %s cannot run in CUDA graphs: every step runs eagerly",
                         self.attn_backend.name)
@@ -125,6 +137,23 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("the KV cache is not initialized (InitKVCache first)")
         return self.runner.execute_model(so)
+
+
+TP_TIMEOUT_S = 120.0             # a collective waiting longer than this for a rank fails the step
+
+
+def join_tensor_parallel_group(device: torch.device, rank: int, world: int, init_method: str) -> None:
+    """This process's place in its engine core's tensor-parallel group (the default process
+    group): gloo on the CPU, NCCL on CUDA; the ranks meet at ``init_method``."""
+    import datetime
+    import torch.distributed as dist
+    if not init_method:
+        raise ValueError("tensor parallelism needs the ranks' meeting point (init_method)")
+    if device.type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
+    log.info("tensor-parallel rank %d of %d joined its group (%s)", rank, world, dist.get_backend())
 
 
 PROFILE_REQUEST = "profile"

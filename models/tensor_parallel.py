@@ -1,0 +1,105 @@
+"""Tensor parallelism: a loaded model split in place over ``world`` ranks (chapter 8 of the book,
+Megatron's layout), one rank per worker process, collectives through ``torch.distributed``.
+
+Per decoder layer:
+  - attention: each rank keeps a contiguous run of KV heads and the query heads that read them
+    (q|k|v rows of the fused projection: column-parallel), attends over its own heads with its
+    own KV cache, and multiplies by its columns of the output projection (row-parallel); an
+    all-reduce sums the ranks' partial outputs. KV heads are split as evenly as they go (9 query
+    heads over 3 KV heads on 2 ranks: 6 + 3 query heads, 2 + 1 KV heads); with fewer KV heads
+    than ranks, each is replicated on world / KV ranks and its query heads split among them;
+  - MLP: gate|up rows (column-parallel) and down columns (row-parallel) over an even split of
+    the intermediate size, then an all-reduce.
+The embedding, the norms and the LM head stay whole on every rank (each computes the same
+logits, samples the same tokens; rank 0's output is the step's). A bias of a row-parallel layer
+is added once, on rank 0.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.layers import GatedMLP, Linear, MergedLinear, SelfAttention
+from models.tp_layout import head_split, split
+
+
+class RowParallel(nn.Module):
+    """A row-parallel linear: this rank's columns of the weight times its share of the input,
+    summed over the ranks by an all-reduce."""
+
+    def __init__(self, linear: nn.Module, group: Any) -> None:
+        super().__init__()
+        self.linear = linear
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        torch.distributed.all_reduce(y, group=self.group)
+        return y
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    lin = Linear(weight.shape[1], weight.shape[0], weight.dtype, bias=bias is not None)
+    lin.weight.data = weight.contiguous()
+    if bias is not None:
+        lin.bias.data = bias.contiguous()
+    return lin
+
+
+def _merged(shards: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> MergedLinear:
+    first = next(iter(shards.values()))[0]
+    with_bias = any(b is not None for _, b in shards.values())
+    lin = MergedLinear(first.shape[1], {name: w.shape[0] for name, (w, _) in shards.items()}, first.dtype,
+                       bias=with_bias)
+    lin.weight.data = torch.cat([w for w, _ in shards.values()]).contiguous()
+    if with_bias:
+        lin.bias.data = torch.cat([b for _, b in shards.values()]).contiguous()
+    return lin
+
+
+def _rows(lin: MergedLinear, shard: str, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    off = lin.shard_offsets[shard]
+    w = lin.weight.data[off + start:off + start + count]
+    b = lin.bias.data[off + start:off + start + count] if lin.bias is not None else None
+    return w, b
+
+
+def shard_attention(m: SelfAttention, world: int, rank: int, group: Any) -> None:
+    D = m.head_size
+    q0, qn, k0, kn = head_split(m.num_heads, m.num_kv_heads, world, rank)
+    qkv = m.qkv_proj
+    m.qkv_proj = _merged({"q": _rows(qkv, "q", q0 * D, qn * D), "k": _rows(qkv, "k", k0 * D, kn * D),
+                          "v": _rows(qkv, "v", k0 * D, kn * D)})
+    o = m.o_proj
+    bias = o.bias.data if o.bias is not None and rank == 0 else None
+    m.o_proj = RowParallel(_linear(o.weight.data[:, q0 * D:(q0 + qn) * D], bias), group)
+    m.num_heads, m.num_kv_heads = qn, kn
+    m.q_size, m.kv_size = qn * D, kn * D
+
+
+def shard_mlp(m: GatedMLP, world: int, rank: int, group: Any) -> None:
+    gu = m.gate_up_proj
+    start, count = split(gu.shard_sizes["gate"], world, rank)
+    m.gate_up_proj = _merged({"gate": _rows(gu, "gate", start, count), "up": _rows(gu, "up", start, count)})
+    d = m.down_proj
+    bias = d.bias.data if d.bias is not None and rank == 0 else None
+    m.down_proj = RowParallel(_linear(d.weight.data[:, start:start + count], bias), group)
+
+
+def shard_model(model: nn.Module, world: int, rank: int, group: Any = None) -> nn.Module:
+    """Split ``model`` (weights loaded, not yet packed or quantized) in place for ``rank`` of
+    ``world``; returns it. ValueError for a model whose layers are not the ones split here."""
+    if world == 1:
+        return model
+    attention = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
+    if not attention or len(mlps) != len(attention):
+        raise ValueError(f"{type(model).__name__}: tensor parallelism splits models made of attention and gated "
+                         "MLP layers")
+    for m in attention:
+        shard_attention(m, world, rank, group)
+    for m in mlps:
+        shard_mlp(m, world, rank, group)
+    return model

@@ -1,0 +1,113 @@
+"""Tensor parallelism on tiny random models of each architecture: two real ranks (processes in a
+gloo group), each holding its share of the heads (even and uneven splits, KV heads replicated
+when fewer than the ranks) and of the MLP columns, give the logits of the unsplit model within
+float32 rounding, over a prompt step and decode steps of a paged KV cache."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from kernels.attention import CpuAttentionBackend, allocate_kv_caches
+from models.config import FULL, SLIDING, ArchConfig
+from models.gemma3 import Gemma3ForCausalLM
+from models.llama import LlamaForCausalLM
+from models.mistral import MistralForCausalLM
+from models.qwen3 import Qwen3ForCausalLM
+from models.tensor_parallel import RowParallel, shard_model
+from models.tp_layout import head_split, max_local_kv_heads, split
+from helpers import run_steps
+
+BS = 4
+CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
+           "MistralForCausalLM": MistralForCausalLM, "Gemma3ForCausalLM": Gemma3ForCausalLM}
+
+
+def _arch(name: str, heads: int, kv_heads: int) -> ArchConfig:
+    extra = {}
+    if name == "MistralForCausalLM":
+        extra = dict(sliding_window=6, qkv_bias=True, o_bias=True)
+    if name == "Gemma3ForCausalLM":
+        extra = dict(sliding_window=6, layer_types=(SLIDING, FULL, SLIDING), hidden_act="gelu_pytorch_tanh",
+                     query_pre_attn_scalar=16.0, rope_local_theta=10000.0)
+    return ArchConfig(architecture=name, vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3,
+                      num_heads=heads, num_kv_heads=kv_heads, head_size=16, max_model_len=256, rope_theta=10000.0,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_ids=(), **extra)
+
+
+def _model(arch: ArchConfig) -> torch.nn.Module:
+    model = CLASSES[arch.architecture](arch, CpuAttentionBackend()).eval()
+    g = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        p.data.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15, generator=g)
+    return model
+
+
+def _logits(model: torch.nn.Module, arch: ArchConfig, num_kv_heads: int) -> torch.Tensor:
+    """Logits of two prompts prefilled together, then four decode steps of both."""
+    local = dataclasses.replace(arch, num_kv_heads=num_kv_heads)
+    caches = allocate_kv_caches(local, 32, BS, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (n,), generator=g) for n in (9, 5)]
+    steps = [prompts] + [[torch.tensor([(5 * s + r) % 96]) for r in range(2)] for s in range(4)]
+    return run_steps(model, caches, [list(range(1, 12)), list(range(12, 24))], steps, BS)
+
+
+CASES = [
+    ("LlamaForCausalLM", 4, 2),          # one KV head each
+    ("LlamaForCausalLM", 6, 3),          # uneven: 2 + 1 KV heads, 4 + 2 query heads
+    ("LlamaForCausalLM", 4, 1),          # one KV head, replicated; its query heads split
+    ("Qwen3ForCausalLM", 4, 2),          # per-head q/k norms
+    ("MistralForCausalLM", 4, 2),        # sliding window, q/k/v and output biases
+    ("Gemma3ForCausalLM", 4, 2),         # sliding and full layers, its own norms
+]
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    """One rank of the group: every case's logits (rank 0 saves them)."""
+    try:
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        results = []
+        for name, heads, kv_heads in CASES:
+            arch = _arch(name, heads, kv_heads)
+            model = shard_model(_model(arch), world, rank)
+            results.append(_logits(model, arch, head_split(heads, kv_heads, world, rank)[3]))
+        if rank == 0:
+            torch.save(results, out)
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        raise
+
+
+def test_two_ranks_together_give_the_unsplit_models_logits(tmp_path):
+    out = str(tmp_path / "logits.pt")
+    mp.start_processes(_rank, args=(2, f"file://{tmp_path}/init", out), nprocs=2, start_method="spawn", join=True)
+    for (name, heads, kv_heads), got in zip(CASES, torch.load(out), strict=True):
+        arch = _arch(name, heads, kv_heads)
+        want = _logits(_model(arch), arch, kv_heads)
+        assert want.std() > 0.3
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} {heads}/{kv_heads}: {m}")
+
+
+def test_heads_and_columns_split_as_evenly_as_they_go():
+    assert [split(10, 3, r) for r in range(3)] == [(0, 4), (4, 3), (7, 3)]
+    assert [head_split(9, 3, 2, r) for r in range(2)] == [(0, 6, 0, 2), (6, 3, 2, 1)]     # SmolLM2 on 2 ranks
+    assert [head_split(8, 2, 4, r) for r in range(4)] == [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]
+    assert max_local_kv_heads(9, 3, 2) == 2 and max_local_kv_heads(8, 2, 4) == 1
+    with pytest.raises(ValueError, match="cannot be shared by 4 ranks"):
+        head_split(9, 3, 4, 0)
+
+
+def test_a_split_model_keeps_the_row_parallel_bias_on_rank_zero_only():
+    arch = _arch("MistralForCausalLM", 4, 2)
+    zero, one = shard_model(_model(arch), 2, 0), shard_model(_model(arch), 2, 1)
+    o0, o1 = zero.layers[0].self_attn.o_proj, one.layers[0].self_attn.o_proj
+    assert isinstance(o0, RowParallel) and o0.linear.bias is not None and o1.linear.bias is None
+    assert zero.layers[0].self_attn.num_heads == 2 and tuple(o0.linear.weight.shape) == (64, 32)
+    assert os.environ.get("WORLD_SIZE") is None      # nothing joined a process group in this process
