@@ -10,8 +10,11 @@ Per decoder layer:
     than ranks, each is replicated on world / KV ranks and its query heads split among them;
   - MLP: gate|up rows (column-parallel) and down columns (row-parallel) over an even split of
     the intermediate size, then an all-reduce.
-The embedding, the norms and the LM head stay whole on every rank (each computes the same
-logits, samples the same tokens; rank 0's output is the step's). A bias of a row-parallel layer
+The embedding and the LM head are split by vocabulary: each rank holds a run of the token rows;
+an embedding lookup takes the rows it holds (zeros for the others) and an all-reduce completes
+it; the LM head computes its rows' logits and an all-gather puts the vocabulary together (a tied
+head keeps sharing the embedding's rows). The norms stay whole; every rank gets the same logits
+and samples the same tokens, and rank 0's output is the step's. A bias of a row-parallel layer
 is added once, on rank 0.
 """
 from __future__ import annotations
@@ -19,9 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from models.layers import GatedMLP, Linear, MergedLinear, SelfAttention
+from models.layers import Embedding, GatedMLP, Linear, MergedLinear, SelfAttention
 from models.tp_layout import head_split, split
 
 
@@ -38,6 +42,59 @@ class RowParallel(nn.Module):
         y = self.linear(x)
         torch.distributed.all_reduce(y, group=self.group)
         return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows ``start .. start + n`` of the embedding; the lookup of the others comes
+    from their ranks through an all-reduce."""
+
+    def __init__(self, weight: torch.Tensor, start: int, group: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start, self.group = start, group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0.0)
+        torch.distributed.all_reduce(out, group=self.group)
+        return out
+
+
+class VocabParallelLMHead(nn.Module):
+    """This rank's vocabulary rows of the LM head (``linear``); the logits of every rank's rows
+    gathered into the whole vocabulary (``sizes``: each rank's row count, in rank order)."""
+
+    def __init__(self, linear: nn.Module, sizes: list[int], group: Any) -> None:
+        super().__init__()
+        self.linear = linear
+        self.sizes, self.group = sizes, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)                                     # (N, this rank's rows)
+        width = max(self.sizes)
+        if y.shape[1] < width:                                 # all_gather wants equal shapes
+            y = F.pad(y, (0, width - y.shape[1]))
+        parts = [torch.empty_like(y) for _ in self.sizes]
+        torch.distributed.all_gather(parts, y.contiguous(), group=self.group)
+        return torch.cat([p[:, :n] for p, n in zip(parts, self.sizes)], dim=1)
+
+
+def shard_vocab(model: nn.Module, world: int, rank: int, group: Any) -> None:
+    """The embedding and LM head split by vocabulary rows (a tied head shares the split rows)."""
+    emb, head = model.embed_tokens, model.lm_head
+    vocab = emb.weight.shape[0]
+    start, count = split(vocab, world, rank)
+    tied = head.weight is emb.weight
+    model.embed_tokens = VocabParallelEmbedding(emb.weight.data[start:start + count].clone(), start, group)
+    weight = model.embed_tokens.weight if tied else nn.Parameter(head.weight.data[start:start + count].clone(),
+                                                                 requires_grad=False)
+    bias = head.bias.data[start:start + count].clone() if head.bias is not None else None
+    lin = Linear(weight.shape[1], count, weight.dtype, weight=weight, bias=bias is not None)
+    if bias is not None:
+        lin.bias.data = bias
+    model.lm_head = VocabParallelLMHead(lin, [split(vocab, world, r)[1] for r in range(world)], group)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -102,4 +159,6 @@ def shard_model(model: nn.Module, world: int, rank: int, group: Any = None) -> n
         shard_attention(m, world, rank, group)
     for m in mlps:
         shard_mlp(m, world, rank, group)
+    if isinstance(getattr(model, "embed_tokens", None), Embedding) and isinstance(getattr(model, "lm_head", None), Linear):
+        shard_vocab(model, world, rank, group)
     return model

@@ -1,7 +1,8 @@
 """Tensor parallelism on tiny random models of each architecture: two real ranks (processes in a
 gloo group), each holding its share of the heads (even and uneven splits, KV heads replicated
-when fewer than the ranks) and of the MLP columns, give the logits of the unsplit model within
-float32 rounding, over a prompt step and decode steps of a paged KV cache."""
+when fewer than the ranks), of the MLP columns and of the vocabulary (embedding and LM head,
+tied or not), give the logits of the unsplit model within float32 rounding, over a prompt step
+and decode steps of a paged KV cache."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,16 +28,17 @@ CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCau
            "MistralForCausalLM": MistralForCausalLM, "Gemma3ForCausalLM": Gemma3ForCausalLM}
 
 
-def _arch(name: str, heads: int, kv_heads: int) -> ArchConfig:
+def _arch(name: str, heads: int, kv_heads: int, **more) -> ArchConfig:
     extra = {}
     if name == "MistralForCausalLM":
         extra = dict(sliding_window=6, qkv_bias=True, o_bias=True)
     if name == "Gemma3ForCausalLM":
         extra = dict(sliding_window=6, layer_types=(SLIDING, FULL, SLIDING), hidden_act="gelu_pytorch_tanh",
                      query_pre_attn_scalar=16.0, rope_local_theta=10000.0)
-    return ArchConfig(architecture=name, vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3,
-                      num_heads=heads, num_kv_heads=kv_heads, head_size=16, max_model_len=256, rope_theta=10000.0,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_ids=(), **extra)
+    fields = dict(architecture=name, vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3,
+                  num_heads=heads, num_kv_heads=kv_heads, head_size=16, max_model_len=256, rope_theta=10000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_ids=())
+    return ArchConfig(**{**fields, **extra, **more})
 
 
 def _model(arch: ArchConfig) -> torch.nn.Module:
@@ -51,9 +53,9 @@ def _logits(model: torch.nn.Module, arch: ArchConfig, num_kv_heads: int) -> torc
     """Logits of two prompts prefilled together, then four decode steps of both."""
     local = dataclasses.replace(arch, num_kv_heads=num_kv_heads)
     caches = allocate_kv_caches(local, 32, BS, torch.float32)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 96, (n,), generator=g) for n in (9, 5)]
-    steps = [prompts] + [[torch.tensor([(5 * s + r) % 96]) for r in range(2)] for s in range(4)]
+    g, V = torch.Generator().manual_seed(2), arch.vocab_size
+    prompts = [torch.randint(0, V, (n,), generator=g) for n in (9, 5)]
+    steps = [prompts] + [[torch.tensor([(5 * s + r) % V]) for r in range(2)] for s in range(4)]
     return run_steps(model, caches, [list(range(1, 12)), list(range(12, 24))], steps, BS)
 
 
@@ -64,6 +66,7 @@ CASES = [
     ("Qwen3ForCausalLM", 4, 2),          # per-head q/k norms
     ("MistralForCausalLM", 4, 2),        # sliding window, q/k/v and output biases
     ("Gemma3ForCausalLM", 4, 2),         # sliding and full layers, its own norms
+    ("LlamaForCausalLM", 4, 2, {"tie_word_embeddings": True, "vocab_size": 97}),   # a tied head, 49 + 48 rows
 ]
 
 
@@ -73,8 +76,8 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
         torch.set_num_threads(1)
         torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         results = []
-        for name, heads, kv_heads in CASES:
-            arch = _arch(name, heads, kv_heads)
+        for name, heads, kv_heads, *more in CASES:
+            arch = _arch(name, heads, kv_heads, **(more[0] if more else {}))
             model = shard_model(_model(arch), world, rank)
             results.append(_logits(model, arch, head_split(heads, kv_heads, world, rank)[3]))
         if rank == 0:
@@ -88,8 +91,8 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
 def test_two_ranks_together_give_the_unsplit_models_logits(tmp_path):
     out = str(tmp_path / "logits.pt")
     mp.start_processes(_rank, args=(2, f"file://{tmp_path}/init", out), nprocs=2, start_method="spawn", join=True)
-    for (name, heads, kv_heads), got in zip(CASES, torch.load(out), strict=True):
-        arch = _arch(name, heads, kv_heads)
+    for (name, heads, kv_heads, *more), got in zip(CASES, torch.load(out), strict=True):
+        arch = _arch(name, heads, kv_heads, **(more[0] if more else {}))
         want = _logits(_model(arch), arch, kv_heads)
         assert want.std() > 0.3
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} {heads}/{kv_heads}: {m}")
@@ -110,4 +113,5 @@ def test_a_split_model_keeps_the_row_parallel_bias_on_rank_zero_only():
     o0, o1 = zero.layers[0].self_attn.o_proj, one.layers[0].self_attn.o_proj
     assert isinstance(o0, RowParallel) and o0.linear.bias is not None and o1.linear.bias is None
     assert zero.layers[0].self_attn.num_heads == 2 and tuple(o0.linear.weight.shape) == (64, 32)
+    assert tuple(zero.embed_tokens.weight.shape) == (48, 64) and tuple(one.lm_head.linear.weight.shape) == (48, 64)
     assert os.environ.get("WORLD_SIZE") is None      # nothing joined a process group in this process
