@@ -28,9 +28,14 @@ ENABLED = os.environ.get("TROUPE_FUSED_CPU", "1") != "0"
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-@lru_cache(maxsize=1)
+_NATIVE_OK: list[bool] = []      # filled once: whether the library builds and loads here
+
+
+@torch.compiler.assume_constant_result      # torch.compile reads it once, never traces the build
 def _native_ok() -> bool:
-    return native.available()[0]
+    if not _NATIVE_OK:
+        _NATIVE_OK.append(native.available()[0])
+    return _NATIVE_OK[0]
 
 
 def supports(*tensors: torch.Tensor) -> bool:
