@@ -235,12 +235,12 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-@torch.compiler.disable
 def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None,
               k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
     """The attention call (KV store and paged attention through the backend): torch.compile's
-    splitting op, never traced, so compiled layers run as the pieces between attention calls."""
+    splitting op (``split_at_attention`` makes it untraced), so compiled layers run as the pieces
+    between attention calls."""
     return backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
                            k_scale=k_scale, v_scale=v_scale)
 
@@ -277,6 +277,7 @@ class SelfAttention(nn.Module):
         self.calculate_kv_scales = False
         self.kv_cache_group = 0     # whose block table this layer reads (bind_kv_cache_groups)
         self.custom_ops = True      # rotary through the custom kernels (set_custom_ops)
+        self.attention = attention  # torch.compiler.disable(attention) once compiled (split_at_attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -291,7 +292,7 @@ class SelfAttention(nn.Module):
         meta = meta.for_group(self.kv_cache_group)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
-        out = attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+        out = self.attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.sliding_window,
                         self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(T, self.q_size))     # (T, hidden)
 
@@ -321,6 +322,14 @@ def set_custom_ops(model: nn.Module, enabled: bool) -> None:
     for m in model.modules():
         if isinstance(m, (RMSNorm, GatedMLP, SelfAttention)):
             m.custom_ops = enabled
+
+
+def split_at_attention(model: nn.Module) -> None:
+    """torch.compile never traces the model's attention calls (dynamo imported only here: a
+    process that never compiles never loads it)."""
+    for m in model.modules():
+        if isinstance(m, SelfAttention):
+            m.attention = torch.compiler.disable(attention)
 
 
 def bind_kv_cache_groups(model: nn.Module, layer_groups: list[int]) -> None:

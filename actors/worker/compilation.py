@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from actors.engine.compilation import CompilationConfig
-from models.layers import set_custom_ops
+from kernels.cpu import fused
+from models.layers import set_custom_ops, split_at_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CODE = ("models/*.py", "kernels/cpu/*.py", "kernels/cpu/*.c", "kernels/attention/*.py", "actors/worker/compilation.py")
@@ -53,6 +54,8 @@ def apply_compilation(model: nn.Module, compilation: CompilationConfig, arch_rep
     path = cache_dir(compilation, arch_repr)
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path      # read by inductor at each compile
+    fused.supports(torch.zeros(1))   # whether the native kernels load: decided before tracing
+    split_at_attention(model)
     for layer in layers:
         layer.compile(dynamic=True)
     return path

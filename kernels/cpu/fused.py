@@ -31,8 +31,9 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _NATIVE_OK: list[bool] = []      # filled once: whether the library builds and loads here
 
 
-@torch.compiler.assume_constant_result      # torch.compile reads it once, never traces the build
 def _native_ok() -> bool:
+    """Filled before torch.compile traces a layer (actors/worker/compilation.py), which then
+    reads the list and never traces the library's build."""
     if not _NATIVE_OK:
         _NATIVE_OK.append(native.available()[0])
     return _NATIVE_OK[0]
