@@ -86,8 +86,10 @@ class RMSNorm(nn.Module):
 
     Called with a ``residual`` it first adds x to it, vLLM's fused add + norm:
     ``norm(x, residual) -> (norm(residual + x), residual + x)``, the sum being the next
-    residual; the fused kernel updates ``residual`` in place.
+    residual; the fused kernel updates ``residual`` in place. ``custom_ops`` False (set by
+    ``set_custom_ops``) keeps it to plain torch ops.
     """
+    custom_ops = True
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -96,6 +98,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # (..., hidden) -> (..., hidden)
+        if not self.custom_ops:
+            return self._plain(x, residual)
         if residual is None:
             if x.dim() == 2 and fused.supports(x, self.weight):
                 return fused.rms_norm(x, self.weight, self.eps)
@@ -106,6 +110,12 @@ class RMSNorm(nn.Module):
             return fused.rms_norm(x, self.weight, self.eps, residual), residual
         if x.dim() == 2 and triton_fused.supports(x, self.weight, residual) and residual.dtype == x.dtype:
             return triton_fused.rms_norm(x, self.weight, self.eps, residual)
+        return self._plain(x, residual)
+
+    def _plain(self, x: torch.Tensor, residual: torch.Tensor | None
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
         residual = residual + x
         return self._norm(residual), residual
 
@@ -161,11 +171,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    custom_ops: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary on q (T, H, D) and k (T, KVH, D); the fused kernel rotates them in place (they may
     be views into the qkv output), the plain path returns new tensors. Same results either way."""
     D = q.shape[-1]
+    if not custom_ops or torch.compiler.is_compiling():    # in place on views of qkv: not traced
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     if (fused.supports(q, k, cos, sin) and q.stride(1) == D and k.stride(1) == D
             and cos.stride(0) == sin.stride(0)):
         fused.rotary_(q, k, cos, sin)
@@ -176,8 +188,11 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, custom_ops: bool = True) -> torch.Tensor:
     # gate_up (T, 2I) = gate | up -> (T, I)
+    if not custom_ops:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
     if gate_up.dim() == 2 and fused.supports(gate_up):
         return fused.silu_and_mul(gate_up)
     if gate_up.dim() == 2 and triton_fused.supports(gate_up):
@@ -200,6 +215,7 @@ GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate|up fused."""
+    custom_ops = True
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -215,7 +231,18 @@ class GatedMLP(nn.Module):
             act = fused_act(x) if fused_act is not None else None
             if act is not None:
                 return self.down_proj(act)
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.custom_ops))
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None,
+              k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """The attention call (KV store and paged attention through the backend): torch.compile's
+    splitting op (``split_at_attention`` makes it untraced), so compiled layers run as the pieces
+    between attention calls."""
+    return backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
+                           k_scale=k_scale, v_scale=v_scale)
 
 
 class SelfAttention(nn.Module):
@@ -249,6 +276,8 @@ class SelfAttention(nn.Module):
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
         self.calculate_kv_scales = False
         self.kv_cache_group = 0     # whose block table this layer reads (bind_kv_cache_groups)
+        self.custom_ops = True      # rotary through the custom kernels (set_custom_ops)
+        self.attention = attention  # torch.compiler.disable(attention) once compiled (split_at_attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -259,12 +288,12 @@ class SelfAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_size)    # (T, KVH, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin, self.custom_ops)
         meta = meta.for_group(self.kv_cache_group)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
-                                   k_scale=self.k_scale, v_scale=self.v_scale)
+        out = self.attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                        self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(T, self.q_size))     # (T, hidden)
 
     def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype,
@@ -285,6 +314,22 @@ def calculate_kv_scales_on_next_batch(model: nn.Module) -> int:
     for m in layers:
         m.calculate_kv_scales = True
     return len(layers)
+
+
+def set_custom_ops(model: nn.Module, enabled: bool) -> None:
+    """Whether the model's norms, rotary and SiLU-gated MLPs call the custom kernels
+    (torch.ops.troupe.*) or only plain torch ops (--compilation-config levels 0 and 3)."""
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, GatedMLP, SelfAttention)):
+            m.custom_ops = enabled
+
+
+def split_at_attention(model: nn.Module) -> None:
+    """torch.compile never traces the model's attention calls (dynamo imported only here: a
+    process that never compiles never loads it)."""
+    for m in model.modules():
+        if isinstance(m, SelfAttention):
+            m.attention = torch.compiler.disable(attention)
 
 
 def bind_kv_cache_groups(model: nn.Module, layer_groups: list[int]) -> None:

@@ -20,7 +20,8 @@ _LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directorie
 _MODALITY = "Troupe serves text-only models"
 _LORA = "Troupe serves the base model only (no LoRA adapters)"
 _SPEC = "Troupe takes speculative decoding as --speculative-config JSON only"
-_COMPILE = "Troupe captures CUDA graphs of decode steps itself (--enforce-eager turns them off)"
+_COMPILE = ("Troupe takes the CUDA graph sizes in --compilation-config (cudagraph_capture_sizes); "
+            "--enforce-eager turns the graphs off")
 _HTTP = "Troupe's HTTP server has no such option"
 _KV = "Troupe keeps the KV cache on one device, in blocks of one layout"
 _SCHED = "Troupe's scheduler has no such option"
@@ -93,7 +94,7 @@ REFUSED: dict[str, str] = {
     "--num-lookahead-slots": _SCHED, "--disable-chunked-mm-input": _MODALITY, "--scheduler-cls": _SCHED,
     "--num-scheduler-steps": _SCHED,
     "--preemption-mode": "Troupe preempts by recomputing (no swapping)", "--scheduler-delay-factor": _SCHED,
-    "--compilation-config": _COMPILE, "--cudagraph-capture-sizes": _COMPILE, "--cuda-graph-sizes": _COMPILE,
+    "--cudagraph-capture-sizes": _COMPILE, "--cuda-graph-sizes": _COMPILE,
     "--max-cudagraph-capture-size": _COMPILE, "--additional-config": "Troupe loads no platform plugins",
     # structured outputs and reasoning
     "--reasoning-parser": "Troupe has no reasoning parsers", "--enable-reasoning": "Troupe has no reasoning parsers",
@@ -131,7 +132,7 @@ ALIASES: dict[str, str] = {
     "-dcp": "--decode-context-parallel-size", "-dpn": "--data-parallel-rank",
     "-dpr": "--data-parallel-start-rank", "-dpl": "--data-parallel-size-local",
     "-dpa": "--data-parallel-address", "-dpp": "--data-parallel-rpc-port", "-dpb": "--data-parallel-backend",
-    "-asc": "--api-server-count", "-O": "--compilation-config",
+    "-asc": "--api-server-count",
 }
 
 # Refused flags that are booleans in vLLM: their --no- form asks for what Troupe does.

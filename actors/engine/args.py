@@ -15,6 +15,7 @@ from actors.engine.config import (DEFAULT_MAX_LOGPROBS, DEVICES, DTYPES, GENERAT
                                   KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, CacheConfig,
                                   DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig,
                                   ParallelConfig, SchedulerConfig)
+from actors.engine.compilation import compilation_config
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig
@@ -67,6 +68,8 @@ class EngineArgs:
     speculative_config: dict[str, Any] | str | None = None
     # vLLM's --logits-processors: classes or their fully qualified names (models/logits_processors.py)
     logits_processors: list[str | type] | tuple[str | type, ...] | None = None
+    # vLLM's --compilation-config (-O): a level 0-3, its JSON text, or a dict in LLM(...)
+    compilation_config: dict[str, Any] | str | int | None = None
 
     def __post_init__(self) -> None:
         load_general_plugins()         # this process's plugins first (e.g. an architecture they register)
@@ -86,6 +89,7 @@ class EngineArgs:
         source = resolve_model(self.model)
         names = self.served_model_name
         speculative = speculative_config(self.speculative_config)
+        compilation = compilation_config(self.compilation_config)
         return EngineConfig(
             model=ModelConfig(source=source, dtype=self.dtype,
                               quantization=self.quantization, max_model_len=self.max_model_len,
@@ -121,7 +125,7 @@ class EngineArgs:
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
             observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir),
-            speculative=speculative)
+            speculative=speculative, compilation=compilation)
 
     # -- the command line --------------------------------------------------------------------
     @staticmethod
@@ -367,6 +371,13 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="engine cores, each with its own scheduler, KV cache and worker process, behind one "
                  "frontend that sends each request to the least loaded one (waiting plus running), "
                  "preferring the one that served the same prompt prefix")),
+        (("--compilation-config", "-O"), "compilation_config", dict(
+            default=d["compilation_config"], metavar="LEVEL|JSON",
+            help="how the model's forward runs, as vLLM takes it: -O0 eager with plain torch ops, -O1 "
+                 "eager with the custom kernels (the default), -O2 torch.compile of the pieces between "
+                 "attention calls, -O3 that with the elementwise ops left to the compiler to fuse; or a "
+                 'JSON object such as {"level": 2, "cudagraph_capture_sizes": [1, 2, 4], '
+                 '"cudagraph_mode": "NONE"} ("mode" is accepted for "level")')),
         (("--speculative-config",), "speculative_config", dict(
             default=d["speculative_config"], metavar="JSON",
             help='speculative decoding, as vLLM takes it: a JSON object such as {"method": "ngram", '

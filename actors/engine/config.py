@@ -16,6 +16,7 @@ import dataclasses
 
 import msgspec
 
+from actors.engine.compilation import CompilationConfig
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, kv_cache_groups,
                                              max_tokens_per_request, model_kv_cache_specs, num_blocks_for,
@@ -134,6 +135,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     observability: ObservabilityConfig = ObservabilityConfig()
     # --speculative-config: draft tokens verified by the target each step (None: off)
     speculative: SpeculativeConfig | None = None
+    # --compilation-config / -O: eager, custom ops, torch.compile (actors/engine/compilation.py)
+    compilation: CompilationConfig = CompilationConfig()
 
     def __post_init__(self) -> None:
         check_config(self)

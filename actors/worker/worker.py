@@ -17,6 +17,7 @@ import torch
 from actors.engine.config import EngineConfig
 from actors.engine.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from actors.engine.sampling_params import SamplingParams
+from actors.worker.compilation import apply_compilation, packs_linears
 from actors.worker.cuda_graphs import capture_sizes
 from actors.worker.gpu_memory import GIB, device_memory, kv_cache_bytes_for_gpu
 from actors.worker.model_runner import ModelRunner, torch_dtype
@@ -96,15 +97,24 @@ class Worker:
             shard_model(model, self.tp_size, self.tp_rank)
         if quantization:
             quantize(model, quantization, path)
-        if self.platform.packs_linears:      # linear layers packed once for the native kernels
+        comp = cfg.compilation
+        if self.platform.packs_linears and packs_linears(comp, quantization):   # packed once for the native kernels
             prepack_linears(model)
-            attach_native_decode(model)
+            if comp.level == 1:
+                attach_native_decode(model)
+        compiled = apply_compilation(model, comp, repr(ckpt.config))
+        if compiled is not None:
+            log.info("compilation level %d: decoder layers compiled on first use (artifacts in %s)",
+                     comp.level, compiled)
         return model
 
     def init_kv_cache(self) -> int:
         """Allocate the KV cache (and on CUDA capture the decode graphs); returns its bytes."""
         cfg = self.config
-        sizes = capture_sizes(cfg.scheduler.max_num_seqs) if self._captures_graphs() else None
+        sizes = None
+        if self._captures_graphs():
+            sizes = [s for s in cfg.compilation.cudagraph_capture_sizes or capture_sizes(cfg.scheduler.max_num_seqs)
+                     if s <= cfg.scheduler.max_num_seqs]
         self.runner = ModelRunner(self.model, cfg, sizes, self.draft_model)
         if sizes:
             seconds = self.runner.capture_cudagraphs()
@@ -122,7 +132,8 @@ class Worker:
     def _captures_graphs(self) -> bool:
         """CUDA graphs of decode steps: on CUDA, unless eager is enforced or the attention
         backend cannot run inside a graph."""
-        if not self.platform.supports_cuda_graphs or self.config.model.enforce_eager:
+        if (not self.platform.supports_cuda_graphs or self.config.model.enforce_eager
+                or self.config.compilation.cudagraph_mode == "NONE"):
             return False
         if self.tp_size > 1:
             log.warning("tensor parallelism runs every step eagerly for now (no all-reduce inside CUDA graphs)")

@@ -1,5 +1,12 @@
 """Fused elementwise kernels of the float32 CPU path (fused.c): RMSNorm with the residual add
-folded in, rotary embedding in place on q and k, SiLU(gate) * up.
+folded in, rotary embedding in place on q and k, SiLU(gate) * up. Each is a torch custom op
+(namespace ``troupe``, a CPU kernel and a fake one giving the output's shape) so torch.compile
+traces it as one opaque node; the functions below call the ops, the model and the tests alike::
+
+    cpu_rms_norm(x, weight, eps) -> Tensor
+    cpu_fused_add_rms_norm(x, residual!, weight, eps) -> Tensor     residual += x, norm of the sum
+    cpu_rotary_(q!, k!, cos, sin) -> ()
+    cpu_silu_and_mul(x) -> Tensor
 
 ``supports`` is the one place that decides between them and the plain torch ops: float32 CPU
 tensors, the native library available, and ``ENABLED`` (set ``TROUPE_FUSED_CPU=0``, or patch it,
@@ -21,9 +28,15 @@ ENABLED = os.environ.get("TROUPE_FUSED_CPU", "1") != "0"
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-@lru_cache(maxsize=1)
+_NATIVE_OK: list[bool] = []      # filled once: whether the library builds and loads here
+
+
 def _native_ok() -> bool:
-    return native.available()[0]
+    """Filled before torch.compile traces a layer (actors/worker/compilation.py), which then
+    reads the list and never traces the library's build."""
+    if not _NATIVE_OK:
+        _NATIVE_OK.append(native.available()[0])
+    return _NATIVE_OK[0]
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -52,6 +65,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """x (T, N) with any row stride, weight (N,) contiguous. Without ``residual``:
     x / sqrt(mean(x^2) + eps) * weight. With ``residual`` (T, N) contiguous: residual += x in
     place, and the norm of that sum is returned. -> (T, N) contiguous."""
+    if residual is None:
+        return torch.ops.troupe.cpu_rms_norm(x, weight, eps)
+    return torch.ops.troupe.cpu_fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Half-split (NeoX) rotary in place: q (T, H, D) and k (T, KVH, D) with packed heads
+    (stride(1) == D) and any row stride (views into a fused qkv output need no copy); cos and
+    sin (T, 1, D) or (T, D) with one row stride."""
+    torch.ops.troupe.cpu_rotary_(q, k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (T, 2I) with any row stride = gate | up -> silu(gate) * up (T, I), silu(g) = g / (1 + exp(-g))."""
+    return torch.ops.troupe.cpu_silu_and_mul(gate_up)
+
+
+# The kernels behind the ops (CPU dispatch key: a few microseconds per call, where a Python
+# ``torch.library.custom_op`` costs tens; the layers call these at every decode step).
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
     T, N = x.shape
     out = torch.empty(T, N, dtype=x.dtype)
     if T:
@@ -60,20 +94,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Half-split (NeoX) rotary in place: q (T, H, D) and k (T, KVH, D) with packed heads
-    (stride(1) == D) and any row stride (views into a fused qkv output need no copy); cos and
-    sin (T, 1, D) or (T, D) with one row stride."""
+def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     T, H, D = q.shape
     if T:
         _kernel("rotary_f32")(q.data_ptr(), q.stride(0), H, k.data_ptr(), k.stride(0), k.shape[1],
                               cos.data_ptr(), sin.data_ptr(), cos.stride(0), T, D)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up (T, 2I) with any row stride = gate | up -> silu(gate) * up (T, I), silu(g) = g / (1 + exp(-g))."""
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     T, I2 = gate_up.shape
     out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
     if T:
         _kernel("silu_and_mul_f32")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), T, I2 // 2)
     return out
+
+
+_LIB = torch.library.Library("troupe", "FRAGMENT")
+_LIB.define("cpu_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_LIB.define("cpu_fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor")
+_LIB.define("cpu_rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()")
+_LIB.define("cpu_silu_and_mul(Tensor x) -> Tensor")
+_LIB.impl("cpu_rms_norm", lambda x, weight, eps: _rms_norm(x, weight, eps, None), "CPU")
+_LIB.impl("cpu_fused_add_rms_norm", lambda x, residual, weight, eps: _rms_norm(x, weight, eps, residual), "CPU")
+_LIB.impl("cpu_rotary_", _rotary, "CPU")
+_LIB.impl("cpu_silu_and_mul", _silu_and_mul, "CPU")
+
+
+def _fake_norm(x: torch.Tensor, *args) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def _fake_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+
+torch.library.register_fake("troupe::cpu_rms_norm", _fake_norm, lib=_LIB)
+torch.library.register_fake("troupe::cpu_fused_add_rms_norm", _fake_norm, lib=_LIB)
+torch.library.register_fake("troupe::cpu_rotary_", lambda q, k, cos, sin: None, lib=_LIB)
+torch.library.register_fake("troupe::cpu_silu_and_mul", _fake_silu_and_mul, lib=_LIB)

@@ -8,7 +8,8 @@ ops (the twin of ``kernels.cpu.fused.supports`` for the CPU): every tensor on CU
 ``ENABLED`` (set ``TROUPE_TRITON_OPS=0`` to force the plain ops). ``ON_CPU`` (tests only, with
 ``TRITON_INTERPRET=1``) also routes CPU tensors here, so that the whole GPU model path runs under
 Triton's interpreter. The launchers are imported on first use: a CPU-only process never loads
-Triton.
+Triton. Each function calls its kernel's registered custom op (kernels/triton/ops.py,
+``torch.ops.troupe.*``): the model and the tests run the same op, and torch.compile traces it.
 """
 from __future__ import annotations
 
@@ -33,23 +34,30 @@ def supports(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _ops():
+    """torch.ops.troupe, with the Triton ops registered (imported on first use)."""
+    import kernels.triton.ops  # noqa: F401
+    return torch.ops.troupe
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (T, N) -> (norm(x + residual), x + residual); without a residual, (norm(x), x)."""
-    from kernels.triton.rmsnorm import rms_norm as launch
-    return launch(x, weight, eps, residual)
+    ops = _ops()
+    if residual is None:
+        return ops.rms_norm(x, weight, eps), x
+    out, residual = ops.fused_add_rms_norm(x, residual, weight, eps)
+    return out, residual
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q (T, H, D) and k (T, KVH, D) in place by the layers' (T, 1, D) cos and sin."""
-    from kernels.triton.rotary import rotary_embedding_rows
-    rotary_embedding_rows(q, k, cos, sin)
+    _ops().rotary_embedding_rows_(q, k, cos, sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up (T, 2I) = gate | up -> SiLU(gate) * up, (T, I)."""
-    from kernels.triton.silu_mul import silu_and_mul as launch
-    return launch(gate_up)
+    return _ops().silu_and_mul(gate_up)
 
 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -62,5 +70,4 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            exp_noise: torch.Tensor) -> torch.Tensor:
     """One token per row of float32 logits (B, V): temperature <= 0 greedy, else the exponential
     race over the top-k / top-p set, with the caller's Exp(1) noise (B, V). -> (B,) int64."""
-    from kernels.triton.sampling import sample as launch
-    return launch(logits, temperature, top_k, top_p, exp_noise)
+    return _ops().sample(logits, temperature, top_k, top_p, exp_noise)

@@ -95,7 +95,7 @@ def test_each_vllm_flag_troupe_does_not_implement_exits_2_with_one_line_naming_i
 
 
 def test_refused_flags_are_refused_in_every_spelling_and_only_their_no_forms_pass(capsys):
-    for argv in (["--pipeline-parallel-size=2"], ["-pp", "2"], ["-O3"], ["--enable-lora"],
+    for argv in (["--pipeline-parallel-size=2"], ["-pp", "2"], ["--enable-lora"],
                  ["--lora-modules", "a=b", "c=d"], ["--port", "0", "--num-speculative-tokens", "1"]):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args(argv)

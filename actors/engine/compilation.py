@@ -1,0 +1,94 @@
+"""CompilationConfig: how the worker runs the model's forward (vLLM's ``--compilation-config``
+and its ``-O`` shorthand), parsed and validated at the edge.
+
+Levels (``level``, or vLLM's newer name ``mode``):
+
+    0  eager, the layers as plain torch ops (no custom kernels): the reference path
+    1  eager with the custom ops (torch.ops.troupe.*: the native C kernels on the CPU, Triton on
+       GPUs); the default, what the engine did before it had levels
+    2  level 1 with torch.compile (inductor) of the pieces between attention calls: attention
+       is the splitting op, left out of the graphs; linear layers stay torch's (not packed for
+       the native matmuls, whose ctypes calls dynamo cannot trace)
+    3  level 2 with the elementwise custom ops left to inductor (the plain torch forms), so it
+       fuses them with their neighbours (the residual add into the norm, SiLU into the product)
+
+``-O3`` is ``--compilation-config '{"level": 3}'``; ``--compilation-config`` also takes the
+level alone. ``cudagraph_capture_sizes`` and ``cudagraph_mode`` ("NONE" or
+"FULL_DECODE_ONLY": whole decode steps, what CUDA graphs capture here) steer the CUDA graphs.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+LEVELS = (0, 1, 2, 3)
+DEFAULT_LEVEL = 1
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+SPLITTING_OPS = ("troupe.attention",)          # the only op the graphs are split at
+FIELDS = ("level", "mode", "cudagraph_capture_sizes", "cudagraph_mode", "splitting_ops", "cache_dir")
+
+
+class CompilationConfig(msgspec.Struct, frozen=True, kw_only=True):
+    level: int = DEFAULT_LEVEL
+    cudagraph_capture_sizes: tuple[int, ...] | None = None   # None: the worker's own sizes
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    splitting_ops: tuple[str, ...] = SPLITTING_OPS
+    cache_dir: str = ""                   # compiled artifacts ("": $TROUPE_CACHE_DIR or ~/.cache/troupe)
+
+    @property
+    def compiles(self) -> bool:
+        return self.level >= 2
+
+    @property
+    def custom_ops(self) -> bool:
+        """Whether the layers call the custom kernels (levels 1 and 2)."""
+        return self.level in (1, 2)
+
+
+def compilation_config(value: CompilationConfig | dict[str, Any] | str | int | None) -> CompilationConfig:
+    """--compilation-config (JSON text or a level digit), -O's level, or the offline API's dict."""
+    if value is None:
+        return CompilationConfig()
+    if isinstance(value, CompilationConfig):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--compilation-config takes a level (0-3) or a JSON object, got {text!r}: {e}") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = {"level": value}
+    if not isinstance(value, dict):
+        raise ValueError(f"--compilation-config takes a level (0-3) or a JSON object, got {value!r}")
+    unknown = set(value) - set(FIELDS)
+    if unknown:
+        raise ValueError(f"--compilation-config: unknown field(s) {sorted(unknown)}; accepted: {', '.join(FIELDS)}")
+    fields = dict(value)
+    if "mode" in fields:
+        mode = fields.pop("mode")
+        if "level" in fields and fields["level"] != mode:
+            raise ValueError(f"--compilation-config: level {fields['level']} and mode {mode} disagree")
+        fields["level"] = mode
+    level = fields.get("level", DEFAULT_LEVEL)
+    if level not in LEVELS or isinstance(level, bool):
+        raise ValueError(f"--compilation-config: level must be one of {LEVELS}, got {level!r}")
+    mode = fields.get("cudagraph_mode", "FULL_DECODE_ONLY")
+    if mode not in CUDAGRAPH_MODES:
+        raise ValueError(f"--compilation-config: cudagraph_mode {mode!r} is not supported; supported: "
+                         f"{', '.join(CUDAGRAPH_MODES)} (decode steps are captured whole)")
+    sizes = fields.get("cudagraph_capture_sizes")
+    if sizes is not None:
+        if not isinstance(sizes, list) or not all(isinstance(s, int) and s > 0 for s in sizes):
+            raise ValueError(f"--compilation-config: cudagraph_capture_sizes must be a list of positive "
+                             f"integers, got {sizes!r}")
+        fields["cudagraph_capture_sizes"] = tuple(sorted(set(sizes)))
+    ops = fields.get("splitting_ops")
+    if ops is not None:
+        if not isinstance(ops, list) or set(ops) - set(SPLITTING_OPS) or not ops:
+            raise ValueError(f"--compilation-config: splitting_ops {ops!r} is not supported; the graphs are "
+                             f"split at attention: {list(SPLITTING_OPS)}")
+        fields["splitting_ops"] = tuple(ops)
+    return CompilationConfig(**fields)
