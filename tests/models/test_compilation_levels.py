@@ -79,12 +79,14 @@ def test_every_compilation_level_gives_the_same_greedy_tokens_on_a_tiny_llama(ti
 
 
 @pytest.mark.slow
-def test_every_compilation_level_gives_the_same_greedy_tokens_on_the_default_model(tmp_path, monkeypatch):
+def test_the_compiled_level_gives_the_default_levels_greedy_tokens_on_the_default_model(tmp_path, monkeypatch):
+    """-O2 (each layer compiled by inductor) against -O1 on the real model; the other levels are
+    compared on the tiny model above (compiling the real one takes most of a minute per level)."""
     monkeypatch.setenv("TROUPE_CACHE_DIR", str(tmp_path))
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0.0, max_tokens=16)
     tokens = {}
-    for level in (0, 1, 2, 3):
+    for level in (1, 2):
         with LLM(multiprocess=False, compilation_config=level) as llm:
             tokens[level] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert tokens[0] == tokens[1] == tokens[2] == tokens[3]
+    assert tokens[1] == tokens[2]
