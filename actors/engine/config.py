@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
+from actors.engine.lora import LoRAConfig
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, kv_cache_groups,
                                              max_tokens_per_request, model_kv_cache_specs, num_blocks_for,
@@ -119,6 +120,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     observability: ObservabilityConfig = ObservabilityConfig()
     # --speculative-config: draft tokens verified by the target each step (None: off)
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None         # --enable-lora: adapters served beside the base model (None: off)
 
     def __post_init__(self) -> None:
         check_config(self)

@@ -122,6 +122,7 @@ class ModelRunner:
         self.cascade = (not config.model.disable_cascade_attn and getattr(backend, "supports_cascade", False)
                         and self.arch.max_sliding_window is None)
         self.cascade_min_prefix = getattr(backend, "cascade_min_prefix", 0)
+        self.lora = getattr(model, "lora_manager", None)   # actors/worker/lora_manager.py, with --enable-lora
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""
@@ -184,6 +185,10 @@ class ModelRunner:
             return out
         t_prepare = time.perf_counter()
         inp = self.prepare_inputs(so)
+        if self.lora is not None:          # each token's adapter slot, the step's adapters resident
+            self.lora.set_adapter_mapping([self.batch.states[i].lora_request for i in inp.slots.tolist()],
+                                          np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64,
+                                                      count=len(req_ids)))
         t0 = time.perf_counter()
         out.prepare_s = t0 - t_prepare
         hidden = self._forward(inp)                                                    # (T, hidden)
@@ -290,6 +295,7 @@ class ModelRunner:
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states (T, hidden) of the step's tokens, on the model's device."""
         eager = self._first_attn is not None and self._first_attn.calculate_kv_scales   # layers set KV scales
+        eager = eager or (self.lora is not None and self.lora.mapping.active)   # graphs hold no LoRA delta
         desc = self.graphs.dispatch(inp.meta) if self.graphs is not None and not eager else None
         if desc is not None:
             return self.graphs.run(desc, inp)                  # padded buffers, a graph on CUDA

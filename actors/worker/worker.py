@@ -45,6 +45,9 @@ class Worker:
         self.device = torch.device(self.config.device.device)
         self.attn_backend = self._backend(ckpt)
         self.model = self._load(ckpt, self.attn_backend, self.config.model.quantization, source.path)
+        if self.config.lora is not None:     # LoRA slots around the (packed, quantized) projections
+            from actors.worker.lora_manager import LoRAModelManager
+            LoRAModelManager(self.model, self.config.lora, self.config.model.arch, self.device)
         log.info("model %s loaded on %s (%s) in %.1f s", source.served_name, self.device.type,
                  self.config.model.dtype, time.monotonic() - t0)
         self.draft_model: torch.nn.Module | None = None    # speculative decoding's draft model

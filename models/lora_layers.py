@@ -1,0 +1,155 @@
+"""LoRA on the model's linear layers, as a transformation applied after loading, quantizing and
+packing (the model files know nothing of it): ``wrap_lora_modules`` puts a ``LoRALinear``
+around each q|k|v, o, gate|up and down projection. The base layer (float, packed, GGUF
+quantized) computes as before; the wrapper adds the LoRA delta in float32.
+
+Each wrapper holds ``max_loras`` slots of stacked adapter weights in stable buffers (vLLM's
+``set_lora`` / ``reset_lora`` copy into them), and all wrappers share one ``LoRAMapping``: the
+adapter slot of each token of the step, set once per step by the worker. A step without LoRA
+tokens adds nothing and keeps every fast path (the fused SiLU-gated projection, the native
+decode stack); a step with some takes the per-layer path, where the delta of every adapter of
+the batch is computed together: the native kernel on the CPU (kernels/cpu/lora.c), segmented
+torch ops elsewhere.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from kernels.cpu import lora as lora_ops
+from models.layers import GatedMLP, SelfAttention
+
+
+class LoRAMapping:
+    """The step's token -> adapter slot map that every LoRALinear reads (-1: no adapter)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.active = False                    # some token of the step has an adapter
+        self.token_slots = torch.empty(0, dtype=torch.int64)    # (T,) on the CPU
+        self.segments: lora_ops.TokenSegments | None = None     # for the torch path
+
+    def set(self, token_slots: np.ndarray) -> None:
+        """Slots (T,) int64 of the step's tokens, in the step's token order."""
+        self.active = bool((token_slots >= 0).any())
+        self.token_slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
+        self.segments = lora_ops.token_segments(token_slots, self.device) if self.active else None
+
+    def clear(self) -> None:
+        self.active, self.segments = False, None
+
+
+class LoRALinear(nn.Module):
+    """``base_layer`` (T, in) -> (T, out) plus, per token, its slot's ``s B A x``; the output's
+    ``slices`` (name -> rows: "q", "k", "v" of a fused q|k|v; "" for a plain layer) each have
+    their own A and B.
+
+    lora_a (S, in, num_slices * R): slice j's A^T in columns j R .. j R + r;
+    lora_b (S, R, out): slice j's (s B)^T in its slice's columns; zeros elsewhere."""
+
+    def __init__(self, base_layer: nn.Module, in_features: int, slices: dict[str, int], max_loras: int,
+                 max_rank: int, mapping: LoRAMapping, device: torch.device) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.slice_names = list(slices)
+        offsets = np.concatenate([[0], np.cumsum(list(slices.values()))]).astype(np.int64)
+        self.offsets_list = offsets.tolist()
+        self.register_buffer("offsets", torch.from_numpy(offsets), persistent=False)
+        self.in_features, self.out_features, self.max_rank = in_features, int(offsets[-1]), max_rank
+        n = len(slices)
+        self.register_buffer("lora_a", torch.zeros(max_loras, in_features, n * max_rank, device=device),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, max_rank, self.out_features, device=device),
+                             persistent=False)
+        self.slot_ranks = [0] * max_loras
+        self.register_buffer("slot_ranks_t", torch.zeros(max_loras, dtype=torch.int64), persistent=False)
+        self.mapping = mapping
+
+    def reset_lora(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = 0
+        self.slot_ranks_t[slot] = 0
+
+    def set_lora(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Slot ``slot`` takes, per slice name, (A (r, in), s B (rows, r)); slices not given stay zero."""
+        self.reset_lora(slot)
+        R, rank = self.max_rank, 0
+        for name, (a, b) in weights.items():
+            j = self.slice_names.index(name)
+            r = a.shape[0]
+            o0, o1 = self.offsets_list[j], self.offsets_list[j + 1]
+            if a.shape != (r, self.in_features) or b.shape != (o1 - o0, r) or r > R:
+                raise ValueError(f"LoRA slice {name!r}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit "
+                                 f"({self.in_features} inputs, {o1 - o0} outputs, rank <= {R})")
+            self.lora_a[slot, :, j * R:j * R + r] = a.t().to(self.lora_a.device)
+            self.lora_b[slot, :r, o0:o1] = b.t().to(self.lora_b.device)
+            rank = max(rank, r)
+        self.slot_ranks[slot] = rank
+        self.slot_ranks_t[slot] = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:              # (T, in) -> (T, out)
+        y = self.base_layer(x)
+        m = self.mapping
+        if not m.active:
+            return y
+        if lora_ops.native_supports(y, x, self.lora_a) and m.token_slots.shape[0] == x.shape[0]:
+            lora_ops.lora_shrink_expand(y, x, self.lora_a, self.lora_b, m.token_slots, self.slot_ranks_t,
+                                        self.offsets)
+        else:
+            lora_ops.lora_shrink_expand_ref(y, x, self.lora_a, self.lora_b, m.segments, self.slot_ranks,
+                                            self.offsets_list)
+        return y
+
+    def silu_and_mul_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The base layer's fused gate|up + SiLU when the step has no LoRA token; None otherwise
+        (the caller then takes the two-step path through ``forward``)."""
+        fused = getattr(self.base_layer, "silu_and_mul_forward", None)
+        return None if self.mapping.active or fused is None else fused(x)
+
+
+def _in_features(layer: nn.Module) -> int:
+    n = getattr(layer, "in_features", None)
+    return int(n) if n is not None else int(layer.weight.shape[1])
+
+
+def wrap_lora_modules(model: nn.Module, max_loras: int, max_rank: int, mapping: LoRAMapping,
+                      device: torch.device) -> dict[str, LoRALinear]:
+    """Wrap every attention and MLP projection of ``model``; returns them by module name
+    ("layers.3.self_attn.qkv_proj")."""
+    wrapped: dict[str, LoRALinear] = {}
+    for parent_name, parent in list(model.named_modules()):
+        if isinstance(parent, SelfAttention):
+            targets = {"qkv_proj": {"q": parent.q_size, "k": parent.kv_size, "v": parent.kv_size},
+                       "o_proj": {"": _out_features(parent.o_proj)}}
+        elif isinstance(parent, GatedMLP):
+            inter = _in_features(parent.down_proj)
+            targets = {"gate_up_proj": {"gate": inter, "up": inter}, "down_proj": {"": _out_features(parent.down_proj)}}
+        else:
+            continue
+        for name, slices in targets.items():
+            base = getattr(parent, name)
+            layer = LoRALinear(base, _in_features(base), slices, max_loras, max_rank, mapping, device)
+            setattr(parent, name, layer)
+            wrapped[f"{parent_name}.{name}"] = layer
+    return wrapped
+
+
+def _out_features(layer: nn.Module) -> int:
+    n = getattr(layer, "out_features", None)
+    return int(n) if n is not None else int(layer.weight.shape[0])
+
+
+class LoRAAwareDecode:
+    """The native decode stack behind a guard: it runs the base weights only, so a step with
+    LoRA tokens goes the per-layer way (``run`` answers None, the model falls back)."""
+
+    def __init__(self, stack, mapping: LoRAMapping) -> None:
+        self.stack, self.mapping = stack, mapping
+
+    def run(self, *args, **kwargs):
+        return None if self.mapping.active else self.stack.run(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stack, name)

@@ -1,0 +1,158 @@
+"""LoRA on our model against peft on transformers' model, on the same tiny random weights: logits of
+the base model plus an adapter match (plain lora_alpha / r scaling and rsLoRA, all seven target
+modules or a few); an adapter whose B is zero gives the base model's tokens exactly; rows of different adapters and rows without one in
+one step each get the logits they get alone; the native kernel matches the torch version."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from actors.engine.lora import LoRAConfig, LoRARequest
+from actors.worker.lora_manager import LoRAModelManager
+from kernels.attention import allocate_kv_caches
+from kernels.cpu import lora as lora_ops
+from kernels.cpu.native import available
+from models.native_decode import attach
+from models.packed import prepack_linears
+from models.registry import load_model
+from models.resolve import resolve_model
+from tests.helpers import run_steps, save_tiny_llama
+
+VOCAB, BLOCK = 128, 4
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_adapter(hf_path: str, out: str, r: int, targets: list[str], seed: int, rslora: bool = False,
+                 zero_b: bool = False):
+    """A PEFT adapter with random A and B (B zero with ``zero_b``) saved at ``out``; returns the
+    peft model (transformers' model with the adapter applied)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(hf_path, torch_dtype=torch.float32)
+    hf.config._attn_implementation = "eager"
+    peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_rslora=rslora,
+                                               lora_dropout=0.0, init_lora_weights=False))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.zeros_like(p) if zero_b and "lora_B" in name else torch.randn(p.shape, generator=g) * 0.1)
+    peft_model.save_pretrained(out)
+    return peft_model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    path = save_tiny_llama(root / "base", VOCAB, 64, 96, 4, 2, 16, 256)
+    adapters = {
+        "all16": save_adapter(path, str(root / "all16"), 16, ALL, 1),
+        "qv8_rs": save_adapter(path, str(root / "qv8_rs"), 8, ["q_proj", "v_proj"], 2, rslora=True),
+        "mlp4": save_adapter(path, str(root / "mlp4"), 4, ["gate_proj", "down_proj"], 3),
+        "attn8": save_adapter(path, str(root / "attn8"), 8, ["k_proj", "o_proj", "up_proj"], 4),
+        "zero": save_adapter(path, str(root / "zero"), 8, ALL, 5, zero_b=True),
+    }
+    model, config = load_model(resolve_model(path))
+    prepack_linears(model)        # as the worker does: packed layers, the native decode stack
+    attach(model)
+    manager = LoRAModelManager(model, LoRAConfig(max_loras=4, max_cpu_loras=5, max_lora_rank=16), config,
+                               torch.device("cpu"))
+    requests = {name: LoRARequest(name, i + 1, str(root / name)) for i, name in enumerate(adapters)}
+    return model, config, manager, adapters, requests
+
+
+def _run(tiny, prompts: list[list[int]], loras: list[str | None], decode_steps: int = 3) -> list[torch.Tensor]:
+    """Per request, the logits (rows, vocab) of its prompt then of ``decode_steps`` greedy decode
+    steps, all requests in the same steps, each with its adapter (None: the base model)."""
+    model, config, manager, _, requests = tiny
+    caches = allocate_kv_caches(config, num_blocks=1 + 16 * len(prompts), block_size=BLOCK)
+    tables = [list(range(1 + 16 * i, 1 + 16 * (i + 1))) for i in range(len(prompts))]
+    reqs = [requests[n] if n else None for n in loras]
+    steps = [[torch.tensor(p) for p in prompts]]
+    out = [[] for _ in prompts]
+    done = [0] * len(prompts)
+    for s in range(decode_steps + 1):
+        new = steps[-1]
+        manager.set_adapter_mapping(reqs, np.array([len(n) for n in new]))
+        caches_done = done
+        logits = _step(model, caches, tables, new, caches_done)
+        done = [d + len(n) for d, n in zip(done, new)]
+        rows = np.cumsum([len(n) for n in new])
+        start = 0
+        nxt = []
+        for i, end in enumerate(rows):
+            out[i].append(logits[start:end])
+            nxt.append(logits[end - 1].argmax().view(1))
+            start = end
+        steps.append(nxt)
+    manager.mapping.clear()
+    return [torch.cat(o) for o in out]
+
+
+def _step(model, caches, tables, new, done):
+    from kernels.attention import build_attention_metadata
+    ids = torch.cat(new)
+    pos = torch.cat([torch.arange(d, d + len(n)) for d, n in zip(done, new)])
+    meta = build_attention_metadata([len(n) for n in new], [d + len(n) for d, n in zip(done, new)], tables, BLOCK)
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, pos, caches, meta))
+
+
+def _peft_logits(peft_model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return peft_model(torch.tensor([tokens])).logits[0].float()
+
+
+PROMPT = [5, 17, 99, 3, 64, 21, 8, 120, 44]
+
+
+@pytest.mark.parametrize("name", ["all16", "qv8_rs", "mlp4", "attn8"])
+def test_logits_with_an_adapter_match_peft_on_transformers(tiny, name):
+    ours = _run(tiny, [PROMPT], [name])[0]                      # prompt then 3 greedy decode steps
+    tokens = PROMPT + ours[len(PROMPT) - 1:-1].argmax(-1).tolist()
+    ref = _peft_logits(tiny[3][name], tokens)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=2e-4)
+    base = _run(tiny, [PROMPT], [None])[0]
+    assert (base - ours).abs().max() > 1e-2                     # the adapter does change the logits
+
+
+def test_an_adapter_with_zero_b_gives_the_base_tokens_exactly(tiny):
+    """Its delta is exactly zero; the logits differ from the base step's only by the summation
+    order of the native decode stack, which a step with LoRA tokens does not take."""
+    base = _run(tiny, [PROMPT, PROMPT[:4]], [None, None], decode_steps=6)
+    zero = _run(tiny, [PROMPT, PROMPT[:4]], ["zero", None], decode_steps=6)
+    for b, z in zip(base, zero):
+        assert torch.equal(b.argmax(-1), z.argmax(-1))
+        torch.testing.assert_close(b, z, rtol=0, atol=1e-5)
+
+
+def test_rows_of_four_adapters_and_base_rows_in_one_step_get_their_logits_alone(tiny):
+    prompts = [PROMPT, PROMPT[:5], [7, 7, 9, 100], PROMPT[2:], [1, 2, 3], [60, 61, 62, 63, 64, 65]]
+    loras = ["all16", None, "qv8_rs", "mlp4", None, "attn8"]
+    together = _run(tiny, prompts, loras)
+    for p, name, got in zip(prompts, loras, together):
+        alone = _run(tiny, [p], [name])[0]
+        torch.testing.assert_close(got, alone, rtol=0, atol=1e-5)
+        assert torch.equal(got.argmax(-1), alone.argmax(-1))
+
+
+@pytest.mark.skipif(not available()[0], reason="native CPU kernels unavailable")
+def test_native_shrink_expand_matches_the_torch_version():
+    g = torch.Generator().manual_seed(0)
+    S, R, inp, sizes = 3, 8, 40, [24, 8, 8]
+    a = torch.randn(S, inp, len(sizes) * R, generator=g)
+    b = torch.randn(S, R, sum(sizes), generator=g)
+    ranks = torch.tensor([8, 5, 0])
+    a[1, :, 5:R] = a[1, :, R + 5:2 * R] = a[1, :, 2 * R + 5:] = 0       # slot 1 holds a rank-5 adapter
+    b[1, 5:] = 0
+    offsets = torch.tensor([0, 24, 32, 40])
+    x = torch.randn(11, inp, generator=g)
+    slots = np.array([0, -1, 1, 1, 0, -1, 2, 0, 1, -1, 0])
+    y0 = torch.randn(11, 40, generator=g)
+    y_native, y_ref = y0.clone(), y0.clone()
+    lora_ops.lora_shrink_expand(y_native, x, a, b, torch.from_numpy(slots), ranks, offsets)
+    lora_ops.lora_shrink_expand_ref(y_ref, x, a, b, lora_ops.token_segments(slots), ranks.tolist(), offsets.tolist())
+    torch.testing.assert_close(y_native, y_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y_native[slots < 0], y0[slots < 0])
+    assert not torch.allclose(y_native[slots == 1], y0[slots == 1])
