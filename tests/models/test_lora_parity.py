@@ -17,29 +17,10 @@ from models.native_decode import attach
 from models.packed import prepack_linears
 from models.registry import load_model
 from models.resolve import resolve_model
-from tests.helpers import run_steps, save_tiny_llama
+from tests.helpers import save_tiny_llama, save_tiny_lora
 
 VOCAB, BLOCK = 128, 4
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def save_adapter(hf_path: str, out: str, r: int, targets: list[str], seed: int, rslora: bool = False,
-                 zero_b: bool = False):
-    """A PEFT adapter with random A and B (B zero with ``zero_b``) saved at ``out``; returns the
-    peft model (transformers' model with the adapter applied)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-    hf = LlamaForCausalLM.from_pretrained(hf_path, torch_dtype=torch.float32)
-    hf.config._attn_implementation = "eager"
-    peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_rslora=rslora,
-                                               lora_dropout=0.0, init_lora_weights=False))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.zeros_like(p) if zero_b and "lora_B" in name else torch.randn(p.shape, generator=g) * 0.1)
-    peft_model.save_pretrained(out)
-    return peft_model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +28,11 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     path = save_tiny_llama(root / "base", VOCAB, 64, 96, 4, 2, 16, 256)
     adapters = {
-        "all16": save_adapter(path, str(root / "all16"), 16, ALL, 1),
-        "qv8_rs": save_adapter(path, str(root / "qv8_rs"), 8, ["q_proj", "v_proj"], 2, rslora=True),
-        "mlp4": save_adapter(path, str(root / "mlp4"), 4, ["gate_proj", "down_proj"], 3),
-        "attn8": save_adapter(path, str(root / "attn8"), 8, ["k_proj", "o_proj", "up_proj"], 4),
-        "zero": save_adapter(path, str(root / "zero"), 8, ALL, 5, zero_b=True),
+        "all16": save_tiny_lora(path, str(root / "all16"), 16, ALL, 1),
+        "qv8_rs": save_tiny_lora(path, str(root / "qv8_rs"), 8, ["q_proj", "v_proj"], 2, rslora=True),
+        "mlp4": save_tiny_lora(path, str(root / "mlp4"), 4, ["gate_proj", "down_proj"], 3),
+        "attn8": save_tiny_lora(path, str(root / "attn8"), 8, ["k_proj", "o_proj", "up_proj"], 4),
+        "zero": save_tiny_lora(path, str(root / "zero"), 8, ALL, 5, zero_b=True),
     }
     model, config = load_model(resolve_model(path))
     prepack_linears(model)        # as the worker does: packed layers, the native decode stack
