@@ -4,6 +4,8 @@ modules or a few); an adapter whose B is zero gives the base model's tokens exac
 one step each get the logits they get alone; the native kernel matches the torch version."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -137,3 +139,26 @@ def test_native_shrink_expand_matches_the_torch_version():
     torch.testing.assert_close(y_native, y_ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(y_native[slots < 0], y0[slots < 0])
     assert not torch.allclose(y_native[slots == 1], y0[slots == 1])
+
+
+def test_the_manager_keeps_lru_adapters_in_slots_and_on_the_host(tiny):
+    """Two slots, three adapters on the host: a step's adapters take free slots, then the least
+    recently used slot not needed by the step; the host drops its least recently used adapter."""
+    model, config, _, _, requests = tiny
+    fresh, _ = load_model(resolve_model(str(Path(requests["all16"].lora_path).parent / "base")))
+    m = LoRAModelManager(fresh, LoRAConfig(max_loras=2, max_cpu_loras=3, max_lora_rank=16), config,
+                         torch.device("cpu"))
+    one = np.array([1])
+    a, b, c, d = (requests[n] for n in ("all16", "qv8_rs", "mlp4", "attn8"))
+    m.set_adapter_mapping([a], one)
+    m.set_adapter_mapping([b, None], np.array([1, 1]))
+    assert m.lora_index_to_id == [a.lora_int_id, b.lora_int_id]
+    m.set_adapter_mapping([b], one)                 # a is now the least recently used slot
+    m.set_adapter_mapping([c], one)
+    assert m.lora_index_to_id == [c.lora_int_id, b.lora_int_id]
+    assert list(m._registered) == [a.lora_int_id, b.lora_int_id, c.lora_int_id]
+    m.set_adapter_mapping([d, c], np.array([1, 1]))      # the host drops a; d takes b's slot
+    assert list(m._registered) == [b.lora_int_id, d.lora_int_id, c.lora_int_id]
+    assert sorted(m.lora_index_to_id) == sorted([c.lora_int_id, d.lora_int_id])
+    assert m.mapping.token_slots.tolist() == [m.lora_index_to_id.index(d.lora_int_id),
+                                              m.lora_index_to_id.index(c.lora_int_id)]
