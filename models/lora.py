@@ -134,9 +134,11 @@ def check_adapter(path: str, arch: ArchConfig, max_lora_rank: int) -> AdapterInf
             raise InvalidAdapter(f"tensor {name!r} is not a LoRA weight of a supported module "
                                  f"({', '.join(TARGET_MODULES)})")
         layer, parent, target, ab = int(m[1]), m[2], m[3], m[4]
-        if target not in shapes or _PARENT[target] != parent:
+        if target not in shapes:
             raise InvalidAdapter(f"tensor {name!r}: target module {target!r} is not supported; "
                                  f"supported: {list(TARGET_MODULES)}")
+        if _PARENT[target] != parent:
+            raise InvalidAdapter(f"tensor {name!r}: {target} is a module of {_PARENT[target]}, not of {parent}")
         if layer >= arch.num_layers:
             raise InvalidAdapter(f"tensor {name!r}: layer {layer}, the model has {arch.num_layers}")
         if meta.get("dtype") not in FLOAT_DTYPES:

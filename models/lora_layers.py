@@ -8,8 +8,8 @@ Each wrapper holds ``max_loras`` slots of stacked adapter weights in stable buff
 adapter slot of each token of the step, set once per step by the worker. A step without LoRA
 tokens adds nothing and keeps every fast path (the fused SiLU-gated projection, the native
 decode stack); a step with some takes the per-layer path, where the delta of every adapter of
-the batch is computed together: the native kernel on the CPU (kernels/cpu/lora.c), segmented
-torch ops elsewhere.
+the batch is computed together: the native kernel on the CPU (kernels/cpu/lora.c), two Triton
+launches on CUDA (kernels/triton/lora.py), segmented torch ops otherwise.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kernels.cpu import lora as lora_ops
+from kernels.triton import lora as triton_lora
 from models.layers import GatedMLP, SelfAttention
 
 
@@ -27,13 +28,13 @@ class LoRAMapping:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.active = False                    # some token of the step has an adapter
-        self.token_slots = torch.empty(0, dtype=torch.int64)    # (T,) on the CPU
+        self.token_slots = torch.empty(0, dtype=torch.int64)    # (T,) on the model's device
         self.segments: lora_ops.TokenSegments | None = None     # for the torch path
 
     def set(self, token_slots: np.ndarray) -> None:
         """Slots (T,) int64 of the step's tokens, in the step's token order."""
         self.active = bool((token_slots >= 0).any())
-        self.token_slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
+        self.token_slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64)).to(self.device)
         self.segments = lora_ops.token_segments(token_slots, self.device) if self.active else None
 
     def clear(self) -> None:
@@ -94,7 +95,10 @@ class LoRALinear(nn.Module):
         m = self.mapping
         if not m.active:
             return y
-        if lora_ops.native_supports(y, x, self.lora_a) and m.token_slots.shape[0] == x.shape[0]:
+        if x.is_cuda and m.token_slots.shape[0] == x.shape[0]:
+            triton_lora.lora_shrink_expand(y, x, self.lora_a, self.lora_b, m.token_slots, self.slot_ranks_t,
+                                           self.offsets)
+        elif lora_ops.native_supports(y, x, self.lora_a) and m.token_slots.shape[0] == x.shape[0]:
             lora_ops.lora_shrink_expand(y, x, self.lora_a, self.lora_b, m.token_slots, self.slot_ranks_t,
                                         self.offsets)
         else:

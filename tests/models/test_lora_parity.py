@@ -162,3 +162,12 @@ def test_the_manager_keeps_lru_adapters_in_slots_and_on_the_host(tiny):
     assert sorted(m.lora_index_to_id) == sorted([c.lora_int_id, d.lora_int_id])
     assert m.mapping.token_slots.tolist() == [m.lora_index_to_id.index(d.lora_int_id),
                                               m.lora_index_to_id.index(c.lora_int_id)]
+
+
+def test_the_torch_path_gives_the_native_kernels_logits(tiny, monkeypatch):
+    """Where the native kernel cannot run, the segmented torch ops give the same logits."""
+    prompts, loras = [PROMPT, PROMPT[:5], [7, 7, 9, 100]], ["all16", None, "mlp4"]
+    native = _run(tiny, prompts, loras)
+    monkeypatch.setattr(lora_ops, "native_supports", lambda *a: False)
+    for got, want in zip(_run(tiny, prompts, loras), native):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
