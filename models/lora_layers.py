@@ -13,6 +13,9 @@ launches on CUDA (kernels/triton/lora.py), segmented torch ops otherwise.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import numpy as np
 import torch
 from torch import nn
@@ -28,17 +31,39 @@ class LoRAMapping:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.active = False                    # some token of the step has an adapter
+        self.token_slots_np = np.empty(0, dtype=np.int64)       # (T,) the step's slots
         self.token_slots = torch.empty(0, dtype=torch.int64)    # (T,) on the model's device
         self.segments: lora_ops.TokenSegments | None = None     # for the torch path
+        # a CUDA graph's persistent slot buffer (padding -1): while set, every LoRALinear adds its
+        # delta through it, whatever the step, so a graph captured with it replays any slots
+        self.static: torch.Tensor | None = None
 
     def set(self, token_slots: np.ndarray) -> None:
         """Slots (T,) int64 of the step's tokens, in the step's token order."""
         self.active = bool((token_slots >= 0).any())
-        self.token_slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64)).to(self.device)
+        self.token_slots_np = np.ascontiguousarray(token_slots, dtype=np.int64)
+        self.token_slots = torch.from_numpy(self.token_slots_np).to(self.device)
         self.segments = lora_ops.token_segments(token_slots, self.device) if self.active else None
 
     def clear(self) -> None:
         self.active, self.segments = False, None
+        self.token_slots_np = np.empty(0, dtype=np.int64)
+
+    @contextmanager
+    def use_static(self, slots: torch.Tensor) -> Iterator[None]:
+        """Within: the layers read their tokens' slots from ``slots`` (a graph's buffer view)."""
+        if self.static is not None:
+            raise RuntimeError("LoRAMapping.use_static does not nest")
+        self.static = slots
+        try:
+            yield
+        finally:
+            self.static = None
+
+    @property
+    def applies(self) -> bool:
+        """Whether the layers add LoRA deltas in this forward (the fast paths are off then)."""
+        return self.active or self.static is not None
 
 
 class LoRALinear(nn.Module):
@@ -93,24 +118,27 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:              # (T, in) -> (T, out)
         y = self.base_layer(x)
         m = self.mapping
-        if not m.active:
+        if not m.applies:
             return y
-        if x.is_cuda and m.token_slots.shape[0] == x.shape[0]:
-            triton_lora.lora_shrink_expand(y, x, self.lora_a, self.lora_b, m.token_slots, self.slot_ranks_t,
-                                           self.offsets)
-        elif lora_ops.native_supports(y, x, self.lora_a) and m.token_slots.shape[0] == x.shape[0]:
-            lora_ops.lora_shrink_expand(y, x, self.lora_a, self.lora_b, m.token_slots, self.slot_ranks_t,
-                                        self.offsets)
+        slots = m.static if m.static is not None else m.token_slots          # (T,)
+        if slots.shape[0] != x.shape[0]:
+            raise ValueError(f"LoRA slots for {slots.shape[0]} tokens, the layer got {x.shape[0]}")
+        if x.is_cuda:
+            triton_lora.lora_shrink_expand(y, x, self.lora_a, self.lora_b, slots, self.slot_ranks_t, self.offsets)
+        elif lora_ops.native_supports(y, x, self.lora_a):
+            lora_ops.lora_shrink_expand(y, x, self.lora_a, self.lora_b, slots, self.slot_ranks_t, self.offsets)
         else:
-            lora_ops.lora_shrink_expand_ref(y, x, self.lora_a, self.lora_b, m.segments, self.slot_ranks,
-                                            self.offsets_list)
+            seg = m.segments if m.static is None else lora_ops.token_segments(slots.numpy(), x.device)
+            if seg is not None:
+                lora_ops.lora_shrink_expand_ref(y, x, self.lora_a, self.lora_b, seg, self.slot_ranks,
+                                                self.offsets_list)
         return y
 
     def silu_and_mul_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The base layer's fused gate|up + SiLU when the step has no LoRA token; None otherwise
         (the caller then takes the two-step path through ``forward``)."""
         fused = getattr(self.base_layer, "silu_and_mul_forward", None)
-        return None if self.mapping.active or fused is None else fused(x)
+        return None if self.mapping.applies or fused is None else fused(x)
 
 
 def _in_features(layer: nn.Module) -> int:
@@ -153,7 +181,7 @@ class LoRAAwareDecode:
         self.stack, self.mapping = stack, mapping
 
     def run(self, *args, **kwargs):
-        return None if self.mapping.active else self.stack.run(*args, **kwargs)
+        return None if self.mapping.applies else self.stack.run(*args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self.stack, name)

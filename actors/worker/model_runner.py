@@ -295,8 +295,8 @@ class ModelRunner:
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states (T, hidden) of the step's tokens, on the model's device."""
         eager = self._first_attn is not None and self._first_attn.calculate_kv_scales   # layers set KV scales
-        eager = eager or (self.lora is not None and self.lora.mapping.active)   # graphs hold no LoRA delta
-        desc = self.graphs.dispatch(inp.meta) if self.graphs is not None and not eager else None
+        has_lora = self.lora is not None and self.lora.mapping.active    # the graph with LoRA deltas
+        desc = self.graphs.dispatch(inp.meta, has_lora) if self.graphs is not None and not eager else None
         if desc is not None:
             return self.graphs.run(desc, inp)                  # padded buffers, a graph on CUDA
         if self.device.type == "cpu":

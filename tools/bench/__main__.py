@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
                                        "max_lora_rank"), max_num_seqs=256)
     lra.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 4, 8], help="distinct adapters per round")
     lra.add_argument("--rank", type=int, default=16)
+    lra.add_argument("--repeats", type=int, default=2, help="rounds of each count, alternated; the best is kept")
+    lra.add_argument("--multiprocess", action="store_true", help="the server's 3-process layout")
 
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

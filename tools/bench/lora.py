@@ -2,7 +2,8 @@
 distinct adapters (request i runs with adapter i mod k; 0: the base model), in one engine started
 with --enable-lora and --max-loras the largest count. The adapters are random rank-R PEFT adapters
 on all seven projections, written for the model's architecture into a temporary directory.
-Each round warms up on the workload's first two requests and starts with an empty prefix cache."""
+Each round warms up on the workload's first two requests and starts with an empty prefix cache;
+the counts are alternated ``--repeats`` times and each keeps its best round."""
 from __future__ import annotations
 
 import asyncio
@@ -45,7 +46,8 @@ async def run(args: Any) -> dict[str, Any]:
     reqs = workload.from_args(args)
     counts = sorted(set(args.adapters))
     engine = EngineArgs.from_cli_args(args, enable_lora=True, max_loras=max(max(counts), 1),
-                                      max_cpu_loras=max(max(counts), 1), max_lora_rank=args.rank)
+                                      max_cpu_loras=max(max(counts), 1), max_lora_rank=args.rank,
+                                      multiprocess=args.multiprocess)
     llm = await AsyncLLM.from_engine_args(engine)
     arch = llm.client.config.model.arch
     rounds = []
@@ -62,22 +64,28 @@ async def run(args: Any) -> dict[str, Any]:
                     n += len(out.token_ids)
                 return n
 
+            best: dict[int, tuple[float, int]] = {}
+            for _ in range(args.repeats):              # counts alternated, the best of each kept
+                for k in counts:
+                    lora_of = [loras[i % k] if k else None for i in range(len(reqs))]
+                    await llm.client.reset_prefix_cache()
+                    await asyncio.gather(*(one(r, lora_of[i]) for i, r in enumerate(reqs[:2])))
+                    await llm.client.reset_prefix_cache()
+                    t0 = time.perf_counter()
+                    outs = await asyncio.gather(*(one(r, lora_of[i]) for i, r in enumerate(reqs)))
+                    seconds = time.perf_counter() - t0
+                    if k not in best or seconds < best[k][0]:
+                        best[k] = (seconds, sum(outs))
             for k in counts:
-                lora_of = [loras[i % k] if k else None for i in range(len(reqs))]
-                await llm.client.reset_prefix_cache()
-                await asyncio.gather(*(one(r, lora_of[i]) for i, r in enumerate(reqs[:2])))
-                await llm.client.reset_prefix_cache()
-                t0 = time.perf_counter()
-                outs = await asyncio.gather(*(one(r, lora_of[i]) for i, r in enumerate(reqs)))
-                seconds = time.perf_counter() - t0
-                rounds.append({"adapters": k, "output_tokens": sum(outs), "seconds": round(seconds, 3),
-                               "output_tok_per_s": round(sum(outs) / seconds, 2)})
+                seconds, n = best[k]
+                rounds.append({"adapters": k, "output_tokens": n, "seconds": round(seconds, 3),
+                               "output_tok_per_s": round(n / seconds, 2)})
         finally:
             await llm.shutdown()
     base = next((r["output_tok_per_s"] for r in rounds if r["adapters"] == 0), None)
     for r in rounds:
         r["fraction_of_base"] = round(r["output_tok_per_s"] / base, 3) if base else None
-    return {"bench": "lora", "engine": "troupe", "rank": args.rank, "requests": len(reqs),
+    return {"bench": "lora", "engine": "troupe", "rank": args.rank, "requests": len(reqs), "repeats": args.repeats,
             "quantization": args.quantization, "rounds": rounds}
 
 
