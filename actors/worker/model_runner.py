@@ -29,6 +29,11 @@ drafts the next step's tokens of every request that sampled and accepts drafts
 (methods draft_model, self_draft) the draft model does so instead (actors/spec_decode/draft_model.py),
 its KV cache in views of the same blocks (the config's KV cache specs list its layers after the
 target's). A step with drafts has several queries per request and runs eagerly.
+
+LoRA (``--enable-lora``: the worker wrapped the model's projections, ``model.lora_manager``):
+before each forward the manager makes the step's adapters resident in the layers' slots and maps
+every token to its request's slot (-1: the base model); a uniform decode step with adapters
+replays the decode graph captured with LoRA (``BatchDescriptor.has_lora``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The worker's core: one model and its paged KV cache on one device. Loading resolves the
 engine's config (the worker knows its platform and reads the checkpoint's architecture), then
-the model is built, quantized or packed for the CPU; on CUDA without a KV cache size, a forward
+the model is built, quantized or packed for the CPU, its projections wrapped for LoRA with
+--enable-lora (``lora_manager.py``); on CUDA without a KV cache size, a forward
 pass measures what --gpu-memory-utilization leaves for the cache (``gpu_memory.py``);
 ``init_kv_cache`` allocates the cache the resolved config sizes and captures the decode graphs on
 CUDA; ``execute_model`` runs one step. Pure: no asyncio, no transport."""
