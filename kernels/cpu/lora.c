@@ -16,6 +16,10 @@
 #include <string.h>
 
 #define LORA_MAX_COLS 4096     /* num_slices * R: h lives on the stack */
+/* Below this many multiply-adds a call runs on one thread: a decode step's delta takes tens of
+   microseconds, less than waking the other threads costs (and on a loaded machine a parallel
+   region can wait a scheduler time slice for a descheduled thread). */
+#define LORA_PAR_MIN_FMAS (1 << 23)
 
 int64_t lora_shrink_expand(int64_t T, const float *x, int64_t ldx, float *y, int64_t ldy,
                            const float *a, const float *b, const int64_t *token_slots,
@@ -23,7 +27,7 @@ int64_t lora_shrink_expand(int64_t T, const float *x, int64_t ldx, float *y, int
                            int64_t num_slices, const int64_t *offsets) {
     const int64_t NR = num_slices * R;
     if (NR > LORA_MAX_COLS) return -1;
-    #pragma omp parallel for schedule(static) if (T >= 8)
+    #pragma omp parallel for schedule(static) if (T * (in * NR + R * out) >= LORA_PAR_MIN_FMAS)
     for (int64_t t = 0; t < T; t++) {
         const int64_t s = token_slots[t];
         if (s < 0) continue;
