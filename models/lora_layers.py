@@ -174,14 +174,36 @@ def _out_features(layer: nn.Module) -> int:
 
 
 class LoRAAwareDecode:
-    """The native decode stack behind a guard: it runs the base weights only, so a step with
-    LoRA tokens goes the per-layer way (``run`` answers None, the model falls back)."""
+    """The native decode stack with the model's LoRA slots: a step with LoRA tokens passes the
+    layers' slot buffers (``words``, decode_stack.c's LoRA words) and its token slots, and the
+    stack adds each linear's delta with the same kernel as the per-layer path. Without words
+    (a layer the stack cannot give LoRA to), a step with LoRA tokens goes the per-layer way
+    (``run`` answers None, the model falls back); so does one through a graph's slot buffer."""
 
-    def __init__(self, stack, mapping: LoRAMapping) -> None:
-        self.stack, self.mapping = stack, mapping
+    def __init__(self, stack, mapping: LoRAMapping, words: torch.Tensor | None) -> None:
+        self.stack, self.mapping, self.words = stack, mapping, words     # words (L, 24) int64
 
     def run(self, *args, **kwargs):
-        return None if self.mapping.applies else self.stack.run(*args, **kwargs)
+        m = self.mapping
+        if m.static is not None or (m.active and self.words is None):
+            return None
+        return self.stack.run(*args, **kwargs, lora=(self.words, m.token_slots) if m.active else None)
+
+    @staticmethod
+    def lora_words(layers, wrapped: dict[str, LoRALinear]) -> torch.Tensor | None:
+        """Per layer, for its q|k|v, o, gate|up and down projections: their slots' A and B
+        addresses, R, slice count, offsets and ranks addresses (float32 CPU buffers, stable)."""
+        rows = []
+        for i in range(len(layers)):
+            row = []
+            for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+                m = wrapped.get(f"layers.{i}.{name}")
+                if m is None or m.lora_a.device.type != "cpu" or m.lora_a.dtype != torch.float32:
+                    return None
+                row += [m.lora_a.data_ptr(), m.lora_b.data_ptr(), m.max_rank, len(m.slice_names),
+                        m.offsets.data_ptr(), m.slot_ranks_t.data_ptr()]
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.int64)
 
     def __getattr__(self, name: str):
         return getattr(self.stack, name)

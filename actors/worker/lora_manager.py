@@ -46,8 +46,9 @@ class LoRAModelManager:
         self._registered: OrderedDict[int, LoRAModel] = OrderedDict()
         self.lora_index_to_id: list[int | None] = [None] * config.max_loras
         self._slot_lru: OrderedDict[int, None] = OrderedDict()   # slots, least recently used first
-        if getattr(model, "native_decode", None) is not None:
-            model.native_decode = LoRAAwareDecode(model.native_decode, self.mapping)
+        if getattr(model, "native_decode", None) is not None:     # LoRA steps through it too
+            model.native_decode = LoRAAwareDecode(model.native_decode, self.mapping,
+                                                  LoRAAwareDecode.lora_words(model.layers, self.modules))
         model.lora_manager = self
 
     # -- the host cache ----------------------------------------------------------------------
