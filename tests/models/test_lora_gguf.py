@@ -5,19 +5,24 @@ run GGUF Q8_0 blocks natively, the delta added in float32 gives the logits of th
 float model with the same adapter."""
 from __future__ import annotations
 
-import numpy as np
-import pytest
+import os
+
 import torch
 
-from actors.engine.lora import LoRAConfig, LoRARequest
-from actors.worker.lora_manager import LoRAModelManager
-from kernels.attention import allocate_kv_caches, build_attention_metadata
-from kernels.cpu.native import available
-from models.packed import prepack_linears
-from models.quant import quantize
-from models.registry import load_model
-from models.resolve import ModelSource
-from tests.helpers import save_tiny_llama, save_tiny_lora
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")   # before any kernel module
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from actors.engine.lora import LoRAConfig, LoRARequest  # noqa: E402
+from actors.worker.lora_manager import LoRAModelManager  # noqa: E402
+from kernels.attention import allocate_kv_caches, build_attention_metadata  # noqa: E402
+from kernels.cpu.native import available  # noqa: E402
+from models.packed import prepack_linears  # noqa: E402
+from models.quant import quantize  # noqa: E402
+from models.registry import load_model  # noqa: E402
+from models.resolve import ModelSource  # noqa: E402
+from tests.helpers import save_tiny_llama, save_tiny_lora  # noqa: E402
 
 VOCAB, BLOCK = 128, 4
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

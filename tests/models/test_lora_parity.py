@@ -4,22 +4,27 @@ modules or a few); an adapter whose B is zero gives the base model's tokens exac
 one step each get the logits they get alone; the native kernel matches the torch version."""
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import numpy as np
-import pytest
 import torch
 
-from actors.engine.lora import LoRAConfig, LoRARequest
-from actors.worker.lora_manager import LoRAModelManager
-from kernels.attention import allocate_kv_caches
-from kernels.cpu import lora as lora_ops
-from kernels.cpu.native import available
-from models.native_decode import attach
-from models.packed import prepack_linears
-from models.registry import load_model
-from models.resolve import resolve_model
-from tests.helpers import save_tiny_llama, save_tiny_lora
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")   # before any kernel module
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from actors.engine.lora import LoRAConfig, LoRARequest  # noqa: E402
+from actors.worker.lora_manager import LoRAModelManager  # noqa: E402
+from kernels.attention import allocate_kv_caches  # noqa: E402
+from kernels.cpu import lora as lora_ops  # noqa: E402
+from kernels.cpu.native import available  # noqa: E402
+from models.native_decode import attach  # noqa: E402
+from models.packed import prepack_linears  # noqa: E402
+from models.registry import load_model  # noqa: E402
+from models.resolve import resolve_model  # noqa: E402
+from tests.helpers import save_tiny_llama, save_tiny_lora  # noqa: E402
 
 VOCAB, BLOCK = 128, 4
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

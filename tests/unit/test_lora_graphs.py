@@ -4,19 +4,24 @@ steps with adapters dispatch to the descriptors with has_lora, steps without to 
 Capture itself needs CUDA."""
 from __future__ import annotations
 
-import numpy as np
-import pytest
+import os
+
 import torch
 
-from actors.engine.lora import LoRAConfig, LoRARequest
-from actors.engine.sampling_params import SamplingParams
-from actors.worker.lora_manager import LoRAModelManager
-from actors.worker.model_runner import ModelRunner
-from kernels.attention.cpu import CpuAttentionBackend
-from models.registry import load_model
-from models.resolve import resolve_model
-from tests.helpers import save_tiny_llama, save_tiny_lora
-from tools.gpu_check.driver import StepDriver, runner_config
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")   # before any kernel module
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from actors.engine.lora import LoRAConfig, LoRARequest  # noqa: E402
+from actors.engine.sampling_params import SamplingParams  # noqa: E402
+from actors.worker.lora_manager import LoRAModelManager  # noqa: E402
+from actors.worker.model_runner import ModelRunner  # noqa: E402
+from kernels.attention.cpu import CpuAttentionBackend  # noqa: E402
+from models.registry import load_model  # noqa: E402
+from models.resolve import resolve_model  # noqa: E402
+from tests.helpers import save_tiny_llama, save_tiny_lora  # noqa: E402
+from tools.gpu_check.driver import StepDriver, runner_config  # noqa: E402
 
 BLOCK, VOCAB = 16, 128
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
