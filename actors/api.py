@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence, Sized, Union
 
 from actors.engine.args import EngineArgs
+from actors.engine.lora import LoRARequest
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.launch import Frontend, start_frontend
 from actors.frontend.streams import RequestOutput
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "GenerationResult"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "GenerationResult", "LoRARequest"]
 
 
 @dataclass(slots=True)
@@ -79,19 +80,24 @@ class AsyncLLM:
         return SamplingParams(**defaults.as_dict()) if defaults is not None else SamplingParams()
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one text (or token-id) prompt, as they are produced."""
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one text (or token-id) prompt, as they are produced; with
+        ``lora_request``, from the base model plus that adapter (vLLM's argument)."""
         params = params or self.default_sampling_params()
         kw: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
-        async for out in self.client.generate(params, request_id=request_id, **kw):
+        lora = self.client.register_lora(lora_request) if lora_request is not None else None
+        async for out in self.client.generate(params, request_id=request_id, lora_request=lora, **kw):
             yield out
 
     async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
-                   request_id: str | None = None, **template: Any) -> AsyncIterator[RequestOutput]:
+                   request_id: str | None = None, lora_request: LoRARequest | None = None,
+                   **template: Any) -> AsyncIterator[RequestOutput]:
         """Outputs of one conversation rendered with the model's chat template."""
         params = params or self.default_sampling_params()
+        lora = self.client.register_lora(lora_request) if lora_request is not None else None
         async for out in self.client.generate(params, request_id=request_id, messages=messages,
-                                              **template):
+                                              lora_request=lora, **template):
             yield out
 
     async def generate_many(self, prompts: Iterable[Prompt],
@@ -213,16 +219,21 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[GenerationResult]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[GenerationResult]:
         """Generate for every prompt concurrently (they share engine steps); results in order.
-        ``params``: one for all prompts, or one per prompt."""
+        ``params``: one for all prompts, or one per prompt; ``lora_request`` likewise (vLLM's
+        argument: the adapter each prompt runs with, None for the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling parameters for {len(prompts)} prompts")
-        return self._batch([(p, lambda p=p, sp=sp: self._llm.generate(p, sp))
-                            for p, sp in zip(prompts, per_prompt)], use_tqdm)
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
+        return self._batch([(p, lambda p=p, sp=sp, lr=lr: self._llm.generate(p, sp, lora_request=lr))
+                            for p, sp, lr in zip(prompts, per_prompt, loras)], use_tqdm)
 
     def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              params: SamplingParams | None = None, *, use_tqdm: bool = True,

@@ -41,7 +41,8 @@ def _kernel():
     from kernels.cpu import native
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return native.declare("decode_stack", [i64, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [ptr, ptr, i64, ptr, ptr, i64,
-                                                                                  ptr, i64, i64, i64, ptr], i64)
+                                                                                  ptr, i64, i64, i64, ptr, ptr, ptr],
+                          i64)
 
 
 def _linear_words(module: nn.Module) -> list[int] | None:
@@ -126,10 +127,12 @@ class NativeDecodeStack:
         return True
 
     def run(self, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
-            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+            meta: AttentionMetadata, lora: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """emb (T, hidden) of a step of short queries (one token per request, no padding; or a
         few, flattened) -> (last layer's output, residual stream), or None when this step is not
-        one it takes."""
+        one it takes. ``lora``: (the layers' LoRA words (L, 24) int64, each token's slot (T,)
+        int64), see decode_stack.c; the deltas are added after each linear."""
         from kernels.cpu.native import KV_TYPES
         if not meta.is_pure_decode:
             if meta.max_query_len > MAX_FLAT_QUERY or emb.shape[0] != meta.num_tokens:
@@ -140,7 +143,8 @@ class NativeDecodeStack:
                 or emb.dtype != torch.float32 or emb.dim() != 2
                 or not emb.is_contiguous() or cos.dtype != torch.float32 or sin.dtype != torch.float32
                 or cos.stride(0) != sin.stride(0) or cos.stride(-1) != 1 or sin.stride(-1) != 1
-                or self._first_attn.calculate_kv_scales or not self._bind(kv_caches)):
+                or self._first_attn.calculate_kv_scales or not self._bind(kv_caches)
+                or (lora is not None and lora[1].shape != (B,))):
             return None
         Hd, H, KVH, D, I = self.dims
         _, num_blocks, BS, _, _ = kv_caches[0].shape
@@ -153,7 +157,8 @@ class NativeDecodeStack:
                            h.data_ptr(), residual.data_ptr(), B, Hd, H, KVH, D, I, cos.data_ptr(), sin.data_ptr(),
                            cos.stride(0), slots.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(),
                            KV_TYPES[kv_caches[0].dtype], num_blocks, BS,
-                           None if self.profile is None else self.profile.data_ptr())
+                           None if self.profile is None else self.profile.data_ptr(),
+                           None if lora is None else lora[0].data_ptr(), None if lora is None else lora[1].data_ptr())
         if status == -2:
             raise MemoryError("the native decode stack could not allocate its buffers")
         if status >= 0:

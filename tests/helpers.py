@@ -120,3 +120,24 @@ def write_distribution(root, entry_points: str, module: str, name: str) -> None:
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(entry_points)
+
+
+def save_tiny_lora(hf_path, out, r: int, targets: list[str], seed: int, rslora: bool = False,
+                   zero_b: bool = False, scale: float = 0.1):
+    """A PEFT adapter (lora_alpha = 2 r) for the Llama checkpoint at ``hf_path``, with random A and
+    B (B zero with ``zero_b``), saved at ``out``; returns the peft model (transformers' model with
+    the adapter applied)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(hf_path, torch_dtype=torch.float32)
+    hf.config._attn_implementation = "eager"
+    peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_rslora=rslora,
+                                               lora_dropout=0.0, init_lora_weights=False))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.zeros_like(p) if zero_b and "lora_B" in name else torch.randn(p.shape, generator=g) * scale)
+    peft_model.save_pretrained(out)
+    return peft_model.eval()

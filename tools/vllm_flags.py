@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 _PARALLEL = "Troupe implements tensor and data parallelism on one machine only (--tensor-parallel-size, --data-parallel-size)"
 _LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directories as they are"
 _MODALITY = "Troupe serves text-only models"
-_LORA = "Troupe serves the base model only (no LoRA adapters)"
+_LORA = "Troupe's LoRA takes --enable-lora, --lora-modules, --max-loras, --max-cpu-loras and --max-lora-rank only"
 _SPEC = "Troupe takes speculative decoding as --speculative-config JSON only"
 _COMPILE = ("Troupe takes the CUDA graph sizes in --compilation-config (cudagraph_capture_sizes); "
             "--enforce-eager turns the graphs off")
@@ -79,9 +79,7 @@ REFUSED: dict[str, str] = {
     "--skip-mm-profiling": _MODALITY, "--video-pruning-rate": _MODALITY,
     "--allowed-local-media-path": _MODALITY, "--allowed-media-domains": _MODALITY,
     # adapters and speculative decoding
-    "--enable-lora": _LORA, "--lora-modules": _LORA, "--max-loras": _LORA, "--max-lora-rank": _LORA,
-    "--lora-extra-vocab-size": _LORA, "--lora-dtype": _LORA, "--max-cpu-loras": _LORA,
-    "--fully-sharded-loras": _LORA, "--default-mm-loras": _LORA, "--enable-prompt-adapter": _LORA,
+    "--lora-extra-vocab-size": _LORA, "--lora-dtype": _LORA, "--fully-sharded-loras": _LORA, "--default-mm-loras": _LORA, "--enable-prompt-adapter": _LORA,
     "--prompt-adapters": _LORA, "--max-prompt-adapters": _LORA, "--max-prompt-adapter-token": _LORA,
     "--speculative-model": _SPEC, "--num-speculative-tokens": _SPEC,
     # the KV cache
@@ -142,7 +140,7 @@ BOOLEAN = frozenset({
     "--ray-workers-use-nsight", "--disable-custom-all-reduce", "--disable-frontend-multiprocessing",
     "--use-tqdm-on-load", "--skip-tokenizer-init", "--disable-sliding-window",
     "--enable-prompt-embeds", "--enable-sleep-mode", "--enable-mm-embeds", "--interleave-mm-strings",
-    "--skip-mm-profiling", "--enable-lora", "--fully-sharded-loras",
+    "--skip-mm-profiling", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",
     "--enable-log-outputs", "--log-error-stack", "--allow-credentials",
     "--enable-ssl-refresh", "--return-tokens-as-token-ids", "--trust-request-chat-template",

@@ -16,6 +16,7 @@ from actors.engine.config import (DEFAULT_MAX_LOGPROBS, DEVICES, DTYPES, GENERAT
                                   DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig,
                                   ParallelConfig, SchedulerConfig)
 from actors.engine.compilation import compilation_config
+from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig
@@ -73,6 +74,12 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         load_general_plugins()         # this process's plugins first (e.g. an architecture they register)
+    enable_lora: bool = False
+    # vLLM's --lora-modules: name=path, a JSON object, or (offline) a dict or LoRAModulePath each
+    lora_modules: list[Any] | None = None
+    max_loras: int = 1
+    max_cpu_loras: int | None = None      # None: max_loras
+    max_lora_rank: int = 16
 
     @classmethod
     def from_options(cls, model: str | None, options: dict[str, Any]) -> EngineArgs:
@@ -125,7 +132,20 @@ class EngineArgs:
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
             observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir),
-            speculative=speculative, compilation=compilation)
+            speculative=speculative, compilation=compilation, lora=self.lora_config())
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("--lora-modules needs --enable-lora")
+            return None
+        modules = tuple(m if isinstance(m, LoRAModulePath) else LoRAModulePath(**m) if isinstance(m, dict)
+                        else parse_lora_module(m) for m in self.lora_modules or ())
+        names = [m.name for m in modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {names}")
+        return LoRAConfig(max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras or 0,
+                          max_lora_rank=self.max_lora_rank, lora_modules=modules)
 
     # -- the command line --------------------------------------------------------------------
     @staticmethod
@@ -395,6 +415,23 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "qualified class names, applied to every step's batch beside those installed packages "
                  "declare as troupe.logits_processors entry points; requests pass them arguments in "
                  "vllm_xargs (SamplingParams.extra_args)")),
+        (("--enable-lora",), "enable_lora", dict(
+            action=argparse.BooleanOptionalAction, default=d["enable_lora"],
+            help="serve LoRA adapters (PEFT format) beside the base model: a request picks one by its model "
+                 "field; /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove them")),
+        (("--lora-modules",), "lora_modules", dict(
+            nargs="+", default=d["lora_modules"], metavar="NAME=PATH",
+            help='adapters served from the start: name=path, or a JSON object {"name": ..., "path": ..., '
+                 '"base_model_name": ...}')),
+        (("--max-loras",), "max_loras", dict(
+            type=_positive(int), default=d["max_loras"], metavar="N",
+            help="adapters one step may use (the layers' slots); requests of another adapter wait")),
+        (("--max-cpu-loras",), "max_cpu_loras", dict(
+            type=_positive(int), default=d["max_cpu_loras"], metavar="N",
+            help="adapters the worker keeps loaded in host memory (default: --max-loras)")),
+        (("--max-lora-rank",), "max_lora_rank", dict(
+            type=_positive(int), default=d["max_lora_rank"], metavar="R",
+            help="the largest rank an adapter may have (its A and B are padded to it in the slots)")),
         (("--max-model-len",), "max_model_len", dict(type=human_readable_int, default=d["max_model_len"],
                                                      help="0: the model's own")),
         (("--scheduling-policy",), "scheduling_policy", dict(

@@ -17,6 +17,7 @@ import dataclasses
 import msgspec
 
 from actors.engine.compilation import CompilationConfig
+from actors.engine.lora import LoRAConfig
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, kv_cache_groups,
                                              max_tokens_per_request, model_kv_cache_specs, num_blocks_for,
@@ -137,6 +138,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculative: SpeculativeConfig | None = None
     # --compilation-config / -O: eager, custom ops, torch.compile (actors/engine/compilation.py)
     compilation: CompilationConfig = CompilationConfig()
+    lora: LoRAConfig | None = None         # --enable-lora: adapters served beside the base model (None: off)
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -347,6 +349,9 @@ def check_config(cfg: EngineConfig) -> None:
         if cfg.speculative is not None and cfg.speculative.method != "ngram":
             raise ValueError(f"speculative method {cfg.speculative.method!r} with tensor parallelism is not "
                              "supported yet (its draft model runs unsplit): use method ngram, or one worker")
+        if cfg.lora is not None:
+            raise ValueError("LoRA adapters with tensor parallelism are not supported yet (an adapter's matrices "
+                             "are not split over the ranks): serve them with one worker")
     if dp.data_parallel_size > 1 and not dp.multiprocess:
         raise ValueError("data parallelism runs each engine core in a process of its own: it needs the "
                          "multiprocess layout (a server, or LLM(multiprocess=True))")

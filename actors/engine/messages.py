@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
+from actors.engine.lora import LoRARequest
 from actors.engine.sampling_params import SamplingParams
 from transport.msg import Msg
 
@@ -24,6 +25,7 @@ class EngineCoreRequest(msgspec.Struct):
     eos_token_ids: list[int] = []
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 # -- engine outputs (engine core -> frontend), one message per step ---------------------------
@@ -91,6 +93,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]       # per KV cache group, its block table (0: the null block)
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

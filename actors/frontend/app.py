@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from actors.frontend import chat, completions, dashboard, debug, misc, observe
+from actors.frontend import chat, completions, dashboard, debug, lora, misc, observe
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
@@ -93,6 +93,8 @@ class OpenAIServer:
             ("GET", "/v1/models", misc.models), ("GET", "/v1/models/{model:.+}", misc.model),
             ("POST", "/tokenize", misc.tokenize), ("POST", "/detokenize", misc.detokenize),
             ("POST", "/reset_prefix_cache", misc.reset_prefix_cache),
+            ("POST", "/v1/load_lora_adapter", lora.load_lora_adapter),
+            ("POST", "/v1/unload_lora_adapter", lora.unload_lora_adapter),
             ("POST", "/v1/chat/completions", chat.chat_completions),
             ("POST", "/v1/completions", completions.completions),
         ]
@@ -176,7 +178,7 @@ class OpenAIServer:
         """``read`` for a body already in hand (the batch runner's)."""
         client = self.engine()
         req = decode_body(body, typ, self.options.lenient)
-        if req.model is not None and req.model not in client.model_names:
+        if req.model is not None and req.model not in client.model_names and req.model not in client.lora_requests:
             raise not_found(f"The model `{req.model}` does not exist.", "model")
         if isinstance(req, GenerationRequest):
             req.with_server_defaults(self.request_defaults)

@@ -13,7 +13,7 @@ from aiohttp import web
 from actors.frontend.fanout import Choice, submit_choices
 from actors.frontend.generation import Generation
 from actors.frontend.logprobs import TokenText, chat_logprobs
-from actors.frontend.params import (cache_salt, chat_messages, check_chat_flags, check_priority,
+from actors.frontend.params import (served_name, cache_salt, chat_messages, check_chat_flags, check_priority,
                                     num_choices, request_timeout, stream_flags)
 from actors.frontend.protocol import BadRequest, ChatCompletionRequest
 from actors.frontend.streams import RequestOutput
@@ -140,7 +140,8 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
         server.submit, rid, params, n, None, messages=messages,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         chat_template_kwargs=template_kwargs, priority=priority, arrival_time=arrival,
-        cache_salt=cache_salt(req), timeout_s=request_timeout(req))
-    gen = ChatGeneration(rid, client.model_name, choices, include_usage, server.token_text,
+        cache_salt=cache_salt(req), timeout_s=request_timeout(req),
+        lora_request=client.lora_request_for(req.model))
+    gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, server.token_text,
                          params.logprobs, tools)
     return gen, stream

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 
 from actors.detokenizer.actor import EndGroup, EngineLost, Untrack
 from actors.engine.config import EngineConfig
+from actors.engine.lora import LoRARequest
 from actors.frontend.admission import Overloaded, WaitingRequests
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from actors.frontend.stats import EngineStats
@@ -64,6 +65,52 @@ class EngineClient:
         self.draining: str | None = None       # why no new request is taken (running ones finish)
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}"
+        self.lora_requests: dict[str, LoRARequest] = {}    # served adapters, by name
+        self._lora_ids = itertools.count(1)
+        for m in config.lora.lora_modules if config.lora is not None else ():
+            self.add_lora(m.name, m.path, m.base_model_name)
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+    def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Serve the PEFT adapter at ``path`` as model ``name``, once it validates against the
+        model (models/lora.py raises InvalidAdapter saying what is wrong; nothing changes then).
+        The worker reads it when a request first needs it."""
+        from models.lora import InvalidAdapter, check_adapter
+        lora = self.config.lora
+        if lora is None:
+            raise InvalidAdapter("LoRA adapters are not enabled (start with --enable-lora)")
+        if name in self.lora_requests or name in self.model_names:
+            raise InvalidAdapter(f"The lora adapter '{name}' has already been loaded.")
+        check_adapter(path, self.config.model.arch, lora.max_lora_rank)
+        taken = {r.lora_int_id for r in self.lora_requests.values()}
+        lora_id = next(i for i in self._lora_ids if i not in taken)
+        req = LoRARequest(name, lora_id, path, base_model_name)
+        self.lora_requests[name] = req
+        return req
+
+    def register_lora(self, req: LoRARequest) -> LoRARequest:
+        """The offline API's ``LoRARequest``, validated the first time it is seen; its id must
+        name no other adapter."""
+        if self.lora_requests.get(req.lora_name) == req:
+            return req
+        from models.lora import InvalidAdapter, check_adapter
+        if self.config.lora is None:
+            raise InvalidAdapter("LoRA adapters are not enabled (pass enable_lora=True)")
+        other = next((r for r in self.lora_requests.values() if r.lora_int_id == req.lora_int_id), None)
+        if other is not None and other.lora_name != req.lora_name:
+            raise InvalidAdapter(f"lora_int_id {req.lora_int_id} already names adapter {other.lora_name!r}")
+        check_adapter(req.lora_path, self.config.model.arch, self.config.lora.max_lora_rank)
+        self.lora_requests[req.lora_name] = req
+        return req
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter ``name`` (requests already running with it finish); False when
+        there is no such adapter."""
+        return self.lora_requests.pop(name, None) is not None
+
+    def lora_request_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's model field names (None: the base model)."""
+        return self.lora_requests.get(model) if model is not None else None
 
     @property
     def model_name(self) -> str:
@@ -112,7 +159,8 @@ class EngineClient:
                      chat_template_kwargs: dict[str, Any] | None = None,
                      priority: int = 0, arrival_time: float = 0.0,
                      add_special_tokens: bool = False, cache_salt: str | None = None,
-                     timeout_s: float | None = None, parent_id: str = "", n: int = 1) -> RequestHandle:
+                     timeout_s: float | None = None, parent_id: str = "", n: int = 1,
+                     lora_request: LoRARequest | None = None) -> RequestHandle:
         """Admit one request; ``timeout_s``: it is aborted (its KV freed) if it has not finished
         that long after now. ``parent_id`` and ``n``: it is one of the n choices of request
         ``parent_id`` (for the metrics of requests with n > 1; see ``end_group``). Raises
@@ -129,7 +177,7 @@ class EngineClient:
         admit = asyncio.ensure_future(self.tokenizer_actor.ask(Generate(
             rid, params, prompt, prompt_token_ids, messages,
             add_generation_prompt, continue_final_message, chat_template_kwargs or {},
-            priority, arrival_time, add_special_tokens, cache_salt, parent_id, n), timeout=60))
+            priority, arrival_time, add_special_tokens, cache_salt, parent_id, n, lora_request), timeout=60))
         try:
             accepted = await asyncio.shield(admit)
         except RemoteError as exc:

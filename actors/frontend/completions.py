@@ -12,7 +12,7 @@ from aiohttp import web
 from actors.frontend.fanout import Choice, submit_choices
 from actors.frontend.generation import Generation
 from actors.frontend.logprobs import CompletionLogprobs, TokenText, merge_completion_logprobs
-from actors.frontend.params import (MAX_CHOICES, PromptInput, cache_salt, check_priority,
+from actors.frontend.params import (served_name, MAX_CHOICES, PromptInput, cache_salt, check_priority,
                                     completion_prompts, num_choices, request_timeout, stream_flags)
 from actors.frontend.protocol import BadRequest, CompletionRequest
 from actors.frontend.streams import RequestOutput
@@ -116,9 +116,10 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest,
     choices = await submit_choices(
         server.submit, rid, params, n, prompts, priority=priority,
         arrival_time=arrival, add_special_tokens=req.add_special_tokens is not False,
-        cache_salt=cache_salt(req), timeout_s=request_timeout(req))
+        cache_salt=cache_salt(req), timeout_s=request_timeout(req),
+        lora_request=client.lora_request_for(req.model))
     echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
-    gen = CompletionGeneration(rid, client.model_name, choices, include_usage, server.token_text,
+    gen = CompletionGeneration(rid, served_name(client, req.model), choices, include_usage, server.token_text,
                                params.logprobs, echo_texts)
     return gen, stream
 

@@ -63,13 +63,27 @@ def _card(server: OpenAIServer, name: str) -> dict:
             "max_model_len": c.max_model_len}
 
 
+def _lora_card(server: OpenAIServer, name: str) -> dict:
+    """An adapter's card: ``root`` its directory, ``parent`` its base model (vLLM's shape)."""
+    c = server.engine()
+    lora = c.lora_requests[name]
+    return {"id": name, "object": "model", "created": int(c.stats.started_at), "owned_by": "troupe",
+            "root": lora.lora_path, "parent": lora.base_model_name or c.model_name,
+            "max_model_len": c.max_model_len}
+
+
 async def models(server: OpenAIServer, request: web.Request) -> web.Response:
-    """A card per --served-model-name (the model's own name when none was given)."""
-    return _json({"object": "list", "data": [_card(server, n) for n in server.engine().model_names]})
+    """A card per --served-model-name (the model's own name when none was given), then one per
+    LoRA adapter."""
+    c = server.engine()
+    return _json({"object": "list", "data": [_card(server, n) for n in c.model_names]
+                  + [_lora_card(server, n) for n in c.lora_requests]})
 
 
 async def model(server: OpenAIServer, request: web.Request) -> web.Response:
     name = request.match_info["model"]
+    if name in server.engine().lora_requests:
+        return _json(_lora_card(server, name))
     if name not in server.engine().model_names:
         raise not_found(f"The model `{name}` does not exist.", "model")
     return _json(_card(server, name))

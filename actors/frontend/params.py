@@ -125,6 +125,12 @@ def _content_text(i: int, content: Any) -> str:
     return "".join(part.text for part in content)
 
 
+def served_name(client, model: str | None) -> str:
+    """The model name a response reports: the adapter's when the request named one (as vLLM),
+    else the first served name."""
+    return model if model is not None and model in client.lora_requests else client.model_name
+
+
 def cache_salt(req: GenerationRequest) -> str | None:
     """vLLM's rule: a non-empty string when set. It is mixed into the hash of the prompt's first
     block, so only requests with equal salts share cached prefixes."""

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from actors.kv_manager.block_hash import BlockHash, extend_block_hashes
+from actors.engine.lora import LoRARequest
 from actors.engine.messages import EngineCoreRequest
 from actors.engine.sampling_params import SamplingParams
 
@@ -48,7 +49,7 @@ class Request:
     priority: int = 0
     block_size: int = 0               # for block hashes; 0 = no hashing
     cache_salt: str | None = None
-    lora_name: str | None = None
+    lora_request: LoRARequest | None = None   # its adapter (None: the base model)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -67,6 +68,10 @@ class Request:
     first_output_sent: bool = False
     stop_reason: int | str | None = None
 
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request is not None else None
+
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
@@ -75,7 +80,7 @@ class Request:
     @classmethod
     def from_engine_request(cls, r: EngineCoreRequest, block_size: int = 0) -> Request:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.arrival_time,
-                   tuple(r.eos_token_ids), r.priority, block_size, r.cache_salt)
+                   tuple(r.eos_token_ids), r.priority, block_size, r.cache_salt, r.lora_request)
 
     @property
     def num_tokens(self) -> int:

@@ -122,6 +122,7 @@ class Scheduler:
         self._step_sizes: dict[int, tuple[int, int]] = {}     # step -> (tokens, attention pairs)
         drafts_with_model = self.speculative is not None and self.speculative.method != "ngram"
         self.num_lookahead_tokens = self.speculative.num_speculative_tokens if drafts_with_model else 0
+        self.max_loras = config.lora.max_loras if config.lora is not None else 0   # adapters per step
 
     # -- admission and abort -----------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -132,6 +133,8 @@ class Scheduler:
             return EngineCoreOutput(r.request_id, [], "error", error=(
                 f"prompt of {len(r.prompt_token_ids)} tokens leaves no room to generate "
                 f"(limit {self.max_model_len} tokens)"))
+        if r.lora_request is not None and not self.max_loras:
+            return EngineCoreOutput(r.request_id, [], "error", error="LoRA adapters are not enabled (--enable-lora)")
         req = Request.from_engine_request(r, self.block_size if self.enable_prefix_caching else 0)
         spec = r.sampling_params.structured_outputs
         if spec is not None:
@@ -350,9 +353,10 @@ class Scheduler:
 
     def _admit_waiting(self, step: _Step, skipped: list[Request]) -> None:
         bs = self.block_size
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}   # every step's, at most max_loras
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
-            if req.num_output_placeholders:
+            if req.num_output_placeholders or not self._lora_fits(req, loras):
                 skipped.append(self.waiting.pop())
                 continue
             hits = self.kv.get_computed_blocks(self._lookup_hashes(req))
@@ -375,11 +379,19 @@ class Scheduler:
             self.counters.prefix_cache_queries += req.num_tokens
             self.counters.prefix_cache_hits += computed
             self.running.append(req)
+            if req.lora_request is not None:
+                loras.add(req.lora_request.lora_int_id)
             step.num_tokens[req] = n
             step.new_block_ids[req] = blocks
             step.admitted.add(req)
             step.budget -= n
             self._count_partial(req, computed, n, step)
+
+    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
+        """Whether ``req`` may join the running requests, whose adapters are ``loras`` (by lora_int_id): a step
+        never holds more adapters than the layers have slots (max_loras); a request of another
+        adapter waits, keeping its place, until one of them is done (vLLM's rule)."""
+        return req.lora_request is None or req.lora_request.lora_int_id in loras or len(loras) < self.max_loras
 
     def _is_partial(self, req: Request, computed: int, n: int) -> tuple[bool, bool]:
         """Whether ``req``'s prompt is still part-way computed after ``n`` more tokens, and
@@ -461,7 +473,7 @@ class Scheduler:
             num_scheduled[rid] = n
             if req in step.admitted:
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids),
-                                               req.sampling_params, blocks, start))
+                                               req.sampling_params, blocks, start, req.lora_request))
             else:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(blocks)

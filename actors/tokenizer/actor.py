@@ -9,6 +9,7 @@ from typing import Any, Callable, ClassVar
 import msgspec
 
 from actors.detokenizer.actor import TrackRequest
+from actors.engine.lora import LoRARequest
 from actors.engine.messages import EngineCoreRequest
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.admission import WaitingRequests
@@ -44,6 +45,7 @@ class Generate(Msg):
     cache_salt: str | None = None          # mixed into the first block's hash: prefixes shared only within it
     parent_id: str = ""                    # with n > 1: the request this is one choice of (for metrics)
     n: int = 1                             # the choices of that request
+    lora_request: LoRARequest | None = None   # the adapter it runs with (None: the base model)
 
 
 class InvalidPrompt(ValueError, Refusal):
@@ -94,7 +96,8 @@ class TokenizerActor(Actor):
         arrival = msg.arrival_time or time.time()
         self.detokenizer.tell(TrackRequest(msg.request_id, ids, params, arrival, msg.parent_id, msg.n))
         self.engine.tell(AddRequest(EngineCoreRequest(
-            msg.request_id, ids, params, arrival, self.eos_token_ids, msg.priority, msg.cache_salt)))
+            msg.request_id, ids, params, arrival, self.eos_token_ids, msg.priority, msg.cache_salt,
+            msg.lora_request)))
         if self.on_prompt_tokens is not None:
             self.on_prompt_tokens(n)
         return PromptAccepted(n, ids)

@@ -14,6 +14,7 @@ Buffers, for a padded batch of N rows of which the first n are real:
     slot_mapping    the step's       | -1            (the KV store skips them)
     seq_lens        the step's       | 1             (one key: slot 0 of the null block)
     block_table     the step's       | 0 (null block)
+    lora_slots      the step's       | -1            (no adapter; LoRA graphs only read it)
     query_start_loc 0, 1, 2, ..., N  (fixed)
 
 slot_mapping and block_table have one such buffer per KV cache group, (G, rows) and (G, rows,
@@ -31,6 +32,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from kernels.attention.base import AttentionMetadata
@@ -40,10 +42,12 @@ if TYPE_CHECKING:
 
 
 class BatchDescriptor(NamedTuple):
-    """The key of a captured graph (vLLM's name): the padded batch shape."""
+    """The key of a captured graph (vLLM's name): the padded batch shape, and whether the step
+    has LoRA tokens (its graph adds every layer's LoRA delta through the slot buffer)."""
     num_tokens: int
     num_reqs: int
     uniform_decode: bool
+    has_lora: bool = False
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -69,8 +73,8 @@ class DecodeBuffers:
     """The persistent inputs of padded decode batches of up to ``max_reqs`` rows: device tensors
     (what graphs read) and host staging (pinned on CUDA) they are copied from each step."""
 
-    INT64 = ("input_ids", "positions", "slot_mapping")
-    PAD = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 1}
+    INT64 = ("input_ids", "positions", "slot_mapping", "lora_slots")
+    PAD = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 1, "lora_slots": -1}
     PER_GROUP = ("slot_mapping", "block_table")      # (G, rows, ...): one per KV cache group
 
     def __init__(self, max_reqs: int, max_blocks: int, device: torch.device, num_groups: int = 1) -> None:
@@ -78,7 +82,8 @@ class DecodeBuffers:
         self.num_groups = G = num_groups
         pin = device.type == "cuda"
         shapes = {"input_ids": (max_reqs,), "positions": (max_reqs,), "seq_lens": (max_reqs,),
-                  "slot_mapping": (G, max_reqs), "block_table": (G, max_reqs, max_blocks)}
+                  "slot_mapping": (G, max_reqs), "block_table": (G, max_reqs, max_blocks),
+                  "lora_slots": (max_reqs,)}     # each row's LoRA slot (-1: none), read by LoRA graphs
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
         for name, shape in shapes.items():
@@ -89,17 +94,19 @@ class DecodeBuffers:
         self._np = {name: t.numpy() for name, t in self.host.items()}   # views of the staging
         self._copied: torch.cuda.Event | None = None    # the last step's copies out of the staging
 
-    def fill(self, inp: StepInputs, num_padded: int) -> None:
-        """Stage the step's n rows plus padding up to ``num_padded``, then copy rows
+    def fill(self, inp: StepInputs, num_padded: int, lora_slots: np.ndarray | None = None) -> None:
+        """Stage the step's n rows plus padding up to ``num_padded`` (``lora_slots``: each row's
+        LoRA slot; none: -1 for every row), then copy rows
         [0, num_padded) to the device (asynchronously on CUDA: the staging is written again
         only once the previous step's copies are done)."""
         n, N = inp.meta.num_reqs, num_padded
         if self._copied is not None:
             self._copied.synchronize()
         h = self._np
-        rows = {"input_ids": inp.input_ids, "positions": inp.positions, "seq_lens": inp.meta.seq_lens}
+        rows = {"input_ids": inp.input_ids.numpy(), "positions": inp.positions.numpy(),
+                "seq_lens": inp.meta.seq_lens.numpy(), "lora_slots": lora_slots if lora_slots is not None else -1}
         for name, src in rows.items():
-            h[name][:n] = src.numpy()
+            h[name][:n] = src
             h[name][n:N] = self.PAD[name]
         metas = inp.meta.groups or (inp.meta,)
         if len(metas) != self.num_groups:
@@ -150,30 +157,34 @@ class CudaGraphRunner:
         self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device, num_kv_cache_groups)
         self.metas = {N: self.buffers.metadata(N, max_model_len, block_size) for N in self.sizes}
         self.graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.lora = getattr(model, "lora_manager", None)     # with LoRA: a second graph per size
 
-    def dispatch(self, meta: AttentionMetadata) -> BatchDescriptor | None:
+    def dispatch(self, meta: AttentionMetadata, has_lora: bool = False) -> BatchDescriptor | None:
         """The padded descriptor this step runs as, or None: run it eagerly, unpadded."""
-        if not is_uniform_decode(meta) or meta.num_reqs > self.sizes[-1]:
+        if not is_uniform_decode(meta) or meta.num_reqs > self.sizes[-1] or (has_lora and self.lora is None):
             return None
         N = self.sizes[bisect.bisect_left(self.sizes, meta.num_reqs)]
-        return BatchDescriptor(N, N, True)
+        return BatchDescriptor(N, N, True, has_lora)
 
     def run(self, desc: BatchDescriptor, inp: StepInputs) -> torch.Tensor:
         """Hidden states (n, hidden) of the step's n real rows (a view: valid until the next
-        step)."""
+        step). A LoRA step's row slots are the LoRA manager's mapping of this step."""
         N = desc.num_reqs
-        self.buffers.fill(inp, N)
+        self.buffers.fill(inp, N, self.lora.mapping.token_slots_np if desc.has_lora else None)
         entry = self.graphs.get(desc)
         if entry is not None:
             graph, out = entry
             graph.replay()
         else:
-            out = self._forward(N)
+            out = self._forward(N, desc.has_lora)
         return out[:inp.meta.num_reqs]
 
-    def _forward(self, N: int) -> torch.Tensor:
+    def _forward(self, N: int, has_lora: bool = False) -> torch.Tensor:
         dev = self.buffers.dev
-        return self.model(dev["input_ids"][:N], dev["positions"][:N], self.kv_caches, self.metas[N])
+        if not has_lora:
+            return self.model(dev["input_ids"][:N], dev["positions"][:N], self.kv_caches, self.metas[N])
+        with self.lora.mapping.use_static(dev["lora_slots"][:N]):
+            return self.model(dev["input_ids"][:N], dev["positions"][:N], self.kv_caches, self.metas[N])
 
     @torch.inference_mode()
     def capture(self, warmup: int = 2) -> float:
@@ -185,13 +196,14 @@ class CudaGraphRunner:
         self._pad_all()
         pool = torch.cuda.graph_pool_handle()
         for N in reversed(self.sizes):
-            for _ in range(warmup):       # compiles this size's Triton kernels outside capture
-                self._forward(N)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(N)
-            self.graphs[BatchDescriptor(N, N, True)] = (graph, out)
+            for has_lora in (False, True) if self.lora is not None else (False,):
+                for _ in range(warmup):       # compiles this size's Triton kernels outside capture
+                    self._forward(N, has_lora)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(N, has_lora)
+                self.graphs[BatchDescriptor(N, N, True, has_lora)] = (graph, out)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 

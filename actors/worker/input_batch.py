@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
+from actors.engine.lora import LoRARequest
 from actors.engine.messages import NewRequestData
 from kernels.attention.base import AttentionMetadata
 from actors.engine.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ class SlotState:
     req_id: str
     params: SamplingParams
     generator: torch.Generator | None
+    lora_request: LoRARequest | None = None
 
 
 class TokenInputs(NamedTuple):
@@ -93,7 +95,7 @@ class InputBatch:
         self.accepts_drafts[i] = accepts_drafts(r.sampling_params)
         self.num_blocks[:, i] = 0
         self.append_blocks(i, r.block_ids)
-        self.states[i] = SlotState(r.req_id, r.sampling_params, self._generator(r))
+        self.states[i] = SlotState(r.req_id, r.sampling_params, self._generator(r), r.lora_request)
         return i
 
     def _generator(self, r: NewRequestData) -> torch.Generator | None:

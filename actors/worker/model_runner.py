@@ -35,6 +35,11 @@ Plugins' batch-level logits processors (models/logits_processors.py; --logits-pr
 removed requests before sampling, applied by the Sampler to the rows that sample (bound to their
 slots), their output lists extended with what is emitted. A request that one of them may change
 decodes without drafts (``LogitsProcessors.accepts_drafts``).
+
+LoRA (``--enable-lora``: the worker wrapped the model's projections, ``model.lora_manager``):
+before each forward the manager makes the step's adapters resident in the layers' slots and maps
+every token to its request's slot (-1: the base model); a uniform decode step with adapters
+replays the decode graph captured with LoRA (``BatchDescriptor.has_lora``).
 """
 from __future__ import annotations
 
@@ -135,6 +140,7 @@ class ModelRunner:
         self.cascade = (not config.model.disable_cascade_attn and getattr(backend, "supports_cascade", False)
                         and self.arch.max_sliding_window is None)
         self.cascade_min_prefix = getattr(backend, "cascade_min_prefix", 0)
+        self.lora = getattr(model, "lora_manager", None)   # actors/worker/lora_manager.py, with --enable-lora
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""
@@ -204,6 +210,10 @@ class ModelRunner:
             return out
         t_prepare = time.perf_counter()
         inp = self.prepare_inputs(so)
+        if self.lora is not None:          # each token's adapter slot, the step's adapters resident
+            self.lora.set_adapter_mapping([self.batch.states[i].lora_request for i in inp.slots.tolist()],
+                                          np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64,
+                                                      count=len(req_ids)))
         t0 = time.perf_counter()
         out.prepare_s = t0 - t_prepare
         hidden = self._forward(inp)                                                    # (T, hidden)
@@ -316,7 +326,8 @@ class ModelRunner:
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states (T, hidden) of the step's tokens, on the model's device."""
         eager = self._first_attn is not None and self._first_attn.calculate_kv_scales   # layers set KV scales
-        desc = self.graphs.dispatch(inp.meta) if self.graphs is not None and not eager else None
+        has_lora = self.lora is not None and self.lora.mapping.active    # the graph with LoRA deltas
+        desc = self.graphs.dispatch(inp.meta, has_lora) if self.graphs is not None and not eager else None
         if desc is not None:
             return self.graphs.run(desc, inp)                  # padded buffers, a graph on CUDA
         if self.device.type == "cpu":

@@ -1,7 +1,8 @@
 """The worker's core: one model and its paged KV cache on one device. Loading resolves the
 engine's config (the worker knows its platform, actors/worker/platforms.py, and reads the
 checkpoint's architecture), then
-the model is built, quantized or packed for the CPU; on CUDA without a KV cache size, a forward
+the model is built, quantized or packed for the CPU, its projections wrapped for LoRA with
+--enable-lora (``lora_manager.py``); on CUDA without a KV cache size, a forward
 pass measures what --gpu-memory-utilization leaves for the cache (``gpu_memory.py``);
 ``init_kv_cache`` allocates the cache the resolved config sizes and captures the decode graphs on
 CUDA; ``execute_model`` runs one step. Pure: no asyncio, no transport."""
@@ -57,6 +58,9 @@ class Worker:
             join_tensor_parallel_group(self.device, tp_rank, self.tp_size, init_method)
         self.attn_backend = self._backend(ckpt)
         self.model = self._load(ckpt, self.attn_backend, self.config.model.quantization, source.path)
+        if self.config.lora is not None:     # LoRA slots around the (packed, quantized) projections
+            from actors.worker.lora_manager import LoRAModelManager
+            LoRAModelManager(self.model, self.config.lora, self.config.model.arch, self.device)
         log.info("model %s loaded on %s (%s) in %.1f s", source.served_name, self.device.type,
                  self.config.model.dtype, time.monotonic() - t0)
         self.draft_model: torch.nn.Module | None = None    # speculative decoding's draft model

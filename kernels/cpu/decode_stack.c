@@ -20,6 +20,12 @@
  * fdesc three floats (attention scale, the two norms' eps). Linear kernel 0 is panel_gemm,
  * 1 is i8x2_gemm (kinds as gemm.c numbers them).
  *
+ * lora_desc, when not NULL, adds LoRA after each of the four linears (lora.c's kernel, the same
+ * call the per-layer path makes): per layer DS_LORA_WORDS words, per linear its slots' A and B,
+ * R, the number of output slices, their offsets and the slots' ranks (A NULL: no LoRA there);
+ * lora_slots (B,) holds each row's slot (-1: none). The int8 gate|up kernel with SiLU fused in is
+ * not used then (the delta goes between the matmul and the activation).
+ *
  * seconds, when not NULL, accumulates the wall time of each phase (DS_PHASES of them, in the
  * order of ds_phase) over all layers: the profile of a decode step.
  */
@@ -47,8 +53,15 @@ void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *tab
                   int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window,
                   const float *k_scale, const float *v_scale);
 
+int64_t lora_shrink_expand(int64_t T, const float *x, int64_t ldx, float *y, int64_t ldy,
+                           const float *a, const float *b, const int64_t *token_slots,
+                           const int64_t *slot_ranks, int64_t in, int64_t out, int64_t R,
+                           int64_t num_slices, const int64_t *offsets);
+
 #define DS_LIN 8
 #define DS_WORDS (4 * DS_LIN + 6)
+#define DS_LORA 6
+#define DS_LORA_WORDS (4 * DS_LORA)
 #define DS_ALLOC_FAILED (-2)
 
 enum ds_phase { DS_NORM, DS_QKV, DS_ROTARY_STORE, DS_ATTENTION, DS_O, DS_GATE_UP, DS_SILU, DS_DOWN, DS_PHASES };
@@ -81,13 +94,22 @@ static int ds_linear(const int64_t *lin, const float *x, int64_t M, float *y) {
     return ok;
 }
 
+/* y (M, N) += the LoRA delta of x (M, K) for the linear whose LoRA words are at lw (none: NULL). */
+static void ds_lora(const int64_t *lw, const int64_t *slots, const float *x, int64_t M, int64_t K, float *y,
+                    int64_t N) {
+    if (!lw || !lw[0]) return;
+    lora_shrink_expand(M, x, K, y, N, (const float *)(intptr_t)lw[0], (const float *)(intptr_t)lw[1], slots,
+                       (const int64_t *)(intptr_t)lw[5], K, N, lw[2], lw[3], (const int64_t *)(intptr_t)lw[4]);
+}
+
 /* emb (B, Hd) -> h, residual (B, Hd). Returns -1, DS_ALLOC_FAILED, or the first token whose
  * slot lies past the cache (nothing of that layer's keys written, the outputs incomplete). */
 int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const float *emb, float *h,
                      float *residual, int64_t B, int64_t Hd, int64_t H, int64_t KVH, int64_t D, int64_t I,
                      const float *cos, const float *sin, int64_t cs_stride, const int64_t *slots,
                      const int32_t *table, int64_t max_blocks, const int32_t *seq_lens, int64_t kt,
-                     int64_t num_blocks, int64_t BS, double *seconds) {
+                     int64_t num_blocks, int64_t BS, double *seconds, const int64_t *lora_desc,
+                     const int64_t *lora_slots) {
     const int64_t NQKV = (H + 2 * KVH) * D, HD = H * D;
     float *buf = malloc(sizeof(float) * B * (Hd + NQKV + 2 * HD + Hd + 3 * I));
     if (!buf) return DS_ALLOC_FAILED;
@@ -106,11 +128,13 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         const float *k_scale = (const float *)(intptr_t)ld[4 * DS_LIN + 4];
         const float *v_scale = (const float *)(intptr_t)ld[4 * DS_LIN + 5];
         const float scale = fdesc[3 * l], eps_in = fdesc[3 * l + 1], eps_post = fdesc[3 * l + 2];
+        const int64_t *lw = lora_desc ? lora_desc + l * DS_LORA_WORDS : NULL;
 
         if (l == 0) rms_norm_f32(emb, Hd, NULL, in_w, x, B, Hd, eps_in);
         else rms_norm_f32(h, Hd, residual, in_w, x, B, Hd, eps_in);
         ds_lap(seconds, DS_NORM, &t);
         if (!ds_linear(wqkv, x, B, qkv)) { status = DS_ALLOC_FAILED; break; }
+        if (lw) ds_lora(lw, lora_slots, x, B, Hd, qkv, NQKV);
         ds_lap(seconds, DS_QKV, &t);
         rotary_f32(qkv, NQKV, H, qkv + HD, NQKV, KVH, cos, sin, cs_stride, B, D);
         const int64_t bad = kv_store(qkv + HD, NQKV, qkv + HD + KVH * D, NQKV, slots, B, kv, kt,
@@ -122,10 +146,11 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
                      window, k_scale, v_scale);
         ds_lap(seconds, DS_ATTENTION, &t);
         if (!ds_linear(wo, a, B, o)) { status = DS_ALLOC_FAILED; break; }
+        if (lw) ds_lora(lw + DS_LORA, lora_slots, a, B, HD, o, Hd);
         ds_lap(seconds, DS_O, &t);
         rms_norm_f32(o, Hd, residual, post_w, x, B, Hd, eps_post);
         ds_lap(seconds, DS_NORM, &t);
-        if (wgu[0] && !wgu[7] && I % 32 == 0) {     /* int8 kinds: SiLU fused in (as GatedMLP does) */
+        if (wgu[0] && !wgu[7] && I % 32 == 0 && !lw) {     /* int8 kinds: SiLU fused in (as GatedMLP does) */
             if (!i8x2_gated_gemm((int)wgu[1], (const void *)(intptr_t)wgu[2], (const void *)(intptr_t)wgu[3],
                                  (const void *)(intptr_t)wgu[4], wgu[5], wgu[6], x, B, act)) {
                 status = DS_ALLOC_FAILED;
@@ -134,11 +159,13 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
             ds_lap(seconds, DS_GATE_UP, &t);
         } else {
             if (!ds_linear(wgu, x, B, gu)) { status = DS_ALLOC_FAILED; break; }
+            if (lw) ds_lora(lw + 2 * DS_LORA, lora_slots, x, B, Hd, gu, 2 * I);
             ds_lap(seconds, DS_GATE_UP, &t);
             silu_and_mul_f32(gu, 2 * I, act, B, I);
             ds_lap(seconds, DS_SILU, &t);
         }
         if (!ds_linear(wd, act, B, h)) { status = DS_ALLOC_FAILED; break; }
+        if (lw) ds_lora(lw + 3 * DS_LORA, lora_slots, act, B, I, h, Hd);
         ds_lap(seconds, DS_DOWN, &t);
     }
     free(buf);

@@ -95,13 +95,13 @@ def test_each_vllm_flag_troupe_does_not_implement_exits_2_with_one_line_naming_i
 
 
 def test_refused_flags_are_refused_in_every_spelling_and_only_their_no_forms_pass(capsys):
-    for argv in (["--pipeline-parallel-size=2"], ["-pp", "2"], ["--enable-lora"],
-                 ["--lora-modules", "a=b", "c=d"], ["--port", "0", "--num-speculative-tokens", "1"]):
+    for argv in (["--pipeline-parallel-size=2"], ["-pp", "2"], ["--fully-sharded-loras"],
+                 ["--lora-dtype", "float16"], ["--port", "0", "--num-speculative-tokens", "1"]):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args(argv)
         err = capsys.readouterr().err
         assert exc.value.code == 2 and len(err.splitlines()) == 1 and "is a vLLM flag" in err, (argv, err)
-    serve.parse_args(["--no-enable-lora", "--no-enable-expert-parallel", "--no-trust-remote-code",
+    serve.parse_args(["--no-fully-sharded-loras", "--no-enable-expert-parallel", "--no-trust-remote-code",
                       "--disable-uvicorn-access-log", "--enable-request-id-headers", "--disable-fastapi-docs"])
     assert vllm_flags.BOOLEAN <= set(vllm_flags.REFUSED)
 

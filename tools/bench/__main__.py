@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode}``: each
+"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -101,6 +101,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     hyb.add_argument("--num-requests", type=int, default=40, help="queued at once (and the batch's limit)")
     hyb.add_argument("--max-tokens", type=int, default=64)
 
+    lra = sub.add_parser("lora", help="offline throughput with the requests spread over 0, 1, 4 and 8 distinct "
+                                      "LoRA adapters")
+    workload.add_arguments(lra)
+    EngineArgs.add_cli_args(lra, skip=("seed", "enable_lora", "lora_modules", "max_loras", "max_cpu_loras",
+                                       "max_lora_rank"), max_num_seqs=256)
+    lra.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 4, 8], help="distinct adapters per round")
+    lra.add_argument("--rank", type=int, default=16)
+    lra.add_argument("--repeats", type=int, default=2, help="rounds of each count, alternated; the best is kept")
+    lra.add_argument("--multiprocess", action="store_true", help="the server's 3-process layout")
+
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.cmd == "offline":
@@ -133,6 +143,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "cascade":
         from tools.bench import cascade
         cascade.main(args)
+    elif args.cmd == "lora":
+        from tools.bench import lora
+        lora.main(args)
     elif args.cmd == "hybrid-kv":
         from tools.bench import hybrid_kv
         hybrid_kv.main(args)

@@ -50,12 +50,15 @@ class StepDriver:
             self.num_tokens[rid] += len(toks)
         return out
 
-    def prefill(self, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> ModelRunnerOutput:
-        """One step scheduling every prompt whole; each samples its first token."""
+    def prefill(self, prompts: dict[str, list[int]], params: SamplingParams = GREEDY,
+                loras: dict | None = None) -> ModelRunnerOutput:
+        """One step scheduling every prompt whole; each samples its first token. ``loras``: the
+        LoRARequest of some of them."""
         new = []
         for rid, prompt in prompts.items():
             self.num_tokens[rid], self.outputs[rid] = len(prompt), []
-            new.append(NewRequestData(rid, list(prompt), [], params, self._take_blocks(rid, len(prompt)), 0))
+            new.append(NewRequestData(rid, list(prompt), [], params, self._take_blocks(rid, len(prompt)), 0,
+                                      (loras or {}).get(rid)))
         return self._run(new, CachedRequestData(), {rid: len(p) for rid, p in prompts.items()})
 
     def decode(self) -> ModelRunnerOutput:

@@ -1,0 +1,65 @@
+"""POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints and answers): an
+adapter is validated against the model when it is loaded (a bad one is a 400 and changes
+nothing), then served as a model of its own name; the worker reads its weights when a request
+first needs them. Unloading stops new requests with it (they get a 404, as for any unknown
+model); requests already running with it finish."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+from aiohttp import web
+
+from actors.frontend.errors import bad_request, not_found
+from models.lora import InvalidAdapter
+
+if TYPE_CHECKING:
+    from actors.frontend.app import OpenAIServer
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False        # vLLM's: replace an adapter of the same name
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def _decode(body: bytes, typ: type) -> msgspec.Struct:
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"invalid request body: {exc}") from None
+
+
+async def load_lora_adapter(server: OpenAIServer, request: web.Request) -> web.Response:
+    client = server.engine()
+    req = _decode(await request.read(), LoadLoRAAdapterRequest)
+    if not req.lora_name or not req.lora_path:
+        raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+    if req.load_inplace and req.lora_name in client.lora_requests:
+        previous = client.lora_requests.pop(req.lora_name)
+        try:
+            client.add_lora(req.lora_name, req.lora_path)
+        except InvalidAdapter as exc:
+            client.lora_requests[req.lora_name] = previous
+            raise bad_request(str(exc), "lora_path") from None
+    else:
+        try:
+            client.add_lora(req.lora_name, req.lora_path)
+        except InvalidAdapter as exc:
+            raise bad_request(str(exc), "lora_path") from None
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(server: OpenAIServer, request: web.Request) -> web.Response:
+    client = server.engine()
+    req = _decode(await request.read(), UnloadLoRAAdapterRequest)
+    if not req.lora_name:
+        raise bad_request("'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
+    if not client.remove_lora(req.lora_name):
+        raise not_found(f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name")
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

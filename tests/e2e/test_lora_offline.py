@@ -1,0 +1,67 @@
+"""LoRA through the offline API on a tiny random Llama: a batch whose rows run with five different
+adapters (more than --max-loras, and more than the host keeps) and without any gives each row
+the greedy tokens it gets alone; an adapter whose B is zero gives the base model's tokens; a
+bad adapter is refused with its reason."""
+from __future__ import annotations
+
+import pytest
+
+from actors.api import LLM, LoRARequest, SamplingParams
+from models.lora import InvalidAdapter
+from tests.helpers import save_tiny_llama, save_tiny_lora, save_tiny_tokenizer
+
+VOCAB = 128
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-offline")
+    path = save_tiny_llama(root / "base", VOCAB, 64, 96, 4, 2, 16, 256)
+    save_tiny_tokenizer(path, VOCAB)
+    loras = []
+    for i in range(5):
+        save_tiny_lora(path, root / f"a{i}", 16, ALL if i % 2 == 0 else ["q_proj", "v_proj", "down_proj"],
+                       seed=10 + i, scale=0.2)
+        loras.append(LoRARequest(f"a{i}", i + 1, str(root / f"a{i}")))
+    save_tiny_lora(path, root / "zero", 8, ALL, seed=99, zero_b=True)
+    zero = LoRARequest("zero", 99, str(root / "zero"))
+    llm = LLM(path, enable_lora=True, max_loras=4, max_cpu_loras=4, max_lora_rank=16, block_size=4)
+    yield llm, loras, zero, root
+    llm.close()
+
+
+PROMPTS = [[5, 17, 99, 3, 64], [7, 7, 9], [100, 2, 30, 40, 50, 60, 70], [1, 2, 3, 4], [88, 11],
+           [42, 43, 44, 45, 46, 47], [9, 8, 7, 6, 5], [120, 121, 3]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_a_mixed_batch_gives_each_row_its_tokens_alone(setup):
+    llm, loras, _, _ = setup
+    row_loras = [loras[0], None, loras[1], loras[2], None, loras[3], loras[4], loras[0]]
+    together = llm.generate(PROMPTS, GREEDY, lora_request=row_loras, use_tqdm=False)
+    alone = [llm.generate([p], GREEDY, lora_request=[lr], use_tqdm=False)[0] for p, lr in zip(PROMPTS, row_loras)]
+    base = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert all(len(r.token_ids) == 8 for r in together)
+    changed = [t.token_ids != b.token_ids for t, b in zip(together, base)]
+    assert changed == [lr is not None for lr in row_loras]     # every adapter changes its row, no other
+
+
+def test_an_adapter_with_zero_b_gives_the_base_tokens(setup):
+    llm, _, zero, _ = setup
+    base = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with_zero = llm.generate(PROMPTS, GREEDY, lora_request=zero, use_tqdm=False)
+    assert [r.token_ids for r in with_zero] == [r.token_ids for r in base]
+
+
+def test_a_bad_adapter_is_refused_with_its_reason(setup, tmp_path):
+    llm, _, _, root = setup
+    with pytest.raises(InvalidAdapter, match="no adapter directory"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("missing", 50, str(tmp_path / "none")))
+    big = save_tiny_lora(str(root / "base"), tmp_path / "big", 32, ALL, seed=3)
+    del big
+    with pytest.raises(InvalidAdapter, match="more than --max-lora-rank 16"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("big", 51, str(tmp_path / "big")))
+    out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)     # the engine goes on
+    assert len(out[0].token_ids) == 8
