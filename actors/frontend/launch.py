@@ -97,7 +97,8 @@ class Frontend:
         except Exception as exc:   # whatever went wrong, nothing can be served without an engine
             self.node.fatal(f"could not restart the engine core: {exc}", code=1)
             return
-        log.info("engine core %d restarted (pid %d)", dp_rank, self.engine_processes[dp_rank].pid)
+        which = "engine core" if self.router is None else f"engine core {dp_rank}"
+        log.info("%s restarted (pid %d)", which, self.engine_processes[dp_rank].pid)
         self._down.discard(dp_rank)
         if self.router is not None:
             self.router.tell(EngineUp(dp_rank))

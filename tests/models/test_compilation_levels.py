@@ -4,6 +4,8 @@ pieces between attention calls, and that with inductor fusing the elementwise op
 greedy tokens on a tiny random Llama; the real model's at each level is a slow test."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -12,6 +14,15 @@ from actors.api import LLM
 from actors.engine.compilation import CompilationConfig, compilation_config
 from actors.engine.sampling_params import SamplingParams
 from helpers import save_tiny_llama, save_tiny_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def recursion_limit_restored():
+    """Inductor raises the interpreter's recursion limit when it compiles; the other tests of
+    this process (the request decoder's nesting guard among them) expect the usual one back."""
+    limit = sys.getrecursionlimit()
+    yield
+    sys.setrecursionlimit(limit)
 
 PROMPTS = ["t1 t2 t3 t4 t5", "t9 t8 t7", "t3 t3 t3 t3 t3 t3 t3 t3 t3 t3 t3"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -76,17 +87,3 @@ def test_every_compilation_level_gives_the_same_greedy_tokens_on_a_tiny_llama(ti
     for level in (0, 2, 3):
         assert _greedy(tiny_llama, level) == expected, f"level {level}"
     assert list((tmp_path / "compile").iterdir()), "compiled artifacts cached on disk"
-
-
-@pytest.mark.slow
-def test_the_compiled_level_gives_the_default_levels_greedy_tokens_on_the_default_model(tmp_path, monkeypatch):
-    """-O2 (each layer compiled by inductor) against -O1 on the real model; the other levels are
-    compared on the tiny model above (compiling the real one takes most of a minute per level)."""
-    monkeypatch.setenv("TROUPE_CACHE_DIR", str(tmp_path))
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(temperature=0.0, max_tokens=16)
-    tokens = {}
-    for level in (1, 2):
-        with LLM(multiprocess=False, compilation_config=level) as llm:
-            tokens[level] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert tokens[1] == tokens[2]
