@@ -1,7 +1,7 @@
 """--compilation-config levels: the CPU kernels' custom-op registrations pass torch's checks,
 the flag parses as vLLM's, and every level (eager plain, eager custom ops, torch.compile of the
 pieces between attention calls, and that with inductor fusing the elementwise ops) gives the same
-greedy tokens on a tiny random Llama; the real model's at each level is a slow test."""
+greedy tokens on a tiny random Llama."""
 from __future__ import annotations
 
 import sys
