@@ -31,7 +31,8 @@ class Platform:
 
     @classmethod
     def is_available(cls) -> bool:
-        raise NotImplementedError
+        """Whether this process can run on the platform's device (each platform says how)."""
+        raise NotImplementedError(f"{cls.__name__} does not say whether its device is available")
 
     @classmethod
     def check_dtypes(cls, dtype: str, kv_cache_dtype: str) -> None:
