@@ -1,7 +1,8 @@
 """Linear layers with their weights packed once for the CPU, as a transformation applied after
 loading (the model files know nothing of it).
 
-Float32 weights go to the native panel kernel of ``kernels/cpu/gemm.c`` (same float32 products,
+Float32 weights go to the native panel kernel of ``kernels/cpu/gemm.c`` (as float32, or rounded
+to bfloat16 for the CPU's ``--dtype bfloat16``) (same float32 products,
 each output summed in input-feature order; about 1.5x oneDNN's speed at decode batch sizes on
 AVX-512 CPUs, a little faster at prefill sizes too). bfloat16 weights, and float32 ones where
 the native kernels cannot be built, go to oneDNN's blocked layout (``torch.ops.mkldnn``), which
@@ -66,8 +67,9 @@ def native_available() -> bool:
     return available()[0]
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Replace every float32 / bfloat16 ``Linear`` on the CPU; returns how many."""
+def prepack_linears(model: nn.Module, bfloat16: bool = False) -> int:
+    """Replace every float32 / bfloat16 ``Linear`` on the CPU; returns how many. ``bfloat16``:
+    float32 weights become bfloat16 panels (the CPU's ``--dtype bfloat16``)."""
     native = native_available()
     replaced = 0
     for module in list(model.modules()):
@@ -76,7 +78,8 @@ def prepack_linears(model: nn.Module) -> int:
                 continue
             if child.weight.dtype == torch.float32 and native:
                 from kernels.cpu.panels import PanelWeight
-                packed: nn.Module = PanelLinear(PanelWeight.pack_f32(child.weight), child.bias)
+                pack = PanelWeight.pack_bf16 if bfloat16 else PanelWeight.pack_f32
+                packed: nn.Module = PanelLinear(pack(child.weight), child.bias)
             elif child.weight.dtype in (torch.float32, torch.bfloat16) and onednn_available():
                 packed = OneDNNLinear(child.weight, child.bias)
             else:

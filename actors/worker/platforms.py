@@ -45,6 +45,13 @@ class Platform:
                              f"supported: {', '.join(cls.kv_cache_dtypes)}")
 
     @classmethod
+    def compute_dtype(cls, dtype: str, packs_linears: bool) -> str:
+        """The dtype the model computes in for ``--dtype dtype`` (its activations, norms and
+        embeddings); the linear layers' weights keep ``dtype``. ``packs_linears``: whether this
+        load packs its linear layers (the platform's and the compilation level's say)."""
+        return dtype
+
+    @classmethod
     def select_attention_backend(cls, req: AttentionRequirements) -> AttentionBackend:
         """The first of ``attention_backends`` that accepts ``req`` (the error names every refusal)."""
         from kernels.attention.selector import select_backend
@@ -64,6 +71,17 @@ class CpuPlatform(Platform):
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    @classmethod
+    def compute_dtype(cls, dtype: str, packs_linears: bool) -> str:
+        """bfloat16 runs as bfloat16 weights in the native panels (their matmuls round the
+        activations to bfloat16 and sum in float32, with AVX512-BF16 where the CPU has it) around
+        float32 activations, norms and attention; where the panels are not used (no C compiler,
+        compilation levels 2 and 3) everything is bfloat16, through oneDNN's matmuls."""
+        from kernels.cpu.native import available
+        if dtype == "bfloat16" and packs_linears and available()[0]:
+            return "float32"
+        return dtype
 
 
 class CudaPlatform(Platform):

@@ -90,12 +90,18 @@ class Worker:
     def _backend(self, ckpt: Checkpoint) -> AttentionBackend:
         cfg = self.config
         return self.platform.select_attention_backend(attention_requirements(
-            ckpt.config, torch_dtype(cfg.model.dtype), cfg.cache.block_size, self.device.type,
+            ckpt.config, torch_dtype(self._compute_dtype(cfg.model.quantization)), cfg.cache.block_size, self.device.type,
             torch_dtype(cfg.cache.cache_dtype)))
+
+    def _compute_dtype(self, quantization: str | None) -> str:
+        """What the model computes in (see Platform.compute_dtype); the linear weights keep --dtype."""
+        packs = self.platform.packs_linears and packs_linears(self.config.compilation, quantization)
+        return self.platform.compute_dtype(self.config.model.dtype, packs)
 
     def _load(self, ckpt: Checkpoint, backend: AttentionBackend, quantization: str | None, path: str) -> torch.nn.Module:
         cfg = self.config
-        model = build_model(ckpt, torch_dtype(cfg.model.dtype), backend, cfg.cache.block_size,
+        compute = self._compute_dtype(quantization)
+        model = build_model(ckpt, torch_dtype(compute), backend, cfg.cache.block_size,
                             self.device.type, torch_dtype(cfg.cache.cache_dtype))
         if self.tp_size > 1:                 # this rank's heads and columns (before packing)
             shard_model(model, self.tp_size, self.tp_rank)
@@ -103,7 +109,7 @@ class Worker:
             quantize(model, quantization, path)
         comp = cfg.compilation
         if self.platform.packs_linears and packs_linears(comp, quantization):   # packed once for the native kernels
-            prepack_linears(model)
+            prepack_linears(model, bfloat16=compute != cfg.model.dtype and cfg.model.dtype == "bfloat16")
             if comp.level == 1:
                 attach_native_decode(model)
         compiled = apply_compilation(model, comp, repr(ckpt.config))

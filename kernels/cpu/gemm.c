@@ -34,7 +34,9 @@ void silu_and_mul_serial_f32(const float *gate_up, int64_t in_stride, float *out
 #define MAX_MR 12
 #define QK 32
 
-enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2 };
+enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_BF16 = 3 };
+
+static int bf16_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y);
 
 #ifdef __AVX512F__
 /* 16 float16 values -> float32 */
@@ -244,10 +246,11 @@ static __thread int64_t scratch_len;
 /* Rows of x per pass over the panels: x's rows stay in the cache while every panel is read. */
 #define ROW_BLOCK_BYTES (4 << 20)
 
-/* y (M, N) = x (M, K) W^T with W in panels of kind W_F32 / W_Q4_1 / W_Q8_0 (see the top).
- * Returns 0 when a per-thread buffer could not be allocated (y is then incomplete). */
+/* y (M, N) = x (M, K) W^T with W in panels of kind W_F32 / W_Q4_1 / W_Q8_0 (see the top) or
+ * W_BF16 (see bf16_gemm). Returns 0 when a buffer could not be allocated (y is then incomplete). */
 int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
                const float *x, int64_t M, float *y) {
+    if (kind == W_BF16) return bf16_gemm((const uint32_t *)codes, N, K, x, M, y);
     const int64_t P = (N + NR - 1) / NR;
     int64_t rows = ROW_BLOCK_BYTES / (K * (int64_t)sizeof(float));
     if (rows < 64) rows = 64;
@@ -286,6 +289,157 @@ int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m
         }
     }
     return ok;
+}
+
+/* ---- bfloat16 weights (--dtype bfloat16 on the CPU) -------------------------------------------
+ *
+ * codes (P, K2, 32) 32-bit words, K2 = ceil(K / 2): word j of (p, i) holds w[32 p + j, 2 i] in its
+ * low 16 bits and w[32 p + j, 2 i + 1] in its high ones (bfloat16; zero past K and N). The rows of
+ * x are rounded to bfloat16 (nearest even) once per call, in the same pairs, so that one
+ * AVX512-BF16 dot product (vdpbf16ps) multiplies one pair of input features into 16 output
+ * features, accumulating in float32: half the weight bytes of float32 and twice its multiplies
+ * per instruction. Without those instructions the same bfloat16 values are widened and multiplied
+ * with float32 FMAs (the sums can differ in the last bits: vdpbf16ps adds each pair's two
+ * products before accumulating and flushes subnormal inputs to zero).
+ */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);    /* NaN stays NaN */
+    u += 0x7FFFu + ((u >> 16) & 1u);                                            /* nearest, ties even */
+    return (uint16_t)(u >> 16);
+}
+
+void round_to_bf16(const float *x, int64_t M, int64_t K, uint16_t *out) {   /* out (M, 2 K2) */
+    const int64_t K2 = (K + 1) / 2;
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t k = 0; k < K; k++) out[r * 2 * K2 + k] = bf16_round(x[r * K + k]);
+        if (K & 1) out[r * 2 * K2 + K] = 0;
+    }
+}
+
+static inline __attribute__((always_inline)) void bf16_micro(const int MR, const uint32_t *xa, int64_t K2,
+                                                             const uint32_t *pan, float *y, int64_t ldy,
+                                                             int64_t cols) {
+#ifdef __AVX512F__
+    __m512 c0[MAX_MR], c1[MAX_MR];
+    for (int r = 0; r < MR; r++) { c0[r] = _mm512_setzero_ps(); c1[r] = _mm512_setzero_ps(); }
+    for (int64_t i = 0; i < K2; i++) {
+        const __m512i b0 = _mm512_loadu_si512(pan + i * NR), b1 = _mm512_loadu_si512(pan + i * NR + 16);
+#ifdef __AVX512BF16__
+        for (int r = 0; r < MR; r++) {
+            const __m512i a = _mm512_set1_epi32((int)xa[r * K2 + i]);
+            c0[r] = _mm512_dpbf16_ps(c0[r], (__m512bh)a, (__m512bh)b0);
+            c1[r] = _mm512_dpbf16_ps(c1[r], (__m512bh)a, (__m512bh)b1);
+        }
+#else
+        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+        const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(b0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(b0, hi));
+        const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(b1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(b1, hi));
+        for (int r = 0; r < MR; r++) {
+            const uint32_t pair = xa[r * K2 + i];
+            const uint32_t lo_bits = pair << 16, hi_bits = pair & 0xFFFF0000u;
+            float lo, hv;
+            memcpy(&lo, &lo_bits, 4);
+            memcpy(&hv, &hi_bits, 4);
+            const __m512 al = _mm512_set1_ps(lo), ah = _mm512_set1_ps(hv);
+            c0[r] = _mm512_fmadd_ps(ah, o0, _mm512_fmadd_ps(al, e0, c0[r]));
+            c1[r] = _mm512_fmadd_ps(ah, o1, _mm512_fmadd_ps(al, e1, c1[r]));
+        }
+#endif
+    }
+    if (cols == NR) {
+        for (int r = 0; r < MR; r++) {
+            _mm512_storeu_ps(y + r * ldy, c0[r]);
+            _mm512_storeu_ps(y + r * ldy + 16, c1[r]);
+        }
+    } else {
+        for (int r = 0; r < MR; r++) store_cols(y + r * ldy, c0[r], c1[r], cols);
+    }
+#else
+    float acc[MAX_MR][NR];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NR; j++) acc[r][j] = 0.f;
+    for (int64_t i = 0; i < K2; i++)
+        for (int r = 0; r < MR; r++) {
+            const uint32_t pair = xa[r * K2 + i], lo_bits = pair << 16, hi_bits = pair & 0xFFFF0000u;
+            float lo, hv;
+            memcpy(&lo, &lo_bits, 4);
+            memcpy(&hv, &hi_bits, 4);
+            for (int j = 0; j < NR; j++) {
+                const uint32_t w = pan[i * NR + j], we = w << 16, wo = w & 0xFFFF0000u;
+                float fe, fo;
+                memcpy(&fe, &we, 4);
+                memcpy(&fo, &wo, 4);
+                acc[r][j] += lo * fe;
+                acc[r][j] += hv * fo;
+            }
+        }
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < cols; j++) y[r * ldy + j] = acc[r][j];
+#endif
+}
+
+static void bf16_rows(const uint32_t *xa, int64_t M, int64_t K2, const uint32_t *pan, float *y, int64_t N,
+                      int64_t cols) {
+    const int64_t chunks = (M + MAX_MR - 1) / MAX_MR;
+    int64_t r0 = 0;
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t mr = (M - r0) / (chunks - c) + ((M - r0) % (chunks - c) ? 1 : 0);
+        const uint32_t *xr = xa + r0 * K2;
+        float *yr = y + r0 * N;
+        switch (mr) {
+            case 1: bf16_micro(1, xr, K2, pan, yr, N, cols); break;
+            case 2: bf16_micro(2, xr, K2, pan, yr, N, cols); break;
+            case 3: bf16_micro(3, xr, K2, pan, yr, N, cols); break;
+            case 4: bf16_micro(4, xr, K2, pan, yr, N, cols); break;
+            case 5: bf16_micro(5, xr, K2, pan, yr, N, cols); break;
+            case 6: bf16_micro(6, xr, K2, pan, yr, N, cols); break;
+            case 7: bf16_micro(7, xr, K2, pan, yr, N, cols); break;
+            case 8: bf16_micro(8, xr, K2, pan, yr, N, cols); break;
+            case 9: bf16_micro(9, xr, K2, pan, yr, N, cols); break;
+            case 10: bf16_micro(10, xr, K2, pan, yr, N, cols); break;
+            case 11: bf16_micro(11, xr, K2, pan, yr, N, cols); break;
+            default: bf16_micro(12, xr, K2, pan, yr, N, cols); break;
+        }
+        r0 += mr;
+    }
+}
+
+static __thread uint16_t *bf16_x;
+static __thread size_t bf16_x_len;
+
+int bf16_available(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static int bf16_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
+    const int64_t P = (N + NR - 1) / NR, K2 = (K + 1) / 2;
+    int64_t rows = ROW_BLOCK_BYTES / (K2 * (int64_t)sizeof(uint32_t));
+    if (rows < 64) rows = 64;
+    const int64_t mb_max = M < rows ? M : rows;
+    if (bf16_x_len < (size_t)(mb_max * 2 * K2)) {
+        free(bf16_x);
+        bf16_x = malloc(sizeof(uint16_t) * (size_t)(mb_max * 2 * K2));
+        bf16_x_len = bf16_x ? (size_t)(mb_max * 2 * K2) : 0;
+        if (!bf16_x) return 0;
+    }
+    for (int64_t r0 = 0; r0 < M; r0 += rows) {
+        const int64_t mb = M - r0 < rows ? M - r0 : rows;
+        round_to_bf16(x + r0 * K, mb, K, bf16_x);
+        const uint32_t *xa = (const uint32_t *)bf16_x;
+        float *yb = y + r0 * N;
+        #pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+            bf16_rows(xa, mb, K2, codes + p * K2 * NR, yb + p * NR, N, cols);
+        }
+    }
+    return 1;
 }
 
 /* Float32 weight (N, K) row-major -> panels (P, K, 32), zero-padded. */

@@ -1,10 +1,11 @@
 """Weights in panels of 32 output features for the native matrix multiply of ``gemm.c``:
-float32 (repacked from a weight matrix) or the GGUF Q4_1 / Q8_0 blocks of a checkpoint
+float32 or bfloat16 (repacked from a weight matrix; bfloat16 ones multiply activations rounded
+to bfloat16 with AVX512-BF16 dot products, float32 sums) or the GGUF Q4_1 / Q8_0 blocks of a checkpoint
 (repacked from the file's bytes, same values once dequantized), or either GGUF format laid out
 for integer dot products with int8 activations in two parts (``int8_activations=True``,
 AVX512-VNNI only).
 
-``PanelWeight.pack_f32`` / ``PanelWeight.pack_gguf`` build one at load time; ``matmul(x, w)``
+``PanelWeight.pack_f32`` / ``pack_bf16`` / ``pack_gguf`` build one at load time; ``matmul(x, w)``
 computes x W^T for any number of rows.
 """
 from __future__ import annotations
@@ -20,16 +21,16 @@ from kernels.cpu import native
 
 NR = 32                       # output features per panel
 QK = 32                       # weights per GGUF block
-KINDS = {"F32": 0, "Q4_1": 1, "Q8_0": 2}          # "Q4_1_I8X2" has its own kernel
+KINDS = {"F32": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3}          # "Q4_1_I8X2" has its own kernel
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 
 
 @dataclass(frozen=True)
 class PanelWeight:
-    kind: str                  # "F32" | "Q4_1" | "Q8_0" | "Q4_1_I8X2" | "Q8_0_I8X2"
+    kind: str                  # "F32" | "BF16" | "Q4_1" | "Q8_0" | "Q4_1_I8X2" | "Q8_0_I8X2"
     out_features: int
     in_features: int
-    codes: torch.Tensor        # F32 (P, K, 32) float32; Q4_1 (P, K, 16) uint8; Q8_0 (P, K, 32) int8;
+    codes: torch.Tensor        # F32 (P, K, 32) float32; BF16 (P, ceil(K / 2), 32, 2) bfloat16; Q4_1 (P, K, 16) uint8; Q8_0 (P, K, 32) int8;
                                # Q4_1_I8X2 (P, K / 4, 64) uint8; Q8_0_I8X2 (P, K / 4, 128) int8
     d: torch.Tensor | None     # quantized: (P, K / 32, 32) float16 scales (the checkpoint's)
     m: torch.Tensor | None     # Q4_1: (P, K / 32, 32) float16 minimums; Q8_0_I8X2: block sums of the codes, int16
@@ -58,6 +59,20 @@ class PanelWeight:
         codes = torch.empty(_panels(n), k, NR, dtype=torch.float32)
         _pack_f32()(w.data_ptr(), n, k, codes.data_ptr())
         return cls("F32", n, k, codes, None, None)
+
+    @classmethod
+    def pack_bf16(cls, weight: torch.Tensor) -> "PanelWeight":
+        """weight (N, K) float32 or bfloat16 -> bfloat16 panels (float32 rounded to nearest even),
+        pairs of input features side by side, zero-padded to a multiple of 32 rows and 2 columns."""
+        if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"pack_bf16 takes a 2-D float32 or bfloat16 weight, got {tuple(weight.shape)} "
+                             f"{weight.dtype}")
+        n, k = weight.shape
+        k2 = (k + 1) // 2
+        w = torch.zeros(_panels(n) * NR, 2 * k2, dtype=torch.bfloat16)
+        w[:n, :k] = weight.detach()
+        codes = w.reshape(-1, NR, k2, 2).permute(0, 2, 1, 3).contiguous()          # (P, K2, 32, 2)
+        return cls("BF16", n, k, codes, None, None)
 
     @classmethod
     def pack_gguf(cls, qtype: str, rows: np.ndarray | torch.Tensor, n: int, k: int,
@@ -135,6 +150,13 @@ def _i8x2_gemm():
 def int8_available() -> bool:
     """Whether the int8-activation kernel was built here (AVX512-VNNI)."""
     return native.available()[0] and bool(native.declare("i8x2_available", [], ctypes.c_int)())
+
+
+@lru_cache(maxsize=1)
+def bf16_available() -> bool:
+    """Whether the bfloat16 kernel was built with AVX512-BF16 dot products here (without them it
+    widens the same bfloat16 values to float32)."""
+    return native.available()[0] and bool(native.declare("bf16_available", [], ctypes.c_int)())
 
 
 def matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:

@@ -86,6 +86,33 @@ def test_float32_panels_match_plain_product(rows, shape):
     assert _close(got, x.double() @ w.double().T)
 
 
+def _bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the bfloat16 panels compute: both operands rounded to bfloat16, exact products."""
+    return x.bfloat16().double() @ w.bfloat16().double().T
+
+
+@pytest.mark.parametrize("rows", [1, 2, 12, 13, 64, 300])
+@pytest.mark.parametrize("shape", [(96, 160), (31, 7), (65, 1)])
+def test_bfloat16_panels_multiply_the_bfloat16_rounded_values(rows, shape):
+    n, k = shape
+    w = torch.randn(n, k)
+    x = torch.randn(rows, k)
+    got = matmul(x, PanelWeight.pack_bf16(w))
+    assert _close(got, _bf16_product(x, w), tol=1e-5)
+    assert not _close(got, x.double() @ w.double().T, tol=1e-4)          # the rounding is real
+    assert torch.equal(matmul(x[:1], PanelWeight.pack_bf16(w.bfloat16())), got[:1])   # bfloat16 weights as given
+
+
+def test_bfloat16_panels_halve_the_weight_bytes():
+    w = torch.randn(64, 96)
+    assert PanelWeight.pack_bf16(w).nbytes * 2 == PanelWeight.pack_f32(w).nbytes
+
+
+def test_bfloat16_panels_refuse_other_dtypes():
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        PanelWeight.pack_bf16(torch.randn(4, 4, dtype=torch.float64))
+
+
 def test_long_inputs_span_several_row_blocks():
     w = torch.randn(40, 4096)                              # 4 MiB of rows every 256 rows
     x = torch.randn(600, 4096)
@@ -139,6 +166,36 @@ def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeyp
     w = torch.randn(45, 33)
     x = torch.randn(13, 33)
     assert _close(matmul(x, PanelWeight.pack_f32(w)), x.double() @ w.double().T)
+    assert _close(matmul(x, PanelWeight.pack_bf16(w)), _bf16_product(x, w), tol=1e-5)
+
+
+def test_bfloat16_panels_without_avx512_bf16_give_the_same_products(tmp_path, monkeypatch):
+    """Without the AVX512-BF16 dot products the same bfloat16 values are widened to float32."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    import kernels.cpu.panels as panels
+    from kernels.cpu.native import HERE
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    so = tmp_path / "gemm_no_bf16.so"
+    subprocess.run([cc, "-O2", "-march=native", "-mno-avx512bf16", "-fopenmp", "-shared", "-fPIC",
+                    f"{HERE}/gemm.c", f"{HERE}/fused.c", "-o", str(so), "-lm"], check=True)
+    lib = ctypes.CDLL(str(so))
+    assert lib.bf16_available() == 0
+    fn = lib.panel_gemm
+    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    w = torch.randn(70, 97)
+    x = torch.randn(17, 97)
+    fast = matmul(x, PanelWeight.pack_bf16(w))
+    monkeypatch.setattr(panels, "_panel_gemm", lambda: fn)
+    widened = matmul(x, PanelWeight.pack_bf16(w))
+    assert _close(widened, _bf16_product(x, w), tol=1e-5)
+    assert _close(widened, fast.double(), tol=1e-5)
 
 
 def test_native_argmax_matches_torch_including_ties_nan_and_minus_infinity():

@@ -32,8 +32,8 @@ def _model(cls=LlamaForCausalLM, weights="f32", **overrides):
     g = torch.Generator().manual_seed(1)
     for name, p in model.named_parameters():
         p.data.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15, generator=g)
-    if weights == "f32":
-        prepack_linears(model)
+    if weights in ("f32", "bf16"):
+        prepack_linears(model, bfloat16=weights == "bf16")
     else:
         _gguf_linears(model, weights)
     return model, config
@@ -92,7 +92,7 @@ def _compare(model, config, monkeypatch, kv_dtype=torch.float32):
     assert torch.equal(ours, ref)
 
 
-@pytest.mark.parametrize("weights", ["f32", "Q4_1", "Q4_1_i8", "Q8_0_i8"])
+@pytest.mark.parametrize("weights", ["f32", "bf16", "Q4_1", "Q4_1_i8", "Q8_0_i8"])
 def test_native_decode_stack_equals_the_per_layer_path(weights, monkeypatch):
     model, config = _model(weights=weights)
     _compare(model, config, monkeypatch)

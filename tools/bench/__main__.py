@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     agr.add_argument("--model", default=None)
     agr.add_argument("--quantization", default="gguf", choices=["gguf", "gguf-i8", "none"],
                      help="'none': exact weights (with --kv-cache-dtype, the KV cache's effect alone)")
+    agr.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="the fast mode's --dtype (bfloat16: bfloat16 weights, see README)")
     agr.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     agr.add_argument("--calculate-kv-scales", action="store_true",
                      help="with an fp8 KV cache: per-layer K/V scales from the first batch (else 1.0)")

@@ -20,10 +20,11 @@ PROMPTS = [
 
 
 def generate(quantization: str | None, prompts: list[str], tokens: int, model: str | None,
-             kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False) -> list[list[int]]:
+             kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False,
+             dtype: str = "auto") -> list[list[int]]:
     from actors.api import LLM, SamplingParams
     with LLM(model, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-             calculate_kv_scales=calculate_kv_scales) as llm:
+             calculate_kv_scales=calculate_kv_scales, dtype=dtype) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     return [r.token_ids for r in results]
@@ -38,9 +39,10 @@ def main(args: Any) -> None:
     prompts = PROMPTS[:args.n]
     exact = generate(None, prompts, args.tokens, args.model)
     quantization = None if args.quantization == "none" else args.quantization
-    fast = generate(quantization, prompts, args.tokens, args.model, args.kv_cache_dtype, args.calculate_kv_scales)
+    fast = generate(quantization, prompts, args.tokens, args.model, args.kv_cache_dtype, args.calculate_kv_scales,
+                    args.dtype)
     first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(exact, fast)]
-    print(json.dumps({"bench": "agreement", "quantization": quantization,
+    print(json.dumps({"bench": "agreement", "quantization": quantization, "dtype": args.dtype,
                       "kv_cache_dtype": args.kv_cache_dtype, "calculate_kv_scales": args.calculate_kv_scales,
                       "prompts": len(prompts),
                       "tokens": args.tokens, "agreement": round(agreement(exact, fast), 4),
