@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 import msgspec
 
@@ -22,10 +23,11 @@ from actors.grammar.matchers import StructuredOutputs
 from actors.kv_manager.actor import KVManager
 from actors.kv_manager.kv_cache_spec import describe_groups
 from actors.runtime import ActorRef, Node
+from actors.runtime.errors import AskTimeout
 from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, decode_info, start_child
 from actors.scheduler.actor import SchedulerActor, WorkersLost, WorkersReady
 from actors.scheduler.scheduler import Scheduler
-from actors.worker.actor import LOAD_TIMEOUT_S, InitKVCache, LoadModel, WorkerActor
+from actors.worker.actor import LOAD_TIMEOUT_S, InitKVCache, LoadModel, ProfileStepCosts, WorkerActor
 from transport.zmq_channel import endpoint
 
 log = logging.getLogger("troupe.engine")
@@ -67,10 +69,23 @@ class EngineCore:
         # the scheduler calls the KV manager's core and reads compiled grammars directly
         kv, grammars = self.kv_manager.colocated(), self.grammar.colocated()
         structured = StructuredOutputs(grammars, cfg.model.arch.vocab_size)
+        scheduler = Scheduler(cfg, kv, structured)
+        if cfg.scheduler.max_step_latency_ms > 0:       # the step-cost model fitted before the first request
+            t0 = time.monotonic()
+            try:
+                costs = await asyncio.gather(*(w.ask(ProfileStepCosts(), timeout=INIT_KV_TIMEOUT_S)
+                                               for w in workers))
+            except AskTimeout:
+                log.warning("the step-cost profile took over %.0f s: the model is fitted as requests come",
+                            INIT_KV_TIMEOUT_S)
+            else:
+                scheduler.seed_step_costs(costs[0])
+                log.info("step-cost model fitted on %d profiled steps in %.1f s%s", len(costs[0]),
+                         time.monotonic() - t0, "" if scheduler.cost.ready else " (too few: fitted as requests come)")
         self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor(workers))
         outputs = self.node.ref(topology.DETOKENIZER, topology.FRONTEND_NODE, EngineCoreOutputs)
         self.scheduler = self.node.spawn(topology.SCHEDULER, lambda: SchedulerActor(
-            Scheduler(cfg, kv, structured), self.executor, outputs, self.grammar, engine_index=self.dp_rank))
+            scheduler, self.executor, outputs, self.grammar, engine_index=self.dp_rank))
         return cfg
 
     async def _start_workers(self) -> tuple[list[ActorRef], EngineConfig]:

@@ -290,6 +290,12 @@ class Scheduler:
             return None, frozenset()
         return self.latency_target - self.cost.predict(tokens, pairs), frozenset(decoding)
 
+    def seed_step_costs(self, costs: list[tuple[int, int, float]]) -> None:
+        """Steps the worker profiled at start-up (tokens, attention pairs, seconds): the cost
+        model predicts from the first request on rather than after its first steps."""
+        for tokens, pairs, seconds in costs:
+            self.cost.observe(tokens, pairs, seconds)
+
     def observe_step_time(self, step: int, seconds: float) -> None:
         """The worker's compute seconds for ``step``: one more observation for the cost model."""
         size = self._step_sizes.pop(step, None)

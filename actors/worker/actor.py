@@ -33,6 +33,12 @@ class InitKVCache(Msg):
     reply_type: ClassVar[Any] = int
 
 
+class ProfileStepCosts(Msg):
+    """Time steps of known sizes (Worker.profile_step_costs) for the scheduler's step-cost
+    model; the reply is each step's (tokens, attention pairs, compute seconds)."""
+    reply_type: ClassVar[Any] = list[tuple[int, int, float]]
+
+
 class StepResult(msgspec.Struct):
     ran: bool                                   # the worker ran the step asked about
     output: ModelRunnerOutput | None = None     # and this was its output
@@ -51,7 +57,7 @@ class StepOutOfOrder(RuntimeError):
     again): it is refused without running, and sent again after its predecessor."""
 
 
-WorkerProtocol = LoadModel | InitKVCache | SchedulerOutput | StepStatus
+WorkerProtocol = LoadModel | InitKVCache | ProfileStepCosts | SchedulerOutput | StepStatus
 
 LOAD_TIMEOUT_S = 600.0
 RECENT_STEPS = 8                 # outputs kept for StepStatus (async scheduling keeps two in flight)
@@ -91,6 +97,8 @@ class WorkerActor(Actor):
                 return self.core.config
             case InitKVCache():
                 return self._loaded().init_kv_cache()
+            case ProfileStepCosts():
+                return self._loaded().profile_step_costs()
 
     def _loaded(self) -> Worker:
         if self.core is None:

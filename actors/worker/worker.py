@@ -33,6 +33,8 @@ from models.tensor_parallel import shard_model
 
 log = logging.getLogger("troupe.worker")
 
+PROFILE_BUDGET_S = 10.0          # the most start-up time the step-cost profile takes (one rank)
+
 
 class Worker:
     def __init__(self, config: EngineConfig, tp_rank: int = 0, init_method: str = "") -> None:
@@ -153,6 +155,69 @@ class Worker:
                         self.attn_backend.name)
             return False
         return True
+
+    def profile_step_costs(self, budget_s: float = PROFILE_BUDGET_S) -> list[tuple[int, int, float]]:
+        """Steps of known sizes through the real runner and KV cache before any request comes,
+        each timed as served steps are (its compute seconds), so that the scheduler's step-cost
+        model starts fitted (--max-step-latency-ms): prompt chunks after cached context, a
+        prompt beside a decode, decodes at growing contexts. Each (tokens, attention pairs,
+        seconds) as actors/scheduler/cost_model.py counts them; none when the KV cache is too
+        small for them, and fewer when the steps overrun ``budget_s`` (a busy machine: the model then
+        fits on the first served steps too). The requests are dropped afterwards, their blocks
+        left free."""
+        from actors.scheduler.cost_model import attention_pairs
+        if self.runner is None:
+            raise RuntimeError("the KV cache is not initialized (InitKVCache first)")
+        cfg = self.config
+        bs, budget = cfg.cache.block_size, cfg.scheduler.max_num_batched_tokens
+        chunk = max(1, min(256, budget // 2, (cfg.model.max_model_len - 16) // 2))
+        plan = {"cost-a": 2 * chunk, "cost-b": chunk // 2 or 1, "cost-c": chunk}    # prompt lengths
+        blocks, start, tables = {}, 1, {}
+        groups = len(cfg.kv_cache_groups())
+        for rid, n in plan.items():
+            blocks[rid] = -(-(n + 12) // bs)
+            tables[rid] = tuple(list(range(start + g * blocks[rid], start + (g + 1) * blocks[rid]))
+                                for g in range(groups))
+            start += groups * blocks[rid]
+        if start > cfg.cache.num_blocks:
+            return []
+        greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        vocab = cfg.model.arch.vocab_size
+        computed: dict[str, int] = {}
+        costs: list[tuple[int, int, float]] = []
+        step = 0
+
+        # tensor-parallel ranks run the same steps (their collectives pair up): no deadline there
+        deadline = time.monotonic() + budget_s if self.tp_size == 1 else float("inf")
+
+        def run(new: dict[str, int], cont: dict[str, int], record: bool) -> None:
+            nonlocal step
+            if time.monotonic() > deadline:
+                return
+            reqs = [NewRequestData(rid, [(7 * i + 3) % (vocab - 1) + 1 for i in range(plan[rid])], [], greedy,
+                                   tables[rid], 0) for rid in new]
+            cached = CachedRequestData(list(cont), [tuple([] for _ in range(groups)) for _ in cont],
+                                       [computed[r] for r in cont])
+            sched = {**new, **cont}
+            out = self.runner.execute_model(SchedulerOutput(10**9 + step, reqs, cached, sched,
+                                                            sum(sched.values()), []))
+            step += 1
+            if record:
+                pairs = sum(attention_pairs(computed.get(r, 0), n) for r, n in sched.items())
+                costs.append((sum(sched.values()), pairs, out.compute_s))
+            for r, n in sched.items():
+                computed[r] = computed.get(r, 0) + n
+
+        run({"cost-a": chunk}, {}, record=False)                         # warm-up
+        run({}, {"cost-a": chunk}, record=True)                           # a chunk after cached context
+        run({"cost-b": plan["cost-b"]}, {"cost-a": 1}, record=True)       # a prompt beside a decode
+        for _ in range(6):
+            run({}, {"cost-a": 1, "cost-b": 1}, record=True)              # decodes
+        run({"cost-c": chunk}, {"cost-a": 1, "cost-b": 1}, record=True)   # a prompt beside two decodes
+        run({}, {"cost-a": 1, "cost-b": 1, "cost-c": 1}, record=True)
+        self.runner.execute_model(SchedulerOutput(10**9 + step, [], CachedRequestData(), {}, 0,
+                                                  [r for r in plan if r in computed]))
+        return costs
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner is None:

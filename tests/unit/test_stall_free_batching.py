@@ -1,15 +1,19 @@
 """Stall-free batching (--max-step-latency-ms): the step cost model fitted on observed steps, and
 the scheduler sizing prompt chunks so that a step with decodes in it stays under the target
 (a synthetic cost model in place of the worker's timings), with no starvation: every request
-still finishes, its prompt progressing by at least a block per step."""
+still finishes, its prompt progressing by at least a block per step; and the worker's start-up
+profile that fits the model before the first request (a tiny random model)."""
 from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.engine.args import EngineArgs
 from actors.scheduler.cost_model import MIN_OBSERVATIONS, StepCostModel, attention_pairs
+from actors.worker.worker import Worker
 from sched_utils import Harness
 
 COEF = (0.002, 0.0004, 0.00002)        # seconds: per step, per token, per 1000 attention pairs
@@ -106,3 +110,47 @@ def test_a_decode_beside_a_long_prompt_gets_a_small_chunk_of_it_not_the_whole_bu
     off.add("p", 1000, max_tokens=2)
     so, _ = off.step()
     assert so.num_scheduled_tokens["p"] == 511              # the rest of the budget: the stall
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    from helpers import save_tiny_llama, save_tiny_tokenizer
+    return save_tiny_tokenizer(save_tiny_llama(tmp_path_factory.mktemp("cost") / "ckpt", 64, 64, 96, 4, 2, 16, 512), 64)
+
+
+def test_the_worker_profiles_steps_at_start_up_so_the_cost_model_predicts_from_the_first_request(tiny):
+    """The worker times steps of known sizes on its real model and KV cache (prompt chunks after
+    cached context, prompts beside decodes, decodes): enough of them, of different shapes, to fit
+    the model before any request; its predictions grow with the tokens, and the requests it used
+    are gone (the next step's batch does not hold them)."""
+    config = EngineArgs(model=tiny, multiprocess=False, max_step_latency_ms=50,
+                        kv_cache_bytes=1 << 22).create_engine_config()
+    worker = Worker(config)
+    worker.init_kv_cache()
+    costs = worker.profile_step_costs()
+    assert len(costs) >= MIN_OBSERVATIONS
+    assert len({tokens for tokens, _, _ in costs}) >= 3 and all(s > 0 for _, _, s in costs)
+    assert len(worker.runner.batch) == 0
+    model = StepCostModel()
+    for row in costs:
+        model.observe(*row)
+    assert model.ready
+    assert model.predict(256, attention_pairs(0, 256)) > model.predict(1, attention_pairs(100, 1))
+    assert worker.profile_step_costs()            # again: the first run's requests were dropped
+
+
+def test_too_small_a_kv_cache_profiles_nothing_and_the_model_fits_as_requests_come(tiny):
+    config = EngineArgs(model=tiny, multiprocess=False, max_step_latency_ms=50, num_gpu_blocks_override=8,
+                        kv_cache_bytes=1 << 22).create_engine_config()
+    worker = Worker(config)
+    worker.init_kv_cache()
+    assert worker.profile_step_costs() == []
+
+
+def test_a_profile_that_overruns_its_budget_stops_early_and_leaves_no_request_behind(tiny):
+    config = EngineArgs(model=tiny, multiprocess=False, max_step_latency_ms=50,
+                        kv_cache_bytes=1 << 22).create_engine_config()
+    worker = Worker(config)
+    worker.init_kv_cache()
+    assert worker.profile_step_costs(budget_s=0.0) == []       # no step ran
+    assert len(worker.runner.batch) == 0
