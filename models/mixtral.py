@@ -29,7 +29,7 @@ class MixtralForCausalLM(MistralForCausalLM):
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-        return {**super().hf_fields(raw, fields), "num_experts": num_experts(raw),
+        return {**super().hf_fields(raw, fields), "num_experts": num_experts(raw, "num_local_experts", "num_experts"),
                 "num_experts_per_tok": raw["num_experts_per_tok"],
                 "moe_intermediate_size": fields["intermediate_size"], "norm_topk_prob": True}
 

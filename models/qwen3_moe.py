@@ -17,12 +17,12 @@ from models.moe import FusedMoE
 from models.qwen3 import Qwen3ForCausalLM
 
 
-def num_experts(raw: dict[str, Any]) -> int:
-    """The routed experts per layer: ``num_experts`` or ``num_local_experts`` (the name
-    transformers 5 writes)."""
-    value = raw.get("num_experts", raw.get("num_local_experts"))
+def num_experts(raw: dict[str, Any], key: str = "num_experts", other: str = "num_local_experts") -> int:
+    """The routed experts per layer: ``key``, else ``other`` (transformers 5 writes Qwen3-MoE's
+    num_experts as num_local_experts, Mixtral's own name)."""
+    value = raw.get(key, raw.get(other))
     if not isinstance(value, int) or value < 1:
-        raise ValueError(f"config.json needs num_experts (or num_local_experts) >= 1, got {value!r}")
+        raise ValueError(f"config.json needs {key} (or {other}) >= 1, got {value!r}")
     return value
 
 

@@ -113,6 +113,9 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # --tensor-parallel-size: each engine core's model split over this many worker processes
     # (attention heads and MLP columns; gloo on the CPU, NCCL on GPUs)
     tensor_parallel_size: int = 1
+    # --enable-expert-parallel: MoE layers' experts partitioned over the tensor-parallel ranks
+    # (expert parallelism of size tensor_parallel_size) instead of each expert split
+    enable_expert_parallel: bool = False
     max_restarts: int = 3                  # a worker or engine process dying more often than this ...
     restart_window_s: float = 120.0        # ... within this window stops the server
 
