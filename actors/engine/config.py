@@ -165,6 +165,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         for q in (self.model.quantization, spec.quantization if spec is not None else None):
             if q and device == "cuda":
                 raise ValueError(f"quantization {q!r} runs on the CPU only; use device 'cpu'")
+        if arch.num_experts and self.lora is not None:
+            raise ValueError(f"LoRA adapters on a mixture-of-experts model ({arch.architecture}) are not supported "
+                             "yet: its experts would run without them")
         if self.model.draft_source is not None:
             draft_arch = draft_arch or self.model.draft_arch or (arch if spec.method == "self_draft" else None)
             if draft_arch is None:

@@ -34,7 +34,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
     dev = topk_ids.device
     local = topk_ids.reshape(-1).to(torch.int64) - expert_start
     local = torch.where((local >= 0) & (local < E), local, E)           # E: not held here
-    counts = torch.bincount(local, minlength=E + 1)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, local, torch.ones_like(local))
+    # (not bincount: on CUDA it reads the largest id back to the host, which a CUDA graph cannot)
     padded = (counts[:E] + block_m - 1) // block_m * block_m
     padded_starts = torch.cumsum(padded, 0) - padded
     starts = torch.cumsum(counts, 0) - counts

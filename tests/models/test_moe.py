@@ -114,6 +114,20 @@ def test_stacked_expert_tensors_load_like_the_per_expert_ones(checkpoint):
         model.layers[0].mlp.load_shard("up.2", torch.zeros(30, 64), "w13_weight")
 
 
+def test_the_vllm_flag_reaches_the_parallel_config_and_lora_on_experts_is_refused(checkpoint):
+    from actors.engine.args import EngineArgs
+    from models.hf_config import read_hf_config
+    from tools import serve
+    args = serve.parse_args([checkpoint, "--tensor-parallel-size", "2", "--enable-expert-parallel"])
+    parallel = EngineArgs.from_cli_args(args).create_engine_config().parallel
+    assert (parallel.tensor_parallel_size, parallel.enable_expert_parallel) == (2, True)
+    assert not EngineArgs.from_cli_args(serve.parse_args([checkpoint, "-tp", "2"])).create_engine_config() \
+        .parallel.enable_expert_parallel
+    config = EngineArgs(model=checkpoint, enable_lora=True).create_engine_config()
+    with pytest.raises(ValueError, match="LoRA adapters on a mixture-of-experts model \\(Qwen3MoeForCausalLM\\)"):
+        config.resolve(cuda_available=False, cpu_count=2, arch=read_hf_config(checkpoint))
+
+
 # -- tensor and expert parallelism over two gloo ranks ------------------------------------------
 
 def _logits(model, config, num_kv_heads: int) -> torch.Tensor:
