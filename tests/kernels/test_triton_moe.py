@@ -42,3 +42,29 @@ def test_pairs_are_grouped_by_expert_in_blocks_padded_with_the_sentinel():
     assert n == 8 and sorted_ids[:n].tolist() == [4, 8, 8, 8, 1, 3, 6, 8]    # expert 1: pair 4; expert 2: 1, 3, 6
     assert expert_ids.tolist()[:2] == [0, 1] and set(expert_ids.tolist()[2:]) == {-1}
     assert len(sorted_ids) == 8 + 2 * 3
+
+
+def test_the_moe_layer_routes_cuda_tensors_to_the_triton_kernel(monkeypatch):
+    """FusedMoE on tensors the Triton ops take (CPU tensors under the interpreter stand for CUDA
+    ones) runs the Triton kernel, with the reference loop's result."""
+    import kernels.triton.moe as triton_moe
+    from kernels.cpu import fused as cpu_fused
+    from kernels.triton import fused as triton_fused
+    from kernels.triton import interpreting
+    from models.moe import FusedMoE
+    if not interpreting():
+        pytest.skip("runs the Triton kernel on CPU tensors")
+    g = torch.Generator().manual_seed(1)
+    layer = FusedMoE(32, 4, 2, 24, renormalize=False, dtype=torch.float32)
+    for p in layer.parameters():
+        p.data.normal_(0.0, 0.3, generator=g)
+    x = torch.randn(5, 32, generator=g)
+    monkeypatch.setattr(cpu_fused, "ENABLED", False)                    # not the native CPU kernel
+    want = layer(x)                                                      # the torch reference loop
+    calls = []
+    real = triton_moe.fused_experts
+    monkeypatch.setattr(triton_moe, "fused_experts", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_fused, "ON_CPU", True)
+    got = layer(x)
+    assert calls == [1] and want.abs().max() > 0.3
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
