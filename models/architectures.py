@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ module of the class of that name
     name: f"models.{module}:{name}" for name, module in (
         ("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
-        ("Qwen3ForCausalLM", "qwen3"), ("Gemma3ForCausalLM", "gemma3"), ("Phi3ForCausalLM", "phi3"))}
+        ("Qwen3ForCausalLM", "qwen3"), ("Gemma3ForCausalLM", "gemma3"), ("Phi3ForCausalLM", "phi3"),
+        ("Qwen3MoeForCausalLM", "qwen3_moe"), ("MixtralForCausalLM", "mixtral"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
 
 

@@ -34,6 +34,15 @@ class ArchConfig:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_size ** -0.5
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # -- mixture of experts (Qwen3-MoE, Mixtral); 0 experts: every MLP is dense ---------------
+    num_experts: int = 0                       # routed experts per MoE layer
+    num_experts_per_tok: int = 0               # top-k experts each token is sent to
+    moe_intermediate_size: int = 0             # one expert's intermediate size
+    norm_topk_prob: bool = True                # the top-k routing weights renormalized to sum to 1
+    moe_layers: tuple[int, ...] | None = None  # the layers whose MLP is the MoE block; None: all
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:

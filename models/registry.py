@@ -125,6 +125,7 @@ def _compile_tensor_map(tensor_map: dict[str, tuple[str, str | None]]) -> list[t
     compiled = []
     for ckpt_name, (param_name, shard) in tensor_map.items():
         pattern = re.escape(ckpt_name).replace(re.escape("{i}"), r"(?P<i>\d+)")
+        pattern = pattern.replace(re.escape("{e}"), r"(?P<e>\d+)")   # an expert's index (MoE)
         compiled.append((re.compile(pattern + "$"), param_name, shard))
     return compiled
 
@@ -164,13 +165,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
 
 def _shards_of(modules: dict[str, nn.Module], param_name: str) -> list[str | None]:
     owner = modules[param_name.rsplit(".", 1)[0]] if "." in param_name else None
-    return list(owner.shard_sizes) if isinstance(owner, MergedLinear) else [None]
+    if isinstance(owner, MergedLinear):
+        return list(owner.shard_sizes)
+    shards = getattr(owner, "param_shards", None)   # stacked experts (models/moe.py)
+    return shards(param_name.rsplit(".", 1)[1]) if shards is not None else [None]
 
 
 def _lookup(compiled: list[tuple[re.Pattern, str, str | None]], ckpt_name: str, model_name: str) -> tuple[str, str | None]:
     for pattern, param_name, shard in compiled:
         match = pattern.match(ckpt_name)
         if match:
-            layer = match.groupdict().get("i")
+            layer, expert = match.groupdict().get("i"), match.groupdict().get("e")
+            if expert is not None:
+                shard = shard.replace("{e}", expert)
             return (param_name.replace("{i}", layer) if layer is not None else param_name), shard
     raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {model_name}")

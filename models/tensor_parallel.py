@@ -9,7 +9,10 @@ Per decoder layer:
     heads over 3 KV heads on 2 ranks: 6 + 3 query heads, 2 + 1 KV heads); with fewer KV heads
     than ranks, each is replicated on world / KV ranks and its query heads split among them;
   - MLP: gate|up rows (column-parallel) and down columns (row-parallel) over an even split of
-    the intermediate size, then an all-reduce.
+    the intermediate size, then an all-reduce;
+  - mixture-of-experts MLP (models/moe.py): each expert's intermediate size split the same way,
+    or, with ``expert_parallel`` (--enable-expert-parallel), whole experts per rank with an
+    all-to-all dispatch and combine of the tokens; the router stays whole.
 The embedding and the LM head are split by vocabulary: each rank holds a run of the token rows;
 an embedding lookup takes the rows it holds (zeros for the others) and an all-reduce completes
 it; the LM head computes its rows' logits and an all-gather puts the vocabulary together (a tied
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers import Embedding, GatedMLP, Linear, MergedLinear, SelfAttention
+from models.moe import FusedMoE
 from models.tp_layout import head_split, split
 
 
@@ -145,20 +149,25 @@ def shard_mlp(m: GatedMLP, world: int, rank: int, group: Any) -> None:
     m.down_proj = RowParallel(_linear(d.weight.data[:, start:start + count], bias), group)
 
 
-def shard_model(model: nn.Module, world: int, rank: int, group: Any = None) -> nn.Module:
+def shard_model(model: nn.Module, world: int, rank: int, group: Any = None,
+                expert_parallel: bool = False) -> nn.Module:
     """Split ``model`` (weights loaded, not yet packed or quantized) in place for ``rank`` of
-    ``world``; returns it. ValueError for a model whose layers are not the ones split here."""
+    ``world``; returns it. ``expert_parallel``: MoE layers keep whole experts per rank instead
+    of a share of every expert. ValueError for a model whose layers are not the ones split here."""
     if world == 1:
         return model
     attention = [m for m in model.modules() if isinstance(m, SelfAttention)]
     mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
-    if not attention or len(mlps) != len(attention):
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if not attention or len(mlps) + len(moes) != len(attention):
         raise ValueError(f"{type(model).__name__}: tensor parallelism splits models made of attention and gated "
-                         "MLP layers")
+                         "MLP or mixture-of-experts layers")
     for m in attention:
         shard_attention(m, world, rank, group)
     for m in mlps:
         shard_mlp(m, world, rank, group)
+    for m in moes:
+        m.shard(world, rank, group, expert_parallel)
     if isinstance(getattr(model, "embed_tokens", None), Embedding) and isinstance(getattr(model, "lm_head", None), Linear):
         shard_vocab(model, world, rank, group)
     return model

@@ -37,7 +37,7 @@ REFUSED: dict[str, str] = {
     "--data-parallel-size-local": _PARALLEL, "--data-parallel-address": _PARALLEL,
     "--data-parallel-rpc-port": _PARALLEL, "--data-parallel-backend": _PARALLEL,
     "--data-parallel-hybrid-lb": _PARALLEL, "--data-parallel-external-lb": _PARALLEL,
-    "--distributed-executor-backend": _PARALLEL, "--enable-expert-parallel": _PARALLEL,
+    "--distributed-executor-backend": _PARALLEL,
     "--all2all-backend": _PARALLEL, "--enable-dbo": _PARALLEL, "--dbo-decode-token-threshold": _PARALLEL,
     "--dbo-prefill-token-threshold": _PARALLEL, "--disable-nccl-for-dp-synchronization": _PARALLEL,
     "--enable-eplb": _PARALLEL, "--eplb-config": _PARALLEL, "--expert-placement-strategy": _PARALLEL,
@@ -135,7 +135,7 @@ ALIASES: dict[str, str] = {
 
 # Refused flags that are booleans in vLLM: their --no- form asks for what Troupe does.
 BOOLEAN = frozenset({
-    "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--enable-expert-parallel", "--enable-dbo",
+    "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--enable-dbo",
     "--disable-nccl-for-dp-synchronization", "--enable-eplb", "--eplb-log-balancedness",
     "--ray-workers-use-nsight", "--disable-custom-all-reduce", "--disable-frontend-multiprocessing",
     "--use-tqdm-on-load", "--skip-tokenizer-init", "--disable-sliding-window",

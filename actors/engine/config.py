@@ -113,6 +113,9 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # --tensor-parallel-size: each engine core's model split over this many worker processes
     # (attention heads and MLP columns; gloo on the CPU, NCCL on GPUs)
     tensor_parallel_size: int = 1
+    # --enable-expert-parallel: MoE layers' experts partitioned over the tensor-parallel ranks
+    # (expert parallelism of size tensor_parallel_size) instead of each expert split
+    enable_expert_parallel: bool = False
     max_restarts: int = 3                  # a worker or engine process dying more often than this ...
     restart_window_s: float = 120.0        # ... within this window stops the server
 
@@ -162,6 +165,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         for q in (self.model.quantization, spec.quantization if spec is not None else None):
             if q and device == "cuda":
                 raise ValueError(f"quantization {q!r} runs on the CPU only; use device 'cpu'")
+        if arch.num_experts and self.lora is not None:
+            raise ValueError(f"LoRA adapters on a mixture-of-experts model ({arch.architecture}) are not supported "
+                             "yet: its experts would run without them")
         if self.model.draft_source is not None:
             draft_arch = draft_arch or self.model.draft_arch or (arch if spec.method == "self_draft" else None)
             if draft_arch is None:

@@ -106,7 +106,9 @@ class Worker:
         model = build_model(ckpt, torch_dtype(compute), backend, cfg.cache.block_size,
                             self.device.type, torch_dtype(cfg.cache.cache_dtype))
         if self.tp_size > 1:                 # this rank's heads and columns (before packing)
-            shard_model(model, self.tp_size, self.tp_rank)
+            shard_model(model, self.tp_size, self.tp_rank,
+                        expert_parallel=cfg.parallel.enable_expert_parallel)
+            log_expert_placement(model, self.tp_rank)
         if quantization:
             quantize(model, quantization, path)
         comp = cfg.compilation
@@ -223,6 +225,15 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("the KV cache is not initialized (InitKVCache first)")
         return self.runner.execute_model(so)
+
+
+def log_expert_placement(model: torch.nn.Module, rank: int) -> None:
+    """One line on where a mixture-of-experts model's experts went on this rank."""
+    from models.moe import FusedMoE
+    moe = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
+    if moe is not None:
+        log.info("rank %d: mixture-of-experts layers %s (%s)", rank,
+                 "split every expert" if moe.parallel == "tensor" else "hold whole experts", moe.extra_repr())
 
 
 TP_TIMEOUT_S = 120.0             # a collective waiting longer than this for a rank fails the step

@@ -56,8 +56,23 @@ def _phi3():  # q|k|v and gate|up fused in the checkpoint, one window for every 
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
+def _qwen3_moe():  # 8 experts, top 2 renormalized; layer 1 dense (mlp_only_layers)
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, "intermediate_size": 80}, num_hidden_layers=4,
+                                              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                              norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
+                                              tie_word_embeddings=False))
+
+
+def _mixtral():  # every layer 4 experts of intermediate_size, top 2
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralForCausalLM(MixtralConfig(**{**TINY, "intermediate_size": 48}, num_hidden_layers=2,
+                                            num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
-            "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3}
+            "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
+            "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))

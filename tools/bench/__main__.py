@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora}``: each
+"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora,moe}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -113,6 +113,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     lra.add_argument("--repeats", type=int, default=2, help="rounds of each count, alternated; the best is kept")
     lra.add_argument("--multiprocess", action="store_true", help="the server's 3-process layout")
 
+    moe = sub.add_parser("moe", help="one mixture-of-experts layer's experts: the native fused kernel against "
+                                     "the torch loop over experts, by batch size")
+    moe.add_argument("--experts", type=int, default=64)
+    moe.add_argument("--hidden", type=int, default=1024)
+    moe.add_argument("--intermediate", type=int, default=384, help="one expert's intermediate size")
+    moe.add_argument("--top-k", type=int, default=8)
+    moe.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 512])
+    moe.add_argument("--repeats", type=int, default=10)
+    moe.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
+
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.cmd == "offline":
@@ -151,6 +161,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "hybrid-kv":
         from tools.bench import hybrid_kv
         hybrid_kv.main(args)
+    elif args.cmd == "moe":
+        from tools.bench import moe as moe_bench
+        moe_bench.main(args)
     elif args.cmd == "latency":
         from tools.bench import latency
         latency.main(args)

@@ -1,0 +1,175 @@
+/* The experts of a mixture-of-experts layer in one call, float32 (models/moe.py):
+ *
+ *   out[t] = sum_k  w[t, k] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),   e = ids[t, k] - e0
+ *
+ *   x (T, H) row stride x_stride;  ids (T, K) int64 global expert ids, w (T, K) float32;
+ *   w13 (E, 2I, H): expert e's gate rows 0..I-1 then its up rows I..2I-1;  w2 (E, H, I);
+ *   out (T, H) contiguous, overwritten. Pairs whose expert is not among the E held here
+ *   (e outside 0..E-1: another rank's, under expert parallelism) add nothing.
+ *
+ * The (token, expert) pairs are grouped by expert with a counting sort (vLLM's
+ * moe_align_block_size on the CPU), then two grouped matmul passes run over work items of
+ * (expert, block of up to MB of its pairs, block of output columns), split across OpenMP threads
+ * with no loop per expert on the Python side:
+ *   1. act[p, j] = silu(x[t_p] . gate_e[j]) * (x[t_p] . up_e[j])     (P, I)
+ *   2. y[p, h]   = act[p] . down_e[h]                                 (P, H)
+ * and a combine pass sums each token's rows, weighted, in k order. Every dot product runs over
+ * a contiguous weight row and a contiguous activation row; blocks of 4 pairs share each weight
+ * row read. All arithmetic is float32 (the sums in another order than torch's matmul). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MB 32      /* pairs per work item */
+#define NB 16      /* output columns per work item */
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float s = 0.f;
+    #pragma omp simd reduction(+:s)
+    for (int64_t i = 0; i < n; i++)
+        s += a[i] * b[i];
+    return s;
+}
+
+/* s[r] = a_r . b for 4 rows at once (one pass over b). */
+static inline void dot4(const float *restrict a0, const float *restrict a1, const float *restrict a2,
+                        const float *restrict a3, const float *restrict b, int64_t n, float *s) {
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    #pragma omp simd reduction(+:s0, s1, s2, s3)
+    for (int64_t i = 0; i < n; i++) {
+        const float v = b[i];
+        s0 += a0[i] * v;
+        s1 += a1[i] * v;
+        s2 += a2[i] * v;
+        s3 += a3[i] * v;
+    }
+    s[0] = s0; s[1] = s1; s[2] = s2; s[3] = s3;
+}
+
+/* y[r * ldy + c - c0] = rows[r] . (w + c * n) for the block's rows and the columns c0..c1 of
+ * one expert's weight (its row c at w + c * n). */
+static void block_dots(const float *const *rows, int64_t nrows, const float *w, int64_t c0, int64_t c1,
+                       int64_t n, float *y, int64_t ldy) {
+    int64_t r = 0;
+    for (; r + 4 <= nrows; r += 4)
+        for (int64_t c = c0; c < c1; c++) {
+            float s[4];
+            dot4(rows[r], rows[r + 1], rows[r + 2], rows[r + 3], w + c * n, n, s);
+            for (int q = 0; q < 4; q++)
+                y[(r + q) * ldy + c - c0] = s[q];
+        }
+    for (; r < nrows; r++)
+        for (int64_t c = c0; c < c1; c++)
+            y[r * ldy + c - c0] = dot(rows[r], w + c * n, n);
+}
+
+/* Returns 0, or -1 when a work buffer cannot be allocated. */
+int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const float *w, int64_t T, int64_t K,
+                  const float *w13, const float *w2, int64_t E, int64_t e0, int64_t H, int64_t I, float *out) {
+    const int64_t TK = T * K;
+    int64_t *start = calloc((size_t)E + 1, sizeof *start);
+    int64_t *pair = malloc((size_t)(TK ? TK : 1) * sizeof *pair);       /* sorted pair -> t * K + k */
+    int64_t *slot = malloc((size_t)(TK ? TK : 1) * sizeof *slot);       /* t * K + k -> sorted pair, -1 */
+    if (!start || !pair || !slot) {
+        free(start); free(pair); free(slot);
+        return -1;
+    }
+    for (int64_t i = 0; i < TK; i++) {          /* counting sort, stable: token order per expert */
+        const int64_t e = ids[i] - e0;
+        if (e >= 0 && e < E)
+            start[e + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++)
+        start[e + 1] += start[e];
+    const int64_t P = start[E];
+    {
+        int64_t *fill = malloc((size_t)(E ? E : 1) * sizeof *fill);
+        if (!fill) {
+            free(start); free(pair); free(slot);
+            return -1;
+        }
+        memcpy(fill, start, (size_t)E * sizeof *fill);
+        for (int64_t i = 0; i < TK; i++) {
+            const int64_t e = ids[i] - e0;
+            slot[i] = -1;
+            if (e >= 0 && e < E) {
+                slot[i] = fill[e];
+                pair[fill[e]++] = i;
+            }
+        }
+        free(fill);
+    }
+    float *act = malloc((size_t)(P ? P : 1) * (size_t)I * sizeof *act);
+    float *y = malloc((size_t)(P ? P : 1) * (size_t)H * sizeof *y);
+    /* work items: (expert, first pair of its block); column blocks are the inner parallel index */
+    int64_t nblocks = 0;
+    for (int64_t e = 0; e < E; e++)
+        nblocks += (start[e + 1] - start[e] + MB - 1) / MB;
+    int64_t *blk = malloc((size_t)(nblocks ? nblocks : 1) * 2 * sizeof *blk);
+    if (!act || !y || !blk) {
+        free(start); free(pair); free(slot); free(act); free(y); free(blk);
+        return -1;
+    }
+    nblocks = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t p = start[e]; p < start[e + 1]; p += MB) {
+            blk[2 * nblocks] = e;
+            blk[2 * nblocks + 1] = p;
+            nblocks++;
+        }
+    const int64_t ncol1 = (I + NB - 1) / NB, ncol2 = (H + NB - 1) / NB;
+    const int64_t flops = P * 3 * I * H;
+    #pragma omp parallel if (flops >= 262144)
+    {
+        /* pass 1: gate and up rows, then SiLU-and-mul */
+        #pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t b = 0; b < nblocks; b++)
+            for (int64_t cb = 0; cb < ncol1; cb++) {
+                const int64_t e = blk[2 * b], p0 = blk[2 * b + 1];
+                const int64_t n = (start[e + 1] - p0) < MB ? (start[e + 1] - p0) : MB;
+                const int64_t c0 = cb * NB, c1 = (c0 + NB) < I ? (c0 + NB) : I;
+                const float *rows[MB];
+                float g[MB * NB], u[MB * NB];
+                for (int64_t r = 0; r < n; r++)
+                    rows[r] = x + (pair[p0 + r] / K) * x_stride;
+                const float *we = w13 + e * 2 * I * H;
+                block_dots(rows, n, we, c0, c1, H, g, NB);              /* gate rows c0..c1 */
+                block_dots(rows, n, we + I * H, c0, c1, H, u, NB);      /* up rows I+c0..I+c1 */
+                for (int64_t r = 0; r < n; r++)
+                    for (int64_t c = c0; c < c1; c++) {
+                        const float gv = g[r * NB + c - c0];
+                        act[(p0 + r) * I + c] = gv / (1.f + expf(-gv)) * u[r * NB + c - c0];
+                    }
+            }
+        /* pass 2: down rows */
+        #pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t b = 0; b < nblocks; b++)
+            for (int64_t cb = 0; cb < ncol2; cb++) {
+                const int64_t e = blk[2 * b], p0 = blk[2 * b + 1];
+                const int64_t n = (start[e + 1] - p0) < MB ? (start[e + 1] - p0) : MB;
+                const int64_t c0 = cb * NB, c1 = (c0 + NB) < H ? (c0 + NB) : H;
+                const float *rows[MB];
+                for (int64_t r = 0; r < n; r++)
+                    rows[r] = act + (p0 + r) * I;
+                block_dots(rows, n, w2 + e * H * I, c0, c1, I, y + p0 * H + c0, H);
+            }
+        /* combine: each token's rows, weighted, in k order */
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *o = out + t * H;
+            memset(o, 0, (size_t)H * sizeof *o);
+            for (int64_t k = 0; k < K; k++) {
+                const int64_t s = slot[t * K + k];
+                if (s < 0)
+                    continue;
+                const float wk = w[t * K + k], *ys = y + s * H;
+                #pragma omp simd
+                for (int64_t h = 0; h < H; h++)
+                    o[h] += ys[h] * wk;
+            }
+        }
+    }
+    free(start); free(pair); free(slot); free(act); free(y); free(blk);
+    return 0;
+}

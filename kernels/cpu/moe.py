@@ -1,0 +1,67 @@
+"""The fused mixture-of-experts kernel of the float32 CPU path (moe.c): the (token, expert) pairs
+grouped by expert and every expert's gate|up, SiLU-and-mul and down matmuls in one native call,
+threaded with OpenMP. A torch custom op (``torch.ops.troupe.cpu_fused_moe``, with a fake kernel
+giving the output's shape) so torch.compile traces it as one node::
+
+    cpu_fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start) -> Tensor
+
+``supports`` decides between it and models/moe.py's torch reference, as kernels/cpu/fused.py
+does for the elementwise kernels (``TROUPE_FUSED_CPU=0`` forces the torch path)."""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from kernels.cpu import fused, native
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """float32 CPU tensors, x (T, H) with unit column stride, the stacked weights contiguous,
+    the native library built here."""
+    return (x.dim() == 2 and w13.is_contiguous() and w2.is_contiguous() and fused.supports(x, w13, w2))
+
+
+@lru_cache(maxsize=None)
+def _kernel() -> ctypes._CFuncPtr:
+    return native.declare("fused_moe_f32", [_P, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _P],
+                          ctypes.c_int)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+    """x (T, H) float32, w13 (E, 2I, H), w2 (E, H, I), topk_weights (T, k), topk_ids (T, k) global
+    expert ids (those outside ``expert_start`` .. ``expert_start + E`` add nothing) -> (T, H)."""
+    return torch.ops.troupe.cpu_fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
+
+
+def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, expert_start: int) -> torch.Tensor:
+    T, H = x.shape
+    E, two_i, H13 = w13.shape
+    if (H13 != H or two_i % 2 or tuple(w2.shape) != (E, H, two_i // 2)
+            or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T):
+        raise ValueError(f"fused MoE takes x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk weights and ids (T, k); "
+                         f"got {tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}, "
+                         f"{tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}")
+    out = torch.empty(T, H, dtype=torch.float32)
+    if T == 0:
+        return out
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    rc = _kernel()(x.data_ptr(), x.stride(0), ids.data_ptr(), weights.data_ptr(), T, ids.shape[1],
+                   w13.data_ptr(), w2.data_ptr(), E, expert_start, H, two_i // 2, out.data_ptr())
+    if rc != 0:
+        raise MemoryError(f"fused MoE: no memory for the work buffers of {T} tokens x {ids.shape[1]} experts")
+    return out
+
+
+_LIB = torch.library.Library("troupe", "FRAGMENT")
+_LIB.define("cpu_fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+            "int expert_start) -> Tensor")
+_LIB.impl("cpu_fused_moe", _fused_moe, "CPU")
+torch.library.register_fake("troupe::cpu_fused_moe",
+                            lambda x, w13, w2, tw, ti, e0: x.new_empty(x.shape), lib=_LIB)

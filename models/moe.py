@@ -1,0 +1,215 @@
+"""The mixture-of-experts MLP of Qwen3-MoE and Mixtral (vLLM's ``FusedMoE``): a router, top-k
+routing, and the experts' weights stacked into two tensors, run as one fused call.
+
+  router logits = x Wg^T  ->  softmax (float32)  ->  top-k experts per token (their weights
+  renormalized to sum to 1 when ``renormalize``)  ->  the tokens grouped by expert  ->  per
+  expert: down(SiLU(gate(x)) * up(x))  ->  each token's outputs summed, weighted by its routing
+  weights.
+
+The experts are stacked at load: ``w13_weight`` (E, 2I, H) holds each expert's gate rows then
+its up rows, ``w2_weight`` (E, H, I) its down projection; the checkpoint's per-expert tensors
+are copied in by ``load_shard`` (shards ``gate.{e}``, ``up.{e}``, ``down.{e}``).
+
+``fused_experts`` runs the grouped expert matmuls: the native C kernel on float32 CPU tensors
+(kernels/cpu/moe.py), the Triton kernel on CUDA tensors (kernels/triton/moe.py), otherwise
+``fused_experts_ref``, a loop over the experts with torch matmuls (the reference the kernels are
+tested against).
+
+Parallelism (``shard``, called by models/tensor_parallel.py):
+  - tensor parallelism: every rank keeps every expert, with its share of each expert's
+    intermediate dimension (gate|up rows, down columns); an all-reduce sums the partial outputs;
+  - expert parallelism (--enable-expert-parallel): every rank keeps E / ranks whole experts.
+    The ranks hold the same tokens (attention stays tensor-parallel), so each routes its own
+    share of them, sends each (token, expert) pair to the rank that owns the expert (all-to-all
+    dispatch), runs its experts on what it received, sends the results back (all-to-all
+    combine), weights and sums them per token, and an all-gather gives every rank every token.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers import Linear, _empty_param
+from models.tp_layout import split
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, E) router logits -> (weights (T, k) float32, expert ids (T, k) int64): softmax in
+    float32, the k largest probabilities, renormalized to sum to 1 when ``renormalize``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+    """The reference: a loop over the experts held here (global ids ``expert_start`` ..
+    ``expert_start + E``), each a gate|up matmul, SiLU-and-mul and a down matmul on the tokens
+    routed to it; pairs routed to experts not held here add nothing. x (T, H), w13 (E, 2I, H),
+    w2 (E, H, I), topk_weights (T, k), topk_ids (T, k) -> (T, H) in x's dtype."""
+    out = torch.zeros_like(x)
+    inter = w2.shape[2]
+    local = topk_ids - expert_start
+    for e in range(w13.shape[0]):
+        token, slot = torch.where(local == e)
+        if token.numel() == 0:
+            continue
+        gate_up = F.linear(x[token], w13[e])
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = F.linear(h, w2[e]) * topk_weights[token, slot, None].to(x.dtype)
+        out[token] += y        # a token meets an expert once (not index_add_: slow on the CPU)
+    return out
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+    """``fused_experts_ref``'s result through the fastest path these tensors take: the native
+    CPU kernel (float32 CPU tensors), the Triton kernel (CUDA tensors), else the reference."""
+    from kernels.cpu import moe as cpu_moe
+    from kernels.triton import fused as triton_fused
+    if cpu_moe.supports(x, w13, w2):
+        return cpu_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_start)
+    if triton_fused.supports(x, w13, w2):
+        from kernels.triton.moe import fused_experts as triton_fused_experts
+        return triton_fused_experts(x, w13, w2, topk_weights, topk_ids, expert_start)
+    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start)
+
+
+class FusedMoE(nn.Module):
+    """Router (``gate``) and E stacked SiLU-gated experts; (T, H) -> (T, H)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool, dtype: torch.dtype, hidden_act: str = "silu") -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"mixture-of-experts layers with activation {hidden_act!r} are not supported; "
+                             "supported: 'silu'")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate_size = intermediate_size             # this rank's share under tensor parallelism
+        self.gate = Linear(hidden_size, num_experts, dtype)    # the router (replicated on every rank)
+        self.w13_weight = _empty_param(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)
+        self.w2_weight = _empty_param(num_experts, hidden_size, intermediate_size, dtype=dtype)
+        self.expert_start = 0           # global id of this rank's first expert (expert parallelism)
+        self.parallel = "none"          # "none" | "tensor" | "expert" (``shard``)
+        self.world, self.rank, self.group = 1, 0, None
+        self.expert_starts: list[int] = [0]      # each rank's first expert (expert parallelism)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.w13_weight.shape[0]} of {self.num_experts} from {self.expert_start}, "
+                f"top_k={self.top_k}, intermediate={self.intermediate_size}, parallel={self.parallel}")
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def param_shards(self, param: str) -> list[str | None]:
+        """The shards a checkpoint fills ``param`` with (what the loader reports as unloaded)."""
+        E = self.num_experts
+        if param == "w13_weight":
+            return [f"{part}.{e}" for e in range(E) for part in ("gate", "up")]
+        if param == "w2_weight":
+            return [f"down.{e}" for e in range(E)]
+        return [None]
+
+    def load_shard(self, shard: str, tensor: torch.Tensor, param: str = "weight") -> None:
+        """Copy one expert's gate, up or down projection (shard ``gate.{e}`` / ``up.{e}`` of
+        ``w13_weight``, ``down.{e}`` of ``w2_weight``) into its place."""
+        part, _, index = shard.partition(".")
+        if param not in ("w13_weight", "w2_weight") or f"{part}.{index}" not in self.param_shards(param):
+            raise KeyError(f"no shard {shard!r} of {param}; a layer of {self.num_experts} experts has shards "
+                           "gate.E and up.E of w13_weight, down.E of w2_weight")
+        e, inter = int(index), self.intermediate_size
+        target = getattr(self, param).data[e]
+        if part == "gate":
+            target = target[:inter]
+        elif part == "up":
+            target = target[inter:]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"expert {e}'s {part} projection has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(tensor)
+
+    # -- parallelism -----------------------------------------------------------------------------
+
+    def shard(self, world: int, rank: int, group: Any, expert_parallel: bool) -> None:
+        """Keep this rank's part: whole experts (``expert_parallel``) or every expert's share of
+        the intermediate dimension."""
+        if world == 1:
+            return
+        w13, w2, inter = self.w13_weight.data, self.w2_weight.data, self.intermediate_size
+        if expert_parallel:
+            if self.num_experts < world:
+                raise ValueError(f"expert parallelism over {world} ranks needs at least as many experts, the model "
+                                 f"has {self.num_experts}")
+            start, count = split(self.num_experts, world, rank)
+            w13, w2 = w13[start:start + count], w2[start:start + count]
+            self.expert_start = start
+            self.expert_starts = [split(self.num_experts, world, r)[0] for r in range(world)]
+            self.parallel = "expert"
+        else:
+            start, count = split(inter, world, rank)
+            w13 = torch.cat([w13[:, start:start + count], w13[:, inter + start:inter + start + count]], dim=1)
+            w2 = w2[:, :, start:start + count]
+            self.intermediate_size = count
+            self.parallel = "tensor"
+        self.w13_weight = nn.Parameter(w13.contiguous(), requires_grad=False)
+        self.w2_weight = nn.Parameter(w2.contiguous(), requires_grad=False)
+        self.world, self.rank, self.group = world, rank, group
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # (T, H) -> (T, H)
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        if self.parallel == "expert":
+            return self._expert_parallel(x, weights, ids)
+        out = fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        if self.parallel == "tensor":
+            torch.distributed.all_reduce(out, group=self.group)
+        return out
+
+    def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """All-to-all dispatch, local experts, all-to-all combine, all-gather (module docstring)."""
+        dist = torch.distributed
+        T, H = x.shape
+        if T == 0:                     # every rank has the same tokens: none skips a collective alone
+            return torch.zeros_like(x)
+        world, k = self.world, self.top_k
+        start, count = split(T, world, self.rank)
+        pair_ids = ids[start:start + count].reshape(-1)                 # (count * k,) this rank's pairs
+        pair_token = torch.arange(count, device=x.device).repeat_interleave(k)
+        bounds = torch.tensor(self.expert_starts[1:], device=x.device, dtype=pair_ids.dtype)
+        owner = torch.bucketize(pair_ids, bounds, right=True)           # the rank holding each expert
+        order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        sends, recvs = send_counts.tolist(), recv_counts.tolist()
+        # dispatch: each pair's hidden state and expert id to the expert's rank
+        send_x = x[start + pair_token[order]]
+        recv_x = x.new_empty(sum(recvs), H)
+        dist.all_to_all_single(recv_x, send_x, recvs, sends, group=self.group)
+        recv_ids = pair_ids.new_empty(sum(recvs))
+        dist.all_to_all_single(recv_ids, pair_ids[order].contiguous(), recvs, sends, group=self.group)
+        # this rank's experts, one row per received pair (weight 1: the sender weights)
+        ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x.device)
+        y = fused_experts(recv_x, self.w13_weight, self.w2_weight, ones, recv_ids[:, None], self.expert_start)
+        # combine: the results back to the pairs' ranks, weighted and summed per token
+        back = x.new_empty(len(order), H)
+        dist.all_to_all_single(back, y.contiguous(), sends, recvs, group=self.group)
+        w = weights[start:start + count].reshape(-1)[order].to(x.dtype)
+        local = torch.zeros(count, H, dtype=x.dtype, device=x.device)
+        local.index_add_(0, pair_token[order], back * w[:, None])
+        # every rank gets every token's output (the next layer's attention is tensor-parallel)
+        sizes = [split(T, world, r)[1] for r in range(world)]
+        width = max(sizes)
+        if count < width:
+            local = F.pad(local, (0, 0, 0, width - count))
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
