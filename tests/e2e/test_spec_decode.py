@@ -54,11 +54,14 @@ def plain():
 
 @pytest.fixture(scope="module", params=list(METHODS))
 def spec(request):
-    return request.param, _run(METHODS[request.param])
+    """(method, (results, stats), the engine, kept for more requests)."""
+    with LLM(multiprocess=False, speculative_config=METHODS[request.param]) as llm:
+        results = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        yield request.param, ([(r.token_ids, r.text, r.finish_reason) for r in results], llm.client.stats.last), llm
 
 
 def test_speculation_gives_every_greedy_request_the_tokens_of_plain_decoding(plain, spec):
-    _, (results, _) = spec
+    _, (results, _), _ = spec
     assert results == plain
     assert len(results[0][0]) == 48 and len(results[2][0]) == 23
     assert results[1][2] == "stop" and results[1][1].endswith(" 14,")
@@ -67,18 +70,19 @@ def test_speculation_gives_every_greedy_request_the_tokens_of_plain_decoding(pla
 def test_constrained_and_penalized_requests_take_drafts_and_keep_their_tokens(plain, spec):
     """Structured outputs (a bitmask row per verified position, drafts cut to what the grammar
     allows) and penalties (over the tokens so far and the drafts before each position)."""
-    method, _ = spec
+    _, _, llm = spec
     picked = [4, 6, 7]
-    with LLM(multiprocess=False, speculative_config=METHODS[method]) as llm:
-        results = llm.generate([PROMPTS[i] for i in picked], [PARAMS[i] for i in picked], use_tqdm=False)
-        stats = llm.client.stats.last
+    before = llm.client.stats.last
+    results = llm.generate([PROMPTS[i] for i in picked], [PARAMS[i] for i in picked], use_tqdm=False)
+    after = llm.client.stats.last
     assert [(r.token_ids, r.text, r.finish_reason) for r in results] == [plain[i] for i in picked]
-    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    assert after.spec_num_drafts > before.spec_num_drafts
+    assert after.spec_num_accepted_tokens > before.spec_num_accepted_tokens
     assert json.loads(results[1].text).keys() == {"name", "age"}
 
 
 def test_drafts_are_accepted_and_counted(spec):
-    method, (_, stats) = spec
+    method, (_, stats), _ = spec
     assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens >= stats.spec_num_drafts
     assert 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
     assert sum(stats.spec_num_accepted_tokens_per_pos) == stats.spec_num_accepted_tokens
