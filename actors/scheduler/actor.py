@@ -66,6 +66,7 @@ class WorkersReady(Msg):
 SchedulerProtocol = AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady
 
 STEP_TIMEOUT_S = 600.0
+KV_POLL_S = 0.02                 # with only KV transfers under way, how often the worker is asked about them
 GRAMMAR_TIMEOUT_S = 120.0
 MAX_EARLY_ABORTS = 4096          # remembered ids of aborts that came before their request
 
@@ -143,7 +144,8 @@ class SchedulerActor(Actor):
                 self._step_queued = False
                 await self._step()
                 self._kick()
-                if not self._step_queued:          # idle now: close the cycle, start afresh
+                if not (self.core.has_work() or self._in_flight) and self._last_step_start:
+                    # idle now (or only polling KV transfers): close the cycle, start afresh
                     self._account_cycle()
                     self._last_step_start = 0.0
             case WorkersLost(reason=reason):
@@ -167,24 +169,31 @@ class SchedulerActor(Actor):
         self.ctx.self_ref.tell(GrammarReady(request_id, error))
 
     def _kick(self) -> None:
-        """Queue a step when there is work (or a step in flight to finish)."""
-        if not self._step_queued and not self.paused and (self.core.has_work() or self._in_flight):
+        """Queue a step when there is work (or a step in flight to finish); while only KV
+        transfers are under way, a step without tokens every KV_POLL_S polls the worker for them."""
+        if self._step_queued or self.paused:
+            return
+        if self.core.has_work() or self._in_flight:
             self._step_queued = True
             self.ctx.self_ref.tell(Step())
+        elif self.core.kv_connector_pending():
+            self._step_queued = True
+            asyncio.get_running_loop().call_later(KV_POLL_S, self.ctx.self_ref.tell, Step())
 
     async def _step(self) -> None:
         """Plan and send the next step; then settle the oldest step in flight when the
         pipeline is full (or nothing new could be planned)."""
         sent = False
-        if self.core.has_work():
-            self._account_cycle()
+        if self.core.has_work() or self.core.kv_connector_pending():
+            if self.core.has_work():
+                self._account_cycle()
             if self._in_flight and self.core.grammar_needs_outputs():
                 await self._settle_all()             # the matchers see the tokens in flight first
-            if self.paused or not self.core.has_work():
+            if self.paused or not (self.core.has_work() or self.core.kv_connector_pending()):
                 return
             t0, kv0 = now_ns(), self.core.kv.busy_ns
             so = self.core.schedule()
-            if so.num_scheduled_tokens:
+            if so.num_scheduled_tokens or so.kv_connector_metadata is not None:
                 self.ctx.link(list(so.num_scheduled_tokens))
                 reply = asyncio.ensure_future(self.executor.ask(so, timeout=STEP_TIMEOUT_S))
                 f = _InFlight(so, reply, t0, now_ns(), self.core.kv.busy_ns - kv0)
@@ -219,7 +228,7 @@ class SchedulerActor(Actor):
         t2, kv2 = now_ns(), self.core.kv.busy_ns
         self._emit(self.core.update_from_output(f.so, runner_out))
         tracer = self.ctx.node.tracer
-        if tracer.enabled:
+        if tracer.enabled and f.so.num_scheduled_tokens:      # not the polls of KV transfers
             t3 = now_ns()
             tracer.record_step(self._step_record(f.so, runner_out, (f.t0, f.t1, f.t_reply or t2, t3),
                                                  (f.kv_ns, self.core.kv.busy_ns - kv2)))
