@@ -23,6 +23,7 @@ import copy
 import itertools
 import json
 import logging
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -209,10 +210,30 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.pd_proxy") 
             p.error(f"{url!r} is not an http(s) URL")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     proxy = PDProxy(args.prefill, args.decode, args.policy, args.timeout)
-    print(f"Troupe P/D proxy on http://{args.host}:{args.port} (prefill: {' '.join(args.prefill)}; "
-          f"decode: {' '.join(args.decode)})", flush=True)
-    web.run_app(proxy.app(), host=args.host, port=args.port, print=None)
+    try:
+        asyncio.run(_serve(proxy, args.host, args.port))
+    except KeyboardInterrupt:
+        pass
     return 0
+
+
+async def _serve(proxy: PDProxy, host: str, port: int) -> None:
+    runner = web.AppRunner(proxy.app())
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
+    print(f"P/D proxy: prefill {' '.join(i.url for i in proxy.prefill.instances)}; "
+          f"decode {' '.join(i.url for i in proxy.decode.instances)}", flush=True)
+    print(f"Troupe ready on http://{host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 if __name__ == "__main__":

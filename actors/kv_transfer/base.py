@@ -70,6 +70,10 @@ class KVConnectorBase(ABC):
         self.kv_config = config.kv_transfer
         self.role = role
 
+    @classmethod
+    def check_config(cls, kv_config: Any) -> None:
+        """ValueError naming what the connector cannot take in ``kv_config`` (its extra config)."""
+
     # -- scheduler side ----------------------------------------------------------------------
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

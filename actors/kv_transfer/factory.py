@@ -36,6 +36,7 @@ class KVConnectorFactory:
             importlib.import_module(config.kv_connector_module_path)
         if config.kv_connector not in cls._registry:
             raise ValueError(f"unknown kv_connector {config.kv_connector!r}; registered: {', '.join(cls.names())}")
+        cls._registry[config.kv_connector]().check_config(config)
 
     @classmethod
     def create_connector(cls, config: EngineConfig, role: KVConnectorRole) -> KVConnectorBase:

@@ -122,13 +122,13 @@ def layout_info(config: EngineConfig, kv_caches: list[Any]) -> dict[str, Any]:
     return info
 
 
-def check_compatible(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
-    """HandshakeError naming the first field the two sides disagree on (ours first)."""
+def check_compatible(mine: dict[str, Any], theirs: dict[str, Any], me: str = "consumer",
+                     them: str = "producer") -> None:
+    """HandshakeError naming the first field the two sides disagree on, each side's value."""
     for key in ("model", "block_size", "kv_cache_dtype", "num_layers", "num_kv_heads", "head_size",
                 "layout", "tensor_parallel_size", "compat_hash"):
         if mine.get(key) != theirs.get(key):
-            raise HandshakeError(f"KV transfer refused: {key} {mine.get(key)} vs {theirs.get(key)} "
-                                 "(this instance vs the remote one)")
+            raise HandshakeError(f"KV transfer refused: {key} {mine.get(key)} ({me}) vs {theirs.get(key)} ({them})")
 
 
 def runs(ids: list[int]) -> list[tuple[int, int]]:
@@ -193,6 +193,14 @@ class TroupeConnector(KVConnectorBase):
             self._init_scheduler_side()
         else:
             self._init_worker_side()
+
+    @classmethod
+    def check_config(cls, kv_config: Any) -> None:
+        extra = _extra(kv_config)
+        for key in ("lease_s", "heartbeat_s", "transfer_timeout_s"):
+            if not isinstance(extra[key], (int, float)) or extra[key] < 0 or (key != "heartbeat_s" and not extra[key]):
+                raise ValueError(f"kv_connector_extra_config.{key} must be a positive number of seconds, "
+                                 f"got {extra[key]!r}")
 
     # ==== scheduler side =======================================================================
     def _init_scheduler_side(self) -> None:
@@ -461,7 +469,7 @@ class TroupeConnector(KVConnectorBase):
         op = req.get("op")
         if op == "handshake":
             try:
-                check_compatible(self.info, req.get("info", {}))
+                check_compatible(self.info, req.get("info", {}), "producer", "consumer")
             except HandshakeError as exc:
                 return [_encode({"ok": False, "error": str(exc), "info": self.info})]
             return [_encode({"ok": True, "info": self.info, "machine": self.machine})]
