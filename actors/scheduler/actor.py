@@ -66,6 +66,7 @@ class WorkersReady(Msg):
 SchedulerProtocol = AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady
 
 STEP_TIMEOUT_S = 600.0
+KV_POLL_EMIT_S = 0.5             # polls that changed nothing still send the stats this often
 KV_POLL_S = 0.02                 # with only KV transfers under way, how often the worker is asked about them
 GRAMMAR_TIMEOUT_S = 120.0
 MAX_EARLY_ABORTS = 4096          # remembered ids of aborts that came before their request
@@ -107,6 +108,7 @@ class SchedulerActor(Actor):
         # Aborts of requests not (yet) known here: an abort sent while the request was being
         # admitted may overtake it, and the request must then not run for nobody.
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._last_emit = 0.0                # time.monotonic() of the last EngineCoreOutputs
 
     async def receive(self, msg: SchedulerProtocol) -> Any:
         match msg:
@@ -226,7 +228,11 @@ class SchedulerActor(Actor):
         self.core.counters.compute_seconds += runner_out.compute_s
         self.core.observe_step_time(f.so.step, runner_out.compute_s)
         t2, kv2 = now_ns(), self.core.kv.busy_ns
-        self._emit(self.core.update_from_output(f.so, runner_out))
+        outs = self.core.update_from_output(f.so, runner_out)
+        # a poll of KV transfers reports outputs, its last state, and otherwise the stats now and then
+        if (outs or f.so.num_scheduled_tokens or not self.core.kv_connector_pending()
+                or time.monotonic() - self._last_emit > KV_POLL_EMIT_S):
+            self._emit(outs)
         tracer = self.ctx.node.tracer
         if tracer.enabled and f.so.num_scheduled_tokens:      # not the polls of KV transfers
             t3 = now_ns()
@@ -278,4 +284,5 @@ class SchedulerActor(Actor):
         self._last_step_start = now
 
     def _emit(self, outs: list[EngineCoreOutput]) -> None:
+        self._last_emit = time.monotonic()
         self.outputs.tell(EngineCoreOutputs(outs, self.core.stats(), self.engine_index))

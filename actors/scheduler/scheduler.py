@@ -597,6 +597,8 @@ class Scheduler:
         """Back to the front of the queue without blocks: prompt and output so far are
         computed again when it is scheduled."""
         self.kv.free(req.request_id)
+        if self.connector is not None:     # no remote reader may read its freed blocks any more
+            self.connector.request_dropped(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
