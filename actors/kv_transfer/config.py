@@ -32,7 +32,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     kv_ip: str = "127.0.0.1"                  # the producer's side channel: address to listen on
     kv_port: int = DEFAULT_KV_PORT            # and its port
     kv_buffer_device: str = "cpu"             # accepted as vLLM's; transfers are staged in host memory
-    kv_buffer_size: float = 1e9               # bytes of the shared-memory staging buffer (a producer's)
+    kv_buffer_size: float = 1e9               # the largest read a producer stages in shared memory (bytes; larger: frames)
     kv_connector_extra_config: dict[str, Any] = {}
     kv_connector_module_path: str | None = None   # a module to import that registers kv_connector
     kv_load_failure_policy: str = "recompute"    # a failed load: compute the prompt here, or fail the request

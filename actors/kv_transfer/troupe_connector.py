@@ -499,6 +499,9 @@ class TroupeConnector(KVConnectorBase):
         raise ValueError(f"unknown side-channel operation {op!r}")
 
     def _read(self, rid: str, block_ids: list[int], shm: bool) -> list[Any]:
+        """The request's blocks as frames (views of the cache, sent without a copy) or one
+        shared-memory segment. The read renews the lease, which keeps the blocks as they are
+        while their bytes are copied or sent, outside the lock (the steps go on meanwhile)."""
         t0 = time.monotonic_ns()
         with self._lock:
             h = self._readable.get(rid)
@@ -508,24 +511,25 @@ class TroupeConnector(KVConnectorBase):
             if not set(block_ids) <= set(h.block_ids):
                 return [_encode({"ok": False, "error": f"blocks {block_ids} are not request {rid}'s"})]
             h.deadline = time.monotonic() + self.lease_s
-            chunks = self._block_chunks(block_ids)
-            nbytes = sum(c.nbytes for c in chunks)
-            self.stats.add(sent_bytes=nbytes, sent_blocks=len(block_ids), sent_requests=1)
-            if shm and self._shm_dir is not None:
-                path = os.path.join(self._shm_dir, f"troupe-kv-{uuid.uuid4().hex}")
-                import numpy as np
-                mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(max(nbytes, 1),))
-                off = 0
-                for c in chunks:
-                    mm[off:off + c.nbytes] = c
-                    off += c.nbytes
-                mm.flush()
-                del mm
-                h.shm_paths.append(path)      # unlinked when released or expired
-                self._transfers.append((rid, "KVSend", t0, time.monotonic_ns(), nbytes))
-                return [_encode({"ok": True, "shm": path, "runs": runs(block_ids)})]
+        chunks = self._block_chunks(block_ids)
+        nbytes = sum(c.nbytes for c in chunks)
+        self.stats.add(sent_bytes=nbytes, sent_blocks=len(block_ids), sent_requests=1)
+        reply: list[Any] = [_encode({"ok": True, "runs": runs(block_ids)}), *chunks]
+        if shm and self._shm_dir is not None and nbytes <= self.kv_config.kv_buffer_size:
+            import numpy as np
+            path = os.path.join(self._shm_dir, f"troupe-kv-{uuid.uuid4().hex}")
+            mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(max(nbytes, 1),))
+            off = 0
+            for c in chunks:
+                mm[off:off + c.nbytes] = c
+                off += c.nbytes
+            mm.flush()
+            del mm
+            h.shm_paths.append(path)          # unlinked when released or expired
+            reply = [_encode({"ok": True, "shm": path, "runs": runs(block_ids)})]
+        with self._lock:
             self._transfers.append((rid, "KVSend", t0, time.monotonic_ns(), nbytes))
-            return [_encode({"ok": True, "runs": runs(block_ids)}), *chunks]
+        return reply
 
     def _block_chunks(self, block_ids: list[int]) -> list[Any]:
         """Per run of consecutive blocks, per layer, K then V: the cache's own bytes (a view, no
@@ -624,17 +628,25 @@ class TroupeConnector(KVConnectorBase):
             raise RuntimeError(f"the producer sent {len(views)} block frames, expected {2 * L * len(head['runs'])}")
         i = total = 0
         shape = tuple(t.shape[2:])
+        cpu = t.device.type == "cpu"
         for start, n in head["runs"]:
-            idx = torch.tensor(load.local_block_ids[start:start + n], dtype=torch.long, device=t.device)
+            local = load.local_block_ids[start:start + n]
+            idx = None if cpu else torch.tensor(local, dtype=torch.long, device=t.device)
             for layer in self.kv_caches:
                 for kv in (0, 1):
                     buf = views[i]
                     i += 1
                     if buf.nbytes != n * per_block:
                         raise RuntimeError(f"a frame of {buf.nbytes} bytes for {n} blocks of {per_block}")
-                    with warnings.catch_warnings():      # read-only buffers: copied from, never written
-                        warnings.simplefilter("ignore")
-                        src = torch.frombuffer(buf, dtype=torch.uint8).view(layer.dtype).view(n, *shape)
-                    layer[kv].index_copy_(0, idx, src.to(layer.device))
+                    if cpu:       # numpy slice copies: one thread, memcpy (torch's threads contend with the step's)
+                        dst = layer[kv].view(torch.uint8).numpy().reshape(layer.shape[1], per_block)
+                        src = np.asarray(buf).reshape(n, per_block)
+                        for j, m in runs(local):
+                            dst[local[j]:local[j] + m] = src[j:j + m]
+                    else:
+                        with warnings.catch_warnings():      # read-only buffers: copied from, never written
+                            warnings.simplefilter("ignore")
+                            src = torch.frombuffer(buf, dtype=torch.uint8).view(layer.dtype).view(n, *shape)
+                        layer[kv].index_copy_(0, idx, src.to(layer.device))
                     total += buf.nbytes
         return total

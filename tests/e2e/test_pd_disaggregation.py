@@ -57,6 +57,12 @@ def trio():
                 s.stop()
 
 
+@pytest.fixture(scope="module")
+def alone(trio) -> str:
+    """The prefill server's own greedy answer to PROMPT, answering by itself."""
+    return completion(trio[0].url)["choices"][0]["text"]
+
+
 def post(url: str, path: str, body: dict, timeout: float = 120.0) -> dict:
     req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -80,13 +86,12 @@ def hops(server: Server, response_id: str) -> set[str]:
         return {h["name"] for h in json.load(r)["hops"]}
 
 
-def test_greedy_answers_through_the_proxy_are_a_single_servers_and_decode_loads_the_prompt(trio):
+def test_greedy_answers_through_the_proxy_are_a_single_servers_and_decode_loads_the_prompt(trio, alone):
     prefill, decode, proxy = trio
-    alone = completion(prefill.url)                        # the prefill server answering by itself
     hits0 = metric(decode, "vllm:external_prefix_cache_hits_total")
     sent0 = metric(prefill, "troupe:kv_transfer_sent_requests_total")
     via = completion(proxy.url)
-    assert via["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert via["choices"][0]["text"] == alone
     prompt_tokens = via["usage"]["prompt_tokens"]
     # every prompt token but the last was loaded from the prefill server, not computed
     assert metric(decode, "vllm:external_prefix_cache_hits_total") - hits0 == prompt_tokens - 1
@@ -97,7 +102,7 @@ def test_greedy_answers_through_the_proxy_are_a_single_servers_and_decode_loads_
 
 def test_chat_streams_through_the_proxy(trio):
     prefill, _, proxy = trio
-    alone = post(prefill.url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 0})
+    own = post(prefill.url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 0})
     body = json.dumps({"messages": CHAT, "max_tokens": 8, "temperature": 0, "stream": True}).encode()
     req = urllib.request.Request(proxy.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
     text, events = "", 0
@@ -109,7 +114,7 @@ def test_chat_streams_through_the_proxy(trio):
                 events += 1
                 for choice in json.loads(line[6:])["choices"]:
                     text += choice["delta"].get("content") or ""
-    assert events > 2 and text == alone["choices"][0]["message"]["content"]
+    assert events > 2 and text == own["choices"][0]["message"]["content"]
 
 
 HEARTBEATS = """
@@ -147,18 +152,17 @@ def test_a_reader_killed_mid_lease_leaves_the_producer_idle_once_the_lease_expir
     assert metric(prefill, "troupe:kv_transfer_leases_expired_total") - expired0 == 1
 
 
-def test_with_the_prefill_server_killed_the_decode_server_computes_the_prompt(trio):
+def test_with_the_prefill_server_killed_the_decode_server_computes_the_prompt(trio, alone):
     prefill, decode, proxy = trio
-    alone = completion(prefill.url)
     params = completion(prefill.url, max_tokens=1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
     for pid in prefill.all_pids():
         prefill_signal(pid)
     failures0 = metric(decode, "troupe:kv_transfer_recv_failures_total")
     got = completion(decode.url, kv_transfer_params=params)         # its blocks are gone with it
-    assert got["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert got["choices"][0]["text"] == alone
     assert metric(decode, "troupe:kv_transfer_recv_failures_total") - failures0 == 1
     via = completion(proxy.url)                                     # no prefill server: decode does it all
-    assert via["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert via["choices"][0]["text"] == alone
 
 
 def prefill_signal(pid: int) -> None:
