@@ -96,9 +96,11 @@ class PDProxy:
         leg = copy.deepcopy(body)
         leg["stream"] = False
         leg.pop("stream_options", None)
-        leg["max_tokens"] = 1
-        if "max_completion_tokens" in leg:
+        if "max_completion_tokens" in leg:       # chat's newer name: set the one the client used
             leg["max_completion_tokens"] = 1
+        if "max_tokens" in leg or "max_completion_tokens" not in leg:
+            leg["max_tokens"] = 1
+        leg["n"] = 1                              # one prompt's KV, whatever n the decode leg asks
         leg["kv_transfer_params"] = {"do_remote_decode": True}
         for inst in self.prefill.order():
             inst.in_flight += 1
@@ -125,9 +127,14 @@ class PDProxy:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         headers = self._headers(request)
-        params, refused = await self._prefill(request.path, body, headers)
-        if refused is not None:
-            return refused
+        prompt = body.get("prompt")
+        several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        if several:          # several prompts: the response names one prompt's blocks, so decode computes them
+            params = None
+        else:
+            params, refused = await self._prefill(request.path, body, headers)
+            if refused is not None:
+                return refused
         leg = dict(body)
         if params:
             leg["kv_transfer_params"] = params

@@ -304,6 +304,7 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 _KV_PARAM_TYPES = {"do_remote_decode": bool, "do_remote_prefill": bool, "remote_engine_id": str,
                    "remote_host": str, "remote_port": int, "remote_request_id": str, "remote_num_tokens": int,
+                   "remote_prompt_hash": str,
                    "tp_size": int}
 
 

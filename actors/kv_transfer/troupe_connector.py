@@ -28,6 +28,7 @@ kv_connector_extra_config keys: EXTRA_KEYS.
 """
 from __future__ import annotations
 
+import array
 import atexit
 import hashlib
 import json
@@ -131,6 +132,11 @@ def check_compatible(mine: dict[str, Any], theirs: dict[str, Any], me: str = "co
             raise HandshakeError(f"KV transfer refused: {key} {mine.get(key)} ({me}) vs {theirs.get(key)} ({them})")
 
 
+def prompt_hash(request: Request) -> str:
+    """A digest of the prompt's token ids: a consumer loads KV computed for the same tokens only."""
+    return hashlib.blake2b(array.array("q", request.prompt_token_ids).tobytes(), digest_size=8).hexdigest()
+
+
 def runs(ids: list[int]) -> list[tuple[int, int]]:
     """(index into ids, length) of each run of consecutive block ids."""
     out: list[tuple[int, int]] = []
@@ -219,8 +225,11 @@ class TroupeConnector(KVConnectorBase):
         return request.kv_transfer_params or {}
 
     def _remote_load(self, request: Request) -> bool:
+        """Whether the request's prompt KV is to be loaded: asked for, and not a request that needs
+        every prompt position's logits (prompt log-probs), which only computing the prompt gives."""
         p = self._params(request)
-        return bool(self.kv_config.is_consumer and p.get("do_remote_prefill") and p.get("remote_block_ids"))
+        return bool(self.kv_config.is_consumer and p.get("do_remote_prefill") and p.get("remote_block_ids")
+                    and request.sampling_params.prompt_logprobs is None)
 
     def request_added(self, request: Request) -> None:
         if not self._remote_load(request):
@@ -246,9 +255,14 @@ class TroupeConnector(KVConnectorBase):
         with self._lock:
             if request.request_id in self._gone or request.request_id not in self._remote:
                 return 0, False
-        remote = self._params(request)["remote_block_ids"]
+        p = self._params(request)
+        remote = p["remote_block_ids"]
         covered = min(request.num_prompt_tokens, len(remote) * self.block_size)
         if covered < request.num_prompt_tokens:          # a partial remote prompt: computed here
+            return 0, False
+        if (p.get("remote_num_tokens", request.num_prompt_tokens) != request.num_prompt_tokens
+                or p.get("remote_prompt_hash", prompt_hash(request)) != prompt_hash(request)):
+            log.warning("request %s: kv_transfer_params are another prompt's: computed here", request.request_id)
             return 0, False
         return max(0, request.num_prompt_tokens - num_computed_tokens), True
 
@@ -293,6 +307,7 @@ class TroupeConnector(KVConnectorBase):
                       "remote_engine_id": self.engine_id, "remote_host": self.host,
                       "remote_port": self.kv_config.kv_port, "remote_request_id": rid,
                       "remote_block_ids": list(block_ids[0][:n]), "remote_num_tokens": request.num_prompt_tokens,
+                      "remote_prompt_hash": prompt_hash(request),
                       "tp_size": self.config.parallel.tensor_parallel_size}
 
     def request_dropped(self, request_id: str) -> None:

@@ -207,3 +207,12 @@ def test_kv_transfer_config_takes_vllms_keys_and_refuses_bad_values():
         kv_transfer_config({"kv_connector": "TroupeConnector", "kv_connector_extra_config": {"lease_s": 0}})
     with pytest.raises(ValueError, match="kv_buffer_sise"):
         kv_transfer_config({"kv_connector": "TroupeConnector", "kv_buffer_sise": 1})
+
+
+def test_params_of_another_prompt_are_not_loaded_the_prompt_is_computed(pair):
+    producer, consumer = pair
+    params = prefill(producer)
+    other = [p + 1 for p in PROMPT]                        # the same length, other tokens
+    add(consumer, "d1", other, 2, params)
+    consumer.step()
+    assert consumer.last.num_scheduled_tokens == {"d1": len(other)}
