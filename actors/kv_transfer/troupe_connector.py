@@ -529,7 +529,8 @@ class TroupeConnector(KVConnectorBase):
         chunks = self._block_chunks(block_ids)
         nbytes = sum(c.nbytes for c in chunks)
         self.stats.add(sent_bytes=nbytes, sent_blocks=len(block_ids), sent_requests=1)
-        reply: list[Any] = [_encode({"ok": True, "runs": runs(block_ids)}), *chunks]
+        head = {"ok": True, "runs": runs(block_ids), "compat_hash": self.info["compat_hash"]}
+        reply: list[Any] = [_encode(head), *chunks]
         if shm and self._shm_dir is not None and nbytes <= self.kv_config.kv_buffer_size:
             import numpy as np
             path = os.path.join(self._shm_dir, f"troupe-kv-{uuid.uuid4().hex}")
@@ -541,7 +542,7 @@ class TroupeConnector(KVConnectorBase):
             mm.flush()
             del mm
             h.shm_paths.append(path)          # unlinked when released or expired
-            reply = [_encode({"ok": True, "shm": path, "runs": runs(block_ids)})]
+            reply = [_encode({**head, "shm": path})]
         with self._lock:
             self._transfers.append((rid, "KVSend", t0, time.monotonic_ns(), nbytes))
         return reply
@@ -605,6 +606,10 @@ class TroupeConnector(KVConnectorBase):
             head = _decode(frames[0].bytes)
             if not head.get("ok"):
                 raise RuntimeError(head.get("error", "read refused"))
+            if head.get("compat_hash") != self.info["compat_hash"]:     # restarted with another config
+                self._handshaken.pop((load.host, load.port), None)
+                raise HandshakeError(f"KV transfer refused: compat_hash {self.info['compat_hash']} (consumer) vs "
+                                     f"{head.get('compat_hash')} (producer)")
             nbytes = self._write_blocks(head, frames[1:], load)
             sock.send(_encode({"op": "release", "req_ids": [load.remote_request_id]}))
             sock.poll(int(self.timeout_s * 1000))          # the release is best effort: the lease ends it anyway

@@ -146,7 +146,7 @@ class SchedulerActor(Actor):
                 self._step_queued = False
                 await self._step()
                 self._kick()
-                if not (self.core.has_work() or self._in_flight) and self._last_step_start:
+                if not (self._step_queued and (self.core.has_work() or self._in_flight)):
                     # idle now (or only polling KV transfers): close the cycle, start afresh
                     self._account_cycle()
                     self._last_step_start = 0.0
