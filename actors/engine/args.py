@@ -418,7 +418,7 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help='prefill/decode disaggregation, as vLLM takes it: a JSON object such as {"kv_connector": '
                  '"TroupeConnector", "kv_role": "kv_producer", "kv_port": 14579} (kv_role kv_producer, '
                  "kv_consumer or kv_both; kv_ip, kv_port: where a producer's side channel listens; "
-                 'kv_connector_extra_config: {"lease_s", "heartbeat_s", "transfer_timeout_s", "shm"}). '
+                 'kv_connector_extra_config: {"kv_lease_duration", "heartbeat_s", "transfer_timeout_s", "shm"}). '
                  "Requests then carry kv_transfer_params (see tools/pd_proxy.py)")),
         (("--logits-processors",), "logits_processors", dict(
             nargs="+", default=d["logits_processors"], metavar="CLASS",

@@ -3,7 +3,7 @@ validated at the edge.
 
     {"kv_connector": "TroupeConnector", "kv_role": "kv_producer", "kv_port": 14579}
     {"kv_connector": "TroupeConnector", "kv_role": "kv_consumer",
-     "kv_connector_extra_config": {"lease_s": 30}}
+     "kv_connector_extra_config": {"kv_lease_duration": 30}}
 
 ``kv_role``: ``kv_producer`` computes prompts and keeps their KV blocks for a remote reader,
 ``kv_consumer`` loads prompts' KV blocks from a producer instead of computing them, ``kv_both``

@@ -15,10 +15,11 @@ The side channel's exchanges (msgpack header, then raw frames):
              each frame the cache tensor's own memory (zero-copy on the CPU); or, between
              processes of one machine, the blocks copied once into a shared-memory segment the
              consumer maps (``"shm": true`` in kv_connector_extra_config, the default)
-  heartbeat  the consumer renews the leases of the requests it will read (every ``lease_s`` / 4)
+  heartbeat  the consumer renews the leases of the requests it will read (every
+             ``kv_lease_duration`` / 4; each renewal extends the lease to 2/3 of it from now, never shortens it)
   release    the consumer read them: the producer frees the blocks
 
-A lease not renewed within ``lease_s`` expires: the producer frees the blocks, so a consumer that
+A lease (``kv_lease_duration``, vLLM's key, 30 s by default) not renewed in time expires: the producer frees the blocks, so a consumer that
 died never leaks the producer's cache; a read after that is refused. A load that fails (the
 producer gone, refused, expired, a timeout) is reported as finished with its reason, and the
 consumer computes the prompt itself (``kv_load_failure_policy`` "recompute", the default) or
@@ -55,8 +56,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("troupe.kv_transfer")
 
 EXTRA_KEYS = {
-    "lease_s": 60.0,               # a producer's held blocks are freed this long after the last heartbeat
-    "heartbeat_s": 0.0,            # a consumer renews its leases this often (0: lease_s / 4)
+    "kv_lease_duration": 30.0,     # vLLM's: a producer's held blocks are freed this long after saving, unless renewed
+    "heartbeat_s": 0.0,            # a consumer renews its leases this often (0: kv_lease_duration / 4)
     "transfer_timeout_s": 10.0,    # a handshake or read unanswered this long fails (the prompt is recomputed)
     "shm": True,                   # between processes of one machine, read through shared memory
 }
@@ -185,7 +186,8 @@ class TroupeConnector(KVConnectorBase):
         super().__init__(config, role)
         kv = self.kv_config
         self.extra = _extra(kv)
-        self.lease_s = float(self.extra["lease_s"])
+        self.lease_s = float(self.extra["kv_lease_duration"])
+        self.lease_extension = self.lease_s * 2 / 3       # what a heartbeat extends a lease to (vLLM's 2/3)
         self.heartbeat_s = float(self.extra["heartbeat_s"]) or self.lease_s / 4
         self.timeout_s = float(self.extra["transfer_timeout_s"])
         self.host = kv.kv_ip if kv.kv_ip not in ("0.0.0.0", "::", "*") else socket.gethostname()
@@ -203,7 +205,7 @@ class TroupeConnector(KVConnectorBase):
     @classmethod
     def check_config(cls, kv_config: Any) -> None:
         extra = _extra(kv_config)
-        for key in ("lease_s", "heartbeat_s", "transfer_timeout_s"):
+        for key in ("kv_lease_duration", "heartbeat_s", "transfer_timeout_s"):
             if not isinstance(extra[key], (int, float)) or extra[key] < 0 or (key != "heartbeat_s" and not extra[key]):
                 raise ValueError(f"kv_connector_extra_config.{key} must be a positive number of seconds, "
                                  f"got {extra[key]!r}")
@@ -489,7 +491,7 @@ class TroupeConnector(KVConnectorBase):
                 return [_encode({"ok": False, "error": str(exc), "info": self.info})]
             return [_encode({"ok": True, "info": self.info, "machine": self.machine})]
         if op == "heartbeat":
-            deadline = time.monotonic() + self.lease_s
+            deadline = time.monotonic() + self.lease_extension
             unknown = []
             with self._lock:
                 for rid in req.get("req_ids", ()):
@@ -497,7 +499,7 @@ class TroupeConnector(KVConnectorBase):
                     if h is None:
                         unknown.append(rid)
                     else:
-                        h.deadline = deadline
+                        h.deadline = max(h.deadline, deadline)     # a heartbeat only extends a lease
             return [_encode({"ok": True, "unknown": unknown})]
         if op == "release":
             released = 0
@@ -525,7 +527,7 @@ class TroupeConnector(KVConnectorBase):
                                                         "(never saved, released, or their lease expired)"})]
             if not set(block_ids) <= set(h.block_ids):
                 return [_encode({"ok": False, "error": f"blocks {block_ids} are not request {rid}'s"})]
-            h.deadline = time.monotonic() + self.lease_s
+            h.deadline = max(h.deadline, time.monotonic() + self.lease_extension)
         chunks = self._block_chunks(block_ids)
         nbytes = sum(c.nbytes for c in chunks)
         self.stats.add(sent_bytes=nbytes, sent_blocks=len(block_ids), sent_requests=1)

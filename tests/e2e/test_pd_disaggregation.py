@@ -28,7 +28,7 @@ CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 def kv_config(role: str, port: int) -> str:
     return json.dumps({"kv_connector": "TroupeConnector", "kv_role": role, "kv_port": port,
-                       "kv_connector_extra_config": {"lease_s": LEASE_S, "transfer_timeout_s": 3.0}})
+                       "kv_connector_extra_config": {"kv_lease_duration": LEASE_S, "transfer_timeout_s": 3.0}})
 
 
 @pytest.fixture(scope="module")

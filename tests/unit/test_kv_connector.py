@@ -98,7 +98,7 @@ def add(inst: Instance, rid: str, prompt: list[int], max_tokens: int, params: di
 @pytest.fixture
 def pair():
     port = free_port()
-    producer = Instance("kv_producer", port, lease_s=30.0)
+    producer = Instance("kv_producer", port, kv_lease_duration=30.0)
     consumer = Instance("kv_consumer", free_port())
     yield producer, consumer
     producer.close()
@@ -146,7 +146,7 @@ def test_the_consumer_loads_the_producers_blocks_and_computes_only_the_last_prom
 
 
 def test_a_lease_nobody_renews_expires_and_frees_the_producers_blocks():
-    producer = Instance("kv_producer", free_port(), lease_s=0.3)
+    producer = Instance("kv_producer", free_port(), kv_lease_duration=0.3)
     try:
         prefill(producer)
         assert producer.kv.usage() > 0
@@ -197,14 +197,14 @@ def test_a_handshake_between_different_block_sizes_is_refused_naming_the_field(p
 def test_kv_transfer_config_takes_vllms_keys_and_refuses_bad_values():
     cfg = kv_transfer_config('{"kv_connector": "TroupeConnector", "kv_role": "kv_consumer", "kv_rank": 1, '
                              '"kv_parallel_size": 2, "kv_ip": "127.0.0.1", "kv_port": 15000, "kv_buffer_size": 1e9, '
-                             '"engine_id": "decode-0", "kv_connector_extra_config": {"lease_s": 5}}')
+                             '"engine_id": "decode-0", "kv_connector_extra_config": {"kv_lease_duration": 5}}')
     assert cfg.is_consumer and not cfg.is_producer and cfg.kv_port == 15000
     with pytest.raises(ValueError, match="kv_role"):
         kv_transfer_config({"kv_connector": "TroupeConnector", "kv_role": "prefill"})
     with pytest.raises(ValueError, match="unknown kv_connector 'NixlConnector'"):
         kv_transfer_config({"kv_connector": "NixlConnector"})
-    with pytest.raises(ValueError, match="lease_s must be a positive number"):
-        kv_transfer_config({"kv_connector": "TroupeConnector", "kv_connector_extra_config": {"lease_s": 0}})
+    with pytest.raises(ValueError, match="kv_lease_duration must be a positive number"):
+        kv_transfer_config({"kv_connector": "TroupeConnector", "kv_connector_extra_config": {"kv_lease_duration": 0}})
     with pytest.raises(ValueError, match="kv_buffer_sise"):
         kv_transfer_config({"kv_connector": "TroupeConnector", "kv_buffer_sise": 1})
 

@@ -21,7 +21,7 @@ from models.resolve import ModelSource
 
 def _config(role: str, port: int, shm: bool, block_size: int, layers: int, num_blocks: int) -> EngineConfig:
     kv = KVTransferConfig(kv_connector="TroupeConnector", kv_role=role, kv_port=port,
-                          kv_connector_extra_config={"shm": shm, "lease_s": 600.0, "transfer_timeout_s": 60.0})
+                          kv_connector_extra_config={"shm": shm, "kv_lease_duration": 600.0, "transfer_timeout_s": 60.0})
     return EngineConfig(model=ModelConfig(source=ModelSource("hf_dir", "", "bench"), max_model_len=1024),
                         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), kv_transfer=kv)
 
