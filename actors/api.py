@@ -33,6 +33,7 @@ class GenerationResult:
     error: str | None = None
     prompt: Any = field(default=None, repr=False)
     index: int = 0                       # the prompt's place in the list it came in
+    kv_transfer_params: dict | None = None   # vLLM's: what another instance needs to read its KV
 
 
 class Progress:
@@ -190,7 +191,7 @@ async def _collect(stream: AsyncIterator[RequestOutput], prompt: Any) -> Generat
     if last is None:
         raise RuntimeError("the request ended without any output")
     return GenerationResult(last.request_id, "".join(text), ids, last.finish_reason,
-                            last.num_prompt_tokens, last.error, prompt)
+                            last.num_prompt_tokens, last.error, prompt, kv_transfer_params=last.kv_transfer_params)
 
 
 class LLM:

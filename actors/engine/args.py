@@ -18,6 +18,7 @@ from actors.engine.config import (DEFAULT_MAX_LOGPROBS, DEVICES, DTYPES, GENERAT
 from actors.engine.compilation import compilation_config
 from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
+from actors.kv_transfer.config import kv_transfer_config
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig
 from models.resolve import ModelSource, resolve_model
@@ -72,6 +73,8 @@ class EngineArgs:
     logits_processors: list[str | type] | tuple[str | type, ...] | None = None
     # vLLM's --compilation-config (-O): a level 0-3, its JSON text, or a dict in LLM(...)
     compilation_config: dict[str, Any] | str | int | None = None
+    # vLLM's --kv-transfer-config: its JSON object (text on the command line, a dict in LLM(...))
+    kv_transfer_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         load_general_plugins()         # this process's plugins first (e.g. an architecture they register)
@@ -134,7 +137,8 @@ class EngineArgs:
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
             observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir),
-            speculative=speculative, compilation=compilation, lora=self.lora_config())
+            speculative=speculative, compilation=compilation, lora=self.lora_config(),
+            kv_transfer=kv_transfer_config(self.kv_transfer_config))
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -416,6 +420,13 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "greedy requests get the same tokens as without it (structured outputs, penalties and "
                  "the other logits processors apply at every draft position). Requests that ask for "
                  "log-probs decode without drafts. Turns async scheduling off")),
+        (("--kv-transfer-config",), "kv_transfer_config", dict(
+            default=d["kv_transfer_config"], metavar="JSON",
+            help='prefill/decode disaggregation, as vLLM takes it: a JSON object such as {"kv_connector": '
+                 '"TroupeConnector", "kv_role": "kv_producer", "kv_port": 14579} (kv_role kv_producer, '
+                 "kv_consumer or kv_both; kv_ip, kv_port: where a producer's side channel listens; "
+                 'kv_connector_extra_config: {"kv_lease_duration", "heartbeat_s", "transfer_timeout_s", "shm"}). '
+                 "Requests then carry kv_transfer_params (see tools/pd_proxy.py)")),
         (("--logits-processors",), "logits_processors", dict(
             nargs="+", default=d["logits_processors"], metavar="CLASS",
             help="batch-level logits processors (vLLM's interface, models/logits_processors.py), as fully "

@@ -22,6 +22,7 @@ from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, kv_cache_groups,
                                              max_tokens_per_request, model_kv_cache_specs, num_blocks_for,
                                              with_draft_layers)
+from actors.kv_transfer.config import KVTransferConfig
 from actors.spec_decode.config import SpeculativeConfig
 from models.config import ArchConfig
 from models.resolve import ModelSource
@@ -142,6 +143,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # --compilation-config / -O: eager, custom ops, torch.compile (actors/engine/compilation.py)
     compilation: CompilationConfig = CompilationConfig()
     lora: LoRAConfig | None = None         # --enable-lora: adapters served beside the base model (None: off)
+    # --kv-transfer-config: a KV connector moving prompts' KV between instances (None: off)
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -285,6 +288,10 @@ def _resolve_device(name: str, cuda_available: bool) -> str:
 def check_config(cfg: EngineConfig) -> None:
     """Refuse values no component could serve, naming the field and what is accepted."""
     _one_of("device", cfg.device.device, DEVICES)
+    kv = cfg.kv_transfer
+    if kv is not None and (cfg.parallel.tensor_parallel_size > 1 or cfg.parallel.data_parallel_size > 1):
+        raise ValueError("--kv-transfer-config runs with one engine of one worker for now "
+                         "(no --tensor-parallel-size or --data-parallel-size above 1)")
     _one_of("dtype", cfg.model.dtype, DTYPES)
     _one_of("kv_cache_dtype", cfg.cache.cache_dtype, KV_CACHE_DTYPES)
     _one_of("scheduling_policy", cfg.scheduler.policy, SCHEDULING_POLICIES)

@@ -12,6 +12,7 @@ import numpy as np
 
 from actors.engine.lora import LoRARequest
 from actors.engine.sampling_params import SamplingParams
+from actors.kv_transfer.base import KVConnectorOutput
 from transport.msg import Msg
 
 
@@ -55,6 +56,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # time.time() when the request was first scheduled (its queue time ends there); set at least
     # on the request's first output. 0.0 = not reported.
     first_scheduled_time: float = 0.0
+    # vLLM's: on a finished request, what another instance needs to read its KV (a KV connector's)
+    kv_transfer_params: dict[str, Any] | None = None
+    num_external_tokens: int = 0            # prompt tokens whose KV was loaded from another instance
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -75,6 +79,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = []
+    # a KV connector's, since start: prompt tokens looked up remotely and loaded (vLLM's external
+    # prefix cache), and the transfer counters (actors/kv_transfer/base.py TRANSFER_STATS)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_transfer: dict[str, float] = {}
 
 
 class EngineCoreOutputs(Msg):
@@ -115,6 +124,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     worker_s: float = 0.0                  # the whole step in the worker's handler
     # speculative decoding: each request's draft tokens for its next step (none: no entry)
     spec_token_ids: dict[str, list[int]] = {}
+    kv_connector_output: KVConnectorOutput | None = None   # transfers that ended (a KV connector's)
 
 
 class SchedulerOutput(Msg):
@@ -134,3 +144,6 @@ class SchedulerOutput(Msg):
     # speculative decoding: each request's draft tokens scheduled after its own tokens (they are
     # among its num_scheduled_tokens, at the end); the worker samples 1 to len + 1 tokens for it
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # a KV connector's metadata for the worker's side (None: no connector); a step with no tokens
+    # is still sent while transfers are under way, so the worker reports them
+    kv_connector_metadata: bytes | None = None

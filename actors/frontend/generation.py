@@ -110,6 +110,9 @@ class Generation(ABC):
         body = {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": [self.final(c) for c in self.choices],
                 "usage": self.usage()}
+        params = next((c.last.kv_transfer_params for c in self.choices if c.last.kv_transfer_params), None)
+        if params is not None:           # vLLM's: what a decode instance needs to read this prompt's KV
+            body["kv_transfer_params"] = params
         return web.Response(body=json_encoder.encode(body), content_type="application/json")
 
     async def events(self) -> AsyncIterator[dict]:

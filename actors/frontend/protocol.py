@@ -131,6 +131,9 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     request_timeout: float | None = None  # seconds before it is aborted (params.request_timeout)
     # vLLM's: arguments for the server's logits processors (plugins), SamplingParams.extra_args
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    # vLLM's prefill/decode disaggregation: {"do_remote_decode": true} on a prefill instance, the
+    # prefill's returned params on a decode instance (SamplingParams.extra_args["kv_transfer_params"])
+    kv_transfer_params: dict[str, Any] | None = None
 
     def with_server_defaults(self, defaults: ServerDefaults) -> GenerationRequest:
         """Attach the server's log-probs bound and sampling defaults (``to_sampling_params``
@@ -184,7 +187,13 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
             prompt_logprobs=prompt_logprobs, skip_special_tokens=or_default(self.skip_special_tokens, True),
             include_stop_str_in_output=bool(self.include_stop_str_in_output), bad_words=bad_words,
             structured_outputs=constraint.params if constraint else None,
-            extra_args=dict(self.vllm_xargs) if self.vllm_xargs else None)
+            extra_args=self._extra_args())
+
+    def _extra_args(self) -> dict[str, Any] | None:
+        extra: dict[str, Any] = dict(self.vllm_xargs or {})
+        if self.kv_transfer_params is not None:
+            extra["kv_transfer_params"] = check_kv_transfer_params(self.kv_transfer_params)
+        return extra or None
 
     def constraint(self) -> Constraint | None:
         """The structured outputs the request asks for (and the field that asks)."""
@@ -291,6 +300,29 @@ class CompletionRequest(GenerationRequest, kw_only=True):
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+_KV_PARAM_TYPES = {"do_remote_decode": bool, "do_remote_prefill": bool, "remote_engine_id": str,
+                   "remote_host": str, "remote_port": int, "remote_request_id": str, "remote_num_tokens": int,
+                   "remote_prompt_hash": str,
+                   "tp_size": int}
+
+
+def check_kv_transfer_params(params: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's kv_transfer_params: the known keys with their types (others pass to the connector)."""
+    for key, typ in _KV_PARAM_TYPES.items():
+        value = params.get(key)
+        if value is not None and (not isinstance(value, typ) or (typ is int and isinstance(value, bool))):
+            raise BadRequest(f"kv_transfer_params.{key} must be a {typ.__name__}, got {value!r}", "kv_transfer_params")
+    ids = params.get("remote_block_ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                              and i >= 0 for i in ids)):
+        raise BadRequest("kv_transfer_params.remote_block_ids must be a list of block ids (integers >= 0)",
+                         "kv_transfer_params")
+    port = params.get("remote_port")
+    if port is not None and not 0 < port < 65536:
+        raise BadRequest(f"kv_transfer_params.remote_port must be in [1, 65535], got {port}", "kv_transfer_params")
+    return params
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

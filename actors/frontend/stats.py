@@ -49,6 +49,10 @@ METRICS: tuple[Metric, ...] = (
                   "num_gpu_blocks (no model_name)"),
     Metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache."),
     Metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache."),
+    Metric("external_prefix_cache_queries_total", "counter",
+           "Prompt tokens looked up in another instance's cache (a KV connector)."),
+    Metric("external_prefix_cache_hits_total", "counter",
+           "Prompt tokens whose KV was loaded from another instance (a KV connector)."),
     Metric("num_preemptions_total", "counter", "Requests preempted since start."),
     Metric("spec_decode_num_drafts_total", "counter", "Requests verified with draft tokens, once per step."),
     Metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified."),
@@ -86,6 +90,17 @@ METRICS: tuple[Metric, ...] = (
     Metric("engine_busy_seconds_total", "counter", "Wall time of back-to-back engine step cycles.", vllm=False),
     Metric("engine_compute_seconds_total", "counter",
            "Of that, model forward and sampling (the rest is engine overhead).", vllm=False),
+    *(Metric(f"kv_transfer_{name}_total", "counter", help, vllm=False) for name, help in (
+        ("recv_bytes", "KV bytes loaded from other instances."),
+        ("recv_blocks", "KV blocks loaded from other instances."),
+        ("recv_seconds", "Seconds spent loading KV from other instances (handshake, read, copy)."),
+        ("recv_requests", "Requests whose prompt KV was loaded from another instance."),
+        ("recv_failures", "KV loads that failed (the prompt is computed here instead)."),
+        ("sent_bytes", "KV bytes read by other instances."),
+        ("sent_blocks", "KV blocks read by other instances."),
+        ("sent_requests", "Requests whose KV another instance read."),
+        ("leases_expired", "Held KV blocks freed because no reader renewed their lease."),
+        ("shm_reads", "KV loads that went through shared memory (same machine)."))),
 )
 VLLM_METRIC_NAMES = tuple(f"vllm:{m.name}" for m in METRICS if m.vllm)
 
@@ -259,7 +274,12 @@ class EngineStats:
             "spec_decode_num_drafts_total": s.spec_num_drafts,
             "spec_decode_num_draft_tokens_total": s.spec_num_draft_tokens,
             "spec_decode_num_accepted_tokens_total": s.spec_num_accepted_tokens,
+            "external_prefix_cache_queries_total": s.external_prefix_cache_queries,
+            "external_prefix_cache_hits_total": s.external_prefix_cache_hits,
         }
+        if m.name.startswith("kv_transfer_"):
+            value = s.kv_transfer.get(m.name.removeprefix("kv_transfer_").removesuffix("_total"), 0)
+            return [f"{name}{{{labels}}} {int(value) if float(value).is_integer() else round(value, 6)}"]
         if m.name in PER_ENGINE and len(self.engines) > 1:    # data parallelism: one sample per engine core
             return [f"{name}{{{_engine_label(labels, e)}}} {PER_ENGINE[m.name](es)}"
                     for e, es in sorted(self.engines.items())]

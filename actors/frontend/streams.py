@@ -29,6 +29,7 @@ class RequestOutput:
     logprobs: Logprobs | None = None          # one position per entry of token_ids
     prompt_logprobs: Logprobs | None = None   # new prompt positions (never the first token)
     num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
+    kv_transfer_params: dict | None = None    # vLLM's: on the last output of a request a KV connector holds
 
     def merge(self, later: RequestOutput) -> None:
         self.text += later.text
@@ -41,6 +42,7 @@ class RequestOutput:
         self.logprobs = _joined(self.logprobs, later.logprobs)
         self.prompt_logprobs = _joined(self.prompt_logprobs, later.prompt_logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
+        self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
 
 
 class StreamTimeout(TimeoutError):

@@ -274,7 +274,9 @@ HOP_NAMES = {("tokenizer", "Generate"): "tokenize", ("scheduler", "AddRequest"):
              ("grammar", "CompileGrammar"): "grammar.compile", ("scheduler", "GrammarReady"): "grammar.ready",
              ("scheduler", "Step"): "step", ("executor", "SchedulerOutput"): "execute",
              ("worker", "SchedulerOutput"): "forward", ("detokenizer", "TrackRequest"): "detokenize.track",
-             ("detokenizer", "EngineCoreOutputs"): "detokenize", ("scheduler", "AbortRequests"): "abort"}
+             ("detokenizer", "EngineCoreOutputs"): "detokenize", ("scheduler", "AbortRequests"): "abort",
+             ("kv_connector", "KVLoad"): "kv.load", ("kv_connector", "KVLoadFailed"): "kv.load_failed",
+             ("kv_connector", "KVSend"): "kv.send"}
 
 
 def _is_http_request(r: SpanRecord) -> bool:

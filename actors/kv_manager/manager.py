@@ -163,6 +163,10 @@ class KVCacheManager:
         for m in self.managers:
             m.free(req_id)
 
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block table in every group (0: the null block)."""
+        return tuple([b.block_id for b in m.req_to_blocks.get(req_id, ())] for m in self.managers)
+
     def num_blocks_held(self, req_id: str) -> int:
         """Blocks the request holds in all groups (null entries left out)."""
         return sum(self.num_blocks_held_per_group(req_id))

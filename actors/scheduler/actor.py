@@ -66,6 +66,8 @@ class WorkersReady(Msg):
 SchedulerProtocol = AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady
 
 STEP_TIMEOUT_S = 600.0
+KV_POLL_EMIT_S = 0.5             # polls that changed nothing still send the stats this often
+KV_POLL_S = 0.02                 # with only KV transfers under way, how often the worker is asked about them
 GRAMMAR_TIMEOUT_S = 120.0
 MAX_EARLY_ABORTS = 4096          # remembered ids of aborts that came before their request
 
@@ -106,6 +108,7 @@ class SchedulerActor(Actor):
         # Aborts of requests not (yet) known here: an abort sent while the request was being
         # admitted may overtake it, and the request must then not run for nobody.
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._last_emit = 0.0                # time.monotonic() of the last EngineCoreOutputs
 
     async def receive(self, msg: SchedulerProtocol) -> Any:
         match msg:
@@ -143,7 +146,8 @@ class SchedulerActor(Actor):
                 self._step_queued = False
                 await self._step()
                 self._kick()
-                if not self._step_queued:          # idle now: close the cycle, start afresh
+                if not (self._step_queued and (self.core.has_work() or self._in_flight)):
+                    # idle now (or only polling KV transfers): close the cycle, start afresh
                     self._account_cycle()
                     self._last_step_start = 0.0
             case WorkersLost(reason=reason):
@@ -167,24 +171,31 @@ class SchedulerActor(Actor):
         self.ctx.self_ref.tell(GrammarReady(request_id, error))
 
     def _kick(self) -> None:
-        """Queue a step when there is work (or a step in flight to finish)."""
-        if not self._step_queued and not self.paused and (self.core.has_work() or self._in_flight):
+        """Queue a step when there is work (or a step in flight to finish); while only KV
+        transfers are under way, a step without tokens every KV_POLL_S polls the worker for them."""
+        if self._step_queued or self.paused:
+            return
+        if self.core.has_work() or self._in_flight:
             self._step_queued = True
             self.ctx.self_ref.tell(Step())
+        elif self.core.kv_connector_pending():
+            self._step_queued = True
+            asyncio.get_running_loop().call_later(KV_POLL_S, self.ctx.self_ref.tell, Step())
 
     async def _step(self) -> None:
         """Plan and send the next step; then settle the oldest step in flight when the
         pipeline is full (or nothing new could be planned)."""
         sent = False
-        if self.core.has_work():
-            self._account_cycle()
+        if self.core.has_work() or self.core.kv_connector_pending():
+            if self.core.has_work():
+                self._account_cycle()
             if self._in_flight and self.core.grammar_needs_outputs():
                 await self._settle_all()             # the matchers see the tokens in flight first
-            if self.paused or not self.core.has_work():
+            if self.paused or not (self.core.has_work() or self.core.kv_connector_pending()):
                 return
             t0, kv0 = now_ns(), self.core.kv.busy_ns
             so = self.core.schedule()
-            if so.num_scheduled_tokens:
+            if so.num_scheduled_tokens or so.kv_connector_metadata is not None:
                 self.ctx.link(list(so.num_scheduled_tokens))
                 reply = asyncio.ensure_future(self.executor.ask(so, timeout=STEP_TIMEOUT_S))
                 f = _InFlight(so, reply, t0, now_ns(), self.core.kv.busy_ns - kv0)
@@ -217,9 +228,13 @@ class SchedulerActor(Actor):
         self.core.counters.compute_seconds += runner_out.compute_s
         self.core.observe_step_time(f.so.step, runner_out.compute_s)
         t2, kv2 = now_ns(), self.core.kv.busy_ns
-        self._emit(self.core.update_from_output(f.so, runner_out))
+        outs = self.core.update_from_output(f.so, runner_out)
+        # a poll of KV transfers reports outputs, its last state, and otherwise the stats now and then
+        if (outs or f.so.num_scheduled_tokens or not self.core.kv_connector_pending()
+                or time.monotonic() - self._last_emit > KV_POLL_EMIT_S):
+            self._emit(outs)
         tracer = self.ctx.node.tracer
-        if tracer.enabled:
+        if tracer.enabled and f.so.num_scheduled_tokens:      # not the polls of KV transfers
             t3 = now_ns()
             tracer.record_step(self._step_record(f.so, runner_out, (f.t0, f.t1, f.t_reply or t2, t3),
                                                  (f.kv_ns, self.core.kv.busy_ns - kv2)))
@@ -269,4 +284,5 @@ class SchedulerActor(Actor):
         self._last_step_start = now
 
     def _emit(self, outs: list[EngineCoreOutput]) -> None:
+        self._last_emit = time.monotonic()
         self.outputs.tell(EngineCoreOutputs(outs, self.core.stats(), self.engine_index))

@@ -14,6 +14,7 @@ from actors.engine.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_GRAMMAR = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()     # its prompt's KV loads from another instance
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after here is finished.
@@ -62,11 +63,18 @@ class Request:
     # scheduling plans the next step on the assumption that each will be there)
     num_output_placeholders: int = 0
     num_cached_tokens: int = 0        # prompt tokens served from the prefix cache at admission
+    num_external_tokens: int = 0      # of those, loaded from another instance (a KV connector)
     num_preemptions: int = 0
     num_worker_failures: int = 0      # workers that died while it was running
     first_scheduled_time: float = 0.0  # time.time() when first scheduled: its queue time ends
     first_output_sent: bool = False
     stop_reason: int | str | None = None
+
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        """vLLM's: what the KV connector is told about this request (SamplingParams.extra_args)."""
+        extra = self.sampling_params.extra_args
+        return extra.get("kv_transfer_params") if extra else None
 
     @property
     def lora_name(self) -> str | None:

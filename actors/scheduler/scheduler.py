@@ -54,6 +54,8 @@ from actors.grammar.compiler import GrammarError
 from actors.scheduler.cost_model import StepCostModel, attention_pairs
 from actors.grammar.matchers import StructuredOutputs
 from actors.kv_manager.manager import KVCacheManager
+from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from actors.kv_transfer.factory import KVConnectorFactory
 from actors.scheduler.queues import create_queue
 from actors.scheduler.request import Request, RequestStatus
 
@@ -74,6 +76,9 @@ class _Counters:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_transfer: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -95,7 +100,7 @@ class Scheduler:
     """``structured``: the matchers of requests with structured outputs (None: refused)."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager,
-                 structured: StructuredOutputs | None = None) -> None:
+                 structured: StructuredOutputs | None = None, connector: KVConnectorBase | None = None) -> None:
         self.config = config.scheduler
         self.async_scheduling = config.scheduler.async_scheduling
         self.structured = structured
@@ -123,6 +128,17 @@ class Scheduler:
         drafts_with_model = self.speculative is not None and self.speculative.method != "ngram"
         self.num_lookahead_tokens = self.speculative.num_speculative_tokens if drafts_with_model else 0
         self.max_loras = config.lora.max_loras if config.lora is not None else 0   # adapters per step
+        # prefill/decode disaggregation (the book's chapter 9): the KV connector's scheduler side;
+        # requests whose prompt KV loads from another instance wait out of the queue meanwhile
+        if connector is None and config.kv_transfer is not None:
+            if len(kv.managers) != 1:
+                raise ValueError("--kv-transfer-config needs one KV cache group (a model whose layers all use "
+                                 "full attention, or --disable-hybrid-kv-cache-manager)")
+            connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
+        self.connector = connector
+        self.waiting_for_remote: dict[str, Request] = {}   # WAITING_FOR_REMOTE_KVS
+        self._remote_loaded: set[str] = set()      # back in the queue holding loaded blocks
+        self._held_for_remote: set[str] = set()    # finished; blocks freed when the worker says so
 
     # -- admission and abort -----------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -150,6 +166,8 @@ class Scheduler:
                 return None
         self.requests[req.request_id] = req
         self.waiting.add(req)
+        if self.connector is not None:
+            self.connector.request_added(req)
         return None
 
     def grammar_ready(self, request_id: str, error: str | None = None) -> list[EngineCoreOutput]:
@@ -181,7 +199,7 @@ class Scheduler:
         front of the queue to be recomputed, as after a preemption, unless it already lost
         MAX_WORKER_FAILURES workers (then it fails with ``reason``)."""
         self.forget_in_flight()
-        outs = []
+        outs = self._drop_transfers()
         for req in reversed(self.running):        # prepended in reverse: the queue keeps their order
             req.num_worker_failures += 1
             if req.num_worker_failures >= MAX_WORKER_FAILURES:
@@ -223,17 +241,103 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def kv_connector_pending(self) -> bool:
+        """Transfers are under way or blocks held for a remote reader: the worker's side must be
+        polled (steps without tokens) until they end."""
+        return self.connector is not None and self.connector.has_pending()
+
+    def _finish(self, req: Request, status: RequestStatus) -> dict | None:
+        """End the request; returns the kv_transfer_params its response carries (a KV connector's)."""
         req.status = status
+        rid = req.request_id
+        loading = False
         if req in self.running:
             self.running.remove(req)
-            self._finished_for_workers.append(req.request_id)
-        elif self.awaiting_grammar.pop(req.request_id, None) is None:
+            self._finished_for_workers.append(rid)
+        elif self.waiting_for_remote.pop(rid, None) is not None:
+            loading = True
+        elif self.awaiting_grammar.pop(rid, None) is None:
             self.waiting.remove(req)
-        self.kv.free(req.request_id)
+        self._remote_loaded.discard(rid)
+        params = None
+        delay = False
+        if self.connector is not None:
+            if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                delay, params = self.connector.request_finished(req, self.kv.get_block_ids(rid))
+            else:
+                self.connector.request_dropped(rid)
+            # blocks a transfer may still read or write are not freed until it is reported ended
+            # (the read-after-write hazard): a remote reader's, or a load under way
+            delay = delay or (loading and self.connector.is_loading(rid))
+        if delay:
+            self._held_for_remote.add(rid)
+        else:
+            self.kv.free(rid)
         if self.structured is not None:
-            self.structured.free(req.request_id)
-        del self.requests[req.request_id]
+            self.structured.free(rid)
+        del self.requests[rid]
+        return params
+
+    def _drop_transfers(self) -> list[EngineCoreOutput]:
+        """The worker died: transfers under way are gone with it. Loading requests go back to
+        the queue (to load again, or to be computed here), held blocks are forgotten (the
+        caller resets the KV cache)."""
+        if self.connector is None:
+            return []
+        self.connector.reset()
+        self._held_for_remote.clear()
+        for req in self.waiting_for_remote.values():
+            self.kv.free(req.request_id)
+            req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+            self.waiting.readmit(req)
+        self.waiting_for_remote.clear()
+        for rid in self._remote_loaded:
+            self.requests[rid].num_computed_tokens = 0
+            self.kv.free(rid)
+        self._remote_loaded.clear()
+        return []
+
+    def _update_from_kv_xfer(self, out: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """The worker's side reported transfers that ended: free the blocks remote readers are
+        done with; requests whose KV loaded go back to the queue with their prompt computed but
+        its last token; those whose load failed are computed here (or fail, by the policy)."""
+        self.connector.update_connector_output(out)
+        c = self.counters
+        for k, v in out.stats.items():
+            c.kv_transfer[k] = c.kv_transfer.get(k, 0.0) + v
+        for rid in out.finished_sending:
+            if rid in self._held_for_remote:
+                self._held_for_remote.discard(rid)
+                self.kv.free(rid)
+        outs: list[EngineCoreOutput] = []
+        for rid, error in [*((r, None) for r in out.finished_recving), *out.failed_recving.items()]:
+            if rid in self._held_for_remote:             # finished (aborted) while loading
+                self._held_for_remote.discard(rid)
+                self.kv.free(rid)
+                continue
+            req = self.waiting_for_remote.pop(rid, None)
+            if req is None:
+                continue
+            req.status = RequestStatus.WAITING
+            if error is None:
+                req.num_computed_tokens = req.num_prompt_tokens - 1    # the last token computed here
+                req.num_external_tokens = req.num_computed_tokens - req.num_cached_tokens
+                req.num_cached_tokens = req.num_computed_tokens
+                c.external_prefix_cache_hits += req.num_external_tokens
+                self._remote_loaded.add(rid)
+            elif self.config_kv_failure_policy() == "fail":
+                self.waiting.add(req)
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outs.append(EngineCoreOutput(rid, [], "error", error=f"loading the prompt's KV failed: {error}"))
+                continue
+            else:
+                self.kv.free(rid)                         # computed here from the start
+                req.num_computed_tokens = req.num_cached_tokens = 0
+            self.waiting.readmit(req)
+        return outs
+
+    def config_kv_failure_policy(self) -> str:
+        return self.connector.kv_config.kv_load_failure_policy
 
     # -- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -365,8 +469,14 @@ class Scheduler:
             if req.num_output_placeholders or not self._lora_fits(req, loras):
                 skipped.append(self.waiting.pop())
                 continue
-            hits = self.kv.get_computed_blocks(self._lookup_hashes(req))
-            computed = len(hits) * bs
+            loaded = req.request_id in self._remote_loaded
+            if loaded:                                # holds its prompt's blocks, loaded remotely
+                hits, computed = None, req.num_computed_tokens
+            else:
+                hits = self.kv.get_computed_blocks(self._lookup_hashes(req))
+                computed = len(hits) * bs
+                if self.connector is not None and self._start_remote_load(req, hits, computed, step):
+                    continue
             n = self._num_new_tokens(req, computed, step)
             if n == 0:                                # the step's latency target leaves it no room
                 break
@@ -378,12 +488,18 @@ class Scheduler:
                                             num_lookahead_tokens=self._lookahead(computed + n))
             if blocks is None:
                 break
+            if loaded:                                # the workers get its whole block table
+                blocks = self.kv.get_block_ids(req.request_id)
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
             req.first_scheduled_time = req.first_scheduled_time or time.time()
-            req.num_computed_tokens = req.num_cached_tokens = computed
-            self.counters.prefix_cache_queries += req.num_tokens
-            self.counters.prefix_cache_hits += computed
+            req.num_computed_tokens = computed
+            if loaded:
+                self._remote_loaded.discard(req.request_id)
+            else:
+                req.num_cached_tokens = computed
+                self.counters.prefix_cache_queries += req.num_tokens
+                self.counters.prefix_cache_hits += computed
             self.running.append(req)
             if req.lora_request is not None:
                 loras.add(req.lora_request.lora_int_id)
@@ -392,6 +508,29 @@ class Scheduler:
             step.admitted.add(req)
             step.budget -= n
             self._count_partial(req, computed, n, step)
+
+    def _start_remote_load(self, req: Request, hits, computed: int, step: _Step) -> bool:
+        """Whether ``req``'s prompt KV past its ``computed`` local hits loads from another
+        instance: then it takes blocks for the whole prompt and waits out of the queue
+        (WAITING_FOR_REMOTE_KVS) while the worker loads them. Its blocks are offered to the
+        prefix cache only once loaded."""
+        ext, load_async = self.connector.get_num_new_matched_tokens(req, computed)
+        if not (ext and load_async):
+            return False
+        watermark = self.watermark_blocks if (self.running or step.num_tokens) else 0
+        blocks = self.kv.allocate_slots(req.request_id, computed + ext, [], hits, watermark)
+        if blocks is None:
+            return False                               # no room: computed here as usual (or waits)
+        self.waiting.pop()
+        self.connector.update_state_after_alloc(req, blocks, ext)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.first_scheduled_time = req.first_scheduled_time or time.time()
+        req.num_computed_tokens = req.num_cached_tokens = computed
+        self.counters.prefix_cache_queries += req.num_tokens
+        self.counters.prefix_cache_hits += computed
+        self.counters.external_prefix_cache_queries += req.num_tokens - computed
+        self.waiting_for_remote[req.request_id] = req
+        return True
 
     def _lora_fits(self, req: Request, loras: set[int]) -> bool:
         """Whether ``req`` may join the running requests, whose adapters are ``loras`` (by lora_int_id): a step
@@ -464,6 +603,8 @@ class Scheduler:
         """Back to the front of the queue without blocks: prompt and output so far are
         computed again when it is scheduled."""
         self.kv.free(req.request_id)
+        if self.connector is not None:     # no remote reader may read its freed blocks any more
+            self.connector.request_dropped(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -485,7 +626,10 @@ class Scheduler:
                 cached.new_block_ids.append(blocks)
                 cached.num_computed_tokens.append(start)
         finished = self._finished_for_workers + [r.request_id for r in step.preempted]
-        if num_scheduled:                          # a step nobody runs keeps them for the next
+        meta = None       # sent without tokens too while transfers are under way (the worker reports them)
+        if self.connector is not None and (num_scheduled or self.kv_connector_pending()):
+            meta = self.connector.build_connector_meta(list(step.num_tokens), self.kv.get_block_ids)
+        if num_scheduled or meta is not None:      # a step nobody runs keeps them for the next
             self._finished_for_workers = []
         else:
             self._finished_for_workers = finished
@@ -500,7 +644,7 @@ class Scheduler:
         return SchedulerOutput(self.counters.step, new_reqs, cached, num_scheduled,
                                sum(num_scheduled.values()), finished, grammar_ids,
                                self.structured.fill_bitmask(grammar_ids, spec) if grammar_ids else None,
-                               scheduled_spec_decode_tokens=spec)
+                               scheduled_spec_decode_tokens=spec, kv_connector_metadata=meta)
 
     def grammar_needs_outputs(self) -> bool:
         """Whether a running request with a grammar has tokens in flight: its matcher must see
@@ -516,6 +660,8 @@ class Scheduler:
             if req is not None and req.num_output_placeholders:
                 req.num_output_placeholders -= 1
         outs = []
+        if out.kv_connector_output is not None and self.connector is not None:
+            outs.extend(self._update_from_kv_xfer(out.kv_connector_output))
         for rid, sampled in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
             prompt_lp = out.prompt_logprobs.get(rid)
@@ -538,13 +684,15 @@ class Scheduler:
                                          prompt_logprobs=prompt_lp,
                                          num_cached_tokens=req.num_cached_tokens))
             if not req.first_output_sent:
+                outs[-1].num_external_tokens = req.num_external_tokens
+            if not req.first_output_sent:
                 outs[-1].first_scheduled_time = req.first_scheduled_time
                 req.first_output_sent = True
             if status is not None:
                 outs[-1].finish_reason = status.finish_reason
                 outs[-1].stop_reason = req.stop_reason
                 outs[-1].error = error
-                self._finish(req, status)
+                outs[-1].kv_transfer_params = self._finish(req, status)
             elif sampled and self.speculative is not None:
                 # at most k, and room left for them and the token after them in the context
                 room = min(self.speculative.num_speculative_tokens, self.max_model_len - 1 - req.num_tokens)
@@ -595,4 +743,5 @@ class Scheduler:
                               c.last_scheduled_tokens, self.kv.usage(), c.num_preemptions,
                               c.prefix_cache_queries, c.prefix_cache_hits, c.busy_seconds,
                               c.compute_seconds, c.spec_num_drafts, c.spec_num_draft_tokens,
-                              c.spec_num_accepted_tokens, list(c.spec_num_accepted_tokens_per_pos))
+                              c.spec_num_accepted_tokens, list(c.spec_num_accepted_tokens_per_pos),
+                              c.external_prefix_cache_queries, c.external_prefix_cache_hits, dict(c.kv_transfer))

@@ -12,6 +12,7 @@ from actors import topology
 from actors.engine.config import EngineConfig
 from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
 from actors.runtime import Actor, Msg, Node
+from actors.runtime.tracing import SpanRecord, Tracer
 
 if TYPE_CHECKING:
     from actors.worker.worker import Worker
@@ -82,6 +83,8 @@ class WorkerActor(Actor):
                 t0 = time.perf_counter()
                 out = self._loaded().execute_model(msg)
                 out.worker_s = time.perf_counter() - t0
+                if out.kv_connector_output is not None and out.kv_connector_output.transfers:
+                    record_transfers(self.ctx.node.tracer, out.kv_connector_output.transfers)
                 self.recent[msg.step] = out
                 while len(self.recent) > RECENT_STEPS:
                     self.recent.popitem(last=False)
@@ -104,6 +107,16 @@ class WorkerActor(Actor):
         if self.core is None:
             raise RuntimeError("no model loaded (LoadModel first)")
         return self.core
+
+
+def record_transfers(tracer: Tracer, transfers: list[tuple[str, str, int, int, int]]) -> None:
+    """KV transfers (a KV connector's, run beside the steps) as spans of their requests, so they
+    show as hops of the request's waterfall."""
+    if not tracer.enabled:
+        return
+    for rid, kind, start, end, nbytes in transfers:
+        tracer.record(SpanRecord(0, tracer.new_span_id(), 0, 0, tracer.node, "kv_connector", kind, start, start,
+                                 end, 0, "error" if kind.endswith("Failed") else "ok", nbytes, (rid,)))
 
 
 async def worker_entry(node: Node, payload: bytes) -> EngineConfig:

@@ -73,6 +73,7 @@ class Worker:
             log.info("draft model %s (%s) loaded in %.1f s", draft.served_name, q or self.config.model.dtype,
                      time.monotonic() - t0)
         self.runner: ModelRunner | None = None         # until init_kv_cache
+        self.kv_connector = None                       # --kv-transfer-config: the connector's worker side
         if not self.config.kv_cache_sized:             # CUDA, sized by --gpu-memory-utilization
             self.config = self.config.with_kv_cache_bytes(self._gpu_kv_cache_bytes())
 
@@ -139,6 +140,11 @@ class Worker:
             calculate_kv_scales_on_next_batch(self.model)
             if self.draft_model is not None:
                 calculate_kv_scales_on_next_batch(self.draft_model)
+        if cfg.kv_transfer is not None:
+            from actors.kv_transfer.base import KVConnectorRole
+            from actors.kv_transfer.factory import KVConnectorFactory
+            self.kv_connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER)
+            self.kv_connector.register_kv_caches(self.runner.kv_caches)
         # layers of different groups share one tensor
         tensors = {t.data_ptr(): t for t in self.runner.kv_caches + self.runner.draft_kv_caches}
         return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -224,7 +230,16 @@ class Worker:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner is None:
             raise RuntimeError("the KV cache is not initialized (InitKVCache first)")
-        return self.runner.execute_model(so)
+        connector = self.kv_connector
+        if connector is None:
+            return self.runner.execute_model(so)
+        # the step's loads start in the background (into blocks no request of this step reads);
+        # the requests it saves are readable once its forward has written their KV
+        connector.start_load_kv(so.kv_connector_metadata or b"")
+        out = self.runner.execute_model(so)
+        connector.wait_for_save()
+        out.kv_connector_output = connector.get_finished()
+        return out
 
 
 def log_expert_placement(model: torch.nn.Module, rank: int) -> None:

@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora,moe}``: each
+"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora,moe,kv-transfer,pd}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -122,6 +122,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     moe.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 512])
     moe.add_argument("--repeats", type=int, default=10)
     moe.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
+    kvt = sub.add_parser("kv-transfer", help="the KV connector's transfer throughput (ZeroMQ TCP frames and shared "
+                                             "memory, from a producer process) against a memory copy's")
+    kvt.add_argument("--blocks", type=int, default=256, help="KV blocks per transfer")
+    kvt.add_argument("--block-size", type=int, default=16)
+    kvt.add_argument("--layers", type=int, default=30, help="(SmolLM2-135M: 30 layers, 3 KV heads of 64)")
+    kvt.add_argument("--kv-heads", type=int, default=3)
+    kvt.add_argument("--head-size", type=int, default=64)
+    kvt.add_argument("--repeats", type=int, default=3)
+
+    pdb = sub.add_parser("pd", help="serving latency (TTFT, ITL) of one server against prefill + decode servers "
+                                    "behind tools/pd_proxy.py, on this machine, one after the other")
+    workload.add_arguments(pdb)
+    pdb.add_argument("--model", default=None)
+    pdb.add_argument("--request-rate", type=float, default=0.5, help="Poisson arrivals per second (inf: all at once)")
+    pdb.add_argument("--concurrency", type=int, default=0, help="fixed concurrency instead of a rate")
+    pdb.add_argument("--kv-cache-gib", type=float, default=0.5)
+    pdb.add_argument("--max-num-seqs", type=int, default=16)
 
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -131,6 +148,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "structured":
         from tools.bench import structured
         structured.main(args)
+    elif args.cmd == "pd":
+        from tools.bench import pd
+        pd.main(args)
+    elif args.cmd == "kv-transfer":
+        from tools.bench import kv_transfer
+        kv_transfer.main(args)
     elif args.cmd == "serve":
         from tools.bench import serve
         serve.main(args)

@@ -1,0 +1,129 @@
+"""The KV connector interface (vLLM's KVConnectorBase_V1): how an engine loads a prompt's KV
+blocks from another instance instead of computing them, and keeps its own blocks for another
+instance to read.
+
+One connector class, two instances: the scheduler's (``role`` SCHEDULER, in the engine-core
+process) and the worker's (``role`` WORKER, beside the KV cache tensors). Each step the
+scheduler's side writes a metadata blob (``build_connector_meta``) that travels with the step
+to the worker's side, and the worker's side answers in the step's output
+(``KVConnectorOutput``: the transfers that ended since the last step).
+
+Scheduler side, in the order a request meets it:
+  get_num_new_matched_tokens(req, n)  tokens past the n computed locally that a remote
+                                      instance holds, and whether they load asynchronously
+  update_state_after_alloc(req, ...)  the local blocks the remote tokens go into
+  build_connector_meta(...)           this step's loads and saves, for the worker
+  update_connector_output(out)        transfers the worker finished (or failed)
+  request_finished(req, block_ids)    hold the blocks for a remote reader? and the
+                                      kv_transfer_params the response carries
+
+Worker side, each step:
+  start_load_kv(meta)                 start the loads the metadata asks for (in the background)
+  wait_for_save()                     after the forward: the KV the step wrote is complete,
+                                      the requests saved in it may be read
+  get_finished()                      sends and receives that ended (KVConnectorOutput)
+
+Blocks are never freed while a transfer may still touch them (the book's read-after-write
+hazard): a request whose blocks a remote reader holds is freed only when the worker reports
+the send finished (read and released, or its lease expired); a request aborted while its KV
+loads keeps its blocks until the load is reported finished.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from actors.engine.config import EngineConfig
+    from actors.scheduler.request import Request
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class KVConnectorOutput(msgspec.Struct, omit_defaults=True):
+    """What the worker's side reports with a step's output."""
+    finished_sending: list[str] = []          # producer: blocks no longer read (released or expired)
+    finished_recving: list[str] = []          # consumer: KV loaded into the request's blocks
+    failed_recving: dict[str, str] = {}       # consumer: loads that failed, with why
+    stats: dict[str, float] = {}              # counters since the last report (TRANSFER_STATS)
+    # for the request waterfall: (request id, "KVLoad" | "KVLoadFailed" | "KVSend", start, end
+    # (monotonic ns), bytes) of each transfer that ended
+    transfers: list[tuple[str, str, int, int, int]] = []
+
+
+# the counters a connector may report in KVConnectorOutput.stats (summed by the scheduler)
+TRANSFER_STATS = ("recv_bytes", "recv_blocks", "recv_seconds", "recv_requests", "recv_failures",
+                  "sent_bytes", "sent_blocks", "sent_requests", "leases_expired", "shm_reads")
+
+
+class KVConnectorBase(ABC):
+    """Subclasses implement both sides; ``role`` says which one this instance is."""
+
+    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
+        self.config = config
+        self.kv_config = config.kv_transfer
+        self.role = role
+
+    @classmethod
+    def check_config(cls, kv_config: Any) -> None:
+        """ValueError naming what the connector cannot take in ``kv_config`` (its extra config)."""
+
+    # -- scheduler side ----------------------------------------------------------------------
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """How many of the request's tokens past ``num_computed_tokens`` (local prefix hits) a
+        remote instance holds, and whether they are loaded asynchronously (the request waits in
+        WAITING_FOR_REMOTE_KVS meanwhile)."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: tuple[list[int], ...],
+                                 num_external_tokens: int) -> None:
+        """The request got its blocks (per KV cache group, local hits first) for the remote
+        tokens too."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduled: dict[str, int]) -> bytes:
+        """This step's metadata for the worker's side; ``scheduled``: request id -> tokens."""
+
+    @abstractmethod
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The worker's report of transfers that ended."""
+
+    @abstractmethod
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """The request finished: whether its blocks are freed later (a remote reader holds them
+        until the worker reports the send finished), and the kv_transfer_params its response
+        carries (None: none)."""
+
+    def request_added(self, request: Request) -> None:
+        """A request entered the scheduler (a consumer may start keeping its remote lease)."""
+
+    def request_dropped(self, request_id: str) -> None:
+        """A request the connector may know left without finishing normally (aborted, failed)."""
+
+    def has_pending(self) -> bool:
+        """Whether transfers are under way or blocks are held, so the worker's side must be polled
+        even when no tokens are scheduled."""
+        return False
+
+    def shutdown(self) -> None:
+        pass
+
+    # -- worker side -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        """The worker's KV cache tensors, one per layer."""
+
+    def start_load_kv(self, metadata: bytes) -> None:
+        """Start the loads (and take in the saves) this step's metadata names."""
+
+    def wait_for_save(self) -> None:
+        """The step's forward is done: the KV of the requests it saved is complete."""
+
+    def get_finished(self) -> KVConnectorOutput:
+        return KVConnectorOutput()

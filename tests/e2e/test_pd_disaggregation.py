@@ -1,0 +1,176 @@
+"""Prefill/decode disaggregation on this machine: a prefill server (kv_producer), a decode server
+(kv_consumer) and the proxy (tools/pd_proxy.py), each a process of its own, on the default model.
+Greedy answers through the proxy are the prefill server's own answers; the decode server loads
+every prompt token's KV but the last instead of computing it; a reader that dies leaves the
+producer's cache idle once its lease expires; with the prefill server killed, the decode server
+computes the prompt itself."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from server import ROOT, Server, alive, free_port
+
+pytestmark = pytest.mark.slow
+
+LEASE_S = 3.0
+PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is"
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+def kv_config(role: str, port: int) -> str:
+    return json.dumps({"kv_connector": "TroupeConnector", "kv_role": role, "kv_port": port,
+                       "kv_connector_extra_config": {"kv_lease_duration": LEASE_S, "transfer_timeout_s": 3.0}})
+
+
+@pytest.fixture(scope="module")
+def trio():
+    common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8")
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(Server, *common, "--kv-transfer-config", kv_config(role, free_port()))
+                   for role in ("kv_producer", "kv_consumer")]
+        servers = []
+        try:
+            servers = [f.result() for f in futures]
+        finally:
+            if len(servers) < 2:
+                for f in futures:
+                    if f.exception() is None:
+                        f.result().stop()
+    prefill, decode = servers
+    proxy = None
+    try:
+        proxy = Server(command=["tools.pd_proxy", "--prefill", prefill.url, "--decode", decode.url,
+                                "--port", "0"], ready_timeout=60)
+        yield prefill, decode, proxy
+    finally:
+        for s in (proxy, decode, prefill):
+            if s is not None:
+                s.stop()
+
+
+@pytest.fixture(scope="module")
+def alone(trio) -> str:
+    """The prefill server's own greedy answer to PROMPT, answering by itself."""
+    return completion(trio[0].url)["choices"][0]["text"]
+
+
+def post(url: str, path: str, body: dict, timeout: float = 120.0) -> dict:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def metric(server: Server, name: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
+    assert m is not None, f"no {name} in /metrics"
+    return float(m.group(1))
+
+
+def completion(url: str, **extra) -> dict:
+    return post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, **extra})
+
+
+def hops(server: Server, response_id: str) -> set[str]:
+    with urllib.request.urlopen(f"{server.url}/debug/requests/{response_id}", timeout=30) as r:
+        return {h["name"] for h in json.load(r)["hops"]}
+
+
+def test_greedy_answers_through_the_proxy_are_a_single_servers_and_decode_loads_the_prompt(trio, alone):
+    prefill, decode, proxy = trio
+    hits0 = metric(decode, "vllm:external_prefix_cache_hits_total")
+    sent0 = metric(prefill, "troupe:kv_transfer_sent_requests_total")
+    via = completion(proxy.url)
+    assert via["choices"][0]["text"] == alone
+    prompt_tokens = via["usage"]["prompt_tokens"]
+    # every prompt token but the last was loaded from the prefill server, not computed
+    assert metric(decode, "vllm:external_prefix_cache_hits_total") - hits0 == prompt_tokens - 1
+    assert metric(prefill, "troupe:kv_transfer_sent_requests_total") - sent0 == 1
+    assert metric(decode, "troupe:kv_transfer_recv_bytes_total") > 0
+    assert "kv.load" in hops(decode, via["id"])            # the transfer is a hop of the request's waterfall
+
+
+def test_chat_streams_through_the_proxy(trio):
+    prefill, _, proxy = trio
+    own = post(prefill.url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 0})
+    body = json.dumps({"messages": CHAT, "max_tokens": 8, "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(proxy.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    text, events = "", 0
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events += 1
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["delta"].get("content") or ""
+    assert events > 2 and text == own["choices"][0]["message"]["content"]
+
+
+HEARTBEATS = """
+import sys, time, msgspec, zmq
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.connect(f"tcp://{sys.argv[1]}:{sys.argv[2]}")
+while True:
+    sock.send(msgspec.msgpack.encode({"op": "heartbeat", "req_ids": [sys.argv[3]]}))
+    if sock.poll(5000):
+        sock.recv()
+        print("renewed", flush=True)
+    time.sleep(0.3)
+"""
+
+
+def test_a_reader_killed_mid_lease_leaves_the_producer_idle_once_the_lease_expires(trio):
+    prefill, _, _ = trio
+    expired0 = metric(prefill, "troupe:kv_transfer_leases_expired_total")
+    params = completion(prefill.url, max_tokens=1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    assert metric(prefill, "vllm:kv_cache_usage_perc") > 0          # held for the reader
+    # a reader process that renews the lease, as a decode server does before it reads ...
+    reader = subprocess.Popen([sys.executable, "-c", HEARTBEATS, params["remote_host"], str(params["remote_port"]),
+                               params["remote_request_id"]], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "renewed"
+        time.sleep(LEASE_S * 1.5)
+        assert metric(prefill, "vllm:kv_cache_usage_perc") > 0      # renewed past the lease
+    finally:
+        reader.send_signal(signal.SIGKILL)                       # ... and dies before reading
+        reader.wait(10)
+    deadline = time.monotonic() + LEASE_S * 5 + 10
+    while metric(prefill, "vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, "the producer's blocks were never freed"
+        time.sleep(0.2)
+    assert metric(prefill, "troupe:kv_transfer_leases_expired_total") - expired0 == 1
+
+
+def test_with_the_prefill_server_killed_the_decode_server_computes_the_prompt(trio, alone):
+    prefill, decode, proxy = trio
+    params = completion(prefill.url, max_tokens=1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    for pid in prefill.all_pids():
+        prefill_signal(pid)
+    failures0 = metric(decode, "troupe:kv_transfer_recv_failures_total")
+    got = completion(decode.url, kv_transfer_params=params)         # its blocks are gone with it
+    assert got["choices"][0]["text"] == alone
+    assert metric(decode, "troupe:kv_transfer_recv_failures_total") - failures0 == 1
+    via = completion(proxy.url)                                     # no prefill server: decode does it all
+    assert via["choices"][0]["text"] == alone
+
+
+def prefill_signal(pid: int) -> None:
+    import os
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -1,0 +1,218 @@
+"""Prefill/decode disaggregation without a model: two real Schedulers (a producer and a consumer),
+each with TroupeConnector's two sides and a small KV cache tensor per layer, talking over real
+ZeroMQ sockets on 127.0.0.1. The producer's "forward" writes a known pattern into the blocks it
+computes; the consumer must end up with the same values in its own blocks, compute only the
+prompt's last token, and never free blocks a transfer may still touch."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import torch
+
+from actors.engine.messages import EngineCoreRequest, ModelRunnerOutput
+from actors.engine.sampling_params import SamplingParams
+from actors.kv_manager.manager import KVCacheManager
+from actors.kv_transfer.base import KVConnectorRole
+from actors.kv_transfer.config import KVTransferConfig, kv_transfer_config
+from actors.kv_transfer.troupe_connector import HandshakeError, TroupeConnector
+from actors.scheduler.request import RequestStatus
+from actors.scheduler.scheduler import Scheduler
+from tests.e2e.server import free_port
+from tests.unit.sched_utils import engine_config
+
+BS, NUM_BLOCKS, LAYERS, HEADS, HEAD = 4, 32, 2, 1, 8
+
+
+class Instance:
+    """A scheduler and its worker side: a KV cache of LAYERS tensors and the connector's worker part."""
+
+    def __init__(self, role: str, port: int, block_size: int = BS, **extra) -> None:
+        kv = KVTransferConfig(kv_connector="TroupeConnector", kv_role=role, kv_port=port,
+                              kv_connector_extra_config={"transfer_timeout_s": 2.0, **extra})
+        self.config = engine_config(NUM_BLOCKS).replace(kv_transfer=kv)
+        self.config = self.config.replace(cache=msgspec.structs.replace(self.config.cache, block_size=block_size))
+        self.kv = KVCacheManager(NUM_BLOCKS, block_size, True)
+        self.sched = Scheduler(self.config, self.kv)
+        self.caches = [torch.zeros(2, NUM_BLOCKS, block_size, HEADS, HEAD) for _ in range(LAYERS)]
+        self.worker = TroupeConnector(self.config, KVConnectorRole.WORKER)
+        self.worker.register_kv_caches(self.caches)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.connector.shutdown()
+
+    def step(self, forward=None) -> list:
+        """One engine step: the worker side takes the metadata, ``forward(so)`` writes the KV,
+        the step samples token 7 for every request whose prompt is complete."""
+        so = self.sched.schedule()
+        self.worker.start_load_kv(so.kv_connector_metadata or b"")
+        if forward is not None:
+            forward(so)
+        self.worker.wait_for_save()
+        starts = {r.req_id: r.num_computed_tokens for r in so.new_reqs}
+        starts |= dict(zip(so.cached_reqs.req_ids, so.cached_reqs.num_computed_tokens))
+        sampled = []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            sampled.append([7] if starts[rid] + n >= req.num_tokens else [])
+        out = ModelRunnerOutput(list(so.num_scheduled_tokens), sampled)
+        out.kv_connector_output = self.worker.get_finished()
+        self.last = so
+        return self.sched.update_from_output(so, out)
+
+    def until(self, done, timeout: float = 10.0) -> list:
+        """Steps (polls, while only transfers are under way) until ``done()``."""
+        outs: list = []
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, "timed out"
+            outs += self.step()
+            time.sleep(0.01)
+        return outs
+
+
+def pattern(layer: int, kv: int, pos: int) -> float:
+    return layer * 1000 + kv * 100 + pos + 0.5
+
+
+def write_prompt_kv(inst: Instance, rid: str, num_tokens: int):
+    """The producer's forward: position p of the request gets pattern(layer, kv, p) in every head."""
+    def forward(_so):
+        (ids,) = inst.kv.get_block_ids(rid)
+        for p in range(num_tokens):
+            for layer, t in enumerate(inst.caches):
+                for kv in (0, 1):
+                    t[kv, ids[p // BS], p % BS] = pattern(layer, kv, p)
+    return forward
+
+
+def add(inst: Instance, rid: str, prompt: list[int], max_tokens: int, params: dict | None) -> None:
+    extra = {"kv_transfer_params": params} if params is not None else None
+    err = inst.sched.add_request(EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                                extra_args=extra), 0.0, [2]))
+    assert err is None
+
+
+@pytest.fixture
+def pair():
+    port = free_port()
+    producer = Instance("kv_producer", port, kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", free_port())
+    yield producer, consumer
+    producer.close()
+    consumer.close()
+
+
+PROMPT = list(range(100, 114))          # 14 tokens: 4 blocks of 4, the last one partial
+
+
+def prefill(producer: Instance, rid: str = "p1") -> dict:
+    add(producer, rid, PROMPT, 1, {"do_remote_decode": True})
+    outs = producer.step(write_prompt_kv(producer, rid, len(PROMPT)))
+    (out,) = outs
+    assert out.finish_reason == "length" and out.kv_transfer_params is not None
+    return out.kv_transfer_params
+
+
+def test_the_consumer_loads_the_producers_blocks_and_computes_only_the_last_prompt_token(pair):
+    producer, consumer = pair
+    params = prefill(producer)
+    assert params["do_remote_prefill"] and params["remote_request_id"] == "p1"
+    assert len(params["remote_block_ids"]) == 4
+    assert producer.kv.num_blocks_held("p1") == 4          # held for the reader after it finished
+
+    add(consumer, "d1", PROMPT, 3, params)
+    consumer.step()                                        # admitted: blocks taken, load started
+    req = consumer.sched.requests["d1"]
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not consumer.last.num_scheduled_tokens
+    consumer.until(lambda: req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS)
+    consumer.step()
+    assert consumer.last.num_scheduled_tokens == {"d1": 1}          # the prompt's last token only
+    (ids,) = consumer.kv.get_block_ids("d1")
+    for p in range(len(PROMPT) - 1):
+        for layer, t in enumerate(consumer.caches):
+            for kv in (0, 1):
+                assert t[kv, ids[p // BS], p % BS, 0, 0].item() == pattern(layer, kv, p)
+    stats = consumer.sched.stats()
+    assert stats.external_prefix_cache_hits == len(PROMPT) - 1
+    assert stats.kv_transfer["recv_blocks"] == 4
+    # the consumer released the blocks: the producer frees them at its next poll
+    producer.until(lambda: producer.kv.num_blocks_held("p1") == 0)
+    assert producer.kv.usage() == 0.0 and producer.sched.stats().kv_transfer["sent_blocks"] == 4
+    outs = consumer.until(lambda: "d1" not in consumer.sched.requests)
+    assert [o.finish_reason for o in outs if o.finish_reason] == ["length"]
+
+
+def test_a_lease_nobody_renews_expires_and_frees_the_producers_blocks():
+    producer = Instance("kv_producer", free_port(), kv_lease_duration=0.3)
+    try:
+        prefill(producer)
+        assert producer.kv.usage() > 0
+        producer.until(lambda: producer.kv.usage() == 0.0, timeout=5.0)
+        assert producer.sched.stats().kv_transfer["leases_expired"] == 1
+        assert not producer.sched.kv_connector_pending()
+    finally:
+        producer.close()
+
+
+def test_a_load_from_a_producer_that_is_gone_is_recomputed_locally(pair):
+    producer, consumer = pair
+    params = prefill(producer)
+    producer.worker.shutdown()                             # its side channel is gone
+    add(consumer, "d1", PROMPT, 2, params)
+    consumer.step()
+    req = consumer.sched.requests["d1"]
+    consumer.until(lambda: req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS)
+    assert consumer.sched.stats().kv_transfer["recv_failures"] == 1
+    consumer.step()
+    assert consumer.last.num_scheduled_tokens == {"d1": len(PROMPT)}    # the whole prompt, here
+    consumer.kv.check_integrity()
+
+
+def test_blocks_of_a_request_aborted_while_its_kv_loads_are_freed_only_when_the_load_ended(pair):
+    producer, consumer = pair
+    params = prefill(producer)
+    add(consumer, "d1", PROMPT, 2, params)
+    so = consumer.sched.schedule()                         # the load is sent to the worker ...
+    consumer.worker.start_load_kv(so.kv_connector_metadata)
+    consumer.sched.abort_requests(["d1"])                  # ... and the request aborted at once
+    assert consumer.kv.num_blocks_held("d1") == 4          # the load may still write them
+    assert consumer.sched.kv_connector_pending()
+    consumer.until(lambda: consumer.kv.num_blocks_held("d1") == 0)
+    consumer.kv.check_integrity()
+
+
+def test_a_handshake_between_different_block_sizes_is_refused_naming_the_field(pair):
+    producer, _ = pair
+    other = Instance("kv_consumer", free_port(), block_size=8)
+    try:
+        with pytest.raises(HandshakeError, match=r"block_size 4 \(producer\) vs 8 \(consumer\)"):
+            other.worker.handshake("127.0.0.1", producer.config.kv_transfer.kv_port)
+    finally:
+        other.close()
+
+
+def test_kv_transfer_config_takes_vllms_keys_and_refuses_bad_values():
+    cfg = kv_transfer_config('{"kv_connector": "TroupeConnector", "kv_role": "kv_consumer", "kv_rank": 1, '
+                             '"kv_parallel_size": 2, "kv_ip": "127.0.0.1", "kv_port": 15000, "kv_buffer_size": 1e9, '
+                             '"engine_id": "decode-0", "kv_connector_extra_config": {"kv_lease_duration": 5}}')
+    assert cfg.is_consumer and not cfg.is_producer and cfg.kv_port == 15000
+    with pytest.raises(ValueError, match="kv_role"):
+        kv_transfer_config({"kv_connector": "TroupeConnector", "kv_role": "prefill"})
+    with pytest.raises(ValueError, match="unknown kv_connector 'NixlConnector'"):
+        kv_transfer_config({"kv_connector": "NixlConnector"})
+    with pytest.raises(ValueError, match="kv_lease_duration must be a positive number"):
+        kv_transfer_config({"kv_connector": "TroupeConnector", "kv_connector_extra_config": {"kv_lease_duration": 0}})
+    with pytest.raises(ValueError, match="kv_buffer_sise"):
+        kv_transfer_config({"kv_connector": "TroupeConnector", "kv_buffer_sise": 1})
+
+
+def test_params_of_another_prompt_are_not_loaded_the_prompt_is_computed(pair):
+    producer, consumer = pair
+    params = prefill(producer)
+    other = [p + 1 for p in PROMPT]                        # the same length, other tokens
+    add(consumer, "d1", other, 2, params)
+    consumer.step()
+    assert consumer.last.num_scheduled_tokens == {"d1": len(other)}
