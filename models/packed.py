@@ -43,9 +43,10 @@ class PanelLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:              # (..., in) -> (..., out)
+        mm = _traced_matmul if torch.compiler.is_compiling() else matmul
         if x.dim() == 2 and self.bias is None:
-            return matmul(x, self.weight)
-        y = matmul(x.reshape(-1, self.in_features), self.weight)
+            return mm(x, self.weight)
+        y = mm(x.reshape(-1, self.in_features), self.weight)
         if self.bias is not None:
             y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -53,13 +54,20 @@ class PanelLinear(nn.Module):
     def silu_and_mul_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """For a gate|up projection: silu(gate) * up in one native pass (kernels/cpu/panels.py
         gated_silu_matmul), bit for bit ``silu_and_mul(self(x))``; None when there is no such
-        kernel for these weights (the caller takes the two-step path)."""
-        if self.bias is not None or x.dim() != 2 or not fused.ENABLED:
+        kernel for these weights (the caller takes the two-step path, as torch.compile does)."""
+        if self.bias is not None or x.dim() != 2 or not fused.ENABLED or torch.compiler.is_compiling():
             return None
         return gated_silu_matmul(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.weight.kind}, in={self.in_features}, out={self.out_features}"
+
+
+def _traced_matmul(x: torch.Tensor, w) -> torch.Tensor:
+    """``matmul`` through its custom op (torch.ops.troupe.cpu_panel_matmul), which torch.compile
+    traces as one node instead of breaking its graph at the ctypes call."""
+    return torch.ops.troupe.cpu_panel_matmul(x.to(torch.float32).contiguous(), w.codes, w.d, w.m, w.kind,
+                                             w.out_features, w.in_features)
 
 
 def native_available() -> bool:

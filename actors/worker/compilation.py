@@ -23,8 +23,9 @@ CODE = ("models/*.py", "kernels/cpu/*.py", "kernels/cpu/*.c", "kernels/attention
 
 def packs_linears(compilation: CompilationConfig, quantization: str | None) -> bool:
     """Whether the CPU's linear layers are packed for the native matmuls: at level 1, and
-    whenever quantized (the quantized weights exist only as panels; at levels 2 and 3 their
-    ctypes calls then break the compiled graphs)."""
+    whenever quantized (the quantized weights exist only as panels; at levels 2 and 3 they run
+    as the custom op torch.ops.troupe.cpu_panel_matmul inside the compiled graphs). Float32
+    weights at levels 2 and 3 stay torch's, for inductor to plan around."""
     return compilation.level == 1 or quantization is not None
 
 

@@ -6,7 +6,9 @@ for integer dot products with int8 activations in two parts (``int8_activations=
 AVX512-VNNI only).
 
 ``PanelWeight.pack_f32`` / ``pack_bf16`` / ``pack_gguf`` build one at load time; ``matmul(x, w)``
-computes x W^T for any number of rows.
+computes x W^T for any number of rows. ``torch.ops.troupe.cpu_panel_matmul`` is the same product as
+a custom op (with a fake implementation), which the packed linear layers call inside
+torch.compile's graphs.
 """
 from __future__ import annotations
 
@@ -197,3 +199,24 @@ def gated_silu_matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor | None:
     if rows and not _i8x2_gated_gemm()(*w.call[1], x.data_ptr(), rows, out.data_ptr()):
         raise MemoryError(f"the native {w.kind} matmul could not allocate its buffer")
     return out
+
+
+# The product as a custom op for torch.compile (models/packed.py calls it while compiling; outside
+# compiled code the ctypes call above is cheaper). Schema: the panels' tensors and their kind.
+_LIB = torch.library.Library("troupe", "FRAGMENT")
+_LIB.define("cpu_panel_matmul(Tensor x, Tensor codes, Tensor? d, Tensor? m, str kind, int out_features, "
+            "int in_features) -> Tensor")
+
+
+def _panel_matmul_op(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,
+                     kind: str, out_features: int, in_features: int) -> torch.Tensor:
+    return matmul(x, PanelWeight(kind, out_features, in_features, codes, d, m))
+
+
+def _panel_matmul_fake(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,
+                       kind: str, out_features: int, in_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
+
+_LIB.impl("cpu_panel_matmul", _panel_matmul_op, "CPU")
+torch.library.register_fake("troupe::cpu_panel_matmul", _panel_matmul_fake, lib=_LIB)

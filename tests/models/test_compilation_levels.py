@@ -87,3 +87,36 @@ def test_every_compilation_level_gives_the_same_greedy_tokens_on_a_tiny_llama(ti
     for level in (0, 2, 3):
         assert _greedy(tiny_llama, level) == expected, f"level {level}"
     assert list((tmp_path / "compile").iterdir()), "compiled artifacts cached on disk"
+
+
+@pytest.mark.skipif(not fused.supports(torch.zeros(1)), reason="the native CPU kernels cannot run here")
+@pytest.mark.parametrize("kind", ["F32", "BF16", "Q8_0", "Q4_1_I8X2"])
+def test_panel_matmul_is_a_custom_op_that_compiles_without_a_graph_break(kind):
+    """The packed (quantized, bfloat16) linear layers inside a compiled graph: one traced op
+    (fullgraph would refuse a graph break at the ctypes call), the eager values."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quantize as gguf_quantize
+
+    from kernels.cpu.panels import PanelWeight, int8_available
+    from models.packed import PanelLinear
+    w = torch.randn(40, 64)
+    if kind == "F32":
+        weight = PanelWeight.pack_f32(w)
+    elif kind == "BF16":
+        weight = PanelWeight.pack_bf16(w)
+    else:
+        if kind.endswith("I8X2") and not int8_available():
+            pytest.skip("int8 activations need AVX512-VNNI")
+        qtype = kind[:4]
+        raw = gguf_quantize(w.numpy(), GGMLQuantizationType[qtype])
+        weight = PanelWeight.pack_gguf(qtype, np.ascontiguousarray(raw).view(np.uint8), 40, 64,
+                                       int8_activations=kind.endswith("I8X2"))
+    torch.library.opcheck(torch.ops.troupe.cpu_panel_matmul.default,
+                          (torch.randn(3, 64), weight.codes, weight.d, weight.m, weight.kind, 40, 64))
+    layer = PanelLinear(weight, None)
+
+    def block(x):
+        return torch.relu(layer(x * 2.0)) + 1.0
+    x = torch.randn(5, 64)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), block(x))
