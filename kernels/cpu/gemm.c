@@ -51,6 +51,19 @@ static inline void store_cols(float *y, __m512 c0, __m512 c1, int64_t cols) {
     _mm512_mask_storeu_ps(y, k0, c0);
     _mm512_mask_storeu_ps(y + 16, k1, c1);
 }
+
+/* Rows 0..MR of a register tile (c0: columns 0-15, c1: 16-31) into y, rows ldy apart. */
+static inline __attribute__((always_inline)) void store_tile(const int MR, const __m512 *c0, const __m512 *c1,
+                                                             float *y, int64_t ldy, int64_t cols) {
+    if (cols == NR) {
+        for (int r = 0; r < MR; r++) {
+            _mm512_storeu_ps(y + r * ldy, c0[r]);
+            _mm512_storeu_ps(y + r * ldy + 16, c1[r]);
+        }
+    } else {
+        for (int r = 0; r < MR; r++) store_cols(y + r * ldy, c0[r], c1[r], cols);
+    }
+}
 #else
 /* One float16 value -> float32, exactly (no F16C / _Float16 needed). */
 static inline float f16_to_f32(uint16_t h) {
@@ -143,14 +156,7 @@ static inline __attribute__((always_inline)) void micro(const int MR, const floa
             c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
         }
     }
-    if (cols == NR) {
-        for (int r = 0; r < MR; r++) {
-            _mm512_storeu_ps(y + r * ldy, c0[r]);
-            _mm512_storeu_ps(y + r * ldy + 16, c1[r]);
-        }
-    } else {
-        for (int r = 0; r < MR; r++) store_cols(y + r * ldy, c0[r], c1[r], cols);
-    }
+    store_tile(MR, c0, c1, y, ldy, cols);
 #else
     float acc[MAX_MR][NR];
     for (int r = 0; r < MR; r++)
@@ -348,14 +354,7 @@ static inline __attribute__((always_inline)) void bf16_micro(const int MR, const
         }
 #endif
     }
-    if (cols == NR) {
-        for (int r = 0; r < MR; r++) {
-            _mm512_storeu_ps(y + r * ldy, c0[r]);
-            _mm512_storeu_ps(y + r * ldy + 16, c1[r]);
-        }
-    } else {
-        for (int r = 0; r < MR; r++) store_cols(y + r * ldy, c0[r], c1[r], cols);
-    }
+    store_tile(MR, c0, c1, y, ldy, cols);
 #else
     float acc[MAX_MR][NR];
     for (int r = 0; r < MR; r++)

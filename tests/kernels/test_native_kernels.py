@@ -136,24 +136,30 @@ def test_bad_shapes_are_refused_with_clear_errors():
         PanelWeight.pack_f32(torch.randn(4, 4, dtype=torch.float64))
 
 
-def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeypatch):
-    """CPUs without AVX-512 compile the plain-C paths of gemm.c: same results."""
+def _build_gemm(tmp_path, flag: str):
+    """gemm.c (with fused.c, which it calls) built with ``flag``, its panel_gemm declared."""
     import ctypes
     import shutil
     import subprocess
 
-    import kernels.cpu.panels as panels
     from kernels.cpu.native import HERE
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    so = tmp_path / "gemm_portable.so"
-    subprocess.run([cc, "-O2", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC",
-                    f"{HERE}/gemm.c", "-o", str(so), "-lm"], check=True)
-    fn = ctypes.CDLL(str(so)).panel_gemm
-    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
+    so = tmp_path / f"gemm{flag}.so"
+    subprocess.run([cc, "-O2", "-march=native", flag, "-fopenmp", "-shared", "-fPIC",
+                    f"{HERE}/gemm.c", f"{HERE}/fused.c", "-o", str(so), "-lm"], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.panel_gemm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
+    lib.panel_gemm.restype = ctypes.c_int
+    return lib
+
+
+def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeypatch):
+    """CPUs without AVX-512 compile the plain-C paths of gemm.c: same results."""
+    import kernels.cpu.panels as panels
+    fn = _build_gemm(tmp_path, "-mno-avx512f").panel_gemm
     monkeypatch.setattr(panels, "_panel_gemm", lambda: fn)
     for qtype in ("Q4_1", "Q8_0"):
         raw, dense = _gguf(qtype, 70, 96, 3)
@@ -171,24 +177,10 @@ def test_portable_build_without_avx512_gives_the_same_products(tmp_path, monkeyp
 
 def test_bfloat16_panels_without_avx512_bf16_give_the_same_products(tmp_path, monkeypatch):
     """Without the AVX512-BF16 dot products the same bfloat16 values are widened to float32."""
-    import ctypes
-    import shutil
-    import subprocess
-
     import kernels.cpu.panels as panels
-    from kernels.cpu.native import HERE
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    so = tmp_path / "gemm_no_bf16.so"
-    subprocess.run([cc, "-O2", "-march=native", "-mno-avx512bf16", "-fopenmp", "-shared", "-fPIC",
-                    f"{HERE}/gemm.c", f"{HERE}/fused.c", "-o", str(so), "-lm"], check=True)
-    lib = ctypes.CDLL(str(so))
+    lib = _build_gemm(tmp_path, "-mno-avx512bf16")
     assert lib.bf16_available() == 0
     fn = lib.panel_gemm
-    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
     w = torch.randn(70, 97)
     x = torch.randn(17, 97)
     fast = matmul(x, PanelWeight.pack_bf16(w))
