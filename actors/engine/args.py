@@ -61,6 +61,7 @@ class EngineArgs:
     multiprocess: bool = True
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     max_restarts: int = 3
     restart_window_s: float = 120.0
     trace: bool = True
@@ -128,6 +129,7 @@ class EngineArgs:
                                       disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
             parallel=ParallelConfig(multiprocess=self.multiprocess, data_parallel_size=self.data_parallel_size,
                                     tensor_parallel_size=self.tensor_parallel_size,
+                                    pipeline_parallel_size=self.pipeline_parallel_size,
                                     max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
@@ -386,6 +388,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="split the model over N worker processes: attention heads (and their KV cache) and MLP "
                  "columns per rank, an all-reduce after each attention and MLP (gloo on the CPU, NCCL on "
                  "GPUs); exact weights only")),
+        (("--pipeline-parallel-size", "-pp"), "pipeline_parallel_size", dict(
+            type=int, default=d["pipeline_parallel_size"], metavar="N",
+            help="split the model's decoder layers into N contiguous stages, a worker process each (times "
+                 "--tensor-parallel-size), the hidden states sent from stage to stage (gloo on the CPU, NCCL "
+                 "on GPUs) and N steps in flight so the stages overlap; exact weights only")),
         (("--data-parallel-size", "-dp"), "data_parallel_size", dict(
             type=int, default=d["data_parallel_size"], metavar="N",
             help="engine cores, each with its own scheduler, KV cache and worker process, behind one "

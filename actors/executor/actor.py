@@ -48,8 +48,9 @@ class Executor(Actor):
     protocol = ExecutorProtocol
     concurrent = True            # a held step waits while WorkersUp is handled
 
-    def __init__(self, workers: list[ActorRef]) -> None:
-        self.workers = workers                    # one per tensor-parallel rank; rank 0's output is the step's
+    def __init__(self, workers: list[ActorRef], output_rank: int = 0) -> None:
+        self.workers = workers                    # one per rank (tensor-parallel ranks x pipeline stages)
+        self.output_rank = output_rank            # whose output is the step's: the last stage's first rank
         self._up = asyncio.Event()
         self._up.set()
         self._generation = 0
@@ -96,7 +97,7 @@ class Executor(Actor):
             return await self._send(so)
 
     async def _send(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """The step on every rank at once (their collectives meet); rank 0's output."""
+        """The step on every rank at once (their collectives meet); the output rank's."""
         if len(self.workers) == 1:
             return await self._send_to(self.workers[0], so)
         sends = [asyncio.ensure_future(self._send_to(w, so)) for w in self.workers]
@@ -105,7 +106,7 @@ class Executor(Actor):
         finally:
             for f in sends:
                 f.cancel()
-        return outputs[0]
+        return outputs[self.output_rank]
 
     async def _send_to(self, worker: ActorRef, so: SchedulerOutput) -> ModelRunnerOutput:
         reply = asyncio.ensure_future(worker.ask(so, timeout=STEP_TIMEOUT_S))
