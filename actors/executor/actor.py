@@ -1,12 +1,13 @@
-"""Executor actor: sends each SchedulerOutput to the worker (with tensor parallelism, to every
-rank at once) and returns its ModelRunnerOutput (rank 0's).
+"""Executor actor: sends each SchedulerOutput to the worker (with tensor and pipeline
+parallelism, to every rank at once) and returns its ModelRunnerOutput (the output rank's: rank 0,
+or the last pipeline stage's first rank).
 While the worker is being restarted it holds steps until the replacement is up (its KV cache
 allocated), so no step reaches a worker that cannot run it; a step held across a restart fails
 as the worker's death (its requests are recomputed on the new one). A step whose reply is late is
 asked about (StepStatus): a lost reply is recovered, a lost step sent again, so a dropped frame
 costs seconds, not the step timeout.
 
-Steps may be in flight two at a time (async scheduling): each carries the number of the step
+Steps may be in flight two at a time (async scheduling), or one per pipeline stage: each carries the number of the step
 sent before it, and the worker refuses one that overtook its predecessor (StepOutOfOrder: the
 predecessor was lost and is being sent again); it is sent again once its predecessor settled,
 then without a predecessor to wait for (one that failed before the worker took it leaves nothing
@@ -31,7 +32,7 @@ class WorkersDown(Msg):
 
 class WorkersUp(Msg):
     """The workers of ``generation`` are up (their KV caches allocated): actor ``name`` on each
-    of ``nodes`` (one per tensor-parallel rank, rank 0 first)."""
+    of ``nodes`` (one per rank, in rank order)."""
     generation: int
     nodes: list[str]
     name: str
