@@ -151,7 +151,8 @@ def test_layers_split_as_vllm_splits_them(monkeypatch):
 
 def _config(pp: int, arch, **parts) -> EngineConfig:
     cfg = EngineConfig(model=ModelConfig(source=ModelSource("gguf", "/nonexistent", "tiny")),
-                       cache=CacheConfig(kv_cache_memory_bytes=1 << 20), scheduler=SchedulerConfig(max_num_batched_tokens=64),
+                       cache=CacheConfig(kv_cache_memory_bytes=1 << 20),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=64),
                        parallel=ParallelConfig(pipeline_parallel_size=pp), **parts)
     return cfg.resolve(cuda_available=False, cpu_count=4, arch=arch)
 
