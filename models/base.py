@@ -29,6 +29,9 @@ class CausalLM(nn.Module):
     gguf_permuted_qk: ClassVar[bool] = False
     # token texts llama.cpp ends generation on beside eos (end-of-turn markers)
     gguf_eog_tokens: ClassVar[tuple[str, ...]] = ()
+    # pipeline parallelism (models/pipeline_parallel.py): what a stage hands the next, each
+    # (tokens, hidden); () when the forward takes no intermediate tensors (one stage only)
+    intermediate_keys: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

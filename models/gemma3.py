@@ -15,6 +15,7 @@ from models.config import FULL, SLIDING, ArchConfig
 from models.gguf_loader import GGUFArchKeys
 from models.hf_config import rope_theta_and_factor
 from models.layers import Embedding, GatedMLP, GemmaRMSNorm, Linear, RotaryEmbedding, SelfAttention
+from models.pipeline_parallel import IntermediateTensors, is_last_stage, stage_layers
 
 SLIDING_PATTERN = 6           # transformers' and llama.cpp's default: every 6th layer is global
 LOCAL_ROPE_THETA = 10_000.0   # the sliding layers' rotary base, when a config does not say
@@ -72,6 +73,7 @@ class Gemma3ForCausalLM(CausalLM):
         "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}
     gguf_architectures: ClassVar[tuple[str, ...]] = ("gemma3",)
     gguf_eog_tokens: ClassVar[tuple[str, ...]] = ("<end_of_turn>",)
+    intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states",)
 
     gguf_tensor_map: ClassVar[TensorMap] = {
         "token_embd.weight": ("embed_tokens.weight", None),
@@ -140,22 +142,31 @@ class Gemma3ForCausalLM(CausalLM):
         self.rotary_global = RotaryEmbedding(c.head_size, c.max_model_len, c.rope_theta, c.rope_scaling_factor)
         self.rotary_local = RotaryEmbedding(c.head_size, c.max_model_len, c.rope_local_theta or c.rope_theta)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(c, i, attn_backend, dtype) for i in range(c.num_layers))
+        self.start_layer, self.end_layer = 0, c.num_layers     # a pipeline stage's (pipeline_parallel.py)
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         tied = self.embed_tokens.weight if c.tie_word_embeddings else None
         self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype, weight=tied)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        # input_ids, positions (T,) int64; kv_caches[l] (2, num_blocks, block_size, KVH, D)
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        hidden = self.embed_tokens(input_ids)                                     # (T, hidden)
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        # input_ids, positions (T,) int64; kv_caches[l] (2, num_blocks, block_size, KVH, D), one
+        # per layer this stage runs; ``intermediate``: the previous pipeline stage's tensors
+        layers = stage_layers(self)
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
+        if intermediate is None:
+            hidden = self.embed_tokens(input_ids)                                 # (T, hidden)
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        else:
+            hidden = intermediate["hidden_states"]
         rope_global = self.rotary_global(positions, hidden.dtype)                 # cos, sin (T, 1, D)
         rope_local = self.rotary_local(positions, hidden.dtype)                   # cos, sin (T, 1, D)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(layers, kv_caches):
             cos, sin = rope_local if layer.is_sliding else rope_global
             hidden = layer(hidden, cos, sin, kv_cache, meta)
+        if not is_last_stage(self):
+            return {"hidden_states": hidden}
         return self.norm(hidden)                                                  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

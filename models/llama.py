@@ -12,6 +12,7 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.base import CausalLM, TensorMap
 from models.config import ArchConfig
 from models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention
+from models.pipeline_parallel import IntermediateTensors, is_last_stage, stage_layers
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -47,6 +48,7 @@ class LlamaForCausalLM(CausalLM):
     qk_norm: ClassVar[bool] = False   # per-head RMSNorm of q and k before rotary (Qwen3)
     gguf_architectures: ClassVar[tuple[str, ...]] = ("llama",)
     gguf_permuted_qk: ClassVar[bool] = True
+    intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states", "residual")
     # models/native_decode.py: all layers of a pure-decode step in one native call (CPU), set
     # once the weights are packed when the layers qualify; the per-layer path otherwise.
     native_decode = None
@@ -91,24 +93,32 @@ class LlamaForCausalLM(CausalLM):
                                           config.rope_scaling_factor)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attn_backend, dtype, self.qk_norm)
                                     for i in range(config.num_layers))
+        self.start_layer, self.end_layer = 0, config.num_layers     # a pipeline stage's (pipeline_parallel.py)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         tied = self.embed_tokens.weight if config.tie_word_embeddings else None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, weight=tied)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        # input_ids, positions (T,) int64; kv_caches[l] (2, num_blocks, block_size, KVH, D)
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        hidden = self.embed_tokens(input_ids)                  # (T, hidden)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        # input_ids, positions (T,) int64; kv_caches[l] (2, num_blocks, block_size, KVH, D), one
+        # per layer this stage runs; ``intermediate``: the previous pipeline stage's tensors
+        layers = stage_layers(self)
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None          # (T, hidden)
+        else:
+            hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         cos, sin = self.rotary_emb(positions, hidden.dtype)    # (T, 1, D) each
-        if self.native_decode is not None:
+        if self.native_decode is not None and intermediate is None:
             out = self.native_decode.run(hidden, cos, sin, kv_caches, meta)
             if out is not None:
                 return self.norm(*out)[0]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        if not is_last_stage(self):
+            return {"hidden_states": hidden, "residual": residual}
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

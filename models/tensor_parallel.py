@@ -86,12 +86,17 @@ class VocabParallelLMHead(nn.Module):
 
 
 def shard_vocab(model: nn.Module, world: int, rank: int, group: Any) -> None:
-    """The embedding and LM head split by vocabulary rows (a tied head shares the split rows)."""
+    """The embedding and LM head split by vocabulary rows (a tied head shares the split rows);
+    a pipeline stage holding only one of them splits that one."""
     emb, head = model.embed_tokens, model.lm_head
-    vocab = emb.weight.shape[0]
+    has_emb, has_head = isinstance(emb, Embedding), isinstance(head, Linear)
+    vocab = (emb if has_emb else head).weight.shape[0]
     start, count = split(vocab, world, rank)
-    tied = head.weight is emb.weight
-    model.embed_tokens = VocabParallelEmbedding(emb.weight.data[start:start + count].clone(), start, group)
+    tied = has_emb and has_head and head.weight is emb.weight
+    if has_emb:
+        model.embed_tokens = VocabParallelEmbedding(emb.weight.data[start:start + count].clone(), start, group)
+    if not has_head:
+        return
     weight = model.embed_tokens.weight if tied else nn.Parameter(head.weight.data[start:start + count].clone(),
                                                                  requires_grad=False)
     bias = head.bias.data[start:start + count].clone() if head.bias is not None else None
@@ -168,6 +173,6 @@ def shard_model(model: nn.Module, world: int, rank: int, group: Any = None,
         shard_mlp(m, world, rank, group)
     for m in moes:
         m.shard(world, rank, group, expert_parallel)
-    if isinstance(getattr(model, "embed_tokens", None), Embedding) and isinstance(getattr(model, "lm_head", None), Linear):
+    if isinstance(getattr(model, "embed_tokens", None), Embedding) or isinstance(getattr(model, "lm_head", None), Linear):
         shard_vocab(model, world, rank, group)
     return model

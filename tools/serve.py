@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p = argparse.ArgumentParser(
         prog=prog, description="The OpenAI-compatible server, with vLLM's flags: a `vllm serve` command "
                                "line runs as `troupe serve` unchanged.",
-        epilog="vLLM's flags that Troupe does not implement (e.g. --pipeline-parallel-size) are refused, "
+        epilog="vLLM's flags that Troupe does not implement (e.g. --decode-context-parallel-size) are refused, "
                "each naming itself, with exit code 2.")
     p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                    help="the model, as --model takes it (vLLM's `vllm serve MODEL`)")

@@ -4,7 +4,7 @@ A vLLM command line runs unchanged but for the command (``troupe serve MODEL ...
 Troupe implements have vLLM's names and meanings (tools/serve.py, actors/engine/args.py); the
 flags below are refused by name, one line on stderr and exit code 2, before anything loads::
 
-    troupe: error: --pipeline-parallel-size is a vLLM flag Troupe does not implement: ...
+    troupe: error: --decode-context-parallel-size is a vLLM flag Troupe does not implement: ...
 
 A few vLLM flags ask for what Troupe always does; those are accepted (``ALWAYS``). vLLM gives
 its boolean flags a ``--no-`` form: for a refused boolean flag, the ``--no-`` form asks for what
@@ -15,7 +15,8 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-_PARALLEL = "Troupe implements tensor and data parallelism on one machine only (--tensor-parallel-size, --data-parallel-size)"
+_PARALLEL = ("Troupe implements tensor, pipeline and data parallelism on one machine only (--tensor-parallel-size, "
+             "--pipeline-parallel-size, --data-parallel-size)")
 _LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directories as they are"
 _MODALITY = "Troupe serves text-only models"
 _LORA = "Troupe's LoRA takes --enable-lora, --lora-modules, --max-loras, --max-cpu-loras and --max-lora-rank only"
@@ -31,7 +32,6 @@ _STRUCT = "Troupe's structured outputs always use xgrammar"
 # long flag -> why Troupe does not implement it
 REFUSED: dict[str, str] = {
     # parallelism and distribution
-    "--pipeline-parallel-size": _PARALLEL,
     "--decode-context-parallel-size": _PARALLEL,
     "--data-parallel-rank": _PARALLEL, "--data-parallel-start-rank": _PARALLEL,
     "--data-parallel-size-local": _PARALLEL, "--data-parallel-address": _PARALLEL,
@@ -126,7 +126,6 @@ REFUSED: dict[str, str] = {
 
 # vLLM's short forms
 ALIASES: dict[str, str] = {
-    "-pp": "--pipeline-parallel-size",
     "-dcp": "--decode-context-parallel-size", "-dpn": "--data-parallel-rank",
     "-dpr": "--data-parallel-start-rank", "-dpl": "--data-parallel-size-local",
     "-dpa": "--data-parallel-address", "-dpp": "--data-parallel-rpc-port", "-dpb": "--data-parallel-backend",

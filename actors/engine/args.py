@@ -63,6 +63,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    pipeline_parallel_size: int = 1
     max_restarts: int = 3
     restart_window_s: float = 120.0
     trace: bool = True
@@ -133,6 +134,7 @@ class EngineArgs:
             parallel=ParallelConfig(multiprocess=self.multiprocess, data_parallel_size=self.data_parallel_size,
                                     tensor_parallel_size=self.tensor_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel,
+                                    pipeline_parallel_size=self.pipeline_parallel_size,
                                     max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
@@ -397,6 +399,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="with --tensor-parallel-size N, give each rank 1/N of a mixture-of-experts model's experts "
                  "whole, tokens sent to their experts' ranks and back by all-to-all (attention stays "
                  "tensor-parallel); without it every expert is split over the ranks like a dense MLP")),
+        (("--pipeline-parallel-size", "-pp"), "pipeline_parallel_size", dict(
+            type=int, default=d["pipeline_parallel_size"], metavar="N",
+            help="split the model's decoder layers into N contiguous stages, a worker process each (times "
+                 "--tensor-parallel-size), the hidden states sent from stage to stage (gloo on the CPU, NCCL "
+                 "on GPUs) and N steps in flight so the stages overlap; exact weights only")),
         (("--data-parallel-size", "-dp"), "data_parallel_size", dict(
             type=int, default=d["data_parallel_size"], metavar="N",
             help="engine cores, each with its own scheduler, KV cache and worker process, behind one "

@@ -19,9 +19,9 @@ import msgspec
 from actors.engine.compilation import CompilationConfig
 from actors.engine.lora import LoRAConfig
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
-from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, kv_cache_groups,
+from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, group_size, kv_cache_groups,
                                              max_tokens_per_request, model_kv_cache_specs, num_blocks_for,
-                                             with_draft_layers)
+                                             stage_groups, with_draft_layers)
 from actors.kv_transfer.config import KVTransferConfig
 from actors.spec_decode.config import SpeculativeConfig
 from models.config import ArchConfig
@@ -117,8 +117,17 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # --enable-expert-parallel: MoE layers' experts partitioned over the tensor-parallel ranks
     # (expert parallelism of size tensor_parallel_size) instead of each expert split
     enable_expert_parallel: bool = False
+    # --pipeline-parallel-size: each engine core's decoder layers split into this many stages, a
+    # worker process per stage (and per tensor-parallel rank), several steps in flight at once
+    pipeline_parallel_size: int = 1
     max_restarts: int = 3                  # a worker or engine process dying more often than this ...
     restart_window_s: float = 120.0        # ... within this window stops the server
+
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes per engine core: tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class DeviceConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -189,7 +198,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.cache.num_blocks:
             num_blocks = self.cache.num_blocks
         elif kv_bytes or device != "cuda":
-            num_blocks = max(num_blocks_for(specs, kv_bytes or CPU_KV_CACHE_BYTES, groups), 2)
+            num_blocks = max(num_blocks_for(specs, kv_bytes or CPU_KV_CACHE_BYTES,
+                                            self._largest_stage(groups, arch.num_layers)), 2)
         else:       # sized by the worker once the weights are on the GPU (with_kv_cache_bytes)
             num_blocks = 0
         max_model_len = self.model.max_model_len or arch.max_model_len
@@ -197,8 +207,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             max_model_len = self._fitting_len(groups, num_blocks, max_model_len)
         sched = self.scheduler
         if sched.async_scheduling is None:     # a step's drafts come from the previous step's output
+            # (pipeline parallelism keeps steps in flight its own way: a batch queue)
             sched = msgspec.structs.replace(sched, async_scheduling=self.parallel.multiprocess
-                                            and self.speculative is None)
+                                            and self.speculative is None
+                                            and self.parallel.pipeline_parallel_size == 1)
         if sched.max_num_partial_prefills > 1 and not sched.long_prefill_token_threshold:
             sched = msgspec.structs.replace(sched, long_prefill_token_threshold=max(max_model_len * 4 // 100, 1))
         return self.replace(
@@ -207,7 +219,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                                           draft_arch=draft_arch if self.model.draft_source is not None else None),
             cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
             device=msgspec.structs.replace(self.device, device=device, num_threads=self.device.num_threads or max(
-                1, cpu_count // (self.parallel.tensor_parallel_size * self.parallel.data_parallel_size))))
+                1, cpu_count // (self.parallel.world_size * self.parallel.data_parallel_size))))
 
 
     @property
@@ -222,7 +234,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not self.resolved:
             raise ValueError("with_kv_cache_bytes needs a resolved config")
         groups = self.kv_cache_groups()
-        num_blocks = max(num_blocks_for(self.kv_cache_specs(), kv_bytes, groups), 2)
+        num_blocks = max(num_blocks_for(self.kv_cache_specs(), kv_bytes,
+                                        self._largest_stage(groups, self.model.arch.num_layers)), 2)
         return self.replace(
             model=msgspec.structs.replace(self.model, max_model_len=self._fitting_len(
                 groups, num_blocks, self.model.max_model_len)),
@@ -247,6 +260,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         L = self.model.arch.num_layers
         groups = kv_cache_groups(specs[:L], hybrid=not self.scheduler.disable_hybrid_kv_cache_manager)
         return groups if len(specs) == L else with_draft_layers(groups, specs[:L], specs[L:])
+
+    def _largest_stage(self, groups: tuple[KVCacheGroupSpec, ...], num_layers: int) -> tuple[KVCacheGroupSpec, ...]:
+        """The groups as the pipeline stage with the most cache tensors holds them (``groups``
+        without pipeline parallelism): a block id takes its pages there, so its memory sizes the
+        blocks of every stage."""
+        pp = self.parallel.pipeline_parallel_size
+        if pp == 1:
+            return groups
+        from models.pp_layout import pp_layers
+        return max((stage_groups(groups, *pp_layers(num_layers, pp, r)) for r in range(pp)), key=group_size)
 
     def _fitting_len(self, groups: tuple[KVCacheGroupSpec, ...], num_blocks: int, limit: int) -> int:
         """``limit`` capped to the longest request that fits alone in the cache (block 0 is the
@@ -365,11 +388,35 @@ def check_config(cfg: EngineConfig) -> None:
         if cfg.lora is not None:
             raise ValueError("LoRA adapters with tensor parallelism are not supported yet (an adapter's matrices "
                              "are not split over the ranks): serve them with one worker")
+    if dp.pipeline_parallel_size < 1:
+        raise ValueError(f"pipeline_parallel_size must be at least 1, got {dp.pipeline_parallel_size}")
+    if dp.pipeline_parallel_size > 1:
+        _check_pipeline_parallel(cfg)
     if dp.data_parallel_size > 1 and not dp.multiprocess:
         raise ValueError("data parallelism runs each engine core in a process of its own: it needs the "
                          "multiprocess layout (a server, or LLM(multiprocess=True))")
     if cfg.model.max_model_len < 0:
         raise ValueError(f"max_model_len must be at least 0 (0: the model's own), got {cfg.model.max_model_len}")
+
+
+def _check_pipeline_parallel(cfg: EngineConfig) -> None:
+    """What pipeline parallelism does not run yet, refused naming the combination."""
+    pp = cfg.parallel.pipeline_parallel_size
+    if not cfg.parallel.multiprocess:
+        raise ValueError("pipeline parallelism runs each stage in a worker process of its own: it needs the "
+                         "multiprocess layout (a server, or LLM(multiprocess=True))")
+    unsupported = [
+        (cfg.model.quantization is not None, f"quantization {cfg.model.quantization!r}"),
+        (cfg.speculative is not None, "speculative decoding"),
+        (cfg.lora is not None, "LoRA adapters"),
+        (cfg.compilation.compiles, f"--compilation-config level {cfg.compilation.level} (torch.compile)"),
+        (bool(cfg.scheduler.async_scheduling), "--async-scheduling (the stages' batch queue keeps "
+                                               f"{pp} steps in flight instead)"),
+    ]
+    for refused, what in unsupported:
+        if refused:
+            raise ValueError(f"{what} with pipeline parallelism (pipeline_parallel_size={pp}) is not supported "
+                             "yet: run it with one pipeline stage")
 
 
 def _one_of(name: str, value: str, accepted: tuple[str, ...]) -> None:

@@ -2,9 +2,12 @@
 it from the resolved config, and supervises the worker. In a server the worker is a child
 process (restarted when it dies, up to a limit); offline it is an actor in this event loop.
 
-With tensor parallelism there is one worker process per rank; they form a process group (meeting
-at a file in the IPC directory, one per generation) and run every step together. One that dies
-breaks the group: the others are stopped and all are started again, as one worker would be."""
+With tensor and pipeline parallelism there is one worker process per rank (tensor-parallel ranks
+times pipeline stages, rank = stage * tp + tp rank); they form a process group (meeting at a file
+in the IPC directory, one per generation) and run every step together, the last stage's first
+rank giving its output. The KV cache is sized by the rank with the fewest blocks (a stage's
+cache holds its layers only), and every rank allocates that many. One that dies breaks the
+group: the others are stopped and all are started again, as one worker would be."""
 from __future__ import annotations
 
 import asyncio
@@ -45,9 +48,10 @@ class EngineCore:
         self.ipc_dir = ipc_dir
         self.dp_rank = config.parallel.data_parallel_rank
         self.tp_size = config.parallel.tensor_parallel_size
-        self.worker_nodes = [topology.worker_node(r, self.dp_rank) for r in range(self.tp_size)]
+        self.world_size = config.parallel.world_size          # tensor-parallel ranks x pipeline stages
+        self.worker_nodes = [topology.worker_node(r, self.dp_rank) for r in range(self.world_size)]
         self.generation = 0
-        self.workers: list[ChildProcess] = []          # one process per tensor-parallel rank
+        self.workers: list[ChildProcess] = []          # one process per rank
         self._restarting = False
         self._restarts = RestartBudget(config.parallel.max_restarts, config.parallel.restart_window_s)
         self.scheduler: ActorRef | None = None
@@ -59,7 +63,7 @@ class EngineCore:
         """Load the model, allocate the KV cache, start the engine's actors; returns the
         resolved config."""
         workers, self.config = await self._start_workers()
-        await asyncio.gather(*(w.ask(InitKVCache(), timeout=INIT_KV_TIMEOUT_S) for w in workers))
+        await asyncio.gather(*(w.ask(InitKVCache(self.config), timeout=INIT_KV_TIMEOUT_S) for w in workers))
         cfg = self.config
         log.info("KV cache: %d blocks of %d tokens (%s%s), %s; max model len %d", cfg.cache.num_blocks,
                  cfg.cache.block_size, cfg.cache.cache_dtype, kv_scales_note(cfg.cache),
@@ -70,7 +74,8 @@ class EngineCore:
         kv, grammars = self.kv_manager.colocated(), self.grammar.colocated()
         structured = StructuredOutputs(grammars, cfg.model.arch.vocab_size)
         scheduler = Scheduler(cfg, kv, structured)
-        if cfg.scheduler.max_step_latency_ms > 0:       # the step-cost model fitted before the first request
+        # the step-cost model fitted before the first request (pipeline stages: on the served steps)
+        if cfg.scheduler.max_step_latency_ms > 0 and cfg.parallel.pipeline_parallel_size == 1:
             t0 = time.monotonic()
             try:
                 costs = await asyncio.gather(*(w.ask(ProfileStepCosts(), timeout=INIT_KV_TIMEOUT_S)
@@ -82,22 +87,23 @@ class EngineCore:
                 scheduler.seed_step_costs(costs[0])
                 log.info("step-cost model fitted on %d profiled steps in %.1f s%s", len(costs[0]),
                          time.monotonic() - t0, "" if scheduler.cost.ready else " (too few: fitted as requests come)")
-        self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor(workers))
+        output_rank = (cfg.parallel.pipeline_parallel_size - 1) * self.tp_size    # the last stage's first rank
+        self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor(workers, output_rank))
         outputs = self.node.ref(topology.DETOKENIZER, topology.FRONTEND_NODE, EngineCoreOutputs)
         self.scheduler = self.node.spawn(topology.SCHEDULER, lambda: SchedulerActor(
             scheduler, self.executor, outputs, self.grammar, engine_index=self.dp_rank))
         return cfg
 
     async def _start_workers(self) -> tuple[list[ActorRef], EngineConfig]:
-        """The workers (one per tensor-parallel rank), with the model loaded; and the config
-        rank 0 resolved."""
+        """The workers (one per rank), with the model loaded; and the config they resolved, with
+        the fewest KV cache blocks any rank has room for."""
         if not self.config.parallel.multiprocess:
             ref = await self.node.start(topology.WORKER, WorkerActor)
             return [ref], await ref.ask(LoadModel(self.config), timeout=LOAD_TIMEOUT_S)
         # the ranks' meeting point: a file of this generation (a fresh group after a restart)
         init = (f"file://{self.ipc_dir}/tp-{self.dp_rank}-{self.generation}-{os.getpid()}"
-                if self.tp_size > 1 else "")
-        started = await asyncio.gather(*(self._start_rank(r, init) for r in range(self.tp_size)),
+                if self.world_size > 1 else "")
+        started = await asyncio.gather(*(self._start_rank(r, init) for r in range(self.world_size)),
                                        return_exceptions=True)
         failed = [x for x in started if isinstance(x, BaseException)]
         self.workers = [x[0] for x in started if not isinstance(x, BaseException)]
@@ -105,11 +111,13 @@ class EngineCore:
             await asyncio.gather(*(w.stop() for w in self.workers))
             raise failed[0]
         configs = [decode_info(ready, EngineConfig) for _, ready in started]
-        return [self.node.ref(topology.WORKER, node) for node in self.worker_nodes], configs[0]
+        return ([self.node.ref(topology.WORKER, node) for node in self.worker_nodes],
+                min(configs, key=lambda c: c.cache.num_blocks))
 
     async def _start_rank(self, rank: int, init_method: str):
         spec = NodeSpec(self.worker_nodes[rank], "actors.worker.actor:worker_entry",
-                        msgspec.msgpack.encode(LoadModel(self.config, rank, init_method)), self.ipc_dir,
+                        msgspec.msgpack.encode(LoadModel(self.config, rank % self.tp_size, init_method,
+                                                         rank // self.tp_size)), self.ipc_dir,
                         self.node.name, {self.node.name: endpoint(self.ipc_dir, self.node.name)},
                         trace=self.config.observability.trace,
                         flight_dir=self.config.observability.flight_recorder_dir)
@@ -135,13 +143,13 @@ class EngineCore:
             await asyncio.gather(*(w.stop() for w in self.workers))
             self.generation += 1
             workers, _ = await self._start_workers()
-            await asyncio.gather(*(w.ask(InitKVCache(), timeout=INIT_KV_TIMEOUT_S) for w in workers))
+            await asyncio.gather(*(w.ask(InitKVCache(self.config), timeout=INIT_KV_TIMEOUT_S) for w in workers))
         except Exception as exc:  # whatever went wrong, the engine cannot go on without a worker
             self.node.fatal(f"could not restart the worker: {exc}")
             return
         finally:
             self._restarting = False
-        log.info("worker%s restarted (generation %d)", "s" if self.tp_size > 1 else "", self.generation)
+        log.info("worker%s restarted (generation %d)", "s" if self.world_size > 1 else "", self.generation)
         self.executor.tell(WorkersUp(self.generation, self.worker_nodes, topology.WORKER))
         self.scheduler.tell(WorkersReady(self.generation))
 

@@ -111,6 +111,9 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     req_ids: list[str] = []
     new_block_ids: list[tuple[list[int], ...]] = []
     num_computed_tokens: list[int] = []
+    # pipeline parallelism: each request's scheduled tokens (the stages before the last never
+    # sampled the newest; empty without pipeline parallelism)
+    new_token_ids: list[list[int]] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):

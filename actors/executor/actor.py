@@ -1,12 +1,13 @@
-"""Executor actor: sends each SchedulerOutput to the worker (with tensor parallelism, to every
-rank at once) and returns its ModelRunnerOutput (rank 0's).
+"""Executor actor: sends each SchedulerOutput to the worker (with tensor and pipeline
+parallelism, to every rank at once) and returns its ModelRunnerOutput (the output rank's: rank 0,
+or the last pipeline stage's first rank).
 While the worker is being restarted it holds steps until the replacement is up (its KV cache
 allocated), so no step reaches a worker that cannot run it; a step held across a restart fails
 as the worker's death (its requests are recomputed on the new one). A step whose reply is late is
 asked about (StepStatus): a lost reply is recovered, a lost step sent again, so a dropped frame
 costs seconds, not the step timeout.
 
-Steps may be in flight two at a time (async scheduling): each carries the number of the step
+Steps may be in flight two at a time (async scheduling), or one per pipeline stage: each carries the number of the step
 sent before it, and the worker refuses one that overtook its predecessor (StepOutOfOrder: the
 predecessor was lost and is being sent again); it is sent again once its predecessor settled,
 then without a predecessor to wait for (one that failed before the worker took it leaves nothing
@@ -31,7 +32,7 @@ class WorkersDown(Msg):
 
 class WorkersUp(Msg):
     """The workers of ``generation`` are up (their KV caches allocated): actor ``name`` on each
-    of ``nodes`` (one per tensor-parallel rank, rank 0 first)."""
+    of ``nodes`` (one per rank, in rank order)."""
     generation: int
     nodes: list[str]
     name: str
@@ -48,8 +49,9 @@ class Executor(Actor):
     protocol = ExecutorProtocol
     concurrent = True            # a held step waits while WorkersUp is handled
 
-    def __init__(self, workers: list[ActorRef]) -> None:
-        self.workers = workers                    # one per tensor-parallel rank; rank 0's output is the step's
+    def __init__(self, workers: list[ActorRef], output_rank: int = 0) -> None:
+        self.workers = workers                    # one per rank (tensor-parallel ranks x pipeline stages)
+        self.output_rank = output_rank            # whose output is the step's: the last stage's first rank
         self._up = asyncio.Event()
         self._up.set()
         self._generation = 0
@@ -96,7 +98,7 @@ class Executor(Actor):
             return await self._send(so)
 
     async def _send(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """The step on every rank at once (their collectives meet); rank 0's output."""
+        """The step on every rank at once (their collectives meet); the output rank's."""
         if len(self.workers) == 1:
             return await self._send_to(self.workers[0], so)
         sends = [asyncio.ensure_future(self._send_to(w, so)) for w in self.workers]
@@ -105,7 +107,7 @@ class Executor(Actor):
         finally:
             for f in sends:
                 f.cancel()
-        return outputs[0]
+        return outputs[self.output_rank]
 
     async def _send_to(self, worker: ActorRef, so: SchedulerOutput) -> ModelRunnerOutput:
         reply = asyncio.ensure_future(worker.ask(so, timeout=STEP_TIMEOUT_S))

@@ -235,12 +235,21 @@ def num_blocks_for(specs: list[KVCacheSpec], memory_bytes: int,
     return memory_bytes // bytes_per_block(groups)
 
 
+def stage_groups(groups: tuple[KVCacheGroupSpec, ...], start: int, end: int) -> tuple[KVCacheGroupSpec, ...]:
+    """``groups`` with only the layers ``start`` .. ``end`` - 1 (a pipeline stage's): the same
+    groups and block ids, fewer layers each (a group may keep none), so fewer cache tensors."""
+    return tuple(KVCacheGroupSpec(tuple(i for i in g.layer_ids if start <= i < end), g.kv_cache_spec)
+                 for g in groups)
+
+
 def create_kv_cache_views(specs: list[KVCacheSpec], num_blocks: int, dtype: torch.dtype,
-                          device: Any = "cpu", groups: tuple[KVCacheGroupSpec, ...] | None = None
-                          ) -> list[torch.Tensor]:
+                          device: Any = "cpu", groups: tuple[KVCacheGroupSpec, ...] | None = None,
+                          layers: range | None = None) -> list[torch.Tensor]:
     """One flat buffer of ``group_size`` tensors of (2, num_blocks, block_size, num_kv_heads,
     head_size), and per layer the tensor it reads: layer j of every group shares tensor j
-    (``groups``; None: one group of every layer, a tensor each)."""
+    (``groups``; None: one group of every layer, a tensor each). ``layers``: the layers whose
+    views are returned (a pipeline stage's, with ``groups`` cut to them: ``stage_groups``);
+    None: every layer."""
     import torch
     groups = groups or kv_cache_groups(specs, hybrid=False)
     s = specs[0]
@@ -255,6 +264,7 @@ def create_kv_cache_views(specs: list[KVCacheSpec], num_blocks: int, dtype: torc
     for g in groups:
         for j, layer in enumerate(g.layer_ids):
             views[layer] = tensors[j]
+    views = views if layers is None else [views[i] for i in layers]
     if any(v is None for v in views):
         raise ValueError(f"layers {[i for i, v in enumerate(views) if v is None]} belong to no KV cache group")
     return views

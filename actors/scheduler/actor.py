@@ -12,6 +12,9 @@ soon as N is done, so scheduling, messaging and output handling hide behind its 
 with constrained requests whose tokens are still in flight waits for them first (their matchers
 must see every token before the next bitmask). A failed step settles every step in flight
 before its requests are failed or recomputed.
+
+With pipeline parallelism (--pipeline-parallel-size N) up to N steps are in flight, each with
+requests of its own (the scheduler's batch queue), so the stages overlap.
 """
 from __future__ import annotations
 
@@ -103,7 +106,7 @@ class SchedulerActor(Actor):
         self._step_queued = False
         self._last_step_start = 0.0
         self._last_step_end = 0              # monotonic ns: the gap before the next step
-        self._depth = 2 if core.async_scheduling else 1     # steps in flight at most
+        self._depth = core.batch_queue_size     # steps in flight at most (async scheduling, pipeline stages)
         self._in_flight: deque[_InFlight] = deque()
         # Aborts of requests not (yet) known here: an abort sent while the request was being
         # admitted may overtake it, and the request must then not run for nobody.

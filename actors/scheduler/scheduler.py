@@ -24,6 +24,14 @@ kept (they were sampled from the right state) and recomputed with the rest. A co
 request's matcher must have seen every token before its next bitmask: while one runs with tokens
 in flight (``grammar_needs_outputs``), the caller settles the steps in flight before scheduling.
 
+Pipeline parallelism (the book's chapter 8; vLLM's batch queue): the caller keeps up to
+``batch_queue_size`` (the number of stages) steps in flight, so each stage works on one while the
+next stage works on the one before. A request is in one step in flight at most: while its step is
+out, schedule() passes it over (running, or waiting after a preemption), and it is scheduled again
+once that step's output came back. The other requests fill the next step, so micro-batches form
+as requests arrive and as the token budget splits them. Each step tells the stages the tokens it
+computes (``new_token_ids``): the stages before the last never see what the last one sampled.
+
 The KV manager is asked directly, request by request, as vLLM's scheduler does: it is the
 only record of the blocks; the scheduler keeps no count of its own.
 
@@ -103,6 +111,11 @@ class Scheduler:
                  structured: StructuredOutputs | None = None, connector: KVConnectorBase | None = None) -> None:
         self.config = config.scheduler
         self.async_scheduling = config.scheduler.async_scheduling
+        self.pipeline_parallel_size = pp = config.parallel.pipeline_parallel_size
+        # steps the caller keeps in flight: one per pipeline stage, two with async scheduling
+        self.batch_queue_size = pp if pp > 1 else 2 if self.async_scheduling else 1
+        self._busy: set[str] = set()                   # pipeline parallelism: requests in a step in flight
+        self._busy_steps: dict[int, list[str]] = {}     # step -> the requests it holds
         self.structured = structured
         self.awaiting_grammar: dict[str, Request] = {}    # WAITING_FOR_GRAMMAR, out of the queue
         self.block_size = config.cache.block_size
@@ -229,6 +242,8 @@ class Scheduler:
                 if req is not None:
                     req.num_output_placeholders = 0
         self._in_flight.clear()
+        self._busy.clear()
+        self._busy_steps.clear()
 
     def reset_blocks(self) -> None:
         """The workers lost their caches: forget every allocation and cached prefix. Only
@@ -373,6 +388,9 @@ class Scheduler:
             req.num_output_placeholders += 1
         if sampling:
             self._in_flight[so.step] = [req.request_id for req in sampling]
+        if self.pipeline_parallel_size > 1 and step.num_tokens:
+            self._busy_steps[so.step] = list(so.num_scheduled_tokens)
+            self._busy.update(so.num_scheduled_tokens)
         return so
 
     def _latency_budget(self) -> tuple[float | None, frozenset]:
@@ -411,7 +429,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = 0 if self._reaches_limit(req) else self._num_new_tokens(req, req.num_computed_tokens, step)
+            n = (0 if self._reaches_limit(req) or req.request_id in self._busy
+                 else self._num_new_tokens(req, req.num_computed_tokens, step))
             if n == 0:
                 i += 1
                 continue
@@ -466,7 +485,7 @@ class Scheduler:
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}   # every step's, at most max_loras
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
-            if req.num_output_placeholders or not self._lora_fits(req, loras):
+            if req.num_output_placeholders or req.request_id in self._busy or not self._lora_fits(req, loras):
                 skipped.append(self.waiting.pop())
                 continue
             loaded = req.request_id in self._remote_loaded
@@ -625,6 +644,8 @@ class Scheduler:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(blocks)
                 cached.num_computed_tokens.append(start)
+                if self.pipeline_parallel_size > 1:
+                    cached.new_token_ids.append(req.all_token_ids[start:start + n])
         finished = self._finished_for_workers + [r.request_id for r in step.preempted]
         meta = None       # sent without tokens too while transfers are under way (the worker reports them)
         if self.connector is not None and (num_scheduled or self.kv_connector_pending()):
@@ -659,6 +680,8 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None and req.num_output_placeholders:
                 req.num_output_placeholders -= 1
+        for rid in self._busy_steps.pop(so.step, ()):
+            self._busy.discard(rid)
         outs = []
         if out.kv_connector_output is not None and self.connector is not None:
             outs.extend(self._update_from_kv_xfer(out.kv_connector_output))

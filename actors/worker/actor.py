@@ -20,18 +20,21 @@ if TYPE_CHECKING:
 
 class LoadModel(Msg):
     """Load the checkpoint ``config`` names; the reply is the config resolved by this worker.
-    With tensor parallelism: this worker's ``tp_rank``, and where the ranks meet to form their
-    process group (``init_method``, torch.distributed's)."""
+    With tensor and pipeline parallelism: this worker's ``tp_rank`` and ``pp_rank`` (its stage),
+    and where the ranks meet to form their process group (``init_method``, torch.distributed's)."""
     reply_type: ClassVar[Any] = EngineConfig
     config: EngineConfig
     tp_rank: int = 0
     init_method: str = ""
+    pp_rank: int = 0
 
 
 class InitKVCache(Msg):
     """Allocate the KV cache the resolved config sizes (on CUDA, capture the decode graphs);
-    the reply is its size in bytes."""
+    the reply is its size in bytes. ``config``: the engine core's resolved config, whose block
+    count every rank allocates (None: this worker's own)."""
     reply_type: ClassVar[Any] = int
+    config: EngineConfig | None = None
 
 
 class ProfileStepCosts(Msg):
@@ -92,14 +95,14 @@ class WorkerActor(Actor):
             case StepStatus(step=step):
                 out = self.recent.get(step)
                 return StepResult(out is not None, out)
-            case LoadModel(config=config, tp_rank=tp_rank, init_method=init_method):
+            case LoadModel(config=config, tp_rank=tp_rank, init_method=init_method, pp_rank=pp_rank):
                 # The core imports torch and the models: imported here, at the first load, and
                 # not with this protocol, which the engine-core process imports without torch.
                 from actors.worker.worker import Worker
-                self.core = Worker(config, tp_rank, init_method)
+                self.core = Worker(config, tp_rank, init_method, pp_rank)
                 return self.core.config
-            case InitKVCache():
-                return self._loaded().init_kv_cache()
+            case InitKVCache(config=config):
+                return self._loaded().init_kv_cache(config)
             case ProfileStepCosts():
                 return self._loaded().profile_step_costs()
 

@@ -136,6 +136,13 @@ class InputBatch:
         self.token_ids[slots, self.num_tokens[slots]] = tokens
         self.num_tokens[slots] += 1
 
+    def write_tokens(self, i: int, start: int, token_ids: list[int]) -> None:
+        """Slot ``i``'s tokens from position ``start`` on, as the scheduler knows them (a pipeline
+        stage that does not sample learns its requests' new tokens so)."""
+        end = start + len(token_ids)
+        self.token_ids[i, start:end] = token_ids
+        self.num_tokens[i] = max(int(self.num_tokens[i]), end)
+
     def write_drafts(self, i: int, draft_token_ids: list[int]) -> None:
         """Slot ``i``'s draft tokens, just past its tokens (not counted as its tokens)."""
         n = int(self.num_tokens[i])

@@ -40,6 +40,12 @@ LoRA (``--enable-lora``: the worker wrapped the model's projections, ``model.lor
 before each forward the manager makes the step's adapters resident in the layers' slots and maps
 every token to its request's slot (-1: the base model); a uniform decode step with adapters
 replays the decode graph captured with LoRA (``BatchDescriptor.has_lora``).
+
+Pipeline parallelism (``link``: this stage's neighbours, models/pipeline_parallel.py): the KV
+cache holds the stage's layers only; a stage after the first receives the previous stage's
+intermediate tensors instead of embedding the tokens, a stage before the last sends its own on
+and returns no tokens (it learns the sampled ones from the scheduler's ``new_token_ids``); the
+last stage samples as above.
 """
 from __future__ import annotations
 
@@ -52,7 +58,7 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
-from actors.kv_manager.kv_cache_spec import create_kv_cache_views, layer_groups
+from actors.kv_manager.kv_cache_spec import create_kv_cache_views, layer_groups, stage_groups
 from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.input_batch import InputBatch
 from actors.worker.platforms import platform_for
@@ -60,6 +66,7 @@ from kernels.attention.base import AttentionMetadata
 from kernels.attention.cascade import cascade_prefix_len
 from kernels.attention.fp8 import FP8_NAMES
 from models.layers import bind_kv_cache_groups, first_attention
+from models.pipeline_parallel import StageLink
 from actors.spec_decode.draft_model import DraftModelProposer
 from actors.spec_decode.ngram import NgramProposer
 from models.logits_processors import build_logits_processors, load_logits_processor_classes
@@ -95,7 +102,8 @@ class ModelRunner:
     ``cudagraph_sizes``: the decode batch sizes to capture (CUDA), or to pad to (tests)."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig,
-                 cudagraph_sizes: list[int] | None = None, draft_model: torch.nn.Module | None = None) -> None:
+                 cudagraph_sizes: list[int] | None = None, draft_model: torch.nn.Module | None = None,
+                 link: StageLink | None = None) -> None:
         if not config.resolved:
             raise ValueError("the model runner needs a resolved config (EngineConfig.resolve)")
         self.model = model
@@ -109,11 +117,20 @@ class ModelRunner:
         specs = config.kv_cache_specs(local)
         groups = config.kv_cache_groups()
         self.num_kv_cache_groups = G = len(groups)
-        views = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device, groups)
         L = self.arch.num_layers
-        self.kv_caches, self.draft_kv_caches = views[:L], views[L:]
         group_of = layer_groups(groups, len(specs))
-        bind_kv_cache_groups(model, group_of[:L])
+        self.link = link
+        self.samples = link is None or link.next_rank is None       # the last pipeline stage, or the only one
+        if link is None:
+            views = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device, groups)
+            self.kv_caches, self.draft_kv_caches = views[:L], views[L:]
+            bind_kv_cache_groups(model, group_of[:L])
+        else:                  # a pipeline stage: its layers' caches only
+            start, end = model.start_layer, model.end_layer
+            self.kv_caches = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device,
+                                                   stage_groups(groups, start, end), range(start, end))
+            self.draft_kv_caches = []
+            bind_kv_cache_groups(model, group_of[start:end])
         max_model_len = config.model.max_model_len
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G)
         self.sampler = Sampler()
@@ -167,6 +184,9 @@ class ModelRunner:
             i = b.slot(rid)
             b.append_blocks(i, blocks)
             b.num_computed_tokens[i] = computed
+        if not self.samples:           # a pipeline stage that did not sample its requests' newest tokens
+            for rid, computed, tokens in zip(c.req_ids, c.num_computed_tokens, c.new_token_ids):
+                b.write_tokens(b.slot(rid), computed, tokens)
 
     # -- 2) the step's inputs ----------------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -220,6 +240,10 @@ class ModelRunner:
         b = self.batch
         b.num_computed_tokens[inp.slots] += np.fromiter(so.num_scheduled_tokens.values(),
                                                         dtype=np.int64, count=len(req_ids))
+        if not self.samples:           # a pipeline stage before the last: its tensors to the next stage
+            self.link.send(hidden)
+            out.compute_s = time.perf_counter() - t0
+            return out
         self._prompt_logprobs(so, inp, hidden, out)
         t_sample = time.perf_counter()
         if len(inp.sample_rows):
@@ -330,14 +354,17 @@ class ModelRunner:
         desc = self.graphs.dispatch(inp.meta, has_lora) if self.graphs is not None and not eager else None
         if desc is not None:
             return self.graphs.run(desc, inp)                  # padded buffers, a graph on CUDA
+        # a pipeline stage after the first: the previous stage's tensors for the step's tokens
+        stage_in = ({} if self.link is None or self.link.prev_rank is None
+                    else {"intermediate": self.link.recv(len(inp.input_ids))})
         if self.device.type == "cpu":
-            return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, **stage_in)
         to_dev = lambda t: t.to(self.device, non_blocking=True)    # noqa: E731 (pageable: copied at once)
         shared = {name: to_dev(getattr(inp.meta, name)) for name in ("query_start_loc", "seq_lens")}
         metas = [dataclasses.replace(m, **shared, block_table=to_dev(m.block_table),
                                      slot_mapping=to_dev(m.slot_mapping)) for m in inp.meta.groups or (inp.meta,)]
         meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
-        return self.model(to_dev(inp.input_ids), to_dev(inp.positions), self.kv_caches, meta)
+        return self.model(to_dev(inp.input_ids), to_dev(inp.positions), self.kv_caches, meta, **stage_in)
 
     def sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
         """The sampler's per-row tensors. Reused while the same requests sit in the same rows

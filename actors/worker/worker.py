@@ -29,6 +29,7 @@ from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
 from models.quant import quantize
 from models.registry import Checkpoint, attention_requirements, build_model, open_checkpoint
+from models.pipeline_parallel import StageLink, split_stage
 from models.tensor_parallel import shard_model
 
 log = logging.getLogger("troupe.worker")
@@ -37,12 +38,12 @@ PROFILE_BUDGET_S = 10.0          # the most start-up time the step-cost profile 
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, tp_rank: int = 0, init_method: str = "") -> None:
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, init_method: str = "", pp_rank: int = 0) -> None:
         """Resolve ``config`` for this platform and checkpoint and load the model (with tensor
-        parallelism, rank ``tp_rank``'s part of it, after joining the ranks' process group at
-        ``init_method``)."""
+        and pipeline parallelism, the part of it of rank ``tp_rank`` in stage ``pp_rank``, after
+        joining the ranks' process group at ``init_method``)."""
         t0 = time.monotonic()
-        self.tp_rank = tp_rank
+        self.tp_rank, self.pp_rank = tp_rank, pp_rank
         source = config.model.source
         ckpt = open_checkpoint(source)
         draft = config.model.draft_source
@@ -56,10 +57,22 @@ class Worker:
         torch.manual_seed(self.config.model.seed)
         self.device = torch.device(self.config.device.device)
         self.tp_size = self.config.parallel.tensor_parallel_size
-        if self.tp_size > 1:
-            join_tensor_parallel_group(self.device, tp_rank, self.tp_size, init_method)
+        self.pp_size = self.config.parallel.pipeline_parallel_size
+        self.tp_group = None                # the default group, unless stages each have theirs
+        self.link: StageLink | None = None  # this pipeline stage's neighbours
+        if self.tp_size * self.pp_size > 1:
+            self.tp_group = join_parallel_groups(self.device, tp_rank, pp_rank, self.tp_size, self.pp_size,
+                                                 init_method)
         self.attn_backend = self._backend(ckpt)
         self.model = self._load(ckpt, self.attn_backend, self.config.model.quantization, source.path)
+        if self.pp_size > 1:
+            rank = pp_rank * self.tp_size + tp_rank           # in the world group
+            self.link = StageLink(rank - self.tp_size if pp_rank > 0 else None,
+                                  rank + self.tp_size if pp_rank < self.pp_size - 1 else None,
+                                  self.model.intermediate_keys, self.config.model.arch.hidden_size,
+                                  torch_dtype(self.config.model.dtype), self.device)
+            log.info("pipeline stage %d of %d: layers %d to %d", pp_rank, self.pp_size, self.model.start_layer,
+                     self.model.end_layer - 1)
         if self.config.lora is not None:     # LoRA slots around the (packed, quantized) projections
             from actors.worker.lora_manager import LoRAModelManager
             LoRAModelManager(self.model, self.config.lora, self.config.model.arch, self.device)
@@ -80,7 +93,7 @@ class Worker:
     def _gpu_kv_cache_bytes(self) -> int:
         """What --gpu-memory-utilization leaves for the KV cache once the weights are loaded
         and the largest step's forward pass ran (its activations stay reserved until then)."""
-        profile_run(self.model, self.config)
+        profile_run(self.model, self.config, self.link)
         torch.cuda.synchronize()
         free, total = device_memory(torch.cuda.current_device())
         utilization = self.config.cache.gpu_memory_utilization
@@ -106,8 +119,10 @@ class Worker:
         compute = self._compute_dtype(quantization)
         model = build_model(ckpt, torch_dtype(compute), backend, cfg.cache.block_size,
                             self.device.type, torch_dtype(cfg.cache.cache_dtype))
+        if self.pp_size > 1:                 # this stage's layers (before splitting them over ranks)
+            split_stage(model, self.pp_size, self.pp_rank)
         if self.tp_size > 1:                 # this rank's heads and columns (before packing)
-            shard_model(model, self.tp_size, self.tp_rank,
+            shard_model(model, self.tp_size, self.tp_rank, self.tp_group,
                         expert_parallel=cfg.parallel.enable_expert_parallel)
             log_expert_placement(model, self.tp_rank)
         if quantization:
@@ -115,7 +130,7 @@ class Worker:
         comp = cfg.compilation
         if self.platform.packs_linears and packs_linears(comp, quantization):   # packed once for the native kernels
             prepack_linears(model, bfloat16=compute != cfg.model.dtype and cfg.model.dtype == "bfloat16")
-            if comp.level == 1:
+            if comp.level == 1 and self.pp_size == 1:     # the native stack runs every layer from the embedding
                 attach_native_decode(model)
         compiled = apply_compilation(model, comp, repr(ckpt.config))
         if compiled is not None:
@@ -123,14 +138,20 @@ class Worker:
                      comp.level, compiled)
         return model
 
-    def init_kv_cache(self) -> int:
-        """Allocate the KV cache (and on CUDA capture the decode graphs); returns its bytes."""
+    def init_kv_cache(self, config: EngineConfig | None = None) -> int:
+        """Allocate the KV cache (and on CUDA capture the decode graphs); returns its bytes.
+        ``config``: the engine core's resolved config, when its block count (the fewest any rank
+        has room for) and context length are to be this worker's."""
+        if config is not None:
+            self.config = self.config.replace(
+                cache=msgspec.structs.replace(self.config.cache, num_blocks=config.cache.num_blocks),
+                model=msgspec.structs.replace(self.config.model, max_model_len=config.model.max_model_len))
         cfg = self.config
         sizes = None
         if self._captures_graphs():
             sizes = [s for s in cfg.compilation.cudagraph_capture_sizes or capture_sizes(cfg.scheduler.max_num_seqs)
                      if s <= cfg.scheduler.max_num_seqs]
-        self.runner = ModelRunner(self.model, cfg, sizes, self.draft_model)
+        self.runner = ModelRunner(self.model, cfg, sizes, self.draft_model, self.link)
         if sizes:
             seconds = self.runner.capture_cudagraphs()
             log.info("captured %d CUDA graphs (decode batches of %s requests) in %.1f s",
@@ -157,6 +178,9 @@ class Worker:
             return False
         if self.tp_size > 1:
             log.warning("tensor parallelism runs every step eagerly for now (no all-reduce inside CUDA graphs)")
+            return False
+        if self.pp_size > 1:
+            log.warning("pipeline parallelism runs every step eagerly for now (no send/recv inside CUDA graphs)")
             return False
         if self.attn_backend.cudagraph_support == "never":
             log.warning("attention backend %s cannot run in CUDA graphs: every step runs eagerly",
@@ -254,24 +278,35 @@ def log_expert_placement(model: torch.nn.Module, rank: int) -> None:
 TP_TIMEOUT_S = 120.0             # a collective waiting longer than this for a rank fails the step
 
 
-def join_tensor_parallel_group(device: torch.device, rank: int, world: int, init_method: str) -> None:
-    """This process's place in its engine core's tensor-parallel group (the default process
-    group): gloo on the CPU, NCCL on CUDA; the ranks meet at ``init_method``."""
+def join_parallel_groups(device: torch.device, tp_rank: int, pp_rank: int, tp: int, pp: int,
+                         init_method: str) -> object | None:
+    """This process's place in its engine core's group of ``tp`` x ``pp`` ranks (the default
+    process group, rank pp_rank * tp + tp_rank: vLLM's order): gloo on the CPU, NCCL on CUDA;
+    the ranks meet at ``init_method``. Returns its stage's tensor-parallel group (None: the
+    default group is that group, one stage)."""
     import datetime
     import torch.distributed as dist
     if not init_method:
-        raise ValueError("tensor parallelism needs the ranks' meeting point (init_method)")
+        raise ValueError("tensor and pipeline parallelism need the ranks' meeting point (init_method)")
+    rank, world = pp_rank * tp + tp_rank, tp * pp
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
-    log.info("tensor-parallel rank %d of %d joined its group (%s)", rank, world, dist.get_backend())
+    group = None
+    if pp > 1 and tp > 1:          # every rank creates every stage's group, in the same order
+        for stage in range(pp):
+            g = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
+            group = g if stage == pp_rank else group
+    log.info("rank %d of %d (tensor-parallel rank %d, pipeline stage %d) joined its group (%s)", rank, world,
+             tp_rank, pp_rank, dist.get_backend())
+    return group
 
 
 PROFILE_REQUEST = "profile"
 
 
-def profile_run(model: torch.nn.Module, config: EngineConfig) -> None:
+def profile_run(model: torch.nn.Module, config: EngineConfig, link: StageLink | None = None) -> None:
     """One forward pass, with sampling, of the largest step the scheduler may send: a prompt of
     max_num_batched_tokens (less than the context length), in a scratch KV cache just large
     enough for it (each KV cache group its own blocks). Its activations are what a step needs
@@ -281,10 +316,10 @@ def profile_run(model: torch.nn.Module, config: EngineConfig) -> None:
     blocks = -(-n // bs)
     G = len(config.kv_cache_groups())
     scratch = config.replace(cache=msgspec.structs.replace(config.cache, num_blocks=G * blocks + 1))
-    runner = ModelRunner(model, scratch)
+    runner = ModelRunner(model, scratch, link=link)    # every stage profiles at once, handing tensors on
     block_ids = tuple(list(range(1 + g * blocks, 1 + (g + 1) * blocks)) for g in range(G))
     request = NewRequestData(PROFILE_REQUEST, [0] * n, [], SamplingParams(temperature=0.0, max_tokens=1),
                              block_ids, 0)
     out = runner.execute_model(SchedulerOutput(0, [request], CachedRequestData(), {PROFILE_REQUEST: n}, n, []))
-    if [len(t) for t in out.sampled_token_ids] != [1]:
+    if runner.samples and [len(t) for t in out.sampled_token_ids] != [1]:
         raise RuntimeError(f"the profiling step sampled {out.sampled_token_ids}, not one token")

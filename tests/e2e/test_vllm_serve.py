@@ -124,9 +124,9 @@ def test_the_log_warns_once_about_trust_remote_code_and_logs_no_requests(server)
 
 def test_an_unimplemented_vllm_flag_stops_the_command_at_once_with_one_line():
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "tools.cli", "serve", MODEL, "--pipeline-parallel-size", "2"],
+    r = subprocess.run([sys.executable, "-m", "tools.cli", "serve", MODEL, "--decode-context-parallel-size", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == [r.stderr.rstrip("\n")]
-    assert r.stderr.startswith("troupe: error: --pipeline-parallel-size is a vLLM flag Troupe does not implement")
+    assert r.stderr.startswith("troupe: error: --decode-context-parallel-size is a vLLM flag Troupe does not implement")
     assert time.monotonic() - t0 < 60          # refused before any model loads

@@ -95,7 +95,7 @@ def test_each_vllm_flag_troupe_does_not_implement_exits_2_with_one_line_naming_i
 
 
 def test_refused_flags_are_refused_in_every_spelling_and_only_their_no_forms_pass(capsys):
-    for argv in (["--pipeline-parallel-size=2"], ["-pp", "2"], ["--fully-sharded-loras"],
+    for argv in (["--decode-context-parallel-size=2"], ["-dcp", "2"], ["--fully-sharded-loras"],
                  ["--lora-dtype", "float16"], ["--port", "0", "--num-speculative-tokens", "1"]):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args(argv)
@@ -116,8 +116,9 @@ def test_help_describes_the_new_flags_and_hides_the_refused_ones(capsys):
                  "--metrics-prefix", "--chat-template", "--seed", "--kv-cache-memory-bytes", "[MODEL]"):
         assert flag in text, flag
     assert "Does not apply on the CPU" in text and "runs no code from checkpoints" in text
-    assert "--pipeline-parallel-size" not in text.replace("(e.g. --pipeline-parallel-size)", "")
+    assert "--decode-context-parallel-size" not in text.replace("(e.g. --decode-context-parallel-size)", "")
     assert "--tensor-parallel-size N, -tp N" in text and "--data-parallel-size N, -dp N" in text
+    assert "--pipeline-parallel-size N, -pp N" in text
 
 
 # -- --gpu-memory-utilization ----------------------------------------------------------------

@@ -1,0 +1,89 @@
+"""Pipeline parallelism on the real default model (--pipeline-parallel-size 2: SmolLM2's 30
+layers in two stages of 15, a worker process each, hidden states and residual sent from one to
+the other over gloo): greedy answers are those of one worker, with prompts chunked and several
+steps in flight at once; a killed stage brings both back, the request recomputed and answered in
+full; and two stages of two tensor-parallel ranks each (four processes) answer the same."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import aiohttp
+import pytest
+
+from actors.api import LLM, SamplingParams
+from server import Server, alive, children
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
+           "Write a poem about the sea."]
+TOKENS = [12, 12, 12, 48]
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def one_worker() -> list[str]:
+    with LLM(multiprocess=False) as llm:
+        results = llm.generate(PROMPTS, [_params(n) for n in TOKENS], use_tqdm=False)
+    return [r.text for r in results]
+
+
+@pytest.fixture(scope="module")
+def server():
+    # a small token budget chunks the prompts and splits the requests into micro-batches
+    s = Server("--pipeline-parallel-size", "2", "--max-num-batched-tokens", "8")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+async def _complete(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=240)) as r:
+        assert r.status == 200, await r.text()
+        choice = (await r.json())["choices"][0]
+    assert choice["finish_reason"] == "length"
+    return choice["text"]
+
+
+def _texts(server: Server, prompts: list[str], tokens: list[int]) -> list[str]:
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(_complete(session, server.url, p, n) for p, n in zip(prompts, tokens)))
+    return asyncio.run(main())
+
+
+def test_two_stages_answer_as_one_worker_does_with_steps_in_flight_together(server, one_worker):
+    (engine,) = children(server.pid)
+    assert len(children(engine)) == 2                   # a worker process per stage
+    assert _texts(server, PROMPTS[:3], TOKENS[:3]) == one_worker[:3]
+    assert any("pipeline stage 1 of 2: layers 15 to 29" in line for line in server.lines)
+
+
+def test_a_killed_stage_brings_both_back_and_the_request_is_recomputed(server, one_worker):
+    (engine,) = children(server.pid)
+    before = children(engine)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(text=_texts(server, PROMPTS[3:], TOKENS[3:])[0]))
+    thread.start()
+    time.sleep(1.0)
+    os.kill(before[1], signal.SIGKILL)
+    thread.join(240)
+    assert result.get("text") == one_worker[3]
+    after = children(engine)
+    assert len(after) == 2 and not set(after) & set(before) and not any(alive(p) for p in before)
+    assert any("workers restarted" in line for line in server.lines)
+
+
+def test_two_stages_of_two_tensor_parallel_ranks_answer_as_one_worker_does(one_worker):
+    with LLM(tensor_parallel_size=2, pipeline_parallel_size=2) as llm:     # processes of their own
+        results = llm.generate(PROMPTS[:3], [_params(n) for n in TOKENS[:3]], use_tqdm=False)
+    assert [r.text for r in results] == one_worker[:3]
