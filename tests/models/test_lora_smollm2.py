@@ -1,6 +1,8 @@
 """LoRA on the real default model: SmolLM2-135M from its GGUF file with a random PEFT adapter
 (rank 8, all seven target modules) written by peft gives the logits of peft applied to
-transformers' SmolLM2 on the same weights, and the same greedy tokens."""
+transformers' SmolLM2 on the same weights, and the same greedy tokens; in the quantized mode
+gguf-i8 the adapter's delta is added in float: logits within the mode's tolerance of the exact
+mode's with the same adapter, and the same greedy tokens."""
 from __future__ import annotations
 
 import os
@@ -94,3 +96,16 @@ def test_smollm2_with_a_peft_adapter_matches_peft_on_transformers(reference, exa
     assert (logits - base_logits).abs().max() > 0.5             # the adapter does change the logits
     assert tokens != base_tokens
 
+
+def test_smollm2_gguf_i8_adds_the_adapters_delta_in_float(reference, exact):
+    from kernels.cpu.panels import int8_available
+    if not int8_available():
+        pytest.skip("the gguf-i8 mode needs a CPU with AVX512-VNNI")
+    _, path, prompt = reference
+    (logits, tokens), (_, base_tokens) = exact
+    ours = _ours("gguf-i8")
+    quant, quant_tokens = _generate(ours, prompt, LoRARequest("rand8", 1, path))
+    quant_base, quant_base_tokens = _generate(ours, prompt, None)
+    torch.testing.assert_close(quant, logits, rtol=0, atol=0.05)    # measured: 0.01; the adapter moves them by 13
+    assert (quant - quant_base).abs().max() > 0.5                    # the adapter's effect is there
+    assert quant_tokens == tokens and quant_base_tokens == base_tokens
