@@ -55,6 +55,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # time.time() when the request was first scheduled (its queue time ends there); set at least
     # on the request's first output. 0.0 = not reported.
     first_scheduled_time: float = 0.0
+    error_status: int = 0                   # with error: the HTTP status it answers (0: 500)
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -115,6 +116,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     worker_s: float = 0.0                  # the whole step in the worker's handler
     # speculative decoding: each request's draft tokens for its next step (none: no entry)
     spec_token_ids: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}            # requests that failed in this step (their rows' outputs ignored): why
 
 
 class SchedulerOutput(Msg):
@@ -134,3 +136,4 @@ class SchedulerOutput(Msg):
     # speculative decoding: each request's draft tokens scheduled after its own tokens (they are
     # among its num_scheduled_tokens, at the end); the worker samples 1 to len + 1 tokens for it
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    removed_lora_ids: list[int] = []         # unloaded adapters (lora_int_id): drop them before this step

@@ -123,6 +123,7 @@ class Scheduler:
         drafts_with_model = self.speculative is not None and self.speculative.method != "ngram"
         self.num_lookahead_tokens = self.speculative.num_speculative_tokens if drafts_with_model else 0
         self.max_loras = config.lora.max_loras if config.lora is not None else 0   # adapters per step
+        self.removed_lora_ids: list[int] = []     # unloaded adapters the workers drop with the next step
 
     # -- admission and abort -----------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -500,7 +501,11 @@ class Scheduler:
         return SchedulerOutput(self.counters.step, new_reqs, cached, num_scheduled,
                                sum(num_scheduled.values()), finished, grammar_ids,
                                self.structured.fill_bitmask(grammar_ids, spec) if grammar_ids else None,
-                               scheduled_spec_decode_tokens=spec)
+                               scheduled_spec_decode_tokens=spec, removed_lora_ids=self._take_removed_loras())
+
+    def _take_removed_loras(self) -> list[int]:
+        removed, self.removed_lora_ids = self.removed_lora_ids, []
+        return removed
 
     def grammar_needs_outputs(self) -> bool:
         """Whether a running request with a grammar has tokens in flight: its matcher must see
@@ -516,6 +521,11 @@ class Scheduler:
             if req is not None and req.num_output_placeholders:
                 req.num_output_placeholders -= 1
         outs = []
+        for rid, error in out.errors.items():        # e.g. its LoRA adapter could not be read
+            req = self.requests.get(rid)
+            if req is not None and not req.status.finished:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outs.append(EngineCoreOutput(rid, [], "error", error=error, error_status=400))
         for rid, sampled in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
             prompt_lp = out.prompt_logprobs.get(rid)
