@@ -84,7 +84,8 @@ class EngineClient:
         check_adapter(path, self.config.model.arch, lora.max_lora_rank)
         taken = {r.lora_int_id for r in self.lora_requests.values()}
         lora_id = next(i for i in self._lora_ids if i not in taken)
-        req = LoRARequest(name, lora_id, path, base_model_name)
+        parent = base_model_name if base_model_name in self.model_names else None   # vLLM ignores any other
+        req = LoRARequest(name, lora_id, path, parent)
         self.lora_requests[name] = req
         return req
 
