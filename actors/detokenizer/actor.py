@@ -169,7 +169,8 @@ class DetokenizerActor(Actor):
             stream.put(RequestOutput(
                 o.request_id, text, list(o.new_token_ids[:num_new]), finished, finish_reason,
                 stop_reason, st.num_prompt_tokens, st.detok.num_output_tokens, o.error,
-                _head(o.logprobs, num_new), o.prompt_logprobs, o.num_cached_tokens, o.kv_transfer_params))
+                _head(o.logprobs, num_new), o.prompt_logprobs, o.num_cached_tokens, o.kv_transfer_params,
+                o.error_status))
         return stopped_here
 
     def _finished(self, st: _State, reason: str) -> None:

@@ -59,6 +59,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # vLLM's: on a finished request, what another instance needs to read its KV (a KV connector's)
     kv_transfer_params: dict[str, Any] | None = None
     num_external_tokens: int = 0            # prompt tokens whose KV was loaded from another instance
+    error_status: int = 0                   # with error: the HTTP status it answers (0: 500)
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -128,6 +129,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # speculative decoding: each request's draft tokens for its next step (none: no entry)
     spec_token_ids: dict[str, list[int]] = {}
     kv_connector_output: KVConnectorOutput | None = None   # transfers that ended (a KV connector's)
+    errors: dict[str, str] = {}            # requests that failed in this step (their rows' outputs ignored): why
 
 
 class SchedulerOutput(Msg):
@@ -150,3 +152,4 @@ class SchedulerOutput(Msg):
     # a KV connector's metadata for the worker's side (None: no connector); a step with no tokens
     # is still sent while transfers are under way, so the worker reports them
     kv_connector_metadata: bytes | None = None
+    removed_lora_ids: list[int] = []         # unloaded adapters (lora_int_id): drop them before this step

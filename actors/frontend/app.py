@@ -93,11 +93,10 @@ class OpenAIServer:
             ("GET", "/v1/models", misc.models), ("GET", "/v1/models/{model:.+}", misc.model),
             ("POST", "/tokenize", misc.tokenize), ("POST", "/detokenize", misc.detokenize),
             ("POST", "/reset_prefix_cache", misc.reset_prefix_cache),
-            ("POST", "/v1/load_lora_adapter", lora.load_lora_adapter),
-            ("POST", "/v1/unload_lora_adapter", lora.unload_lora_adapter),
             ("POST", "/v1/chat/completions", chat.chat_completions),
             ("POST", "/v1/completions", completions.completions),
         ]
+        routes += lora.routes()          # only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM
         if self.inject is not None and faults.enabled():
             routes.append(("POST", "/debug/fault", debug.inject_fault))
         for method, path, handler in routes:

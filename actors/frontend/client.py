@@ -21,7 +21,7 @@ from actors.grammar.actor import CompileGrammar, InvalidGrammar
 from actors.frontend.streams import OutputStream, OutputStreams, RequestOutput, StreamTimeout
 from actors.kv_manager.actor import ResetPrefixCache
 from actors.runtime import ActorRef, RemoteError
-from actors.scheduler.actor import AbortRequests
+from actors.scheduler.actor import AbortRequests, RemoveLoRA
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
 
@@ -84,7 +84,8 @@ class EngineClient:
         check_adapter(path, self.config.model.arch, lora.max_lora_rank)
         taken = {r.lora_int_id for r in self.lora_requests.values()}
         lora_id = next(i for i in self._lora_ids if i not in taken)
-        req = LoRARequest(name, lora_id, path, base_model_name)
+        parent = base_model_name if base_model_name in self.model_names else None   # vLLM ignores any other
+        req = LoRARequest(name, lora_id, path, parent)
         self.lora_requests[name] = req
         return req
 
@@ -105,8 +106,14 @@ class EngineClient:
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving adapter ``name`` (requests already running with it finish); False when
-        there is no such adapter."""
-        return self.lora_requests.pop(name, None) is not None
+        there is no such adapter. The workers drop it from their slots and host cache before
+        their next step."""
+        req = self.lora_requests.pop(name, None)
+        if req is None:
+            return False
+        if self.dead is None:
+            self.engine.tell(RemoveLoRA(req.lora_int_id))
+        return True
 
     def lora_request_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's model field names (None: the base model)."""

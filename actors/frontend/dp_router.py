@@ -23,7 +23,7 @@ from actors.engine.messages import EngineCoreRequest
 from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams
 from actors.runtime import Actor, ActorRef, Msg
-from actors.scheduler.actor import AbortRequests, AddRequest, GrammarReady
+from actors.scheduler.actor import AbortRequests, AddRequest, GrammarReady, RemoveLoRA
 
 AFFINITY_BLOCKS = 4            # the prompt prefix that keys affinity: its first blocks, at most this many
 AFFINITY_ENTRIES = 4096        # prefixes remembered (least recently used forgotten)
@@ -40,7 +40,7 @@ class EngineUp(Msg):
     dp_rank: int
 
 
-RouterProtocol = AddRequest | AbortRequests | GrammarReady | EngineDown | EngineUp
+RouterProtocol = AddRequest | AbortRequests | GrammarReady | RemoveLoRA | EngineDown | EngineUp
 
 
 class NoEngineUp(RuntimeError):
@@ -86,6 +86,10 @@ class DataParallelRouter(Actor):
                 for e, rids in by_engine.items():
                     if self.up[e]:
                         self.schedulers[e].tell(AbortRequests(rids))
+            case RemoveLoRA():                      # every engine's workers may hold the adapter
+                for e, scheduler in enumerate(self.schedulers):
+                    if self.up[e]:
+                        scheduler.tell(msg)
             case GrammarReady(request_id=rid):
                 engine = self.owner.get(rid)
                 if engine is not None and self.up[engine]:

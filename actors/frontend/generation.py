@@ -106,7 +106,8 @@ class Generation(ABC):
             return error_response(504, str(exc))
         for c in self.choices:
             if c.last is None or c.last.error is not None:
-                return error_response(500, _failure(c.last))
+                return error_response(c.last.error_status if c.last is not None and c.last.error_status else 500,
+                                      _failure(c.last))
         body = {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": [self.final(c) for c in self.choices],
                 "usage": self.usage()}
@@ -122,7 +123,7 @@ class Generation(ABC):
             async for c, out in merged_outputs(self.choices):
                 c.last = out
                 if out.error is not None:
-                    yield error_body(_failure(out), code=500)
+                    yield error_body(_failure(out), code=out.error_status or 500)
                     return
                 entry = self.delta(c, out)
                 if entry is not None:

@@ -1,11 +1,16 @@
 """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints and answers): an
-adapter is validated against the model when it is loaded (a bad one is a 400 and changes
-nothing), then served as a model of its own name; the worker reads its weights when a request
-first needs them. Unloading stops new requests with it (they get a 404, as for any unknown
-model); requests already running with it finish."""
+adapter is validated against the model when it is loaded (a bad one is a 400, a path with no
+adapter a 404, and changes nothing), then served as a model of its own name; the worker reads
+its weights when a request first needs them. Unloading stops new requests with it (they get a
+404, as for any unknown model) and the workers drop it from their slots and host cache;
+requests already running with it finish. As in vLLM, the endpoints exist only when the
+environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING is 1 or true (--lora-modules needs
+nothing)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+import os
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 from aiohttp import web
@@ -16,10 +21,28 @@ from models.lora import InvalidAdapter
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
 
+log = logging.getLogger("troupe.http")
+
+RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_updating_allowed() -> bool:
+    """vLLM's reading of VLLM_ALLOW_RUNTIME_LORA_UPDATING: "1" or "true", any case."""
+    return os.environ.get(RUNTIME_UPDATING_ENV, "0").strip().lower() in ("1", "true")
+
+
+def routes() -> list[tuple[str, str, Callable]]:
+    if not runtime_updating_allowed():
+        return []
+    log.warning("LoRA dynamic loading & unloading is enabled in the API server (%s). "
+                "This should ONLY be used for local development!", RUNTIME_UPDATING_ENV)
+    return [("POST", "/v1/load_lora_adapter", load_lora_adapter),
+            ("POST", "/v1/unload_lora_adapter", unload_lora_adapter)]
+
 
 class LoadLoRAAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
-    lora_name: str
-    lora_path: str
+    lora_name: str = ""               # both required: a missing one gets vLLM's message
+    lora_path: str = ""
     load_inplace: bool = False        # vLLM's: replace an adapter of the same name
 
 
@@ -40,18 +63,17 @@ async def load_lora_adapter(server: OpenAIServer, request: web.Request) -> web.R
     req = _decode(await request.read(), LoadLoRAAdapterRequest)
     if not req.lora_name or not req.lora_path:
         raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
-    if req.load_inplace and req.lora_name in client.lora_requests:
-        previous = client.lora_requests.pop(req.lora_name)
-        try:
-            client.add_lora(req.lora_name, req.lora_path)
-        except InvalidAdapter as exc:
+    if req.lora_name in client.lora_requests and not req.load_inplace:
+        raise bad_request(f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name")
+    if not os.path.exists(req.lora_path):        # vLLM's NotFoundError for a path with no adapter
+        raise not_found(f"Loading lora {req.lora_name} failed: No adapter found for {req.lora_path}", "lora_path")
+    previous = client.lora_requests.pop(req.lora_name, None) if req.load_inplace else None
+    try:
+        client.add_lora(req.lora_name, req.lora_path)
+    except InvalidAdapter as exc:
+        if previous is not None:
             client.lora_requests[req.lora_name] = previous
-            raise bad_request(str(exc), "lora_path") from None
-    else:
-        try:
-            client.add_lora(req.lora_name, req.lora_path)
-        except InvalidAdapter as exc:
-            raise bad_request(str(exc), "lora_path") from None
+        raise bad_request(str(exc), "lora_path") from None
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 

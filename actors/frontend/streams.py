@@ -30,6 +30,7 @@ class RequestOutput:
     prompt_logprobs: Logprobs | None = None   # new prompt positions (never the first token)
     num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
     kv_transfer_params: dict | None = None    # vLLM's: on the last output of a request a KV connector holds
+    error_status: int = 0                     # with error: the HTTP status it answers (0: 500)
 
     def merge(self, later: RequestOutput) -> None:
         self.text += later.text
@@ -39,6 +40,7 @@ class RequestOutput:
         self.stop_reason = later.stop_reason
         self.num_output_tokens = later.num_output_tokens
         self.error = later.error
+        self.error_status = later.error_status
         self.logprobs = _joined(self.logprobs, later.logprobs)
         self.prompt_logprobs = _joined(self.prompt_logprobs, later.prompt_logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)

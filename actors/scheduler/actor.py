@@ -45,6 +45,12 @@ class AbortRequests(Msg):
     request_ids: list[str]
 
 
+class RemoveLoRA(Msg):
+    """An adapter was unloaded: the workers drop it from their layer slots and host cache
+    before their next step."""
+    lora_int_id: int
+
+
 class Step(Msg):
     pass
 
@@ -66,7 +72,7 @@ class WorkersReady(Msg):
     generation: int
 
 
-SchedulerProtocol = AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady
+SchedulerProtocol = AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady | RemoveLoRA
 
 STEP_TIMEOUT_S = 600.0
 KV_POLL_EMIT_S = 0.5             # polls that changed nothing still send the stats this often
@@ -145,6 +151,8 @@ class SchedulerActor(Actor):
                     self._early_aborts.popitem(last=False)
                 self._emit(outs)
                 self._kick()
+            case RemoveLoRA(lora_int_id=lora_id):
+                self.core.removed_lora_ids.append(lora_id)
             case Step():
                 self._step_queued = False
                 await self._step()

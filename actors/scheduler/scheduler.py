@@ -152,6 +152,7 @@ class Scheduler:
         self.waiting_for_remote: dict[str, Request] = {}   # WAITING_FOR_REMOTE_KVS
         self._remote_loaded: set[str] = set()      # back in the queue holding loaded blocks
         self._held_for_remote: set[str] = set()    # finished; blocks freed when the worker says so
+        self.removed_lora_ids: list[int] = []     # unloaded adapters the workers drop with the next step
 
     # -- admission and abort -----------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -665,7 +666,12 @@ class Scheduler:
         return SchedulerOutput(self.counters.step, new_reqs, cached, num_scheduled,
                                sum(num_scheduled.values()), finished, grammar_ids,
                                self.structured.fill_bitmask(grammar_ids, spec) if grammar_ids else None,
-                               scheduled_spec_decode_tokens=spec, kv_connector_metadata=meta)
+                               scheduled_spec_decode_tokens=spec, kv_connector_metadata=meta,
+                               removed_lora_ids=self._take_removed_loras())
+
+    def _take_removed_loras(self) -> list[int]:
+        removed, self.removed_lora_ids = self.removed_lora_ids, []
+        return removed
 
     def grammar_needs_outputs(self) -> bool:
         """Whether a running request with a grammar has tokens in flight: its matcher must see
@@ -685,6 +691,11 @@ class Scheduler:
         outs = []
         if out.kv_connector_output is not None and self.connector is not None:
             outs.extend(self._update_from_kv_xfer(out.kv_connector_output))
+        for rid, error in out.errors.items():        # e.g. its LoRA adapter could not be read
+            req = self.requests.get(rid)
+            if req is not None and not req.status.finished:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outs.append(EngineCoreOutput(rid, [], "error", error=error, error_status=400))
         for rid, sampled in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
             prompt_lp = out.prompt_logprobs.get(rid)

@@ -3,7 +3,10 @@ PEFT directory the first time a step needs them and kept on the host, at most
 ``max_cpu_loras`` (the least recently used one goes first); the adapters a step uses are
 activated into the layers' ``max_loras`` slots (``lora_index_to_id``), a free one or the least
 recently used one not needed by the step. The scheduler never puts more than ``max_loras``
-adapters in a step, so every step finds its slots. Pure: no asyncio, no transport.
+adapters in a step, so every step finds its slots. An adapter that cannot be read when a step
+needs it (its directory removed or its files corrupted since it was loaded) fails only its own
+rows: they run without an adapter and ``failed`` names it, the model runner fails those
+requests with that reason. Pure: no asyncio, no transport.
 
     _registered (host, LRU, max_cpu_loras)      lora_index_to_id (layer slots, max_loras)
     id 7 -> LoRAModel   (least recent)          slot 0: 9
@@ -21,7 +24,7 @@ from torch import nn
 
 from actors.engine.lora import LoRAConfig, LoRARequest
 from models.config import ArchConfig
-from models.lora import load_adapter
+from models.lora import InvalidAdapter, load_adapter
 from models.lora_layers import LoRAAwareDecode, LoRALinear, LoRAMapping, wrap_lora_modules
 from models.registry import _compile_tensor_map, _lookup
 
@@ -46,6 +49,7 @@ class LoRAModelManager:
         self._registered: OrderedDict[int, LoRAModel] = OrderedDict()
         self.lora_index_to_id: list[int | None] = [None] * config.max_loras
         self._slot_lru: OrderedDict[int, None] = OrderedDict()   # slots, least recently used first
+        self.failed: dict[int, str] = {}     # the last step's adapters that could not be read: id -> why
         if getattr(model, "native_decode", None) is not None:     # LoRA steps through it too
             model.native_decode = LoRAAwareDecode(model.native_decode, self.mapping,
                                                   LoRAAwareDecode.lora_words(model.layers, self.modules))
@@ -59,8 +63,12 @@ class LoRAModelManager:
         if lora is not None:
             self._registered.move_to_end(req.lora_int_id)
             return lora
-        lora = LoRAModel(req.lora_int_id, req.lora_name, self._map_weights(
-            load_adapter(req.lora_path, self.arch, self.config.max_lora_rank)))
+        try:
+            weights = self._map_weights(load_adapter(req.lora_path, self.arch, self.config.max_lora_rank))
+        except Exception as exc:        # noqa: BLE001 - any reason the files cannot be read
+            raise InvalidAdapter(f"LoRA adapter {req.lora_name!r} could not be loaded from {req.lora_path}: "
+                                 f"{exc}") from exc
+        lora = LoRAModel(req.lora_int_id, req.lora_name, weights)
         while len(self._registered) >= self.config.cpu_capacity:
             victim = next((i for i in self._registered if i not in keep), None)
             if victim is None:
@@ -125,18 +133,25 @@ class LoRAModelManager:
     def set_adapter_mapping(self, row_requests: list[LoRARequest | None], num_tokens: np.ndarray) -> bool:
         """Make the step's adapters resident and map its tokens to their slots: row r (with
         ``num_tokens[r]`` tokens) runs with ``row_requests[r]`` (None: the base model).
-        Returns whether any token has an adapter."""
+        An adapter that cannot be read is left out: its rows run without one and ``failed``
+        says why. Returns whether any token has an adapter."""
+        self.failed = {}
         ids = {r.lora_int_id: r for r in row_requests if r is not None}
-        if not ids:
-            self.mapping.clear()
-            return False
         if len(ids) > self.config.max_loras:
             raise RuntimeError(f"a step with {len(ids)} adapters; max_loras is {self.config.max_loras}")
         keep = frozenset(ids)
-        for req in ids.values():
-            self.add_adapter(req, keep)
+        for req in list(ids.values()):
+            try:
+                self.add_adapter(req, keep)
+            except InvalidAdapter as exc:
+                self.failed[req.lora_int_id] = str(exc)
+                del ids[req.lora_int_id]
+        if not ids:
+            self.mapping.clear()
+            return False
         slot_of = {i: self.activate_adapter(i, keep) for i in ids}
-        row_slots = np.fromiter((-1 if r is None else slot_of[r.lora_int_id] for r in row_requests),
+        row_slots = np.fromiter((-1 if r is None or r.lora_int_id not in ids else slot_of[r.lora_int_id]
+                                 for r in row_requests),
                                 dtype=np.int64, count=len(row_requests))
         self.mapping.set(np.repeat(row_slots, num_tokens))
         return True

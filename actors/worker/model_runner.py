@@ -222,6 +222,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
+        if self.lora is not None:          # unloaded adapters leave their slot and the host cache
+            for lora_id in so.removed_lora_ids:
+                self.lora.remove_adapter(lora_id)
         if self.logitsprocs is not None:
             self.logitsprocs.flush()
         req_ids = list(so.num_scheduled_tokens)
@@ -231,9 +234,12 @@ class ModelRunner:
         t_prepare = time.perf_counter()
         inp = self.prepare_inputs(so)
         if self.lora is not None:          # each token's adapter slot, the step's adapters resident
-            self.lora.set_adapter_mapping([self.batch.states[i].lora_request for i in inp.slots.tolist()],
-                                          np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64,
-                                                      count=len(req_ids)))
+            row_loras = [self.batch.states[i].lora_request for i in inp.slots.tolist()]
+            self.lora.set_adapter_mapping(row_loras, np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64,
+                                                                 count=len(req_ids)))
+            if self.lora.failed:           # an adapter that could not be read fails its requests only
+                out.errors = {rid: self.lora.failed[lr.lora_int_id] for rid, lr in zip(req_ids, row_loras)
+                              if lr is not None and lr.lora_int_id in self.lora.failed}
         t0 = time.perf_counter()
         out.prepare_s = t0 - t_prepare
         hidden = self._forward(inp)                                                    # (T, hidden)

@@ -65,3 +65,21 @@ def test_a_bad_adapter_is_refused_with_its_reason(setup, tmp_path):
         llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("big", 51, str(tmp_path / "big")))
     out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)     # the engine goes on
     assert len(out[0].token_ids) == 8
+
+
+def test_an_adapter_whose_files_went_away_fails_only_its_own_prompts(setup):
+    """Read once, dropped from the worker's host cache (max_cpu_loras 4) by four others, then its
+    directory removed: its prompt ends with an error naming it, the other prompts of the same
+    batch get their tokens, and the engine goes on."""
+    import shutil
+    llm, loras, _, root = setup
+    shutil.copytree(root / "a0", root / "vanish")
+    vanish = LoRARequest("vanish", 60, str(root / "vanish"))
+    llm.generate(PROMPTS[:1], GREEDY, lora_request=vanish, use_tqdm=False)
+    llm.generate(PROMPTS[:4], GREEDY, lora_request=loras[:4], use_tqdm=False)
+    shutil.rmtree(root / "vanish")
+    base = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    out = llm.generate(PROMPTS[:3], GREEDY, lora_request=[None, vanish, None], use_tqdm=False)
+    assert out[1].finish_reason == "error" and "LoRA adapter 'vanish' could not be loaded" in out[1].error
+    assert [out[0].token_ids, out[2].token_ids] == [base[0].token_ids, base[2].token_ids]
+    assert llm.generate(PROMPTS[:1], GREEDY, lora_request=loras[0], use_tqdm=False)[0].finish_reason == "length"

@@ -1,12 +1,18 @@
 """LoRA end to end through the server and the openai client, on a tiny random Llama served with
---enable-lora and one adapter from --lora-modules: adapters are listed with the base model as
-their parent, one is loaded over HTTP, a request's model field picks it, a bad adapter is a 400
-that changes nothing, and once unloaded its name is a 404 like any unknown model."""
+--enable-lora and one adapter from --lora-modules (runtime loading allowed by
+VLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM asks): adapters are listed with the adapter path as
+their root and the base model as their parent, one is loaded over HTTP, a request's model
+field picks it, a bad adapter is a 400 (a path with no adapter a 404) that changes nothing, and
+once unloaded its name is a 404 like any unknown model. An adapter whose files went away after
+the worker dropped it (--max-cpu-loras) fails only its own requests, with a 400 naming it;
+unloading an adapter frees its place in the worker's cache at once."""
 from __future__ import annotations
 
 import json
+import shutil
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -28,8 +34,11 @@ def setup(tmp_path_factory):
     for i, name in enumerate(("first", "second")):
         save_tiny_lora(base, root / name, 8, ALL, seed=i, scale=0.2)
     save_tiny_lora(base, root / "wide", 32, ALL, seed=7)          # rank over --max-lora-rank 16
-    s = Server("--model", base, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-               "--lora-modules", f"first={root / 'first'}", "--served-model-name", "tiny")
+    s = Server("--model", base, "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "2", "--max-lora-rank", "16",
+               "--lora-modules", f"first={root / 'first'}",
+               json.dumps({"name": "other", "path": str(root / "second"), "base_model_name": "not-served"}),
+               "--served-model-name", "tiny",
+               env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     yield s, root
     s.stop()
 
@@ -57,10 +66,12 @@ def test_load_list_use_unload_then_a_404(setup, client):
     import openai
     server, root = setup
     models = {m.id: m for m in client.models.list().data}
-    assert set(models) == {"tiny", "first"} and models["first"].parent == "tiny"
+    assert set(models) == {"tiny", "first", "other"} and models["first"].parent == "tiny"
+    assert models["first"].root == str(root / "first")
+    assert models["other"].parent == "tiny"               # as vLLM: a base_model_name not served is ignored
     status, text = _post(server.url + "/v1/load_lora_adapter", {"lora_name": "second", "lora_path": str(root / "second")})
-    assert status == 200 and "second" in text
-    assert {m.id for m in client.models.list().data} == {"tiny", "first", "second"}
+    assert status == 200 and text == "Success: LoRA adapter 'second' added successfully."
+    assert {m.id for m in client.models.list().data} == {"tiny", "first", "other", "second"}
     base, first, second = (_complete(client, m) for m in ("tiny", "first", "second"))
     assert len({base, first, second}) == 3                      # each adapter changes the tokens
     reply = client.completions.create(model="second", prompt=PROMPT, max_tokens=8, temperature=0.0)
@@ -74,16 +85,70 @@ def test_load_list_use_unload_then_a_404(setup, client):
     assert status == 404
 
 
-@pytest.mark.parametrize("body, reason", [
-    ({"lora_name": "x", "lora_path": "/nonexistent/adapter"}, "no adapter directory"),
-    ({"lora_name": "wide", "lora_path": "{root}/wide"}, "more than --max-lora-rank 16"),
-    ({"lora_name": "first", "lora_path": "{root}/second"}, "already been loaded"),
-    ({"lora_name": "y"}, "lora_path"),
+@pytest.mark.parametrize("body, status, reason", [
+    ({"lora_name": "x", "lora_path": "/nonexistent/adapter"}, 404, "No adapter found for /nonexistent/adapter"),
+    ({"lora_name": "wide", "lora_path": "{root}/wide"}, 400, "more than --max-lora-rank 16"),
+    ({"lora_name": "first", "lora_path": "{root}/second"}, 400, "The lora adapter 'first' has already been loaded."),
+    ({"lora_name": "y"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
 ])
-def test_a_bad_adapter_is_a_400_and_changes_nothing(setup, client, body, reason):
+def test_a_bad_adapter_is_refused_as_vllm_does_and_changes_nothing(setup, client, body, status, reason):
     server, root = setup
     before = {m.id for m in client.models.list().data}
     body = {k: v.format(root=root) for k, v in body.items()}
-    status, text = _post(server.url + "/v1/load_lora_adapter", body)
-    assert status == 400 and reason in text
+    got, text = _post(server.url + "/v1/load_lora_adapter", body)
+    assert got == status and reason in json.loads(text)["error"]["message"]
     assert {m.id for m in client.models.list().data} == before
+
+
+def test_unloading_an_unknown_adapter_is_vllms_404(setup):
+    got, text = _post(setup[0].url + "/v1/unload_lora_adapter", {"lora_name": "never"})
+    assert got == 404
+    assert json.loads(text)["error"] == {"message": "The lora adapter 'never' cannot be found.",
+                                         "type": "NotFoundError", "param": "lora_name", "code": 404}
+
+
+def _load(server, name: str, path) -> None:
+    status, text = _post(server.url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+    assert status == 200, text
+
+
+def test_an_adapter_whose_files_went_away_fails_only_its_requests(setup, client):
+    """Read by the worker, dropped from its cache of two by two other adapters, then its
+    directory removed (or its weights corrupted): its request is a 400 naming it, a request
+    on the base model sent with it is served, and so are later ones."""
+    import openai
+    server, root = setup
+    for name, src in (("gone", "second"), ("broken", "first")):
+        shutil.copytree(root / src, root / name)
+        _load(server, name, root / name)
+        _complete(client, name)                                  # the worker reads it
+    _load(server, "fill", root / "second")
+    base, fill = _complete(client, "tiny"), _complete(client, "fill")
+    _complete(client, "first")                                   # the worker's cache: fill, first
+    shutil.rmtree(root / "gone")
+    (root / "broken" / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
+    for name in ("gone", "broken"):
+        with ThreadPoolExecutor(2) as pool:
+            failing, served = pool.submit(_complete, client, name), pool.submit(_complete, client, "tiny")
+            with pytest.raises(openai.BadRequestError, match=f"LoRA adapter '{name}' could not be loaded"):
+                failing.result(timeout=120)
+            assert served.result(timeout=120) == base
+    assert _complete(client, "fill") == fill and _complete(client, "tiny") == base
+
+
+def test_unloading_an_adapter_frees_its_place_in_the_workers_cache(setup, client):
+    """The worker keeps two adapters: kept, then dropped (most recently used). Once dropped is
+    unloaded, a third adapter takes its place, not kept's: kept is still served after its
+    directory is removed, so the worker never had to read it again."""
+    server, root = setup
+    shutil.copytree(root / "second", root / "kept")
+    _load(server, "kept", root / "kept")
+    _load(server, "dropped", root / "first")
+    _load(server, "third", root / "second")
+    kept = _complete(client, "kept")
+    _complete(client, "dropped")
+    status, _ = _post(server.url + "/v1/unload_lora_adapter", {"lora_name": "dropped"})
+    assert status == 200
+    _complete(client, "third")
+    shutil.rmtree(root / "kept")
+    assert _complete(client, "kept") == kept

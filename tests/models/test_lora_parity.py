@@ -178,3 +178,38 @@ def test_the_per_layer_torch_path_gives_the_native_decode_stacks_logits(tiny, mo
     monkeypatch.setattr(lora_ops, "native_supports", lambda *a: False)
     for got, want in zip(_run(tiny, prompts, loras), native):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_an_adapter_whose_files_are_gone_fails_only_its_rows_and_unloading_frees_its_slot(tiny, tmp_path):
+    """Read once, then dropped from the host (max_cpu_loras): once its directory is removed, or
+    its weights corrupted, a step with it leaves its rows without an adapter and names it in
+    ``failed``, the other rows keep theirs; removing an adapter empties its slot at once."""
+    import shutil
+    model, config, _, _, requests = tiny
+    fresh, _ = load_model(resolve_model(str(Path(requests["all16"].lora_path).parent / "base")))
+    m = LoRAModelManager(fresh, LoRAConfig(max_loras=2, max_cpu_loras=2, max_lora_rank=16), config,
+                         torch.device("cpu"))
+    gone, bad = tmp_path / "gone", tmp_path / "bad"
+    shutil.copytree(requests["all16"].lora_path, gone)
+    shutil.copytree(requests["mlp4"].lora_path, bad)
+    g, b = LoRARequest("gone", 40, str(gone)), LoRARequest("bad", 41, str(bad))
+    ok = requests["qv8_rs"]
+    one = np.array([1])
+    m.set_adapter_mapping([g, b], np.array([1, 1]))
+    m.set_adapter_mapping([ok], one)
+    m.set_adapter_mapping([requests["attn8"]], one)                      # g and b leave the host
+    assert g.lora_int_id not in m._registered and b.lora_int_id not in m._registered
+    shutil.rmtree(gone)
+    (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
+    assert m.set_adapter_mapping([g, ok, None], np.array([2, 1, 1]))
+    assert list(m.failed) == [g.lora_int_id]
+    assert "'gone'" in m.failed[g.lora_int_id] and "no adapter directory" in m.failed[g.lora_int_id]
+    ok_slot = m.lora_index_to_id.index(ok.lora_int_id)
+    assert m.mapping.token_slots.tolist() == [-1, -1, ok_slot, -1]
+    assert not m.set_adapter_mapping([b, None], np.array([1, 1]))        # no row keeps an adapter
+    assert list(m.failed) == [b.lora_int_id] and "'bad'" in m.failed[b.lora_int_id]
+    assert m.remove_adapter(ok.lora_int_id)
+    assert ok.lora_int_id not in m.lora_index_to_id and ok.lora_int_id not in m._registered
+    assert m.lora_index_to_id.count(None) == 1                          # its slot is free again
+    m.set_adapter_mapping([ok], one)
+    assert not m.failed
