@@ -27,7 +27,6 @@ from kernels.attention.base import AttentionBackend
 from models.layers import calculate_kv_scales_on_next_batch
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
-from models.quant import quantize
 from models.registry import Checkpoint, attention_requirements, build_model, open_checkpoint
 from models.tensor_parallel import shard_model
 
@@ -95,14 +94,18 @@ class Worker:
 
     def _load(self, ckpt: Checkpoint, backend: AttentionBackend, quantization: str | None, path: str) -> torch.nn.Module:
         cfg = self.config
+        quantized = quantization
+        if ckpt.quantization_config is not None:     # a quantized checkpoint (config.json says which)
+            quantized = str(ckpt.quantization_config.get("quant_method"))
+            if self.tp_size > 1:
+                raise ValueError(f"a checkpoint quantized as {quantized!r} with tensor parallelism is not "
+                                 "supported; use --tensor-parallel-size 1")
         model = build_model(ckpt, torch_dtype(cfg.model.dtype), backend, cfg.cache.block_size,
-                            self.device.type, torch_dtype(cfg.cache.cache_dtype))
+                            self.device.type, torch_dtype(cfg.cache.cache_dtype), quantization)
         if self.tp_size > 1:                 # this rank's heads and columns (before packing)
             shard_model(model, self.tp_size, self.tp_rank)
-        if quantization:
-            quantize(model, quantization, path)
         comp = cfg.compilation
-        if self.platform.packs_linears and packs_linears(comp, quantization):   # packed once for the native kernels
+        if self.platform.packs_linears and packs_linears(comp, quantized):   # packed once for the native kernels
             prepack_linears(model)
             if comp.level == 1:
                 attach_native_decode(model)
