@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "batch": ("tools.batch", "run a file of requests through the engine, offline"),
     "bench": ("tools.bench.__main__", "benchmarks: offline, serve, latency, structured, tracing, ..."),
     "trace": ("tools.trace", "save a running server's trace for ui.perfetto.dev"),
+    "quantize": ("tools.quantize", "write an FP8 or INT8 (W8A8) compressed-tensors checkpoint of a model"),
 }
 PROG = "troupe"
 

@@ -2,8 +2,8 @@
 INT8 (W8A8) checkpoint of any supported model in compressed-tensors format (what vLLM and
 Troupe load from config.json's quantization_config): every linear layer but the LM head gets
 8-bit weights (symmetric, scale amax / 448 for fp8 or amax / 127 for int8, per tensor or with
-``--per-channel`` per output feature) and dynamic per-token 8-bit activations; the rest stays
-float32. The source is a Hugging Face checkpoint (its config.json and tokenizer files copied) or
+``--per-channel`` per output feature, or for int8 with ``--group-size G`` per group of G input
+features) and dynamic per-token 8-bit activations; the rest stays float32. The source is a Hugging Face checkpoint (its config.json and tokenizer files copied) or
 a GGUF file (the default model included), dequantized by our loader and written in Hugging Face
 layout with a config.json from its header and the tokenizer Troupe builds from it.
 
@@ -24,9 +24,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 SCHEMES = ("fp8", "int8")
 
 
-def quantization_config(scheme: str, per_channel: bool) -> dict[str, Any]:
+def quantization_config(scheme: str, per_channel: bool, group_size: int = 0) -> dict[str, Any]:
     """compressed-tensors' quantization_config of one scheme over every Linear but the LM head."""
     kind = "float" if scheme == "fp8" else "int"
+    strategy = "group" if group_size else "channel" if per_channel else "tensor"
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized" if scheme == "fp8" else "int-quantized",
@@ -34,7 +35,7 @@ def quantization_config(scheme: str, per_channel: bool) -> dict[str, Any]:
         "config_groups": {"group_0": {
             "targets": ["Linear"],
             "weights": {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": False,
-                        "strategy": "channel" if per_channel else "tensor", "group_size": None},
+                        "strategy": strategy, "group_size": group_size or None},
             "input_activations": {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": True,
                                   "strategy": "token", "group_size": None},
         }},
@@ -110,7 +111,8 @@ def write_gguf_tokenizer(gguf_path: str, out: str) -> None:
         json.dump({k: v for k, v in config.items() if v is not None}, f, indent=1)
 
 
-def quantize_checkpoint(model: str | None, scheme: str, per_channel: bool, out: str) -> dict[str, Any]:
+def quantize_checkpoint(model: str | None, scheme: str, per_channel: bool, out: str,
+                        group_size: int = 0) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     from models.quantization.formats import quantize_fp8, quantize_int8
@@ -118,6 +120,8 @@ def quantize_checkpoint(model: str | None, scheme: str, per_channel: bool, out: 
     from models.resolve import resolve_model
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not supported; supported: {', '.join(SCHEMES)}")
+    if group_size and (scheme != "int8" or group_size % 32):
+        raise ValueError(f"--group-size {group_size}: groups are for int8 only, in multiples of 32")
     source = resolve_model(model)
     loaded, config = load_model(source)
     raw = source.path if source.kind == "hf_dir" else None
@@ -137,12 +141,13 @@ def quantize_checkpoint(model: str | None, scheme: str, per_channel: bool, out: 
             w = quantize_fp8(tensor, per_channel)
             codes, scale = w.codes, w.scale if per_channel else w.scale[:1]
         else:
-            codes, scale = quantize_int8(tensor, per_channel)
+            codes, scale = quantize_int8(tensor, per_channel, group_size)
         tensors[f"{stem}.weight"] = codes.contiguous()
-        tensors[f"{stem}.weight_scale"] = (scale.reshape(-1, 1) if per_channel else scale.reshape(1)).float()
+        tensors[f"{stem}.weight_scale"] = (scale if group_size else scale.reshape(-1, 1) if per_channel
+                                           else scale.reshape(1)).float().contiguous()
         quantized += 1
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    hf_config["quantization_config"] = quantization_config(scheme, per_channel)
+    hf_config["quantization_config"] = quantization_config(scheme, per_channel, group_size)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=1)
     if raw is not None:
@@ -151,7 +156,7 @@ def quantize_checkpoint(model: str | None, scheme: str, per_channel: bool, out: 
                 shutil.copy(os.path.join(raw, name), os.path.join(out, name))
     else:
         write_gguf_tokenizer(source.path, out)
-    return {"wrote": os.path.abspath(out), "scheme": scheme, "per_channel": per_channel,
+    return {"wrote": os.path.abspath(out), "scheme": scheme, "per_channel": per_channel, "group_size": group_size,
             "quantized_layers": quantized, "bytes": os.path.getsize(os.path.join(out, "model.safetensors"))}
 
 
@@ -161,6 +166,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheme", required=True, choices=SCHEMES, help="fp8 (e4m3) or int8 weights and activations")
     p.add_argument("--per-channel", action="store_true", help="one weight scale per output feature (default: "
                                                               "one per tensor)")
+    p.add_argument("--group-size", type=int, default=0,
+                   help="int8 only: one weight scale per group of this many input features (a multiple of 32; "
+                        "compressed-tensors' 'group' strategy, which Troupe runs on the CPU only)")
     p.add_argument("-o", "--output", required=True, help="the directory to write")
 
 
@@ -168,7 +176,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.quantize") 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
-    print(json.dumps(quantize_checkpoint(args.model, args.scheme, args.per_channel, args.output)), flush=True)
+    print(json.dumps(quantize_checkpoint(args.model, args.scheme, args.per_channel, args.output, args.group_size)),
+          flush=True)
 
 
 if __name__ == "__main__":

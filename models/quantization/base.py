@@ -129,5 +129,5 @@ def is_ignored(hf_names: dict[str | None, str], prefix: str, ignore: list[str],
     hits = [hit(n) for n in names]
     if any(hits) and not all(hits):
         raise ValueError(f"the ignore list leaves some of {names} unquantized but not all; a fused layer "
-                         "({prefix}) is quantized whole or not at all")
+                         f"({prefix}) is quantized whole or not at all")
     return all(hits)

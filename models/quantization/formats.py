@@ -5,8 +5,9 @@
   per tensor (or per channel), optional ``input_scale`` (static activations; dynamic per token
   otherwise); ``--quantization fp8`` on a float checkpoint quantizes it at load, per tensor.
 - ``compressed-tensors``: one scheme over every Linear: 8-bit float (fp8, as above) or 8-bit int
-  (symmetric, per tensor or per channel), with or without 8-bit activations (dynamic per token
-  or static per tensor); an ``ignore`` list.
+  (symmetric, per tensor, per channel or per group of input features; groups run on the CPU
+  only), with or without 8-bit activations (dynamic per token or static per tensor); an
+  ``ignore`` list.
 - ``awq``: 4-bit GEMM layout (``qweight`` / ``qzeros`` (K, N / 8) int32 in AWQ's nibble order,
   ``scales`` (K / G, N) float16), zero points, ``modules_to_not_convert``.
 - ``gptq``: 4- or 8-bit (``qweight`` (K / 8, N) packed along the input features, ``qzeros``
@@ -93,8 +94,17 @@ def quantize_fp8(w: torch.Tensor, per_channel: bool) -> Fp8Weights:
     return Fp8Weights(codes, scale, None)
 
 
-def quantize_int8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (N, K) float -> (int8 codes, float32 scale (N,) or ()): symmetric, scale amax / 127."""
+def quantize_int8(w: torch.Tensor, per_channel: bool, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) float -> (int8 codes, float32 scale: () per tensor, (N,) per channel, (N, K / g)
+    per group of ``group_size`` input features): symmetric, scale amax / 127."""
+    n, k = w.shape
+    if group_size:
+        if k % group_size:
+            raise ValueError(f"group size {group_size} does not divide the input size {k}")
+        amax = w.abs().reshape(n, k // group_size, group_size).amax(dim=2)
+        scale = (amax.float() / 127.0).clamp(min=1e-12)                               # (N, G)
+        codes = (w.float() / scale.repeat_interleave(group_size, dim=1)).round().clamp(-127, 127)
+        return codes.to(torch.int8), scale
     amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().max()
     scale = (amax.float() / 127.0).clamp(min=1e-12)
     return (w.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.reshape(-1) if per_channel else scale
@@ -141,8 +151,14 @@ class Int8LinearMethod(PackedLinearMethod):
         for w, s in zip(shard_tensors(layer, "weight"), shard_tensors(layer, "weight_scale")):
             if w.dtype != torch.int8:
                 raise ValueError(f"an int8 weight is stored as {w.dtype}; expected int8")
-            parts.append(IntWeights(w, per_feature_scale(s, w.shape[0], "weight_scale")[:, None], None,
-                                    self.int8_activations))
+            if s.dim() == 2 and s.shape[1] > 1:          # strategy "group": (N, K / group_size)
+                if s.shape[0] != w.shape[0] or w.shape[1] % s.shape[1]:
+                    raise ValueError(f"weight_scale of shape {tuple(s.shape)} does not group a weight of shape "
+                                     f"{tuple(w.shape)}")
+                scales = s.float()
+            else:
+                scales = per_feature_scale(s, w.shape[0], "weight_scale")[:, None]
+            parts.append(IntWeights(w, scales, None, self.int8_activations))
         return IntWeights.cat(parts)
 
 
@@ -172,8 +188,10 @@ class CompressedTensorsConfig(_SafetensorsConfig):
         if kind is None:
             raise _refuse("compressed-tensors weights", f"{w.get('num_bits')}-bit {w.get('type')}",
                           "8-bit float, 8-bit int")
-        if w.get("strategy") not in ("tensor", "channel"):
-            raise _refuse("compressed-tensors weight strategy", w.get("strategy"), "'tensor', 'channel'")
+        strategies = ("tensor", "channel") + (("group",) if kind == "int8" else ())
+        if w.get("strategy") not in strategies:
+            raise _refuse(f"compressed-tensors {kind} weight strategy", w.get("strategy"),
+                          ", ".join(map(repr, strategies)))
         if not w.get("symmetric", True) or w.get("dynamic", False):
             raise ValueError("compressed-tensors weights that are asymmetric or dynamic are not supported")
         a = group.get("input_activations")

@@ -183,6 +183,9 @@ def install_gpu_weights(layer: nn.Module, weights: IntWeights | Fp8Weights) -> N
         layer.register_buffer("q_input_scale", weights.input_scale)
         layer.q_kind = "fp8"
     elif weights.int8_activations:
+        if weights.scales.shape[1] != 1:
+            raise ValueError("int8 weights with group scales run on the CPU only (the CUDA kernel takes one scale "
+                             "per output feature)")
         layer.register_buffer("q_codes", weights.codes.contiguous())
         layer.register_buffer("q_scale", weights.scales.float().reshape(-1).contiguous())
         layer.q_kind = "int8"

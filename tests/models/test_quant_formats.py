@@ -71,20 +71,22 @@ def _dequantized_dir(quant_dir: str, float_dir: str, out) -> str:
             continue
         if _is_linear(name):
             scale = tensors[name.removesuffix(".weight") + ".weight_scale"].float()
-            deq[name] = t.float() * scale.reshape(-1, 1)
+            if scale.dim() == 2 and scale.shape[1] > 1:                     # per group of input features
+                scale = scale.repeat_interleave(t.shape[1] // scale.shape[1], dim=1)
+            deq[name] = t.float() * (scale if scale.dim() == 2 else scale.reshape(-1, 1))
         else:
             deq[name] = t.float()
     return _write(out, deq, float_dir, None)
 
 
-@pytest.mark.parametrize("scheme,per_channel,rtol", [
-    ("fp8", False, 1e-5), ("fp8", True, 1e-5),      # the CPU dequantizes fp8 at load: float32 rounding only
-    ("int8", True, 2e-2),                           # int8 weights exactly; activations in two int8 parts
+@pytest.mark.parametrize("scheme,per_channel,group,rtol", [
+    ("fp8", False, 0, 1e-5), ("fp8", True, 0, 1e-5),   # the CPU dequantizes fp8 at load: float32 rounding only
+    ("int8", True, 0, 2e-2), ("int8", False, 32, 2e-2),  # int8 weights exactly; activations in two int8 parts
 ])
 def test_compressed_tensors_checkpoint_gives_the_dequantized_models_logits(float_dir, tmp_path, scheme, per_channel,
-                                                                            rtol):
+                                                                            group, rtol):
     quant = tmp_path / "q"
-    report = quantize_checkpoint(float_dir, scheme, per_channel, str(quant))
+    report = quantize_checkpoint(float_dir, scheme, per_channel, str(quant), group)
     assert report["quantized_layers"] == 2 * len(LINEARS)
     with open(quant / "config.json") as f:
         qc = json.load(f)["quantization_config"]
@@ -92,7 +94,8 @@ def test_compressed_tensors_checkpoint_gives_the_dequantized_models_logits(float
     stored = load_file(str(quant / "model.safetensors"))
     expected = torch.float8_e4m3fn if scheme == "fp8" else torch.int8
     assert stored["model.layers.1.mlp.down_proj.weight"].dtype == expected
-    assert stored["model.layers.1.mlp.down_proj.weight_scale"].shape == ((128, 1) if per_channel else (1,))
+    assert stored["model.layers.1.mlp.down_proj.weight_scale"].shape == (
+        (128, 256 // group) if group else (128, 1) if per_channel else (1,))
     assert stored["lm_head.weight"].dtype == torch.float32
     ref = _logits(_dequantized_dir(str(quant), float_dir, tmp_path / "ref"))
     _assert_close(_logits(str(quant)), ref, rtol)
@@ -229,3 +232,9 @@ def test_ignore_list_keeps_named_layers_float(float_dir, tmp_path):
     model, _ = load_model(resolve_model(quant))
     assert type(model.layers[0].mlp.down_proj).__name__ == "Linear"
     assert type(model.layers[0].mlp.gate_up_proj).__name__ == "PanelLinear"
+
+
+def test_quantization_flag_accepts_exactly_the_registered_formats():
+    from actors.engine.config import QUANTIZATIONS
+    from models.quantization import QUANTIZATION_METHODS
+    assert set(QUANTIZATIONS) == set(QUANTIZATION_METHODS)
