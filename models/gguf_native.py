@@ -7,7 +7,8 @@ dequantize each panel once per call and run at float32 speed.
 
 Fused layers (q|k|v, gate|up) take their shards' block rows in shard order; the model class's
 row fixups (llama.cpp's permutation of attn_q / attn_k) are undone on whole block rows, and a
-tensor with a value fixup keeps its float32 layer.
+tensor with a value fixup keeps its float32 layer. The ``gguf`` and ``gguf-i8`` configs of
+models/quantization/gguf.py pack the blocks ``native_blocks`` finds.
 """
 from __future__ import annotations
 
@@ -16,12 +17,9 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from kernels.cpu.panels import PanelWeight
 from models.config import ArchConfig
 from models.gguf_header import GGUFFile
 from models.gguf_loader import raw_tensor_data
-from models.layers import Linear, MergedLinear
-from models.packed import PanelLinear
 from models.registry import _compile_tensor_map, _lookup
 
 NATIVE_TYPES = {GGMLQuantizationType.Q4_1: "Q4_1", GGMLQuantizationType.Q8_0: "Q8_0"}
@@ -47,28 +45,3 @@ def native_blocks(model: nn.Module, gguf: GGUFFile, config: ArchConfig) -> dict[
     if config.tie_word_embeddings and "embed_tokens" in out:
         out.setdefault("lm_head", out["embed_tokens"])
     return out
-
-
-def run_natively(model: nn.Module, gguf: GGUFFile, config: ArchConfig,
-                 int8_activations: bool = False) -> int:
-    """Replace every linear layer whose weights are stored natively (its float32 weight is
-    dropped, unless tied to an embedding); ``int8_activations``: Q4_1 layers take their
-    activations in two int8 parts. Returns how many were replaced."""
-    blocks = native_blocks(model, gguf, config)
-    replaced = 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            shards = blocks.get(full)
-            if not isinstance(child, Linear) or not shards:
-                continue
-            order = list(child.shard_sizes) if isinstance(child, MergedLinear) else [None]
-            if set(order) != set(shards) or len({q for q, _ in shards.values()}) != 1:
-                continue                          # mixed formats: keep the float32 layer
-            qtype = next(iter(shards.values()))[0]
-            raw = torch.cat([shards[s][1] for s in order]).reshape(-1).contiguous()
-            out_f, in_f = child.weight.shape
-            setattr(parent, name, PanelLinear(
-                PanelWeight.pack_gguf(qtype, raw, out_f, in_f, int8_activations), child.bias))
-            replaced += 1
-    return replaced

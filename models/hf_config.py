@@ -25,6 +25,11 @@ def read_hf_config(checkpoint_dir: str) -> ArchConfig:
         raise ValueError(f"{checkpoint_dir}/config.json is missing or has a malformed field: {exc!r}") from exc
 
 
+def read_quantization_config(checkpoint_dir: str) -> dict[str, Any] | None:
+    """config.json's ``quantization_config`` (None when the checkpoint is not quantized)."""
+    return _read_json(os.path.join(checkpoint_dir, "config.json")).get("quantization_config")
+
+
 def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ArchConfig:
     """The ArchConfig of a parsed config.json (``generation``: its generation_config.json)."""
     model_class = _model_class(raw)

@@ -28,7 +28,9 @@ def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). ``weight`` may be an existing parameter (a tied LM head)."""
+    """y = x W^T (+ b). ``weight`` may be an existing parameter (a tied LM head).
+    ``quant_method`` (models/quantization) holds a quantized layer's weights and multiplies."""
+    quant_method = None
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
                  weight: nn.Parameter | None = None, bias: bool = False) -> None:
@@ -39,6 +41,8 @@ class Linear(nn.Module):
         self.bias = _empty_param(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         return F.linear(x, self.weight, self.bias)
 
 

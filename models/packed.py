@@ -82,7 +82,7 @@ def prepack_linears(model: nn.Module, bfloat16: bool = False) -> int:
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if not isinstance(child, Linear) or child.weight.device.type != "cpu":
+            if not isinstance(child, Linear) or child.quant_method is not None or child.weight.device.type != "cpu":
                 continue
             if child.weight.dtype == torch.float32 and native:
                 from kernels.cpu.panels import PanelWeight

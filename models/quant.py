@@ -24,20 +24,12 @@ QUANT_MODES = ("gguf", "gguf-i8")
 
 
 def quantize(model: nn.Module, mode: str, gguf_path: str | None = None) -> nn.Module:
-    """Transform ``model`` in place for ``mode``; returns it."""
+    """Transform an already loaded ``model`` in place for ``mode`` (one of QUANT_MODES, through
+    the registry of models/quantization); returns it."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization {mode!r}; supported: {', '.join(QUANT_MODES)}")
-    from kernels.cpu.native import available
-    from models.gguf_header import read_gguf
-    from models.gguf_native import run_natively
-    ok, reason = available()
-    if not ok:
-        raise ValueError(f"the {mode} quantization mode needs the native CPU kernels: {reason}")
-    if gguf_path is None or not gguf_path.endswith(".gguf"):
-        raise ValueError(f"the {mode} quantization mode needs a model loaded from a .gguf file")
-    if mode == "gguf-i8":
-        from kernels.cpu.panels import int8_available
-        if not int8_available():
-            raise ValueError("the gguf-i8 quantization mode needs a CPU with AVX512-VNNI; use 'gguf'")
-    run_natively(model, read_gguf(gguf_path), model.config, int8_activations=mode == "gguf-i8")
+    from models.quantization import attach_linear_methods, process_weights_after_loading, resolve_quantization
+    config = resolve_quantization(mode, None, gguf_path)
+    attach_linear_methods(model, config, model.gguf_tensor_map)
+    process_weights_after_loading(model)
     return model

@@ -16,8 +16,10 @@ from models.architectures import BUILTIN_ARCHITECTURES, ModelRegistry
 from models.base import CausalLM
 from models.config import ArchConfig
 from models.gguf_loader import gguf_model_config, iter_gguf_weights, read_gguf
-from models.hf_config import read_hf_config
+from models.hf_config import read_hf_config, read_quantization_config
 from models.layers import MergedLinear
+from models.quantization import attach_linear_methods, process_weights_after_loading, quantized_layers, \
+    resolve_quantization
 from models.resolve import ModelSource
 from models.safetensors_loader import iter_safetensors_weights
 
@@ -66,6 +68,8 @@ class Checkpoint(NamedTuple):
     config: ArchConfig
     weights: Iterator[tuple[str, torch.Tensor]]     # lazy (checkpoint name, float32 tensor)
     tensor_map: str                                 # the model class's map for these names
+    quantization_config: dict | None = None         # config.json's quantization_config
+    path: str | None = None                         # the .gguf file or checkpoint directory
 
 
 def attention_requirements(config: ArchConfig, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -77,25 +81,32 @@ def attention_requirements(config: ArchConfig, dtype: torch.dtype, block_size: i
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
                attn_backend: AttentionBackend | None = None,
                block_size: int = DEFAULT_BLOCK_SIZE, device: str = "cpu",
-               kv_cache_dtype: torch.dtype | None = None) -> LoadedModel:
+               kv_cache_dtype: torch.dtype | None = None, quantization: str | None = None) -> LoadedModel:
     """Build the model for ``source`` with its weights, in eval mode, on ``device`` ("cpu" or
-    "cuda"). Attention goes through ``attn_backend``, by default the first backend that accepts
+    "cuda"), quantized as its checkpoint says or as ``quantization`` (--quantization) asks. Attention goes through ``attn_backend``, by default the first backend that accepts
     the model's requirements on that device and KV cache dtype (``kv_cache_dtype``, by default
     ``dtype``; raises ValueError naming every backend's refusal when none does). Weights are always read and converted on the CPU, then moved: the host
     briefly holds the model in ``dtype`` (plus one float32 tensor at a time while loading)."""
     ckpt = open_checkpoint(source)
-    return LoadedModel(build_model(ckpt, dtype, attn_backend, block_size, device, kv_cache_dtype), ckpt.config)
+    return LoadedModel(build_model(ckpt, dtype, attn_backend, block_size, device, kv_cache_dtype, quantization),
+                       ckpt.config)
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backend: AttentionBackend | None = None,
                 block_size: int = DEFAULT_BLOCK_SIZE, device: str = "cpu",
-                kv_cache_dtype: torch.dtype | None = None) -> nn.Module:
+                kv_cache_dtype: torch.dtype | None = None, quantization: str | None = None) -> nn.Module:
     """``load_model`` for a checkpoint already opened (its weights are consumed)."""
     config = ckpt.config
     backend = attn_backend or select_backend(attention_requirements(config, dtype, block_size, device,
                                                                     kv_cache_dtype))
     model = get_model_class(config.architecture)(config, backend, dtype)
-    load_weights(model, ckpt.weights, getattr(model, ckpt.tensor_map))
+    tensor_map = getattr(model, ckpt.tensor_map)
+    quant = resolve_quantization(quantization, ckpt.quantization_config, ckpt.path, device, dtype)
+    if quant is not None:
+        attach_linear_methods(model, quant, tensor_map)
+    load_weights(model, ckpt.weights, tensor_map)
+    if quant is not None:
+        process_weights_after_loading(model)
     if device != "cpu":
         model = model.to(device)
     return model.eval()
@@ -115,9 +126,10 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
     if source.kind == "gguf":
         gguf = read_gguf(source.path)
         config = gguf_model_config(gguf)
-        return Checkpoint(config, iter_gguf_weights(gguf, config), "gguf_tensor_map")
+        return Checkpoint(config, iter_gguf_weights(gguf, config), "gguf_tensor_map", path=source.path)
     if source.kind == "hf_dir":
-        return Checkpoint(read_hf_config(source.path), iter_safetensors_weights(source.path), "hf_tensor_map")
+        return Checkpoint(read_hf_config(source.path), iter_safetensors_weights(source.path), "hf_tensor_map",
+                          read_quantization_config(source.path), source.path)
     raise ValueError(f"model source kind {source.kind!r} is not supported; supported: 'gguf', 'hf_dir'")
 
 
@@ -134,14 +146,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  tensor_map: dict[str, tuple[str, str | None]]) -> None:
     """Copy each (checkpoint name, tensor) into the parameter (or fused shard) the map names,
     converting to the parameter's dtype; a fused parameter takes its shards or one whole
-    tensor. A checkpoint's copy of a tied weight (lm_head beside embed_tokens) is skipped.
-    Fails on a tensor without a place, a shape mismatch, or a parameter left unloaded."""
+    tensor. A checkpoint's copy of a tied weight (lm_head beside embed_tokens) is skipped. The
+    tensors of a quantized layer (``weight``, ``weight_scale``, ``qweight``, ...: what its method
+    reads) go to its method. Fails on a tensor without a place, a shape mismatch, or a parameter
+    left unloaded."""
     compiled = _compile_tensor_map(tensor_map)
+    quantized = {name: m for name, m in quantized_layers(model).items() if m.quant_method.checkpoint_tensors}
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
     modules = dict(model.named_modules())
     unloaded = {(name, shard) for name, p in params.items() for shard in _shards_of(modules, name)}
     for ckpt_name, tensor in weights:
+        if quantized and _load_quantized(quantized, compiled, ckpt_name, tensor, type(model).__name__):
+            continue
         param_name, shard = _lookup(compiled, ckpt_name, type(model).__name__)
         if param_name in aliases:
             continue
@@ -161,6 +178,24 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     if unloaded:
         missing = sorted(f"{n}[{s}]" if s else n for n, s in unloaded)
         raise ValueError(f"checkpoint left {len(missing)} parameters unloaded: {missing[:8]}")
+
+
+def _load_quantized(quantized: dict[str, nn.Module], compiled: list, ckpt_name: str, tensor: torch.Tensor,
+                    model_name: str) -> bool:
+    """Hand ``ckpt_name`` to its quantized layer's method when it is one of that layer's tensors
+    (its place found through the layer's ``.weight`` entry); False otherwise."""
+    stem, _, attr = ckpt_name.rpartition(".")
+    if attr == "bias":
+        return False
+    try:
+        param_name, shard = _lookup(compiled, f"{stem}.weight", model_name)
+    except ValueError:
+        return False
+    layer = quantized.get(param_name.removesuffix(".weight"))
+    if layer is None:
+        return False
+    layer.quant_method.load_weight(layer, attr, tensor, shard)
+    return True
 
 
 def _shards_of(modules: dict[str, nn.Module], param_name: str) -> list[str | None]:

@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tools.bench.__main__", "benchmarks: offline, serve, latency, structured, tracing, ..."),
     "trace": ("tools.trace", "save a running server's trace for ui.perfetto.dev"),
     "pd-proxy": ("tools.pd_proxy", "prefill/decode disaggregation: one endpoint over prefill and decode servers"),
+    "quantize": ("tools.quantize", "write an FP8 or INT8 (W8A8) compressed-tensors checkpoint of a model"),
 }
 PROG = "troupe"
 

@@ -304,7 +304,9 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "says it pays)")),
         (("--quantization", "-q"), "quantization", dict(
             default=d["quantization"], choices=QUANTIZATIONS,
-            help="'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively with float32 activations "
+            help="by default the checkpoint's own (config.json's quantization_config: fp8, "
+                 "compressed-tensors, awq, gptq), else exact; 'fp8' on a float checkpoint quantizes it at "
+                 "load; 'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively with float32 activations "
                  "(same weights, faster decoding); 'gguf-i8': Q4_1 layers also take int8 activations in "
                  "two parts (AVX512-VNNI; faster prefill, rare token changes)")),
         (("--logprobs-mode",), "logprobs_mode", dict(

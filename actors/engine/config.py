@@ -30,7 +30,9 @@ from models.resolve import ModelSource
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")   # fp8: e4m3
-QUANTIZATIONS = ("gguf", "gguf-i8")           # None: exact (models/quant.py)
+# None: exact. models/quantization's registry, spelled out (importing it loads torch)
+QUANTIZATIONS = ("fp8", "compressed-tensors", "awq", "gptq", "gguf", "gguf-i8")
+CPU_ONLY_QUANTIZATIONS = ("gguf", "gguf-i8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 DEFAULT_MAX_LOGPROBS = 20                     # vLLM's --max-logprobs default (OpenAI's top_logprobs limit)
@@ -41,7 +43,7 @@ CPU_KV_CACHE_BYTES = 1 << 30                  # the CPU's KV cache when no size 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     source: ModelSource                    # the checkpoint, resolved from the user's model name
     dtype: str = "auto"                    # "auto": bfloat16 on CUDA, float32 on the CPU
-    quantization: str | None = None        # None (exact) | "gguf" | "gguf-i8"
+    quantization: str | None = None        # None (exact, or as the checkpoint's config.json says) | QUANTIZATIONS
     max_model_len: int = 0                 # 0: the model's own, capped by the KV cache
     seed: int = 0
     enforce_eager: bool = False            # CUDA: no graph capture, every step eager
@@ -175,7 +177,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "bfloat16" if device == "cuda" else "float32")
         spec = self.speculative
         for q in (self.model.quantization, spec.quantization if spec is not None else None):
-            if q and device == "cuda":
+            if q in CPU_ONLY_QUANTIZATIONS and device == "cuda":
                 raise ValueError(f"quantization {q!r} runs on the CPU only; use device 'cpu'")
         if arch.num_experts and self.lora is not None:
             raise ValueError(f"LoRA adapters on a mixture-of-experts model ({arch.architecture}) are not supported "

@@ -27,7 +27,6 @@ from kernels.attention.base import AttentionBackend
 from models.layers import calculate_kv_scales_on_next_batch
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
-from models.quant import quantize
 from models.registry import Checkpoint, attention_requirements, build_model, open_checkpoint
 from models.pipeline_parallel import StageLink, split_stage
 from models.tensor_parallel import shard_model
@@ -116,19 +115,23 @@ class Worker:
 
     def _load(self, ckpt: Checkpoint, backend: AttentionBackend, quantization: str | None, path: str) -> torch.nn.Module:
         cfg = self.config
-        compute = self._compute_dtype(quantization)
+        quantized = quantization
+        if ckpt.quantization_config is not None:     # a quantized checkpoint (config.json says which)
+            quantized = str(ckpt.quantization_config.get("quant_method"))
+            if self.tp_size > 1 or self.pp_size > 1:
+                raise ValueError(f"a checkpoint quantized as {quantized!r} with tensor or pipeline parallelism is "
+                                 "not supported; use --tensor-parallel-size 1 --pipeline-parallel-size 1")
+        compute = self._compute_dtype(quantized)
         model = build_model(ckpt, torch_dtype(compute), backend, cfg.cache.block_size,
-                            self.device.type, torch_dtype(cfg.cache.cache_dtype))
+                            self.device.type, torch_dtype(cfg.cache.cache_dtype), quantization)
         if self.pp_size > 1:                 # this stage's layers (before splitting them over ranks)
             split_stage(model, self.pp_size, self.pp_rank)
         if self.tp_size > 1:                 # this rank's heads and columns (before packing)
             shard_model(model, self.tp_size, self.tp_rank, self.tp_group,
                         expert_parallel=cfg.parallel.enable_expert_parallel)
             log_expert_placement(model, self.tp_rank)
-        if quantization:
-            quantize(model, quantization, path)
         comp = cfg.compilation
-        if self.platform.packs_linears and packs_linears(comp, quantization):   # packed once for the native kernels
+        if self.platform.packs_linears and packs_linears(comp, quantized):   # packed once for the native kernels
             prepack_linears(model, bfloat16=compute != cfg.model.dtype and cfg.model.dtype == "bfloat16")
             if comp.level == 1 and self.pp_size == 1:     # the native stack runs every layer from the embedding
                 attach_native_decode(model)

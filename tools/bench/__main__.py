@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
 
     agr = sub.add_parser("agreement", help="greedy agreement of a quantized mode with exact mode")
     agr.add_argument("--model", default=None)
-    agr.add_argument("--quantization", default="gguf", choices=["gguf", "gguf-i8", "none"],
+    agr.add_argument("--quantized-model", default=None,
+                     help="a quantized checkpoint of --model (e.g. written by python -m tools.quantize) run against "
+                          "--model's exact weights; its config.json says its quantization (default "
+                          "--quantization: none)")
+    agr.add_argument("--quantization", default=None, choices=["gguf", "gguf-i8", "none"],
                      help="'none': exact weights (with --kv-cache-dtype, the KV cache's effect alone)")
     agr.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="the fast mode's --dtype (bfloat16: bfloat16 weights, see README)")

@@ -1,5 +1,6 @@
-"""Greedy agreement of a fast mode with exact (float32) mode: the fraction of the first N
-greedy tokens, over a fixed set of chat prompts, that are equal position by position."""
+"""Greedy agreement of a fast mode (a --quantization mode, or a quantized checkpoint of the same
+model) with exact (float32) mode: the fraction of the first N greedy tokens, over a fixed set of
+chat prompts, that are equal position by position."""
 from __future__ import annotations
 
 import json
@@ -38,11 +39,14 @@ def agreement(exact: list[list[int]], fast: list[list[int]]) -> float:
 def main(args: Any) -> None:
     prompts = PROMPTS[:args.n]
     exact = generate(None, prompts, args.tokens, args.model)
-    quantization = None if args.quantization == "none" else args.quantization
-    fast = generate(quantization, prompts, args.tokens, args.model, args.kv_cache_dtype, args.calculate_kv_scales,
-                    args.dtype)
+    quantized_model = getattr(args, "quantized_model", None)
+    flag = args.quantization or ("none" if quantized_model else "gguf")
+    quantization = None if flag == "none" else flag
+    fast = generate(quantization, prompts, args.tokens, quantized_model or args.model, args.kv_cache_dtype,
+                    args.calculate_kv_scales, args.dtype)
     first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(exact, fast)]
-    print(json.dumps({"bench": "agreement", "quantization": quantization, "dtype": args.dtype,
+    print(json.dumps({"bench": "agreement", "quantization": quantization, "quantized_model": quantized_model,
+                      "dtype": args.dtype,
                       "kv_cache_dtype": args.kv_cache_dtype, "calculate_kv_scales": args.calculate_kv_scales,
                       "prompts": len(prompts),
                       "tokens": args.tokens, "agreement": round(agreement(exact, fast), 4),

@@ -1,0 +1,201 @@
+"""The run-time forms of quantized linear layers, shared by the formats: every format turns its
+checkpoint tensors into one of
+
+- integer codes with scales (``IntWeights``): int8 W8A8, and AWQ / GPTQ int4 once unpacked, the
+  zero point subtracted (codes q - z in -15..15 fit int8 exactly);
+- fp8 codes with float32 scales per output feature (``Fp8Weights``);
+
+and runs it on the CPU through the native panel kernels (kernels/cpu/gemm.c, what gguf and
+gguf-i8 run) or on CUDA through the Triton kernels of kernels/triton/quant.py.
+
+On the CPU, integer codes become Q8_0 blocks of 32 input features with the scale of the block's
+group (per channel: one scale a row) in float16: AWQ's and GPTQ's scales are float16, so their
+weights are the checkpoint's exactly; float32 scales (int8 W8A8) are rounded to float16 (a
+relative change of at most 2^-11 per output feature, far below int8's own step). W8A8 layers
+take int8 activations in two parts per block of 32 (gguf-i8's AVX512-VNNI kernel; finer than
+one scale per token), W4A16 layers float32 activations. Layers the blocks cannot hold (an input
+size not a multiple of 32, a scale outside float16's normal range, GPTQ's act-order groups
+scattered over the input features) and fp8 weights are dequantized at load to float32 (exactly
+the checkpoint's values, up to float32 rounding of code * scale) and packed as float panels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from models.quantization.base import LinearMethod
+
+QK = 32                         # input features per Q8_0 block
+FP16_MIN_NORMAL, FP16_MAX = 2.0 ** -14, 65504.0
+
+
+@dataclass
+class IntWeights:
+    """w[n, k] = codes[n, k] * scales[n, g_idx[k]] (+ bias)."""
+    codes: torch.Tensor             # (N, K) int8
+    scales: torch.Tensor            # (N, G) float32 or float16: G groups of the input features
+    g_idx: torch.Tensor | None      # (K,) int32 group of each input feature; None: k // (K / G)
+    int8_activations: bool          # W8A8: the activations are quantized too
+    zeros: torch.Tensor | None = None   # (N, G) int8: int4's zero points (codes = q - zero)
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    def group_index(self) -> torch.Tensor:
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        return torch.arange(self.codes.shape[1]) // self.group_size
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32."""
+        return self.codes.float() * self.scales.float()[:, self.group_index()]
+
+    @staticmethod
+    def cat(parts: list["IntWeights"]) -> "IntWeights":
+        """Shards stacked along the output features (same groups)."""
+        first = parts[0]
+        if len(parts) == 1:
+            return first
+        if any(p.scales.shape[1] != first.scales.shape[1] for p in parts):
+            raise ValueError("the shards of a fused layer have different scale groups")
+        g = [p.g_idx for p in parts]
+        if any((a is None) != (g[0] is None) or (a is not None and not torch.equal(a, g[0])) for a in g):
+            raise ValueError("the shards of a fused layer have different act-order groups (g_idx)")
+        zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+        return IntWeights(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                          first.g_idx, first.int8_activations, zeros)
+
+
+@dataclass
+class Fp8Weights:
+    """w[n, k] = fp8 codes[n, k] * scale[n]."""
+    codes: torch.Tensor             # (N, K) float8_e4m3fn
+    scale: torch.Tensor             # (N,) float32
+    input_scale: torch.Tensor | None  # () float32: static activation scale; None: dynamic per token
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scale[:, None]
+
+    @staticmethod
+    def cat(parts: list["Fp8Weights"]) -> "Fp8Weights":
+        inputs = [p.input_scale for p in parts]
+        if any((s is None) != (inputs[0] is None) for s in inputs):
+            raise ValueError("the shards of a fused layer mix static and dynamic activation scales")
+        return Fp8Weights(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                          None if inputs[0] is None else torch.stack(inputs).max())
+
+
+def per_feature_scale(scale: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+    """A per-tensor ((), (1,)) or per-channel ((N,), (N, 1)) scale as (N,) float32."""
+    s = scale.float().reshape(-1)
+    if s.numel() == 1:
+        return s.expand(rows).clone()
+    if s.numel() != rows:
+        raise ValueError(f"{what} has {s.numel()} values; expected 1 (per tensor) or {rows} (per channel)")
+    return s
+
+
+def q8_0_blocks(w: IntWeights) -> np.ndarray | None:
+    """The GGUF Q8_0 bytes (N, K / 32 * 34) of ``w``, or None when the blocks cannot hold it."""
+    n, k = w.codes.shape
+    if k % QK or w.group_size % QK or w.g_idx is not None and not torch.equal(
+            w.g_idx.long(), torch.arange(k) // w.group_size):
+        return None
+    scales = w.scales.float()
+    if not bool(((scales.abs() >= FP16_MIN_NORMAL) & (scales.abs() <= FP16_MAX)).all()):
+        return None
+    d = scales.to(torch.float16).repeat_interleave(w.group_size // QK, dim=1).numpy()   # (N, K / 32)
+    blocks = np.empty((n, k // QK, 34), np.uint8)
+    blocks[..., 0:2] = d.view(np.uint8).reshape(n, k // QK, 2)
+    blocks[..., 2:] = w.codes.numpy().view(np.uint8).reshape(n, k // QK, QK)
+    return blocks.reshape(n, -1)
+
+
+def cpu_module(weights: IntWeights | Fp8Weights, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+    """The module that runs a quantized layer on the CPU: Q8_0 panels where they hold the weights
+    exactly (see the module docstring), else a float layer of the dequantized weights (packed
+    later with the other float layers)."""
+    from kernels.cpu.native import available
+    from models.layers import Linear
+    if isinstance(weights, IntWeights) and available()[0]:
+        blocks = q8_0_blocks(weights)
+        if blocks is not None:
+            from kernels.cpu.panels import PanelWeight, int8_available
+            from models.packed import PanelLinear
+            n, k = weights.codes.shape
+            i8 = weights.int8_activations and int8_available()
+            return PanelLinear(PanelWeight.pack_gguf("Q8_0", blocks, n, k, i8), bias)
+    w = weights.dequantize()
+    layer = Linear(w.shape[1], w.shape[0], dtype, bias=bias is not None)
+    layer.weight.data.copy_(w)
+    if bias is not None:
+        layer.bias.data.copy_(bias)
+    return layer
+
+
+class PackedLinearMethod(LinearMethod):
+    """The safetensors formats' methods: ``unpack`` (the format's reading of the loaded
+    tensors) gives ``IntWeights`` or ``Fp8Weights``, which become the CPU module or, on CUDA, the
+    layer's buffers for the Triton kernels (``apply``)."""
+
+    def __init__(self, device: str, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+
+    def unpack(self, layer: nn.Module) -> IntWeights | Fp8Weights:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> nn.Module:
+        weights = self.unpack(layer)
+        layer.quant_tensors = {}
+        bias = None if layer.bias is None else layer.bias.detach()
+        if self.device == "cpu":
+            return cpu_module(weights, bias, self.dtype)
+        install_gpu_weights(layer, weights)
+        return layer
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        from kernels.triton import quant
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if layer.q_kind == "fp8":
+            y = quant.fp8_linear(x2, layer.q_codes, layer.q_scale, layer.q_input_scale)
+        elif layer.q_kind == "int8":
+            y = quant.int8_linear(x2, layer.q_codes, layer.q_scale)
+        else:
+            y = quant.int4_linear(x2, layer.q_codes, layer.q_zeros, layer.q_scale, layer.q_g_idx)
+        y = y.to(x.dtype)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def install_gpu_weights(layer: nn.Module, weights: IntWeights | Fp8Weights) -> None:
+    """The CUDA form: buffers of the layer (moved with it), named ``q_*``, for
+    kernels/triton/quant.py."""
+    from kernels.triton import quant
+    if isinstance(weights, Fp8Weights):
+        layer.register_buffer("q_codes", weights.codes.view(torch.uint8).contiguous())
+        layer.register_buffer("q_scale", weights.scale.float().contiguous())
+        layer.register_buffer("q_input_scale", weights.input_scale)
+        layer.q_kind = "fp8"
+    elif weights.int8_activations:
+        if weights.scales.shape[1] != 1:
+            raise ValueError("int8 weights with group scales run on the CPU only (the CUDA kernel takes one scale "
+                             "per output feature)")
+        layer.register_buffer("q_codes", weights.codes.contiguous())
+        layer.register_buffer("q_scale", weights.scales.float().reshape(-1).contiguous())
+        layer.q_kind = "int8"
+    else:
+        if weights.zeros is None:
+            raise ValueError("int4 weights on CUDA need their zero points")
+        g = weights.group_index()
+        q = weights.codes.int() + weights.zeros.int()[:, g]                       # (N, K) 0..15
+        layer.register_buffer("q_codes", quant.pack_int4(q.t().contiguous()))   # (K / 8, N) int32
+        layer.register_buffer("q_zeros", weights.zeros.t().contiguous().to(torch.int8))   # (G, N)
+        layer.register_buffer("q_scale", weights.scales.t().contiguous().to(torch.float16))  # (G, N)
+        layer.register_buffer("q_g_idx", g.to(torch.int32))
+        layer.q_kind = "int4"

@@ -1,0 +1,107 @@
+"""The quantized matmuls of kernels/triton/quant.py against dequantize-then-matmul references,
+and the GPU form of the quantized linear methods (models/quantization) run through them: on the
+CPU under TRITON_INTERPRET=1, or compiled on CUDA when a GPU is present."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+import pytest  # noqa: E402
+
+from kernels.triton import quant  # noqa: E402
+from models.layers import Linear, MergedLinear  # noqa: E402
+
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+@pytest.mark.parametrize("fmt", [quant.FMT_FP8, quant.FMT_INT8])
+def test_per_token_quant_matches_reference(fmt):
+    x = _randn(5, 96) * torch.linspace(0.1, 10, 5, device=DEVICE)[:, None]
+    q, s = quant.per_token_quant(x, fmt)
+    q_ref, s_ref = quant.per_token_quant_ref(x, fmt)
+    torch.testing.assert_close(s, s_ref)
+    assert torch.equal(q, q_ref)
+
+
+@pytest.mark.parametrize("fmt", [quant.FMT_FP8, quant.FMT_INT8])
+def test_scaled_mm_matches_dequantized_matmul(fmt):
+    a, sa = quant.per_token_quant(_randn(7, 160, seed=1), fmt)
+    b, sb = quant.per_token_quant(_randn(70, 160, seed=2), fmt)
+    got = quant.scaled_mm(a, b, sa, sb, fmt)
+    torch.testing.assert_close(got, quant.scaled_mm_ref(a, b, sa, sb, fmt), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_matmul_matches_dequantized_matmul(act_order):
+    K, N, G = 256, 72, 128
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (K, N), generator=gen)
+    zeros = torch.randint(0, 16, (K // G, N), generator=gen).to(torch.int8)
+    scales = (torch.rand(K // G, N, generator=gen) * 0.02 + 0.001).half()
+    g_idx = (torch.randperm(K, generator=gen) if act_order else torch.arange(K)) // G
+    args = [t.to(DEVICE) for t in (quant.pack_int4(q), zeros, scales, g_idx.int())]
+    x = _randn(5, K, seed=4)
+    torch.testing.assert_close(quant.int4_linear(x, *args), quant.int4_linear_ref(x, *args), rtol=1e-4, atol=1e-4)
+
+
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def _layer_with(method, tensors: dict, shards: dict | None, K: int = 128) -> torch.nn.Module:
+    layer = MergedLinear(K, shards, torch.float32) if shards else Linear(K, 64, torch.float32)
+    method.create_weights(layer)
+    layer.quant_method = method
+    for (name, shard), t in tensors.items():
+        method.load_weight(layer, name, t, shard)
+    return method.process_weights_after_loading(layer).to(DEVICE)
+
+
+def test_gpu_int8_w8a8_layer_matches_dequantized_weights():
+    from models.quantization.formats import Int8LinearMethod, quantize_int8
+    w = _randn(64, 128, seed=5).cpu()
+    codes, scale = quantize_int8(w, per_channel=True)
+    layer = _layer_with(Int8LinearMethod("cuda", torch.float32, True),
+                        {("weight", None): codes, ("weight_scale", None): scale[:, None]}, None)
+    x = _randn(6, 128, seed=6)
+    ref = x @ (codes.float() * scale[:, None]).to(DEVICE).T
+    assert _relative_error(layer(x), ref) < 2e-2              # int8 activations per token: about 1%
+
+
+def test_gpu_fp8_layer_with_fused_shards_matches_dequantized_weights():
+    from models.quantization.formats import Fp8LinearMethod, quantize_fp8
+    shards = {"gate": 32, "up": 32}
+    tensors, deq = {}, []
+    for i, s in enumerate(shards):
+        w = quantize_fp8(_randn(32, 128, seed=7 + i).cpu() * (i + 1), per_channel=False)
+        tensors[("weight", s)], tensors[("weight_scale", s)] = w.codes, w.scale[:1]
+        deq.append(w.dequantize())
+    layer = _layer_with(Fp8LinearMethod("cuda", torch.float32), tensors, shards)
+    x = _randn(4, 128, seed=9)
+    ref = x @ torch.cat(deq).to(DEVICE).T
+    assert _relative_error(layer(x), ref) < 8e-2              # fp8 activations per token (3-bit mantissa)
+
+
+def test_gpu_awq_layer_matches_dequantized_weights():
+    from models.quantization.formats import AWQLinearMethod, awq_order, pack_int32
+    K, N, G = 128, 64, 64
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randint(0, 16, (K, N), generator=gen)
+    zeros = torch.randint(0, 16, (K // G, N), generator=gen)
+    scales = (torch.rand(K // G, N, generator=gen) * 0.02 + 0.001).half()
+    tensors = {("qweight", None): pack_int32(awq_order(q), 4, 1), ("qzeros", None): pack_int32(awq_order(zeros), 4, 1),
+               ("scales", None): scales}
+    layer = _layer_with(AWQLinearMethod("cuda", torch.float32, G), tensors, None)
+    g = torch.arange(K) // G
+    w = ((q - zeros[g]).float() * scales.float()[g]).to(DEVICE)          # (K, N)
+    x = _randn(3, K, seed=11)
+    torch.testing.assert_close(layer(x), x @ w, rtol=1e-4, atol=1e-4)
