@@ -49,11 +49,21 @@ def get_model_class(architecture: str) -> type[CausalLM]:
 
 def hf_architecture_of_gguf(gguf_architecture: str | None) -> str:
     """The Hugging Face architecture name of a GGUF ``general.architecture`` (any registered
-    class may declare GGUF names, plugins' included)."""
-    names = _gguf_architectures({a: get_model_class(a) for a in ModelRegistry.get_supported_archs()})
+    class may declare GGUF names, plugins' included: those registered by name are imported only
+    when no built-in class claims the GGUF name, and one that cannot be imported is passed over,
+    named in the error if nothing else claims it)."""
+    if gguf_architecture in GGUF_ARCHITECTURES:
+        return GGUF_ARCHITECTURES[gguf_architecture]
+    classes, unimportable = {}, []
+    for arch in ModelRegistry.get_supported_archs():
+        try:
+            classes[arch] = get_model_class(arch)
+        except ValueError as exc:
+            unimportable.append(str(exc))
+    names = _gguf_architectures(classes)
     if gguf_architecture not in names:
-        raise ValueError(f"GGUF architecture {gguf_architecture!r} is not supported; "
-                         f"supported: {sorted(names)}")
+        raise ValueError(f"GGUF architecture {gguf_architecture!r} is not supported; supported: {sorted(names)}"
+                         + "".join(f"; {why}" for why in unimportable))
     return names[gguf_architecture]
 
 

@@ -92,13 +92,19 @@ def test_a_plugin_that_fails_when_run_stops_start_up_naming_it(tmp_path, monkeyp
         load_general_plugins()
 
 
-def test_register_model_by_name_defers_the_import_until_a_checkpoint_asks():
+def test_register_model_by_name_defers_the_import_until_a_checkpoint_asks(monkeypatch):
+    from models import architectures
+    monkeypatch.setattr(architectures, "_ARCHITECTURES", dict(architectures._ARCHITECTURES))
     ModelRegistry.register_model("NotImportedForCausalLM", "no_such_module_anywhere:Model")
     assert "NotImportedForCausalLM" in ModelRegistry.get_supported_archs()
     with pytest.raises(ValueError, match="NotImportedForCausalLM.*cannot be imported"):
         ModelRegistry.get_model_class("NotImportedForCausalLM")
     with pytest.raises(ValueError, match="give a class or 'module:Class'"):
         ModelRegistry.register_model("X", "no_colon")
+    from models.registry import hf_architecture_of_gguf          # the others' GGUF files still load
+    assert hf_architecture_of_gguf("llama") == "LlamaForCausalLM"
+    with pytest.raises(ValueError, match="'nonesuch' is not supported.*NotImportedForCausalLM.*cannot be imported"):
+        hf_architecture_of_gguf("nonesuch")
 
 
 def test_logits_processors_flag_refuses_what_is_not_a_processor_class_by_name():
