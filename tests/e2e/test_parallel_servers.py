@@ -1,8 +1,9 @@
-"""Pipeline parallelism on the real default model (--pipeline-parallel-size 2: SmolLM2's 30
-layers in two stages of 15, a worker process each, hidden states and residual sent from one to
-the other over gloo): greedy answers are those of one worker, with prompts chunked and several
-steps in flight at once; a killed stage brings both back, the request recomputed and answered in
-full; and two stages of two tensor-parallel ranks each (four processes) answer the same."""
+"""Tensor and pipeline parallelism on the real default model, against one worker's greedy answers:
+--tensor-parallel-size 2 (SmolLM2's 9 query and 3 KV heads split 6 + 3 and 2 + 1 over two worker
+processes in a gloo group), --pipeline-parallel-size 2 (its 30 layers in two stages of 15, hidden
+states and residual sent from one to the other, prompts chunked and several steps in flight at
+once), and two stages of two tensor-parallel ranks each (four processes). A worker killed
+mid-request brings its whole group back, the request recomputed and answered in full."""
 from __future__ import annotations
 
 import asyncio
@@ -35,12 +36,14 @@ def one_worker() -> list[str]:
     return [r.text for r in results]
 
 
-@pytest.fixture(scope="module")
-def server():
-    # a small token budget chunks the prompts and splits the requests into micro-batches
-    s = Server("--pipeline-parallel-size", "2", "--max-num-batched-tokens", "8")
+@pytest.fixture(scope="module", params=["tensor", "pipeline"])
+def server(request):
+    if request.param == "tensor":
+        s = Server("--tensor-parallel-size", "2")
+    else:      # a small token budget chunks the prompts and splits the requests into micro-batches
+        s = Server("--pipeline-parallel-size", "2", "--max-num-batched-tokens", "8")
     try:
-        yield s
+        yield request.param, s
     finally:
         s.stop()
 
@@ -61,18 +64,21 @@ def _texts(server: Server, prompts: list[str], tokens: list[int]) -> list[str]:
     return asyncio.run(main())
 
 
-def test_two_stages_answer_as_one_worker_does_with_steps_in_flight_together(server, one_worker):
-    (engine,) = children(server.pid)
-    assert len(children(engine)) == 2                   # a worker process per stage
-    assert _texts(server, PROMPTS[:3], TOKENS[:3]) == one_worker[:3]
-    assert any("pipeline stage 1 of 2: layers 15 to 29" in line for line in server.lines)
+def test_two_workers_answer_as_one_worker_does(server, one_worker):
+    kind, s = server
+    (engine,) = children(s.pid)
+    assert len(children(engine)) == 2                   # a worker process per rank or stage
+    assert _texts(s, PROMPTS[:3], TOKENS[:3]) == one_worker[:3]
+    if kind == "pipeline":
+        assert any("pipeline stage 1 of 2: layers 15 to 29" in line for line in s.lines)
 
 
-def test_a_killed_stage_brings_both_back_and_the_request_is_recomputed(server, one_worker):
-    (engine,) = children(server.pid)
+def test_a_killed_worker_brings_both_back_and_the_request_is_recomputed(server, one_worker):
+    _, s = server
+    (engine,) = children(s.pid)
     before = children(engine)
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(text=_texts(server, PROMPTS[3:], TOKENS[3:])[0]))
+    thread = threading.Thread(target=lambda: result.update(text=_texts(s, PROMPTS[3:], TOKENS[3:])[0]))
     thread.start()
     time.sleep(1.0)
     os.kill(before[1], signal.SIGKILL)
@@ -80,7 +86,7 @@ def test_a_killed_stage_brings_both_back_and_the_request_is_recomputed(server, o
     assert result.get("text") == one_worker[3]
     after = children(engine)
     assert len(after) == 2 and not set(after) & set(before) and not any(alive(p) for p in before)
-    assert any("workers restarted" in line for line in server.lines)
+    assert any("workers restarted" in line for line in s.lines)
 
 
 def test_two_stages_of_two_tensor_parallel_ranks_answer_as_one_worker_does(one_worker):
