@@ -594,7 +594,7 @@ class Scheduler:
             n = threshold
         n = min(n, step.budget)
         if step.latency_left is not None and n > 0 and req not in step.reserved:
-            if n > 1 + len(req.spec_token_ids):    # a prompt chunk beside decodes
+            if n > 1 + len(req.spec_token_ids) or computed < req.num_prompt_tokens:   # a prompt chunk beside decodes
                 # the largest chunk that keeps the step within the target; the step's first
                 # takes at least a block, so the oldest prompt always progresses (no starvation)
                 fits = self.cost.max_chunk(computed, step.latency_left)

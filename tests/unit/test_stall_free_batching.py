@@ -78,7 +78,10 @@ def test_steps_with_decodes_stay_under_the_target_and_every_request_finishes(req
         finished |= {o.request_id for o in outs if o.finish_reason}
         steps += 1
         assert steps <= bound, "a request starved"
-        chunks = [n for n in so.num_scheduled_tokens.values() if n > 1]
+        starts = dict(zip(so.cached_reqs.req_ids, so.cached_reqs.num_computed_tokens))
+        starts |= {r.req_id: r.num_computed_tokens for r in so.new_reqs}
+        chunks = [n for rid, n in so.num_scheduled_tokens.items()     # prompt chunks, 1-token ones too
+                  if n > 1 or starts[rid] < requests[int(rid[1:])][0]]
         if decoding and chunks:
             assert (_predicted(so, h.s.cost) <= TARGET_MS / 1000 + 1e-9
                     or (len(chunks) == 1 and chunks[0] <= BS)), (so.num_scheduled_tokens, _predicted(so, h.s.cost))
@@ -92,6 +95,20 @@ def test_without_decodes_or_a_target_prompts_take_the_whole_token_budget():
         h.add("a", 1000, max_tokens=2)
         so, _ = h.step()
         assert so.num_scheduled_tokens == {"a": 512}
+
+
+def test_a_one_token_prompt_is_a_prompt_chunk_too_and_waits_when_the_step_is_full():
+    """Requests decoding, a 93-token prompt sized to fill the step's time, then a 1-token prompt:
+    that token would push the step past the target, so it waits for the next step."""
+    h = Harness(num_blocks=512, max_step_latency_ms=TARGET_MS, max_num_batched_tokens=512)
+    h.s.cost = StepCostModel(COEF)
+    h.add("r0", 1, max_tokens=3, ignore_eos=True)
+    for _ in range(2):
+        h.step()
+    h.add("r1", 93, max_tokens=1, ignore_eos=True)
+    h.add("r2", 1, max_tokens=1, ignore_eos=True)
+    so = h.schedule()
+    assert _predicted(so, h.s.cost) <= TARGET_MS / 1000 + 1e-9, so.num_scheduled_tokens
 
 
 def test_a_decode_beside_a_long_prompt_gets_a_small_chunk_of_it_not_the_whole_budget():
