@@ -1,5 +1,7 @@
 """Small helpers shared by the tests."""
 import asyncio
+import functools
+import os
 
 
 def run_async(coro, timeout: float = 60.0):
@@ -141,3 +143,22 @@ def save_tiny_lora(hf_path, out, r: int, targets: list[str], seed: int, rslora: 
                 p.copy_(torch.zeros_like(p) if zero_b and "lora_B" in name else torch.randn(p.shape, generator=g) * scale)
     peft_model.save_pretrained(out)
     return peft_model.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_tokenizer_from_gguf(path: str):
+    """transformers' tokenizer of a GGUF file, built once per test process (a large vocabulary
+    takes transformers tens of seconds; the parity tests of several modules share it)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_model_from_gguf(path: str):
+    """transformers' model of a GGUF file (float32, the weights dequantized, eval mode), loaded
+    once per test process: the suite's slowest set-up, shared by the parity tests. Tests that
+    change it (peft wraps its layers) take ``copy.deepcopy`` of it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()

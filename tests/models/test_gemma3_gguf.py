@@ -39,11 +39,9 @@ def ours():
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from helpers import transformers_model_from_gguf, transformers_tokenizer_from_gguf
     path = resolve_model("gemma3-270m").path
-    kwargs = dict(pretrained_model_name_or_path=os.path.dirname(path), gguf_file=os.path.basename(path))
-    model = AutoModelForCausalLM.from_pretrained(**kwargs, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(**kwargs)
+    return transformers_model_from_gguf(path), transformers_tokenizer_from_gguf(path)
 
 
 @pytest.fixture(scope="module")

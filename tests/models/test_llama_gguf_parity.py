@@ -2,7 +2,6 @@
 default SmolLM2 GGUF (slow): greedy tokens, batching, decode vs prefill, loader vs GGUFReader."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -121,12 +120,9 @@ def ours():
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from helpers import transformers_model_from_gguf, transformers_tokenizer_from_gguf
     path = default_gguf_path()
-    kwargs = dict(pretrained_model_name_or_path=os.path.dirname(path), gguf_file=os.path.basename(path))
-    tokenizer = AutoTokenizer.from_pretrained(**kwargs)
-    model = AutoModelForCausalLM.from_pretrained(**kwargs, dtype=torch.float32).eval()
-    return model, tokenizer
+    return transformers_model_from_gguf(path), transformers_tokenizer_from_gguf(path)
 
 
 @pytest.fixture(scope="module")

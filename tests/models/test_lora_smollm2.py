@@ -5,7 +5,6 @@ gguf-i8 the adapter's delta is added in float: logits within the mode's toleranc
 mode's with the same adapter, and the same greedy tokens."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -31,11 +30,12 @@ def reference(tmp_path_factory):
     """transformers' SmolLM2 (float32, the GGUF's weights dequantized) with a random adapter
     applied by peft, the adapter saved by peft; -> (peft model, adapter path, prompt ids)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import copy
+
+    from helpers import transformers_model_from_gguf, transformers_tokenizer_from_gguf
     path = default_gguf_path()
-    kwargs = dict(pretrained_model_name_or_path=os.path.dirname(path), gguf_file=os.path.basename(path))
-    prompt = AutoTokenizer.from_pretrained(**kwargs)(PROMPT_TEXT)["input_ids"]
-    hf = AutoModelForCausalLM.from_pretrained(**kwargs, dtype=torch.float32).eval()
+    prompt = transformers_tokenizer_from_gguf(path)(PROMPT_TEXT)["input_ids"]
+    hf = copy.deepcopy(transformers_model_from_gguf(path))        # peft changes the model it wraps
     peft_model = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, target_modules=ALL, lora_dropout=0.0,
                                                init_lora_weights=False))
     g = torch.Generator().manual_seed(0)

@@ -64,8 +64,9 @@ def tok() -> TextTokenizer:
 
 @pytest.fixture(scope="module")
 def hf_tok():
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+    pytest.importorskip("transformers")
+    from helpers import transformers_tokenizer_from_gguf
+    return transformers_tokenizer_from_gguf(GGUF_PATH)
 
 
 def test_metadata_matches_gguf_reader():
@@ -243,9 +244,9 @@ def gemma_tok(gemma_path) -> TextTokenizer:
 
 @pytest.fixture(scope="module")
 def gemma_hf(gemma_path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gemma_path),
-                                                      gguf_file=os.path.basename(gemma_path))
+    pytest.importorskip("transformers")
+    from helpers import transformers_tokenizer_from_gguf
+    return transformers_tokenizer_from_gguf(gemma_path)
 
 
 def test_gemma_vocab_and_special_ids(gemma_tok):
