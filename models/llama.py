@@ -103,9 +103,7 @@ class LlamaForCausalLM(CausalLM):
                 ) -> torch.Tensor | IntermediateTensors:
         # input_ids, positions (T,) int64; kv_caches[l] (2, num_blocks, block_size, KVH, D), one
         # per layer this stage runs; ``intermediate``: the previous pipeline stage's tensors
-        layers = stage_layers(self)
-        if len(kv_caches) != len(layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
+        layers = stage_layers(self, kv_caches)
         if intermediate is None:
             hidden, residual = self.embed_tokens(input_ids), None          # (T, hidden)
         else:

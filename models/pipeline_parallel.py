@@ -49,10 +49,14 @@ def split_stage(model: nn.Module, pp_size: int, pp_rank: int) -> nn.Module:
     return model
 
 
-def stage_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers this stage runs (all of them without pipeline parallelism)."""
+def stage_layers(model: nn.Module, kv_caches: list | None = None) -> nn.ModuleList:
+    """The decoder layers this stage runs (all of them without pipeline parallelism); with
+    ``kv_caches``, ValueError unless there is one per layer."""
     start, end = model.start_layer, model.end_layer
-    return model.layers if (start, end) == (0, len(model.layers)) else model.layers[start:end]
+    layers = model.layers if (start, end) == (0, len(model.layers)) else model.layers[start:end]
+    if kv_caches is not None and len(kv_caches) != len(layers):
+        raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
+    return layers
 
 
 def is_last_stage(model: nn.Module) -> bool:
