@@ -15,8 +15,8 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-_PARALLEL = ("Troupe implements tensor, pipeline and data parallelism on one machine only (--tensor-parallel-size, "
-             "--pipeline-parallel-size, --data-parallel-size)")
+_PARALLEL = ("Troupe implements tensor, pipeline and data parallelism (--tensor-parallel-size, "
+             "--pipeline-parallel-size, --data-parallel-size), across machines with --distributed-executor-backend ray")
 _LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directories as they are"
 _MODALITY = "Troupe serves text-only models"
 _LORA = "Troupe's LoRA takes --enable-lora, --lora-modules, --max-loras, --max-cpu-loras and --max-lora-rank only"
@@ -37,7 +37,6 @@ REFUSED: dict[str, str] = {
     "--data-parallel-size-local": _PARALLEL, "--data-parallel-address": _PARALLEL,
     "--data-parallel-rpc-port": _PARALLEL, "--data-parallel-backend": _PARALLEL,
     "--data-parallel-hybrid-lb": _PARALLEL, "--data-parallel-external-lb": _PARALLEL,
-    "--distributed-executor-backend": _PARALLEL,
     "--all2all-backend": _PARALLEL, "--enable-dbo": _PARALLEL, "--dbo-decode-token-threshold": _PARALLEL,
     "--dbo-prefill-token-threshold": _PARALLEL, "--disable-nccl-for-dp-synchronization": _PARALLEL,
     "--enable-eplb": _PARALLEL, "--eplb-config": _PARALLEL, "--expert-placement-strategy": _PARALLEL,

@@ -20,11 +20,20 @@ class ZmqTransport:
 
     def __init__(self, bind: str) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.address = bind
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.bind(bind)
+        self._ipc: list[str] = []
+        self.address = self.bind(bind)
         self._peers: dict[str, zmq.asyncio.Socket] = {}
+
+    def bind(self, address: str) -> str:
+        """Receive on ``address`` too (``tcp://IP:*``: a free port); returns the address bound,
+        the port resolved, for peers on other machines to connect to."""
+        self._pull.bind(address)
+        if address.startswith("ipc://"):
+            self._ipc.append(address)
+            return address
+        return self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def add_peer(self, name: str, address: str) -> None:
         self.drop_peer(name)
@@ -56,8 +65,8 @@ class ZmqTransport:
             self.drop_peer(name)
         self._pull.close(linger=0)
         self.ctx.term()
-        if self.address.startswith("ipc://"):
+        for address in self._ipc:
             try:
-                os.unlink(self.address.removeprefix("ipc://"))
+                os.unlink(address.removeprefix("ipc://"))
             except FileNotFoundError:
                 pass

@@ -11,7 +11,8 @@ import os
 import re
 from typing import Any
 
-from actors.engine.config import (DEFAULT_MAX_LOGPROBS, DEVICES, DTYPES, GENERATION_CONFIGS,
+from actors.engine.config import (DEFAULT_MAX_LOGPROBS, DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES,
+                                  GENERATION_CONFIGS,
                                   KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, CacheConfig,
                                   DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig,
                                   ParallelConfig, SchedulerConfig)
@@ -64,6 +65,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
     max_restarts: int = 3
     restart_window_s: float = 120.0
     trace: bool = True
@@ -135,6 +137,7 @@ class EngineArgs:
                                     tensor_parallel_size=self.tensor_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel,
                                     pipeline_parallel_size=self.pipeline_parallel_size,
+                                    distributed_executor_backend=self.distributed_executor_backend,
                                     max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
@@ -406,6 +409,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="split the model's decoder layers into N contiguous stages, a worker process each (times "
                  "--tensor-parallel-size), the hidden states sent from stage to stage (gloo on the CPU, NCCL "
                  "on GPUs) and N steps in flight so the stages overlap; exact weights only")),
+        (("--distributed-executor-backend",), "distributed_executor_backend", dict(
+            default=d["distributed_executor_backend"], choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+            help="where each engine core's worker processes run: 'mp' (default), processes it starts on this "
+                 "machine; 'ray', one Ray actor per rank on the running Ray cluster (`ray start --head` here, "
+                 "`ray start --address=HEAD_IP:6379` on the other machines; needs `pip install ray`); 'uni': "
+                 "one worker, as mp runs it")),
         (("--data-parallel-size", "-dp"), "data_parallel_size", dict(
             type=int, default=d["data_parallel_size"], metavar="N",
             help="engine cores, each with its own scheduler, KV cache and worker process, behind one "

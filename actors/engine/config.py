@@ -34,6 +34,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", 
 QUANTIZATIONS = ("fp8", "compressed-tensors", "awq", "gptq", "gguf", "gguf-i8")
 CPU_ONLY_QUANTIZATIONS = ("gguf", "gguf-i8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni")   # vLLM's names
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 DEFAULT_MAX_LOGPROBS = 20                     # vLLM's --max-logprobs default (OpenAI's top_logprobs limit)
 GENERATION_CONFIGS = ("auto", "vllm")         # or a folder holding a generation_config.json
@@ -122,6 +123,10 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # --pipeline-parallel-size: each engine core's decoder layers split into this many stages, a
     # worker process per stage (and per tensor-parallel rank), several steps in flight at once
     pipeline_parallel_size: int = 1
+    # --distributed-executor-backend: "mp", the worker processes started by the engine core on its
+    # machine; "ray", one Ray actor per rank on a Ray cluster (actors/runtime/ray_nodes.py); "uni"
+    # asks for one worker, which is what mp runs then
+    distributed_executor_backend: str = "mp"
     max_restarts: int = 3                  # a worker or engine process dying more often than this ...
     restart_window_s: float = 120.0        # ... within this window stops the server
 
@@ -394,11 +399,37 @@ def check_config(cfg: EngineConfig) -> None:
         raise ValueError(f"pipeline_parallel_size must be at least 1, got {dp.pipeline_parallel_size}")
     if dp.pipeline_parallel_size > 1:
         _check_pipeline_parallel(cfg)
+    _check_executor_backend(cfg)
     if dp.data_parallel_size > 1 and not dp.multiprocess:
         raise ValueError("data parallelism runs each engine core in a process of its own: it needs the "
                          "multiprocess layout (a server, or LLM(multiprocess=True))")
     if cfg.model.max_model_len < 0:
         raise ValueError(f"max_model_len must be at least 0 (0: the model's own), got {cfg.model.max_model_len}")
+
+
+def _check_executor_backend(cfg: EngineConfig) -> None:
+    p = cfg.parallel
+    backend = p.distributed_executor_backend
+    _one_of("distributed_executor_backend", backend, DISTRIBUTED_EXECUTOR_BACKENDS)
+    if backend == "uni" and p.world_size > 1:
+        raise ValueError(f"distributed_executor_backend 'uni' runs one worker, and tensor x pipeline parallel "
+                         f"sizes ask for {p.world_size}: use 'mp' (processes on this machine) or 'ray'")
+    if backend != "ray":
+        return
+    if not p.multiprocess:
+        raise ValueError("distributed_executor_backend 'ray' places worker processes on a Ray cluster: it needs "
+                         "the multiprocess layout (a server, or LLM(multiprocess=True))")
+    if p.data_parallel_size > 1:
+        raise ValueError("data parallelism with distributed_executor_backend 'ray' is not supported yet (the "
+                         "engine cores are not placed on the cluster): use data_parallel_size 1, or the 'mp' "
+                         "backend on one machine")
+    if cfg.kv_transfer is not None:
+        raise ValueError("--kv-transfer-config with distributed_executor_backend 'ray' is not supported yet: use "
+                         "the 'mp' backend")
+    from actors.runtime.ray_nodes import ray_installed
+    if not ray_installed():
+        raise ValueError("distributed_executor_backend 'ray' needs Ray, which is not installed here: "
+                         "pip install ray (or pip install 'troupe[ray]')")
 
 
 def _check_pipeline_parallel(cfg: EngineConfig) -> None:

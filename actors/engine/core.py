@@ -7,7 +7,12 @@ times pipeline stages, rank = stage * tp + tp rank); they form a process group (
 in the IPC directory, one per generation) and run every step together, the last stage's first
 rank giving its output. The KV cache is sized by the rank with the fewest blocks (a stage's
 cache holds its layers only), and every rank allocates that many. One that dies breaks the
-group: the others are stopped and all are started again, as one worker would be."""
+group: the others are stopped and all are started again, as one worker would be.
+
+With --distributed-executor-backend ray the ranks are Ray actors on a Ray cluster, in a placement
+group of one bundle per rank (actors/runtime/ray_nodes.py); they meet at the first rank's
+machine over TCP, reach this node at its cluster IP, and are supervised and restarted as the
+processes are."""
 from __future__ import annotations
 
 import asyncio
@@ -28,6 +33,7 @@ from actors.kv_manager.kv_cache_spec import describe_groups
 from actors.runtime import ActorRef, Node
 from actors.runtime.errors import AskTimeout
 from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, decode_info, start_child
+from actors.runtime.ray_nodes import RayChild, RayPlacement, start_ray_child
 from actors.scheduler.actor import SchedulerActor, WorkersLost, WorkersReady
 from actors.scheduler.scheduler import Scheduler
 from actors.worker.actor import LOAD_TIMEOUT_S, InitKVCache, LoadModel, ProfileStepCosts, WorkerActor
@@ -51,7 +57,9 @@ class EngineCore:
         self.world_size = config.parallel.world_size          # tensor-parallel ranks x pipeline stages
         self.worker_nodes = [topology.worker_node(r, self.dp_rank) for r in range(self.world_size)]
         self.generation = 0
-        self.workers: list[ChildProcess] = []          # one process per rank
+        self.workers: list[ChildProcess | RayChild] = []          # one process per rank
+        self.ray: RayPlacement | None = None            # --distributed-executor-backend ray
+        self.engine_address = ""                        # where Ray-placed ranks reach this node
         self._restarting = False
         self._restarts = RestartBudget(config.parallel.max_restarts, config.parallel.restart_window_s)
         self.scheduler: ActorRef | None = None
@@ -100,9 +108,11 @@ class EngineCore:
         if not self.config.parallel.multiprocess:
             ref = await self.node.start(topology.WORKER, WorkerActor)
             return [ref], await ref.ask(LoadModel(self.config), timeout=LOAD_TIMEOUT_S)
-        # the ranks' meeting point: a file of this generation (a fresh group after a restart)
-        init = (f"file://{self.ipc_dir}/tp-{self.dp_rank}-{self.generation}-{os.getpid()}"
-                if self.world_size > 1 else "")
+        if self.config.parallel.distributed_executor_backend == "ray":
+            init = await self._place_ranks()
+        else:     # the ranks' meeting point: a file of this generation (a fresh group after a restart)
+            init = (f"file://{self.ipc_dir}/tp-{self.dp_rank}-{self.generation}-{os.getpid()}"
+                    if self.world_size > 1 else "")
         started = await asyncio.gather(*(self._start_rank(r, init) for r in range(self.world_size)),
                                        return_exceptions=True)
         failed = [x for x in started if isinstance(x, BaseException)]
@@ -114,17 +124,31 @@ class EngineCore:
         return ([self.node.ref(topology.WORKER, node) for node in self.worker_nodes],
                 min(configs, key=lambda c: c.cache.num_blocks))
 
+    async def _place_ranks(self) -> str:
+        """A Ray actor per rank in this engine's placement group (reserved at the first start);
+        returns the ranks' meeting point (the first rank's machine)."""
+        if self.ray is None:
+            self.ray = RayPlacement(self.world_size, self.config.device.device, f"{self.node.name}-{os.getpid()}")
+            await self.ray.start()
+            self.engine_address = self.ray.engine_address(self.node)
+        self.ray.new_hosts(self.worker_nodes, self.generation)
+        return await self.ray.meeting_point() if self.world_size > 1 else ""
+
     async def _start_rank(self, rank: int, init_method: str):
+        address = self.engine_address or endpoint(self.ipc_dir, self.node.name)
         spec = NodeSpec(self.worker_nodes[rank], "actors.worker.actor:worker_entry",
                         msgspec.msgpack.encode(LoadModel(self.config, rank % self.tp_size, init_method,
                                                          rank // self.tp_size)), self.ipc_dir,
-                        self.node.name, {self.node.name: endpoint(self.ipc_dir, self.node.name)},
+                        self.node.name, {self.node.name: address},
                         trace=self.config.observability.trace,
                         flight_dir=self.config.observability.flight_recorder_dir)
+        if self.ray is not None:
+            return await start_ray_child(self.node, spec, self.ray.hosts[rank], ready_timeout=LOAD_TIMEOUT_S,
+                                         on_exit=self._worker_exited)
         return await start_child(self.node, spec, ready_timeout=LOAD_TIMEOUT_S, on_exit=self._worker_exited)
 
     # -- worker supervision ------------------------------------------------------------------
-    def _worker_exited(self, child: ChildProcess) -> None:
+    def _worker_exited(self, child: ChildProcess | RayChild) -> None:
         if self.node.closed.done() or self.scheduler is None or self._restarting:
             return       # dying at start-up (start() reports it), or stopped by a restart under way
         log.error("%s", child.describe_exit())
@@ -156,6 +180,8 @@ class EngineCore:
     async def stop(self) -> None:
         self._restarting = True
         await asyncio.gather(*(w.stop() for w in self.workers))
+        if self.ray is not None:          # the actors, their placement group, this process's Ray driver
+            self.ray.close()
 
 
 async def engine_entry(node: Node, payload: bytes) -> EngineConfig:

@@ -49,10 +49,14 @@ def start_heartbeat(loop: asyncio.AbstractEventLoop, fd: int, interval: float) -
     threading.Thread(target=_heartbeat, args=(fd, interval, turns), name="heartbeat", daemon=True).start()
 
 
-async def run_child(spec: NodeSpec, death_fd: int, heartbeat_fd: int) -> int:
+async def run_child(spec: NodeSpec, death_fd: int | None, heartbeat_fd: int | None) -> int:
+    """Run the child node until it stops; returns its exit code. A child hosted by a Ray actor
+    (actors/runtime/ray_nodes.py) has no death pipe, no heartbeat pipe and no signal handlers of
+    its own: Ray watches its process and ends it with its owner."""
     loop = asyncio.get_running_loop()
-    start_heartbeat(loop, heartbeat_fd, spec.heartbeat_s)
-    node = Node(spec.name, ZmqTransport(endpoint(spec.ipc_dir, spec.name)),
+    if heartbeat_fd is not None:
+        start_heartbeat(loop, heartbeat_fd, spec.heartbeat_s)
+    node = Node(spec.name, ZmqTransport(spec.bind or endpoint(spec.ipc_dir, spec.name)),
                 tracer=Tracer(spec.name, enabled=spec.trace))
     system = system_actor(node)
     if spec.flight_dir:
@@ -64,9 +68,10 @@ async def run_child(spec: NodeSpec, death_fd: int, heartbeat_fd: int) -> int:
         loop.remove_reader(death_fd)
         node.fatal(f"parent node '{spec.parent}' died")
 
-    loop.add_reader(death_fd, parent_died)
-    loop.add_signal_handler(signal.SIGTERM, lambda: node.fatal("SIGTERM", 143))
-    loop.add_signal_handler(signal.SIGINT, lambda: None)  # the parent handles Ctrl-C
+    if death_fd is not None:
+        loop.add_reader(death_fd, parent_died)
+        loop.add_signal_handler(signal.SIGTERM, lambda: node.fatal("SIGTERM", 143))
+        loop.add_signal_handler(signal.SIGINT, lambda: None)  # the parent handles Ctrl-C
     try:
         info = await resolve_entry(spec.entry)(node, spec.config)
     except Exception:
@@ -74,7 +79,7 @@ async def run_child(spec: NodeSpec, death_fd: int, heartbeat_fd: int) -> int:
         await node.stop()
         return 1
     payload = msgspec.msgpack.encode(info) if info is not None else b""
-    node.ref(SYSTEM_ACTOR, spec.parent).tell(NodeReady(spec.name, os.getpid(), payload))
+    node.ref(SYSTEM_ACTOR, spec.parent).tell(NodeReady(spec.name, os.getpid(), payload, node.transport.address))
     code = await node.closed
     if code != 0:
         flight_record(node, system.flight_dir, f"exit code {code}")

@@ -50,6 +50,7 @@ class NodeSpec(msgspec.Struct):
     hung_after_s: float = 45.0        # no loop turn, no CPU used, for this long: hung
     trace: bool = True                # record trace spans
     flight_dir: str = ""              # where flight-recorder files go ("": the default)
+    bind: str = ""                    # where the child receives ("": its socket in ipc_dir)
 
 
 class ChildStartError(RuntimeError):

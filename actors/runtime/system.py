@@ -23,11 +23,13 @@ log = logging.getLogger("troupe.system")
 
 
 class NodeReady(Msg):
-    """A child node finished starting; ``info`` is what its entry function returned (msgpack)."""
+    """A child node finished starting; ``info`` is what its entry function returned (msgpack);
+    ``address``: where it receives (a child on another machine is reached there)."""
     lane: ClassVar[str] = "system"
     node: str
     pid: int
     info: bytes = b""
+    address: str = ""
 
 
 class Cursor(msgspec.Struct, array_like=True):

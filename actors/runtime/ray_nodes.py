@@ -1,0 +1,295 @@
+"""Child nodes placed on a Ray cluster (``--distributed-executor-backend ray``), as vLLM's Ray
+executor places its workers: Ray does the placement and the lifecycle, our frames stay the data
+plane.
+
+The engine core joins a running cluster (``ray start --head`` on one machine, ``ray start
+--address=HEAD:PORT`` on the others; ``RAY_ADDRESS`` names another), reserves a placement group
+of one bundle per rank (``{"CPU": 1}``, or ``{"GPU": 1}`` on GPUs; vLLM's PACK strategy: as few
+machines as hold them), and starts one Ray actor per rank in its bundle. That actor hosts the
+same child-node main a worker process runs (``actors.runtime.child.run_child``, the same entry
+and arguments), except that the node receives on ``tcp://NODE_IP:PORT`` instead of a socket in
+the IPC directory, and says where in its ready message, so ranks on other machines are reached.
+
+Supervision is Ray's: the actor's ``run`` call ends when the node stops (its exit code) or when
+its process dies (Ray's ActorDiedError), which the parent sees as it sees a child process exit
+(``RayChild`` answers as ``ChildProcess`` does). Actors are owned by the engine-core process, so
+Ray ends them if it dies; stopping kills them and removes the placement group."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import threading
+from typing import Any, Callable
+
+import msgspec
+
+from actors.runtime.errors import ActorDied
+from actors.runtime.node import Node
+from actors.runtime.process import ChildStartError, NodeSpec, system_actor
+from actors.runtime.system import SYSTEM_ACTOR, NodeReady, Shutdown
+
+log = logging.getLogger("troupe.ray")
+
+NAMESPACE = "troupe"                  # the Ray namespace of our actors
+PLACEMENT_TIMEOUT_S = 120.0           # for the cluster to have room for every rank's bundle
+FORWARDED_ENV = ("TROUPE_",)          # environment the ranks get from the engine core
+
+
+def ray_installed() -> bool:
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except ValueError:                # sys.modules["ray"] is None: ray cannot be imported
+        return False
+
+
+class RayClusterError(RuntimeError):
+    pass
+
+
+def connect() -> None:
+    """Join the running Ray cluster (``RAY_ADDRESS``, else the one started on this machine)."""
+    import ray
+    if ray.is_initialized():
+        return
+    where = os.environ.get("RAY_ADDRESS") or "auto"
+    advice = ("Start one with `ray start --head` on this machine (and `ray start --address=HEAD_IP:6379` on "
+              "the others), or set RAY_ADDRESS to a running cluster's address")
+    host, _, port = where.rpartition(":")
+    if host and port.isdigit() and "://" not in where:    # fail now rather than after Ray's retries
+        try:
+            socket.create_connection((host, int(port)), timeout=5.0).close()
+        except OSError as exc:
+            raise RayClusterError(f"--distributed-executor-backend ray: no Ray cluster answers at RAY_ADDRESS "
+                                  f"{where} ({exc}). {advice}") from None
+    main = threading.current_thread() is threading.main_thread()
+    term = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        ray.init(address=where, namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING)
+    except ConnectionError as exc:
+        raise RayClusterError(f"--distributed-executor-backend ray found no Ray cluster to join ({where}: "
+                              f"{exc}). {advice}") from None
+    finally:
+        if main:                      # ray.init sets its own SIGTERM handler: the node's stays
+            signal.signal(signal.SIGTERM, term)
+
+
+class NodeHost:
+    """The Ray actor of one rank: it hosts a child node's main in its own process."""
+
+    def where(self) -> tuple[str, int]:
+        import ray
+        return ray.util.get_node_ip_address(), os.getpid()
+
+    def free_port(self) -> int:
+        """A port free now on this actor's machine (torch.distributed's meeting point)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def run(self, spec_bytes: bytes, env: dict[str, str]) -> int:
+        """Run the child node ``spec_bytes`` (a NodeSpec in msgpack) until it stops; its exit code."""
+        import ray
+        import uvloop
+        from actors.runtime.child import run_child
+        from actors.runtime.plugins import load_general_plugins
+        os.environ.update(env)
+        spec = msgspec.msgpack.decode(spec_bytes, type=NodeSpec)
+        spec = msgspec.structs.replace(spec, bind=f"tcp://{ray.util.get_node_ip_address()}:*")
+        logging.basicConfig(level=os.environ.get("TROUPE_LOG_LEVEL", "INFO"), force=True,
+                            format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s")
+        load_general_plugins()
+        return uvloop.run(run_child(spec, None, None))
+
+
+_host_class: Any = None
+
+
+def host_class() -> Any:
+    global _host_class
+    if _host_class is None:
+        import ray
+        _host_class = ray.remote(max_restarts=0)(NodeHost)
+    return _host_class
+
+
+class RayPlacement:
+    """The placement group of one engine core's ranks, and their Ray actors."""
+
+    def __init__(self, world_size: int, device: str, label: str) -> None:
+        self.world_size = world_size
+        self.device = device          # "cpu", "cuda" or "auto" (GPUs when the cluster has any)
+        self.label = label            # names the actors: troupe-LABEL-NODE-gGENERATION
+        self.pg: Any = None
+        self.resource = "CPU"
+        self.hosts: list[Any] = []
+
+    async def start(self) -> None:
+        """Join the cluster and reserve a bundle per rank (a clear error when it cannot hold them)."""
+        import ray
+        from ray.util.placement_group import placement_group
+        connect()
+        total = ray.cluster_resources()
+        gpu = self.device == "cuda" or (self.device == "auto" and total.get("GPU", 0) > 0)
+        self.resource = "GPU" if gpu else "CPU"
+        have = int(total.get(self.resource, 0))
+        if have < self.world_size:
+            raise RayClusterError(
+                f"the Ray cluster has {have} {self.resource}s in all and the {self.world_size} ranks need one each: "
+                "add machines with `ray start --address=HEAD_IP:6379`, or ask for fewer ranks")
+        self.pg = placement_group([{self.resource: 1}] * self.world_size, strategy="PACK",
+                                  name=f"troupe-{self.label}")
+        try:
+            await asyncio.wait_for(self.pg.ready(), PLACEMENT_TIMEOUT_S)
+        except TimeoutError:
+            self.remove()
+            raise RayClusterError(
+                f"the Ray cluster had no room for {self.world_size} bundles of one {self.resource} within "
+                f"{PLACEMENT_TIMEOUT_S:g} s (others hold them: `ray status` shows the cluster's use)") from None
+        log.info("Ray placement group of %d %s bundles ready (cluster: %s)", self.world_size, self.resource,
+                 ", ".join(f"{int(v)} {k}" for k, v in sorted(total.items()) if k in ("CPU", "GPU")))
+
+    def engine_address(self, node: Node) -> str:
+        """Where ranks on any machine reach ``node`` (bound once, on this machine's cluster IP)."""
+        import ray
+        return node.transport.bind(f"tcp://{ray.util.get_node_ip_address()}:*")
+
+    def new_hosts(self, names: list[str], generation: int) -> list[Any]:
+        """A Ray actor per rank, each in its rank's bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        cls = host_class()
+        gpu = self.resource == "GPU"
+        self.hosts = [cls.options(
+            num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, name=f"troupe-{self.label}-{name}-g{generation}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+        ).remote() for rank, name in enumerate(names)]
+        return self.hosts
+
+    async def meeting_point(self) -> str:
+        """torch.distributed's init method: the first rank's machine, a port free there."""
+        (ip, _), port = await asyncio.gather(self.hosts[0].where.remote(), self.hosts[0].free_port.remote())
+        return f"tcp://{ip}:{port}"
+
+    def remove(self) -> None:
+        """Kill the ranks' actors and remove the placement group."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        for host in self.hosts:
+            ray.kill(host, no_restart=True)
+        self.hosts = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    def close(self) -> None:
+        """``remove``, then leave the cluster."""
+        import ray
+        self.remove()
+        ray.shutdown()
+
+
+class RayChild:
+    """A child node in a Ray actor, supervised as ``ChildProcess`` supervises a process."""
+
+    def __init__(self, node: Node, spec: NodeSpec, host: Any, run_ref: Any,
+                 on_exit: Callable[[RayChild], None] | None) -> None:
+        self.node = node
+        self.spec = spec
+        self.host = host
+        self.pid = 0
+        self.ip = ""
+        self.returncode: int | None = None
+        self.reason = ""                       # why the actor died (no exit code)
+        self.exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._on_exit = on_exit
+        self._watch = asyncio.get_running_loop().create_task(self._wait(run_ref), name=f"ray:{spec.name}")
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def describe_exit(self) -> str:
+        where = f"Ray actor pid {self.pid} on {self.ip}" if self.pid else "Ray actor"
+        if self.returncode is None:
+            return f"process '{self.name}' ({where}) is running"
+        if self.reason:
+            return f"process '{self.name}' ({where}) died: {self.reason}"
+        return f"process '{self.name}' ({where}) exited with code {self.returncode}"
+
+    async def _wait(self, run_ref: Any) -> None:
+        import ray
+        try:
+            code = int(await run_ref)
+        except asyncio.CancelledError:
+            raise
+        except ray.exceptions.RayError as exc:
+            code, self.reason = -1, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        self.returncode = code
+        ray.kill(self.host, no_restart=True)        # the actor outlives its node's main otherwise
+        reason = self.describe_exit()
+        self.node.peer_down(self.name, reason)
+        if code != 0:
+            system_actor(self.node).child_exited(self.name, self.pid, reason)
+        self.exited.set_result(code)
+        if self._on_exit is not None:
+            self._on_exit(self)
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            import ray
+            ray.kill(self.host, no_restart=True)
+
+    async def stop(self, timeout: float = 10.0) -> int:
+        """Ask the node to shut down; kill its actor if it has not stopped within ``timeout``."""
+        if self.returncode is None:
+            try:
+                self.node.ref(SYSTEM_ACTOR, self.name).tell(Shutdown())
+            except ActorDied:
+                pass
+            try:
+                await asyncio.wait_for(asyncio.shield(self.exited), timeout)
+            except TimeoutError:
+                log.warning("process '%s' did not stop within %g s; killing its Ray actor", self.name, timeout)
+                self.kill()
+                await self.exited
+        return self.returncode  # type: ignore[return-value]
+
+
+async def start_ray_child(node: Node, spec: NodeSpec, host: Any, *, ready_timeout: float = 600.0,
+                          on_exit: Callable[[RayChild], None] | None = None) -> tuple[RayChild, NodeReady]:
+    """Run child node ``spec`` in Ray actor ``host`` and wait until it is ready (connected to
+    the address it reports). Raises ChildStartError if it dies or times out first (the actor
+    is then killed)."""
+    import ray
+    try:
+        ip, pid = await host.where.remote()          # the actor is up (its node's main blocks it next)
+    except ray.exceptions.RayError as exc:
+        ray.kill(host, no_restart=True)
+        raise ChildStartError(f"the Ray actor of process '{spec.name}' did not start: "
+                              f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
+    waiter = system_actor(node).expect_ready(spec.name)
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+    child = RayChild(node, spec, host, host.run.remote(msgspec.msgpack.encode(spec), env), None)
+    child.ip, child.pid = ip, pid
+    try:
+        done, _ = await asyncio.wait({waiter, child.exited}, timeout=ready_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if waiter in done:
+            ready = waiter.result()
+            node.connect(spec.name, ready.address)
+            system_actor(node).children.add(spec.name)
+            child._on_exit = on_exit
+            if child.exited.done():                  # died between its ready message and now
+                raise ChildStartError(f"{child.describe_exit()} as it became ready")
+            return child, ready
+        if child.exited.done():
+            raise ChildStartError(f"{child.describe_exit()} before it was ready")
+        child.kill()
+        await child.exited
+        raise ChildStartError(f"process '{spec.name}' was not ready within {ready_timeout:g} s")
+    finally:
+        if not waiter.done():
+            waiter.cancel()

@@ -1,0 +1,169 @@
+"""--distributed-executor-backend ray on a local Ray cluster this module starts (`ray start --head
+--block` in a session of its own, stopped by its process group): the default model served with
+--tensor-parallel-size 2 over two Ray actors gives one worker's greedy tokens, a killed rank's
+actor brings both ranks back with the request recomputed, and once the server stops no actor
+of ours is alive and its placement group is removed."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import aiohttp
+import pytest
+
+from actors.api import LLM, SamplingParams
+from server import ROOT, Server, alive, children, free_port
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("ray", reason="the Ray backend's test needs Ray (pip install ray; `make test` installs it)")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a poem about the sea."]
+TOKENS = [12, 12, 48]
+
+# what the cluster holds, seen by a driver of its own (in a process of its own, so the test
+# process never joins the cluster)
+STATE = """
+import json, sys, ray
+from ray._private.state import actors
+from ray.util.placement_group import placement_group_table
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+alive = {a["Name"]: a["Pid"] for a in actors().values() if a["State"] == "ALIVE" and a["Name"] in named}
+groups = {g["name"]: g["state"] for g in placement_group_table().values()}
+print(json.dumps({"actors": alive, "groups": groups}))
+"""
+
+
+def cluster_state(address: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", STATE, address], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A one-machine Ray cluster of 2 CPUs; its workers import this checkout."""
+    tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")          # Ray's socket paths must stay short
+    log_path = os.path.join(tmp, "head.log")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env.pop("RAY_ADDRESS", None)
+    with open(log_path, "w") as log:
+        head = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", f"--port={port}",
+             "--num-cpus=2", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats",
+             f"--temp-dir={tmp}", "--block"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        deadline, text = time.monotonic() + 120, ""
+        while "Ray runtime started" not in text:
+            assert head.poll() is None and time.monotonic() < deadline, "ray start failed:\n" + text
+            time.sleep(0.5)
+            text = open(log_path).read()
+        ip = re.search(r"Local node IP: (\S+)", text).group(1)
+        yield f"{ip}:{port}"
+    finally:
+        try:
+            os.killpg(head.pid, signal.SIGTERM)       # the head and every process it started
+            head.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        head.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def one_worker() -> list[str]:
+    with LLM(multiprocess=False) as llm:
+        results = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                         for n in TOKENS], use_tqdm=False)
+    return [r.text for r in results]
+
+
+@pytest.fixture(scope="module")
+def server(cluster):
+    s = Server("--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
+               env={"RAY_ADDRESS": cluster}, ready_timeout=240)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def ours(state: dict, engine_pid: int) -> dict[str, int]:
+    """The engine's rank actors alive in the cluster: name -> pid."""
+    return {name: pid for name, pid in state["actors"].items() if name.startswith(f"troupe-engine-{engine_pid}-")}
+
+
+def gone(pids, timeout: float = 15.0) -> bool:
+    """Every pid has exited (Ray ends a killed actor's process shortly after the kill)."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(alive(p) for p in pids)
+
+
+def _texts(server: Server, prompts: list[str], tokens: list[int]) -> list[str]:
+    async def one(session, prompt, n):
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        async with session.post(server.url + "/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=240)) as r:
+            assert r.status == 200, await r.text()
+            return (await r.json())["choices"][0]["text"]
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(one(session, p, n) for p, n in zip(prompts, tokens)))
+    return asyncio.run(main())
+
+
+def test_two_ranks_in_ray_actors_answer_as_one_worker_does(cluster, server, one_worker):
+    engine = server.engine_pid()
+    assert children(engine) == []                  # no worker process of its own: Ray hosts the ranks
+    ranks = ours(cluster_state(cluster), engine)
+    assert sorted(ranks) == [f"troupe-engine-{engine}-worker{r}-g0" for r in range(2)]
+    assert _texts(server, PROMPTS[:2], TOKENS[:2]) == one_worker[:2]
+    assert any("Ray placement group of 2 CPU bundles ready" in line for line in server.lines)
+
+
+def test_a_killed_rank_actor_brings_both_back_and_the_request_is_recomputed(cluster, server, one_worker):
+    engine = server.engine_pid()
+    before = ours(cluster_state(cluster), engine)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(text=_texts(server, PROMPTS[2:], TOKENS[2:])[0]))
+    thread.start()
+    time.sleep(1.0)
+    os.kill(before[f"troupe-engine-{engine}-worker1-g0"], signal.SIGKILL)
+    thread.join(240)
+    assert result.get("text") == one_worker[2]
+    after = ours(cluster_state(cluster), engine)
+    assert sorted(after) == [f"troupe-engine-{engine}-worker{r}-g1" for r in range(2)]
+    assert gone(before.values())
+    assert any("died" in line and "worker1" in line for line in server.lines)
+    assert any("workers restarted" in line for line in server.lines)
+
+
+def test_after_the_server_stops_no_actor_of_its_engine_is_left_and_its_placement_group_is_removed(
+        cluster, server):
+    engine = server.engine_pid()
+    pids = ours(cluster_state(cluster), engine).values()
+    assert pids
+    server.stop()
+    assert server.proc.returncode == 0
+    state = cluster_state(cluster)
+    assert ours(state, engine) == {} and gone(pids)
+    assert state["groups"][f"troupe-engine-{engine}"] == "REMOVED"
