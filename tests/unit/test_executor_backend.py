@@ -1,0 +1,67 @@
+"""--distributed-executor-backend (vLLM's flag and names): mp by default, ray and uni accepted,
+the combinations the Ray backend does not run refused before anything starts, naming why."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from actors.engine.args import EngineArgs
+from actors.runtime.ray_nodes import RayClusterError, connect
+from tests.e2e.server import free_port
+from tools import serve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def backend(*argv: str) -> str:
+    return EngineArgs.from_cli_args(serve.parse_args(list(argv))).create_engine_config() \
+        .parallel.distributed_executor_backend
+
+
+def test_the_flag_takes_vllms_names_and_mp_stays_the_default(capsys):
+    assert backend() == "mp"
+    assert backend("-tp", "2") == "mp"
+    assert backend("-tp", "2", "--distributed-executor-backend", "ray") == "ray"
+    assert backend("--distributed-executor-backend", "uni") == "uni"
+    assert EngineArgs(distributed_executor_backend="ray", pipeline_parallel_size=2).create_engine_config() \
+        .parallel.distributed_executor_backend == "ray"
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args(["--distributed-executor-backend", "external_launcher"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--distributed-executor-backend" in err and "'mp', 'ray', 'uni'" in err
+
+
+def test_combinations_the_ray_backend_does_not_run_are_refused_naming_why():
+    with pytest.raises(ValueError, match="'uni' runs one worker.*ask for 2"):
+        EngineArgs(distributed_executor_backend="uni", tensor_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="data parallelism with distributed_executor_backend 'ray' is not supported"):
+        EngineArgs(distributed_executor_backend="ray", data_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="'ray' places worker processes on a Ray cluster: it needs the multiprocess"):
+        EngineArgs(distributed_executor_backend="ray", multiprocess=False).create_engine_config()
+    with pytest.raises(ValueError, match="unknown distributed_executor_backend 'mpi'; accepted: mp, ray, uni"):
+        EngineArgs(distributed_executor_backend="mpi").create_engine_config()
+
+
+def test_without_ray_installed_the_ray_backend_says_to_pip_install_ray():
+    code = ("import sys; sys.modules['ray'] = None\n"          # ray cannot be imported in this process
+            "from actors.engine.args import EngineArgs\n"
+            "EngineArgs(tensor_parallel_size=2).create_engine_config()\n"     # mp needs no Ray
+            "try:\n"
+            "    EngineArgs(tensor_parallel_size=2, distributed_executor_backend='ray').create_engine_config()\n"
+            "except ValueError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    assert "needs Ray, which is not installed here: pip install ray" in out.stdout
+
+
+def test_with_no_cluster_at_ray_address_the_error_names_ray_start_head(monkeypatch):
+    pytest.importorskip("ray", reason="needs Ray (pip install ray)")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")        # nothing listens there
+    with pytest.raises(RayClusterError, match=r"no Ray cluster answers at RAY_ADDRESS 127\.0\.0\.1:\d+ .*"
+                                              r"`ray start --head`"):
+        connect()
