@@ -1,8 +1,8 @@
 """--distributed-executor-backend ray on a local Ray cluster this module starts (`ray start --head
 --block` in a session of its own, stopped by its process group): the default model served with
 --tensor-parallel-size 2 over two Ray actors gives one worker's greedy tokens, a killed rank's
-actor brings both ranks back with the request recomputed, and once the server stops no actor
-of ours is alive and its placement group is removed."""
+actor brings both ranks back with the request recomputed, and no actor or placement group of an
+engine is left in the cluster once the engine is killed outright or the server stops."""
 from __future__ import annotations
 
 import asyncio
@@ -75,7 +75,7 @@ def cluster():
     finally:
         try:
             os.killpg(head.pid, signal.SIGTERM)       # the head and every process it started
-            head.wait(60)
+            head.wait(15)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         try:
@@ -157,11 +157,23 @@ def test_a_killed_rank_actor_brings_both_back_and_the_request_is_recomputed(clus
     assert any("workers restarted" in line for line in server.lines)
 
 
-def test_after_the_server_stops_no_actor_of_its_engine_is_left_and_its_placement_group_is_removed(
-        cluster, server):
+def test_nothing_of_an_engine_is_left_in_the_cluster_when_it_is_killed_or_the_server_stops(cluster, server):
+    """An engine core killed outright: Ray ends its rank actors and placement group (they are
+    owned by it); the engine restarted in its place removes its own when the server stops."""
+    killed = server.engine_pid()
+    pids = ours(cluster_state(cluster), killed).values()
+    assert len(pids) == 2
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while not any(re.search(r"engine core restarted \(pid \d+\)", line) for line in server.lines):
+        assert time.monotonic() < deadline and server.proc.poll() is None, server.log()
+        time.sleep(0.2)
     engine = server.engine_pid()
-    pids = ours(cluster_state(cluster), engine).values()
-    assert pids
+    state = cluster_state(cluster)
+    assert ours(state, killed) == {} and gone(pids)
+    assert state["groups"][f"troupe-engine-{killed}"] == "REMOVED"
+    pids = ours(state, engine).values()
+    assert len(pids) == 2
     server.stop()
     assert server.proc.returncode == 0
     state = cluster_state(cluster)
