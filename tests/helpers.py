@@ -1,5 +1,6 @@
 """Small helpers shared by the tests."""
 import asyncio
+import contextlib
 import functools
 import os
 
@@ -146,11 +147,37 @@ def save_tiny_lora(hf_path, out, r: int, targets: list[str], seed: int, rslora: 
 
 
 @functools.lru_cache(maxsize=None)
+def _gguf_reader(path: str):
+    return _GGUF_READER(path)
+
+
+_GGUF_READER = None
+
+
+@contextlib.contextmanager
+def _one_gguf_reader_per_file():
+    """transformers parses a GGUF file with gguf's GGUFReader for the config, again for the
+    tokenizer and again for the weights; the parse (a Python object per vocabulary entry) is what
+    takes it tens of seconds. While this holds, each file is parsed once per test process and the
+    same read-only reader is handed to every load (transformers imports GGUFReader from gguf when
+    it loads)."""
+    global _GGUF_READER
+    import gguf
+    _GGUF_READER = _GGUF_READER or gguf.GGUFReader
+    gguf.GGUFReader = lambda path, mode="r": _gguf_reader(os.fspath(path)) if mode == "r" else _GGUF_READER(path, mode)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = _GGUF_READER
+
+
+@functools.lru_cache(maxsize=None)
 def transformers_tokenizer_from_gguf(path: str):
     """transformers' tokenizer of a GGUF file, built once per test process (a large vocabulary
     takes transformers tens of seconds; the parity tests of several modules share it)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    with _one_gguf_reader_per_file():
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,5 +187,6 @@ def transformers_model_from_gguf(path: str):
     change it (peft wraps its layers) take ``copy.deepcopy`` of it."""
     import torch
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+    with _one_gguf_reader_per_file():
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    dtype=torch.float32).eval()

@@ -3,7 +3,6 @@ the whole engine, with the tokenizer and chat template read from the directory."
 from __future__ import annotations
 
 import pytest
-import torch
 
 from actors.api import LLM, SamplingParams
 
@@ -12,21 +11,22 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """SmolLM2's GGUF re-saved by transformers as a float32 safetensors checkpoint."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """SmolLM2's GGUF, loaded by transformers (the weights dequantized to float32), re-saved by
+    transformers as a float32 safetensors checkpoint with its tokenizer files."""
+    from helpers import transformers_model_from_gguf, transformers_tokenizer_from_gguf
     from models.resolve import default_gguf_path
-    import os
     path = default_gguf_path()
-    d, f = os.path.dirname(path), os.path.basename(path)
     out = tmp_path_factory.mktemp("smollm2-hf")
-    AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
-    from transformers.utils.quantization_config import GgufConfig
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
-    model.hf_quantizer = None                 # plain float32 weights from here on
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
+    transformers_tokenizer_from_gguf(path).save_pretrained(out)
+    model = transformers_model_from_gguf(path)        # shared with other tests: left as it was
+    quantizer, quantization = getattr(model, "hf_quantizer", None), model.config.__dict__.pop("quantization_config", None)
+    model.hf_quantizer = None                         # saved as plain float32 weights
+    try:
+        model.save_pretrained(out)
+    finally:
+        model.hf_quantizer = quantizer
+        if quantization is not None:
+            model.config.quantization_config = quantization
     return str(out)
 
 

