@@ -75,7 +75,7 @@ def cluster():
     finally:
         try:
             os.killpg(head.pid, signal.SIGTERM)       # the head and every process it started
-            head.wait(15)
+            head.wait(5)                              # then SIGKILL below
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         try:
