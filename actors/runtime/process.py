@@ -78,7 +78,38 @@ class RestartBudget:
         return f"{len(self._times)} times within {self.window_s:g} s"
 
 
-class ChildProcess:
+class StoppableChild:
+    """What a supervised child node (a process, or a Ray actor hosting one) shares: asked to shut
+    down, then killed (``kill``, its own way) if it has not exited within the timeout."""
+    node: Node
+    name: str
+    returncode: int | None
+    exited: asyncio.Future[int]
+    killed_what = "it"
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def describe_exit(self) -> str:
+        raise NotImplementedError
+
+    async def stop(self, timeout: float = 10.0) -> int:
+        """Ask the child to shut down; kill it if it has not exited within ``timeout``."""
+        if self.returncode is None:
+            try:
+                self.node.ref(SYSTEM_ACTOR, self.name).tell(Shutdown())
+            except ActorDied:
+                pass
+            try:
+                await asyncio.wait_for(asyncio.shield(self.exited), timeout)
+            except TimeoutError:
+                log.warning("process '%s' did not stop within %g s; killing %s", self.name, timeout, self.killed_what)
+                self.kill()
+                await self.exited
+        return self.returncode  # type: ignore[return-value]
+
+
+class ChildProcess(StoppableChild):
     def __init__(self, node: Node, spec: NodeSpec, popen: subprocess.Popen[bytes], death_pipe: int,
                  beats: int, on_exit: Callable[[ChildProcess], None] | None) -> None:
         self.node = node
@@ -171,22 +202,6 @@ class ChildProcess:
             except ProcessLookupError:
                 pass
 
-    async def stop(self, timeout: float = 10.0) -> int:
-        """Ask the child to shut down; kill it if it has not exited within ``timeout``."""
-        if self.returncode is None:
-            try:
-                self.node.ref(SYSTEM_ACTOR, self.name).tell(Shutdown())
-            except ActorDied:
-                pass
-            try:
-                await asyncio.wait_for(asyncio.shield(self.exited), timeout)
-            except TimeoutError:
-                log.warning("process '%s' did not stop within %g s; killing it", self.name, timeout)
-                self.kill()
-                await self.exited
-        return self.returncode  # type: ignore[return-value]
-
-
 def system_actor(node: Node) -> SystemActor:
     if SYSTEM_ACTOR not in node.cells:
         node.spawn(SYSTEM_ACTOR, SystemActor)
@@ -214,18 +229,25 @@ async def start_child(node: Node, spec: NodeSpec, *, ready_timeout: float = 600.
     os.close(death_r)
     os.close(beats_w)
     child = ChildProcess(node, spec, popen, death_w, beats_r, on_exit)
+    ready = await wait_ready(child, waiter, ready_timeout)
+    child.start_heartbeat()
+    system_actor(node).children.add(spec.name)
+    return child, ready
+
+
+async def wait_ready(child: StoppableChild, waiter: asyncio.Future[NodeReady], ready_timeout: float) -> NodeReady:
+    """The child's ready message; ChildStartError if it exits first, or if it is not ready within
+    ``ready_timeout`` (it is killed then)."""
     try:
         done, _ = await asyncio.wait({waiter, child.exited}, timeout=ready_timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
         if waiter in done:
-            child.start_heartbeat()
-            system_actor(node).children.add(spec.name)
-            return child, waiter.result()
+            return waiter.result()
         if child.exited in done:
             raise ChildStartError(f"{child.describe_exit()} before it was ready")
         child.kill()
         await child.exited
-        raise ChildStartError(f"process '{spec.name}' was not ready within {ready_timeout:g} s")
+        raise ChildStartError(f"process '{child.name}' was not ready within {ready_timeout:g} s")
     finally:
         if not waiter.done():
             waiter.cancel()

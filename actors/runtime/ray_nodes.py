@@ -27,10 +27,9 @@ from typing import Any, Callable
 
 import msgspec
 
-from actors.runtime.errors import ActorDied
 from actors.runtime.node import Node
-from actors.runtime.process import ChildStartError, NodeSpec, system_actor
-from actors.runtime.system import SYSTEM_ACTOR, NodeReady, Shutdown
+from actors.runtime.process import ChildStartError, NodeSpec, StoppableChild, system_actor, wait_ready
+from actors.runtime.system import NodeReady
 
 log = logging.getLogger("troupe.ray")
 
@@ -191,8 +190,9 @@ class RayPlacement:
         ray.shutdown()
 
 
-class RayChild:
+class RayChild(StoppableChild):
     """A child node in a Ray actor, supervised as ``ChildProcess`` supervises a process."""
+    killed_what = "its Ray actor"
 
     def __init__(self, node: Node, spec: NodeSpec, host: Any, run_ref: Any,
                  on_exit: Callable[[RayChild], None] | None) -> None:
@@ -242,21 +242,6 @@ class RayChild:
             import ray
             ray.kill(self.host, no_restart=True)
 
-    async def stop(self, timeout: float = 10.0) -> int:
-        """Ask the node to shut down; kill its actor if it has not stopped within ``timeout``."""
-        if self.returncode is None:
-            try:
-                self.node.ref(SYSTEM_ACTOR, self.name).tell(Shutdown())
-            except ActorDied:
-                pass
-            try:
-                await asyncio.wait_for(asyncio.shield(self.exited), timeout)
-            except TimeoutError:
-                log.warning("process '%s' did not stop within %g s; killing its Ray actor", self.name, timeout)
-                self.kill()
-                await self.exited
-        return self.returncode  # type: ignore[return-value]
-
 
 async def start_ray_child(node: Node, spec: NodeSpec, host: Any, *, ready_timeout: float = 600.0,
                           on_exit: Callable[[RayChild], None] | None = None) -> tuple[RayChild, NodeReady]:
@@ -274,22 +259,10 @@ async def start_ray_child(node: Node, spec: NodeSpec, host: Any, *, ready_timeou
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
     child = RayChild(node, spec, host, host.run.remote(msgspec.msgpack.encode(spec), env), None)
     child.ip, child.pid = ip, pid
-    try:
-        done, _ = await asyncio.wait({waiter, child.exited}, timeout=ready_timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if waiter in done:
-            ready = waiter.result()
-            node.connect(spec.name, ready.address)
-            system_actor(node).children.add(spec.name)
-            child._on_exit = on_exit
-            if child.exited.done():                  # died between its ready message and now
-                raise ChildStartError(f"{child.describe_exit()} as it became ready")
-            return child, ready
-        if child.exited.done():
-            raise ChildStartError(f"{child.describe_exit()} before it was ready")
-        child.kill()
-        await child.exited
-        raise ChildStartError(f"process '{spec.name}' was not ready within {ready_timeout:g} s")
-    finally:
-        if not waiter.done():
-            waiter.cancel()
+    ready = await wait_ready(child, waiter, ready_timeout)
+    node.connect(spec.name, ready.address)
+    system_actor(node).children.add(spec.name)
+    child._on_exit = on_exit
+    if child.exited.done():                  # died between its ready message and now
+        raise ChildStartError(f"{child.describe_exit()} as it became ready")
+    return child, ready
