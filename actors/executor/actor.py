@@ -43,6 +43,7 @@ ExecutorProtocol = SchedulerOutput | WorkersDown | WorkersUp
 STEP_TIMEOUT_S = 600.0
 RESTART_WAIT_S = 600.0          # a held step fails if no worker is up by then
 REPLY_CHECK_S = 2.0             # a step's reply later than this is asked about
+PEER_DEATH_WAIT_S = 10.0        # a rank's failed step waits this long for a peer's death to show
 
 
 class Executor(Actor):
@@ -103,11 +104,23 @@ class Executor(Actor):
             return await self._send_to(self.workers[0], so)
         sends = [asyncio.ensure_future(self._send_to(w, so)) for w in self.workers]
         try:
-            outputs = await asyncio.gather(*sends)
+            done, pending = await asyncio.wait(sends, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed and pending and all(isinstance(f.exception(), RemoteError) for f in failed):
+                # a rank whose peer died fails its collective (gloo: "Connection reset by peer")
+                # before the peer's death is seen: give the death a moment to arrive, so the
+                # step fails as the worker's death (its requests recomputed), not as an error
+                done, _ = await asyncio.wait(pending, timeout=PEER_DEATH_WAIT_S, return_when=asyncio.FIRST_EXCEPTION)
+                failed += [f for f in done if f.exception() is not None]
+            for f in failed:
+                if isinstance(f.exception(), ActorDied):
+                    raise f.exception()
+            if failed:
+                raise failed[0].exception()
+            return sends[self.output_rank].result()
         finally:
             for f in sends:
                 f.cancel()
-        return outputs[self.output_rank]
 
     async def _send_to(self, worker: ActorRef, so: SchedulerOutput) -> ModelRunnerOutput:
         reply = asyncio.ensure_future(worker.ask(so, timeout=STEP_TIMEOUT_S))
