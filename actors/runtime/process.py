@@ -14,6 +14,7 @@ is not mistaken for a hang.
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import base64
 import logging
@@ -78,7 +79,7 @@ class RestartBudget:
         return f"{len(self._times)} times within {self.window_s:g} s"
 
 
-class StoppableChild:
+class StoppableChild(abc.ABC):
     """What a supervised child node (a process, or a Ray actor hosting one) shares: asked to shut
     down, then killed (``kill``, its own way) if it has not exited within the timeout."""
     node: Node
@@ -87,11 +88,11 @@ class StoppableChild:
     exited: asyncio.Future[int]
     killed_what = "it"
 
-    def kill(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def kill(self) -> None: ...
 
-    def describe_exit(self) -> str:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def describe_exit(self) -> str: ...
 
     async def stop(self, timeout: float = 10.0) -> int:
         """Ask the child to shut down; kill it if it has not exited within ``timeout``."""
