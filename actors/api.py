@@ -1,8 +1,8 @@
 """The offline API: ``AsyncLLM`` (an async iterator per request) and ``LLM`` (synchronous, with a
 progress bar). By default every actor runs in one event loop in this process; pass
 ``multiprocess=True`` for the same process layout as the server (the default with
-``data_parallel_size``, ``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1: each engine
-core and rank needs a process of its own). Engine options are
+``data_parallel_size``, ``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1, and with a Ray
+backend: each engine core and rank needs a process, or a Ray actor, of its own). Engine options are
 ``EngineArgs``'s fields (``actors/engine/args.py``), as keywords."""
 from __future__ import annotations
 
@@ -64,9 +64,11 @@ class AsyncLLM:
     async def create(cls, model: str | None = None, *, multiprocess: bool | None = None,
                      **engine_options: Any) -> AsyncLLM:
         if multiprocess is None:
-            multiprocess = max(engine_options.get("data_parallel_size", 1),
-                               engine_options.get("tensor_parallel_size", 1),
-                               engine_options.get("pipeline_parallel_size", 1)) > 1
+            multiprocess = (max(engine_options.get("data_parallel_size", 1),
+                                engine_options.get("tensor_parallel_size", 1),
+                                engine_options.get("pipeline_parallel_size", 1)) > 1
+                            or "ray" in (engine_options.get("distributed_executor_backend"),
+                                         engine_options.get("data_parallel_backend")))
         return await cls.from_engine_args(
             EngineArgs.from_options(model, {**engine_options, "multiprocess": multiprocess}))
 

@@ -35,7 +35,7 @@ REFUSED: dict[str, str] = {
     "--decode-context-parallel-size": _PARALLEL,
     "--data-parallel-rank": _PARALLEL, "--data-parallel-start-rank": _PARALLEL,
     "--data-parallel-size-local": _PARALLEL, "--data-parallel-address": _PARALLEL,
-    "--data-parallel-rpc-port": _PARALLEL, "--data-parallel-backend": _PARALLEL,
+    "--data-parallel-rpc-port": _PARALLEL,
     "--data-parallel-hybrid-lb": _PARALLEL, "--data-parallel-external-lb": _PARALLEL,
     "--all2all-backend": _PARALLEL, "--enable-dbo": _PARALLEL, "--dbo-decode-token-threshold": _PARALLEL,
     "--dbo-prefill-token-threshold": _PARALLEL, "--disable-nccl-for-dp-synchronization": _PARALLEL,
@@ -127,7 +127,7 @@ REFUSED: dict[str, str] = {
 ALIASES: dict[str, str] = {
     "-dcp": "--decode-context-parallel-size", "-dpn": "--data-parallel-rank",
     "-dpr": "--data-parallel-start-rank", "-dpl": "--data-parallel-size-local",
-    "-dpa": "--data-parallel-address", "-dpp": "--data-parallel-rpc-port", "-dpb": "--data-parallel-backend",
+    "-dpa": "--data-parallel-address", "-dpp": "--data-parallel-rpc-port",
     "-asc": "--api-server-count",
 }
 

@@ -11,8 +11,8 @@ import os
 import re
 from typing import Any
 
-from actors.engine.config import (DEFAULT_MAX_LOGPROBS, DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES,
-                                  GENERATION_CONFIGS,
+from actors.engine.config import (DATA_PARALLEL_BACKENDS, DEFAULT_MAX_LOGPROBS, DEVICES,
+                                  DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, GENERATION_CONFIGS,
                                   KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, CacheConfig,
                                   DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig,
                                   ParallelConfig, SchedulerConfig)
@@ -66,6 +66,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    data_parallel_backend: str = "mp"
     max_restarts: int = 3
     restart_window_s: float = 120.0
     trace: bool = True
@@ -138,6 +139,7 @@ class EngineArgs:
                                     enable_expert_parallel=self.enable_expert_parallel,
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,
+                                    data_parallel_backend=self.data_parallel_backend,
                                     max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
@@ -420,6 +422,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="engine cores, each with its own scheduler, KV cache and worker process, behind one "
                  "frontend that sends each request to the least loaded one (waiting plus running), "
                  "preferring the one that served the same prompt prefix")),
+        (("--data-parallel-backend", "-dpb"), "data_parallel_backend", dict(
+            default=d["data_parallel_backend"], choices=DATA_PARALLEL_BACKENDS,
+            help="where the engine cores run: 'mp' (default), processes the server starts on this machine; "
+                 "'ray', one Ray actor per engine core on the running Ray cluster (each starts its worker "
+                 "processes where it runs, or places them on the cluster too with "
+                 "--distributed-executor-backend ray); the server itself stays on this machine")),
         (("--compilation-config", "-O"), "compilation_config", dict(
             default=d["compilation_config"], metavar="LEVEL|JSON",
             help="how the model's forward runs, as vLLM takes it: -O0 eager with plain torch ops, -O1 "

@@ -35,6 +35,7 @@ QUANTIZATIONS = ("fp8", "compressed-tensors", "awq", "gptq", "gguf", "gguf-i8")
 CPU_ONLY_QUANTIZATIONS = ("gguf", "gguf-i8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni")   # vLLM's names
+DATA_PARALLEL_BACKENDS = ("mp", "ray")                 # vLLM's --data-parallel-backend
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 DEFAULT_MAX_LOGPROBS = 20                     # vLLM's --max-logprobs default (OpenAI's top_logprobs limit)
 GENERATION_CONFIGS = ("auto", "vllm")         # or a folder holding a generation_config.json
@@ -127,6 +128,10 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # machine; "ray", one Ray actor per rank on a Ray cluster (actors/runtime/ray_nodes.py); "uni"
     # asks for one worker, which is what mp runs then
     distributed_executor_backend: str = "mp"
+    # --data-parallel-backend: "mp", the engine-core processes started by the frontend on its
+    # machine; "ray", one Ray actor per engine core on a Ray cluster (each starts its workers
+    # where it runs, or places them on the cluster with distributed_executor_backend "ray")
+    data_parallel_backend: str = "mp"
     max_restarts: int = 3                  # a worker or engine process dying more often than this ...
     restart_window_s: float = 120.0        # ... within this window stops the server
 
@@ -411,25 +416,23 @@ def _check_executor_backend(cfg: EngineConfig) -> None:
     p = cfg.parallel
     backend = p.distributed_executor_backend
     _one_of("distributed_executor_backend", backend, DISTRIBUTED_EXECUTOR_BACKENDS)
+    _one_of("data_parallel_backend", p.data_parallel_backend, DATA_PARALLEL_BACKENDS)
     if backend == "uni" and p.world_size > 1:
         raise ValueError(f"distributed_executor_backend 'uni' runs one worker, and tensor x pipeline parallel "
                          f"sizes ask for {p.world_size}: use 'mp' (processes on this machine) or 'ray'")
-    if backend != "ray":
-        return
-    if not p.multiprocess:
-        raise ValueError("distributed_executor_backend 'ray' places worker processes on a Ray cluster: it needs "
-                         "the multiprocess layout (a server, or LLM(multiprocess=True))")
-    if p.data_parallel_size > 1:
-        raise ValueError("data parallelism with distributed_executor_backend 'ray' is not supported yet (the "
-                         "engine cores are not placed on the cluster): use data_parallel_size 1, or the 'mp' "
-                         "backend on one machine")
-    if cfg.kv_transfer is not None:
-        raise ValueError("--kv-transfer-config with distributed_executor_backend 'ray' is not supported yet: use "
-                         "the 'mp' backend")
-    from actors.runtime.ray_nodes import ray_installed
-    if not ray_installed():
-        raise ValueError("distributed_executor_backend 'ray' needs Ray, which is not installed here: "
-                         "pip install ray (or pip install 'troupe[ray]')")
+    for name, value, what in (("distributed_executor_backend", backend, "worker processes"),
+                              ("data_parallel_backend", p.data_parallel_backend, "engine cores")):
+        if value != "ray":
+            continue
+        if not p.multiprocess:
+            raise ValueError(f"{name} 'ray' places {what} on a Ray cluster: it needs the multiprocess layout "
+                             "(a server, or LLM(multiprocess=True))")
+        if cfg.kv_transfer is not None:
+            raise ValueError(f"--kv-transfer-config with {name} 'ray' is not supported yet: use the 'mp' backend")
+        from actors.runtime.ray_nodes import ray_installed
+        if not ray_installed():
+            raise ValueError(f"{name} 'ray' needs Ray, which is not installed here: "
+                             "pip install ray (or pip install 'troupe[ray]')")
 
 
 def _check_pipeline_parallel(cfg: EngineConfig) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
+import tempfile
 import time
 
 import msgspec
@@ -185,9 +187,24 @@ class EngineCore:
 
 
 async def engine_entry(node: Node, payload: bytes) -> EngineConfig:
-    """Entry of the engine-core process: ``payload`` is (ipc dir, config) in msgpack."""
+    """Entry of the engine-core process: ``payload`` is (ipc dir, config) in msgpack. No IPC
+    directory (an engine core in a Ray actor, on any machine of the cluster): one of its own, for
+    its workers' sockets, removed when it stops."""
     ipc_dir, config = msgspec.msgpack.decode(payload, type=tuple[str, EngineConfig])
+    own_dir = not ipc_dir
+    if own_dir:
+        ipc_dir = tempfile.mkdtemp(prefix=f"troupe-{node.name}-")
+        node.transport.bind(endpoint(ipc_dir, node.name))      # where its worker processes reach it
     core = EngineCore(node, config, ipc_dir)
-    resolved = await core.start()
+    try:
+        resolved = await core.start()
+    except BaseException:
+        if own_dir:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise
     node.on_stop.append(core.stop)
+    if own_dir:
+        async def remove_dir() -> None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+        node.on_stop.append(remove_dir)
     return resolved

@@ -7,11 +7,17 @@ once and is restarted (within the config's restart budget); meanwhile requests g
 With data parallelism (``parallel.data_parallel_size`` N > 1) N engine processes start, each with
 its own worker, and the frontend's DataParallelRouter (dp_router.py) stands where the scheduler
 would: it sends each request to one engine. One engine that dies fails its own requests only and
-is restarted while the others serve; requests get 503 only while none is up."""
+is restarted while the others serve; requests get 503 only while none is up.
+
+With --data-parallel-backend ray each engine core runs in a Ray actor instead of a process of this
+machine (actors/runtime/ray_nodes.py), in a placement group of one bundle per engine core; it
+reaches this node at its cluster IP, starts its workers where it runs (or places them on the
+cluster too) and is supervised and restarted as a process is."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import tempfile
 from typing import NamedTuple
@@ -34,6 +40,7 @@ from actors.runtime import ActorRef, Node
 from actors.runtime.process import (ChildProcess, NodeSpec, RestartBudget, decode_info, start_child,
                                     system_actor)
 from actors.runtime.faults import InjectFault
+from actors.runtime.ray_nodes import RayChild, RayPlacement, start_ray_child
 from actors.runtime.system import SYSTEM_ACTOR
 from actors.scheduler.actor import SchedulerProtocol
 from actors.tokenizer.actor import TokenizerActor
@@ -53,7 +60,10 @@ class Frontend:
         self.node = node
         self.ipc_dir = ipc_dir
         self.client: EngineClient | None = None
-        self.engine_processes: dict[int, ChildProcess] = {}    # data-parallel rank -> its process
+        self.engine_processes: dict[int, ChildProcess | RayChild] = {}    # data-parallel rank -> its process
+        self.ray: RayPlacement | None = None        # --data-parallel-backend ray
+        self.cluster_address = ""                   # where engine cores on the cluster reach this node
+        self.generations: dict[int, int] = {}       # data-parallel rank -> engine cores started for it
         self.engine_core: EngineCore | None = None
         self.router: ActorRef | None = None       # with data parallelism
         self.stopping = False
@@ -62,11 +72,11 @@ class Frontend:
         self.telemetry: Telemetry | None = None      # with start(telemetry=True)
 
     @property
-    def engine_process(self) -> ChildProcess | None:
+    def engine_process(self) -> ChildProcess | RayChild | None:
         """The (first) engine core's process."""
         return self.engine_processes.get(0)
 
-    def engine_exited(self, child: ChildProcess, dp_rank: int = 0) -> None:
+    def engine_exited(self, child: ChildProcess | RayChild, dp_rank: int = 0) -> None:
         """An engine process is gone: fail what it had in flight at once (with one engine core,
         everything; with several, its own requests), then restart it, or stop with a clear
         message when engines keep dying."""
@@ -122,6 +132,8 @@ class Frontend:
             tokenizer.set_chat_template(config.model.chat_template)
         dp = config.parallel.data_parallel_size
         self._restarts = RestartBudget(config.parallel.max_restarts * dp, config.parallel.restart_window_s)
+        if config.parallel.data_parallel_backend == "ray":
+            await self._place_engines(config)
         engines = await asyncio.gather(*(_start_engine(self, config, ready_timeout, r) for r in range(dp)))
         engine = engines[0]
         config = engine.config                          # resolved by the worker
@@ -157,14 +169,31 @@ class Frontend:
                 TelemetryWindow(), lambda: _engine_sample(self.client.stats))))
         return self.client
 
+    async def _place_engines(self, config: EngineConfig) -> None:
+        """The placement group of the engine cores on the Ray cluster: a bundle each, with the
+        devices of the workers it starts itself (none when it places them on the cluster too)."""
+        p = config.parallel
+        own_workers = p.distributed_executor_backend != "ray"
+        self.ray = RayPlacement(p.data_parallel_size, config.device.device, f"{self.node.name}-{os.getpid()}",
+                                units=p.world_size if own_workers else 0, host_cpu=True, what="engine cores")
+        await self.ray.start()
+        self.cluster_address = self.ray.engine_address(self.node)
+
     async def shutdown(self) -> None:
         self.stopping = True
         await asyncio.gather(*(p.stop() for p in self.engine_processes.values()))
         if self.engine_core is not None:
             await self.engine_core.stop()
+        self.close_ray()
         await self.node.stop()
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    def close_ray(self) -> None:
+        """Kill the engine cores' actors, remove their placement group, leave the cluster."""
+        if self.ray is not None:
+            self.ray.close()
+            self.ray = None
 
 
 def _engine_sample(stats: EngineStats) -> tuple[float, int, int, int, int]:
@@ -178,6 +207,7 @@ async def start_frontend(config: EngineConfig, *, ready_timeout: float = READY_T
     try:
         await fe.start(config, ready_timeout=ready_timeout)
     except BaseException:
+        fe.close_ray()
         await fe.node.stop()
         if fe.ipc_dir:
             shutil.rmtree(fe.ipc_dir, ignore_errors=True)
@@ -215,13 +245,23 @@ async def _start_engine(fe: Frontend, config: EngineConfig, ready_timeout: float
         return _Engine(resolved, fe.engine_core.scheduler, fe.engine_core.kv_manager, fe.engine_core.grammar)
     config = config.replace(parallel=msgspec.structs.replace(config.parallel, data_parallel_rank=dp_rank))
     name = topology.engine_node(dp_rank)
-    payload = msgspec.msgpack.encode((fe.ipc_dir, config))
-    frontend_address = {topology.FRONTEND_NODE: endpoint(fe.ipc_dir, topology.FRONTEND_NODE)}
-    spec = NodeSpec(name, "actors.engine.core:engine_entry", payload, fe.ipc_dir,
+    # an engine core on the Ray cluster has no share in this machine's IPC directory
+    ipc_dir = "" if fe.ray is not None else fe.ipc_dir
+    payload = msgspec.msgpack.encode((ipc_dir, config))
+    frontend_address = {topology.FRONTEND_NODE: fe.cluster_address or endpoint(fe.ipc_dir, topology.FRONTEND_NODE)}
+    spec = NodeSpec(name, "actors.engine.core:engine_entry", payload, ipc_dir,
                     topology.FRONTEND_NODE, frontend_address, trace=config.observability.trace,
                     flight_dir=config.observability.flight_recorder_dir)
-    fe.engine_processes[dp_rank], ready = await start_child(
-        fe.node, spec, ready_timeout=ready_timeout, on_exit=lambda child: fe.engine_exited(child, dp_rank))
+    generation = fe.generations[dp_rank] = fe.generations.get(dp_rank, -1) + 1
+
+    def exited(child: ChildProcess | RayChild) -> None:
+        fe.engine_exited(child, dp_rank)
+    if fe.ray is not None:
+        fe.engine_processes[dp_rank], ready = await start_ray_child(
+            fe.node, spec, fe.ray.new_host(dp_rank, name, generation), ready_timeout=ready_timeout, on_exit=exited)
+    else:
+        fe.engine_processes[dp_rank], ready = await start_child(
+            fe.node, spec, ready_timeout=ready_timeout, on_exit=exited)
     resolved = decode_info(ready, EngineConfig)
     resolved = resolved.replace(parallel=msgspec.structs.replace(resolved.parallel, data_parallel_rank=0))
     return _Engine(resolved,

@@ -1,19 +1,22 @@
-"""Child nodes placed on a Ray cluster (``--distributed-executor-backend ray``), as vLLM's Ray
-executor places its workers: Ray does the placement and the lifecycle, our frames stay the data
-plane.
+"""Child nodes placed on a Ray cluster, as vLLM's Ray executor places its workers and its Ray
+data-parallel backend its engine cores: Ray does the placement and the lifecycle, our frames stay
+the data plane.
 
-The engine core joins a running cluster (``ray start --head`` on one machine, ``ray start
---address=HEAD:PORT`` on the others; ``RAY_ADDRESS`` names another), reserves a placement group
-of one bundle per rank (``{"CPU": 1}``, or ``{"GPU": 1}`` on GPUs; vLLM's PACK strategy: as few
-machines as hold them), and starts one Ray actor per rank in its bundle. That actor hosts the
-same child-node main a worker process runs (``actors.runtime.child.run_child``, the same entry
-and arguments), except that the node receives on ``tcp://NODE_IP:PORT`` instead of a socket in
-the IPC directory, and says where in its ready message, so ranks on other machines are reached.
+Two users: an engine core with ``--distributed-executor-backend ray`` places its worker ranks, a
+bundle of one device each (``{"CPU": 1}``, or ``{"GPU": 1}`` on GPUs); a server with
+``--data-parallel-backend ray`` places its engine cores, a bundle each holding the engine core
+and, when it starts its workers itself, their devices. Either joins a running cluster (``ray
+start --head`` on one machine, ``ray start --address=HEAD:PORT`` on the others; ``RAY_ADDRESS``
+names another), reserves one placement group (vLLM's PACK strategy: as few machines as hold the
+bundles), and starts one Ray actor per child in its bundle. That actor hosts the same child-node
+main a child process runs (``actors.runtime.child.run_child``, the same entry and arguments),
+except that the node receives on ``tcp://NODE_IP:PORT`` instead of a socket in the IPC
+directory, and says where in its ready message, so children on other machines are reached.
 
 Supervision is Ray's: the actor's ``run`` call ends when the node stops (its exit code) or when
 its process dies (Ray's ActorDiedError), which the parent sees as it sees a child process exit
-(``RayChild`` answers as ``ChildProcess`` does). Actors are owned by the engine-core process, so
-Ray ends them if it dies; stopping kills them and removes the placement group."""
+(``RayChild`` answers as ``ChildProcess`` does). Actors are owned by the process that placed
+them, so Ray ends them if it dies; stopping kills them and removes the placement group."""
 from __future__ import annotations
 
 import asyncio
@@ -62,14 +65,14 @@ def connect() -> None:
         try:
             socket.create_connection((host, int(port)), timeout=5.0).close()
         except OSError as exc:
-            raise RayClusterError(f"--distributed-executor-backend ray: no Ray cluster answers at RAY_ADDRESS "
+            raise RayClusterError(f"the Ray backend: no Ray cluster answers at RAY_ADDRESS "
                                   f"{where} ({exc}). {advice}") from None
     main = threading.current_thread() is threading.main_thread()
     term = signal.getsignal(signal.SIGTERM) if main else None
     try:
         ray.init(address=where, namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING)
     except ConnectionError as exc:
-        raise RayClusterError(f"--distributed-executor-backend ray found no Ray cluster to join ({where}: "
+        raise RayClusterError(f"the Ray backend found no Ray cluster to join ({where}: "
                               f"{exc}). {advice}") from None
     finally:
         if main:                      # ray.init sets its own SIGTERM handler: the node's stays
@@ -116,56 +119,73 @@ def host_class() -> Any:
 
 
 class RayPlacement:
-    """The placement group of one engine core's ranks, and their Ray actors."""
+    """A placement group of ``count`` bundles and the Ray actors hosting a child node in each:
+    the ranks of one engine core (a device each: ``units=1``) or the engine cores of a server
+    (``host_cpu``: a CPU for the engine core itself, plus the ``units`` devices of the workers it
+    starts where it runs; 0 when it places them on the cluster too)."""
 
-    def __init__(self, world_size: int, device: str, label: str) -> None:
-        self.world_size = world_size
+    def __init__(self, count: int, device: str, label: str, *, units: int = 1, host_cpu: bool = False,
+                 what: str = "ranks") -> None:
+        self.count = count
         self.device = device          # "cpu", "cuda" or "auto" (GPUs when the cluster has any)
         self.label = label            # names the actors: troupe-LABEL-NODE-gGENERATION
+        self.units = units
+        self.host_cpu = host_cpu
+        self.what = what
         self.pg: Any = None
-        self.resource = "CPU"
-        self.hosts: list[Any] = []
+        self.bundle: dict[str, int] = {}
+        self.hosts: dict[int, Any] = {}           # bundle index -> its actor
 
     async def start(self) -> None:
-        """Join the cluster and reserve a bundle per rank (a clear error when it cannot hold them)."""
+        """Join the cluster and reserve the bundles (a clear error when it cannot hold them)."""
         import ray
         from ray.util.placement_group import placement_group
         connect()
         total = ray.cluster_resources()
         gpu = self.device == "cuda" or (self.device == "auto" and total.get("GPU", 0) > 0)
-        self.resource = "GPU" if gpu else "CPU"
-        have = int(total.get(self.resource, 0))
-        if have < self.world_size:
-            raise RayClusterError(
-                f"the Ray cluster has {have} {self.resource}s in all and the {self.world_size} ranks need one each: "
-                "add machines with `ray start --address=HEAD_IP:6379`, or ask for fewer ranks")
-        self.pg = placement_group([{self.resource: 1}] * self.world_size, strategy="PACK",
-                                  name=f"troupe-{self.label}")
+        if gpu:
+            self.bundle = {**({"CPU": 1} if self.host_cpu else {}), **({"GPU": self.units} if self.units else {})}
+        else:
+            self.bundle = {"CPU": max(self.units, 1)}
+        for key, n in self.bundle.items():
+            have = int(total.get(key, 0))
+            if have < self.count * n:
+                raise RayClusterError(
+                    f"the Ray cluster has {have} {key}s in all and the {self.count} {self.what} need {n} each: "
+                    f"add machines with `ray start --address=HEAD_IP:6379`, or ask for fewer {self.what}")
+        self.pg = placement_group([dict(self.bundle)] * self.count, strategy="PACK", name=f"troupe-{self.label}")
         try:
             await asyncio.wait_for(self.pg.ready(), PLACEMENT_TIMEOUT_S)
         except TimeoutError:
             self.remove()
             raise RayClusterError(
-                f"the Ray cluster had no room for {self.world_size} bundles of one {self.resource} within "
+                f"the Ray cluster had no room for {self.count} bundles of {self.describe()} within "
                 f"{PLACEMENT_TIMEOUT_S:g} s (others hold them: `ray status` shows the cluster's use)") from None
-        log.info("Ray placement group of %d %s bundles ready (cluster: %s)", self.world_size, self.resource,
+        log.info("Ray placement group of %d bundle%s (%s each) for the %s ready (cluster: %s)", self.count,
+                 "s" if self.count > 1 else "", self.describe(), self.what,
                  ", ".join(f"{int(v)} {k}" for k, v in sorted(total.items()) if k in ("CPU", "GPU")))
+
+    def describe(self) -> str:
+        return " + ".join(f"{n} {key}" for key, n in self.bundle.items())
 
     def engine_address(self, node: Node) -> str:
         """Where ranks on any machine reach ``node`` (bound once, on this machine's cluster IP)."""
         import ray
         return node.transport.bind(f"tcp://{ray.util.get_node_ip_address()}:*")
 
+    def new_host(self, index: int, name: str, generation: int) -> Any:
+        """A Ray actor in bundle ``index``, for child node ``name`` (replacing the one before)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        self.hosts[index] = host_class().options(
+            num_cpus=self.bundle.get("CPU", 0), num_gpus=self.bundle.get("GPU", 0),
+            name=f"troupe-{self.label}-{name}-g{generation}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
+        ).remote()
+        return self.hosts[index]
+
     def new_hosts(self, names: list[str], generation: int) -> list[Any]:
         """A Ray actor per rank, each in its rank's bundle."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        cls = host_class()
-        gpu = self.resource == "GPU"
-        self.hosts = [cls.options(
-            num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, name=f"troupe-{self.label}-{name}-g{generation}",
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-        ).remote() for rank, name in enumerate(names)]
-        return self.hosts
+        return [self.new_host(rank, name, generation) for rank, name in enumerate(names)]
 
     async def meeting_point(self) -> str:
         """torch.distributed's init method: the first rank's machine, a port free there."""
@@ -176,9 +196,9 @@ class RayPlacement:
         """Kill the ranks' actors and remove the placement group."""
         import ray
         from ray.util.placement_group import remove_placement_group
-        for host in self.hosts:
+        for host in self.hosts.values():
             ray.kill(host, no_restart=True)
-        self.hosts = []
+        self.hosts = {}
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

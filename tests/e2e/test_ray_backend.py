@@ -1,8 +1,11 @@
-"""--distributed-executor-backend ray on a local Ray cluster this module starts (`ray start --head
---block` in a session of its own, stopped by its process group): the default model served with
---tensor-parallel-size 2 over two Ray actors gives one worker's greedy tokens, a killed rank's
-actor brings both ranks back with the request recomputed, and no actor or placement group of an
-engine is left in the cluster once the engine is killed outright or the server stops."""
+"""The Ray backends on a local Ray cluster this module starts (`ray start --head --block` in a
+session of its own, stopped by its process group). --distributed-executor-backend ray: the
+default model served with --tensor-parallel-size 2 over two Ray actors gives one worker's greedy
+tokens, a killed rank's actor brings both ranks back with the request recomputed, and no actor
+or placement group of an engine is left in the cluster once the engine is killed outright or the
+server stops. --data-parallel-backend ray: two engine cores in Ray actors (each with its worker
+process) give the same tokens, a killed one is restarted in a new actor, and nothing is left once
+the server stops."""
 from __future__ import annotations
 
 import asyncio
@@ -52,7 +55,7 @@ def cluster_state(address: str) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A one-machine Ray cluster of 2 CPUs; its workers import this checkout."""
+    """A one-machine Ray cluster of 4 (logical) CPUs; its workers import this checkout."""
     tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")          # Ray's socket paths must stay short
     log_path = os.path.join(tmp, "head.log")
     port = free_port()
@@ -61,7 +64,7 @@ def cluster():
     with open(log_path, "w") as log:
         head = subprocess.Popen(
             [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", f"--port={port}",
-             "--num-cpus=2", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats",
+             "--num-cpus=4", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats",
              f"--temp-dir={tmp}", "--block"],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     try:
@@ -137,7 +140,7 @@ def test_two_ranks_in_ray_actors_answer_as_one_worker_does(cluster, server, one_
     ranks = ours(cluster_state(cluster), engine)
     assert sorted(ranks) == [f"troupe-engine-{engine}-worker{r}-g0" for r in range(2)]
     assert _texts(server, PROMPTS[:2], TOKENS[:2]) == one_worker[:2]
-    assert any("Ray placement group of 2 CPU bundles ready" in line for line in server.lines)
+    assert any("Ray placement group of 2 bundles (1 CPU each) for the ranks ready" in line for line in server.lines)
 
 
 def test_a_killed_rank_actor_brings_both_back_and_the_request_is_recomputed(cluster, server, one_worker):
@@ -179,3 +182,57 @@ def test_nothing_of_an_engine_is_left_in_the_cluster_when_it_is_killed_or_the_se
     state = cluster_state(cluster)
     assert ours(state, engine) == {} and gone(pids)
     assert state["groups"][f"troupe-engine-{engine}"] == "REMOVED"
+
+
+def test_engine_cores_in_ray_actors_serve_restart_and_leave_nothing(cluster, one_worker):
+    s = Server("--data-parallel-size", "2", "--data-parallel-backend", "ray", env={"RAY_ADDRESS": cluster},
+               ready_timeout=240)
+    try:
+        prefix = f"troupe-frontend-{s.pid}-"
+        engines = {n: p for n, p in cluster_state(cluster)["actors"].items() if n.startswith(prefix)}
+        assert sorted(engines) == [prefix + "engine-g0", prefix + "engine1-g0"]
+        assert not any(p in engines.values() for p in children(s.pid))      # not processes of the server's
+        workers = {n: children(p) for n, p in engines.items()}
+        assert all(len(w) == 1 for w in workers.values())                   # each engine core's own worker
+        assert any("Ray placement group of 2 bundles (1 CPU each) for the engine cores ready" in line
+                   for line in s.lines)
+        assert _texts(s, PROMPTS, TOKENS) == one_worker
+
+        os.kill(engines[prefix + "engine1-g0"], signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while not any("engine core 1 restarted" in line for line in s.lines):
+            assert time.monotonic() < deadline and s.proc.poll() is None, s.log()
+            time.sleep(0.2)
+        assert gone([engines[prefix + "engine1-g0"], *workers[prefix + "engine1-g0"]])
+        now = {n: p for n, p in cluster_state(cluster)["actors"].items() if n.startswith(prefix)}
+        assert sorted(now) == [prefix + "engine-g0", prefix + "engine1-g1"]
+        assert _texts(s, PROMPTS, TOKENS) == one_worker
+
+        pids = [*now.values(), *(c for p in now.values() for c in children(p))]
+        s.stop()
+        assert s.proc.returncode == 0
+        state = cluster_state(cluster)
+        assert not any(n.startswith(prefix) for n in state["actors"]) and gone(pids)
+        assert state["groups"][f"troupe-frontend-{s.pid}"] == "REMOVED"
+    finally:
+        s.stop()
+
+
+def test_engine_cores_and_their_workers_all_on_the_cluster_answer_and_leave_nothing(cluster, one_worker):
+    s = Server("-dp", "2", "-dpb", "ray", "--distributed-executor-backend", "ray", env={"RAY_ADDRESS": cluster},
+               ready_timeout=240)
+    try:
+        state = cluster_state(cluster)
+        engines = {n: p for n, p in state["actors"].items() if n.startswith(f"troupe-frontend-{s.pid}-")}
+        assert len(engines) == 2 and all(children(p) == [] for p in engines.values())   # workers are actors too
+        workers = {n: p for n, p in state["actors"].items()
+                   if any(n.startswith(f"troupe-{e}-{pid}-") for e in ("engine", "engine1") for pid in engines.values())}
+        assert len(workers) == 2
+        assert _texts(s, PROMPTS[:2], TOKENS[:2]) == one_worker[:2]
+        s.stop()
+        assert s.proc.returncode == 0
+        state = cluster_state(cluster)
+        assert not set(engines) & set(state["actors"]) and not set(workers) & set(state["actors"])
+        assert gone([*engines.values(), *workers.values()])
+    finally:
+        s.stop()

@@ -1,5 +1,6 @@
-"""--distributed-executor-backend (vLLM's flag and names): mp by default, ray and uni accepted,
-the combinations the Ray backend does not run refused before anything starts, naming why."""
+"""--distributed-executor-backend and --data-parallel-backend (vLLM's flags and names): mp by
+default, ray (and uni for the workers) accepted, the combinations the Ray backends do not run
+refused before anything starts, naming why."""
 from __future__ import annotations
 
 import os
@@ -16,9 +17,8 @@ from tools import serve
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def backend(*argv: str) -> str:
-    return EngineArgs.from_cli_args(serve.parse_args(list(argv))).create_engine_config() \
-        .parallel.distributed_executor_backend
+def backend(*argv: str, which: str = "distributed_executor_backend") -> str:
+    return getattr(EngineArgs.from_cli_args(serve.parse_args(list(argv))).create_engine_config().parallel, which)
 
 
 def test_the_flag_takes_vllms_names_and_mp_stays_the_default(capsys):
@@ -32,13 +32,24 @@ def test_the_flag_takes_vllms_names_and_mp_stays_the_default(capsys):
         serve.parse_args(["--distributed-executor-backend", "external_launcher"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--distributed-executor-backend" in err and "'mp', 'ray', 'uni'" in err
+    assert backend("-dp", "2", which="data_parallel_backend") == "mp"
+    assert backend("-dp", "2", "-dpb", "ray", which="data_parallel_backend") == "ray"
+    assert backend("-dp", "2", "--data-parallel-backend", "ray", "--distributed-executor-backend", "ray") == "ray"
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args(["--data-parallel-backend", "uni"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--data-parallel-backend" in err and "'mp', 'ray'" in err
 
 
 def test_combinations_the_ray_backend_does_not_run_are_refused_naming_why():
     with pytest.raises(ValueError, match="'uni' runs one worker.*ask for 2"):
         EngineArgs(distributed_executor_backend="uni", tensor_parallel_size=2).create_engine_config()
-    with pytest.raises(ValueError, match="data parallelism with distributed_executor_backend 'ray' is not supported"):
-        EngineArgs(distributed_executor_backend="ray", data_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="data_parallel_backend 'ray' places engine cores on a Ray cluster: it "
+                                         "needs the multiprocess"):
+        EngineArgs(data_parallel_backend="ray", multiprocess=False).create_engine_config()
+    with pytest.raises(ValueError, match="--kv-transfer-config with data_parallel_backend 'ray' is not supported"):
+        EngineArgs(data_parallel_backend="ray", kv_transfer_config={"kv_connector": "TroupeConnector",
+                                                                    "kv_role": "kv_both"}).create_engine_config()
     with pytest.raises(ValueError, match="'ray' places worker processes on a Ray cluster: it needs the multiprocess"):
         EngineArgs(distributed_executor_backend="ray", multiprocess=False).create_engine_config()
     with pytest.raises(ValueError, match="unknown distributed_executor_backend 'mpi'; accepted: mp, ray, uni"):
