@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 import msgspec
 
@@ -28,34 +29,64 @@ def resolve_entry(path: str):
     return getattr(importlib.import_module(module), func)
 
 
-def _heartbeat(fd: int, interval: float, turns: list[int]) -> None:
+def _beat(send: Callable[[bytes], None], interval: float, turns: list[int]) -> None:
     """The heartbeat thread: never waits for the event loop, so a long synchronous step does not
     silence it; what it reports (loop turns, CPU used) lets the parent tell a step from a hang."""
+    while True:
+        send(BEAT.pack(turns[0], time.process_time()))
+        time.sleep(interval)
+
+
+def _pipe_beats(fd: int, interval: float, turns: list[int]) -> None:
     try:
-        while True:
-            os.write(fd, BEAT.pack(turns[0], time.process_time()))
-            time.sleep(interval)
+        _beat(lambda data: os.write(fd, data), interval, turns)
     except OSError:               # the parent is gone; the death pipe ends this process
         return
 
 
-def start_heartbeat(loop: asyncio.AbstractEventLoop, fd: int, interval: float) -> None:
+def _zmq_beats(address: str, interval: float, turns: list[int]) -> None:
+    """Beats over ZeroMQ, for a child with no pipe to its parent (hosted by a Ray actor, on any
+    machine of the cluster): a socket of this thread's own, never blocking."""
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 4)
+    sock.connect(address)
+
+    def send(data: bytes) -> None:
+        try:
+            sock.send(data, zmq.NOBLOCK)
+        except zmq.Again:         # the parent is not reading: it sees no beats, as it should
+            pass
+    try:
+        _beat(send, interval, turns)
+    except zmq.ZMQError:
+        return
+
+
+def start_heartbeat(loop: asyncio.AbstractEventLoop, interval: float, fd: int | None = None,
+                    address: str = "") -> None:
+    """Beat to the parent through pipe ``fd``, or to ``address`` over ZeroMQ."""
     turns = [0]                   # event-loop turns, counted by a callback the loop runs
 
     def tick() -> None:
         turns[0] += 1
         loop.call_later(interval / 2, tick)
     tick()
-    threading.Thread(target=_heartbeat, args=(fd, interval, turns), name="heartbeat", daemon=True).start()
+    target, where = (_pipe_beats, fd) if fd is not None else (_zmq_beats, address)
+    threading.Thread(target=target, args=(where, interval, turns), name="heartbeat", daemon=True).start()
 
 
 async def run_child(spec: NodeSpec, death_fd: int | None, heartbeat_fd: int | None) -> int:
     """Run the child node until it stops; returns its exit code. A child hosted by a Ray actor
     (actors/runtime/ray_nodes.py) has no death pipe, no heartbeat pipe and no signal handlers of
-    its own: Ray watches its process and ends it with its owner."""
+    its own: Ray watches its process and ends it with its owner, and its heartbeats go to the
+    parent over ZeroMQ (``spec.beats_to``)."""
     loop = asyncio.get_running_loop()
     if heartbeat_fd is not None:
-        start_heartbeat(loop, heartbeat_fd, spec.heartbeat_s)
+        start_heartbeat(loop, spec.heartbeat_s, fd=heartbeat_fd)
+    elif spec.beats_to:
+        start_heartbeat(loop, spec.heartbeat_s, address=spec.beats_to)
     node = Node(spec.name, ZmqTransport(spec.bind or endpoint(spec.ipc_dir, spec.name)),
                 tracer=Tracer(spec.name, enabled=spec.trace))
     system = system_actor(node)

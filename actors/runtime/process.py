@@ -40,6 +40,29 @@ BEAT = struct.Struct("<Qd")       # a heartbeat: the child's event-loop turns, i
 PROGRESS_CPU_S = 0.05             # CPU the heartbeat thread alone never uses while the loop is stuck
 
 
+class Liveness:
+    """What a parent reads from a child's heartbeats: when it last made progress (an event-loop
+    turn, or CPU used beyond the heartbeat thread's own). Hung: no progress for ``hung_after_s``."""
+
+    def __init__(self) -> None:
+        self.progress = (0, 0.0)                   # (loop turns, CPU seconds) at the last progress
+        self.last = time.monotonic()
+
+    def restart(self) -> None:
+        self.last = time.monotonic()
+
+    def beat(self, data: bytes) -> bytes:
+        """Read the beats in ``data``; returns the bytes of an incomplete one, kept for the next."""
+        n = len(data) // BEAT.size
+        for turns, cpu in BEAT.iter_unpack(data[:n * BEAT.size]):
+            if turns != self.progress[0] or cpu - self.progress[1] >= PROGRESS_CPU_S:
+                self.progress, self.last = (turns, cpu), time.monotonic()
+        return data[n * BEAT.size:]
+
+    def stuck_s(self) -> float:
+        return time.monotonic() - self.last
+
+
 class NodeSpec(msgspec.Struct):
     name: str
     entry: str                 # "package.module:function": async (node, config: bytes) -> Struct | None
@@ -52,6 +75,7 @@ class NodeSpec(msgspec.Struct):
     trace: bool = True                # record trace spans
     flight_dir: str = ""              # where flight-recorder files go ("": the default)
     bind: str = ""                    # where the child receives ("": its socket in ipc_dir)
+    beats_to: str = ""                # where its heartbeats go when it has no pipe (a Ray actor's child)
 
 
 class ChildStartError(RuntimeError):
@@ -83,6 +107,7 @@ class StoppableChild(abc.ABC):
     """What a supervised child node (a process, or a Ray actor hosting one) shares: asked to shut
     down, then killed (``kill``, its own way) if it has not exited within the timeout."""
     node: Node
+    spec: NodeSpec
     name: str
     returncode: int | None
     exited: asyncio.Future[int]
@@ -124,8 +149,7 @@ class ChildProcess(StoppableChild):
         self._on_exit = on_exit
         self._pidfd = os.pidfd_open(popen.pid)
         self._beat_buf = b""
-        self._progress = (0, 0.0)                  # (loop turns, CPU seconds) at the last progress
-        self._last_progress = time.monotonic()
+        self.liveness = Liveness()
         self._watch: asyncio.TimerHandle | None = None
         asyncio.get_running_loop().add_reader(self._pidfd, self._reap)
 
@@ -166,7 +190,7 @@ class ChildProcess(StoppableChild):
 
     def start_heartbeat(self) -> None:
         """Watch the child's heartbeats from now on (it is ready)."""
-        self._last_progress = time.monotonic()
+        self.liveness.restart()
         asyncio.get_running_loop().add_reader(self._beats, self._read_beats)
         self._watch = asyncio.get_running_loop().call_later(self.spec.heartbeat_s, self._check)
 
@@ -178,21 +202,12 @@ class ChildProcess(StoppableChild):
         if not data:                              # the child closed it: it is exiting
             asyncio.get_running_loop().remove_reader(self._beats)
             return
-        self._beat_buf += data
-        n = len(self._beat_buf) // BEAT.size
-        for turns, cpu in BEAT.iter_unpack(self._beat_buf[:n * BEAT.size]):
-            if turns != self._progress[0] or cpu - self._progress[1] >= PROGRESS_CPU_S:
-                self._progress, self._last_progress = (turns, cpu), time.monotonic()
-        self._beat_buf = self._beat_buf[n * BEAT.size:]
+        self._beat_buf = self.liveness.beat(self._beat_buf + data)
 
     def _check(self) -> None:
         if self.returncode is not None:
             return
-        stuck = time.monotonic() - self._last_progress
-        if stuck > self.spec.hung_after_s:
-            log.error("process '%s' is hung (no event-loop turn and no CPU used for %.0f s); killing it",
-                      self.name, stuck)
-            self.kill()
+        if hung(self, self.liveness):
             return
         self._watch = asyncio.get_running_loop().call_later(self.spec.heartbeat_s, self._check)
 
@@ -202,6 +217,17 @@ class ChildProcess(StoppableChild):
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+def hung(child: StoppableChild, liveness: Liveness) -> bool:
+    """Kill ``child`` when it has made no progress for its spec's ``hung_after_s``; whether it did."""
+    stuck = liveness.stuck_s()
+    if stuck <= child.spec.hung_after_s:
+        return False
+    log.error("process '%s' is hung (no event-loop turn and no CPU used for %.0f s); killing %s",
+              child.name, stuck, child.killed_what)
+    child.kill()
+    return True
+
 
 def system_actor(node: Node) -> SystemActor:
     if SYSTEM_ACTOR not in node.cells:

@@ -15,7 +15,10 @@ directory, and says where in its ready message, so children on other machines ar
 
 Supervision is Ray's: the actor's ``run`` call ends when the node stops (its exit code) or when
 its process dies (Ray's ActorDiedError), which the parent sees as it sees a child process exit
-(``RayChild`` answers as ``ChildProcess`` does). Actors are owned by the process that placed
+(``RayChild`` answers as ``ChildProcess`` does). A hung child (alive, its event loop stuck and no
+CPU used) is ours to find, as with processes: its heartbeat thread sends the same beats over
+ZeroMQ to a socket of the parent's, and the parent kills the actor once they show no progress
+for the spec's ``hung_after_s``. Actors are owned by the process that placed
 them, so Ray ends them if it dies; stopping kills them and removes the placement group."""
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from typing import Any, Callable
 import msgspec
 
 from actors.runtime.node import Node
-from actors.runtime.process import ChildStartError, NodeSpec, StoppableChild, system_actor, wait_ready
+from actors.runtime.process import (ChildStartError, Liveness, NodeSpec, StoppableChild, hung, system_actor,
+                                    wait_ready)
 from actors.runtime.system import NodeReady
 
 log = logging.getLogger("troupe.ray")
@@ -225,6 +229,9 @@ class RayChild(StoppableChild):
         self.reason = ""                       # why the actor died (no exit code)
         self.exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._on_exit = on_exit
+        self.liveness = Liveness()
+        self._beats: Any = None               # the socket its heartbeats come to (beats_socket)
+        self._beat_tasks: list[asyncio.Task[None]] = []
         self._watch = asyncio.get_running_loop().create_task(self._wait(run_ref), name=f"ray:{spec.name}")
 
     @property
@@ -248,6 +255,7 @@ class RayChild(StoppableChild):
         except ray.exceptions.RayError as exc:
             code, self.reason = -1, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         self.returncode = code
+        self._stop_heartbeat()
         ray.kill(self.host, no_restart=True)        # the actor outlives its node's main otherwise
         reason = self.describe_exit()
         self.node.peer_down(self.name, reason)
@@ -261,6 +269,43 @@ class RayChild(StoppableChild):
         if self.returncode is None:
             import ray
             ray.kill(self.host, no_restart=True)
+
+    # -- heartbeats: over ZeroMQ, as a process's come through its pipe ----------------------
+    def start_heartbeat(self, sock: Any) -> None:
+        """Watch the heartbeats arriving on ``sock`` from now on (it is ready): a child that
+        neither turns its event loop nor uses CPU for the spec's ``hung_after_s`` is killed."""
+        self._beats = sock
+        self.liveness.restart()
+        self._beat_tasks = [asyncio.get_running_loop().create_task(self._read_beats(), name=f"beats:{self.name}"),
+                            asyncio.get_running_loop().create_task(self._check(), name=f"hung:{self.name}")]
+
+    async def _read_beats(self) -> None:
+        while True:
+            self.liveness.beat(await self._beats.recv())
+
+    async def _check(self) -> None:
+        while self.returncode is None and not hung(self, self.liveness):
+            await asyncio.sleep(self.spec.heartbeat_s)
+
+    def _stop_heartbeat(self) -> None:
+        for task in self._beat_tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self._beat_tasks = []
+        if self._beats is not None:
+            self._beats.close(linger=0)
+            self._beats = None
+
+
+def beats_socket() -> tuple[Any, str]:
+    """A socket receiving one child's heartbeats, bound on this machine's cluster IP; its address."""
+    import ray
+    import zmq
+    import zmq.asyncio
+    sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"tcp://{ray.util.get_node_ip_address()}:*")
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 async def start_ray_child(node: Node, spec: NodeSpec, host: Any, *, ready_timeout: float = 600.0,
@@ -277,9 +322,19 @@ async def start_ray_child(node: Node, spec: NodeSpec, host: Any, *, ready_timeou
                               f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
     waiter = system_actor(node).expect_ready(spec.name)
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+    beats, address = beats_socket()
+    spec = msgspec.structs.replace(spec, beats_to=address)
     child = RayChild(node, spec, host, host.run.remote(msgspec.msgpack.encode(spec), env), None)
     child.ip, child.pid = ip, pid
-    ready = await wait_ready(child, waiter, ready_timeout)
+    try:
+        ready = await wait_ready(child, waiter, ready_timeout)
+    except BaseException:
+        beats.close(linger=0)
+        raise
+    if child.returncode is None:
+        child.start_heartbeat(beats)
+    else:
+        beats.close(linger=0)
     node.connect(spec.name, ready.address)
     system_actor(node).children.add(spec.name)
     child._on_exit = on_exit

@@ -3,7 +3,8 @@ session of its own, stopped by its process group). --distributed-executor-backen
 default model served with --tensor-parallel-size 2 over two Ray actors gives one worker's greedy
 tokens, a killed rank's actor brings both ranks back with the request recomputed, and no actor
 or placement group of an engine is left in the cluster once the engine is killed outright or the
-server stops. --data-parallel-backend ray: two engine cores in Ray actors (each with its worker
+server stops; a rank whose event loop hangs (alive, no CPU used) is killed by its heartbeats, as a
+process is. --data-parallel-backend ray: two engine cores in Ray actors (each with its worker
 process) give the same tokens, a killed one is restarted in a new actor, and nothing is left once
 the server stops."""
 from __future__ import annotations
@@ -236,3 +237,51 @@ def test_engine_cores_and_their_workers_all_on_the_cluster_answer_and_leave_noth
         assert gone([*engines.values(), *workers.values()])
     finally:
         s.stop()
+
+
+# a parent node (this script) with one child node in a Ray actor, beating every 0.2 s, hung after 2 s
+HANG = """
+import asyncio, json, os, sys, tempfile, time
+from actors.runtime import Node
+from actors.runtime.errors import ActorDied
+from actors.runtime.faults import InjectFault
+from actors.runtime.process import NodeSpec, system_actor
+from actors.runtime.ray_nodes import RayPlacement, start_ray_child
+from transport.zmq_channel import ZmqTransport, endpoint
+
+async def main():
+    node = Node("parent", ZmqTransport(endpoint(tempfile.mkdtemp(), "parent")))
+    system_actor(node)
+    placement = RayPlacement(1, "cpu", f"hang-{os.getpid()}")
+    await placement.start()
+    spec = NodeSpec("child", "tests.unit.runtime_fixtures:echo_entry", b"cfg", "", "parent",
+                    {"parent": placement.engine_address(node)}, heartbeat_s=0.2, hung_after_s=2.0)
+    child, _ = await start_ray_child(node, spec, placement.new_host(0, "child", 0), ready_timeout=120)
+    system = node.ref("_system", "child")
+    await system.ask(InjectFault("stall", seconds=4.0, busy=True), timeout=30)     # a long step: no hang
+    survived = child.returncode is None
+    t0, error = time.monotonic(), ""
+    try:
+        await system.ask(InjectFault("stall", seconds=60.0, busy=False), timeout=90)
+    except ActorDied as exc:
+        error = str(exc)
+    await asyncio.wait_for(child.exited, 30)
+    print(json.dumps({"survived": survived, "killed_after": time.monotonic() - t0, "error": error,
+                      "exit": child.describe_exit()}))
+    placement.close()
+    await node.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_a_hung_child_in_a_ray_actor_is_found_by_its_heartbeats_and_killed(cluster):
+    out = subprocess.run([sys.executable, "-c", HANG], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                         env={**os.environ, "RAY_ADDRESS": cluster, "TROUPE_FAULT_INJECTION": "1",
+                              "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["survived"]                           # four busy seconds are a long step, not a hang
+    assert 2.0 <= result["killed_after"] < 8.0, result  # an idle stall is killed once 2 s pass
+    assert "process 'child' is hung" in out.stderr and "killing its Ray actor" in out.stderr
+    assert "died" in result["exit"] and result["error"]
