@@ -1,6 +1,7 @@
 """Executor actor: sends each SchedulerOutput to the worker (with tensor and pipeline
 parallelism, to every rank at once) and returns its ModelRunnerOutput (the output rank's: rank 0,
-or the last pipeline stage's first rank).
+or the last pipeline stage's first rank, with the KV connector's reports of every rank combined:
+a transfer is finished once each rank finished its share).
 While the worker is being restarted it holds steps until the replacement is up (its KV cache
 allocated), so no step reaches a worker that cannot run it; a step held across a restart fails
 as the worker's death (its requests are recomputed on the new one). A step whose reply is late is
@@ -18,7 +19,10 @@ import asyncio
 import logging
 from typing import Any
 
+import msgspec
+
 from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
+from actors.kv_transfer.base import KVOutputAggregator
 from actors.runtime import Actor, ActorDied, ActorRef, Msg, RemoteError
 from actors.worker.actor import StepStatus
 
@@ -58,6 +62,7 @@ class Executor(Actor):
         self._generation = 0
         self._last_sent = -1                      # the step sent last to this generation's worker
         self._executing: dict[int, asyncio.Future[None]] = {}   # step -> done when it is settled
+        self._kv_reports = KVOutputAggregator(len(workers))
 
     async def receive(self, msg: ExecutorProtocol) -> Any:
         match msg:
@@ -76,6 +81,7 @@ class Executor(Actor):
             case WorkersUp(generation=generation, nodes=nodes, name=name):
                 self.workers = [self.ctx.node.ref(name, node) for node in nodes]
                 self._generation, self._last_sent = generation, -1
+                self._kv_reports = KVOutputAggregator(len(self.workers))   # the old ranks' transfers died with them
                 self._up.set()
         return None
 
@@ -117,7 +123,11 @@ class Executor(Actor):
                     raise f.exception()
             if failed:
                 raise failed[0].exception()
-            return sends[self.output_rank].result()
+            out = sends[self.output_rank].result()
+            reports = [f.result().kv_connector_output for f in sends]
+            if any(r is not None for r in reports):
+                out = msgspec.structs.replace(out, kv_connector_output=self._kv_reports.aggregate(reports))
+            return out
         finally:
             for f in sends:
                 f.cancel()

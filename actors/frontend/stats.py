@@ -353,6 +353,10 @@ def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     per_pos = [sum(s.spec_num_accepted_tokens_per_pos[i] for s in stats if i < len(s.spec_num_accepted_tokens_per_pos))
                for i in range(width)]
     total = lambda name: sum(getattr(s, name) for s in stats)   # noqa: E731
+    transfer: dict[str, float] = {}
+    for st in stats:
+        for key, value in st.kv_transfer.items():
+            transfer[key] = transfer.get(key, 0.0) + value
     return SchedulerStats(
         step=total("step"), num_running=total("num_running"), num_waiting=total("num_waiting"),
         num_scheduled_reqs=total("num_scheduled_reqs"), num_scheduled_tokens=total("num_scheduled_tokens"),
@@ -360,7 +364,9 @@ def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         prefix_cache_queries=total("prefix_cache_queries"), prefix_cache_hits=total("prefix_cache_hits"),
         busy_seconds=total("busy_seconds"), compute_seconds=total("compute_seconds"),
         spec_num_drafts=total("spec_num_drafts"), spec_num_draft_tokens=total("spec_num_draft_tokens"),
-        spec_num_accepted_tokens=total("spec_num_accepted_tokens"), spec_num_accepted_tokens_per_pos=per_pos)
+        spec_num_accepted_tokens=total("spec_num_accepted_tokens"), spec_num_accepted_tokens_per_pos=per_pos,
+        external_prefix_cache_queries=total("external_prefix_cache_queries"),
+        external_prefix_cache_hits=total("external_prefix_cache_hits"), kv_transfer=transfer)
 
 
 def parse_prefixes(text: str) -> tuple[str, ...]:

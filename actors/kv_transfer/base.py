@@ -62,8 +62,59 @@ TRANSFER_STATS = ("recv_bytes", "recv_blocks", "recv_seconds", "recv_requests", 
                   "sent_bytes", "sent_blocks", "sent_requests", "leases_expired", "shm_reads")
 
 
+class KVOutputAggregator:
+    """The ranks' reports as one (vLLM's KVOutputAggregator): with tensor parallelism each rank
+    moves its own heads' share of a request's blocks, in steps of its own, so a send or a load is
+    finished once every rank reported it; a load that failed on any rank fails once all reported
+    (no rank writes into the blocks any more when the request is computed instead). Counters:
+    the bytes of every rank, the rest (requests, blocks, seconds) as rank 0 counts them, since
+    every rank moves every request's blocks."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._sending: dict[str, int] = {}
+        self._recving: dict[str, int] = {}
+        self._failed: dict[str, str] = {}
+
+    def aggregate(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput | None:
+        if all(o is None for o in outputs):
+            return None
+        out = KVConnectorOutput(stats={}, transfers=[])
+        for rank, o in enumerate(outputs):
+            if o is None:
+                continue
+            for rid in o.finished_sending:
+                if self._count(self._sending, rid):
+                    out.finished_sending.append(rid)
+            for rid in (*o.finished_recving, *o.failed_recving):
+                if rid in o.failed_recving:
+                    self._failed.setdefault(rid, o.failed_recving[rid])
+                if self._count(self._recving, rid):
+                    if rid in self._failed:
+                        out.failed_recving[rid] = self._failed.pop(rid)
+                    else:
+                        out.finished_recving.append(rid)
+            for key, value in o.stats.items():     # bytes add up; requests, blocks, time: rank 0's
+                if rank == 0 or key.endswith("_bytes"):
+                    out.stats[key] = out.stats.get(key, 0.0) + value
+            out.transfers.extend(o.transfers)
+        return out
+
+    def _count(self, counts: dict[str, int], rid: str) -> bool:
+        """Count one rank's report of ``rid``; whether every rank has reported it now."""
+        n = counts.get(rid, 0) + 1
+        if n < self.world_size:
+            counts[rid] = n
+            return False
+        counts.pop(rid, None)
+        return True
+
+
 class KVConnectorBase(ABC):
-    """Subclasses implement both sides; ``role`` says which one this instance is."""
+    """Subclasses implement both sides; ``role`` says which one this instance is. A worker side
+    serves one tensor-parallel rank, ``tp_rank`` (set by KVConnectorFactory.create_connector
+    before ``register_kv_caches``): it moves that rank's share of the KV heads."""
+    tp_rank: int = 0
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
         self.config = config

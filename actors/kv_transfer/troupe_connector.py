@@ -2,7 +2,9 @@
 a shared-memory path between processes of one machine.
 
 A producer's worker listens on ``kv_ip:kv_port`` (a ROUTER socket served by a thread beside the
-KV cache). Its requests marked ``{"do_remote_decode": true}`` keep their blocks when they finish;
+KV cache; with tensor parallelism rank r on ``kv_port + r``, and with data parallelism engine d's
+ranks from ``kv_port + d * tp``, as vLLM's side channels; each rank moves its own heads' share and
+reads from the producer's rank of the same number, so both sides run the same ``-tp``). Its requests marked ``{"do_remote_decode": true}`` keep their blocks when they finish;
 the response's ``kv_transfer_params`` name the engine, the host and port, the request and its
 block ids. A consumer's request carrying those params (``do_remote_prefill``) gets local blocks
 for the prompt, waits in WAITING_FOR_REMOTE_KVS while its worker reads the producer's blocks,
@@ -191,7 +193,10 @@ class TroupeConnector(KVConnectorBase):
         self.heartbeat_s = float(self.extra["heartbeat_s"]) or self.lease_s / 4
         self.timeout_s = float(self.extra["transfer_timeout_s"])
         self.host = kv.kv_ip if kv.kv_ip not in ("0.0.0.0", "::", "*") else socket.gethostname()
-        self.engine_id = kv.engine_id or f"{self.host}:{kv.kv_port}"
+        # vLLM's side-channel ports: an engine's ranks listen on kv_port + dp_rank * tp + tp_rank
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.port = kv.kv_port + config.parallel.data_parallel_rank * self.tp_size
+        self.engine_id = kv.engine_id or f"{self.host}:{self.port}"
         self.block_size = config.cache.block_size
         self.ctx = zmq.Context.instance()
         self.stats = _Stats()
@@ -217,7 +222,7 @@ class TroupeConnector(KVConnectorBase):
         self._saved: set[str] = set()                  # producer: prompt KV saved for a reader
         self._pending_drops: list[str] = []
         self._held: set[str] = set()                   # producer: blocks kept for a remote reader
-        self._remote: dict[str, tuple[str, int, str]] = {}   # consumer: (host, port, remote id) to keep alive
+        self._remote: dict[str, tuple[str, int, str, int]] = {}   # consumer: (host, port, remote id, ranks) to keep alive
         self._gone: set[str] = set()                   # consumer: the producer no longer holds them
         self._lock = threading.Lock()
         self._heartbeats: threading.Thread | None = None
@@ -238,7 +243,8 @@ class TroupeConnector(KVConnectorBase):
             return
         p = self._params(request)
         try:
-            target = (str(p["remote_host"]), int(p["remote_port"]), str(p.get("remote_request_id", "")))
+            target = (str(p["remote_host"]), int(p["remote_port"]), str(p.get("remote_request_id", "")),
+                      max(1, int(p.get("tp_size", 1))))
         except (KeyError, TypeError, ValueError):
             with self._lock:
                 self._gone.add(request.request_id)   # malformed: computed here
@@ -273,7 +279,7 @@ class TroupeConnector(KVConnectorBase):
         if not num_external_tokens:
             return
         p = self._params(request)
-        host, port, remote_id = self._remote[request.request_id]
+        host, port, remote_id, _ = self._remote[request.request_id]
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
         n = -(-request.num_prompt_tokens // self.block_size)
         self._pending_loads[request.request_id] = _Load(host, port, remote_id, list(p["remote_block_ids"][first:n]),
@@ -307,7 +313,7 @@ class TroupeConnector(KVConnectorBase):
         n = -(-request.num_prompt_tokens // self.block_size)
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_engine_id": self.engine_id, "remote_host": self.host,
-                      "remote_port": self.kv_config.kv_port, "remote_request_id": rid,
+                      "remote_port": self.port, "remote_request_id": rid,
                       "remote_block_ids": list(block_ids[0][:n]), "remote_num_tokens": request.num_prompt_tokens,
                       "remote_prompt_hash": prompt_hash(request),
                       "tp_size": self.config.parallel.tensor_parallel_size}
@@ -353,8 +359,9 @@ class TroupeConnector(KVConnectorBase):
             while not self._closed.wait(self.heartbeat_s):
                 with self._lock:
                     targets: dict[tuple[str, int], dict[str, str]] = {}
-                    for rid, (host, port, remote_id) in self._remote.items():
-                        targets.setdefault((host, port), {})[remote_id] = rid
+                    for rid, (host, port, remote_id, ranks) in self._remote.items():
+                        for rank in range(ranks):             # each producer rank holds its share
+                            targets.setdefault((host, port + rank), {})[remote_id] = rid
                 for addr, ids in targets.items():
                     sock = socks.get(addr)
                     if sock is None:
@@ -405,7 +412,7 @@ class TroupeConnector(KVConnectorBase):
         if self.kv_config.is_producer:
             sock = self.ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
-            addr = f"tcp://{self.kv_config.kv_ip}:{self.kv_config.kv_port}"
+            addr = f"tcp://{self.kv_config.kv_ip}:{self.port + self.tp_rank}"
             try:
                 sock.bind(addr)
             except zmq.ZMQError as exc:
@@ -598,10 +605,13 @@ class TroupeConnector(KVConnectorBase):
         return reply
 
     def _load(self, rid: str, load: _Load) -> None:
+        """Read this rank's share of the request's blocks from the producer's rank of the same
+        tensor-parallel rank (the handshake has both sides agree on the ranks and their heads)."""
         t0, t0_ns = time.perf_counter(), time.monotonic_ns()
-        sock = self._connect(load.host, load.port)
+        port = load.port + self.tp_rank
+        sock = self._connect(load.host, port)
         try:
-            peer = self.handshake(load.host, load.port, sock)
+            peer = self.handshake(load.host, port, sock)
             shm = bool(self.extra["shm"]) and peer.get("machine") == self.machine
             frames = self._ask(sock, {"op": "read", "req_id": load.remote_request_id,
                                       "block_ids": load.remote_block_ids, "shm": shm}, "read")
@@ -609,7 +619,7 @@ class TroupeConnector(KVConnectorBase):
             if not head.get("ok"):
                 raise RuntimeError(head.get("error", "read refused"))
             if head.get("compat_hash") != self.info["compat_hash"]:     # restarted with another config
-                self._handshaken.pop((load.host, load.port), None)
+                self._handshaken.pop((load.host, port), None)
                 raise HandshakeError(f"KV transfer refused: compat_hash {self.info['compat_hash']} (consumer) vs "
                                      f"{head.get('compat_hash')} (producer)")
             nbytes = self._write_blocks(head, frames[1:], load)
@@ -622,7 +632,7 @@ class TroupeConnector(KVConnectorBase):
                 self._finished_recving.append(rid)
                 self._transfers.append((rid, "KVLoad", t0_ns, time.monotonic_ns(), nbytes))
         except Exception as exc:   # whatever failed, the request is reported (and recomputed), never stuck
-            log.warning("KV load of request %s from %s:%d failed: %s", rid, load.host, load.port, exc)
+            log.warning("KV load of request %s from %s:%d failed: %s", rid, load.host, port, exc)
             self.stats.add(recv_failures=1)
             with self._lock:
                 self._failed_recving[rid] = f"{type(exc).__name__}: {exc}"

@@ -3,7 +3,9 @@
 Greedy answers through the proxy are the prefill server's own answers; the decode server loads
 every prompt token's KV but the last instead of computing it; a decode server killed while it
 reads leaves the producer's cache idle once its lease expires; with the prefill server killed, the decode server
-computes the prompt itself."""
+computes the prompt itself. With tensor and data parallelism (a producer of two engine cores of
+two ranks, a consumer of two ranks) each rank moves its own heads' share and the answers are the
+same."""
 from __future__ import annotations
 
 import json
@@ -77,7 +79,7 @@ def metric(server: Server, name: str) -> float:
 
 
 def completion(url: str, **extra) -> dict:
-    return post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, **extra})
+    return post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0} | extra)
 
 
 def hops(server: Server, response_id: str) -> set[str]:
@@ -169,3 +171,41 @@ def prefill_signal(pid: int) -> None:
     deadline = time.monotonic() + 10
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def test_with_tensor_and_data_parallel_instances_answers_through_the_proxy_are_the_producers():
+    common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8")
+    kv_port = free_port()
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(Server, *common, "-tp", "2", "-dp", "2",
+                               "--kv-transfer-config", kv_config("kv_producer", kv_port)),
+                   pool.submit(Server, *common, "-tp", "2", "--kv-transfer-config", kv_config("kv_consumer", free_port()))]
+        started = [f.result() for f in futures if f.exception() is None]
+    servers = list(started)
+    try:
+        assert len(started) == 2, [str(f.exception()) for f in futures]
+        prefill, decode = started
+        servers.append(Server(command=["tools.pd_proxy", "--prefill", prefill.url, "--decode", decode.url,
+                                       "--port", "0"], ready_timeout=60))
+        proxy = servers[-1]
+        hits0 = metric(decode, "vllm:external_prefix_cache_hits_total")
+        prompts = [PROMPT, "def fibonacci(n):", "Name three colours of the rainbow:"]
+        loaded = 0
+        for prompt in prompts:          # the producer's router spreads them over its two engine cores
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+            alone = post(prefill.url, "/v1/completions", body)["choices"][0]["text"]
+            via = post(proxy.url, "/v1/completions", body)
+            assert via["choices"][0]["text"] == alone
+            loaded += via["usage"]["prompt_tokens"] - 1
+        assert metric(decode, "vllm:external_prefix_cache_hits_total") - hits0 == loaded
+        assert metric(prefill, "troupe:kv_transfer_sent_requests_total") == len(prompts)
+        assert metric(decode, "troupe:kv_transfer_recv_requests_total") == len(prompts)
+        # two prompts at once go to the two engine cores, whose ranks listen from kv_port + dp_rank * tp
+        with ThreadPoolExecutor(2) as pool:
+            held = list(pool.map(lambda prompt: completion(prefill.url, prompt=prompt, max_tokens=1,
+                                                           kv_transfer_params={"do_remote_decode": True}),
+                                 ["The first prompt of two", "The second prompt of two"]))
+        assert sorted(h["kv_transfer_params"]["remote_port"] for h in held) == [kv_port, kv_port + 2]
+    finally:
+        for s in reversed(servers):
+            s.stop()

@@ -95,3 +95,24 @@ def test_a_dead_engine_fails_exactly_its_requests_and_gets_none_until_it_is_back
     asyncio.run(router.receive(EngineUp(1)))
     _add(router, "back", [10])
     assert _where(engines, "back") == 1
+
+
+def test_the_engines_stats_combine_with_every_counter_summed_and_the_cache_usage_averaged():
+    import msgspec
+    from actors.frontend.stats import combine_stats
+    engines = []
+    for e in (1, 2):
+        values = {}
+        for f in msgspec.structs.fields(SchedulerStats):
+            if f.type is int or f.type is float:
+                values[f.name] = e * 10
+        engines.append(SchedulerStats(**values, spec_num_accepted_tokens_per_pos=[e, e],
+                                      kv_transfer={"recv_bytes": 100.0 * e, "recv_requests": float(e)}))
+    combined = combine_stats(engines)
+    for f in msgspec.structs.fields(SchedulerStats):
+        if f.name == "kv_cache_usage":
+            assert combined.kv_cache_usage == 15
+        elif f.type is int or f.type is float:
+            assert getattr(combined, f.name) == 30, f.name
+    assert combined.spec_num_accepted_tokens_per_pos == [3, 3]
+    assert combined.kv_transfer == {"recv_bytes": 300.0, "recv_requests": 3.0}

@@ -14,9 +14,10 @@ import torch
 from actors.engine.messages import EngineCoreRequest, ModelRunnerOutput
 from actors.engine.sampling_params import SamplingParams
 from actors.kv_manager.manager import KVCacheManager
-from actors.kv_transfer.base import KVConnectorRole
+from actors.kv_transfer.base import KVConnectorOutput, KVConnectorRole, KVOutputAggregator
 from actors.kv_transfer.config import KVTransferConfig, kv_transfer_config
-from actors.kv_transfer.troupe_connector import HandshakeError, TroupeConnector
+from actors.kv_transfer.factory import KVConnectorFactory
+from actors.kv_transfer.troupe_connector import HandshakeError
 from actors.scheduler.request import RequestStatus
 from actors.scheduler.scheduler import Scheduler
 from tests.e2e.server import free_port
@@ -26,31 +27,41 @@ BS, NUM_BLOCKS, LAYERS, HEADS, HEAD = 4, 32, 2, 1, 8
 
 
 class Instance:
-    """A scheduler and its worker side: a KV cache of LAYERS tensors and the connector's worker part."""
+    """A scheduler and its worker side: a KV cache of LAYERS tensors and the connector's worker
+    part (with ``tp`` ranks, one of each per rank, their reports combined as the executor does)."""
 
-    def __init__(self, role: str, port: int, block_size: int = BS, **extra) -> None:
+    def __init__(self, role: str, port: int, block_size: int = BS, tp: int = 1, **extra) -> None:
         kv = KVTransferConfig(kv_connector="TroupeConnector", kv_role=role, kv_port=port,
                               kv_connector_extra_config={"transfer_timeout_s": 2.0, **extra})
         self.config = engine_config(NUM_BLOCKS).replace(kv_transfer=kv)
-        self.config = self.config.replace(cache=msgspec.structs.replace(self.config.cache, block_size=block_size))
+        self.config = self.config.replace(cache=msgspec.structs.replace(self.config.cache, block_size=block_size),
+                                          parallel=msgspec.structs.replace(self.config.parallel,
+                                                                           tensor_parallel_size=tp))
         self.kv = KVCacheManager(NUM_BLOCKS, block_size, True)
         self.sched = Scheduler(self.config, self.kv)
-        self.caches = [torch.zeros(2, NUM_BLOCKS, block_size, HEADS, HEAD) for _ in range(LAYERS)]
-        self.worker = TroupeConnector(self.config, KVConnectorRole.WORKER)
-        self.worker.register_kv_caches(self.caches)
+        self.rank_caches = [[torch.zeros(2, NUM_BLOCKS, block_size, HEADS, HEAD) for _ in range(LAYERS)]
+                            for _ in range(tp)]
+        self.workers = [KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, r) for r in range(tp)]
+        for worker, caches in zip(self.workers, self.rank_caches):
+            worker.register_kv_caches(caches)
+        self.worker, self.caches = self.workers[0], self.rank_caches[0]
+        self.reports = KVOutputAggregator(tp)
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         self.sched.connector.shutdown()
 
     def step(self, forward=None) -> list:
         """One engine step: the worker side takes the metadata, ``forward(so)`` writes the KV,
         the step samples token 7 for every request whose prompt is complete."""
         so = self.sched.schedule()
-        self.worker.start_load_kv(so.kv_connector_metadata or b"")
+        for worker in self.workers:
+            worker.start_load_kv(so.kv_connector_metadata or b"")
         if forward is not None:
             forward(so)
-        self.worker.wait_for_save()
+        for worker in self.workers:
+            worker.wait_for_save()
         starts = {r.req_id: r.num_computed_tokens for r in so.new_reqs}
         starts |= dict(zip(so.cached_reqs.req_ids, so.cached_reqs.num_computed_tokens))
         sampled = []
@@ -58,7 +69,7 @@ class Instance:
             req = self.sched.requests[rid]
             sampled.append([7] if starts[rid] + n >= req.num_tokens else [])
         out = ModelRunnerOutput(list(so.num_scheduled_tokens), sampled)
-        out.kv_connector_output = self.worker.get_finished()
+        out.kv_connector_output = self.reports.aggregate([w.get_finished() for w in self.workers])
         self.last = so
         return self.sched.update_from_output(so, out)
 
@@ -73,18 +84,20 @@ class Instance:
         return outs
 
 
-def pattern(layer: int, kv: int, pos: int) -> float:
-    return layer * 1000 + kv * 100 + pos + 0.5
+def pattern(layer: int, kv: int, pos: int, rank: int = 0) -> float:
+    return rank * 10000 + layer * 1000 + kv * 100 + pos + 0.5
 
 
 def write_prompt_kv(inst: Instance, rid: str, num_tokens: int):
-    """The producer's forward: position p of the request gets pattern(layer, kv, p) in every head."""
+    """The producer's forward: position p of the request gets pattern(layer, kv, p, rank) in every
+    head of each rank."""
     def forward(_so):
         (ids,) = inst.kv.get_block_ids(rid)
-        for p in range(num_tokens):
-            for layer, t in enumerate(inst.caches):
-                for kv in (0, 1):
-                    t[kv, ids[p // BS], p % BS] = pattern(layer, kv, p)
+        for rank, caches in enumerate(inst.rank_caches):
+            for p in range(num_tokens):
+                for layer, t in enumerate(caches):
+                    for kv in (0, 1):
+                        t[kv, ids[p // BS], p % BS] = pattern(layer, kv, p, rank)
     return forward
 
 
@@ -143,6 +156,47 @@ def test_the_consumer_loads_the_producers_blocks_and_computes_only_the_last_prom
     assert producer.kv.usage() == 0.0 and producer.sched.stats().kv_transfer["sent_blocks"] == 4
     outs = consumer.until(lambda: "d1" not in consumer.sched.requests)
     assert [o.finish_reason for o in outs if o.finish_reason] == ["length"]
+
+
+def test_with_two_tensor_parallel_ranks_each_rank_loads_its_share_from_the_same_rank():
+    """Each rank's side channel listens on kv_port + rank; consumer rank r reads producer rank r's
+    heads; a request is loaded, and the producer's blocks freed, once both ranks are done."""
+    producer = Instance("kv_producer", free_port(), tp=2, kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", free_port(), tp=2)
+    try:
+        params = prefill(producer)
+        assert params["tp_size"] == 2 and params["remote_port"] == producer.config.kv_transfer.kv_port
+        add(consumer, "d1", PROMPT, 2, params)
+        consumer.step()
+        req = consumer.sched.requests["d1"]
+        consumer.until(lambda: req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS)
+        consumer.step()
+        assert consumer.last.num_scheduled_tokens == {"d1": 1}
+        (ids,) = consumer.kv.get_block_ids("d1")
+        for rank, caches in enumerate(consumer.rank_caches):
+            for p in range(len(PROMPT) - 1):
+                for layer, t in enumerate(caches):
+                    for kv in (0, 1):
+                        assert t[kv, ids[p // BS], p % BS, 0, 0].item() == pattern(layer, kv, p, rank)
+        stats = consumer.sched.stats().kv_transfer
+        assert stats["recv_requests"] == 1 and stats["recv_blocks"] == 4      # counted once, not per rank
+        assert stats["recv_bytes"] == 2 * 4 * LAYERS * 2 * BS * HEADS * HEAD * 4     # both ranks' shares
+        producer.until(lambda: producer.kv.num_blocks_held("p1") == 0)
+        assert producer.sched.stats().kv_transfer["sent_requests"] == 1
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_the_ranks_reports_combine_into_one_once_every_rank_reported():
+    agg = KVOutputAggregator(2)
+    out = agg.aggregate([KVConnectorOutput(finished_recving=["a", "b"], finished_sending=["s"]),
+                         KVConnectorOutput(failed_recving={"b": "TimeoutError: no answer"})])
+    assert out.finished_recving == [] and out.failed_recving == {"b": "TimeoutError: no answer"}
+    assert out.finished_sending == []                      # rank 1 still sends its share of "s"
+    out = agg.aggregate([None, KVConnectorOutput(finished_recving=["a"], finished_sending=["s"])])
+    assert out.finished_recving == ["a"] and out.finished_sending == ["s"] and out.failed_recving == {}
+    assert agg.aggregate([None, None]) is None
 
 
 def test_a_lease_nobody_renews_expires_and_frees_the_producers_blocks():
