@@ -51,7 +51,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0
-    max_step_latency_ms: float = 0.0
+    max_step_latency_ms: float | str = 0.0
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     kv_cache_watermark: float = 0.01
@@ -370,11 +370,13 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
          dict(type=_positive(human_readable_int), default=d["max_num_batched_tokens"],
               help="tokens per engine step at most (prompts are chunked to fit)")),
         (("--max-step-latency-ms",), "max_step_latency_ms", dict(
-            type=float, default=d["max_step_latency_ms"], metavar="MS",
+            type=_step_latency, default=d["max_step_latency_ms"], metavar="MS|auto",
             help="stall-free batching: while requests are decoding, a step takes prompt chunks only as "
                  "large as keep its predicted time under MS (a cost model of tokens and attention fitted "
-                 "on the steps run); every prompt still progresses by at least a block per step. "
-                 "0 (the default): chunks as large as --max-num-batched-tokens")),
+                 "on the steps run); every prompt still progresses by at least a block per step. 'auto': "
+                 "the target follows the machine, a prompt chunk beside decodes costing at most "
+                 "10 times the fitted fixed cost of a step. 0 (the default): chunks as large as "
+                 "--max-num-batched-tokens")),
         (("--long-prefill-token-threshold",), "long_prefill_token_threshold", dict(
             type=int, default=d["long_prefill_token_threshold"], metavar="N",
             help="a prompt with more tokens than this left to compute gets at most this many per step "
@@ -539,6 +541,19 @@ def _fraction(text: str) -> float:
 
 
 _fraction.__name__ = "float"
+
+
+def _step_latency(text: str) -> float | str:
+    """--max-step-latency-ms: milliseconds (0: off), or 'auto'."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes milliseconds or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0 (0: off), got {text}")
+    return value
 
 
 def _positive(kind: type) -> Any:

@@ -13,6 +13,7 @@ leaves once the weights are loaded (``with_kv_cache_bytes``).
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import msgspec
 
@@ -95,8 +96,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_partial_prefills: int = 1      # prompts that may be part-way computed at once
     max_long_partial_prefills: int = 1     # of those, prompts longer than long_prefill_token_threshold
     # a step with decodes in it takes prompt chunks only as large as keep its predicted time under
-    # this (a cost model fitted on the steps run; stall-free batching); 0: off
-    max_step_latency_ms: float = 0.0
+    # this (a cost model fitted on the steps run; stall-free batching); 0: off; "auto": the prompt
+    # chunk beside decodes may cost AUTO_CHUNK_COST times the fitted fixed cost of a step
+    max_step_latency_ms: float | Literal["auto"] = 0.0
     policy: str = "fcfs"                   # "fcfs" | "priority"
     watermark: float = 0.01                # fraction of blocks kept free when admitting
     # None: on where the worker runs in a process of its own (the engine plans step N+1 while it
@@ -107,6 +109,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # every layer holds every block (one KV cache group), as without vLLM's hybrid KV cache
     # manager; else sliding-window layers hold a window's worth of blocks in groups of their own
     disable_hybrid_kv_cache_manager: bool = False
+
+    @property
+    def stall_free(self) -> bool:
+        """Whether prompt chunks beside decodes are sized by the step-cost model."""
+        return self.max_step_latency_ms == "auto" or self.max_step_latency_ms > 0
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -364,8 +371,10 @@ def check_config(cfg: EngineConfig) -> None:
     if cfg.scheduler.long_prefill_token_threshold < 0:
         raise ValueError(f"long_prefill_token_threshold must be at least 0 (0: off), got "
                          f"{cfg.scheduler.long_prefill_token_threshold}")
-    if cfg.scheduler.max_step_latency_ms < 0:
-        raise ValueError(f"max_step_latency_ms must be at least 0 (0: off), got {cfg.scheduler.max_step_latency_ms}")
+    latency = cfg.scheduler.max_step_latency_ms
+    if latency != "auto" and (not isinstance(latency, (int, float)) or latency < 0):
+        raise ValueError(f"max_step_latency_ms must be at least 0 (0: off) or 'auto', got "
+                         f"{cfg.scheduler.max_step_latency_ms}")
     if not 0.0 <= cfg.scheduler.watermark < 1.0:
         raise ValueError(f"watermark must be in [0, 1), got {cfg.scheduler.watermark}")
     spec = cfg.speculative

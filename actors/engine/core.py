@@ -85,7 +85,7 @@ class EngineCore:
         structured = StructuredOutputs(grammars, cfg.model.arch.vocab_size)
         scheduler = Scheduler(cfg, kv, structured)
         # the step-cost model fitted before the first request (pipeline stages: on the served steps)
-        if cfg.scheduler.max_step_latency_ms > 0 and cfg.parallel.pipeline_parallel_size == 1:
+        if cfg.scheduler.stall_free and cfg.parallel.pipeline_parallel_size == 1:
             t0 = time.monotonic()
             try:
                 costs = await asyncio.gather(*(w.ask(ProfileStepCosts(), timeout=INIT_KV_TIMEOUT_S)
@@ -95,8 +95,9 @@ class EngineCore:
                             INIT_KV_TIMEOUT_S)
             else:
                 scheduler.seed_step_costs(costs[0])
-                log.info("step-cost model fitted on %d profiled steps in %.1f s%s", len(costs[0]),
-                         time.monotonic() - t0, "" if scheduler.cost.ready else " (too few: fitted as requests come)")
+                log.info("step-cost model fitted on %d profiled steps in %.1f s: %s", len(costs[0]),
+                         time.monotonic() - t0, scheduler.cost.describe() if scheduler.cost.ready
+                         else "too few, fitted as requests come")
         output_rank = (cfg.parallel.pipeline_parallel_size - 1) * self.tp_size    # the last stage's first rank
         self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor(workers, output_rank))
         outputs = self.node.ref(topology.DETOKENIZER, topology.FRONTEND_NODE, EngineCoreOutputs)

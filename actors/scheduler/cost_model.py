@@ -17,6 +17,12 @@ from __future__ import annotations
 import numpy as np
 
 MIN_OBSERVATIONS = 8
+# --max-step-latency-ms auto: a prompt chunk beside decodes may cost this many times the step's
+# fitted fixed cost c0 (the weights read once per step, the step's overheads): steps stay short
+# wherever the machine is, and the fixed cost paid per chunk stays at most an eleventh of its
+# time (6, 10 and 16 compared under load: 6 cut the tail most but queued prompts at 4 req/s,
+# 16 let the tail back; README, "Stall-free batching")
+AUTO_CHUNK_COST = 10.0
 FORGET = 0.98              # each step weighs this much less than the next
 RIDGE = 1e-9               # keeps the normal equations solvable while the steps look alike
 
@@ -55,6 +61,10 @@ class StepCostModel:
         if self.observations >= MIN_OBSERVATIONS:
             coef = np.linalg.solve(self._xtx + RIDGE * np.eye(3), self._xty)
             self.coef = np.maximum(coef, 0.0)          # no term makes a step faster
+
+    def describe(self) -> str:
+        c0, c1, c2 = self.coef
+        return f"{c0 * 1e3:.2f} ms + {c1 * 1e3:.3f} ms a token + {c2 * 1e3:.4f} ms per 1000 attention pairs"
 
     def max_chunk(self, computed: int, seconds: float) -> int:
         """The most tokens a prompt chunk after ``computed`` tokens may take within ``seconds``

@@ -59,7 +59,7 @@ from actors.engine.messages import (CachedRequestData, EngineCoreOutput, EngineC
                                     ModelRunnerOutput, NewRequestData, SchedulerOutput,
                                     SchedulerStats)
 from actors.grammar.compiler import GrammarError
-from actors.scheduler.cost_model import StepCostModel, attention_pairs
+from actors.scheduler.cost_model import AUTO_CHUNK_COST, StepCostModel, attention_pairs
 from actors.grammar.matchers import StructuredOutputs
 from actors.kv_manager.manager import KVCacheManager
 from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
@@ -134,8 +134,10 @@ class Scheduler:
             if self.async_scheduling:
                 raise ValueError("speculative decoding needs async scheduling off")
             self.counters.spec_num_accepted_tokens_per_pos = [0] * self.speculative.num_speculative_tokens
-        # --max-step-latency-ms: prompt chunks sized so that steps with decodes stay under it
-        self.latency_target = self.config.max_step_latency_ms / 1000.0
+        # --max-step-latency-ms: prompt chunks sized so that steps with decodes stay under it, or
+        # ("auto") so that a chunk beside decodes costs at most AUTO_CHUNK_COST fixed step costs
+        self.latency_auto = self.config.max_step_latency_ms == "auto"
+        self.latency_target = 0.0 if self.latency_auto else self.config.max_step_latency_ms / 1000.0
         self.cost = StepCostModel()
         self._step_sizes: dict[int, tuple[int, int]] = {}     # step -> (tokens, attention pairs)
         drafts_with_model = self.speculative is not None and self.speculative.method != "ngram"
@@ -396,9 +398,10 @@ class Scheduler:
 
     def _latency_budget(self) -> tuple[float | None, frozenset]:
         """With a latency target, once the cost model is fitted and requests are decoding: the
-        seconds left for the step's other tokens after the decodes' share, and those decoding
-        requests. None otherwise (no decodes to stall: chunks as large as the token budget allows)."""
-        if self.latency_target <= 0 or not self.cost.ready:
+        seconds left for the step's other tokens after the decodes' share ("auto": AUTO_CHUNK_COST
+        fixed step costs), and those decoding requests. None otherwise (no decodes to stall:
+        chunks as large as the token budget allows)."""
+        if not (self.latency_auto or self.latency_target > 0) or not self.cost.ready:
             return None, frozenset()
         tokens = pairs = 0
         decoding = []
@@ -411,6 +414,8 @@ class Scheduler:
                 decoding.append(req)
         if not tokens:
             return None, frozenset()
+        if self.latency_auto:
+            return AUTO_CHUNK_COST * self.cost.coef[0], frozenset(decoding)
         return self.latency_target - self.cost.predict(tokens, pairs), frozenset(decoding)
 
     def seed_step_costs(self, costs: list[tuple[int, int, float]]) -> None:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.engine.args import EngineArgs
-from actors.scheduler.cost_model import MIN_OBSERVATIONS, StepCostModel, attention_pairs
+from actors.scheduler.cost_model import AUTO_CHUNK_COST, MIN_OBSERVATIONS, StepCostModel, attention_pairs
 from actors.worker.worker import Worker
 from sched_utils import Harness
 
@@ -88,8 +88,47 @@ def test_steps_with_decodes_stay_under_the_target_and_every_request_finishes(req
     assert finished == {f"r{i}" for i in range(len(requests))}
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 30)), min_size=2, max_size=8))
+def test_with_an_auto_target_prompt_chunks_beside_decodes_cost_at_most_ten_fixed_step_costs(requests):
+    """--max-step-latency-ms auto: the target follows the machine's fitted fixed cost per step;
+    every request still finishes within the bound of steps."""
+    h = Harness(num_blocks=512, max_step_latency_ms="auto", max_num_batched_tokens=512)
+    h.s.cost = StepCostModel(COEF)
+    for i, (prompt, max_tokens) in enumerate(requests):
+        h.add(f"r{i}", prompt, max_tokens=max_tokens, ignore_eos=True)
+    _, c1, c2 = COEF
+    steps, bound = 0, sum(-(-p // BS) + m for p, m in requests) + 10
+    while h.s.has_work():
+        # what the scheduler counts as decoding: running with one token to go (its cost is the
+        # decodes' share, not the chunks')
+        decoding = {r.request_id for r in h.s.running if 0 < r.num_tokens - r.num_computed_tokens <= 1}
+        so = h.schedule()
+        h.s.update_from_output(so, h.worker.run(so, 7))
+        steps += 1
+        assert steps <= bound, "a request starved"
+        starts = dict(zip(so.cached_reqs.req_ids, so.cached_reqs.num_computed_tokens))
+        starts |= {r.req_id: r.num_computed_tokens for r in so.new_reqs}
+        chunks = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid not in decoding}
+        cost = sum(c1 * n + c2 * attention_pairs(starts[rid], n) / 1000 for rid, n in chunks.items())
+        if decoding and chunks:
+            assert cost <= AUTO_CHUNK_COST * COEF[0] + 1e-9 or (len(chunks) == 1 and max(chunks.values()) <= BS)
+    assert not h.s.requests
+
+
+def test_an_auto_target_cuts_a_long_prompt_beside_a_decode_to_ten_fixed_step_costs():
+    h = Harness(num_blocks=512, max_step_latency_ms="auto", max_num_batched_tokens=512)
+    h.s.cost = StepCostModel(COEF)
+    h.add("d", 8, max_tokens=50)
+    h.step()
+    h.add("p", 1000, max_tokens=2)
+    so, _ = h.step()
+    most = AUTO_CHUNK_COST * COEF[0] / COEF[1]               # 50 tokens, less their attention
+    assert so.num_scheduled_tokens["d"] == 1 and 0.8 * most <= so.num_scheduled_tokens["p"] <= most
+
+
 def test_without_decodes_or_a_target_prompts_take_the_whole_token_budget():
-    for options in ({"max_step_latency_ms": TARGET_MS}, {}):
+    for options in ({"max_step_latency_ms": TARGET_MS}, {"max_step_latency_ms": "auto"}, {}):
         h = Harness(num_blocks=512, max_num_batched_tokens=512, **options)
         h.s.cost = StepCostModel(COEF)
         h.add("a", 1000, max_tokens=2)
