@@ -4,9 +4,10 @@ a shared-memory path between processes of one machine.
 A producer's worker listens on ``kv_ip:kv_port`` (a ROUTER socket served by a thread beside the
 KV cache; with tensor parallelism rank r on ``kv_port + r``, and with data parallelism engine d's
 ranks from ``kv_port + d * tp``, as vLLM's side channels; each rank moves its own heads' share and
-reads from the producer's rank of the same number, so both sides run the same ``-tp``). Its requests marked ``{"do_remote_decode": true}`` keep their blocks when they finish;
-the response's ``kv_transfer_params`` name the engine, the host and port, the request and its
-block ids. A consumer's request carrying those params (``do_remote_prefill``) gets local blocks
+reads from the producer's rank of the same number, so both sides run the same ``-tp``). Its
+requests marked ``{"do_remote_decode": true}`` keep their blocks when they finish; the
+response's ``kv_transfer_params`` name the engine, the host and port, the request and its block
+ids. A consumer's request carrying those params (``do_remote_prefill``) gets local blocks
 for the prompt, waits in WAITING_FOR_REMOTE_KVS while its worker reads the producer's blocks,
 then computes only its last prompt token and decodes.
 
@@ -316,7 +317,7 @@ class TroupeConnector(KVConnectorBase):
                       "remote_port": self.port, "remote_request_id": rid,
                       "remote_block_ids": list(block_ids[0][:n]), "remote_num_tokens": request.num_prompt_tokens,
                       "remote_prompt_hash": prompt_hash(request),
-                      "tp_size": self.config.parallel.tensor_parallel_size}
+                      "tp_size": self.tp_size}
 
     def request_dropped(self, request_id: str) -> None:
         self._forget_remote(request_id)
