@@ -330,10 +330,6 @@ def _resolve_device(name: str, cuda_available: bool) -> str:
 def check_config(cfg: EngineConfig) -> None:
     """Refuse values no component could serve, naming the field and what is accepted."""
     _one_of("device", cfg.device.device, DEVICES)
-    kv = cfg.kv_transfer
-    if kv is not None and cfg.parallel.pipeline_parallel_size > 1:
-        raise ValueError("--kv-transfer-config does not run with --pipeline-parallel-size above 1 yet "
-                         "(tensor and data parallelism it does)")
     _one_of("dtype", cfg.model.dtype, DTYPES)
     _one_of("kv_cache_dtype", cfg.cache.cache_dtype, KV_CACHE_DTYPES)
     _one_of("scheduling_policy", cfg.scheduler.policy, SCHEDULING_POLICIES)

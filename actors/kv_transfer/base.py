@@ -112,9 +112,10 @@ class KVOutputAggregator:
 
 class KVConnectorBase(ABC):
     """Subclasses implement both sides; ``role`` says which one this instance is. A worker side
-    serves one tensor-parallel rank, ``tp_rank`` (set by KVConnectorFactory.create_connector
-    before ``register_kv_caches``): it moves that rank's share of the KV heads."""
-    tp_rank: int = 0
+    serves one rank of its engine core, ``rank`` = pipeline stage x tensor-parallel size +
+    tensor-parallel rank (vLLM's order; set by KVConnectorFactory.create_connector before
+    ``register_kv_caches``): it moves that rank's share of the KV heads of its stage's layers."""
+    rank: int = 0
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
         self.config = config

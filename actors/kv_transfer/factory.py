@@ -39,14 +39,15 @@ class KVConnectorFactory:
         cls._registry[config.kv_connector]().check_config(config)
 
     @classmethod
-    def create_connector(cls, config: EngineConfig, role: KVConnectorRole, tp_rank: int = 0) -> KVConnectorBase:
-        """The connector's ``role`` side; a worker side serves tensor-parallel rank ``tp_rank``."""
+    def create_connector(cls, config: EngineConfig, role: KVConnectorRole, rank: int = 0) -> KVConnectorBase:
+        """The connector's ``role`` side; a worker side serves its engine core's rank ``rank``
+        (pipeline stage x tensor-parallel size + tensor-parallel rank)."""
         kv = config.kv_transfer
         if kv is None:
             raise ValueError("no kv_transfer_config: no KV connector to create")
         cls.check(kv)
         connector = cls._registry[kv.kv_connector]()(config, role)
-        connector.tp_rank = tp_rank
+        connector.rank = rank
         return connector
 
 

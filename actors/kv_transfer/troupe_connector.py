@@ -2,9 +2,10 @@
 a shared-memory path between processes of one machine.
 
 A producer's worker listens on ``kv_ip:kv_port`` (a ROUTER socket served by a thread beside the
-KV cache; with tensor parallelism rank r on ``kv_port + r``, and with data parallelism engine d's
-ranks from ``kv_port + d * tp``, as vLLM's side channels; each rank moves its own heads' share and
-reads from the producer's rank of the same number, so both sides run the same ``-tp``). Its
+KV cache; with tensor and pipeline parallelism rank r = stage x tp + tensor-parallel rank on
+``kv_port + r``, and with data parallelism engine d's ranks from ``kv_port + d * tp * pp``, as
+vLLM's side channels; each rank moves its own heads' share of its stage's layers and reads from
+the producer's rank of the same number, so both sides run the same ``-tp`` and ``-pp``). Its
 requests marked ``{"do_remote_decode": true}`` keep their blocks when they finish; the
 response's ``kv_transfer_params`` name the engine, the host and port, the request and its block
 ids. A consumer's request carrying those params (``do_remote_prefill``) gets local blocks
@@ -110,8 +111,9 @@ def machine_id() -> str:
     return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
 
 
-def layout_info(config: EngineConfig, kv_caches: list[Any]) -> dict[str, Any]:
-    """What both sides of a transfer must agree on, with a hash of it."""
+def layout_info(config: EngineConfig, kv_caches: list[Any], first_layer: int = 0) -> dict[str, Any]:
+    """What both sides of a transfer must agree on, with a hash of it: ``kv_caches`` are the
+    layers from ``first_layer`` on (a pipeline stage's)."""
     t = kv_caches[0]
     info = {
         "model": config.model.source.served_name,
@@ -122,6 +124,8 @@ def layout_info(config: EngineConfig, kv_caches: list[Any]) -> dict[str, Any]:
         "kv_cache_dtype": config.cache.cache_dtype,
         "layout": "per layer (2, num_blocks, block_size, num_kv_heads, head_size)",
         "tensor_parallel_size": config.parallel.tensor_parallel_size,
+        "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
+        "first_layer": first_layer,
     }
     info["compat_hash"] = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
     return info
@@ -130,8 +134,8 @@ def layout_info(config: EngineConfig, kv_caches: list[Any]) -> dict[str, Any]:
 def check_compatible(mine: dict[str, Any], theirs: dict[str, Any], me: str = "consumer",
                      them: str = "producer") -> None:
     """HandshakeError naming the first field the two sides disagree on, each side's value."""
-    for key in ("model", "block_size", "kv_cache_dtype", "num_layers", "num_kv_heads", "head_size",
-                "layout", "tensor_parallel_size", "compat_hash"):
+    for key in ("model", "block_size", "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size",
+                "first_layer", "num_layers", "num_kv_heads", "head_size", "layout", "compat_hash"):
         if mine.get(key) != theirs.get(key):
             raise HandshakeError(f"KV transfer refused: {key} {mine.get(key)} ({me}) vs {theirs.get(key)} ({them})")
 
@@ -194,9 +198,10 @@ class TroupeConnector(KVConnectorBase):
         self.heartbeat_s = float(self.extra["heartbeat_s"]) or self.lease_s / 4
         self.timeout_s = float(self.extra["transfer_timeout_s"])
         self.host = kv.kv_ip if kv.kv_ip not in ("0.0.0.0", "::", "*") else socket.gethostname()
-        # vLLM's side-channel ports: an engine's ranks listen on kv_port + dp_rank * tp + tp_rank
+        # vLLM's side-channel ports: an engine's ranks listen on kv_port + dp_rank * tp * pp + rank
         self.tp_size = config.parallel.tensor_parallel_size
-        self.port = kv.kv_port + config.parallel.data_parallel_rank * self.tp_size
+        self.pp_size = config.parallel.pipeline_parallel_size
+        self.port = kv.kv_port + config.parallel.data_parallel_rank * self.tp_size * self.pp_size
         self.engine_id = kv.engine_id or f"{self.host}:{self.port}"
         self.block_size = config.cache.block_size
         self.ctx = zmq.Context.instance()
@@ -245,7 +250,7 @@ class TroupeConnector(KVConnectorBase):
         p = self._params(request)
         try:
             target = (str(p["remote_host"]), int(p["remote_port"]), str(p.get("remote_request_id", "")),
-                      max(1, int(p.get("tp_size", 1))))
+                      max(1, int(p.get("tp_size", 1))) * max(1, int(p.get("pp_size", 1))))
         except (KeyError, TypeError, ValueError):
             with self._lock:
                 self._gone.add(request.request_id)   # malformed: computed here
@@ -317,7 +322,7 @@ class TroupeConnector(KVConnectorBase):
                       "remote_port": self.port, "remote_request_id": rid,
                       "remote_block_ids": list(block_ids[0][:n]), "remote_num_tokens": request.num_prompt_tokens,
                       "remote_prompt_hash": prompt_hash(request),
-                      "tp_size": self.tp_size}
+                      "tp_size": self.tp_size, "pp_size": self.pp_size}
 
     def request_dropped(self, request_id: str) -> None:
         self._forget_remote(request_id)
@@ -409,11 +414,15 @@ class TroupeConnector(KVConnectorBase):
 
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
         self.kv_caches = list(kv_caches)
-        self.info = layout_info(self.config, self.kv_caches)
+        first_layer = 0
+        if self.pp_size > 1:             # this rank's stage runs (and caches) a run of the layers
+            from models.pp_layout import pp_layers
+            first_layer = pp_layers(self.config.model.arch.num_layers, self.pp_size, self.rank // self.tp_size)[0]
+        self.info = layout_info(self.config, self.kv_caches, first_layer)
         if self.kv_config.is_producer:
             sock = self.ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
-            addr = f"tcp://{self.kv_config.kv_ip}:{self.port + self.tp_rank}"
+            addr = f"tcp://{self.kv_config.kv_ip}:{self.port + self.rank}"
             try:
                 sock.bind(addr)
             except zmq.ZMQError as exc:
@@ -607,9 +616,9 @@ class TroupeConnector(KVConnectorBase):
 
     def _load(self, rid: str, load: _Load) -> None:
         """Read this rank's share of the request's blocks from the producer's rank of the same
-        tensor-parallel rank (the handshake has both sides agree on the ranks and their heads)."""
+        number (the handshake has both sides agree on the ranks, their heads and their layers)."""
         t0, t0_ns = time.perf_counter(), time.monotonic_ns()
-        port = load.port + self.tp_rank
+        port = load.port + self.rank
         sock = self._connect(load.host, port)
         try:
             peer = self.handshake(load.host, port, sock)

@@ -167,7 +167,8 @@ class Worker:
         if cfg.kv_transfer is not None:
             from actors.kv_transfer.base import KVConnectorRole
             from actors.kv_transfer.factory import KVConnectorFactory
-            self.kv_connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.tp_rank)
+            self.kv_connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER,
+                                                                   self.pp_rank * self.tp_size + self.tp_rank)
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
         # layers of different groups share one tensor
         tensors = {t.data_ptr(): t for t in self.runner.kv_caches + self.runner.draft_kv_caches}

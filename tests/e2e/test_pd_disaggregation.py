@@ -4,8 +4,8 @@ Greedy answers through the proxy are the prefill server's own answers; the decod
 every prompt token's KV but the last instead of computing it; a decode server killed while it
 reads leaves the producer's cache idle once its lease expires; with the prefill server killed, the decode server
 computes the prompt itself. With tensor and data parallelism (a producer of two engine cores of
-two ranks, a consumer of two ranks) each rank moves its own heads' share and the answers are the
-same."""
+two ranks, a consumer of two ranks) each rank moves its own heads' share, and with two pipeline
+stages on each side each stage its own layers, and the answers are the same."""
 from __future__ import annotations
 
 import json
@@ -206,6 +206,33 @@ def test_with_tensor_and_data_parallel_instances_answers_through_the_proxy_are_t
                                                            kv_transfer_params={"do_remote_decode": True}),
                                  ["The first prompt of two", "The second prompt of two"]))
         assert sorted(h["kv_transfer_params"]["remote_port"] for h in held) == [kv_port, kv_port + 2]
+    finally:
+        for s in reversed(servers):
+            s.stop()
+
+
+def test_with_pipeline_parallel_instances_each_stage_moves_its_own_layers():
+    common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8", "-pp", "2")
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(Server, *common, "--kv-transfer-config", kv_config(role, free_port()))
+                   for role in ("kv_producer", "kv_consumer")]
+        started = [f.result() for f in futures if f.exception() is None]
+    servers = list(started)
+    try:
+        assert len(started) == 2, [str(f.exception()) for f in futures]
+        prefill, decode = started
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        alone = post(prefill.url, "/v1/completions", body)["choices"][0]["text"]
+        held = post(prefill.url, "/v1/completions", body | {"max_tokens": 1,
+                                                             "kv_transfer_params": {"do_remote_decode": True}})
+        params = held["kv_transfer_params"]
+        assert params["pp_size"] == 2
+        via = post(decode.url, "/v1/completions", body | {"kv_transfer_params": params})
+        assert via["choices"][0]["text"] == alone
+        # both stages' layers came from the producer: every prompt token but the last was loaded
+        assert metric(decode, "vllm:external_prefix_cache_hits_total") == via["usage"]["prompt_tokens"] - 1
+        assert metric(decode, "troupe:kv_transfer_recv_requests_total") == 1
+        assert metric(decode, "troupe:kv_transfer_recv_failures_total") == 0
     finally:
         for s in reversed(servers):
             s.stop()

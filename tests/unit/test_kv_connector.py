@@ -20,6 +20,7 @@ from actors.kv_transfer.factory import KVConnectorFactory
 from actors.kv_transfer.troupe_connector import HandshakeError
 from actors.scheduler.request import RequestStatus
 from actors.scheduler.scheduler import Scheduler
+from models.config import ArchConfig
 from tests.e2e.server import free_port
 from tests.unit.sched_utils import engine_config
 
@@ -28,24 +29,29 @@ BS, NUM_BLOCKS, LAYERS, HEADS, HEAD = 4, 32, 2, 1, 8
 
 class Instance:
     """A scheduler and its worker side: a KV cache of LAYERS tensors and the connector's worker
-    part (with ``tp`` ranks, one of each per rank, their reports combined as the executor does)."""
+    part (with ``tp`` x ``pp`` ranks, one of each per rank, a stage's ranks holding its LAYERS // pp
+    layers, their reports combined as the executor does)."""
 
-    def __init__(self, role: str, port: int, block_size: int = BS, tp: int = 1, **extra) -> None:
+    def __init__(self, role: str, port: int, block_size: int = BS, tp: int = 1, pp: int = 1, **extra) -> None:
         kv = KVTransferConfig(kv_connector="TroupeConnector", kv_role=role, kv_port=port,
                               kv_connector_extra_config={"transfer_timeout_s": 2.0, **extra})
         self.config = engine_config(NUM_BLOCKS).replace(kv_transfer=kv)
         self.config = self.config.replace(cache=msgspec.structs.replace(self.config.cache, block_size=block_size),
-                                          parallel=msgspec.structs.replace(self.config.parallel,
-                                                                           tensor_parallel_size=tp))
+                                          parallel=msgspec.structs.replace(self.config.parallel, tensor_parallel_size=tp,
+                                                                           pipeline_parallel_size=pp))
+        if pp > 1:                      # the stages' layers come from the model's layer count
+            self.config = self.config.replace(model=msgspec.structs.replace(self.config.model, arch=ArchConfig(
+                "LlamaForCausalLM", 100, 16, 32, LAYERS, HEADS, HEADS, HEAD, 4096, 1e4, 1e-6, True, None, (2,))))
         self.kv = KVCacheManager(NUM_BLOCKS, block_size, True)
         self.sched = Scheduler(self.config, self.kv)
-        self.rank_caches = [[torch.zeros(2, NUM_BLOCKS, block_size, HEADS, HEAD) for _ in range(LAYERS)]
-                            for _ in range(tp)]
-        self.workers = [KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, r) for r in range(tp)]
+        self.rank_caches = [[torch.zeros(2, NUM_BLOCKS, block_size, HEADS, HEAD) for _ in range(LAYERS // pp)]
+                            for _ in range(tp * pp)]
+        self.workers = [KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, r)
+                        for r in range(tp * pp)]
         for worker, caches in zip(self.workers, self.rank_caches):
             worker.register_kv_caches(caches)
         self.worker, self.caches = self.workers[0], self.rank_caches[0]
-        self.reports = KVOutputAggregator(tp)
+        self.reports = KVOutputAggregator(tp * pp)
 
     def close(self) -> None:
         for worker in self.workers:
@@ -158,14 +164,17 @@ def test_the_consumer_loads_the_producers_blocks_and_computes_only_the_last_prom
     assert [o.finish_reason for o in outs if o.finish_reason] == ["length"]
 
 
-def test_with_two_tensor_parallel_ranks_each_rank_loads_its_share_from_the_same_rank():
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["two tensor-parallel ranks", "two pipeline stages"])
+def test_with_two_ranks_each_rank_loads_its_share_from_the_rank_of_the_same_number(tp, pp):
     """Each rank's side channel listens on kv_port + rank; consumer rank r reads producer rank r's
-    heads; a request is loaded, and the producer's blocks freed, once both ranks are done."""
-    producer = Instance("kv_producer", free_port(), tp=2, kv_lease_duration=30.0)
-    consumer = Instance("kv_consumer", free_port(), tp=2)
+    heads (tensor parallelism) or layers (pipeline parallelism); a request is loaded, and the
+    producer's blocks freed, once both ranks are done."""
+    producer = Instance("kv_producer", free_port(), tp=tp, pp=pp, kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", free_port(), tp=tp, pp=pp)
     try:
         params = prefill(producer)
-        assert params["tp_size"] == 2 and params["remote_port"] == producer.config.kv_transfer.kv_port
+        assert (params["tp_size"], params["pp_size"]) == (tp, pp)
+        assert params["remote_port"] == producer.config.kv_transfer.kv_port
         add(consumer, "d1", PROMPT, 2, params)
         consumer.step()
         req = consumer.sched.requests["d1"]
@@ -180,9 +189,20 @@ def test_with_two_tensor_parallel_ranks_each_rank_loads_its_share_from_the_same_
                         assert t[kv, ids[p // BS], p % BS, 0, 0].item() == pattern(layer, kv, p, rank)
         stats = consumer.sched.stats().kv_transfer
         assert stats["recv_requests"] == 1 and stats["recv_blocks"] == 4      # counted once, not per rank
-        assert stats["recv_bytes"] == 2 * 4 * LAYERS * 2 * BS * HEADS * HEAD * 4     # both ranks' shares
+        assert stats["recv_bytes"] == 2 * 4 * LAYERS * tp * BS * HEADS * HEAD * 4     # every rank's share
         producer.until(lambda: producer.kv.num_blocks_held("p1") == 0)
         assert producer.sched.stats().kv_transfer["sent_requests"] == 1
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_handshake_between_different_pipeline_splits_is_refused_naming_the_field():
+    producer = Instance("kv_producer", free_port(), pp=2)
+    consumer = Instance("kv_consumer", free_port())
+    try:
+        with pytest.raises(HandshakeError, match=r"pipeline_parallel_size 2 \(producer\) vs 1 \(consumer\)"):
+            consumer.worker.handshake("127.0.0.1", producer.config.kv_transfer.kv_port)
     finally:
         producer.close()
         consumer.close()
