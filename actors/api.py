@@ -197,6 +197,9 @@ async def _collect(stream: AsyncIterator[RequestOutput], prompt: Any) -> Generat
                             last.num_prompt_tokens, last.error, prompt, kv_transfer_params=last.kv_transfer_params)
 
 
+CLOSED = "this LLM is closed: create another to generate"
+
+
 class LLM:
     """Synchronous front of AsyncLLM: its event loop runs in a background thread."""
 
@@ -207,19 +210,22 @@ class LLM:
         self._thread = threading.Thread(target=self._loop.run_forever, name="troupe-llm", daemon=True)
         self._thread.start()
         try:
-            self._llm: AsyncLLM = self._run(AsyncLLM.create(model, multiprocess=multiprocess,
+            self._llm: AsyncLLM | None = self._run(AsyncLLM.create(model, multiprocess=multiprocess,
                                                             **engine_options))
         except BaseException:
             self._stop_loop()
             raise
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError(CLOSED)
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     @property
     def client(self) -> Any:
         """The engine client: its ``stats`` are the engine's statistics as /metrics shows them."""
-        return self._llm.client
+        return self._engine().client
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -236,7 +242,7 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
-        return self._batch([(p, lambda p=p, sp=sp, lr=lr: self._llm.generate(p, sp, lora_request=lr))
+        return self._batch([(p, lambda p=p, sp=sp, lr=lr: self._engine().generate(p, sp, lora_request=lr))
                             for p, sp, lr in zip(prompts, per_prompt, loras)], use_tqdm)
 
     def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
@@ -245,7 +251,7 @@ class LLM:
         """Reply to one conversation (a list of messages) or to each of several."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        return self._batch([(c, lambda c=c: self._llm.chat(c, params, **template))
+        return self._batch([(c, lambda c=c: self._engine().chat(c, params, **template))
                             for c in conversations], use_tqdm)
 
     def generate_many(self, prompts: Iterable[Prompt],
@@ -254,8 +260,8 @@ class LLM:
                       **template: Any) -> Iterator[GenerationResult]:
         """``AsyncLLM.generate_many`` for a synchronous caller: results as they finish, in
         bounded memory."""
-        results = self._llm.generate_many(prompts, params, max_pending=max_pending, use_tqdm=use_tqdm,
-                                          **template)
+        results = self._engine().generate_many(prompts, params, max_pending=max_pending, use_tqdm=use_tqdm,
+                                               **template)
         try:
             while True:
                 try:
@@ -285,10 +291,24 @@ class LLM:
                     bar.close()
         return self._run(run_all())
 
+    def _engine(self) -> AsyncLLM:
+        if self._llm is None:
+            raise RuntimeError(CLOSED)
+        return self._llm
+
     def close(self) -> None:
-        if self._loop.is_running():
-            self._run(self._llm.shutdown(), timeout=60)
+        """Stop the engine and let go of it: its weights and KV cache are freed even while this
+        object is still referred to."""
+        if self._llm is None:
+            return
+        try:
+            if self._loop.is_running():
+                self._run(self._llm.shutdown(), timeout=60)
+        finally:
+            self._llm = None
             self._stop_loop()
+            if not self._loop.is_running():
+                self._loop.close()
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

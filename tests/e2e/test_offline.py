@@ -86,3 +86,24 @@ def test_chat_repl_streams_a_reply_from_piped_input():
                           text=True, timeout=180, cwd=ROOT, env={**os.environ})
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
+    """Runs last with the module's LLM: ``close()`` (a ``with`` block ending) lets go of the
+    weights and KV cache even though the name still refers to it; using it then says it is closed."""
+    import ctypes
+    import gc
+
+    def rss_mib() -> float:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    before = rss_mib()
+    llm.close()
+    freed = before - rss_mib()
+    assert freed > 500, f"closing freed only {freed:.0f} MiB"     # the weights alone are 540 MB
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.generate("The capital of France is")
+    llm.close()                        # a second close does nothing
