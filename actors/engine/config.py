@@ -432,8 +432,6 @@ def _check_executor_backend(cfg: EngineConfig) -> None:
         if not p.multiprocess:
             raise ValueError(f"{name} 'ray' places {what} on a Ray cluster: it needs the multiprocess layout "
                              "(a server, or LLM(multiprocess=True))")
-        if cfg.kv_transfer is not None:
-            raise ValueError(f"--kv-transfer-config with {name} 'ray' is not supported yet: use the 'mp' backend")
         from actors.runtime.ray_nodes import ray_installed
         if not ray_installed():
             raise ValueError(f"{name} 'ray' needs Ray, which is not installed here: "

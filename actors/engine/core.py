@@ -61,6 +61,8 @@ class EngineCore:
         self.generation = 0
         self.workers: list[ChildProcess | RayChild] = []          # one process per rank
         self.ray: RayPlacement | None = None            # --distributed-executor-backend ray
+        self.rank_hosts: list[str] = []                 # and where its ranks are (their machines' IPs)
+        self._scheduler_core: Scheduler | None = None
         self.engine_address = ""                        # where Ray-placed ranks reach this node
         self._restarting = False
         self._restarts = RestartBudget(config.parallel.max_restarts, config.parallel.restart_window_s)
@@ -83,7 +85,9 @@ class EngineCore:
         # the scheduler calls the KV manager's core and reads compiled grammars directly
         kv, grammars = self.kv_manager.colocated(), self.grammar.colocated()
         structured = StructuredOutputs(grammars, cfg.model.arch.vocab_size)
-        scheduler = Scheduler(cfg, kv, structured)
+        self._scheduler_core = scheduler = Scheduler(cfg, kv, structured)
+        if scheduler.connector is not None and self.rank_hosts:
+            scheduler.connector.set_rank_hosts(self.rank_hosts)
         # the step-cost model fitted before the first request (pipeline stages: on the served steps)
         if cfg.scheduler.stall_free and cfg.parallel.pipeline_parallel_size == 1:
             t0 = time.monotonic()
@@ -135,6 +139,7 @@ class EngineCore:
             await self.ray.start()
             self.engine_address = self.ray.engine_address(self.node)
         self.ray.new_hosts(self.worker_nodes, self.generation)
+        self.rank_hosts = await self.ray.host_ips()        # where each rank's KV side channel is
         return await self.ray.meeting_point() if self.world_size > 1 else ""
 
     async def _start_rank(self, rank: int, init_method: str):
@@ -176,6 +181,8 @@ class EngineCore:
             return
         finally:
             self._restarting = False
+        if self._scheduler_core is not None and self._scheduler_core.connector is not None and self.rank_hosts:
+            self._scheduler_core.connector.set_rank_hosts(self.rank_hosts)    # the ranks may be elsewhere now
         log.info("worker%s restarted (generation %d)", "s" if self.world_size > 1 else "", self.generation)
         self.executor.tell(WorkersUp(self.generation, self.worker_nodes, topology.WORKER))
         self.scheduler.tell(WorkersReady(self.generation))

@@ -159,6 +159,15 @@ class KVConnectorBase(ABC):
     def request_dropped(self, request_id: str) -> None:
         """A request the connector may know left without finishing normally (aborted, failed)."""
 
+    def reset(self) -> None:
+        """The workers restarted (their KV caches and side channels are new): forget transfers
+        under way and blocks held."""
+
+    def set_rank_hosts(self, hosts: list[str]) -> None:
+        """Where each rank's worker runs (its machine's address, in rank order) when the ranks
+        are placed on a cluster's machines (``--distributed-executor-backend ray``); called
+        again after the workers restart."""
+
     def has_pending(self) -> bool:
         """Whether transfers are under way or blocks are held, so the worker's side must be polled
         even when no tokens are scheduled."""

@@ -52,6 +52,8 @@ import msgspec
 import zmq
 
 from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from actors.kv_manager.block_pool import NULL_BLOCK
+from actors.runtime.ray_nodes import NODE_IP_ENV
 
 if TYPE_CHECKING:
     from actors.engine.config import EngineConfig
@@ -75,17 +77,18 @@ class HandshakeError(RuntimeError):
 
 
 class _Load(msgspec.Struct, array_like=True):
-    """A consumer's load: the producer's blocks (from ``start`` on) into its own blocks."""
-    host: str
+    """A consumer's load: the producer's blocks into its own blocks, per KV cache group, in
+    pairs (neither a null block); rank r reads from ``hosts[r]:port + r``."""
+    hosts: list[str]
     port: int
     remote_request_id: str
-    remote_block_ids: list[int]
-    local_block_ids: list[int]
+    remote_block_ids: list[list[int]]
+    local_block_ids: list[list[int]]
 
 
 class _Meta(msgspec.Struct, omit_defaults=True):
     loads: dict[str, _Load] = {}
-    saves: dict[str, list[int]] = {}          # producer: readable once this step's forward is done
+    saves: dict[str, list[list[int]]] = {}    # producer: readable once this step's forward is done (per group)
     drops: list[str] = []                     # producer: saved, then not held (aborted): unreadable
 
 
@@ -97,6 +100,17 @@ def _extra(kv_config: Any) -> dict[str, Any]:
                          f"accepted: {', '.join(EXTRA_KEYS)}")
     extra.update(kv_config.kv_connector_extra_config)
     return extra
+
+
+LOOPBACK = ("127.0.0.1", "localhost")
+
+
+def listen_ip(kv_ip: str, node_ip: str | None = None) -> str:
+    """Where a side channel listens: ``kv_ip``, unless that is the loopback default and the
+    process runs on a Ray cluster's machine (``TROUPE_NODE_IP``, or ``node_ip``), where the
+    machine's cluster address is, so the cluster's other machines reach it too."""
+    node_ip = node_ip or os.environ.get(NODE_IP_ENV)
+    return node_ip if node_ip and kv_ip in LOOPBACK else kv_ip
 
 
 def machine_id() -> str:
@@ -126,6 +140,7 @@ def layout_info(config: EngineConfig, kv_caches: list[Any], first_layer: int = 0
         "tensor_parallel_size": config.parallel.tensor_parallel_size,
         "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
         "first_layer": first_layer,
+        "kv_cache_groups": group_layers(config, len(kv_caches), first_layer),
     }
     info["compat_hash"] = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
     return info
@@ -135,9 +150,31 @@ def check_compatible(mine: dict[str, Any], theirs: dict[str, Any], me: str = "co
                      them: str = "producer") -> None:
     """HandshakeError naming the first field the two sides disagree on, each side's value."""
     for key in ("model", "block_size", "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size",
-                "first_layer", "num_layers", "num_kv_heads", "head_size", "layout", "compat_hash"):
+                "first_layer", "num_layers", "kv_cache_groups", "num_kv_heads", "head_size", "layout", "compat_hash"):
         if mine.get(key) != theirs.get(key):
             raise HandshakeError(f"KV transfer refused: {key} {mine.get(key)} ({me}) vs {theirs.get(key)} ({them})")
+
+
+def group_layers(config: EngineConfig, num_layers: int, first_layer: int = 0) -> list[list[int]]:
+    """Per KV cache group, the indices (into a rank's ``num_layers`` caches, its stage's layers
+    from ``first_layer`` on) of the layers whose blocks that group's block ids name. One group of
+    every layer without a resolved model or with a single group."""
+    groups = config.kv_cache_groups() if config.model.arch is not None else ()
+    if len(groups) <= 1:
+        return [list(range(num_layers))]
+    return [[i - first_layer for i in g.layer_ids if first_layer <= i < first_layer + num_layers] for g in groups]
+
+
+def per_group(block_ids: Any) -> list[list[int]]:
+    """``remote_block_ids`` as lists per KV cache group: vLLM's flat list (one group) or a list
+    per group (its hybrid-allocator form). ValueError for anything else."""
+    if not isinstance(block_ids, list) or not block_ids:
+        raise ValueError("remote_block_ids must be a non-empty list")
+    if all(isinstance(b, int) for b in block_ids):
+        return [list(block_ids)]
+    if all(isinstance(g, list) and all(isinstance(b, int) for b in g) for g in block_ids):
+        return [list(g) for g in block_ids]
+    raise ValueError("remote_block_ids must be a list of block ids, or one such list per KV cache group")
 
 
 def prompt_hash(request: Request) -> str:
@@ -160,7 +197,7 @@ def runs(ids: list[int]) -> list[tuple[int, int]]:
 
 @dataclass(slots=True)
 class _Held:
-    block_ids: list[int]
+    block_ids: list[list[int]]            # per KV cache group
     deadline: float
     shm_paths: list[str] = field(default_factory=list)    # segments written for its readers
 
@@ -197,7 +234,9 @@ class TroupeConnector(KVConnectorBase):
         self.lease_extension = self.lease_s * 2 / 3       # what a heartbeat extends a lease to (vLLM's 2/3)
         self.heartbeat_s = float(self.extra["heartbeat_s"]) or self.lease_s / 4
         self.timeout_s = float(self.extra["transfer_timeout_s"])
-        self.host = kv.kv_ip if kv.kv_ip not in ("0.0.0.0", "::", "*") else socket.gethostname()
+        self.listen_ip = listen_ip(kv.kv_ip)
+        self.host = self.listen_ip if self.listen_ip not in ("0.0.0.0", "::", "*") else socket.gethostname()
+        self.rank_hosts: list[str] = []       # where each rank listens, when they run on a cluster's machines
         # vLLM's side-channel ports: an engine's ranks listen on kv_port + dp_rank * tp * pp + rank
         self.tp_size = config.parallel.tensor_parallel_size
         self.pp_size = config.parallel.pipeline_parallel_size
@@ -223,12 +262,13 @@ class TroupeConnector(KVConnectorBase):
 
     # ==== scheduler side =======================================================================
     def _init_scheduler_side(self) -> None:
+        self.num_groups = len(self.config.kv_cache_groups()) if self.config.model.arch is not None else 1
         self._pending_loads: dict[str, _Load] = {}     # for the next step's metadata
         self._loading: set[str] = set()                # loads sent to the worker, not reported yet
         self._saved: set[str] = set()                  # producer: prompt KV saved for a reader
         self._pending_drops: list[str] = []
         self._held: set[str] = set()                   # producer: blocks kept for a remote reader
-        self._remote: dict[str, tuple[str, int, str, int]] = {}   # consumer: (host, port, remote id, ranks) to keep alive
+        self._remote: dict[str, tuple[list[str], int, str]] = {}   # consumer: (rank hosts, port, remote id) to keep alive
         self._gone: set[str] = set()                   # consumer: the producer no longer holds them
         self._lock = threading.Lock()
         self._heartbeats: threading.Thread | None = None
@@ -249,8 +289,11 @@ class TroupeConnector(KVConnectorBase):
             return
         p = self._params(request)
         try:
-            target = (str(p["remote_host"]), int(p["remote_port"]), str(p.get("remote_request_id", "")),
-                      max(1, int(p.get("tp_size", 1))) * max(1, int(p.get("pp_size", 1))))
+            ranks = max(1, int(p.get("tp_size", 1))) * max(1, int(p.get("pp_size", 1)))
+            hosts = [str(h) for h in p.get("remote_hosts") or [p["remote_host"]] * ranks]
+            if len(hosts) != ranks:
+                raise ValueError(f"{len(hosts)} remote_hosts for {ranks} ranks")
+            target = (hosts, int(p["remote_port"]), str(p.get("remote_request_id", "")))
         except (KeyError, TypeError, ValueError):
             with self._lock:
                 self._gone.add(request.request_id)   # malformed: computed here
@@ -270,8 +313,17 @@ class TroupeConnector(KVConnectorBase):
             if request.request_id in self._gone or request.request_id not in self._remote:
                 return 0, False
         p = self._params(request)
-        remote = p["remote_block_ids"]
-        covered = min(request.num_prompt_tokens, len(remote) * self.block_size)
+        try:
+            remote = per_group(p["remote_block_ids"])
+        except ValueError as exc:
+            log.warning("request %s: %s: computed here", request.request_id, exc)
+            return 0, False
+        if len(remote) != self.num_groups or len({len(g) for g in remote}) != 1:
+            log.warning("request %s: remote_block_ids name %d KV cache group(s) of %s blocks, this model has %d "
+                        "groups: computed here", request.request_id, len(remote),
+                        "/".join(str(len(g)) for g in remote), self.num_groups)
+            return 0, False
+        covered = min(request.num_prompt_tokens, len(remote[0]) * self.block_size)
         if covered < request.num_prompt_tokens:          # a partial remote prompt: computed here
             return 0, False
         if (p.get("remote_num_tokens", request.num_prompt_tokens) != request.num_prompt_tokens
@@ -285,11 +337,17 @@ class TroupeConnector(KVConnectorBase):
         if not num_external_tokens:
             return
         p = self._params(request)
-        host, port, remote_id, _ = self._remote[request.request_id]
+        hosts, port, remote_id = self._remote[request.request_id]
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
         n = -(-request.num_prompt_tokens // self.block_size)
-        self._pending_loads[request.request_id] = _Load(host, port, remote_id, list(p["remote_block_ids"][first:n]),
-                                                        list(block_ids[0][first:n]))
+        remote, local = [], []
+        for theirs, ours in zip(per_group(p["remote_block_ids"]), block_ids):
+            # a sliding window's group holds null blocks (0) before the window, on either side:
+            # those positions are read by no query any more, so they are not moved
+            pairs = [(a, b) for a, b in zip(theirs[first:n], ours[first:n]) if a != NULL_BLOCK and b != NULL_BLOCK]
+            remote.append([a for a, _ in pairs])
+            local.append([b for _, b in pairs])
+        self._pending_loads[request.request_id] = _Load(hosts, port, remote_id, remote, local)
 
     def build_connector_meta(self, scheduled: list[Request],
                              block_ids: Callable[[str], tuple[list[int], ...]] | None = None) -> bytes:
@@ -299,7 +357,7 @@ class TroupeConnector(KVConnectorBase):
                 if (req.request_id not in self._saved and self._params(req).get("do_remote_decode")
                         and req.num_computed_tokens >= req.num_prompt_tokens):
                     n = -(-req.num_prompt_tokens // self.block_size)
-                    saves[req.request_id] = list(block_ids(req.request_id)[0][:n])
+                    saves[req.request_id] = [list(g[:n]) for g in block_ids(req.request_id)]
                     self._saved.add(req.request_id)
         meta = _Meta(self._pending_loads, saves, self._pending_drops)
         self._loading.update(self._pending_loads)
@@ -317,10 +375,14 @@ class TroupeConnector(KVConnectorBase):
             return False, None
         self._held.add(rid)
         n = -(-request.num_prompt_tokens // self.block_size)
+        groups = [list(g[:n]) for g in block_ids]
+        hosts = self.rank_hosts or [self.host]
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
-                      "remote_engine_id": self.engine_id, "remote_host": self.host,
+                      "remote_engine_id": self.engine_id, "remote_host": hosts[0],
+                      **({"remote_hosts": hosts} if len(set(hosts)) > 1 else {}),
                       "remote_port": self.port, "remote_request_id": rid,
-                      "remote_block_ids": list(block_ids[0][:n]), "remote_num_tokens": request.num_prompt_tokens,
+                      "remote_block_ids": groups[0] if len(groups) == 1 else groups,
+                      "remote_num_tokens": request.num_prompt_tokens,
                       "remote_prompt_hash": prompt_hash(request),
                       "tp_size": self.tp_size, "pp_size": self.pp_size}
 
@@ -349,6 +411,9 @@ class TroupeConnector(KVConnectorBase):
     def has_pending(self) -> bool:
         return bool(self._held or self._loading or self._pending_loads or self._pending_drops)
 
+    def set_rank_hosts(self, hosts: list[str]) -> None:
+        self.rank_hosts = [listen_ip("127.0.0.1", h) for h in hosts] if self.kv_config.kv_ip in LOOPBACK else []
+
     def reset(self) -> None:
         """The worker (and its side channel) restarted: nothing is held or loading any more."""
         self._held.clear()
@@ -365,8 +430,8 @@ class TroupeConnector(KVConnectorBase):
             while not self._closed.wait(self.heartbeat_s):
                 with self._lock:
                     targets: dict[tuple[str, int], dict[str, str]] = {}
-                    for rid, (host, port, remote_id, ranks) in self._remote.items():
-                        for rank in range(ranks):             # each producer rank holds its share
+                    for rid, (hosts, port, remote_id) in self._remote.items():
+                        for rank, host in enumerate(hosts):   # each producer rank holds its share
                             targets.setdefault((host, port + rank), {})[remote_id] = rid
                 for addr, ids in targets.items():
                     sock = socks.get(addr)
@@ -398,6 +463,7 @@ class TroupeConnector(KVConnectorBase):
     # ==== worker side ==========================================================================
     def _init_worker_side(self) -> None:
         self.kv_caches: list[Any] = []
+        self.group_layers: list[list[int]] = []      # per KV cache group, its layers' indices in kv_caches
         self.info: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._readable: dict[str, _Held] = {}
@@ -419,10 +485,11 @@ class TroupeConnector(KVConnectorBase):
             from models.pp_layout import pp_layers
             first_layer = pp_layers(self.config.model.arch.num_layers, self.pp_size, self.rank // self.tp_size)[0]
         self.info = layout_info(self.config, self.kv_caches, first_layer)
+        self.group_layers = group_layers(self.config, len(self.kv_caches), first_layer)
         if self.kv_config.is_producer:
             sock = self.ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
-            addr = f"tcp://{self.kv_config.kv_ip}:{self.port + self.rank}"
+            addr = f"tcp://{self.listen_ip}:{self.port + self.rank}"
             try:
                 sock.bind(addr)
             except zmq.ZMQError as exc:
@@ -529,10 +596,10 @@ class TroupeConnector(KVConnectorBase):
                         released += 1
             return [_encode({"ok": True, "released": released})]
         if op == "read":
-            return self._read(req["req_id"], list(req["block_ids"]), req.get("shm", False))
+            return self._read(req["req_id"], per_group(req["block_ids"]), req.get("shm", False))
         raise ValueError(f"unknown side-channel operation {op!r}")
 
-    def _read(self, rid: str, block_ids: list[int], shm: bool) -> list[Any]:
+    def _read(self, rid: str, block_ids: list[list[int]], shm: bool) -> list[Any]:
         """The request's blocks as frames (views of the cache, sent without a copy) or one
         shared-memory segment. The read renews the lease, which keeps the blocks as they are
         while their bytes are copied or sent, outside the lock (the steps go on meanwhile)."""
@@ -542,13 +609,14 @@ class TroupeConnector(KVConnectorBase):
             if h is None:
                 return [_encode({"ok": False, "error": f"request {rid}'s blocks are not held here "
                                                         "(never saved, released, or their lease expired)"})]
-            if not set(block_ids) <= set(h.block_ids):
+            if len(block_ids) != len(h.block_ids) or any(not set(ask) <= set(held) - {NULL_BLOCK}
+                                                        for ask, held in zip(block_ids, h.block_ids)):
                 return [_encode({"ok": False, "error": f"blocks {block_ids} are not request {rid}'s"})]
             h.deadline = max(h.deadline, time.monotonic() + self.lease_extension)
         chunks = self._block_chunks(block_ids)
         nbytes = sum(c.nbytes for c in chunks)
-        self.stats.add(sent_bytes=nbytes, sent_blocks=len(block_ids), sent_requests=1)
-        head = {"ok": True, "runs": runs(block_ids), "compat_hash": self.info["compat_hash"]}
+        self.stats.add(sent_bytes=nbytes, sent_blocks=sum(map(len, block_ids)), sent_requests=1)
+        head = {"ok": True, "runs": [runs(ids) for ids in block_ids], "compat_hash": self.info["compat_hash"]}
         reply: list[Any] = [_encode(head), *chunks]
         if shm and self._shm_dir is not None and nbytes <= self.kv_config.kv_buffer_size:
             import numpy as np
@@ -566,19 +634,20 @@ class TroupeConnector(KVConnectorBase):
             self._transfers.append((rid, "KVSend", t0, time.monotonic_ns(), nbytes))
         return reply
 
-    def _block_chunks(self, block_ids: list[int]) -> list[Any]:
-        """Per run of consecutive blocks, per layer, K then V: the cache's own bytes (a view, no
-        copy, on the CPU) as uint8 numpy arrays."""
+    def _block_chunks(self, block_ids: list[list[int]]) -> list[Any]:
+        """Per KV cache group, per run of consecutive blocks, per layer of the group, K then V:
+        the cache's own bytes (a view, no copy, on the CPU) as uint8 numpy arrays."""
         import torch
         out = []
-        for start, n in runs(block_ids):
-            b0 = block_ids[start]
-            for t in self.kv_caches:
-                for kv in (0, 1):
-                    part = t[kv, b0:b0 + n]
-                    if part.device.type != "cpu":
-                        part = part.cpu()
-                    out.append(part.contiguous().view(torch.uint8).numpy().reshape(-1))
+        for ids, layers in zip(block_ids, self.group_layers):
+            for start, n in runs(ids):
+                b0 = ids[start]
+                for t in (self.kv_caches[i] for i in layers):
+                    for kv in (0, 1):
+                        part = t[kv, b0:b0 + n]
+                        if part.device.type != "cpu":
+                            part = part.cpu()
+                        out.append(part.contiguous().view(torch.uint8).numpy().reshape(-1))
         return out
 
     # -- the consumer's loads ----------------------------------------------------------------
@@ -618,10 +687,10 @@ class TroupeConnector(KVConnectorBase):
         """Read this rank's share of the request's blocks from the producer's rank of the same
         number (the handshake has both sides agree on the ranks, their heads and their layers)."""
         t0, t0_ns = time.perf_counter(), time.monotonic_ns()
-        port = load.port + self.rank
-        sock = self._connect(load.host, port)
+        host, port = load.hosts[self.rank], load.port + self.rank
+        sock = self._connect(host, port)
         try:
-            peer = self.handshake(load.host, port, sock)
+            peer = self.handshake(host, port, sock)
             shm = bool(self.extra["shm"]) and peer.get("machine") == self.machine
             frames = self._ask(sock, {"op": "read", "req_id": load.remote_request_id,
                                       "block_ids": load.remote_block_ids, "shm": shm}, "read")
@@ -629,20 +698,20 @@ class TroupeConnector(KVConnectorBase):
             if not head.get("ok"):
                 raise RuntimeError(head.get("error", "read refused"))
             if head.get("compat_hash") != self.info["compat_hash"]:     # restarted with another config
-                self._handshaken.pop((load.host, port), None)
+                self._handshaken.pop((host, port), None)
                 raise HandshakeError(f"KV transfer refused: compat_hash {self.info['compat_hash']} (consumer) vs "
                                      f"{head.get('compat_hash')} (producer)")
             nbytes = self._write_blocks(head, frames[1:], load)
             sock.send(_encode({"op": "release", "req_ids": [load.remote_request_id]}))
             sock.poll(int(self.timeout_s * 1000))          # the release is best effort: the lease ends it anyway
-            self.stats.add(recv_bytes=nbytes, recv_blocks=len(load.local_block_ids),
+            self.stats.add(recv_bytes=nbytes, recv_blocks=sum(map(len, load.local_block_ids)),
                            recv_seconds=time.perf_counter() - t0, recv_requests=1,
                            shm_reads=1 if "shm" in head else 0)
             with self._lock:
                 self._finished_recving.append(rid)
                 self._transfers.append((rid, "KVLoad", t0_ns, time.monotonic_ns(), nbytes))
         except Exception as exc:   # whatever failed, the request is reported (and recomputed), never stuck
-            log.warning("KV load of request %s from %s:%d failed: %s", rid, load.host, port, exc)
+            log.warning("KV load of request %s from %s:%d failed: %s", rid, host, port, exc)
             self.stats.add(recv_failures=1)
             with self._lock:
                 self._failed_recving[rid] = f"{type(exc).__name__}: {exc}"
@@ -653,42 +722,44 @@ class TroupeConnector(KVConnectorBase):
     def _write_blocks(self, head: dict[str, Any], frames: list[Any], load: _Load) -> int:
         import numpy as np
         import torch
-        L = len(self.kv_caches)
         t = self.kv_caches[0]
         per_block = t[0, 0].numel() * t.element_size()
+        group_runs = head["runs"]
+        if len(group_runs) != len(self.group_layers):
+            raise RuntimeError(f"the producer sent {len(group_runs)} KV cache groups, expected {len(self.group_layers)}")
+        sizes = [n * per_block for runs_g, layers in zip(group_runs, self.group_layers)
+                 for _, n in runs_g for _ in range(2 * len(layers))]
         path = head.get("shm")
         if path is not None:
             data = np.memmap(path, dtype=np.uint8, mode="r")
-            views, off = [], 0
-            for _, n in head["runs"]:
-                for _ in range(2 * L):
-                    views.append(data[off:off + n * per_block])
-                    off += n * per_block
+            offsets = np.cumsum([0, *sizes])
+            views = [data[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
         else:
             views = [np.frombuffer(f.buffer, dtype=np.uint8) for f in frames]
-        if len(views) != 2 * L * len(head["runs"]):
-            raise RuntimeError(f"the producer sent {len(views)} block frames, expected {2 * L * len(head['runs'])}")
+        if len(views) != len(sizes):
+            raise RuntimeError(f"the producer sent {len(views)} block frames, expected {len(sizes)}")
         i = total = 0
         shape = tuple(t.shape[2:])
         cpu = t.device.type == "cpu"
-        for start, n in head["runs"]:
-            local = load.local_block_ids[start:start + n]
-            idx = None if cpu else torch.tensor(local, dtype=torch.long, device=t.device)
-            for layer in self.kv_caches:
-                for kv in (0, 1):
-                    buf = views[i]
-                    i += 1
-                    if buf.nbytes != n * per_block:
-                        raise RuntimeError(f"a frame of {buf.nbytes} bytes for {n} blocks of {per_block}")
-                    if cpu:       # numpy slice copies: one thread, memcpy (torch's threads contend with the step's)
-                        dst = layer[kv].view(torch.uint8).numpy().reshape(layer.shape[1], per_block)
-                        src = np.asarray(buf).reshape(n, per_block)
-                        for j, m in runs(local):
-                            dst[local[j]:local[j] + m] = src[j:j + m]
-                    else:
-                        with warnings.catch_warnings():      # read-only buffers: copied from, never written
-                            warnings.simplefilter("ignore")
-                            src = torch.frombuffer(buf, dtype=torch.uint8).view(layer.dtype).view(n, *shape)
-                        layer[kv].index_copy_(0, idx, src.to(layer.device))
-                    total += buf.nbytes
+        for runs_g, layers, local_g in zip(group_runs, self.group_layers, load.local_block_ids):
+            for start, n in runs_g:
+                local = local_g[start:start + n]
+                idx = None if cpu else torch.tensor(local, dtype=torch.long, device=t.device)
+                for layer in (self.kv_caches[j] for j in layers):
+                    for kv in (0, 1):
+                        buf = views[i]
+                        i += 1
+                        if buf.nbytes != n * per_block:
+                            raise RuntimeError(f"a frame of {buf.nbytes} bytes for {n} blocks of {per_block}")
+                        if cpu:       # numpy slice copies: one thread, memcpy (torch's threads contend with the step's)
+                            dst = layer[kv].view(torch.uint8).numpy().reshape(layer.shape[1], per_block)
+                            src = np.asarray(buf).reshape(n, per_block)
+                            for j, m in runs(local):
+                                dst[local[j]:local[j] + m] = src[j:j + m]
+                        else:
+                            with warnings.catch_warnings():      # read-only buffers: copied from, never written
+                                warnings.simplefilter("ignore")
+                                src = torch.frombuffer(buf, dtype=torch.uint8).view(layer.dtype).view(n, *shape)
+                            layer[kv].index_copy_(0, idx, src.to(layer.device))
+                        total += buf.nbytes
         return total

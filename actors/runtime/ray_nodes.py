@@ -43,6 +43,7 @@ log = logging.getLogger("troupe.ray")
 NAMESPACE = "troupe"                  # the Ray namespace of our actors
 PLACEMENT_TIMEOUT_S = 120.0           # for the cluster to have room for every rank's bundle
 FORWARDED_ENV = ("TROUPE_",)          # environment the ranks get from the engine core
+NODE_IP_ENV = "TROUPE_NODE_IP"        # in a Ray-hosted child (and its own children): its machine's cluster IP
 
 
 def ray_installed() -> bool:
@@ -103,8 +104,9 @@ class NodeHost:
         from actors.runtime.child import run_child
         from actors.runtime.plugins import load_general_plugins
         os.environ.update(env)
+        os.environ[NODE_IP_ENV] = ip = ray.util.get_node_ip_address()     # its processes, and their children's
         spec = msgspec.msgpack.decode(spec_bytes, type=NodeSpec)
-        spec = msgspec.structs.replace(spec, bind=f"tcp://{ray.util.get_node_ip_address()}:*")
+        spec = msgspec.structs.replace(spec, bind=f"tcp://{ip}:*")
         logging.basicConfig(level=os.environ.get("TROUPE_LOG_LEVEL", "INFO"), force=True,
                             format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s")
         load_general_plugins()
@@ -190,6 +192,10 @@ class RayPlacement:
     def new_hosts(self, names: list[str], generation: int) -> list[Any]:
         """A Ray actor per rank, each in its rank's bundle."""
         return [self.new_host(rank, name, generation) for rank, name in enumerate(names)]
+
+    async def host_ips(self) -> list[str]:
+        """Each bundle's machine (its cluster IP), in bundle order."""
+        return [ip for ip, _ in await asyncio.gather(*(self.hosts[i].where.remote() for i in range(self.count)))]
 
     async def meeting_point(self) -> str:
         """torch.distributed's init method: the first rank's machine, a port free there."""

@@ -146,9 +146,6 @@ class Scheduler:
         # prefill/decode disaggregation (the book's chapter 9): the KV connector's scheduler side;
         # requests whose prompt KV loads from another instance wait out of the queue meanwhile
         if connector is None and config.kv_transfer is not None:
-            if len(kv.managers) != 1:
-                raise ValueError("--kv-transfer-config needs one KV cache group (a model whose layers all use "
-                                 "full attention, or --disable-hybrid-kv-cache-manager)")
             connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
         self.connector = connector
         self.waiting_for_remote: dict[str, Request] = {}   # WAITING_FOR_REMOTE_KVS

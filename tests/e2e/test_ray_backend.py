@@ -6,7 +6,8 @@ or placement group of an engine is left in the cluster once the engine is killed
 server stops; a rank whose event loop hangs (alive, no CPU used) is killed by its heartbeats, as a
 process is. --data-parallel-backend ray: two engine cores in Ray actors (each with its worker
 process) give the same tokens, a killed one is restarted in a new actor, and nothing is left once
-the server stops."""
+the server stops. Both at once as a KV producer: a decode server loads the prompt from the ranks'
+side channels on the cluster address and answers the same."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 import aiohttp
 import pytest
@@ -219,10 +221,24 @@ def test_engine_cores_in_ray_actors_serve_restart_and_leave_nothing(cluster, one
         s.stop()
 
 
-def test_engine_cores_and_their_workers_all_on_the_cluster_answer_and_leave_nothing(cluster, one_worker):
-    s = Server("-dp", "2", "-dpb", "ray", "--distributed-executor-backend", "ray", env={"RAY_ADDRESS": cluster},
-               ready_timeout=240)
+def test_engine_cores_and_their_workers_all_on_the_cluster_answer_hand_a_decode_server_their_kv_and_leave_nothing(
+        cluster, one_worker):
+    """Both Ray backends at once, as a prefill server (KV producer): each rank's side channel listens
+    on its machine's cluster address, and a decode server (processes of its own) loads the prompt
+    from there and gives the same greedy answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def kv(role: str) -> str:
+        return json.dumps({"kv_connector": "TroupeConnector", "kv_role": role, "kv_port": free_port()})
+    with ThreadPoolExecutor(2) as pool:
+        producer = pool.submit(Server, "-dp", "2", "-dpb", "ray", "--distributed-executor-backend", "ray",
+                               "--kv-transfer-config", kv("kv_producer"), env={"RAY_ADDRESS": cluster},
+                               ready_timeout=240)
+        consumer = pool.submit(Server, "--kv-cache-gib", "0.25", "--kv-transfer-config", kv("kv_consumer"))
+        started = [f.result() for f in (producer, consumer) if f.exception() is None]
+    s, decode = (producer.result(), consumer.result()) if len(started) == 2 else (None, None)
     try:
+        assert len(started) == 2, [str(f.exception()) for f in (producer, consumer)]
         state = cluster_state(cluster)
         engines = {n: p for n, p in state["actors"].items() if n.startswith(f"troupe-frontend-{s.pid}-")}
         assert len(engines) == 2 and all(children(p) == [] for p in engines.values())   # workers are actors too
@@ -230,13 +246,35 @@ def test_engine_cores_and_their_workers_all_on_the_cluster_answer_and_leave_noth
                    if any(n.startswith(f"troupe-{e}-{pid}-") for e in ("engine", "engine1") for pid in engines.values())}
         assert len(workers) == 2
         assert _texts(s, PROMPTS[:2], TOKENS[:2]) == one_worker[:2]
+        body = {"prompt": PROMPTS[0], "max_tokens": TOKENS[0], "temperature": 0, "ignore_eos": True}
+        held = post_json(s.url + "/v1/completions", body | {"max_tokens": 1,
+                                                             "kv_transfer_params": {"do_remote_decode": True}})
+        params = held["kv_transfer_params"]
+        assert params["remote_host"] == cluster.split(":")[0]       # the rank's machine, not 127.0.0.1
+        via = post_json(decode.url + "/v1/completions", body | {"kv_transfer_params": params})
+        assert via["choices"][0]["text"] == one_worker[0]
+        assert via["usage"]["prompt_tokens"] > 1
+        loaded = re.search(r"^troupe:kv_transfer_recv_requests_total\{[^}]*\} (\S+)$", _metrics(decode), re.M)
+        assert loaded is not None and float(loaded.group(1)) == 1.0       # loaded, not computed
         s.stop()
         assert s.proc.returncode == 0
         state = cluster_state(cluster)
         assert not set(engines) & set(state["actors"]) and not set(workers) & set(state["actors"])
         assert gone([*engines.values(), *workers.values()])
     finally:
-        s.stop()
+        for server in started:
+            server.stop()
+
+
+def post_json(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=240) as r:
+        return json.load(r)
+
+
+def _metrics(server: Server) -> str:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        return r.read().decode()
 
 
 # a parent node (this script) with one child node in a Ray actor, beating every 0.2 s, hung after 2 s

@@ -1,5 +1,6 @@
 """Speculative decoding on the real default model, in one process, with n-gram drafts and with
-self_draft (the model's own weights in gguf-i8 draft for the exact model): greedy requests, and a
+self_draft (the model's own weights in gguf-i8 draft for the exact model; gguf on a CPU without
+AVX512-VNNI, which int8 activations need): greedy requests, and a
 seeded sampled one, get the tokens they get without speculation (a repetitive code prompt, a stop
 string, max_tokens that end a request mid-draft, penalties and structured outputs applied per
 draft position, a request that takes no drafts in the same batch), also with a KV cache small
@@ -13,11 +14,13 @@ import pytest
 
 from actors.api import LLM, SamplingParams
 from actors.engine.sampling_params import StructuredOutputsParams
+from kernels.cpu.panels import int8_available
 
 pytestmark = pytest.mark.slow
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-SELF_DRAFT = {"method": "self_draft", "quantization": "gguf-i8", "num_speculative_tokens": 4}
+SELF_DRAFT = {"method": "self_draft", "quantization": "gguf-i8" if int8_available() else "gguf",
+              "num_speculative_tokens": 4}
 METHODS = {"ngram": NGRAM, "self_draft": SELF_DRAFT}
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
         "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n")

@@ -28,6 +28,9 @@ def test_the_flag_takes_vllms_names_and_mp_stays_the_default(capsys):
     assert backend("--distributed-executor-backend", "uni") == "uni"
     assert EngineArgs(distributed_executor_backend="ray", pipeline_parallel_size=2).create_engine_config() \
         .parallel.distributed_executor_backend == "ray"
+    kv = {"kv_connector": "TroupeConnector", "kv_role": "kv_both"}
+    for which in ("distributed_executor_backend", "data_parallel_backend"):     # a KV connector on either
+        assert EngineArgs(**{which: "ray"}, kv_transfer_config=kv).create_engine_config().kv_transfer is not None
     with pytest.raises(SystemExit) as exc:
         serve.parse_args(["--distributed-executor-backend", "external_launcher"])
     err = capsys.readouterr().err
@@ -47,9 +50,6 @@ def test_combinations_the_ray_backend_does_not_run_are_refused_naming_why():
     with pytest.raises(ValueError, match="data_parallel_backend 'ray' places engine cores on a Ray cluster: it "
                                          "needs the multiprocess"):
         EngineArgs(data_parallel_backend="ray", multiprocess=False).create_engine_config()
-    with pytest.raises(ValueError, match="--kv-transfer-config with data_parallel_backend 'ray' is not supported"):
-        EngineArgs(data_parallel_backend="ray", kv_transfer_config={"kv_connector": "TroupeConnector",
-                                                                    "kv_role": "kv_both"}).create_engine_config()
     with pytest.raises(ValueError, match="'ray' places worker processes on a Ray cluster: it needs the multiprocess"):
         EngineArgs(distributed_executor_backend="ray", multiprocess=False).create_engine_config()
     with pytest.raises(ValueError, match="unknown distributed_executor_backend 'mpi'; accepted: mp, ray, uni"):

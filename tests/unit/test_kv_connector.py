@@ -17,7 +17,8 @@ from actors.kv_manager.manager import KVCacheManager
 from actors.kv_transfer.base import KVConnectorOutput, KVConnectorRole, KVOutputAggregator
 from actors.kv_transfer.config import KVTransferConfig, kv_transfer_config
 from actors.kv_transfer.factory import KVConnectorFactory
-from actors.kv_transfer.troupe_connector import HandshakeError
+from actors.kv_transfer.troupe_connector import HandshakeError, listen_ip
+from actors.runtime.ray_nodes import NODE_IP_ENV
 from actors.scheduler.request import RequestStatus
 from actors.scheduler.scheduler import Scheduler
 from models.config import ArchConfig
@@ -32,11 +33,13 @@ class Instance:
     part (with ``tp`` x ``pp`` ranks, one of each per rank, a stage's ranks holding its LAYERS // pp
     layers, their reports combined as the executor does)."""
 
-    def __init__(self, role: str, port: int, block_size: int = BS, tp: int = 1, pp: int = 1, **extra) -> None:
+    def __init__(self, role: str, port: int, block_size: int = BS, tp: int = 1, pp: int = 1,
+                 rank_ips: list[str] | None = None, **extra) -> None:
         kv = KVTransferConfig(kv_connector="TroupeConnector", kv_role=role, kv_port=port,
                               kv_connector_extra_config={"transfer_timeout_s": 2.0, **extra})
         self.config = engine_config(NUM_BLOCKS).replace(kv_transfer=kv)
-        self.config = self.config.replace(cache=msgspec.structs.replace(self.config.cache, block_size=block_size),
+        self.config = self.config.replace(cache=msgspec.structs.replace(self.config.cache, block_size=block_size,
+                                                                        cache_dtype="float32"),
                                           parallel=msgspec.structs.replace(self.config.parallel, tensor_parallel_size=tp,
                                                                            pipeline_parallel_size=pp))
         if pp > 1:                      # the stages' layers come from the model's layer count
@@ -48,8 +51,12 @@ class Instance:
                             for _ in range(tp * pp)]
         self.workers = [KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, r)
                         for r in range(tp * pp)]
-        for worker, caches in zip(self.workers, self.rank_caches):
+        for rank, (worker, caches) in enumerate(zip(self.workers, self.rank_caches)):
+            if rank_ips:                # ranks on machines of their own (loopback addresses stand for them)
+                worker.listen_ip = rank_ips[rank]
             worker.register_kv_caches(caches)
+        if rank_ips:
+            self.sched.connector.set_rank_hosts(rank_ips)
         self.worker, self.caches = self.workers[0], self.rank_caches[0]
         self.reports = KVOutputAggregator(tp * pp)
 
@@ -195,6 +202,35 @@ def test_with_two_ranks_each_rank_loads_its_share_from_the_rank_of_the_same_numb
     finally:
         producer.close()
         consumer.close()
+
+
+def test_ranks_on_different_machines_are_named_each_and_each_consumer_rank_reads_from_its_own():
+    """A producer whose ranks listen on different addresses (ranks on a cluster's machines; here
+    127.0.0.1 and 127.0.0.2) names every rank's host; consumer rank 1 reads from the second."""
+    producer = Instance("kv_producer", free_port(), tp=2, rank_ips=["127.0.0.1", "127.0.0.2"], kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", free_port(), tp=2)
+    try:
+        params = prefill(producer)
+        assert params["remote_host"] == "127.0.0.1" and params["remote_hosts"] == ["127.0.0.1", "127.0.0.2"]
+        add(consumer, "d1", PROMPT, 2, params)
+        consumer.step()
+        req = consumer.sched.requests["d1"]
+        consumer.until(lambda: req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS)
+        assert consumer.sched.stats().kv_transfer.get("recv_failures", 0) == 0
+        (ids,) = consumer.kv.get_block_ids("d1")
+        assert consumer.rank_caches[1][0][0, ids[0], 0, 0, 0].item() == pattern(0, 0, 0, rank=1)
+        producer.until(lambda: producer.kv.num_blocks_held("p1") == 0)     # both ranks' leases ended by release
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_on_a_ray_machine_a_loopback_side_channel_listens_on_the_machines_cluster_address(monkeypatch):
+    monkeypatch.setenv(NODE_IP_ENV, "10.1.2.3")
+    assert listen_ip("127.0.0.1") == "10.1.2.3"          # the default: reachable from the other machines
+    assert listen_ip("192.168.0.7") == "192.168.0.7"     # an address the user chose stays
+    monkeypatch.delenv(NODE_IP_ENV)
+    assert listen_ip("127.0.0.1") == "127.0.0.1"
 
 
 def test_a_handshake_between_different_pipeline_splits_is_refused_naming_the_field():
