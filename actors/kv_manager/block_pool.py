@@ -161,6 +161,14 @@ class BlockPool:
         b.block_hash = key
         self.cached[key] = b
 
+    def uncache_block(self, b: KVCacheBlock) -> None:
+        """Take ``b`` out of the prefix cache: its tokens will not be computed after all (the
+        step that was to compute them dropped its request)."""
+        if b.block_hash is not None:
+            if self.cached.get(b.block_hash) is b:
+                del self.cached[b.block_hash]
+            b.block_hash = None
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents, lose their hash)."""
         for b in self.cached.values():

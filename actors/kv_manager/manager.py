@@ -155,13 +155,17 @@ class KVCacheManager:
 
     # -- release -----------------------------------------------------------------------------
     @_timed
-    def free(self, req_id: str) -> None:
+    def free(self, req_id: str, written_tokens: int | None = None) -> None:
         """Release a finished or preempted request's blocks in every group, each group's tail
-        first (so its tail is evicted before its head)."""
+        first (so its tail is evicted before its head). ``written_tokens``: a request preempted
+        in the step that allocated for it holds the KV of that many tokens only; the blocks
+        offered to the prefix cache for the tokens that step would have computed are taken back
+        (their KV is never written, so no later request may hit them)."""
         self._num_tokens.pop(req_id, None)
         self._num_computed.pop(req_id, None)
+        written_blocks = None if written_tokens is None else written_tokens // self.block_size
         for m in self.managers:
-            m.free(req_id)
+            m.free(req_id, written_blocks)
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         """The request's block table in every group (0: the null block)."""

@@ -85,10 +85,15 @@ class SingleTypeKVCacheManager:
             self.num_registered[req_id] = n
 
     # -- release -----------------------------------------------------------------------------
-    def free(self, req_id: str) -> None:
-        """Release the request's blocks, its tail first (so its tail is evicted before its head)."""
+    def free(self, req_id: str, written_blocks: int | None = None) -> None:
+        """Release the request's blocks, its tail first (so its tail is evicted before its head).
+        ``written_blocks``: only the blocks before it hold their tokens' KV; those from it on
+        that were offered to the prefix cache are taken back."""
         blocks = self.req_to_blocks.pop(req_id, None)
-        self.num_registered.pop(req_id, None)
+        registered = self.num_registered.pop(req_id, 0)
+        if blocks and written_blocks is not None:
+            for b in blocks[written_blocks:registered]:
+                self.pool.uncache_block(b)
         if blocks:
             self.pool.free_blocks(req_id, blocks[::-1])
 

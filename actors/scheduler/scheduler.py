@@ -614,17 +614,20 @@ class Scheduler:
     def _preempt(self, req: Request, step: _Step) -> None:
         """Free the victim's blocks and refund what this step gave it; it is recomputed later."""
         self.running.remove(req)
-        step.budget += step.num_tokens.pop(req, 0)
+        n = step.num_tokens.pop(req, 0)
+        step.budget += n
         step.new_block_ids.pop(req, None)
-        self._recompute_later(req)
+        # scheduled earlier in this step: its blocks were offered to the prefix cache as if the
+        # step computed its n tokens past num_computed_tokens, which it now will not
+        self._recompute_later(req, req.num_computed_tokens if n else None)
         req.num_preemptions += 1
         step.preempted.append(req)
         self.counters.num_preemptions += 1
 
-    def _recompute_later(self, req: Request) -> None:
+    def _recompute_later(self, req: Request, written_tokens: int | None = None) -> None:
         """Back to the front of the queue without blocks: prompt and output so far are
-        computed again when it is scheduled."""
-        self.kv.free(req.request_id)
+        computed again when it is scheduled. ``written_tokens``: see KVCacheManager.free."""
+        self.kv.free(req.request_id, written_tokens)
         if self.connector is not None:     # no remote reader may read its freed blocks any more
             self.connector.request_dropped(req.request_id)
         req.status = RequestStatus.PREEMPTED

@@ -2,7 +2,7 @@
 KVCacheManager; the block accounting is checked after every operation."""
 from __future__ import annotations
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from sched_utils import EOS, AsyncHarness, Harness, check_cached_contents
@@ -43,6 +43,10 @@ def _apply(h, ops, num_blocks: int, busy) -> None:
 @given(ops=st.lists(op, min_size=1, max_size=60), num_blocks=st.integers(6, 24),
        policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(),
        budget=st.sampled_from([8, 16, 64]))
+# a request preempted by a higher-priority one in the step that had just allocated for it: the
+# blocks offered to the prefix cache for the tokens that step would have computed are taken back
+@example(ops=[("add", [0], 0, 5, 1), ("add", [0, 0], 0, 6, 0), ("step", 7), ("step", 7), ("add", [0], 0, 4, 0),
+              ("add", [0], 2, 4, 0)], num_blocks=10, policy="priority", caching=True, budget=8)
 def test_block_accounting_holds_after_every_operation(ops, num_blocks, policy, caching, budget):
     h = Harness(num_blocks=num_blocks, watermark=0.0, policy=policy, enable_prefix_caching=caching,
                 max_num_batched_tokens=budget, max_num_seqs=6)
