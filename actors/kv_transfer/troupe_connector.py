@@ -412,7 +412,8 @@ class TroupeConnector(KVConnectorBase):
         return bool(self._held or self._loading or self._pending_loads or self._pending_drops)
 
     def set_rank_hosts(self, hosts: list[str]) -> None:
-        self.rank_hosts = [listen_ip("127.0.0.1", h) for h in hosts] if self.kv_config.kv_ip in LOOPBACK else []
+        # the ranks listen on their machines' addresses unless kv_ip names one (then every rank's)
+        self.rank_hosts = list(hosts) if self.kv_config.kv_ip in LOOPBACK else []
 
     def reset(self) -> None:
         """The worker (and its side channel) restarted: nothing is held or loading any more."""
