@@ -17,16 +17,17 @@
  * A quantized panel is dequantized once per call into a per-thread buffer (the same float32
  * values as dequantizing the checkpoint: d * q rounded, then + m rounded, no fused multiply-add)
  * and multiplied from there, so every row of x reuses it. The multiply is a register-blocked
- * kernel of up to 12 rows x 32 columns (24 AVX-512 accumulators), each accumulator summing its
- * products in input-feature order in float32. Panels are split across OpenMP threads; each is
- * read from memory once per call, which is what bounds a decode step.
+ * kernel of up to 12 rows x 32 columns (24 AVX-512 accumulators; on AVX2 CPUs tiles of up to 6
+ * rows x 16 columns, a panel's two halves in turn), each accumulator summing its products in
+ * input-feature order in float32. Panels are split across OpenMP threads; each is read from
+ * memory once per call, which is what bounds a decode step.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 void silu_and_mul_serial_f32(const float *gate_up, int64_t in_stride, float *out, int64_t T, int64_t I);  /* fused.c */
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -141,6 +142,62 @@ static void dequant_panel(int kind, const uint8_t *codes, const uint16_t *d, con
     }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* AVX2 (16 vector registers): a tile of up to 6 rows x 16 columns, one half of the panel
+ * (12 accumulators, 2 panel vectors, 1 broadcast), the classic 6 x 16 kernel; each accumulator
+ * sums its products in input-feature order with the same fused multiply-adds as the AVX-512
+ * kernel, so both give the same float32 results. */
+static inline __attribute__((always_inline)) void micro_half(const int MR, const float *x, int64_t ldx,
+                                                             const float *pan, int64_t K, float *y,
+                                                             int64_t ldy, int64_t cols, int half) {
+    __m256 c0[6], c1[6];
+    for (int r = 0; r < MR; r++) { c0[r] = _mm256_setzero_ps(); c1[r] = _mm256_setzero_ps(); }
+    const float *b = pan + half * 16;
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8);
+        for (int r = 0; r < MR; r++) {
+            const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+            c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+        }
+    }
+    const int64_t n = cols - half * 16 < 16 ? cols - half * 16 : 16;
+    for (int r = 0; r < MR; r++) {
+        float *yr = y + r * ldy + half * 16;
+        if (n == 16) {
+            _mm256_storeu_ps(yr, c0[r]);
+            _mm256_storeu_ps(yr + 8, c1[r]);
+        } else {
+            float t[16];
+            _mm256_storeu_ps(t, c0[r]);
+            _mm256_storeu_ps(t + 8, c1[r]);
+            memcpy(yr, t, (size_t)n * sizeof(float));
+        }
+    }
+}
+
+/* Rows in groups of at most 6, each over both halves of the panel (the half past cols skipped). */
+static inline __attribute__((always_inline)) void micro_avx2(const int MR, const float *x, int64_t ldx,
+                                                             const float *pan, int64_t K, float *y,
+                                                             int64_t ldy, int64_t cols) {
+    for (int r0 = 0; r0 < MR; r0 += 6) {
+        const int mr = MR - r0 < 6 ? MR - r0 : 6;
+        for (int half = 0; half < 2 && half * 16 < cols; half++) {
+            const float *xr = x + r0 * ldx;
+            float *yr = y + r0 * ldy;
+            switch (mr) {
+                case 1: micro_half(1, xr, ldx, pan, K, yr, ldy, cols, half); break;
+                case 2: micro_half(2, xr, ldx, pan, K, yr, ldy, cols, half); break;
+                case 3: micro_half(3, xr, ldx, pan, K, yr, ldy, cols, half); break;
+                case 4: micro_half(4, xr, ldx, pan, K, yr, ldy, cols, half); break;
+                case 5: micro_half(5, xr, ldx, pan, K, yr, ldy, cols, half); break;
+                default: micro_half(6, xr, ldx, pan, K, yr, ldy, cols, half); break;
+            }
+        }
+    }
+}
+#endif
+
 /* y[r, 0:cols] = sum_k x[r, k] * pan[k, 0:cols] for r < MR (MR a constant after inlining). */
 static inline __attribute__((always_inline)) void micro(const int MR, const float *x, int64_t ldx,
                                                         const float *pan, int64_t K, float *y,
@@ -157,6 +214,8 @@ static inline __attribute__((always_inline)) void micro(const int MR, const floa
         }
     }
     store_tile(MR, c0, c1, y, ldy, cols);
+#elif defined(__AVX2__) && defined(__FMA__)
+    micro_avx2(MR, x, ldx, pan, K, y, ldy, cols);
 #else
     float acc[MAX_MR][NR];
     for (int r = 0; r < MR; r++)
