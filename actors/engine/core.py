@@ -86,8 +86,7 @@ class EngineCore:
         kv, grammars = self.kv_manager.colocated(), self.grammar.colocated()
         structured = StructuredOutputs(grammars, cfg.model.arch.vocab_size)
         self._scheduler_core = scheduler = Scheduler(cfg, kv, structured)
-        if scheduler.connector is not None and self.rank_hosts:
-            scheduler.connector.set_rank_hosts(self.rank_hosts)
+        self._tell_rank_hosts()
         # the step-cost model fitted before the first request (pipeline stages: on the served steps)
         if cfg.scheduler.stall_free and cfg.parallel.pipeline_parallel_size == 1:
             t0 = time.monotonic()
@@ -142,6 +141,12 @@ class EngineCore:
         self.rank_hosts = await self.ray.host_ips()        # where each rank's KV side channel is
         return await self.ray.meeting_point() if self.world_size > 1 else ""
 
+    def _tell_rank_hosts(self) -> None:
+        """The KV connector's scheduler side learns where the Ray-placed ranks are."""
+        connector = self._scheduler_core.connector if self._scheduler_core is not None else None
+        if connector is not None and self.rank_hosts:
+            connector.set_rank_hosts(self.rank_hosts)
+
     async def _start_rank(self, rank: int, init_method: str):
         address = self.engine_address or endpoint(self.ipc_dir, self.node.name)
         spec = NodeSpec(self.worker_nodes[rank], "actors.worker.actor:worker_entry",
@@ -181,8 +186,7 @@ class EngineCore:
             return
         finally:
             self._restarting = False
-        if self._scheduler_core is not None and self._scheduler_core.connector is not None and self.rank_hosts:
-            self._scheduler_core.connector.set_rank_hosts(self.rank_hosts)    # the ranks may be elsewhere now
+        self._tell_rank_hosts()                 # the ranks may be on other machines now
         log.info("worker%s restarted (generation %d)", "s" if self.world_size > 1 else "", self.generation)
         self.executor.tell(WorkersUp(self.generation, self.worker_nodes, topology.WORKER))
         self.scheduler.tell(WorkersReady(self.generation))

@@ -117,10 +117,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             b = self.free_queue.popleft()
-            if b.block_hash is not None:
-                if self.cached.get(b.block_hash) is b:
-                    del self.cached[b.block_hash]
-                b.block_hash = None
+            self.uncache_block(b)
             b.owners.add(owner)
             out.append(b)
         return out
@@ -162,8 +159,8 @@ class BlockPool:
         self.cached[key] = b
 
     def uncache_block(self, b: KVCacheBlock) -> None:
-        """Take ``b`` out of the prefix cache: its tokens will not be computed after all (the
-        step that was to compute them dropped its request)."""
+        """Take ``b`` out of the prefix cache: it is handed out again, or its tokens will not be
+        computed after all (the step that was to compute them dropped its request)."""
         if b.block_hash is not None:
             if self.cached.get(b.block_hash) is b:
                 del self.cached[b.block_hash]

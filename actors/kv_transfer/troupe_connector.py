@@ -105,11 +105,11 @@ def _extra(kv_config: Any) -> dict[str, Any]:
 LOOPBACK = ("127.0.0.1", "localhost")
 
 
-def listen_ip(kv_ip: str, node_ip: str | None = None) -> str:
+def listen_ip(kv_ip: str) -> str:
     """Where a side channel listens: ``kv_ip``, unless that is the loopback default and the
-    process runs on a Ray cluster's machine (``TROUPE_NODE_IP``, or ``node_ip``), where the
-    machine's cluster address is, so the cluster's other machines reach it too."""
-    node_ip = node_ip or os.environ.get(NODE_IP_ENV)
+    process runs on a Ray cluster's machine (``TROUPE_NODE_IP``): there, the machine's cluster
+    address, so the cluster's other machines reach it too."""
+    node_ip = os.environ.get(NODE_IP_ENV)
     return node_ip if node_ip and kv_ip in LOOPBACK else kv_ip
 
 
