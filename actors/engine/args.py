@@ -184,9 +184,11 @@ class EngineArgs:
 
 def logits_processor_names(given: list[str | type] | tuple[str | type, ...] | None) -> tuple[str, ...]:
     """--logits-processors as names a worker process can import, each checked here (a class
-    that cannot be imported fails at start-up, naming it)."""
-    from models.logits_processors import check_processor_class
+    that cannot be imported fails at start-up, naming it). Without any, nothing is imported
+    (the check needs torch, which the frontend otherwise does without)."""
     names = tuple(qualified_name(c) for c in given or ())
+    if names:
+        from models.logits_processors import check_processor_class
     for name in names:
         check_processor_class(resolve_class(name, "--logits-processors"), "--logits-processors")
     return names

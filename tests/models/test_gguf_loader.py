@@ -71,7 +71,7 @@ def test_every_type_matches_the_gguf_reference(gguf_file):
     ours = read_gguf(path)
     reader = GGUFReader(path)
     data = np.memmap(path, mode="r")
-    assert {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "BF16", "Q4_0", "IQ4_XS"} <= {t.name for t in DEQUANTIZABLE}
+    assert {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "BF16", "Q4_0", "Q4_1", "Q5_0", "IQ4_XS"} <= {t.name for t in DEQUANTIZABLE}
     assert len(reader.tensors) == len(DEQUANTIZABLE) + 3
     for t in reader.tensors:
         info = ours.tensors[t.name]

@@ -127,13 +127,15 @@ def _runner(model, sizes=None) -> ModelRunner:
                                         block_size=BLOCK_SIZE), cudagraph_sizes=sizes)
 
 
-def test_padded_buffers_give_the_real_rows_the_eager_results(model):
+def test_padded_buffers_give_the_real_rows_the_eager_results(model, request):
     plain, padded = _runner(model), _runner(model, SIZES)
     calls = []
     run = padded.graphs.run
     padded.graphs.run = lambda desc, inp: calls.append((desc.num_reqs, inp.meta.num_reqs)) or run(desc, inp)
-    expected = padding_scenario(plain, BLOCK_SIZE, VOCAB)
-    got = padding_scenario(padded, BLOCK_SIZE, VOCAB)
+    triton = request.node.callspec.params["model"] == "triton"
+    steps = (5, 4, 2) if triton else (5, 12, 4)              # Triton's interpreter is slow
+    expected = padding_scenario(plain, BLOCK_SIZE, VOCAB, decode_steps=steps)
+    got = padding_scenario(padded, BLOCK_SIZE, VOCAB, decode_steps=steps)
     assert sorted(set(calls)) == [(1, 1), (2, 2), (4, 3), (8, 6)]
     assert_same_steps(expected, got, atol=1e-4)
 

@@ -87,12 +87,15 @@ def generate(runner, prompts: list[list[int]], max_tokens: int, block_size: int)
     return outs
 
 
-def padding_scenario(runner, block_size: int, vocab_size: int, seeded: bool = True) -> list:
+def padding_scenario(runner, block_size: int, vocab_size: int, seeded: bool = True,
+                     decode_steps: tuple[int, int, int] = (5, 12, 4)) -> list:
     """A fixed sequence of steps that covers decode padding for capture sizes (1, 2, 4, 8):
     batches of 6 (padded to 8), 3 (to 4, crossing block boundaries), then, once everything
     finished, 2 and 1 new short requests in rows that held longer block tables (stale columns).
-    One request samples with a seed (``seeded``). Returns, per step, (req_ids, sampled tokens,
-    {req_id: (top token ids, their log-probs)})."""
+    One request samples with a seed (``seeded``). ``decode_steps``: the decode steps of the 6-,
+    3- and 2-row phases (with block size 16, (5, 4, 2) still crosses a block boundary in the
+    first two: the short form for Triton's slow interpreter). Returns, per step, (req_ids,
+    sampled tokens, {req_id: (top token ids, their log-probs)})."""
     rng = np.random.default_rng(0)
     prompt = lambda n: rng.integers(1, vocab_size, n).tolist()   # noqa: E731
     d = StepDriver(runner, block_size)
@@ -101,14 +104,15 @@ def padding_scenario(runner, block_size: int, vocab_size: int, seeded: bool = Tr
                                       {r: (lp.token_ids, lp.logprobs) for r, lp in out.logprobs.items()}))
     keep(d.prefill({f"a{i}": prompt(n) for i, n in enumerate([3, 17, 40, 33, 9])}, GREEDY_LOGPROBS))
     keep(d.prefill({"s": prompt(12)}, SEEDED if seeded else GREEDY_LOGPROBS))
-    for _ in range(5):
+    six, three, two = decode_steps
+    for _ in range(six):
         keep(d.decode())                                  # 6 rows -> 8
     d.finish(["a0", "a2", "s"])
-    for _ in range(12):                                   # 3 rows -> 4
+    for _ in range(three):                                # 3 rows -> 4
         keep(d.decode())
     d.finish()
     keep(d.prefill({"b0": prompt(2), "b1": prompt(5)}, GREEDY_LOGPROBS))
-    for _ in range(4):
+    for _ in range(two):
         keep(d.decode())                                  # 2 rows, no padding
     d.finish(["b1"])
     keep(d.decode())                                      # 1 row
