@@ -29,6 +29,7 @@ joins a target of one group.
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -242,6 +243,21 @@ def stage_groups(groups: tuple[KVCacheGroupSpec, ...], start: int, end: int) -> 
                  for g in groups)
 
 
+def zeroed(numel: int, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
+    """A zero-filled 1-D buffer. On the CPU, private anonymous memory: its pages are zero when
+    first read and taken from the system when first written, so a KV cache costs nothing at
+    start-up (torch.zeros writes every page: about a second for the default model's 1 GiB here)
+    and only the blocks in use take memory."""
+    import torch
+    if torch.device(device).type != "cpu" or numel == 0:
+        return torch.zeros(numel, dtype=dtype, device=device)
+    size = torch.tensor([], dtype=dtype).element_size()
+    anon = mmap.mmap(-1, numel * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):          # fewer TLB misses when attention walks the blocks
+        anon.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(anon, dtype=torch.uint8).view(dtype)
+
+
 def create_kv_cache_views(specs: list[KVCacheSpec], num_blocks: int, dtype: torch.dtype,
                           device: Any = "cpu", groups: tuple[KVCacheGroupSpec, ...] | None = None,
                           layers: range | None = None) -> list[torch.Tensor]:
@@ -257,7 +273,7 @@ def create_kv_cache_views(specs: list[KVCacheSpec], num_blocks: int, dtype: torc
         raise ValueError(f"dtype {dtype} does not match the spec's {s.dtype_bytes}-byte elements")
     per_tensor = 2 * num_blocks * s.block_size * s.num_kv_heads * s.head_size
     n = group_size(groups)
-    buf = torch.zeros(per_tensor * n, dtype=dtype, device=device)
+    buf = zeroed(per_tensor * n, dtype, device)
     shape = (2, num_blocks, s.block_size, s.num_kv_heads, s.head_size)
     tensors = [buf[j * per_tensor:(j + 1) * per_tensor].view(shape) for j in range(n)]
     views: list[torch.Tensor | None] = [None] * len(specs)

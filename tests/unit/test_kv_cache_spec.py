@@ -2,6 +2,7 @@
 an unknown kind is a clear error), and the per-layer views of one buffer."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -46,6 +47,20 @@ def test_layer_views_share_one_buffer_and_do_not_overlap():
     assert all(v.untyped_storage().data_ptr() == base for v in views)
     views[1].fill_(1.0)
     assert views[0].sum() == 0 and views[2].sum() == 0
+
+
+def test_a_cpu_kv_cache_takes_memory_only_for_the_blocks_written():
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    specs = [FullAttentionSpec(16, 4, 64, 4) for _ in range(8)]     # 512 blocks: 128 MiB in all
+    before = rss_mib()
+    views = create_kv_cache_views(specs, num_blocks=512, dtype=torch.float32)
+    assert rss_mib() - before < 32
+    assert all(float(v.abs().max()) == 0.0 for v in views[:2])       # reads as zeros
+    views[3][:, :64].fill_(1.0)                                       # 2 MiB of one layer
+    assert 1.5 < rss_mib() - before < 40
+    assert float(views[3].sum()) == 2 * 64 * 16 * 4 * 64
 
 
 def test_num_blocks_for_a_memory_budget():
