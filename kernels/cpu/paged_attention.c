@@ -30,6 +30,9 @@
  * stream at every block; spread out, the prefetches overlap the arithmetic).
  * A request cut into several chunks has its partial (max, sum, accumulator) merged by their
  * log-sum-exps at the end.
+ * The tile is written for AVX-512 (16-lane vectors, head sizes a multiple of 16) and for AVX2
+ * (pa_tile256: two 8-lane vectors of scores per tile, head sizes a multiple of 8); other head
+ * sizes and CPUs take a portable tile in plain C.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,7 +41,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -164,6 +167,7 @@ static inline void pa_row_to_f32(const char *src, int kt, int64_t n, float *dst)
 }
 
 #ifdef __AVX512F__
+#define PA_VW 16            /* the tile's vector width: 16 float32 lanes */
 /* 16 consecutive elements of a cache row (kt a compile-time constant where inlined) as float32;
  * e4m3 bytes as 2^-8 of their value (see pa_read_factor). */
 static inline __attribute__((always_inline)) __m512 pa_load16(const char *p, const int kt) {
@@ -316,12 +320,190 @@ PA_TILE_FNS(0) PA_TILE_FNS(1) PA_TILE_FNS(2) PA_TILE_FNS(3) PA_TILE_FNS(4)
 #define PA_TILE_ROW(KT, DV) {pa_tile512_##KT##_1_##DV, pa_tile512_##KT##_2_##DV, pa_tile512_##KT##_3_##DV, \
                              pa_tile512_##KT##_4_##DV}
 /* [element type][D / 16 == 4, == 8, other][heads - 1] */
-static const pa_tile_fn pa_tiles512[PA_KT_COUNT][3][PA_GROUP] = {
+static const pa_tile_fn pa_tiles[PA_KT_COUNT][3][PA_GROUP] = {
     {PA_TILE_ROW(0, 4), PA_TILE_ROW(0, 8), PA_TILE_ROW(0, 0)},
     {PA_TILE_ROW(1, 4), PA_TILE_ROW(1, 8), PA_TILE_ROW(1, 0)},
     {PA_TILE_ROW(2, 4), PA_TILE_ROW(2, 8), PA_TILE_ROW(2, 0)},
     {PA_TILE_ROW(3, 4), PA_TILE_ROW(3, 8), PA_TILE_ROW(3, 0)},
     {PA_TILE_ROW(4, 4), PA_TILE_ROW(4, 8), PA_TILE_ROW(4, 0)},
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PA_VW 8             /* the tile's vector width: 8 float32 lanes */
+/* 8 consecutive elements of a cache row as float32 (as pa_load16, 8 lanes). */
+static inline __attribute__((always_inline)) __m256 pa_load8(const char *p, const int kt) {
+    if (kt == PA_FP8E4M3) {   /* s eeee mmm -> float16 s 0eeee mmm0000000: bias 15 for 7 */
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                                       _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+        return _mm256_cvtph_ps(h);
+    }
+    if (kt == PA_FP8E5M2)     /* the top byte of a float16 */
+        return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
+    if (kt == PA_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (kt == PA_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+
+/* expf of 8 lanes, x <= 0 here (scores minus their running max): Cephes' polynomial, about 1
+ * ulp; below -87 (where expf is subnormal or 0, -inf included) 0, negligible next to the max's 1. */
+static inline __m256 pa_exp256(__m256 x) {
+    const __m256 gone = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(gone, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));     /* p * 2^n */
+}
+
+/* v[t] (t < 8): 8 partial sums of token t -> lane t: the sum of v[t] (a transpose-and-add in
+ * three levels, as pa_sum16). */
+static inline __m256 pa_sum8(const __m256 *v) {
+    __m256 a[4], b[2];
+    for (int i = 0; i < 4; i++)          /* lanes: t0 t1 t0 t1 | t0 t1 t0 t1 of pair i */
+        a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) {        /* lanes: t0 t1 t2 t3 | t0 t1 t2 t3 of quad i */
+        const __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
+        b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+
+static inline float pa_hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline float pa_hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* pa_tile512 for AVX2 (16 registers of 8 lanes): the tile's 16 positions as two vectors of 8
+ * scores per head, and the values added into register accumulators a few vectors of D at a time
+ * (fewer when more heads share the KV head). DVc: D / 8 when known at compile time. */
+static inline __attribute__((always_inline)) void
+pa_tile256(const int NH, const int64_t DVc, const int KT, const float *qh, const char *k, const char *v,
+           int64_t ts, int n, int64_t Dr, float scale, float *m, float *l, float *acc, const char *kp,
+           const char *vp, int np) {
+    const int64_t DV = DVc ? DVc : Dr / 8, D = 8 * DV;
+    const int64_t ES = PA_ES(KT), tb = ts * ES;
+    const int CW = NH <= 2 ? 4 : 2;            /* vectors of D per head in registers at once */
+    __m256 sc[PA_GROUP][2];
+    for (int half = 0; half < 2; half++) {
+        if (half * 8 >= n) {
+            for (int h = 0; h < NH; h++) sc[h][half] = _mm256_set1_ps(-INFINITY);
+            continue;
+        }
+        __m256 part[PA_GROUP][8];
+        for (int tt = 0; tt < 8; tt++) {
+            const int t = half * 8 + tt;
+            if (t >= n) {
+                for (int h = 0; h < NH; h++) part[h][tt] = _mm256_setzero_ps();
+                continue;
+            }
+            const char *kt = k + t * tb;
+            if (t < np)
+                for (int64_t x = 0; x < D * ES; x += 64) {
+                    __builtin_prefetch(kp + t * tb + x, 0, PA_PF_LOC);
+                    __builtin_prefetch(vp + t * tb + x, 0, PA_PF_LOC);
+                }
+            __m256 s[PA_GROUP];
+            for (int h = 0; h < NH; h++) s[h] = _mm256_setzero_ps();
+            for (int64_t dv = 0; dv < DV; dv++) {
+                const __m256 kk = pa_load8(kt + 8 * dv * ES, KT);
+                for (int h = 0; h < NH; h++)
+                    s[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + h * D + 8 * dv), kk, s[h]);
+            }
+            for (int h = 0; h < NH; h++) part[h][tt] = s[h];
+        }
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n - half * 8), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        for (int h = 0; h < NH; h++)
+            sc[h][half] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                           _mm256_mul_ps(pa_sum8(part[h]), _mm256_set1_ps(scale)), valid);
+    }
+    float p[PA_GROUP][PA_TILE] __attribute__((aligned(32)));
+    float c[PA_GROUP];
+    for (int h = 0; h < NH; h++) {
+        const float mx = pa_hmax8(_mm256_max_ps(sc[h][0], sc[h][1]));
+        const float mnew = mx > m[h] ? mx : m[h];
+        c[h] = mnew == m[h] ? 1.f : expf(m[h] - mnew);  /* 0 for the first tile (m = -inf) */
+        const __m256 mb = _mm256_set1_ps(mnew);
+        const __m256 e0 = pa_exp256(_mm256_sub_ps(sc[h][0], mb)), e1 = pa_exp256(_mm256_sub_ps(sc[h][1], mb));
+        l[h] = l[h] * c[h] + pa_hsum8(_mm256_add_ps(e0, e1));
+        m[h] = mnew;
+        _mm256_store_ps(p[h], e0);
+        _mm256_store_ps(p[h] + 8, e1);
+    }
+    /* acc[h] = acc[h] * c[h] + sum_t p[h][t] v[t], CW vectors of D at a time in registers */
+    for (int64_t d0 = 0; d0 < DV; d0 += CW) {
+        if (DV - d0 >= CW) {
+            __m256 a[PA_GROUP][4];
+            for (int h = 0; h < NH; h++)
+                for (int j = 0; j < CW; j++)
+                    a[h][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + 8 * (d0 + j)), _mm256_set1_ps(c[h]));
+            for (int t = 0; t < n; t++) {
+                const char *vt = v + t * tb + 8 * d0 * ES;
+                __m256 vv[4];
+                for (int j = 0; j < CW; j++) vv[j] = pa_load8(vt + 8 * j * ES, KT);
+                for (int h = 0; h < NH; h++) {
+                    const __m256 pb = _mm256_set1_ps(p[h][t]);
+                    for (int j = 0; j < CW; j++) a[h][j] = _mm256_fmadd_ps(pb, vv[j], a[h][j]);
+                }
+            }
+            for (int h = 0; h < NH; h++)
+                for (int j = 0; j < CW; j++) _mm256_storeu_ps(acc + h * D + 8 * (d0 + j), a[h][j]);
+        } else {
+            for (int64_t j = d0; j < DV; j++) {
+                __m256 a[PA_GROUP];
+                for (int h = 0; h < NH; h++)
+                    a[h] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + 8 * j), _mm256_set1_ps(c[h]));
+                for (int t = 0; t < n; t++) {
+                    const __m256 vv = pa_load8(v + t * tb + 8 * j * ES, KT);
+                    for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(_mm256_set1_ps(p[h][t]), vv, a[h]);
+                }
+                for (int h = 0; h < NH; h++) _mm256_storeu_ps(acc + h * D + 8 * j, a[h]);
+            }
+        }
+    }
+}
+
+typedef void (*pa_tile_fn)(const float *, const char *, const char *, int64_t, int, int64_t, float,
+                           float *, float *, float *, const char *, const char *, int);
+#define PA_TILE_FN(KT, NH, DV)                                                                       \
+    static void pa_tile256_##KT##_##NH##_##DV(const float *q, const char *k, const char *v, int64_t ts,\
+                                              int n, int64_t D, float scale, float *m, float *l,      \
+                                              float *acc, const char *kp, const char *vp, int np) {   \
+        pa_tile256(NH, DV, KT, q, k, v, ts, n, D, scale, m, l, acc, kp, vp, np);                      \
+    }
+#define PA_TILE_FNS(KT)                                                                              \
+    PA_TILE_FN(KT, 1, 0) PA_TILE_FN(KT, 2, 0) PA_TILE_FN(KT, 3, 0) PA_TILE_FN(KT, 4, 0)               \
+    PA_TILE_FN(KT, 1, 8) PA_TILE_FN(KT, 2, 8) PA_TILE_FN(KT, 3, 8) PA_TILE_FN(KT, 4, 8)               \
+    PA_TILE_FN(KT, 1, 16) PA_TILE_FN(KT, 2, 16) PA_TILE_FN(KT, 3, 16) PA_TILE_FN(KT, 4, 16)
+PA_TILE_FNS(0) PA_TILE_FNS(1) PA_TILE_FNS(2) PA_TILE_FNS(3) PA_TILE_FNS(4)
+#define PA_TILE_ROW(KT, DV) {pa_tile256_##KT##_1_##DV, pa_tile256_##KT##_2_##DV, pa_tile256_##KT##_3_##DV, \
+                             pa_tile256_##KT##_4_##DV}
+/* [element type][D == 64, == 128, other][heads - 1] */
+static const pa_tile_fn pa_tiles[PA_KT_COUNT][3][PA_GROUP] = {
+    {PA_TILE_ROW(0, 8), PA_TILE_ROW(0, 16), PA_TILE_ROW(0, 0)},
+    {PA_TILE_ROW(1, 8), PA_TILE_ROW(1, 16), PA_TILE_ROW(1, 0)},
+    {PA_TILE_ROW(2, 8), PA_TILE_ROW(2, 16), PA_TILE_ROW(2, 0)},
+    {PA_TILE_ROW(3, 8), PA_TILE_ROW(3, 16), PA_TILE_ROW(3, 0)},
+    {PA_TILE_ROW(4, 8), PA_TILE_ROW(4, 16), PA_TILE_ROW(4, 0)},
 };
 #endif
 
@@ -380,9 +562,9 @@ static void pa_range(const pa_ctx *cx, const float *qb, const int32_t *tab, int6
         l[h] = 0.f;
     }
     memset(acc, 0, sizeof(float) * H * D);
-#ifdef __AVX512F__
-    const int vec = D % 16 == 0;
-    const pa_tile_fn *tiles = pa_tiles512[cx->kt][D == 64 ? 0 : D == 128 ? 1 : 2];
+#ifdef PA_VW
+    const int vec = D % PA_VW == 0;
+    const pa_tile_fn *tiles = pa_tiles[cx->kt][D == 64 ? 0 : D == 128 ? 1 : 2];
 #endif
     for (int64_t pos = p0; pos < p1;) {
         const int64_t in_blk = pos % BS;
@@ -414,7 +596,7 @@ static void pa_range(const pa_ctx *cx, const float *qb, const int32_t *tab, int6
                 const float *qh = qb + h0 * D;
                 float *mh = m + h0, *lh = l + h0, *ah = acc + h0 * D;
                 const int np = h0 == g * G ? (int)an : 0;
-#ifdef __AVX512F__
+#ifdef PA_VW
                 if (vec) {
                     tiles[nh - 1](qh, k, v, ts, (int)n, D, cx->scale, mh, lh, ah, ka + g * D * es,
                                   va + g * D * es, np);
@@ -473,8 +655,8 @@ void paged_decode_lse(const float *q, const void *kv, int64_t kt, const int32_t 
                       const float *k_scale, const float *v_scale, float *lse) {
     if (B <= 0 || kt < PA_F32 || kt >= PA_KT_COUNT) return;
     int vec = 0;
-#ifdef __AVX512F__
-    vec = D % 16 == 0;
+#ifdef PA_VW
+    vec = D % PA_VW == 0;
 #endif
     pa_ctx cx;
     cx.kt = (int)kt;

@@ -302,7 +302,7 @@ def test_native_decode_kernel(lens, H, KVH, window):
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("D", [16, 24, 48, 64, 128, 256])   # 24: the portable (non-AVX-512) tile
+@pytest.mark.parametrize("D", [16, 20, 24, 48, 64, 128, 256])   # 20: the portable tile; 24: AVX2 only
 @pytest.mark.parametrize("BS", [1, 5, 16, 32])
 @pytest.mark.parametrize("window", [None, 20])
 def test_native_decode_kernel_shapes(D, BS, window):
@@ -334,7 +334,7 @@ def test_native_decode_ignores_positions_past_seq_len():
 # ---- a 16-bit KV cache (--kv-cache-dtype float16 / bfloat16) ---------------------------------------
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [24, 64, 128])                              # 24: the portable path
+@pytest.mark.parametrize("D", [20, 24, 64, 128])                          # 20: the portable tile; 24: AVX2 only
 @pytest.mark.parametrize("window", [None, 20])
 def test_native_decode_reads_a_16_bit_cache_exactly_as_its_float32_widening(kv_dtype, D, window):
     from kernels.cpu.native import available, paged_decode
@@ -639,7 +639,7 @@ def _fp8_cache(cache, dtype, scale):
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
-@pytest.mark.parametrize("D", [24, 64, 128])                              # 24: the portable path
+@pytest.mark.parametrize("D", [20, 24, 64, 128])                          # 20: the portable tile; 24: AVX2 only
 @pytest.mark.parametrize("window", [None, 20])
 def test_native_decode_reads_an_fp8_cache_as_its_dequantized_values(dtype, D, window):
     """The kernel's only error is the fp8 storage: against the float64 reference over the same
