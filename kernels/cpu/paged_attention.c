@@ -796,8 +796,8 @@ void paged_decode_lse(const float *q, const void *kv, int64_t kt, const int32_t 
  *   2. the causal mask on the diagonal tile only; the 16 rows' maxima and sums as one vector
  *      each (transpose-and-reduce), one rescale per row per tile, the vectorized exp;
  *   3. acc += P V, 4 rows x 4 vectors of D held in registers per pass over the tile's values.
- * D not a multiple of 16 (or no AVX-512) takes a plain C path: per query, its scores, softmax
- * and weighted sum of values.
+ * On AVX2 CPUs (cp_item256) the same with 8-lane vectors, for D a multiple of 8. Other D and
+ * CPUs take a plain C path: per query, its scores, softmax and weighted sum of values.
  * Returns 0, or -1 when its scratch memory could not be allocated (nothing written then).
  */
 #define CP_TILE 16
@@ -938,6 +938,138 @@ typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64
                    lse0, ls0);                                                                     \
     }
 CP_ITEM_FN(0) CP_ITEM_FN(4) CP_ITEM_FN(8)
+static const cp_item_fn cp_items[3] = {cp_item512_4, cp_item512_8, cp_item512_0};   /* D 64, 128, other */
+#define CP_VW 16
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* acc rows rg..rg+3 (of one head, D apart), vectors d0..d0+W-1 of 8: acc = acc * c + P V. */
+static inline __attribute__((always_inline)) void
+cp_pv256(const int W, float *ah, int64_t D, int rg, int64_t d0, const float *cr, const float *P, const float *V,
+         int64_t vs0, int nk) {
+    __m256 a[4][2];
+    for (int i = 0; i < 4; i++) {
+        const __m256 ci = _mm256_set1_ps(cr[rg + i]);
+        for (int j = 0; j < W; j++) a[i][j] = _mm256_mul_ps(_mm256_load_ps(ah + (rg + i) * D + 8 * (d0 + j)), ci);
+    }
+    for (int t = 0; t < nk; t++) {
+        const float *vt = V + t * vs0 + 8 * d0;
+        __m256 vv[2];
+        for (int j = 0; j < W; j++) vv[j] = _mm256_loadu_ps(vt + 8 * j);
+        for (int i = 0; i < 4; i++) {
+            const __m256 pb = _mm256_set1_ps(P[(rg + i) * CP_TILE + t]);
+            for (int j = 0; j < W; j++) a[i][j] = _mm256_fmadd_ps(pb, vv[j], a[i][j]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < W; j++) _mm256_store_ps(ah + (rg + i) * D + 8 * (d0 + j), a[i][j]);
+}
+
+/* cp_item512 for AVX2 (16 registers of 8 lanes): a row's 16 scores are two vectors, computed
+ * 4 rows at a time over D; the softmax goes row by row (a horizontal max and sum per row and
+ * tile); acc += P V 4 rows x 2 vectors of D at a time. Same arguments and scratch layout. */
+static inline __attribute__((always_inline)) void
+cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
+           const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
+           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0) {
+    const int64_t DV = DVc ? DVc : Dr / 8, D = 8 * DV;
+    float *Qs = ws;                                  /* [G][16][D], scaled, padded rows zero */
+    float *acc = Qs + (int64_t)G * CP_TILE * D;      /* [G][16][D] */
+    float *mv = acc + (int64_t)G * CP_TILE * D;      /* [G][16] running max */
+    float *lv = mv + G * CP_TILE;                    /* [G][16] running sum */
+    float *P = lv + G * CP_TILE;                     /* [16][16] scores, then probabilities */
+    float *cr = P + CP_TILE * CP_TILE;               /* [16] rescale per row */
+    for (int h = 0; h < G; h++)
+        for (int r = 0; r < CP_TILE; r++) {
+            float *dst = Qs + (h * CP_TILE + r) * D;
+            if (r >= r0 && r < nq) {
+                const float *src = q0 + (r - r0) * qs0 + h * qs1;
+                for (int64_t d = 0; d < D; d += 8)
+                    _mm256_store_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), _mm256_set1_ps(scale)));
+            } else {
+                memset(dst, 0, sizeof(float) * D);
+            }
+        }
+    memset(acc, 0, sizeof(float) * G * CP_TILE * D);
+    for (int i = 0; i < G * CP_TILE; i++) {
+        mv[i] = -INFINITY;
+        lv[i] = 0.f;
+    }
+    const int rows = (nq + 3) & ~3;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lane8 = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
+    for (int64_t kt = 0; kt <= qt; kt++) {
+        const float *K = kT + kt * kstep;
+        const float *V = V0 + kt * CP_TILE * vs0;
+        const int diag = kt == qt, nk = diag ? nq : CP_TILE;
+        for (int h = 0; h < G; h++) {
+            const float *Qh = Qs + h * CP_TILE * D;
+            for (int rg = 0; rg < rows; rg += 4) {
+                __m256 s[4][2];
+                for (int i = 0; i < 4; i++) s[i][0] = s[i][1] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d++) {
+                    const __m256 k0 = _mm256_load_ps(K + d * CP_TILE), k1 = _mm256_load_ps(K + d * CP_TILE + 8);
+                    for (int i = 0; i < 4; i++) {
+                        const __m256 qb = _mm256_set1_ps(Qh[(rg + i) * D + d]);
+                        s[i][0] = _mm256_fmadd_ps(qb, k0, s[i][0]);
+                        s[i][1] = _mm256_fmadd_ps(qb, k1, s[i][1]);
+                    }
+                }
+                for (int i = 0; i < 4; i++) {
+                    _mm256_store_ps(P + (rg + i) * CP_TILE, s[i][0]);
+                    _mm256_store_ps(P + (rg + i) * CP_TILE + 8, s[i][1]);
+                }
+            }
+            float *mh = mv + h * CP_TILE, *lh = lv + h * CP_TILE;
+            for (int r = 0; r < rows; r++) {
+                __m256 s0 = _mm256_load_ps(P + r * CP_TILE), s1 = _mm256_load_ps(P + r * CP_TILE + 8);
+                if (diag) {            /* keys past the row's position: -inf, so exp gives 0 */
+                    const __m256i lim = _mm256_set1_epi32(r + 1);
+                    s0 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s0, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, lane)));
+                    s1 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s1, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, lane8)));
+                }
+                const float rmax = pa_hmax8(_mm256_max_ps(s0, s1));
+                const float mold = mh[r], mnew = rmax > mold ? rmax : mold;
+                const float c = expf(mold - mnew);         /* 0 on the first tile */
+                const __m256 mb = _mm256_set1_ps(mnew);
+                const __m256 e0 = pa_exp256(_mm256_sub_ps(s0, mb)), e1 = pa_exp256(_mm256_sub_ps(s1, mb));
+                _mm256_store_ps(P + r * CP_TILE, e0);
+                _mm256_store_ps(P + r * CP_TILE + 8, e1);
+                lh[r] = lh[r] * c + pa_hsum8(_mm256_add_ps(e0, e1));
+                mh[r] = mnew;
+                cr[r] = c;
+            }
+            float *ah = acc + h * CP_TILE * D;
+            for (int rg = 0; rg < rows; rg += 4) {
+                int64_t d0 = 0;
+                for (; d0 + 2 <= DV; d0 += 2) cp_pv256(2, ah, D, rg, d0, cr, P, V, vs0, nk);
+                for (; d0 < DV; d0++) cp_pv256(1, ah, D, rg, d0, cr, P, V, vs0, nk);
+            }
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int r = r0; r < nq; r++) {
+            const float l = lv[h * CP_TILE + r];
+            const __m256 inv = _mm256_set1_ps(l > 0.f ? 1.f / l : 0.f);
+            const float *a = acc + (h * CP_TILE + r) * D;
+            float *dst = o0 + (r - r0) * os0 + h * os1;
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(a + d), inv));
+            if (lse0) lse0[(r - r0) * ls0 + h] = l > 0.f ? mv[h * CP_TILE + r] + logf(l) : -INFINITY;
+        }
+}
+
+typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
+                           float *, int64_t, int64_t, int64_t, int, int, int, int64_t, float, float *,
+                           float *, int64_t);
+#define CP_ITEM_FN(DV)                                                                             \
+    static void cp_item256_##DV(const float *q0, int64_t qs0, int64_t qs1, const float *kT,        \
+                                int64_t kstep, const float *V0, int64_t vs0, float *o0, int64_t os0, \
+                                int64_t os1, int64_t qt, int r0, int nq, int G, int64_t D,          \
+                                float scale, float *ws, float *lse0, int64_t ls0) {                \
+        cp_item256(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws, \
+                   lse0, ls0);                                                                     \
+    }
+CP_ITEM_FN(0) CP_ITEM_FN(8) CP_ITEM_FN(16)
+static const cp_item_fn cp_items[3] = {cp_item256_8, cp_item256_16, cp_item256_0};  /* D 64, 128, other */
+#define CP_VW 8
 #endif
 
 /* Portable item: per query of the tile and head, its scores, softmax and weighted values.
@@ -985,8 +1117,8 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
     if (R <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0) return R <= 0 ? 0 : -1;
     const int64_t G = H / KVH;
     int vec = 0;
-#ifdef __AVX512F__
-    vec = D % 16 == 0;
+#ifdef CP_VW
+    vec = D % CP_VW == 0;
 #endif
     /* key tiles of the requests (ktile_base[i]: those of the requests before i); query tiles
      * are the key tiles from the one of position ctx[i] on */
@@ -1051,8 +1183,8 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
         }
         #pragma omp barrier
         if (!failed) {
-#ifdef __AVX512F__
-            const cp_item_fn fn = D == 64 ? cp_item512_4 : D == 128 ? cp_item512_8 : cp_item512_0;
+#ifdef CP_VW
+            const cp_item_fn fn = cp_items[D == 64 ? 0 : D == 128 ? 1 : 2];
 #endif
             #pragma omp for schedule(dynamic, 1)
             for (int64_t x = 0; x < items; x++) {
@@ -1065,7 +1197,7 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
                 float *o0 = out + row * os0 + g * G * os1;
                 float *lse0 = lse ? lse + row * ls0 + g * G : NULL;
                 const float *V0 = v + kstarts[i] * vs0 + g * vs1;
-#ifdef __AVX512F__
+#ifdef CP_VW
                 if (vec) {
                     fn(q0, qs0, qs1, kT + (ktile_base[i] * KVH + g) * D * CP_TILE, KVH * D * CP_TILE, V0, vs0,
                        o0, os0, os1, qt, r0, nq, (int)G, D, scale, ws, lse0, ls0);
