@@ -46,11 +46,13 @@ test-fast: install
 
 # Our side of README "Benchmarks" (the peers are measured by hand, commands there): the small
 # offline workload in exact and in the fastest quantized configuration, then single stream.
+# gguf-i8 needs AVX512-VNNI; on other CPUs the quantized runs are gguf.
+QUANT = $(shell $(PY) -c "from kernels.cpu.panels import int8_available; print('gguf-i8' if int8_available() else 'gguf')")
 bench: install
 	$(PY) -m tools.bench offline --n 32 --in 64 256 --out 64 128 --seed 0 $(ARGS)
-	$(PY) -m tools.bench offline --n 32 --in 64 256 --out 64 128 --seed 0 --quantization gguf-i8 --kv-cache-dtype float16 $(ARGS)
+	$(PY) -m tools.bench offline --n 32 --in 64 256 --out 64 128 --seed 0 --quantization $(QUANT) --kv-cache-dtype float16 $(ARGS)
 	$(PY) -m tools.bench latency
-	$(PY) -m tools.bench latency --quantization gguf-i8
+	$(PY) -m tools.bench latency --quantization $(QUANT)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
