@@ -3,6 +3,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import types
 
 
 def run_async(coro, timeout: float = 60.0):
@@ -146,12 +147,41 @@ def save_tiny_lora(hf_path, out, r: int, targets: list[str], seed: int, rslora: 
     return peft_model.eval()
 
 
+class _PlainArrays(types.ModuleType):
+    """numpy, but whose memmap is a plain array over the same mapping: GGUFReader slices its file
+    once per field part (two per vocabulary entry), and a memmap's Python-level slicing hooks are
+    a third of a large vocabulary's parse; the bytes and the parse are the same."""
+
+    def __getattr__(self, name: str):
+        import numpy
+        return getattr(numpy, name)
+
+    @staticmethod
+    def memmap(path, mode="r"):
+        import numpy
+        return numpy.asarray(numpy.memmap(path, mode=mode))
+
+
 @functools.lru_cache(maxsize=None)
 def _gguf_reader(path: str):
-    return _GGUF_READER(path)
+    import gguf.gguf_reader
+    numpy = gguf.gguf_reader.np
+    gguf.gguf_reader.np = _PlainArrays("numpy")
+    try:
+        return _GGUF_READER(path)
+    finally:
+        gguf.gguf_reader.np = numpy
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_name_map(arch, n_blocks: int):
+    """gguf's table of tensor names for an architecture: transformers builds it anew for every
+    submodule of the model it maps (seconds for a 30-layer model); it is only read."""
+    return _TENSOR_NAME_MAP(arch, n_blocks)
 
 
 _GGUF_READER = None
+_TENSOR_NAME_MAP = None
 
 
 @contextlib.contextmanager
@@ -159,16 +189,19 @@ def _one_gguf_reader_per_file():
     """transformers parses a GGUF file with gguf's GGUFReader for the config, again for the
     tokenizer and again for the weights; the parse (a Python object per vocabulary entry) is what
     takes it tens of seconds. While this holds, each file is parsed once per test process and the
-    same read-only reader is handed to every load (transformers imports GGUFReader from gguf when
-    it loads)."""
-    global _GGUF_READER
+    same read-only reader is handed to every load, and gguf's tensor-name table is built once per
+    architecture (transformers imports both from gguf when it loads)."""
+    global _GGUF_READER, _TENSOR_NAME_MAP
     import gguf
     _GGUF_READER = _GGUF_READER or gguf.GGUFReader
+    _TENSOR_NAME_MAP = _TENSOR_NAME_MAP or gguf.get_tensor_name_map
     gguf.GGUFReader = lambda path, mode="r": _gguf_reader(os.fspath(path)) if mode == "r" else _GGUF_READER(path, mode)
+    gguf.get_tensor_name_map = _tensor_name_map
     try:
         yield
     finally:
         gguf.GGUFReader = _GGUF_READER
+        gguf.get_tensor_name_map = _TENSOR_NAME_MAP
 
 
 @functools.lru_cache(maxsize=None)
