@@ -86,6 +86,17 @@ def test_float32_panels_match_plain_product(rows, shape):
     assert _close(got, x.double() @ w.double().T)
 
 
+def test_a_float32_row_gives_the_same_bits_alone_in_a_pair_and_in_any_batch():
+    """Exact mode's promise: each output sums its products in input order, whatever tile (one
+    or two rows stream the whole panel, more rows go in tiles) its row lands in."""
+    w = PanelWeight.pack_f32(torch.randn(200, 576))
+    x = torch.randn(300, 576)
+    full = matmul(x, w)
+    for rows in (1, 2, 3, 5, 6, 7, 12, 13, 64):
+        assert torch.equal(matmul(x[:rows], w), full[:rows])
+    assert torch.equal(matmul(x[41:43], w), full[41:43])
+
+
 def _bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """What the bfloat16 panels compute: both operands rounded to bfloat16, exact products."""
     return x.bfloat16().double() @ w.bfloat16().double().T
