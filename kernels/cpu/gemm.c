@@ -104,6 +104,22 @@ static void dequant_panel(int kind, const uint8_t *codes, const uint16_t *d, con
                 _mm512_storeu_ps(out + k * NR, _mm512_add_ps(_mm512_mul_ps(d0, q0), m0));
                 _mm512_storeu_ps(out + k * NR + 16, _mm512_add_ps(_mm512_mul_ps(d1, q1), m1));
             }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+            __m256 dv[4], mv[4];
+            for (int j = 0; j < 4; j++) {
+                dv[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(db + 8 * j)));
+                mv[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mb + 8 * j)));
+            }
+            const __m128i low4 = _mm_set1_epi8(0x0F);
+            for (int64_t k = b * QK; k < (b + 1) * QK; k++) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(c + k * 16));
+                const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+                const __m128i q8[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};   /* columns 8 j .. */
+                for (int j = 0; j < 4; j++) {
+                    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8[j]));
+                    _mm256_storeu_ps(out + k * NR + 8 * j, _mm256_add_ps(_mm256_mul_ps(dv[j], q), mv[j]));
+                }
+            }
 #else
             float ds[NR], ms[NR];
             for (int j = 0; j < NR; j++) { ds[j] = f16_to_f32(db[j]); ms[j] = f16_to_f32(mb[j]); }
@@ -131,6 +147,16 @@ static void dequant_panel(int kind, const uint8_t *codes, const uint16_t *d, con
                 const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ck + 16))));
                 _mm512_storeu_ps(out + k * NR, _mm512_mul_ps(d0, q0));
                 _mm512_storeu_ps(out + k * NR + 16, _mm512_mul_ps(d1, q1));
+            }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+            __m256 dv[4];
+            for (int j = 0; j < 4; j++) dv[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(db + 8 * j)));
+            for (int64_t k = b * QK; k < (b + 1) * QK; k++) {
+                const int8_t *ck = c + k * NR;
+                for (int j = 0; j < 4; j++) {
+                    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(ck + 8 * j))));
+                    _mm256_storeu_ps(out + k * NR + 8 * j, _mm256_mul_ps(dv[j], q));
+                }
             }
 #else
             float ds[NR];
