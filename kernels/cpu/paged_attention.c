@@ -166,6 +166,32 @@ static inline void pa_row_to_f32(const char *src, int kt, int64_t n, float *dst)
         }
 }
 
+/* The tile functions of a vector width, instantiated per element type KT, heads NH and D / lanes
+ * DV (0: any, read at run time) from one always-inline template T, and their table
+ * pa_tiles[element type][D == 64, == 128, other][heads - 1] (DV64, DV128: D / lanes there). */
+typedef void (*pa_tile_fn)(const float *, const char *, const char *, int64_t, int, int64_t, float,
+                           float *, float *, float *, const char *, const char *, int);
+#define PA_TILE_FN(T, KT, NH, DV)                                                                    \
+    static void T##_##KT##_##NH##_##DV(const float *q, const char *k, const char *v, int64_t ts,      \
+                                       int n, int64_t D, float scale, float *m, float *l,             \
+                                       float *acc, const char *kp, const char *vp, int np) {          \
+        T(NH, DV, KT, q, k, v, ts, n, D, scale, m, l, acc, kp, vp, np);                              \
+    }
+#define PA_TILE_FNS(T, KT, DV)                                                                       \
+    PA_TILE_FN(T, KT, 1, DV) PA_TILE_FN(T, KT, 2, DV) PA_TILE_FN(T, KT, 3, DV) PA_TILE_FN(T, KT, 4, DV)
+#define PA_TILE_ROW(T, KT, DV) {T##_##KT##_1_##DV, T##_##KT##_2_##DV, T##_##KT##_3_##DV, T##_##KT##_4_##DV}
+#define PA_TILE_KT(T, KT, DV64, DV128) PA_TILE_FNS(T, KT, 0) PA_TILE_FNS(T, KT, DV64) PA_TILE_FNS(T, KT, DV128)
+#define PA_TILE_TABLE(T, DV64, DV128)                                                                \
+    PA_TILE_KT(T, 0, DV64, DV128) PA_TILE_KT(T, 1, DV64, DV128) PA_TILE_KT(T, 2, DV64, DV128)        \
+    PA_TILE_KT(T, 3, DV64, DV128) PA_TILE_KT(T, 4, DV64, DV128)                                      \
+    static const pa_tile_fn pa_tiles[PA_KT_COUNT][3][PA_GROUP] = {                                   \
+        {PA_TILE_ROW(T, 0, DV64), PA_TILE_ROW(T, 0, DV128), PA_TILE_ROW(T, 0, 0)},                    \
+        {PA_TILE_ROW(T, 1, DV64), PA_TILE_ROW(T, 1, DV128), PA_TILE_ROW(T, 1, 0)},                    \
+        {PA_TILE_ROW(T, 2, DV64), PA_TILE_ROW(T, 2, DV128), PA_TILE_ROW(T, 2, 0)},                    \
+        {PA_TILE_ROW(T, 3, DV64), PA_TILE_ROW(T, 3, DV128), PA_TILE_ROW(T, 3, 0)},                    \
+        {PA_TILE_ROW(T, 4, DV64), PA_TILE_ROW(T, 4, DV128), PA_TILE_ROW(T, 4, 0)},                    \
+    };
+
 #ifdef __AVX512F__
 #define PA_VW 16            /* the tile's vector width: 16 float32 lanes */
 /* 16 consecutive elements of a cache row (kt a compile-time constant where inlined) as float32;
@@ -304,29 +330,7 @@ pa_tile512(const int NH, const int64_t DVc, const int KT, const float *qh, const
     }
 }
 
-typedef void (*pa_tile_fn)(const float *, const char *, const char *, int64_t, int, int64_t, float,
-                           float *, float *, float *, const char *, const char *, int);
-#define PA_TILE_FN(KT, NH, DV)                                                                       \
-    static void pa_tile512_##KT##_##NH##_##DV(const float *q, const char *k, const char *v, int64_t ts,\
-                                              int n, int64_t D, float scale, float *m, float *l,      \
-                                              float *acc, const char *kp, const char *vp, int np) {   \
-        pa_tile512(NH, DV, KT, q, k, v, ts, n, D, scale, m, l, acc, kp, vp, np);                      \
-    }
-#define PA_TILE_FNS(KT)                                                                              \
-    PA_TILE_FN(KT, 1, 0) PA_TILE_FN(KT, 2, 0) PA_TILE_FN(KT, 3, 0) PA_TILE_FN(KT, 4, 0)               \
-    PA_TILE_FN(KT, 1, 4) PA_TILE_FN(KT, 2, 4) PA_TILE_FN(KT, 3, 4) PA_TILE_FN(KT, 4, 4)               \
-    PA_TILE_FN(KT, 1, 8) PA_TILE_FN(KT, 2, 8) PA_TILE_FN(KT, 3, 8) PA_TILE_FN(KT, 4, 8)
-PA_TILE_FNS(0) PA_TILE_FNS(1) PA_TILE_FNS(2) PA_TILE_FNS(3) PA_TILE_FNS(4)
-#define PA_TILE_ROW(KT, DV) {pa_tile512_##KT##_1_##DV, pa_tile512_##KT##_2_##DV, pa_tile512_##KT##_3_##DV, \
-                             pa_tile512_##KT##_4_##DV}
-/* [element type][D / 16 == 4, == 8, other][heads - 1] */
-static const pa_tile_fn pa_tiles[PA_KT_COUNT][3][PA_GROUP] = {
-    {PA_TILE_ROW(0, 4), PA_TILE_ROW(0, 8), PA_TILE_ROW(0, 0)},
-    {PA_TILE_ROW(1, 4), PA_TILE_ROW(1, 8), PA_TILE_ROW(1, 0)},
-    {PA_TILE_ROW(2, 4), PA_TILE_ROW(2, 8), PA_TILE_ROW(2, 0)},
-    {PA_TILE_ROW(3, 4), PA_TILE_ROW(3, 8), PA_TILE_ROW(3, 0)},
-    {PA_TILE_ROW(4, 4), PA_TILE_ROW(4, 8), PA_TILE_ROW(4, 0)},
-};
+PA_TILE_TABLE(pa_tile512, 4, 8)         /* D / 16 == 4, == 8 */
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PA_VW 8             /* the tile's vector width: 8 float32 lanes */
 /* 8 consecutive elements of a cache row as float32 (as pa_load16, 8 lanes). */
@@ -482,29 +486,7 @@ pa_tile256(const int NH, const int64_t DVc, const int KT, const float *qh, const
     }
 }
 
-typedef void (*pa_tile_fn)(const float *, const char *, const char *, int64_t, int, int64_t, float,
-                           float *, float *, float *, const char *, const char *, int);
-#define PA_TILE_FN(KT, NH, DV)                                                                       \
-    static void pa_tile256_##KT##_##NH##_##DV(const float *q, const char *k, const char *v, int64_t ts,\
-                                              int n, int64_t D, float scale, float *m, float *l,      \
-                                              float *acc, const char *kp, const char *vp, int np) {   \
-        pa_tile256(NH, DV, KT, q, k, v, ts, n, D, scale, m, l, acc, kp, vp, np);                      \
-    }
-#define PA_TILE_FNS(KT)                                                                              \
-    PA_TILE_FN(KT, 1, 0) PA_TILE_FN(KT, 2, 0) PA_TILE_FN(KT, 3, 0) PA_TILE_FN(KT, 4, 0)               \
-    PA_TILE_FN(KT, 1, 8) PA_TILE_FN(KT, 2, 8) PA_TILE_FN(KT, 3, 8) PA_TILE_FN(KT, 4, 8)               \
-    PA_TILE_FN(KT, 1, 16) PA_TILE_FN(KT, 2, 16) PA_TILE_FN(KT, 3, 16) PA_TILE_FN(KT, 4, 16)
-PA_TILE_FNS(0) PA_TILE_FNS(1) PA_TILE_FNS(2) PA_TILE_FNS(3) PA_TILE_FNS(4)
-#define PA_TILE_ROW(KT, DV) {pa_tile256_##KT##_1_##DV, pa_tile256_##KT##_2_##DV, pa_tile256_##KT##_3_##DV, \
-                             pa_tile256_##KT##_4_##DV}
-/* [element type][D == 64, == 128, other][heads - 1] */
-static const pa_tile_fn pa_tiles[PA_KT_COUNT][3][PA_GROUP] = {
-    {PA_TILE_ROW(0, 8), PA_TILE_ROW(0, 16), PA_TILE_ROW(0, 0)},
-    {PA_TILE_ROW(1, 8), PA_TILE_ROW(1, 16), PA_TILE_ROW(1, 0)},
-    {PA_TILE_ROW(2, 8), PA_TILE_ROW(2, 16), PA_TILE_ROW(2, 0)},
-    {PA_TILE_ROW(3, 8), PA_TILE_ROW(3, 16), PA_TILE_ROW(3, 0)},
-    {PA_TILE_ROW(4, 8), PA_TILE_ROW(4, 16), PA_TILE_ROW(4, 0)},
-};
+PA_TILE_TABLE(pa_tile256, 8, 16)        /* D / 8 == 8, == 16 */
 #endif
 
 /* Portable tile: the same blockwise softmax in plain C. */
@@ -802,6 +784,61 @@ void paged_decode_lse(const float *q, const void *kv, int64_t kt, const int32_t 
  */
 #define CP_TILE 16
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+/* An item's start: the G heads' 16 query rows scaled into Qs (rows outside r0..nq zero), the
+ * accumulators zero, the running maxima -inf and sums 0. */
+static void cp_start(const float *q0, int64_t qs0, int64_t qs1, int r0, int nq, int G, int64_t D, float scale,
+                     float *Qs, float *acc, float *mv, float *lv) {
+    for (int h = 0; h < G; h++)
+        for (int r = 0; r < CP_TILE; r++) {
+            float *dst = Qs + (h * CP_TILE + r) * D;
+            if (r >= r0 && r < nq) {
+                const float *src = q0 + (r - r0) * qs0 + h * qs1;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;
+            } else {
+                memset(dst, 0, sizeof(float) * D);
+            }
+        }
+    memset(acc, 0, sizeof(float) * G * CP_TILE * D);
+    for (int i = 0; i < G * CP_TILE; i++) {
+        mv[i] = -INFINITY;
+        lv[i] = 0.f;
+    }
+}
+
+/* An item's end: each query row's output, its accumulator over its sum, and its log-sum-exp. */
+static void cp_finish(float *o0, int64_t os0, int64_t os1, int r0, int nq, int G, int64_t D, const float *acc,
+                      const float *mv, const float *lv, float *lse0, int64_t ls0) {
+    for (int h = 0; h < G; h++)
+        for (int r = r0; r < nq; r++) {
+            const float l = lv[h * CP_TILE + r], inv = l > 0.f ? 1.f / l : 0.f;
+            const float *a = acc + (h * CP_TILE + r) * D;
+            float *dst = o0 + (r - r0) * os0 + h * os1;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) dst[d] = a[d] * inv;
+            if (lse0) lse0[(r - r0) * ls0 + h] = l > 0.f ? mv[h * CP_TILE + r] + logf(l) : -INFINITY;
+        }
+}
+#endif
+
+/* The item functions of a vector width from one always-inline template T, per D / lanes DV (0:
+ * any), and their table cp_items[D == 64, == 128, other] (DV64, DV128: D / lanes there). */
+typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
+                           float *, int64_t, int64_t, int64_t, int, int, int, int64_t, float, float *,
+                           float *, int64_t);
+#define CP_ITEM_FN(T, DV)                                                                          \
+    static void T##_##DV(const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep, \
+                         const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, \
+                         int r0, int nq, int G, int64_t D, float scale, float *ws, float *lse0,      \
+                         int64_t ls0) {                                                            \
+        T(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws, lse0, ls0); \
+    }
+#define CP_ITEM_TABLE(T, DV64, DV128)                                                              \
+    CP_ITEM_FN(T, 0) CP_ITEM_FN(T, DV64) CP_ITEM_FN(T, DV128)                                      \
+    static const cp_item_fn cp_items[3] = {T##_##DV64, T##_##DV128, T##_0};
+
+
 #ifdef __AVX512F__
 /* v[t]: lane t of the result is the max over the lanes of v[t] (the max twin of pa_sum16). */
 static inline __m512 cp_max16(const __m512 *v) {
@@ -859,22 +896,7 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     float *P = lv + G * CP_TILE;                     /* [16][16] */
     float *mr = P + CP_TILE * CP_TILE;               /* [16] new max per row */
     float *cr = mr + CP_TILE;                        /* [16] rescale per row */
-    for (int h = 0; h < G; h++)
-        for (int r = 0; r < CP_TILE; r++) {
-            float *dst = Qs + (h * CP_TILE + r) * D;
-            if (r >= r0 && r < nq) {
-                const float *src = q0 + (r - r0) * qs0 + h * qs1;
-                for (int64_t d = 0; d < D; d += 16)
-                    _mm512_store_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_set1_ps(scale)));
-            } else {
-                memset(dst, 0, sizeof(float) * D);
-            }
-        }
-    memset(acc, 0, sizeof(float) * G * CP_TILE * D);
-    for (int i = 0; i < G * CP_TILE; i++) {
-        mv[i] = -INFINITY;
-        lv[i] = 0.f;
-    }
+    cp_start(q0, qs0, qs1, r0, nq, G, D, scale, Qs, acc, mv, lv);
     const int rows = (nq + 3) & ~3;
     for (int64_t kt = 0; kt <= qt; kt++) {
         const float *K = kT + kt * kstep;
@@ -914,31 +936,10 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
             }
         }
     }
-    for (int h = 0; h < G; h++)
-        for (int r = r0; r < nq; r++) {
-            const float l = lv[h * CP_TILE + r];
-            const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
-            const float *a = acc + (h * CP_TILE + r) * D;
-            float *dst = o0 + (r - r0) * os0 + h * os1;
-            for (int64_t d = 0; d < D; d += 16)
-                _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(a + d), inv));
-            if (lse0) lse0[(r - r0) * ls0 + h] = l > 0.f ? mv[h * CP_TILE + r] + logf(l) : -INFINITY;
-        }
+    cp_finish(o0, os0, os1, r0, nq, G, D, acc, mv, lv, lse0, ls0);
 }
 
-typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
-                           float *, int64_t, int64_t, int64_t, int, int, int, int64_t, float, float *,
-                           float *, int64_t);
-#define CP_ITEM_FN(DV)                                                                             \
-    static void cp_item512_##DV(const float *q0, int64_t qs0, int64_t qs1, const float *kT,        \
-                                int64_t kstep, const float *V0, int64_t vs0, float *o0, int64_t os0, \
-                                int64_t os1, int64_t qt, int r0, int nq, int G, int64_t D,          \
-                                float scale, float *ws, float *lse0, int64_t ls0) {                \
-        cp_item512(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws, \
-                   lse0, ls0);                                                                     \
-    }
-CP_ITEM_FN(0) CP_ITEM_FN(4) CP_ITEM_FN(8)
-static const cp_item_fn cp_items[3] = {cp_item512_4, cp_item512_8, cp_item512_0};   /* D 64, 128, other */
+CP_ITEM_TABLE(cp_item512, 4, 8)         /* D / 16 == 4, == 8 */
 #define CP_VW 16
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* acc rows rg..rg+3 (of one head, D apart), vectors d0..d0+W-1 of 8: acc = acc * c + P V. */
@@ -977,22 +978,7 @@ cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     float *lv = mv + G * CP_TILE;                    /* [G][16] running sum */
     float *P = lv + G * CP_TILE;                     /* [16][16] scores, then probabilities */
     float *cr = P + CP_TILE * CP_TILE;               /* [16] rescale per row */
-    for (int h = 0; h < G; h++)
-        for (int r = 0; r < CP_TILE; r++) {
-            float *dst = Qs + (h * CP_TILE + r) * D;
-            if (r >= r0 && r < nq) {
-                const float *src = q0 + (r - r0) * qs0 + h * qs1;
-                for (int64_t d = 0; d < D; d += 8)
-                    _mm256_store_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), _mm256_set1_ps(scale)));
-            } else {
-                memset(dst, 0, sizeof(float) * D);
-            }
-        }
-    memset(acc, 0, sizeof(float) * G * CP_TILE * D);
-    for (int i = 0; i < G * CP_TILE; i++) {
-        mv[i] = -INFINITY;
-        lv[i] = 0.f;
-    }
+    cp_start(q0, qs0, qs1, r0, nq, G, D, scale, Qs, acc, mv, lv);
     const int rows = (nq + 3) & ~3;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lane8 = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
     for (int64_t kt = 0; kt <= qt; kt++) {
@@ -1044,31 +1030,10 @@ cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
             }
         }
     }
-    for (int h = 0; h < G; h++)
-        for (int r = r0; r < nq; r++) {
-            const float l = lv[h * CP_TILE + r];
-            const __m256 inv = _mm256_set1_ps(l > 0.f ? 1.f / l : 0.f);
-            const float *a = acc + (h * CP_TILE + r) * D;
-            float *dst = o0 + (r - r0) * os0 + h * os1;
-            for (int64_t d = 0; d < D; d += 8)
-                _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(a + d), inv));
-            if (lse0) lse0[(r - r0) * ls0 + h] = l > 0.f ? mv[h * CP_TILE + r] + logf(l) : -INFINITY;
-        }
+    cp_finish(o0, os0, os1, r0, nq, G, D, acc, mv, lv, lse0, ls0);
 }
 
-typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
-                           float *, int64_t, int64_t, int64_t, int, int, int, int64_t, float, float *,
-                           float *, int64_t);
-#define CP_ITEM_FN(DV)                                                                             \
-    static void cp_item256_##DV(const float *q0, int64_t qs0, int64_t qs1, const float *kT,        \
-                                int64_t kstep, const float *V0, int64_t vs0, float *o0, int64_t os0, \
-                                int64_t os1, int64_t qt, int r0, int nq, int G, int64_t D,          \
-                                float scale, float *ws, float *lse0, int64_t ls0) {                \
-        cp_item256(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws, \
-                   lse0, ls0);                                                                     \
-    }
-CP_ITEM_FN(0) CP_ITEM_FN(8) CP_ITEM_FN(16)
-static const cp_item_fn cp_items[3] = {cp_item256_8, cp_item256_16, cp_item256_0};  /* D 64, 128, other */
+CP_ITEM_TABLE(cp_item256, 8, 16)        /* D / 8 == 8, == 16 */
 #define CP_VW 8
 #endif
 
