@@ -18,9 +18,10 @@
  * values as dequantizing the checkpoint: d * q rounded, then + m rounded, no fused multiply-add)
  * and multiplied from there, so every row of x reuses it. The multiply is a register-blocked
  * kernel of up to 12 rows x 32 columns (24 AVX-512 accumulators; on AVX2 CPUs tiles of up to 6
- * rows x 16 columns, a panel's two halves in turn), each accumulator summing its products in
- * input-feature order in float32. Panels are split across OpenMP threads; each is read from
- * memory once per call, which is what bounds a decode step.
+ * rows x 16 columns, a panel's two halves in turn, or, for calls of at most 8 rows, whose
+ * weights stream from memory, 3 rows x 32 columns reading the panel in order), each accumulator
+ * summing its products in input-feature order in float32. Panels are split across OpenMP
+ * threads; each is read from memory once per call, which is what bounds a decode step.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -202,22 +203,22 @@ static inline __attribute__((always_inline)) void micro_half(const int MR, const
     }
 }
 
-/* y[r, 0:cols] for one or two rows over the whole panel at once (8 accumulators, 4 panel
- * vectors): a row or two is a stream of the weights from memory, read here in order, where two
- * passes over the panel's halves would each read every other cache line (single-stream decode
- * 1.7x faster). */
+/* y[r, 0:cols] for up to 3 rows over the whole panel at once (12 accumulators, the rows'
+ * broadcasts, one panel vector at a time), reading the panel in order: a pass over each of its
+ * 16-column halves would read every other cache line, and when a step is a stream of the
+ * weights from memory that halves the memory's speed. */
 static inline __attribute__((always_inline)) void micro_full(const int MR, const float *x, int64_t ldx,
                                                              const float *pan, int64_t K, float *y,
                                                              int64_t ldy, int64_t cols) {
-    __m256 c[2][4];
+    __m256 c[3][4];
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < 4; j++) c[r][j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        __m256 b[4];
-        for (int j = 0; j < 4; j++) b[j] = _mm256_loadu_ps(pan + k * NR + 8 * j);
-        for (int r = 0; r < MR; r++) {
-            const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
-            for (int j = 0; j < 4; j++) c[r][j] = _mm256_fmadd_ps(a, b[j], c[r][j]);
+        __m256 a[3];
+        for (int r = 0; r < MR; r++) a[r] = _mm256_broadcast_ss(x + r * ldx + k);
+        for (int j = 0; j < 4; j++) {
+            const __m256 b = _mm256_loadu_ps(pan + k * NR + 8 * j);
+            for (int r = 0; r < MR; r++) c[r][j] = _mm256_fmadd_ps(a[r], b, c[r][j]);
         }
     }
     for (int r = 0; r < MR; r++) {
@@ -228,13 +229,24 @@ static inline __attribute__((always_inline)) void micro_full(const int MR, const
     }
 }
 
-/* Rows in groups of at most 6, each over both halves of the panel (the half past cols skipped);
- * one or two rows over the whole panel. */
+/* Up to 8 rows (a decode step's few rows: the weights stream from memory) in groups of at most 3
+ * over the whole panel; more rows (compute-bound: the panel is reused from the cache) in groups
+ * of at most 6, each over both halves of the panel (the half past cols skipped), which makes
+ * the most of the 16 registers. */
 static inline __attribute__((always_inline)) void micro_avx2(const int MR, const float *x, int64_t ldx,
                                                              const float *pan, int64_t K, float *y,
                                                              int64_t ldy, int64_t cols) {
-    if (MR <= 2) {
-        micro_full(MR, x, ldx, pan, K, y, ldy, cols);
+    if (MR <= 8) {
+        for (int r0 = 0; r0 < MR; r0 += 3) {
+            const int mr = MR - r0 < 3 ? MR - r0 : 3;
+            const float *xr = x + r0 * ldx;
+            float *yr = y + r0 * ldy;
+            switch (mr) {
+                case 1: micro_full(1, xr, ldx, pan, K, yr, ldy, cols); break;
+                case 2: micro_full(2, xr, ldx, pan, K, yr, ldy, cols); break;
+                default: micro_full(3, xr, ldx, pan, K, yr, ldy, cols); break;
+            }
+        }
         return;
     }
     for (int r0 = 0; r0 < MR; r0 += 6) {
