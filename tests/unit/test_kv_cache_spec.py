@@ -57,7 +57,7 @@ def test_a_cpu_kv_cache_takes_memory_only_for_the_blocks_written():
     before = rss_mib()
     views = create_kv_cache_views(specs, num_blocks=512, dtype=torch.float32)
     assert rss_mib() - before < 32
-    assert all(float(v.abs().max()) == 0.0 for v in views[:2])       # reads as zeros
+    assert not any(bool(v.any()) for v in views[:2])                  # reads as zeros
     views[3][:, :64].fill_(1.0)                                       # 2 MiB of one layer
     assert 1.5 < rss_mib() - before < 40
     assert float(views[3].sum()) == 2 * 64 * 16 * 4 * 64
