@@ -30,7 +30,8 @@ from kernels.attention.base import AttentionMetadata
 
 WORDS = 4 * 8 + 6         # decode_stack.c's DS_WORDS
 KV_WORD = 4 * 8 + 2       # the word of a layer's KV cache address (then its window, k_scale, v_scale)
-# decode_stack.c's phases, in its order: the keys of NativeDecodeStack.profile_seconds()
+# decode_stack.c's phases, in its order: the keys of NativeDecodeStack.profile_seconds() (silu_and_mul
+# stays 0 where the SiLU is fused into the gate|up matmul: its time is counted in gate_up_proj)
 MAX_FLAT_QUERY = 16       # the longest query per request run flattened (longer: a prompt, per-layer path)
 PHASES = ("norm", "qkv_proj", "rotary_kv_store", "attention", "o_proj", "gate_up_proj", "silu_and_mul",
           "down_proj")

@@ -45,6 +45,8 @@ int i8x2_gemm(int kind, const void *codes, const void *d, const void *m, int64_t
               const float *x, int64_t M, float *y);
 int i8x2_gated_gemm(int kind, const void *codes, const void *d, const void *m, int64_t N, int64_t K,
                     const float *x, int64_t M, float *out);
+int panel_gated_gemm(int kind, const void *codes, const void *d, const void *m, int64_t N, int64_t K,
+                     const float *x, int64_t M, float *out);
 int64_t kv_store(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
                  const int64_t *slots, int64_t T, void *kv, int64_t kt, int64_t num_slots, int64_t row,
                  const float *k_scale, const float *v_scale);
@@ -150,9 +152,12 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         ds_lap(seconds, DS_O, &t);
         rms_norm_f32(o, Hd, residual, post_w, x, B, Hd, eps_post);
         ds_lap(seconds, DS_NORM, &t);
-        if (wgu[0] && !wgu[7] && I % 32 == 0 && !lw) {     /* int8 kinds: SiLU fused in (as GatedMLP does) */
-            if (!i8x2_gated_gemm((int)wgu[1], (const void *)(intptr_t)wgu[2], (const void *)(intptr_t)wgu[3],
-                                 (const void *)(intptr_t)wgu[4], wgu[5], wgu[6], x, B, act)) {
+        if (!wgu[7] && I % 32 == 0 && !lw && (wgu[0] || wgu[1] != 3)) {   /* SiLU fused in, as GatedMLP
+                                                                             does (not for bfloat16) */
+            const void *c = (const void *)(intptr_t)wgu[2], *gd = (const void *)(intptr_t)wgu[3],
+                       *gm = (const void *)(intptr_t)wgu[4];
+            if (!(wgu[0] ? i8x2_gated_gemm((int)wgu[1], c, gd, gm, wgu[5], wgu[6], x, B, act)
+                         : panel_gated_gemm((int)wgu[1], c, gd, gm, wgu[5], wgu[6], x, B, act))) {
                 status = DS_ALLOC_FAILED;
                 break;
             }

@@ -377,8 +377,23 @@ static void panel_rows(const float *x, int64_t M, int64_t K, const float *pan, f
 static __thread float *scratch;
 static __thread int64_t scratch_len;
 
+/* This thread's buffer of at least n floats (NULL when it cannot be had). */
+static float *thread_scratch(int64_t n) {
+    if (scratch_len < n) {
+        free(scratch);
+        scratch = aligned_alloc(64, (size_t)(n * sizeof(float) + 63) / 64 * 64);
+        scratch_len = scratch ? n : 0;
+    }
+    return scratch;
+}
+
 /* Rows of x per pass over the panels: x's rows stay in the cache while every panel is read. */
 #define ROW_BLOCK_BYTES (4 << 20)
+
+static int64_t row_block(int64_t K) {
+    const int64_t rows = ROW_BLOCK_BYTES / (K * (int64_t)sizeof(float));
+    return rows < 64 ? 64 : rows;
+}
 
 /* y (M, N) = x (M, K) W^T with W in panels of kind W_F32 / W_Q4_1 / W_Q8_0 (see the top) or
  * W_BF16 (see bf16_gemm). Returns 0 when a buffer could not be allocated (y is then incomplete). */
@@ -386,8 +401,7 @@ int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m
                const float *x, int64_t M, float *y) {
     if (kind == W_BF16) return bf16_gemm((const uint32_t *)codes, N, K, x, M, y);
     const int64_t P = (N + NR - 1) / NR;
-    int64_t rows = ROW_BLOCK_BYTES / (K * (int64_t)sizeof(float));
-    if (rows < 64) rows = 64;
+    const int64_t rows = row_block(K);
     int ok = 1;
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
         const int64_t mb = M - r0 < rows ? M - r0 : rows;
@@ -406,20 +420,80 @@ int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m
             if (kind == W_F32) {
                 pan = (const float *)codes + p * K * NR;
             } else {
-                if (scratch_len < K * NR) {
-                    free(scratch);
-                    scratch = aligned_alloc(64, (size_t)(K * NR * sizeof(float) + 63) / 64 * 64);
-                    scratch_len = scratch ? K * NR : 0;
-                }
-                if (!scratch) {
+                float *buf = thread_scratch(K * NR);
+                if (!buf) {
                     #pragma omp atomic write
                     ok = 0;
                     continue;
                 }
-                dequant_panel(kind, (const uint8_t *)codes, d, m, p, K, scratch);
-                pan = scratch;
+                dequant_panel(kind, (const uint8_t *)codes, d, m, p, K, buf);
+                pan = buf;
             }
             panel_rows(xb, mb, K, pan, yb + p * NR, N, cols);
+        }
+    }
+    return ok;
+}
+
+/* Rows of a gated call's tile: the gate and up products of this many rows stay in the L1 cache. */
+#define GATED_ROWS 48
+
+/* out (M, I) = silu(x Wg^T) * (x Wu^T) for W (2I, K) = the gate rows then the up rows in panels of
+ * kind W_F32 / W_Q4_1 / W_Q8_0, I a multiple of 32: each gate panel with its up panel, a tile of
+ * rows at a time, and fused.c's SiLU-and-multiply applied to that tile, so the (M, 2I) product is
+ * never written out and read back. The same values as panel_gemm followed by silu_and_mul_f32 (the
+ * products do not depend on how the rows are grouped, and the row blocks and the few-row path are
+ * panel_gemm's). Returns 0 for another kind or I, or when a buffer could not be allocated. */
+int panel_gated_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N,
+                     int64_t K, const float *x, int64_t M, float *out) {
+    const int64_t I = N / 2, PI = I / NR;
+    if (N % (2 * NR) || (kind != W_F32 && kind != W_Q4_1 && kind != W_Q8_0)) return 0;
+    const int64_t rows = row_block(K);
+    int ok = 1;
+    for (int64_t r0 = 0; r0 < M; r0 += rows) {
+        const int64_t mb = M - r0 < rows ? M - r0 : rows;
+        const float *xb = x + r0 * K;
+        #pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < PI; p++) {
+            float gu[GATED_ROWS * 2 * NR] __attribute__((aligned(64)));   /* [row][gate 32 | up 32] */
+            float act[GATED_ROWS * NR] __attribute__((aligned(64)));
+            const float *pg = NULL, *pu = NULL;
+            int direct = 0;
+#ifdef __AVX512F__
+            direct = kind != W_F32 && mb <= DIRECT_ROWS;      /* as panel_gemm: DIRECT_ROWS <= GATED_ROWS */
+#endif
+            if (kind == W_F32) {
+                pg = (const float *)codes + p * K * NR;
+                pu = (const float *)codes + (p + PI) * K * NR;
+            } else if (!direct) {
+                float *buf = thread_scratch(2 * K * NR);
+                if (!buf) {
+                    #pragma omp atomic write
+                    ok = 0;
+                    continue;
+                }
+                dequant_panel(kind, (const uint8_t *)codes, d, m, p, K, buf);
+                dequant_panel(kind, (const uint8_t *)codes, d, m, p + PI, K, buf + K * NR);
+                pg = buf;
+                pu = buf + K * NR;
+            }
+            for (int64_t t0 = 0; t0 < mb; t0 += GATED_ROWS) {
+                const int64_t mr = mb - t0 < GATED_ROWS ? mb - t0 : GATED_ROWS;
+                const float *xt = xb + t0 * K;
+#ifdef __AVX512F__
+                if (direct) {
+                    quant_rows(kind, (const uint8_t *)codes, d, m, p, K, xt, mr, gu, 2 * NR, NR);
+                    quant_rows(kind, (const uint8_t *)codes, d, m, p + PI, K, xt, mr, gu + NR, 2 * NR, NR);
+                } else
+#endif
+                {
+                    panel_rows(xt, mr, K, pg, gu, 2 * NR, NR);
+                    panel_rows(xt, mr, K, pu, gu + NR, 2 * NR, NR);
+                }
+                silu_and_mul_serial_f32(gu, 2 * NR, act, mr, NR);
+                for (int64_t r = 0; r < mr; r++)
+                    memcpy(out + (r0 + t0 + r) * I + p * NR, act + r * NR, sizeof(float) * NR);
+            }
         }
     }
     return ok;

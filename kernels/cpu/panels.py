@@ -177,18 +177,18 @@ def matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
     return y
 
 
-@lru_cache(maxsize=1)
-def _i8x2_gated_gemm():
-    return native.declare("i8x2_gated_gemm", [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+@lru_cache(maxsize=2)
+def _gated_gemm(name: str):
+    return native.declare(name, [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
                           + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)
 
 
 def gated_silu_matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor | None:
     """silu(x Wg^T) * (x Wu^T) (T, N / 2) for a gate|up weight W (N, K) = gate rows then up rows,
     in one pass that never stores the (T, N) product: bit for bit ``silu_and_mul`` of
-    ``matmul(x, w)``. None when this weight has no such kernel (only the int8-activation kinds,
-    with N a multiple of 64)."""
-    if not w.kind.endswith("_I8X2") or w.out_features % (2 * NR):
+    ``matmul(x, w)``. None when this weight has no such kernel (bfloat16 weights, or N not a
+    multiple of 64)."""
+    if w.kind == "BF16" or w.out_features % (2 * NR):
         return None
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be (T, {w.in_features}), got {tuple(x.shape)}")
@@ -196,7 +196,8 @@ def gated_silu_matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor | None:
         x = x.to(torch.float32).contiguous()
     rows = x.shape[0]
     out = torch.empty(rows, w.out_features // 2, dtype=torch.float32)
-    if rows and not _i8x2_gated_gemm()(*w.call[1], x.data_ptr(), rows, out.data_ptr()):
+    fn = _gated_gemm("i8x2_gated_gemm" if w.kind.endswith("_I8X2") else "panel_gated_gemm")
+    if rows and not fn(*w.call[1], x.data_ptr(), rows, out.data_ptr()):
         raise MemoryError(f"the native {w.kind} matmul could not allocate its buffer")
     return out
 

@@ -247,10 +247,28 @@ def test_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(qtype):
         got = gated_silu_matmul(x[:rows], w)
         assert got.shape == (rows, n // 2)
         assert torch.equal(got, fused.silu_and_mul(matmul(x[:rows], w)))
-    plain = PanelWeight.pack_gguf(qtype, raw, n, k)         # float32 activations: no such kernel
-    assert gated_silu_matmul(x, plain) is None
     odd = PanelWeight.pack_gguf(qtype, raw[:160], 160, k, int8_activations=True)   # halves of 80
     assert gated_silu_matmul(x, odd) is None
+
+
+@pytest.mark.skipif(not available()[0], reason="the native kernels need AVX2, FMA and a C compiler")
+@pytest.mark.parametrize("qtype", ["F32", "Q4_1", "Q8_0"])
+def test_float_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(qtype):
+    """float32 activations: any number of rows (the few-row path, tiles of rows, several row
+    blocks of a call) gives exactly the two-step path's values."""
+    from kernels.cpu import fused
+    from kernels.cpu.panels import gated_silu_matmul
+    n, k = 2 * 96, 160                                      # gate | up, 3 panels each
+    raw, dense = _gguf("Q8_0" if qtype == "F32" else qtype, n, k, 11)
+    w = PanelWeight.pack_f32(dense) if qtype == "F32" else PanelWeight.pack_gguf(qtype, raw, n, k)
+    x = torch.randn(7000, k) * 2                            # 7,000 rows: two row blocks of the call
+    x[4] = 0.0
+    for rows in (1, 2, 3, 8, 9, 49, 301, 7000):
+        got = gated_silu_matmul(x[:rows], w)
+        assert got.shape == (rows, n // 2)
+        assert torch.equal(got, fused.silu_and_mul(matmul(x[:rows], w)))
+    assert gated_silu_matmul(x[:5], PanelWeight.pack_bf16(dense)) is None       # no such kernel
+    assert gated_silu_matmul(x[:5], PanelWeight.pack_f32(dense[:160])) is None  # halves of 80
 
 
 @pytest.mark.parametrize("vocab,words", [(70, 2), (70, 3), (1000, 32), (49152, 1536)])
