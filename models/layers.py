@@ -11,7 +11,8 @@ and never require grad.
 """
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -239,14 +240,52 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+class KVLayerHooks(Protocol):
+    """A KV connector's per-layer hooks (actors/kv_transfer/base.py): the layer's share of the
+    step's loads before its attention reads the cache, its share of the saves after it wrote."""
+
+    def wait_for_layer_load(self, layer: int) -> None: ...
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None: ...
+
+
+_kv_layer_hooks: KVLayerHooks | None = None
+
+
+@contextmanager
+def kv_layer_hooks(hooks: KVLayerHooks | None) -> Iterator[None]:
+    """Every attention layer of the forwards run inside calls ``hooks`` (None: none)."""
+    global _kv_layer_hooks
+    previous, _kv_layer_hooks = _kv_layer_hooks, hooks
+    try:
+        yield
+    finally:
+        _kv_layer_hooks = previous
+
+
+def kv_layer_hooks_active() -> bool:
+    """Whether the forward must go layer by layer (a path that skips the attention layers, such
+    as the native decode stack, would skip the hooks)."""
+    return _kv_layer_hooks is not None
+
+
 def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None,
-              k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
-    """The attention call (KV store and paged attention through the backend): torch.compile's
-    splitting op (``split_at_attention`` makes it untraced), so compiled layers run as the pieces
-    between attention calls."""
-    return backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
-                           k_scale=k_scale, v_scale=v_scale)
+              k_scale: torch.Tensor, v_scale: torch.Tensor, layer: int = 0,
+              group_meta: AttentionMetadata | None = None) -> torch.Tensor:
+    """The attention call (KV store and paged attention through the backend, between a KV
+    connector's per-layer hooks when a step has them): torch.compile's splitting op
+    (``split_at_attention`` makes it untraced), so compiled layers run as the pieces between
+    attention calls. ``layer``: the layer's index in the runner's KV caches; ``group_meta``:
+    the step's whole metadata (``meta`` is this layer's KV cache group's)."""
+    hooks = _kv_layer_hooks
+    if hooks is not None:
+        hooks.wait_for_layer_load(layer)
+    out = backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
+                          k_scale=k_scale, v_scale=v_scale)
+    if hooks is not None:
+        hooks.save_kv_layer(layer, kv_cache, group_meta if group_meta is not None else meta)
+    return out
 
 
 class SelfAttention(nn.Module):
@@ -280,6 +319,7 @@ class SelfAttention(nn.Module):
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
         self.calculate_kv_scales = False
         self.kv_cache_group = 0     # whose block table this layer reads (bind_kv_cache_groups)
+        self.kv_index = 0           # its cache's index in the runner's KV caches (bind_kv_cache_groups)
         self.custom_ops = True      # rotary through the custom kernels (set_custom_ops)
         self.attention = attention  # torch.compiler.disable(attention) once compiled (split_at_attention)
 
@@ -293,11 +333,11 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin, self.custom_ops)
-        meta = meta.for_group(self.kv_cache_group)
+        step_meta, meta = meta, meta.for_group(self.kv_cache_group)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
         out = self.attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.sliding_window,
-                        self.k_scale, self.v_scale)
+                             self.k_scale, self.v_scale, self.kv_index, step_meta)
         return self.o_proj(out.reshape(T, self.q_size))     # (T, hidden)
 
     def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype,
@@ -337,12 +377,13 @@ def split_at_attention(model: nn.Module) -> None:
 
 
 def bind_kv_cache_groups(model: nn.Module, layer_groups: list[int]) -> None:
-    """Attention layer i reads the block table of KV cache group ``layer_groups[i]``."""
+    """Attention layer i (its cache is the runner's KV cache i) reads the block table of KV
+    cache group ``layer_groups[i]``."""
     layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
     if len(layers) != len(layer_groups):
         raise ValueError(f"{len(layer_groups)} layers in the KV cache groups, the model has {len(layers)}")
-    for m, g in zip(layers, layer_groups):
-        m.kv_cache_group = g
+    for i, (m, g) in enumerate(zip(layers, layer_groups)):
+        m.kv_cache_group, m.kv_index = g, i
 
 
 def first_attention(model: nn.Module) -> SelfAttention | None:

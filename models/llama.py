@@ -11,7 +11,8 @@ from torch import nn
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.base import CausalLM, TensorMap
 from models.config import ArchConfig
-from models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention
+from models.layers import (Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention,
+                           kv_layer_hooks_active)
 from models.pipeline_parallel import IntermediateTensors, is_last_stage, stage_layers
 
 
@@ -109,7 +110,7 @@ class LlamaForCausalLM(CausalLM):
         else:
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         cos, sin = self.rotary_emb(positions, hidden.dtype)    # (T, 1, D) each
-        if self.native_decode is not None and intermediate is None:
+        if self.native_decode is not None and intermediate is None and not kv_layer_hooks_active():
             out = self.native_decode.run(hidden, cos, sin, kv_caches, meta)
             if out is not None:
                 return self.norm(*out)[0]

@@ -19,9 +19,16 @@ Scheduler side, in the order a request meets it:
 
 Worker side, each step:
   start_load_kv(meta)                 start the loads the metadata asks for (in the background)
+  has_layer_work()                    whether this step's forward calls the two per-layer hooks:
+    wait_for_layer_load(layer)          before layer ``layer``'s attention reads the cache
+    save_kv_layer(layer, kv, meta)      after it wrote its keys and values (saving layer by
+                                        layer while the later layers compute)
   wait_for_save()                     after the forward: the KV the step wrote is complete,
                                       the requests saved in it may be read
   get_finished()                      sends and receives that ended (KVConnectorOutput)
+
+A step with layer work runs through the model's layers one by one (never a captured graph nor
+the native one-call decode stack, which would skip the hooks).
 
 Blocks are never freed while a transfer may still touch them (the book's read-after-write
 hazard): a request whose blocks a remote reader holds is freed only when the worker reports
@@ -182,6 +189,19 @@ class KVConnectorBase(ABC):
 
     def start_load_kv(self, metadata: bytes) -> None:
         """Start the loads (and take in the saves) this step's metadata names."""
+
+    def has_layer_work(self) -> bool:
+        """Whether the step whose metadata ``start_load_kv`` just took calls the per-layer hooks."""
+        return False
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Layer ``layer`` (an index into the registered caches) is about to read the cache: its
+        share of this step's loads must be in place."""
+
+    def save_kv_layer(self, layer: int, kv_layer: Any, attn_metadata: Any) -> None:
+        """Layer ``layer`` wrote this step's keys and values into ``kv_layer`` (its cache tensor;
+        ``attn_metadata``: the step's AttentionMetadata): save this layer's share of the requests
+        the step saves."""
 
     def wait_for_save(self) -> None:
         """The step's forward is done: the KV of the requests it saved is complete."""

@@ -164,7 +164,9 @@ class Scheduler:
                 f"(limit {self.max_model_len} tokens)"))
         if r.lora_request is not None and not self.max_loras:
             return EngineCoreOutput(r.request_id, [], "error", error="LoRA adapters are not enabled (--enable-lora)")
-        req = Request.from_engine_request(r, self.block_size if self.enable_prefix_caching else 0)
+        # block hashes: the prefix cache's, and a KV connector's (vLLM's rule: either needs them)
+        hashed = self.enable_prefix_caching or self.connector is not None
+        req = Request.from_engine_request(r, self.block_size if hashed else 0)
         spec = r.sampling_params.structured_outputs
         if spec is not None:
             if self.structured is None:
@@ -303,7 +305,7 @@ class Scheduler:
         self._held_for_remote.clear()
         for req in self.waiting_for_remote.values():
             self.kv.free(req.request_id)
-            req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+            req.status, req.num_computed_tokens, req.num_external_tokens = RequestStatus.WAITING, 0, 0
             self.waiting.readmit(req)
         self.waiting_for_remote.clear()
         for rid in self._remote_loaded:
@@ -334,8 +336,8 @@ class Scheduler:
             if req is None:
                 continue
             req.status = RequestStatus.WAITING
-            if error is None:
-                req.num_computed_tokens = req.num_prompt_tokens - 1    # the last token computed here
+            if error is None:       # the loaded tokens, never the prompt's last (computed here)
+                req.num_computed_tokens = min(req.num_prompt_tokens - 1, req.num_computed_tokens + req.num_external_tokens)
                 req.num_external_tokens = req.num_computed_tokens - req.num_cached_tokens
                 req.num_cached_tokens = req.num_computed_tokens
                 c.external_prefix_cache_hits += req.num_external_tokens
@@ -347,7 +349,7 @@ class Scheduler:
                 continue
             else:
                 self.kv.free(rid)                         # computed here from the start
-                req.num_computed_tokens = req.num_cached_tokens = 0
+                req.num_computed_tokens = req.num_cached_tokens = req.num_external_tokens = 0
             self.waiting.readmit(req)
         return outs
 
@@ -548,6 +550,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         req.first_scheduled_time = req.first_scheduled_time or time.time()
         req.num_computed_tokens = req.num_cached_tokens = computed
+        req.num_external_tokens = ext                  # to load: counted computed once loaded
         self.counters.prefix_cache_queries += req.num_tokens
         self.counters.prefix_cache_hits += computed
         self.counters.external_prefix_cache_queries += req.num_tokens - computed

@@ -65,7 +65,7 @@ from actors.worker.platforms import platform_for
 from kernels.attention.base import AttentionMetadata
 from kernels.attention.cascade import cascade_prefix_len
 from kernels.attention.fp8 import FP8_NAMES
-from models.layers import bind_kv_cache_groups, first_attention
+from models.layers import bind_kv_cache_groups, first_attention, kv_layer_hooks
 from models.pipeline_parallel import StageLink
 from actors.spec_decode.draft_model import DraftModelProposer
 from actors.spec_decode.ngram import NgramProposer
@@ -158,6 +158,9 @@ class ModelRunner:
                         and self.arch.max_sliding_window is None)
         self.cascade_min_prefix = getattr(backend, "cascade_min_prefix", 0)
         self.lora = getattr(model, "lora_manager", None)   # actors/worker/lora_manager.py, with --enable-lora
+        # a KV connector whose hooks this step's forward calls in every attention layer (the
+        # worker sets it per step: KVConnectorBase.has_layer_work); such a step runs eagerly
+        self.kv_layer_hooks = None
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""
@@ -355,11 +358,19 @@ class ModelRunner:
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states (T, hidden) of the step's tokens, on the model's device."""
+        hooks = self.kv_layer_hooks
+        if hooks is not None:
+            with kv_layer_hooks(hooks):
+                return self._forward_layers(inp)
         eager = self._first_attn is not None and self._first_attn.calculate_kv_scales   # layers set KV scales
         has_lora = self.lora is not None and self.lora.mapping.active    # the graph with LoRA deltas
         desc = self.graphs.dispatch(inp.meta, has_lora) if self.graphs is not None and not eager else None
         if desc is not None:
             return self.graphs.run(desc, inp)                  # padded buffers, a graph on CUDA
+        return self._forward_layers(inp)
+
+    def _forward_layers(self, inp: StepInputs) -> torch.Tensor:
+        """The step's forward through the model's own layers (no captured graph)."""
         # a pipeline stage after the first: the previous stage's tensors for the step's tokens
         stage_in = ({} if self.link is None or self.link.prev_rank is None
                     else {"intermediate": self.link.recv(len(inp.input_ids))})

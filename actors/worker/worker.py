@@ -264,7 +264,11 @@ class Worker:
         # the step's loads start in the background (into blocks no request of this step reads);
         # the requests it saves are readable once its forward has written their KV
         connector.start_load_kv(so.kv_connector_metadata or b"")
-        out = self.runner.execute_model(so)
+        self.runner.kv_layer_hooks = connector if connector.has_layer_work() else None
+        try:
+            out = self.runner.execute_model(so)
+        finally:
+            self.runner.kv_layer_hooks = None
         connector.wait_for_save()
         out.kv_connector_output = connector.get_finished()
         return out

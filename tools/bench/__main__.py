@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora,moe,kv-transfer,pd}``: each
+"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora,moe,kv-transfer,kv-storage,pd}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -135,6 +135,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     kvt.add_argument("--head-size", type=int, default=64)
     kvt.add_argument("--repeats", type=int, default=3)
 
+    kvs = sub.add_parser("kv-storage", help="ExampleConnector: a prompt's time to first token computed, computed and "
+                                            "saved layer by layer, and loaded from the directory by another engine")
+    kvs.add_argument("--prompt-len", type=int, default=1024)
+    kvs.add_argument("--repeats", type=int, default=5)
+    kvs.add_argument("--storage-dir", default=None, help="where the entries are written (a temporary directory in it)")
+
     pdb = sub.add_parser("pd", help="serving latency (TTFT, ITL) of one server against prefill + decode servers "
                                     "behind tools/pd_proxy.py, on this machine, one after the other")
     workload.add_arguments(pdb)
@@ -158,6 +164,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "kv-transfer":
         from tools.bench import kv_transfer
         kv_transfer.main(args)
+    elif args.cmd == "kv-storage":
+        from tools.bench import kv_storage
+        kv_storage.main(args)
     elif args.cmd == "serve":
         from tools.bench import serve
         serve.main(args)

@@ -1,0 +1,475 @@
+"""ExampleConnector (vLLM's name; SharedStorageConnector, its earlier name, too): prompts' KV
+saved layer by layer to a directory during the forward that computes them, and loaded from it
+by any instance that later meets a prompt starting with the same blocks: a prefix cache that
+outlives the process and is shared by every instance that mounts the directory.
+
+    --kv-transfer-config '{"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"shared_storage_path": "/var/cache/troupe"}}'
+
+``kv_role``: ``kv_producer`` saves, ``kv_consumer`` loads, ``kv_both`` does both.
+
+Saving. The step that computes a prompt's last token saves the prompt's full blocks: in every
+attention layer, once the layer wrote its keys and values (``save_kv_layer``), the request's
+blocks of that layer are copied out of the cache and handed to a writer thread, which writes
+them while the later layers compute; the blocks are free to be reused as soon as the step ends.
+When the last layer is written the entry is published atomically (written under a temporary
+name, then renamed), so a reader never sees half an entry.
+
+Loading. A waiting request looks its prompt's block hashes up (the prefix cache's chained
+SHA-256 hashes, which cover the tokens before the block, the LoRA adapter and the cache salt, so
+the same prefix has the same name in every process): the longest run of its blocks past its
+local prefix-cache hits that an entry holds is loaded in the background while the request waits
+(WAITING_FOR_REMOTE_KVS), then the rest of the prompt is computed. A load that fails (an entry
+deleted or truncated meanwhile) is reported, and the prompt computed here (or the request
+failed, by ``kv_load_failure_policy``).
+
+On disk, under ``shared_storage_path``/troupe-kv/<layout hash>/ (the layout hash covers the model,
+block size, cache dtype and cache shape, so instances of another configuration never read these):
+
+    entries/<hash of the last block>/meta.json     the entry's block hashes, shape and dtype
+    entries/<hash of the last block>/layer-<i>.kv  layer i's (2, blocks, block_size, kv heads, head size)
+    blocks/<block hash>                            a link to the entry holding that block
+
+``max_storage_gb`` (0: no limit) bounds the entries' total size: past it, those used least
+recently (loaded or written) are deleted. An instance counts the entries present when it started
+and those it writes (not those other instances write meanwhile).
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable
+
+import msgspec
+
+from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
+
+if TYPE_CHECKING:
+    from actors.engine.config import EngineConfig
+    from actors.scheduler.request import Request
+
+log = logging.getLogger("troupe.kv_transfer")
+
+EXTRA_KEYS = {
+    "shared_storage_path": "/tmp",   # vLLM's key and default
+    "max_storage_gb": 0.0,           # the entries' total size this instance keeps (0: no limit)
+}
+
+WRITE_QUEUE = 64                     # layers' copies waiting for the writer (then the forward waits)
+
+_encode = msgspec.msgpack.encode
+_decode = msgspec.msgpack.decode
+
+
+class _Load(msgspec.Struct, array_like=True):
+    entry: str                   # the entry's directory
+    first: int                   # the first of its blocks to load (the request's local hits before it)
+    hashes: list[str]            # the loaded blocks' hashes, to check against the entry's
+    block_ids: list[int]         # the local blocks they go into
+
+
+class _Save(msgspec.Struct, array_like=True):
+    hashes: list[str]            # the prompt's full blocks' hashes
+    block_ids: list[int]         # and their local blocks
+
+
+class _Meta(msgspec.Struct, omit_defaults=True):
+    loads: dict[str, _Load] = {}
+    saves: dict[str, _Save] = {}
+
+
+def _extra(kv_config: Any) -> dict[str, Any]:
+    extra = dict(EXTRA_KEYS)
+    unknown = sorted(set(kv_config.kv_connector_extra_config) - set(EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"unknown kv_connector_extra_config key(s) for {kv_config.kv_connector}: "
+                         f"{', '.join(unknown)}; accepted: {', '.join(EXTRA_KEYS)}")
+    extra.update(kv_config.kv_connector_extra_config)
+    return extra
+
+
+def storage_layout(config: EngineConfig) -> dict[str, Any]:
+    """What every instance sharing entries must agree on, with its hash (the directory's name)."""
+    arch = config.model.arch
+    info = {"model": config.model.source.served_name, "num_layers": arch.num_layers,
+            "block_size": config.cache.block_size, "num_kv_heads": arch.num_kv_heads,
+            "head_size": arch.head_size, "kv_cache_dtype": config.cache.cache_dtype,
+            "layout": "per layer (2, blocks, block_size, num_kv_heads, head_size)"}
+    info["hash"] = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
+    return info
+
+
+def _name(block_hash: bytes) -> str:
+    return block_hash.hex()[:32]
+
+
+class StorageConnector(KVConnectorBase):
+    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
+        super().__init__(config, role)
+        self.extra = _extra(self.kv_config)
+        if config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1:
+            raise ValueError(f"{self.kv_config.kv_connector} runs with one rank per engine "
+                             "(tensor_parallel_size and pipeline_parallel_size 1)")
+        if len(config.kv_cache_groups()) > 1:
+            raise ValueError(f"{self.kv_config.kv_connector} needs a model with one KV cache group "
+                             "(no sliding-window layers beside full-attention ones)")
+        self.block_size = config.cache.block_size
+        self.layout = storage_layout(config)
+        self.root = os.path.join(os.path.abspath(os.path.expanduser(str(self.extra["shared_storage_path"]))),
+                                 "troupe-kv", self.layout["hash"])
+        self.entries = os.path.join(self.root, "entries")
+        self.blocks = os.path.join(self.root, "blocks")
+        try:
+            os.makedirs(self.entries, exist_ok=True)
+            os.makedirs(self.blocks, exist_ok=True)
+            with open(os.path.join(self.root, "layout.json"), "w") as f:
+                json.dump(self.layout, f, indent=1)
+        except OSError as exc:
+            raise ValueError(f"kv_connector_extra_config.shared_storage_path: cannot write {self.root}: {exc}") from None
+        if role is KVConnectorRole.SCHEDULER:
+            self._init_scheduler_side()
+        else:
+            self._init_worker_side()
+
+    @classmethod
+    def check_config(cls, kv_config: Any) -> None:
+        extra = _extra(kv_config)
+        if not isinstance(extra["shared_storage_path"], str) or not extra["shared_storage_path"]:
+            raise ValueError("kv_connector_extra_config.shared_storage_path must be a directory path, "
+                             f"got {extra['shared_storage_path']!r}")
+        size = extra["max_storage_gb"]
+        if not isinstance(size, (int, float)) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"kv_connector_extra_config.max_storage_gb must be a number of GB >= 0, got {size!r}")
+
+    # ==== scheduler side =======================================================================
+    def _init_scheduler_side(self) -> None:
+        self._found: dict[str, tuple[str, int]] = {}      # request -> (entry, blocks it holds of ours)
+        self._missed: dict[str, int] = {}                 # request -> local hits when nothing was found
+        self._pending_loads: dict[str, _Load] = {}
+        self._loading: set[str] = set()
+        self._failed: set[str] = set()                    # its load failed: computed here
+        self._saved: set[str] = set()
+
+    def _lookup(self, request: Request, num_computed_tokens: int) -> tuple[str, int] | None:
+        """(the entry, how many of the prompt's first blocks it holds) for the longest run of the
+        request's blocks past its local hits that an entry holds; the prompt's last token is
+        always computed here, so its block is never loaded."""
+        want = (request.num_prompt_tokens - 1) // self.block_size
+        start = num_computed_tokens // self.block_size
+        hashes = request.block_hashes
+        for i in range(min(want, len(hashes)) - 1, start - 1, -1):
+            link = os.path.join(self.blocks, _name(hashes[i]))
+            entry = os.path.realpath(link)
+            if entry != link and os.path.isfile(os.path.join(entry, "meta.json")):
+                return entry, i + 1
+        return None
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        if (not self.kv_config.is_consumer or rid in self._failed
+                or request.sampling_params.prompt_logprobs is not None):     # every position's logits needed
+            return 0, False
+        if self._missed.get(rid) == num_computed_tokens:   # looked up already (it waits for room)
+            return 0, False
+        found = self._lookup(request, num_computed_tokens)
+        if found is None:
+            self._missed[rid] = num_computed_tokens
+            return 0, False
+        self._found[rid] = found
+        return found[1] * self.block_size - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Request, block_ids: tuple[list[int], ...],
+                                 num_external_tokens: int) -> None:
+        rid = request.request_id
+        found = self._found.pop(rid, None)
+        if not num_external_tokens or found is None:
+            return
+        entry, n = found
+        first = n - num_external_tokens // self.block_size
+        self._pending_loads[rid] = _Load(entry, first, [_name(h) for h in request.block_hashes[first:n]],
+                                         list(block_ids[0][first:n]))
+
+    def build_connector_meta(self, scheduled: list[Request],
+                             block_ids: Callable[[str], tuple[list[int], ...]] | None = None) -> bytes:
+        saves: dict[str, _Save] = {}
+        if self.kv_config.is_producer and block_ids is not None:
+            for req in scheduled:       # the step that computes the prompt's last token saves it
+                rid = req.request_id
+                n = min(req.num_prompt_tokens // self.block_size, len(req.block_hashes))
+                if rid in self._saved or req.num_computed_tokens < req.num_prompt_tokens or not n:
+                    continue
+                self._saved.add(rid)
+                if os.path.lexists(os.path.join(self.blocks, _name(req.block_hashes[n - 1]))):
+                    continue            # an entry holds these blocks already
+                saves[rid] = _Save([_name(h) for h in req.block_hashes[:n]], list(block_ids(rid)[0][:n]))
+        meta = _Meta(self._pending_loads, saves)
+        self._loading.update(self._pending_loads)
+        self._pending_loads = {}
+        return _encode(meta)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_recving:
+            self._loading.discard(rid)
+        for rid in output.failed_recving:
+            self._loading.discard(rid)
+            self._failed.add(rid)
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return False, None          # the saves copied the blocks out during the forward
+
+    def request_dropped(self, request_id: str) -> None:
+        self._forget(request_id)
+
+    def _forget(self, rid: str) -> None:
+        for d in (self._found, self._missed, self._pending_loads):
+            d.pop(rid, None)
+        self._failed.discard(rid)
+        self._saved.discard(rid)
+
+    def is_loading(self, request_id: str) -> bool:
+        return request_id in self._loading or request_id in self._pending_loads
+
+    def has_pending(self) -> bool:
+        return bool(self._loading or self._pending_loads)
+
+    def reset(self) -> None:
+        self._loading.clear()
+        self._pending_loads.clear()
+        self._found.clear()
+
+    # ==== worker side ==========================================================================
+    def _init_worker_side(self) -> None:
+        self.kv_caches: list[Any] = []
+        self._lock = threading.Lock()
+        self._step_saves: dict[str, tuple[_Save, str]] = {}     # request -> (save, its temporary entry)
+        self._finished_recving: list[str] = []
+        self._failed_recving: dict[str, str] = {}
+        self._transfers: list[tuple[str, str, int, int, int]] = []
+        self._stats: dict[str, float] = {}
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="kv-storage-load")
+        self._writes: queue.Queue = queue.Queue(WRITE_QUEUE)
+        self._writer = threading.Thread(target=self._write_loop, name="kv-storage-write", daemon=True)
+        self._writer.start()
+        self._max_bytes = float(self.extra["max_storage_gb"]) * 2**30
+        self._sizes: dict[str, int] = {}          # entries present at start and written since -> bytes
+        self._closed = False
+        self._remove_stale()
+        atexit.register(self.shutdown)            # the saves handed to the writer are published first
+
+    def _remove_stale(self, age_s: float = 3600.0) -> None:
+        """Remove the entries a process left half written (killed while saving) that nobody
+        finished since; count the size of the others (for max_storage_gb)."""
+        now = time.time()
+        for name in os.listdir(self.entries):
+            path = os.path.join(self.entries, name)
+            try:
+                if name.startswith(".tmp-"):
+                    if now - os.stat(path).st_mtime > age_s:
+                        shutil.rmtree(path, ignore_errors=True)
+                    continue
+                with open(os.path.join(path, "meta.json")) as f:
+                    self._sizes[path] = int(json.load(f)["bytes"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+
+    def _add(self, **kw: float) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self._stats[k] = self._stats.get(k, 0.0) + v
+
+    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        self.kv_caches = list(kv_caches)
+        t = self.kv_caches[0]
+        shape = (len(self.kv_caches), self.block_size, int(t.shape[3]), int(t.shape[4]))
+        expect = (self.layout["num_layers"], self.block_size, self.layout["num_kv_heads"], self.layout["head_size"])
+        if shape != expect:
+            raise ValueError(f"the KV cache (layers, block size, kv heads, head size) {shape} is not the "
+                             f"storage layout's {expect}")
+
+    def start_load_kv(self, metadata: bytes) -> None:
+        if not metadata:
+            return
+        meta = _decode(metadata, type=_Meta)
+        for rid, load in meta.loads.items():
+            self._loads.submit(self._load, rid, load)
+        for rid, save in meta.saves.items():
+            self._step_saves[rid] = (save, os.path.join(self.entries, f".tmp-{uuid.uuid4().hex}"))
+
+    def has_layer_work(self) -> bool:
+        return bool(self._step_saves)
+
+    def save_kv_layer(self, layer: int, kv_layer: Any, attn_metadata: Any) -> None:
+        import torch
+        for rid, (save, tmp) in self._step_saves.items():
+            idx = torch.tensor(save.block_ids, dtype=torch.long, device=kv_layer.device)
+            blocks = kv_layer.index_select(1, idx)         # (2, n, block_size, kv heads, head size), a copy
+            self._writes.put(("layer", rid, tmp, layer, blocks.cpu() if blocks.device.type != "cpu" else blocks))
+
+    def wait_for_save(self) -> None:
+        """The layers' copies are taken: the blocks may be reused now; the writer publishes each
+        entry once its last layer is on disk."""
+        for rid, (save, tmp) in self._step_saves.items():
+            self._writes.put(("publish", rid, tmp, save, time.monotonic_ns()))
+        self._step_saves = {}
+
+    def get_finished(self) -> KVConnectorOutput:
+        with self._lock:
+            out = KVConnectorOutput([], self._finished_recving, self._failed_recving, self._stats, self._transfers)
+            self._finished_recving, self._failed_recving, self._stats, self._transfers = [], {}, {}, []
+        return out
+
+    def _write_loop(self) -> None:
+        started: dict[str, int] = {}
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            kind, rid, tmp = item[:3]
+            try:
+                if kind == "layer":
+                    layer, blocks = item[3:]
+                    started.setdefault(tmp, time.monotonic_ns())
+                    os.makedirs(tmp, exist_ok=True)
+                    blocks.contiguous().numpy().tofile(os.path.join(tmp, f"layer-{layer}.kv"))
+                else:
+                    self._publish(rid, tmp, item[3], started.pop(tmp, item[4]))
+            except Exception as exc:     # a full disk or a removed directory: the entry is not saved
+                log.warning("saving the KV of request %s to %s failed: %s", rid, self.root, exc)
+                started.pop(tmp, None)
+                shutil.rmtree(tmp, ignore_errors=True)
+            finally:
+                self._writes.task_done()
+
+    def _publish(self, rid: str, tmp: str, save: _Save, t0: int) -> None:
+        t = self.kv_caches[0]
+        files = [os.path.join(tmp, f"layer-{i}.kv") for i in range(len(self.kv_caches))]
+        nbytes = sum(os.path.getsize(f) for f in files)      # a missing layer raises: not published
+        if nbytes != len(files) * 2 * len(save.block_ids) * t[0, 0].numel() * t.element_size():
+            raise RuntimeError(f"{tmp} holds {nbytes} bytes, not the {len(save.block_ids)} blocks of every layer")
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({"hashes": save.hashes, "dtype": str(t.dtype), "shape": [2, len(save.block_ids), *t.shape[2:]],
+                       "bytes": nbytes}, f)
+        entry = os.path.join(self.entries, save.hashes[-1])
+        try:
+            os.rename(tmp, entry)
+        except OSError:             # another instance published the same blocks first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        for h in save.hashes:       # each block names the entry (a link written whole, then moved in)
+            link = os.path.join(self.blocks, h)
+            if not os.path.lexists(link):
+                tmp_link = f"{link}.{uuid.uuid4().hex[:8]}"
+                os.symlink(os.path.join("..", "entries", save.hashes[-1]), tmp_link)
+                os.replace(tmp_link, link)
+        self._add(sent_bytes=nbytes, sent_blocks=len(save.block_ids), sent_requests=1)
+        with self._lock:
+            self._transfers.append((rid, "KVSend", t0, time.monotonic_ns(), nbytes))
+        self._sizes[entry] = nbytes
+        self._evict()
+
+    def _evict(self) -> None:
+        """Past max_storage_gb, the entries used least recently (loaded or written) go."""
+        if not self._max_bytes:
+            return
+        total = sum(self._sizes.values())
+        if total <= self._max_bytes:
+            return
+        def used(entry: str) -> float:
+            try:
+                return os.stat(os.path.join(entry, "meta.json")).st_mtime
+            except OSError:
+                return 0.0
+        for entry in sorted(self._sizes, key=used):
+            if total <= self._max_bytes:
+                break
+            total -= self._sizes.pop(entry)
+            self.remove_entry(entry)
+
+    def remove_entry(self, entry: str) -> None:
+        """Delete an entry and the links that name it (a reader then misses or fails its load)."""
+        try:
+            with open(os.path.join(entry, "meta.json")) as f:
+                hashes = json.load(f)["hashes"]
+        except (OSError, ValueError, KeyError):
+            hashes = []
+        for h in hashes:
+            link = os.path.join(self.blocks, h)
+            if os.path.realpath(link) == os.path.realpath(entry):
+                try:
+                    os.unlink(link)
+                except OSError:
+                    pass
+        shutil.rmtree(entry, ignore_errors=True)
+
+    def _load(self, rid: str, load: _Load) -> None:
+        import numpy as np
+        t0, t0_ns = time.perf_counter(), time.monotonic_ns()
+        try:
+            with open(os.path.join(load.entry, "meta.json")) as f:
+                meta = json.load(f)
+            first, n = load.first, len(load.block_ids)
+            if meta["hashes"][first:first + n] != load.hashes:
+                raise RuntimeError(f"{load.entry} holds other blocks than the prompt's")
+            os.utime(os.path.join(load.entry, "meta.json"))        # used: evicted last
+            total = 0
+            for i, layer in enumerate(self.kv_caches):
+                data = np.memmap(os.path.join(load.entry, f"layer-{i}.kv"), dtype=np.uint8, mode="r")
+                per_block = layer[0, 0].numel() * layer.element_size()
+                blocks = len(meta["hashes"])
+                if data.nbytes != 2 * blocks * per_block:
+                    raise RuntimeError(f"layer {i} of {load.entry} holds {data.nbytes} bytes, not {blocks} blocks")
+                src = data.reshape(2, blocks, per_block)[:, first:first + n]
+                self._write_blocks(layer, src, load.block_ids, per_block)
+                total += src.nbytes
+                del data
+            self._add(recv_bytes=total, recv_blocks=n, recv_seconds=time.perf_counter() - t0, recv_requests=1)
+            with self._lock:
+                self._finished_recving.append(rid)
+                self._transfers.append((rid, "KVLoad", t0_ns, time.monotonic_ns(), total))
+        except Exception as exc:    # reported, so the request is computed here, never stuck
+            log.warning("loading the KV of request %s from %s failed: %s", rid, load.entry, exc)
+            self._add(recv_failures=1)
+            with self._lock:
+                self._failed_recving[rid] = f"{type(exc).__name__}: {exc}"
+                self._transfers.append((rid, "KVLoadFailed", t0_ns, time.monotonic_ns(), 0))
+
+    @staticmethod
+    def _write_blocks(layer: Any, src: Any, block_ids: list[int], per_block: int) -> None:
+        import numpy as np
+        import torch
+        if layer.device.type == "cpu":     # numpy copies: one thread (torch's would contend with the step's)
+            for kv in (0, 1):
+                dst = layer[kv].view(torch.uint8).numpy().reshape(layer.shape[1], per_block)
+                dst[block_ids] = src[kv]
+            return
+        data = torch.from_numpy(np.ascontiguousarray(src)).view(layer.dtype).view(2, len(block_ids), *layer.shape[2:])
+        layer.index_copy_(1, torch.tensor(block_ids, dtype=torch.long, device=layer.device), data.to(layer.device))
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait (up to ``timeout`` s) until every save handed to the writer is published."""
+        deadline = time.monotonic() + timeout
+        while self._writes.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def shutdown(self) -> None:
+        if self.role is not KVConnectorRole.WORKER or self._closed:
+            return
+        self._closed = True
+        if not self.flush():
+            log.warning("KV saves still being written to %s at shutdown: left unpublished", self.root)
+        self._writes.put(None)
+        self._writer.join(timeout=2)
+        self._loads.shutdown(wait=False, cancel_futures=True)
