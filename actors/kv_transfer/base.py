@@ -117,6 +117,16 @@ class KVOutputAggregator:
         return True
 
 
+def extra_config(kv_config: Any, defaults: dict[str, Any]) -> dict[str, Any]:
+    """A connector's ``kv_connector_extra_config`` over its ``defaults``; ValueError naming keys
+    it does not take."""
+    unknown = sorted(set(kv_config.kv_connector_extra_config) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown kv_connector_extra_config key(s) for {kv_config.kv_connector}: "
+                         f"{', '.join(unknown)}; accepted: {', '.join(defaults)}")
+    return {**defaults, **kv_config.kv_connector_extra_config}
+
+
 class KVConnectorBase(ABC):
     """Subclasses implement both sides; ``role`` says which one this instance is. A worker side
     serves one rank of its engine core, ``rank`` = pipeline stage x tensor-parallel size +

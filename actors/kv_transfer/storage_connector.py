@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
-from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole, extra_config
 
 if TYPE_CHECKING:
     from actors.engine.config import EngineConfig
@@ -88,13 +88,7 @@ class _Meta(msgspec.Struct, omit_defaults=True):
 
 
 def _extra(kv_config: Any) -> dict[str, Any]:
-    extra = dict(EXTRA_KEYS)
-    unknown = sorted(set(kv_config.kv_connector_extra_config) - set(EXTRA_KEYS))
-    if unknown:
-        raise ValueError(f"unknown kv_connector_extra_config key(s) for {kv_config.kv_connector}: "
-                         f"{', '.join(unknown)}; accepted: {', '.join(EXTRA_KEYS)}")
-    extra.update(kv_config.kv_connector_extra_config)
-    return extra
+    return extra_config(kv_config, EXTRA_KEYS)
 
 
 def storage_layout(config: EngineConfig) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import msgspec
 import zmq
 
-from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole, extra_config
 from actors.kv_manager.block_pool import NULL_BLOCK
 from actors.runtime.ray_nodes import NODE_IP_ENV
 
@@ -93,13 +93,7 @@ class _Meta(msgspec.Struct, omit_defaults=True):
 
 
 def _extra(kv_config: Any) -> dict[str, Any]:
-    extra = dict(EXTRA_KEYS)
-    unknown = sorted(set(kv_config.kv_connector_extra_config) - set(EXTRA_KEYS))
-    if unknown:
-        raise ValueError(f"unknown kv_connector_extra_config key(s) for TroupeConnector: {', '.join(unknown)}; "
-                         f"accepted: {', '.join(EXTRA_KEYS)}")
-    extra.update(kv_config.kv_connector_extra_config)
-    return extra
+    return extra_config(kv_config, EXTRA_KEYS)
 
 
 LOOPBACK = ("127.0.0.1", "localhost")

@@ -46,6 +46,16 @@ class Instance(LocalEngine):
         return self.scheduler.stats()
 
 
+def run_once(path: str, rid: str, prompt: list[int], **kw) -> tuple[list[int], list[float], object]:
+    """A new instance on ``path`` runs one request: its tokens, log-probs and the scheduler's stats."""
+    inst = Instance(path, **kw)
+    try:
+        tokens, logprobs = inst.run(rid, prompt)
+        return tokens, logprobs, inst.stats()
+    finally:
+        inst.close()
+
+
 def entries(path: str) -> list[str]:
     (layout,) = os.listdir(os.path.join(path, "troupe-kv"))
     root = os.path.join(path, "troupe-kv", layout, "entries")
@@ -80,12 +90,7 @@ def test_the_prompt_is_saved_layer_by_layer_during_its_forward(stored):
 
 def test_a_new_instance_loads_the_prompt_instead_of_computing_it_and_answers_the_same(stored):
     path, tokens, logprobs, _, _ = stored
-    second = Instance(path)
-    try:
-        again, again_lp = second.run("again", PROMPT)
-        stats = second.stats()
-    finally:
-        second.close()
+    again, again_lp, stats = run_once(path, "again", PROMPT)
     assert again == tokens
     assert again_lp == pytest.approx(logprobs, abs=1e-4)
     # every full block but the one holding the prompt's last token: (151 - 1) // 16 = 9 blocks
@@ -97,17 +102,8 @@ def test_a_new_instance_loads_the_prompt_instead_of_computing_it_and_answers_the
 def test_a_prompt_sharing_the_first_blocks_loads_them_and_computes_the_rest(stored):
     path, _, _, _, _ = stored
     other = PROMPT[:100] + [7, 8, 9] * 20                # the first 6 blocks are PROMPT's
-    fresh = Instance(str(os.path.join(path, "elsewhere")))
-    try:
-        computed, _ = fresh.run("computed", other)
-    finally:
-        fresh.close()
-    second = Instance(path)
-    try:
-        loaded, _ = second.run("shares", other)
-        stats = second.stats()
-    finally:
-        second.close()
+    computed = run_once(os.path.join(path, "elsewhere"), "computed", other)[0]
+    loaded, _, stats = run_once(path, "shares", other)
     assert loaded == computed
     assert stats.external_prefix_cache_hits == 6 * 16
 
@@ -120,12 +116,7 @@ def test_a_damaged_entry_is_computed_here_with_the_same_answer(stored, tmp_path)
     for entry in entries(copy):
         with open(os.path.join(entry, "layer-7.kv"), "r+b") as f:
             f.truncate(100)                              # a layer's file cut short
-    second = Instance(copy, role="kv_consumer")
-    try:
-        again, _ = second.run("damaged", PROMPT)
-        stats = second.stats()
-    finally:
-        second.close()
+    again, _, stats = run_once(copy, "damaged", PROMPT, role="kv_consumer")
     assert again == tokens
     assert stats.kv_transfer["recv_failures"] == 1
     assert stats.external_prefix_cache_hits == 0
@@ -133,12 +124,7 @@ def test_a_damaged_entry_is_computed_here_with_the_same_answer(stored, tmp_path)
 
 def test_an_instance_of_another_block_size_never_reads_the_entries(stored):
     path, tokens, _, _, _ = stored
-    other = Instance(path, role="kv_consumer", block_size=32)
-    try:
-        again, _ = other.run("bs32", PROMPT)
-        stats = other.stats()
-    finally:
-        other.close()
+    again, _, stats = run_once(path, "bs32", PROMPT, role="kv_consumer", block_size=32)
     assert again == tokens
     assert stats.external_prefix_cache_hits == 0
     assert len(os.listdir(os.path.join(path, "troupe-kv"))) == 2      # a layout directory of its own
