@@ -17,8 +17,11 @@ The side channel's exchanges (msgpack header, then raw frames):
              is refused with a message naming the field (``block_size 16 vs 32``)
   read       the blocks of a held request: per run of consecutive block ids, per layer, K then V,
              each frame the cache tensor's own memory (zero-copy on the CPU); or, between
-             processes of one machine, the blocks copied once into a shared-memory segment the
-             consumer maps (``"shm": true`` in kv_connector_extra_config, the default)
+             processes of one machine (``"shm": true`` in kv_connector_extra_config, the
+             default), the addresses of those runs in the producer's cache, which the consumer
+             copies straight into its own (cross-memory attach, ``"cma": true``, the default:
+             one copy), or where the system forbids that, the blocks copied once into a
+             shared-memory segment the consumer maps
   heartbeat  the consumer renews the leases of the requests it will read (every
              ``kv_lease_duration`` / 4; each renewal extends the lease to 2/3 of it from now, never shortens it)
   release    the consumer read them: the producer frees the blocks
@@ -51,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import msgspec
 import zmq
 
+from actors.kv_transfer import cma as cross_memory
 from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole, extra_config
 from actors.kv_manager.block_pool import NULL_BLOCK
 from actors.runtime.ray_nodes import NODE_IP_ENV
@@ -66,6 +70,7 @@ EXTRA_KEYS = {
     "heartbeat_s": 0.0,            # a consumer renews its leases this often (0: kv_lease_duration / 4)
     "transfer_timeout_s": 10.0,    # a handshake or read unanswered this long fails (the prompt is recomputed)
     "shm": True,                   # between processes of one machine, read through shared memory
+    "cma": True,                   # and there, first straight from the producer's cache (process_vm_readv)
 }
 
 _encode = msgspec.msgpack.encode
@@ -471,6 +476,7 @@ class TroupeConnector(KVConnectorBase):
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kv-load")
         self._server: threading.Thread | None = None
         self._shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._cma_ok = cross_memory.available()      # until the system refuses it once
         self.machine = machine_id()
 
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
@@ -591,13 +597,15 @@ class TroupeConnector(KVConnectorBase):
                         released += 1
             return [_encode({"ok": True, "released": released})]
         if op == "read":
-            return self._read(req["req_id"], per_group(req["block_ids"]), req.get("shm", False))
+            return self._read(req["req_id"], per_group(req["block_ids"]), req.get("shm", False),
+                              req.get("cma", False))
         raise ValueError(f"unknown side-channel operation {op!r}")
 
-    def _read(self, rid: str, block_ids: list[list[int]], shm: bool) -> list[Any]:
-        """The request's blocks as frames (views of the cache, sent without a copy) or one
-        shared-memory segment. The read renews the lease, which keeps the blocks as they are
-        while their bytes are copied or sent, outside the lock (the steps go on meanwhile)."""
+    def _read(self, rid: str, block_ids: list[list[int]], shm: bool, cma: bool = False) -> list[Any]:
+        """The request's blocks as frames (views of the cache, sent without a copy), one
+        shared-memory segment, or (``cma``) their addresses in this process for the consumer to
+        copy from. The read renews the lease, which keeps the blocks as they are while their
+        bytes are copied or sent, outside the lock (the steps go on meanwhile)."""
         t0 = time.monotonic_ns()
         with self._lock:
             h = self._readable.get(rid)
@@ -608,10 +616,17 @@ class TroupeConnector(KVConnectorBase):
                                                         for ask, held in zip(block_ids, h.block_ids)):
                 return [_encode({"ok": False, "error": f"blocks {block_ids} are not request {rid}'s"})]
             h.deadline = max(h.deadline, time.monotonic() + self.lease_extension)
+        head = {"ok": True, "runs": [runs(ids) for ids in block_ids], "compat_hash": self.info["compat_hash"]}
+        if cma and self.kv_caches[0].device.type == "cpu":
+            regions = [(p.data_ptr(), p.nbytes) for p in self._block_parts(block_ids)]
+            nbytes = sum(n for _, n in regions)
+            self.stats.add(sent_bytes=nbytes, sent_blocks=sum(map(len, block_ids)), sent_requests=1)
+            with self._lock:
+                self._transfers.append((rid, "KVSend", t0, time.monotonic_ns(), nbytes))
+            return [_encode({**head, "cma": {"pid": os.getpid(), "regions": regions}})]
         chunks = self._block_chunks(block_ids)
         nbytes = sum(c.nbytes for c in chunks)
         self.stats.add(sent_bytes=nbytes, sent_blocks=sum(map(len, block_ids)), sent_requests=1)
-        head = {"ok": True, "runs": [runs(ids) for ids in block_ids], "compat_hash": self.info["compat_hash"]}
         reply: list[Any] = [_encode(head), *chunks]
         if shm and self._shm_dir is not None and nbytes <= self.kv_config.kv_buffer_size:
             import numpy as np
@@ -629,21 +644,21 @@ class TroupeConnector(KVConnectorBase):
             self._transfers.append((rid, "KVSend", t0, time.monotonic_ns(), nbytes))
         return reply
 
-    def _block_chunks(self, block_ids: list[list[int]]) -> list[Any]:
+    def _block_parts(self, block_ids: list[list[int]]) -> Any:
         """Per KV cache group, per run of consecutive blocks, per layer of the group, K then V:
-        the cache's own bytes (a view, no copy, on the CPU) as uint8 numpy arrays."""
-        import torch
-        out = []
+        the cache's view of those blocks (contiguous)."""
         for ids, layers in zip(block_ids, self.group_layers):
             for start, n in runs(ids):
                 b0 = ids[start]
                 for t in (self.kv_caches[i] for i in layers):
                     for kv in (0, 1):
-                        part = t[kv, b0:b0 + n]
-                        if part.device.type != "cpu":
-                            part = part.cpu()
-                        out.append(part.contiguous().view(torch.uint8).numpy().reshape(-1))
-        return out
+                        yield t[kv, b0:b0 + n]
+
+    def _block_chunks(self, block_ids: list[list[int]]) -> list[Any]:
+        """The parts' bytes (views, no copy, on the CPU) as uint8 numpy arrays."""
+        import torch
+        return [(p if p.device.type == "cpu" else p.cpu()).contiguous().view(torch.uint8).numpy().reshape(-1)
+                for p in self._block_parts(block_ids)]
 
     # -- the consumer's loads ----------------------------------------------------------------
     def _connect(self, host: str, port: int) -> zmq.Socket:
@@ -687,21 +702,25 @@ class TroupeConnector(KVConnectorBase):
         try:
             peer = self.handshake(host, port, sock)
             shm = bool(self.extra["shm"]) and peer.get("machine") == self.machine
-            frames = self._ask(sock, {"op": "read", "req_id": load.remote_request_id,
-                                      "block_ids": load.remote_block_ids, "shm": shm}, "read")
-            head = _decode(frames[0].bytes)
-            if not head.get("ok"):
-                raise RuntimeError(head.get("error", "read refused"))
-            if head.get("compat_hash") != self.info["compat_hash"]:     # restarted with another config
-                self._handshaken.pop((host, port), None)
-                raise HandshakeError(f"KV transfer refused: compat_hash {self.info['compat_hash']} (consumer) vs "
-                                     f"{head.get('compat_hash')} (producer)")
-            nbytes = self._write_blocks(head, frames[1:], load)
+            ask = {"op": "read", "req_id": load.remote_request_id, "block_ids": load.remote_block_ids, "shm": shm,
+                   "cma": shm and self.extra["cma"] and self._cma_ok and self.kv_caches[0].device.type == "cpu"}
+            head, frames = self._read_reply(sock, ask, host, port)
+            nbytes = 0
+            if "cma" in head:
+                try:
+                    nbytes = self._copy_cma(head, load)
+                except PermissionError as exc:     # the system forbids it: shared memory from now on
+                    self._cma_ok = False
+                    log.warning("reading the producer's KV cache directly is not permitted here (%s): "
+                                "through shared memory instead", exc)
+                    head, frames = self._read_reply(sock, {**ask, "cma": False}, host, port)
+            if "cma" not in head:
+                nbytes = self._write_blocks(head, frames[1:], load)
             sock.send(_encode({"op": "release", "req_ids": [load.remote_request_id]}))
             sock.poll(int(self.timeout_s * 1000))          # the release is best effort: the lease ends it anyway
             self.stats.add(recv_bytes=nbytes, recv_blocks=sum(map(len, load.local_block_ids)),
                            recv_seconds=time.perf_counter() - t0, recv_requests=1,
-                           shm_reads=1 if "shm" in head else 0)
+                           shm_reads=1 if "shm" in head else 0, cma_reads=1 if "cma" in head else 0)
             with self._lock:
                 self._finished_recving.append(rid)
                 self._transfers.append((rid, "KVLoad", t0_ns, time.monotonic_ns(), nbytes))
@@ -713,6 +732,45 @@ class TroupeConnector(KVConnectorBase):
                 self._transfers.append((rid, "KVLoadFailed", t0_ns, time.monotonic_ns(), 0))
         finally:
             sock.close()
+
+    def _read_reply(self, sock: zmq.Socket, ask: dict[str, Any], host: str, port: int) -> tuple[dict[str, Any], list[Any]]:
+        """The producer's answer to a read: its head (checked) and frames."""
+        frames = self._ask(sock, ask, "read")
+        head = _decode(frames[0].bytes)
+        if not head.get("ok"):
+            raise RuntimeError(head.get("error", "read refused"))
+        if head.get("compat_hash") != self.info["compat_hash"]:     # restarted with another config
+            self._handshaken.pop((host, port), None)
+            raise HandshakeError(f"KV transfer refused: compat_hash {self.info['compat_hash']} (consumer) vs "
+                                 f"{head.get('compat_hash')} (producer)")
+        return head, frames
+
+    def _copy_cma(self, head: dict[str, Any], load: _Load) -> int:
+        """Copy the blocks straight from the producer's cache (the regions its head names, in
+        ``_block_parts``'s order) into this cache's blocks."""
+        t = self.kv_caches[0]
+        per_block = t[0, 0].numel() * t.element_size()
+        group_runs, regions = head["runs"], head["cma"]["regions"]
+        if len(group_runs) != len(self.group_layers):
+            raise RuntimeError(f"the producer sent {len(group_runs)} KV cache groups, expected {len(self.group_layers)}")
+        copies: list[tuple[int, int, int]] = []
+        i = 0
+        for runs_g, layers, local_g in zip(group_runs, self.group_layers, load.local_block_ids):
+            for start, n in runs_g:
+                local = local_g[start:start + n]
+                sub = runs(local)
+                for layer in (self.kv_caches[j] for j in layers):
+                    for kv in (0, 1):
+                        if i >= len(regions) or regions[i][1] != n * per_block:
+                            raise RuntimeError(f"the producer's region {i} does not hold {n} blocks of {per_block} bytes")
+                        src = regions[i][0]
+                        i += 1
+                        base = layer[kv].data_ptr()             # (num_blocks, ...) contiguous
+                        for j, m in sub:
+                            copies.append((base + local[j] * per_block, src + j * per_block, m * per_block))
+        if i != len(regions):
+            raise RuntimeError(f"the producer named {len(regions)} regions, expected {i}")
+        return cross_memory.read_regions(int(head["cma"]["pid"]), copies)
 
     def _write_blocks(self, head: dict[str, Any], frames: list[Any], load: _Load) -> int:
         import numpy as np

@@ -91,6 +91,7 @@ def test_greedy_answers_through_the_proxy_are_a_single_servers_and_decode_loads_
     prefill, decode, proxy = trio
     hits0 = metric(decode, "vllm:external_prefix_cache_hits_total")
     sent0 = metric(prefill, "troupe:kv_transfer_sent_requests_total")
+    cma0 = metric(decode, "troupe:kv_transfer_cma_reads_total")
     via = completion(proxy.url)
     assert via["choices"][0]["text"] == alone
     prompt_tokens = via["usage"]["prompt_tokens"]
@@ -98,6 +99,8 @@ def test_greedy_answers_through_the_proxy_are_a_single_servers_and_decode_loads_
     assert metric(decode, "vllm:external_prefix_cache_hits_total") - hits0 == prompt_tokens - 1
     assert metric(prefill, "troupe:kv_transfer_sent_requests_total") - sent0 == 1
     assert metric(decode, "troupe:kv_transfer_recv_bytes_total") > 0
+    # two processes of one machine: copied straight from the prefill server's cache
+    assert metric(decode, "troupe:kv_transfer_cma_reads_total") - cma0 == 1
     assert "kv.load" in hops(decode, via["id"])            # the transfer is a hop of the request's waterfall
 
 

@@ -171,6 +171,44 @@ def test_the_consumer_loads_the_producers_blocks_and_computes_only_the_last_prom
     assert [o.finish_reason for o in outs if o.finish_reason] == ["length"]
 
 
+@pytest.mark.parametrize("path", ["cma", "shm", "frames", "cma refused"])
+def test_each_same_machine_path_loads_the_same_values_into_other_block_ids(path, monkeypatch):
+    """Straight from the producer's cache (cross-memory attach, the default), through a
+    shared-memory segment, as ZeroMQ frames; and where the system refuses cross-memory attach,
+    through shared memory from then on."""
+    from actors.kv_transfer import cma
+    extra = {"cma": path != "shm", "shm": path != "frames"}
+    if path == "cma refused":          # as under a seccomp profile or Yama's ptrace_scope
+        def refuse(pid, copies):
+            raise PermissionError(1, f"reading process {pid}'s memory: Operation not permitted")
+        monkeypatch.setattr(cma, "read_regions", refuse)
+    producer = Instance("kv_producer", free_port(), kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", free_port(), **extra)
+    try:
+        params = prefill(producer)
+        assert consumer.kv.allocate_slots("elsewhere", 3 * BS + 1, []) is not None   # other local block ids
+        for rid in ("d1", "d2"):
+            params = params if rid == "d1" else prefill(producer, "p2")
+            add(consumer, rid, PROMPT, 1, params)
+            consumer.step()
+            req = consumer.sched.requests[rid]
+            consumer.until(lambda: req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS)
+            (ids,) = consumer.kv.get_block_ids(rid)
+            assert set(ids).isdisjoint(consumer.kv.get_block_ids("elsewhere")[0])
+            for p in range(len(PROMPT) - 1):
+                for layer, t in enumerate(consumer.caches):
+                    for kv in (0, 1):
+                        assert t[kv, ids[p // BS], p % BS, 0, 0].item() == pattern(layer, kv, p)
+            consumer.until(lambda: rid not in consumer.sched.requests)
+        stats = consumer.sched.stats().kv_transfer
+        assert stats.get("recv_failures", 0) == 0 and stats["recv_requests"] == 2
+        assert stats.get("cma_reads", 0) == (2 if path == "cma" else 0)
+        assert stats.get("shm_reads", 0) == {"cma": 0, "shm": 2, "frames": 0, "cma refused": 2}[path]
+    finally:
+        producer.close()
+        consumer.close()
+
+
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["two tensor-parallel ranks", "two pipeline stages"])
 def test_with_two_ranks_each_rank_loads_its_share_from_the_rank_of_the_same_number(tp, pp):
     """Each rank's side channel listens on kv_port + rank; consumer rank r reads producer rank r's

@@ -1,8 +1,9 @@
 """``python -m tools.bench kv-transfer``: TroupeConnector's transfer throughput against the
 machine's memory bandwidth. A producer process holds a request of ``--blocks`` KV blocks of the
 model's shape (SmolLM2-135M by default: 30 layers, 3 KV heads of 64, blocks of 16 tokens); the
-consumer (this process) loads them into its own cache, over ZeroMQ TCP frames and through shared
-memory, ``--repeats`` times each (the best kept). The bandwidth is a large tensor copy's
+consumer (this process) loads them into its own cache, over ZeroMQ TCP frames, through a
+shared-memory segment and straight from the producer's cache (cross-memory attach),
+``--repeats`` times each (the best kept). The bandwidth is a large tensor copy's
 (bytes copied per second by one large tensor copy, the best of a few)."""
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from actors.kv_transfer.config import KVTransferConfig
 from models.resolve import ModelSource
 
 
-def _config(role: str, port: int, shm: bool, block_size: int, layers: int, num_blocks: int) -> EngineConfig:
+def _config(role: str, port: int, shm: bool, block_size: int, layers: int, num_blocks: int,
+            cma: bool = False) -> EngineConfig:
     kv = KVTransferConfig(kv_connector="TroupeConnector", kv_role=role, kv_port=port,
-                          kv_connector_extra_config={"shm": shm, "kv_lease_duration": 600.0, "transfer_timeout_s": 60.0})
+                          kv_connector_extra_config={"shm": shm, "cma": cma, "kv_lease_duration": 600.0,
+                                                     "transfer_timeout_s": 60.0})
     return EngineConfig(model=ModelConfig(source=ModelSource("hf_dir", "", "bench"), max_model_len=1024),
                         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), kv_transfer=kv)
 
@@ -38,8 +41,8 @@ def _producer(port: int, args: dict[str, Any], ready: Any, stop: Any) -> None:
     conn = TroupeConnector(cfg, KVConnectorRole.WORKER)
     conn.register_kv_caches(_caches(args["layers"], n + 1, args["block_size"], args["heads"], args["head_size"]))
     # the request's blocks, saved as a step's forward would leave them (one renewed lease per read)
-    conn.start_load_kv(msgspec.msgpack.encode({"saves": {f"r{i}": list(range(1, n + 1))
-                                                         for i in range(2 * args["repeats"] + 2)}}))
+    conn.start_load_kv(msgspec.msgpack.encode({"saves": {f"r{i}": [list(range(1, n + 1))]     # one KV cache group
+                                                         for i in range(3 * args["repeats"] + 2)}}))
     conn.wait_for_save()
     ready.set()
     stop.wait()
@@ -73,18 +76,21 @@ def measure(blocks: int, block_size: int, layers: int, heads: int, head_size: in
     proc = ctx.Process(target=_producer, args=(port, shape, ready, stop), daemon=True)
     proc.start()
     try:
-        if not ready.wait(120):
-            raise RuntimeError("the producer process did not start")
+        deadline = time.monotonic() + 120
+        while not ready.wait(0.2):
+            if not proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the producer process did not start (exit code {proc.exitcode})")
         nbytes = blocks * layers * 2 * block_size * heads * head_size * 4
         out: dict[str, Any] = {"bytes_per_transfer": nbytes}
         i = 0
-        for path, shm in (("zmq_tcp", False), ("shm", True)):
-            cfg = _config("kv_consumer", 0, shm, block_size, layers, blocks + 1)
+        for path, shm, cma in (("zmq_tcp", False, False), ("shm", True, False), ("cma", True, True)):
+            cfg = _config("kv_consumer", 0, shm, block_size, layers, blocks + 1, cma)
             conn = TroupeConnector(cfg, KVConnectorRole.WORKER)
             conn.register_kv_caches(_caches(layers, blocks + 1, block_size, heads, head_size))
             best = float("inf")
             for _ in range(repeats):
-                load = _Load("127.0.0.1", port, f"r{i}", list(range(1, blocks + 1)), list(range(1, blocks + 1)))
+                ids = [list(range(1, blocks + 1))]
+                load = _Load(["127.0.0.1"], port, f"r{i}", ids, ids)
                 i += 1
                 t0 = time.perf_counter()
                 conn._load(f"c{i}", load)
@@ -92,6 +98,8 @@ def measure(blocks: int, block_size: int, layers: int, heads: int, head_size: in
                 done = conn.get_finished()
                 if done.failed_recving:
                     raise RuntimeError(f"the load failed: {done.failed_recving}")
+                if done.stats.get(f"{path}_reads", 1) != 1:
+                    raise RuntimeError(f"the load did not go through {path}: {done.stats}")
             conn.shutdown()
             out[path] = {"seconds": round(best, 4), "gb_per_s": round(nbytes / best / 1e9, 3)}
         return out
@@ -106,6 +114,6 @@ def main(args: Any) -> None:
     res = {"bench": "kv-transfer", "blocks": args.blocks, "block_size": args.block_size, "layers": args.layers,
            "kv_heads": args.kv_heads, "head_size": args.head_size, "dtype": "float32",
            "memcpy_gb_per_s": round(bw, 2), **res}
-    for path in ("zmq_tcp", "shm"):
+    for path in ("zmq_tcp", "shm", "cma"):
         res[path]["of_memcpy"] = round(res[path]["gb_per_s"] / bw, 3)
     print(json.dumps(res), flush=True)
