@@ -20,6 +20,7 @@ from actors.engine.compilation import compilation_config
 from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_transfer.config import kv_transfer_config
+from actors.kv_transfer.factory import KVConnectorFactory
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig
 from models.resolve import ModelSource, resolve_model
@@ -105,7 +106,7 @@ class EngineArgs:
         names = self.served_model_name
         speculative = speculative_config(self.speculative_config)
         compilation = compilation_config(self.compilation_config)
-        return EngineConfig(
+        config = EngineConfig(
             model=ModelConfig(source=source, dtype=self.dtype,
                               quantization=self.quantization, max_model_len=self.max_model_len,
                               seed=self.seed, enforce_eager=self.enforce_eager,
@@ -146,6 +147,8 @@ class EngineArgs:
             observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir),
             speculative=speculative, compilation=compilation, lora=self.lora_config(),
             kv_transfer=kv_transfer_config(self.kv_transfer_config))
+        KVConnectorFactory.check_engine(config)
+        return config
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -144,6 +144,11 @@ class KVConnectorBase(ABC):
     def check_config(cls, kv_config: Any) -> None:
         """ValueError naming what the connector cannot take in ``kv_config`` (its extra config)."""
 
+    @classmethod
+    def check_engine_config(cls, config: EngineConfig) -> None:
+        """ValueError naming what the connector cannot run with in the rest of the engine's
+        config (parallelism, say), before any process starts."""
+
     # -- scheduler side ----------------------------------------------------------------------
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

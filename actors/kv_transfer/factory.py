@@ -39,6 +39,13 @@ class KVConnectorFactory:
         cls._registry[config.kv_connector]().check_config(config)
 
     @classmethod
+    def check_engine(cls, config: EngineConfig) -> None:
+        """The configured connector's check of the whole engine config (None: no connector)."""
+        if config.kv_transfer is not None:
+            cls.check(config.kv_transfer)
+            cls._registry[config.kv_transfer.kv_connector]().check_engine_config(config)
+
+    @classmethod
     def create_connector(cls, config: EngineConfig, role: KVConnectorRole, rank: int = 0) -> KVConnectorBase:
         """The connector's ``role`` side; a worker side serves its engine core's rank ``rank``
         (pipeline stage x tensor-parallel size + tensor-parallel rank)."""

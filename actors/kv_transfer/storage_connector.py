@@ -110,9 +110,7 @@ class StorageConnector(KVConnectorBase):
     def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
         super().__init__(config, role)
         self.extra = _extra(self.kv_config)
-        if config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1:
-            raise ValueError(f"{self.kv_config.kv_connector} runs with one rank per engine "
-                             "(tensor_parallel_size and pipeline_parallel_size 1)")
+        self.check_engine_config(config)
         if len(config.kv_cache_groups()) > 1:
             raise ValueError(f"{self.kv_config.kv_connector} needs a model with one KV cache group "
                              "(no sliding-window layers beside full-attention ones)")
@@ -133,6 +131,12 @@ class StorageConnector(KVConnectorBase):
             self._init_scheduler_side()
         else:
             self._init_worker_side()
+
+    @classmethod
+    def check_engine_config(cls, config: EngineConfig) -> None:
+        if config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1:
+            raise ValueError(f"{config.kv_transfer.kv_connector} runs with one rank per engine "
+                             "(tensor_parallel_size and pipeline_parallel_size 1)")
 
     @classmethod
     def check_config(cls, kv_config: Any) -> None:

@@ -11,7 +11,9 @@ import time
 
 import pytest
 
+from actors.engine.args import EngineArgs
 from actors.kv_transfer.config import KVTransferConfig
+from models.resolve import DEFAULT_MODEL
 from tools.bench.kv_storage import LocalEngine
 
 pytestmark = pytest.mark.slow
@@ -171,3 +173,6 @@ def test_bad_storage_config_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="shared_storage_pth"):
         KVTransferConfig.from_dict({"kv_connector": "SharedStorageConnector",
                                     "kv_connector_extra_config": {"shared_storage_pth": "/tmp"}})
+    with pytest.raises(ValueError, match="one rank per engine"):       # before any process starts
+        EngineArgs(model=DEFAULT_MODEL, tensor_parallel_size=2,
+                   kv_transfer_config={"kv_connector": "ExampleConnector"}).create_engine_config()
