@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
@@ -163,12 +163,16 @@ class KVConnectorBase(ABC):
         tokens too."""
 
     @abstractmethod
-    def build_connector_meta(self, scheduled: dict[str, int]) -> bytes:
-        """This step's metadata for the worker's side; ``scheduled``: request id -> tokens."""
+    def build_connector_meta(self, scheduled: list[Request],
+                             block_ids: Callable[[str], tuple[list[int], ...]] | None = None) -> bytes:
+        """This step's metadata for the worker's side: ``scheduled``, the step's requests (their
+        ``num_computed_tokens`` already counting the step's tokens); ``block_ids(request id)``,
+        a request's blocks per KV cache group."""
 
     @abstractmethod
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """The worker's report of transfers that ended."""
+        """The worker's report of transfers that ended (before the scheduler acts on it: a
+        connector may take out of ``finished_sending`` sends that are not over for it yet)."""
 
     @abstractmethod
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
@@ -194,6 +198,10 @@ class KVConnectorBase(ABC):
     def has_pending(self) -> bool:
         """Whether transfers are under way or blocks are held, so the worker's side must be polled
         even when no tokens are scheduled."""
+        return False
+
+    def is_loading(self, request_id: str) -> bool:
+        """Whether the request's KV is being loaded (its blocks are written to until reported)."""
         return False
 
     def shutdown(self) -> None:

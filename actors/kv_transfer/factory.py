@@ -62,3 +62,4 @@ KVConnectorFactory.register_connector("TroupeConnector", "actors.kv_transfer.tro
 KVConnectorFactory.register_connector("ExampleConnector", "actors.kv_transfer.storage_connector", "StorageConnector")
 KVConnectorFactory.register_connector("SharedStorageConnector", "actors.kv_transfer.storage_connector",
                                       "StorageConnector")
+KVConnectorFactory.register_connector("MultiConnector", "actors.kv_transfer.multi_connector", "MultiConnector")

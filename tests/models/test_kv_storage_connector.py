@@ -14,6 +14,7 @@ import pytest
 from actors.engine.args import EngineArgs
 from actors.kv_transfer.config import KVTransferConfig
 from models.resolve import DEFAULT_MODEL
+from tests.e2e.server import free_port
 from tools.bench.kv_storage import LocalEngine
 
 pytestmark = pytest.mark.slow
@@ -166,6 +167,40 @@ def test_past_max_storage_gb_the_least_recently_used_entries_go(tmp_path):
     assert len(entries(str(tmp_path))) == 2
 
 
+def test_a_multi_connector_moves_the_prompt_to_a_decode_instance_and_keeps_it_on_storage(stored, tmp_path):
+    """TroupeConnector and ExampleConnector in one MultiConnector: the decode instance loads the
+    prompt from the prefill instance (the first connector that holds it); a later instance with
+    no transfer params loads it from the storage the prefill instance also saved it to."""
+    _, tokens, _, _, _ = stored
+    path, port = str(tmp_path), free_port()
+
+    def multi(role: str) -> dict:
+        return {"kv_connector": "MultiConnector", "kv_role": role, "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "TroupeConnector", "kv_port": port},
+            {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"shared_storage_path": path}}]}}
+    prefill = LocalEngine(kv_transfer_config=multi("kv_producer"), kv_cache_bytes=32 << 20)
+    decode = later = None
+    try:
+        prefill.run("prefill", PROMPT, 1, kv_transfer_params={"do_remote_decode": True})
+        params = prefill.kv_transfer_params
+        assert params["do_remote_prefill"] and params["remote_port"] == port
+        assert prefill.kv.num_blocks_held("prefill") > 0          # held for the decode instance
+        decode = LocalEngine(kv_transfer_config=multi("kv_consumer"), kv_cache_bytes=32 << 20)
+        assert decode.run("decode", PROMPT, NUM_NEW, kv_transfer_params=params)[0] == tokens
+        stats = decode.scheduler.stats()
+        assert stats.external_prefix_cache_hits == len(PROMPT) - 1     # from the prefill instance
+        assert stats.kv_transfer["cma_reads"] == 1
+        prefill.poll(lambda: prefill.kv.num_blocks_held("prefill") == 0)   # read, released, freed
+        prefill.connector.connectors[1].flush()
+        later = LocalEngine(kv_transfer_config=multi("kv_consumer"), kv_cache_bytes=32 << 20)
+        assert later.run("later", PROMPT, NUM_NEW)[0] == tokens
+        assert later.scheduler.stats().external_prefix_cache_hits == 9 * 16   # from the storage
+    finally:
+        for e in (prefill, decode, later):
+            if e is not None:
+                e.close()
+
+
 def test_bad_storage_config_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="max_storage_gb"):
         KVTransferConfig.from_dict({"kv_connector": "ExampleConnector",
@@ -176,3 +211,8 @@ def test_bad_storage_config_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="one rank per engine"):       # before any process starts
         EngineArgs(model=DEFAULT_MODEL, tensor_parallel_size=2,
                    kv_transfer_config={"kv_connector": "ExampleConnector"}).create_engine_config()
+    with pytest.raises(ValueError, match=r"connectors\[1\]: unknown kv_connector_extra_config key\(s\) for "
+                                         "ExampleConnector: path"):
+        KVTransferConfig.from_dict({"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "TroupeConnector"},
+            {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"path": "/tmp"}}]}})

@@ -14,7 +14,7 @@ import random
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 from actors.engine.args import EngineArgs
 from actors.engine.messages import EngineCoreRequest
@@ -42,11 +42,13 @@ class LocalEngine:
     def connector(self) -> Any:
         return self.worker.kv_connector
 
-    def run(self, rid: str, prompt: list[int], max_tokens: int, timeout_s: float = 300.0
-            ) -> tuple[list[int], list[float], float]:
+    def run(self, rid: str, prompt: list[int], max_tokens: int, timeout_s: float = 300.0,
+            kv_transfer_params: dict | None = None) -> tuple[list[int], list[float], float]:
         """The request's greedy tokens, their log-probabilities and the seconds to the first
-        token; steps (and polls the connector's transfers) until the request is done."""
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+        token; steps (and polls the connector's transfers) until the request is done. The
+        ``kv_transfer_params`` it finished with are left in ``self.kv_transfer_params``."""
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0, extra_args=extra)
         t0 = time.perf_counter()
         error = self.scheduler.add_request(EngineCoreRequest(rid, prompt, sp, 0.0, [2]))
         if error is not None:
@@ -70,9 +72,20 @@ class LocalEngine:
                 if out.logprobs is not None:
                     logprobs += [row[0] for row in out.logprobs.logprobs]
                 if out.finish_reason is not None:
+                    self.kv_transfer_params = out.kv_transfer_params
                     return tokens, logprobs, ttft
             if not so.num_scheduled_tokens:
                 time.sleep(0.002)
+
+    def poll(self, done: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        """Steps (polls of the connector's transfers, with no requests) until ``done()``."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not done in {timeout_s:g} s")
+            so = self.scheduler.schedule()
+            self.scheduler.update_from_output(so, self.worker.execute_model(so))
+            time.sleep(0.005)
 
     def close(self) -> None:
         if self.connector is not None:
