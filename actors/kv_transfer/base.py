@@ -128,6 +128,19 @@ def extra_config(kv_config: Any, defaults: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **kv_config.kv_connector_extra_config}
 
 
+def runs(ids: list[int]) -> list[tuple[int, int]]:
+    """(index into ids, length) of each run of consecutive block ids."""
+    out: list[tuple[int, int]] = []
+    i = 0
+    while i < len(ids):
+        j = i + 1
+        while j < len(ids) and ids[j] == ids[j - 1] + 1:
+            j += 1
+        out.append((i, j - i))
+        i = j
+    return out
+
+
 class KVConnectorBase(ABC):
     """Subclasses implement both sides; ``role`` says which one this instance is. A worker side
     serves one rank of its engine core, ``rank`` = pipeline stage x tensor-parallel size +

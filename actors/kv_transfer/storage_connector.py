@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
-from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole, extra_config
+from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole, extra_config, runs
 
 if TYPE_CHECKING:
     from actors.engine.config import EngineConfig
@@ -410,7 +410,6 @@ class StorageConnector(KVConnectorBase):
         shutil.rmtree(entry, ignore_errors=True)
 
     def _load(self, rid: str, load: _Load) -> None:
-        import numpy as np
         t0, t0_ns = time.perf_counter(), time.monotonic_ns()
         try:
             with open(os.path.join(load.entry, "meta.json")) as f:
@@ -420,16 +419,17 @@ class StorageConnector(KVConnectorBase):
                 raise RuntimeError(f"{load.entry} holds other blocks than the prompt's")
             os.utime(os.path.join(load.entry, "meta.json"))        # used: evicted last
             total = 0
+            blocks = len(meta["hashes"])
             for i, layer in enumerate(self.kv_caches):
-                data = np.memmap(os.path.join(load.entry, f"layer-{i}.kv"), dtype=np.uint8, mode="r")
                 per_block = layer[0, 0].numel() * layer.element_size()
-                blocks = len(meta["hashes"])
-                if data.nbytes != 2 * blocks * per_block:
-                    raise RuntimeError(f"layer {i} of {load.entry} holds {data.nbytes} bytes, not {blocks} blocks")
-                src = data.reshape(2, blocks, per_block)[:, first:first + n]
-                self._write_blocks(layer, src, load.block_ids, per_block)
-                total += src.nbytes
-                del data
+                fd = os.open(os.path.join(load.entry, f"layer-{i}.kv"), os.O_RDONLY)
+                try:
+                    size = os.fstat(fd).st_size
+                    if size != 2 * blocks * per_block:
+                        raise RuntimeError(f"layer {i} of {load.entry} holds {size} bytes, not {blocks} blocks")
+                    total += self._read_blocks(fd, layer, blocks, first, load.block_ids, per_block)
+                finally:
+                    os.close(fd)
             self._add(recv_bytes=total, recv_blocks=n, recv_seconds=time.perf_counter() - t0, recv_requests=1)
             with self._lock:
                 self._finished_recving.append(rid)
@@ -442,16 +442,31 @@ class StorageConnector(KVConnectorBase):
                 self._transfers.append((rid, "KVLoadFailed", t0_ns, time.monotonic_ns(), 0))
 
     @staticmethod
-    def _write_blocks(layer: Any, src: Any, block_ids: list[int], per_block: int) -> None:
+    def _read_blocks(fd: int, layer: Any, blocks: int, first: int, block_ids: list[int], per_block: int) -> int:
+        """Read blocks ``first`` on of a layer's file (K of every block, then V) into the cache's
+        ``block_ids``: on the CPU straight from the file into the cache's memory, one read per run
+        of consecutive blocks."""
         import numpy as np
         import torch
-        if layer.device.type == "cpu":     # numpy copies: one thread (torch's would contend with the step's)
+        n = len(block_ids)
+        if layer.device.type == "cpu":
+            total = 0
             for kv in (0, 1):
-                dst = layer[kv].view(torch.uint8).numpy().reshape(layer.shape[1], per_block)
-                dst[block_ids] = src[kv]
-            return
-        data = torch.from_numpy(np.ascontiguousarray(src)).view(layer.dtype).view(2, len(block_ids), *layer.shape[2:])
-        layer.index_copy_(1, torch.tensor(block_ids, dtype=torch.long, device=layer.device), data.to(layer.device))
+                dst = layer[kv].view(torch.uint8).numpy().reshape(-1)
+                for j, m in runs(block_ids):
+                    start = block_ids[j] * per_block
+                    want = m * per_block
+                    got = os.preadv(fd, [memoryview(dst[start:start + want])],
+                                    (kv * blocks + first + j) * per_block)
+                    if got != want:
+                        raise RuntimeError(f"read {got} of {want} bytes")
+                    total += got
+            return total
+        data = np.frombuffer(os.pread(fd, 2 * blocks * per_block, 0), dtype=np.uint8).reshape(2, blocks, per_block)
+        data = data[:, first:first + n]
+        src = torch.from_numpy(np.ascontiguousarray(data)).view(layer.dtype).view(2, n, *layer.shape[2:])
+        layer.index_copy_(1, torch.tensor(block_ids, dtype=torch.long, device=layer.device), src.to(layer.device))
+        return src.numel() * src.element_size()
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait (up to ``timeout`` s) until every save handed to the writer is published."""

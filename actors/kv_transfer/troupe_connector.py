@@ -55,7 +55,7 @@ import msgspec
 import zmq
 
 from actors.kv_transfer import cma as cross_memory
-from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole, extra_config
+from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole, extra_config, runs
 from actors.kv_manager.block_pool import NULL_BLOCK
 from actors.runtime.ray_nodes import NODE_IP_ENV
 
@@ -179,19 +179,6 @@ def per_group(block_ids: Any) -> list[list[int]]:
 def prompt_hash(request: Request) -> str:
     """A digest of the prompt's token ids: a consumer loads KV computed for the same tokens only."""
     return hashlib.blake2b(array.array("q", request.prompt_token_ids).tobytes(), digest_size=8).hexdigest()
-
-
-def runs(ids: list[int]) -> list[tuple[int, int]]:
-    """(index into ids, length) of each run of consecutive block ids."""
-    out: list[tuple[int, int]] = []
-    i = 0
-    while i < len(ids):
-        j = i + 1
-        while j < len(ids) and ids[j] == ids[j - 1] + 1:
-            j += 1
-        out.append((i, j - i))
-        i = j
-    return out
 
 
 @dataclass(slots=True)
