@@ -30,6 +30,10 @@ block size, cache dtype and cache shape, so instances of another configuration n
     entries/<hash of the last block>/layer-<i>.kv  layer i's (2, blocks, block_size, kv heads, head size)
     blocks/<block hash>                            a link to the entry holding that block
 
+With tensor or pipeline parallelism each rank saves and loads its own share (its KV heads of its
+stage's layers) as entries and links of its own, named ``<hash>.r<rank>``; a prompt's blocks are
+loaded once every rank holds them.
+
 ``max_storage_gb`` (0: no limit) bounds the entries' total size: past it, those used least
 recently (loaded or written) are deleted. An instance counts the entries present when it started
 and those it writes (not those other instances write meanwhile).
@@ -71,9 +75,8 @@ _decode = msgspec.msgpack.decode
 
 
 class _Load(msgspec.Struct, array_like=True):
-    entry: str                   # the entry's directory
-    first: int                   # the first of its blocks to load (the request's local hits before it)
-    hashes: list[str]            # the loaded blocks' hashes, to check against the entry's
+    first: int                   # the prompt's first block to load (its local hits before it)
+    hashes: list[str]            # the loaded blocks' hashes (each rank finds its entry by the last)
     block_ids: list[int]         # the local blocks they go into
 
 
@@ -97,7 +100,9 @@ def storage_layout(config: EngineConfig) -> dict[str, Any]:
     info = {"model": config.model.source.served_name, "num_layers": arch.num_layers,
             "block_size": config.cache.block_size, "num_kv_heads": arch.num_kv_heads,
             "head_size": arch.head_size, "kv_cache_dtype": config.cache.cache_dtype,
-            "layout": "per layer (2, blocks, block_size, num_kv_heads, head_size)"}
+            "tensor_parallel_size": config.parallel.tensor_parallel_size,
+            "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
+            "layout": "per rank, per layer of its stage (2, blocks, block_size, its kv heads, head_size)"}
     info["hash"] = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
     return info
 
@@ -110,7 +115,10 @@ class StorageConnector(KVConnectorBase):
     def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
         super().__init__(config, role)
         self.extra = _extra(self.kv_config)
-        self.check_engine_config(config)
+        # an engine's ranks (tensor-parallel ranks x pipeline stages) each save and load their
+        # own share (their heads of their stage's layers) as entries and links of their own
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.world = self.tp_size * config.parallel.pipeline_parallel_size
         if len(config.kv_cache_groups()) > 1:
             raise ValueError(f"{self.kv_config.kv_connector} needs a model with one KV cache group "
                              "(no sliding-window layers beside full-attention ones)")
@@ -133,12 +141,6 @@ class StorageConnector(KVConnectorBase):
             self._init_worker_side()
 
     @classmethod
-    def check_engine_config(cls, config: EngineConfig) -> None:
-        if config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1:
-            raise ValueError(f"{config.kv_transfer.kv_connector} runs with one rank per engine "
-                             "(tensor_parallel_size and pipeline_parallel_size 1)")
-
-    @classmethod
     def check_config(cls, kv_config: Any) -> None:
         extra = _extra(kv_config)
         if not isinstance(extra["shared_storage_path"], str) or not extra["shared_storage_path"]:
@@ -149,27 +151,35 @@ class StorageConnector(KVConnectorBase):
             raise ValueError(f"kv_connector_extra_config.max_storage_gb must be a number of GB >= 0, got {size!r}")
 
     # ==== scheduler side =======================================================================
+    def _ranked(self, name: str, rank: int) -> str:
+        """Rank ``rank``'s name for an entry or a link (the name itself with one rank)."""
+        return name if self.world == 1 else f"{name}.r{rank}"
+
+    def _held(self, name: str, rank: int) -> bool:
+        """Whether rank ``rank`` has a published entry holding the block of hash ``name``."""
+        link = os.path.join(self.blocks, self._ranked(name, rank))
+        entry = os.path.realpath(link)
+        return entry != link and os.path.isfile(os.path.join(entry, "meta.json"))
+
     def _init_scheduler_side(self) -> None:
-        self._found: dict[str, tuple[str, int]] = {}      # request -> (entry, blocks it holds of ours)
+        self._found: dict[str, int] = {}                  # request -> how many of its first blocks are stored
         self._missed: dict[str, int] = {}                 # request -> local hits when nothing was found
         self._pending_loads: dict[str, _Load] = {}
         self._loading: set[str] = set()
         self._failed: set[str] = set()                    # its load failed: computed here
         self._saved: set[str] = set()
 
-    def _lookup(self, request: Request, num_computed_tokens: int) -> tuple[str, int] | None:
-        """(the entry, how many of the prompt's first blocks it holds) for the longest run of the
-        request's blocks past its local hits that an entry holds; the prompt's last token is
-        always computed here, so its block is never loaded."""
+    def _lookup(self, request: Request, num_computed_tokens: int) -> int:
+        """How many of the prompt's first blocks every rank's entries hold, past the request's
+        local hits (0: none); the prompt's last token is always computed here, so its block is
+        never loaded."""
         want = (request.num_prompt_tokens - 1) // self.block_size
         start = num_computed_tokens // self.block_size
         hashes = request.block_hashes
         for i in range(min(want, len(hashes)) - 1, start - 1, -1):
-            link = os.path.join(self.blocks, _name(hashes[i]))
-            entry = os.path.realpath(link)
-            if entry != link and os.path.isfile(os.path.join(entry, "meta.json")):
-                return entry, i + 1
-        return None
+            if all(self._held(_name(hashes[i]), r) for r in range(self.world)):
+                return i + 1
+        return 0
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
@@ -179,21 +189,20 @@ class StorageConnector(KVConnectorBase):
         if self._missed.get(rid) == num_computed_tokens:   # looked up already (it waits for room)
             return 0, False
         found = self._lookup(request, num_computed_tokens)
-        if found is None:
+        if not found:
             self._missed[rid] = num_computed_tokens
             return 0, False
         self._found[rid] = found
-        return found[1] * self.block_size - num_computed_tokens, True
+        return found * self.block_size - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Request, block_ids: tuple[list[int], ...],
                                  num_external_tokens: int) -> None:
         rid = request.request_id
-        found = self._found.pop(rid, None)
-        if not num_external_tokens or found is None:
+        n = self._found.pop(rid, None)
+        if not num_external_tokens or n is None:
             return
-        entry, n = found
         first = n - num_external_tokens // self.block_size
-        self._pending_loads[rid] = _Load(entry, first, [_name(h) for h in request.block_hashes[first:n]],
+        self._pending_loads[rid] = _Load(first, [_name(h) for h in request.block_hashes[first:n]],
                                          list(block_ids[0][first:n]))
 
     def build_connector_meta(self, scheduled: list[Request],
@@ -206,8 +215,9 @@ class StorageConnector(KVConnectorBase):
                 if rid in self._saved or req.num_computed_tokens < req.num_prompt_tokens or not n:
                     continue
                 self._saved.add(rid)
-                if os.path.lexists(os.path.join(self.blocks, _name(req.block_hashes[n - 1]))):
-                    continue            # an entry holds these blocks already
+                last = _name(req.block_hashes[n - 1])
+                if all(self._held(last, r) for r in range(self.world)):
+                    continue            # entries hold these blocks already
                 saves[rid] = _Save([_name(h) for h in req.block_hashes[:n]], list(block_ids(rid)[0][:n]))
         meta = _Meta(self._pending_loads, saves)
         self._loading.update(self._pending_loads)
@@ -258,15 +268,14 @@ class StorageConnector(KVConnectorBase):
         self._writes: queue.Queue = queue.Queue(WRITE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="kv-storage-write", daemon=True)
         self._writer.start()
-        self._max_bytes = float(self.extra["max_storage_gb"]) * 2**30
-        self._sizes: dict[str, int] = {}          # entries present at start and written since -> bytes
+        self._max_bytes = float(self.extra["max_storage_gb"]) * 2**30 / self.world     # each rank its share
+        self._sizes: dict[str, int] = {}          # this rank's entries present at start and written since -> bytes
         self._closed = False
-        self._remove_stale()
         atexit.register(self.shutdown)            # the saves handed to the writer are published first
 
     def _remove_stale(self, age_s: float = 3600.0) -> None:
         """Remove the entries a process left half written (killed while saving) that nobody
-        finished since; count the size of the others (for max_storage_gb)."""
+        finished since; count the size of this rank's others (for max_storage_gb)."""
         now = time.time()
         for name in os.listdir(self.entries):
             path = os.path.join(self.entries, name)
@@ -274,6 +283,8 @@ class StorageConnector(KVConnectorBase):
                 if name.startswith(".tmp-"):
                     if now - os.stat(path).st_mtime > age_s:
                         shutil.rmtree(path, ignore_errors=True)
+                    continue
+                if self.world > 1 and not name.endswith(f".r{self.rank}"):
                     continue
                 with open(os.path.join(path, "meta.json")) as f:
                     self._sizes[path] = int(json.load(f)["bytes"])
@@ -286,13 +297,19 @@ class StorageConnector(KVConnectorBase):
                 self._stats[k] = self._stats.get(k, 0.0) + v
 
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        """This rank's caches (its stage's layers, its heads); ``rank`` is set by now."""
         self.kv_caches = list(kv_caches)
         t = self.kv_caches[0]
-        shape = (len(self.kv_caches), self.block_size, int(t.shape[3]), int(t.shape[4]))
-        expect = (self.layout["num_layers"], self.block_size, self.layout["num_kv_heads"], self.layout["head_size"])
+        layers = self.layout["num_layers"]
+        if self.world > self.tp_size:                 # a pipeline stage's layers
+            from models.pp_layout import pp_layers
+            first, end = pp_layers(layers, self.world // self.tp_size, self.rank // self.tp_size)
+            layers = end - first
+        shape = (len(self.kv_caches), self.block_size, int(t.shape[4]))
+        expect = (layers, self.block_size, self.layout["head_size"])
         if shape != expect:
-            raise ValueError(f"the KV cache (layers, block size, kv heads, head size) {shape} is not the "
-                             f"storage layout's {expect}")
+            raise ValueError(f"the KV cache (layers, block size, head size) {shape} is not the storage layout's {expect}")
+        self._remove_stale()
 
     def start_load_kv(self, metadata: bytes) -> None:
         if not metadata:
@@ -357,17 +374,18 @@ class StorageConnector(KVConnectorBase):
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({"hashes": save.hashes, "dtype": str(t.dtype), "shape": [2, len(save.block_ids), *t.shape[2:]],
                        "bytes": nbytes}, f)
-        entry = os.path.join(self.entries, save.hashes[-1])
+        name = self._ranked(save.hashes[-1], self.rank)
+        entry = os.path.join(self.entries, name)
         try:
             os.rename(tmp, entry)
         except OSError:             # another instance published the same blocks first
             shutil.rmtree(tmp, ignore_errors=True)
             return
         for h in save.hashes:       # each block names the entry (a link written whole, then moved in)
-            link = os.path.join(self.blocks, h)
+            link = os.path.join(self.blocks, self._ranked(h, self.rank))
             if not os.path.lexists(link):
-                tmp_link = f"{link}.{uuid.uuid4().hex[:8]}"
-                os.symlink(os.path.join("..", "entries", save.hashes[-1]), tmp_link)
+                tmp_link = f"{link}.{uuid.uuid4().hex[:8]}.tmp"
+                os.symlink(os.path.join("..", "entries", name), tmp_link)
                 os.replace(tmp_link, link)
         self._add(sent_bytes=nbytes, sent_blocks=len(save.block_ids), sent_requests=1)
         with self._lock:
@@ -401,7 +419,7 @@ class StorageConnector(KVConnectorBase):
         except (OSError, ValueError, KeyError):
             hashes = []
         for h in hashes:
-            link = os.path.join(self.blocks, h)
+            link = os.path.join(self.blocks, self._ranked(h, self.rank))
             if os.path.realpath(link) == os.path.realpath(entry):
                 try:
                     os.unlink(link)
@@ -411,22 +429,24 @@ class StorageConnector(KVConnectorBase):
 
     def _load(self, rid: str, load: _Load) -> None:
         t0, t0_ns = time.perf_counter(), time.monotonic_ns()
+        link = os.path.join(self.blocks, self._ranked(load.hashes[-1], self.rank))
+        entry = os.path.realpath(link)
         try:
-            with open(os.path.join(load.entry, "meta.json")) as f:
+            with open(os.path.join(entry, "meta.json")) as f:
                 meta = json.load(f)
             first, n = load.first, len(load.block_ids)
             if meta["hashes"][first:first + n] != load.hashes:
-                raise RuntimeError(f"{load.entry} holds other blocks than the prompt's")
-            os.utime(os.path.join(load.entry, "meta.json"))        # used: evicted last
+                raise RuntimeError(f"{entry} holds other blocks than the prompt's")
+            os.utime(os.path.join(entry, "meta.json"))        # used: evicted last
             total = 0
             blocks = len(meta["hashes"])
             for i, layer in enumerate(self.kv_caches):
                 per_block = layer[0, 0].numel() * layer.element_size()
-                fd = os.open(os.path.join(load.entry, f"layer-{i}.kv"), os.O_RDONLY)
+                fd = os.open(os.path.join(entry, f"layer-{i}.kv"), os.O_RDONLY)
                 try:
                     size = os.fstat(fd).st_size
                     if size != 2 * blocks * per_block:
-                        raise RuntimeError(f"layer {i} of {load.entry} holds {size} bytes, not {blocks} blocks")
+                        raise RuntimeError(f"layer {i} of {entry} holds {size} bytes, not {blocks} blocks")
                     total += self._read_blocks(fd, layer, blocks, first, load.block_ids, per_block)
                 finally:
                     os.close(fd)
@@ -435,7 +455,7 @@ class StorageConnector(KVConnectorBase):
                 self._finished_recving.append(rid)
                 self._transfers.append((rid, "KVLoad", t0_ns, time.monotonic_ns(), total))
         except Exception as exc:    # reported, so the request is computed here, never stuck
-            log.warning("loading the KV of request %s from %s failed: %s", rid, load.entry, exc)
+            log.warning("loading the KV of request %s from %s failed: %s", rid, entry, exc)
             self._add(recv_failures=1)
             with self._lock:
                 self._failed_recving[rid] = f"{type(exc).__name__}: {exc}"

@@ -5,7 +5,8 @@ every prompt token's KV but the last instead of computing it; a decode server ki
 reads leaves the producer's cache idle once its lease expires; with the prefill server killed, the decode server
 computes the prompt itself. With tensor and data parallelism (a producer of two engine cores of
 two ranks, a consumer of two ranks) each rank moves its own heads' share, and with two pipeline
-stages on each side each stage its own layers, and the answers are the same."""
+stages on each side each stage its own layers, and the answers are the same. ExampleConnector
+with two tensor-parallel ranks: each stores its share, a new server loads them."""
 from __future__ import annotations
 
 import json
@@ -239,3 +240,36 @@ def test_with_pipeline_parallel_instances_each_stage_moves_its_own_layers():
     finally:
         for s in reversed(servers):
             s.stop()
+
+
+def test_with_tensor_parallel_servers_each_rank_stores_its_share_and_a_new_server_loads_it(tmp_path):
+    """ExampleConnector with -tp 2: each rank saves its heads' share of the prompt as entries of its
+    own; a new -tp 2 server on the same directory loads every rank's share instead of computing it."""
+    kv = json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
+    common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8", "-tp", "2", "--kv-transfer-config", kv)
+    body = {"prompt": " ".join([PROMPT] * 3), "max_tokens": 8, "temperature": 0}
+    first = Server(*common)
+    try:
+        computed = post(first.url, "/v1/completions", body)
+        full_blocks = computed["usage"]["prompt_tokens"] // 16
+        (layout,) = os.listdir(tmp_path / "troupe-kv")
+        entries = tmp_path / "troupe-kv" / layout / "entries"
+        deadline = time.monotonic() + 30        # published (renamed from a hidden name) once written
+        while len(published := [p.parent.name for p in entries.glob("[!.]*/meta.json")]) < 2:
+            assert time.monotonic() < deadline, list(entries.iterdir())
+            time.sleep(0.05)
+        assert sorted(name.rsplit(".", 1)[1] for name in published) == ["r0", "r1"]
+    finally:
+        first.stop()
+    second = Server(*common)
+    try:
+        loaded = post(second.url, "/v1/completions", body)
+        assert loaded["choices"][0]["text"] == computed["choices"][0]["text"]
+        # each rank loaded its share of the full blocks before the prompt's last token
+        prompt_tokens = loaded["usage"]["prompt_tokens"]
+        assert metric(second, "vllm:external_prefix_cache_hits_total") == (prompt_tokens - 1) // 16 * 16
+        assert metric(second, "troupe:kv_transfer_recv_requests_total") == 1
+        assert full_blocks >= (prompt_tokens - 1) // 16 >= 2
+    finally:
+        second.stop()
