@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     pdb.add_argument("--concurrency", type=int, default=0, help="fixed concurrency instead of a rate")
     pdb.add_argument("--kv-cache-gib", type=float, default=0.5)
     pdb.add_argument("--max-num-seqs", type=int, default=16)
+    pdb.add_argument("--pd-threads", type=int, default=0,
+                     help="compute threads of the prefill and of the decode server each (0: all cores each)")
 
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -82,8 +82,9 @@ def main(args: Any) -> None:
                                   "kv_port": _free_port()})
     procs: list[_Proc] = []
     try:
-        procs.append(_Proc("tools.serve", "--port", "0", *common, "--kv-transfer-config", kv("kv_producer")))
-        procs.append(_Proc("tools.serve", "--port", "0", *common, "--kv-transfer-config", kv("kv_consumer")))
+        split = ["--threads", str(args.pd_threads)] if args.pd_threads else []
+        procs.append(_Proc("tools.serve", "--port", "0", *common, *split, "--kv-transfer-config", kv("kv_producer")))
+        procs.append(_Proc("tools.serve", "--port", "0", *common, *split, "--kv-transfer-config", kv("kv_consumer")))
         procs.append(_Proc("tools.pd_proxy", "--prefill", procs[0].url, "--decode", procs[1].url, "--port", "0"))
         results["pd"] = _measure(args, procs[2].url)
     finally:
