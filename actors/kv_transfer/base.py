@@ -153,6 +153,13 @@ class KVConnectorBase(ABC):
         self.kv_config = config.kv_transfer
         self.role = role
 
+    def _init_side(self) -> None:
+        """The subclass's ``_init_scheduler_side()`` or ``_init_worker_side()``, by ``role``."""
+        if self.role is KVConnectorRole.SCHEDULER:
+            self._init_scheduler_side()
+        else:
+            self._init_worker_side()
+
     @classmethod
     def check_config(cls, kv_config: Any) -> None:
         """ValueError naming what the connector cannot take in ``kv_config`` (its extra config)."""

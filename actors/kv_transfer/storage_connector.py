@@ -135,10 +135,7 @@ class StorageConnector(KVConnectorBase):
                 json.dump(self.layout, f, indent=1)
         except OSError as exc:
             raise ValueError(f"kv_connector_extra_config.shared_storage_path: cannot write {self.root}: {exc}") from None
-        if role is KVConnectorRole.SCHEDULER:
-            self._init_scheduler_side()
-        else:
-            self._init_worker_side()
+        self._init_side()
 
     @classmethod
     def check_config(cls, kv_config: Any) -> None:

@@ -233,10 +233,7 @@ class TroupeConnector(KVConnectorBase):
         self.stats = _Stats()
         self._closed = threading.Event()
         atexit.register(self.shutdown)       # open side-channel sockets would hold the process's exit
-        if role is KVConnectorRole.SCHEDULER:
-            self._init_scheduler_side()
-        else:
-            self._init_worker_side()
+        self._init_side()
 
     @classmethod
     def check_config(cls, kv_config: Any) -> None:
