@@ -61,7 +61,7 @@ class Server:
             raise RuntimeError("server not ready in time:\n" + self.log())
         if not self.url:
             self.stop()
-            raise RuntimeError("server exited before it was ready:\n" + self.log())
+            raise RuntimeError("server exited before it was ready:\n" + self.errors())
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -74,6 +74,11 @@ class Server:
 
     def log(self) -> str:
         return "".join(self.lines)
+
+    def errors(self, limit: int = 2000) -> str:
+        """The log without its INFO lines, its last ``limit`` characters (what says why it failed,
+        short enough for a test's failure message to show whole)."""
+        return "".join(line for line in self.lines if " INFO " not in line)[-limit:]
 
     @property
     def pid(self) -> int:
