@@ -256,7 +256,8 @@ class StorageConnector(KVConnectorBase):
     def _init_worker_side(self) -> None:
         self.kv_caches: list[Any] = []
         self._lock = threading.Lock()
-        self._step_saves: dict[str, tuple[_Save, str]] = {}     # request -> (save, its temporary entry)
+        # request -> (save, its temporary entry, its block ids as an index on the cache's device)
+        self._step_saves: dict[str, tuple[_Save, str, Any]] = {}
         self._finished_recving: list[str] = []
         self._failed_recving: dict[str, str] = {}
         self._transfers: list[tuple[str, str, int, int, int]] = []
@@ -311,26 +312,26 @@ class StorageConnector(KVConnectorBase):
     def start_load_kv(self, metadata: bytes) -> None:
         if not metadata:
             return
+        import torch
         meta = _decode(metadata, type=_Meta)
         for rid, load in meta.loads.items():
             self._loads.submit(self._load, rid, load)
         for rid, save in meta.saves.items():
-            self._step_saves[rid] = (save, os.path.join(self.entries, f".tmp-{uuid.uuid4().hex}"))
+            idx = torch.tensor(save.block_ids, dtype=torch.long, device=self.kv_caches[0].device)
+            self._step_saves[rid] = (save, os.path.join(self.entries, f".tmp-{uuid.uuid4().hex}"), idx)
 
     def has_layer_work(self) -> bool:
         return bool(self._step_saves)
 
     def save_kv_layer(self, layer: int, kv_layer: Any, attn_metadata: Any) -> None:
-        import torch
-        for rid, (save, tmp) in self._step_saves.items():
-            idx = torch.tensor(save.block_ids, dtype=torch.long, device=kv_layer.device)
+        for rid, (save, tmp, idx) in self._step_saves.items():
             blocks = kv_layer.index_select(1, idx)         # (2, n, block_size, kv heads, head size), a copy
             self._writes.put(("layer", rid, tmp, layer, blocks.cpu() if blocks.device.type != "cpu" else blocks))
 
     def wait_for_save(self) -> None:
         """The layers' copies are taken: the blocks may be reused now; the writer publishes each
         entry once its last layer is on disk."""
-        for rid, (save, tmp) in self._step_saves.items():
+        for rid, (save, tmp, _) in self._step_saves.items():
             self._writes.put(("publish", rid, tmp, save, time.monotonic_ns()))
         self._step_saves = {}
 
