@@ -46,7 +46,7 @@ test-fast: install
 
 # Our side of README "Benchmarks" (the peers are measured by hand, commands there): the small
 # offline workload in exact and in the fastest quantized configuration, then single stream.
-# gguf-i8 needs AVX512-VNNI; on other CPUs the quantized runs are gguf.
+# gguf-i8 needs AVX2 or AVX512-VNNI (the native kernels); elsewhere the quantized runs are gguf.
 QUANT = $(shell $(PY) -c "from kernels.cpu.panels import int8_available; print('gguf-i8' if int8_available() else 'gguf')")
 bench: install
 	$(PY) -m tools.bench offline --n 32 --in 64 256 --out 64 128 --seed 0 $(ARGS)

@@ -8,9 +8,9 @@ differs, and a decode step reads a fifth of float32's weight bytes.
 
 ``gguf-i8``: the same weights, but multiplied by the activations split into
 two int8 parts per block of 32 (x ~= s1 q1 + s2 q2, about 14 bits kept) with integer dot
-products (AVX512-VNNI): compute-bound batches run faster, at the price of rare greedy-token
-changes (measured with ``python -m tools.bench agreement --quantization gguf-i8``). One int8
-part (llama.cpp's Q8_1 activations) was measured at 54% agreement here and rejected.
+products (AVX512-VNNI, or AVX2's vpmaddubsw): decoding runs faster, and with AVX512-VNNI
+compute-bound batches too, at the price of rare greedy-token changes (measured with
+``python -m tools.bench agreement --quantization gguf-i8``). One int8 part (llama.cpp's Q8_1 activations) was measured at 54% agreement here and rejected.
 
 Measured here and rejected: int8 weights with dynamic int8 activations (per token) change one
 greedy token in ten on SmolLM2; two int8 parts per weight and activation (three int8 products)

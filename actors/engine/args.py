@@ -318,7 +318,7 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "compressed-tensors, awq, gptq), else exact; 'fp8' on a float checkpoint quantizes it at "
                  "load; 'gguf': the checkpoint's GGUF Q4_1/Q8_0 blocks run natively with float32 activations "
                  "(same weights, faster decoding); 'gguf-i8': Q4_1 layers also take int8 activations in "
-                 "two parts (AVX512-VNNI; faster prefill, rare token changes)")),
+                 "two parts (AVX512-VNNI or AVX2; faster decoding, rare token changes)")),
         (("--logprobs-mode",), "logprobs_mode", dict(
             default=d["logprobs_mode"], choices=LOGPROBS_MODES,
             help="what returned log-probs are: the model's own (raw_*) or those sampled from, after "

@@ -655,7 +655,7 @@ void pack_f32_panels(const float *w, int64_t N, int64_t K, float *out) {
             }
 }
 
-/* ---- Q4_1 / Q8_0 weights times int8 activations in two parts (AVX512-VNNI) --------------------
+/* ---- Q4_1 / Q8_0 weights times int8 activations in two parts (AVX512-VNNI, or AVX2) ------------
  *
  * The opt-in "gguf-i8" mode: each block of 32 activations is split into two int8 parts,
  * x ~= s1 q1 + s2 q2 (the second quantizes what the first missed, so about 14 bits survive), and
@@ -665,8 +665,19 @@ void pack_f32_panels(const float *w, int64_t N, int64_t K, float *out) {
  * Layout of a panel: (K / 4, 64) bytes, byte 4 j + i of group g holding q[n = j, k = 4 g + i] in
  * its low nibble and q[n = 16 + j, same k] in its high one, so one 64-byte load feeds 16
  * output features x 4 input features for each half of the panel. Rows go 3 at a time.
+ *
+ * Without AVX512-VNNI, AVX2 computes the same integer sums in two instructions: vpmaddubsw
+ * (unsigned x signed bytes, adjacent pairs summed into int16) and vpmaddwd by ones (int16 pairs
+ * into int32), each 32-byte half of a group feeding 8 features x 4 input features. Every sum is
+ * exact (a Q4_1 pair is at most 2 x 15 x 127, and a block's eight of them, 30,480, still fit an
+ * int16; Q8_0 takes the magnitude of the weight and moves its sign onto the activation, a pair
+ * at most 2 x 128 x 127), and the float arithmetic is the VNNI kernels' lane for lane (the block
+ * sums of x added in the same order). Per 32-byte load the AVX2 kernels do twice the work of
+ * VNNI's: decode steps, which stream the weights, gain most (2-4x the float32-activation path
+ * for one row); batches of a hundred rows and more run at about 0.7x of it.
  */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define I8X2 1
 #define I8_MR 3      /* 12 int32 + 6 float accumulators: more rows spill registers */
 
 /* Activation rows -> two int8 parts per block of 32: x ~= s1 q1 + s2 q2, plus exact block sums.
@@ -674,7 +685,7 @@ void pack_f32_panels(const float *w, int64_t N, int64_t K, float *out) {
 static void split_i8x2(const float *x, int64_t M, int64_t K, int8_t *q1, int8_t *q2, float *s1,
                        float *s2, float *xsum) {
     const int64_t nb = K / QK;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (M > 4)   /* a few rows: not worth waking a thread */
     for (int64_t r = 0; r < M; r++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + r * K + b * QK;
@@ -795,6 +806,202 @@ static inline __attribute__((always_inline)) void i8_micro_q8(
     for (int r = 0; r < MR; r++) store_cols(y + r * ldy, f0[r], f1[r], cols);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define I8X2 1
+#define I8_MR 2      /* 8 integer accumulators a pass for two rows: more spill registers */
+
+static inline float i8_hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float i8_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 32 int32 values (a[0..3], in order) -> 32 int8, saturated, in order */
+static inline __m256i i8_pack32(const __m256i *a) {
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
+    return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* As the VNNI split above: x ~= s1 q1 + s2 q2 per block of 32, the same roundings. */
+static void split_i8x2(const float *x, int64_t M, int64_t K, int8_t *q1, int8_t *q2, float *s1,
+                       float *s2, float *xsum) {
+    const int64_t nb = K / QK;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    #pragma omp parallel for schedule(static) if (M > 4)
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * K + b * QK;
+            __m256 v[4], res[4];
+            __m256i a[4], c[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+            __m256 m = _mm256_and_ps(v[0], absmask);
+            for (int i = 1; i < 4; i++) m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
+            const float am = i8_hmax8(m);
+            const float sa = am / 127.f, ia = am > 0.f ? 127.f / am : 0.f;
+            for (int i = 0; i < 4; i++) {
+                a[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(ia)));
+                res[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(a[i]), _mm256_set1_ps(sa), v[i]);
+            }
+            m = _mm256_and_ps(res[0], absmask);
+            for (int i = 1; i < 4; i++) m = _mm256_max_ps(m, _mm256_and_ps(res[i], absmask));
+            const float rm = i8_hmax8(m);
+            const float sb = rm / 127.f, ib = rm > 0.f ? 127.f / rm : 0.f;
+            for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(res[i], _mm256_set1_ps(ib)));
+            _mm256_storeu_si256((__m256i *)(q1 + r * K + b * QK), i8_pack32(a));
+            _mm256_storeu_si256((__m256i *)(q2 + r * K + b * QK), i8_pack32(c));
+            s1[r * nb + b] = sa;
+            s2[r * nb + b] = sb;
+            /* x[i] + x[16 + i], + x[8 + i] + x[24 + i], then halves: the order of the VNNI split's sum */
+            xsum[r * nb + b] = i8_hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3])));
+        }
+    }
+}
+
+/* 8 float16 values -> float32 */
+static inline __m256 i8_f16x8(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
+
+/* the first cols of 32 lanes (f[0..3], 8 each) into y */
+static inline void i8_store32(float *y, const __m256 *f, int64_t cols) {
+    if (cols == NR) {
+        for (int o = 0; o < 4; o++) _mm256_storeu_ps(y + 8 * o, f[o]);
+        return;
+    }
+    float t[NR] __attribute__((aligned(32)));
+    for (int o = 0; o < 4; o++) _mm256_store_ps(t + 8 * o, f[o]);
+    memcpy(y, t, sizeof(float) * cols);
+}
+
+/* Rows r < MR of one Q4_1 panel (the layout above). Several rows go in two passes over the
+ * panel: pass h reads the 32-byte half h of each group, whose low nibbles are features 8 h ..
+ * 8 h + 7 (octet h) and high ones 16 + 8 h .. (octet 2 + h), so a row holds four integer
+ * accumulators (two octets x two parts: int16 through a block, int32 at its end) and two rows
+ * fit the 16 registers; the panel (K / 4 x 64 bytes) is still in the cache for the second pass.
+ * One row (a decode step, whose time is reading the weights from memory) reads both halves in
+ * one pass, each cache line once, with its eight accumulators. */
+static inline __attribute__((always_inline)) void i8_micro(
+    const int MR, const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t K,
+    const int8_t *q1, const int8_t *q2, const float *s1, const float *s2, const float *xsum,
+    float *y, int64_t ldy, int64_t cols) {
+    const int64_t nb = K / QK;
+    const int HP = MR == 1 ? 2 : 1;                        /* halves of each group a pass reads */
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 f[I8_MR][4];
+    for (int r = 0; r < MR; r++)
+        for (int o = 0; o < 4; o++) f[r][o] = _mm256_setzero_ps();
+    for (int pass = 0; pass < 2 / HP; pass++) {
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i al[I8_MR][2], ah[I8_MR][2], cl[I8_MR][2], ch[I8_MR][2];   /* [row][half]: part 1 / 2, octet lo / hi */
+            for (int r = 0; r < MR; r++)
+                for (int j = 0; j < HP; j++) {
+                    al[r][j] = _mm256_setzero_si256(); ah[r][j] = _mm256_setzero_si256();
+                    cl[r][j] = _mm256_setzero_si256(); ch[r][j] = _mm256_setzero_si256();
+                }
+            const uint8_t *cb = codes + b * (QK / 4) * 64 + 32 * pass;
+            #pragma GCC unroll 1      /* unrolled, GCC keeps every product of the block live and spills them */
+            for (int g = 0; g < QK / 4; g++) {
+                __m256i va[I8_MR], vc[I8_MR];
+                for (int r = 0; r < MR; r++) {
+                    int32_t a4, c4;
+                    memcpy(&a4, q1 + r * K + b * QK + 4 * g, 4);
+                    memcpy(&c4, q2 + r * K + b * QK + 4 * g, 4);
+                    va[r] = _mm256_set1_epi32(a4);
+                    vc[r] = _mm256_set1_epi32(c4);
+                }
+                for (int j = 0; j < HP; j++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(cb + g * 64 + 32 * j));
+                    const __m256i wl = _mm256_and_si256(v, low4);
+                    const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    for (int r = 0; r < MR; r++) {
+                        al[r][j] = _mm256_add_epi16(al[r][j], _mm256_maddubs_epi16(wl, va[r]));
+                        ah[r][j] = _mm256_add_epi16(ah[r][j], _mm256_maddubs_epi16(wh, va[r]));
+                        cl[r][j] = _mm256_add_epi16(cl[r][j], _mm256_maddubs_epi16(wl, vc[r]));
+                        ch[r][j] = _mm256_add_epi16(ch[r][j], _mm256_maddubs_epi16(wh, vc[r]));
+                    }
+                }
+            }
+            for (int j = 0; j < HP; j++) {
+                const int lo = pass + j, hi = 2 + pass + j;        /* the half read: pass (or j) */
+                const __m256 dl = i8_f16x8(d + b * NR + 8 * lo), dh = i8_f16x8(d + b * NR + 8 * hi);
+                const __m256 ml = i8_f16x8(m + b * NR + 8 * lo), mh = i8_f16x8(m + b * NR + 8 * hi);
+                for (int r = 0; r < MR; r++) {
+                    const __m256 sa = _mm256_set1_ps(s1[r * nb + b]), sb = _mm256_set1_ps(s2[r * nb + b]);
+                    const __m256 xs = _mm256_set1_ps(xsum[r * nb + b]);
+                    const __m256 tl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(cl[r][j], ones)), sb,
+                                                      _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(al[r][j], ones)), sa));
+                    const __m256 th = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(ch[r][j], ones)), sb,
+                                                      _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(ah[r][j], ones)), sa));
+                    f[r][lo] = _mm256_fmadd_ps(ml, xs, _mm256_fmadd_ps(tl, dl, f[r][lo]));
+                    f[r][hi] = _mm256_fmadd_ps(mh, xs, _mm256_fmadd_ps(th, dh, f[r][hi]));
+                }
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) i8_store32(y + r * ldy, f[r], cols);
+}
+
+/* The same for Q8_0 weights (signed; the panel's 128 bytes per group: features 0-15, then
+ * 16-31, so its four 32-byte quarters are the octets in order), several rows in two passes
+ * (pass h: octets 2 h and 2 h + 1), one row in one: |w| x (the activation with w's sign), pairs
+ * summed into int16, then into int32 at once (two pairs may exceed an int16). The block sums of
+ * the codes the VNNI kernel takes back are not needed. */
+static inline __attribute__((always_inline)) void i8_micro_q8(
+    const int MR, const int8_t *codes, const uint16_t *d, const int16_t *wsum, int64_t K,
+    const int8_t *q1, const int8_t *q2, const float *s1, const float *s2,
+    float *y, int64_t ldy, int64_t cols) {
+    (void)wsum;
+    const int64_t nb = K / QK;
+    const int OP = MR == 1 ? 4 : 2;                        /* octets a pass reads */
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 f[I8_MR][4];
+    for (int r = 0; r < MR; r++)
+        for (int o = 0; o < 4; o++) f[r][o] = _mm256_setzero_ps();
+    for (int pass = 0; pass < 4 / OP; pass++) {
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i ia[I8_MR][4], ic[I8_MR][4];                   /* [row][octet of the pass]: part 1 / 2 */
+            for (int r = 0; r < MR; r++)
+                for (int j = 0; j < OP; j++) { ia[r][j] = _mm256_setzero_si256(); ic[r][j] = _mm256_setzero_si256(); }
+            const int8_t *cb = codes + b * (QK / 4) * 128 + 32 * OP * pass;
+            #pragma GCC unroll 1
+            for (int g = 0; g < QK / 4; g++) {
+                __m256i va[I8_MR], vc[I8_MR];
+                for (int r = 0; r < MR; r++) {
+                    int32_t a4, c4;
+                    memcpy(&a4, q1 + r * K + b * QK + 4 * g, 4);
+                    memcpy(&c4, q2 + r * K + b * QK + 4 * g, 4);
+                    va[r] = _mm256_set1_epi32(a4);
+                    vc[r] = _mm256_set1_epi32(c4);
+                }
+                for (int j = 0; j < OP; j++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(cb + g * 128 + 32 * j));
+                    const __m256i u = _mm256_abs_epi8(w);
+                    for (int r = 0; r < MR; r++) {
+                        ia[r][j] = _mm256_add_epi32(ia[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(va[r], w)), ones));
+                        ic[r][j] = _mm256_add_epi32(ic[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(vc[r], w)), ones));
+                    }
+                }
+            }
+            for (int j = 0; j < OP; j++) {
+                const int o = OP * pass + j;
+                const __m256 dv = i8_f16x8(d + b * NR + 8 * o);
+                for (int r = 0; r < MR; r++) {
+                    const __m256 sa = _mm256_set1_ps(s1[r * nb + b]), sb = _mm256_set1_ps(s2[r * nb + b]);
+                    const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ic[r][j]), sb, _mm256_mul_ps(_mm256_cvtepi32_ps(ia[r][j]), sa));
+                    f[r][o] = _mm256_fmadd_ps(t, dv, f[r][o]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) i8_store32(y + r * ldy, f[r], cols);
+}
+#endif
+
+#ifdef I8X2
 static __thread void *abuf;
 static __thread size_t abuf_len;
 
@@ -824,8 +1031,9 @@ static int i8_split(const float *x, int64_t M, int64_t K, i8_acts *A) {
     return 1;
 }
 
-/* Rows r0 .. r0 + mr (mr <= I8_MR) of panel p into yr (rows ys apart, cols columns). */
-static inline void i8_panel_rows(int kind, const uint8_t *codes, const uint16_t *d, const void *m, int64_t K,
+/* Rows r0 .. r0 + mr (mr <= I8_MR) of panel p into yr (rows ys apart, cols columns). Kept out of
+ * line: inlined into the gated loop, GCC scheduled the AVX2 kernels at half their speed. */
+static __attribute__((noinline)) void i8_panel_rows(int kind, const uint8_t *codes, const uint16_t *d, const void *m, int64_t K,
                                  int64_t p, const i8_acts *A, int64_t r0, int64_t mr, float *yr, int64_t ys,
                                  int64_t cols) {
     const int64_t nb = K / QK;
@@ -838,7 +1046,7 @@ static inline void i8_panel_rows(int kind, const uint8_t *codes, const uint16_t 
         switch (mr) {
             case 1: i8_micro_q8(1, pc, pd, pw, K, a, c, sa, sb, yr, ys, cols); break;
             case 2: i8_micro_q8(2, pc, pd, pw, K, a, c, sa, sb, yr, ys, cols); break;
-            default: i8_micro_q8(3, pc, pd, pw, K, a, c, sa, sb, yr, ys, cols); break;
+            default: i8_micro_q8(I8_MR, pc, pd, pw, K, a, c, sa, sb, yr, ys, cols); break;
         }
         return;
     }
@@ -847,7 +1055,7 @@ static inline void i8_panel_rows(int kind, const uint8_t *codes, const uint16_t 
     switch (mr) {
         case 1: i8_micro(1, pc, pd, pm, K, a, c, sa, sb, xs, yr, ys, cols); break;
         case 2: i8_micro(2, pc, pd, pm, K, a, c, sa, sb, xs, yr, ys, cols); break;
-        default: i8_micro(3, pc, pd, pm, K, a, c, sa, sb, xs, yr, ys, cols); break;
+        default: i8_micro(I8_MR, pc, pd, pm, K, a, c, sa, sb, xs, yr, ys, cols); break;
     }
 }
 

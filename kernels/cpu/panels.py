@@ -3,7 +3,7 @@ float32 or bfloat16 (repacked from a weight matrix; bfloat16 ones multiply activ
 to bfloat16 with AVX512-BF16 dot products, float32 sums) or the GGUF Q4_1 / Q8_0 blocks of a checkpoint
 (repacked from the file's bytes, same values once dequantized), or either GGUF format laid out
 for integer dot products with int8 activations in two parts (``int8_activations=True``,
-AVX512-VNNI only).
+AVX512-VNNI, or AVX2's two-instruction form).
 
 ``PanelWeight.pack_f32`` / ``pack_bf16`` / ``pack_gguf`` build one at load time; ``matmul(x, w)``
 computes x W^T for any number of rows. ``torch.ops.troupe.cpu_panel_matmul`` is the same product as
@@ -85,7 +85,7 @@ class PanelWeight:
         if qtype not in BLOCK_BYTES:
             raise ValueError(f"no native kernel for {qtype}; supported: {sorted(BLOCK_BYTES)}")
         if int8_activations and not int8_available():
-            raise ValueError("int8 activations need a CPU with AVX512-VNNI")
+            raise ValueError("int8 activations need a CPU with AVX2 (or AVX512-VNNI)")
         nb = k // QK
         raw = np.asarray(rows.numpy() if isinstance(rows, torch.Tensor) else rows)
         if k % QK or raw.dtype != np.uint8 or raw.size != n * nb * BLOCK_BYTES[qtype]:
@@ -150,7 +150,7 @@ def _i8x2_gemm():
 
 @lru_cache(maxsize=1)
 def int8_available() -> bool:
-    """Whether the int8-activation kernel was built here (AVX512-VNNI)."""
+    """Whether the int8-activation kernel was built here (AVX512-VNNI or AVX2)."""
     return native.available()[0] and bool(native.declare("i8x2_available", [], ctypes.c_int)())
 
 

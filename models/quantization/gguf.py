@@ -2,7 +2,7 @@
 models/gguf_native.py for the blocks, kernels/cpu/gemm.c for the kernels). The float weights
 load as for the exact mode; once loaded, each layer whose weights are stored in one native
 format is replaced by its panels, and its float weight dropped (kept when tied to the
-embedding). ``gguf-i8``: the layers also take int8 activations in two parts (AVX512-VNNI)."""
+embedding). ``gguf-i8``: the layers also take int8 activations in two parts (AVX512-VNNI or AVX2)."""
 from __future__ import annotations
 
 import torch
@@ -35,7 +35,7 @@ class GGUFConfig(QuantizationConfig):
         if cls.int8_activations:
             from kernels.cpu.panels import int8_available
             if not int8_available():
-                raise ValueError("the gguf-i8 quantization mode needs a CPU with AVX512-VNNI; use 'gguf'")
+                raise ValueError("the gguf-i8 quantization mode needs a CPU with AVX2 (or AVX512-VNNI); use 'gguf'")
         return cls(source_path)
 
     def prepare(self, model: nn.Module) -> None:

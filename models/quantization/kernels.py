@@ -12,7 +12,7 @@ On the CPU, integer codes become Q8_0 blocks of 32 input features with the scale
 group (per channel: one scale a row) in float16: AWQ's and GPTQ's scales are float16, so their
 weights are the checkpoint's exactly; float32 scales (int8 W8A8) are rounded to float16 (a
 relative change of at most 2^-11 per output feature, far below int8's own step). W8A8 layers
-take int8 activations in two parts per block of 32 (gguf-i8's AVX512-VNNI kernel; finer than
+take int8 activations in two parts per block of 32 (gguf-i8's int8 kernel; finer than
 one scale per token), W4A16 layers float32 activations. Layers the blocks cannot hold (an input
 size not a multiple of 32, a scale outside float16's normal range, GPTQ's act-order groups
 scattered over the input features) and fp8 weights are dequantized at load to float32 (exactly

@@ -21,12 +21,12 @@ def test_gguf_mode_keeps_95_percent_of_exact_greedy_tokens(exact):
     assert agreement(exact, generate("gguf", PROMPTS, 64, None)) >= 0.95
 
 
-@pytest.mark.skipif(not int8_available(), reason="the gguf-i8 mode needs AVX512-VNNI")
+@pytest.mark.skipif(not int8_available(), reason="the gguf-i8 mode needs AVX2 or AVX512-VNNI")
 def test_gguf_i8_mode_keeps_95_percent_of_exact_greedy_tokens(exact):
     assert agreement(exact, generate("gguf-i8", PROMPTS, 64, None)) >= 0.95
 
 
-@pytest.mark.skipif(not int8_available(), reason="the gguf-i8 mode needs AVX512-VNNI")
+@pytest.mark.skipif(not int8_available(), reason="the gguf-i8 mode needs AVX2 or AVX512-VNNI")
 def test_gguf_i8_with_a_float16_kv_cache_keeps_95_percent_of_exact_greedy_tokens(exact):
     assert agreement(exact, generate("gguf-i8", PROMPTS, 64, None, kv_cache_dtype="float16")) >= 0.95
 

@@ -1,6 +1,6 @@
 """Speculative decoding on the real default model, in one process, with n-gram drafts and with
-self_draft (the model's own weights in gguf-i8 draft for the exact model; gguf on a CPU without
-AVX512-VNNI, which int8 activations need): greedy requests, and a
+self_draft (the model's own weights in gguf-i8 draft for the exact model; gguf on a CPU whose
+native kernels cannot take int8 activations): greedy requests, and a
 seeded sampled one, get the tokens they get without speculation (a repetitive code prompt, a stop
 string, max_tokens that end a request mid-draft, penalties and structured outputs applied per
 draft position, a request that takes no drafts in the same batch), also with a KV cache small

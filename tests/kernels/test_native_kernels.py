@@ -214,7 +214,7 @@ def test_native_argmax_matches_torch_including_ties_nan_and_minus_infinity():
     assert torch.equal(argmax_rows(x[:, :1000]), x[:, :1000].argmax(dim=-1))   # strided rows
 
 
-@pytest.mark.skipif(not available()[0] or not int8_available(), reason="the int8 kernel needs AVX512-VNNI")
+@pytest.mark.skipif(not available()[0] or not int8_available(), reason="the int8 kernel needs AVX2 or AVX512-VNNI")
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("shape", [(96, 64), (200, 160), (33, 32)])
 def test_int8_activation_panels_are_close_and_batch_invariant(qtype, shape):
@@ -233,7 +233,35 @@ def test_int8_activation_panels_are_close_and_batch_invariant(qtype, shape):
     assert torch.equal(matmul(x[10:11], w), got[10:11])
 
 
-@pytest.mark.skipif(not int8_available(), reason="int8 activations need AVX512-VNNI")
+@pytest.mark.skipif(not int8_available(), reason="int8 activations need AVX2 or AVX512-VNNI")
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_int8_activation_sums_do_not_overflow_at_the_extreme_codes(qtype):
+    """Every code at its extreme (Q4_1 nibbles of 15, Q8_0 codes of -128 and 127) times
+    activations at full scale of either sign: the integer sums (the AVX2 kernel's int16 pair and
+    block sums among them) stay exact, so the product is the float one."""
+    n, k = 64, 96
+    raw, _ = _gguf(qtype, n, k, 3)
+    blocks = raw.reshape(n, k // 32, BLOCK_BYTES[qtype]).copy()
+    blocks[:, :, 0:2] = np.array([0x3C00], np.uint16).view(np.uint8)         # d = 1.0
+    if qtype == "Q4_1":
+        blocks[:, :, 2:4] = 0                                                # m = 0
+        blocks[:, :, 4:] = 0xFF                                              # every nibble 15
+    else:
+        blocks[0::2, :, 2:] = 0x80                                           # -128
+        blocks[1::2, :, 2:] = 0x7F                                           # 127
+    raw = np.ascontiguousarray(blocks.reshape(n, -1))
+    dense = torch.from_numpy(dequantize(raw, Q[qtype]).astype(np.float32))
+    w = PanelWeight.pack_gguf(qtype, raw, n, k, int8_activations=True)
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, 1::2] = -1.0
+    x[3, :32] = -1.0
+    got = matmul(x, w)
+    want = x.double() @ dense.double().T
+    assert (got.double() - want).abs().max() < 1e-3 * want.abs().max(), (got[:, :4], want[:, :4])
+
+
+@pytest.mark.skipif(not int8_available(), reason="int8 activations need AVX2 or AVX512-VNNI")
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(qtype):
     from kernels.cpu import fused

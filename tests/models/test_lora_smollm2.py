@@ -101,7 +101,7 @@ def test_smollm2_with_a_peft_adapter_matches_peft_on_transformers(reference, exa
 def test_smollm2_gguf_i8_adds_the_adapters_delta_in_float(reference, exact):
     from kernels.cpu.panels import int8_available
     if not int8_available():
-        pytest.skip("the gguf-i8 mode needs a CPU with AVX512-VNNI")
+        pytest.skip("the gguf-i8 mode needs a CPU with AVX2 or AVX512-VNNI")
     _, path, prompt = reference
     (logits, tokens), (_, base_tokens) = exact
     ours = _ours("gguf-i8")
