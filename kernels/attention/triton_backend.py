@@ -27,10 +27,6 @@ import torch
 from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionRequirements
 from kernels.attention.cascade import suffix_view
 from kernels.triton import FP8_DTYPES, interpreting
-from kernels.triton.cascade import merge_attn_states, prefix_attention
-from kernels.triton.kv_store import store_kv_cache
-from kernels.triton.paged_decode import default_num_splits, paged_decode_attention
-from kernels.triton.paged_prefill import paged_prefill_attention
 
 MAX_HEAD_SIZE = 256
 
@@ -54,6 +50,13 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     supports_cascade = True
     cudagraph_support = "uniform_decode"
+
+    def __init__(self) -> None:
+        # The kernels, and Triton with them (a third of a second), are imported once this backend
+        # is chosen: a CPU worker only asks for its refusal.
+        from kernels.triton import cascade, kv_store, paged_decode, paged_prefill
+        self._cascade_kernels, self._kv_store = cascade, kv_store
+        self._decode, self._prefill = paged_decode, paged_prefill
 
     @classmethod
     def refusal(cls, req: AttentionRequirements) -> str | None:
@@ -81,21 +84,22 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
         if kv_cache.shape[2] != meta.block_size:
             raise ValueError(f"kv_cache pages hold {kv_cache.shape[2]} tokens, metadata says {meta.block_size}")
-        store_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        self._kv_store.store_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         B = meta.num_reqs
         if meta.common_prefix_len > 0 and sliding_window is None:
             return self._cascade(query, kv_cache, meta, scale, k_scale, v_scale)
         if meta.is_pure_decode:
             # pure decode: request i owns token i (query_start_loc = 0, 1, ..., B); tokens past B are padding
             out = torch.empty_like(query)
-            num_splits = default_num_splits(B, kv_cache.shape[3], meta.max_seq_len)
-            paged_decode_attention(query[:B], kv_cache, meta.block_table[:B], meta.seq_lens[:B], scale,
-                                   sliding_window, num_splits, out=out[:B], k_scale=k_scale, v_scale=v_scale)
+            num_splits = self._decode.default_num_splits(B, kv_cache.shape[3], meta.max_seq_len)
+            self._decode.paged_decode_attention(query[:B], kv_cache, meta.block_table[:B], meta.seq_lens[:B],
+                                                scale, sliding_window, num_splits, out=out[:B], k_scale=k_scale,
+                                                v_scale=v_scale)
             out[B:].zero_()
             return out
-        return paged_prefill_attention(query, kv_cache, meta.query_start_loc[:B + 1], meta.seq_lens[:B],
-                                       meta.block_table[:B], meta.max_query_len, scale, sliding_window,
-                                       k_scale=k_scale, v_scale=v_scale)
+        return self._prefill.paged_prefill_attention(query, kv_cache, meta.query_start_loc[:B + 1],
+                                                     meta.seq_lens[:B], meta.block_table[:B], meta.max_query_len,
+                                                     scale, sliding_window, k_scale=k_scale, v_scale=v_scale)
 
     def _cascade(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
@@ -103,12 +107,13 @@ class TritonAttentionBackend(AttentionBackend):
         B, T, H = meta.num_reqs, query.shape[0], query.shape[1]
         sv = suffix_view(meta)
         s_lse = torch.empty(T, H, dtype=torch.float32, device=query.device)
-        s_out = paged_prefill_attention(query, kv_cache, meta.query_start_loc[:B + 1], sv.seq_lens, sv.block_table,
-                                        meta.max_query_len, scale, None, k_scale=k_scale, v_scale=v_scale,
-                                        lse=s_lse)
+        s_out = self._prefill.paged_prefill_attention(query, kv_cache, meta.query_start_loc[:B + 1], sv.seq_lens,
+                                                      sv.block_table, meta.max_query_len, scale, None,
+                                                      k_scale=k_scale, v_scale=v_scale, lse=s_lse)
         prefix_blocks = meta.block_table[0, :meta.common_prefix_len // meta.block_size]
-        p_out, p_lse = prefix_attention(query, kv_cache, prefix_blocks, scale, k_scale, v_scale)
+        p_out, p_lse = self._cascade_kernels.prefix_attention(query, kv_cache, prefix_blocks, scale, k_scale,
+                                                              v_scale)
         padding = torch.arange(T, device=query.device) >= meta.query_start_loc[B]      # (T,), on the device
         p_lse.masked_fill_(padding[:, None], float("-inf"))
         s_lse.masked_fill_(padding[:, None], float("-inf"))      # padding rows: no keys, zero output
-        return merge_attn_states(torch.empty_like(query), p_out, p_lse, s_out, s_lse)
+        return self._cascade_kernels.merge_attn_states(torch.empty_like(query), p_out, p_lse, s_out, s_lse)
