@@ -30,6 +30,7 @@
 void silu_and_mul_serial_f32(const float *gate_up, int64_t in_stride, float *out, int64_t T, int64_t I);  /* fused.c */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#include "vec8.h"
 #endif
 
 #define NR 32
@@ -810,18 +811,6 @@ static inline __attribute__((always_inline)) void i8_micro_q8(
 #define I8X2 1
 #define I8_MR 2      /* 8 integer accumulators a pass for two rows: more spill registers */
 
-static inline float i8_hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline float i8_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* 32 int32 values (a[0..3], in order) -> 32 int8, saturated, in order */
 static inline __m256i i8_pack32(const __m256i *a) {
     const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
@@ -842,7 +831,7 @@ static void split_i8x2(const float *x, int64_t M, int64_t K, int8_t *q1, int8_t 
             for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
             __m256 m = _mm256_and_ps(v[0], absmask);
             for (int i = 1; i < 4; i++) m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
-            const float am = i8_hmax8(m);
+            const float am = hmax8(m);
             const float sa = am / 127.f, ia = am > 0.f ? 127.f / am : 0.f;
             for (int i = 0; i < 4; i++) {
                 a[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(ia)));
@@ -850,7 +839,7 @@ static void split_i8x2(const float *x, int64_t M, int64_t K, int8_t *q1, int8_t 
             }
             m = _mm256_and_ps(res[0], absmask);
             for (int i = 1; i < 4; i++) m = _mm256_max_ps(m, _mm256_and_ps(res[i], absmask));
-            const float rm = i8_hmax8(m);
+            const float rm = hmax8(m);
             const float sb = rm / 127.f, ib = rm > 0.f ? 127.f / rm : 0.f;
             for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(res[i], _mm256_set1_ps(ib)));
             _mm256_storeu_si256((__m256i *)(q1 + r * K + b * QK), i8_pack32(a));
@@ -858,7 +847,7 @@ static void split_i8x2(const float *x, int64_t M, int64_t K, int8_t *q1, int8_t 
             s1[r * nb + b] = sa;
             s2[r * nb + b] = sb;
             /* x[i] + x[16 + i], + x[8 + i] + x[24 + i], then halves: the order of the VNNI split's sum */
-            xsum[r * nb + b] = i8_hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3])));
+            xsum[r * nb + b] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3])));
         }
     }
 }

@@ -20,6 +20,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = sorted(glob.glob(os.path.join(HERE, "*.c")))
+HEADERS = sorted(glob.glob(os.path.join(HERE, "*.h")))     # included by the sources: part of the cache key
 # -march=native: the library is built on the machine that runs it (the cache key has its CPU).
 FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
@@ -52,7 +53,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     if cc is None:
         return None, "no C compiler (cc or gcc) on PATH"
     h = hashlib.sha256(" ".join(FLAGS + sorted(_cpu_flags())).encode())
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         with open(src, "rb") as f:
             h.update(f.read())
     path = os.path.join(_cache_dir(), f"troupe-native-{h.hexdigest()[:16]}.so")

@@ -43,6 +43,7 @@
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
+#include "vec8.h"
 #endif
 
 #define PA_MAX_HEADS 64
@@ -384,18 +385,6 @@ static inline __m256 pa_sum8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
 }
 
-static inline float pa_hmax8(__m256 v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
-static inline float pa_hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 /* pa_tile512 for AVX2 (16 registers of 8 lanes): the tile's 16 positions as two vectors of 8
  * scores per head, and the values added into register accumulators a few vectors of D at a time
  * (fewer when more heads share the KV head). DVc: D / 8 when known at compile time. */
@@ -443,12 +432,12 @@ pa_tile256(const int NH, const int64_t DVc, const int KT, const float *qh, const
     float p[PA_GROUP][PA_TILE] __attribute__((aligned(32)));
     float c[PA_GROUP];
     for (int h = 0; h < NH; h++) {
-        const float mx = pa_hmax8(_mm256_max_ps(sc[h][0], sc[h][1]));
+        const float mx = hmax8(_mm256_max_ps(sc[h][0], sc[h][1]));
         const float mnew = mx > m[h] ? mx : m[h];
         c[h] = mnew == m[h] ? 1.f : expf(m[h] - mnew);  /* 0 for the first tile (m = -inf) */
         const __m256 mb = _mm256_set1_ps(mnew);
         const __m256 e0 = pa_exp256(_mm256_sub_ps(sc[h][0], mb)), e1 = pa_exp256(_mm256_sub_ps(sc[h][1], mb));
-        l[h] = l[h] * c[h] + pa_hsum8(_mm256_add_ps(e0, e1));
+        l[h] = l[h] * c[h] + hsum8(_mm256_add_ps(e0, e1));
         m[h] = mnew;
         _mm256_store_ps(p[h], e0);
         _mm256_store_ps(p[h] + 8, e1);
@@ -1011,14 +1000,14 @@ cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
                     s0 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s0, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, lane)));
                     s1 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s1, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, lane8)));
                 }
-                const float rmax = pa_hmax8(_mm256_max_ps(s0, s1));
+                const float rmax = hmax8(_mm256_max_ps(s0, s1));
                 const float mold = mh[r], mnew = rmax > mold ? rmax : mold;
                 const float c = expf(mold - mnew);         /* 0 on the first tile */
                 const __m256 mb = _mm256_set1_ps(mnew);
                 const __m256 e0 = pa_exp256(_mm256_sub_ps(s0, mb)), e1 = pa_exp256(_mm256_sub_ps(s1, mb));
                 _mm256_store_ps(P + r * CP_TILE, e0);
                 _mm256_store_ps(P + r * CP_TILE + 8, e1);
-                lh[r] = lh[r] * c + pa_hsum8(_mm256_add_ps(e0, e1));
+                lh[r] = lh[r] * c + hsum8(_mm256_add_ps(e0, e1));
                 mh[r] = mnew;
                 cr[r] = c;
             }
