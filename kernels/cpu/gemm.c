@@ -866,6 +866,18 @@ static inline void i8_store32(float *y, const __m256 *f, int64_t cols) {
     memcpy(y, t, sizeof(float) * cols);
 }
 
+/* va[r], vc[r] = the 4 activation bytes at a + r K, c + r K (both parts) in every 32-bit lane */
+static inline __attribute__((always_inline)) void i8_broadcast(const int MR, const int8_t *a, const int8_t *c,
+                                                               int64_t K, __m256i *va, __m256i *vc) {
+    for (int r = 0; r < MR; r++) {
+        int32_t a4, c4;
+        memcpy(&a4, a + r * K, 4);
+        memcpy(&c4, c + r * K, 4);
+        va[r] = _mm256_set1_epi32(a4);
+        vc[r] = _mm256_set1_epi32(c4);
+    }
+}
+
 /* Rows r < MR of one Q4_1 panel (the layout above). Several rows go in two passes over the
  * panel: pass h reads the 32-byte half h of each group, whose low nibbles are features 8 h ..
  * 8 h + 7 (octet h) and high ones 16 + 8 h .. (octet 2 + h), so a row holds four integer
@@ -895,13 +907,7 @@ static inline __attribute__((always_inline)) void i8_micro(
             #pragma GCC unroll 1      /* unrolled, GCC keeps every product of the block live and spills them */
             for (int g = 0; g < QK / 4; g++) {
                 __m256i va[I8_MR], vc[I8_MR];
-                for (int r = 0; r < MR; r++) {
-                    int32_t a4, c4;
-                    memcpy(&a4, q1 + r * K + b * QK + 4 * g, 4);
-                    memcpy(&c4, q2 + r * K + b * QK + 4 * g, 4);
-                    va[r] = _mm256_set1_epi32(a4);
-                    vc[r] = _mm256_set1_epi32(c4);
-                }
+                i8_broadcast(MR, q1 + b * QK + 4 * g, q2 + b * QK + 4 * g, K, va, vc);
                 for (int j = 0; j < HP; j++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(cb + g * 64 + 32 * j));
                     const __m256i wl = _mm256_and_si256(v, low4);
@@ -959,13 +965,7 @@ static inline __attribute__((always_inline)) void i8_micro_q8(
             #pragma GCC unroll 1
             for (int g = 0; g < QK / 4; g++) {
                 __m256i va[I8_MR], vc[I8_MR];
-                for (int r = 0; r < MR; r++) {
-                    int32_t a4, c4;
-                    memcpy(&a4, q1 + r * K + b * QK + 4 * g, 4);
-                    memcpy(&c4, q2 + r * K + b * QK + 4 * g, 4);
-                    va[r] = _mm256_set1_epi32(a4);
-                    vc[r] = _mm256_set1_epi32(c4);
-                }
+                i8_broadcast(MR, q1 + b * QK + 4 * g, q2 + b * QK + 4 * g, K, va, vc);
                 for (int j = 0; j < OP; j++) {
                     const __m256i w = _mm256_loadu_si256((const __m256i *)(cb + g * 128 + 32 * j));
                     const __m256i u = _mm256_abs_epi8(w);
