@@ -223,3 +223,19 @@ def transformers_model_from_gguf(path: str):
     with _one_gguf_reader_per_file():
         return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                     dtype=torch.float32).eval()
+
+
+def transformers_greedy_choices(model, prompt: list[int], continuation: list[int]) -> list[int]:
+    """transformers' greedy choice after the prompt and each prefix of ``continuation``, eos
+    suppressed (as ``generate(min_new_tokens=...)`` does): one forward pass over the prompt and
+    the continuation but its last token. Equal to ``continuation`` exactly when transformers'
+    greedy ``generate`` makes it (each choice sees the same prefix), without a decode loop of
+    transformers' per token; where they part, the first differing entry is transformers' token."""
+    import torch
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    ids = torch.tensor([list(prompt) + list(continuation[:-1])])
+    with torch.inference_mode():
+        logits = model(ids, logits_to_keep=len(continuation)).logits[0]        # (len(continuation), V)
+        logits[:, eos] = float("-inf")
+        return logits.argmax(-1).tolist()
