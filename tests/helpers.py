@@ -168,9 +168,45 @@ def _gguf_reader(path: str):
     numpy = gguf.gguf_reader.np
     gguf.gguf_reader.np = _PlainArrays("numpy")
     try:
-        return _GGUF_READER(path)
+        return _fast_arrays_reader()(path)
     finally:
         gguf.gguf_reader.np = numpy
+
+
+@functools.lru_cache(maxsize=None)
+def _fast_arrays_reader():
+    """GGUFReader whose arrays of strings and of scalars (a vocabulary's tokens, scores, token
+    types) are read in one pass: the reader's own code reads each element through its general
+    path (a numpy view and a type lookup each, half a minute for Gemma-3's 262,144 tokens). The
+    fields are the same: the same parts (one-element arrays for scalars, a length and a bytes
+    array for strings) at the same indices."""
+    import numpy as np
+    from gguf.constants import GGUFValueType
+
+    class FastArraysReader(_GGUF_READER):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if n == 0 or (itype != GGUFValueType.STRING and nptype is None):
+                return super()._get_field_parts(orig_offs, raw_type)
+            parts = [raw_itype, alen]
+            if nptype is not None:
+                values = self._get(offs, nptype, n)
+                parts += list(values.reshape(n, 1))
+                return 12 + int(values.nbytes), parts, list(range(2, 2 + n)), [GGUFValueType.ARRAY, itype]
+            data, view = self.data, memoryview(self.data)
+            for _ in range(n):
+                size = int.from_bytes(view[offs:offs + 8], "little")
+                parts.append(data[offs:offs + 8].view(np.uint64))
+                parts.append(data[offs + 8:offs + 8 + size])
+                offs += 8 + size
+            return offs - orig_offs, parts, list(range(3, 3 + 2 * n, 2)), [GGUFValueType.ARRAY, itype]
+
+    return FastArraysReader
 
 
 @functools.lru_cache(maxsize=None)
