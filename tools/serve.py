@@ -20,6 +20,7 @@ from actors import topology
 from actors.engine.args import EngineArgs
 from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tool_parsers import TOOL_PARSERS
+from actors.runtime import heap
 from actors.runtime.plugins import load_general_plugins
 from tools.vllm_flags import add_vllm_flags
 
@@ -150,6 +151,7 @@ async def serve(args: argparse.Namespace) -> int:
                    "engine pids " + ", ".join(f"{r}: {p.pid}" for r, p in sorted(pids.items())))
         log.info("serving %s as %s on http://%s:%d (%s)", config.model.source.served_name,
                  ", ".join(fe.client.model_names), addr.host, addr.port, engines)
+        heap.started()
         print(f"Troupe ready on http://{addr.host}:{addr.port}", flush=True)
         draining = asyncio.ensure_future(drain(stop_asked, fe, args.shutdown_timeout))
         code = await fe.node.closed
@@ -181,6 +183,7 @@ async def drain(stop_asked: asyncio.Event, fe: Any, timeout: float) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tools.serve") -> None:
+    heap.starting()
     args = parse_args(argv, prog)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s [frontend] %(name)s: %(message)s")
@@ -193,6 +196,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.serve") -> 
         log.debug("start-up failed", exc_info=True)
         print(f"troupe: error: {exc}", file=sys.stderr)
         code = 1
+    heap.exiting()
     sys.exit(code)
 
 

@@ -14,6 +14,7 @@ from typing import Callable
 
 import msgspec
 
+from actors.runtime import heap
 from actors.runtime.node import Node
 from actors.runtime.plugins import PluginError, load_general_plugins
 from actors.runtime.process import BEAT, NodeSpec, system_actor
@@ -110,6 +111,7 @@ async def run_child(spec: NodeSpec, death_fd: int | None, heartbeat_fd: int | No
         await node.stop()
         return 1
     payload = msgspec.msgpack.encode(info) if info is not None else b""
+    heap.started()
     node.ref(SYSTEM_ACTOR, spec.parent).tell(NodeReady(spec.name, os.getpid(), payload, node.transport.address))
     code = await node.closed
     if code != 0:
@@ -134,6 +136,7 @@ def main() -> None:
     spec = msgspec.msgpack.decode(base64.b64decode(sys.argv[1]), type=NodeSpec)
     death_fd = int(os.environ.pop("TROUPE_DEATH_FD"))
     heartbeat_fd = int(os.environ.pop("TROUPE_HEARTBEAT_FD"))
+    heap.starting()
     logging.basicConfig(level=os.environ.get("TROUPE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s")
     try:
@@ -143,6 +146,7 @@ def main() -> None:
         sys.exit(1)
     import uvloop
     code = uvloop.run(run_child(spec, death_fd, heartbeat_fd))
+    heap.exiting()
     sys.exit(code)
 
 
