@@ -88,12 +88,12 @@ def test_float32_panels_match_plain_product(rows, shape):
 
 def test_a_float32_row_gives_the_same_bits_alone_in_a_pair_and_in_any_batch():
     """Exact mode's promise: each output sums its products in input order, whatever tile its
-    row lands in (calls of up to 8 rows go 3 rows x the whole panel, larger ones in 6 x 16 tiles
+    row lands in (calls of up to 40 rows go 3 rows x the whole panel, larger ones in 6 x 16 tiles
     on AVX2 CPUs, 12 x 32 on AVX-512 ones)."""
     w = PanelWeight.pack_f32(torch.randn(200, 576))
     x = torch.randn(300, 576)
     full = matmul(x, w)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 64):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 24, 40, 41, 64):
         assert torch.equal(matmul(x[:rows], w), full[:rows])
     assert torch.equal(matmul(x[41:43], w), full[41:43])
 
