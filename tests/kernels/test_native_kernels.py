@@ -115,6 +115,20 @@ def test_bfloat16_panels_multiply_the_bfloat16_rounded_values(rows, shape):
     assert torch.equal(matmul(x[:1], PanelWeight.pack_bf16(w.bfloat16())), got[:1])   # bfloat16 weights as given
 
 
+def test_a_bfloat16_row_gives_the_same_bits_alone_and_in_any_batch():
+    """Whatever path a call takes (one row over the whole panel, the loop that widens each pair
+    for up to 12 rows, 6 x 16 tiles past 40 rows on AVX2 CPUs; 12 x 32 tiles on AVX-512 ones),
+    each output sums the same products in input order."""
+    dense = torch.randn(200, 577)                             # odd K: a zero-padded last pair
+    w = PanelWeight.pack_bf16(dense)
+    x = torch.randn(300, 577)
+    full = matmul(x, w)
+    for rows in (1, 2, 3, 7, 12, 13, 40, 41, 47, 64):
+        assert torch.equal(matmul(x[:rows], w), full[:rows]), rows
+    assert torch.equal(matmul(x[41:42], w), full[41:42])
+    assert _close(full, _bf16_product(x, dense), tol=1e-5)
+
+
 def test_bfloat16_panels_halve_the_weight_bytes():
     w = torch.randn(64, 96)
     assert PanelWeight.pack_bf16(w).nbytes * 2 == PanelWeight.pack_f32(w).nbytes
