@@ -171,6 +171,25 @@ static void dequant_panel(int kind, const uint8_t *codes, const uint16_t *d, con
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* Rows 0..MR of a 16-column tile (c0: columns 0-7, c1: 8-15) into half `half` of y's 32 columns,
+ * the columns past cols left alone. */
+static inline __attribute__((always_inline)) void store_half(const int MR, const __m256 *c0, const __m256 *c1,
+                                                             float *y, int64_t ldy, int64_t cols, int half) {
+    const int64_t n = cols - half * 16 < 16 ? cols - half * 16 : 16;
+    for (int r = 0; r < MR; r++) {
+        float *yr = y + r * ldy + half * 16;
+        if (n == 16) {
+            _mm256_storeu_ps(yr, c0[r]);
+            _mm256_storeu_ps(yr + 8, c1[r]);
+        } else {
+            float t[16];
+            _mm256_storeu_ps(t, c0[r]);
+            _mm256_storeu_ps(t + 8, c1[r]);
+            memcpy(yr, t, (size_t)n * sizeof(float));
+        }
+    }
+}
+
 /* AVX2 (16 vector registers): a tile of up to 6 rows x 16 columns, one half of the panel
  * (12 accumulators, 2 panel vectors, 1 broadcast), the classic 6 x 16 kernel; each accumulator
  * sums its products in input-feature order with the same fused multiply-adds as the AVX-512
@@ -189,19 +208,7 @@ static inline __attribute__((always_inline)) void micro_half(const int MR, const
             c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
         }
     }
-    const int64_t n = cols - half * 16 < 16 ? cols - half * 16 : 16;
-    for (int r = 0; r < MR; r++) {
-        float *yr = y + r * ldy + half * 16;
-        if (n == 16) {
-            _mm256_storeu_ps(yr, c0[r]);
-            _mm256_storeu_ps(yr + 8, c1[r]);
-        } else {
-            float t[16];
-            _mm256_storeu_ps(t, c0[r]);
-            _mm256_storeu_ps(t + 8, c1[r]);
-            memcpy(yr, t, (size_t)n * sizeof(float));
-        }
-    }
+    store_half(MR, c0, c1, y, ldy, cols, half);
 }
 
 /* y[r, 0:cols] for up to 3 rows over the whole panel at once (12 accumulators, the rows'
@@ -643,19 +650,7 @@ static inline __attribute__((always_inline)) void bf16_half_avx2(const int MR, c
             c1[r] = _mm256_fmadd_ps(a, o1, c1[r]);
         }
     }
-    const int64_t n = cols - half * 16 < 16 ? cols - half * 16 : 16;
-    for (int r = 0; r < MR; r++) {
-        float *yr = y + r * ldy + half * 16;
-        if (n == 16) {
-            _mm256_storeu_ps(yr, c0[r]);
-            _mm256_storeu_ps(yr + 8, c1[r]);
-        } else {
-            float t[16];
-            _mm256_storeu_ps(t, c0[r]);
-            _mm256_storeu_ps(t + 8, c1[r]);
-            memcpy(yr, t, (size_t)n * sizeof(float));
-        }
-    }
+    store_half(MR, c0, c1, y, ldy, cols, half);
 }
 
 /* All M rows (float32 form) against one panel: one row, or tiles of 6 rows x 16 columns. */
