@@ -11,29 +11,84 @@ import itertools
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence, Sized, Union
 
+import msgspec
+
 from actors.engine.args import EngineArgs
 from actors.engine.lora import LoRARequest
+from actors.engine.messages import Logprobs
 from actors.engine.sampling_params import SamplingParams
+from actors.frontend.fanout import close_all, merged_outputs, submit_choices
 from actors.frontend.launch import Frontend, start_frontend
+from actors.frontend.logprobs import TokenText
+from actors.frontend.protocol import MAX_N
 from actors.frontend.streams import RequestOutput
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "GenerationResult", "LoRARequest"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "GenerationResult", "CompletionOutput", "Logprob",
+           "LoRARequest"]
+
+
+@dataclass(slots=True)
+class Logprob:
+    """vLLM's: one token's log-prob, its rank among the vocabulary (1 = most likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """vLLM's: one of a prompt's ``n`` sequences. ``logprobs`` (when the request asked for them):
+    per generated token, its alternatives by token id, the sampled one included;
+    ``cumulative_logprob`` the sum of the sampled tokens' log-probs."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None                 # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None             # the stop string or token id that ended it
 
 
 @dataclass(slots=True)
 class GenerationResult:
+    """A finished request, shaped as vLLM's ``RequestOutput``: ``outputs`` holds the ``n``
+    sequences (``SamplingParams(n=...)``); ``text``, ``token_ids`` and ``finish_reason`` are the
+    first one's. ``prompt_logprobs`` (when asked for): per prompt token, None for the first."""
     request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    num_prompt_tokens: int
+    prompt: Any
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
     error: str | None = None
-    prompt: Any = field(default=None, repr=False)
-    index: int = 0                       # the prompt's place in the list it came in
+    num_cached_tokens: int = 0               # prompt tokens served from the prefix cache
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    index: int = 0                           # the prompt's place in the list it came in
     kv_transfer_params: dict | None = None   # vLLM's: what another instance needs to read its KV
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens over all the sequences."""
+        return sum(len(o.token_ids) for o in self.outputs)
 
 
 class Progress:
@@ -59,6 +114,7 @@ class AsyncLLM:
     def __init__(self, frontend: Frontend) -> None:
         self._fe = frontend
         self.client = frontend.client
+        self._token_text: TokenText | None = None
 
     @classmethod
     async def create(cls, model: str | None = None, *, multiprocess: bool | None = None,
@@ -83,38 +139,95 @@ class AsyncLLM:
         defaults = self.client.config.model.sampling_defaults
         return SamplingParams(**defaults.as_dict()) if defaults is not None else SamplingParams()
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
                        request_id: str | None = None,
                        lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one text (or token-id) prompt, as they are produced; with
         ``lora_request``, from the base model plus that adapter (vLLM's argument)."""
-        params = params or self.default_sampling_params()
+        sampling_params = _one_sequence(sampling_params or self.default_sampling_params())
         kw: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
         lora = self.client.register_lora(lora_request) if lora_request is not None else None
-        async for out in self.client.generate(params, request_id=request_id, lora_request=lora, **kw):
+        async for out in self.client.generate(sampling_params, request_id=request_id, lora_request=lora, **kw):
             yield out
 
-    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+    async def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, *,
                    request_id: str | None = None, lora_request: LoRARequest | None = None,
                    **template: Any) -> AsyncIterator[RequestOutput]:
         """Outputs of one conversation rendered with the model's chat template."""
-        params = params or self.default_sampling_params()
+        sampling_params = _one_sequence(sampling_params or self.default_sampling_params())
         lora = self.client.register_lora(lora_request) if lora_request is not None else None
-        async for out in self.client.generate(params, request_id=request_id, messages=messages,
+        async for out in self.client.generate(sampling_params, request_id=request_id, messages=messages,
                                               lora_request=lora, **template):
             yield out
 
+    async def complete(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+                       lora_request: LoRARequest | None = None, **template: Any) -> GenerationResult:
+        """One prompt (text, token ids, or a conversation: a list of messages, rendered with
+        ``template``'s chat-template options) run to the end, its ``sampling_params.n`` sequences in one
+        result (sequence i of a seeded request samples with ``seed + i``, as in vLLM)."""
+        sampling_params = sampling_params or self.default_sampling_params()
+        n = sampling_params.n
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+        if n > 1:
+            sampling_params = msgspec.structs.replace(sampling_params, n=1)   # each choice is one sequence
+        what: dict[str, Any]
+        if _is_conversation(prompt):
+            what = {"messages": prompt, **template}
+        elif isinstance(prompt, str):
+            what = {"prompt": prompt}
+        else:
+            what = {"prompt_token_ids": list(prompt)}               # type: ignore[arg-type]
+        if lora_request is not None:
+            what["lora_request"] = self.client.register_lora(lora_request)
+        request_id = self.client.new_request_id()
+        choices = await submit_choices(self.client.submit, request_id, sampling_params, n, **what)
+        done: list[RequestOutput | None] = [None] * n
+        try:
+            async for c, out in merged_outputs(choices):
+                acc = done[c.index]
+                if acc is None:
+                    done[c.index] = dataclasses.replace(out, token_ids=list(out.token_ids))
+                else:
+                    acc.merge(out)
+        finally:
+            close_all(choices)
+        ids = choices[0].handle.prompt_token_ids
+        return self._result(request_id, prompt, ids, sampling_params, done)  # type: ignore[arg-type]
+
+    def _result(self, request_id: str, prompt: Any, prompt_token_ids: list[int], params: SamplingParams,
+                done: list[RequestOutput]) -> GenerationResult:
+        if self._token_text is None:
+            self._token_text = TokenText(self.client.tokenizer)
+        text_of = self._token_text
+        outputs = []
+        for i, out in enumerate(done):
+            lps = _vllm_logprobs(out.logprobs, text_of) if params.logprobs is not None and out.logprobs else None
+            outputs.append(CompletionOutput(
+                i, out.text, out.token_ids,
+                sum(out.logprobs.logprobs[j][0] for j in range(len(out.logprobs.ranks)))
+                if lps is not None else None,
+                lps, out.finish_reason, out.stop_reason))
+        first = done[0]
+        prompt_lps = None
+        if params.prompt_logprobs is not None and first.prompt_logprobs is not None:
+            prompt_lps = [None, *_vllm_logprobs(first.prompt_logprobs, text_of)]
+        return GenerationResult(request_id, prompt, list(prompt_token_ids), outputs,
+                                error=next((o.error for o in done if o.error), None),
+                                num_cached_tokens=first.num_cached_tokens, prompt_logprobs=prompt_lps,
+                                kv_transfer_params=first.kv_transfer_params)
+
     async def generate_many(self, prompts: Iterable[Prompt],
-                            params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                            sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                             max_pending: int = 1024, use_tqdm: bool = False,
                             **template: Any) -> AsyncIterator[GenerationResult]:
         """Results of many prompts (text, token ids, or a conversation: a list of messages), in
         the order they finish; ``result.index`` is the prompt's place. At most ``max_pending``
         requests are in the engine or finished and not yet taken, so a long (even endless)
-        input runs in bounded memory. ``params``: one for all, or one per prompt."""
+        input runs in bounded memory. ``sampling_params``: one for all, or one per prompt."""
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
-        per_prompt = params if isinstance(params, Sequence) else None
+        per_prompt = sampling_params if isinstance(sampling_params, Sequence) else None
         slots = asyncio.Semaphore(max_pending)
         arrived: asyncio.Queue[Any] = asyncio.Queue()     # results, errors, then the count
         tasks: set[asyncio.Future] = set()
@@ -122,9 +235,7 @@ class AsyncLLM:
 
         async def one(i: int, prompt: Prompt, sp: SamplingParams | None) -> None:
             try:
-                stream = (self.chat(prompt, sp, **template) if _is_conversation(prompt)  # type: ignore[arg-type]
-                          else self.generate(prompt, sp))                                 # type: ignore[arg-type]
-                result = await _collect(stream, prompt)
+                result = await self.complete(prompt, sp, **template)
                 result.index = i
                 arrived.put_nowait(result)
             except Exception as exc:
@@ -139,7 +250,8 @@ class AsyncLLM:
                         prompt = next(it)
                     except StopIteration:
                         break
-                    task = asyncio.ensure_future(one(i, prompt, per_prompt[i] if per_prompt is not None else params))
+                    sp = per_prompt[i] if per_prompt is not None else sampling_params
+                    task = asyncio.ensure_future(one(i, prompt, sp))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     n += 1
@@ -160,7 +272,7 @@ class AsyncLLM:
                 taken += 1
                 slots.release()
                 if bar is not None:
-                    bar.update(len(item.token_ids))
+                    bar.update(item.num_output_tokens)
                 yield item
         finally:
             feeder.cancel()
@@ -185,16 +297,23 @@ def _is_conversation(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
-async def _collect(stream: AsyncIterator[RequestOutput], prompt: Any) -> GenerationResult:
-    text, ids, last = [], [], None
-    async for out in stream:
-        text.append(out.text)
-        ids.extend(out.token_ids)
-        last = out
-    if last is None:
-        raise RuntimeError("the request ended without any output")
-    return GenerationResult(last.request_id, "".join(text), ids, last.finish_reason,
-                            last.num_prompt_tokens, last.error, prompt, kv_transfer_params=last.kv_transfer_params)
+def _one_sequence(params: SamplingParams) -> SamplingParams:
+    if params.n != 1:
+        raise ValueError(f"a stream carries one sequence, and n is {params.n!r}: for n sequences of a prompt "
+                         f"use AsyncLLM.complete or generate_many, or LLM.generate")
+    return params
+
+
+def _vllm_logprobs(lp: Logprobs, text_of: TokenText) -> list[dict[int, Logprob]]:
+    """Positions of ``lp`` (the chosen token first, then the top alternatives) as vLLM's
+    ``{token_id: Logprob}`` per position: the chosen token with its rank, alternative i with rank i."""
+    positions = []
+    for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+        entry = {ids[0]: Logprob(values[0], rank, text_of(ids[0])[0])}
+        for r, (tok, value) in enumerate(zip(ids[1:], values[1:]), start=1):
+            entry.setdefault(tok, Logprob(value, r, text_of(tok)[0]))
+        positions.append(entry)
+    return positions
 
 
 CLOSED = "this LLM is closed: create another to generate"
@@ -228,39 +347,40 @@ class LLM:
         return self._engine().client
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[GenerationResult]:
         """Generate for every prompt concurrently (they share engine steps); results in order.
-        ``params``: one for all prompts, or one per prompt; ``lora_request`` likewise (vLLM's
+        ``sampling_params``: one for all prompts, or one per prompt; ``lora_request`` likewise (vLLM's
         argument: the adapter each prompt runs with, None for the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        per_prompt = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                      else [sampling_params] * len(prompts))
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling parameters for {len(prompts)} prompts")
         loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
-        return self._batch([(p, lambda p=p, sp=sp, lr=lr: self._engine().generate(p, sp, lora_request=lr))
+        return self._batch([lambda p=p, sp=sp, lr=lr: self._engine().complete(p, sp, lora_request=lr)
                             for p, sp, lr in zip(prompts, per_prompt, loras)], use_tqdm)
 
     def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
-             params: SamplingParams | None = None, *, use_tqdm: bool = True,
+             sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
              **template: Any) -> list[GenerationResult]:
         """Reply to one conversation (a list of messages) or to each of several."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        return self._batch([(c, lambda c=c: self._engine().chat(c, params, **template))
+        return self._batch([lambda c=c: self._engine().complete(c, sampling_params, **template)
                             for c in conversations], use_tqdm)
 
     def generate_many(self, prompts: Iterable[Prompt],
-                      params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                      sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                       max_pending: int = 1024, use_tqdm: bool = True,
                       **template: Any) -> Iterator[GenerationResult]:
         """``AsyncLLM.generate_many`` for a synchronous caller: results as they finish, in
         bounded memory."""
-        results = self._engine().generate_many(prompts, params, max_pending=max_pending, use_tqdm=use_tqdm,
+        results = self._engine().generate_many(prompts, sampling_params, max_pending=max_pending, use_tqdm=use_tqdm,
                                                **template)
         try:
             while True:
@@ -272,17 +392,17 @@ class LLM:
             if self._loop.is_running():     # not after close(): the engine is gone already
                 self._run(results.aclose(), timeout=60)
 
-    def _batch(self, jobs: list[tuple[Any, Any]], use_tqdm: bool) -> list[GenerationResult]:
+    def _batch(self, jobs: list[Any], use_tqdm: bool) -> list[GenerationResult]:
         async def run_all() -> list[GenerationResult]:
             bar = Progress(len(jobs), "Generating") if use_tqdm and len(jobs) > 1 else None
 
-            async def one(prompt: Any, make: Any) -> GenerationResult:
-                result = await _collect(make(), prompt)
+            async def one(make: Any) -> GenerationResult:
+                result = await make()
                 if bar is not None:
-                    bar.update(len(result.token_ids))
+                    bar.update(result.num_output_tokens)
                 return result
             try:
-                results = list(await asyncio.gather(*(one(p, m) for p, m in jobs)))
+                results = list(await asyncio.gather(*(one(m) for m in jobs)))
                 for i, r in enumerate(results):
                     r.index = i
                 return results

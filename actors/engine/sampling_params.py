@@ -62,6 +62,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None   # the grammar the output follows
     # arguments for the logits processors plugins add (vLLM's extra_args; the OpenAI field vllm_xargs)
     extra_args: dict[str, Any] | None = None
+    # sequences per prompt, for the offline API's results (a served request fans out by its own n,
+    # and each engine request samples one sequence)
+    n: int = 1
 
     @property
     def greedy(self) -> bool:

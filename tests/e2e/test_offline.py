@@ -42,6 +42,55 @@ def test_seeded_sampling_is_reproducible(llm):
     assert a.token_ids == b.token_ids
 
 
+def test_a_vllm_script_reads_n_seeded_sequences_per_prompt_from_outputs(llm):
+    """vLLM's offline shape: each result's ``outputs`` holds the prompt's n sequences; sequence i
+    of a seeded request samples with seed + i, so it equals a one-sequence request seeded so."""
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=40, ignore_eos=True)
+    results = llm.generate(["The capital of France is", "Once upon a time"], sampling_params=params,
+                           use_tqdm=False)                      # vLLM's keyword
+    for result in results:
+        assert [o.index for o in result.outputs] == [0, 1, 2]
+        assert result.finished and result.prompt_token_ids and result.text == result.outputs[0].text
+        assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in result.outputs)
+        for i, o in enumerate(result.outputs):
+            alone = llm.generate(result.prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=40 + i,
+                                                               ignore_eos=True), use_tqdm=False)[0]
+            assert o.token_ids == alone.token_ids and o.text == alone.text
+        assert len({tuple(o.token_ids) for o in result.outputs}) > 1
+    (chat,) = llm.chat([{"role": "user", "content": "Name a colour."}],
+                       SamplingParams(n=2, temperature=0, max_tokens=6), use_tqdm=False)
+    assert len(chat.outputs) == 2 and chat.outputs[0].token_ids == chat.outputs[1].token_ids
+    many = list(llm.generate_many(["a", "b"], SamplingParams(n=2, max_tokens=2), use_tqdm=False))
+    assert sorted((r.index, len(r.outputs)) for r in many) == [(0, 2), (1, 2)]
+    for bad in (0, 129, 2.5):
+        with pytest.raises(ValueError, match="n must be an integer in"):
+            llm.generate("x", SamplingParams(n=bad), use_tqdm=False)
+
+
+def test_logprobs_come_back_as_vllms_per_position_dicts(llm):
+    """``logprobs=k``: per generated token, {token id: Logprob(logprob, rank, decoded_token)} with
+    the sampled token and the top k; ``cumulative_logprob`` sums the sampled ones;
+    ``prompt_logprobs`` starts with None for the first prompt token."""
+    (result,) = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=5,
+                                                                        logprobs=3, prompt_logprobs=2),
+                             use_tqdm=False)
+    out = result.outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) == 5
+    total = 0.0
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and entry[token].rank == 1            # greedy: the most likely
+        assert 3 <= len(entry) <= 4 and sorted(lp.rank for lp in entry.values())[:3] == [1, 2, 3]
+        assert entry[token].decoded_token == llm.client.tokenizer.decode([token])
+        total += entry[token].logprob
+    assert out.cumulative_logprob == pytest.approx(total)
+    assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(result.prompt_token_ids)
+    assert all(result.prompt_token_ids[i] in entry for i, entry in enumerate(result.prompt_logprobs) if i)
+    plain = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=5),
+                         use_tqdm=False)[0]
+    assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
+    assert plain.prompt_logprobs is None and plain.token_ids == out.token_ids
+
+
 def test_generate_many_yields_every_prompt_kind_as_it_finishes(llm):
     """Text, token ids and a conversation, one sampling parameter each; results carry the
     prompt's index and equal what generate and chat give for the same prompt."""
