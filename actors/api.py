@@ -297,6 +297,14 @@ def _is_conversation(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
+def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
+    """One value for every prompt, or a sequence of one per prompt."""
+    values = list(value) if isinstance(value, Sequence) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"{len(values)} {what} for {n} prompts")
+    return values
+
+
 def _one_sequence(params: SamplingParams) -> SamplingParams:
     if params.n != 1:
         raise ValueError(f"a stream carries one sequence, and n is {params.n!r}: for n sequences of a prompt "
@@ -355,24 +363,23 @@ class LLM:
         argument: the adapter each prompt runs with, None for the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        per_prompt = (list(sampling_params) if isinstance(sampling_params, Sequence)
-                      else [sampling_params] * len(prompts))
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"{len(per_prompt)} sampling parameters for {len(prompts)} prompts")
-        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
+        per_prompt = _per_prompt(sampling_params, len(prompts), "sampling parameters")
+        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
         return self._batch([lambda p=p, sp=sp, lr=lr: self._engine().complete(p, sp, lora_request=lr)
                             for p, sp, lr in zip(prompts, per_prompt, loras)], use_tqdm)
 
-    def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              **template: Any) -> list[GenerationResult]:
-        """Reply to one conversation (a list of messages) or to each of several."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        return self._batch([lambda c=c: self._engine().complete(c, sampling_params, **template)
-                            for c in conversations], use_tqdm)
+        """Reply to one conversation (a list of messages) or to each of several (vLLM's
+        arguments; ``template``: the chat template's options, e.g. ``add_generation_prompt``)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        per_prompt = _per_prompt(sampling_params, len(conversations), "sampling parameters")
+        loras = _per_prompt(lora_request, len(conversations), "LoRA requests")
+        return self._batch([lambda c=c, sp=sp, lr=lr: self._engine().complete(c, sp, lora_request=lr, **template)
+                            for c, sp, lr in zip(conversations, per_prompt, loras)], use_tqdm)
 
     def generate_many(self, prompts: Iterable[Prompt],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -57,9 +57,11 @@ def test_a_vllm_script_reads_n_seeded_sequences_per_prompt_from_outputs(llm):
                                                                ignore_eos=True), use_tqdm=False)[0]
             assert o.token_ids == alone.token_ids and o.text == alone.text
         assert len({tuple(o.token_ids) for o in result.outputs}) > 1
-    (chat,) = llm.chat([{"role": "user", "content": "Name a colour."}],
-                       SamplingParams(n=2, temperature=0, max_tokens=6), use_tqdm=False)
-    assert len(chat.outputs) == 2 and chat.outputs[0].token_ids == chat.outputs[1].token_ids
+    chats = llm.chat(messages=[[{"role": "user", "content": "Name a colour."}]] * 2, use_tqdm=False,
+                     sampling_params=[SamplingParams(n=2, temperature=0, max_tokens=6),
+                                      SamplingParams(temperature=0, max_tokens=3)])
+    assert len(chats[0].outputs) == 2 and chats[0].outputs[0].token_ids == chats[0].outputs[1].token_ids
+    assert chats[1].token_ids == chats[0].token_ids[:3] and len(chats[1].outputs) == 1
     many = list(llm.generate_many(["a", "b"], SamplingParams(n=2, max_tokens=2), use_tqdm=False))
     assert sorted((r.index, len(r.outputs)) for r in many) == [(0, 2), (1, 2)]
     for bad in (0, 129, 2.5):
