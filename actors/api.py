@@ -139,13 +139,14 @@ class AsyncLLM:
         defaults = self.client.config.model.sampling_defaults
         return SamplingParams(**defaults.as_dict()) if defaults is not None else SamplingParams()
 
-    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
+    async def generate(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None, *,
                        request_id: str | None = None,
                        lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one text (or token-id) prompt, as they are produced; with
+        """Outputs of one text (or token-id, or vLLM prompt-dict) prompt, as they are produced; with
         ``lora_request``, from the base model plus that adapter (vLLM's argument)."""
         sampling_params = _one_sequence(sampling_params or self.default_sampling_params())
-        kw: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+        kw: dict[str, Any] = (_prompt_dict(prompt) if isinstance(prompt, dict) else {"prompt": prompt}
+                              if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
         lora = self.client.register_lora(lora_request) if lora_request is not None else None
         async for out in self.client.generate(sampling_params, request_id=request_id, lora_request=lora, **kw):
             yield out
@@ -174,6 +175,8 @@ class AsyncLLM:
         what: dict[str, Any]
         if _is_conversation(prompt):
             what = {"messages": prompt, **template}
+        elif isinstance(prompt, dict):
+            what = _prompt_dict(prompt)
         elif isinstance(prompt, str):
             what = {"prompt": prompt}
         else:
@@ -221,7 +224,7 @@ class AsyncLLM:
                             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                             max_pending: int = 1024, use_tqdm: bool = False,
                             **template: Any) -> AsyncIterator[GenerationResult]:
-        """Results of many prompts (text, token ids, or a conversation: a list of messages), in
+        """Results of many prompts (text, token ids, a vLLM prompt dict, or a conversation: a list of messages), in
         the order they finish; ``result.index`` is the prompt's place. At most ``max_pending``
         requests are in the engine or finished and not yet taken, so a long (even endless)
         input runs in bounded memory. ``sampling_params``: one for all, or one per prompt."""
@@ -290,11 +293,28 @@ class _Total:
     n: int                               # how many prompts there were
 
 
-Prompt = Union[str, list[int], list[dict[str, Any]]]
+Prompt = Union[str, list[int], list[dict[str, Any]], dict[str, Any]]
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")   # vLLM's TextPrompt / TokensPrompt
 
 
 def _is_conversation(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def _prompt_dict(prompt: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, with an optional
+    ``cache_salt``; anything else (multi-modal data, embeddings) is refused by name."""
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt keys {unknown} are not supported; a prompt dict takes "
+                         f"{', '.join(PROMPT_KEYS)}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+    what: dict[str, Any] = ({"prompt_token_ids": list(prompt["prompt_token_ids"])} if "prompt_token_ids" in prompt
+                            else {"prompt": prompt["prompt"]})
+    if prompt.get("cache_salt") is not None:
+        what["cache_salt"] = prompt["cache_salt"]
+    return what
 
 
 def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
@@ -354,14 +374,14 @@ class LLM:
         """The engine client: its ``stats`` are the engine's statistics as /metrics shows them."""
         return self._engine().client
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+    def generate(self, prompts: str | list[int] | dict[str, Any] | Sequence[str | list[int] | dict[str, Any]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[GenerationResult]:
         """Generate for every prompt concurrently (they share engine steps); results in order.
         ``sampling_params``: one for all prompts, or one per prompt; ``lora_request`` likewise (vLLM's
         argument: the adapter each prompt runs with, None for the base model)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         per_prompt = _per_prompt(sampling_params, len(prompts), "sampling parameters")
         loras = _per_prompt(lora_request, len(prompts), "LoRA requests")

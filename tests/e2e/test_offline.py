@@ -93,6 +93,20 @@ def test_logprobs_come_back_as_vllms_per_position_dicts(llm):
     assert plain.prompt_logprobs is None and plain.token_ids == out.token_ids
 
 
+def test_vllm_prompt_dicts_are_the_prompts_they_hold(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    text = llm.generate("The sky is", greedy, use_tqdm=False)[0]
+    ids = text.prompt_token_ids
+    by_dict = llm.generate([{"prompt": "The sky is"}, {"prompt_token_ids": ids, "cache_salt": "s"}], greedy,
+                           use_tqdm=False)
+    assert [r.token_ids for r in by_dict] == [text.token_ids] * 2
+    assert llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].token_ids == text.token_ids
+    with pytest.raises(ValueError, match=r"prompt keys \['multi_modal_data'\] are not supported"):
+        llm.generate({"prompt": "x", "multi_modal_data": {}}, greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one of"):
+        llm.generate({"prompt": "x", "prompt_token_ids": [1]}, greedy, use_tqdm=False)
+
+
 def test_generate_many_yields_every_prompt_kind_as_it_finishes(llm):
     """Text, token ids and a conversation, one sampling parameter each; results carry the
     prompt's index and equal what generate and chat give for the same prompt."""
