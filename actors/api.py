@@ -161,6 +161,13 @@ class AsyncLLM:
                                               lora_request=lora, **template):
             yield out
 
+    async def get_tokenizer(self) -> Any:
+        return self.client.tokenizer
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; True once every engine has."""
+        return await self.client.reset_prefix_cache()
+
     async def complete(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                        lora_request: LoRARequest | None = None, **template: Any) -> GenerationResult:
         """One prompt (text, token ids, or a conversation: a list of messages, rendered with
@@ -437,6 +444,20 @@ class LLM:
                 if bar is not None:
                     bar.close()
         return self._run(run_all())
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (a Hugging Face ``PreTrainedTokenizerFast``), as vLLM's."""
+        return self._engine().client.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt given no sampling parameters samples with (vLLM's name; see
+        ``AsyncLLM.default_sampling_params``)."""
+        return self._engine().default_sampling_params()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's; the server's POST /reset_prefix_cache); blocks in
+        use keep their contents. True once every engine has."""
+        return self._run(self._engine().reset_prefix_cache(), timeout=60)
 
     def _engine(self) -> AsyncLLM:
         if self._llm is None:

@@ -107,6 +107,19 @@ def test_vllm_prompt_dicts_are_the_prompts_they_hold(llm):
         llm.generate({"prompt": "x", "prompt_token_ids": [1]}, greedy, use_tqdm=False)
 
 
+def test_vllms_tokenizer_defaults_and_prefix_cache_reset_are_there(llm):
+    tok = llm.get_tokenizer()
+    (first,) = llm.generate("A prompt long enough to fill a cached block of sixteen tokens, and then some more words",
+                            SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert tok.decode(first.prompt_token_ids) == first.prompt
+    again = llm.generate(first.prompt, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 16
+    assert llm.reset_prefix_cache() is True
+    cold = llm.generate(first.prompt, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0 and cold.token_ids == first.token_ids
+    assert llm.get_default_sampling_params() == SamplingParams()     # the GGUF has no generation config
+
+
 def test_generate_many_yields_every_prompt_kind_as_it_finishes(llm):
     """Text, token ids and a conversation, one sampling parameter each; results carry the
     prompt's index and equal what generate and chat give for the same prompt."""
