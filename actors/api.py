@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import dataclasses
 import sys
 import threading
 import time
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence, Sized, Union
 
 import msgspec
@@ -139,8 +139,8 @@ class AsyncLLM:
         defaults = self.client.config.model.sampling_defaults
         return SamplingParams(**defaults.as_dict()) if defaults is not None else SamplingParams()
 
-    async def generate(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None, *,
-                       request_id: str | None = None,
+    async def generate(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *,
                        lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one text (or token-id, or vLLM prompt-dict) prompt, as they are produced; with
         ``lora_request``, from the base model plus that adapter (vLLM's argument)."""
@@ -213,11 +213,9 @@ class AsyncLLM:
         outputs = []
         for i, out in enumerate(done):
             lps = _vllm_logprobs(out.logprobs, text_of) if params.logprobs is not None and out.logprobs else None
-            outputs.append(CompletionOutput(
-                i, out.text, out.token_ids,
-                sum(out.logprobs.logprobs[j][0] for j in range(len(out.logprobs.ranks)))
-                if lps is not None else None,
-                lps, out.finish_reason, out.stop_reason))
+            cumulative = sum(position[0] for position in out.logprobs.logprobs) if lps is not None else None
+            outputs.append(CompletionOutput(i, out.text, out.token_ids, cumulative, lps, out.finish_reason,
+                                            out.stop_reason))
         first = done[0]
         prompt_lps = None
         if params.prompt_logprobs is not None and first.prompt_logprobs is not None:
@@ -231,8 +229,8 @@ class AsyncLLM:
                             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                             max_pending: int = 1024, use_tqdm: bool = False,
                             **template: Any) -> AsyncIterator[GenerationResult]:
-        """Results of many prompts (text, token ids, a vLLM prompt dict, or a conversation: a list of messages), in
-        the order they finish; ``result.index`` is the prompt's place. At most ``max_pending``
+        """Results of many prompts (text, token ids, a vLLM prompt dict, or a conversation: a list
+        of messages), in the order they finish; ``result.index`` is the prompt's place. At most ``max_pending``
         requests are in the engine or finished and not yet taken, so a long (even endless)
         input runs in bounded memory. ``sampling_params``: one for all, or one per prompt."""
         if max_pending < 1:
