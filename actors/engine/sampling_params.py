@@ -62,6 +62,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None   # the grammar the output follows
     # arguments for the logits processors plugins add (vLLM's extra_args; the OpenAI field vllm_xargs)
     extra_args: dict[str, Any] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); None: the whole prompt
+    truncate_prompt_tokens: int | None = None
     # sequences per prompt, for the offline API's results (a served request fans out by its own n,
     # and each engine request samples one sequence)
     n: int = 1

@@ -128,6 +128,7 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     priority: int | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None       # vLLM's: mixed into the first block's hash (params.cache_salt)
+    truncate_prompt_tokens: int | None = None   # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     request_timeout: float | None = None  # seconds before it is aborted (params.request_timeout)
     # vLLM's: arguments for the server's logits processors (plugins), SamplingParams.extra_args
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
@@ -176,6 +177,10 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
         _check_output_length(max_tokens, max_tokens_param, min_tokens, max_model_len, self.prompt_param)
         if self.seed is not None:
             require_in(self.seed, SEED_RANGE[0], SEED_RANGE[1] - MAX_N, "seed")   # choice i: seed + i
+        truncate = self.truncate_prompt_tokens
+        require(truncate is None or truncate == -1 or 1 <= truncate <= max_model_len,
+                f"truncate_prompt_tokens must be -1 (the last max_model_len) or in [1, {max_model_len}], "
+                f"got {truncate}", "truncate_prompt_tokens")
         stop, stop_ids, bad_words = self._stop_conditions(vocab_size)
         constraint = self.constraint()
         return SamplingParams(
@@ -187,7 +192,7 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
             prompt_logprobs=prompt_logprobs, skip_special_tokens=or_default(self.skip_special_tokens, True),
             include_stop_str_in_output=bool(self.include_stop_str_in_output), bad_words=bad_words,
             structured_outputs=constraint.params if constraint else None,
-            extra_args=self._extra_args())
+            truncate_prompt_tokens=truncate, extra_args=self._extra_args())
 
     def _extra_args(self) -> dict[str, Any] | None:
         extra: dict[str, Any] = dict(self.vllm_xargs or {})

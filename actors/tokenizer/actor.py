@@ -76,10 +76,16 @@ class TokenizerActor(Actor):
 
     async def receive(self, msg: Generate) -> PromptAccepted:
         self.ctx.link((msg.request_id,))
-        chars = self._check_size(msg)
+        truncate = msg.sampling_params.truncate_prompt_tokens
+        if truncate is not None and not (truncate == -1 or truncate >= 1):
+            raise InvalidPrompt(f"truncate_prompt_tokens must be -1 (the last max_model_len) or at least 1, "
+                                f"got {truncate}")
+        chars = self._check_size(msg, enforce=truncate is None)   # a truncated prompt may be long
         # a long text is tokenized in a thread (the tokenizer releases the GIL), so the
         # frontend's other requests and probes do not wait behind it
         ids = await asyncio.to_thread(self._prompt_ids, msg) if chars > OFF_LOOP_CHARS else self._prompt_ids(msg)
+        if truncate is not None:          # vLLM's: the prompt's last tokens (the left side goes)
+            ids = ids[-(self.max_model_len if truncate == -1 else truncate):]
         n = len(ids)
         if n == 0:
             raise InvalidPrompt("the prompt is empty")
@@ -102,15 +108,15 @@ class TokenizerActor(Actor):
             self.on_prompt_tokens(n)
         return PromptAccepted(n, ids)
 
-    def _check_size(self, msg: Generate) -> int:
+    def _check_size(self, msg: Generate, enforce: bool = True) -> int:
         """The prompt's characters; PromptTooLong at once, before tokenizing, when there are
-        so many that no tokenization could fit the context."""
+        so many that no tokenization could fit the context (``enforce``)."""
         if msg.messages is not None:
             chars = sum(len(m["content"]) for m in msg.messages if isinstance(m.get("content"), str))
         else:
             chars = len(msg.prompt or "")
         at_least = chars // self.tokenizer.max_token_chars
-        if at_least >= self.max_model_len:
+        if enforce and at_least >= self.max_model_len:
             raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
                                 f"However, your prompt has at least {at_least} tokens ({chars} characters).")
         return chars

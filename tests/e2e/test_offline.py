@@ -120,6 +120,20 @@ def test_vllms_tokenizer_defaults_and_prefix_cache_reset_are_there(llm):
     assert llm.get_default_sampling_params() == SamplingParams()     # the GGUF has no generation config
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens_offline(llm):
+    greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    full = llm.generate("One, two, three, four, five, six, seven, eight, nine, ten",
+                        SamplingParams(**greedy), use_tqdm=False)[0]
+    cut = llm.generate(full.prompt, SamplingParams(truncate_prompt_tokens=6, **greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == full.prompt_token_ids[-6:]
+    assert cut.token_ids == llm.generate(full.prompt_token_ids[-6:], SamplingParams(**greedy),
+                                         use_tqdm=False)[0].token_ids
+    whole = llm.generate(full.prompt, SamplingParams(truncate_prompt_tokens=-1, **greedy), use_tqdm=False)[0]
+    assert whole.token_ids == full.token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
+        llm.generate(full.prompt, SamplingParams(truncate_prompt_tokens=0, **greedy), use_tqdm=False)
+
+
 def test_generate_many_yields_every_prompt_kind_as_it_finishes(llm):
     """Text, token ids and a conversation, one sampling parameter each; results carry the
     prompt's index and equal what generate and chat give for the same prompt."""

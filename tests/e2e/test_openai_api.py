@@ -517,6 +517,8 @@ HOSTILE = [   # (path, body: a dict or raw JSON text, the param named)
     ("/v1/completions", {"prompt": "x", "logprobs": HUGE}, "logprobs"),
     ("/v1/chat/completions", {"messages": CAPITAL, "logprobs": True, "top_logprobs": HUGE}, "top_logprobs"),
     ("/v1/completions", {"prompt": "x", "priority": HUGE}, "priority"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "truncate_prompt_tokens": HUGE}, "truncate_prompt_tokens"),
 ]
 
 
@@ -583,6 +585,20 @@ def test_tool_calls_and_tool_results_in_history_are_accepted(client, http, model
     r = http.post("/v1/chat/completions", json={"messages": [
         {"role": "user", "content": "x", "tool_calls": tool_history("{}")[1]["tool_calls"]}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].tool_calls"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, http, model):
+    """vLLM's field: the left side of the prompt goes, so even a prompt past the context runs."""
+    max_len = client.models.retrieve(model).model_extra["max_model_len"]
+    ids = [100 + i % 5000 for i in range(max_len + 50)]
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "temperature": 0,
+                                           "truncate_prompt_tokens": 7})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 7
+    tail = http.post("/v1/completions", json={"prompt": ids[-7:], "max_tokens": 3, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == tail.json()["choices"][0]["text"]
+    chat = http.post("/v1/chat/completions", json={"messages": CAPITAL, "max_tokens": 1, "truncate_prompt_tokens": 4})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 4, chat.text
 
 
 def test_cache_salt_must_be_a_non_empty_string(http):
