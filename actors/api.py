@@ -388,7 +388,7 @@ class LLM:
         argument: the adapter each prompt runs with, None for the base model)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        per_prompt = _per_prompt(sampling_params, len(prompts), "sampling parameters")
+        per_prompt = self._checked(_per_prompt(sampling_params, len(prompts), "sampling parameters"))
         loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
         return self._batch([lambda p=p, sp=sp, lr=lr: self._engine().complete(p, sp, lora_request=lr)
                             for p, sp, lr in zip(prompts, per_prompt, loras)], use_tqdm)
@@ -401,7 +401,7 @@ class LLM:
         """Reply to one conversation (a list of messages) or to each of several (vLLM's
         arguments; ``template``: the chat template's options, e.g. ``add_generation_prompt``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        per_prompt = _per_prompt(sampling_params, len(conversations), "sampling parameters")
+        per_prompt = self._checked(_per_prompt(sampling_params, len(conversations), "sampling parameters"))
         loras = _per_prompt(lora_request, len(conversations), "LoRA requests")
         return self._batch([lambda c=c, sp=sp, lr=lr: self._engine().complete(c, sp, lora_request=lr, **template)
                             for c, sp, lr in zip(conversations, per_prompt, loras)], use_tqdm)
@@ -442,6 +442,18 @@ class LLM:
                 if bar is not None:
                     bar.close()
         return self._run(run_all())
+
+    def _checked(self, params: list[SamplingParams | None]) -> list[SamplingParams | None]:
+        """ValueError before anything runs when one of them asks what the engine cannot do (as
+        vLLM checks every request before adding any)."""
+        config = self._engine().client.config.model
+        for i, sp in enumerate(params):
+            if sp is not None:
+                try:
+                    sp.check(config.arch.vocab_size, config.max_logprobs)
+                except ValueError as exc:
+                    raise ValueError(f"sampling parameters of prompt {i}: {exc}") from None
+        return params
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (a Hugging Face ``PreTrainedTokenizerFast``), as vLLM's."""

@@ -4,6 +4,7 @@ API) through the tokenizer, the scheduler and the worker to the sampler
 (``SamplingMetadata.from_params``). Names and meanings are vLLM's."""
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import msgspec
@@ -37,6 +38,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, frozen=True):
         return kinds[0]
 
 
+# The engine's messages carry integers as msgspec int64 / uint64 and its tensors as int64: a value
+# outside these ranges would fail the encoding or a whole engine step.
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_tokens: int | None = 16          # None: until the end of the context
     temperature: float = 1.0
@@ -67,6 +73,58 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # sequences per prompt, for the offline API's results (a served request fans out by its own n,
     # and each engine request samples one sequence)
     n: int = 1
+
+    def check(self, vocab_size: int, max_logprobs: int) -> None:
+        """ValueError naming the first field the engine cannot take (vLLM's checks, and the ranges
+        its tensors hold): a value that fails here would otherwise fail a whole engine step, and
+        every request in it. ``max_logprobs``: the most log-probs a request may ask for (-1: the
+        vocabulary)."""
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(what)
+
+        def finite(value: float, lo: float, hi: float, name: str, lo_open: bool = False) -> None:
+            ok = (isinstance(value, (int, float)) and math.isfinite(value)
+                  and (lo < value if lo_open else lo <= value) and value <= hi)
+            need(ok, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
+
+        def token_ids(ids: Any, name: str) -> None:
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+            need(not bad, f"{name} must be token ids in [0, {vocab_size}), got {bad[:5]}")
+
+        need(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        need(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number of at least 0, got {self.temperature!r}")
+        finite(self.top_p, 0.0, 1.0, "top_p", lo_open=True)
+        need(self.top_k in (-1, 0) or 1 <= self.top_k <= vocab_size,
+             f"top_k must be -1 or 0 (off) or in [1, {vocab_size}], got {self.top_k}")
+        finite(self.min_p, 0.0, 1.0, "min_p")
+        finite(self.presence_penalty, -2.0, 2.0, "presence_penalty")
+        finite(self.frequency_penalty, -2.0, 2.0, "frequency_penalty")
+        finite(self.repetition_penalty, 0.0, 1e6, "repetition_penalty", lo_open=True)
+        need(self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+             f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
+        need(0 <= self.min_tokens and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        token_ids(self.stop_token_ids, "stop_token_ids")
+        for key, value in (self.logit_bias or {}).items():
+            token_ids([key], "logit_bias keys")
+            finite(value, -100.0, 100.0, "logit_bias values")
+        if self.allowed_token_ids is not None:
+            need(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty (None: no restriction)")
+            token_ids(self.allowed_token_ids, "allowed_token_ids")
+        for ids in self.bad_words_token_ids:
+            need(len(ids) > 0, "bad_words_token_ids must not hold an empty list")
+            token_ids(ids, "bad_words_token_ids")
+        bound = vocab_size if max_logprobs < 0 else max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            need(value is None or 0 <= value <= bound, f"{name} must be in [0, {bound}] (max_logprobs), got {value}")
+        need(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+             or self.truncate_prompt_tokens >= 1,
+             f"truncate_prompt_tokens must be -1 (the last max_model_len) or at least 1, "
+             f"got {self.truncate_prompt_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -161,7 +161,7 @@ class Frontend:
 
         tok = self.node.spawn(topology.TOKENIZER, lambda: TokenizerActor(
             tokenizer, config.model.max_model_len, list(config.model.arch.eos_token_ids), detok,
-            scheduler, waiting, count_prompt_tokens))
+            scheduler, waiting, count_prompt_tokens, config.model.max_logprobs, config.model.arch.vocab_size))
         self.client = EngineClient(config, tokenizer, tok, detok, scheduler, [e.kv_manager for e in engines],
                                    engine.grammar, streams, stats, waiting)
         if telemetry and topology.TELEMETRY not in self.node.cells:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from actors.engine.config import DEFAULT_MAX_LOGPROBS
-from actors.engine.sampling_params import SamplingDefaults, SamplingParams
+from actors.engine.sampling_params import SEED_RANGE, SamplingDefaults, SamplingParams
 from actors.frontend.structured import Constraint, NotStructured, StructuredOutputsFields, constraint_of
 from actors.frontend.tools import Tool, ToolChoice, check_tools, tool_constraint
 
@@ -26,7 +26,6 @@ MAX_N = 128                      # choices per prompt
 MAX_STOP_STRINGS = 64
 # The engine's messages carry integers as msgspec int64 / uint64 and its tensors as int64: a
 # value outside these ranges would fail the encoding (a 500) or a whole engine step.
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 PRIORITY_RANGE = (-(1 << 63), (1 << 63) - 1)
 DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for completions
 

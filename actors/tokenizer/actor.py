@@ -9,6 +9,7 @@ from typing import Any, Callable, ClassVar
 import msgspec
 
 from actors.detokenizer.actor import TrackRequest
+from actors.engine.config import DEFAULT_MAX_LOGPROBS
 from actors.engine.lora import LoRARequest
 from actors.engine.messages import EngineCoreRequest
 from actors.engine.sampling_params import SamplingParams
@@ -65,8 +66,11 @@ class TokenizerActor(Actor):
 
     def __init__(self, tokenizer: TextTokenizer, max_model_len: int, eos_token_ids: list[int],
                  detokenizer: ActorRef, engine: ActorRef, waiting: WaitingRequests,
-                 on_prompt_tokens: Callable[[int], None] | None = None) -> None:
+                 on_prompt_tokens: Callable[[int], None] | None = None,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, logits_size: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
+        self.logits_size = logits_size or tokenizer.vocab_size     # the model's vocabulary: its logits
         self.waiting = waiting
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -76,10 +80,11 @@ class TokenizerActor(Actor):
 
     async def receive(self, msg: Generate) -> PromptAccepted:
         self.ctx.link((msg.request_id,))
+        try:        # the server's requests were checked field by field; the offline API's come as given
+            msg.sampling_params.check(self.logits_size, self.max_logprobs)
+        except ValueError as exc:
+            raise InvalidPrompt(str(exc)) from None
         truncate = msg.sampling_params.truncate_prompt_tokens
-        if truncate is not None and not (truncate == -1 or truncate >= 1):
-            raise InvalidPrompt(f"truncate_prompt_tokens must be -1 (the last max_model_len) or at least 1, "
-                                f"got {truncate}")
         chars = self._check_size(msg, enforce=truncate is None)   # a truncated prompt may be long
         # a long text is tokenized in a thread (the tokenizer releases the GIL), so the
         # frontend's other requests and probes do not wait behind it

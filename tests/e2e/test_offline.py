@@ -134,6 +134,32 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_offline(llm):
         llm.generate(full.prompt, SamplingParams(truncate_prompt_tokens=0, **greedy), use_tqdm=False)
 
 
+def test_bad_sampling_parameters_are_refused_by_name_and_the_engine_serves_on(llm):
+    """Before, an out-of-vocabulary allowed_token_ids or logit_bias key, or a seed past 64 bits,
+    reached the worker and failed the whole step: the neighbour in the batch failed too."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for bad, field in ((dict(allowed_token_ids=[10 ** 9]), "allowed_token_ids"),
+                       (dict(logit_bias={10 ** 9: 1.0}), "logit_bias"), (dict(seed=2 ** 70), "seed"),
+                       (dict(temperature=-1.0), "temperature"), (dict(logprobs=10 ** 6), "logprobs")):
+        with pytest.raises(ValueError, match=f"sampling parameters of prompt 1: {field}"):
+            llm.generate(["The sky is", "Hello"], [greedy, SamplingParams(max_tokens=4, **bad)], use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        list(llm.generate_many(["The sky is", "Hello"], [greedy, SamplingParams(allowed_token_ids=[])],
+                               use_tqdm=False))
+    engine = llm._engine()
+
+    async def streamed() -> list:
+        errors = []
+        try:
+            async for _ in engine.generate("Hello", SamplingParams(allowed_token_ids=[])):
+                pass
+        except ValueError as exc:
+            errors.append(str(exc))
+        return errors
+    assert llm._run(streamed(), timeout=60) == ["allowed_token_ids must not be empty (None: no restriction)"]
+    assert llm.generate("The sky is", greedy, use_tqdm=False)[0].finish_reason == "length"
+
+
 def test_generate_many_yields_every_prompt_kind_as_it_finishes(llm):
     """Text, token ids and a conversation, one sampling parameter each; results carry the
     prompt's index and equal what generate and chat give for the same prompt."""
