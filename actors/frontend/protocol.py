@@ -128,6 +128,7 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     bad_words: list[str] | None = None
     cache_salt: str | None = None       # vLLM's: mixed into the first block's hash (params.cache_salt)
     truncate_prompt_tokens: int | None = None   # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may generate
     request_timeout: float | None = None  # seconds before it is aborted (params.request_timeout)
     # vLLM's: arguments for the server's logits processors (plugins), SamplingParams.extra_args
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
@@ -181,6 +182,11 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
                 f"truncate_prompt_tokens must be -1 (the last max_model_len) or in [1, {max_model_len}], "
                 f"got {truncate}", "truncate_prompt_tokens")
         stop, stop_ids, bad_words = self._stop_conditions(vocab_size)
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            outside = [t for t in allowed if not 0 <= t < vocab_size]
+            require(bool(allowed) and not outside, f"allowed_token_ids must be a non-empty list of token ids in "
+                    f"[0, {vocab_size}), got {outside[:5] or allowed}", "allowed_token_ids")
         constraint = self.constraint()
         return SamplingParams(
             max_tokens=max_tokens, temperature=t, top_p=p, top_k=max(k, 0), min_p=min_p,
@@ -191,7 +197,7 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
             prompt_logprobs=prompt_logprobs, skip_special_tokens=or_default(self.skip_special_tokens, True),
             include_stop_str_in_output=bool(self.include_stop_str_in_output), bad_words=bad_words,
             structured_outputs=constraint.params if constraint else None,
-            truncate_prompt_tokens=truncate, extra_args=self._extra_args())
+            truncate_prompt_tokens=truncate, allowed_token_ids=allowed, extra_args=self._extra_args())
 
     def _extra_args(self) -> dict[str, Any] | None:
         extra: dict[str, Any] = dict(self.vllm_xargs or {})

@@ -518,6 +518,8 @@ HOSTILE = [   # (path, body: a dict or raw JSON text, the param named)
     ("/v1/chat/completions", {"messages": CAPITAL, "logprobs": True, "top_logprobs": HUGE}, "top_logprobs"),
     ("/v1/completions", {"prompt": "x", "priority": HUGE}, "priority"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [HUGE]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/chat/completions", {"messages": CAPITAL, "truncate_prompt_tokens": HUGE}, "truncate_prompt_tokens"),
 ]
 
@@ -599,6 +601,19 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, http, mode
     assert r.json()["choices"][0]["text"] == tail.json()["choices"][0]["text"]
     chat = http.post("/v1/chat/completions", json={"messages": CAPITAL, "max_tokens": 1, "truncate_prompt_tokens": 4})
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 4, chat.text
+
+
+def test_allowed_token_ids_are_the_only_tokens_generated(http):
+    ids = [http.post("/tokenize", json={"prompt": word, "add_special_tokens": False}).json()["tokens"][0]
+           for word in (" yes", " no")]
+    for path, body in (("/v1/completions", {"prompt": "Is the sky green?"}),
+                       ("/v1/chat/completions", {"messages": CAPITAL})):
+        r = http.post(path, json={**body, "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+                                  "allowed_token_ids": ids})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert text and text.replace(" yes", "").replace(" no", "") == "", text
 
 
 def test_cache_salt_must_be_a_non_empty_string(http):
