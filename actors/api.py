@@ -23,7 +23,7 @@ from actors.engine.messages import Logprobs
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.fanout import close_all, merged_outputs, submit_choices
 from actors.frontend.launch import Frontend, start_frontend
-from actors.frontend.logprobs import TokenText
+from actors.frontend.logprobs import TokenText, ranked_positions
 from actors.frontend.protocol import MAX_N
 from actors.frontend.streams import RequestOutput
 
@@ -340,13 +340,8 @@ def _one_sequence(params: SamplingParams) -> SamplingParams:
 def _vllm_logprobs(lp: Logprobs, text_of: TokenText) -> list[dict[int, Logprob]]:
     """Positions of ``lp`` (the chosen token first, then the top alternatives) as vLLM's
     ``{token_id: Logprob}`` per position: the chosen token with its rank, alternative i with rank i."""
-    positions = []
-    for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
-        entry = {ids[0]: Logprob(values[0], rank, text_of(ids[0])[0])}
-        for r, (tok, value) in enumerate(zip(ids[1:], values[1:]), start=1):
-            entry.setdefault(tok, Logprob(value, r, text_of(tok)[0]))
-        positions.append(entry)
-    return positions
+    return [{tok: Logprob(value, rank, text_of(tok)[0]) for tok, (value, rank) in entry.items()}
+            for entry in ranked_positions(lp)]
 
 
 CLOSED = "this LLM is closed: create another to generate"

@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto" (the default when a request has tools): tool calls read out of '
                         "the model's text with --tool-call-parser")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="log-prob tokens read 'token_id:N' (vLLM's flag; a request's return_tokens_as_token_ids "
+                        "field decides for itself)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
                         "Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": ...})")
@@ -130,7 +133,8 @@ async def serve(args: argparse.Namespace) -> int:
                                                     enable_auto_tool_choice=args.enable_auto_tool_choice,
                                                     tool_call_parser=args.tool_call_parser,
                                                     log_requests=args.enable_log_requests,
-                                                    metrics_prefixes=args.metrics_prefix),
+                                                    metrics_prefixes=args.metrics_prefix,
+                                                    return_tokens_as_token_ids=args.return_tokens_as_token_ids),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())

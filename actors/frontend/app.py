@@ -22,6 +22,7 @@ from actors.engine.sampling_params import SamplingParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
 from actors.frontend.errors import ApiError, bad_request, error_response, not_found, server_error
+from actors.frontend.generation import Answer
 from actors.frontend.http_trace import HttpSpan
 from actors.frontend.logprobs import TokenText
 from actors.frontend.telemetry import Telemetry
@@ -55,6 +56,7 @@ class ServerOptions:
     tool_call_parser: str | None = None    # a name in tool_parsers.TOOL_PARSERS
     log_requests: bool = False             # one INFO line per admitted request (--enable-log-requests)
     metrics_prefixes: tuple[str, ...] = ("vllm", "troupe")   # /metrics names (--metrics-prefix)
+    return_tokens_as_token_ids: bool = False   # log-prob tokens as "token_id:N" unless a request says
 
 
 class OpenAIServer:
@@ -82,6 +84,10 @@ class OpenAIServer:
         model = client.config.model
         self.request_defaults = ServerDefaults(model.max_logprobs, model.sampling_defaults)
         self.client = client
+
+    def answer_of(self, req: GenerationRequest) -> Answer:
+        """What ``req`` asks its answer to show besides the text."""
+        return Answer.of(req, self.token_text, self.options.return_tokens_as_token_ids)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.options.max_body_bytes,

@@ -11,8 +11,8 @@ import msgspec
 from aiohttp import web
 
 from actors.frontend.fanout import Choice, submit_choices
-from actors.frontend.generation import Generation
-from actors.frontend.logprobs import TokenText, chat_logprobs
+from actors.frontend.generation import Answer, Generation
+from actors.frontend.logprobs import chat_logprobs, prompt_logprobs_json
 from actors.frontend.params import (served_name, cache_salt, chat_messages, check_chat_flags, check_priority,
                                     num_choices, request_timeout, stream_flags)
 from actors.frontend.protocol import BadRequest, ChatCompletionRequest
@@ -31,9 +31,9 @@ class ChatGeneration(Generation):
     id_prefix = "chatcmpl-"
 
     def __init__(self, request_id: str, model: str, choices: list[Choice], include_usage: bool,
-                 token_text: TokenText, top_logprobs: int | None, tools: ToolUse | None = None) -> None:
-        super().__init__(request_id, model, choices, include_usage)
-        self.token_text = token_text
+                 answer: Answer, top_logprobs: int | None, tools: ToolUse | None = None) -> None:
+        super().__init__(request_id, model, choices, include_usage, answer)
+        self.token_text = answer.text_of
         self.top = top_logprobs          # None: no log-probs asked for
         self.tools = tools               # None: the text is all content
         for c in choices:
@@ -47,7 +47,9 @@ class ChatGeneration(Generation):
 
     def start_chunks(self) -> list[dict]:
         return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}]) for c in self.choices]
+                             "logprobs": None, "finish_reason": None}],
+                           **({"prompt_token_ids": c.handle.prompt_token_ids} if self.answer.return_token_ids else {}))
+                for c in self.choices]
 
     def delta(self, c: Choice, out: RequestOutput) -> dict | None:
         lp = self._logprobs(out)
@@ -98,6 +100,20 @@ class ChatGeneration(Generation):
                 "finish_reason": self._finish_reason(c, last), "stop_reason": last.stop_reason}
 
 
+    def choice_extras(self, c: Choice) -> dict[str, Any]:
+        return {"token_ids": c.token_ids} if self.answer.return_token_ids else {}
+
+    def body_extras(self) -> dict[str, Any]:
+        """The prompt's log-probs and token ids, once for all choices (one prompt), as vLLM's."""
+        first = self.choices[0]
+        extras: dict[str, Any] = {}
+        if self.answer.prompt_logprobs:
+            extras["prompt_logprobs"] = prompt_logprobs_json(first.prompt_logprobs, self.token_text)
+        if self.answer.return_token_ids:
+            extras["prompt_token_ids"] = first.handle.prompt_token_ids
+        return extras
+
+
 @dataclass(slots=True)
 class ChoiceState:
     logprobs: list[dict[str, Any]]
@@ -141,7 +157,7 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         chat_template_kwargs=template_kwargs, priority=priority, arrival_time=arrival,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
-        lora_request=client.lora_request_for(req.model))
-    gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, server.token_text,
+        lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left")
+    gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),
                          params.logprobs, tools)
     return gen, stream

@@ -10,13 +10,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from actors.frontend.fanout import Choice, submit_choices
-from actors.frontend.generation import Generation
-from actors.frontend.logprobs import CompletionLogprobs, TokenText, merge_completion_logprobs
+from actors.frontend.generation import Answer, Generation
+from actors.frontend.logprobs import CompletionLogprobs, merge_completion_logprobs, prompt_logprobs_json
 from actors.frontend.params import (served_name, MAX_CHOICES, PromptInput, cache_salt, check_priority,
                                     completion_prompts, num_choices, request_timeout, stream_flags)
 from actors.frontend.protocol import BadRequest, CompletionRequest
 from actors.frontend.streams import RequestOutput
-from actors.engine.messages import Logprobs
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
@@ -26,7 +25,6 @@ class _ChoiceState:
     builder: CompletionLogprobs | None
     prompt_text: str                      # echoed before the first delta ("" without echo)
     echoed: bool = False
-    prompt_logprobs: Logprobs | None = None
     logprob_parts: list[dict] = field(default_factory=list)
 
 
@@ -36,22 +34,17 @@ class CompletionGeneration(Generation):
     id_prefix = "cmpl-"
 
     def __init__(self, request_id: str, model: str, choices: list[Choice], include_usage: bool,
-                 token_text: TokenText, logprobs: int | None, echo_texts: list[str] | None) -> None:
-        super().__init__(request_id, model, choices, include_usage)
+                 answer: Answer, logprobs: int | None, echo_texts: list[str] | None) -> None:
+        super().__init__(request_id, model, choices, include_usage, answer)
         self.echo = echo_texts is not None
         for c in choices:
-            builder = None if logprobs is None else CompletionLogprobs(token_text, logprobs)
+            builder = None if logprobs is None else CompletionLogprobs(answer.text_of, logprobs)
             c.state = _ChoiceState(builder, echo_texts[c.prompt_index] if echo_texts else "")
 
     def _delta(self, c: Choice, out: RequestOutput) -> tuple[str, dict | None] | None:
         """(text, log-probs) newly shown by ``out``; None while an echo waits for the prompt's
         log-probs to be complete (they come with the prompt's prefill chunks)."""
         st: _ChoiceState = c.state
-        if not st.echoed and out.prompt_logprobs is not None:
-            st.prompt_logprobs = out.prompt_logprobs if st.prompt_logprobs is None else \
-                Logprobs(st.prompt_logprobs.token_ids + out.prompt_logprobs.token_ids,
-                         st.prompt_logprobs.logprobs + out.prompt_logprobs.logprobs,
-                         st.prompt_logprobs.ranks + out.prompt_logprobs.ranks)
         if self.echo and not st.echoed and not (out.token_ids or out.finished):
             return None
         text, lp = out.text, None
@@ -59,7 +52,7 @@ class CompletionGeneration(Generation):
             lp = st.builder.empty()
             if self.echo and not st.echoed:
                 st.builder.first_prompt_token(lp, c.handle.prompt_token_ids[0])
-                st.builder.add(lp, st.prompt_logprobs)
+                st.builder.add(lp, c.prompt_logprobs)
             st.builder.add(lp, out.logprobs)
         if self.echo and not st.echoed:
             text = st.prompt_text + text
@@ -90,6 +83,17 @@ class CompletionGeneration(Generation):
         return {"index": c.index, "text": "".join(c.text), "logprobs": lp,
                 "finish_reason": c.last.finish_reason, "stop_reason": c.last.stop_reason}
 
+    def choice_extras(self, c: Choice) -> dict:
+        extras: dict = {}
+        if self.answer.prompt_logprobs:
+            extras["prompt_logprobs"] = prompt_logprobs_json(c.prompt_logprobs, self.answer.text_of)
+        if self.answer.return_token_ids:
+            extras.update(prompt_token_ids=c.handle.prompt_token_ids, token_ids=c.token_ids)
+        return extras
+
+    def prompt_ids_in_choice(self) -> bool:
+        return True
+
 
 async def completions(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
     arrival = time.time()
@@ -117,9 +121,9 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest,
         server.submit, rid, params, n, prompts, priority=priority,
         arrival_time=arrival, add_special_tokens=req.add_special_tokens is not False,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
-        lora_request=client.lora_request_for(req.model))
+        lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left")
     echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
-    gen = CompletionGeneration(rid, served_name(client, req.model), choices, include_usage, server.token_text,
+    gen = CompletionGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),
                                params.logprobs, echo_texts)
     return gen, stream
 

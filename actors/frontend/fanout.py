@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from actors.frontend.client import RequestHandle
 from actors.frontend.params import PromptInput, for_choice
 from actors.frontend.streams import RequestOutput, StreamTimeout
+from actors.engine.messages import Logprobs
 from actors.engine.sampling_params import SamplingParams
 
 Submit = Callable[..., Awaitable[RequestHandle]]
@@ -25,6 +26,19 @@ class Choice:
     text: list[str] = field(default_factory=list)
     last: RequestOutput | None = None
     state: Any = None                  # the endpoint's per-choice bookkeeping
+    token_ids: list[int] = field(default_factory=list)     # generated so far
+    prompt_logprobs: Logprobs | None = None                 # the prompt's, as far as computed
+    unsent_ids: list[int] = field(default_factory=list)    # a stream's token ids no chunk carried yet
+
+    def take(self, out: RequestOutput) -> None:
+        """Count ``out`` in: the last output, the token ids, the prompt's log-probs."""
+        self.last = out
+        self.token_ids.extend(out.token_ids)
+        lp = out.prompt_logprobs
+        if lp is not None:
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = Logprobs([], [], [])
+            self.prompt_logprobs.extend(lp)
 
     @property
     def num_output_tokens(self) -> int:

@@ -5,15 +5,36 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from aiohttp import web
 
 from actors.frontend import http_trace
 from actors.frontend.errors import error_body, error_response, json_encoder
 from actors.frontend.fanout import Choice, close_all, merged_outputs
+from actors.frontend.logprobs import TokenIdText, TokenText
 from actors.frontend.sse import send_events
 from actors.frontend.streams import RequestOutput, StreamTimeout
+
+if TYPE_CHECKING:
+    from actors.frontend.protocol import GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a request asks its answer to show besides the text (vLLM's request fields)."""
+    text_of: TokenText | TokenIdText      # how log-prob tokens read (return_tokens_as_token_ids)
+    shown_id: str | None = None           # request_id: the answer's id after the prefix
+    return_token_ids: bool = False        # the prompt's token ids and each choice's
+    prompt_logprobs: bool = False         # the prompt's log-probs (prompt_logprobs set)
+
+    @classmethod
+    def of(cls, req: GenerationRequest, token_text: TokenText, as_token_ids: bool) -> Answer:
+        """``as_token_ids``: the server's --return-tokens-as-token-ids (the request's field wins)."""
+        ids = as_token_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids
+        return cls(TokenIdText(token_text) if ids else token_text, req.shown_id(), bool(req.return_token_ids),
+                   req.prompt_logprobs is not None and not req.stream)
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
@@ -37,12 +58,14 @@ class Generation(ABC):
     id_prefix = ""         # "chatcmpl-" | "cmpl-"
 
     def __init__(self, request_id: str, model: str, choices: list[Choice],
-                 include_usage: bool) -> None:
-        self.id = self.id_prefix + request_id
+                 include_usage: bool, answer: Answer) -> None:
+        self.id = self.id_prefix + (answer.shown_id or request_id)
         self.model = model
         self.choices = choices
         self.include_usage = include_usage
+        self.answer = answer
         self.created = int(time.time())
+        self._shown_prompt_ids: set[int] = set()     # streamed choices whose prompt ids were sent
 
     # -- what subclasses shape ---------------------------------------------------------------
     def start_chunks(self) -> list[dict]:
@@ -63,6 +86,19 @@ class Generation(ABC):
     @abstractmethod
     def observe(self, c: Choice, out: RequestOutput) -> None:
         """Non-streamed: take in one output."""
+
+    def choice_extras(self, c: Choice) -> dict[str, Any]:
+        """vLLM's fields of a non-streamed choice that the request asked for."""
+        return {}
+
+    def body_extras(self) -> dict[str, Any]:
+        """vLLM's fields of a non-streamed answer that the request asked for."""
+        return {}
+
+    def prompt_ids_in_choice(self) -> bool:
+        """Whether a stream sends a choice's prompt token ids in its first entry (completions)
+        rather than in its first chunk (chat's role chunk)."""
+        return False
 
     # -- shared ------------------------------------------------------------------------------
     def usage(self) -> dict[str, Any]:
@@ -100,7 +136,7 @@ class Generation(ABC):
     async def complete(self) -> web.Response:
         try:
             async for c, out in merged_outputs(self.choices):
-                c.last = out
+                c.take(out)
                 self.observe(c, out)
         except StreamTimeout as exc:
             return error_response(504, str(exc))
@@ -109,8 +145,8 @@ class Generation(ABC):
                 return error_response(c.last.error_status if c.last is not None and c.last.error_status else 500,
                                       _failure(c.last))
         body = {"id": self.id, "object": self.object_name, "created": self.created,
-                "model": self.model, "choices": [self.final(c) for c in self.choices],
-                "usage": self.usage()}
+                "model": self.model, "choices": [{**self.final(c), **self.choice_extras(c)} for c in self.choices],
+                "usage": self.usage(), **self.body_extras()}
         params = next((c.last.kv_transfer_params for c in self.choices if c.last.kv_transfer_params), None)
         if params is not None:           # vLLM's: what a decode instance needs to read this prompt's KV
             body["kv_transfer_params"] = params
@@ -121,17 +157,29 @@ class Generation(ABC):
             yield chunk
         try:
             async for c, out in merged_outputs(self.choices):
-                c.last = out
+                c.take(out)
                 if out.error is not None:
                     yield error_body(_failure(out), code=out.error_status or 500)
                     return
                 entry = self.delta(c, out)
+                if self.answer.return_token_ids:
+                    c.unsent_ids.extend(out.token_ids)
                 if entry is not None:
-                    yield self.chunk([entry])
+                    yield self.chunk([self._with_ids(c, entry)])
                 if out.finished:
-                    yield self.chunk([self.finish(c, out)])
+                    yield self.chunk([self._with_ids(c, self.finish(c, out))])
         except StreamTimeout as exc:
             yield error_body(str(exc), code=504)
             return
         if self.include_usage:
             yield self.chunk([], usage=self.usage())
+
+    def _with_ids(self, c: Choice, entry: dict) -> dict:
+        """A streamed entry with the token ids no earlier chunk of its choice carried (and, the
+        first time, the prompt's where the endpoint sends them in the choice), when asked for."""
+        if self.answer.return_token_ids:
+            if self.prompt_ids_in_choice() and c.index not in self._shown_prompt_ids:
+                self._shown_prompt_ids.add(c.index)
+                entry["prompt_token_ids"] = c.handle.prompt_token_ids
+            entry["token_ids"], c.unsent_ids = c.unsent_ids, []
+        return entry

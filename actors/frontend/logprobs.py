@@ -10,7 +10,7 @@ from __future__ import annotations
 import codecs
 import re
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterator
 
 from actors.engine.messages import Logprobs
 
@@ -70,6 +70,40 @@ class TokenText:
         if self.byte_level and symbol and all(ch in table for ch in symbol):
             return bytes(table[ch] for ch in symbol)
         return None
+
+
+class TokenIdText:
+    """``return_tokens_as_token_ids`` (vLLM's): a token shows as ``token_id:N``; its bytes stay
+    the token's own (text offsets count the decoded text)."""
+
+    def __init__(self, text_of: TokenText) -> None:
+        self.text_of = text_of
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        return f"token_id:{token_id}", self.text_of(token_id)[1]
+
+
+def ranked_positions(lp: Logprobs) -> Iterator[dict[int, tuple[float, int]]]:
+    """Positions of ``lp`` as vLLM's ``{token_id: (logprob, rank)}``: the chosen token with its
+    own rank, alternative i with rank i (a token listed twice kept once)."""
+    for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+        entry = {ids[0]: (values[0], rank)}
+        for r, (tok, value) in enumerate(zip(ids[1:], values[1:]), start=1):
+            entry.setdefault(tok, (value, r))
+        yield entry
+
+
+def prompt_logprobs_json(lp: Logprobs | None, text_of: TokenText | TokenIdText) -> list[dict[str, dict] | None]:
+    """vLLM's ``prompt_logprobs`` of an answer: None for the first prompt token (nothing
+    precedes it), then per token ``{token_id: {logprob, rank, decoded_token}}`` (the token's
+    text, also where log-prob tokens read as ids)."""
+    if isinstance(text_of, TokenIdText):
+        text_of = text_of.text_of
+    out: list[dict[str, dict] | None] = [None]
+    for entry in ranked_positions(lp) if lp is not None else ():
+        out.append({str(tok): {"logprob": _finite(value), "rank": rank, "decoded_token": text_of(tok)[0]}
+                    for tok, (value, rank) in entry.items()})
+    return out
 
 
 def chat_logprobs(lp: Logprobs | None, text_of: TokenText, top: int) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ log = logging.getLogger("troupe.http")
 MAX_UNKNOWN_FIELDS = 64          # lenient mode drops at most this many before giving up
 MAX_N = 128                      # choices per prompt
 MAX_STOP_STRINGS = 64
+MAX_REQUEST_ID_CHARS = 256      # a client's request_id
 # The engine's messages carry integers as msgspec int64 / uint64 and its tensors as int64: a
 # value outside these ranges would fail the encoding (a 500) or a whole engine step.
 PRIORITY_RANGE = (-(1 << 63), (1 << 63) - 1)
@@ -128,8 +129,14 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     bad_words: list[str] | None = None
     cache_salt: str | None = None       # vLLM's: mixed into the first block's hash (params.cache_salt)
     truncate_prompt_tokens: int | None = None   # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
+    truncation_side: Literal["left", "right"] | None = None   # vLLM's: "right" keeps the first k instead
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may generate
     request_timeout: float | None = None  # seconds before it is aborted (params.request_timeout)
+    # vLLM's: per prompt token (but the first) its log-prob and this many alternatives; not streamed
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = False             # vLLM's: the prompt's and each choice's token ids too
+    return_tokens_as_token_ids: bool | None = None    # vLLM's: log-prob tokens as "token_id:N" (None: the server's flag)
+    request_id: str | None = None                     # vLLM's: the answer's id is the id prefix and this
     # vLLM's: arguments for the server's logits processors (plugins), SamplingParams.extra_args
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     # vLLM's prefill/decode disaggregation: {"do_remote_decode": true} on a prefill instance, the
@@ -151,6 +158,28 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
         bound = self.server_defaults.logprobs_bound(vocab_size)
         require(0 <= value <= bound, f"{param} must be in [0, {bound}] (the server's --max-logprobs), "
                 f"got {value}", param)
+
+    def requested_prompt_logprobs(self, vocab_size: int) -> int | None:
+        """Alternatives per prompt token (-1: the whole vocabulary, as vLLM's), or None when the
+        prompt's log-probs are not asked for; vLLM's rules and messages."""
+        k = self.prompt_logprobs
+        if k is None:
+            return None
+        require(k >= -1, "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+        require(not (self.stream and k != 0), "`prompt_logprobs` are not available when `stream=True`.",
+                "prompt_logprobs")
+        k = vocab_size if k == -1 else k
+        self.check_logprobs(k, "prompt_logprobs", vocab_size)
+        return k
+
+    def shown_id(self) -> str | None:
+        """The client's ``request_id`` for the answer's id (None: the server's own)."""
+        rid = self.request_id
+        if rid is None:
+            return None
+        require(0 < len(rid) <= MAX_REQUEST_ID_CHARS and rid.isprintable(),
+                f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable characters", "request_id")
+        return rid
 
     def _sampling_params(self, vocab_size: int, max_model_len: int, max_tokens: int | None,
                          max_tokens_param: str, logprobs: int | None,
@@ -273,14 +302,16 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
         """Unset max_completion_tokens / max_tokens: the generation config's max_new_tokens,
         else until the end of the context."""
         logprobs = self.requested_logprobs(vocab_size)
+        prompt_logprobs = self.requested_prompt_logprobs(vocab_size)
         if self.max_completion_tokens is not None:
             return self._sampling_params(vocab_size, max_model_len, self.max_completion_tokens,
-                                         "max_completion_tokens", logprobs)
+                                         "max_completion_tokens", logprobs, prompt_logprobs)
         max_tokens = self.max_tokens
         default = self.server_defaults.sampling.max_tokens
         if max_tokens is None and default is not None:
             max_tokens = min(default, max_model_len - 1)     # a default leaves room for the prompt
-        return self._sampling_params(vocab_size, max_model_len, max_tokens, "max_tokens", logprobs)
+        return self._sampling_params(vocab_size, max_model_len, max_tokens, "max_tokens", logprobs,
+                                     prompt_logprobs)
 
     def requested_logprobs(self, vocab_size: int) -> int | None:
         """Top alternatives per token, or None when log-probs are not asked for."""
@@ -300,13 +331,15 @@ class CompletionRequest(GenerationRequest, kw_only=True):
 
     def to_sampling_params(self, vocab_size: int, max_model_len: int) -> SamplingParams:
         """Unset max_tokens: OpenAI's 16 (vLLM's too, whatever the generation config says).
-        With ``echo``, the prompt's log-probs too."""
+        With ``echo``, the prompt's log-probs too (``prompt_logprobs`` alternatives where given,
+        else ``logprobs``)."""
         lp = self.logprobs
         if lp is not None:
             self.check_logprobs(lp, "logprobs", vocab_size)
+        prompt_lp = self.requested_prompt_logprobs(vocab_size)
         return self._sampling_params(vocab_size, max_model_len,
                                      or_default(self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS),
-                                     "max_tokens", lp, lp if self.echo else None)
+                                     "max_tokens", lp, prompt_lp if prompt_lp is not None or not self.echo else lp)
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")

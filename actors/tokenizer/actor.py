@@ -47,6 +47,7 @@ class Generate(Msg):
     parent_id: str = ""                    # with n > 1: the request this is one choice of (for metrics)
     n: int = 1                             # the choices of that request
     lora_request: LoRARequest | None = None   # the adapter it runs with (None: the base model)
+    truncation_side: str = "left"          # with truncate_prompt_tokens: "left" keeps the last ones, "right" the first
 
 
 class InvalidPrompt(ValueError, Refusal):
@@ -89,8 +90,9 @@ class TokenizerActor(Actor):
         # a long text is tokenized in a thread (the tokenizer releases the GIL), so the
         # frontend's other requests and probes do not wait behind it
         ids = await asyncio.to_thread(self._prompt_ids, msg) if chars > OFF_LOOP_CHARS else self._prompt_ids(msg)
-        if truncate is not None:          # vLLM's: the prompt's last tokens (the left side goes)
-            ids = ids[-(self.max_model_len if truncate == -1 else truncate):]
+        if truncate is not None:          # vLLM's: the prompt's last tokens (the left side goes), or first
+            keep = self.max_model_len if truncate == -1 else truncate
+            ids = ids[:keep] if msg.truncation_side == "right" else ids[-keep:]
         n = len(ids)
         if n == 0:
             raise InvalidPrompt("the prompt is empty")

@@ -601,6 +601,13 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, http, mode
     assert r.json()["choices"][0]["text"] == tail.json()["choices"][0]["text"]
     chat = http.post("/v1/chat/completions", json={"messages": CAPITAL, "max_tokens": 1, "truncate_prompt_tokens": 4})
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 4, chat.text
+    right = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "temperature": 0, "truncate_prompt_tokens": 7,
+                                               "truncation_side": "right", "return_token_ids": True})
+    assert right.status_code == 200 and right.json()["choices"][0]["prompt_token_ids"] == ids[:7], right.text
+    head = http.post("/v1/completions", json={"prompt": ids[:7], "max_tokens": 3, "temperature": 0})
+    assert right.json()["choices"][0]["text"] == head.json()["choices"][0]["text"]
+    bad = http.post("/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": 1, "truncation_side": "middle"})
+    assert bad.status_code == 400 and "truncation_side" in bad.text
 
 
 def test_allowed_token_ids_are_the_only_tokens_generated(http):
@@ -643,3 +650,72 @@ def test_cache_salt_keeps_cached_prefixes_apart(http):
     assert cached(cache_salt="tenant-b") == 0           # another salt: no hit
     assert cached() == 0                                # no salt: no hit on a salted prefix
     assert cached(cache_salt="tenant-a") > 0            # the same salt: a hit
+
+
+def test_prompt_logprobs_score_every_prompt_token_but_the_first(http):
+    """vLLM's field: per prompt token its log-prob, rank and alternatives; the same values an
+    echo with logprobs shows."""
+    body = {"prompt": "The sky is blue and the grass", "max_tokens": 1, "temperature": 0}
+    r = http.post("/v1/completions", json={**body, "prompt_logprobs": 2, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ids, scored = choice["prompt_token_ids"], choice["prompt_logprobs"]
+    assert len(scored) == len(ids) == r.json()["usage"]["prompt_tokens"] and scored[0] is None
+    for token, entry in zip(ids[1:], scored[1:]):
+        assert str(token) in entry and 1 <= len(entry) <= 3
+        ranks = {v["rank"]: v["logprob"] for v in entry.values()}
+        assert 1 in ranks and ranks[1] == max(ranks.values()) and all(v <= 0 for v in ranks.values())
+        assert entry[str(token)]["decoded_token"] == http.post(
+            "/detokenize", json={"tokens": [token]}).json()["prompt"]
+    echo = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert echo["token_logprobs"][1:len(ids)] == pytest.approx(
+        [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], scored[1:])], abs=1e-5)
+    chat = http.post("/v1/chat/completions", json={"messages": CAPITAL, "max_tokens": 1, "prompt_logprobs": 0})
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["prompt_logprobs"]) == chat.json()["usage"]["prompt_tokens"]
+    for bad, says in (({"prompt_logprobs": 1, "stream": True}, "stream=True"), ({"prompt_logprobs": -2}, "-1"),
+                      ({"prompt_logprobs": -1}, "--max-logprobs")):
+        r = http.post("/v1/completions", json={**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+        assert says in r.json()["error"]["message"]
+
+
+def test_return_token_ids_plain_and_streamed(http):
+    """vLLM's field: the prompt's token ids and each choice's, whole or chunk by chunk."""
+    body = {"prompt": "Count: one, two,", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    plain = http.post("/v1/completions", json=body).json()
+    choice = plain["choices"][0]
+    assert choice["prompt_token_ids"] == http.post("/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
+    assert len(choice["token_ids"]) == plain["usage"]["completion_tokens"]
+    assert http.post("/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"] == choice["text"]
+    events = sse(http, "/v1/completions", body)
+    entries = [c for e in events for c in e["choices"]]
+    assert entries[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert sum((c["token_ids"] for c in entries), []) == choice["token_ids"]
+    chat_body = {"messages": CAPITAL, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    chat = http.post("/v1/chat/completions", json=chat_body).json()
+    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    events = sse(http, "/v1/chat/completions", chat_body)
+    assert events[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert sum((c.get("token_ids", []) for e in events for c in e["choices"]), []) == chat["choices"][0]["token_ids"]
+    without = http.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert "token_ids" not in without and "prompt_token_ids" not in without
+
+
+def test_return_tokens_as_token_ids_and_the_clients_request_id(http):
+    body = {"prompt": "The sky is", "max_tokens": 3, "temperature": 0, "logprobs": 1,
+            "return_tokens_as_token_ids": True, "return_token_ids": True, "request_id": "job-7"}
+    r = http.post("/v1/completions", json=body).json()
+    assert r["id"] == "cmpl-job-7"
+    lp, ids = r["choices"][0]["logprobs"], r["choices"][0]["token_ids"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    assert all(f"token_id:{t}" in tops for t, tops in zip(ids, lp["top_logprobs"]))
+    chat = http.post("/v1/chat/completions", json={
+        "messages": CAPITAL, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 1,
+        "return_tokens_as_token_ids": True, "return_token_ids": True, "request_id": "job-8"}).json()
+    assert chat["id"] == "chatcmpl-job-8"
+    assert [e["token"] for e in chat["choices"][0]["logprobs"]["content"]] == \
+        [f"token_id:{t}" for t in chat["choices"][0]["token_ids"]]
+    r = http.post("/v1/completions", json={**body, "request_id": "x" * 300})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"

@@ -61,6 +61,25 @@ def test_server_flags_have_vllms_defaults_and_troupes_own_keep_working():
     assert on_config.model.quantization == "gguf"
 
 
+def test_return_tokens_as_token_ids_is_the_servers_default_a_request_may_override():
+    """vLLM's --return-tokens-as-token-ids: log-prob tokens read "token_id:N" unless a request's
+    return_tokens_as_token_ids field says otherwise."""
+    from actors.frontend.generation import Answer
+    from actors.frontend.logprobs import TokenIdText, TokenText
+    from actors.frontend.protocol import CompletionRequest
+    assert serve.parse_args(["--return-tokens-as-token-ids"]).return_tokens_as_token_ids
+    assert not serve.parse_args([]).return_tokens_as_token_ids
+
+    class Words:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(f"w{i}" for i in ids)
+    text = TokenText(Words())
+    for flag, field, as_ids in ((True, None, True), (True, False, False), (False, True, True), (False, None, False)):
+        answer = Answer.of(CompletionRequest(prompt="x", return_tokens_as_token_ids=field), text, flag)
+        assert isinstance(answer.text_of, TokenIdText) == as_ids
+        assert answer.text_of(7) == (("token_id:7" if as_ids else "w7"), list(b"w7"))
+
+
 def test_the_model_may_be_given_first_as_in_vllm_serve_but_not_twice_differently(capsys):
     assert serve.parse_args(["smollm2", "--port", "0"]).model == "smollm2"
     assert serve.parse_args(["--model", "smollm2", "smollm2"]).model == "smollm2"
