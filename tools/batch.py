@@ -2,7 +2,7 @@
 ``python -m tools.batch -i requests.jsonl -o results.jsonl [--resume] [engine flags]``.
 
 The input is OpenAI's batch format, one JSON object per line: ``custom_id``, ``method``
-(``POST``), ``url`` (``/v1/chat/completions`` or ``/v1/completions``) and ``body``, the request the
+(``POST``), ``url`` (``/v1/chat/completions``, ``/v1/completions`` or ``/v1/responses``) and ``body``, the request the
 server would take (``stream`` and ``stream_options`` are ignored, as OpenAI's batches do). The
 output is OpenAI's batch output format, one line per input line, in the order they finish:
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, the body
@@ -34,7 +34,7 @@ from actors.engine.args import EngineArgs
 
 log = logging.getLogger("troupe.batch")
 
-URLS = ("/v1/chat/completions", "/v1/completions")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 IGNORED_FIELDS = ("stream", "stream_options")     # a batch answers whole, as OpenAI's does
 RETRY_STATUS = 503                                 # the engine restarting or its queue full
 MAX_RETRIES = 20
@@ -143,11 +143,15 @@ class Runner:
         from actors.frontend.chat import start_chat
         from actors.frontend.completions import start_completion
         from actors.frontend.protocol import ChatCompletionRequest, CompletionRequest
+        from actors.frontend.responses import ResponsesRequest, start_response
         chat = line.url == URLS[0]
         body = json.dumps(line.body).encode()
 
         async def call() -> Any:
             arrival = time.time()
+            if line.url == URLS[2]:
+                answer = await start_response(self.server, self.server.decode(body, ResponsesRequest), arrival)
+                return await answer.whole_response()
             if chat:
                 gen, _ = await start_chat(self.server, self.server.decode(body, ChatCompletionRequest), arrival)
             else:
@@ -173,7 +177,8 @@ class Runner:
                           body.get("error", {}).get("message"))
                 return
             await asyncio.sleep(min(0.5 * 2 ** attempt, 10.0))
-        tokens = body.get("usage", {}).get("completion_tokens", 0) if status == 200 else 0
+        used = (body.get("usage") or {}) if status == 200 else {}
+        tokens = used.get("completion_tokens", used.get("output_tokens", 0))
         self.output_tokens += tokens
         request_id = body.get("id") or f"batch-{uuid.uuid4().hex}"
         self.write(record(line.custom_id, {"status_code": status, "request_id": request_id, "body": body}, None))

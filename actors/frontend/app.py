@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from actors.frontend import chat, completions, dashboard, debug, lora, misc, observe
+from actors.frontend import chat, completions, dashboard, debug, lora, misc, observe, responses
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
@@ -75,6 +75,7 @@ class OpenAIServer:
         self.token_text: TokenText | None = None
         self.vocab_size = 0
         self.request_defaults = ServerDefaults()
+        self.responses = responses.ResponseStore()     # for GET /v1/responses/{id} and previous_response_id
         if client is not None:
             self.attach(client)
 
@@ -101,6 +102,8 @@ class OpenAIServer:
             ("POST", "/reset_prefix_cache", misc.reset_prefix_cache),
             ("POST", "/v1/chat/completions", chat.chat_completions),
             ("POST", "/v1/completions", completions.completions),
+            ("POST", "/v1/responses", responses.create_response),
+            ("GET", "/v1/responses/{response_id}", responses.retrieve_response),
         ]
         routes += lora.routes()          # only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM
         if self.inject is not None and faults.enabled():

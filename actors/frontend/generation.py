@@ -134,6 +134,14 @@ class Generation(ABC):
             close_all(self.choices)
 
     async def complete(self) -> web.Response:
+        body = await self.collect()
+        if isinstance(body, web.Response):
+            return body
+        return web.Response(body=json_encoder.encode(body), content_type="application/json")
+
+    async def collect(self) -> dict[str, Any] | web.Response:
+        """The whole answer's body once every choice finished, or the error response that takes
+        its place."""
         try:
             async for c, out in merged_outputs(self.choices):
                 c.take(out)
@@ -150,7 +158,7 @@ class Generation(ABC):
         params = next((c.last.kv_transfer_params for c in self.choices if c.last.kv_transfer_params), None)
         if params is not None:           # vLLM's: what a decode instance needs to read this prompt's KV
             body["kv_transfer_params"] = params
-        return web.Response(body=json_encoder.encode(body), content_type="application/json")
+        return body
 
     async def events(self) -> AsyncIterator[dict]:
         for chunk in self.start_chunks():

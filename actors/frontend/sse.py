@@ -22,9 +22,17 @@ def event(payload: dict) -> bytes:
     return b"data: " + json_encoder.encode(payload) + b"\n\n"
 
 
-async def send_events(request: web.Request, events: AsyncIterator[dict], response_id: str) -> web.StreamResponse:
+def named_event(payload: dict) -> bytes:
+    """The Responses API's form: ``event: {type}`` before the data."""
+    return b"event: " + str(payload.get("type", "error")).encode() + b"\n" + event(payload)
+
+
+async def send_events(request: web.Request, events: AsyncIterator[dict], response_id: str,
+                      named: bool = False) -> web.StreamResponse:
     """``response_id``: the X-Request-Id header. Each chunk written is a span of the request's
-    trace."""
+    trace. ``named``: each event with its type's name and no ``[DONE]`` after the last (the
+    Responses API's stream)."""
+    encode = named_event if named else event
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Request-Id": response_id})
     await resp.prepare(request)
@@ -33,14 +41,15 @@ async def send_events(request: web.Request, events: AsyncIterator[dict], respons
             async with aclosing(events) as stream:
                 async for payload in stream:
                     t = now_ns()
-                    await resp.write(event(payload))
+                    await resp.write(encode(payload))
                     http_trace.mark("chunk", t)
         except ConnectionResetError:
             raise
         except Exception:
             log.exception("%s %s failed mid-stream", request.method, request.path)
-            await resp.write(event(error_body("internal error (see the server log)", code=500)))
-        await resp.write(DONE)
+            await resp.write(encode(error_body("internal error (see the server log)", code=500)))
+        if not named:
+            await resp.write(DONE)
         await resp.write_eof()
     except ConnectionResetError:
         log.debug("%s %s: the client left mid-stream", request.method, request.path)

@@ -28,8 +28,8 @@ TOPICS = ["the sea", "a cat", "Paris", "winter", "music", "a robot", "the moon",
 
 
 def batch_lines() -> list[str]:
-    """200 lines: chat and completions (text and token-id prompts), some asking to stream,
-    one structured output, and seven that cannot run."""
+    """200 lines: chat, completions (text and token-id prompts) and responses, some asking to
+    stream, one structured output, and seven that cannot run."""
     lines = []
     for i in range(192):
         topic = TOPICS[i % len(TOPICS)]
@@ -37,6 +37,10 @@ def batch_lines() -> list[str]:
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"Say one thing about {topic}."}],
                     "max_tokens": 4 + i % 5, "temperature": 0}
             url = "/v1/chat/completions"
+        elif i % 16 == 15:
+            body = {"model": MODEL, "input": f"Say one thing about {topic}.", "max_output_tokens": 4 + i % 5,
+                    "temperature": 0}
+            url = "/v1/responses"
         else:
             prompt = f"A story about {topic}, part {i}:" if i % 3 else [1, 2, 3, 40 + i]
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 4 + i % 5, "temperature": 0}
@@ -124,6 +128,9 @@ def test_good_lines_are_answered_and_stream_flags_ignored(results):
         assert response["status_code"] == 200, response
         body = response["body"]
         assert response["request_id"] == body["id"]
+        if i % 16 == 15:
+            assert body["object"] == "response" and body["usage"]["output_tokens"] == 4 + i % 5
+            continue
         assert body["object"] == ("chat.completion" if i % 2 == 0 else "text_completion")   # never chunks
         assert body["usage"]["completion_tokens"] == 4 + i % 5
 
@@ -158,14 +165,19 @@ def test_bodies_match_what_the_server_answers(results, server):
             continue
         if isinstance(line, dict) and "custom_id" in line:
             lines[line["custom_id"]] = line
-    for cid in ["req-0", "req-1", "req-3", "req-6", "req-9", "req-14", "req-77", "structured",
+    for cid in ["req-0", "req-1", "req-3", "req-6", "req-9", "req-14", "req-63", "req-77", "structured",
                 "bad-value", "bad-model"]:
         line = lines[cid]
         body = {k: v for k, v in line["body"].items() if k not in ("stream", "stream_options")}
         status, answer = post(server.url + line["url"], body)
         got = by_id[cid]["response"]
         assert got["status_code"] == status, cid
-        if status == 200:
+        if status == 200 and line["url"] == "/v1/responses":
+            text = [[part["text"] for part in item["content"]] for item in answer["output"]]
+            assert [[part["text"] for part in item["content"]] for item in got["body"]["output"]] == text, cid
+            counts = ("input_tokens", "output_tokens")     # the cached share depends on what ran before
+            assert [got["body"]["usage"][k] for k in counts] == [answer["usage"][k] for k in counts], cid
+        elif status == 200:
             assert (got["body"]["choices"], got["body"]["usage"]) == (answer["choices"], answer["usage"]), cid
         else:
             assert got["body"] == answer, cid

@@ -719,3 +719,62 @@ def test_return_tokens_as_token_ids_and_the_clients_request_id(http):
         [f"token_id:{t}" for t in chat["choices"][0]["token_ids"]]
     r = http.post("/v1/completions", json={**body, "request_id": "x" * 300})
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+
+
+def test_responses_api_answers_as_the_chat_endpoint_does_and_is_stored(client, http, model):
+    """POST /v1/responses with the openai client: instructions, input and max_output_tokens are
+    a chat completion's system message, messages and max_completion_tokens (greedy: the same
+    text and usage); the response is stored, and previous_response_id continues it."""
+    r = client.responses.create(model=model, instructions="Answer in one word.", input="What is the capital of France?",
+                                max_output_tokens=6, temperature=0)
+    chat = client.chat.completions.create(model=model, temperature=0, max_completion_tokens=6, messages=[
+        {"role": "system", "content": "Answer in one word."}, *CAPITAL])
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    follow = client.responses.create(model=model, input="And of Italy?", previous_response_id=r.id,
+                                     max_output_tokens=4, temperature=0)
+    again = client.chat.completions.create(model=model, temperature=0, max_completion_tokens=4, messages=[
+        *CAPITAL, {"role": "assistant", "content": r.output_text}, {"role": "user", "content": "And of Italy?"}])
+    assert follow.output_text == again.choices[0].message.content       # instructions are not carried over
+    assert follow.usage.input_tokens == again.usage.prompt_tokens
+    unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_responses_stream_events_in_order_with_the_same_text(client, model):
+    body = dict(model=model, input="Name three colors.", max_output_tokens=8, temperature=0,
+                include=["message.output_text.logprobs"], top_logprobs=1)
+    whole = client.responses.create(**body)
+    events = list(client.responses.create(**body, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete" if whole.status == "incomplete" else "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == whole.output_text == events[-1].response.output_text
+    logprobs = whole.output[0].content[0].logprobs
+    assert [lp.token for e in deltas for lp in e.logprobs] == [lp.token for lp in logprobs]
+    assert all(len(lp.top_logprobs) == 1 for lp in logprobs)
+
+
+def test_responses_json_schema_and_refusals(client, http, model):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
+    r = client.responses.create(model=model, input="A person as JSON.", max_output_tokens=40, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+    assert isinstance(json.loads(r.output_text)["name"], str)
+    for bad, param in ((dict(background=True), "background"), (dict(max_output_tokens=0), "max_output_tokens"),
+                       (dict(include=["file_search_call.results"]), "include"), (dict(input=[]), "input"),
+                       (dict(tools=[{"type": "web_search"}]), "tools[0].type"),
+                       (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+                        "input[0].content")):
+        resp = http.post("/v1/responses", json={"model": model, "input": "x", **bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    gone = http.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_none"})
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "previous_response_id"
+    assert http.get("/v1/responses/resp_none").status_code == 404

@@ -163,3 +163,28 @@ def test_bad_tool_requests_are_400s_naming_the_field(client, body, param):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **body)
     assert e.value.body["param"] == param, e.value.body
     assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2).choices[0].message.content
+
+
+def test_responses_api_function_call_round_trip(client):
+    """/v1/responses with a function tool: the call comes as a function_call item (the same call
+    the chat endpoint makes), streamed too; its output item goes back as function_call_output."""
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+              "parameters": WEATHER}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    model = client.models.list().data[0].id
+    r = client.responses.create(model=model, input=ask, tools=tools, tool_choice="required", max_output_tokens=60,
+                                temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
+    chat = client.chat.completions.create(model=model, messages=ask, tools=[{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}}],
+        tool_choice="required", max_completion_tokens=60, temperature=0)
+    assert calls[0].arguments == chat.choices[0].message.tool_calls[0].function.arguments
+    events = list(client.responses.create(model=model, input=ask, tools=tools, tool_choice="required",
+                                          max_output_tokens=60, temperature=0, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in calls]
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 degrees"}
+    after = client.responses.create(model=model, input=[*ask, calls[0].model_dump(exclude_none=True), result],
+                                    tools=tools, max_output_tokens=30, temperature=0)
+    assert after.status in ("completed", "incomplete") and after.output_text

@@ -1,0 +1,417 @@
+"""POST /v1/responses and GET /v1/responses/{id}: OpenAI's Responses API as vLLM serves it
+(text and function tools, no reasoning items). A request is rendered as a chat completion
+(``instructions`` as the system message, then a previous response's conversation, then the
+``input`` items) and answered by the chat endpoint's machinery; the answer is reshaped into a
+``response`` object (output items: the assistant ``message`` with its ``output_text``, then one
+``function_call`` per tool call) or, streamed, into the Responses events (``response.created``,
+``response.output_text.delta``, ..., ``response.completed``), each named on its ``event:`` line.
+
+Responses are stored (``store``, true by default as in OpenAI's API) in a bounded in-memory
+store, newest kept: GET returns one, and ``previous_response_id`` continues its conversation."""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import msgspec
+from aiohttp import web
+
+from actors.frontend import http_trace
+from actors.frontend.chat import ChatGeneration, start_chat
+from actors.frontend.errors import json_encoder, not_found
+from actors.frontend.fanout import close_all
+from actors.frontend.protocol import BadRequest, ChatCompletionRequest, require
+from actors.frontend.sse import send_events
+
+if TYPE_CHECKING:
+    from actors.frontend.app import OpenAIServer
+
+MAX_STORED = 1024                                  # responses kept for GET and previous_response_id
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the ``include`` value that asks for log-probs
+# fields a Responses request shares with a chat completion request (vLLM's extensions among them)
+SHARED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
+          "skip_special_tokens", "include_stop_str_in_output", "priority", "cache_salt", "user",
+          "parallel_tool_calls", "vllm_xargs", "chat_template_kwargs", "structured_outputs")
+# a chat field's name as the Responses request calls it, in error messages
+RENAMED = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
+           ("messages", "input"))
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    input: str | list[dict[str, Any]]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None              # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    tools: list[dict[str, Any]] | None = None       # {"type": "function", "name", "description", "parameters", "strict"}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None                   # "disabled" only
+    background: bool | None = None                  # not supported
+    reasoning: dict[str, Any] | None = None         # none of these models reasons
+    # vLLM's extensions, as in chat completions
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+    request_id: str | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        require(not self.background, "background responses are not supported (each request is answered "
+                "while it runs)", "background")
+        require(self.truncation in (None, "disabled"), f"truncation must be \"disabled\", got {self.truncation!r}",
+                "truncation")
+        require(not any(v is not None for v in (self.reasoning or {}).values()),
+                "reasoning is not supported: the model has no reasoning parser", "reasoning")
+        other = [i for i in self.include or [] if i != LOGPROBS_INCLUDE]
+        require(not other, f"include supports only {LOGPROBS_INCLUDE!r}, got {other}", "include")
+        require(bool(self.input), "input must not be empty", "input")
+
+    def chat_body(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chat completion request this one is: ``history`` (a previous response's
+        conversation) between the instructions and the input."""
+        body: dict[str, Any] = {k: getattr(self, k) for k in SHARED if getattr(self, k) is not None}
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        body["messages"] = system + history + self.input_messages()
+        if self.max_output_tokens is not None:
+            body["max_completion_tokens"] = self.max_output_tokens
+        if self.stream:
+            body["stream"] = True
+        if self.tools is not None:
+            body["tools"] = [_chat_tool(i, t) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        fmt = (self.text or {}).get("format")
+        if fmt is not None and fmt.get("type") != "text":
+            body["response_format"] = _response_format(fmt)
+        if LOGPROBS_INCLUDE in (self.include or []):
+            body["logprobs"] = True
+            body["top_logprobs"] = self.top_logprobs or 0
+        return body
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages: messages (text content), ``function_call`` items as an
+        assistant's tool calls, ``function_call_output`` items as tool messages."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        out: list[dict[str, Any]] = []
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind == "message":
+                out.append({"role": item.get("role"), "content": _text(i, item.get("content"))})
+            elif kind == "function_call":
+                call = {"id": _field(i, item, "call_id"), "type": "function",
+                        "function": {"name": _field(i, item, "name"), "arguments": _field(i, item, "arguments")}}
+                if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                    out[-1]["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                output = item.get("output")
+                out.append({"role": "tool", "tool_call_id": _field(i, item, "call_id"),
+                            "content": output if isinstance(output, str) else _text(i, output)})
+            else:
+                raise BadRequest(f"input[{i}] is a {kind!r} item: supported are messages, function_call and "
+                                 "function_call_output", f"input[{i}].type")
+        return out
+
+
+def _field(i: int, item: dict[str, Any], name: str) -> str:
+    value = item.get(name)
+    require(isinstance(value, str), f"input[{i}].{name} must be a string", f"input[{i}].{name}")
+    return value
+
+
+def _text(i: int, content: Any) -> str:
+    """A message's content as one string: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    require(isinstance(content, list) and all(isinstance(p, dict) for p in content),
+            f"input[{i}].content must be a string or a list of content parts", f"input[{i}].content")
+    kinds = [p.get("type") for p in content if p.get("type") not in TEXT_PARTS]
+    require(not kinds, f"input[{i}].content: only text parts are supported ({', '.join(TEXT_PARTS)}), got {kinds}",
+            f"input[{i}].content")
+    return "".join(str(p.get("text", "")) for p in content)
+
+
+def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    require(tool.get("type") == "function", f"tools[{i}]: only function tools are supported, got "
+            f"{tool.get('type')!r}", f"tools[{i}].type")
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                                             if tool.get(k) is not None}}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> Any:
+    if isinstance(choice, str):
+        return choice
+    require(choice.get("type") == "function" and isinstance(choice.get("name"), str),
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}', "tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+    if fmt.get("type") == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    return {"type": fmt.get("type")}
+
+
+def _renamed(exc: BadRequest) -> BadRequest:
+    """A chat request's error in the Responses request's own field names."""
+    message, param = str(exc), exc.param
+    for chat, ours in RENAMED:
+        message = message.replace(chat, ours)
+        if param is not None and param.startswith(chat):
+            param = ours + param[len(chat):]
+    return BadRequest(message, param)
+
+
+@dataclass(slots=True)
+class Stored:
+    body: dict[str, Any]                      # the response object
+    conversation: list[dict[str, Any]]        # its input as chat messages (instructions left out)
+    reply: list[dict[str, Any]]               # its output as chat messages
+
+
+class ResponseStore:
+    """The newest MAX_STORED responses by id."""
+
+    def __init__(self, capacity: int = MAX_STORED) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+
+    def put(self, rid: str, item: Stored) -> None:
+        self._items[rid] = item
+        self._items.move_to_end(rid)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str) -> Stored | None:
+        return self._items.get(rid)
+
+
+class ResponseAnswer:
+    """One admitted request's answer in the Responses shape, whole or as events."""
+
+    def __init__(self, server: OpenAIServer, req: ResponsesRequest, gen: ChatGeneration,
+                 conversation: list[dict[str, Any]]) -> None:
+        self.server, self.req, self.gen = server, req, gen
+        self.conversation = conversation
+        self.id = "resp_" + gen.id.removeprefix(gen.id_prefix)
+        self.created = gen.created
+
+    def body(self, status: str, output: list[dict[str, Any]], finish_reason: str | None = None) -> dict[str, Any]:
+        req = self.req
+        usage = None
+        if status != "in_progress":
+            u = self.gen.usage()
+            usage = {"input_tokens": u["prompt_tokens"],
+                     "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+                     "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": u["total_tokens"]}
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "background": False, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if finish_reason == "length" else None,
+                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.gen.model,
+                "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "previous_response_id": req.previous_response_id, "reasoning": None,
+                "store": req.store is not False, "temperature": req.temperature,
+                "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+                "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p,
+                "truncation": "disabled", "usage": usage, "user": req.user, "metadata": req.metadata or {}}
+
+    def _keep(self, body: dict[str, Any], message: dict[str, Any]) -> None:
+        if self.req.store is not False:
+            self.server.responses.put(self.id, Stored(body, self.conversation, [message]))
+
+    async def complete(self) -> web.Response:
+        """The whole response object once generated, or the error response in its place."""
+        chat = await self.gen.collect()
+        if isinstance(chat, web.Response):
+            return chat
+        return web.Response(body=json_encoder.encode(self.whole(chat)), content_type="application/json")
+
+    async def whole_response(self) -> web.Response:
+        """``complete`` away from HTTP (the batch runner's): the request ends with it."""
+        try:
+            return await self.complete()
+        finally:
+            close_all(self.gen.choices)
+
+    def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """The response object of a chat completion answer (one choice)."""
+        choice = chat["choices"][0]
+        message = choice["message"]
+        output: list[dict[str, Any]] = []
+        if message.get("content"):
+            output.append(self._message_item(message["content"], (choice.get("logprobs") or {}).get("content")))
+        for call in message.get("tool_calls") or []:
+            output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+        body = self.body(_status(choice["finish_reason"]), output, choice["finish_reason"])
+        self._keep(body, message)
+        return body
+
+    def _message_item(self, text: str, logprobs: list[dict] | None, status: str = "completed") -> dict[str, Any]:
+        return {"type": "message", "id": "msg_" + self.id.removeprefix("resp_"), "status": status,
+                "role": "assistant", "content": [] if status == "in_progress" else [_text_part(text, logprobs)]}
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """The Responses stream of the chat generation's chunks."""
+        seq = 0
+
+        def ev(kind: str, **fields: Any) -> dict[str, Any]:
+            nonlocal seq
+            seq += 1
+            return {"type": kind, "sequence_number": seq - 1, **fields}
+
+        skeleton = self.body("in_progress", [])
+        yield ev("response.created", response=skeleton)
+        yield ev("response.in_progress", response=skeleton)
+        item_id = "msg_" + self.id.removeprefix("resp_")
+        text: list[str] = []
+        logprobs: list[dict] = []
+        calls: dict[int, dict[str, str]] = {}
+        opened, finish = False, None
+        async for chunk in self.gen.events():
+            if "error" in chunk:
+                err = chunk["error"]
+                yield ev("error", code=str(err.get("code")), message=err.get("message"), param=err.get("param"))
+                return
+            for choice in chunk["choices"]:
+                delta = choice.get("delta") or {}
+                lp = (choice.get("logprobs") or {}).get("content") or []
+                if delta.get("content") or lp:
+                    if not opened:
+                        opened = True
+                        yield ev("response.output_item.added", output_index=0,
+                                 item=self._message_item("", None, "in_progress"))
+                        yield ev("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
+                                 part=_text_part("", []))
+                    text.append(delta.get("content") or "")
+                    logprobs.extend(lp)
+                    yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                             delta=delta.get("content") or "", logprobs=lp)
+                for tc in delta.get("tool_calls") or []:
+                    call = calls.setdefault(tc.get("index", len(calls)), {"id": "", "name": "", "arguments": ""})
+                    fn = tc.get("function") or {}
+                    call["id"] = tc.get("id") or call["id"]
+                    call["name"] = fn.get("name") or call["name"]
+                    call["arguments"] += fn.get("arguments") or ""
+                if choice.get("finish_reason") is not None:
+                    finish = choice["finish_reason"]
+        output: list[dict[str, Any]] = []
+        content = "".join(text)
+        if opened:
+            part = _text_part(content, logprobs if self.gen.top is not None else None)
+            yield ev("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=content,
+                     logprobs=[])
+            yield ev("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part)
+            item = self._message_item(content, part.get("logprobs"))
+            yield ev("response.output_item.done", output_index=0, item=item)
+            output.append(item)
+        for _, call in sorted(calls.items()):
+            index = len(output)
+            item = _call_item(call["id"], call["name"], call["arguments"])
+            yield ev("response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"})
+            yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                     delta=call["arguments"])
+            yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                     arguments=call["arguments"])
+            yield ev("response.output_item.done", output_index=index, item=item)
+            output.append(item)
+        status = _status(finish)
+        body = self.body(status, output, finish)
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                     for _, c in sorted(calls.items())]
+        self._keep(body, message)
+        yield ev("response.incomplete" if status == "incomplete" else "response.completed", response=body)
+
+
+def _status(finish_reason: str | None) -> str:
+    return {"length": "incomplete", "abort": "cancelled", "error": "failed"}.get(finish_reason or "", "completed")
+
+
+def _text_part(text: str, logprobs: list[dict] | None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return part
+
+
+def _call_item(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": "fc_" + call_id.removeprefix("call_"), "call_id": call_id,
+            "name": name, "arguments": arguments, "status": "completed"}
+
+
+async def create_response(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
+    arrival = time.time()
+    req: ResponsesRequest = await server.read(request, ResponsesRequest)
+    answer = await start_response(server, req, arrival)
+    gen = answer.gen
+    http_trace.serving(c.handle.request_id for c in gen.choices)
+    http_trace.mark("receive")
+    header_id = request.headers.get("X-Request-Id") or answer.id
+    try:
+        if req.stream:
+            return await send_events(request, answer.events(), header_id, named=True)
+        response = await answer.complete()
+        response.headers["X-Request-Id"] = header_id
+        return response
+    finally:
+        close_all(gen.choices)
+
+
+async def start_response(server: OpenAIServer, req: ResponsesRequest, arrival: float) -> ResponseAnswer:
+    """Check a decoded Responses request and admit it as a chat completion (the batch runner
+    answers its lines through this too)."""
+    req.check()
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        prior = server.responses.get(req.previous_response_id)
+        if prior is None:
+            raise not_found(f"Previous response with id '{req.previous_response_id}' not found.",
+                            "previous_response_id")
+        history = prior.conversation + prior.reply
+    try:
+        chat_req = server.decode(json_encoder.encode(req.chat_body(history)), ChatCompletionRequest)
+        gen, _ = await start_chat(server, chat_req, arrival)
+    except BadRequest as exc:
+        raise _renamed(exc) from None
+    return ResponseAnswer(server, req, gen, history + req.input_messages())
+
+
+async def retrieve_response(server: OpenAIServer, request: web.Request) -> web.Response:
+    rid = request.match_info["response_id"]
+    stored = server.responses.get(rid)
+    if stored is None:
+        raise not_found(f"Response with id '{rid}' not found.", "response_id")
+    return web.Response(body=json_encoder.encode(stored.body), content_type="application/json")
