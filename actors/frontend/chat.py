@@ -31,9 +31,10 @@ class ChatGeneration(Generation):
     id_prefix = "chatcmpl-"
 
     def __init__(self, request_id: str, model: str, choices: list[Choice], include_usage: bool,
-                 answer: Answer, top_logprobs: int | None, tools: ToolUse | None = None) -> None:
+                 answer: Answer, top_logprobs: int | None, tools: ToolUse | None = None, echo: str = "") -> None:
         super().__init__(request_id, model, choices, include_usage, answer)
         self.token_text = answer.text_of
+        self.echo = echo                 # shown before each choice's content (vLLM's echo)
         self.top = top_logprobs          # None: no log-probs asked for
         self.tools = tools               # None: the text is all content
         for c in choices:
@@ -46,10 +47,14 @@ class ChatGeneration(Generation):
         return chat_logprobs(out.logprobs, self.token_text, self.top)
 
     def start_chunks(self) -> list[dict]:
-        return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}],
-                           **({"prompt_token_ids": c.handle.prompt_token_ids} if self.answer.return_token_ids else {}))
-                for c in self.choices]
+        chunks = [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}],
+                             **({"prompt_token_ids": c.handle.prompt_token_ids} if self.answer.return_token_ids else {}))
+                  for c in self.choices]
+        if self.echo:
+            chunks += [self.chunk([{"index": c.index, "delta": {"content": self.echo}, "logprobs": None,
+                                    "finish_reason": None}]) for c in self.choices]
+        return chunks
 
     def delta(self, c: Choice, out: RequestOutput) -> dict | None:
         lp = self._logprobs(out)
@@ -95,6 +100,8 @@ class ChatGeneration(Generation):
             content = calls.reading.content
             message = {"role": "assistant", "content": None if made and not content.strip() else content,
                        "tool_calls": made}
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
         return {"index": c.index, "message": message,
                 "logprobs": None if self.top is None else {"content": c.state.logprobs},
                 "finish_reason": self._finish_reason(c, last), "stop_reason": last.stop_reason}
@@ -158,6 +165,8 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
         chat_template_kwargs=template_kwargs, priority=priority, arrival_time=arrival,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
         lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left")
+    last = messages[-1]
+    echo = (last["content"] or "") if req.echo and last["role"] == "assistant" else ""
     gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),
-                         params.logprobs, tools)
+                         params.logprobs, tools, echo)
     return gen, stream

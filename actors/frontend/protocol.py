@@ -279,6 +279,7 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool | None = False     # vLLM's: the answer starts with the last message's content when it is the assistant's
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -778,3 +778,19 @@ def test_responses_json_schema_and_refusals(client, http, model):
     gone = http.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_none"})
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "previous_response_id"
     assert http.get("/v1/responses/resp_none").status_code == 404
+
+
+def test_chat_echo_starts_the_answer_with_the_assistants_last_message(client, http, model):
+    """vLLM's chat echo: with continue_final_message, the answer is the whole assistant turn."""
+    partial = CAPITAL + [{"role": "assistant", "content": "The capital of France is"}]
+    body = {"messages": partial, "temperature": 0, "max_tokens": 4, "continue_final_message": True,
+            "add_generation_prompt": False}
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "The capital of France is" + plain
+    events = sse(http, "/v1/chat/completions", {**body, "echo": True})
+    assert "".join(c["delta"].get("content", "") for e in events for c in e["choices"]) == echoed
+    user_last = http.post("/v1/chat/completions", json={"messages": CAPITAL, "temperature": 0, "max_tokens": 3,
+                                                        "echo": True}).json()
+    same = http.post("/v1/chat/completions", json={"messages": CAPITAL, "temperature": 0, "max_tokens": 3}).json()
+    assert user_last["choices"][0]["message"]["content"] == same["choices"][0]["message"]["content"]
