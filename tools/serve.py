@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="log-prob tokens read 'token_id:N' (vLLM's flag; a request's return_tokens_as_token_ids "
                         "field decides for itself)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="a chat request may bring its own chat_template (vLLM's flag: off, such a request is refused)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
                         "Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": ...})")
@@ -134,7 +136,8 @@ async def serve(args: argparse.Namespace) -> int:
                                                     tool_call_parser=args.tool_call_parser,
                                                     log_requests=args.enable_log_requests,
                                                     metrics_prefixes=args.metrics_prefix,
-                                                    return_tokens_as_token_ids=args.return_tokens_as_token_ids),
+                                                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                                                    trust_request_chat_template=args.trust_request_chat_template),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())

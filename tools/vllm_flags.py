@@ -113,7 +113,6 @@ REFUSED: dict[str, str] = {
     "--ssl-cert-reqs": "Troupe serves plain HTTP", "--root-path": _HTTP, "--middleware": "Troupe adds no ASGI middleware (a troupe.endpoints plugin adds routes)",
     "--response-role": _HTTP,
     "--chat-template-content-format": "Troupe renders message content as a string",
-    "--trust-request-chat-template": "Troupe uses the server's chat template only",
     "--tool-parser-plugin": "Troupe loads no tool parser plugins (see --tool-call-parser)",
     "--tool-server": "Troupe runs no built-in tools", "--exclude-tools-when-tool-choice-none": _HTTP,
     "--enable-prompt-tokens-details": "Troupe reports prompt_tokens_details.cached_tokens whenever the "
@@ -141,7 +140,7 @@ BOOLEAN = frozenset({
     "--skip-mm-profiling", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",
     "--enable-log-outputs", "--log-error-stack", "--allow-credentials",
-    "--enable-ssl-refresh", "--trust-request-chat-template",
+    "--enable-ssl-refresh",
     "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details",
     "--enable-server-load-tracking", "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
     "--tokens-only", "--kv-cache-metrics",

@@ -57,6 +57,7 @@ class ServerOptions:
     log_requests: bool = False             # one INFO line per admitted request (--enable-log-requests)
     metrics_prefixes: tuple[str, ...] = ("vllm", "troupe")   # /metrics names (--metrics-prefix)
     return_tokens_as_token_ids: bool = False   # log-prob tokens as "token_id:N" unless a request says
+    trust_request_chat_template: bool = False  # a chat request may bring its own template
 
 
 class OpenAIServer:

@@ -156,6 +156,11 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
     template_kwargs = req.chat_template_kwargs
     if req.tools:
         template_kwargs = {"tools": template_tools(req), **(template_kwargs or {})}
+    if req.documents is not None:
+        template_kwargs = {"documents": req.documents, **(template_kwargs or {})}
+    if req.chat_template is not None and not server.options.trust_request_chat_template:
+        raise BadRequest("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                         "Refused request with untrusted chat template.", "chat_template")
     await server.check_grammar(req, params)
     priority = check_priority(req, client.config.scheduler.policy)
     rid = client.new_request_id()
@@ -164,7 +169,8 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         chat_template_kwargs=template_kwargs, priority=priority, arrival_time=arrival,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
-        lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left")
+        lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left",
+        chat_template=req.chat_template)
     last = messages[-1]
     echo = (last["content"] or "") if req.echo and last["role"] == "assistant" else ""
     gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),

@@ -167,7 +167,8 @@ class EngineClient:
                      priority: int = 0, arrival_time: float = 0.0,
                      add_special_tokens: bool = False, cache_salt: str | None = None,
                      timeout_s: float | None = None, parent_id: str = "", n: int = 1,
-                     lora_request: LoRARequest | None = None, truncation_side: str = "left") -> RequestHandle:
+                     lora_request: LoRARequest | None = None, truncation_side: str = "left",
+                     chat_template: str | None = None) -> RequestHandle:
         """Admit one request; ``timeout_s``: it is aborted (its KV freed) if it has not finished
         that long after now. ``parent_id`` and ``n``: it is one of the n choices of request
         ``parent_id`` (for the metrics of requests with n > 1; see ``end_group``). Raises
@@ -184,7 +185,8 @@ class EngineClient:
         admit = asyncio.ensure_future(self.tokenizer_actor.ask(Generate(
             rid, params, prompt, prompt_token_ids, messages,
             add_generation_prompt, continue_final_message, chat_template_kwargs or {},
-            priority, arrival_time, add_special_tokens, cache_salt, parent_id, n, lora_request, truncation_side),
+            priority, arrival_time, add_special_tokens, cache_salt, parent_id, n, lora_request, truncation_side,
+            chat_template),
             timeout=60))
         try:
             accepted = await asyncio.shield(admit)

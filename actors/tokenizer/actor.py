@@ -48,6 +48,7 @@ class Generate(Msg):
     n: int = 1                             # the choices of that request
     lora_request: LoRARequest | None = None   # the adapter it runs with (None: the base model)
     truncation_side: str = "left"          # with truncate_prompt_tokens: "left" keeps the last ones, "right" the first
+    chat_template: str | None = None       # the request's own template for messages (None: the model's)
 
 
 class InvalidPrompt(ValueError, Refusal):
@@ -147,7 +148,8 @@ class TokenizerActor(Actor):
             try:
                 return self.tokenizer.encode_chat(
                     msg.messages, add_generation_prompt=msg.add_generation_prompt,
-                    continue_final_message=msg.continue_final_message, **msg.chat_template_kwargs)
+                    continue_final_message=msg.continue_final_message, chat_template=msg.chat_template,
+                    **msg.chat_template_kwargs)
             except Exception as exc:   # template errors (raise_exception, bad kwargs) are the input's
                 raise InvalidPrompt(f"could not render the chat template: {exc}") from exc
         if msg.prompt_token_ids is not None:

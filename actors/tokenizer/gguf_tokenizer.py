@@ -171,6 +171,12 @@ def _special_ids(metadata: dict[str, Any], types: list[int]) -> set[int]:
     return ids
 
 
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str) -> ChatTemplate:
+    """A request's own chat template, compiled once while it keeps being asked for."""
+    return ChatTemplate(source)
+
 class TextTokenizer:
     """Encode, decode and chat-format for one model; the slice of transformers' tokenizer API the engine uses."""
 
@@ -275,20 +281,23 @@ class TextTokenizer:
         return [self.backend_tokenizer.id_to_token(i) for i in ids]
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **template_kwargs: Any) -> str:
-        """Render OpenAI-style `messages` (content as string or text parts) to prompt text.
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            **template_kwargs: Any) -> str:
+        """Render OpenAI-style `messages` (content as string or text parts) to prompt text, with
+        `chat_template` (Jinja source) instead of the model's when given.
 
         `template_kwargs` (tools, documents, enable_thinking, ...) become template variables and
         override the special-token strings (bos_token, eos_token, unk_token, pad_token) passed by default.
         """
-        if self._chat_template is None:
+        template = self._chat_template if chat_template is None else _compiled_template(chat_template)
+        if template is None:
             raise ValueError("this model's GGUF has no tokenizer.chat_template; send a plain completion prompt instead")
         variables = {
             "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
             "unk_token": self._token(self.unk_token_id) or "", "pad_token": self._token(self.pad_token_id) or "",
             **template_kwargs,
         }
-        return self._chat_template.render(
+        return template.render(
             normalize_messages(messages), add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **variables,
         )

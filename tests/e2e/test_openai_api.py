@@ -790,6 +790,8 @@ def test_chat_echo_starts_the_answer_with_the_assistants_last_message(client, ht
     assert echoed == "The capital of France is" + plain
     events = sse(http, "/v1/chat/completions", {**body, "echo": True})
     assert "".join(c["delta"].get("content", "") for e in events for c in e["choices"]) == echoed
+    untrusted = http.post("/v1/chat/completions", json={"messages": CAPITAL, "chat_template": "{{ messages }}"})
+    assert untrusted.status_code == 400 and "--trust-request-chat-template" in untrusted.text
     user_last = http.post("/v1/chat/completions", json={"messages": CAPITAL, "temperature": 0, "max_tokens": 3,
                                                         "echo": True}).json()
     same = http.post("/v1/chat/completions", json={"messages": CAPITAL, "temperature": 0, "max_tokens": 3}).json()

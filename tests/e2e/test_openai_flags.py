@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -47,7 +48,8 @@ def started():
         try:
             box["server"] = Server(*SERVER_ARGS, "--port", str(port), "--api-key", KEY,
                                    "--lenient", "--scheduling-policy", "priority",
-                                   "--max-num-seqs", "1")
+                                   "--max-num-seqs", "1", "--trust-request-chat-template",
+                                   "--return-tokens-as-token-ids")
         except BaseException as exc:   # reported by the fixture below
             box["error"] = exc
     t = threading.Thread(target=start)
@@ -130,3 +132,37 @@ def test_priority_orders_the_waiting_queue(server):
             await asyncio.gather(late, urgent)
         return done
     assert asyncio.run(main()) == ["urgent", "low"]
+
+
+def test_trusted_request_chat_templates_and_documents_render_the_prompt(server):
+    """--trust-request-chat-template: a chat request's own template renders its messages (and
+    the documents it sends); without the flag such a request is refused (tests/e2e/test_openai_api.py)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    template = ("{% for d in documents %}[{{ d.title }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    out = client.chat.completions.create(
+        model=model, max_tokens=1, messages=[{"role": "user", "content": "Hi"}],
+        extra_body={"chat_template": template, "documents": [{"title": "Doc", "text": "x"}], "return_token_ids": True})
+    rendered = "[Doc]<user>Hi<assistant>"
+    ids = out.model_extra["prompt_token_ids"]
+    tok = urllib.request.Request(server.url + "/tokenize", data=json.dumps({"prompt": rendered, "add_special_tokens": False}).encode(),
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(tok, timeout=30) as resp:
+        expected = json.loads(resp.read())["tokens"]
+    assert ids in (expected, ids[:1] + expected)         # a BOS first where the model adds one
+    bad = client.chat.completions.with_raw_response
+    with pytest.raises(openai.BadRequestError) as exc:
+        bad.create(model=model, max_tokens=1, messages=[{"role": "user", "content": "Hi"}],
+                   extra_body={"chat_template": "{% for m in messages %}"})
+    assert "chat template" in str(exc.value)
+
+
+def test_return_tokens_as_token_ids_flag_is_the_default_a_request_overrides(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt="The sky is", max_tokens=2, logprobs=0, temperature=0)
+    assert all(t.startswith("token_id:") for t in out.choices[0].logprobs.tokens)
+    own = client.completions.create(model=model, prompt="The sky is", max_tokens=2, logprobs=0, temperature=0,
+                                    extra_body={"return_tokens_as_token_ids": False})
+    assert "".join(own.choices[0].logprobs.tokens) == own.choices[0].text
