@@ -1,6 +1,10 @@
 """``python -m tools.chat``: a terminal chat that streams the reply as it is generated.
 
-By default it runs the engine in this process; ``--url`` talks to a running server instead.
+By default it runs the engine in this process; ``--url`` talks to a running server instead
+(vLLM's ``vllm chat`` flags: ``--url http://host:port/v1``, ``--model-name``, ``--api-key``,
+``--system-prompt``, ``-q/--quick MESSAGE`` for one reply and exit, ``--stats`` for the time to
+the first token and tokens per second after each reply). ``python -m tools.complete`` (``troupe
+complete``, vLLM's ``vllm complete``) is the same with each line a prompt to complete, no history.
 Ctrl-C while a reply streams stops it: the request is aborted (the output iterator is closed;
 with ``--url``, the HTTP response), the part already shown stays in the conversation as the
 assistant's turn, and the prompt comes back. Ctrl-C at the prompt clears the line; /exit or
@@ -10,9 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import threading
+import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
@@ -27,18 +33,37 @@ SYSTEM_HINT = ("Type a message and press Enter; Ctrl-C stops a reply, /help list
 STOPPED = "[stopped]"
 
 
-async def _local_stream(llm, messages, params) -> AsyncIterator[str]:
-    async for out in llm.chat(messages, params):
+class Counts:
+    """What a reply's stream reported besides its text: its generated tokens."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+
+async def _local_stream(llm, messages, params, counts: Counts, complete: bool) -> AsyncIterator[str]:
+    outputs = llm.generate(messages, params) if complete else llm.chat(messages, params)
+    async for out in outputs:
         if out.error:
             raise RuntimeError(out.error)
+        counts.tokens = out.num_output_tokens
         if out.text:
             yield out.text
 
 
-async def _remote_stream(session, url, messages, args) -> AsyncIterator[str]:
-    body = {"messages": messages, "stream": True, "temperature": args.temperature,
-            "max_tokens": args.max_tokens}
-    async with session.post(f"{url.rstrip('/')}/v1/chat/completions", json=body) as resp:
+def base_url(url: str) -> str:
+    """The server's root: vLLM's form ends with /v1."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+async def _remote_stream(session, args, messages, counts: Counts) -> AsyncIterator[str]:
+    prompt = {"prompt": messages} if args.complete else {"messages": messages}
+    body = {**prompt, "stream": True, "stream_options": {"include_usage": True},
+            "temperature": args.temperature, "max_tokens": args.max_tokens}
+    if args.model_name:
+        body["model"] = args.model_name
+    path = "/v1/completions" if args.complete else "/v1/chat/completions"
+    async with session.post(base_url(args.url) + path, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
         try:
@@ -49,13 +74,39 @@ async def _remote_stream(session, url, messages, args) -> AsyncIterator[str]:
                 event = json.loads(line[6:])
                 if "error" in event:
                     raise RuntimeError(event["error"]["message"])
+                if event.get("usage"):
+                    counts.tokens = event["usage"]["completion_tokens"]
                 for choice in event["choices"]:
-                    text = choice["delta"].get("content")
+                    text = choice.get("text") if args.complete else choice["delta"].get("content")
                     if text:
                         yield text
         except BaseException:
             resp.close()          # the server sees the client leave and aborts the request
             raise
+
+
+class Timed:
+    """A reply's stream, timed: when it started, when its first text came."""
+
+    def __init__(self, stream: AsyncIterator[str]) -> None:
+        self.stream = stream
+        self.start = time.perf_counter()
+        self.first: float | None = None
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        async with aclosing(self.stream) as pieces:
+            async for piece in pieces:
+                if self.first is None:
+                    self.first = time.perf_counter()
+                yield piece
+
+    def report(self, tokens: int) -> None:
+        """vLLM's ``--stats`` lines."""
+        total = time.perf_counter() - self.start
+        if self.first is None or total <= 0:
+            return
+        print(f"{'TTFT:':<5} {(self.first - self.start) * 1000:.2f} ms")
+        print(f"{'TPS:':<5} {tokens / total:.2f} tokens/s ({tokens} tokens in {total:.2f}s)")
 
 
 class LineReader:
@@ -149,49 +200,62 @@ async def repl(args: argparse.Namespace) -> int:
     session = llm = None
     if args.url:
         import aiohttp
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        key = args.api_key or os.environ.get("OPENAI_API_KEY")
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                        headers={"Authorization": f"Bearer {key}"} if key else None)
     else:
         print("loading the model...", file=sys.stderr, flush=True)
-        llm = await AsyncLLM.create(args.model)
+        llm = await AsyncLLM.create(args.model or args.model_name)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    interactive = sys.stdin.isatty()
+    interactive = sys.stdin.isatty() and args.quick is None
     loop = asyncio.get_running_loop()
     interrupts = Interrupts(interactive)
     loop.add_signal_handler(signal.SIGINT, interrupts)
-    reader = LineReader(loop)
+    reader = LineReader(loop) if args.quick is None else None
     if interactive:
         print(SYSTEM_HINT, file=sys.stderr)
     try:
         while True:
             if interactive:
                 print("\n> ", end="", flush=True)
-            line = await reader.readline()
+            line = args.quick if reader is None else await reader.readline()
             if not line:
                 break
             line = line.strip()
             if not line:
                 continue
-            if line.startswith("/"):
+            if line.startswith("/") and reader is not None:
                 if not command(line, messages, args.system):
                     break
                 continue
             messages.append({"role": "user", "content": line})
-            stream = (_remote_stream(session, args.url, messages, args) if session is not None
-                      else _local_stream(llm, messages, params))
+            counts = Counts()
+            asked = line if args.complete else messages
+            timed = Timed(_remote_stream(session, args, asked, counts) if session is not None
+                          else _local_stream(llm, asked, params, counts, args.complete))
             try:
-                reply, stopped = await stream_reply(stream, interrupts)
+                reply, stopped = await stream_reply(aiter(timed), interrupts)
             except Exception as exc:        # a failed request ends the turn, not the chat
                 print(f"\n[error: {exc}]", file=sys.stderr)
                 messages.pop()
+                if reader is None:
+                    return 1
                 continue
             if stopped:
                 print(f"\n{STOPPED}", file=sys.stderr, flush=True)
             else:
                 print(flush=True)
-            messages.append({"role": "assistant", "content": reply})
+            if args.stats:
+                timed.report(counts.tokens)
+            if args.complete:
+                messages.clear()            # each prompt on its own
+            else:
+                messages.append({"role": "assistant", "content": reply})
+            if reader is None:
+                break
     finally:
         loop.remove_signal_handler(signal.SIGINT)
         if session is not None:
@@ -201,14 +265,27 @@ async def repl(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m tools.chat") -> None:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "python -m tools.chat", complete: bool = False) -> None:
+    what = "a terminal prompt completer" if complete else __doc__.splitlines()[0]
+    p = argparse.ArgumentParser(prog=prog, description=what)
     p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--system", default=None, help="a system prompt")
+    p.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000 or vLLM's "
+                                               "http://127.0.0.1:8000/v1 (default: the engine in this process)")
+    p.add_argument("--model-name", default=None, help="the model a server is asked for (vLLM's; default: the "
+                                                      "server's own); in this process, the model to load")
+    p.add_argument("--api-key", default=None, help="the server's --api-key (default: $OPENAI_API_KEY)")
+    if not complete:
+        p.add_argument("--system", "--system-prompt", dest="system", default=None, help="a system prompt")
+    p.add_argument("-q", "--quick", default=None, metavar="MESSAGE",
+                   help="send MESSAGE, print the reply, and exit (vLLM's)")
+    p.add_argument("--stats", action="store_true", help="print the time to the first token and tokens/s after "
+                                                        "each reply (vLLM's)")
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=128 if complete else 512)
     args = p.parse_args(argv)
+    args.complete = complete
+    if complete:
+        args.system = None
     import uvloop
     try:
         sys.exit(uvloop.run(repl(args)))

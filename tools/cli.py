@@ -11,7 +11,9 @@ from importlib import metadata
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tools.serve", "the OpenAI-compatible server (vLLM's `vllm serve` flags)"),
     "chat": ("tools.chat", "chat with a model in the terminal (in-process, or a running server with --url)"),
+    "complete": ("tools.complete", "complete prompts in the terminal (in-process, or a running server with --url)"),
     "batch": ("tools.batch", "run a file of requests through the engine, offline"),
+    "run-batch": ("tools.batch", "vLLM's name for batch"),
     "bench": ("tools.bench.__main__", "benchmarks: offline, serve, latency, structured, tracing, ..."),
     "trace": ("tools.trace", "save a running server's trace for ui.perfetto.dev"),
     "pd-proxy": ("tools.pd_proxy", "prefill/decode disaggregation: one endpoint over prefill and decode servers"),

@@ -137,3 +137,27 @@ def test_ctrl_c_stops_a_remote_reply_and_the_server_aborts_it(server):
         time.sleep(0.1)
     assert stats["requests_finished"].get("abort") == 1, stats
     assert stats["num_requests_running"] == 0 and stats["kv_cache_usage"] == 0, stats
+
+
+def test_vllm_chat_and_complete_command_lines_answer_once_with_stats(server):
+    """`troupe chat` and `troupe complete` with vLLM's flags (a /v1 url, --model-name, -q, --stats):
+    one reply, the same text the server gives the same request, and the stats lines."""
+    model = json.loads(urllib.request.urlopen(server.url + "/v1/models", timeout=10).read())["data"][0]["id"]
+    common = ["--url", server.url + "/v1", "--model-name", model, "--temperature", "0", "--max-tokens", "6",
+              "--stats"]
+    for command, ask, path, body in (
+            ("chat", "What is the capital of France?", "/v1/chat/completions",
+             {"messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+            ("complete", "The capital of France is", "/v1/completions", {"prompt": "The capital of France is"})):
+        run = subprocess.run([sys.executable, "-m", "tools.cli", command, *common, "-q", ask], cwd=ROOT,
+                             capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert run.returncode == 0, run.stderr
+        request = urllib.request.Request(server.url + path, headers={"Content-Type": "application/json"},
+                                         data=json.dumps({**body, "temperature": 0, "max_tokens": 6}).encode())
+        answer = json.loads(urllib.request.urlopen(request, timeout=TIMEOUT_S).read())
+        choice = answer["choices"][0]
+        text = choice["text"] if command == "complete" else choice["message"]["content"]
+        lines = run.stdout.splitlines()
+        assert lines[0] == text.split("\n")[0] and run.stdout.startswith(text), run.stdout
+        assert lines[-2].startswith("TTFT:") and lines[-1].startswith("TPS:"), run.stdout
+        assert f"({answer['usage']['completion_tokens']} tokens in" in lines[-1]
