@@ -117,7 +117,7 @@ REFUSED: dict[str, str] = {
     "--tool-server": "Troupe runs no built-in tools", "--exclude-tools-when-tool-choice-none": _HTTP,
     "--enable-prompt-tokens-details": "Troupe reports prompt_tokens_details.cached_tokens whenever the "
                                       "prefix cache served part of a prompt",
-    "--enable-server-load-tracking": _HTTP, "--enable-force-include-usage": _HTTP,
+    "--enable-force-include-usage": _HTTP,
     "--enable-tokenizer-info-endpoint": _HTTP, "--h11-max-incomplete-event-size": _HTTP,
     "--h11-max-header-count": _HTTP, "--tokens-only": _HTTP,
 }
@@ -142,7 +142,7 @@ BOOLEAN = frozenset({
     "--enable-log-outputs", "--log-error-stack", "--allow-credentials",
     "--enable-ssl-refresh",
     "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details",
-    "--enable-server-load-tracking", "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
+    "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
     "--tokens-only", "--kv-cache-metrics",
 })
 
@@ -154,6 +154,7 @@ ALWAYS: dict[str, str] = {
     "--disable-uvicorn-access-log": "Troupe writes no access log",
     "--disable-fastapi-docs": "Troupe serves no API documentation pages",
     "--enable-request-id-headers": "Troupe always answers with an X-Request-Id header",
+    "--enable-server-load-tracking": "Troupe always counts the requests being answered (GET /load)",
 }
 NEVER: dict[str, str] = {    # the opposite of an ALWAYS flag: refused
     "--no-enable-chunked-prefill": "Troupe always chunks prompts longer than --max-num-batched-tokens",

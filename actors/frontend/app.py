@@ -77,6 +77,7 @@ class OpenAIServer:
         self.vocab_size = 0
         self.request_defaults = ServerDefaults()
         self.responses = responses.ResponseStore()     # for GET /v1/responses/{id} and previous_response_id
+        self.server_load = 0             # generation requests being answered (GET /load)
         if client is not None:
             self.attach(client)
 
@@ -101,9 +102,10 @@ class OpenAIServer:
             ("GET", "/v1/models", misc.models), ("GET", "/v1/models/{model:.+}", misc.model),
             ("POST", "/tokenize", misc.tokenize), ("POST", "/detokenize", misc.detokenize),
             ("POST", "/reset_prefix_cache", misc.reset_prefix_cache),
-            ("POST", "/v1/chat/completions", chat.chat_completions),
-            ("POST", "/v1/completions", completions.completions),
-            ("POST", "/v1/responses", responses.create_response),
+            ("GET", "/load", misc.load),
+            ("POST", "/v1/chat/completions", self._loading(chat.chat_completions)),
+            ("POST", "/v1/completions", self._loading(completions.completions)),
+            ("POST", "/v1/responses", self._loading(responses.create_response)),
             ("GET", "/v1/responses/{response_id}", responses.retrieve_response),
         ]
         routes += lora.routes()          # only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM
@@ -114,6 +116,17 @@ class OpenAIServer:
         dashboard.add_routes(app)
         call_plugins(ENDPOINTS, app.router)     # troupe.endpoints plugins add their routes
         return app
+
+    def _loading(self, handler: Callable) -> Callable:
+        """``handler``, counted in ``server_load`` (vLLM's GET /load) while it answers."""
+        @functools.wraps(handler)
+        async def counted(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
+            self.server_load += 1
+            try:
+                return await handler(server, request)
+            finally:
+                self.server_load -= 1
+        return counted
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:

@@ -35,6 +35,11 @@ async def health(server: OpenAIServer, request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+async def load(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's: the chat, completion and Responses requests being answered now."""
+    return _json({"server_load": server.server_load})
+
+
 async def get_version(server: OpenAIServer, request: web.Request) -> web.Response:
     return _json({"version": version()})
 

@@ -796,3 +796,22 @@ def test_chat_echo_starts_the_answer_with_the_assistants_last_message(client, ht
                                                         "echo": True}).json()
     same = http.post("/v1/chat/completions", json={"messages": CAPITAL, "temperature": 0, "max_tokens": 3}).json()
     assert user_last["choices"][0]["message"]["content"] == same["choices"][0]["message"]["content"]
+
+
+def test_load_counts_the_requests_being_answered(http):
+    """vLLM's GET /load: a stream in progress counts, and nothing once it ended."""
+    assert http.get("/load").json() == {"server_load": 0}
+    conn = http_client.HTTPConnection(http.netloc, timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Once upon a time", "max_tokens": 200,
+                                                                  "ignore_eos": True, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        assert http.get("/load").json() == {"server_load": 1}
+    finally:
+        conn.close()
+    deadline = time.monotonic() + 30
+    while http.get("/load").json()["server_load"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert http.get("/load").json() == {"server_load": 0}
