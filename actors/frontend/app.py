@@ -37,7 +37,7 @@ from actors.tokenizer.actor import InvalidPrompt
 log = logging.getLogger("troupe.http")
 
 MAX_BODY_BYTES = 8 << 20
-PROTECTED_PATHS = ("/v1/", "/debug/", "/dashboard")    # need the API key when one is set
+PROTECTED_PATHS = ("/v1/", "/debug/", "/dashboard", "/invocations")    # need the API key when one is set
 KEY_COOKIE = "troupe_api_key"                          # the key, for the dashboard's own requests
 
 
@@ -106,6 +106,7 @@ class OpenAIServer:
             ("POST", "/v1/chat/completions", self._loading(chat.chat_completions)),
             ("POST", "/v1/completions", self._loading(completions.completions)),
             ("POST", "/v1/responses", self._loading(responses.create_response)),
+            ("POST", "/invocations", self._loading(misc.invocations)),
             ("GET", "/v1/responses/{response_id}", responses.retrieve_response),
         ]
         routes += lora.routes()          # only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM

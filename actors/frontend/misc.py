@@ -2,6 +2,7 @@
 probes, metrics and the debug views."""
 from __future__ import annotations
 
+import json
 from importlib import metadata
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,23 @@ async def health(server: OpenAIServer, request: web.Request) -> web.Response:
     if server.client.dead is not None:
         return error_response(503, server.client.dead)
     return web.Response(status=200)
+
+
+async def invocations(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
+    """vLLM's SageMaker route: a chat completion request (it has ``messages``) or a completion
+    request (it has ``prompt``), answered as its own endpoint answers it."""
+    from actors.frontend.chat import chat_completions
+    from actors.frontend.completions import completions
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if isinstance(body, dict) and "messages" in body:
+        return await chat_completions(server, request)
+    if isinstance(body, dict) and "prompt" in body:
+        return await completions(server, request)
+    raise BadRequest("Cannot find suitable handler for request. Expected one of: ['ChatCompletionRequest', "
+                      "'CompletionRequest'] (a body with messages or with prompt)")
 
 
 async def load(server: OpenAIServer, request: web.Request) -> web.Response:

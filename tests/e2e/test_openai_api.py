@@ -815,3 +815,17 @@ def test_load_counts_the_requests_being_answered(http):
     while http.get("/load").json()["server_load"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert http.get("/load").json() == {"server_load": 0}
+
+
+def test_invocations_routes_chat_and_completion_bodies_as_vllm_does(http):
+    """vLLM's SageMaker route: the body's shape picks the endpoint that answers it."""
+    chat = {"messages": CAPITAL, "max_tokens": 3, "temperature": 0}
+    completion = {"prompt": "The sky is", "max_tokens": 3, "temperature": 0}
+    for body, path in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
+        via, direct = http.post("/invocations", json=body).json(), http.post(path, json=body).json()
+        assert via["object"] == direct["object"] and via["choices"] == direct["choices"]
+    assert sse(http, "/invocations", completion)[0]["object"] == "text_completion"
+    for bad in ({"input": "x"}, ["a"]):
+        r = http.post("/invocations", json=bad)
+        assert r.status_code == 400 and "Cannot find suitable handler" in r.json()["error"]["message"]
+    assert http.post("/invocations", content=b"{not json").status_code == 400

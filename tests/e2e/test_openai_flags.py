@@ -87,11 +87,12 @@ def test_api_key_guards_v1_only(server):
     assert good.models.list().data
     for path in ("/health", "/ping", "/metrics", "/version"):
         assert _status(server.url + path) == 200, path
-    req = urllib.request.Request(server.url + "/v1/completions", data=b'{"prompt": "x"}',
-                                 headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as http_exc:
-        urllib.request.urlopen(req, timeout=30)
-    assert http_exc.value.code == 401
+    for path in ("/v1/completions", "/invocations"):         # generation needs the key on every route
+        req = urllib.request.Request(server.url + path, data=b'{"prompt": "x"}',
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as http_exc:
+            urllib.request.urlopen(req, timeout=30)
+        assert http_exc.value.code == 401, path
 
 
 def test_lenient_accepts_and_drops_unknown_fields(server):
