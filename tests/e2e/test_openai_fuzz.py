@@ -63,6 +63,12 @@ def check(server: Server, path: str, body: bytes) -> int:
         assert set(err) == {"message", "type", "param", "code"} and err["message"], data[:500]
         assert err["code"] == status and err["type"] == ERROR_TYPES[status], data[:500]
         assert err["param"] is None or isinstance(err["param"], str), data[:500]
+    elif headers.get("content-type", "").startswith("text/event-stream") and path == RESPONSES_PATH:
+        text = data.decode()                    # named events, no [DONE]
+        assert text.endswith("\n\n"), text[-300:]
+        for block in text.split("\n\n")[:-1]:
+            name, payload = block.split("\n", 1)
+            assert json.loads(payload.removeprefix("data: "))["type"] == name.removeprefix("event: ") != "error"
     elif headers.get("content-type", "").startswith("text/event-stream"):
         text = data.decode()
         assert text.endswith("data: [DONE]\n\n"), text[-300:]
@@ -186,6 +192,49 @@ def in_range(fields: dict[str, st.SearchStrategy]) -> dict[str, st.SearchStrateg
     return out
 
 
+ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer", "tool"]),
+                           "content": st.one_of(small_text, st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                "text": small_text}), max_size=2))}, optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": small_text, "name": small_text,
+                           "arguments": small_text}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": small_text, "output": small_text}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "web_search_call", "x"])}))
+RESPONSES = {**{k: v for k, v in COMMON.items() if k not in ("max_tokens", "n", "stream_options", "min_tokens")},
+             "input": st.one_of(small_text, st.lists(ITEM, max_size=3)), "instructions": small_text,
+             "max_output_tokens": st.integers(-1, 4), "store": st.booleans(), "previous_response_id": small_text,
+             "text": st.fixed_dictionaries({"format": st.sampled_from([
+                 {"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "name": "x", "schema": {
+                     "type": "object"}}, {"type": "json_schema"}, {"type": "grammar"}])}),
+             "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]),
+                                                      "name": small_text}), max_size=2),
+             "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"},
+                                             {"type": "x"}]),
+             "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content"]),
+                                 max_size=2),
+             "top_logprobs": st.integers(-1, 21), "truncation": st.sampled_from(["disabled", "auto"]),
+             "background": st.booleans(), "reasoning": st.fixed_dictionaries({}, optional={"effort": small_text}),
+             "metadata": st.dictionaries(small_text, small_text, max_size=2)}
+
+
+RESPONSES_OK = {   # values the server accepts
+    **{k: v for k, v in IN_RANGE.items() if k in RESPONSES}, "stream": st.booleans(),
+    "input": st.one_of(small_text.filter(bool), st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "developer"]), "content": small_text}), min_size=1, max_size=2)),
+    "instructions": small_text, "max_output_tokens": st.integers(1, 4), "store": st.booleans(),
+    "text": st.fixed_dictionaries({"format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])}),
+    "include": st.just(["message.output_text.logprobs"]), "top_logprobs": st.integers(0, 5),
+    "truncation": st.just("disabled"), "metadata": st.dictionaries(small_text, small_text, max_size=2)}
+
+
+def short_response(body: dict) -> dict:
+    """A Responses body never left to run to the end of the context."""
+    if body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = 3
+    return body
+
+
 TOKENIZE = {"prompt": small_text, "add_special_tokens": st.booleans(), "return_token_strs": st.booleans(),
             "add_generation_prompt": st.booleans()}
 
@@ -236,14 +285,14 @@ def batch(strategy: st.SearchStrategy) -> st.SearchStrategy:
     return st.lists(strategy, min_size=BATCH, max_size=BATCH)
 
 
-CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions", "/v1/completions"
+CHAT_PATH, COMPLETION_PATH, RESPONSES_PATH = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 
 
 def path_of(body: dict) -> str:
-    return CHAT_PATH if "messages" in body else COMPLETION_PATH
+    return CHAT_PATH if "messages" in body else RESPONSES_PATH if "input" in body else COMPLETION_PATH
 
 
-# -- generated bodies: 45 x 5 + 45 x 5 + 30 x 5 + 20 x 5 + 30 x 5 + 24 x 5 = 970 ------------------
+# -- generated bodies: 45 x 5 + 45 x 5 + 20 x 5 + 30 x 5 + 20 x 5 + 30 x 5 + 24 x 5 = 1,070 ----------
 @FUZZ
 @given(sent=batch(bodies(CHAT, "messages")))
 def test_fuzz_chat_completions(server, sent):
@@ -256,10 +305,17 @@ def test_fuzz_completions(server, sent):
     check_all(server, "completions", [(COMPLETION_PATH, encoded(b)) for b in sent])
 
 
+@settings(FUZZ, max_examples=20)
+@given(sent=batch(bodies(RESPONSES, "input").map(short_response)))
+def test_fuzz_responses(server, sent):
+    check_all(server, "responses", [(RESPONSES_PATH, encoded(b)) for b in sent])
+
+
 @settings(FUZZ, max_examples=30)
 @given(sent=batch(bodies(CHAT, "messages", junky=False) | bodies(COMPLETION, "prompt", junky=False)
                   | bodies(in_range(CHAT), "messages", junky=False)
-                  | bodies(in_range(COMPLETION), "prompt", junky=False)))
+                  | bodies(in_range(COMPLETION), "prompt", junky=False)
+                  | bodies(RESPONSES_OK, "input", junky=False).map(short_response)))
 def test_fuzz_well_typed_bodies_reach_the_engine(server, sent):
     """Only well-typed values, half of them in range: combinations of n, stream, echo,
     logprobs, stop and penalties that get admitted and run."""
