@@ -1,4 +1,4 @@
-"""Fuzzing the HTTP edge with 1,000 generated hostile bodies: every field of every endpoint gets
+"""Fuzzing the HTTP edge with 1,100 generated hostile bodies: every field of every endpoint gets
 valid values, wrong types, out-of-range and non-finite numbers, nulls, deep nesting and junk,
 plus unknown fields, empty and 100,000-message conversations, 5 MB bodies and bodies that are
 not JSON (or not UTF-8) at all. Bodies go five at a time, so hostile values share engine steps
