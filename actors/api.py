@@ -21,6 +21,7 @@ from actors.engine.args import EngineArgs
 from actors.engine.lora import LoRARequest
 from actors.engine.messages import Logprobs
 from actors.engine.sampling_params import SamplingParams
+from actors.frontend.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from actors.frontend.fanout import close_all, merged_outputs, submit_choices
 from actors.frontend.launch import Frontend, start_frontend
 from actors.frontend.logprobs import TokenText, ranked_positions
@@ -179,15 +180,7 @@ class AsyncLLM:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
         if n > 1:
             sampling_params = msgspec.structs.replace(sampling_params, n=1)   # each choice is one sequence
-        what: dict[str, Any]
-        if _is_conversation(prompt):
-            what = {"messages": prompt, **template}
-        elif isinstance(prompt, dict):
-            what = _prompt_dict(prompt)
-        elif isinstance(prompt, str):
-            what = {"prompt": prompt}
-        else:
-            what = {"prompt_token_ids": list(prompt)}               # type: ignore[arg-type]
+        what = _prompt_what(prompt, **template)
         if lora_request is not None:
             what["lora_request"] = self.client.register_lora(lora_request)
         request_id = self.client.new_request_id()
@@ -204,6 +197,15 @@ class AsyncLLM:
             close_all(choices)
         ids = choices[0].handle.prompt_token_ids
         return self._result(request_id, prompt, ids, sampling_params, done)  # type: ignore[arg-type]
+
+    async def beam_search(self, prompt: Prompt, params: BeamSearchParams, *,
+                          lora_request: LoRARequest | None = None) -> BeamSearchOutput:
+        """vLLM's beam search (``actors.frontend.beam_search``) from one prompt: text, token ids,
+        a prompt dict, or a conversation (a list of messages)."""
+        what = _prompt_what(prompt)
+        if lora_request is not None:
+            what["lora_request"] = self.client.register_lora(lora_request)
+        return await beam_search(self.client, params, **what)
 
     def _result(self, request_id: str, prompt: Any, prompt_token_ids: list[int], params: SamplingParams,
                 done: list[RequestOutput]) -> GenerationResult:
@@ -300,6 +302,18 @@ class _Total:
 
 Prompt = Union[str, list[int], list[dict[str, Any]], dict[str, Any]]
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")   # vLLM's TextPrompt / TokensPrompt
+
+
+def _prompt_what(prompt: Prompt, **template: Any) -> dict[str, Any]:
+    """What the engine client takes of a prompt: text, token ids, a prompt dict, or a
+    conversation (with ``template``'s chat-template options)."""
+    if _is_conversation(prompt):
+        return {"messages": prompt, **template}
+    if isinstance(prompt, dict):
+        return _prompt_dict(prompt)
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    return {"prompt_token_ids": list(prompt)}               # type: ignore[arg-type]
 
 
 def _is_conversation(prompt: Any) -> bool:
@@ -418,6 +432,36 @@ class LLM:
         finally:
             if self._loop.is_running():     # not after close(): the engine is gone already
                 self._run(results.aclose(), timeout=60)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: for each prompt (text, token ids, a prompt dict, or a
+        conversation) the best ``params.beam_width`` sequences; at most ``concurrency_limit``
+        prompts searched at once (None: all)."""
+        one_prompt = isinstance(prompts, (str, dict)) or (bool(prompts) and (
+            isinstance(prompts[0], int) or (isinstance(prompts[0], dict) and "role" in prompts[0])))
+        if one_prompt:                # text, a prompt dict, token ids, or one conversation
+            prompts = [prompts]  # type: ignore[list-item]
+        params.check()
+        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
+        limit = asyncio.Semaphore(concurrency_limit or max(len(prompts), 1))
+
+        async def run_all() -> list[BeamSearchOutput]:
+            bar = Progress(len(prompts), "Beam search") if use_tqdm and len(prompts) > 1 else None
+
+            async def one(prompt: Prompt, lr: LoRARequest | None) -> BeamSearchOutput:
+                async with limit:
+                    out = await self._engine().beam_search(prompt, params, lora_request=lr)
+                if bar is not None:
+                    bar.update(sum(len(s.tokens) - len(out.prompt_token_ids) for s in out.sequences))
+                return out
+            try:
+                return list(await asyncio.gather(*(one(p, lr) for p, lr in zip(prompts, loras))))
+            finally:
+                if bar is not None:
+                    bar.close()
+        return self._run(run_all())
 
     def _batch(self, jobs: list[Any], use_tqdm: bool) -> list[GenerationResult]:
         async def run_all() -> list[GenerationResult]:

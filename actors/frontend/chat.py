@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
+from actors.frontend.beam_search import beam_answer
 from actors.frontend.fanout import Choice, submit_choices
 from actors.frontend.generation import Answer, Generation
 from actors.frontend.logprobs import chat_logprobs, prompt_logprobs_json
@@ -161,8 +162,16 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
     if req.chat_template is not None and not server.options.trust_request_chat_template:
         raise BadRequest("Chat template is passed with request, but --trust-request-chat-template is not set. "
                          "Refused request with untrusted chat template.", "chat_template")
-    await server.check_grammar(req, params)
     priority = check_priority(req, client.config.scheduler.policy)
+    if req.use_beam_search:
+        if req.tools:
+            raise BadRequest("tools cannot be combined with beam search", "tools")
+        job = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continue_final_message, "chat_template_kwargs": template_kwargs,
+               "priority": priority, "cache_salt": cache_salt(req), "lora_request": client.lora_request_for(req.model),
+               "chat_template": req.chat_template}
+        return beam_answer(server, req, params, n, [job]), False      # type: ignore[return-value]
+    await server.check_grammar(req, params)
     rid = client.new_request_id()
     choices = await submit_choices(
         server.submit, rid, params, n, None, messages=messages,

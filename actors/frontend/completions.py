@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from actors.frontend.beam_search import beam_answer
 from actors.frontend.fanout import Choice, submit_choices
 from actors.frontend.generation import Answer, Generation
 from actors.frontend.logprobs import CompletionLogprobs, merge_completion_logprobs, prompt_logprobs_json
@@ -113,9 +114,15 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest,
         raise BadRequest(f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices "
                          "per request", "n" if n > 1 else "prompt")
     params = req.to_sampling_params(server.vocab_size, client.max_model_len)
-    await server.check_grammar(req, params)
     echo = bool(req.echo)
     priority = check_priority(req, client.config.scheduler.policy)
+    if req.use_beam_search:
+        jobs = [{"prompt": p.text, "prompt_token_ids": p.token_ids, "priority": priority,
+                 "add_special_tokens": req.add_special_tokens is not False, "cache_salt": cache_salt(req),
+                 "lora_request": client.lora_request_for(req.model)} for p in prompts]
+        echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
+        return beam_answer(server, req, params, n, jobs, echo_texts), False
+    await server.check_grammar(req, params)
     rid = client.new_request_id()
     choices = await submit_choices(
         server.submit, rid, params, n, prompts, priority=priority,

@@ -137,6 +137,8 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     return_token_ids: bool | None = False             # vLLM's: the prompt's and each choice's token ids too
     return_tokens_as_token_ids: bool | None = None    # vLLM's: log-prob tokens as "token_id:N" (None: the server's flag)
     request_id: str | None = None                     # vLLM's: the answer's id is the id prefix and this
+    use_beam_search: bool | None = False              # vLLM's: n beams (see frontend/beam_search.py)
+    length_penalty: float | None = 1.0                # vLLM's: beams ranked by logprob / length ** this
     # vLLM's: arguments for the server's logits processors (plugins), SamplingParams.extra_args
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     # vLLM's prefill/decode disaggregation: {"do_remote_decode": true} on a prefill instance, the

@@ -206,6 +206,34 @@ def test_chat_repl_streams_a_reply_from_piped_input():
     assert "Paris" in proc.stdout
 
 
+def test_beam_search_keeps_the_most_likely_sequences_with_their_true_logprobs(llm):
+    """vLLM's LLM.beam_search: width 1 is greedy decoding; wider, the beams are distinct, best
+    first by length-penalized score, and each beam's cumulative log-prob is what the model gives
+    its tokens when they are scored as a prompt."""
+    from actors.frontend.beam_search import BeamSearchParams, score
+    greedy = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    one = llm.beam_search("The capital of France is", BeamSearchParams(beam_width=1, max_tokens=6))[0]
+    assert one.sequences[0].tokens[len(one.prompt_token_ids):] == greedy.token_ids
+    params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5)
+    out, = llm.beam_search([{"prompt": "One, two,"}], params)
+    seqs = out.sequences
+    assert len(seqs) == 3 and len({tuple(s.tokens) for s in seqs}) == 3
+    eos = frozenset(llm.client.config.model.arch.eos_token_ids)
+    scores = [score(s.tokens, s.cum_logprob, eos, 0.5) for s in seqs]
+    assert scores == sorted(scores, reverse=True)
+    for s in seqs:
+        if s.finish_reason == "stop":      # its end-of-sequence token counts in cum_logprob, not in tokens
+            continue
+        n = len(out.prompt_token_ids)
+        assert s.text == llm.get_tokenizer().decode(s.tokens[n:], skip_special_tokens=True)
+        scored = llm.generate({"prompt_token_ids": s.tokens}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                              use_tqdm=False)[0].prompt_logprobs
+        true = sum(scored[i][t].logprob for i, t in enumerate(s.tokens) if i >= n)
+        assert s.cum_logprob == pytest.approx(true, abs=1e-3)
+    with pytest.raises(ValueError, match="beam_width"):
+        llm.beam_search("x", BeamSearchParams(beam_width=0, max_tokens=2))
+
+
 def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
     """Runs last with the module's LLM: ``close()`` (a ``with`` block ending) lets go of the
     weights and KV cache even though the name still refers to it; using it then says it is closed."""

@@ -829,3 +829,24 @@ def test_invocations_routes_chat_and_completion_bodies_as_vllm_does(http):
         r = http.post("/invocations", json=bad)
         assert r.status_code == 400 and "Cannot find suitable handler" in r.json()["error"]["message"]
     assert http.post("/invocations", content=b"{not json").status_code == 400
+
+
+def test_use_beam_search_answers_n_beams_best_first(http):
+    """vLLM's use_beam_search: n beams per prompt as the choices; width 1 is greedy; no stream."""
+    body = {"prompt": ["The capital of France is", "One, two,"], "max_tokens": 5, "temperature": 0}
+    beams = http.post("/v1/completions", json={**body, "n": 3, "use_beam_search": True, "request_id": "b-1"}).json()
+    assert beams["id"] == "cmpl-b-1" and [c["index"] for c in beams["choices"]] == list(range(6))
+    for p in range(2):
+        texts = [c["text"] for c in beams["choices"][3 * p:3 * p + 3]]
+        assert len(set(texts)) == 3
+    width1 = http.post("/v1/completions", json={**body, "use_beam_search": True}).json()["choices"]
+    greedy = http.post("/v1/completions", json=body).json()["choices"]
+    assert [c["text"] for c in width1] == [c["text"] for c in greedy]
+    chat = http.post("/v1/chat/completions", json={"messages": CAPITAL, "max_tokens": 8, "n": 2, "temperature": 0,
+                                                   "use_beam_search": True, "length_penalty": 0.5}).json()
+    assert len(chat["choices"]) == 2 and all(c["message"]["content"] for c in chat["choices"])
+    assert chat["usage"]["completion_tokens"] > 0
+    for bad, param in (({"stream": True}, "stream"), ({"logprobs": 1}, "logprobs"),
+                       ({"response_format": {"type": "json_object"}}, "use_beam_search")):
+        r = http.post("/v1/completions", json={**body, "use_beam_search": True, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
