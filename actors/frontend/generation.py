@@ -28,13 +28,16 @@ class Answer:
     shown_id: str | None = None           # request_id: the answer's id after the prefix
     return_token_ids: bool = False        # the prompt's token ids and each choice's
     prompt_logprobs: bool = False         # the prompt's log-probs (prompt_logprobs set)
+    continuous_usage: bool = False        # streamed: the usage so far in every chunk (vLLM's continuous_usage_stats)
 
     @classmethod
     def of(cls, req: GenerationRequest, token_text: TokenText, as_token_ids: bool) -> Answer:
         """``as_token_ids``: the server's --return-tokens-as-token-ids (the request's field wins)."""
         ids = as_token_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids
+        options = req.stream_options
         return cls(TokenIdText(token_text) if ids else token_text, req.shown_id(), bool(req.return_token_ids),
-                   req.prompt_logprobs is not None and not req.stream)
+                   req.prompt_logprobs is not None and not req.stream,
+                   bool(req.stream and options and options.include_usage and options.continuous_usage_stats))
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
@@ -172,10 +175,11 @@ class Generation(ABC):
                 entry = self.delta(c, out)
                 if self.answer.return_token_ids:
                     c.unsent_ids.extend(out.token_ids)
+                extra = {"usage": self.usage()} if self.answer.continuous_usage else {}
                 if entry is not None:
-                    yield self.chunk([self._with_ids(c, entry)])
+                    yield self.chunk([self._with_ids(c, entry)], **extra)
                 if out.finished:
-                    yield self.chunk([self._with_ids(c, self.finish(c, out))])
+                    yield self.chunk([self._with_ids(c, self.finish(c, out))], **extra)
         except StreamTimeout as exc:
             yield error_body(str(exc), code=504)
             return

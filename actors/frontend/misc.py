@@ -11,6 +11,7 @@ from aiohttp import web
 from actors.frontend.errors import error_response, json_encoder, not_found
 from actors.frontend.params import chat_messages, check_chat_flags
 from actors.frontend.protocol import BadRequest, DetokenizeRequest, TokenizeRequest
+from actors.frontend.tools import template_tools
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
@@ -123,9 +124,15 @@ async def tokenize(server: OpenAIServer, request: web.Request) -> web.Response:
         else:   # tokenized exactly as /v1/chat/completions does (BOS as the GGUF asks)
             add_generation_prompt = req.add_generation_prompt is not False
             check_chat_flags(add_generation_prompt, bool(req.continue_final_message))
+            if req.chat_template is not None and not server.options.trust_request_chat_template:
+                raise BadRequest("Chat template is passed with request, but --trust-request-chat-template is not "
+                                 "set. Refused request with untrusted chat template.", "chat_template")
+            kwargs = dict(req.chat_template_kwargs or {})
+            if req.tools:
+                kwargs = {"tools": template_tools(req), **kwargs}
             ids = tok.encode_chat(chat_messages(req.messages), add_generation_prompt=add_generation_prompt,
                                   continue_final_message=bool(req.continue_final_message),
-                                  **(req.chat_template_kwargs or {}))
+                                  chat_template=req.chat_template, **kwargs)
     except BadRequest:
         raise
     except Exception as exc:      # template errors, text that is not valid Unicode: the input's

@@ -72,6 +72,7 @@ VLLM_DEFAULTS = ServerDefaults()
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False    # vLLM's: with include_usage, the usage so far in every chunk
 
 
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -394,6 +395,8 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None            # vLLM's: this request's template (with --trust-request-chat-template)
+    tools: list[Tool] | None = None             # vLLM's: rendered by the template as a chat request's are
     return_token_strs: bool | None = False
 
 

@@ -850,3 +850,28 @@ def test_use_beam_search_answers_n_beams_best_first(http):
                        ({"response_format": {"type": "json_object"}}, "use_beam_search")):
         r = http.post("/v1/completions", json={**body, "use_beam_search": True, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(http):
+    """vLLM's stream_options.continuous_usage_stats: every chunk after the role chunk carries the
+    usage so far, growing to the last one's."""
+    body = {"prompt": "One, two,", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = sse(http, "/v1/completions", body)
+    *chunks, last = events
+    counts = [e["usage"]["completion_tokens"] for e in chunks]
+    assert counts == sorted(counts) and counts[-1] == last["usage"]["completion_tokens"] == 5
+    assert all(e["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for e in chunks)
+    plain = sse(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert all("usage" not in e for e in plain[:-1])
+
+
+def test_tokenize_renders_tools_as_the_chat_endpoint_does(http):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    plain = http.post("/tokenize", json={"messages": CAPITAL}).json()
+    with_tools = http.post("/tokenize", json={"messages": CAPITAL, "tools": tools}).json()
+    chat = http.post("/v1/chat/completions", json={"messages": CAPITAL, "tools": tools, "tool_choice": "none",
+                                                   "max_tokens": 1}).json()
+    assert with_tools["count"] == chat["usage"]["prompt_tokens"] >= plain["count"]
+    r = http.post("/tokenize", json={"messages": CAPITAL, "chat_template": "{{ messages }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
