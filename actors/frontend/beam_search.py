@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+
+import msgspec
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,31 +89,34 @@ class BeamSearchFailed(RuntimeError):
     """A step's request ended in an error: the search stops with it."""
 
 
-async def _one_token(client: EngineClient, params: SamplingParams, request_id: str,
+async def _one_token(submit: Any, params: SamplingParams, request_id: str,
                      what: dict[str, Any]) -> tuple[list[int], dict[int, float], str | None]:
     """One step of one beam: (the prompt's token ids, the next token's log-probs by id, how the
-    request ended)."""
-    handle = await client.submit(params, request_id=request_id, **what)
+    request ended). The request ends with its first token (closed sooner, it is aborted)."""
+    handle = await submit(params, request_id=request_id, **what)
     alternatives: dict[int, float] = {}
     finish = None
     try:
         async for out in handle:
             if out.error is not None:
                 raise BeamSearchFailed(out.error)
-            if out.logprobs is not None:
-                for entry in ranked_positions(out.logprobs):
-                    alternatives.update({tok: lp for tok, (lp, _) in entry.items()})
             finish = out.finish_reason
+            if out.logprobs is not None and out.logprobs.token_ids:
+                alternatives.update({tok: lp for tok, (lp, _) in next(ranked_positions(out.logprobs)).items()})
+                break
     finally:
         handle.close()
     return handle.prompt_token_ids, alternatives, finish
 
 
-async def beam_search(client: EngineClient, params: BeamSearchParams, **what: Any) -> BeamSearchOutput:
+async def beam_search(client: EngineClient, params: BeamSearchParams, submit: Any = None,
+                      **what: Any) -> BeamSearchOutput:
     """Beam search from one prompt; ``what`` is what ``client.submit`` takes of a prompt
     (``prompt``, ``prompt_token_ids`` or ``messages`` with their options, ``lora_request``,
     ``cache_salt``, ``priority``): the first step renders and tokenizes it, the others send the
-    beams' token ids."""
+    beams' token ids. ``submit``: how each step's request is admitted (the server's maps refusals
+    to HTTP errors; default ``client.submit``)."""
+    submit = submit or client.submit
     params.check()
     width = params.beam_width
     eos = frozenset(client.config.model.arch.eos_token_ids)
@@ -119,7 +124,10 @@ async def beam_search(client: EngineClient, params: BeamSearchParams, **what: An
                                  ignore_eos=True)
     keep = {k: what[k] for k in ("lora_request", "cache_salt", "priority", "timeout_s") if k in what}
     base = client.new_request_id()
-    first = await _one_token(client, step_params, f"{base}-0-0", what)
+    # the first step is admitted with the whole search's max_tokens, so a prompt that leaves no
+    # room for them is refused as any request is (it stops at its first token all the same)
+    whole = params.max_tokens if params.max_tokens < client.max_model_len else None
+    first = await _one_token(submit, msgspec.structs.replace(step_params, max_tokens=whole), f"{base}-0-0", what)
     prompt_ids = list(first[0])
     beams = [BeamSearchSequence(list(prompt_ids))]
     done: list[BeamSearchSequence] = []
@@ -127,7 +135,7 @@ async def beam_search(client: EngineClient, params: BeamSearchParams, **what: An
         if step and len(beams[0].tokens) >= client.max_model_len - 1:     # the context is full
             break
         results = [first] if step == 0 else await asyncio.gather(*(
-            _one_token(client, step_params, f"{base}-{step}-{i}", {"prompt_token_ids": b.tokens, **keep})
+            _one_token(submit, step_params, f"{base}-{step}-{i}", {"prompt_token_ids": b.tokens, **keep})
             for i, b in enumerate(beams)))
         if any(finish == "abort" for _, _, finish in results):
             for b in beams:
@@ -176,7 +184,8 @@ class BeamAnswer:
     async def whole(self) -> web.Response:
         client = self.server.engine()
         try:
-            outs = await asyncio.gather(*(beam_search(client, self.params, **job) for job in self.jobs))
+            outs = await asyncio.gather(*(beam_search(client, self.params, self.server.submit, **job)
+                                          for job in self.jobs))
         except BeamSearchFailed as exc:
             return error_response(500, f"the request failed: {exc}")
         choices, prompt_tokens, completion_tokens = [], 0, 0

@@ -847,7 +847,8 @@ def test_use_beam_search_answers_n_beams_best_first(http):
     assert len(chat["choices"]) == 2 and all(c["message"]["content"] for c in chat["choices"])
     assert chat["usage"]["completion_tokens"] > 0
     for bad, param in (({"stream": True}, "stream"), ({"logprobs": 1}, "logprobs"),
-                       ({"response_format": {"type": "json_object"}}, "use_beam_search")):
+                       ({"response_format": {"type": "json_object"}}, "use_beam_search"),
+                       ({"prompt": [100] * 8190}, "prompt")):       # no room for max_tokens, as without beams
         r = http.post("/v1/completions", json={**body, "use_beam_search": True, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
