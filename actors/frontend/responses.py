@@ -7,7 +7,7 @@
 ``response.output_text.delta``, ..., ``response.completed``), each named on its ``event:`` line.
 
 Responses are stored (``store``, true by default as in OpenAI's API) in a bounded in-memory
-store, newest kept: GET returns one, and ``previous_response_id`` continues its conversation."""
+store (a count and a byte budget), newest kept: GET returns one, and ``previous_response_id`` continues its conversation."""
 from __future__ import annotations
 
 import time
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
 
 MAX_STORED = 1024                                  # responses kept for GET and previous_response_id
+MAX_STORED_BYTES = 64 << 20                        # and at most this much of them (their JSON)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the ``include`` value that asks for log-probs
 # fields a Responses request shares with a chat completion request (vLLM's extensions among them)
 SHARED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -200,20 +201,32 @@ class Stored:
 
 
 class ResponseStore:
-    """The newest MAX_STORED responses by id."""
+    """The newest responses by id: at most ``capacity`` of them and ``max_bytes`` of their JSON
+    (a response larger than that alone is not kept)."""
 
-    def __init__(self, capacity: int = MAX_STORED) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, Stored] = OrderedDict()
+    def __init__(self, capacity: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.nbytes = 0
+        self._items: OrderedDict[str, tuple[Stored, int]] = OrderedDict()
 
     def put(self, rid: str, item: Stored) -> None:
-        self._items[rid] = item
-        self._items.move_to_end(rid)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        size = len(json_encoder.encode([item.body, item.conversation, item.reply]))
+        old = self._items.pop(rid, None)
+        if old is not None:
+            self.nbytes -= old[1]
+        if size > self.max_bytes:
+            return
+        self._items[rid] = (item, size)
+        self.nbytes += size
+        while len(self._items) > self.capacity or self.nbytes > self.max_bytes:
+            self.nbytes -= self._items.popitem(last=False)[1][1]
 
     def get(self, rid: str) -> Stored | None:
-        return self._items.get(rid)
+        kept = self._items.get(rid)
+        return None if kept is None else kept[0]
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class ResponseAnswer:
