@@ -108,6 +108,8 @@ class OpenAIServer:
             ("POST", "/v1/responses", self._loading(responses.create_response)),
             ("POST", "/invocations", self._loading(misc.invocations)),
             ("GET", "/v1/responses/{response_id}", responses.retrieve_response),
+            ("DELETE", "/v1/responses/{response_id}", responses.delete_response),
+            ("POST", "/v1/responses/{response_id}/cancel", responses.cancel_response),
         ]
         routes += lora.routes()          # only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM
         if self.inject is not None and faults.enabled():

@@ -225,6 +225,12 @@ class ResponseStore:
         kept = self._items.get(rid)
         return None if kept is None else kept[0]
 
+    def delete(self, rid: str) -> bool:
+        kept = self._items.pop(rid, None)
+        if kept is not None:
+            self.nbytes -= kept[1]
+        return kept is not None
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -428,3 +434,21 @@ async def retrieve_response(server: OpenAIServer, request: web.Request) -> web.R
     if stored is None:
         raise not_found(f"Response with id '{rid}' not found.", "response_id")
     return web.Response(body=json_encoder.encode(stored.body), content_type="application/json")
+
+
+async def delete_response(server: OpenAIServer, request: web.Request) -> web.Response:
+    """OpenAI's DELETE: the stored response is forgotten (a later previous_response_id naming it is a 404)."""
+    rid = request.match_info["response_id"]
+    if not server.responses.delete(rid):
+        raise not_found(f"Response with id '{rid}' not found.", "response_id")
+    return web.Response(body=json_encoder.encode({"id": rid, "object": "response", "deleted": True}),
+                        content_type="application/json")
+
+
+async def cancel_response(server: OpenAIServer, request: web.Request) -> web.Response:
+    """Only a background response can be cancelled, and this server runs none."""
+    rid = request.match_info["response_id"]
+    if server.responses.get(rid) is None:
+        raise not_found(f"Response with id '{rid}' not found.", "response_id")
+    raise BadRequest("Only background responses can be cancelled (this server answers each request while it "
+                     "runs).", "response_id")

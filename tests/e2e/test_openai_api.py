@@ -743,6 +743,13 @@ def test_responses_api_answers_as_the_chat_endpoint_does_and_is_stored(client, h
     unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.BadRequestError):          # no response runs in the background here
+        client.responses.cancel(r.id)
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=model, input="More?", previous_response_id=r.id, max_output_tokens=2)
 
 
 def test_responses_stream_events_in_order_with_the_same_text(client, model):
