@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                         "field decides for itself)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="a chat request may bring its own chat_template (vLLM's flag: off, such a request is refused)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's flag: off)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
                         "Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": ...})")
@@ -137,7 +139,8 @@ async def serve(args: argparse.Namespace) -> int:
                                                     log_requests=args.enable_log_requests,
                                                     metrics_prefixes=args.metrics_prefix,
                                                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                                                    trust_request_chat_template=args.trust_request_chat_template),
+                                                    trust_request_chat_template=args.trust_request_chat_template,
+                                                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())

@@ -118,7 +118,7 @@ REFUSED: dict[str, str] = {
     "--enable-prompt-tokens-details": "Troupe reports prompt_tokens_details.cached_tokens whenever the "
                                       "prefix cache served part of a prompt",
     "--enable-force-include-usage": _HTTP,
-    "--enable-tokenizer-info-endpoint": _HTTP, "--h11-max-incomplete-event-size": _HTTP,
+    "--h11-max-incomplete-event-size": _HTTP,
     "--h11-max-header-count": _HTTP, "--tokens-only": _HTTP,
 }
 
@@ -142,7 +142,7 @@ BOOLEAN = frozenset({
     "--enable-log-outputs", "--log-error-stack", "--allow-credentials",
     "--enable-ssl-refresh",
     "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details",
-    "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
+    "--enable-force-include-usage",
     "--tokens-only", "--kv-cache-metrics",
 })
 

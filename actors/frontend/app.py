@@ -58,6 +58,7 @@ class ServerOptions:
     metrics_prefixes: tuple[str, ...] = ("vllm", "troupe")   # /metrics names (--metrics-prefix)
     return_tokens_as_token_ids: bool = False   # log-prob tokens as "token_id:N" unless a request says
     trust_request_chat_template: bool = False  # a chat request may bring its own template
+    enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (it shows the chat template)
 
 
 class OpenAIServer:
@@ -111,6 +112,8 @@ class OpenAIServer:
             ("DELETE", "/v1/responses/{response_id}", responses.delete_response),
             ("POST", "/v1/responses/{response_id}/cancel", responses.cancel_response),
         ]
+        if self.options.enable_tokenizer_info_endpoint:
+            routes.append(("GET", "/tokenizer_info", misc.tokenizer_info))
         routes += lora.routes()          # only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM
         if self.inject is not None and faults.enabled():
             routes.append(("POST", "/debug/fault", debug.inject_fault))

@@ -143,6 +143,12 @@ async def tokenize(server: OpenAIServer, request: web.Request) -> web.Response:
     return _json(body)
 
 
+async def tokenizer_info(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's GET /tokenizer_info (with --enable-tokenizer-info-endpoint): the tokenizer's
+    configuration as tokenizer_config.json holds it, for clients that tokenize through the server."""
+    return _json(server.engine().tokenizer.tokenizer_config())
+
+
 async def detokenize(server: OpenAIServer, request: web.Request) -> web.Response:
     req: DetokenizeRequest = await server.read(request, DetokenizeRequest)
     vocab = server.vocab_size

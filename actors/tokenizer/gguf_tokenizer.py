@@ -180,8 +180,12 @@ def _compiled_template(source: str) -> ChatTemplate:
 class TextTokenizer:
     """Encode, decode and chat-format for one model; the slice of transformers' tokenizer API the engine uses."""
 
-    def __init__(self, tokenizer: Tokenizer, metadata: dict[str, Any]):
+    def __init__(self, tokenizer: Tokenizer, metadata: dict[str, Any], source: str | None = None,
+                 config: dict[str, Any] | None = None):
         self.backend_tokenizer = tokenizer
+        self.source = source                 # the file or directory it was read from
+        self._config = config                # a Hugging Face directory's tokenizer_config.json
+        self._kind = metadata.get("tokenizer.ggml.model")
         types = metadata.get("tokenizer.ggml.token_type") or []
         self.vocab_size: int = len(metadata["tokenizer.ggml.tokens"])
         self.bos_token_id: int | None = metadata.get("tokenizer.ggml.bos_token_id")
@@ -197,7 +201,7 @@ class TextTokenizer:
     @classmethod
     def from_gguf(cls, path: str) -> TextTokenizer:
         metadata = read_gguf_metadata(path)
-        return cls(build_tokenizer(metadata), metadata)
+        return cls(build_tokenizer(metadata), metadata, source=path)
 
     @classmethod
     def from_hf_dir(cls, path: str) -> TextTokenizer:
@@ -232,7 +236,7 @@ class TextTokenizer:
             "tokenizer.ggml.add_eos_token": bool(config.get("add_eos_token", False)),
             "tokenizer.chat_template": template,
         }
-        return cls(tokenizer, metadata)
+        return cls(tokenizer, metadata, source=path, config=config)
 
     @classmethod
     def from_source(cls, kind: str, path: str) -> TextTokenizer:
@@ -246,6 +250,35 @@ class TextTokenizer:
         """Use ``source`` (Jinja) instead of the checkpoint's chat template."""
         self._chat_template = ChatTemplate(source)
         self.chat_template = source
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        """What vLLM's GET /tokenizer_info answers: tokenizer_config.json's equivalent. A Hugging
+        Face directory's own file less its file paths, a GGUF file's special tokens and flags;
+        token objects as their text, the added tokens by id, the chat template in use, and the
+        transformers class that reads it (``tokenizer_class``)."""
+        def text(value: Any) -> Any:
+            if isinstance(value, dict):
+                return value["content"] if isinstance(value.get("content"), str) else {k: text(v) for k, v in value.items()}
+            return [text(v) for v in value] if isinstance(value, list) else value
+        if self._config is not None:
+            info = {k: text(v) for k, v in self._config.items()
+                    if k not in ("vocab_file", "merges_file", "tokenizer_file", "chat_template")}
+            cls = info.get("tokenizer_class") or "PreTrainedTokenizerFast"
+        else:
+            info = {"add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token,
+                    **{name: tok for name, tok in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+                                                   ("pad_token", self._token(self.pad_token_id)),
+                                                   ("unk_token", self._token(self.unk_token_id))) if tok is not None},
+                    "clean_up_tokenization_spaces": False}
+            cls = {"gpt2": "GPT2TokenizerFast", "llama": "LlamaTokenizerFast"}.get(self._kind, "PreTrainedTokenizerFast")
+        info["added_tokens_decoder"] = {str(i): t.content for i, t in
+                                        sorted(self.backend_tokenizer.get_added_tokens_decoder().items())}
+        if self.source is not None:
+            info["name_or_path"] = self.source
+        if self.chat_template:
+            info["chat_template"] = self.chat_template
+        info["tokenizer_class"] = cls
+        return info
 
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend_tokenizer.id_to_token(token_id)

@@ -136,6 +136,7 @@ def test_tokenize_and_detokenize_agree_with_usage(client, http, model):
         assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = http.post("/detokenize", json={"tokens": [10 ** 9]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert http.get("/tokenizer_info").status_code == 404     # only with --enable-tokenizer-info-endpoint
 
 
 # -- chat ---------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 
 import aiohttp
+import jinja2
 import openai
 import pytest
 
@@ -49,7 +50,7 @@ def started():
             box["server"] = Server(*SERVER_ARGS, "--port", str(port), "--api-key", KEY,
                                    "--lenient", "--scheduling-policy", "priority",
                                    "--max-num-seqs", "1", "--trust-request-chat-template",
-                                   "--return-tokens-as-token-ids")
+                                   "--return-tokens-as-token-ids", "--enable-tokenizer-info-endpoint")
         except BaseException as exc:   # reported by the fixture below
             box["error"] = exc
     t = threading.Thread(target=start)
@@ -167,3 +168,25 @@ def test_return_tokens_as_token_ids_flag_is_the_default_a_request_overrides(serv
     own = client.completions.create(model=model, prompt="The sky is", max_tokens=2, logprobs=0, temperature=0,
                                     extra_body={"return_tokens_as_token_ids": False})
     assert "".join(own.choices[0].logprobs.tokens) == own.choices[0].text
+
+
+def test_tokenizer_info_lets_a_client_tokenize_and_template_as_the_server_does(server):
+    """--enable-tokenizer-info-endpoint: GET /tokenizer_info is tokenizer_config.json's
+    equivalent, which an evaluation harness's remote tokenizer reads: its eos_token tokenized by
+    /tokenize is the id generation stops at, and its chat template rendered by the client gives
+    the tokens /tokenize gives for the same messages."""
+    info = json.loads(urllib.request.urlopen(server.url + "/tokenizer_info", timeout=30).read())
+    assert info["tokenizer_class"] and info["eos_token"] and "vocab_file" not in info
+    assert all(isinstance(t, str) for t in info["added_tokens_decoder"].values())
+
+    def post(path: str, body: dict) -> dict:
+        req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=30).read())
+    (eos,) = post("/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})["tokens"]
+    assert info["added_tokens_decoder"][str(eos)] == info["eos_token"]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = jinja2.Environment().from_string(info["chat_template"]).render(messages=messages,
+                                                                         add_generation_prompt=True)
+    assert (post("/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
+            == post("/tokenize", {"messages": messages})["tokens"])
