@@ -15,7 +15,7 @@ from actors.frontend.fanout import Choice, submit_choices
 from actors.frontend.generation import Answer, Generation
 from actors.frontend.logprobs import chat_logprobs, prompt_logprobs_json
 from actors.frontend.params import (served_name, cache_salt, chat_messages, check_chat_flags, check_priority,
-                                    num_choices, request_timeout, stream_flags)
+                                    num_choices, reasoning_kwargs, request_timeout, stream_flags)
 from actors.frontend.protocol import BadRequest, ChatCompletionRequest
 from actors.frontend.streams import RequestOutput
 from actors.frontend.structured import NotStructured
@@ -159,6 +159,8 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
         template_kwargs = {"tools": template_tools(req), **(template_kwargs or {})}
     if req.documents is not None:
         template_kwargs = {"documents": req.documents, **(template_kwargs or {})}
+    if req.reasoning_effort is not None:
+        template_kwargs = reasoning_kwargs(req.reasoning_effort, template_kwargs)
     if req.chat_template is not None and not server.options.trust_request_chat_template:
         raise BadRequest("Chat template is passed with request, but --trust-request-chat-template is not set. "
                          "Refused request with untrusted chat template.", "chat_template")
@@ -169,7 +171,7 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
         job = {"messages": messages, "add_generation_prompt": add_generation_prompt,
                "continue_final_message": continue_final_message, "chat_template_kwargs": template_kwargs,
                "priority": priority, "cache_salt": cache_salt(req), "lora_request": client.lora_request_for(req.model),
-               "chat_template": req.chat_template}
+               "chat_template": req.chat_template, "add_special_tokens": bool(req.add_special_tokens)}
         return beam_answer(server, req, params, n, [job]), False      # type: ignore[return-value]
     await server.check_grammar(req, params)
     rid = client.new_request_id()
@@ -179,7 +181,7 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
         chat_template_kwargs=template_kwargs, priority=priority, arrival_time=arrival,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
         lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left",
-        chat_template=req.chat_template)
+        chat_template=req.chat_template, add_special_tokens=bool(req.add_special_tokens))
     last = messages[-1]
     echo = (last["content"] or "") if req.echo and last["role"] == "assistant" else ""
     gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),

@@ -132,7 +132,8 @@ async def tokenize(server: OpenAIServer, request: web.Request) -> web.Response:
                 kwargs = {"tools": template_tools(req), **kwargs}
             ids = tok.encode_chat(chat_messages(req.messages), add_generation_prompt=add_generation_prompt,
                                   continue_final_message=bool(req.continue_final_message),
-                                  chat_template=req.chat_template, **kwargs)
+                                  chat_template=req.chat_template, add_special_tokens=req.add_special_tokens is True,
+                                  **kwargs)
     except BadRequest:
         raise
     except Exception as exc:      # template errors, text that is not valid Unicode: the input's

@@ -146,6 +146,14 @@ def request_timeout(req: GenerationRequest) -> float | None:
     return t
 
 
+def reasoning_kwargs(effort: str, template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's ``reasoning_effort``: a template variable of that name, and ``enable_thinking``
+    (off for "none") unless the request's chat_template_kwargs set it."""
+    kwargs = {**(template_kwargs or {}), "reasoning_effort": effort}
+    kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs
+
+
 def check_chat_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:
     if add_generation_prompt and continue_final_message:
         raise BadRequest("continue_final_message and add_generation_prompt cannot both be true; "

@@ -273,6 +273,12 @@ def _check_output_length(max_tokens: int | None, param: str, min_tokens: int, ma
             "min_tokens")
 
 
+class Prediction(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's predicted output: a hint for speed; the output is the same without it."""
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class ChatCompletionRequest(GenerationRequest, kw_only=True):
     prompt_param: ClassVar[str] = "messages"
     messages: list[ChatMessage]
@@ -288,6 +294,21 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: the template's ``reasoning_effort``, and its ``enable_thinking`` unless the kwargs set it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    add_special_tokens: bool | None = False     # vLLM's: BOS / EOS as the tokenizer adds them, besides the template's
+    spaces_between_special_tokens: bool | None = True   # vLLM's; a fast tokenizer's output does not depend on it
+    # OpenAI's, about its platform (storage, billing, its own caches, abuse ids, a latency hint):
+    # accepted and without effect here, as vLLM accepts them
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: Prediction | None = None
+    modalities: list[Literal["text"]] | None = None     # audio output is refused
 
     def constraint(self) -> Constraint | None:
         """What the structured-output fields ask for, or what ``tool_choice`` "required" or a

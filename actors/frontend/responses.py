@@ -65,6 +65,14 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     truncation: str | None = None                   # "disabled" only
     background: bool | None = None                  # not supported
     reasoning: dict[str, Any] | None = None         # none of these models reasons
+    # OpenAI's, about its platform (billing, its own caches, abuse ids, built-in tool calls, the
+    # stream's obfuscation): accepted and without effect here, as vLLM accepts them
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    max_tool_calls: int | None = None
+    stream_options: dict[str, Any] | None = None
     # vLLM's extensions, as in chat completions
     seed: int | None = None
     stop: str | list[str] | None = None

@@ -42,7 +42,7 @@ class Generate(Msg):
     chat_template_kwargs: dict[str, Any] = {}
     priority: int = 0
     arrival_time: float = 0.0
-    add_special_tokens: bool = False       # BOS/EOS around a text prompt, as the GGUF asks
+    add_special_tokens: bool = False       # BOS/EOS around a text prompt (or a rendered chat), as the tokenizer asks
     cache_salt: str | None = None          # mixed into the first block's hash: prefixes shared only within it
     parent_id: str = ""                    # with n > 1: the request this is one choice of (for metrics)
     n: int = 1                             # the choices of that request
@@ -149,7 +149,7 @@ class TokenizerActor(Actor):
                 return self.tokenizer.encode_chat(
                     msg.messages, add_generation_prompt=msg.add_generation_prompt,
                     continue_final_message=msg.continue_final_message, chat_template=msg.chat_template,
-                    **msg.chat_template_kwargs)
+                    add_special_tokens=msg.add_special_tokens, **msg.chat_template_kwargs)
             except Exception as exc:   # template errors (raise_exception, bad kwargs) are the input's
                 raise InvalidPrompt(f"could not render the chat template: {exc}") from exc
         if msg.prompt_token_ids is not None:

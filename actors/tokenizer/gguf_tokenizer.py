@@ -336,13 +336,15 @@ class TextTokenizer:
         )
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
+                    continue_final_message: bool = False, add_special_tokens: bool = False,
+                    **template_kwargs: Any) -> list[int]:
         """Prompt token ids for a chat: the rendered template, with its special tokens as single ids.
 
-        BOS is prepended only when the GGUF's add_bos_token is set and the template did not write it.
+        BOS is prepended only when the GGUF's add_bos_token is set and the template did not write it;
+        ``add_special_tokens`` (vLLM's chat field) also appends EOS where add_eos_token asks for it.
         """
         text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **template_kwargs)
-        return self._with_bos(self._ids(text))
+        return self.encode(text, add_special_tokens=True) if add_special_tokens else self._with_bos(self._ids(text))
 
     def _ids(self, text: str) -> list[int]:
         # encode_batch releases the GIL (encode does not): from a thread, a long text does not

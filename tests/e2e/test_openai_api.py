@@ -722,6 +722,29 @@ def test_return_tokens_as_token_ids_and_the_clients_request_id(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
 
 
+def test_openai_platform_fields_are_accepted_and_change_nothing(client, model):
+    """Fields of OpenAI's API about its platform (storage, billing tier, its caches, abuse ids, a
+    predicted output) are accepted as vLLM accepts them, and the answer is the one without them;
+    audio output is refused, naming the field."""
+    plain = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=8)
+    fields = dict(metadata={"team": "a"}, store=False, service_tier="auto", prompt_cache_key="k1",
+                  safety_identifier="user-1", verbosity="low", modalities=["text"],
+                  prediction={"type": "content", "content": "The capital of France is Paris."})
+    out = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=8, **fields,
+                                         extra_body={"spaces_between_special_tokens": True,
+                                                     "prompt_cache_retention": "in_memory"})
+    assert out.choices[0].message.content == plain.choices[0].message.content
+    for bad, param in (({"modalities": ["text", "audio"]}, "modalities"),
+                       ({"audio": {"voice": "alloy", "format": "wav"}}, "audio")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=1, extra_body=bad)
+        assert exc.value.body["param"].startswith(param)
+    r = client.responses.create(model=model, input="What is the capital of France?", max_output_tokens=4,
+                                temperature=0, service_tier="auto", prompt_cache_key="k1", safety_identifier="u",
+                                max_tool_calls=2, store=False)
+    assert r.status in ("completed", "incomplete") and r.output_text
+
+
 def test_responses_api_answers_as_the_chat_endpoint_does_and_is_stored(client, http, model):
     """POST /v1/responses with the openai client: instructions, input and max_output_tokens are
     a chat completion's system message, messages and max_completion_tokens (greedy: the same

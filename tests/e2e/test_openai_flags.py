@@ -190,3 +190,27 @@ def test_tokenizer_info_lets_a_client_tokenize_and_template_as_the_server_does(s
                                                                          add_generation_prompt=True)
     assert (post("/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
             == post("/tokenize", {"messages": messages})["tokens"])
+
+
+def test_reasoning_effort_reaches_the_chat_template_with_enable_thinking(server):
+    """vLLM's chat ``reasoning_effort``: a template variable, and ``enable_thinking`` (off for
+    "none") unless chat_template_kwargs set it; an effort outside vLLM's values is a 400."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    template = "[{{ reasoning_effort }} {{ enable_thinking }}]{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    def rendered(effort: str, **kwargs) -> str:
+        out = client.chat.completions.create(model=model, max_tokens=1, messages=[{"role": "user", "content": "Hi"}],
+                                             reasoning_effort=effort, extra_body={"chat_template": template,
+                                                                                  "return_token_ids": True, **kwargs})
+        req = urllib.request.Request(server.url + "/detokenize", data=json.dumps(
+            {"tokens": out.model_extra["prompt_token_ids"]}).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())["prompt"]
+    assert rendered("low") == "[low True]Hi"
+    assert rendered("none") == "[none False]Hi"
+    assert rendered("high", chat_template_kwargs={"enable_thinking": False}) == "[high False]Hi"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model, max_tokens=1, messages=[{"role": "user", "content": "Hi"}],
+                                       extra_body={"reasoning_effort": "extreme"})
+    assert exc.value.body["param"] == "reasoning_effort"

@@ -1,6 +1,8 @@
 """The GGUF-built tokenizer against transformers' GGUF tokenizer and llama.cpp's SmolLM2 behaviour."""
 
+import copy
 import importlib.util
+import json
 import os
 import re
 
@@ -293,3 +295,38 @@ def test_gemma_decode_matches_transformers(gemma_tok, gemma_hf):
 def test_gemma_vocab_matches_transformers(gemma_tok, gemma_hf):
     ids = [*range(0, 600), *range(100000, 100300), *range(255900, 262144)]
     assert gemma_tok.convert_ids_to_tokens(ids) == gemma_hf.convert_ids_to_tokens(ids)
+
+
+def test_encode_chat_add_special_tokens_adds_what_encode_adds(tok):
+    """vLLM's chat ``add_special_tokens``: the rendered chat gets the tokens ``encode`` adds
+    (EOS where the tokenizer says add_eos_token); without it, only the template's."""
+    conversation = CONVERSATIONS[2]
+    plain = tok.encode_chat(conversation)
+    assert tok.encode_chat(conversation, add_special_tokens=True) == plain     # SmolLM2 adds neither
+    eos_adding = copy.copy(tok)
+    eos_adding.add_eos_token = True
+    assert eos_adding.encode_chat(conversation) == plain
+    assert eos_adding.encode_chat(conversation, add_special_tokens=True) == [*plain, tok.eos_token_id]
+
+
+def test_tokenizer_config_of_a_gguf_names_what_transformers_reads(tok, hf_tok):
+    """GET /tokenizer_info's body for a GGUF file: its special tokens and template as
+    transformers reads the same file, the added tokens by id."""
+    info = tok.tokenizer_config()
+    assert (info["bos_token"], info["eos_token"], info["pad_token"], info["unk_token"]) == (
+        hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token, hf_tok.unk_token)
+    assert info["chat_template"] == tok.chat_template and info["tokenizer_class"] == "GPT2TokenizerFast"
+    assert info["added_tokens_decoder"] == {str(i): t.content for i, t in hf_tok.added_tokens_decoder.items()}
+    json.dumps(info)
+
+
+def test_tokenizer_config_of_a_hf_directory_is_its_file_less_paths(tok, hf_tok, tmp_path):
+    hf_tok.save_pretrained(tmp_path)
+    on_disk = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    info = TextTokenizer.from_hf_dir(str(tmp_path)).tokenizer_config()
+    assert "vocab_file" not in info and "merges_file" not in info
+    assert info["eos_token"] == hf_tok.eos_token and info["name_or_path"] == str(tmp_path)
+    assert info["chat_template"] == tok.chat_template
+    assert info["tokenizer_class"] == on_disk["tokenizer_class"]
+    assert info["added_tokens_decoder"]["2"] == "<|im_end|>"
+    json.dumps(info)
