@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -63,16 +64,19 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, stop taking requests and let running ones finish this long, "
                         "then abort the rest")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                    help='tool_choice "auto" (the default when a request has tools): tool calls read out of '
                         "the model's text with --tool-call-parser")
-    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+    p.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
                    help="log-prob tokens read 'token_id:N' (vLLM's flag; a request's return_tokens_as_token_ids "
                         "field decides for itself)")
-    p.add_argument("--trust-request-chat-template", action="store_true",
+    p.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
                    help="a chat request may bring its own chat_template (vLLM's flag: off, such a request is refused)")
-    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+    p.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=False,
                    help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's flag: off)")
+    p.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="vLLM's: chat template variables for every chat request, e.g. '{\"enable_thinking\": "
+                        "false}'; a request's chat_template_kwargs override them")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
                         "Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": ...})")
@@ -115,6 +119,19 @@ def _prefixes(text: str) -> tuple[str, ...]:
 _prefixes.__name__ = "prefixes"
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object is required")
+    return value
+
+
+_json_object.__name__ = "JSON object"
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Listen first (probes answer 503 while the model loads), then load and serve."""
     load_general_plugins()             # before anything else (a PluginError ends start-up, naming it)
@@ -140,7 +157,8 @@ async def serve(args: argparse.Namespace) -> int:
                                                     metrics_prefixes=args.metrics_prefix,
                                                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                                                     trust_request_chat_template=args.trust_request_chat_template,
-                                                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint),
+                                                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                                                    default_chat_template_kwargs=args.default_chat_template_kwargs),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())

@@ -122,12 +122,69 @@ REFUSED: dict[str, str] = {
     "--h11-max-header-count": _HTTP, "--tokens-only": _HTTP,
 }
 
+# vLLM 0.32's other flags, by what they are about
+_KERNELS = "Troupe picks its own kernels (the native C kernels on the CPU, its Triton kernels on GPUs)"
+_METRICS = "Troupe has no such metrics or tracing option (see /metrics, /debug/* and --no-trace)"
+_SLEEP = "Troupe's engine never sleeps"
+_HYBRID = "Troupe serves attention-only models (no Mamba or linear-attention layers)"
+for _flags, _why in (
+    (("--cp-kv-cache-interleave-size", "--cpu-distributed-timeout-seconds", "--data-parallel-multi-port-external-lb",
+      "--data-parallel-supervisor-port", "--dcp-comm-backend", "--dcp-kv-cache-interleave-size", "--dcp-q-replicate",
+      "--distributed-timeout-seconds", "--dp-supervisor-probe-failure-threshold", "--dp-supervisor-probe-interval-s",
+      "--dp-supervisor-probe-timeout-s", "--dp-sync-interval", "--elastic-ep-max-dp-size", "--enable-elastic-ep",
+      "--enable-ep-weight-filter", "--enable-nccl-comm-suspend", "--prefill-context-parallel-size", "--ubatch-size",
+      "--enable-hc-sp", "--enable-batch-sharded-sampling", "--enable-fault-tolerance", "--fault-tolerance-config",
+      "--enable-scale-out", "--device-ids", "--numa-bind", "--numa-bind-cpus", "--numa-bind-nodes"), _PARALLEL),
+    (("--attention-backend", "--attention-config", "--kernel-config", "--linear-backend", "--moe-backend",
+      "--gdn-prefill-backend", "--kda-decode-backend", "--kda-prefill-backend", "--sparse-indexer-topk-backend",
+      "--ir-op-priority", "--enable-flashinfer-autotune", "--enable-flash-late-interaction", "--performance-mode",
+      "--use-fp64-gumbel", "--enable-cumem-allocator", "--enable-shm-tensor-arena"), _KERNELS),
+    (("--mamba-backend", "--mamba-ssu-algorithm", "--mamba-cache-mode", "--mamba-cache-philox-rounds",
+      "--enable-mamba-cache-stochastic-rounding", "--enable-mamba-shared-prefix-checkpoint", "--use-replayssm",
+      "--replayssm-buffer-len", "--swa-bounded-replay"), _HYBRID),
+    (("--mm-device-do-normalize", "--mm-encoder-attn-dtype", "--mm-encoder-fp8-scale-path",
+      "--mm-encoder-fp8-scale-save-margin", "--mm-encoder-fp8-scale-save-path", "--mm-encoder-only",
+      "--mm-hasher-algorithm", "--mm-ipc-gpu-memory-gb", "--mm-processor-device", "--mm-tensor-ipc",
+      "--video-pruning-method", "--trust-request-mm-kwargs", "--ec-manager-config",
+      "--ec-transfer-config", "--enable-tower-connector-lora", "--diffusion-config", "--aux-output-config"), _MODALITY),
+    (("--allow-deprecated-quantization", "--quantization-config", "--model-class-overrides", "--engram-config",
+      "--safetensors-prefetch-block-size", "--safetensors-prefetch-num-threads", "--offload-backend",
+      "--offload-group-size", "--offload-num-in-group", "--offload-params", "--offload-prefetch-step",
+      "--cpu-offload-params", "--weight-transfer-config"), _LOADING),
+    (("--lora-target-modules", "--max-lora-cls-labels", "--enable-mixed-moe-lora-format", "--enable-moe-shared-loras",
+      "--specialize-active-lora"), _LORA),
+    (("--cudagraph-metrics", "--custom-histogram-buckets", "--enable-mfu-metrics", "--enable-per-request-metrics",
+      "--per-request-spec-decode-metrics", "--enable-layerwise-nvtx-tracing", "--enable-trace-replay",
+      "--jit-monitor-mode", "--jit-monitor-verbose", "--fingerprint-mode", "--fingerprint-value",
+      "--fail-on-environ-validation", "--profiler-config"), _METRICS),
+    (("--enable-log-deltas", "--enable-logging-iteration-details", "--logging-config",
+      "--disable-access-log-for-endpoints"), _LOGS),
+    (("--grpc", "--grpc-port", "--ssl-ciphers", "--enable-offline-docs", "--renderer-num-workers",
+      "--sse-keep-alive-interval", "--stream-interval", "--tool-strict-level", "--anthropic-disabled-thinking-effort",
+      "--cohere-format", "--cohere-is-reasoning-model"), _HTTP),
+    (("--max-num-active-seqs", "--max-num-scheduled-tokens", "--long-prefill-token-threshold-adaptive",
+      "--prefill-schedule-interval", "--scheduler-reserve-full-isl", "--return-sampling-mask"), _SCHED),
+    (("--prefix-cache-retention-interval", "--prefix-match-unit", "--kv-cache-dtype-skip-layers",
+      "--enable-return-routed-experts"), _KV),
+    (("--sleep-mode-offload-cudagraph", "--sleep-preserve-parameter-names"), _SLEEP),
+    (("--max-num-queued-reqs", "--max-num-queued-tokens"),
+     "Troupe bounds the requests not yet scheduled and their prompt tokens with --max-waiting-requests and "
+     "--max-waiting-tokens (503 with Retry-After past them)"),
+    (("--reasoning-config", "--reasoning-parser-plugin"), "Troupe has no reasoning parsers"),
+    (("--watermark", "--watermark-config"), "Troupe does not watermark its output"),
+):
+    REFUSED.update(dict.fromkeys(_flags, _why))
+del _flags, _why
+
 # vLLM's short forms
 ALIASES: dict[str, str] = {
     "-dcp": "--decode-context-parallel-size", "-dpn": "--data-parallel-rank",
     "-dpr": "--data-parallel-start-rank", "-dpl": "--data-parallel-size-local",
     "-dpa": "--data-parallel-address", "-dpp": "--data-parallel-rpc-port",
     "-asc": "--api-server-count",
+    "-n": "--nnodes", "-r": "--node-rank", "-pcp": "--prefill-context-parallel-size",
+    "-dpe": "--data-parallel-external-lb", "-dph": "--data-parallel-hybrid-lb",
+    "-dpm": "--data-parallel-multi-port-external-lb", "-ac": "--attention-config", "-dc": "--diffusion-config",
 }
 
 # Refused flags that are booleans in vLLM: their --no- form asks for what Troupe does.
@@ -144,6 +201,20 @@ BOOLEAN = frozenset({
     "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details",
     "--enable-force-include-usage",
     "--tokens-only", "--kv-cache-metrics",
+    # vLLM 0.32's
+    "--allow-deprecated-quantization", "--cohere-is-reasoning-model", "--cudagraph-metrics", "--dcp-q-replicate",
+    "--enable-batch-sharded-sampling", "--enable-cumem-allocator", "--enable-elastic-ep", "--enable-ep-weight-filter",
+    "--enable-fault-tolerance", "--enable-flash-late-interaction", "--enable-flashinfer-autotune", "--enable-hc-sp",
+    "--enable-layerwise-nvtx-tracing", "--enable-log-deltas", "--enable-logging-iteration-details",
+    "--enable-mamba-cache-stochastic-rounding", "--enable-mamba-shared-prefix-checkpoint", "--enable-mfu-metrics",
+    "--enable-mixed-moe-lora-format", "--enable-moe-shared-loras", "--enable-nccl-comm-suspend",
+    "--enable-offline-docs", "--enable-per-request-metrics", "--enable-return-routed-experts", "--enable-scale-out",
+    "--enable-shm-tensor-arena", "--enable-tower-connector-lora", "--enable-trace-replay",
+    "--fail-on-environ-validation", "--jit-monitor-verbose",
+    "--long-prefill-token-threshold-adaptive", "--mm-device-do-normalize", "--mm-encoder-only", "--numa-bind",
+    "--return-sampling-mask", "--scheduler-reserve-full-isl", "--sleep-mode-offload-cudagraph",
+    "--specialize-active-lora", "--swa-bounded-replay", "--trust-request-mm-kwargs", "--use-fp64-gumbel",
+    "--use-replayssm",
 })
 
 # vLLM flags that ask for what Troupe always does: accepted, changing nothing.
@@ -155,9 +226,15 @@ ALWAYS: dict[str, str] = {
     "--disable-fastapi-docs": "Troupe serves no API documentation pages",
     "--enable-request-id-headers": "Troupe always answers with an X-Request-Id header",
     "--enable-server-load-tracking": "Troupe always counts the requests being answered (GET /load)",
+    "--language-model-only": "Troupe serves text-only models",
 }
 NEVER: dict[str, str] = {    # the opposite of an ALWAYS flag: refused
     "--no-enable-chunked-prefill": "Troupe always chunks prompts longer than --max-num-batched-tokens",
+    "--no-disable-uvicorn-access-log": "Troupe writes no access log",
+    "--no-disable-fastapi-docs": "Troupe serves no API documentation pages",
+    "--no-enable-request-id-headers": "Troupe always answers with an X-Request-Id header",
+    "--no-enable-server-load-tracking": "Troupe always counts the requests being answered (GET /load)",
+    "--no-language-model-only": "Troupe serves text-only models",
 }
 
 

@@ -43,7 +43,7 @@ class EngineArgs:
     max_model_len: int = 0
     block_size: int = 16
     kv_cache_bytes: int = 0               # 0: 1 GiB on the CPU; on CUDA, what gpu_memory_utilization leaves
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.92    # vLLM 0.32's default
     num_gpu_blocks_override: int = 0      # 0: as many blocks as the KV cache's memory holds
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
@@ -74,6 +74,10 @@ class EngineArgs:
     flight_recorder_dir: str = ""
     # vLLM's --speculative-config: its JSON object (text on the command line, a dict in LLM(...))
     speculative_config: dict[str, Any] | str | None = None
+    # vLLM's --spec-method, --spec-model, --spec-tokens: keys of the speculative config, one flag each
+    spec_method: str | None = None
+    spec_model: str | None = None
+    spec_tokens: int | None = None
     # vLLM's --logits-processors: classes or their fully qualified names (models/logits_processors.py)
     logits_processors: list[str | type] | tuple[str | type, ...] | None = None
     # vLLM's --compilation-config (-O): a level 0-3, its JSON text, or a dict in LLM(...)
@@ -104,7 +108,8 @@ class EngineArgs:
         install, when the model is not on this machine) and reads its generation config."""
         source = resolve_model(self.model)
         names = self.served_model_name
-        speculative = speculative_config(self.speculative_config)
+        speculative = speculative_config(with_spec_flags(self.speculative_config, self.spec_method,
+                                                         self.spec_model, self.spec_tokens))
         compilation = compilation_config(self.compilation_config)
         config = EngineConfig(
             model=ModelConfig(source=source, dtype=self.dtype,
@@ -212,6 +217,31 @@ def speculative_config(value: dict[str, Any] | str | None) -> SpeculativeConfig 
     if value is None or isinstance(value, SpeculativeConfig):
         return value
     return SpeculativeConfig.from_json(value) if isinstance(value, str) else SpeculativeConfig.from_dict(value)
+
+
+def with_spec_flags(value: dict[str, Any] | str | None, method: str | None, model: str | None,
+                    tokens: int | None) -> dict[str, Any] | str | None:
+    """The speculative config with vLLM's --spec-method / --spec-model / --spec-tokens set in
+    it; a key given both ways is an error, as in vLLM."""
+    flags = (("--spec-method", "method", method), ("--spec-model", "model", model),
+             ("--spec-tokens", "num_speculative_tokens", tokens))
+    if all(v is None for _, _, v in flags):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError("--spec-method, --spec-model and --spec-tokens need --speculative-config to be a JSON object")
+    merged = dict(value or {})
+    for flag, key, v in flags:
+        if v is None:
+            continue
+        if key in merged:
+            raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+        merged[key] = v
+    return merged
 
 
 def draft_source(spec: SpeculativeConfig | None, target: ModelSource) -> ModelSource | None:
@@ -342,7 +372,7 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", dict(
             type=_positive(human_readable_int), default=None, metavar="BYTES",
             help="the same in bytes, as vLLM takes it (1k = 1000, 1K = 1024, 4G = 4 GiB)")),
-        (("--gpu-memory-utilization",), "gpu_memory_utilization", dict(
+        (("--gpu-memory-utilization", "--device-memory-utilization"), "gpu_memory_utilization", dict(
             type=_fraction, default=d["gpu_memory_utilization"], metavar="FRACTION",
             help="CUDA: the share of the GPU's total memory for weights, activations and the KV cache; "
                  "the KV cache gets what is left of it once the weights are loaded and a forward pass "
@@ -408,7 +438,7 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="split the model over N worker processes: attention heads (and their KV cache) and MLP "
                  "columns per rank, an all-reduce after each attention and MLP (gloo on the CPU, NCCL on "
                  "GPUs); exact weights only")),
-        (("--enable-expert-parallel",), "enable_expert_parallel", dict(
+        (("--enable-expert-parallel", "-ep"), "enable_expert_parallel", dict(
             action=argparse.BooleanOptionalAction, default=d["enable_expert_parallel"],
             help="with --tensor-parallel-size N, give each rank 1/N of a mixture-of-experts model's experts "
                  "whole, tokens sent to their experts' ranks and back by all-to-all (attention stays "
@@ -435,14 +465,22 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "'ray', one Ray actor per engine core on the running Ray cluster (each starts its worker "
                  "processes where it runs, or places them on the cluster too with "
                  "--distributed-executor-backend ray); the server itself stays on this machine")),
-        (("--compilation-config", "-O"), "compilation_config", dict(
+        (("--compilation-config", "-O", "-cc", "--optimization-level"), "compilation_config", dict(
             default=d["compilation_config"], metavar="LEVEL|JSON",
             help="how the model's forward runs, as vLLM takes it: -O0 eager with plain torch ops, -O1 "
                  "eager with the custom kernels (the default), -O2 torch.compile of the pieces between "
                  "attention calls, -O3 that with the elementwise ops left to the compiler to fuse; or a "
                  'JSON object such as {"level": 2, "cudagraph_capture_sizes": [1, 2, 4], '
                  '"cudagraph_mode": "NONE"} ("mode" is accepted for "level")')),
-        (("--speculative-config",), "speculative_config", dict(
+        (("--spec-method",), "spec_method", dict(
+            default=d["spec_method"], metavar="METHOD",
+            help="vLLM's: the speculative config's method (ngram, draft_model, self_draft), without the JSON")),
+        (("--spec-model",), "spec_model", dict(
+            default=d["spec_model"], metavar="MODEL", help="vLLM's: the speculative config's draft model")),
+        (("--spec-tokens",), "spec_tokens", dict(
+            type=int, default=d["spec_tokens"], metavar="K",
+            help="vLLM's: the speculative config's num_speculative_tokens")),
+        (("--speculative-config", "-sc"), "speculative_config", dict(
             default=d["speculative_config"], metavar="JSON",
             help='speculative decoding, as vLLM takes it: a JSON object such as {"method": "ngram", '
                  '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (n-gram '

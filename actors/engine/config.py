@@ -82,7 +82,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     # 0: CPU_KV_CACHE_BYTES on the CPU; on CUDA, what gpu_memory_utilization leaves once the
     # model is loaded (the worker measures it: ``EngineConfig.with_kv_cache_bytes``)
     kv_cache_memory_bytes: int = 0
-    gpu_memory_utilization: float = 0.9    # CUDA: the share of the GPU's memory for weights, activations, KV
+    gpu_memory_utilization: float = 0.92   # CUDA: the share of the GPU's memory for weights, activations, KV
     cache_dtype: str = "auto"              # "auto": the model's dtype; "fp8" resolves to "fp8_e4m3"
     calculate_kv_scales: bool = False      # fp8: per-layer K/V scales from the first batch (else 1.0)
     enable_prefix_caching: bool = True

@@ -59,6 +59,7 @@ class ServerOptions:
     return_tokens_as_token_ids: bool = False   # log-prob tokens as "token_id:N" unless a request says
     trust_request_chat_template: bool = False  # a chat request may bring its own template
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (it shows the chat template)
+    default_chat_template_kwargs: dict[str, Any] | None = None   # under every chat request's own
 
 
 class OpenAIServer:
@@ -88,6 +89,11 @@ class OpenAIServer:
         model = client.config.model
         self.request_defaults = ServerDefaults(model.max_logprobs, model.sampling_defaults)
         self.client = client
+
+    def template_kwargs(self, own: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A chat request's template variables over the server's --default-chat-template-kwargs."""
+        default = self.options.default_chat_template_kwargs
+        return {**default, **(own or {})} if default else own
 
     def answer_of(self, req: GenerationRequest) -> Answer:
         """What ``req`` asks its answer to show besides the text."""

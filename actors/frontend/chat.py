@@ -154,7 +154,7 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
         raise BadRequest(str(exc), exc.param) from None
     if tools is not None and tools.parser.keeps_special_tokens:
         params = msgspec.structs.replace(params, skip_special_tokens=False)
-    template_kwargs = req.chat_template_kwargs
+    template_kwargs = server.template_kwargs(req.chat_template_kwargs)
     if req.tools:
         template_kwargs = {"tools": template_tools(req), **(template_kwargs or {})}
     if req.documents is not None:

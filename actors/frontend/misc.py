@@ -127,7 +127,7 @@ async def tokenize(server: OpenAIServer, request: web.Request) -> web.Response:
             if req.chat_template is not None and not server.options.trust_request_chat_template:
                 raise BadRequest("Chat template is passed with request, but --trust-request-chat-template is not "
                                  "set. Refused request with untrusted chat template.", "chat_template")
-            kwargs = dict(req.chat_template_kwargs or {})
+            kwargs = dict(server.template_kwargs(req.chat_template_kwargs) or {})
             if req.tools:
                 kwargs = {"tools": template_tools(req), **kwargs}
             ids = tok.encode_chat(chat_messages(req.messages), add_generation_prompt=add_generation_prompt,

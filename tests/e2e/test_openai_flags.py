@@ -50,7 +50,8 @@ def started():
             box["server"] = Server(*SERVER_ARGS, "--port", str(port), "--api-key", KEY,
                                    "--lenient", "--scheduling-policy", "priority",
                                    "--max-num-seqs", "1", "--trust-request-chat-template",
-                                   "--return-tokens-as-token-ids", "--enable-tokenizer-info-endpoint")
+                                   "--return-tokens-as-token-ids", "--enable-tokenizer-info-endpoint",
+                                   "--default-chat-template-kwargs", '{"greeting": "Hello"}')
         except BaseException as exc:   # reported by the fixture below
             box["error"] = exc
     t = threading.Thread(target=start)
@@ -192,24 +193,28 @@ def test_tokenizer_info_lets_a_client_tokenize_and_template_as_the_server_does(s
             == post("/tokenize", {"messages": messages})["tokens"])
 
 
-def test_reasoning_effort_reaches_the_chat_template_with_enable_thinking(server):
+def test_reasoning_effort_and_default_kwargs_reach_the_chat_template(server):
     """vLLM's chat ``reasoning_effort``: a template variable, and ``enable_thinking`` (off for
-    "none") unless chat_template_kwargs set it; an effort outside vLLM's values is a 400."""
+    "none") unless chat_template_kwargs set it; an effort outside vLLM's values is a 400. The
+    server's --default-chat-template-kwargs are variables too, under a request's own."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     model = client.models.list().data[0].id
-    template = "[{{ reasoning_effort }} {{ enable_thinking }}]{% for m in messages %}{{ m.content }}{% endfor %}"
+    template = ("[{{ reasoning_effort }} {{ enable_thinking }}]{{ greeting }} "
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
 
-    def rendered(effort: str, **kwargs) -> str:
+    def rendered(effort: str | None, **kwargs) -> str:
         out = client.chat.completions.create(model=model, max_tokens=1, messages=[{"role": "user", "content": "Hi"}],
-                                             reasoning_effort=effort, extra_body={"chat_template": template,
-                                                                                  "return_token_ids": True, **kwargs})
+                                             extra_body={"chat_template": template, "return_token_ids": True,
+                                                         "reasoning_effort": effort, **kwargs})
         req = urllib.request.Request(server.url + "/detokenize", data=json.dumps(
             {"tokens": out.model_extra["prompt_token_ids"]}).encode(), headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read())["prompt"]
-    assert rendered("low") == "[low True]Hi"
-    assert rendered("none") == "[none False]Hi"
-    assert rendered("high", chat_template_kwargs={"enable_thinking": False}) == "[high False]Hi"
+    assert rendered("low") == "[low True]Hello Hi"
+    assert rendered("none") == "[none False]Hello Hi"
+    assert rendered("high", chat_template_kwargs={"enable_thinking": False}) == "[high False]Hello Hi"
+    # --default-chat-template-kwargs: under every chat request's own
+    assert rendered(None, chat_template_kwargs={"greeting": "Hey"}) == "[ ]Hey Hi"
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model, max_tokens=1, messages=[{"role": "user", "content": "Hi"}],
                                        extra_body={"reasoning_effort": "extreme"})

@@ -51,7 +51,7 @@ def test_server_flags_have_vllms_defaults_and_troupes_own_keep_working():
     config = EngineArgs.from_cli_args(args).create_engine_config()
     assert (args.enable_log_requests, args.metrics_prefix, args.log_level) == (False, ("vllm", "troupe"), "INFO")
     assert (config.model.max_logprobs, config.model.generation_config, config.cache.gpu_memory_utilization,
-            config.cache.enable_prefix_caching, config.cache.kv_cache_memory_bytes) == (20, "auto", 0.9, True, 0)
+            config.cache.enable_prefix_caching, config.cache.kv_cache_memory_bytes) == (20, "auto", 0.92, True, 0)
     assert config.model.model_names == (DEFAULT_MODEL,)
     on = serve.parse_args(["--enable-log-requests", "--metrics-prefix", "vllm", "--log-level", "debug",
                            "--kv-cache-gib", "0.5", "--num-gpu-blocks-override", "100", "-q", "gguf"])
@@ -59,6 +59,55 @@ def test_server_flags_have_vllms_defaults_and_troupes_own_keep_working():
     assert (on.enable_log_requests, on.metrics_prefix, on.log_level) == (True, ("vllm",), "debug")
     assert (on_config.cache.kv_cache_memory_bytes, on_config.cache.num_blocks) == (1 << 29, 100)
     assert on_config.model.quantization == "gguf"
+
+
+def _option_strings() -> set[str]:
+    parsers = []
+    real = serve.argparse.ArgumentParser.parse_args
+
+    def grab(self, *a, **k):
+        parsers.append(self)
+        return real(self, *a, **k)
+    serve.argparse.ArgumentParser.parse_args = grab
+    try:
+        serve.parse_args([])
+    finally:
+        serve.argparse.ArgumentParser.parse_args = real
+    return {o for a in parsers[0]._actions for o in a.option_strings}
+
+
+def test_every_flag_of_vllm_0_32_serve_is_taken_or_refused_by_name():
+    """tests/unit/data/vllm_0.32_serve_flags.txt: the option strings of vLLM 0.32's `vllm serve`
+    parser. Troupe's parser knows each: it implements it, accepts it as what it always does, or
+    refuses it with its one line (the refused ones are each run above)."""
+    with open(os.path.join(ROOT, "tests", "unit", "data", "vllm_0.32_serve_flags.txt")) as f:
+        vllm = {line.strip() for line in f if line.strip()}
+    assert len(vllm) == 430 and not vllm - _option_strings()
+
+
+def test_vllm_0_32_spellings_set_what_they_name():
+    args = serve.parse_args(["-sc", '{"method": "ngram", "num_speculative_tokens": 3}', "--optimization-level", "0",
+                             "--device-memory-utilization", "0.5", "-ep", "--language-model-only",
+                             "--no-enable-auto-tool-choice", "--no-trust-request-chat-template",
+                             "--no-return-tokens-as-token-ids", "--no-enable-tokenizer-info-endpoint",
+                             "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("ngram", 3)
+    assert config.compilation.level == 0 and config.cache.gpu_memory_utilization == 0.5
+    assert args.enable_expert_parallel and not args.enable_auto_tool_choice
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    spec = serve.parse_args(["--spec-method", "ngram", "--spec-tokens", "5", "-cc", "2"])
+    config = EngineArgs.from_cli_args(spec).create_engine_config()
+    assert (config.speculative.method, config.speculative.num_speculative_tokens, config.compilation.level) == \
+        ("ngram", 5, 2)
+    both = serve.parse_args(["--spec-tokens", "5", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    with pytest.raises(ValueError, match=r"--spec-tokens and --speculative-config\['num_speculative_tokens'\] are mutually"):
+        EngineArgs.from_cli_args(both).create_engine_config()
+    for bad in (["--default-chat-template-kwargs", "[1]"], ["--no-enable-request-id-headers"],
+                ["--no-language-model-only"], ["--max-num-queued-reqs", "4"]):
+        with pytest.raises(SystemExit) as exc:
+            serve.parse_args(bad)
+        assert exc.value.code == 2
 
 
 def test_return_tokens_as_token_ids_is_the_servers_default_a_request_may_override():
