@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="vLLM's: chat template variables for every chat request, e.g. '{\"enable_thinking\": "
                         "false}'; a request's chat_template_kwargs override them")
+    p.add_argument("--stream-interval", type=_positive, default=1, metavar="N",
+                   help="vLLM's: after a request's first token, its outputs go out N new tokens at a time "
+                        "(fewer, larger stream chunks); a request's stream_interval may raise it")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
                         "Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": ...})")
@@ -132,6 +135,16 @@ def _json_object(text: str) -> dict:
 _json_object.__name__ = "JSON object"
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+_positive.__name__ = "positive integer"
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Listen first (probes answer 503 while the model loads), then load and serve."""
     load_general_plugins()             # before anything else (a PluginError ends start-up, naming it)
@@ -158,7 +171,8 @@ async def serve(args: argparse.Namespace) -> int:
                                                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                                                     trust_request_chat_template=args.trust_request_chat_template,
                                                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                                                    default_chat_template_kwargs=args.default_chat_template_kwargs),
+                                                    default_chat_template_kwargs=args.default_chat_template_kwargs,
+                                                    stream_interval=args.stream_interval),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())

@@ -60,6 +60,7 @@ class ServerOptions:
     trust_request_chat_template: bool = False  # a chat request may bring its own template
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (it shows the chat template)
     default_chat_template_kwargs: dict[str, Any] | None = None   # under every chat request's own
+    stream_interval: int = 1               # new tokens per streamed chunk after the first (--stream-interval)
 
 
 class OpenAIServer:
@@ -234,6 +235,7 @@ class OpenAIServer:
         its own, a request gets the server's (``--request-timeout``)."""
         if kwargs.get("timeout_s") is None:
             kwargs["timeout_s"] = self.options.request_timeout or None
+        kwargs["stream_interval"] = max(kwargs.get("stream_interval") or 1, self.options.stream_interval)
         try:
             handle = await self.engine().submit(params, **kwargs)
             if self.options.log_requests:

@@ -181,7 +181,8 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
         chat_template_kwargs=template_kwargs, priority=priority, arrival_time=arrival,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
         lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left",
-        chat_template=req.chat_template, add_special_tokens=bool(req.add_special_tokens))
+        chat_template=req.chat_template, add_special_tokens=bool(req.add_special_tokens),
+        stream_interval=req.stream_interval)
     last = messages[-1]
     echo = (last["content"] or "") if req.echo and last["role"] == "assistant" else ""
     gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),

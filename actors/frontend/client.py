@@ -168,10 +168,11 @@ class EngineClient:
                      add_special_tokens: bool = False, cache_salt: str | None = None,
                      timeout_s: float | None = None, parent_id: str = "", n: int = 1,
                      lora_request: LoRARequest | None = None, truncation_side: str = "left",
-                     chat_template: str | None = None) -> RequestHandle:
+                     chat_template: str | None = None, stream_interval: int = 1) -> RequestHandle:
         """Admit one request; ``timeout_s``: it is aborted (its KV freed) if it has not finished
         that long after now. ``parent_id`` and ``n``: it is one of the n choices of request
-        ``parent_id`` (for the metrics of requests with n > 1; see ``end_group``). Raises
+        ``parent_id`` (for the metrics of requests with n > 1; see ``end_group``).
+        ``stream_interval``: new tokens per output after the first (vLLM's). Raises
         InvalidPrompt (or PromptTooLong) when it is refused, Overloaded when too many wait
         already, and EngineDeadError when the engine is gone or the server is shutting down."""
         if self.dead is not None:
@@ -181,7 +182,7 @@ class EngineClient:
         deadline = time.monotonic() + timeout_s if timeout_s else None
         self.waiting.check_room()
         rid = request_id or self.new_request_id()
-        stream = self.streams.open(rid)
+        stream = self.streams.open(rid, stream_interval)
         admit = asyncio.ensure_future(self.tokenizer_actor.ask(Generate(
             rid, params, prompt, prompt_token_ids, messages,
             add_generation_prompt, continue_final_message, chat_template_kwargs or {},

@@ -21,7 +21,8 @@ from actors.frontend.tools import Tool, ToolChoice, check_tools, tool_constraint
 
 log = logging.getLogger("troupe.http")
 
-MAX_UNKNOWN_FIELDS = 64          # lenient mode drops at most this many before giving up
+MAX_UNKNOWN_FIELDS = 64
+MAX_STREAM_INTERVAL = 1 << 20          # lenient mode drops at most this many before giving up
 MAX_N = 128                      # choices per prompt
 MAX_STOP_STRINGS = 64
 MAX_REQUEST_ID_CHARS = 256      # a client's request_id
@@ -138,6 +139,7 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     return_token_ids: bool | None = False             # vLLM's: the prompt's and each choice's token ids too
     return_tokens_as_token_ids: bool | None = None    # vLLM's: log-prob tokens as "token_id:N" (None: the server's flag)
     request_id: str | None = None                     # vLLM's: the answer's id is the id prefix and this
+    stream_interval: int | None = None                # vLLM's: new tokens per streamed chunk, at least the server's
     use_beam_search: bool | None = False              # vLLM's: n beams (see frontend/beam_search.py)
     length_penalty: float | None = 1.0                # vLLM's: beams ranked by logprob / length ** this
     # vLLM's: arguments for the server's logits processors (plugins), SamplingParams.extra_args
@@ -205,6 +207,8 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
             require_in(or_default(getattr(self, name), 0.0), -2.0, 2.0, name)
         rep = or_default(self.repetition_penalty, or_default(d.repetition_penalty, 1.0))
         require_in(rep, 0.0, 10.0, "repetition_penalty", lo_open=True)
+        require(self.stream_interval is None or 1 <= self.stream_interval <= MAX_STREAM_INTERVAL,
+                f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}], got {self.stream_interval}", "stream_interval")
         min_tokens = or_default(self.min_tokens, 0)
         _check_output_length(max_tokens, max_tokens_param, min_tokens, max_model_len, self.prompt_param)
         if self.seed is not None:

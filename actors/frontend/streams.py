@@ -52,10 +52,17 @@ class StreamTimeout(TimeoutError):
 
 
 class OutputStream:
-    def __init__(self, request_id: str) -> None:
+    """One request's outputs, merged while its reader is busy. ``interval`` (vLLM's
+    --stream-interval): after the first token, an output is handed over once it holds that many
+    new tokens, or the request finished."""
+
+    def __init__(self, request_id: str, interval: int = 1) -> None:
         self.request_id = request_id
+        self.interval = interval
         self._pending: RequestOutput | None = None
         self._waiter: asyncio.Future | None = None    # the reader's, while it waits
+        self._puts = 0
+        self._tokens_read = 0
         self.finished = False
 
     def put(self, out: RequestOutput) -> None:
@@ -63,13 +70,20 @@ class OutputStream:
             self._pending = out
         else:
             self._pending.merge(out)
+        self._puts += 1
         self.finished = self.finished or out.finished
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def _ready(self) -> bool:
+        p = self._pending
+        return p is not None and (p.finished or self._tokens_read == 0 or len(p.token_ids) >= self.interval)
+
     async def get(self, timeout: float) -> RequestOutput:
-        """The next output (possibly several merged); StreamTimeout if none comes in time."""
-        if self._pending is None:
+        """The next output (possibly several merged); StreamTimeout if none comes in time (what
+        has come short of the interval is handed over then)."""
+        while not self._ready():
+            puts = self._puts
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
             timer = loop.call_later(timeout, _expire, waiter)   # a future and a timer: no task per wait
@@ -78,9 +92,12 @@ class OutputStream:
             finally:
                 timer.cancel()
                 self._waiter = None
-            if self._pending is None:
-                raise StreamTimeout(f"no output for request {self.request_id} within {timeout:g} s")
+            if self._puts == puts:           # nothing came within the timeout
+                if self._pending is None:
+                    raise StreamTimeout(f"no output for request {self.request_id} within {timeout:g} s")
+                break
         out, self._pending = self._pending, None
+        self._tokens_read += len(out.token_ids)
         return out
 
 
@@ -95,10 +112,10 @@ class OutputStreams:
     def __init__(self) -> None:
         self._streams: dict[str, OutputStream] = {}
 
-    def open(self, request_id: str) -> OutputStream:
+    def open(self, request_id: str, interval: int = 1) -> OutputStream:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        s = self._streams[request_id] = OutputStream(request_id)
+        s = self._streams[request_id] = OutputStream(request_id, interval)
         return s
 
     def get(self, request_id: str) -> OutputStream | None:

@@ -51,7 +51,7 @@ def started():
                                    "--lenient", "--scheduling-policy", "priority",
                                    "--max-num-seqs", "1", "--trust-request-chat-template",
                                    "--return-tokens-as-token-ids", "--enable-tokenizer-info-endpoint",
-                                   "--default-chat-template-kwargs", '{"greeting": "Hello"}')
+                                   "--default-chat-template-kwargs", '{"greeting": "Hello"}', "--stream-interval", "2")
         except BaseException as exc:   # reported by the fixture below
             box["error"] = exc
     t = threading.Thread(target=start)
@@ -219,3 +219,25 @@ def test_reasoning_effort_and_default_kwargs_reach_the_chat_template(server):
         client.chat.completions.create(model=model, max_tokens=1, messages=[{"role": "user", "content": "Hi"}],
                                        extra_body={"reasoning_effort": "extreme"})
     assert exc.value.body["param"] == "reasoning_effort"
+
+
+def test_stream_interval_sends_tokens_in_chunks_of_the_servers_or_the_requests_interval(server):
+    """--stream-interval 2: after the first token, chunks of 2 new tokens (the last may be
+    fewer); a request's stream_interval raises it, never lowers it; the text is the same."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+
+    def sizes(**extra) -> tuple[list[int], str]:
+        chunks = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                                    **extra})
+        got = [c.choices[0] for c in chunks if c.choices]
+        return [len(c.model_extra["token_ids"]) for c in got if c.model_extra.get("token_ids")], \
+            "".join(c.text for c in got)
+    server_sizes, text = sizes()
+    assert server_sizes == [1, 2, 2, 2, 2, 2, 1]
+    own, own_text = sizes(stream_interval=5)
+    assert own == [1, 5, 5, 1] and own_text == text
+    assert sizes(stream_interval=1)[0] == server_sizes
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"stream_interval": 0})
