@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--stream-interval", type=_positive, default=1, metavar="N",
                    help="vLLM's: after a request's first token, its outputs go out N new tokens at a time "
                         "(fewer, larger stream chunks); a request's stream_interval may raise it")
+    p.add_argument("--sse-keep-alive-interval", type=_non_negative, default=0, metavar="SECONDS",
+                   help="vLLM's: a streamed completion that has sent nothing for this long (queued, in "
+                        "prefill, between tokens) sends an SSE comment line, so proxies with read timeouts "
+                        "keep the connection; 0: never")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
                         "Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": ...})")
@@ -142,7 +146,15 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 _positive.__name__ = "positive integer"
+_non_negative.__name__ = "non-negative integer"
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -172,7 +184,8 @@ async def serve(args: argparse.Namespace) -> int:
                                                     trust_request_chat_template=args.trust_request_chat_template,
                                                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                                                     default_chat_template_kwargs=args.default_chat_template_kwargs,
-                                                    stream_interval=args.stream_interval),
+                                                    stream_interval=args.stream_interval,
+                                                    sse_keep_alive_interval=args.sse_keep_alive_interval),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())

@@ -160,7 +160,7 @@ for _flags, _why in (
     (("--enable-log-deltas", "--enable-logging-iteration-details", "--logging-config",
       "--disable-access-log-for-endpoints"), _LOGS),
     (("--grpc", "--grpc-port", "--ssl-ciphers", "--enable-offline-docs", "--renderer-num-workers",
-      "--sse-keep-alive-interval", "--tool-strict-level", "--anthropic-disabled-thinking-effort",
+      "--tool-strict-level", "--anthropic-disabled-thinking-effort",
       "--cohere-format", "--cohere-is-reasoning-model"), _HTTP),
     (("--max-num-active-seqs", "--max-num-scheduled-tokens", "--long-prefill-token-threshold-adaptive",
       "--prefill-schedule-interval", "--scheduler-reserve-full-isl", "--return-sampling-mask"), _SCHED),

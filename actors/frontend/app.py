@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from actors.frontend import chat, completions, dashboard, debug, lora, misc, observe, responses
+from actors.frontend import chat, completions, dashboard, debug, lora, misc, observe, responses, sse
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
@@ -61,6 +61,7 @@ class ServerOptions:
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (it shows the chat template)
     default_chat_template_kwargs: dict[str, Any] | None = None   # under every chat request's own
     stream_interval: int = 1               # new tokens per streamed chunk after the first (--stream-interval)
+    sse_keep_alive_interval: float = 0.0   # seconds of silence before a stream sends a comment line; 0: never
 
 
 class OpenAIServer:
@@ -103,6 +104,7 @@ class OpenAIServer:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.options.max_body_bytes,
                               middlewares=[self._middleware])
+        app[sse.KEEP_ALIVE_S] = self.options.sse_keep_alive_interval
         routes: list[tuple[str, str, Callable]] = [
             ("GET", "/health", misc.health), ("GET", "/ping", misc.health), ("POST", "/ping", misc.health),
             ("GET", "/version", misc.get_version), ("GET", "/metrics", misc.metrics),

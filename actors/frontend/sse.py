@@ -3,6 +3,7 @@ the request fails mid-stream, then ``data: [DONE]``. A client that leaves ends t
 quietly (the caller's ``finally`` aborts its engine requests)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import aclosing
 from typing import AsyncIterator
@@ -16,6 +17,9 @@ from actors.runtime.tracing import now_ns
 log = logging.getLogger("troupe.http")
 
 DONE = b"data: [DONE]\n\n"
+KEEP_ALIVE = b": keep-alive\n\n"
+# seconds of silence after which a stream sends a comment line (vLLM's --sse-keep-alive-interval; 0: never)
+KEEP_ALIVE_S = web.AppKey("sse_keep_alive_s", float)
 
 
 def event(payload: dict) -> bytes:
@@ -36,10 +40,11 @@ async def send_events(request: web.Request, events: AsyncIterator[dict], respons
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Request-Id": response_id})
     await resp.prepare(request)
+    keep_alive = request.app.get(KEEP_ALIVE_S, 0.0)
     try:
         try:
             async with aclosing(events) as stream:
-                async for payload in stream:
+                async for payload in (_kept_alive(stream, resp, keep_alive) if keep_alive > 0 else stream):
                     t = now_ns()
                     await resp.write(encode(payload))
                     http_trace.mark("chunk", t)
@@ -54,3 +59,21 @@ async def send_events(request: web.Request, events: AsyncIterator[dict], respons
     except ConnectionResetError:
         log.debug("%s %s: the client left mid-stream", request.method, request.path)
     return resp
+
+
+async def _kept_alive(events: AsyncIterator[dict], resp: web.StreamResponse, every: float) -> AsyncIterator[dict]:
+    """``events``, with a keep-alive comment written whenever none came for ``every`` seconds
+    (queued, in prefill, between tokens), so proxies with read timeouts keep the connection."""
+    while True:
+        nxt = asyncio.ensure_future(anext(events))
+        try:
+            while not (await asyncio.wait({nxt}, timeout=every))[0]:
+                await resp.write(KEEP_ALIVE)
+        except BaseException:
+            nxt.cancel()                     # and let it end before the caller closes ``events``
+            await asyncio.wait({nxt})
+            raise
+        try:
+            yield nxt.result()
+        except StopAsyncIteration:
+            return

@@ -51,7 +51,8 @@ def started():
                                    "--lenient", "--scheduling-policy", "priority",
                                    "--max-num-seqs", "1", "--trust-request-chat-template",
                                    "--return-tokens-as-token-ids", "--enable-tokenizer-info-endpoint",
-                                   "--default-chat-template-kwargs", '{"greeting": "Hello"}', "--stream-interval", "2")
+                                   "--default-chat-template-kwargs", '{"greeting": "Hello"}', "--stream-interval", "2",
+                                   "--sse-keep-alive-interval", "1")
         except BaseException as exc:   # reported by the fixture below
             box["error"] = exc
     t = threading.Thread(target=start)
@@ -241,3 +242,26 @@ def test_stream_interval_sends_tokens_in_chunks_of_the_servers_or_the_requests_i
     assert sizes(stream_interval=1)[0] == server_sizes
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"stream_interval": 0})
+
+
+def test_a_stream_waiting_in_the_queue_sends_keep_alive_comments(server):
+    """--sse-keep-alive-interval 1: a streamed request queued behind a running one (--max-num-seqs
+    1) sends SSE comment lines while it waits, then its events; a client reads them as usual."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def main() -> list[bytes]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            first = session.post(server.url + "/v1/completions", headers=headers, json={
+                "prompt": "first", "max_tokens": 200, "ignore_eos": True, "stream": True})
+            async with first as running:
+                await running.content.readline()
+                async with session.post(server.url + "/v1/completions", headers=headers, json={
+                        "prompt": "second", "max_tokens": 2, "stream": True}) as queued:
+                    lines = [line async for line in queued.content]
+                await running.read()
+        return lines
+    lines = [line for line in asyncio.run(main()) if line.strip()]
+    assert lines[0] == b": keep-alive\n"
+    data = [line for line in lines if line.startswith(b"data: ")]
+    assert data[-1] == b"data: [DONE]\n" and len(data) >= 2
+    assert all(line == b": keep-alive\n" or line.startswith(b"data: ") for line in lines)
