@@ -20,7 +20,7 @@ import msgspec
 from actors.engine.args import EngineArgs
 from actors.engine.lora import LoRARequest
 from actors.engine.messages import Logprobs
-from actors.engine.sampling_params import SamplingParams
+from actors.engine.sampling_params import RepetitionDetectionParams, SamplingParams
 from actors.frontend.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from actors.frontend.fanout import close_all, merged_outputs, submit_choices
 from actors.frontend.launch import Frontend, start_frontend
@@ -28,7 +28,7 @@ from actors.frontend.logprobs import TokenText, ranked_positions
 from actors.frontend.protocol import MAX_N
 from actors.frontend.streams import RequestOutput
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "GenerationResult", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RepetitionDetectionParams", "GenerationResult", "CompletionOutput", "Logprob",
            "LoRARequest"]
 
 

@@ -38,6 +38,45 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, frozen=True):
         return kinds[0]
 
 
+class RepetitionDetectionParams(msgspec.Struct, omit_defaults=True, frozen=True, forbid_unknown_fields=True):
+    """vLLM's: end the request (finish reason "repetition") once its output ends in a pattern of
+    ``min_pattern_size`` (0: 1) to ``max_pattern_size`` tokens repeated ``min_count`` times in a row
+    (``max_pattern_size`` 0: off)."""
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def check(self) -> None:
+        if self.max_pattern_size < 0 or self.min_pattern_size < 0 or self.min_pattern_size > self.max_pattern_size:
+            raise ValueError("max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= "
+                             "max_pattern_size. Set both to 0 to disable repetitive pattern detection.")
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError("min_count must be >= 2 to detect repetitive patterns in engine output. If you do "
+                             "not wish to detect repetitive patterns, set max_pattern_size to 0.")
+        lo = max(self.min_pattern_size, 1)
+        work = self.min_count * (self.max_pattern_size * (self.max_pattern_size + 1) - lo * (lo - 1)) // 2
+        if self.max_pattern_size > 0 and work > MAX_REPETITION_WORK:
+            raise ValueError(f"repetition detection would compare {work} tokens at every step: min_count times "
+                             f"the sum of the pattern sizes must be at most {MAX_REPETITION_WORK}")
+
+    def repeats(self, tokens: list[int]) -> bool:
+        """Whether ``tokens`` end in a repeated pattern of a size in range."""
+        count = self.min_count
+        if self.max_pattern_size <= 0 or count < 2:
+            return False
+        for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            span = size * count
+            if span > len(tokens):
+                return False
+            tail = tokens[-span:]
+            if tail[:-size] == tail[size:]:      # each size-block equals the one after it
+                return True
+        return False
+
+
+# the most token comparisons repetition detection may make per request and step
+MAX_REPETITION_WORK = 1 << 18
+
 # The engine's messages carry integers as msgspec int64 / uint64 and its tensors as int64: a value
 # outside these ranges would fail the encoding or a whole engine step.
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
@@ -70,6 +109,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     extra_args: dict[str, Any] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); None: the whole prompt
     truncate_prompt_tokens: int | None = None
+    # vLLM's: end the request when its output starts repeating a short pattern (finish reason "repetition")
+    repetition_detection: RepetitionDetectionParams | None = None
     # sequences per prompt, for the offline API's results (a served request fans out by its own n,
     # and each engine request samples one sequence)
     n: int = 1
@@ -125,6 +166,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
              or self.truncate_prompt_tokens >= 1,
              f"truncate_prompt_tokens must be -1 (the last max_model_len) or at least 1, "
              f"got {self.truncate_prompt_tokens}")
+        if self.repetition_detection is not None:
+            self.repetition_detection.check()
 
     @property
     def greedy(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from actors.engine.config import DEFAULT_MAX_LOGPROBS
-from actors.engine.sampling_params import SEED_RANGE, SamplingDefaults, SamplingParams
+from actors.engine.sampling_params import SEED_RANGE, RepetitionDetectionParams, SamplingDefaults, SamplingParams
 from actors.frontend.structured import Constraint, NotStructured, StructuredOutputsFields, constraint_of
 from actors.frontend.tools import Tool, ToolChoice, check_tools, tool_constraint
 
@@ -140,6 +140,8 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     return_tokens_as_token_ids: bool | None = None    # vLLM's: log-prob tokens as "token_id:N" (None: the server's flag)
     request_id: str | None = None                     # vLLM's: the answer's id is the id prefix and this
     stream_interval: int | None = None                # vLLM's: new tokens per streamed chunk, at least the server's
+    # vLLM's: end the request when its output repeats a short pattern (finish_reason "repetition")
+    repetition_detection: RepetitionDetectionParams | None = None
     use_beam_search: bool | None = False              # vLLM's: n beams (see frontend/beam_search.py)
     length_penalty: float | None = 1.0                # vLLM's: beams ranked by logprob / length ** this
     # vLLM's: arguments for the server's logits processors (plugins), SamplingParams.extra_args
@@ -209,6 +211,11 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
         require_in(rep, 0.0, 10.0, "repetition_penalty", lo_open=True)
         require(self.stream_interval is None or 1 <= self.stream_interval <= MAX_STREAM_INTERVAL,
                 f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}], got {self.stream_interval}", "stream_interval")
+        if self.repetition_detection is not None:
+            try:
+                self.repetition_detection.check()
+            except ValueError as exc:
+                raise BadRequest(str(exc), "repetition_detection") from None
         min_tokens = or_default(self.min_tokens, 0)
         _check_output_length(max_tokens, max_tokens_param, min_tokens, max_model_len, self.prompt_param)
         if self.seed is not None:
@@ -233,7 +240,8 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
             prompt_logprobs=prompt_logprobs, skip_special_tokens=or_default(self.skip_special_tokens, True),
             include_stop_str_in_output=bool(self.include_stop_str_in_output), bad_words=bad_words,
             structured_outputs=constraint.params if constraint else None,
-            truncate_prompt_tokens=truncate, allowed_token_ids=allowed, extra_args=self._extra_args())
+            truncate_prompt_tokens=truncate, allowed_token_ids=allowed, extra_args=self._extra_args(),
+            repetition_detection=self.repetition_detection)
 
     def _extra_args(self) -> dict[str, Any] | None:
         extra: dict[str, Any] = dict(self.vllm_xargs or {})

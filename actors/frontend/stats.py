@@ -25,7 +25,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)
-FINISH_REASONS = ("stop", "length", "abort", "error")     # counted from 0, as vLLM does
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")     # counted from 0, as vLLM does
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 

@@ -353,7 +353,7 @@ class TroupeConnector(KVConnectorBase):
         if rid not in self._saved:
             return False, None
         self._saved.discard(rid)
-        if request.status.finish_reason not in ("stop", "length"):
+        if request.status.finish_reason not in ("stop", "length", "repetition"):
             self._pending_drops.append(rid)                  # aborted or failed: no reader will come
             return False, None
         self._held.add(rid)

@@ -22,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
+    FINISHED_REPETITION = enum.auto()        # vLLM's repetition detection ended it
 
     @property
     def finished(self) -> bool:
@@ -37,6 +38,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_REPETITION: "repetition",
 }
 
 

@@ -279,7 +279,8 @@ class Scheduler:
         params = None
         delay = False
         if self.connector is not None:
-            if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                          RequestStatus.FINISHED_REPETITION):
                 delay, params = self.connector.request_finished(req, self.kv.get_block_ids(rid))
             else:
                 self.connector.request_dropped(rid)
@@ -776,6 +777,10 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        if p.repetition_detection is not None and n_out >= p.min_tokens \
+                and p.repetition_detection.repeats(req.output_token_ids):
+            req.stop_reason = "repetition_detected"
+            return RequestStatus.FINISHED_REPETITION
         return None
 
     def stats(self) -> SchedulerStats:

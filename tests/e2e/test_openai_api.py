@@ -722,6 +722,25 @@ def test_return_tokens_as_token_ids_and_the_clients_request_id(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
 
 
+def test_repetition_detection_ends_a_looping_completion(client, model):
+    """vLLM's repetition_detection: a greedy completion that loops ends with finish_reason
+    "repetition" well before max_tokens; bad settings are a 400 naming the field."""
+    prompt = "Repeat after me: yes yes yes yes yes yes yes"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0, extra_body={
+        "ignore_eos": True, "repetition_detection": {"max_pattern_size": 4, "min_count": 4}})
+    (choice,) = out.choices
+    assert choice.finish_reason == "repetition" and choice.model_extra["stop_reason"] == "repetition_detected"
+    assert out.usage.completion_tokens < 40 and plain.choices[0].text.startswith(choice.text)
+    for bad in ({"max_pattern_size": 4, "min_count": 1}, {"max_pattern_size": 2, "min_pattern_size": 3},
+                {"max_pattern_size": 4000, "min_count": 2}, {"max_pattern_size": 2, "size": 1}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(model=model, prompt="x", max_tokens=2,
+                                      extra_body={"repetition_detection": bad})
+        assert exc.value.body["param"].startswith("repetition_detection"), bad
+
+
 def test_openai_platform_fields_are_accepted_and_change_nothing(client, model):
     """Fields of OpenAI's API about its platform (storage, billing tier, its caches, abuse ids, a
     predicted output) are accepted as vLLM accepts them, and the answer is the one without them;

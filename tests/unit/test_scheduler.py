@@ -95,6 +95,22 @@ def test_stop_token_ids_end_a_request_and_are_reported():
     assert outs[0].finish_reason == "stop" and outs[0].stop_reason == 9
 
 
+def test_repetition_detection_ends_a_request_whose_output_repeats_a_pattern():
+    """vLLM's repetition_detection: (7, 8) three times in a row ends the request with finish
+    reason "repetition", not before min_tokens; a request without it runs on."""
+    from actors.engine.sampling_params import RepetitionDetectionParams
+    rd = RepetitionDetectionParams(max_pattern_size=3, min_count=3)
+    h = Harness()
+    h.add("a", 3, repetition_detection=rd, max_tokens=50)
+    h.add("b", 3, repetition_detection=rd, max_tokens=50, min_tokens=8)
+    h.add("c", 3, max_tokens=50)
+    ends: dict[str, tuple] = {}
+    for tok in [5, 7, 8, 7, 8, 7, 8, 7, 8, 7]:
+        _, outs = h.step(token=tok)
+        ends.update({o.request_id: (o.finish_reason, o.stop_reason, tok) for o in outs if o.finish_reason})
+    assert ends == {"a": ("repetition", "repetition_detected", 8), "b": ("repetition", "repetition_detected", 7)}
+
+
 def test_preemption_frees_the_tail_and_resumes_it_with_recompute():
     # 7 usable blocks of 4 tokens: two 12-token prompts take 6; growing needs more
     h = Harness(num_blocks=8, watermark=0.0, enable_prefix_caching=False)
