@@ -140,6 +140,7 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     return_tokens_as_token_ids: bool | None = None    # vLLM's: log-prob tokens as "token_id:N" (None: the server's flag)
     request_id: str | None = None                     # vLLM's: the answer's id is the id prefix and this
     stream_interval: int | None = None                # vLLM's: new tokens per streamed chunk, at least the server's
+    session_id: str | None = None                     # vLLM's: names the conversation in its KV events; none here
     # vLLM's: end the request when its output repeats a short pattern (finish_reason "repetition")
     repetition_detection: RepetitionDetectionParams | None = None
     use_beam_search: bool | None = False              # vLLM's: n beams (see frontend/beam_search.py)

@@ -72,6 +72,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     max_tool_calls: int | None = None
+    session_id: str | None = None                   # vLLM's: names the conversation in its KV events; none here
     stream_options: dict[str, Any] | None = None
     # vLLM's extensions, as in chat completions
     seed: int | None = None

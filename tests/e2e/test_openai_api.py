@@ -750,7 +750,7 @@ def test_openai_platform_fields_are_accepted_and_change_nothing(client, model):
                   safety_identifier="user-1", verbosity="low", modalities=["text"],
                   prediction={"type": "content", "content": "The capital of France is Paris."})
     out = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=8, **fields,
-                                         extra_body={"spaces_between_special_tokens": True,
+                                         extra_body={"spaces_between_special_tokens": True, "session_id": "s1",
                                                      "prompt_cache_retention": "in_memory"})
     assert out.choices[0].message.content == plain.choices[0].message.content
     for bad, param in (({"modalities": ["text", "audio"]}, "modalities"),
@@ -760,7 +760,7 @@ def test_openai_platform_fields_are_accepted_and_change_nothing(client, model):
         assert exc.value.body["param"].startswith(param)
     r = client.responses.create(model=model, input="What is the capital of France?", max_output_tokens=4,
                                 temperature=0, service_tier="auto", prompt_cache_key="k1", safety_identifier="u",
-                                max_tool_calls=2, store=False)
+                                max_tool_calls=2, store=False, extra_body={"session_id": "s1"})
     assert r.status in ("completed", "incomplete") and r.output_text
 
 
