@@ -77,7 +77,8 @@ class OutputStream:
 
     def _ready(self) -> bool:
         p = self._pending
-        return p is not None and (p.finished or self._tokens_read == 0 or len(p.token_ids) >= self.interval)
+        return p is not None and (self.interval <= 1 or p.finished or self._tokens_read == 0
+                                  or len(p.token_ids) >= self.interval)
 
     async def get(self, timeout: float) -> RequestOutput:
         """The next output (possibly several merged); StreamTimeout if none comes in time (what
