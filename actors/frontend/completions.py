@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 from aiohttp import web
 
 from actors.frontend.beam_search import beam_answer
@@ -15,7 +16,7 @@ from actors.frontend.generation import Answer, Generation
 from actors.frontend.logprobs import CompletionLogprobs, merge_completion_logprobs, prompt_logprobs_json
 from actors.frontend.params import (served_name, MAX_CHOICES, PromptInput, cache_salt, check_priority,
                                     completion_prompts, num_choices, request_timeout, stream_flags)
-from actors.frontend.protocol import BadRequest, CompletionRequest
+from actors.frontend.protocol import MAX_N, BadRequest, CompletionRequest, require
 from actors.frontend.streams import RequestOutput
 
 if TYPE_CHECKING:
@@ -27,6 +28,8 @@ class _ChoiceState:
     prompt_text: str                      # echoed before the first delta ("" without echo)
     echoed: bool = False
     logprob_parts: list[dict] = field(default_factory=list)
+    logprob_sum: float = 0.0              # of the sampled tokens (best_of ranks the choices by its mean)
+    num_sampled: int = 0
 
 
 class CompletionGeneration(Generation):
@@ -35,9 +38,13 @@ class CompletionGeneration(Generation):
     id_prefix = "cmpl-"
 
     def __init__(self, request_id: str, model: str, choices: list[Choice], include_usage: bool,
-                 answer: Answer, logprobs: int | None, echo_texts: list[str] | None) -> None:
+                 answer: Answer, logprobs: int | None, echo_texts: list[str] | None,
+                 keep: int | None = None) -> None:
+        """``keep``: best_of, the choices per prompt to return, the most likely first (the
+        choices carry their sampled tokens' log-probs for that)."""
         super().__init__(request_id, model, choices, include_usage, answer)
         self.echo = echo_texts is not None
+        self.keep = keep
         for c in choices:
             builder = None if logprobs is None else CompletionLogprobs(answer.text_of, logprobs)
             c.state = _ChoiceState(builder, echo_texts[c.prompt_index] if echo_texts else "")
@@ -71,6 +78,9 @@ class CompletionGeneration(Generation):
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
     def observe(self, c: Choice, out: RequestOutput) -> None:
+        if self.keep is not None and out.logprobs is not None:
+            c.state.logprob_sum += sum(lp[0] for lp in out.logprobs.logprobs)
+            c.state.num_sampled += len(out.logprobs.logprobs)
         shown = self._delta(c, out)
         if shown is not None:
             c.text.append(shown[0])
@@ -95,6 +105,26 @@ class CompletionGeneration(Generation):
     def prompt_ids_in_choice(self) -> bool:
         return True
 
+    async def collect(self) -> dict | web.Response:
+        """With best_of: each prompt's ``keep`` choices of the highest mean log-prob per token, as
+        OpenAI ranks them; the usage counts every sampled choice."""
+        body = await super().collect()
+        if self.keep is None or not isinstance(body, dict):
+            return body
+        by_prompt: dict[int, list[tuple[float, int, dict]]] = {}
+        for c, entry in zip(self.choices, body["choices"]):
+            score = c.state.logprob_sum / max(c.state.num_sampled, 1)
+            by_prompt.setdefault(c.prompt_index, []).append((-score, c.index, entry))
+        kept = []
+        for p in sorted(by_prompt):
+            for i, (_, _, entry) in enumerate(sorted(by_prompt[p])[:self.keep]):
+                entry["index"] = p * self.keep + i
+                if self.choices[0].state.builder is None:
+                    entry["logprobs"] = None
+                kept.append(entry)
+        body["choices"] = kept
+        return body
+
 
 async def completions(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
     arrival = time.time()
@@ -110,9 +140,11 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest,
     n = num_choices(req)
     stream, include_usage = stream_flags(req)
     prompts = completion_prompts(req.prompt, server.vocab_size)
-    if len(prompts) * n > MAX_CHOICES:
-        raise BadRequest(f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices "
-                         "per request", "n" if n > 1 else "prompt")
+    sampled = best_of(req, n, stream)
+    if len(prompts) * sampled > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompts x {'best_of' if sampled > n else 'n'}={sampled} is more than "
+                         f"{MAX_CHOICES} choices per request", ("best_of" if sampled > n else "n") if sampled > 1
+                         else "prompt")
     params = req.to_sampling_params(server.vocab_size, client.max_model_len)
     echo = bool(req.echo)
     priority = check_priority(req, client.config.scheduler.policy)
@@ -124,16 +156,31 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest,
         return beam_answer(server, req, params, n, jobs, echo_texts), False
     await server.check_grammar(req, params)
     rid = client.new_request_id()
+    engine_params = params
+    if sampled > n and params.logprobs is None:          # best_of ranks by the sampled tokens' log-probs
+        engine_params = msgspec.structs.replace(params, logprobs=0)
     choices = await submit_choices(
-        server.submit, rid, params, n, prompts, priority=priority,
+        server.submit, rid, engine_params, sampled, prompts, priority=priority,
         arrival_time=arrival, add_special_tokens=req.add_special_tokens is not False,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
         lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left",
         stream_interval=req.stream_interval)
     echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
     gen = CompletionGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),
-                               params.logprobs, echo_texts)
+                               params.logprobs, echo_texts, keep=n if sampled > n else None)
     return gen, stream
+
+
+def best_of(req: CompletionRequest, n: int, stream: bool) -> int:
+    """Choices to sample per prompt: OpenAI's best_of (at least n, not streamed), else n."""
+    k = req.best_of
+    if k is None or k == n:
+        return n
+    require(n <= k <= MAX_N, f"best_of must be in [n, {MAX_N}] (n is {n}), got {k}", "best_of")
+    require(not stream, "best_of cannot be streamed: the choices returned are known only once all finished",
+            "best_of")
+    require(not req.use_beam_search, "best_of cannot be combined with beam search", "best_of")
+    return k
 
 
 def _prompt_text(tokenizer, prompt: PromptInput) -> str:

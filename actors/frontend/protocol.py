@@ -368,6 +368,7 @@ class CompletionRequest(GenerationRequest, kw_only=True):
     logprobs: int | None = None
     echo: bool | None = False
     add_special_tokens: bool | None = True
+    best_of: int | None = None       # OpenAI's: sample this many per prompt, return the n most likely
 
     def to_sampling_params(self, vocab_size: int, max_model_len: int) -> SamplingParams:
         """Unset max_tokens: OpenAI's 16 (vLLM's too, whatever the generation config says).

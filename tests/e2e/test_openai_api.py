@@ -722,6 +722,28 @@ def test_return_tokens_as_token_ids_and_the_clients_request_id(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
 
 
+def test_best_of_returns_the_n_most_likely_of_its_samples(client, model):
+    """OpenAI's best_of: best_of seeded samples per prompt (choice i with seed + i, as n gives),
+    the n of the highest mean log-prob per token returned, best first; the usage counts all."""
+    ask = dict(model=model, prompt=["The weather today is", "My favourite food is"], max_tokens=8,
+               temperature=1.0, seed=11)
+    out = client.completions.create(n=2, best_of=4, **ask)
+    every = client.completions.create(n=4, logprobs=0, **ask)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for p in range(2):
+        ranked = sorted(every.choices[4 * p:4 * p + 4], key=lambda c: -sum(c.logprobs.token_logprobs)
+                        / len(c.logprobs.token_logprobs))
+        assert [c.text for c in out.choices[2 * p:2 * p + 2]] == [c.text for c in ranked[:2]]
+    assert all(c.logprobs is None for c in out.choices)
+    assert out.usage.completion_tokens == every.usage.completion_tokens
+    with_lp = client.completions.create(n=1, best_of=3, logprobs=1, **ask)
+    assert len(with_lp.choices) == 2 and all(len(c.logprobs.top_logprobs[0]) >= 1 for c in with_lp.choices)
+    for bad in (dict(n=3, best_of=2), dict(n=1, best_of=2, stream=True)):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(model=model, prompt="x", max_tokens=2, **bad)
+        assert exc.value.body["param"] == "best_of"
+
+
 def test_repetition_detection_ends_a_looping_completion(client, model):
     """vLLM's repetition_detection: a greedy completion that loops ends with finish_reason
     "repetition" well before max_tokens; bad settings are a 400 naming the field."""
