@@ -99,6 +99,8 @@ class SamplingMetadata:
     logprobs_mode: LogprobsMode               # what the returned log-probs are (LOGPROBS_MODES)
     # plugins' batch-level processors bound to this batch's rows (set by the model runner)
     logitsprocs: BoundLogitsProcessors | None = None
+    # row -> the tokens whose log-probs it returns in place of its top alternatives (vLLM's logprob_token_ids)
+    logprob_token_ids: dict[int, list[int]] | None = None
 
     @property
     def no_logits_processors(self) -> bool:
@@ -131,6 +133,7 @@ class SamplingMetadata:
         grammar_bitmask: torch.Tensor | None = None,
         max_num_logprobs: int | None = None,
         logprobs_mode: LogprobsMode = "raw_logprobs",
+        logprob_token_ids: Sequence[Sequence[int] | None] | None = None,
         device: torch.device | str = "cpu",
     ) -> "SamplingMetadata":
         """Every list has one entry per row; None means no row uses that parameter.
@@ -173,7 +176,9 @@ class SamplingMetadata:
                                  row("frequency_penalty", frequency_penalty),
                                  row("repetition_penalty", repetition_penalty),
                                  row("prompt_token_ids", prompt_token_ids), output, B, device),
-            max_num_logprobs=max_num_logprobs, logprobs_mode=logprobs_mode)
+            max_num_logprobs=max_num_logprobs, logprobs_mode=logprobs_mode,
+            logprob_token_ids={i: list(ids) for i, ids in enumerate(row("logprob_token_ids", logprob_token_ids)
+                                                                   or []) if ids} or None)
 
     @staticmethod
     def reads_output_tokens(params: Sequence[SamplingParams]) -> bool:
@@ -193,7 +198,7 @@ class SamplingMetadata:
         """The metadata of a batch whose row i samples with ``params[i]``. The token lists are
         asked for only when some row's parameters read them."""
         ps = params
-        want = [p.logprobs for p in ps if p.logprobs is not None]   # top-k per row; the batch takes the max
+        want = [p.num_logprobs for p in ps if p.logprobs is not None]   # k per row; the batch takes the max
         eos = list(eos_token_ids)
         return cls.from_lists(
             temperature=[p.temperature for p in ps], top_p=[p.top_p for p in ps],
@@ -207,7 +212,9 @@ class SamplingMetadata:
             eos_token_ids=[[] if p.ignore_eos else eos for p in ps],
             logit_bias=[p.logit_bias for p in ps], allowed_token_ids=[p.allowed_token_ids for p in ps],
             bad_words_token_ids=[p.bad_words_token_ids or None for p in ps],
-            max_num_logprobs=max(want) if want else None, logprobs_mode=logprobs_mode, device=device)
+            max_num_logprobs=max(want) if want else None, logprobs_mode=logprobs_mode,
+            logprob_token_ids=[p.logprob_token_ids for p in ps] if any(p.logprob_token_ids for p in ps) else None,
+            device=device)
 
 
 # -- metadata construction: per-row Python here, once per step, only for parameters in use ---------
@@ -441,7 +448,7 @@ class Sampler:
         if not want_logprobs:
             return SamplerOutput(sampled, None)
         return SamplerOutput(sampled, gather_logprobs(raw if raw is not None else processed,
-                                                      sampled, meta.max_num_logprobs))
+                                                      sampled, meta.max_num_logprobs, meta.logprob_token_ids))
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
                want_processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -481,14 +488,20 @@ def _values(logits: torch.Tensor, mode: str) -> torch.Tensor:
     return logits.log_softmax(-1, dtype=torch.float32)
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
+                    explicit: dict[int, list[int]] | None = None) -> LogprobsTensors:
     """logprobs (N, V) float32; token_ids (N,) -> the token's log-prob and rank, then the top-k
-    (k = -1: all V, sorted)."""
+    (k = -1: all V, sorted); a row of ``explicit`` has its tokens' log-probs first in place of its
+    top ones (k is at least as many)."""
     token_ids = token_ids.to(torch.int64)[:, None]                        # (N, 1)
     token_logprobs = logprobs.gather(1, token_ids)                        # (N, 1)
     ranks = (logprobs >= token_logprobs).sum(dim=-1)                     # (N,) 1 = most likely
     k = logprobs.shape[1] if k == -1 else k
     top_logprobs, top_ids = logprobs.topk(k, dim=-1)                      # (N, k)
+    for row, ids in (explicit or {}).items():
+        index = torch.tensor(ids, dtype=torch.int64, device=logprobs.device)
+        top_ids[row, :len(ids)] = index
+        top_logprobs[row, :len(ids)] = logprobs[row, index]
     return LogprobsTensors(torch.cat([token_ids, top_ids], dim=1),
                            torch.cat([token_logprobs, top_logprobs], dim=1), ranks)
 

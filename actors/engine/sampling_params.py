@@ -101,6 +101,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     bad_words: list[str] = []            # never generated; the Tokenizer adds their token ids below
     bad_words_token_ids: list[list[int]] = []
     logprobs: int | None = None          # top alternatives per sampled token (0: its own only)
+    # vLLM's: these tokens' log-probs at every position instead of the top alternatives (logprobs set)
+    logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None   # the same for every prompt token but the first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -162,12 +164,25 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             need(value is None or 0 <= value <= bound, f"{name} must be in [0, {bound}] (max_logprobs), got {value}")
+        if self.logprob_token_ids is not None:
+            need(self.logprobs is not None, "when using logprob_token_ids, logprobs must be set")
+            need(0 < len(self.logprob_token_ids) <= bound,
+                 f"logprob_token_ids must hold 1 to {bound} token ids (max_logprobs), got {len(self.logprob_token_ids)}")
+            token_ids(self.logprob_token_ids, "logprob_token_ids")
         need(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
              or self.truncate_prompt_tokens >= 1,
              f"truncate_prompt_tokens must be -1 (the last max_model_len) or at least 1, "
              f"got {self.truncate_prompt_tokens}")
         if self.repetition_detection is not None:
             self.repetition_detection.check()
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per sampled token the request gets: its logprob_token_ids, else the top
+        ``logprobs``; None without log-probs."""
+        if self.logprobs is None:
+            return None
+        return len(self.logprob_token_ids) if self.logprob_token_ids else self.logprobs
 
     @property
     def greedy(self) -> bool:

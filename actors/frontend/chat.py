@@ -186,5 +186,5 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
     last = messages[-1]
     echo = (last["content"] or "") if req.echo and last["role"] == "assistant" else ""
     gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),
-                         params.logprobs, tools, echo)
+                         params.num_logprobs, tools, echo)
     return gen, stream

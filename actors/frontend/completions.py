@@ -167,7 +167,7 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest,
         stream_interval=req.stream_interval)
     echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
     gen = CompletionGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),
-                               params.logprobs, echo_texts, keep=n if sampled > n else None)
+                               params.num_logprobs, echo_texts, keep=n if sampled > n else None)
     return gen, stream
 
 

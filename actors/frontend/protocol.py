@@ -141,6 +141,7 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     request_id: str | None = None                     # vLLM's: the answer's id is the id prefix and this
     stream_interval: int | None = None                # vLLM's: new tokens per streamed chunk, at least the server's
     session_id: str | None = None                     # vLLM's: names the conversation in its KV events; none here
+    logprob_token_ids: list[int] | None = None        # vLLM's: these tokens' log-probs in place of the top ones
     # vLLM's: end the request when its output repeats a short pattern (finish_reason "repetition")
     repetition_detection: RepetitionDetectionParams | None = None
     use_beam_search: bool | None = False              # vLLM's: n beams (see frontend/beam_search.py)
@@ -212,6 +213,17 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
         require_in(rep, 0.0, 10.0, "repetition_penalty", lo_open=True)
         require(self.stream_interval is None or 1 <= self.stream_interval <= MAX_STREAM_INTERVAL,
                 f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}], got {self.stream_interval}", "stream_interval")
+        label_ids = self.logprob_token_ids or None
+        if label_ids is not None:
+            require(logprobs is not None, "when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
+            require(not self.use_beam_search, "`logprob_token_ids` is not supported with beam search.",
+                    "logprob_token_ids")
+            outside = [t for t in label_ids if not 0 <= t < vocab_size]
+            require(not outside, f"logprob_token_ids must be token ids in [0, {vocab_size}), got {outside[:5]}",
+                    "logprob_token_ids")
+            bound = self.server_defaults.logprobs_bound(vocab_size)
+            require(len(label_ids) <= bound, f"logprob_token_ids may hold at most {bound} tokens (the server's "
+                    f"--max-logprobs), got {len(label_ids)}", "logprob_token_ids")
         if self.repetition_detection is not None:
             try:
                 self.repetition_detection.check()
@@ -242,7 +254,7 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
             include_stop_str_in_output=bool(self.include_stop_str_in_output), bad_words=bad_words,
             structured_outputs=constraint.params if constraint else None,
             truncate_prompt_tokens=truncate, allowed_token_ids=allowed, extra_args=self._extra_args(),
-            repetition_detection=self.repetition_detection)
+            repetition_detection=self.repetition_detection, logprob_token_ids=label_ids)
 
     def _extra_args(self) -> dict[str, Any] | None:
         extra: dict[str, Any] = dict(self.vllm_xargs or {})

@@ -453,7 +453,7 @@ class ModelRunner:
                          lp: LogprobsTensors, out: ModelRunnerOutput) -> None:
         ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
         for j, (row, i) in enumerate(zip(rows.tolist(), slots.tolist())):
-            k = self.batch.states[i].params.logprobs
+            k = self.batch.states[i].params.num_logprobs
             if k is not None:
                 out.logprobs[req_ids[row]] = Logprobs([ids[j][:k + 1]], [vals[j][:k + 1]], [ranks[j]])
 

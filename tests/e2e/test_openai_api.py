@@ -722,6 +722,28 @@ def test_return_tokens_as_token_ids_and_the_clients_request_id(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
 
 
+def test_logprob_token_ids_score_a_fixed_label_set_at_each_position(client, http, model):
+    """vLLM's logprob_token_ids: with logprobs set, each position's alternatives are exactly the
+    listed tokens (a label set), with the log-probs the full distribution gives them."""
+    labels = [http.post("/tokenize", json={"prompt": w, "add_special_tokens": False}).json()["tokens"][0]
+              for w in (" Paris", " London", " Berlin")]
+    ask = dict(model=model, prompt="The capital of France is", max_tokens=1, temperature=0)
+    out = client.completions.create(logprobs=0, extra_body={"logprob_token_ids": labels,
+                                                            "return_tokens_as_token_ids": True}, **ask)
+    top = out.choices[0].logprobs.top_logprobs[0]
+    assert {f"token_id:{t}" for t in labels} <= set(top) and len(top) <= len(labels) + 1
+    full = client.completions.create(logprobs=20, extra_body={"return_tokens_as_token_ids": True}, **ask)
+    paris = f"token_id:{labels[0]}"
+    assert abs(top[paris] - full.choices[0].logprobs.top_logprobs[0][paris]) < 1e-4
+    chat = client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=2, temperature=0,
+                                          logprobs=True, top_logprobs=0, extra_body={"logprob_token_ids": labels})
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
+    for bad in ({"logprob_token_ids": labels}, {"logprob_token_ids": [10 ** 9], "logprobs": 0}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(model=model, prompt="x", max_tokens=1, extra_body=bad)
+        assert exc.value.body["param"] == "logprob_token_ids"
+
+
 def test_best_of_returns_the_n_most_likely_of_its_samples(client, model):
     """OpenAI's best_of: best_of seeded samples per prompt (choice i with seed + i, as n gives),
     the n of the highest mean log-prob per token returned, best first; the usage counts all."""

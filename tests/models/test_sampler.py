@@ -390,6 +390,27 @@ def test_processed_logprobs_and_widths():
     assert Sampler()(logits, SamplingMetadata.from_lists(temperature)).logprobs is None
 
 
+def test_logprob_token_ids_rows_return_those_tokens_in_place_of_their_top_ones():
+    """vLLM's logprob_token_ids: a row's listed tokens' log-probs after the sampled token's, in
+    their order; other rows keep their top-k; the batch is as wide as the widest row."""
+    from actors.engine.sampling_params import SamplingParams
+    logits = _logits(3, seed=19, vocab=30)
+    params = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.0, logprobs=0,
+                                                                          logprob_token_ids=[5, 17, 2]),
+              SamplingParams(temperature=0.0)]
+    meta = SamplingMetadata.from_params(params, [None] * 3, eos_token_ids=[0], output_token_ids=lambda: [[]] * 3,
+                                        prompt_token_ids=lambda: [[]] * 3)
+    assert meta.max_num_logprobs == 3 and meta.logprob_token_ids == {1: [5, 17, 2]}
+    out = Sampler()(logits, meta).logprobs
+    reference = logits.log_softmax(-1)
+    assert out.token_ids[1, 1:].tolist() == [5, 17, 2]
+    torch.testing.assert_close(out.logprobs[1, 1:], reference[1, [5, 17, 2]])
+    assert out.token_ids[0, 1:].tolist() == reference[0].topk(3).indices.tolist()
+    assert params[1].num_logprobs == 3 and params[0].num_logprobs == 1 and params[2].num_logprobs is None
+    with pytest.raises(ValueError, match="logprobs must be set"):
+        SamplingParams(logprob_token_ids=[1]).check(30, 20)
+
+
 def test_logits_modes_return_the_values_before_the_softmax():
     logits = _logits(3, seed=18, vocab=30)
     temperature, kw = [0.0, 1.0, 0.5], dict(logit_bias=[{2: 3.0}] * 3)
