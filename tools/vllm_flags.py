@@ -167,9 +167,6 @@ for _flags, _why in (
     (("--prefix-cache-retention-interval", "--prefix-match-unit", "--kv-cache-dtype-skip-layers",
       "--enable-return-routed-experts"), _KV),
     (("--sleep-mode-offload-cudagraph", "--sleep-preserve-parameter-names"), _SLEEP),
-    (("--max-num-queued-reqs", "--max-num-queued-tokens"),
-     "Troupe bounds the requests not yet scheduled and their prompt tokens with --max-waiting-requests and "
-     "--max-waiting-tokens (503 with Retry-After past them)"),
     (("--reasoning-config", "--reasoning-parser-plugin"), "Troupe has no reasoning parsers"),
     (("--watermark", "--watermark-config"), "Troupe does not watermark its output"),
 ):

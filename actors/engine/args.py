@@ -59,6 +59,7 @@ class EngineArgs:
     async_scheduling: bool | None = None  # None: on when the worker has a process of its own
     scheduling_policy: str = "fcfs"
     max_waiting_requests: int = 0
+    max_num_queued_reqs: int | None = None
     max_waiting_tokens: int = 0
     num_threads: int = 0
     multiprocess: bool = True
@@ -139,6 +140,7 @@ class EngineArgs:
                                       policy=self.scheduling_policy,
                                       max_waiting_requests=self.max_waiting_requests,
                                       max_waiting_tokens=self.max_waiting_tokens,
+                                      max_num_queued_reqs=self.max_num_queued_reqs,
                                       disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
             parallel=ParallelConfig(multiprocess=self.multiprocess, data_parallel_size=self.data_parallel_size,
                                     tensor_parallel_size=self.tensor_parallel_size,
@@ -529,9 +531,14 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--max-waiting-requests",), "max_waiting_requests", dict(
             type=int, default=d["max_waiting_requests"], metavar="N",
             help="requests queued for the engine beyond which new ones get 503 with Retry-After (0: no bound)")),
-        (("--max-waiting-tokens",), "max_waiting_tokens", dict(
+        (("--max-waiting-tokens", "--max-num-queued-tokens"), "max_waiting_tokens", dict(
             type=int, default=d["max_waiting_tokens"], metavar="N",
-            help="the same bound on their prompt tokens (0: none)")),
+            help="the same bound on their prompt tokens, counted until their prefill is done "
+                 "(vLLM's --max-num-queued-tokens) (0: none)")),
+        (("--max-num-queued-reqs",), "max_num_queued_reqs", dict(
+            type=int, default=d["max_num_queued_reqs"], metavar="N",
+            help="vLLM's: requests in flight (waiting or running) beyond which new ones get 503 with "
+                 "Retry-After (default: no bound)")),
         (("--threads",), "num_threads", dict(type=int, default=d["num_threads"], metavar="N",
                                              help="worker compute threads (0: all cores)")),
         (("--seed",), "seed", dict(type=int, default=d["seed"])),

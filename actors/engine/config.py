@@ -106,6 +106,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     async_scheduling: bool | None = None
     max_waiting_requests: int = 0          # requests queued before new ones get 503; 0: no bound
     max_waiting_tokens: int = 0            # the same for their prompt tokens
+    max_num_queued_reqs: int | None = None  # vLLM's: requests in flight (waiting or running) before 503; None: no bound
     # every layer holds every block (one KV cache group), as without vLLM's hybrid KV cache
     # manager; else sliding-window layers hold a window's worth of blocks in groups of their own
     disable_hybrid_kv_cache_manager: bool = False
@@ -357,6 +358,8 @@ def check_config(cfg: EngineConfig) -> None:
                         ("max_waiting_tokens", cfg.scheduler.max_waiting_tokens)):
         if value < 0:
             raise ValueError(f"{name} must be at least 0 (0: no bound), got {value}")
+    if cfg.scheduler.max_num_queued_reqs is not None and cfg.scheduler.max_num_queued_reqs < 0:
+        raise ValueError(f"max_num_queued_reqs must be at least 0, got {cfg.scheduler.max_num_queued_reqs}")
     for name, value in (("max_num_partial_prefills", cfg.scheduler.max_num_partial_prefills),
                         ("max_long_partial_prefills", cfg.scheduler.max_long_partial_prefills)):
         if value < 1:

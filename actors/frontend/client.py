@@ -181,6 +181,10 @@ class EngineClient:
             raise EngineDeadError(self.draining)
         deadline = time.monotonic() + timeout_s if timeout_s else None
         self.waiting.check_room()
+        in_flight, bound = len(self.streams), self.config.scheduler.max_num_queued_reqs
+        if bound is not None and in_flight >= bound:
+            raise Overloaded(f"the server is overloaded: {in_flight} requests are in flight "
+                             f"(--max-num-queued-reqs {bound}); retry shortly")
         rid = request_id or self.new_request_id()
         stream = self.streams.open(rid, stream_interval)
         admit = asyncio.ensure_future(self.tokenizer_actor.ask(Generate(

@@ -52,7 +52,7 @@ def started():
                                    "--max-num-seqs", "1", "--trust-request-chat-template",
                                    "--return-tokens-as-token-ids", "--enable-tokenizer-info-endpoint",
                                    "--default-chat-template-kwargs", '{"greeting": "Hello"}', "--stream-interval", "2",
-                                   "--sse-keep-alive-interval", "1")
+                                   "--sse-keep-alive-interval", "1", "--max-num-queued-reqs", "3")
         except BaseException as exc:   # reported by the fixture below
             box["error"] = exc
     t = threading.Thread(target=start)
@@ -265,3 +265,28 @@ def test_a_stream_waiting_in_the_queue_sends_keep_alive_comments(server):
     data = [line for line in lines if line.startswith(b"data: ")]
     assert data[-1] == b"data: [DONE]\n" and len(data) >= 2
     assert all(line == b": keep-alive\n" or line.startswith(b"data: ") for line in lines)
+
+
+def test_max_num_queued_reqs_refuses_past_the_requests_in_flight(server):
+    """--max-num-queued-reqs 3 (vLLM's): with one request running and two waiting (--max-num-seqs
+    1), a fourth is refused at once with 503 and Retry-After; once they finish, requests pass."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def main() -> tuple[int, str | None, int]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            body = {"prompt": "first", "max_tokens": 60, "ignore_eos": True, "stream": True}
+            streams = [await session.post(server.url + "/v1/completions", headers=headers, json=body)]
+            await streams[0].content.readline()
+            for _ in range(2):
+                streams.append(await session.post(server.url + "/v1/completions", headers=headers, json=body))
+            async with session.post(server.url + "/v1/completions", headers=headers,
+                                    json={"prompt": "fourth", "max_tokens": 2}) as refused:
+                status, retry = refused.status, refused.headers.get("Retry-After")
+            for resp in streams:
+                await resp.read()
+                resp.release()
+            async with session.post(server.url + "/v1/completions", headers=headers,
+                                    json={"prompt": "later", "max_tokens": 2}) as later:
+                return status, retry, later.status
+    status, retry, later = asyncio.run(main())
+    assert status == 503 and retry is not None and later == 200

@@ -96,6 +96,9 @@ def test_vllm_0_32_spellings_set_what_they_name():
     assert config.compilation.level == 0 and config.cache.gpu_memory_utilization == 0.5
     assert args.enable_expert_parallel and not args.enable_auto_tool_choice
     assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    queued = EngineArgs.from_cli_args(serve.parse_args(["--max-num-queued-reqs", "4", "--max-num-queued-tokens",
+                                                        "1000"])).create_engine_config().scheduler
+    assert (queued.max_num_queued_reqs, queued.max_waiting_tokens) == (4, 1000)
     spec = serve.parse_args(["--spec-method", "ngram", "--spec-tokens", "5", "-cc", "2"])
     config = EngineArgs.from_cli_args(spec).create_engine_config()
     assert (config.speculative.method, config.speculative.num_speculative_tokens, config.compilation.level) == \
@@ -104,7 +107,7 @@ def test_vllm_0_32_spellings_set_what_they_name():
     with pytest.raises(ValueError, match=r"--spec-tokens and --speculative-config\['num_speculative_tokens'\] are mutually"):
         EngineArgs.from_cli_args(both).create_engine_config()
     for bad in (["--default-chat-template-kwargs", "[1]"], ["--no-enable-request-id-headers"],
-                ["--no-language-model-only"], ["--max-num-queued-reqs", "4"]):
+                ["--no-language-model-only"]):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args(bad)
         assert exc.value.code == 2
