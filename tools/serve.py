@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from actors import topology
-from actors.engine.args import EngineArgs
+from actors.engine.args import EngineArgs, at_least
 from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tool_parsers import TOOL_PARSERS
 from actors.runtime import heap
@@ -77,10 +77,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="vLLM's: chat template variables for every chat request, e.g. '{\"enable_thinking\": "
                         "false}'; a request's chat_template_kwargs override them")
-    p.add_argument("--stream-interval", type=_positive, default=1, metavar="N",
+    p.add_argument("--stream-interval", type=at_least(int, 1), default=1, metavar="N",
                    help="vLLM's: after a request's first token, its outputs go out N new tokens at a time "
                         "(fewer, larger stream chunks); a request's stream_interval may raise it")
-    p.add_argument("--sse-keep-alive-interval", type=_non_negative, default=0, metavar="SECONDS",
+    p.add_argument("--sse-keep-alive-interval", type=at_least(int, 0), default=0, metavar="SECONDS",
                    help="vLLM's: a streamed completion that has sent nothing for this long (queued, in "
                         "prefill, between tokens) sends an SSE comment line, so proxies with read timeouts "
                         "keep the connection; 0: never")
@@ -138,23 +138,6 @@ def _json_object(text: str) -> dict:
 
 _json_object.__name__ = "JSON object"
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-_positive.__name__ = "positive integer"
-_non_negative.__name__ = "non-negative integer"
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -606,11 +606,17 @@ def _step_latency(text: str) -> float | str:
     return value
 
 
-def _positive(kind: type) -> Any:
+def at_least(kind: type, low: float, strict: bool = False) -> Any:
+    """An argparse type: ``kind`` of at least ``low`` (more than it when ``strict``)."""
     def parse(text: str) -> Any:
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}" if strict and low == 0
+                                             else f"must be at least {low}, got {text}")
         return value
     parse.__name__ = kind.__name__        # argparse names the type in its error messages
     return parse
+
+
+def _positive(kind: type) -> Any:
+    return at_least(kind, 0, strict=True)

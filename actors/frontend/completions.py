@@ -142,9 +142,9 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest,
     prompts = completion_prompts(req.prompt, server.vocab_size)
     sampled = best_of(req, n, stream)
     if len(prompts) * sampled > MAX_CHOICES:
-        raise BadRequest(f"{len(prompts)} prompts x {'best_of' if sampled > n else 'n'}={sampled} is more than "
-                         f"{MAX_CHOICES} choices per request", ("best_of" if sampled > n else "n") if sampled > 1
-                         else "prompt")
+        what = "best_of" if sampled > n else "n"
+        raise BadRequest(f"{len(prompts)} prompts x {what}={sampled} is more than {MAX_CHOICES} choices "
+                         "per request", what if sampled > 1 else "prompt")
     params = req.to_sampling_params(server.vocab_size, client.max_model_len)
     echo = bool(req.echo)
     priority = check_priority(req, client.config.scheduler.policy)
