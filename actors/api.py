@@ -169,6 +169,19 @@ class AsyncLLM:
         """Forget every cached prefix; True once every engine has."""
         return await self.client.reset_prefix_cache()
 
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause generation (vLLM's, e.g. while a trainer updates the weights): ``abort`` aborts
+        every request, ``wait`` lets the running ones finish, ``keep`` freezes every request
+        where it is. Returns once nothing runs; requests submitted meanwhile queue until
+        ``resume_generation``. ``clear_cache``: the prefix cache is then reset (not with keep)."""
+        await self.client.pause_generation(mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self.client.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return await self.client.is_paused()
+
     async def complete(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                        lora_request: LoRARequest | None = None, **template: Any) -> GenerationResult:
         """One prompt (text, token ids, or a conversation: a list of messages, rendered with

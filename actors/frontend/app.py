@@ -17,12 +17,12 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from actors.frontend import chat, completions, dashboard, debug, lora, misc, observe, responses, sse
+from actors.frontend import chat, completions, control, dashboard, debug, lora, misc, observe, responses, sse
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
 from actors.frontend.errors import ApiError, bad_request, error_response, not_found, server_error
-from actors.frontend.generation import Answer
+from actors.frontend.generation import OPEN_ANSWERS, Answer
 from actors.frontend.http_trace import HttpSpan
 from actors.frontend.logprobs import TokenText
 from actors.frontend.telemetry import Telemetry
@@ -37,7 +37,8 @@ from actors.tokenizer.actor import InvalidPrompt
 log = logging.getLogger("troupe.http")
 
 MAX_BODY_BYTES = 8 << 20
-PROTECTED_PATHS = ("/v1/", "/debug/", "/dashboard", "/invocations")    # need the API key when one is set
+PROTECTED_PATHS = ("/v1/", "/debug/", "/dashboard", "/invocations",   # need the API key when one is set
+                   "/pause", "/resume", "/is_paused", "/abort_requests")
 KEY_COOKIE = "troupe_api_key"                          # the key, for the dashboard's own requests
 
 
@@ -105,6 +106,7 @@ class OpenAIServer:
         app = web.Application(client_max_size=self.options.max_body_bytes,
                               middlewares=[self._middleware])
         app[sse.KEEP_ALIVE_S] = self.options.sse_keep_alive_interval
+        app[OPEN_ANSWERS] = {}
         routes: list[tuple[str, str, Callable]] = [
             ("GET", "/health", misc.health), ("GET", "/ping", misc.health), ("POST", "/ping", misc.health),
             ("GET", "/version", misc.get_version), ("GET", "/metrics", misc.metrics),
@@ -124,6 +126,8 @@ class OpenAIServer:
         if self.options.enable_tokenizer_info_endpoint:
             routes.append(("GET", "/tokenizer_info", misc.tokenizer_info))
         routes += lora.routes()          # only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM
+        if control.enabled():            # only with VLLM_SERVER_DEV_MODE, as in vLLM
+            routes += control.ROUTES
         if self.inject is not None and faults.enabled():
             routes.append(("POST", "/debug/fault", debug.inject_fault))
         for method, path, handler in routes:
@@ -193,6 +197,8 @@ class OpenAIServer:
             response = error_response(413, f"the request body is larger than {self.options.max_body_bytes} bytes")
         except web.HTTPException as exc:
             response = error_response(exc.status, exc.reason)
+        except EngineDeadError as exc:
+            response = unavailable(f"the engine is not running: {exc}", exc.retry_after).response
         except Exception:
             log.exception("%s failed", what)
             response = error_response(500, "internal error (see the server log)")

@@ -21,7 +21,8 @@ from actors.grammar.actor import CompileGrammar, InvalidGrammar
 from actors.frontend.streams import OutputStream, OutputStreams, RequestOutput, StreamTimeout
 from actors.kv_manager.actor import ResetPrefixCache
 from actors.runtime import ActorRef, RemoteError
-from actors.scheduler.actor import AbortRequests, RemoveLoRA
+from actors.scheduler.actor import (PAUSE_MODES, AbortRequests, GetPauseStatus, PauseScheduler, PauseStatus,
+                                    RemoveLoRA, ResumeScheduler)
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
 
@@ -29,6 +30,7 @@ from actors.tokenizer.gguf_tokenizer import TextTokenizer
 # failed (nothing hangs); a request queued behind others waits as long as the engine progresses.
 DEFAULT_STALL_TIMEOUT_S = 600.0
 GRAMMAR_TIMEOUT_S = 120.0
+PAUSE_POLL_S = 0.02             # how often a pause that waits for the running requests looks again
 
 
 class EngineDeadError(RuntimeError):
@@ -63,6 +65,7 @@ class EngineClient:
         self.dead: str | None = None           # why no request can be served now
         self.retry_after: float | None = None  # while ``dead``: seconds until it may be back
         self.draining: str | None = None       # why no new request is taken (running ones finish)
+        self.pause_mode: str | None = None     # while generation is paused (pause_generation): its mode
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}"
         self.lora_requests: dict[str, LoRARequest] = {}    # served adapters, by name
@@ -148,6 +151,8 @@ class EngineClient:
 
     def mark_alive(self) -> None:
         self.dead = self.retry_after = None
+        if self.pause_mode is not None:        # a restarted engine core starts unpaused: pause it too
+            self.engine.tell(PauseScheduler("keep" if self.pause_mode == "keep" else "wait", False))
 
     def drain(self, reason: str) -> None:
         """Take no new request (``reason``); those admitted go on to the end."""
@@ -233,9 +238,50 @@ class EngineClient:
         return all(done)
 
     def abort(self, request_ids: list[str]) -> None:
+        """Abort requests whose outputs nobody reads any more (their caller went away)."""
         if self.dead is None:
             self.engine.tell(AbortRequests(request_ids))
             self.detokenizer.tell(Untrack(request_ids))
+
+    def abort_open(self, request_ids: list[str] | None = None) -> list[str]:
+        """Abort requests that are being answered (vLLM's POST /abort_requests): each ends with
+        finish reason "abort". ``request_ids`` None: every open request. Returns the ids of the
+        open requests aborted."""
+        ids = self.streams.ids() if request_ids is None else [r for r in request_ids if self.streams.get(r)]
+        if ids and self.dead is None:
+            self.engine.tell(AbortRequests(ids))
+        return ids
+
+    # -- pausing (vLLM's pause_generation, for weight updates between rounds of generation) ---
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause generation: ``abort`` aborts every request, ``wait`` lets the running ones
+        finish, ``keep`` freezes every request where it is; new requests queue until
+        ``resume_generation``. Returns once nothing more runs (``clear_cache``: then the prefix
+        cache was reset, except with ``keep``). Raises ValueError for an unknown mode."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"Invalid pause mode: {mode}")
+        self._check_alive()
+        self.pause_mode = mode
+        status: PauseStatus = await self.engine.ask(PauseScheduler(mode, clear_cache), timeout=30)
+        while not status.drained:
+            await asyncio.sleep(PAUSE_POLL_S)
+            self._check_alive()
+            status = await self.engine.ask(GetPauseStatus(), timeout=30)
+
+    async def resume_generation(self) -> None:
+        """End a pause: the queued and frozen requests go on."""
+        self._check_alive()
+        self.pause_mode = None
+        await self.engine.ask(ResumeScheduler(), timeout=30)
+
+    async def is_paused(self) -> bool:
+        self._check_alive()
+        status: PauseStatus = await self.engine.ask(GetPauseStatus(), timeout=30)
+        return status.paused
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead, self.retry_after)
 
     def end_group(self, parent_id: str, num_admitted: int) -> None:
         """Only ``num_admitted`` of the choices of ``parent_id`` were admitted (the others were
@@ -290,8 +336,10 @@ class RequestHandle:
                     raise RequestTimedOut(f"the request did not finish within its timeout of "
                                           f"{self.timeout_s:g} s") from None
                 # A request queued behind many others waits as long as the engine makes
-                # progress; a stall is an engine that ran nothing for that long.
-                if time.monotonic() - self.client.stats.last_progress >= stall:
+                # progress (or generation is paused); a stall is an engine that ran nothing
+                # for that long.
+                if (self.client.pause_mode is None
+                        and time.monotonic() - self.client.stats.last_progress >= stall):
                     raise
         self.finished = out.finished
         return out

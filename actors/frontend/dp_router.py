@@ -11,10 +11,12 @@ they would to one engine's scheduler, and sends each request to one engine core:
 
 It remembers which engine holds each open request, so an abort goes to that engine only, and an
 engine core that dies fails its own requests (``EngineLost`` with their ids) while the others
-keep serving; until it is back (``EngineUp``) it gets no new request.
+keep serving; until it is back (``EngineUp``) it gets no new request. A pause, its end and its
+status go to every engine core that is up; the pause is complete when it is on each.
 """
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from typing import Any
 
@@ -23,7 +25,8 @@ from actors.engine.messages import EngineCoreRequest
 from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams
 from actors.runtime import Actor, ActorRef, Msg
-from actors.scheduler.actor import AbortRequests, AddRequest, GrammarReady, RemoveLoRA
+from actors.scheduler.actor import (AbortRequests, AddRequest, GetPauseStatus, GrammarReady, PauseScheduler,
+                                    PauseStatus, RemoveLoRA, ResumeScheduler)
 
 AFFINITY_BLOCKS = 4            # the prompt prefix that keys affinity: its first blocks, at most this many
 AFFINITY_ENTRIES = 4096        # prefixes remembered (least recently used forgotten)
@@ -40,7 +43,9 @@ class EngineUp(Msg):
     dp_rank: int
 
 
-RouterProtocol = AddRequest | AbortRequests | GrammarReady | RemoveLoRA | EngineDown | EngineUp
+RouterProtocol = (AddRequest | AbortRequests | GrammarReady | RemoveLoRA | EngineDown | EngineUp
+                  | PauseScheduler | ResumeScheduler | GetPauseStatus)
+PAUSE_ASK_TIMEOUT_S = 30.0
 
 
 class NoEngineUp(RuntimeError):
@@ -105,6 +110,10 @@ class DataParallelRouter(Actor):
             case EngineUp(dp_rank=e):
                 self.up[e] = True
                 self.sent[e] = 0
+            case PauseScheduler() | ResumeScheduler() | GetPauseStatus():
+                up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
+                each = await asyncio.gather(*(s.ask(msg, timeout=PAUSE_ASK_TIMEOUT_S) for s in up))
+                return PauseStatus(any(p.paused for p in each), bool(each) and all(p.drained for p in each))
 
     def choose(self, r: EngineCoreRequest) -> int:
         """The engine core for request ``r``: see the module docstring."""

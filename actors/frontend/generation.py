@@ -20,6 +20,10 @@ from actors.frontend.streams import RequestOutput, StreamTimeout
 if TYPE_CHECKING:
     from actors.frontend.protocol import GenerationRequest
 
+# The answers being given: an answer's id (and the X-Request-Id it came with) -> its engine
+# requests, so POST /abort_requests can name a request as its client knows it.
+OPEN_ANSWERS = web.AppKey("open_answers", dict)
+
 
 @dataclass(frozen=True, slots=True)
 class Answer:
@@ -120,6 +124,12 @@ class Generation(ABC):
         http_trace.serving(c.handle.request_id for c in self.choices)
         http_trace.mark("receive")          # from the request's arrival to its admission
         header_id = request.headers.get("X-Request-Id") or self.id     # the client's, echoed
+        answers = request.app.get(OPEN_ANSWERS)
+        names = {self.id, header_id}
+        if answers is not None:
+            engine_ids = [c.handle.request_id for c in self.choices]
+            for name in names:
+                answers[name] = engine_ids
         try:
             if stream:
                 return await send_events(request, self.events(), header_id)
@@ -128,6 +138,9 @@ class Generation(ABC):
             return response
         finally:
             close_all(self.choices)     # aborts what did not finish (e.g. the client left)
+            if answers is not None:
+                for name in names:
+                    answers.pop(name, None)
 
     async def whole(self) -> web.Response:
         """The whole answer as one body, away from HTTP (the batch runner's)."""

@@ -128,6 +128,10 @@ class OutputStreams:
     def __len__(self) -> int:
         return len(self._streams)
 
+    def ids(self) -> list[str]:
+        """The ids of the open streams."""
+        return list(self._streams)
+
     def fail_all(self, error: str) -> None:
         for rid in list(self._streams):
             self.fail(rid, error)

@@ -15,6 +15,12 @@ before its requests are failed or recomputed.
 
 With pipeline parallelism (--pipeline-parallel-size N) up to N steps are in flight, each with
 requests of its own (the scheduler's batch queue), so the stages overlap.
+
+Pausing (vLLM's ``pause_generation``, POST /pause): ``abort`` aborts every request then takes no
+new one, ``wait`` lets the running requests finish and starts no waiting one, ``keep`` freezes
+every request where it is. A pause is complete (``drained``) once nothing more would run; then,
+for ``abort`` and ``wait`` with ``clear_cache``, the prefix cache is reset. ``ResumeScheduler``
+ends it.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from actors.engine.sampling_params import StructuredOutputsParams
 from actors.grammar.actor import CompileGrammar
 from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteError
 from actors.runtime.tracing import StepRecord, now_ns
-from actors.scheduler.scheduler import Scheduler
+from actors.scheduler.scheduler import PauseState, Scheduler
 
 log = logging.getLogger("troupe.scheduler")
 
@@ -72,7 +78,36 @@ class WorkersReady(Msg):
     generation: int
 
 
-SchedulerProtocol = AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady | RemoveLoRA
+PAUSE_MODES = ("abort", "wait", "keep")       # vLLM's PauseMode
+
+
+class PauseStatus(Msg):
+    """``paused``: a pause is on; ``drained``: and it is complete (nothing more runs until it ends)."""
+    paused: bool
+    drained: bool
+
+
+class PauseScheduler(Msg):
+    """Pause generation (``mode``: one of PAUSE_MODES)."""
+    reply_type: ClassVar[Any] = PauseStatus
+    lane: ClassVar[str] = "system"
+    mode: str = "abort"
+    clear_cache: bool = True
+
+
+class ResumeScheduler(Msg):
+    """End a pause."""
+    reply_type: ClassVar[Any] = PauseStatus
+    lane: ClassVar[str] = "system"
+
+
+class GetPauseStatus(Msg):
+    reply_type: ClassVar[Any] = PauseStatus
+    lane: ClassVar[str] = "system"
+
+
+SchedulerProtocol = (AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady | RemoveLoRA
+                     | PauseScheduler | ResumeScheduler | GetPauseStatus)
 
 STEP_TIMEOUT_S = 600.0
 KV_POLL_EMIT_S = 0.5             # polls that changed nothing still send the stats this often
@@ -118,6 +153,7 @@ class SchedulerActor(Actor):
         # admitted may overtake it, and the request must then not run for nobody.
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._last_emit = 0.0                # time.monotonic() of the last EngineCoreOutputs
+        self._clear_cache_when_drained = False   # a pause (abort / wait) resets the prefix cache once complete
 
     async def receive(self, msg: SchedulerProtocol) -> Any:
         match msg:
@@ -170,6 +206,38 @@ class SchedulerActor(Actor):
                     self.core.reset_blocks()         # the new worker's cache holds nothing
                 self.paused = False
                 self._kick()
+            case PauseScheduler(mode=mode, clear_cache=clear_cache):
+                return self._pause(mode, clear_cache)
+            case ResumeScheduler():
+                if self.core.pause_state != PauseState.UNPAUSED:
+                    log.info("generation resumed")
+                self.core.pause_state = PauseState.UNPAUSED
+                self._clear_cache_when_drained = False
+                self._kick()
+                return self._pause_status()
+            case GetPauseStatus():
+                return self._pause_status()
+
+    def _pause(self, mode: str, clear_cache: bool) -> PauseStatus:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"Invalid pause mode: {mode}")      # vLLM's words
+        if mode == "abort":
+            self._emit(self.core.abort_all())
+        self.core.pause_state = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+        self._clear_cache_when_drained = clear_cache and mode != "keep"
+        log.info("generation paused (mode %s)", mode)
+        self._kick()                      # steps in flight are still settled
+        return self._pause_status()
+
+    def _pause_status(self) -> PauseStatus:
+        """Where a pause stands; once complete, the prefix cache is reset if it asked for that."""
+        if self.core.pause_state == PauseState.UNPAUSED:
+            return PauseStatus(False, False)
+        drained = not (self._in_flight or self.core.has_work() or self._step_queued)
+        if drained and self._clear_cache_when_drained:
+            self._clear_cache_when_drained = False
+            self.core.kv.reset_prefix_cache()
+        return PauseStatus(True, drained)
 
     async def _compile_grammar(self, request_id: str, spec: StructuredOutputsParams) -> None:
         """Have the GrammarCompiler compile a waiting request's grammar; GrammarReady to

@@ -51,6 +51,7 @@ draft model writes the KV of its next drafts there in the same step, before the 
 """
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -68,6 +69,13 @@ from actors.scheduler.queues import create_queue
 from actors.scheduler.request import Request, RequestStatus
 
 MAX_WORKER_FAILURES = 3      # a request running when this many workers died fails (it may be the cause)
+
+
+class PauseState(enum.IntEnum):
+    """vLLM's: what a paused scheduler still schedules."""
+    UNPAUSED = 0
+    PAUSED_NEW = 1       # the running requests (and those holding loaded KV); no waiting one starts
+    PAUSED_ALL = 2       # nothing: every request keeps its place and its blocks
 
 
 @dataclass(slots=True)
@@ -152,6 +160,7 @@ class Scheduler:
         self._remote_loaded: set[str] = set()      # back in the queue holding loaded blocks
         self._held_for_remote: set[str] = set()    # finished; blocks freed when the worker says so
         self.removed_lora_ids: list[int] = []     # unloaded adapters the workers drop with the next step
+        self.pause_state = PauseState.UNPAUSED
 
     # -- admission and abort -----------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -256,7 +265,17 @@ class Scheduler:
         self._finished_for_workers.clear()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step would schedule something (a pause holds some requests back)."""
+        if self.pause_state == PauseState.UNPAUSED:
+            return bool(self.waiting or self.running)
+        if self.pause_state == PauseState.PAUSED_ALL:
+            return False
+        return bool(self.running or self._remote_loaded)
+
+    def abort_all(self) -> list[EngineCoreOutput]:
+        """Abort every request this scheduler holds (waiting, running, or waiting for a grammar
+        or for remote KV)."""
+        return self.abort_requests(list(self.requests))
 
     def kv_connector_pending(self) -> bool:
         """Transfers are under way or blocks held for a remote reader: the worker's side must be
@@ -362,9 +381,10 @@ class Scheduler:
         """Decide the next step and take its blocks; an empty step schedules no tokens."""
         step = _Step(self.config.max_num_batched_tokens, {}, {}, set(), [])
         step.latency_left, step.reserved = self._latency_budget()
-        self._schedule_running(step)
-        if not step.preempted:
-            self._schedule_waiting(step)
+        if self.pause_state != PauseState.PAUSED_ALL:
+            self._schedule_running(step)
+            if not step.preempted:
+                self._schedule_waiting(step)
         c = self.counters
         c.step += 1
         c.last_scheduled_reqs = len(step.num_tokens)
@@ -489,8 +509,14 @@ class Scheduler:
     def _admit_waiting(self, step: _Step, skipped: list[Request]) -> None:
         bs = self.block_size
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}   # every step's, at most max_loras
+        paused = self.pause_state == PauseState.PAUSED_NEW
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if paused and not self._remote_loaded:
+                break
             req = self.waiting.peek()
+            if paused and req.request_id not in self._remote_loaded:
+                skipped.append(self.waiting.pop())     # waits for the pause to end
+                continue
             if req.num_output_placeholders or req.request_id in self._busy or not self._lora_fits(req, loras):
                 skipped.append(self.waiting.pop())
                 continue

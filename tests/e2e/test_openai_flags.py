@@ -290,3 +290,16 @@ def test_max_num_queued_reqs_refuses_past_the_requests_in_flight(server):
                 return status, retry, later.status
     status, retry, later = asyncio.run(main())
     assert status == 503 and retry is not None and later == 200
+
+
+def test_generation_control_endpoints_need_vllm_server_dev_mode_and_the_key(server):
+    for method, path in (("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
+                         ("POST", "/abort_requests")):
+        req = urllib.request.Request(server.url + path, method=method, data=b"{}" if method == "POST" else None)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 401, path               # the API key guards them first
+        req.add_header("Authorization", f"Bearer {KEY}")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 404, path               # absent without VLLM_SERVER_DEV_MODE=1

@@ -376,3 +376,46 @@ def test_async_scheduling_plans_no_step_past_max_tokens_and_drops_a_stopped_requ
         _, outs = h.step(token=7)
         assert not outs                              # the extra token sampled for it is dropped
     assert h.kv.pool.num_free_blocks == h.kv.pool.num_usable_blocks
+
+
+def test_a_pause_for_new_requests_keeps_decoding_the_running_ones_and_starts_none():
+    from actors.scheduler.scheduler import PauseState
+    h = Harness()
+    h.add("a", 5)
+    h.step()
+    h.s.pause_state = PauseState.PAUSED_NEW
+    h.add("b", 5)
+    so, outs = h.step()
+    assert so.num_scheduled_tokens == {"a": 1} and [o.request_id for o in outs] == ["a"]
+    assert len(h.s.waiting) == 1
+    h.s.abort_requests(["a"])
+    assert not h.s.has_work()                      # drained: b waits for the pause to end
+    h.s.pause_state = PauseState.UNPAUSED
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"b": 5}
+
+
+def test_a_pause_of_everything_schedules_nothing_and_keeps_every_request_and_its_blocks():
+    from actors.scheduler.scheduler import PauseState
+    h = Harness()
+    h.add("a", 5)
+    h.step()
+    h.add("b", 5)
+    blocks = held_blocks(h.kv)
+    h.s.pause_state = PauseState.PAUSED_ALL
+    assert not h.s.has_work()
+    so = h.s.schedule()
+    assert so.num_scheduled_tokens == {} and held_blocks(h.kv) == blocks
+    h.s.pause_state = PauseState.UNPAUSED
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 5}
+
+
+def test_abort_all_ends_every_request_the_scheduler_holds():
+    h = Harness(max_num_seqs=1)
+    h.add("a", 5)
+    h.add("b", 5)
+    h.step()
+    outs = h.s.abort_all()
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [("a", "abort"), ("b", "abort")]
+    assert not h.s.has_work() and held_blocks(h.kv) == 0

@@ -1,0 +1,92 @@
+"""vLLM's generation-control endpoints for reinforcement-learning loops, which pause generation
+while the trainer updates the weights, then resume it. As in vLLM, they exist only in a server
+started with VLLM_SERVER_DEV_MODE=1:
+
+  POST /pause?mode=abort|wait|keep&clear_cache=true   {"status": "paused"} once nothing runs
+  POST /resume                                        {"status": "resumed"}
+  GET  /is_paused                                     {"is_paused": bool}
+  POST /abort_requests  {"request_ids": [...]}        {"status": "aborted", "aborted": n}
+
+``abort`` (the default) aborts every request, ``wait`` lets the running ones finish, ``keep``
+freezes every request where it is (they go on after /resume); requests that arrive while paused
+queue. /abort_requests ends the requests it names (by the id of their answer, the X-Request-Id
+they were sent with, or their engine id; none named: every open request) with finish reason
+"abort", without pausing."""
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from actors.frontend.errors import bad_request, json_encoder
+from actors.frontend.generation import OPEN_ANSWERS
+
+if TYPE_CHECKING:
+    from actors.frontend.app import OpenAIServer
+
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+_TRUE, _FALSE = ("1", "true", "yes", "on", "t", "y"), ("0", "false", "no", "off", "f", "n")
+
+
+def enabled() -> bool:
+    return os.environ.get(DEV_MODE_ENV, "0").strip().lower() in _TRUE
+
+
+def _json(body: object) -> web.Response:
+    return web.Response(body=json_encoder.encode(body), content_type="application/json")
+
+
+def _flag(request: web.Request, name: str, default: bool) -> bool:
+    value = request.query.get(name)
+    if value is None:
+        return default
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    raise bad_request(f"{name} must be a boolean, got {value!r}", name)
+
+
+async def pause(server: OpenAIServer, request: web.Request) -> web.Response:
+    mode = request.query.get("mode", "abort")
+    clear_cache = _flag(request, "clear_cache", True)
+    try:
+        await server.engine().pause_generation(mode, clear_cache)
+    except ValueError as exc:
+        raise bad_request(f"{exc} (one of abort, wait, keep)", "mode") from None
+    return _json({"status": "paused"})
+
+
+async def resume(server: OpenAIServer, request: web.Request) -> web.Response:
+    await server.engine().resume_generation()
+    return _json({"status": "resumed"})
+
+
+async def is_paused(server: OpenAIServer, request: web.Request) -> web.Response:
+    return _json({"is_paused": await server.engine().is_paused()})
+
+
+async def abort_requests(server: OpenAIServer, request: web.Request) -> web.Response:
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("Invalid JSON format") from None
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    ids = body.get("request_ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+        raise bad_request("request_ids must be a list of strings", "request_ids")
+    client = server.engine()
+    if not ids:
+        return _json({"status": "aborted", "aborted": len(client.abort_open())})
+    answers = request.app[OPEN_ANSWERS]
+    engine_ids = [e for rid in ids for e in answers.get(rid, [rid])]
+    client.abort_open(engine_ids)
+    return _json({"status": "aborted", "aborted": len(ids)})
+
+
+ROUTES = [("POST", "/pause", pause), ("POST", "/resume", resume), ("GET", "/is_paused", is_paused),
+          ("POST", "/abort_requests", abort_requests)]

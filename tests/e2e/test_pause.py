@@ -1,0 +1,141 @@
+"""vLLM's generation control for RL loops (VLLM_SERVER_DEV_MODE=1): POST /pause in its three
+modes, /resume, /is_paused and /abort_requests, on the real server."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from server import Server
+
+pytestmark = pytest.mark.slow
+
+SERVER_ARGS = ("--threads", "1", "--max-num-seqs", "2")
+BODY = {"prompt": "Count: 1, 2, 3,", "max_tokens": 40, "temperature": 0}
+TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server(*SERVER_ARGS, env={"VLLM_SERVER_DEV_MODE": "1"})
+    yield s
+    s.stop()
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, seen: list) -> list:
+    """A streamed completion; ``seen`` gets (text, finish_reason) per chunk as it arrives."""
+    async with session.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                seen.append((choice["text"], choice["finish_reason"]))
+    return seen
+
+
+async def _until(seen: list, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(seen) < n:
+        assert time.monotonic() < deadline, "the stream did not start"
+        await asyncio.sleep(0.01)
+
+
+async def _text(session: aiohttp.ClientSession, url: str, body: dict) -> str:
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return (await resp.json())["choices"][0]["text"]
+
+
+async def _post(session: aiohttp.ClientSession, url: str, **kw) -> dict:
+    async with session.post(url, **kw) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def _paused(session: aiohttp.ClientSession, url: str) -> bool:
+    async with session.get(url + "/is_paused") as resp:
+        return (await resp.json())["is_paused"]
+
+
+def test_keep_freezes_a_stream_and_resume_finishes_it_with_the_tokens_it_would_have_had(server):
+    async def run():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            alone = await _text(s, server.url, BODY)
+            seen: list = []
+            stream = asyncio.create_task(_stream(s, server.url, BODY, seen))
+            await _until(seen, 5)
+            assert await _post(s, server.url + "/pause?mode=keep") == {"status": "paused"}
+            assert await _paused(s, server.url)
+            frozen = len(seen)
+            late = asyncio.create_task(_text(s, server.url, BODY))
+            await asyncio.sleep(1.0)
+            assert len(seen) == frozen and not late.done()     # nothing runs, the new one queues
+            assert await _post(s, server.url + "/resume") == {"status": "resumed"}
+            await stream
+            assert not await _paused(s, server.url)
+            assert "".join(t for t, _ in seen) == alone and seen[-1][1] == "length"
+            assert await late == alone
+    asyncio.run(run())
+
+
+def test_wait_returns_once_the_running_request_finished_and_new_ones_wait_for_resume(server):
+    async def run():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            seen: list = []
+            stream = asyncio.create_task(_stream(s, server.url, BODY, seen))
+            await _until(seen, 3)
+            await _post(s, server.url + "/pause", params={"mode": "wait", "clear_cache": "false"})
+            assert seen[-1][1] == "length"                    # finished whole before /pause answered
+            late = asyncio.create_task(_text(s, server.url, BODY))
+            await asyncio.sleep(1.0)
+            assert not late.done()
+            await _post(s, server.url + "/resume")
+            assert await late == "".join(t for t, _ in await stream)
+    asyncio.run(run())
+
+
+def test_abort_mode_ends_running_requests_with_finish_reason_abort(server):
+    async def run():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            seen: list = []
+            stream = asyncio.create_task(_stream(s, server.url, {**BODY, "max_tokens": 400}, seen))
+            await _until(seen, 3)
+            await _post(s, server.url + "/pause")             # mode=abort is vLLM's default
+            await asyncio.wait_for(stream, 10)
+            assert seen[-1][1] == "abort" and len(seen) < 400
+            await _post(s, server.url + "/resume")
+            assert await _text(s, server.url, {**BODY, "max_tokens": 4})
+    asyncio.run(run())
+
+
+def test_abort_requests_ends_the_request_named_by_its_answer_id_and_no_other(server):
+    async def run():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            named, other = [], []
+            long = {**BODY, "max_tokens": 400}
+            async with s.post(server.url + "/v1/completions", json={**long, "stream": True}) as resp:
+                first = json.loads((await resp.content.readline())[6:])
+                rest = asyncio.create_task(_stream(s, server.url, {**BODY, "max_tokens": 60}, other))
+                await _until(other, 2)
+                body = await _post(s, server.url + "/abort_requests", json={"request_ids": [first["id"]]})
+                assert body == {"status": "aborted", "aborted": 1}
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        named.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+            assert named[-1] == "abort"
+            await rest
+            assert other[-1][1] == "length"
+    asyncio.run(run())
+
+
+def test_a_pause_mode_vllm_does_not_know_is_a_400_and_pauses_nothing(server):
+    async def run():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            async with s.post(server.url + "/pause?mode=later") as resp:
+                assert resp.status == 400
+                assert "Invalid pause mode: later" in (await resp.json())["error"]["message"]
+            assert not await _paused(s, server.url)
+    asyncio.run(run())
