@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                    help="a chat request may bring its own chat_template (vLLM's flag: off, such a request is refused)")
     p.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=False,
                    help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's flag: off)")
+    p.add_argument("--enable-scale-out", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve vLLM's scale-out endpoints: /v1/chat/completions/render, /v1/completions/render "
+                        "(a request as token ids and sampling parameters), /inference/v1/generate (token ids in, "
+                        "token ids out) and /inference/v1/abort_requests (vLLM's flag: off, they answer 403)")
     p.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="vLLM's: chat template variables for every chat request, e.g. '{\"enable_thinking\": "
                         "false}'; a request's chat_template_kwargs override them")
@@ -166,6 +170,7 @@ async def serve(args: argparse.Namespace) -> int:
                                                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                                                     trust_request_chat_template=args.trust_request_chat_template,
                                                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                                                    enable_scale_out=args.enable_scale_out,
                                                     default_chat_template_kwargs=args.default_chat_template_kwargs,
                                                     stream_interval=args.stream_interval,
                                                     sse_keep_alive_interval=args.sse_keep_alive_interval),

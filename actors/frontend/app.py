@@ -17,8 +17,9 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from actors.frontend import chat, completions, control, dashboard, debug, lora, misc, observe, responses, sse
-from actors.engine.sampling_params import SamplingParams
+from actors.frontend import (chat, completions, control, dashboard, debug, lora, misc, observe, responses, scale_out,
+                             sse)
+from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
 from actors.frontend.errors import ApiError, bad_request, error_response, not_found, server_error
@@ -37,7 +38,7 @@ from actors.tokenizer.actor import InvalidPrompt
 log = logging.getLogger("troupe.http")
 
 MAX_BODY_BYTES = 8 << 20
-PROTECTED_PATHS = ("/v1/", "/debug/", "/dashboard", "/invocations",   # need the API key when one is set
+PROTECTED_PATHS = ("/v1/", "/inference/", "/debug/", "/dashboard", "/invocations",   # need the API key when set
                    "/pause", "/resume", "/is_paused", "/abort_requests")
 KEY_COOKIE = "troupe_api_key"                          # the key, for the dashboard's own requests
 
@@ -60,6 +61,7 @@ class ServerOptions:
     return_tokens_as_token_ids: bool = False   # log-prob tokens as "token_id:N" unless a request says
     trust_request_chat_template: bool = False  # a chat request may bring its own template
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (it shows the chat template)
+    enable_scale_out: bool = False         # render, token-in-token-out generate (403 without, as vLLM)
     default_chat_template_kwargs: dict[str, Any] | None = None   # under every chat request's own
     stream_interval: int = 1               # new tokens per streamed chunk after the first (--stream-interval)
     sse_keep_alive_interval: float = 0.0   # seconds of silence before a stream sends a comment line; 0: never
@@ -126,6 +128,8 @@ class OpenAIServer:
         if self.options.enable_tokenizer_info_endpoint:
             routes.append(("GET", "/tokenizer_info", misc.tokenizer_info))
         routes += lora.routes()          # only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM
+        routes += [(method, path, self._loading(handler) if path == scale_out.GENERATE else handler)
+                   for method, path, handler in scale_out.routes(self.options.enable_scale_out)]
         if control.enabled():            # only with VLLM_SERVER_DEV_MODE, as in vLLM
             routes += control.ROUTES
         if self.inject is not None and faults.enabled():
@@ -230,12 +234,14 @@ class OpenAIServer:
     async def check_grammar(self, req: GenerationRequest, params: SamplingParams) -> None:
         """A request with structured outputs: its grammar compiled before it is admitted; 400
         naming the request field that asked when it cannot be."""
-        if params.structured_outputs is None:
-            return
+        if params.structured_outputs is not None:
+            await self.check_grammar_spec(params.structured_outputs, req.constraint().param)
+
+    async def check_grammar_spec(self, spec: StructuredOutputsParams, param: str) -> None:
+        """``spec``'s grammar compiled; 400 naming ``param`` when it cannot be."""
         try:
-            await self.engine().check_grammar(params.structured_outputs)
+            await self.engine().check_grammar(spec)
         except InvalidGrammar as exc:
-            param = req.constraint().param
             raise bad_request(f"invalid {param}: {exc}", param) from None
 
     async def submit(self, params: Any, **kwargs: Any) -> RequestHandle:

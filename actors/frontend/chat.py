@@ -11,7 +11,7 @@ import msgspec
 from aiohttp import web
 
 from actors.frontend.beam_search import beam_answer
-from actors.frontend.fanout import Choice, submit_choices
+from actors.frontend.fanout import Choice, Submit, submit_choices
 from actors.frontend.generation import Answer, Generation
 from actors.frontend.logprobs import chat_logprobs, prompt_logprobs_json
 from actors.frontend.params import (served_name, cache_salt, chat_messages, check_chat_flags, check_priority,
@@ -135,11 +135,12 @@ async def chat_completions(server: OpenAIServer, request: web.Request) -> web.St
     return await gen.respond(request, stream)
 
 
-async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
-                     arrival: float) -> tuple[ChatGeneration, bool]:
+async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: float,
+                     submit: Submit | None = None) -> tuple[ChatGeneration, bool]:
     """Check a decoded chat request and admit its choices; the generation answers it (whole or
     streamed) and whether the client asked for a stream. The batch runner answers its lines
-    through this too."""
+    through this too. ``submit``: what admits each choice (server.submit; the render endpoint's
+    renders it only)."""
     client = server.engine()
     n = num_choices(req)
     stream, include_usage = stream_flags(req)
@@ -176,7 +177,7 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest,
     await server.check_grammar(req, params)
     rid = client.new_request_id()
     choices = await submit_choices(
-        server.submit, rid, params, n, None, messages=messages,
+        submit or server.submit, rid, params, n, None, messages=messages,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         chat_template_kwargs=template_kwargs, priority=priority, arrival_time=arrival,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),

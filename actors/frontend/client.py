@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from actors.detokenizer.actor import EndGroup, EngineLost, Untrack
@@ -173,10 +174,13 @@ class EngineClient:
                      add_special_tokens: bool = False, cache_salt: str | None = None,
                      timeout_s: float | None = None, parent_id: str = "", n: int = 1,
                      lora_request: LoRARequest | None = None, truncation_side: str = "left",
-                     chat_template: str | None = None, stream_interval: int = 1) -> RequestHandle:
+                     chat_template: str | None = None, stream_interval: int = 1,
+                     render_only: bool = False) -> RequestHandle | RenderedPrompt:
         """Admit one request; ``timeout_s``: it is aborted (its KV freed) if it has not finished
         that long after now. ``parent_id`` and ``n``: it is one of the n choices of request
         ``parent_id`` (for the metrics of requests with n > 1; see ``end_group``).
+        ``render_only``: check and tokenize it as it would be admitted, and return that (a
+        RenderedPrompt) without admitting it (vLLM's /render endpoints).
         ``stream_interval``: new tokens per output after the first (vLLM's). Raises
         InvalidPrompt (or PromptTooLong) when it is refused, Overloaded when too many wait
         already, and EngineDeadError when the engine is gone or the server is shutting down."""
@@ -184,20 +188,26 @@ class EngineClient:
             raise EngineDeadError(self.dead, self.retry_after)
         if self.draining is not None:
             raise EngineDeadError(self.draining)
+        rid = request_id or self.new_request_id()
+        generate = Generate(
+            rid, params, prompt, prompt_token_ids, messages,
+            add_generation_prompt, continue_final_message, chat_template_kwargs or {},
+            priority, arrival_time, add_special_tokens, cache_salt, parent_id, n, lora_request, truncation_side,
+            chat_template, render_only)
+        if render_only:
+            try:
+                rendered = await self.tokenizer_actor.ask(generate, timeout=60)
+            except RemoteError as exc:
+                raise _refusal(exc) from None
+            return RenderedPrompt(self, rid, params, rendered.prompt_token_ids)
         deadline = time.monotonic() + timeout_s if timeout_s else None
         self.waiting.check_room()
         in_flight, bound = len(self.streams), self.config.scheduler.max_num_queued_reqs
         if bound is not None and in_flight >= bound:
             raise Overloaded(f"the server is overloaded: {in_flight} requests are in flight "
                              f"(--max-num-queued-reqs {bound}); retry shortly")
-        rid = request_id or self.new_request_id()
         stream = self.streams.open(rid, stream_interval)
-        admit = asyncio.ensure_future(self.tokenizer_actor.ask(Generate(
-            rid, params, prompt, prompt_token_ids, messages,
-            add_generation_prompt, continue_final_message, chat_template_kwargs or {},
-            priority, arrival_time, add_special_tokens, cache_salt, parent_id, n, lora_request, truncation_side,
-            chat_template),
-            timeout=60))
+        admit = asyncio.ensure_future(self.tokenizer_actor.ask(generate, timeout=60))
         try:
             accepted = await asyncio.shield(admit)
         except RemoteError as exc:
@@ -293,6 +303,23 @@ def _refusal(exc: RemoteError) -> Exception:
     kinds = {"PromptTooLong": PromptTooLong, "InvalidPrompt": InvalidPrompt, "Overloaded": Overloaded}
     cls = kinds.get(exc.error_type)
     return cls(exc.message) if cls is not None else exc
+
+
+@dataclass(slots=True)
+class RenderedPrompt:
+    """A request checked and tokenized as it would be admitted, and not admitted (vLLM's /render):
+    it stands where a RequestHandle would, with nothing to close."""
+    client: EngineClient
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def close(self) -> None:
+        pass
 
 
 class RequestTimedOut(StreamTimeout):

@@ -11,7 +11,7 @@ import msgspec
 from aiohttp import web
 
 from actors.frontend.beam_search import beam_answer
-from actors.frontend.fanout import Choice, submit_choices
+from actors.frontend.fanout import Choice, Submit, submit_choices
 from actors.frontend.generation import Answer, Generation
 from actors.frontend.logprobs import CompletionLogprobs, merge_completion_logprobs, prompt_logprobs_json
 from actors.frontend.params import (served_name, MAX_CHOICES, PromptInput, cache_salt, check_priority,
@@ -133,8 +133,8 @@ async def completions(server: OpenAIServer, request: web.Request) -> web.StreamR
     return await gen.respond(request, stream)
 
 
-async def start_completion(server: OpenAIServer, req: CompletionRequest,
-                           arrival: float) -> tuple[CompletionGeneration, bool]:
+async def start_completion(server: OpenAIServer, req: CompletionRequest, arrival: float,
+                           submit: Submit | None = None) -> tuple[CompletionGeneration, bool]:
     """Check a decoded completion request and admit its choices (see ``chat.start_chat``)."""
     client = server.engine()
     n = num_choices(req)
@@ -160,7 +160,7 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest,
     if sampled > n and params.logprobs is None:          # best_of ranks by the sampled tokens' log-probs
         engine_params = msgspec.structs.replace(params, logprobs=0)
     choices = await submit_choices(
-        server.submit, rid, engine_params, sampled, prompts, priority=priority,
+        submit or server.submit, rid, engine_params, sampled, prompts, priority=priority,
         arrival_time=arrival, add_special_tokens=req.add_special_tokens is not False,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
         lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left",

@@ -52,7 +52,7 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
     return out
 
 
-def _failure(out: RequestOutput | None) -> str:
+def failure_message(out: RequestOutput | None) -> str:
     if out is None:
         return "the request ended without output"
     return f"the request failed: {out.error}"
@@ -73,6 +73,7 @@ class Generation(ABC):
         self.answer = answer
         self.created = int(time.time())
         self._shown_prompt_ids: set[int] = set()     # streamed choices whose prompt ids were sent
+        self.aliases: tuple[str, ...] = ()             # other ids a client may abort it by
 
     # -- what subclasses shape ---------------------------------------------------------------
     def start_chunks(self) -> list[dict]:
@@ -125,7 +126,7 @@ class Generation(ABC):
         http_trace.mark("receive")          # from the request's arrival to its admission
         header_id = request.headers.get("X-Request-Id") or self.id     # the client's, echoed
         answers = request.app.get(OPEN_ANSWERS)
-        names = {self.id, header_id}
+        names = {self.id, header_id, *self.aliases}
         if answers is not None:
             engine_ids = [c.handle.request_id for c in self.choices]
             for name in names:
@@ -167,7 +168,7 @@ class Generation(ABC):
         for c in self.choices:
             if c.last is None or c.last.error is not None:
                 return error_response(c.last.error_status if c.last is not None and c.last.error_status else 500,
-                                      _failure(c.last))
+                                      failure_message(c.last))
         body = {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": [{**self.final(c), **self.choice_extras(c)} for c in self.choices],
                 "usage": self.usage(), **self.body_extras()}
@@ -183,7 +184,7 @@ class Generation(ABC):
             async for c, out in merged_outputs(self.choices):
                 c.take(out)
                 if out.error is not None:
-                    yield error_body(_failure(out), code=out.error_status or 500)
+                    yield error_body(failure_message(out), code=out.error_status or 500)
                     return
                 entry = self.delta(c, out)
                 if self.answer.return_token_ids:

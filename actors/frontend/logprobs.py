@@ -32,7 +32,7 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
-def _finite(lp: float) -> float:
+def finite(lp: float) -> float:
     return lp if lp > MIN_LOGPROB else MIN_LOGPROB     # also maps NaN to the floor
 
 
@@ -101,7 +101,7 @@ def prompt_logprobs_json(lp: Logprobs | None, text_of: TokenText | TokenIdText) 
         text_of = text_of.text_of
     out: list[dict[str, dict] | None] = [None]
     for entry in ranked_positions(lp) if lp is not None else ():
-        out.append({str(tok): {"logprob": _finite(value), "rank": rank, "decoded_token": text_of(tok)[0]}
+        out.append({str(tok): {"logprob": finite(value), "rank": rank, "decoded_token": text_of(tok)[0]}
                     for tok, (value, rank) in entry.items()})
     return out
 
@@ -116,8 +116,8 @@ def chat_logprobs(lp: Logprobs | None, text_of: TokenText, top: int) -> list[dic
         alts = []
         for alt, val in zip(ids[1:top + 1], vals[1:top + 1]):
             alt_token, alt_raw = text_of(alt)
-            alts.append({"token": alt_token, "logprob": _finite(val), "bytes": alt_raw})
-        out.append({"token": token, "logprob": _finite(vals[0]), "bytes": raw, "top_logprobs": alts})
+            alts.append({"token": alt_token, "logprob": finite(val), "bytes": alt_raw})
+        out.append({"token": token, "logprob": finite(vals[0]), "bytes": raw, "top_logprobs": alts})
     return out
 
 
@@ -142,10 +142,10 @@ class CompletionLogprobs:
         if lp is None:
             return
         for ids, vals in zip(lp.token_ids, lp.logprobs):
-            tops = {self.text_of(alt)[0]: _finite(val)
+            tops = {self.text_of(alt)[0]: finite(val)
                     for alt, val in zip(ids[1:self.top + 1], vals[1:self.top + 1])}
-            tops.setdefault(self.text_of(ids[0])[0], _finite(vals[0]))   # the sampled token too
-            self._append(out, ids[0], _finite(vals[0]), tops)
+            tops.setdefault(self.text_of(ids[0])[0], finite(vals[0]))   # the sampled token too
+            self._append(out, ids[0], finite(vals[0]), tops)
 
     def _append(self, out: dict[str, list], token_id: int, logprob: float | None,
                 tops: dict[str, float] | None) -> None:

@@ -49,6 +49,7 @@ class Generate(Msg):
     lora_request: LoRARequest | None = None   # the adapter it runs with (None: the base model)
     truncation_side: str = "left"          # with truncate_prompt_tokens: "left" keeps the last ones, "right" the first
     chat_template: str | None = None       # the request's own template for messages (None: the model's)
+    render_only: bool = False              # checked and tokenized as it would be admitted, not admitted (/render)
 
 
 class InvalidPrompt(ValueError, Refusal):
@@ -106,6 +107,8 @@ class TokenizerActor(Actor):
                                 f"However, you requested {n + params.max_tokens} tokens ({n} in the "
                                 f"prompt, {params.max_tokens} for the completion). Please reduce the "
                                 f"prompt or max_tokens.")
+        if msg.render_only:
+            return PromptAccepted(n, ids)
         self.waiting.admit(msg.request_id, n)               # Overloaded: the queue is full
         arrival = msg.arrival_time or time.time()
         self.detokenizer.tell(TrackRequest(msg.request_id, ids, params, arrival, msg.parent_id, msg.n))

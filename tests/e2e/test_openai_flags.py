@@ -303,3 +303,14 @@ def test_generation_control_endpoints_need_vllm_server_dev_mode_and_the_key(serv
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=10)
         assert err.value.code == 404, path               # absent without VLLM_SERVER_DEV_MODE=1
+
+
+def test_scale_out_endpoints_answer_403_without_enable_scale_out(server):
+    for path in ("/v1/chat/completions/render", "/v1/completions/render", "/inference/v1/generate",
+                 "/inference/v1/abort_requests"):
+        req = urllib.request.Request(server.url + path, method="POST", data=b"{}",
+                                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 403, path
+        assert "--enable-scale-out" in json.loads(err.value.read())["error"]["message"]

@@ -15,9 +15,9 @@ from actors.frontend.streams import OutputStream, RequestOutput, StreamTimeout
 from helpers import run_async
 
 
-def _handle(stall: float) -> tuple[RequestHandle, OutputStream, EngineStats]:
+def _handle(stall: float, pause_mode: str | None = None) -> tuple[RequestHandle, OutputStream, EngineStats]:
     stats = EngineStats()
-    client = SimpleNamespace(stall_timeout_s=stall, stats=stats)
+    client = SimpleNamespace(stall_timeout_s=stall, stats=stats, pause_mode=pause_mode)
     stream = OutputStream("r")
     return RequestHandle(client, "r", stream, 3), stream, stats   # type: ignore[arg-type]
 
@@ -46,3 +46,14 @@ def test_a_request_fails_when_the_engine_runs_nothing_for_the_stall_timeout():
         with pytest.raises(StreamTimeout, match="no output for request r"):
             await handle.__anext__()
     run_async(main(), timeout=30)                   # fails rather than waiting on
+
+
+def test_a_request_queued_while_generation_is_paused_outwaits_the_stall_timeout():
+    async def main():
+        handle, stream, stats = _handle(stall=0.1, pause_mode="keep")
+        stats.last_progress = time.monotonic() - 1.0       # the engine runs nothing while paused
+        asyncio.get_running_loop().call_later(0.5, stream.put,
+                                              RequestOutput("r", "hi", [5], finished=True, finish_reason="stop"))
+        return await handle.__anext__()
+    out = run_async(main(), timeout=30)
+    assert out.finished and out.token_ids == [5]

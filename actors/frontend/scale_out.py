@@ -1,0 +1,320 @@
+"""vLLM's scale-out endpoints (``--enable-scale-out``): a request rendered to token ids and
+sampling parameters in one place and generated from token ids in another, as a frontend that
+tokenizes apart from the engine (or an RL loop that keeps its own token ids) drives vLLM.
+
+  POST /v1/chat/completions/render   a chat request -> vLLM's GenerateRequest (its prompt rendered
+                                     with the chat template and tokenized, its sampling parameters)
+  POST /v1/completions/render        a completion request -> one GenerateRequest per prompt
+  POST /inference/v1/generate        a GenerateRequest -> the generated token ids (``output_mode``
+                                     "tokens"), or token ids and text ("text"); streamed with
+                                     ``"stream": true``
+  POST /inference/v1/abort_requests  ``{"request_ids": [...]}``: end those generations
+
+Rendering goes through the same checks and the same tokenization as admitting the request would
+(the Tokenizer actor's), so generating from a render's output gives the tokens the chat or
+completion endpoint gives. Without the flag these routes answer 403, as vLLM's do."""
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
+
+import msgspec
+from aiohttp import web
+
+from actors.engine.sampling_params import SamplingParams
+from actors.frontend.chat import start_chat
+from actors.frontend.completions import start_completion
+from actors.frontend.errors import bad_request, error_body, error_response, json_encoder
+from actors.frontend.fanout import Choice, merged_outputs, submit_choices
+from actors.frontend.generation import OPEN_ANSWERS, Answer, Generation, failure_message
+from actors.frontend.logprobs import chat_logprobs, finite
+from actors.frontend.params import PromptInput
+from actors.frontend.protocol import (PRIORITY_RANGE, BadRequest, ChatCompletionRequest, CompletionRequest,
+                                      StreamOptions, check_kv_transfer_params, require_in)
+from actors.frontend.streams import RequestOutput, StreamTimeout
+
+if TYPE_CHECKING:
+    from actors.frontend.app import OpenAIServer
+
+DISABLED = ("Scale-out endpoints are disabled. Restart the server with --enable-scale-out to enable them.")
+MAX_CHOICES = 128
+
+# vLLM SamplingParams fields a render writes or a client may send that change nothing here
+_INERT = {"output_kind", "skip_clone", "detokenize", "output_text_buffer_length", "skip_reading_prefix_cache",
+          "spaces_between_special_tokens", "routed_experts_prompt_start"}
+# vLLM SamplingParams fields Troupe does not implement: refused when set to something
+_UNSUPPORTED = {"prompt_logprob_token_ids", "prompt_logprob_start", "thinking_token_budget",
+                "trace_decode_token_ids", "watermarking", "flat_logprobs"}
+_OURS = set(SamplingParams.__struct_fields__) - {"bad_words_token_ids", "truncate_prompt_tokens"}
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's GenerateRequest (what /render answers and /inference/v1/generate takes)."""
+    token_ids: list[int]
+    sampling_params: dict[str, Any]
+    request_id: str | None = None
+    token_offsets: list[tuple[int, int]] | None = None
+    features: dict[str, Any] | None = None          # multimodal: not served here
+    content_parts: list[dict[str, Any]] | None = None
+    model: str | None = None
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool | None = None
+    output_mode: Literal["tokens", "text"] = "tokens"
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+
+
+def vllm_sampling_params(params: SamplingParams, n: int) -> dict[str, Any]:
+    """``params`` as vLLM's SamplingParams JSON (the fields not at their defaults)."""
+    out = msgspec.to_builtins(params)
+    out.pop("truncate_prompt_tokens", None)       # applied by the render already
+    out.pop("bad_words_token_ids", None)
+    out.pop("n", None)
+    if n > 1:
+        out["n"] = n
+    return out
+
+
+def sampling_params_of(given: dict[str, Any]) -> tuple[SamplingParams, int, int]:
+    """vLLM's SamplingParams JSON as Troupe's, with its ``n`` and ``stream_interval``; a field
+    Troupe does not know, or does not implement, is a 400 naming it."""
+    fields = dict(given)
+    for name in _INERT:
+        fields.pop(name, None)
+    for name in _UNSUPPORTED:
+        value = fields.pop(name, None)
+        if value not in (None, False, [], 0):
+            raise BadRequest(f"sampling_params.{name} is not supported by this server", f"sampling_params.{name}")
+    interval = fields.pop("stream_interval", None)
+    interval = 1 if interval is None else interval
+    for name in ("stop", "stop_token_ids", "bad_words"):
+        if fields.get(name, 0) is None:
+            del fields[name]
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    unknown = sorted(set(fields) - _OURS)
+    if unknown:
+        raise BadRequest(f"unknown field `sampling_params.{unknown[0]}`", f"sampling_params.{unknown[0]}")
+    try:
+        params = msgspec.convert(fields, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid sampling_params: {exc}", "sampling_params") from None
+    n = params.n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"sampling_params.n must be in [1, {MAX_CHOICES}], got {n!r}", "sampling_params.n")
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise BadRequest("sampling_params.stream_interval must be a positive integer", "sampling_params.stream_interval")
+    return msgspec.structs.replace(params, n=1), n, interval
+
+
+def _render_id(request: web.Request, gen: Generation) -> str:
+    """vLLM's: the answer's prefix and the X-Request-Id header, else the answer's id (the
+    request's own request_id, else the server's)."""
+    header = request.headers.get("X-Request-Id")
+    return gen.id_prefix + header if header else gen.id
+
+
+def _rendered(choices: list[Choice], request_id: str, req: ChatCompletionRequest | CompletionRequest,
+              stream: bool) -> dict[str, Any]:
+    """The GenerateRequest of one rendered prompt (its first choice's; ``n`` of them)."""
+    first = choices[0].handle
+    return {"request_id": request_id, "token_ids": first.prompt_token_ids, "token_offsets": None,
+            "features": None, "content_parts": None,
+            "sampling_params": vllm_sampling_params(first.params, len(choices)),
+            "model": req.model, "reasoning_ended": None, "reasoning_parser_kwargs": None,
+            "return_token_ids": None, "output_mode": "tokens", "stream": stream,
+            "stream_options": msgspec.to_builtins(req.stream_options) if stream and req.stream_options else None,
+            "cache_salt": req.cache_salt, "priority": req.priority or 0,
+            "kv_transfer_params": req.kv_transfer_params, "ec_transfer_params": None}
+
+
+def _json(body: Any) -> web.Response:
+    return web.Response(body=json_encoder.encode(body), content_type="application/json")
+
+
+async def render_chat(server: OpenAIServer, request: web.Request) -> web.Response:
+    req: ChatCompletionRequest = await server.read(request, ChatCompletionRequest)
+    if req.use_beam_search:
+        raise BadRequest("Beam search is not supported by the render endpoint", "use_beam_search")
+    gen, stream = await start_chat(server, req, time.time(), functools.partial(server.submit, render_only=True))
+    return _json(_rendered(gen.choices, _render_id(request, gen), req, stream))
+
+
+async def render_completion(server: OpenAIServer, request: web.Request) -> web.Response:
+    req: CompletionRequest = await server.read(request, CompletionRequest)
+    if req.use_beam_search:
+        raise BadRequest("Beam search is not supported by the render endpoint", "use_beam_search")
+    gen, stream = await start_completion(server, req, time.time(), functools.partial(server.submit, render_only=True))
+    by_prompt: dict[int, list[Choice]] = {}
+    for c in gen.choices:
+        by_prompt.setdefault(c.prompt_index, []).append(c)
+    base = _render_id(request, gen)
+    single = len(by_prompt) == 1
+    return _json([_rendered(choices, base if single else f"{base}-{p}", req, stream)
+                  for p, choices in sorted(by_prompt.items())])
+
+
+class TokensGeneration(Generation):
+    """One GenerateRequest being answered in vLLM's GenerateResponse shape."""
+    id_prefix = "generate-tokens-"
+
+    def __init__(self, server: OpenAIServer, body: GenerateRequest, request_id: str, choices: list[Choice],
+                 num_logprobs: int | None) -> None:
+        options = body.stream_options
+        answer = Answer(server.token_text, body.request_id,
+                        continuous_usage=bool(body.stream and options and options.include_usage
+                                              and options.continuous_usage_stats))
+        include_usage = bool(body.stream and options and options.include_usage)
+        super().__init__(request_id, body.model or server.engine().model_name, choices, include_usage, answer)
+        self.aliases = (body.request_id,) if body.request_id else ()
+        self.text_mode = body.output_mode == "text"
+        self.return_token_ids = bool(body.return_token_ids)
+        self.num_logprobs = num_logprobs
+        self.kv_transfer = body.kv_transfer_params
+        self._sent_prompt = False
+        for c in choices:
+            c.state = []                               # the log-prob entries so far
+
+    def _logprobs(self, out: RequestOutput) -> list[dict[str, Any]] | None:
+        if self.num_logprobs is None or out.logprobs is None:
+            return None
+        if self.text_mode:
+            return chat_logprobs(out.logprobs, self.answer.text_of, self.num_logprobs)
+        top = self.num_logprobs
+        return [{"token_id": ids[0], "logprob": finite(values[0]), "rank": rank,
+                 "top_logprobs": [{"token_id": t, "logprob": finite(v), "rank": r}
+                                  for r, (t, v) in enumerate(zip(ids[1:top + 1], values[1:top + 1]), start=1)]}
+                for ids, values, rank in zip(out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)]
+
+    def _entry(self, c: Choice, token_ids: list[int], logprobs: list | None, text: str,
+               finish_reason: str | None, stop_reason: Any) -> dict[str, Any]:
+        entry = {"index": c.index, "finish_reason": finish_reason, "stop_reason": stop_reason,
+                 "token_ids": token_ids, "routed_experts": None, "sampling_mask": None, "weight_versions": None}
+        if self.text_mode:
+            entry["text"] = text
+        entry["logprobs"] = None if logprobs is None else {"content": logprobs}
+        return entry
+
+    def chunk(self, choices: list[dict], **extra: Any) -> dict:
+        out: dict[str, Any] = {"request_id": self.id, "usage": extra.get("usage")}
+        if self.return_token_ids and not self._sent_prompt:
+            self._sent_prompt = True
+            out["prompt_token_ids"] = self.choices[0].handle.prompt_token_ids
+        out["output_mode"] = "text" if self.text_mode else "tokens"
+        out["choices"] = choices
+        return out
+
+    async def events(self) -> AsyncIterator[dict]:
+        try:
+            async for c, out in merged_outputs(self.choices):
+                c.take(out)
+                if out.error is not None:
+                    yield error_body(failure_message(out), code=out.error_status or 500)
+                    return
+                if out.token_ids or out.finished:
+                    extra = {"usage": self.usage()} if self.answer.continuous_usage else {}
+                    entry = self._entry(c, out.token_ids, self._logprobs(out), out.text,
+                                        out.finish_reason if out.finished else None,
+                                        out.stop_reason if out.finished else None)
+                    yield self.chunk([entry], **extra)
+        except StreamTimeout as exc:
+            yield error_body(str(exc), code=504)
+            return
+        if self.include_usage:
+            yield self.chunk([], usage=self.usage())
+
+    def delta(self, c: Choice, out: RequestOutput) -> dict | None:      # events() is its own
+        raise NotImplementedError
+
+    def finish(self, c: Choice, out: RequestOutput) -> dict:
+        raise NotImplementedError
+
+    def observe(self, c: Choice, out: RequestOutput) -> None:
+        c.text.append(out.text)
+        lp = self._logprobs(out)
+        if lp is not None:
+            c.state.extend(lp)
+
+    def final(self, c: Choice) -> dict:
+        lp = c.state if self.num_logprobs is not None else None
+        return self._entry(c, c.token_ids, lp, "".join(c.text), c.last.finish_reason, c.last.stop_reason)
+
+    async def collect(self) -> dict[str, Any] | web.Response:
+        body = await super().collect()
+        if not isinstance(body, dict):
+            return body
+        return {"request_id": body["id"], "model": body["model"], "created": body["created"],
+                "usage": body["usage"], "prompt_logprobs": None, "prompt_token_id_logprobs": None,
+                "prompt_token_ids": self.choices[0].handle.prompt_token_ids if self.return_token_ids else None,
+                "mm_placeholders": None, "metrics": None, "kv_transfer_params": body.get("kv_transfer_params"),
+                "ec_transfer_params": None, "output_mode": "text" if self.text_mode else "tokens",
+                "choices": body["choices"]}
+
+
+async def generate(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
+    arrival = time.time()
+    body: GenerateRequest = await server.read(request, GenerateRequest)
+    client = server.engine()
+    if body.features is not None or body.content_parts is not None or body.ec_transfer_params is not None:
+        raise BadRequest("multimodal inputs are not supported by this server (a text-only model)",
+                         "features" if body.features is not None else "content_parts")
+    if not body.token_ids:
+        raise BadRequest("token_ids must not be empty", "token_ids")
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options may only be set when stream is true", "stream_options")
+    if body.cache_salt is not None and not 1 <= len(body.cache_salt) <= 1024:
+        raise BadRequest("cache_salt must be 1 to 1024 characters", "cache_salt")
+    require_in(body.priority, *PRIORITY_RANGE, "priority")
+    if body.priority != 0 and client.config.scheduler.policy != "priority":
+        raise BadRequest(f"priority {body.priority} needs a server started with --scheduling-policy priority",
+                         "priority")
+    params, n, interval = sampling_params_of(body.sampling_params)
+    if body.kv_transfer_params is not None:     # a KV connector's, as the OpenAI endpoints take them
+        extra = {**(params.extra_args or {}), "kv_transfer_params": check_kv_transfer_params(body.kv_transfer_params)}
+        params = msgspec.structs.replace(params, extra_args=extra)
+    if params.structured_outputs is not None:
+        await server.check_grammar_spec(params.structured_outputs, "sampling_params.structured_outputs")
+    rid = client.new_request_id()
+    choices = await submit_choices(
+        server.submit, rid, params, n, [PromptInput(None, list(body.token_ids))], priority=body.priority,
+        arrival_time=arrival, cache_salt=body.cache_salt, lora_request=client.lora_request_for(body.model),
+        stream_interval=interval)
+    gen = TokensGeneration(server, body, rid, choices, params.num_logprobs)
+    return await gen.respond(request, bool(body.stream))
+
+
+async def abort_requests(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's /inference/v1/abort_requests: ``request_ids`` (required) end with finish reason
+    "abort"; an id names a generation as its GenerateRequest did (or its answer's id)."""
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"JSON decode error: {exc}") from None
+    ids = body.get("request_ids") if isinstance(body, dict) else None
+    if not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+        raise bad_request("Missing 'request_ids' in request body (a list of strings)", "request_ids")
+    answers = request.app[OPEN_ANSWERS]
+    server.engine().abort_open([e for rid in ids for e in answers.get(rid, [rid])])
+    return web.Response(status=200)
+
+
+async def disabled(server: OpenAIServer, request: web.Request) -> web.Response:
+    return error_response(403, DISABLED)
+
+
+GENERATE = "/inference/v1/generate"
+ROUTES = [("POST", "/v1/chat/completions/render", render_chat),
+          ("POST", "/v1/completions/render", render_completion),
+          ("POST", GENERATE, generate),
+          ("POST", "/inference/v1/abort_requests", abort_requests)]
+
+
+def routes(enabled: bool) -> list[tuple[str, str, Any]]:
+    return ROUTES if enabled else [(method, path, disabled) for method, path, _ in ROUTES]
