@@ -85,7 +85,7 @@ REFUSED: dict[str, str] = {
     "--swap-space": _KV, "--cpu-offload-gb": _KV, "--prefix-caching-hash-algo": _KV,
     "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _KV,
     "--mamba-ssm-cache-dtype": _KV, "--mamba-block-size": _KV,
-    "--kv-events-config": _KV, "--kv-cache-metrics": _KV, "--kv-cache-metrics-sample": _KV,
+    "--kv-cache-metrics": _KV, "--kv-cache-metrics-sample": _KV,
     "--kv-offloading-size": _KV, "--kv-offloading-backend": _KV,
     # the scheduler and compilation
     "--num-lookahead-slots": _SCHED, "--disable-chunked-mm-input": _MODALITY, "--scheduler-cls": _SCHED,

@@ -19,6 +19,7 @@ from actors.engine.config import (DATA_PARALLEL_BACKENDS, DEFAULT_MAX_LOGPROBS, 
 from actors.engine.compilation import compilation_config
 from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
+from actors.kv_manager.kv_events import kv_events_config
 from actors.kv_transfer.config import kv_transfer_config
 from actors.kv_transfer.factory import KVConnectorFactory
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
@@ -85,6 +86,8 @@ class EngineArgs:
     compilation_config: dict[str, Any] | str | int | None = None
     # vLLM's --kv-transfer-config: its JSON object (text on the command line, a dict in LLM(...))
     kv_transfer_config: dict[str, Any] | str | None = None
+    # vLLM's --kv-events-config: the prefix cache's changes published over ZeroMQ (JSON text or a dict)
+    kv_events_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         load_general_plugins()         # this process's plugins first (e.g. an architecture they register)
@@ -153,7 +156,8 @@ class EngineArgs:
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
             observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir),
             speculative=speculative, compilation=compilation, lora=self.lora_config(),
-            kv_transfer=kv_transfer_config(self.kv_transfer_config))
+            kv_transfer=kv_transfer_config(self.kv_transfer_config),
+            kv_events=kv_events_config(self.kv_events_config))
         KVConnectorFactory.check_engine(config)
         return config
 
@@ -500,6 +504,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "kv_consumer or kv_both; kv_ip, kv_port: where a producer's side channel listens; "
                  'kv_connector_extra_config: {"kv_lease_duration", "heartbeat_s", "transfer_timeout_s", "shm"}). '
                  "Requests then carry kv_transfer_params (see tools/pd_proxy.py)")),
+        (("--kv-events-config",), "kv_events_config", dict(
+            default=d["kv_events_config"], metavar="JSON",
+            help='publish the prefix cache\'s changes as vLLM\'s KV events, for KV-aware routers: a JSON object '
+                 'such as {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                 '"topic": "kv"} (vLLM\'s keys; also replay_endpoint, buffer_steps, hwm, max_queue_size)')),
         (("--logits-processors",), "logits_processors", dict(
             nargs="+", default=d["logits_processors"], metavar="CLASS",
             help="batch-level logits processors (vLLM's interface, models/logits_processors.py), as fully "

@@ -23,6 +23,7 @@ from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, group_size, kv_cache_groups,
                                              max_tokens_per_request, model_kv_cache_specs, num_blocks_for,
                                              stage_groups, with_draft_layers)
+from actors.kv_manager.kv_events import KVEventsConfig
 from actors.kv_transfer.config import KVTransferConfig
 from actors.spec_decode.config import SpeculativeConfig
 from models.config import ArchConfig
@@ -174,6 +175,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora: LoRAConfig | None = None         # --enable-lora: adapters served beside the base model (None: off)
     # --kv-transfer-config: a KV connector moving prompts' KV between instances (None: off)
     kv_transfer: KVTransferConfig | None = None
+    # --kv-events-config: the prefix cache's changes published for KV-aware routers (None: off)
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         check_config(self)

@@ -105,7 +105,7 @@ class EngineCore:
         self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor(workers, output_rank))
         outputs = self.node.ref(topology.DETOKENIZER, topology.FRONTEND_NODE, EngineCoreOutputs)
         self.scheduler = self.node.spawn(topology.SCHEDULER, lambda: SchedulerActor(
-            scheduler, self.executor, outputs, self.grammar, engine_index=self.dp_rank))
+            scheduler, self.executor, outputs, self.grammar, engine_index=self.dp_rank, kv_events=cfg.kv_events))
         return cfg
 
     async def _start_workers(self) -> tuple[list[ActorRef], EngineConfig]:

@@ -116,7 +116,7 @@ class OpenAIServer:
             ("GET", "/v1/models", misc.models), ("GET", "/v1/models/{model:.+}", misc.model),
             ("POST", "/tokenize", misc.tokenize), ("POST", "/detokenize", misc.detokenize),
             ("POST", "/reset_prefix_cache", misc.reset_prefix_cache),
-            ("GET", "/load", misc.load),
+            ("GET", "/load", misc.load), ("GET", "/kv_event_sources", misc.kv_event_sources),
             ("POST", "/v1/chat/completions", self._loading(chat.chat_completions)),
             ("POST", "/v1/completions", self._loading(completions.completions)),
             ("POST", "/v1/responses", self._loading(responses.create_response)),

@@ -6,9 +6,11 @@ import json
 from importlib import metadata
 from typing import TYPE_CHECKING
 
+import msgspec
 from aiohttp import web
 
 from actors.frontend.errors import error_response, json_encoder, not_found
+from actors.kv_manager.kv_events import offset_endpoint
 from actors.frontend.params import chat_messages, check_chat_flags
 from actors.frontend.protocol import BadRequest, DetokenizeRequest, TokenizeRequest
 from actors.frontend.tools import template_tools
@@ -142,6 +144,18 @@ async def tokenize(server: OpenAIServer, request: web.Request) -> web.Response:
     if req.return_token_strs:
         body["token_strs"] = tok.convert_ids_to_tokens(ids)
     return _json(body)
+
+
+async def kv_event_sources(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's: where each engine core (by data-parallel rank) publishes its KV events, with the
+    rest of its --kv-events-config; {} when they are off."""
+    config = server.engine().config
+    events = config.kv_events
+    if events is None or not events.active:
+        return _json({})
+    return _json({str(rank): {**msgspec.structs.asdict(events), "endpoint": offset_endpoint(events.endpoint, rank),
+                              "replay_endpoint": offset_endpoint(events.replay_endpoint, rank)}
+                  for rank in range(config.parallel.data_parallel_size)})
 
 
 async def tokenizer_info(server: OpenAIServer, request: web.Request) -> web.Response:

@@ -12,11 +12,15 @@ goes to the tail, so cached prefixes are evicted least-recently-used first; a fr
 without a hash goes to the head, since nothing can reuse its contents. A cached free block that
 a new request hits leaves the queue from the middle ("touch"): the queue is an intrusive doubly
 linked list so that removal is O(1), which a deque cannot do.
+
+With KV events on (``record_events``), the pool notes each change of the prefix cache in
+``events`` (blocks cached, a block's hash dropped, the cache cleared) for the scheduler to
+publish (actors/kv_manager/kv_events.py); ``on_event`` is called when the first one is noted.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from actors.kv_manager.block_hash import BlockHash
 
@@ -98,6 +102,26 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached: dict[BlockHashWithGroupId, KVCacheBlock] = {}
+        self.events: list[tuple] | None = None       # KV events noted, not yet taken (None: off)
+        self.on_event: Callable[[], None] | None = None
+
+    def record_events(self, on_event: Callable[[], None] | None = None) -> None:
+        """Note the prefix cache's changes from now on (KV events)."""
+        self.events = []
+        self.on_event = on_event
+
+    def note(self, event: tuple) -> None:
+        """``("stored", req_id, group, first_block_index, hashes)``, ``("removed", hash, group)``
+        or ``("cleared",)``."""
+        if self.events is None:
+            return
+        self.events.append(event)
+        if len(self.events) == 1 and self.on_event is not None:
+            self.on_event()
+
+    def take_events(self) -> list[tuple]:
+        events, self.events = self.events or [], ([] if self.events is not None else None)
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -147,16 +171,17 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
         return self.cached.get((block_hash, group))
 
-    def cache_full_block(self, b: KVCacheBlock, block_hash: BlockHash, group: int = 0) -> None:
+    def cache_full_block(self, b: KVCacheBlock, block_hash: BlockHash, group: int = 0) -> bool:
         """Register a block of ``group`` whose tokens are complete (computed by the step being
-        scheduled)."""
+        scheduled); whether it entered the prefix cache."""
         if not self.enable_caching or b.block_hash is not None or b is self.null_block:
-            return
+            return False
         key = (block_hash, group)
         if key in self.cached:          # an identical block is cached already: keep that one
-            return
+            return False
         b.block_hash = key
         self.cached[key] = b
+        return True
 
     def uncache_block(self, b: KVCacheBlock) -> None:
         """Take ``b`` out of the prefix cache: it is handed out again, or its tokens will not be
@@ -164,6 +189,7 @@ class BlockPool:
         if b.block_hash is not None:
             if self.cached.get(b.block_hash) is b:
                 del self.cached[b.block_hash]
+                self.note(("removed", *b.block_hash))
             b.block_hash = None
 
     def reset_prefix_cache(self) -> None:
@@ -171,3 +197,4 @@ class BlockPool:
         for b in self.cached.values():
             b.block_hash = None
         self.cached.clear()
+        self.note(("cleared",))

@@ -79,8 +79,16 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.get(req_id, [])
         n = min(num_full, len(block_hashes), len(blocks))
         done = self.num_registered.get(req_id, 0)
+        run: list[BlockHash] = []              # blocks newly cached in a row (one KV event)
+        noting = self.pool.events is not None
         for i in range(done, n):
-            self.pool.cache_full_block(blocks[i], block_hashes[i], self.group_id)
+            if self.pool.cache_full_block(blocks[i], block_hashes[i], self.group_id) and noting:
+                run.append(block_hashes[i])
+            elif run:
+                self.pool.note(("stored", req_id, self.group_id, i - len(run), run))
+                run = []
+        if run:
+            self.pool.note(("stored", req_id, self.group_id, n - len(run), run))
         if n > done:
             self.num_registered[req_id] = n
 

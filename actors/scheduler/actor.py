@@ -37,6 +37,7 @@ from actors.engine.sampling_params import StructuredOutputsParams
 from actors.grammar.actor import CompileGrammar
 from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteError
 from actors.runtime.tracing import StepRecord, now_ns
+from actors.kv_manager.kv_events import KVEventBatch, KVEventsConfig, ZmqEventPublisher
 from actors.scheduler.scheduler import PauseState, Scheduler
 
 log = logging.getLogger("troupe.scheduler")
@@ -135,8 +136,12 @@ class SchedulerActor(Actor):
     on_failure = "escalate"      # an exception here means broken scheduling state
 
     def __init__(self, core: Scheduler, executor: ActorRef, outputs: ActorRef,
-                 grammar: ActorRef | None = None, generation: int = 0, engine_index: int = 0) -> None:
+                 grammar: ActorRef | None = None, generation: int = 0, engine_index: int = 0,
+                 kv_events: KVEventsConfig | None = None) -> None:
         self.core = core
+        self.kv_events = kv_events if kv_events is not None and kv_events.active else None
+        self._kv_publisher: ZmqEventPublisher | None = None
+        self._kv_flush_queued = False
         self.engine_index = engine_index     # this engine core's data-parallel rank, on its outputs
         self.executor = executor
         self.outputs = outputs
@@ -154,6 +159,31 @@ class SchedulerActor(Actor):
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._last_emit = 0.0                # time.monotonic() of the last EngineCoreOutputs
         self._clear_cache_when_drained = False   # a pause (abort / wait) resets the prefix cache once complete
+
+    async def started(self) -> None:
+        if self.kv_events is not None:
+            self._kv_publisher = ZmqEventPublisher(self.kv_events, self.engine_index)
+            self.core.record_kv_events(self._queue_kv_flush)
+            log.info("KV events published on %s%s", self._kv_publisher.endpoint,
+                     f" (replay on {self._kv_publisher.replay_endpoint})" if self._kv_publisher.replay_endpoint else "")
+
+    async def stopped(self) -> None:
+        if self._kv_publisher is not None:
+            self._flush_kv_events()
+            self._kv_publisher.shutdown()
+            self._kv_publisher = None
+
+    def _queue_kv_flush(self) -> None:
+        """KV events were noted: publish them (as one batch) once the current handler is done."""
+        if not self._kv_flush_queued:
+            self._kv_flush_queued = True
+            asyncio.get_running_loop().call_soon(self._flush_kv_events)
+
+    def _flush_kv_events(self) -> None:
+        self._kv_flush_queued = False
+        events = self.core.take_kv_events()
+        if events and self._kv_publisher is not None:
+            self._kv_publisher.publish(KVEventBatch(time.time(), events, self.engine_index))
 
     async def receive(self, msg: SchedulerProtocol) -> Any:
         match msg:

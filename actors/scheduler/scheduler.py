@@ -54,6 +54,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from actors.engine.config import EngineConfig
 from actors.engine.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest,
@@ -62,6 +63,9 @@ from actors.engine.messages import (CachedRequestData, EngineCoreOutput, EngineC
 from actors.grammar.compiler import GrammarError
 from actors.scheduler.cost_model import AUTO_CHUNK_COST, StepCostModel, attention_pairs
 from actors.grammar.matchers import StructuredOutputs
+from actors.kv_manager.block_hash import block_extra_keys
+from actors.kv_manager.kv_events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
+                                         external_hash)
 from actors.kv_manager.manager import KVCacheManager
 from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from actors.kv_transfer.factory import KVConnectorFactory
@@ -161,6 +165,7 @@ class Scheduler:
         self._held_for_remote: set[str] = set()    # finished; blocks freed when the worker says so
         self.removed_lora_ids: list[int] = []     # unloaded adapters the workers drop with the next step
         self.pause_state = PauseState.UNPAUSED
+        self._kv_events: list[KVCacheEvent] = []    # converted, not yet taken (--kv-events-config)
 
     # -- admission and abort -----------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -271,6 +276,44 @@ class Scheduler:
         if self.pause_state == PauseState.PAUSED_ALL:
             return False
         return bool(self.running or self._remote_loaded)
+
+    # -- KV events (--kv-events-config) ------------------------------------------------------
+    def record_kv_events(self, on_event: Callable[[], None] | None = None) -> None:
+        """Note the prefix cache's changes as vLLM's KV events (``take_kv_events``); ``on_event``
+        is called when one is noted and none was waiting."""
+        self.kv.pool.record_events(on_event)
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The KV events since the last call, in order."""
+        self._convert_kv_events()
+        events, self._kv_events = self._kv_events, []
+        return events
+
+    def _convert_kv_events(self) -> None:
+        """The pool's notes as vLLM's events; blocks stored are described by the request that
+        filled them (called while it is known: at the end of every schedule())."""
+        notes = self.kv.pool.take_events()
+        if not notes:
+            return
+        bs = self.block_size
+        for note in notes:
+            if note[0] == "stored":
+                _, rid, group, first, hashes = note
+                req = self.requests.get(rid)
+                parent = req.block_hashes[first - 1] if req is not None and first > 0 else None
+                lora = req.lora_request if req is not None else None
+                tokens = req.all_token_ids[first * bs:(first + len(hashes)) * bs] if req is not None else []
+                keys = [block_extra_keys(first + i, lora.lora_name if lora else None,
+                                         req.cache_salt if req is not None else None) for i in range(len(hashes))]
+                self._kv_events.append(BlockStored(
+                    [external_hash(h) for h in hashes], None if parent is None else external_hash(parent),
+                    tokens, bs, lora.lora_int_id if lora else None, MEDIUM_GPU, lora.lora_name if lora else None,
+                    extra_keys=[tuple(v for _, v in k) if k else None for k in keys] if any(keys) else None,
+                    group_idx=group))
+            elif note[0] == "removed":
+                self._kv_events.append(BlockRemoved([external_hash(note[1])], MEDIUM_GPU, group_idx=note[2]))
+            else:
+                self._kv_events.append(AllBlocksCleared())
 
     def abort_all(self) -> list[EngineCoreOutput]:
         """Abort every request this scheduler holds (waiting, running, or waiting for a grammar
@@ -414,6 +457,8 @@ class Scheduler:
         if self.pipeline_parallel_size > 1 and step.num_tokens:
             self._busy_steps[so.step] = list(so.num_scheduled_tokens)
             self._busy.update(so.num_scheduled_tokens)
+        if self.kv.pool.events:
+            self._convert_kv_events()
         return so
 
     def _latency_budget(self) -> tuple[float | None, frozenset]:
