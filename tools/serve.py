@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--enable-scale-out", action=argparse.BooleanOptionalAction, default=False,
                    help="serve vLLM's scale-out endpoints: /v1/chat/completions/render, /v1/completions/render "
                         "(a request as token ids and sampling parameters), /inference/v1/generate (token ids in, "
-                        "token ids out) and /inference/v1/abort_requests (vLLM's flag: off, they answer 403)")
+                        "token ids out), /inference/v1/abort_requests and the /derender ones (token ids back to "
+                        "the OpenAI answer) (vLLM's flag: off, they answer 403)")
     p.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="vLLM's: chat template variables for every chat request, e.g. '{\"enable_thinking\": "
                         "false}'; a request's chat_template_kwargs override them")

@@ -9,6 +9,9 @@ tokenizes apart from the engine (or an RL loop that keeps its own token ids) dri
                                      "tokens"), or token ids and text ("text"); streamed with
                                      ``"stream": true``
   POST /inference/v1/abort_requests  ``{"request_ids": [...]}``: end those generations
+  POST /v1/chat/completions/derender a whole token-mode generate response (and the chat request
+                                     it came from) -> the chat completion the chat endpoint answers
+  POST /v1/completions/derender      one generate response per prompt -> the completion
 
 Rendering goes through the same checks and the same tokenization as admitting the request would
 (the Tokenizer actor's), so generating from a render's output gives the tokens the chat or
@@ -29,10 +32,11 @@ from actors.frontend.completions import start_completion
 from actors.frontend.errors import bad_request, error_body, error_response, json_encoder
 from actors.frontend.fanout import Choice, merged_outputs, submit_choices
 from actors.frontend.generation import OPEN_ANSWERS, Answer, Generation, failure_message
-from actors.frontend.logprobs import chat_logprobs, finite
+from actors.engine.messages import Logprobs
+from actors.frontend.logprobs import CompletionLogprobs, chat_logprobs, finite
 from actors.frontend.params import PromptInput
 from actors.frontend.protocol import (PRIORITY_RANGE, BadRequest, ChatCompletionRequest, CompletionRequest,
-                                      StreamOptions, check_kv_transfer_params, require_in)
+                                      StreamOptions, check_kv_transfer_params, require, require_in)
 from actors.frontend.streams import RequestOutput, StreamTimeout
 
 if TYPE_CHECKING:
@@ -309,11 +313,345 @@ async def disabled(server: OpenAIServer, request: web.Request) -> web.Response:
     return error_response(403, DISABLED)
 
 
+# -- derender: token ids back to the OpenAI answer ------------------------------------------------
+class GenerateChoice(msgspec.Struct, kw_only=True):
+    """A choice of vLLM's GenerateTokensResponse (the fields derender reads; the others pass)."""
+    index: int
+    token_ids: list[int] | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class GenerateResponse(msgspec.Struct, kw_only=True):
+    """vLLM's GenerateTokensResponse, as /inference/v1/generate answers it."""
+    request_id: str
+    choices: list[GenerateChoice]
+    output_mode: Literal["tokens"] = "tokens"
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: Any = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class DerenderChatRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's: ``prompt_tokens`` counts the prompt in the usage; ``prompt_token_ids`` (its tail is
+    enough) seed the decoding; ``chat_request`` is the request as /render took it."""
+    generate_response: GenerateResponse
+    stream: Literal[False] = False
+    model: str | None = None
+    prompt_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    chat_request: dict[str, Any] | None = None
+
+
+class DerenderCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    generate_responses: list[GenerateResponse]
+    stream: Literal[False] = False
+    model: str | None = None
+    prompt_tokens: list[int] | None = None
+    prompt_token_ids: list[list[int] | None] | None = None
+    completion_request: dict[str, Any] | None = None
+
+
+class GenerateChunk(msgspec.Struct, kw_only=True):
+    """One chunk of a streamed /inference/v1/generate answer (token mode)."""
+    request_id: str
+    choices: list[GenerateChoice]
+    output_mode: Literal["tokens"] = "tokens"
+    usage: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class DerenderStreamRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's streamed derender (chat or completion): one generate chunk at a time, with the
+    ``stream_state`` the previous call answered (None on the first)."""
+    stream: Literal[True]
+    generate_chunk: GenerateChunk
+    model: str | None = None
+    stream_state: dict[str, Any] | None = None
+    prompt_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    chat_request: dict[str, Any] | None = None
+    completion_request: dict[str, Any] | None = None
+
+
+SEED_TOKENS = 4          # prompt tokens decoded before the output, so its first token reads as it would after them
+PREFIX_WINDOW = 5        # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
+
+
+def _original(server: OpenAIServer, raw: dict[str, Any] | None, typ: type, param: str) -> Any:
+    """The chat or completion request a derender names, decoded as its endpoint decodes it."""
+    if raw is None:
+        return None
+    try:
+        return server.decode(json_encoder.encode(raw), typ)
+    except BadRequest as exc:
+        raise BadRequest(f"{param}: {exc}", param) from None
+
+
+def _check_bounds(server: OpenAIServer, responses: list[GenerateResponse], prompt_ids: list[list[int] | None]) -> None:
+    """vLLM's bounds on what a derender decodes: no more sequences, tokens or log-probs than a
+    generation could have made."""
+    limit, longest = MAX_CHOICES, server.engine().max_model_len
+    require(len(responses) <= limit, f"generate_responses count ({len(responses)}) exceeds {limit}",
+            "generate_responses")
+    for gen in responses:
+        require(len(gen.choices) <= limit, f"choices count ({len(gen.choices)}) exceeds {limit}", "choices")
+        _check_choices(server, gen.choices)
+    for ids in prompt_ids:
+        require(ids is None or len(ids) <= longest,
+                f"prompt_token_ids length exceeds max_model_len ({longest})", "prompt_token_ids")
+
+
+def _check_choices(server: OpenAIServer, choices: list[GenerateChoice], streamed: bool = False) -> None:
+    """Each choice's token ids (some, unless a streamed chunk: maybe none) in the vocabulary and
+    no more of them, or of their log-probs, than the context holds."""
+    longest = server.engine().max_model_len
+    for c in choices:
+        ids = c.token_ids or []
+        require(streamed or bool(ids), f"choice {c.index} has empty or null token_ids", "token_ids")
+        require(len(ids) <= longest, f"token_ids length ({len(ids)}) in choice {c.index} "
+                f"exceeds max_model_len ({longest})", "token_ids")
+        bad = [t for t in ids if not 0 <= t < server.vocab_size]
+        require(not bad, f"token ids must be in [0, {server.vocab_size}), got {bad[:5]}", "token_ids")
+        content = (c.logprobs or {}).get("content") or []
+        require(len(content) <= longest, f"logprobs.content length in choice {c.index} exceeds "
+                f"max_model_len ({longest})", "logprobs")
+
+
+def _decode(server: OpenAIServer, ids: list[int], seed: list[int] | None, skip_special: bool) -> str:
+    """``ids`` decoded as they read after the prompt's last tokens (a SentencePiece token's
+    leading space, a character split across the boundary)."""
+    tok = server.engine().tokenizer
+    tail = [t for t in (seed or [])[-SEED_TOKENS:] if 0 <= t < server.vocab_size]
+    if tail:
+        before = tok.decode(tail, skip_special_tokens=skip_special)
+        whole = tok.decode(tail + ids, skip_special_tokens=skip_special)
+        if whole.startswith(before):
+            return whole[len(before):]
+    return tok.decode(ids, skip_special_tokens=skip_special)
+
+
+def _stop_cut(text: str, choice: GenerateChoice, include_stop: bool) -> str:
+    """The text up to the stop string that ended it (the engine's truncation, which token ids
+    do not carry)."""
+    if isinstance(choice.stop_reason, str):
+        at = text.find(choice.stop_reason)
+        if at >= 0:
+            return text[:at + len(choice.stop_reason)] if include_stop else text[:at]
+    return text
+
+
+def _token_logprobs(choice: GenerateChoice) -> tuple[Logprobs | None, int]:
+    """A choice's vLLM token-id log-probs as the engine's Logprobs, and how many alternatives
+    each position lists."""
+    content = (choice.logprobs or {}).get("content")
+    if not content:
+        return None, 0
+    lp = Logprobs([], [], [])
+    top = 0
+    try:
+        for entry in content:
+            alts = entry.get("top_logprobs") or []
+            top = max(top, len(alts))
+            lp.token_ids.append([int(entry["token_id"]), *(int(a["token_id"]) for a in alts)])
+            lp.logprobs.append([float(entry["logprob"]), *(float(a["logprob"]) for a in alts)])
+            lp.ranks.append(int(entry.get("rank") or 1))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadRequest(f"malformed logprobs entry in choice {choice.index}: {exc}", "logprobs") from None
+    return lp, top
+
+
+class StreamState:
+    """vLLM's DerenderStreamState, which the client carries from call to call: the incremental
+    detokenizer's window (``prev_tokens`` as token strings, ``prefix_offset``, ``read_offset``:
+    transformers' algorithm, so vLLM's state and this one are the same thing), whether the
+    role was sent, the last token ids (log-prob context) and the completion log-probs' text
+    offset. Fields this server does not use pass through unchanged."""
+
+    def __init__(self, server: OpenAIServer, given: dict[str, Any] | None, seed: list[int] | None,
+                 skip_special: bool) -> None:
+        self.tok = server.engine().tokenizer
+        self.skip_special = skip_special
+        self.special = set(self.tok.all_special_ids)
+        self.fields = dict(given or {})
+        if given is None:
+            tokens = self.tok.convert_ids_to_tokens([t for t in (seed or [])[-(PREFIX_WINDOW + 2):]
+                                                     if 0 <= t < server.vocab_size])
+            self.fields.update(prev_tokens=[t for t in tokens if t is not None],
+                               prefix_offset=max(len(tokens) - PREFIX_WINDOW, 0), read_offset=len(tokens))
+        try:
+            self.prev = [str(t) for t in self.fields.get("prev_tokens") or []]
+            self.prefix = int(self.fields.get("prefix_offset") or 0)
+            self.read = int(self.fields.get("read_offset") or 0)
+        except (TypeError, ValueError):
+            raise BadRequest("stream_state is malformed", "stream_state") from None
+        if not 0 <= self.prefix <= self.read <= len(self.prev):
+            raise BadRequest("stream_state offsets are out of range", "stream_state")
+
+    def text(self, ids: list[int]) -> str:
+        """The text ``ids`` add (transformers' incremental detokenization, token by token)."""
+        out = []
+        for tid in ids:
+            if self.skip_special and tid in self.special:
+                continue
+            self.prev += [t for t in self.tok.convert_ids_to_tokens([tid]) if t is not None]
+            before = self.tok.convert_tokens_to_string(self.prev[self.prefix:self.read])
+            after = self.tok.convert_tokens_to_string(self.prev[self.prefix:])
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                out.append(after[len(before):])
+                self.prefix, self.read = self.read, len(self.prev)
+            self.prev, self.read, self.prefix = self.prev[self.prefix:], self.read - self.prefix, 0
+        return "".join(out)
+
+    def answer(self, **changed: Any) -> dict[str, Any]:
+        return {**self.fields, "prev_tokens": self.prev, "prefix_offset": self.prefix, "read_offset": self.read,
+                **changed}
+
+
+def _stream_usage(chunk: GenerateChunk, prompt_tokens: int | None) -> dict[str, int] | None:
+    if chunk.usage is None:
+        return None
+    prompt = prompt_tokens if prompt_tokens is not None else int(chunk.usage.get("prompt_tokens") or 0)
+    completion = int(chunk.usage.get("completion_tokens") or 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _derender_stream(server: OpenAIServer, raw: bytes, chat: bool) -> web.Response:
+    """One chunk of a streamed generation derendered (vLLM's streamed derender, plain path):
+    ``{"chunk": ..., "stream_state": ...}``, at most one choice per chunk."""
+    body: DerenderStreamRequest = server.decode(raw, DerenderStreamRequest)
+    chunk = body.generate_chunk
+    require(len(chunk.choices) <= 1, "a streamed derender takes at most one choice per chunk", "generate_chunk")
+    typ, given = (ChatCompletionRequest, body.chat_request) if chat else (CompletionRequest, body.completion_request)
+    original = _original(server, given, typ, "chat_request" if chat else "completion_request")
+    seed = body.prompt_token_ids if body.prompt_token_ids is not None else chunk.prompt_token_ids
+    _check_choices(server, chunk.choices, streamed=True)
+    require(seed is None or len(seed) <= server.engine().max_model_len,
+            "prompt_token_ids length exceeds max_model_len", "prompt_token_ids")
+    state = StreamState(server, body.stream_state, seed, original is None or original.skip_special_tokens is not False)
+    include_stop = original is not None and bool(original.include_stop_str_in_output)
+    return_ids = original is not None and bool(original.return_token_ids)
+    context = [int(t) for t in state.fields.get("logprob_context_token_ids") or []]
+    offset = int(state.fields.get("logprob_text_offset") or 0)
+    role_sent = bool(state.fields.get("role_sent"))
+    choices = []
+    for c in chunk.choices:
+        ids = c.token_ids or []
+        text = state.text(ids)
+        if c.finish_reason is not None:
+            text = _stop_cut(text, c, include_stop)
+        lp, top = _token_logprobs(c)
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant"} if not role_sent else {}
+            if text:
+                delta["content"] = text
+            logprobs = None if lp is None else {"content": chat_logprobs(lp, server.token_text, top)}
+            choices.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason, "token_ids": ids if return_ids else None})
+            role_sent = True
+        else:
+            logprobs = None
+            if lp is not None:
+                builder = CompletionLogprobs(server.token_text, top)
+                builder.offset = offset
+                logprobs = builder.empty()
+                builder.add(logprobs, lp)
+                offset = builder.offset
+            choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason, "token_ids": ids if return_ids else None})
+        context = (context + ids)[-SEED_TOKENS:]
+    out = {"id": chunk.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+           "created": int(time.time()), "model": body.model or server.engine().model_name, "choices": choices,
+           "usage": _stream_usage(chunk, body.prompt_tokens)}
+    return _json({"chunk": out, "stream_state": state.answer(role_sent=role_sent, logprob_context_token_ids=context,
+                                                              logprob_text_offset=offset)})
+
+
+def _streamed(raw: bytes) -> bool:
+    """Whether a derender body asks for the streamed form (``"stream": true``)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return False              # the decoder says what is wrong
+    return isinstance(body, dict) and body.get("stream") is True
+
+
+async def derender_chat(server: OpenAIServer, request: web.Request) -> web.Response:
+    raw = await request.read()
+    if _streamed(raw):
+        return await _derender_stream(server, raw, chat=True)
+    body: DerenderChatRequest = server.decode(raw, DerenderChatRequest)
+    chat = _original(server, body.chat_request, ChatCompletionRequest, "chat_request")
+    gen = body.generate_response
+    seed = body.prompt_token_ids if body.prompt_token_ids is not None else gen.prompt_token_ids
+    _check_bounds(server, [gen], [seed])
+    skip = chat is None or chat.skip_special_tokens is not False
+    include_stop = chat is not None and bool(chat.include_stop_str_in_output)
+    text_of = server.token_text
+    choices = []
+    for c in gen.choices:
+        text = _stop_cut(_decode(server, c.token_ids, seed, skip), c, include_stop)
+        lp, top = _token_logprobs(c)
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                        "logprobs": None if lp is None else {"content": chat_logprobs(lp, text_of, top)},
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                        "token_ids": c.token_ids if chat is not None and chat.return_token_ids else None})
+    prompt = body.prompt_tokens or 0
+    completion = sum(len(c.token_ids) for c in gen.choices)
+    return _json({"id": gen.request_id, "object": "chat.completion", "created": int(time.time()),
+                  "model": body.model or server.engine().model_name, "choices": choices,
+                  "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                            "total_tokens": prompt + completion},
+                  "prompt_logprobs": gen.prompt_logprobs, "kv_transfer_params": gen.kv_transfer_params})
+
+
+async def derender_completion(server: OpenAIServer, request: web.Request) -> web.Response:
+    raw = await request.read()
+    if _streamed(raw):
+        return await _derender_stream(server, raw, chat=False)
+    body: DerenderCompletionRequest = server.decode(raw, DerenderCompletionRequest)
+    gens = body.generate_responses
+    require(bool(gens), "generate_responses must not be empty", "generate_responses")
+    for name in ("prompt_tokens", "prompt_token_ids"):
+        given = getattr(body, name)
+        require(given is None or len(given) == len(gens),
+                f"{name} length ({len(given or [])}) must equal generate_responses length ({len(gens)})", name)
+    done = _original(server, body.completion_request, CompletionRequest, "completion_request")
+    seeds = [(body.prompt_token_ids or [None] * len(gens))[i] or g.prompt_token_ids for i, g in enumerate(gens)]
+    _check_bounds(server, gens, seeds)
+    skip = done is None or done.skip_special_tokens is not False
+    include_stop = done is not None and bool(done.include_stop_str_in_output)
+    choices, index = [], 0
+    for gen, seed in zip(gens, seeds):
+        for c in gen.choices:
+            text = _stop_cut(_decode(server, c.token_ids, seed, skip), c, include_stop)
+            lp, top = _token_logprobs(c)
+            logprobs = None
+            if lp is not None:
+                builder = CompletionLogprobs(server.token_text, top)
+                logprobs = builder.empty()
+                builder.add(logprobs, lp)
+            choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                            "token_ids": c.token_ids if done is not None and done.return_token_ids else None})
+            index += 1
+    prompt = sum(body.prompt_tokens or [])
+    completion = sum(len(c.token_ids) for g in gens for c in g.choices)
+    kv = gens[0].kv_transfer_params if all(g.kv_transfer_params == gens[0].kv_transfer_params for g in gens) else None
+    return _json({"id": gens[0].request_id, "object": "text_completion", "created": int(time.time()),
+                  "model": body.model or server.engine().model_name, "choices": choices,
+                  "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                            "total_tokens": prompt + completion}, "kv_transfer_params": kv})
+
+
 GENERATE = "/inference/v1/generate"
 ROUTES = [("POST", "/v1/chat/completions/render", render_chat),
           ("POST", "/v1/completions/render", render_completion),
           ("POST", GENERATE, generate),
-          ("POST", "/inference/v1/abort_requests", abort_requests)]
+          ("POST", "/inference/v1/abort_requests", abort_requests),
+          ("POST", "/v1/chat/completions/derender", derender_chat),
+          ("POST", "/v1/completions/derender", derender_completion)]
 
 
 def routes(enabled: bool) -> list[tuple[str, str, Any]]:

@@ -313,6 +313,12 @@ class TextTokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend_tokenizer.id_to_token(i) for i in ids]
 
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        """Token strings joined into text by the tokenizer's decoder (as transformers' fast
+        tokenizers do)."""
+        decoder = self.backend_tokenizer.decoder
+        return decoder.decode(list(tokens)) if decoder is not None else "".join(tokens)
+
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template: str | None = None,
                             **template_kwargs: Any) -> str:

@@ -132,3 +132,109 @@ def test_a_generate_request_the_server_cannot_serve_is_refused_saying_why(server
     if param is not None:
         assert resp.json()["error"]["param"] == param
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+# vLLM 0.32's /inference/v1/generate answer to VLLM_RENDERED (log-probs left out)
+VLLM_GENERATED = {
+    "request_id": "generate-tokens-chatcmpl-b03298957ffb1bd9", "model": "smol", "created": 1796399574,
+    "usage": {"prompt_tokens": 31, "total_tokens": 36, "completion_tokens": 5, "prompt_tokens_details": None,
+              "completion_tokens_details": None},
+    "prompt_logprobs": None, "prompt_token_id_logprobs": None, "prompt_token_ids": None, "mm_placeholders": None,
+    "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None, "output_mode": "tokens",
+    "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [19556, 17, 1073, 416, 339],
+                 "routed_experts": None, "sampling_mask": None,
+                 "weight_versions": [{"version": "default", "start": 0, "end": 5}], "logprobs": None}]}
+
+
+def test_vllms_generate_answer_derenders_to_the_chat_message(server):
+    out = _post(server, "/v1/chat/completions/derender", {
+        "generate_response": VLLM_GENERATED, "prompt_tokens": 31, "prompt_token_ids": VLLM_RENDERED["token_ids"],
+        "chat_request": CHAT}).json()
+    assert out["id"] == VLLM_GENERATED["request_id"] and out["object"] == "chat.completion"
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": "Hello! How can I"}
+    assert out["usage"] == {"prompt_tokens": 31, "completion_tokens": 5, "total_tokens": 36}
+
+
+def test_render_generate_derender_gives_the_answer_of_the_completions_endpoint(server):
+    request = {"model": "smol", "prompt": ["The sky is", "Roses are"], "max_tokens": 12, "temperature": 0,
+               "stop": [" the"], "logprobs": 2}
+    direct = _post(server, "/v1/completions", request).json()
+    rendered = _post(server, "/v1/completions/render", request).json()
+    generated = [_post(server, "/inference/v1/generate", r).json() for r in rendered]
+    out = _post(server, "/v1/completions/derender", {
+        "generate_responses": generated, "prompt_tokens": [len(r["token_ids"]) for r in rendered],
+        "prompt_token_ids": [r["token_ids"] for r in rendered], "completion_request": request}).json()
+    assert [c["text"] for c in out["choices"]] == [c["text"] for c in direct["choices"]]
+    assert [c["finish_reason"] for c in out["choices"]] == [c["finish_reason"] for c in direct["choices"]]
+    assert [c["logprobs"] for c in out["choices"]] == [c["logprobs"] for c in direct["choices"]]
+    assert out["usage"] == direct["usage"]
+
+
+def test_a_chat_derender_with_a_stop_string_cuts_the_text_there(server):
+    chat = {**CHAT, "max_tokens": 20, "stop": ["can"]}
+    direct = _post(server, "/v1/chat/completions", chat).json()["choices"][0]
+    rendered = _post(server, "/v1/chat/completions/render", chat).json()
+    generated = _post(server, "/inference/v1/generate", rendered).json()
+    out = _post(server, "/v1/chat/completions/derender", {
+        "generate_response": generated, "prompt_token_ids": rendered["token_ids"], "chat_request": chat}).json()
+    assert direct["finish_reason"] == "stop" and direct["stop_reason"] == "can"
+    assert out["choices"][0]["message"]["content"] == direct["message"]["content"]
+
+
+def test_a_derender_of_text_mode_or_foreign_tokens_is_refused(server):
+    text_mode = {**VLLM_GENERATED, "output_mode": "text"}
+    resp = _post(server, "/v1/chat/completions/derender", {"generate_response": text_mode})
+    assert resp.status_code == 400
+    bad = {**VLLM_GENERATED, "choices": [{**VLLM_GENERATED["choices"][0], "token_ids": [10 ** 8]}]}
+    resp = _post(server, "/v1/chat/completions/derender", {"generate_response": bad})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "token_ids"
+
+
+def _generate_stream(server, body: dict) -> list[dict]:
+    with requests.post(server.url + "/inference/v1/generate", json={**body, "stream": True}, stream=True,
+                       timeout=120) as resp:
+        return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith(b"data: {")]
+
+
+def test_a_streamed_chat_derendered_chunk_by_chunk_reads_as_the_chat_endpoint(server):
+    chat = {**CHAT, "max_tokens": 12}
+    direct = _post(server, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
+    rendered = _post(server, "/v1/chat/completions/render", chat).json()
+    state, deltas = None, []
+    for chunk in _generate_stream(server, rendered):
+        out = _post(server, "/v1/chat/completions/derender", {
+            "stream": True, "generate_chunk": chunk, "stream_state": state,
+            "prompt_token_ids": rendered["token_ids"], "chat_request": chat}).json()
+        state = out["stream_state"]
+        deltas += [c["delta"] for c in out["chunk"]["choices"]]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+    assert "".join(d.get("content") or "" for d in deltas) == direct
+
+
+def test_vllms_stream_state_is_taken_mid_stream(server):
+    # the state vLLM 0.32 answered after the derender of "Hello" (its own fields included)
+    state = {"prev_tokens": ["Hello"], "prefix_offset": 0, "read_offset": 1, "role_sent": True,
+             "logprob_context_token_ids": [19556], "logprob_text_offset": 0, "output_token_ids": [],
+             "output_chunk_lens": [], "tools_streamed": False, "last_tool_call_ids": []}
+    chunk = {"request_id": "generate-tokens-x", "usage": None, "output_mode": "tokens",
+             "choices": [{"index": 0, "finish_reason": None, "stop_reason": None, "token_ids": [17, 1073]}]}
+    out = _post(server, "/v1/chat/completions/derender",
+                {"stream": True, "generate_chunk": chunk, "stream_state": state}).json()
+    assert out["chunk"]["choices"][0]["delta"] == {"content": "! How"}
+    assert out["stream_state"]["output_chunk_lens"] == [] and out["stream_state"]["role_sent"]
+
+
+def test_a_streamed_completion_derender_carries_the_logprob_text_offsets(server):
+    request = {"model": "smol", "prompt": "The sky is", "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    direct = _post(server, "/v1/completions", request).json()["choices"][0]
+    rendered = _post(server, "/v1/completions/render", request).json()[0]
+    state, text, offsets = None, "", []
+    for chunk in _generate_stream(server, rendered):
+        out = _post(server, "/v1/completions/derender", {
+            "stream": True, "generate_chunk": chunk, "stream_state": state,
+            "prompt_token_ids": rendered["token_ids"], "completion_request": request}).json()
+        state = out["stream_state"]
+        for c in out["chunk"]["choices"]:
+            text += c["text"]
+            offsets += (c["logprobs"] or {}).get("text_offset", [])
+    assert text == direct["text"] and offsets == direct["logprobs"]["text_offset"]
