@@ -192,7 +192,7 @@ def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
     return {"type": fmt.get("type")}
 
 
-def _renamed(exc: BadRequest) -> BadRequest:
+def renamed(exc: BadRequest) -> BadRequest:
     """A chat request's error in the Responses request's own field names."""
     message, param = str(exc), exc.param
     for chat, ours in RENAMED:
@@ -433,7 +433,7 @@ async def start_response(server: OpenAIServer, req: ResponsesRequest, arrival: f
         chat_req = server.decode(json_encoder.encode(req.chat_body(history)), ChatCompletionRequest)
         gen, _ = await start_chat(server, chat_req, arrival)
     except BadRequest as exc:
-        raise _renamed(exc) from None
+        raise renamed(exc) from None
     return ResponseAnswer(server, req, gen, history + req.input_messages())
 
 

@@ -5,6 +5,7 @@ tokenizes apart from the engine (or an RL loop that keeps its own token ids) dri
   POST /v1/chat/completions/render   a chat request -> vLLM's GenerateRequest (its prompt rendered
                                      with the chat template and tokenized, its sampling parameters)
   POST /v1/completions/render        a completion request -> one GenerateRequest per prompt
+  POST /v1/responses/render          a Responses request -> the GenerateRequest of the chat it becomes
   POST /inference/v1/generate        a GenerateRequest -> the generated token ids (``output_mode``
                                      "tokens"), or token ids and text ("text"); streamed with
                                      ``"stream": true``
@@ -35,6 +36,7 @@ from actors.frontend.generation import OPEN_ANSWERS, Answer, Generation, failure
 from actors.engine.messages import Logprobs
 from actors.frontend.logprobs import CompletionLogprobs, chat_logprobs, finite
 from actors.frontend.params import PromptInput
+from actors.frontend.responses import ResponsesRequest, renamed
 from actors.frontend.protocol import (PRIORITY_RANGE, BadRequest, ChatCompletionRequest, CompletionRequest,
                                       StreamOptions, check_kv_transfer_params, require, require_in)
 from actors.frontend.streams import RequestOutput, StreamTimeout
@@ -163,6 +165,24 @@ async def render_completion(server: OpenAIServer, request: web.Request) -> web.R
     single = len(by_prompt) == 1
     return _json([_rendered(choices, base if single else f"{base}-{p}", req, stream)
                   for p, choices in sorted(by_prompt.items())])
+
+
+async def render_response(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's /v1/responses/render: a Responses request rendered as the chat completion it is
+    answered as (stateless: no previous_response_id)."""
+    req: ResponsesRequest = await server.read(request, ResponsesRequest)
+    if req.previous_response_id is not None:
+        raise BadRequest("previous_response_id is not supported by the stateless render endpoint.",
+                         "previous_response_id")
+    req.check()
+    try:
+        chat = server.decode(json_encoder.encode(req.chat_body([])), ChatCompletionRequest)
+        gen, _ = await start_chat(server, chat, time.time(), functools.partial(server.submit, render_only=True))
+    except BadRequest as exc:
+        raise renamed(exc) from None
+    header = request.headers.get("X-Request-Id")
+    rid = "resp_" + (header or gen.id.removeprefix(gen.id_prefix))
+    return _json(_rendered(gen.choices, rid, chat, bool(req.stream)))
 
 
 class TokensGeneration(Generation):
@@ -648,6 +668,7 @@ async def derender_completion(server: OpenAIServer, request: web.Request) -> web
 GENERATE = "/inference/v1/generate"
 ROUTES = [("POST", "/v1/chat/completions/render", render_chat),
           ("POST", "/v1/completions/render", render_completion),
+          ("POST", "/v1/responses/render", render_response),
           ("POST", GENERATE, generate),
           ("POST", "/inference/v1/abort_requests", abort_requests),
           ("POST", "/v1/chat/completions/derender", derender_chat),

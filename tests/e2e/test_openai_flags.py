@@ -307,7 +307,8 @@ def test_generation_control_endpoints_need_vllm_server_dev_mode_and_the_key(serv
 
 def test_scale_out_endpoints_answer_403_without_enable_scale_out(server):
     for path in ("/v1/chat/completions/render", "/v1/completions/render", "/inference/v1/generate",
-                 "/inference/v1/abort_requests", "/v1/chat/completions/derender", "/v1/completions/derender"):
+                 "/inference/v1/abort_requests", "/v1/chat/completions/derender", "/v1/completions/derender",
+                 "/v1/responses/render"):
         req = urllib.request.Request(server.url + path, method="POST", data=b"{}",
                                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as err:

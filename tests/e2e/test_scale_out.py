@@ -238,3 +238,14 @@ def test_a_streamed_completion_derender_carries_the_logprob_text_offsets(server)
             text += c["text"]
             offsets += (c["logprobs"] or {}).get("text_offset", [])
     assert text == direct["text"] and offsets == direct["logprobs"]["text_offset"]
+
+
+def test_a_rendered_responses_request_generates_the_responses_endpoints_text(server):
+    request = {"model": "smol", "input": "Name a colour.", "max_output_tokens": 8, "temperature": 0}
+    direct = _post(server, "/v1/responses", request).json()
+    rendered = _post(server, "/v1/responses/render", request).json()
+    assert rendered["request_id"].startswith("resp_") and rendered["sampling_params"]["max_tokens"] == 8
+    out = _post(server, "/inference/v1/generate", {**rendered, "output_mode": "text"}).json()
+    assert out["choices"][0]["text"] == direct["output"][0]["content"][0]["text"]
+    resp = _post(server, "/v1/responses/render", {**request, "previous_response_id": direct["id"]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "previous_response_id"
