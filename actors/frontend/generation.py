@@ -52,7 +52,7 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
     return out
 
 
-def failure_message(out: RequestOutput | None) -> str:
+def _failure(out: RequestOutput | None) -> str:
     if out is None:
         return "the request ended without output"
     return f"the request failed: {out.error}"
@@ -84,8 +84,8 @@ class Generation(ABC):
         """The streamed choice entry for this output (None: nothing to show yet)."""
 
     @abstractmethod
-    def finish(self, c: Choice, out: RequestOutput) -> dict:
-        """The streamed choice entry that closes choice ``c``."""
+    def finish(self, c: Choice, out: RequestOutput) -> dict | None:
+        """The streamed choice entry that closes choice ``c`` (None: its last delta did)."""
 
     @abstractmethod
     def final(self, c: Choice) -> dict:
@@ -168,7 +168,7 @@ class Generation(ABC):
         for c in self.choices:
             if c.last is None or c.last.error is not None:
                 return error_response(c.last.error_status if c.last is not None and c.last.error_status else 500,
-                                      failure_message(c.last))
+                                      _failure(c.last))
         body = {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": [{**self.final(c), **self.choice_extras(c)} for c in self.choices],
                 "usage": self.usage(), **self.body_extras()}
@@ -184,7 +184,7 @@ class Generation(ABC):
             async for c, out in merged_outputs(self.choices):
                 c.take(out)
                 if out.error is not None:
-                    yield error_body(failure_message(out), code=out.error_status or 500)
+                    yield error_body(_failure(out), code=out.error_status or 500)
                     return
                 entry = self.delta(c, out)
                 if self.answer.return_token_ids:
@@ -192,8 +192,9 @@ class Generation(ABC):
                 extra = {"usage": self.usage()} if self.answer.continuous_usage else {}
                 if entry is not None:
                     yield self.chunk([self._with_ids(c, entry)], **extra)
-                if out.finished:
-                    yield self.chunk([self._with_ids(c, self.finish(c, out))], **extra)
+                closing = self.finish(c, out) if out.finished else None
+                if closing is not None:
+                    yield self.chunk([self._with_ids(c, closing)], **extra)
         except StreamTimeout as exc:
             yield error_body(str(exc), code=504)
             return

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 from aiohttp import web
@@ -30,16 +30,16 @@ from aiohttp import web
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.chat import start_chat
 from actors.frontend.completions import start_completion
-from actors.frontend.errors import bad_request, error_body, error_response, json_encoder
-from actors.frontend.fanout import Choice, merged_outputs, submit_choices
-from actors.frontend.generation import OPEN_ANSWERS, Answer, Generation, failure_message
+from actors.frontend.errors import bad_request, error_response, json_encoder
+from actors.frontend.fanout import Choice, submit_choices
+from actors.frontend.generation import OPEN_ANSWERS, Answer, Generation
 from actors.engine.messages import Logprobs
 from actors.frontend.logprobs import CompletionLogprobs, chat_logprobs, finite
 from actors.frontend.params import PromptInput
 from actors.frontend.responses import ResponsesRequest, renamed
 from actors.frontend.protocol import (PRIORITY_RANGE, BadRequest, ChatCompletionRequest, CompletionRequest,
                                       StreamOptions, check_kv_transfer_params, require, require_in)
-from actors.frontend.streams import RequestOutput, StreamTimeout
+from actors.frontend.streams import RequestOutput
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
@@ -235,30 +235,15 @@ class TokensGeneration(Generation):
         out["choices"] = choices
         return out
 
-    async def events(self) -> AsyncIterator[dict]:
-        try:
-            async for c, out in merged_outputs(self.choices):
-                c.take(out)
-                if out.error is not None:
-                    yield error_body(failure_message(out), code=out.error_status or 500)
-                    return
-                if out.token_ids or out.finished:
-                    extra = {"usage": self.usage()} if self.answer.continuous_usage else {}
-                    entry = self._entry(c, out.token_ids, self._logprobs(out), out.text,
-                                        out.finish_reason if out.finished else None,
-                                        out.stop_reason if out.finished else None)
-                    yield self.chunk([entry], **extra)
-        except StreamTimeout as exc:
-            yield error_body(str(exc), code=504)
-            return
-        if self.include_usage:
-            yield self.chunk([], usage=self.usage())
+    def delta(self, c: Choice, out: RequestOutput) -> dict | None:
+        """A chunk per output with tokens; the last carries the finish reason (vLLM's chunks)."""
+        if not (out.token_ids or out.finished):
+            return None
+        return self._entry(c, out.token_ids, self._logprobs(out), out.text,
+                           out.finish_reason if out.finished else None, out.stop_reason if out.finished else None)
 
-    def delta(self, c: Choice, out: RequestOutput) -> dict | None:      # events() is its own
-        raise NotImplementedError
-
-    def finish(self, c: Choice, out: RequestOutput) -> dict:
-        raise NotImplementedError
+    def finish(self, c: Choice, out: RequestOutput) -> None:
+        return None
 
     def observe(self, c: Choice, out: RequestOutput) -> None:
         c.text.append(out.text)

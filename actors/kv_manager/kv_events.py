@@ -19,7 +19,6 @@ rank, and its batches carry that rank.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -30,6 +29,8 @@ from typing import Any, Mapping
 
 import msgspec
 import zmq
+
+from actors.engine.json_flags import struct_of
 
 log = logging.getLogger("troupe.kv_events")
 
@@ -72,21 +73,7 @@ def kv_events_config(value: Mapping[str, Any] | str | KVEventsConfig | None) -> 
     """--kv-events-config's JSON text, or the offline API's dict, parsed and validated."""
     if value is None or isinstance(value, KVEventsConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise ValueError(f"--kv-events-config is not valid JSON ({exc}): {value!r}") from None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"the KV events config must be a JSON object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(KVEventsConfig.__struct_fields__))
-    if unknown:
-        raise ValueError(f"unsupported kv_events_config field(s) {', '.join(unknown)}; "
-                         f"accepted: {', '.join(KVEventsConfig.__struct_fields__)}")
-    try:
-        return msgspec.convert(dict(value), KVEventsConfig)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"kv_events_config: {exc}") from None
+    return struct_of(KVEventsConfig, value, "--kv-events-config", "kv_events_config")
 
 
 # -- the wire format (vLLM's structs: same names, fields and encoding options) ---------------------

@@ -13,10 +13,11 @@ go in ``kv_connector_extra_config`` (EXTRA_KEYS).
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping
 
 import msgspec
+
+from actors.engine.json_flags import struct_of
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -53,24 +54,11 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> KVTransferConfig:
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"the KV transfer config must be a JSON object, got {type(raw).__name__}")
-        unknown = sorted(set(raw) - set(cls.__struct_fields__))
-        if unknown:
-            raise ValueError(f"unsupported kv_transfer_config field(s) {', '.join(unknown)}; "
-                             f"accepted: {', '.join(cls.__struct_fields__)}")
-        try:
-            return msgspec.convert(dict(raw), cls)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"kv_transfer_config: {exc}") from None
+        return struct_of(cls, raw, "--kv-transfer-config", "kv_transfer_config")
 
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
-        try:
-            raw = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"--kv-transfer-config is not valid JSON ({exc}): {text!r}") from None
-        return cls.from_dict(raw)
+        return struct_of(cls, text, "--kv-transfer-config", "kv_transfer_config")
 
 
 def check_kv_transfer_config(c: KVTransferConfig) -> None:

@@ -51,7 +51,7 @@ def sub_configs(kv_config: Any) -> list[KVTransferConfig]:
         try:
             out.append(KVTransferConfig.from_dict({**inherited, **c}))
         except ValueError as exc:
-            why = str(exc).removeprefix("kv_transfer_config: ")
+            why = str(exc).removeprefix("invalid kv_transfer_config: ")
             raise ValueError(f"MultiConnector: connectors[{i}]: {why}") from None
     return out
 

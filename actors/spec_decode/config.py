@@ -16,10 +16,11 @@ ngram, any other name means draft_model.
 """
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any, Mapping
 
 import msgspec
+
+from actors.engine.json_flags import checked_fields, convert, parse_object
 
 if TYPE_CHECKING:
     from actors.engine.sampling_params import SamplingParams
@@ -47,13 +48,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     def from_dict(cls, raw: Mapping[str, Any]) -> SpeculativeConfig:
         """vLLM's JSON object -> a validated config with its defaults filled in. ValueError names
         the field that is wrong and what it accepts."""
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"the speculative config must be a JSON object, got {type(raw).__name__}")
-        unknown = sorted(set(raw) - set(cls.__struct_fields__))
-        if unknown:
-            raise ValueError(f"unsupported speculative config field(s) {', '.join(unknown)}; "
-                             f"accepted: {', '.join(cls.__struct_fields__)}")
-        fields = dict(raw)
+        fields = checked_fields(cls, raw, "speculative config")
         fields["method"] = _method(fields.get("method"), fields.get("model"))
         if fields["method"] == "ngram":
             if fields.get("model") in NGRAM_MODEL_NAMES:
@@ -65,19 +60,12 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             fields["prompt_lookup_max"] = lo if hi is None else hi
         if "num_speculative_tokens" not in fields:
             raise ValueError("num_speculative_tokens is required (the number of draft tokens per step, > 0)")
-        try:
-            return msgspec.convert(fields, cls)
-        except msgspec.ValidationError as e:   # a wrong type, or a check of __post_init__
-            raise ValueError(f"invalid speculative config: {e}") from None
+        return convert(cls, fields, "speculative config")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """The command line's form: one JSON object."""
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(parse_object(text, "--speculative-config"))
 
 
 def _method(method: Any, model: Any) -> str:

@@ -17,6 +17,21 @@ pytestmark = pytest.mark.slow
 LONG = {"prompt": "Tell a very long story:", "max_tokens": 4000, "ignore_eos": True}
 
 
+RUNNING_TOKENS = 96       # long enough to be running still when SIGTERM comes, on a fast machine too
+
+
+async def until_running(session: aiohttp.ClientSession, url: str, n: int, timeout: float = 60.0) -> None:
+    """Wait until the engine runs ``n`` requests (each has its first token)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        async with session.get(url + "/debug/engine") as resp:
+            stats = await resp.json()
+        if stats["num_requests_running"] >= n:
+            return
+        assert time.monotonic() < deadline, f"{n} requests never ran at once: {stats}"
+        await asyncio.sleep(0.05)
+
+
 async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict, float]:
     t0 = time.monotonic()
     async with session.post(url + "/v1/completions", json=body) as resp:
@@ -57,9 +72,9 @@ def test_sigterm_lets_running_requests_finish_refuses_new_ones_and_exits_cleanly
         async def main():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
                 running = [asyncio.ensure_future(post(session, s.url, {
-                    "prompt": f"Count to ten, take {i}:", "max_tokens": 24, "ignore_eos": True}))
+                    "prompt": f"Count to ten, take {i}:", "max_tokens": RUNNING_TOKENS, "ignore_eos": True}))
                     for i in range(4)]
-                await asyncio.sleep(1.0)
+                await until_running(session, s.url, 4)
                 s.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
                 refused = await post(session, s.url, {"prompt": "Too late", "max_tokens": 4})
@@ -69,7 +84,7 @@ def test_sigterm_lets_running_requests_finish_refuses_new_ones_and_exits_cleanly
     finally:
         s.stop()
     assert [status for status, _, _ in finished] == [200] * 4
-    assert all(body["usage"]["completion_tokens"] == 24 for _, body, _ in finished)
+    assert all(body["usage"]["completion_tokens"] == RUNNING_TOKENS for _, body, _ in finished)
     assert refused_status == 503 and "shutting down" in refused_body["error"]["message"]
     assert code == 0
     deadline = time.monotonic() + 10
