@@ -36,6 +36,7 @@ from actors.runtime import ActorRef, Node
 from actors.runtime.errors import AskTimeout
 from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, decode_info, start_child
 from actors.runtime.ray_nodes import RayChild, RayPlacement, start_ray_child
+from actors.kv_manager.kv_events import ZmqEventPublisher
 from actors.scheduler.actor import SchedulerActor, WorkersLost, WorkersReady
 from actors.scheduler.scheduler import Scheduler
 from actors.worker.actor import LOAD_TIMEOUT_S, InitKVCache, LoadModel, ProfileStepCosts, WorkerActor
@@ -104,8 +105,13 @@ class EngineCore:
         output_rank = (cfg.parallel.pipeline_parallel_size - 1) * self.tp_size    # the last stage's first rank
         self.executor = self.node.spawn(topology.EXECUTOR, lambda: Executor(workers, output_rank))
         outputs = self.node.ref(topology.DETOKENIZER, topology.FRONTEND_NODE, EngineCoreOutputs)
+        publisher = None
+        if cfg.kv_events is not None and cfg.kv_events.active:      # bound now: a taken port fails the start
+            publisher = ZmqEventPublisher(cfg.kv_events, self.dp_rank)
+            log.info("KV events published on %s%s", publisher.endpoint,
+                     f" (replay on {publisher.replay_endpoint})" if publisher.replay_endpoint else "")
         self.scheduler = self.node.spawn(topology.SCHEDULER, lambda: SchedulerActor(
-            scheduler, self.executor, outputs, self.grammar, engine_index=self.dp_rank, kv_events=cfg.kv_events))
+            scheduler, self.executor, outputs, self.grammar, engine_index=self.dp_rank, kv_publisher=publisher))
         return cfg
 
     async def _start_workers(self) -> tuple[list[ActorRef], EngineConfig]:

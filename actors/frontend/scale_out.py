@@ -37,7 +37,7 @@ from actors.engine.messages import Logprobs
 from actors.frontend.logprobs import CompletionLogprobs, chat_logprobs, finite
 from actors.frontend.params import PromptInput
 from actors.frontend.responses import ResponsesRequest, renamed
-from actors.frontend.protocol import (PRIORITY_RANGE, BadRequest, ChatCompletionRequest, CompletionRequest,
+from actors.frontend.protocol import (MAX_REQUEST_ID_CHARS, PRIORITY_RANGE, BadRequest, ChatCompletionRequest, CompletionRequest,
                                       StreamOptions, check_kv_transfer_params, require, require_in)
 from actors.frontend.streams import RequestOutput
 
@@ -276,6 +276,9 @@ async def generate(server: OpenAIServer, request: web.Request) -> web.StreamResp
                          "features" if body.features is not None else "content_parts")
     if not body.token_ids:
         raise BadRequest("token_ids must not be empty", "token_ids")
+    given = body.request_id
+    require(given is None or (0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable()),
+            f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable characters", "request_id")
     if body.stream_options is not None and not body.stream:
         raise BadRequest("stream_options may only be set when stream is true", "stream_options")
     if body.cache_salt is not None and not 1 <= len(body.cache_salt) <= 1024:

@@ -153,12 +153,19 @@ class ZmqEventPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
-        self.endpoint = self._open(self._pub, offset_endpoint(config.endpoint, self.rank))
         self._replay = None
         self.replay_endpoint = offset_endpoint(config.replay_endpoint, self.rank)
-        if self.replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(self.replay_endpoint)
+        try:
+            self.endpoint = self._open(self._pub, offset_endpoint(config.endpoint, self.rank))
+            if self.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(self.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            self._ctx.term()
+            raise ValueError(f"--kv-events-config: the KV events publisher cannot open its sockets: {exc}") from None
         self.dropped = 0
         self._seq = count()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)

@@ -23,6 +23,7 @@ from actors.runtime.tracing import Tracer, write_flight_record
 from transport.zmq_channel import ZmqTransport, endpoint
 
 log = logging.getLogger("troupe.child")
+START_ERROR_FLUSH_S = 0.2        # a failed start's reason is on its way to the parent before the node stops
 
 
 def resolve_entry(path: str):
@@ -106,8 +107,12 @@ async def run_child(spec: NodeSpec, death_fd: int | None, heartbeat_fd: int | No
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the parent handles Ctrl-C
     try:
         info = await resolve_entry(spec.entry)(node, spec.config)
-    except Exception:
+    except Exception as exc:
         log.exception("node '%s' failed to start", spec.name)
+        # the parent's start fails saying why (not only that this process exited)
+        node.ref(SYSTEM_ACTOR, spec.parent).tell(NodeReady(spec.name, os.getpid(),
+                                                           error=f"{type(exc).__name__}: {exc}"[:2000]))
+        await asyncio.sleep(START_ERROR_FLUSH_S)
         await node.stop()
         return 1
     payload = msgspec.msgpack.encode(info) if info is not None else b""

@@ -39,3 +39,7 @@ class RemoteError(ActorError):
         self.error_type = error_type
         self.message = message
         self.remote_traceback = traceback
+
+
+class ChildStartError(RuntimeError):
+    """A child process (node) did not become ready: it exited, timed out, or said why it failed."""

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from actors.runtime.errors import ActorDied
+from actors.runtime.errors import ActorDied, ChildStartError
 from actors.runtime.node import Node
 from actors.runtime.system import SYSTEM_ACTOR, NodeReady, Shutdown, SystemActor
 from transport.zmq_channel import endpoint
@@ -76,10 +76,6 @@ class NodeSpec(msgspec.Struct):
     flight_dir: str = ""              # where flight-recorder files go ("": the default)
     bind: str = ""                    # where the child receives ("": its socket in ipc_dir)
     beats_to: str = ""                # where its heartbeats go when it has no pipe (a Ray actor's child)
-
-
-class ChildStartError(RuntimeError):
-    pass
 
 
 class RestartBudget:

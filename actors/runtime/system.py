@@ -12,7 +12,7 @@ import msgspec
 
 from actors.runtime.actor import Actor
 from actors.runtime import faults
-from actors.runtime.errors import ActorError
+from actors.runtime.errors import ActorError, ChildStartError
 from actors.runtime.faults import InjectFault
 from actors.runtime.messages import Msg
 from actors.runtime.tracing import (ActorStats, RecentRecords, SpanRecord, StepRecord, default_flight_dir,
@@ -24,12 +24,14 @@ log = logging.getLogger("troupe.system")
 
 class NodeReady(Msg):
     """A child node finished starting; ``info`` is what its entry function returned (msgpack);
-    ``address``: where it receives (a child on another machine is reached there)."""
+    ``address``: where it receives (a child on another machine is reached there). ``error``: it
+    failed to start, and why (the parent's start fails with that)."""
     lane: ClassVar[str] = "system"
     node: str
     pid: int
     info: bytes = b""
     address: str = ""
+    error: str = ""
 
 
 class Cursor(msgspec.Struct, array_like=True):
@@ -97,7 +99,11 @@ class SystemActor(Actor):
             case NodeReady():
                 fut = self.ready_waiters.pop(msg.node, None)
                 if fut is not None and not fut.done():
-                    fut.set_result(msg)
+                    if msg.error:
+                        fut.set_exception(ChildStartError(f"process '{msg.node}' (pid {msg.pid}) failed to start: "
+                                                          f"{msg.error}"))
+                    else:
+                        fut.set_result(msg)
             case GetTelemetry():
                 return await self._telemetry(msg)
             case Shutdown():

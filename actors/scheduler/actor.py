@@ -37,7 +37,7 @@ from actors.engine.sampling_params import StructuredOutputsParams
 from actors.grammar.actor import CompileGrammar
 from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteError
 from actors.runtime.tracing import StepRecord, now_ns
-from actors.kv_manager.kv_events import KVEventBatch, KVEventsConfig, ZmqEventPublisher
+from actors.kv_manager.kv_events import KVEventBatch, ZmqEventPublisher
 from actors.scheduler.scheduler import PauseState, Scheduler
 
 log = logging.getLogger("troupe.scheduler")
@@ -137,10 +137,10 @@ class SchedulerActor(Actor):
 
     def __init__(self, core: Scheduler, executor: ActorRef, outputs: ActorRef,
                  grammar: ActorRef | None = None, generation: int = 0, engine_index: int = 0,
-                 kv_events: KVEventsConfig | None = None) -> None:
+                 kv_publisher: ZmqEventPublisher | None = None) -> None:
+        """``kv_publisher``: where the KV events go (--kv-events-config; None: off)."""
         self.core = core
-        self.kv_events = kv_events if kv_events is not None and kv_events.active else None
-        self._kv_publisher: ZmqEventPublisher | None = None
+        self._kv_publisher = kv_publisher
         self._kv_flush_queued = False
         self.engine_index = engine_index     # this engine core's data-parallel rank, on its outputs
         self.executor = executor
@@ -161,11 +161,8 @@ class SchedulerActor(Actor):
         self._clear_cache_when_drained = False   # a pause (abort / wait) resets the prefix cache once complete
 
     async def started(self) -> None:
-        if self.kv_events is not None:
-            self._kv_publisher = ZmqEventPublisher(self.kv_events, self.engine_index)
+        if self._kv_publisher is not None:
             self.core.record_kv_events(self._queue_kv_flush)
-            log.info("KV events published on %s%s", self._kv_publisher.endpoint,
-                     f" (replay on {self._kv_publisher.replay_endpoint})" if self._kv_publisher.replay_endpoint else "")
 
     async def stopped(self) -> None:
         if self._kv_publisher is not None:

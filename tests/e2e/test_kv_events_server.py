@@ -70,3 +70,17 @@ def test_kv_event_sources_names_the_endpoint_and_topic(setup):
     body = requests.get(server.url + "/kv_event_sources", timeout=30).json()
     assert body["0"]["endpoint"] == f"tcp://127.0.0.1:{port}" and body["0"]["topic"] == "kv"
     assert body["0"]["enable_kv_cache_events"] and body["0"]["publisher"] == "zmq"
+
+
+def test_an_endpoint_already_taken_fails_the_start_saying_so():
+    ctx = zmq.Context.instance()
+    taken = ctx.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}
+    try:
+        with pytest.raises(RuntimeError) as err:
+            Server("--threads", "1", "--kv-events-config", json.dumps(config))
+    finally:
+        taken.close(linger=0)
+    assert "failed to start: ValueError: --kv-events-config" in str(err.value)
+    assert "Address already in use" in str(err.value)

@@ -125,6 +125,7 @@ def test_abort_requests_ends_a_generation_named_by_its_request_id(server):
     ({"features": {"mm_hashes": {}, "mm_placeholders": {}}}, 400, "features"),
     ({"model": "other"}, 404, "model"),
     ({"no_such_field": 1}, 400, None),
+    ({"request_id": "\u0000"}, 400, "request_id"),          # it would become a header
 ])
 def test_a_generate_request_the_server_cannot_serve_is_refused_saying_why(server, change, status, param):
     resp = _post(server, "/inference/v1/generate", {**VLLM_RENDERED, **change})

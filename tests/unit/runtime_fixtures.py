@@ -86,3 +86,7 @@ class Restarting(EchoActor):
 
 class Escalating(EchoActor):
     on_failure = "escalate"
+
+
+async def failing_entry(node, config: bytes) -> dict:
+    raise ValueError(f"cannot start with {config.decode()}")

@@ -15,6 +15,7 @@ import torch
 
 from actors.runtime import (ActorDied, AskTimeout, MailboxFull, MessageRejected, Node, RemoteError)
 from actors.runtime.faults import InjectFault
+from actors.runtime.errors import ChildStartError
 from actors.runtime.process import NodeSpec, decode_info, start_child, system_actor
 from actors.runtime.system import GetTelemetry
 from actors.runtime.tracing import to_chrome_trace
@@ -187,6 +188,23 @@ def test_cross_process_ask_tell_and_arrays(child_env):
     assert {"Count", "Echo", "Arrays"} <= {r.msg_type for r in chunk.spans}
     assert {r.sender for r in chunk.spans if r.msg_type == "Echo"} == {"parent/"}    # sent from outside any actor
     assert chunk.node == "child" and chunk.pid != os.getpid() and chunk.cursor.spans >= 3
+
+
+def test_a_child_that_fails_to_start_fails_its_start_with_the_reason(child_env):
+    async def main():
+        ipc_dir = tempfile.mkdtemp(prefix="troupe-test-")
+        node = Node("parent", ZmqTransport(endpoint(ipc_dir, "parent")))
+        system_actor(node)
+        spec = NodeSpec("child", "runtime_fixtures:failing_entry", b"port 1", ipc_dir, "parent",
+                        {"parent": endpoint(ipc_dir, "parent")})
+        try:
+            with pytest.raises(ChildStartError) as err:
+                await start_child(node, spec, ready_timeout=60, env=child_env)
+            return str(err.value)
+        finally:
+            await node.stop()
+    message = run_async(main())
+    assert "process 'child'" in message and "failed to start: ValueError: cannot start with port 1" in message
 
 
 def test_cross_process_wrong_type_rejected_and_remote_error_raised(child_env):
