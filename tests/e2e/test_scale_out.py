@@ -1,16 +1,21 @@
 """vLLM's scale-out endpoints (--enable-scale-out) on the real server: a request rendered to
-token ids and sampling parameters, then generated from them, gives what the OpenAI endpoints
-give; vLLM 0.32's own render output is taken as it is."""
+token ids and sampling parameters, then generated from them and derendered, gives what the
+OpenAI endpoints give; vLLM 0.32's own render output, generate answer and stream state are taken
+as they are; hostile bodies get 4xx answers in the one error shape, never a 5xx."""
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
 import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from server import Server
+from test_openai_fuzz import check, encoded, junk
 
 pytestmark = pytest.mark.slow
 
@@ -250,3 +255,51 @@ def test_a_rendered_responses_request_generates_the_responses_endpoints_text(ser
     assert out["choices"][0]["text"] == direct["output"][0]["content"][0]["text"]
     resp = _post(server, "/v1/responses/render", {**request, "previous_response_id": direct["id"]})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "previous_response_id"
+
+
+# -- hostile bodies: each a valid body with one field (at the top, in sampling_params, in a choice)
+# replaced by generated junk; the answers come in time, never a 5xx, errors in the one shape
+VLLM_STREAM_STATE = {"prev_tokens": ["Hello"], "prefix_offset": 0, "read_offset": 1, "role_sent": True}
+FUZZ_BASES = [
+    ("/inference/v1/generate", VLLM_RENDERED, ("sampling_params",)),
+    ("/inference/v1/generate", {**VLLM_RENDERED, "stream": True, "output_mode": "text"}, ("sampling_params",)),
+    ("/v1/chat/completions/render", CHAT, ()),
+    ("/v1/chat/completions/derender", {"generate_response": VLLM_GENERATED, "prompt_token_ids": [1, 2],
+                                       "chat_request": CHAT}, ("generate_response",)),
+    ("/v1/completions/derender", {"generate_responses": [VLLM_GENERATED], "prompt_tokens": [3]}, ()),
+    ("/v1/chat/completions/derender", {"stream": True, "stream_state": VLLM_STREAM_STATE, "generate_chunk": {
+        "request_id": "x", "choices": [{"index": 0, "token_ids": [17, 1073]}]}}, ("stream_state", "generate_chunk")),
+]
+
+
+@st.composite
+def hostile(draw) -> tuple[str, bytes]:
+    path, base, inner = draw(st.sampled_from(FUZZ_BASES))
+    body = json.loads(json.dumps(base))
+    target = body
+    where = draw(st.sampled_from((None, *inner)))
+    if where is not None:
+        target = body[where]
+        if where == "generate_response" and draw(st.booleans()):
+            target = target["choices"][0]
+    key = draw(st.sampled_from(sorted(target) + ["no_such_field"]))
+    target[key] = draw(junk)
+    return path, encoded(body)
+
+
+@settings(max_examples=25, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(sent=st.lists(hostile(), min_size=4, max_size=4))
+def test_fuzz_hostile_scale_out_bodies(server, sent):
+    for path, body in sent:
+        check(server, path, body)
+
+
+def test_the_server_is_healthy_and_idle_after_the_hostile_bodies(server):
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    deadline = time.monotonic() + 10
+    while True:
+        stats = requests.get(server.url + "/debug/engine", timeout=10).json()
+        if stats["num_requests_running"] == stats["num_requests_waiting"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0 and stats["kv_cache_usage"] == 0
