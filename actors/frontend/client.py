@@ -175,12 +175,13 @@ class EngineClient:
                      timeout_s: float | None = None, parent_id: str = "", n: int = 1,
                      lora_request: LoRARequest | None = None, truncation_side: str = "left",
                      chat_template: str | None = None, stream_interval: int = 1,
-                     render_only: bool = False) -> RequestHandle | RenderedPrompt:
+                     render_only: bool = False, return_token_offsets: bool = False) -> RequestHandle | RenderedPrompt:
         """Admit one request; ``timeout_s``: it is aborted (its KV freed) if it has not finished
         that long after now. ``parent_id`` and ``n``: it is one of the n choices of request
         ``parent_id`` (for the metrics of requests with n > 1; see ``end_group``).
         ``render_only``: check and tokenize it as it would be admitted, and return that (a
-        RenderedPrompt) without admitting it (vLLM's /render endpoints).
+        RenderedPrompt) without admitting it (vLLM's /render endpoints; ``return_token_offsets``:
+        with each token's characters in the prompt text).
         ``stream_interval``: new tokens per output after the first (vLLM's). Raises
         InvalidPrompt (or PromptTooLong) when it is refused, Overloaded when too many wait
         already, and EngineDeadError when the engine is gone or the server is shutting down."""
@@ -193,13 +194,13 @@ class EngineClient:
             rid, params, prompt, prompt_token_ids, messages,
             add_generation_prompt, continue_final_message, chat_template_kwargs or {},
             priority, arrival_time, add_special_tokens, cache_salt, parent_id, n, lora_request, truncation_side,
-            chat_template, render_only)
+            chat_template, render_only, return_token_offsets)
         if render_only:
             try:
                 rendered = await self.tokenizer_actor.ask(generate, timeout=60)
             except RemoteError as exc:
                 raise _refusal(exc) from None
-            return RenderedPrompt(self, rid, params, rendered.prompt_token_ids)
+            return RenderedPrompt(self, rid, params, rendered.prompt_token_ids, rendered.token_offsets)
         deadline = time.monotonic() + timeout_s if timeout_s else None
         self.waiting.check_room()
         in_flight, bound = len(self.streams), self.config.scheduler.max_num_queued_reqs
@@ -313,6 +314,7 @@ class RenderedPrompt:
     request_id: str
     params: SamplingParams
     prompt_token_ids: list[int]
+    token_offsets: list[tuple[int, int]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -137,6 +137,9 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     # vLLM's: per prompt token (but the first) its log-prob and this many alternatives; not streamed
     prompt_logprobs: int | None = None
     return_token_ids: bool | None = False             # vLLM's: the prompt's and each choice's token ids too
+    # vLLM's: the /render endpoints give each prompt token's (start, end) characters in the prompt
+    # text (a chat's: the rendered template); ignored when generating
+    return_token_offsets: bool | None = False
     return_tokens_as_token_ids: bool | None = None    # vLLM's: log-prob tokens as "token_id:N" (None: the server's flag)
     request_id: str | None = None                     # vLLM's: the answer's id is the id prefix and this
     stream_interval: int | None = None                # vLLM's: new tokens per streamed chunk, at least the server's

@@ -131,7 +131,7 @@ def _rendered(choices: list[Choice], request_id: str, req: ChatCompletionRequest
               stream: bool) -> dict[str, Any]:
     """The GenerateRequest of one rendered prompt (its first choice's; ``n`` of them)."""
     first = choices[0].handle
-    return {"request_id": request_id, "token_ids": first.prompt_token_ids, "token_offsets": None,
+    return {"request_id": request_id, "token_ids": first.prompt_token_ids, "token_offsets": first.token_offsets,
             "features": None, "content_parts": None,
             "sampling_params": vllm_sampling_params(first.params, len(choices)),
             "model": req.model, "reasoning_ended": None, "reasoning_parser_kwargs": None,
@@ -139,6 +139,11 @@ def _rendered(choices: list[Choice], request_id: str, req: ChatCompletionRequest
             "stream_options": msgspec.to_builtins(req.stream_options) if stream and req.stream_options else None,
             "cache_salt": req.cache_salt, "priority": req.priority or 0,
             "kv_transfer_params": req.kv_transfer_params, "ec_transfer_params": None}
+
+
+def _renderer(server: OpenAIServer, req: ChatCompletionRequest | CompletionRequest) -> Any:
+    """What renders (and does not admit) each choice of ``req``."""
+    return functools.partial(server.submit, render_only=True, return_token_offsets=bool(req.return_token_offsets))
 
 
 def _json(body: Any) -> web.Response:
@@ -149,7 +154,7 @@ async def render_chat(server: OpenAIServer, request: web.Request) -> web.Respons
     req: ChatCompletionRequest = await server.read(request, ChatCompletionRequest)
     if req.use_beam_search:
         raise BadRequest("Beam search is not supported by the render endpoint", "use_beam_search")
-    gen, stream = await start_chat(server, req, time.time(), functools.partial(server.submit, render_only=True))
+    gen, stream = await start_chat(server, req, time.time(), _renderer(server, req))
     return _json(_rendered(gen.choices, _render_id(request, gen), req, stream))
 
 
@@ -157,7 +162,7 @@ async def render_completion(server: OpenAIServer, request: web.Request) -> web.R
     req: CompletionRequest = await server.read(request, CompletionRequest)
     if req.use_beam_search:
         raise BadRequest("Beam search is not supported by the render endpoint", "use_beam_search")
-    gen, stream = await start_completion(server, req, time.time(), functools.partial(server.submit, render_only=True))
+    gen, stream = await start_completion(server, req, time.time(), _renderer(server, req))
     by_prompt: dict[int, list[Choice]] = {}
     for c in gen.choices:
         by_prompt.setdefault(c.prompt_index, []).append(c)
@@ -177,7 +182,7 @@ async def render_response(server: OpenAIServer, request: web.Request) -> web.Res
     req.check()
     try:
         chat = server.decode(json_encoder.encode(req.chat_body([])), ChatCompletionRequest)
-        gen, _ = await start_chat(server, chat, time.time(), functools.partial(server.submit, render_only=True))
+        gen, _ = await start_chat(server, chat, time.time(), _renderer(server, chat))
     except BadRequest as exc:
         raise renamed(exc) from None
     header = request.headers.get("X-Request-Id")

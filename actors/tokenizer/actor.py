@@ -25,6 +25,7 @@ OFF_LOOP_CHARS = 20_000          # longer prompts are tokenized in a thread
 class PromptAccepted(msgspec.Struct):
     num_prompt_tokens: int
     prompt_token_ids: list[int] = []
+    token_offsets: list[tuple[int, int]] | None = None    # asked for by a render (return_token_offsets)
 
 
 class Generate(Msg):
@@ -50,6 +51,7 @@ class Generate(Msg):
     truncation_side: str = "left"          # with truncate_prompt_tokens: "left" keeps the last ones, "right" the first
     chat_template: str | None = None       # the request's own template for messages (None: the model's)
     render_only: bool = False              # checked and tokenized as it would be admitted, not admitted (/render)
+    return_token_offsets: bool = False     # with render_only: each token's characters in the prompt text
 
 
 class InvalidPrompt(ValueError, Refusal):
@@ -92,9 +94,12 @@ class TokenizerActor(Actor):
         # a long text is tokenized in a thread (the tokenizer releases the GIL), so the
         # frontend's other requests and probes do not wait behind it
         ids = await asyncio.to_thread(self._prompt_ids, msg) if chars > OFF_LOOP_CHARS else self._prompt_ids(msg)
+        offsets = self._offsets(msg, ids) if msg.render_only and msg.return_token_offsets else None
         if truncate is not None:          # vLLM's: the prompt's last tokens (the left side goes), or first
             keep = self.max_model_len if truncate == -1 else truncate
             ids = ids[:keep] if msg.truncation_side == "right" else ids[-keep:]
+            if offsets is not None:
+                offsets = offsets[:keep] if msg.truncation_side == "right" else offsets[-keep:]
         n = len(ids)
         if n == 0:
             raise InvalidPrompt("the prompt is empty")
@@ -108,7 +113,7 @@ class TokenizerActor(Actor):
                                 f"prompt, {params.max_tokens} for the completion). Please reduce the "
                                 f"prompt or max_tokens.")
         if msg.render_only:
-            return PromptAccepted(n, ids)
+            return PromptAccepted(n, ids, offsets)
         self.waiting.admit(msg.request_id, n)               # Overloaded: the queue is full
         arrival = msg.arrival_time or time.time()
         self.detokenizer.tell(TrackRequest(msg.request_id, ids, params, arrival, msg.parent_id, msg.n))
@@ -145,6 +150,19 @@ class TokenizerActor(Actor):
                 if tokens and tokens not in ids:
                     ids.append(tokens)
         return msgspec.structs.replace(params, bad_words_token_ids=ids)
+
+    def _offsets(self, msg: Generate, ids: list[int]) -> list[tuple[int, int]] | None:
+        """Each prompt token's characters in the text it was tokenized from (a chat's rendered
+        template); None for token ids given as they are."""
+        if msg.prompt_token_ids is not None:
+            return None
+        text = msg.prompt
+        if msg.messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                msg.messages, add_generation_prompt=msg.add_generation_prompt,
+                continue_final_message=msg.continue_final_message, chat_template=msg.chat_template,
+                **msg.chat_template_kwargs)
+        return self.tokenizer.token_offsets(text or "", ids)
 
     def _prompt_ids(self, msg: Generate) -> list[int]:
         if msg.messages is not None:

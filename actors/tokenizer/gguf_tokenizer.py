@@ -301,6 +301,21 @@ class TextTokenizer:
                 ids = [*ids, self.eos_token_id]
         return ids
 
+    def token_offsets(self, text: str, ids: Sequence[int]) -> list[tuple[int, int]] | None:
+        """Each of ``ids``' (start, end) characters in ``text``, where ``ids`` are ``text``'s
+        tokens (with BOS before or EOS after them: (0, 0), as transformers gives special
+        tokens); None when they are not."""
+        enc = self.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        core, offsets = list(enc.ids), [tuple(o) for o in enc.offsets]
+        ids = list(ids)
+        head = 1 if ids[:1] == [self.bos_token_id] and ids[1:len(core) + 1] == core else 0
+        if ids[head:head + len(core)] != core or len(ids) - head - len(core) not in (0, 1):
+            return None
+        tail = ids[head + len(core):]
+        if tail and tail != [self.eos_token_id]:
+            return None
+        return [(0, 0)] * head + offsets + [(0, 0)] * len(tail)
+
     def _with_bos(self, ids: list[int]) -> list[int]:
         """`ids` with BOS in front if the GGUF asks for it (add_bos_token) and it is not there already."""
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:

@@ -303,3 +303,20 @@ def test_the_server_is_healthy_and_idle_after_the_hostile_bodies(server):
             break
         time.sleep(0.1)
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0 and stats["kv_cache_usage"] == 0
+
+
+def test_render_gives_each_prompt_tokens_characters_as_vllm_does(server):
+    prompt = "Hi there, é!"
+    rendered = _post(server, "/v1/completions/render", {"model": "smol", "prompt": prompt, "max_tokens": 5,
+                                                         "return_token_offsets": True}).json()[0]
+    offsets = rendered["token_offsets"]
+    assert len(offsets) == len(rendered["token_ids"])
+    assert "".join(prompt[a:b] for a, b in offsets) == prompt
+    # vLLM 0.32's answer with truncate_prompt_tokens 3: the last three tokens' characters
+    last3 = _post(server, "/v1/completions/render", {"model": "smol", "prompt": prompt, "max_tokens": 5,
+                                                      "return_token_offsets": True, "truncate_prompt_tokens": 3}).json()[0]
+    assert (last3["token_ids"], last3["token_offsets"]) == ([28, 26411, 17], [[8, 9], [9, 11], [11, 12]])
+    chat = _post(server, "/v1/chat/completions/render", {**CHAT, "return_token_offsets": True}).json()
+    assert len(chat["token_offsets"]) == len(chat["token_ids"]) == 31 and chat["token_offsets"][-1] == [149, 150]   # as vLLM 0.32
+    assert _post(server, "/v1/chat/completions", {**CHAT, "return_token_offsets": True}).status_code == 200
+    assert _post(server, "/v1/chat/completions/render", CHAT).json()["token_offsets"] is None

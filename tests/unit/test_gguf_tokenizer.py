@@ -330,3 +330,15 @@ def test_tokenizer_config_of_a_hf_directory_is_its_file_less_paths(tok, hf_tok, 
     assert info["tokenizer_class"] == on_disk["tokenizer_class"]
     assert info["added_tokens_decoder"]["2"] == "<|im_end|>"
     json.dumps(info)
+
+
+def test_token_offsets_give_each_tokens_characters_and_zero_spans_to_bos_and_eos(tok, hf_tok):
+    text = "Hi there, é! <|im_start|>user"
+    ids = tok.encode(text)
+    offsets = tok.token_offsets(text, ids)
+    assert offsets == [tuple(o) for o in hf_tok(text, add_special_tokens=False, return_offsets_mapping=True)
+                       ["offset_mapping"]]
+    bos, eos = tok.bos_token_id if tok.bos_token_id is not None else 1, tok.eos_token_id
+    assert tok.token_offsets(text, [bos, *ids])[:2] == [(0, 0), offsets[0]]
+    assert tok.token_offsets(text, [*ids, eos])[-1] == (0, 0)
+    assert tok.token_offsets(text, ids[1:]) is None                # not this text's tokens
