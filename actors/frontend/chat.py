@@ -32,8 +32,10 @@ class ChatGeneration(Generation):
     id_prefix = "chatcmpl-"
 
     def __init__(self, request_id: str, model: str, choices: list[Choice], include_usage: bool,
-                 answer: Answer, top_logprobs: int | None, tools: ToolUse | None = None, echo: str = "") -> None:
+                 answer: Answer, top_logprobs: int | None, tools: ToolUse | None = None, echo: str = "",
+                 prompt_text: str | None = None) -> None:
         super().__init__(request_id, model, choices, include_usage, answer)
+        self.prompt_text = prompt_text   # return_prompt_text: in the answer, or the stream's first chunk
         self.token_text = answer.text_of
         self.echo = echo                 # shown before each choice's content (vLLM's echo)
         self.top = top_logprobs          # None: no log-probs asked for
@@ -52,6 +54,8 @@ class ChatGeneration(Generation):
                                "logprobs": None, "finish_reason": None}],
                              **({"prompt_token_ids": c.handle.prompt_token_ids} if self.answer.return_token_ids else {}))
                   for c in self.choices]
+        if self.prompt_text is not None:
+            chunks[0]["prompt_text"] = self.prompt_text
         if self.echo:
             chunks += [self.chunk([{"index": c.index, "delta": {"content": self.echo}, "logprobs": None,
                                     "finish_reason": None}]) for c in self.choices]
@@ -119,6 +123,8 @@ class ChatGeneration(Generation):
             extras["prompt_logprobs"] = prompt_logprobs_json(first.prompt_logprobs, self.token_text)
         if self.answer.return_token_ids:
             extras["prompt_token_ids"] = first.handle.prompt_token_ids
+        if self.prompt_text is not None:
+            extras["prompt_text"] = self.prompt_text
         return extras
 
 
@@ -186,6 +192,11 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         stream_interval=req.stream_interval)
     last = messages[-1]
     echo = (last["content"] or "") if req.echo and last["role"] == "assistant" else ""
+    prompt_text = None
+    if req.return_prompt_text:        # vLLM's: the prompt as the template rendered it (it rendered already)
+        prompt_text = client.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template=req.chat_template, **(template_kwargs or {}))
     gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),
-                         params.num_logprobs, tools, echo)
+                         params.num_logprobs, tools, echo, prompt_text)
     return gen, stream

@@ -154,6 +154,26 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     # vLLM's prefill/decode disaggregation: {"do_remote_decode": true} on a prefill instance, the
     # prefill's returned params on a decode instance (SamplingParams.extra_args["kv_transfer_params"])
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM 0.32's other fields: taken where they ask for what Troupe does, refused by name (400)
+    # when they ask for what it does not (``unserved``)
+    return_mm_kwargs: bool | None = False             # a text prompt has no multimodal kwargs to return
+    routed_experts_prompt_start: int | None = 0       # for routed-expert data, never returned here
+    thinking_token_budget: int | None = None
+    watermarking: bool | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    mm_payload: Any = None
+
+    def unserved(self) -> list[tuple[str, str]]:
+        """(field, why) of each field set to something Troupe does not do."""
+        out = []
+        if self.thinking_token_budget is not None:
+            out.append(("thinking_token_budget", "thinking_token_budget needs a reasoning parser, and Troupe has none"))
+        if self.watermarking:
+            out.append(("watermarking", "watermarking is not supported: Troupe does not watermark its output"))
+        for name in ("ec_transfer_params", "mm_payload"):
+            if getattr(self, name):
+                out.append((name, f"{name} is not supported: Troupe serves text-only models"))
+        return out
 
     def with_server_defaults(self, defaults: ServerDefaults) -> GenerationRequest:
         """Attach the server's log-probs bound and sampling defaults (``to_sampling_params``
@@ -200,6 +220,10 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
         value that reaches SamplingParams is in range: one the engine cannot hold would fail a
         whole step, and with it every request in the step. Unset sampling fields take the
         server's generation-config defaults, else the API's."""
+        for name, why in self.unserved():
+            raise BadRequest(why, name)
+        require(self.routed_experts_prompt_start is None or self.routed_experts_prompt_start >= 0,
+                "routed_experts_prompt_start must be at least 0", "routed_experts_prompt_start")
         d = self.server_defaults.sampling
         t = or_default(self.temperature, or_default(d.temperature, 1.0))
         p = or_default(self.top_p, or_default(d.top_p, 1.0))
@@ -337,6 +361,17 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     verbosity: Literal["low", "medium", "high"] | None = None
     prediction: Prediction | None = None
     modalities: list[Literal["text"]] | None = None     # audio output is refused
+    include_reasoning: bool | None = True     # vLLM's: with a reasoning parser (none here, so none to include)
+    return_prompt_text: bool | None = False   # vLLM's: the answer shows the prompt as the template rendered it
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    def unserved(self) -> list[tuple[str, str]]:
+        out = super().unserved()
+        for name in ("media_io_kwargs", "mm_processor_kwargs"):
+            if getattr(self, name):
+                out.append((name, f"{name} is not supported: Troupe serves text-only models"))
+        return out
 
     def constraint(self) -> Constraint | None:
         """What the structured-output fields ask for, or what ``tool_choice`` "required" or a
@@ -384,6 +419,17 @@ class CompletionRequest(GenerationRequest, kw_only=True):
     echo: bool | None = False
     add_special_tokens: bool | None = True
     best_of: int | None = None       # OpenAI's: sample this many per prompt, return the n most likely
+    spaces_between_special_tokens: bool | None = True   # vLLM's; a fast tokenizer's output does not depend on it
+    suffix: str | None = None        # OpenAI's: refused, as vLLM refuses it
+    prompt_embeds: Any = None        # vLLM's: refused (prompts are text or token ids here)
+
+    def unserved(self) -> list[tuple[str, str]]:
+        out = super().unserved()
+        if self.suffix is not None:
+            out.append(("suffix", "suffix is not currently supported"))       # vLLM's words
+        if self.prompt_embeds is not None:
+            out.append(("prompt_embeds", "prompt_embeds is not supported: prompts are text or token ids here"))
+        return out
 
     def to_sampling_params(self, vocab_size: int, max_model_len: int) -> SamplingParams:
         """Unset max_tokens: OpenAI's 16 (vLLM's too, whatever the generation config says).

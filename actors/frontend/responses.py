@@ -73,6 +73,18 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     safety_identifier: str | None = None
     max_tool_calls: int | None = None
     session_id: str | None = None                   # vLLM's: names the conversation in its KV events; none here
+    include_reasoning: bool | None = True           # vLLM's: with a reasoning parser (none here, so none to include)
+    # vLLM 0.32's others, refused by name when set (``check``)
+    enable_response_messages: bool | None = False
+    previous_input_messages: list[Any] | None = None
+    prompt: dict[str, Any] | None = None            # OpenAI's stored prompt templates
+    kv_transfer_params: dict[str, Any] | None = None
+    watermarking: bool | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    mm_payload: Any = None
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    return_mm_kwargs: bool | None = False
     stream_options: dict[str, Any] | None = None
     # vLLM's extensions, as in chat completions
     seed: int | None = None
@@ -93,6 +105,15 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     structured_outputs: dict[str, Any] | None = None
 
     def check(self) -> None:
+        for name, why in (("enable_response_messages", "the Harmony message lists of gpt-oss models"),
+                          ("previous_input_messages", "the Harmony message lists of gpt-oss models"),
+                          ("prompt", "prompt templates stored on OpenAI's platform"),
+                          ("kv_transfer_params", "prefill/decode disaggregation on /v1/responses (use the chat or "
+                                                 "completions endpoint)"),
+                          ("watermarking", "watermarking"), ("ec_transfer_params", "multimodal inputs"),
+                          ("mm_payload", "multimodal inputs"), ("media_io_kwargs", "multimodal inputs"),
+                          ("mm_processor_kwargs", "multimodal inputs")):
+            require(not getattr(self, name), f"{name} is not supported here ({why})", name)
         require(not self.background, "background responses are not supported (each request is answered "
                 "while it runs)", "background")
         require(self.truncation in (None, "disabled"), f"truncation must be \"disabled\", got {self.truncation!r}",

@@ -970,3 +970,38 @@ def test_tokenize_renders_tools_as_the_chat_endpoint_does(http):
     assert with_tools["count"] == chat["usage"]["prompt_tokens"] >= plain["count"]
     r = http.post("/tokenize", json={"messages": CAPITAL, "chat_template": "{{ messages }}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
+def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, model):
+    """return_prompt_text shows the prompt as the template rendered it (its tokens are the
+    prompt's); fields asking for what Troupe does are taken; those asking for what it does not
+    (a thinking budget, watermarks, multimodal inputs, suffix, prompt embeddings) are a 400
+    naming them."""
+    out = http.post("/v1/chat/completions", json={"model": model, "messages": CAPITAL, "max_tokens": 2,
+                                                  "return_prompt_text": True, "return_token_ids": True,
+                                                  "include_reasoning": True, "return_mm_kwargs": False,
+                                                  "routed_experts_prompt_start": 0})
+    assert out.status_code == 200, out.text
+    body = out.json()
+    tokens = http.post("/tokenize", json={"prompt": body["prompt_text"], "add_special_tokens": False}).json()["tokens"]
+    assert body["prompt_text"].startswith("<|im_start|>") and tokens == body["prompt_token_ids"]
+    streamed = http.post("/v1/chat/completions", json={"model": model, "messages": CAPITAL, "max_tokens": 2,
+                                                       "stream": True, "return_prompt_text": True})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_text"] == body["prompt_text"] and all("prompt_text" not in c for c in chunks[1:])
+    for path, field, value, words in (
+            ("/v1/chat/completions", "thinking_token_budget", 64, "reasoning parser"),
+            ("/v1/chat/completions", "watermarking", True, "watermark"),
+            ("/v1/chat/completions", "mm_processor_kwargs", {"num_crops": 4}, "text-only"),
+            ("/v1/completions", "suffix", "!", "suffix is not currently supported"),
+            ("/v1/completions", "prompt_embeds", "AAAA", "text or token ids"),
+            ("/v1/responses", "prompt", {"id": "pmpt_1"}, "stored"),
+            ("/v1/responses", "enable_response_messages", True, "Harmony")):
+        base = ({"messages": CAPITAL} if "chat" in path else {"input": "Hi"} if "responses" in path
+                else {"prompt": "Hi"})
+        resp = http.post(path, json={"model": model, **base, field: value})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == field, (field, resp.text)
+        assert words in resp.json()["error"]["message"], resp.text
+    ok = http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1,
+                                            "spaces_between_special_tokens": False, "thinking_token_budget": None})
+    assert ok.status_code == 200, ok.text

@@ -4,6 +4,7 @@ exit 2), --gpu-memory-utilization sizes the KV cache from the GPU's memory, --ge
 gives request defaults, --max-logprobs bounds requests, and /metrics has vLLM's names."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -440,3 +441,17 @@ def test_the_offline_api_samples_with_generation_config_defaults_when_given_no_p
     assert (params.temperature, params.top_p, params.max_tokens) == (0.6, 0.9, 12)
     model.sampling_defaults = SamplingDefaults()
     assert llm.default_sampling_params().temperature == 1.0      # vLLM's own default
+
+
+def test_every_request_field_of_vllm_0_32_is_a_field_here():
+    """tests/unit/data/vllm_0.32_request_fields.json: the fields of vLLM 0.32's chat, completion
+    and Responses requests (their pydantic models'). Each is a field of Troupe's request, so none
+    is an "unknown field" 400: it is served, accepted as what Troupe does, or refused naming it."""
+    from actors.frontend.protocol import ChatCompletionRequest, CompletionRequest
+    from actors.frontend.responses import ResponsesRequest
+    with open(os.path.join(ROOT, "tests", "unit", "data", "vllm_0.32_request_fields.json")) as f:
+        vllm = json.load(f)
+    assert {k: len(v) for k, v in vllm.items()} == {"chat": 68, "completion": 55, "responses": 53}
+    for name, cls in (("chat", ChatCompletionRequest), ("completion", CompletionRequest),
+                      ("responses", ResponsesRequest)):
+        assert not set(vllm[name]) - set(cls.__struct_fields__), name
