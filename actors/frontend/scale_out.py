@@ -276,9 +276,9 @@ async def generate(server: OpenAIServer, request: web.Request) -> web.StreamResp
     arrival = time.time()
     body: GenerateRequest = await server.read(request, GenerateRequest)
     client = server.engine()
-    if body.features is not None or body.content_parts is not None or body.ec_transfer_params is not None:
-        raise BadRequest("multimodal inputs are not supported by this server (a text-only model)",
-                         "features" if body.features is not None else "content_parts")
+    for name in ("features", "content_parts", "ec_transfer_params"):
+        if getattr(body, name) is not None:
+            raise BadRequest(f"{name}: multimodal inputs are not supported by this server (a text-only model)", name)
     if not body.token_ids:
         raise BadRequest("token_ids must not be empty", "token_ids")
     given = body.request_id
