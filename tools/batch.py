@@ -31,6 +31,7 @@ from typing import IO, Any
 
 from actors.api import Progress
 from actors.engine.args import EngineArgs
+from actors.frontend.reasoning import REASONING_PARSERS
 
 log = logging.getLogger("troupe.batch")
 
@@ -191,7 +192,8 @@ async def run(args: argparse.Namespace, lines: list[Line], out: IO[str]) -> Runn
     from actors.frontend.launch import start_frontend
     fe = await start_frontend(EngineArgs.from_cli_args(args).create_engine_config())
     bar = None if args.no_progress else Progress(len(lines), "Batch")
-    runner = Runner(OpenAIServer(fe.client, ServerOptions(lenient=args.lenient)), out, bar)
+    runner = Runner(OpenAIServer(fe.client, ServerOptions(lenient=args.lenient, reasoning_parser=args.reasoning_parser)),
+                    out, bar)
     try:
         await asyncio.gather(*(runner.run_line(line) for line in lines))
         runner.finished = time.monotonic()
@@ -211,6 +213,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.batch
                    help="skip the requests whose custom_id is already in the output file, and append")
     p.add_argument("--lenient", action="store_true", help="drop unknown body fields instead of an error")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="chat answers' reasoning and content split as the server's --reasoning-parser splits them")
     p.add_argument("--log-level", default="WARNING")
     # an offline job: as vLLM's offline engine, up to 256 requests in a step (the server: 64)
     EngineArgs.add_cli_args(p, max_num_seqs=BATCH_MAX_NUM_SEQS)

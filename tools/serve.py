@@ -21,6 +21,7 @@ from actors import topology
 from actors.engine.args import EngineArgs, at_least
 from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tool_parsers import TOOL_PARSERS
+from actors.frontend.reasoning import REASONING_PARSERS
 from actors.runtime import heap
 from actors.runtime.plugins import load_general_plugins
 from tools.vllm_flags import add_vllm_flags
@@ -92,6 +93,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
                         "Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": ...})")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a thinking model's output into the message's reasoning (between <think> and "
+                        "</think>) and content: deepseek_r1 (the template opens the thinking) or qwen3 (the "
+                        "model opens it); the tokenizer must have both tags as tokens")
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request at INFO once admitted: its id, prompt tokens and the sampling "
                         "parameters it set (default: off, as in vLLM)")
@@ -174,7 +179,8 @@ async def serve(args: argparse.Namespace) -> int:
                                                     enable_scale_out=args.enable_scale_out,
                                                     default_chat_template_kwargs=args.default_chat_template_kwargs,
                                                     stream_interval=args.stream_interval,
-                                                    sse_keep_alive_interval=args.sse_keep_alive_interval),
+                                                    sse_keep_alive_interval=args.sse_keep_alive_interval,
+                                                    reasoning_parser=args.reasoning_parser),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
         addr = await http.ask(GetAddress())

@@ -94,7 +94,7 @@ REFUSED: dict[str, str] = {
     "--cudagraph-capture-sizes": _COMPILE, "--cuda-graph-sizes": _COMPILE,
     "--max-cudagraph-capture-size": _COMPILE, "--additional-config": "Troupe loads no platform plugins",
     # structured outputs and reasoning
-    "--reasoning-parser": "Troupe has no reasoning parsers", "--enable-reasoning": "Troupe has no reasoning parsers",
+    "--enable-reasoning": "vLLM's older spelling: --reasoning-parser alone turns reasoning on",
     "--guided-decoding-backend": _STRUCT, "--guided-decoding-disable-fallback": _STRUCT,
     "--guided-decoding-disable-any-whitespace": _STRUCT,
     "--guided-decoding-disable-additional-properties": _STRUCT, "--structured-outputs-config": _STRUCT,
@@ -167,7 +167,8 @@ for _flags, _why in (
     (("--prefix-cache-retention-interval", "--prefix-match-unit", "--kv-cache-dtype-skip-layers",
       "--enable-return-routed-experts"), _KV),
     (("--sleep-mode-offload-cudagraph", "--sleep-preserve-parameter-names"), _SLEEP),
-    (("--reasoning-config", "--reasoning-parser-plugin"), "Troupe has no reasoning parsers"),
+    (("--reasoning-config", "--reasoning-parser-plugin"),
+     "Troupe's reasoning parsers are its own (--reasoning-parser deepseek_r1 or qwen3)"),
     (("--watermark", "--watermark-config"), "Troupe does not watermark its output"),
 ):
     REFUSED.update(dict.fromkeys(_flags, _why))

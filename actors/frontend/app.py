@@ -28,6 +28,7 @@ from actors.frontend.http_trace import HttpSpan
 from actors.frontend.logprobs import TokenText
 from actors.frontend.telemetry import Telemetry
 from actors.frontend.protocol import BadRequest, GenerationRequest, ServerDefaults, decode_body
+from actors.frontend.reasoning import REASONING_PARSERS
 from actors.grammar.actor import InvalidGrammar
 from actors.runtime import RemoteError, faults
 from actors.runtime.faults import InjectFault
@@ -65,6 +66,7 @@ class ServerOptions:
     default_chat_template_kwargs: dict[str, Any] | None = None   # under every chat request's own
     stream_interval: int = 1               # new tokens per streamed chunk after the first (--stream-interval)
     sse_keep_alive_interval: float = 0.0   # seconds of silence before a stream sends a comment line; 0: never
+    reasoning_parser: str | None = None    # a name in reasoning.REASONING_PARSERS (--reasoning-parser)
 
 
 class OpenAIServer:
@@ -85,10 +87,14 @@ class OpenAIServer:
         self.request_defaults = ServerDefaults()
         self.responses = responses.ResponseStore()     # for GET /v1/responses/{id} and previous_response_id
         self.server_load = 0             # generation requests being answered (GET /load)
+        self.reasoning_parser = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
         if client is not None:
             self.attach(client)
 
     def attach(self, client: EngineClient) -> None:
+        """Serve with ``client``; ValueError when --reasoning-parser does not fit its model."""
+        if self.reasoning_parser is not None:
+            self.reasoning_parser.check(client.tokenizer)
         self.token_text = TokenText(client.tokenizer)
         self.vocab_size = min(client.tokenizer.vocab_size, client.vocab_size)
         model = client.config.model

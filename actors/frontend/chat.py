@@ -4,7 +4,7 @@ calls read out of each choice's text (``tools.py``)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -17,6 +17,7 @@ from actors.frontend.logprobs import chat_logprobs, prompt_logprobs_json
 from actors.frontend.params import (served_name, cache_salt, chat_messages, check_chat_flags, check_priority,
                                     num_choices, reasoning_kwargs, request_timeout, stream_flags)
 from actors.frontend.protocol import BadRequest, ChatCompletionRequest
+from actors.frontend.reasoning import ReasoningParser, ReasoningStream
 from actors.frontend.streams import RequestOutput
 from actors.frontend.structured import NotStructured
 from actors.frontend.tool_parsers import ToolCallStream
@@ -33,16 +34,22 @@ class ChatGeneration(Generation):
 
     def __init__(self, request_id: str, model: str, choices: list[Choice], include_usage: bool,
                  answer: Answer, top_logprobs: int | None, tools: ToolUse | None = None, echo: str = "",
-                 prompt_text: str | None = None) -> None:
+                 prompt_text: str | None = None, reasoning: ReasoningParser | None = None,
+                 show_reasoning: bool = True) -> None:
+        """``reasoning``: the --reasoning-parser that splits each choice's text into reasoning
+        and content (shown as ``reasoning`` unless ``show_reasoning`` is off: include_reasoning)."""
         super().__init__(request_id, model, choices, include_usage, answer)
         self.prompt_text = prompt_text   # return_prompt_text: in the answer, or the stream's first chunk
+        self.reasoning = reasoning
+        self.show_reasoning = show_reasoning
         self.token_text = answer.text_of
         self.echo = echo                 # shown before each choice's content (vLLM's echo)
         self.top = top_logprobs          # None: no log-probs asked for
         self.tools = tools               # None: the text is all content
         for c in choices:
-            # log-prob entries so far (non-streamed); the tool calls read so far
-            c.state = ChoiceState([], tools.stream() if tools is not None else None)
+            # log-prob entries so far (non-streamed); the tool calls read so far; the reasoning split
+            c.state = ChoiceState([], tools.stream() if tools is not None else None,
+                                  reasoning.stream() if reasoning is not None else None)
 
     def _logprobs(self, out: RequestOutput) -> list[dict[str, Any]] | None:
         if self.top is None:
@@ -61,16 +68,30 @@ class ChatGeneration(Generation):
                                     "finish_reason": None}]) for c in self.choices]
         return chunks
 
+    def _split(self, c: Choice, out: RequestOutput) -> tuple[str, str]:
+        """(reasoning, content) of this output's text (all content without a reasoning parser)."""
+        split = c.state.reasoning
+        if split is None:
+            return "", out.text
+        reasoning, content = split.feed(out.text, out.finished)
+        c.state.reasoning_text.append(reasoning)
+        return reasoning, content
+
     def delta(self, c: Choice, out: RequestOutput) -> dict | None:
         lp = self._logprobs(out)
-        delta: dict[str, Any] = {"content": out.text}
+        reasoning, text = self._split(c, out)
+        delta: dict[str, Any] = {"content": text}
         calls = c.state.calls
         if calls is not None:
-            content, entries = calls.feed(out.text, out.finished)
+            content, entries = calls.feed(text, out.finished)
             delta = {"content": content} if content else {}
             if entries:
                 delta["tool_calls"] = entries
-        if not delta.get("content") and "tool_calls" not in delta and not lp:
+        elif c.state.reasoning is not None and not text:
+            delta = {}
+        if reasoning and self.show_reasoning:
+            delta = {"reasoning": reasoning, **delta}
+        if not delta.get("content") and "tool_calls" not in delta and "reasoning" not in delta and not lp:
             return None
         return {"index": c.index, "delta": delta,
                 "logprobs": None if lp is None else {"content": lp}, "finish_reason": None}
@@ -89,9 +110,10 @@ class ChatGeneration(Generation):
         return out.finish_reason
 
     def observe(self, c: Choice, out: RequestOutput) -> None:
-        c.text.append(out.text)
+        _, text = self._split(c, out)
+        c.text.append(text)
         if c.state.calls is not None:
-            c.state.calls.feed(out.text, out.finished)
+            c.state.calls.feed(text, out.finished)
         lp = self._logprobs(out)
         if lp:
             c.state.logprobs.extend(lp)
@@ -107,6 +129,12 @@ class ChatGeneration(Generation):
                        "tool_calls": made}
         if self.echo:
             message["content"] = self.echo + (message["content"] or "")
+        if c.state.reasoning is not None:
+            reasoning = "".join(c.state.reasoning_text)
+            if calls is None and not message["content"] and c.state.reasoning.reasoned:
+                message["content"] = None                # all of it was reasoning
+            if self.show_reasoning:
+                message["reasoning"] = reasoning or None
         return {"index": c.index, "message": message,
                 "logprobs": None if self.top is None else {"content": c.state.logprobs},
                 "finish_reason": self._finish_reason(c, last), "stop_reason": last.stop_reason}
@@ -132,6 +160,8 @@ class ChatGeneration(Generation):
 class ChoiceState:
     logprobs: list[dict[str, Any]]
     calls: ToolCallStream | None
+    reasoning: ReasoningStream | None = None
+    reasoning_text: list[str] = field(default_factory=list)
 
 
 async def chat_completions(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
@@ -180,6 +210,10 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
                "priority": priority, "cache_salt": cache_salt(req), "lora_request": client.lora_request_for(req.model),
                "chat_template": req.chat_template, "add_special_tokens": bool(req.add_special_tokens)}
         return beam_answer(server, req, params, n, [job]), False      # type: ignore[return-value]
+    if server.reasoning_parser is not None and params.structured_outputs is not None:
+        param = req.constraint().param
+        raise BadRequest(f"{param} cannot be combined with --reasoning-parser here (the grammar would constrain "
+                         "the reasoning as well as the answer)", param)
     await server.check_grammar(req, params)
     rid = client.new_request_id()
     choices = await submit_choices(
@@ -198,5 +232,6 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
             messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=req.chat_template, **(template_kwargs or {}))
     gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),
-                         params.num_logprobs, tools, echo, prompt_text)
+                         params.num_logprobs, tools, echo, prompt_text, server.reasoning_parser,
+                         req.include_reasoning is not False)
     return gen, stream

@@ -112,6 +112,11 @@ def _chat_message(i: int, m: ChatMessage) -> dict[str, Any]:
                              for c in m.tool_calls]
     if m.tool_call_id is not None:
         msg["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if reasoning is not None:
+        require(m.role == "assistant", f"reasoning may only be set on assistant messages, not on a {m.role!r} "
+                "message", f"messages[{i}].reasoning")
+        msg["reasoning_content"] = msg["reasoning"] = reasoning
     return msg
 
 

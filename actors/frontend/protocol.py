@@ -100,6 +100,10 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     name: str | None = None
     tool_calls: list[ToolCall] | None = None    # an assistant's calls
     tool_call_id: str | None = None             # a tool's result: the call it answers
+    # an assistant's reasoning (vLLM's; ``reasoning_content`` is its older name): the template's
+    # ``reasoning_content``, which thinking models' templates read
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_only=True, dict=True):
@@ -167,7 +171,8 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
         """(field, why) of each field set to something Troupe does not do."""
         out = []
         if self.thinking_token_budget is not None:
-            out.append(("thinking_token_budget", "thinking_token_budget needs a reasoning parser, and Troupe has none"))
+            out.append(("thinking_token_budget",
+                        "thinking_token_budget is not supported: Troupe does not cap reasoning tokens"))
         if self.watermarking:
             out.append(("watermarking", "watermarking is not supported: Troupe does not watermark its output"))
         for name in ("ec_transfer_params", "mm_payload"):

@@ -119,7 +119,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         require(self.truncation in (None, "disabled"), f"truncation must be \"disabled\", got {self.truncation!r}",
                 "truncation")
         require(not any(v is not None for v in (self.reasoning or {}).values()),
-                "reasoning is not supported: the model has no reasoning parser", "reasoning")
+                "reasoning options (effort, summary) are not supported on /v1/responses", "reasoning")
         other = [i for i in self.include or [] if i != LOGPROBS_INCLUDE]
         require(not other, f"include supports only {LOGPROBS_INCLUDE!r}, got {other}", "include")
         require(bool(self.input), "input must not be empty", "input")
@@ -318,6 +318,10 @@ class ResponseAnswer:
         choice = chat["choices"][0]
         message = choice["message"]
         output: list[dict[str, Any]] = []
+        if message.get("reasoning"):              # --reasoning-parser: the thinking comes first
+            output.append({"type": "reasoning", "id": "rs_" + self.id.removeprefix("resp_"), "summary": [],
+                           "content": [{"type": "reasoning_text", "text": message["reasoning"]}],
+                           "encrypted_content": None, "status": None})
         if message.get("content"):
             output.append(self._message_item(message["content"], (choice.get("logprobs") or {}).get("content")))
         for call in message.get("tool_calls") or []:

@@ -990,7 +990,7 @@ def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, mode
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert chunks[0]["prompt_text"] == body["prompt_text"] and all("prompt_text" not in c for c in chunks[1:])
     for path, field, value, words in (
-            ("/v1/chat/completions", "thinking_token_budget", 64, "reasoning parser"),
+            ("/v1/chat/completions", "thinking_token_budget", 64, "reasoning tokens"),
             ("/v1/chat/completions", "watermarking", True, "watermark"),
             ("/v1/chat/completions", "mm_processor_kwargs", {"num_crops": 4}, "text-only"),
             ("/v1/completions", "suffix", "!", "suffix is not currently supported"),

@@ -1,0 +1,105 @@
+"""Reasoning parsers (vLLM's ``--reasoning-parser``): a thinking model's output split into its
+reasoning, between ``<think>`` and ``</think>``, and its content after them, which the chat
+endpoint answers as the message's ``reasoning`` and ``content`` (streamed as ``delta.reasoning``
+then ``delta.content``); tool calls are read from the content only.
+
+  deepseek_r1  the chat template opens the thinking (``<think>`` ends the prompt): the output is
+               reasoning until ``</think>`` (a ``<think>`` the model writes itself is dropped);
+               an output without ``</think>`` is all reasoning
+  qwen3        the model opens its thinking itself: reasoning only between the tags; an output
+               that does not start with ``<think>`` (``enable_thinking`` false) is all content
+
+As vLLM does, a parser needs its tags to be tokens of the model's vocabulary: the server refuses
+to start with one the tokenizer lacks. The split reads the text, so a tag split across stream
+chunks is held back until it is whole."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    start: str = "<think>"
+    end: str = "</think>"
+    opened_by_prompt: bool = True      # deepseek_r1: the output begins inside the reasoning
+
+    def check(self, tokenizer: Any) -> None:
+        """ValueError unless both tags are single tokens of ``tokenizer``."""
+        for tag in (self.start, self.end):
+            if len(tokenizer.encode(tag)) != 1:
+                raise ValueError(f"--reasoning-parser {self.name}: the model's tokenizer has no {tag} token "
+                                 "(this model does not think in those tags)")
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole output (None: none of it)."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text, final=True)
+        return reasoning or None, content if content or not stream.reasoned else None
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self)
+
+
+class ReasoningStream:
+    """One choice's output as it comes: each piece of text split into reasoning and content."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.p = parser
+        self.state = "opening"       # before any reasoning text: a <think> may come first
+        self.held = ""               # text that may be the beginning of a tag
+        self.reasoned = parser.opened_by_prompt    # the output has (had) reasoning
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) newly shown by ``text``; ``final``: nothing more comes (what was
+        held back is shown)."""
+        text = self.held + text
+        self.held = ""
+        reasoning, content = [], []
+        while text:
+            if self.state == "content":
+                content.append(text)
+                break
+            if self.state == "opening":
+                stripped = text.lstrip()
+                if not final and (not stripped or self.p.start.startswith(stripped)):
+                    self.held = text             # maybe the start of <think>
+                    break
+                if stripped.startswith(self.p.start):
+                    text = stripped[len(self.p.start):]
+                    self.reasoned = True
+                elif not self.p.opened_by_prompt:
+                    self.state = "content"       # qwen3 without <think>: no thinking
+                    continue
+                self.state = "reasoning"
+                continue
+            at = text.find(self.p.end)           # reasoning, up to </think>
+            if at >= 0:
+                reasoning.append(text[:at])
+                text = text[at + len(self.p.end):]
+                self.state = "content"
+                continue
+            keep = 0 if final else _partial_tag(text, self.p.end)
+            reasoning.append(text[:len(text) - keep])
+            self.held = text[len(text) - keep:]
+            break
+        if final and self.held:                  # what could have been a tag, shown as what it is
+            (content if self.state == "content" or (self.state == "opening" and not self.p.opened_by_prompt)
+             else reasoning).append(self.held)
+            self.held = ""
+        return "".join(reasoning), "".join(content)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could be the start of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+REASONING_PARSERS = {
+    "deepseek_r1": ReasoningParser("deepseek_r1", opened_by_prompt=True),
+    "qwen3": ReasoningParser("qwen3", opened_by_prompt=False),
+}

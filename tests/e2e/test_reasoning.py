@@ -1,0 +1,111 @@
+"""--reasoning-parser on the real server, with a model whose tokenizer has the <think> and
+</think> tokens (a tiny random Llama with SmolLM2's tokenizer and the two added): the answer's
+reasoning and content are the output split where vLLM's parsers split it, plain and streamed;
+a model without the tokens is refused at start-up."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from server import Server
+
+pytestmark = pytest.mark.slow
+
+TAGS = ["<think>", "</think>"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from helpers import save_tiny_llama, transformers_tokenizer_from_gguf
+    from models.resolve import default_gguf_path
+    out = tmp_path_factory.mktemp("thinking-llama")
+    tok = transformers_tokenizer_from_gguf(default_gguf_path())
+    tok.add_tokens(TAGS)
+    tok.save_pretrained(out)
+    save_tiny_llama(out, vocab=len(tok), hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
+                    max_positions=512)
+    return str(out), tok
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    s = Server("--model", checkpoint[0], "--threads", "1", "--reasoning-parser", "deepseek_r1",
+               "--served-model-name", "thinker")
+    yield s
+    s.stop()
+
+
+def _expected(text: str) -> tuple[str | None, str | None]:
+    """deepseek_r1's split: reasoning up to the first </think> (all of it without one)."""
+    if text.lstrip().startswith("<think>"):
+        text = text.lstrip()[len("<think>"):]
+    reasoning, tag, content = text.partition("</think>")
+    return reasoning or None, (content or None) if tag else None
+
+
+def test_the_answer_splits_the_output_into_reasoning_and_content_plain_and_streamed(server, checkpoint):
+    _, tok = checkpoint
+    think_end = tok.convert_tokens_to_ids("</think>")
+    words = tok.encode(" yes no maybe", add_special_tokens=False)
+    body = {"model": "thinker", "messages": [{"role": "user", "content": "Think."}], "max_tokens": 24,
+            "temperature": 1.0, "allowed_token_ids": [think_end, *words], "return_token_ids": True}
+    seen_split = False
+    for seed in range(6):
+        out = requests.post(server.url + "/v1/chat/completions", json={**body, "seed": seed}, timeout=120).json()
+        choice = out["choices"][0]
+        raw = requests.post(server.url + "/detokenize", json={"tokens": choice["token_ids"]}, timeout=30).json()["prompt"]
+        reasoning, content = _expected(raw)
+        assert (choice["message"]["reasoning"], choice["message"]["content"]) == (reasoning, content), raw
+        seen_split |= reasoning is not None and content is not None
+        with requests.post(server.url + "/v1/chat/completions", json={**body, "seed": seed, "stream": True},
+                           stream=True, timeout=120) as resp:
+            deltas = [c["delta"] for line in resp.iter_lines() if line.startswith(b"data: {")
+                      for c in json.loads(line[6:])["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == (reasoning or "")
+        assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+    assert seen_split                               # some outputs had both parts
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out_and_a_reply_may_carry_its_reasoning(server):
+    out = requests.post(server.url + "/v1/chat/completions", json={
+        "model": "thinker", "messages": [{"role": "user", "content": "Think."}], "max_tokens": 8,
+        "include_reasoning": False}, timeout=120).json()
+    assert "reasoning" not in out["choices"][0]["message"]
+    turns = [{"role": "user", "content": "Think."},
+             {"role": "assistant", "content": "Yes.", "reasoning_content": "Because."},
+             {"role": "user", "content": "Again."}]
+    again = requests.post(server.url + "/v1/chat/completions", json={"model": "thinker", "messages": turns,
+                                                                      "max_tokens": 2}, timeout=120)
+    assert again.status_code == 200, again.text
+    bad = requests.post(server.url + "/v1/chat/completions", json={"model": "thinker", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "Hi", "reasoning": "no"}]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].reasoning"
+
+
+def test_structured_outputs_with_a_reasoning_parser_are_refused_naming_the_field(server):
+    resp = requests.post(server.url + "/v1/chat/completions", json={
+        "model": "thinker", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "response_format": {"type": "json_object"}}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "response_format"
+
+
+def test_a_model_without_the_think_tokens_is_refused_at_start():
+    with pytest.raises(RuntimeError) as err:
+        Server("--threads", "1", "--reasoning-parser", "qwen3")
+    assert "--reasoning-parser qwen3: the model's tokenizer has no <think> token" in str(err.value)
+
+
+def test_a_response_puts_the_reasoning_in_a_reasoning_item_first(server):
+    """Greedy, the Responses request and the chat request generate the same output: the
+    response's reasoning item holds the chat message's reasoning, its message item the content."""
+    chat = requests.post(server.url + "/v1/chat/completions", json={
+        "model": "thinker", "messages": [{"role": "user", "content": "Think."}], "max_tokens": 12,
+        "temperature": 0}, timeout=120).json()["choices"][0]["message"]
+    items = requests.post(server.url + "/v1/responses", json={
+        "model": "thinker", "input": "Think.", "max_output_tokens": 12, "temperature": 0}, timeout=120).json()["output"]
+    assert chat["reasoning"] and items[0]["type"] == "reasoning"
+    assert items[0]["content"] == [{"type": "reasoning_text", "text": chat["reasoning"]}]
+    messages = [i for i in items if i["type"] == "message"]
+    assert [m["content"][0]["text"] for m in messages] == ([chat["content"]] if chat["content"] else [])
