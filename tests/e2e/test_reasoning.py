@@ -4,6 +4,7 @@ reasoning and content are the output split where vLLM's parsers split it, plain 
 a model without the tokens is refused at start-up."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -21,7 +22,7 @@ def checkpoint(tmp_path_factory):
     from helpers import save_tiny_llama, transformers_tokenizer_from_gguf
     from models.resolve import default_gguf_path
     out = tmp_path_factory.mktemp("thinking-llama")
-    tok = transformers_tokenizer_from_gguf(default_gguf_path())
+    tok = copy.deepcopy(transformers_tokenizer_from_gguf(default_gguf_path()))   # the shared one stays as it is
     tok.add_tokens(TAGS)
     tok.save_pretrained(out)
     save_tiny_llama(out, vocab=len(tok), hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
