@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
 import msgspec
 from aiohttp import web
@@ -319,9 +319,7 @@ class ResponseAnswer:
         message = choice["message"]
         output: list[dict[str, Any]] = []
         if message.get("reasoning"):              # --reasoning-parser: the thinking comes first
-            output.append({"type": "reasoning", "id": "rs_" + self.id.removeprefix("resp_"), "summary": [],
-                           "content": [{"type": "reasoning_text", "text": message["reasoning"]}],
-                           "encrypted_content": None, "status": None})
+            output.append(self._reasoning_item(message["reasoning"]))
         if message.get("content"):
             output.append(self._message_item(message["content"], (choice.get("logprobs") or {}).get("content")))
         for call in message.get("tool_calls") or []:
@@ -329,6 +327,10 @@ class ResponseAnswer:
         body = self.body(_status(choice["finish_reason"]), output, choice["finish_reason"])
         self._keep(body, message)
         return body
+
+    def _reasoning_item(self, text: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": "rs_" + self.id.removeprefix("resp_"), "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None, "status": None}
 
     def _message_item(self, text: str, logprobs: list[dict] | None, status: str = "completed") -> dict[str, Any]:
         return {"type": "message", "id": "msg_" + self.id.removeprefix("resp_"), "status": status,
@@ -351,6 +353,23 @@ class ResponseAnswer:
         logprobs: list[dict] = []
         calls: dict[int, dict[str, str]] = {}
         opened, finish = False, None
+        output: list[dict[str, Any]] = []
+        thinking: list[str] | None = None          # --reasoning-parser: the reasoning item's text so far
+        reasoning_id = "rs_" + self.id.removeprefix("resp_")
+
+        def close_reasoning() -> Iterator[dict[str, Any]]:
+            """The reasoning item's last events (it is output item 0, before the message)."""
+            nonlocal thinking
+            if thinking is None:
+                return
+            done = "".join(thinking)
+            thinking = None
+            yield ev("response.reasoning_text.done", item_id=reasoning_id, output_index=0, content_index=0,
+                     text=done)
+            item = self._reasoning_item(done)
+            yield ev("response.output_item.done", output_index=0, item=item)
+            output.append(item)
+
         async for chunk in self.gen.events():
             if "error" in chunk:
                 err = chunk["error"]
@@ -359,16 +378,27 @@ class ResponseAnswer:
             for choice in chunk["choices"]:
                 delta = choice.get("delta") or {}
                 lp = (choice.get("logprobs") or {}).get("content") or []
+                if delta.get("reasoning"):
+                    if thinking is None and not output:
+                        thinking = []
+                        yield ev("response.output_item.added", output_index=0,
+                                 item={**self._reasoning_item(""), "content": [], "status": "in_progress"})
+                    if thinking is not None:
+                        thinking.append(delta["reasoning"])
+                        yield ev("response.reasoning_text.delta", item_id=reasoning_id, output_index=0,
+                                 content_index=0, delta=delta["reasoning"])
                 if delta.get("content") or lp:
                     if not opened:
+                        for event in close_reasoning():
+                            yield event
                         opened = True
-                        yield ev("response.output_item.added", output_index=0,
+                        yield ev("response.output_item.added", output_index=len(output),
                                  item=self._message_item("", None, "in_progress"))
-                        yield ev("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
-                                 part=_text_part("", []))
+                        yield ev("response.content_part.added", item_id=item_id, output_index=len(output),
+                                 content_index=0, part=_text_part("", []))
                     text.append(delta.get("content") or "")
                     logprobs.extend(lp)
-                    yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                    yield ev("response.output_text.delta", item_id=item_id, output_index=len(output), content_index=0,
                              delta=delta.get("content") or "", logprobs=lp)
                 for tc in delta.get("tool_calls") or []:
                     call = calls.setdefault(tc.get("index", len(calls)), {"id": "", "name": "", "arguments": ""})
@@ -378,15 +408,17 @@ class ResponseAnswer:
                     call["arguments"] += fn.get("arguments") or ""
                 if choice.get("finish_reason") is not None:
                     finish = choice["finish_reason"]
-        output: list[dict[str, Any]] = []
+        for event in close_reasoning():
+            yield event
         content = "".join(text)
         if opened:
+            index = len(output)
             part = _text_part(content, logprobs if self.gen.top is not None else None)
-            yield ev("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=content,
+            yield ev("response.output_text.done", item_id=item_id, output_index=index, content_index=0, text=content,
                      logprobs=[])
-            yield ev("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part)
+            yield ev("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part)
             item = self._message_item(content, part.get("logprobs"))
-            yield ev("response.output_item.done", output_index=0, item=item)
+            yield ev("response.output_item.done", output_index=index, item=item)
             output.append(item)
         for _, call in sorted(calls.items()):
             index = len(output)

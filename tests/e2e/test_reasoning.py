@@ -110,3 +110,18 @@ def test_a_response_puts_the_reasoning_in_a_reasoning_item_first(server):
     assert items[0]["content"] == [{"type": "reasoning_text", "text": chat["reasoning"]}]
     messages = [i for i in items if i["type"] == "message"]
     assert [m["content"][0]["text"] for m in messages] == ([chat["content"]] if chat["content"] else [])
+
+
+def test_a_streamed_response_sends_the_reasoning_item_then_the_message(server):
+    """The streamed events build the same output as the whole response: the reasoning item's
+    deltas first (output 0), then the message's (output 1, if any)."""
+    body = {"model": "thinker", "input": "Think.", "max_output_tokens": 12, "temperature": 0}
+    whole = requests.post(server.url + "/v1/responses", json=body, timeout=120).json()
+    with requests.post(server.url + "/v1/responses", json={**body, "stream": True}, stream=True, timeout=120) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith(b"data: ")]
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thought == whole["output"][0]["content"][0]["text"]
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == [item["type"] for item in whole["output"]] and added[0] == "reasoning"
+    final = events[-1]["response"]["output"]
+    assert [(i["type"], i.get("content")) for i in final] == [(i["type"], i.get("content")) for i in whole["output"]]
