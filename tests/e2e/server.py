@@ -3,6 +3,7 @@ other command that serves, e.g. ``python -m tools.cli serve ...``)."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -39,6 +40,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive ports nothing listens on now, below the range the kernel
+    hands out for port 0 (so no server started with --port 0 meanwhile can take one of them):
+    for a command that listens on a port and the ones after it (a KV side channel per rank)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 30000 - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports in 20000-30000")
 
 
 class Server:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server import Server, alive, free_port
+from server import Server, alive, free_port, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -179,7 +179,7 @@ def prefill_signal(pid: int) -> None:
 
 def test_with_tensor_and_data_parallel_instances_answers_through_the_proxy_are_the_producers():
     common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8")
-    kv_port = free_port()
+    kv_port = free_ports(4)              # two engine cores of two ranks: kv_port .. kv_port + 3
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(Server, *common, "-tp", "2", "-dp", "2",
                                "--kv-transfer-config", kv_config("kv_producer", kv_port)),
@@ -218,8 +218,8 @@ def test_with_tensor_and_data_parallel_instances_answers_through_the_proxy_are_t
 def test_with_pipeline_parallel_instances_each_stage_moves_its_own_layers():
     common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8", "-pp", "2")
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(Server, *common, "--kv-transfer-config", kv_config(role, free_port()))
-                   for role in ("kv_producer", "kv_consumer")]
+        futures = [pool.submit(Server, *common, "--kv-transfer-config", kv_config(role, free_ports(2)))
+                   for role in ("kv_producer", "kv_consumer")]      # a side channel per stage
         started = [f.result() for f in futures if f.exception() is None]
     servers = list(started)
     try:
