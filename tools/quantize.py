@@ -1,11 +1,19 @@
-"""``python -m tools.quantize --model M --scheme fp8|int8 [--per-channel] -o OUTDIR``: an FP8 or
-INT8 (W8A8) checkpoint of any supported model in compressed-tensors format (what vLLM and
-Troupe load from config.json's quantization_config): every linear layer but the LM head gets
-8-bit weights (symmetric, scale amax / 448 for fp8 or amax / 127 for int8, per tensor or with
-``--per-channel`` per output feature, or for int8 with ``--group-size G`` per group of G input
-features) and dynamic per-token 8-bit activations; the rest stays float32. The source is a Hugging Face checkpoint (its config.json and tokenizer files copied) or
-a GGUF file (the default model included), dequantized by our loader and written in Hugging Face
-layout with a config.json from its header and the tokenizer Troupe builds from it.
+"""``python -m tools.quantize --model M --scheme fp8|int8|awq|gptq [--per-channel] -o OUTDIR``:
+a quantized checkpoint of any supported model, in the layout vLLM and Troupe load from
+config.json's quantization_config.
+
+- fp8, int8: W8A8 in compressed-tensors format: every linear layer but the LM head gets 8-bit
+  weights (symmetric, scale amax / 448 for fp8 or amax / 127 for int8, per tensor or with
+  ``--per-channel`` per output feature, or for int8 with ``--group-size G`` per group of G input
+  features) and dynamic per-token 8-bit activations.
+- awq, gptq: W4A16, 4-bit weights per group of ``--group-size`` (default 128) input features,
+  float16 scales, in AutoAWQ's GEMM layout (asymmetric, packed zeros) or GPTQ's (symmetric,
+  checkpoint_format gptq). The codes are rounded to nearest, without the calibration data AWQ
+  and GPTQ use to choose them: the format is theirs, the accuracy is plain round-to-nearest's.
+
+The rest stays float32. The source is a Hugging Face checkpoint (its config.json and tokenizer
+files copied) or a GGUF file (the default model included), dequantized by our loader and written
+in Hugging Face layout with a config.json from its header and the tokenizer Troupe builds from it.
 
 Prints one JSON line: where it wrote, how many layers were quantized, the bytes written.
 """
@@ -21,7 +29,8 @@ import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
-SCHEMES = ("fp8", "int8")
+SCHEMES = ("fp8", "int8", "awq", "gptq")
+INT4_SCHEMES = ("awq", "gptq")
 
 
 def quantization_config(scheme: str, per_channel: bool, group_size: int = 0) -> dict[str, Any]:
@@ -41,6 +50,31 @@ def quantization_config(scheme: str, per_channel: bool, group_size: int = 0) -> 
         }},
         "ignore": ["lm_head"],
     }
+
+
+def int4_quantization_config(scheme: str, group_size: int) -> dict[str, Any]:
+    """AutoAWQ's (GEMM, zero point) or GPTQ's (symmetric, no act-order) quantization_config."""
+    if scheme == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": True,
+            "checkpoint_format": "gptq"}
+
+
+def int4_tensors(stem: str, w: torch.Tensor, scheme: str, group_size: int) -> dict[str, torch.Tensor]:
+    """One linear layer's packed 4-bit tensors: qweight, qzeros and scales (AWQ: qweight (K, N / 8)
+    and qzeros (G, N / 8) in AWQ's nibble order; GPTQ: qweight (K / 8, N), qzeros (G, N / 8)
+    holding zero - 1, as GPTQ's first checkpoint format does)."""
+    from models.quantization.formats import awq_order, pack_int32, quantize_int4
+    n, k = w.shape
+    if k % group_size or n % 8:
+        raise ValueError(f"{stem}: {k} input features in groups of {group_size}, {n} output features in "
+                         "words of 8: the shapes do not divide (choose --group-size to divide the input features)")
+    codes, zeros, scales = quantize_int4(w, torch.arange(k) // group_size, symmetric=scheme == "gptq")
+    if scheme == "awq":
+        return {f"{stem}.qweight": pack_int32(awq_order(codes), 4, 1), f"{stem}.qzeros": pack_int32(awq_order(zeros), 4, 1),
+                f"{stem}.scales": scales}
+    return {f"{stem}.qweight": pack_int32(codes, 4, 0), f"{stem}.qzeros": pack_int32(zeros - 1, 4, 1),
+            f"{stem}.scales": scales}
 
 
 def hf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
@@ -120,8 +154,12 @@ def quantize_checkpoint(model: str | None, scheme: str, per_channel: bool, out: 
     from models.resolve import resolve_model
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not supported; supported: {', '.join(SCHEMES)}")
-    if group_size and (scheme != "int8" or group_size % 32):
-        raise ValueError(f"--group-size {group_size}: groups are for int8 only, in multiples of 32")
+    if scheme in INT4_SCHEMES:
+        group_size = group_size or 128
+        if per_channel:
+            raise ValueError(f"--per-channel is for fp8 and int8; {scheme} scales each group of --group-size")
+    if group_size and (scheme not in ("int8", *INT4_SCHEMES) or group_size % 32):
+        raise ValueError(f"--group-size {group_size}: groups are for int8, awq and gptq, in multiples of 32")
     source = resolve_model(model)
     loaded, config = load_model(source)
     raw = source.path if source.kind == "hf_dir" else None
@@ -137,6 +175,10 @@ def quantize_checkpoint(model: str | None, scheme: str, per_channel: bool, out: 
             tensors[name] = tensor
             continue
         stem = name.removesuffix(".weight")
+        if scheme in INT4_SCHEMES:
+            tensors.update(int4_tensors(stem, tensor, scheme, group_size))
+            quantized += 1
+            continue
         if scheme == "fp8":
             w = quantize_fp8(tensor, per_channel)
             codes, scale = w.codes, w.scale if per_channel else w.scale[:1]
@@ -147,7 +189,8 @@ def quantize_checkpoint(model: str | None, scheme: str, per_channel: bool, out: 
                                            else scale.reshape(1)).float().contiguous()
         quantized += 1
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    hf_config["quantization_config"] = quantization_config(scheme, per_channel, group_size)
+    hf_config["quantization_config"] = (int4_quantization_config(scheme, group_size) if scheme in INT4_SCHEMES
+                                        else quantization_config(scheme, per_channel, group_size))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=1)
     if raw is not None:
@@ -163,12 +206,14 @@ def quantize_checkpoint(model: str | None, scheme: str, per_channel: bool, out: 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a Hugging Face checkpoint directory, a .gguf file or a model "
                                                  "name (default: the default model)")
-    p.add_argument("--scheme", required=True, choices=SCHEMES, help="fp8 (e4m3) or int8 weights and activations")
+    p.add_argument("--scheme", required=True, choices=SCHEMES,
+                   help="fp8 (e4m3) or int8 weights and activations; awq or gptq 4-bit weights")
     p.add_argument("--per-channel", action="store_true", help="one weight scale per output feature (default: "
                                                               "one per tensor)")
     p.add_argument("--group-size", type=int, default=0,
-                   help="int8 only: one weight scale per group of this many input features (a multiple of 32; "
-                        "compressed-tensors' 'group' strategy, which Troupe runs on the CPU only)")
+                   help="one weight scale per group of this many input features (a multiple of 32): int8 "
+                        "(compressed-tensors' 'group' strategy, which Troupe runs on the CPU only), awq and "
+                        "gptq (default 128)")
     p.add_argument("-o", "--output", required=True, help="the directory to write")
 
 

@@ -233,6 +233,26 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
 
 
+def quantize_int4(w: torch.Tensor, g_idx: torch.Tensor,
+                  symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w (N, K) float -> 4-bit codes per group of input features, round to nearest: (codes (K, N)
+    0..15, zeros (G, N) 0..15, scales (G, N) float16), where ``g_idx`` (K,) names each input
+    feature's group; w ~ (codes - zeros[g_idx]) * scales[g_idx], transposed. Asymmetric: each
+    group's [min, max] in 15 steps; symmetric: zero 8 and scale 2 amax / 15 (GPTQ's sym)."""
+    wt = w.float().t()                                                        # (K, N)
+    groups = int(g_idx.max()) + 1
+    lo = torch.stack([wt[g_idx == g].amin(0) for g in range(groups)]).clamp(max=0)
+    hi = torch.stack([wt[g_idx == g].amax(0) for g in range(groups)]).clamp(min=0)
+    if symmetric:
+        scales = (2 * torch.maximum(-lo, hi) / 15).clamp(min=1e-4).half()
+        zeros = torch.full_like(scales, 8, dtype=torch.int32)
+    else:
+        scales = ((hi - lo) / 15).clamp(min=1e-4).half()
+        zeros = (-lo / scales.float()).round().clamp(0, 15).int()
+    codes = (wt / scales.float()[g_idx] + zeros[g_idx]).round().clamp(0, 15).int()
+    return codes, zeros, scales
+
+
 class AWQLinearMethod(PackedLinearMethod):
     checkpoint_tensors = ("qweight", "qzeros", "scales")
 

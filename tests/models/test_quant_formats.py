@@ -122,14 +122,9 @@ def test_vllm_fp8_layout_with_static_input_scale_loads(float_dir, tmp_path):
 # --- AWQ and GPTQ, packed here with a reference 4-bit quantizer -----------------------------
 
 def _quantize_int4(w: torch.Tensor, g_idx: torch.Tensor):
-    """Asymmetric 4-bit per group: (q (K, N), zeros (G, N), scales (G, N) float16, dequantized (N, K))."""
-    wt = w.t()                                                     # (K, N)
-    groups = int(g_idx.max()) + 1
-    lo = torch.stack([wt[g_idx == g].min(0).values for g in range(groups)]).clamp(max=0)
-    hi = torch.stack([wt[g_idx == g].max(0).values for g in range(groups)]).clamp(min=0)
-    scales = ((hi - lo) / 15).clamp(min=1e-4).half()
-    zeros = (-lo / scales.float()).round().clamp(0, 15).int()
-    q = (wt / scales.float()[g_idx] + zeros[g_idx]).round().clamp(0, 15).int()
+    """(q (K, N), zeros (G, N), scales (G, N) float16, dequantized (N, K))."""
+    from models.quantization.formats import quantize_int4
+    q, zeros, scales = quantize_int4(w, g_idx)
     deq = ((q - zeros[g_idx]).float() * scales.float()[g_idx]).t()
     return q, zeros, scales, deq
 
@@ -169,6 +164,36 @@ def test_int4_checkpoint_gives_the_dequantized_models_logits(float_dir, tmp_path
     kind = "Linear" if act_order else "PanelLinear"
     assert type(model.layers[0].mlp.down_proj).__name__ == kind
     _assert_close(_logits(quant), _logits(ref), 1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["awq", "gptq"])
+def test_quantize_tool_writes_int4_checkpoints_that_load_as_the_rounded_float_model(float_dir, tmp_path, scheme):
+    """The tool's AWQ (asymmetric) and GPTQ (symmetric) checkpoints hold the float weights rounded to
+    4 bits per group of 128: they give the logits of a float model holding those rounded weights,
+    computed here from the float weights, not read back from the packed file."""
+    from models.quantization.formats import quantize_int4
+    report = quantize_checkpoint(float_dir, scheme, False, str(tmp_path / "q"))
+    assert report["quantized_layers"] == 2 * len(LINEARS) and report["group_size"] == GROUP
+    with open(tmp_path / "q" / "config.json") as f:
+        qc = json.load(f)["quantization_config"]
+    assert (qc["quant_method"], qc["bits"], qc["group_size"]) == (scheme, 4, GROUP)
+    rounded = {}
+    for name, w in _float_weights(float_dir).items():
+        if _is_linear(name):
+            g_idx = torch.arange(w.shape[1]) // GROUP
+            q, zeros, scales = quantize_int4(w, g_idx, symmetric=scheme == "gptq")
+            w = ((q - zeros[g_idx]).float() * scales.float()[g_idx]).t()
+        rounded[name] = w
+    ref = _logits(_write(tmp_path / "ref", rounded, float_dir, None))
+    _assert_close(_logits(str(tmp_path / "q")), ref, 1e-5)
+    assert (ref - _logits(float_dir)).abs().max() > 0
+
+
+def test_quantize_tool_refuses_int4_groups_that_do_not_divide_the_layers(float_dir, tmp_path):
+    with pytest.raises(ValueError, match="choose --group-size"):
+        quantize_checkpoint(float_dir, "awq", False, str(tmp_path / "q"), 96)
+    with pytest.raises(ValueError, match="--per-channel is for fp8 and int8"):
+        quantize_checkpoint(float_dir, "gptq", True, str(tmp_path / "q"))
 
 
 # --- resolution ---------------------------------------------------------------------------

@@ -8,7 +8,9 @@
   5) bench: decode tokens/s eager vs CUDA graphs, bandwidth vs peak (tools/gpu_check/bench.py)
   6) offline: the engine's offline throughput benchmark with CUDA graphs and with
      --enforce-eager (tools/gpu_check/offline.py)
-Each part runs in its own process with its own timeout (all together under five minutes), so
+  7) variants: the same benchmark with FP8, INT8, AWQ and GPTQ checkpoints, -O2, an FP8 KV
+     cache, async scheduling and --gpu-memory-utilization, against bfloat16 (tools/gpu_check/variants.py)
+Each part runs in its own process with its own timeout (all together within --budget), so
 a hang or a crash costs that part only. The last line printed is one JSON object; it is also
 written, with each part's log, to $OUT or --out. Exit status 0 when every part passed.
 See tools/gpu_check/README.md: preparing the carried model and wheels, the device-tool calls.
@@ -32,8 +34,8 @@ CARRY = os.path.join(ROOT, ".gpu_carry")
 STASH = "/tmp/troupe-carry"     # a copy of the carried first part, outside the working tree: a later
                                 # call's carry (.gpu_carry/rest) replaces .gpu_carry there
 SITE = "/tmp/troupe-site"
-BUDGET_S = 290                                   # the whole run
-TIMEOUTS = {"tests": 150, "parity": 80, "bench": 90, "offline": 80}   # run in this order
+BUDGET_S = 290                                   # the whole run, unless --budget says otherwise
+TIMEOUTS = {"tests": 150, "parity": 80, "bench": 90, "offline": 80, "variants": 200}   # run in this order
 
 
 def main() -> int:
@@ -64,19 +66,25 @@ def main() -> int:
              "parity": [sys.executable, "-m", "tools.gpu_check.parity", "--model", model["path"]],
              "bench": [sys.executable, "-m", "tools.gpu_check.bench", "--model", model["path"]],
              "offline": [sys.executable, "-m", "tools.gpu_check.offline", "--model", model["path"],
-                         "--timeout", str(TIMEOUTS["offline"] - 5)]}
+                         "--timeout", str(TIMEOUTS["offline"] - 5)],
+             "variants": [sys.executable, "-m", "tools.gpu_check.variants", "--model", model["path"],
+                          "--timeout", str(TIMEOUTS["variants"] - 5)]}
     os.environ["TROUPE_GPU_MODEL"] = model["path"]          # the server test serves the checked model
     if args.dry_run:
         parts["parity"] += ["--device", "cpu", "--tokens", "4"]
         parts["bench"] += ["--device", "cpu", "--batches", "2", "--prompt-len", "8", "--warmup", "1", "--steps", "2"]
         parts["offline"] += ["--device", "cpu", "--n", "2", "--in", "8", "--out", "4"]
+        parts["variants"] += ["--device", "cpu", "--in", "8", "--out", "4", "--only", "bf16,awq,kv_fp8"]
         parts["tests"] = parts["tests"][:5] + ["-q", "-p", "no:cacheprovider", "-k", "dispatch or backend"]
     for name, cmd in parts.items():
         if name in args.skip:
             report[name] = {"status": "skipped"}
             continue
-        left = BUDGET_S - (time.monotonic() - t0)
-        report[name] = run_part(name, cmd, min(TIMEOUTS[name], max(10, left)), out_dir, args.dry_run)
+        left = args.budget - (time.monotonic() - t0)
+        timeout = min(TIMEOUTS[name], max(10, left))
+        if "--timeout" in cmd:          # the part's own deadline, inside the one it is given
+            cmd[cmd.index("--timeout") + 1] = str(round(timeout - 5))
+        report[name] = run_part(name, cmd, timeout, out_dir, args.dry_run)
     report["seconds"] = round(time.monotonic() - t0, 1)
     report["ok"] = all(report[n]["status"] in ("passed", "skipped") for n in parts)
     report["criteria"] = criteria(report)
@@ -100,7 +108,9 @@ def criteria(report: dict) -> dict:
             "graphs_tokens_per_s_batch64": (b64.get("graphs") or {}).get("tokens_per_s"),
             "bandwidth_fraction_forward_batch64": b64.get("bandwidth_fraction_forward"),
             "triton_ops_speedup_batch64": b64.get("triton_ops_speedup"),
-            "offline_graphs_over_eager": (report["offline"].get("result") or {}).get("speedup")}
+            "offline_graphs_over_eager": (report["offline"].get("result") or {}).get("speedup"),
+            "variants_vs_bf16": {k: v.get("vs_bf16", v.get("error")) for k, v in
+                                 ((report["variants"].get("result") or {}).get("runs") or {}).items()} or None}
 
 
 def _parse() -> argparse.Namespace:
@@ -115,7 +125,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--rest", default=_existing(os.path.join(CARRY, "rest", "smollm2-rest.gguf")),
                    help="the missing layers of a cut --model, merged into the whole model")
     p.add_argument("--out", help="folder for the JSON and the logs (default: $OUT)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: tests, parity, bench, offline")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: " + ", ".join(TIMEOUTS))
+    p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for every part together")
     p.add_argument("--dry-run", action="store_true",
                    help="without CUDA: run each part's CPU dry run (checks this script's plumbing only)")
     args = p.parse_args()
@@ -200,7 +211,7 @@ def _model(args: argparse.Namespace) -> dict:
 
 def _pytest_command() -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/unit/test_cuda_graph_dispatch.py",
-           "tests/e2e/test_gpu_server.py", "-q",
+           "tests/unit/test_lora_graphs.py", "tests/e2e/test_gpu_server.py", "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "120", "-rs"]
     try:
         import xdist  # noqa: F401   (the GPU machine has pytest-xdist: compile kernels in parallel)
