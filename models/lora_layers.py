@@ -81,7 +81,7 @@ class LoRALinear(nn.Module):
         self.slice_names = list(slices)
         offsets = np.concatenate([[0], np.cumsum(list(slices.values()))]).astype(np.int64)
         self.offsets_list = offsets.tolist()
-        self.register_buffer("offsets", torch.from_numpy(offsets), persistent=False)
+        self.register_buffer("offsets", torch.from_numpy(offsets).to(device), persistent=False)
         self.in_features, self.out_features, self.max_rank = in_features, int(offsets[-1]), max_rank
         n = len(slices)
         self.register_buffer("lora_a", torch.zeros(max_loras, in_features, n * max_rank, device=device),
@@ -89,7 +89,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(max_loras, max_rank, self.out_features, device=device),
                              persistent=False)
         self.slot_ranks = [0] * max_loras
-        self.register_buffer("slot_ranks_t", torch.zeros(max_loras, dtype=torch.int64), persistent=False)
+        self.register_buffer("slot_ranks_t", torch.zeros(max_loras, dtype=torch.int64, device=device),
+                             persistent=False)
         self.mapping = mapping
 
     def reset_lora(self, slot: int) -> None:

@@ -342,6 +342,7 @@ class StorageConnector(KVConnectorBase):
         return out
 
     def _write_loop(self) -> None:
+        import torch
         started: dict[str, int] = {}
         while True:
             item = self._writes.get()
@@ -353,7 +354,7 @@ class StorageConnector(KVConnectorBase):
                     layer, blocks = item[3:]
                     started.setdefault(tmp, time.monotonic_ns())
                     os.makedirs(tmp, exist_ok=True)
-                    blocks.contiguous().numpy().tofile(os.path.join(tmp, f"layer-{layer}.kv"))
+                    blocks.contiguous().view(torch.uint8).numpy().tofile(os.path.join(tmp, f"layer-{layer}.kv"))
                 else:
                     self._publish(rid, tmp, item[3], started.pop(tmp, item[4]))
             except Exception as exc:     # a full disk or a removed directory: the entry is not saved

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import dot_precision
 from kernels.triton.fp8 import float_to_fp8, fp8_to_float
 
 FP8_MAX, INT8_MAX = 448.0, 127.0
@@ -69,36 +70,67 @@ def _widen(codes, FMT: tl.constexpr):
 
 
 @triton.jit
-def _scaled_mm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, M, N, K, FMT: tl.constexpr,
+def _scaled_mm_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, M, N, K, FMT: tl.constexpr, NATIVE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pm, pn = tl.program_id(0), tl.program_id(1)
     m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if NATIVE and FMT == 0:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K),
                     other=0)
         b = tl.load(b_ptr + n[None, :].to(tl.int64) * K + k[:, None], mask=(n[None, :] < N) & (k[:, None] < K),
                     other=0)
-        acc += tl.dot(_widen(a, FMT), _widen(b, FMT))
+        if NATIVE:            # the tensor cores' own 8-bit MMA: fp8 e4m3 (sm_89+) or int8 into int32
+            if FMT == 1:
+                acc += tl.dot(a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True))
+            else:
+                acc += tl.dot(a, b, out_dtype=tl.int32)
+        else:
+            acc += tl.dot(_widen(a, FMT), _widen(b, FMT))
     sa = tl.load(as_ptr + m, mask=m < M, other=0.0)
     sb = tl.load(bs_ptr + n, mask=n < N, other=0.0)
-    out = acc * sa[:, None] * sb[None, :]
-    tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], out, mask=(m[:, None] < M) & (n[None, :] < N))
+    out = acc.to(tl.float32) * sa[:, None] * sb[None, :]
+    tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, fmt: int
-              ) -> torch.Tensor:
+def _tiles(M: int, N: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages) of an 8-bit or 4-bit matmul: a decode step's few
+    rows take the smallest tile tl.dot allows, so the weights, read once, are spread over many
+    programs; larger batches take taller tiles."""
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    bn = 64 if M <= 64 or N < 4096 else 128
+    return bm, bn, 128, 4
+
+
+def native_dot(device: torch.device, fmt: int) -> bool:
+    """Whether the GPU multiplies the 8-bit codes itself: fp8 e4m3 from compute capability 8.9
+    (Ada, Hopper), int8 from 8.0; never under Triton's interpreter (its fp8 casts are wrong)."""
+    from kernels.triton import interpreting
+    if interpreting() or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= ((8, 9) if fmt == FMT_FP8 else (8, 0))
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, fmt: int,
+              out_dtype: torch.dtype = torch.float32, native: bool | None = None) -> torch.Tensor:
     """a (M, K), b (N, K) 8-bit codes (contiguous), a_scale (M,), b_scale (N,) float32 ->
-    (a b^T) * a_scale[:, None] * b_scale[None, :], (M, N) float32."""
+    (a b^T) * a_scale[:, None] * b_scale[None, :], (M, N) in ``out_dtype``. ``native``: the
+    tensor cores' 8-bit MMA (default: where the device has it) or codes widened to float32."""
     M, K = a.shape
     N = b.shape[0]
-    out = torch.empty(M, N, dtype=torch.float32, device=a.device)
+    out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M and N:
-        bm, bn, bk = 32, 64, 64
+        bm, bn, bk, stages = _tiles(M, N)
         _scaled_mm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            a, b, a_scale, b_scale, out, M, N, K, FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            a, b, a_scale, b_scale, out, M, N, K, FMT=fmt,
+            NATIVE=native_dot(a.device, fmt) if native is None else native,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages)
     return out
 
 
@@ -111,28 +143,31 @@ def scaled_mm_ref(a, b, a_scale, b_scale, fmt: int) -> torch.Tensor:
             * b_scale.double()[None, :]).float()
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None
-               ) -> torch.Tensor:
-    """x (M, K) float, w (N, K) fp8 e4m3 bytes (uint8), w_scale (N,) -> (M, N) float32; the
-    activations quantized per token, or with the static ``input_scale``."""
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x (M, K) float, w (N, K) fp8 e4m3 bytes (uint8), w_scale (N,) -> (M, N) in ``out_dtype``;
+    the activations quantized per token, or with the static ``input_scale``."""
     x = x.contiguous()
     if input_scale is None:
         q, s = per_token_quant(x, FMT_FP8)
     else:
         s = input_scale.float().reshape(1).expand(x.shape[0]).contiguous()
         q = (x.float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    return scaled_mm(q, w, s, w_scale, FMT_FP8)
+    return scaled_mm(q, w, s, w_scale, FMT_FP8, out_dtype)
 
 
-def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float, w (N, K) int8, w_scale (N,) -> (M, N) float32, activations int8 per token."""
+def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x (M, K) float, w (N, K) int8, w_scale (N,) -> (M, N) in ``out_dtype``, activations int8
+    per token."""
     q, s = per_token_quant(x.contiguous(), FMT_INT8)
-    return scaled_mm(q, w, s, w_scale, FMT_INT8)
+    return scaled_mm(q, w, s, w_scale, FMT_INT8, out_dtype)
 
 
 @triton.jit
 def _int4_matmul_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, out_ptr, M, N, K, stride_x,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pm, pn = tl.program_id(0), tl.program_id(1)
     m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -145,25 +180,37 @@ def _int4_matmul_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, out_ptr, M, N, K, st
                     mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         packed = tl.load(qw_ptr + (k[:, None] // 8).to(tl.int64) * N + n[None, :], mask=kmask & nmask, other=0)
         q = (packed >> ((k[:, None] % 8) * 4)) & 0xF
-        g = tl.load(g_ptr + k, mask=k < K, other=0)
-        z = tl.load(z_ptr + g[:, None].to(tl.int64) * N + n[None, :], mask=kmask & nmask, other=0)
-        s = tl.load(s_ptr + g[:, None].to(tl.int64) * N + n[None, :], mask=kmask & nmask, other=0.0)
+        if GROUP > 0:         # groups in order, BLOCK_K dividing GROUP: one zero and scale per column
+            g = k0 // GROUP
+            z = tl.load(z_ptr + g * N + n, mask=n < N, other=0)[None, :]
+            s = tl.load(s_ptr + g * N + n, mask=n < N, other=0.0)[None, :]
+        else:                 # act-order: each input feature's own group
+            g = tl.load(g_ptr + k, mask=k < K, other=0)
+            z = tl.load(z_ptr + g[:, None].to(tl.int64) * N + n[None, :], mask=kmask & nmask, other=0)
+            s = tl.load(s_ptr + g[:, None].to(tl.int64) * N + n[None, :], mask=kmask & nmask, other=0.0)
         w = (q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)           # (BLOCK_K, BLOCK_N)
-        acc += tl.dot(x.to(x_ptr.dtype.element_ty), w.to(x_ptr.dtype.element_ty))
-    tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], acc, mask=(m[:, None] < M) & nmask)
+        acc += tl.dot(x.to(x_ptr.dtype.element_ty), w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
+    tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(m[:, None] < M) & nmask)
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                g_idx: torch.Tensor) -> torch.Tensor:
+                g_idx: torch.Tensor, group_size: int = 0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x (M, K) float; qweight (K / 8, N) int32 (value k in bits 4 (k % 8) of word k // 8);
-    zeros (G, N) int8; scales (G, N) float16; g_idx (K,) int32 -> x w (M, N) float32."""
+    zeros (G, N) int8; scales (G, N) float16; g_idx (K,) int32 -> x w (M, N) in ``out_dtype``.
+    ``group_size`` > 0 says g_idx is k // group_size (no act-order): each tile then reads one
+    zero and scale per column instead of one per weight."""
     M, K = x.shape
     N = qweight.shape[1]
-    out = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M and N:
-        bm, bn, bk = 16, 64, 64
+        bm, bn, bk, stages = _tiles(M, N)
+        group = group_size if group_size >= 16 and group_size & (group_size - 1) == 0 else 0
+        if group:
+            bk = min(bk, group)
         _int4_matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            x, qweight, zeros, scales, g_idx, out, M, N, K, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            x, qweight, zeros, scales, g_idx, out, M, N, K, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GROUP=group, DOT_PRECISION=dot_precision(x.dtype), num_stages=stages)
     return out
 
 

@@ -162,12 +162,12 @@ class PackedLinearMethod(LinearMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if layer.q_kind == "fp8":
-            y = quant.fp8_linear(x2, layer.q_codes, layer.q_scale, layer.q_input_scale)
+            y = quant.fp8_linear(x2, layer.q_codes, layer.q_scale, layer.q_input_scale, x.dtype)
         elif layer.q_kind == "int8":
-            y = quant.int8_linear(x2, layer.q_codes, layer.q_scale)
+            y = quant.int8_linear(x2, layer.q_codes, layer.q_scale, x.dtype)
         else:
-            y = quant.int4_linear(x2, layer.q_codes, layer.q_zeros, layer.q_scale, layer.q_g_idx)
-        y = y.to(x.dtype)
+            y = quant.int4_linear(x2, layer.q_codes, layer.q_zeros, layer.q_scale, layer.q_g_idx, layer.q_group,
+                                  x.dtype)
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*shape[:-1], y.shape[-1])
@@ -198,4 +198,5 @@ def install_gpu_weights(layer: nn.Module, weights: IntWeights | Fp8Weights) -> N
         layer.register_buffer("q_zeros", weights.zeros.t().contiguous().to(torch.int8))   # (G, N)
         layer.register_buffer("q_scale", weights.scales.t().contiguous().to(torch.float16))  # (G, N)
         layer.register_buffer("q_g_idx", g.to(torch.int32))
+        layer.q_group = weights.group_size if weights.g_idx is None else 0     # 0: act-order groups
         layer.q_kind = "int4"

@@ -122,5 +122,6 @@ def test_backend_cascade_equals_its_plain_path_and_the_reference(backend, reqs, 
     tol = dict(atol=1e-4, rtol=1e-4) if kv_dtype is not None else TOLERANCES[dtype]
     torch.testing.assert_close(out.float().cpu(), plain.float().cpu(), **tol)
     ref = reference_paged_attention(q.cpu(), k.cpu(), v.cpu(), cache.cpu().clone(), meta_on(meta, "cpu"),
-                                    D ** -0.5, k_scale=ks, v_scale=vs)
+                                    D ** -0.5, k_scale=None if ks is None else ks.cpu(),
+                                    v_scale=None if vs is None else vs.cpu())
     torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), **tol)

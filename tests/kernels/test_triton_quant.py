@@ -37,11 +37,37 @@ def test_scaled_mm_matches_dequantized_matmul(fmt):
     a, sa = quant.per_token_quant(_randn(7, 160, seed=1), fmt)
     b, sb = quant.per_token_quant(_randn(70, 160, seed=2), fmt)
     got = quant.scaled_mm(a, b, sa, sb, fmt)
-    torch.testing.assert_close(got, quant.scaled_mm_ref(a, b, sa, sb, fmt), rtol=1e-5, atol=1e-5)
+    rtol = 1e-4 if fmt == quant.FMT_FP8 else 1e-5       # Hopper's fp8 MMA adds in a narrower accumulator
+    torch.testing.assert_close(got, quant.scaled_mm_ref(a, b, sa, sb, fmt), rtol=rtol, atol=1e-5)
+    if DEVICE == "cuda":              # the widened-codes path the interpreter runs, on the GPU too
+        widened = quant.scaled_mm(a, b, sa, sb, fmt, native=False)
+        torch.testing.assert_close(widened, quant.scaled_mm_ref(a, b, sa, sb, fmt), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-def test_int4_matmul_matches_dequantized_matmul(act_order):
+@pytest.mark.parametrize("M", [1, 16, 33, 64, 130])
+def test_scaled_mm_and_int4_tiles_for_every_batch_size_write_the_model_dtype(M):
+    """Each batch size's tile (decode's 16 rows up to prefill's 64) covers every row and column,
+    and the product is written in the activations' dtype."""
+    x = _randn(M, 256, seed=12).to(torch.bfloat16)
+    w = _randn(96, 256, seed=13)
+    a, sa = quant.per_token_quant(x, quant.FMT_INT8)
+    b, sb = quant.per_token_quant(w, quant.FMT_INT8)
+    got = quant.scaled_mm(a, b, sa, sb, quant.FMT_INT8, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), quant.scaled_mm_ref(a, b, sa, sb, quant.FMT_INT8), rtol=1e-2, atol=1e-2)
+    q = torch.randint(0, 16, (256, 96), generator=torch.Generator().manual_seed(14))
+    args = [t.to(DEVICE) for t in (quant.pack_int4(q), torch.full((2, 96), 8, dtype=torch.int8),
+                                   torch.full((2, 96), 0.01, dtype=torch.float16), torch.arange(256) // 128)]
+    args[3] = args[3].int()
+    xf = x.float()
+    got4 = quant.int4_linear(xf, *args, group_size=128, out_dtype=torch.bfloat16)
+    assert got4.dtype == torch.bfloat16
+    torch.testing.assert_close(got4.float(), quant.int4_linear_ref(xf, *args), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("act_order,grouped", [(False, False), (False, True), (True, False)])
+def test_int4_matmul_matches_dequantized_matmul(act_order, grouped):
+    """grouped: the kernel told the groups are in order reads one zero and scale per tile column."""
     K, N, G = 256, 72, 128
     gen = torch.Generator().manual_seed(3)
     q = torch.randint(0, 16, (K, N), generator=gen)
@@ -50,7 +76,8 @@ def test_int4_matmul_matches_dequantized_matmul(act_order):
     g_idx = (torch.randperm(K, generator=gen) if act_order else torch.arange(K)) // G
     args = [t.to(DEVICE) for t in (quant.pack_int4(q), zeros, scales, g_idx.int())]
     x = _randn(5, K, seed=4)
-    torch.testing.assert_close(quant.int4_linear(x, *args), quant.int4_linear_ref(x, *args), rtol=1e-4, atol=1e-4)
+    got = quant.int4_linear(x, *args, group_size=G if grouped else 0)
+    torch.testing.assert_close(got, quant.int4_linear_ref(x, *args), rtol=1e-4, atol=1e-4)
 
 
 def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -211,3 +211,33 @@ def test_bad_storage_config_is_refused_naming_the_key():
         KVTransferConfig.from_dict({"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
             {"kv_connector": "TroupeConnector"},
             {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"path": "/tmp"}}]}})
+
+
+def test_a_bfloat16_cache_is_saved_and_loaded_into_another_instance(tmp_path):
+    """The entries hold the cache's bytes whatever its dtype: a bfloat16 cache (numpy has no
+    bfloat16) saves and loads, and the loading instance answers as a plain one."""
+    import torch
+
+    from tests.helpers import save_tiny_llama
+    model = save_tiny_llama(tmp_path / "tiny", 256, 128, 256, 4, 2, 32, 512)
+    prompt = [1] + [3 + (37 * i) % 250 for i in range(59)]          # 3 full blocks before the last
+    kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+          "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")}}
+    common = dict(dtype="bfloat16", block_size=16, max_model_len=512)
+    engines = []
+    try:
+        plain = LocalEngine(model, **common)
+        engines.append(plain)
+        assert plain.worker.runner.kv_caches[0].dtype == torch.bfloat16
+        reference = plain.run("plain", prompt, 8)[0]
+        saver = LocalEngine(model, kv_transfer_config=kv, **common)
+        engines.append(saver)
+        assert saver.run("save", prompt, 8)[0] == reference
+        assert saver.connector.flush()
+        loader = LocalEngine(model, kv_transfer_config=kv, **common)
+        engines.append(loader)
+        assert loader.run("load", prompt, 8)[0] == reference
+        assert loader.scheduler.stats().external_prefix_cache_hits == 3 * 16
+    finally:
+        for e in engines:
+            e.close()

@@ -69,3 +69,14 @@ def test_lora_decode_steps_through_the_graph_buffers_match_eager(lora_model):
         assert tok_g == tok_e
         for rid in lp_e:
             np.testing.assert_allclose(lp_g[rid], lp_e[rid], rtol=0, atol=1e-4)
+
+
+def test_lora_slots_live_on_the_models_device_with_every_buffer_the_kernels_read():
+    """The GPU kernel refuses inputs on two devices: a layer made for a device keeps its A, B, slot
+    ranks and slice offsets there (the meta device stands in for CUDA here)."""
+    from models.layers import Linear
+    from models.lora_layers import LoRALinear, LoRAMapping
+    meta = torch.device("meta")
+    layer = LoRALinear(Linear(64, 96, torch.float32), 64, {"": 96}, 2, 8, LoRAMapping(meta), meta)
+    assert {name: b.device for name, b in layer.named_buffers() if not name.startswith("base_layer")} == {
+        "offsets": meta, "lora_a": meta, "lora_b": meta, "slot_ranks_t": meta}

@@ -8,7 +8,9 @@
   5) bench: decode tokens/s eager vs CUDA graphs, bandwidth vs peak (tools/gpu_check/bench.py)
   6) offline: the engine's offline throughput benchmark with CUDA graphs and with
      --enforce-eager (tools/gpu_check/offline.py)
-  7) variants: the same benchmark with FP8, INT8, AWQ and GPTQ checkpoints, -O2, an FP8 KV
+  7) quant_kernels: the 8-bit and 4-bit matmuls against bfloat16's on bandwidth-bound layer shapes
+     (tools/gpu_check/quant_bench.py)
+  8) variants: the same benchmark with FP8, INT8, AWQ and GPTQ checkpoints, -O2, an FP8 KV
      cache, async scheduling and --gpu-memory-utilization, against bfloat16 (tools/gpu_check/variants.py)
 Each part runs in its own process with its own timeout (all together within --budget), so
 a hang or a crash costs that part only. The last line printed is one JSON object; it is also
@@ -35,7 +37,8 @@ STASH = "/tmp/troupe-carry"     # a copy of the carried first part, outside the 
                                 # call's carry (.gpu_carry/rest) replaces .gpu_carry there
 SITE = "/tmp/troupe-site"
 BUDGET_S = 290                                   # the whole run, unless --budget says otherwise
-TIMEOUTS = {"tests": 150, "parity": 80, "bench": 90, "offline": 80, "variants": 200}   # run in this order
+TIMEOUTS = {"tests": 150, "parity": 80, "bench": 90, "offline": 80, "quant_kernels": 90,
+            "variants": 200}                                                      # run in this order
 
 
 def main() -> int:
@@ -67,14 +70,16 @@ def main() -> int:
              "bench": [sys.executable, "-m", "tools.gpu_check.bench", "--model", model["path"]],
              "offline": [sys.executable, "-m", "tools.gpu_check.offline", "--model", model["path"],
                          "--timeout", str(TIMEOUTS["offline"] - 5)],
+             "quant_kernels": [sys.executable, "-m", "tools.gpu_check.quant_bench"],
              "variants": [sys.executable, "-m", "tools.gpu_check.variants", "--model", model["path"],
-                          "--timeout", str(TIMEOUTS["variants"] - 5)]}
+                          "--timeout", str(TIMEOUTS["variants"] - 5), *args.variants.split()]}
     os.environ["TROUPE_GPU_MODEL"] = model["path"]          # the server test serves the checked model
     if args.dry_run:
         parts["parity"] += ["--device", "cpu", "--tokens", "4"]
         parts["bench"] += ["--device", "cpu", "--batches", "2", "--prompt-len", "8", "--warmup", "1", "--steps", "2"]
         parts["offline"] += ["--device", "cpu", "--n", "2", "--in", "8", "--out", "4"]
         parts["variants"] += ["--device", "cpu", "--in", "8", "--out", "4", "--only", "bf16,awq,kv_fp8"]
+        parts["quant_kernels"] += ["--device", "cpu"]
         parts["tests"] = parts["tests"][:5] + ["-q", "-p", "no:cacheprovider", "-k", "dispatch or backend"]
     for name, cmd in parts.items():
         if name in args.skip:
@@ -109,6 +114,9 @@ def criteria(report: dict) -> dict:
             "bandwidth_fraction_forward_batch64": b64.get("bandwidth_fraction_forward"),
             "triton_ops_speedup_batch64": b64.get("triton_ops_speedup"),
             "offline_graphs_over_eager": (report["offline"].get("result") or {}).get("speedup"),
+            "quant_kernels_speedup": {k: {n: r.get("speedup", r.get("error")) for n, r in row.items() if n != "bf16"}
+                                      for k, row in ((report["quant_kernels"].get("result") or {}).get("results")
+                                                     or {}).items()} or None,
             "variants_vs_bf16": {k: v.get("vs_bf16", v.get("error")) for k, v in
                                  ((report["variants"].get("result") or {}).get("runs") or {}).items()} or None}
 
@@ -127,6 +135,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--out", help="folder for the JSON and the logs (default: $OUT)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: " + ", ".join(TIMEOUTS))
     p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for every part together")
+    p.add_argument("--variants", default="", help="arguments for the variants part, e.g. '--only bf16,awq "
+                                                  "--batches 64' (python -m tools.gpu_check.variants --help)")
     p.add_argument("--dry-run", action="store_true",
                    help="without CUDA: run each part's CPU dry run (checks this script's plumbing only)")
     args = p.parse_args()

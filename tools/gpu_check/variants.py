@@ -24,14 +24,14 @@ CHECKPOINTS = {"fp8": ["--scheme", "fp8", "--per-channel"], "int8": ["--scheme",
                "awq": ["--scheme", "awq", "--group-size", "64"], "gptq": ["--scheme", "gptq", "--group-size", "64"]}
 # (name, batch, checkpoint or None for the GGUF itself, extra flags); the reference comes first
 RUNS = [("bf16", 64, None, []), ("bf16", 1, None, []),
-        ("fp8_checkpoint", 64, "fp8", []), ("fp8_checkpoint", 1, "fp8", []),
-        ("fp8_at_load", 64, None, ["--quantization", "fp8"]),
-        ("int8_checkpoint", 64, "int8", []),
-        ("awq", 64, "awq", []), ("awq", 1, "awq", []), ("gptq", 64, "gptq", []),
         ("O2", 64, None, ["--compilation-config", "2"]),
         ("kv_fp8", 64, None, ["--kv-cache-dtype", "fp8"]),
+        ("memory_0.3", 64, None, ["--gpu-memory-utilization", "0.3"]),
         ("async_scheduling", 64, None, ["--async-scheduling"]),
-        ("memory_0.3", 64, None, ["--gpu-memory-utilization", "0.3"])]
+        ("fp8_checkpoint", 64, "fp8", []), ("fp8_checkpoint", 1, "fp8", []),
+        ("int8_checkpoint", 64, "int8", []),
+        ("awq", 64, "awq", []), ("awq", 1, "awq", []), ("gptq", 64, "gptq", []),
+        ("fp8_at_load", 64, None, ["--quantization", "fp8"])]
 KEEP = ("output_tok_per_s", "seconds", "steps", "engine_overhead_fraction", "kv_cache_tokens", "max_batch_size")
 
 
@@ -140,8 +140,10 @@ def main() -> None:
     p.add_argument("--in", dest="prompt_len", type=int, default=128)
     p.add_argument("--out", dest="output_len", type=int, default=256)
     p.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    p.add_argument("--batches", default="", help="comma-separated batch sizes (default: all)")
     args = p.parse_args()
-    runs = [r for r in RUNS if not args.only or r[0] in args.only.split(",")]
+    runs = [r for r in RUNS if (not args.only or r[0] in args.only.split(","))
+            and (not args.batches or str(r[1]) in args.batches.split(","))]
     if args.device == "cpu":          # plumbing only: each configuration once, batch 1, no memory sampling
         first = {}
         for name, _, ckpt, extra in runs:
