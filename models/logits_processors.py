@@ -105,16 +105,28 @@ class LogitsProcessors:
         self.non_argmax_invariant = [p for p in processors if not p.is_argmax_invariant()]
         self.argmax_invariant = [p for p in processors if p.is_argmax_invariant()]
         self.outputs: dict[int, list[int]] = {}       # slot -> its request's output tokens (live)
+        # the slots whose request some processor of each kind applies to (``applies_to``; a
+        # processor without it applies to every request): a step none of whose rows is among
+        # them skips that kind, keeping the sampler's fast paths (no logits copy when greedy)
+        self._moves_argmax: set[int] = set()
+        self._keeps_argmax: set[int] = set()
         self._changes = _BatchChanges()
 
     def add(self, slot: int, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
         out = list(output_token_ids)
         self.outputs[slot] = out
+        for kind, slots in ((self.non_argmax_invariant, self._moves_argmax), (self.argmax_invariant, self._keeps_argmax)):
+            if any(_applies(p, params) for p in kind):
+                slots.add(slot)
+            else:
+                slots.discard(slot)
         self._changes.removed.discard(slot)
         self._changes.added[slot] = (slot, params, list(prompt_token_ids), out)
 
     def remove(self, slot: int) -> None:
         self.outputs.pop(slot, None)
+        self._moves_argmax.discard(slot)
+        self._keeps_argmax.discard(slot)
         self._changes.added.pop(slot, None)
         self._changes.removed.add(slot)      # whoever the processors last saw there
 
@@ -146,22 +158,22 @@ class LogitsProcessors:
             self.outputs[slot].extend(tokens)
 
     def bind(self, slots: np.ndarray) -> BoundLogitsProcessors:
-        return BoundLogitsProcessors(self, torch.from_numpy(np.asarray(slots, dtype=np.int64)))
+        slots = np.asarray(slots, dtype=np.int64)
+        rows = slots.tolist()
+        return BoundLogitsProcessors(self, torch.from_numpy(slots),
+                                     bool(self._moves_argmax) and not self._moves_argmax.isdisjoint(rows),
+                                     bool(self._keeps_argmax) and not self._keeps_argmax.isdisjoint(rows))
 
 
 @dataclass(frozen=True, slots=True)
 class BoundLogitsProcessors:
-    """The processors for one sampling call: row j of the sampler's logits is slot ``slots[j]``."""
+    """The processors for one sampling call: row j of the sampler's logits is slot ``slots[j]``.
+    ``changes_argmax`` / ``has_argmax_invariant``: whether a processor of that kind applies to
+    one of these rows' requests (else the sampler skips that kind)."""
     procs: LogitsProcessors
     slots: torch.Tensor                      # (S,) int64
-
-    @property
-    def changes_argmax(self) -> bool:
-        return bool(self.procs.non_argmax_invariant)
-
-    @property
-    def has_argmax_invariant(self) -> bool:
-        return bool(self.procs.argmax_invariant)
+    changes_argmax: bool = True
+    has_argmax_invariant: bool = True
 
     def apply_non_argmax_invariant(self, logits: torch.Tensor) -> None:
         self._apply(self.procs.non_argmax_invariant, logits)

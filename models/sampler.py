@@ -361,7 +361,7 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> Non
     if meta.logit_bias is not None:
         cells, bias = meta.logit_bias
         logits.index_put_((cells.rows, cells.token_ids), bias, accumulate=True)
-    if meta.logitsprocs is not None:
+    if meta.logitsprocs is not None and meta.logitsprocs.changes_argmax:
         meta.logitsprocs.apply_non_argmax_invariant(logits)
     if meta.penalties is not None:
         apply_penalties(logits, meta.penalties)

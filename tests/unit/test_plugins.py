@@ -3,6 +3,8 @@ here, as pip would), filtered by TROUPE_PLUGINS, general plugins run once per pr
 plugin reported by name; ModelRegistry; the batch-level logits processors' bookkeeping."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -164,6 +166,30 @@ def test_bound_processors_see_each_sampling_row_at_its_slot():
     logits = torch.zeros(2, 5)
     procs.bind(np.array([3, 1])).apply_non_argmax_invariant(logits)   # rows are slots 3 and 1
     assert logits[:, 0].tolist() == [3.0, 1.0]
+
+
+def test_a_step_whose_requests_no_processor_applies_to_keeps_the_greedy_fast_path():
+    """An installed processor that may move the argmax costs nothing to the steps of requests it
+    does not apply to (``applies_to``): the sampler neither copies their logits nor calls it."""
+    from troupe_example_plugins.logits import BanTokensLogitsProcessor
+
+    from models.sampler import Sampler, SamplingMetadata
+    ban = BanTokensLogitsProcessor(None, torch.device("cpu"), False)
+    procs = LogitsProcessors([ban])
+    procs.add(0, SamplingParams(temperature=0.0), [1], [])
+    procs.add(1, SamplingParams(temperature=0.0, extra_args={"banned_token_ids": [4]}), [1], [])
+    procs.flush()
+    logits = torch.tensor([[0.0, 1.0, 0.0, 0.0, 9.0], [0.0, 1.0, 0.0, 0.0, 9.0]])
+    plain = SamplingMetadata.from_lists([0.0])
+    alone = dataclasses.replace(plain, logitsprocs=procs.bind(np.array([0])))
+    assert alone.no_logits_processors
+    out = Sampler()(logits[:1], alone)
+    assert out.sampled_token_ids.tolist() == [4]
+    both = dataclasses.replace(SamplingMetadata.from_lists([0.0, 0.0]), logitsprocs=procs.bind(np.array([0, 1])))
+    assert not both.no_logits_processors
+    assert Sampler()(logits, both).sampled_token_ids.tolist() == [4, 1]       # row 1 bans token 4
+    procs.remove(1)
+    assert procs.bind(np.array([0])).changes_argmax is False
 
 
 def test_requests_a_processor_applies_to_decode_without_drafts():
