@@ -49,7 +49,7 @@ def test_dry_run_goes_through_every_part_and_reports_the_criteria(tmp_path):
     assert proc.returncode == 0, (report, proc.stderr[-2000:])
     assert report["ok"] is True
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == report
-    for part in ("parity", "bench", "offline"):
+    for part in ("parity", "bench", "offline", "quant_kernels", "variants"):
         assert report[part]["status"] == "passed" and (tmp_path / f"{part}.log").exists()
     parity = report["parity"]["result"]
     assert parity["prompts"] == 5 and parity["f32_graphs_vs_cpu_f32"]["equal"] == 5
@@ -58,3 +58,5 @@ def test_dry_run_goes_through_every_part_and_reports_the_criteria(tmp_path):
     c = report["criteria"]
     assert c["parity_first16_equal"] == "5/5" and c["gpu_tests_pass"] is None
     assert c["offline_graphs_over_eager"] > 0
+    assert c["variants_vs_bf16"]["awq@1"] > 0
+    assert all(v["fp8"] >= 0 for v in c["quant_kernels_speedup"].values())

@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from tools.gpu_check import last_json
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CARRY = os.path.join(ROOT, ".gpu_carry")
 STASH = "/tmp/troupe-carry"     # a copy of the carried first part, outside the working tree: a later
@@ -78,7 +80,7 @@ def main() -> int:
         parts["parity"] += ["--device", "cpu", "--tokens", "4"]
         parts["bench"] += ["--device", "cpu", "--batches", "2", "--prompt-len", "8", "--warmup", "1", "--steps", "2"]
         parts["offline"] += ["--device", "cpu", "--n", "2", "--in", "8", "--out", "4"]
-        parts["variants"] += ["--device", "cpu", "--in", "8", "--out", "4", "--only", "bf16,awq,kv_fp8"]
+        parts["variants"] += ["--device", "cpu", "--in", "8", "--out", "4", "--only", "bf16,awq"]
         parts["quant_kernels"] += ["--device", "cpu"]
         parts["tests"] = parts["tests"][:5] + ["-q", "-p", "no:cacheprovider", "-k", "dispatch or backend"]
     for name, cmd in parts.items():
@@ -255,7 +257,7 @@ def run_part(name: str, cmd: list[str], timeout: float, out_dir: str | None, dry
         m = re.findall(r"^=*\s*(\d+ (?:passed|failed|error).*?) in [\d.]+s", text, re.M)
         result["summary"] = m[-1] if m else text[-600:]
     else:
-        last = _last_json(text)
+        last = last_json(text)
         if last is not None:
             result["result"] = last
             if name == "parity" and status == "passed" and not last.get("ok"):
@@ -263,16 +265,6 @@ def run_part(name: str, cmd: list[str], timeout: float, out_dir: str | None, dry
         else:
             result["tail"] = text[-1500:]
     return result
-
-
-def _last_json(text: str) -> dict | None:
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                return None
-    return None
 
 
 def _finish(report: dict, out_dir: str | None, code: int) -> int:

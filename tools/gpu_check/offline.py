@@ -13,12 +13,7 @@ import subprocess
 import sys
 import time
 
-
-def _last_json(text: str) -> dict | None:
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return None
+from tools.gpu_check import last_json
 
 
 def run(model: str, n: int, prompt_len: int, output_len: int, device: str, timeout: float) -> dict:
@@ -34,7 +29,7 @@ def run(model: str, n: int, prompt_len: int, output_len: int, device: str, timeo
         except subprocess.TimeoutExpired as exc:
             result[mode], result["ok"] = {"error": f"no result in {exc.timeout:.0f} s"}, False
             return result
-        out = _last_json(proc.stdout) if proc.returncode == 0 else None
+        out = last_json(proc.stdout) if proc.returncode == 0 else None
         if out is None:
             result[mode] = {"error": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-1500:]}
             result["ok"] = False

@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 
+from tools.gpu_check import last_json
+
 CHECKPOINTS = {"fp8": ["--scheme", "fp8", "--per-channel"], "int8": ["--scheme", "int8", "--per-channel"],
                "awq": ["--scheme", "awq", "--group-size", "64"], "gptq": ["--scheme", "gptq", "--group-size", "64"]}
 # (name, batch, checkpoint or None for the GGUF itself, extra flags); the reference comes first
@@ -33,16 +35,6 @@ RUNS = [("bf16", 64, None, []), ("bf16", 1, None, []),
         ("awq", 64, "awq", []), ("awq", 1, "awq", []), ("gptq", 64, "gptq", []),
         ("fp8_at_load", 64, None, ["--quantization", "fp8"])]
 KEEP = ("output_tok_per_s", "seconds", "steps", "engine_overhead_fraction", "kv_cache_tokens", "max_batch_size")
-
-
-def _last_json(text: str) -> dict | None:
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                return None
-    return None
 
 
 class MemorySampler:
@@ -113,7 +105,7 @@ def run(model: str, device: str, timeout: float, prompt_len: int, output_len: in
         except subprocess.TimeoutExpired:
             results["runs"][key] = {"error": f"no result in {left:.0f} s"}
             continue
-        out = _last_json(proc.stdout) if proc.returncode == 0 else None
+        out = last_json(proc.stdout) if proc.returncode == 0 else None
         if out is None:
             results["runs"][key] = {"error": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-1200:]}
             continue
