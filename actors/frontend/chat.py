@@ -215,6 +215,7 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         raise BadRequest(f"{param} cannot be combined with --reasoning-parser here (the grammar would constrain "
                          "the reasoning as well as the answer)", param)
     await server.check_grammar(req, params)
+    answer = server.answer_of(req)          # checked before anything is admitted (a 400 leaves nothing open)
     rid = client.new_request_id()
     choices = await submit_choices(
         submit or server.submit, rid, params, n, None, messages=messages,
@@ -231,7 +232,7 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         prompt_text = client.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=req.chat_template, **(template_kwargs or {}))
-    gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),
+    gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, answer,
                          params.num_logprobs, tools, echo, prompt_text, server.reasoning_parser,
                          req.include_reasoning is not False)
     return gen, stream

@@ -155,6 +155,7 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest, arrival
         echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
         return beam_answer(server, req, params, n, jobs, echo_texts), False
     await server.check_grammar(req, params)
+    answer = server.answer_of(req)          # checked before anything is admitted (a 400 leaves nothing open)
     rid = client.new_request_id()
     engine_params = params
     if sampled > n and params.logprobs is None:          # best_of ranks by the sampled tokens' log-probs
@@ -166,7 +167,7 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest, arrival
         lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left",
         stream_interval=req.stream_interval)
     echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
-    gen = CompletionGeneration(rid, served_name(client, req.model), choices, include_usage, server.answer_of(req),
+    gen = CompletionGeneration(rid, served_name(client, req.model), choices, include_usage, answer,
                                params.num_logprobs, echo_texts, keep=n if sampled > n else None)
     return gen, stream
 

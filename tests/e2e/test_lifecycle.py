@@ -66,11 +66,18 @@ def test_a_request_past_the_server_timeout_is_aborted_with_a_clear_error():
 
 
 def test_sigterm_lets_running_requests_finish_refuses_new_ones_and_exits_cleanly():
+    """Requests refused with a 400 (a request_id past 256 characters, found after the prompt was
+    checked) leave nothing open: the stop waits for the four running requests only."""
     s = Server("--threads", "1")
     pids = s.all_pids()
     try:
         async def main():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+                for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                             "max_tokens": 2})):
+                    async with session.post(s.url + path, json={**body, "request_id": "x" * 300}) as resp:
+                        assert resp.status == 400 and (await resp.json())["error"]["param"] == "request_id"
                 running = [asyncio.ensure_future(post(session, s.url, {
                     "prompt": f"Count to ten, take {i}:", "max_tokens": RUNNING_TOKENS, "ignore_eos": True}))
                     for i in range(4)]
@@ -87,6 +94,7 @@ def test_sigterm_lets_running_requests_finish_refuses_new_ones_and_exits_cleanly
     assert all(body["usage"]["completion_tokens"] == RUNNING_TOKENS for _, body, _ in finished)
     assert refused_status == 503 and "shutting down" in refused_body["error"]["message"]
     assert code == 0
+    assert "no new requests; 4 running" in s.log(), s.log()[-3000:]
     deadline = time.monotonic() + 10
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
