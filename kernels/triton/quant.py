@@ -15,6 +15,8 @@ their torch references (dequantize, then matmul):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -114,7 +116,13 @@ def native_dot(device: torch.device, fmt: int) -> bool:
     from kernels.triton import interpreting
     if interpreting() or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= ((8, 9) if fmt == FMT_FP8 else (8, 0))
+    return _capability(device.index) >= ((8, 9) if fmt == FMT_FP8 else (8, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    """The device's compute capability, read once (every quantized layer asks, every eager step)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, fmt: int,
