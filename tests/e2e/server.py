@@ -84,7 +84,8 @@ class Server:
     def _pump(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line)
-            m = re.search(r"Troupe ready on (http://\S+)", line)
+            # host and port only: a Ray actor's forwarded log can land on the same line
+            m = re.search(r"Troupe ready on (http://[0-9A-Za-z.\-\[\]:]+)", line)
             if m:
                 self.url = m.group(1)
                 self._ready.set()
