@@ -1,10 +1,19 @@
 """Worker actor: the shell around the worker's core (``actors/worker/worker.py``): load the model,
-allocate the KV cache, then run one step per message."""
+allocate the KV cache, then run one step per message.
+
+The core runs on a thread of its own (every call on the same one: CUDA's current device and
+stream are per thread), so the event loop it shares stays free while a step computes: offline,
+where the engine core and the frontend are actors on that same loop, the scheduler plans the next
+step, and outputs are detokenized and streamed, while the model runs (async scheduling's overlap);
+in a worker process, the next step's message is received and decoded meanwhile. Steps still run
+one at a time, in order: the actor handles one message at a time."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, ClassVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar
 
 import msgspec
 
@@ -63,6 +72,8 @@ class StepOutOfOrder(RuntimeError):
 
 WorkerProtocol = LoadModel | InitKVCache | ProfileStepCosts | SchedulerOutput | StepStatus
 
+T = TypeVar("T")
+
 LOAD_TIMEOUT_S = 600.0
 RECENT_STEPS = 8                 # outputs kept for StepStatus (async scheduling keeps two in flight)
 
@@ -74,6 +85,13 @@ class WorkerActor(Actor):
         self.core: Worker | None = None            # until LoadModel
         self.recent: OrderedDict[int, ModelRunnerOutput] = OrderedDict()   # for StepStatus
         self.last_step_number = -1                 # the last step taken (run, or failed)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="troupe-worker-core")   # the core's calls
+
+    async def stopped(self) -> None:
+        self._thread.shutdown(wait=False)          # a step under way finishes; nothing new starts
+
+    async def _on_core_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def receive(self, msg: WorkerProtocol) -> Any:
         match msg:
@@ -84,7 +102,7 @@ class WorkerActor(Actor):
                                          f"step here was {self.last_step_number}")
                 self.last_step_number = msg.step
                 t0 = time.perf_counter()
-                out = self._loaded().execute_model(msg)
+                out = await self._on_core_thread(self._loaded().execute_model, msg)
                 out.worker_s = time.perf_counter() - t0
                 if out.kv_connector_output is not None and out.kv_connector_output.transfers:
                     record_transfers(self.ctx.node.tracer, out.kv_connector_output.transfers)
@@ -99,12 +117,12 @@ class WorkerActor(Actor):
                 # The core imports torch and the models: imported here, at the first load, and
                 # not with this protocol, which the engine-core process imports without torch.
                 from actors.worker.worker import Worker
-                self.core = Worker(config, tp_rank, init_method, pp_rank)
+                self.core = await self._on_core_thread(Worker, config, tp_rank, init_method, pp_rank)
                 return self.core.config
             case InitKVCache(config=config):
-                return self._loaded().init_kv_cache(config)
+                return await self._on_core_thread(self._loaded().init_kv_cache, config)
             case ProfileStepCosts():
-                return self._loaded().profile_step_costs()
+                return await self._on_core_thread(self._loaded().profile_step_costs)
 
     def _loaded(self) -> Worker:
         if self.core is None:
