@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 # Prompt tokens decoded ahead of the first generated one, so the first delta sees its left context
@@ -11,6 +11,9 @@ INITIAL_PREFIX_TOKENS = 5
 
 
 class Decoder(Protocol):
+    """A tokenizer's decoding; one may also offer ``decode_stream(context_ids, skip_special_tokens)``,
+    a function of each next token id returning the text it completes (None: mid-character), used
+    instead of decoding windows twice per token (TextTokenizer.decode_stream)."""
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
@@ -53,6 +56,10 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_token_ids)
         self._prefix_offset = max(len(self._ids) - INITIAL_PREFIX_TOKENS, 0)
         self._read_offset = len(self._ids)
+        # the tokenizer's own incremental decoder over the same window, where it has one
+        make_stream = getattr(tokenizer, "decode_stream", None)
+        self._step: Callable[[int], str | None] | None = (
+            make_stream(self._ids[self._prefix_offset:], skip_special_tokens) if make_stream else None)
 
         self.output_text = ""  # all text decoded so far (after a stop: cut at the stop string)
         self.num_released = 0  # characters of output_text handed out so far
@@ -101,6 +108,15 @@ class IncrementalDetokenizer:
 
     def _decode_new_text(self) -> str:
         """Text completed by the ids past read_offset ("" while they end mid-character)."""
+        if self._step is not None:
+            try:
+                text = self._step(self._ids[-1])
+            except Exception:       # the library refused the window: decode it here from now on
+                self._step = None
+            else:
+                if text:
+                    self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                return text or ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset, len(self._ids))
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):

@@ -13,13 +13,15 @@ import functools
 import json
 import os
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from actors.tokenizer.chat import ChatTemplate, normalize_messages
 from models.gguf_header import read_gguf_metadata
+
+DecodeStep = Callable[[int], "str | None"]
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 TOKEN_TYPE_CONTROL = 3  # special tokens: <|im_start|>, <|endoftext|>; skipped by skip_special_tokens
@@ -324,6 +326,15 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context_ids: Sequence[int], skip_special_tokens: bool = True) -> DecodeStep:
+        """Incremental decoding in the tokenizers library (one call per token instead of two
+        decodes of a window): ``step(token_id)`` returns the text that token completes, None while
+        its bytes end mid-character. ``context_ids``: the tokens before the first step (their text
+        is not returned); the same text as ``decode`` over a window from them."""
+        stream = decoders.DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        backend = self.backend_tokenizer
+        return lambda token_id: stream.step(backend, token_id)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend_tokenizer.id_to_token(i) for i in ids]

@@ -153,3 +153,45 @@ def test_the_token_that_ended_a_request_is_counted_but_not_shown(tok):
     assert delta.text + d.flush().text == "Done." and d.num_output_tokens == len(ids)
     kept = IncrementalDetokenizer(tok, [], skip_special_tokens=False, include_stop_str_in_output=True)
     assert kept.update(ids, stop_terminated=True).text + kept.flush().text == "Done.<|im_end|>"
+
+
+class _WindowsOnly:
+    """The tokenizer without its incremental decoder: every token decodes two windows."""
+    def __init__(self, tok: TextTokenizer) -> None:
+        self.encode, self.decode = tok.encode, tok.decode
+
+
+class _StreamThatGivesUp:
+    """An incremental decoder that refuses its third token (as the tokenizers library does when
+    a window's text stops extending the previous one): decoding goes on by windows."""
+    def __init__(self, tok: TextTokenizer) -> None:
+        self.tok, self.encode, self.decode, self.steps = tok, tok.encode, tok.decode, 0
+
+    def decode_stream(self, context_ids, skip_special_tokens=True):
+        step = self.tok.decode_stream(context_ids, skip_special_tokens)
+
+        def counted(token_id: int) -> str | None:
+            self.steps += 1
+            if self.steps == 3:
+                raise Exception("Invalid prefix encountered")
+            return step(token_id)
+        return counted
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_the_tokenizers_incremental_decoder_gives_the_windows_deltas(tok, text):
+    """Token by token, the library's incremental decoder releases the same text at the same
+    tokens as decoding windows, with special tokens shown or skipped, and with stop strings."""
+    for kwargs in ({"skip_special_tokens": True}, {"skip_special_tokens": False},
+                   {"stop": ["the end", "字"]}):
+        fast, _ = stream(tok, text, **kwargs)
+        windows, _ = stream(_WindowsOnly(tok), text, **kwargs)
+        assert fast == windows
+
+
+def test_an_incremental_decoder_that_gives_up_leaves_decoding_to_windows(tok):
+    text = STREAM_TEXTS[1]
+    decoder = _StreamThatGivesUp(tok)
+    deltas, detok = stream(decoder, text)
+    assert decoder.steps == 3 and detok._step is None
+    assert joined(deltas) == tok.decode(tok.encode(text))
