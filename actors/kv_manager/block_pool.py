@@ -33,10 +33,15 @@ class KVCacheExhausted(RuntimeError):
     pass
 
 
+NO_OWNERS: frozenset[str] = frozenset()
+
+
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     block_id: int
-    owners: set[str] = field(default_factory=set)   # requests holding it; ref count = len(owners)
+    # requests holding it (ref count = len(owners)); a set of its own from the first owner on, so
+    # a pool of a million blocks (a GPU's) is made in a fraction of a second
+    owners: set[str] | frozenset[str] = NO_OWNERS
     block_hash: BlockHashWithGroupId | None = None
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
@@ -53,9 +58,12 @@ class FreeKVCacheBlockQueue:
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
         self._head.next_free, self._tail.prev_free = self._tail, self._head
-        self.num_free_blocks = 0
+        self.num_free_blocks = len(blocks)
+        prev = self._head                   # linked in order, inline (a pool may hold a million)
         for b in blocks:
-            self.append(b)
+            b.prev_free, prev.next_free = prev, b
+            prev = b
+        prev.next_free, self._tail.prev_free = self._tail, prev
 
     def append(self, b: KVCacheBlock) -> None:
         self._insert(b, self._tail.prev_free, self._tail)
@@ -142,7 +150,7 @@ class BlockPool:
         for _ in range(n):
             b = self.free_queue.popleft()
             self.uncache_block(b)
-            b.owners.add(owner)
+            b.owners = {owner}                      # a free block has none
             out.append(b)
         return out
 
@@ -153,7 +161,9 @@ class BlockPool:
                 continue
             if not b.owners:
                 self.free_queue.remove(b)
-            b.owners.add(owner)
+                b.owners = {owner}
+            else:
+                b.owners.add(owner)
 
     def free_blocks(self, owner: str, blocks: list[KVCacheBlock]) -> None:
         """Release ``owner``'s hold, in the given order (callers pass a request's blocks tail
@@ -161,7 +171,7 @@ class BlockPool:
         for b in blocks:
             if b is self.null_block or owner not in b.owners:
                 continue
-            b.owners.discard(owner)
+            b.owners.discard(owner)     # (a set: the owner was in it)
             if not b.owners:
                 if b.block_hash is not None:
                     self.free_queue.append(b)

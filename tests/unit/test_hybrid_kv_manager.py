@@ -139,7 +139,7 @@ def test_the_integrity_check_sees_a_sliding_block_kept_out_of_its_window():
     kv.check_integrity()
     table = kv.managers[1].req_to_blocks["a"]
     stolen = kv.pool.free_queue.popleft()
-    stolen.owners.add("a")
+    stolen.owners = {"a"}
     table[0] = stolen                                                # a block where the null block belongs
     with pytest.raises(RuntimeError, match="out of group 1's window"):
         kv.check_integrity()

@@ -1,6 +1,7 @@
 """Speculative decoding against plain decoding on the same engine: output tokens per second at
 batch sizes 1 and up (every prompt at least once, b requests at a time; greedy, run to max_tokens
-or their end), the acceptance rate
+or their end, prompt processing included), at batch 1 the decoding rate alone (tokens after the
+first over the time from the first to the last: what speculation speeds up), the acceptance rate
 (accepted / drafted tokens) and whether the tokens were the same. Methods: ``ngram`` (prompt
 lookup) and ``self_draft`` (the model's own weights, quantized, draft for the exact ones). Two
 prompt sets: ``repetitive`` (editing code and quoting text: what prompt lookup finds) and ``chat``
@@ -40,6 +41,9 @@ def _run(mode: dict | None, prompts: list[str], batches: list[int], args: Any) -
         out: dict[str, Any] = {"tokens": {}}
         for b in batches:        # every prompt at least once, b at a time
             convs = [[{"role": "user", "content": prompts[i % len(prompts)]}] for i in range(max(b, len(prompts)))]
+            if b == 1:
+                decoded, seconds, out["tokens"]["decode"] = llm._run(_decode_rate(llm._engine(), convs, params))
+                out["batch_1_decode_tok_per_s"] = round(decoded / seconds, 2)
             t0 = time.perf_counter()
             results = [r for i in range(0, len(convs), b) for r in llm.chat(convs[i:i + b], params, use_tqdm=False)]
             seconds = time.perf_counter() - t0
@@ -50,6 +54,23 @@ def _run(mode: dict | None, prompts: list[str], batches: list[int], args: Any) -
         accepted = s.spec_num_accepted_tokens - (before.spec_num_accepted_tokens if before else 0)
         out["acceptance"] = round(accepted / drafted, 3) if drafted else None
     return out
+
+
+async def _decode_rate(llm: Any, convs: list[list[dict]], params: Any) -> tuple[int, float, list[list[int]]]:
+    """One conversation at a time, streamed: the tokens after each one's first, the seconds from
+    its first token to its last (summed), and every conversation's tokens."""
+    decoded, seconds, tokens = 0, 0.0, []
+    for conv in convs:
+        ids: list[int] = []
+        first = 0.0
+        async for out in llm.chat(conv, params):
+            if not ids and out.token_ids:
+                first = time.perf_counter()
+            ids += out.token_ids
+        seconds += time.perf_counter() - first
+        decoded += len(ids) - 1
+        tokens.append(ids)
+    return decoded, seconds, tokens
 
 
 def main(args: Any) -> None:
@@ -71,9 +92,11 @@ def main(args: Any) -> None:
         entry: dict[str, Any] = {"same_tokens": same,
                                  "acceptance": {m: runs[m][0]["acceptance"] for m in args.methods}}
         for b in args.batches:
-            key = f"batch_{b}_tok_per_s"
-            best = {mode: max(r[key] for r in rs) for mode, rs in runs.items()}
-            entry[f"batch_{b}"] = {**best, **{f"{m}_speedup": round(best[m] / best["none"], 2) for m in args.methods}}
+            for key, name_b in ((f"batch_{b}_tok_per_s", f"batch_{b}"), (f"batch_{b}_decode_tok_per_s", f"batch_{b}_decode")):
+                if key not in runs["none"][0]:
+                    continue
+                best = {mode: max(r[key] for r in rs) for mode, rs in runs.items()}
+                entry[name_b] = {**best, **{f"{m}_speedup": round(best[m] / best["none"], 2) for m in args.methods}}
         report[name] = entry
         print(f"{name}: {json.dumps(entry)}", flush=True)
     print(json.dumps(report), flush=True)
