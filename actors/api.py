@@ -383,6 +383,7 @@ class LLM:
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="troupe-llm", daemon=True)
         self._thread.start()
+        engine_options.setdefault("disable_log_stats", True)      # vLLM's LLM logs no statistics
         try:
             self._llm: AsyncLLM | None = self._run(AsyncLLM.create(model, multiprocess=multiprocess,
                                                             **engine_options))

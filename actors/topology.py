@@ -4,7 +4,7 @@ place they are spelled.
     frontend node            engine node                 worker node (one per rank)
       HTTP, TOKENIZER,         SCHEDULER, KV_MANAGER,      WORKER
       DETOKENIZER, TELEMETRY   GRAMMAR, EXECUTOR
-      DP_ROUTER
+      DP_ROUTER, STAT_LOGGER
 
 With data parallelism (--data-parallel-size N) there are N engine nodes ("engine", "engine1",
 ...), each with its own worker nodes, and the frontend's DP_ROUTER sends each request to one.
@@ -21,6 +21,7 @@ HTTP = "http"
 TOKENIZER = "tokenizer"
 DETOKENIZER = "detokenizer"
 TELEMETRY = "telemetry"
+STAT_LOGGER = "stat_logger"
 SCHEDULER = "scheduler"
 KV_MANAGER = "kv_manager"
 GRAMMAR = "grammar"

@@ -219,7 +219,6 @@ BOOLEAN = frozenset({
 ALWAYS: dict[str, str] = {
     "--enable-chunked-prefill": "Troupe always chunks prompts longer than --max-num-batched-tokens "
                                 "(--no-enable-chunked-prefill is refused)",
-    "--disable-log-stats": "Troupe logs no periodic statistics (see /metrics)",
     "--disable-uvicorn-access-log": "Troupe writes no access log",
     "--disable-fastapi-docs": "Troupe serves no API documentation pages",
     "--enable-request-id-headers": "Troupe always answers with an X-Request-Id header",

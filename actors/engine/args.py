@@ -74,6 +74,7 @@ class EngineArgs:
     restart_window_s: float = 120.0
     trace: bool = True
     flight_recorder_dir: str = ""
+    disable_log_stats: bool = False       # vLLM's: no periodic statistics lines (the offline LLM: none by default)
     # vLLM's --speculative-config: its JSON object (text on the command line, a dict in LLM(...))
     speculative_config: dict[str, Any] | str | None = None
     # vLLM's --spec-method, --spec-model, --spec-tokens: keys of the speculative config, one flag each
@@ -154,7 +155,8 @@ class EngineArgs:
                                     max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
-            observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir),
+            observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir,
+                                              log_stats=not self.disable_log_stats),
             speculative=speculative, compilation=compilation, lora=self.lora_config(),
             kv_transfer=kv_transfer_config(self.kv_transfer_config),
             kv_events=kv_events_config(self.kv_events_config))
@@ -551,6 +553,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--threads",), "num_threads", dict(type=int, default=d["num_threads"], metavar="N",
                                              help="worker compute threads (0: all cores)")),
         (("--seed",), "seed", dict(type=int, default=d["seed"])),
+        (("--disable-log-stats",), "disable_log_stats", dict(
+            action="store_true", default=d["disable_log_stats"],
+            help="no periodic statistics lines (vLLM's: every VLLM_LOG_STATS_INTERVAL seconds, 10, each "
+                 "engine core's throughput, requests, KV cache usage, prefix cache hit rate and "
+                 "speculative decoding's acceptance)")),
         (("--no-trace",), "trace", dict(action="store_false", default=d["trace"],
                                         help="record no trace spans (the dashboard then shows counters only)")),
         (("--flight-recorder-dir",), "flight_recorder_dir", dict(

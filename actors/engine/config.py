@@ -159,6 +159,7 @@ class DeviceConfig(msgspec.Struct, frozen=True, kw_only=True):
 class ObservabilityConfig(msgspec.Struct, frozen=True, kw_only=True):
     trace: bool = True                     # every process records a span per handled message
     flight_recorder_dir: str = ""          # where a dead process's last seconds go ("": a temp dir)
+    log_stats: bool = True                 # the periodic statistics lines (actors/frontend/stat_logger.py)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -72,6 +72,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0             # since start
     prefix_cache_queries: int = 0        # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0           # of those, tokens served from the cache
+    prompt_tokens_computed: int = 0      # since start: prompt positions the steps computed (cache hits not)
+    generation_tokens: int = 0           # since start: tokens the requests generated
     busy_seconds: float = 0.0            # since start: wall time of back-to-back step cycles
     compute_seconds: float = 0.0         # since start: of that, model forward and sampling
     # speculative decoding, since start: requests verified with drafts (once per step), draft

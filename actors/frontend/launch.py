@@ -31,6 +31,7 @@ from actors.engine.core import EngineCore
 from actors.frontend.admission import WaitingRequests
 from actors.frontend.client import EngineClient
 from actors.frontend.dp_router import DataParallelRouter, EngineDown, EngineUp
+from actors.frontend.stat_logger import StatLines, StatLoggerActor, log_interval
 from actors.frontend.stats import EngineStats, cache_config_info
 from actors.frontend.telemetry import Telemetry, TelemetryActor, TelemetryWindow
 from actors.grammar.actor import GrammarCompilerProtocol
@@ -124,6 +125,7 @@ class Frontend:
         multiprocess), then start the tokenizer and detokenizer actors (and, with ``telemetry``,
         the collector of every process's trace records for the dashboard); sets ``client``."""
         source = config.model.source
+        interval = log_interval()            # a bad VLLM_LOG_STATS_INTERVAL fails the start, not later
         self.node.tracer.enabled = config.observability.trace
         if config.observability.flight_recorder_dir:
             system_actor(self.node).flight_dir = config.observability.flight_recorder_dir
@@ -164,6 +166,9 @@ class Frontend:
             scheduler, waiting, count_prompt_tokens, config.model.max_logprobs, config.model.arch.vocab_size))
         self.client = EngineClient(config, tokenizer, tok, detok, scheduler, [e.kv_manager for e in engines],
                                    engine.grammar, streams, stats, waiting)
+        if config.observability.log_stats and topology.STAT_LOGGER not in self.node.cells:
+            lines = StatLines(stats, config.device.device)
+            self.node.spawn(topology.STAT_LOGGER, lambda: StatLoggerActor(lines, interval))
         if telemetry and topology.TELEMETRY not in self.node.cells:
             self.telemetry = Telemetry(self.node.spawn(topology.TELEMETRY, lambda: TelemetryActor(
                 TelemetryWindow(), lambda: _engine_sample(self.client.stats))))

@@ -363,6 +363,7 @@ def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         num_scheduled_reqs=total("num_scheduled_reqs"), num_scheduled_tokens=total("num_scheduled_tokens"),
         kv_cache_usage=total("kv_cache_usage") / len(stats), num_preemptions=total("num_preemptions"),
         prefix_cache_queries=total("prefix_cache_queries"), prefix_cache_hits=total("prefix_cache_hits"),
+        prompt_tokens_computed=total("prompt_tokens_computed"), generation_tokens=total("generation_tokens"),
         busy_seconds=total("busy_seconds"), compute_seconds=total("compute_seconds"),
         spec_num_drafts=total("spec_num_drafts"), spec_num_draft_tokens=total("spec_num_draft_tokens"),
         spec_num_accepted_tokens=total("spec_num_accepted_tokens"), spec_num_accepted_tokens_per_pos=per_pos,

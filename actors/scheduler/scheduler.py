@@ -90,6 +90,8 @@ class _Counters:
     last_scheduled_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
     busy_seconds: float = 0.0
     compute_seconds: float = 0.0
     spec_num_drafts: int = 0
@@ -437,6 +439,8 @@ class Scheduler:
         pairs = 0
         for req, n in step.num_tokens.items():
             pairs += attention_pairs(req.num_computed_tokens, n)
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                c.prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n           # scheduled tokens count as computed
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 sampling.append(req)               # its prompt complete: it samples a token
@@ -794,6 +798,7 @@ class Scheduler:
                     status, error = self._advance_grammar(req, tok, status)
                 if status is not None:
                     break
+            self.counters.generation_tokens += len(new_ids)
             outs.append(EngineCoreOutput(rid, new_ids, logprobs=out.logprobs.get(rid),
                                          prompt_logprobs=prompt_lp,
                                          num_cached_tokens=req.num_cached_tokens))
@@ -859,7 +864,8 @@ class Scheduler:
         return SchedulerStats(c.step, len(self.running), len(self.waiting) + len(self.awaiting_grammar),
                               c.last_scheduled_reqs,
                               c.last_scheduled_tokens, self.kv.usage(), c.num_preemptions,
-                              c.prefix_cache_queries, c.prefix_cache_hits, c.busy_seconds,
+                              c.prefix_cache_queries, c.prefix_cache_hits, c.prompt_tokens_computed,
+                              c.generation_tokens, c.busy_seconds,
                               c.compute_seconds, c.spec_num_drafts, c.spec_num_draft_tokens,
                               c.spec_num_accepted_tokens, list(c.spec_num_accepted_tokens_per_pos),
                               c.external_prefix_cache_queries, c.external_prefix_cache_hits, dict(c.kv_transfer))

@@ -9,6 +9,10 @@ target's in prefix cache hits."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
+import time
 
 import pytest
 
@@ -57,8 +61,14 @@ def plain():
 
 @pytest.fixture(scope="module", params=list(METHODS))
 def spec(request):
-    """(method, (results, stats), the engine, kept for more requests)."""
-    with LLM(multiprocess=False, speculative_config=METHODS[request.param]) as llm:
+    """(method, (results, stats), the engine, kept for more requests; it logs vLLM's periodic
+    statistics lines every half second)."""
+    os.environ["VLLM_LOG_STATS_INTERVAL"] = "0.5"
+    try:
+        llm = LLM(multiprocess=False, speculative_config=METHODS[request.param], disable_log_stats=False)
+    finally:
+        del os.environ["VLLM_LOG_STATS_INTERVAL"]
+    with llm:
         results = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         yield request.param, ([(r.token_ids, r.text, r.finish_reason) for r in results], llm.client.stats.last), llm
 
@@ -92,6 +102,32 @@ def test_drafts_are_accepted_and_counted(spec):
     assert len(stats.spec_num_accepted_tokens_per_pos) == METHODS[method]["num_speculative_tokens"]
     if method == "self_draft":     # the quantized copy nearly always agrees with the exact weights
         assert stats.spec_num_accepted_tokens >= 0.8 * stats.spec_num_draft_tokens
+
+
+def test_the_periodic_log_lines_report_throughput_and_the_draft_acceptance_rate(spec, caplog):
+    """vLLM's lines: the engine's throughput, requests and KV cache use, then speculative
+    decoding's mean acceptance length, per-position and overall acceptance."""
+    method, _, llm = spec
+    caplog.set_level(logging.INFO, logger="troupe.stats")
+    llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
+
+    def spec_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "SpecDecoding metrics" in r.getMessage()]
+    deadline = time.monotonic() + 10.0
+    while not spec_lines() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "troupe.stats"]
+    assert any(re.fullmatch(r"Engine 000: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: "
+                            r"[1-9][\d.]* tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, CPU KV cache usage: "
+                            r"[\d.]+%, Prefix cache hit rate: [\d.]+%", line) for line in lines), lines
+    m = re.fullmatch(r"Engine 000: SpecDecoding metrics: Mean acceptance length: ([\d.]+), Accepted throughput: "
+                     r"[\d.]+ tokens/s, Drafted throughput: [\d.]+ tokens/s, Accepted: (\d+) tokens, Drafted: "
+                     r"(\d+) tokens, Per-position acceptance rate: ([\d., ]+), Avg Draft acceptance rate: "
+                     r"([\d.]+)%", spec_lines()[0])
+    assert m, spec_lines()
+    accepted, drafted = int(m[2]), int(m[3])
+    assert 0 < accepted <= drafted and float(m[5]) == pytest.approx(100 * accepted / drafted, abs=0.06)
+    assert float(m[1]) > 1.0 and len(m[4].split(", ")) == METHODS[method]["num_speculative_tokens"]
 
 
 @pytest.mark.parametrize("method", list(METHODS))
