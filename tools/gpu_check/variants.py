@@ -2,7 +2,10 @@
 configurations the feature flags make: bfloat16 with CUDA graphs as the reference, FP8 and INT8
 W8A8 checkpoints (written here by ``python -m tools.quantize`` from the checked model), FP8
 quantized at load (``--quantization fp8``), AWQ and GPTQ 4-bit checkpoints, ``-O2``
-compilation, an FP8 KV cache and ``--async-scheduling``, at batch 64 and, for the weight formats,
+compilation, an FP8 KV cache, ``--async-scheduling`` (the worker computing on its own thread
+beside the event loop) and the server's three-process layout with and without it (how much of a
+step cycle the engine's own work takes in each: ``engine_overhead_fraction``), at batch 64 and,
+for the weight formats,
 batch 1; and ``--gpu-memory-utilization`` with the device's memory in use sampled through NVML
 during the run (its peak against the share asked for). Each run is its own process; every
 ratio is against the reference at the same batch, measured in this same call. Last line: one
@@ -30,6 +33,8 @@ RUNS = [("bf16", 64, None, []), ("bf16", 1, None, []),
         ("kv_fp8", 64, None, ["--kv-cache-dtype", "fp8"]),
         ("memory_0.3", 64, None, ["--gpu-memory-utilization", "0.3"]),
         ("async_scheduling", 64, None, ["--async-scheduling"]),
+        ("multiprocess", 64, None, ["--multiprocess"]),      # the server's layout: async scheduling on
+        ("multiprocess_sync", 64, None, ["--multiprocess", "--no-async-scheduling"]),
         ("fp8_checkpoint", 64, "fp8", []), ("fp8_checkpoint", 1, "fp8", []),
         ("int8_checkpoint", 64, "int8", []),
         ("awq", 64, "awq", []), ("awq", 1, "awq", []), ("gptq", 64, "gptq", []),
