@@ -23,6 +23,7 @@ from actors.runtime.tracing import Tracer, write_flight_record
 from transport.zmq_channel import ZmqTransport, endpoint
 
 log = logging.getLogger("troupe.child")
+EXIT_GRACE_S = 5.0               # how long a stopped node's threads have to finish before the process exits
 START_ERROR_FLUSH_S = 0.2        # a failed start's reason is on its way to the parent before the node stops
 
 
@@ -152,7 +153,25 @@ def main() -> None:
     import uvloop
     code = uvloop.run(run_child(spec, death_fd, heartbeat_fd))
     heap.exiting()
+    if not threads_finished(EXIT_GRACE_S):
+        # a thread still in its work (a worker's step blocked in a collective whose peer died):
+        # the interpreter would wait for it forever at exit, and an orphan has nobody to kill it
+        log.error("node '%s': threads still running %.0f s after it stopped (%s); exiting without them",
+                  spec.name, EXIT_GRACE_S, ", ".join(t.name for t in threading.enumerate()
+                                                    if t is not threading.main_thread() and not t.daemon))
+        logging.shutdown()
+        os._exit(code)
     sys.exit(code)
+
+
+def threads_finished(timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds in all for this process's non-daemon threads to end."""
+    deadline = time.monotonic() + timeout
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join(max(deadline - time.monotonic(), 0.0))
+    return not any(t.is_alive() for t in threading.enumerate()
+                   if t is not threading.main_thread() and not t.daemon)
 
 
 if __name__ == "__main__":

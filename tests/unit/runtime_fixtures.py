@@ -90,3 +90,12 @@ class Escalating(EchoActor):
 
 async def failing_entry(node, config: bytes) -> dict:
     raise ValueError(f"cannot start with {config.decode()}")
+
+
+async def stuck_thread_entry(node, config: bytes) -> dict:
+    """A node with a thread that never ends (a worker's step blocked in a collective whose peer
+    died, say): not a daemon, so the interpreter would wait for it at exit."""
+    import threading
+    node.spawn("echo", EchoActor)
+    threading.Thread(target=threading.Event().wait, name="stuck-step", daemon=False).start()
+    return {"config": config.decode()}

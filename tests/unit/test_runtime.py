@@ -16,6 +16,7 @@ import torch
 from actors.runtime import (ActorDied, AskTimeout, MailboxFull, MessageRejected, Node, RemoteError)
 from actors.runtime.faults import InjectFault
 from actors.runtime.errors import ChildStartError
+from actors.runtime.child import EXIT_GRACE_S
 from actors.runtime.process import NodeSpec, decode_info, start_child, system_actor
 from actors.runtime.system import GetTelemetry
 from actors.runtime.tracing import to_chrome_trace
@@ -188,6 +189,26 @@ def test_cross_process_ask_tell_and_arrays(child_env):
     assert {"Count", "Echo", "Arrays"} <= {r.msg_type for r in chunk.spans}
     assert {r.sender for r in chunk.spans if r.msg_type == "Echo"} == {"parent/"}    # sent from outside any actor
     assert chunk.node == "child" and chunk.pid != os.getpid() and chunk.cursor.spans >= 3
+
+
+def test_a_stopped_child_exits_although_one_of_its_threads_never_ends(child_env):
+    """Its node stops, its threads get a grace period, and the process exits on its own with its
+    code: neither killed by its parent after the stop timeout nor left behind as an orphan."""
+    async def main():
+        ipc_dir = tempfile.mkdtemp(prefix="troupe-test-")
+        node = Node("parent", ZmqTransport(endpoint(ipc_dir, "parent")))
+        system_actor(node)
+        spec = NodeSpec("child", "runtime_fixtures:stuck_thread_entry", b"cfg", ipc_dir, "parent",
+                        {"parent": endpoint(ipc_dir, "parent")})
+        child, _ = await start_child(node, spec, ready_timeout=60, env=child_env)
+        try:
+            t0 = time.monotonic()
+            code = await child.stop(timeout=EXIT_GRACE_S + 25.0)
+            return code, time.monotonic() - t0
+        finally:
+            await node.stop()
+    code, seconds = run_async(main())
+    assert code == 0 and seconds < EXIT_GRACE_S + 20.0
 
 
 def test_a_child_that_fails_to_start_fails_its_start_with_the_reason(child_env):
