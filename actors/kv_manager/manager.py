@@ -28,7 +28,9 @@ from typing import Any, Callable, Sequence, TypeVar
 from actors.kv_manager.block_hash import BlockHash
 from actors.kv_manager.block_pool import NULL_BLOCK as NULL_ID, BlockPool, KVCacheBlock
 from actors.kv_manager.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
-from actors.kv_manager.single_type import SingleTypeKVCacheManager, create_single_type_manager
+from actors.kv_manager.single_type import FullAttentionManager, SingleTypeKVCacheManager, create_single_type_manager
+
+KEEPS_ALL_BLOCKS = (FullAttentionManager,)        # the managers whose requests never release a block early
 
 
 @dataclass(slots=True)
@@ -71,6 +73,9 @@ class KVCacheManager:
             raise ValueError(f"every KV cache group must have blocks of {block_size} tokens, got {sorted(sizes)}")
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             create_single_type_manager(g, self.pool, i) for i, g in enumerate(self.groups))
+        # every group keeps all its blocks (no window releases any): a running request whose
+        # blocks already hold its next tokens changes nothing (the decode steps' common case)
+        self._keeps_all_blocks = all(type(m) in KEEPS_ALL_BLOCKS for m in self.managers)
         # per request: the tokens its blocks cover (all computed before its next step runs), and
         # those computed when its blocks were last allocated (the first query of that step)
         self._num_tokens: dict[str, int] = {}
@@ -129,10 +134,15 @@ class KVCacheManager:
         tokens rejected); the blocks a sliding window no longer reads are counted from there.
         ``num_lookahead_tokens``: slots past ``num_tokens`` for a draft model to write the KV of
         its drafts into (vLLM's lookahead slots); never offered to the prefix cache."""
-        hits = new_computed_blocks.blocks if new_computed_blocks else tuple([] for _ in self.managers)
         computed = self._num_tokens.get(req_id)
         if computed is not None and num_computed_tokens is not None:
             computed = min(computed, num_computed_tokens)
+        if computed is not None and self._keeps_all_blocks and not new_computed_blocks \
+                and watermark_blocks <= self.pool.num_free_blocks and self._holds_already(req_id, num_tokens, num_tokens + num_lookahead_tokens, len(block_hashes)):
+            self._num_computed[req_id] = computed
+            self._num_tokens[req_id] = num_tokens
+            return tuple([] for _ in self.managers)
+        hits = new_computed_blocks.blocks if new_computed_blocks else tuple([] for _ in self.managers)
         if computed is not None:
             if any(hits):
                 raise RuntimeError(f"request {req_id} takes cache hits but already holds blocks")
@@ -152,6 +162,17 @@ class KVCacheManager:
         self._num_computed[req_id] = computed if computed is not None else len(hits[0]) * self.block_size
         self._num_tokens[req_id] = num_tokens
         return tuple(out)
+
+    def _holds_already(self, req_id: str, num_tokens: int, num_slots: int, num_hashes: int) -> bool:
+        """Every group's blocks of ``req_id`` hold ``num_slots`` slots, and every block full at
+        ``num_tokens`` that has a hash was offered to the prefix cache: nothing to allocate or cache."""
+        bs = self.block_size
+        for m in self.managers:
+            blocks = m.req_to_blocks.get(req_id)
+            if blocks is None or len(blocks) * bs < num_slots \
+                    or m.num_registered.get(req_id, 0) < min(num_tokens // bs, num_hashes, len(blocks)):
+                return False
+        return True
 
     # -- release -----------------------------------------------------------------------------
     @_timed
