@@ -11,7 +11,6 @@ It reads the stats the engine cores send with their outputs (``EngineStats.engin
 counters since start) and logs the differences; nothing is asked of the engine."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -20,6 +19,7 @@ from typing import Any, Callable, ClassVar
 from actors.engine.messages import SchedulerStats
 from actors.frontend.stats import EngineStats
 from actors.runtime import Actor, Msg
+from actors.runtime.ticker import Ticker
 
 log = logging.getLogger("troupe.stats")
 
@@ -120,27 +120,19 @@ class StatLoggerActor(Actor):
     def __init__(self, lines: StatLines, interval_s: float) -> None:
         self.stat_lines = lines
         self.interval_s = interval_s
-        self._timer: asyncio.TimerHandle | None = None
+        self.ticker: Ticker | None = None
 
     async def started(self) -> None:
-        self._schedule()
+        self.ticker = Ticker(self.ctx.self_ref, LogStats, self.interval_s)
+        self.ticker.again()
 
     async def stopped(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        if self.ticker is not None:
+            self.ticker.cancel()
 
     async def receive(self, msg: LogStats) -> None:
         try:
             for level, fmt, args in self.stat_lines.lines():
                 log.log(level, fmt, *args)
         finally:
-            self._schedule()
-
-    def _schedule(self) -> None:
-        self._timer = asyncio.get_running_loop().call_later(self.interval_s, self._tell)
-
-    def _tell(self) -> None:
-        try:
-            self.ctx.self_ref.tell(LogStats())
-        except Exception:                  # stopping: no more lines
-            pass
+            self.ticker.again()

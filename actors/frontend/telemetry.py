@@ -11,7 +11,6 @@ window; rates and utilisation come from the actors' own counters, so they hold e
 records were missed."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
@@ -20,6 +19,7 @@ from typing import Any, Callable
 
 from actors.runtime import Actor, Msg
 from actors.runtime.system import SYSTEM_ACTOR, Cursor, GetTelemetry, TelemetryChunk
+from actors.runtime.ticker import Ticker
 from actors.runtime.tracing import ActorStats, SpanRecord, StepRecord, now_ns, to_chrome_trace, wall_offset_ns
 
 log = logging.getLogger("troupe.telemetry")
@@ -332,14 +332,15 @@ class TelemetryActor(Actor):
         self.window = window
         self.engine_sample = engine_sample
         self.cursors: dict[str, Cursor] = {}
-        self._timer: asyncio.TimerHandle | None = None
+        self.ticker: Ticker | None = None
 
     async def started(self) -> None:
-        self._schedule()
+        self.ticker = Ticker(self.ctx.self_ref, Poll, POLL_S)
+        self.ticker.again()
 
     async def stopped(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        if self.ticker is not None:
+            self.ticker.cancel()
 
     def colocated(self) -> TelemetryWindow:
         return self.window
@@ -351,25 +352,13 @@ class TelemetryActor(Actor):
             log.warning("telemetry collection failed: %s", exc)
             return
         finally:
-            self._schedule()
+            self.ticker.again()
         for c in chunk.walk():
             self.cursors[c.node] = c.cursor
         self.window.ingest(chunk)
         sample = self.engine_sample()
         if sample is not None:
             self.window.sample_engine(*sample)
-
-    def _schedule(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(POLL_S, self._tell)
-
-    def _tell(self) -> None:
-        try:
-            self.ctx.self_ref.tell(Poll())
-        except Exception:                  # stopping: no more polls
-            pass
 
 
 class Telemetry:
