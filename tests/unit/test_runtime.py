@@ -156,11 +156,11 @@ def test_large_arrays_travel_as_zero_copy_frames_small_ones_inline():
 
 # -- across processes --------------------------------------------------------------------------
 
-async def _parent_with_child(env, **heartbeat):
+async def _parent_with_child(env, entry: str = "runtime_fixtures:echo_entry", **heartbeat):
     ipc_dir = tempfile.mkdtemp(prefix="troupe-test-")
     node = Node("parent", ZmqTransport(endpoint(ipc_dir, "parent")))
     system_actor(node)
-    spec = NodeSpec("child", "runtime_fixtures:echo_entry", b"cfg", ipc_dir, "parent",
+    spec = NodeSpec("child", entry, b"cfg", ipc_dir, "parent",
                     {"parent": endpoint(ipc_dir, "parent")}, **heartbeat)
     child, ready = await start_child(node, spec, ready_timeout=60, env=env)
     return node, child, ready
@@ -195,12 +195,7 @@ def test_a_stopped_child_exits_although_one_of_its_threads_never_ends(child_env)
     """Its node stops, its threads get a grace period, and the process exits on its own with its
     code: neither killed by its parent after the stop timeout nor left behind as an orphan."""
     async def main():
-        ipc_dir = tempfile.mkdtemp(prefix="troupe-test-")
-        node = Node("parent", ZmqTransport(endpoint(ipc_dir, "parent")))
-        system_actor(node)
-        spec = NodeSpec("child", "runtime_fixtures:stuck_thread_entry", b"cfg", ipc_dir, "parent",
-                        {"parent": endpoint(ipc_dir, "parent")})
-        child, _ = await start_child(node, spec, ready_timeout=60, env=child_env)
+        node, child, _ = await _parent_with_child(child_env, "runtime_fixtures:stuck_thread_entry")
         try:
             t0 = time.monotonic()
             code = await child.stop(timeout=EXIT_GRACE_S + 25.0)
