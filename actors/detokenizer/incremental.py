@@ -13,7 +13,7 @@ INITIAL_PREFIX_TOKENS = 5
 class Decoder(Protocol):
     """A tokenizer's decoding; one may also offer ``decode_stream(context_ids, skip_special_tokens)``,
     a function of each next token id returning the text it completes (None: mid-character), used
-    instead of decoding windows twice per token (TextTokenizer.decode_stream)."""
+    instead of decoding windows twice per token (TextTokenizer.decode_stream; None: it has none)."""
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 

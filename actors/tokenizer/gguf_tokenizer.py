@@ -327,13 +327,22 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self, context_ids: Sequence[int], skip_special_tokens: bool = True) -> DecodeStep:
+    def decode_stream(self, context_ids: Sequence[int], skip_special_tokens: bool = True) -> DecodeStep | None:
         """Incremental decoding in the tokenizers library (one call per token instead of two
         decodes of a window): ``step(token_id)`` returns the text that token completes, None while
         its bytes end mid-character. ``context_ids``: the tokens before the first step (their text
-        is not returned); the same text as ``decode`` over a window from them."""
-        stream = decoders.DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        is not returned); the same text as ``decode`` over a window from them. None where the
+        library has no incremental decoder (before tokenizers 0.21)."""
         backend = self.backend_tokenizer
+        make = getattr(decoders, "DecodeStream", None)
+        if make is None:
+            return None
+        try:
+            stream = make(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        except TypeError:             # a library without ``ids``: the context stepped through
+            stream = make(skip_special_tokens=skip_special_tokens)
+            for token_id in context_ids:
+                stream.step(backend, token_id)
         return lambda token_id: stream.step(backend, token_id)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:

@@ -195,3 +195,21 @@ def test_an_incremental_decoder_that_gives_up_leaves_decoding_to_windows(tok):
     deltas, detok = stream(decoder, text)
     assert decoder.steps == 3 and detok._step is None
     assert joined(deltas) == tok.decode(tok.encode(text))
+
+
+def test_a_tokenizers_library_without_the_ids_argument_primes_the_stream_by_steps(tok, monkeypatch):
+    """Older tokenizers releases build a DecodeStream from skip_special_tokens alone: the context
+    is stepped through instead, and the deltas are the same."""
+    from tokenizers import decoders
+    real = decoders.DecodeStream
+
+    def without_ids(*, skip_special_tokens=False, **kwargs):
+        if kwargs:
+            raise TypeError("DecodeStream() got an unexpected keyword argument 'ids'")
+        return real(skip_special_tokens=skip_special_tokens)
+    expected = [stream(tok, text)[0] for text in STREAM_TEXTS]
+    monkeypatch.setattr(decoders, "DecodeStream", without_ids)
+    assert [stream(tok, text)[0] for text in STREAM_TEXTS] == expected
+    monkeypatch.delattr(decoders, "DecodeStream")
+    deltas, detok = stream(tok, STREAM_TEXTS[1])
+    assert detok._step is None and deltas == expected[1]
