@@ -66,6 +66,8 @@ class StatLines:
         for index, s in sorted(self.stats.engines.items()):
             e = self.engines.setdefault(index, _Engine())
             prev, e.last = e.last, s
+            if s.step < prev.step:          # the engine core was restarted: its counters began again
+                prev = SchedulerStats()
             prompt = (s.prompt_tokens_computed - prev.prompt_tokens_computed) / seconds
             generation = (s.generation_tokens - prev.generation_tokens) / seconds
             busy = bool(prompt or generation)

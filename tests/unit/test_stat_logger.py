@@ -92,3 +92,15 @@ def test_the_interval_comes_from_vllms_variable(monkeypatch):
         monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", bad)
         with pytest.raises(ValueError, match="VLLM_LOG_STATS_INTERVAL"):
             log_interval()
+
+
+def test_a_restarted_engine_cores_counters_start_the_interval_from_zero():
+    stats, clock = EngineStats(), Clock()
+    lines = StatLines(stats, "cpu", clock)
+    stats.observe_step(SchedulerStats(step=900, generation_tokens=5000, num_preemptions=3))
+    clock.t += 10.0
+    lines.lines()
+    stats.observe_step(SchedulerStats(step=40, generation_tokens=300))       # its counters began again
+    clock.t += 10.0
+    [(_, fmt, args)] = lines.lines()
+    assert "Avg generation throughput: 30.0 tokens/s" in fmt % args and "Preemptions" not in fmt % args
