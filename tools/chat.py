@@ -205,7 +205,7 @@ async def repl(args: argparse.Namespace) -> int:
                                         headers={"Authorization": f"Bearer {key}"} if key else None)
     else:
         print("loading the model...", file=sys.stderr, flush=True)
-        llm = await AsyncLLM.create(args.model or args.model_name)
+        llm = await AsyncLLM.create(args.model or args.model_name, disable_log_stats=True)   # a conversation, not a log
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     messages: list[dict[str, str]] = []
     if args.system:
