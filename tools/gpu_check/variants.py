@@ -29,12 +29,12 @@ CHECKPOINTS = {"fp8": ["--scheme", "fp8", "--per-channel"], "int8": ["--scheme",
                "awq": ["--scheme", "awq", "--group-size", "64"], "gptq": ["--scheme", "gptq", "--group-size", "64"]}
 # (name, batch, checkpoint or None for the GGUF itself, extra flags); the reference comes first
 RUNS = [("bf16", 64, None, []), ("bf16", 1, None, []),
-        ("O2", 64, None, ["--compilation-config", "2"]),
-        ("kv_fp8", 64, None, ["--kv-cache-dtype", "fp8"]),
-        ("memory_0.3", 64, None, ["--gpu-memory-utilization", "0.3"]),
         ("async_scheduling", 64, None, ["--async-scheduling"]),
         ("multiprocess", 64, None, ["--multiprocess"]),      # the server's layout: async scheduling on
         ("multiprocess_sync", 64, None, ["--multiprocess", "--no-async-scheduling"]),
+        ("O2", 64, None, ["--compilation-config", "2"]),
+        ("kv_fp8", 64, None, ["--kv-cache-dtype", "fp8"]),
+        ("memory_0.3", 64, None, ["--gpu-memory-utilization", "0.3"]),
         ("fp8_checkpoint", 64, "fp8", []), ("fp8_checkpoint", 1, "fp8", []),
         ("int8_checkpoint", 64, "int8", []),
         ("awq", 64, "awq", []), ("awq", 1, "awq", []), ("gptq", 64, "gptq", []),
