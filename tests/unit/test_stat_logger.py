@@ -20,9 +20,13 @@ class Clock:
         return self.t
 
 
-def test_a_busy_interval_gives_vllms_line_with_its_rates():
+def _logger(device: str = "cpu") -> tuple[EngineStats, Clock, StatLines]:
     stats, clock = EngineStats(), Clock()
-    lines = StatLines(stats, "cpu", clock)
+    return stats, clock, StatLines(stats, device, clock)
+
+
+def test_a_busy_interval_gives_vllms_line_with_its_rates():
+    stats, clock, lines = _logger()
     stats.observe_step(SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, prompt_tokens_computed=500,
                                       generation_tokens=200, prefix_cache_queries=400, prefix_cache_hits=100,
                                       num_preemptions=1))
@@ -35,8 +39,7 @@ def test_a_busy_interval_gives_vllms_line_with_its_rates():
 
 
 def test_rates_are_of_the_interval_and_an_idle_engine_goes_quiet_after_one_more_line():
-    stats, clock = EngineStats(), Clock()
-    lines = StatLines(stats, "cuda", clock)
+    stats, clock, lines = _logger("cuda")
     stats.observe_step(SchedulerStats(prompt_tokens_computed=100, generation_tokens=40, num_preemptions=2))
     clock.t += 10.0
     lines.lines()
@@ -53,8 +56,7 @@ def test_rates_are_of_the_interval_and_an_idle_engine_goes_quiet_after_one_more_
 
 
 def test_speculative_decoding_adds_its_acceptance_line():
-    stats, clock = EngineStats(), Clock()
-    lines = StatLines(stats, "cpu", clock)
+    stats, clock, lines = _logger()
     stats.observe_step(SchedulerStats(generation_tokens=10, spec_num_drafts=2, spec_num_draft_tokens=8,
                                       spec_num_accepted_tokens=4, spec_num_accepted_tokens_per_pos=[2, 1, 1, 0]))
     clock.t += 10.0
@@ -73,8 +75,7 @@ def test_speculative_decoding_adds_its_acceptance_line():
 
 
 def test_each_engine_core_has_its_own_lines():
-    stats, clock = EngineStats(), Clock()
-    lines = StatLines(stats, "cpu", clock)
+    stats, clock, lines = _logger()
     stats.observe_step(SchedulerStats(generation_tokens=30, num_running=1), 0)
     stats.observe_step(SchedulerStats(generation_tokens=10, num_running=4), 1)
     clock.t += 10.0
@@ -95,8 +96,7 @@ def test_the_interval_comes_from_vllms_variable(monkeypatch):
 
 
 def test_a_restarted_engine_cores_counters_start_the_interval_from_zero():
-    stats, clock = EngineStats(), Clock()
-    lines = StatLines(stats, "cpu", clock)
+    stats, clock, lines = _logger()
     stats.observe_step(SchedulerStats(step=900, generation_tokens=5000, num_preemptions=3))
     clock.t += 10.0
     lines.lines()
