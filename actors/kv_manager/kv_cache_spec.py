@@ -256,6 +256,8 @@ def zeroed(numel: int, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)
     size = torch.tensor([], dtype=dtype).element_size()
     anon = mmap.mmap(-1, numel * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):        # small pages even where huge ones are the default
+        anon.madvise(mmap.MADV_NOHUGEPAGE)
     return torch.frombuffer(anon, dtype=torch.uint8).view(dtype)
 
 
