@@ -362,9 +362,11 @@ def calculate_kv_scales_on_next_batch(model: nn.Module) -> int:
 
 def set_custom_ops(model: nn.Module, enabled: bool) -> None:
     """Whether the model's norms, rotary and SiLU-gated MLPs call the custom kernels
-    (torch.ops.troupe.*) or only plain torch ops (--compilation-config levels 0 and 3)."""
+    (torch.ops.troupe.*) or only plain torch ops (--compilation-config levels 0 and 3); the
+    same for the per-token activation quantization of 8-bit linear layers on GPUs (their
+    matmuls stay custom ops)."""
     for m in model.modules():
-        if isinstance(m, (RMSNorm, GatedMLP, SelfAttention)):
+        if isinstance(m, (RMSNorm, GatedMLP, SelfAttention)) or hasattr(m, "q_kind"):
             m.custom_ops = enabled
 
 

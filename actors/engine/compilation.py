@@ -10,7 +10,9 @@ Levels (``level``, or vLLM's newer name ``mode``):
        is the splitting op, left out of the graphs; linear layers stay torch's (not packed for
        the native matmuls, whose ctypes calls dynamo cannot trace)
     3  level 2 with the elementwise custom ops left to inductor (the plain torch forms), so it
-       fuses them with their neighbours (the residual add into the norm, SiLU into the product)
+       fuses them with their neighbours (the residual add into the norm, SiLU into the product,
+       on GPUs an 8-bit layer's per-token activation quantization into the norm before it: vLLM's
+       RMSNorm + quant fusion); casts to 16-bit types round inside fused kernels as they do eagerly
 
 ``-O3`` is ``--compilation-config '{"level": 3}'``; ``--compilation-config`` also takes the
 level alone. ``cudagraph_capture_sizes`` and ``cudagraph_mode`` ("NONE" or

@@ -18,7 +18,8 @@ from kernels.cpu import fused
 from models.layers import set_custom_ops, split_at_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CODE = ("models/*.py", "kernels/cpu/*.py", "kernels/cpu/*.c", "kernels/attention/*.py", "actors/worker/compilation.py")
+CODE = ("models/*.py", "models/quantization/*.py", "kernels/cpu/*.py", "kernels/cpu/*.c", "kernels/attention/*.py",
+        "kernels/triton/*.py", "actors/worker/compilation.py")
 
 
 def packs_linears(compilation: CompilationConfig, quantization: str | None) -> bool:
@@ -57,6 +58,6 @@ def apply_compilation(model: nn.Module, compilation: CompilationConfig, arch_rep
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path      # read by inductor at each compile
     fused.supports(torch.zeros(1))   # whether the native kernels load: decided before tracing
     split_at_attention(model)
-    for layer in layers:
-        layer.compile(dynamic=True)
+    for layer in layers:     # casts to 16-bit types round inside fused kernels too, as in eager mode
+        layer.compile(dynamic=True, options={"emulate_precision_casts": True})
     return path

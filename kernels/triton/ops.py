@@ -16,12 +16,15 @@ residual, in-place rotary) are split into ops with a single clear contract:
     rotary_embedding_rows_(query!, key!, cos, sin) -> ()      the layers' per-token cos/sin rows
     silu_and_mul(x) -> Tensor
     sample(logits, temperature, top_k, top_p, exp_noise) -> Tensor
+    per_token_quant(x, fmt) -> (codes, scales)                  8-bit activations, one scale a row
+    scaled_mm(a, b, a_scale, b_scale, fmt, out_dtype, native, splits) -> Tensor     W8A8 matmul
+    int4_linear(x, qweight, zeros, scales, g_idx, group_size, out_dtype, splits) -> Tensor   W4A16
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.triton import kv_store, paged_decode, paged_prefill, rmsnorm, rotary, sampling, silu_mul
+from kernels.triton import kv_store, paged_decode, paged_prefill, quant, rmsnorm, rotary, sampling, silu_mul
 
 
 @torch.library.custom_op("troupe::store_kv_cache", mutates_args=("kv_cache",))
@@ -133,3 +136,37 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 @sample.register_fake
 def _(logits, temperature, top_k, top_p, exp_noise):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+@torch.library.custom_op("troupe::per_token_quant", mutates_args=())
+def per_token_quant(x: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant.per_token_quant(x, fmt)
+
+
+@per_token_quant.register_fake
+def _(x, fmt):
+    return (x.new_empty(x.shape, dtype=torch.uint8 if fmt == quant.FMT_FP8 else torch.int8),
+            x.new_empty(x.shape[0], dtype=torch.float32))
+
+
+@torch.library.custom_op("troupe::scaled_mm", mutates_args=())
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, fmt: int,
+              out_dtype: torch.dtype, native: bool | None = None, splits: int | None = None) -> torch.Tensor:
+    return quant.scaled_mm(a, b, a_scale, b_scale, fmt, out_dtype, native, splits)
+
+
+@scaled_mm.register_fake
+def _(a, b, a_scale, b_scale, fmt, out_dtype, native=None, splits=None):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op("troupe::int4_linear", mutates_args=())
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                g_idx: torch.Tensor, group_size: int, out_dtype: torch.dtype,
+                splits: int | None = None) -> torch.Tensor:
+    return quant.int4_linear(x, qweight, zeros, scales, g_idx, group_size, out_dtype, splits)
+
+
+@int4_linear.register_fake
+def _(x, qweight, zeros, scales, g_idx, group_size, out_dtype, splits=None):
+    return x.new_empty(x.shape[0], qweight.shape[1], dtype=out_dtype)

@@ -161,13 +161,14 @@ class PackedLinearMethod(LinearMethod):
         from kernels.triton import quant
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        custom_op = getattr(layer, "custom_ops", True)       # set_custom_ops: False at -O0 and -O3
         if layer.q_kind == "fp8":
-            y = quant.fp8_linear(x2, layer.q_codes, layer.q_scale, layer.q_input_scale, x.dtype)
+            y = quant.fp8_linear(x2, layer.q_codes, layer.q_scale, layer.q_input_scale, x.dtype, custom_op)
         elif layer.q_kind == "int8":
-            y = quant.int8_linear(x2, layer.q_codes, layer.q_scale, x.dtype)
+            y = quant.int8_linear(x2, layer.q_codes, layer.q_scale, x.dtype, custom_op)
         else:
-            y = quant.int4_linear(x2, layer.q_codes, layer.q_zeros, layer.q_scale, layer.q_g_idx, layer.q_group,
-                                  x.dtype)
+            y = quant.ops().int4_linear(x2, layer.q_codes, layer.q_zeros, layer.q_scale, layer.q_g_idx,
+                                         layer.q_group, x.dtype)
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*shape[:-1], y.shape[-1])

@@ -30,6 +30,8 @@ def _inputs():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, 24, generator=g).to(DEVICE)
     logits = torch.randn(2, 40, generator=g).to(DEVICE)
+    codes = torch.randint(-127, 128, (16, 24), generator=g, dtype=torch.int8).to(DEVICE)
+    packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (32 // 8, 16), generator=g, dtype=torch.int32).to(DEVICE)
     return case, {
         "store_kv_cache": (case.key, case.value, case.kv_cache.clone(), m.slot_mapping),
         "paged_decode_attention": (case.query[:2], case.kv_cache, m.block_table, m.seq_lens, 0.25, 8, 2),
@@ -46,6 +48,12 @@ def _inputs():
         "silu_and_mul": (x,),
         "sample": (logits, torch.tensor([0.0, 0.8], device=DEVICE), torch.tensor([0, 5], device=DEVICE),
                    torch.tensor([1.0, 0.9], device=DEVICE), torch.ones_like(logits)),
+        "per_token_quant": (x, 1),
+        "scaled_mm": (codes[:T], codes, torch.rand(T, device=DEVICE), torch.rand(16, device=DEVICE), 0,
+                      torch.bfloat16, None, 2),
+        "int4_linear": (x[:, :16].repeat(1, 2), packed, torch.full((1, 16), 8, dtype=torch.int8, device=DEVICE),
+                        torch.full((1, 16), 0.01, dtype=torch.float16, device=DEVICE),
+                        torch.zeros(32, dtype=torch.int32, device=DEVICE), 32, torch.float32, None),
     }
 
 
@@ -68,7 +76,8 @@ def test_fake_implementations_give_real_shapes_and_dtypes():
 
 @pytest.mark.parametrize("name", ["store_kv_cache", "paged_decode_attention", "paged_prefill_attention",
                                   "rms_norm", "fused_add_rms_norm", "rotary_embedding", "rotary_embedding_",
-                                  "rotary_embedding_rows_", "silu_and_mul", "sample"])
+                                  "rotary_embedding_rows_", "silu_and_mul", "sample", "per_token_quant",
+                                  "scaled_mm", "int4_linear"])
 def test_opcheck(name):
     _, inputs = _inputs()
     torch.library.opcheck(getattr(ops, name).default, inputs[name])  # schema, autograd, fake, aot_dispatch

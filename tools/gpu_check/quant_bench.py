@@ -5,7 +5,9 @@ microseconds per call replayed from a CUDA graph (the per-token quantization of 
 included), the weights' bytes over that time, and the speed-up over bfloat16. FP8 and INT8 both
 with the tensor cores' own 8-bit MMA and with the codes widened to float32 (the path Triton's
 interpreter checks); int4 with groups in order (one zero and scale per tile column) and in
-act-order. Last line: one JSON object.
+act-order; each 8-bit and grouped int4 case also with K left whole (``_unsplit``) against the
+split-K the kernels choose where the tiles leave multiprocessors idle, and the split chosen
+(``splits``). Last line: one JSON object.
 
     python -m tools.gpu_check.quant_bench [--device cuda] [--rep-ms 25]
 """
@@ -49,10 +51,10 @@ def cases(N: int, K: int, M: int, device: str) -> dict:
     g_idx = (torch.arange(K) // GROUP).int().to(device)
     bf = torch.bfloat16
 
-    def w8(codes, scale, fmt, native):
+    def w8(codes, scale, fmt, native, splits=None):
         def run():
             q, s = quant.per_token_quant(x, fmt)
-            return quant.scaled_mm(q, codes, s, scale, fmt, bf, native)
+            return quant.scaled_mm(q, codes, s, scale, fmt, bf, native, splits)
         return run
 
     four = N * K // 2 + 3 * N * K // GROUP
@@ -61,13 +63,17 @@ def cases(N: int, K: int, M: int, device: str) -> dict:
             "fp8_widened": (w8(f8, s8, quant.FMT_FP8, False), N * K),
             "int8": (w8(i8, si8, quant.FMT_INT8, None), N * K),
             "int8_widened": (w8(i8, si8, quant.FMT_INT8, False), N * K),
+            "fp8_unsplit": (w8(f8, s8, quant.FMT_FP8, None, 1), N * K),
+            "int8_unsplit": (w8(i8, si8, quant.FMT_INT8, None, 1), N * K),
             "int4_grouped": (lambda: quant.int4_linear(x, packed, zeros, scales, g_idx, GROUP, bf), four),
+            "int4_grouped_unsplit": (lambda: quant.int4_linear(x, packed, zeros, scales, g_idx, GROUP, bf, 1), four),
             "int4_act_order": (lambda: quant.int4_linear(x, packed, zeros, scales, g_idx, 0, bf), four)}
 
 
 def run(device: str, rep_ms: float, shapes: list, batches: list) -> dict:
+    from kernels.triton import quant
     out: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "rep_ms": rep_ms,
-                 "group": GROUP, "results": {}}
+                 "group": GROUP, "results": {}, "splits": {}}
     for N, K in shapes:
         for M in batches:
             row = {}
@@ -83,6 +89,8 @@ def run(device: str, rep_ms: float, shapes: list, batches: list) -> dict:
                 if base and "us" in r and name != "bf16":
                     r["speedup"] = round(base / r["us"], 2)
             out["results"][f"{N}x{K}@{M}"] = row
+            bm, bn, bk, _ = quant._tiles(M, N)
+            out["splits"][f"{N}x{K}@{M}"] = quant.split_k(M, N, K, torch.device(device), bm, bn, bk)
     out["ok"] = all("error" not in r for row in out["results"].values() for r in row.values())
     return out
 

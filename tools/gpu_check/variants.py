@@ -1,8 +1,8 @@
 """The engine's offline benchmark (``python -m tools.bench offline``) on the GPU in the
 configurations the feature flags make: bfloat16 with CUDA graphs as the reference, FP8 and INT8
 W8A8 checkpoints (written here by ``python -m tools.quantize`` from the checked model), FP8
-quantized at load (``--quantization fp8``), AWQ and GPTQ 4-bit checkpoints, ``-O2``
-compilation, an FP8 KV cache, ``--async-scheduling`` (the worker computing on its own thread
+quantized at load (``--quantization fp8``), AWQ and GPTQ 4-bit checkpoints, ``-O2`` and ``-O3``
+compilation (the FP8 checkpoint at ``-O3`` too: its activations' quantization fused into the norms), an FP8 KV cache, ``--async-scheduling`` (the worker computing on its own thread
 beside the event loop) and the server's three-process layout with and without it (how much of a
 step cycle the engine's own work takes in each: ``engine_overhead_fraction``), at batch 64 and,
 for the weight formats,
@@ -35,7 +35,9 @@ RUNS = [("bf16", 64, None, []), ("bf16", 1, None, []),
         ("O2", 64, None, ["--compilation-config", "2"]),
         ("kv_fp8", 64, None, ["--kv-cache-dtype", "fp8"]),
         ("memory_0.3", 64, None, ["--gpu-memory-utilization", "0.3"]),
+        ("O3", 64, None, ["--compilation-config", "3"]),
         ("fp8_checkpoint", 64, "fp8", []), ("fp8_checkpoint", 1, "fp8", []),
+        ("fp8_checkpoint_O3", 64, "fp8", ["--compilation-config", "3"]),   # the norm + quant fusion
         ("int8_checkpoint", 64, "int8", []),
         ("awq", 64, "awq", []), ("awq", 1, "awq", []), ("gptq", 64, "gptq", []),
         ("fp8_at_load", 64, None, ["--quantization", "fp8"])]
