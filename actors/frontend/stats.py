@@ -101,7 +101,8 @@ METRICS: tuple[Metric, ...] = (
         ("sent_requests", "Requests whose KV another instance read."),
         ("leases_expired", "Held KV blocks freed because no reader renewed their lease."),
         ("shm_reads", "KV loads that went through shared memory (same machine)."),
-        ("cma_reads", "KV loads copied straight from the producer's cache (same machine, process_vm_readv)."))),
+        ("cma_reads", "KV loads copied straight from the producer's cache (same machine, process_vm_readv)."),
+        ("nixl_reads", "KV loads read from the producer's cache through NIXL (NixlConnector)."))),
 )
 VLLM_METRIC_NAMES = tuple(f"vllm:{m.name}" for m in METRICS if m.vllm)
 

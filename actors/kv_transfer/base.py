@@ -67,7 +67,7 @@ class KVConnectorOutput(msgspec.Struct, omit_defaults=True):
 # the counters a connector may report in KVConnectorOutput.stats (summed by the scheduler)
 TRANSFER_STATS = ("recv_bytes", "recv_blocks", "recv_seconds", "recv_requests", "recv_failures",
                   "sent_bytes", "sent_blocks", "sent_requests", "leases_expired", "shm_reads",
-                  "cma_reads")
+                  "cma_reads", "nixl_reads")
 
 
 class KVOutputAggregator:

@@ -59,6 +59,7 @@ class KVConnectorFactory:
 
 
 KVConnectorFactory.register_connector("TroupeConnector", "actors.kv_transfer.troupe_connector", "TroupeConnector")
+KVConnectorFactory.register_connector("NixlConnector", "actors.kv_transfer.troupe_connector", "NixlConnector")
 KVConnectorFactory.register_connector("ExampleConnector", "actors.kv_transfer.storage_connector", "StorageConnector")
 KVConnectorFactory.register_connector("SharedStorageConnector", "actors.kv_transfer.storage_connector",
                                       "StorageConnector")

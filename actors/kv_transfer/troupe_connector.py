@@ -21,7 +21,10 @@ The side channel's exchanges (msgpack header, then raw frames):
              default), the addresses of those runs in the producer's cache, which the consumer
              copies straight into its own (cross-memory attach, ``"cma": true``, the default:
              one copy), or where the system forbids that, the blocks copied once into a
-             shared-memory segment the consumer maps
+             shared-memory segment the consumer maps; or, where both sides run NIXL
+             (``"nixl": true``, what the name ``NixlConnector`` sets), the addresses of those runs
+             in the producer's registered cache, which the consumer reads with NIXL's one-sided
+             READs (UCX: any two machines, GPU memory included)
   heartbeat  the consumer renews the leases of the requests it will read (every
              ``kv_lease_duration`` / 4; each renewal extends the lease to 2/3 of it from now, never shortens it)
   release    the consumer read them: the producer frees the blocks
@@ -55,6 +58,7 @@ import msgspec
 import zmq
 
 from actors.kv_transfer import cma as cross_memory
+from actors.kv_transfer import nixl
 from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole, extra_config, runs
 from actors.kv_manager.block_pool import NULL_BLOCK
 from actors.runtime.ray_nodes import NODE_IP_ENV
@@ -71,6 +75,7 @@ EXTRA_KEYS = {
     "transfer_timeout_s": 10.0,    # a handshake or read unanswered this long fails (the prompt is recomputed)
     "shm": True,                   # between processes of one machine, read through shared memory
     "cma": True,                   # and there, first straight from the producer's cache (process_vm_readv)
+    "nixl": False,                 # read through NIXL (UCX) where both sides run it, before the paths above
 }
 
 _encode = msgspec.msgpack.encode
@@ -98,7 +103,8 @@ class _Meta(msgspec.Struct, omit_defaults=True):
 
 
 def _extra(kv_config: Any) -> dict[str, Any]:
-    return extra_config(kv_config, EXTRA_KEYS)
+    defaults = {**EXTRA_KEYS, "nixl": True} if kv_config.kv_connector == "NixlConnector" else EXTRA_KEYS
+    return extra_config(kv_config, defaults)
 
 
 LOOPBACK = ("127.0.0.1", "localhost")
@@ -242,6 +248,10 @@ class TroupeConnector(KVConnectorBase):
             if not isinstance(extra[key], (int, float)) or extra[key] < 0 or (key != "heartbeat_s" and not extra[key]):
                 raise ValueError(f"kv_connector_extra_config.{key} must be a positive number of seconds, "
                                  f"got {extra[key]!r}")
+        if extra["nixl"]:
+            why = nixl.reason()
+            if why is not None:
+                raise ValueError(f"{kv_config.kv_connector} reads through NIXL, which cannot run here: {why}")
 
     # ==== scheduler side =======================================================================
     def _init_scheduler_side(self) -> None:
@@ -443,6 +453,9 @@ class TroupeConnector(KVConnectorBase):
             thread = getattr(self, name, None)
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=2)
+        agent, self._nixl = getattr(self, "_nixl", None), None
+        if agent is not None:
+            agent.close()
 
     # ==== worker side ==========================================================================
     def _init_worker_side(self) -> None:
@@ -461,6 +474,8 @@ class TroupeConnector(KVConnectorBase):
         self._server: threading.Thread | None = None
         self._shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._cma_ok = cross_memory.available()      # until the system refuses it once
+        self._nixl: nixl.NixlAgent | None = None     # with "nixl": this worker's agent, its cache registered
+        self._nixl_reads: dict[str, float] = {}      # producer: NIXL reads under way, until when they may last
         self.machine = machine_id()
 
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
@@ -471,6 +486,8 @@ class TroupeConnector(KVConnectorBase):
             first_layer = pp_layers(self.config.model.arch.num_layers, self.pp_size, self.rank // self.tp_size)[0]
         self.info = layout_info(self.config, self.kv_caches, first_layer)
         self.group_layers = group_layers(self.config, len(self.kv_caches), first_layer)
+        if self.extra["nixl"] and self.kv_caches:
+            self._nixl = nixl.NixlAgent(f"{self.kv_config.kv_role}-{self.rank}", self.kv_caches)
         if self.kv_config.is_producer:
             sock = self.ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -538,8 +555,10 @@ class TroupeConnector(KVConnectorBase):
     def _serve(self, sock: zmq.Socket) -> None:
         try:
             while not self._closed.is_set():
-                if not sock.poll(100):
-                    self._expire()
+                reading = self._nixl is not None and self._nixl_reads and self._nixl_progress()
+                if not sock.poll(0 if reading else 100):
+                    if not reading:
+                        self._expire()
                     continue
                 ident, raw = sock.recv_multipart(copy=True)[:2]
                 try:
@@ -551,6 +570,17 @@ class TroupeConnector(KVConnectorBase):
         finally:
             sock.close()
 
+    def _nixl_progress(self) -> bool:
+        """Progress the agent while consumers read through it; whether any read is still under
+        way (one unreleased past the transfer timeout is given up)."""
+        now = time.monotonic()
+        for rid in [r for r, until in self._nixl_reads.items() if until < now]:
+            self._nixl_reads.pop(rid, None)
+        if not self._nixl_reads:
+            return False
+        self._nixl.progress()
+        return True
+
     def _handle(self, req: dict[str, Any]) -> list[Any]:
         op = req.get("op")
         if op == "handshake":
@@ -558,7 +588,10 @@ class TroupeConnector(KVConnectorBase):
                 check_compatible(self.info, req.get("info", {}), "producer", "consumer")
             except HandshakeError as exc:
                 return [_encode({"ok": False, "error": str(exc), "info": self.info})]
-            return [_encode({"ok": True, "info": self.info, "machine": self.machine})]
+            reply = {"ok": True, "info": self.info, "machine": self.machine}
+            if self._nixl is not None:
+                reply["nixl"] = self._nixl.metadata
+            return [_encode(reply)]
         if op == "heartbeat":
             deadline = time.monotonic() + self.lease_extension
             unknown = []
@@ -574,6 +607,7 @@ class TroupeConnector(KVConnectorBase):
             released = 0
             with self._lock:
                 for rid in req.get("req_ids", ()):
+                    self._nixl_reads.pop(rid, None)
                     h = self._readable.pop(rid, None)
                     if h is not None:
                         h.unlink()
@@ -582,14 +616,16 @@ class TroupeConnector(KVConnectorBase):
             return [_encode({"ok": True, "released": released})]
         if op == "read":
             return self._read(req["req_id"], per_group(req["block_ids"]), req.get("shm", False),
-                              req.get("cma", False))
+                              req.get("cma", False), req.get("nixl", False))
         raise ValueError(f"unknown side-channel operation {op!r}")
 
-    def _read(self, rid: str, block_ids: list[list[int]], shm: bool, cma: bool = False) -> list[Any]:
+    def _read(self, rid: str, block_ids: list[list[int]], shm: bool, cma: bool = False,
+              via_nixl: bool = False) -> list[Any]:
         """The request's blocks as frames (views of the cache, sent without a copy), one
-        shared-memory segment, or (``cma``) their addresses in this process for the consumer to
-        copy from. The read renews the lease, which keeps the blocks as they are while their
-        bytes are copied or sent, outside the lock (the steps go on meanwhile)."""
+        shared-memory segment, or (``cma``, ``via_nixl``) their addresses in this process for the
+        consumer to copy from or to read through NIXL. The read renews the lease, which keeps the
+        blocks as they are while their bytes are copied or sent, outside the lock (the steps go on
+        meanwhile)."""
         t0 = time.monotonic_ns()
         with self._lock:
             h = self._readable.get(rid)
@@ -601,12 +637,16 @@ class TroupeConnector(KVConnectorBase):
                 return [_encode({"ok": False, "error": f"blocks {block_ids} are not request {rid}'s"})]
             h.deadline = max(h.deadline, time.monotonic() + self.lease_extension)
         head = {"ok": True, "runs": [runs(ids) for ids in block_ids], "compat_hash": self.info["compat_hash"]}
-        if cma and self.kv_caches[0].device.type == "cpu":
+        via_nixl = via_nixl and self._nixl is not None
+        if via_nixl or (cma and self.kv_caches[0].device.type == "cpu"):
             regions = [(p.data_ptr(), p.nbytes) for p in self._block_parts(block_ids)]
             nbytes = sum(n for _, n in regions)
             self.stats.add(sent_bytes=nbytes, sent_blocks=sum(map(len, block_ids)), sent_requests=1)
             with self._lock:
                 self._transfers.append((rid, "KVSend", t0, time.monotonic_ns(), nbytes))
+            if via_nixl:          # the consumer reads now: this side's agent progresses until it releases
+                self._nixl_reads[rid] = time.monotonic() + self.timeout_s
+                return [_encode({**head, "nixl": {"regions": regions, "mem": self._nixl.mem, "dev": self._nixl.dev}})]
             return [_encode({**head, "cma": {"pid": os.getpid(), "regions": regions}})]
         chunks = self._block_chunks(block_ids)
         nbytes = sum(c.nbytes for c in chunks)
@@ -674,6 +714,8 @@ class TroupeConnector(KVConnectorBase):
         if not reply.get("ok"):
             raise HandshakeError(reply.get("error", "refused"))
         check_compatible(self.info, reply["info"])
+        if self._nixl is not None and "nixl" in reply:      # both sides run NIXL: load its agent once
+            reply["nixl_peer"] = self._nixl.add_peer(reply["nixl"])
         self._handshaken[key] = reply
         return reply
 
@@ -686,10 +728,16 @@ class TroupeConnector(KVConnectorBase):
         try:
             peer = self.handshake(host, port, sock)
             shm = bool(self.extra["shm"]) and peer.get("machine") == self.machine
+            via_nixl = "nixl_peer" in peer
             ask = {"op": "read", "req_id": load.remote_request_id, "block_ids": load.remote_block_ids, "shm": shm,
-                   "cma": shm and self.extra["cma"] and self._cma_ok and self.kv_caches[0].device.type == "cpu"}
+                   "cma": shm and self.extra["cma"] and self._cma_ok and self.kv_caches[0].device.type == "cpu",
+                   "nixl": via_nixl}
             head, frames = self._read_reply(sock, ask, host, port)
             nbytes = 0
+            if "nixl" in head:
+                region = head["nixl"]
+                nbytes = self._nixl.read(peer["nixl_peer"], self._copies(head["runs"], region["regions"], load),
+                                         region["mem"], int(region["dev"]), self.timeout_s)
             if "cma" in head:
                 try:
                     nbytes = self._copy_cma(head, load)
@@ -698,13 +746,14 @@ class TroupeConnector(KVConnectorBase):
                     log.warning("reading the producer's KV cache directly is not permitted here (%s): "
                                 "through shared memory instead", exc)
                     head, frames = self._read_reply(sock, {**ask, "cma": False}, host, port)
-            if "cma" not in head:
+            if "cma" not in head and "nixl" not in head:
                 nbytes = self._write_blocks(head, frames[1:], load)
             sock.send(_encode({"op": "release", "req_ids": [load.remote_request_id]}))
             sock.poll(int(self.timeout_s * 1000))          # the release is best effort: the lease ends it anyway
             self.stats.add(recv_bytes=nbytes, recv_blocks=sum(map(len, load.local_block_ids)),
                            recv_seconds=time.perf_counter() - t0, recv_requests=1,
-                           shm_reads=1 if "shm" in head else 0, cma_reads=1 if "cma" in head else 0)
+                           shm_reads=1 if "shm" in head else 0, cma_reads=1 if "cma" in head else 0,
+                           nixl_reads=1 if "nixl" in head else 0)
             with self._lock:
                 self._finished_recving.append(rid)
                 self._transfers.append((rid, "KVLoad", t0_ns, time.monotonic_ns(), nbytes))
@@ -730,11 +779,15 @@ class TroupeConnector(KVConnectorBase):
         return head, frames
 
     def _copy_cma(self, head: dict[str, Any], load: _Load) -> int:
-        """Copy the blocks straight from the producer's cache (the regions its head names, in
-        ``_block_parts``'s order) into this cache's blocks."""
+        """Copy the blocks straight from the producer's cache into this cache's blocks."""
+        copies = self._copies(head["runs"], head["cma"]["regions"], load)
+        return cross_memory.read_regions(int(head["cma"]["pid"]), copies)
+
+    def _copies(self, group_runs: list[Any], regions: list[Any], load: _Load) -> list[tuple[int, int, int]]:
+        """(local address, producer address, bytes) of every run of blocks to copy: the
+        producer's regions (in ``_block_parts``'s order) onto this cache's blocks of the load."""
         t = self.kv_caches[0]
         per_block = t[0, 0].numel() * t.element_size()
-        group_runs, regions = head["runs"], head["cma"]["regions"]
         if len(group_runs) != len(self.group_layers):
             raise RuntimeError(f"the producer sent {len(group_runs)} KV cache groups, expected {len(self.group_layers)}")
         copies: list[tuple[int, int, int]] = []
@@ -754,7 +807,7 @@ class TroupeConnector(KVConnectorBase):
                             copies.append((base + local[j] * per_block, src + j * per_block, m * per_block))
         if i != len(regions):
             raise RuntimeError(f"the producer named {len(regions)} regions, expected {i}")
-        return cross_memory.read_regions(int(head["cma"]["pid"]), copies)
+        return copies
 
     def _write_blocks(self, head: dict[str, Any], frames: list[Any], load: _Load) -> int:
         import numpy as np
@@ -800,3 +853,9 @@ class TroupeConnector(KVConnectorBase):
                             layer[kv].index_copy_(0, idx, src.to(layer.device))
                         total += buf.nbytes
         return total
+
+
+class NixlConnector(TroupeConnector):
+    """vLLM's ``NixlConnector``: TroupeConnector with its loads read through NIXL (``"nixl"``
+    true unless kv_connector_extra_config says otherwise); the side channel, leases and
+    fallbacks are TroupeConnector's."""

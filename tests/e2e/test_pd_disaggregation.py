@@ -28,16 +28,16 @@ PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The 
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
-def kv_config(role: str, port: int) -> str:
-    return json.dumps({"kv_connector": "TroupeConnector", "kv_role": role, "kv_port": port,
+def kv_config(role: str, port: int, connector: str = "TroupeConnector") -> str:
+    return json.dumps({"kv_connector": connector, "kv_role": role, "kv_port": port,
                        "kv_connector_extra_config": {"kv_lease_duration": LEASE_S, "transfer_timeout_s": 3.0}})
 
 
-@pytest.fixture(scope="module")
-def trio():
+def start_trio(connector: str = "TroupeConnector"):
+    """A prefill server, a decode server (both with ``connector``) and the proxy in front of them."""
     common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8")
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(Server, *common, "--kv-transfer-config", kv_config(role, free_port()))
+        futures = [pool.submit(Server, *common, "--kv-transfer-config", kv_config(role, free_port(), connector))
                    for role in ("kv_producer", "kv_consumer")]
         servers = []
         try:
@@ -57,6 +57,11 @@ def trio():
         for s in (proxy, decode, prefill):
             if s is not None:
                 s.stop()
+
+
+@pytest.fixture(scope="module")
+def trio():
+    yield from start_trio()
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +108,22 @@ def test_greedy_answers_through_the_proxy_are_a_single_servers_and_decode_loads_
     # two processes of one machine: copied straight from the prefill server's cache
     assert metric(decode, "troupe:kv_transfer_cma_reads_total") - cma0 == 1
     assert "kv.load" in hops(decode, via["id"])            # the transfer is a hop of the request's waterfall
+
+
+def test_with_nixl_connectors_the_decode_server_reads_the_prompt_through_nixl(alone):
+    """vLLM's NixlConnector on both servers: the same greedy answer through the proxy, the
+    prompt's blocks read out of the prefill server's cache by NIXL (UCX between the processes)."""
+    gen = start_trio("NixlConnector")
+    prefill, decode, proxy = next(gen)
+    try:
+        via = completion(proxy.url)
+        assert via["choices"][0]["text"] == alone
+        assert metric(decode, "troupe:kv_transfer_nixl_reads_total") == 1
+        assert metric(decode, "troupe:kv_transfer_cma_reads_total") == 0
+        assert metric(decode, "vllm:external_prefix_cache_hits_total") == via["usage"]["prompt_tokens"] - 1
+        assert metric(prefill, "troupe:kv_transfer_sent_requests_total") == 1
+    finally:
+        gen.close()
 
 
 def test_chat_streams_through_the_proxy(trio):

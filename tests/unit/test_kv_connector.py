@@ -34,8 +34,8 @@ class Instance:
     layers, their reports combined as the executor does)."""
 
     def __init__(self, role: str, port: int, block_size: int = BS, tp: int = 1, pp: int = 1,
-                 rank_ips: list[str] | None = None, **extra) -> None:
-        kv = KVTransferConfig(kv_connector="TroupeConnector", kv_role=role, kv_port=port,
+                 rank_ips: list[str] | None = None, connector: str = "TroupeConnector", **extra) -> None:
+        kv = KVTransferConfig(kv_connector=connector, kv_role=role, kv_port=port,
                               kv_connector_extra_config={"transfer_timeout_s": 2.0, **extra})
         self.config = engine_config(NUM_BLOCKS).replace(kv_transfer=kv)
         self.config = self.config.replace(cache=msgspec.structs.replace(self.config.cache, block_size=block_size,
@@ -171,19 +171,21 @@ def test_the_consumer_loads_the_producers_blocks_and_computes_only_the_last_prom
     assert [o.finish_reason for o in outs if o.finish_reason] == ["length"]
 
 
-@pytest.mark.parametrize("path", ["cma", "shm", "frames", "cma refused"])
+@pytest.mark.parametrize("path", ["cma", "shm", "frames", "cma refused", "nixl"])
 def test_each_same_machine_path_loads_the_same_values_into_other_block_ids(path, monkeypatch):
     """Straight from the producer's cache (cross-memory attach, the default), through a
-    shared-memory segment, as ZeroMQ frames; and where the system refuses cross-memory attach,
-    through shared memory from then on."""
+    shared-memory segment, as ZeroMQ frames; where the system refuses cross-memory attach,
+    through shared memory from then on; and with NIXL on both sides (vLLM's NixlConnector), its
+    one-sided READs from the producer's registered cache."""
     from actors.kv_transfer import cma
     extra = {"cma": path != "shm", "shm": path != "frames"}
     if path == "cma refused":          # as under a seccomp profile or Yama's ptrace_scope
         def refuse(pid, copies):
             raise PermissionError(1, f"reading process {pid}'s memory: Operation not permitted")
         monkeypatch.setattr(cma, "read_regions", refuse)
-    producer = Instance("kv_producer", free_port(), kv_lease_duration=30.0)
-    consumer = Instance("kv_consumer", free_port(), **extra)
+    connector = "NixlConnector" if path == "nixl" else "TroupeConnector"
+    producer = Instance("kv_producer", free_port(), connector=connector, kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", free_port(), connector=connector, **extra)
     try:
         params = prefill(producer)
         assert consumer.kv.allocate_slots("elsewhere", 3 * BS + 1, []) is not None   # other local block ids
@@ -203,7 +205,8 @@ def test_each_same_machine_path_loads_the_same_values_into_other_block_ids(path,
         stats = consumer.sched.stats().kv_transfer
         assert stats.get("recv_failures", 0) == 0 and stats["recv_requests"] == 2
         assert stats.get("cma_reads", 0) == (2 if path == "cma" else 0)
-        assert stats.get("shm_reads", 0) == {"cma": 0, "shm": 2, "frames": 0, "cma refused": 2}[path]
+        assert stats.get("shm_reads", 0) == {"cma": 0, "shm": 2, "frames": 0, "cma refused": 2, "nixl": 0}[path]
+        assert stats.get("nixl_reads", 0) == (2 if path == "nixl" else 0)
     finally:
         producer.close()
         consumer.close()
@@ -319,6 +322,36 @@ def test_a_load_from_a_producer_that_is_gone_is_recomputed_locally(pair):
     consumer.kv.check_integrity()
 
 
+def test_a_nixl_read_the_producer_can_no_longer_serve_fails_and_the_prompt_is_recomputed():
+    """NIXL no longer knows the producer's agent after the handshake (as when UCX lost the
+    connection): the read fails, the load is reported failed, the consumer computes the whole
+    prompt."""
+    producer = Instance("kv_producer", free_port(), connector="NixlConnector", kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", free_port(), connector="NixlConnector")
+    try:
+        other = [p + 50 for p in PROMPT]                     # a first load (another prompt): handshake
+        add(producer, "p0", other, 1, {"do_remote_decode": True})
+        (out,) = producer.step(write_prompt_kv(producer, "p0", len(other)))
+        add(consumer, "d1", other, 1, out.kv_transfer_params)
+        consumer.step()
+        consumer.until(lambda: "d1" not in consumer.sched.requests)
+        params = prefill(producer, "p2")
+        (peer,) = consumer.worker._nixl._peers.values()
+        consumer.worker._nixl.agent.remove_remote_agent(peer)
+        add(consumer, "d2", PROMPT, 2, params)
+        consumer.step()
+        req = consumer.sched.requests["d2"]
+        consumer.until(lambda: req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS)
+        stats = consumer.sched.stats().kv_transfer
+        assert stats["recv_failures"] == 1 and stats["nixl_reads"] == 1
+        consumer.step()
+        assert consumer.last.num_scheduled_tokens == {"d2": len(PROMPT)}    # the whole prompt, here
+        consumer.kv.check_integrity()
+    finally:
+        producer.close()
+        consumer.close()
+
+
 def test_blocks_of_a_request_aborted_while_its_kv_loads_are_freed_only_when_the_load_ended(pair):
     producer, consumer = pair
     params = prefill(producer)
@@ -342,15 +375,22 @@ def test_a_handshake_between_different_block_sizes_is_refused_naming_the_field(p
         other.close()
 
 
-def test_kv_transfer_config_takes_vllms_keys_and_refuses_bad_values():
+def test_kv_transfer_config_takes_vllms_keys_and_refuses_bad_values(monkeypatch):
     cfg = kv_transfer_config('{"kv_connector": "TroupeConnector", "kv_role": "kv_consumer", "kv_rank": 1, '
                              '"kv_parallel_size": 2, "kv_ip": "127.0.0.1", "kv_port": 15000, "kv_buffer_size": 1e9, '
                              '"engine_id": "decode-0", "kv_connector_extra_config": {"kv_lease_duration": 5}}')
     assert cfg.is_consumer and not cfg.is_producer and cfg.kv_port == 15000
     with pytest.raises(ValueError, match="kv_role"):
         kv_transfer_config({"kv_connector": "TroupeConnector", "kv_role": "prefill"})
-    with pytest.raises(ValueError, match="unknown kv_connector 'NixlConnector'"):
-        kv_transfer_config({"kv_connector": "NixlConnector"})
+    with pytest.raises(ValueError, match="unknown kv_connector 'P2pNcclConnector'"):
+        kv_transfer_config({"kv_connector": "P2pNcclConnector"})
+    assert kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": "kv_both"}).is_producer
+    from actors.kv_transfer import nixl
+    monkeypatch.setattr(nixl, "MODULES", ("no_such_nixl._api",))        # as where NIXL is not installed
+    with pytest.raises(ValueError, match="NixlConnector reads through NIXL, which cannot run here: .*no_such_nixl"):
+        kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    with pytest.raises(ValueError, match="NIXL, which cannot run here"):
+        kv_transfer_config({"kv_connector": "TroupeConnector", "kv_connector_extra_config": {"nixl": True}})
     with pytest.raises(ValueError, match="kv_lease_duration must be a positive number"):
         kv_transfer_config({"kv_connector": "TroupeConnector", "kv_connector_extra_config": {"kv_lease_duration": 0}})
     with pytest.raises(ValueError, match="kv_buffer_sise"):

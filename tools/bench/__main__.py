@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     moe.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 512])
     moe.add_argument("--repeats", type=int, default=10)
     moe.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
-    kvt = sub.add_parser("kv-transfer", help="the KV connector's transfer throughput (ZeroMQ TCP frames and shared "
-                                             "memory, from a producer process) against a memory copy's")
+    kvt = sub.add_parser("kv-transfer", help="the KV connector's transfer throughput (ZeroMQ TCP frames, shared memory, "
+                                             "cross-memory attach, NIXL, from a producer process) against a memory copy's")
     kvt.add_argument("--blocks", type=int, default=256, help="KV blocks per transfer")
     kvt.add_argument("--block-size", type=int, default=16)
     kvt.add_argument("--layers", type=int, default=30, help="(SmolLM2-135M: 30 layers, 3 KV heads of 64)")
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     pdb.add_argument("--concurrency", type=int, default=0, help="fixed concurrency instead of a rate")
     pdb.add_argument("--kv-cache-gib", type=float, default=0.5)
     pdb.add_argument("--max-num-seqs", type=int, default=16)
+    pdb.add_argument("--kv-connector", default="TroupeConnector", help="the two servers' connector (NixlConnector: "
+                                                                        "through NIXL)")
     pdb.add_argument("--pd-threads", type=int, default=0,
                      help="compute threads of the prefill and of the decode server each (0: all cores each)")
 

@@ -2,7 +2,8 @@
 machine's memory bandwidth. A producer process holds a request of ``--blocks`` KV blocks of the
 model's shape (SmolLM2-135M by default: 30 layers, 3 KV heads of 64, blocks of 16 tokens); the
 consumer (this process) loads them into its own cache, over ZeroMQ TCP frames, through a
-shared-memory segment and straight from the producer's cache (cross-memory attach),
+shared-memory segment, straight from the producer's cache (cross-memory attach) and, where NIXL
+is installed, through NIXL's READs (UCX),
 ``--repeats`` times each (the best kept). The bandwidth is a large tensor copy's
 (bytes copied per second by one large tensor copy, the best of a few)."""
 from __future__ import annotations
@@ -21,9 +22,9 @@ from models.resolve import ModelSource
 
 
 def _config(role: str, port: int, shm: bool, block_size: int, layers: int, num_blocks: int,
-            cma: bool = False) -> EngineConfig:
+            cma: bool = False, nixl: bool = False) -> EngineConfig:
     kv = KVTransferConfig(kv_connector="TroupeConnector", kv_role=role, kv_port=port,
-                          kv_connector_extra_config={"shm": shm, "cma": cma, "kv_lease_duration": 600.0,
+                          kv_connector_extra_config={"shm": shm, "cma": cma, "nixl": nixl, "kv_lease_duration": 600.0,
                                                      "transfer_timeout_s": 60.0})
     return EngineConfig(model=ModelConfig(source=ModelSource("hf_dir", "", "bench"), max_model_len=1024),
                         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), kv_transfer=kv)
@@ -37,12 +38,12 @@ def _caches(layers: int, num_blocks: int, block_size: int, heads: int, head_size
 def _producer(port: int, args: dict[str, Any], ready: Any, stop: Any) -> None:
     from actors.kv_transfer.troupe_connector import TroupeConnector
     n = args["blocks"]
-    cfg = _config("kv_producer", port, True, args["block_size"], args["layers"], n + 1)
+    cfg = _config("kv_producer", port, True, args["block_size"], args["layers"], n + 1, nixl=args["nixl"])
     conn = TroupeConnector(cfg, KVConnectorRole.WORKER)
     conn.register_kv_caches(_caches(args["layers"], n + 1, args["block_size"], args["heads"], args["head_size"]))
     # the request's blocks, saved as a step's forward would leave them (one renewed lease per read)
     conn.start_load_kv(msgspec.msgpack.encode({"saves": {f"r{i}": [list(range(1, n + 1))]     # one KV cache group
-                                                         for i in range(3 * args["repeats"] + 2)}}))
+                                                         for i in range(4 * args["repeats"] + 2)}}))
     conn.wait_for_save()
     ready.set()
     stop.wait()
@@ -69,8 +70,10 @@ def measure(blocks: int, block_size: int, layers: int, heads: int, head_size: in
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    from actors.kv_transfer import nixl
+    with_nixl = nixl.reason() is None
     shape = {"blocks": blocks, "block_size": block_size, "layers": layers, "heads": heads,
-             "head_size": head_size, "repeats": repeats}
+             "head_size": head_size, "repeats": repeats, "nixl": with_nixl}
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=_producer, args=(port, shape, ready, stop), daemon=True)
@@ -83,8 +86,13 @@ def measure(blocks: int, block_size: int, layers: int, heads: int, head_size: in
         nbytes = blocks * layers * 2 * block_size * heads * head_size * 4
         out: dict[str, Any] = {"bytes_per_transfer": nbytes}
         i = 0
-        for path, shm, cma in (("zmq_tcp", False, False), ("shm", True, False), ("cma", True, True)):
-            cfg = _config("kv_consumer", 0, shm, block_size, layers, blocks + 1, cma)
+        paths = [("zmq_tcp", False, False, False), ("shm", True, False, False), ("cma", True, True, False)]
+        if with_nixl:
+            paths.append(("nixl", True, True, True))
+        else:
+            out["nixl"] = {"error": nixl.reason()}
+        for path, shm, cma, use_nixl in paths:
+            cfg = _config("kv_consumer", 0, shm, block_size, layers, blocks + 1, cma, use_nixl)
             conn = TroupeConnector(cfg, KVConnectorRole.WORKER)
             conn.register_kv_caches(_caches(layers, blocks + 1, block_size, heads, head_size))
             best = float("inf")
@@ -114,6 +122,7 @@ def main(args: Any) -> None:
     res = {"bench": "kv-transfer", "blocks": args.blocks, "block_size": args.block_size, "layers": args.layers,
            "kv_heads": args.kv_heads, "head_size": args.head_size, "dtype": "float32",
            "memcpy_gb_per_s": round(bw, 2), **res}
-    for path in ("zmq_tcp", "shm", "cma"):
-        res[path]["of_memcpy"] = round(res[path]["gb_per_s"] / bw, 3)
+    for path in ("zmq_tcp", "shm", "cma", "nixl"):
+        if "gb_per_s" in res[path]:
+            res[path]["of_memcpy"] = round(res[path]["gb_per_s"] / bw, 3)
     print(json.dumps(res), flush=True)

@@ -68,17 +68,27 @@ def _measure(args: Any, url: str) -> dict[str, Any]:
     return uvloop.run(serve.run(_serve_args(args, url)))
 
 
+def _transfer_counters(url: str) -> dict[str, float]:
+    """The server's troupe:kv_transfer_*_total counters (/metrics): how its prompts' KV arrived."""
+    import urllib.request
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^troupe:kv_transfer_(\w+)_total(?:\{[^}]*\})? (\S+)$",
+                                                                 text, re.M)}
+
+
 def main(args: Any) -> None:
     common = ["--kv-cache-gib", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
               *(["--model", args.model] if args.model else [])]
-    results: dict[str, Any] = {"bench": "pd", "requests": args.n, "in": args.inp, "out": args.out,
-                               "request_rate": args.request_rate, "concurrency": args.concurrency or None}
+    results: dict[str, Any] = {"bench": "pd", "kv_connector": args.kv_connector, "requests": args.n,
+                               "in": args.inp, "out": args.out, "request_rate": args.request_rate,
+                               "concurrency": args.concurrency or None}
     single = _Proc("tools.serve", "--port", "0", *common)
     try:
         results["single"] = _measure(args, single.url)
     finally:
         single.stop()
-    kv = lambda role: json.dumps({"kv_connector": "TroupeConnector", "kv_role": role,   # noqa: E731
+    kv = lambda role: json.dumps({"kv_connector": args.kv_connector, "kv_role": role,   # noqa: E731
                                   "kv_port": _free_port()})
     procs: list[_Proc] = []
     try:
@@ -87,6 +97,7 @@ def main(args: Any) -> None:
         procs.append(_Proc("tools.serve", "--port", "0", *common, *split, "--kv-transfer-config", kv("kv_consumer")))
         procs.append(_Proc("tools.pd_proxy", "--prefill", procs[0].url, "--decode", procs[1].url, "--port", "0"))
         results["pd"] = _measure(args, procs[2].url)
+        results["pd"]["decode_server_kv_transfer"] = _transfer_counters(procs[1].url)
     finally:
         for p in reversed(procs):
             p.stop()
