@@ -264,7 +264,8 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 @triton.jit
 def _int4_matmul_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, M, N, K, K_SPLIT, stride_x,
                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        WORDS_ONCE: tl.constexpr):
     pm, pn, pk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -276,18 +277,26 @@ def _int4_matmul_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, M, 
         kmask = k[:, None] < k_end
         x = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_x + k[None, :],
                     mask=(m[:, None] < M) & (k[None, :] < k_end), other=0.0)
-        packed = tl.load(qw_ptr + (k[:, None] // 8).to(tl.int64) * N + n[None, :], mask=kmask & nmask, other=0)
-        q = (packed >> ((k[:, None] % 8) * 4)) & 0xF
-        if GROUP > 0:         # groups in order, BLOCK_K dividing GROUP: one zero and scale per column
-            g = k0 // GROUP
+        if WORDS_ONCE:        # each word loaded once, its 8 values shifted out: (BLOCK_K / 8, 8, BLOCK_N)
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            words = tl.load(qw_ptr + kw[:, None].to(tl.int64) * N + n[None, :],
+                            mask=(kw[:, None] * 8 < k_end) & nmask, other=0)
+            q = tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        else:                 # each value's word (8 loads of it, from the cache)
+            packed = tl.load(qw_ptr + (k[:, None] // 8).to(tl.int64) * N + n[None, :], mask=kmask & nmask, other=0)
+            q = (packed >> ((k[:, None] % 8) * 4)) & 0xF
+        if GROUP > 0:         # groups in order, BLOCK_K dividing GROUP: one zero and scale per column,
+            g = k0 // GROUP   # so the tile's product is scaled after the dot (BLOCK_M x BLOCK_N products)
             z = tl.load(z_ptr + g * N + n, mask=n < N, other=0)[None, :]
-            s = tl.load(s_ptr + g * N + n, mask=n < N, other=0.0)[None, :]
+            s = tl.load(s_ptr + g * N + n, mask=n < N, other=0.0)
+            w = (q - z.to(tl.int32)).to(x_ptr.dtype.element_ty)                  # -15..15: exact
+            acc += tl.dot(x.to(x_ptr.dtype.element_ty), w, input_precision=DOT_PRECISION) * s.to(tl.float32)[None, :]
         else:                 # act-order: each input feature's own group
             g = tl.load(g_ptr + k, mask=k < k_end, other=0)
             z = tl.load(z_ptr + g[:, None].to(tl.int64) * N + n[None, :], mask=kmask & nmask, other=0)
             s = tl.load(s_ptr + g[:, None].to(tl.int64) * N + n[None, :], mask=kmask & nmask, other=0.0)
-        w = (q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)           # (BLOCK_K, BLOCK_N)
-        acc += tl.dot(x.to(x_ptr.dtype.element_ty), w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
+            w = (q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)           # (BLOCK_K, BLOCK_N)
+            acc += tl.dot(x.to(x_ptr.dtype.element_ty), w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
     if SPLIT_K > 1:
         tl.store(ws_ptr + (pk * M + m[:, None]).to(tl.int64) * N + n[None, :], acc, mask=(m[:, None] < M) & nmask)
     else:
@@ -297,11 +306,14 @@ def _int4_matmul_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, M, 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, group_size: int = 0, out_dtype: torch.dtype = torch.float32,
-                splits: int | None = None) -> torch.Tensor:
+                splits: int | None = None, words_once: bool = False) -> torch.Tensor:
     """x (M, K) float; qweight (K / 8, N) int32 (value k in bits 4 (k % 8) of word k // 8);
     zeros (G, N) int8; scales (G, N) float16; g_idx (K,) int32 -> x w (M, N) in ``out_dtype``.
     ``group_size`` > 0 says g_idx is k // group_size (no act-order): each tile then reads one
-    zero and scale per column instead of one per weight. ``splits``: slices of K (as scaled_mm's)."""
+    zero and scale per column instead of one per weight, and scales the tile's product after the
+    dot. ``splits``: slices of K (as scaled_mm's). ``words_once``: each packed word loaded once
+    and its 8 values shifted out in registers, instead of loaded once per value (the cache
+    serving the repeats)."""
     M, K = x.shape
     N = qweight.shape[1]
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
@@ -314,7 +326,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         ws = torch.empty(n_split, M, N, dtype=torch.float32, device=x.device) if n_split > 1 else out
         _int4_matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), n_split)](
             x, qweight, zeros, scales, g_idx, out, ws, M, N, K, per, x.stride(0), SPLIT_K=n_split, BLOCK_M=bm,
-            BLOCK_N=bn, BLOCK_K=bk, GROUP=group, DOT_PRECISION=dot_precision(x.dtype), num_stages=stages)
+            BLOCK_N=bn, BLOCK_K=bk, GROUP=group, DOT_PRECISION=dot_precision(x.dtype), WORDS_ONCE=words_once,
+            num_stages=stages)
         if n_split > 1:
             _reduce(ws, out, None, None)
     return out

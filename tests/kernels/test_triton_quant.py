@@ -76,12 +76,14 @@ def _int4_operands(K: int, N: int, G: int, act_order: bool, seed: int) -> list[t
     return [t.to(DEVICE) for t in (quant.pack_int4(q), zeros, scales, g_idx.int())]
 
 
+@pytest.mark.parametrize("words_once", [False, True])
 @pytest.mark.parametrize("act_order,grouped", [(False, False), (False, True), (True, False)])
-def test_int4_matmul_matches_dequantized_matmul(act_order, grouped):
-    """grouped: the kernel told the groups are in order reads one zero and scale per tile column."""
+def test_int4_matmul_matches_dequantized_matmul(act_order, grouped, words_once):
+    """grouped: the kernel told the groups are in order reads one zero and scale per tile column
+    (and scales after the dot); words_once: each packed word loaded once, its values shifted out."""
     args = _int4_operands(256, 72, 128, act_order, seed=3)
     x = _randn(5, 256, seed=4)
-    got = quant.int4_linear(x, *args, group_size=128 if grouped else 0)
+    got = quant.int4_linear(x, *args, group_size=128 if grouped else 0, words_once=words_once)
     torch.testing.assert_close(got, quant.int4_linear_ref(x, *args), rtol=1e-4, atol=1e-4)
 
 

@@ -7,7 +7,8 @@ with the tensor cores' own 8-bit MMA and with the codes widened to float32 (the 
 interpreter checks); int4 with groups in order (one zero and scale per tile column) and in
 act-order; each 8-bit and grouped int4 case also with K left whole (``_unsplit``) against the
 split-K the kernels choose where the tiles leave multiprocessors idle, and the split chosen
-(``splits``). Last line: one JSON object.
+(``splits``); grouped int4 also with each packed word loaded once (``_words_once``). Last line:
+one JSON object.
 
     python -m tools.gpu_check.quant_bench [--device cuda] [--rep-ms 25]
 """
@@ -67,6 +68,8 @@ def cases(N: int, K: int, M: int, device: str) -> dict:
             "int8_unsplit": (w8(i8, si8, quant.FMT_INT8, None, 1), N * K),
             "int4_grouped": (lambda: quant.int4_linear(x, packed, zeros, scales, g_idx, GROUP, bf), four),
             "int4_grouped_unsplit": (lambda: quant.int4_linear(x, packed, zeros, scales, g_idx, GROUP, bf, 1), four),
+            "int4_grouped_words_once": (lambda: quant.int4_linear(x, packed, zeros, scales, g_idx, GROUP, bf,
+                                                                  words_once=True), four),
             "int4_act_order": (lambda: quant.int4_linear(x, packed, zeros, scales, g_idx, 0, bf), four)}
 
 
