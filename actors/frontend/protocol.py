@@ -510,11 +510,29 @@ _UNKNOWN = re.compile(r"Object contains unknown field `(.+?)`(?: - at `\$(.*)`)?
 _PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 
+MAX_BODY_DEPTH = 512          # arrays and objects inside each other, at most
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
+
+
+def body_depth(body: bytes) -> int:
+    """How deeply the JSON body's arrays and objects nest (brackets inside strings not counted)."""
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKET)
+    if not brackets:
+        return 0
+    import numpy as np
+    steps = np.frombuffer(brackets, dtype=np.uint8)
+    return int(np.cumsum(np.where((steps == 0x5B) | (steps == 0x7B), 1, -1)).max())
+
+
 def decode_body(body: bytes, typ: type, lenient: bool = False) -> Any:
     """Decode a JSON body; a type error names the field (``param``) it is about. ``lenient``
-    drops unknown fields (logging each) instead of refusing them. Whatever the decoder or the
-    converter raises (a body nested deeper than they recurse included) is the body's fault: a
-    BadRequest."""
+    drops unknown fields (logging each) instead of refusing them. A body nested deeper than
+    MAX_BODY_DEPTH is refused before decoding (whatever the interpreter's recursion limit, which
+    torch.compile raises), and whatever the decoder or the converter raises is the body's fault:
+    a BadRequest."""
+    if body.count(b"[") + body.count(b"{") > MAX_BODY_DEPTH and body_depth(body) > MAX_BODY_DEPTH:
+        raise BadRequest(f"the request body is nested too deeply to decode (more than {MAX_BODY_DEPTH} levels)")
     try:
         return _decode(body, typ, lenient)
     except BadRequest:

@@ -158,6 +158,22 @@ def test_bodies_nested_too_deeply_are_bad_requests(typ, body, lenient):
         decode_body(body, typ, lenient)
 
 
+def test_nesting_is_refused_whatever_the_recursion_limit_and_brackets_in_strings_do_not_count():
+    """torch.compile raises the interpreter's recursion limit (to 2000) in the process it runs in:
+    a body nested 1,000 deep is refused all the same; 600 brackets inside a prompt are text."""
+    import sys
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(5000)
+    try:
+        with pytest.raises(BadRequest, match="nested too deeply"):
+            decode_body(b'{"prompt": ' + deep(1000) + b"}", CompletionRequest)
+    finally:
+        sys.setrecursionlimit(limit)
+    text = "[" * 600 + '\\"{' * 10
+    req = decode_body(msgspec.json.encode({"prompt": text}), CompletionRequest)
+    assert req.prompt == text
+
+
 @pytest.mark.parametrize("body", [b"", b"{", b"\xff\xfe", b'{"prompt": "\\ud800"}', b'{"prompt": NaN}',
                                   b'{"prompt": "x", "temperature": 1e400}', b'{"prompt": [1' + b"0" * 5000 + b"]}"])
 def test_bodies_that_do_not_decode_are_bad_requests(body):
