@@ -510,7 +510,7 @@ _UNKNOWN = re.compile(r"Object contains unknown field `(.+?)`(?: - at `\$(.*)`)?
 _PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 
-MAX_BODY_DEPTH = 512          # arrays and objects inside each other, at most
+MAX_BODY_DEPTH = 950          # arrays and objects inside each other, at most (under the default recursion limit)
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
 
