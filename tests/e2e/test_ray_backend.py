@@ -27,7 +27,7 @@ import aiohttp
 import pytest
 
 from actors.api import LLM, SamplingParams
-from server import ROOT, Server, alive, children, free_port
+from server import ROOT, Server, alive, children, free_port, free_ports
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason="the Ray backend's test needs Ray (pip install ray; `make test` installs it)")
@@ -228,8 +228,8 @@ def test_engine_cores_and_their_workers_all_on_the_cluster_answer_hand_a_decode_
     from there and gives the same greedy answer."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def kv(role: str) -> str:
-        return json.dumps({"kv_connector": "TroupeConnector", "kv_role": role, "kv_port": free_port()})
+    def kv(role: str) -> str:           # the producer's two engine cores listen on kv_port and kv_port + 1
+        return json.dumps({"kv_connector": "TroupeConnector", "kv_role": role, "kv_port": free_ports(2)})
     with ThreadPoolExecutor(2) as pool:
         producer = pool.submit(Server, "-dp", "2", "-dpb", "ray", "--distributed-executor-backend", "ray",
                                "--kv-transfer-config", kv("kv_producer"), env={"RAY_ADDRESS": cluster},
