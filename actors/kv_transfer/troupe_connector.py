@@ -102,11 +102,6 @@ class _Meta(msgspec.Struct, omit_defaults=True):
     drops: list[str] = []                     # producer: saved, then not held (aborted): unreadable
 
 
-def _extra(kv_config: Any) -> dict[str, Any]:
-    defaults = {**EXTRA_KEYS, "nixl": True} if kv_config.kv_connector == "NixlConnector" else EXTRA_KEYS
-    return extra_config(kv_config, defaults)
-
-
 LOOPBACK = ("127.0.0.1", "localhost")
 
 
@@ -218,10 +213,12 @@ class _Stats:
 
 
 class TroupeConnector(KVConnectorBase):
+    EXTRA_DEFAULTS = EXTRA_KEYS          # kv_connector_extra_config's keys and their defaults
+
     def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
         super().__init__(config, role)
         kv = self.kv_config
-        self.extra = _extra(kv)
+        self.extra = extra_config(kv, self.EXTRA_DEFAULTS)
         self.lease_s = float(self.extra["kv_lease_duration"])
         self.lease_extension = self.lease_s * 2 / 3       # what a heartbeat extends a lease to (vLLM's 2/3)
         self.heartbeat_s = float(self.extra["heartbeat_s"]) or self.lease_s / 4
@@ -243,7 +240,7 @@ class TroupeConnector(KVConnectorBase):
 
     @classmethod
     def check_config(cls, kv_config: Any) -> None:
-        extra = _extra(kv_config)
+        extra = extra_config(kv_config, cls.EXTRA_DEFAULTS)
         for key in ("kv_lease_duration", "heartbeat_s", "transfer_timeout_s"):
             if not isinstance(extra[key], (int, float)) or extra[key] < 0 or (key != "heartbeat_s" and not extra[key]):
                 raise ValueError(f"kv_connector_extra_config.{key} must be a positive number of seconds, "
@@ -859,3 +856,4 @@ class NixlConnector(TroupeConnector):
     """vLLM's ``NixlConnector``: TroupeConnector with its loads read through NIXL (``"nixl"``
     true unless kv_connector_extra_config says otherwise); the side channel, leases and
     fallbacks are TroupeConnector's."""
+    EXTRA_DEFAULTS = {**EXTRA_KEYS, "nixl": True}

@@ -174,10 +174,17 @@ def _multiprocessors(index: int | None) -> int:
         .multi_processor_count
 
 
-def _slices(K: int, bk: int, splits: int) -> tuple[int, int]:
-    """(slices, elements of K per slice): whole tiles of K per slice, no slice empty."""
+def _slices(out: torch.Tensor, K: int, tiles: tuple[int, int, int, int], splits: int | None,
+            ws_dtype: torch.dtype) -> tuple[int, int, torch.Tensor]:
+    """(slices, elements of K per slice, the partial sums' workspace (slices, M, N), or ``out``
+    itself when K is not cut): whole tiles of K per slice, no slice empty; ``splits`` None:
+    ``split_k``'s choice for the device."""
+    M, N = out.shape
+    bm, bn, bk, _ = tiles
+    splits = split_k(M, N, K, out.device, bm, bn, bk) if splits is None else splits
     per = triton.cdiv(triton.cdiv(K, bk), max(1, splits)) * bk
-    return triton.cdiv(K, per), per
+    n = triton.cdiv(K, per)
+    return n, per, torch.empty(n, M, N, dtype=ws_dtype, device=out.device) if n > 1 else out
 
 
 def _reduce(ws: torch.Tensor, out: torch.Tensor, a_scale: torch.Tensor | None, b_scale: torch.Tensor | None) -> None:
@@ -199,13 +206,10 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
     N = b.shape[0]
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M and N:
-        bm, bn, bk, stages = _tiles(M, N)
+        bm, bn, bk, stages = tiles = _tiles(M, N)
         native = native_dot(a.device, fmt) if native is None else native
-        n_split, per = _slices(K, bk, split_k(M, N, K, a.device, bm, bn, bk) if splits is None else splits)
-        ws = out
-        if n_split > 1:       # int8 codes on the int8 MMA sum exactly in int32; the rest in float32
-            ws = torch.empty(n_split, M, N, dtype=torch.int32 if native and fmt == FMT_INT8 else torch.float32,
-                             device=a.device)
+        # int8 codes on the int8 MMA sum exactly in int32; the rest in float32
+        n_split, per, ws = _slices(out, K, tiles, splits, torch.int32 if native and fmt == FMT_INT8 else torch.float32)
         _scaled_mm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), n_split)](
             a, b, a_scale, b_scale, out, ws, M, N, K, per, FMT=fmt, NATIVE=native, SPLIT_K=n_split,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages)
@@ -322,8 +326,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         group = group_size if group_size >= 16 and group_size & (group_size - 1) == 0 else 0
         if group:
             bk = min(bk, group)
-        n_split, per = _slices(K, bk, split_k(M, N, K, x.device, bm, bn, bk) if splits is None else splits)
-        ws = torch.empty(n_split, M, N, dtype=torch.float32, device=x.device) if n_split > 1 else out
+        n_split, per, ws = _slices(out, K, (bm, bn, bk, stages), splits, torch.float32)
         _int4_matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), n_split)](
             x, qweight, zeros, scales, g_idx, out, ws, M, N, K, per, x.stride(0), SPLIT_K=n_split, BLOCK_M=bm,
             BLOCK_N=bn, BLOCK_K=bk, GROUP=group, DOT_PRECISION=dot_precision(x.dtype), WORDS_ONCE=words_once,
