@@ -275,3 +275,18 @@ def transformers_greedy_choices(model, prompt: list[int], continuation: list[int
         logits = model(ids, logits_to_keep=len(continuation)).logits[0]        # (len(continuation), V)
         logits[:, eos] = float("-inf")
         return logits.argmax(-1).tolist()
+
+
+def self_signed_cert(directory: str, name: str = "cert") -> tuple[str, str]:
+    """A new self-signed certificate for 127.0.0.1 and its key (PEM files ``name``.pem and
+    ``name``.key under ``directory``), made by the openssl command."""
+    import shutil
+    import subprocess
+    if shutil.which("openssl") is None:
+        import pytest
+        pytest.skip("the openssl command is not installed (it makes the test's certificates)")
+    cert, key = os.path.join(directory, f"{name}.pem"), os.path.join(directory, f"{name}.key")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "2", "-subj", f"/CN=troupe-test-{name}", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key

@@ -32,6 +32,8 @@ from typing import IO, Any
 from actors.api import Progress
 from actors.engine.args import EngineArgs
 from actors.frontend.reasoning import REASONING_PARSERS
+from tools import config_file
+from tools.config_file import add_config_flag
 
 log = logging.getLogger("troupe.batch")
 
@@ -218,7 +220,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.batch
     p.add_argument("--log-level", default="WARNING")
     # an offline job: as vLLM's offline engine, up to 256 requests in a step (the server: 64)
     EngineArgs.add_cli_args(p, max_num_seqs=BATCH_MAX_NUM_SEQS)
-    args = p.parse_args(argv)
+    add_config_flag(p)
+    args = config_file.parse_args(p, argv)
     if args.resume and args.output_file == "-":
         p.error("--resume needs an output file, not standard output")
     return args

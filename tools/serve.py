@@ -13,17 +13,22 @@ import asyncio
 import json
 import logging
 import signal
+import ssl
 import sys
 import time
 from typing import Any
 
 from actors import topology
 from actors.engine.args import EngineArgs, at_least
+from actors.frontend.cors import CorsPolicy
 from actors.frontend.stats import PREFIXES, parse_prefixes
+from actors.frontend.tls import TlsFiles
 from actors.frontend.tool_parsers import TOOL_PARSERS
 from actors.frontend.reasoning import REASONING_PARSERS
 from actors.runtime import heap
 from actors.runtime.plugins import load_general_plugins
+from tools import config_file
+from tools.config_file import add_config_flag
 from tools.vllm_flags import add_vllm_flags
 
 log = logging.getLogger("troupe.serve")
@@ -97,11 +102,24 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                    help="split a thinking model's output into the message's reasoning (between <think> and "
                         "</think>) and content: deepseek_r1 (the template opens the thinking) or qwen3 (the "
                         "model opens it); the tokenizer must have both tags as tokens")
+    p.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="vLLM's: the role of a chat answer's message when the request adds the generation "
+                        "prompt (add_generation_prompt, the default); otherwise the last message's role")
+    p.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
+                   help="vLLM's: every streamed chat or text completion sends its usage, in each chunk and "
+                        "in a last chunk of its own, whatever its stream_options say")
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request at INFO once admitted: its id, prompt tokens and the sampling "
-                        "parameters it set (default: off, as in vLLM)")
+                        "parameters it set; at DEBUG also its prompt and prompt token ids (default: off, "
+                        "as in vLLM)")
     p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="vLLM's older flag: do not log each request (the default)")
+    p.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
+                   help="vLLM's: with --enable-log-requests, log each request's output text and finish "
+                        "reason at INFO when it finishes (its token ids at DEBUG)")
+    p.add_argument("--max-log-len", type=at_least(int, 0), default=None, metavar="N",
+                   help="vLLM's: the most characters of a prompt or an output, and the most token ids, the "
+                        "request log shows (default: all)")
     p.add_argument("--metrics-prefix", type=_prefixes, default=PREFIXES, metavar="PREFIXES",
                    help="the name prefixes /metrics writes, a comma list of vllm (the metrics vLLM has, "
                         "under vLLM's names) and troupe (those and Troupe's own) (default: vllm,troupe)")
@@ -110,17 +128,51 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                    metavar="{" + ",".join(LOG_LEVELS) + "}", help="vLLM's name for --log-level (trace: debug)")
     p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
                    help="accepted for vLLM's command lines; Troupe runs no code from checkpoints")
+    http = p.add_argument_group("browsers and HTTPS (vLLM's flags and defaults)")
+    http.add_argument("--allowed-origins", type=_json_strings, default=[], metavar="JSON",
+                      help="the origins whose pages may call the server from a browser (CORS), a JSON list, "
+                           "e.g. '[\"https://app.example\"]' or '[\"*\"]' (default: none)")
+    http.add_argument("--allowed-methods", type=_json_strings, default=["*"], metavar="JSON",
+                      help="the methods those pages may use, a JSON list (default: [\"*\"], all)")
+    http.add_argument("--allowed-headers", type=_json_strings, default=["*"], metavar="JSON",
+                      help="the request headers those pages may send, a JSON list (default: [\"*\"], all)")
+    http.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+                      help="let those pages send cookies and HTTP authentication")
+    http.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                      help="serve HTTPS with this certificate (PEM; the chain after it)")
+    http.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                      help="the certificate's private key (PEM; default: in --ssl-certfile)")
+    http.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                      help="the CA certificates that clients' certificates are checked against")
+    http.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
+                      help="whether clients must show a certificate: 0 no, 1 optional, 2 required "
+                           "(Python's ssl.CERT_*; needs --ssl-ca-certs)")
+    http.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS",
+                      help="the cipher suites for TLS 1.2 and older (OpenSSL's cipher list format)")
+    http.add_argument("--enable-ssl-refresh", action=argparse.BooleanOptionalAction, default=False,
+                      help="load the certificate, key and CA files again when they change, without a "
+                           "restart (new connections get them)")
     # a server bounds its queue (the offline API queues whatever it is given)
     EngineArgs.add_cli_args(p, max_waiting_requests=SERVE_MAX_WAITING_REQUESTS,
                             max_waiting_tokens=SERVE_MAX_WAITING_TOKENS)
+    add_config_flag(p)
     add_vllm_flags(p)
-    args = p.parse_args(argv)
+    args = config_file.parse_args(p, argv)
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             p.error(f"the model is given twice, and differently: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.enable_log_outputs and not args.enable_log_requests:
+        p.error("--enable-log-outputs requires --enable-log-requests")
+    try:
+        args.tls = TlsFiles.of(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs,
+                               args.ssl_ciphers)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.enable_ssl_refresh and args.tls is None:
+        p.error("--enable-ssl-refresh needs --ssl-certfile")
     if args.kv_cache_bytes is not None and args.kv_cache_memory_bytes is not None:
         p.error("give --kv-cache-gib or --kv-cache-memory-bytes, not both")
     return args
@@ -147,6 +199,20 @@ def _json_object(text: str) -> dict:
 
 
 _json_object.__name__ = "JSON object"
+
+
+def _json_strings(text: str) -> list[str]:
+    """vLLM's --allowed-origins (and methods, headers): a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError('a JSON list of strings is required, e.g. \'["*"]\'')
+    return value
+
+
+_json_strings.__name__ = "JSON list"
 
 
 
@@ -180,11 +246,22 @@ async def serve(args: argparse.Namespace) -> int:
                                                     default_chat_template_kwargs=args.default_chat_template_kwargs,
                                                     stream_interval=args.stream_interval,
                                                     sse_keep_alive_interval=args.sse_keep_alive_interval,
-                                                    reasoning_parser=args.reasoning_parser),
+                                                    reasoning_parser=args.reasoning_parser,
+                                                    cors=CorsPolicy(tuple(args.allowed_origins),
+                                                                    tuple(args.allowed_methods),
+                                                                    tuple(args.allowed_headers),
+                                                                    args.allow_credentials),
+                                                    response_role=args.response_role,
+                                                    force_include_usage=args.enable_force_include_usage,
+                                                    log_outputs=args.enable_log_outputs,
+                                                    max_log_len=args.max_log_len),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
-        http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(server, args.host, args.port))
+        tls = args.tls
+        ssl_context = tls.context() if tls is not None else None       # a file that cannot load: stop here
+        http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(
+            server, args.host, args.port, ssl_context, tls if args.enable_ssl_refresh else None))
         addr = await http.ask(GetAddress())
-        print(f"Troupe listening on http://{addr.host}:{addr.port} (loading the model)", flush=True)
+        print(f"Troupe listening on {addr.url} (loading the model)", flush=True)
         config = EngineArgs.from_cli_args(args).create_engine_config()
         defaults = config.model.sampling_defaults.as_dict()
         if defaults:
@@ -199,10 +276,10 @@ async def serve(args: argparse.Namespace) -> int:
         pids = fe.engine_processes
         engines = (f"engine pid {pids[0].pid}" if len(pids) == 1 else
                    "engine pids " + ", ".join(f"{r}: {p.pid}" for r, p in sorted(pids.items())))
-        log.info("serving %s as %s on http://%s:%d (%s)", config.model.source.served_name,
-                 ", ".join(fe.client.model_names), addr.host, addr.port, engines)
+        log.info("serving %s as %s on %s (%s)", config.model.source.served_name,
+                 ", ".join(fe.client.model_names), addr.url, engines)
         heap.started()
-        print(f"Troupe ready on http://{addr.host}:{addr.port}", flush=True)
+        print(f"Troupe ready on {addr.url}", flush=True)
         draining = asyncio.ensure_future(drain(stop_asked, fe, args.shutdown_timeout))
         code = await fe.node.closed
         draining.cancel()

@@ -58,7 +58,7 @@ REFUSED: dict[str, str] = {
     "--config-format": _LOADING, "--skip-tokenizer-init": _LOADING, "--model-impl": _LOADING,
     "--rope-scaling": _LOADING, "--rope-theta": _LOADING, "--override-attention-dtype": _LOADING,
     "--disable-sliding-window": _LOADING,
-    "--max-seq-len-to-capture": _COMPILE, "--config": "Troupe reads its options from the command line only",
+    "--max-seq-len-to-capture": _COMPILE,
     "--quantization-param-path": _LOADING,
     # what the model is run for
     "--task": "Troupe serves text generation only", "--runner": "Troupe serves text generation only",
@@ -68,7 +68,6 @@ REFUSED: dict[str, str] = {
     "--io-processor-plugin": "Troupe loads no IO processor plugins",
     "--logits-processor-pattern": "Troupe has no per-request logits processors (see --logits-processors)",
     "--enable-sleep-mode": "Troupe's engine never sleeps",
-    "--override-generation-config": "Troupe reads generation_config.json as it is (see --generation-config)",
     # other modalities
     "--limit-mm-per-prompt": _MODALITY, "--enable-mm-embeds": _MODALITY, "--media-io-kwargs": _MODALITY,
     "--mm-processor-kwargs": _MODALITY, "--mm-processor-cache-gb": _MODALITY,
@@ -102,22 +101,13 @@ REFUSED: dict[str, str] = {
     "--show-hidden-metrics-for-version": "Troupe shows every metric it has (see /metrics)",
     "--otlp-traces-endpoint": "Troupe exports traces as Perfetto JSON (/debug/trace, python -m tools.trace)",
     "--collect-detailed-traces": "Troupe records spans with --no-trace off (/debug/trace)",
-    "--aggregate-engine-logging": _PARALLEL, "--log-config-file": _LOGS, "--max-log-len": _LOGS,
-    "--enable-log-outputs": _LOGS, "--log-error-stack": _LOGS,
+    "--aggregate-engine-logging": _PARALLEL, "--log-config-file": _LOGS, "--log-error-stack": _LOGS,
     # the HTTP frontend
-    "--uds": _HTTP, "--allow-credentials": "Troupe sends no CORS headers",
-    "--allowed-origins": "Troupe sends no CORS headers", "--allowed-methods": "Troupe sends no CORS headers",
-    "--allowed-headers": "Troupe sends no CORS headers", "--ssl-keyfile": "Troupe serves plain HTTP (put a "
-    "TLS proxy in front)", "--ssl-certfile": "Troupe serves plain HTTP (put a TLS proxy in front)",
-    "--ssl-ca-certs": "Troupe serves plain HTTP", "--enable-ssl-refresh": "Troupe serves plain HTTP",
-    "--ssl-cert-reqs": "Troupe serves plain HTTP", "--root-path": _HTTP, "--middleware": "Troupe adds no ASGI middleware (a troupe.endpoints plugin adds routes)",
-    "--response-role": _HTTP,
+    "--uds": _HTTP, "--root-path": _HTTP,
+    "--middleware": "Troupe adds no ASGI middleware (a troupe.endpoints plugin adds routes)",
     "--chat-template-content-format": "Troupe renders message content as a string",
     "--tool-parser-plugin": "Troupe loads no tool parser plugins (see --tool-call-parser)",
     "--tool-server": "Troupe runs no built-in tools", "--exclude-tools-when-tool-choice-none": _HTTP,
-    "--enable-prompt-tokens-details": "Troupe reports prompt_tokens_details.cached_tokens whenever the "
-                                      "prefix cache served part of a prompt",
-    "--enable-force-include-usage": _HTTP,
     "--h11-max-incomplete-event-size": _HTTP,
     "--h11-max-header-count": _HTTP, "--tokens-only": _HTTP,
 }
@@ -159,7 +149,7 @@ for _flags, _why in (
       "--fail-on-environ-validation", "--profiler-config"), _METRICS),
     (("--enable-log-deltas", "--enable-logging-iteration-details", "--logging-config",
       "--disable-access-log-for-endpoints"), _LOGS),
-    (("--grpc", "--grpc-port", "--ssl-ciphers", "--enable-offline-docs", "--renderer-num-workers",
+    (("--grpc", "--grpc-port", "--enable-offline-docs", "--renderer-num-workers",
       "--tool-strict-level", "--anthropic-disabled-thinking-effort",
       "--cohere-format", "--cohere-is-reasoning-model"), _HTTP),
     (("--max-num-active-seqs", "--max-num-scheduled-tokens", "--long-prefill-token-threshold-adaptive",
@@ -194,10 +184,8 @@ BOOLEAN = frozenset({
     "--enable-prompt-embeds", "--enable-sleep-mode", "--enable-mm-embeds", "--interleave-mm-strings",
     "--skip-mm-profiling", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",
-    "--enable-log-outputs", "--log-error-stack", "--allow-credentials",
-    "--enable-ssl-refresh",
-    "--exclude-tools-when-tool-choice-none", "--enable-prompt-tokens-details",
-    "--enable-force-include-usage",
+    "--log-error-stack",
+    "--exclude-tools-when-tool-choice-none",
     "--tokens-only", "--kv-cache-metrics",
     # vLLM 0.32's
     "--allow-deprecated-quantization", "--cohere-is-reasoning-model", "--cudagraph-metrics", "--dcp-q-replicate",
@@ -224,6 +212,8 @@ ALWAYS: dict[str, str] = {
     "--enable-request-id-headers": "Troupe always answers with an X-Request-Id header",
     "--enable-server-load-tracking": "Troupe always counts the requests being answered (GET /load)",
     "--language-model-only": "Troupe serves text-only models",
+    "--enable-prompt-tokens-details": "Troupe reports prompt_tokens_details.cached_tokens whenever the "
+                                      "prefix cache served part of a prompt",
 }
 NEVER: dict[str, str] = {    # the opposite of an ALWAYS flag: refused
     "--no-enable-chunked-prefill": "Troupe always chunks prompts longer than --max-num-batched-tokens",
@@ -232,6 +222,8 @@ NEVER: dict[str, str] = {    # the opposite of an ALWAYS flag: refused
     "--no-enable-request-id-headers": "Troupe always answers with an X-Request-Id header",
     "--no-enable-server-load-tracking": "Troupe always counts the requests being answered (GET /load)",
     "--no-language-model-only": "Troupe serves text-only models",
+    "--no-enable-prompt-tokens-details": "Troupe reports prompt_tokens_details.cached_tokens whenever the "
+                                         "prefix cache served part of a prompt",
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 from typing import Any
@@ -26,6 +27,8 @@ from actors.runtime.plugins import load_general_plugins, qualified_name, resolve
 from actors.spec_decode.config import SpeculativeConfig
 from models.resolve import ModelSource, resolve_model
 
+log = logging.getLogger("troupe.engine")
+
 
 @dataclasses.dataclass(slots=True, kw_only=True)
 class EngineArgs:
@@ -40,6 +43,7 @@ class EngineArgs:
     served_model_name: str | list[str] | tuple[str, ...] | None = None   # None: the model's own name
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     generation_config: str = "auto"       # "auto" | "vllm" | a folder with a generation_config.json
+    override_generation_config: dict[str, Any] | str | None = None   # over generation_config's fields
     seed: int = 0
     max_model_len: int = 0
     block_size: int = 16
@@ -125,7 +129,8 @@ class EngineArgs:
                               chat_template=load_chat_template(self.chat_template),
                               served_model_names=(names,) if isinstance(names, str) else tuple(names or ()),
                               max_logprobs=self.max_logprobs, generation_config=self.generation_config,
-                              sampling_defaults=load_sampling_defaults(source, self.generation_config),
+                              sampling_defaults=load_sampling_defaults(source, self.generation_config,
+                                                                        self.override_generation_config),
                               draft_source=draft_source(speculative, source),
                               logits_processors=logits_processor_names(self.logits_processors)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
@@ -265,18 +270,47 @@ def draft_source(spec: SpeculativeConfig | None, target: ModelSource) -> ModelSo
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
-def load_sampling_defaults(source: ModelSource, generation_config: str) -> SamplingDefaults:
+def load_sampling_defaults(source: ModelSource, generation_config: str,
+                           override: dict[str, Any] | str | None = None) -> SamplingDefaults:
     """vLLM's --generation-config: "auto" reads the checkpoint directory's
     generation_config.json (a GGUF file has none), "vllm" reads nothing, anything else is a
     folder holding a generation_config.json (or that file itself). Its sampling fields
     (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens as max_tokens) become
-    the defaults of requests that leave them unset."""
+    the defaults of requests that leave them unset. ``override`` (vLLM's
+    --override-generation-config, a JSON object) replaces or adds fields over what was read
+    (with "vllm", it alone gives the defaults)."""
+    raw, where = _read_generation_config(source, generation_config)
+    extra = _override_generation_config(override)
+    if extra:
+        ignored = sorted(set(extra) - set(GENERATION_FIELDS))
+        if ignored:
+            log.warning("--override-generation-config: %s %s no sampling default (the fields read are %s)",
+                        ", ".join(ignored), "sets" if len(ignored) == 1 else "set", ", ".join(GENERATION_FIELDS))
+        raw = {**raw, **extra}
+        where = "--override-generation-config" if not raw.keys() - extra.keys() else f"{where} with --override-generation-config"
+    values: dict[str, Any] = {}
+    for name in GENERATION_FIELDS:
+        value = raw.get(name)
+        if value is None:
+            continue
+        integral = name in ("top_k", "max_new_tokens")
+        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+            raise ValueError(f"{where}: {name} must be {'an integer' if integral else 'a number'}, got {value!r}")
+        if not _GENERATION_RANGES[name](value):
+            raise ValueError(f"{where}: {name} {value!r} is out of the range a request may ask for")
+        values["max_tokens" if name == "max_new_tokens" else name] = value if integral else float(value)
+    return SamplingDefaults(**values)
+
+
+def _read_generation_config(source: ModelSource, generation_config: str) -> tuple[dict[str, Any], str]:
+    """The generation_config.json that --generation-config names (its fields and its path), or
+    nothing ("vllm", or "auto" where the model has none)."""
     if generation_config == "vllm":
-        return SamplingDefaults()
+        return {}, "--generation-config vllm"
     if generation_config == "auto":
         path = os.path.join(source.path, "generation_config.json") if source.kind == "hf_dir" else None
         if path is None or not os.path.isfile(path):
-            return SamplingDefaults()
+            return {}, "the model's generation config"
     else:
         path = os.path.expanduser(generation_config)
         if os.path.isdir(path):
@@ -291,18 +325,19 @@ def load_sampling_defaults(source: ModelSource, generation_config: str) -> Sampl
         raise ValueError(f"{path}: not a readable JSON file ({exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object")
-    values: dict[str, Any] = {}
-    for name in GENERATION_FIELDS:
-        value = raw.get(name)
-        if value is None:
-            continue
-        integral = name in ("top_k", "max_new_tokens")
-        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
-            raise ValueError(f"{path}: {name} must be {'an integer' if integral else 'a number'}, got {value!r}")
-        if not _GENERATION_RANGES[name](value):
-            raise ValueError(f"{path}: {name} {value!r} is out of the range a request may ask for")
-        values["max_tokens" if name == "max_new_tokens" else name] = value if integral else float(value)
-    return SamplingDefaults(**values)
+    return raw, path
+
+
+def _override_generation_config(value: dict[str, Any] | str | None) -> dict[str, Any]:
+    if value is None or isinstance(value, dict):
+        return dict(value or {})
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"--override-generation-config: not valid JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"--override-generation-config: a JSON object is required, got {value!r}")
+    return parsed
 
 
 # what a request's own field accepts (protocol.py), so a default never fails a request
@@ -370,6 +405,10 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="auto: the checkpoint directory's generation_config.json gives the defaults of requests "
                  "that leave temperature, top_p, top_k, min_p, repetition_penalty or (chat) max_tokens "
                  "unset (max_new_tokens); vllm: ignore it; FOLDER: that folder's generation_config.json")),
+        (("--override-generation-config",), "override_generation_config", dict(
+            default=d["override_generation_config"], metavar="JSON",
+            help='generation config fields over --generation-config\'s, e.g. \'{"temperature": 0.5}\' (with '
+                 '--generation-config vllm, these alone)')),
         (("--chat-template",), "chat_template", dict(
             default=d["chat_template"], metavar="FILE_OR_TEMPLATE",
             help="a Jinja chat template (a file, or the template itself) used instead of the model's")),

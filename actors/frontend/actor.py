@@ -1,18 +1,26 @@
 """HttpFrontend actor: owns the aiohttp server for its lifetime."""
 from __future__ import annotations
 
+import asyncio
+import ssl
 from typing import Any, ClassVar
 
 import msgspec
 from aiohttp import web
 
 from actors.frontend.app import OpenAIServer
+from actors.frontend.tls import TlsFiles
 from actors.runtime import Actor, Msg
 
 
 class ServerAddress(msgspec.Struct):
     host: str
     port: int
+    scheme: str = "http"          # "https" with --ssl-certfile
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
 
 
 class GetAddress(Msg):
@@ -26,10 +34,16 @@ class HttpFrontend(Actor):
     protocol = HttpFrontendProtocol
     on_failure = "escalate"
 
-    def __init__(self, server: OpenAIServer, host: str, port: int) -> None:
+    def __init__(self, server: OpenAIServer, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
+                 refresh_from: TlsFiles | None = None) -> None:
+        """``ssl_context``: serve HTTPS with it; ``refresh_from``: load these files into it again
+        whenever they change (--enable-ssl-refresh)."""
         self.server = server
         self.host = host
         self.port = port
+        self.ssl_context = ssl_context
+        self.refresh_from = refresh_from
+        self.refreshing: asyncio.Future | None = None
         self.runner: web.AppRunner | None = None
 
     async def started(self) -> None:
@@ -38,14 +52,18 @@ class HttpFrontend(Actor):
         self.runner = web.AppRunner(self.server.app(), access_log=None, shutdown_timeout=2.0,
                                     handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port)
+        site = web.TCPSite(self.runner, self.host, self.port, ssl_context=self.ssl_context)
         await site.start()
         if self.port == 0:
             self.port = self.runner.addresses[0][1]
+        if self.ssl_context is not None and self.refresh_from is not None:
+            self.refreshing = asyncio.ensure_future(self.refresh_from.refresh(self.ssl_context))
 
     async def receive(self, msg: HttpFrontendProtocol) -> Any:
-        return ServerAddress(self.host, self.port)
+        return ServerAddress(self.host, self.port, "https" if self.ssl_context is not None else "http")
 
     async def stopped(self) -> None:
+        if self.refreshing is not None:
+            self.refreshing.cancel()
         if self.runner is not None:
             await self.runner.cleanup()

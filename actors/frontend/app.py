@@ -17,11 +17,12 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from actors.frontend import (chat, completions, control, dashboard, debug, lora, misc, observe, responses, scale_out,
-                             sse)
+from actors.frontend import (chat, completions, control, dashboard, debug, lora, misc, observe, request_log,
+                             responses, scale_out, sse)
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
+from actors.frontend.cors import CorsPolicy
 from actors.frontend.errors import ApiError, bad_request, error_response, not_found, server_error
 from actors.frontend.generation import OPEN_ANSWERS, Answer
 from actors.frontend.http_trace import HttpSpan
@@ -67,6 +68,11 @@ class ServerOptions:
     stream_interval: int = 1               # new tokens per streamed chunk after the first (--stream-interval)
     sse_keep_alive_interval: float = 0.0   # seconds of silence before a stream sends a comment line; 0: never
     reasoning_parser: str | None = None    # a name in reasoning.REASONING_PARSERS (--reasoning-parser)
+    cors: CorsPolicy = CorsPolicy()        # --allowed-origins and the rest: none allowed by default
+    response_role: str = "assistant"       # a chat answer's role when the generation prompt was added
+    force_include_usage: bool = False      # every stream sends its usage (--enable-force-include-usage)
+    log_outputs: bool = False              # with log_requests, each request's output when it finishes
+    max_log_len: int | None = None         # characters and token ids the request log shows; None: all
 
 
 class OpenAIServer:
@@ -108,11 +114,13 @@ class OpenAIServer:
 
     def answer_of(self, req: GenerationRequest) -> Answer:
         """What ``req`` asks its answer to show besides the text."""
-        return Answer.of(req, self.token_text, self.options.return_tokens_as_token_ids)
+        return Answer.of(req, self.token_text, self.options.return_tokens_as_token_ids,
+                         self.options.force_include_usage)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.options.max_body_bytes,
                               middlewares=[self._middleware])
+        app.on_response_prepare.append(self.options.cors.on_prepare)
         app[sse.KEEP_ALIVE_S] = self.options.sse_keep_alive_interval
         app[OPEN_ANSWERS] = {}
         routes: list[tuple[str, str, Callable]] = [
@@ -159,6 +167,8 @@ class OpenAIServer:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        if self.options.cors.is_preflight(request):      # no key comes with it (vLLM's order)
+            return self.options.cors.preflight(request)
         login = False
         if self.options.api_key and request.path.startswith(PROTECTED_PATHS):
             login = self._login(request)
@@ -259,8 +269,7 @@ class OpenAIServer:
         try:
             handle = await self.engine().submit(params, **kwargs)
             if self.options.log_requests:
-                log.info("request %s: %d prompt tokens, %s", handle.request_id, handle.num_prompt_tokens,
-                         params_summary(params))
+                self._log_request(handle, params, kwargs.get("prompt"))
             return handle
         except InvalidPrompt as exc:
             raise bad_request(str(exc), "messages" if kwargs.get("messages") is not None else "prompt") from None
@@ -273,6 +282,19 @@ class OpenAIServer:
                 raise unavailable(f"the engine is not running: {exc.message}", None) from None
             log.error("admitting a request failed: %s", exc)
             raise server_error(500, f"the request could not be admitted: {exc.message}") from None
+
+
+    def _log_request(self, handle: RequestHandle, params: SamplingParams, prompt: Any) -> None:
+        """--enable-log-requests: its INFO line; at DEBUG its prompt; with --enable-log-outputs
+        its output once it finishes."""
+        log.info("request %s: %d prompt tokens, %s", handle.request_id, handle.num_prompt_tokens,
+                 params_summary(params))
+        max_len = self.options.max_log_len
+        if log.isEnabledFor(logging.DEBUG):
+            text = prompt if isinstance(prompt, str) else self.engine().tokenizer.decode(handle.prompt_token_ids)
+            request_log.prompt_line(handle.request_id, text, handle.prompt_token_ids, max_len)
+        if self.options.log_outputs:
+            handle.output_log = request_log.OutputLog(handle.request_id, max_len)
 
 
 def params_summary(params: SamplingParams) -> str:

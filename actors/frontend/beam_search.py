@@ -195,7 +195,10 @@ class BeamAnswer:
                 completion_tokens += len(seq.tokens) - len(out.prompt_token_ids)
                 entry: dict[str, Any] = {"index": p * self.params.beam_width + i}
                 if self.chat:
-                    entry["message"] = {"role": "assistant", "content": seq.text}
+                    job = self.jobs[p]
+                    role = (self.server.options.response_role if job["add_generation_prompt"]
+                            else job["messages"][-1]["role"])
+                    entry["message"] = {"role": role, "content": seq.text}
                 else:
                     entry["text"] = (self.echo_texts[p] if self.echo_texts else "") + seq.text
                 entry.update(logprobs=None, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)

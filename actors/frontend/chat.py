@@ -35,10 +35,13 @@ class ChatGeneration(Generation):
     def __init__(self, request_id: str, model: str, choices: list[Choice], include_usage: bool,
                  answer: Answer, top_logprobs: int | None, tools: ToolUse | None = None, echo: str = "",
                  prompt_text: str | None = None, reasoning: ReasoningParser | None = None,
-                 show_reasoning: bool = True) -> None:
+                 show_reasoning: bool = True, role: str = "assistant") -> None:
         """``reasoning``: the --reasoning-parser that splits each choice's text into reasoning
-        and content (shown as ``reasoning`` unless ``show_reasoning`` is off: include_reasoning)."""
+        and content (shown as ``reasoning`` unless ``show_reasoning`` is off: include_reasoning).
+        ``role``: the answer message's (vLLM's --response-role, or the last message's when the
+        request did not add the generation prompt)."""
         super().__init__(request_id, model, choices, include_usage, answer)
+        self.role = role
         self.prompt_text = prompt_text   # return_prompt_text: in the answer, or the stream's first chunk
         self.reasoning = reasoning
         self.show_reasoning = show_reasoning
@@ -57,7 +60,7 @@ class ChatGeneration(Generation):
         return chat_logprobs(out.logprobs, self.token_text, self.top)
 
     def start_chunks(self) -> list[dict]:
-        chunks = [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+        chunks = [self.chunk([{"index": c.index, "delta": {"role": self.role, "content": ""},
                                "logprobs": None, "finish_reason": None}],
                              **({"prompt_token_ids": c.handle.prompt_token_ids} if self.answer.return_token_ids else {}))
                   for c in self.choices]
@@ -120,12 +123,12 @@ class ChatGeneration(Generation):
 
     def final(self, c: Choice) -> dict:
         last = c.last
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
+        message: dict[str, Any] = {"role": self.role, "content": "".join(c.text)}
         calls = c.state.calls
         if calls is not None:
             made = calls.message_calls()
             content = calls.reading.content
-            message = {"role": "assistant", "content": None if made and not content.strip() else content,
+            message = {"role": self.role, "content": None if made and not content.strip() else content,
                        "tool_calls": made}
         if self.echo:
             message["content"] = self.echo + (message["content"] or "")
@@ -179,7 +182,7 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
     renders it only)."""
     client = server.engine()
     n = num_choices(req)
-    stream, include_usage = stream_flags(req)
+    stream, include_usage = stream_flags(req, server.options.force_include_usage)
     messages = chat_messages(req.messages)
     add_generation_prompt = req.add_generation_prompt is not False
     continue_final_message = bool(req.continue_final_message)
@@ -232,7 +235,8 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         prompt_text = client.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=req.chat_template, **(template_kwargs or {}))
+    role = server.options.response_role if add_generation_prompt else last["role"]
     gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, answer,
                          params.num_logprobs, tools, echo, prompt_text, server.reasoning_parser,
-                         req.include_reasoning is not False)
+                         req.include_reasoning is not False, role)
     return gen, stream

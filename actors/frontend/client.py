@@ -10,7 +10,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from actors.detokenizer.actor import EndGroup, EngineLost, Untrack
 from actors.engine.config import EngineConfig
@@ -26,6 +26,9 @@ from actors.scheduler.actor import (PAUSE_MODES, AbortRequests, GetPauseStatus, 
                                     RemoveLoRA, ResumeScheduler)
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from actors.frontend.request_log import OutputLog
 
 # Longest time a request waits for output while the engine runs nothing at all before it is
 # failed (nothing hangs); a request queued behind others waits as long as the engine progresses.
@@ -345,6 +348,7 @@ class RequestHandle:
         self.timeout_s = timeout_s
         self.finished = False
         self._closed = False
+        self.output_log: OutputLog | None = None      # --enable-log-outputs: sees every output
 
     def __aiter__(self) -> RequestHandle:
         return self
@@ -371,6 +375,8 @@ class RequestHandle:
                         and time.monotonic() - self.client.stats.last_progress >= stall):
                     raise
         self.finished = out.finished
+        if self.output_log is not None:
+            self.output_log.take(out)
         return out
 
     def close(self) -> None:
@@ -380,3 +386,5 @@ class RequestHandle:
         self.client.streams.close(self.request_id)
         if not self.finished:
             self.client.abort([self.request_id])
+            if self.output_log is not None:
+                self.output_log.write("abort")

@@ -138,7 +138,7 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest, arrival
     """Check a decoded completion request and admit its choices (see ``chat.start_chat``)."""
     client = server.engine()
     n = num_choices(req)
-    stream, include_usage = stream_flags(req)
+    stream, include_usage = stream_flags(req, server.options.force_include_usage)
     prompts = completion_prompts(req.prompt, server.vocab_size)
     sampled = best_of(req, n, stream)
     if len(prompts) * sampled > MAX_CHOICES:

@@ -35,13 +35,16 @@ class Answer:
     continuous_usage: bool = False        # streamed: the usage so far in every chunk (vLLM's continuous_usage_stats)
 
     @classmethod
-    def of(cls, req: GenerationRequest, token_text: TokenText, as_token_ids: bool) -> Answer:
-        """``as_token_ids``: the server's --return-tokens-as-token-ids (the request's field wins)."""
+    def of(cls, req: GenerationRequest, token_text: TokenText, as_token_ids: bool,
+           force_usage: bool = False) -> Answer:
+        """``as_token_ids``: the server's --return-tokens-as-token-ids (the request's field wins);
+        ``force_usage``: its --enable-force-include-usage (the usage in every streamed chunk)."""
         ids = as_token_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids
         options = req.stream_options
         return cls(TokenIdText(token_text) if ids else token_text, req.shown_id(), bool(req.return_token_ids),
                    req.prompt_logprobs is not None and not req.stream,
-                   bool(req.stream and options and options.include_usage and options.continuous_usage_stats))
+                   bool(req.stream and (force_usage or (options and options.include_usage
+                                                        and options.continuous_usage_stats))))
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:

@@ -38,11 +38,13 @@ class StreamFlags(NamedTuple):
     include_usage: bool          # a last chunk with the usage and no choices
 
 
-def stream_flags(req: GenerationRequest) -> StreamFlags:
+def stream_flags(req: GenerationRequest, force_usage: bool = False) -> StreamFlags:
+    """``force_usage``: the server's --enable-force-include-usage (a stream sends its usage
+    whatever its stream_options say)."""
     stream = bool(req.stream)
     if req.stream_options is not None and not stream:
         raise BadRequest("stream_options may only be set when stream is true", "stream_options")
-    return StreamFlags(stream, bool(stream and req.stream_options and req.stream_options.include_usage))
+    return StreamFlags(stream, bool(stream and (force_usage or (req.stream_options and req.stream_options.include_usage))))
 
 
 def check_priority(req: GenerationRequest, scheduling_policy: str) -> int:

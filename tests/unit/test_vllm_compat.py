@@ -287,6 +287,22 @@ def test_auto_reads_the_checkpoints_generation_config_vllm_ignores_it_a_folder_i
         load_sampling_defaults(source, str(other))
 
 
+def test_override_generation_config_replaces_and_adds_fields_even_over_vllm(tmp_path, caplog):
+    source = _checkpoint_dir(tmp_path / "ckpt", {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 300})
+    over = '{"temperature": 0.1, "top_k": 5, "do_sample": true}'
+    assert load_sampling_defaults(source, "auto", over) == SamplingDefaults(temperature=0.1, top_p=0.9, top_k=5,
+                                                                            max_tokens=300)
+    assert load_sampling_defaults(source, "vllm", {"max_new_tokens": 8}) == SamplingDefaults(max_tokens=8)
+    assert "do_sample sets no sampling default" in caplog.text
+    with pytest.raises(ValueError, match="with --override-generation-config: temperature 9 is out of the range"):
+        load_sampling_defaults(source, "auto", '{"temperature": 9}')
+    for bad, why in (('{"temperature"', "not valid JSON"), ("[1, 2]", "a JSON object is required")):
+        with pytest.raises(ValueError, match=f"--override-generation-config: {why}"):
+            load_sampling_defaults(source, "auto", bad)
+    args = serve.parse_args(["--generation-config", "vllm", "--override-generation-config", '{"top_p": 0.5}'])
+    assert EngineArgs.from_cli_args(args).create_engine_config().model.sampling_defaults == SamplingDefaults(top_p=0.5)
+
+
 def test_a_checkpoint_without_sampling_fields_leaves_the_defaults_alone(tmp_path):
     source = _checkpoint_dir(tmp_path / "a", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2})
     assert load_sampling_defaults(source, "auto") == SamplingDefaults()

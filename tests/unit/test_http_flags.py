@@ -1,0 +1,188 @@
+"""The HTTP side of vLLM's server flags: cross-origin requests (--allowed-origins and the rest,
+answered as vLLM's Starlette middleware answers them), HTTPS (--ssl-certfile and the rest,
+certificates renewed without a restart with --enable-ssl-refresh), and the request log's
+outputs (--enable-log-outputs, --max-log-len)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from actors.frontend.actor import HttpFrontend
+from actors.frontend.app import OpenAIServer, ServerOptions
+from actors.frontend.cors import CorsPolicy
+from actors.frontend.request_log import OutputLog
+from actors.frontend.streams import RequestOutput
+from actors.frontend.tls import TlsFiles
+from helpers import self_signed_cert
+from tools import serve
+
+APP = "https://app.example"
+PREFLIGHT = {"Origin": APP, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "Authorization, Content-Type"}
+
+
+async def _answers(policy: CorsPolicy, calls: list[tuple[str, str, dict]], api_key: str | None = "k"):
+    server = OpenAIServer(None, ServerOptions(api_key=api_key, cors=policy))
+    out = []
+    async with TestClient(TestServer(server.app())) as client:
+        for method, path, headers in calls:
+            async with client.request(method, path, headers=headers) as resp:
+                out.append((resp.status, dict(resp.headers), await resp.text()))
+    return out
+
+
+def test_by_default_no_origin_may_read_answers_and_preflights_are_refused():
+    (status, headers, text), (status2, headers2, _) = asyncio.run(_answers(CorsPolicy(), [
+        ("OPTIONS", "/v1/chat/completions", PREFLIGHT), ("GET", "/health", {"Origin": APP})]))
+    assert (status, text) == (400, "Disallowed CORS origin") and "Access-Control-Allow-Origin" not in headers
+    assert status2 == 503 and "Access-Control-Allow-Origin" not in headers2 and headers2["Vary"] == "Origin"
+
+
+def test_an_allowed_origin_gets_its_preflight_without_the_key_and_every_answer_names_it():
+    policy = CorsPolicy(allowed_origins=(APP,))
+    pre, models, other, plain = asyncio.run(_answers(policy, [
+        ("OPTIONS", "/v1/chat/completions", PREFLIGHT),          # no key: a browser sends none with it
+        ("GET", "/v1/models", {"Origin": APP}),                  # 401, readable by the page
+        ("GET", "/health", {"Origin": "https://other.example"}),
+        ("GET", "/health", {})]))
+    status, headers, text = pre
+    assert (status, text) == (200, "OK")
+    assert headers["Access-Control-Allow-Origin"] == APP
+    assert headers["Access-Control-Allow-Headers"] == "Authorization, Content-Type"   # "*": echoed
+    assert headers["Access-Control-Allow-Methods"] == "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+    assert headers["Access-Control-Max-Age"] == "600"
+    assert models[0] == 401 and models[1]["Access-Control-Allow-Origin"] == APP and models[1]["Vary"] == "Origin"
+    assert "Access-Control-Allow-Origin" not in other[1]
+    assert "Access-Control-Allow-Origin" not in plain[1] and "Vary" not in plain[1]
+
+
+def test_any_origin_is_a_star_unless_credentials_need_the_origin_itself():
+    star = asyncio.run(_answers(CorsPolicy(allowed_origins=("*",)), [
+        ("OPTIONS", "/v1/completions", PREFLIGHT), ("GET", "/health", {"Origin": APP})]))
+    assert star[0][1]["Access-Control-Allow-Origin"] == "*" and star[1][1]["Access-Control-Allow-Origin"] == "*"
+    creds = asyncio.run(_answers(CorsPolicy(allowed_origins=("*",), allow_credentials=True), [
+        ("OPTIONS", "/v1/completions", PREFLIGHT), ("GET", "/health", {"Origin": APP})]))
+    for _, headers, _ in creds:
+        assert headers["Access-Control-Allow-Origin"] == APP
+        assert headers["Access-Control-Allow-Credentials"] == "true"
+
+
+def test_methods_and_headers_outside_the_lists_fail_the_preflight_naming_them():
+    policy = CorsPolicy(allowed_origins=(APP,), allowed_methods=("GET", "POST"), allowed_headers=("Authorization",))
+    ok, bad_method, bad_header = asyncio.run(_answers(policy, [
+        ("OPTIONS", "/v1/models", {**PREFLIGHT, "Access-Control-Request-Headers": "authorization, content-type"}),
+        ("OPTIONS", "/v1/models", {**PREFLIGHT, "Access-Control-Request-Method": "DELETE"}),
+        ("OPTIONS", "/v1/models", {**PREFLIGHT, "Access-Control-Request-Headers": "X-Secret"})]))
+    assert ok[0] == 200 and ok[1]["Access-Control-Allow-Methods"] == "GET, POST"
+    assert ok[1]["Access-Control-Allow-Headers"] == "Accept, Accept-Language, Authorization, Content-Language, Content-Type"
+    assert (bad_method[0], bad_method[2]) == (400, "Disallowed CORS method")
+    assert (bad_header[0], bad_header[2]) == (400, "Disallowed CORS headers")
+
+
+def test_the_cors_flags_take_vllms_json_lists(capsys):
+    args = serve.parse_args(["--allowed-origins", '["https://a.example", "https://b.example"]',
+                             "--allowed-methods", '["GET"]', "--allow-credentials"])
+    assert (args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials) == \
+        (["https://a.example", "https://b.example"], ["GET"], ["*"], True)
+    for bad in ("*", '{"a": 1}', "[1]"):
+        with pytest.raises(SystemExit):
+            serve.parse_args(["--allowed-origins", bad])
+        assert "--allowed-origins" in capsys.readouterr().err
+
+
+# -- HTTPS -------------------------------------------------------------------------------------
+
+def test_tls_flags_that_cannot_serve_are_refused_naming_what_is_missing(tmp_path, capsys):
+    cert, key = self_signed_cert(str(tmp_path))
+    for argv, message in ((["--ssl-keyfile", key], "--ssl-keyfile needs --ssl-certfile"),
+                          (["--ssl-certfile", cert, "--ssl-cert-reqs", "2"], "needs --ssl-ca-certs"),
+                          (["--ssl-certfile", cert, "--ssl-cert-reqs", "5"], "0 (none), 1 (optional) or 2"),
+                          (["--enable-ssl-refresh"], "--enable-ssl-refresh needs --ssl-certfile")):
+        with pytest.raises(SystemExit) as exc:
+            serve.parse_args(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="cannot load"):
+        TlsFiles.of(key, str(tmp_path / "missing.pem")).context()
+    with pytest.raises(ValueError, match="--ssl-ciphers 'NOPE'"):
+        TlsFiles.of(key, cert, ciphers="NOPE").context()
+
+
+def _peer_cert(port: int, ca: str) -> bytes:
+    ctx = ssl.create_default_context(cafile=ca)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            return s.getpeercert(binary_form=True)
+
+
+async def _serve_and_renew(tmp_path) -> tuple[int, int, int]:
+    """Serve HTTPS with one certificate and renew its files in place: the status of an HTTPS
+    request, of a plain HTTP one (0: refused), and 1 once the new certificate was served."""
+    old_cert, old_key = self_signed_cert(str(tmp_path), "old")
+    new_cert, new_key = self_signed_cert(str(tmp_path), "new")
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    cert.write_bytes(open(old_cert, "rb").read())
+    key.write_bytes(open(old_key, "rb").read())
+    files = TlsFiles.of(str(key), str(cert))
+    frontend = HttpFrontend(OpenAIServer(None, ServerOptions()), "127.0.0.1", 0, files.context(), files)
+    await frontend.started()
+    try:
+        port = frontend.port
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"https://127.0.0.1:{port}/health",
+                                   ssl=ssl.create_default_context(cafile=old_cert)) as resp:
+                status = resp.status
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/health") as resp:
+                    plain = resp.status
+            except aiohttp.ClientError:
+                plain = 0
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, _peer_cert, port, old_cert)
+        # a renewal writes the key, then the certificate: while the pair does not match, the old
+        # certificate keeps serving
+        key.write_bytes(open(new_key, "rb").read())
+        await asyncio.sleep(1.5)           # past the watcher's next look (every second)
+        assert await loop.run_in_executor(None, _peer_cert, port, old_cert)
+        cert.write_bytes(open(new_cert, "rb").read())
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                await loop.run_in_executor(None, _peer_cert, port, new_cert)
+                break
+            except ssl.SSLError:
+                assert time.monotonic() < deadline, "the renewed certificate was never served"
+                await asyncio.sleep(0.2)
+        return status, plain, 1
+    finally:
+        await frontend.stopped()
+
+
+def test_https_serves_the_certificate_and_a_renewed_one_without_a_restart(tmp_path):
+    status, plain, renewed = asyncio.run(_serve_and_renew(tmp_path))
+    assert status == 503            # the model is loading: but the answer came over TLS
+    assert plain != 200             # no plain HTTP on an HTTPS port
+    assert renewed == 1
+
+
+# -- the request log's outputs ------------------------------------------------------------------
+
+def test_log_outputs_writes_each_finished_output_once_clipped_to_max_log_len(caplog):
+    with caplog.at_level(logging.DEBUG, logger="troupe.http"):
+        out = OutputLog("req-1", 8)
+        out.take(RequestOutput("req-1", "Hello", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+        out.take(RequestOutput("req-1", ", world", [10], finished=True, finish_reason="stop"))
+        OutputLog("req-2", None).take(RequestOutput("req-2", "partial", [1], finished=True,
+                                                    finish_reason="error", error="boom"))
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines == [("DEBUG", "response req-1: output_token_ids: [1, 2, 3, 4, 5, 6, 7, 8]"),
+                     ("INFO", "response req-1: output: 'Hello, w', finish_reason: stop"),
+                     ("DEBUG", "response req-2: output_token_ids: [1]"),
+                     ("INFO", "response req-2: output: 'partial', finish_reason: error (boom)")]
