@@ -38,6 +38,23 @@ class ModelSource:
     served_name: str   # the name the API reports, e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+def resolve_tokenizer(name: str | None) -> ModelSource | None:
+    """vLLM's --tokenizer: a directory holding a tokenizer.json (a checkpoint, or the tokenizer's
+    files alone), a .gguf file, or a model name ``resolve_model`` knows; None: the model's own."""
+    if name is None:
+        return None
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise ModelNotFoundError(f"--tokenizer {name!r}: the directory has no tokenizer.json")
+        return ModelSource("hf_dir", os.path.abspath(path), name.rstrip("/"))
+    try:
+        return resolve_model(name)
+    except ModelNotFoundError:
+        raise ModelNotFoundError(f"--tokenizer {name!r}: not a directory with a tokenizer.json, a .gguf file "
+                                 "or a model on this machine (Troupe never downloads)") from None
+
+
 def resolve_model(model: str | None) -> ModelSource:
     """Accepted: None or one of DEFAULT_ALIASES (the default model), one of GEMMA3_ALIASES,
     a path to a .gguf file, or a directory holding a Hugging Face checkpoint (config.json)."""

@@ -49,7 +49,6 @@ REFUSED: dict[str, str] = {
     "--nnodes": _PARALLEL, "--node-rank": _PARALLEL, "--master-addr": _PARALLEL, "--master-port": _PARALLEL,
     "--disable-frontend-multiprocessing": "Troupe's engine always runs in a process of its own",
     # loading the model
-    "--tokenizer": "Troupe reads the tokenizer from the model's GGUF file or checkpoint directory",
     "--tokenizer-mode": _LOADING, "--tokenizer-revision": _LOADING, "--revision": _LOADING,
     "--code-revision": _LOADING, "--hf-config-path": _LOADING, "--hf-token": "Troupe never downloads",
     "--hf-overrides": _LOADING, "--download-dir": "Troupe never downloads", "--load-format": _LOADING,

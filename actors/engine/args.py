@@ -25,7 +25,7 @@ from actors.kv_transfer.config import kv_transfer_config
 from actors.kv_transfer.factory import KVConnectorFactory
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig
-from models.resolve import ModelSource, resolve_model
+from models.resolve import ModelSource, resolve_model, resolve_tokenizer
 
 log = logging.getLogger("troupe.engine")
 
@@ -40,6 +40,7 @@ class EngineArgs:
     quantization: str | None = None
     logprobs_mode: str = "raw_logprobs"
     chat_template: str | None = None
+    tokenizer: str | None = None          # None: the model's own
     served_model_name: str | list[str] | tuple[str, ...] | None = None   # None: the model's own name
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     generation_config: str = "auto"       # "auto" | "vllm" | a folder with a generation_config.json
@@ -132,7 +133,8 @@ class EngineArgs:
                               sampling_defaults=load_sampling_defaults(source, self.generation_config,
                                                                         self.override_generation_config),
                               draft_source=draft_source(speculative, source),
-                              logits_processors=logits_processor_names(self.logits_processors)),
+                              logits_processors=logits_processor_names(self.logits_processors),
+                              tokenizer_source=resolve_tokenizer(self.tokenizer)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               num_blocks=self.num_gpu_blocks_override, cache_dtype=self.kv_cache_dtype,
@@ -409,6 +411,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             default=d["override_generation_config"], metavar="JSON",
             help='generation config fields over --generation-config\'s, e.g. \'{"temperature": 0.5}\' (with '
                  '--generation-config vllm, these alone)')),
+        (("--tokenizer",), "tokenizer", dict(
+            default=d["tokenizer"], metavar="DIR_OR_MODEL",
+            help="read the tokenizer (and its chat template) from here instead of the model's checkpoint: a "
+                 "directory with a tokenizer.json (a Hugging Face checkpoint, or its tokenizer files alone), "
+                 "a .gguf file, or a model name Troupe knows; its vocabulary must fit the model's")),
         (("--chat-template",), "chat_template", dict(
             default=d["chat_template"], metavar="FILE_OR_TEMPLATE",
             help="a Jinja chat template (a file, or the template itself) used instead of the model's")),

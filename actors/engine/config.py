@@ -66,6 +66,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's --logits-processors: batch-level processors' classes ("module.Class" or "module:Class"),
     # applied by the worker beside those of troupe.logits_processors entry points
     logits_processors: tuple[str, ...] = ()
+    # vLLM's --tokenizer: where the tokenizer is read from instead of the model's own checkpoint
+    tokenizer_source: ModelSource | None = None
+
+    @property
+    def tokenizer(self) -> ModelSource:
+        """Where the tokenizer comes from: --tokenizer's, else the model's checkpoint."""
+        return self.tokenizer_source or self.source
 
     @property
     def served_model_name(self) -> str:

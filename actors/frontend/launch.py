@@ -124,7 +124,7 @@ class Frontend:
         """Load the model (in the engine's and worker's processes when the config is
         multiprocess), then start the tokenizer and detokenizer actors (and, with ``telemetry``,
         the collector of every process's trace records for the dashboard); sets ``client``."""
-        source = config.model.source
+        source = config.model.tokenizer
         interval = log_interval()            # a bad VLLM_LOG_STATS_INTERVAL fails the start, not later
         self.node.tracer.enabled = config.observability.trace
         if config.observability.flight_recorder_dir:
@@ -139,6 +139,10 @@ class Frontend:
         engines = await asyncio.gather(*(_start_engine(self, config, ready_timeout, r) for r in range(dp)))
         engine = engines[0]
         config = engine.config                          # resolved by the worker
+        arch = config.model.arch
+        if config.model.tokenizer_source is not None and arch is not None and tokenizer.vocab_size > arch.vocab_size:
+            raise ValueError(f"--tokenizer {config.model.tokenizer_source.served_name!r}: its vocabulary "
+                             f"({tokenizer.vocab_size} tokens) does not fit the model's ({arch.vocab_size})")
         streams = OutputStreams()
         cache = config.cache
         stats = EngineStats(model=config.model.served_model_name, max_model_len=config.model.max_model_len,

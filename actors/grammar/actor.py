@@ -79,7 +79,7 @@ def xgrammar_compiler(config: EngineConfig) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     from actors.tokenizer.gguf_tokenizer import TextTokenizer
-    source, arch = config.model.source, config.model.arch
+    source, arch = config.model.tokenizer, config.model.arch
     tokenizer = TextTokenizer.from_source(source.kind, source.path)
     info = xgrammar.TokenizerInfo.from_huggingface(
         PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer), vocab_size=arch.vocab_size,

@@ -39,3 +39,23 @@ def test_checkpoint_directory_answers_like_the_gguf(checkpoint):
         (from_gguf,) = llm.chat(messages, params, use_tqdm=False)
     assert "Paris" in from_dir.text
     assert from_dir.token_ids == from_gguf.token_ids
+
+
+def test_a_gguf_model_with_tokenizer_reads_the_tokenizer_and_its_template_from_there(tmp_path):
+    """vLLM's --tokenizer (a GGUF file with its tokenizer's own directory, as vLLM's GGUF guide
+    serves one): the directory's tokenizer and chat template render the prompt."""
+    import json
+
+    from models.resolve import default_gguf_path
+    from tools.quantize import write_gguf_tokenizer
+    write_gguf_tokenizer(default_gguf_path(), str(tmp_path))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ 'Question: ' + messages[-1]['content'] + '\\nAnswer:' }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with LLM(default_gguf_path(), tokenizer=str(tmp_path)) as llm:
+        (out,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        tokenizer = llm.get_tokenizer()
+        assert tokenizer.source == str(tmp_path)
+        assert tokenizer.decode(out.prompt_token_ids) == "Question: What is the capital of France?\nAnswer:"
+    assert out.outputs[0].token_ids

@@ -471,3 +471,18 @@ def test_every_request_field_of_vllm_0_32_is_a_field_here():
     for name, cls in (("chat", ChatCompletionRequest), ("completion", CompletionRequest),
                       ("responses", ResponsesRequest)):
         assert not set(vllm[name]) - set(cls.__struct_fields__), name
+
+
+def test_tokenizer_names_a_tokenizer_directory_a_gguf_file_or_a_known_model(tmp_path):
+    from models.resolve import ModelNotFoundError, default_gguf_path, resolve_tokenizer
+    assert resolve_tokenizer(None) is None
+    assert resolve_tokenizer("smollm2") == ModelSource("gguf", default_gguf_path(), DEFAULT_MODEL)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert resolve_tokenizer(str(tmp_path)) == ModelSource("hf_dir", str(tmp_path), str(tmp_path))
+    config = EngineArgs.from_cli_args(serve.parse_args(["--tokenizer", str(tmp_path)])).create_engine_config()
+    assert config.model.tokenizer == ModelSource("hf_dir", str(tmp_path), str(tmp_path))
+    assert EngineArgs().create_engine_config().model.tokenizer == config.model.source     # the model's own
+    with pytest.raises(ModelNotFoundError, match="the directory has no tokenizer.json"):
+        resolve_tokenizer(str(tmp_path / ".."))
+    with pytest.raises(ModelNotFoundError, match="Troupe never downloads"):
+        resolve_tokenizer("meta-llama/Llama-3.2-1B")
