@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import ssl
 import sys
@@ -61,7 +62,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                    help="the model, as --model takes it (vLLM's `vllm serve MODEL`)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--uds", default=None, metavar="PATH",
+                   help="vLLM's: listen on this Unix domain socket instead of --host and --port")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (any of the keys given) on /v1/*, /invocations, "
+                        "/debug/* and /dashboard (default: $VLLM_API_KEY when set, as in vLLM)")
     p.add_argument("--lenient", action="store_true",
                    help="accept (and log) unknown request fields instead of answering 400")
     p.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
@@ -164,6 +169,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
         args.model = args.model_tag
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error("--enable-auto-tool-choice requires --tool-call-parser")
+    args.api_key = tuple(args.api_key) if args.api_key else (
+        (os.environ["VLLM_API_KEY"],) if os.environ.get("VLLM_API_KEY") else None)
     if args.enable_log_outputs and not args.enable_log_requests:
         p.error("--enable-log-outputs requires --enable-log-requests")
     try:
@@ -259,7 +266,7 @@ async def serve(args: argparse.Namespace) -> int:
         tls = args.tls
         ssl_context = tls.context() if tls is not None else None       # a file that cannot load: stop here
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(
-            server, args.host, args.port, ssl_context, tls if args.enable_ssl_refresh else None))
+            server, args.host, args.port, ssl_context, tls if args.enable_ssl_refresh else None, args.uds))
         addr = await http.ask(GetAddress())
         print(f"Troupe listening on {addr.url} (loading the model)", flush=True)
         config = EngineArgs.from_cli_args(args).create_engine_config()

@@ -102,7 +102,7 @@ REFUSED: dict[str, str] = {
     "--collect-detailed-traces": "Troupe records spans with --no-trace off (/debug/trace)",
     "--aggregate-engine-logging": _PARALLEL, "--log-config-file": _LOGS, "--log-error-stack": _LOGS,
     # the HTTP frontend
-    "--uds": _HTTP, "--root-path": _HTTP,
+    "--root-path": _HTTP,
     "--middleware": "Troupe adds no ASGI middleware (a troupe.endpoints plugin adds routes)",
     "--chat-template-content-format": "Troupe renders message content as a string",
     "--tool-parser-plugin": "Troupe loads no tool parser plugins (see --tool-call-parser)",

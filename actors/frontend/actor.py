@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import ssl
 from typing import Any, ClassVar
 
@@ -17,10 +19,11 @@ class ServerAddress(msgspec.Struct):
     host: str
     port: int
     scheme: str = "http"          # "https" with --ssl-certfile
+    uds: str = ""                 # the Unix socket it listens on instead (--uds)
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}"
+        return f"unix:{self.uds}" if self.uds else f"{self.scheme}://{self.host}:{self.port}"
 
 
 class GetAddress(Msg):
@@ -35,12 +38,14 @@ class HttpFrontend(Actor):
     on_failure = "escalate"
 
     def __init__(self, server: OpenAIServer, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
-                 refresh_from: TlsFiles | None = None) -> None:
+                 refresh_from: TlsFiles | None = None, uds: str | None = None) -> None:
         """``ssl_context``: serve HTTPS with it; ``refresh_from``: load these files into it again
-        whenever they change (--enable-ssl-refresh)."""
+        whenever they change (--enable-ssl-refresh); ``uds``: listen on this Unix socket instead
+        of host and port (vLLM's --uds)."""
         self.server = server
         self.host = host
         self.port = port
+        self.uds = uds
         self.ssl_context = ssl_context
         self.refresh_from = refresh_from
         self.refreshing: asyncio.Future | None = None
@@ -52,18 +57,25 @@ class HttpFrontend(Actor):
         self.runner = web.AppRunner(self.server.app(), access_log=None, shutdown_timeout=2.0,
                                     handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, ssl_context=self.ssl_context)
+        if self.uds:
+            site: web.BaseSite = web.UnixSite(self.runner, self.uds, ssl_context=self.ssl_context)
+        else:
+            site = web.TCPSite(self.runner, self.host, self.port, ssl_context=self.ssl_context)
         await site.start()
-        if self.port == 0:
+        if self.port == 0 and not self.uds:
             self.port = self.runner.addresses[0][1]
         if self.ssl_context is not None and self.refresh_from is not None:
             self.refreshing = asyncio.ensure_future(self.refresh_from.refresh(self.ssl_context))
 
     async def receive(self, msg: HttpFrontendProtocol) -> Any:
-        return ServerAddress(self.host, self.port, "https" if self.ssl_context is not None else "http")
+        return ServerAddress(self.host, self.port, "https" if self.ssl_context is not None else "http",
+                             self.uds or "")
 
     async def stopped(self) -> None:
         if self.refreshing is not None:
             self.refreshing.cancel()
         if self.runner is not None:
             await self.runner.cleanup()
+        if self.uds:
+            with contextlib.suppress(OSError):
+                os.unlink(self.uds)

@@ -52,7 +52,7 @@ def _same(given: str, key: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class ServerOptions:
-    api_key: str | None = None             # a Bearer token on /v1/*, /debug/* and /dashboard
+    api_key: str | tuple[str, ...] | None = None   # Bearer tokens (any of them) on /v1/*, /debug/*, /dashboard
     lenient: bool = False                  # drop (and log) unknown request fields instead of a 400
     request_timeout: float = 0.0           # seconds a request may take before it is aborted; 0: none
     max_body_bytes: int = MAX_BODY_BYTES
@@ -169,7 +169,7 @@ class OpenAIServer:
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         if self.options.cors.is_preflight(request):      # no key comes with it (vLLM's order)
             return self.options.cors.preflight(request)
-        login = False
+        login: str | None = None
         if self.options.api_key and request.path.startswith(PROTECTED_PATHS):
             login = self._login(request)
             if not (login or self._authorized(request)):
@@ -182,25 +182,32 @@ class OpenAIServer:
         if not response.prepared and "X-Request-Id" not in response.headers:
             response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or span.request_id()
         if login and not response.prepared:
-            response.set_cookie(KEY_COOKIE, self.options.api_key, httponly=True, samesite="Strict",
-                                path="/")
+            response.set_cookie(KEY_COOKIE, login, httponly=True, samesite="Strict", path="/")
         return response
 
-    def _authorized(self, request: web.Request) -> bool:
-        """The key as a Bearer token; for the dashboard and /debug/* also as the cookie that
-        ``_login`` set, since a browser sends no header of its own (EventSource included)."""
+    def _keys(self) -> tuple[str, ...]:
         key = self.options.api_key
-        if _same(request.headers.get("Authorization", ""), f"Bearer {key}"):
-            return True
-        return (not request.path.startswith("/v1/")
-                and _same(request.cookies.get(KEY_COOKIE, ""), key))
+        return (key,) if isinstance(key, str) else tuple(key or ())
 
-    def _login(self, request: web.Request) -> bool:
-        """``GET /dashboard?api_key=KEY``: the page opened from a browser with the key once; the
-        answer sets it as an HttpOnly cookie for the page's own requests."""
+    def _is_key(self, given: str) -> bool:
+        return any([_same(given, key) for key in self._keys()])     # every key compared
+
+    def _authorized(self, request: web.Request) -> bool:
+        """A key as a Bearer token (any of --api-key's); for the dashboard and /debug/* also as
+        the cookie that ``_login`` set, since a browser sends no header of its own (EventSource
+        included)."""
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and self._is_key(token):
+            return True
+        return not request.path.startswith("/v1/") and self._is_key(request.cookies.get(KEY_COOKIE, ""))
+
+    def _login(self, request: web.Request) -> str | None:
+        """``GET /dashboard?api_key=KEY``: the page opened from a browser with a key once; the
+        answer sets it as an HttpOnly cookie for the page's own requests. The key, when it is one."""
         given = request.query.get("api_key")
-        return (request.path == "/dashboard" and given is not None
-                and _same(given, self.options.api_key))
+        if request.path == "/dashboard" and given is not None and self._is_key(given):
+            return given
+        return None
 
     async def _handle(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         return await self.answer(lambda: handler(request), f"{request.method} {request.path}")

@@ -85,7 +85,7 @@ class Server:
         for line in self.proc.stdout:
             self.lines.append(line)
             # host and port only: a Ray actor's forwarded log can land on the same line
-            m = re.search(r"Troupe ready on (https?://[0-9A-Za-z.\-\[\]:]+)", line)
+            m = re.search(r"Troupe ready on (https?://[0-9A-Za-z.\-\[\]:]+|unix:\S+)", line)
             if m:
                 self.url = m.group(1)
                 self._ready.set()

@@ -186,3 +186,45 @@ def test_log_outputs_writes_each_finished_output_once_clipped_to_max_log_len(cap
                      ("INFO", "response req-1: output: 'Hello, w', finish_reason: stop"),
                      ("DEBUG", "response req-2: output_token_ids: [1]"),
                      ("INFO", "response req-2: output: 'partial', finish_reason: error (boom)")]
+
+
+# -- --api-key ---------------------------------------------------------------------------------
+
+def test_any_of_several_api_keys_opens_v1_and_vllm_api_key_is_the_default(monkeypatch):
+    async def statuses():
+        server = OpenAIServer(None, ServerOptions(api_key=("k1", "k2")))
+        out = []
+        async with TestClient(TestServer(server.app())) as client:
+            for auth in ("Bearer k1", "bearer k2", "Bearer k3", "k1", ""):
+                async with client.get("/v1/models", headers={"Authorization": auth} if auth else {}) as resp:
+                    out.append(resp.status)
+            async with client.get("/dashboard?api_key=k2") as resp:
+                out.append((resp.status, resp.cookies["troupe_api_key"].value))
+        return out
+    assert asyncio.run(statuses()) == [503, 503, 401, 401, 401, (200, "k2")]   # 503: loading, past the key
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert serve.parse_args([]).api_key == ("from-env",)
+    assert serve.parse_args(["--api-key", "a", "b"]).api_key == ("a", "b")
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert serve.parse_args([]).api_key is None
+
+
+# -- --uds -------------------------------------------------------------------------------------
+
+def test_uds_serves_on_a_unix_socket_and_removes_it_when_stopped(tmp_path):
+    path = str(tmp_path / "troupe.sock")
+
+    async def serve_once():
+        frontend = HttpFrontend(OpenAIServer(None, ServerOptions()), "127.0.0.1", 0, uds=path)
+        await frontend.started()
+        try:
+            address = await frontend.receive(None)
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path)) as session:
+                async with session.get("http://localhost/health") as resp:
+                    return address.url, resp.status
+        finally:
+            await frontend.stopped()
+    assert asyncio.run(serve_once()) == (f"unix:{path}", 503)      # 503: no model loaded
+    import os
+    assert not os.path.exists(path)
+    assert serve.parse_args(["--uds", path]).uds == path
