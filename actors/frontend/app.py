@@ -17,8 +17,8 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from actors.frontend import (chat, completions, control, dashboard, debug, lora, misc, observe, request_log,
-                             responses, scale_out, sse)
+from actors.frontend import (anthropic, chat, completions, control, dashboard, debug, lora, misc, observe,
+                             request_log, responses, scale_out, sse)
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
@@ -93,6 +93,7 @@ class OpenAIServer:
         self.request_defaults = ServerDefaults()
         self.responses = responses.ResponseStore()     # for GET /v1/responses/{id} and previous_response_id
         self.server_load = 0             # generation requests being answered (GET /load)
+        self.anthropic_merge_system: bool | None = None   # the template takes one leading system message only
         self.reasoning_parser = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
         if client is not None:
             self.attach(client)
@@ -105,6 +106,7 @@ class OpenAIServer:
         self.vocab_size = min(client.tokenizer.vocab_size, client.vocab_size)
         model = client.config.model
         self.request_defaults = ServerDefaults(model.max_logprobs, model.sampling_defaults)
+        self.anthropic_merge_system = None
         self.client = client
 
     def template_kwargs(self, own: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -134,6 +136,8 @@ class OpenAIServer:
             ("POST", "/v1/chat/completions", self._loading(chat.chat_completions)),
             ("POST", "/v1/completions", self._loading(completions.completions)),
             ("POST", "/v1/responses", self._loading(responses.create_response)),
+            ("POST", anthropic.MESSAGES, self._loading(anthropic.create_message)),
+            ("POST", anthropic.COUNT_TOKENS, anthropic.count_tokens),
             ("POST", "/invocations", self._loading(misc.invocations)),
             ("GET", "/v1/responses/{response_id}", responses.retrieve_response),
             ("DELETE", "/v1/responses/{response_id}", responses.delete_response),
@@ -199,6 +203,8 @@ class OpenAIServer:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() == "bearer" and self._is_key(token):
             return True
+        if "X-Api-Key" in request.headers:          # how the Anthropic SDK sends its key (/v1/messages)
+            return self._is_key(request.headers["X-Api-Key"])
         return not request.path.startswith("/v1/") and self._is_key(request.cookies.get(KEY_COOKIE, ""))
 
     def _login(self, request: web.Request) -> str | None:

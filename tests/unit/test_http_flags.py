@@ -190,7 +190,7 @@ def test_log_outputs_writes_each_finished_output_once_clipped_to_max_log_len(cap
 
 # -- --api-key ---------------------------------------------------------------------------------
 
-def test_any_of_several_api_keys_opens_v1_and_vllm_api_key_is_the_default(monkeypatch):
+def test_any_of_several_api_keys_opens_v1_as_bearer_or_x_api_key_and_vllm_api_key_is_the_default(monkeypatch):
     async def statuses():
         server = OpenAIServer(None, ServerOptions(api_key=("k1", "k2")))
         out = []
@@ -198,10 +198,13 @@ def test_any_of_several_api_keys_opens_v1_and_vllm_api_key_is_the_default(monkey
             for auth in ("Bearer k1", "bearer k2", "Bearer k3", "k1", ""):
                 async with client.get("/v1/models", headers={"Authorization": auth} if auth else {}) as resp:
                     out.append(resp.status)
+            for key in ("k2", "k3"):             # the Anthropic SDK's header
+                async with client.post("/v1/messages", headers={"X-Api-Key": key}, json={}) as resp:
+                    out.append(resp.status)
             async with client.get("/dashboard?api_key=k2") as resp:
                 out.append((resp.status, resp.cookies["troupe_api_key"].value))
         return out
-    assert asyncio.run(statuses()) == [503, 503, 401, 401, 401, (200, "k2")]   # 503: loading, past the key
+    assert asyncio.run(statuses()) == [503, 503, 401, 401, 401, 503, 401, (200, "k2")]   # 503: loading, past the key
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     assert serve.parse_args([]).api_key == ("from-env",)
     assert serve.parse_args(["--api-key", "a", "b"]).api_key == ("a", "b")
