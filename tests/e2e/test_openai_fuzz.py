@@ -1,4 +1,4 @@
-"""Fuzzing the HTTP edge with 1,100 generated hostile bodies: every field of every endpoint gets
+"""Fuzzing the HTTP edge with 1,200 generated hostile bodies: every field of every endpoint gets
 valid values, wrong types, out-of-range and non-finite numbers, nulls, deep nesting and junk,
 plus unknown fields, empty and 100,000-message conversations, 5 MB bodies and bodies that are
 not JSON (or not UTF-8) at all. Bodies go five at a time, so hostile values share engine steps
@@ -58,7 +58,9 @@ def check(server: Server, path: str, body: bytes) -> int:
     status, headers, data = request(server, "POST", path, body)
     assert time.monotonic() - start < DEADLINE_S
     assert status < 500, (status, body[:500], data[:500])
-    if status >= 400:
+    if path.startswith(MESSAGES_PATH):               # Anthropic's shapes
+        check_anthropic(status, headers, data)
+    elif status >= 400:
         err = json.loads(data)["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], data[:500]
         assert err["code"] == status and err["type"] == ERROR_TYPES[status], data[:500]
@@ -78,6 +80,27 @@ def check(server: Server, path: str, body: bytes) -> int:
     else:
         json.loads(data)
     return status
+
+
+def check_anthropic(status: int, headers: dict, data: bytes) -> None:
+    """An error as ``{"type": "error", "error": {"type", "message"}}``; a stream as named events
+    from message_start to message_stop, none of them an error."""
+    if status >= 400:
+        body = json.loads(data)
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, data[:500]
+        assert body["error"]["type"] == ERROR_TYPES[status] and body["error"]["message"], data[:500]
+    elif headers.get("content-type", "").startswith("text/event-stream"):
+        text = data.decode()
+        assert text.endswith("\n\n"), text[-300:]
+        names = []
+        for block in text.split("\n\n")[:-1]:
+            name, payload = block.split("\n", 1)
+            names.append(name.removeprefix("event: "))
+            assert json.loads(payload.removeprefix("data: "))["type"] == names[-1] != "error", block
+        assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"], names
+    else:
+        body = json.loads(data)
+        assert body.get("type") == "message" or "input_tokens" in body, data[:500]
 
 
 def check_all(server: Server, test: str, sends: list[tuple[str, bytes]]) -> list[int]:
@@ -286,13 +309,14 @@ def batch(strategy: st.SearchStrategy) -> st.SearchStrategy:
 
 
 CHAT_PATH, COMPLETION_PATH, RESPONSES_PATH = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+MESSAGES_PATH, COUNT_TOKENS_PATH = "/v1/messages", "/v1/messages/count_tokens"
 
 
 def path_of(body: dict) -> str:
     return CHAT_PATH if "messages" in body else RESPONSES_PATH if "input" in body else COMPLETION_PATH
 
 
-# -- generated bodies: 45 x 5 + 45 x 5 + 20 x 5 + 30 x 5 + 20 x 5 + 30 x 5 + 24 x 5 = 1,070 ----------
+# -- generated bodies: 45 x 5 + 45 x 5 + 20 x 5 + 20 x 5 + 30 x 5 + 20 x 5 + 30 x 5 + 24 x 5 = 1,170 ------
 @FUZZ
 @given(sent=batch(bodies(CHAT, "messages")))
 def test_fuzz_chat_completions(server, sent):
@@ -309,6 +333,57 @@ def test_fuzz_completions(server, sent):
 @given(sent=batch(bodies(RESPONSES, "input").map(short_response)))
 def test_fuzz_responses(server, sent):
     check_all(server, "responses", [(RESPONSES_PATH, encoded(b)) for b in sent])
+
+
+BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": small_text}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": small_text, "signature": small_text}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": small_text, "name": small_text,
+                           "input": st.dictionaries(small_text, small_text, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": small_text, "content": st.one_of(
+        small_text, st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image"]), "text": small_text}),
+                             max_size=2))}),
+    st.fixed_dictionaries({"type": st.sampled_from(["image", "redacted_thinking", "document", "x"])}))
+ANTHROPIC = {
+    "max_tokens": st.integers(-1, 4), "temperature": st.floats(-0.5, 2.5), "top_p": st.floats(0, 1),
+    "top_k": st.integers(-2, 50), "stream": st.booleans(), "stop_sequences": st.lists(small_text, max_size=2),
+    "system": st.one_of(small_text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": small_text}),
+                                             max_size=2)),
+    "messages": st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "assistant", "system"]),
+        "content": st.one_of(small_text, st.lists(BLOCK, max_size=3))}), max_size=3),
+    "tools": st.lists(st.fixed_dictionaries({"name": small_text, "input_schema": st.sampled_from([
+        {"type": "object"}, {"properties": {"a": {"type": "integer"}}}, {"type": "array"}, {}])}), max_size=2),
+    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool"},
+                                    {"type": "tool", "name": "f"}, {"type": "x"}]),
+    "thinking": st.sampled_from([{"type": "disabled"}, {"type": "adaptive"}, {"type": "enabled"},
+                                 {"type": "enabled", "budget_tokens": 1024}, {"type": "enabled", "budget_tokens": 5}]),
+    "output_config": st.fixed_dictionaries({}, optional={
+        "effort": st.sampled_from(["low", "max", "huge"]),
+        "format": st.sampled_from([{"type": "json_schema", "schema": {"type": "object"}}, {"type": "x"}, {}])}),
+    "metadata": st.dictionaries(small_text, small_text, max_size=2), "service_tier": small_text,
+}
+
+
+def anthropic_body(body: dict) -> dict:
+    """Messages bodies that run short (a max_tokens of at most 3 unless it is junk), naming the
+    served model unless the model is what was generated (Anthropic's ``model`` is required)."""
+    if body.get("model") is None:
+        body["model"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    limit = body.get("max_tokens")
+    if limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 3):
+        body["max_tokens"] = 3
+    return body
+
+
+@settings(FUZZ, max_examples=20)
+@given(sent=batch(bodies(ANTHROPIC, "messages").map(anthropic_body)
+                  | bodies(ANTHROPIC, "messages", junky=False).map(anthropic_body)))
+def test_fuzz_anthropic_messages_and_count_tokens(server, sent):
+    """vLLM's Anthropic endpoints: Anthropic's error shape for what is refused, Anthropic's
+    events when streamed (count_tokens gets every other body)."""
+    check_all(server, "anthropic", [(COUNT_TOKENS_PATH if i % 2 else MESSAGES_PATH, encoded(b))
+                                    for i, b in enumerate(sent)])
 
 
 @settings(FUZZ, max_examples=30)
