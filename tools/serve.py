@@ -26,7 +26,7 @@ from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tls import TlsFiles
 from actors.frontend.tool_parsers import TOOL_PARSERS
 from actors.frontend.reasoning import REASONING_PARSERS
-from actors.runtime import heap
+from actors.runtime import heap, logs
 from actors.runtime.plugins import load_general_plugins
 from tools import config_file
 from tools.config_file import add_config_flag
@@ -128,9 +128,15 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--metrics-prefix", type=_prefixes, default=PREFIXES, metavar="PREFIXES",
                    help="the name prefixes /metrics writes, a comma list of vllm (the metrics vLLM has, "
                         "under vLLM's names) and troupe (those and Troupe's own) (default: vllm,troupe)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default=None,
+                   help="every process's log level (default: $TROUPE_LOG_LEVEL, else INFO)")
     p.add_argument("--uvicorn-log-level", dest="log_level", type=_uvicorn_level, default=argparse.SUPPRESS,
                    metavar="{" + ",".join(LOG_LEVELS) + "}", help="vLLM's name for --log-level (trace: debug)")
+    p.add_argument("--log-config-file", default=None, metavar="FILE.json",
+                   help="vLLM's: a logging configuration (Python's logging.config.dictConfig schema, as JSON) "
+                        "every process of the server configures itself from, instead of its log lines")
+    p.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
+                   help="vLLM's: accepted and changes nothing (Troupe writes no access log)")
     p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
                    help="accepted for vLLM's command lines; Troupe runs no code from checkpoints")
     http = p.add_argument_group("browsers and HTTPS (vLLM's flags and defaults)")
@@ -171,6 +177,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
         p.error("--enable-auto-tool-choice requires --tool-call-parser")
     args.api_key = tuple(args.api_key) if args.api_key else (
         (os.environ["VLLM_API_KEY"],) if os.environ.get("VLLM_API_KEY") else None)
+    args.log_level = (args.log_level or os.environ.get(logs.LEVEL_ENV) or "INFO").upper()
+    if args.log_config_file is not None:
+        try:
+            logs.load_config(args.log_config_file)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.enable_log_outputs and not args.enable_log_requests:
         p.error("--enable-log-outputs requires --enable-log-requests")
     try:
@@ -319,8 +331,10 @@ async def drain(stop_asked: asyncio.Event, fe: Any, timeout: float) -> None:
 def main(argv: list[str] | None = None, prog: str = "python -m tools.serve") -> None:
     heap.starting()
     args = parse_args(argv, prog)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s [frontend] %(name)s: %(message)s")
+    os.environ[logs.LEVEL_ENV] = args.log_level                  # the engine's and workers' too
+    if args.log_config_file is not None:
+        os.environ[logs.CONFIG_ENV] = os.path.abspath(os.path.expanduser(args.log_config_file))
+    logs.configure("frontend", args.log_level)
     if args.trust_remote_code:
         log.warning("--trust-remote-code is accepted and changes nothing: Troupe runs no code from checkpoints")
     import uvloop

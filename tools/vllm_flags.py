@@ -100,7 +100,7 @@ REFUSED: dict[str, str] = {
     "--show-hidden-metrics-for-version": "Troupe shows every metric it has (see /metrics)",
     "--otlp-traces-endpoint": "Troupe exports traces as Perfetto JSON (/debug/trace, python -m tools.trace)",
     "--collect-detailed-traces": "Troupe records spans with --no-trace off (/debug/trace)",
-    "--aggregate-engine-logging": _PARALLEL, "--log-config-file": _LOGS, "--log-error-stack": _LOGS,
+    "--aggregate-engine-logging": _PARALLEL, "--log-error-stack": _LOGS,
     # the HTTP frontend
     "--root-path": _HTTP,
     "--middleware": "Troupe adds no ASGI middleware (a troupe.endpoints plugin adds routes)",
@@ -146,8 +146,7 @@ for _flags, _why in (
       "--per-request-spec-decode-metrics", "--enable-layerwise-nvtx-tracing", "--enable-trace-replay",
       "--jit-monitor-mode", "--jit-monitor-verbose", "--fingerprint-mode", "--fingerprint-value",
       "--fail-on-environ-validation", "--profiler-config"), _METRICS),
-    (("--enable-log-deltas", "--enable-logging-iteration-details", "--logging-config",
-      "--disable-access-log-for-endpoints"), _LOGS),
+    (("--enable-log-deltas", "--enable-logging-iteration-details", "--logging-config"), _LOGS),
     (("--grpc", "--grpc-port", "--enable-offline-docs", "--renderer-num-workers",
       "--tool-strict-level", "--anthropic-disabled-thinking-effort",
       "--cohere-format", "--cohere-is-reasoning-model"), _HTTP),

@@ -14,7 +14,7 @@ from typing import Callable
 
 import msgspec
 
-from actors.runtime import heap
+from actors.runtime import heap, logs
 from actors.runtime.node import Node
 from actors.runtime.plugins import PluginError, load_general_plugins
 from actors.runtime.process import BEAT, NodeSpec, system_actor
@@ -143,8 +143,7 @@ def main() -> None:
     death_fd = int(os.environ.pop("TROUPE_DEATH_FD"))
     heartbeat_fd = int(os.environ.pop("TROUPE_HEARTBEAT_FD"))
     heap.starting()
-    logging.basicConfig(level=os.environ.get("TROUPE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s")
+    logs.configure(spec.name)
     try:
         load_general_plugins()         # before anything else: a plugin may register what the entry needs
     except PluginError as exc:

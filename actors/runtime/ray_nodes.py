@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from actors.runtime import logs
 from actors.runtime.node import Node
 from actors.runtime.process import (ChildStartError, Liveness, NodeSpec, StoppableChild, hung, system_actor,
                                     wait_ready)
@@ -107,8 +108,7 @@ class NodeHost:
         os.environ[NODE_IP_ENV] = ip = ray.util.get_node_ip_address()     # its processes, and their children's
         spec = msgspec.msgpack.decode(spec_bytes, type=NodeSpec)
         spec = msgspec.structs.replace(spec, bind=f"tcp://{ip}:*")
-        logging.basicConfig(level=os.environ.get("TROUPE_LOG_LEVEL", "INFO"), force=True,
-                            format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s")
+        logs.configure(spec.name, force=True)
         load_general_plugins()
         return uvloop.run(run_child(spec, None, None))
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 VLLM_COMMAND_LINE = [MODEL, "--served-model-name", "my-model", "other-name", "--enable-prefix-caching",
                      "--max-logprobs", "5", "--seed", "0", "--generation-config", "vllm",
-                     "--uvicorn-log-level", "info", "--disable-log-requests", "--trust-remote-code"]
+                     "--uvicorn-log-level", "warning", "--disable-log-requests", "--trust-remote-code"]
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -120,6 +120,12 @@ def test_the_log_warns_once_about_trust_remote_code_and_logs_no_requests(server)
     log = server.log()
     assert log.count("--trust-remote-code is accepted and changes nothing") == 1
     assert not re.search(r"request req-\S+: \d+ prompt tokens", log)
+
+
+def test_the_log_level_holds_in_every_process(server):
+    """--uvicorn-log-level warning: no INFO line from the frontend, the engine or the worker."""
+    assert " WARNING [frontend] " in server.log()
+    assert not re.search(r" INFO \[(frontend|engine|worker\d*)\] ", server.log())
 
 
 def test_an_unimplemented_vllm_flag_stops_the_command_at_once_with_one_line():

@@ -30,7 +30,15 @@ def tls(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tls, tmp_path_factory):
     cert, key = tls
-    config = tmp_path_factory.mktemp("config") / "vllm.yaml"
+    folder = tmp_path_factory.mktemp("config")
+    logged = folder / "server.log"
+    (folder / "logging.json").write_text(json.dumps({      # every record to stderr and to a file
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"pid": {"format": "%(levelname)s pid=%(process)d %(name)s: %(message)s"}},
+        "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "pid"},
+                     "file": {"class": "logging.FileHandler", "formatter": "pid", "filename": str(logged)}},
+        "root": {"level": "INFO", "handlers": ["console", "file"]}}))
+    config = folder / "vllm.yaml"
     config.write_text(f"""\
 served-model-name: [from-file]
 threads: 1                        # Troupe's own: one compute thread on a shared 2-core machine
@@ -44,9 +52,11 @@ enable-log-outputs: true
 max-log-len: 12
 override-generation-config:
   max_new_tokens: 5
+log-config-file: {folder / "logging.json"}
 """)
     s = Server(command=["tools.cli", "serve", "--config", str(config), "--port", "0",
                         "--served-model-name", "from-cli"])
+    s.logged = logged
     yield s
     s.stop()
 
@@ -118,3 +128,13 @@ def test_the_log_shows_each_requests_output_cut_to_max_log_len(server, tls):
     assert status == 200 and len(lines) == 1
     assert lines[0].endswith(f"output: {text[:12]!r}, finish_reason: length")
     assert re.search(rf"request {rid}: \d+ prompt tokens, params: max_tokens=8", server.log())
+
+
+def test_every_process_logs_through_the_logging_configuration_file(server):
+    """--log-config-file: the frontend's, the engine's and the worker's records in the file's
+    format, in its file."""
+    lines = server.logged.read_text().splitlines()
+    pids = {name: {re.search(r"pid=(\d+)", line).group(1) for line in lines if f" {name}: " in line}
+            for name in ("troupe.serve", "troupe.engine", "troupe.worker")}
+    assert all(pids.values()) and len(set().union(*pids.values())) == 3, pids
+    assert str(server.engine_pid()) in pids["troupe.engine"]

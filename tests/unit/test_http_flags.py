@@ -231,3 +231,23 @@ def test_uds_serves_on_a_unix_socket_and_removes_it_when_stopped(tmp_path):
     import os
     assert not os.path.exists(path)
     assert serve.parse_args(["--uds", path]).uds == path
+
+
+# -- logging -----------------------------------------------------------------------------------
+
+def test_a_log_config_file_that_cannot_configure_logging_stops_the_command_naming_it(tmp_path, capsys):
+    import json as _json
+    for text, why in (("{", "not valid JSON"), ("[1]", 'expected a logging dictConfig object with a "version" key'),
+                      (None, "No such file or directory")):
+        path = tmp_path / "logging.json"
+        if text is None:
+            path = tmp_path / "missing.json"
+        else:
+            path.write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            serve.parse_args(["--log-config-file", str(path)])
+        assert exc.value.code == 2 and f"--log-config-file {path}: {why}" in capsys.readouterr().err
+    good = tmp_path / "good.json"
+    good.write_text(_json.dumps({"version": 1}))
+    assert serve.parse_args(["--log-config-file", str(good)]).log_config_file == str(good)
+    assert serve.parse_args(["--disable-access-log-for-endpoints", "/health,/metrics"]).log_level == "INFO"

@@ -57,7 +57,7 @@ def test_server_flags_have_vllms_defaults_and_troupes_own_keep_working():
     on = serve.parse_args(["--enable-log-requests", "--metrics-prefix", "vllm", "--log-level", "debug",
                            "--kv-cache-gib", "0.5", "--num-gpu-blocks-override", "100", "-q", "gguf"])
     on_config = EngineArgs.from_cli_args(on).create_engine_config()
-    assert (on.enable_log_requests, on.metrics_prefix, on.log_level) == (True, ("vllm",), "debug")
+    assert (on.enable_log_requests, on.metrics_prefix, on.log_level) == (True, ("vllm",), "DEBUG")
     assert (on_config.cache.kv_cache_memory_bytes, on_config.cache.num_blocks) == (1 << 29, 100)
     assert on_config.model.quantization == "gguf"
 
