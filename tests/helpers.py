@@ -278,15 +278,14 @@ def transformers_greedy_choices(model, prompt: list[int], continuation: list[int
 
 
 def self_signed_cert(directory: str, name: str = "cert") -> tuple[str, str]:
-    """A new self-signed certificate for 127.0.0.1 and its key (PEM files ``name``.pem and
-    ``name``.key under ``directory``), made by the openssl command."""
-    import shutil
-    import subprocess
-    if shutil.which("openssl") is None:
-        import pytest
-        pytest.skip("the openssl command is not installed (it makes the test's certificates)")
+    """A new certificate for 127.0.0.1 from a CA of its own, and its key: ``name``.pem (the
+    certificate, then its CA's, so the file serves as a client's trust file too) and
+    ``name``.key under ``directory`` (trustme makes them)."""
+    import trustme
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
     cert, key = os.path.join(directory, f"{name}.pem"), os.path.join(directory, f"{name}.key")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "2", "-subj", f"/CN=troupe-test-{name}", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    with open(cert, "wb") as f:
+        f.write(b"".join(blob.bytes() for blob in issued.cert_chain_pems) + ca.cert_pem.bytes())
+    issued.private_key_pem.write_to_path(key)
     return cert, key

@@ -207,8 +207,8 @@ def _chat_messages(i: int, m: Message) -> list[dict[str, Any]]:
         elif b.type == "thinking":
             if b.thinking is not None:
                 reasoning.append(b.thinking)
-        elif b.type == "redacted_thinking":
-            pass                                   # opaque: accepted so a client may echo it back
+        elif b.type == "redacted_thinking":       # opaque: accepted (and left out) so a client may echo it back
+            continue
         elif b.type == "tool_use":
             calls.append({"id": b.id or f"call_{int(time.time())}", "type": "function",
                           "function": {"name": b.name or "", "arguments": json.dumps(b.input or {})}})
@@ -384,18 +384,13 @@ class MessagesAnswer:
             if choice.get("finish_reason") is not None:
                 finish, stop = choice["finish_reason"], choice.get("stop_reason")
             delta = choice.get("delta") or {}
-            if delta.get("reasoning"):
-                if kind != "thinking":
-                    for event in open_block({"type": "thinking", "thinking": ""}):
-                        yield event
-                yield {"type": "content_block_delta", "index": index,
-                       "delta": {"type": "thinking_delta", "thinking": delta["reasoning"]}}
-            if delta.get("content"):
-                if kind != "text":
-                    for event in open_block({"type": "text", "text": ""}):
-                        yield event
-                yield {"type": "content_block_delta", "index": index,
-                       "delta": {"type": "text_delta", "text": delta["content"]}}
+            for field, block in (("reasoning", "thinking"), ("content", "text")):   # the thinking first
+                if delta.get(field):
+                    if kind != block:
+                        for event in open_block({"type": block, block: ""}):
+                            yield event
+                    yield {"type": "content_block_delta", "index": index,
+                           "delta": {"type": f"{block}_delta", block: delta[field]}}
             for call in delta.get("tool_calls") or []:
                 fn = call.get("function") or {}
                 if call.get("id") is not None:
