@@ -35,6 +35,12 @@ class ZmqTransport:
             return address
         return self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
 
+    @property
+    def ipc_address(self) -> str:
+        """The first ``ipc://`` address bound ("" when none): where processes of this machine
+        reach this one."""
+        return self._ipc[0] if self._ipc else ""
+
     def add_peer(self, name: str, address: str) -> None:
         self.drop_peer(name)
         sock = self.ctx.socket(zmq.PUSH)

@@ -154,7 +154,7 @@ class EngineCore:
             connector.set_rank_hosts(self.rank_hosts)
 
     async def _start_rank(self, rank: int, init_method: str):
-        address = self.engine_address or endpoint(self.ipc_dir, self.node.name)
+        address = self.engine_address or self.node.transport.ipc_address
         spec = NodeSpec(self.worker_nodes[rank], "actors.worker.actor:worker_entry",
                         msgspec.msgpack.encode(LoadModel(self.config, rank % self.tp_size, init_method,
                                                          rank // self.tp_size)), self.ipc_dir,

@@ -74,7 +74,7 @@ class NodeSpec(msgspec.Struct):
     hung_after_s: float = 45.0        # no loop turn, no CPU used, for this long: hung
     trace: bool = True                # record trace spans
     flight_dir: str = ""              # where flight-recorder files go ("": the default)
-    bind: str = ""                    # where the child receives ("": its socket in ipc_dir)
+    bind: str = ""                    # where the child receives ("": a socket of its own in ipc_dir)
     beats_to: str = ""                # where its heartbeats go when it has no pipe (a Ray actor's child)
 
 
@@ -237,7 +237,12 @@ async def start_child(node: Node, spec: NodeSpec, *, ready_timeout: float = 600.
     """Start a child node and wait until it is ready. Raises ChildStartError if it dies or
     times out first (the child is then killed)."""
     waiter = system_actor(node).expect_ready(spec.name)
-    node.connect(spec.name, endpoint(spec.ipc_dir, spec.name))
+    if not spec.bind:
+        # a socket of this process's own: a process of the same name that outlives its start (a
+        # killed engine's worker) can neither receive what is meant for this one nor, exiting,
+        # remove this one's socket file
+        spec = msgspec.structs.replace(spec, bind=endpoint(spec.ipc_dir, f"{spec.name}-{os.urandom(4).hex()}"))
+    node.connect(spec.name, spec.bind)
     death_r, death_w = os.pipe()
     beats_r, beats_w = os.pipe()
     os.set_inheritable(death_r, True)
