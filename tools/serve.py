@@ -122,6 +122,14 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
                    help="vLLM's: with --enable-log-requests, log each request's output text and finish "
                         "reason at INFO when it finishes (its token ids at DEBUG)")
+    p.add_argument("--enable-log-deltas", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's: with --enable-log-outputs, a streamed request's output is also logged delta "
+                        "by delta as it is sent (default: on; --no-enable-log-deltas: only when it ends)")
+    p.add_argument("--log-error-stack", action=argparse.BooleanOptionalAction, default=False,
+                   help="vLLM's: log the stack trace of every error response (4xx included)")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction, default=False,
+                   help="vLLM's: a chat request with tool_choice \"none\" renders its prompt without its tools "
+                        "(by default the template sees them; the model is told not to call them)")
     p.add_argument("--max-log-len", type=at_least(int, 0), default=None, metavar="N",
                    help="vLLM's: the most characters of a prompt or an output, and the most token ids, the "
                         "request log shows (default: all)")
@@ -273,7 +281,11 @@ async def serve(args: argparse.Namespace) -> int:
                                                     response_role=args.response_role,
                                                     force_include_usage=args.enable_force_include_usage,
                                                     log_outputs=args.enable_log_outputs,
-                                                    max_log_len=args.max_log_len),
+                                                    max_log_len=args.max_log_len,
+                                                    log_deltas=args.enable_log_deltas,
+                                                    log_error_stack=args.log_error_stack,
+                                                    exclude_tools_when_tool_choice_none=(
+                                                        args.exclude_tools_when_tool_choice_none)),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         tls = args.tls
         ssl_context = tls.context() if tls is not None else None       # a file that cannot load: stop here

@@ -6,7 +6,9 @@ flags below are refused by name, one line on stderr and exit code 2, before anyt
 
     troupe: error: --decode-context-parallel-size is a vLLM flag Troupe does not implement: ...
 
-A few vLLM flags ask for what Troupe always does; those are accepted (``ALWAYS``). vLLM gives
+A few vLLM flags ask for what Troupe always does; those are accepted (``ALWAYS``), and a few take a
+value that may name what Troupe does (``VALUES``: ``--tokenizer-mode auto`` accepted,
+``--tokenizer-mode mistral`` refused). vLLM gives
 its boolean flags a ``--no-`` form: for a refused boolean flag, the ``--no-`` form asks for what
 Troupe does anyway and is accepted."""
 from __future__ import annotations
@@ -21,8 +23,8 @@ _LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directorie
 _MODALITY = "Troupe serves text-only models"
 _LORA = "Troupe's LoRA takes --enable-lora, --lora-modules, --max-loras, --max-cpu-loras and --max-lora-rank only"
 _SPEC = "Troupe takes speculative decoding as --speculative-config JSON only"
-_COMPILE = ("Troupe takes the CUDA graph sizes in --compilation-config (cudagraph_capture_sizes); "
-            "--enforce-eager turns the graphs off")
+_COMPILE = ("Troupe takes the CUDA graph sizes as --cudagraph-capture-sizes or --max-cudagraph-capture-size "
+            "(or in --compilation-config); --enforce-eager turns the graphs off")
 _HTTP = "Troupe's HTTP server has no such option"
 _KV = "Troupe keeps the KV cache on one device, in blocks of one layout"
 _SCHED = "Troupe's scheduler has no such option"
@@ -49,19 +51,18 @@ REFUSED: dict[str, str] = {
     "--nnodes": _PARALLEL, "--node-rank": _PARALLEL, "--master-addr": _PARALLEL, "--master-port": _PARALLEL,
     "--disable-frontend-multiprocessing": "Troupe's engine always runs in a process of its own",
     # loading the model
-    "--tokenizer-mode": _LOADING, "--tokenizer-revision": _LOADING, "--revision": _LOADING,
+    "--tokenizer-revision": _LOADING, "--revision": _LOADING,
     "--code-revision": _LOADING, "--hf-config-path": _LOADING, "--hf-token": "Troupe never downloads",
-    "--hf-overrides": _LOADING, "--download-dir": "Troupe never downloads", "--load-format": _LOADING,
+    "--hf-overrides": _LOADING, "--download-dir": "Troupe never downloads",
     "--safetensors-load-strategy": _LOADING, "--model-loader-extra-config": _LOADING,
     "--ignore-patterns": _LOADING, "--use-tqdm-on-load": _LOADING, "--pt-load-map-location": _LOADING,
-    "--config-format": _LOADING, "--skip-tokenizer-init": _LOADING, "--model-impl": _LOADING,
+    "--skip-tokenizer-init": _LOADING,
     "--rope-scaling": _LOADING, "--rope-theta": _LOADING, "--override-attention-dtype": _LOADING,
     "--disable-sliding-window": _LOADING,
     "--max-seq-len-to-capture": _COMPILE,
     "--quantization-param-path": _LOADING,
     # what the model is run for
-    "--task": "Troupe serves text generation only", "--runner": "Troupe serves text generation only",
-    "--convert": "Troupe serves text generation only", "--pooler-config": "Troupe serves text generation only",
+    "--task": "Troupe serves text generation only", "--pooler-config": "Troupe serves text generation only",
     "--override-pooler-config": "Troupe serves text generation only",
     "--enable-prompt-embeds": "Troupe takes prompts as text or token ids",
     "--io-processor-plugin": "Troupe loads no IO processor plugins",
@@ -89,8 +90,7 @@ REFUSED: dict[str, str] = {
     "--num-lookahead-slots": _SCHED, "--disable-chunked-mm-input": _MODALITY, "--scheduler-cls": _SCHED,
     "--num-scheduler-steps": _SCHED,
     "--preemption-mode": "Troupe preempts by recomputing (no swapping)", "--scheduler-delay-factor": _SCHED,
-    "--cudagraph-capture-sizes": _COMPILE, "--cuda-graph-sizes": _COMPILE,
-    "--max-cudagraph-capture-size": _COMPILE, "--additional-config": "Troupe loads no platform plugins",
+    "--cuda-graph-sizes": _COMPILE, "--additional-config": "Troupe's platforms take no additional config",
     # structured outputs and reasoning
     "--enable-reasoning": "vLLM's older spelling: --reasoning-parser alone turns reasoning on",
     "--guided-decoding-backend": _STRUCT, "--guided-decoding-disable-fallback": _STRUCT,
@@ -100,13 +100,12 @@ REFUSED: dict[str, str] = {
     "--show-hidden-metrics-for-version": "Troupe shows every metric it has (see /metrics)",
     "--otlp-traces-endpoint": "Troupe exports traces as Perfetto JSON (/debug/trace, python -m tools.trace)",
     "--collect-detailed-traces": "Troupe records spans with --no-trace off (/debug/trace)",
-    "--aggregate-engine-logging": _PARALLEL, "--log-error-stack": _LOGS,
+    "--aggregate-engine-logging": _PARALLEL,
     # the HTTP frontend
     "--root-path": _HTTP,
     "--middleware": "Troupe adds no ASGI middleware (a troupe.endpoints plugin adds routes)",
-    "--chat-template-content-format": "Troupe renders message content as a string",
     "--tool-parser-plugin": "Troupe loads no tool parser plugins (see --tool-call-parser)",
-    "--tool-server": "Troupe runs no built-in tools", "--exclude-tools-when-tool-choice-none": _HTTP,
+    "--tool-server": "Troupe runs no built-in tools",
     "--h11-max-incomplete-event-size": _HTTP,
     "--h11-max-header-count": _HTTP, "--tokens-only": _HTTP,
 }
@@ -146,7 +145,7 @@ for _flags, _why in (
       "--per-request-spec-decode-metrics", "--enable-layerwise-nvtx-tracing", "--enable-trace-replay",
       "--jit-monitor-mode", "--jit-monitor-verbose", "--fingerprint-mode", "--fingerprint-value",
       "--fail-on-environ-validation", "--profiler-config"), _METRICS),
-    (("--enable-log-deltas", "--enable-logging-iteration-details", "--logging-config"), _LOGS),
+    (("--enable-logging-iteration-details", "--logging-config"), _LOGS),
     (("--grpc", "--grpc-port", "--enable-offline-docs", "--renderer-num-workers",
       "--tool-strict-level", "--anthropic-disabled-thinking-effort",
       "--cohere-format", "--cohere-is-reasoning-model"), _HTTP),
@@ -182,14 +181,12 @@ BOOLEAN = frozenset({
     "--enable-prompt-embeds", "--enable-sleep-mode", "--enable-mm-embeds", "--interleave-mm-strings",
     "--skip-mm-profiling", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",
-    "--log-error-stack",
-    "--exclude-tools-when-tool-choice-none",
     "--tokens-only", "--kv-cache-metrics",
     # vLLM 0.32's
     "--allow-deprecated-quantization", "--cohere-is-reasoning-model", "--cudagraph-metrics", "--dcp-q-replicate",
     "--enable-batch-sharded-sampling", "--enable-cumem-allocator", "--enable-elastic-ep", "--enable-ep-weight-filter",
     "--enable-fault-tolerance", "--enable-flash-late-interaction", "--enable-flashinfer-autotune", "--enable-hc-sp",
-    "--enable-layerwise-nvtx-tracing", "--enable-log-deltas", "--enable-logging-iteration-details",
+    "--enable-layerwise-nvtx-tracing", "--enable-logging-iteration-details",
     "--enable-mamba-cache-stochastic-rounding", "--enable-mamba-shared-prefix-checkpoint", "--enable-mfu-metrics",
     "--enable-mixed-moe-lora-format", "--enable-moe-shared-loras", "--enable-nccl-comm-suspend",
     "--enable-offline-docs", "--enable-per-request-metrics", "--enable-return-routed-experts",
@@ -200,6 +197,17 @@ BOOLEAN = frozenset({
     "--specialize-active-lora", "--swa-bounded-replay", "--trust-request-mm-kwargs", "--use-fp64-gumbel",
     "--use-replayssm",
 })
+
+# vLLM flags whose values name what Troupe does (accepted, changing nothing) or something else
+# (refused, naming the value): flag -> (the values accepted, why the others are refused)
+VALUES: dict[str, tuple[tuple[str, ...], str]] = {
+    "--tokenizer-mode": (("auto", "hf"), "Troupe reads tokenizers with Hugging Face's tokenizers library "
+                                         "(tokenizer.json, or a GGUF file's vocabulary)"),
+    "--runner": (("auto", "generate"), "Troupe serves text generation only"),
+    "--convert": (("auto", "none"), "Troupe serves text generation only"),
+    "--model-impl": (("auto", "vllm"), "Troupe runs its own implementation of each architecture"),
+    "--config-format": (("auto", "hf"), "Troupe reads Hugging Face config.json files and GGUF metadata"),
+}
 
 # vLLM flags that ask for what Troupe always does: accepted, changing nothing.
 ALWAYS: dict[str, str] = {
@@ -225,16 +233,21 @@ NEVER: dict[str, str] = {    # the opposite of an ALWAYS flag: refused
 }
 
 
-def message(flag: str) -> str:
-    """The one line a refused flag gets (``flag`` as given: long, short or --no- form)."""
+def message(flag: str, value: str | None = None) -> str:
+    """The one line a refused flag gets (``flag`` as given: long, short or --no- form; ``value``,
+    for a flag of ``VALUES``, the value refused)."""
     long = ALIASES.get(flag, flag)
     named = long if long == flag else f"{long} ({flag})"
+    if long in VALUES:
+        accepted, reason = VALUES[long]
+        return (f"troupe: error: {named} {value} is a vLLM setting Troupe does not implement: {reason} "
+                f"({named} {' or '.join(accepted)})")
     reason = REFUSED.get(long) or NEVER.get(long)
     return f"troupe: error: {named} is a vLLM flag Troupe does not implement" + (f": {reason}" if reason else "")
 
 
-def refuse(flag: str) -> NoReturn:
-    sys.stderr.write(message(flag) + "\n")
+def refuse(flag: str, value: str | None = None) -> NoReturn:
+    sys.stderr.write(message(flag, value) + "\n")
     sys.stderr.flush()
     raise SystemExit(2)
 
@@ -243,6 +256,16 @@ class _Refuse(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         refuse(option_string or self.option_strings[0])
+
+
+class _Values(argparse.Action):
+    """A flag of ``VALUES``: its value accepted when it names what Troupe does."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        flag = option_string or self.option_strings[0]
+        if values not in VALUES[ALIASES.get(flag, flag)][0]:
+            refuse(flag, values)
 
 
 def add_vllm_flags(p: argparse.ArgumentParser) -> None:
@@ -258,6 +281,10 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument("--no-" + flag[2:], action="store_true", dest="vllm_no_op", help=argparse.SUPPRESS)
     for flag in NEVER:
         p.add_argument(flag, action=_Refuse, nargs=0, dest="vllm_refused", help=argparse.SUPPRESS)
+    for flag, (accepted, why) in VALUES.items():
+        p.add_argument(flag, *shorts.get(flag, ()), action=_Values, dest="vllm_no_op",
+                       metavar="{" + ",".join(accepted) + "}",
+                       help=f"vLLM's, accepted as {' or '.join(accepted)} ({why}); any other value is refused")
     group = p.add_argument_group("vLLM flags for what Troupe always does (accepted; they change nothing)")
     for flag, why in ALWAYS.items():
         group.add_argument(flag, action="store_true", dest="vllm_no_op", help=why)

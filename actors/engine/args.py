@@ -12,12 +12,12 @@ import os
 import re
 from typing import Any
 
-from actors.engine.config import (DATA_PARALLEL_BACKENDS, DEFAULT_MAX_LOGPROBS, DEVICES,
+from actors.engine.config import (CHAT_TEMPLATE_CONTENT_FORMATS, DATA_PARALLEL_BACKENDS, DEFAULT_MAX_LOGPROBS, DEVICES,
                                   DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, GENERATION_CONFIGS,
                                   KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, CacheConfig,
                                   DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig,
                                   ParallelConfig, SchedulerConfig)
-from actors.engine.compilation import compilation_config
+from actors.engine.compilation import compilation_config, with_graph_flags
 from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_manager.kv_events import kv_events_config
@@ -40,6 +40,8 @@ class EngineArgs:
     quantization: str | None = None
     logprobs_mode: str = "raw_logprobs"
     chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+    load_format: str = "auto"             # vLLM's: what the weights are (Troupe reads it from the files)
     tokenizer: str | None = None          # None: the model's own
     served_model_name: str | list[str] | tuple[str, ...] | None = None   # None: the model's own name
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
@@ -90,6 +92,8 @@ class EngineArgs:
     logits_processors: list[str | type] | tuple[str | type, ...] | None = None
     # vLLM's --compilation-config (-O): a level 0-3, its JSON text, or a dict in LLM(...)
     compilation_config: dict[str, Any] | str | int | None = None
+    cudagraph_capture_sizes: list[int] | None = None      # vLLM's flags for the config's fields
+    max_cudagraph_capture_size: int | None = None
     # vLLM's --kv-transfer-config: its JSON object (text on the command line, a dict in LLM(...))
     kv_transfer_config: dict[str, Any] | str | None = None
     # vLLM's --kv-events-config: the prefix cache's changes published over ZeroMQ (JSON text or a dict)
@@ -117,10 +121,12 @@ class EngineArgs:
         """The composed config; resolves the model's source (fails fast, naming the package to
         install, when the model is not on this machine) and reads its generation config."""
         source = resolve_model(self.model)
+        check_load_format(self.load_format, source)
         names = self.served_model_name
         speculative = speculative_config(with_spec_flags(self.speculative_config, self.spec_method,
                                                          self.spec_model, self.spec_tokens))
-        compilation = compilation_config(self.compilation_config)
+        compilation = with_graph_flags(compilation_config(self.compilation_config), self.cudagraph_capture_sizes,
+                                       self.max_cudagraph_capture_size)
         config = EngineConfig(
             model=ModelConfig(source=source, dtype=self.dtype,
                               quantization=self.quantization, max_model_len=self.max_model_len,
@@ -128,6 +134,7 @@ class EngineArgs:
                               disable_cascade_attn=self.disable_cascade_attn,
                               logprobs_mode=self.logprobs_mode,
                               chat_template=load_chat_template(self.chat_template),
+                              chat_template_content_format=self.chat_template_content_format,
                               served_model_names=(names,) if isinstance(names, str) else tuple(names or ()),
                               max_logprobs=self.max_logprobs, generation_config=self.generation_config,
                               sampling_defaults=load_sampling_defaults(source, self.generation_config,
@@ -203,6 +210,18 @@ class EngineArgs:
         if given.get("num_gpu_blocks_override") is None:
             given.pop("num_gpu_blocks_override", None)
         return cls(**(given | overrides))
+
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
+
+
+def check_load_format(load_format: str, source: ModelSource) -> None:
+    """vLLM's --load-format against what the model's files are."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    kind = "gguf" if source.kind == "gguf" else "safetensors"
+    if load_format not in ("auto", kind):
+        raise ValueError(f"--load-format {load_format}: the model's weights are {kind} ({source.path})")
 
 
 def logits_processor_names(given: list[str | type] | tuple[str | type, ...] | None) -> tuple[str, ...]:
@@ -411,6 +430,10 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             default=d["override_generation_config"], metavar="JSON",
             help='generation config fields over --generation-config\'s, e.g. \'{"temperature": 0.5}\' (with '
                  '--generation-config vllm, these alone)')),
+        (("--load-format",), "load_format", dict(
+            choices=LOAD_FORMATS, default=d["load_format"],
+            help="vLLM's: the weights' format; Troupe reads it from the model's files (a .gguf file, or a "
+                 "checkpoint directory's safetensors), and stops the start when the name given disagrees")),
         (("--tokenizer",), "tokenizer", dict(
             default=d["tokenizer"], metavar="DIR_OR_MODEL",
             help="read the tokenizer (and its chat template) from here instead of the model's checkpoint: a "
@@ -419,6 +442,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--chat-template",), "chat_template", dict(
             default=d["chat_template"], metavar="FILE_OR_TEMPLATE",
             help="a Jinja chat template (a file, or the template itself) used instead of the model's")),
+        (("--chat-template-content-format",), "chat_template_content_format", dict(
+            choices=CHAT_TEMPLATE_CONTENT_FORMATS, default=d["chat_template_content_format"],
+            help="how message content reaches the chat template: 'string' (text parts joined by newlines) "
+                 "or 'openai' (a list of {\"type\": \"text\", \"text\": ...} parts); 'auto' detects which one "
+                 "the template reads (it loops over a message's content: 'openai')")),
         (("--kv-cache-gib",), "kv_cache_bytes", dict(
             type=_positive(float), default=None, metavar="GIB",
             help="memory for the KV cache (default: 1 GiB on the CPU; on CUDA, what "
@@ -526,6 +554,14 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "attention calls, -O3 that with the elementwise ops left to the compiler to fuse; or a "
                  'JSON object such as {"level": 2, "cudagraph_capture_sizes": [1, 2, 4], '
                  '"cudagraph_mode": "NONE"} ("mode" is accepted for "level")')),
+        (("--cudagraph-capture-sizes",), "cudagraph_capture_sizes", dict(
+            type=_positive(int), nargs="+", default=d["cudagraph_capture_sizes"], metavar="N",
+            help="vLLM's: the decode batch sizes captured as CUDA graphs (the compilation config's "
+                 "cudagraph_capture_sizes)")),
+        (("--max-cudagraph-capture-size",), "max_cudagraph_capture_size", dict(
+            type=_positive(int), default=d["max_cudagraph_capture_size"], metavar="N",
+            help="vLLM's: the largest decode batch captured as a CUDA graph (1, 2, 4, then steps of 8 and "
+                 "16 up to it); larger batches run eagerly (default: --max-num-seqs)")),
         (("--spec-method",), "spec_method", dict(
             default=d["spec_method"], metavar="METHOD",
             help="vLLM's: the speculative config's method (ngram, draft_model, self_draft), without the JSON")),

@@ -15,7 +15,8 @@ Levels (``level``, or vLLM's newer name ``mode``):
        RMSNorm + quant fusion); casts to 16-bit types round inside fused kernels as they do eagerly
 
 ``-O3`` is ``--compilation-config '{"level": 3}'``; ``--compilation-config`` also takes the
-level alone. ``cudagraph_capture_sizes`` and ``cudagraph_mode`` ("NONE" or
+level alone. ``cudagraph_capture_sizes``, ``max_cudagraph_capture_size`` (the sizes the worker
+picks stop there; larger decode batches run eagerly) and ``cudagraph_mode`` ("NONE" or
 "FULL_DECODE_ONLY": whole decode steps, what CUDA graphs capture here) steer the CUDA graphs.
 """
 from __future__ import annotations
@@ -29,12 +30,14 @@ LEVELS = (0, 1, 2, 3)
 DEFAULT_LEVEL = 1
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
 SPLITTING_OPS = ("troupe.attention",)          # the only op the graphs are split at
-FIELDS = ("level", "mode", "cudagraph_capture_sizes", "cudagraph_mode", "splitting_ops", "cache_dir")
+FIELDS = ("level", "mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode",
+          "splitting_ops", "cache_dir")
 
 
 class CompilationConfig(msgspec.Struct, frozen=True, kw_only=True):
     level: int = DEFAULT_LEVEL
     cudagraph_capture_sizes: tuple[int, ...] | None = None   # None: the worker's own sizes
+    max_cudagraph_capture_size: int | None = None   # the largest decode batch with a graph (None: max_num_seqs)
     cudagraph_mode: str = "FULL_DECODE_ONLY"
     splitting_ops: tuple[str, ...] = SPLITTING_OPS
     cache_dir: str = ""                   # compiled artifacts ("": $TROUPE_CACHE_DIR or ~/.cache/troupe)
@@ -87,6 +90,14 @@ def compilation_config(value: CompilationConfig | dict[str, Any] | str | int | N
             raise ValueError(f"--compilation-config: cudagraph_capture_sizes must be a list of positive "
                              f"integers, got {sizes!r}")
         fields["cudagraph_capture_sizes"] = tuple(sorted(set(sizes)))
+    largest = fields.get("max_cudagraph_capture_size")
+    if largest is not None:
+        if not isinstance(largest, int) or isinstance(largest, bool) or largest < 1:
+            raise ValueError(f"--compilation-config: max_cudagraph_capture_size must be a positive integer, "
+                             f"got {largest!r}")
+        if sizes is not None and largest != max(sizes):
+            raise ValueError(f"--compilation-config: max_cudagraph_capture_size {largest} is not the largest of "
+                             f"cudagraph_capture_sizes {sorted(set(sizes))}")
     ops = fields.get("splitting_ops")
     if ops is not None:
         if not isinstance(ops, list) or set(ops) - set(SPLITTING_OPS) or not ops:
@@ -94,3 +105,20 @@ def compilation_config(value: CompilationConfig | dict[str, Any] | str | int | N
                              f"split at attention: {list(SPLITTING_OPS)}")
         fields["splitting_ops"] = tuple(ops)
     return CompilationConfig(**fields)
+
+
+def with_graph_flags(config: CompilationConfig, sizes: list[int] | None, largest: int | None) -> CompilationConfig:
+    """vLLM's --cudagraph-capture-sizes and --max-cudagraph-capture-size, the compilation
+    config's fields of those names given as flags of their own (not both ways: vLLM refuses that)."""
+    fields: dict[str, Any] = {k: v for k, v in msgspec.structs.asdict(config).items()}
+    for flag, name, value in (("--cudagraph-capture-sizes", "cudagraph_capture_sizes", sizes),
+                              ("--max-cudagraph-capture-size", "max_cudagraph_capture_size", largest)):
+        if value is None:
+            continue
+        if fields[name] is not None:
+            raise ValueError(f"{flag} and --compilation-config's {name} are mutually exclusive")
+        fields[name] = list(value) if isinstance(value, (list, tuple)) else value
+    if fields["cudagraph_capture_sizes"] is not None:
+        fields["cudagraph_capture_sizes"] = list(fields["cudagraph_capture_sizes"])
+    fields["splitting_ops"] = list(fields["splitting_ops"])
+    return compilation_config(fields)

@@ -41,6 +41,7 @@ DATA_PARALLEL_BACKENDS = ("mp", "ray")                 # vLLM's --data-parallel-
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 DEFAULT_MAX_LOGPROBS = 20                     # vLLM's --max-logprobs default (OpenAI's top_logprobs limit)
 GENERATION_CONFIGS = ("auto", "vllm")         # or a folder holding a generation_config.json
+CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")   # vLLM's --chat-template-content-format
 CPU_KV_CACHE_BYTES = 1 << 30                  # the CPU's KV cache when no size is given
 
 
@@ -54,6 +55,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     disable_cascade_attn: bool = False     # never attend a batch's shared prefix once for all (cascade)
     logprobs_mode: str = "raw_logprobs"    # what returned log-probs are (LOGPROBS_MODES)
     chat_template: str | None = None       # used instead of the checkpoint's
+    chat_template_content_format: str = "auto"   # message content as a string or OpenAI's parts ("auto": as the template reads it)
     served_model_names: tuple[str, ...] = ()   # the names the API answers to; (): the source's name
     max_logprobs: int = DEFAULT_MAX_LOGPROBS   # most log-probs a request may ask for; -1: no bound
     generation_config: str = "auto"        # where request defaults come from (GENERATION_CONFIGS or a folder)

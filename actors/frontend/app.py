@@ -73,6 +73,9 @@ class ServerOptions:
     force_include_usage: bool = False      # every stream sends its usage (--enable-force-include-usage)
     log_outputs: bool = False              # with log_requests, each request's output when it finishes
     max_log_len: int | None = None         # characters and token ids the request log shows; None: all
+    log_deltas: bool = True                # with log_outputs, a streamed request's deltas too
+    log_error_stack: bool = False          # every error response's stack trace in the log
+    exclude_tools_when_tool_choice_none: bool = False   # tool_choice "none": the template gets no tools
 
 
 class OpenAIServer:
@@ -221,20 +224,23 @@ class OpenAIServer:
     async def answer(self, call: Callable[[], Awaitable[web.StreamResponse]], what: str) -> web.StreamResponse:
         """``call``'s response, or the OpenAI error response its failure maps to."""
         try:
-            response = await call()
+            return await call()
         except ApiError as exc:
-            response = exc.response
+            response, failure = exc.response, exc
         except BadRequest as exc:
-            response = error_response(400, str(exc), param=exc.param)
-        except web.HTTPRequestEntityTooLarge:
+            response, failure = error_response(400, str(exc), param=exc.param), exc
+        except web.HTTPRequestEntityTooLarge as exc:
             response = error_response(413, f"the request body is larger than {self.options.max_body_bytes} bytes")
+            failure = exc
         except web.HTTPException as exc:
-            response = error_response(exc.status, exc.reason)
+            response, failure = error_response(exc.status, exc.reason), exc
         except EngineDeadError as exc:
-            response = unavailable(f"the engine is not running: {exc}", exc.retry_after).response
+            response, failure = unavailable(f"the engine is not running: {exc}", exc.retry_after).response, exc
         except Exception:
             log.exception("%s failed", what)
-            response = error_response(500, "internal error (see the server log)")
+            return error_response(500, "internal error (see the server log)")
+        if self.options.log_error_stack:        # vLLM's --log-error-stack: where the error came from
+            log.error("%s answered %d", what, response.status, exc_info=failure)
         return response
 
     # -- what the endpoints share --------------------------------------------------------------
@@ -307,7 +313,7 @@ class OpenAIServer:
             text = prompt if isinstance(prompt, str) else self.engine().tokenizer.decode(handle.prompt_token_ids)
             request_log.prompt_line(handle.request_id, text, handle.prompt_token_ids, max_len)
         if self.options.log_outputs:
-            handle.output_log = request_log.OutputLog(handle.request_id, max_len)
+            handle.output_log = request_log.OutputLog(handle.request_id, max_len, self.options.log_deltas)
 
 
 def params_summary(params: SamplingParams) -> str:

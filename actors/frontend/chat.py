@@ -22,6 +22,7 @@ from actors.frontend.streams import RequestOutput
 from actors.frontend.structured import NotStructured
 from actors.frontend.tool_parsers import ToolCallStream
 from actors.frontend.tools import ToolUse, template_tools, tool_use
+from actors.tokenizer.chat import content_to_text
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
@@ -196,7 +197,8 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     template_kwargs = server.template_kwargs(req.chat_template_kwargs)
     if req.tools:
-        template_kwargs = {"tools": template_tools(req), **(template_kwargs or {})}
+        template_kwargs = {"tools": template_tools(req, server.options.exclude_tools_when_tool_choice_none),
+                           **(template_kwargs or {})}
     if req.documents is not None:
         template_kwargs = {"documents": req.documents, **(template_kwargs or {})}
     if req.reasoning_effort is not None:
@@ -229,7 +231,7 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         chat_template=req.chat_template, add_special_tokens=bool(req.add_special_tokens),
         stream_interval=req.stream_interval)
     last = messages[-1]
-    echo = (last["content"] or "") if req.echo and last["role"] == "assistant" else ""
+    echo = content_to_text(last.get("content")) if req.echo and last["role"] == "assistant" else ""
     prompt_text = None
     if req.return_prompt_text:        # vLLM's: the prompt as the template rendered it (it rendered already)
         prompt_text = client.tokenizer.apply_chat_template(

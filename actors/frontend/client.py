@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from actors.detokenizer.actor import EndGroup, EngineLost, Untrack
-from actors.engine.config import EngineConfig
+from actors.engine.config import CHAT_TEMPLATE_CONTENT_FORMATS, EngineConfig
 from actors.engine.lora import LoRARequest
 from actors.frontend.admission import Overloaded, WaitingRequests
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -178,16 +178,21 @@ class EngineClient:
                      timeout_s: float | None = None, parent_id: str = "", n: int = 1,
                      lora_request: LoRARequest | None = None, truncation_side: str = "left",
                      chat_template: str | None = None, stream_interval: int = 1,
-                     render_only: bool = False, return_token_offsets: bool = False) -> RequestHandle | RenderedPrompt:
+                     render_only: bool = False, return_token_offsets: bool = False,
+                     chat_template_content_format: str | None = None) -> RequestHandle | RenderedPrompt:
         """Admit one request; ``timeout_s``: it is aborted (its KV freed) if it has not finished
         that long after now. ``parent_id`` and ``n``: it is one of the n choices of request
         ``parent_id`` (for the metrics of requests with n > 1; see ``end_group``).
         ``render_only``: check and tokenize it as it would be admitted, and return that (a
         RenderedPrompt) without admitting it (vLLM's /render endpoints; ``return_token_offsets``:
-        with each token's characters in the prompt text).
+        with each token's characters in the prompt text). ``chat_template_content_format``: how
+        ``messages``' content reaches the chat template (None: the server's setting).
         ``stream_interval``: new tokens per output after the first (vLLM's). Raises
         InvalidPrompt (or PromptTooLong) when it is refused, Overloaded when too many wait
         already, and EngineDeadError when the engine is gone or the server is shutting down."""
+        if chat_template_content_format not in (None, *CHAT_TEMPLATE_CONTENT_FORMATS):
+            raise InvalidPrompt(f"chat_template_content_format must be one of {', '.join(CHAT_TEMPLATE_CONTENT_FORMATS)}, "
+                                f"got {chat_template_content_format!r}")
         if self.dead is not None:
             raise EngineDeadError(self.dead, self.retry_after)
         if self.draining is not None:
@@ -197,7 +202,7 @@ class EngineClient:
             rid, params, prompt, prompt_token_ids, messages,
             add_generation_prompt, continue_final_message, chat_template_kwargs or {},
             priority, arrival_time, add_special_tokens, cache_salt, parent_id, n, lora_request, truncation_side,
-            chat_template, render_only, return_token_offsets)
+            chat_template, render_only, return_token_offsets, chat_template_content_format)
         if render_only:
             try:
                 rendered = await self.tokenizer_actor.ask(generate, timeout=60)

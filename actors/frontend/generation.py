@@ -136,6 +136,9 @@ class Generation(ABC):
                 answers[name] = engine_ids
         try:
             if stream:
+                for c in self.choices:
+                    if c.handle.output_log is not None:
+                        c.handle.output_log.streaming = True
                 return await send_events(request, self.events(), header_id)
             response = await self.complete()
             response.headers["X-Request-Id"] = header_id

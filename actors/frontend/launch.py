@@ -132,6 +132,11 @@ class Frontend:
         tokenizer = TextTokenizer.from_source(source.kind, source.path)
         if config.model.chat_template is not None:
             tokenizer.set_chat_template(config.model.chat_template)
+        tokenizer.content_format = config.model.chat_template_content_format
+        if tokenizer.chat_template:
+            found = tokenizer.content_format_of(tokenizer.chat_template)
+            log.info("chat template content format: %s%s", found,
+                     " (detected; --chat-template-content-format sets it)" if tokenizer.content_format == "auto" else "")
         dp = config.parallel.data_parallel_size
         self._restarts = RestartBudget(config.parallel.max_restarts * dp, config.parallel.restart_window_s)
         if config.parallel.data_parallel_backend == "ray":

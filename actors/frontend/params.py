@@ -86,7 +86,7 @@ def _token_ids(ids: list[int], vocab_size: int) -> list[int]:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template reads them: content as one string, an assistant's
+    """The messages as the chat template reads them: content as a string or text parts, an assistant's
     ``tool_calls`` in OpenAI's shape (tokenizer.chat parses their arguments), a tool's
     ``tool_call_id``."""
     if not messages:
@@ -105,7 +105,7 @@ def _chat_message(i: int, m: ChatMessage) -> dict[str, Any]:
     require(m.tool_call_id is None or m.role == "tool",
             f"tool_call_id may only be set on tool messages, not on a {m.role!r} message",
             f"messages[{i}].tool_call_id")
-    msg: dict[str, Any] = {"role": m.role, "content": _content_text(i, m.content)}
+    msg: dict[str, Any] = {"role": m.role, "content": _content(i, m.content)}
     if m.name is not None:
         msg["name"] = m.name
     if m.tool_calls:
@@ -122,14 +122,16 @@ def _chat_message(i: int, m: ChatMessage) -> dict[str, Any]:
     return msg
 
 
-def _content_text(i: int, content: Any) -> str:
+def _content(i: int, content: Any) -> str | list[dict[str, str]]:
+    """A string, or the text parts as the chat template's content format takes them
+    (tokenizer.chat joins them with newlines or keeps them as parts)."""
     if not isinstance(content, list):
         return content or ""
     for j, part in enumerate(content):
         if part.type != "text" or part.text is None:
             raise BadRequest(f"content part of type {part.type!r} is not supported; only 'text' parts are",
                              f"messages[{i}].content[{j}]")
-    return "".join(part.text for part in content)
+    return [{"type": "text", "text": part.text} for part in content]
 
 
 def served_name(client, model: str | None) -> str:

@@ -179,8 +179,9 @@ def _field(i: int, item: dict[str, Any], name: str) -> str:
     return value
 
 
-def _text(i: int, content: Any) -> str:
-    """A message's content as one string: a string, or its text parts joined."""
+def _text(i: int, content: Any) -> str | list[dict[str, str]]:
+    """A message's content as chat content: a string, or its text parts (tokenizer.chat joins
+    them, or keeps them as parts, by the chat template's content format)."""
     if isinstance(content, str):
         return content
     require(isinstance(content, list) and all(isinstance(p, dict) for p in content),
@@ -188,7 +189,7 @@ def _text(i: int, content: Any) -> str:
     kinds = [p.get("type") for p in content if p.get("type") not in TEXT_PARTS]
     require(not kinds, f"input[{i}].content: only text parts are supported ({', '.join(TEXT_PARTS)}), got {kinds}",
             f"input[{i}].content")
-    return "".join(str(p.get("text", "")) for p in content)
+    return [{"type": "text", "text": str(p.get("text", ""))} for p in content]
 
 
 def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:

@@ -136,9 +136,10 @@ def tool_use(req: ToolFields, auto_parser: str | None) -> ToolUse | None:
     return None
 
 
-def template_tools(req: ToolFields) -> list[dict[str, Any]] | None:
-    """The tools as a chat template reads them (OpenAI's shape, as plain objects)."""
-    if not req.tools:
+def template_tools(req: ToolFields, exclude_when_none: bool = False) -> list[dict[str, Any]] | None:
+    """The tools as a chat template reads them (OpenAI's shape, as plain objects); none for
+    tool_choice "none" with ``exclude_when_none`` (vLLM's --exclude-tools-when-tool-choice-none)."""
+    if not req.tools or (exclude_when_none and req.tool_choice == "none"):
         return None
     return [{"type": "function", "function": {k: v for k, v in msgspec.structs.asdict(t.function).items()
                                               if v is not None}} for t in req.tools]

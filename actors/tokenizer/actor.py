@@ -52,6 +52,7 @@ class Generate(Msg):
     chat_template: str | None = None       # the request's own template for messages (None: the model's)
     render_only: bool = False              # checked and tokenized as it would be admitted, not admitted (/render)
     return_token_offsets: bool = False     # with render_only: each token's characters in the prompt text
+    chat_template_content_format: str | None = None   # how content reaches the template (None: the server's)
 
 
 class InvalidPrompt(ValueError, Refusal):
@@ -161,7 +162,7 @@ class TokenizerActor(Actor):
             text = self.tokenizer.apply_chat_template(
                 msg.messages, add_generation_prompt=msg.add_generation_prompt,
                 continue_final_message=msg.continue_final_message, chat_template=msg.chat_template,
-                **msg.chat_template_kwargs)
+                content_format=msg.chat_template_content_format, **msg.chat_template_kwargs)
         return self.tokenizer.token_offsets(text or "", ids)
 
     def _prompt_ids(self, msg: Generate) -> list[int]:
@@ -170,7 +171,8 @@ class TokenizerActor(Actor):
                 return self.tokenizer.encode_chat(
                     msg.messages, add_generation_prompt=msg.add_generation_prompt,
                     continue_final_message=msg.continue_final_message, chat_template=msg.chat_template,
-                    add_special_tokens=msg.add_special_tokens, **msg.chat_template_kwargs)
+                    add_special_tokens=msg.add_special_tokens, content_format=msg.chat_template_content_format,
+                    **msg.chat_template_kwargs)
             except Exception as exc:   # template errors (raise_exception, bad kwargs) are the input's
                 raise InvalidPrompt(f"could not render the chat template: {exc}") from exc
         if msg.prompt_token_ids is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -19,16 +20,30 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def content_to_text(content: Any) -> str:
-    """OpenAI message content -> one string.
+    """OpenAI message content -> one string (vLLM's "string" content format).
 
     Accepts a string, None (-> ""), or a list of parts where each part is a string or a
-    `{"type": "text", "text": ...}` dict; the texts are concatenated. Any other part type
-    (image_url, input_audio, file, ...) raises ValueError naming it.
+    `{"type": "text", "text": ...}` dict; the texts are joined with newlines, as vLLM joins them.
+    Any other part type (image_url, input_audio, file, ...) raises ValueError naming it.
     """
     if content is None:
         return ""
     if isinstance(content, str):
         return content
+    return "\n".join(_texts(content))
+
+
+def content_to_parts(content: Any) -> list[dict[str, str]]:
+    """OpenAI message content -> a list of ``{"type": "text", "text": ...}`` parts (vLLM's
+    "openai" content format: a string is one part; None is no part)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{"type": "text", "text": text} for text in _texts(content)]
+
+
+def _texts(content: Any) -> list[str]:
     if not isinstance(content, list):
         raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
     texts = []
@@ -43,17 +58,21 @@ def content_to_text(content: Any) -> str:
         if not isinstance(text, str):
             raise ValueError(f"a 'text' content part needs a string 'text' field, got {text!r}")
         texts.append(text)
-    return "".join(texts)
+    return texts
 
 
-def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(messages: Iterable[Mapping[str, Any]], content_format: str = "string") -> list[dict[str, Any]]:
     """OpenAI chat messages -> fresh dicts a chat template can render.
 
     Keys whose value is None are dropped (APIs send `content: null` beside `tool_calls`, and
     templates handle a missing key better than a literal None); `content`, when present, becomes
-    a string via `content_to_text`; an assistant's `tool_calls` get their `arguments` as
-    objects (`tool_calls_for_template`). Every message needs a string `role`.
+    a string (`content_to_text`) or, with the "openai" content format, a list of text parts
+    (`content_to_parts`; a tool's result stays a string, as vLLM keeps it, since most templates
+    read it as one); an assistant's `tool_calls` get their `arguments` as objects
+    (`tool_calls_for_template`). Every message needs a string `role`.
     """
+    if content_format not in ("string", "openai"):
+        raise ValueError(f"content_format must be 'string' or 'openai', got {content_format!r}")
     normalized = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -63,7 +82,8 @@ def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, 
         out = {key: value for key, value in message.items() if value is not None}
         try:
             if "content" in out:
-                out["content"] = content_to_text(out["content"])
+                as_parts = content_format == "openai" and out["role"] != "tool"
+                out["content"] = (content_to_parts if as_parts else content_to_text)(out["content"])
             if "tool_calls" in out:
                 out["tool_calls"] = tool_calls_for_template(out["tool_calls"])
                 if not out["tool_calls"]:
@@ -72,6 +92,84 @@ def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, 
             raise ValueError(f"messages[{i}]: {e}") from None
         normalized.append(out)
     return normalized
+
+
+def detect_content_format(source: str) -> str:
+    """How a chat template reads message content, by vLLM's rule for
+    ``--chat-template-content-format auto``: "openai" (a list of ``{"type": "text", "text": ...}``
+    parts) when the template loops over a message's content, else "string". A template that
+    does not parse is "string"."""
+    return _detect_content_format(source)
+
+
+@functools.lru_cache(maxsize=32)
+def _detect_content_format(source: str) -> str:
+    try:
+        tree = jinja2.Environment(extensions=[_GenerationTag, jinja2.ext.loopcontrols]).parse(source)
+    except jinja2.TemplateError:
+        return "string"
+    return "openai" if any(True for _ in _content_loops(tree)) else "string"
+
+
+def _reads(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
+    """Whether ``node`` is ``name`` (or ``name.key`` / ``name['key']``), under any filters, tests
+    and slices."""
+    while True:
+        if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+            node = node.node
+        else:
+            break
+    if key is not None:
+        if isinstance(node, jinja2.nodes.Getattr) and node.attr == key:
+            node = node.node
+        elif (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const)
+              and node.arg.value == key):
+            node = node.node
+        else:
+            return False
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def _content_loops(tree: jinja2.nodes.Template):
+    """The ``for`` loops of ``tree`` that iterate over a message's content."""
+    lists, todo = {"messages"}, ["messages"]            # the messages and the names set from them
+    while todo:
+        name = todo.pop()
+        for assign in tree.find_all(jinja2.nodes.Assign):
+            if (isinstance(assign.target, jinja2.nodes.Name) and assign.target.name not in lists
+                    and _reads(assign.node, name)):
+                lists.add(assign.target.name)
+                todo.append(assign.target.name)
+    loops = list(tree.find_all(jinja2.nodes.For))
+    items = {loop.target.name for loop in loops if isinstance(loop.target, jinja2.nodes.Name)
+             and any(_reads(loop.iter, name) for name in lists)}
+    in_macros: set[int] = set()
+    macro_params: dict[int, set[str]] = {}               # a loop in a macro -> its parameters given content
+    for macro in tree.find_all(jinja2.nodes.Macro):
+        params = [a.name for a in macro.args]
+        given: set[str] = set()
+        for call in tree.find_all(jinja2.nodes.Call):
+            if not (isinstance(call.node, jinja2.nodes.Name) and call.node.name == macro.name):
+                continue
+            given.update(params[i] for i, arg in enumerate(call.args[:len(params)])
+                         if any(_reads(arg, item, "content") for item in items))
+            given.update(kw.key for kw in call.kwargs if kw.key in params
+                         and any(_reads(kw.value, item, "content") for item in items))
+        for loop in macro.find_all(jinja2.nodes.For):
+            in_macros.add(id(loop))
+            if given:
+                macro_params[id(loop)] = given
+    for loop in loops:
+        if not isinstance(loop.target, jinja2.nodes.Name):
+            continue
+        if any(_reads(loop.iter, item, "content") for item in items):
+            yield loop
+        elif isinstance(loop.iter, jinja2.nodes.Name) and (
+                loop.iter.name in macro_params.get(id(loop), ())
+                or (id(loop) not in in_macros and loop.iter.name == "content")):
+            yield loop
 
 
 def tool_calls_for_template(tool_calls: Any) -> list[dict[str, Any]]:
@@ -158,10 +256,16 @@ class ChatTemplate:
         so the model continues it; `add_generation_prompt` is then ignored.
         """
         if continue_final_message:
-            if not messages or not isinstance(messages[-1].get("content"), str):
-                raise ValueError("continue_final_message needs a final message with string content")
-            final = messages[-1]["content"]
-            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
+            content = messages[-1].get("content") if messages else None
+            if isinstance(content, str):
+                final = content
+                content = final + _CONTINUE_TAG
+            elif isinstance(content, list) and content and isinstance(content[-1].get("text"), str):
+                final = content[-1]["text"]            # the "openai" content format: the last part
+                content = [*content[:-1], {**content[-1], "text": final + _CONTINUE_TAG}]
+            else:
+                raise ValueError("continue_final_message needs a final message with text content")
+            messages = [*messages[:-1], {**messages[-1], "content": content}]
             add_generation_prompt = False
         text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         if not continue_final_message:

@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from actors.tokenizer.chat import ChatTemplate, normalize_messages
+from actors.tokenizer.chat import ChatTemplate, detect_content_format, normalize_messages
 from models.gguf_header import read_gguf_metadata
 
 DecodeStep = Callable[[int], "str | None"]
@@ -199,6 +199,7 @@ class TextTokenizer:
         self.all_special_ids: list[int] = sorted(_special_ids(metadata, types))
         self.chat_template: str | None = metadata.get("tokenizer.chat_template") or None
         self._chat_template = ChatTemplate(self.chat_template) if self.chat_template else None
+        self.content_format = "auto"      # --chat-template-content-format: auto, string or openai
 
     @classmethod
     def from_gguf(cls, path: str) -> TextTokenizer:
@@ -356,9 +357,10 @@ class TextTokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template: str | None = None,
-                            **template_kwargs: Any) -> str:
+                            content_format: str | None = None, **template_kwargs: Any) -> str:
         """Render OpenAI-style `messages` (content as string or text parts) to prompt text, with
-        `chat_template` (Jinja source) instead of the model's when given.
+        `chat_template` (Jinja source) instead of the model's when given; `content_format`
+        ("auto", "string" or "openai"; None: `self.content_format`) is how content reaches it.
 
         `template_kwargs` (tools, documents, enable_thinking, ...) become template variables and
         override the special-token strings (bos_token, eos_token, unk_token, pad_token) passed by default.
@@ -372,9 +374,16 @@ class TextTokenizer:
             **template_kwargs,
         }
         return template.render(
-            normalize_messages(messages), add_generation_prompt=add_generation_prompt,
+            normalize_messages(messages, self.content_format_of(template.source, content_format)),
+            add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **variables,
         )
+
+    def content_format_of(self, template_source: str, given: str | None = None) -> str:
+        """How message content reaches ``template_source``: ``given`` (else the configured
+        format), or for "auto" the one the template reads (vLLM's detection)."""
+        given = given or self.content_format
+        return given if given != "auto" else detect_content_format(template_source)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, add_special_tokens: bool = False,

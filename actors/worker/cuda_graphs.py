@@ -38,6 +38,7 @@ import torch
 from kernels.attention.base import AttentionMetadata
 
 if TYPE_CHECKING:
+    from actors.engine.compilation import CompilationConfig
     from actors.worker.model_runner import StepInputs
 
 
@@ -61,6 +62,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
         sizes.append(s)
         s += 8 if s < 256 else 16
     return sizes + [max_num_seqs]
+
+
+def graph_sizes(compilation: CompilationConfig, max_num_seqs: int) -> list[int]:
+    """The decode batch sizes to capture: the config's own (``cudagraph_capture_sizes``), else
+    ``capture_sizes`` up to ``max_cudagraph_capture_size`` (else ``max_num_seqs``); none above
+    ``max_num_seqs``."""
+    largest = min(compilation.max_cudagraph_capture_size or max_num_seqs, max_num_seqs)
+    sizes = compilation.cudagraph_capture_sizes or capture_sizes(largest)
+    return [s for s in sizes if s <= min(largest, max_num_seqs)]
 
 
 def is_uniform_decode(meta: AttentionMetadata) -> bool:

@@ -19,7 +19,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from actors.engine.sampling_params import SamplingParams
 from actors.worker.compilation import apply_compilation, packs_linears
-from actors.worker.cuda_graphs import capture_sizes
+from actors.worker.cuda_graphs import graph_sizes
 from actors.worker.gpu_memory import GIB, device_memory, kv_cache_bytes_for_gpu
 from actors.worker.model_runner import ModelRunner, torch_dtype
 from actors.worker.platforms import platform_for
@@ -152,8 +152,7 @@ class Worker:
         cfg = self.config
         sizes = None
         if self._captures_graphs():
-            sizes = [s for s in cfg.compilation.cudagraph_capture_sizes or capture_sizes(cfg.scheduler.max_num_seqs)
-                     if s <= cfg.scheduler.max_num_seqs]
+            sizes = graph_sizes(cfg.compilation, cfg.scheduler.max_num_seqs)
         self.runner = ModelRunner(self.model, cfg, sizes, self.draft_model, self.link)
         if sizes:
             seconds = self.runner.capture_cudagraphs()

@@ -183,11 +183,14 @@ def test_chat_stream_framing_role_first_finish_then_usage(client, http, model):
 
 
 def test_chat_content_parts_max_completion_tokens_and_template_options(client, http, model):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
-                                          {"type": "text", "text": "of France?"}]}]
+    # text parts joined by newlines (vLLM's "string" content format, which SmolLM2's template reads)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Answer in one word."},
+                                          {"type": "text", "text": "What is the capital of France?"}]}]
+    joined = [{"role": "user", "content": "Answer in one word.\nWhat is the capital of France?"}]
     a = client.chat.completions.create(model=model, messages=parts, temperature=0, max_completion_tokens=5)
-    b = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=5)
+    b = client.chat.completions.create(model=model, messages=joined, temperature=0, max_tokens=5)
     assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
     assert a.usage.completion_tokens == 5 and a.choices[0].finish_reason == "length"
     partial = CAPITAL + [{"role": "assistant", "content": "The capital of France is"}]
     cont = client.chat.completions.create(

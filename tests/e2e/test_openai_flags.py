@@ -52,7 +52,8 @@ def started():
                                    "--max-num-seqs", "1", "--trust-request-chat-template",
                                    "--return-tokens-as-token-ids", "--enable-tokenizer-info-endpoint",
                                    "--default-chat-template-kwargs", '{"greeting": "Hello"}', "--stream-interval", "2",
-                                   "--sse-keep-alive-interval", "1", "--max-num-queued-reqs", "3")
+                                   "--sse-keep-alive-interval", "1", "--max-num-queued-reqs", "3",
+                                   "--chat-template-content-format", "string")
         except BaseException as exc:   # reported by the fixture below
             box["error"] = exc
     t = threading.Thread(target=start)
@@ -160,6 +161,24 @@ def test_trusted_request_chat_templates_and_documents_render_the_prompt(server):
         bad.create(model=model, max_tokens=1, messages=[{"role": "user", "content": "Hi"}],
                    extra_body={"chat_template": "{% for m in messages %}"})
     assert "chat template" in str(exc.value)
+
+
+def test_the_content_format_flag_decides_how_content_reaches_a_template_that_takes_both(server):
+    """--chat-template-content-format string: a template that loops over a message's content
+    (which "auto" would give a list of text parts) gets each message's text as one string, the
+    parts joined by newlines, as vLLM gives it."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}S:{{ m.content }}"
+                "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}{% endfor %}")
+    out = client.chat.completions.create(
+        model=model, max_tokens=1, extra_body={"chat_template": template, "return_token_ids": True},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}])
+    req = urllib.request.Request(server.url + "/detokenize", data=json.dumps(
+        {"tokens": out.model_extra["prompt_token_ids"]}).encode(),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.loads(resp.read())["prompt"].endswith("<user>S:Hi\nthere")
 
 
 def test_return_tokens_as_token_ids_flag_is_the_default_a_request_overrides(server):

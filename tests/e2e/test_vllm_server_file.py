@@ -1,7 +1,8 @@
 """A vLLM deployment's server, unchanged but for the command: `troupe serve --config FILE.yaml`
 with the file's HTTPS certificate, allowed browser origin, response role, forced usage, request
-and output logs and generation-config override, the command line's own flags winning over the
-file's; real clients (the OpenAI SDK, a browser's CORS exchange) against it."""
+and output logs (streamed deltas, error stacks), tools left out for tool_choice "none" and
+generation-config override, the command line's own flags winning over the file's; real clients
+(the OpenAI SDK, a browser's CORS exchange) against it."""
 from __future__ import annotations
 
 import json
@@ -50,6 +51,9 @@ enable-force-include-usage: true
 enable-log-requests: true
 enable-log-outputs: true
 max-log-len: 12
+log-error-stack: true
+trust-request-chat-template: true
+exclude-tools-when-tool-choice-none: true
 override-generation-config:
   max_new_tokens: 5
 log-config-file: {folder / "logging.json"}
@@ -128,6 +132,47 @@ def test_the_log_shows_each_requests_output_cut_to_max_log_len(server, tls):
     assert status == 200 and len(lines) == 1
     assert lines[0].endswith(f"output: {text[:12]!r}, finish_reason: length")
     assert re.search(rf"request {rid}: \d+ prompt tokens, params: max_tokens=8", server.log())
+
+
+def test_a_streamed_request_logs_each_delta_then_its_whole_output(server, tls):
+    """--enable-log-deltas, on by default as in vLLM."""
+    status, _, body = _get(server, tls, "/v1/completions",
+                           {"model": "from-cli", "prompt": "Paris is the capital of", "max_tokens": 4,
+                            "temperature": 0, "stream": True})
+    chunks = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    rid = chunks[0]["id"].removeprefix("cmpl-")
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    log = server.log().splitlines()
+    deltas = [line for line in log if f"response {rid} (streaming delta): output:" in line]
+    whole = [line for line in log if f"response {rid} (streaming complete): output:" in line]
+    assert status == 200 and 1 <= len(deltas) <= 4 and len(whole) == 1
+    assert whole[0].endswith(f"output: {text[:12]!r}, finish_reason: length")
+
+
+def test_tool_choice_none_renders_the_prompt_without_the_tools(server, tls):
+    """--exclude-tools-when-tool-choice-none: the template sees no tools when they may not be
+    called (a template of the request's own shows what it was given)."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    template = "{% if tools %}[{{ tools | length }} tools]{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    def prompt(tool_choice: str) -> str:
+        status, _, body = _get(server, tls, "/v1/chat/completions", {
+            "model": "from-cli", "messages": CAPITAL, "max_tokens": 1, "tools": tools, "tool_choice": tool_choice,
+            "chat_template": template, "return_token_ids": True})
+        assert status == 200, body
+        _, _, shown = _get(server, tls, "/detokenize", {"tokens": json.loads(body)["prompt_token_ids"]})
+        return json.loads(shown)["prompt"]
+    assert prompt("none").endswith(CAPITAL[0]["content"]) and "tools]" not in prompt("none")
+    assert "[1 tools]" in prompt("required")
+
+
+def test_an_error_answer_logs_its_stack_trace(server, tls):
+    """--log-error-stack: a 400 too, with the traceback of where it was raised."""
+    status, _, body = _get(server, tls, "/v1/completions", {"model": "from-cli", "prompt": "x", "max_tokens": -1})
+    assert status == 400 and "max_tokens" in body
+    log = server.log()
+    at = log.rfind("POST /v1/completions answered 400")
+    assert at >= 0 and "Traceback (most recent call last)" in log[at:]
 
 
 def test_every_process_logs_through_the_logging_configuration_file(server):

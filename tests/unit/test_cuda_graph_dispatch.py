@@ -5,6 +5,7 @@ what the plain eager path gives them, with the CPU backend and with the Triton b
 Triton's interpreter. Capture itself needs CUDA (tests/kernels/test_gpu_worker.py)."""
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -14,7 +15,8 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from actors.worker.cuda_graphs import BatchDescriptor, CudaGraphRunner, capture_sizes  # noqa: E402
+from actors.engine.args import EngineArgs  # noqa: E402
+from actors.worker.cuda_graphs import BatchDescriptor, CudaGraphRunner, capture_sizes, graph_sizes  # noqa: E402
 from actors.worker.model_runner import ModelRunner  # noqa: E402
 from kernels.attention import build_attention_metadata  # noqa: E402
 from models.registry import load_model  # noqa: E402
@@ -40,6 +42,25 @@ def test_capture_sizes_ladder():
     assert big[-5:] == [248, 256, 272, 288, 300] and big == sorted(set(big))
     with pytest.raises(ValueError, match="max_num_seqs"):
         capture_sizes(0)
+
+
+def test_vllms_graph_size_flags_pick_the_batches_captured():
+    """--cudagraph-capture-sizes and --max-cudagraph-capture-size, as a vLLM command line
+    gives them: the sizes the worker captures (larger decode batches run eagerly)."""
+    def sizes(*argv: str, max_num_seqs: int = 64) -> list[int]:
+        parser = argparse.ArgumentParser()
+        EngineArgs.add_cli_args(parser)
+        config = EngineArgs.from_cli_args(parser.parse_args(list(argv))).create_engine_config()
+        return graph_sizes(config.compilation, max_num_seqs)
+    assert sizes() == capture_sizes(64)
+    assert sizes("--max-cudagraph-capture-size", "20") == [1, 2, 4, 8, 16, 20]
+    assert sizes("--cudagraph-capture-sizes", "4", "1", "32", "2") == [1, 2, 4, 32]
+    assert sizes("--cudagraph-capture-sizes", "1", "128", max_num_seqs=64) == [1]
+    assert sizes("-cc", '{"max_cudagraph_capture_size": 8}') == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        sizes("-cc", '{"cudagraph_capture_sizes": [1]}', "--cudagraph-capture-sizes", "2")
+    with pytest.raises(ValueError, match="largest"):
+        sizes("--cudagraph-capture-sizes", "1", "2", "--max-cudagraph-capture-size", "4")
 
 
 def _meta(query_lens, seq_lens):

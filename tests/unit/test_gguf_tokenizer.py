@@ -171,9 +171,9 @@ def test_encode_chat(tok, hf_tok):
     assert ids[-4:] == tok.encode("<|im_start|>assistant\n")
 
 
-def test_text_parts_are_joined(tok):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
-    plain = [{"role": "user", "content": "Hello there"}]
+def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(tok):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    plain = [{"role": "user", "content": "Hello\nthere"}]
     assert tok.apply_chat_template(parts) == tok.apply_chat_template(plain)
 
 

@@ -1,7 +1,7 @@
 """The HTTP side of vLLM's server flags: cross-origin requests (--allowed-origins and the rest,
 answered as vLLM's Starlette middleware answers them), HTTPS (--ssl-certfile and the rest,
 certificates renewed without a restart with --enable-ssl-refresh), and the request log's
-outputs (--enable-log-outputs, --max-log-len)."""
+outputs (--enable-log-outputs, --enable-log-deltas, --max-log-len)."""
 from __future__ import annotations
 
 import asyncio
@@ -186,6 +186,22 @@ def test_log_outputs_writes_each_finished_output_once_clipped_to_max_log_len(cap
                      ("INFO", "response req-1: output: 'Hello, w', finish_reason: stop"),
                      ("DEBUG", "response req-2: output_token_ids: [1]"),
                      ("INFO", "response req-2: output: 'partial', finish_reason: error (boom)")]
+
+
+def test_a_streamed_request_logs_each_delta_unless_deltas_are_off(caplog):
+    def lines(deltas: bool) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="troupe.http"):
+            out = OutputLog("req-3", 5, deltas)
+            out.streaming = True
+            out.take(RequestOutput("req-3", "Hello", [1]))
+            out.take(RequestOutput("req-3", "", [2]))           # no text yet: no line
+            out.take(RequestOutput("req-3", " there", [3], finished=True, finish_reason="stop"))
+        return [r.getMessage() for r in caplog.records]
+    assert lines(True) == ["response req-3 (streaming delta): output: 'Hello', finish_reason: None",
+                           "response req-3 (streaming delta): output: ' ther', finish_reason: stop",
+                           "response req-3 (streaming complete): output: 'Hello', finish_reason: stop"]
+    assert lines(False) == ["response req-3 (streaming complete): output: 'Hello', finish_reason: stop"]
 
 
 # -- --api-key ---------------------------------------------------------------------------------

@@ -114,6 +114,22 @@ def test_vllm_0_32_spellings_set_what_they_name():
         assert exc.value.code == 2
 
 
+def test_settings_that_name_what_troupe_does_are_accepted_and_others_refused_naming_the_value(capsys):
+    """vLLM flags whose value may be what Troupe does: --tokenizer-mode auto, --runner generate,
+    --load-format as the model's files are; another value exits 2 with one line naming it."""
+    args = serve.parse_args(["--tokenizer-mode", "hf", "--runner", "generate", "--convert", "none",
+                             "--model-impl", "auto", "--config-format", "hf", "--load-format", "gguf"])
+    EngineArgs.from_cli_args(args).create_engine_config()
+    for flag, value in (("--tokenizer-mode", "mistral"), ("--runner", "pooling"), ("--convert", "embed"),
+                        ("--model-impl", "transformers"), ("--config-format", "mistral")):
+        with pytest.raises(SystemExit) as exc:
+            serve.parse_args([flag, value])
+        line = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and line.startswith(f"troupe: error: {flag} {value} is a vLLM setting")
+    with pytest.raises(ValueError, match="--load-format safetensors: the model's weights are gguf"):
+        EngineArgs.from_cli_args(serve.parse_args(["--load-format", "safetensors"])).create_engine_config()
+
+
 def test_return_tokens_as_token_ids_is_the_servers_default_a_request_may_override():
     """vLLM's --return-tokens-as-token-ids: log-prob tokens read "token_id:N" unless a request's
     return_tokens_as_token_ids field says otherwise."""
