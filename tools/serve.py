@@ -26,6 +26,7 @@ from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tls import TlsFiles
 from actors.frontend.tool_parsers import TOOL_PARSERS
 from actors.frontend.reasoning import REASONING_PARSERS
+from actors.grammar.config import structured_outputs_config
 from actors.runtime import heap, logs
 from actors.runtime.plugins import load_general_plugins
 from tools import config_file
@@ -122,6 +123,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
                    help="vLLM's: with --enable-log-requests, log each request's output text and finish "
                         "reason at INFO when it finishes (its token ids at DEBUG)")
+    p.add_argument("--root-path", type=_root_path, default="", metavar="PATH",
+                   help="vLLM's: for a proxy that serves this server under PATH (\"/api\"): every endpoint also "
+                        "answers under it (/api/v1/models as /v1/models), and the dashboard's page its own "
+                        "requests")
     p.add_argument("--enable-log-deltas", action=argparse.BooleanOptionalAction, default=True,
                    help="vLLM's: with --enable-log-outputs, a streamed request's output is also logged delta "
                         "by delta as it is sent (default: on; --no-enable-log-deltas: only when it ends)")
@@ -202,7 +207,30 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
         p.error("--enable-ssl-refresh needs --ssl-certfile")
     if args.kv_cache_bytes is not None and args.kv_cache_memory_bytes is not None:
         p.error("give --kv-cache-gib or --kv-cache-memory-bytes, not both")
+    try:                # vLLM's structured outputs config may name the reasoning parser
+        named = structured_outputs_config(args.structured_outputs_config).reasoning_parser
+    except ValueError as exc:
+        p.error(str(exc))
+    if named:
+        if named not in REASONING_PARSERS:
+            p.error(f"--structured-outputs-config: reasoning_parser {named!r} is not one of "
+                    f"{', '.join(sorted(REASONING_PARSERS))}")
+        if args.reasoning_parser not in (None, named):
+            p.error(f"--reasoning-parser {args.reasoning_parser} and --structured-outputs-config's "
+                    f"reasoning_parser {named} disagree")
+        args.reasoning_parser = named
     return args
+
+
+def _root_path(text: str) -> str:
+    """"/api" (a trailing slash dropped); "" or "/": none."""
+    path = text.rstrip("/")
+    if path and (not path.startswith("/") or "//" in path or any(c in path for c in "?#{}")):
+        raise argparse.ArgumentTypeError(f"a root path is an absolute URL path such as /api, got {text!r}")
+    return path
+
+
+_root_path.__name__ = "root path"
 
 
 def _prefixes(text: str) -> tuple[str, ...]:
@@ -285,7 +313,8 @@ async def serve(args: argparse.Namespace) -> int:
                                                     log_deltas=args.enable_log_deltas,
                                                     log_error_stack=args.log_error_stack,
                                                     exclude_tools_when_tool_choice_none=(
-                                                        args.exclude_tools_when_tool_choice_none)),
+                                                        args.exclude_tools_when_tool_choice_none),
+                                                    root_path=args.root_path),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         tls = args.tls
         ssl_context = tls.context() if tls is not None else None       # a file that cannot load: stop here

@@ -95,14 +95,13 @@ REFUSED: dict[str, str] = {
     "--enable-reasoning": "vLLM's older spelling: --reasoning-parser alone turns reasoning on",
     "--guided-decoding-backend": _STRUCT, "--guided-decoding-disable-fallback": _STRUCT,
     "--guided-decoding-disable-any-whitespace": _STRUCT,
-    "--guided-decoding-disable-additional-properties": _STRUCT, "--structured-outputs-config": _STRUCT,
+    "--guided-decoding-disable-additional-properties": _STRUCT,
     # observability
     "--show-hidden-metrics-for-version": "Troupe shows every metric it has (see /metrics)",
     "--otlp-traces-endpoint": "Troupe exports traces as Perfetto JSON (/debug/trace, python -m tools.trace)",
     "--collect-detailed-traces": "Troupe records spans with --no-trace off (/debug/trace)",
     "--aggregate-engine-logging": _PARALLEL,
     # the HTTP frontend
-    "--root-path": _HTTP,
     "--middleware": "Troupe adds no ASGI middleware (a troupe.endpoints plugin adds routes)",
     "--tool-parser-plugin": "Troupe loads no tool parser plugins (see --tool-call-parser)",
     "--tool-server": "Troupe runs no built-in tools",

@@ -20,6 +20,7 @@ from actors.engine.config import (CHAT_TEMPLATE_CONTENT_FORMATS, DATA_PARALLEL_B
 from actors.engine.compilation import compilation_config, with_graph_flags
 from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
+from actors.grammar.config import structured_outputs_config
 from actors.kv_manager.kv_events import kv_events_config
 from actors.kv_transfer.config import kv_transfer_config
 from actors.kv_transfer.factory import KVConnectorFactory
@@ -98,6 +99,7 @@ class EngineArgs:
     kv_transfer_config: dict[str, Any] | str | None = None
     # vLLM's --kv-events-config: the prefix cache's changes published over ZeroMQ (JSON text or a dict)
     kv_events_config: dict[str, Any] | str | None = None
+    structured_outputs_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         load_general_plugins()         # this process's plugins first (e.g. an architecture they register)
@@ -173,7 +175,8 @@ class EngineArgs:
                                               log_stats=not self.disable_log_stats),
             speculative=speculative, compilation=compilation, lora=self.lora_config(),
             kv_transfer=kv_transfer_config(self.kv_transfer_config),
-            kv_events=kv_events_config(self.kv_events_config))
+            kv_events=kv_events_config(self.kv_events_config),
+            structured_outputs=structured_outputs_config(self.structured_outputs_config))
         KVConnectorFactory.check_engine(config)
         return config
 
@@ -588,6 +591,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "kv_consumer or kv_both; kv_ip, kv_port: where a producer's side channel listens; "
                  'kv_connector_extra_config: {"kv_lease_duration", "heartbeat_s", "transfer_timeout_s", "shm"}). '
                  "Requests then carry kv_transfer_params (see tools/pd_proxy.py)")),
+        (("--structured-outputs-config",), "structured_outputs_config", dict(
+            default=d["structured_outputs_config"], metavar="JSON",
+            help="vLLM's, as JSON: backend (\"auto\" or \"xgrammar\": Troupe always uses xgrammar), "
+                 "disable_any_whitespace (JSON outputs compact, without the whitespace the model may "
+                 "otherwise put between tokens), reasoning_parser (as --reasoning-parser), "
+                 "disable_fallback and disable_additional_properties (accepted; nothing to change)")),
         (("--kv-events-config",), "kv_events_config", dict(
             default=d["kv_events_config"], metavar="JSON",
             help='publish the prefix cache\'s changes as vLLM\'s KV events, for KV-aware routers: a JSON object '

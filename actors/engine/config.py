@@ -19,6 +19,7 @@ import msgspec
 
 from actors.engine.compilation import CompilationConfig
 from actors.engine.lora import LoRAConfig
+from actors.grammar.config import StructuredOutputsConfig
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, group_size, kv_cache_groups,
                                              max_tokens_per_request, model_kv_cache_specs, num_blocks_for,
@@ -187,6 +188,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_transfer: KVTransferConfig | None = None
     # --kv-events-config: the prefix cache's changes published for KV-aware routers (None: off)
     kv_events: KVEventsConfig | None = None
+    # --structured-outputs-config: xgrammar's options (actors/grammar/config.py)
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def __post_init__(self) -> None:
         check_config(self)

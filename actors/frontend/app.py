@@ -76,6 +76,7 @@ class ServerOptions:
     log_deltas: bool = True                # with log_outputs, a streamed request's deltas too
     log_error_stack: bool = False          # every error response's stack trace in the log
     exclude_tools_when_tool_choice_none: bool = False   # tool_choice "none": the template gets no tools
+    root_path: str = ""                    # every endpoint also answers under this path (--root-path)
 
 
 class OpenAIServer:
@@ -123,11 +124,21 @@ class OpenAIServer:
                          self.options.force_include_usage)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.options.max_body_bytes,
-                              middlewares=[self._middleware])
+        """The server's endpoints; with a root path (vLLM's --root-path, for a proxy that serves
+        this server under a path) each answers under that path too, as vLLM's does (the path
+        taken off before anything looks at it: the API key, tracing, the routes)."""
+        app = web.Application(client_max_size=self.options.max_body_bytes, middlewares=[self._middleware])
         app.on_response_prepare.append(self.options.cors.on_prepare)
+        self._add_routes(app, {})
+        if self.options.root_path:
+            under = web.Application(client_max_size=self.options.max_body_bytes)
+            self._add_routes(under, app[OPEN_ANSWERS])
+            app.add_subapp(self.options.root_path, under)
+        return app
+
+    def _add_routes(self, app: web.Application, answers: dict[str, list[str]]) -> None:
         app[sse.KEEP_ALIVE_S] = self.options.sse_keep_alive_interval
-        app[OPEN_ANSWERS] = {}
+        app[OPEN_ANSWERS] = answers
         routes: list[tuple[str, str, Callable]] = [
             ("GET", "/health", misc.health), ("GET", "/ping", misc.health), ("POST", "/ping", misc.health),
             ("GET", "/version", misc.get_version), ("GET", "/metrics", misc.metrics),
@@ -159,7 +170,6 @@ class OpenAIServer:
             app.router.add_route(method, path, functools.partial(handler, self))
         dashboard.add_routes(app)
         call_plugins(ENDPOINTS, app.router)     # troupe.endpoints plugins add their routes
-        return app
 
     def _loading(self, handler: Callable) -> Callable:
         """``handler``, counted in ``server_load`` (vLLM's GET /load) while it answers."""
@@ -172,16 +182,24 @@ class OpenAIServer:
                 self.server_load -= 1
         return counted
 
+    def route_path(self, request: web.Request) -> str:
+        """The path the endpoints answer for: under --root-path, without it."""
+        root = self.options.root_path
+        if root and len(request.match_info.apps) > 1 and request.path.startswith(root):
+            return request.path[len(root):] or "/"
+        return request.path
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         if self.options.cors.is_preflight(request):      # no key comes with it (vLLM's order)
             return self.options.cors.preflight(request)
         login: str | None = None
-        if self.options.api_key and request.path.startswith(PROTECTED_PATHS):
-            login = self._login(request)
-            if not (login or self._authorized(request)):
+        path = self.route_path(request)
+        if self.options.api_key and path.startswith(PROTECTED_PATHS):
+            login = self._login(request, path)
+            if not (login or self._authorized(request, path)):
                 return error_response(401, "invalid or missing API key")
-        span = HttpSpan.start(self.tracer, request)
+        span = HttpSpan.start(self.tracer, request, path)
         try:
             response = await self._handle(request, handler)
         finally:
@@ -199,7 +217,7 @@ class OpenAIServer:
     def _is_key(self, given: str) -> bool:
         return any([_same(given, key) for key in self._keys()])     # every key compared
 
-    def _authorized(self, request: web.Request) -> bool:
+    def _authorized(self, request: web.Request, path: str) -> bool:
         """A key as a Bearer token (any of --api-key's); for the dashboard and /debug/* also as
         the cookie that ``_login`` set, since a browser sends no header of its own (EventSource
         included)."""
@@ -208,13 +226,13 @@ class OpenAIServer:
             return True
         if "X-Api-Key" in request.headers:          # how the Anthropic SDK sends its key (/v1/messages)
             return self._is_key(request.headers["X-Api-Key"])
-        return not request.path.startswith("/v1/") and self._is_key(request.cookies.get(KEY_COOKIE, ""))
+        return not path.startswith("/v1/") and self._is_key(request.cookies.get(KEY_COOKIE, ""))
 
-    def _login(self, request: web.Request) -> str | None:
+    def _login(self, request: web.Request, path: str) -> str | None:
         """``GET /dashboard?api_key=KEY``: the page opened from a browser with a key once; the
         answer sets it as an HttpOnly cookie for the page's own requests. The key, when it is one."""
         given = request.query.get("api_key")
-        if request.path == "/dashboard" and given is not None and self._is_key(given):
+        if path == "/dashboard" and given is not None and self._is_key(given):
             return given
         return None
 

@@ -17,12 +17,14 @@ UNTRACED_PATHS = ("/debug/", "/dashboard")      # the dashboard watching itself 
 
 
 class HttpSpan:
-    __slots__ = ("tracer", "request", "span", "trace_id", "t0", "tokens")
+    __slots__ = ("tracer", "request", "path", "span", "trace_id", "t0", "tokens")
 
     @classmethod
-    def start(cls, tracer: Tracer | None, request: web.Request) -> HttpSpan:
+    def start(cls, tracer: Tracer | None, request: web.Request, path: str | None = None) -> HttpSpan:
+        """``path``: the route's (the request's own without --root-path's)."""
         self = cls()
-        on = tracer is not None and tracer.enabled and not request.path.startswith(UNTRACED_PATHS)
+        self.path = request.path if path is None else path
+        on = tracer is not None and tracer.enabled and not self.path.startswith(UNTRACED_PATHS)
         self.tracer = tracer if on else None
         self.request, self.t0 = request, now_ns()
         self.span = tracer.new_span_id() if tracer is not None else 0
@@ -44,7 +46,7 @@ class HttpSpan:
         if self.tracer is not None:
             req = self.request
             self.tracer.record(SpanRecord(self.trace_id, self.span, 0, 0, self.tracer.node, HTTP,
-                                          f"{req.method} {req.path}", self.t0, self.t0, now_ns(), 0, "ok",
+                                          f"{req.method} {self.path}", self.t0, self.t0, now_ns(), 0, "ok",
                                           req.content_length or 0, served, "client"))
 
     def mark(self, name: str, start_ns: int | None = None) -> None:

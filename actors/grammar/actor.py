@@ -46,7 +46,7 @@ class GrammarCompilerActor(Actor):
     concurrent = True            # compiles run in threads side by side
 
     def __init__(self, config: EngineConfig) -> None:
-        self.cache = GrammarCache(lambda: xgrammar_compiler(config))
+        self.cache = GrammarCache(lambda: xgrammar_compiler(config), config.structured_outputs.any_whitespace)
         self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="grammar")
 
     def colocated(self) -> GrammarCache:

@@ -57,8 +57,9 @@ class GrammarCache:
     ``make_compiler`` builds that compiler (it loads the tokenizer: slow, so only when the first
     grammar is asked for). Thread-safe: compiles may run in several threads at once."""
 
-    def __init__(self, make_compiler: Callable[[], Any]) -> None:
+    def __init__(self, make_compiler: Callable[[], Any], any_whitespace: bool = True) -> None:
         self._make_compiler = make_compiler
+        self.any_whitespace = any_whitespace      # JSON may carry whitespace (vLLM's default)
         self._compiler: Any = None
         self._lock = threading.Lock()
         self._grammars: OrderedDict[GrammarKey, Any] = OrderedDict()
@@ -79,7 +80,11 @@ class GrammarCache:
             return grammar
         compiler = self._xgrammar_compiler()
         try:
-            grammar = _COMPILE[key.kind](compiler, key.text)
+            if key.kind == "json":       # compact when whitespace is off, as vLLM's (",", ":")
+                grammar = compiler.compile_json_schema(key.text, any_whitespace=self.any_whitespace,
+                                                       separators=None if self.any_whitespace else (",", ":"))
+            else:
+                grammar = _COMPILE[key.kind](compiler, key.text)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(_XGRAMMAR_PREFIX.sub("", str(exc)).strip()) from None
         with self._lock:
@@ -96,7 +101,6 @@ class GrammarCache:
 
 
 _COMPILE: dict[str, Callable[[Any, str], Any]] = {
-    "json": lambda c, text: c.compile_json_schema(text, any_whitespace=False),
     "regex": lambda c, text: c.compile_regex(text),
     "grammar": lambda c, text: c.compile_grammar(text),
     "lark": lambda c, text: c.compile_lark(text),

@@ -2,7 +2,9 @@
 server under load: the page loads without console errors and shows the actors of all three
 processes; its figures move while requests run; a request's waterfall lists its hops in time
 order, from the HTTP actor through the tokenizer and the scheduler to the detokenizer; the page
-and its data ask for the API key like /v1/*. A screenshot is left in test-artifacts/."""
+and its data ask for the API key like /v1/*. The server runs under vLLM's --root-path: the page
+and the load are reached under it (the page's own requests with it), the checks of the key
+without it. A screenshot is left in test-artifacts/."""
 from __future__ import annotations
 
 import os
@@ -26,6 +28,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright pac
                                "(pip install -e '.[test]')")
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ROOT_PATH = "/troupe"      # --root-path: the page and the load go through it, the key checks without it
 KEY = "dashboard-test-key"
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")
 # Quiet and offline: without the background-networking flags Chromium keeps calling home.
@@ -36,7 +39,7 @@ WAIT_MS = 20_000
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--api-key", KEY)
+    s = Server("--api-key", KEY, "--root-path", ROOT_PATH)
     yield s
     s.stop()
 
@@ -80,7 +83,7 @@ class Load:
 
 @pytest.fixture(scope="module")
 def load(server):
-    loader = Load(server.url)
+    loader = Load(server.url + ROOT_PATH)
     yield loader
     loader.close()
 
@@ -109,12 +112,14 @@ def page(server, load, browser, errors):
     p.set_default_timeout(WAIT_MS)
     p.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
     p.on("pageerror", lambda exc: errors.append(f"uncaught: {exc}"))
-    p.goto(server.url + f"/dashboard?api_key={KEY}")
+    p.requested = []          # every address the page asks for
+    p.on("request", lambda req: p.requested.append(req.url))
+    p.goto(server.url + ROOT_PATH + f"/dashboard?api_key={KEY}")
     yield p
     context.close()
 
 
-def test_page_shows_the_actors_of_every_process(page, errors):
+def test_page_shows_the_actors_of_every_process(page, errors, server):
     page.wait_for_selector('#actors-table tbody tr[data-node="worker0"]')
     rows = page.eval_on_selector_all("#actors-table tbody tr[data-actor]",
                                      "rows => rows.map(r => r.dataset.node + '/' + r.dataset.actor)")
@@ -126,6 +131,11 @@ def test_page_shows_the_actors_of_every_process(page, errors):
     assert page.locator("#graph path.edge").count() > 0           # some sender -> receiver
     assert page.locator("#banner").is_hidden(), page.inner_text("#banner")
     assert errors == []
+    # the page's script, style and streams under the root path it was opened under
+    assert len(page.requested) >= 4 and all(u.startswith(page.url.split("/dashboard")[0] + "/") for u in page.requested)
+    assert page.url.startswith(server.url + ROOT_PATH + "/dashboard")
+    assert {u.split("?")[0].removeprefix(server.url) for u in page.requested} >= {
+        ROOT_PATH + "/dashboard", ROOT_PATH + "/dashboard/static/dashboard.js", ROOT_PATH + "/debug/live"}
 
 
 def test_figures_move_while_requests_run(page, errors):
@@ -206,6 +216,7 @@ def status(url: str, headers: dict[str, str]) -> tuple[int, str]:
 def test_the_page_and_its_data_need_the_api_key(server):
     for path in ("/dashboard", "/dashboard/static/dashboard.js", "/debug/live", "/debug/actors"):
         assert status(server.url + path, {})[0] == 401, path
+        assert status(server.url + ROOT_PATH + path, {})[0] == 401, ROOT_PATH + path
     auth = {"Authorization": f"Bearer {KEY}"}
     assert status(server.url + "/dashboard", auth) == (200, "text/html")
     assert status(server.url + "/dashboard/static/dashboard.js", auth) == (200, "text/javascript")
@@ -222,5 +233,6 @@ def test_the_key_in_the_dashboards_url_opens_the_page_and_its_data_only(server):
     assert status(server.url + "/debug/actors", {"Cookie": cookie})[0] == 200
     assert status(server.url + "/dashboard/static/dashboard.js", {"Cookie": cookie})[0] == 200
     assert status(server.url + "/v1/models", {"Cookie": cookie})[0] == 401      # never the API
+    assert status(server.url + ROOT_PATH + "/v1/models", {"Cookie": cookie})[0] == 401
     assert status(server.url + "/debug/actors", {"Cookie": "troupe_api_key=wrong"})[0] == 401
     assert status(server.url + "/debug/actors", {"Authorization": "Bearer \u00e9"})[0] == 401

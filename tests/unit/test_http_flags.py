@@ -1,7 +1,7 @@
 """The HTTP side of vLLM's server flags: cross-origin requests (--allowed-origins and the rest,
 answered as vLLM's Starlette middleware answers them), HTTPS (--ssl-certfile and the rest,
 certificates renewed without a restart with --enable-ssl-refresh), and the request log's
-outputs (--enable-log-outputs, --enable-log-deltas, --max-log-len)."""
+outputs (--enable-log-outputs, --enable-log-deltas, --max-log-len), and --root-path."""
 from __future__ import annotations
 
 import asyncio
@@ -202,6 +202,28 @@ def test_a_streamed_request_logs_each_delta_unless_deltas_are_off(caplog):
                            "response req-3 (streaming delta): output: ' ther', finish_reason: stop",
                            "response req-3 (streaming complete): output: 'Hello', finish_reason: stop"]
     assert lines(False) == ["response req-3 (streaming complete): output: 'Hello', finish_reason: stop"]
+
+
+def test_under_a_root_path_every_endpoint_answers_there_too_with_the_same_key_checks(capsys):
+    """vLLM's --root-path (the server behind a proxy that serves it under a path): /api/health
+    is /health, /api/v1/... needs the key as /v1/... does; nothing else under /api exists."""
+    async def answers():
+        server = OpenAIServer(None, ServerOptions(api_key="k", root_path="/api"))
+        out = {}
+        async with TestClient(TestServer(server.app())) as client:
+            for path, headers in (("/health", {}), ("/api/health", {}), ("/api/v1/models", {}),
+                                  ("/api/v1/models", {"Authorization": "Bearer k"}), ("/api/nothing", {}),
+                                  ("/apis/health", {}), ("/api/dashboard", {})):
+                async with client.get(path, headers=headers) as resp:
+                    out.setdefault(path, []).append(resp.status)
+        return out
+    got = asyncio.run(answers())
+    assert got == {"/health": [503], "/api/health": [503], "/api/v1/models": [401, 503],   # 503: no model yet
+                   "/api/nothing": [404], "/apis/health": [404], "/api/dashboard": [401]}
+    assert serve.parse_args(["--root-path", "/api/"]).root_path == "/api"
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--root-path", "api"])
+    assert "--root-path" in capsys.readouterr().err
 
 
 # -- --api-key ---------------------------------------------------------------------------------

@@ -130,6 +130,21 @@ def test_settings_that_name_what_troupe_does_are_accepted_and_others_refused_nam
         EngineArgs.from_cli_args(serve.parse_args(["--load-format", "safetensors"])).create_engine_config()
 
 
+def test_the_structured_outputs_config_takes_xgrammars_options_and_names_the_reasoning_parser(capsys):
+    args = serve.parse_args(["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true, '
+                             '"disable_fallback": true, "reasoning_parser": "qwen3"}'])
+    assert args.reasoning_parser == "qwen3"
+    config = EngineArgs.from_cli_args(args).create_engine_config().structured_outputs
+    assert config.disable_any_whitespace and not config.any_whitespace
+    assert EngineArgs().create_engine_config().structured_outputs.any_whitespace       # vLLM's default
+    for bad, says in (('{"backend": "guidance"}', "always use xgrammar"), ('{"backend": "auto", "x": 1}', "unknown"),
+                      ('{"enable_in_reasoning": false}', "from its first token"), ("[1]", "JSON object"),
+                      ('{"reasoning_parser": "qwen3"}', "disagree")):
+        with pytest.raises(SystemExit) as exc:
+            serve.parse_args(["--structured-outputs-config", bad, "--reasoning-parser", "deepseek_r1"])
+        assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_return_tokens_as_token_ids_is_the_servers_default_a_request_may_override():
     """vLLM's --return-tokens-as-token-ids: log-prob tokens read "token_id:N" unless a request's
     return_tokens_as_token_ids field says otherwise."""

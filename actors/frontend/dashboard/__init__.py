@@ -1,7 +1,8 @@
 """The actor tracing dashboard: one static page (``index.html``, ``dashboard.js``,
 ``dashboard.css``) served at ``GET /dashboard``, which draws the JSON of ``/debug/actors``,
 ``/debug/steps`` and ``/debug/requests`` as the ``/debug/live`` event stream delivers it. No
-build step and nothing fetched from elsewhere: the files are served as they are."""
+build step and nothing fetched from elsewhere: the files are served as they are. The page names
+its script, style and streams relative to its own address, so it works under --root-path."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -62,7 +62,7 @@ function legend(target, items) {
 // -- live stream ---------------------------------------------------------------------------
 
 function connect() {
-  const source = new EventSource("/debug/live");
+  const source = new EventSource("debug/live");
   source.onmessage = (event) => {
     banner("live", null);
     if (state.paused) return;
@@ -317,7 +317,7 @@ async function loadRequest(id) {
   const seq = ++state.loadSeq;
   for (const li of $("#requests").children) li.classList.toggle("selected", li.dataset.id === id);
   try {
-    const body = await getJSON(`/debug/requests/${encodeURIComponent(id)}`);
+    const body = await getJSON(`debug/requests/${encodeURIComponent(id)}`);
     if (seq !== state.loadSeq) return;          // a later choice won
     guarded("waterfall", () => drawWaterfall(body));
     banner("request", null);
