@@ -9,6 +9,7 @@ finds the class from ``general.architecture``.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
@@ -57,6 +58,41 @@ def gguf_model_config(gguf: GGUFFile) -> ArchConfig:
 
 
 # The registry is imported when called: it imports the model classes, which import this module.
+# config.json keys an override may set on a GGUF file's config -> how (the header is its config)
+_GGUF_OVERRIDES = {
+    "max_position_embeddings": lambda c, v: {"max_model_len": int(v)},
+    "rope_theta": lambda c, v: {"rope_theta": float(v)},
+    "rms_norm_eps": lambda c, v: {"rms_norm_eps": float(v)},
+    "sliding_window": lambda c, v: {"sliding_window": None if v is None else int(v)},
+    "rope_scaling": lambda c, v: {"rope_scaling_factor": _rope_factor(v)},
+    "bos_token_id": lambda c, v: {"bos_token_id": v},
+    "eos_token_id": lambda c, v: {"eos_token_ids": tuple(v) if isinstance(v, list) else (v,)},
+    "query_pre_attn_scalar": lambda c, v: {"query_pre_attn_scalar": v},
+    "attn_logit_softcapping": lambda c, v: {"attn_logit_softcapping": v},
+    "final_logit_softcapping": lambda c, v: {"final_logit_softcapping": v},
+}
+
+
+def _rope_factor(scaling: Any) -> float:
+    from models.hf_config import rope_theta_and_factor
+    return rope_theta_and_factor({"rope_scaling": scaling})[1]
+
+
+def with_gguf_overrides(config: ArchConfig, overrides: dict[str, Any]) -> ArchConfig:
+    """vLLM's --hf-overrides on a GGUF file's config: the config.json keys its header gives."""
+    unknown = sorted(set(overrides) - set(_GGUF_OVERRIDES))
+    if unknown:
+        raise ValueError(f"--hf-overrides: {', '.join(unknown)} cannot be set on a GGUF file's config; "
+                         f"these can: {', '.join(_GGUF_OVERRIDES)}")
+    fields: dict[str, Any] = {}
+    for key, value in overrides.items():
+        try:
+            fields.update(_GGUF_OVERRIDES[key](config, value))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--hf-overrides: {key} {value!r}: {exc}") from None
+    return dataclasses.replace(config, **fields)
+
+
 def _hf_architecture(gguf_architecture: str | None) -> str:
     from models.registry import hf_architecture_of_gguf
     return hf_architecture_of_gguf(gguf_architecture)

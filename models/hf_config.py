@@ -14,15 +14,40 @@ DEFAULT_ROPE_THETA = 10_000.0   # transformers' default when a config names none
 ROPE_TYPES = ("default", "linear")
 
 
-def read_hf_config(checkpoint_dir: str) -> ArchConfig:
-    """The ArchConfig of the checkpoint in ``checkpoint_dir`` (config.json required)."""
-    raw = _read_json(os.path.join(checkpoint_dir, "config.json"))
+def read_hf_config(checkpoint_dir: str, overrides: dict[str, Any] | None = None) -> ArchConfig:
+    """The ArchConfig of the checkpoint in ``checkpoint_dir`` (config.json required), with
+    ``overrides`` over config.json's keys (vLLM's --hf-overrides: a key's value replaced, a
+    sub-config's keys merged)."""
+    raw = with_overrides(_read_json(os.path.join(checkpoint_dir, "config.json")), overrides or {})
     gen_path = os.path.join(checkpoint_dir, "generation_config.json")
     generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     try:
         return hf_model_config(raw, generation)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{checkpoint_dir}/config.json is missing or has a malformed field: {exc!r}") from exc
+
+
+def with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with ``overrides``: as transformers' ``PretrainedConfig.update``, and a nested
+    config (``text_config``) updated key by key, as vLLM applies --hf-overrides."""
+    out = dict(raw)
+    for key, value in overrides.items():
+        if key.endswith("_config") and isinstance(out.get(key), dict) and isinstance(value, dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    # transformers 4.x's rope keys over a 5.x checkpoint's rope_parameters (one for every layer):
+    # what transformers 5 makes of them when it loads such a config
+    params = out.get("rope_parameters")
+    if isinstance(params, dict) and ("rope_type" in params or "rope_theta" in params):
+        params = dict(params)
+        if "rope_theta" in overrides:
+            params["rope_theta"] = overrides["rope_theta"]
+        scaling = overrides.get("rope_scaling")
+        if isinstance(scaling, dict):
+            params.update({("rope_type" if k == "type" else k): v for k, v in scaling.items()})
+        out["rope_parameters"] = params
+    return out
 
 
 def read_quantization_config(checkpoint_dir: str) -> dict[str, Any] | None:

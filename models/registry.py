@@ -4,8 +4,9 @@ picks an attention backend, builds a model and dispatches checkpoint tensors ont
 the model's tensor map."""
 from __future__ import annotations
 
+import json
 import re
-from typing import Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -15,7 +16,8 @@ from kernels.attention.selector import select_backend
 from models.architectures import BUILTIN_ARCHITECTURES, ModelRegistry
 from models.base import CausalLM
 from models.config import ArchConfig
-from models.gguf_loader import gguf_model_config, iter_gguf_weights, read_gguf
+from models.gguf_header import GGUFFile
+from models.gguf_loader import gguf_model_config, iter_gguf_weights, read_gguf, with_gguf_overrides
 from models.hf_config import read_hf_config, read_quantization_config
 from models.layers import MergedLinear
 from models.quantization import attach_linear_methods, process_weights_after_loading, quantized_layers, \
@@ -125,21 +127,32 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
 def model_config(source: ModelSource) -> ArchConfig:
     """The architecture config of a source, without reading its weights."""
     if source.kind == "gguf":
-        return gguf_model_config(read_gguf(source.path))
+        return _gguf_config(read_gguf(source.path), source)
     if source.kind == "hf_dir":
-        return read_hf_config(source.path)
+        return read_hf_config(source.path, hf_overrides(source))
     return open_checkpoint(source).config       # says which kinds there are
+
+
+def hf_overrides(source: ModelSource) -> dict[str, Any]:
+    """The source's --hf-overrides (config.json keys over the checkpoint's)."""
+    return json.loads(source.hf_overrides) if source.hf_overrides else {}
+
+
+def _gguf_config(gguf: GGUFFile, source: ModelSource) -> ArchConfig:
+    config = gguf_model_config(gguf)
+    overrides = hf_overrides(source)
+    return with_gguf_overrides(config, overrides) if overrides else config
 
 
 def open_checkpoint(source: ModelSource) -> Checkpoint:
     """The checkpoint of a source: its header read, its weights not yet."""
     if source.kind == "gguf":
         gguf = read_gguf(source.path)
-        config = gguf_model_config(gguf)
+        config = _gguf_config(gguf, source)
         return Checkpoint(config, iter_gguf_weights(gguf, config), "gguf_tensor_map", path=source.path)
     if source.kind == "hf_dir":
-        return Checkpoint(read_hf_config(source.path), iter_safetensors_weights(source.path), "hf_tensor_map",
-                          read_quantization_config(source.path), source.path)
+        return Checkpoint(read_hf_config(source.path, hf_overrides(source)), iter_safetensors_weights(source.path),
+                          "hf_tensor_map", read_quantization_config(source.path), source.path)
     raise ValueError(f"model source kind {source.kind!r} is not supported; supported: 'gguf', 'hf_dir'")
 
 

@@ -36,6 +36,7 @@ class ModelSource:
     kind: Literal["gguf", "hf_dir"]
     path: str          # the .gguf file, or the checkpoint directory
     served_name: str   # the name the API reports, e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"
+    hf_overrides: str = ""   # vLLM's --hf-overrides: config keys over the checkpoint's, as JSON ("": none)
 
 
 def resolve_tokenizer(name: str | None) -> ModelSource | None:

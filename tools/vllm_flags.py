@@ -53,7 +53,7 @@ REFUSED: dict[str, str] = {
     # loading the model
     "--tokenizer-revision": _LOADING, "--revision": _LOADING,
     "--code-revision": _LOADING, "--hf-config-path": _LOADING, "--hf-token": "Troupe never downloads",
-    "--hf-overrides": _LOADING, "--download-dir": "Troupe never downloads",
+    "--download-dir": "Troupe never downloads",
     "--safetensors-load-strategy": _LOADING, "--model-loader-extra-config": _LOADING,
     "--ignore-patterns": _LOADING, "--use-tqdm-on-load": _LOADING, "--pt-load-map-location": _LOADING,
     "--skip-tokenizer-init": _LOADING,
@@ -84,7 +84,6 @@ REFUSED: dict[str, str] = {
     "--swap-space": _KV, "--cpu-offload-gb": _KV, "--prefix-caching-hash-algo": _KV,
     "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _KV,
     "--mamba-ssm-cache-dtype": _KV, "--mamba-block-size": _KV,
-    "--kv-cache-metrics": _KV, "--kv-cache-metrics-sample": _KV,
     "--kv-offloading-size": _KV, "--kv-offloading-backend": _KV,
     # the scheduler and compilation
     "--num-lookahead-slots": _SCHED, "--disable-chunked-mm-input": _MODALITY, "--scheduler-cls": _SCHED,
@@ -180,7 +179,7 @@ BOOLEAN = frozenset({
     "--enable-prompt-embeds", "--enable-sleep-mode", "--enable-mm-embeds", "--interleave-mm-strings",
     "--skip-mm-profiling", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",
-    "--tokens-only", "--kv-cache-metrics",
+    "--tokens-only",
     # vLLM 0.32's
     "--allow-deprecated-quantization", "--cohere-is-reasoning-model", "--cudagraph-metrics", "--dcp-q-replicate",
     "--enable-batch-sharded-sampling", "--enable-cumem-allocator", "--enable-elastic-ep", "--enable-ep-weight-filter",

@@ -43,6 +43,7 @@ class EngineArgs:
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
     load_format: str = "auto"             # vLLM's: what the weights are (Troupe reads it from the files)
+    hf_overrides: dict[str, Any] | str | None = None   # vLLM's: config.json keys over the checkpoint's
     tokenizer: str | None = None          # None: the model's own
     served_model_name: str | list[str] | tuple[str, ...] | None = None   # None: the model's own name
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
@@ -83,6 +84,8 @@ class EngineArgs:
     trace: bool = True
     flight_recorder_dir: str = ""
     disable_log_stats: bool = False       # vLLM's: no periodic statistics lines (the offline LLM: none by default)
+    kv_cache_metrics: bool = False        # vLLM's: sampled KV block residency histograms on /metrics
+    kv_cache_metrics_sample: float = 0.01
     # vLLM's --speculative-config: its JSON object (text on the command line, a dict in LLM(...))
     speculative_config: dict[str, Any] | str | None = None
     # vLLM's --spec-method, --spec-model, --spec-tokens: keys of the speculative config, one flag each
@@ -122,7 +125,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The composed config; resolves the model's source (fails fast, naming the package to
         install, when the model is not on this machine) and reads its generation config."""
-        source = resolve_model(self.model)
+        source = with_hf_overrides(resolve_model(self.model), self.hf_overrides)
         check_load_format(self.load_format, source)
         names = self.served_model_name
         speculative = speculative_config(with_spec_flags(self.speculative_config, self.spec_method,
@@ -172,7 +175,9 @@ class EngineArgs:
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
             observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir,
-                                              log_stats=not self.disable_log_stats),
+                                              log_stats=not self.disable_log_stats,
+                                              kv_cache_metrics=self.kv_cache_metrics,
+                                              kv_cache_metrics_sample=self.kv_cache_metrics_sample),
             speculative=speculative, compilation=compilation, lora=self.lora_config(),
             kv_transfer=kv_transfer_config(self.kv_transfer_config),
             kv_events=kv_events_config(self.kv_events_config),
@@ -216,6 +221,25 @@ class EngineArgs:
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
+
+
+def with_hf_overrides(source: ModelSource, overrides: dict[str, Any] | str | None) -> ModelSource:
+    """vLLM's --hf-overrides (a JSON object, or the offline API's dict) carried by the model's
+    source, so that every process reads the checkpoint's config with them (models/registry.py);
+    checked here, so that a bad one stops the start."""
+    if overrides is None or overrides == {} or overrides == "":
+        return source
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--hf-overrides is not valid JSON: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--hf-overrides takes a JSON object of config.json keys, got {overrides!r}")
+    source = dataclasses.replace(source, hf_overrides=json.dumps(overrides, sort_keys=True))
+    from models.registry import model_config       # torch: loaded here only when overrides are given
+    model_config(source)               # the keys apply, or the start stops naming them
+    return source
 
 
 def check_load_format(load_format: str, source: ModelSource) -> None:
@@ -433,6 +457,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             default=d["override_generation_config"], metavar="JSON",
             help='generation config fields over --generation-config\'s, e.g. \'{"temperature": 0.5}\' (with '
                  '--generation-config vllm, these alone)')),
+        (("--hf-overrides",), "hf_overrides", dict(
+            default=d["hf_overrides"], metavar="JSON",
+            help="vLLM's: config.json keys over the checkpoint's, as a JSON object (e.g. "
+                 "'{\"max_position_embeddings\": 4096}'; a nested config such as text_config merged key by "
+                 "key); on a GGUF file, the keys its header gives (max_position_embeddings, rope_theta, "
+                 "rope_scaling, rms_norm_eps, sliding_window, bos/eos_token_id, softcapping)")),
         (("--load-format",), "load_format", dict(
             choices=LOAD_FORMATS, default=d["load_format"],
             help="vLLM's: the weights' format; Troupe reads it from the model's files (a .gguf file, or a "
@@ -644,6 +674,13 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--threads",), "num_threads", dict(type=int, default=d["num_threads"], metavar="N",
                                              help="worker compute threads (0: all cores)")),
         (("--seed",), "seed", dict(type=int, default=d["seed"])),
+        (("--kv-cache-metrics",), "kv_cache_metrics", dict(
+            action=argparse.BooleanOptionalAction, default=d["kv_cache_metrics"],
+            help="vLLM's: sample KV cache blocks' residency into /metrics' kv_block_lifetime_seconds, "
+                 "kv_block_idle_before_evict_seconds and kv_block_reuse_gap_seconds histograms")),
+        (("--kv-cache-metrics-sample",), "kv_cache_metrics_sample", dict(
+            type=_sample_rate, default=d["kv_cache_metrics_sample"], metavar="FRACTION",
+            help="vLLM's: the fraction of blocks --kv-cache-metrics follows, in (0, 1] (default: 0.01)")),
         (("--disable-log-stats",), "disable_log_stats", dict(
             action="store_true", default=d["disable_log_stats"],
             help="no periodic statistics lines (vLLM's: every VLLM_LOG_STATS_INTERVAL seconds, 10, each "
@@ -688,6 +725,16 @@ def human_readable_int(text: str) -> int:
 
 
 human_readable_int.__name__ = "int"
+
+
+def _sample_rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+_sample_rate.__name__ = "sample rate"
 
 
 def _fraction(text: str) -> float:

@@ -170,6 +170,8 @@ class ObservabilityConfig(msgspec.Struct, frozen=True, kw_only=True):
     trace: bool = True                     # every process records a span per handled message
     flight_recorder_dir: str = ""          # where a dead process's last seconds go ("": a temp dir)
     log_stats: bool = True                 # the periodic statistics lines (actors/frontend/stat_logger.py)
+    kv_cache_metrics: bool = False         # KV blocks' residency sampled for /metrics (--kv-cache-metrics)
+    kv_cache_metrics_sample: float = 0.01  # the fraction of blocks sampled
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

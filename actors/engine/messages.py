@@ -87,6 +87,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     kv_transfer: dict[str, float] = {}
+    # --kv-cache-metrics, since the last stats: each sampled block evicted, as (lifetime, idle
+    # before eviction, gaps between its last reuses) in seconds
+    kv_cache_eviction_events: list[tuple[float, float, list[float]]] = []
 
 
 class EngineCoreOutputs(Msg):

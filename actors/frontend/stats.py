@@ -25,6 +25,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)
+KV_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120,
+                        300, 600, 1200, 1800)     # vLLM's: millisecond reuse gaps to half-hour lifetimes
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")     # counted from 0, as vLLM does
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
@@ -85,6 +87,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("request_decode_time_seconds", "histogram", "Time from a request's first token to its last."),
     Metric("request_inference_time_seconds", "histogram",
            "Time from a request's first scheduling to its last token."),
+    Metric("kv_block_lifetime_seconds", "histogram", "KV cache blocks' lifetime from allocation to eviction "
+           "(a sample of the blocks: --kv-cache-metrics, --kv-cache-metrics-sample)."),
+    Metric("kv_block_idle_before_evict_seconds", "histogram",
+           "How long sampled KV cache blocks sat unused before their eviction (--kv-cache-metrics)."),
+    Metric("kv_block_reuse_gap_seconds", "histogram",
+           "Time between a sampled KV cache block's last prefix-cache reuses (--kv-cache-metrics)."),
     Metric("max_batch_size", "gauge", "Most requests served by one engine step.", vllm=False),
     Metric("batch_size", "histogram", "Requests served per engine step.", vllm=False),
     Metric("engine_busy_seconds_total", "counter", "Wall time of back-to-back engine step cycles.", vllm=False),
@@ -179,6 +187,9 @@ class EngineStats:
     request_decode_time: Histogram = field(default_factory=_hist(REQUEST_BUCKETS))
     request_inference_time: Histogram = field(default_factory=_hist(REQUEST_BUCKETS))
     request_params_n: Histogram = field(default_factory=_hist(N_BUCKETS))
+    kv_block_lifetime: Histogram = field(default_factory=_hist(KV_RESIDENCY_BUCKETS))
+    kv_block_idle_before_evict: Histogram = field(default_factory=_hist(KV_RESIDENCY_BUCKETS))
+    kv_block_reuse_gap: Histogram = field(default_factory=_hist(KV_RESIDENCY_BUCKETS))
     # token counts, bucketed up to the context length (set in __post_init__)
     request_prompt_tokens: Histogram = field(init=False)
     request_generation_tokens: Histogram = field(init=False)
@@ -200,6 +211,11 @@ class EngineStats:
         cores (data parallelism) the sum of every engine's latest (the KV cache usage: their mean)."""
         self.engines[engine] = s
         self.last = s if len(self.engines) == 1 else combine_stats(list(self.engines.values()))
+        for lifetime, idle, gaps in s.kv_cache_eviction_events:
+            self.kv_block_lifetime.observe(lifetime)
+            self.kv_block_idle_before_evict.observe(idle)
+            for gap in gaps:
+                self.kv_block_reuse_gap.observe(gap)
         if s.num_scheduled_reqs == 0:
             return
         self.steps += 1
@@ -318,6 +334,9 @@ class EngineStats:
             "request_decode_time_seconds": self.request_decode_time,
             "request_inference_time_seconds": self.request_inference_time,
             "batch_size": self.batch_size,
+            "kv_block_lifetime_seconds": self.kv_block_lifetime,
+            "kv_block_idle_before_evict_seconds": self.kv_block_idle_before_evict,
+            "kv_block_reuse_gap_seconds": self.kv_block_reuse_gap,
         }[name]
 
     def prometheus(self, prefixes: tuple[str, ...] = PREFIXES) -> str:

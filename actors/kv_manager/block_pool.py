@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from actors.kv_manager.block_hash import BlockHash
+from actors.kv_manager.residency import BlockResidency
 
 NULL_BLOCK = 0
 
@@ -112,6 +113,7 @@ class BlockPool:
         self.cached: dict[BlockHashWithGroupId, KVCacheBlock] = {}
         self.events: list[tuple] | None = None       # KV events noted, not yet taken (None: off)
         self.on_event: Callable[[], None] | None = None
+        self.residency: BlockResidency | None = None  # --kv-cache-metrics (None: off)
 
     def record_events(self, on_event: Callable[[], None] | None = None) -> None:
         """Note the prefix cache's changes from now on (KV events)."""
@@ -147,8 +149,13 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise KVCacheExhausted(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []
+        residency = self.residency
         for _ in range(n):
             b = self.free_queue.popleft()
+            if residency is not None:
+                if self.enable_caching:             # its cached contents evicted (vLLM's rule)
+                    residency.evicted(b.block_id)
+                residency.allocated(b.block_id)
             self.uncache_block(b)
             b.owners = {owner}                      # a free block has none
             out.append(b)
@@ -164,6 +171,8 @@ class BlockPool:
                 b.owners = {owner}
             else:
                 b.owners.add(owner)
+            if self.residency is not None:
+                self.residency.accessed(b.block_id)
 
     def free_blocks(self, owner: str, blocks: list[KVCacheBlock]) -> None:
         """Release ``owner``'s hold, in the given order (callers pass a request's blocks tail
@@ -208,3 +217,5 @@ class BlockPool:
             b.block_hash = None
         self.cached.clear()
         self.note(("cleared",))
+        if self.residency is not None:
+            self.residency.reset()

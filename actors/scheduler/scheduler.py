@@ -67,6 +67,7 @@ from actors.kv_manager.block_hash import block_extra_keys
 from actors.kv_manager.kv_events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
                                          external_hash)
 from actors.kv_manager.manager import KVCacheManager
+from actors.kv_manager.residency import BlockResidency
 from actors.kv_transfer.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from actors.kv_transfer.factory import KVConnectorFactory
 from actors.scheduler.queues import create_queue
@@ -136,6 +137,9 @@ class Scheduler:
         self.enable_prefix_caching = config.cache.enable_prefix_caching
         self.max_model_len = config.model.max_model_len      # a request alone always fits
         self.kv = kv
+        obs = config.observability
+        if obs.kv_cache_metrics:        # --kv-cache-metrics: a sample of the blocks' residency
+            kv.pool.residency = BlockResidency(obs.kv_cache_metrics_sample)
         self.watermark_blocks = int(self.config.watermark * kv.pool.num_usable_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting = create_queue(self.config.policy)
@@ -868,4 +872,5 @@ class Scheduler:
                               c.generation_tokens, c.busy_seconds,
                               c.compute_seconds, c.spec_num_drafts, c.spec_num_draft_tokens,
                               c.spec_num_accepted_tokens, list(c.spec_num_accepted_tokens_per_pos),
-                              c.external_prefix_cache_queries, c.external_prefix_cache_hits, dict(c.kv_transfer))
+                              c.external_prefix_cache_queries, c.external_prefix_cache_hits, dict(c.kv_transfer),
+                              self.kv.pool.residency.drain() if self.kv.pool.residency is not None else [])

@@ -1,6 +1,7 @@
 """--kv-events-config on the real server: a subscriber learns the blocks a prompt put in the
 prefix cache (vLLM's BlockStored, with the prompt's token ids) and the cache's reset, in vLLM's
-wire format; /kv_event_sources says where to subscribe."""
+wire format; /kv_event_sources says where to subscribe. With --kv-cache-metrics (every block
+sampled, a small cache) /metrics shows the blocks' residency once prompts evict others."""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,8 @@ def setup():
     port = sub.bind_to_random_port("tcp://127.0.0.1")      # no wildcard: the engine connects here
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"}
-    s = Server("--threads", "1", "--kv-events-config", json.dumps(config))
+    s = Server("--threads", "1", "--kv-events-config", json.dumps(config),
+               "--kv-cache-metrics", "--kv-cache-metrics-sample", "1", "--num-gpu-blocks-override", "32")
     # a SUB socket takes in a peer that connected (and sends it its subscription) only when it is
     # used: until then the engine's batches go to nobody, as with any ZeroMQ subscriber
     sub.poll(1000)
@@ -84,3 +86,19 @@ def test_an_endpoint_already_taken_fails_the_start_saying_so():
         taken.close(linger=0)
     assert "failed to start: ValueError: --kv-events-config" in str(err.value)
     assert "Address already in use" in str(err.value)
+
+
+def test_kv_cache_metrics_show_the_residency_of_evicted_blocks(setup):
+    server = setup[0]
+    story = "A lighthouse keeper counts the ships that pass his island, night after night. " * 12
+    for prompt in [story] * 3 + [f"{i}: " + story.replace("ships", f"boats {i}") for i in range(3)]:
+        out = requests.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=120)
+        assert out.status_code == 200
+    metrics = requests.get(server.url + "/metrics", timeout=30).text
+
+    def value(name: str) -> float:
+        (line,) = [x for x in metrics.splitlines() if x.startswith(name + "{")]
+        return float(line.rsplit(" ", 1)[1])
+    assert value("vllm:kv_block_lifetime_seconds_count") > 0
+    assert value("vllm:kv_block_idle_before_evict_seconds_count") == value("vllm:kv_block_lifetime_seconds_count")
+    assert value("vllm:kv_block_reuse_gap_seconds_count") > 0       # the story's blocks were reused twice

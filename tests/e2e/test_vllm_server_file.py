@@ -1,7 +1,7 @@
 """A vLLM deployment's server, unchanged but for the command: `troupe serve --config FILE.yaml`
 with the file's HTTPS certificate, allowed browser origin, response role, forced usage, request
-and output logs (streamed deltas, error stacks), tools left out for tool_choice "none" and
-generation-config override, the command line's own flags winning over the file's; real clients
+and output logs (streamed deltas, error stacks), tools left out for tool_choice "none",
+a config.json key overridden and the generation config overridden, the command line's own flags winning over the file's; real clients
 (the OpenAI SDK, a browser's CORS exchange) against it."""
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ trust-request-chat-template: true
 exclude-tools-when-tool-choice-none: true
 override-generation-config:
   max_new_tokens: 5
+hf-overrides:
+  max_position_embeddings: 4096
 log-config-file: {folder / "logging.json"}
 """)
     s = Server(command=["tools.cli", "serve", "--config", str(config), "--port", "0",
@@ -80,6 +82,7 @@ def test_the_server_serves_https_with_the_files_flags_and_the_command_lines_win(
     assert server.url.startswith("https://127.0.0.1:")
     status, _, body = _get(server, tls, "/v1/models")
     assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["from-cli"]
+    assert json.loads(body)["data"][0]["max_model_len"] == 4096     # the file's hf-overrides (the model: 8192)
     with pytest.raises(urllib.error.URLError):          # the certificate is checked: unknown CA
         urllib.request.urlopen(server.url + "/health", timeout=30)
 

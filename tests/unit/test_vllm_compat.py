@@ -145,6 +145,26 @@ def test_the_structured_outputs_config_takes_xgrammars_options_and_names_the_rea
         assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_hf_overrides_set_config_json_keys_over_the_checkpoints_and_a_gguf_headers(tmp_path):
+    """vLLM's --hf-overrides: what every process reads as the model's config (the source carries
+    them); a key a GGUF header does not give, or a value that is not an object, stops the start."""
+    from helpers import save_tiny_llama
+    from models.registry import model_config
+    ckpt = save_tiny_llama(tmp_path / "tiny", vocab=128, hidden=32, intermediate=64, heads=4, kv_heads=2,
+                           head_dim=8, max_positions=256)
+    args = serve.parse_args(["--model", ckpt, "--hf-overrides",
+                             '{"max_position_embeddings": 96, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}'])
+    arch = model_config(EngineArgs.from_cli_args(args).create_engine_config().model.source)
+    assert (arch.max_model_len, arch.rope_scaling_factor) == (96, 2.0)
+    gguf = EngineArgs(hf_overrides={"max_position_embeddings": 1024, "rope_theta": 50000}).create_engine_config()
+    arch = model_config(gguf.model.source)
+    assert (arch.max_model_len, arch.rope_theta) == (1024, 50000.0)
+    with pytest.raises(ValueError, match="num_hidden_layers cannot be set on a GGUF file's config"):
+        EngineArgs(hf_overrides='{"num_hidden_layers": 3}').create_engine_config()
+    with pytest.raises(ValueError, match="JSON object"):
+        EngineArgs(hf_overrides="[1]").create_engine_config()
+
+
 def test_return_tokens_as_token_ids_is_the_servers_default_a_request_may_override():
     """vLLM's --return-tokens-as-token-ids: log-prob tokens read "token_id:N" unless a request's
     return_tokens_as_token_ids field says otherwise."""
