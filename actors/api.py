@@ -182,6 +182,20 @@ class AsyncLLM:
     async def is_paused(self) -> bool:
         return await self.client.is_paused()
 
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's sleep mode (with ``enable_sleep_mode=True``): pause (``mode`` as
+        pause_generation's), then give back the KV cache's memory (level 1) or that and the
+        weights' (level 2; read again from the checkpoint at ``wake_up``). Level 0 only pauses."""
+        await self.client.sleep(level, mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Take back ``tags`` ("weights", "kv_cache"; None: everything); generation resumes once
+        nothing is left asleep. Whether fully awake."""
+        return await self.client.wake_up(tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self.client.is_sleeping()
+
     async def complete(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                        lora_request: LoRARequest | None = None, **template: Any) -> GenerationResult:
         """One prompt (text, token ids, or a conversation: a list of messages, rendered with
@@ -521,6 +535,17 @@ class LLM:
         """Forget every cached prefix (vLLM's; the server's POST /reset_prefix_cache); blocks in
         use keep their contents. True once every engine has."""
         return self._run(self._engine().reset_prefix_cache(), timeout=60)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's ``LLM.sleep``: see ``AsyncLLM.sleep`` (needs ``enable_sleep_mode=True``)."""
+        self._run(self._engine().sleep(level, mode), timeout=600)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """vLLM's ``LLM.wake_up``: the weights and the KV cache back; whether fully awake."""
+        return self._run(self._engine().wake_up(tags), timeout=600)
+
+    def is_sleeping(self) -> bool:
+        return self._run(self._engine().is_sleeping(), timeout=60)
 
     def _engine(self) -> AsyncLLM:
         if self._llm is None:

@@ -127,6 +127,10 @@ class NativeDecodeStack:
         self._caches = kv_caches
         return True
 
+    def unbind(self) -> None:
+        """Forget the KV caches (sleep mode gives their memory back; the next run binds anew)."""
+        self._caches = None
+
     def run(self, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
             meta: AttentionMetadata, lora: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -67,7 +67,6 @@ REFUSED: dict[str, str] = {
     "--enable-prompt-embeds": "Troupe takes prompts as text or token ids",
     "--io-processor-plugin": "Troupe loads no IO processor plugins",
     "--logits-processor-pattern": "Troupe has no per-request logits processors (see --logits-processors)",
-    "--enable-sleep-mode": "Troupe's engine never sleeps",
     # other modalities
     "--limit-mm-per-prompt": _MODALITY, "--enable-mm-embeds": _MODALITY, "--media-io-kwargs": _MODALITY,
     "--mm-processor-kwargs": _MODALITY, "--mm-processor-cache-gb": _MODALITY,
@@ -111,7 +110,7 @@ REFUSED: dict[str, str] = {
 # vLLM 0.32's other flags, by what they are about
 _KERNELS = "Troupe picks its own kernels (the native C kernels on the CPU, its Triton kernels on GPUs)"
 _METRICS = "Troupe has no such metrics or tracing option (see /metrics, /debug/* and --no-trace)"
-_SLEEP = "Troupe's engine never sleeps"
+_SLEEP = "Troupe's sleep mode (--enable-sleep-mode) has no such option"
 _HYBRID = "Troupe serves attention-only models (no Mamba or linear-attention layers)"
 for _flags, _why in (
     (("--cp-kv-cache-interleave-size", "--cpu-distributed-timeout-seconds", "--data-parallel-multi-port-external-lb",
@@ -176,7 +175,7 @@ BOOLEAN = frozenset({
     "--disable-nccl-for-dp-synchronization", "--enable-eplb", "--eplb-log-balancedness",
     "--ray-workers-use-nsight", "--disable-custom-all-reduce", "--disable-frontend-multiprocessing",
     "--use-tqdm-on-load", "--skip-tokenizer-init", "--disable-sliding-window",
-    "--enable-prompt-embeds", "--enable-sleep-mode", "--enable-mm-embeds", "--interleave-mm-strings",
+    "--enable-prompt-embeds", "--enable-mm-embeds", "--interleave-mm-strings",
     "--skip-mm-profiling", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",
     "--tokens-only",

@@ -43,6 +43,7 @@ class EngineArgs:
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
     load_format: str = "auto"             # vLLM's: what the weights are (Troupe reads it from the files)
+    enable_sleep_mode: bool = False
     hf_overrides: dict[str, Any] | str | None = None   # vLLM's: config.json keys over the checkpoint's
     tokenizer: str | None = None          # None: the model's own
     served_model_name: str | list[str] | tuple[str, ...] | None = None   # None: the model's own name
@@ -140,6 +141,7 @@ class EngineArgs:
                               logprobs_mode=self.logprobs_mode,
                               chat_template=load_chat_template(self.chat_template),
                               chat_template_content_format=self.chat_template_content_format,
+                              enable_sleep_mode=self.enable_sleep_mode,
                               served_model_names=(names,) if isinstance(names, str) else tuple(names or ()),
                               max_logprobs=self.max_logprobs, generation_config=self.generation_config,
                               sampling_defaults=load_sampling_defaults(source, self.generation_config,
@@ -457,6 +459,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             default=d["override_generation_config"], metavar="JSON",
             help='generation config fields over --generation-config\'s, e.g. \'{"temperature": 0.5}\' (with '
                  '--generation-config vllm, these alone)')),
+        (("--enable-sleep-mode",), "enable_sleep_mode", dict(
+            action=argparse.BooleanOptionalAction, default=d["enable_sleep_mode"],
+            help="vLLM's: the engine may sleep at levels 1 and 2 (POST /sleep with VLLM_SERVER_DEV_MODE=1, or "
+                 "LLM.sleep()): its workers give back the KV cache's memory, and at level 2 the weights' too "
+                 "(read again from the checkpoint at wake-up)")),
         (("--hf-overrides",), "hf_overrides", dict(
             default=d["hf_overrides"], metavar="JSON",
             help="vLLM's: config.json keys over the checkpoint's, as a JSON object (e.g. "

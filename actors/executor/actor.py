@@ -24,7 +24,7 @@ import msgspec
 from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
 from actors.kv_transfer.base import KVOutputAggregator
 from actors.runtime import Actor, ActorDied, ActorRef, Msg, RemoteError
-from actors.worker.actor import StepStatus
+from actors.worker.actor import SleepWorker, StepStatus, WakeWorker
 
 log = logging.getLogger("troupe.executor")
 
@@ -42,9 +42,10 @@ class WorkersUp(Msg):
     name: str
 
 
-ExecutorProtocol = SchedulerOutput | WorkersDown | WorkersUp
+ExecutorProtocol = SchedulerOutput | WorkersDown | WorkersUp | SleepWorker | WakeWorker
 
 STEP_TIMEOUT_S = 600.0
+SLEEP_TIMEOUT_S = 600.0         # a wake-up after level 2 reads the weights again
 RESTART_WAIT_S = 600.0          # a held step fails if no worker is up by then
 REPLY_CHECK_S = 2.0             # a step's reply later than this is asked about
 PEER_DEATH_WAIT_S = 10.0        # a rank's failed step waits this long for a peer's death to show
@@ -76,6 +77,9 @@ class Executor(Actor):
                 finally:
                     del self._executing[msg.step]
                     done.set_result(None)
+            case SleepWorker() | WakeWorker():          # sleep mode: every rank alike
+                done = await asyncio.gather(*(w.ask(msg, timeout=SLEEP_TIMEOUT_S) for w in self.workers))
+                return all(done) if isinstance(msg, WakeWorker) else None
             case WorkersDown():
                 self._up.clear()
             case WorkersUp(generation=generation, nodes=nodes, name=name):

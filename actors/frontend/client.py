@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -22,8 +23,8 @@ from actors.grammar.actor import CompileGrammar, InvalidGrammar
 from actors.frontend.streams import OutputStream, OutputStreams, RequestOutput, StreamTimeout
 from actors.kv_manager.actor import ResetPrefixCache
 from actors.runtime import ActorRef, RemoteError
-from actors.scheduler.actor import (PAUSE_MODES, AbortRequests, GetPauseStatus, PauseScheduler, PauseStatus,
-                                    RemoveLoRA, ResumeScheduler)
+from actors.scheduler.actor import (PAUSE_MODES, SLEEP_TIMEOUT_S, AbortRequests, GetPauseStatus, PauseScheduler,
+                                    PauseStatus, RemoveLoRA, ResumeScheduler, SleepEngine, WakeEngine)
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
 
@@ -36,6 +37,8 @@ DEFAULT_STALL_TIMEOUT_S = 600.0
 GRAMMAR_TIMEOUT_S = 120.0
 PAUSE_POLL_S = 0.02             # how often a pause that waits for the running requests looks again
 
+
+log = logging.getLogger("troupe.client")
 
 class EngineDeadError(RuntimeError):
     """The engine is gone (for now: ``retry_after`` seconds is when it may be back; None when it
@@ -70,6 +73,7 @@ class EngineClient:
         self.retry_after: float | None = None  # while ``dead``: seconds until it may be back
         self.draining: str | None = None       # why no new request is taken (running ones finish)
         self.pause_mode: str | None = None     # while generation is paused (pause_generation): its mode
+        self.sleep_level: int | None = None    # while asleep (sleep mode): the level
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}"
         self.lora_requests: dict[str, LoRARequest] = {}    # served adapters, by name
@@ -297,6 +301,46 @@ class EngineClient:
         self._check_alive()
         status: PauseStatus = await self.engine.ask(GetPauseStatus(), timeout=30)
         return status.paused
+
+    # -- sleep mode (vLLM's sleep / wake_up, to lend the memory to a trainer between rounds) ----
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Pause generation (``mode`` as pause_generation's) and, from level 1, have the workers
+        give back the KV cache's memory (level 1) or that and the weights' (level 2; they are
+        read again from the checkpoint at wake-up). Needs --enable-sleep-mode from level 1."""
+        if level not in (0, 1, 2) or isinstance(level, bool):
+            raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
+        if level >= 1 and not self.config.model.enable_sleep_mode:
+            raise ValueError("sleep level 1 and 2 need the engine started with --enable-sleep-mode "
+                             "(enable_sleep_mode=True)")
+        await self.pause_generation(mode, clear_cache=level >= 1)
+        if level >= 1:
+            try:
+                await self.engine.ask(SleepEngine(level), timeout=SLEEP_TIMEOUT_S)
+            except RemoteError as exc:
+                raise ValueError(exc.message) from None
+        self.sleep_level = max(level, self.sleep_level or 0)
+        self.stats.sleep_level = self.sleep_level
+        log.info("sleeping (level %d)", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """The workers take back ``tags`` ("weights", "kv_cache"; "scheduling" for level 0;
+        None: everything); once nothing is left asleep generation resumes. Whether fully awake."""
+        rest = None if tags is None else [t for t in tags if t != "scheduling"]
+        unknown = set(rest or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags must be weights, kv_cache or scheduling, got {sorted(unknown)}")
+        self._check_alive()
+        awake = True
+        if self.sleep_level and (rest is None or rest):
+            awake = await self.engine.ask(WakeEngine(rest), timeout=SLEEP_TIMEOUT_S)
+        if awake and self.sleep_level is not None:
+            await self.resume_generation()
+            self.sleep_level = self.stats.sleep_level = None
+            log.info("awake")
+        return awake
+
+    async def is_sleeping(self) -> bool:
+        return self.sleep_level is not None or await self.is_paused()
 
     def _check_alive(self) -> None:
         if self.dead is not None:

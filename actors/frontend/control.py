@@ -6,12 +6,17 @@ started with VLLM_SERVER_DEV_MODE=1:
   POST /resume                                        {"status": "resumed"}
   GET  /is_paused                                     {"is_paused": bool}
   POST /abort_requests  {"request_ids": [...]}        {"status": "aborted", "aborted": n}
+  POST /sleep?level=0|1|2&mode=abort                  {"status": "sleeping", "level": n}
+  POST /wake_up?tags=weights&tags=kv_cache            {"status": "awake" | "sleeping", "tags": [...]}
+  GET  /is_sleeping                                   {"is_sleeping": bool}
 
 ``abort`` (the default) aborts every request, ``wait`` lets the running ones finish, ``keep``
 freezes every request where it is (they go on after /resume); requests that arrive while paused
 queue. /abort_requests ends the requests it names (by the id of their answer, the X-Request-Id
 they were sent with, or their engine id; none named: every open request) with finish reason
-"abort", without pausing."""
+"abort", without pausing. /sleep pauses (level 0) and gives back the KV cache's memory (level 1)
+or that and the weights' (level 2), with --enable-sleep-mode; /wake_up takes them back (tags:
+what; none: everything) and resumes once nothing is left asleep."""
 from __future__ import annotations
 
 import json
@@ -88,5 +93,33 @@ async def abort_requests(server: OpenAIServer, request: web.Request) -> web.Resp
     return _json({"status": "aborted", "aborted": len(ids)})
 
 
+async def sleep(server: OpenAIServer, request: web.Request) -> web.Response:
+    level_text = request.query.get("level", "1")
+    if level_text not in ("0", "1", "2"):
+        raise bad_request(f"level must be 0, 1 or 2, got {level_text!r}", "level")
+    mode = request.query.get("mode", "abort")
+    if mode not in ("abort", "wait", "keep"):
+        raise bad_request(f"Invalid pause mode: {mode} (one of abort, wait, keep)", "mode")
+    try:
+        await server.engine().sleep(int(level_text), mode)
+    except ValueError as exc:
+        raise bad_request(str(exc), "level") from None
+    return _json({"status": "sleeping", "level": int(level_text)})
+
+
+async def wake_up(server: OpenAIServer, request: web.Request) -> web.Response:
+    tags = request.query.getall("tags", []) or None
+    try:
+        awake = await server.engine().wake_up(tags)
+    except ValueError as exc:
+        raise bad_request(str(exc), "tags") from None
+    return _json({"status": "awake" if awake else "sleeping", "tags": tags})
+
+
+async def is_sleeping(server: OpenAIServer, request: web.Request) -> web.Response:
+    return _json({"is_sleeping": await server.engine().is_sleeping()})
+
+
 ROUTES = [("POST", "/pause", pause), ("POST", "/resume", resume), ("GET", "/is_paused", is_paused),
-          ("POST", "/abort_requests", abort_requests)]
+          ("POST", "/abort_requests", abort_requests), ("POST", "/sleep", sleep), ("POST", "/wake_up", wake_up),
+          ("GET", "/is_sleeping", is_sleeping)]

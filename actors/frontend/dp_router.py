@@ -25,8 +25,9 @@ from actors.engine.messages import EngineCoreRequest
 from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams
 from actors.runtime import Actor, ActorRef, Msg
-from actors.scheduler.actor import (AbortRequests, AddRequest, GetPauseStatus, GrammarReady, PauseScheduler,
-                                    PauseStatus, RemoveLoRA, ResumeScheduler)
+from actors.scheduler.actor import (SLEEP_TIMEOUT_S, AbortRequests, AddRequest, GetPauseStatus, GrammarReady,
+                                    PauseScheduler, PauseStatus, RemoveLoRA, ResumeScheduler, SleepEngine,
+                                    WakeEngine)
 
 AFFINITY_BLOCKS = 4            # the prompt prefix that keys affinity: its first blocks, at most this many
 AFFINITY_ENTRIES = 4096        # prefixes remembered (least recently used forgotten)
@@ -44,7 +45,7 @@ class EngineUp(Msg):
 
 
 RouterProtocol = (AddRequest | AbortRequests | GrammarReady | RemoveLoRA | EngineDown | EngineUp
-                  | PauseScheduler | ResumeScheduler | GetPauseStatus)
+                  | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine)
 PAUSE_ASK_TIMEOUT_S = 30.0
 
 
@@ -110,6 +111,10 @@ class DataParallelRouter(Actor):
             case EngineUp(dp_rank=e):
                 self.up[e] = True
                 self.sent[e] = 0
+            case SleepEngine() | WakeEngine():          # sleep mode: every engine core alike
+                up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
+                each = await asyncio.gather(*(s.ask(msg, timeout=SLEEP_TIMEOUT_S) for s in up))
+                return all(each) if isinstance(msg, WakeEngine) else msg.level
             case PauseScheduler() | ResumeScheduler() | GetPauseStatus():
                 up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
                 each = await asyncio.gather(*(s.ask(msg, timeout=PAUSE_ASK_TIMEOUT_S) for s in up))

@@ -44,8 +44,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("num_requests_running", "gauge", "Requests in the running batch."),
     Metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
     Metric("kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (1 = full)."),
-    Metric("engine_sleep_state", "gauge", "Engine sleep state: awake is 1 (Troupe's engine never sleeps).",
-           labels="sleep_state"),
+    Metric("engine_sleep_state", "gauge", "Engine sleep state: awake, weights_offloaded (level 1) or "
+           "discard_all (level 2) is 1 (all 0: paused, level 0).", labels="sleep_state"),
     Metric("cache_config_info", "gauge", "The KV cache's configuration, as labels (value 1).",
            labels="block_size, cache_dtype, enable_prefix_caching, gpu_memory_utilization, "
                   "num_gpu_blocks (no model_name)"),
@@ -187,6 +187,7 @@ class EngineStats:
     request_decode_time: Histogram = field(default_factory=_hist(REQUEST_BUCKETS))
     request_inference_time: Histogram = field(default_factory=_hist(REQUEST_BUCKETS))
     request_params_n: Histogram = field(default_factory=_hist(N_BUCKETS))
+    sleep_level: int | None = None               # sleep mode's level (None: awake)
     kv_block_lifetime: Histogram = field(default_factory=_hist(KV_RESIDENCY_BUCKETS))
     kv_block_idle_before_evict: Histogram = field(default_factory=_hist(KV_RESIDENCY_BUCKETS))
     kv_block_reuse_gap: Histogram = field(default_factory=_hist(KV_RESIDENCY_BUCKETS))
@@ -310,7 +311,8 @@ class EngineStats:
             return [f'{name}{{{labels},position="{pos}"}} {n}'
                     for pos, n in enumerate(s.spec_num_accepted_tokens_per_pos)]
         if m.name == "engine_sleep_state":
-            return [f'{name}{{{labels},sleep_state="{state}"}} {int(state == "awake")}' for state in SLEEP_STATES]
+            now = "awake" if self.sleep_level is None else SLEEP_STATES[self.sleep_level] if self.sleep_level else ""
+            return [f'{name}{{{labels},sleep_state="{state}"}} {int(state == now)}' for state in SLEEP_STATES]
         if m.name == "cache_config_info":
             info = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(self.cache_info.items()))
             return [f'{name}{{{info + "," if info else ""}engine="0"}} 1']

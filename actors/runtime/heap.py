@@ -22,6 +22,13 @@ def started() -> None:
     gc.enable()
 
 
+def collect_all() -> None:
+    """Collect what start-up froze too (its cycles included): a process giving memory back (a
+    worker going to sleep) lets go of objects that were to live as long as it did."""
+    gc.unfreeze()
+    gc.collect()
+
+
 def exiting() -> None:
     """Right before the process exits: freeze what is alive, so exit does not walk it again
     (atexit handlers and the deallocation of what nothing refers to run as usual)."""

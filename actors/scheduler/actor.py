@@ -39,6 +39,7 @@ from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteEr
 from actors.runtime.tracing import StepRecord, now_ns
 from actors.kv_manager.kv_events import KVEventBatch, ZmqEventPublisher
 from actors.scheduler.scheduler import PauseState, Scheduler
+from actors.worker.actor import SleepWorker, WakeWorker
 
 log = logging.getLogger("troupe.scheduler")
 
@@ -107,10 +108,25 @@ class GetPauseStatus(Msg):
     lane: ClassVar[str] = "system"
 
 
+class SleepEngine(Msg):
+    """Sleep mode, once paused: the workers give back the KV cache (``level`` 1) or that and the
+    weights (2). The reply: the level now."""
+    reply_type: ClassVar[Any] = int
+    level: int = 1
+
+
+class WakeEngine(Msg):
+    """The workers take back ``tags`` ("weights", "kv_cache"; None: both). The reply: whether
+    they are fully awake."""
+    reply_type: ClassVar[Any] = bool
+    tags: list[str] | None = None
+
+
 SchedulerProtocol = (AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady | RemoveLoRA
-                     | PauseScheduler | ResumeScheduler | GetPauseStatus)
+                     | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine)
 
 STEP_TIMEOUT_S = 600.0
+SLEEP_TIMEOUT_S = 600.0          # a wake-up after level 2 reads the weights again
 KV_POLL_EMIT_S = 0.5             # polls that changed nothing still send the stats this often
 KV_POLL_S = 0.02                 # with only KV transfers under way, how often the worker is asked about them
 GRAMMAR_TIMEOUT_S = 120.0
@@ -154,6 +170,7 @@ class SchedulerActor(Actor):
         self._last_step_end = 0              # monotonic ns: the gap before the next step
         self._depth = core.batch_queue_size     # steps in flight at most (async scheduling, pipeline stages)
         self._in_flight: deque[_InFlight] = deque()
+        self.sleep_level = 0                 # sleep mode: what the workers gave back (0: nothing)
         # Aborts of requests not (yet) known here: an abort sent while the request was being
         # admitted may overtake it, and the request must then not run for nobody.
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
@@ -244,6 +261,21 @@ class SchedulerActor(Actor):
                 return self._pause_status()
             case GetPauseStatus():
                 return self._pause_status()
+            case SleepEngine(level=level):
+                status = self._pause_status()
+                if not status.drained or self._in_flight:
+                    raise RuntimeError("the engine sleeps once generation is paused and nothing runs")
+                if self.core.running:
+                    raise RuntimeError("requests kept by a pause (mode keep) hold KV cache that sleep would "
+                                       "discard: pause with mode abort or wait")
+                await self.executor.ask(SleepWorker(level), timeout=SLEEP_TIMEOUT_S)
+                self.sleep_level = level
+                return level
+            case WakeEngine(tags=tags):
+                awake = await self.executor.ask(WakeWorker(tags), timeout=SLEEP_TIMEOUT_S)
+                if awake:
+                    self.sleep_level = 0
+                return awake
 
     def _pause(self, mode: str, clear_cache: bool) -> PauseStatus:
         if mode not in PAUSE_MODES:

@@ -52,6 +52,18 @@ class ProfileStepCosts(Msg):
     reply_type: ClassVar[Any] = list[tuple[int, int, float]]
 
 
+class SleepWorker(Msg):
+    """Sleep mode: give back the KV cache's memory (``level`` 1) or that and the weights' (2)."""
+    level: int = 1
+
+
+class WakeWorker(Msg):
+    """Sleep mode's end: the weights and/or the KV cache back (``tags``; None: both). The reply:
+    whether the worker is fully awake."""
+    reply_type: ClassVar[Any] = bool
+    tags: list[str] | None = None
+
+
 class StepResult(msgspec.Struct):
     ran: bool                                   # the worker ran the step asked about
     output: ModelRunnerOutput | None = None     # and this was its output
@@ -70,7 +82,7 @@ class StepOutOfOrder(RuntimeError):
     again): it is refused without running, and sent again after its predecessor."""
 
 
-WorkerProtocol = LoadModel | InitKVCache | ProfileStepCosts | SchedulerOutput | StepStatus
+WorkerProtocol = LoadModel | InitKVCache | ProfileStepCosts | SchedulerOutput | StepStatus | SleepWorker | WakeWorker
 
 T = TypeVar("T")
 
@@ -123,6 +135,10 @@ class WorkerActor(Actor):
                 return await self._on_core_thread(self._loaded().init_kv_cache, config)
             case ProfileStepCosts():
                 return await self._on_core_thread(self._loaded().profile_step_costs)
+            case SleepWorker(level=level):
+                return await self._on_core_thread(self._loaded().sleep, level)
+            case WakeWorker(tags=tags):
+                return await self._on_core_thread(self._loaded().wake_up, tags)
 
     def _loaded(self) -> Worker:
         if self.core is None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+import ctypes
+
 import torch
 
 from actors.runtime.plugins import PLATFORM_PLUGINS, call_plugins, resolve_class
@@ -50,6 +52,15 @@ class Platform:
         embeddings); the linear layers' weights keep ``dtype``. ``packs_linears``: whether this
         load packs its linear layers (the platform's and the compilation level's say)."""
         return dtype
+
+    @classmethod
+    def empty_cache(cls) -> None:
+        """Give the memory freed tensors held back to the system (sleep mode): the C allocator
+        keeps freed blocks for its next allocations (glibc's: malloc_trim hands them back)."""
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):        # not glibc: its allocator keeps what it keeps
+            pass
 
     @classmethod
     def select_attention_backend(cls, req: AttentionRequirements) -> AttentionBackend:
@@ -95,6 +106,11 @@ class CudaPlatform(Platform):
     @classmethod
     def is_available(cls) -> bool:
         return torch.cuda.is_available()
+
+    @classmethod
+    def empty_cache(cls) -> None:
+        super().empty_cache()           # the weights moved to the host's memory (level 1) stay there
+        torch.cuda.empty_cache()
 
 
 BUILTIN_PLATFORMS: dict[str, type[Platform]] = {"cpu": CpuPlatform, "cuda": CudaPlatform}

@@ -19,6 +19,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from actors.engine.sampling_params import SamplingParams
 from actors.worker.compilation import apply_compilation, packs_linears
+from actors.runtime import heap
 from actors.worker.cuda_graphs import graph_sizes
 from actors.worker.gpu_memory import GIB, device_memory, kv_cache_bytes_for_gpu
 from actors.worker.model_runner import ModelRunner, torch_dtype
@@ -85,6 +86,7 @@ class Worker:
             log.info("draft model %s (%s) loaded in %.1f s", draft.served_name, q or self.config.model.dtype,
                      time.monotonic() - t0)
         self.runner: ModelRunner | None = None         # until init_kv_cache
+        self.asleep = 0                                # sleep mode's level (0: awake)
         self.kv_connector = None                       # --kv-transfer-config: the connector's worker side
         if not self.config.kv_cache_sized:             # CUDA, sized by --gpu-memory-utilization
             self.config = self.config.with_kv_cache_bytes(self._gpu_kv_cache_bytes())
@@ -172,6 +174,70 @@ class Worker:
         # layers of different groups share one tensor
         tensors = {t.data_ptr(): t for t in self.runner.kv_caches + self.runner.draft_kv_caches}
         return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    # -- sleep mode (vLLM's --enable-sleep-mode) -----------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Give back the KV cache's memory (level 1; on a GPU the weights go to the host's
+        memory), or that and the weights' (level 2). The engine paused first (nothing runs,
+        the prefix cache forgotten)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.kv_connector is not None:
+            raise RuntimeError("sleep mode with a KV connector is not supported (its transfers hold the cache)")
+        self.runner = None                  # the KV cache, its views and the graphs over it
+        for model in (self.model, self.draft_model):
+            stack = getattr(model, "native_decode", None)
+            if stack is not None:
+                stack.unbind()              # it keeps the caches it wrote last
+        if level == 2:
+            self.model = self.draft_model = None
+        elif self.device.type != "cpu":
+            self.model.to("cpu")
+            if self.draft_model is not None:
+                self.draft_model.to("cpu")
+        heap.collect_all()                  # the model's cycles were frozen with the start-up's objects
+        self.platform.empty_cache()
+        self.asleep = level
+        log.info("asleep (level %d): the KV cache%s given back", level, " and the weights" if level == 2 else "")
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """The weights back (reloaded from the checkpoint after level 2), then the KV cache
+        (``tags``: "weights" and/or "kv_cache"; None: both). Whether fully awake."""
+        tags = ["weights", "kv_cache"] if tags is None else tags
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags must be 'weights' or 'kv_cache', got {sorted(unknown)}")
+        if "weights" in tags and self.weights_asleep:
+            t0 = time.monotonic()
+            if self.model is None:          # level 2: read again
+                source, draft = self.config.model.source, self.config.model.draft_source
+                ckpt = open_checkpoint(source)
+                self.model = self._load(ckpt, self.attn_backend, self.config.model.quantization, source.path)
+                if self.config.lora is not None:
+                    from actors.worker.lora_manager import LoRAModelManager
+                    LoRAModelManager(self.model, self.config.lora, self.config.model.arch, self.device)
+                if draft is not None:
+                    draft_ckpt = open_checkpoint(draft)
+                    self.draft_model = self._load(draft_ckpt, self._backend(draft_ckpt),
+                                                  self.config.speculative.quantization, draft.path)
+            else:
+                self.model.to(self.device)
+                if self.draft_model is not None:
+                    self.draft_model.to(self.device)
+            log.info("the weights are back in %.1f s", time.monotonic() - t0)
+        if "kv_cache" in tags and self.runner is None and not self.weights_asleep:
+            self.init_kv_cache()
+        awake = self.runner is not None
+        if awake:
+            self.asleep = 0
+            heap.started()                  # the new long-lived objects frozen again, as at start-up
+            self.platform.empty_cache()     # what reading the checkpoint again took for a while
+        return awake
+
+    @property
+    def weights_asleep(self) -> bool:
+        return self.model is None or (self.asleep == 1 and self.device.type != "cpu"
+                                      and next(self.model.parameters()).device.type == "cpu")
 
     def _captures_graphs(self) -> bool:
         """CUDA graphs of decode steps: on CUDA, unless eager is enforced or the attention

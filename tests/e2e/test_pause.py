@@ -1,5 +1,6 @@
 """vLLM's generation control for RL loops (VLLM_SERVER_DEV_MODE=1): POST /pause in its three
-modes, /resume, /is_paused and /abort_requests, on the real server."""
+modes, /resume, /is_paused and /abort_requests, and sleep mode (--enable-sleep-mode: /sleep,
+/wake_up, /is_sleeping), on the real server."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ from server import Server
 
 pytestmark = pytest.mark.slow
 
-SERVER_ARGS = ("--threads", "1", "--max-num-seqs", "2")
+SERVER_ARGS = ("--threads", "1", "--max-num-seqs", "2", "--enable-sleep-mode")
 BODY = {"prompt": "Count: 1, 2, 3,", "max_tokens": 40, "temperature": 0}
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 
@@ -139,3 +140,47 @@ def test_a_pause_mode_vllm_does_not_know_is_a_400_and_pauses_nothing(server):
                 assert "Invalid pause mode: later" in (await resp.json())["error"]["message"]
             assert not await _paused(s, server.url)
     asyncio.run(run())
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_sleep_gives_back_the_workers_memory_and_wake_up_serves_the_same_tokens(server):
+    """Level 2: the worker gives back the weights and the KV cache (its resident memory drops by
+    more than the weights' 500 MB), a request sent meanwhile waits, /wake_up reads the weights again
+    and it is answered with the tokens it had before; level 1 wakes in two steps (tags)."""
+    async def main():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            before = await _text(session, server.url, BODY)
+            worker = server.worker_pid()
+            awake_mib = _rss_mib(worker)
+            assert await _post(session, server.url + "/sleep?level=2") == {"status": "sleeping", "level": 2}
+            asleep_mib = _rss_mib(worker)
+            async with session.get(server.url + "/is_sleeping") as resp:
+                assert (await resp.json())["is_sleeping"] is True
+            async with session.get(server.url + "/metrics") as resp:
+                assert 'vllm:engine_sleep_state{model_name="HuggingFaceTB/SmolLM2-135M-Instruct",engine="0",' \
+                       'sleep_state="discard_all"} 1' in await resp.text()
+            waiting = asyncio.ensure_future(_text(session, server.url, BODY))
+            await asyncio.sleep(1.0)
+            assert not waiting.done()                              # asleep: it waits
+            assert (await _post(session, server.url + "/wake_up"))["status"] == "awake"
+            after = await asyncio.wait_for(waiting, 60)
+            await _post(session, server.url + "/sleep?level=1")
+            partly = await _post(session, server.url + "/wake_up?tags=weights")
+            whole = await _post(session, server.url + "/wake_up?tags=kv_cache")
+            async with session.get(server.url + "/is_sleeping") as resp:
+                still = (await resp.json())["is_sleeping"]
+            again = await _text(session, server.url, BODY)
+            async with session.post(server.url + "/sleep?level=3") as resp:
+                bad = resp.status
+            return before, awake_mib, asleep_mib, after, partly, whole, still, again, bad
+    before, awake_mib, asleep_mib, after, partly, whole, still, again, bad = asyncio.run(main())
+    print(f"\nworker resident memory: {awake_mib:.0f} MiB awake, {asleep_mib:.0f} MiB asleep (level 2)")
+    assert awake_mib - asleep_mib > 500
+    assert after == before == again
+    assert partly == {"status": "sleeping", "tags": ["weights"]}          # the KV cache still asleep
+    assert whole == {"status": "awake", "tags": ["kv_cache"]} and not still
+    assert bad == 400
