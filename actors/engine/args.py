@@ -18,6 +18,7 @@ from actors.engine.config import (CHAT_TEMPLATE_CONTENT_FORMATS, DATA_PARALLEL_B
                                   DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig,
                                   ParallelConfig, SchedulerConfig)
 from actors.engine.compilation import compilation_config, with_graph_flags
+from actors.engine.json_flags import parse_object
 from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.grammar.config import structured_outputs_config
@@ -232,10 +233,7 @@ def with_hf_overrides(source: ModelSource, overrides: dict[str, Any] | str | Non
     if overrides is None or overrides == {} or overrides == "":
         return source
     if isinstance(overrides, str):
-        try:
-            overrides = json.loads(overrides)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--hf-overrides is not valid JSON: {e}") from None
+        overrides = parse_object(overrides, "--hf-overrides")
     if not isinstance(overrides, dict):
         raise ValueError(f"--hf-overrides takes a JSON object of config.json keys, got {overrides!r}")
     source = dataclasses.replace(source, hf_overrides=json.dumps(overrides, sort_keys=True))

@@ -3,10 +3,11 @@
 between its tokens (vLLM's default: it may; set, the output is compact)."""
 from __future__ import annotations
 
-import json
-from typing import Any
+from typing import Any, Mapping
 
 import msgspec
+
+from actors.engine.json_flags import checked_fields, convert, parse_object
 
 BACKENDS = ("auto", "xgrammar")
 
@@ -24,39 +25,27 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):
         return not self.disable_any_whitespace
 
 
-FIELDS = tuple(StructuredOutputsConfig.__struct_fields__) + ("reasoning_parser_plugin",)
+WHAT = "structured outputs config"
 
 
-def structured_outputs_config(value: StructuredOutputsConfig | dict[str, Any] | str | None) -> StructuredOutputsConfig:
+def structured_outputs_config(value: StructuredOutputsConfig | Mapping[str, Any] | str | None) -> StructuredOutputsConfig:
     """--structured-outputs-config (JSON text) or the offline API's dict; ValueError naming what
     Troupe does not do."""
     if value is None:
         return StructuredOutputsConfig()
     if isinstance(value, StructuredOutputsConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--structured-outputs-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--structured-outputs-config takes a JSON object, got {value!r}")
-    unknown = set(value) - set(FIELDS)
-    if unknown:
-        raise ValueError(f"--structured-outputs-config: unknown field(s) {sorted(unknown)}; accepted: {', '.join(FIELDS)}")
-    fields = dict(value)
+    raw = parse_object(value, "--structured-outputs-config") if isinstance(value, str) else value
+    if isinstance(raw, Mapping):
+        if raw.get("reasoning_parser_plugin"):
+            raise ValueError("--structured-outputs-config: Troupe loads no reasoning parser plugins "
+                             "(reasoning_parser: deepseek_r1 or qwen3)")
+        raw = {k: v for k, v in raw.items() if k != "reasoning_parser_plugin"}
+    fields = checked_fields(StructuredOutputsConfig, raw, WHAT)
     if fields.get("backend", "auto") not in BACKENDS:
         raise ValueError(f"--structured-outputs-config: backend {fields['backend']!r} is not one Troupe runs; "
                          "Troupe's structured outputs always use xgrammar (\"auto\" or \"xgrammar\")")
-    if fields.pop("reasoning_parser_plugin", ""):
-        raise ValueError("--structured-outputs-config: Troupe loads no reasoning parser plugins "
-                         "(reasoning_parser: deepseek_r1 or qwen3)")
     if fields.get("enable_in_reasoning") is False:
         raise ValueError("--structured-outputs-config: enable_in_reasoning false is not implemented: Troupe's "
                          "grammar constrains a request from its first token, reasoning included")
-    for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "enable_in_reasoning"):
-        if name in fields and not isinstance(fields[name], bool):
-            raise ValueError(f"--structured-outputs-config: {name} must be true or false, got {fields[name]!r}")
-    if not isinstance(fields.get("reasoning_parser", ""), str):
-        raise ValueError("--structured-outputs-config: reasoning_parser must be a string")
-    return StructuredOutputsConfig(**fields)
+    return convert(StructuredOutputsConfig, fields, WHAT)

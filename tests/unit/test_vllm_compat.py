@@ -137,7 +137,7 @@ def test_the_structured_outputs_config_takes_xgrammars_options_and_names_the_rea
     config = EngineArgs.from_cli_args(args).create_engine_config().structured_outputs
     assert config.disable_any_whitespace and not config.any_whitespace
     assert EngineArgs().create_engine_config().structured_outputs.any_whitespace       # vLLM's default
-    for bad, says in (('{"backend": "guidance"}', "always use xgrammar"), ('{"backend": "auto", "x": 1}', "unknown"),
+    for bad, says in (('{"backend": "guidance"}', "always use xgrammar"), ('{"backend": "auto", "x": 1}', "unsupported structured outputs config field(s) x"),
                       ('{"enable_in_reasoning": false}', "from its first token"), ("[1]", "JSON object"),
                       ('{"reasoning_parser": "qwen3"}', "disagree")):
         with pytest.raises(SystemExit) as exc:
