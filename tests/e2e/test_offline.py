@@ -255,21 +255,15 @@ def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
     llm.close()                        # a second close does nothing
 
 
-def test_sleep_needs_enable_sleep_mode_and_wakes_to_the_same_tokens():
-    """vLLM's LLM.sleep / wake_up: levels 1 and 2 need enable_sleep_mode (level 0 only pauses);
-    after each the engine answers with the tokens it gave before."""
-    params = SamplingParams(temperature=0, max_tokens=12)
-    with LLM() as plain:
-        with pytest.raises(ValueError, match="--enable-sleep-mode"):
-            plain.sleep(1)
-        plain.sleep(0)
-        assert plain.is_sleeping() and plain.wake_up(["scheduling"]) and not plain.is_sleeping()
-    with LLM(enable_sleep_mode=True) as llm:
-        before = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].token_ids
-        for level in (1, 2):
-            llm.sleep(level)
-            assert llm.is_sleeping()
-            assert llm.wake_up() and not llm.is_sleeping()
-            assert llm.generate(["The capital of France is"], params, use_tqdm=False)[0].token_ids == before
-        with pytest.raises(ValueError, match="sleep level"):
-            llm.sleep(3)
+def test_sleep_needs_enable_sleep_mode_and_level_0_only_pauses(llm):
+    """vLLM's LLM.sleep / wake_up: levels 1 and 2 need enable_sleep_mode (they are run on the
+    server: tests/e2e/test_pause.py); level 0 pauses, and wake_up(["scheduling"]) resumes."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    before = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].token_ids
+    with pytest.raises(ValueError, match="--enable-sleep-mode"):
+        llm.sleep(1)
+    with pytest.raises(ValueError, match="sleep level"):
+        llm.sleep(3)
+    llm.sleep(0)
+    assert llm.is_sleeping() and llm.wake_up(["scheduling"]) and not llm.is_sleeping()
+    assert llm.generate(["The capital of France is"], params, use_tqdm=False)[0].token_ids == before
