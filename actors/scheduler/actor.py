@@ -265,9 +265,10 @@ class SchedulerActor(Actor):
                 status = self._pause_status()
                 if not status.drained or self._in_flight:
                     raise RuntimeError("the engine sleeps once generation is paused and nothing runs")
-                if self.core.running:
-                    raise RuntimeError("requests kept by a pause (mode keep) hold KV cache that sleep would "
-                                       "discard: pause with mode abort or wait")
+                kept = self.core.recompute_running()     # the KV cache a keep pause held goes: vLLM's
+                if kept:                                 # kept requests are computed again after wake-up
+                    log.info("sleep: %d kept request(s) will be computed again after wake-up", kept)
+                self.core.kv.reset_prefix_cache()        # no cached prefix outlives the cache's contents
                 await self.executor.ask(SleepWorker(level), timeout=SLEEP_TIMEOUT_S)
                 self.sleep_level = level
                 return level

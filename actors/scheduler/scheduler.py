@@ -707,6 +707,18 @@ class Scheduler:
         step.preempted.append(req)
         self.counters.num_preemptions += 1
 
+    def recompute_running(self) -> int:
+        """Every running request back to the queue without its blocks, to be computed again
+        (sleep mode gives the KV cache back with requests a pause kept); how many."""
+        kept = list(self.running)
+        for req in reversed(kept):              # prepended: they keep their order
+            self.running.remove(req)
+            self._recompute_later(req)
+            req.num_preemptions += 1
+            self.counters.num_preemptions += 1
+            self._finished_for_workers.append(req.request_id)
+        return len(kept)
+
     def _recompute_later(self, req: Request, written_tokens: int | None = None) -> None:
         """Back to the front of the queue without blocks: prompt and output so far are
         computed again when it is scheduled. ``written_tokens``: see KVCacheManager.free."""

@@ -184,3 +184,22 @@ def test_sleep_gives_back_the_workers_memory_and_wake_up_serves_the_same_tokens(
     assert partly == {"status": "sleeping", "tags": ["weights"]}          # the KV cache still asleep
     assert whole == {"status": "awake", "tags": ["kv_cache"]} and not still
     assert bad == 400
+
+
+def test_sleep_with_keep_recomputes_a_frozen_stream_after_wake_up(server):
+    """vLLM's sleep mode=keep: a request the pause froze loses its KV cache with the sleep and is
+    computed again after /wake_up, finishing with the tokens it would have had."""
+    async def run():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            alone = await _text(s, server.url, BODY)
+            seen: list = []
+            stream = asyncio.create_task(_stream(s, server.url, BODY, seen))
+            await _until(seen, 5)
+            assert await _post(s, server.url + "/sleep?level=1&mode=keep") == {"status": "sleeping", "level": 1}
+            frozen = len(seen)
+            await asyncio.sleep(0.5)
+            assert len(seen) == frozen
+            assert (await _post(s, server.url + "/wake_up"))["status"] == "awake"
+            await asyncio.wait_for(stream, 60)
+            assert "".join(t for t, _ in seen) == alone and seen[-1][1] == "length"
+    asyncio.run(run())
