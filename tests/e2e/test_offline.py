@@ -234,6 +234,20 @@ def test_beam_search_keeps_the_most_likely_sequences_with_their_true_logprobs(ll
         llm.beam_search("x", BeamSearchParams(beam_width=0, max_tokens=2))
 
 
+def test_sleep_needs_enable_sleep_mode_and_level_0_only_pauses(llm):
+    """vLLM's LLM.sleep / wake_up: levels 1 and 2 need enable_sleep_mode (they are run on the
+    server: tests/e2e/test_pause.py); level 0 pauses, and wake_up(["scheduling"]) resumes."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    before = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].token_ids
+    with pytest.raises(ValueError, match="--enable-sleep-mode"):
+        llm.sleep(1)
+    with pytest.raises(ValueError, match="sleep level"):
+        llm.sleep(3)
+    llm.sleep(0)
+    assert llm.is_sleeping() and llm.wake_up(["scheduling"]) and not llm.is_sleeping()
+    assert llm.generate(["The capital of France is"], params, use_tqdm=False)[0].token_ids == before
+
+
 def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
     """Runs last with the module's LLM: ``close()`` (a ``with`` block ending) lets go of the
     weights and KV cache even though the name still refers to it; using it then says it is closed."""
@@ -253,17 +267,3 @@ def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
     with pytest.raises(RuntimeError, match="this LLM is closed"):
         llm.generate("The capital of France is")
     llm.close()                        # a second close does nothing
-
-
-def test_sleep_needs_enable_sleep_mode_and_level_0_only_pauses(llm):
-    """vLLM's LLM.sleep / wake_up: levels 1 and 2 need enable_sleep_mode (they are run on the
-    server: tests/e2e/test_pause.py); level 0 pauses, and wake_up(["scheduling"]) resumes."""
-    params = SamplingParams(temperature=0, max_tokens=8)
-    before = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].token_ids
-    with pytest.raises(ValueError, match="--enable-sleep-mode"):
-        llm.sleep(1)
-    with pytest.raises(ValueError, match="sleep level"):
-        llm.sleep(3)
-    llm.sleep(0)
-    assert llm.is_sleeping() and llm.wake_up(["scheduling"]) and not llm.is_sleeping()
-    assert llm.generate(["The capital of France is"], params, use_tqdm=False)[0].token_ids == before
