@@ -42,7 +42,6 @@ class Worker:
         """Resolve ``config`` for this platform and checkpoint and load the model (with tensor
         and pipeline parallelism, the part of it of rank ``tp_rank`` in stage ``pp_rank``, after
         joining the ranks' process group at ``init_method``)."""
-        t0 = time.monotonic()
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
         source = config.model.source
         ckpt = open_checkpoint(source)
@@ -64,7 +63,7 @@ class Worker:
             self.tp_group = join_parallel_groups(self.device, tp_rank, pp_rank, self.tp_size, self.pp_size,
                                                  init_method)
         self.attn_backend = self._backend(ckpt)
-        self.model = self._load(ckpt, self.attn_backend, self.config.model.quantization, source.path)
+        self._load_models(ckpt, draft_ckpt)
         if self.pp_size > 1:
             rank = pp_rank * self.tp_size + tp_rank           # in the world group
             self.link = StageLink(rank - self.tp_size if pp_rank > 0 else None,
@@ -73,6 +72,18 @@ class Worker:
                                   torch_dtype(self.config.model.dtype), self.device)
             log.info("pipeline stage %d of %d: layers %d to %d", pp_rank, self.pp_size, self.model.start_layer,
                      self.model.end_layer - 1)
+        self.runner: ModelRunner | None = None         # until init_kv_cache
+        self.asleep = 0                                # sleep mode's level (0: awake)
+        self.kv_connector = None                       # --kv-transfer-config: the connector's worker side
+        if not self.config.kv_cache_sized:             # CUDA, sized by --gpu-memory-utilization
+            self.config = self.config.with_kv_cache_bytes(self._gpu_kv_cache_bytes())
+
+    def _load_models(self, ckpt: Checkpoint, draft_ckpt: Checkpoint | None) -> None:
+        """The model (with its LoRA slots) and speculative decoding's draft model, from their
+        checkpoints (at start-up, and again when sleep level 2 let them go)."""
+        t0 = time.monotonic()
+        source, draft = self.config.model.source, self.config.model.draft_source
+        self.model = self._load(ckpt, self.attn_backend, self.config.model.quantization, source.path)
         if self.config.lora is not None:     # LoRA slots around the (packed, quantized) projections
             from actors.worker.lora_manager import LoRAModelManager
             LoRAModelManager(self.model, self.config.lora, self.config.model.arch, self.device)
@@ -85,11 +96,6 @@ class Worker:
             self.draft_model = self._load(draft_ckpt, self._backend(draft_ckpt), q, draft.path)
             log.info("draft model %s (%s) loaded in %.1f s", draft.served_name, q or self.config.model.dtype,
                      time.monotonic() - t0)
-        self.runner: ModelRunner | None = None         # until init_kv_cache
-        self.asleep = 0                                # sleep mode's level (0: awake)
-        self.kv_connector = None                       # --kv-transfer-config: the connector's worker side
-        if not self.config.kv_cache_sized:             # CUDA, sized by --gpu-memory-utilization
-            self.config = self.config.with_kv_cache_bytes(self._gpu_kv_cache_bytes())
 
     def _gpu_kv_cache_bytes(self) -> int:
         """What --gpu-memory-utilization leaves for the KV cache once the weights are loaded
@@ -210,16 +216,9 @@ class Worker:
         if "weights" in tags and self.weights_asleep:
             t0 = time.monotonic()
             if self.model is None:          # level 2: read again
-                source, draft = self.config.model.source, self.config.model.draft_source
-                ckpt = open_checkpoint(source)
-                self.model = self._load(ckpt, self.attn_backend, self.config.model.quantization, source.path)
-                if self.config.lora is not None:
-                    from actors.worker.lora_manager import LoRAModelManager
-                    LoRAModelManager(self.model, self.config.lora, self.config.model.arch, self.device)
-                if draft is not None:
-                    draft_ckpt = open_checkpoint(draft)
-                    self.draft_model = self._load(draft_ckpt, self._backend(draft_ckpt),
-                                                  self.config.speculative.quantization, draft.path)
+                draft = self.config.model.draft_source
+                self._load_models(open_checkpoint(self.config.model.source),
+                                  open_checkpoint(draft) if draft is not None else None)
             else:
                 self.model.to(self.device)
                 if self.draft_model is not None:
