@@ -1,6 +1,6 @@
 """vLLM's --config FILE.yaml: a deployment's YAML file of flags runs unchanged under `troupe serve`
 (and `troupe run-batch`); the command line wins over the file, and a bad file stops the command
-with one line naming it."""
+with one line naming it. vLLM's dotted keys of a JSON flag (--speculative-config.method ngram) too."""
 from __future__ import annotations
 
 import pytest
@@ -92,3 +92,36 @@ def test_a_vllm_flag_troupe_lacks_is_refused_from_the_file_too(tmp_path, capsys)
     assert exc.value.code == 2
     assert capsys.readouterr().err.startswith(
         "troupe: error: --decode-context-parallel-size is a vLLM flag Troupe does not implement")
+
+
+def test_dotted_keys_build_a_json_flag_as_vllm_reads_them():
+    args = serve.parse_args(["--speculative-config.method", "ngram", "--port", "8001",
+                             "--speculative-config.num_speculative_tokens=3"])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert (config.speculative.method, config.speculative.num_speculative_tokens, args.port) == ("ngram", 3, 8001)
+    # keys join the flag's JSON given whole (the keys win), nest, and `key+ a,b` is a list
+    args = serve.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                             "--speculative-config.num_speculative_tokens", "4",
+                             "--compilation-config.cudagraph_capture_sizes+", "1,2,4",
+                             "--compilation-config.pass_config.fuse_norm_quant", "true"])
+    assert args.speculative_config == '{"method": "ngram", "num_speculative_tokens": 4}'
+    assert args.compilation_config == ('{"cudagraph_capture_sizes": [1, 2, 4], '
+                                       '"pass_config": {"fuse_norm_quant": true}}')
+
+
+def test_a_dotted_value_that_is_not_json_is_a_size_or_text():
+    args = serve.parse_args(["--kv-transfer-config.kv_connector", "NixlConnector",
+                             "--kv-transfer-config.kv_buffer_size", "1G"])
+    assert args.kv_transfer_config == '{"kv_connector": "NixlConnector", "kv_buffer_size": 1073741824}'
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-config.method"], "--speculative-config.method needs a value"),
+    (["--compilation-config.mode", "0", "--compilation-config.mode.x", "1"], "given both as a value and as an object"),
+    (["--speculative-config", "[1]", "--speculative-config.method", "ngram"], "given both whole"),
+    (["--speculative-config..method", "ngram"], "an empty key"),
+])
+def test_a_bad_dotted_key_exits_2_naming_it(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
