@@ -196,6 +196,19 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return await self.client.is_sleeping()
 
+    async def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
+                            max_iterations: int | None = None) -> None:
+        """vLLM's: open a profiling session (needs ``profiler_config``, e.g. {"profiler": "torch",
+        "torch_profiler_dir": "./traces"}): the workers record their steps, from ``delay_iterations``
+        steps on and for at most ``max_iterations`` (None: the config's); traces named with
+        ``profile_prefix``. ValueError without a profiler config or for a bad option; RuntimeError
+        while a session is open."""
+        await self.client.start_profile(profile_prefix, delay_iterations, max_iterations)
+
+    async def stop_profile(self) -> None:
+        """Close the session: each recorder writes its trace into the config's folder."""
+        await self.client.stop_profile()
+
     async def complete(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                        lora_request: LoRARequest | None = None, **template: Any) -> GenerationResult:
         """One prompt (text, token ids, or a conversation: a list of messages, rendered with
@@ -546,6 +559,16 @@ class LLM:
 
     def is_sleeping(self) -> bool:
         return self._run(self._engine().is_sleeping(), timeout=60)
+
+    def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
+                      max_iterations: int | None = None) -> None:
+        """vLLM's ``LLM.start_profile``: see ``AsyncLLM.start_profile``."""
+        self._run(self._engine().start_profile(profile_prefix, delay_iterations=delay_iterations,
+                                               max_iterations=max_iterations), timeout=600)
+
+    def stop_profile(self) -> None:
+        """vLLM's ``LLM.stop_profile``: the traces written."""
+        self._run(self._engine().stop_profile(), timeout=600)
 
     def _engine(self) -> AsyncLLM:
         if self._llm is None:

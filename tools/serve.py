@@ -27,6 +27,7 @@ from actors.frontend.tls import TlsFiles
 from actors.frontend.tool_parsers import TOOL_PARSERS
 from actors.frontend.reasoning import REASONING_PARSERS
 from actors.grammar.config import structured_outputs_config
+from actors.engine.profiler import profiler_config
 from actors.runtime import heap, logs
 from actors.runtime.plugins import load_general_plugins
 from tools import config_file
@@ -219,6 +220,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
             p.error(f"--reasoning-parser {args.reasoning_parser} and --structured-outputs-config's "
                     f"reasoning_parser {named} disagree")
         args.reasoning_parser = named
+    try:
+        args.profiling = profiler_config(args.profiler_config).enabled
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -314,7 +319,7 @@ async def serve(args: argparse.Namespace) -> int:
                                                     log_error_stack=args.log_error_stack,
                                                     exclude_tools_when_tool_choice_none=(
                                                         args.exclude_tools_when_tool_choice_none),
-                                                    root_path=args.root_path),
+                                                    root_path=args.root_path, profiling=args.profiling),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         tls = args.tls
         ssl_context = tls.context() if tls is not None else None       # a file that cannot load: stop here

@@ -141,7 +141,7 @@ for _flags, _why in (
     (("--cudagraph-metrics", "--custom-histogram-buckets", "--enable-mfu-metrics", "--enable-per-request-metrics",
       "--per-request-spec-decode-metrics", "--enable-layerwise-nvtx-tracing", "--enable-trace-replay",
       "--jit-monitor-mode", "--jit-monitor-verbose", "--fingerprint-mode", "--fingerprint-value",
-      "--fail-on-environ-validation", "--profiler-config"), _METRICS),
+      "--fail-on-environ-validation"), _METRICS),
     (("--enable-logging-iteration-details", "--logging-config"), _LOGS),
     (("--grpc", "--grpc-port", "--enable-offline-docs", "--renderer-num-workers",
       "--tool-strict-level", "--anthropic-disabled-thinking-effort",

@@ -22,6 +22,7 @@ from actors.engine.json_flags import parse_object
 from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.grammar.config import structured_outputs_config
+from actors.engine.profiler import profiler_config
 from actors.kv_manager.kv_events import kv_events_config
 from actors.kv_transfer.config import kv_transfer_config
 from actors.kv_transfer.factory import KVConnectorFactory
@@ -105,6 +106,8 @@ class EngineArgs:
     # vLLM's --kv-events-config: the prefix cache's changes published over ZeroMQ (JSON text or a dict)
     kv_events_config: dict[str, Any] | str | None = None
     structured_outputs_config: dict[str, Any] | str | None = None
+    # vLLM's --profiler-config: what /start_profile records (JSON text or a dict)
+    profiler_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         load_general_plugins()         # this process's plugins first (e.g. an architecture they register)
@@ -184,7 +187,8 @@ class EngineArgs:
             speculative=speculative, compilation=compilation, lora=self.lora_config(),
             kv_transfer=kv_transfer_config(self.kv_transfer_config),
             kv_events=kv_events_config(self.kv_events_config),
-            structured_outputs=structured_outputs_config(self.structured_outputs_config))
+            structured_outputs=structured_outputs_config(self.structured_outputs_config),
+            profiler=profiler_config(self.profiler_config))
         KVConnectorFactory.check_engine(config)
         return config
 
@@ -632,6 +636,14 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "disable_any_whitespace (JSON outputs compact, without the whitespace the model may "
                  "otherwise put between tokens), reasoning_parser (as --reasoning-parser), "
                  "disable_fallback and disable_additional_properties (accepted; nothing to change)")),
+        (("--profiler-config",), "profiler_config", dict(
+            default=d["profiler_config"], metavar="JSON",
+            help='vLLM\'s: what POST /start_profile and /stop_profile (LLM.start_profile, stop_profile) record, e.g. '
+                 '{"profiler": "torch", "torch_profiler_dir": "./traces"}: each worker\'s steps and the server\'s '
+                 "frontend as Chrome traces (*.pt.trace.json.gz) plus a table of operators, in that folder; "
+                 "\"cuda\": cudaProfilerStart/Stop for nsys. Also torch_profiler_with_stack (default true), "
+                 "_record_shapes, _with_memory, _with_flops, _use_gzip, _activities, delay_iterations, "
+                 "max_iterations, wait/warmup/active_iterations, ignore_frontend, detailed_trace_annotation")),
         (("--kv-events-config",), "kv_events_config", dict(
             default=d["kv_events_config"], metavar="JSON",
             help='publish the prefix cache\'s changes as vLLM\'s KV events, for KV-aware routers: a JSON object '

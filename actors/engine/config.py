@@ -20,6 +20,7 @@ import msgspec
 from actors.engine.compilation import CompilationConfig
 from actors.engine.lora import LoRAConfig
 from actors.grammar.config import StructuredOutputsConfig
+from actors.engine.profiler import ProfilerConfig
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, group_size, kv_cache_groups,
                                              max_tokens_per_request, model_kv_cache_specs, num_blocks_for,
@@ -193,6 +194,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_events: KVEventsConfig | None = None
     # --structured-outputs-config: xgrammar's options (actors/grammar/config.py)
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    # --profiler-config: what /start_profile records (actors/engine/profiler.py)
+    profiler: ProfilerConfig = ProfilerConfig()
 
     def __post_init__(self) -> None:
         check_config(self)

@@ -24,7 +24,7 @@ import msgspec
 from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
 from actors.kv_transfer.base import KVOutputAggregator
 from actors.runtime import Actor, ActorDied, ActorRef, Msg, RemoteError
-from actors.worker.actor import SleepWorker, StepStatus, WakeWorker
+from actors.worker.actor import ProfileWorker, SleepWorker, StepStatus, WakeWorker
 
 log = logging.getLogger("troupe.executor")
 
@@ -42,7 +42,7 @@ class WorkersUp(Msg):
     name: str
 
 
-ExecutorProtocol = SchedulerOutput | WorkersDown | WorkersUp | SleepWorker | WakeWorker
+ExecutorProtocol = SchedulerOutput | WorkersDown | WorkersUp | SleepWorker | WakeWorker | ProfileWorker
 
 STEP_TIMEOUT_S = 600.0
 SLEEP_TIMEOUT_S = 600.0         # a wake-up after level 2 reads the weights again
@@ -77,7 +77,7 @@ class Executor(Actor):
                 finally:
                     del self._executing[msg.step]
                     done.set_result(None)
-            case SleepWorker() | WakeWorker():          # sleep mode: every rank alike
+            case SleepWorker() | WakeWorker() | ProfileWorker():     # sleep mode, profiling: every rank alike
                 done = await asyncio.gather(*(w.ask(msg, timeout=SLEEP_TIMEOUT_S) for w in self.workers))
                 return all(done) if isinstance(msg, WakeWorker) else None
             case WorkersDown():

@@ -41,7 +41,8 @@ log = logging.getLogger("troupe.http")
 
 MAX_BODY_BYTES = 8 << 20
 PROTECTED_PATHS = ("/v1/", "/inference/", "/debug/", "/dashboard", "/invocations",   # need the API key when set
-                   "/pause", "/resume", "/is_paused", "/abort_requests")
+                   "/pause", "/resume", "/is_paused", "/abort_requests", "/sleep", "/wake_up", "/is_sleeping",
+                   "/start_profile", "/stop_profile")
 KEY_COOKIE = "troupe_api_key"                          # the key, for the dashboard's own requests
 
 
@@ -77,6 +78,7 @@ class ServerOptions:
     log_error_stack: bool = False          # every error response's stack trace in the log
     exclude_tools_when_tool_choice_none: bool = False   # tool_choice "none": the template gets no tools
     root_path: str = ""                    # every endpoint also answers under this path (--root-path)
+    profiling: bool = False                # --profiler-config names a profiler: /start_profile, /stop_profile
 
 
 class OpenAIServer:
@@ -164,6 +166,8 @@ class OpenAIServer:
                    for method, path, handler in scale_out.routes(self.options.enable_scale_out)]
         if control.enabled():            # only with VLLM_SERVER_DEV_MODE, as in vLLM
             routes += control.ROUTES
+        if self.options.profiling:       # only with --profiler-config, as in vLLM
+            routes += control.PROFILE_ROUTES
         if self.inject is not None and faults.enabled():
             routes.append(("POST", "/debug/fault", debug.inject_fault))
         for method, path, handler in routes:

@@ -23,8 +23,10 @@ from actors.grammar.actor import CompileGrammar, InvalidGrammar
 from actors.frontend.streams import OutputStream, OutputStreams, RequestOutput, StreamTimeout
 from actors.kv_manager.actor import ResetPrefixCache
 from actors.runtime import ActorRef, RemoteError
+from actors.engine.profiler import check_bounds, check_prefix
 from actors.scheduler.actor import (PAUSE_MODES, SLEEP_TIMEOUT_S, AbortRequests, GetPauseStatus, PauseScheduler,
-                                    PauseStatus, RemoveLoRA, ResumeScheduler, SleepEngine, WakeEngine)
+                                    PauseStatus, ProfileEngine, RemoveLoRA, ResumeScheduler, SleepEngine,
+                                    WakeEngine)
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
 
@@ -47,6 +49,10 @@ class EngineDeadError(RuntimeError):
     def __init__(self, reason: str, retry_after: float | None = None) -> None:
         super().__init__(reason)
         self.retry_after = retry_after
+
+
+class ProfilerAlreadyActive(RuntimeError):
+    """/start_profile while a session is open (vLLM's 409)."""
 
 
 class EngineClient:
@@ -74,6 +80,8 @@ class EngineClient:
         self.draining: str | None = None       # why no new request is taken (running ones finish)
         self.pause_mode: str | None = None     # while generation is paused (pause_generation): its mode
         self.sleep_level: int | None = None    # while asleep (sleep mode): the level
+        self.profiling = False                 # a --profiler-config session is open (/start_profile)
+        self._frontend_profiler: Any = None    # this process's recorder (actors/worker/profiler.py)
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}"
         self.lora_requests: dict[str, LoRARequest] = {}    # served adapters, by name
@@ -341,6 +349,53 @@ class EngineClient:
 
     async def is_sleeping(self) -> bool:
         return self.sleep_level is not None or await self.is_paused()
+
+    # -- profiling (vLLM's --profiler-config: /start_profile, /stop_profile) -------------------
+    async def start_profile(self, prefix: str | None = None, delay_iterations: int | None = None,
+                            max_iterations: int | None = None) -> None:
+        """Open a profiling session: every worker records its steps (from ``delay_iterations``
+        steps on, for at most ``max_iterations``: the config's when None) and, in a server, this
+        frontend process records too; traces named with ``prefix``. ValueError for a bad option
+        or without --profiler-config; ProfilerAlreadyActive while one is open."""
+        config = self.config.profiler
+        if not config.enabled:
+            raise ValueError("Profiling is not enabled. Please set --profiler-config to enable profiling. "
+                             "Example: --profiler-config.profiler=torch "
+                             "--profiler-config.torch_profiler_dir=YOUR_DIR_PATH_TO_DUMP_TRACE")
+        check_prefix(prefix)
+        check_bounds(delay_iterations, max_iterations)
+        if self.profiling:
+            raise ProfilerAlreadyActive("A profiling session is already active. Call /stop_profile before "
+                                        "starting another session.")
+        self._check_alive()
+        self.profiling = True
+        try:
+            await self.engine.ask(ProfileEngine(True, prefix, delay_iterations, max_iterations),
+                                  timeout=SLEEP_TIMEOUT_S)
+            # in one process (offline, not multiprocess) the worker's recorder sees it all already
+            if config.profiles_frontend and self.config.parallel.multiprocess:
+                from actors.worker.profiler import frontend_name, frontend_profiler
+                if self._frontend_profiler is None:
+                    self._frontend_profiler = frontend_profiler(config)
+                await asyncio.to_thread(self._frontend_profiler.start, frontend_name(prefix))
+        except BaseException:
+            self.profiling = False
+            raise
+        log.info("profiling started%s", f" ({prefix})" if prefix else "")
+
+    async def stop_profile(self) -> None:
+        """Close the session: every recorder writes its trace (nothing open: nothing happens)."""
+        if not self.config.profiler.enabled:
+            raise ValueError("Profiling is not enabled. Please set --profiler-config to enable profiling.")
+        self._check_alive()
+        stops = [self.engine.ask(ProfileEngine(False), timeout=SLEEP_TIMEOUT_S)]
+        if self._frontend_profiler is not None:
+            stops.append(asyncio.to_thread(self._frontend_profiler.stop))
+        try:
+            await asyncio.gather(*stops)
+        finally:
+            self.profiling = False
+        log.info("profiling stopped: traces in %s", self.config.profiler.torch_profiler_dir or "the profiler")
 
     def _check_alive(self) -> None:
         if self.dead is not None:

@@ -16,7 +16,14 @@ queue. /abort_requests ends the requests it names (by the id of their answer, th
 they were sent with, or their engine id; none named: every open request) with finish reason
 "abort", without pausing. /sleep pauses (level 0) and gives back the KV cache's memory (level 1)
 or that and the weights' (level 2), with --enable-sleep-mode; /wake_up takes them back (tags:
-what; none: everything) and resumes once nothing is left asleep."""
+what; none: everything) and resumes once nothing is left asleep.
+
+With --profiler-config (and only then, as in vLLM; no VLLM_SERVER_DEV_MODE needed):
+
+  POST /start_profile  {"profile_prefix", "delay_iterations", "max_iterations"} (each optional)   200
+  POST /stop_profile                                                                             200
+
+open and close a profiling session (actors/engine/profiler.py): 409 when one is already open."""
 from __future__ import annotations
 
 import json
@@ -25,7 +32,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from actors.frontend.errors import bad_request, json_encoder
+from actors.frontend.client import ProfilerAlreadyActive
+from actors.frontend.errors import ApiError, bad_request, error_response, json_encoder
 from actors.frontend.generation import OPEN_ANSWERS
 
 if TYPE_CHECKING:
@@ -119,6 +127,38 @@ async def wake_up(server: OpenAIServer, request: web.Request) -> web.Response:
 async def is_sleeping(server: OpenAIServer, request: web.Request) -> web.Response:
     return _json({"is_sleeping": await server.engine().is_sleeping()})
 
+
+async def start_profile(server: OpenAIServer, request: web.Request) -> web.Response:
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("Invalid JSON format") from None
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    options = {k: body.get(k) for k in ("profile_prefix", "delay_iterations", "max_iterations")}
+    for name in ("delay_iterations", "max_iterations"):
+        value = options[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise bad_request(f"{name} must be an integer", name)
+    if options["profile_prefix"] is not None and not isinstance(options["profile_prefix"], str):
+        raise bad_request("profile_prefix must be a string", "profile_prefix")
+    try:
+        await server.engine().start_profile(options["profile_prefix"], options["delay_iterations"],
+                                            options["max_iterations"])
+    except ProfilerAlreadyActive as exc:
+        raise ApiError(error_response(409, str(exc))) from None
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return web.Response(status=200)
+
+
+async def stop_profile(server: OpenAIServer, request: web.Request) -> web.Response:
+    await server.engine().stop_profile()
+    return web.Response(status=200)
+
+
+PROFILE_ROUTES = [("POST", "/start_profile", start_profile), ("POST", "/stop_profile", stop_profile)]
 
 ROUTES = [("POST", "/pause", pause), ("POST", "/resume", resume), ("GET", "/is_paused", is_paused),
           ("POST", "/abort_requests", abort_requests), ("POST", "/sleep", sleep), ("POST", "/wake_up", wake_up),

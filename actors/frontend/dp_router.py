@@ -26,8 +26,8 @@ from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams
 from actors.runtime import Actor, ActorRef, Msg
 from actors.scheduler.actor import (SLEEP_TIMEOUT_S, AbortRequests, AddRequest, GetPauseStatus, GrammarReady,
-                                    PauseScheduler, PauseStatus, RemoveLoRA, ResumeScheduler, SleepEngine,
-                                    WakeEngine)
+                                    PauseScheduler, PauseStatus, ProfileEngine, RemoveLoRA, ResumeScheduler,
+                                    SleepEngine, WakeEngine)
 
 AFFINITY_BLOCKS = 4            # the prompt prefix that keys affinity: its first blocks, at most this many
 AFFINITY_ENTRIES = 4096        # prefixes remembered (least recently used forgotten)
@@ -45,7 +45,7 @@ class EngineUp(Msg):
 
 
 RouterProtocol = (AddRequest | AbortRequests | GrammarReady | RemoveLoRA | EngineDown | EngineUp
-                  | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine)
+                  | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine)
 PAUSE_ASK_TIMEOUT_S = 30.0
 
 
@@ -115,6 +115,9 @@ class DataParallelRouter(Actor):
                 up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
                 each = await asyncio.gather(*(s.ask(msg, timeout=SLEEP_TIMEOUT_S) for s in up))
                 return all(each) if isinstance(msg, WakeEngine) else msg.level
+            case ProfileEngine():                       # profiling: every engine core's workers
+                up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
+                await asyncio.gather(*(s.ask(msg, timeout=SLEEP_TIMEOUT_S) for s in up))
             case PauseScheduler() | ResumeScheduler() | GetPauseStatus():
                 up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
                 each = await asyncio.gather(*(s.ask(msg, timeout=PAUSE_ASK_TIMEOUT_S) for s in up))

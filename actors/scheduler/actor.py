@@ -39,7 +39,7 @@ from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteEr
 from actors.runtime.tracing import StepRecord, now_ns
 from actors.kv_manager.kv_events import KVEventBatch, ZmqEventPublisher
 from actors.scheduler.scheduler import PauseState, Scheduler
-from actors.worker.actor import SleepWorker, WakeWorker
+from actors.worker.actor import ProfileWorker, SleepWorker, WakeWorker
 
 log = logging.getLogger("troupe.scheduler")
 
@@ -122,8 +122,17 @@ class WakeEngine(Msg):
     tags: list[str] | None = None
 
 
+class ProfileEngine(Msg):
+    """--profiler-config's session in every worker: start it (``prefix``, ``delay_iterations``,
+    ``max_iterations``: vLLM's per-session options) or stop it."""
+    start: bool = True
+    prefix: str | None = None
+    delay_iterations: int | None = None
+    max_iterations: int | None = None
+
+
 SchedulerProtocol = (AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady | RemoveLoRA
-                     | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine)
+                     | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine)
 
 STEP_TIMEOUT_S = 600.0
 SLEEP_TIMEOUT_S = 600.0          # a wake-up after level 2 reads the weights again
@@ -272,6 +281,8 @@ class SchedulerActor(Actor):
                 await self.executor.ask(SleepWorker(level), timeout=SLEEP_TIMEOUT_S)
                 self.sleep_level = level
                 return level
+            case ProfileEngine(start=start, prefix=prefix, delay_iterations=delay, max_iterations=limit):
+                await self.executor.ask(ProfileWorker(start, prefix, delay, limit), timeout=SLEEP_TIMEOUT_S)
             case WakeEngine(tags=tags):
                 awake = await self.executor.ask(WakeWorker(tags), timeout=SLEEP_TIMEOUT_S)
                 if awake:

@@ -10,6 +10,7 @@ one at a time, in order: the actor handles one message at a time."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,8 @@ from actors.runtime.tracing import SpanRecord, Tracer
 
 if TYPE_CHECKING:
     from actors.worker.worker import Worker
+
+log = logging.getLogger("troupe.worker")
 
 
 class LoadModel(Msg):
@@ -64,6 +67,15 @@ class WakeWorker(Msg):
     tags: list[str] | None = None
 
 
+class ProfileWorker(Msg):
+    """--profiler-config's session: ``start`` it (traces named with ``prefix``; vLLM's per-session
+    ``delay_iterations`` and ``max_iterations``, None: the config's), or stop it (the trace written)."""
+    start: bool = True
+    prefix: str | None = None
+    delay_iterations: int | None = None
+    max_iterations: int | None = None
+
+
 class StepResult(msgspec.Struct):
     ran: bool                                   # the worker ran the step asked about
     output: ModelRunnerOutput | None = None     # and this was its output
@@ -82,11 +94,13 @@ class StepOutOfOrder(RuntimeError):
     again): it is refused without running, and sent again after its predecessor."""
 
 
-WorkerProtocol = LoadModel | InitKVCache | ProfileStepCosts | SchedulerOutput | StepStatus | SleepWorker | WakeWorker
+WorkerProtocol = (LoadModel | InitKVCache | ProfileStepCosts | SchedulerOutput | StepStatus | SleepWorker | WakeWorker
+                  | ProfileWorker)
 
 T = TypeVar("T")
 
 LOAD_TIMEOUT_S = 600.0
+PROFILE_STOP_S = 60.0            # writing an open profiling session's trace when the worker stops
 RECENT_STEPS = 8                 # outputs kept for StepStatus (async scheduling keeps two in flight)
 
 
@@ -100,6 +114,11 @@ class WorkerActor(Actor):
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="troupe-worker-core")   # the core's calls
 
     async def stopped(self) -> None:
+        if self.core is not None and self.core.profiler is not None and self.core.profiler.active:
+            try:                                   # a profiling session's trace is written first
+                await asyncio.wait_for(self._on_core_thread(self.core.profiler.stop), PROFILE_STOP_S)
+            except Exception as exc:               # noqa: BLE001 -- stopping goes on regardless
+                log.warning("the profiling session's trace was not written: %s", exc)
         self._thread.shutdown(wait=False)          # a step under way finishes; nothing new starts
 
     async def _on_core_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -139,6 +158,8 @@ class WorkerActor(Actor):
                 return await self._on_core_thread(self._loaded().sleep, level)
             case WakeWorker(tags=tags):
                 return await self._on_core_thread(self._loaded().wake_up, tags)
+            case ProfileWorker(start=start, prefix=prefix, delay_iterations=delay, max_iterations=limit):
+                return await self._on_core_thread(self._loaded().profile, start, prefix, delay, limit)
 
     def _loaded(self) -> Worker:
         if self.core is None:

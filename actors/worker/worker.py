@@ -16,6 +16,7 @@ import msgspec
 import torch
 
 from actors.engine.config import EngineConfig
+from actors.engine.profiler import check_prefix
 from actors.engine.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from actors.engine.sampling_params import SamplingParams
 from actors.worker.compilation import apply_compilation, packs_linears
@@ -24,6 +25,7 @@ from actors.worker.cuda_graphs import graph_sizes
 from actors.worker.gpu_memory import GIB, device_memory, kv_cache_bytes_for_gpu
 from actors.worker.model_runner import ModelRunner, torch_dtype
 from actors.worker.platforms import platform_for
+from actors.worker.profiler import StepProfiler, rank_name, worker_profiler
 from kernels.attention.base import AttentionBackend
 from models.layers import calculate_kv_scales_on_next_batch
 from models.native_decode import attach as attach_native_decode
@@ -75,6 +77,7 @@ class Worker:
         self.runner: ModelRunner | None = None         # until init_kv_cache
         self.asleep = 0                                # sleep mode's level (0: awake)
         self.kv_connector = None                       # --kv-transfer-config: the connector's worker side
+        self.profiler: StepProfiler | None = None      # --profiler-config: from the first /start_profile
         if not self.config.kv_cache_sized:             # CUDA, sized by --gpu-memory-utilization
             self.config = self.config.with_kv_cache_bytes(self._gpu_kv_cache_bytes())
 
@@ -319,9 +322,47 @@ class Worker:
                                                   [r for r in plan if r in computed]))
         return costs
 
+    # -- profiling (vLLM's --profiler-config: /start_profile, /stop_profile) --------------------
+    def profile(self, start: bool, prefix: str | None = None, delay_iterations: int | None = None,
+                max_iterations: int | None = None) -> None:
+        """Open a profiling session (its traces named ``[prefix_]dp.._pp.._tp.._rank..``), or
+        close the open one (its trace written)."""
+        config = self.config.profiler
+        if not config.enabled:
+            raise RuntimeError("Profiling is not enabled. Please set --profiler-config to enable profiling. "
+                               "Example: --profiler-config.profiler=torch "
+                               "--profiler-config.torch_profiler_dir=YOUR_DIR_PATH_TO_DUMP_TRACE")
+        if not start:
+            if self.profiler is not None:
+                self.profiler.stop()
+            return
+        check_prefix(prefix)
+        name = rank_name(prefix, self.config.parallel.data_parallel_rank, self.pp_rank, self.tp_rank,
+                         self.tp_size, self.pp_size)
+        if self.profiler is None:
+            first = self.config.parallel.data_parallel_rank == 0 and self.pp_rank == 0 and self.tp_rank == 0
+            self.profiler = worker_profiler(config, name, self.device.type, first)
+        self.profiler.start(name, delay_iterations, max_iterations)
+
+    def _in_prompt(self, rid: str) -> bool:
+        """Whether request ``rid`` has no output token yet (a step label's "context" phase)."""
+        b = self.runner.batch
+        if rid not in b:
+            return True
+        i = b.slot(rid)
+        return bool(b.num_tokens[i] <= b.num_prompt_tokens[i])
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner is None:
             raise RuntimeError("the KV cache is not initialized (InitKVCache first)")
+        profiler = self.profiler
+        if profiler is None or not profiler.active:
+            return self._execute_model(so)
+        profiler.step()
+        with profiler.annotate(so, self._in_prompt):
+            return self._execute_model(so)
+
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         connector = self.kv_connector
         if connector is None:
             return self.runner.execute_model(so)

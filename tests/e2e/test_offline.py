@@ -248,6 +248,15 @@ def test_sleep_needs_enable_sleep_mode_and_level_0_only_pauses(llm):
     assert llm.generate(["The capital of France is"], params, use_tqdm=False)[0].token_ids == before
 
 
+def test_start_profile_needs_a_profiler_config(llm):
+    """vLLM's LLM.start_profile / stop_profile record only with profiler_config (they are run on
+    the server: tests/e2e/test_pause.py; the recorder: tests/unit/test_profiler.py)."""
+    with pytest.raises(ValueError, match="--profiler-config"):
+        llm.start_profile()
+    with pytest.raises(ValueError, match="--profiler-config"):
+        llm.stop_profile()
+
+
 def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
     """Runs last with the module's LLM: ``close()`` (a ``with`` block ending) lets go of the
     weights and KV cache even though the name still refers to it; using it then says it is closed."""

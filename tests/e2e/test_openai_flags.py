@@ -313,7 +313,8 @@ def test_max_num_queued_reqs_refuses_past_the_requests_in_flight(server):
 
 def test_generation_control_endpoints_need_vllm_server_dev_mode_and_the_key(server):
     for method, path in (("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
-                         ("POST", "/abort_requests")):
+                         ("POST", "/abort_requests"), ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                         ("POST", "/start_profile"), ("POST", "/stop_profile")):
         req = urllib.request.Request(server.url + path, method=method, data=b"{}" if method == "POST" else None)
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=10)
@@ -321,7 +322,7 @@ def test_generation_control_endpoints_need_vllm_server_dev_mode_and_the_key(serv
         req.add_header("Authorization", f"Bearer {KEY}")
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=10)
-        assert err.value.code == 404, path               # absent without VLLM_SERVER_DEV_MODE=1
+        assert err.value.code == 404, path               # absent without VLLM_SERVER_DEV_MODE=1 (or --profiler-config)
 
 
 def test_scale_out_endpoints_answer_403_without_enable_scale_out(server):

@@ -1,10 +1,14 @@
 """vLLM's generation control for RL loops (VLLM_SERVER_DEV_MODE=1): POST /pause in its three
 modes, /resume, /is_paused and /abort_requests, and sleep mode (--enable-sleep-mode: /sleep,
-/wake_up, /is_sleeping), on the real server."""
+/wake_up, /is_sleeping), on the real server; and vLLM's profiler (--profiler-config, given with
+its dotted keys: /start_profile, /stop_profile)."""
 from __future__ import annotations
 
 import asyncio
+import glob
+import gzip
 import json
+import os
 import time
 
 import aiohttp
@@ -20,8 +24,14 @@ TIMEOUT = aiohttp.ClientTimeout(total=120)
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server(*SERVER_ARGS, env={"VLLM_SERVER_DEV_MODE": "1"})
+def traces(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("traces"))
+
+
+@pytest.fixture(scope="module")
+def server(traces):
+    s = Server(*SERVER_ARGS, "--profiler-config.profiler", "torch", f"--profiler-config.torch_profiler_dir={traces}",
+               env={"VLLM_SERVER_DEV_MODE": "1"})
     yield s
     s.stop()
 
@@ -203,3 +213,47 @@ def test_sleep_with_keep_recomputes_a_frozen_stream_after_wake_up(server):
             await asyncio.wait_for(stream, 60)
             assert "".join(t for t, _ in seen) == alone and seen[-1][1] == "length"
     asyncio.run(run())
+
+
+def _trace_events(path: str) -> list[str]:
+    with gzip.open(path) as f:
+        return [e["name"] for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def test_start_and_stop_profile_write_a_trace_per_process_with_every_step_labelled(server, traces):
+    async def run():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            async with s.post(server.url + "/start_profile", json={"profile_prefix": "one"}) as resp:
+                assert resp.status == 200, await resp.text()
+            async with s.post(server.url + "/start_profile") as resp:
+                assert resp.status == 409 and "already active" in (await resp.json())["error"]["message"]
+            await _text(s, server.url, {**BODY, "max_tokens": 6})
+            async with s.post(server.url + "/stop_profile") as resp:
+                assert resp.status == 200
+            # a session of at most 2 steps ends by itself: its trace is written before /stop_profile
+            async with s.post(server.url + "/start_profile", json={"profile_prefix": "two", "max_iterations": 2}) as resp:
+                assert resp.status == 200
+            await _text(s, server.url, {**BODY, "max_tokens": 6})
+            deadline = time.monotonic() + 60
+            while not glob.glob(f"{traces}/two_dp0_*.pt.trace.json.gz"):
+                assert time.monotonic() < deadline, os.listdir(traces)
+                await asyncio.sleep(0.2)
+            async with s.post(server.url + "/stop_profile") as resp:
+                assert resp.status == 200
+            for body in ({"profile_prefix": "no spaces"}, {"delay_iterations": -1}, {"max_iterations": "2"}):
+                async with s.post(server.url + "/start_profile", json=body) as resp:
+                    assert resp.status == 400, body
+    asyncio.run(run())
+    worker = glob.glob(f"{traces}/one_dp0_pp0_tp0_dcp0_ep0_rank0.*.pt.trace.json.gz")
+    frontend = glob.glob(f"{traces}/one_*.async_llm.*.pt.trace.json.gz")
+    assert len(worker) == 1 and len(frontend) == 1, os.listdir(traces)
+    assert os.path.exists(f"{traces}/one_dp0_pp0_tp0_dcp0_ep0_rank0.profiler_out.txt")
+    names = _trace_events(worker[0])
+    steps = [n for n in names if n.startswith("execute_")]
+    prompt_tokens = int(steps[0].split("(")[1].split(")")[0])
+    assert steps[0] == f"execute_context_1({prompt_tokens})_generation_0(0)" and prompt_tokens > 5
+    assert steps[1:] == ["execute_context_0(0)_generation_1(1)"] * 5          # one step per further token
+    assert any("native_decode.py" in n for n in names)      # the native kernels' calls show
+    assert any("actors/frontend/completions.py" in n for n in _trace_events(frontend[0]))
+    (two,) = glob.glob(f"{traces}/two_dp0_*.pt.trace.json.gz")
+    assert len([n for n in _trace_events(two) if n.startswith("execute_")]) == 2
