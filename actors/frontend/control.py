@@ -9,6 +9,8 @@ started with VLLM_SERVER_DEV_MODE=1:
   POST /sleep?level=0|1|2&mode=abort                  {"status": "sleeping", "level": n}
   POST /wake_up?tags=weights&tags=kv_cache            {"status": "awake" | "sleeping", "tags": [...]}
   GET  /is_sleeping                                   {"is_sleeping": bool}
+  GET  /get_world_size?include_dp=true                {"world_size": n}  (ranks: tensor x pipeline [x data])
+  GET  /server_info?config_format=text|json           {"vllm_config", "vllm_env", "system_env"}
 
 ``abort`` (the default) aborts every request, ``wait`` lets the running ones finish, ``keep``
 freezes every request where it is (they go on after /resume); requests that arrive while paused
@@ -26,9 +28,13 @@ With --profiler-config (and only then, as in vLLM; no VLLM_SERVER_DEV_MODE neede
 open and close a profiling session (actors/engine/profiler.py): 409 when one is already open."""
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from aiohttp import web
 
@@ -158,8 +164,39 @@ async def stop_profile(server: OpenAIServer, request: web.Request) -> web.Respon
     return web.Response(status=200)
 
 
+async def get_world_size(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's: the ranks of one engine (tensor x pipeline), times the data-parallel engines
+    unless include_dp=false."""
+    parallel = server.engine().config.parallel
+    size = parallel.world_size * (parallel.data_parallel_size if _flag(request, "include_dp", True) else 1)
+    return _json({"world_size": size})
+
+
+async def server_info(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's: the engine's resolved config (as text, or as JSON with config_format=json), the
+    VLLM_* and TROUPE_* environment variables set (none whose name holds KEY) and the system's
+    (torch's collect_env, the first call taking a few seconds)."""
+    fmt = request.query.get("config_format", "text")
+    if fmt not in ("text", "json"):
+        raise bad_request(f"config_format must be text or json, got {fmt!r}", "config_format")
+    config = server.engine().config
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_", "TROUPE_")) and "KEY" not in k}
+    return _json({"vllm_config": repr(config) if fmt == "text" else msgspec.to_builtins(config, enc_hook=str),
+                  "vllm_env": env, "system_env": await asyncio.to_thread(_system_env)})
+
+
+@functools.lru_cache(maxsize=1)
+def _system_env() -> dict[str, Any]:
+    from torch.utils.collect_env import get_env_info
+    from actors.frontend.misc import version
+    info = {k: v if v is None or type(v) in (str, int, float, bool) else str(v)    # torch's version objects (str's kin)
+            for k, v in get_env_info()._asdict().items()}
+    return {**info, "troupe_version": version()}
+
+
 PROFILE_ROUTES = [("POST", "/start_profile", start_profile), ("POST", "/stop_profile", stop_profile)]
 
 ROUTES = [("POST", "/pause", pause), ("POST", "/resume", resume), ("GET", "/is_paused", is_paused),
           ("POST", "/abort_requests", abort_requests), ("POST", "/sleep", sleep), ("POST", "/wake_up", wake_up),
-          ("GET", "/is_sleeping", is_sleeping)]
+          ("GET", "/is_sleeping", is_sleeping), ("GET", "/get_world_size", get_world_size),
+          ("GET", "/server_info", server_info)]

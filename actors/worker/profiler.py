@@ -7,6 +7,7 @@ frontend's, recording its process for the whole session."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import socket
@@ -21,6 +22,14 @@ from actors.engine.profiler import ProfilerConfig, check_bounds
 log = logging.getLogger("troupe.profiler")
 
 TABLE_ROWS = 50
+
+# Imported by torch's profiler when it starts, once recording has begun: the recorder then keeps
+# the name of this module's code, which is freed after the import, and reading the events for
+# the operator table fails on the garbage (or shows it). Imported here, before any session.
+try:
+    importlib.import_module("torch.profiler._cupti_monitor")
+except ImportError:
+    pass
 
 
 class StepProfiler:

@@ -257,3 +257,27 @@ def test_start_and_stop_profile_write_a_trace_per_process_with_every_step_labell
     assert any("actors/frontend/completions.py" in n for n in _trace_events(frontend[0]))
     (two,) = glob.glob(f"{traces}/two_dp0_*.pt.trace.json.gz")
     assert len([n for n in _trace_events(two) if n.startswith("execute_")]) == 2
+
+
+def test_server_info_shows_the_resolved_config_the_environment_and_the_system_and_world_size_the_ranks(server):
+    async def run():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            async with s.get(server.url + "/server_info?config_format=json") as resp:
+                info = await resp.json()
+            async with s.get(server.url + "/server_info") as resp:
+                text = (await resp.json())["vllm_config"]
+            async with s.get(server.url + "/server_info?config_format=yaml") as resp:
+                bad = resp.status
+            sizes = []
+            for query in ("", "?include_dp=false"):
+                async with s.get(server.url + "/get_world_size" + query) as resp:
+                    sizes.append((await resp.json())["world_size"])
+            return info, text, bad, sizes
+    info, text, bad, sizes = asyncio.run(run())
+    config = info["vllm_config"]
+    assert config["model"]["max_model_len"] > 0 and config["scheduler"]["max_num_seqs"] == 2
+    assert config["model"]["enable_sleep_mode"] is True and config["profiler"]["profiler"] == "torch"
+    assert info["vllm_env"]["VLLM_SERVER_DEV_MODE"] == "1"
+    assert info["system_env"]["torch_version"].startswith("2.") and info["system_env"]["troupe_version"]
+    assert text.startswith("EngineConfig(") and "max_num_seqs=2" in text
+    assert bad == 400 and sizes == [1, 1]
