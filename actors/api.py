@@ -196,6 +196,13 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return await self.client.is_sleeping()
 
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's: a worker method by name on every worker, their results in rank order. Troupe's
+        workers answer ``reload_weights`` (kwargs ``weights_path``: a checkpoint of the same
+        architecture; none: the served one again), which reads the weights into the running model."""
+        return await self.client.collective_rpc(method, timeout, args, kwargs)
+
     async def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
                             max_iterations: int | None = None) -> None:
         """vLLM's: open a profiling session (needs ``profiler_config``, e.g. {"profiler": "torch",
@@ -559,6 +566,12 @@ class LLM:
 
     def is_sleeping(self) -> bool:
         return self._run(self._engine().is_sleeping(), timeout=60)
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's ``LLM.collective_rpc``: see ``AsyncLLM.collective_rpc``."""
+        return self._run(self._engine().collective_rpc(method, timeout, args, kwargs),
+                         timeout=(timeout or 600) + 30)
 
     def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
                       max_iterations: int | None = None) -> None:

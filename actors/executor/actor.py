@@ -24,7 +24,8 @@ import msgspec
 from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
 from actors.kv_transfer.base import KVOutputAggregator
 from actors.runtime import Actor, ActorDied, ActorRef, Msg, RemoteError
-from actors.worker.actor import ProfileWorker, SleepWorker, StepStatus, WakeWorker
+from actors.runtime.errors import TimedOut, passed_on
+from actors.worker.actor import ProfileWorker, SleepWorker, StepStatus, WakeWorker, WorkerRPC
 
 log = logging.getLogger("troupe.executor")
 
@@ -42,7 +43,7 @@ class WorkersUp(Msg):
     name: str
 
 
-ExecutorProtocol = SchedulerOutput | WorkersDown | WorkersUp | SleepWorker | WakeWorker | ProfileWorker
+ExecutorProtocol = SchedulerOutput | WorkersDown | WorkersUp | SleepWorker | WakeWorker | ProfileWorker | WorkerRPC
 
 STEP_TIMEOUT_S = 600.0
 SLEEP_TIMEOUT_S = 600.0         # a wake-up after level 2 reads the weights again
@@ -80,6 +81,14 @@ class Executor(Actor):
             case SleepWorker() | WakeWorker() | ProfileWorker():     # sleep mode, profiling: every rank alike
                 done = await asyncio.gather(*(w.ask(msg, timeout=SLEEP_TIMEOUT_S) for w in self.workers))
                 return all(done) if isinstance(msg, WakeWorker) else None
+            case WorkerRPC(timeout=timeout):            # collective_rpc: every rank's result, in rank order
+                try:
+                    return list(await asyncio.gather(*(w.ask(msg, timeout=timeout or SLEEP_TIMEOUT_S)
+                                                       for w in self.workers)))
+                except RemoteError as exc:
+                    raise passed_on(exc) from None
+                except TimeoutError as exc:
+                    raise TimedOut(f"a worker did not answer {msg.method} in time ({exc})") from None
             case WorkersDown():
                 self._up.clear()
             case WorkersUp(generation=generation, nodes=nodes, name=name):

@@ -28,6 +28,7 @@ from actors.scheduler.actor import (PAUSE_MODES, SLEEP_TIMEOUT_S, AbortRequests,
                                     PauseStatus, ProfileEngine, RemoveLoRA, ResumeScheduler, SleepEngine,
                                     WakeEngine)
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
+from actors.worker.actor import WorkerRPC
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
@@ -349,6 +350,24 @@ class EngineClient:
 
     async def is_sleeping(self) -> bool:
         return self.sleep_level is not None or await self.is_paused()
+
+    # -- vLLM's collective_rpc ---------------------------------------------------------------
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple | list = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Worker ``method`` (by name: reload_weights) on every worker; their results in rank
+        order. ValueError for an unknown method or what it refuses; TimeoutError past ``timeout``."""
+        if not isinstance(method, str):
+            raise ValueError("collective_rpc takes a worker method's name (Troupe's workers answer reload_weights)")
+        self._check_alive()
+        try:
+            return await self.engine.ask(WorkerRPC(method, list(args), dict(kwargs or {}), timeout),
+                                         timeout=(timeout or SLEEP_TIMEOUT_S) + 15)
+        except RemoteError as exc:
+            if exc.error_type == "Refused":
+                raise ValueError(exc.message) from None
+            if exc.error_type == "TimedOut":
+                raise TimeoutError(exc.message) from None
+            raise
 
     # -- profiling (vLLM's --profiler-config: /start_profile, /stop_profile) -------------------
     async def start_profile(self, prefix: str | None = None, delay_iterations: int | None = None,

@@ -11,6 +11,7 @@ started with VLLM_SERVER_DEV_MODE=1:
   GET  /is_sleeping                                   {"is_sleeping": bool}
   GET  /get_world_size?include_dp=true                {"world_size": n}  (ranks: tensor x pipeline [x data])
   GET  /server_info?config_format=text|json           {"vllm_config", "vllm_env", "system_env"}
+  POST /collective_rpc  {"method", "args", "kwargs", "timeout"}   {"results": [one per worker]}
 
 ``abort`` (the default) aborts every request, ``wait`` lets the running ones finish, ``keep``
 freezes every request where it is (they go on after /resume); requests that arrive while paused
@@ -194,9 +195,35 @@ def _system_env() -> dict[str, Any]:
     return {**info, "troupe_version": version()}
 
 
+async def collective_rpc(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's: a worker method by name on every worker (Troupe's: reload_weights); the results
+    in rank order, each a JSON object, list, null or its text."""
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"JSON decode error: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    method = body.get("method")
+    if method is None:
+        raise bad_request("Missing 'method' in request body", "method")
+    args, kwargs, timeout = body.get("args", []), body.get("kwargs", {}), body.get("timeout")
+    if (not isinstance(method, str) or not isinstance(args, list) or not isinstance(kwargs, dict)
+            or not (timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                        and timeout > 0))):
+        raise bad_request("method must be a string, args a list, kwargs an object and timeout a positive number")
+    try:
+        results = await server.engine().collective_rpc(method, timeout, args, kwargs)
+    except ValueError as exc:
+        raise bad_request(str(exc), "method") from None
+    except TimeoutError as exc:
+        raise ApiError(error_response(504, f"collective_rpc {method} timed out: {exc}")) from None
+    return _json({"results": [r if r is None or isinstance(r, (dict, list)) else str(r) for r in results]})
+
+
 PROFILE_ROUTES = [("POST", "/start_profile", start_profile), ("POST", "/stop_profile", stop_profile)]
 
 ROUTES = [("POST", "/pause", pause), ("POST", "/resume", resume), ("GET", "/is_paused", is_paused),
           ("POST", "/abort_requests", abort_requests), ("POST", "/sleep", sleep), ("POST", "/wake_up", wake_up),
           ("GET", "/is_sleeping", is_sleeping), ("GET", "/get_world_size", get_world_size),
-          ("GET", "/server_info", server_info)]
+          ("GET", "/server_info", server_info), ("POST", "/collective_rpc", collective_rpc)]

@@ -24,10 +24,12 @@ from actors.detokenizer.actor import EngineLost
 from actors.engine.messages import EngineCoreRequest
 from actors.frontend.stats import EngineStats
 from actors.frontend.streams import OutputStreams
-from actors.runtime import Actor, ActorRef, Msg
+from actors.runtime import Actor, ActorRef, Msg, RemoteError
+from actors.runtime.errors import passed_on
 from actors.scheduler.actor import (SLEEP_TIMEOUT_S, AbortRequests, AddRequest, GetPauseStatus, GrammarReady,
                                     PauseScheduler, PauseStatus, ProfileEngine, RemoveLoRA, ResumeScheduler,
                                     SleepEngine, WakeEngine)
+from actors.worker.actor import WorkerRPC
 
 AFFINITY_BLOCKS = 4            # the prompt prefix that keys affinity: its first blocks, at most this many
 AFFINITY_ENTRIES = 4096        # prefixes remembered (least recently used forgotten)
@@ -45,7 +47,8 @@ class EngineUp(Msg):
 
 
 RouterProtocol = (AddRequest | AbortRequests | GrammarReady | RemoveLoRA | EngineDown | EngineUp
-                  | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine)
+                  | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine
+                  | WorkerRPC)
 PAUSE_ASK_TIMEOUT_S = 30.0
 
 
@@ -115,6 +118,13 @@ class DataParallelRouter(Actor):
                 up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
                 each = await asyncio.gather(*(s.ask(msg, timeout=SLEEP_TIMEOUT_S) for s in up))
                 return all(each) if isinstance(msg, WakeEngine) else msg.level
+            case WorkerRPC(timeout=timeout):            # collective_rpc: every engine core's workers, in order
+                up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
+                try:
+                    each = await asyncio.gather(*(s.ask(msg, timeout=(timeout or SLEEP_TIMEOUT_S) + 10) for s in up))
+                except RemoteError as exc:
+                    raise passed_on(exc) from None
+                return [r for results in each for r in results]
             case ProfileEngine():                       # profiling: every engine core's workers
                 up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
                 await asyncio.gather(*(s.ask(msg, timeout=SLEEP_TIMEOUT_S) for s in up))

@@ -41,5 +41,25 @@ class RemoteError(ActorError):
         self.remote_traceback = traceback
 
 
+class Refused(Refusal):
+    """A request refused (bad input) by an actor further on, passed back through the actors
+    between (``passed_on``) as a refusal of theirs."""
+
+
+class TimedOut(Refusal):
+    """A request that an actor further on did not answer in time, passed back the same way."""
+
+
+def passed_on(exc: RemoteError) -> Exception:
+    """What an actor that passed a request on raises for the error its asker got: a refusal
+    (Refused) or a timeout (TimedOut) as its own refusal of the same kind and message (no
+    supervision), any other error as it is."""
+    if exc.error_type == "Refused":
+        return Refused(exc.message)
+    if exc.error_type in ("TimedOut", "AskTimeout"):
+        return TimedOut(exc.message)
+    return exc
+
+
 class ChildStartError(RuntimeError):
     """A child process (node) did not become ready: it exited, timed out, or said why it failed."""

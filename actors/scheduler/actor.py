@@ -36,10 +36,11 @@ from actors.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineC
 from actors.engine.sampling_params import StructuredOutputsParams
 from actors.grammar.actor import CompileGrammar
 from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteError
+from actors.runtime.errors import passed_on
 from actors.runtime.tracing import StepRecord, now_ns
 from actors.kv_manager.kv_events import KVEventBatch, ZmqEventPublisher
 from actors.scheduler.scheduler import PauseState, Scheduler
-from actors.worker.actor import ProfileWorker, SleepWorker, WakeWorker
+from actors.worker.actor import ProfileWorker, SleepWorker, WakeWorker, WorkerRPC
 
 log = logging.getLogger("troupe.scheduler")
 
@@ -132,7 +133,8 @@ class ProfileEngine(Msg):
 
 
 SchedulerProtocol = (AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady | RemoveLoRA
-                     | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine)
+                     | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine
+                     | WorkerRPC)
 
 STEP_TIMEOUT_S = 600.0
 SLEEP_TIMEOUT_S = 600.0          # a wake-up after level 2 reads the weights again
@@ -281,6 +283,14 @@ class SchedulerActor(Actor):
                 await self.executor.ask(SleepWorker(level), timeout=SLEEP_TIMEOUT_S)
                 self.sleep_level = level
                 return level
+            case WorkerRPC(timeout=timeout):
+                try:
+                    results = await self.executor.ask(msg, timeout=(timeout or SLEEP_TIMEOUT_S) + 5)
+                except RemoteError as exc:
+                    raise passed_on(exc) from None
+                if msg.method == "reload_weights":       # no new request reads keys of the old weights
+                    self.core.kv.reset_prefix_cache()
+                return results
             case ProfileEngine(start=start, prefix=prefix, delay_iterations=delay, max_iterations=limit):
                 await self.executor.ask(ProfileWorker(start, prefix, delay, limit), timeout=SLEEP_TIMEOUT_S)
             case WakeEngine(tags=tags):

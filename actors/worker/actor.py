@@ -22,6 +22,7 @@ from actors import topology
 from actors.engine.config import EngineConfig
 from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
 from actors.runtime import Actor, Msg, Node
+from actors.runtime.errors import Refused
 from actors.runtime.tracing import SpanRecord, Tracer
 
 if TYPE_CHECKING:
@@ -76,6 +77,17 @@ class ProfileWorker(Msg):
     max_iterations: int | None = None
 
 
+class WorkerRPC(Msg):
+    """vLLM's collective_rpc: a worker method by name (Worker.rpc; ``reload_weights``) with
+    JSON-like arguments. A worker's reply: the method's result; the executor's and the engine's:
+    every rank's, in rank order (with data parallelism, engine after engine)."""
+    reply_type: ClassVar[Any] = Any
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    timeout: float | None = None
+
+
 class StepResult(msgspec.Struct):
     ran: bool                                   # the worker ran the step asked about
     output: ModelRunnerOutput | None = None     # and this was its output
@@ -95,7 +107,7 @@ class StepOutOfOrder(RuntimeError):
 
 
 WorkerProtocol = (LoadModel | InitKVCache | ProfileStepCosts | SchedulerOutput | StepStatus | SleepWorker | WakeWorker
-                  | ProfileWorker)
+                  | ProfileWorker | WorkerRPC)
 
 T = TypeVar("T")
 
@@ -158,6 +170,11 @@ class WorkerActor(Actor):
                 return await self._on_core_thread(self._loaded().sleep, level)
             case WakeWorker(tags=tags):
                 return await self._on_core_thread(self._loaded().wake_up, tags)
+            case WorkerRPC(method=method, args=args, kwargs=kwargs):
+                try:
+                    return await self._on_core_thread(self._loaded().rpc, method, args, kwargs)
+                except (ValueError, TypeError) as exc:      # an unknown method or argument: the caller's
+                    raise Refused(str(exc)) from None
             case ProfileWorker(start=start, prefix=prefix, delay_iterations=delay, max_iterations=limit):
                 return await self._on_core_thread(self._loaded().profile, start, prefix, delay, limit)
 

@@ -8,9 +8,11 @@ pass measures what --gpu-memory-utilization leaves for the cache (``gpu_memory.p
 CUDA; ``execute_model`` runs one step. Pure: no asyncio, no transport."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from typing import Any
 
 import msgspec
 import torch
@@ -30,6 +32,7 @@ from kernels.attention.base import AttentionBackend
 from models.layers import calculate_kv_scales_on_next_batch
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
+from models.resolve import ModelSource, resolve_model
 from models.registry import Checkpoint, attention_requirements, build_model, open_checkpoint
 from models.pipeline_parallel import StageLink, split_stage
 from models.tensor_parallel import shard_model
@@ -322,6 +325,50 @@ class Worker:
                                                   [r for r in plan if r in computed]))
         return costs
 
+    # -- vLLM's collective_rpc: worker methods called by name -------------------------------------
+    def rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """``method`` (one of RPC_METHODS) with ``args`` and ``kwargs``; ValueError for another."""
+        if method not in RPC_METHODS:
+            raise ValueError(f"unknown worker method {method!r}: Troupe's workers answer "
+                             f"{', '.join(RPC_METHODS)}")
+        return getattr(self, method)(*args, **kwargs)
+
+    def reload_weights(self, weights_path: str | None = None, is_checkpoint_format: bool | str = True) -> None:
+        """vLLM's: the weights read again from the checkpoint, or from ``weights_path`` (a
+        checkpoint of the same architecture, a directory or a .gguf file, which the model then
+        comes from), packed or quantized as at start-up and copied into the model's own tensors,
+        so the KV cache, the running requests and the CUDA graphs stay. Tokens computed before
+        (the prefix cache's among them) keep the old weights' keys and values: an RL loop
+        pauses, reloads, resets the prefix cache and resumes."""
+        if str(is_checkpoint_format).strip().lower() not in ("true", "1"):
+            raise ValueError("reload_weights reads checkpoints only (is_checkpoint_format true)")
+        if self.config.lora is not None:
+            raise ValueError("reload_weights with --enable-lora is not supported (the adapters' slots "
+                             "are built around the loaded projections)")
+        if self.model is None or self.weights_asleep:
+            raise ValueError("reload_weights while the weights sleep: wake the engine up first")
+        old = self.config.model.source
+        source = old
+        if weights_path is not None:
+            try:
+                found = resolve_model(str(weights_path))
+            except ValueError as exc:
+                raise ValueError(f"reload_weights: {exc}") from None
+            source = ModelSource(found.kind, found.path, old.served_name, old.hf_overrides)
+        t0 = time.monotonic()
+        try:
+            fresh = self._load(open_checkpoint(source), self.attn_backend, self.config.model.quantization, source.path)
+        except OSError as exc:
+            raise ValueError(f"reload_weights: {source.path} could not be read ({exc})") from None
+        try:
+            n = copy_weights(self.model, fresh)
+        finally:
+            del fresh
+            heap.collect_all()
+            heap.started()
+        self.config = self.config.replace(model=msgspec.structs.replace(self.config.model, source=source))
+        log.info("reloaded %d weight tensors from %s in %.1f s", n, source.path, time.monotonic() - t0)
+
     # -- profiling (vLLM's --profiler-config: /start_profile, /stop_profile) --------------------
     def profile(self, start: bool, prefix: str | None = None, delay_iterations: int | None = None,
                 max_iterations: int | None = None) -> None:
@@ -377,6 +424,56 @@ class Worker:
         connector.wait_for_save()
         out.kv_connector_output = connector.get_finished()
         return out
+
+
+RPC_METHODS = ("reload_weights",)
+
+
+def copy_weights(model: torch.nn.Module, fresh: torch.nn.Module) -> int:
+    """Every tensor ``fresh`` holds (parameters, buffers, packed panels and scales: any tensor
+    attribute of its modules, alone or in a list) copied into the same tensor of ``model``, which
+    keeps its storage (what points at it stays valid: the native decode stack, CUDA graphs).
+    Checked whole before anything is copied: ValueError when the two differ in any module or
+    tensor. Returns how many tensors were copied."""
+    mine, theirs = dict(model.named_modules()), dict(fresh.named_modules())
+    if mine.keys() != theirs.keys():
+        extra = sorted(mine.keys() ^ theirs.keys())[:3]
+        raise ValueError(f"reload_weights: the checkpoint's model differs from the served one (modules {extra})")
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, module in mine.items():
+        a, b = _module_tensors(module), _module_tensors(theirs[name])
+        if a.keys() != b.keys():
+            raise ValueError(f"reload_weights: module {name or 'model'} holds other tensors in the checkpoint's model "
+                             f"({sorted(a.keys() ^ b.keys())[:3]})")
+        for key, t in a.items():
+            u = b[key]
+            if t.shape != u.shape or t.dtype != u.dtype:
+                raise ValueError(f"reload_weights: {name}.{key} is {tuple(u.shape)} {u.dtype} in the checkpoint, "
+                                 f"{tuple(t.shape)} {t.dtype} in the served model: not the same architecture")
+            pairs.append((t, u))
+    with torch.no_grad():
+        for t, u in pairs:
+            t.copy_(u)
+    return len(pairs)
+
+
+def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a module holds itself (not its submodules'), by attribute: list items as
+    attr[i], the fields of a packed weight (a dataclass: PanelWeight, IntWeights, ...) as attr.field."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in vars(module).items():
+        if key in ("_parameters", "_buffers"):
+            out.update((k, v) for k, v in value.items() if v is not None)
+        elif isinstance(value, torch.Tensor):
+            out[key] = value
+        elif isinstance(value, (list, tuple)):
+            out.update((f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                v = getattr(value, f.name)
+                if isinstance(v, torch.Tensor):
+                    out[f"{key}.{f.name}"] = v
+    return out
 
 
 def log_expert_placement(model: torch.nn.Module, rank: int) -> None:

@@ -281,3 +281,24 @@ def test_server_info_shows_the_resolved_config_the_environment_and_the_system_an
     assert info["system_env"]["torch_version"].startswith("2.") and info["system_env"]["troupe_version"]
     assert text.startswith("EngineConfig(") and "max_num_seqs=2" in text
     assert bad == 400 and sizes == [1, 1]
+
+
+def test_collective_rpc_reloads_the_weights_and_refuses_what_workers_do_not_answer(server):
+    async def run():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            before = await _text(s, server.url, BODY)
+            statuses = []
+            for body in ({"method": "execute_model"}, {"args": []}, {"method": "reload_weights", "kwargs": {"x": "1"}},
+                         {"method": "reload_weights", "kwargs": {"weights_path": "/nowhere"}},
+                         {"method": "reload_weights", "args": "x"}):
+                async with s.post(server.url + "/collective_rpc", json=body) as resp:
+                    statuses.append((resp.status, (await resp.json())["error"]["message"]))
+            async with s.post(server.url + "/collective_rpc", json={"method": "reload_weights"}) as resp:
+                assert resp.status == 200, await resp.text()
+                reloaded = await resp.json()
+            return before, statuses, reloaded, await _text(s, server.url, BODY)
+    before, statuses, reloaded, after = asyncio.run(run())
+    assert [s for s, _ in statuses] == [400] * 5
+    assert "unknown worker method 'execute_model'" in statuses[0][1] and "Missing 'method'" in statuses[1][1]
+    assert "unexpected keyword argument 'x'" in statuses[2][1] and "unknown model '/nowhere'" in statuses[3][1]
+    assert reloaded == {"results": [None]} and after == before      # the same weights read again
