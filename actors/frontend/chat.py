@@ -61,8 +61,9 @@ class ChatGeneration(Generation):
         return chat_logprobs(out.logprobs, self.token_text, self.top)
 
     def start_chunks(self) -> list[dict]:
+        usage = {"usage": self.usage()} if self.answer.continuous_usage else {}    # every chunk, the first too
         chunks = [self.chunk([{"index": c.index, "delta": {"role": self.role, "content": ""},
-                               "logprobs": None, "finish_reason": None}],
+                               "logprobs": None, "finish_reason": None}], **usage,
                              **({"prompt_token_ids": c.handle.prompt_token_ids} if self.answer.return_token_ids else {}))
                   for c in self.choices]
         if self.prompt_text is not None:

@@ -95,6 +95,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _chat_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    require(m.role.strip() != "", "role must be a non-empty string (system, developer, user, assistant, tool "
+            "or a role the chat template knows)", f"messages[{i}].role")
     if m.content is None and not (m.role == "assistant" and m.tool_calls):
         raise BadRequest(f"messages[{i}].content is required (a string or a list of text parts); "
                          "only an assistant message with tool_calls may leave it out or null",

@@ -95,7 +95,7 @@ class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """OpenAI's message; ``params.chat_messages`` checks what the types cannot (content is
     required but for an assistant's tool calls, each field on the roles that have it)."""
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str       # system, developer, user, assistant, tool, or a role of the template's own (vLLM's custom roles)
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None    # an assistant's calls

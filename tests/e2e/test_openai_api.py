@@ -139,6 +139,15 @@ def test_tokenize_and_detokenize_agree_with_usage(client, http, model):
     assert http.get("/tokenizer_info").status_code == 404     # only with --enable-tokenizer-info-endpoint
 
 
+def test_a_custom_role_reaches_the_chat_template_as_vllm_lets_it(client, http, model):
+    """vLLM's custom roles: a role the template knows (ChatML writes any) is rendered, not refused."""
+    messages = [{"role": "narrator", "content": "It was a dark night."}, *CAPITAL]
+    tok = http.post("/tokenize", json={"messages": messages, "return_token_strs": True}).json()
+    assert "narrator" in "".join(tok["token_strs"])
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    assert chat.usage.prompt_tokens == tok["count"]
+
+
 # -- chat ---------------------------------------------------------------------------------------
 def test_chat_plain_usage_and_request_id_header(client, http, model):
     resp = client.chat.completions.with_raw_response.create(
@@ -451,7 +460,8 @@ BAD_COMPLETIONS = [
 ]
 BAD_CHATS = [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": 7, "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "text": None}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
     ({"messages": CAPITAL, "top_logprobs": 2}, "top_logprobs"),
@@ -951,8 +961,8 @@ def test_use_beam_search_answers_n_beams_best_first(http):
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(http):
-    """vLLM's stream_options.continuous_usage_stats: every chunk after the role chunk carries the
-    usage so far, growing to the last one's."""
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far, growing
+    to the last one's (a chat's role chunk: no tokens yet)."""
     body = {"prompt": "One, two,", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     events = sse(http, "/v1/completions", body)
@@ -962,6 +972,10 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(http):
     assert all(e["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for e in chunks)
     plain = sse(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     assert all("usage" not in e for e in plain[:-1])
+    chat = sse(http, "/v1/chat/completions", {"messages": CAPITAL, "max_tokens": 2, "stream_options": body["stream_options"]})
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant"          # the role chunk carries it too, as vLLM's
+    assert chat[0]["usage"] == {"prompt_tokens": chat[-1]["usage"]["prompt_tokens"], "completion_tokens": 0,
+                                "total_tokens": chat[-1]["usage"]["prompt_tokens"]}
 
 
 def test_tokenize_renders_tools_as_the_chat_endpoint_does(http):
