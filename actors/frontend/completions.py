@@ -39,11 +39,13 @@ class CompletionGeneration(Generation):
 
     def __init__(self, request_id: str, model: str, choices: list[Choice], include_usage: bool,
                  answer: Answer, logprobs: int | None, echo_texts: list[str] | None,
-                 keep: int | None = None) -> None:
+                 keep: int | None = None, echo_only: bool = False) -> None:
         """``keep``: best_of, the choices per prompt to return, the most likely first (the
-        choices carry their sampled tokens' log-probs for that)."""
+        choices carry their sampled tokens' log-probs for that). ``echo_only``: each choice's
+        text is its prompt alone (the token computed after it is not shown)."""
         super().__init__(request_id, model, choices, include_usage, answer)
         self.echo = echo_texts is not None
+        self.echo_only = echo_only
         self.keep = keep
         for c in choices:
             builder = None if logprobs is None else CompletionLogprobs(answer.text_of, logprobs)
@@ -55,13 +57,16 @@ class CompletionGeneration(Generation):
         st: _ChoiceState = c.state
         if self.echo and not st.echoed and not (out.token_ids or out.finished):
             return None
-        text, lp = out.text, None
+        if self.echo_only and st.echoed:
+            return None
+        text, lp = ("" if self.echo_only else out.text), None
         if st.builder is not None:
             lp = st.builder.empty()
             if self.echo and not st.echoed:
                 st.builder.first_prompt_token(lp, c.handle.prompt_token_ids[0])
                 st.builder.add(lp, c.prompt_logprobs)
-            st.builder.add(lp, out.logprobs)
+            if not self.echo_only:
+                st.builder.add(lp, out.logprobs)
         if self.echo and not st.echoed:
             text = st.prompt_text + text
         st.echoed = True
@@ -149,6 +154,7 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest, arrival
     echo = bool(req.echo)
     priority = check_priority(req, client.config.scheduler.policy)
     if req.use_beam_search:
+        require(not req.echo_only, "echo with max_tokens 0 does not go with use_beam_search", "max_tokens")
         jobs = [{"prompt": p.text, "prompt_token_ids": p.token_ids, "priority": priority,
                  "add_special_tokens": req.add_special_tokens is not False, "cache_salt": cache_salt(req),
                  "lora_request": client.lora_request_for(req.model)} for p in prompts]
@@ -168,7 +174,8 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest, arrival
         stream_interval=req.stream_interval)
     echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
     gen = CompletionGeneration(rid, served_name(client, req.model), choices, include_usage, answer,
-                               params.num_logprobs, echo_texts, keep=n if sampled > n else None)
+                               params.num_logprobs, echo_texts, keep=n if sampled > n else None,
+                               echo_only=req.echo_only)
     return gen, stream
 
 

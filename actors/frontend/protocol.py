@@ -428,6 +428,11 @@ class CompletionRequest(GenerationRequest, kw_only=True):
     suffix: str | None = None        # OpenAI's: refused, as vLLM refuses it
     prompt_embeds: Any = None        # vLLM's: refused (prompts are text or token ids here)
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone is the answer (with its log-probs)."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def unserved(self) -> list[tuple[str, str]]:
         out = super().unserved()
         if self.suffix is not None:
@@ -439,13 +444,14 @@ class CompletionRequest(GenerationRequest, kw_only=True):
     def to_sampling_params(self, vocab_size: int, max_model_len: int) -> SamplingParams:
         """Unset max_tokens: OpenAI's 16 (vLLM's too, whatever the generation config says).
         With ``echo``, the prompt's log-probs too (``prompt_logprobs`` alternatives where given,
-        else ``logprobs``)."""
+        else ``logprobs``); with ``echo`` and max_tokens 0 (scoring a text: OpenAI's and vLLM's),
+        one token is computed and only the prompt is answered (``echo_only``)."""
         lp = self.logprobs
         if lp is not None:
             self.check_logprobs(lp, "logprobs", vocab_size)
         prompt_lp = self.requested_prompt_logprobs(vocab_size)
         return self._sampling_params(vocab_size, max_model_len,
-                                     or_default(self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS),
+                                     1 if self.echo_only else or_default(self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS),
                                      "max_tokens", lp, prompt_lp if prompt_lp is not None or not self.echo else lp)
 
 

@@ -338,6 +338,21 @@ def test_completion_logprobs_shape_and_echo(client, model):
     assert plain_echo.choices[0].text.startswith("The sky is") and plain_echo.choices[0].logprobs is None
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, http, model):
+    """OpenAI's and vLLM's way to score a text: echo, max_tokens 0: the prompt with its log-probs."""
+    scored = client.completions.create(model=model, prompt="The sky is", max_tokens=0, logprobs=1, echo=True)
+    c = scored.choices[0]
+    with_token = client.completions.create(model=model, prompt="The sky is", temperature=0, max_tokens=1,
+                                           logprobs=1, echo=True).choices[0]
+    assert c.text == "The sky is" and c.finish_reason == "length"
+    assert c.logprobs.tokens == ["The", " sky", " is"] and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(with_token.logprobs.token_logprobs[1:3], abs=1e-5)
+    events = sse(http, "/v1/completions", {"prompt": "The sky is", "max_tokens": 0, "echo": True})
+    assert stream_text(events) == "The sky is"
+    r = http.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"     # without echo: nothing to answer
+
+
 def test_streamed_echo_and_logprobs_match_plain(client, http, model):
     body = {"prompt": "The sky is", "temperature": 0, "max_tokens": 4, "logprobs": 1, "echo": True}
     plain = http.post("/v1/completions", json=body).json()["choices"][0]
