@@ -27,6 +27,7 @@ from actors.frontend.tls import TlsFiles
 from actors.frontend.tool_parsers import TOOL_PARSERS
 from actors.frontend.reasoning import REASONING_PARSERS
 from actors.grammar.config import structured_outputs_config
+from actors.engine import vllm_env
 from actors.engine.profiler import profiler_config
 from actors.runtime import heap, logs
 from actors.runtime.plugins import load_general_plugins
@@ -191,7 +192,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
         p.error("--enable-auto-tool-choice requires --tool-call-parser")
     args.api_key = tuple(args.api_key) if args.api_key else (
         (os.environ["VLLM_API_KEY"],) if os.environ.get("VLLM_API_KEY") else None)
-    args.log_level = (args.log_level or os.environ.get(logs.LEVEL_ENV) or "INFO").upper()
+    args.log_level = (args.log_level or os.environ.get(logs.LEVEL_ENV) or os.environ.get("VLLM_LOGGING_LEVEL")
+                      or "INFO").upper()
+    if args.log_config_file is None and os.environ.get("VLLM_LOGGING_CONFIG_PATH"):
+        args.log_config_file = os.environ["VLLM_LOGGING_CONFIG_PATH"]           # vLLM's variable
     if args.log_config_file is not None:
         try:
             logs.load_config(args.log_config_file)
@@ -222,6 +226,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
         args.reasoning_parser = named
     try:
         args.profiling = profiler_config(args.profiler_config).enabled
+        vllm_env.check()
     except ValueError as exc:
         p.error(str(exc))
     return args

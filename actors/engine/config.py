@@ -17,6 +17,7 @@ from typing import Literal
 
 import msgspec
 
+from actors.engine import vllm_env
 from actors.engine.compilation import CompilationConfig
 from actors.engine.lora import LoRAConfig
 from actors.grammar.config import StructuredOutputsConfig
@@ -237,6 +238,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             groups = with_draft_layers(groups, specs, model_kv_cache_specs(
                 draft_arch, self.cache.block_size, DTYPE_BYTES[cache_dtype]))
         kv_bytes = self.cache.kv_cache_memory_bytes
+        if device == "cpu" and vllm_env.cpu_kv_cache_bytes():      # vLLM's legacy setting wins, as there
+            kv_bytes = vllm_env.cpu_kv_cache_bytes()
+        if self.model.max_model_len > arch.max_model_len and not vllm_env.allow_long_max_model_len():
+            raise ValueError(f"User-specified max_model_len ({self.model.max_model_len}) is greater than the derived "
+                             f"max_model_len ({arch.max_model_len}, the model's context length). To allow overriding "
+                             "this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (with caution: positions "
+                             "past the model's training give it inputs it never saw)")
         if self.cache.num_blocks:
             num_blocks = self.cache.num_blocks
         elif kv_bytes or device != "cuda":
@@ -261,7 +269,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                                           draft_arch=draft_arch if self.model.draft_source is not None else None),
             cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
             device=msgspec.structs.replace(self.device, device=device, num_threads=self.device.num_threads or max(
-                1, cpu_count // (self.parallel.world_size * self.parallel.data_parallel_size))))
+                1, (cpu_count - vllm_env.reserved_cpus()) // (self.parallel.world_size
+                                                             * self.parallel.data_parallel_size))))
 
 
     @property

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import msgspec
 from aiohttp import web
 
+from actors.engine import vllm_env
 from actors.frontend.app import OpenAIServer
 from actors.frontend.tls import TlsFiles
 from actors.runtime import Actor, Msg
@@ -54,8 +55,10 @@ class HttpFrontend(Actor):
     async def started(self) -> None:
         # handler_cancellation: a client that disconnects cancels its handler, whose
         # ``finally`` aborts the engine requests (their KV blocks are freed)
+        keep_alive = vllm_env.http_keep_alive_s()      # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE
         self.runner = web.AppRunner(self.server.app(), access_log=None, shutdown_timeout=2.0,
-                                    handler_cancellation=True)
+                                    handler_cancellation=True,
+                                    **({"keepalive_timeout": keep_alive} if keep_alive is not None else {}))
         await self.runner.setup()
         if self.uds:
             site: web.BaseSite = web.UnixSite(self.runner, self.uds, ssl_context=self.ssl_context)

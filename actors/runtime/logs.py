@@ -32,11 +32,15 @@ def load_config(path: str) -> dict[str, Any]:
 
 def configure(node: str, level: str | None = None, force: bool = False) -> None:
     """Set up this process's logging as node ``node``: the configuration file when one is named
-    (``CONFIG_ENV``), else one line per record at ``level`` (``LEVEL_ENV`` when None, else INFO).
+    (``CONFIG_ENV``, or vLLM's VLLM_LOGGING_CONFIG_PATH), else one line per record at ``level``
+    (``LEVEL_ENV`` when None, else vLLM's VLLM_LOGGING_LEVEL, else INFO); nothing with vLLM's
+    VLLM_CONFIGURE_LOGGING=0.
     A file that cannot be used here (a Ray rank on a machine without it) falls back to the lines,
     saying why."""
-    level = (level or os.environ.get(LEVEL_ENV) or "INFO").upper()
-    path = os.environ.get(CONFIG_ENV)
+    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1").strip() == "0":
+        return                            # vLLM's: the application configures logging itself
+    level = (level or os.environ.get(LEVEL_ENV) or os.environ.get("VLLM_LOGGING_LEVEL") or "INFO").upper()
+    path = os.environ.get(CONFIG_ENV) or os.environ.get("VLLM_LOGGING_CONFIG_PATH")
     problem = None
     if path:
         try:

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
+from actors.engine import vllm_env
 from actors.engine.config import EngineConfig
 from actors.engine.profiler import check_prefix
 from actors.engine.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -57,6 +58,18 @@ class Worker:
                                      arch=ckpt.config, draft_arch=draft_ckpt.config if draft_ckpt else None)
         self.platform = platform_for(self.config.device.device)       # what the device runs, and how
         self.platform.check_dtypes(self.config.model.dtype, self.config.cache.cache_dtype)
+        cores = None
+        if self.config.device.device == "cpu":      # vLLM's VLLM_CPU_OMP_THREADS_BIND: this worker's cores
+            parallel = self.config.parallel
+            cores = vllm_env.bound_cores(parallel.data_parallel_rank * parallel.world_size
+                                         + pp_rank * parallel.tensor_parallel_size + tp_rank)
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+            if not config.device.num_threads:       # no --threads: a thread per core
+                self.config = self.config.replace(device=msgspec.structs.replace(self.config.device,
+                                                                                 num_threads=len(cores)))
+            log.info("bound to cores %s (VLLM_CPU_OMP_THREADS_BIND), %d threads", cores,
+                     self.config.device.num_threads)
         torch.set_num_threads(self.config.device.num_threads)
         torch.manual_seed(self.config.model.seed)
         self.device = torch.device(self.config.device.device)

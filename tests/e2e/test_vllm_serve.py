@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -29,7 +30,8 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 def server():
     # --threads 1 is Troupe's own: on a shared 2-core machine two spinning threads per step
     # make every step several times slower
-    s = Server(command=["tools.cli", "serve", *VLLM_COMMAND_LINE, "--port", str(free_port()), "--threads", "1"])
+    s = Server(command=["tools.cli", "serve", *VLLM_COMMAND_LINE, "--port", str(free_port()), "--threads", "1"],
+               env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
     yield s
     s.stop()
 
@@ -136,3 +138,16 @@ def test_an_unimplemented_vllm_flag_stops_the_command_at_once_with_one_line():
     assert r.stderr.splitlines() == [r.stderr.rstrip("\n")]
     assert r.stderr.startswith("troupe: error: --decode-context-parallel-size is a vLLM flag Troupe does not implement")
     assert time.monotonic() - t0 < 60          # refused before any model loads
+
+
+def test_vllm_environment_sets_the_keep_alive_and_the_log_level(server):
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE=1: an idle connection is closed after a second;
+    VLLM_LOGGING_LEVEL=WARNING: no INFO line in any process's log."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n")
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        t0 = time.monotonic()
+        assert conn.recv(4096) == b""                      # the server closed it
+        assert 0.5 < time.monotonic() - t0 < 5
+    assert not [line for line in server.lines if " INFO " in line]
