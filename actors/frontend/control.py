@@ -88,7 +88,8 @@ async def is_paused(server: OpenAIServer, request: web.Request) -> web.Response:
     return _json({"is_paused": await server.engine().is_paused()})
 
 
-async def abort_requests(server: OpenAIServer, request: web.Request) -> web.Response:
+async def _object_body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object ({} for an empty body); a 400 for anything else."""
     raw = await request.read()
     try:
         body = json.loads(raw) if raw.strip() else {}
@@ -96,6 +97,11 @@ async def abort_requests(server: OpenAIServer, request: web.Request) -> web.Resp
         raise bad_request("Invalid JSON format") from None
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object")
+    return body
+
+
+async def abort_requests(server: OpenAIServer, request: web.Request) -> web.Response:
+    body = await _object_body(request)
     ids = body.get("request_ids")
     if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
         raise bad_request("request_ids must be a list of strings", "request_ids")
@@ -136,13 +142,7 @@ async def is_sleeping(server: OpenAIServer, request: web.Request) -> web.Respons
 
 
 async def start_profile(server: OpenAIServer, request: web.Request) -> web.Response:
-    raw = await request.read()
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except (ValueError, UnicodeDecodeError):
-        raise bad_request("Invalid JSON format") from None
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object")
+    body = await _object_body(request)
     options = {k: body.get(k) for k in ("profile_prefix", "delay_iterations", "max_iterations")}
     for name in ("delay_iterations", "max_iterations"):
         value = options[name]
@@ -198,12 +198,7 @@ def _system_env() -> dict[str, Any]:
 async def collective_rpc(server: OpenAIServer, request: web.Request) -> web.Response:
     """vLLM's: a worker method by name on every worker (Troupe's: reload_weights); the results
     in rank order, each a JSON object, list, null or its text."""
-    try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"JSON decode error: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object")
+    body = await _object_body(request)
     method = body.get("method")
     if method is None:
         raise bad_request("Missing 'method' in request body", "method")
