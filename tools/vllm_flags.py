@@ -80,7 +80,7 @@ REFUSED: dict[str, str] = {
     "--prompt-adapters": _LORA, "--max-prompt-adapters": _LORA, "--max-prompt-adapter-token": _LORA,
     "--speculative-model": _SPEC, "--num-speculative-tokens": _SPEC,
     # the KV cache
-    "--swap-space": _KV, "--cpu-offload-gb": _KV, "--prefix-caching-hash-algo": _KV,
+    "--swap-space": _KV, "--cpu-offload-gb": _KV,
     "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _KV,
     "--mamba-ssm-cache-dtype": _KV, "--mamba-block-size": _KV,
     "--kv-offloading-size": _KV, "--kv-offloading-backend": _KV,

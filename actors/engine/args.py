@@ -23,6 +23,7 @@ from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.grammar.config import structured_outputs_config
 from actors.engine.profiler import profiler_config
+from actors.kv_manager.block_hash import HASH_ALGOS
 from actors.kv_manager.kv_events import kv_events_config
 from actors.kv_transfer.config import kv_transfer_config
 from actors.kv_transfer.factory import KVConnectorFactory
@@ -61,6 +62,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
     disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -157,7 +159,8 @@ class EngineArgs:
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               num_blocks=self.num_gpu_blocks_override, cache_dtype=self.kv_cache_dtype,
                               calculate_kv_scales=self.calculate_kv_scales,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              prefix_caching_hash_algo=self.prefix_caching_hash_algo),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
@@ -517,6 +520,13 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--enable-prefix-caching",), "enable_prefix_caching", dict(
             action=argparse.BooleanOptionalAction, default=d["enable_prefix_caching"],
             help="reuse the KV cache of prompt prefixes seen before (whole blocks)")),
+        (("--prefix-caching-hash-algo",), "prefix_caching_hash_algo", dict(
+            default=d["prefix_caching_hash_algo"], choices=HASH_ALGOS,
+            help="vLLM's: how the prefix cache hashes its blocks, as vLLM does, so KV events carry the hashes "
+                 "vLLM would: sha256 (pickle, then SHA-256), sha256_cbor (canonical CBOR, then SHA-256: "
+                 "reproducible from any language), xxhash, xxhash_cbor (faster, not collision resistant; "
+                 "the xxhash package); the first block's parent is the algorithm's hash of PYTHONHASHSEED, "
+                 "else of \"vllm-none-hash\" (xxhash: a random seed per process)")),
         (("--disable-hybrid-kv-cache-manager",), "disable_hybrid_kv_cache_manager", dict(
             action=argparse.BooleanOptionalAction, default=d["disable_hybrid_kv_cache_manager"],
             help="every layer holds a KV block for every token; by default the sliding-window layers of "

@@ -26,6 +26,7 @@ from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, group_size, kv_cache_groups,
                                              max_tokens_per_request, model_kv_cache_specs, num_blocks_for,
                                              stage_groups, with_draft_layers)
+from actors.kv_manager.block_hash import HASH_ALGOS
 from actors.kv_manager.kv_events import KVEventsConfig
 from actors.kv_transfer.config import KVTransferConfig
 from actors.spec_decode.config import SpeculativeConfig
@@ -101,6 +102,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     calculate_kv_scales: bool = False      # fp8: per-layer K/V scales from the first batch (else 1.0)
     enable_prefix_caching: bool = True
     num_blocks: int = 0                    # 0: as many as the KV cache's memory holds
+    prefix_caching_hash_algo: str = "sha256"   # vLLM's block hashes (actors/kv_manager/block_hash.py)
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -364,6 +366,7 @@ def check_config(cfg: EngineConfig) -> None:
     _one_of("device", cfg.device.device, DEVICES)
     _one_of("dtype", cfg.model.dtype, DTYPES)
     _one_of("kv_cache_dtype", cfg.cache.cache_dtype, KV_CACHE_DTYPES)
+    _one_of("prefix_caching_hash_algo", cfg.cache.prefix_caching_hash_algo, HASH_ALGOS)
     _one_of("scheduling_policy", cfg.scheduler.policy, SCHEDULING_POLICIES)
     _one_of("logprobs_mode", cfg.model.logprobs_mode, LOGPROBS_MODES)
     if cfg.model.quantization is not None:

@@ -1,50 +1,101 @@
-"""Chained block hashes for prefix caching.
+"""Chained block hashes for prefix caching, computed as vLLM computes them, so the hashes a KV
+event carries are the ones a vLLM instance would publish for the same tokens (a KV-aware router
+that hashes prompts itself finds Troupe's cached blocks).
 
-The hash of block i covers the whole prefix up to the end of block i: it hashes the parent's
-hash, the block's token ids and the block's extra keys (LoRA name on every block, the cache salt
-on the first block only). SHA-256 with a fixed seed for the first parent, so every process (and
-every node sharing a cache) computes the same hash for the same prefix.
+The hash of block i covers the whole prefix up to the end of block i: vLLM's ``--prefix-caching-
+hash-algo`` applied to ``(parent hash, the block's token ids as a tuple, its extra keys)``, the
+first block's parent being ``NONE_HASH``, the algorithm applied to a seed (PYTHONHASHSEED when
+set, else "vllm-none-hash"; xxhash's seed is random per process without PYTHONHASHSEED, as vLLM's:
+it is not collision resistant). The algorithms: ``sha256`` (pickle, then SHA-256: vLLM's default),
+``sha256_cbor`` (canonical CBOR, then SHA-256: reproducible from any language), ``xxhash`` and
+``xxhash_cbor`` (xxHash's 128-bit XXH3; the ``xxhash`` package). Extra keys, vLLM's: the LoRA
+adapter on every block (``("lora", name, path)``), the cache salt on the first block only
+(``("cache_salt", salt)``).
 """
 from __future__ import annotations
 
 import hashlib
-from typing import NewType, Sequence
+import os
+import pickle
+from typing import TYPE_CHECKING, Any, Callable, NewType, Sequence
 
-import msgspec
-import numpy as np
+if TYPE_CHECKING:
+    from actors.engine.lora import LoRARequest
 
 BlockHash = NewType("BlockHash", bytes)
 
-NONE_HASH = BlockHash(hashlib.sha256(b"troupe-prefix-cache-none-hash").digest())
-
-_encode = msgspec.msgpack.Encoder().encode
-
-
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
-                      extra_keys: tuple | None = None) -> BlockHash:
-    h = hashlib.sha256(parent or NONE_HASH)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    if extra_keys:
-        h.update(_encode(extra_keys))
-    return BlockHash(h.digest())
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+NONE_HASH_SEED = "vllm-none-hash"
 
 
-def block_extra_keys(block_index: int, lora_name: str | None, cache_salt: str | None) -> tuple | None:
+def _serializer(algo: str) -> Callable[[Any], bytes]:
+    if algo.endswith("_cbor"):
+        import cbor2
+        return lambda obj: cbor2.dumps(obj, canonical=True)
+    return lambda obj: pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _digest(algo: str) -> Callable[[bytes], bytes]:
+    if algo.startswith("xxhash"):
+        try:
+            import xxhash
+        except ImportError:
+            raise ValueError(f"--prefix-caching-hash-algo {algo} needs the xxhash package "
+                             "(pip install xxhash)") from None
+        return xxhash.xxh3_128_digest
+    return lambda data: hashlib.sha256(data).digest()
+
+
+class BlockHasher:
+    """One algorithm's block hashes (``algo``, one of HASH_ALGOS; ValueError for another)."""
+
+    def __init__(self, algo: str = "sha256") -> None:
+        if algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
+        self.algo = algo
+        serialize, digest = _serializer(algo), _digest(algo)
+        self.hash = lambda obj: digest(serialize(obj))
+        seed = os.environ.get("PYTHONHASHSEED")
+        if seed is None:
+            seed = os.urandom(32).hex() if algo.startswith("xxhash") else NONE_HASH_SEED
+        self.none_hash = BlockHash(self.hash(seed))
+
+    def __call__(self, parent: BlockHash | None, token_ids: Sequence[int],
+                 extra_keys: tuple | None = None) -> BlockHash:
+        return BlockHash(self.hash((parent or self.none_hash, tuple(token_ids), extra_keys)))
+
+
+DEFAULT_HASHER = BlockHasher()
+NONE_HASH = DEFAULT_HASHER.none_hash
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple | None = None,
+                      hasher: BlockHasher = DEFAULT_HASHER) -> BlockHash:
+    return hasher(parent, token_ids, extra_keys)
+
+
+def block_extra_keys(block_index: int, lora: LoRARequest | None, cache_salt: str | None) -> tuple | None:
+    """vLLM's extra keys of a block: its adapter's name and path, then the cache salt (first block)."""
     keys: list = []
-    if lora_name is not None:
-        keys.append(("lora", lora_name))
-    if cache_salt is not None and block_index == 0:
-        keys.append(("salt", cache_salt))
+    if lora is not None:
+        keys.append(("lora", lora.lora_name, lora.lora_path))
+    if cache_salt and block_index == 0:
+        keys.append(("cache_salt", cache_salt))
     return tuple(keys) or None
 
 
+def event_extra_keys(keys: tuple | None) -> tuple | None:
+    """A block's extra keys as vLLM's KV events show them: the bare adapter name and salt."""
+    return None if keys is None else tuple(k[1] for k in keys)
+
+
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        lora_name: str | None = None, cache_salt: str | None = None) -> None:
+                        lora: LoRARequest | None = None, cache_salt: str | None = None,
+                        hasher: BlockHasher = DEFAULT_HASHER) -> None:
     """Append the hashes of the blocks of ``token_ids`` that became full since the last call."""
     start = len(hashes) * block_size
     while start + block_size <= len(token_ids):
         i = len(hashes)
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, token_ids[start:start + block_size],
-                                        block_extra_keys(i, lora_name, cache_salt)))
+        hashes.append(hasher(parent, token_ids[start:start + block_size], block_extra_keys(i, lora, cache_salt)))
         start += block_size

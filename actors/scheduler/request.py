@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from actors.kv_manager.block_hash import BlockHash, extend_block_hashes
+from actors.kv_manager.block_hash import DEFAULT_HASHER, BlockHash, BlockHasher, extend_block_hashes
 from actors.engine.lora import LoRARequest
 from actors.engine.messages import EngineCoreRequest
 from actors.engine.sampling_params import SamplingParams
@@ -53,6 +53,7 @@ class Request:
     block_size: int = 0               # for block hashes; 0 = no hashing
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None   # its adapter (None: the base model)
+    hasher: BlockHasher = DEFAULT_HASHER      # --prefix-caching-hash-algo's
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -88,9 +89,10 @@ class Request:
         self._update_block_hashes()
 
     @classmethod
-    def from_engine_request(cls, r: EngineCoreRequest, block_size: int = 0) -> Request:
+    def from_engine_request(cls, r: EngineCoreRequest, block_size: int = 0,
+                            hasher: BlockHasher = DEFAULT_HASHER) -> Request:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.arrival_time,
-                   tuple(r.eos_token_ids), r.priority, block_size, r.cache_salt, r.lora_request)
+                   tuple(r.eos_token_ids), r.priority, block_size, r.cache_salt, r.lora_request, hasher)
 
     @property
     def num_tokens(self) -> int:
@@ -116,4 +118,4 @@ class Request:
     def _update_block_hashes(self) -> None:
         if self.block_size:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
-                                self.lora_name, self.cache_salt)
+                                self.lora_request, self.cache_salt, self.hasher)

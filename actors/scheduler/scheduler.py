@@ -63,7 +63,7 @@ from actors.engine.messages import (CachedRequestData, EngineCoreOutput, EngineC
 from actors.grammar.compiler import GrammarError
 from actors.scheduler.cost_model import AUTO_CHUNK_COST, StepCostModel, attention_pairs
 from actors.grammar.matchers import StructuredOutputs
-from actors.kv_manager.block_hash import block_extra_keys
+from actors.kv_manager.block_hash import BlockHasher, block_extra_keys, event_extra_keys
 from actors.kv_manager.kv_events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
                                          external_hash)
 from actors.kv_manager.manager import KVCacheManager
@@ -134,6 +134,7 @@ class Scheduler:
         self.structured = structured
         self.awaiting_grammar: dict[str, Request] = {}    # WAITING_FOR_GRAMMAR, out of the queue
         self.block_size = config.cache.block_size
+        self.hasher = BlockHasher(config.cache.prefix_caching_hash_algo)     # the prefix cache's block hashes
         self.enable_prefix_caching = config.cache.enable_prefix_caching
         self.max_model_len = config.model.max_model_len      # a request alone always fits
         self.kv = kv
@@ -186,7 +187,7 @@ class Scheduler:
             return EngineCoreOutput(r.request_id, [], "error", error="LoRA adapters are not enabled (--enable-lora)")
         # block hashes: the prefix cache's, and a KV connector's (vLLM's rule: either needs them)
         hashed = self.enable_prefix_caching or self.connector is not None
-        req = Request.from_engine_request(r, self.block_size if hashed else 0)
+        req = Request.from_engine_request(r, self.block_size if hashed else 0, self.hasher)
         spec = r.sampling_params.structured_outputs
         if spec is not None:
             if self.structured is None:
@@ -309,12 +310,12 @@ class Scheduler:
                 parent = req.block_hashes[first - 1] if req is not None and first > 0 else None
                 lora = req.lora_request if req is not None else None
                 tokens = req.all_token_ids[first * bs:(first + len(hashes)) * bs] if req is not None else []
-                keys = [block_extra_keys(first + i, lora.lora_name if lora else None,
-                                         req.cache_salt if req is not None else None) for i in range(len(hashes))]
+                keys = [block_extra_keys(first + i, lora, req.cache_salt if req is not None else None)
+                        for i in range(len(hashes))]
                 self._kv_events.append(BlockStored(
                     [external_hash(h) for h in hashes], None if parent is None else external_hash(parent),
                     tokens, bs, lora.lora_int_id if lora else None, MEDIUM_GPU, lora.lora_name if lora else None,
-                    extra_keys=[tuple(v for _, v in k) if k else None for k in keys] if any(keys) else None,
+                    extra_keys=[event_extra_keys(k) for k in keys] if any(keys) else None,
                     group_idx=group))
             elif note[0] == "removed":
                 self._kv_events.append(BlockRemoved([external_hash(note[1])], MEDIUM_GPU, group_idx=note[2]))
