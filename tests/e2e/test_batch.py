@@ -1,7 +1,7 @@
-"""``python -m tools.batch`` on a 200-line OpenAI batch file, as a user runs it: every line gets
+"""``python -m tools.batch`` on a 100-line OpenAI batch file, as a user runs it: every line gets
 one output line; chat, completions, streaming flags (ignored), a structured-output request and
 bad lines side by side; the bodies are those the server answers for the same bodies (greedy);
-a run of 96 requests killed a quarter of the way and rerun with ``--resume`` holds each custom id
+a run of 48 requests killed a quarter of the way and rerun with ``--resume`` holds each custom id
 exactly once."""
 from __future__ import annotations
 
@@ -24,14 +24,15 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
                                           "population": {"type": "integer", "maximum": 99999999}},
           "required": ["city", "population"]}
+GOOD = 92                  # lines that run, then 8 more: a structured output and seven that cannot run
 TOPICS = ["the sea", "a cat", "Paris", "winter", "music", "a robot", "the moon", "bread"]
 
 
 def batch_lines() -> list[str]:
-    """200 lines: chat, completions (text and token-id prompts) and responses, some asking to
+    """100 lines: chat, completions (text and token-id prompts) and responses, some asking to
     stream, one structured output, and seven that cannot run."""
     lines = []
-    for i in range(192):
+    for i in range(GOOD):
         topic = TOPICS[i % len(TOPICS)]
         if i % 2 == 0:
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"Say one thing about {topic}."}],
@@ -64,7 +65,7 @@ def batch_lines() -> list[str]:
                              "body": {"model": MODEL, "prompt": "x", "temperature": -1}}))
     lines.append(json.dumps({"custom_id": "bad-model", "method": "POST", "url": "/v1/completions",
                              "body": {"model": "no-such-model", "prompt": "x"}}))
-    assert len(lines) == 200
+    assert len(lines) == GOOD + 8
     return lines
 
 
@@ -112,16 +113,16 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 def test_every_line_gets_one_output_line(results):
     records, summary = results
-    assert len(records) == 200
+    assert len(records) == GOOD + 8
     ids = [r["custom_id"] for r in records if r["custom_id"] is not None]
-    assert len(ids) == len(set(ids)) == 197          # three lines have no custom id to give back
+    assert len(ids) == len(set(ids)) == GOOD + 5     # three lines have no custom id to give back
     assert all(r["id"].startswith("batch_req_") for r in records)
-    assert summary["requests"] == 200 and summary["not_run"] == 0
+    assert summary["requests"] == GOOD + 8 and summary["not_run"] == 0
 
 
 def test_good_lines_are_answered_and_stream_flags_ignored(results):
     by_id = {r["custom_id"]: r for r in results[0]}
-    for i in range(192):
+    for i in range(GOOD):
         rec = by_id[f"req-{i}"]
         assert rec["error"] is None
         response = rec["response"]
@@ -145,7 +146,7 @@ def test_structured_output_line_follows_its_schema(results):
 def test_bad_lines_become_error_records_and_the_run_goes_on(results):
     records = results[0]
     unreadable = sorted((r["error"]["line"], r["error"]["code"]) for r in records if r["custom_id"] is None)
-    assert unreadable == [(194, "invalid_json"), (195, "invalid_request"), (196, "missing_custom_id")]
+    assert unreadable == [(GOOD + 2, "invalid_json"), (GOOD + 3, "invalid_request"), (GOOD + 4, "missing_custom_id")]
     by_id = {r["custom_id"]: r for r in records}
     assert by_id["bad-url"]["error"]["code"] == "invalid_url" and by_id["bad-url"]["response"] is None
     assert by_id["bad-method"]["error"]["code"] == "invalid_method"
