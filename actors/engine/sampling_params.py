@@ -20,21 +20,24 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, frozen=True):
     """vLLM's structured outputs: exactly one of these constrains what the request generates.
     ``json``: a JSON schema as JSON text; ``json_object``: any JSON object; ``regex``: a regular
     expression the whole output matches; ``choice``: one of these strings; ``grammar``: an EBNF
-    (xgrammar's, as GBNF) or Lark grammar."""
+    (xgrammar's, as GBNF) or Lark grammar; ``structural_tag``: vLLM's structural tag as JSON text
+    (free text in which each tag's content, once a trigger begins it, follows its schema)."""
     json: str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
 
     def kind(self) -> str:
         """Which constraint it is; ValueError unless exactly one is set."""
         kinds = [name for name, on in (("json", self.json is not None), ("json_object", self.json_object),
                                        ("regex", self.regex is not None), ("choice", self.choice is not None),
-                                       ("grammar", self.grammar is not None)) if on]
+                                       ("grammar", self.grammar is not None),
+                                       ("structural_tag", self.structural_tag is not None)) if on]
         if len(kinds) != 1:
-            raise ValueError(f"give exactly one of json, json_object, regex, choice and grammar, got "
-                             f"{', '.join(kinds) or 'none'}")
+            raise ValueError(f"give exactly one of json, json_object, regex, choice, grammar and structural_tag, "
+                             f"got {', '.join(kinds) or 'none'}")
         return kinds[0]
 
 

@@ -1,6 +1,7 @@
 """The request fields that ask for structured outputs, with vLLM's names: OpenAI's
-``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` object
-(``json``, ``regex``, ``choice``, ``grammar``, ``json_object``), and its older ``guided_json``,
+``response_format`` (``json_object``, ``json_schema``, and vLLM's ``structural_tag``), vLLM's
+``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
+``structural_tag``), and its older ``guided_json``,
 ``guided_regex``, ``guided_choice`` and ``guided_grammar`` aliases. At most one of them may be
 set; it becomes the engine's StructuredOutputsParams (compiled, and refused if it cannot be, by
 the engine's GrammarCompiler before the request is admitted)."""
@@ -22,8 +23,12 @@ class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 
 class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag, vLLM's two forms: structures ({"begin", "schema", "end"}) with triggers, or a format
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: Any = None
 
 
 class StructuredOutputsRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -32,6 +37,7 @@ class StructuredOutputsRequest(msgspec.Struct, forbid_unknown_fields=True, kw_on
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None       # vLLM's: the structural tag as JSON text
 
 
 class StructuredOutputsFields(msgspec.Struct, kw_only=True):
@@ -72,6 +78,15 @@ def _response_format(rf: ResponseFormat | None) -> Constraint | None:
         return None
     if rf.type == "json_object":
         return Constraint(StructuredOutputsParams(json_object=True), "response_format")
+    if rf.type == "structural_tag":
+        if rf.format is not None and rf.structures is None and rf.triggers is None:
+            tag: dict[str, Any] = {"type": "structural_tag", "format": rf.format}
+        elif rf.format is None and rf.structures is not None and rf.triggers is not None:
+            tag = {"type": "structural_tag", "structures": rf.structures, "triggers": rf.triggers}
+        else:
+            raise NotStructured("Invalid response_format structural_tag specification: give structures and "
+                                "triggers, or a format", "response_format")
+        return Constraint(StructuredOutputsParams(structural_tag=json.dumps(tag)), "response_format")
     if rf.json_schema is None:
         raise NotStructured("response_format of type json_schema needs json_schema", "response_format")
     schema = rf.json_schema.schema
@@ -83,11 +98,11 @@ def _response_format(rf: ResponseFormat | None) -> Constraint | None:
 def _structured(so: StructuredOutputsRequest | None) -> Constraint | None:
     if so is None:
         return None
-    kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(so, k) is not None]
+    kinds = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(so, k) is not None]
     kinds += ["json_object"] if so.json_object else []
     if len(kinds) != 1:
-        raise NotStructured(f"structured_outputs takes exactly one of json, json_object, regex, choice and "
-                            f"grammar, got {', '.join(kinds) or 'none'}", "structured_outputs")
+        raise NotStructured(f"structured_outputs takes exactly one of json, json_object, regex, choice, grammar "
+                            f"and structural_tag, got {', '.join(kinds) or 'none'}", "structured_outputs")
     return Constraint(_params(kinds[0], getattr(so, kinds[0])), "structured_outputs")
 
 

@@ -22,7 +22,7 @@ class GrammarError(ValueError):
 
 
 class GrammarKey(NamedTuple):
-    kind: str        # "json" | "regex" | "grammar" | "lark"
+    kind: str        # "json" | "regex" | "grammar" | "lark" | "structural_tag"
     text: str        # canonical: a JSON schema re-serialized compactly, choices as EBNF
 
 
@@ -49,7 +49,31 @@ def grammar_key(spec: StructuredOutputsParams) -> GrammarKey:
         if not spec.choice:
             raise GrammarError("choice must list at least one string")
         return GrammarKey("grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+    if kind == "structural_tag":
+        return GrammarKey("structural_tag", _structural_tag_text(spec.structural_tag))
     return GrammarKey("grammar" if "::=" in spec.grammar else "lark", spec.grammar)
+
+
+def _structural_tag_text(text: str) -> str:
+    """A structural tag checked for its shape (vLLM's two: {"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}, or xgrammar's {"format": {...}}) and re-serialized compactly."""
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"the structural tag is not valid JSON: {exc}") from None
+    if not isinstance(tag, dict):
+        raise GrammarError("a structural tag is a JSON object")
+    if "structures" in tag:
+        structures, triggers = tag.get("structures"), tag.get("triggers")
+        if (not isinstance(structures, list) or not isinstance(triggers, list)
+                or not all(isinstance(t, str) for t in triggers)
+                or not all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                           and isinstance(s.get("schema", {}), (dict, bool)) for s in structures)):
+            raise GrammarError("a structural tag's structures are objects with begin, schema and end, "
+                               "and its triggers a list of strings")
+    elif "format" not in tag:
+        raise GrammarError("a structural tag has either structures and triggers, or a format")
+    return json.dumps(tag, separators=(",", ":"), ensure_ascii=False)
 
 
 class GrammarCache:
@@ -100,7 +124,19 @@ class GrammarCache:
             return self._compiler
 
 
+def _compile_structural_tag(compiler: Any, text: str) -> Any:
+    """vLLM's way: the legacy form as xgrammar's StructuralTagItems and triggers, the other as it is."""
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(text)
+    import xgrammar
+    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+             for s in tag["structures"]]
+    return compiler.compile_structural_tag(items, tag["triggers"])
+
+
 _COMPILE: dict[str, Callable[[Any, str], Any]] = {
+    "structural_tag": _compile_structural_tag,
     "regex": lambda c, text: c.compile_regex(text),
     "grammar": lambda c, text: c.compile_grammar(text),
     "lark": lambda c, text: c.compile_lark(text),

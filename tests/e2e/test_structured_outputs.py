@@ -78,6 +78,35 @@ def test_regex_choice_and_json_object_outputs_hold(client):
     assert grammar.choices[0].finish_reason == "stop"
 
 
+def test_structural_tags_in_vllms_two_forms_constrain_what_follows_a_tag(client):
+    """vLLM's structural tags: xgrammar's form (a tag whose content is a JSON schema: the whole
+    output is the tag around a valid object) and the legacy form (free text, each structure's
+    schema enforced once its trigger begins it)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    tag = {"type": "tag", "begin": "<weather>", "content": {"type": "json_schema", "json_schema": schema},
+           "end": "</weather>"}
+    legacy = {"type": "structural_tag", "triggers": ["<function="],
+              "structures": [{"begin": "<function=get_weather>", "schema": schema, "end": "</function>"}]}
+
+    async def main():
+        async with client() as c:
+            whole = await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "The weather in Paris?"}], max_tokens=40,
+                temperature=0, response_format={"type": "structural_tag", "format": tag})
+            free = await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0,
+                response_format=legacy)
+            plain = await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0)
+            return whole, free, plain
+    whole, free, plain = asyncio.run(main())
+    text = whole.choices[0].message.content
+    assert text.startswith("<weather>") and text.endswith("</weather>"), text
+    jsonschema.validate(json.loads(text[len("<weather>"):-len("</weather>")]), schema)
+    assert free.choices[0].message.content == plain.choices[0].message.content     # no trigger: free text
+
+
 def test_streamed_and_plain_constrained_answers_agree(server, client):
     schema = schemas()[1]
     fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
@@ -128,6 +157,9 @@ def test_free_requests_beside_constrained_ones_get_the_tokens_they_get_alone(cli
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "parenthesis"),
     ({"guided_grammar": 'root ::= "a" |'}, "guided_grammar", "EBNF"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f>"]}}, "response_format", "structures and triggers"),
+    ({"structured_outputs": {"structural_tag": '{"type": "structural_tag", "format": {"type": "bogus"}}'}},
+     "structured_outputs", "bogus"),
 ])
 def test_a_spec_that_cannot_compile_is_a_400_and_the_server_serves_on(client, extra, param, message):
     async def main():
