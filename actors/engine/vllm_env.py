@@ -80,8 +80,12 @@ def check() -> None:
     cpu_kv_cache_bytes(), reserved_cpus(), http_keep_alive_s()
     text = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto").strip()
     if text not in ("", "auto", "nobind"):
+        usable = os.sched_getaffinity(0)
         for spec in text.split("|"):
-            parse_cores(spec, text)
+            missing = sorted(set(parse_cores(spec, text)) - usable)
+            if missing:
+                raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={text!r} names core(s) {missing} this machine does not "
+                                 f"let the server run on (it may use {sorted(usable)})")
 
 
 def parse_cores(spec: str, whole: str | None = None) -> list[int]:

@@ -63,6 +63,7 @@ def test_threads_bind_gives_each_worker_its_cores(monkeypatch):
 @pytest.mark.parametrize("name, value, message", [
     ("VLLM_CPU_OMP_THREADS_BIND", "0-x", "cores are given as 0-3,6"),
     ("VLLM_CPU_OMP_THREADS_BIND", "3-1", "cores are given as 0-3,6"),
+    ("VLLM_CPU_OMP_THREADS_BIND", "0|4096", "core(s) [4096] this machine does not"),
     ("VLLM_CPU_NUM_OF_RESERVED_CPU", "-1", "at least 0"),
     ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "soon", "a number of seconds"),
 ])
