@@ -393,8 +393,9 @@ class EngineClient:
                                   timeout=SLEEP_TIMEOUT_S)
             # in one process (offline, not multiprocess) the worker's recorder sees it all already
             if config.profiles_frontend and self.config.parallel.multiprocess:
-                from actors.worker.profiler import frontend_name, frontend_profiler
+                from actors.worker.profiler import frontend_name, frontend_profiler, warm_up
                 if self._frontend_profiler is None:
+                    warm_up()                      # on the event loop's thread, which loads torch here
                     self._frontend_profiler = frontend_profiler(config)
                 await asyncio.to_thread(self._frontend_profiler.start, frontend_name(prefix))
         except BaseException:

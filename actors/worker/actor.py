@@ -176,6 +176,9 @@ class WorkerActor(Actor):
                 except (ValueError, TypeError) as exc:      # an unknown method or argument: the caller's
                     raise Refused(str(exc)) from None
             case ProfileWorker(start=start, prefix=prefix, delay_iterations=delay, max_iterations=limit):
+                if start and self._loaded().config.profiler.profiler == "torch":
+                    from actors.worker.profiler import warm_up
+                    warm_up()                      # here, on the thread that loaded torch
                 return await self._on_core_thread(self._loaded().profile, start, prefix, delay, limit)
 
     def _loaded(self) -> Worker:

@@ -32,6 +32,21 @@ except ImportError:
     pass
 
 
+_warm = False
+
+
+def warm_up() -> None:
+    """One empty session, once, on the thread that loaded torch: Kineto (torch's profiler
+    library) wants its first session there, and a session first started on another thread (a
+    worker's core thread) makes it print an alarming, harmless "ERROR: External init callback"
+    line."""
+    global _warm
+    if not _warm:
+        _warm = True
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            pass
+
+
 class StepProfiler:
     """One process's recorder. ``kind`` "torch": torch.profiler, the trace written by
     ``tensorboard_trace_handler`` as ``<name>.<id>.pt.trace.json[.gz]`` and the operator table as
@@ -153,15 +168,45 @@ class StepProfiler:
         cpu_only = self.activities == ("CPU",)
         if not (device or cpu_only):
             return
-        averages = self._profile.key_averages(group_by_input_shape=self.config.torch_profiler_record_shapes)
-        if not len(averages):
-            return
-        table = (averages.table(sort_by="self_device_time_total") if device
-                 else averages.table(sort_by="self_cpu_time_total", row_limit=TABLE_ROWS))
+        try:
+            averages = self._profile.key_averages(group_by_input_shape=self.config.torch_profiler_record_shapes)
+            if not len(averages):
+                return
+            table = (averages.table(sort_by="self_device_time_total") if device
+                     else averages.table(sort_by="self_cpu_time_total", row_limit=TABLE_ROWS))
+        except UnicodeDecodeError as exc:
+            # torch keeps the names of functions whose code was freed before it reads them (a module
+            # imported during the session): its table fails; the trace file, written by itself, is whole
+            log.warning("torch's operator table could not be built (%s): the table is the trace's totals", exc)
+            table = trace_table(self.config.torch_profiler_dir, self.name)
         with open(os.path.join(self.config.torch_profiler_dir, f"{self.name}.profiler_out.txt"), "w") as f:
             print(table, file=f)
         if self.print_table:
             print(table, flush=True)
+
+
+def trace_table(folder: str, name: str, rows: int = TABLE_ROWS) -> str:
+    """The newest trace of ``name`` in ``folder`` as a table: each event name's calls and total
+    time, the longest first."""
+    import glob
+    import gzip
+    import json
+    paths = sorted(glob.glob(os.path.join(folder, f"{name}.*.pt.trace.json*")), key=os.path.getmtime)
+    if not paths:
+        return "no trace was written"
+    opener = gzip.open if paths[-1].endswith(".gz") else open
+    with opener(paths[-1], "rt", encoding="utf-8", errors="replace") as f:
+        events = json.load(f).get("traceEvents", [])
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            t = totals.setdefault(str(e.get("name")), [0, 0.0])
+            t[0] += 1
+            t[1] += float(e.get("dur", 0))
+    lines = [f"{'Name':<90} {'Calls':>8} {'Total (ms)':>12}"]
+    for n, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:rows]:
+        lines.append(f"{n[:90]:<90} {calls:>8} {us / 1000:>12.3f}")
+    return "\n".join(lines)
 
 
 def worker_profiler(config: ProfilerConfig, name: str, device: str, first_rank: bool) -> StepProfiler:

@@ -129,3 +129,21 @@ def test_the_cuda_profiler_and_cuda_activities_need_a_gpu():
     with pytest.raises(ValueError, match="CUDA needs a CUDA device"):
         worker_profiler(profiler_config({"profiler": "torch", "torch_profiler_dir": "/t",
                                          "torch_profiler_activities": ["CUDA"]}), "w", "cpu", True)
+
+
+def test_when_torchs_table_cannot_be_read_the_table_is_the_traces_totals(tmp_path, monkeypatch):
+    """torch reads back names of functions whose code was freed (a module imported mid-session)
+    and its table fails on them: the table then comes from the trace, which is whole."""
+    config = profiler_config({"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_with_stack": False})
+    profiler = worker_profiler(config, "w", "cpu", first_rank=False)
+    profiler.start("broken")
+
+    def unreadable(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xa0", 0, 1, "invalid start byte")
+    monkeypatch.setattr(profiler._profile, "key_averages", unreadable)
+    _run_steps(profiler, 3)
+    profiler.stop()
+    table = (tmp_path / "broken.profiler_out.txt").read_text()
+    assert table.startswith("Name") and "execute_context_0(0)_generation_1(1)" in table
+    row = next(line for line in table.splitlines() if line.startswith("execute_context_0(0)_generation_1(1)"))
+    assert row.split()[-2] == "3"             # the three steps
