@@ -446,6 +446,9 @@ class TroupeConnector(KVConnectorBase):
 
     def shutdown(self) -> None:
         self._closed.set()
+        pool = getattr(self, "_pool", None)     # worker side: its idle load threads end now
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         for name in ("_server", "_heartbeats"):
             thread = getattr(self, name, None)
             if thread is not None and thread is not threading.current_thread():

@@ -113,6 +113,7 @@ T = TypeVar("T")
 
 LOAD_TIMEOUT_S = 600.0
 PROFILE_STOP_S = 60.0            # writing an open profiling session's trace when the worker stops
+CONNECTOR_STOP_S = 5.0          # a KV connector's threads and agents, when the worker stops
 RECENT_STEPS = 8                 # outputs kept for StepStatus (async scheduling keeps two in flight)
 
 
@@ -131,6 +132,11 @@ class WorkerActor(Actor):
                 await asyncio.wait_for(self._on_core_thread(self.core.profiler.stop), PROFILE_STOP_S)
             except Exception as exc:               # noqa: BLE001 -- stopping goes on regardless
                 log.warning("the profiling session's trace was not written: %s", exc)
+        if self.core is not None and self.core.kv_connector is not None:
+            try:                                   # after the step under way: its threads end
+                await asyncio.wait_for(self._on_core_thread(self.core.kv_connector.shutdown), CONNECTOR_STOP_S)
+            except Exception as exc:               # noqa: BLE001 -- stopping goes on regardless
+                log.warning("the KV connector did not shut down: %s", exc)
         self._thread.shutdown(wait=False)          # a step under way finishes; nothing new starts
 
     async def _on_core_thread(self, fn: Callable[..., T], *args: Any) -> T:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -36,24 +37,51 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a poem about 
 TOKENS = [12, 12, 48]
 
 # what the cluster holds, seen by a driver of its own (in a process of its own, so the test
-# process never joins the cluster)
+# process never joins the cluster), printed as a line each time a line is sent to it
 STATE = """
 import json, sys, ray
 from ray._private.state import actors
 from ray.util.placement_group import placement_group_table
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-alive = {a["Name"]: a["Pid"] for a in actors().values() if a["State"] == "ALIVE" and a["Name"] in named}
-groups = {g["name"]: g["state"] for g in placement_group_table().values()}
-print(json.dumps({"actors": alive, "groups": groups}))
+for _ in sys.stdin:
+    named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    alive = {a["Name"]: a["Pid"] for a in actors().values() if a["State"] == "ALIVE" and a["Name"] in named}
+    groups = {g["name"]: g["state"] for g in placement_group_table().values()}
+    print(json.dumps({"actors": alive, "groups": groups}), flush=True)
 """
+_views: dict[str, subprocess.Popen] = {}
 
 
-def cluster_state(address: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", STATE, address], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def cluster_state(address: str, timeout: float = 120.0) -> dict:
+    """What the cluster at ``address`` holds now: its named actors alive (name -> pid) and its
+    placement groups (name -> state), asked of the one driver process kept for the cluster."""
+    view = _views.get(address)
+    if view is None:
+        view = _views[address] = subprocess.Popen(
+            [sys.executable, "-c", STATE, address], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=tempfile.TemporaryFile(), text=True, cwd=ROOT)
+    view.stdin.write("\n")
+    view.stdin.flush()
+    ready, _, _ = select.select([view.stdout], [], [], timeout)
+    line = view.stdout.readline() if ready else ""
+    if not line:
+        view.kill()
+        view.wait(10)
+        del _views[address]
+        view.stderr.seek(0)
+        raise AssertionError("the cluster's state was not read:\n" + view.stderr.read().decode()[-3000:])
+    return json.loads(line)
+
+
+def close_view(address: str) -> None:
+    view = _views.pop(address, None)
+    if view is not None:
+        view.stdin.close()           # its loop ends; it leaves the cluster
+        try:
+            view.wait(10)
+        except subprocess.TimeoutExpired:
+            view.kill()
+            view.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +98,7 @@ def cluster():
              "--num-cpus=4", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats",
              f"--temp-dir={tmp}", "--block"],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    address = ""
     try:
         deadline, text = time.monotonic() + 120, ""
         while "Ray runtime started" not in text:
@@ -77,14 +106,11 @@ def cluster():
             time.sleep(0.5)
             text = open(log_path).read()
         ip = re.search(r"Local node IP: (\S+)", text).group(1)
-        yield f"{ip}:{port}"
+        address = f"{ip}:{port}"
+        yield address
     finally:
-        try:
-            os.killpg(head.pid, signal.SIGTERM)       # the head and every process it started
-            head.wait(5)                              # then SIGKILL below
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        try:
+        close_view(address)
+        try:                # the head and every process it started (it takes seconds to heed SIGTERM)
             os.killpg(head.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
@@ -234,7 +260,8 @@ def test_engine_cores_and_their_workers_all_on_the_cluster_answer_hand_a_decode_
         producer = pool.submit(Server, "-dp", "2", "-dpb", "ray", "--distributed-executor-backend", "ray",
                                "--kv-transfer-config", kv("kv_producer"), env={"RAY_ADDRESS": cluster},
                                ready_timeout=240)
-        consumer = pool.submit(Server, "--kv-cache-gib", "0.25", "--kv-transfer-config", kv("kv_consumer"))
+        consumer = pool.submit(Server, "--kv-cache-gib", "0.25", "--threads", "1",    # the producer's ranks have a core each
+                               "--kv-transfer-config", kv("kv_consumer"))
         started = [f.result() for f in (producer, consumer) if f.exception() is None]
     s, decode = (producer.result(), consumer.result()) if len(started) == 2 else (None, None)
     try:
