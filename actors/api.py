@@ -27,6 +27,7 @@ from actors.frontend.launch import Frontend, start_frontend
 from actors.frontend.logprobs import TokenText, ranked_positions
 from actors.frontend.protocol import MAX_N
 from actors.frontend.streams import RequestOutput
+from actors.tokenizer.prompt_embeds import embeds_array
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RepetitionDetectionParams", "GenerationResult", "CompletionOutput", "Logprob",
            "LoRARequest"]
@@ -348,7 +349,7 @@ class _Total:
 
 
 Prompt = Union[str, list[int], list[dict[str, Any]], dict[str, Any]]
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")   # vLLM's TextPrompt / TokensPrompt
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "cache_salt")   # vLLM's Text/Tokens/EmbedsPrompt
 
 
 def _prompt_what(prompt: Prompt, **template: Any) -> dict[str, Any]:
@@ -368,16 +369,22 @@ def _is_conversation(prompt: Any) -> bool:
 
 
 def _prompt_dict(prompt: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, with an optional
-    ``cache_salt``; anything else (multi-modal data, embeddings) is refused by name."""
+    """vLLM's prompt dicts: ``{"prompt": text}``, ``{"prompt_token_ids": ids}`` or
+    ``{"prompt_embeds": tensor}`` (with --enable-prompt-embeds: (tokens, hidden) input embeddings),
+    with an optional ``cache_salt``; anything else (multi-modal data) is refused by name."""
     unknown = sorted(set(prompt) - set(PROMPT_KEYS))
     if unknown:
         raise ValueError(f"prompt keys {unknown} are not supported; a prompt dict takes "
                          f"{', '.join(PROMPT_KEYS)}")
-    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-        raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
-    what: dict[str, Any] = ({"prompt_token_ids": list(prompt["prompt_token_ids"])} if "prompt_token_ids" in prompt
-                            else {"prompt": prompt["prompt"]})
+    if sum(key in prompt for key in ("prompt", "prompt_token_ids", "prompt_embeds")) != 1:
+        raise ValueError("a prompt dict needs exactly one of 'prompt', 'prompt_token_ids' and 'prompt_embeds'")
+    what: dict[str, Any]
+    if "prompt_embeds" in prompt:
+        what = {"prompt_embeds": embeds_array(prompt["prompt_embeds"])}
+    elif "prompt_token_ids" in prompt:
+        what = {"prompt_token_ids": list(prompt["prompt_token_ids"])}
+    else:
+        what = {"prompt": prompt["prompt"]}
     if prompt.get("cache_salt") is not None:
         what["cache_salt"] = prompt["cache_salt"]
     return what

@@ -147,15 +147,21 @@ class Gemma3ForCausalLM(CausalLM):
         tied = self.embed_tokens.weight if c.tie_word_embeddings else None
         self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype, weight=tied)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' input embeddings (T,) -> (T, hidden), scaled as the layers take them (what
+        vLLM's prompt embeds stand for)."""
+        hidden = self.embed_tokens(input_ids)
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
-                ) -> torch.Tensor | IntermediateTensors:
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         # input_ids, positions (T,) int64; kv_caches[l] (2, num_blocks, block_size, KVH, D), one
-        # per layer this stage runs; ``intermediate``: the previous pipeline stage's tensors
+        # per layer this stage runs; ``intermediate``: the previous pipeline stage's tensors;
+        # ``inputs_embeds`` (T, hidden): the first stage's inputs instead of the tokens' embeddings
         layers = stage_layers(self, kv_caches)
         if intermediate is None:
-            hidden = self.embed_tokens(input_ids)                                 # (T, hidden)
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+            hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         else:
             hidden = intermediate["hidden_states"]
         rope_global = self.rotary_global(positions, hidden.dtype)                 # cos, sin (T, 1, D)

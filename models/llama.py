@@ -99,14 +99,20 @@ class LlamaForCausalLM(CausalLM):
         tied = self.embed_tokens.weight if config.tie_word_embeddings else None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, weight=tied)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' input embeddings (T,) -> (T, hidden): what vLLM's prompt embeds stand for."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
-                ) -> torch.Tensor | IntermediateTensors:
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         # input_ids, positions (T,) int64; kv_caches[l] (2, num_blocks, block_size, KVH, D), one
-        # per layer this stage runs; ``intermediate``: the previous pipeline stage's tensors
+        # per layer this stage runs; ``intermediate``: the previous pipeline stage's tensors;
+        # ``inputs_embeds`` (T, hidden): the first stage's inputs instead of the tokens' embeddings
         layers = stage_layers(self, kv_caches)
         if intermediate is None:
-            hidden, residual = self.embed_tokens(input_ids), None          # (T, hidden)
+            hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None                                                 # (T, hidden)
         else:
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         cos, sin = self.rotary_emb(positions, hidden.dtype)    # (T, 1, D) each

@@ -64,7 +64,6 @@ REFUSED: dict[str, str] = {
     # what the model is run for
     "--task": "Troupe serves text generation only", "--pooler-config": "Troupe serves text generation only",
     "--override-pooler-config": "Troupe serves text generation only",
-    "--enable-prompt-embeds": "Troupe takes prompts as text or token ids",
     "--io-processor-plugin": "Troupe loads no IO processor plugins",
     "--logits-processor-pattern": "Troupe has no per-request logits processors (see --logits-processors)",
     # other modalities
@@ -175,7 +174,7 @@ BOOLEAN = frozenset({
     "--disable-nccl-for-dp-synchronization", "--enable-eplb", "--eplb-log-balancedness",
     "--ray-workers-use-nsight", "--disable-custom-all-reduce", "--disable-frontend-multiprocessing",
     "--use-tqdm-on-load", "--skip-tokenizer-init", "--disable-sliding-window",
-    "--enable-prompt-embeds", "--enable-mm-embeds", "--interleave-mm-strings",
+    "--enable-mm-embeds", "--interleave-mm-strings",
     "--skip-mm-profiling", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",
     "--tokens-only",

@@ -47,6 +47,7 @@ class EngineArgs:
     chat_template_content_format: str = "auto"
     load_format: str = "auto"             # vLLM's: what the weights are (Troupe reads it from the files)
     enable_sleep_mode: bool = False
+    enable_prompt_embeds: bool = False    # vLLM's: prompts may be given as input embeddings
     hf_overrides: dict[str, Any] | str | None = None   # vLLM's: config.json keys over the checkpoint's
     tokenizer: str | None = None          # None: the model's own
     served_model_name: str | list[str] | tuple[str, ...] | None = None   # None: the model's own name
@@ -137,6 +138,9 @@ class EngineArgs:
         names = self.served_model_name
         speculative = speculative_config(with_spec_flags(self.speculative_config, self.spec_method,
                                                          self.spec_model, self.spec_tokens))
+        if self.enable_prompt_embeds and speculative is not None and speculative.method != "ngram":
+            raise ValueError(f"--enable-prompt-embeds with speculative method {speculative.method!r} is not "
+                             "supported (its draft model reads tokens); ngram drafts are")
         compilation = with_graph_flags(compilation_config(self.compilation_config), self.cudagraph_capture_sizes,
                                        self.max_cudagraph_capture_size)
         config = EngineConfig(
@@ -148,6 +152,7 @@ class EngineArgs:
                               chat_template=load_chat_template(self.chat_template),
                               chat_template_content_format=self.chat_template_content_format,
                               enable_sleep_mode=self.enable_sleep_mode,
+                              enable_prompt_embeds=self.enable_prompt_embeds,
                               served_model_names=(names,) if isinstance(names, str) else tuple(names or ()),
                               max_logprobs=self.max_logprobs, generation_config=self.generation_config,
                               sampling_defaults=load_sampling_defaults(source, self.generation_config,
@@ -469,6 +474,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="vLLM's: the engine may sleep at levels 1 and 2 (POST /sleep with VLLM_SERVER_DEV_MODE=1, or "
                  "LLM.sleep()): its workers give back the KV cache's memory, and at level 2 the weights' too "
                  "(read again from the checkpoint at wake-up)")),
+        (("--enable-prompt-embeds",), "enable_prompt_embeds", dict(
+            action=argparse.BooleanOptionalAction, default=d["enable_prompt_embeds"],
+            help="vLLM's: /v1/completions takes prompt_embeds (base64 of a torch.save'd (tokens, hidden) "
+                 "tensor, or a list of them) and LLM.generate {'prompt_embeds': tensor}: the model reads "
+                 "the rows instead of token embeddings")),
         (("--hf-overrides",), "hf_overrides", dict(
             default=d["hf_overrides"], metavar="JSON",
             help="vLLM's: config.json keys over the checkpoint's, as a JSON object (e.g. "

@@ -27,6 +27,9 @@ class EngineCoreRequest(msgspec.Struct):
     priority: int = 0
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    # vLLM's prompt_embeds (--enable-prompt-embeds): the prompt as input embeddings, (prompt tokens,
+    # hidden) float32; prompt_token_ids then holds as many placeholders (0)
+    prompt_embeds: np.ndarray | None = None
 
 
 # -- engine outputs (engine core -> frontend), one message per step ---------------------------
@@ -109,6 +112,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: tuple[list[int], ...]       # per KV cache group, its block table (0: the null block)
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    prompt_embeds: np.ndarray | None = None   # a prompt given as embeddings (EngineCoreRequest's)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

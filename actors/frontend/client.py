@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+import numpy as np
+
 from actors.detokenizer.actor import EndGroup, EngineLost, Untrack
 from actors.engine.config import CHAT_TEMPLATE_CONTENT_FORMATS, EngineConfig
 from actors.engine.lora import LoRARequest
@@ -192,7 +194,8 @@ class EngineClient:
                      lora_request: LoRARequest | None = None, truncation_side: str = "left",
                      chat_template: str | None = None, stream_interval: int = 1,
                      render_only: bool = False, return_token_offsets: bool = False,
-                     chat_template_content_format: str | None = None) -> RequestHandle | RenderedPrompt:
+                     chat_template_content_format: str | None = None,
+                     prompt_embeds: np.ndarray | None = None) -> RequestHandle | RenderedPrompt:
         """Admit one request; ``timeout_s``: it is aborted (its KV freed) if it has not finished
         that long after now. ``parent_id`` and ``n``: it is one of the n choices of request
         ``parent_id`` (for the metrics of requests with n > 1; see ``end_group``).
@@ -200,6 +203,7 @@ class EngineClient:
         RenderedPrompt) without admitting it (vLLM's /render endpoints; ``return_token_offsets``:
         with each token's characters in the prompt text). ``chat_template_content_format``: how
         ``messages``' content reaches the chat template (None: the server's setting).
+        ``prompt_embeds``: the prompt as input embeddings, (tokens, hidden) float32 (vLLM's).
         ``stream_interval``: new tokens per output after the first (vLLM's). Raises
         InvalidPrompt (or PromptTooLong) when it is refused, Overloaded when too many wait
         already, and EngineDeadError when the engine is gone or the server is shutting down."""
@@ -215,7 +219,7 @@ class EngineClient:
             rid, params, prompt, prompt_token_ids, messages,
             add_generation_prompt, continue_final_message, chat_template_kwargs or {},
             priority, arrival_time, add_special_tokens, cache_salt, parent_id, n, lora_request, truncation_side,
-            chat_template, render_only, return_token_offsets, chat_template_content_format)
+            chat_template, render_only, return_token_offsets, chat_template_content_format, prompt_embeds)
         if render_only:
             try:
                 rendered = await self.tokenizer_actor.ask(generate, timeout=60)

@@ -16,6 +16,7 @@ from actors.frontend.generation import Answer, Generation
 from actors.frontend.logprobs import CompletionLogprobs, merge_completion_logprobs, prompt_logprobs_json
 from actors.frontend.params import (served_name, MAX_CHOICES, PromptInput, cache_salt, check_priority,
                                     completion_prompts, num_choices, request_timeout, stream_flags)
+from actors.tokenizer.prompt_embeds import ENABLE_ERROR, completion_embeds
 from actors.frontend.protocol import MAX_N, BadRequest, CompletionRequest, require
 from actors.frontend.streams import RequestOutput
 
@@ -144,7 +145,7 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest, arrival
     client = server.engine()
     n = num_choices(req)
     stream, include_usage = stream_flags(req, server.options.force_include_usage)
-    prompts = completion_prompts(req.prompt, server.vocab_size)
+    prompts = _prompts(server, req)
     sampled = best_of(req, n, stream)
     if len(prompts) * sampled > MAX_CHOICES:
         what = "best_of" if sampled > n else "n"
@@ -177,6 +178,25 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest, arrival
                                params.num_logprobs, echo_texts, keep=n if sampled > n else None,
                                echo_only=req.echo_only)
     return gen, stream
+
+
+def _prompts(server: OpenAIServer, req: CompletionRequest) -> list[PromptInput]:
+    """The request's prompts: those of ``prompt_embeds`` first (vLLM's order), then ``prompt``'s."""
+    embeds: list[PromptInput] = []
+    if req.prompt_embeds is not None:
+        require(server.engine().config.model.enable_prompt_embeds, ENABLE_ERROR, "prompt_embeds")
+        require(not req.echo, "Echo is unsupported with prompt embeds.", "echo")
+        require(req.prompt_logprobs is None, "prompt_logprobs is not compatible with prompt embeds.",
+                "prompt_logprobs")
+        require(not req.use_beam_search, "use_beam_search is not supported with prompt embeds", "use_beam_search")
+        try:
+            embeds = [PromptInput(None, None, rows) for rows in completion_embeds(req.prompt_embeds)]
+        except ValueError as exc:
+            raise BadRequest(str(exc), "prompt_embeds") from None
+    if req.prompt is None or (req.prompt == "" and embeds):
+        require(bool(embeds), "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        return embeds
+    return embeds + completion_prompts(req.prompt, server.vocab_size)
 
 
 def best_of(req: CompletionRequest, n: int, stream: bool) -> int:

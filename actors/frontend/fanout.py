@@ -60,7 +60,10 @@ async def submit_choices(submit: Submit, request_id: str, params: SamplingParams
                 index = p * n + i
                 rid = request_id if single else f"{request_id}-{index}"
                 what = dict(kwargs, parent_id=group, n=n) if group else dict(kwargs)
-                if ids is not None:            # a sibling: the first choice's token ids
+                embeds = prompt.embeds if prompt is not None else kwargs.get("prompt_embeds")
+                if embeds is not None:         # every choice: the same rows
+                    what.update(prompt_embeds=embeds)
+                elif ids is not None:          # a sibling: the first choice's token ids
                     what.update(messages=None, prompt=None, prompt_token_ids=ids)
                 elif prompt is not None:
                     what.update(prompt=prompt.text, prompt_token_ids=prompt.token_ids)

@@ -172,7 +172,8 @@ class Frontend:
 
         tok = self.node.spawn(topology.TOKENIZER, lambda: TokenizerActor(
             tokenizer, config.model.max_model_len, list(config.model.arch.eos_token_ids), detok,
-            scheduler, waiting, count_prompt_tokens, config.model.max_logprobs, config.model.arch.vocab_size))
+            scheduler, waiting, count_prompt_tokens, config.model.max_logprobs, config.model.arch.vocab_size,
+            config.model.arch.hidden_size if config.model.enable_prompt_embeds else None))
         self.client = EngineClient(config, tokenizer, tok, detok, scheduler, [e.kv_manager for e in engines],
                                    engine.grammar, streams, stats, waiting)
         if config.observability.log_stats and topology.STAT_LOGGER not in self.node.cells:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
 
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.protocol import (MAX_N, PRIORITY_RANGE, BadRequest, ChatMessage, GenerationRequest,
@@ -17,6 +18,7 @@ MAX_REQUEST_TIMEOUT_S = 86_400.0
 class PromptInput(NamedTuple):
     text: str | None
     token_ids: list[int] | None
+    embeds: np.ndarray | None = None     # vLLM's prompt embeds: (tokens, hidden) float32 rows
 
 
 def num_choices(req: GenerationRequest) -> int:

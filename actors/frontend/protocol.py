@@ -419,14 +419,16 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
 
 class CompletionRequest(GenerationRequest, kw_only=True):
     prompt_param: ClassVar[str] = "prompt"
-    prompt: str | list[Any]          # a string, token ids, or a list of either (params.prompts)
+    prompt: str | list[Any] | None = None   # a string, token ids, or a list of either (params.prompts)
     logprobs: int | None = None
     echo: bool | None = False
     add_special_tokens: bool | None = True
     best_of: int | None = None       # OpenAI's: sample this many per prompt, return the n most likely
     spaces_between_special_tokens: bool | None = True   # vLLM's; a fast tokenizer's output does not depend on it
     suffix: str | None = None        # OpenAI's: refused, as vLLM refuses it
-    prompt_embeds: Any = None        # vLLM's: refused (prompts are text or token ids here)
+    # vLLM's (--enable-prompt-embeds): base64 of a torch.save'd (tokens, hidden) tensor, or a list
+    # of them, each a prompt before those of ``prompt`` (actors/frontend/prompt_embeds.py)
+    prompt_embeds: str | list[str] | None = None
 
     @property
     def echo_only(self) -> bool:
@@ -437,8 +439,6 @@ class CompletionRequest(GenerationRequest, kw_only=True):
         out = super().unserved()
         if self.suffix is not None:
             out.append(("suffix", "suffix is not currently supported"))       # vLLM's words
-        if self.prompt_embeds is not None:
-            out.append(("prompt_embeds", "prompt_embeds is not supported: prompts are text or token ids here"))
         return out
 
     def to_sampling_params(self, vocab_size: int, max_model_len: int) -> SamplingParams:

@@ -10,7 +10,8 @@ it is not collision resistant). The algorithms: ``sha256`` (pickle, then SHA-256
 ``sha256_cbor`` (canonical CBOR, then SHA-256: reproducible from any language), ``xxhash`` and
 ``xxhash_cbor`` (xxHash's 128-bit XXH3; the ``xxhash`` package). Extra keys, vLLM's: the LoRA
 adapter on every block (``("lora", name, path)``), the cache salt on the first block only
-(``("cache_salt", salt)``).
+(``("cache_salt", salt)``), and a prompt given as embeddings' rows in the block (``("prompt_embeds",
+SHA-256 of their bytes)``, every block: the token ids of such a prompt are placeholders).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import hashlib
 import os
 import pickle
 from typing import TYPE_CHECKING, Any, Callable, NewType, Sequence
+
+import numpy as np
 
 if TYPE_CHECKING:
     from actors.engine.lora import LoRARequest
@@ -74,13 +77,19 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_
     return hasher(parent, token_ids, extra_keys)
 
 
-def block_extra_keys(block_index: int, lora: LoRARequest | None, cache_salt: str | None) -> tuple | None:
-    """vLLM's extra keys of a block: its adapter's name and path, then the cache salt (first block)."""
+def block_extra_keys(block_index: int, lora: LoRARequest | None, cache_salt: str | None,
+                     prompt_embeds: np.ndarray | None = None, block_size: int = 0) -> tuple | None:
+    """vLLM's extra keys of a block: its adapter's name and path, then the cache salt (first block),
+    then, for a prompt given as embeddings, the SHA-256 of the block's rows of them (their bytes;
+    none past the prompt: the digest of nothing)."""
     keys: list = []
     if lora is not None:
         keys.append(("lora", lora.lora_name, lora.lora_path))
     if cache_salt and block_index == 0:
         keys.append(("cache_salt", cache_salt))
+    if prompt_embeds is not None:
+        rows = prompt_embeds[block_index * block_size:(block_index + 1) * block_size]
+        keys.append(("prompt_embeds", hashlib.sha256(np.ascontiguousarray(rows).tobytes()).digest()))
     return tuple(keys) or None
 
 
@@ -91,11 +100,13 @@ def event_extra_keys(keys: tuple | None) -> tuple | None:
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
                         lora: LoRARequest | None = None, cache_salt: str | None = None,
-                        hasher: BlockHasher = DEFAULT_HASHER) -> None:
-    """Append the hashes of the blocks of ``token_ids`` that became full since the last call."""
+                        hasher: BlockHasher = DEFAULT_HASHER, prompt_embeds: np.ndarray | None = None) -> None:
+    """Append the hashes of the blocks of ``token_ids`` that became full since the last call
+    (``prompt_embeds``: the prompt's embeddings, when it was given as those)."""
     start = len(hashes) * block_size
     while start + block_size <= len(token_ids):
         i = len(hashes)
         parent = hashes[-1] if hashes else None
-        hashes.append(hasher(parent, token_ids[start:start + block_size], block_extra_keys(i, lora, cache_salt)))
+        keys = block_extra_keys(i, lora, cache_salt, prompt_embeds, block_size)
+        hashes.append(hasher(parent, token_ids[start:start + block_size], keys))
         start += block_size

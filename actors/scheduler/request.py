@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from actors.kv_manager.block_hash import DEFAULT_HASHER, BlockHash, BlockHasher, extend_block_hashes
 from actors.engine.lora import LoRARequest
 from actors.engine.messages import EngineCoreRequest
@@ -54,6 +56,9 @@ class Request:
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None   # its adapter (None: the base model)
     hasher: BlockHasher = DEFAULT_HASHER      # --prefix-caching-hash-algo's
+    # a prompt given as embeddings (vLLM's prompt_embeds): (prompt tokens, hidden) float32; its
+    # prompt_token_ids are then placeholders (0), hashed with the embeddings' digests
+    prompt_embeds: np.ndarray | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -92,7 +97,8 @@ class Request:
     def from_engine_request(cls, r: EngineCoreRequest, block_size: int = 0,
                             hasher: BlockHasher = DEFAULT_HASHER) -> Request:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.arrival_time,
-                   tuple(r.eos_token_ids), r.priority, block_size, r.cache_salt, r.lora_request, hasher)
+                   tuple(r.eos_token_ids), r.priority, block_size, r.cache_salt, r.lora_request, hasher,
+                   prompt_embeds=r.prompt_embeds)
 
     @property
     def num_tokens(self) -> int:
@@ -118,4 +124,4 @@ class Request:
     def _update_block_hashes(self) -> None:
         if self.block_size:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
-                                self.lora_request, self.cache_salt, self.hasher)
+                                self.lora_request, self.cache_salt, self.hasher, self.prompt_embeds)

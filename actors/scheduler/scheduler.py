@@ -310,7 +310,8 @@ class Scheduler:
                 parent = req.block_hashes[first - 1] if req is not None and first > 0 else None
                 lora = req.lora_request if req is not None else None
                 tokens = req.all_token_ids[first * bs:(first + len(hashes)) * bs] if req is not None else []
-                keys = [block_extra_keys(first + i, lora, req.cache_salt if req is not None else None)
+                keys = [block_extra_keys(first + i, lora, req.cache_salt if req is not None else None,
+                                         req.prompt_embeds if req is not None else None, bs)
                         for i in range(len(hashes))]
                 self._kv_events.append(BlockStored(
                     [external_hash(h) for h in hashes], None if parent is None else external_hash(parent),
@@ -741,7 +742,8 @@ class Scheduler:
             num_scheduled[rid] = n
             if req in step.admitted:
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids),
-                                               req.sampling_params, blocks, start, req.lora_request))
+                                               req.sampling_params, blocks, start, req.lora_request,
+                                               req.prompt_embeds))
             else:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(blocks)

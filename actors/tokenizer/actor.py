@@ -7,9 +7,11 @@ import time
 from typing import Any, Callable, ClassVar
 
 import msgspec
+import numpy as np
 
 from actors.detokenizer.actor import TrackRequest
 from actors.engine.config import DEFAULT_MAX_LOGPROBS
+from actors.tokenizer.prompt_embeds import ENABLE_ERROR, check_hidden_size
 from actors.engine.lora import LoRARequest
 from actors.engine.messages import EngineCoreRequest
 from actors.engine.sampling_params import SamplingParams
@@ -29,7 +31,7 @@ class PromptAccepted(msgspec.Struct):
 
 
 class Generate(Msg):
-    """Exactly one of ``prompt``, ``prompt_token_ids`` and ``messages`` is set.
+    """Exactly one of ``prompt``, ``prompt_token_ids``, ``messages`` and ``prompt_embeds`` is set.
     ``arrival_time`` (time.time() when the request reached the server; 0.0 = now) starts its
     latency clocks."""
     reply_type: ClassVar[Any] = PromptAccepted
@@ -53,6 +55,7 @@ class Generate(Msg):
     render_only: bool = False              # checked and tokenized as it would be admitted, not admitted (/render)
     return_token_offsets: bool = False     # with render_only: each token's characters in the prompt text
     chat_template_content_format: str | None = None   # how content reaches the template (None: the server's)
+    prompt_embeds: np.ndarray | None = None  # vLLM's: the prompt as input embeddings, (tokens, hidden) float32
 
 
 class InvalidPrompt(ValueError, Refusal):
@@ -73,8 +76,12 @@ class TokenizerActor(Actor):
     def __init__(self, tokenizer: TextTokenizer, max_model_len: int, eos_token_ids: list[int],
                  detokenizer: ActorRef, engine: ActorRef, waiting: WaitingRequests,
                  on_prompt_tokens: Callable[[int], None] | None = None,
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, logits_size: int | None = None) -> None:
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, logits_size: int | None = None,
+                 embeds_hidden_size: int | None = None) -> None:
+        """``embeds_hidden_size``: with --enable-prompt-embeds, the rows prompt embeddings must have
+        (None: such prompts are refused)."""
         self.tokenizer = tokenizer
+        self.embeds_hidden_size = embeds_hidden_size
         self.max_logprobs = max_logprobs
         self.logits_size = logits_size or tokenizer.vocab_size     # the model's vocabulary: its logits
         self.waiting = waiting
@@ -91,16 +98,22 @@ class TokenizerActor(Actor):
         except ValueError as exc:
             raise InvalidPrompt(str(exc)) from None
         truncate = msg.sampling_params.truncate_prompt_tokens
-        chars = self._check_size(msg, enforce=truncate is None)   # a truncated prompt may be long
-        # a long text is tokenized in a thread (the tokenizer releases the GIL), so the
-        # frontend's other requests and probes do not wait behind it
-        ids = await asyncio.to_thread(self._prompt_ids, msg) if chars > OFF_LOOP_CHARS else self._prompt_ids(msg)
-        offsets = self._offsets(msg, ids) if msg.render_only and msg.return_token_offsets else None
+        embeds = self._embeds(msg)
+        if embeds is not None:            # placeholders for the positions the rows stand for
+            ids, offsets = [0] * len(embeds), None
+        else:
+            chars = self._check_size(msg, enforce=truncate is None)   # a truncated prompt may be long
+            # a long text is tokenized in a thread (the tokenizer releases the GIL), so the
+            # frontend's other requests and probes do not wait behind it
+            ids = await asyncio.to_thread(self._prompt_ids, msg) if chars > OFF_LOOP_CHARS else self._prompt_ids(msg)
+            offsets = self._offsets(msg, ids) if msg.render_only and msg.return_token_offsets else None
         if truncate is not None:          # vLLM's: the prompt's last tokens (the left side goes), or first
             keep = self.max_model_len if truncate == -1 else truncate
             ids = ids[:keep] if msg.truncation_side == "right" else ids[-keep:]
             if offsets is not None:
                 offsets = offsets[:keep] if msg.truncation_side == "right" else offsets[-keep:]
+            if embeds is not None:
+                embeds = embeds[:keep] if msg.truncation_side == "right" else embeds[len(embeds) - len(ids):]
         n = len(ids)
         if n == 0:
             raise InvalidPrompt("the prompt is empty")
@@ -114,16 +127,37 @@ class TokenizerActor(Actor):
                                 f"prompt, {params.max_tokens} for the completion). Please reduce the "
                                 f"prompt or max_tokens.")
         if msg.render_only:
+            if embeds is not None:
+                raise InvalidPrompt("prompt_embeds cannot be rendered: they are not tokens")
             return PromptAccepted(n, ids, offsets)
         self.waiting.admit(msg.request_id, n)               # Overloaded: the queue is full
         arrival = msg.arrival_time or time.time()
-        self.detokenizer.tell(TrackRequest(msg.request_id, ids, params, arrival, msg.parent_id, msg.n))
+        shown = [] if embeds is not None else ids           # prompt tokens a reader may see (none for embeds)
+        self.detokenizer.tell(TrackRequest(msg.request_id, shown, params, arrival, msg.parent_id, msg.n))
         self.engine.tell(AddRequest(EngineCoreRequest(
             msg.request_id, ids, params, arrival, self.eos_token_ids, msg.priority, msg.cache_salt,
-            msg.lora_request)))
+            msg.lora_request, embeds)))
         if self.on_prompt_tokens is not None:
             self.on_prompt_tokens(n)
-        return PromptAccepted(n, ids)
+        return PromptAccepted(n, shown)
+
+    def _embeds(self, msg: Generate) -> np.ndarray | None:
+        """A prompt given as embeddings, checked (InvalidPrompt); None for the other prompts."""
+        if msg.prompt_embeds is None:
+            return None
+        if self.embeds_hidden_size is None:
+            raise InvalidPrompt(ENABLE_ERROR)
+        rows = msg.prompt_embeds
+        if rows.ndim != 2 or rows.dtype != np.float32 or len(rows) == 0:
+            raise InvalidPrompt(f"prompt embeddings must be non-empty float32 rows (tokens, hidden), got "
+                                f"{rows.dtype} of shape {rows.shape}")
+        try:
+            check_hidden_size(rows, self.embeds_hidden_size)
+        except ValueError as exc:
+            raise InvalidPrompt(str(exc)) from None
+        if msg.sampling_params.prompt_logprobs is not None:
+            raise InvalidPrompt("prompt_logprobs is not compatible with prompt embeds.")
+        return rows
 
     def _check_size(self, msg: Generate, enforce: bool = True) -> int:
         """The prompt's characters; PromptTooLong at once, before tokenizing, when there are

@@ -39,6 +39,7 @@ class SlotState:
     params: SamplingParams
     generator: torch.Generator | None
     lora_request: LoRARequest | None = None
+    prompt_embeds: np.ndarray | None = None   # (prompt tokens, hidden): a prompt given as embeddings
 
 
 class TokenInputs(NamedTuple):
@@ -69,6 +70,7 @@ class InputBatch:
         self.num_blocks = np.zeros((G, max_num_reqs), dtype=np.int64)
         self.slots: dict[str, int] = {}
         self.states: list[SlotState | None] = [None] * max_num_reqs
+        self.num_prompt_embeds = 0            # requests held whose prompt came as embeddings
         self._free = list(range(max_num_reqs))
 
     def __len__(self) -> int:
@@ -95,7 +97,8 @@ class InputBatch:
         self.accepts_drafts[i] = accepts_drafts(r.sampling_params)
         self.num_blocks[:, i] = 0
         self.append_blocks(i, r.block_ids)
-        self.states[i] = SlotState(r.req_id, r.sampling_params, self._generator(r), r.lora_request)
+        self.states[i] = SlotState(r.req_id, r.sampling_params, self._generator(r), r.lora_request, r.prompt_embeds)
+        self.num_prompt_embeds += r.prompt_embeds is not None
         return i
 
     def _generator(self, r: NewRequestData) -> torch.Generator | None:
@@ -108,6 +111,7 @@ class InputBatch:
     def remove(self, req_id: str) -> None:
         i = self.slots.pop(req_id, None)
         if i is not None:
+            self.num_prompt_embeds -= self.states[i].prompt_embeds is not None
             self.states[i] = None
             self.block_table[:, i] = 0
             heapq.heappush(self._free, i)
@@ -182,6 +186,24 @@ class InputBatch:
             for g in range(len(tables))]
         meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
         return TokenInputs(input_ids, positions, cu, meta)
+
+    def embeds_inputs(self, slots: np.ndarray, start: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """For a pass over tokens ``start .. start + n`` of the requests in ``slots``: the tokens
+        (indices into the pass) that are prompt positions given as embeddings, and those rows of
+        the embeddings (k, hidden); None when there are none."""
+        if not self.num_prompt_embeds:
+            return None
+        index, rows, offset = [], [], 0
+        for r, i in enumerate(slots.tolist()):
+            embeds, first, count = self.states[i].prompt_embeds, int(start[r]), int(n[r])
+            if embeds is not None and first < len(embeds):
+                end = min(first + count, len(embeds))
+                index.append(np.arange(offset, offset + end - first))
+                rows.append(embeds[first:end])
+            offset += count
+        if not index:
+            return None
+        return np.concatenate(index), np.concatenate(rows)
 
     def output_token_ids(self, i: int) -> list[int]:
         return self.token_ids[i, self.num_prompt_tokens[i]:self.num_tokens[i]].tolist()

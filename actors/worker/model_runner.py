@@ -95,6 +95,9 @@ class StepInputs(NamedTuple):
     sample_rows: np.ndarray        # (S,) rows of the requests that sample this step
     logits_indices: torch.Tensor   # (S + N,) int64: per sampling row, its k drafts' positions and its last
     num_draft_tokens: np.ndarray | None = None   # (S,) k of each sampling row (None: no drafts in the step)
+    # prompt positions given as embeddings: their indices among the step's tokens (k,) and their
+    # rows (k, hidden) (None: none in the step)
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -215,11 +218,15 @@ class ModelRunner:
         cu = ti.query_start_loc
         sample_rows = np.flatnonzero(start + n - num_drafts == b.num_tokens[slots])   # prompt complete
         input_ids, positions = torch.from_numpy(ti.input_ids), torch.from_numpy(ti.positions)
+        given = b.embeds_inputs(slots, start, n)
+        embeds = None if given is None else (torch.from_numpy(given[0]), torch.from_numpy(given[1]))
         if not drafts:
-            return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1))
+            return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1),
+                              embeds=embeds)
         k = num_drafts[sample_rows]                                         # (S,)
         logits_indices = ranges(cu[1:][sample_rows] - 1 - k, k + 1)         # (S + N,)
-        return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(logits_indices), k)
+        return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(logits_indices), k,
+                          embeds)
 
     # -- 3) forward, sample, record -----------------------------------------------------------
     @torch.inference_mode()
@@ -364,6 +371,7 @@ class ModelRunner:
                 return self._forward_layers(inp)
         eager = self._first_attn is not None and self._first_attn.calculate_kv_scales   # layers set KV scales
         has_lora = self.lora is not None and self.lora.mapping.active    # the graph with LoRA deltas
+        eager = eager or inp.embeds is not None                        # prompt embeddings: not a graph's inputs
         desc = self.graphs.dispatch(inp.meta, has_lora) if self.graphs is not None and not eager else None
         if desc is not None:
             return self.graphs.run(desc, inp)                  # padded buffers, a graph on CUDA
@@ -374,6 +382,11 @@ class ModelRunner:
         # a pipeline stage after the first: the previous stage's tensors for the step's tokens
         stage_in = ({} if self.link is None or self.link.prev_rank is None
                     else {"intermediate": self.link.recv(len(inp.input_ids))})
+        if inp.embeds is not None and not stage_in:          # the first stage: prompt embeddings in
+            hidden = self.model.embed_input_ids(inp.input_ids.to(self.device))
+            index, rows = inp.embeds
+            hidden[index.to(self.device)] = rows.to(self.device, hidden.dtype)
+            stage_in = {"inputs_embeds": hidden}
         if self.device.type == "cpu":
             return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, **stage_in)
         to_dev = lambda t: t.to(self.device, non_blocking=True)    # noqa: E731 (pageable: copied at once)

@@ -1007,8 +1007,8 @@ def test_tokenize_renders_tools_as_the_chat_endpoint_does(http):
 def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, model):
     """return_prompt_text shows the prompt as the template rendered it (its tokens are the
     prompt's); fields asking for what Troupe does are taken; those asking for what it does not
-    (a thinking budget, watermarks, multimodal inputs, suffix, prompt embeddings) are a 400
-    naming them."""
+    (a thinking budget, watermarks, multimodal inputs, suffix, prompt embeddings without
+    --enable-prompt-embeds) are a 400 naming them."""
     out = http.post("/v1/chat/completions", json={"model": model, "messages": CAPITAL, "max_tokens": 2,
                                                   "return_prompt_text": True, "return_token_ids": True,
                                                   "include_reasoning": True, "return_mm_kwargs": False,
@@ -1026,7 +1026,7 @@ def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, mode
             ("/v1/chat/completions", "watermarking", True, "watermark"),
             ("/v1/chat/completions", "mm_processor_kwargs", {"num_crops": 4}, "text-only"),
             ("/v1/completions", "suffix", "!", "suffix is not currently supported"),
-            ("/v1/completions", "prompt_embeds", "AAAA", "text or token ids"),
+            ("/v1/completions", "prompt_embeds", "AAAA", "--enable-prompt-embeds"),
             ("/v1/responses", "prompt", {"id": "pmpt_1"}, "stored"),
             ("/v1/responses", "enable_response_messages", True, "Harmony")):
         base = ({"messages": CAPITAL} if "chat" in path else {"input": "Hi"} if "responses" in path

@@ -77,6 +77,22 @@ def test_logits_match_transformers(ours, hf, prompts):
 
 
 @pytest.mark.slow
+def test_transformers_input_embeddings_given_as_the_prompt_give_its_logits(ours, hf, prompts):
+    """vLLM's prompt embeds for Gemma are what transformers' embedding layer gives (scaled by
+    sqrt(hidden) there): fed in place of the tokens, the tokens' logits."""
+    model, config = ours
+    prompt = prompts[0]
+    n = len(prompt)
+    kv_caches = allocate_kv_caches(config, -(-n // 16) + 1, 16)
+    meta = build_attention_metadata([n], [n], [list(range(1, -(-n // 16) + 1))], 16)
+    with torch.inference_mode():
+        embeds = hf[0].get_input_embeddings()(torch.tensor([prompt]))[0].float()          # (n, hidden)
+        hidden = model(torch.zeros(n, dtype=torch.long), torch.arange(n), kv_caches, meta, inputs_embeds=embeds)
+        expected = hf[0](torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(model.compute_logits(hidden), expected, atol=3e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
 def test_greedy_continuations_match_transformers(ours, hf, prompts):
     model, config = ours
     assert len(prompts[-1]) > 512 + 64   # the window matters for the long prompt

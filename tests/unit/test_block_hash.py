@@ -63,3 +63,23 @@ def test_xxhash_without_a_seed_differs_per_process_and_the_default_is_sha256(mon
         EngineArgs(prefix_caching_hash_algo="md5").create_engine_config()
     # a KV event's block hash: the digest's low 64 bits, as vLLM's
     assert external_hash(bytes.fromhex(VLLM_0_32["sha256"][2])) == int(VLLM_0_32["sha256"][2][-16:], 16)
+
+
+# vLLM 0.32's hashes (its generate_block_hash_extra_keys and hash_block_tokens, sha256) of a prompt
+# given as 40 rows of embeddings, np.arange(320).reshape(40, 8) / 7 in float32, then 8 tokens
+VLLM_0_32_PROMPT_EMBEDS = ["f6099229365e2eecbdfac9bfd9f74f68096d5716dcd7597a17fc4590e22b597b",
+                           "75722c358a39d5fd621138396f1dac1e0e153e3eb9882e5142f9851d1e6f2f8a",
+                           "ae97bc85aa72b4a63eb65885c0406715a1ebfa2e31475261157bc2ef8c53d016"]
+
+
+def test_a_prompt_given_as_embeddings_hashes_its_rows_as_vllm_does(monkeypatch):
+    import numpy as np
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    rows = (np.arange(40 * 8, dtype=np.float32).reshape(40, 8) / 7).astype(np.float32)
+    tokens = [0] * 40 + list(range(5, 13))           # the prompt's placeholders, then generated tokens
+    hashes: list = []
+    extend_block_hashes(hashes, tokens, 16, hasher=BlockHasher("sha256"), prompt_embeds=rows)
+    assert [bytes(h).hex() for h in hashes] == VLLM_0_32_PROMPT_EMBEDS
+    other: list = []                                  # other rows, the same placeholders: other blocks
+    extend_block_hashes(other, tokens, 16, hasher=BlockHasher("sha256"), prompt_embeds=rows + 1)
+    assert not set(other) & set(hashes)
