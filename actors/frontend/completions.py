@@ -16,7 +16,7 @@ from actors.frontend.generation import Answer, Generation
 from actors.frontend.logprobs import CompletionLogprobs, merge_completion_logprobs, prompt_logprobs_json
 from actors.frontend.params import (served_name, MAX_CHOICES, PromptInput, cache_salt, check_priority,
                                     completion_prompts, num_choices, request_timeout, stream_flags)
-from actors.tokenizer.prompt_embeds import ENABLE_ERROR, completion_embeds
+from actors.tokenizer.prompt_embeds import ENABLE_ERROR, check_hidden_size, completion_embeds
 from actors.frontend.protocol import MAX_N, BadRequest, CompletionRequest, require
 from actors.frontend.streams import RequestOutput
 
@@ -189,8 +189,11 @@ def _prompts(server: OpenAIServer, req: CompletionRequest) -> list[PromptInput]:
         require(req.prompt_logprobs is None, "prompt_logprobs is not compatible with prompt embeds.",
                 "prompt_logprobs")
         require(not req.use_beam_search, "use_beam_search is not supported with prompt embeds", "use_beam_search")
+        hidden_size = server.engine().config.model.arch.hidden_size
         try:
             embeds = [PromptInput(None, None, rows) for rows in completion_embeds(req.prompt_embeds)]
+            for p in embeds:
+                check_hidden_size(p.embeds, hidden_size)
         except ValueError as exc:
             raise BadRequest(str(exc), "prompt_embeds") from None
     if req.prompt is None or (req.prompt == "" and embeds):
