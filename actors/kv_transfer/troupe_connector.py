@@ -178,8 +178,12 @@ def per_group(block_ids: Any) -> list[list[int]]:
 
 
 def prompt_hash(request: Request) -> str:
-    """A digest of the prompt's token ids: a consumer loads KV computed for the same tokens only."""
-    return hashlib.blake2b(array.array("q", request.prompt_token_ids).tobytes(), digest_size=8).hexdigest()
+    """A digest of the prompt's token ids (and of its embeddings when it came as those: its ids
+    are then placeholders): a consumer loads KV computed for the same prompt only."""
+    h = hashlib.blake2b(array.array("q", request.prompt_token_ids).tobytes(), digest_size=8)
+    if request.prompt_embeds is not None:
+        h.update(request.prompt_embeds.tobytes())
+    return h.hexdigest()
 
 
 @dataclass(slots=True)

@@ -1,12 +1,13 @@
 """Prefill/decode disaggregation on this machine: a prefill server (kv_producer), a decode server
 (kv_consumer) and the proxy (tools/pd_proxy.py), each a process of its own, on the default model.
 Greedy answers through the proxy are the prefill server's own answers; the decode server loads
-every prompt token's KV but the last instead of computing it; a decode server killed while it
-reads leaves the producer's cache idle once its lease expires; with the prefill server killed, the decode server
-computes the prompt itself. With tensor and data parallelism (a producer of two engine cores of
-two ranks, a consumer of two ranks) each rank moves its own heads' share, and with two pipeline
-stages on each side each stage its own layers, and the answers are the same. ExampleConnector
-with two tensor-parallel ranks: each stores its share, a new server loads them."""
+every prompt token's KV but the last instead of computing it (also for a prompt given as
+embeddings); a decode server killed while it reads leaves the producer's cache idle once its lease
+expires; with the prefill server killed, the decode server computes the prompt itself. With tensor
+and data parallelism (a producer of two engine cores of two ranks, a consumer of two ranks) each
+rank moves its own heads' share, and with two pipeline stages on each side each stage its own
+layers, and the answers are the same. ExampleConnector with two tensor-parallel ranks: each stores
+its share, a new server loads them."""
 from __future__ import annotations
 
 import json
@@ -46,7 +47,7 @@ def own_cores() -> list[dict[str, str] | None]:
 
 def start_trio(connector: str = "TroupeConnector"):
     """A prefill server, a decode server (both with ``connector``) and the proxy in front of them."""
-    common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8")
+    common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8", "--enable-prompt-embeds")
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(Server, *common, "--kv-transfer-config", kv_config(role, free_port(), connector),
                                env=env)
@@ -120,6 +121,30 @@ def test_greedy_answers_through_the_proxy_are_a_single_servers_and_decode_loads_
     # two processes of one machine: copied straight from the prefill server's cache
     assert metric(decode, "troupe:kv_transfer_cma_reads_total") - cma0 == 1
     assert "kv.load" in hops(decode, via["id"])            # the transfer is a hop of the request's waterfall
+
+
+def test_a_prompt_given_as_embeddings_goes_through_the_proxy_and_its_kv_is_loaded(trio, alone):
+    """vLLM's prompt_embeds (the token embeddings of PROMPT): the decode server loads every
+    position but the last from the prefill server and computes the last from its row."""
+    import base64
+    import io
+
+    import torch
+
+    from models.registry import load_model
+    from models.resolve import resolve_model
+    prefill, decode, proxy = trio
+    ids = post(prefill.url, "/tokenize", {"prompt": PROMPT})["tokens"]
+    model, _ = load_model(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct"))
+    with torch.inference_mode():
+        rows = model.embed_input_ids(torch.tensor(ids)).clone()
+    buf = io.BytesIO()
+    torch.save(rows, buf)
+    hits0 = metric(decode, "vllm:external_prefix_cache_hits_total")
+    via = post(proxy.url, "/v1/completions", {"prompt_embeds": base64.b64encode(buf.getvalue()).decode(),
+                                              "max_tokens": 8, "temperature": 0})
+    assert via["choices"][0]["text"] == alone
+    assert metric(decode, "vllm:external_prefix_cache_hits_total") - hits0 == len(ids) - 1
 
 
 def test_with_nixl_connectors_the_decode_server_reads_the_prompt_through_nixl(alone):

@@ -404,3 +404,17 @@ def test_params_of_another_prompt_are_not_loaded_the_prompt_is_computed(pair):
     add(consumer, "d1", other, 2, params)
     consumer.step()
     assert consumer.last.num_scheduled_tokens == {"d1": len(other)}
+
+
+def test_a_prompt_given_as_embeddings_is_told_apart_by_its_rows_not_its_placeholders():
+    """A consumer loads KV computed for the same prompt only: two prompts of embeddings with the
+    same number of rows (the same placeholder token ids) are different prompts."""
+    import numpy as np
+    from actors.scheduler.request import Request
+    from actors.kv_transfer.troupe_connector import prompt_hash
+    rows = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)
+
+    def request(embeds):
+        return Request("r", [0] * 4, SamplingParams(), 0.0, prompt_embeds=embeds)
+    assert prompt_hash(request(rows)) == prompt_hash(request(rows.copy()))
+    assert prompt_hash(request(rows)) != prompt_hash(request(rows + 1)) != prompt_hash(request(None))
