@@ -184,12 +184,13 @@ def _prompts(server: OpenAIServer, req: CompletionRequest) -> list[PromptInput]:
     """The request's prompts: those of ``prompt_embeds`` first (vLLM's order), then ``prompt``'s."""
     embeds: list[PromptInput] = []
     if req.prompt_embeds is not None:
-        require(server.engine().config.model.enable_prompt_embeds, ENABLE_ERROR, "prompt_embeds")
+        model = server.engine().config.model
+        require(model.enable_prompt_embeds, ENABLE_ERROR, "prompt_embeds")
         require(not req.echo, "Echo is unsupported with prompt embeds.", "echo")
         require(req.prompt_logprobs is None, "prompt_logprobs is not compatible with prompt embeds.",
                 "prompt_logprobs")
         require(not req.use_beam_search, "use_beam_search is not supported with prompt embeds", "use_beam_search")
-        hidden_size = server.engine().config.model.arch.hidden_size
+        hidden_size = model.arch.hidden_size
         try:
             embeds = [PromptInput(None, None, rows) for rows in completion_embeds(req.prompt_embeds)]
             for p in embeds:

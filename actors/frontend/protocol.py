@@ -427,7 +427,7 @@ class CompletionRequest(GenerationRequest, kw_only=True):
     spaces_between_special_tokens: bool | None = True   # vLLM's; a fast tokenizer's output does not depend on it
     suffix: str | None = None        # OpenAI's: refused, as vLLM refuses it
     # vLLM's (--enable-prompt-embeds): base64 of a torch.save'd (tokens, hidden) tensor, or a list
-    # of them, each a prompt before those of ``prompt`` (actors/frontend/prompt_embeds.py)
+    # of them, each a prompt before those of ``prompt`` (actors/tokenizer/prompt_embeds.py)
     prompt_embeds: str | list[str] | None = None
 
     @property
