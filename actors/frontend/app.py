@@ -17,8 +17,8 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from actors.frontend import (anthropic, chat, completions, control, dashboard, debug, lora, misc, observe,
-                             request_log, responses, scale_out, sse)
+from actors.frontend import (anthropic, chat, chat_batch, completions, control, dashboard, debug, generative_scoring,
+                             lora, misc, observe, request_log, responses, scale_out, sse)
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
@@ -150,6 +150,8 @@ class OpenAIServer:
             ("POST", "/reset_prefix_cache", misc.reset_prefix_cache),
             ("GET", "/load", misc.load), ("GET", "/kv_event_sources", misc.kv_event_sources),
             ("POST", "/v1/chat/completions", self._loading(chat.chat_completions)),
+            ("POST", chat_batch.PATH, self._loading(chat_batch.batch_chat_completions)),
+            ("POST", generative_scoring.PATH, self._loading(generative_scoring.generative_scoring)),
             ("POST", "/v1/completions", self._loading(completions.completions)),
             ("POST", "/v1/responses", self._loading(responses.create_response)),
             ("POST", anthropic.MESSAGES, self._loading(anthropic.create_message)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client as http_client
 import json
+import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -1037,3 +1038,84 @@ def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, mode
     ok = http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1,
                                             "spaces_between_special_tokens": False, "thinking_token_budget": None})
     assert ok.status_code == 200, ok.text
+
+
+def test_chat_batch_answers_each_conversation_as_the_chat_endpoint_does(http, model):
+    """vLLM's /v1/chat/completions/batch: choice i is conversation i's answer, the same text as
+    the chat endpoint gives it alone; usage sums every conversation's; the fields it does not
+    take are a 400 naming them, and a refused conversation leaves nothing running."""
+    convs = [CAPITAL, [{"role": "user", "content": "What is 2 + 2?"}],
+             [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a colour."}]]
+    shared = {"model": model, "temperature": 0, "max_tokens": 8, "return_token_ids": True}
+    batch = http.post("/v1/chat/completions/batch", json={**shared, "messages": convs})
+    assert batch.status_code == 200, batch.text
+    body = batch.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    alone = [http.post("/v1/chat/completions", json={**shared, "messages": conv}).json() for conv in convs]
+    for choice, single in zip(body["choices"], alone):
+        assert choice["message"] == single["choices"][0]["message"]
+        assert choice["token_ids"] == single["choices"][0]["token_ids"]
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert body["usage"][key] == sum(a["usage"][key] for a in alone)
+    for field, value in (("n", 2), ("stream", True), ("use_beam_search", True), ("tool_choice", "auto"),
+                         ("tools", [{"type": "function", "function": {"name": "f"}}]), ("prompt_logprobs", 1),
+                         ("messages", CAPITAL)):
+        resp = http.post("/v1/chat/completions/batch", json={"messages": convs, **{field: value}})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == field, (field, resp.text)
+    too_long = [{"role": "user", "content": "word " * 9000}]      # past the context: refused once admitted
+    bad_last = http.post("/v1/chat/completions/batch",
+                         json={"messages": [CAPITAL, too_long], "max_tokens": 2000, "ignore_eos": True})
+    assert bad_last.status_code == 400 and "context" in bad_last.text, bad_last.text
+
+    def metric(*names: str) -> float:
+        lines = [line for line in http.get("/metrics").text.splitlines() if line.startswith(names)]
+        assert lines, names
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    time.sleep(1.0)           # the first conversation, admitted before the second was refused, was ended
+    generated = metric("vllm:generation_tokens_total")
+    time.sleep(1.0)
+    assert metric("vllm:generation_tokens_total") == generated
+    assert metric("vllm:num_requests_running", "vllm:num_requests_waiting") == 0
+    assert http.get("/load").json() == {"server_load": 0}
+
+
+def test_generative_scoring_reads_the_next_tokens_probabilities_of_the_labels(http, model):
+    """vLLM's /generative_scoring: each item's score is the first label's probability after
+    query + item (item + query with item_first), over the labels alone or, with apply_softmax
+    off, the model's own: exactly what a completion's logprob_token_ids read for that prompt."""
+    labels = [http.post("/tokenize", json={"prompt": w, "add_special_tokens": False}).json()["tokens"][0]
+              for w in (" Paris", " London")]
+    query, items = "The capital of France is", ["", " the city of"]
+
+    def label_logprobs(prompt: str) -> list[float]:
+        out = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1, "logprobs": 0,
+                                                 "logprob_token_ids": labels, "return_tokens_as_token_ids": True})
+        top = out.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+        return [top[f"token_id:{t}"] for t in labels]
+
+    expected = [label_logprobs(query + item) for item in items]
+    for apply_softmax in (True, False):
+        resp = http.post("/generative_scoring", json={"model": model, "query": query, "items": items,
+                                                      "label_token_ids": labels, "apply_softmax": apply_softmax})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["object"] == "list" and body["id"].startswith("generative-scoring-")
+        assert [d["index"] for d in body["data"]] == [0, 1] and {d["object"] for d in body["data"]} == {"score"}
+        for d, (paris, london) in zip(body["data"], expected):
+            want = 1 / (1 + math.exp(london - paris)) if apply_softmax else math.exp(paris)
+            assert abs(d["score"] - want) < 1e-4, (d, want)
+        assert body["usage"]["completion_tokens"] == 2
+    assert body["data"][0]["score"] > 0.5         # " Paris" is the likelier capital of France
+    ids = http.post("/tokenize", json={"prompt": query, "add_special_tokens": False}).json()["tokens"]
+    flipped = http.post("/generative_scoring", json={"query": ids[2:], "items": [ids[:2]], "item_first": True,
+                                                     "label_token_ids": labels, "apply_softmax": False}).json()
+    assert abs(flipped["data"][0]["score"] - math.exp(expected[0][0])) < 1e-4
+    for body, param in (({"query": "x", "items": [], "label_token_ids": labels}, "items"),
+                        ({"query": "x", "items": ["a", [1]], "label_token_ids": labels}, "items"),
+                        ({"query": "x", "items": ["a"], "label_token_ids": []}, "label_token_ids"),
+                        ({"query": "x", "items": ["a"], "label_token_ids": [10 ** 9]}, "label_token_ids"),
+                        ({"query": [10 ** 9], "items": ["a"], "label_token_ids": labels}, "query")):
+        resp = http.post("/generative_scoring", json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.text)
