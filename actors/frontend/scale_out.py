@@ -6,6 +6,8 @@ tokenizes apart from the engine (or an RL loop that keeps its own token ids) dri
                                      with the chat template and tokenized, its sampling parameters)
   POST /v1/completions/render        a completion request -> one GenerateRequest per prompt
   POST /v1/responses/render          a Responses request -> the GenerateRequest of the chat it becomes
+  POST /v1/messages/render           an Anthropic Messages request -> the GenerateRequest of the chat
+                                     it is answered as
   POST /inference/v1/generate        a GenerateRequest -> the generated token ids (``output_mode``
                                      "tokens"), or token ids and text ("text"); streamed with
                                      ``"stream": true``
@@ -28,6 +30,7 @@ import msgspec
 from aiohttp import web
 
 from actors.engine.sampling_params import SamplingParams
+from actors.frontend import anthropic
 from actors.frontend.chat import start_chat
 from actors.frontend.completions import start_completion
 from actors.frontend.errors import bad_request, error_response, json_encoder
@@ -188,6 +191,16 @@ async def render_response(server: OpenAIServer, request: web.Request) -> web.Res
     header = request.headers.get("X-Request-Id")
     rid = "resp_" + (header or gen.id.removeprefix(gen.id_prefix))
     return _json(_rendered(gen.choices, rid, chat, bool(req.stream)))
+
+
+async def render_messages(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's /v1/messages/render: an Anthropic Messages request rendered as the chat completion
+    /v1/messages answers it with (the same conversion, so the same tokens)."""
+    req = await server.read(request, anthropic.MessagesRequest)
+    chat = server.decode(json_encoder.encode(anthropic.chat_body(req, anthropic.merges_inline_system(server))),
+                         ChatCompletionRequest)
+    gen, stream = await start_chat(server, chat, time.time(), _renderer(server, chat))
+    return _json(_rendered(gen.choices, _render_id(request, gen), chat, stream))
 
 
 class TokensGeneration(Generation):
@@ -662,6 +675,7 @@ GENERATE = "/inference/v1/generate"
 ROUTES = [("POST", "/v1/chat/completions/render", render_chat),
           ("POST", "/v1/completions/render", render_completion),
           ("POST", "/v1/responses/render", render_response),
+          ("POST", "/v1/messages/render", render_messages),
           ("POST", GENERATE, generate),
           ("POST", "/inference/v1/abort_requests", abort_requests),
           ("POST", "/v1/chat/completions/derender", derender_chat),

@@ -257,6 +257,20 @@ def test_a_rendered_responses_request_generates_the_responses_endpoints_text(ser
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "previous_response_id"
 
 
+def test_a_rendered_anthropic_messages_request_generates_the_messages_endpoints_text(server):
+    """vLLM's /v1/messages/render: the chat /v1/messages answers with, rendered to token ids."""
+    request = {"model": "smol", "max_tokens": 8, "temperature": 0, "system": "Answer briefly.",
+               "messages": [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]}
+    direct = _post(server, "/v1/messages", request).json()
+    rendered = _post(server, "/v1/messages/render", request).json()
+    assert rendered["request_id"].startswith("chatcmpl-") and rendered["sampling_params"]["max_tokens"] == 8
+    assert len(rendered["token_ids"]) == direct["usage"]["input_tokens"] + direct["usage"].get("cache_read_input_tokens", 0)
+    out = _post(server, "/inference/v1/generate", {**rendered, "output_mode": "text"}).json()
+    assert out["choices"][0]["text"] == direct["content"][0]["text"]
+    resp = _post(server, "/v1/messages/render", {"model": "smol", "messages": []})
+    assert resp.status_code == 400, resp.text
+
+
 # -- hostile bodies: each a valid body with one field (at the top, in sampling_params, in a choice)
 # replaced by generated junk; the answers come in time, never a 5xx, errors in the one shape
 VLLM_STREAM_STATE = {"prev_tokens": ["Hello"], "prefix_offset": 0, "read_offset": 1, "role_sent": True}
