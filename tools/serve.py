@@ -24,7 +24,7 @@ from actors.engine.args import EngineArgs, at_least
 from actors.frontend.cors import CorsPolicy
 from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tls import TlsFiles
-from actors.frontend.tool_parsers import TOOL_PARSERS
+from actors.frontend.tool_parsers import TOOL_PARSERS, ToolParserManager
 from actors.frontend.reasoning import REASONING_PARSERS
 from actors.grammar.config import structured_outputs_config
 from actors.engine import vllm_env
@@ -103,9 +103,14 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                    help="vLLM's: a streamed completion that has sent nothing for this long (queued, in "
                         "prefill, between tokens) sends an SSE comment line, so proxies with read timeouts "
                         "keep the connection; 0: never")
-    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+    p.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(sorted(TOOL_PARSERS)) + "}",
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
-                        "Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": ...})")
+                        "Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": ...}), or one a "
+                        "--tool-parser-plugin registers")
+    p.add_argument("--tool-parser-plugin", default="", metavar="FILE",
+                   help="vLLM's: a Python file run at start-up that registers tool parsers "
+                        "(ToolParserManager.register_module in actors.frontend.tool_parsers), which "
+                        "--tool-call-parser may then name")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a thinking model's output into the message's reasoning (between <think> and "
                         "</think>) and content: deepseek_r1 (the template opens the thinking) or qwen3 (the "
@@ -188,6 +193,14 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
         if args.model is not None and args.model != args.model_tag:
             p.error(f"the model is given twice, and differently: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
+    if args.tool_parser_plugin:
+        try:
+            ToolParserManager.import_tool_parser(args.tool_parser_plugin)
+        except ValueError as exc:
+            p.error(str(exc))
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        p.error(f"invalid tool call parser: {args.tool_call_parser} (choose from "
+                f"{{ {','.join(sorted(TOOL_PARSERS))} }})")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error("--enable-auto-tool-choice requires --tool-call-parser")
     args.api_key = tuple(args.api_key) if args.api_key else (

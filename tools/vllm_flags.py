@@ -100,7 +100,6 @@ REFUSED: dict[str, str] = {
     "--aggregate-engine-logging": _PARALLEL,
     # the HTTP frontend
     "--middleware": "Troupe adds no ASGI middleware (a troupe.endpoints plugin adds routes)",
-    "--tool-parser-plugin": "Troupe loads no tool parser plugins (see --tool-call-parser)",
     "--tool-server": "Troupe runs no built-in tools",
     "--h11-max-incomplete-event-size": _HTTP,
     "--h11-max-header-count": _HTTP, "--tokens-only": _HTTP,

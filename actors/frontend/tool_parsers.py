@@ -192,6 +192,70 @@ def register(cls: type[ToolParser]) -> type[ToolParser]:
     return cls
 
 
+class ToolParserManager:
+    """vLLM's registry interface for tool parsers, over ``TOOL_PARSERS``: a file given to
+    ``--tool-parser-plugin`` registers its parsers with it (vLLM's flag), and
+    ``--tool-call-parser`` then names one::
+
+        from actors.frontend.tool_parsers import Call, Reading, ToolParser, ToolParserManager
+
+        @ToolParserManager.register_module("pipe")
+        class PipeToolParser(ToolParser):
+            def read(self, text, final):          # "name|{json arguments}" is one call
+                ...
+    """
+    tool_parsers = TOOL_PARSERS
+
+    @classmethod
+    def register_module(cls, name: str | list[str] | None = None, force: bool = True,
+                        module: type[ToolParser] | None = None) -> Any:
+        """Register ``module`` under ``name`` (names; default: its ``name``, else its class
+        name), or, without ``module``, return a decorator that does. ``force`` off: a name
+        already taken is a KeyError."""
+        if not isinstance(force, bool):
+            raise TypeError(f"force must be a boolean, but got {type(force)}")
+
+        def add(parser: type[ToolParser]) -> type[ToolParser]:
+            if not (isinstance(parser, type) and issubclass(parser, ToolParser)):
+                raise TypeError(f"a tool parser must subclass ToolParser, got {parser!r}")
+            names = [name] if isinstance(name, str) else list(name or [getattr(parser, "name", parser.__name__)])
+            for n in names:
+                if not force and n in TOOL_PARSERS:
+                    raise KeyError(f"{n} is already registered as a tool parser")
+            if not isinstance(getattr(parser, "name", None), str):
+                parser.name = names[0]
+            for n in names:
+                TOOL_PARSERS[n] = parser
+            return parser
+
+        return add(module) if module is not None else add
+
+    @classmethod
+    def get_tool_parser(cls, name: str) -> type[ToolParser]:
+        if name not in TOOL_PARSERS:
+            raise KeyError(f"tool helper parser '{name}' not found.")
+        return TOOL_PARSERS[name]
+
+    @classmethod
+    def import_tool_parser(cls, plugin_path: str) -> None:
+        """Run the Python file ``plugin_path`` (its parsers register themselves); ValueError
+        naming it when it cannot be read or fails."""
+        import importlib.util
+        import os
+        import sys
+        module_name = os.path.splitext(os.path.basename(plugin_path))[0]
+        if not os.path.isfile(plugin_path):
+            raise ValueError(f"--tool-parser-plugin {plugin_path}: no such file")
+        try:
+            spec = importlib.util.spec_from_file_location(module_name, plugin_path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(module_name, None)
+            raise ValueError(f"--tool-parser-plugin {plugin_path} failed: {type(exc).__name__}: {exc}") from exc
+
+
 def tool_parser(name: str) -> ToolParser:
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}; choose from {', '.join(sorted(TOOL_PARSERS))}")

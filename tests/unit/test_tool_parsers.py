@@ -4,6 +4,7 @@ while it may be the start of a tag)."""
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import jsonschema
@@ -12,8 +13,9 @@ import pytest
 
 from actors.frontend.protocol import ChatCompletionRequest
 from actors.frontend.structured import NotStructured
-from actors.frontend.tool_parsers import (Call, HermesToolParser, Llama3JsonToolParser, NamedToolParser,
-                                          RequiredToolParser, ToolCallStream, tool_parser)
+from actors.frontend.tool_parsers import (TOOL_PARSERS, Call, HermesToolParser, Llama3JsonToolParser,
+                                          NamedToolParser, RequiredToolParser, ToolCallStream, ToolParserManager,
+                                          tool_parser)
 from actors.frontend.tools import required_schema, tool_constraint, tool_use
 
 HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], '
@@ -142,3 +144,34 @@ def test_auto_needs_the_servers_parser_and_tools_without_a_choice_mean_auto():
     assert isinstance(tool_use(request(tools=TOOLS), "hermes").parser, HermesToolParser)
     assert tool_use(request(tools=TOOLS, tool_choice="none"), None) is None
     assert tool_use(request(), None) is None
+
+
+PLUGIN = os.path.join(os.path.dirname(__file__), "..", "plugins", "troupe_example_plugins", "tool_parser.py")
+
+
+def test_a_tool_parser_plugin_file_registers_a_parser_the_server_can_name(tmp_path, capsys):
+    """vLLM's --tool-parser-plugin: the file runs at start-up and registers its parser, which
+    --tool-call-parser then names; its calls stream as the built-in parsers' do."""
+    from tools import serve
+    args = serve.parse_args(["--tool-parser-plugin", PLUGIN, "--tool-call-parser", "example_xml",
+                             "--enable-auto-tool-choice"])
+    assert args.tool_call_parser == "example_xml" and "example_xml" in TOOL_PARSERS
+    text = 'Checking. <call name="get_weather">{"city": "Paris"}</call> and <call name="add">{"a": 1}</call>'
+    whole = tool_parser("example_xml").read(text, True)
+    assert whole.content == "Checking.  and " and [(c.name, json.loads(c.arguments)) for c in whole.calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 1})]
+    for sizes in ([1] * len(text), [7, 30, 100]):
+        content, calls, _ = stream_all(tool_parser("example_xml"), text, sizes)
+        assert content == whole.content and [c["name"] for c in calls] == ["get_weather", "add"]
+    bad = tmp_path / "broken.py"
+    bad.write_text("raise RuntimeError('no parser here')\n")
+    for argv, words in ((["--tool-parser-plugin", str(bad)], "broken.py failed: RuntimeError: no parser here"),
+                        (["--tool-parser-plugin", str(tmp_path / "none.py")], "none.py: no such file"),
+                        (["--tool-call-parser", "no_such_parser"], "invalid tool call parser: no_such_parser")):
+        with pytest.raises(SystemExit) as exc:
+            serve.parse_args(argv)
+        assert exc.value.code == 2 and words in capsys.readouterr().err
+    with pytest.raises(KeyError):
+        ToolParserManager.register_module("example_xml", force=False, module=HermesToolParser)
+    with pytest.raises(TypeError):
+        ToolParserManager.register_module("x", module=dict)
