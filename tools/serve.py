@@ -4,8 +4,8 @@ vLLM flags Troupe does not implement are refused by name: tools/vllm_flags.py).
 
 Three processes: this one (HTTP frontend, tokenizer, detokenizer), the engine core
 (scheduler, KV manager, executor) and the worker (model runner). Ctrl-C or SIGTERM stops taking
-requests, lets the running ones finish (``--shutdown-timeout``) and stops all three; a second
-one stops at once."""
+requests, ends the running ones with an error (or, with ``--shutdown-timeout N``, lets them
+finish for up to N seconds first) and stops all three; a second one stops at once."""
 from __future__ import annotations
 
 import argparse
@@ -75,9 +75,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="abort a request (freeing its KV cache) that has not finished this long after "
                         "it arrived; 0: no limit (a request may set its own, request_timeout)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, stop taking requests and let running ones finish this long, "
-                        "then abort the rest")
+    p.add_argument("--shutdown-timeout", type=at_least(float, 0.0), default=0.0, metavar="SECONDS",
+                   help="vLLM's: on SIGTERM, stop taking requests and let the running ones finish this "
+                        "long, then end the rest with an error; 0 (vLLM's default): end them at once")
     p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                    help='tool_choice "auto" (the default when a request has tools): tool calls read out of '
                         "the model's text with --tool-call-parser")

@@ -66,9 +66,10 @@ def test_a_request_past_the_server_timeout_is_aborted_with_a_clear_error():
 
 
 def test_sigterm_lets_running_requests_finish_refuses_new_ones_and_exits_cleanly():
-    """Requests refused with a 400 (a request_id past 256 characters, found after the prompt was
-    checked) leave nothing open: the stop waits for the four running requests only."""
-    s = Server("--threads", "1")
+    """With --shutdown-timeout: requests refused with a 400 (a request_id past 256 characters,
+    found after the prompt was checked) leave nothing open: the stop waits for the four running
+    requests only."""
+    s = Server("--shutdown-timeout", "60", "--threads", "1")
     pids = s.all_pids()
     try:
         async def main():
@@ -102,17 +103,20 @@ def test_sigterm_lets_running_requests_finish_refuses_new_ones_and_exits_cleanly
 
 
 def test_requests_outliving_the_shutdown_timeout_end_with_an_error():
-    s = Server("--shutdown-timeout", "1", "--threads", "1")
+    """vLLM's default --shutdown-timeout 0: SIGTERM ends a running request at once, with an error."""
+    s = Server("--threads", "1")
     try:
         async def main():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
                 long = asyncio.ensure_future(post(session, s.url, LONG))
                 await asyncio.sleep(1.0)
                 s.proc.send_signal(signal.SIGTERM)
-                return await long
-        status, body, _ = asyncio.run(main())
+                t0 = time.monotonic()
+                return await long, time.monotonic() - t0
+        (status, body, _), ended_after = asyncio.run(main())
         code = s.wait(30)
     finally:
         s.stop()
     assert status == 500 and "shut down before the request finished" in body["error"]["message"], body
+    assert ended_after < 10, ended_after          # not the 4,000 tokens it asked for
     assert code == 0
