@@ -93,6 +93,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                         "(a request as token ids and sampling parameters), /inference/v1/generate (token ids in, "
                         "token ids out), /inference/v1/abort_requests and the /derender ones (token ids back to "
                         "the OpenAI answer) (vLLM's flag: off, they answer 403)")
+    p.add_argument("--tokens-only", action=argparse.BooleanOptionalAction, default=False,
+                   help="vLLM's: a token-in-token-out server: no tokenizer (--skip-tokenizer-init), the "
+                        "scale-out endpoints served (/inference/v1/generate answering token ids), and "
+                        "POST /abort_requests")
     p.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="vLLM's: chat template variables for every chat request, e.g. '{\"enable_thinking\": "
                         "false}'; a request's chat_template_kwargs override them")
@@ -203,6 +207,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                 f"{{ {','.join(sorted(TOOL_PARSERS))} }})")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.tokens_only:                # vLLM's: no tokenizer, and the token-in-token-out endpoints served
+        args.skip_tokenizer_init = args.enable_scale_out = True
+    if args.skip_tokenizer_init:
+        for flag, given in (("--reasoning-parser", args.reasoning_parser), ("--enable-auto-tool-choice",
+                            args.enable_auto_tool_choice), ("--chat-template", args.chat_template)):
+            if given:
+                p.error(f"{flag} reads text, and --skip-tokenizer-init loads no tokenizer")
     args.api_key = tuple(args.api_key) if args.api_key else (
         (os.environ["VLLM_API_KEY"],) if os.environ.get("VLLM_API_KEY") else None)
     args.log_level = (args.log_level or os.environ.get(logs.LEVEL_ENV) or os.environ.get("VLLM_LOGGING_LEVEL")
@@ -321,6 +332,7 @@ async def serve(args: argparse.Namespace) -> int:
                                                     trust_request_chat_template=args.trust_request_chat_template,
                                                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                                                     enable_scale_out=args.enable_scale_out,
+                                                    tokens_only=args.tokens_only,
                                                     default_chat_template_kwargs=args.default_chat_template_kwargs,
                                                     stream_interval=args.stream_interval,
                                                     sse_keep_alive_interval=args.sse_keep_alive_interval,

@@ -56,7 +56,6 @@ REFUSED: dict[str, str] = {
     "--download-dir": "Troupe never downloads",
     "--safetensors-load-strategy": _LOADING, "--model-loader-extra-config": _LOADING,
     "--ignore-patterns": _LOADING, "--use-tqdm-on-load": _LOADING, "--pt-load-map-location": _LOADING,
-    "--skip-tokenizer-init": _LOADING,
     "--rope-scaling": _LOADING, "--rope-theta": _LOADING, "--override-attention-dtype": _LOADING,
     "--disable-sliding-window": _LOADING,
     "--max-seq-len-to-capture": _COMPILE,
@@ -102,7 +101,7 @@ REFUSED: dict[str, str] = {
     "--middleware": "Troupe adds no ASGI middleware (a troupe.endpoints plugin adds routes)",
     "--tool-server": "Troupe runs no built-in tools",
     "--h11-max-incomplete-event-size": _HTTP,
-    "--h11-max-header-count": _HTTP, "--tokens-only": _HTTP,
+    "--h11-max-header-count": _HTTP,
 }
 
 # vLLM 0.32's other flags, by what they are about
@@ -172,11 +171,10 @@ BOOLEAN = frozenset({
     "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--enable-dbo",
     "--disable-nccl-for-dp-synchronization", "--enable-eplb", "--eplb-log-balancedness",
     "--ray-workers-use-nsight", "--disable-custom-all-reduce", "--disable-frontend-multiprocessing",
-    "--use-tqdm-on-load", "--skip-tokenizer-init", "--disable-sliding-window",
+    "--use-tqdm-on-load", "--disable-sliding-window",
     "--enable-mm-embeds", "--interleave-mm-strings",
     "--skip-mm-profiling", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",
-    "--tokens-only",
     # vLLM 0.32's
     "--allow-deprecated-quantization", "--cohere-is-reasoning-model", "--cudagraph-metrics", "--dcp-q-replicate",
     "--enable-batch-sharded-sampling", "--enable-cumem-allocator", "--enable-elastic-ep", "--enable-ep-weight-filter",

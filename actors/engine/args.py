@@ -48,6 +48,7 @@ class EngineArgs:
     load_format: str = "auto"             # vLLM's: what the weights are (Troupe reads it from the files)
     enable_sleep_mode: bool = False
     enable_prompt_embeds: bool = False    # vLLM's: prompts may be given as input embeddings
+    skip_tokenizer_init: bool = False     # vLLM's: load no tokenizer (token ids in and out)
     hf_overrides: dict[str, Any] | str | None = None   # vLLM's: config.json keys over the checkpoint's
     tokenizer: str | None = None          # None: the model's own
     served_model_name: str | list[str] | tuple[str, ...] | None = None   # None: the model's own name
@@ -153,6 +154,7 @@ class EngineArgs:
                               chat_template_content_format=self.chat_template_content_format,
                               enable_sleep_mode=self.enable_sleep_mode,
                               enable_prompt_embeds=self.enable_prompt_embeds,
+                              skip_tokenizer_init=self.skip_tokenizer_init,
                               served_model_names=(names,) if isinstance(names, str) else tuple(names or ()),
                               max_logprobs=self.max_logprobs, generation_config=self.generation_config,
                               sampling_defaults=load_sampling_defaults(source, self.generation_config,
@@ -479,6 +481,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="vLLM's: /v1/completions takes prompt_embeds (base64 of a torch.save'd (tokens, hidden) "
                  "tensor, or a list of them) and LLM.generate {'prompt_embeds': tensor}: the model reads "
                  "the rows instead of token embeddings")),
+        (("--skip-tokenizer-init",), "skip_tokenizer_init", dict(
+            action=argparse.BooleanOptionalAction, default=d["skip_tokenizer_init"],
+            help="vLLM's: load no tokenizer (the checkpoint may have none): prompts come as token ids, "
+                 "answers carry token ids (their text empty); text prompts, chat, stop strings and "
+                 "structured outputs are refused")),
         (("--hf-overrides",), "hf_overrides", dict(
             default=d["hf_overrides"], metavar="JSON",
             help="vLLM's: config.json keys over the checkpoint's, as a JSON object (e.g. "

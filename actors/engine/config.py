@@ -62,6 +62,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     chat_template_content_format: str = "auto"   # message content as a string or OpenAI's parts ("auto": as the template reads it)
     enable_sleep_mode: bool = False        # the engine may sleep (give back its memory) at levels 1 and 2
     enable_prompt_embeds: bool = False     # prompts may come as input embeddings (vLLM's prompt_embeds)
+    skip_tokenizer_init: bool = False      # vLLM's: no tokenizer; prompts and answers as token ids only
     served_model_names: tuple[str, ...] = ()   # the names the API answers to; (): the source's name
     max_logprobs: int = DEFAULT_MAX_LOGPROBS   # most log-probs a request may ask for; -1: no bound
     generation_config: str = "auto"        # where request defaults come from (GENERATION_CONFIGS or a folder)

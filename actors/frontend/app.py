@@ -65,6 +65,7 @@ class ServerOptions:
     trust_request_chat_template: bool = False  # a chat request may bring its own template
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (it shows the chat template)
     enable_scale_out: bool = False         # render, token-in-token-out generate (403 without, as vLLM)
+    tokens_only: bool = False              # vLLM's --tokens-only: also POST /abort_requests (scale_out's)
     default_chat_template_kwargs: dict[str, Any] | None = None   # under every chat request's own
     stream_interval: int = 1               # new tokens per streamed chunk after the first (--stream-interval)
     sse_keep_alive_interval: float = 0.0   # seconds of silence before a stream sends a comment line; 0: never
@@ -100,6 +101,7 @@ class OpenAIServer:
         self.responses = responses.ResponseStore()     # for GET /v1/responses/{id} and previous_response_id
         self.server_load = 0             # generation requests being answered (GET /load)
         self.anthropic_merge_system: bool | None = None   # the template takes one leading system message only
+        self.has_text = True             # False: --skip-tokenizer-init (token ids in and out, no text)
         self.reasoning_parser = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
         if client is not None:
             self.attach(client)
@@ -107,8 +109,11 @@ class OpenAIServer:
     def attach(self, client: EngineClient) -> None:
         """Serve with ``client``; ValueError when --reasoning-parser does not fit its model."""
         if self.reasoning_parser is not None:
+            if not client.tokenizer.has_text:
+                raise ValueError("--reasoning-parser reads text, and --skip-tokenizer-init loads no tokenizer")
             self.reasoning_parser.check(client.tokenizer)
         self.token_text = TokenText(client.tokenizer)
+        self.has_text = client.tokenizer.has_text
         self.vocab_size = min(client.tokenizer.vocab_size, client.vocab_size)
         model = client.config.model
         self.request_defaults = ServerDefaults(model.max_logprobs, model.sampling_defaults)
@@ -168,6 +173,8 @@ class OpenAIServer:
                    for method, path, handler in scale_out.routes(self.options.enable_scale_out)]
         if control.enabled():            # only with VLLM_SERVER_DEV_MODE, as in vLLM
             routes += control.ROUTES
+        elif self.options.tokens_only:    # vLLM's legacy path of a token-in-token-out server
+            routes.append(("POST", "/abort_requests", scale_out.abort_requests))
         if self.options.profiling:       # only with --profiler-config, as in vLLM
             routes += control.PROFILE_ROUTES
         if self.inject is not None and faults.enabled():
@@ -298,6 +305,9 @@ class OpenAIServer:
 
     async def check_grammar_spec(self, spec: StructuredOutputsParams, param: str) -> None:
         """``spec``'s grammar compiled; 400 naming ``param`` when it cannot be."""
+        if not self.has_text:
+            raise bad_request("Structured outputs requires a tokenizer so it can't be used with "
+                              "'skip_tokenizer_init'", param)
         try:
             await self.engine().check_grammar(spec)
         except InvalidGrammar as exc:
@@ -309,6 +319,11 @@ class OpenAIServer:
         if kwargs.get("timeout_s") is None:
             kwargs["timeout_s"] = self.options.request_timeout or None
         kwargs["stream_interval"] = max(kwargs.get("stream_interval") or 1, self.options.stream_interval)
+        if not self.has_text:            # --skip-tokenizer-init: the field named
+            for name, given in (("stop", params.stop), ("bad_words", params.bad_words)):
+                if given:
+                    raise bad_request(f"{name} is not supported with --skip-tokenizer-init (there is no text to "
+                                      f"read it in){': use stop_token_ids' if name == 'stop' else ''}", name)
         try:
             handle = await self.engine().submit(params, **kwargs)
             if self.options.log_requests:

@@ -76,7 +76,9 @@ class CompletionGeneration(Generation):
     def delta(self, c: Choice, out: RequestOutput) -> dict | None:
         shown = self._delta(c, out)
         if shown is None or not (shown[0] or (shown[1] and shown[1]["tokens"])):
-            return None
+            if not (self.answer.ids_only and self.answer.return_token_ids and out.token_ids):
+                return None
+            shown = ("", None)     # no text to wait for: the new token ids go out as they come
         return {"index": c.index, "text": shown[0], "logprobs": shown[1], "finish_reason": None}
 
     def finish(self, c: Choice, out: RequestOutput) -> dict:

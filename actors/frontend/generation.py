@@ -33,6 +33,7 @@ class Answer:
     return_token_ids: bool = False        # the prompt's token ids and each choice's
     prompt_logprobs: bool = False         # the prompt's log-probs (prompt_logprobs set)
     continuous_usage: bool = False        # streamed: the usage so far in every chunk (vLLM's continuous_usage_stats)
+    ids_only: bool = False                # the server loads no tokenizer (--skip-tokenizer-init): no text, ever
 
     @classmethod
     def of(cls, req: GenerationRequest, token_text: TokenText, as_token_ids: bool,
@@ -44,7 +45,8 @@ class Answer:
         return cls(TokenIdText(token_text) if ids else token_text, req.shown_id(), bool(req.return_token_ids),
                    req.prompt_logprobs is not None and not req.stream,
                    bool(req.stream and (force_usage or (options and options.include_usage
-                                                        and options.continuous_usage_stats))))
+                                                        and options.continuous_usage_stats))),
+                   not getattr(token_text.tokenizer, "has_text", True))
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from actors.runtime.ray_nodes import RayChild, RayPlacement, start_ray_child
 from actors.runtime.system import SYSTEM_ACTOR
 from actors.scheduler.actor import SchedulerProtocol
 from actors.tokenizer.actor import TokenizerActor
-from actors.tokenizer.gguf_tokenizer import TextTokenizer
+from actors.tokenizer.gguf_tokenizer import TextTokenizer, TokenIdsOnly
 from transport.zmq_channel import ZmqTransport, endpoint
 
 log = logging.getLogger("troupe.launch")
@@ -129,14 +129,20 @@ class Frontend:
         self.node.tracer.enabled = config.observability.trace
         if config.observability.flight_recorder_dir:
             system_actor(self.node).flight_dir = config.observability.flight_recorder_dir
-        tokenizer = TextTokenizer.from_source(source.kind, source.path)
-        if config.model.chat_template is not None:
-            tokenizer.set_chat_template(config.model.chat_template)
-        tokenizer.content_format = config.model.chat_template_content_format
-        if tokenizer.chat_template:
-            found = tokenizer.content_format_of(tokenizer.chat_template)
-            log.info("chat template content format: %s%s", found,
-                     " (detected; --chat-template-content-format sets it)" if tokenizer.content_format == "auto" else "")
+        tokenizer: TextTokenizer | TokenIdsOnly | None = None      # --skip-tokenizer-init: once the model is known
+        if config.model.skip_tokenizer_init:
+            if config.model.chat_template is not None:
+                raise ValueError("--chat-template cannot be used with --skip-tokenizer-init: there is no "
+                                 "tokenizer to render a chat with")
+        else:
+            tokenizer = TextTokenizer.from_source(source.kind, source.path)
+            if config.model.chat_template is not None:
+                tokenizer.set_chat_template(config.model.chat_template)
+            tokenizer.content_format = config.model.chat_template_content_format
+            if tokenizer.chat_template:
+                found = tokenizer.content_format_of(tokenizer.chat_template)
+                log.info("chat template content format: %s%s", found, " (detected; "
+                         "--chat-template-content-format sets it)" if tokenizer.content_format == "auto" else "")
         dp = config.parallel.data_parallel_size
         self._restarts = RestartBudget(config.parallel.max_restarts * dp, config.parallel.restart_window_s)
         if config.parallel.data_parallel_backend == "ray":
@@ -145,6 +151,9 @@ class Frontend:
         engine = engines[0]
         config = engine.config                          # resolved by the worker
         arch = config.model.arch
+        if tokenizer is None:
+            tokenizer = TokenIdsOnly(arch.vocab_size, arch.eos_token_ids)
+            log.info("no tokenizer loaded (--skip-tokenizer-init): prompts and answers are token ids")
         if config.model.tokenizer_source is not None and arch is not None and tokenizer.vocab_size > arch.vocab_size:
             raise ValueError(f"--tokenizer {config.model.tokenizer_source.served_name!r}: its vocabulary "
                              f"({tokenizer.vocab_size} tokens) does not fit the model's ({arch.vocab_size})")

@@ -53,6 +53,8 @@ class TokenText:
         return hit
 
     def _compute(self, token_id: int) -> tuple[str, list[int]]:
+        if not getattr(self.tokenizer, "has_text", True):     # --skip-tokenizer-init: ids are all there is
+            return f"token_id:{token_id}", []
         text = self.tokenizer.decode([token_id], skip_special_tokens=False)
         if "\ufffd" not in text:
             return text, list(text.encode("utf-8"))

@@ -14,6 +14,7 @@ from actors.kv_manager.kv_events import offset_endpoint
 from actors.frontend.params import chat_messages, check_chat_flags
 from actors.frontend.protocol import BadRequest, DetokenizeRequest, TokenizeRequest
 from actors.frontend.tools import template_tools
+from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
@@ -161,11 +162,16 @@ async def kv_event_sources(server: OpenAIServer, request: web.Request) -> web.Re
 async def tokenizer_info(server: OpenAIServer, request: web.Request) -> web.Response:
     """vLLM's GET /tokenizer_info (with --enable-tokenizer-info-endpoint): the tokenizer's
     configuration as tokenizer_config.json holds it, for clients that tokenize through the server."""
-    return _json(server.engine().tokenizer.tokenizer_config())
+    tok = server.engine().tokenizer
+    if not tok.has_text:
+        raise BadRequest(NO_TOKENIZER)
+    return _json(tok.tokenizer_config())
 
 
 async def detokenize(server: OpenAIServer, request: web.Request) -> web.Response:
     req: DetokenizeRequest = await server.read(request, DetokenizeRequest)
+    if not server.engine().tokenizer.has_text:
+        raise BadRequest(NO_TOKENIZER)
     vocab = server.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:

@@ -294,6 +294,10 @@ async def generate(server: OpenAIServer, request: web.Request) -> web.StreamResp
             raise BadRequest(f"{name}: multimodal inputs are not supported by this server (a text-only model)", name)
     if not body.token_ids:
         raise BadRequest("token_ids must not be empty", "token_ids")
+    if body.output_mode != "tokens" and not client.tokenizer.has_text:    # its text would be empty
+        raise BadRequest(f"output_mode={body.output_mode!r} requires a tokenizer, but this server does not load one "
+                         "(--tokens-only or --skip-tokenizer-init). Send the request to a server that loads a "
+                         "tokenizer, or use output_mode='tokens'.", "output_mode")
     given = body.request_id
     require(given is None or (0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable()),
             f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable characters", "request_id")

@@ -18,7 +18,7 @@ from actors.engine.sampling_params import SamplingParams
 from actors.frontend.admission import WaitingRequests
 from actors.runtime import Actor, ActorRef, Msg, Refusal
 from actors.scheduler.actor import AddRequest
-from actors.tokenizer.gguf_tokenizer import TextTokenizer
+from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER, TEXT_PROMPTS_REFUSED, TextTokenizer, TokenIdsOnly
 
 
 OFF_LOOP_CHARS = 20_000          # longer prompts are tokenized in a thread
@@ -73,7 +73,7 @@ class TokenizerActor(Actor):
     protocol = TokenizerProtocol
     concurrent = True            # stateless: requests need not queue behind each other
 
-    def __init__(self, tokenizer: TextTokenizer, max_model_len: int, eos_token_ids: list[int],
+    def __init__(self, tokenizer: TextTokenizer | TokenIdsOnly, max_model_len: int, eos_token_ids: list[int],
                  detokenizer: ActorRef, engine: ActorRef, waiting: WaitingRequests,
                  on_prompt_tokens: Callable[[int], None] | None = None,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS, logits_size: int | None = None,
@@ -97,6 +97,8 @@ class TokenizerActor(Actor):
             msg.sampling_params.check(self.logits_size, self.max_logprobs)
         except ValueError as exc:
             raise InvalidPrompt(str(exc)) from None
+        if not self.tokenizer.has_text:
+            self._check_token_ids_only(msg)
         truncate = msg.sampling_params.truncate_prompt_tokens
         embeds = self._embeds(msg)
         if embeds is not None:            # placeholders for the positions the rows stand for
@@ -158,6 +160,24 @@ class TokenizerActor(Actor):
         if msg.sampling_params.prompt_logprobs is not None:
             raise InvalidPrompt("prompt_logprobs is not compatible with prompt embeds.")
         return rows
+
+    @staticmethod
+    def _check_token_ids_only(msg: Generate) -> None:
+        """--skip-tokenizer-init: what would need text is refused, in vLLM's words where it has them."""
+        if msg.messages is not None:
+            raise InvalidPrompt(NO_TOKENIZER)
+        if msg.prompt_token_ids is None and msg.prompt_embeds is None:
+            raise InvalidPrompt(TEXT_PROMPTS_REFUSED)
+        params = msg.sampling_params
+        if params.stop:
+            raise InvalidPrompt("stop strings are not supported with --skip-tokenizer-init (there is no text to "
+                                "find them in): use stop_token_ids")
+        if params.bad_words:
+            raise InvalidPrompt("bad_words are not supported with --skip-tokenizer-init (there is no tokenizer to "
+                                "read them with)")
+        if params.structured_outputs is not None:
+            raise InvalidPrompt("Structured outputs requires a tokenizer so it can't be used with "
+                                "'skip_tokenizer_init'")
 
     def _check_size(self, msg: Generate, enforce: bool = True) -> int:
         """The prompt's characters; PromptTooLong at once, before tokenizing, when there are

@@ -181,6 +181,7 @@ def _compiled_template(source: str) -> ChatTemplate:
 
 class TextTokenizer:
     """Encode, decode and chat-format for one model; the slice of transformers' tokenizer API the engine uses."""
+    has_text = True          # reads and writes text (TokenIdsOnly: --skip-tokenizer-init's, does not)
 
     def __init__(self, tokenizer: Tokenizer, metadata: dict[str, Any], source: str | None = None,
                  config: dict[str, Any] | None = None):
@@ -210,6 +211,9 @@ class TextTokenizer:
     def from_hf_dir(cls, path: str) -> TextTokenizer:
         """A Hugging Face checkpoint directory: tokenizer.json, and tokenizer_config.json for the
         special tokens, the BOS flag and the chat template (or chat_template.jinja)."""
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise ValueError(f"{path} has no tokenizer.json: give one with --tokenizer, or serve token ids "
+                             "without a tokenizer with --skip-tokenizer-init")
         tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         n = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -406,3 +410,65 @@ class TextTokenizer:
         """The most characters one token stands for: a text of n characters has at least
         n / max_token_chars tokens."""
         return max(map(len, self.backend_tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
+class NoTokenizer(ValueError):
+    """What needs a tokenizer was asked of a server that loads none (--skip-tokenizer-init)."""
+
+
+TEXT_PROMPTS_REFUSED = "You cannot pass text prompts when `skip_tokenizer_init=True`"
+NO_TOKENIZER = "Tokenizer not available when `skip_tokenizer_init=True`"
+
+
+class TokenIdsOnly:
+    """vLLM's --skip-tokenizer-init: no tokenizer is read. Prompts come as token ids, answers
+    carry token ids (their text empty, as vLLM's); whatever would read or write text (a text
+    prompt, a chat template, /tokenize) is a NoTokenizer error in vLLM's words."""
+    has_text = False
+    chat_template: str | None = None
+    content_format = "auto"
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    unk_token_id: int | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos_token = False
+    add_eos_token = False
+    source: str | None = None
+    max_token_chars = 1
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id: int | None = eos_token_ids[0] if eos_token_ids else None
+        self.all_special_ids: list[int] = sorted(eos_token_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        raise NoTokenizer(TEXT_PROMPTS_REFUSED)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], *args: Any, **kwargs: Any) -> list[int]:
+        raise NoTokenizer(NO_TOKENIZER)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], *args: Any, **kwargs: Any) -> str:
+        raise NoTokenizer(NO_TOKENIZER)
+
+    def set_chat_template(self, source: str) -> None:
+        raise NoTokenizer("--chat-template cannot be used with --skip-tokenizer-init: there is no tokenizer "
+                          "to render a chat with")
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        raise NoTokenizer(NO_TOKENIZER)
+
+    def token_offsets(self, text: str, ids: Sequence[int]) -> None:
+        return None
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""                      # no text: answers are their token ids
+
+    def decode_stream(self, context_ids: Sequence[int], skip_special_tokens: bool = True) -> DecodeStep:
+        return lambda token_id: ""     # each token adds no text (and the window never grows)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        return [f"token_id:{i}" for i in ids]
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        return ""
