@@ -27,6 +27,7 @@ from actors.frontend.launch import Frontend, start_frontend
 from actors.frontend.logprobs import TokenText, ranked_positions
 from actors.frontend.protocol import MAX_N
 from actors.frontend.streams import RequestOutput
+from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER
 from actors.tokenizer.prompt_embeds import embeds_array
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RepetitionDetectionParams", "GenerationResult", "CompletionOutput", "Logprob",
@@ -164,7 +165,7 @@ class AsyncLLM:
             yield out
 
     async def get_tokenizer(self) -> Any:
-        return self.client.tokenizer
+        return _text_tokenizer(self.client.tokenizer)
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; True once every engine has."""
@@ -551,7 +552,7 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (a Hugging Face ``PreTrainedTokenizerFast``), as vLLM's."""
-        return self._engine().client.tokenizer
+        return _text_tokenizer(self._engine().client.tokenizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a prompt given no sampling parameters samples with (vLLM's name; see
@@ -618,3 +619,10 @@ class LLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _text_tokenizer(tokenizer: Any) -> Any:
+    """``tokenizer``; with --skip-tokenizer-init (none loaded) vLLM's ValueError."""
+    if not tokenizer.has_text:
+        raise ValueError(NO_TOKENIZER)
+    return tokenizer

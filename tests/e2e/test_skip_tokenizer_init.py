@@ -52,6 +52,8 @@ def test_offline_generates_the_same_tokens_without_a_tokenizer(bare, greedy_with
         assert list(out.outputs[0].token_ids) == greedy_with_tokenizer and out.outputs[0].text == ""
         with pytest.raises(ValueError, match="You cannot pass text prompts when `skip_tokenizer_init=True`"):
             llm.generate(["t5 t9"], SamplingParams(max_tokens=2), use_tqdm=False)
+        with pytest.raises(ValueError, match="Tokenizer not available when `skip_tokenizer_init=True`"):
+            llm.get_tokenizer()
 
 
 def test_a_checkpoint_without_a_tokenizer_needs_the_flag(bare):
