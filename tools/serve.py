@@ -22,6 +22,7 @@ from typing import Any
 from actors import topology
 from actors.engine.args import EngineArgs, at_least
 from actors.frontend.cors import CorsPolicy
+from actors.frontend.middleware import load_middleware
 from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tls import TlsFiles
 from actors.frontend.tool_parsers import TOOL_PARSERS, ToolParserManager
@@ -93,6 +94,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                         "(a request as token ids and sampling parameters), /inference/v1/generate (token ids in, "
                         "token ids out), /inference/v1/abort_requests and the /derender ones (token ids back to "
                         "the OpenAI answer) (vLLM's flag: off, they answer 403)")
+    p.add_argument("--middleware", action="append", default=[], metavar="IMPORT_PATH",
+                   help="vLLM's: an extra middleware for the HTTP server (repeatable), by import path "
+                        "(package.module.name): an aiohttp middleware, async (request, handler) -> response, "
+                        "or a class whose instances are one; run inside the server's own, in the order given")
     p.add_argument("--tokens-only", action=argparse.BooleanOptionalAction, default=False,
                    help="vLLM's: a token-in-token-out server: no tokenizer (--skip-tokenizer-init), the "
                         "scale-out endpoints served (/inference/v1/generate answering token ids), and "
@@ -207,6 +212,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                 f"{{ {','.join(sorted(TOOL_PARSERS))} }})")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error("--enable-auto-tool-choice requires --tool-call-parser")
+    try:
+        args.middleware = tuple(load_middleware(path) for path in args.middleware)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.tokens_only:                # vLLM's: no tokenizer, and the token-in-token-out endpoints served
         args.skip_tokenizer_init = args.enable_scale_out = True
     if args.skip_tokenizer_init:
@@ -333,6 +342,7 @@ async def serve(args: argparse.Namespace) -> int:
                                                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                                                     enable_scale_out=args.enable_scale_out,
                                                     tokens_only=args.tokens_only,
+                                                    middleware=args.middleware,
                                                     default_chat_template_kwargs=args.default_chat_template_kwargs,
                                                     stream_interval=args.stream_interval,
                                                     sse_keep_alive_interval=args.sse_keep_alive_interval,

@@ -98,7 +98,6 @@ REFUSED: dict[str, str] = {
     "--collect-detailed-traces": "Troupe records spans with --no-trace off (/debug/trace)",
     "--aggregate-engine-logging": _PARALLEL,
     # the HTTP frontend
-    "--middleware": "Troupe adds no ASGI middleware (a troupe.endpoints plugin adds routes)",
     "--tool-server": "Troupe runs no built-in tools",
     "--h11-max-incomplete-event-size": _HTTP,
     "--h11-max-header-count": _HTTP,

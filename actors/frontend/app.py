@@ -80,6 +80,7 @@ class ServerOptions:
     exclude_tools_when_tool_choice_none: bool = False   # tool_choice "none": the template gets no tools
     root_path: str = ""                    # every endpoint also answers under this path (--root-path)
     profiling: bool = False                # --profiler-config names a profiler: /start_profile, /stop_profile
+    middleware: tuple[Callable, ...] = ()  # vLLM's --middleware: aiohttp middlewares, inside the server's own
 
 
 class OpenAIServer:
@@ -134,7 +135,8 @@ class OpenAIServer:
         """The server's endpoints; with a root path (vLLM's --root-path, for a proxy that serves
         this server under a path) each answers under that path too, as vLLM's does (the path
         taken off before anything looks at it: the API key, tracing, the routes)."""
-        app = web.Application(client_max_size=self.options.max_body_bytes, middlewares=[self._middleware])
+        app = web.Application(client_max_size=self.options.max_body_bytes,
+                              middlewares=[self._middleware, *self.options.middleware])
         app.on_response_prepare.append(self.options.cors.on_prepare)
         self._add_routes(app, {})
         if self.options.root_path:

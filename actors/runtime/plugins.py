@@ -99,18 +99,23 @@ def load_general_plugins() -> None:
     _general_plugins_run = True
 
 
-def resolve_class(path: str, what: str) -> type:
-    """A class from "package.module.Class" or "package.module:Class"; ValueError naming
+def resolve_object(path: str, what: str) -> Any:
+    """An object from "package.module.name" or "package.module:name"; ValueError naming
     ``what`` (the flag or field that gave it) when it is not importable."""
     module, sep, name = path.partition(":")
     if not sep:
         module, _, name = path.rpartition(".")
     if not module or not name:
-        raise ValueError(f"{what} {path!r}: not a fully qualified class name (package.module.Class)")
+        raise ValueError(f"{what} {path!r}: not a fully qualified name (package.module.name)")
     try:
-        obj = getattr(importlib.import_module(module), name)
+        return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"{what} {path!r}: cannot be imported ({exc})") from None
+
+
+def resolve_class(path: str, what: str) -> type:
+    """A class from "package.module.Class" or "package.module:Class" (see resolve_object)."""
+    obj = resolve_object(path, what)
     if not isinstance(obj, type):
         raise ValueError(f"{what} {path!r}: is not a class")
     return obj

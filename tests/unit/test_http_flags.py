@@ -289,3 +289,43 @@ def test_a_log_config_file_that_cannot_configure_logging_stops_the_command_namin
     good.write_text(_json.dumps({"version": 1}))
     assert serve.parse_args(["--log-config-file", str(good)]).log_config_file == str(good)
     assert serve.parse_args(["--disable-access-log-for-endpoints", "/health,/metrics"]).log_level == "INFO"
+
+
+async def stamp_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """A plain coroutine function (no @web.middleware): every answer it sees gets a header."""
+    response = await handler(request)
+    response.headers["X-Stamped"] = "1"
+    return response
+
+
+class TeapotMiddleware:
+    """A class: its instance answers /version itself."""
+
+    async def __call__(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.path == "/version":
+            return web.Response(status=418, text="teapot")
+        return await handler(request)
+
+
+def test_middleware_flag_adds_aiohttp_middlewares_inside_the_servers_own(capsys):
+    """vLLM's --middleware (by import path, repeatable): a function or a class's instance wraps
+    every endpoint, after the API key check (a refused request never reaches it)."""
+    args = serve.parse_args(["--middleware", f"{__name__}.stamp_middleware",
+                             "--middleware", f"{__name__}:TeapotMiddleware"])
+
+    async def main():
+        server = OpenAIServer(None, ServerOptions(api_key=("k",), middleware=args.middleware))
+        async with TestClient(TestServer(server.app())) as client:
+            out = []
+            for path, headers in (("/health", {}), ("/version", {}), ("/v1/models", {})):
+                async with client.get(path, headers=headers) as resp:
+                    out.append((resp.status, resp.headers.get("X-Stamped"), await resp.text()))
+            return out
+    health, version, refused = asyncio.run(main())
+    assert health[:2] == (503, "1")                  # loading: the server's answer, stamped
+    assert version == (418, "1", "teapot")
+    assert refused[:2] == (401, None)
+    for path, words in (("no_such_module.mw", "cannot be imported"), ("json.dumps", "not an aiohttp middleware")):
+        with pytest.raises(SystemExit):
+            serve.parse_args(["--middleware", path])
+        assert words in capsys.readouterr().err
