@@ -142,7 +142,7 @@ for _flags, _why in (
     (("--grpc", "--grpc-port", "--enable-offline-docs", "--renderer-num-workers",
       "--tool-strict-level", "--anthropic-disabled-thinking-effort",
       "--cohere-format", "--cohere-is-reasoning-model"), _HTTP),
-    (("--max-num-active-seqs", "--max-num-scheduled-tokens", "--long-prefill-token-threshold-adaptive",
+    (("--long-prefill-token-threshold-adaptive",
       "--prefill-schedule-interval", "--scheduler-reserve-full-isl", "--return-sampling-mask"), _SCHED),
     (("--prefix-cache-retention-interval", "--prefix-match-unit", "--kv-cache-dtype-skip-layers",
       "--enable-return-routed-experts"), _KV),

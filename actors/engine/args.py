@@ -68,6 +68,8 @@ class EngineArgs:
     disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_num_scheduled_tokens: int | None = None   # vLLM's: a step's token budget (None: max_num_batched_tokens)
+    max_num_active_seqs: int | None = None        # vLLM's: requests running at once (None: max_num_seqs)
     long_prefill_token_threshold: int = 0
     max_step_latency_ms: float | str = 0.0
     max_num_partial_prefills: int = 1
@@ -139,6 +141,12 @@ class EngineArgs:
         names = self.served_model_name
         speculative = speculative_config(with_spec_flags(self.speculative_config, self.spec_method,
                                                          self.spec_model, self.spec_tokens))
+        if self.max_num_active_seqs is not None and self.max_num_active_seqs > self.max_num_seqs:
+            raise ValueError(f"max_num_active_seqs ({self.max_num_active_seqs}) cannot be greater than "
+                             f"max_num_seqs ({self.max_num_seqs}).")
+        if self.max_num_scheduled_tokens is not None and self.max_num_scheduled_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"max_num_scheduled_tokens ({self.max_num_scheduled_tokens}) cannot be greater than "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens}), what the worker is sized for.")
         if self.enable_prompt_embeds and speculative is not None and speculative.method != "ngram":
             raise ValueError(f"--enable-prompt-embeds with speculative method {speculative.method!r} is not "
                              "supported (its draft model reads tokens); ngram drafts are")
@@ -170,6 +178,8 @@ class EngineArgs:
                               prefix_caching_hash_algo=self.prefix_caching_hash_algo),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_scheduled_tokens=self.max_num_scheduled_tokens,
+                                      max_num_active_seqs=self.max_num_active_seqs,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
                                       max_step_latency_ms=self.max_step_latency_ms,
                                       max_num_partial_prefills=self.max_num_partial_prefills,
@@ -555,6 +565,14 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--max-num-batched-tokens",), "max_num_batched_tokens",
          dict(type=_positive(human_readable_int), default=d["max_num_batched_tokens"],
               help="tokens per engine step at most (prompts are chunked to fit)")),
+        (("--max-num-scheduled-tokens",), "max_num_scheduled_tokens",
+         dict(type=_positive(human_readable_int), default=d["max_num_scheduled_tokens"],
+              help="vLLM's: the tokens the scheduler gives a step (default: --max-num-batched-tokens, what the "
+                   "worker is sized for); at most --max-num-batched-tokens")),
+        (("--max-num-active-seqs",), "max_num_active_seqs",
+         dict(type=_positive(int), default=d["max_num_active_seqs"],
+              help="vLLM's: the requests that may run at once (default: --max-num-seqs, what the model runner "
+                   "and its CUDA graphs are sized for): smaller decode batches without smaller graphs")),
         (("--max-step-latency-ms",), "max_step_latency_ms", dict(
             type=_step_latency, default=d["max_step_latency_ms"], metavar="MS|auto",
             help="stall-free batching: while requests are decoding, a step takes prompt chunks only as "

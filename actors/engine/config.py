@@ -110,6 +110,10 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # vLLM's: the tokens the scheduler gives a step (None: max_num_batched_tokens, what the worker is
+    # sized for) and the requests it lets run at once (None: max_num_seqs, what the runner is sized for)
+    max_num_scheduled_tokens: int | None = None
+    max_num_active_seqs: int | None = None
     long_prefill_token_threshold: int = 0  # 0 = off (with max_num_partial_prefills > 1: 4% of max_model_len)
     max_num_partial_prefills: int = 1      # prompts that may be part-way computed at once
     max_long_partial_prefills: int = 1     # of those, prompts longer than long_prefill_token_threshold
@@ -128,6 +132,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # every layer holds every block (one KV cache group), as without vLLM's hybrid KV cache
     # manager; else sliding-window layers hold a window's worth of blocks in groups of their own
     disable_hybrid_kv_cache_manager: bool = False
+
+    @property
+    def token_budget(self) -> int:
+        """The tokens one step may schedule."""
+        return self.max_num_scheduled_tokens or self.max_num_batched_tokens
+
+    @property
+    def active_seqs(self) -> int:
+        """The requests that may run (hold KV and be scheduled) at once."""
+        return self.max_num_active_seqs or self.max_num_seqs
 
     @property
     def stall_free(self) -> bool:

@@ -430,7 +430,7 @@ class Scheduler:
     # -- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decide the next step and take its blocks; an empty step schedules no tokens."""
-        step = _Step(self.config.max_num_batched_tokens, {}, {}, set(), [])
+        step = _Step(self.config.token_budget, {}, {}, set(), [])
         step.latency_left, step.reserved = self._latency_budget()
         if self.pause_state != PauseState.PAUSED_ALL:
             self._schedule_running(step)
@@ -439,7 +439,7 @@ class Scheduler:
         c = self.counters
         c.step += 1
         c.last_scheduled_reqs = len(step.num_tokens)
-        c.last_scheduled_tokens = self.config.max_num_batched_tokens - step.budget
+        c.last_scheduled_tokens = self.config.token_budget - step.budget
         sampling: list[Request] = []
         spec: dict[str, list[int]] = {}
         pairs = 0
@@ -565,7 +565,7 @@ class Scheduler:
         bs = self.block_size
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}   # every step's, at most max_loras
         paused = self.pause_state == PauseState.PAUSED_NEW
-        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.active_seqs:
             if paused and not self._remote_loaded:
                 break
             req = self.waiting.peek()

@@ -162,3 +162,13 @@ def test_tensor_parallel_ranks_size_their_kv_blocks_by_the_most_kv_heads_one_hol
                                                                 "num_speculative_tokens": 2}).create_engine_config()
     with pytest.raises(ValueError, match="worker process of its own"):
         EngineArgs(tensor_parallel_size=2, multiprocess=False).create_engine_config()
+
+
+def test_scheduler_limits_below_the_runners_sizes_are_vllms_and_checked():
+    c = resolved(max_num_seqs=8, max_num_active_seqs=3, max_num_batched_tokens=512, max_num_scheduled_tokens=128)
+    assert (c.scheduler.active_seqs, c.scheduler.token_budget) == (3, 128)
+    assert (resolved().scheduler.active_seqs, resolved().scheduler.token_budget) == (64, 2048)
+    with pytest.raises(ValueError, match=r"max_num_active_seqs \(9\) cannot be greater than max_num_seqs \(8\)"):
+        resolved(max_num_seqs=8, max_num_active_seqs=9)
+    with pytest.raises(ValueError, match=r"max_num_scheduled_tokens \(600\) cannot be greater than"):
+        resolved(max_num_batched_tokens=512, max_num_scheduled_tokens=600)

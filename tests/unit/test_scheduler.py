@@ -419,3 +419,31 @@ def test_abort_all_ends_every_request_the_scheduler_holds():
     outs = h.s.abort_all()
     assert sorted((o.request_id, o.finish_reason) for o in outs) == [("a", "abort"), ("b", "abort")]
     assert not h.s.has_work() and held_blocks(h.kv) == 0
+
+
+def test_max_num_active_seqs_limits_the_running_batch_below_max_num_seqs():
+    """vLLM's max_num_active_seqs: fewer requests run at once than the runner is sized for; the
+    others start as running ones finish."""
+    h = Harness(max_num_seqs=4, max_num_active_seqs=2)
+    for r in "abcd":
+        h.add(r, 3, max_tokens=2)
+    seen = []
+    for _ in range(12):
+        so, _ = h.step()
+        assert len(h.s.running) <= 2 and len(so.num_scheduled_tokens) <= 2
+        seen += list(so.num_scheduled_tokens)
+    assert set(seen) == set("abcd") and not h.s.waiting and not h.s.running
+
+
+def test_max_num_scheduled_tokens_is_each_steps_budget():
+    """vLLM's max_num_scheduled_tokens: a step schedules at most that many tokens, however many the
+    worker could take (max_num_batched_tokens)."""
+    h = Harness(max_num_batched_tokens=64, max_num_scheduled_tokens=10)
+    h.add("a", 24)
+    h.add("b", 6)
+    chunks = []
+    for _ in range(4):
+        so, _ = h.step()
+        assert sum(so.num_scheduled_tokens.values()) <= 10
+        chunks.append(dict(so.num_scheduled_tokens))
+    assert chunks[0] == {"a": 10} and chunks[2] == {"a": 4, "b": 6}
