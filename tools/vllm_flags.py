@@ -94,8 +94,8 @@ REFUSED: dict[str, str] = {
     "--guided-decoding-disable-additional-properties": _STRUCT,
     # observability
     "--show-hidden-metrics-for-version": "Troupe shows every metric it has (see /metrics)",
-    "--otlp-traces-endpoint": "Troupe exports traces as Perfetto JSON (/debug/trace, python -m tools.trace)",
-    "--collect-detailed-traces": "Troupe records spans with --no-trace off (/debug/trace)",
+    "--collect-detailed-traces": ("Troupe's OpenTelemetry spans are each request's llm_request span "
+                                  "(--otlp-traces-endpoint); its own per-actor spans are at /debug/trace"),
     "--aggregate-engine-logging": _PARALLEL,
     # the HTTP frontend
     "--tool-server": "Troupe runs no built-in tools",

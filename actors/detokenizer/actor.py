@@ -4,6 +4,7 @@ observes requests for the metrics: latencies (TTFT, inter-token, end-to-end, que
 decode), sizes, and for the n choices of one request (a group) its n and longest choice."""
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, ClassVar
 
@@ -14,7 +15,10 @@ from actors.engine.messages import EngineCoreOutput, EngineCoreOutputs, Logprobs
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.admission import WaitingRequests
 from actors.runtime import Actor, ActorRef, Msg
+from actors.runtime.otel import RequestTracer
 from actors.scheduler.actor import AbortRequests
+
+log = logging.getLogger("troupe.detokenizer")
 
 
 class TrackRequest(Msg):
@@ -26,6 +30,7 @@ class TrackRequest(Msg):
     arrival_time: float = 0.0
     parent_id: str = ""
     n: int = 1
+    trace_headers: dict[str, str] | None = None   # the caller's W3C trace context (--otlp-traces-endpoint)
 
 
 class Untrack(Msg):
@@ -52,10 +57,10 @@ DetokenizerProtocol = TrackRequest | EngineCoreOutputs | Untrack | EndGroup | En
 
 class _State:
     __slots__ = ("detok", "num_prompt_tokens", "arrival_time", "last_token_time", "queued",
-                 "scheduled_time", "first_token_time", "max_tokens", "parent_id")
+                 "scheduled_time", "first_token_time", "max_tokens", "parent_id", "span")
 
     def __init__(self, detok: IncrementalDetokenizer, num_prompt_tokens: int, arrival_time: float,
-                 max_tokens: int | None, parent_id: str) -> None:
+                 max_tokens: int | None, parent_id: str, span: tuple | None = None) -> None:
         self.detok = detok
         self.num_prompt_tokens = num_prompt_tokens
         self.arrival_time = arrival_time or time.time()
@@ -65,6 +70,7 @@ class _State:
         self.scheduled_time = 0.0        # when it was first scheduled (the engine's clock)
         self.max_tokens = max_tokens
         self.parent_id = parent_id
+        self.span = span                 # with a RequestTracer: (sampling params, n, trace headers)
 
 
 class _Group:
@@ -87,7 +93,10 @@ class DetokenizerActor(Actor):
     protocol = DetokenizerProtocol
 
     def __init__(self, tokenizer: Any, streams: OutputStreams, stats: EngineStats,
-                 engine: ActorRef, waiting: WaitingRequests) -> None:
+                 engine: ActorRef, waiting: WaitingRequests, tracer: RequestTracer | None = None) -> None:
+        """``tracer``: each finished request's OpenTelemetry span goes out through it
+        (--otlp-traces-endpoint)."""
+        self.tracer = tracer
         self.tokenizer = tokenizer
         self.waiting = waiting
         self.streams = streams
@@ -107,12 +116,13 @@ class DetokenizerActor(Actor):
                 if aborts:
                     self.engine.tell(AbortRequests(aborts))
             case TrackRequest(request_id=rid, prompt_token_ids=ids, sampling_params=p,
-                              arrival_time=arrival, parent_id=parent, n=n):
+                              arrival_time=arrival, parent_id=parent, n=n, trace_headers=headers):
                 self.ctx.link((rid,))
                 detok = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
                     include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)
-                self.states[rid] = _State(detok, len(ids), arrival, p.max_tokens, parent)
+                span = (p, n, headers) if self.tracer is not None else None
+                self.states[rid] = _State(detok, len(ids), arrival, p.max_tokens, parent, span)
                 if parent and parent not in self.groups:
                     self.groups[parent] = _Group(n)
             case Untrack(request_ids=ids):
@@ -121,6 +131,7 @@ class DetokenizerActor(Actor):
                     st = self.states.pop(rid, None)
                     if st is not None:
                         self._finished(st, "abort")
+                        self._trace(rid, st, time.time())
             case EndGroup(parent_id=parent, num_admitted=admitted):
                 group = self.groups.get(parent)
                 if group is not None:
@@ -164,6 +175,7 @@ class DetokenizerActor(Actor):
                 max_tokens=st.max_tokens, arrival_time=st.arrival_time, scheduled_time=st.scheduled_time,
                 first_token_time=st.first_token_time, last_token_time=st.last_token_time, now=now)
             self._finished(st, finish_reason)
+            self._trace(o.request_id, st, now)
         stream = self.streams.get(o.request_id)
         if stream is not None:
             stream.put(RequestOutput(
@@ -172,6 +184,20 @@ class DetokenizerActor(Actor):
                 _head(o.logprobs, num_new), o.prompt_logprobs, o.num_cached_tokens, o.kv_transfer_params,
                 o.error_status))
         return stopped_here
+
+    def _trace(self, rid: str, st: _State, now: float) -> None:
+        """The finished request's span (vLLM's llm_request), with a tracer."""
+        if st.span is None:
+            return
+        params, n, headers = st.span
+        try:
+            self.tracer.request_finished(
+                request_id=rid, arrival_time=st.arrival_time, scheduled_time=st.scheduled_time,
+                first_token_time=st.first_token_time, last_token_time=st.last_token_time, now=now,
+                num_prompt_tokens=st.num_prompt_tokens, num_generation_tokens=st.detok.num_output_tokens,
+                params=params, n=n, headers=headers)
+        except Exception:              # a span that cannot be made must not lose the answer
+            log.warning("request %s: its OpenTelemetry span could not be recorded", rid, exc_info=True)
 
     def _finished(self, st: _State, reason: str) -> None:
         """Count a request that ended (``reason``), and its group's end once all its choices did."""

@@ -27,6 +27,7 @@ from actors.kv_manager.block_hash import HASH_ALGOS
 from actors.kv_manager.kv_events import kv_events_config
 from actors.kv_transfer.config import kv_transfer_config
 from actors.kv_transfer.factory import KVConnectorFactory
+from actors.runtime.otel import check_available as check_otel
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig
 from models.resolve import ModelSource, resolve_model, resolve_tokenizer
@@ -95,6 +96,7 @@ class EngineArgs:
     disable_log_stats: bool = False       # vLLM's: no periodic statistics lines (the offline LLM: none by default)
     kv_cache_metrics: bool = False        # vLLM's: sampled KV block residency histograms on /metrics
     kv_cache_metrics_sample: float = 0.01
+    otlp_traces_endpoint: str | None = None   # vLLM's: OpenTelemetry spans of requests exported there
     # vLLM's --speculative-config: its JSON object (text on the command line, a dict in LLM(...))
     speculative_config: dict[str, Any] | str | None = None
     # vLLM's --spec-method, --spec-model, --spec-tokens: keys of the speculative config, one flag each
@@ -141,6 +143,8 @@ class EngineArgs:
         names = self.served_model_name
         speculative = speculative_config(with_spec_flags(self.speculative_config, self.spec_method,
                                                          self.spec_model, self.spec_tokens))
+        if self.otlp_traces_endpoint is not None:
+            check_otel(self.otlp_traces_endpoint)
         if self.max_num_active_seqs is not None and self.max_num_active_seqs > self.max_num_seqs:
             raise ValueError(f"max_num_active_seqs ({self.max_num_active_seqs}) cannot be greater than "
                              f"max_num_seqs ({self.max_num_seqs}).")
@@ -203,7 +207,8 @@ class EngineArgs:
             observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir,
                                               log_stats=not self.disable_log_stats,
                                               kv_cache_metrics=self.kv_cache_metrics,
-                                              kv_cache_metrics_sample=self.kv_cache_metrics_sample),
+                                              kv_cache_metrics_sample=self.kv_cache_metrics_sample,
+                                              otlp_traces_endpoint=self.otlp_traces_endpoint),
             speculative=speculative, compilation=compilation, lora=self.lora_config(),
             kv_transfer=kv_transfer_config(self.kv_transfer_config),
             kv_events=kv_events_config(self.kv_events_config),
@@ -740,6 +745,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             action=argparse.BooleanOptionalAction, default=d["kv_cache_metrics"],
             help="vLLM's: sample KV cache blocks' residency into /metrics' kv_block_lifetime_seconds, "
                  "kv_block_idle_before_evict_seconds and kv_block_reuse_gap_seconds histograms")),
+        (("--otlp-traces-endpoint",), "otlp_traces_endpoint", dict(
+            default=d["otlp_traces_endpoint"], metavar="URL",
+            help="vLLM's: export an OpenTelemetry span per request (llm_request, vLLM's attributes) to this "
+                 "OTLP collector, over gRPC (http://host:4317) or, with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="
+                 "http/protobuf, HTTP (http://host:4318/v1/traces); a request's traceparent header puts its "
+                 "span in the caller's trace")),
         (("--kv-cache-metrics-sample",), "kv_cache_metrics_sample", dict(
             type=_sample_rate, default=d["kv_cache_metrics_sample"], metavar="FRACTION",
             help="vLLM's: the fraction of blocks --kv-cache-metrics follows, in (0, 1] (default: 0.01)")),

@@ -193,6 +193,7 @@ class ObservabilityConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_stats: bool = True                 # the periodic statistics lines (actors/frontend/stat_logger.py)
     kv_cache_metrics: bool = False         # KV blocks' residency sampled for /metrics (--kv-cache-metrics)
     kv_cache_metrics_sample: float = 0.01  # the fraction of blocks sampled
+    otlp_traces_endpoint: str | None = None  # vLLM's: each request's span exported over OTLP here (None: off)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -28,6 +28,7 @@ from actors.frontend.generation import OPEN_ANSWERS, Answer
 from actors.frontend.http_trace import HttpSpan
 from actors.frontend.logprobs import TokenText
 from actors.frontend.telemetry import Telemetry
+from actors.runtime import otel
 from actors.frontend.protocol import BadRequest, GenerationRequest, ServerDefaults, decode_body
 from actors.frontend.reasoning import REASONING_PARSERS
 from actors.grammar.actor import InvalidGrammar
@@ -103,6 +104,7 @@ class OpenAIServer:
         self.server_load = 0             # generation requests being answered (GET /load)
         self.anthropic_merge_system: bool | None = None   # the template takes one leading system message only
         self.has_text = True             # False: --skip-tokenizer-init (token ids in and out, no text)
+        self._otel_warned = False        # a request with trace context came while tracing is off
         self.reasoning_parser = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
         if client is not None:
             self.attach(client)
@@ -215,9 +217,17 @@ class OpenAIServer:
             if not (login or self._authorized(request, path)):
                 return error_response(401, "invalid or missing API key")
         span = HttpSpan.start(self.tracer, request, path)
+        context = otel.trace_headers(request.headers)       # the caller's W3C trace context, if any
+        if context is not None and not self._otel_warned and self.client is not None \
+                and self.client.config.observability.otlp_traces_endpoint is None:
+            self._otel_warned = True
+            log.warning("Received a request with trace context but tracing is disabled "
+                        "(--otlp-traces-endpoint)")
+        token = otel.request_trace_headers.set(context)
         try:
             response = await self._handle(request, handler)
         finally:
+            otel.request_trace_headers.reset(token)
             span.end()
         if not response.prepared and "X-Request-Id" not in response.headers:
             response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or span.request_id()

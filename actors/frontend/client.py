@@ -32,6 +32,7 @@ from actors.scheduler.actor import (PAUSE_MODES, SLEEP_TIMEOUT_S, AbortRequests,
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
 from actors.worker.actor import WorkerRPC
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
+from actors.runtime.otel import request_trace_headers
 
 if TYPE_CHECKING:
     from actors.frontend.request_log import OutputLog
@@ -219,7 +220,8 @@ class EngineClient:
             rid, params, prompt, prompt_token_ids, messages,
             add_generation_prompt, continue_final_message, chat_template_kwargs or {},
             priority, arrival_time, add_special_tokens, cache_salt, parent_id, n, lora_request, truncation_side,
-            chat_template, render_only, return_token_offsets, chat_template_content_format, prompt_embeds)
+            chat_template, render_only, return_token_offsets, chat_template_content_format, prompt_embeds,
+            request_trace_headers.get())
         if render_only:
             try:
                 rendered = await self.tokenizer_actor.ask(generate, timeout=60)

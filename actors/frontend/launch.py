@@ -46,6 +46,7 @@ from actors.runtime.system import SYSTEM_ACTOR
 from actors.scheduler.actor import SchedulerProtocol
 from actors.tokenizer.actor import TokenizerActor
 from actors.tokenizer.gguf_tokenizer import TextTokenizer, TokenIdsOnly
+from actors.runtime.otel import RequestTracer
 from transport.zmq_channel import ZmqTransport, endpoint
 
 log = logging.getLogger("troupe.launch")
@@ -71,6 +72,7 @@ class Frontend:
         self._restarts: RestartBudget | None = None
         self._down: set[int] = set()               # engine cores being restarted
         self.telemetry: Telemetry | None = None      # with start(telemetry=True)
+        self.request_tracer: RequestTracer | None = None   # --otlp-traces-endpoint: requests' spans
 
     @property
     def engine_process(self) -> ChildProcess | RayChild | None:
@@ -173,8 +175,13 @@ class Frontend:
             detok_ref = self.node.ref(topology.DETOKENIZER)
             self.router = scheduler = self.node.spawn(topology.DP_ROUTER, lambda: DataParallelRouter(
                 [e.scheduler for e in engines], stats, streams, detok_ref, cache.block_size))
+        endpoint = config.observability.otlp_traces_endpoint
+        if endpoint is not None and self.request_tracer is None:
+            self.request_tracer = RequestTracer(endpoint, config.model.served_model_name)
+            log.info("OpenTelemetry: each request's span goes to %s", endpoint)
+        tracer = self.request_tracer
         detok = self.node.spawn(topology.DETOKENIZER, lambda: DetokenizerActor(
-            tokenizer, streams, stats, scheduler, waiting))
+            tokenizer, streams, stats, scheduler, waiting, tracer))
 
         def count_prompt_tokens(n: int) -> None:
             stats.prompt_tokens += n
@@ -210,6 +217,9 @@ class Frontend:
             await self.engine_core.stop()
         self.close_ray()
         await self.node.stop()
+        if self.request_tracer is not None:     # the spans still batched go out (a thread: the loop goes on)
+            await asyncio.to_thread(self.request_tracer.shutdown)
+            self.request_tracer = None
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 

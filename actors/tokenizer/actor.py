@@ -56,6 +56,7 @@ class Generate(Msg):
     return_token_offsets: bool = False     # with render_only: each token's characters in the prompt text
     chat_template_content_format: str | None = None   # how content reaches the template (None: the server's)
     prompt_embeds: np.ndarray | None = None  # vLLM's: the prompt as input embeddings, (tokens, hidden) float32
+    trace_headers: dict[str, str] | None = None   # the caller's W3C trace context (for its OpenTelemetry span)
 
 
 class InvalidPrompt(ValueError, Refusal):
@@ -135,7 +136,8 @@ class TokenizerActor(Actor):
         self.waiting.admit(msg.request_id, n)               # Overloaded: the queue is full
         arrival = msg.arrival_time or time.time()
         shown = [] if embeds is not None else ids           # prompt tokens a reader may see (none for embeds)
-        self.detokenizer.tell(TrackRequest(msg.request_id, shown, params, arrival, msg.parent_id, msg.n))
+        self.detokenizer.tell(TrackRequest(msg.request_id, shown, params, arrival, msg.parent_id, msg.n,
+                                           msg.trace_headers))
         self.engine.tell(AddRequest(EngineCoreRequest(
             msg.request_id, ids, params, arrival, self.eos_token_ids, msg.priority, msg.cache_salt,
             msg.lora_request, embeds)))

@@ -32,8 +32,36 @@ def flight_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(flight_dir):
-    s = Server("--api-key", KEY, "--flight-recorder-dir", flight_dir)
+def collector():
+    """An OTLP trace collector (gRPC, OpenTelemetry's own protocol definitions) on a free port: the
+    spans it was sent."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    spans: list = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            for rs in request.resource_spans:
+                resource = {a.key: a.value for a in rs.resource.attributes}
+                for ss in rs.scope_spans:
+                    spans.extend((resource, span) for span in ss.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    yield f"http://127.0.0.1:{port}", spans
+    grpc_server.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def server(flight_dir, collector):
+    s = Server("--api-key", KEY, "--flight-recorder-dir", flight_dir, "--otlp-traces-endpoint", collector[0],
+               env={"OTEL_BSP_SCHEDULE_DELAY": "100"})        # spans leave within 0.1 s of their end
     yield s
     s.stop()
 
@@ -141,6 +169,45 @@ def test_the_live_stream_sends_updates_about_once_a_second(server):
                                             # a loaded machine is slow, the read has its timeout)
     assert all({"actors", "steps", "requests"} <= set(e) for e in events)
     assert events[-1]["actors"]["processes"]
+
+
+def test_each_request_is_an_opentelemetry_span_in_its_callers_trace(server, collector):
+    """vLLM's --otlp-traces-endpoint: a finished request is an llm_request span (a server span with
+    vLLM's gen_ai attributes) sent to the collector; with a traceparent header it is the caller's
+    span's child in the caller's trace, without one the root of a trace of its own."""
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    answers = []
+    for headers in ({"traceparent": f"00-{trace_id}-{parent_id}-01"}, {}):
+        req = urllib.request.Request(server.url + "/v1/completions", method="POST", data=json.dumps(
+            {"model": MODEL, "prompt": "Span me:", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+             "top_p": 0.5}).encode(), headers={"Content-Type": "application/json",
+                                               "Authorization": f"Bearer {KEY}", **headers})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            answers.append(json.loads(resp.read()))
+    _, spans = collector
+    deadline = time.monotonic() + 20
+    while len([s for _, s in spans if s.attributes]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    found = {}
+    for resource, span in spans:
+        attrs = {a.key: a.value for a in span.attributes}
+        found[attrs["gen_ai.request.id"].string_value] = (resource, span, attrs)
+    assert len(found) >= 2, spans
+    children = [v for v in found.values() if v[1].trace_id.hex() == trace_id]
+    (resource, span, attrs), = children
+    assert span.name == "llm_request" and span.kind == 2          # SPAN_KIND_SERVER
+    assert span.parent_span_id.hex() == parent_id
+    assert attrs["gen_ai.usage.prompt_tokens"].int_value == answers[0]["usage"]["prompt_tokens"]
+    assert attrs["gen_ai.usage.completion_tokens"].int_value == 5
+    assert attrs["gen_ai.request.max_tokens"].int_value == 5
+    assert attrs["gen_ai.request.top_p"].double_value == 0.5
+    assert "gen_ai.request.temperature" not in attrs             # vLLM's: only when not 0
+    assert attrs["gen_ai.response.model"].string_value == MODEL
+    e2e, ttft = attrs["gen_ai.latency.e2e"].double_value, attrs["gen_ai.latency.time_to_first_token"].double_value
+    assert 0 < ttft <= e2e and abs((span.end_time_unix_nano - span.start_time_unix_nano) / 1e9 - e2e) < 1e-3
+    assert resource["vllm.instrumenting_module_name"].string_value == "troupe"
+    roots = [v for v in found.values() if v[1].trace_id.hex() != trace_id]
+    assert roots and all(not v[1].parent_span_id for v in roots)
 
 
 def test_killing_the_worker_leaves_a_flight_record_that_loads_as_a_trace(server, client, flight_dir):
