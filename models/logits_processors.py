@@ -223,3 +223,95 @@ def build_logits_processors(classes: Sequence[type], config: Any, device: torch.
     if not classes:
         return None
     return LogitsProcessors([cls(config, device, is_pin_memory) for cls in classes])
+
+
+class _Thinking:
+    """One request's reasoning, read from its prompt and output as they grow."""
+    __slots__ = ("budget", "prompt", "out", "seen", "open_at", "forcing")
+
+    def __init__(self, budget: int, prompt: list[int], out: list[int]) -> None:
+        self.budget = budget
+        self.prompt = prompt
+        self.out = out                   # the worker's live list of the request's output tokens
+        self.seen = 0                    # output tokens read so far
+        self.open_at: int | None = None  # where the open reasoning's tokens start (None: not reasoning)
+        self.forcing: int | None = None  # end tokens forced so far (None: not ending the reasoning)
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.out[i - n]
+
+    def ends_with(self, end: int, seq: tuple[int, ...]) -> bool:
+        """Whether the tokens before position ``end`` of prompt + output end with ``seq``."""
+        k = len(seq)
+        return end >= k and all(self.token(end - k + j) == seq[j] for j in range(k))
+
+
+class ThinkingBudgetProcessor:
+    """vLLM's thinking_token_budget, built into every worker whose engine knows the model's
+    reasoning tags (--reasoning-parser or --reasoning-config): a request that sets it reasons for
+    at most that many tokens (counted from the reasoning's start tag, in the prompt or the
+    output), then the reasoning's end (``end_token_ids``, which may hold a transition phrase) is
+    forced one token a step, as vLLM forces it (the token's logit raised to 1e9). A reasoning the
+    model ends itself (its natural end tag) resets the count for a later one."""
+
+    FORCED_LOGIT = 1e9
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        r = vllm_config.model.reasoning
+        self.start, self.end, self.natural_end = r.start_token_ids, r.end_token_ids, r.natural_end_token_ids
+        self.states: dict[int, _Thinking] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def applies_to(self, params: SamplingParams) -> bool:
+        return params.thinking_token_budget is not None
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for slot, params, prompt, out in batch_update.added:
+            if params.thinking_token_budget is None:
+                self.states.pop(slot, None)
+                continue
+            st = self.states[slot] = _Thinking(params.thinking_token_budget, list(prompt or []), out)
+            for end in range(1, len(st.prompt) + 1):      # is the prompt's last reasoning still open?
+                self._read(st, end)
+        for slot in batch_update.removed:
+            self.states.pop(slot, None)
+
+    def _read(self, st: _Thinking, end: int) -> None:
+        """Take in the token before position ``end``."""
+        if st.forcing is not None:
+            st.forcing += 1
+            if st.forcing >= len(self.end):
+                st.forcing = st.open_at = None          # the forced end closed the reasoning
+            return
+        if st.ends_with(end, self.start):
+            st.open_at = end
+        elif st.open_at is not None and st.ends_with(end, self.natural_end):
+            st.open_at = None
+
+    def forced(self, st: _Thinking) -> int | None:
+        """The token this request's next step must sample (None: any)."""
+        total = len(st.prompt) + len(st.out)
+        n = len(st.prompt) + st.seen
+        while n < total:                                # the tokens sampled since the last step
+            n += 1
+            self._read(st, n)
+        st.seen = len(st.out)
+        if st.forcing is None and st.open_at is not None and total - st.open_at >= st.budget:
+            st.forcing = 0
+        return self.end[st.forcing] if st.forcing is not None else None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        rows, tokens = [], []
+        for slot, st in self.states.items():
+            token = self.forced(st)
+            if token is not None and slot < logits.shape[0]:
+                rows.append(slot)
+                tokens.append(token)
+        if rows:
+            logits[torch.tensor(rows), torch.tensor(tokens)] = self.FORCED_LOGIT
+        return logits

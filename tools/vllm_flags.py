@@ -147,7 +147,7 @@ for _flags, _why in (
     (("--prefix-cache-retention-interval", "--prefix-match-unit", "--kv-cache-dtype-skip-layers",
       "--enable-return-routed-experts"), _KV),
     (("--sleep-mode-offload-cudagraph", "--sleep-preserve-parameter-names"), _SLEEP),
-    (("--reasoning-config", "--reasoning-parser-plugin"),
+    (("--reasoning-parser-plugin",),
      "Troupe's reasoning parsers are its own (--reasoning-parser deepseek_r1 or qwen3)"),
     (("--watermark", "--watermark-config"), "Troupe does not watermark its output"),
 ):

@@ -15,10 +15,10 @@ from typing import Any
 from actors.engine.config import (CHAT_TEMPLATE_CONTENT_FORMATS, DATA_PARALLEL_BACKENDS, DEFAULT_MAX_LOGPROBS, DEVICES,
                                   DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, GENERATION_CONFIGS,
                                   KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, CacheConfig,
-                                  DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig,
+                                  DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig, ReasoningConfig,
                                   ParallelConfig, SchedulerConfig)
 from actors.engine.compilation import compilation_config, with_graph_flags
-from actors.engine.json_flags import parse_object
+from actors.engine.json_flags import checked_fields, convert, parse_object
 from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.grammar.config import structured_outputs_config
@@ -50,6 +50,8 @@ class EngineArgs:
     enable_sleep_mode: bool = False
     enable_prompt_embeds: bool = False    # vLLM's: prompts may be given as input embeddings
     skip_tokenizer_init: bool = False     # vLLM's: load no tokenizer (token ids in and out)
+    reasoning_parser: str | None = None   # the server's --reasoning-parser (its tags start and end reasoning)
+    reasoning_config: str | dict[str, Any] | None = None   # vLLM's --reasoning-config JSON
     hf_overrides: dict[str, Any] | str | None = None   # vLLM's: config.json keys over the checkpoint's
     tokenizer: str | None = None          # None: the model's own
     served_model_name: str | list[str] | tuple[str, ...] | None = None   # None: the model's own name
@@ -167,6 +169,7 @@ class EngineArgs:
                               enable_sleep_mode=self.enable_sleep_mode,
                               enable_prompt_embeds=self.enable_prompt_embeds,
                               skip_tokenizer_init=self.skip_tokenizer_init,
+                              reasoning=self.reasoning(),
                               served_model_names=(names,) if isinstance(names, str) else tuple(names or ()),
                               max_logprobs=self.max_logprobs, generation_config=self.generation_config,
                               sampling_defaults=load_sampling_defaults(source, self.generation_config,
@@ -216,6 +219,26 @@ class EngineArgs:
             profiler=profiler_config(self.profiler_config))
         KVConnectorFactory.check_engine(config)
         return config
+
+    def reasoning(self) -> ReasoningConfig | None:
+        """vLLM's reasoning config from --reasoning-config and --reasoning-parser (None: neither);
+        the strings a parser implies and the token ids are filled in once the tokenizer is read."""
+        given = self.reasoning_config
+        if isinstance(given, str):
+            given = parse_object(given, "--reasoning-config")
+        fields = checked_fields(ReasoningConfig, given or {}, "--reasoning-config")
+        unknown = set(fields) - {"reasoning_parser", "reasoning_start_str", "reasoning_end_str"}
+        if unknown:
+            raise ValueError(f"--reasoning-config: {', '.join(sorted(unknown))} cannot be given (the token ids "
+                             "come from the tokenizer)")
+        named = fields.get("reasoning_parser") or ""
+        if named and self.reasoning_parser and named != self.reasoning_parser:
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser} and --reasoning-config's reasoning_parser "
+                             f"{named} disagree")
+        fields["reasoning_parser"] = named or self.reasoning_parser or ""
+        if not any(fields.values()):
+            return None
+        return convert(ReasoningConfig, fields, "--reasoning-config")
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -501,6 +524,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="vLLM's: load no tokenizer (the checkpoint may have none): prompts come as token ids, "
                  "answers carry token ids (their text empty); text prompts, chat, stop strings and "
                  "structured outputs are refused")),
+        (("--reasoning-config",), "reasoning_config", dict(
+            default=d["reasoning_config"], metavar="JSON",
+            help="vLLM's: how a thinking model's reasoning starts and is ended when a request's "
+                 "thinking_token_budget runs out: '{\"reasoning_start_str\": \"<think>\", \"reasoning_end_str\": "
+                 "\"Enough thinking.</think>\"}' (default: --reasoning-parser's tags)")),
         (("--hf-overrides",), "hf_overrides", dict(
             default=d["hf_overrides"], metavar="JSON",
             help="vLLM's: config.json keys over the checkpoint's, as a JSON object (e.g. "

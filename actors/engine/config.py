@@ -49,6 +49,23 @@ CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")   # vLLM's --chat-t
 CPU_KV_CACHE_BYTES = 1 << 30                  # the CPU's KV cache when no size is given
 
 
+class ReasoningConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's reasoning config: how a thinking model's reasoning starts and how it is ended when a
+    request's thinking_token_budget runs out (``reasoning_end_str`` may hold a transition phrase
+    before the end tag). The strings come from --reasoning-parser (its tags) or --reasoning-config;
+    the token ids are the tokenizer's, filled in by the frontend before the engine starts."""
+    reasoning_parser: str = ""
+    reasoning_start_str: str = ""
+    reasoning_end_str: str = ""
+    start_token_ids: tuple[int, ...] = ()          # what opens the reasoning
+    end_token_ids: tuple[int, ...] = ()            # what is forced when the budget is spent
+    natural_end_token_ids: tuple[int, ...] = ()    # what closes the reasoning when the model ends it
+
+    @property
+    def resolved(self) -> bool:
+        return bool(self.start_token_ids and self.end_token_ids)
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     source: ModelSource                    # the checkpoint, resolved from the user's model name
     dtype: str = "auto"                    # "auto": bfloat16 on CUDA, float32 on the CPU
@@ -63,6 +80,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_sleep_mode: bool = False        # the engine may sleep (give back its memory) at levels 1 and 2
     enable_prompt_embeds: bool = False     # prompts may come as input embeddings (vLLM's prompt_embeds)
     skip_tokenizer_init: bool = False      # vLLM's: no tokenizer; prompts and answers as token ids only
+    reasoning: ReasoningConfig | None = None   # a thinking model's reasoning tags (thinking_token_budget); None: none
     served_model_names: tuple[str, ...] = ()   # the names the API answers to; (): the source's name
     max_logprobs: int = DEFAULT_MAX_LOGPROBS   # most log-probs a request may ask for; -1: no bound
     generation_config: str = "auto"        # where request defaults come from (GENERATION_CONFIGS or a folder)

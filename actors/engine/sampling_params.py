@@ -116,6 +116,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     truncate_prompt_tokens: int | None = None
     # vLLM's: end the request when its output starts repeating a short pattern (finish reason "repetition")
     repetition_detection: RepetitionDetectionParams | None = None
+    # vLLM's: at most this many tokens of reasoning (the model's thinking section), then the end of
+    # the reasoning is forced (the engine's reasoning config says which tokens); None: no cap
+    thinking_token_budget: int | None = None
     # sequences per prompt, for the offline API's results (a served request fans out by its own n,
     # and each engine request samples one sequence)
     n: int = 1
@@ -178,6 +181,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
              f"got {self.truncate_prompt_tokens}")
         if self.repetition_detection is not None:
             self.repetition_detection.check()
+        b = self.thinking_token_budget
+        need(b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 0),
+             f"`thinking_token_budget` must be a non-negative integer or None, got {b!r}")
 
     @property
     def num_logprobs(self) -> int | None:

@@ -36,7 +36,7 @@ from actors.runtime import RemoteError, faults
 from actors.runtime.faults import InjectFault
 from actors.runtime.plugins import ENDPOINTS, call_plugins
 from actors.runtime.tracing import Tracer
-from actors.tokenizer.actor import InvalidPrompt
+from actors.tokenizer.actor import NO_REASONING_CONFIG, InvalidPrompt
 
 log = logging.getLogger("troupe.http")
 
@@ -331,6 +331,8 @@ class OpenAIServer:
         if kwargs.get("timeout_s") is None:
             kwargs["timeout_s"] = self.options.request_timeout or None
         kwargs["stream_interval"] = max(kwargs.get("stream_interval") or 1, self.options.stream_interval)
+        if params.thinking_token_budget is not None and not self.engine().thinking_budgets:
+            raise bad_request(NO_REASONING_CONFIG, "thinking_token_budget")
         if not self.has_text:            # --skip-tokenizer-init: the field named
             for name, given in (("stop", params.stop), ("bad_words", params.bad_words)):
                 if given:

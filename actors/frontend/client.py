@@ -138,6 +138,12 @@ class EngineClient:
             self.engine.tell(RemoveLoRA(req.lora_int_id))
         return True
 
+    @property
+    def thinking_budgets(self) -> bool:
+        """Whether requests may set thinking_token_budget (the engine knows its reasoning tags)."""
+        reasoning = self.config.model.reasoning
+        return reasoning is not None and reasoning.resolved
+
     def lora_request_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's model field names (None: the base model)."""
         return self.lora_requests.get(model) if model is not None else None

@@ -47,6 +47,7 @@ from actors.scheduler.actor import SchedulerProtocol
 from actors.tokenizer.actor import TokenizerActor
 from actors.tokenizer.gguf_tokenizer import TextTokenizer, TokenIdsOnly
 from actors.runtime.otel import RequestTracer
+from actors.frontend.reasoning import resolve_reasoning
 from transport.zmq_channel import ZmqTransport, endpoint
 
 log = logging.getLogger("troupe.launch")
@@ -145,6 +146,9 @@ class Frontend:
                 found = tokenizer.content_format_of(tokenizer.chat_template)
                 log.info("chat template content format: %s%s", found, " (detected; "
                          "--chat-template-content-format sets it)" if tokenizer.content_format == "auto" else "")
+        if config.model.reasoning is not None:        # its token ids, for the workers' thinking budgets
+            config = msgspec.structs.replace(config, model=msgspec.structs.replace(
+                config.model, reasoning=resolve_reasoning(config.model.reasoning, tokenizer or TokenIdsOnly(0))))
         dp = config.parallel.data_parallel_size
         self._restarts = RestartBudget(config.parallel.max_restarts * dp, config.parallel.restart_window_s)
         if config.parallel.data_parallel_backend == "ray":
@@ -189,7 +193,8 @@ class Frontend:
         tok = self.node.spawn(topology.TOKENIZER, lambda: TokenizerActor(
             tokenizer, config.model.max_model_len, list(config.model.arch.eos_token_ids), detok,
             scheduler, waiting, count_prompt_tokens, config.model.max_logprobs, config.model.arch.vocab_size,
-            config.model.arch.hidden_size if config.model.enable_prompt_embeds else None))
+            config.model.arch.hidden_size if config.model.enable_prompt_embeds else None,
+            config.model.reasoning is not None and config.model.reasoning.resolved))
         self.client = EngineClient(config, tokenizer, tok, detok, scheduler, [e.kv_manager for e in engines],
                                    engine.grammar, streams, stats, waiting)
         if config.observability.log_stats and topology.STAT_LOGGER not in self.node.cells:

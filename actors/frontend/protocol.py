@@ -170,9 +170,6 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     def unserved(self) -> list[tuple[str, str]]:
         """(field, why) of each field set to something Troupe does not do."""
         out = []
-        if self.thinking_token_budget is not None:
-            out.append(("thinking_token_budget",
-                        "thinking_token_budget is not supported: Troupe does not cap reasoning tokens"))
         if self.watermarking:
             out.append(("watermarking", "watermarking is not supported: Troupe does not watermark its output"))
         for name in ("ec_transfer_params", "mm_payload"):
@@ -261,6 +258,9 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
                 self.repetition_detection.check()
             except ValueError as exc:
                 raise BadRequest(str(exc), "repetition_detection") from None
+        b = self.thinking_token_budget
+        require(b is None or b >= 0, f"`thinking_token_budget` must be a non-negative integer or None, got {b}",
+                "thinking_token_budget")
         min_tokens = or_default(self.min_tokens, 0)
         _check_output_length(max_tokens, max_tokens_param, min_tokens, max_model_len, self.prompt_param)
         if self.seed is not None:
@@ -286,7 +286,8 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
             include_stop_str_in_output=bool(self.include_stop_str_in_output), bad_words=bad_words,
             structured_outputs=constraint.params if constraint else None,
             truncate_prompt_tokens=truncate, allowed_token_ids=allowed, extra_args=self._extra_args(),
-            repetition_detection=self.repetition_detection, logprob_token_ids=label_ids)
+            repetition_detection=self.repetition_detection, logprob_token_ids=label_ids,
+            thinking_token_budget=self.thinking_token_budget)
 
     def _extra_args(self) -> dict[str, Any] | None:
         extra: dict[str, Any] = dict(self.vllm_xargs or {})

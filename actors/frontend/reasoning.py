@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from actors.engine.config import ReasoningConfig
+
 
 @dataclass(frozen=True)
 class ReasoningParser:
@@ -103,3 +107,29 @@ REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", opened_by_prompt=True),
     "qwen3": ReasoningParser("qwen3", opened_by_prompt=False),
 }
+
+
+def resolve_reasoning(config: ReasoningConfig, tokenizer: Any) -> ReasoningConfig:
+    """``config`` with its strings completed from its parser's tags and its token ids read with
+    ``tokenizer`` (vLLM's ReasoningConfig.initialize_token_ids). Without a start and an end string
+    it stays unresolved (a request's thinking_token_budget is then refused); ValueError for an
+    unknown parser, no tokenizer, or a string the tokenizer reads as no tokens."""
+    parser = None
+    if config.reasoning_parser:
+        parser = REASONING_PARSERS.get(config.reasoning_parser)
+        if parser is None:
+            raise ValueError(f"unknown reasoning parser {config.reasoning_parser!r}; choose from "
+                             f"{', '.join(sorted(REASONING_PARSERS))}")
+    start = config.reasoning_start_str or (parser.start if parser else "")
+    end = config.reasoning_end_str or (parser.end if parser else "")
+    natural = parser.end if parser else end
+    if not start or not end:
+        return config
+    if not tokenizer.has_text:
+        raise ValueError("a reasoning config needs the tokenizer, and --skip-tokenizer-init loads none")
+    ids = [tuple(tokenizer.encode(s, add_special_tokens=False)) for s in (start, end, natural)]
+    if not all(ids):
+        raise ValueError(f"ReasoningConfig: failed to tokenize reasoning strings: reasoning_start_str={start!r}, "
+                         f"reasoning_end_str={end!r}. Ensure the strings are valid tokens in the model's vocabulary.")
+    return msgspec.structs.replace(config, reasoning_start_str=start, reasoning_end_str=end,
+                                   start_token_ids=ids[0], end_token_ids=ids[1], natural_end_token_ids=ids[2])

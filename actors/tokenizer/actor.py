@@ -59,6 +59,10 @@ class Generate(Msg):
     trace_headers: dict[str, str] | None = None   # the caller's W3C trace context (for its OpenTelemetry span)
 
 
+NO_REASONING_CONFIG = ("thinking_token_budget is set but reasoning_config is not configured. Please set "
+                       "--reasoning-parser and/or --reasoning-config to use thinking_token_budget.")
+
+
 class InvalidPrompt(ValueError, Refusal):
     """The prompt cannot be served as given (an HTTP 400)."""
 
@@ -78,9 +82,11 @@ class TokenizerActor(Actor):
                  detokenizer: ActorRef, engine: ActorRef, waiting: WaitingRequests,
                  on_prompt_tokens: Callable[[int], None] | None = None,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS, logits_size: int | None = None,
-                 embeds_hidden_size: int | None = None) -> None:
+                 embeds_hidden_size: int | None = None, thinking_budgets: bool = False) -> None:
         """``embeds_hidden_size``: with --enable-prompt-embeds, the rows prompt embeddings must have
-        (None: such prompts are refused)."""
+        (None: such prompts are refused). ``thinking_budgets``: the engine has a resolved reasoning
+        config (else a request's thinking_token_budget is refused)."""
+        self.thinking_budgets = thinking_budgets
         self.tokenizer = tokenizer
         self.embeds_hidden_size = embeds_hidden_size
         self.max_logprobs = max_logprobs
@@ -98,6 +104,8 @@ class TokenizerActor(Actor):
             msg.sampling_params.check(self.logits_size, self.max_logprobs)
         except ValueError as exc:
             raise InvalidPrompt(str(exc)) from None
+        if msg.sampling_params.thinking_token_budget is not None and not self.thinking_budgets:
+            raise InvalidPrompt(NO_REASONING_CONFIG)
         if not self.tokenizer.has_text:
             self._check_token_ids_only(msg)
         truncate = msg.sampling_params.truncate_prompt_tokens

@@ -69,7 +69,8 @@ from models.layers import bind_kv_cache_groups, first_attention, kv_layer_hooks
 from models.pipeline_parallel import StageLink
 from actors.spec_decode.draft_model import DraftModelProposer
 from actors.spec_decode.ngram import NgramProposer
-from models.logits_processors import build_logits_processors, load_logits_processor_classes
+from models.logits_processors import (ThinkingBudgetProcessor, build_logits_processors,
+                                     load_logits_processor_classes)
 from models.rejection_sampler import RejectionSampler, SpecDecodeMetadata, rewind_generators
 from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, apply_logits_processors,
                             compute_prompt_logprobs)
@@ -137,9 +138,13 @@ class ModelRunner:
         max_model_len = config.model.max_model_len
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G)
         self.sampler = Sampler()
-        # plugins' batch-level logits processors (None: none installed nor asked for)
-        self.logitsprocs = build_logits_processors(load_logits_processor_classes(config.model.logits_processors),
-                                                   config, self.device, platform_for(self.device.type).pin_memory)
+        # plugins' batch-level logits processors, and the built-in thinking budget where the engine
+        # knows the model's reasoning tags (None: none of them)
+        classes = load_logits_processor_classes(config.model.logits_processors)
+        if config.model.reasoning is not None and config.model.reasoning.resolved:
+            classes.append(ThinkingBudgetProcessor)
+        self.logitsprocs = build_logits_processors(classes, config, self.device,
+                                                   platform_for(self.device.type).pin_memory)
         self._meta_cache: tuple | None = None     # (row states' ids, SamplingMetadata, the states)
         spec = config.speculative
         # L + k + 1 <= max_model_len: the drafts and the token after them fit the context

@@ -1008,8 +1008,8 @@ def test_tokenize_renders_tools_as_the_chat_endpoint_does(http):
 def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, model):
     """return_prompt_text shows the prompt as the template rendered it (its tokens are the
     prompt's); fields asking for what Troupe does are taken; those asking for what it does not
-    (a thinking budget, watermarks, multimodal inputs, suffix, prompt embeddings without
-    --enable-prompt-embeds) are a 400 naming them."""
+    (a thinking budget on a server without a reasoning parser, watermarks, multimodal inputs,
+    suffix, prompt embeddings without --enable-prompt-embeds) are a 400 naming them."""
     out = http.post("/v1/chat/completions", json={"model": model, "messages": CAPITAL, "max_tokens": 2,
                                                   "return_prompt_text": True, "return_token_ids": True,
                                                   "include_reasoning": True, "return_mm_kwargs": False,
@@ -1023,7 +1023,7 @@ def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, mode
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert chunks[0]["prompt_text"] == body["prompt_text"] and all("prompt_text" not in c for c in chunks[1:])
     for path, field, value, words in (
-            ("/v1/chat/completions", "thinking_token_budget", 64, "reasoning tokens"),
+            ("/v1/chat/completions", "thinking_token_budget", 64, "reasoning_config is not configured"),
             ("/v1/chat/completions", "watermarking", True, "watermark"),
             ("/v1/chat/completions", "mm_processor_kwargs", {"num_crops": 4}, "text-only"),
             ("/v1/completions", "suffix", "!", "suffix is not currently supported"),

@@ -125,3 +125,33 @@ def test_a_streamed_response_sends_the_reasoning_item_then_the_message(server):
     assert added == [item["type"] for item in whole["output"]] and added[0] == "reasoning"
     final = events[-1]["response"]["output"]
     assert [(i["type"], i.get("content")) for i in final] == [(i["type"], i.get("content")) for i in whole["output"]]
+
+
+def test_thinking_token_budget_ends_the_reasoning_after_that_many_tokens(server, checkpoint):
+    """vLLM's thinking_token_budget: a prompt that opens the reasoning (<think> at its end) gets
+    at most that many reasoning tokens, then </think> (deepseek_r1's end tag) forced; with the
+    budget 0 at once; the chat answer then splits there. Without a budget the same request runs
+    on, greedy, without one."""
+    _, tok = checkpoint
+    think_end = tok.convert_tokens_to_ids("</think>")
+    words = tok.encode(" yes no maybe", add_special_tokens=False)
+    body = {"model": "thinker", "prompt": "Question: why? <think>", "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "allowed_token_ids": [think_end, *words]}
+
+    def ids(**extra) -> list[int]:
+        out = requests.post(server.url + "/v1/completions", json={**body, **extra}, timeout=120)
+        assert out.status_code == 200, out.text
+        return out.json()["choices"][0]["token_ids"]
+    free = ids()
+    assert think_end not in free[:4]                  # the model itself does not end its reasoning early
+    for budget in (0, 3):
+        capped = ids(thinking_token_budget=budget)
+        assert capped[:budget] == free[:budget] and capped[budget] == think_end, (budget, capped)
+    chat = requests.post(server.url + "/v1/chat/completions", json={
+        "model": "thinker", "max_tokens": 8, "temperature": 0, "thinking_token_budget": 2,
+        "messages": [{"role": "user", "content": "Think."}, {"role": "assistant", "content": "<think>"}],
+        "continue_final_message": True, "add_generation_prompt": False, "allowed_token_ids": [think_end, *words],
+        "return_token_ids": True}, timeout=120).json()["choices"][0]
+    assert chat["token_ids"][2] == think_end and chat["message"]["content"] is not None
+    bad = requests.post(server.url + "/v1/completions", json={**body, "thinking_token_budget": -1}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_token_budget"

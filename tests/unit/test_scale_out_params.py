@@ -38,7 +38,7 @@ def test_a_render_round_trips_through_generate():
 @pytest.mark.parametrize("fields, param", [
     ({"no_such_field": 1}, "sampling_params.no_such_field"),
     ({"bad_words_token_ids": [[1]]}, "sampling_params.bad_words_token_ids"),     # ours, not vLLM's
-    ({"thinking_token_budget": 64}, "sampling_params.thinking_token_budget"),    # vLLM's, not served here
+    ({"prompt_logprob_token_ids": [1]}, "sampling_params.prompt_logprob_token_ids"),   # vLLM's, not served here
     ({"watermarking": True}, "sampling_params.watermarking"),
     ({"n": 0}, "sampling_params.n"),
     ({"stream_interval": 0}, "sampling_params.stream_interval"),
@@ -53,3 +53,4 @@ def test_fields_that_cannot_be_honoured_are_a_400_naming_them(fields, param):
 def test_vllm_fields_at_their_off_values_are_accepted():
     params, _, _ = sampling_params_of({"watermarking": None, "thinking_token_budget": None, "flat_logprobs": False})
     assert params == SamplingParams()
+    assert sampling_params_of({"thinking_token_budget": 64})[0].thinking_token_budget == 64
