@@ -1,7 +1,8 @@
 """Tool calls read out of generated text. One parser per format: the model formats chosen with
 ``--tool-call-parser`` (vLLM's names, ``TOOL_PARSERS``: ``hermes``, the
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` of Hermes and Qwen2.5 models, and
-``llama3_json``, ``{"name": ..., "parameters": ...}`` objects joined by ``;``), and the two that
+``llama3_json``, ``{"name": ..., "parameters": ...}`` objects joined by ``;``, and ``pythonic`` /
+``llama4_pythonic``, a Python list of calls ``[name(key=value, ...)]``), and the two that
 constrained decoding produces for ``tool_choice`` ``"required"`` (a JSON array of
 ``{"name", "parameters"}``) and a named function (its arguments alone).
 
@@ -11,6 +12,7 @@ the one before, so a stream sends what a reading adds (``ToolCallStream``) and t
 concatenated stream equals the plain answer, which is the final reading."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -311,6 +313,105 @@ class Llama3JsonToolParser(ToolParser):
         if final and not calls:
             return Reading(text)
         return Reading("", calls)
+
+
+def _python_elements(s: str, i: int) -> tuple[list[str], bool]:
+    """The whole top-level elements of the Python list opening at ``s[i] == "["`` (as text), and
+    whether the list is closed; strings (with escapes) and nested brackets are skipped over."""
+    elements: list[str] = []
+    depth, quote, start, j = 0, "", i + 1, i + 1
+    while j < len(s):
+        ch = s[j]
+        if quote:
+            if ch == "\\":
+                j += 1
+            elif s.startswith(quote, j):
+                j += len(quote) - 1
+                quote = ""
+        elif ch in "'\"":
+            quote = s[j:j + 3] if s[j:j + 3] in ("'''", '"""') else ch
+            j += len(quote) - 1
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                if ch != "]":
+                    raise Malformed(f"unbalanced {ch!r} in a call list")
+                if s[start:j].strip():
+                    elements.append(s[start:j])
+                return elements, True
+            depth -= 1
+        elif ch == "," and depth == 0:
+            elements.append(s[start:j])
+            start = j + 1
+        j += 1
+    return elements, False
+
+
+def _python_call(element: str) -> Call:
+    """``name(key=value, ...)`` (keyword arguments, Python literals) as a call with JSON arguments."""
+    try:
+        node = ast.parse(element.strip(), mode="eval").body
+    except SyntaxError as exc:
+        raise Malformed(f"not a Python call: {element.strip()[:40]!r}") from exc
+    if not isinstance(node, ast.Call) or node.args:
+        raise Malformed(f"a tool call is name(key=value, ...), got {element.strip()[:40]!r}")
+    name = []
+    func = node.func
+    while isinstance(func, ast.Attribute):       # a dotted name stays dotted, as vLLM keeps it
+        name.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name):
+        raise Malformed(f"a tool call's name must be a name, got {ast.dump(node.func)[:40]!r}")
+    name.append(func.id)
+    try:
+        arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+    except ValueError as exc:
+        raise Malformed(f"a tool call's arguments must be Python literals: {exc}") from exc
+    return Call(".".join(reversed(name)), json.dumps(arguments, ensure_ascii=False))
+
+
+@register
+class PythonicToolParser(ToolParser):
+    """Llama 3.2's and Llama 4's pythonic calls (vLLM's ``pythonic``): the whole output is a Python
+    list of calls with keyword arguments, ``[get_weather(city="Paris"), add(a=1, b=2.5)]``, each
+    call's arguments answered as JSON; any other output is content. A call shows once it is whole
+    (its arguments are Python, not JSON, so they cannot stream piece by piece)."""
+    name = "pythonic"
+    TAGS = ("", "")              # what the list may come between (llama4_pythonic's tags)
+
+    def read(self, text: str, final: bool) -> Reading:
+        s = text.lstrip()
+        open_tag, close_tag = self.TAGS
+        start = len(text) - len(s)
+        if open_tag and s.startswith(open_tag):
+            start += len(open_tag)
+            start += len(text[start:]) - len(text[start:].lstrip())
+        elif open_tag and not final and open_tag.startswith(s):
+            return Reading("")
+        if start >= len(text):
+            return Reading("" if not final else text)
+        if text[start] != "[":
+            return Reading(text)
+        calls: list[Call] = []
+        try:
+            elements, _ = _python_elements(text, start)
+            for element in elements:         # the calls before one that is not a call stand
+                calls.append(_python_call(element))
+        except Malformed:
+            pass
+        if final and not calls:
+            return Reading(text)
+        return Reading("", calls)
+
+
+@register
+class Llama4PythonicToolParser(PythonicToolParser):
+    """Llama 4's pythonic calls between ``<|python_start|>`` and ``<|python_end|>`` (vLLM's
+    ``llama4_pythonic``), or without them."""
+    name = "llama4_pythonic"
+    keeps_special_tokens = True
+    TAGS = ("<|python_start|>", "<|python_end|>")
 
 
 class RequiredToolParser(ToolParser):

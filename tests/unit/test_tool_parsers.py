@@ -14,8 +14,8 @@ import pytest
 from actors.frontend.protocol import ChatCompletionRequest
 from actors.frontend.structured import NotStructured
 from actors.frontend.tool_parsers import (TOOL_PARSERS, Call, HermesToolParser, Llama3JsonToolParser,
-                                          NamedToolParser, RequiredToolParser, ToolCallStream, ToolParserManager,
-                                          tool_parser)
+                                          NamedToolParser, Reading, RequiredToolParser, ToolCallStream,
+                                          ToolParserManager, tool_parser)
 from actors.frontend.tools import required_schema, tool_constraint, tool_use
 
 HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], '
@@ -175,3 +175,28 @@ def test_a_tool_parser_plugin_file_registers_a_parser_the_server_can_name(tmp_pa
         ToolParserManager.register_module("example_xml", force=False, module=HermesToolParser)
     with pytest.raises(TypeError):
         ToolParserManager.register_module("x", module=dict)
+
+
+PYTHONIC = ('[get_weather(city="Paris, FR", days=[1, 2], note=\'a ] and a ) inside\'), add(a=-1.5e3, b=True), '
+            'tools.search(q=None, opts={"k": (1, 2)})]')
+
+
+def test_pythonic_calls_read_as_json_arguments_whole_and_streamed():
+    """vLLM's pythonic (Llama 3.2 / 4): a Python list of keyword-argument calls; each call's
+    arguments become JSON; streamed, each call shows once it is whole, and the pieces add up to
+    the plain reading in any chunking; other output is content."""
+    whole = tool_parser("pythonic").read(PYTHONIC, True)
+    assert whole.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == [
+        ("get_weather", {"city": "Paris, FR", "days": [1, 2], "note": "a ] and a ) inside"}),
+        ("add", {"a": -1500.0, "b": True}), ("tools.search", {"q": None, "opts": {"k": [1, 2]}})]
+    rng = random.Random(3)
+    for sizes in ([1] * len(PYTHONIC), [rng.randint(1, 12) for _ in range(len(PYTHONIC))]):
+        content, calls, _ = stream_all(tool_parser("pythonic"), PYTHONIC, sizes)
+        assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+            (c.name, json.loads(c.arguments)) for c in whole.calls]
+    for text in ("The answer is 4.", "[1, 2, 3]", "[get_weather('Paris')]", "[f(a=open('x'))]"):
+        assert tool_parser("pythonic").read(text, True) == Reading(text, []), text
+    tagged = tool_parser("llama4_pythonic").read('<|python_start|>[f(a=1)]<|python_end|>', True)
+    assert [(c.name, c.arguments) for c in tagged.calls] == [("f", '{"a": 1}')]
+    assert tool_parser("llama4_pythonic").read("<|python_st", False) == Reading("", [])
