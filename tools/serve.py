@@ -115,7 +115,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(sorted(TOOL_PARSERS)) + "}",
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
                         "Qwen2.5, Qwen3), llama3_json ({\"name\": ..., \"parameters\": ...}), pythonic "
-                        "([name(key=value), ...]: Llama 3.2 and 4), llama4_pythonic, or one a "
+                        "([name(key=value), ...]: Llama 3.2 and 4), llama4_pythonic, mistral ([TOOL_CALLS]...), "
+                        "or one a "
                         "--tool-parser-plugin registers")
     p.add_argument("--tool-parser-plugin", default="", metavar="FILE",
                    help="vLLM's: a Python file run at start-up that registers tool parsers "

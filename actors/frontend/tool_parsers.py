@@ -2,7 +2,8 @@
 ``--tool-call-parser`` (vLLM's names, ``TOOL_PARSERS``: ``hermes``, the
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` of Hermes and Qwen2.5 models, and
 ``llama3_json``, ``{"name": ..., "parameters": ...}`` objects joined by ``;``, and ``pythonic`` /
-``llama4_pythonic``, a Python list of calls ``[name(key=value, ...)]``), and the two that
+``llama4_pythonic``, a Python list of calls ``[name(key=value, ...)]``, and ``mistral``, calls after
+its ``[TOOL_CALLS]`` token), and the two that
 constrained decoding produces for ``tool_choice`` ``"required"`` (a JSON array of
 ``{"name", "parameters"}``) and a named function (its arguments alone).
 
@@ -313,6 +314,51 @@ class Llama3JsonToolParser(ToolParser):
         if final and not calls:
             return Reading(text)
         return Reading("", calls)
+
+
+@register
+class MistralToolParser(ToolParser):
+    """Mistral's calls after its ``[TOOL_CALLS]`` token (vLLM's ``mistral``), in either of its
+    tokenizers' formats: a JSON array of ``{"name", "arguments"}`` objects (before v11:
+    ``[TOOL_CALLS] [{"name": "f", "arguments": {...}}]``), or each call as its name then its JSON
+    arguments (v11 and later: ``[TOOL_CALLS]f[ARGS]{...}``, or ``[TOOL_CALLS]f{...}``), a
+    ``[TOOL_CALLS]`` before each. The text before the first ``[TOOL_CALLS]`` is content; text
+    after a call's arguments is dropped, as vLLM drops it."""
+    name = "mistral"
+    keeps_special_tokens = True
+    BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def read(self, text: str, final: bool) -> Reading:
+        k = text.find(self.BOT)
+        if k < 0:
+            return Reading(text if final else held_back(text, self.BOT))
+        content = text[:k]
+        j = skip_ws(text, k + len(self.BOT))
+        if j < len(text) and text[j] == "[":            # before v11: a JSON array of calls
+            calls, _ = _objects(text, j + 1, ("arguments",), ",")
+            return Reading(content, calls)
+        calls: list[Call] = []
+        for segment in text[k + len(self.BOT):].split(self.BOT):
+            name, sep, args = segment.partition(self.ARGS)
+            if not sep:
+                brace = segment.find("{")
+                if brace < 0:                            # the name may still be coming
+                    if final and segment.strip():
+                        calls.append(Call(segment.strip(), "{}"))
+                    break
+                name, args = segment[:brace], segment[brace:]
+            a = skip_ws(args, 0)
+            if a >= len(args):
+                calls.append(Call(name.strip(), "{}" if final else ""))
+                continue
+            try:
+                end = value_end(args, a)
+            except Malformed:
+                end = None
+            calls.append(Call(name.strip(), args[a:end] if end is not None else args[a:]))
+            if end is None:
+                break
+        return Reading(content, calls)
 
 
 def _python_elements(s: str, i: int) -> tuple[list[str], bool]:

@@ -200,3 +200,27 @@ def test_pythonic_calls_read_as_json_arguments_whole_and_streamed():
     tagged = tool_parser("llama4_pythonic").read('<|python_start|>[f(a=1)]<|python_end|>', True)
     assert [(c.name, c.arguments) for c in tagged.calls] == [("f", '{"a": 1}')]
     assert tool_parser("llama4_pythonic").read("<|python_st", False) == Reading("", [])
+
+
+MISTRAL_ARRAY = 'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", ' \
+                '"arguments": {"a": [1, {"b": "}"}]}}]'
+MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add{"a": [1, {"b": "}"}]} and then text'
+
+
+@pytest.mark.parametrize("text, content", [(MISTRAL_ARRAY, "Let me check. "), (MISTRAL_V11, "")])
+def test_mistral_calls_after_its_tool_calls_token_in_both_formats(text, content):
+    """vLLM's mistral: the text before [TOOL_CALLS] is content; after it, a JSON array of
+    {"name", "arguments"} (tokenizers before v11) or each call's name then its JSON arguments
+    (v11 on, [ARGS] between them or not); text after a call's arguments is dropped. Streamed in
+    any chunking, the pieces add up to the plain reading."""
+    whole = tool_parser("mistral").read(text, True)
+    assert whole.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": [1, {"b": "}"}]})]
+    rng = random.Random(5)
+    for sizes in ([1] * len(text), [rng.randint(1, 9) for _ in range(len(text))]):
+        got, calls, _ = stream_all(tool_parser("mistral"), text, sizes)
+        assert got == content and [(c["name"], c["arguments"]) for c in calls] == [
+            (c.name, c.arguments) for c in whole.calls]
+    assert tool_parser("mistral").read("No tools [TOOL_C", False) == Reading("No tools ", [])
+    assert tool_parser("mistral").read("No tools at all.", True) == Reading("No tools at all.", [])
