@@ -116,10 +116,12 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
 
 # -- the request as a chat completion ---------------------------------------------------------
 
-def chat_body(req: CountTokensRequest, merge_inline_system: bool) -> dict[str, Any]:
+def chat_body(req: CountTokensRequest, merge_inline_system: bool, thinking_budgets: bool = False) -> dict[str, Any]:
     """The chat completion request ``req`` is answered as (vLLM's conversion).
     ``merge_inline_system``: the chat template takes a system message first only, so the
-    conversation's own system messages join the leading one."""
+    conversation's own system messages join the leading one. ``thinking_budgets``: the server
+    knows the model's reasoning tags, so ``thinking.budget_tokens`` caps the reasoning (vLLM's
+    thinking_token_budget); without them it is left out (vLLM refuses the request)."""
     _check(req)
     messages: list[dict[str, Any]] = []
     system = _system_text(req.system)
@@ -151,6 +153,9 @@ def chat_body(req: CountTokensRequest, merge_inline_system: bool) -> dict[str, A
         body["reasoning_effort"] = config.effort
     if req.thinking is not None and req.thinking.type == "disabled":
         body["reasoning_effort"] = "none"       # the template's enable_thinking off
+    if (isinstance(req, MessagesRequest) and req.thinking is not None and req.thinking.type == "enabled"
+            and thinking_budgets):
+        body["thinking_token_budget"] = req.thinking.budget_tokens
     if req.tool_choice is not None:
         choice = req.tool_choice
         body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}} if choice.type == "tool"
@@ -418,7 +423,8 @@ async def create_message(server: OpenAIServer, request: web.Request) -> web.Stre
 async def _create_message(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
     arrival = time.time()
     req: MessagesRequest = await server.read(request, MessagesRequest)
-    chat = server.decode(json_encoder.encode(chat_body(req, merges_inline_system(server))), ChatCompletionRequest)
+    chat = server.decode(json_encoder.encode(chat_body(req, merges_inline_system(server),
+                                                       server.engine().thinking_budgets)), ChatCompletionRequest)
     gen, stream = await start_chat(server, chat, arrival)
     answer = MessagesAnswer(gen)
     http_trace.serving(c.handle.request_id for c in gen.choices)

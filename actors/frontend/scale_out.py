@@ -197,7 +197,8 @@ async def render_messages(server: OpenAIServer, request: web.Request) -> web.Res
     """vLLM's /v1/messages/render: an Anthropic Messages request rendered as the chat completion
     /v1/messages answers it with (the same conversion, so the same tokens)."""
     req = await server.read(request, anthropic.MessagesRequest)
-    chat = server.decode(json_encoder.encode(anthropic.chat_body(req, anthropic.merges_inline_system(server))),
+    chat = server.decode(json_encoder.encode(anthropic.chat_body(req, anthropic.merges_inline_system(server),
+                                                                 server.engine().thinking_budgets)),
                          ChatCompletionRequest)
     gen, stream = await start_chat(server, chat, time.time(), _renderer(server, chat))
     return _json(_rendered(gen.choices, _render_id(request, gen), chat, stream))

@@ -82,8 +82,11 @@ def test_tools_choices_formats_thinking_and_streams_take_the_chat_requests_names
         assert body["tool_choice"] == expected
     assert body["parallel_tool_calls"] is False
     assert anthropic.chat_body(_req(thinking={"type": "disabled"}), False)["reasoning_effort"] == "none"
-    assert "reasoning_effort" not in anthropic.chat_body(
-        _req(thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=2048), False)
+    enabled = _req(thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=2048)
+    assert "reasoning_effort" not in anthropic.chat_body(enabled, False)
+    # budget_tokens caps the reasoning where the server knows the reasoning tags (vLLM's thinking_token_budget)
+    assert anthropic.chat_body(enabled, False, thinking_budgets=True)["thinking_token_budget"] == 1024
+    assert "thinking_token_budget" not in anthropic.chat_body(enabled, False)
 
 
 @pytest.mark.parametrize("fields, param, message", [
