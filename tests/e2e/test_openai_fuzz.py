@@ -1,4 +1,4 @@
-"""Fuzzing the HTTP edge with 1,200 generated hostile bodies: every field of every endpoint gets
+"""Fuzzing the HTTP edge with 1,260 generated hostile bodies: every field of every endpoint gets
 valid values, wrong types, out-of-range and non-finite numbers, nulls, deep nesting and junk,
 plus unknown fields, empty and 100,000-message conversations, 5 MB bodies and bodies that are
 not JSON (or not UTF-8) at all. Bodies go five at a time, so hostile values share engine steps
@@ -316,7 +316,7 @@ def path_of(body: dict) -> str:
     return CHAT_PATH if "messages" in body else RESPONSES_PATH if "input" in body else COMPLETION_PATH
 
 
-# -- generated bodies: 45 x 5 + 45 x 5 + 20 x 5 + 20 x 5 + 30 x 5 + 20 x 5 + 30 x 5 + 24 x 5 = 1,170 ------
+# -- generated bodies: 45 x 5 + 45 x 5 + 20 x 5 + 20 x 5 + 30 x 5 + 12 x 5 + 20 x 5 + 30 x 5 + 24 x 5 = 1,230 --
 @FUZZ
 @given(sent=batch(bodies(CHAT, "messages")))
 def test_fuzz_chat_completions(server, sent):
@@ -395,6 +395,36 @@ def test_fuzz_well_typed_bodies_reach_the_engine(server, sent):
     """Only well-typed values, half of them in range: combinations of n, stream, echo,
     logprobs, stop and penalties that get admitted and run."""
     check_all(server, "well-typed", [(path_of(b), encoded(b)) for b in sent])
+
+
+def batch_chat(body: dict) -> dict:
+    """A chat body whose messages become one to three conversations (the batch endpoint's)."""
+    convs = body.get("messages")
+    body["messages"] = [convs, convs] if isinstance(convs, list) else convs
+    return body
+
+
+SCORING = {"query": st.one_of(small_text, token_ids), "items": st.one_of(
+    st.lists(small_text, max_size=3), st.lists(token_ids, max_size=3), st.lists(st.one_of(small_text, token_ids),
+                                                                               max_size=3)),
+    "label_token_ids": st.one_of(token_ids, st.lists(st.integers(0, 49151), min_size=1, max_size=3)),
+    "apply_softmax": st.booleans(), "item_first": st.booleans(), "add_special_tokens": st.booleans(),
+    "priority": st.integers(-2, 2), "cache_salt": small_text}
+SCORING_OK = {**SCORING, "query": st.text(min_size=1, max_size=12), "items": st.lists(small_text, min_size=1,
+                                                                                        max_size=3)}
+
+
+@settings(FUZZ, max_examples=12)
+@given(sent=batch(bodies(CHAT, "messages").map(batch_chat) | bodies(SCORING, "label_token_ids")
+                  | bodies(CHAT, "messages", junky=False).map(batch_chat)
+                  | st.fixed_dictionaries({k: SCORING_OK[k] for k in ("query", "items", "label_token_ids")},
+                                          optional={k: v for k, v in SCORING_OK.items()
+                                                    if k not in ("query", "items", "label_token_ids")})))
+def test_fuzz_chat_batches_and_generative_scoring(server, sent):
+    """vLLM's /v1/chat/completions/batch and /generative_scoring take hostile bodies as the
+    other endpoints do: refused in the one error shape, never a 5xx, nothing left running."""
+    check_all(server, "batch and scoring", [("/generative_scoring" if "label_token_ids" in b
+                                             else "/v1/chat/completions/batch", encoded(b)) for b in sent])
 
 
 @settings(FUZZ, max_examples=20)
