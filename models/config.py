@@ -2,6 +2,7 @@
 or the GGUF header), that every architecture and the engine agree on."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types values
@@ -62,6 +63,15 @@ class ArchConfig:
         if self.layer_types is None:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def without_sliding_window(self) -> ArchConfig:
+        """vLLM's --disable-sliding-window: every layer attends to the whole context, and the
+        context is capped at the window, so within it the outputs are the windowed model's. The
+        layers keep their types (Gemma 3's sliding layers keep their own rotary base)."""
+        window = self.max_sliding_window
+        if window is None:
+            return self
+        return dataclasses.replace(self, sliding_window=None, max_model_len=min(self.max_model_len, window))
 
     @property
     def max_sliding_window(self) -> int | None:

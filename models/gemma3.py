@@ -25,7 +25,9 @@ class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         c = config
-        self.is_sliding = c.layer_sliding_window(layer) is not None
+        # a sliding layer by its type (its rotary base is the local one even with the window off)
+        self.is_sliding = (c.layer_types[layer] == SLIDING if c.layer_types is not None
+                           else c.layer_sliding_window(layer) is not None)
         self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.self_attn = SelfAttention(
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,

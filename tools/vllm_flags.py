@@ -57,7 +57,6 @@ REFUSED: dict[str, str] = {
     "--safetensors-load-strategy": _LOADING, "--model-loader-extra-config": _LOADING,
     "--ignore-patterns": _LOADING, "--use-tqdm-on-load": _LOADING, "--pt-load-map-location": _LOADING,
     "--rope-scaling": _LOADING, "--rope-theta": _LOADING, "--override-attention-dtype": _LOADING,
-    "--disable-sliding-window": _LOADING,
     "--max-seq-len-to-capture": _COMPILE,
     "--quantization-param-path": _LOADING,
     # what the model is run for
@@ -170,7 +169,7 @@ BOOLEAN = frozenset({
     "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--enable-dbo",
     "--disable-nccl-for-dp-synchronization", "--enable-eplb", "--eplb-log-balancedness",
     "--ray-workers-use-nsight", "--disable-custom-all-reduce", "--disable-frontend-multiprocessing",
-    "--use-tqdm-on-load", "--disable-sliding-window",
+    "--use-tqdm-on-load",
     "--enable-mm-embeds", "--interleave-mm-strings",
     "--skip-mm-profiling", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",

@@ -50,6 +50,7 @@ class EngineArgs:
     enable_sleep_mode: bool = False
     enable_prompt_embeds: bool = False    # vLLM's: prompts may be given as input embeddings
     skip_tokenizer_init: bool = False     # vLLM's: load no tokenizer (token ids in and out)
+    disable_sliding_window: bool = False  # vLLM's: no sliding windows, max_model_len capped at the window
     reasoning_parser: str | None = None   # the server's --reasoning-parser (its tags start and end reasoning)
     reasoning_config: str | dict[str, Any] | None = None   # vLLM's --reasoning-config JSON
     hf_overrides: dict[str, Any] | str | None = None   # vLLM's: config.json keys over the checkpoint's
@@ -169,6 +170,7 @@ class EngineArgs:
                               enable_sleep_mode=self.enable_sleep_mode,
                               enable_prompt_embeds=self.enable_prompt_embeds,
                               skip_tokenizer_init=self.skip_tokenizer_init,
+                              disable_sliding_window=self.disable_sliding_window,
                               reasoning=self.reasoning(),
                               served_model_names=(names,) if isinstance(names, str) else tuple(names or ()),
                               max_logprobs=self.max_logprobs, generation_config=self.generation_config,
@@ -524,6 +526,10 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="vLLM's: load no tokenizer (the checkpoint may have none): prompts come as token ids, "
                  "answers carry token ids (their text empty); text prompts, chat, stop strings and "
                  "structured outputs are refused")),
+        (("--disable-sliding-window",), "disable_sliding_window", dict(
+            action=argparse.BooleanOptionalAction, default=d["disable_sliding_window"],
+            help="vLLM's: a model with sliding-window layers (Gemma 3, Mistral's) attends to the whole context "
+                 "in every layer, and the context is capped at the window's size (ignored for other models)")),
         (("--reasoning-config",), "reasoning_config", dict(
             default=d["reasoning_config"], metavar="JSON",
             help="vLLM's: how a thinking model's reasoning starts and is ended when a request's "

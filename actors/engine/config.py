@@ -80,6 +80,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_sleep_mode: bool = False        # the engine may sleep (give back its memory) at levels 1 and 2
     enable_prompt_embeds: bool = False     # prompts may come as input embeddings (vLLM's prompt_embeds)
     skip_tokenizer_init: bool = False      # vLLM's: no tokenizer; prompts and answers as token ids only
+    disable_sliding_window: bool = False   # vLLM's: every layer attends to all, the context capped at the window
     reasoning: ReasoningConfig | None = None   # a thinking model's reasoning tags (thinking_token_budget); None: none
     served_model_names: tuple[str, ...] = ()   # the names the API answers to; (): the source's name
     max_logprobs: int = DEFAULT_MAX_LOGPROBS   # most log-probs a request may ask for; -1: no bound

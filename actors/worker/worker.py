@@ -53,6 +53,10 @@ class Worker:
         ckpt = open_checkpoint(source)
         draft = config.model.draft_source
         draft_ckpt = open_checkpoint(draft) if draft is not None else None
+        if config.model.disable_sliding_window:     # vLLM's: full attention, the context capped at the window
+            ckpt = ckpt._replace(config=ckpt.config.without_sliding_window())
+            if draft_ckpt is not None:
+                draft_ckpt = draft_ckpt._replace(config=draft_ckpt.config.without_sliding_window())
         self.config = config.resolve(cuda_available=platform_for("cuda").is_available(),
                                      cpu_count=os.cpu_count() or 1,
                                      arch=ckpt.config, draft_arch=draft_ckpt.config if draft_ckpt else None)

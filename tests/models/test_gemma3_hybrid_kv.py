@@ -76,3 +76,39 @@ def test_greedy_tokens_equal_the_conservative_allocators(runs):
     hybrid, conservative = runs
     assert hybrid["tokens"] == conservative["tokens"]
     assert all(len(t) == NUM_NEW for t in hybrid["tokens"].values())
+
+
+def short_alone(disable_sliding_window: bool) -> tuple[list[int], object]:
+    """The short request's greedy tokens alone, and the resolved config."""
+    args = EngineArgs(model="gemma3-270m", multiprocess=False, kv_cache_bytes=64 << 20,
+                      disable_sliding_window=disable_sliding_window)
+    worker = Worker(args.create_engine_config())
+    worker.init_kv_cache()
+    cfg = worker.config
+    kv = KVCacheManager(cfg.cache.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
+                        cfg.kv_cache_groups())
+    scheduler = Scheduler(cfg, kv)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    assert scheduler.add_request(EngineCoreRequest("short", prompt(SHORT, 2), params, 0.0, [1])) is None
+    tokens: list[int] = []
+    while scheduler.has_work():
+        so = scheduler.schedule()
+        for out in scheduler.update_from_output(so, worker.execute_model(so)):
+            tokens += out.new_token_ids
+    return tokens, cfg
+
+
+@pytest.mark.slow
+def test_disable_sliding_window_caps_the_context_at_the_window_and_keeps_the_tokens():
+    """vLLM's --disable-sliding-window: every layer full attention (one KV cache group), the
+    context capped at the window (512 tokens), and within it the windowed model's greedy tokens
+    (the sliding layers keep their local rotary base)."""
+    windowed, cfg_w = short_alone(False)
+    full, cfg = short_alone(True)
+    window = cfg_w.model.arch.max_sliding_window
+    assert window == 512 and cfg.model.max_model_len == window and cfg.model.arch.max_sliding_window is None
+    assert len(cfg.kv_cache_groups()) == 1 and len(cfg_w.kv_cache_groups()) > 1     # full attention only
+    assert full == windowed and len(full) == NUM_NEW
+    with pytest.raises(ValueError, match="greater than the derived max_model_len"):
+        Worker(EngineArgs(model="gemma3-270m", multiprocess=False, disable_sliding_window=True,
+                          max_model_len=1024).create_engine_config())
