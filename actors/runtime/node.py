@@ -61,6 +61,7 @@ class Node:
         self.failure_listeners: list[Callable[[Failure], None]] = []
         self.late_replies = 0
         self.rejected = 0
+        self.stopping = False            # stop() began: its actors are going away
         self.faults = Faults()                  # armed only by the tests' fault injection
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
@@ -219,7 +220,10 @@ class Node:
 
     def _reject(self, header: Header, reason: str) -> None:
         self.rejected += 1
-        log.error("rejected %s from node '%s': %s", header.msg_type, header.src_node, reason)
+        # a message that reaches a node whose actors are stopping (another node's telemetry or
+        # heartbeat question at shutdown) is expected, not an error; its sender is told either way
+        log.log(logging.DEBUG if self.stopping else logging.ERROR, "rejected %s from node '%s': %s",
+                header.msg_type, header.src_node, reason)
         err = ErrorReply(header.dst, header.msg_type, "MessageRejected", reason, rejected=True)
         self.send_reply(ReplyTo(header.src_node, header.call_id), header.dst, err, error=True)
 
@@ -266,6 +270,7 @@ class Node:
     # -- shutdown ----------------------------------------------------------------------------
     async def stop(self, timeout: float = 5.0) -> None:
         from actors.runtime.messages import Stop
+        self.stopping = True
         hooks, self.on_stop = self.on_stop, []
         for hook in hooks:
             try:
