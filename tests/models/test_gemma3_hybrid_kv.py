@@ -23,16 +23,21 @@ def prompt(n: int, seed: int) -> list[int]:
     return [2] + [1000 + (seed + 7919 * i) % 20000 for i in range(n - 1)]     # <bos>, then ordinary ids
 
 
-def generate(disable_hybrid: bool) -> dict:
-    """Greedy tokens of both requests, and each step's blocks per KV cache group of the long one."""
-    args = EngineArgs(model="gemma3-270m", multiprocess=False, kv_cache_bytes=256 << 20,
-                      max_num_batched_tokens=1024, disable_hybrid_kv_cache_manager=disable_hybrid)
-    worker = Worker(args.create_engine_config())
+def engine(**options) -> tuple[Worker, KVCacheManager, Scheduler]:
+    """Gemma 3 270m's worker with its KV cache, a KV manager of the same blocks and a scheduler."""
+    worker = Worker(EngineArgs(model="gemma3-270m", multiprocess=False, **options).create_engine_config())
     worker.init_kv_cache()
     cfg = worker.config
     kv = KVCacheManager(cfg.cache.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
                         cfg.kv_cache_groups())
-    scheduler = Scheduler(cfg, kv)
+    return worker, kv, Scheduler(cfg, kv)
+
+
+def generate(disable_hybrid: bool) -> dict:
+    """Greedy tokens of both requests, and each step's blocks per KV cache group of the long one."""
+    worker, kv, scheduler = engine(kv_cache_bytes=256 << 20, max_num_batched_tokens=1024,
+                                   disable_hybrid_kv_cache_manager=disable_hybrid)
+    cfg = worker.config
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     for rid, p in (("long", prompt(LONG, 1)), ("short", prompt(SHORT, 2))):
         assert scheduler.add_request(EngineCoreRequest(rid, p, params, 0.0, [1])) is None
@@ -80,14 +85,8 @@ def test_greedy_tokens_equal_the_conservative_allocators(runs):
 
 def short_alone(disable_sliding_window: bool) -> tuple[list[int], object]:
     """The short request's greedy tokens alone, and the resolved config."""
-    args = EngineArgs(model="gemma3-270m", multiprocess=False, kv_cache_bytes=64 << 20,
-                      disable_sliding_window=disable_sliding_window)
-    worker = Worker(args.create_engine_config())
-    worker.init_kv_cache()
+    worker, _, scheduler = engine(kv_cache_bytes=64 << 20, disable_sliding_window=disable_sliding_window)
     cfg = worker.config
-    kv = KVCacheManager(cfg.cache.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
-                        cfg.kv_cache_groups())
-    scheduler = Scheduler(cfg, kv)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     assert scheduler.add_request(EngineCoreRequest("short", prompt(SHORT, 2), params, 0.0, [1])) is None
     tokens: list[int] = []
