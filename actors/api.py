@@ -54,6 +54,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None                 # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None             # the stop string or token id that ended it
+    # vLLM's: the sequence's drafts' acceptance (per_request_spec_decode_metrics), as the
+    # server's metrics.speculative_decoding; None: off, or no drafts
+    spec_decode_metrics: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -266,7 +269,7 @@ class AsyncLLM:
             lps = _vllm_logprobs(out.logprobs, text_of) if params.logprobs is not None and out.logprobs else None
             cumulative = sum(position[0] for position in out.logprobs.logprobs) if lps is not None else None
             outputs.append(CompletionOutput(i, out.text, out.token_ids, cumulative, lps, out.finish_reason,
-                                            out.stop_reason))
+                                            out.stop_reason, (out.metrics or {}).get("speculative_decoding")))
         first = done[0]
         prompt_lps = None
         if params.prompt_logprobs is not None and first.prompt_logprobs is not None:

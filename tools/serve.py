@@ -23,6 +23,7 @@ from actors import topology
 from actors.engine.args import EngineArgs, at_least
 from actors.frontend.cors import CorsPolicy
 from actors.frontend.middleware import load_middleware
+from actors.frontend.misc import FINGERPRINT_MODES
 from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tls import TlsFiles
 from actors.frontend.tool_parsers import TOOL_PARSERS, ToolParserManager
@@ -132,6 +133,17 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
                    help="vLLM's: every streamed chat or text completion sends its usage, in each chunk and "
                         "in a last chunk of its own, whatever its stream_options say")
+    p.add_argument("--enable-per-request-metrics", action=argparse.BooleanOptionalAction, default=False,
+                   help="vLLM's: a one-choice chat or text completion answer (or a stream's last, usage chunk) "
+                        "holds metrics: its time to first token (from its first scheduling), generation time, "
+                        "time in the queue, mean inter-token latency and tokens per second, in milliseconds")
+    p.add_argument("--fingerprint-mode", choices=FINGERPRINT_MODES, default="full",
+                   help="vLLM's: every answer's system_fingerprint: full, troupe-VERSION[-tpN-ppN-dpN-ep]-HASH8 "
+                        "(HASH8 changes with what decides the outputs: the checkpoint, dtype, quantization, "
+                        "context length, KV cache dtype, speculative decoding, compilation, LoRA, parallelism); "
+                        "hash, without the parallel layout; custom, --fingerprint-value; none, no fingerprint")
+    p.add_argument("--fingerprint-value", default=None, metavar="TEXT",
+                   help="vLLM's: the fingerprint with --fingerprint-mode custom")
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request at INFO once admitted: its id, prompt tokens and the sampling "
                         "parameters it set; at DEBUG also its prompt and prompt token ids (default: off, "
@@ -238,6 +250,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
             p.error(str(exc))
     if args.enable_log_outputs and not args.enable_log_requests:
         p.error("--enable-log-outputs requires --enable-log-requests")
+    if args.enable_per_request_metrics and args.disable_log_stats:
+        p.error("--enable-per-request-metrics requires engine statistics logging; remove --disable-log-stats "
+                "to enable per-request metrics.")
+    if args.fingerprint_mode == "custom" and not args.fingerprint_value:
+        p.error("--fingerprint-mode custom needs --fingerprint-value")
     try:
         args.tls = TlsFiles.of(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs,
                                args.ssl_ciphers)
@@ -361,7 +378,10 @@ async def serve(args: argparse.Namespace) -> int:
                                                     log_error_stack=args.log_error_stack,
                                                     exclude_tools_when_tool_choice_none=(
                                                         args.exclude_tools_when_tool_choice_none),
-                                                    root_path=args.root_path, profiling=args.profiling),
+                                                    root_path=args.root_path, profiling=args.profiling,
+                                                    per_request_metrics=args.enable_per_request_metrics,
+                                                    fingerprint_mode=args.fingerprint_mode,
+                                                    fingerprint_value=args.fingerprint_value),
                               telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         tls = args.tls
         ssl_context = tls.context() if tls is not None else None       # a file that cannot load: stop here

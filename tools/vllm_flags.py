@@ -93,8 +93,6 @@ REFUSED: dict[str, str] = {
     "--guided-decoding-disable-additional-properties": _STRUCT,
     # observability
     "--show-hidden-metrics-for-version": "Troupe shows every metric it has (see /metrics)",
-    "--collect-detailed-traces": ("Troupe's OpenTelemetry spans are each request's llm_request span "
-                                  "(--otlp-traces-endpoint); its own per-actor spans are at /debug/trace"),
     "--aggregate-engine-logging": _PARALLEL,
     # the HTTP frontend
     "--tool-server": "Troupe runs no built-in tools",
@@ -133,22 +131,20 @@ for _flags, _why in (
       "--cpu-offload-params", "--weight-transfer-config"), _LOADING),
     (("--lora-target-modules", "--max-lora-cls-labels", "--enable-mixed-moe-lora-format", "--enable-moe-shared-loras",
       "--specialize-active-lora"), _LORA),
-    (("--cudagraph-metrics", "--custom-histogram-buckets", "--enable-mfu-metrics", "--enable-per-request-metrics",
-      "--per-request-spec-decode-metrics", "--enable-layerwise-nvtx-tracing", "--enable-trace-replay",
-      "--jit-monitor-mode", "--jit-monitor-verbose", "--fingerprint-mode", "--fingerprint-value",
-      "--fail-on-environ-validation"), _METRICS),
+    (("--cudagraph-metrics", "--custom-histogram-buckets", "--enable-mfu-metrics",
+      "--enable-layerwise-nvtx-tracing", "--enable-trace-replay",
+      "--jit-monitor-mode", "--jit-monitor-verbose", "--fail-on-environ-validation"), _METRICS),
     (("--enable-logging-iteration-details", "--logging-config"), _LOGS),
     (("--grpc", "--grpc-port", "--enable-offline-docs", "--renderer-num-workers",
       "--tool-strict-level", "--anthropic-disabled-thinking-effort",
       "--cohere-format", "--cohere-is-reasoning-model"), _HTTP),
-    (("--long-prefill-token-threshold-adaptive",
-      "--prefill-schedule-interval", "--scheduler-reserve-full-isl", "--return-sampling-mask"), _SCHED),
+    (("--prefill-schedule-interval", "--return-sampling-mask"), _SCHED),
     (("--prefix-cache-retention-interval", "--prefix-match-unit", "--kv-cache-dtype-skip-layers",
       "--enable-return-routed-experts"), _KV),
     (("--sleep-mode-offload-cudagraph", "--sleep-preserve-parameter-names"), _SLEEP),
     (("--reasoning-parser-plugin",),
      "Troupe's reasoning parsers are its own (--reasoning-parser deepseek_r1 or qwen3)"),
-    (("--watermark", "--watermark-config"), "Troupe does not watermark its output"),
+    (("--watermark-config",), "Troupe does not watermark its output"),
 ):
     REFUSED.update(dict.fromkeys(_flags, _why))
 del _flags, _why
@@ -180,11 +176,11 @@ BOOLEAN = frozenset({
     "--enable-layerwise-nvtx-tracing", "--enable-logging-iteration-details",
     "--enable-mamba-cache-stochastic-rounding", "--enable-mamba-shared-prefix-checkpoint", "--enable-mfu-metrics",
     "--enable-mixed-moe-lora-format", "--enable-moe-shared-loras", "--enable-nccl-comm-suspend",
-    "--enable-offline-docs", "--enable-per-request-metrics", "--enable-return-routed-experts",
+    "--enable-offline-docs", "--enable-return-routed-experts",
     "--enable-shm-tensor-arena", "--enable-tower-connector-lora", "--enable-trace-replay",
     "--fail-on-environ-validation", "--jit-monitor-verbose",
-    "--long-prefill-token-threshold-adaptive", "--mm-device-do-normalize", "--mm-encoder-only", "--numa-bind",
-    "--return-sampling-mask", "--scheduler-reserve-full-isl", "--sleep-mode-offload-cudagraph",
+    "--mm-device-do-normalize", "--mm-encoder-only", "--numa-bind",
+    "--return-sampling-mask", "--sleep-mode-offload-cudagraph",
     "--specialize-active-lora", "--swa-bounded-replay", "--trust-request-mm-kwargs", "--use-fp64-gumbel",
     "--use-replayssm",
 })

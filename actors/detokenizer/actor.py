@@ -57,7 +57,8 @@ DetokenizerProtocol = TrackRequest | EngineCoreOutputs | Untrack | EndGroup | En
 
 class _State:
     __slots__ = ("detok", "num_prompt_tokens", "arrival_time", "last_token_time", "queued",
-                 "scheduled_time", "first_token_time", "max_tokens", "parent_id", "span")
+                 "scheduled_time", "first_token_time", "max_tokens", "parent_id", "span", "spec",
+                 "model_times")
 
     def __init__(self, detok: IncrementalDetokenizer, num_prompt_tokens: int, arrival_time: float,
                  max_tokens: int | None, parent_id: str, span: tuple | None = None) -> None:
@@ -71,6 +72,53 @@ class _State:
         self.max_tokens = max_tokens
         self.parent_id = parent_id
         self.span = span                 # with a RequestTracer: (sampling params, n, trace headers)
+        self.spec: SpecDecodeMetrics | None = None   # its drafts' acceptance (--per-request-spec-decode-metrics)
+        self.model_times: tuple[float, float] | None = None   # (--collect-detailed-traces)
+
+    def metrics(self) -> dict[str, Any]:
+        """vLLM's per-request metrics of the finished request (--enable-per-request-metrics):
+        times in milliseconds, each None when a time it needs was never reached. TTFT counts
+        from its first scheduling (vLLM's), the generation time from its first token to its last."""
+        n = self.detok.num_output_tokens
+        sched, first, last = self.scheduled_time, self.first_token_time, self.last_token_time
+        inference = (last - sched) if sched > 0.0 and last > 0.0 else 0.0
+        return {"time_to_first_token_ms": (first - sched) * 1e3 if sched > 0.0 and first > 0.0 else None,
+                "generation_time_ms": (last - first) * 1e3 if first > 0.0 and last > 0.0 else None,
+                "queue_time_ms": (sched - self.arrival_time) * 1e3 if sched > 0.0 else None,
+                "mean_itl_ms": (last - first) / (n - 1) * 1e3 if first > 0.0 and last > 0.0 and n > 1 else None,
+                "tokens_per_second": n / inference if inference > 0.0 else None,
+                "speculative_decoding": self.spec.as_dict() if self.spec is not None else None}
+
+
+class SpecDecodeMetrics:
+    """One request's speculative decoding (vLLM's RequestSpecDecodeMetrics): how many verify
+    steps accepted j of their drafts (j = 0 .. k), the drafts proposed, and at the "detailed"
+    level each verify step's accepted and proposed counts in order."""
+    __slots__ = ("histogram", "num_draft_tokens", "per_step_accepted", "per_step_drafted")
+
+    def __init__(self, num_spec_tokens: int, detailed: bool) -> None:
+        self.histogram = [0] * (num_spec_tokens + 1)
+        self.num_draft_tokens = 0
+        self.per_step_accepted: list[int] | None = [] if detailed else None
+        self.per_step_drafted: list[int] | None = [] if detailed else None
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.histogram[min(accepted, len(self.histogram) - 1)] += 1
+        self.num_draft_tokens += drafted
+        if self.per_step_accepted is not None:
+            self.per_step_accepted.append(accepted)
+            self.per_step_drafted.append(drafted)
+
+    def as_dict(self) -> dict[str, Any]:
+        """vLLM's response shape: the mean acceptance length counts the bonus token."""
+        steps = sum(self.histogram)
+        accepted = sum(j * c for j, c in enumerate(self.histogram))
+        return {"mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+                "draft_acceptance_rate": accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+                "acceptance_histogram": list(self.histogram), "num_spec_steps": steps,
+                "num_accepted_draft_tokens": accepted, "num_draft_tokens": self.num_draft_tokens,
+                "num_spec_tokens": len(self.histogram) - 1,
+                "per_step_accepted": self.per_step_accepted, "per_step_drafted": self.per_step_drafted}
 
 
 class _Group:
@@ -93,10 +141,13 @@ class DetokenizerActor(Actor):
     protocol = DetokenizerProtocol
 
     def __init__(self, tokenizer: Any, streams: OutputStreams, stats: EngineStats,
-                 engine: ActorRef, waiting: WaitingRequests, tracer: RequestTracer | None = None) -> None:
+                 engine: ActorRef, waiting: WaitingRequests, tracer: RequestTracer | None = None,
+                 spec_metrics: tuple[int, str] | None = None) -> None:
         """``tracer``: each finished request's OpenTelemetry span goes out through it
-        (--otlp-traces-endpoint)."""
+        (--otlp-traces-endpoint). ``spec_metrics``: (k, level) where each request's draft
+        acceptance is counted (--per-request-spec-decode-metrics)."""
         self.tracer = tracer
+        self.spec_metrics = spec_metrics
         self.tokenizer = tokenizer
         self.waiting = waiting
         self.streams = streams
@@ -160,6 +211,12 @@ class DetokenizerActor(Actor):
         delta = st.detok.update(o.new_token_ids, stop_terminated=o.finish_reason == "stop")
         num_new = st.detok.num_output_tokens - before     # tokens past a stop string are dropped
         self._observe_timing(st, o, num_new, now)
+        if o.spec_step is not None and self.spec_metrics is not None:
+            if st.spec is None:
+                st.spec = SpecDecodeMetrics(self.spec_metrics[0], self.spec_metrics[1] == "detailed")
+            st.spec.observe(*o.spec_step)
+        if o.model_times is not None:
+            st.model_times = o.model_times
         text, finish_reason, stop_reason = delta.text, o.finish_reason, o.stop_reason
         stopped_here = delta.finished and finish_reason is None
         if delta.finished:
@@ -182,7 +239,7 @@ class DetokenizerActor(Actor):
                 o.request_id, text, list(o.new_token_ids[:num_new]), finished, finish_reason,
                 stop_reason, st.num_prompt_tokens, st.detok.num_output_tokens, o.error,
                 _head(o.logprobs, num_new), o.prompt_logprobs, o.num_cached_tokens, o.kv_transfer_params,
-                o.error_status))
+                o.error_status, st.metrics() if finished else None))
         return stopped_here
 
     def _trace(self, rid: str, st: _State, now: float) -> None:
@@ -195,7 +252,7 @@ class DetokenizerActor(Actor):
                 request_id=rid, arrival_time=st.arrival_time, scheduled_time=st.scheduled_time,
                 first_token_time=st.first_token_time, last_token_time=st.last_token_time, now=now,
                 num_prompt_tokens=st.num_prompt_tokens, num_generation_tokens=st.detok.num_output_tokens,
-                params=params, n=n, headers=headers)
+                params=params, n=n, headers=headers, model_times=st.model_times)
         except Exception:              # a span that cannot be made must not lose the answer
             log.warning("request %s: its OpenTelemetry span could not be recorded", rid, exc_info=True)
 

@@ -75,6 +75,8 @@ class EngineArgs:
     max_num_scheduled_tokens: int | None = None   # vLLM's: a step's token budget (None: max_num_batched_tokens)
     max_num_active_seqs: int | None = None        # vLLM's: requests running at once (None: max_num_seqs)
     long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False   # vLLM's: the threshold floored at a fair share
+    scheduler_reserve_full_isl: bool = True   # vLLM's: admit a request only when its whole sequence fits
     max_step_latency_ms: float | str = 0.0
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
@@ -100,6 +102,9 @@ class EngineArgs:
     kv_cache_metrics: bool = False        # vLLM's: sampled KV block residency histograms on /metrics
     kv_cache_metrics_sample: float = 0.01
     otlp_traces_endpoint: str | None = None   # vLLM's: OpenTelemetry spans of requests exported there
+    # vLLM's: "model", "worker" or "all" (a list, or one comma-separated text): model times in spans
+    collect_detailed_traces: list[str] | str | None = None
+    per_request_spec_decode_metrics: str = "none"   # vLLM's: "none" | "summary" | "detailed"
     # vLLM's --speculative-config: its JSON object (text on the command line, a dict in LLM(...))
     speculative_config: dict[str, Any] | str | None = None
     # vLLM's --spec-method, --spec-model, --spec-tokens: keys of the speculative config, one flag each
@@ -148,6 +153,12 @@ class EngineArgs:
                                                          self.spec_model, self.spec_tokens))
         if self.otlp_traces_endpoint is not None:
             check_otel(self.otlp_traces_endpoint)
+        detailed = detailed_trace_modules(self.collect_detailed_traces)
+        if detailed and not self.otlp_traces_endpoint:
+            raise ValueError("collect_detailed_traces requires `--otlp-traces-endpoint` to be set.")
+        if self.per_request_spec_decode_metrics not in SPEC_DECODE_METRICS_LEVELS:
+            raise ValueError(f"per_request_spec_decode_metrics must be one of {SPEC_DECODE_METRICS_LEVELS}, "
+                             f"got {self.per_request_spec_decode_metrics!r}")
         if self.max_num_active_seqs is not None and self.max_num_active_seqs > self.max_num_seqs:
             raise ValueError(f"max_num_active_seqs ({self.max_num_active_seqs}) cannot be greater than "
                              f"max_num_seqs ({self.max_num_seqs}).")
@@ -190,6 +201,8 @@ class EngineArgs:
                                       max_num_scheduled_tokens=self.max_num_scheduled_tokens,
                                       max_num_active_seqs=self.max_num_active_seqs,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                      long_prefill_token_threshold_adaptive=self.long_prefill_token_threshold_adaptive,
+                                      scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
                                       max_step_latency_ms=self.max_step_latency_ms,
                                       max_num_partial_prefills=self.max_num_partial_prefills,
                                       max_long_partial_prefills=self.max_long_partial_prefills,
@@ -213,7 +226,9 @@ class EngineArgs:
                                               log_stats=not self.disable_log_stats,
                                               kv_cache_metrics=self.kv_cache_metrics,
                                               kv_cache_metrics_sample=self.kv_cache_metrics_sample,
-                                              otlp_traces_endpoint=self.otlp_traces_endpoint),
+                                              otlp_traces_endpoint=self.otlp_traces_endpoint,
+                                              collect_detailed_traces=detailed,
+                                              per_request_spec_decode_metrics=self.per_request_spec_decode_metrics),
             speculative=speculative, compilation=compilation, lora=self.lora_config(),
             kv_transfer=kv_transfer_config(self.kv_transfer_config),
             kv_events=kv_events_config(self.kv_events_config),
@@ -620,6 +635,16 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "the target follows the machine, a prompt chunk beside decodes costing at most "
                  "10 times the fitted fixed cost of a step. 0 (the default): chunks as large as "
                  "--max-num-batched-tokens")),
+        (("--long-prefill-token-threshold-adaptive",), "long_prefill_token_threshold_adaptive", dict(
+            action=argparse.BooleanOptionalAction, default=d["long_prefill_token_threshold_adaptive"],
+            help="vLLM's: floor --long-prefill-token-threshold at a fair share of the token budget (the "
+                 "budget over the requests waiting and running), so a few requests are not cut into "
+                 "needlessly small chunks")),
+        (("--scheduler-reserve-full-isl",), "scheduler_reserve_full_isl", dict(
+            action=argparse.BooleanOptionalAction, default=d["scheduler_reserve_full_isl"],
+            help="vLLM's: admit a waiting request only when its whole sequence fits in the free KV blocks "
+                 "(beside the watermark), though only its first chunk gets blocks; --no-scheduler-reserve-"
+                 "full-isl checks the first chunk alone (more prompts admitted, more preemption later)")),
         (("--long-prefill-token-threshold",), "long_prefill_token_threshold", dict(
             type=int, default=d["long_prefill_token_threshold"], metavar="N",
             help="a prompt with more tokens than this left to compute gets at most this many per step "
@@ -633,8 +658,8 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             type=_positive(int), default=d["max_long_partial_prefills"], metavar="N",
             help="of those, prompts longer than --long-prefill-token-threshold, so short prompts pass "
                  "long ones (at most --max-num-partial-prefills)")),
-        (("--kv-cache-watermark",), "kv_cache_watermark", dict(
-            type=float, default=d["kv_cache_watermark"], metavar="FRACTION",
+        (("--kv-cache-watermark", "--watermark"), "kv_cache_watermark", dict(
+            type=_watermark, default=d["kv_cache_watermark"], metavar="FRACTION",
             help="share of the KV cache's blocks a new request may not take while others run, so "
                  "running requests can grow without preemption")),
         (("--async-scheduling",), "async_scheduling", dict(
@@ -785,6 +810,17 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "OTLP collector, over gRPC (http://host:4317) or, with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="
                  "http/protobuf, HTTP (http://host:4318/v1/traces); a request's traceparent header puts its "
                  "span in the caller's trace")),
+        (("--collect-detailed-traces",), "collect_detailed_traces", dict(
+            nargs="+", default=d["collect_detailed_traces"], metavar="{model,worker,all}",
+            help="vLLM's (with --otlp-traces-endpoint): each request's span also holds its seconds in the "
+                 "model's forward passes (model: gen_ai.latency.time_in_model_forward) and in the workers' "
+                 "whole steps (worker: gen_ai.latency.time_in_model_execute); all: both. Every output then "
+                 "carries the times, a small cost per step")),
+        (("--per-request-spec-decode-metrics",), "per_request_spec_decode_metrics", dict(
+            default=d["per_request_spec_decode_metrics"], choices=SPEC_DECODE_METRICS_LEVELS,
+            help="vLLM's: with speculative decoding, a one-choice answer's metrics.speculative_decoding "
+                 "tells its drafts' acceptance (summary: mean acceptance length, acceptance rate, the "
+                 "histogram of drafts accepted per verify step; detailed: also each step's counts in order)")),
         (("--kv-cache-metrics-sample",), "kv_cache_metrics_sample", dict(
             type=_sample_rate, default=d["kv_cache_metrics_sample"], metavar="FRACTION",
             help="vLLM's: the fraction of blocks --kv-cache-metrics follows, in (0, 1] (default: 0.01)")),
@@ -832,6 +868,37 @@ def human_readable_int(text: str) -> int:
 
 
 human_readable_int.__name__ = "int"
+
+
+SPEC_DECODE_METRICS_LEVELS = ("none", "summary", "detailed")
+DETAILED_TRACE_MODULES = ("model", "worker", "all")
+
+
+def detailed_trace_modules(given: list[str] | str | None) -> tuple[str, ...]:
+    """vLLM's --collect-detailed-traces values (each may be comma-separated) as a tuple."""
+    if not given:
+        return ()
+    names = tuple(n.strip() for part in ([given] if isinstance(given, str) else given)
+                  for n in part.split(",") if n.strip())
+    bad = [n for n in names if n not in DETAILED_TRACE_MODULES]
+    if bad:
+        raise ValueError(f"--collect-detailed-traces: {', '.join(map(repr, bad))} is not one of "
+                         f"{', '.join(DETAILED_TRACE_MODULES)}")
+    return names
+
+
+def _watermark(text: str) -> float:
+    """vLLM's --watermark: a fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"the watermark is a fraction of the KV cache's blocks in [0, 1), got {value}")
+    return value
+
+
+_watermark.__name__ = "watermark"
 
 
 def _sample_rate(text: str) -> float:

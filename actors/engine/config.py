@@ -13,6 +13,7 @@ leaves once the weights are loaded (``with_kv_cache_bytes``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Literal
 
 import msgspec
@@ -134,6 +135,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_scheduled_tokens: int | None = None
     max_num_active_seqs: int | None = None
     long_prefill_token_threshold: int = 0  # 0 = off (with max_num_partial_prefills > 1: 4% of max_model_len)
+    # vLLM's: the threshold floored at a fair share of the token budget (the budget over the
+    # requests waiting and running), so few requests are not cut into needlessly small chunks
+    long_prefill_token_threshold_adaptive: bool = False
     max_num_partial_prefills: int = 1      # prompts that may be part-way computed at once
     max_long_partial_prefills: int = 1     # of those, prompts longer than long_prefill_token_threshold
     # a step with decodes in it takes prompt chunks only as large as keep its predicted time under
@@ -142,6 +146,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_step_latency_ms: float | Literal["auto"] = 0.0
     policy: str = "fcfs"                   # "fcfs" | "priority"
     watermark: float = 0.01                # fraction of blocks kept free when admitting
+    # vLLM's: a waiting request is admitted only when its whole sequence fits in the free blocks
+    # (beside the watermark), though its first chunk alone gets blocks: chunked prefill admits
+    # no more prompts than the cache can finish, instead of preempting them later
+    scheduler_reserve_full_isl: bool = True
     # None: on where the worker runs in a process of its own (the engine plans step N+1 while it
     # computes step N), off in one event loop with it (nothing to overlap)
     async_scheduling: bool | None = None
@@ -213,6 +221,20 @@ class ObservabilityConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_metrics: bool = False         # KV blocks' residency sampled for /metrics (--kv-cache-metrics)
     kv_cache_metrics_sample: float = 0.01  # the fraction of blocks sampled
     otlp_traces_endpoint: str | None = None  # vLLM's: each request's span exported over OTLP here (None: off)
+    # vLLM's --collect-detailed-traces: "model" (each request's time in the model's forward passes)
+    # and/or "worker" (in the worker's whole steps) added to its span; (): neither
+    collect_detailed_traces: tuple[str, ...] = ()
+    # vLLM's --per-request-spec-decode-metrics: each request's draft acceptance in its answer's
+    # metrics ("summary": counts and histogram; "detailed": also each verify step's); "none": off
+    per_request_spec_decode_metrics: str = "none"
+
+    @property
+    def collect_model_forward_time(self) -> bool:
+        return bool({"model", "all"} & set(self.collect_detailed_traces))
+
+    @property
+    def collect_model_execute_time(self) -> bool:
+        return bool({"worker", "all"} & set(self.collect_detailed_traces))
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -310,6 +332,22 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 1, (cpu_count - vllm_env.reserved_cpus()) // (self.parallel.world_size
                                                              * self.parallel.data_parallel_size))))
 
+
+    def compute_hash(self) -> str:
+        """A digest of what decides the model's computation (vLLM's ``compute_hash``): the
+        checkpoint, its dtype and quantization, the context length, the KV cache's dtype and
+        block size, speculative decoding, compilation, LoRA and the parallel layout; not the
+        names it is served under, nor observability, nor where it listens. The same
+        configuration on another start gives the same digest."""
+        m, p = self.model, self.parallel
+        factors = {"source": [m.source.path, m.source.hf_overrides], "dtype": m.dtype, "quantization": m.quantization,
+                   "max_model_len": m.max_model_len, "architecture": m.arch.architecture if m.arch else None,
+                   "draft": m.draft_source.path if m.draft_source else None,
+                   "cache": [self.cache.cache_dtype, self.cache.block_size], "device": self.device.device,
+                   "speculative": self.speculative, "compilation": self.compilation, "lora": self.lora,
+                   "parallel": [p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size,
+                                p.enable_expert_parallel]}
+        return hashlib.sha256(msgspec.json.encode(factors)).hexdigest()
 
     @property
     def kv_cache_sized(self) -> bool:

@@ -63,6 +63,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_params: dict[str, Any] | None = None
     num_external_tokens: int = 0            # prompt tokens whose KV was loaded from another instance
     error_status: int = 0                   # with error: the HTTP status it answers (0: 500)
+    # --per-request-spec-decode-metrics: this step's verification of the request's drafts
+    # (drafts scheduled, drafts accepted); None: no drafts verified (or the metrics are off)
+    spec_step: tuple[int, int] | None = None
+    # --collect-detailed-traces: the request's seconds so far in the model's forward passes and
+    # in the workers' whole steps (each request of a step is charged the step's); None: off
+    model_times: tuple[float, float] | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):

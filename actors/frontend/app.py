@@ -82,6 +82,9 @@ class ServerOptions:
     root_path: str = ""                    # every endpoint also answers under this path (--root-path)
     profiling: bool = False                # --profiler-config names a profiler: /start_profile, /stop_profile
     middleware: tuple[Callable, ...] = ()  # vLLM's --middleware: aiohttp middlewares, inside the server's own
+    per_request_metrics: bool = False      # vLLM's --enable-per-request-metrics: a one-choice answer's timings
+    fingerprint_mode: str = "full"         # vLLM's --fingerprint-mode: what system_fingerprint says
+    fingerprint_value: str | None = None   # with fingerprint_mode "custom": the fingerprint
 
 
 class OpenAIServer:
@@ -104,6 +107,7 @@ class OpenAIServer:
         self.server_load = 0             # generation requests being answered (GET /load)
         self.anthropic_merge_system: bool | None = None   # the template takes one leading system message only
         self.has_text = True             # False: --skip-tokenizer-init (token ids in and out, no text)
+        self.system_fingerprint: str | None = None   # every answer's (--fingerprint-mode), once serving
         self._otel_warned = False        # a request with trace context came while tracing is off
         self.reasoning_parser = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
         if client is not None:
@@ -121,6 +125,8 @@ class OpenAIServer:
         model = client.config.model
         self.request_defaults = ServerDefaults(model.max_logprobs, model.sampling_defaults)
         self.anthropic_merge_system = None
+        self.system_fingerprint = misc.system_fingerprint(client.config, self.options.fingerprint_mode,
+                                                          self.options.fingerprint_value)
         self.client = client
 
     def template_kwargs(self, own: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -131,7 +137,8 @@ class OpenAIServer:
     def answer_of(self, req: GenerationRequest) -> Answer:
         """What ``req`` asks its answer to show besides the text."""
         return Answer.of(req, self.token_text, self.options.return_tokens_as_token_ids,
-                         self.options.force_include_usage)
+                         self.options.force_include_usage, self.options.per_request_metrics,
+                         self.system_fingerprint)
 
     def app(self) -> web.Application:
         """The server's endpoints; with a root path (vLLM's --root-path, for a proxy that serves

@@ -96,6 +96,10 @@ class BatchChatGeneration(Generation):
     def choice_extras(self, c: Choice) -> dict[str, Any]:
         return self.owner[id(c)].choice_extras(c)
 
+    def metrics(self) -> None:
+        """None: each conversation is a request of its own (vLLM's batch answer has no metrics)."""
+        return None
+
 
 async def batch_chat_completions(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
     arrival = time.time()

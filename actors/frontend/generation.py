@@ -34,19 +34,22 @@ class Answer:
     prompt_logprobs: bool = False         # the prompt's log-probs (prompt_logprobs set)
     continuous_usage: bool = False        # streamed: the usage so far in every chunk (vLLM's continuous_usage_stats)
     ids_only: bool = False                # the server loads no tokenizer (--skip-tokenizer-init): no text, ever
+    timings: bool = False                 # a one-choice answer's metrics (--enable-per-request-metrics)
+    fingerprint: str | None = None        # system_fingerprint (--fingerprint-mode)
 
     @classmethod
     def of(cls, req: GenerationRequest, token_text: TokenText, as_token_ids: bool,
-           force_usage: bool = False) -> Answer:
+           force_usage: bool = False, timings: bool = False, fingerprint: str | None = None) -> Answer:
         """``as_token_ids``: the server's --return-tokens-as-token-ids (the request's field wins);
-        ``force_usage``: its --enable-force-include-usage (the usage in every streamed chunk)."""
+        ``force_usage``: its --enable-force-include-usage (the usage in every streamed chunk);
+        ``timings``: its --enable-per-request-metrics; ``fingerprint``: its system_fingerprint."""
         ids = as_token_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids
         options = req.stream_options
         return cls(TokenIdText(token_text) if ids else token_text, req.shown_id(), bool(req.return_token_ids),
                    req.prompt_logprobs is not None and not req.stream,
                    bool(req.stream and (force_usage or (options and options.include_usage
                                                         and options.continuous_usage_stats))),
-                   not getattr(token_text.tokenizer, "has_text", True))
+                   not getattr(token_text.tokenizer, "has_text", True), timings, fingerprint)
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
@@ -126,6 +129,20 @@ class Generation(ABC):
         return {"id": self.id, "object": self.chunk_object, "created": self.created,
                 "model": self.model, "choices": choices, **extra}
 
+    def metrics(self) -> dict[str, Any] | None:
+        """vLLM's per-request metrics of a one-choice answer: its timings with
+        --enable-per-request-metrics, its drafts' acceptance with --per-request-spec-decode-metrics
+        (None: neither, or several choices, whose figures are not the request's)."""
+        if len(self.choices) != 1 or self.choices[0].last is None or self.choices[0].last.metrics is None:
+            return None
+        got = self.choices[0].last.metrics
+        if self.answer.timings:
+            return got
+        if got["speculative_decoding"] is None:
+            return None
+        return {**dict.fromkeys(("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+                                 "tokens_per_second")), "speculative_decoding": got["speculative_decoding"]}
+
     async def respond(self, request: web.Request, stream: bool) -> web.StreamResponse:
         http_trace.serving(c.handle.request_id for c in self.choices)
         http_trace.mark("receive")          # from the request's arrival to its admission
@@ -180,6 +197,11 @@ class Generation(ABC):
         body = {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": [{**self.final(c), **self.choice_extras(c)} for c in self.choices],
                 "usage": self.usage(), **self.body_extras()}
+        if self.answer.fingerprint is not None:
+            body["system_fingerprint"] = self.answer.fingerprint
+        metrics = self.metrics()
+        if metrics is not None:
+            body["metrics"] = metrics
         params = next((c.last.kv_transfer_params for c in self.choices if c.last.kv_transfer_params), None)
         if params is not None:           # vLLM's: what a decode instance needs to read this prompt's KV
             body["kv_transfer_params"] = params
@@ -198,16 +220,23 @@ class Generation(ABC):
                 if self.answer.return_token_ids:
                     c.unsent_ids.extend(out.token_ids)
                 extra = {"usage": self.usage()} if self.answer.continuous_usage else {}
-                if entry is not None:
-                    yield self.chunk([self._with_ids(c, entry)], **extra)
                 closing = self.finish(c, out) if out.finished else None
+                last = {}               # vLLM's: a choice's terminal chunk carries the fingerprint
+                if out.finished and self.answer.fingerprint is not None and not self.include_usage:
+                    last = {"system_fingerprint": self.answer.fingerprint}
+                if entry is not None:
+                    yield self.chunk([self._with_ids(c, entry)], **extra, **(last if closing is None else {}))
                 if closing is not None:
-                    yield self.chunk([self._with_ids(c, closing)], **extra)
+                    yield self.chunk([self._with_ids(c, closing)], **extra, **last)
         except StreamTimeout as exc:
             yield error_body(str(exc), code=504)
             return
-        if self.include_usage:
-            yield self.chunk([], usage=self.usage())
+        if self.include_usage:      # the last chunk: the usage, the fingerprint, the request's metrics
+            extra = {"system_fingerprint": self.answer.fingerprint} if self.answer.fingerprint is not None else {}
+            metrics = self.metrics()
+            if metrics is not None:
+                extra["metrics"] = metrics
+            yield self.chunk([], usage=self.usage(), **extra)
 
     def _with_ids(self, c: Choice, entry: dict) -> dict:
         """A streamed entry with the token ids no earlier chunk of its choice carried (and, the

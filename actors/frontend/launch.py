@@ -181,11 +181,15 @@ class Frontend:
                 [e.scheduler for e in engines], stats, streams, detok_ref, cache.block_size))
         endpoint = config.observability.otlp_traces_endpoint
         if endpoint is not None and self.request_tracer is None:
-            self.request_tracer = RequestTracer(endpoint, config.model.served_model_name)
+            obs = config.observability
+            self.request_tracer = RequestTracer(endpoint, config.model.served_model_name,
+                                                obs.collect_model_forward_time, obs.collect_model_execute_time)
             log.info("OpenTelemetry: each request's span goes to %s", endpoint)
         tracer = self.request_tracer
+        spec, level = config.speculative, config.observability.per_request_spec_decode_metrics
+        spec_metrics = (spec.num_speculative_tokens, level) if spec is not None and level != "none" else None
         detok = self.node.spawn(topology.DETOKENIZER, lambda: DetokenizerActor(
-            tokenizer, streams, stats, scheduler, waiting, tracer))
+            tokenizer, streams, stats, scheduler, waiting, tracer, spec_metrics))
 
         def count_prompt_tokens(n: int) -> None:
             stats.prompt_tokens += n

@@ -31,6 +31,29 @@ def version() -> str:
         return "unknown"
 
 
+FINGERPRINT_MODES = ("full", "hash", "custom", "none")   # vLLM's --fingerprint-mode
+
+
+def system_fingerprint(config, mode: str = "full", value: str | None = None) -> str | None:
+    """The ``system_fingerprint`` answers carry (vLLM's --fingerprint-mode): ``full``,
+    troupe-VERSION[-tpN][-ppN][-dpN][-ep]-HASH8 (HASH8: the configuration's digest, which changes
+    when what decides the outputs does); ``hash``, without the parallel layout; ``custom``,
+    ``value``; ``none``, no fingerprint."""
+    if mode == "none":
+        return None
+    if mode == "custom":
+        return value
+    parts = [f"troupe-{version()}"]
+    p = config.parallel
+    if mode == "full":
+        parts += [f"{name}{size}" for name, size in (("tp", p.tensor_parallel_size),
+                                                      ("pp", p.pipeline_parallel_size),
+                                                      ("dp", p.data_parallel_size)) if size > 1]
+        if p.enable_expert_parallel:
+            parts.append("ep")
+    return "-".join(parts + [config.compute_hash()[:8]])
+
+
 async def health(server: OpenAIServer, request: web.Request) -> web.Response:
     """200 when serving; 503 while the model loads and once the engine died."""
     if server.client is None:

@@ -294,7 +294,13 @@ class ResponseAnswer:
                 "store": req.store is not False, "temperature": req.temperature,
                 "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
                 "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p,
-                "truncation": "disabled", "usage": usage, "user": req.user, "metadata": req.metadata or {}}
+                "truncation": "disabled", "usage": usage, "user": req.user, "metadata": req.metadata or {},
+                **self._metrics(status)}
+
+    def _metrics(self, status: str) -> dict[str, Any]:
+        """vLLM's: a finished response's timings (--enable-per-request-metrics)."""
+        metrics = self.gen.metrics() if status != "in_progress" and self.gen.answer.timings else None
+        return {"metrics": {**metrics, "speculative_decoding": None}} if metrics is not None else {}
 
     def _keep(self, body: dict[str, Any], message: dict[str, Any]) -> None:
         if self.req.store is not False:

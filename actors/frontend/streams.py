@@ -31,6 +31,8 @@ class RequestOutput:
     num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
     kv_transfer_params: dict | None = None    # vLLM's: on the last output of a request a KV connector holds
     error_status: int = 0                     # with error: the HTTP status it answers (0: 500)
+    # on a request's last output: vLLM's per-request metrics (times, its drafts' acceptance)
+    metrics: dict | None = None
 
     def merge(self, later: RequestOutput) -> None:
         self.text += later.text
@@ -45,6 +47,7 @@ class RequestOutput:
         self.prompt_logprobs = _joined(self.prompt_logprobs, later.prompt_logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
+        self.metrics = later.metrics or self.metrics
 
 
 class StreamTimeout(TimeoutError):

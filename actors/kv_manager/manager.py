@@ -123,7 +123,8 @@ class KVCacheManager:
                        new_computed_blocks: KVCacheBlocks | None = None,
                        watermark_blocks: int = 0,
                        num_computed_tokens: int | None = None,
-                       num_lookahead_tokens: int = 0) -> tuple[list[int], ...] | None:
+                       num_lookahead_tokens: int = 0,
+                       full_num_tokens: int = 0) -> tuple[list[int], ...] | None:
         """Blocks for ``req_id`` to hold its first ``num_tokens`` tokens in every group: those
         it holds, the cache hits ``new_computed_blocks`` (admission only), then fresh ones.
         Returns, per group, the ids of the blocks it gained, hits first (0: the null block);
@@ -133,7 +134,10 @@ class KVCacheManager:
         the request's computed tokens when fewer than it asked slots for at its last step (draft
         tokens rejected); the blocks a sliding window no longer reads are counted from there.
         ``num_lookahead_tokens``: slots past ``num_tokens`` for a draft model to write the KV of
-        its drafts into (vLLM's lookahead slots); never offered to the prefix cache."""
+        its drafts into (vLLM's lookahead slots); never offered to the prefix cache.
+        ``full_num_tokens`` (admission, vLLM's scheduler_reserve_full_isl): None also when the
+        request's whole sequence would not fit (its full-attention groups' blocks for all of it,
+        beside the watermark), though only its first ``num_tokens`` get blocks now."""
         computed = self._num_tokens.get(req_id)
         if computed is not None and num_computed_tokens is not None:
             computed = min(computed, num_computed_tokens)
@@ -151,6 +155,10 @@ class KVCacheManager:
         num_slots = num_tokens + num_lookahead_tokens
         num_new = sum(m.num_blocks_to_allocate(req_id, num_slots, h) for m, h in zip(self.managers, hits))
         if num_new > self.pool.num_free_blocks - watermark_blocks:
+            return None
+        if full_num_tokens > num_slots and sum(
+                m.num_blocks_to_allocate(req_id, full_num_tokens if m.holds_whole_sequence else num_slots, h)
+                for m, h in zip(self.managers, hits)) > self.pool.num_free_blocks - watermark_blocks:
             return None
         for m, h in zip(self.managers, hits):      # every group's hits pinned before any eviction
             m.save_new_computed_blocks(req_id, h)

@@ -26,6 +26,7 @@ def blocks_needed(num_tokens: int, block_size: int, num_held: int) -> int:
 
 class SingleTypeKVCacheManager:
     """Full attention: every block of the sequence."""
+    holds_whole_sequence = True      # a request holds a block for each of its tokens' blocks
 
     def __init__(self, pool: BlockPool, block_size: int, group_id: int) -> None:
         self.pool = pool
@@ -112,6 +113,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """A sliding window of W tokens: a query at position p reads keys p - W < k <= p only."""
+    holds_whole_sequence = False     # blocks out of the window are given back as it computes
 
     def __init__(self, pool: BlockPool, block_size: int, group_id: int, sliding_window: int) -> None:
         super().__init__(pool, block_size, group_id)

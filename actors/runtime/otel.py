@@ -72,13 +72,18 @@ class Attr:
     LATENCY_TIME_IN_MODEL_PREFILL = "gen_ai.latency.time_in_model_prefill"
     LATENCY_TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
     LATENCY_TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
+    LATENCY_TIME_IN_MODEL_FORWARD = "gen_ai.latency.time_in_model_forward"
+    LATENCY_TIME_IN_MODEL_EXECUTE = "gen_ai.latency.time_in_model_execute"
 
 
 class RequestTracer:
     """The process's tracer provider with its OTLP exporter, and the span of each request."""
 
-    def __init__(self, endpoint: str, model: str) -> None:
+    def __init__(self, endpoint: str, model: str, forward_time: bool = False, execute_time: bool = False) -> None:
+        """``forward_time``, ``execute_time`` (--collect-detailed-traces model, worker): spans
+        also hold the request's seconds in the model's forward passes, in the workers' steps."""
         check_available(endpoint)
+        self.forward_time, self.execute_time = forward_time, execute_time
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -102,9 +107,11 @@ class RequestTracer:
     def request_finished(self, *, request_id: str, arrival_time: float, scheduled_time: float,
                          first_token_time: float, last_token_time: float, now: float, num_prompt_tokens: int,
                          num_generation_tokens: int, params: Any, n: int,
-                         headers: dict[str, str] | None) -> None:
+                         headers: dict[str, str] | None,
+                         model_times: tuple[float, float] | None = None) -> None:
         """One finished request's span, from its arrival to now (times: time.time(); 0.0: the
-        request never reached that phase)."""
+        request never reached that phase). ``model_times``: its seconds in the model's forward
+        passes and in the workers' steps (--collect-detailed-traces)."""
         scheduled = scheduled_time or arrival_time
         first = first_token_time or now
         last = last_token_time or first
@@ -118,6 +125,10 @@ class RequestTracer:
         }
         if first_token_time:
             attributes[Attr.LATENCY_TIME_TO_FIRST_TOKEN] = first_token_time - arrival_time
+        if self.forward_time:
+            attributes[Attr.LATENCY_TIME_IN_MODEL_FORWARD] = model_times[0] if model_times else 0.0
+        if self.execute_time:
+            attributes[Attr.LATENCY_TIME_IN_MODEL_EXECUTE] = model_times[1] if model_times else 0.0
         if params is not None:
             if params.top_p:
                 attributes[Attr.REQUEST_TOP_P] = params.top_p

@@ -77,6 +77,9 @@ class Request:
     first_scheduled_time: float = 0.0  # time.time() when first scheduled: its queue time ends
     first_output_sent: bool = False
     stop_reason: int | str | None = None
+    # --collect-detailed-traces: seconds in the model's forward passes and the workers' steps
+    model_forward_s: float = 0.0
+    model_execute_s: float = 0.0
 
     @property
     def kv_transfer_params(self) -> dict | None:

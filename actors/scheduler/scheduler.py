@@ -139,6 +139,8 @@ class Scheduler:
         self.max_model_len = config.model.max_model_len      # a request alone always fits
         self.kv = kv
         obs = config.observability
+        self.spec_per_request = obs.per_request_spec_decode_metrics != "none"
+        self.model_times = obs.collect_model_forward_time or obs.collect_model_execute_time
         if obs.kv_cache_metrics:        # --kv-cache-metrics: a sample of the blocks' residency
             kv.pool.residency = BlockResidency(obs.kv_cache_metrics_sample)
         self.watermark_blocks = int(self.config.watermark * kv.pool.num_usable_blocks)
@@ -590,8 +592,9 @@ class Scheduler:
                 skipped.append(self.waiting.pop())    # a prompt that fits whole may pass it
                 continue
             watermark = self.watermark_blocks if (self.running or step.num_tokens) else 0
+            full = min(req.num_tokens, self.max_model_len) if self.config.scheduler_reserve_full_isl else 0
             blocks = self.kv.allocate_slots(req.request_id, computed + n, req.block_hashes, hits, watermark,
-                                            num_lookahead_tokens=self._lookahead(computed + n))
+                                            num_lookahead_tokens=self._lookahead(computed + n), full_num_tokens=full)
             if blocks is None:
                 break
             if loaded:                                # the workers get its whole block table
@@ -677,8 +680,11 @@ class Scheduler:
     def _num_new_tokens(self, req: Request, computed: int, step: _Step) -> int:
         n = req.num_tokens_with_spec + req.num_output_placeholders - computed
         threshold = self.config.long_prefill_token_threshold
-        if 0 < threshold < n and len(self.running) + len(self.waiting) > 1:
-            n = threshold
+        eligible = len(self.running) + len(self.waiting)
+        if threshold and eligible > 1:
+            if self.config.long_prefill_token_threshold_adaptive:   # at least a fair share of the budget
+                threshold = max(threshold, self.config.token_budget // eligible)
+            n = min(n, threshold)
         n = min(n, step.budget)
         if step.latency_left is not None and n > 0 and req not in step.reserved:
             if n > 1 + len(req.spec_token_ids) or computed < req.num_prompt_tokens:   # a prompt chunk beside decodes
@@ -799,14 +805,24 @@ class Scheduler:
             if req is not None and not req.status.finished:
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 outs.append(EngineCoreOutput(rid, [], "error", error=error, error_status=400))
+        if self.model_times:        # --collect-detailed-traces: every request of the step is charged it
+            forward, execute = max(out.compute_s - out.sample_s, 0.0), out.worker_s
+            for rid in out.req_ids:
+                req = self.requests.get(rid)
+                if req is not None:
+                    req.model_forward_s += forward
+                    req.model_execute_s += execute
         for rid, sampled in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
             prompt_lp = out.prompt_logprobs.get(rid)
             if req is None or req.status.finished or not (sampled or prompt_lp):
                 continue   # aborted meanwhile, or a prompt chunk with nothing to report
             drafts = so.scheduled_spec_decode_tokens.get(rid)
+            spec_step = None
             if drafts and sampled:
                 self._verified(req, drafts, len(sampled) - 1)
+                if self.spec_per_request:
+                    spec_step = (len(drafts), len(sampled) - 1)
             new_ids: list[int] = []
             status = error = None
             for tok in sampled:
@@ -821,6 +837,10 @@ class Scheduler:
             outs.append(EngineCoreOutput(rid, new_ids, logprobs=out.logprobs.get(rid),
                                          prompt_logprobs=prompt_lp,
                                          num_cached_tokens=req.num_cached_tokens))
+            if spec_step is not None:
+                outs[-1].spec_step = spec_step
+            if self.model_times:
+                outs[-1].model_times = (req.model_forward_s, req.model_execute_s)
             if not req.first_output_sent:
                 outs[-1].num_external_tokens = req.num_external_tokens
             if not req.first_output_sent:

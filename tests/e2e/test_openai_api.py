@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client as http_client
 import json
 import math
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -1119,3 +1120,18 @@ def test_generative_scoring_reads_the_next_tokens_probabilities_of_the_labels(ht
                         ({"query": [10 ** 9], "items": ["a"], "label_token_ids": labels}, "query")):
         resp = http.post("/generative_scoring", json=body)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.text)
+
+
+def test_every_answer_carries_the_servers_system_fingerprint_and_no_metrics_unless_asked(client, model, http):
+    """vLLM's system_fingerprint (--fingerprint-mode full): troupe-VERSION-HASH8, the same on every
+    answer; a stream's terminal chunk carries it (without include_usage). Per-request metrics
+    are off by default."""
+    a = client.completions.create(model=model, prompt="Hi", max_tokens=2)
+    b = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert re.fullmatch(r"troupe-[0-9][^-]*-[0-9a-f]{8}", a.system_fingerprint), a.system_fingerprint
+    assert b.system_fingerprint == a.system_fingerprint and "metrics" not in a.model_extra
+    events = sse(http, "/v1/chat/completions", {"model": model, "max_tokens": 3, "stream": True,
+                                                 "messages": [{"role": "user", "content": "Hi"}]})
+    marked = [e for e in events if "system_fingerprint" in e]
+    assert len(marked) == 1 and marked[0]["choices"][0]["finish_reason"] == "length"
+    assert marked[0]["system_fingerprint"] == a.system_fingerprint

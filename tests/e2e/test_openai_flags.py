@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 SERVER_ARGS = ("--threads", "1")
 
 KEY = "sk-test-key"
+FINGERPRINT = "fp-flags-test"
 
 
 def _status(url: str) -> int:
@@ -53,7 +54,9 @@ def started():
                                    "--return-tokens-as-token-ids", "--enable-tokenizer-info-endpoint",
                                    "--default-chat-template-kwargs", '{"greeting": "Hello"}', "--stream-interval", "2",
                                    "--sse-keep-alive-interval", "1", "--max-num-queued-reqs", "3",
-                                   "--chat-template-content-format", "string")
+                                   "--chat-template-content-format", "string",
+                                   "--enable-per-request-metrics", "--fingerprint-mode", "custom",
+                                   "--fingerprint-value", FINGERPRINT)
         except BaseException as exc:   # reported by the fixture below
             box["error"] = exc
     t = threading.Thread(target=start)
@@ -335,3 +338,34 @@ def test_scale_out_endpoints_answer_403_without_enable_scale_out(server):
             urllib.request.urlopen(req, timeout=10)
         assert err.value.code == 403, path
         assert "--enable-scale-out" in json.loads(err.value.read())["error"]["message"]
+
+
+def test_per_request_metrics_time_a_one_choice_answer_and_its_stream_and_the_fingerprint_is_the_custom_one(server):
+    """vLLM's --enable-per-request-metrics: a one-choice answer holds its time in the queue, to the
+    first token (from its first scheduling), generating, per token and its tokens per second,
+    consistent with each other; a stream sends them in its usage chunk; n=2 answers have none.
+    --fingerprint-mode custom: every answer's system_fingerprint is --fingerprint-value."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.system_fingerprint == FINGERPRINT
+    m = out.model_extra["metrics"]
+    assert set(m) == {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+                      "tokens_per_second", "speculative_decoding"} and m["speculative_decoding"] is None
+    assert m["queue_time_ms"] >= 0 and m["time_to_first_token_ms"] > 0 and m["generation_time_ms"] > 0
+    assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / 5)
+    assert m["tokens_per_second"] == pytest.approx(6 / ((m["time_to_first_token_ms"] + m["generation_time_ms"]) / 1e3))
+    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.usage.completion_tokens == 4 and last.system_fingerprint == FINGERPRINT
+    assert last.model_extra["metrics"]["mean_itl_ms"] > 0
+    assert all("metrics" not in (c.model_extra or {}) for c in chunks[:-1])
+    two = client.completions.create(model=model, prompt="Hi", max_tokens=2, n=2)
+    assert "metrics" not in two.model_extra and two.system_fingerprint == FINGERPRINT
+    req = urllib.request.Request(server.url + "/v1/responses", data=json.dumps(
+        {"model": model, "input": "Hi", "max_output_tokens": 3}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert json.loads(resp.read())["metrics"]["generation_time_ms"] > 0

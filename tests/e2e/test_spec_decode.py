@@ -62,14 +62,17 @@ def plain():
 @pytest.fixture(scope="module", params=list(METHODS))
 def spec(request):
     """(method, (results, stats), the engine, kept for more requests; it logs vLLM's periodic
-    statistics lines every half second)."""
+    statistics lines every half second, and each request's drafts' acceptance is counted (vLLM's
+    --per-request-spec-decode-metrics detailed: ``llm.per_request`` holds each result's))."""
     os.environ["VLLM_LOG_STATS_INTERVAL"] = "0.5"
     try:
-        llm = LLM(multiprocess=False, speculative_config=METHODS[request.param], disable_log_stats=False)
+        llm = LLM(multiprocess=False, speculative_config=METHODS[request.param], disable_log_stats=False,
+                  per_request_spec_decode_metrics="detailed")
     finally:
         del os.environ["VLLM_LOG_STATS_INTERVAL"]
     with llm:
         results = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        llm.per_request = [r.outputs[0].spec_decode_metrics for r in results]
         yield request.param, ([(r.token_ids, r.text, r.finish_reason) for r in results], llm.client.stats.last), llm
 
 
@@ -102,6 +105,34 @@ def test_drafts_are_accepted_and_counted(spec):
     assert len(stats.spec_num_accepted_tokens_per_pos) == METHODS[method]["num_speculative_tokens"]
     if method == "self_draft":     # the quantized copy nearly always agrees with the exact weights
         assert stats.spec_num_accepted_tokens >= 0.8 * stats.spec_num_draft_tokens
+
+
+def test_each_requests_drafts_are_counted_as_its_own_and_add_up_to_the_engines(spec):
+    """vLLM's per-request speculative decoding metrics: each request's verify steps, drafts and
+    accepted drafts (the per-step lists agree with the histogram and the totals), the request
+    that asked for log-probs took no drafts and has none, and together they are the engine's
+    counts (a request a stop string ended may have had one more step verified before its abort
+    reached the engine: the engine's counts are at least theirs)."""
+    method, (results, stats), llm = spec
+    k = METHODS[method]["num_speculative_tokens"]
+    assert llm.per_request[5] is None                       # logprobs=2: no drafts
+    counted = [m for m in llm.per_request if m is not None]
+    assert len(counted) >= 6
+    for m, (tokens, _, _) in zip(llm.per_request, results):
+        if m is None:
+            continue
+        assert m["num_spec_tokens"] == k and len(m["acceptance_histogram"]) == k + 1
+        assert m["per_step_accepted"] and len(m["per_step_accepted"]) == m["num_spec_steps"] == sum(m["acceptance_histogram"])
+        assert sum(m["per_step_accepted"]) == m["num_accepted_draft_tokens"]
+        assert sum(m["per_step_drafted"]) == m["num_draft_tokens"]
+        assert m["acceptance_histogram"] == [m["per_step_accepted"].count(j) for j in range(k + 1)]
+        assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_draft_tokens"] / m["num_spec_steps"])
+        assert m["draft_acceptance_rate"] == pytest.approx(m["num_accepted_draft_tokens"] / m["num_draft_tokens"])
+        assert m["num_spec_steps"] + m["num_accepted_draft_tokens"] <= len(tokens) + k
+    assert 0 < sum(m["num_spec_steps"] for m in counted) <= stats.spec_num_drafts
+    assert 0 < sum(m["num_draft_tokens"] for m in counted) <= stats.spec_num_draft_tokens
+    assert 0 < sum(m["num_accepted_draft_tokens"] for m in counted) <= stats.spec_num_accepted_tokens
+    assert sum(m["num_accepted_draft_tokens"] for m in counted) >= 0.8 * stats.spec_num_accepted_tokens
 
 
 def test_the_periodic_log_lines_report_throughput_and_the_draft_acceptance_rate(spec, caplog):

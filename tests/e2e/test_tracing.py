@@ -61,7 +61,7 @@ def collector():
 @pytest.fixture(scope="module")
 def server(flight_dir, collector):
     s = Server("--api-key", KEY, "--flight-recorder-dir", flight_dir, "--otlp-traces-endpoint", collector[0],
-               env={"OTEL_BSP_SCHEDULE_DELAY": "100"})        # spans leave within 0.1 s of their end
+               "--collect-detailed-traces", "all", env={"OTEL_BSP_SCHEDULE_DELAY": "100"})        # spans leave within 0.1 s of their end
     yield s
     s.stop()
 
@@ -173,7 +173,7 @@ def test_the_live_stream_sends_updates_about_once_a_second(server):
 
 def test_each_request_is_an_opentelemetry_span_in_its_callers_trace(server, collector):
     """vLLM's --otlp-traces-endpoint: a finished request is an llm_request span (a server span with
-    vLLM's gen_ai attributes) sent to the collector; with a traceparent header it is the caller's
+    vLLM's gen_ai attributes, with --collect-detailed-traces its time in the model) sent to the collector; with a traceparent header it is the caller's
     span's child in the caller's trace, without one the root of a trace of its own."""
     trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
     answers = []
@@ -206,6 +206,10 @@ def test_each_request_is_an_opentelemetry_span_in_its_callers_trace(server, coll
     e2e, ttft = attrs["gen_ai.latency.e2e"].double_value, attrs["gen_ai.latency.time_to_first_token"].double_value
     assert 0 < ttft <= e2e and abs((span.end_time_unix_nano - span.start_time_unix_nano) / 1e9 - e2e) < 1e-3
     assert resource["vllm.instrumenting_module_name"].string_value == "troupe"
+    # --collect-detailed-traces all: its seconds in the model's forward passes, within the workers' steps
+    forward = attrs["gen_ai.latency.time_in_model_forward"].double_value
+    execute = attrs["gen_ai.latency.time_in_model_execute"].double_value
+    assert 0 < forward <= execute <= e2e
     roots = [v for v in found.values() if v[1].trace_id.hex() != trace_id]
     assert roots and all(not v[1].parent_span_id for v in roots)
 

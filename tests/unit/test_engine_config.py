@@ -172,3 +172,34 @@ def test_scheduler_limits_below_the_runners_sizes_are_vllms_and_checked():
         resolved(max_num_seqs=8, max_num_active_seqs=9)
     with pytest.raises(ValueError, match=r"max_num_scheduled_tokens \(600\) cannot be greater than"):
         resolved(max_num_batched_tokens=512, max_num_scheduled_tokens=600)
+
+
+def test_the_config_digest_follows_what_decides_the_outputs_and_nothing_else():
+    """vLLM's compute_hash, behind system_fingerprint: the same configuration gives the same
+    digest on every start; the dtype, the quantization and the context length change it; the
+    names it is served under and its tracing do not."""
+    base = resolved(kv_cache_bytes=1 << 28).compute_hash()
+    assert resolved(kv_cache_bytes=1 << 28).compute_hash() == base and len(base) == 64
+    assert resolved(kv_cache_bytes=1 << 28, served_model_name="alias", disable_log_stats=True).compute_hash() == base
+    for other in (dict(dtype="bfloat16"), dict(quantization="gguf"), dict(max_model_len=1024)):
+        assert resolved(kv_cache_bytes=1 << 28, **other).compute_hash() != base, other
+
+
+def test_system_fingerprint_modes_name_the_version_the_parallel_layout_and_the_digest():
+    from actors.frontend.misc import system_fingerprint, version
+    c = resolved(kv_cache_bytes=1 << 28)
+    tp2 = resolved(kv_cache_bytes=1 << 28, tensor_parallel_size=2, data_parallel_size=2)
+    h = c.compute_hash()[:8]
+    assert system_fingerprint(c) == f"troupe-{version()}-{h}"
+    assert system_fingerprint(tp2) == f"troupe-{version()}-tp2-dp2-{tp2.compute_hash()[:8]}"
+    assert system_fingerprint(tp2, "hash") == f"troupe-{version()}-{tp2.compute_hash()[:8]}"
+    assert system_fingerprint(c, "custom", "mine") == "mine" and system_fingerprint(c, "none") is None
+
+
+def test_detailed_traces_need_an_otlp_endpoint_and_take_vllms_module_names():
+    with pytest.raises(ValueError, match="requires `--otlp-traces-endpoint`"):
+        EngineArgs(collect_detailed_traces=["model"]).create_engine_config()
+    with pytest.raises(ValueError, match="'gpu' is not one of model, worker, all"):
+        EngineArgs(collect_detailed_traces="model,gpu").create_engine_config()
+    with pytest.raises(ValueError, match="per_request_spec_decode_metrics"):
+        EngineArgs(per_request_spec_decode_metrics="all").create_engine_config()

@@ -447,3 +447,39 @@ def test_max_num_scheduled_tokens_is_each_steps_budget():
         assert sum(so.num_scheduled_tokens.values()) <= 10
         chunks.append(dict(so.num_scheduled_tokens))
     assert chunks[0] == {"a": 10} and chunks[2] == {"a": 4, "b": 6}
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+def test_a_prompt_is_admitted_only_when_its_whole_sequence_fits_unless_told_otherwise(reserve):
+    """vLLM's scheduler_reserve_full_isl (on by default): with chunked prefill, a waiting prompt
+    whose first chunk fits but whose whole prompt does not (beside the running ones) waits; off,
+    it starts on its first chunk. Either way every request finishes."""
+    h = Harness(num_blocks=16, max_num_batched_tokens=8, watermark=0.0, scheduler_reserve_full_isl=reserve)
+    h.add("a", 24, max_tokens=4)         # 6 of the 15 usable blocks of 4 tokens, then 1 more
+    for _ in range(3):
+        h.step()
+    h.add("b", 40, max_tokens=2)         # 10 blocks: only 8 are free while a runs
+    so, _ = h.step()
+    assert ("b" in so.num_scheduled_tokens) is not reserve
+    for _ in range(40):
+        if not (h.s.running or h.s.waiting):
+            break
+        h.step()
+    assert not h.s.running and not h.s.waiting
+
+
+def test_the_adaptive_long_prefill_threshold_is_at_least_a_fair_share_of_the_budget():
+    """vLLM's long_prefill_token_threshold_adaptive: two long prompts in a budget of 32 get 16
+    tokens each rather than the threshold's 4; four get 8 each."""
+    for n, chunk in ((2, 16), (4, 8)):
+        h = Harness(long_prefill_token_threshold=4, max_num_batched_tokens=32, max_num_partial_prefills=4,
+                    max_long_partial_prefills=4, long_prefill_token_threshold_adaptive=True)
+        for i in range(n):
+            h.add(f"r{i}", 40)
+        so, _ = h.step()
+        assert list(so.num_scheduled_tokens.values()) == [chunk] * n
+    fixed = Harness(long_prefill_token_threshold=4, max_num_batched_tokens=32, max_num_partial_prefills=2,
+                    max_long_partial_prefills=2)
+    fixed.add("x", 40)
+    fixed.add("y", 40)
+    assert list(fixed.step()[0].num_scheduled_tokens.values()) == [4, 4]

@@ -107,8 +107,19 @@ def test_vllm_0_32_spellings_set_what_they_name():
     both = serve.parse_args(["--spec-tokens", "5", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     with pytest.raises(ValueError, match=r"--spec-tokens and --speculative-config\['num_speculative_tokens'\] are mutually"):
         EngineArgs.from_cli_args(both).create_engine_config()
+    sched = EngineArgs.from_cli_args(serve.parse_args([
+        "--watermark", "0.05", "--long-prefill-token-threshold-adaptive", "--no-scheduler-reserve-full-isl",
+        "--per-request-spec-decode-metrics", "summary"])).create_engine_config()
+    assert (sched.scheduler.watermark, sched.scheduler.long_prefill_token_threshold_adaptive,
+            sched.scheduler.scheduler_reserve_full_isl) == (0.05, True, False)
+    assert sched.observability.per_request_spec_decode_metrics == "summary"
+    traced = serve.parse_args(["--otlp-traces-endpoint", "http://127.0.0.1:4317", "--collect-detailed-traces",
+                               "model,worker"])
+    assert EngineArgs.from_cli_args(traced).create_engine_config().observability.collect_detailed_traces == \
+        ("model", "worker")
     for bad in (["--default-chat-template-kwargs", "[1]"], ["--no-enable-request-id-headers"],
-                ["--no-language-model-only"]):
+                ["--no-language-model-only"], ["--watermark", "1"], ["--fingerprint-mode", "custom"],
+                ["--enable-per-request-metrics", "--disable-log-stats"]):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args(bad)
         assert exc.value.code == 2
