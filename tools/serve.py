@@ -27,7 +27,7 @@ from actors.frontend.misc import FINGERPRINT_MODES
 from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tls import TlsFiles
 from actors.frontend.tool_parsers import TOOL_PARSERS, ToolParserManager
-from actors.frontend.reasoning import REASONING_PARSERS
+from actors.frontend.reasoning import REASONING_PARSERS, ReasoningParserManager
 from actors.grammar.config import structured_outputs_config
 from actors.engine import vllm_env
 from actors.engine.profiler import profiler_config
@@ -123,10 +123,15 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                    help="vLLM's: a Python file run at start-up that registers tool parsers "
                         "(ToolParserManager.register_module in actors.frontend.tool_parsers), which "
                         "--tool-call-parser may then name")
-    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+    p.add_argument("--reasoning-parser", default=None, metavar="{" + ",".join(sorted(REASONING_PARSERS)) + "}",
                    help="split a thinking model's output into the message's reasoning (between <think> and "
                         "</think>) and content: deepseek_r1 (the template opens the thinking) or qwen3 (the "
-                        "model opens it); the tokenizer must have both tags as tokens")
+                        "model opens it), or one a --reasoning-parser-plugin registers; the tokenizer must have "
+                        "both tags as tokens")
+    p.add_argument("--reasoning-parser-plugin", default="", metavar="FILE",
+                   help="vLLM's: a Python file run at start-up that registers reasoning parsers "
+                        "(ReasoningParserManager.register_module in actors.frontend.reasoning), which "
+                        "--reasoning-parser may then name")
     p.add_argument("--response-role", default="assistant", metavar="ROLE",
                    help="vLLM's: the role of a chat answer's message when the request adds the generation "
                         "prompt (add_generation_prompt, the default); otherwise the last message's role")
@@ -221,6 +226,14 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
             ToolParserManager.import_tool_parser(args.tool_parser_plugin)
         except ValueError as exc:
             p.error(str(exc))
+    if args.reasoning_parser_plugin:
+        try:
+            ReasoningParserManager.import_reasoning_parser(args.reasoning_parser_plugin)
+        except ValueError as exc:
+            p.error(str(exc))
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        p.error(f"argument --reasoning-parser: invalid choice: {args.reasoning_parser!r} (choose from "
+                f"{', '.join(sorted(REASONING_PARSERS))})")
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
         p.error(f"invalid tool call parser: {args.tool_call_parser} (choose from "
                 f"{{ {','.join(sorted(TOOL_PARSERS))} }})")

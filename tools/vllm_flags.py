@@ -131,7 +131,7 @@ for _flags, _why in (
       "--cpu-offload-params", "--weight-transfer-config"), _LOADING),
     (("--lora-target-modules", "--max-lora-cls-labels", "--enable-mixed-moe-lora-format", "--enable-moe-shared-loras",
       "--specialize-active-lora"), _LORA),
-    (("--cudagraph-metrics", "--custom-histogram-buckets", "--enable-mfu-metrics",
+    (("--cudagraph-metrics", "--enable-mfu-metrics",
       "--enable-layerwise-nvtx-tracing", "--enable-trace-replay",
       "--jit-monitor-mode", "--jit-monitor-verbose", "--fail-on-environ-validation"), _METRICS),
     (("--enable-logging-iteration-details", "--logging-config"), _LOGS),
@@ -142,8 +142,6 @@ for _flags, _why in (
     (("--prefix-cache-retention-interval", "--prefix-match-unit", "--kv-cache-dtype-skip-layers",
       "--enable-return-routed-experts"), _KV),
     (("--sleep-mode-offload-cudagraph", "--sleep-preserve-parameter-names"), _SLEEP),
-    (("--reasoning-parser-plugin",),
-     "Troupe's reasoning parsers are its own (--reasoning-parser deepseek_r1 or qwen3)"),
     (("--watermark-config",), "Troupe does not watermark its output"),
 ):
     REFUSED.update(dict.fromkeys(_flags, _why))

@@ -27,6 +27,7 @@ from actors.kv_manager.block_hash import HASH_ALGOS
 from actors.kv_manager.kv_events import kv_events_config
 from actors.kv_transfer.config import kv_transfer_config
 from actors.kv_transfer.factory import KVConnectorFactory
+from actors.frontend.stats import check_histogram_buckets
 from actors.runtime.otel import check_available as check_otel
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig
@@ -105,6 +106,8 @@ class EngineArgs:
     # vLLM's: "model", "worker" or "all" (a list, or one comma-separated text): model times in spans
     collect_detailed_traces: list[str] | str | None = None
     per_request_spec_decode_metrics: str = "none"   # vLLM's: "none" | "summary" | "detailed"
+    # vLLM's: bucket family -> bounds, replacing those histograms' buckets (JSON text or a dict)
+    custom_histogram_buckets: dict[str, list[float]] | str | None = None
     # vLLM's --speculative-config: its JSON object (text on the command line, a dict in LLM(...))
     speculative_config: dict[str, Any] | str | None = None
     # vLLM's --spec-method, --spec-model, --spec-tokens: keys of the speculative config, one flag each
@@ -228,7 +231,8 @@ class EngineArgs:
                                               kv_cache_metrics_sample=self.kv_cache_metrics_sample,
                                               otlp_traces_endpoint=self.otlp_traces_endpoint,
                                               collect_detailed_traces=detailed,
-                                              per_request_spec_decode_metrics=self.per_request_spec_decode_metrics),
+                                              per_request_spec_decode_metrics=self.per_request_spec_decode_metrics,
+                                              custom_histogram_buckets=self.histogram_buckets()),
             speculative=speculative, compilation=compilation, lora=self.lora_config(),
             kv_transfer=kv_transfer_config(self.kv_transfer_config),
             kv_events=kv_events_config(self.kv_events_config),
@@ -236,6 +240,14 @@ class EngineArgs:
             profiler=profiler_config(self.profiler_config))
         KVConnectorFactory.check_engine(config)
         return config
+
+    def histogram_buckets(self) -> tuple[tuple[str, tuple[float, ...]], ...]:
+        """--custom-histogram-buckets, checked (vLLM's errors)."""
+        given = self.custom_histogram_buckets
+        if given is None:
+            return ()
+        return check_histogram_buckets(parse_object(given, "--custom-histogram-buckets")
+                                       if isinstance(given, str) else given)
 
     def reasoning(self) -> ReasoningConfig | None:
         """vLLM's reasoning config from --reasoning-config and --reasoning-parser (None: neither);
@@ -821,6 +833,13 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="vLLM's: with speculative decoding, a one-choice answer's metrics.speculative_decoding "
                  "tells its drafts' acceptance (summary: mean acceptance length, acceptance rate, the "
                  "histogram of drafts accepted per verify step; detailed: also each step's counts in order)")),
+        (("--custom-histogram-buckets",), "custom_histogram_buckets", dict(
+            default=d["custom_histogram_buckets"], metavar="JSON",
+            help="vLLM's: a JSON object of bucket family -> strictly increasing bounds, replacing the "
+                 "buckets of that family's /metrics histograms: request_latency (e2e, queue, prefill, "
+                 "decode, inference), time_to_first_token, inter_token_latency (and time per output "
+                 "token), iteration_tokens, request_params_n, request_tokens (prompt, generation, "
+                 "max_tokens), kv_cache_residency, request_num_preemptions (no histogram here)")),
         (("--kv-cache-metrics-sample",), "kv_cache_metrics_sample", dict(
             type=_sample_rate, default=d["kv_cache_metrics_sample"], metavar="FRACTION",
             help="vLLM's: the fraction of blocks --kv-cache-metrics follows, in (0, 1] (default: 0.01)")),

@@ -227,6 +227,8 @@ class ObservabilityConfig(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's --per-request-spec-decode-metrics: each request's draft acceptance in its answer's
     # metrics ("summary": counts and histogram; "detailed": also each verify step's); "none": off
     per_request_spec_decode_metrics: str = "none"
+    # vLLM's --custom-histogram-buckets: (bucket family, bounds) pairs replacing the defaults
+    custom_histogram_buckets: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     @property
     def collect_model_forward_time(self) -> bool:

@@ -172,7 +172,8 @@ class Frontend:
                             kv_cache={"dtype": cache.cache_dtype, "num_blocks": cache.num_blocks,
                                       "block_size": cache.block_size,
                                       "num_tokens": cache.num_blocks * cache.block_size,
-                                      "calculate_kv_scales": cache.calculate_kv_scales})
+                                      "calculate_kv_scales": cache.calculate_kv_scales},
+                            custom_buckets=config.observability.custom_histogram_buckets)
         waiting = WaitingRequests(config.scheduler.max_waiting_requests, config.scheduler.max_waiting_tokens)
         scheduler = engine.scheduler            # where requests and aborts go
         if dp > 1:

@@ -14,6 +14,7 @@ to start with one the tokenizer lacks. The split reads the text, so a tag split 
 chunks is held back until it is whole."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,79 @@ REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", opened_by_prompt=True),
     "qwen3": ReasoningParser("qwen3", opened_by_prompt=False),
 }
+
+
+class ReasoningParserManager:
+    """vLLM's registry interface for reasoning parsers, over ``REASONING_PARSERS``: a file given
+    to ``--reasoning-parser-plugin`` registers its parsers with it (vLLM's flag), and
+    ``--reasoning-parser`` then names one. A parser is a ``ReasoningParser`` (its tags, and
+    whether the chat template opens the reasoning), or a subclass of it whose instance the
+    registry makes::
+
+        from actors.frontend.reasoning import ReasoningParser, ReasoningParserManager
+
+        ReasoningParserManager.register_module("thought", module=ReasoningParser(
+            "thought", start="<thought>", end="</thought>", opened_by_prompt=False))
+    """
+    reasoning_parsers = REASONING_PARSERS
+
+    @classmethod
+    def register_module(cls, name: str | list[str] | None = None, force: bool = True,
+                        module: ReasoningParser | type[ReasoningParser] | None = None) -> Any:
+        """Register ``module`` under ``name`` (names; default: its ``name``), or, without
+        ``module``, return a decorator that does. ``force`` off: a name already taken is a
+        KeyError."""
+        if not isinstance(force, bool):
+            raise TypeError(f"force must be a boolean, but got {type(force)}")
+
+        def add(parser: ReasoningParser | type[ReasoningParser]) -> Any:
+            given = parser
+            if isinstance(parser, type) and issubclass(parser, ReasoningParser):   # a subclass: its instance
+                named = parser.__dataclass_fields__["name"].default is not dataclasses.MISSING
+                parser = parser() if named else parser(name if isinstance(name, str) else
+                                                      (name or [parser.__name__])[0])
+            if not isinstance(parser, ReasoningParser):
+                raise TypeError(f"a reasoning parser must be a ReasoningParser or a subclass of it, got {given!r}")
+            names = [name] if isinstance(name, str) else list(name or [parser.name])
+            for n in names:
+                if not force and n in REASONING_PARSERS:
+                    raise KeyError(f"{n} is already registered as a reasoning parser")
+            for n in names:
+                REASONING_PARSERS[n] = parser
+            return given
+
+        return add(module) if module is not None else add
+
+    @classmethod
+    def get_reasoning_parser(cls, name: str) -> ReasoningParser:
+        if name not in REASONING_PARSERS:
+            raise KeyError(f"reasoning helper parser '{name}' not found.")
+        return REASONING_PARSERS[name]
+
+    @classmethod
+    def import_reasoning_parser(cls, plugin_path: str) -> None:
+        """Run the Python file ``plugin_path`` (its parsers register themselves); ValueError
+        naming it when it cannot be read or fails."""
+        import_plugin_file(plugin_path, "--reasoning-parser-plugin")
+
+
+def import_plugin_file(plugin_path: str, flag: str) -> None:
+    """Run the Python file ``plugin_path`` as a module named after it; ValueError naming ``flag``
+    when it is not a file or fails."""
+    import importlib.util
+    import os
+    import sys
+    module_name = os.path.splitext(os.path.basename(plugin_path))[0]
+    if not os.path.isfile(plugin_path):
+        raise ValueError(f"{flag} {plugin_path}: no such file")
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, plugin_path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise ValueError(f"{flag} {plugin_path} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def resolve_reasoning(config: ReasoningConfig, tokenizer: Any) -> ReasoningConfig:

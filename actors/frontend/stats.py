@@ -7,6 +7,7 @@ written under the ``vllm:`` prefix (so dashboards made for vLLM work unchanged) 
 ``troupe:``; Troupe's own metrics under ``troupe:`` only. --metrics-prefix picks the prefixes."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -160,6 +161,43 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+# vLLM's bucket families (--custom-histogram-buckets) and the histograms each sets
+BUCKET_FAMILIES: dict[str, tuple[str, ...]] = {
+    "request_latency": ("e2e_request_latency", "request_queue_time", "request_prefill_time",
+                        "request_decode_time", "request_inference_time"),
+    "time_to_first_token": ("time_to_first_token",),
+    "inter_token_latency": ("inter_token_latency", "request_time_per_output_token"),
+    "iteration_tokens": ("step_tokens",),
+    "request_params_n": ("request_params_n",),
+    "request_num_preemptions": (),       # vLLM's family; Troupe counts preemptions engine-wide only
+    "request_tokens": ("request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
+                       "request_params_max_tokens"),
+    "kv_cache_residency": ("kv_block_lifetime", "kv_block_idle_before_evict", "kv_block_reuse_gap"),
+}
+
+
+def check_histogram_buckets(value: dict[str, list[float]]) -> tuple[tuple[str, tuple[float, ...]], ...]:
+    """vLLM's --custom-histogram-buckets checked (its error words): a known family each, a
+    non-empty, strictly increasing list of finite bounds above 0."""
+    if not isinstance(value, dict):
+        raise ValueError("custom_histogram_buckets must be a JSON object of bucket family -> bounds")
+    out = []
+    for family, buckets in value.items():
+        if family not in BUCKET_FAMILIES:
+            raise ValueError(f"custom_histogram_buckets: unknown bucket family {family!r}; known families: "
+                             f"{sorted(BUCKET_FAMILIES)}")
+        if not isinstance(buckets, list) or not buckets:
+            raise ValueError(f"custom_histogram_buckets[{family!r}]: bucket list must not be empty")
+        for bound in buckets:
+            if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound) or bound <= 0:
+                raise ValueError(f"custom_histogram_buckets[{family!r}]: bound {bound!r} must be finite and "
+                                 "greater than 0")
+        if any(a >= b for a, b in zip(buckets, buckets[1:])):
+            raise ValueError(f"custom_histogram_buckets[{family!r}]: bounds {buckets} must be strictly increasing")
+        out.append((family, tuple(buckets)))
+    return tuple(out)
+
+
 def _hist(buckets: tuple[float, ...]) -> Callable[[], Histogram]:
     return lambda: Histogram(buckets)
 
@@ -199,6 +237,8 @@ class EngineStats:
     started_at: float = field(default_factory=time.time)
     engines: dict[int, SchedulerStats] = field(default_factory=dict)   # each engine core's latest
     kv_cache: dict = field(default_factory=dict)  # dtype, blocks, block size, tokens, scales (the resolved config)
+    # --custom-histogram-buckets: (family, bounds) pairs replacing those families' buckets
+    custom_buckets: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         buckets = build_1_2_5_buckets(max(self.max_model_len, 1))
@@ -206,6 +246,9 @@ class EngineStats:
         self.request_generation_tokens = Histogram(buckets)
         self.request_max_num_generation_tokens = Histogram(buckets)
         self.request_params_max_tokens = Histogram(buckets)
+        for family, bounds in self.custom_buckets:
+            for name in BUCKET_FAMILIES[family]:
+                setattr(self, name, Histogram(tuple(bounds)))
 
     def observe_step(self, s: SchedulerStats, engine: int = 0) -> None:
         """A step's stats from engine core ``engine``: ``last`` is its, or with several engine

@@ -243,20 +243,8 @@ class ToolParserManager:
     def import_tool_parser(cls, plugin_path: str) -> None:
         """Run the Python file ``plugin_path`` (its parsers register themselves); ValueError
         naming it when it cannot be read or fails."""
-        import importlib.util
-        import os
-        import sys
-        module_name = os.path.splitext(os.path.basename(plugin_path))[0]
-        if not os.path.isfile(plugin_path):
-            raise ValueError(f"--tool-parser-plugin {plugin_path}: no such file")
-        try:
-            spec = importlib.util.spec_from_file_location(module_name, plugin_path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            sys.modules.pop(module_name, None)
-            raise ValueError(f"--tool-parser-plugin {plugin_path} failed: {type(exc).__name__}: {exc}") from exc
+        from actors.frontend.reasoning import import_plugin_file
+        import_plugin_file(plugin_path, "--tool-parser-plugin")
 
 
 def tool_parser(name: str) -> ToolParser:

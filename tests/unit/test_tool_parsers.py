@@ -224,3 +224,39 @@ def test_mistral_calls_after_its_tool_calls_token_in_both_formats(text, content)
             (c.name, c.arguments) for c in whole.calls]
     assert tool_parser("mistral").read("No tools [TOOL_C", False) == Reading("No tools ", [])
     assert tool_parser("mistral").read("No tools at all.", True) == Reading("No tools at all.", [])
+
+
+REASONING_PLUGIN = os.path.join(os.path.dirname(__file__), "..", "plugins", "troupe_example_plugins",
+                                "reasoning_parser.py")
+
+
+def test_a_reasoning_parser_plugin_file_registers_a_parser_the_server_can_name(tmp_path, capsys):
+    """vLLM's --reasoning-parser-plugin: the file runs at start-up and registers its parser (here
+    a subclass with tags of its own), which --reasoning-parser then names; it splits whole and
+    streamed output as the built-in parsers do; a broken file, a missing one and an unknown
+    parser stop the start naming them."""
+    from tools import serve
+    from actors.frontend.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningParserManager
+    args = serve.parse_args(["--reasoning-parser-plugin", REASONING_PLUGIN, "--reasoning-parser", "example_thought"])
+    parser = REASONING_PARSERS[args.reasoning_parser]
+    assert isinstance(parser, ReasoningParser) and (parser.start, parser.end) == ("<thought>", "</thought>")
+    text = "<thought>two and two</thought>Four."
+    assert parser.split(text) == ("two and two", "Four.") and parser.split("Four.") == (None, "Four.")
+    stream = parser.stream()
+    pieces = [stream.feed(text[i:i + 3], final=i + 3 >= len(text)) for i in range(0, len(text), 3)]
+    assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == ("two and two", "Four.")
+    bad = tmp_path / "broken_reasoning.py"
+    bad.write_text("raise RuntimeError('no parser here')\n")
+    for argv, words in ((["--reasoning-parser-plugin", str(bad)], "broken_reasoning.py failed: RuntimeError"),
+                        (["--reasoning-parser-plugin", str(tmp_path / "none.py")], "none.py: no such file"),
+                        (["--reasoning-parser", "no_such_parser"], "invalid choice: 'no_such_parser'")):
+        with pytest.raises(SystemExit) as exc:
+            serve.parse_args(argv)
+        assert exc.value.code == 2 and words in capsys.readouterr().err
+    ReasoningParserManager.register_module("plain_thought", module=ReasoningParser("plain_thought", "<t>", "</t>"))
+    assert ReasoningParserManager.get_reasoning_parser("plain_thought").end == "</t>"
+    with pytest.raises(KeyError):
+        ReasoningParserManager.register_module("plain_thought", force=False, module=parser)
+    with pytest.raises(TypeError):
+        ReasoningParserManager.register_module("x", module=dict)
+    del REASONING_PARSERS["plain_thought"], REASONING_PARSERS["example_thought"]

@@ -448,6 +448,28 @@ def test_request_histograms_count_sizes_phases_and_choices():
     assert stats.request_prompt_tokens.buckets == (1, 2, 5, 10, 20, 50, 100)
 
 
+def test_custom_histogram_buckets_replace_a_familys_buckets_on_metrics_and_bad_ones_are_refused():
+    """vLLM's --custom-histogram-buckets: the time_to_first_token family's bounds replace TTFT's
+    buckets, request_latency's all five phase histograms'; other families keep their defaults;
+    vLLM's checks refuse an unknown family, an empty list, a bound <= 0, bounds out of order."""
+    args = serve.parse_args(["--custom-histogram-buckets",
+                             '{"time_to_first_token": [0.05, 0.5, 5], "request_latency": [1, 10]}'])
+    buckets = EngineArgs.from_cli_args(args).create_engine_config().observability.custom_histogram_buckets
+    stats = EngineStats(model="m", custom_buckets=buckets)
+    stats.time_to_first_token.observe(0.2)
+    text = stats.prometheus(("vllm",))
+    assert re.findall(r'vllm:time_to_first_token_seconds_bucket\{[^}]*le="([^"]+)"\} (\d+)', text) == \
+        [("0.05", "0"), ("0.5", "1"), ("5", "1"), ("+Inf", "1")]
+    assert stats.request_queue_time.buckets == (1, 10) and stats.e2e_request_latency.buckets == (1, 10)
+    assert stats.inter_token_latency.buckets == EngineStats().inter_token_latency.buckets
+    for bad, words in (('{"ttft": [1]}', "unknown bucket family 'ttft'"),
+                       ('{"time_to_first_token": []}', "must not be empty"),
+                       ('{"iteration_tokens": [0, 8]}', "must be finite and greater than 0"),
+                       ('{"iteration_tokens": [8, 8]}', "must be strictly increasing")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            EngineArgs.from_cli_args(serve.parse_args(["--custom-histogram-buckets", bad])).create_engine_config()
+
+
 def test_the_readme_metrics_table_lists_every_metric_and_no_other():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
