@@ -117,6 +117,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
                         "Qwen2.5, Qwen3), llama3_json ({\"name\": ..., \"parameters\": ...}), pythonic "
                         "([name(key=value), ...]: Llama 3.2 and 4), llama4_pythonic, mistral ([TOOL_CALLS]...), "
+                        "qwen3_coder (<function=NAME><parameter=KEY>...: Qwen3-Coder, typed by the tools' schemas), "
                         "or one a "
                         "--tool-parser-plugin registers")
     p.add_argument("--tool-parser-plugin", default="", metavar="FILE",

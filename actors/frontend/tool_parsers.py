@@ -3,7 +3,8 @@
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` of Hermes and Qwen2.5 models, and
 ``llama3_json``, ``{"name": ..., "parameters": ...}`` objects joined by ``;``, and ``pythonic`` /
 ``llama4_pythonic``, a Python list of calls ``[name(key=value, ...)]``, and ``mistral``, calls after
-its ``[TOOL_CALLS]`` token), and the two that
+its ``[TOOL_CALLS]`` token, and ``qwen3_coder``, XML calls whose values the tools' schemas type),
+and the two that
 constrained decoding produces for ``tool_choice`` ``"required"`` (a JSON array of
 ``{"name", "parameters"}``) and a named function (its arguments alone).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -181,6 +183,9 @@ class ToolParser(ABC):
     name: ClassVar[str]
     # the format's markers are special tokens in some vocabularies: keep them in the text
     keeps_special_tokens: ClassVar[bool] = False
+    # the request's tools (set by the server before the first reading): a format that writes
+    # arguments as text types them by their schemas
+    tools: list[Any] | None = None
 
     @abstractmethod
     def read(self, text: str, final: bool) -> Reading:
@@ -302,6 +307,160 @@ class Llama3JsonToolParser(ToolParser):
         if final and not calls:
             return Reading(text)
         return Reading("", calls)
+
+
+# JSON Schema type names and the spellings models and schemas use for them (vLLM's aliases)
+_TYPE_NAMES = {"str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
+               "int": "integer", "int32": "integer", "int64": "integer", "uint": "integer", "uint32": "integer",
+               "uint64": "integer", "long": "integer", "short": "integer", "unsigned": "integer",
+               "float": "number", "float32": "number", "float64": "number", "double": "number",
+               "bool": "boolean", "dict": "object", "arr": "array", "list": "array", "sequence": "array"}
+
+
+def schema_types(schema: Any) -> set[str]:
+    """The JSON types a schema allows: its ``type`` (one or a list), its ``enum`` values' types,
+    those of its ``anyOf`` / ``oneOf`` / ``allOf``; {"string"} when it says none."""
+    if not isinstance(schema, dict):
+        return {"string"}
+    types: set[str] = set()
+    given = schema.get("type")
+    for t in [given] if isinstance(given, str) else given if isinstance(given, list) else []:
+        if isinstance(t, str):
+            types.add(_TYPE_NAMES.get(t.strip().lower(), t.strip().lower()))
+    for v in schema.get("enum") or []:
+        types.add("null" if v is None else "boolean" if isinstance(v, bool) else "integer" if isinstance(v, int)
+                  else "number" if isinstance(v, float) else "array" if isinstance(v, list)
+                  else "object" if isinstance(v, dict) else "string")
+    for key in ("anyOf", "oneOf", "allOf"):
+        for sub in schema.get(key) or []:
+            types |= schema_types(sub)
+    return types or {"string"}
+
+
+def _finite(v: Any) -> bool:
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, list):
+        return all(_finite(x) for x in v)
+    if isinstance(v, dict):
+        return all(_finite(x) for x in v.values())
+    return True
+
+
+def typed_value(text: str, schema: Any) -> Any:
+    """A parameter's text as the first of its schema's types it reads as (null, integer, number,
+    boolean, object, array, string: vLLM's order); without a fitting type, its JSON value, else
+    the text."""
+    types = schema_types(schema)
+    for t in ("null", "integer", "number", "boolean", "object", "array", "string"):
+        if t not in types:
+            continue
+        if t == "string":
+            return text
+        if t == "null" and text.strip().lower() == "null":
+            return None
+        if t == "integer":
+            try:
+                return int(text)
+            except ValueError:
+                continue
+        if t == "number":
+            try:
+                v = float(text)
+            except ValueError:
+                continue
+            if math.isfinite(v):
+                return int(v) if v == int(v) else v
+        if t == "boolean" and text.strip().lower() in ("true", "1", "false", "0"):
+            return text.strip().lower() in ("true", "1")
+        if t in ("object", "array"):
+            try:
+                v = json.loads(text)
+            except ValueError:
+                continue
+            if _finite(v):
+                return v
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return text
+    return v if _finite(v) else text
+
+
+@register
+class Qwen3CoderToolParser(ToolParser):
+    """Qwen3-Coder's XML calls (vLLM's ``qwen3_coder``, also named ``qwen3_xml``)::
+
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Paris
+        </parameter>
+        <parameter=days>
+        3
+        </parameter>
+        </function>
+        </tool_call>
+
+    Each value is text (one newline either side is the template's), typed by the parameter's
+    schema in the request's tools (``typed_value``: ``3`` is the integer 3 where the schema says
+    integer, the string "3" where it says string). A ``<function=`` without ``<tool_call>`` is a
+    call too (vLLM's fallback); text outside the calls is the content. A parameter joins the
+    arguments once its value is whole, so the streamed arguments are the final ones' prefixes."""
+    name = "qwen3_coder"
+    keeps_special_tokens = True
+    START, END, FUNC, FUNC_END = "<tool_call>", "</tool_call>", "<function=", "</function>"
+    PARAM = re.compile(r"<parameter=([^>]*)>(.*?)(</parameter>|(?=<parameter=)|\Z)", re.S)
+
+    def read(self, text: str, final: bool) -> Reading:
+        content: list[str] = []
+        calls: list[Call] = []
+        i = 0
+        while True:
+            starts = [k for k in (text.find(self.START, i), text.find(self.FUNC, i)) if k >= 0]
+            if not starts:
+                tail = text[i:]
+                if not final:
+                    for tag in (self.START, self.FUNC, self.END):
+                        tail = held_back(tail, tag)
+                content.append(tail if not calls else tail.strip())
+                break
+            k = min(starts)
+            content.append(text[i:k] if not calls else text[i:k].strip())
+            f = text.find(self.FUNC, k)
+            gt = text.find(">", f + len(self.FUNC)) if f >= 0 else -1
+            if gt < 0:                              # the call's name is still coming
+                break
+            name = text[f + len(self.FUNC):gt].strip()
+            end = text.find(self.FUNC_END, gt + 1)
+            closed = end >= 0 or final
+            calls.append(Call(name, self._arguments(name, text[gt + 1:end if end >= 0 else len(text)], closed)))
+            if end < 0:
+                break
+            i = end + len(self.FUNC_END)
+            after = skip_ws(text, i)
+            if text.startswith(self.END, after):     # its </tool_call> (vLLM takes calls without one too)
+                i = after + len(self.END)
+        return Reading("".join(content), calls)
+
+    def _arguments(self, name: str, body: str, closed: bool) -> str:
+        """The JSON text of the parameters whose values are whole (all of them once ``closed``)."""
+        tool = next((t for t in self.tools or () if t.function.name == name), None)
+        properties = ((tool.function.parameters or {}).get("properties") or {}) if tool is not None else {}
+        members = []
+        for m in self.PARAM.finditer(body):
+            if not m.group(3) and not closed and not body.startswith("<parameter=", m.end()):
+                break                                # its value may go on
+            value = m.group(2)
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            key = m.group(1).strip()
+            members.append(f"{json.dumps(key, ensure_ascii=False)}: "
+                           f"{json.dumps(typed_value(value, properties.get(key)), ensure_ascii=False)}")
+        return "{" + ", ".join(members) + ("}" if closed else "")
+
+
+TOOL_PARSERS["qwen3_xml"] = Qwen3CoderToolParser
 
 
 @register

@@ -132,7 +132,9 @@ def tool_use(req: ToolFields, auto_parser: str | None) -> ToolUse | None:
         if auto_parser is None:
             raise NotStructured('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                 'to be set', "tool_choice")
-        return ToolUse(tool_parser(auto_parser), True, max_calls)
+        parser = tool_parser(auto_parser)
+        parser.tools = req.tools            # a format that types its arguments reads their schemas
+        return ToolUse(parser, True, max_calls)
     return None
 
 

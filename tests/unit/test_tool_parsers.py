@@ -260,3 +260,41 @@ def test_a_reasoning_parser_plugin_file_registers_a_parser_the_server_can_name(t
     with pytest.raises(TypeError):
         ReasoningParserManager.register_module("x", module=dict)
     del REASONING_PARSERS["plain_thought"], REASONING_PARSERS["example_thought"]
+
+
+QWEN3_CODER = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis, FR\n</parameter>\n"
+               "<parameter=days>\n3\n</parameter>\n<parameter=hourly>\ntrue\n</parameter>\n<parameter=zip>\n75001\n"
+               "</parameter>\n<parameter=where>\n{\"lat\": 48.85, \"lon\": 2.35}\n</parameter>\n</function>\n"
+               "</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n-1.5\n<parameter=b>\nnull\n</parameter>\n"
+               "<parameter=note>\na <b>bold</b>\nsecond line\n</parameter>\n</function>\n</tool_call>")
+QWEN3_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"},
+    "zip": {"type": "string"}, "where": {"type": "object"}}}}},
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "number"}, "b": {"anyOf": [{"type": "number"}, {"type": "null"}]}, "note": {"type": "str"}}}}}]
+
+
+def test_qwen3_coder_calls_type_each_parameter_by_its_tools_schema_whole_or_streamed():
+    """vLLM's qwen3_coder (and qwen3_xml): XML calls whose values are text, typed by the
+    request's tool schemas (an integer, a boolean, an object where the schema says so; "75001"
+    stays a string where the schema says string); a parameter without </parameter> ends where
+    the next begins; streamed in any chunking, the deltas add up to the whole reading."""
+    req = msgspec.convert({"messages": [{"role": "user", "content": "x"}], "tools": QWEN3_TOOLS,
+                           "tool_choice": "auto"}, ChatCompletionRequest)
+    use = tool_use(req, "qwen3_coder")
+    whole = use.parser.read(QWEN3_CODER, True)
+    assert whole.content == "I will check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == [
+        ("get_weather", {"city": "Paris, FR", "days": 3, "hourly": True, "zip": "75001",
+                         "where": {"lat": 48.85, "lon": 2.35}}),
+        ("add", {"a": -1.5, "b": None, "note": "a <b>bold</b>\nsecond line"})]
+    rng = random.Random(3)
+    for sizes in ([1] * len(QWEN3_CODER), [rng.randint(1, 12) for _ in QWEN3_CODER], [len(QWEN3_CODER)]):
+        parser = tool_use(req, "qwen3_xml").parser
+        content, calls, _ = stream_all(parser, QWEN3_CODER, sizes)
+        assert content == whole.content
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in whole.calls]
+    untyped = tool_parser("qwen3_coder").read("<function=f>\n<parameter=n>\n7\n</parameter>\n</function>", True)
+    assert untyped.content == "" and json.loads(untyped.calls[0].arguments) == {"n": "7"}   # no schema: the text
+    plain = tool_parser("qwen3_coder").read("No call: a <function and 1 < 2.", True)
+    assert plain == Reading("No call: a <function and 1 < 2.", [])
