@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence, Sized, Union
 
 import msgspec
+import numpy as np
 
 from actors.engine.args import EngineArgs
 from actors.engine.lora import LoRARequest
@@ -74,6 +75,9 @@ class GenerationResult:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     index: int = 0                           # the prompt's place in the list it came in
     kv_transfer_params: dict | None = None   # vLLM's: what another instance needs to read its KV
+    # vLLM's: the scores of prompt_logprob_token_ids, float32 (prompt_len - 1 - prompt_logprob_start,
+    # ids): row i scores the ids as prompt token prompt_logprob_start + i + 1; -inf at padding
+    prompt_token_id_logprobs: np.ndarray | None = None
 
     @property
     def text(self) -> str:
@@ -277,7 +281,8 @@ class AsyncLLM:
         return GenerationResult(request_id, prompt, list(prompt_token_ids), outputs,
                                 error=next((o.error for o in done if o.error), None),
                                 num_cached_tokens=first.num_cached_tokens, prompt_logprobs=prompt_lps,
-                                kv_transfer_params=first.kv_transfer_params)
+                                kv_transfer_params=first.kv_transfer_params,
+                                prompt_token_id_logprobs=first.prompt_token_id_logprobs)
 
     async def generate_many(self, prompts: Iterable[Prompt],
                             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from actors.engine.sampling_params import LOGPROBS_MODES, LogprobsMode
@@ -504,6 +505,13 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
         top_logprobs[row, :len(ids)] = logprobs[row, index]
     return LogprobsTensors(torch.cat([token_ids, top_ids], dim=1),
                            torch.cat([token_logprobs, top_logprobs], dim=1), ranks)
+
+
+def score_prompt_token_ids(logits: torch.Tensor, ids: torch.Tensor) -> np.ndarray:
+    """vLLM's prompt_logprob_token_ids: logits (N, V) at prompt rows, ids (N, K) the token ids to
+    score at each (-1: padding); their raw log-probs, float32 (N, K), -inf at the padding."""
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32).gather(1, ids.clamp_min(0))
+    return logprobs.masked_fill(ids < 0, float("-inf")).cpu().numpy()
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> LogprobsTensors:

@@ -69,6 +69,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # --collect-detailed-traces: the request's seconds so far in the model's forward passes and
     # in the workers' whole steps (each request of a step is charged the step's); None: off
     model_times: tuple[float, float] | None = None
+    # vLLM's prompt_logprob_token_ids: the log-probs of the asked ids at the prompt rows scored in
+    # this step, float32 (rows, ids); -inf where a row's id is -1 (padding)
+    prompt_token_id_logprobs: np.ndarray | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -137,6 +140,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     sampled_token_ids: list[list[int]]     # empty for a request whose prompt is not done yet
     logprobs: dict[str, Logprobs] = {}     # for requests that asked, their sampled tokens'
     prompt_logprobs: dict[str, Logprobs] = {}
+    prompt_token_id_logprobs: dict[str, np.ndarray] = {}   # prompt_logprob_token_ids' scores, (rows, ids)
     compute_s: float = 0.0                 # seconds of model forward and sampling in this step
     prepare_s: float = 0.0                 # of the step in the worker: input preparation
     sample_s: float = 0.0                  # logits and sampling (part of compute_s)

@@ -107,6 +107,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # vLLM's: these tokens' log-probs at every position instead of the top alternatives (logprobs set)
     logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None   # the same for every prompt token but the first
+    # vLLM's: token ids to score at each prompt row from prompt_logprob_start on (row i predicts
+    # prompt token i + 1, so the last row is not scored); -1 pads a row (its score: -inf)
+    prompt_logprob_token_ids: list[list[int]] | None = None
+    prompt_logprob_start: int | None = None   # the first row scored (None: 0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None   # the grammar the output follows
@@ -175,6 +179,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             need(0 < len(self.logprob_token_ids) <= bound,
                  f"logprob_token_ids must hold 1 to {bound} token ids (max_logprobs), got {len(self.logprob_token_ids)}")
             token_ids(self.logprob_token_ids, "logprob_token_ids")
+        if self.prompt_logprob_token_ids is not None:
+            widths = {len(row) for row in self.prompt_logprob_token_ids}
+            need(len(widths) <= 1 and 0 not in widths,
+                 "prompt_logprob_token_ids must be rows of one length, at least 1 (-1 pads a row)")
+            token_ids([t for row in self.prompt_logprob_token_ids for t in row if t != -1], "prompt_logprob_token_ids")
+        s = self.prompt_logprob_start
+        need(s is None or (isinstance(s, int) and not isinstance(s, bool) and s >= 0),
+             f"prompt_logprob_start must be a non-negative integer, got {s!r}")
         need(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
              or self.truncate_prompt_tokens >= 1,
              f"truncate_prompt_tokens must be -1 (the last max_model_len) or at least 1, "

@@ -28,6 +28,7 @@ class Choice:
     state: Any = None                  # the endpoint's per-choice bookkeeping
     token_ids: list[int] = field(default_factory=list)     # generated so far
     prompt_logprobs: Logprobs | None = None                 # the prompt's, as far as computed
+    prompt_scores: list = field(default_factory=list)       # prompt_logprob_token_ids' rows, by chunk
     unsent_ids: list[int] = field(default_factory=list)    # a stream's token ids no chunk carried yet
 
     def take(self, out: RequestOutput) -> None:
@@ -39,6 +40,8 @@ class Choice:
             if self.prompt_logprobs is None:
                 self.prompt_logprobs = Logprobs([], [], [])
             self.prompt_logprobs.extend(lp)
+        if out.prompt_token_id_logprobs is not None:
+            self.prompt_scores.append(out.prompt_token_id_logprobs)
 
     @property
     def num_output_tokens(self) -> int:

@@ -21,12 +21,15 @@ Rendering goes through the same checks and the same tokenization as admitting th
 completion endpoint gives. Without the flag these routes answer 403, as vLLM's do."""
 from __future__ import annotations
 
+import base64
 import functools
+import io
 import json
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+import numpy as np
 from aiohttp import web
 
 from actors.engine.sampling_params import SamplingParams
@@ -37,7 +40,7 @@ from actors.frontend.errors import bad_request, error_response, json_encoder
 from actors.frontend.fanout import Choice, submit_choices
 from actors.frontend.generation import OPEN_ANSWERS, Answer, Generation
 from actors.engine.messages import Logprobs
-from actors.frontend.logprobs import CompletionLogprobs, chat_logprobs, finite
+from actors.frontend.logprobs import CompletionLogprobs, chat_logprobs, finite, prompt_logprobs_json
 from actors.frontend.params import PromptInput
 from actors.frontend.responses import ResponsesRequest, renamed
 from actors.frontend.protocol import (MAX_REQUEST_ID_CHARS, PRIORITY_RANGE, BadRequest, ChatCompletionRequest, CompletionRequest,
@@ -54,8 +57,7 @@ MAX_CHOICES = 128
 _INERT = {"output_kind", "skip_clone", "detokenize", "output_text_buffer_length", "skip_reading_prefix_cache",
           "spaces_between_special_tokens", "routed_experts_prompt_start"}
 # vLLM SamplingParams fields Troupe does not implement: refused when set to something
-_UNSUPPORTED = {"prompt_logprob_token_ids", "prompt_logprob_start", "trace_decode_token_ids", "watermarking",
-                "flat_logprobs"}
+_UNSUPPORTED = {"trace_decode_token_ids", "watermarking", "flat_logprobs"}
 _OURS = set(SamplingParams.__struct_fields__) - {"bad_words_token_ids", "truncate_prompt_tokens"}
 
 
@@ -78,6 +80,13 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
+
+
+def numpy_base64(array: np.ndarray) -> str:
+    """vLLM's encoding of an array in an answer: base64 of its ``.npy`` file (``np.load`` reads it)."""
+    with io.BytesIO() as buffer:
+        np.save(buffer, array, allow_pickle=False)
+        return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
 def vllm_sampling_params(params: SamplingParams, n: int) -> dict[str, Any]:
@@ -209,17 +218,19 @@ class TokensGeneration(Generation):
     id_prefix = "generate-tokens-"
 
     def __init__(self, server: OpenAIServer, body: GenerateRequest, request_id: str, choices: list[Choice],
-                 num_logprobs: int | None) -> None:
+                 params: SamplingParams) -> None:
         options = body.stream_options
         answer = Answer(server.token_text, body.request_id,
                         continuous_usage=bool(body.stream and options and options.include_usage
-                                              and options.continuous_usage_stats))
+                                              and options.continuous_usage_stats),
+                        timings=server.options.per_request_metrics)
         include_usage = bool(body.stream and options and options.include_usage)
         super().__init__(request_id, body.model or server.engine().model_name, choices, include_usage, answer)
         self.aliases = (body.request_id,) if body.request_id else ()
         self.text_mode = body.output_mode == "text"
         self.return_token_ids = bool(body.return_token_ids)
-        self.num_logprobs = num_logprobs
+        self.num_logprobs = params.num_logprobs
+        self.prompt_logprobs = params.prompt_logprobs is not None
         self.kv_transfer = body.kv_transfer_params
         self._sent_prompt = False
         for c in choices:
@@ -278,10 +289,16 @@ class TokensGeneration(Generation):
         body = await super().collect()
         if not isinstance(body, dict):
             return body
+        first = self.choices[0]
         return {"request_id": body["id"], "model": body["model"], "created": body["created"],
-                "usage": body["usage"], "prompt_logprobs": None, "prompt_token_id_logprobs": None,
-                "prompt_token_ids": self.choices[0].handle.prompt_token_ids if self.return_token_ids else None,
-                "mm_placeholders": None, "metrics": None, "kv_transfer_params": body.get("kv_transfer_params"),
+                "usage": body["usage"],
+                "prompt_logprobs": (prompt_logprobs_json(first.prompt_logprobs, self.answer.text_of)
+                                    if self.prompt_logprobs else None),
+                "prompt_token_id_logprobs": (numpy_base64(np.concatenate(first.prompt_scores))
+                                             if first.prompt_scores else None),
+                "prompt_token_ids": first.handle.prompt_token_ids if self.return_token_ids else None,
+                "mm_placeholders": None, "metrics": body.get("metrics"),
+                "kv_transfer_params": body.get("kv_transfer_params"),
                 "ec_transfer_params": None, "output_mode": "text" if self.text_mode else "tokens",
                 "choices": body["choices"]}
 
@@ -321,7 +338,7 @@ async def generate(server: OpenAIServer, request: web.Request) -> web.StreamResp
         server.submit, rid, params, n, [PromptInput(None, list(body.token_ids))], priority=body.priority,
         arrival_time=arrival, cache_salt=body.cache_salt, lora_request=client.lora_request_for(body.model),
         stream_interval=interval)
-    gen = TokensGeneration(server, body, rid, choices, params.num_logprobs)
+    gen = TokensGeneration(server, body, rid, choices, params)
     return await gen.respond(request, bool(body.stream))
 
 

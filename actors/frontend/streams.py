@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from actors.engine.messages import Logprobs
 
 
@@ -13,6 +15,13 @@ def _joined(a: Logprobs | None, b: Logprobs | None) -> Logprobs | None:
     if a is None or b is None:
         return a if b is None else b
     return Logprobs(a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.ranks + b.ranks)
+
+
+def _stacked(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+    """Rows of consecutive prompt chunks as one array."""
+    if a is None or b is None:
+        return a if b is None else b
+    return np.concatenate([a, b])
 
 
 @dataclass(slots=True)
@@ -33,6 +42,8 @@ class RequestOutput:
     error_status: int = 0                     # with error: the HTTP status it answers (0: 500)
     # on a request's last output: vLLM's per-request metrics (times, its drafts' acceptance)
     metrics: dict | None = None
+    # vLLM's prompt_logprob_token_ids: the scores of the prompt rows computed since the last output
+    prompt_token_id_logprobs: np.ndarray | None = None
 
     def merge(self, later: RequestOutput) -> None:
         self.text += later.text
@@ -48,6 +59,7 @@ class RequestOutput:
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
         self.metrics = later.metrics or self.metrics
+        self.prompt_token_id_logprobs = _stacked(self.prompt_token_id_logprobs, later.prompt_token_id_logprobs)
 
 
 class StreamTimeout(TimeoutError):

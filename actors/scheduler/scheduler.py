@@ -673,7 +673,8 @@ class Scheduler:
     def _lookup_hashes(self, req: Request) -> list:
         """The block hashes a waiting request may hit: capped so its last token is computed;
         none when it asks for prompt log-probs (every prompt position's logits are needed)."""
-        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+        p = req.sampling_params
+        if not self.enable_prefix_caching or p.prompt_logprobs is not None or p.prompt_logprob_token_ids is not None:
             return []
         return req.block_hashes[:(req.num_tokens - 1) // self.block_size]
 
@@ -815,7 +816,8 @@ class Scheduler:
         for rid, sampled in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
             prompt_lp = out.prompt_logprobs.get(rid)
-            if req is None or req.status.finished or not (sampled or prompt_lp):
+            scored = out.prompt_token_id_logprobs.get(rid) if out.prompt_token_id_logprobs else None
+            if req is None or req.status.finished or not (sampled or prompt_lp or scored is not None):
                 continue   # aborted meanwhile, or a prompt chunk with nothing to report
             drafts = so.scheduled_spec_decode_tokens.get(rid)
             spec_step = None
@@ -839,6 +841,8 @@ class Scheduler:
                                          num_cached_tokens=req.num_cached_tokens))
             if spec_step is not None:
                 outs[-1].spec_step = spec_step
+            if scored is not None:
+                outs[-1].prompt_token_id_logprobs = scored
             if self.model_times:
                 outs[-1].model_times = (req.model_forward_s, req.model_execute_s)
             if not req.first_output_sent:

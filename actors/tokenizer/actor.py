@@ -137,6 +137,16 @@ class TokenizerActor(Actor):
                                 f"However, you requested {n + params.max_tokens} tokens ({n} in the "
                                 f"prompt, {params.max_tokens} for the completion). Please reduce the "
                                 f"prompt or max_tokens.")
+        rows = params.prompt_logprob_token_ids
+        if rows is not None:             # vLLM's check: a row per scored prompt position
+            if embeds is not None:
+                raise InvalidPrompt("prompt_logprob_token_ids is not compatible with prompt embeds.")
+            start = params.prompt_logprob_start or 0
+            if start >= n:
+                raise InvalidPrompt(f"prompt_logprob_start ({start}) must be less than the prompt length ({n})")
+            if len(rows) != n - 1 - start:
+                raise InvalidPrompt(f"prompt_logprob_token_ids has {len(rows)} rows, but the prompt has "
+                                    f"{n - 1 - start} scored rows (prompt_len - 1 - prompt_logprob_start).")
         if msg.render_only:
             if embeds is not None:
                 raise InvalidPrompt("prompt_embeds cannot be rendered: they are not tokens")

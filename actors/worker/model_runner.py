@@ -73,7 +73,7 @@ from models.logits_processors import (ThinkingBudgetProcessor, build_logits_proc
                                      load_logits_processor_classes)
 from models.rejection_sampler import RejectionSampler, SpecDecodeMetadata, rewind_generators
 from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, apply_logits_processors,
-                            compute_prompt_logprobs)
+                            compute_prompt_logprobs, score_prompt_token_ids)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -482,15 +482,23 @@ class ModelRunner:
         cu = inp.meta.query_start_loc.tolist()
         for row, (rid, n) in enumerate(so.num_scheduled_tokens.items()):
             i = int(inp.slots[row])
-            k = b.states[i].params.prompt_logprobs
-            if k is None:
+            params = b.states[i].params
+            k, scored = params.prompt_logprobs, params.prompt_logprob_token_ids
+            if k is None and scored is None:
                 continue
             start = int(b.num_computed_tokens[i]) - n            # first position of this chunk
             stop = min(start + n, int(b.num_prompt_tokens[i]) - 1)   # predicts positions < prompt end
-            if stop <= start:
+            first = params.prompt_logprob_start or 0             # vLLM's: rows from there are scored
+            lo = start if k is not None else max(start, first)   # the rows whose logits are needed
+            if stop <= lo:
                 continue
-            logits = self.model.compute_logits(hidden[cu[row]:cu[row] + stop - start])
-            targets = torch.from_numpy(b.token_ids[i, start + 1:stop + 1]).to(self.device)
-            lp = compute_prompt_logprobs(logits, targets, k)
-            out.prompt_logprobs[rid] = Logprobs(lp.token_ids.tolist(), lp.logprobs.tolist(),
-                                                lp.ranks.tolist())
+            logits = self.model.compute_logits(hidden[cu[row] + lo - start:cu[row] + stop - start])
+            if k is not None:
+                targets = torch.from_numpy(b.token_ids[i, start + 1:stop + 1]).to(self.device)
+                lp = compute_prompt_logprobs(logits, targets, k)
+                out.prompt_logprobs[rid] = Logprobs(lp.token_ids.tolist(), lp.logprobs.tolist(),
+                                                    lp.ranks.tolist())
+            if scored is not None and stop > first:
+                top = max(start, first)
+                ids = torch.tensor(scored[top - first:stop - first], dtype=torch.long, device=self.device)
+                out.prompt_token_id_logprobs[rid] = score_prompt_token_ids(logits[top - lo:], ids)

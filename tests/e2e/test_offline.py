@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from actors.api import LLM, SamplingParams
@@ -276,3 +277,28 @@ def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
     with pytest.raises(RuntimeError, match="this LLM is closed"):
         llm.generate("The capital of France is")
     llm.close()                        # a second close does nothing
+
+
+def test_prompt_logprob_token_ids_score_chosen_ids_at_each_prompt_row_in_any_chunking(llm):
+    """vLLM's prompt_logprob_token_ids: row i scores its ids as prompt token start + i + 1; the
+    prompt's own next token scores what prompt_logprobs reads for it, -1 pads (-inf), the rows
+    from prompt_logprob_start are the full rows' tail, and a prompt computed in chunks of 8
+    tokens gives the rows of one computed whole. A row count that is not the prompt's is refused."""
+    ids = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog because it was bored")
+    n = len(ids)
+    rows = [[ids[i + 1], 17, -1] for i in range(n - 1)]
+    whole = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+        max_tokens=1, prompt_logprobs=0, prompt_logprob_token_ids=rows), use_tqdm=False)[0]
+    scores = whole.prompt_token_id_logprobs
+    assert scores.shape == (n - 1, 3) and scores.dtype == np.float32 and np.isneginf(scores[:, 2]).all()
+    own = [next(iter(d.values())).logprob for d in whole.prompt_logprobs[1:]]
+    assert np.allclose(scores[:, 0], own, atol=1e-5) and (scores[:, 1] < 0).all()
+    tail = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+        max_tokens=1, prompt_logprob_token_ids=rows[5:], prompt_logprob_start=5), use_tqdm=False)[0]
+    assert np.allclose(tail.prompt_token_id_logprobs, scores[5:], atol=1e-5) and tail.prompt_logprobs is None
+    with LLM(multiprocess=False, max_num_batched_tokens=8, enable_prefix_caching=False) as chunked:
+        again = chunked.generate({"prompt_token_ids": ids}, SamplingParams(
+            max_tokens=1, prompt_logprob_token_ids=rows), use_tqdm=False)[0]
+    assert np.allclose(again.prompt_token_id_logprobs, scores, atol=1e-4)
+    with pytest.raises(ValueError, match=r"prompt_logprob_token_ids has 3 rows, but the prompt has"):
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(prompt_logprob_token_ids=rows[:3]), use_tqdm=False)

@@ -334,3 +334,30 @@ def test_render_gives_each_prompt_tokens_characters_as_vllm_does(server):
     assert len(chat["token_offsets"]) == len(chat["token_ids"]) == 31 and chat["token_offsets"][-1] == [149, 150]   # as vLLM 0.32
     assert _post(server, "/v1/chat/completions", {**CHAT, "return_token_offsets": True}).status_code == 200
     assert _post(server, "/v1/chat/completions/render", CHAT).json()["token_offsets"] is None
+
+
+def test_generate_answers_prompt_logprobs_and_scores_chosen_prompt_token_ids(server):
+    """vLLM's scoring fields on /inference/v1/generate: prompt_logprobs as the completions endpoint
+    gives them, and prompt_logprob_token_ids' scores as a base64 .npy array (rows from
+    prompt_logprob_start): each row's first id, the prompt's own next token, scores what
+    prompt_logprobs reads for it; -1 pads with -inf; a wrong row count is a 400 naming the field."""
+    import base64
+    import io
+
+    import numpy as np
+    ids = VLLM_RENDERED["token_ids"]
+    start = 20
+    rows = [[ids[i + 1], 5, -1] for i in range(start, len(ids) - 1)]
+    body = {**VLLM_RENDERED, "sampling_params": {"max_tokens": 1, "temperature": 0, "prompt_logprobs": 0,
+                                                 "prompt_logprob_token_ids": rows, "prompt_logprob_start": start}}
+    out = _post(server, "/inference/v1/generate", body).json()
+    completion = _post(server, "/v1/completions", {"model": "smol", "prompt": ids, "max_tokens": 1,
+                                                   "prompt_logprobs": 0}).json()
+    assert out["prompt_logprobs"] == completion["choices"][0]["prompt_logprobs"]
+    scores = np.load(io.BytesIO(base64.b64decode(out["prompt_token_id_logprobs"])), allow_pickle=False)
+    assert scores.shape == (len(ids) - 1 - start, 3) and np.isneginf(scores[:, 2]).all()
+    own = [next(iter(p.values()))["logprob"] for p in out["prompt_logprobs"][start + 1:]]
+    assert np.allclose(scores[:, 0], own, atol=1e-4)
+    bad = _post(server, "/inference/v1/generate", {**body, "sampling_params": {
+        "max_tokens": 1, "prompt_logprob_token_ids": rows[:2], "prompt_logprob_start": start}})
+    assert bad.status_code == 400 and "prompt_logprob_token_ids has 2 rows" in bad.json()["error"]["message"]
