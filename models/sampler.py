@@ -102,6 +102,10 @@ class SamplingMetadata:
     logitsprocs: BoundLogitsProcessors | None = None
     # row -> the tokens whose log-probs it returns in place of its top alternatives (vLLM's logprob_token_ids)
     logprob_token_ids: dict[int, list[int]] | None = None
+    # row -> its (V,) uniforms in (0, 1) from the watermark's key (--watermark-config): the row's
+    # race runs on them instead of its generator's draws (which are still drawn, so a seeded
+    # stream stays where it would be)
+    watermark_uniforms: dict[int, torch.Tensor] | None = None
 
     @property
     def no_logits_processors(self) -> bool:
@@ -416,16 +420,20 @@ def seeded_generator(seed: int, temperature: float, num_sampled: int, vocab_size
     return gen
 
 
-def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                      uniforms: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """q ~ Exp(1) of probs' shape; argmax(probs / q) is a draw from probs (exponential race).
     A seeded row draws its own V values from its own generator, so its tokens do not depend on
     the rest of the batch. q = -log(u), u ~ U[0, 1): 5x faster than exponential_() on CPU;
-    u = 0 gives q = inf, a lost race, never 0/0."""
+    u = 0 gives q = inf, a lost race, never 0/0. ``uniforms``: rows whose u is given (the
+    watermark's keyed draws: the race is then Gumbel-max on the key's noise)."""
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         q.uniform_()
     for row, gen in generators.items():
         draw_row_noise(q[row], gen)
+    for row, u in (uniforms or {}).items():
+        q[row].copy_(u)
     return q.log_().neg_()
 
 
@@ -462,7 +470,7 @@ class Sampler:
                 and triton_fused.supports(logits, meta.temperature)):
             # one kernel: greedy rows, then temperature, top-k, top-p and the race, no sort
             temperature = torch.where(is_greedy, 0.0, meta.temperature)
-            noise = exponential_noise(logits, meta.generators)
+            noise = exponential_noise(logits, meta.generators, meta.watermark_uniforms)
             return triton_fused.sample(logits, temperature, meta.top_k, meta.top_p, noise), None
         greedy = argmax_rows(logits)                                      # (B,)
         logits.div_(torch.where(is_greedy, 1.0, meta.temperature)[:, None])
@@ -476,7 +484,7 @@ class Sampler:
             apply_top_k_only(logits, meta.top_k, meta.max_top_k)
         processed = _values(logits, meta.logprobs_mode) if want_processed else None
         probs = logits.softmax(dim=-1)                                    # (B, V)
-        sampled = argmax_rows(probs.div_(exponential_noise(probs, meta.generators)))
+        sampled = argmax_rows(probs.div_(exponential_noise(probs, meta.generators, meta.watermark_uniforms)))
         if meta.all_random:
             return sampled, processed
         return torch.where(is_greedy, greedy, sampled), processed

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("tools.trace", "save a running server's trace for ui.perfetto.dev"),
     "pd-proxy": ("tools.pd_proxy", "prefill/decode disaggregation: one endpoint over prefill and decode servers"),
     "quantize": ("tools.quantize", "write an FP8 or INT8 (W8A8) compressed-tensors checkpoint of a model"),
+    "detect-watermark": ("tools.detect_watermark", "whether a text carries the watermark of a --watermark-config"),
     "collect-env": ("tools.collect_env", "what a bug report needs: versions, CPU and its instruction sets, devices, "
                                          "the environment (vLLM's collect-env)"),
 }

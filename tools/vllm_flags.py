@@ -142,7 +142,6 @@ for _flags, _why in (
     (("--prefix-cache-retention-interval", "--prefix-match-unit", "--kv-cache-dtype-skip-layers",
       "--enable-return-routed-experts"), _KV),
     (("--sleep-mode-offload-cudagraph", "--sleep-preserve-parameter-names"), _SLEEP),
-    (("--watermark-config",), "Troupe does not watermark its output"),
 ):
     REFUSED.update(dict.fromkeys(_flags, _why))
 del _flags, _why

@@ -58,7 +58,7 @@ DetokenizerProtocol = TrackRequest | EngineCoreOutputs | Untrack | EndGroup | En
 class _State:
     __slots__ = ("detok", "num_prompt_tokens", "arrival_time", "last_token_time", "queued",
                  "scheduled_time", "first_token_time", "max_tokens", "parent_id", "span", "spec",
-                 "model_times")
+                 "model_times", "watermark")
 
     def __init__(self, detok: IncrementalDetokenizer, num_prompt_tokens: int, arrival_time: float,
                  max_tokens: int | None, parent_id: str, span: tuple | None = None) -> None:
@@ -74,6 +74,7 @@ class _State:
         self.span = span                 # with a RequestTracer: (sampling params, n, trace headers)
         self.spec: SpecDecodeMetrics | None = None   # its drafts' acceptance (--per-request-spec-decode-metrics)
         self.model_times: tuple[float, float] | None = None   # (--collect-detailed-traces)
+        self.watermark = ""              # with --watermark-config: its watermark_requests status
 
     def metrics(self) -> dict[str, Any]:
         """vLLM's per-request metrics of the finished request (--enable-per-request-metrics):
@@ -173,7 +174,10 @@ class DetokenizerActor(Actor):
                     self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
                     include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)
                 span = (p, n, headers) if self.tracer is not None else None
-                self.states[rid] = _State(detok, len(ids), arrival, p.max_tokens, parent, span)
+                st = self.states[rid] = _State(detok, len(ids), arrival, p.max_tokens, parent, span)
+                if self.stats.watermark_requests is not None:
+                    st.watermark = ("not_watermarked" if p.watermarking is False
+                                    else "skipped" if p.greedy else "watermarked")
                 if parent and parent not in self.groups:
                     self.groups[parent] = _Group(n)
             case Untrack(request_ids=ids):
@@ -259,6 +263,8 @@ class DetokenizerActor(Actor):
     def _finished(self, st: _State, reason: str) -> None:
         """Count a request that ended (``reason``), and its group's end once all its choices did."""
         self.stats.observe_finished(reason)
+        if st.watermark:
+            self.stats.watermark_requests[st.watermark] += 1
         if not st.parent_id:
             self.stats.observe_choices(1, st.detok.num_output_tokens)
             return

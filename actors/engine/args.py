@@ -28,6 +28,7 @@ from actors.kv_manager.kv_events import kv_events_config
 from actors.kv_transfer.config import kv_transfer_config
 from actors.kv_transfer.factory import KVConnectorFactory
 from actors.frontend.stats import check_histogram_buckets
+from models.watermark import WatermarkConfig
 from actors.runtime.otel import check_available as check_otel
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig
@@ -127,6 +128,8 @@ class EngineArgs:
     structured_outputs_config: dict[str, Any] | str | None = None
     # vLLM's --profiler-config: what /start_profile records (JSON text or a dict)
     profiler_config: dict[str, Any] | str | None = None
+    # vLLM's --watermark-config: the watermark's key and settings (JSON text or a dict)
+    watermark_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         load_general_plugins()         # this process's plugins first (e.g. an architecture they register)
@@ -237,8 +240,19 @@ class EngineArgs:
             kv_transfer=kv_transfer_config(self.kv_transfer_config),
             kv_events=kv_events_config(self.kv_events_config),
             structured_outputs=structured_outputs_config(self.structured_outputs_config),
-            profiler=profiler_config(self.profiler_config))
+            profiler=profiler_config(self.profiler_config),
+            watermark=self.watermark())
         KVConnectorFactory.check_engine(config)
+        return config
+
+    def watermark(self) -> WatermarkConfig | None:
+        """--watermark-config, checked; vLLM's warning for settings that favour repetition loops."""
+        given = self.watermark_config
+        if given is None:
+            return None
+        config = WatermarkConfig.of(parse_object(given, "--watermark-config") if isinstance(given, str) else given)
+        if config.dedup_warning:
+            log.warning(config.dedup_warning)
         return config
 
     def histogram_buckets(self) -> tuple[tuple[str, tuple[float, ...]], ...]:
@@ -757,6 +771,13 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "disable_any_whitespace (JSON outputs compact, without the whitespace the model may "
                  "otherwise put between tokens), reasoning_parser (as --reasoning-parser), "
                  "disable_fallback and disable_additional_properties (accepted; nothing to change)")),
+        (("--watermark-config",), "watermark_config", dict(
+            default=d["watermark_config"], metavar="JSON",
+            help="vLLM's: sampled (non-greedy) tokens carry a keyed Gumbel-max watermark, detectable with the key "
+                 "(troupe detect-watermark): {\"key\": SECRET_INT, \"algorithm\": \"gumbel\" or "
+                 "\"dual_key_gumbel\", \"alpha\": 0.1, \"context_width\": 4, \"deduplicate_contexts\": "
+                 "\"single_turn\" (or none, all), \"deduplicate_contexts_max_history\": 8192}; a request's "
+                 "watermarking false opts out")),
         (("--profiler-config",), "profiler_config", dict(
             default=d["profiler_config"], metavar="JSON",
             help='vLLM\'s: what POST /start_profile and /stop_profile (LLM.start_profile, stop_profile) record, e.g. '

@@ -33,6 +33,7 @@ from actors.kv_transfer.config import KVTransferConfig
 from actors.spec_decode.config import SpeculativeConfig
 from models.config import ArchConfig
 from models.resolve import ModelSource
+from models.watermark import WatermarkConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -259,6 +260,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     # --profiler-config: what /start_profile records (actors/engine/profiler.py)
     profiler: ProfilerConfig = ProfilerConfig()
+    # --watermark-config: sampled tokens carry a keyed watermark (models/watermark.py; None: off)
+    watermark: WatermarkConfig | None = None
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -460,6 +463,10 @@ def check_config(cfg: EngineConfig) -> None:
     if cfg.cache.num_blocks < 0:
         raise ValueError(f"num_blocks must be at least 0 (0: as many as the KV cache's memory holds), "
                          f"got {cfg.cache.num_blocks}")
+    if cfg.watermark is not None and cfg.speculative is not None:
+        raise ValueError(f"--watermark-config with speculative decoding ({cfg.speculative.method}) is not supported: "
+                         "Troupe watermarks the tokens its sampler draws, and its drafts are verified by rejection "
+                         "sampling; serve watermarked text without --speculative-config")
     if cfg.model.max_logprobs < -1:
         raise ValueError(f"max_logprobs must be at least 0 (-1: no bound), got {cfg.model.max_logprobs}")
     if any(not name for name in cfg.model.served_model_names):

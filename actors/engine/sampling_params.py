@@ -111,6 +111,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # prompt token i + 1, so the last row is not scored); -1 pads a row (its score: -inf)
     prompt_logprob_token_ids: list[list[int]] | None = None
     prompt_logprob_start: int | None = None   # the first row scored (None: 0)
+    # vLLM's: with --watermark-config, None or True watermarks the sampled tokens, False opts out
+    watermarking: bool | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None   # the grammar the output follows

@@ -112,6 +112,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
+    watermarking: bool | None = None          # vLLM's: opts out of (false) the server's watermark
 
 
 # -- the request as a chat completion ---------------------------------------------------------
@@ -142,7 +143,8 @@ def chat_body(req: CountTokensRequest, merge_inline_system: bool, thinking_budge
         body |= {k: v for k, v in (("max_tokens", req.max_tokens), ("stop", req.stop_sequences),
                                    ("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k),
                                    ("cache_salt", req.cache_salt), ("kv_transfer_params", req.kv_transfer_params),
-                                   ("vllm_xargs", req.vllm_xargs)) if v is not None}
+                                   ("vllm_xargs", req.vllm_xargs), ("watermarking", req.watermarking))
+                 if v is not None}
         if req.stream:
             body |= {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     config = req.output_config

@@ -12,6 +12,7 @@ it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from actors.frontend.client import EngineClient
     from actors.frontend.protocol import GenerationRequest
 
+log = logging.getLogger("troupe.beam_search")
+_BEAM_WARNED: list[bool] = []             # the watermark warning, once per process
 MAX_BEAM_WIDTH = 128
 
 
@@ -121,7 +124,11 @@ async def beam_search(client: EngineClient, params: BeamSearchParams, submit: An
     width = params.beam_width
     eos = frozenset(client.config.model.arch.eos_token_ids)
     step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width,
-                                 ignore_eos=True)
+                                 ignore_eos=True, watermarking=False)    # beams are chosen, not sampled
+    if client.config.watermark is not None and not _BEAM_WARNED:
+        _BEAM_WARNED.append(True)
+        log.warning("Watermarking is enabled, but beam search cannot be watermarked. This and subsequent beam "
+                    "search requests will run without watermarking.")
     keep = {k: what[k] for k in ("lora_request", "cache_salt", "priority", "timeout_s") if k in what}
     base = client.new_request_id()
     # the first step is admitted with the whole search's max_tokens, so a prompt that leaves no

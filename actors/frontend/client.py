@@ -45,6 +45,7 @@ PAUSE_POLL_S = 0.02             # how often a pause that waits for the running r
 
 
 log = logging.getLogger("troupe.client")
+_WARNED: set[str] = set()           # warnings given once per process
 
 class EngineDeadError(RuntimeError):
     """The engine is gone (for now: ``retry_after`` seconds is when it may be back; None when it
@@ -189,6 +190,20 @@ class EngineClient:
         """Requests admitted or being admitted, not yet closed."""
         return len(self.streams)
 
+    def _warn_unwatermarked(self, params: SamplingParams) -> None:
+        """vLLM's warnings (once each) for a request that asks for the watermark and cannot have it."""
+        if self.config.watermark is None:
+            why = ("Watermarking is enabled for this request, but the engine has no watermark configuration. "
+                   "This and subsequent requests will run without watermarking.")
+        elif params.greedy:
+            why = ("Watermarking is enabled, but greedy decoding (temperature=0) cannot be watermarked. This "
+                   "request will use ordinary greedy sampling.")
+        else:
+            return
+        if why not in _WARNED:
+            _WARNED.add(why)
+            log.warning(why)
+
     async def submit(self, params: SamplingParams, *, request_id: str | None = None,
                      prompt: str | None = None,
                      prompt_token_ids: list[int] | None = None,
@@ -214,6 +229,8 @@ class EngineClient:
         ``stream_interval``: new tokens per output after the first (vLLM's). Raises
         InvalidPrompt (or PromptTooLong) when it is refused, Overloaded when too many wait
         already, and EngineDeadError when the engine is gone or the server is shutting down."""
+        if params.watermarking:
+            self._warn_unwatermarked(params)
         if chat_template_content_format not in (None, *CHAT_TEMPLATE_CONTENT_FORMATS):
             raise InvalidPrompt(f"chat_template_content_format must be one of {', '.join(CHAT_TEMPLATE_CONTENT_FORMATS)}, "
                                 f"got {chat_template_content_format!r}")

@@ -182,7 +182,10 @@ async def server_info(server: OpenAIServer, request: web.Request) -> web.Respons
         raise bad_request(f"config_format must be text or json, got {fmt!r}", "config_format")
     config = server.engine().config
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_", "TROUPE_")) and "KEY" not in k}
-    return _json({"vllm_config": repr(config) if fmt == "text" else msgspec.to_builtins(config, enc_hook=str),
+    shown = repr(config) if fmt == "text" else msgspec.to_builtins(config, enc_hook=str)
+    if fmt == "json" and shown.get("watermark"):          # the watermark's key is a secret (its repr hides it)
+        shown["watermark"]["key"] = "<redacted>"
+    return _json({"vllm_config": shown,
                   "vllm_env": env, "system_env": await asyncio.to_thread(_system_env)})
 
 

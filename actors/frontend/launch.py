@@ -173,7 +173,9 @@ class Frontend:
                                       "block_size": cache.block_size,
                                       "num_tokens": cache.num_blocks * cache.block_size,
                                       "calculate_kv_scales": cache.calculate_kv_scales},
-                            custom_buckets=config.observability.custom_histogram_buckets)
+                            custom_buckets=config.observability.custom_histogram_buckets,
+                            watermark_requests=(dict.fromkeys(("watermarked", "skipped", "not_watermarked"), 0)
+                                                if config.watermark is not None else None))
         waiting = WaitingRequests(config.scheduler.max_waiting_requests, config.scheduler.max_waiting_tokens)
         scheduler = engine.scheduler            # where requests and aborts go
         if dp > 1:

@@ -170,8 +170,6 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
     def unserved(self) -> list[tuple[str, str]]:
         """(field, why) of each field set to something Troupe does not do."""
         out = []
-        if self.watermarking:
-            out.append(("watermarking", "watermarking is not supported: Troupe does not watermark its output"))
         for name in ("ec_transfer_params", "mm_payload"):
             if getattr(self, name):
                 out.append((name, f"{name} is not supported: Troupe serves text-only models"))
@@ -287,7 +285,7 @@ class GenerationRequest(StructuredOutputsFields, forbid_unknown_fields=True, kw_
             structured_outputs=constraint.params if constraint else None,
             truncate_prompt_tokens=truncate, allowed_token_ids=allowed, extra_args=self._extra_args(),
             repetition_detection=self.repetition_detection, logprob_token_ids=label_ids,
-            thinking_token_budget=self.thinking_token_budget)
+            thinking_token_budget=self.thinking_token_budget, watermarking=self.watermarking)
 
     def _extra_args(self) -> dict[str, Any] | None:
         extra: dict[str, Any] = dict(self.vllm_xargs or {})

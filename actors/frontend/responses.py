@@ -35,7 +35,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the ``include`` value that 
 SHARED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
           "skip_special_tokens", "include_stop_str_in_output", "priority", "cache_salt", "user",
-          "parallel_tool_calls", "vllm_xargs", "chat_template_kwargs", "structured_outputs")
+          "parallel_tool_calls", "vllm_xargs", "chat_template_kwargs", "structured_outputs", "watermarking")
 # a chat field's name as the Responses request calls it, in error messages
 RENAMED = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
            ("messages", "input"))
@@ -110,7 +110,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
                           ("prompt", "prompt templates stored on OpenAI's platform"),
                           ("kv_transfer_params", "prefill/decode disaggregation on /v1/responses (use the chat or "
                                                  "completions endpoint)"),
-                          ("watermarking", "watermarking"), ("ec_transfer_params", "multimodal inputs"),
+                          ("ec_transfer_params", "multimodal inputs"),
                           ("mm_payload", "multimodal inputs"), ("media_io_kwargs", "multimodal inputs"),
                           ("mm_processor_kwargs", "multimodal inputs")):
             require(not getattr(self, name), f"{name} is not supported here ({why})", name)

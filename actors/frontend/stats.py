@@ -64,6 +64,9 @@ METRICS: tuple[Metric, ...] = (
            "Draft tokens accepted at each draft position (0: the first).", labels="position"),
     Metric("prompt_tokens_total", "counter", "Prompt tokens received."),
     Metric("generation_tokens_total", "counter", "Tokens generated."),
+    Metric("watermark_requests_total", "counter", "Finished requests by watermark status: watermarked, "
+           "skipped (asked for it and could not have it: greedy, beam search) or not_watermarked (opted out); "
+           "only with --watermark-config.", labels="status"),
     Metric("request_success_total", "counter", "Finished requests by finish reason (stop, length, abort, "
            "error).", labels="finished_reason"),
     Metric("request_prompt_tokens", "histogram", "Prompt tokens of each finished request."),
@@ -239,6 +242,8 @@ class EngineStats:
     kv_cache: dict = field(default_factory=dict)  # dtype, blocks, block size, tokens, scales (the resolved config)
     # --custom-histogram-buckets: (family, bounds) pairs replacing those families' buckets
     custom_buckets: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # --watermark-config: finished requests by watermark status (None: no watermark, no metric)
+    watermark_requests: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         buckets = build_1_2_5_buckets(max(self.max_model_len, 1))
@@ -347,6 +352,8 @@ class EngineStats:
                     for e, es in sorted(self.engines.items())]
         if m.name in scalars:
             return [f"{name}{{{labels}}} {scalars[m.name]}"]
+        if m.name == "watermark_requests_total":
+            return [f'{name}{{{labels},status="{s}"}} {n}' for s, n in (self.watermark_requests or {}).items()]
         if m.name == "request_success_total":
             counts = dict.fromkeys(FINISH_REASONS, 0) | self.requests_finished
             return [f'{name}{{{labels},finished_reason="{_escape(r)}"}} {n}' for r, n in counts.items()]
@@ -392,7 +399,8 @@ class EngineStats:
         labels = f'model_name="{_escape(self.model)}",engine="0"'
         for prefix in prefixes:
             for m in METRICS:
-                if prefix == "vllm" and not m.vllm:
+                if (prefix == "vllm" and not m.vllm) or (m.name == "watermark_requests_total"
+                                                         and self.watermark_requests is None):
                     continue
                 name = f"{prefix}:{m.name}"
                 yield f"# HELP {name} {m.help}"

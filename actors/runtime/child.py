@@ -1,4 +1,5 @@
-"""Entry point of a child node process: ``python -m actors.runtime.child <spec>``."""
+"""Entry point of a child node process: ``python -m actors.runtime.child <name>``, its NodeSpec in
+the environment (``TROUPE_NODE_SPEC``)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,7 @@ import msgspec
 from actors.runtime import heap, logs
 from actors.runtime.node import Node
 from actors.runtime.plugins import PluginError, load_general_plugins
-from actors.runtime.process import BEAT, NodeSpec, system_actor
+from actors.runtime.process import BEAT, SPEC_ENV, NodeSpec, system_actor
 from actors.runtime.system import SYSTEM_ACTOR, NodeReady
 from actors.runtime.tracing import Tracer, write_flight_record
 from transport.zmq_channel import ZmqTransport, endpoint
@@ -139,7 +140,7 @@ def flight_record(node: Node, directory: str, reason: str) -> None:
 
 
 def main() -> None:
-    spec = msgspec.msgpack.decode(base64.b64decode(sys.argv[1]), type=NodeSpec)
+    spec = msgspec.msgpack.decode(base64.b64decode(os.environ.pop(SPEC_ENV)), type=NodeSpec)
     death_fd = int(os.environ.pop("TROUPE_DEATH_FD"))
     heartbeat_fd = int(os.environ.pop("TROUPE_HEARTBEAT_FD"))
     heap.starting()

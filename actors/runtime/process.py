@@ -63,6 +63,9 @@ class Liveness:
         return time.monotonic() - self.last
 
 
+SPEC_ENV = "TROUPE_NODE_SPEC"       # a child's NodeSpec, base64 of its msgpack
+
+
 class NodeSpec(msgspec.Struct):
     name: str
     entry: str                 # "package.module:function": async (node, config: bytes) -> Struct | None
@@ -248,11 +251,13 @@ async def start_child(node: Node, spec: NodeSpec, *, ready_timeout: float = 600.
     os.set_inheritable(death_r, True)
     os.set_inheritable(beats_w, True)
     os.set_blocking(beats_r, False)
+    # the spec (the engine config in it may hold secrets: a watermark key) goes in the child's
+    # environment, which only its user can read, not on its command line, which anyone can
     child_env = {**os.environ, **(env or {}), "TROUPE_DEATH_FD": str(death_r),
-                 "TROUPE_HEARTBEAT_FD": str(beats_w)}
+                 "TROUPE_HEARTBEAT_FD": str(beats_w),
+                 SPEC_ENV: base64.b64encode(msgspec.msgpack.encode(spec)).decode()}
     popen = subprocess.Popen(
-        [sys.executable, "-m", "actors.runtime.child",
-         base64.b64encode(msgspec.msgpack.encode(spec)).decode()],
+        [sys.executable, "-m", "actors.runtime.child", spec.name],
         pass_fds=(death_r, beats_w), env=child_env)
     os.close(death_r)
     os.close(beats_w)

@@ -72,6 +72,7 @@ from actors.spec_decode.ngram import NgramProposer
 from models.logits_processors import (ThinkingBudgetProcessor, build_logits_processors,
                                      load_logits_processor_classes)
 from models.rejection_sampler import RejectionSampler, SpecDecodeMetadata, rewind_generators
+from models.watermark import Watermarker, contexts_of
 from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, apply_logits_processors,
                             compute_prompt_logprobs, score_prompt_token_ids)
 
@@ -146,6 +147,8 @@ class ModelRunner:
         self.logitsprocs = build_logits_processors(classes, config, self.device,
                                                    platform_for(self.device.type).pin_memory)
         self._meta_cache: tuple | None = None     # (row states' ids, SamplingMetadata, the states)
+        # --watermark-config: the keyed uniforms of the rows it watermarks (None: off)
+        self.watermarker = Watermarker(config.watermark) if config.watermark is not None else None
         spec = config.speculative
         # L + k + 1 <= max_model_len: the drafts and the token after them fit the context
         self.proposer = (NgramProposer.from_config(spec, max_model_len - 1)
@@ -179,6 +182,8 @@ class ModelRunner:
     # -- 1) the scheduler's diffs ------------------------------------------------------------
     def update_states(self, so: SchedulerOutput) -> None:
         b, procs = self.batch, self.logitsprocs
+        if self.watermarker is not None:
+            self.watermarker.forget(so.finished_req_ids)
         for rid in so.finished_req_ids:
             if procs is not None and rid in b:
                 procs.remove(b.slot(rid))
@@ -292,6 +297,8 @@ class ModelRunner:
             meta = dataclasses.replace(meta, grammar_bitmask=self._grammar_bitmask(so, req_ids, rows))
         if self.logitsprocs is not None:
             meta = dataclasses.replace(meta, logitsprocs=self.logitsprocs.bind(sample_slots))
+        if self.watermarker is not None:
+            meta = self._watermarked(meta, req_ids, rows, sample_slots, logits.shape[-1])
         result = self.sampler(logits, meta)
         tokens = result.sampled_token_ids.cpu().numpy()
         b.append_tokens(sample_slots, tokens)
@@ -301,6 +308,28 @@ class ModelRunner:
             out.sampled_token_ids[row] = [tok]
         if result.logprobs is not None:
             self._sample_logprobs(req_ids, rows, sample_slots, result.logprobs, out)
+
+    def _watermarked(self, meta: SamplingMetadata, req_ids: list[str], rows: np.ndarray, slots: np.ndarray,
+                     vocab_size: int) -> SamplingMetadata:
+        """``meta`` with the watermark's uniforms for each row that samples with it: a request
+        that did not opt out (watermarking false), that is not greedy, whose context is not a
+        repeat (deduplicate_contexts)."""
+        b, wm = self.batch, self.watermarker
+        marked, contexts = [], []
+        for j, (row, i) in enumerate(zip(rows.tolist(), slots.tolist())):
+            params = b.states[i].params
+            if params.watermarking is False or params.greedy:
+                continue
+            n = int(b.num_tokens[i])
+            tokens = b.token_ids[i]
+            if wm.skips(req_ids[row], tokens, n, int(b.num_prompt_tokens[i])):
+                continue
+            marked.append(j)
+            contexts.append(contexts_of(tokens, [n], wm.s.context_width)[0])
+        if not marked:
+            return meta
+        uniforms = wm.uniforms(torch.tensor(contexts, dtype=torch.int64, device=self.device), vocab_size)
+        return dataclasses.replace(meta, watermark_uniforms=dict(zip(marked, uniforms)))
 
     def _sample_with_drafts(self, so: SchedulerOutput, req_ids: list[str], inp: StepInputs,
                             logits: torch.Tensor, out: ModelRunnerOutput) -> None:

@@ -415,9 +415,12 @@ def test_max_logprobs_bounds_chat_top_logprobs_and_completion_logprobs_naming_th
 # -- metrics ----------------------------------------------------------------------------------
 
 def test_metrics_are_written_under_vllm_and_troupe_prefixes_as_chosen():
-    stats = EngineStats(model="my-model", max_model_len=1000)
+    assert "watermark_requests" not in EngineStats(model="m").prometheus()    # vLLM's: only with a watermark
+    stats = EngineStats(model="my-model", max_model_len=1000,
+                        watermark_requests={"watermarked": 2, "skipped": 0, "not_watermarked": 1})
     stats.last = msgspec.structs.replace(stats.last, spec_num_accepted_tokens_per_pos=[3, 1])
     both = stats.prometheus()
+    assert 'vllm:watermark_requests_total{model_name="my-model",engine="0",status="watermarked"} 2' in both
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="my-model",engine="0",position="1"} 1' in both
     for m in METRICS:
         for prefix in ("vllm", "troupe") if m.vllm else ("troupe",):
