@@ -24,6 +24,8 @@ from typing import Any, Iterable
 import msgspec
 import torch
 
+from actors.engine.json_flags import checked_fields
+
 MASK = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57            # Philox4x32's multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85            # and its Weyl key increments
@@ -147,12 +149,7 @@ class WatermarkConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     @classmethod
     def of(cls, raw: dict[str, Any]) -> WatermarkConfig:
         """The JSON object's config; ValueError naming an unknown or missing field."""
-        if not isinstance(raw, dict):
-            raise ValueError(f"--watermark-config must be a JSON object, got {type(raw).__name__}")
-        unknown = sorted(set(raw) - set(cls.__struct_fields__))
-        if unknown:
-            raise ValueError(f"--watermark-config: unknown field {unknown[0]!r}; known: "
-                             f"{', '.join(cls.__struct_fields__)}")
+        raw = checked_fields(cls, raw, "--watermark-config")
         if "key" not in raw:
             raise ValueError("--watermark-config needs a key (the secret integer the watermark is keyed with)")
         return cls(**raw)

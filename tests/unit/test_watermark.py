@@ -114,7 +114,7 @@ def test_a_repeated_context_is_sampled_without_the_watermark_as_each_scope_says(
     ({"key": 1, "context_width": 0}, "context_width must be a positive"),
     ({"key": 1, "deduplicate_contexts": "some"}, "deduplicate_contexts must be one of"),
     ({"key": 1, "deduplicate_contexts_max_history": 0}, "max_history must be a positive"),
-    ({"key": 1, "prf": "aes"}, "prf must be one of"), ({"key": 1, "salt": 2}, "unknown field 'salt'"),
+    ({"key": 1, "prf": "aes"}, "prf must be one of"), ({"key": 1, "salt": 2}, "unsupported --watermark-config field.s. salt"),
 ])
 def test_bad_watermark_configs_are_refused_naming_the_field(raw, words):
     with pytest.raises(ValueError, match=words):
