@@ -28,7 +28,7 @@ from actors.kv_manager.kv_events import kv_events_config
 from actors.kv_transfer.config import kv_transfer_config
 from actors.kv_transfer.factory import KVConnectorFactory
 from actors.frontend.stats import check_histogram_buckets
-from models.watermark import WatermarkConfig
+from actors.engine.watermark import WatermarkConfig
 from actors.runtime.otel import check_available as check_otel
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig

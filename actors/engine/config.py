@@ -33,7 +33,7 @@ from actors.kv_transfer.config import KVTransferConfig
 from actors.spec_decode.config import SpeculativeConfig
 from models.config import ArchConfig
 from models.resolve import ModelSource
-from models.watermark import WatermarkConfig
+from actors.engine.watermark import WatermarkConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

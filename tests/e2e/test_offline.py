@@ -258,27 +258,6 @@ def test_start_profile_needs_a_profiler_config(llm):
         llm.stop_profile()
 
 
-def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
-    """Runs last with the module's LLM: ``close()`` (a ``with`` block ending) lets go of the
-    weights and KV cache even though the name still refers to it; using it then says it is closed."""
-    import ctypes
-    import gc
-
-    def rss_mib() -> float:
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-    before = rss_mib()
-    llm.close()
-    freed = before - rss_mib()
-    assert freed > 500, f"closing freed only {freed:.0f} MiB"     # the weights alone are 540 MB
-    with pytest.raises(RuntimeError, match="this LLM is closed"):
-        llm.generate("The capital of France is")
-    llm.close()                        # a second close does nothing
-
-
 def test_prompt_logprob_token_ids_score_chosen_ids_at_each_prompt_row_in_any_chunking(llm):
     """vLLM's prompt_logprob_token_ids: row i scores its ids as prompt token start + i + 1; the
     prompt's own next token scores what prompt_logprobs reads for it, -1 pads (-inf), the rows
@@ -302,3 +281,25 @@ def test_prompt_logprob_token_ids_score_chosen_ids_at_each_prompt_row_in_any_chu
     assert np.allclose(again.prompt_token_id_logprobs, scores, atol=1e-4)
     with pytest.raises(ValueError, match=r"prompt_logprob_token_ids has 3 rows, but the prompt has"):
         llm.generate({"prompt_token_ids": ids}, SamplingParams(prompt_logprob_token_ids=rows[:3]), use_tqdm=False)
+
+
+def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
+    """Runs last with the module's LLM: ``close()`` (a ``with`` block ending) lets go of the
+    weights and KV cache even though the name still refers to it; using it then says it is closed."""
+    import ctypes
+    import gc
+
+    def rss_mib() -> float:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    before = rss_mib()
+    llm.close()
+    freed = before - rss_mib()
+    assert freed > 500, f"closing freed only {freed:.0f} MiB"     # the weights alone are 540 MB
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.generate("The capital of France is")
+    llm.close()                        # a second close does nothing
+

@@ -1009,8 +1009,9 @@ def test_tokenize_renders_tools_as_the_chat_endpoint_does(http):
 def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, model):
     """return_prompt_text shows the prompt as the template rendered it (its tokens are the
     prompt's); fields asking for what Troupe does are taken; those asking for what it does not
-    (a thinking budget on a server without a reasoning parser, watermarks, multimodal inputs,
-    suffix, prompt embeddings without --enable-prompt-embeds) are a 400 naming them."""
+    (a thinking budget on a server without a reasoning parser, multimodal inputs, suffix, prompt
+    embeddings without --enable-prompt-embeds) are a 400 naming them; watermarking on a server
+    without --watermark-config runs unwatermarked, as vLLM runs it (a warning in the log)."""
     out = http.post("/v1/chat/completions", json={"model": model, "messages": CAPITAL, "max_tokens": 2,
                                                   "return_prompt_text": True, "return_token_ids": True,
                                                   "include_reasoning": True, "return_mm_kwargs": False,
@@ -1025,7 +1026,6 @@ def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, mode
     assert chunks[0]["prompt_text"] == body["prompt_text"] and all("prompt_text" not in c for c in chunks[1:])
     for path, field, value, words in (
             ("/v1/chat/completions", "thinking_token_budget", 64, "reasoning_config is not configured"),
-            ("/v1/chat/completions", "watermarking", True, "watermark"),
             ("/v1/chat/completions", "mm_processor_kwargs", {"num_crops": 4}, "text-only"),
             ("/v1/completions", "suffix", "!", "suffix is not currently supported"),
             ("/v1/completions", "prompt_embeds", "AAAA", "--enable-prompt-embeds"),
@@ -1037,7 +1037,8 @@ def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, mode
         assert resp.status_code == 400 and resp.json()["error"]["param"] == field, (field, resp.text)
         assert words in resp.json()["error"]["message"], resp.text
     ok = http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1,
-                                            "spaces_between_special_tokens": False, "thinking_token_budget": None})
+                                            "spaces_between_special_tokens": False, "thinking_token_budget": None,
+                                            "watermarking": True})
     assert ok.status_code == 200, ok.text
 
 

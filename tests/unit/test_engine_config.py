@@ -203,3 +203,14 @@ def test_detailed_traces_need_an_otlp_endpoint_and_take_vllms_module_names():
         EngineArgs(collect_detailed_traces="model,gpu").create_engine_config()
     with pytest.raises(ValueError, match="per_request_spec_decode_metrics"):
         EngineArgs(per_request_spec_decode_metrics="all").create_engine_config()
+
+
+def test_the_engines_configuration_and_the_servers_flags_load_without_torch():
+    """Every process start reads them (the server's before it listens): torch, seconds to import,
+    is for the processes that compute."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import sys, tools.serve, actors.engine.args, actors.engine.config, "
+                          "actors.frontend.app; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
