@@ -21,6 +21,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from actors.engine.watermark import WatermarkConfig
@@ -46,7 +47,11 @@ def _mulhilo(multiplier: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def philox(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Philox4x32-10: four uint32 words (int64 tensors of one shape, or broadcastable) under a
-    two-word key."""
+    two-word key. On the CPU in numpy's uint64, whose products of two 32-bit words are exact
+    (four times faster than the 16-bit halves torch's signed int64 needs)."""
+    if all(t.device.type == "cpu" for t in (*counter, *key)):
+        out = _philox_uint64([t.numpy() for t in counter], [t.numpy() for t in key])
+        return tuple(torch.from_numpy(o.astype(np.int64)) for o in out)
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for r in range(10):
@@ -55,6 +60,19 @@ def philox(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Ten
         c0, c1, c2, c3 = (hi1 ^ c1 ^ k0) & MASK, lo1, (hi0 ^ c3 ^ k1) & MASK, lo0
         if r < 9:
             k0, k1 = (k0 + _W0) & MASK, (k1 + _W1) & MASK
+    return c0, c1, c2, c3
+
+
+def _philox_uint64(counter: list[np.ndarray], key: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+    c0, c1, c2, c3 = (np.asarray(c).astype(np.uint64) for c in counter)
+    k0, k1 = (np.asarray(k).astype(np.uint64) for k in key)
+    m0, m1, mask, s32 = np.uint64(_M0), np.uint64(_M1), np.uint64(MASK), np.uint64(32)
+    w0, w1 = np.uint64(_W0), np.uint64(_W1)
+    for r in range(10):
+        p0, p1 = c0 * m0, c2 * m1                 # < 2**64: exact
+        c0, c1, c2, c3 = (p1 >> s32) ^ c1 ^ k0, p1 & mask, (p0 >> s32) ^ c3 ^ k1, p0 & mask
+        if r < 9:
+            k0, k1 = (k0 + w0) & mask, (k1 + w1) & mask
     return c0, c1, c2, c3
 
 
