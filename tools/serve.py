@@ -145,7 +145,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                         "time in the queue, mean inter-token latency and tokens per second, in milliseconds")
     p.add_argument("--fingerprint-mode", choices=FINGERPRINT_MODES, default="full",
                    help="vLLM's: every answer's system_fingerprint: full, troupe-VERSION[-tpN-ppN-dpN-ep]-HASH8 "
-                        "(HASH8 changes with what decides the outputs: the checkpoint, dtype, quantization, "
+                        "(HASH8 changes with what decides the outputs: the model as named, dtype, quantization, "
                         "context length, KV cache dtype, speculative decoding, compilation, LoRA, parallelism); "
                         "hash, without the parallel layout; custom, --fingerprint-value; none, no fingerprint")
     p.add_argument("--fingerprint-value", default=None, metavar="TEXT",

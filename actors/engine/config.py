@@ -340,14 +340,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def compute_hash(self) -> str:
         """A digest of what decides the model's computation (vLLM's ``compute_hash``): the
-        checkpoint, its dtype and quantization, the context length, the KV cache's dtype and
-        block size, speculative decoding, compilation, LoRA and the parallel layout; not the
-        names it is served under, nor observability, nor where it listens. The same
-        configuration on another start gives the same digest."""
+        checkpoint (as the model was named: vLLM hashes the model it is given, not where an
+        installation keeps it), its dtype and quantization, the context length, the KV cache's
+        dtype and block size, speculative decoding, compilation, LoRA and the parallel layout;
+        not the names it is served under, nor observability, nor where it listens. The same
+        configuration on another start, or another machine, gives the same digest."""
         m, p = self.model, self.parallel
-        factors = {"source": [m.source.path, m.source.hf_overrides], "dtype": m.dtype, "quantization": m.quantization,
+        factors = {"source": [m.source.kind, m.source.served_name, m.source.hf_overrides], "dtype": m.dtype,
+                   "quantization": m.quantization,
                    "max_model_len": m.max_model_len, "architecture": m.arch.architecture if m.arch else None,
-                   "draft": m.draft_source.path if m.draft_source else None,
+                   "draft": m.draft_source.served_name if m.draft_source else None,
                    "cache": [self.cache.cache_dtype, self.cache.block_size], "device": self.device.device,
                    "speculative": self.speculative, "compilation": self.compilation, "lora": self.lora,
                    "parallel": [p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size,

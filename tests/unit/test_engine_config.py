@@ -4,6 +4,7 @@ after a trip between processes and after being resolved again."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import msgspec
 import pytest
@@ -176,11 +177,15 @@ def test_scheduler_limits_below_the_runners_sizes_are_vllms_and_checked():
 
 def test_the_config_digest_follows_what_decides_the_outputs_and_nothing_else():
     """vLLM's compute_hash, behind system_fingerprint: the same configuration gives the same
-    digest on every start; the dtype, the quantization and the context length change it; the
-    names it is served under and its tracing do not."""
+    digest on every start and wherever the model is installed; the dtype, the quantization and
+    the context length change it; the names it is served under and its tracing do not."""
     base = resolved(kv_cache_bytes=1 << 28).compute_hash()
     assert resolved(kv_cache_bytes=1 << 28).compute_hash() == base and len(base) == 64
     assert resolved(kv_cache_bytes=1 << 28, served_model_name="alias", disable_log_stats=True).compute_hash() == base
+    moved = resolved(kv_cache_bytes=1 << 28)                    # the same model installed elsewhere
+    moved = moved.replace(model=msgspec.structs.replace(moved.model, source=dataclasses.replace(
+        moved.model.source, path="/elsewhere/model.gguf")))
+    assert moved.compute_hash() == base
     for other in (dict(dtype="bfloat16"), dict(quantization="gguf"), dict(max_model_len=1024)):
         assert resolved(kv_cache_bytes=1 << 28, **other).compute_hash() != base, other
 
