@@ -8,6 +8,8 @@ place they are spelled.
 
 With data parallelism (--data-parallel-size N) there are N engine nodes ("engine", "engine1",
 ...), each with its own worker nodes, and the frontend's DP_ROUTER sends each request to one.
+Engine nodes on other machines (--headless there) are children of a "headless<RANK>-..." node on
+their machine and join the frontend's DP_COORDINATOR.
 
 Offline (``LLM()``, ``AsyncLLM.create()``) every actor runs on the frontend node, in one event
 loop; the names do not change.
@@ -28,6 +30,7 @@ GRAMMAR = "grammar"
 EXECUTOR = "executor"
 WORKER = "worker"
 DP_ROUTER = "dp_router"
+DP_COORDINATOR = "dp_coordinator"    # where headless machines' engine cores join (--headless)
 
 
 def engine_node(dp_rank: int = 0) -> str:

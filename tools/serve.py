@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (any of the keys given) on /v1/*, /invocations, "
                         "/debug/* and /dashboard (default: $VLLM_API_KEY when set, as in vLLM)")
+    p.add_argument("--headless", action="store_true",
+                   help="vLLM's: run engine cores only, no HTTP server: --data-parallel-size-local of them "
+                        "from rank --data-parallel-start-rank, joining the server at --data-parallel-address:"
+                        "--data-parallel-rpc-port (started with the same model and flags)")
     p.add_argument("--lenient", action="store_true",
                    help="accept (and log) unknown request fields instead of answering 400")
     p.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
@@ -276,6 +280,17 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
         p.error(str(exc))
     if args.enable_ssl_refresh and args.tls is None:
         p.error("--enable-ssl-refresh needs --ssl-certfile")
+    if args.headless and not (args.data_parallel_size > 1 and args.data_parallel_size_local):
+        p.error("--headless runs some of a server's data-parallel engine cores on this machine: give "
+                "--data-parallel-size, --data-parallel-size-local, --data-parallel-start-rank and "
+                "--data-parallel-address (Troupe has no headless mode for one engine core's workers)")
+    if args.headless and args.data_parallel_start_rank == 0:
+        p.error("--headless: --data-parallel-start-rank must be past the server's own ranks (the server "
+                "runs ranks 0 to its --data-parallel-size-local - 1)")
+    if args.data_parallel_start_rank and not args.headless:
+        p.error("--data-parallel-start-rank without --headless asks for vLLM's hybrid load balancing, one "
+                "server per machine: Troupe balances every rank from one server, the other machines "
+                "running --headless")
     if args.kv_cache_bytes is not None and args.kv_cache_memory_bytes is not None:
         p.error("give --kv-cache-gib or --kv-cache-memory-bytes, not both")
     try:                # vLLM's structured outputs config may name the reasoning parser
@@ -350,6 +365,10 @@ _json_strings.__name__ = "JSON list"
 async def serve(args: argparse.Namespace) -> int:
     """Listen first (probes answer 503 while the model loads), then load and serve."""
     load_general_plugins()             # before anything else (a PluginError ends start-up, naming it)
+    if args.headless:                  # engine cores only, joining a server on another machine
+        from actors.frontend.headless import run_headless
+        from actors.frontend.launch import READY_TIMEOUT_S
+        return await run_headless(EngineArgs.from_cli_args(args).create_engine_config(), READY_TIMEOUT_S)
     from actors.frontend.actor import GetAddress, HttpFrontend
     from actors.frontend.app import OpenAIServer, ServerOptions
     from actors.frontend.launch import create_frontend

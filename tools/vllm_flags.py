@@ -18,7 +18,11 @@ import sys
 from typing import Any, NoReturn
 
 _PARALLEL = ("Troupe implements tensor, pipeline and data parallelism (--tensor-parallel-size, "
-             "--pipeline-parallel-size, --data-parallel-size), across machines with --distributed-executor-backend ray")
+             "--pipeline-parallel-size, --data-parallel-size), across machines with --distributed-executor-backend ray "
+             "or --headless")
+_EXTERNAL_LB = ("Troupe balances every data-parallel rank from one server (engine cores of other machines join it "
+                "with --headless, --data-parallel-start-rank and --data-parallel-address); its ranks share no "
+                "collectives, so for a load balancer of your own start independent servers")
 _LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directories as they are"
 _MODALITY = "Troupe serves text-only models"
 _LORA = "Troupe's LoRA takes --enable-lora, --lora-modules, --max-loras, --max-cpu-loras and --max-lora-rank only"
@@ -35,10 +39,8 @@ _STRUCT = "Troupe's structured outputs always use xgrammar"
 REFUSED: dict[str, str] = {
     # parallelism and distribution
     "--decode-context-parallel-size": _PARALLEL,
-    "--data-parallel-rank": _PARALLEL, "--data-parallel-start-rank": _PARALLEL,
-    "--data-parallel-size-local": _PARALLEL, "--data-parallel-address": _PARALLEL,
-    "--data-parallel-rpc-port": _PARALLEL,
-    "--data-parallel-hybrid-lb": _PARALLEL, "--data-parallel-external-lb": _PARALLEL,
+    "--data-parallel-rank": _EXTERNAL_LB,
+    "--data-parallel-hybrid-lb": _EXTERNAL_LB, "--data-parallel-external-lb": _EXTERNAL_LB,
     "--all2all-backend": _PARALLEL, "--enable-dbo": _PARALLEL, "--dbo-decode-token-threshold": _PARALLEL,
     "--dbo-prefill-token-threshold": _PARALLEL, "--disable-nccl-for-dp-synchronization": _PARALLEL,
     "--enable-eplb": _PARALLEL, "--eplb-config": _PARALLEL, "--expert-placement-strategy": _PARALLEL,
@@ -46,7 +48,7 @@ REFUSED: dict[str, str] = {
     "--eplb-step-interval": _PARALLEL, "--eplb-log-balancedness": _PARALLEL,
     "--max-parallel-loading-workers": _PARALLEL, "--ray-workers-use-nsight": _PARALLEL,
     "--disable-custom-all-reduce": _PARALLEL, "--worker-cls": _PARALLEL, "--worker-extension-cls": _PARALLEL,
-    "--enable-multimodal-encoder-data-parallel": _PARALLEL, "--headless": _PARALLEL,
+    "--enable-multimodal-encoder-data-parallel": _PARALLEL,
     "--api-server-count": "Troupe serves HTTP from one frontend process",
     "--nnodes": _PARALLEL, "--node-rank": _PARALLEL, "--master-addr": _PARALLEL, "--master-port": _PARALLEL,
     "--disable-frontend-multiprocessing": "Troupe's engine always runs in a process of its own",
@@ -149,8 +151,6 @@ del _flags, _why
 # vLLM's short forms
 ALIASES: dict[str, str] = {
     "-dcp": "--decode-context-parallel-size", "-dpn": "--data-parallel-rank",
-    "-dpr": "--data-parallel-start-rank", "-dpl": "--data-parallel-size-local",
-    "-dpa": "--data-parallel-address", "-dpp": "--data-parallel-rpc-port",
     "-asc": "--api-server-count",
     "-n": "--nnodes", "-r": "--node-rank", "-pcp": "--prefill-context-parallel-size",
     "-dpe": "--data-parallel-external-lb", "-dph": "--data-parallel-hybrid-lb",

@@ -96,6 +96,10 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     data_parallel_backend: str = "mp"
+    data_parallel_size_local: int = 0
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
     max_restarts: int = 3
     restart_window_s: float = 120.0
     trace: bool = True
@@ -225,6 +229,10 @@ class EngineArgs:
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,
                                     data_parallel_backend=self.data_parallel_backend,
+                                    data_parallel_size_local=self.data_parallel_size_local,
+                                    data_parallel_start_rank=self.data_parallel_start_rank,
+                                    data_parallel_address=self.data_parallel_address,
+                                    data_parallel_rpc_port=self.data_parallel_rpc_port,
                                     max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
@@ -724,6 +732,23 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "'ray', one Ray actor per engine core on the running Ray cluster (each starts its worker "
                  "processes where it runs, or places them on the cluster too with "
                  "--distributed-executor-backend ray); the server itself stays on this machine")),
+        (("--data-parallel-size-local", "-dpl"), "data_parallel_size_local", dict(
+            type=int, default=d["data_parallel_size_local"], metavar="N",
+            help="the engine cores this machine runs (default: all of --data-parallel-size); the rest run on "
+                 "other machines, started there with --headless, and join this server at "
+                 "--data-parallel-address:--data-parallel-rpc-port")),
+        (("--data-parallel-start-rank", "-dpr"), "data_parallel_start_rank", dict(
+            type=int, default=d["data_parallel_start_rank"], metavar="RANK",
+            help="with --headless: the first data-parallel rank this machine runs (it runs "
+                 "--data-parallel-size-local of them from there)")),
+        (("--data-parallel-address", "-dpa"), "data_parallel_address", dict(
+            default=d["data_parallel_address"], metavar="HOST",
+            help="the address of the machine that runs the server (default 127.0.0.1): there it listens for "
+                 "the engine cores of headless machines, and they connect to it")),
+        (("--data-parallel-rpc-port", "-dpp"), "data_parallel_rpc_port", dict(
+            type=int, default=d["data_parallel_rpc_port"], metavar="PORT",
+            help="the port of --data-parallel-address where headless machines' engine cores join "
+                 "(default 29550)")),
         (("--compilation-config", "-O", "-cc", "--optimization-level"), "compilation_config", dict(
             default=d["compilation_config"], metavar="LEVEL|JSON",
             help="how the model's forward runs, as vLLM takes it: -O0 eager with plain torch ops, -O1 "

@@ -183,6 +183,14 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # frontend; data_parallel_rank: which one this config is of (set by the frontend per engine)
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # --data-parallel-size-local: the engine cores this machine runs (0: all of them); the others
+    # (ranks past them) run on other machines, started there with --headless, and join the
+    # frontend at --data-parallel-address:--data-parallel-rpc-port (actors/frontend/headless.py)
+    data_parallel_size_local: int = 0
+    # --data-parallel-start-rank: the first rank this machine runs (a headless one: past 0)
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
     # --tensor-parallel-size: each engine core's model split over this many worker processes
     # (attention heads and MLP columns; gloo on the CPU, NCCL on GPUs)
     tensor_parallel_size: int = 1
@@ -208,6 +216,17 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def world_size(self) -> int:
         """Worker processes per engine core: tensor-parallel ranks times pipeline stages."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_ranks(self) -> range:
+        """The data-parallel ranks whose engine cores run on this machine."""
+        return range(self.data_parallel_start_rank,
+                     self.data_parallel_start_rank + (self.data_parallel_size_local or self.data_parallel_size))
+
+    @property
+    def remote_ranks(self) -> list[int]:
+        """The data-parallel ranks whose engine cores run on other machines (headless servers)."""
+        return [r for r in range(self.data_parallel_size) if r not in self.local_ranks]
 
 
 class DeviceConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -335,7 +354,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
             device=msgspec.structs.replace(self.device, device=device, num_threads=self.device.num_threads or max(
                 1, (cpu_count - vllm_env.reserved_cpus()) // (self.parallel.world_size
-                                                             * self.parallel.data_parallel_size))))
+                                                             * len(self.parallel.local_ranks)))))
 
 
     def compute_hash(self) -> str:
@@ -512,6 +531,7 @@ def check_config(cfg: EngineConfig) -> None:
     if dp.data_parallel_size < 1 or not 0 <= dp.data_parallel_rank < dp.data_parallel_size:
         raise ValueError(f"data_parallel_size must be at least 1 and data_parallel_rank in [0, size), got "
                          f"{dp.data_parallel_size} and {dp.data_parallel_rank}")
+    _check_data_parallel_nodes(dp)
     if dp.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {dp.tensor_parallel_size}")
     if dp.tensor_parallel_size > 1:
@@ -537,6 +557,24 @@ def check_config(cfg: EngineConfig) -> None:
                          "multiprocess layout (a server, or LLM(multiprocess=True))")
     if cfg.model.max_model_len < 0:
         raise ValueError(f"max_model_len must be at least 0 (0: the model's own), got {cfg.model.max_model_len}")
+
+
+def _check_data_parallel_nodes(p: ParallelConfig) -> None:
+    """Engine cores on several machines (vLLM's multi-node data parallelism with the mp backend)."""
+    local = p.data_parallel_size_local or p.data_parallel_size
+    if p.data_parallel_size_local < 0 or p.data_parallel_start_rank < 0:
+        raise ValueError(f"data_parallel_size_local and data_parallel_start_rank must be at least 0, got "
+                         f"{p.data_parallel_size_local} and {p.data_parallel_start_rank}")
+    if p.data_parallel_start_rank + local > p.data_parallel_size:
+        raise ValueError(f"data_parallel_start_rank {p.data_parallel_start_rank} + data_parallel_size_local {local} "
+                         f"is more than data_parallel_size {p.data_parallel_size}: the ranks are 0 to "
+                         f"{p.data_parallel_size - 1}")
+    if not 1 <= p.data_parallel_rpc_port <= 65535:
+        raise ValueError(f"data_parallel_rpc_port must be in [1, 65535], got {p.data_parallel_rpc_port}")
+    if p.remote_ranks and p.data_parallel_backend != "mp":
+        raise ValueError("data_parallel_size_local below data_parallel_size (engine cores started on other "
+                         "machines with --headless) goes with data_parallel_backend 'mp'; 'ray' places every "
+                         "engine core on the cluster itself")
 
 
 def _check_executor_backend(cfg: EngineConfig) -> None:

@@ -12,7 +12,11 @@ is restarted while the others serve; requests get 503 only while none is up.
 With --data-parallel-backend ray each engine core runs in a Ray actor instead of a process of this
 machine (actors/runtime/ray_nodes.py), in a placement group of one bundle per engine core; it
 reaches this node at its cluster IP, starts its workers where it runs (or places them on the
-cluster too) and is supervised and restarted as a process is."""
+cluster too) and is supervised and restarted as a process is.
+
+With --data-parallel-size-local below --data-parallel-size the ranks past the local ones run on
+other machines, started there with --headless (headless.py): the frontend listens for them at
+--data-parallel-address:--data-parallel-rpc-port and serves once every rank has joined."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
@@ -50,6 +54,9 @@ from actors.runtime.otel import RequestTracer
 from actors.frontend.reasoning import resolve_reasoning
 from transport.zmq_channel import ZmqTransport, endpoint
 
+if TYPE_CHECKING:
+    from actors.frontend.headless import RemoteEngineHandle, RemoteEngines
+
 log = logging.getLogger("troupe.launch")
 
 READY_TIMEOUT_S = 600.0
@@ -63,7 +70,8 @@ class Frontend:
         self.node = node
         self.ipc_dir = ipc_dir
         self.client: EngineClient | None = None
-        self.engine_processes: dict[int, ChildProcess | RayChild] = {}    # data-parallel rank -> its process
+        # data-parallel rank -> its process (a headless machine's: a handle on it)
+        self.engine_processes: dict[int, ChildProcess | RayChild | RemoteEngineHandle] = {}
         self.ray: RayPlacement | None = None        # --data-parallel-backend ray
         self.cluster_address = ""                   # where engine cores on the cluster reach this node
         self.generations: dict[int, int] = {}       # data-parallel rank -> engine cores started for it
@@ -72,6 +80,7 @@ class Frontend:
         self.stopping = False
         self._restarts: RestartBudget | None = None
         self._down: set[int] = set()               # engine cores being restarted
+        self.remote: RemoteEngines | None = None      # engine cores of headless machines
         self.telemetry: Telemetry | None = None      # with start(telemetry=True)
         self.request_tracer: RequestTracer | None = None   # --otlp-traces-endpoint: requests' spans
 
@@ -146,14 +155,16 @@ class Frontend:
                 found = tokenizer.content_format_of(tokenizer.chat_template)
                 log.info("chat template content format: %s%s", found, " (detected; "
                          "--chat-template-content-format sets it)" if tokenizer.content_format == "auto" else "")
-        if config.model.reasoning is not None:        # its token ids, for the workers' thinking budgets
-            config = msgspec.structs.replace(config, model=msgspec.structs.replace(
-                config.model, reasoning=resolve_reasoning(config.model.reasoning, tokenizer or TokenIdsOnly(0))))
+        config = with_reasoning_resolved(config, tokenizer)
         dp = config.parallel.data_parallel_size
         self._restarts = RestartBudget(config.parallel.max_restarts * dp, config.parallel.restart_window_s)
         if config.parallel.data_parallel_backend == "ray":
             await self._place_engines(config)
-        engines = await asyncio.gather(*(_start_engine(self, config, ready_timeout, r) for r in range(dp)))
+        if config.parallel.remote_ranks:
+            await self._listen_for_remote_engines(config)
+        local = config.parallel.local_ranks
+        engines = await asyncio.gather(*(_start_engine(self, config, ready_timeout, r) if r in local
+                                         else self.remote.engine(r, ready_timeout) for r in range(dp)))
         engine = engines[0]
         config = engine.config                          # resolved by the worker
         arch = config.model.arch
@@ -212,6 +223,49 @@ class Frontend:
                 TelemetryWindow(), lambda: _engine_sample(self.client.stats))))
         return self.client
 
+    async def _listen_for_remote_engines(self, config: EngineConfig) -> None:
+        """Listen at --data-parallel-address:--data-parallel-rpc-port for the engine cores that
+        headless machines run (actors/frontend/headless.py), and reach them from there."""
+        from actors.frontend.headless import RemoteEngines
+        p = config.parallel
+        where = f"tcp://{p.data_parallel_address}:{p.data_parallel_rpc_port}"
+        try:
+            self.cluster_address = self.node.transport.bind(where)
+        except Exception as exc:
+            raise ValueError(f"cannot listen for the headless machines' engine cores at {where} "
+                             f"(--data-parallel-address, --data-parallel-rpc-port): {exc}") from None
+        self.remote = RemoteEngines(self, config)
+        self.node.spawn(topology.DP_COORDINATOR, lambda: self.remote)
+        log.info("waiting for engine core%s %s from headless machines at %s",
+                 "s" if len(p.remote_ranks) > 1 else "", ", ".join(map(str, p.remote_ranks)), self.cluster_address)
+
+    def remote_engine_up(self, dp_rank: int, handle: RemoteEngineHandle) -> None:
+        """A headless machine's engine core ``dp_rank`` joined (at the start, or again once restarted there)."""
+        self.engine_processes[dp_rank] = handle
+        system_actor(self.node).children.add(handle.name)
+        if self.client is None or dp_rank not in self._down:
+            return
+        log.info("engine core %d is back (pid %d on %s)", dp_rank, handle.pid, handle.host)
+        self._down.discard(dp_rank)
+        self.router.tell(EngineUp(dp_rank))
+        self.client.mark_alive()
+
+    def remote_engine_down(self, dp_rank: int, reason: str) -> None:
+        """A headless machine's engine core ``dp_rank`` died, or its machine stopped answering:
+        its requests fail now; the headless server restarts it (it joins again)."""
+        handle = self.engine_processes.get(dp_rank)
+        if handle is not None:
+            self.node.peer_down(handle.name, reason)
+            system_actor(self.node).child_exited(handle.name, handle.pid, reason)
+        if self.stopping or self.client is None or dp_rank in self._down:
+            return
+        log.error("engine core %d is down: %s", dp_rank, reason)
+        self._down.add(dp_rank)
+        self.client.stats.engine_down(dp_rank)
+        self.router.tell(EngineDown(dp_rank, f"engine core {dp_rank} is down ({reason})"))
+        if len(self._down) == self.client.config.parallel.data_parallel_size:
+            self.client.mark_dead(f"every engine core is down ({reason})", RESTART_RETRY_AFTER_S)
+
     async def _place_engines(self, config: EngineConfig) -> None:
         """The placement group of the engine cores on the Ray cluster: a bundle each, with the
         devices of the workers it starts itself (none when it places them on the cluster too)."""
@@ -224,6 +278,8 @@ class Frontend:
 
     async def shutdown(self) -> None:
         self.stopping = True
+        if self.remote is not None:
+            await self.remote.stop_hosts()
         await asyncio.gather(*(p.stop() for p in self.engine_processes.values()))
         if self.engine_core is not None:
             await self.engine_core.stop()
@@ -253,6 +309,8 @@ async def start_frontend(config: EngineConfig, *, ready_timeout: float = READY_T
     try:
         await fe.start(config, ready_timeout=ready_timeout)
     except BaseException:
+        if fe.remote is not None:
+            await fe.remote.stop_hosts()
         fe.close_ray()
         await fe.node.stop()
         if fe.ipc_dir:
@@ -289,15 +347,12 @@ async def _start_engine(fe: Frontend, config: EngineConfig, ready_timeout: float
         fe.engine_core = EngineCore(fe.node, config)
         resolved = await fe.engine_core.start()
         return _Engine(resolved, fe.engine_core.scheduler, fe.engine_core.kv_manager, fe.engine_core.grammar)
-    config = config.replace(parallel=msgspec.structs.replace(config.parallel, data_parallel_rank=dp_rank))
     name = topology.engine_node(dp_rank)
     # an engine core on the Ray cluster has no share in this machine's IPC directory
-    ipc_dir = "" if fe.ray is not None else fe.ipc_dir
-    payload = msgspec.msgpack.encode((ipc_dir, config))
-    frontend_address = {topology.FRONTEND_NODE: fe.cluster_address or endpoint(fe.ipc_dir, topology.FRONTEND_NODE)}
-    spec = NodeSpec(name, "actors.engine.core:engine_entry", payload, ipc_dir,
-                    topology.FRONTEND_NODE, frontend_address, trace=config.observability.trace,
-                    flight_dir=config.observability.flight_recorder_dir)
+    frontend_address = {topology.FRONTEND_NODE: (fe.cluster_address if fe.ray is not None
+                                                 else endpoint(fe.ipc_dir, topology.FRONTEND_NODE))}
+    spec = engine_spec(config, dp_rank, "" if fe.ray is not None else fe.ipc_dir, topology.FRONTEND_NODE,
+                       frontend_address, own_ipc_dir=fe.ray is not None)
     generation = fe.generations[dp_rank] = fe.generations.get(dp_rank, -1) + 1
 
     def exited(child: ChildProcess | RayChild) -> None:
@@ -308,9 +363,33 @@ async def _start_engine(fe: Frontend, config: EngineConfig, ready_timeout: float
     else:
         fe.engine_processes[dp_rank], ready = await start_child(
             fe.node, spec, ready_timeout=ready_timeout, on_exit=exited)
-    resolved = decode_info(ready, EngineConfig)
+    return engine_refs(fe.node, name, decode_info(ready, EngineConfig))
+
+
+def engine_refs(node: Node, name: str, resolved: EngineConfig) -> _Engine:
+    """The frontend's refs to the actors of engine node ``name`` (resolved config ``resolved``)."""
     resolved = resolved.replace(parallel=msgspec.structs.replace(resolved.parallel, data_parallel_rank=0))
     return _Engine(resolved,
-                   fe.node.ref(topology.SCHEDULER, name, SchedulerProtocol),
-                   fe.node.ref(topology.KV_MANAGER, name, KVManagerProtocol),
-                   fe.node.ref(topology.GRAMMAR, name, GrammarCompilerProtocol))
+                   node.ref(topology.SCHEDULER, name, SchedulerProtocol),
+                   node.ref(topology.KV_MANAGER, name, KVManagerProtocol),
+                   node.ref(topology.GRAMMAR, name, GrammarCompilerProtocol))
+
+
+def engine_spec(config: EngineConfig, dp_rank: int, ipc_dir: str, parent: str, peers: dict[str, str],
+                own_ipc_dir: bool = False, bind: str = "") -> NodeSpec:
+    """The NodeSpec of engine core ``dp_rank``'s process: child of node ``parent``, reaching
+    ``peers``; ``own_ipc_dir``: its workers' sockets go in a directory of its own (it runs away
+    from the frontend's machine)."""
+    config = config.replace(parallel=msgspec.structs.replace(config.parallel, data_parallel_rank=dp_rank))
+    payload = msgspec.msgpack.encode(("" if own_ipc_dir else ipc_dir, config))
+    return NodeSpec(topology.engine_node(dp_rank), "actors.engine.core:engine_entry", payload, ipc_dir,
+                    parent, peers, trace=config.observability.trace,
+                    flight_dir=config.observability.flight_recorder_dir, bind=bind)
+
+
+def with_reasoning_resolved(config: EngineConfig, tokenizer: TextTokenizer | TokenIdsOnly | None) -> EngineConfig:
+    """The config with its reasoning markers' token ids, for the workers' thinking budgets."""
+    if config.model.reasoning is None:
+        return config
+    return msgspec.structs.replace(config, model=msgspec.structs.replace(
+        config.model, reasoning=resolve_reasoning(config.model.reasoning, tokenizer or TokenIdsOnly(0))))

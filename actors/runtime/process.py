@@ -245,7 +245,9 @@ async def start_child(node: Node, spec: NodeSpec, *, ready_timeout: float = 600.
         # killed engine's worker) can neither receive what is meant for this one nor, exiting,
         # remove this one's socket file
         spec = msgspec.structs.replace(spec, bind=endpoint(spec.ipc_dir, f"{spec.name}-{os.urandom(4).hex()}"))
-    node.connect(spec.name, spec.bind)
+    wildcard = spec.bind.endswith(":*")     # tcp://IP:*, a free port: reached where its ready message says
+    if not wildcard:
+        node.connect(spec.name, spec.bind)
     death_r, death_w = os.pipe()
     beats_r, beats_w = os.pipe()
     os.set_inheritable(death_r, True)
@@ -263,6 +265,8 @@ async def start_child(node: Node, spec: NodeSpec, *, ready_timeout: float = 600.
     os.close(beats_w)
     child = ChildProcess(node, spec, popen, death_w, beats_r, on_exit)
     ready = await wait_ready(child, waiter, ready_timeout)
+    if wildcard:
+        node.connect(spec.name, ready.address)
     child.start_heartbeat()
     system_actor(node).children.add(spec.name)
     return child, ready

@@ -65,7 +65,8 @@ class Worker:
         cores = None
         if self.config.device.device == "cpu":      # vLLM's VLLM_CPU_OMP_THREADS_BIND: this worker's cores
             parallel = self.config.parallel
-            cores = vllm_env.bound_cores(parallel.data_parallel_rank * parallel.world_size
+            cores = vllm_env.bound_cores((parallel.data_parallel_rank - parallel.data_parallel_start_rank)
+                                         * parallel.world_size
                                          + pp_rank * parallel.tensor_parallel_size + tp_rank)
         if cores is not None:
             os.sched_setaffinity(0, cores)

@@ -76,3 +76,43 @@ def test_with_no_cluster_at_ray_address_the_error_names_ray_start_head(monkeypat
     with pytest.raises(RayClusterError, match=r"no Ray cluster answers at RAY_ADDRESS 127\.0\.0\.1:\d+ .*"
                                               r"`ray start --head`"):
         connect()
+
+
+def parallel(*argv: str):
+    return EngineArgs.from_cli_args(serve.parse_args(list(argv))).create_engine_config().parallel
+
+
+def test_headless_machines_ranks_are_the_ones_past_the_servers_and_bad_layouts_are_refused(capsys):
+    p = parallel("-dp", "4", "--data-parallel-size-local", "2", "--data-parallel-address", "10.0.0.1",
+                 "--data-parallel-rpc-port", "13345")
+    assert list(p.local_ranks) == [0, 1] and p.remote_ranks == [2, 3]
+    assert (p.data_parallel_address, p.data_parallel_rpc_port) == ("10.0.0.1", 13345)
+    p = parallel("--headless", "-dp", "4", "-dpl", "2", "-dpr", "2", "-dpa", "10.0.0.1", "-dpp", "13345")
+    assert list(p.local_ranks) == [2, 3] and p.remote_ranks == [0, 1]
+    plain = parallel("-dp", "2")                                           # vLLM's defaults: every rank here
+    assert list(plain.local_ranks) == [0, 1] and plain.remote_ranks == []
+    assert (plain.data_parallel_address, plain.data_parallel_rpc_port) == ("127.0.0.1", 29550)
+    for argv, words in ((["--headless"], "--headless runs some of a server's data-parallel engine cores"),
+                        (["--headless", "-dp", "2", "-dpl", "1"], "--data-parallel-start-rank must be past"),
+                        (["-dp", "2", "-dpl", "1", "-dpr", "1"], "hybrid load balancing")):
+        with pytest.raises(SystemExit) as exc:
+            serve.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and words in err, err
+    with pytest.raises(ValueError, match="data_parallel_start_rank 3 \\+ data_parallel_size_local 2 is more than "
+                                         "data_parallel_size 4"):
+        parallel("--headless", "-dp", "4", "-dpl", "2", "-dpr", "3")
+    with pytest.raises(ValueError, match="goes with data_parallel_backend 'mp'"):
+        EngineArgs(data_parallel_size=2, data_parallel_size_local=1, data_parallel_backend="ray").create_engine_config()
+    with pytest.raises(SystemExit) as exc:                               # external load balancing: one server per rank
+        serve.parse_args(["-dp", "2", "--data-parallel-rank", "1"])
+    assert exc.value.code == 2 and "start independent servers" in capsys.readouterr().err
+
+
+def test_a_headless_engine_cores_config_digest_is_the_servers_unless_an_engine_flag_differs():
+    server = EngineArgs.from_cli_args(serve.parse_args(["-dp", "2", "-dpl", "1"])).create_engine_config()
+    headless = EngineArgs.from_cli_args(serve.parse_args(["--headless", "-dp", "2", "-dpl", "1", "-dpr", "1",
+                                                          "--port", "9"])).create_engine_config()
+    other = EngineArgs.from_cli_args(serve.parse_args(["--headless", "-dp", "2", "-dpl", "1", "-dpr", "1",
+                                                       "--max-model-len", "1024"])).create_engine_config()
+    assert server.compute_hash() == headless.compute_hash() != other.compute_hash()
