@@ -27,6 +27,7 @@ from actors.frontend.misc import FINGERPRINT_MODES
 from actors.frontend.stats import PREFIXES, parse_prefixes
 from actors.frontend.tls import TlsFiles
 from actors.frontend.tool_parsers import TOOL_PARSERS, ToolParserManager
+from actors.frontend.tools import TOOL_STRICT_LEVELS
 from actors.frontend.reasoning import REASONING_PARSERS, ReasoningParserManager
 from actors.grammar.config import structured_outputs_config
 from actors.engine import vllm_env
@@ -117,6 +118,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                    help="vLLM's: a streamed completion that has sent nothing for this long (queued, in "
                         "prefill, between tokens) sends an SSE comment line, so proxies with read timeouts "
                         "keep the connection; 0: never")
+    p.add_argument("--tool-strict-level", default="auto", choices=TOOL_STRICT_LEVELS,
+                   help="vLLM's: how tool_choice \"auto\" calls are held to the --tool-call-parser's format "
+                        "(hermes, llama3_json, qwen3_coder): auto, only where a tool is \"strict\": true (its "
+                        "arguments then follow its schema) or parallel_tool_calls is false; function, every "
+                        "call is a well-formed call of a known function; parameter, and every call's arguments "
+                        "follow the tool's schema")
     p.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(sorted(TOOL_PARSERS)) + "}",
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, "
                         "Qwen2.5, Qwen3), llama3_json ({\"name\": ..., \"parameters\": ...}), pythonic "
@@ -387,6 +394,7 @@ async def serve(args: argparse.Namespace) -> int:
         server = OpenAIServer(options=ServerOptions(args.api_key, args.lenient, args.request_timeout,
                                                     enable_auto_tool_choice=args.enable_auto_tool_choice,
                                                     tool_call_parser=args.tool_call_parser,
+                                                    tool_strict_level=args.tool_strict_level,
                                                     log_requests=args.enable_log_requests,
                                                     metrics_prefixes=args.metrics_prefix,
                                                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,

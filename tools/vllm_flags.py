@@ -138,7 +138,7 @@ for _flags, _why in (
       "--jit-monitor-mode", "--jit-monitor-verbose", "--fail-on-environ-validation"), _METRICS),
     (("--enable-logging-iteration-details", "--logging-config"), _LOGS),
     (("--grpc", "--grpc-port", "--enable-offline-docs", "--renderer-num-workers",
-      "--tool-strict-level", "--anthropic-disabled-thinking-effort",
+      "--anthropic-disabled-thinking-effort",
       "--cohere-format", "--cohere-is-reasoning-model"), _HTTP),
     (("--prefill-schedule-interval", "--return-sampling-mask"), _SCHED),
     (("--prefix-cache-retention-interval", "--prefix-match-unit", "--kv-cache-dtype-skip-layers",

@@ -60,6 +60,7 @@ class ServerOptions:
     max_body_bytes: int = MAX_BODY_BYTES
     enable_auto_tool_choice: bool = False  # tool_choice "auto" read with tool_call_parser
     tool_call_parser: str | None = None    # a name in tool_parsers.TOOL_PARSERS
+    tool_strict_level: str = "auto"        # --tool-strict-level: how "auto" tool calls are held to the format
     log_requests: bool = False             # one INFO line per admitted request (--enable-log-requests)
     metrics_prefixes: tuple[str, ...] = ("vllm", "troupe")   # /metrics names (--metrics-prefix)
     return_tokens_as_token_ids: bool = False   # log-prob tokens as "token_id:N" unless a request says

@@ -21,7 +21,7 @@ from actors.frontend.reasoning import ReasoningParser, ReasoningStream
 from actors.frontend.streams import RequestOutput
 from actors.frontend.structured import NotStructured
 from actors.frontend.tool_parsers import ToolCallStream
-from actors.frontend.tools import ToolUse, template_tools, tool_use
+from actors.frontend.tools import ToolUse, strict_tool_constraint, template_tools, tool_use
 from actors.tokenizer.chat import content_to_text
 
 if TYPE_CHECKING:
@@ -221,6 +221,11 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         raise BadRequest(f"{param} cannot be combined with --reasoning-parser here (the grammar would constrain "
                          "the reasoning as well as the answer)", param)
     await server.check_grammar(req, params)
+    if params.structured_outputs is None and server.reasoning_parser is None:
+        held = strict_tool_constraint(req, tools, server.options.tool_strict_level)
+        if held is not None:            # --tool-strict-level: "auto" calls held to the parser's format
+            await server.check_grammar_spec(held.params, held.param)
+            params = msgspec.structs.replace(params, structured_outputs=held.params)
     answer = server.answer_of(req)          # checked before anything is admitted (a 400 leaves nothing open)
     rid = client.new_request_id()
     choices = await submit_choices(

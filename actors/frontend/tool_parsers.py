@@ -186,6 +186,9 @@ class ToolParser(ABC):
     # the request's tools (set by the server before the first reading): a format that writes
     # arguments as text types them by their schemas
     tools: list[Any] | None = None
+    # xgrammar's name of the format (``get_model_structural_tag``), for --tool-strict-level to hold
+    # tool_choice "auto" calls to it; None: the format is not held
+    structural_tag_model: ClassVar[str | None] = None
 
     @abstractmethod
     def read(self, text: str, final: bool) -> Reading:
@@ -264,6 +267,7 @@ class HermesToolParser(ToolParser):
     Qwen2.5). Text between and after the blocks joins the content, stripped."""
     name = "hermes"
     keeps_special_tokens = True
+    structural_tag_model = "qwen_3"          # xgrammar's name of Hermes' envelope
     START, END = "<tool_call>", "</tool_call>"
 
     def read(self, text: str, final: bool) -> Reading:
@@ -294,6 +298,7 @@ class Llama3JsonToolParser(ToolParser):
     by ``;``, after an optional ``<|python_tag|>``; any other output is content."""
     name = "llama3_json"
     keeps_special_tokens = True
+    structural_tag_model = "llama"
     TAG = "<|python_tag|>"
 
     def read(self, text: str, final: bool) -> Reading:
@@ -409,6 +414,7 @@ class Qwen3CoderToolParser(ToolParser):
     arguments once its value is whole, so the streamed arguments are the final ones' prefixes."""
     name = "qwen3_coder"
     keeps_special_tokens = True
+    structural_tag_model = "qwen_3_coder"
     START, END, FUNC, FUNC_END = "<tool_call>", "</tool_call>", "<function=", "</function>"
     PARAM = re.compile(r"<parameter=([^>]*)>(.*?)(</parameter>|(?=<parameter=)|\Z)", re.S)
 

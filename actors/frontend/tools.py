@@ -3,7 +3,16 @@
 ``parallel_tool_calls``. ``"required"`` and a named function are enforced by constrained decoding
 (a JSON schema made of the functions' ``parameters``), so their arguments always parse and
 validate; ``"auto"`` reads the model's own format with the server's ``--tool-call-parser``
-(``--enable-auto-tool-choice``). Tools given without ``tool_choice`` mean ``"auto"``."""
+(``--enable-auto-tool-choice``). Tools given without ``tool_choice`` mean ``"auto"``.
+
+vLLM's ``--tool-strict-level`` holds ``"auto"`` calls to the parser's format where xgrammar knows
+it (hermes, llama3_json, qwen3_coder): the model writes text freely, and once it begins a call
+(the format's trigger, ``<tool_call>`` for hermes) the rest of the call is constrained
+(``strict_tool_constraint``). ``auto``: only when a tool says ``"strict": true`` (its arguments
+then follow its schema; the other tools' calls are well-formed with any arguments), or
+``parallel_tool_calls`` is false (one call at most); ``function``: every request with tools
+(a known function's name, arguments any JSON object unless the tool is strict); ``parameter``:
+every tool's arguments follow its schema, as if each were strict."""
 from __future__ import annotations
 
 import json
@@ -97,6 +106,30 @@ def tool_constraint(req: ToolFields) -> Constraint | None:
         schema = required_schema(req.tools or [], 1 if req.parallel_tool_calls is False else None)
         return Constraint(StructuredOutputsParams(json=json.dumps(schema)), "tools")
     return None
+
+
+TOOL_STRICT_LEVELS = ("auto", "function", "parameter")
+
+
+def strict_tool_constraint(req: ToolFields, use: ToolUse | None, level: str) -> Constraint | None:
+    """The structural tag (xgrammar's, for the parser's format) that ``--tool-strict-level``
+    ``level`` holds a tool_choice "auto" request's calls to; None where nothing is held."""
+    model = use.parser.structural_tag_model if use is not None else None
+    if model is None or choice_of(req) != "auto" or not req.tools:
+        return None
+    rank = TOOL_STRICT_LEVELS.index(level)
+    single = req.parallel_tool_calls is False
+    if single:                   # at most one call: the call's envelope has to be in the grammar
+        rank = max(rank, 1)
+    if rank == 0 and not any(t.function.strict is True for t in req.tools):
+        return None
+    tools = [{"type": "function", "function": {"name": t.function.name, "parameters": _parameters(t),
+                                               "strict": rank >= 2 or t.function.strict is True}}
+             for t in req.tools]
+    import xgrammar              # the frontend's first strict request pays for the import
+    tag = xgrammar.get_model_structural_tag(model, tools=tools, tool_choice="auto", reasoning="disabled",
+                                            parallel_tool_calls=not single)
+    return Constraint(StructuredOutputsParams(structural_tag=tag.model_dump_json()), "tools")
 
 
 def required_schema(tools: list[Tool], max_calls: int | None = None) -> dict[str, Any]:

@@ -129,6 +129,22 @@ def test_auto_reads_the_models_tool_call_blocks_streamed_or_not(client):
     assert [{k: c[k] for k in ("name", "arguments")} for c in streamed_calls] == calls
 
 
+def test_a_strict_tools_auto_calls_follow_its_schema_where_the_model_would_not(client):
+    """--tool-strict-level auto (vLLM's default): a tool that says "strict": true has its calls held
+    to its schema by the format's structural tag; the model, left free, writes another unit."""
+    kelvin = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "unit": {"type": "string", "enum": ["kelvin"]}},
+              "required": ["city", "unit"], "additionalProperties": False}
+    strict = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                "parameters": kelvin, "strict": True}}, TOOLS[1]]
+    free = client.chat.completions.create(model=MODEL, messages=FEW_SHOT, tools=TOOLS, max_tokens=60, temperature=0)
+    held = client.chat.completions.create(model=MODEL, messages=FEW_SHOT, tools=strict, max_tokens=60, temperature=0)
+    assert json.loads(plain_calls(free.choices[0].message)[0]["arguments"])["unit"] in ("celsius", "fahrenheit")
+    (call,) = plain_calls(held.choices[0].message)
+    assert held.choices[0].finish_reason == "tool_calls" and call["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["arguments"]), kelvin)
+
+
 def test_auto_without_a_call_is_plain_content_and_none_ignores_the_tools(client):
     auto = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=24, temperature=0)
     none = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",

@@ -210,3 +210,87 @@ def test_json_may_carry_whitespace_unless_the_config_disables_it(setup):
     assert accepts(cache.compile(key), '{\n  "a": 1\n}') and accepts(cache.compile(key), '{"a":1}')
     assert accepts(compact.compile(key), '{"a":1}')
     assert not accepts(compact.compile(key), '{ "a": 1}') and not accepts(compact.compile(key), '{"a": 1}')
+
+
+def _tool_request(strict: bool | None = None, parallel: bool | None = None, choice=None):
+    """A chat request's tool fields: get_weather (city, days) and get_time (any arguments)."""
+    from dataclasses import dataclass
+
+    import msgspec
+
+    from actors.frontend.tools import Tool
+
+    @dataclass
+    class Fields:
+        tools: list
+        tool_choice: object
+        parallel_tool_calls: bool | None
+
+    weather = {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"], "additionalProperties": False}}
+    if strict is not None:
+        weather["strict"] = strict
+    tools = [msgspec.convert({"type": "function", "function": f}, Tool)
+             for f in (weather, {"name": "get_time", "parameters": {"type": "object", "properties": {
+                 "zone": {"type": "string"}}}})]
+    return Fields(tools, choice, parallel)
+
+
+def _held(setup, level: str, parser: str = "hermes", **fields):
+    """The grammar --tool-strict-level ``level`` holds an "auto" request's calls to (None: none)."""
+    import xgrammar
+
+    from actors.frontend.tools import strict_tool_constraint, tool_use
+    cache, _, _ = setup
+    req = _tool_request(**fields)
+    held = strict_tool_constraint(req, tool_use(req, parser), level)
+    if held is None:
+        return None
+    assert held.param == "tools"
+    grammar = cache.compile(grammar_key(held.params))
+    return lambda text: xgrammar.GrammarMatcher(grammar).accept_string(text)
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'
+
+
+def test_tool_strict_level_parameter_holds_auto_calls_to_known_functions_and_their_schemas(setup):
+    accepts = _held(setup, "parameter")
+    assert accepts("Let me look that up. " + CALL % '{"city": "Paris", "days": 3}')
+    assert accepts("No tool needed: it is sunny.")                        # text stays free
+    assert not accepts('<tool_call>\n{"name": "get_forecast"')            # no such function
+    assert not accepts(CALL % '{"city": "Paris", "days": "3"}')           # days is an integer
+    assert not accepts(CALL % '{"city": "Paris", "days": 3, "unit": "C"}')
+
+
+def test_tool_strict_level_function_holds_the_envelope_and_leaves_non_strict_arguments_free(setup):
+    accepts = _held(setup, "function")
+    assert accepts(CALL % '{"city": "Paris", "days": "three", "unit": "C"}')
+    assert not accepts('<tool_call>\n{"name": "get_forecast"')
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris')   # still JSON
+    strict = _held(setup, "function", strict=True)                                # a strict tool: its schema
+    assert not strict(CALL % '{"city": "Paris", "days": "three"}')
+    assert strict(CALL % '{"city": "Paris", "days": 3}')
+
+
+def test_tool_strict_level_auto_holds_only_strict_tools_or_a_single_call(setup):
+    assert _held(setup, "auto") is None and _held(setup, "auto", strict=False) is None
+    accepts = _held(setup, "auto", strict=True)
+    assert not accepts(CALL % '{"city": "Paris", "days": "3"}')
+    assert accepts('<tool_call>\n{"name": "get_time", "arguments": {"anything": [1, 2]}}\n</tool_call>')
+    single = _held(setup, "auto", parallel=False)                      # parallel_tool_calls false: one call
+    assert single(CALL % '{"city": "Paris", "days": "3"}')
+    assert not single(CALL % '{"city": "Paris", "days": 3}' + "\n" + CALL % '{"city": "Rome", "days": 1}')
+    assert _held(setup, "parameter", choice="required") is None       # required: the JSON schema holds it
+    assert _held(setup, "parameter", parser="mistral") is None         # a format xgrammar does not know
+
+
+def test_tool_strict_level_holds_llama3_json_and_qwen3_coder_calls_in_their_own_formats(setup):
+    llama = _held(setup, "parameter", parser="llama3_json")
+    assert llama('{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}')
+    assert not llama('{"name": "get_weather", "parameters": {"city": 3')
+    coder = _held(setup, "parameter", parser="qwen3_coder")
+    assert coder("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                 "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    assert not coder("<tool_call>\n<function=get_forecast>")
