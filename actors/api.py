@@ -44,6 +44,13 @@ class Logprob:
 
 
 @dataclass(slots=True)
+class SamplingMask:
+    """vLLM's (--return-sampling-mask): per generated token, the token ids its draw could pick
+    (what survived the processors, min-p, top-k and top-p), ascending."""
+    token_ids: list[list[int]]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """vLLM's: one of a prompt's ``n`` sequences. ``logprobs`` (when the request asked for them):
     per generated token, its alternatives by token id, the sampled one included;
@@ -58,6 +65,7 @@ class CompletionOutput:
     # vLLM's: the sequence's drafts' acceptance (per_request_spec_decode_metrics), as the
     # server's metrics.speculative_decoding; None: off, or no drafts
     spec_decode_metrics: dict[str, Any] | None = None
+    sampling_mask: SamplingMask | None = None        # vLLM's: with return_sampling_mask
 
 
 @dataclass(slots=True)
@@ -273,7 +281,9 @@ class AsyncLLM:
             lps = _vllm_logprobs(out.logprobs, text_of) if params.logprobs is not None and out.logprobs else None
             cumulative = sum(position[0] for position in out.logprobs.logprobs) if lps is not None else None
             outputs.append(CompletionOutput(i, out.text, out.token_ids, cumulative, lps, out.finish_reason,
-                                            out.stop_reason, (out.metrics or {}).get("speculative_decoding")))
+                                            out.stop_reason, (out.metrics or {}).get("speculative_decoding"),
+                                            SamplingMask(out.sampling_mask) if out.sampling_mask is not None
+                                            else None))
         first = done[0]
         prompt_lps = None
         if params.prompt_logprobs is not None and first.prompt_logprobs is not None:

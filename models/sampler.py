@@ -57,6 +57,8 @@ class LogprobsTensors(NamedTuple):
 class SamplerOutput(NamedTuple):
     sampled_token_ids: torch.Tensor       # (B,) int64
     logprobs: LogprobsTensors | None      # None unless max_num_logprobs is set
+    # vLLM's --return-sampling-mask: per row, the token ids the draw could pick (int32, ascending)
+    supports: list[np.ndarray] | None = None
 
 
 class RowTokens(NamedTuple):
@@ -106,6 +108,9 @@ class SamplingMetadata:
     # race runs on them instead of its generator's draws (which are still drawn, so a seeded
     # stream stays where it would be)
     watermark_uniforms: dict[int, torch.Tensor] | None = None
+    # vLLM's --return-sampling-mask: report each row's support, the tokens left a non-zero
+    # probability after temperature, min-p, top-k and top-p (the unfused path, which has them)
+    return_supports: bool = False
 
     @property
     def no_logits_processors(self) -> bool:
@@ -453,25 +458,31 @@ class Sampler:
         # 3-8) processors that may change the argmax
         apply_logits_processors(logits, meta)
         # 9-12) sample
-        sampled, processed = self.sample(logits, meta, want_logprobs and raw is None)
+        sampled, processed, supports = self.sample(logits, meta, want_logprobs and raw is None)
         if not want_logprobs:
-            return SamplerOutput(sampled, None)
+            return SamplerOutput(sampled, None, supports)
         return SamplerOutput(sampled, gather_logprobs(raw if raw is not None else processed,
-                                                      sampled, meta.max_num_logprobs, meta.logprob_token_ids))
+                                                      sampled, meta.max_num_logprobs, meta.logprob_token_ids),
+                             supports)
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
-               want_processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> sampled (B,) int64 and, if asked, the log-probs (or logits, as ``logprobs_mode``
-        says) (B, V) of the distribution drawn from (greedy rows: temperature 1, no truncation)."""
+               want_processed: bool) -> tuple[torch.Tensor, torch.Tensor | None, list[np.ndarray] | None]:
+        """-> sampled (B,) int64; if asked, the log-probs (or logits, as ``logprobs_mode`` says)
+        (B, V) of the distribution drawn from (greedy rows: temperature 1, no truncation); and
+        with ``meta.return_supports`` each row's support (``supports_of``)."""
         if meta.all_greedy:
-            return argmax_rows(logits), _values(logits, meta.logprobs_mode) if want_processed else None
+            sampled = argmax_rows(logits)
+            supports = ([np.array([t], dtype=np.int32) for t in sampled.tolist()]    # one token each
+                        if meta.return_supports else None)
+            return sampled, _values(logits, meta.logprobs_mode) if want_processed else None, supports
         is_greedy = meta.temperature < _SAMPLING_EPS                      # (B,)
         if (meta.no_min_p and meta.no_argmax_invariant_processors and not want_processed
+                and not meta.return_supports
                 and triton_fused.supports(logits, meta.temperature)):
             # one kernel: greedy rows, then temperature, top-k, top-p and the race, no sort
             temperature = torch.where(is_greedy, 0.0, meta.temperature)
             noise = exponential_noise(logits, meta.generators, meta.watermark_uniforms)
-            return triton_fused.sample(logits, temperature, meta.top_k, meta.top_p, noise), None
+            return triton_fused.sample(logits, temperature, meta.top_k, meta.top_p, noise), None, None
         greedy = argmax_rows(logits)                                      # (B,)
         logits.div_(torch.where(is_greedy, 1.0, meta.temperature)[:, None])
         if not meta.no_min_p:
@@ -483,11 +494,20 @@ class Sampler:
         elif not meta.no_top_k:
             apply_top_k_only(logits, meta.top_k, meta.max_top_k)
         processed = _values(logits, meta.logprobs_mode) if want_processed else None
+        supports = supports_of(logits, greedy, is_greedy) if meta.return_supports else None
         probs = logits.softmax(dim=-1)                                    # (B, V)
         sampled = argmax_rows(probs.div_(exponential_noise(probs, meta.generators, meta.watermark_uniforms)))
         if meta.all_random:
-            return sampled, processed
-        return torch.where(is_greedy, greedy, sampled), processed
+            return sampled, processed, supports
+        return torch.where(is_greedy, greedy, sampled), processed, supports
+
+
+def supports_of(logits: torch.Tensor, greedy: torch.Tensor, is_greedy: torch.Tensor) -> list[np.ndarray]:
+    """Each row's support after truncation: its tokens whose logit is not -inf (a greedy row:
+    its argmax alone), int32 ascending (vLLM's sampling mask)."""
+    finite = torch.isfinite(logits).cpu().numpy()                      # (B, V)
+    return [np.array([g], dtype=np.int32) if eager else np.flatnonzero(row).astype(np.int32)
+            for row, g, eager in zip(finite, greedy.tolist(), is_greedy.tolist())]
 
 
 def _values(logits: torch.Tensor, mode: str) -> torch.Tensor:

@@ -140,7 +140,7 @@ for _flags, _why in (
     (("--grpc", "--grpc-port", "--enable-offline-docs", "--renderer-num-workers",
       "--anthropic-disabled-thinking-effort",
       "--cohere-format", "--cohere-is-reasoning-model"), _HTTP),
-    (("--prefill-schedule-interval", "--return-sampling-mask"), _SCHED),
+    (("--prefill-schedule-interval",), _SCHED),
     (("--prefix-cache-retention-interval", "--prefix-match-unit", "--kv-cache-dtype-skip-layers",
       "--enable-return-routed-experts"), _KV),
     (("--sleep-mode-offload-cudagraph", "--sleep-preserve-parameter-names"), _SLEEP),
@@ -177,7 +177,7 @@ BOOLEAN = frozenset({
     "--enable-shm-tensor-arena", "--enable-tower-connector-lora", "--enable-trace-replay",
     "--fail-on-environ-validation", "--jit-monitor-verbose",
     "--mm-device-do-normalize", "--mm-encoder-only", "--numa-bind",
-    "--return-sampling-mask", "--sleep-mode-offload-cudagraph",
+    "--sleep-mode-offload-cudagraph",
     "--specialize-active-lora", "--swa-bounded-replay", "--trust-request-mm-kwargs", "--use-fp64-gumbel",
     "--use-replayssm",
 })

@@ -243,7 +243,8 @@ class DetokenizerActor(Actor):
                 o.request_id, text, list(o.new_token_ids[:num_new]), finished, finish_reason,
                 stop_reason, st.num_prompt_tokens, st.detok.num_output_tokens, o.error,
                 _head(o.logprobs, num_new), o.prompt_logprobs, o.num_cached_tokens, o.kv_transfer_params,
-                o.error_status, st.metrics() if finished else None, o.prompt_token_id_logprobs))
+                o.error_status, st.metrics() if finished else None, o.prompt_token_id_logprobs,
+                [m.tolist() for m in o.sampling_mask[:num_new]] if o.sampling_mask is not None else None))
         return stopped_here
 
     def _trace(self, rid: str, st: _State, now: float) -> None:

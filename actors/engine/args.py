@@ -46,6 +46,7 @@ class EngineArgs:
     disable_cascade_attn: bool = False
     quantization: str | None = None
     logprobs_mode: str = "raw_logprobs"
+    return_sampling_mask: bool = False
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
     load_format: str = "auto"             # vLLM's: what the weights are (Troupe reads it from the files)
@@ -186,6 +187,7 @@ class EngineArgs:
                               seed=self.seed, enforce_eager=self.enforce_eager,
                               disable_cascade_attn=self.disable_cascade_attn,
                               logprobs_mode=self.logprobs_mode,
+                              return_sampling_mask=self.return_sampling_mask,
                               chat_template=load_chat_template(self.chat_template),
                               chat_template_content_format=self.chat_template_content_format,
                               enable_sleep_mode=self.enable_sleep_mode,
@@ -547,6 +549,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             default=d["logprobs_mode"], choices=LOGPROBS_MODES,
             help="what returned log-probs are: the model's own (raw_*) or those sampled from, after "
                  "penalties, temperature and truncation (processed_*); log-probs or logits")),
+        (("--return-sampling-mask",), "return_sampling_mask", dict(
+            action=argparse.BooleanOptionalAction, default=d["return_sampling_mask"],
+            help="vLLM's: each sampled token's support (the token ids its draw could pick, after the "
+                 "processors, min-p, top-k and top-p) comes back with it, as the generate endpoint's "
+                 "sampling_mask and the offline outputs' sampling_mask; requests must then sample with "
+                 "temperature > 0 and top_k > 0 (for reinforcement learning's replay of the distribution)")),
         (("--max-logprobs",), "max_logprobs", dict(
             type=int, default=d["max_logprobs"], metavar="N",
             help="the most log-probs a request may ask for (chat top_logprobs, completions logprobs, "

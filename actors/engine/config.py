@@ -77,6 +77,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False            # CUDA: no graph capture, every step eager
     disable_cascade_attn: bool = False     # never attend a batch's shared prefix once for all (cascade)
     logprobs_mode: str = "raw_logprobs"    # what returned log-probs are (LOGPROBS_MODES)
+    # vLLM's --return-sampling-mask: each sampled token's support (the ids the draw could pick,
+    # after every processor and truncation) goes back with it; requests then sample with
+    # temperature > 0 and top_k > 0 (vLLM's rule: the support stays bounded)
+    return_sampling_mask: bool = False
     chat_template: str | None = None       # used instead of the checkpoint's
     chat_template_content_format: str = "auto"   # message content as a string or OpenAI's parts ("auto": as the template reads it)
     enable_sleep_mode: bool = False        # the engine may sleep (give back its memory) at levels 1 and 2
@@ -484,6 +488,10 @@ def check_config(cfg: EngineConfig) -> None:
     if cfg.cache.num_blocks < 0:
         raise ValueError(f"num_blocks must be at least 0 (0: as many as the KV cache's memory holds), "
                          f"got {cfg.cache.num_blocks}")
+    if cfg.model.return_sampling_mask and cfg.speculative is not None:
+        raise ValueError(f"--return-sampling-mask with speculative decoding ({cfg.speculative.method}) is not "
+                         "supported: a verified step's tokens come from the rejection sampler, whose supports "
+                         "are not recorded; serve without --speculative-config")
     if cfg.watermark is not None and cfg.speculative is not None:
         raise ValueError(f"--watermark-config with speculative decoding ({cfg.speculative.method}) is not supported: "
                          "Troupe watermarks the tokens its sampler draws, and its drafts are verified by rejection "

@@ -72,6 +72,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # vLLM's prompt_logprob_token_ids: the log-probs of the asked ids at the prompt rows scored in
     # this step, float32 (rows, ids); -inf where a row's id is -1 (padding)
     prompt_token_id_logprobs: np.ndarray | None = None
+    # --return-sampling-mask: the support (token ids, int32) each new token was drawn from
+    sampling_mask: list[np.ndarray] | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -141,6 +143,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: dict[str, Logprobs] = {}     # for requests that asked, their sampled tokens'
     prompt_logprobs: dict[str, Logprobs] = {}
     prompt_token_id_logprobs: dict[str, np.ndarray] = {}   # prompt_logprob_token_ids' scores, (rows, ids)
+    sampling_masks: dict[str, np.ndarray] = {}   # --return-sampling-mask: a sampled token's support
     compute_s: float = 0.0                 # seconds of model forward and sampling in this step
     prepare_s: float = 0.0                 # of the step in the worker: input preparation
     sample_s: float = 0.0                  # logits and sampling (part of compute_s)

@@ -231,6 +231,12 @@ class EngineClient:
         already, and EngineDeadError when the engine is gone or the server is shutting down."""
         if params.watermarking:
             self._warn_unwatermarked(params)
+        if self.config.model.return_sampling_mask:         # vLLM's rules, in its words
+            if params.temperature <= 0:
+                raise InvalidPrompt("sampling distribution replay requires temperature > 0")
+            if params.top_k <= 0:
+                raise InvalidPrompt("sampling distribution replay requires top_k > 0 to bound sampling mask size, "
+                                    "reduce transfer overhead, and avoid potential OOMs")
         if chat_template_content_format not in (None, *CHAT_TEMPLATE_CONTENT_FORMATS):
             raise InvalidPrompt(f"chat_template_content_format must be one of {', '.join(CHAT_TEMPLATE_CONTENT_FORMATS)}, "
                                 f"got {chat_template_content_format!r}")

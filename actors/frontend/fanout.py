@@ -30,6 +30,7 @@ class Choice:
     prompt_logprobs: Logprobs | None = None                 # the prompt's, as far as computed
     prompt_scores: list = field(default_factory=list)       # prompt_logprob_token_ids' rows, by chunk
     unsent_ids: list[int] = field(default_factory=list)    # a stream's token ids no chunk carried yet
+    sampling_mask: list[list[int]] | None = None            # --return-sampling-mask: per token, its support
 
     def take(self, out: RequestOutput) -> None:
         """Count ``out`` in: the last output, the token ids, the prompt's log-probs."""
@@ -42,6 +43,8 @@ class Choice:
             self.prompt_logprobs.extend(lp)
         if out.prompt_token_id_logprobs is not None:
             self.prompt_scores.append(out.prompt_token_id_logprobs)
+        if out.sampling_mask is not None:
+            self.sampling_mask = (self.sampling_mask or []) + out.sampling_mask
 
     @property
     def num_output_tokens(self) -> int:

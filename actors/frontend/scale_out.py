@@ -248,9 +248,10 @@ class TokensGeneration(Generation):
                 for ids, values, rank in zip(out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)]
 
     def _entry(self, c: Choice, token_ids: list[int], logprobs: list | None, text: str,
-               finish_reason: str | None, stop_reason: Any) -> dict[str, Any]:
+               finish_reason: str | None, stop_reason: Any, sampling_mask: list[list[int]] | None) -> dict[str, Any]:
         entry = {"index": c.index, "finish_reason": finish_reason, "stop_reason": stop_reason,
-                 "token_ids": token_ids, "routed_experts": None, "sampling_mask": None, "weight_versions": None}
+                 "token_ids": token_ids, "routed_experts": None, "sampling_mask": sampling_mask,
+                 "weight_versions": None}
         if self.text_mode:
             entry["text"] = text
         entry["logprobs"] = None if logprobs is None else {"content": logprobs}
@@ -270,7 +271,8 @@ class TokensGeneration(Generation):
         if not (out.token_ids or out.finished):
             return None
         return self._entry(c, out.token_ids, self._logprobs(out), out.text,
-                           out.finish_reason if out.finished else None, out.stop_reason if out.finished else None)
+                           out.finish_reason if out.finished else None, out.stop_reason if out.finished else None,
+                           out.sampling_mask)
 
     def finish(self, c: Choice, out: RequestOutput) -> None:
         return None
@@ -283,7 +285,8 @@ class TokensGeneration(Generation):
 
     def final(self, c: Choice) -> dict:
         lp = c.state if self.num_logprobs is not None else None
-        return self._entry(c, c.token_ids, lp, "".join(c.text), c.last.finish_reason, c.last.stop_reason)
+        return self._entry(c, c.token_ids, lp, "".join(c.text), c.last.finish_reason, c.last.stop_reason,
+                           c.sampling_mask)
 
     async def collect(self) -> dict[str, Any] | web.Response:
         body = await super().collect()

@@ -44,6 +44,8 @@ class RequestOutput:
     metrics: dict | None = None
     # vLLM's prompt_logprob_token_ids: the scores of the prompt rows computed since the last output
     prompt_token_id_logprobs: np.ndarray | None = None
+    # --return-sampling-mask: per entry of token_ids, the token ids its draw could pick
+    sampling_mask: list[list[int]] | None = None
 
     def merge(self, later: RequestOutput) -> None:
         self.text += later.text
@@ -60,6 +62,8 @@ class RequestOutput:
         self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
         self.metrics = later.metrics or self.metrics
         self.prompt_token_id_logprobs = _stacked(self.prompt_token_id_logprobs, later.prompt_token_id_logprobs)
+        if later.sampling_mask is not None:
+            self.sampling_mask = (self.sampling_mask or []) + later.sampling_mask
 
 
 class StreamTimeout(TimeoutError):

@@ -843,6 +843,8 @@ class Scheduler:
                 outs[-1].spec_step = spec_step
             if scored is not None:
                 outs[-1].prompt_token_id_logprobs = scored
+            if new_ids and out.sampling_masks and rid in out.sampling_masks:
+                outs[-1].sampling_mask = [out.sampling_masks[rid]]
             if self.model_times:
                 outs[-1].model_times = (req.model_forward_s, req.model_execute_s)
             if not req.first_output_sent:

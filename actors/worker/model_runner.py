@@ -306,6 +306,9 @@ class ModelRunner:
             self.logitsprocs.append_outputs(sample_slots, tokens[:, None].tolist())
         for row, tok in zip(rows.tolist(), tokens.tolist()):
             out.sampled_token_ids[row] = [tok]
+        if result.supports is not None:
+            for row, support in zip(rows.tolist(), result.supports):
+                out.sampling_masks[req_ids[row]] = support
         if result.logprobs is not None:
             self._sample_logprobs(req_ids, rows, sample_slots, result.logprobs, out)
 
@@ -446,6 +449,8 @@ class ModelRunner:
             output_token_ids=lambda: [b.output_token_ids(i) for i in rows],
             prompt_token_ids=lambda: [b.prompt_token_ids(i) for i in rows],
             logprobs_mode=self.config.model.logprobs_mode, device=self.device)
+        if self.config.model.return_sampling_mask:
+            meta = dataclasses.replace(meta, return_supports=True)
         reusable = not SamplingMetadata.reads_output_tokens(params)
         self._meta_cache = (key, meta, states) if reusable else None   # states held: ids stay theirs
         return meta

@@ -283,6 +283,19 @@ def test_prompt_logprob_token_ids_score_chosen_ids_at_each_prompt_row_in_any_chu
         llm.generate({"prompt_token_ids": ids}, SamplingParams(prompt_logprob_token_ids=rows[:3]), use_tqdm=False)
 
 
+def test_return_sampling_mask_gives_each_tokens_support_and_refuses_greedy_or_unbounded_requests():
+    with LLM(multiprocess=False, return_sampling_mask=True) as masked:
+        (result,) = masked.generate("The sky is", SamplingParams(temperature=0.9, top_k=8, top_p=0.95, max_tokens=6,
+                                                                 seed=5, ignore_eos=True), use_tqdm=False)
+        support = result.outputs[0].sampling_mask.token_ids
+        assert len(support) == len(result.token_ids) == 6
+        assert all(tok in s and 1 <= len(s) <= 8 and s == sorted(s) for tok, s in zip(result.token_ids, support))
+        for params, words in ((SamplingParams(temperature=0, max_tokens=2), "requires temperature > 0"),
+                              (SamplingParams(temperature=1.0, max_tokens=2), "requires top_k > 0")):
+            with pytest.raises(ValueError, match=words):
+                masked.generate("The sky is", params, use_tqdm=False)
+
+
 def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
     """Runs last with the module's LLM: ``close()`` (a ``with`` block ending) lets go of the
     weights and KV cache even though the name still refers to it; using it then says it is closed."""

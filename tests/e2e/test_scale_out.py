@@ -361,3 +361,19 @@ def test_generate_answers_prompt_logprobs_and_scores_chosen_prompt_token_ids(ser
     bad = _post(server, "/inference/v1/generate", {**body, "sampling_params": {
         "max_tokens": 1, "prompt_logprob_token_ids": rows[:2], "prompt_logprob_start": start}})
     assert bad.status_code == 400 and "prompt_logprob_token_ids has 2 rows" in bad.json()["error"]["message"]
+
+
+def test_with_return_sampling_mask_generate_answers_each_tokens_support_and_refuses_greedy():
+    masked = Server(*SERVER_ARGS, "--enable-scale-out", "--return-sampling-mask")
+    try:
+        body = {"token_ids": [504, 3658, 314], "model": "smol", "stream": False,
+                "sampling_params": {"temperature": 0.8, "top_k": 6, "max_tokens": 5, "seed": 3, "ignore_eos": True}}
+        out = _post(masked, "/inference/v1/generate", body).json()
+        (choice,) = out["choices"]
+        mask = choice["sampling_mask"]
+        assert len(mask) == len(choice["token_ids"]) == 5
+        assert all(tok in ids and 1 <= len(ids) <= 6 for tok, ids in zip(choice["token_ids"], mask))
+        greedy = _post(masked, "/inference/v1/generate", {**body, "sampling_params": {"temperature": 0, "max_tokens": 2}})
+        assert greedy.status_code == 400 and "requires temperature > 0" in greedy.json()["error"]["message"]
+    finally:
+        masked.stop()

@@ -457,3 +457,27 @@ def test_unused_processors_are_skipped_and_inputs_are_never_written():
 def test_bad_metadata_is_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         SamplingMetadata.from_lists([1.0, 1.0], **kw)
+
+
+def test_the_sampling_mask_is_each_rows_support_after_truncation_and_holds_its_draw():
+    """vLLM's --return-sampling-mask: per row, the ids a draw could pick (after bias, min-p,
+    top-k and top-p), ascending; the sampled token is among them; a greedy row's is its argmax."""
+    import dataclasses
+    logits = _logits(4, seed=23, vocab=50)
+    base = SamplingMetadata.from_lists([1.0, 0.7, 1.0, 0.0], top_k=[5, 0, 3, 0], top_p=[1.0, 0.5, 1.0, 1.0],
+                                       min_p=[0.0, 0.0, 0.0, 0.0], logit_bias=[{}, {}, {7: -INF}, {}])
+    for seed in range(5):
+        torch.manual_seed(seed)
+        out = Sampler()(logits, dataclasses.replace(base, return_supports=True))
+        supports = [s.tolist() for s in out.supports]
+        assert supports[0] == sorted(logits[0].topk(5).indices.tolist())
+        probs = (logits[1] / 0.7).softmax(-1)
+        order = probs.argsort(descending=True).tolist()
+        kept = next(i for i in range(1, 51) if probs[order[:i]].sum() >= 0.5)      # the nucleus
+        assert set(supports[1]) == set(order[:kept])
+        row2 = logits[2].clone()
+        row2[7] = -INF
+        assert supports[2] == sorted(row2.topk(3).indices.tolist()) and 7 not in supports[2]
+        assert supports[3] == [int(logits[3].argmax())]
+        assert all(tok in s for tok, s in zip(out.sampled_token_ids.tolist(), supports))
+    assert Sampler()(logits, base).supports is None
