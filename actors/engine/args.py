@@ -108,6 +108,7 @@ class EngineArgs:
     disable_log_stats: bool = False       # vLLM's: no periodic statistics lines (the offline LLM: none by default)
     kv_cache_metrics: bool = False        # vLLM's: sampled KV block residency histograms on /metrics
     kv_cache_metrics_sample: float = 0.01
+    enable_mfu_metrics: bool = False
     otlp_traces_endpoint: str | None = None   # vLLM's: OpenTelemetry spans of requests exported there
     # vLLM's: "model", "worker" or "all" (a list, or one comma-separated text): model times in spans
     collect_detailed_traces: list[str] | str | None = None
@@ -242,6 +243,7 @@ class EngineArgs:
                                               log_stats=not self.disable_log_stats,
                                               kv_cache_metrics=self.kv_cache_metrics,
                                               kv_cache_metrics_sample=self.kv_cache_metrics_sample,
+                                              enable_mfu_metrics=self.enable_mfu_metrics,
                                               otlp_traces_endpoint=self.otlp_traces_endpoint,
                                               collect_detailed_traces=detailed,
                                               per_request_spec_decode_metrics=self.per_request_spec_decode_metrics,
@@ -870,6 +872,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             action=argparse.BooleanOptionalAction, default=d["kv_cache_metrics"],
             help="vLLM's: sample KV cache blocks' residency into /metrics' kv_block_lifetime_seconds, "
                  "kv_block_idle_before_evict_seconds and kv_block_reuse_gap_seconds histograms")),
+        (("--enable-mfu-metrics",), "enable_mfu_metrics", dict(
+            action=argparse.BooleanOptionalAction, default=d["enable_mfu_metrics"],
+            help="vLLM's: estimate each step's floating-point operations and bytes read and written per "
+                 "device from the model's shape (vllm:estimated_flops_per_gpu_total, "
+                 "vllm:estimated_read_bytes_per_gpu_total, vllm:estimated_write_bytes_per_gpu_total on "
+                 "/metrics; 'MFU: X TF/s/device Y GB/s/device' in the periodic stats line)")),
         (("--otlp-traces-endpoint",), "otlp_traces_endpoint", dict(
             default=d["otlp_traces_endpoint"], metavar="URL",
             help="vLLM's: export an OpenTelemetry span per request (llm_request, vLLM's attributes) to this "

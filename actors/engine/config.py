@@ -244,6 +244,9 @@ class ObservabilityConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_stats: bool = True                 # the periodic statistics lines (actors/frontend/stat_logger.py)
     kv_cache_metrics: bool = False         # KV blocks' residency sampled for /metrics (--kv-cache-metrics)
     kv_cache_metrics_sample: float = 0.01  # the fraction of blocks sampled
+    # vLLM's --enable-mfu-metrics: each step's estimated FLOPs and bytes per device on /metrics and
+    # in the stats line (actors/scheduler/perf.py)
+    enable_mfu_metrics: bool = False
     otlp_traces_endpoint: str | None = None  # vLLM's: each request's span exported over OTLP here (None: off)
     # vLLM's --collect-detailed-traces: "model" (each request's time in the model's forward passes)
     # and/or "worker" (in the worker's whole steps) added to its span; (): neither

@@ -104,6 +104,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     # --kv-cache-metrics, since the last stats: each sampled block evicted, as (lifetime, idle
     # before eviction, gaps between its last reuses) in seconds
     kv_cache_eviction_events: list[tuple[float, float, list[float]]] = []
+    # --enable-mfu-metrics, since start: the steps' estimated FLOPs and bytes read and written per device
+    estimated_flops: int = 0
+    estimated_read_bytes: int = 0
+    estimated_write_bytes: int = 0
 
 
 class EngineCoreOutputs(Msg):

@@ -186,7 +186,8 @@ class Frontend:
                                       "calculate_kv_scales": cache.calculate_kv_scales},
                             custom_buckets=config.observability.custom_histogram_buckets,
                             watermark_requests=(dict.fromkeys(("watermarked", "skipped", "not_watermarked"), 0)
-                                                if config.watermark is not None else None))
+                                                if config.watermark is not None else None),
+                            mfu=config.observability.enable_mfu_metrics)
         waiting = WaitingRequests(config.scheduler.max_waiting_requests, config.scheduler.max_waiting_tokens)
         scheduler = engine.scheduler            # where requests and aborts go
         if dp > 1:

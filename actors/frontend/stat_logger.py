@@ -92,6 +92,12 @@ class StatLines:
             spec = _spec_line(prev, s, seconds)
             if spec is not None:
                 out.append((level, prefix + spec[0], spec[1]))
+            flops = s.estimated_flops - prev.estimated_flops          # --enable-mfu-metrics
+            moved = (s.estimated_read_bytes + s.estimated_write_bytes
+                     - prev.estimated_read_bytes - prev.estimated_write_bytes)
+            if flops > 0 or moved > 0:
+                out.append((level, prefix + "MFU: %.3f TF/s/device %.1f GB/s/device",
+                            (flops / seconds / 1e12, moved / seconds / 1e9)))
         return out
 
 

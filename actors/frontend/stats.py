@@ -62,6 +62,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
     Metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
            "Draft tokens accepted at each draft position (0: the first).", labels="position"),
+    Metric("estimated_flops_per_gpu_total", "counter", "Estimated floating-point operations per device (for Model "
+           "FLOPs Utilization); only with --enable-mfu-metrics."),
+    Metric("estimated_read_bytes_per_gpu_total", "counter", "Estimated bytes read from memory per device; only "
+           "with --enable-mfu-metrics."),
+    Metric("estimated_write_bytes_per_gpu_total", "counter", "Estimated bytes written to memory per device; "
+           "only with --enable-mfu-metrics."),
     Metric("prompt_tokens_total", "counter", "Prompt tokens received."),
     Metric("generation_tokens_total", "counter", "Tokens generated."),
     Metric("watermark_requests_total", "counter", "Finished requests by watermark status: watermarked, "
@@ -244,6 +250,7 @@ class EngineStats:
     custom_buckets: tuple[tuple[str, tuple[float, ...]], ...] = ()
     # --watermark-config: finished requests by watermark status (None: no watermark, no metric)
     watermark_requests: dict[str, int] | None = None
+    mfu: bool = False                    # --enable-mfu-metrics: the estimated_* counters are shown
 
     def __post_init__(self) -> None:
         buckets = build_1_2_5_buckets(max(self.max_model_len, 1))
@@ -343,6 +350,9 @@ class EngineStats:
             "spec_decode_num_accepted_tokens_total": s.spec_num_accepted_tokens,
             "external_prefix_cache_queries_total": s.external_prefix_cache_queries,
             "external_prefix_cache_hits_total": s.external_prefix_cache_hits,
+            "estimated_flops_per_gpu_total": s.estimated_flops,
+            "estimated_read_bytes_per_gpu_total": s.estimated_read_bytes,
+            "estimated_write_bytes_per_gpu_total": s.estimated_write_bytes,
         }
         if m.name.startswith("kv_transfer_"):
             value = s.kv_transfer.get(m.name.removeprefix("kv_transfer_").removesuffix("_total"), 0)
@@ -399,8 +409,9 @@ class EngineStats:
         labels = f'model_name="{_escape(self.model)}",engine="0"'
         for prefix in prefixes:
             for m in METRICS:
-                if (prefix == "vllm" and not m.vllm) or (m.name == "watermark_requests_total"
-                                                         and self.watermark_requests is None):
+                if ((prefix == "vllm" and not m.vllm) or (m.name == "watermark_requests_total"
+                                                          and self.watermark_requests is None)
+                        or (m.name.startswith("estimated_") and not self.mfu)):
                     continue
                 name = f"{prefix}:{m.name}"
                 yield f"# HELP {name} {m.help}"
@@ -414,6 +425,9 @@ PER_ENGINE = {
     "kv_cache_usage_perc": lambda s: f"{s.kv_cache_usage:.6f}", "num_preemptions_total": lambda s: s.num_preemptions,
     "prefix_cache_queries_total": lambda s: s.prefix_cache_queries,
     "prefix_cache_hits_total": lambda s: s.prefix_cache_hits,
+    "estimated_flops_per_gpu_total": lambda s: s.estimated_flops,
+    "estimated_read_bytes_per_gpu_total": lambda s: s.estimated_read_bytes,
+    "estimated_write_bytes_per_gpu_total": lambda s: s.estimated_write_bytes,
 }
 
 
@@ -441,7 +455,9 @@ def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         spec_num_drafts=total("spec_num_drafts"), spec_num_draft_tokens=total("spec_num_draft_tokens"),
         spec_num_accepted_tokens=total("spec_num_accepted_tokens"), spec_num_accepted_tokens_per_pos=per_pos,
         external_prefix_cache_queries=total("external_prefix_cache_queries"),
-        external_prefix_cache_hits=total("external_prefix_cache_hits"), kv_transfer=transfer)
+        external_prefix_cache_hits=total("external_prefix_cache_hits"), kv_transfer=transfer,
+        estimated_flops=total("estimated_flops"), estimated_read_bytes=total("estimated_read_bytes"),
+        estimated_write_bytes=total("estimated_write_bytes"))
 
 
 def parse_prefixes(text: str) -> tuple[str, ...]:

@@ -62,6 +62,7 @@ from actors.engine.messages import (CachedRequestData, EngineCoreOutput, EngineC
                                     SchedulerStats)
 from actors.grammar.compiler import GrammarError
 from actors.scheduler.cost_model import AUTO_CHUNK_COST, StepCostModel, attention_pairs
+from actors.scheduler.perf import PerfModel
 from actors.grammar.matchers import StructuredOutputs
 from actors.kv_manager.block_hash import BlockHasher, block_extra_keys, event_extra_keys
 from actors.kv_manager.kv_events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
@@ -102,6 +103,9 @@ class _Counters:
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     kv_transfer: dict[str, float] = field(default_factory=dict)
+    estimated_flops: int = 0               # --enable-mfu-metrics (perf.py)
+    estimated_read_bytes: int = 0
+    estimated_write_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -143,6 +147,8 @@ class Scheduler:
         self.model_times = obs.collect_model_forward_time or obs.collect_model_execute_time
         if obs.kv_cache_metrics:        # --kv-cache-metrics: a sample of the blocks' residency
             kv.pool.residency = BlockResidency(obs.kv_cache_metrics_sample)
+        # --enable-mfu-metrics: each step's FLOPs and bytes, estimated from the model's shape
+        self.perf = PerfModel(config) if obs.enable_mfu_metrics and config.model.arch is not None else None
         self.watermark_blocks = int(self.config.watermark * kv.pool.num_usable_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting = create_queue(self.config.policy)
@@ -445,6 +451,12 @@ class Scheduler:
         sampling: list[Request] = []
         spec: dict[str, list[int]] = {}
         pairs = 0
+        if self.perf is not None:
+            cost = self.perf.step([(n, req.num_computed_tokens + n, req.num_computed_tokens < req.num_prompt_tokens)
+                                   for req, n in step.num_tokens.items()])
+            c.estimated_flops += cost.flops
+            c.estimated_read_bytes += cost.read_bytes
+            c.estimated_write_bytes += cost.write_bytes
         for req, n in step.num_tokens.items():
             pairs += attention_pairs(req.num_computed_tokens, n)
             if req.num_computed_tokens < req.num_prompt_tokens:
@@ -914,4 +926,6 @@ class Scheduler:
                               c.compute_seconds, c.spec_num_drafts, c.spec_num_draft_tokens,
                               c.spec_num_accepted_tokens, list(c.spec_num_accepted_tokens_per_pos),
                               c.external_prefix_cache_queries, c.external_prefix_cache_hits, dict(c.kv_transfer),
-                              self.kv.pool.residency.drain() if self.kv.pool.residency is not None else [])
+                              self.kv.pool.residency.drain() if self.kv.pool.residency is not None else [],
+                              estimated_flops=c.estimated_flops, estimated_read_bytes=c.estimated_read_bytes,
+                              estimated_write_bytes=c.estimated_write_bytes)

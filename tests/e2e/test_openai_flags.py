@@ -55,7 +55,7 @@ def started():
                                    "--default-chat-template-kwargs", '{"greeting": "Hello"}', "--stream-interval", "2",
                                    "--sse-keep-alive-interval", "1", "--max-num-queued-reqs", "3",
                                    "--chat-template-content-format", "string",
-                                   "--enable-per-request-metrics", "--fingerprint-mode", "custom",
+                                   "--enable-per-request-metrics", "--enable-mfu-metrics", "--fingerprint-mode", "custom",
                                    "--fingerprint-value", FINGERPRINT)
         except BaseException as exc:   # reported by the fixture below
             box["error"] = exc
@@ -369,3 +369,26 @@ def test_per_request_metrics_time_a_one_choice_answer_and_its_stream_and_the_fin
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         assert json.loads(resp.read())["metrics"]["generation_time_ms"] > 0
+
+
+def test_mfu_metrics_count_each_steps_estimated_flops_and_bytes(server):
+    """--enable-mfu-metrics: the estimated FLOPs and bytes per device grow with each request, by
+    at least the model's weights read and two FLOPs per weight and token."""
+    import re
+
+    def sample(name: str) -> float:
+        req = urllib.request.Request(server.url + "/metrics")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read().decode()
+        return float(re.search(rf'^vllm:{name}{{[^}}]*}} (\S+)$', text, re.M).group(1))
+    names = ("estimated_flops_per_gpu_total", "estimated_read_bytes_per_gpu_total", "estimated_write_bytes_per_gpu_total")
+    before = [sample(n) for n in names]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=4, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = [sample(n) for n in names]
+    weights = 134_515_008                        # SmolLM2-135M's parameters (float32: 4 bytes each)
+    assert after[0] - before[0] >= 2 * weights * 9     # 5 prompt tokens and 3 more, at 2 FLOPs per weight
+    assert after[1] - before[1] >= 4 * weights * 3     # the weights read on each of the (at least 4) steps
+    assert after[2] > before[2]

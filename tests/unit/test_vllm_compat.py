@@ -416,8 +416,9 @@ def test_max_logprobs_bounds_chat_top_logprobs_and_completion_logprobs_naming_th
 
 def test_metrics_are_written_under_vllm_and_troupe_prefixes_as_chosen():
     assert "watermark_requests" not in EngineStats(model="m").prometheus()    # vLLM's: only with a watermark
+    assert "estimated_flops" not in EngineStats(model="m").prometheus()      # only with --enable-mfu-metrics
     stats = EngineStats(model="my-model", max_model_len=1000,
-                        watermark_requests={"watermarked": 2, "skipped": 0, "not_watermarked": 1})
+                        watermark_requests={"watermarked": 2, "skipped": 0, "not_watermarked": 1}, mfu=True)
     stats.last = msgspec.structs.replace(stats.last, spec_num_accepted_tokens_per_pos=[3, 1])
     both = stats.prometheus()
     assert 'vllm:watermark_requests_total{model_name="my-model",engine="0",status="watermarked"} 2' in both
