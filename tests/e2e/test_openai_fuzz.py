@@ -28,7 +28,7 @@ SERVER_ARGS = ("--threads", "1")
 
 DEADLINE_S = 30.0        # per request: a hang fails the test, it does not stall the suite
 BATCH = 5                # bodies per generated example, sent at once
-FUZZ = settings(max_examples=45, deadline=None, database=None, derandomize=True,
+FUZZ = settings(max_examples=30, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLargeError"}
 SENT: Counter[str] = Counter()          # bodies sent, by test
