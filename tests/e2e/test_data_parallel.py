@@ -63,6 +63,26 @@ def _concurrently(fn, args_list) -> list:
     return out
 
 
+def _kill_amid_four_streams(server: Server, kill, max_tokens: int) -> list:
+    """Four requests of ``max_tokens``; once two run on each engine core, ``kill()``; their
+    (status, body) once all have ended."""
+    results: list = [None] * 4
+
+    def run(i):
+        results[i] = _complete(server, f"Story {i}: once upon a time", max_tokens=max_tokens)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(_metric(server, "num_requests_running").values()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(server, "num_requests_running") == {"0": 2.0, "1": 2.0}
+    kill()
+    for t in threads:
+        t.join(180)
+    return results
+
+
 def _engine_pids(server: Server) -> dict[int, int]:
     line = next(line for line in server.lines if "engine pids" in line)
     return {int(r): int(p) for r, p in re.findall(r"(\d+): (\d+)", line.split("engine pids")[1])}
@@ -91,21 +111,7 @@ def test_a_prompt_prefix_sent_again_goes_to_the_engine_that_cached_it(server):
 def test_a_killed_engine_core_fails_only_its_requests_and_comes_back(server):
     pids = _engine_pids(server)
     assert sorted(pids) == [0, 1] and all(alive(p) for p in pids.values())
-    results: list = [None] * 4
-
-    def run(i):
-        results[i] = _complete(server, f"Story {i}: once upon a time", max_tokens=96)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while sum(_metric(server, "num_requests_running").values()) < 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    running = _metric(server, "num_requests_running")
-    assert running == {"0": 2.0, "1": 2.0}
-    os.kill(pids[1], signal.SIGKILL)
-    for t in threads:
-        t.join(180)
+    results = _kill_amid_four_streams(server, lambda: os.kill(pids[1], signal.SIGKILL), 96)
     failed = [body for status, body in results if status != 200]
     assert len(failed) == 2 and all("engine core 1 died" in body["error"]["message"] for body in failed)
     assert sorted(body["usage"]["completion_tokens"] for status, body in results if status == 200) == [96, 96]

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from server import ROOT, Server, alive, children, free_ports
-from test_data_parallel import _complete, _concurrently, _metric
+from test_data_parallel import _complete, _concurrently, _kill_amid_four_streams, _metric
 
 pytestmark = pytest.mark.slow
 
@@ -116,21 +116,8 @@ def test_requests_are_spread_over_the_servers_and_the_headless_engine_core_and_a
 def test_a_killed_headless_engine_core_fails_only_its_requests_and_joins_again(cluster):
     server, headless, _ = cluster
     pid = headless.engine_pid()
-    results: list = [None] * 4
-
-    def run(i):
-        results[i] = _complete(server, f"Story {i}: once upon a time", max_tokens=40)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while sum(_metric(server, "num_requests_running").values()) < 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _metric(server, "num_requests_running") == {"0": 2.0, "1": 2.0}
     mark = len(server.lines)
-    os.kill(pid, signal.SIGKILL)
-    for t in threads:
-        t.join(180)
+    results = _kill_amid_four_streams(server, lambda: os.kill(pid, signal.SIGKILL), 40)
     failed = [body for status, body in results if status != 200]
     assert len(failed) == 2 and all("engine core 1 is down" in body["error"]["message"] for body in failed)
     assert sorted(body["usage"]["completion_tokens"] for status, body in results if status == 200) == [40, 40]
