@@ -36,6 +36,7 @@ from actors.runtime import ActorRef, Node
 from actors.runtime.errors import AskTimeout
 from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, decode_info, start_child
 from actors.runtime.ray_nodes import RayChild, RayPlacement, start_ray_child
+from actors.worker.openmp import openmp_env
 from actors.kv_manager.kv_events import ZmqEventPublisher
 from actors.scheduler.actor import SchedulerActor, WorkersLost, WorkersReady
 from actors.scheduler.scheduler import Scheduler
@@ -163,8 +164,9 @@ class EngineCore:
                         flight_dir=self.config.observability.flight_recorder_dir)
         if self.ray is not None:
             return await start_ray_child(self.node, spec, self.ray.hosts[rank], ready_timeout=LOAD_TIMEOUT_S,
-                                         on_exit=self._worker_exited)
-        return await start_child(self.node, spec, ready_timeout=LOAD_TIMEOUT_S, on_exit=self._worker_exited)
+                                         on_exit=self._worker_exited, env=openmp_env())
+        return await start_child(self.node, spec, ready_timeout=LOAD_TIMEOUT_S, on_exit=self._worker_exited,
+                                 env=openmp_env())
 
     # -- worker supervision ------------------------------------------------------------------
     def _worker_exited(self, child: ChildProcess | RayChild) -> None:

@@ -315,10 +315,12 @@ def beats_socket() -> tuple[Any, str]:
 
 
 async def start_ray_child(node: Node, spec: NodeSpec, host: Any, *, ready_timeout: float = 600.0,
-                          on_exit: Callable[[RayChild], None] | None = None) -> tuple[RayChild, NodeReady]:
+                          on_exit: Callable[[RayChild], None] | None = None,
+                          env: dict[str, str] | None = None) -> tuple[RayChild, NodeReady]:
     """Run child node ``spec`` in Ray actor ``host`` and wait until it is ready (connected to
-    the address it reports). Raises ChildStartError if it dies or times out first (the actor
-    is then killed)."""
+    the address it reports). ``env``: set in the actor's process before the node starts, beside
+    this process's ``TROUPE_*`` variables. Raises ChildStartError if it dies or times out first
+    (the actor is then killed)."""
     import ray
     try:
         ip, pid = await host.where.remote()          # the actor is up (its node's main blocks it next)
@@ -327,7 +329,7 @@ async def start_ray_child(node: Node, spec: NodeSpec, host: Any, *, ready_timeou
         raise ChildStartError(f"the Ray actor of process '{spec.name}' did not start: "
                               f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
     waiter = system_actor(node).expect_ready(spec.name)
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)} | (env or {})
     beats, address = beats_socket()
     spec = msgspec.structs.replace(spec, beats_to=address)
     child = RayChild(node, spec, host, host.run.remote(msgspec.msgpack.encode(spec), env), None)

@@ -90,6 +90,16 @@ def test_eight_concurrent_streams_complete_and_share_engine_steps(server):
     assert "troupe:iteration_tokens_total_bucket" in metrics and "troupe:engine_compute_seconds_total" in metrics
 
 
+def test_the_worker_starts_with_a_short_openmp_spin_and_the_engine_core_without_one(server):
+    """The worker's OpenMP threads sleep soon after a parallel region (actors/worker/openmp.py),
+    so a process that wants their core is not held off for milliseconds at every region."""
+    def environ(pid: int) -> dict[str, str]:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
+    assert environ(server.worker_pid())["GOMP_SPINCOUNT"] == "3000"
+    assert "GOMP_SPINCOUNT" not in environ(server.engine_pid())
+
+
 def test_bad_input_gets_openai_shaped_4xx_never_500(server):
     async def main():
         cases = [
