@@ -11,6 +11,8 @@ import sys
 import pytest
 
 import tools.gpu_check.__main__ as gpu_check
+from models.resolve import default_gguf_path
+from tools.gpu_check.prepare import trim_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,11 +45,15 @@ def test_without_either_part_nothing_is_found(tmp_path, monkeypatch):
 def test_dry_run_goes_through_every_part_and_reports_the_criteria(tmp_path):
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
+    model = str(tmp_path / "smollm2-2-layers.gguf")     # the plumbing of a cut model, as prepare.py cuts it
+    trim_gguf(default_gguf_path(), model, [0, 1])
     proc = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--dry-run", "--out", str(tmp_path),
-                           "--skip", "tests"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+                           "--model", model, "--skip", "tests"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=280)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0, (report, proc.stderr[-2000:])
     assert report["ok"] is True
+    assert report["model"] == {"path": model, "source": "cut SmolLM2 (prepare.py)"}
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == report
     for part in ("parity", "bench", "offline", "quant_kernels", "variants"):
         assert report[part]["status"] == "passed" and (tmp_path / f"{part}.log").exists()
