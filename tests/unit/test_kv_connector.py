@@ -6,6 +6,7 @@ prompt's last token, and never free blocks a transfer may still touch."""
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 import msgspec
 import pytest
@@ -22,7 +23,7 @@ from actors.runtime.ray_nodes import NODE_IP_ENV
 from actors.scheduler.request import RequestStatus
 from actors.scheduler.scheduler import Scheduler
 from models.config import ArchConfig
-from tests.e2e.server import free_port
+from tests.e2e.server import free_ports
 from tests.unit.sched_utils import engine_config
 
 BS, NUM_BLOCKS, LAYERS, HEADS, HEAD = 4, 32, 2, 1, 8
@@ -97,6 +98,13 @@ class Instance:
         return outs
 
 
+def _kv_ports(instances: int = 2) -> Iterator[int]:
+    """A KV side-channel port for each instance, four apart (its ranks listen on the port and the
+    ones after it), below the range the kernel hands out for port 0 (so no server another test
+    process starts meanwhile can take one)."""
+    base = free_ports(4 * instances)
+    return iter(range(base, base + 4 * instances, 4))
+
 def pattern(layer: int, kv: int, pos: int, rank: int = 0) -> float:
     return rank * 10000 + layer * 1000 + kv * 100 + pos + 0.5
 
@@ -123,9 +131,9 @@ def add(inst: Instance, rid: str, prompt: list[int], max_tokens: int, params: di
 
 @pytest.fixture
 def pair():
-    port = free_port()
-    producer = Instance("kv_producer", port, kv_lease_duration=30.0)
-    consumer = Instance("kv_consumer", free_port())
+    ports = _kv_ports()
+    producer = Instance("kv_producer", next(ports), kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", next(ports))
     yield producer, consumer
     producer.close()
     consumer.close()
@@ -184,8 +192,9 @@ def test_each_same_machine_path_loads_the_same_values_into_other_block_ids(path,
             raise PermissionError(1, f"reading process {pid}'s memory: Operation not permitted")
         monkeypatch.setattr(cma, "read_regions", refuse)
     connector = "NixlConnector" if path == "nixl" else "TroupeConnector"
-    producer = Instance("kv_producer", free_port(), connector=connector, kv_lease_duration=30.0)
-    consumer = Instance("kv_consumer", free_port(), connector=connector, **extra)
+    ports = _kv_ports()
+    producer = Instance("kv_producer", next(ports), connector=connector, kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", next(ports), connector=connector, **extra)
     try:
         params = prefill(producer)
         assert consumer.kv.allocate_slots("elsewhere", 3 * BS + 1, []) is not None   # other local block ids
@@ -217,8 +226,9 @@ def test_with_two_ranks_each_rank_loads_its_share_from_the_rank_of_the_same_numb
     """Each rank's side channel listens on kv_port + rank; consumer rank r reads producer rank r's
     heads (tensor parallelism) or layers (pipeline parallelism); a request is loaded, and the
     producer's blocks freed, once both ranks are done."""
-    producer = Instance("kv_producer", free_port(), tp=tp, pp=pp, kv_lease_duration=30.0)
-    consumer = Instance("kv_consumer", free_port(), tp=tp, pp=pp)
+    ports = _kv_ports()
+    producer = Instance("kv_producer", next(ports), tp=tp, pp=pp, kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", next(ports), tp=tp, pp=pp)
     try:
         params = prefill(producer)
         assert (params["tp_size"], params["pp_size"]) == (tp, pp)
@@ -248,8 +258,9 @@ def test_with_two_ranks_each_rank_loads_its_share_from_the_rank_of_the_same_numb
 def test_ranks_on_different_machines_are_named_each_and_each_consumer_rank_reads_from_its_own():
     """A producer whose ranks listen on different addresses (ranks on a cluster's machines; here
     127.0.0.1 and 127.0.0.2) names every rank's host; consumer rank 1 reads from the second."""
-    producer = Instance("kv_producer", free_port(), tp=2, rank_ips=["127.0.0.1", "127.0.0.2"], kv_lease_duration=30.0)
-    consumer = Instance("kv_consumer", free_port(), tp=2)
+    ports = _kv_ports()
+    producer = Instance("kv_producer", next(ports), tp=2, rank_ips=["127.0.0.1", "127.0.0.2"], kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", next(ports), tp=2)
     try:
         params = prefill(producer)
         assert params["remote_host"] == "127.0.0.1" and params["remote_hosts"] == ["127.0.0.1", "127.0.0.2"]
@@ -275,8 +286,9 @@ def test_on_a_ray_machine_a_loopback_side_channel_listens_on_the_machines_cluste
 
 
 def test_a_handshake_between_different_pipeline_splits_is_refused_naming_the_field():
-    producer = Instance("kv_producer", free_port(), pp=2)
-    consumer = Instance("kv_consumer", free_port())
+    ports = _kv_ports()
+    producer = Instance("kv_producer", next(ports), pp=2)
+    consumer = Instance("kv_consumer", next(ports))
     try:
         with pytest.raises(HandshakeError, match=r"pipeline_parallel_size 2 \(producer\) vs 1 \(consumer\)"):
             consumer.worker.handshake("127.0.0.1", producer.config.kv_transfer.kv_port)
@@ -297,7 +309,8 @@ def test_the_ranks_reports_combine_into_one_once_every_rank_reported():
 
 
 def test_a_lease_nobody_renews_expires_and_frees_the_producers_blocks():
-    producer = Instance("kv_producer", free_port(), kv_lease_duration=0.3)
+    ports = _kv_ports()
+    producer = Instance("kv_producer", next(ports), kv_lease_duration=0.3)
     try:
         prefill(producer)
         assert producer.kv.usage() > 0
@@ -326,8 +339,9 @@ def test_a_nixl_read_the_producer_can_no_longer_serve_fails_and_the_prompt_is_re
     """NIXL no longer knows the producer's agent after the handshake (as when UCX lost the
     connection): the read fails, the load is reported failed, the consumer computes the whole
     prompt."""
-    producer = Instance("kv_producer", free_port(), connector="NixlConnector", kv_lease_duration=30.0)
-    consumer = Instance("kv_consumer", free_port(), connector="NixlConnector")
+    ports = _kv_ports()
+    producer = Instance("kv_producer", next(ports), connector="NixlConnector", kv_lease_duration=30.0)
+    consumer = Instance("kv_consumer", next(ports), connector="NixlConnector")
     try:
         other = [p + 50 for p in PROMPT]                     # a first load (another prompt): handshake
         add(producer, "p0", other, 1, {"do_remote_decode": True})
@@ -367,7 +381,7 @@ def test_blocks_of_a_request_aborted_while_its_kv_loads_are_freed_only_when_the_
 
 def test_a_handshake_between_different_block_sizes_is_refused_naming_the_field(pair):
     producer, _ = pair
-    other = Instance("kv_consumer", free_port(), block_size=8)
+    other = Instance("kv_consumer", next(_kv_ports(1)), block_size=8)
     try:
         with pytest.raises(HandshakeError, match=r"block_size 4 \(producer\) vs 8 \(consumer\)"):
             other.worker.handshake("127.0.0.1", producer.config.kv_transfer.kv_port)
