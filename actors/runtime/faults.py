@@ -32,7 +32,9 @@ class InjectFault(Msg):
     """Arm a fault on ``node`` ("" = the node that receives it). ``raise``: the next ``count``
     handlings of ``message_type`` by ``actor`` raise InjectedFault; ``stall``: block that node's
     event loop for ``seconds`` (``busy``: computing, like a long step; else sleeping, like a
-    hang); ``drop``: the next ``count`` frames the node sends are lost; ``kill``: SIGKILL it.
+    hang); ``drop``: the next ``count`` frames the node sends are lost (only frames carrying a
+    ``message_type`` when one is given: a step's reply, not a trace record sent meanwhile);
+    ``kill``: SIGKILL it.
     The reply: whether some node took it."""
     reply_type: ClassVar[Any] = bool
     lane: ClassVar[str] = "system"
@@ -49,7 +51,7 @@ class InjectFault(Msg):
 class Faults:
     """The faults armed in one node."""
     raises: dict[tuple[str, str], int] = field(default_factory=dict)  # (actor, message type) -> times
-    drop_frames: int = 0
+    drops: dict[str, int] = field(default_factory=dict)               # message type ("": any) -> frames
 
     def arm(self, f: InjectFault) -> None:
         """Arm ``f`` here; a stall or a kill strikes at once."""
@@ -57,7 +59,7 @@ class Faults:
             key = (f.actor, f.message_type)
             self.raises[key] = self.raises.get(key, 0) + f.count
         elif f.kind == "drop":
-            self.drop_frames += f.count
+            self.drops[f.message_type] = self.drops.get(f.message_type, 0) + f.count
         elif f.kind == "stall":
             stall(f.seconds, f.busy)
         elif f.kind == "kill":
@@ -73,11 +75,16 @@ class Faults:
             self.raises[key] = left - 1
             raise InjectedFault(f"injected fault: {actor} handling {message_type}")
 
-    def take_drop(self) -> bool:
-        """Whether the frame about to be sent is lost."""
-        if self.drop_frames:
-            self.drop_frames -= 1
-            return True
+    def take_drop(self, message_type: str) -> bool:
+        """Whether the frame about to be sent, carrying a ``message_type``, is lost."""
+        for key in (message_type, ""):
+            left = self.drops.get(key, 0)
+            if left:
+                if left == 1:
+                    del self.drops[key]
+                else:
+                    self.drops[key] = left - 1
+                return True
         return False
 
 

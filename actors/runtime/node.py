@@ -150,7 +150,7 @@ class Node:
     def _send(self, peer: str, header: Header, msg: Any) -> None:
         if self.transport is None:
             raise ActorDied(f"node '{self.name}' has no transport to reach node '{peer}'")
-        if self.faults.drop_frames and self.faults.take_drop():
+        if self.faults.drops and self.faults.take_drop(header.msg_type):
             return
         frames = self.codec.encode(header, msg)
         try:

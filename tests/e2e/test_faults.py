@@ -87,11 +87,12 @@ def test_a_lost_frame_costs_its_request_a_timeout_not_a_hang(server):
 
 @pytest.mark.parametrize("node", ["engine", WORKER])
 def test_a_step_or_its_reply_lost_between_engine_and_worker_is_recovered(server, node):
-    """The engine's next frame is a step to the worker; the worker's, that step's reply. Either
-    lost, the executor asks the worker about the late step and sends it again or takes its
+    """The engine's next step to the worker, or the worker's next reply to a step, is lost; either
+    way the executor asks the worker about the late step and sends it again or takes its
     output again: the request completes, a few seconds late."""
     async def scenario(session):
-        assert await inject(session, server.url, kind="drop", node=node, count=1)
+        lost = "SchedulerOutput" if node == "engine" else "ModelRunnerOutput"     # the step, or its reply
+        assert await inject(session, server.url, kind="drop", node=node, message_type=lost, count=1)
         t0 = time.monotonic()
         result = await complete(session, server.url, "Despite a lost frame:")
         return result, time.monotonic() - t0

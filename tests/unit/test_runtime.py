@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from actors.runtime import (ActorDied, AskTimeout, MailboxFull, MessageRejected, Node, RemoteError)
-from actors.runtime.faults import InjectFault
+from actors.runtime.faults import Faults, InjectFault
 from actors.runtime.errors import ChildStartError
 from actors.runtime.child import EXIT_GRACE_S
 from actors.runtime.process import NodeSpec, decode_info, start_child, system_actor
@@ -408,3 +408,12 @@ def test_escalating_actor_stops_its_node_with_nonzero_code():
         await node.stop()
         return code
     assert run_async(main()) == 1
+
+
+def test_a_drop_armed_for_one_message_type_loses_only_its_frames():
+    faults = Faults()
+    faults.arm(InjectFault("drop", message_type="ModelRunnerOutput", count=2))
+    faults.arm(InjectFault("drop", count=1))
+    assert [faults.take_drop(t) for t in ("TraceRecords", "ModelRunnerOutput", "TraceRecords",
+                                          "ModelRunnerOutput", "ModelRunnerOutput")] == [True, True, False, True, False]
+    assert not faults.drops
