@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,6 +94,14 @@ class Server:
 
     def log(self) -> str:
         return "".join(self.lines)
+
+    def log_when(self, holds: Callable[[str], bool], timeout: float = 10.0) -> str:
+        """The log once ``holds(log)`` (its lines reach us through a pipe a moment after the
+        answer that caused them); the log as it is after ``timeout`` seconds otherwise."""
+        deadline = time.monotonic() + timeout
+        while not holds(log := self.log()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return log
 
     def errors(self, limit: int = 2000) -> str:
         """The log without its INFO lines, its last ``limit`` characters (what says why it failed,

@@ -131,10 +131,12 @@ def test_the_log_shows_each_requests_output_cut_to_max_log_len(server, tls):
                             "temperature": 0})
     text = json.loads(body)["choices"][0]["text"]
     rid = json.loads(body)["id"].removeprefix("cmpl-")
-    lines = [line for line in server.log().splitlines() if f"response {rid}: output:" in line]
+    log = server.log_when(lambda log: f"response {rid}: output:" in log)
+    lines = [line for line in log.splitlines() if f"response {rid}: output:" in line]
     assert status == 200 and len(lines) == 1
     assert lines[0].endswith(f"output: {text[:12]!r}, finish_reason: length")
-    assert re.search(rf"request {rid}: \d+ prompt tokens, params: max_tokens=8", server.log())
+    logged = re.compile(rf"request {rid}: \d+ prompt tokens, params: max_tokens=8")
+    assert logged.search(server.log_when(lambda log: logged.search(log) is not None))
 
 
 def test_a_streamed_request_logs_each_delta_then_its_whole_output(server, tls):
@@ -173,9 +175,10 @@ def test_an_error_answer_logs_its_stack_trace(server, tls):
     """--log-error-stack: a 400 too, with the traceback of where it was raised."""
     status, _, body = _get(server, tls, "/v1/completions", {"model": "from-cli", "prompt": "x", "max_tokens": -1})
     assert status == 400 and "max_tokens" in body
-    log = server.log()
-    at = log.rfind("POST /v1/completions answered 400")
-    assert at >= 0 and "Traceback (most recent call last)" in log[at:]
+    def traced(log: str) -> bool:
+        at = log.rfind("POST /v1/completions answered 400")
+        return at >= 0 and "Traceback (most recent call last)" in log[at:]
+    assert traced(server.log_when(traced))
 
 
 def test_every_process_logs_through_the_logging_configuration_file(server):
