@@ -2,26 +2,14 @@ import os
 
 import pytest
 
-from actors.worker.openmp import openmp_env
+from actors.worker.openmp import load_torch_with_short_spin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _torch_with_the_workers_openmp_spin() -> None:
-    """This process runs models too, beside the servers the tests start: its OpenMP threads spin
-    as briefly as a worker's (actors/worker/openmp.py), or every server step that shares a core
-    with them waits out their spin. The runtime reads the setting once, as torch loads; it is put
-    back afterwards, so the processes the tests start see the environment as a user's."""
-    added = openmp_env()
-    os.environ.update(added)
-    try:
-        import torch  # noqa: F401
-    finally:
-        for name in added:
-            os.environ.pop(name, None)
-
-
-_torch_with_the_workers_openmp_spin()
+# This process runs models too, beside the servers the tests start: its OpenMP threads spin as
+# briefly as a worker's, or every server step that shares a core with them waits out their spin.
+load_torch_with_short_spin()
 
 
 @pytest.fixture(scope="module", autouse=True)

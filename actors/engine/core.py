@@ -36,7 +36,7 @@ from actors.runtime import ActorRef, Node
 from actors.runtime.errors import AskTimeout
 from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, decode_info, start_child
 from actors.runtime.ray_nodes import RayChild, RayPlacement, start_ray_child
-from actors.worker.openmp import openmp_env
+from actors.worker.openmp import load_torch_with_short_spin, openmp_env
 from actors.kv_manager.kv_events import ZmqEventPublisher
 from actors.scheduler.actor import SchedulerActor, WorkersLost, WorkersReady
 from actors.scheduler.scheduler import Scheduler
@@ -119,6 +119,7 @@ class EngineCore:
         """The workers (one per rank), with the model loaded; and the config they resolved, with
         the fewest KV cache blocks any rank has room for."""
         if not self.config.parallel.multiprocess:
+            load_torch_with_short_spin()     # the worker's OpenMP threads, as a worker process's
             ref = await self.node.start(topology.WORKER, WorkerActor)
             return [ref], await ref.ask(LoadModel(self.config), timeout=LOAD_TIMEOUT_S)
         if self.config.parallel.distributed_executor_backend == "ray":

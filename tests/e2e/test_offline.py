@@ -207,6 +207,21 @@ def test_chat_repl_streams_a_reply_from_piped_input():
     assert "Paris" in proc.stdout
 
 
+def test_an_engine_in_the_users_process_runs_its_openmp_threads_with_the_short_spin():
+    """The offline API's worker shares the user's process: torch (loaded by the engine) gets the
+    bounded spin a worker process gets, and the user's environment is as it was."""
+    script = ("import os\nfrom actors.api import LLM, SamplingParams\n"
+              "with LLM(max_model_len=256) as llm:\n"
+              "    out = llm.generate('Hello', SamplingParams(max_tokens=2), use_tqdm=False)[0]\n"
+              "print(len(out.token_ids), os.environ.get('GOMP_SPINCOUNT'))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+                          cwd=ROOT, env={**env, "OMP_DISPLAY_ENV": "VERBOSE"})
+    assert proc.returncode == 0, proc.stderr
+    assert "GOMP_SPINCOUNT = '3000'" in proc.stderr
+    assert proc.stdout.split()[-2:] == ["2", "None"]
+
+
 def test_beam_search_keeps_the_most_likely_sequences_with_their_true_logprobs(llm):
     """vLLM's LLM.beam_search: width 1 is greedy decoding; wider, the beams are distinct, best
     first by length-penalized score, and each beam's cumulative log-prob is what the model gives
