@@ -147,7 +147,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_long_partial_prefills: int = 1     # of those, prompts longer than long_prefill_token_threshold
     # a step with decodes in it takes prompt chunks only as large as keep its predicted time under
     # this (a cost model fitted on the steps run; stall-free batching); 0: off; "auto": the prompt
-    # chunk beside decodes may cost AUTO_CHUNK_COST times the fitted fixed cost of a step
+    # chunk beside decodes may cost AUTO_CHUNK_COST times the fitted fixed cost of a step, or
+    # AUTO_MIN_CHUNK_TOKENS tokens' cost where that is more (actors/scheduler/cost_model.py)
     max_step_latency_ms: float | Literal["auto"] = 0.0
     policy: str = "fcfs"                   # "fcfs" | "priority"
     watermark: float = 0.01                # fraction of blocks kept free when admitting

@@ -23,6 +23,10 @@ MIN_OBSERVATIONS = 8
 # time (6, 10 and 16 compared under load: 6 cut the tail most but queued prompts at 4 req/s,
 # 16 let the tail back; README, "Stall-free batching")
 AUTO_CHUNK_COST = 10.0
+# ... or, where a step's fixed cost is small against a token's (quantized weights read fast), the
+# cost of this many prompt tokens: ten fixed costs of gguf-i8 (5 ms) left room for 45 tokens a
+# step, and at 4 req/s prompts queued for seconds (README, "Stall-free batching")
+AUTO_MIN_CHUNK_TOKENS = 128
 FORGET = 0.98              # each step weighs this much less than the next
 RIDGE = 1e-9               # keeps the normal equations solvable while the steps look alike
 
@@ -61,6 +65,12 @@ class StepCostModel:
         if self.observations >= MIN_OBSERVATIONS:
             coef = np.linalg.solve(self._xtx + RIDGE * np.eye(3), self._xty)
             self.coef = np.maximum(coef, 0.0)          # no term makes a step faster
+
+    def auto_chunk_seconds(self) -> float:
+        """--max-step-latency-ms auto: what a step's prompt chunks beside decodes may cost, the
+        larger of AUTO_CHUNK_COST fixed step costs and AUTO_MIN_CHUNK_TOKENS tokens' cost."""
+        c0, c1, _ = self.coef
+        return max(AUTO_CHUNK_COST * c0, AUTO_MIN_CHUNK_TOKENS * c1)
 
     def describe(self) -> str:
         c0, c1, c2 = self.coef

@@ -61,7 +61,7 @@ from actors.engine.messages import (CachedRequestData, EngineCoreOutput, EngineC
                                     ModelRunnerOutput, NewRequestData, SchedulerOutput,
                                     SchedulerStats)
 from actors.grammar.compiler import GrammarError
-from actors.scheduler.cost_model import AUTO_CHUNK_COST, StepCostModel, attention_pairs
+from actors.scheduler.cost_model import StepCostModel, attention_pairs
 from actors.scheduler.perf import PerfModel
 from actors.grammar.matchers import StructuredOutputs
 from actors.kv_manager.block_hash import BlockHasher, block_extra_keys, event_extra_keys
@@ -162,7 +162,7 @@ class Scheduler:
                 raise ValueError("speculative decoding needs async scheduling off")
             self.counters.spec_num_accepted_tokens_per_pos = [0] * self.speculative.num_speculative_tokens
         # --max-step-latency-ms: prompt chunks sized so that steps with decodes stay under it, or
-        # ("auto") so that a chunk beside decodes costs at most AUTO_CHUNK_COST fixed step costs
+        # ("auto") so that a chunk beside decodes costs at most the cost model's auto_chunk_seconds
         self.latency_auto = self.config.max_step_latency_ms == "auto"
         self.latency_target = 0.0 if self.latency_auto else self.config.max_step_latency_ms / 1000.0
         self.cost = StepCostModel()
@@ -487,8 +487,8 @@ class Scheduler:
 
     def _latency_budget(self) -> tuple[float | None, frozenset]:
         """With a latency target, once the cost model is fitted and requests are decoding: the
-        seconds left for the step's other tokens after the decodes' share ("auto": AUTO_CHUNK_COST
-        fixed step costs), and those decoding requests. None otherwise (no decodes to stall:
+        seconds left for the step's other tokens after the decodes' share ("auto": the cost model's
+        auto_chunk_seconds), and those decoding requests. None otherwise (no decodes to stall:
         chunks as large as the token budget allows)."""
         if not (self.latency_auto or self.latency_target > 0) or not self.cost.ready:
             return None, frozenset()
@@ -504,7 +504,7 @@ class Scheduler:
         if not tokens:
             return None, frozenset()
         if self.latency_auto:
-            return AUTO_CHUNK_COST * self.cost.coef[0], frozenset(decoding)
+            return self.cost.auto_chunk_seconds(), frozenset(decoding)
         return self.latency_target - self.cost.predict(tokens, pairs), frozenset(decoding)
 
     def seed_step_costs(self, costs: list[tuple[int, int, float]]) -> None:

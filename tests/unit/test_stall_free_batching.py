@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.engine.args import EngineArgs
-from actors.scheduler.cost_model import AUTO_CHUNK_COST, MIN_OBSERVATIONS, StepCostModel, attention_pairs
+from actors.scheduler.cost_model import (AUTO_CHUNK_COST, AUTO_MIN_CHUNK_TOKENS, MIN_OBSERVATIONS, StepCostModel,
+                                        attention_pairs)
 from actors.worker.worker import Worker
 from sched_utils import Harness
 
@@ -90,9 +91,10 @@ def test_steps_with_decodes_stay_under_the_target_and_every_request_finishes(req
 
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 30)), min_size=2, max_size=8))
-def test_with_an_auto_target_prompt_chunks_beside_decodes_cost_at_most_ten_fixed_step_costs(requests):
-    """--max-step-latency-ms auto: the target follows the machine's fitted fixed cost per step;
-    every request still finishes within the bound of steps."""
+def test_with_an_auto_target_prompt_chunks_beside_decodes_cost_at_most_the_auto_budget(requests):
+    """--max-step-latency-ms auto: the target follows the machine's fitted costs (ten fixed step
+    costs, or 128 prompt tokens' cost where that is more); every request still finishes within the
+    bound of steps."""
     h = Harness(num_blocks=512, max_step_latency_ms="auto", max_num_batched_tokens=512)
     h.s.cost = StepCostModel(COEF)
     for i, (prompt, max_tokens) in enumerate(requests):
@@ -112,18 +114,22 @@ def test_with_an_auto_target_prompt_chunks_beside_decodes_cost_at_most_ten_fixed
         chunks = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid not in decoding}
         cost = sum(c1 * n + c2 * attention_pairs(starts[rid], n) / 1000 for rid, n in chunks.items())
         if decoding and chunks:
-            assert cost <= AUTO_CHUNK_COST * COEF[0] + 1e-9 or (len(chunks) == 1 and max(chunks.values()) <= BS)
+            assert cost <= h.s.cost.auto_chunk_seconds() + 1e-9 or (len(chunks) == 1 and max(chunks.values()) <= BS)
     assert not h.s.requests
 
 
-def test_an_auto_target_cuts_a_long_prompt_beside_a_decode_to_ten_fixed_step_costs():
-    h = Harness(num_blocks=512, max_step_latency_ms="auto", max_num_batched_tokens=512)
-    h.s.cost = StepCostModel(COEF)
+@pytest.mark.parametrize("coef, most", [
+    ((0.020, 0.0004, 0.00002), AUTO_CHUNK_COST * 0.020 / 0.0004),   # a large fixed cost: ten of them, 500 tokens
+    (COEF, AUTO_MIN_CHUNK_TOKENS),                                  # a small one (20 ms for 50 tokens): 128 tokens
+])
+def test_an_auto_target_cuts_a_long_prompt_beside_a_decode_to_the_auto_budget(coef, most):
+    h = Harness(num_blocks=512, max_step_latency_ms="auto", max_num_batched_tokens=1024)
+    h.s.cost = StepCostModel(coef)
     h.add("d", 8, max_tokens=50)
     h.step()
-    h.add("p", 1000, max_tokens=2)
+    h.add("p", 2000, max_tokens=2)
     so, _ = h.step()
-    most = AUTO_CHUNK_COST * COEF[0] / COEF[1]               # 50 tokens, less their attention
+    # the chunk's attention (its own causal pairs) takes a little of the budget
     assert so.num_scheduled_tokens["d"] == 1 and 0.8 * most <= so.num_scheduled_tokens["p"] <= most
 
 
