@@ -49,7 +49,6 @@ REFUSED: dict[str, str] = {
     "--max-parallel-loading-workers": _PARALLEL, "--ray-workers-use-nsight": _PARALLEL,
     "--disable-custom-all-reduce": _PARALLEL, "--worker-cls": _PARALLEL, "--worker-extension-cls": _PARALLEL,
     "--enable-multimodal-encoder-data-parallel": _PARALLEL,
-    "--api-server-count": "Troupe serves HTTP from one frontend process",
     "--nnodes": _PARALLEL, "--node-rank": _PARALLEL, "--master-addr": _PARALLEL, "--master-port": _PARALLEL,
     "--disable-frontend-multiprocessing": "Troupe's engine always runs in a process of its own",
     # loading the model
@@ -191,6 +190,8 @@ VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--convert": (("auto", "none"), "Troupe serves text generation only"),
     "--model-impl": (("auto", "vllm"), "Troupe runs its own implementation of each architecture"),
     "--config-format": (("auto", "hf"), "Troupe reads Hugging Face config.json files and GGUF metadata"),
+    "--api-server-count": (("1",), "Troupe serves HTTP from one frontend process, whose router spreads "
+                                   "requests over every data-parallel rank"),
 }
 
 # vLLM flags that ask for what Troupe always does: accepted, changing nothing.
