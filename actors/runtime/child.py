@@ -26,6 +26,27 @@ from transport.zmq_channel import ZmqTransport, endpoint
 log = logging.getLogger("troupe.child")
 EXIT_GRACE_S = 5.0               # how long a stopped node's threads have to finish before the process exits
 START_ERROR_FLUSH_S = 0.2        # a failed start's reason is on its way to the parent before the node stops
+# A SIGTERM to the whole process group (systemd's stop of a service, ``kill -- -PGID``) reaches a
+# child as its parent starts a graceful stop that ends by shutting the child down (after the
+# server's --shutdown-timeout drain, which needs the engine and workers running): the child waits
+# that long for it. 90 s is systemd's own stop timeout, after which it kills the group anyway.
+TERM_GRACE_S = 90.0
+
+
+def on_sigterm(node: Node, parent: str, grace_s: float = TERM_GRACE_S) -> Callable[[], None]:
+    """The child's SIGTERM handler: the first one waits up to ``grace_s`` for the parent to shut
+    this node down (or to die, which the death pipe tells), a second one stops it at once."""
+    timer: list[asyncio.TimerHandle] = []
+
+    def handle() -> None:
+        if timer:
+            node.fatal("SIGTERM (twice)", 143)
+            return
+        log.info("node '%s': SIGTERM; it stops when '%s' shuts it down (a whole group's stop), or in %g s",
+                 node.name, parent, grace_s)
+        timer.append(asyncio.get_running_loop().call_later(
+            grace_s, lambda: node.fatal(f"SIGTERM, and '{parent}' did not shut it down within {grace_s:g} s", 143)))
+    return handle
 
 
 def resolve_entry(path: str):
@@ -105,7 +126,7 @@ async def run_child(spec: NodeSpec, death_fd: int | None, heartbeat_fd: int | No
 
     if death_fd is not None:
         loop.add_reader(death_fd, parent_died)
-        loop.add_signal_handler(signal.SIGTERM, lambda: node.fatal("SIGTERM", 143))
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm(node, spec.parent))
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the parent handles Ctrl-C
     try:
         info = await resolve_entry(spec.entry)(node, spec.config)

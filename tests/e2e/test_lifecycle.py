@@ -102,6 +102,38 @@ def test_sigterm_lets_running_requests_finish_refuses_new_ones_and_exits_cleanly
     assert not any(alive(p) for p in pids)
 
 
+def test_a_sigterm_to_every_process_of_the_server_drains_as_one_to_the_server():
+    """systemd stops a service by signalling every process of it at once (as `kill -- -PGID` does):
+    the engine core and the worker wait for the server's drain to shut them down, so the running
+    request finishes within --shutdown-timeout, nothing logs a crash and no process is left."""
+    import os
+    s = Server("--shutdown-timeout", "60", "--threads", "1")
+    pids = s.all_pids()
+    assert len(pids) == 3, pids
+    try:
+        async def main():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+                running = asyncio.ensure_future(post(session, s.url, {
+                    "prompt": "Count to ten:", "max_tokens": RUNNING_TOKENS, "ignore_eos": True}))
+                await until_running(session, s.url, 1)
+                for pid in pids:
+                    os.kill(pid, signal.SIGTERM)
+                return await running
+        status, body, _ = asyncio.run(main())
+        code = s.wait(30)
+    finally:
+        s.stop()
+    assert status == 200 and body["usage"]["completion_tokens"] == RUNNING_TOKENS, body
+    assert code == 0
+    log = s.log()
+    assert "it stops when 'frontend' shuts it down" in log and "it stops when 'engine' shuts it down" in log, log[-3000:]
+    assert "CRITICAL" not in log and "flight recorder" not in log, log[-3000:]
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
+
+
 def test_requests_outliving_the_shutdown_timeout_end_with_an_error():
     """vLLM's default --shutdown-timeout 0: SIGTERM ends a running request at once, with an error."""
     s = Server("--threads", "1")

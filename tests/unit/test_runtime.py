@@ -417,3 +417,27 @@ def test_a_drop_armed_for_one_message_type_loses_only_its_frames():
     assert [faults.take_drop(t) for t in ("TraceRecords", "ModelRunnerOutput", "TraceRecords",
                                           "ModelRunnerOutput", "ModelRunnerOutput")] == [True, True, False, True, False]
     assert not faults.drops
+
+
+def test_a_childs_first_sigterm_waits_for_its_parent_and_a_second_or_the_grace_stops_it():
+    """A child's SIGTERM handler: the first signal leaves the node running (its parent's graceful
+    stop shuts it down), the grace running out or a second signal stop it with code 143."""
+    from actors.runtime.child import on_sigterm
+
+    async def main():
+        waiting = Node("waits")
+        handle = on_sigterm(waiting, "frontend", grace_s=0.2)
+        handle()
+        await asyncio.sleep(0.05)
+        still_running = not waiting.closed.done()
+        code_after_grace = await asyncio.wait_for(asyncio.shield(waiting.closed), 5)
+        twice = Node("twice")
+        handle = on_sigterm(twice, "frontend", grace_s=60)
+        handle()
+        handle()
+        code_twice = await asyncio.wait_for(asyncio.shield(twice.closed), 5)
+        await waiting.stop()
+        await twice.stop()
+        return still_running, code_after_grace, code_twice
+
+    assert run_async(main()) == (True, 143, 143)
