@@ -677,8 +677,8 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "large as keep its predicted time under MS (a cost model of tokens and attention fitted "
                  "on the steps run); every prompt still progresses by at least a block per step. 'auto': "
                  "the target follows the machine, a prompt chunk beside decodes costing at most "
-                 "10 times the fitted fixed cost of a step, or 128 prompt tokens' fitted cost where that is more. 0 (the default): chunks as large as "
-                 "--max-num-batched-tokens")),
+                 "10 times the fitted fixed cost of a step, or 128 prompt tokens' fitted cost where "
+                 "that is more. 0 (the default): chunks as large as --max-num-batched-tokens")),
         (("--long-prefill-token-threshold-adaptive",), "long_prefill_token_threshold_adaptive", dict(
             action=argparse.BooleanOptionalAction, default=d["long_prefill_token_threshold_adaptive"],
             help="vLLM's: floor --long-prefill-token-threshold at a fair share of the token budget (the "
