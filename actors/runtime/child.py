@@ -128,8 +128,21 @@ async def run_child(spec: NodeSpec, death_fd: int | None, heartbeat_fd: int | No
         loop.add_reader(death_fd, parent_died)
         loop.add_signal_handler(signal.SIGTERM, on_sigterm(node, spec.parent))
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the parent handles Ctrl-C
+    entry = asyncio.ensure_future(resolve_entry(spec.entry)(node, spec.config))
+    # the node may close while its entry still runs (its parent died, a second SIGTERM): the entry
+    # (a model loading, an engine core waiting for other machines' ranks) stops with it
+    await asyncio.wait({entry, node.closed}, return_when=asyncio.FIRST_COMPLETED)
+    if not entry.done():
+        entry.cancel()
+        try:
+            await entry
+        except BaseException:            # cancelled, or what the cancellation made it raise
+            pass
+        code = node.closed.result()
+        await node.stop()
+        return code
     try:
-        info = await resolve_entry(spec.entry)(node, spec.config)
+        info = entry.result()
     except Exception as exc:
         log.exception("node '%s' failed to start", spec.name)
         # the parent's start fails saying why (not only that this process exited)

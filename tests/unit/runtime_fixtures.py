@@ -99,3 +99,9 @@ async def stuck_thread_entry(node, config: bytes) -> dict:
     node.spawn("echo", EchoActor)
     threading.Thread(target=threading.Event().wait, name="stuck-step", daemon=False).start()
     return {"config": config.decode()}
+
+
+async def endless_entry(node, config: bytes) -> dict:
+    """An entry that never finishes (an engine core waiting for another machine that never joins)."""
+    await asyncio.sleep(3600)
+    return {"config": config.decode()}

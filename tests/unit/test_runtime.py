@@ -18,7 +18,7 @@ from actors.runtime.faults import Faults, InjectFault
 from actors.runtime.errors import ChildStartError
 from actors.runtime.child import EXIT_GRACE_S
 from actors.runtime.process import NodeSpec, decode_info, start_child, system_actor
-from actors.runtime.system import GetTelemetry
+from actors.runtime.system import SYSTEM_ACTOR, GetTelemetry, Shutdown
 from actors.runtime.tracing import to_chrome_trace
 from helpers import run_async
 from runtime_fixtures import (Arrays, Count, Crash, Echo, EchoActor, Echoed, Sleep, Unrelated)
@@ -221,6 +221,30 @@ def test_a_child_that_fails_to_start_fails_its_start_with_the_reason(child_env):
             await node.stop()
     message = run_async(main())
     assert "process 'child'" in message and "failed to start: ValueError: cannot start with port 1" in message
+
+
+def test_a_child_whose_node_is_shut_down_while_its_entry_still_runs_exits_at_once(child_env):
+    """Its node closing (its parent dying, a Shutdown, a second SIGTERM) ends an entry still at
+    work (a model loading, an engine core waiting for other machines): the process does not wait
+    for the entry to finish first."""
+    async def main():
+        ipc_dir = tempfile.mkdtemp(prefix="troupe-test-")
+        node = Node("parent", ZmqTransport(endpoint(ipc_dir, "parent")))
+        system_actor(node)
+        spec = NodeSpec("child", "runtime_fixtures:endless_entry", b"cfg", ipc_dir, "parent",
+                        {"parent": endpoint(ipc_dir, "parent")})
+        try:
+            starting = asyncio.ensure_future(start_child(node, spec, ready_timeout=120, env=child_env))
+            await asyncio.sleep(3.0)                 # the child is running its entry
+            t0 = time.monotonic()
+            node.ref(SYSTEM_ACTOR, "child").tell(Shutdown(reason="stop while starting"))
+            with pytest.raises(ChildStartError) as err:
+                await asyncio.wait_for(starting, 60)
+            return str(err.value), time.monotonic() - t0
+        finally:
+            await node.stop()
+    message, seconds = run_async(main())
+    assert "exited with code 0 before it was ready" in message and seconds < 30
 
 
 def test_cross_process_wrong_type_rejected_and_remote_error_raised(child_env):
