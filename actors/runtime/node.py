@@ -204,6 +204,13 @@ class Node:
             self._on_reply(header, frames[1:])
             return
         cell = self.cells.get(header.dst)
+        if cell is None and self.stopping and header.kind == ASK:
+            # its actor stopped with this node (a worker whose machine or parent died): the asker
+            # learns it died, as it would from the process's exit, not that its message was wrong
+            err = ErrorReply(header.dst, header.msg_type, "ActorDied",
+                             f"actor '{header.dst}' stopped with node '{self.name}'")
+            self.send_reply(ReplyTo(header.src_node, header.call_id), header.dst, err, error=True)
+            return
         if cell is None:
             self._reject(header, f"no actor named '{header.dst}' on node '{self.name}'")
             return

@@ -247,6 +247,28 @@ def test_a_child_whose_node_is_shut_down_while_its_entry_still_runs_exits_at_onc
     assert "exited with code 0 before it was ready" in message and seconds < 30
 
 
+def test_an_ask_reaching_a_stopping_node_whose_actor_is_gone_fails_as_its_death_not_as_a_rejection():
+    """A worker whose machine died stops its actors before its process ends: a step that reaches it
+    then is answered as the worker's death (recomputed on the replacement), while a node that is
+    not stopping still rejects a message to an actor it never had."""
+    async def main():
+        ipc_dir = tempfile.mkdtemp(prefix="troupe-test-")
+        a = Node("a", ZmqTransport(endpoint(ipc_dir, "a")))
+        b = Node("b", ZmqTransport(endpoint(ipc_dir, "b")))
+        a.connect("b", endpoint(ipc_dir, "b"))
+        b.connect("a", endpoint(ipc_dir, "a"))
+        try:
+            with pytest.raises(MessageRejected, match="no actor named 'echo'"):
+                await a.ref("echo", "b").ask(Echo("x"), timeout=10)
+            b.stopping = True                      # as node.stop() is under way
+            with pytest.raises(ActorDied, match="stopped with node 'b'"):
+                await a.ref("echo", "b").ask(Echo("x"), timeout=10)
+        finally:
+            await a.stop()
+            await b.stop()
+    run_async(main())
+
+
 def test_cross_process_wrong_type_rejected_and_remote_error_raised(child_env):
     async def main():
         node, child, _ = await _parent_with_child(child_env)
