@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 import zmq
@@ -10,6 +11,20 @@ import zmq.asyncio
 
 def endpoint(ipc_dir: str, node: str) -> str:
     return f"ipc://{os.path.join(ipc_dir, node)}.sock"
+
+
+def local_ip(address: str, port: int, flag: str) -> str:
+    """This machine's address on the route to ``address`` (VLLM_HOST_IP names it, as in vLLM);
+    ``flag``: the option that gave ``address``, named when there is no route to it."""
+    named = os.environ.get("VLLM_HOST_IP", "").strip()
+    if named:
+        return named
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, port))           # no packet is sent: the kernel picks the route
+            return s.getsockname()[0]
+    except OSError as exc:
+        raise ValueError(f"{flag} {address}: no route to it from this machine ({exc})") from None
 
 
 class ZmqTransport:

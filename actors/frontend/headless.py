@@ -27,11 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
-import signal
-import socket
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -40,27 +35,16 @@ import msgspec
 from actors import topology
 from actors.engine.config import EngineConfig
 from actors.runtime import Actor, Msg, Node
-from actors.runtime.errors import ActorDied, AskTimeout
-from actors.runtime.process import ChildProcess, RestartBudget, start_child, system_actor
+from actors.runtime.errors import ActorDied
+from actors.runtime.process import ChildProcess, RestartBudget, start_child
+from actors.runtime.headless_node import BEAT_S, FLUSH_S, HOST_LOST_S, HeadlessBeat, HeadlessNode, Registered
 from actors.runtime.system import SYSTEM_ACTOR, Shutdown
 from actors.runtime.ticker import Ticker
-from transport.zmq_channel import ZmqTransport, endpoint
 
 if TYPE_CHECKING:
     from actors.frontend.launch import Frontend, _Engine
 
 log = logging.getLogger("troupe.headless")
-
-BEAT_S = 1.0                  # between a headless server's beats to the frontend
-HOST_LOST_S = 6.0             # a headless server silent this long: its engine cores are down
-FRONTEND_LOST_S = 30.0        # the frontend silent this long: the headless server stops
-ASK_TIMEOUT_S = 5.0
-FLUSH_S = 0.2
-
-
-class Registered(msgspec.Struct):
-    error: str = ""            # why the frontend refused ("" : accepted)
-    retry: bool = False        # refused for now (the rank's last server may be gone without a word yet)
 
 
 class RegisterEngine(Msg):
@@ -82,14 +66,6 @@ class RemoteEngineLost(Msg):
     rank: int
     reason: str
     host: str
-
-
-class HeadlessBeat(Msg):
-    """A headless server is alive (every ``BEAT_S``). The answer's error: the frontend does not
-    know it (it restarted)."""
-    reply_type: ClassVar[Any] = Registered
-    host: str
-    host_address: str
 
 
 class _CheckHosts(Msg):
@@ -226,37 +202,16 @@ def _ranks(ranks: list[int] | range) -> str:
     return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
 
 
-def local_ip(address: str, port: int) -> str:
-    """This machine's address on the route to ``address`` (VLLM_HOST_IP names it, as in vLLM)."""
-    named = os.environ.get("VLLM_HOST_IP", "").strip()
-    if named:
-        return named
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((address, port))           # no packet is sent: the kernel picks the route
-            return s.getsockname()[0]
-    except OSError as exc:
-        raise ValueError(f"--data-parallel-address {address}: no route to it from this machine ({exc})") from None
-
-
-class HeadlessServer:
+class HeadlessServer(HeadlessNode):
     """A headless machine's side: its engine cores, supervised and registered with the frontend."""
 
     def __init__(self, config: EngineConfig, ready_timeout: float) -> None:
         p = config.parallel
+        super().__init__(f"headless{p.data_parallel_start_rank}", p.data_parallel_address, p.data_parallel_rpc_port,
+                         ("--data-parallel-address", "--data-parallel-rpc-port"), topology.FRONTEND_NODE,
+                         topology.DP_COORDINATOR, "the server", ready_timeout)
         self.config = config
         self.config_hash = config.compute_hash()
-        self.ready_timeout = ready_timeout
-        self.frontend = f"tcp://{p.data_parallel_address}:{p.data_parallel_rpc_port}"
-        self.ip = local_ip(p.data_parallel_address, p.data_parallel_rpc_port)
-        self.ipc_dir = tempfile.mkdtemp(prefix="troupe-headless-")
-        # unique among the servers that may join: the frontend answers a node by its name
-        self.host = f"headless{p.data_parallel_start_rank}-{socket.gethostname()}-{os.getpid()}"
-        self.node = Node(self.host, ZmqTransport(endpoint(self.ipc_dir, self.host)))
-        self.host_address = self.node.transport.bind(f"tcp://{self.ip}:*")
-        system_actor(self.node)
-        self.node.connect(topology.FRONTEND_NODE, self.frontend)
-        self.coordinator = self.node.ref(topology.DP_COORDINATOR, topology.FRONTEND_NODE)
         self.engines: dict[int, ChildProcess] = {}
         self.restarts = RestartBudget(p.max_restarts * len(p.local_ranks), p.restart_window_s)
         self.stopping = False
@@ -264,9 +219,7 @@ class HeadlessServer:
 
     async def run(self) -> int:
         """Start the engine cores, register them, beat until told to stop; the exit code."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda: self.node.closed.done() or self.node.closed.set_result(0))
+        self.stop_on_signals()
         beating = asyncio.ensure_future(self._beat())
         try:
             starting = asyncio.gather(*(self._start(rank) for rank in self.config.parallel.local_ranks))
@@ -277,69 +230,35 @@ class HeadlessServer:
             starting.result()
             ranks = _ranks(self.config.parallel.local_ranks)
             print(f"Troupe headless: engine core{'s' if len(self.engines) > 1 else ''} {ranks} joined the server "
-                  f"at {self.frontend}", flush=True)
+                  f"at {self.remote}", flush=True)
             return await self.node.closed
         finally:
             beating.cancel()
             self.stopping = True
             await asyncio.gather(*(e.stop() for e in self.engines.values()))
-            await self.node.stop()
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            await self.close()
 
     async def _start(self, rank: int) -> None:
         from actors.frontend.launch import engine_spec
         spec = engine_spec(self.config, rank, self.ipc_dir, self.host,
-                           {self.host: self.node.transport.ipc_address, topology.FRONTEND_NODE: self.frontend},
+                           {self.host: self.node.transport.ipc_address, topology.FRONTEND_NODE: self.remote},
                            own_ipc_dir=True, bind=f"tcp://{self.ip}:*")
         child, ready = await start_child(self.node, spec, ready_timeout=self.ready_timeout,
                                          on_exit=lambda c: self._exited(c, rank))
         self.engines[rank] = child
-        await self._register(RegisterEngine(rank, spec.name, ready.address, child.pid, ready.info, self.config_hash,
-                                            self.host, self.host_address))
-
-    async def _register(self, msg: RegisterEngine) -> None:
-        """Register until the frontend answers (it may start after this machine)."""
-        deadline = time.monotonic() + self.ready_timeout
-        while True:
-            try:
-                answer = await self.coordinator.ask(msg, timeout=ASK_TIMEOUT_S)
-            except (AskTimeout, ActorDied) as exc:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no server answered at {self.frontend} within {self.ready_timeout:g} s "
-                                       f"(--data-parallel-address, --data-parallel-rpc-port): {exc}") from None
-                continue
-            if answer.error and not answer.retry:
-                raise RuntimeError(f"the server at {self.frontend} refused engine core {msg.rank}: {answer.error}")
-            if answer.error:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the server at {self.frontend} kept refusing engine core {msg.rank} for "
-                                       f"{self.ready_timeout:g} s: {answer.error}")
-                log.warning("%s; asking again", answer.error)
-                await asyncio.sleep(BEAT_S)
-                continue
-            self.registered.set()
-            return
+        await self.join(RegisterEngine(rank, spec.name, ready.address, child.pid, ready.info, self.config_hash,
+                                       self.host, self.host_address), f"engine core {rank}")
+        self.registered.set()
 
     async def _beat(self) -> None:
         """Beat from the first registration on (the frontend counts this machine's silence from
-        then), and stop when the frontend is lost."""
+        then), and stop when the frontend is lost or no longer knows this machine."""
         await self.registered.wait()
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(BEAT_S)
-            try:
-                answer = await self.coordinator.ask(HeadlessBeat(self.host, self.host_address),
-                                                    timeout=ASK_TIMEOUT_S)
-            except (AskTimeout, ActorDied):
-                if time.monotonic() - last > FRONTEND_LOST_S:
-                    self.node.fatal(f"the server at {self.frontend} has not answered for "
-                                    f"{time.monotonic() - last:.0f} s; stopping its engine cores")
-                    return
-                continue
-            if answer.error:
-                self.node.fatal(answer.error)
-                return
-            last = time.monotonic()
+
+        async def refused(error: str) -> bool:
+            self.node.fatal(error)
+            return False
+        await self.beat("its engine cores", refused)
 
     def _exited(self, child: ChildProcess, rank: int) -> None:
         if self.stopping or self.node.closed.done() or rank not in self.engines:

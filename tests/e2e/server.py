@@ -60,6 +60,46 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports in 20000-30000")
 
 
+class HeadlessProcess:
+    """``python -m tools.serve --headless ARGS``; joined once it prints "Troupe headless:"."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.serve", "--headless", *args],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self.joined = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("Troupe headless:"):
+                self.joined.set()
+
+    def wait_joined(self, timeout: float = 180.0) -> None:
+        assert self.joined.wait(timeout), "".join(self.lines)[-3000:]
+
+    def engine_pid(self) -> int:
+        """Its one child process (an engine core, or a worker rank)."""
+        (pid,) = children(self.proc.pid)
+        return pid
+
+    def stop(self) -> None:
+        pids = [self.proc.pid, *children(self.proc.pid)]
+        pids += [c for p in pids[1:] for c in children(p)]
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        deadline = time.monotonic() + 10
+        for p in pids:
+            while alive(p) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
 class Server:
     """``python -m tools.serve --port 0 ARGS``; or ``python -m COMMAND...`` when ``command`` is
     given (it names its port itself). Ready once it prints "Troupe ready on URL"."""

@@ -12,58 +12,21 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-from server import ROOT, Server, alive, children, free_ports
+from server import HeadlessProcess, Server, alive, children, free_ports
 from test_data_parallel import _complete, _concurrently, _kill_amid_four_streams, _metric
 
 pytestmark = pytest.mark.slow
 
 
-class Headless:
-    """``python -m tools.serve --headless ...``; joined once it prints "Troupe headless:"."""
-
-    def __init__(self, port: int, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tools.serve", "--headless", "--data-parallel-size", "2",
-             "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
-             "--data-parallel-rpc-port", str(port), *args],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.lines: list[str] = []
-        self.joined = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("Troupe headless:"):
-                self.joined.set()
-
-    def wait_joined(self, timeout: float = 180.0) -> None:
-        assert self.joined.wait(timeout), "".join(self.lines)[-3000:]
-
-    def engine_pid(self) -> int:
-        (pid,) = children(self.proc.pid)
-        return pid
-
-    def stop(self) -> None:
-        pids = [self.proc.pid, *children(self.proc.pid)]
-        pids += [c for p in pids[1:] for c in children(p)]
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-        deadline = time.monotonic() + 10
-        for p in pids:
-            while alive(p) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if alive(p):
-                os.kill(p, signal.SIGKILL)
+def Headless(port: int, *args: str) -> HeadlessProcess:
+    """This machine's engine core 1 of the server listening at ``port``."""
+    return HeadlessProcess("--data-parallel-size", "2", "--data-parallel-size-local", "1",
+                           "--data-parallel-start-rank", "1", "--data-parallel-rpc-port", str(port), *args)
 
 
 @pytest.fixture(scope="module")
