@@ -9,7 +9,9 @@ place they are spelled.
 With data parallelism (--data-parallel-size N) there are N engine nodes ("engine", "engine1",
 ...), each with its own worker nodes, and the frontend's DP_ROUTER sends each request to one.
 Engine nodes on other machines (--headless there) are children of a "headless<RANK>-..." node on
-their machine and join the frontend's DP_COORDINATOR.
+their machine and join the frontend's DP_COORDINATOR. Worker ranks on other machines (--nnodes,
+--headless there) are children of a "ranks<NODE_RANK>-..." node on their machine, which joins the
+engine node's RANK_HOSTS.
 
 Offline (``LLM()``, ``AsyncLLM.create()``) every actor runs on the frontend node, in one event
 loop; the names do not change.
@@ -31,6 +33,8 @@ EXECUTOR = "executor"
 WORKER = "worker"
 DP_ROUTER = "dp_router"
 DP_COORDINATOR = "dp_coordinator"    # where headless machines' engine cores join (--headless)
+RANK_HOSTS = "rank_hosts"            # on an engine node: where other machines' worker ranks join (--nnodes)
+RANK_HOST = "rank_host"              # on such a machine's "ranks<NODE_RANK>-..." node: starts and stops them
 
 
 def engine_node(dp_rank: int = 0) -> str:

@@ -76,7 +76,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--headless", action="store_true",
                    help="vLLM's: run engine cores only, no HTTP server: --data-parallel-size-local of them "
                         "from rank --data-parallel-start-rank, joining the server at --data-parallel-address:"
-                        "--data-parallel-rpc-port (started with the same model and flags)")
+                        "--data-parallel-rpc-port; or, with --nnodes and --node-rank, this machine's share of "
+                        "the worker ranks, joining the engine core at --master-addr:--master-port (started "
+                        "with the same model and flags)")
     p.add_argument("--lenient", action="store_true",
                    help="accept (and log) unknown request fields instead of answering 400")
     p.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
@@ -287,11 +289,18 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
         p.error(str(exc))
     if args.enable_ssl_refresh and args.tls is None:
         p.error("--enable-ssl-refresh needs --ssl-certfile")
-    if args.headless and not (args.data_parallel_size > 1 and args.data_parallel_size_local):
-        p.error("--headless runs some of a server's data-parallel engine cores on this machine: give "
+    if args.nnodes > 1 and args.node_rank > 0 and not args.headless:
+        p.error(f"--node-rank {args.node_rank}: the machines past node rank 0 run their share of the worker "
+                "ranks for the server of node rank 0, and no server of their own: add --headless")
+    if args.headless and args.nnodes > 1 and args.node_rank == 0:
+        p.error("--headless --nnodes: give this machine's --node-rank (node rank 0 runs the server, "
+                "without --headless)")
+    if args.headless and args.nnodes == 1 and not (args.data_parallel_size > 1 and args.data_parallel_size_local):
+        p.error("--headless runs some of a server's data-parallel engine cores on this machine (give "
                 "--data-parallel-size, --data-parallel-size-local, --data-parallel-start-rank and "
-                "--data-parallel-address (Troupe has no headless mode for one engine core's workers)")
-    if args.headless and args.data_parallel_start_rank == 0:
+                "--data-parallel-address), or some of its worker ranks (give --nnodes, --node-rank, "
+                "--master-addr and --master-port)")
+    if args.headless and args.nnodes == 1 and args.data_parallel_start_rank == 0:
         p.error("--headless: --data-parallel-start-rank must be past the server's own ranks (the server "
                 "runs ranks 0 to its --data-parallel-size-local - 1)")
     if args.data_parallel_start_rank and not args.headless:
@@ -372,10 +381,14 @@ _json_strings.__name__ = "JSON list"
 async def serve(args: argparse.Namespace) -> int:
     """Listen first (probes answer 503 while the model loads), then load and serve."""
     load_general_plugins()             # before anything else (a PluginError ends start-up, naming it)
-    if args.headless:                  # engine cores only, joining a server on another machine
-        from actors.frontend.headless import run_headless
+    if args.headless:                  # engine cores or worker ranks only, for a server on another machine
         from actors.frontend.launch import READY_TIMEOUT_S
-        return await run_headless(EngineArgs.from_cli_args(args).create_engine_config(), READY_TIMEOUT_S)
+        config = EngineArgs.from_cli_args(args).create_engine_config()
+        if config.parallel.nnodes > 1:
+            from actors.engine.multinode import run_rank_host
+            return await run_rank_host(config, READY_TIMEOUT_S)
+        from actors.frontend.headless import run_headless
+        return await run_headless(config, READY_TIMEOUT_S)
     from actors.frontend.actor import GetAddress, HttpFrontend
     from actors.frontend.app import OpenAIServer, ServerOptions
     from actors.frontend.launch import create_frontend
@@ -483,7 +496,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.serve") -> 
     os.environ[logs.LEVEL_ENV] = args.log_level                  # the engine's and workers' too
     if args.log_config_file is not None:
         os.environ[logs.CONFIG_ENV] = os.path.abspath(os.path.expanduser(args.log_config_file))
-    logs.configure("frontend", args.log_level)
+    # a headless machine runs no frontend: its lines are its own node's
+    logs.configure(("ranks" if args.nnodes > 1 else "headless") if args.headless else "frontend", args.log_level)
     if args.trust_remote_code:
         log.warning("--trust-remote-code is accepted and changes nothing: Troupe runs no code from checkpoints")
     import uvloop

@@ -18,8 +18,8 @@ import sys
 from typing import Any, NoReturn
 
 _PARALLEL = ("Troupe implements tensor, pipeline and data parallelism (--tensor-parallel-size, "
-             "--pipeline-parallel-size, --data-parallel-size), across machines with --distributed-executor-backend ray "
-             "or --headless")
+             "--pipeline-parallel-size, --data-parallel-size), across machines with --distributed-executor-backend ray, "
+             "--nnodes or --headless")
 _EXTERNAL_LB = ("Troupe balances every data-parallel rank from one server (engine cores of other machines join it "
                 "with --headless, --data-parallel-start-rank and --data-parallel-address); its ranks share no "
                 "collectives, so for a load balancer of your own start independent servers")
@@ -49,7 +49,6 @@ REFUSED: dict[str, str] = {
     "--max-parallel-loading-workers": _PARALLEL, "--ray-workers-use-nsight": _PARALLEL,
     "--disable-custom-all-reduce": _PARALLEL, "--worker-cls": _PARALLEL, "--worker-extension-cls": _PARALLEL,
     "--enable-multimodal-encoder-data-parallel": _PARALLEL,
-    "--nnodes": _PARALLEL, "--node-rank": _PARALLEL, "--master-addr": _PARALLEL, "--master-port": _PARALLEL,
     "--disable-frontend-multiprocessing": "Troupe's engine always runs in a process of its own",
     # loading the model
     "--tokenizer-revision": _LOADING, "--revision": _LOADING,
@@ -151,7 +150,7 @@ del _flags, _why
 ALIASES: dict[str, str] = {
     "-dcp": "--decode-context-parallel-size", "-dpn": "--data-parallel-rank",
     "-asc": "--api-server-count",
-    "-n": "--nnodes", "-r": "--node-rank", "-pcp": "--prefill-context-parallel-size",
+    "-pcp": "--prefill-context-parallel-size",
     "-dpe": "--data-parallel-external-lb", "-dph": "--data-parallel-hybrid-lb",
     "-dpm": "--data-parallel-multi-port-external-lb", "-ac": "--attention-config", "-dc": "--diffusion-config",
 }

@@ -101,6 +101,10 @@ class EngineArgs:
     data_parallel_start_rank: int = 0
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 29550
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     max_restarts: int = 3
     restart_window_s: float = 120.0
     trace: bool = True
@@ -236,6 +240,8 @@ class EngineArgs:
                                     data_parallel_start_rank=self.data_parallel_start_rank,
                                     data_parallel_address=self.data_parallel_address,
                                     data_parallel_rpc_port=self.data_parallel_rpc_port,
+                                    nnodes=self.nnodes, node_rank=self.node_rank,
+                                    master_addr=self.master_addr, master_port=self.master_port,
                                     max_restarts=self.max_restarts,
                                     restart_window_s=self.restart_window_s),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
@@ -759,6 +765,24 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             type=int, default=d["data_parallel_rpc_port"], metavar="PORT",
             help="the port of --data-parallel-address where headless machines' engine cores join "
                  "(default 29550)")),
+        (("--nnodes", "-n"), "nnodes", dict(
+            type=int, default=d["nnodes"], metavar="N",
+            help="split each engine core's worker ranks (--tensor-parallel-size x --pipeline-parallel-size) "
+                 "evenly over N machines, in rank order, without Ray: node rank 0 runs the server, the others "
+                 "`troupe serve MODEL --headless --nnodes N --node-rank R --master-addr A --master-port P` "
+                 "with the same model and engine flags")),
+        (("--node-rank", "-r"), "node_rank", dict(
+            type=int, default=d["node_rank"], metavar="R",
+            help="with --nnodes: this machine's zero-based index (0: the one running the server; the others "
+                 "run --headless)")),
+        (("--master-addr",), "master_addr", dict(
+            default=d["master_addr"], metavar="HOST",
+            help="with --nnodes: the address of node rank 0 (default 127.0.0.1), where its engine core listens "
+                 "for the other machines' ranks and their process group meets")),
+        (("--master-port",), "master_port", dict(
+            type=int, default=d["master_port"], metavar="PORT",
+            help="with --nnodes: the port of --master-addr where the other machines join its engine core "
+                 "(default 29501)")),
         (("--compilation-config", "-O", "-cc", "--optimization-level"), "compilation_config", dict(
             default=d["compilation_config"], metavar="LEVEL|JSON",
             help="how the model's forward runs, as vLLM takes it: -O0 eager with plain torch ops, -O1 "

@@ -215,12 +215,33 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     data_parallel_backend: str = "mp"
     max_restarts: int = 3                  # a worker or engine process dying more often than this ...
     restart_window_s: float = 120.0        # ... within this window stops the server
+    # --nnodes, --node-rank, --master-addr, --master-port: an engine core's ranks split evenly over
+    # machines (mp backend, rank order); node rank 0 runs the server and engine core, which listens
+    # at master_addr:master_port for the others, started there with --headless
+    # (actors/engine/multinode.py)
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    # the digest of the configuration node rank 0 was started with (compute_hash, which the other
+    # machines' must equal), taken by its engine core at its first start and kept by its restarts,
+    # whose configuration is the resolved one
+    nodes_digest: str = ""
 
 
     @property
     def world_size(self) -> int:
         """Worker processes per engine core: tensor-parallel ranks times pipeline stages."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Worker processes of an engine core on each machine (--nnodes)."""
+        return self.world_size // self.nnodes
+
+    def node_ranks(self, node_rank: int) -> range:
+        """The worker ranks machine ``node_rank`` runs (--nnodes): a contiguous share, in rank order."""
+        return range(node_rank * self.local_world_size, (node_rank + 1) * self.local_world_size)
 
     @property
     def local_ranks(self) -> range:
@@ -361,7 +382,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                                           draft_arch=draft_arch if self.model.draft_source is not None else None),
             cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
             device=msgspec.structs.replace(self.device, device=device, num_threads=self.device.num_threads or max(
-                1, (cpu_count - vllm_env.reserved_cpus()) // (self.parallel.world_size
+                1, (cpu_count - vllm_env.reserved_cpus()) // (self.parallel.local_world_size
                                                              * len(self.parallel.local_ranks)))))
 
 
@@ -380,7 +401,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                    "cache": [self.cache.cache_dtype, self.cache.block_size], "device": self.device.device,
                    "speculative": self.speculative, "compilation": self.compilation, "lora": self.lora,
                    "parallel": [p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size,
-                                p.enable_expert_parallel]}
+                                p.enable_expert_parallel, p.nnodes]}
         return hashlib.sha256(msgspec.json.encode(factors)).hexdigest()
 
     @property
@@ -544,6 +565,7 @@ def check_config(cfg: EngineConfig) -> None:
         raise ValueError(f"data_parallel_size must be at least 1 and data_parallel_rank in [0, size), got "
                          f"{dp.data_parallel_size} and {dp.data_parallel_rank}")
     _check_data_parallel_nodes(dp)
+    _check_nodes(dp)
     if dp.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {dp.tensor_parallel_size}")
     if dp.tensor_parallel_size > 1:
@@ -587,6 +609,30 @@ def _check_data_parallel_nodes(p: ParallelConfig) -> None:
         raise ValueError("data_parallel_size_local below data_parallel_size (engine cores started on other "
                          "machines with --headless) goes with data_parallel_backend 'mp'; 'ray' places every "
                          "engine core on the cluster itself")
+
+
+def _check_nodes(p: ParallelConfig) -> None:
+    """An engine core's ranks on several machines (vLLM's --nnodes with the mp backend)."""
+    if p.nnodes < 1 or not 0 <= p.node_rank < p.nnodes:
+        raise ValueError(f"nnodes must be at least 1 and node_rank in [0, nnodes), got {p.nnodes} and "
+                         f"{p.node_rank}: give each machine its zero-based index")
+    if not 1 <= p.master_port <= 65535:
+        raise ValueError(f"master_port must be in [1, 65535], got {p.master_port}")
+    if p.nnodes == 1:
+        return
+    if p.world_size % p.nnodes:
+        raise ValueError(f"nnodes {p.nnodes} must evenly divide the ranks of the engine core (tensor_parallel_size "
+                         f"x pipeline_parallel_size = {p.world_size}): each machine runs as many")
+    if not p.multiprocess:
+        raise ValueError("nnodes above 1 runs worker processes on several machines: it needs the multiprocess "
+                         "layout (a server)")
+    if p.distributed_executor_backend != "mp":
+        raise ValueError(f"nnodes above 1 goes with distributed_executor_backend 'mp' (processes each machine "
+                         f"starts); {p.distributed_executor_backend!r} places the ranks itself: leave nnodes at 1")
+    if p.data_parallel_size > 1:
+        raise ValueError("nnodes above 1 splits one engine core's ranks over machines; with data parallelism, "
+                         "run whole engine cores on the other machines instead (--data-parallel-size-local "
+                         "here, --headless --data-parallel-start-rank there)")
 
 
 def _check_executor_backend(cfg: EngineConfig) -> None:

@@ -12,7 +12,9 @@ group: the others are stopped and all are started again, as one worker would be.
 With --distributed-executor-backend ray the ranks are Ray actors on a Ray cluster, in a placement
 group of one bundle per rank (actors/runtime/ray_nodes.py); they meet at the first rank's
 machine over TCP, reach this node at its cluster IP, and are supervised and restarted as the
-processes are."""
+processes are. With --nnodes N (mp) this machine runs the first N-th of the ranks and the other
+machines' ranks hosts start the rest when asked (actors/engine/multinode.py); they meet here, at
+--master-addr, and reach this node at --master-addr:--master-port."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +29,7 @@ import msgspec
 from actors import topology
 from actors.engine.config import EngineConfig, kv_scales_note
 from actors.engine.messages import EngineCoreOutputs
+from actors.engine.multinode import RankHosts, RankToStart, RemoteRank, describe_ranks, free_port
 from actors.executor.actor import Executor, WorkersDown, WorkersUp
 from actors.grammar.actor import GrammarCompilerActor
 from actors.grammar.matchers import StructuredOutputs
@@ -54,6 +57,9 @@ class EngineCore:
 
     def __init__(self, node: Node, config: EngineConfig, ipc_dir: str = "") -> None:
         self.node = node
+        if config.parallel.nnodes > 1 and not config.parallel.nodes_digest:    # first start: as the user gave it
+            config = config.replace(parallel=msgspec.structs.replace(config.parallel,
+                                                                     nodes_digest=config.compute_hash()))
         self.config = config
         self.ipc_dir = ipc_dir
         self.dp_rank = config.parallel.data_parallel_rank
@@ -61,7 +67,9 @@ class EngineCore:
         self.world_size = config.parallel.world_size          # tensor-parallel ranks x pipeline stages
         self.worker_nodes = [topology.worker_node(r, self.dp_rank) for r in range(self.world_size)]
         self.generation = 0
-        self.workers: list[ChildProcess | RayChild] = []          # one process per rank
+        self.workers: list[ChildProcess | RayChild | RemoteRank] = []    # one process per rank
+        self.hosts: RankHosts | None = None             # --nnodes: the other machines' ranks hosts
+        self.cluster_address = ""                       # and where they reach this node
         self.ray: RayPlacement | None = None            # --distributed-executor-backend ray
         self.rank_hosts: list[str] = []                 # and where its ranks are (their machines' IPs)
         self._scheduler_core: Scheduler | None = None
@@ -76,6 +84,8 @@ class EngineCore:
     async def start(self) -> EngineConfig:
         """Load the model, allocate the KV cache, start the engine's actors; returns the
         resolved config."""
+        if self.config.parallel.nnodes > 1:
+            self._listen_for_nodes()
         workers, self.config = await self._start_workers()
         await asyncio.gather(*(w.ask(InitKVCache(self.config), timeout=INIT_KV_TIMEOUT_S) for w in workers))
         cfg = self.config
@@ -122,21 +132,56 @@ class EngineCore:
             load_torch_with_short_spin()     # the worker's OpenMP threads, as a worker process's
             ref = await self.node.start(topology.WORKER, WorkerActor)
             return [ref], await ref.ask(LoadModel(self.config), timeout=LOAD_TIMEOUT_S)
-        if self.config.parallel.distributed_executor_backend == "ray":
+        p = self.config.parallel
+        local = range(self.world_size)
+        if p.distributed_executor_backend == "ray":
             init = await self._place_ranks()
+        elif p.nnodes > 1:    # the ranks of every machine meet at rank 0's, this one
+            init, local = f"tcp://{p.master_addr}:{free_port(p.master_addr)}", p.node_ranks(0)
         else:     # the ranks' meeting point: a file of this generation (a fresh group after a restart)
             init = (f"file://{self.ipc_dir}/tp-{self.dp_rank}-{self.generation}-{os.getpid()}"
                     if self.world_size > 1 else "")
-        started = await asyncio.gather(*(self._start_rank(r, init) for r in range(self.world_size)),
+        started = await asyncio.gather(*(self._start_rank(r, init) for r in local),
+                                       *(self._start_node(n, init) for n in range(1, p.nnodes)),
                                        return_exceptions=True)
         failed = [x for x in started if isinstance(x, BaseException)]
-        self.workers = [x[0] for x in started if not isinstance(x, BaseException)]
+        ranks = [y for x in started if not isinstance(x, BaseException) for y in (x if isinstance(x, list) else [x])]
+        self.workers = [w for w, _ in ranks]
         if failed:
             await asyncio.gather(*(w.stop() for w in self.workers))
             raise failed[0]
-        configs = [decode_info(ready, EngineConfig) for _, ready in started]
+        if p.nnodes > 1:      # rank order; where each runs, for the KV connector's side channel
+            ranks.sort(key=lambda x: self.worker_nodes.index(x[0].name))
+            self.workers = [w for w, _ in ranks]
+            self.rank_hosts = [w.ip if isinstance(w, RemoteRank) else p.master_addr for w in self.workers]
+        configs = [decode_info(ready, EngineConfig) for _, ready in ranks]
         return ([self.node.ref(topology.WORKER, node) for node in self.worker_nodes],
                 min(configs, key=lambda c: c.cache.num_blocks))
+
+    def _listen_for_nodes(self) -> None:
+        """--nnodes: receive at --master-addr:--master-port too, where the other machines' ranks
+        hosts join (``RankHosts``)."""
+        p = self.config.parallel
+        try:
+            self.cluster_address = self.node.transport.bind(f"tcp://{p.master_addr}:{p.master_port}")
+        except Exception as exc:
+            raise ValueError(f"--master-addr {p.master_addr} --master-port {p.master_port}: this engine core "
+                             f"cannot listen there ({exc})") from None
+        self.hosts = RankHosts(self, self.config, self._worker_exited)
+        self.node.spawn(topology.RANK_HOSTS, lambda: self.hosts)
+        log.info("worker ranks %s here, the rest on %d other machine%s joining at %s",
+                 describe_ranks(p.node_ranks(0)), p.nnodes - 1, "s" if p.nnodes > 2 else "",
+                 self.cluster_address)
+
+    async def _start_node(self, node_rank: int, init_method: str) -> list[tuple[RemoteRank, object]]:
+        """Machine ``node_rank``'s ranks (--nnodes), started by its ranks host once it has joined."""
+        ranks = [RankToStart(r, self.worker_nodes[r],
+                             msgspec.msgpack.encode(LoadModel(self.config, r % self.tp_size, init_method,
+                                                              r // self.tp_size)))
+                 for r in self.config.parallel.node_ranks(node_rank)]
+        obs = self.config.observability
+        return await self.hosts.start_ranks(node_rank, self.generation, ranks, self.cluster_address, obs.trace,
+                                            obs.flight_recorder_dir)
 
     async def _place_ranks(self) -> str:
         """A Ray actor per rank in this engine's placement group (reserved at the first start);
@@ -170,7 +215,7 @@ class EngineCore:
                                  env=openmp_env())
 
     # -- worker supervision ------------------------------------------------------------------
-    def _worker_exited(self, child: ChildProcess | RayChild) -> None:
+    def _worker_exited(self, child: ChildProcess | RayChild | RemoteRank) -> None:
         if self.node.closed.done() or self.scheduler is None or self._restarting:
             return       # dying at start-up (start() reports it), or stopped by a restart under way
         log.error("%s", child.describe_exit())
@@ -205,6 +250,8 @@ class EngineCore:
         await asyncio.gather(*(w.stop() for w in self.workers))
         if self.ray is not None:          # the actors, their placement group, this process's Ray driver
             self.ray.close()
+        if self.hosts is not None:        # the other machines stop with this engine core
+            await self.hosts.shut_down_hosts()
 
 
 async def engine_entry(node: Node, payload: bytes) -> EngineConfig:

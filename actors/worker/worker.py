@@ -66,8 +66,9 @@ class Worker:
         if self.config.device.device == "cpu":      # vLLM's VLLM_CPU_OMP_THREADS_BIND: this worker's cores
             parallel = self.config.parallel
             cores = vllm_env.bound_cores((parallel.data_parallel_rank - parallel.data_parallel_start_rank)
-                                         * parallel.world_size
-                                         + pp_rank * parallel.tensor_parallel_size + tp_rank)
+                                         * parallel.world_size       # this machine's ranks (--nnodes): its own
+                                         + (pp_rank * parallel.tensor_parallel_size + tp_rank)
+                                         % parallel.local_world_size)
         if cores is not None:
             os.sched_setaffinity(0, cores)
             if not config.device.num_threads:       # no --threads: a thread per core

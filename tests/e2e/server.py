@@ -186,3 +186,12 @@ class Server:
                 time.sleep(0.05)
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def one_worker_texts(prompts: list[str], tokens: list[int]) -> list[str]:
+    """The greedy answers of one in-process worker (the reference of the parallel layouts)."""
+    from actors.api import LLM, SamplingParams
+    with LLM(multiprocess=False) as llm:
+        results = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                         for n in tokens], use_tqdm=False)
+    return [r.text for r in results]

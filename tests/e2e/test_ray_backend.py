@@ -27,8 +27,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from actors.api import LLM, SamplingParams
-from server import ROOT, Server, alive, children, free_ports
+from server import ROOT, Server, alive, children, free_ports, one_worker_texts
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason="the Ray backend's test needs Ray (pip install ray; `make test` installs it)")
@@ -120,10 +119,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def one_worker() -> list[str]:
-    with LLM(multiprocess=False) as llm:
-        results = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                                         for n in TOKENS], use_tqdm=False)
-    return [r.text for r in results]
+    return one_worker_texts(PROMPTS, TOKENS)
 
 
 @pytest.fixture(scope="module")

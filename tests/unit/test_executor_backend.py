@@ -116,3 +116,35 @@ def test_a_headless_engine_cores_config_digest_is_the_servers_unless_an_engine_f
     other = EngineArgs.from_cli_args(serve.parse_args(["--headless", "-dp", "2", "-dpl", "1", "-dpr", "1",
                                                        "--max-model-len", "1024"])).create_engine_config()
     assert server.compute_hash() == headless.compute_hash() != other.compute_hash()
+
+
+def test_nnodes_splits_an_engine_cores_ranks_over_machines_in_rank_order_and_bad_layouts_are_refused(capsys):
+    p = parallel("-tp", "4", "-pp", "2", "-n", "2", "-r", "0", "--master-addr", "10.0.0.1", "--master-port", "29600")
+    assert (p.nnodes, p.node_rank, p.master_addr, p.master_port) == (2, 0, "10.0.0.1", 29600)
+    assert p.local_world_size == 4 and list(p.node_ranks(0)) == [0, 1, 2, 3] and list(p.node_ranks(1)) == [4, 5, 6, 7]
+    other = parallel("--headless", "-tp", "4", "-pp", "2", "--nnodes", "2", "--node-rank", "1")
+    assert (other.node_rank, other.master_addr, other.master_port) == (1, "127.0.0.1", 29501)   # vLLM's defaults
+    for argv, words in ((["-tp", "2", "--nnodes", "2", "--node-rank", "1"], "add --headless"),
+                        (["--headless", "-tp", "2", "--nnodes", "2"], "give this machine's --node-rank"),
+                        (["--headless"], "or some of its worker ranks (give --nnodes")):
+        with pytest.raises(SystemExit) as exc:
+            serve.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and words in err, err
+    for kwargs, words in ((dict(tensor_parallel_size=2, nnodes=3), "must evenly divide the ranks"),
+                          (dict(tensor_parallel_size=2, nnodes=2, node_rank=2), "node_rank in \\[0, nnodes\\)"),
+                          (dict(tensor_parallel_size=2, nnodes=2, data_parallel_size=2), "run whole engine cores"),
+                          (dict(tensor_parallel_size=2, nnodes=2, multiprocess=False), "multiprocess layout"),
+                          (dict(tensor_parallel_size=2, nnodes=2, master_port=0), "master_port must be in")):
+        with pytest.raises(ValueError, match=words):
+            EngineArgs(**kwargs).create_engine_config()
+    with pytest.raises(ValueError, match="places the ranks itself"):
+        EngineArgs(tensor_parallel_size=2, nnodes=2, distributed_executor_backend="ray").create_engine_config()
+
+
+def test_a_machines_config_digest_counts_the_machines_and_not_its_node_rank():
+    def digest(*argv: str) -> str:
+        return EngineArgs.from_cli_args(serve.parse_args(list(argv))).create_engine_config().compute_hash()
+    leader = digest("-tp", "2", "--nnodes", "2", "--master-addr", "10.0.0.1")
+    assert leader == digest("--headless", "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1")
+    assert leader != digest("-tp", "2")
