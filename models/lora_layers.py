@@ -23,6 +23,7 @@ from torch import nn
 from kernels.cpu import lora as lora_ops
 from kernels.triton import lora as triton_lora
 from models.layers import GatedMLP, SelfAttention
+from models.tensor_parallel import RowParallel
 
 
 class LoRAMapping:
@@ -75,9 +76,13 @@ class LoRALinear(nn.Module):
     lora_b (S, R, out): slice j's (s B)^T in its slice's columns; zeros elsewhere."""
 
     def __init__(self, base_layer: nn.Module, in_features: int, slices: dict[str, int], max_loras: int,
-                 max_rank: int, mapping: LoRAMapping, device: torch.device) -> None:
+                 max_rank: int, mapping: LoRAMapping, device: torch.device, shard=None) -> None:
         super().__init__()
         self.base_layer = base_layer
+        # a tensor-parallel rank's layer (models/tensor_parallel.TPShard): adapters come whole and
+        # each rank keeps its share, B's rows of a column-parallel layer, A's columns of a
+        # row-parallel one (whose partial deltas the layer's all-reduce sums with its outputs)
+        self.shard = shard
         self.slice_names = list(slices)
         offsets = np.concatenate([[0], np.cumsum(list(slices.values()))]).astype(np.int64)
         self.offsets_list = offsets.tolist()
@@ -104,6 +109,12 @@ class LoRALinear(nn.Module):
         self.reset_lora(slot)
         R, rank = self.max_rank, 0
         for name, (a, b) in weights.items():
+            if self.shard is not None and self.shard.cols is not None:
+                c0, n = self.shard.cols
+                a = a[:, c0:c0 + n]
+            if self.shard is not None and self.shard.rows is not None:
+                r0, n = self.shard.rows[name]
+                b = b[r0:r0 + n]
             j = self.slice_names.index(name)
             r = a.shape[0]
             o0, o1 = self.offsets_list[j], self.offsets_list[j + 1]
@@ -143,6 +154,7 @@ class LoRALinear(nn.Module):
 
 
 def _in_features(layer: nn.Module) -> int:
+    layer = getattr(layer, "linear", layer)                  # a row-parallel layer's own
     n = getattr(layer, "in_features", None)
     return int(n) if n is not None else int(layer.weight.shape[1])
 
@@ -161,15 +173,21 @@ def wrap_lora_modules(model: nn.Module, max_loras: int, max_rank: int, mapping: 
             targets = {"gate_up_proj": {"gate": inter, "up": inter}, "down_proj": {"": _out_features(parent.down_proj)}}
         else:
             continue
+        shards = getattr(parent, "tp_shards", {})          # split by tensor parallelism
         for name, slices in targets.items():
-            base = getattr(parent, name)
-            layer = LoRALinear(base, _in_features(base), slices, max_loras, max_rank, mapping, device)
-            setattr(parent, name, layer)
+            holder, attr = parent, name
+            if isinstance(getattr(parent, name), RowParallel):   # the delta joins its all-reduce
+                holder, attr = getattr(parent, name), "linear"
+            base = getattr(holder, attr)
+            layer = LoRALinear(base, _in_features(base), slices, max_loras, max_rank, mapping, device,
+                               shards.get(name))
+            setattr(holder, attr, layer)
             wrapped[f"{parent_name}.{name}"] = layer
     return wrapped
 
 
 def _out_features(layer: nn.Module) -> int:
+    layer = getattr(layer, "linear", layer)
     n = getattr(layer, "out_features", None)
     return int(n) if n is not None else int(layer.weight.shape[0])
 

@@ -22,7 +22,7 @@ is added once, on rank 0.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,14 @@ from torch import nn
 from models.layers import Embedding, GatedMLP, Linear, MergedLinear, SelfAttention
 from models.moe import FusedMoE
 from models.tp_layout import head_split, split
+
+
+class TPShard(NamedTuple):
+    """What a split projection holds of the unsplit one: per output slice, (first row, rows) of
+    a column-parallel layer (its slice's rows within the slice); or (first column, columns) of
+    a row-parallel one's input."""
+    rows: dict[str, tuple[int, int]] | None = None
+    cols: tuple[int, int] | None = None
 
 
 class RowParallel(nn.Module):
@@ -143,6 +151,9 @@ def shard_attention(m: SelfAttention, world: int, rank: int, group: Any) -> None
     m.o_proj = RowParallel(_linear(o.weight.data[:, q0 * D:(q0 + qn) * D], bias), group)
     m.num_heads, m.num_kv_heads = qn, kn
     m.q_size, m.kv_size = qn * D, kn * D
+    # what of each projection's unsplit rows or columns this rank holds (a LoRA adapter's share)
+    m.tp_shards = {"qkv_proj": TPShard(rows={"q": (q0 * D, qn * D), "k": (k0 * D, kn * D), "v": (k0 * D, kn * D)}),
+                   "o_proj": TPShard(cols=(q0 * D, qn * D))}
 
 
 def shard_mlp(m: GatedMLP, world: int, rank: int, group: Any) -> None:
@@ -152,6 +163,8 @@ def shard_mlp(m: GatedMLP, world: int, rank: int, group: Any) -> None:
     d = m.down_proj
     bias = d.bias.data if d.bias is not None and rank == 0 else None
     m.down_proj = RowParallel(_linear(d.weight.data[:, start:start + count], bias), group)
+    m.tp_shards = {"gate_up_proj": TPShard(rows={"gate": (start, count), "up": (start, count)}),
+                   "down_proj": TPShard(cols=(start, count))}
 
 
 def shard_model(model: nn.Module, world: int, rank: int, group: Any = None,

@@ -578,9 +578,6 @@ def check_config(cfg: EngineConfig) -> None:
         if cfg.speculative is not None and cfg.speculative.method != "ngram":
             raise ValueError(f"speculative method {cfg.speculative.method!r} with tensor parallelism is not "
                              "supported yet (its draft model runs unsplit): use method ngram, or one worker")
-        if cfg.lora is not None:
-            raise ValueError("LoRA adapters with tensor parallelism are not supported yet (an adapter's matrices "
-                             "are not split over the ranks): serve them with one worker")
     if dp.pipeline_parallel_size < 1:
         raise ValueError(f"pipeline_parallel_size must be at least 1, got {dp.pipeline_parallel_size}")
     if dp.pipeline_parallel_size > 1:
@@ -665,7 +662,6 @@ def _check_pipeline_parallel(cfg: EngineConfig) -> None:
     unsupported = [
         (cfg.model.quantization is not None, f"quantization {cfg.model.quantization!r}"),
         (cfg.speculative is not None, "speculative decoding"),
-        (cfg.lora is not None, "LoRA adapters"),
         (cfg.compilation.compiles, f"--compilation-config level {cfg.compilation.level} (torch.compile)"),
         (bool(cfg.scheduler.async_scheduling), "--async-scheduling (the stages' batch queue keeps "
                                                f"{pp} steps in flight instead)"),

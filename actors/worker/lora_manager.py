@@ -46,6 +46,8 @@ class LoRAModelManager:
             raise ValueError(f"{type(model).__name__} has no layers LoRA can adapt")
         self._names = _compile_tensor_map(type(model).hf_tensor_map)
         self._model_name = type(model).__name__
+        # a pipeline stage's layers (models/pipeline_parallel.py): an adapter's others are other stages'
+        self._stage = range(getattr(model, "start_layer", 0), getattr(model, "end_layer", 1 << 30))
         self._registered: OrderedDict[int, LoRAModel] = OrderedDict()
         self.lora_index_to_id: list[int | None] = [None] * config.max_loras
         self._slot_lru: OrderedDict[int, None] = OrderedDict()   # slots, least recently used first
@@ -94,6 +96,9 @@ class LoRAModelManager:
         for module, ab in weights.items():
             param, shard = _lookup(self._names, f"{module}.weight", self._model_name)
             target = param.removesuffix(".weight")
+            layer = target.split(".")[1] if target.startswith("layers.") else ""
+            if target not in self.modules and layer.isdigit() and int(layer) not in self._stage:
+                continue                        # held by another pipeline stage, which applies it
             if target not in self.modules:
                 raise ValueError(f"adapter module {module} maps to {target}, which has no LoRA slots")
             out.setdefault(target, {})[shard or ""] = ab

@@ -83,3 +83,27 @@ def test_an_adapter_whose_files_went_away_fails_only_its_own_prompts(setup):
     assert out[1].finish_reason == "error" and "LoRA adapter 'vanish' could not be loaded" in out[1].error
     assert [out[0].token_ids, out[2].token_ids] == [base[0].token_ids, base[2].token_ids]
     assert llm.generate(PROMPTS[:1], GREEDY, lora_request=loras[0], use_tqdm=False)[0].finish_reason == "length"
+
+
+def test_adapters_over_two_tensor_parallel_ranks_give_one_workers_tokens(setup):
+    """Each rank keeps its share of an adapter (B's rows of q|k|v and gate|up, A's columns of o and
+    down, whose partial deltas the layers' all-reduce sums): a mixed batch over two ranks gives
+    the tokens of one worker."""
+    llm, loras, _, root = setup
+    row_loras = [loras[0], None, loras[1], loras[4]]
+    want = [r.token_ids for r in llm.generate(PROMPTS[:4], GREEDY, lora_request=row_loras, use_tqdm=False)]
+    with LLM(str(root / "base"), enable_lora=True, max_loras=4, max_cpu_loras=4, max_lora_rank=16, block_size=4,
+             tensor_parallel_size=2) as tp:
+        got = [r.token_ids for r in tp.generate(PROMPTS[:4], GREEDY, lora_request=row_loras, use_tqdm=False)]
+    assert got == want
+
+
+def test_adapters_over_two_pipeline_stages_give_one_workers_tokens(setup):
+    """Each stage applies an adapter to its own layers (the others' weights are the other stage's)."""
+    llm, loras, _, root = setup
+    row_loras = [loras[1], loras[2], None, loras[3]]
+    want = [r.token_ids for r in llm.generate(PROMPTS[:4], GREEDY, lora_request=row_loras, use_tqdm=False)]
+    with LLM(str(root / "base"), enable_lora=True, max_loras=4, max_cpu_loras=4, max_lora_rank=16, block_size=4,
+             pipeline_parallel_size=2) as pp:
+        got = [r.token_ids for r in pp.generate(PROMPTS[:4], GREEDY, lora_request=row_loras, use_tqdm=False)]
+    assert got == want

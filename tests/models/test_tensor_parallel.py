@@ -2,13 +2,14 @@
 gloo group), each holding its share of the heads (even and uneven splits, KV heads replicated
 when fewer than the ranks), of the MLP columns and of the vocabulary (embedding and LM head,
 tied or not), give the logits of the unsplit model within float32 rounding, over a prompt step
-and decode steps of a paged KV cache."""
+and decode steps of a paged KV cache; with a LoRA adapter on every projection too."""
 from __future__ import annotations
 
 import dataclasses
 import os
 import traceback
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -17,6 +18,7 @@ from kernels.attention import CpuAttentionBackend, allocate_kv_caches
 from models.config import FULL, SLIDING, ArchConfig
 from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
+from models.lora_layers import LoRAMapping, wrap_lora_modules
 from models.mistral import MistralForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.tensor_parallel import RowParallel, shard_model
@@ -70,6 +72,31 @@ CASES = [
 ]
 
 
+LORA_CASE = ("LlamaForCausalLM", 6, 3)     # uneven heads: each rank's share of q, k and v differs
+
+
+def _lora_weights(arch: ArchConfig) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """A rank-4 adapter on every projection of the unsplit model, by wrapped module name: per slice,
+    (A (4, in), s B (rows, 4)), whole, as an adapter's files give them."""
+    cpu = torch.device("cpu")
+    probe = wrap_lora_modules(_model(arch), 1, 4, LoRAMapping(cpu), cpu)
+    g = torch.Generator().manual_seed(3)
+    return {name: {s: (torch.randn(4, layer.in_features, generator=g) * 0.3,
+                       torch.randn(layer.offsets_list[j + 1] - layer.offsets_list[j], 4, generator=g) * 0.3)
+                   for j, s in enumerate(layer.slice_names)}
+            for name, layer in probe.items()}
+
+
+def _with_lora(model: torch.nn.Module, weights) -> torch.nn.Module:
+    """``model`` with the adapter ``weights`` in its one slot, applied to every token."""
+    cpu = torch.device("cpu")
+    mapping = LoRAMapping(cpu)
+    for name, layer in wrap_lora_modules(model, 1, 4, mapping, cpu).items():
+        layer.set_lora(0, weights[name])
+    model.register_forward_pre_hook(lambda m, args: mapping.set(np.zeros(len(args[0]), dtype=np.int64)))
+    return model
+
+
 def _rank(rank: int, world: int, init: str, out: str) -> None:
     """One rank of the group: every case's logits (rank 0 saves them)."""
     try:
@@ -80,8 +107,12 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
             arch = _arch(name, heads, kv_heads, **(more[0] if more else {}))
             model = shard_model(_model(arch), world, rank)
             results.append(_logits(model, arch, head_split(heads, kv_heads, world, rank)[3]))
+        name, heads, kv_heads = LORA_CASE
+        arch = _arch(name, heads, kv_heads)
+        model = _with_lora(shard_model(_model(arch), world, rank), _lora_weights(arch))
+        lora = _logits(model, arch, head_split(heads, kv_heads, world, rank)[3])
         if rank == 0:
-            torch.save(results, out)
+            torch.save({"cases": results, "lora": lora}, out)
         torch.distributed.destroy_process_group()
     except BaseException:
         traceback.print_exc()
@@ -91,11 +122,19 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
 def test_two_ranks_together_give_the_unsplit_models_logits(tmp_path):
     out = str(tmp_path / "logits.pt")
     mp.start_processes(_rank, args=(2, f"file://{tmp_path}/init", out), nprocs=2, start_method="spawn", join=True)
-    for (name, heads, kv_heads, *more), got in zip(CASES, torch.load(out), strict=True):
+    saved = torch.load(out)
+    for (name, heads, kv_heads, *more), got in zip(CASES, saved["cases"], strict=True):
         arch = _arch(name, heads, kv_heads, **(more[0] if more else {}))
         want = _logits(_model(arch), arch, kv_heads)
         assert want.std() > 0.3
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} {heads}/{kv_heads}: {m}")
+    # a LoRA adapter given whole to each rank: each keeps its share of B's rows (q|k|v, gate|up) and
+    # of A's columns (o, down), and the logits are those of the unsplit model with the adapter
+    name, heads, kv_heads = LORA_CASE
+    arch = _arch(name, heads, kv_heads)
+    want = _logits(_with_lora(_model(arch), _lora_weights(arch)), arch, kv_heads)
+    assert (want - _logits(_model(arch), arch, kv_heads)).abs().max() > 0.5       # the adapter matters
+    torch.testing.assert_close(saved["lora"], want, rtol=1e-4, atol=1e-4)
 
 
 def test_heads_and_columns_split_as_evenly_as_they_go():
