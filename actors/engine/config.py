@@ -348,8 +348,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                                      DTYPE_BYTES[cache_dtype])
         groups = kv_cache_groups(specs, hybrid=not self.scheduler.disable_hybrid_kv_cache_manager)
         if self.model.draft_source is not None:
+            tp = self.parallel.tensor_parallel_size
+            if tp > 1 and draft_arch.num_kv_heads != arch.num_kv_heads:
+                raise ValueError(f"with tensor parallelism the draft model is split over the ranks as the target is, "
+                                 f"and its KV heads share the target's blocks: it needs the target's "
+                                 f"{arch.num_kv_heads} KV heads, not {draft_arch.num_kv_heads}")
             groups = with_draft_layers(groups, specs, model_kv_cache_specs(
-                draft_arch, self.cache.block_size, DTYPE_BYTES[cache_dtype]))
+                rank_arch(draft_arch, tp), self.cache.block_size, DTYPE_BYTES[cache_dtype]))
         kv_bytes = self.cache.kv_cache_memory_bytes
         if device == "cpu" and vllm_env.cpu_kv_cache_bytes():      # vLLM's legacy setting wins, as there
             kv_bytes = vllm_env.cpu_kv_cache_bytes()
@@ -432,8 +437,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         bs, dtype_bytes = self.cache.block_size, DTYPE_BYTES[self.cache.cache_dtype]
         arch = rank_arch(self.model.arch, self.parallel.tensor_parallel_size, num_kv_heads)
         specs = model_kv_cache_specs(arch, bs, dtype_bytes)
-        if self.model.draft_arch is not None:
-            specs += model_kv_cache_specs(self.model.draft_arch, bs, dtype_bytes)
+        if self.model.draft_arch is not None:          # split as the target (the same KV heads)
+            specs += model_kv_cache_specs(rank_arch(self.model.draft_arch, self.parallel.tensor_parallel_size,
+                                                    num_kv_heads), bs, dtype_bytes)
         return specs
 
     def kv_cache_groups(self) -> tuple[KVCacheGroupSpec, ...]:
@@ -575,9 +581,10 @@ def check_config(cfg: EngineConfig) -> None:
         if cfg.model.quantization is not None:
             raise ValueError(f"quantization {cfg.model.quantization!r} with tensor parallelism is not supported "
                              "yet: run the exact weights, or one worker")
-        if cfg.speculative is not None and cfg.speculative.method != "ngram":
-            raise ValueError(f"speculative method {cfg.speculative.method!r} with tensor parallelism is not "
-                             "supported yet (its draft model runs unsplit): use method ngram, or one worker")
+        if cfg.speculative is not None and cfg.speculative.quantization is not None:
+            raise ValueError(f"a draft quantized as {cfg.speculative.quantization!r} with tensor parallelism is not "
+                             "supported yet (quantized weights are not split over the ranks): draft with exact "
+                             "weights (method draft_model or ngram), or one worker")
     if dp.pipeline_parallel_size < 1:
         raise ValueError(f"pipeline_parallel_size must be at least 1, got {dp.pipeline_parallel_size}")
     if dp.pipeline_parallel_size > 1:

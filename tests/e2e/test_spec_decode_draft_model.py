@@ -2,7 +2,8 @@
 target drafting with a copy of itself (every draft accepted) and with a smaller model of the same
 vocabulary and KV page (its layers appended to the target's one KV cache group; few accepted),
 greedy requests getting the tokens of plain decoding either way, also when preempted; a draft of
-another vocabulary is refused at start-up."""
+another vocabulary is refused at start-up. Over two tensor-parallel ranks the draft model is split
+as the target is, with the same tokens."""
 from __future__ import annotations
 
 import pytest
@@ -19,16 +20,17 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    def save(name, hidden, intermediate, vocab=VOCAB):
-        path = save_tiny_llama(tmp_path_factory.mktemp(name), vocab, hidden, intermediate, 4, 2, 16, 512)
+    def save(name, hidden, intermediate, vocab=VOCAB, kv_heads=2):
+        path = save_tiny_llama(tmp_path_factory.mktemp(name), vocab, hidden, intermediate, 4, kv_heads, 16, 512)
         return save_tiny_tokenizer(path, vocab)
     return {"target": save("target", 64, 128), "small": save("small", 48, 96),
-            "other_vocab": save("other_vocab", 64, 128, vocab=300)}
+            "other_vocab": save("other_vocab", 64, 128, vocab=300), "one_kv_head": save("one_kv", 48, 96, kv_heads=1)}
 
 
 def _run(target: str, draft: str | None, **options):
     spec = None if draft is None else {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
-    with LLM(target, multiprocess=False, speculative_config=spec, **options) as llm:
+    options.setdefault("multiprocess", False)
+    with LLM(target, speculative_config=spec, **options) as llm:
         tokens = [r.token_ids for r in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         return tokens, llm.client.stats.last
 
@@ -54,3 +56,13 @@ def test_a_smaller_draft_model_gives_the_targets_tokens_also_when_preempted(mode
 def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(models):
     with pytest.raises(Exception, match="must share the target's tokenizer"):
         _run(models["target"], models["other_vocab"])
+
+
+def test_a_draft_model_split_over_two_tensor_parallel_ranks_gives_the_targets_tokens(models, plain):
+    """The draft model is split over the ranks as the target is (its KV heads in the target's blocks)."""
+    tokens, stats = _run(models["target"], models["target"], tensor_parallel_size=2, multiprocess=True)
+    assert tokens == plain and 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    tokens, stats = _run(models["target"], models["small"], tensor_parallel_size=2, multiprocess=True)
+    assert tokens == plain and stats.spec_num_draft_tokens > 0
+    with pytest.raises(Exception, match="needs the target's 2 KV heads, not 1"):
+        _run(models["target"], models["one_kv_head"], tensor_parallel_size=2, multiprocess=True)
