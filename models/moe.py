@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import shm_comm
 from models.layers import Linear, _empty_param
 from models.tp_layout import split
 
@@ -170,7 +171,7 @@ class FusedMoE(nn.Module):
             return self._expert_parallel(x, weights, ids)
         out = fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         if self.parallel == "tensor":
-            torch.distributed.all_reduce(out, group=self.group)
+            shm_comm.all_reduce(out, self.group)
         return out
 
     def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -211,5 +212,5 @@ class FusedMoE(nn.Module):
         if count < width:
             local = F.pad(local, (0, 0, 0, width - count))
         parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local, group=self.group)
+        shm_comm.all_gather(parts, local.contiguous(), self.group)
         return torch.cat([p[:n] for p, n in zip(parts, sizes)])

@@ -1,5 +1,7 @@
 """Tensor parallelism: a loaded model split in place over ``world`` ranks (chapter 8 of the book,
-Megatron's layout), one rank per worker process, collectives through ``torch.distributed``.
+Megatron's layout), one rank per worker process, collectives through ``torch.distributed`` (the
+all-reduces and the logits' all-gather through shared memory between the ranks of one CPU machine:
+kernels/cpu/shm_comm.py).
 
 Per decoder layer:
   - attention: each rank keeps a contiguous run of KV heads and the query heads that read them
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import shm_comm
 from models.layers import Embedding, GatedMLP, Linear, MergedLinear, SelfAttention
 from models.moe import FusedMoE
 from models.tp_layout import head_split, split
@@ -52,7 +55,7 @@ class RowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
-        torch.distributed.all_reduce(y, group=self.group)
+        shm_comm.all_reduce(y, self.group)
         return y
 
 
@@ -70,7 +73,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside[:, None], 0.0)
-        torch.distributed.all_reduce(out, group=self.group)
+        shm_comm.all_reduce(out, self.group)
         return out
 
 
@@ -89,7 +92,7 @@ class VocabParallelLMHead(nn.Module):
         if y.shape[1] < width:                                 # all_gather wants equal shapes
             y = F.pad(y, (0, width - y.shape[1]))
         parts = [torch.empty_like(y) for _ in self.sizes]
-        torch.distributed.all_gather(parts, y.contiguous(), group=self.group)
+        shm_comm.all_gather(parts, y.contiguous(), self.group)
         return torch.cat([p[:, :n] for p, n in zip(parts, self.sizes)], dim=1)
 
 

@@ -30,6 +30,7 @@ from actors.worker.model_runner import ModelRunner, torch_dtype
 from actors.worker.platforms import platform_for
 from actors.worker.profiler import StepProfiler, rank_name, worker_profiler
 from kernels.attention.base import AttentionBackend
+from kernels.cpu import shm_comm
 from models.layers import calculate_kv_scales_on_next_batch
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
@@ -84,8 +85,10 @@ class Worker:
         self.tp_group = None                # the default group, unless stages each have theirs
         self.link: StageLink | None = None  # this pipeline stage's neighbours
         if self.tp_size * self.pp_size > 1:
+            parallel = self.config.parallel      # every rank a process of this machine: mp on one node
             self.tp_group = join_parallel_groups(self.device, tp_rank, pp_rank, self.tp_size, self.pp_size,
-                                                 init_method)
+                                                 init_method, one_machine=parallel.nnodes == 1
+                                                 and parallel.distributed_executor_backend == "mp")
         self.attn_backend = self._backend(ckpt)
         self._load_models(ckpt, draft_ckpt)
         if self.pp_size > 1:
@@ -508,11 +511,13 @@ TP_TIMEOUT_S = 120.0             # a collective waiting longer than this for a r
 
 
 def join_parallel_groups(device: torch.device, tp_rank: int, pp_rank: int, tp: int, pp: int,
-                         init_method: str) -> object | None:
+                         init_method: str, one_machine: bool = False) -> object | None:
     """This process's place in its engine core's group of ``tp`` x ``pp`` ranks (the default
     process group, rank pp_rank * tp + tp_rank: vLLM's order): gloo on the CPU, NCCL on CUDA;
-    the ranks meet at ``init_method``. Returns its stage's tensor-parallel group (None: the
-    default group is that group, one stage)."""
+    the ranks meet at ``init_method``. With ``one_machine`` (every rank a process of this
+    machine) the CPU's tensor-parallel all-reduces and all-gathers go through shared memory
+    (kernels/cpu/shm_comm.py). Returns its stage's tensor-parallel group (None: the default
+    group is that group, one stage)."""
     import datetime
     import torch.distributed as dist
     if not init_method:
@@ -527,8 +532,12 @@ def join_parallel_groups(device: torch.device, tp_rank: int, pp_rank: int, tp: i
         for stage in range(pp):
             g = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
             group = g if stage == pp_rank else group
+    how = dist.get_backend()
+    if device.type == "cpu" and one_machine and tp > 1 and shm_comm.register(f"{init_method}/stage{pp_rank}",
+                                                                             tp_rank, tp, group) is not None:
+        how += ", shared memory for the tensor-parallel collectives"
     log.info("rank %d of %d (tensor-parallel rank %d, pipeline stage %d) joined its group (%s)", rank, world,
-             tp_rank, pp_rank, dist.get_backend())
+             tp_rank, pp_rank, how)
     return group
 
 

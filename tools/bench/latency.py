@@ -16,7 +16,9 @@ from tools.bench import workload
 async def warm(args: Any) -> dict[str, float]:
     from actors.api import AsyncLLM, SamplingParams
     from actors.engine.args import EngineArgs
-    llm = await AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args, multiprocess=False))
+    # in this process, unless the layout needs a worker process per rank (tensor or pipeline parallelism)
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+    llm = await AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args, multiprocess=ranks > 1))
     try:
         # a fresh prompt for every run: a repeated one would be served from the prefix cache
         prompts = [r["prompt_token_ids"] for r in workload.generate(
@@ -50,6 +52,8 @@ def cold_start(args: Any) -> float:
     cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--device", args.device]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--pipeline-parallel-size", str(args.pipeline_parallel_size)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -79,6 +83,8 @@ def main(args: Any) -> None:
     result: dict[str, Any] = {"bench": "latency", "engine": "troupe", "device": args.device,
                               "enforce_eager": args.enforce_eager, "quantization": args.quantization,
                               "kv_cache_dtype": args.kv_cache_dtype,
+                              "tensor_parallel_size": args.tensor_parallel_size,
+                              "pipeline_parallel_size": args.pipeline_parallel_size,
                               "prompt_tokens": args.prompt_len}
     result.update(uvloop.run(warm(args)))
     result["cold_start_to_first_token_s"] = round(cold_start(args), 2)

@@ -1,0 +1,85 @@
+"""The tensor-parallel ranks' shared-memory collectives (kernels/cpu/shm_comm.py) between real
+processes: an all-reduce gives every rank the same bits, the sum in rank order, for vectors of one
+value, of a layer's output and of several rounds of the segment's slots; an all-gather gives
+every rank each rank's tensor; a dtype the segment does not take goes through gloo; and a rank
+that died fails its peers' collective instead of leaving them waiting."""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from kernels.cpu import native, shm_comm
+
+pytestmark = pytest.mark.skipif(not native.available()[0], reason="needs the native CPU kernels")
+
+SIZES = [1, 576, shm_comm.CHUNK // 4 + 5, 5 * shm_comm.CHUNK // 8 + 3]     # the last two: several rounds
+
+
+def _data(rank: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + n))
+
+
+def _collectives(rank: int, world: int, init: str, out: str) -> None:
+    try:
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        assert shm_comm.register(init, rank, world) is not None
+        reduced = []
+        for n in SIZES:
+            x = _data(rank, n)
+            shm_comm.all_reduce(x)
+            reduced.append(x)
+        parts = [torch.empty(3, 5) for _ in range(world)]
+        shm_comm.all_gather(parts, torch.full((3, 5), float(rank)))
+        ints = torch.tensor([rank + 1], dtype=torch.int64)
+        shm_comm.all_reduce(ints)                                 # not float32: through gloo
+        torch.save({"reduced": reduced, "gathered": parts, "ints": ints}, f"{out}.{rank}")
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        raise
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_gets_the_same_sum_in_rank_order_and_each_ranks_gathered_tensor(tmp_path, world):
+    out = str(tmp_path / "result")
+    mp.start_processes(_collectives, args=(world, f"file://{tmp_path}/init", out), nprocs=world,
+                       start_method="spawn", join=True)
+    results = [torch.load(f"{out}.{r}") for r in range(world)]
+    for i, n in enumerate(SIZES):
+        want = _data(0, n)
+        for r in range(1, world):
+            want = want + _data(r, n)
+        for res in results:
+            assert torch.equal(res["reduced"][i], want), (n, res["reduced"][i][:4], want[:4])
+    for res in results:
+        assert [float(p[0, 0]) for p in res["gathered"]] == [float(r) for r in range(world)]
+        assert int(res["ints"]) == sum(range(1, world + 1))
+
+
+def _one_dies(rank: int, init: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    shm_comm.register(init, rank, 2)
+    if rank == 1:
+        os._exit(0)                               # gone before the collective
+    t0 = time.monotonic()
+    try:
+        shm_comm.all_reduce(torch.ones(8))
+        result = "returned"
+    except RuntimeError as exc:
+        result = str(exc)
+    with open(out, "w") as f:
+        f.write(f"{result}|{time.monotonic() - t0:.1f}")
+
+
+def test_a_rank_that_died_fails_its_peers_collective_instead_of_leaving_them_waiting(tmp_path):
+    out = str(tmp_path / "result")
+    mp.start_processes(_one_dies, args=(f"file://{tmp_path}/init", out), nprocs=2, start_method="spawn",
+                       join=True)
+    result, seconds = open(out).read().split("|")
+    assert result == "a tensor-parallel rank died during an all-reduce" and float(seconds) < 30
