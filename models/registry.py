@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -106,8 +106,11 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backend: AttentionBackend | None = None,
                 block_size: int = DEFAULT_BLOCK_SIZE, device: str = "cpu",
-                kv_cache_dtype: torch.dtype | None = None, quantization: str | None = None) -> nn.Module:
-    """``load_model`` for a checkpoint already opened (its weights are consumed)."""
+                kv_cache_dtype: torch.dtype | None = None, quantization: str | None = None,
+                transform: Callable[[nn.Module], Any] | None = None) -> nn.Module:
+    """``load_model`` for a checkpoint already opened (its weights are consumed). ``transform``:
+    applied once the weights are loaded, before quantized layers process theirs (a pipeline
+    stage's cut, a tensor-parallel rank's split)."""
     config = ckpt.config
     backend = attn_backend or select_backend(attention_requirements(config, dtype, block_size, device,
                                                                     kv_cache_dtype))
@@ -117,6 +120,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
     if quant is not None:
         attach_linear_methods(model, quant, tensor_map)
     load_weights(model, ckpt.weights, tensor_map)
+    if transform is not None:
+        transform(model)
     if quant is not None:
         process_weights_after_loading(model)
     if device != "cpu":

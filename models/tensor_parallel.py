@@ -114,7 +114,16 @@ def shard_vocab(model: nn.Module, world: int, rank: int, group: Any) -> None:
     lin = Linear(weight.shape[1], count, weight.dtype, weight=weight, bias=bias is not None)
     if bias is not None:
         lin.bias.data = bias
+    _quantized(lin, head, rows={None: (start, count)})
     model.lm_head = VocabParallelLMHead(lin, [split(vocab, world, r)[1] for r in range(world)], group)
+
+
+def _quantized(part: Linear, whole: Linear, rows: dict | None = None, cols: tuple[int, int] | None = None) -> Linear:
+    """``part`` of layer ``whole`` with its share of ``whole``'s quantization method, if it has one
+    (split before the weights are processed: models/quantization)."""
+    if whole.quant_method is not None:
+        part.quant_method = whole.quant_method.shard(rows, cols)
+    return part
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -147,11 +156,12 @@ def shard_attention(m: SelfAttention, world: int, rank: int, group: Any) -> None
     D = m.head_size
     q0, qn, k0, kn = head_split(m.num_heads, m.num_kv_heads, world, rank)
     qkv = m.qkv_proj
-    m.qkv_proj = _merged({"q": _rows(qkv, "q", q0 * D, qn * D), "k": _rows(qkv, "k", k0 * D, kn * D),
-                          "v": _rows(qkv, "v", k0 * D, kn * D)})
+    rows = {"q": (q0 * D, qn * D), "k": (k0 * D, kn * D), "v": (k0 * D, kn * D)}
+    m.qkv_proj = _quantized(_merged({s: _rows(qkv, s, *r) for s, r in rows.items()}), qkv, rows=rows)
     o = m.o_proj
     bias = o.bias.data if o.bias is not None and rank == 0 else None
-    m.o_proj = RowParallel(_linear(o.weight.data[:, q0 * D:(q0 + qn) * D], bias), group)
+    m.o_proj = RowParallel(_quantized(_linear(o.weight.data[:, q0 * D:(q0 + qn) * D], bias), o,
+                                      cols=(q0 * D, qn * D)), group)
     m.num_heads, m.num_kv_heads = qn, kn
     m.q_size, m.kv_size = qn * D, kn * D
     # what of each projection's unsplit rows or columns this rank holds (a LoRA adapter's share)
@@ -162,10 +172,12 @@ def shard_attention(m: SelfAttention, world: int, rank: int, group: Any) -> None
 def shard_mlp(m: GatedMLP, world: int, rank: int, group: Any) -> None:
     gu = m.gate_up_proj
     start, count = split(gu.shard_sizes["gate"], world, rank)
-    m.gate_up_proj = _merged({"gate": _rows(gu, "gate", start, count), "up": _rows(gu, "up", start, count)})
+    m.gate_up_proj = _quantized(_merged({"gate": _rows(gu, "gate", start, count), "up": _rows(gu, "up", start, count)}),
+                                gu, rows={"gate": (start, count), "up": (start, count)})
     d = m.down_proj
     bias = d.bias.data if d.bias is not None and rank == 0 else None
-    m.down_proj = RowParallel(_linear(d.weight.data[:, start:start + count], bias), group)
+    m.down_proj = RowParallel(_quantized(_linear(d.weight.data[:, start:start + count], bias), d,
+                                         cols=(start, count)), group)
     m.tp_shards = {"gate_up_proj": TPShard(rows={"gate": (start, count), "up": (start, count)}),
                    "down_proj": TPShard(cols=(start, count))}
 

@@ -578,9 +578,9 @@ def check_config(cfg: EngineConfig) -> None:
         if not dp.multiprocess:
             raise ValueError("tensor parallelism runs each rank in a worker process of its own: it needs the "
                              "multiprocess layout (a server, or LLM(multiprocess=True))")
-        if cfg.model.quantization is not None:
+        if cfg.model.quantization not in (None, "gguf", "gguf-i8"):
             raise ValueError(f"quantization {cfg.model.quantization!r} with tensor parallelism is not supported "
-                             "yet: run the exact weights, or one worker")
+                             "yet (a GGUF model's gguf and gguf-i8 are): run the exact weights, or one worker")
         if cfg.speculative is not None and cfg.speculative.quantization is not None:
             raise ValueError(f"a draft quantized as {cfg.speculative.quantization!r} with tensor parallelism is not "
                              "supported yet (quantized weights are not split over the ranks): draft with exact "
@@ -667,7 +667,7 @@ def _check_pipeline_parallel(cfg: EngineConfig) -> None:
         raise ValueError("pipeline parallelism runs each stage in a worker process of its own: it needs the "
                          "multiprocess layout (a server, or LLM(multiprocess=True))")
     unsupported = [
-        (cfg.model.quantization is not None, f"quantization {cfg.model.quantization!r}"),
+        (cfg.model.quantization not in (None, "gguf", "gguf-i8"), f"quantization {cfg.model.quantization!r}"),
         (cfg.speculative is not None, "speculative decoding"),
         (cfg.compilation.compiles, f"--compilation-config level {cfg.compilation.level} (torch.compile)"),
         (bool(cfg.scheduler.async_scheduling), "--async-scheduling (the stages' batch queue keeps "

@@ -158,14 +158,18 @@ class Worker:
                 raise ValueError(f"a checkpoint quantized as {quantized!r} with tensor or pipeline parallelism is "
                                  "not supported; use --tensor-parallel-size 1 --pipeline-parallel-size 1")
         compute = self._compute_dtype(quantized)
+
+        def this_ranks_part(model: torch.nn.Module) -> None:
+            """Once loaded, before quantized weights are processed and anything is packed."""
+            if self.pp_size > 1:             # this stage's layers (before splitting them over ranks)
+                split_stage(model, self.pp_size, self.pp_rank)
+            if self.tp_size > 1:             # this rank's heads and columns
+                shard_model(model, self.tp_size, self.tp_rank, self.tp_group,
+                            expert_parallel=cfg.parallel.enable_expert_parallel)
+                log_expert_placement(model, self.tp_rank)
         model = build_model(ckpt, torch_dtype(compute), backend, cfg.cache.block_size,
-                            self.device.type, torch_dtype(cfg.cache.cache_dtype), quantization)
-        if self.pp_size > 1:                 # this stage's layers (before splitting them over ranks)
-            split_stage(model, self.pp_size, self.pp_rank)
-        if self.tp_size > 1:                 # this rank's heads and columns (before packing)
-            shard_model(model, self.tp_size, self.tp_rank, self.tp_group,
-                        expert_parallel=cfg.parallel.enable_expert_parallel)
-            log_expert_placement(model, self.tp_rank)
+                            self.device.type, torch_dtype(cfg.cache.cache_dtype), quantization,
+                            transform=this_ranks_part)
         comp = cfg.compilation
         if self.platform.packs_linears and packs_linears(comp, quantized):   # packed once for the native kernels
             prepack_linears(model, bfloat16=compute != cfg.model.dtype and cfg.model.dtype == "bfloat16")

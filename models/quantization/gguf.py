@@ -11,6 +11,8 @@ from torch import nn
 from models.layers import Linear
 from models.quantization.base import LinearMethod, QuantizationConfig, shards_of
 
+BLOCK = 32                                     # values per Q4_1 / Q8_0 block
+
 
 class GGUFConfig(QuantizationConfig):
     name = "gguf"
@@ -60,6 +62,31 @@ class GGUFLinearMethod(LinearMethod):
 
     def __init__(self, shards: dict[str | None, tuple[str, torch.Tensor]], int8_activations: bool) -> None:
         self.shards, self.int8_activations = shards, int8_activations
+        self.in_features = 0                   # the layer's, once create_weights saw it
+
+    def create_weights(self, layer: Linear) -> None:
+        super().create_weights(layer)
+        self.in_features = int(layer.weight.shape[1])
+
+    def shard(self, rows: dict[str | None, tuple[int, int]] | None = None,
+              cols: tuple[int, int] | None = None) -> GGUFLinearMethod:
+        """Block rows are whole output rows; a run of inputs is a run of whole blocks of 32."""
+        shards = {}
+        for name, (qtype, raw) in self.shards.items():
+            if rows is not None:
+                r0, n = rows[name]
+                raw = raw[r0:r0 + n]
+            if cols is not None:
+                c0, n = cols
+                if c0 % BLOCK or n % BLOCK:
+                    raise ValueError(f"a {qtype} layer's inputs split at {c0} + {n}: tensor parallelism splits "
+                                     f"{qtype} weights at whole blocks of {BLOCK} inputs only")
+                width = raw.shape[1] * BLOCK // self.in_features       # bytes per block
+                raw = raw[:, c0 // BLOCK * width:(c0 + n) // BLOCK * width]
+            shards[name] = (qtype, raw.contiguous())
+        method = GGUFLinearMethod(shards, self.int8_activations)
+        method.in_features = cols[1] if cols is not None else self.in_features
+        return method
 
     def process_weights_after_loading(self, layer: Linear) -> nn.Module:
         from kernels.cpu.panels import PanelWeight

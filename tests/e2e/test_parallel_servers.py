@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from actors.api import LLM, SamplingParams
+from kernels.cpu.panels import int8_available
 from server import Server, alive, children
 
 pytestmark = pytest.mark.slow
@@ -93,3 +94,15 @@ def test_two_stages_of_two_tensor_parallel_ranks_answer_as_one_worker_does(one_w
     with LLM(tensor_parallel_size=2, pipeline_parallel_size=2) as llm:     # processes of their own
         results = llm.generate(PROMPTS[:3], [_params(n) for n in TOKENS[:3]], use_tqdm=False)
     assert [r.text for r in results] == one_worker[:3]
+
+
+@pytest.mark.skipif(not int8_available(), reason="the gguf-i8 mode needs AVX2 or AVX512-VNNI")
+def test_gguf_weights_over_two_ranks_and_over_two_stages_answer_as_one_worker_does():
+    """gguf-i8: each rank's share of the checkpoint's blocks (output rows, or whole blocks of 32
+    inputs), each stage's layers, split before the blocks are packed."""
+    params = [_params(n) for n in TOKENS[:3]]
+    with LLM(quantization="gguf-i8", multiprocess=False) as llm:
+        want = [r.text for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        with LLM(quantization="gguf-i8", **layout) as llm:
+            assert [r.text for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)] == want, layout

@@ -154,3 +154,18 @@ def test_a_split_model_keeps_the_row_parallel_bias_on_rank_zero_only():
     assert zero.layers[0].self_attn.num_heads == 2 and tuple(o0.linear.weight.shape) == (64, 32)
     assert tuple(zero.embed_tokens.weight.shape) == (48, 64) and tuple(one.lm_head.linear.weight.shape) == (48, 64)
     assert os.environ.get("WORLD_SIZE") is None      # nothing joined a process group in this process
+
+
+def test_a_gguf_layers_blocks_split_by_output_rows_and_by_whole_blocks_of_inputs():
+    """A rank's part of a GGUF-quantized layer, taken before the blocks are packed: its output rows
+    (column-parallel), or its run of inputs as whole blocks of 32 (row-parallel)."""
+    from models.quantization.gguf import GGUFLinearMethod
+    raw = torch.arange(4 * 2 * 34, dtype=torch.int32).to(torch.uint8).reshape(4, 68)    # Q8_0: 34 bytes a block
+    method = GGUFLinearMethod({None: ("Q8_0", raw)}, int8_activations=False)
+    method.in_features = 64
+    rows = method.shard(rows={None: (1, 2)})
+    assert torch.equal(rows.shards[None][1], raw[1:3]) and rows.in_features == 64
+    cols = method.shard(cols=(32, 32))
+    assert torch.equal(cols.shards[None][1], raw[:, 34:]) and cols.in_features == 32
+    with pytest.raises(ValueError, match="whole blocks of 32 inputs only"):
+        method.shard(cols=(16, 32))
