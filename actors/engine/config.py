@@ -581,10 +581,6 @@ def check_config(cfg: EngineConfig) -> None:
         if cfg.model.quantization not in (None, "gguf", "gguf-i8"):
             raise ValueError(f"quantization {cfg.model.quantization!r} with tensor parallelism is not supported "
                              "yet (a GGUF model's gguf and gguf-i8 are): run the exact weights, or one worker")
-        if cfg.speculative is not None and cfg.speculative.quantization is not None:
-            raise ValueError(f"a draft quantized as {cfg.speculative.quantization!r} with tensor parallelism is not "
-                             "supported yet (quantized weights are not split over the ranks): draft with exact "
-                             "weights (method draft_model or ngram), or one worker")
     if dp.pipeline_parallel_size < 1:
         raise ValueError(f"pipeline_parallel_size must be at least 1, got {dp.pipeline_parallel_size}")
     if dp.pipeline_parallel_size > 1:

@@ -106,3 +106,14 @@ def test_gguf_weights_over_two_ranks_and_over_two_stages_answer_as_one_worker_do
     for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
         with LLM(quantization="gguf-i8", **layout) as llm:
             assert [r.text for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)] == want, layout
+
+
+@pytest.mark.skipif(not int8_available(), reason="the gguf-i8 mode needs AVX2 or AVX512-VNNI")
+def test_a_quantized_self_draft_over_two_ranks_keeps_exact_greedy_tokens(one_worker):
+    """self_draft's gguf-i8 copy of the weights, split over the ranks as the target is: drafts
+    accepted, the tokens those of one exact worker."""
+    spec = {"method": "self_draft", "quantization": "gguf-i8", "num_speculative_tokens": 4}
+    with LLM(tensor_parallel_size=2, speculative_config=spec) as llm:
+        texts = [r.text for r in llm.generate(PROMPTS[:3], [_params(n) for n in TOKENS[:3]], use_tqdm=False)]
+        stats = llm.client.stats.last
+    assert texts == one_worker[:3] and stats.spec_num_accepted_tokens > 0
