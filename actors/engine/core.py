@@ -167,7 +167,7 @@ class EngineCore:
         except Exception as exc:
             raise ValueError(f"--master-addr {p.master_addr} --master-port {p.master_port}: this engine core "
                              f"cannot listen there ({exc})") from None
-        self.hosts = RankHosts(self, self.config, self._worker_exited)
+        self.hosts = RankHosts(self.config, self._worker_exited)
         self.node.spawn(topology.RANK_HOSTS, lambda: self.hosts)
         log.info("worker ranks %s here, the rest on %d other machine%s joining at %s",
                  describe_ranks(p.node_ranks(0)), p.nnodes - 1, "s" if p.nnodes > 2 else "",

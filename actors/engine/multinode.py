@@ -36,7 +36,7 @@ import asyncio
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import msgspec
 
@@ -50,9 +50,6 @@ from actors.runtime.system import SYSTEM_ACTOR, Shutdown
 from actors.runtime.ticker import Ticker
 from actors.worker.actor import LOAD_TIMEOUT_S
 from actors.worker.openmp import openmp_env
-
-if TYPE_CHECKING:
-    from actors.engine.core import EngineCore
 
 log = logging.getLogger("troupe.multinode")
 
@@ -155,9 +152,8 @@ class RankHosts(Actor):
     engine core's way to start and stop the ranks there."""
     protocol = JoinRanks | HeadlessBeat | RankExited | _CheckHosts
 
-    def __init__(self, core: EngineCore, config: EngineConfig, on_exit: Callable[[RemoteRank], None]) -> None:
+    def __init__(self, config: EngineConfig, on_exit: Callable[[RemoteRank], None]) -> None:
         p = config.parallel
-        self.core = core
         self.config_hash = p.nodes_digest or config.compute_hash()
         self.nnodes = p.nnodes
         self.address = f"tcp://{p.master_addr}:{p.master_port}"
@@ -186,8 +182,8 @@ class RankHosts(Actor):
                         entry.last_beat = time.monotonic()
                         return Registered()
                 self.ctx.node.connect(host, address)          # to answer it
-                return Registered(f"the engine core at {self.address} does not know ranks host {host} (it restarted, "
-                              f"or heard nothing from it for {HOST_LOST_S:g} s)")
+                return Registered(f"the engine core at {self.address} does not know ranks host {host} (it "
+                                  f"restarted, or heard nothing from it for {HOST_LOST_S:g} s)")
             case RankExited(generation=generation, rank=rank, reason=reason, host=host):
                 for handle in self.running.get(host, []):
                     if handle.rank == rank and handle.generation == generation and not handle.reason:
@@ -206,11 +202,11 @@ class RankHosts(Actor):
         node.connect(msg.host, msg.host_address)             # to answer it, whatever the answer
         if not 1 <= msg.node_rank < self.nnodes:
             return Registered(f"this engine core runs on {self.nnodes} machines, node ranks 0 to {self.nnodes - 1} "
-                          f"(0 its own), not {msg.node_rank}: check --nnodes and --node-rank")
+                              f"(0 its own), not {msg.node_rank}: check --nnodes and --node-rank")
         if msg.config_hash != self.config_hash:
             return Registered(f"node rank {msg.node_rank} was started with another configuration than this server "
-                          f"(config digest {msg.config_hash[:12]}, the server's {self.config_hash[:12]}): start it "
-                          "with the same model and engine flags")
+                              f"(config digest {msg.config_hash[:12]}, the server's {self.config_hash[:12]}): start "
+                              "it with the same model and engine flags")
         current = self.hosts.get(msg.node_rank)
         if current is not None and current.name == msg.host:
             return Registered()                                  # a retried join that arrived twice
