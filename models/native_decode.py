@@ -3,7 +3,9 @@
 ``NativeDecodeStack.build(model)`` checks, once after the weights are packed, that every layer
 is one the native stack reproduces exactly: RMSNorms, a q|k|v projection without per-head norms,
 SiLU-gated MLP, every linear a ``PanelLinear`` (float32 or GGUF panels), attention through the
-CPU backend with its native kernels, float32 weights and activations. It returns None otherwise,
+CPU backend with its native kernels, float32 weights and activations; a tensor-parallel rank's
+layers too when its all-reduces go through the ranks' shared memory (kernels/cpu/shm_comm.py),
+which the call then makes itself. It returns None otherwise,
 and the model keeps its per-layer path. ``run`` then takes a step's embeddings and returns the
 last layer's output and the residual stream, bit for bit what the per-layer path computes (same
 kernels, same order), or None when the step is not one it takes (a prompt in the batch, a
@@ -27,6 +29,8 @@ import torch
 from torch import nn
 
 from kernels.attention.base import AttentionMetadata
+from kernels.cpu import shm_comm
+from models.tensor_parallel import RowParallel
 
 WORDS = 4 * 8 + 6         # decode_stack.c's DS_WORDS
 KV_WORD = 4 * 8 + 2       # the word of a layer's KV cache address (then its window, k_scale, v_scale)
@@ -42,8 +46,8 @@ def _kernel():
     from kernels.cpu import native
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return native.declare("decode_stack", [i64, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [ptr, ptr, i64, ptr, ptr, i64,
-                                                                                  ptr, i64, i64, i64, ptr, ptr, ptr],
-                          i64)
+                                                                                  ptr, i64, i64, i64, ptr, ptr, ptr,
+                                                                                  ptr], i64)
 
 
 def _linear_words(module: nn.Module) -> list[int] | None:
@@ -62,8 +66,9 @@ def _linear_words(module: nn.Module) -> list[int] | None:
 
 class NativeDecodeStack:
     def __init__(self, model: nn.Module, words: torch.Tensor, floats: torch.Tensor, dims: tuple[int, ...],
-                 first_attn: nn.Module) -> None:
+                 first_attn: nn.Module, comm: torch.Tensor | None = None) -> None:
         self.model = model          # holds the weights (and KV scales) whose addresses ``words`` records
+        self.comm = comm            # a tensor-parallel rank's: its shared-memory all-reduce (decode_stack.c)
         self.words = words          # (L, WORDS) int64; the KV cache addresses are filled per runner
         self.floats = floats        # (L, 3) float32: scale, eps of the two norms
         self.dims = dims            # hidden, heads, kv heads, head size, intermediate
@@ -84,7 +89,7 @@ class NativeDecodeStack:
         except AttributeError:
             return None
         rows, floats = [], []
-        dims = None
+        dims, groups = None, set()
         for layer in layers:
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
@@ -94,11 +99,14 @@ class NativeDecodeStack:
                     or attn.q_norm is not None or type(attn.backend) is not CpuAttentionBackend
                     or not attn.backend.native or attn.head_size % 2):
                 return None
-            lins = [_linear_words(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            o, down = attn.o_proj, mlp.down_proj
+            if type(o) is RowParallel and type(down) is RowParallel:     # a tensor-parallel rank's
+                groups.update((o.group, down.group))
+                o, down = o.linear, down.linear
+            lins = [_linear_words(m) for m in (attn.qkv_proj, o, mlp.gate_up_proj, down)]
             if any(w is None for w in lins):
                 return None
-            d = (attn.o_proj.out_features, attn.num_heads, attn.num_kv_heads, attn.head_size,
-                 mlp.down_proj.in_features)
+            d = (o.out_features, attn.num_heads, attn.num_kv_heads, attn.head_size, down.in_features)
             if dims is not None and d != dims:
                 return None
             dims = d
@@ -109,8 +117,15 @@ class NativeDecodeStack:
                                                              0, attn.sliding_window or 0, attn.k_scale.data_ptr(),
                                                              attn.v_scale.data_ptr()])
             floats.append([attn.scale, norms[0].eps, norms[1].eps])
+        comm = None
+        if groups:               # the all-reduces in the call: through the ranks' shared memory only
+            shm = shm_comm.communicator(*groups) if len(groups) == 1 else None
+            if shm is None:
+                return None
+            comm = torch.tensor([shm.base, shm.world, shm.rank, shm_comm.CHUNK, ctypes.addressof(shm.seq)],
+                                dtype=torch.int64)
         return cls(model, torch.tensor(rows, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32), dims,
-                   layers[0].self_attn)
+                   layers[0].self_attn, comm)
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> bool:
         """Record the layers' cache addresses (once per list of caches)."""
@@ -163,9 +178,12 @@ class NativeDecodeStack:
                            cos.stride(0), slots.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(),
                            KV_TYPES[kv_caches[0].dtype], num_blocks, BS,
                            None if self.profile is None else self.profile.data_ptr(),
-                           None if lora is None else lora[0].data_ptr(), None if lora is None else lora[1].data_ptr())
+                           None if lora is None else lora[0].data_ptr(), None if lora is None else lora[1].data_ptr(),
+                           None if self.comm is None else self.comm.data_ptr())
         if status == -2:
             raise MemoryError("the native decode stack could not allocate its buffers")
+        if status == -3:
+            raise RuntimeError("a tensor-parallel rank died during an all-reduce")
         if status >= 0:
             raise IndexError(f"slot {int(slots[status])} of token {status} is past the KV cache's "
                              f"{num_blocks * BS} slots")

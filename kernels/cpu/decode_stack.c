@@ -26,6 +26,11 @@
  * lora_slots (B,) holds each row's slot (-1: none). The int8 gate|up kernel with SiLU fused in is
  * not used then (the delta goes between the matmul and the activation).
  *
+ * comm, when not NULL, makes it a tensor-parallel rank's layers (its heads, its MLP columns): the
+ * o and down projections' outputs are summed over the ranks (after their LoRA deltas, before the
+ * residual), as RowParallel's all-reduce does, through the ranks' shared memory segment
+ * (shm_allreduce.c; comm: segment, world, rank, chunk, address of the round counter).
+ *
  * seconds, when not NULL, accumulates the wall time of each phase (DS_PHASES of them, in the
  * order of ds_phase) over all layers: the profile of a decode step.
  */
@@ -65,6 +70,18 @@ int64_t lora_shrink_expand(int64_t T, const float *x, int64_t ldx, float *y, int
 #define DS_LORA 6
 #define DS_LORA_WORDS (4 * DS_LORA)
 #define DS_ALLOC_FAILED (-2)
+#define DS_PEER_DIED (-3)          /* a tensor-parallel rank died during an all-reduce */
+
+int64_t shm_all_reduce_f32(void *base, int64_t world, int64_t rank, int64_t chunk, int64_t *seq, float *x,
+                           int64_t n);
+
+/* With tensor parallelism (comm: the ranks' shared memory segment, world, rank, chunk, and the
+ * address of the communicator's round counter; shm_allreduce.c), x (n floats) summed over the
+ * ranks, as RowParallel does after the o and down projections. */
+static int ds_all_reduce(const int64_t *comm, float *x, int64_t n) {
+    return !comm || shm_all_reduce_f32((void *)(intptr_t)comm[0], comm[1], comm[2], comm[3],
+                                       (int64_t *)(intptr_t)comm[4], x, n) == 0;
+}
 
 enum ds_phase { DS_NORM, DS_QKV, DS_ROTARY_STORE, DS_ATTENTION, DS_O, DS_GATE_UP, DS_SILU, DS_DOWN, DS_PHASES };
 
@@ -111,7 +128,7 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
                      const float *cos, const float *sin, int64_t cs_stride, const int64_t *slots,
                      const int32_t *table, int64_t max_blocks, const int32_t *seq_lens, int64_t kt,
                      int64_t num_blocks, int64_t BS, double *seconds, const int64_t *lora_desc,
-                     const int64_t *lora_slots) {
+                     const int64_t *lora_slots, const int64_t *comm) {
     const int64_t NQKV = (H + 2 * KVH) * D, HD = H * D;
     float *buf = malloc(sizeof(float) * B * (Hd + NQKV + 2 * HD + Hd + 3 * I));
     if (!buf) return DS_ALLOC_FAILED;
@@ -149,6 +166,7 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         ds_lap(seconds, DS_ATTENTION, &t);
         if (!ds_linear(wo, a, B, o)) { status = DS_ALLOC_FAILED; break; }
         if (lw) ds_lora(lw + DS_LORA, lora_slots, a, B, HD, o, Hd);
+        if (!ds_all_reduce(comm, o, B * Hd)) { status = DS_PEER_DIED; break; }
         ds_lap(seconds, DS_O, &t);
         rms_norm_f32(o, Hd, residual, post_w, x, B, Hd, eps_post);
         ds_lap(seconds, DS_NORM, &t);
@@ -171,6 +189,7 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         }
         if (!ds_linear(wd, act, B, h)) { status = DS_ALLOC_FAILED; break; }
         if (lw) ds_lora(lw + 3 * DS_LORA, lora_slots, act, B, I, h, Hd);
+        if (!ds_all_reduce(comm, h, B * Hd)) { status = DS_PEER_DIED; break; }
         ds_lap(seconds, DS_DOWN, &t);
     }
     free(buf);

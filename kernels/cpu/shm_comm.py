@@ -101,6 +101,11 @@ def register(key: str, rank: int, world: int, group: Any = None) -> ShmCommunica
     return comm
 
 
+def communicator(group: Any = None) -> ShmCommunicator | None:
+    """``group``'s shared-memory communicator, if it has one."""
+    return _COMMUNICATORS.get(group)
+
+
 def _usable(group: Any, t: torch.Tensor) -> ShmCommunicator | None:
     comm = _COMMUNICATORS.get(group)
     if comm is None or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
