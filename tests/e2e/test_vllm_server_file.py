@@ -147,9 +147,10 @@ def test_a_streamed_request_logs_each_delta_then_its_whole_output(server, tls):
     chunks = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
     rid = chunks[0]["id"].removeprefix("cmpl-")
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    log = server.log().splitlines()
+    complete = f"response {rid} (streaming complete): output:"   # logged as the stream ends: may follow its last bytes
+    log = server.log_when(lambda log: complete in log).splitlines()
     deltas = [line for line in log if f"response {rid} (streaming delta): output:" in line]
-    whole = [line for line in log if f"response {rid} (streaming complete): output:" in line]
+    whole = [line for line in log if complete in line]
     assert status == 200 and 1 <= len(deltas) <= 4 and len(whole) == 1
     assert whole[0].endswith(f"output: {text[:12]!r}, finish_reason: length")
 
