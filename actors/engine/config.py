@@ -665,7 +665,6 @@ def _check_pipeline_parallel(cfg: EngineConfig) -> None:
     unsupported = [
         (cfg.model.quantization not in (None, "gguf", "gguf-i8"), f"quantization {cfg.model.quantization!r}"),
         (cfg.speculative is not None, "speculative decoding"),
-        (cfg.compilation.compiles, f"--compilation-config level {cfg.compilation.level} (torch.compile)"),
         (bool(cfg.scheduler.async_scheduling), "--async-scheduling (the stages' batch queue keeps "
                                                f"{pp} steps in flight instead)"),
     ]

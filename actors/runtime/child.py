@@ -198,8 +198,21 @@ def main() -> None:
     sys.exit(code)
 
 
+def release_idle_pool_threads() -> None:
+    """Tell every thread pool's workers to end once idle, without waiting for them: what the
+    interpreter's exit does for them, done before ``threads_finished`` waits (a pool nobody shut
+    down, torch.compile's compile workers, would otherwise keep its idle threads waiting for work
+    through the grace period). A worker in the middle of a task ends after it."""
+    from concurrent.futures import thread as pool_threads
+    with pool_threads._global_shutdown_lock:
+        pool_threads._shutdown = True
+        for queue in list(pool_threads._threads_queues.values()):
+            queue.put(None)
+
+
 def threads_finished(timeout: float) -> bool:
     """Wait up to ``timeout`` seconds in all for this process's non-daemon threads to end."""
+    release_idle_pool_threads()
     deadline = time.monotonic() + timeout
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:

@@ -117,3 +117,11 @@ def test_a_quantized_self_draft_over_two_ranks_keeps_exact_greedy_tokens(one_wor
         texts = [r.text for r in llm.generate(PROMPTS[:3], [_params(n) for n in TOKENS[:3]], use_tqdm=False)]
         stats = llm.client.stats.last
     assert texts == one_worker[:3] and stats.spec_num_accepted_tokens > 0
+
+
+def test_two_compiled_stages_answer_as_one_worker_does(one_worker):
+    """-O2: torch.compile of each stage's pieces between attention calls (its missing layers
+    left out)."""
+    with LLM(pipeline_parallel_size=2, compilation_config=2) as llm:
+        texts = [r.text for r in llm.generate(PROMPTS[:3], [_params(n) for n in TOKENS[:3]], use_tqdm=False)]
+    assert texts == one_worker[:3]

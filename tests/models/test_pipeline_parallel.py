@@ -14,7 +14,6 @@ import torch
 import torch.multiprocessing as mp
 
 from actors.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from actors.engine.compilation import CompilationConfig
 from actors.kv_manager.kv_cache_spec import group_size, stage_groups
 from models.pipeline_parallel import PPMissingLayer, split_stage
 from models.pp_layout import ENV, pp_layers, pp_partition
@@ -172,7 +171,6 @@ def test_each_stage_caches_its_own_layers_so_the_same_memory_holds_more_blocks(m
 
 
 @pytest.mark.parametrize("parts,named", [
-    (dict(compilation=CompilationConfig(level=2)), "--compilation-config level 2"),
     (dict(scheduler=SchedulerConfig(async_scheduling=True)), "--async-scheduling"),
 ])
 def test_what_stages_do_not_run_yet_is_refused_naming_the_combination(parts, named):

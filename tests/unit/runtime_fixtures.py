@@ -105,3 +105,17 @@ async def endless_entry(node, config: bytes) -> dict:
     """An entry that never finishes (an engine core waiting for another machine that never joins)."""
     await asyncio.sleep(3600)
     return {"config": config.decode()}
+
+
+_POOL = None
+
+
+async def idle_pool_entry(node, config: bytes) -> dict:
+    """A node with a thread pool nobody shuts down, its worker idle (torch.compile's compile
+    workers are one)."""
+    from concurrent.futures import ThreadPoolExecutor
+    global _POOL
+    _POOL = ThreadPoolExecutor(2)
+    _POOL.submit(lambda: None).result()
+    node.spawn("echo", EchoActor)
+    return {"config": config.decode()}

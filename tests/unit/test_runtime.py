@@ -206,6 +206,21 @@ def test_a_stopped_child_exits_although_one_of_its_threads_never_ends(child_env)
     assert code == 0 and seconds < EXIT_GRACE_S + 20.0
 
 
+def test_a_stopped_child_with_an_idle_thread_pool_exits_without_waiting_out_the_grace(child_env):
+    """A pool's idle workers are told to end as the process exits (as the interpreter's exit tells
+    them), so a child with one exits at once instead of after the threads' grace period."""
+    async def main():
+        node, child, _ = await _parent_with_child(child_env, "runtime_fixtures:idle_pool_entry")
+        try:
+            t0 = time.monotonic()
+            code = await child.stop(timeout=EXIT_GRACE_S + 25.0)
+            return code, time.monotonic() - t0
+        finally:
+            await node.stop()
+    code, seconds = run_async(main())
+    assert code == 0 and seconds < EXIT_GRACE_S
+
+
 def test_a_child_that_fails_to_start_fails_its_start_with_the_reason(child_env):
     async def main():
         ipc_dir = tempfile.mkdtemp(prefix="troupe-test-")
