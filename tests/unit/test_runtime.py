@@ -191,33 +191,30 @@ def test_cross_process_ask_tell_and_arrays(child_env):
     assert chunk.node == "child" and chunk.pid != os.getpid() and chunk.cursor.spans >= 3
 
 
-def test_a_stopped_child_exits_although_one_of_its_threads_never_ends(child_env):
-    """Its node stops, its threads get a grace period, and the process exits on its own with its
-    code: neither killed by its parent after the stop timeout nor left behind as an orphan."""
+def _stop(child_env, entry: str) -> tuple[int, float]:
+    """A child running ``entry`` stopped: its exit code, and the seconds its stop took."""
     async def main():
-        node, child, _ = await _parent_with_child(child_env, "runtime_fixtures:stuck_thread_entry")
+        node, child, _ = await _parent_with_child(child_env, entry)
         try:
             t0 = time.monotonic()
             code = await child.stop(timeout=EXIT_GRACE_S + 25.0)
             return code, time.monotonic() - t0
         finally:
             await node.stop()
-    code, seconds = run_async(main())
+    return run_async(main())
+
+
+def test_a_stopped_child_exits_although_one_of_its_threads_never_ends(child_env):
+    """Its node stops, its threads get a grace period, and the process exits on its own with its
+    code: neither killed by its parent after the stop timeout nor left behind as an orphan."""
+    code, seconds = _stop(child_env, "runtime_fixtures:stuck_thread_entry")
     assert code == 0 and seconds < EXIT_GRACE_S + 20.0
 
 
 def test_a_stopped_child_with_an_idle_thread_pool_exits_without_waiting_out_the_grace(child_env):
     """A pool's idle workers are told to end as the process exits (as the interpreter's exit tells
     them), so a child with one exits at once instead of after the threads' grace period."""
-    async def main():
-        node, child, _ = await _parent_with_child(child_env, "runtime_fixtures:idle_pool_entry")
-        try:
-            t0 = time.monotonic()
-            code = await child.stop(timeout=EXIT_GRACE_S + 25.0)
-            return code, time.monotonic() - t0
-        finally:
-            await node.stop()
-    code, seconds = run_async(main())
+    code, seconds = _stop(child_env, "runtime_fixtures:idle_pool_entry")
     assert code == 0 and seconds < EXIT_GRACE_S
 
 
