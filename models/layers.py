@@ -38,6 +38,7 @@ class Linear(nn.Module):
         super().__init__()
         if weight is not None and tuple(weight.shape) != (out_features, in_features):
             raise ValueError(f"tied weight has shape {tuple(weight.shape)}, expected {(out_features, in_features)}")
+        self.in_features, self.out_features = in_features, out_features
         self.weight = weight if weight is not None else _empty_param(out_features, in_features, dtype=dtype)
         self.bias = _empty_param(out_features, dtype=dtype) if bias else None
 

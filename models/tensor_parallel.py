@@ -119,16 +119,32 @@ def shard_vocab(model: nn.Module, world: int, rank: int, group: Any) -> None:
 
 
 def _quantized(part: Linear, whole: Linear, rows: dict | None = None, cols: tuple[int, int] | None = None) -> Linear:
-    """``part`` of layer ``whole`` with its share of ``whole``'s quantization method, if it has one
-    (split before the weights are processed: models/quantization)."""
+    """``part`` of layer ``whole`` with its share of ``whole``'s quantization method and loaded
+    checkpoint tensors, if it has them (split before the weights are processed:
+    models/quantization)."""
     if whole.quant_method is not None:
-        part.quant_method = whole.quant_method.shard(rows, cols)
+        whole.quant_method.shard(whole, part, rows, cols)
     return part
+
+
+def _weight(lin: Linear) -> torch.Tensor:
+    """The layer's float weight; a layer whose weights are quantized checkpoint tensors has none
+    until they are processed: a stand-in of its shape without storage, for its parts' shapes."""
+    if lin.weight is not None:
+        return lin.weight.data
+    return torch.empty(lin.out_features, lin.in_features, device="meta")
+
+
+def _set_weight(lin: Linear, weight: torch.Tensor) -> None:
+    if weight.is_meta:                   # a quantized layer's stand-in: its tensors come with its method
+        lin.weight = nn.Parameter(weight, requires_grad=False)
+    else:
+        lin.weight.data = weight.contiguous()
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     lin = Linear(weight.shape[1], weight.shape[0], weight.dtype, bias=bias is not None)
-    lin.weight.data = weight.contiguous()
+    _set_weight(lin, weight)
     if bias is not None:
         lin.bias.data = bias.contiguous()
     return lin
@@ -139,7 +155,7 @@ def _merged(shards: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Merg
     with_bias = any(b is not None for _, b in shards.values())
     lin = MergedLinear(first.shape[1], {name: w.shape[0] for name, (w, _) in shards.items()}, first.dtype,
                        bias=with_bias)
-    lin.weight.data = torch.cat([w for w, _ in shards.values()]).contiguous()
+    _set_weight(lin, torch.cat([w for w, _ in shards.values()]))
     if with_bias:
         lin.bias.data = torch.cat([b for _, b in shards.values()]).contiguous()
     return lin
@@ -147,7 +163,7 @@ def _merged(shards: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Merg
 
 def _rows(lin: MergedLinear, shard: str, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     off = lin.shard_offsets[shard]
-    w = lin.weight.data[off + start:off + start + count]
+    w = _weight(lin)[off + start:off + start + count]
     b = lin.bias.data[off + start:off + start + count] if lin.bias is not None else None
     return w, b
 
@@ -160,7 +176,7 @@ def shard_attention(m: SelfAttention, world: int, rank: int, group: Any) -> None
     m.qkv_proj = _quantized(_merged({s: _rows(qkv, s, *r) for s, r in rows.items()}), qkv, rows=rows)
     o = m.o_proj
     bias = o.bias.data if o.bias is not None and rank == 0 else None
-    m.o_proj = RowParallel(_quantized(_linear(o.weight.data[:, q0 * D:(q0 + qn) * D], bias), o,
+    m.o_proj = RowParallel(_quantized(_linear(_weight(o)[:, q0 * D:(q0 + qn) * D], bias), o,
                                       cols=(q0 * D, qn * D)), group)
     m.num_heads, m.num_kv_heads = qn, kn
     m.q_size, m.kv_size = qn * D, kn * D
@@ -176,7 +192,7 @@ def shard_mlp(m: GatedMLP, world: int, rank: int, group: Any) -> None:
                                 gu, rows={"gate": (start, count), "up": (start, count)})
     d = m.down_proj
     bias = d.bias.data if d.bias is not None and rank == 0 else None
-    m.down_proj = RowParallel(_quantized(_linear(d.weight.data[:, start:start + count], bias), d,
+    m.down_proj = RowParallel(_quantized(_linear(_weight(d)[:, start:start + count], bias), d,
                                          cols=(start, count)), group)
     m.tp_shards = {"gate_up_proj": TPShard(rows={"gate": (start, count), "up": (start, count)}),
                    "down_proj": TPShard(cols=(start, count))}

@@ -578,9 +578,6 @@ def check_config(cfg: EngineConfig) -> None:
         if not dp.multiprocess:
             raise ValueError("tensor parallelism runs each rank in a worker process of its own: it needs the "
                              "multiprocess layout (a server, or LLM(multiprocess=True))")
-        if cfg.model.quantization not in (None, "gguf", "gguf-i8"):
-            raise ValueError(f"quantization {cfg.model.quantization!r} with tensor parallelism is not supported "
-                             "yet (a GGUF model's gguf and gguf-i8 are): run the exact weights, or one worker")
     if dp.pipeline_parallel_size < 1:
         raise ValueError(f"pipeline_parallel_size must be at least 1, got {dp.pipeline_parallel_size}")
     if dp.pipeline_parallel_size > 1:
@@ -663,7 +660,6 @@ def _check_pipeline_parallel(cfg: EngineConfig) -> None:
         raise ValueError("pipeline parallelism runs each stage in a worker process of its own: it needs the "
                          "multiprocess layout (a server, or LLM(multiprocess=True))")
     unsupported = [
-        (cfg.model.quantization not in (None, "gguf", "gguf-i8"), f"quantization {cfg.model.quantization!r}"),
         (cfg.speculative is not None, "speculative decoding"),
         (bool(cfg.scheduler.async_scheduling), "--async-scheduling (the stages' batch queue keeps "
                                                f"{pp} steps in flight instead)"),

@@ -154,9 +154,6 @@ class Worker:
         quantized = quantization
         if ckpt.quantization_config is not None:     # a quantized checkpoint (config.json says which)
             quantized = str(ckpt.quantization_config.get("quant_method"))
-            if self.tp_size > 1 or self.pp_size > 1:
-                raise ValueError(f"a checkpoint quantized as {quantized!r} with tensor or pipeline parallelism is "
-                                 "not supported; use --tensor-parallel-size 1 --pipeline-parallel-size 1")
         compute = self._compute_dtype(quantized)
 
         def this_ranks_part(model: torch.nn.Module) -> None:

@@ -85,12 +85,14 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no apply")
 
-    def shard(self, rows: dict[str | None, tuple[int, int]] | None = None,
-              cols: tuple[int, int] | None = None) -> LinearMethod:
-        """This method for a tensor-parallel rank's part of the layer, before its weights are
-        processed: per shard, (first row, rows) of its output rows (column-parallel), or
-        (first column, columns) of its inputs (row-parallel). ValueError when the format cannot
-        be split so."""
+    def shard(self, whole: Linear, part: Linear, rows: dict[str | None, tuple[int, int]] | None = None,
+              cols: tuple[int, int] | None = None) -> None:
+        """Give ``part``, a tensor-parallel rank's share of layer ``whole`` (built by
+        models/tensor_parallel.py, with float weights of its shape where ``whole`` keeps float
+        weights), its method and its share of the loaded checkpoint tensors, before they are
+        processed: per shard, (first row, rows) of its output rows (column-parallel), or (first
+        column, columns) of its inputs (row-parallel). ValueError when the format cannot be split
+        so."""
         raise ValueError(f"{type(self).__name__} weights are not split over tensor-parallel ranks")
 
 

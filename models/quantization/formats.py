@@ -18,6 +18,7 @@ The LM head stays unquantized (as vLLM's configs leave it unless told otherwise)
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -25,7 +26,8 @@ from torch import nn
 
 from models.layers import Linear
 from models.quantization.base import QuantizationConfig, is_ignored, shards_of, shard_tensors
-from models.quantization.kernels import Fp8Weights, IntWeights, PackedLinearMethod, per_feature_scale
+from models.quantization.kernels import Fp8Weights, IntWeights, PackedLinearMethod, group_columns, natural_groups, \
+    per_feature_scale
 
 FP8_MAX = 448.0
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)   # nibble of column 8 j + c within AWQ's int32
@@ -53,6 +55,24 @@ def _refuse(what: str, value: Any, supported: str) -> ValueError:
     return ValueError(f"{what} {value!r} is not supported; supported: {supported}")
 
 
+def _rows_of(t: torch.Tensor, rows: tuple[int, int] | None, dim: int = 0, per: int = 1,
+             what: str = "") -> torch.Tensor:
+    """Rows (first, count) of ``t`` along ``dim``, where each entry holds ``per`` of them (words
+    packing several output features)."""
+    if rows is None:
+        return t
+    r0, n = rows
+    if r0 % per or n % per:
+        raise ValueError(f"{what} packs {per} features a word: tensor parallelism splits it at multiples of "
+                         f"{per} only, not at {r0} + {n}")
+    return t.narrow(dim, r0 // per, n // per)
+
+
+def _scale_rows(scale: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    """A per-tensor scale whole, a per-channel one's rows."""
+    return scale if rows is None or scale.numel() == 1 else scale.reshape(scale.shape[0], -1)[rows[0]:sum(rows)]
+
+
 # --- fp8 ------------------------------------------------------------------------------------
 
 class Fp8LinearMethod(PackedLinearMethod):
@@ -70,13 +90,26 @@ class Fp8LinearMethod(PackedLinearMethod):
                                     None if x is None else x.float().reshape(-1).max()))
         return Fp8Weights.cat(parts)
 
+    def part_tensors(self, tensors, rows, cols):
+        w = tensors["weight"]
+        out = dict(tensors, weight=w[rows[0]:sum(rows)] if rows is not None else w[:, cols[0]:sum(cols)])
+        out["weight_scale"] = _scale_rows(tensors["weight_scale"], rows)
+        return out
+
 
 class Fp8OnlineMethod(PackedLinearMethod):
     """--quantization fp8 on a float checkpoint: the float weight loads as usual, then becomes
-    fp8 with one scale per tensor (vLLM's dynamic fp8)."""
+    fp8 with one scale per tensor (vLLM's dynamic fp8); a tensor-parallel rank's part keeps the
+    whole layer's scale, so the ranks hold the codes one worker holds."""
+    amax: torch.Tensor | None = None        # a part's: the whole layer's largest magnitude
 
     def unpack(self, layer: nn.Module) -> Fp8Weights:
-        return quantize_fp8(layer.weight.detach().float(), per_channel=False)
+        return quantize_fp8(layer.weight.detach().float(), per_channel=False, amax=self.amax)
+
+    def shard(self, whole, part, rows=None, cols=None) -> None:
+        method = copy.copy(self)
+        method.amax = whole.weight.detach().float().abs().max() if self.amax is None else self.amax
+        part.quant_method = method
 
     def process_weights_after_loading(self, layer: nn.Module) -> nn.Module:
         out = super().process_weights_after_loading(layer)
@@ -86,9 +119,15 @@ class Fp8OnlineMethod(PackedLinearMethod):
         return out
 
 
-def quantize_fp8(w: torch.Tensor, per_channel: bool) -> Fp8Weights:
-    """w (N, K) float -> fp8 e4m3 codes with scale amax / 448 (per tensor or per output row)."""
-    amax = w.abs().amax(dim=1) if per_channel else w.abs().max().expand(w.shape[0])
+def quantize_fp8(w: torch.Tensor, per_channel: bool, amax: torch.Tensor | None = None) -> Fp8Weights:
+    """w (N, K) float -> fp8 e4m3 codes with scale amax / 448 (per tensor or per output row;
+    ``amax``: the tensor's, given)."""
+    if amax is not None:
+        amax = amax.float().expand(w.shape[0])
+    elif per_channel:
+        amax = w.abs().amax(dim=1)
+    else:
+        amax = w.abs().max().expand(w.shape[0])
     scale = (amax.float() / FP8_MAX).clamp(min=1e-12)
     codes = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return Fp8Weights(codes, scale, None)
@@ -152,14 +191,27 @@ class Int8LinearMethod(PackedLinearMethod):
             if w.dtype != torch.int8:
                 raise ValueError(f"an int8 weight is stored as {w.dtype}; expected int8")
             if s.dim() == 2 and s.shape[1] > 1:          # strategy "group": (N, K / group_size)
-                if s.shape[0] != w.shape[0] or w.shape[1] % s.shape[1]:
+                if s.shape[0] != w.shape[0] or (w.shape[1] % s.shape[1] if self.groups is None
+                                                else int(self.groups.max()) >= s.shape[1]):
                     raise ValueError(f"weight_scale of shape {tuple(s.shape)} does not group a weight of shape "
                                      f"{tuple(w.shape)}")
                 scales = s.float()
             else:
                 scales = per_feature_scale(s, w.shape[0], "weight_scale")[:, None]
-            parts.append(IntWeights(w, scales, None, self.int8_activations))
+            g = natural_groups(self.groups, w.shape[1], scales.shape[1]) if scales.shape[1] > 1 else None
+            parts.append(IntWeights(w, scales, g, self.int8_activations))
         return IntWeights.cat(parts)
+
+    def part_tensors(self, tensors, rows, cols):
+        w, s = tensors["weight"], tensors["weight_scale"]
+        if rows is not None:
+            return dict(tensors, weight=w[rows[0]:sum(rows)], weight_scale=_scale_rows(s, rows))
+        out = dict(tensors, weight=w[:, cols[0]:sum(cols)])
+        if s.dim() == 2 and s.shape[1] > 1:               # groups: those the columns touch
+            k, g = w.shape[1], s.shape[1]
+            touched, self.groups = group_columns(torch.arange(k) // (k // g), cols)
+            out["weight_scale"] = s[:, touched]
+        return out
 
 
 class CompressedTensorsConfig(_SafetensorsConfig):
@@ -267,10 +319,23 @@ class AWQLinearMethod(PackedLinearMethod):
             q = awq_unorder(unpack_int32(qw, 4, 1), order)                     # (K, N)
             z = awq_unorder(unpack_int32(qz, 4, 1), order)                     # (K / G, N)
             k, n = q.shape
-            g = torch.arange(k) // (self.group_size if self.group_size > 0 else k)
-            parts.append(IntWeights((q - z[g]).t().contiguous().to(torch.int8), s.t().contiguous(), None, False,
-                                    z.t().contiguous().to(torch.int8)))
+            g = self._groups(k)
+            parts.append(IntWeights((q - z[g]).t().contiguous().to(torch.int8), s.t().contiguous(),
+                                    natural_groups(g, k, z.shape[0]), False, z.t().contiguous().to(torch.int8)))
         return IntWeights.cat(parts)
+
+    def _groups(self, k: int) -> torch.Tensor:
+        if self.groups is not None:
+            return self.groups.long()
+        return torch.arange(k) // (self.group_size if self.group_size > 0 else k)
+
+    def part_tensors(self, tensors, rows, cols):
+        qw, qz, s = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+        if rows is not None:             # (K, N / 8) words of 8 output features
+            return {"qweight": _rows_of(qw, rows, 1, 8, "awq's qweight"), "qzeros": _rows_of(qz, rows, 1, 8, "awq's qzeros"),
+                    "scales": _rows_of(s, rows, 1)}
+        touched, self.groups = group_columns(self._groups(qw.shape[0]), cols)
+        return {"qweight": qw[cols[0]:sum(cols)], "qzeros": qz[touched], "scales": s[touched]}
 
 
 def awq_unorder(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -325,15 +390,27 @@ class GPTQLinearMethod(PackedLinearMethod):
             q = unpack_int32(qw, self.bits, 0)                                 # (K, N)
             z = unpack_int32(qz, self.bits, 1) + self.zero_offset              # (G, N)
             k = q.shape[0]
-            natural = torch.arange(k) // (self.group_size if self.group_size > 0 else k)
-            g = natural if g_idx is None else g_idx.long()
+            g = torch.arange(k) // (self.group_size if self.group_size > 0 else k) if g_idx is None else g_idx.long()
             if g.numel() != k or int(g.max()) >= z.shape[0]:
                 raise ValueError(f"g_idx of {g.numel()} entries up to {int(g.max())} does not fit {k} input "
                                  f"features in {z.shape[0]} groups")
             parts.append(IntWeights((q - z[g]).t().contiguous().to(torch.int8), s.t().contiguous(),
-                                    None if torch.equal(g, natural) else g.to(torch.int32), False,
+                                    natural_groups(g, k, z.shape[0]), False,
                                     z.t().contiguous().to(torch.int8)))
         return IntWeights.cat(parts)
+
+    def part_tensors(self, tensors, rows, cols):
+        qw, qz, s, g_idx = (tensors.get(n) for n in ("qweight", "qzeros", "scales", "g_idx"))
+        per = 32 // self.bits
+        if rows is not None:             # qweight (K / per, N); qzeros (G, N / per)
+            out = {"qweight": _rows_of(qw, rows, 1), "qzeros": _rows_of(qz, rows, 1, per, "gptq's qzeros"),
+                   "scales": _rows_of(s, rows, 1)}
+            return out if g_idx is None else dict(out, g_idx=g_idx)
+        k = qw.shape[0] * per
+        groups = g_idx.long() if g_idx is not None else torch.arange(k) // (self.group_size if self.group_size > 0 else k)
+        touched, part = group_columns(groups, cols)
+        return {"qweight": _rows_of(qw, cols, 0, per, "gptq's qweight"), "qzeros": qz[touched], "scales": s[touched],
+                "g_idx": part.to(torch.int32)}
 
 
 class GPTQConfig(_SafetensorsConfig):

@@ -68,9 +68,13 @@ class GGUFLinearMethod(LinearMethod):
         super().create_weights(layer)
         self.in_features = int(layer.weight.shape[1])
 
-    def shard(self, rows: dict[str | None, tuple[int, int]] | None = None,
-              cols: tuple[int, int] | None = None) -> GGUFLinearMethod:
+    def shard(self, whole: Linear, part: Linear, rows: dict[str | None, tuple[int, int]] | None = None,
+              cols: tuple[int, int] | None = None) -> None:
         """Block rows are whole output rows; a run of inputs is a run of whole blocks of 32."""
+        part.quant_method = self.part(rows, cols)
+
+    def part(self, rows: dict[str | None, tuple[int, int]] | None = None,
+             cols: tuple[int, int] | None = None) -> GGUFLinearMethod:
         shards = {}
         for name, (qtype, raw) in self.shards.items():
             if rows is not None:

@@ -20,13 +20,14 @@ the checkpoint's values, up to float32 rounding of code * scale) and packed as f
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from models.quantization.base import LinearMethod
+from models.quantization.base import LinearMethod, shards_of
 
 QK = 32                         # input features per Q8_0 block
 FP16_MIN_NORMAL, FP16_MAX = 2.0 ** -14, 65504.0
@@ -100,19 +101,39 @@ def per_feature_scale(scale: torch.Tensor, rows: int, what: str) -> torch.Tensor
 
 
 def q8_0_blocks(w: IntWeights) -> np.ndarray | None:
-    """The GGUF Q8_0 bytes (N, K / 32 * 34) of ``w``, or None when the blocks cannot hold it."""
+    """The GGUF Q8_0 bytes (N, K / 32 * 34) of ``w``, or None when the blocks cannot hold it: each
+    block of 32 inputs takes the scale of its group, so every block must lie within one group
+    (groups of a multiple of 32, or a tensor-parallel rank's run of them starting mid-group)."""
     n, k = w.codes.shape
-    if k % QK or w.group_size % QK or w.g_idx is not None and not torch.equal(
-            w.g_idx.long(), torch.arange(k) // w.group_size):
+    if k % QK:
+        return None
+    groups = w.group_index().reshape(-1, QK)
+    if not bool((groups == groups[:, :1]).all()):
         return None
     scales = w.scales.float()
     if not bool(((scales.abs() >= FP16_MIN_NORMAL) & (scales.abs() <= FP16_MAX)).all()):
         return None
-    d = scales.to(torch.float16).repeat_interleave(w.group_size // QK, dim=1).numpy()   # (N, K / 32)
+    d = scales[:, groups[:, 0]].to(torch.float16).numpy()                              # (N, K / 32)
     blocks = np.empty((n, k // QK, 34), np.uint8)
     blocks[..., 0:2] = d.view(np.uint8).reshape(n, k // QK, 2)
     blocks[..., 2:] = w.codes.numpy().view(np.uint8).reshape(n, k // QK, QK)
     return blocks.reshape(n, -1)
+
+
+def group_columns(groups: torch.Tensor, cols: tuple[int, int]) -> tuple[slice, torch.Tensor]:
+    """A run of input features (first, count) of a layer whose inputs are in ``groups`` (K,):
+    (the run of groups it touches, each of its inputs' group within that run)."""
+    c0, n = cols
+    part = groups[c0:c0 + n].long()
+    lo, hi = int(part.min()), int(part.max())
+    return slice(lo, hi + 1), part - lo
+
+
+def natural_groups(groups: torch.Tensor | None, k: int, count: int) -> torch.Tensor | None:
+    """``groups`` (K,), or None when it is the layout k // (K / count) that IntWeights assumes."""
+    if groups is None or k % count == 0 and torch.equal(groups.long(), torch.arange(k) // (k // count)):
+        return None
+    return groups.to(torch.int32)
 
 
 def cpu_module(weights: IntWeights | Fp8Weights, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
@@ -140,13 +161,38 @@ def cpu_module(weights: IntWeights | Fp8Weights, bias: torch.Tensor | None, dtyp
 class PackedLinearMethod(LinearMethod):
     """The safetensors formats' methods: ``unpack`` (the format's reading of the loaded
     tensors) gives ``IntWeights`` or ``Fp8Weights``, which become the CPU module or, on CUDA, the
-    layer's buffers for the Triton kernels (``apply``)."""
+    layer's buffers for the Triton kernels (``apply``).
+
+    A tensor-parallel rank's part (``shard``) takes its rows or columns of each loaded tensor
+    (``part_tensors``, per format); a run of inputs that starts or ends inside a group of the
+    format's scales keeps the groups it touches and says which of them each input is in
+    (``groups``)."""
+    groups: torch.Tensor | None = None      # a part's (K,) group of each input feature; None: the format's
 
     def __init__(self, device: str, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
 
     def unpack(self, layer: nn.Module) -> IntWeights | Fp8Weights:
         raise NotImplementedError
+
+    def part_tensors(self, tensors: dict[str, torch.Tensor], rows: tuple[int, int] | None,
+                     cols: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+        """One shard's loaded tensors (by name) -> those of its (first, count) output rows or input
+        columns; sets ``groups`` where the columns cut the format's groups."""
+        raise ValueError(f"{type(self).__name__} weights are not split over tensor-parallel ranks")
+
+    def shard(self, whole: nn.Module, part: nn.Module, rows: dict[str | None, tuple[int, int]] | None = None,
+              cols: tuple[int, int] | None = None) -> None:
+        method = copy.copy(self)
+        part.quant_tensors = {}
+        for shard in shards_of(whole):
+            tensors = {name: t for (name, s), t in whole.quant_tensors.items() if s == shard}
+            for name, t in method.part_tensors(tensors, rows[shard] if rows is not None else None, cols).items():
+                part.quant_tensors[(name, shard)] = t.contiguous()
+        if self.checkpoint_tensors:
+            del part.weight
+            part.weight = None
+        part.quant_method = method
 
     def process_weights_after_loading(self, layer: nn.Module) -> nn.Module:
         weights = self.unpack(layer)

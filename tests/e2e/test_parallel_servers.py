@@ -18,6 +18,7 @@ import pytest
 from actors.api import LLM, SamplingParams
 from kernels.cpu.panels import int8_available
 from server import Server, alive, children
+from tools.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -105,6 +106,21 @@ def test_gguf_weights_over_two_ranks_and_over_two_stages_answer_as_one_worker_do
         want = [r.text for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
     for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
         with LLM(quantization="gguf-i8", **layout) as llm:
+            assert [r.text for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)] == want, layout
+
+
+def test_an_awq_checkpoint_over_two_ranks_and_over_two_stages_answers_as_one_worker_does(tmp_path):
+    """The default model quantized to AWQ 4-bit (groups of 64) by tools.quantize: each rank takes its
+    words of packed codes, zero points and scales (output features in words of 8, inputs by whole
+    groups), each stage its layers, before they are processed."""
+    out = str(tmp_path / "awq")
+    quantize_checkpoint(None, "awq", False, out, 64)
+    params = [_params(n) for n in TOKENS[:3]]
+    with LLM(out, multiprocess=False) as llm:
+        want = [r.text for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    assert all(want)
+    for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        with LLM(out, **layout) as llm:
             assert [r.text for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)] == want, layout
 
 

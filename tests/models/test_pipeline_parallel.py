@@ -178,9 +178,6 @@ def test_what_stages_do_not_run_yet_is_refused_naming_the_combination(parts, nam
                                          "is not supported yet"):
         EngineConfig(model=ModelConfig(source=ModelSource("gguf", "/nonexistent", "tiny"), quantization=None),
                      parallel=ParallelConfig(pipeline_parallel_size=2), **parts)
-    with pytest.raises(ValueError, match="quantization 'fp8' with pipeline parallelism"):
-        EngineConfig(model=ModelConfig(source=ModelSource("gguf", "/x", "t"), quantization="fp8"),
-                     parallel=ParallelConfig(pipeline_parallel_size=2))
     with pytest.raises(ValueError, match="pipeline parallelism runs each stage in a worker process of its own"):
         EngineConfig(model=ModelConfig(source=ModelSource("gguf", "/x", "t")),
                      parallel=ParallelConfig(pipeline_parallel_size=2, multiprocess=False))

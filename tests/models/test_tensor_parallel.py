@@ -163,9 +163,9 @@ def test_a_gguf_layers_blocks_split_by_output_rows_and_by_whole_blocks_of_inputs
     raw = torch.arange(4 * 2 * 34, dtype=torch.int32).to(torch.uint8).reshape(4, 68)    # Q8_0: 34 bytes a block
     method = GGUFLinearMethod({None: ("Q8_0", raw)}, int8_activations=False)
     method.in_features = 64
-    rows = method.shard(rows={None: (1, 2)})
+    rows = method.part(rows={None: (1, 2)})
     assert torch.equal(rows.shards[None][1], raw[1:3]) and rows.in_features == 64
-    cols = method.shard(cols=(32, 32))
+    cols = method.part(cols=(32, 32))
     assert torch.equal(cols.shards[None][1], raw[:, 34:]) and cols.in_features == 32
     with pytest.raises(ValueError, match="whole blocks of 32 inputs only"):
-        method.shard(cols=(16, 32))
+        method.part(cols=(16, 32))

@@ -151,14 +151,13 @@ def test_data_parallelism_needs_engine_processes_of_their_own():
 
 def test_tensor_parallel_ranks_size_their_kv_blocks_by_the_most_kv_heads_one_holds():
     """SmolLM2's 3 KV heads on 2 ranks are 2 + 1: a block is sized for 2 heads, so the same
-    memory per rank holds 3/2 the blocks; quantized checkpoints are refused, GGUF blocks and a
+    memory per rank holds 3/2 the blocks; quantized checkpoints, GGUF blocks and a
     quantized self_draft split."""
     plain, split = resolved(kv_cache_bytes=1 << 30), resolved(kv_cache_bytes=1 << 30, tensor_parallel_size=2)
     assert split.cache.num_blocks == plain.cache.num_blocks * 3 // 2
     assert split.kv_cache_specs()[0].num_kv_heads == 2 and split.kv_cache_specs(1)[0].num_kv_heads == 1
     assert split.device.num_threads == 1                  # 2 cores over 2 ranks
-    with pytest.raises(ValueError, match="quantization 'awq' with tensor parallelism"):
-        EngineArgs(tensor_parallel_size=2, quantization="awq").create_engine_config()
+    EngineArgs(tensor_parallel_size=2, quantization="awq").create_engine_config()
     EngineArgs(tensor_parallel_size=2, quantization="gguf").create_engine_config()
     EngineArgs(tensor_parallel_size=2, speculative_config={"method": "self_draft", "quantization": "gguf-i8",
                                                            "num_speculative_tokens": 2}).create_engine_config()
