@@ -457,7 +457,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if pp == 1:
             return groups
         from models.pp_layout import pp_layers
-        return max((stage_groups(groups, *pp_layers(num_layers, pp, r)) for r in range(pp)), key=group_size)
+        total = max((i + 1 for g in groups for i in g.layer_ids), default=num_layers)   # a draft's layers after
+        stages = [pp_layers(num_layers, pp, r) for r in range(pp)]
+        stages[-1] = (stages[-1][0], total)            # the last stage holds the draft model's layers too
+        return max((stage_groups(groups, *stage) for stage in stages), key=group_size)
 
     def _fitting_len(self, groups: tuple[KVCacheGroupSpec, ...], num_blocks: int, limit: int) -> int:
         """``limit`` capped to the longest request that fits alone in the cache (block 0 is the
@@ -660,7 +663,6 @@ def _check_pipeline_parallel(cfg: EngineConfig) -> None:
         raise ValueError("pipeline parallelism runs each stage in a worker process of its own: it needs the "
                          "multiprocess layout (a server, or LLM(multiprocess=True))")
     unsupported = [
-        (cfg.speculative is not None, "speculative decoding"),
         (bool(cfg.scheduler.async_scheduling), "--async-scheduling (the stages' batch queue keeps "
                                                f"{pp} steps in flight instead)"),
     ]

@@ -44,8 +44,10 @@ replays the decode graph captured with LoRA (``BatchDescriptor.has_lora``).
 Pipeline parallelism (``link``: this stage's neighbours, models/pipeline_parallel.py): the KV
 cache holds the stage's layers only; a stage after the first receives the previous stage's
 intermediate tensors instead of embedding the tokens, a stage before the last sends its own on
-and returns no tokens (it learns the sampled ones from the scheduler's ``new_token_ids``); the
-last stage samples as above.
+and returns no tokens (it learns the sampled ones from the scheduler's ``new_token_ids``, and
+computes a step's draft tokens with the others); the last stage samples, verifies drafts and
+proposes the next ones as above, a draft model running whole on it (its KV cache beside the
+stage's layers, in views of the same blocks).
 """
 from __future__ import annotations
 
@@ -130,11 +132,12 @@ class ModelRunner:
             views = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device, groups)
             self.kv_caches, self.draft_kv_caches = views[:L], views[L:]
             bind_kv_cache_groups(model, group_of[:L])
-        else:                  # a pipeline stage: its layers' caches only
+        else:                  # a pipeline stage: its layers' caches only (the last: and the draft model's)
             start, end = model.start_layer, model.end_layer
-            self.kv_caches = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device,
-                                                   stage_groups(groups, start, end), range(start, end))
-            self.draft_kv_caches = []
+            last = len(specs) if self.samples else end
+            views = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device,
+                                          stage_groups(groups, start, last), range(start, last))
+            self.kv_caches, self.draft_kv_caches = views[:end - start], views[end - start:]
             bind_kv_cache_groups(model, group_of[start:end])
         max_model_len = config.model.max_model_len
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G)

@@ -118,10 +118,10 @@ class Worker:
         log.info("model %s loaded on %s (%s) in %.1f s", source.served_name, self.device.type,
                  self.config.model.dtype, time.monotonic() - t0)
         self.draft_model: torch.nn.Module | None = None    # speculative decoding's draft model
-        if draft_ckpt is not None:
+        if draft_ckpt is not None and self.pp_rank == self.pp_size - 1:    # whole, on the stage that samples
             t0 = time.monotonic()
             q = self.config.speculative.quantization
-            self.draft_model = self._load(draft_ckpt, self._backend(draft_ckpt), q, draft.path)
+            self.draft_model = self._load(draft_ckpt, self._backend(draft_ckpt), q, draft.path, staged=False)
             log.info("draft model %s (%s) loaded in %.1f s", draft.served_name, q or self.config.model.dtype,
                      time.monotonic() - t0)
 
@@ -149,8 +149,12 @@ class Worker:
         packs = self.platform.packs_linears and packs_linears(self.config.compilation, quantization)
         return self.platform.compute_dtype(self.config.model.dtype, packs)
 
-    def _load(self, ckpt: Checkpoint, backend: AttentionBackend, quantization: str | None, path: str) -> torch.nn.Module:
+    def _load(self, ckpt: Checkpoint, backend: AttentionBackend, quantization: str | None, path: str,
+              staged: bool = True) -> torch.nn.Module:
+        """A model split over this worker's ranks: its tensor-parallel share and, when ``staged``
+        (the target, not a draft model), its pipeline stage's layers."""
         cfg = self.config
+        staged = staged and self.pp_size > 1
         quantized = quantization
         if ckpt.quantization_config is not None:     # a quantized checkpoint (config.json says which)
             quantized = str(ckpt.quantization_config.get("quant_method"))
@@ -158,7 +162,7 @@ class Worker:
 
         def this_ranks_part(model: torch.nn.Module) -> None:
             """Once loaded, before quantized weights are processed and anything is packed."""
-            if self.pp_size > 1:             # this stage's layers (before splitting them over ranks)
+            if staged:                       # this stage's layers (before splitting them over ranks)
                 split_stage(model, self.pp_size, self.pp_rank)
             if self.tp_size > 1:             # this rank's heads and columns
                 shard_model(model, self.tp_size, self.tp_rank, self.tp_group,
@@ -170,7 +174,7 @@ class Worker:
         comp = cfg.compilation
         if self.platform.packs_linears and packs_linears(comp, quantized):   # packed once for the native kernels
             prepack_linears(model, bfloat16=compute != cfg.model.dtype and cfg.model.dtype == "bfloat16")
-            if comp.level == 1 and self.pp_size == 1:     # the native stack runs every layer from the embedding
+            if comp.level == 1 and not staged:     # the native stack runs every layer from the embedding
                 attach_native_decode(model)
         compiled = apply_compilation(model, comp, repr(ckpt.config))
         if compiled is not None:

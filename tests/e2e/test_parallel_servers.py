@@ -125,14 +125,29 @@ def test_an_awq_checkpoint_over_two_ranks_and_over_two_stages_answers_as_one_wor
 
 
 @pytest.mark.skipif(not int8_available(), reason="the gguf-i8 mode needs AVX2 or AVX512-VNNI")
-def test_a_quantized_self_draft_over_two_ranks_keeps_exact_greedy_tokens(one_worker):
-    """self_draft's gguf-i8 copy of the weights, split over the ranks as the target is: drafts
-    accepted, the tokens those of one exact worker."""
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_a_quantized_self_draft_over_two_ranks_or_stages_keeps_exact_greedy_tokens(one_worker, layout):
+    """self_draft's gguf-i8 copy of the weights, split over the ranks as the target is, or whole on
+    the last stage: drafts accepted, the tokens those of one exact worker."""
     spec = {"method": "self_draft", "quantization": "gguf-i8", "num_speculative_tokens": 4}
-    with LLM(tensor_parallel_size=2, speculative_config=spec) as llm:
+    with LLM(speculative_config=spec, **layout) as llm:
         texts = [r.text for r in llm.generate(PROMPTS[:3], [_params(n) for n in TOKENS[:3]], use_tqdm=False)]
         stats = llm.client.stats.last
     assert texts == one_worker[:3] and stats.spec_num_accepted_tokens > 0
+
+
+def test_ngram_drafts_over_two_stages_keep_one_workers_greedy_tokens(one_worker):
+    """The last stage verifies the drafts and proposes the next ones; the stage before it computes
+    the drafts' KV with the step's tokens and learns the accepted tokens from the next step."""
+    counting = "List the numbers from 1 to 20: 1, 2, 3,"
+    with LLM(multiprocess=False) as llm:
+        want = llm.generate([counting], [_params(40)], use_tqdm=False)[0].text
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    with LLM(pipeline_parallel_size=2, speculative_config=spec) as llm:
+        texts = [r.text for r in llm.generate(PROMPTS[:3] + [counting], [_params(n) for n in TOKENS[:3]] + [_params(40)],
+                                              use_tqdm=False)]
+        stats = llm.client.stats.last
+    assert texts == one_worker[:3] + [want] and stats.spec_num_accepted_tokens > 0
 
 
 def test_two_compiled_stages_answer_as_one_worker_does(one_worker):

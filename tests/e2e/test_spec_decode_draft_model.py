@@ -3,7 +3,7 @@ target drafting with a copy of itself (every draft accepted) and with a smaller 
 vocabulary and KV page (its layers appended to the target's one KV cache group; few accepted),
 greedy requests getting the tokens of plain decoding either way, also when preempted; a draft of
 another vocabulary is refused at start-up. Over two tensor-parallel ranks the draft model is split
-as the target is, with the same tokens."""
+as the target is, and over two pipeline stages it runs whole on the last, with the same tokens."""
 from __future__ import annotations
 
 import pytest
@@ -66,3 +66,13 @@ def test_a_draft_model_split_over_two_tensor_parallel_ranks_gives_the_targets_to
     assert tokens == plain and stats.spec_num_draft_tokens > 0
     with pytest.raises(Exception, match="needs the target's 2 KV heads, not 1"):
         _run(models["target"], models["one_kv_head"], tensor_parallel_size=2, multiprocess=True)
+
+
+def test_a_draft_model_on_the_last_of_two_pipeline_stages_gives_the_targets_tokens(models, plain):
+    """The target's layers in two stages, the draft model whole on the last one (its layers'
+    KV beside the stage's), with preemptions too."""
+    tokens, stats = _run(models["target"], models["target"], pipeline_parallel_size=2, multiprocess=True)
+    assert tokens == plain and 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    tokens, stats = _run(models["target"], models["small"], pipeline_parallel_size=2, multiprocess=True,
+                         num_gpu_blocks_override=7, max_num_batched_tokens=64)
+    assert tokens == plain and stats.spec_num_draft_tokens > 0 and stats.num_preemptions > 0

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from actors.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from actors.kv_manager.kv_cache_spec import group_size, stage_groups
+from actors.spec_decode.config import SpeculativeConfig
 from models.pipeline_parallel import PPMissingLayer, split_stage
 from models.pp_layout import ENV, pp_layers, pp_partition
 from models.tensor_parallel import shard_model
@@ -168,6 +169,25 @@ def test_each_stage_caches_its_own_layers_so_the_same_memory_holds_more_blocks(m
     stages = [stage_groups(groups, *pp_layers(3, 2, r)) for r in range(2)]
     assert [[g.layer_ids for g in s] for s in stages] == [[(1,), (0,), ()], [(), (), (2,)]]
     assert _config(2, gemma).cache.num_blocks == _config(1, gemma).cache.num_blocks   # a page per block either way
+
+
+def test_the_last_stage_holds_a_draft_models_layers_so_it_sizes_the_blocks(monkeypatch):
+    """self_draft on 4 layers over 2 stages: the first stage caches 2 layers, the last 2 + the
+    draft's 4; a block's memory is sized by the last (6 pages, not 8 as on one worker)."""
+    monkeypatch.delenv(ENV, raising=False)
+    llama = _arch("LlamaForCausalLM", 4, 2, num_layers=4)
+    source = ModelSource("gguf", "/nonexistent", "tiny")
+
+    def drafted(pp: int) -> EngineConfig:
+        cfg = EngineConfig(model=ModelConfig(source=source, draft_source=source),
+                           speculative=SpeculativeConfig.from_dict({"method": "self_draft", "quantization": "gguf-i8",
+                                                                   "num_speculative_tokens": 2}),
+                           cache=CacheConfig(kv_cache_memory_bytes=1 << 20), scheduler=SchedulerConfig(max_num_batched_tokens=64),
+                           parallel=ParallelConfig(pipeline_parallel_size=pp))
+        return cfg.resolve(cuda_available=False, cpu_count=4, arch=llama, draft_arch=llama)
+    one, two = drafted(1), drafted(2)
+    assert [group_size(stage_groups(two.kv_cache_groups(), *s)) for s in ((0, 2), (2, 8))] == [2, 6]
+    assert two.cache.num_blocks == one.cache.num_blocks * 8 // 6
 
 
 @pytest.mark.parametrize("parts,named", [

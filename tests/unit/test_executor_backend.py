@@ -150,12 +150,12 @@ def test_a_machines_config_digest_counts_the_machines_and_not_its_node_rank():
     assert leader != digest("-tp", "2")
 
 
-def test_what_the_ranks_and_stages_split_is_accepted_and_drafts_over_stages_are_refused_naming_them():
+def test_what_the_ranks_and_stages_split_is_accepted():
+    spec = {"method": "self_draft", "quantization": "gguf-i8", "num_speculative_tokens": 4}
     for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
         EngineArgs(**layout, enable_lora=True).create_engine_config()              # adapters are split
         EngineArgs(**layout, quantization="gguf-i8").create_engine_config()        # so are GGUF blocks
         EngineArgs(**layout, quantization="fp8").create_engine_config()            # and quantized tensors
-    spec = {"method": "self_draft", "quantization": "gguf-i8", "num_speculative_tokens": 4}
-    EngineArgs(tensor_parallel_size=2, speculative_config=spec).create_engine_config()
-    with pytest.raises(ValueError, match="speculative decoding with pipeline parallelism"):
-        EngineArgs(pipeline_parallel_size=2, speculative_config=spec).create_engine_config()
+        EngineArgs(**layout, speculative_config=spec).create_engine_config()       # drafts
+        EngineArgs(**layout, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                 "prompt_lookup_max": 4}).create_engine_config()
