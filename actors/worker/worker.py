@@ -85,10 +85,11 @@ class Worker:
         self.tp_group = None                # the default group, unless stages each have theirs
         self.link: StageLink | None = None  # this pipeline stage's neighbours
         if self.tp_size * self.pp_size > 1:
-            parallel = self.config.parallel      # every rank a process of this machine: mp on one node
+            parallel = self.config.parallel      # the mp backend places rank r on machine r // local world size
+            nodes = ([r // parallel.local_world_size for r in range(parallel.world_size)]
+                     if parallel.distributed_executor_backend == "mp" else None)
             self.tp_group = join_parallel_groups(self.device, tp_rank, pp_rank, self.tp_size, self.pp_size,
-                                                 init_method, one_machine=parallel.nnodes == 1
-                                                 and parallel.distributed_executor_backend == "mp")
+                                                 init_method, nodes)
         self.attn_backend = self._backend(ckpt)
         self._load_models(ckpt, draft_ckpt)
         if self.pp_size > 1:
@@ -516,13 +517,14 @@ TP_TIMEOUT_S = 120.0             # a collective waiting longer than this for a r
 
 
 def join_parallel_groups(device: torch.device, tp_rank: int, pp_rank: int, tp: int, pp: int,
-                         init_method: str, one_machine: bool = False) -> object | None:
+                         init_method: str, nodes: list[int] | None = None) -> object | None:
     """This process's place in its engine core's group of ``tp`` x ``pp`` ranks (the default
     process group, rank pp_rank * tp + tp_rank: vLLM's order): gloo on the CPU, NCCL on CUDA;
-    the ranks meet at ``init_method``. With ``one_machine`` (every rank a process of this
-    machine) the CPU's tensor-parallel all-reduces and all-gathers go through shared memory
-    (kernels/cpu/shm_comm.py). Returns its stage's tensor-parallel group (None: the default
-    group is that group, one stage)."""
+    the ranks meet at ``init_method``. ``nodes``: the machine of each rank (None: not known).
+    On the CPU a tensor-parallel group on one machine all-reduces and all-gathers through shared
+    memory, and one over several machines all-reduces through each machine's shared memory and
+    gloo between them (kernels/cpu/shm_comm.py). Returns its stage's tensor-parallel group
+    (None: the default group is that group, one stage)."""
     import datetime
     import torch.distributed as dist
     if not init_method:
@@ -532,15 +534,21 @@ def join_parallel_groups(device: torch.device, tp_rank: int, pp_rank: int, tp: i
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
-    group = None
+    groups = [None]
     if pp > 1 and tp > 1:          # every rank creates every stage's group, in the same order
-        for stage in range(pp):
-            g = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
-            group = g if stage == pp_rank else group
+        groups = [dist.new_group(list(range(stage * tp, (stage + 1) * tp))) for stage in range(pp)]
+    group = groups[pp_rank if pp > 1 and tp > 1 else 0]
     how = dist.get_backend()
-    if device.type == "cpu" and one_machine and tp > 1 and shm_comm.register(f"{init_method}/stage{pp_rank}",
-                                                                             tp_rank, tp, group) is not None:
-        how += ", shared memory for the tensor-parallel collectives"
+    if device.type == "cpu" and nodes is not None and tp > 1:
+        for stage, g in enumerate(groups):        # every stage's group, in the same order on every rank
+            ranks = list(range(stage * tp, (stage + 1) * tp))
+            machines = [nodes[r] for r in ranks]
+            if len(set(machines)) == 1:          # on one machine: its shared memory, set up by its ranks
+                if stage == pp_rank and shm_comm.register(f"{init_method}/stage{stage}", tp_rank, tp, g):
+                    how += ", shared memory for the tensor-parallel collectives"
+            elif shm_comm.register_hierarchical(f"{init_method}/stage{stage}", rank, ranks, machines, g) \
+                    and stage == pp_rank:
+                how += ", each machine's shared memory and gloo between machines for the all-reduces"
     log.info("rank %d of %d (tensor-parallel rank %d, pipeline stage %d) joined its group (%s)", rank, world,
              tp_rank, pp_rank, how)
     return group

@@ -6,7 +6,13 @@ on a loaded machine, two per decoder layer). The ranks still form their torch.di
 
 ``register`` makes a group's communicator; ``all_reduce`` and ``all_gather`` take the group as
 torch.distributed does and use its communicator when it has one (float32 tensors on the CPU),
-torch.distributed otherwise. ``TROUPE_TP_SHARED_MEMORY=0`` keeps gloo."""
+torch.distributed otherwise. ``TROUPE_TP_SHARED_MEMORY=0`` keeps gloo.
+
+A group over several machines (``--nnodes``) whose machines each hold several of its ranks
+all-reduces in three legs (``register_hierarchical``): the ranks of each machine through their
+segment, the machines' first ranks (one per machine) over gloo, and the result back to the other
+ranks of each machine through the segment again (those add zeros), so every rank gets the same
+bits and only one rank per machine crosses the network."""
 from __future__ import annotations
 
 import ctypes
@@ -87,6 +93,55 @@ class ShmCommunicator:
             p.copy_(o)
 
 
+class HierarchicalCommunicator:
+    """A group spread over machines: ``local``, this machine's ranks of it (None: this rank is
+    its machine's only one); ``leaders``, the group of each machine's first rank, when this rank
+    is its machine's first (None otherwise); ``group``, the whole group (the all-gather's)."""
+
+    def __init__(self, local: ShmCommunicator | None, leaders: Any, group: Any) -> None:
+        self.local, self.leaders, self.group = local, leaders, group
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        if self.local is not None:
+            self.local.all_reduce(t)               # this machine's sum, on each of its ranks
+        if self.leaders is not None:
+            torch.distributed.all_reduce(t, group=self.leaders)
+        else:
+            t.zero_()
+        if self.local is not None:
+            self.local.all_reduce(t)               # the first rank's total, to the others
+
+    def all_gather(self, parts: list[torch.Tensor], t: torch.Tensor) -> None:
+        torch.distributed.all_gather(parts, t, group=self.group)
+
+
+def register_hierarchical(key: str, rank: int, ranks: list[int], nodes: list[int], group: Any = None
+                          ) -> HierarchicalCommunicator | None:
+    """The three-legged communicator of ``group``, whose ranks (``ranks``, world ranks) run on the
+    machines ``nodes`` (one entry per rank); ``rank``: this process's world rank. Every process of
+    the default group calls it for every such group, in the same order (it makes subgroups). None
+    (gloo serves the group) when turned off or no machine holds two of its ranks."""
+    by_node: dict[int, list[int]] = {}
+    for r, n in zip(ranks, nodes):
+        by_node.setdefault(n, []).append(r)
+    if not enabled() or len(by_node) < 2 or all(len(rs) == 1 for rs in by_node.values()):
+        return None
+    local_groups = {n: torch.distributed.new_group(rs) for n, rs in by_node.items() if len(rs) > 1}
+    leaders = torch.distributed.new_group([rs[0] for rs in by_node.values()])
+    if rank not in ranks:
+        return None
+    node = nodes[ranks.index(rank)]
+    mine = by_node[node]
+    local = None
+    if len(mine) > 1:
+        local = register(f"{key}/node{node}", mine.index(rank), len(mine), local_groups[node])
+        if local is None:
+            return None
+    comm = HierarchicalCommunicator(local, leaders if rank == mine[0] else None, group)
+    _COMMUNICATORS[group] = comm
+    return comm
+
+
 def register(key: str, rank: int, world: int, group: Any = None) -> ShmCommunicator | None:
     """The shared-memory communicator of ``group`` (None: the default group), made by every rank
     of it at once; None (torch.distributed serves the group) when turned off or unavailable here."""
@@ -102,11 +157,12 @@ def register(key: str, rank: int, world: int, group: Any = None) -> ShmCommunica
 
 
 def communicator(group: Any = None) -> ShmCommunicator | None:
-    """``group``'s shared-memory communicator, if it has one."""
-    return _COMMUNICATORS.get(group)
+    """``group``'s shared-memory communicator, if it has one (its ranks all on this machine)."""
+    comm = _COMMUNICATORS.get(group)
+    return comm if isinstance(comm, ShmCommunicator) else None
 
 
-def _usable(group: Any, t: torch.Tensor) -> ShmCommunicator | None:
+def _usable(group: Any, t: torch.Tensor) -> ShmCommunicator | HierarchicalCommunicator | None:
     comm = _COMMUNICATORS.get(group)
     if comm is None or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
         return None

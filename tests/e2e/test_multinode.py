@@ -6,7 +6,8 @@ The headless one starts first (each waits for the other). Greedy answers equal o
 other machine's rank killed mid-request brings both ranks back and the request is recomputed; the
 other machine lost outright holds the requests until a machine of its node rank joins again; the
 engine core restarted has the other machine join it again; one started with other engine flags is
-refused, naming both configurations; and the server's shutdown stops the other machine with it."""
+refused, naming both configurations; and the server's shutdown stops the other machine with it.
+Four ranks on two machines of two each all-reduce through each machine's shared memory."""
 from __future__ import annotations
 
 import os
@@ -140,3 +141,30 @@ def test_the_servers_shutdown_stops_the_other_machine(cluster):
     server.stop()
     assert machine.proc.wait(60) == 0
     assert not alive(rank)
+
+
+def test_four_ranks_on_two_machines_all_reduce_through_each_machines_shared_memory(tmp_path):
+    """-tp 4 over two machines of two ranks each: each machine's ranks sum through their shared
+    memory, the machines' first ranks over gloo; the greedy tokens are one worker's (a tiny random
+    model with 4 KV heads, one a rank)."""
+    from actors.api import LLM, SamplingParams
+    from helpers import save_tiny_llama, save_tiny_tokenizer
+    model = save_tiny_tokenizer(save_tiny_llama(tmp_path, 256, 64, 128, 4, 4, 16, 512), 256)
+    prompts, tokens = ["t5 t17 t42 t9 t100", "t1 t2 t3"], [16, 16]
+    with LLM(model, multiprocess=False) as llm:
+        want = [r.text for r in llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                                       for n in tokens], use_tqdm=False)]
+    port = free_ports(1)
+    flags = ("--tensor-parallel-size", "4", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
+    other = HeadlessProcess(model, *flags, "--node-rank", "1")
+    server = None
+    try:
+        server = Server(model, *flags, "--node-rank", "0")
+        other.wait_joined()
+        assert _texts(server, prompts, tokens) == want
+        hierarchical = "each machine's shared memory and gloo between machines"
+        assert sum(hierarchical in line for line in server.lines + other.lines) == 4, "".join(other.lines[-20:])
+    finally:
+        if server is not None:
+            server.stop()
+        other.stop()

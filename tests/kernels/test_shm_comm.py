@@ -1,8 +1,10 @@
 """The tensor-parallel ranks' shared-memory collectives (kernels/cpu/shm_comm.py) between real
 processes: an all-reduce gives every rank the same bits, the sum in rank order, for vectors of one
 value, of a layer's output and of several rounds of the segment's slots; an all-gather gives
-every rank each rank's tensor; a dtype the segment does not take goes through gloo; and a rank
-that died fails its peers' collective instead of leaving them waiting."""
+every rank each rank's tensor; a dtype the segment does not take goes through gloo; a group over
+several machines all-reduces through each machine's segment and gloo between the machines, every
+rank getting the same bits; and a rank that died fails its peers' collective instead of leaving
+them waiting."""
 from __future__ import annotations
 
 import os
@@ -60,6 +62,58 @@ def test_every_rank_gets_the_same_sum_in_rank_order_and_each_ranks_gathered_tens
     for res in results:
         assert [float(p[0, 0]) for p in res["gathered"]] == [float(r) for r in range(world)]
         assert int(res["ints"]) == sum(range(1, world + 1))
+
+
+def _machines(rank: int, world: int, nodes: list[int], init: str, out: str) -> None:
+    """Four ranks on the "machines" ``nodes``: the group of all four, and the group of ranks 1-3."""
+    try:
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        comm = shm_comm.register_hierarchical(init, rank, list(range(world)), nodes)
+        sub = torch.distributed.new_group([1, 2, 3])
+        sub_comm = shm_comm.register_hierarchical(f"{init}/sub", rank, [1, 2, 3], nodes[1:], sub)
+        reduced, sub_reduced = [], []
+        for n in SIZES[:3]:
+            x = _data(rank, n)
+            shm_comm.all_reduce(x)
+            reduced.append(x)
+            if rank > 0:
+                y = _data(rank, n)
+                shm_comm.all_reduce(y, sub)
+                sub_reduced.append(y)
+        parts = [torch.empty(2) for _ in range(world)]
+        shm_comm.all_gather(parts, torch.full((2,), float(rank)))
+        kinds = [type(c).__name__ if c is not None else None for c in (comm, sub_comm)]
+        torch.save({"reduced": reduced, "sub": sub_reduced, "gathered": parts, "kinds": kinds}, f"{out}.{rank}")
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        raise
+
+
+@pytest.mark.parametrize("nodes", [[0, 0, 1, 1], [0, 0, 0, 1]])
+def test_a_group_over_machines_gives_every_rank_the_same_sum_through_each_machines_segment(tmp_path, nodes):
+    out = str(tmp_path / "result")
+    mp.start_processes(_machines, args=(4, nodes, f"file://{tmp_path}/init", out), nprocs=4,
+                       start_method="spawn", join=True)
+    results = [torch.load(f"{out}.{r}") for r in range(4)]
+    for i, n in enumerate(SIZES[:3]):
+        want = sum(_data(r, n) for r in range(4))
+        torch.testing.assert_close(results[0]["reduced"][i], want, rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(res["reduced"][i], results[0]["reduced"][i]) for res in results)
+        sub_want = sum(_data(r, n) for r in (1, 2, 3))
+        torch.testing.assert_close(results[1]["sub"][i], sub_want, rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(res["sub"][i], results[1]["sub"][i]) for res in results[1:])
+    for res in results:
+        assert [float(p[0]) for p in res["gathered"]] == [0.0, 1.0, 2.0, 3.0]
+        assert res["kinds"][0] == "HierarchicalCommunicator"
+    # ranks 1-3: hierarchical where a machine holds two of them ([0, 1, 1]; [0, 0, 1]); rank 0 is not in it
+    assert [res["kinds"][1] for res in results] == [None] + ["HierarchicalCommunicator"] * 3
+
+
+def test_a_group_whose_machines_hold_one_rank_each_stays_on_gloo():
+    """No machine holds two of its ranks: nothing to gain, no subgroups made."""
+    assert shm_comm.register_hierarchical("x", 0, [0, 1], [0, 1]) is None
 
 
 def _one_dies(rank: int, init: str, out: str) -> None:
