@@ -292,6 +292,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     if args.nnodes > 1 and args.node_rank > 0 and not args.headless:
         p.error(f"--node-rank {args.node_rank}: the machines past node rank 0 run their share of the worker "
                 "ranks for the server of node rank 0, and no server of their own: add --headless")
+    if args.headless and (args.data_parallel_hybrid_lb or args.data_parallel_rank is not None):
+        p.error("--headless runs engine cores for a server elsewhere; external (--data-parallel-rank) and hybrid "
+                "(--data-parallel-hybrid-lb) load balancing give every machine a server of its own")
     if args.headless and args.nnodes > 1 and args.node_rank == 0:
         p.error("--headless --nnodes: give this machine's --node-rank (node rank 0 runs the server, "
                 "without --headless)")
@@ -303,10 +306,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     if args.headless and args.nnodes == 1 and args.data_parallel_start_rank == 0:
         p.error("--headless: --data-parallel-start-rank must be past the server's own ranks (the server "
                 "runs ranks 0 to its --data-parallel-size-local - 1)")
-    if args.data_parallel_start_rank and not args.headless:
-        p.error("--data-parallel-start-rank without --headless asks for vLLM's hybrid load balancing, one "
-                "server per machine: Troupe balances every rank from one server, the other machines "
-                "running --headless")
+    if args.data_parallel_start_rank and not (args.headless or args.data_parallel_hybrid_lb):
+        p.error("--data-parallel-start-rank: with --headless, the first rank this machine runs for the server "
+                "of --data-parallel-address; with --data-parallel-hybrid-lb, the first rank this machine's own "
+                "server balances (vLLM's hybrid load balancing)")
     if args.kv_cache_bytes is not None and args.kv_cache_memory_bytes is not None:
         p.error("give --kv-cache-gib or --kv-cache-memory-bytes, not both")
     try:                # vLLM's structured outputs config may name the reasoning parser
@@ -455,7 +458,7 @@ async def serve(args: argparse.Namespace) -> int:
             return fe.node.closed.result()
         server.attach(loading.result())
         pids = fe.engine_processes
-        engines = (f"engine pid {pids[0].pid}" if len(pids) == 1 else
+        engines = (f"engine pid {pids[0].pid}" if list(pids) == [0] else
                    "engine pids " + ", ".join(f"{r}: {p.pid}" for r, p in sorted(pids.items())))
         log.info("serving %s as %s on %s (%s)", config.model.source.served_name,
                  ", ".join(fe.client.model_names), addr.url, engines)

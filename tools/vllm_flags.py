@@ -20,9 +20,6 @@ from typing import Any, NoReturn
 _PARALLEL = ("Troupe implements tensor, pipeline and data parallelism (--tensor-parallel-size, "
              "--pipeline-parallel-size, --data-parallel-size), across machines with --distributed-executor-backend ray, "
              "--nnodes or --headless")
-_EXTERNAL_LB = ("Troupe balances every data-parallel rank from one server (engine cores of other machines join it "
-                "with --headless, --data-parallel-start-rank and --data-parallel-address); its ranks share no "
-                "collectives, so for a load balancer of your own start independent servers")
 _LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directories as they are"
 _MODALITY = "Troupe serves text-only models"
 _LORA = "Troupe's LoRA takes --enable-lora, --lora-modules, --max-loras, --max-cpu-loras and --max-lora-rank only"
@@ -39,8 +36,6 @@ _STRUCT = "Troupe's structured outputs always use xgrammar"
 REFUSED: dict[str, str] = {
     # parallelism and distribution
     "--decode-context-parallel-size": _PARALLEL,
-    "--data-parallel-rank": _EXTERNAL_LB,
-    "--data-parallel-hybrid-lb": _EXTERNAL_LB, "--data-parallel-external-lb": _EXTERNAL_LB,
     "--all2all-backend": _PARALLEL, "--enable-dbo": _PARALLEL, "--dbo-decode-token-threshold": _PARALLEL,
     "--dbo-prefill-token-threshold": _PARALLEL, "--disable-nccl-for-dp-synchronization": _PARALLEL,
     "--enable-eplb": _PARALLEL, "--eplb-config": _PARALLEL, "--expert-placement-strategy": _PARALLEL,
@@ -148,16 +143,15 @@ del _flags, _why
 
 # vLLM's short forms
 ALIASES: dict[str, str] = {
-    "-dcp": "--decode-context-parallel-size", "-dpn": "--data-parallel-rank",
+    "-dcp": "--decode-context-parallel-size",
     "-asc": "--api-server-count",
     "-pcp": "--prefill-context-parallel-size",
-    "-dpe": "--data-parallel-external-lb", "-dph": "--data-parallel-hybrid-lb",
     "-dpm": "--data-parallel-multi-port-external-lb", "-ac": "--attention-config", "-dc": "--diffusion-config",
 }
 
 # Refused flags that are booleans in vLLM: their --no- form asks for what Troupe does.
 BOOLEAN = frozenset({
-    "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--enable-dbo",
+    "--enable-dbo",
     "--disable-nccl-for-dp-synchronization", "--enable-eplb", "--eplb-log-balancedness",
     "--ray-workers-use-nsight", "--disable-custom-all-reduce", "--disable-frontend-multiprocessing",
     "--use-tqdm-on-load",

@@ -101,6 +101,9 @@ class EngineArgs:
     data_parallel_start_rank: int = 0
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 29550
+    data_parallel_rank: int | None = None
+    data_parallel_external_lb: bool = False
+    data_parallel_hybrid_lb: bool = False
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -158,6 +161,22 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; accepted: {sorted(names)}")
         return cls(model=model, **options)
+
+    def _data_parallel_ranks(self) -> dict[str, Any]:
+        """This server's ranks: --data-parallel-rank (external load balancing) is a server of that
+        one rank; otherwise the local size and start rank as given."""
+        if self.data_parallel_external_lb and self.data_parallel_rank is None:
+            raise ValueError("--data-parallel-external-lb: give this server's --data-parallel-rank")
+        if self.data_parallel_rank is None:
+            return dict(data_parallel_size_local=self.data_parallel_size_local,
+                        data_parallel_start_rank=self.data_parallel_start_rank,
+                        data_parallel_hybrid_lb=self.data_parallel_hybrid_lb)
+        if self.data_parallel_hybrid_lb or self.data_parallel_start_rank or self.data_parallel_size_local > 1:
+            raise ValueError("--data-parallel-rank asks for external load balancing, a server of that one rank: "
+                             "it goes without --data-parallel-hybrid-lb, --data-parallel-start-rank and "
+                             "--data-parallel-size-local")
+        return dict(data_parallel_size_local=1, data_parallel_start_rank=self.data_parallel_rank,
+                    data_parallel_rank=self.data_parallel_rank, data_parallel_external_lb=True)
 
     def create_engine_config(self) -> EngineConfig:
         """The composed config; resolves the model's source (fails fast, naming the package to
@@ -236,8 +255,7 @@ class EngineArgs:
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,
                                     data_parallel_backend=self.data_parallel_backend,
-                                    data_parallel_size_local=self.data_parallel_size_local,
-                                    data_parallel_start_rank=self.data_parallel_start_rank,
+                                    **self._data_parallel_ranks(),
                                     data_parallel_address=self.data_parallel_address,
                                     data_parallel_rpc_port=self.data_parallel_rpc_port,
                                     nnodes=self.nnodes, node_rank=self.node_rank,
@@ -757,6 +775,18 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             type=int, default=d["data_parallel_start_rank"], metavar="RANK",
             help="with --headless: the first data-parallel rank this machine runs (it runs "
                  "--data-parallel-size-local of them from there)")),
+        (("--data-parallel-rank", "-dpn"), "data_parallel_rank", dict(
+            type=int, default=d["data_parallel_rank"], metavar="RANK",
+            help="vLLM's external load balancing: this server runs data-parallel rank RANK only (of "
+                 "--data-parallel-size), a server per rank with a load balancer of your own in front")),
+        (("--data-parallel-external-lb", "-dpe"), "data_parallel_external_lb", dict(
+            action=argparse.BooleanOptionalAction, default=d["data_parallel_external_lb"],
+            help="external load balancing (what --data-parallel-rank implies; it needs that flag)")),
+        (("--data-parallel-hybrid-lb", "-dph"), "data_parallel_hybrid_lb", dict(
+            action=argparse.BooleanOptionalAction, default=d["data_parallel_hybrid_lb"],
+            help="vLLM's hybrid load balancing: a server per machine balancing its own "
+                 "--data-parallel-size-local ranks from --data-parallel-start-rank, a load balancer of your "
+                 "own in front of the machines")),
         (("--data-parallel-address", "-dpa"), "data_parallel_address", dict(
             default=d["data_parallel_address"], metavar="HOST",
             help="the address of the machine that runs the server (default 127.0.0.1): there it listens for "

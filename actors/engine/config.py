@@ -196,6 +196,11 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     data_parallel_start_rank: int = 0
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 29550
+    # vLLM's external and hybrid load balancing: this server serves only its own ranks (the rank
+    # --data-parallel-rank; --data-parallel-size-local from --data-parallel-start-rank), the others
+    # served by servers of their own behind a balancer of the user's (the ranks share no collectives)
+    data_parallel_external_lb: bool = False
+    data_parallel_hybrid_lb: bool = False
     # --tensor-parallel-size: each engine core's model split over this many worker processes
     # (attention heads and MLP columns; gloo on the CPU, NCCL on GPUs)
     tensor_parallel_size: int = 1
@@ -251,8 +256,19 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def remote_ranks(self) -> list[int]:
-        """The data-parallel ranks whose engine cores run on other machines (headless servers)."""
+        """The data-parallel ranks whose engine cores run on other machines for this server
+        (headless servers); none with external or hybrid load balancing."""
+        if self.data_parallel_external_lb or self.data_parallel_hybrid_lb:
+            return []
         return [r for r in range(self.data_parallel_size) if r not in self.local_ranks]
+
+    @property
+    def served_ranks(self) -> range:
+        """The data-parallel ranks this server sends requests to: every rank, or with external
+        or hybrid load balancing its own."""
+        if self.data_parallel_external_lb or self.data_parallel_hybrid_lb:
+            return self.local_ranks
+        return range(self.data_parallel_size)
 
 
 class DeviceConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -605,6 +621,18 @@ def _check_data_parallel_nodes(p: ParallelConfig) -> None:
                          f"{p.data_parallel_size - 1}")
     if not 1 <= p.data_parallel_rpc_port <= 65535:
         raise ValueError(f"data_parallel_rpc_port must be in [1, 65535], got {p.data_parallel_rpc_port}")
+    if p.data_parallel_external_lb and p.data_parallel_hybrid_lb:
+        raise ValueError("data_parallel_external_lb (a server per rank) and data_parallel_hybrid_lb (a server per "
+                         "machine) are two load-balancing modes: choose one")
+    if (p.data_parallel_external_lb or p.data_parallel_hybrid_lb) and p.data_parallel_backend != "mp":
+        raise ValueError("external and hybrid load balancing start this machine's engine cores as processes: "
+                         "data_parallel_backend 'mp'")
+    if p.data_parallel_hybrid_lb and not p.data_parallel_size_local:
+        raise ValueError("hybrid load balancing (a server per machine) needs each machine's "
+                         "data_parallel_size_local and data_parallel_start_rank")
+    if p.data_parallel_external_lb and p.data_parallel_size_local > 1:
+        raise ValueError("with external load balancing a server runs one rank (--data-parallel-rank); "
+                         "give each rank a server of its own")
     if p.remote_ranks and p.data_parallel_backend != "mp":
         raise ValueError("data_parallel_size_local below data_parallel_size (engine cores started on other "
                          "machines with --headless) goes with data_parallel_backend 'mp'; 'ray' places every "

@@ -60,8 +60,11 @@ class DataParallelRouter(Actor):
     protocol = RouterProtocol
 
     def __init__(self, schedulers: list[ActorRef], stats: EngineStats, streams: OutputStreams,
-                 detokenizer: ActorRef, block_size: int) -> None:
+                 detokenizer: ActorRef, block_size: int, ranks: list[int] | None = None) -> None:
         self.schedulers = schedulers
+        # each scheduler's data-parallel rank (hybrid load balancing: this machine's, from its start rank)
+        self.ranks = list(ranks) if ranks is not None else list(range(len(schedulers)))
+        self.index = {rank: e for e, rank in enumerate(self.ranks)}
         self.stats = stats
         self.streams = streams
         self.detokenizer = detokenizer
@@ -103,7 +106,8 @@ class DataParallelRouter(Actor):
                 engine = self.owner.get(rid)
                 if engine is not None and self.up[engine]:
                     self.schedulers[engine].tell(msg)
-            case EngineDown(dp_rank=e, reason=reason):
+            case EngineDown(dp_rank=rank, reason=reason):
+                e = self.index[rank]
                 self.up[e] = False
                 lost = [rid for rid, owner in self.owner.items() if owner == e]
                 for rid in lost:
@@ -111,7 +115,8 @@ class DataParallelRouter(Actor):
                 self.affinity = OrderedDict((k, v) for k, v in self.affinity.items() if v != e)
                 if lost:
                     self.detokenizer.tell(EngineLost(reason, lost))
-            case EngineUp(dp_rank=e):
+            case EngineUp(dp_rank=rank):
+                e = self.index[rank]
                 self.up[e] = True
                 self.sent[e] = 0
             case SleepEngine() | WakeEngine():          # sleep mode: every engine core alike
@@ -153,7 +158,7 @@ class DataParallelRouter(Actor):
         return engine
 
     def _load(self, e: int) -> int:
-        s = self.stats.engines.get(e)
+        s = self.stats.engines.get(self.ranks[e])     # its latest stats, by its rank
         if s is None:
             return self.sent[e]
         if s.step != self.seen_step[e]:             # newer stats count the requests sent before them

@@ -16,7 +16,12 @@ cluster too) and is supervised and restarted as a process is.
 
 With --data-parallel-size-local below --data-parallel-size the ranks past the local ones run on
 other machines, started there with --headless (headless.py): the frontend listens for them at
---data-parallel-address:--data-parallel-rpc-port and serves once every rank has joined."""
+--data-parallel-address:--data-parallel-rpc-port and serves once every rank has joined.
+
+With vLLM's external (--data-parallel-rank R) or hybrid (--data-parallel-hybrid-lb) load balancing
+this server starts and serves only its own ranks (``served_ranks``: R, or this machine's
+--data-parallel-size-local from --data-parallel-start-rank), under their global rank numbers;
+the other ranks have servers of their own."""
 from __future__ import annotations
 
 import asyncio
@@ -84,11 +89,6 @@ class Frontend:
         self.telemetry: Telemetry | None = None      # with start(telemetry=True)
         self.request_tracer: RequestTracer | None = None   # --otlp-traces-endpoint: requests' spans
 
-    @property
-    def engine_process(self) -> ChildProcess | RayChild | None:
-        """The (first) engine core's process."""
-        return self.engine_processes.get(0)
-
     def engine_exited(self, child: ChildProcess | RayChild, dp_rank: int = 0) -> None:
         """An engine process is gone: fail what it had in flight at once (with one engine core,
         everything; with several, its own requests), then restart it, or stop with a clear
@@ -107,7 +107,7 @@ class Frontend:
             self.client.mark_dead(reason, RESTART_RETRY_AFTER_S)
         else:
             self.router.tell(EngineDown(dp_rank, reason))
-            if len(self._down) == self.client.config.parallel.data_parallel_size:
+            if len(self._down) == len(self.client.config.parallel.served_ranks):
                 self.client.mark_dead(f"every engine core is down ({reason})", RESTART_RETRY_AFTER_S)
         if not self._restarts.spend():
             self.node.fatal(f"{reason}; engine cores died {self._restarts.describe()}, giving up", code=1)
@@ -156,15 +156,15 @@ class Frontend:
                 log.info("chat template content format: %s%s", found, " (detected; "
                          "--chat-template-content-format sets it)" if tokenizer.content_format == "auto" else "")
         config = with_reasoning_resolved(config, tokenizer)
-        dp = config.parallel.data_parallel_size
-        self._restarts = RestartBudget(config.parallel.max_restarts * dp, config.parallel.restart_window_s)
+        served = config.parallel.served_ranks
+        self._restarts = RestartBudget(config.parallel.max_restarts * len(served), config.parallel.restart_window_s)
         if config.parallel.data_parallel_backend == "ray":
             await self._place_engines(config)
         if config.parallel.remote_ranks:
             await self._listen_for_remote_engines(config)
         local = config.parallel.local_ranks
         engines = await asyncio.gather(*(_start_engine(self, config, ready_timeout, r) if r in local
-                                         else self.remote.engine(r, ready_timeout) for r in range(dp)))
+                                         else self.remote.engine(r, ready_timeout) for r in served))
         engine = engines[0]
         config = engine.config                          # resolved by the worker
         arch = config.model.arch
@@ -187,13 +187,13 @@ class Frontend:
                             custom_buckets=config.observability.custom_histogram_buckets,
                             watermark_requests=(dict.fromkeys(("watermarked", "skipped", "not_watermarked"), 0)
                                                 if config.watermark is not None else None),
-                            mfu=config.observability.enable_mfu_metrics)
+                            mfu=config.observability.enable_mfu_metrics, engine=served[0])
         waiting = WaitingRequests(config.scheduler.max_waiting_requests, config.scheduler.max_waiting_tokens)
         scheduler = engine.scheduler            # where requests and aborts go
-        if dp > 1:
+        if len(served) > 1:
             detok_ref = self.node.ref(topology.DETOKENIZER)
             self.router = scheduler = self.node.spawn(topology.DP_ROUTER, lambda: DataParallelRouter(
-                [e.scheduler for e in engines], stats, streams, detok_ref, cache.block_size))
+                [e.scheduler for e in engines], stats, streams, detok_ref, cache.block_size, list(served)))
         endpoint = config.observability.otlp_traces_endpoint
         if endpoint is not None and self.request_tracer is None:
             obs = config.observability
@@ -264,7 +264,7 @@ class Frontend:
         self._down.add(dp_rank)
         self.client.stats.engine_down(dp_rank)
         self.router.tell(EngineDown(dp_rank, f"engine core {dp_rank} is down ({reason})"))
-        if len(self._down) == self.client.config.parallel.data_parallel_size:
+        if len(self._down) == len(self.client.config.parallel.served_ranks):
             self.client.mark_dead(f"every engine core is down ({reason})", RESTART_RETRY_AFTER_S)
 
     async def _place_engines(self, config: EngineConfig) -> None:

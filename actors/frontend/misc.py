@@ -179,7 +179,7 @@ async def kv_event_sources(server: OpenAIServer, request: web.Request) -> web.Re
         return _json({})
     return _json({str(rank): {**msgspec.structs.asdict(events), "endpoint": offset_endpoint(events.endpoint, rank),
                               "replay_endpoint": offset_endpoint(events.replay_endpoint, rank)}
-                  for rank in range(config.parallel.data_parallel_size)})
+                  for rank in config.parallel.served_ranks})
 
 
 async def tokenizer_info(server: OpenAIServer, request: web.Request) -> web.Response:

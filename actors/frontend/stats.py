@@ -8,6 +8,7 @@ written under the ``vllm:`` prefix (so dashboards made for vLLM work unchanged) 
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -251,6 +252,7 @@ class EngineStats:
     # --watermark-config: finished requests by watermark status (None: no watermark, no metric)
     watermark_requests: dict[str, int] | None = None
     mfu: bool = False                    # --enable-mfu-metrics: the estimated_* counters are shown
+    engine: int = 0                      # the rank labelled when one engine core is served (external load balancing: its own)
 
     def __post_init__(self) -> None:
         buckets = build_1_2_5_buckets(max(self.max_model_len, 1))
@@ -375,7 +377,7 @@ class EngineStats:
             return [f'{name}{{{labels},sleep_state="{state}"}} {int(state == now)}' for state in SLEEP_STATES]
         if m.name == "cache_config_info":
             info = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(self.cache_info.items()))
-            return [f'{name}{{{info + "," if info else ""}engine="0"}} 1']
+            return [f'{name}{{{info + "," if info else ""}engine="{self.engine}"}} 1']
         return self._histogram(m.name).lines(name, labels)
 
     def _histogram(self, name: str) -> Histogram:
@@ -406,7 +408,7 @@ class EngineStats:
         return "\n".join(self._lines(prefixes)) + "\n"
 
     def _lines(self, prefixes: tuple[str, ...]) -> Iterator[str]:
-        labels = f'model_name="{_escape(self.model)}",engine="0"'
+        labels = f'model_name="{_escape(self.model)}",engine="{self.engine}"'
         for prefix in prefixes:
             for m in METRICS:
                 if ((prefix == "vllm" and not m.vllm) or (m.name == "watermark_requests_total"
@@ -432,7 +434,7 @@ PER_ENGINE = {
 
 
 def _engine_label(labels: str, engine: int) -> str:
-    return labels.replace('engine="0"', f'engine="{engine}"')
+    return re.sub(r'engine="\d+"', f'engine="{engine}"', labels)
 
 
 def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:

@@ -104,9 +104,28 @@ def test_headless_machines_ranks_are_the_ones_past_the_servers_and_bad_layouts_a
         parallel("--headless", "-dp", "4", "-dpl", "2", "-dpr", "3")
     with pytest.raises(ValueError, match="goes with data_parallel_backend 'mp'"):
         EngineArgs(data_parallel_size=2, data_parallel_size_local=1, data_parallel_backend="ray").create_engine_config()
-    with pytest.raises(SystemExit) as exc:                               # external load balancing: one server per rank
-        serve.parse_args(["-dp", "2", "--data-parallel-rank", "1"])
-    assert exc.value.code == 2 and "start independent servers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:                               # load balancing: a server of its own
+        serve.parse_args(["--headless", "-dp", "2", "--data-parallel-rank", "1"])
+    assert exc.value.code == 2 and "give every machine a server of its own" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args(["-dp", "4", "-dpl", "2", "-dpr", "2"])
+    assert exc.value.code == 2 and "with --data-parallel-hybrid-lb" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="give this server's --data-parallel-rank"):
+        parallel("-dp", "2", "--data-parallel-external-lb")
+    with pytest.raises(ValueError, match="a server of that one rank"):
+        parallel("-dp", "4", "-dpn", "1", "-dpl", "2")
+    with pytest.raises(ValueError, match="hybrid load balancing .a server per machine. needs"):
+        parallel("-dp", "4", "--data-parallel-hybrid-lb")
+
+
+def test_external_and_hybrid_load_balancing_serve_this_servers_own_ranks_under_their_numbers():
+    one = parallel("-dp", "2", "--data-parallel-rank", "1")
+    assert (list(one.served_ranks), one.remote_ranks, one.data_parallel_rank) == ([1], [], 1)
+    assert one.data_parallel_external_lb and parallel("-dp", "2", "-dpn", "1", "-dpe") == one
+    machine = parallel("-dp", "4", "-dpl", "2", "-dpr", "2", "--data-parallel-hybrid-lb")
+    assert (list(machine.served_ranks), machine.remote_ranks) == ([2, 3], [])
+    internal = parallel("-dp", "4", "-dpl", "2")                # the others join with --headless
+    assert (list(internal.served_ranks), internal.remote_ranks) == ([0, 1, 2, 3], [2, 3])
 
 
 def test_a_headless_engine_cores_config_digest_is_the_servers_unless_an_engine_flag_differs():
