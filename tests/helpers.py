@@ -289,3 +289,28 @@ def self_signed_cert(directory: str, name: str = "cert") -> tuple[str, str]:
         f.write(b"".join(blob.bytes() for blob in issued.cert_chain_pems) + ca.cert_pem.bytes())
     issued.private_key_pem.write_to_path(key)
     return cert, key
+
+
+def _rank_main(rank: int, fn, world: int, init: str, out: str, args: tuple) -> None:
+    import traceback
+
+    import torch
+    try:
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        torch.save(fn(rank, world, *args), f"{out}.{rank}")
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        raise
+
+
+def run_ranks(fn, world: int, tmp_path, *args) -> list:
+    """``fn(rank, world, *args)`` in ``world`` spawned processes joined in one gloo group (a thread
+    each); returns what each rank's call returned, in rank order. ``fn`` is a module-level function."""
+    import torch
+    import torch.multiprocessing as mp
+    out = os.path.join(str(tmp_path), "rank-result")
+    mp.start_processes(_rank_main, args=(fn, world, f"file://{tmp_path}/rank-init", out, args), nprocs=world,
+                       start_method="spawn", join=True)
+    return [torch.load(f"{out}.{r}") for r in range(world)]

@@ -7,13 +7,10 @@ logits and greedy tokens; and real worker processes run it with
 ``LLM(tensor_parallel_size=2, enable_expert_parallel=True)``."""
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from helpers import run_steps, save_tiny_tokenizer
+from helpers import run_ranks, run_steps, save_tiny_tokenizer
 from kernels.attention import allocate_kv_caches
 from kernels.cpu import native
 from models.moe import FusedMoE, fused_experts_ref, select_experts
@@ -145,31 +142,21 @@ def _logits(model, config, num_kv_heads: int) -> torch.Tensor:
     return torch.cat([two, one])
 
 
-def _rank(rank: int, world: int, init: str, checkpoint: str, out: str) -> None:
-    try:
-        from models.tensor_parallel import shard_model
-        from models.tp_layout import head_split
-        torch.set_num_threads(1)
-        torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        results = {}
-        for mode in ("tensor", "expert"):
-            model, config = load_model(resolve_model(checkpoint))
-            shard_model(model, world, rank, expert_parallel=mode == "expert")
-            moe = model.layers[0].mlp
-            results[f"{mode} shapes"] = (moe.expert_start, tuple(moe.w13_weight.shape), tuple(moe.w2_weight.shape))
-            results[mode] = _logits(model, config, head_split(4, 2, world, rank)[3])
-        torch.save(results, f"{out}.{rank}")
-        torch.distributed.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        raise
+def _rank(rank: int, world: int, checkpoint: str) -> dict:
+    from models.tensor_parallel import shard_model
+    from models.tp_layout import head_split
+    results = {}
+    for mode in ("tensor", "expert"):
+        model, config = load_model(resolve_model(checkpoint))
+        shard_model(model, world, rank, expert_parallel=mode == "expert")
+        moe = model.layers[0].mlp
+        results[f"{mode} shapes"] = (moe.expert_start, tuple(moe.w13_weight.shape), tuple(moe.w2_weight.shape))
+        results[mode] = _logits(model, config, head_split(4, 2, world, rank)[3])
+    return results
 
 
 def test_two_ranks_with_split_or_whole_experts_give_the_unsplit_logits(checkpoint, tmp_path):
-    out = str(tmp_path / "logits")
-    mp.start_processes(_rank, args=(2, f"file://{tmp_path}/init", checkpoint, out), nprocs=2, start_method="spawn",
-                       join=True)
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    ranks = run_ranks(_rank, 2, tmp_path, checkpoint)
     # tensor parallelism: every expert, half its intermediate size (16 + 15); expert parallelism: 3 + 2 experts
     assert [r["tensor shapes"] for r in ranks] == [(0, (5, 32, 64), (5, 64, 16)), (0, (5, 30, 64), (5, 64, 15))]
     assert [r["expert shapes"] for r in ranks] == [(0, (3, 62, 64), (3, 64, 31)), (3, (2, 62, 64), (2, 64, 31))]

@@ -7,17 +7,15 @@ so each rank's 192 columns of down_proj start or end inside a group), GPTQ with 
 from __future__ import annotations
 
 import dataclasses
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from kernels.attention import allocate_kv_caches
 from models.registry import build_model, load_model, open_checkpoint
 from models.resolve import resolve_model
 from models.tensor_parallel import shard_model
-from tests.helpers import run_steps, save_tiny_llama
+from tests.helpers import run_ranks, run_steps, save_tiny_llama
 from tools.quantize import quantize_checkpoint
 
 # (name, tools.quantize scheme or None, --per-channel, --group-size, --quantization), error bound
@@ -59,30 +57,21 @@ def _logits(model: torch.nn.Module, path: str, kv_heads: int) -> torch.Tensor:
     return run_steps(model, caches, [[0, 1, 2]], [[prompt], [torch.tensor([11])], [torch.tensor([54])]], 16)
 
 
-def _rank(rank: int, world: int, init: str, paths: dict[str, str], out: str) -> None:
-    try:
-        torch.set_num_threads(1)
-        torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        saved = {}
-        for name, *_, flag, _ in CASES:
-            path = paths[name]
-            model = build_model(open_checkpoint(resolve_model(path)), quantization=flag,
-                                transform=lambda m: shard_model(m, world, rank))
-            layer = model.layers[0]
-            saved[name] = (_logits(model, path, 1), type(layer.mlp.down_proj.linear).__name__,
-                           type(layer.self_attn.qkv_proj).__name__)
-        torch.save(saved, f"{out}.{rank}")
-        torch.distributed.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        raise
+def _rank(rank: int, world: int, paths: dict[str, str]) -> dict:
+    """Each format's logits on this rank, and the kinds of its first layer's down and qkv projections."""
+    saved = {}
+    for name, *_, flag, _ in CASES:
+        path = paths[name]
+        model = build_model(open_checkpoint(resolve_model(path)), quantization=flag,
+                            transform=lambda m: shard_model(m, world, rank))
+        layer = model.layers[0]
+        saved[name] = (_logits(model, path, 1), type(layer.mlp.down_proj.linear).__name__,
+                       type(layer.self_attn.qkv_proj).__name__)
+    return saved
 
 
 def test_two_ranks_of_each_quantized_format_give_the_unsplit_quantized_models_logits(checkpoints, tmp_path):
-    out = str(tmp_path / "logits")
-    mp.start_processes(_rank, args=(2, f"file://{tmp_path}/init", checkpoints, out), nprocs=2,
-                       start_method="spawn", join=True)
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    ranks = run_ranks(_rank, 2, tmp_path, checkpoints)
     for name, *_, flag, bound in CASES:
         path = checkpoints[name]
         model, _ = load_model(resolve_model(path), quantization=flag)
