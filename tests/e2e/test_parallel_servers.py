@@ -109,19 +109,44 @@ def test_gguf_weights_over_two_ranks_and_over_two_stages_answer_as_one_worker_do
             assert [r.text for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)] == want, layout
 
 
+def _smollm2_adapter(out) -> str:
+    """A random rank-8 PEFT adapter on every projection of the default model, saved at ``out``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from helpers import transformers_model_from_gguf
+    from models.resolve import default_gguf_path
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(transformers_model_from_gguf(default_gguf_path()),
+                                LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0,
+                                           init_lora_weights=False))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    peft_model.save_pretrained(out)
+    return str(out)
+
+
 def test_an_awq_checkpoint_over_two_ranks_and_over_two_stages_answers_as_one_worker_does(tmp_path):
     """The default model quantized to AWQ 4-bit (groups of 64) by tools.quantize: each rank takes its
     words of packed codes, zero points and scales (output features in words of 8, inputs by whole
-    groups), each stage its layers, before they are processed."""
+    groups), each stage its layers, before they are processed; a LoRA adapter on the quantized
+    projections is split alike."""
+    from actors.engine.lora import LoRARequest
     out = str(tmp_path / "awq")
     quantize_checkpoint(None, "awq", False, out, 64)
-    params = [_params(n) for n in TOKENS[:3]]
-    with LLM(out, multiprocess=False) as llm:
-        want = [r.text for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
-    assert all(want)
+    adapter = LoRARequest("random", 1, _smollm2_adapter(tmp_path / "adapter"))
+    prompts, params = PROMPTS[:3] + PROMPTS[:1], [_params(n) for n in TOKENS[:3] + TOKENS[:1]]
+    loras = [None, None, None, adapter]
+    with LLM(out, multiprocess=False, enable_lora=True, max_lora_rank=8) as llm:
+        want = [r.text for r in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+    assert all(want) and want[3] != want[0]                       # the adapter changes the answer
     for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
-        with LLM(out, **layout) as llm:
-            assert [r.text for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)] == want, layout
+        with LLM(out, enable_lora=True, max_lora_rank=8, **layout) as llm:
+            got = [r.text for r in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+        assert got == want, layout
 
 
 @pytest.mark.skipif(not int8_available(), reason="the gguf-i8 mode needs AVX2 or AVX512-VNNI")
