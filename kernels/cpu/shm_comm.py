@@ -9,10 +9,10 @@ torch.distributed does and use its communicator when it has one (float32 tensors
 torch.distributed otherwise. ``TROUPE_TP_SHARED_MEMORY=0`` keeps gloo.
 
 A group over several machines (``--nnodes``) whose machines each hold several of its ranks
-all-reduces in three legs (``register_hierarchical``): the ranks of each machine through their
-segment, the machines' first ranks (one per machine) over gloo, and the result back to the other
-ranks of each machine through the segment again (those add zeros), so every rank gets the same
-bits and only one rank per machine crosses the network."""
+all-reduces and all-gathers in three legs (``register_hierarchical``): the ranks of each machine
+through their segment, the machines' first ranks (one per machine) over gloo, and the result
+back to the other ranks of each machine through the segment again (those add zeros), so every
+rank gets the same bits and only one rank per machine crosses the network."""
 from __future__ import annotations
 
 import ctypes
@@ -96,10 +96,11 @@ class ShmCommunicator:
 class HierarchicalCommunicator:
     """A group spread over machines: ``local``, this machine's ranks of it (None: this rank is
     its machine's only one); ``leaders``, the group of each machine's first rank, when this rank
-    is its machine's first (None otherwise); ``group``, the whole group (the all-gather's)."""
+    is its machine's first (None otherwise); ``machines``, each machine's ranks as places in the
+    group (rank order within a machine, machines in the order of their first rank)."""
 
-    def __init__(self, local: ShmCommunicator | None, leaders: Any, group: Any) -> None:
-        self.local, self.leaders, self.group = local, leaders, group
+    def __init__(self, local: ShmCommunicator | None, leaders: Any, machines: list[list[int]]) -> None:
+        self.local, self.leaders, self.machines = local, leaders, machines
 
     def all_reduce(self, t: torch.Tensor) -> None:
         if self.local is not None:
@@ -112,7 +113,25 @@ class HierarchicalCommunicator:
             self.local.all_reduce(t)               # the first rank's total, to the others
 
     def all_gather(self, parts: list[torch.Tensor], t: torch.Tensor) -> None:
-        torch.distributed.all_gather(parts, t, group=self.group)
+        """In three legs too: this machine's parts through its segment, every machine's (padded
+        to the most ranks a machine holds) between the first ranks, and those back through the
+        segment; ``parts`` in group rank order."""
+        most = max(len(m) for m in self.machines)
+        mine = [t.unsqueeze(0)]
+        if self.local is not None:
+            gathered = [torch.empty_like(t) for _ in range(self.local.world)]
+            self.local.all_gather(gathered, t)
+            mine = [p.unsqueeze(0) for p in gathered]
+        block = torch.zeros((most, *t.shape), dtype=t.dtype)
+        block[:len(mine)] = torch.cat(mine)
+        every = torch.zeros((len(self.machines), most, *t.shape), dtype=t.dtype)
+        if self.leaders is not None:
+            torch.distributed.all_gather(list(every.unbind(0)), block, group=self.leaders)
+        if self.local is not None:
+            self.local.all_reduce(every)                # the first rank's, to the others (they add zeros)
+        for m, places in enumerate(self.machines):
+            for i, place in enumerate(places):
+                parts[place].copy_(every[m, i])
 
 
 def register_hierarchical(key: str, rank: int, ranks: list[int], nodes: list[int], group: Any = None
@@ -137,7 +156,8 @@ def register_hierarchical(key: str, rank: int, ranks: list[int], nodes: list[int
         local = register(f"{key}/node{node}", mine.index(rank), len(mine), local_groups[node])
         if local is None:
             return None
-    comm = HierarchicalCommunicator(local, leaders if rank == mine[0] else None, group)
+    machines = [[ranks.index(r) for r in rs] for rs in by_node.values()]
+    comm = HierarchicalCommunicator(local, leaders if rank == mine[0] else None, machines)
     _COMMUNICATORS[group] = comm
     return comm
 

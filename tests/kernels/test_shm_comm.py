@@ -2,8 +2,8 @@
 processes: an all-reduce gives every rank the same bits, the sum in rank order, for vectors of one
 value, of a layer's output and of several rounds of the segment's slots; an all-gather gives
 every rank each rank's tensor; a dtype the segment does not take goes through gloo; a group over
-several machines all-reduces through each machine's segment and gloo between the machines, every
-rank getting the same bits; and a rank that died fails its peers' collective instead of leaving
+several machines all-reduces and all-gathers through each machine's segment and gloo between the
+machines, every rank getting the same bits; and a rank that died fails its peers' collective instead of leaving
 them waiting."""
 from __future__ import annotations
 
@@ -81,10 +81,14 @@ def _machines(rank: int, world: int, nodes: list[int], init: str, out: str) -> N
                 y = _data(rank, n)
                 shm_comm.all_reduce(y, sub)
                 sub_reduced.append(y)
-        parts = [torch.empty(2) for _ in range(world)]
-        shm_comm.all_gather(parts, torch.full((2,), float(rank)))
+        parts = [torch.empty(3, 700) for _ in range(world)]
+        shm_comm.all_gather(parts, torch.full((3, 700), float(rank)))
+        sub_parts = [torch.empty(5) for _ in range(3)]
+        if rank > 0:
+            shm_comm.all_gather(sub_parts, torch.arange(5.0) + 10 * rank, sub)
         kinds = [type(c).__name__ if c is not None else None for c in (comm, sub_comm)]
-        torch.save({"reduced": reduced, "sub": sub_reduced, "gathered": parts, "kinds": kinds}, f"{out}.{rank}")
+        torch.save({"reduced": reduced, "sub": sub_reduced, "gathered": parts, "sub_gathered": sub_parts,
+                    "kinds": kinds}, f"{out}.{rank}")
         torch.distributed.destroy_process_group()
     except BaseException:
         traceback.print_exc()
@@ -104,9 +108,11 @@ def test_a_group_over_machines_gives_every_rank_the_same_sum_through_each_machin
         sub_want = sum(_data(r, n) for r in (1, 2, 3))
         torch.testing.assert_close(results[1]["sub"][i], sub_want, rtol=1e-5, atol=1e-5)
         assert all(torch.equal(res["sub"][i], results[1]["sub"][i]) for res in results[1:])
-    for res in results:
-        assert [float(p[0]) for p in res["gathered"]] == [0.0, 1.0, 2.0, 3.0]
+    for r, res in enumerate(results):
+        assert all(torch.equal(p, torch.full((3, 700), float(i))) for i, p in enumerate(res["gathered"]))
         assert res["kinds"][0] == "HierarchicalCommunicator"
+        if r > 0:
+            assert [p.tolist() for p in res["sub_gathered"]] == [[10.0 * i + j for j in range(5)] for i in (1, 2, 3)]
     # ranks 1-3: hierarchical where a machine holds two of them ([0, 1, 1]; [0, 0, 1]); rank 0 is not in it
     assert [res["kinds"][1] for res in results] == [None] + ["HierarchicalCommunicator"] * 3
 
