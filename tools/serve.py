@@ -298,14 +298,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     if args.headless and args.nnodes > 1 and args.node_rank == 0:
         p.error("--headless --nnodes: give this machine's --node-rank (node rank 0 runs the server, "
                 "without --headless)")
-    if args.headless and args.nnodes == 1 and not (args.data_parallel_size > 1 and args.data_parallel_size_local):
+    if args.headless and args.nnodes == 1 and not args.data_parallel_size_local:
         p.error("--headless runs some of a server's data-parallel engine cores on this machine (give "
                 "--data-parallel-size, --data-parallel-size-local, --data-parallel-start-rank and "
                 "--data-parallel-address), or some of its worker ranks (give --nnodes, --node-rank, "
                 "--master-addr and --master-port)")
-    if args.headless and args.nnodes == 1 and args.data_parallel_start_rank == 0:
-        p.error("--headless: --data-parallel-start-rank must be past the server's own ranks (the server "
-                "runs ranks 0 to its --data-parallel-size-local - 1)")
     if args.data_parallel_start_rank and not (args.headless or args.data_parallel_hybrid_lb):
         p.error("--data-parallel-start-rank: with --headless, the first rank this machine runs for the server "
                 "of --data-parallel-address; with --data-parallel-hybrid-lb, the first rank this machine's own "

@@ -97,7 +97,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     data_parallel_backend: str = "mp"
-    data_parallel_size_local: int = 0
+    data_parallel_size_local: int | None = None
     data_parallel_start_rank: int = 0
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 29550
@@ -171,7 +171,7 @@ class EngineArgs:
             return dict(data_parallel_size_local=self.data_parallel_size_local,
                         data_parallel_start_rank=self.data_parallel_start_rank,
                         data_parallel_hybrid_lb=self.data_parallel_hybrid_lb)
-        if self.data_parallel_hybrid_lb or self.data_parallel_start_rank or self.data_parallel_size_local > 1:
+        if self.data_parallel_hybrid_lb or self.data_parallel_start_rank or self.data_parallel_size_local not in (None, 1):
             raise ValueError("--data-parallel-rank asks for external load balancing, a server of that one rank: "
                              "it goes without --data-parallel-hybrid-lb, --data-parallel-start-rank and "
                              "--data-parallel-size-local")
@@ -768,9 +768,9 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "--distributed-executor-backend ray); the server itself stays on this machine")),
         (("--data-parallel-size-local", "-dpl"), "data_parallel_size_local", dict(
             type=int, default=d["data_parallel_size_local"], metavar="N",
-            help="the engine cores this machine runs (default: all of --data-parallel-size); the rest run on "
-                 "other machines, started there with --headless, and join this server at "
-                 "--data-parallel-address:--data-parallel-rpc-port")),
+            help="the engine cores this machine runs (default: all of --data-parallel-size; 0: none, this "
+                 "machine runs the server only); the rest run on other machines, started there with "
+                 "--headless, and join this server at --data-parallel-address:--data-parallel-rpc-port")),
         (("--data-parallel-start-rank", "-dpr"), "data_parallel_start_rank", dict(
             type=int, default=d["data_parallel_start_rank"], metavar="RANK",
             help="with --headless: the first data-parallel rank this machine runs (it runs "

@@ -188,10 +188,11 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # frontend; data_parallel_rank: which one this config is of (set by the frontend per engine)
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
-    # --data-parallel-size-local: the engine cores this machine runs (0: all of them); the others
-    # (ranks past them) run on other machines, started there with --headless, and join the
-    # frontend at --data-parallel-address:--data-parallel-rpc-port (actors/frontend/headless.py)
-    data_parallel_size_local: int = 0
+    # --data-parallel-size-local: the engine cores this machine runs (None: all of them; 0: none,
+    # the server only); the others (ranks past them) run on other machines, started there with
+    # --headless, and join the frontend at --data-parallel-address:--data-parallel-rpc-port
+    # (actors/frontend/headless.py)
+    data_parallel_size_local: int | None = None
     # --data-parallel-start-rank: the first rank this machine runs (a headless one: past 0)
     data_parallel_start_rank: int = 0
     data_parallel_address: str = "127.0.0.1"
@@ -251,8 +252,8 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def local_ranks(self) -> range:
         """The data-parallel ranks whose engine cores run on this machine."""
-        return range(self.data_parallel_start_rank,
-                     self.data_parallel_start_rank + (self.data_parallel_size_local or self.data_parallel_size))
+        local = self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
+        return range(self.data_parallel_start_rank, self.data_parallel_start_rank + local)
 
     @property
     def remote_ranks(self) -> list[int]:
@@ -404,7 +405,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
             device=msgspec.structs.replace(self.device, device=device, num_threads=self.device.num_threads or max(
                 1, (cpu_count - vllm_env.reserved_cpus()) // (self.parallel.local_world_size
-                                                             * len(self.parallel.local_ranks)))))
+                                                             * max(len(self.parallel.local_ranks), 1)))))
 
 
     def compute_hash(self) -> str:
@@ -611,8 +612,8 @@ def check_config(cfg: EngineConfig) -> None:
 
 def _check_data_parallel_nodes(p: ParallelConfig) -> None:
     """Engine cores on several machines (vLLM's multi-node data parallelism with the mp backend)."""
-    local = p.data_parallel_size_local or p.data_parallel_size
-    if p.data_parallel_size_local < 0 or p.data_parallel_start_rank < 0:
+    local = len(p.local_ranks)
+    if (p.data_parallel_size_local or 0) < 0 or p.data_parallel_start_rank < 0:
         raise ValueError(f"data_parallel_size_local and data_parallel_start_rank must be at least 0, got "
                          f"{p.data_parallel_size_local} and {p.data_parallel_start_rank}")
     if p.data_parallel_start_rank + local > p.data_parallel_size:
@@ -630,7 +631,7 @@ def _check_data_parallel_nodes(p: ParallelConfig) -> None:
     if p.data_parallel_hybrid_lb and not p.data_parallel_size_local:
         raise ValueError("hybrid load balancing (a server per machine) needs each machine's "
                          "data_parallel_size_local and data_parallel_start_rank")
-    if p.data_parallel_external_lb and p.data_parallel_size_local > 1:
+    if p.data_parallel_external_lb and p.data_parallel_size_local != 1:
         raise ValueError("with external load balancing a server runs one rank (--data-parallel-rank); "
                          "give each rank a server of its own")
     if p.remote_ranks and p.data_parallel_backend != "mp":

@@ -5,8 +5,9 @@ both on 127.0.0.1 as two machines would be. The headless one starts first (the s
 it, and it for the server). Requests are spread over both engine cores and answered alike; the
 headless engine core killed fails only its own requests and joins again once its server restarted
 it; the headless server killed outright leaves engine core 0 serving until another headless server
-runs rank 1; one started with other engine flags is refused, naming both configurations; and the
-server's shutdown stops the headless server with it."""
+runs rank 1; one started with other engine flags is refused, naming both configurations; the
+server's shutdown stops the headless server with it; and a server with --data-parallel-size-local
+0 serves through a headless machine's engine cores alone."""
 from __future__ import annotations
 
 import os
@@ -131,3 +132,25 @@ def test_a_killed_headless_server_leaves_rank_0_serving_until_another_joins_and_
         assert not any(alive(p) for p in new_pids)
     finally:
         replacement.stop()
+
+
+def test_a_server_without_engine_cores_serves_through_the_headless_machines():
+    """vLLM's --data-parallel-size-local 0: this machine runs the server only, every engine core
+    runs on a headless machine (here ranks 0 and 1, started from rank 0)."""
+    port = free_ports(1)
+    headless = HeadlessProcess("--data-parallel-size", "2", "--data-parallel-size-local", "2",
+                               "--data-parallel-rpc-port", str(port))
+    server = None
+    try:
+        server = Server("--data-parallel-size", "2", "--data-parallel-size-local", "0",
+                        "--data-parallel-rpc-port", str(port))
+        headless.wait_joined()
+        assert children(server.pid) == []                                # no engine core of its own
+        results = _concurrently(_complete, [(server, "The capital of France is")] * 4)
+        assert all(status == 200 for status, _ in results)
+        assert len({body["choices"][0]["text"] for _, body in results}) == 1
+        assert set(_metric(server, "num_requests_running")) == {"0", "1"}
+    finally:
+        if server is not None:
+            server.stop()
+        headless.stop()

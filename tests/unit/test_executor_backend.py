@@ -92,8 +92,11 @@ def test_headless_machines_ranks_are_the_ones_past_the_servers_and_bad_layouts_a
     plain = parallel("-dp", "2")                                           # vLLM's defaults: every rank here
     assert list(plain.local_ranks) == [0, 1] and plain.remote_ranks == []
     assert (plain.data_parallel_address, plain.data_parallel_rpc_port) == ("127.0.0.1", 29550)
+    server_only = parallel("-dp", "2", "-dpl", "0")                       # vLLM's: the server, no engine core
+    assert list(server_only.local_ranks) == [] and server_only.remote_ranks == [0, 1]
+    assert list(parallel("--headless", "-dp", "2", "-dpl", "2").local_ranks) == [0, 1]   # ... they run elsewhere
     for argv, words in ((["--headless"], "--headless runs some of a server's data-parallel engine cores"),
-                        (["--headless", "-dp", "2", "-dpl", "1"], "--data-parallel-start-rank must be past"),
+                        (["--headless", "-dp", "2", "-dpl", "0"], "--headless runs some of a server's"),
                         (["-dp", "2", "-dpl", "1", "-dpr", "1"], "hybrid load balancing")):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args(argv)
