@@ -8,6 +8,11 @@ place they are spelled.
 
 With data parallelism (--data-parallel-size N) there are N engine nodes ("engine", "engine1",
 ...), each with its own worker nodes, and the frontend's DP_ROUTER sends each request to one.
+With --api-server-count N, API servers 1 .. N-1 are child nodes "api1", ... of the frontend node,
+each with its own HTTP, TOKENIZER, DETOKENIZER (and DP_ROUTER), all of them accepting on the
+frontend's listening socket; every API server node has an API_PEER, and the engine cores send each
+request's outputs to the DETOKENIZER of the API server that sent it.
+
 Engine nodes on other machines (--headless there) are children of a "headless<RANK>-..." node on
 their machine and join the frontend's DP_COORDINATOR. Worker ranks on other machines (--nnodes,
 --headless there) are children of a "ranks<NODE_RANK>-..." node on their machine, which joins the
@@ -35,6 +40,12 @@ DP_ROUTER = "dp_router"
 DP_COORDINATOR = "dp_coordinator"    # where headless machines' engine cores join (--headless)
 RANK_HOSTS = "rank_hosts"            # on an engine node: where other machines' worker ranks join (--nnodes)
 RANK_HOST = "rank_host"              # on such a machine's "ranks<NODE_RANK>-..." node: starts and stops them
+API_PEER = "api_peer"                # on every API server's node (--api-server-count): what they share
+
+
+def api_node(index: int) -> str:
+    """The node (process) of API server ``index`` (--api-server-count): 0 is the frontend node."""
+    return FRONTEND_NODE if index == 0 else f"api{index}"
 
 
 def engine_node(dp_rank: int = 0) -> str:

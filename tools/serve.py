@@ -16,7 +16,6 @@ import os
 import signal
 import ssl
 import sys
-import time
 from typing import Any
 
 from actors import topology
@@ -61,7 +60,7 @@ _uvicorn_level.__name__ = "level"
 def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve") -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog, description="The OpenAI-compatible server, with vLLM's flags: a `vllm serve` command "
-                               "line runs as `troupe serve` unchanged.",
+                              "line runs as `troupe serve` unchanged.",
         epilog="vLLM's flags that Troupe does not implement (e.g. --decode-context-parallel-size) are refused, "
                "each naming itself, with exit code 2.")
     p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
@@ -84,6 +83,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="abort a request (freeing its KV cache) that has not finished this long after "
                         "it arrived; 0: no limit (a request may set its own, request_timeout)")
+    p.add_argument("--api-server-count", "-asc", type=at_least(int, 1), default=1, metavar="N",
+                   help="vLLM's: N API server processes accepting on the same socket, each with its own "
+                        "tokenizer and detokenizer (the HTTP and text work of a busy server over N event loops); "
+                        "they share the engine cores, /metrics, LoRA adapters and stored responses")
     p.add_argument("--shutdown-timeout", type=at_least(float, 0.0), default=0.0, metavar="SECONDS",
                    help="vLLM's: on SIGTERM, stop taking requests and let the running ones finish this "
                         "long, then end the rest with an error; 0 (vLLM's default): end them at once")
@@ -204,7 +207,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     http = p.add_argument_group("browsers and HTTPS (vLLM's flags and defaults)")
     http.add_argument("--allowed-origins", type=_json_strings, default=[], metavar="JSON",
                       help="the origins whose pages may call the server from a browser (CORS), a JSON list, "
-                           "e.g. '[\"https://app.example\"]' or '[\"*\"]' (default: none)")
+                          "e.g. '[\"https://app.example\"]' or '[\"*\"]' (default: none)")
     http.add_argument("--allowed-methods", type=_json_strings, default=["*"], metavar="JSON",
                       help="the methods those pages may use, a JSON list (default: [\"*\"], all)")
     http.add_argument("--allowed-headers", type=_json_strings, default=["*"], metavar="JSON",
@@ -219,15 +222,15 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                       help="the CA certificates that clients' certificates are checked against")
     http.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
                       help="whether clients must show a certificate: 0 no, 1 optional, 2 required "
-                           "(Python's ssl.CERT_*; needs --ssl-ca-certs)")
+                          "(Python's ssl.CERT_*; needs --ssl-ca-certs)")
     http.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS",
                       help="the cipher suites for TLS 1.2 and older (OpenSSL's cipher list format)")
     http.add_argument("--enable-ssl-refresh", action=argparse.BooleanOptionalAction, default=False,
                       help="load the certificate, key and CA files again when they change, without a "
-                           "restart (new connections get them)")
+                          "restart (new connections get them)")
     # a server bounds its queue (the offline API queues whatever it is given)
     EngineArgs.add_cli_args(p, max_waiting_requests=SERVE_MAX_WAITING_REQUESTS,
-                            max_waiting_tokens=SERVE_MAX_WAITING_TOKENS)
+                           max_waiting_tokens=SERVE_MAX_WAITING_TOKENS)
     add_config_flag(p)
     add_vllm_flags(p)
     args = config_file.parse_args(p, argv)
@@ -261,7 +264,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
         args.skip_tokenizer_init = args.enable_scale_out = True
     if args.skip_tokenizer_init:
         for flag, given in (("--reasoning-parser", args.reasoning_parser), ("--enable-auto-tool-choice",
-                            args.enable_auto_tool_choice), ("--chat-template", args.chat_template)):
+                           args.enable_auto_tool_choice), ("--chat-template", args.chat_template)):
             if given:
                 p.error(f"{flag} reads text, and --skip-tokenizer-init loads no tokenizer")
     args.api_key = tuple(args.api_key) if args.api_key else (
@@ -284,7 +287,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
         p.error("--fingerprint-mode custom needs --fingerprint-value")
     try:
         args.tls = TlsFiles.of(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs,
-                               args.ssl_ciphers)
+                              args.ssl_ciphers)
     except ValueError as exc:
         p.error(str(exc))
     if args.enable_ssl_refresh and args.tls is None:
@@ -309,6 +312,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                 "server balances (vLLM's hybrid load balancing)")
     if args.kv_cache_bytes is not None and args.kv_cache_memory_bytes is not None:
         p.error("give --kv-cache-gib or --kv-cache-memory-bytes, not both")
+    if args.headless and args.api_server_count > 1:
+        p.error("--api-server-count: a --headless machine runs no API server")
     try:                # vLLM's structured outputs config may name the reasoning parser
         named = structured_outputs_config(args.structured_outputs_config).reasoning_parser
     except ValueError as exc:
@@ -326,6 +331,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
         vllm_env.check()
     except ValueError as exc:
         p.error(str(exc))
+    args.argv = list(argv if argv is not None else sys.argv[1:])     # for the other API servers
     return args
 
 
@@ -378,6 +384,43 @@ _json_strings.__name__ = "JSON list"
 
 
 
+def server_options(args: argparse.Namespace) -> Any:
+    """The HTTP server's options from the parsed command line."""
+    from actors.frontend.app import ServerOptions
+    return ServerOptions(args.api_key, args.lenient, args.request_timeout,
+                         enable_auto_tool_choice=args.enable_auto_tool_choice,
+                         tool_call_parser=args.tool_call_parser,
+                         tool_strict_level=args.tool_strict_level,
+                         log_requests=args.enable_log_requests,
+                         metrics_prefixes=args.metrics_prefix,
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         trust_request_chat_template=args.trust_request_chat_template,
+                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                         enable_scale_out=args.enable_scale_out,
+                         tokens_only=args.tokens_only,
+                         middleware=args.middleware,
+                         default_chat_template_kwargs=args.default_chat_template_kwargs,
+                         stream_interval=args.stream_interval,
+                         sse_keep_alive_interval=args.sse_keep_alive_interval,
+                         reasoning_parser=args.reasoning_parser,
+                         cors=CorsPolicy(tuple(args.allowed_origins),
+                                         tuple(args.allowed_methods),
+                                         tuple(args.allowed_headers),
+                                         args.allow_credentials),
+                         response_role=args.response_role,
+                         force_include_usage=args.enable_force_include_usage,
+                         log_outputs=args.enable_log_outputs,
+                         max_log_len=args.max_log_len,
+                         log_deltas=args.enable_log_deltas,
+                         log_error_stack=args.log_error_stack,
+                         exclude_tools_when_tool_choice_none=(
+                             args.exclude_tools_when_tool_choice_none),
+                         root_path=args.root_path, profiling=args.profiling,
+                         per_request_metrics=args.enable_per_request_metrics,
+                         fingerprint_mode=args.fingerprint_mode,
+                         fingerprint_value=args.fingerprint_value)
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Listen first (probes answer 503 while the model loads), then load and serve."""
     load_general_plugins()             # before anything else (a PluginError ends start-up, naming it)
@@ -390,8 +433,8 @@ async def serve(args: argparse.Namespace) -> int:
         from actors.frontend.headless import run_headless
         return await run_headless(config, READY_TIMEOUT_S)
     from actors.frontend.actor import GetAddress, HttpFrontend
-    from actors.frontend.app import OpenAIServer, ServerOptions
-    from actors.frontend.launch import create_frontend
+    from actors.frontend.app import OpenAIServer
+    from actors.frontend.launch import READY_TIMEOUT_S, create_frontend
     fe = create_frontend(multiprocess=True)
     loop = asyncio.get_running_loop()
     stop_asked = asyncio.Event()
@@ -404,39 +447,8 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     try:
-        server = OpenAIServer(options=ServerOptions(args.api_key, args.lenient, args.request_timeout,
-                                                    enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                                    tool_call_parser=args.tool_call_parser,
-                                                    tool_strict_level=args.tool_strict_level,
-                                                    log_requests=args.enable_log_requests,
-                                                    metrics_prefixes=args.metrics_prefix,
-                                                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                                                    trust_request_chat_template=args.trust_request_chat_template,
-                                                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                                                    enable_scale_out=args.enable_scale_out,
-                                                    tokens_only=args.tokens_only,
-                                                    middleware=args.middleware,
-                                                    default_chat_template_kwargs=args.default_chat_template_kwargs,
-                                                    stream_interval=args.stream_interval,
-                                                    sse_keep_alive_interval=args.sse_keep_alive_interval,
-                                                    reasoning_parser=args.reasoning_parser,
-                                                    cors=CorsPolicy(tuple(args.allowed_origins),
-                                                                    tuple(args.allowed_methods),
-                                                                    tuple(args.allowed_headers),
-                                                                    args.allow_credentials),
-                                                    response_role=args.response_role,
-                                                    force_include_usage=args.enable_force_include_usage,
-                                                    log_outputs=args.enable_log_outputs,
-                                                    max_log_len=args.max_log_len,
-                                                    log_deltas=args.enable_log_deltas,
-                                                    log_error_stack=args.log_error_stack,
-                                                    exclude_tools_when_tool_choice_none=(
-                                                        args.exclude_tools_when_tool_choice_none),
-                                                    root_path=args.root_path, profiling=args.profiling,
-                                                    per_request_metrics=args.enable_per_request_metrics,
-                                                    fingerprint_mode=args.fingerprint_mode,
-                                                    fingerprint_value=args.fingerprint_value),
-                              telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
+        server = OpenAIServer(options=server_options(args),
+                             telemetry=lambda: fe.telemetry, inject=fe.inject_fault, tracer=fe.node.tracer)
         tls = args.tls
         ssl_context = tls.context() if tls is not None else None       # a file that cannot load: stop here
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(
@@ -444,6 +456,9 @@ async def serve(args: argparse.Namespace) -> int:
         addr = await http.ask(GetAddress())
         print(f"Troupe listening on {addr.url} (loading the model)", flush=True)
         config = EngineArgs.from_cli_args(args).create_engine_config()
+        if args.api_server_count > 1:
+            from actors.frontend.api_servers import check_api_server_count
+            check_api_server_count(args.api_server_count, config, args.headless)
         defaults = config.model.sampling_defaults.as_dict()
         if defaults:
             log.warning("requests that leave them unset get the generation config's defaults %s "
@@ -454,11 +469,25 @@ async def serve(args: argparse.Namespace) -> int:
             loading.cancel()
             return fe.node.closed.result()
         server.attach(loading.result())
+        if args.api_server_count > 1:      # the other API servers, on the same sockets
+            from actors.frontend.api_servers import ApiServers
+            sockets = fe.node.cells[topology.HTTP].actor.listening_sockets()
+            starting = asyncio.ensure_future(ApiServers(fe, server, args.api_server_count, args.argv,
+                                                        sockets).start(READY_TIMEOUT_S))
+            await asyncio.wait([starting, fe.node.closed], return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+                return fe.node.closed.result()
+            starting.result()
         pids = fe.engine_processes
         engines = (f"engine pid {pids[0].pid}" if list(pids) == [0] else
                    "engine pids " + ", ".join(f"{r}: {p.pid}" for r, p in sorted(pids.items())))
         log.info("serving %s as %s on %s (%s)", config.model.source.served_name,
                  ", ".join(fe.client.model_names), addr.url, engines)
+        if fe.api_servers is not None:
+            log.info("%d API servers (pids %s) accept on %s", args.api_server_count,
+                     ", ".join(str(p) for p in [os.getpid(), *(c.pid for _, c in sorted(fe.api_servers.children.items()))]),
+                     addr.url)
         heap.started()
         print(f"Troupe ready on {addr.url}", flush=True)
         draining = asyncio.ensure_future(drain(stop_asked, fe, args.shutdown_timeout))
@@ -475,19 +504,31 @@ async def serve(args: argparse.Namespace) -> int:
 async def drain(stop_asked: asyncio.Event, fe: Any, timeout: float) -> None:
     """Once a stop is asked: take no new request (503), let the running ones finish for up to
     ``timeout`` seconds, fail the rest with a clear error, then stop the node (exit code 0)."""
+    from actors.frontend.api_servers import drain_client
     await stop_asked.wait()
     client = fe.client
     log.info("stopping: no new requests; %d running get up to %g s to finish", client.num_open, timeout)
-    client.drain("the server is shutting down")
-    deadline = time.monotonic() + timeout
-    while client.num_open and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if client.num_open:
-        log.warning("stopping: %d requests did not finish within %g s; they end with an error",
-                    client.num_open, timeout)
-        client.mark_dead(f"the server shut down before the request finished (--shutdown-timeout {timeout:g})")
-        await asyncio.sleep(1.0)            # let their errors reach their clients
+    reason = "the server is shutting down"
+    others = fe.api_servers.drain(reason, timeout) if fe.api_servers is not None else asyncio.sleep(0)
+    left, _ = await asyncio.gather(drain_client(client, reason, timeout), others)
+    if left:
+        log.warning("stopping: %d requests did not finish within %g s; they ended with an error", left, timeout)
     fe.node.closed.done() or fe.node.closed.set_result(0)
+
+
+async def api_server_entry(node: Any, payload: bytes) -> None:
+    """The entry of API server 1, 2, ... (--api-server-count), a child node of the server: its
+    command line parsed again for the same HTTP options, then its side of the engine cores
+    (actors/frontend/api_servers.py)."""
+    import msgspec
+    from actors.frontend.api_servers import ApiServerSpec, start_api_server
+    from actors.frontend.app import OpenAIServer
+    spec = msgspec.msgpack.decode(payload, type=ApiServerSpec)
+    args = parse_args(spec.argv)
+    tls = args.tls
+    server = OpenAIServer(options=server_options(args), tracer=node.tracer)
+    await start_api_server(node, spec, server, tls.context() if tls is not None else None,
+                           tls if tls is not None and args.enable_ssl_refresh else None)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tools.serve") -> None:

@@ -144,7 +144,6 @@ del _flags, _why
 # vLLM's short forms
 ALIASES: dict[str, str] = {
     "-dcp": "--decode-context-parallel-size",
-    "-asc": "--api-server-count",
     "-pcp": "--prefill-context-parallel-size",
     "-dpm": "--data-parallel-multi-port-external-lb", "-ac": "--attention-config", "-dc": "--diffusion-config",
 }
@@ -183,8 +182,6 @@ VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--convert": (("auto", "none"), "Troupe serves text generation only"),
     "--model-impl": (("auto", "vllm"), "Troupe runs its own implementation of each architecture"),
     "--config-format": (("auto", "hf"), "Troupe reads Hugging Face config.json files and GGUF metadata"),
-    "--api-server-count": (("1",), "Troupe serves HTTP from one frontend process, whose router spreads "
-                                   "requests over every data-parallel rank"),
 }
 
 # vLLM flags that ask for what Troupe always does: accepted, changing nothing.

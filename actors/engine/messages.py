@@ -30,6 +30,8 @@ class EngineCoreRequest(msgspec.Struct):
     # vLLM's prompt_embeds (--enable-prompt-embeds): the prompt as input embeddings, (prompt tokens,
     # hidden) float32; prompt_token_ids then holds as many placeholders (0)
     prompt_embeds: np.ndarray | None = None
+    # vLLM's: which API server sent it (--api-server-count): its outputs go back to that one
+    client_index: int = 0
 
 
 # -- engine outputs (engine core -> frontend), one message per step ---------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import ssl
 from typing import Any, ClassVar
 
@@ -39,10 +40,13 @@ class HttpFrontend(Actor):
     on_failure = "escalate"
 
     def __init__(self, server: OpenAIServer, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
-                 refresh_from: TlsFiles | None = None, uds: str | None = None) -> None:
+                 refresh_from: TlsFiles | None = None, uds: str | None = None,
+                 sockets: list[socket.socket] | None = None) -> None:
         """``ssl_context``: serve HTTPS with it; ``refresh_from``: load these files into it again
         whenever they change (--enable-ssl-refresh); ``uds``: listen on this Unix socket instead
-        of host and port (vLLM's --uds)."""
+        of host and port (vLLM's --uds); ``sockets``: accept on these listening sockets, another
+        API server's (--api-server-count), instead of listening."""
+        self.sockets = sockets
         self.server = server
         self.host = host
         self.port = port
@@ -51,6 +55,7 @@ class HttpFrontend(Actor):
         self.refresh_from = refresh_from
         self.refreshing: asyncio.Future | None = None
         self.runner: web.AppRunner | None = None
+        self.site: web.BaseSite | None = None
 
     async def started(self) -> None:
         # handler_cancellation: a client that disconnects cancels its handler, whose
@@ -60,15 +65,25 @@ class HttpFrontend(Actor):
                                     handler_cancellation=True,
                                     **({"keepalive_timeout": keep_alive} if keep_alive is not None else {}))
         await self.runner.setup()
+        if self.sockets is not None:
+            for sock in self.sockets:
+                await web.SockSite(self.runner, sock, ssl_context=self.ssl_context).start()
+            return
         if self.uds:
             site: web.BaseSite = web.UnixSite(self.runner, self.uds, ssl_context=self.ssl_context)
         else:
             site = web.TCPSite(self.runner, self.host, self.port, ssl_context=self.ssl_context)
         await site.start()
+        self.site = site
         if self.port == 0 and not self.uds:
             self.port = self.runner.addresses[0][1]
         if self.ssl_context is not None and self.refresh_from is not None:
             self.refreshing = asyncio.ensure_future(self.refresh_from.refresh(self.ssl_context))
+
+    def listening_sockets(self) -> list[Any]:
+        """The sockets this server accepts on (each a file descriptor other API servers may share)."""
+        server = getattr(self.site, "_server", None)
+        return list(server.sockets) if server is not None else []
 
     async def receive(self, msg: HttpFrontendProtocol) -> Any:
         return ServerAddress(self.host, self.port, "https" if self.ssl_context is not None else "http",
@@ -79,6 +94,6 @@ class HttpFrontend(Actor):
             self.refreshing.cancel()
         if self.runner is not None:
             await self.runner.cleanup()
-        if self.uds:
+        if self.uds and self.sockets is None:
             with contextlib.suppress(OSError):
                 os.unlink(self.uds)

@@ -31,6 +31,7 @@ from actors.frontend.telemetry import Telemetry
 from actors.runtime import otel
 from actors.frontend.protocol import BadRequest, GenerationRequest, ServerDefaults, decode_body
 from actors.frontend.reasoning import REASONING_PARSERS
+from actors.frontend.stats import EngineStats
 from actors.grammar.actor import InvalidGrammar
 from actors.runtime import RemoteError, faults
 from actors.runtime.faults import InjectFault
@@ -105,6 +106,7 @@ class OpenAIServer:
         self.vocab_size = 0
         self.request_defaults = ServerDefaults()
         self.responses = responses.ResponseStore()     # for GET /v1/responses/{id} and previous_response_id
+        self.shared: Any = None       # with several API servers (api_servers.SharedState): what they share
         self.server_load = 0             # generation requests being answered (GET /load)
         self.anthropic_merge_system: bool | None = None   # the template takes one leading system message only
         self.has_text = True             # False: --skip-tokenizer-init (token ids in and out, no text)
@@ -113,6 +115,30 @@ class OpenAIServer:
         self.reasoning_parser = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
         if client is not None:
             self.attach(client)
+
+    # -- stored responses (with several API servers, API server 0's store) ----------------------
+    def keep_response(self, rid: str, stored: responses.Stored) -> None:
+        if self.shared is not None and self.shared.remote:
+            self.shared.keep_response(rid, stored)
+        else:
+            self.responses.put(rid, stored)
+
+    async def stored_response(self, rid: str) -> responses.Stored | None:
+        if self.shared is not None and self.shared.remote:
+            return await self.shared.fetch_response(rid)
+        return self.responses.get(rid)
+
+    async def forget_response(self, rid: str) -> bool:
+        if self.shared is not None and self.shared.remote:
+            return await self.shared.forget_response(rid)
+        return self.responses.delete(rid)
+
+    async def metrics_stats(self) -> EngineStats:
+        """The stats /metrics shows: with several API servers, every one's requests added up."""
+        client = self.engine()
+        if self.shared is None:
+            return client.stats
+        return client.stats.with_requests_of(await self.shared.others_request_stats(), client.num_open)
 
     def attach(self, client: EngineClient) -> None:
         """Serve with ``client``; ValueError when --reasoning-parser does not fit its model."""

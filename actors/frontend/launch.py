@@ -60,6 +60,7 @@ from actors.frontend.reasoning import resolve_reasoning
 from transport.zmq_channel import ZmqTransport, endpoint
 
 if TYPE_CHECKING:
+    from actors.frontend.api_servers import ApiServers
     from actors.frontend.headless import RemoteEngineHandle, RemoteEngines
 
 log = logging.getLogger("troupe.launch")
@@ -88,6 +89,8 @@ class Frontend:
         self.remote: RemoteEngines | None = None      # engine cores of headless machines
         self.telemetry: Telemetry | None = None      # with start(telemetry=True)
         self.request_tracer: RequestTracer | None = None   # --otlp-traces-endpoint: requests' spans
+        self.engines: list[_Engine] = []            # the served engine cores' actors, by served rank
+        self.api_servers: ApiServers | None = None  # --api-server-count above 1: the other API servers
 
     def engine_exited(self, child: ChildProcess | RayChild, dp_rank: int = 0) -> None:
         """An engine process is gone: fail what it had in flight at once (with one engine core,
@@ -101,6 +104,8 @@ class Frontend:
         log.error("%s", reason)
         if self.client is None:                # died while starting: start() reports it
             return
+        if self.api_servers is not None:
+            self.api_servers.engine_down(dp_rank, reason)
         self._down.add(dp_rank)
         self.client.stats.engine_down(dp_rank)
         if self.router is None:
@@ -126,6 +131,8 @@ class Frontend:
         if self.router is not None:
             self.router.tell(EngineUp(dp_rank))
         self.client.mark_alive()
+        if self.api_servers is not None:
+            await self.api_servers.engine_up(dp_rank)
 
     async def inject_fault(self, fault: InjectFault) -> bool:
         """Arm ``fault`` in the process it names (this one, the engine's or the worker's)."""
@@ -136,25 +143,11 @@ class Frontend:
         """Load the model (in the engine's and worker's processes when the config is
         multiprocess), then start the tokenizer and detokenizer actors (and, with ``telemetry``,
         the collector of every process's trace records for the dashboard); sets ``client``."""
-        source = config.model.tokenizer
         interval = log_interval()            # a bad VLLM_LOG_STATS_INTERVAL fails the start, not later
         self.node.tracer.enabled = config.observability.trace
         if config.observability.flight_recorder_dir:
             system_actor(self.node).flight_dir = config.observability.flight_recorder_dir
-        tokenizer: TextTokenizer | TokenIdsOnly | None = None      # --skip-tokenizer-init: once the model is known
-        if config.model.skip_tokenizer_init:
-            if config.model.chat_template is not None:
-                raise ValueError("--chat-template cannot be used with --skip-tokenizer-init: there is no "
-                                 "tokenizer to render a chat with")
-        else:
-            tokenizer = TextTokenizer.from_source(source.kind, source.path)
-            if config.model.chat_template is not None:
-                tokenizer.set_chat_template(config.model.chat_template)
-            tokenizer.content_format = config.model.chat_template_content_format
-            if tokenizer.chat_template:
-                found = tokenizer.content_format_of(tokenizer.chat_template)
-                log.info("chat template content format: %s%s", found, " (detected; "
-                         "--chat-template-content-format sets it)" if tokenizer.content_format == "auto" else "")
+        tokenizer = load_tokenizer(config)
         config = with_reasoning_resolved(config, tokenizer)
         served = config.parallel.served_ranks
         self._restarts = RestartBudget(config.parallel.max_restarts * len(served), config.parallel.restart_window_s)
@@ -165,57 +158,16 @@ class Frontend:
         local = config.parallel.local_ranks
         engines = await asyncio.gather(*(_start_engine(self, config, ready_timeout, r) if r in local
                                          else self.remote.engine(r, ready_timeout) for r in served))
-        engine = engines[0]
-        config = engine.config                          # resolved by the worker
-        arch = config.model.arch
-        if tokenizer is None:
-            tokenizer = TokenIdsOnly(arch.vocab_size, arch.eos_token_ids)
-            log.info("no tokenizer loaded (--skip-tokenizer-init): prompts and answers are token ids")
-        if config.model.tokenizer_source is not None and arch is not None and tokenizer.vocab_size > arch.vocab_size:
-            raise ValueError(f"--tokenizer {config.model.tokenizer_source.served_name!r}: its vocabulary "
-                             f"({tokenizer.vocab_size} tokens) does not fit the model's ({arch.vocab_size})")
-        streams = OutputStreams()
-        cache = config.cache
-        stats = EngineStats(model=config.model.served_model_name, max_model_len=config.model.max_model_len,
-                            cache_info=cache_config_info(cache.block_size, cache.cache_dtype,
-                                                         cache.enable_prefix_caching,
-                                                         cache.gpu_memory_utilization, cache.num_blocks),
-                            kv_cache={"dtype": cache.cache_dtype, "num_blocks": cache.num_blocks,
-                                      "block_size": cache.block_size,
-                                      "num_tokens": cache.num_blocks * cache.block_size,
-                                      "calculate_kv_scales": cache.calculate_kv_scales},
-                            custom_buckets=config.observability.custom_histogram_buckets,
-                            watermark_requests=(dict.fromkeys(("watermarked", "skipped", "not_watermarked"), 0)
-                                                if config.watermark is not None else None),
-                            mfu=config.observability.enable_mfu_metrics, engine=served[0])
-        waiting = WaitingRequests(config.scheduler.max_waiting_requests, config.scheduler.max_waiting_tokens)
-        scheduler = engine.scheduler            # where requests and aborts go
-        if len(served) > 1:
-            detok_ref = self.node.ref(topology.DETOKENIZER)
-            self.router = scheduler = self.node.spawn(topology.DP_ROUTER, lambda: DataParallelRouter(
-                [e.scheduler for e in engines], stats, streams, detok_ref, cache.block_size, list(served)))
+        config = engines[0].config                          # resolved by the worker
         endpoint = config.observability.otlp_traces_endpoint
         if endpoint is not None and self.request_tracer is None:
             obs = config.observability
             self.request_tracer = RequestTracer(endpoint, config.model.served_model_name,
                                                 obs.collect_model_forward_time, obs.collect_model_execute_time)
             log.info("OpenTelemetry: each request's span goes to %s", endpoint)
-        tracer = self.request_tracer
-        spec, level = config.speculative, config.observability.per_request_spec_decode_metrics
-        spec_metrics = (spec.num_speculative_tokens, level) if spec is not None and level != "none" else None
-        detok = self.node.spawn(topology.DETOKENIZER, lambda: DetokenizerActor(
-            tokenizer, streams, stats, scheduler, waiting, tracer, spec_metrics))
-
-        def count_prompt_tokens(n: int) -> None:
-            stats.prompt_tokens += n
-
-        tok = self.node.spawn(topology.TOKENIZER, lambda: TokenizerActor(
-            tokenizer, config.model.max_model_len, list(config.model.arch.eos_token_ids), detok,
-            scheduler, waiting, count_prompt_tokens, config.model.max_logprobs, config.model.arch.vocab_size,
-            config.model.arch.hidden_size if config.model.enable_prompt_embeds else None,
-            config.model.reasoning is not None and config.model.reasoning.resolved))
-        self.client = EngineClient(config, tokenizer, tok, detok, scheduler, [e.kv_manager for e in engines],
-                                   engine.grammar, streams, stats, waiting)
+        self.engines = list(engines)
+        self.client, self.router = client_actors(self.node, config, tokenizer, self.engines, self.request_tracer)
+        stats = self.client.stats
         if config.observability.log_stats and topology.STAT_LOGGER not in self.node.cells:
             lines = StatLines(stats, config.device.device)
             self.node.spawn(topology.STAT_LOGGER, lambda: StatLoggerActor(lines, interval))
@@ -279,6 +231,8 @@ class Frontend:
 
     async def shutdown(self) -> None:
         self.stopping = True
+        if self.api_servers is not None:
+            await self.api_servers.stop()
         if self.remote is not None:
             await self.remote.stop_hosts()
         await asyncio.gather(*(p.stop() for p in self.engine_processes.values()))
@@ -386,6 +340,80 @@ def engine_spec(config: EngineConfig, dp_rank: int, ipc_dir: str, parent: str, p
     return NodeSpec(topology.engine_node(dp_rank), "actors.engine.core:engine_entry", payload, ipc_dir,
                     parent, peers, trace=config.observability.trace,
                     flight_dir=config.observability.flight_recorder_dir, bind=bind)
+
+
+def load_tokenizer(config: EngineConfig) -> TextTokenizer | None:
+    """The model's tokenizer with the config's chat template (None with --skip-tokenizer-init:
+    ``client_actors`` makes the token-ids-only stand-in once the model is known)."""
+    if config.model.skip_tokenizer_init:
+        if config.model.chat_template is not None:
+            raise ValueError("--chat-template cannot be used with --skip-tokenizer-init: there is no "
+                             "tokenizer to render a chat with")
+        return None
+    source = config.model.tokenizer
+    tokenizer = TextTokenizer.from_source(source.kind, source.path)
+    if config.model.chat_template is not None:
+        tokenizer.set_chat_template(config.model.chat_template)
+    tokenizer.content_format = config.model.chat_template_content_format
+    if tokenizer.chat_template:
+        found = tokenizer.content_format_of(tokenizer.chat_template)
+        log.info("chat template content format: %s%s", found, " (detected; "
+                 "--chat-template-content-format sets it)" if tokenizer.content_format == "auto" else "")
+    return tokenizer
+
+
+def client_actors(node: Node, config: EngineConfig, tokenizer: TextTokenizer | TokenIdsOnly | None,
+                  engines: list[_Engine], tracer: RequestTracer | None,
+                  client_index: int = 0) -> tuple[EngineClient, ActorRef | None]:
+    """An API server's side of the engine cores ``engines`` (``config``: resolved): its tokenizer
+    and detokenizer actors, with several engine cores the router before them, and the
+    EngineClient over them; returns the client and the router (None with one engine core).
+    ``client_index``: the API server's (--api-server-count), on its requests."""
+    arch = config.model.arch
+    if tokenizer is None:
+        tokenizer = TokenIdsOnly(arch.vocab_size, arch.eos_token_ids)
+        log.info("no tokenizer loaded (--skip-tokenizer-init): prompts and answers are token ids")
+    if config.model.tokenizer_source is not None and arch is not None and tokenizer.vocab_size > arch.vocab_size:
+        raise ValueError(f"--tokenizer {config.model.tokenizer_source.served_name!r}: its vocabulary "
+                         f"({tokenizer.vocab_size} tokens) does not fit the model's ({arch.vocab_size})")
+    served = config.parallel.served_ranks
+    streams = OutputStreams()
+    cache = config.cache
+    stats = EngineStats(model=config.model.served_model_name, max_model_len=config.model.max_model_len,
+                        cache_info=cache_config_info(cache.block_size, cache.cache_dtype,
+                                                     cache.enable_prefix_caching,
+                                                     cache.gpu_memory_utilization, cache.num_blocks),
+                        kv_cache={"dtype": cache.cache_dtype, "num_blocks": cache.num_blocks,
+                                  "block_size": cache.block_size,
+                                  "num_tokens": cache.num_blocks * cache.block_size,
+                                  "calculate_kv_scales": cache.calculate_kv_scales},
+                        custom_buckets=config.observability.custom_histogram_buckets,
+                        watermark_requests=(dict.fromkeys(("watermarked", "skipped", "not_watermarked"), 0)
+                                            if config.watermark is not None else None),
+                        mfu=config.observability.enable_mfu_metrics, engine=served[0], api_server=client_index)
+    waiting = WaitingRequests(config.scheduler.max_waiting_requests, config.scheduler.max_waiting_tokens)
+    scheduler = engines[0].scheduler            # where requests and aborts go
+    router = None
+    if len(served) > 1:
+        detok_ref = node.ref(topology.DETOKENIZER)
+        router = scheduler = node.spawn(topology.DP_ROUTER, lambda: DataParallelRouter(
+            [e.scheduler for e in engines], stats, streams, detok_ref, cache.block_size, list(served)))
+    spec, level = config.speculative, config.observability.per_request_spec_decode_metrics
+    spec_metrics = (spec.num_speculative_tokens, level) if spec is not None and level != "none" else None
+    detok = node.spawn(topology.DETOKENIZER, lambda: DetokenizerActor(
+        tokenizer, streams, stats, scheduler, waiting, tracer, spec_metrics))
+
+    def count_prompt_tokens(n: int) -> None:
+        stats.prompt_tokens += n
+
+    tok = node.spawn(topology.TOKENIZER, lambda: TokenizerActor(
+        tokenizer, config.model.max_model_len, list(arch.eos_token_ids), detok,
+        scheduler, waiting, count_prompt_tokens, config.model.max_logprobs, arch.vocab_size,
+        arch.hidden_size if config.model.enable_prompt_embeds else None,
+        config.model.reasoning is not None and config.model.reasoning.resolved, client_index))
+    client = EngineClient(config, tokenizer, tok, detok, scheduler, [e.kv_manager for e in engines],
+                          engines[0].grammar, streams, stats, waiting)
+    return client, router
 
 
 def with_reasoning_resolved(config: EngineConfig, tokenizer: TextTokenizer | TokenIdsOnly | None) -> EngineConfig:

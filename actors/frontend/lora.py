@@ -20,6 +20,7 @@ from models.lora import InvalidAdapter
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
+    from actors.frontend.client import EngineClient
 
 log = logging.getLogger("troupe.http")
 
@@ -59,8 +60,36 @@ def _decode(body: bytes, typ: type) -> msgspec.Struct:
 
 
 async def load_lora_adapter(server: OpenAIServer, request: web.Request) -> web.Response:
-    client = server.engine()
-    req = _decode(await request.read(), LoadLoRAAdapterRequest)
+    return await _change(server, True, await request.read())
+
+
+async def unload_lora_adapter(server: OpenAIServer, request: web.Request) -> web.Response:
+    return await _change(server, False, await request.read())
+
+
+async def _change(server: OpenAIServer, load: bool, body: bytes) -> web.Response:
+    """Applied here, or with several API servers (--api-server-count) by API server 0, whose
+    registry every API server then serves."""
+    shared = server.shared
+    if shared is not None and shared.remote:
+        return await shared.change_lora(load, body, server)
+    response = apply_lora_change(server.engine(), load, body)
+    if shared is not None:
+        shared.lora_changed(server)
+    return response
+
+
+def apply_lora_change(client: EngineClient, load: bool, body: bytes) -> web.Response:
+    """A load (``load``) or unload request's body applied to ``client``'s adapters: the success
+    answer, or ApiError with vLLM's error (nothing changed then)."""
+    if not load:
+        unload = _decode(body, UnloadLoRAAdapterRequest)
+        if not unload.lora_name:
+            raise bad_request("'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
+        if not client.remove_lora(unload.lora_name):
+            raise not_found(f"The lora adapter '{unload.lora_name}' cannot be found.", "lora_name")
+        return web.Response(text=f"Success: LoRA adapter '{unload.lora_name}' removed successfully.")
+    req = _decode(body, LoadLoRAAdapterRequest)
     if not req.lora_name or not req.lora_path:
         raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
     if req.lora_name in client.lora_requests and not req.load_inplace:
@@ -75,13 +104,3 @@ async def load_lora_adapter(server: OpenAIServer, request: web.Request) -> web.R
             client.lora_requests[req.lora_name] = previous
         raise bad_request(str(exc), "lora_path") from None
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
-
-
-async def unload_lora_adapter(server: OpenAIServer, request: web.Request) -> web.Response:
-    client = server.engine()
-    req = _decode(await request.read(), UnloadLoRAAdapterRequest)
-    if not req.lora_name:
-        raise bad_request("'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
-    if not client.remove_lora(req.lora_name):
-        raise not_found(f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name")
-    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

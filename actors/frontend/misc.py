@@ -91,7 +91,7 @@ async def get_version(server: OpenAIServer, request: web.Request) -> web.Respons
 
 async def metrics(server: OpenAIServer, request: web.Request) -> web.Response:
     """Prometheus text: vLLM's metric names under the --metrics-prefix prefixes."""
-    return web.Response(text=server.engine().stats.prometheus(server.options.metrics_prefixes),
+    return web.Response(text=(await server.metrics_stats()).prometheus(server.options.metrics_prefixes),
                         content_type="text/plain")
 
 

@@ -304,7 +304,7 @@ class ResponseAnswer:
 
     def _keep(self, body: dict[str, Any], message: dict[str, Any]) -> None:
         if self.req.store is not False:
-            self.server.responses.put(self.id, Stored(body, self.conversation, [message]))
+            self.server.keep_response(self.id, Stored(body, self.conversation, [message]))
 
     async def complete(self) -> web.Response:
         """The whole response object once generated, or the error response in its place."""
@@ -488,7 +488,7 @@ async def start_response(server: OpenAIServer, req: ResponsesRequest, arrival: f
     req.check()
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        prior = server.responses.get(req.previous_response_id)
+        prior = await server.stored_response(req.previous_response_id)
         if prior is None:
             raise not_found(f"Previous response with id '{req.previous_response_id}' not found.",
                             "previous_response_id")
@@ -503,7 +503,7 @@ async def start_response(server: OpenAIServer, req: ResponsesRequest, arrival: f
 
 async def retrieve_response(server: OpenAIServer, request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
-    stored = server.responses.get(rid)
+    stored = await server.stored_response(rid)
     if stored is None:
         raise not_found(f"Response with id '{rid}' not found.", "response_id")
     return web.Response(body=json_encoder.encode(stored.body), content_type="application/json")
@@ -512,7 +512,7 @@ async def retrieve_response(server: OpenAIServer, request: web.Request) -> web.R
 async def delete_response(server: OpenAIServer, request: web.Request) -> web.Response:
     """OpenAI's DELETE: the stored response is forgotten (a later previous_response_id naming it is a 404)."""
     rid = request.match_info["response_id"]
-    if not server.responses.delete(rid):
+    if not await server.forget_response(rid):
         raise not_found(f"Response with id '{rid}' not found.", "response_id")
     return web.Response(body=json_encoder.encode({"id": rid, "object": "response", "deleted": True}),
                         content_type="application/json")
@@ -521,7 +521,7 @@ async def delete_response(server: OpenAIServer, request: web.Request) -> web.Res
 async def cancel_response(server: OpenAIServer, request: web.Request) -> web.Response:
     """Only a background response can be cancelled, and this server runs none."""
     rid = request.match_info["response_id"]
-    if server.responses.get(rid) is None:
+    if await server.stored_response(rid) is None:
         raise not_found(f"Response with id '{rid}' not found.", "response_id")
     raise BadRequest("Only background responses can be cancelled (this server answers each request while it "
                      "runs).", "response_id")

@@ -7,6 +7,7 @@ written under the ``vllm:`` prefix (so dashboards made for vLLM work unchanged) 
 ``troupe:``; Troupe's own metrics under ``troupe:`` only. --metrics-prefix picks the prefixes."""
 from __future__ import annotations
 
+import copy
 import math
 import re
 import time
@@ -105,6 +106,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("kv_block_reuse_gap_seconds", "histogram",
            "Time between a sampled KV cache block's last prefix-cache reuses (--kv-cache-metrics)."),
     Metric("max_batch_size", "gauge", "Most requests served by one engine step.", vllm=False),
+    Metric("api_server_requests_total", "counter", "Finished requests by the API server that took them (only with "
+           "--api-server-count above 1).", vllm=False, labels="api_server"),
+    Metric("api_server_requests_open", "gauge", "Requests each API server has open now (only with "
+           "--api-server-count above 1).", vllm=False, labels="api_server"),
     Metric("batch_size", "histogram", "Requests served per engine step.", vllm=False),
     Metric("engine_busy_seconds_total", "counter", "Wall time of back-to-back engine step cycles.", vllm=False),
     Metric("engine_compute_seconds_total", "counter",
@@ -253,6 +258,10 @@ class EngineStats:
     watermark_requests: dict[str, int] | None = None
     mfu: bool = False                    # --enable-mfu-metrics: the estimated_* counters are shown
     engine: int = 0                      # the rank labelled when one engine core is served (external load balancing: its own)
+    api_server: int = 0                  # this API server's index (--api-server-count)
+    # with several API servers, in the copy /metrics shows: finished requests by API server
+    api_server_requests: dict[int, int] = field(default_factory=dict)
+    api_server_open: dict[int, int] = field(default_factory=dict)     # and their requests open now
 
     def __post_init__(self) -> None:
         buckets = build_1_2_5_buckets(max(self.max_model_len, 1))
@@ -364,6 +373,9 @@ class EngineStats:
                     for e, es in sorted(self.engines.items())]
         if m.name in scalars:
             return [f"{name}{{{labels}}} {scalars[m.name]}"]
+        if m.name.startswith("api_server_requests_"):
+            counts = self.api_server_requests if m.name.endswith("_total") else self.api_server_open
+            return [f'{name}{{{labels},api_server="{i}"}} {n}' for i, n in sorted(counts.items())]
         if m.name == "watermark_requests_total":
             return [f'{name}{{{labels},status="{s}"}} {n}' for s, n in (self.watermark_requests or {}).items()]
         if m.name == "request_success_total":
@@ -403,6 +415,44 @@ class EngineStats:
             "kv_block_reuse_gap_seconds": self.kv_block_reuse_gap,
         }[name]
 
+    # -- several API servers (--api-server-count) ------------------------------------------------
+    def request_stats(self, open_requests: int = 0) -> RequestStats:
+        """What this API server counted of its own requests (the engine cores' stats reach every
+        API server alike; these are each one's own); ``open_requests``: how many it has open."""
+        return RequestStats(self.api_server, open_requests, {name: getattr(self, name) for name in REQUEST_COUNTERS},
+                            dict(self.requests_finished),
+                            dict(self.watermark_requests) if self.watermark_requests is not None else None,
+                            {name: (list(getattr(self, name).counts), getattr(self, name).sum)
+                             for name in REQUEST_HISTOGRAMS})
+
+    def with_requests_of(self, others: list[RequestStats], open_requests: int = 0) -> EngineStats:
+        """A copy whose request counters and histograms add ``others``' (the other API servers');
+        ``open_requests``: this one's open now."""
+        out = copy.copy(self)
+        out.api_server_requests = {self.api_server: sum(self.requests_finished.values()),
+                                   **{o.index: sum(o.finished.values()) for o in others}}
+        out.api_server_open = {self.api_server: open_requests, **{o.index: o.open for o in others}}
+        out.requests_finished = dict(self.requests_finished)
+        out.watermark_requests = dict(self.watermark_requests) if self.watermark_requests is not None else None
+        for name in REQUEST_HISTOGRAMS:
+            mine = getattr(self, name)
+            setattr(out, name, Histogram(mine.buckets))
+            getattr(out, name).counts, getattr(out, name).sum = list(mine.counts), mine.sum
+        for other in others:
+            for name, value in other.counters.items():
+                setattr(out, name, getattr(out, name) + value)
+            for reason, n in other.finished.items():
+                out.requests_finished[reason] = out.requests_finished.get(reason, 0) + n
+            if out.watermark_requests is not None and other.watermark is not None:
+                for status, n in other.watermark.items():
+                    out.watermark_requests[status] = out.watermark_requests.get(status, 0) + n
+            for name, (counts, total) in other.histograms.items():
+                h = getattr(out, name)
+                if len(counts) == len(h.counts):
+                    h.counts = [a + b for a, b in zip(h.counts, counts)]
+                    h.sum += total
+        return out
+
     def prometheus(self, prefixes: tuple[str, ...] = PREFIXES) -> str:
         """Every metric of ``METRICS`` under each prefix (``vllm``: those vLLM has)."""
         return "\n".join(self._lines(prefixes)) + "\n"
@@ -413,12 +463,32 @@ class EngineStats:
             for m in METRICS:
                 if ((prefix == "vllm" and not m.vllm) or (m.name == "watermark_requests_total"
                                                           and self.watermark_requests is None)
+                        or (m.name.startswith("api_server_requests_") and not self.api_server_requests)
                         or (m.name.startswith("estimated_") and not self.mfu)):
                     continue
                 name = f"{prefix}:{m.name}"
                 yield f"# HELP {name} {m.help}"
                 yield f"# TYPE {name} {m.kind}"
                 yield from self._samples(m, name, labels)
+
+
+# what each API server counts of its own requests (--api-server-count: /metrics adds them up)
+REQUEST_COUNTERS = ("prompt_tokens", "generation_tokens")
+REQUEST_HISTOGRAMS = ("time_to_first_token", "inter_token_latency", "request_time_per_output_token",
+                      "e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
+                      "request_inference_time", "request_params_n", "request_prompt_tokens",
+                      "request_generation_tokens", "request_max_num_generation_tokens", "request_params_max_tokens")
+
+
+class RequestStats(msgspec.Struct, array_like=True):
+    """One API server's (``index``) request counters, finish reasons, watermark statuses and
+    histograms (bucket counts, sum)."""
+    index: int
+    open: int                          # requests open now
+    counters: dict[str, int]
+    finished: dict[str, int]
+    watermark: dict[str, int] | None
+    histograms: dict[str, tuple[list[int], float]]
 
 
 # the gauges and counters sampled per engine core when there are several (label engine="i")

@@ -236,9 +236,10 @@ def system_actor(node: Node) -> SystemActor:
 
 async def start_child(node: Node, spec: NodeSpec, *, ready_timeout: float = 600.0,
                       on_exit: Callable[[ChildProcess], None] | None = None,
-                      env: dict[str, str] | None = None) -> tuple[ChildProcess, NodeReady]:
+                      env: dict[str, str] | None = None, fds: tuple[int, ...] = ()) -> tuple[ChildProcess, NodeReady]:
     """Start a child node and wait until it is ready. Raises ChildStartError if it dies or
-    times out first (the child is then killed)."""
+    times out first (the child is then killed). ``fds``: file descriptors the child inherits
+    under the same numbers (another API server's listening sockets)."""
     waiter = system_actor(node).expect_ready(spec.name)
     if not spec.bind:
         # a socket of this process's own: a process of the same name that outlives its start (a
@@ -260,7 +261,7 @@ async def start_child(node: Node, spec: NodeSpec, *, ready_timeout: float = 600.
                  SPEC_ENV: base64.b64encode(msgspec.msgpack.encode(spec)).decode()}
     popen = subprocess.Popen(
         [sys.executable, "-m", "actors.runtime.child", spec.name],
-        pass_fds=(death_r, beats_w), env=child_env)
+        pass_fds=(death_r, beats_w, *fds), env=child_env)
     os.close(death_r)
     os.close(beats_w)
     child = ChildProcess(node, spec, popen, death_w, beats_r, on_exit)

@@ -31,6 +31,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from actors.topology import DETOKENIZER
 from actors.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput,
                                     SchedulerOutput)
 from actors.engine.sampling_params import StructuredOutputsParams
@@ -62,6 +63,21 @@ class RemoveLoRA(Msg):
 
 class Step(Msg):
     pass
+
+
+class ConnectClient(Msg):
+    """API server ``client_index`` (--api-server-count) is node ``node`` at ``address``: the
+    outputs of its requests go to its detokenizer."""
+    client_index: int
+    node: str
+    address: str
+
+
+class ClientGone(Msg):
+    """API server ``client_index`` is gone (``reason``): its requests are aborted, their outputs dropped."""
+    lane: ClassVar[str] = "system"
+    client_index: int
+    reason: str
 
 
 class GrammarReady(Msg):
@@ -133,7 +149,7 @@ class ProfileEngine(Msg):
 
 
 SchedulerProtocol = (AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady | RemoveLoRA
-                     | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine
+                     | ConnectClient | ClientGone | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine
                      | WorkerRPC)
 
 STEP_TIMEOUT_S = 600.0
@@ -172,6 +188,10 @@ class SchedulerActor(Actor):
         self.engine_index = engine_index     # this engine core's data-parallel rank, on its outputs
         self.executor = executor
         self.outputs = outputs
+        # where outputs go, by API server (--api-server-count; 0: the frontend's), and the API
+        # server of each open request of the others
+        self.clients: dict[int, ActorRef] = {0: outputs}
+        self._client_of: dict[str, int] = {}
         self.grammar = grammar
         self._tasks: set[asyncio.Task[None]] = set()      # grammar compiles under way
         self.generation = generation
@@ -214,6 +234,12 @@ class SchedulerActor(Actor):
         match msg:
             case AddRequest(request=r):
                 self.ctx.link((r.request_id,))
+                if r.client_index:
+                    if r.client_index not in self.clients:
+                        log.warning("request %s dropped: API server %d is not connected", r.request_id,
+                                    r.client_index)
+                        return None
+                    self._client_of[r.request_id] = r.client_index
                 if r.request_id in self._early_aborts:     # its abort came first
                     del self._early_aborts[r.request_id]
                     self._emit([EngineCoreOutput(r.request_id, [], "abort")])
@@ -244,6 +270,12 @@ class SchedulerActor(Actor):
                 self._kick()
             case RemoveLoRA(lora_int_id=lora_id):
                 self.core.removed_lora_ids.append(lora_id)
+            case ConnectClient(client_index=c, node=name, address=address):
+                self.ctx.node.connect(name, address)
+                self.clients[c] = self.ctx.node.ref(DETOKENIZER, name, EngineCoreOutputs)
+                log.info("API server %d connected (node '%s')", c, name)
+            case ClientGone(client_index=c, reason=reason):
+                self._client_gone(c, reason)
             case Step():
                 self._step_queued = False
                 await self._step()
@@ -444,5 +476,35 @@ class SchedulerActor(Actor):
         self._last_step_start = now
 
     def _emit(self, outs: list[EngineCoreOutput]) -> None:
+        """The outputs to the API servers of their requests, with the stats (to every API server:
+        each one's router and gauges read them)."""
         self._last_emit = time.monotonic()
-        self.outputs.tell(EngineCoreOutputs(outs, self.core.stats(), self.engine_index))
+        if len(self.clients) == 1:
+            self.outputs.tell(EngineCoreOutputs(outs, self.core.stats(), self.engine_index))
+            return
+        by_client: dict[int, list[EngineCoreOutput]] = {c: [] for c in self.clients}
+        for o in outs:
+            c = (self._client_of.pop(o.request_id, 0) if o.finish_reason is not None
+                 else self._client_of.get(o.request_id, 0))
+            if c in by_client:
+                by_client[c].append(o)
+        stats = self.core.stats()
+        for c, ref in list(self.clients.items()):
+            try:
+                ref.tell(EngineCoreOutputs(by_client[c], stats, self.engine_index))
+            except ActorDied as exc:
+                if c == 0:
+                    raise
+                self._client_gone(c, str(exc))
+
+    def _client_gone(self, c: int, reason: str) -> None:
+        """API server ``c`` is gone: nobody reads its requests' outputs; they are aborted."""
+        if c == 0 or self.clients.pop(c, None) is None:
+            return
+        ids = [rid for rid, owner in self._client_of.items() if owner == c]
+        for rid in ids:
+            del self._client_of[rid]
+        log.warning("API server %d is gone (%s): %d of its requests aborted", c, reason, len(ids))
+        if ids:
+            self.core.abort_requests(ids)
+            self._kick()

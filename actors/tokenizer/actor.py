@@ -82,10 +82,13 @@ class TokenizerActor(Actor):
                  detokenizer: ActorRef, engine: ActorRef, waiting: WaitingRequests,
                  on_prompt_tokens: Callable[[int], None] | None = None,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS, logits_size: int | None = None,
-                 embeds_hidden_size: int | None = None, thinking_budgets: bool = False) -> None:
+                 embeds_hidden_size: int | None = None, thinking_budgets: bool = False,
+                 client_index: int = 0) -> None:
         """``embeds_hidden_size``: with --enable-prompt-embeds, the rows prompt embeddings must have
         (None: such prompts are refused). ``thinking_budgets``: the engine has a resolved reasoning
-        config (else a request's thinking_token_budget is refused)."""
+        config (else a request's thinking_token_budget is refused). ``client_index``: this API
+        server's (--api-server-count), on each request so its outputs come back here."""
+        self.client_index = client_index
         self.thinking_budgets = thinking_budgets
         self.tokenizer = tokenizer
         self.embeds_hidden_size = embeds_hidden_size
@@ -158,7 +161,7 @@ class TokenizerActor(Actor):
                                            msg.trace_headers))
         self.engine.tell(AddRequest(EngineCoreRequest(
             msg.request_id, ids, params, arrival, self.eos_token_ids, msg.priority, msg.cache_salt,
-            msg.lora_request, embeds)))
+            msg.lora_request, embeds, self.client_index)))
         if self.on_prompt_tokens is not None:
             self.on_prompt_tokens(n)
         return PromptAccepted(n, shown)

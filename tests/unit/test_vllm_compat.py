@@ -17,7 +17,7 @@ from actors.engine.args import EngineArgs, load_sampling_defaults
 from actors.engine.config import CPU_KV_CACHE_BYTES
 from actors.engine.sampling_params import SamplingDefaults
 from actors.frontend.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, ServerDefaults
-from actors.frontend.stats import METRICS, VLLM_METRIC_NAMES, EngineStats, parse_prefixes
+from actors.frontend.stats import METRICS, VLLM_METRIC_NAMES, EngineStats, RequestStats, parse_prefixes
 from actors.worker.gpu_memory import GIB, NotEnoughGpuMemory, kv_cache_bytes_for_gpu
 from models.config import ArchConfig
 from models.resolve import DEFAULT_MODEL, ModelSource
@@ -132,15 +132,13 @@ def test_settings_that_name_what_troupe_does_are_accepted_and_others_refused_nam
                              "--model-impl", "auto", "--config-format", "hf", "--load-format", "gguf",
                              "--api-server-count", "1"])
     EngineArgs.from_cli_args(args).create_engine_config()
-    serve.parse_args(["-asc", "1"])
+    assert serve.parse_args(["-asc", "3"]).api_server_count == 3
     for flag, value in (("--tokenizer-mode", "mistral"), ("--runner", "pooling"), ("--convert", "embed"),
-                        ("--model-impl", "transformers"), ("--config-format", "mistral"),
-                        ("--api-server-count", "4"), ("-asc", "2")):
+                        ("--model-impl", "transformers"), ("--config-format", "mistral")):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args([flag, value])
         line = capsys.readouterr().err.strip()
-        named = "--api-server-count (-asc)" if flag == "-asc" else flag
-        assert exc.value.code == 2 and line.startswith(f"troupe: error: {named} {value} is a vLLM setting")
+        assert exc.value.code == 2 and line.startswith(f"troupe: error: {flag} {value} is a vLLM setting")
     with pytest.raises(ValueError, match="--load-format safetensors: the model's weights are gguf"):
         EngineArgs.from_cli_args(serve.parse_args(["--load-format", "safetensors"])).create_engine_config()
 
@@ -419,13 +417,44 @@ def test_max_logprobs_bounds_chat_top_logprobs_and_completion_logprobs_naming_th
 
 # -- metrics ----------------------------------------------------------------------------------
 
+def test_metrics_add_up_every_api_servers_requests_and_keep_the_engines_once():
+    """--api-server-count: /metrics shows the engine cores' stats once (every API server receives
+    them) and the sum of each API server's request counters, finish reasons and histograms."""
+    mine, other = (EngineStats(model="m", max_model_len=1000, api_server=i) for i in (0, 1))
+    for stats, n in ((mine, 2), (other, 3)):
+        stats.last = msgspec.structs.replace(stats.last, prefix_cache_hits=40, num_running=5)
+        for _ in range(n):
+            stats.observe_finished("length")
+            stats.time_to_first_token.observe(0.03)
+            stats.observe_request(num_prompt_tokens=10, num_generation_tokens=4, max_tokens=None, arrival_time=0.0,
+                                  scheduled_time=0.1, first_token_time=0.2, last_token_time=0.5, now=0.6)
+        stats.prompt_tokens, stats.generation_tokens = 10 * n, 4 * n
+    text = mine.with_requests_of([msgspec.msgpack.decode(msgspec.msgpack.encode(other.request_stats(1)),
+                                                         type=RequestStats)], 4).prometheus(("vllm", "troupe"))
+    labels = 'model_name="m",engine="0"'
+    for line in (f'vllm:prompt_tokens_total{{{labels}}} 50', f'vllm:generation_tokens_total{{{labels}}} 20',
+                 f'vllm:request_success_total{{{labels},finished_reason="length"}} 5',
+                 f'vllm:time_to_first_token_seconds_count{{{labels}}} 5',
+                 f'vllm:e2e_request_latency_seconds_count{{{labels}}} 5',
+                 f'vllm:prefix_cache_hits_total{{{labels}}} 40', f'vllm:num_requests_running{{{labels}}} 5',
+                 f'troupe:api_server_requests_total{{{labels},api_server="0"}} 2',
+                 f'troupe:api_server_requests_total{{{labels},api_server="1"}} 3',
+                 f'troupe:api_server_requests_open{{{labels},api_server="0"}} 4',
+                 f'troupe:api_server_requests_open{{{labels},api_server="1"}} 1'):
+        assert line in text, line
+    assert mine.prompt_tokens == 20 and sum(mine.requests_finished.values()) == 2     # its own stay its own
+
+
 def test_metrics_are_written_under_vllm_and_troupe_prefixes_as_chosen():
     assert "watermark_requests" not in EngineStats(model="m").prometheus()    # vLLM's: only with a watermark
     assert "estimated_flops" not in EngineStats(model="m").prometheus()      # only with --enable-mfu-metrics
     stats = EngineStats(model="my-model", max_model_len=1000,
                         watermark_requests={"watermarked": 2, "skipped": 0, "not_watermarked": 1}, mfu=True)
     stats.last = msgspec.structs.replace(stats.last, spec_num_accepted_tokens_per_pos=[3, 1])
+    assert "api_server_requests" not in stats.prometheus()            # only with several API servers
+    stats = stats.with_requests_of([EngineStats(model="my-model", api_server=1).request_stats(2)], 1)
     both = stats.prometheus()
+    assert 'troupe:api_server_requests_open{model_name="my-model",engine="0",api_server="1"} 2' in both
     assert 'vllm:watermark_requests_total{model_name="my-model",engine="0",status="watermarked"} 2' in both
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="my-model",engine="0",position="1"} 1' in both
     for m in METRICS:

@@ -1,0 +1,447 @@
+"""Several API servers (vLLM's ``--api-server-count N``): N processes accept HTTP connections on
+one listening socket, so the HTTP work, the tokenizing and the detokenizing of a busy server run
+on N event loops.
+
+The frontend node (the process ``troupe serve`` runs) is API server 0: it starts the engine cores,
+then API servers 1 .. N-1 as its child nodes ("api1", ...). Each is handed the listening sockets
+(inherited file descriptors, as vLLM hands its API servers theirs), the resolved config and the
+server's command line, and builds its own tokenizer, detokenizer (with data parallelism its own
+router) and EngineClient (``client_actors``) and HTTP server. Its requests carry its index
+(``client_index``), and each engine core sends their outputs to its detokenizer: API server 0
+connects every engine core to it (``ConnectClient``) before it accepts a connection (``Serve``).
+
+What the API servers share goes through API server 0's ``ApiPeer``:
+  - /metrics, on any of them: the engine cores' metrics (each API server receives them all) with
+    every API server's request counters and histograms added up;
+  - LoRA adapters loaded or unloaded at run time: applied by API server 0 (one numbering of
+    adapter ids), whose registry then goes to every API server;
+  - stored Responses (``store``): kept by API server 0, read and deleted from any.
+An engine core that dies or comes back is told to every API server (``EngineState``); an API
+server that dies has its requests aborted in the engine cores (``ClientGone``) and is started
+again, within the restart budget. A drain (SIGTERM) drains every API server.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
+from aiohttp import web
+
+from actors import topology
+from actors.engine.config import EngineConfig
+from actors.engine.lora import LoRARequest
+from actors.frontend.dp_router import EngineDown, EngineUp
+from actors.frontend.errors import ApiError
+from actors.frontend.launch import (READY_TIMEOUT_S, RESTART_RETRY_AFTER_S, client_actors, engine_refs,
+                                    load_tokenizer)
+from actors.frontend.responses import Stored
+from actors.frontend.stats import RequestStats
+from actors.runtime import Actor, ActorDied, AskTimeout, Msg, Node, RemoteError
+from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, start_child
+from actors.scheduler.actor import ClientGone, ConnectClient
+from transport.zmq_channel import endpoint
+
+if TYPE_CHECKING:
+    import ssl
+
+    from actors.frontend.app import OpenAIServer
+    from actors.frontend.launch import Frontend
+    from actors.frontend.tls import TlsFiles
+
+log = logging.getLogger("troupe.api_servers")
+
+ASK_TIMEOUT_S = 30.0
+STATS_TIMEOUT_S = 5.0         # an API server that does not answer in time is left out of /metrics
+
+
+class ApiServerSpec(msgspec.Struct):
+    """What API server ``index`` starts from (its node's entry payload)."""
+    index: int
+    argv: list[str]                    # the server's command line, parsed there again
+    config: EngineConfig               # resolved by the engine cores
+    fds: list[int]                     # the listening sockets, inherited under these numbers
+    engines: dict[int, str]            # served data-parallel rank -> its engine node
+
+
+# -- API server 0 -> the others ----------------------------------------------------------------
+class Serve(Msg):
+    """The engine cores send your outputs to you now: accept connections. ``loras``: the adapters
+    served; ``down``: the engine cores being restarted."""
+    reply_type: ClassVar[Any] = bool
+    loras: list[LoRARequest]
+    down: list[int] = []
+
+
+class EngineState(Msg):
+    """Engine core ``dp_rank`` is down (``reason``), or up again as node ``node`` at ``address``."""
+    lane: ClassVar[str] = "system"
+    dp_rank: int
+    up: bool
+    reason: str = ""
+    node: str = ""
+    address: str = ""
+
+
+class GetRequestStats(Msg):
+    reply_type: ClassVar[Any] = RequestStats
+
+
+class LoRARegistry(Msg):
+    """The adapters served now (after a load or an unload on any API server)."""
+    loras: list[LoRARequest]
+
+
+class DrainServer(Msg):
+    """Take no new request; let the running ones finish for up to ``timeout`` seconds (then fail
+    them); replies with how many did not finish."""
+    reply_type: ClassVar[Any] = int
+    reason: str
+    timeout: float
+
+
+# -- the others -> API server 0 ----------------------------------------------------------------
+class OthersRequestStats(Msg):
+    """Every API server's request stats but API server ``exclude``'s."""
+    reply_type: ClassVar[Any] = list[RequestStats]
+    exclude: int
+
+
+class LoRAAnswer(msgspec.Struct):
+    """API server 0's HTTP answer to a ChangeLoRA, and the adapters served after it."""
+    status: int
+    body: bytes
+    content_type: str
+    loras: list[LoRARequest]
+
+
+class ChangeLoRA(Msg):
+    """A /v1/load_lora_adapter (``load``) or /v1/unload_lora_adapter body, applied by API server 0."""
+    reply_type: ClassVar[Any] = LoRAAnswer
+    load: bool
+    body: bytes
+
+
+class KeepResponse(Msg):
+    response_id: str
+    stored: Stored
+
+
+class FetchResponse(Msg):
+    reply_type: ClassVar[Any] = Stored | None
+    response_id: str
+
+
+class ForgetResponse(Msg):
+    reply_type: ClassVar[Any] = bool
+    response_id: str
+
+
+ApiPeerProtocol = (Serve | EngineState | GetRequestStats | LoRARegistry | DrainServer | OthersRequestStats
+                   | ChangeLoRA | KeepResponse | FetchResponse | ForgetResponse)
+
+
+class SharedState:
+    """An API server's side of what the API servers share (``OpenAIServer.shared``)."""
+
+    def __init__(self, node: Node, index: int, hub: ApiServers | None = None) -> None:
+        self.node = node
+        self.index = index
+        self.hub = hub                                 # on API server 0
+        self.root = node.ref(topology.API_PEER, topology.FRONTEND_NODE) if index else None
+
+    @property
+    def remote(self) -> bool:
+        """Whether the shared state is another process's (API server 0's)."""
+        return self.root is not None
+
+    async def others_request_stats(self) -> list[RequestStats]:
+        if self.root is not None:
+            try:
+                return await self.root.ask(OthersRequestStats(self.index), timeout=STATS_TIMEOUT_S * 2)
+            except (ActorDied, AskTimeout, RemoteError) as exc:
+                log.warning("/metrics: the other API servers' request stats are missing (%s)", exc)
+                return []
+        return await self.hub.request_stats(exclude=0)
+
+    async def change_lora(self, load: bool, body: bytes, server: OpenAIServer) -> web.Response:
+        answer: LoRAAnswer = await self.root.ask(ChangeLoRA(load, body), timeout=ASK_TIMEOUT_S)
+        set_loras(server, answer.loras)
+        return web.Response(status=answer.status, body=answer.body, content_type=answer.content_type)
+
+    def lora_changed(self, server: OpenAIServer) -> None:
+        """On API server 0: the registry changed; every API server serves the new one."""
+        if self.hub is not None:
+            self.hub.tell_all(LoRARegistry(list(server.engine().lora_requests.values())))
+
+    def keep_response(self, rid: str, stored: Stored) -> None:
+        try:
+            self.root.tell(KeepResponse(rid, stored))
+        except ActorDied as exc:
+            log.warning("response %s not stored: %s", rid, exc)
+
+    async def fetch_response(self, rid: str) -> Stored | None:
+        return await self.root.ask(FetchResponse(rid), timeout=ASK_TIMEOUT_S)
+
+    async def forget_response(self, rid: str) -> bool:
+        return await self.root.ask(ForgetResponse(rid), timeout=ASK_TIMEOUT_S)
+
+
+def set_loras(server: OpenAIServer, loras: list[LoRARequest]) -> None:
+    server.engine().lora_requests = {r.lora_name: r for r in loras}
+
+
+class ApiPeer(Actor):
+    """What an API server's node answers about it to the others (see the module docstring)."""
+    protocol = ApiPeerProtocol
+    concurrent = True              # a drain waits; engine news and stats go on meanwhile
+
+    def __init__(self, server: OpenAIServer, hub: ApiServers | None = None, start_http: Any = None,
+                 engines: dict[int, str] | None = None) -> None:
+        """``hub``: API server 0's record of the others; ``start_http``: on another API server,
+        what starts its HTTP server (on ``Serve``); ``engines``: there, its engine nodes by rank."""
+        self.server = server
+        self.hub = hub
+        self.start_http = start_http
+        self.engines = engines or {}
+        self.down: set[int] = set()
+
+    async def receive(self, msg: ApiPeerProtocol) -> Any:
+        server = self.server
+        match msg:
+            case Serve(loras=loras, down=down):
+                set_loras(server, loras)
+                for rank in down:
+                    self._engine_down(rank, "the engine core is being restarted")
+                await self.start_http()
+                return True
+            case EngineState(dp_rank=rank, up=False, reason=reason):
+                self._engine_down(rank, reason)
+            case EngineState(dp_rank=rank, node=name, address=address):
+                self.ctx.node.connect(name, address)
+                self.down.discard(rank)
+                client = server.engine()
+                if len(self.engines) > 1:
+                    client.engine.tell(EngineUp(rank))
+                client.mark_alive()
+            case GetRequestStats():
+                client = server.engine()
+                return client.stats.request_stats(client.num_open)
+            case LoRARegistry(loras=loras):
+                set_loras(server, loras)
+            case DrainServer(reason=reason, timeout=timeout):
+                return await drain_client(server.engine(), reason, timeout)
+            case OthersRequestStats(exclude=exclude):
+                return await self.hub.request_stats(exclude)
+            case ChangeLoRA(load=load, body=body):
+                from actors.frontend.lora import apply_lora_change
+                try:
+                    response = apply_lora_change(server.engine(), load, body)
+                except ApiError as exc:
+                    response = exc.response
+                loras = list(server.engine().lora_requests.values())
+                if response.status == 200:
+                    self.hub.tell_all(LoRARegistry(loras))
+                return LoRAAnswer(response.status, bytes(response.body), response.content_type, loras)
+            case KeepResponse(response_id=rid, stored=stored):
+                server.responses.put(rid, stored)
+            case FetchResponse(response_id=rid):
+                return server.responses.get(rid)
+            case ForgetResponse(response_id=rid):
+                return server.responses.delete(rid)
+
+    def _engine_down(self, rank: int, reason: str) -> None:
+        client = self.server.engine()
+        name = self.engines.get(rank)
+        if name is not None:
+            self.ctx.node.peer_down(name, reason)
+        self.down.add(rank)
+        client.stats.engine_down(rank)
+        if len(self.engines) <= 1:
+            client.mark_dead(reason, RESTART_RETRY_AFTER_S)
+            return
+        client.engine.tell(EngineDown(rank, reason))
+        if len(self.down) == len(self.engines):
+            client.mark_dead(f"every engine core is down ({reason})", RESTART_RETRY_AFTER_S)
+
+
+async def drain_client(client: Any, reason: str, timeout: float) -> int:
+    """Take no new request, let the running ones finish for up to ``timeout`` seconds, fail the
+    rest; returns how many did not finish."""
+    client.drain(reason)
+    deadline = time.monotonic() + timeout
+    while client.num_open and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    left = client.num_open
+    if left:
+        client.mark_dead(f"the server shut down before the request finished (--shutdown-timeout {timeout:g})")
+        await asyncio.sleep(1.0)            # let their errors reach their clients
+    return left
+
+
+class ApiServers:
+    """API server 0's record of the others: starts them once the engine cores are up, connects
+    the engine cores to each, restarts one that dies, tells them the engine cores' news, drains
+    and stops them."""
+
+    def __init__(self, fe: Frontend, server: OpenAIServer, count: int, argv: list[str],
+                 sockets: list[Any]) -> None:
+        self.fe = fe
+        self.server = server
+        self.count = count
+        self.argv = argv
+        self.fds = [s.fileno() for s in sockets]
+        self.children: dict[int, ChildProcess] = {}
+        config = fe.client.config
+        self.restarts = RestartBudget(config.parallel.max_restarts * (count - 1), config.parallel.restart_window_s)
+        self.stopping = False
+        server.shared = SharedState(fe.node, 0, self)
+        fe.node.spawn(topology.API_PEER, lambda: ApiPeer(server, hub=self))
+        fe.api_servers = self
+
+    async def start(self, ready_timeout: float) -> None:
+        await asyncio.gather(*(self._start(i, ready_timeout) for i in range(1, self.count)))
+
+    def _engine_nodes(self) -> dict[int, tuple[str, str]]:
+        """Each served rank's engine node and address."""
+        return {rank: (p.spec.name, p.spec.bind) for rank, p in self.fe.engine_processes.items()}
+
+    async def _start(self, i: int, ready_timeout: float) -> None:
+        fe, name = self.fe, topology.api_node(i)
+        config = fe.client.config
+        engines = self._engine_nodes()
+        peers = {topology.FRONTEND_NODE: endpoint(fe.ipc_dir, topology.FRONTEND_NODE),
+                 **{node: address for node, address in engines.values()}}
+        payload = msgspec.msgpack.encode(ApiServerSpec(i, self.argv, config, self.fds,
+                                                       {rank: node for rank, (node, _) in engines.items()}))
+        obs = config.observability
+        spec = NodeSpec(name, "tools.serve:api_server_entry", payload, fe.ipc_dir, topology.FRONTEND_NODE, peers,
+                        trace=obs.trace, flight_dir=obs.flight_recorder_dir)
+
+        def exited(child: ChildProcess) -> None:
+            self._exited(i, child)
+        child, _ = await start_child(fe.node, spec, ready_timeout=ready_timeout, on_exit=exited,
+                                     fds=tuple(self.fds))
+        self.children[i] = child
+        up = [rank for rank in engines if rank not in fe._down]
+        await asyncio.gather(*(self._connect(i, rank) for rank in up))
+        await fe.node.ref(topology.API_PEER, name).ask(
+            Serve(list(fe.client.lora_requests.values()), sorted(fe._down)), timeout=ASK_TIMEOUT_S)
+        log.info("API server %d serving (pid %d)", i, child.pid)
+
+    async def _connect(self, i: int, rank: int) -> None:
+        """Engine core ``rank`` sends API server ``i``'s outputs to it from now on."""
+        child = self.children[i]
+        scheduler = self.fe.engines[self.fe.client.config.parallel.served_ranks.index(rank)].scheduler
+        await scheduler.ask(ConnectClient(i, child.spec.name, child.spec.bind), timeout=ASK_TIMEOUT_S)
+
+    def _exited(self, i: int, child: ChildProcess) -> None:
+        if self.stopping or self.fe.stopping or self.fe.node.closed.done():
+            return
+        reason = child.describe_exit()
+        log.error("API server %d died (%s)", i, reason)
+        self.children.pop(i, None)
+        for e in self.fe.engines:
+            try:
+                e.scheduler.tell(ClientGone(i, reason))
+            except ActorDied:
+                pass
+        if not self.restarts.spend():
+            self.fe.node.fatal(f"API server {i} died ({reason}); API servers died {self.restarts.describe()}, "
+                               "giving up", code=1)
+            return
+        asyncio.get_running_loop().create_task(self._restart(i))
+
+    async def _restart(self, i: int) -> None:
+        try:
+            await self._start(i, READY_TIMEOUT_S)
+        except Exception as exc:
+            if not self.stopping:
+                self.fe.node.fatal(f"could not restart API server {i}: {exc}", code=1)
+
+    def engine_down(self, rank: int, reason: str) -> None:
+        self.tell_all(EngineState(rank, False, reason))
+
+    async def engine_up(self, rank: int) -> None:
+        """Engine core ``rank`` was restarted: it learns where the API servers are, then they
+        learn where it is."""
+        await asyncio.gather(*(self._connect(i, rank) for i in list(self.children)), return_exceptions=True)
+        node, address = self._engine_nodes()[rank]
+        self.tell_all(EngineState(rank, True, node=node, address=address))
+
+    def tell_all(self, msg: Msg) -> None:
+        for child in list(self.children.values()):
+            try:
+                self.fe.node.ref(topology.API_PEER, child.spec.name).tell(msg)
+            except ActorDied:
+                pass
+
+    async def request_stats(self, exclude: int) -> list[RequestStats]:
+        """The request stats of every API server but ``exclude`` (those that answer in time)."""
+        async def ask(child: ChildProcess) -> RequestStats | None:
+            try:
+                return await self.fe.node.ref(topology.API_PEER, child.spec.name).ask(
+                    GetRequestStats(), timeout=STATS_TIMEOUT_S)
+            except (ActorDied, AskTimeout, RemoteError) as exc:
+                log.warning("/metrics: API server %s left out (%s)", child.spec.name, exc)
+                return None
+        others = await asyncio.gather(*(ask(c) for i, c in sorted(self.children.items()) if i != exclude))
+        client = self.server.engine()
+        own = [client.stats.request_stats(client.num_open)] if exclude != 0 else []
+        return own + [s for s in others if s is not None]
+
+    async def drain(self, reason: str, timeout: float) -> None:
+        async def one(child: ChildProcess) -> None:
+            try:
+                await self.fe.node.ref(topology.API_PEER, child.spec.name).ask(
+                    DrainServer(reason, timeout), timeout=timeout + 10.0)
+            except (ActorDied, AskTimeout, RemoteError):
+                pass
+        await asyncio.gather(*(one(c) for c in list(self.children.values())))
+
+    async def stop(self) -> None:
+        self.stopping = True
+        await asyncio.gather(*(c.stop() for c in list(self.children.values())))
+
+
+async def start_api_server(node: Node, spec: ApiServerSpec, server: OpenAIServer,
+                           ssl_context: ssl.SSLContext | None, refresh_from: TlsFiles | None) -> None:
+    """API server ``spec.index``'s node (its entry, once its command line is parsed): the client
+    side of the engine cores, the shared state through API server 0, and the HTTP server on the
+    inherited sockets once API server 0 says ``Serve``."""
+    from actors.frontend.actor import HttpFrontend
+    from actors.runtime.otel import RequestTracer
+    config = spec.config
+    served = config.parallel.served_ranks
+    engines = [engine_refs(node, spec.engines[rank], config) for rank in served]
+    obs = config.observability
+    tracer = (RequestTracer(obs.otlp_traces_endpoint, config.model.served_model_name, obs.collect_model_forward_time,
+                            obs.collect_model_execute_time) if obs.otlp_traces_endpoint is not None else None)
+    client, _ = client_actors(node, config, load_tokenizer(config), engines, tracer, spec.index)
+    server.attach(client)
+    server.shared = SharedState(node, spec.index)
+    sockets = [socket.socket(fileno=fd) for fd in spec.fds]
+
+    async def start_http() -> None:
+        await node.start(topology.HTTP, lambda: HttpFrontend(server, "", 0, ssl_context, refresh_from,
+                                                             sockets=sockets))
+    node.spawn(topology.API_PEER, lambda: ApiPeer(server, start_http=start_http, engines=dict(spec.engines)))
+
+
+def check_api_server_count(count: int, config: EngineConfig, headless: bool) -> None:
+    """--api-server-count: what it can serve with (ValueError naming the conflict)."""
+    p = config.parallel
+    if count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {count}")
+    if count == 1:
+        return
+    if headless:
+        raise ValueError("--api-server-count: a --headless machine runs no API server")
+    if p.data_parallel_backend == "ray" or p.remote_ranks:
+        raise ValueError("--api-server-count above 1 serves engine cores of this machine only (not with "
+                         "--data-parallel-backend ray or engine cores on headless machines)")
+    if not p.served_ranks:
+        raise ValueError("--api-server-count above 1 needs engine cores on this machine (--data-parallel-size-local)")
