@@ -37,9 +37,10 @@ from actors.engine.lora import LoRARequest
 from actors.frontend.dp_router import EngineDown, EngineUp
 from actors.frontend.errors import ApiError
 from actors.frontend.launch import (READY_TIMEOUT_S, RESTART_RETRY_AFTER_S, client_actors, engine_refs,
-                                    load_tokenizer)
+                                    engine_sample, load_tokenizer)
 from actors.frontend.responses import Stored
 from actors.frontend.stats import RequestStats
+from actors.frontend.telemetry import Telemetry, TelemetryActor, TelemetryWindow
 from actors.runtime import Actor, ActorDied, AskTimeout, Msg, Node, RemoteError
 from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, start_child
 from actors.scheduler.actor import ClientGone, ConnectClient
@@ -423,6 +424,10 @@ async def start_api_server(node: Node, spec: ApiServerSpec, server: OpenAIServer
     client, _ = client_actors(node, config, load_tokenizer(config), engines, tracer, spec.index)
     server.attach(client)
     server.shared = SharedState(node, spec.index)
+    # the dashboard's data: every process's, collected through the frontend node as there
+    telemetry = Telemetry(node.spawn(topology.TELEMETRY, lambda: TelemetryActor(
+        TelemetryWindow(), lambda: engine_sample(client.stats), source=topology.FRONTEND_NODE)))
+    server.telemetry = lambda: telemetry
     sockets = [socket.socket(fileno=fd) for fd in spec.fds]
 
     async def start_http() -> None:

@@ -173,7 +173,7 @@ class Frontend:
             self.node.spawn(topology.STAT_LOGGER, lambda: StatLoggerActor(lines, interval))
         if telemetry and topology.TELEMETRY not in self.node.cells:
             self.telemetry = Telemetry(self.node.spawn(topology.TELEMETRY, lambda: TelemetryActor(
-                TelemetryWindow(), lambda: _engine_sample(self.client.stats))))
+                TelemetryWindow(), lambda: engine_sample(self.client.stats))))
         return self.client
 
     async def _listen_for_remote_engines(self, config: EngineConfig) -> None:
@@ -253,7 +253,7 @@ class Frontend:
             self.ray = None
 
 
-def _engine_sample(stats: EngineStats) -> tuple[float, int, int, int, int]:
+def engine_sample(stats: EngineStats) -> tuple[float, int, int, int, int]:
     s = stats.last
     return s.kv_cache_usage, s.num_running, s.num_waiting, s.prefix_cache_queries, s.prefix_cache_hits
 

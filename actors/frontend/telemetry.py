@@ -328,7 +328,11 @@ class TelemetryActor(Actor):
     protocol = TelemetryProtocol
 
     def __init__(self, window: TelemetryWindow,
-                 engine_sample: Callable[[], tuple[float, int, int, int, int] | None]) -> None:
+                 engine_sample: Callable[[], tuple[float, int, int, int, int] | None],
+                 source: str | None = None) -> None:
+        """``source``: the node whose system actor collects (its own and its children's
+        records): this one's (None), or with several API servers the frontend node's."""
+        self.source = source
         self.window = window
         self.engine_sample = engine_sample
         self.cursors: dict[str, Cursor] = {}
@@ -347,7 +351,7 @@ class TelemetryActor(Actor):
 
     async def receive(self, msg: TelemetryProtocol) -> None:
         try:
-            chunk = await self.ctx.node.ref(SYSTEM_ACTOR).ask(GetTelemetry(self.cursors), timeout=10.0)
+            chunk = await self.ctx.node.ref(SYSTEM_ACTOR, self.source).ask(GetTelemetry(self.cursors), timeout=10.0)
         except Exception as exc:           # tried again at the next poll
             log.warning("telemetry collection failed: %s", exc)
             return

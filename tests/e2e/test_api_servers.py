@@ -103,6 +103,12 @@ def test_the_api_servers_share_the_port_the_engine_and_the_metrics(setup):
         assert sum(finished.values()) == sum(per_server.values())
     assert len(totals) == 1
     assert [_complete(server.url, p) for p in PROMPTS] == one
+    # the dashboard's data, from whichever server: every process's actors
+    for _ in range(6):
+        status, text = _request("GET", server.url + "/debug/actors")
+        assert status == 200, text
+        nodes = {a["node"] for a in json.loads(text)["actors"]}
+        assert {"frontend", "api1", "api2", "engine", "worker0"} <= nodes, nodes
 
 
 def test_an_adapter_loaded_through_one_server_is_served_and_unloaded_by_all(setup):
