@@ -452,7 +452,8 @@ async def serve(args: argparse.Namespace) -> int:
         tls = args.tls
         ssl_context = tls.context() if tls is not None else None       # a file that cannot load: stop here
         http = await fe.node.start(topology.HTTP, lambda: HttpFrontend(
-            server, args.host, args.port, ssl_context, tls if args.enable_ssl_refresh else None, args.uds))
+            server, args.host, args.port, ssl_context, tls if args.enable_ssl_refresh else None, args.uds,
+            reuse_port=args.api_server_count > 1 and not args.uds))
         addr = await http.ask(GetAddress())
         print(f"Troupe listening on {addr.url} (loading the model)", flush=True)
         config = EngineArgs.from_cli_args(args).create_engine_config()
@@ -472,8 +473,9 @@ async def serve(args: argparse.Namespace) -> int:
         if args.api_server_count > 1:      # the other API servers, on the same sockets
             from actors.frontend.api_servers import ApiServers
             sockets = fe.node.cells[topology.HTTP].actor.listening_sockets()
-            starting = asyncio.ensure_future(ApiServers(fe, server, args.api_server_count, args.argv,
-                                                        sockets).start(READY_TIMEOUT_S))
+            others = ApiServers(fe, server, args.api_server_count, args.argv, sockets,
+                                *(() if args.uds else (args.host, addr.port)))
+            starting = asyncio.ensure_future(others.start(READY_TIMEOUT_S))
             await asyncio.wait([starting, fe.node.closed], return_when=asyncio.FIRST_COMPLETED)
             if not starting.done():
                 starting.cancel()

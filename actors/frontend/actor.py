@@ -41,12 +41,15 @@ class HttpFrontend(Actor):
 
     def __init__(self, server: OpenAIServer, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
                  refresh_from: TlsFiles | None = None, uds: str | None = None,
-                 sockets: list[socket.socket] | None = None) -> None:
+                 sockets: list[socket.socket] | None = None, reuse_port: bool = False) -> None:
         """``ssl_context``: serve HTTPS with it; ``refresh_from``: load these files into it again
         whenever they change (--enable-ssl-refresh); ``uds``: listen on this Unix socket instead
         of host and port (vLLM's --uds); ``sockets``: accept on these listening sockets, another
-        API server's (--api-server-count), instead of listening."""
+        API server's (--api-server-count), instead of listening; ``reuse_port``: listen with
+        SO_REUSEPORT, on a port other API servers listen on too (the kernel spreads the
+        connections over them)."""
         self.sockets = sockets
+        self.reuse_port = reuse_port
         self.server = server
         self.host = host
         self.port = port
@@ -72,7 +75,8 @@ class HttpFrontend(Actor):
         if self.uds:
             site: web.BaseSite = web.UnixSite(self.runner, self.uds, ssl_context=self.ssl_context)
         else:
-            site = web.TCPSite(self.runner, self.host, self.port, ssl_context=self.ssl_context)
+            site = web.TCPSite(self.runner, self.host, self.port, ssl_context=self.ssl_context,
+                               reuse_port=self.reuse_port or None)
         await site.start()
         self.site = site
         if self.port == 0 and not self.uds:

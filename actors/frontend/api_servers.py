@@ -64,8 +64,10 @@ class ApiServerSpec(msgspec.Struct):
     index: int
     argv: list[str]                    # the server's command line, parsed there again
     config: EngineConfig               # resolved by the engine cores
-    fds: list[int]                     # the listening sockets, inherited under these numbers
+    fds: list[int]                     # the listening sockets, inherited under these numbers (--uds)
     engines: dict[int, str]            # served data-parallel rank -> its engine node
+    host: str = ""                     # else the host and port to listen on too, with SO_REUSEPORT
+    port: int = 0
 
 
 # -- API server 0 -> the others ----------------------------------------------------------------
@@ -289,12 +291,15 @@ class ApiServers:
     and stops them."""
 
     def __init__(self, fe: Frontend, server: OpenAIServer, count: int, argv: list[str],
-                 sockets: list[Any]) -> None:
+                 sockets: list[Any], host: str = "", port: int = 0) -> None:
+        """``host`` and ``port``: the others listen there too (SO_REUSEPORT, as this one does);
+        else (a Unix socket) they accept on ``sockets``, this one's listening sockets."""
         self.fe = fe
         self.server = server
         self.count = count
         self.argv = argv
-        self.fds = [s.fileno() for s in sockets]
+        self.host, self.port = host, port
+        self.fds = [] if port else [s.fileno() for s in sockets]
         self.children: dict[int, ChildProcess] = {}
         config = fe.client.config
         self.restarts = RestartBudget(config.parallel.max_restarts * (count - 1), config.parallel.restart_window_s)
@@ -317,7 +322,8 @@ class ApiServers:
         peers = {topology.FRONTEND_NODE: endpoint(fe.ipc_dir, topology.FRONTEND_NODE),
                  **{node: address for node, address in engines.values()}}
         payload = msgspec.msgpack.encode(ApiServerSpec(i, self.argv, config, self.fds,
-                                                       {rank: node for rank, (node, _) in engines.items()}))
+                                                       {rank: node for rank, (node, _) in engines.items()},
+                                                       self.host, self.port))
         obs = config.observability
         spec = NodeSpec(name, "tools.serve:api_server_entry", payload, fe.ipc_dir, topology.FRONTEND_NODE, peers,
                         trace=obs.trace, flight_dir=obs.flight_recorder_dir)
@@ -428,11 +434,11 @@ async def start_api_server(node: Node, spec: ApiServerSpec, server: OpenAIServer
     telemetry = Telemetry(node.spawn(topology.TELEMETRY, lambda: TelemetryActor(
         TelemetryWindow(), lambda: engine_sample(client.stats), source=topology.FRONTEND_NODE)))
     server.telemetry = lambda: telemetry
-    sockets = [socket.socket(fileno=fd) for fd in spec.fds]
+    sockets = [socket.socket(fileno=fd) for fd in spec.fds] if not spec.port else None
 
     async def start_http() -> None:
-        await node.start(topology.HTTP, lambda: HttpFrontend(server, "", 0, ssl_context, refresh_from,
-                                                             sockets=sockets))
+        await node.start(topology.HTTP, lambda: HttpFrontend(server, spec.host, spec.port, ssl_context, refresh_from,
+                                                             sockets=sockets, reuse_port=True))
     node.spawn(topology.API_PEER, lambda: ApiPeer(server, start_http=start_http, engines=dict(spec.engines)))
 
 

@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora,moe,kv-transfer,kv-storage,pd}``: each
+"""``python -m tools.bench {offline,serve,frontend,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora,moe,kv-transfer,kv-storage,pd}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
                      help="Poisson arrivals per second (inf: all at once)")
     srv.add_argument("--concurrency", type=int, default=0, help="fixed concurrency instead of a rate")
     srv.add_argument("--timeout", type=float, default=1800)
+
+    fe = sub.add_parser("frontend", help="the server's own work (POST /tokenize of long texts) in requests per "
+                                         "second: what --api-server-count spreads")
+    fe.add_argument("--url", required=True)
+    fe.add_argument("--n", type=int, default=1500)
+    fe.add_argument("--concurrency", type=int, default=32)
 
     lat = sub.add_parser("latency", help="single-stream prefill, decode and cold start")
     EngineArgs.add_cli_args(lat)
@@ -171,6 +177,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "kv-storage":
         from tools.bench import kv_storage
         kv_storage.main(args)
+    elif args.cmd == "frontend":
+        from tools.bench import frontend
+        frontend.main(args)
     elif args.cmd == "serve":
         from tools.bench import serve
         serve.main(args)
