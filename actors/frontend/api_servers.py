@@ -71,12 +71,20 @@ class ApiServerSpec(msgspec.Struct):
 
 
 # -- API server 0 -> the others ----------------------------------------------------------------
+class ControlState(Msg):
+    """Generation is paused (``pause_mode``; None: not) and the engine asleep (``sleep_level``;
+    None: awake), as set through an API server's /pause, /resume, /sleep or /wake_up."""
+    pause_mode: str | None
+    sleep_level: int | None
+
+
 class Serve(Msg):
     """The engine cores send your outputs to you now: accept connections. ``loras``: the adapters
-    served; ``down``: the engine cores being restarted."""
+    served; ``down``: the engine cores being restarted; ``control``: the pause and sleep state."""
     reply_type: ClassVar[Any] = bool
     loras: list[LoRARequest]
-    down: list[int] = []
+    down: list[int]
+    control: ControlState
 
 
 class EngineState(Msg):
@@ -143,7 +151,7 @@ class ForgetResponse(Msg):
     response_id: str
 
 
-ApiPeerProtocol = (Serve | EngineState | GetRequestStats | LoRARegistry | DrainServer | OthersRequestStats
+ApiPeerProtocol = (Serve | ControlState | EngineState | GetRequestStats | LoRARegistry | DrainServer | OthersRequestStats
                    | ChangeLoRA | KeepResponse | FetchResponse | ForgetResponse)
 
 
@@ -180,6 +188,17 @@ class SharedState:
         if self.hub is not None:
             self.hub.tell_all(LoRARegistry(list(server.engine().lora_requests.values())))
 
+    def control_state(self, pause_mode: str | None, sleep_level: int | None) -> None:
+        """This API server's pause or sleep state changed: every API server takes it."""
+        msg = ControlState(pause_mode, sleep_level)
+        if self.hub is not None:
+            self.hub.tell_all(msg)
+            return
+        try:
+            self.root.tell(msg)
+        except ActorDied as exc:
+            log.warning("the other API servers did not learn the pause or sleep state: %s", exc)
+
     def keep_response(self, rid: str, stored: Stored) -> None:
         try:
             self.root.tell(KeepResponse(rid, stored))
@@ -195,6 +214,12 @@ class SharedState:
 
 def set_loras(server: OpenAIServer, loras: list[LoRARequest]) -> None:
     server.engine().lora_requests = {r.lora_name: r for r in loras}
+
+
+def set_control(server: OpenAIServer, state: ControlState) -> None:
+    client = server.engine()
+    client.pause_mode = state.pause_mode
+    client.sleep_level = client.stats.sleep_level = state.sleep_level
 
 
 class ApiPeer(Actor):
@@ -215,12 +240,17 @@ class ApiPeer(Actor):
     async def receive(self, msg: ApiPeerProtocol) -> Any:
         server = self.server
         match msg:
-            case Serve(loras=loras, down=down):
+            case Serve(loras=loras, down=down, control=control):
                 set_loras(server, loras)
+                set_control(server, control)
                 for rank in down:
                     self._engine_down(rank, "the engine core is being restarted")
                 await self.start_http()
                 return True
+            case ControlState():
+                set_control(server, msg)
+                if self.hub is not None:                # from another API server: to the rest too
+                    self.hub.tell_all(msg)
             case EngineState(dp_rank=rank, up=False, reason=reason):
                 self._engine_down(rank, reason)
             case EngineState(dp_rank=rank, node=name, address=address):
@@ -335,8 +365,10 @@ class ApiServers:
         self.children[i] = child
         up = [rank for rank in engines if rank not in fe._down]
         await asyncio.gather(*(self._connect(i, rank) for rank in up))
+        client = fe.client
         await fe.node.ref(topology.API_PEER, name).ask(
-            Serve(list(fe.client.lora_requests.values()), sorted(fe._down)), timeout=ASK_TIMEOUT_S)
+            Serve(list(client.lora_requests.values()), sorted(fe._down),
+                  ControlState(client.pause_mode, client.sleep_level)), timeout=ASK_TIMEOUT_S)
         log.info("API server %d serving (pid %d)", i, child.pid)
 
     async def _connect(self, i: int, rank: int) -> None:

@@ -133,6 +133,13 @@ class OpenAIServer:
             return await self.shared.forget_response(rid)
         return self.responses.delete(rid)
 
+    def control_changed(self) -> None:
+        """Generation was paused or resumed, or the engine put to sleep or woken, through this
+        server: with several API servers, every one takes the new state."""
+        if self.shared is not None:
+            client = self.engine()
+            self.shared.control_state(client.pause_mode, client.sleep_level)
+
     async def metrics_stats(self) -> EngineStats:
         """The stats /metrics shows: with several API servers, every one's requests added up."""
         client = self.engine()

@@ -76,11 +76,14 @@ async def pause(server: OpenAIServer, request: web.Request) -> web.Response:
         await server.engine().pause_generation(mode, clear_cache)
     except ValueError as exc:
         raise bad_request(f"{exc} (one of abort, wait, keep)", "mode") from None
+    finally:
+        server.control_changed()
     return _json({"status": "paused"})
 
 
 async def resume(server: OpenAIServer, request: web.Request) -> web.Response:
     await server.engine().resume_generation()
+    server.control_changed()
     return _json({"status": "resumed"})
 
 
@@ -125,6 +128,8 @@ async def sleep(server: OpenAIServer, request: web.Request) -> web.Response:
         await server.engine().sleep(int(level_text), mode)
     except ValueError as exc:
         raise bad_request(str(exc), "level") from None
+    finally:
+        server.control_changed()
     return _json({"status": "sleeping", "level": int(level_text)})
 
 
@@ -134,6 +139,8 @@ async def wake_up(server: OpenAIServer, request: web.Request) -> web.Response:
         awake = await server.engine().wake_up(tags)
     except ValueError as exc:
         raise bad_request(str(exc), "tags") from None
+    finally:
+        server.control_changed()
     return _json({"status": "awake" if awake else "sleeping", "tags": tags})
 
 

@@ -1,8 +1,8 @@
 """--api-server-count 3 (vLLM's): three API server processes accept on the server's one port and
 share one engine core. Every answer is the one the engine gives whichever server took the
 connection; /metrics, from any of them, adds up every server's requests; a LoRA adapter loaded
-through one is served by all and unloaded from all; a stored response is found through any; an
-API server that is killed is started again (its running requests aborted in the engine, the
+through one is served by all and unloaded from all; a stored response is found through any; a
+sleep asked of one is woken through any; an API server that is killed is started again (its running requests aborted in the engine, the
 others' answered); an engine core that dies is restarted and every API server serves again.
 On a tiny random Llama with a LoRA adapter."""
 from __future__ import annotations
@@ -149,6 +149,21 @@ def test_a_stored_response_is_found_through_every_server(setup):
     assert status == 200
     for _ in range(4):
         assert _request("GET", server.url + f"/v1/responses/{rid}")[0] == 404
+
+
+def test_a_sleep_through_one_server_is_woken_through_any(setup):
+    """The pause and sleep state is every API server's: whichever one /wake_up reaches resumes."""
+    server, _ = setup
+    for _ in range(4):
+        assert _request("POST", server.url + "/sleep?level=0")[0] == 200
+        for _ in range(3):
+            status, text = _request("GET", server.url + "/is_sleeping")
+            assert status == 200 and json.loads(text)["is_sleeping"] is True
+        status, text = _request("POST", server.url + "/wake_up")
+        assert status == 200 and json.loads(text)["status"] == "awake", text
+        for _ in range(3):
+            assert json.loads(_request("GET", server.url + "/is_sleeping")[1])["is_sleeping"] is False
+    assert all(status == 200 for status, _ in _answers(server.url, PROMPTS))
 
 
 def _api_pid(server: Server, index: int, after: int = 0) -> int:
