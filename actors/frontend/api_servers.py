@@ -183,26 +183,28 @@ class SharedState:
         set_loras(server, answer.loras)
         return web.Response(status=answer.status, body=answer.body, content_type=answer.content_type)
 
-    def lora_changed(self, server: OpenAIServer) -> None:
-        """On API server 0: the registry changed; every API server serves the new one."""
+    async def lora_changed(self, server: OpenAIServer) -> None:
+        """On API server 0: the registry changed; every API server serves the new one (once it
+        returns)."""
         if self.hub is not None:
-            self.hub.tell_all(LoRARegistry(list(server.engine().lora_requests.values())))
+            await self.hub.ask_all(LoRARegistry(list(server.engine().lora_requests.values())))
 
-    def control_state(self, pause_mode: str | None, sleep_level: int | None) -> None:
-        """This API server's pause or sleep state changed: every API server takes it."""
+    async def control_state(self, pause_mode: str | None, sleep_level: int | None) -> None:
+        """This API server's pause or sleep state changed: every API server has taken it once
+        this returns."""
         msg = ControlState(pause_mode, sleep_level)
         if self.hub is not None:
-            self.hub.tell_all(msg)
+            await self.hub.ask_all(msg)
             return
         try:
-            self.root.tell(msg)
-        except ActorDied as exc:
+            await self.root.ask(msg, timeout=ASK_TIMEOUT_S * 2)
+        except (ActorDied, AskTimeout, RemoteError) as exc:
             log.warning("the other API servers did not learn the pause or sleep state: %s", exc)
 
-    def keep_response(self, rid: str, stored: Stored) -> None:
+    async def keep_response(self, rid: str, stored: Stored) -> None:
         try:
-            self.root.tell(KeepResponse(rid, stored))
-        except ActorDied as exc:
+            await self.root.ask(KeepResponse(rid, stored), timeout=ASK_TIMEOUT_S)
+        except (ActorDied, AskTimeout, RemoteError) as exc:
             log.warning("response %s not stored: %s", rid, exc)
 
     async def fetch_response(self, rid: str) -> Stored | None:
@@ -250,7 +252,7 @@ class ApiPeer(Actor):
             case ControlState():
                 set_control(server, msg)
                 if self.hub is not None:                # from another API server: to the rest too
-                    self.hub.tell_all(msg)
+                    await self.hub.ask_all(msg)
             case EngineState(dp_rank=rank, up=False, reason=reason):
                 self._engine_down(rank, reason)
             case EngineState(dp_rank=rank, node=name, address=address):
@@ -277,7 +279,7 @@ class ApiPeer(Actor):
                     response = exc.response
                 loras = list(server.engine().lora_requests.values())
                 if response.status == 200:
-                    self.hub.tell_all(LoRARegistry(loras))
+                    await self.hub.ask_all(LoRARegistry(loras))
                 return LoRAAnswer(response.status, bytes(response.body), response.content_type, loras)
             case KeepResponse(response_id=rid, stored=stored):
                 server.responses.put(rid, stored)
@@ -417,6 +419,15 @@ class ApiServers:
                 self.fe.node.ref(topology.API_PEER, child.spec.name).tell(msg)
             except ActorDied:
                 pass
+
+    async def ask_all(self, msg: Msg) -> None:
+        """``msg`` to every other API server, returning once each has taken it (or failed to)."""
+        async def one(child: ChildProcess) -> None:
+            try:
+                await self.fe.node.ref(topology.API_PEER, child.spec.name).ask(msg, timeout=ASK_TIMEOUT_S)
+            except (ActorDied, AskTimeout, RemoteError) as exc:
+                log.warning("API server %s did not take %s: %s", child.spec.name, type(msg).__name__, exc)
+        await asyncio.gather(*(one(c) for c in list(self.children.values())))
 
     async def request_stats(self, exclude: int) -> list[RequestStats]:
         """The request stats of every API server but ``exclude`` (those that answer in time)."""

@@ -117,9 +117,9 @@ class OpenAIServer:
             self.attach(client)
 
     # -- stored responses (with several API servers, API server 0's store) ----------------------
-    def keep_response(self, rid: str, stored: responses.Stored) -> None:
+    async def keep_response(self, rid: str, stored: responses.Stored) -> None:
         if self.shared is not None and self.shared.remote:
-            self.shared.keep_response(rid, stored)
+            await self.shared.keep_response(rid, stored)
         else:
             self.responses.put(rid, stored)
 
@@ -133,12 +133,12 @@ class OpenAIServer:
             return await self.shared.forget_response(rid)
         return self.responses.delete(rid)
 
-    def control_changed(self) -> None:
+    async def control_changed(self) -> None:
         """Generation was paused or resumed, or the engine put to sleep or woken, through this
-        server: with several API servers, every one takes the new state."""
+        server: with several API servers, every one has taken the new state once this returns."""
         if self.shared is not None:
             client = self.engine()
-            self.shared.control_state(client.pause_mode, client.sleep_level)
+            await self.shared.control_state(client.pause_mode, client.sleep_level)
 
     async def metrics_stats(self) -> EngineStats:
         """The stats /metrics shows: with several API servers, every one's requests added up."""

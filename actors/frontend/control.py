@@ -77,13 +77,13 @@ async def pause(server: OpenAIServer, request: web.Request) -> web.Response:
     except ValueError as exc:
         raise bad_request(f"{exc} (one of abort, wait, keep)", "mode") from None
     finally:
-        server.control_changed()
+        await server.control_changed()
     return _json({"status": "paused"})
 
 
 async def resume(server: OpenAIServer, request: web.Request) -> web.Response:
     await server.engine().resume_generation()
-    server.control_changed()
+    await server.control_changed()
     return _json({"status": "resumed"})
 
 
@@ -129,7 +129,7 @@ async def sleep(server: OpenAIServer, request: web.Request) -> web.Response:
     except ValueError as exc:
         raise bad_request(str(exc), "level") from None
     finally:
-        server.control_changed()
+        await server.control_changed()
     return _json({"status": "sleeping", "level": int(level_text)})
 
 
@@ -140,7 +140,7 @@ async def wake_up(server: OpenAIServer, request: web.Request) -> web.Response:
     except ValueError as exc:
         raise bad_request(str(exc), "tags") from None
     finally:
-        server.control_changed()
+        await server.control_changed()
     return _json({"status": "awake" if awake else "sleeping", "tags": tags})
 
 

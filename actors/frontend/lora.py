@@ -75,7 +75,7 @@ async def _change(server: OpenAIServer, load: bool, body: bytes) -> web.Response
         return await shared.change_lora(load, body, server)
     response = apply_lora_change(server.engine(), load, body)
     if shared is not None:
-        shared.lora_changed(server)
+        await shared.lora_changed(server)
     return response
 
 

@@ -273,6 +273,7 @@ class ResponseAnswer:
                  conversation: list[dict[str, Any]]) -> None:
         self.server, self.req, self.gen = server, req, gen
         self.conversation = conversation
+        self._to_keep: Stored | None = None
         self.id = "resp_" + gen.id.removeprefix(gen.id_prefix)
         self.created = gen.created
 
@@ -303,15 +304,25 @@ class ResponseAnswer:
         return {"metrics": {**metrics, "speculative_decoding": None}} if metrics is not None else {}
 
     def _keep(self, body: dict[str, Any], message: dict[str, Any]) -> None:
+        """Keep the response (``store``) once ``stored`` is awaited."""
         if self.req.store is not False:
-            self.server.keep_response(self.id, Stored(body, self.conversation, [message]))
+            self._to_keep = Stored(body, self.conversation, [message])
+
+    async def stored(self) -> None:
+        """The response kept (with several API servers, by API server 0) before the client hears
+        of it: a GET through any server finds it."""
+        if self._to_keep is not None:
+            await self.server.keep_response(self.id, self._to_keep)
+            self._to_keep = None
 
     async def complete(self) -> web.Response:
         """The whole response object once generated, or the error response in its place."""
         chat = await self.gen.collect()
         if isinstance(chat, web.Response):
             return chat
-        return web.Response(body=json_encoder.encode(self.whole(chat)), content_type="application/json")
+        body = self.whole(chat)
+        await self.stored()
+        return web.Response(body=json_encoder.encode(body), content_type="application/json")
 
     async def whole_response(self) -> web.Response:
         """``complete`` away from HTTP (the batch runner's): the request ends with it."""
@@ -445,6 +456,7 @@ class ResponseAnswer:
                                       "function": {"name": c["name"], "arguments": c["arguments"]}}
                                      for _, c in sorted(calls.items())]
         self._keep(body, message)
+        await self.stored()
         yield ev("response.incomplete" if status == "incomplete" else "response.completed", response=body)
 
 
