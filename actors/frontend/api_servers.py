@@ -38,6 +38,7 @@ from actors.frontend.dp_router import EngineDown, EngineUp
 from actors.frontend.errors import ApiError
 from actors.frontend.launch import (READY_TIMEOUT_S, RESTART_RETRY_AFTER_S, client_actors, engine_refs,
                                     engine_sample, load_tokenizer)
+from actors.frontend.lora import apply_lora_change
 from actors.frontend.responses import Stored
 from actors.frontend.stats import RequestStats
 from actors.frontend.telemetry import Telemetry, TelemetryActor, TelemetryWindow
@@ -272,7 +273,6 @@ class ApiPeer(Actor):
             case OthersRequestStats(exclude=exclude):
                 return await self.hub.request_stats(exclude)
             case ChangeLoRA(load=load, body=body):
-                from actors.frontend.lora import apply_lora_change
                 try:
                     response = apply_lora_change(server.engine(), load, body)
                 except ApiError as exc:
