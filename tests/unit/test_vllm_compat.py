@@ -608,3 +608,19 @@ def test_tokenizer_names_a_tokenizer_directory_a_gguf_file_or_a_known_model(tmp_
         resolve_tokenizer(str(tmp_path / ".."))
     with pytest.raises(ModelNotFoundError, match="Troupe never downloads"):
         resolve_tokenizer("meta-llama/Llama-3.2-1B")
+
+
+def test_several_api_servers_are_refused_where_they_cannot_serve(capsys):
+    from actors.frontend.api_servers import check_api_server_count
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args(["--headless", "-dp", "2", "-dpl", "1", "-asc", "2"])
+    assert exc.value.code == 2 and "--api-server-count: a --headless machine runs no API server" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve.parse_args(["-asc", "0"])
+    for argv, words in ((["-dp", "2", "--data-parallel-backend", "ray"], "engine cores of this machine only"),
+                        (["-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1"], "engine cores of this machine only")):
+        args = serve.parse_args([*argv, "-asc", "2"])
+        with pytest.raises(ValueError, match=words):
+            check_api_server_count(args.api_server_count, EngineArgs.from_cli_args(args).create_engine_config(), False)
+    args = serve.parse_args(["-dp", "2", "-asc", "3"])
+    check_api_server_count(3, EngineArgs.from_cli_args(args).create_engine_config(), False)
