@@ -518,7 +518,7 @@ async def drain(stop_asked: asyncio.Event, fe: Any, timeout: float) -> None:
     fe.node.closed.done() or fe.node.closed.set_result(0)
 
 
-async def api_server_entry(node: Any, payload: bytes) -> None:
+async def api_server_entry(node: Any, payload: bytes) -> Any:
     """The entry of API server 1, 2, ... (--api-server-count), a child node of the server: its
     command line parsed again for the same HTTP options, then its side of the engine cores
     (actors/frontend/api_servers.py)."""
@@ -529,8 +529,8 @@ async def api_server_entry(node: Any, payload: bytes) -> None:
     args = parse_args(spec.argv)
     tls = args.tls
     server = OpenAIServer(options=server_options(args), tracer=node.tracer)
-    await start_api_server(node, spec, server, tls.context() if tls is not None else None,
-                           tls if tls is not None and args.enable_ssl_refresh else None)
+    return await start_api_server(node, spec, server, tls.context() if tls is not None else None,
+                                  tls if tls is not None and args.enable_ssl_refresh else None)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tools.serve") -> None:

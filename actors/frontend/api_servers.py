@@ -43,7 +43,7 @@ from actors.frontend.responses import Stored
 from actors.frontend.stats import RequestStats
 from actors.frontend.telemetry import Telemetry, TelemetryActor, TelemetryWindow
 from actors.runtime import Actor, ActorDied, AskTimeout, Msg, Node, RemoteError
-from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, start_child
+from actors.runtime.process import ChildProcess, NodeSpec, RestartBudget, decode_info, start_child
 from actors.scheduler.actor import ClientGone, ConnectClient
 from transport.zmq_channel import endpoint
 
@@ -58,6 +58,11 @@ log = logging.getLogger("troupe.api_servers")
 
 ASK_TIMEOUT_S = 30.0
 STATS_TIMEOUT_S = 5.0         # an API server that does not answer in time is left out of /metrics
+
+
+class ApiServerReady(msgspec.Struct):
+    """An API server's start: where engine cores on other machines reach it ("": none to)."""
+    tcp_address: str = ""
 
 
 class ApiServerSpec(msgspec.Struct):
@@ -333,6 +338,7 @@ class ApiServers:
         self.host, self.port = host, port
         self.fds = [] if port else [s.fileno() for s in sockets]
         self.children: dict[int, ChildProcess] = {}
+        self.tcp: dict[int, str] = {}          # where headless machines' engine cores reach each
         config = fe.client.config
         self.restarts = RestartBudget(config.parallel.max_restarts * (count - 1), config.parallel.restart_window_s)
         self.stopping = False
@@ -344,8 +350,8 @@ class ApiServers:
         await asyncio.gather(*(self._start(i, ready_timeout) for i in range(1, self.count)))
 
     def _engine_nodes(self) -> dict[int, tuple[str, str]]:
-        """Each served rank's engine node and address."""
-        return {rank: (p.spec.name, p.spec.bind) for rank, p in self.fe.engine_processes.items()}
+        """Each served rank's engine node and address (a headless machine's: over TCP)."""
+        return {rank: (p.name, getattr(p, "address", "") or p.spec.bind) for rank, p in self.fe.engine_processes.items()}
 
     async def _start(self, i: int, ready_timeout: float) -> None:
         fe, name = self.fe, topology.api_node(i)
@@ -362,9 +368,10 @@ class ApiServers:
 
         def exited(child: ChildProcess) -> None:
             self._exited(i, child)
-        child, _ = await start_child(fe.node, spec, ready_timeout=ready_timeout, on_exit=exited,
-                                     fds=tuple(self.fds))
+        child, ready = await start_child(fe.node, spec, ready_timeout=ready_timeout, on_exit=exited,
+                                         fds=tuple(self.fds))
         self.children[i] = child
+        self.tcp[i] = decode_info(ready, ApiServerReady).tcp_address
         up = [rank for rank in engines if rank not in fe._down]
         await asyncio.gather(*(self._connect(i, rank) for rank in up))
         client = fe.client
@@ -375,9 +382,10 @@ class ApiServers:
 
     async def _connect(self, i: int, rank: int) -> None:
         """Engine core ``rank`` sends API server ``i``'s outputs to it from now on."""
-        child = self.children[i]
-        scheduler = self.fe.engines[self.fe.client.config.parallel.served_ranks.index(rank)].scheduler
-        await scheduler.ask(ConnectClient(i, child.spec.name, child.spec.bind), timeout=ASK_TIMEOUT_S)
+        child, parallel = self.children[i], self.fe.client.config.parallel
+        scheduler = self.fe.engines[parallel.served_ranks.index(rank)].scheduler
+        address = self.tcp[i] if rank in parallel.remote_ranks else child.spec.bind
+        await scheduler.ask(ConnectClient(i, child.spec.name, address), timeout=ASK_TIMEOUT_S)
 
     def _exited(self, i: int, child: ChildProcess) -> None:
         if self.stopping or self.fe.stopping or self.fe.node.closed.done():
@@ -458,7 +466,7 @@ class ApiServers:
 
 
 async def start_api_server(node: Node, spec: ApiServerSpec, server: OpenAIServer,
-                           ssl_context: ssl.SSLContext | None, refresh_from: TlsFiles | None) -> None:
+                           ssl_context: ssl.SSLContext | None, refresh_from: TlsFiles | None) -> ApiServerReady:
     """API server ``spec.index``'s node (its entry, once its command line is parsed): the client
     side of the engine cores, the shared state through API server 0, and the HTTP server on the
     inherited sockets once API server 0 says ``Serve``."""
@@ -483,6 +491,15 @@ async def start_api_server(node: Node, spec: ApiServerSpec, server: OpenAIServer
         await node.start(topology.HTTP, lambda: HttpFrontend(server, spec.host, spec.port, ssl_context, refresh_from,
                                                              sockets=sockets, reuse_port=True))
     node.spawn(topology.API_PEER, lambda: ApiPeer(server, start_http=start_http, engines=dict(spec.engines)))
+    p = config.parallel
+    if not p.remote_ranks:
+        return ApiServerReady()
+    where = f"tcp://{p.data_parallel_address}:*"     # for the headless machines' engine cores
+    try:
+        return ApiServerReady(node.transport.bind(where))
+    except Exception as exc:
+        raise ValueError(f"API server {spec.index} cannot listen at {where} for the headless machines' "
+                         f"engine cores: {exc}") from None
 
 
 def check_api_server_count(count: int, config: EngineConfig, headless: bool) -> None:
@@ -494,8 +511,6 @@ def check_api_server_count(count: int, config: EngineConfig, headless: bool) -> 
         return
     if headless:
         raise ValueError("--api-server-count: a --headless machine runs no API server")
-    if p.data_parallel_backend == "ray" or p.remote_ranks:
-        raise ValueError("--api-server-count above 1 serves engine cores of this machine only (not with "
-                         "--data-parallel-backend ray or engine cores on headless machines)")
-    if not p.served_ranks:
-        raise ValueError("--api-server-count above 1 needs engine cores on this machine (--data-parallel-size-local)")
+    if p.data_parallel_backend == "ray":
+        raise ValueError("--api-server-count above 1 serves engine cores of this machine and of headless "
+                         "machines, not with --data-parallel-backend ray")

@@ -75,11 +75,12 @@ class _CheckHosts(Msg):
 class RemoteEngineHandle:
     """The frontend's handle on an engine core of a headless machine (as on its own processes)."""
 
-    def __init__(self, node: Node, name: str, pid: int, host: str) -> None:
+    def __init__(self, node: Node, name: str, pid: int, host: str, address: str = "") -> None:
         self.node = node
         self.name = name
         self.pid = pid
         self.host = host
+        self.address = address          # where its node receives (TCP)
 
     async def stop(self, timeout: float = 10.0) -> int:
         """Its headless server stops with the frontend (told once by ``RemoteEngines.stop_hosts``)."""
@@ -176,7 +177,7 @@ class RemoteEngines(Actor):
             self.fe.remote_engine_down(msg.rank, f"engine core {msg.rank} was replaced on {msg.host}")
         self.engines[msg.rank] = (msg.host, msg.address, msg.pid)
         node.connect(msg.node, msg.address)
-        handle = RemoteEngineHandle(node, msg.node, msg.pid, msg.host)
+        handle = RemoteEngineHandle(node, msg.node, msg.pid, msg.host, msg.address)
         self.fe.remote_engine_up(msg.rank, handle)
         joined = self.joined[msg.rank]
         if not joined.done():

@@ -202,6 +202,8 @@ class Frontend:
         self._down.discard(dp_rank)
         self.router.tell(EngineUp(dp_rank))
         self.client.mark_alive()
+        if self.api_servers is not None:
+            asyncio.get_running_loop().create_task(self.api_servers.engine_up(dp_rank))
 
     def remote_engine_down(self, dp_rank: int, reason: str) -> None:
         """A headless machine's engine core ``dp_rank`` died, or its machine stopped answering:
@@ -214,6 +216,8 @@ class Frontend:
             return
         log.error("engine core %d is down: %s", dp_rank, reason)
         self._down.add(dp_rank)
+        if self.api_servers is not None:
+            self.api_servers.engine_down(dp_rank, f"engine core {dp_rank} is down ({reason})")
         self.client.stats.engine_down(dp_rank)
         self.router.tell(EngineDown(dp_rank, f"engine core {dp_rank} is down ({reason})"))
         if len(self._down) == len(self.client.config.parallel.served_ranks):

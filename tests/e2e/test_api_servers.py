@@ -4,7 +4,9 @@ connection; /metrics, from any of them, adds up every server's requests; a LoRA 
 through one is served by all and unloaded from all; a stored response is found through any; a
 sleep asked of one is woken through any; an API server that is killed is started again (its running requests aborted in the engine, the
 others' answered); an engine core that dies is restarted and every API server serves again.
-On a tiny random Llama with a LoRA adapter."""
+On a tiny random Llama with a LoRA adapter. Two API servers also serve a headless machine's engine
+core (data parallelism across machines, both on 127.0.0.1): requests through either reach both
+engine cores, and its death and return are every API server's news."""
 from __future__ import annotations
 
 import json
@@ -18,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.server import ROOT, Server, alive
+from tests.e2e.server import ROOT, HeadlessProcess, Server, alive, free_ports
 from tests.helpers import save_tiny_llama, save_tiny_lora, save_tiny_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -220,3 +222,33 @@ def test_an_engine_core_that_dies_is_restarted_and_every_server_serves_again(set
         time.sleep(0.5)
     grew = _served_by_several(server.url)
     assert len(grew) >= 2
+
+
+def test_two_api_servers_serve_a_headless_machines_engine_core_too(setup):
+    _, root = setup
+    tiny = ("--model", str(root / "base"), "--served-model-name", "tiny", "-dp", "2", "-dpl", "1")
+    port = free_ports(1)
+    headless = HeadlessProcess(*tiny, "--data-parallel-start-rank", "1", "--data-parallel-rpc-port", str(port))
+    server = None
+    try:
+        server = Server(*tiny, "--data-parallel-rpc-port", str(port), "--api-server-count", "2")
+        headless.wait_joined()
+        grew = _served_by_several(server.url)
+        assert set(grew) == {0, 1}
+        queries = _metric(server.url, "vllm:prefix_cache_queries_total")
+        assert len(queries) == 2 and all(n > 0 for n in queries.values()), queries   # both engine cores served
+        pid = headless.engine_pid()
+        os.kill(pid, signal.SIGKILL)
+        log = server.log_when(lambda text: "engine core 1 is back" in text, timeout=120)
+        assert "engine core 1 is back" in log
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(s == 200 for s, _ in _answers(server.url, PROMPTS)):
+            time.sleep(0.5)
+        before = _metric(server.url, "vllm:prefix_cache_queries_total")
+        assert set(_served_by_several(server.url)) == {0, 1}
+        after = _metric(server.url, "vllm:prefix_cache_queries_total")
+        assert all(after[k] > before[k] for k in after), (before, after)          # the new one serves again
+    finally:
+        if server is not None:
+            server.stop()
+        headless.stop()

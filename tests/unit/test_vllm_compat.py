@@ -617,10 +617,9 @@ def test_several_api_servers_are_refused_where_they_cannot_serve(capsys):
     assert exc.value.code == 2 and "--api-server-count: a --headless machine runs no API server" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         serve.parse_args(["-asc", "0"])
-    for argv, words in ((["-dp", "2", "--data-parallel-backend", "ray"], "engine cores of this machine only"),
-                        (["-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1"], "engine cores of this machine only")):
-        args = serve.parse_args([*argv, "-asc", "2"])
-        with pytest.raises(ValueError, match=words):
-            check_api_server_count(args.api_server_count, EngineArgs.from_cli_args(args).create_engine_config(), False)
-    args = serve.parse_args(["-dp", "2", "-asc", "3"])
-    check_api_server_count(3, EngineArgs.from_cli_args(args).create_engine_config(), False)
+    args = serve.parse_args(["-dp", "2", "--data-parallel-backend", "ray", "-asc", "2"])
+    with pytest.raises(ValueError, match="not with --data-parallel-backend ray"):
+        check_api_server_count(2, EngineArgs.from_cli_args(args).create_engine_config(), False)
+    for argv in (["-dp", "2"], ["-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1"], ["-dp", "2", "-dpl", "0"]):
+        args = serve.parse_args([*argv, "-asc", "3"])        # this machine's engine cores, or headless ones
+        check_api_server_count(3, EngineArgs.from_cli_args(args).create_engine_config(), False)
