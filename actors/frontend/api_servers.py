@@ -112,6 +112,14 @@ class LoRARegistry(Msg):
     loras: list[LoRARequest]
 
 
+class AbortOpen(Msg):
+    """Abort the open requests named by ``request_ids`` (None: all), on every API server but
+    ``exclude``; replies with how many were aborted."""
+    reply_type: ClassVar[Any] = int
+    request_ids: list[str] | None
+    exclude: int = -1
+
+
 class DrainServer(Msg):
     """Take no new request; let the running ones finish for up to ``timeout`` seconds (then fail
     them); replies with how many did not finish."""
@@ -157,7 +165,7 @@ class ForgetResponse(Msg):
     response_id: str
 
 
-ApiPeerProtocol = (Serve | ControlState | EngineState | GetRequestStats | LoRARegistry | DrainServer | OthersRequestStats
+ApiPeerProtocol = (Serve | ControlState | EngineState | GetRequestStats | LoRARegistry | AbortOpen | DrainServer | OthersRequestStats
                    | ChangeLoRA | KeepResponse | FetchResponse | ForgetResponse)
 
 
@@ -206,6 +214,16 @@ class SharedState:
             await self.root.ask(msg, timeout=ASK_TIMEOUT_S * 2)
         except (ActorDied, AskTimeout, RemoteError) as exc:
             log.warning("the other API servers did not learn the pause or sleep state: %s", exc)
+
+    async def abort_open(self, ids: list[str] | None) -> int:
+        """The other API servers' open requests named by ``ids`` (None: all) aborted; how many."""
+        if self.hub is not None:
+            return await self.hub.abort_open(ids, exclude=0)
+        try:
+            return await self.root.ask(AbortOpen(ids, self.index), timeout=ASK_TIMEOUT_S * 2)
+        except (ActorDied, AskTimeout, RemoteError) as exc:
+            log.warning("the other API servers' requests were not aborted: %s", exc)
+            return 0
 
     async def keep_response(self, rid: str, stored: Stored) -> None:
         try:
@@ -273,6 +291,10 @@ class ApiPeer(Actor):
                 return client.stats.request_stats(client.num_open)
             case LoRARegistry(loras=loras):
                 set_loras(server, loras)
+            case AbortOpen(request_ids=ids, exclude=exclude):
+                if self.hub is None:                    # API server 0 asks each of the others
+                    return server.abort_here(ids)
+                return server.abort_here(ids) + await self.hub.abort_open(ids, exclude)
             case DrainServer(reason=reason, timeout=timeout):
                 return await drain_client(server.engine(), reason, timeout)
             case OthersRequestStats(exclude=exclude):
@@ -436,6 +458,17 @@ class ApiServers:
             except (ActorDied, AskTimeout, RemoteError) as exc:
                 log.warning("API server %s did not take %s: %s", child.spec.name, type(msg).__name__, exc)
         await asyncio.gather(*(one(c) for c in list(self.children.values())))
+
+    async def abort_open(self, ids: list[str] | None, exclude: int) -> int:
+        """``AbortOpen`` on every other API server but ``exclude``; how many they aborted."""
+        async def one(child: ChildProcess) -> int:
+            try:
+                return await self.fe.node.ref(topology.API_PEER, child.spec.name).ask(AbortOpen(ids),
+                                                                                     timeout=ASK_TIMEOUT_S)
+            except (ActorDied, AskTimeout, RemoteError) as exc:
+                log.warning("API server %s did not abort its requests: %s", child.spec.name, exc)
+                return 0
+        return sum(await asyncio.gather(*(one(c) for i, c in list(self.children.items()) if i != exclude)))
 
     async def request_stats(self, exclude: int) -> list[RequestStats]:
         """The request stats of every API server but ``exclude`` (those that answer in time)."""

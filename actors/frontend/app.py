@@ -107,6 +107,7 @@ class OpenAIServer:
         self.request_defaults = ServerDefaults()
         self.responses = responses.ResponseStore()     # for GET /v1/responses/{id} and previous_response_id
         self.shared: Any = None       # with several API servers (api_servers.SharedState): what they share
+        self.open_answers: dict[str, list[str]] = {}   # an answer's id -> its engine requests' ids
         self.server_load = 0             # generation requests being answered (GET /load)
         self.anthropic_merge_system: bool | None = None   # the template takes one leading system message only
         self.has_text = True             # False: --skip-tokenizer-init (token ids in and out, no text)
@@ -139,6 +140,21 @@ class OpenAIServer:
         if self.shared is not None:
             client = self.engine()
             await self.shared.control_state(client.pause_mode, client.sleep_level)
+
+    def abort_here(self, ids: list[str] | None) -> int:
+        """Abort this server's open requests named by ``ids`` (an answer's or a request's id; None:
+        all of them); how many."""
+        client = self.engine()
+        if ids is None:
+            return len(client.abort_open())
+        return len(client.abort_open([e for rid in ids for e in self.open_answers.get(rid, [rid])]))
+
+    async def abort_everywhere(self, ids: list[str] | None) -> int:
+        """``abort_here`` on this server and, with several API servers, on every one."""
+        aborted = self.abort_here(ids)
+        if self.shared is not None:
+            aborted += await self.shared.abort_open(ids)
+        return aborted
 
     async def metrics_stats(self) -> EngineStats:
         """The stats /metrics shows: with several API servers, every one's requests added up."""
@@ -181,10 +197,10 @@ class OpenAIServer:
         app = web.Application(client_max_size=self.options.max_body_bytes,
                               middlewares=[self._middleware, *self.options.middleware])
         app.on_response_prepare.append(self.options.cors.on_prepare)
-        self._add_routes(app, {})
+        self._add_routes(app, self.open_answers)
         if self.options.root_path:
             under = web.Application(client_max_size=self.options.max_body_bytes)
-            self._add_routes(under, app[OPEN_ANSWERS])
+            self._add_routes(under, self.open_answers)
             app.add_subapp(self.options.root_path, under)
         return app
 

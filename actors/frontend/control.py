@@ -41,7 +41,6 @@ from aiohttp import web
 
 from actors.frontend.client import ProfilerAlreadyActive
 from actors.frontend.errors import ApiError, bad_request, error_response, json_encoder
-from actors.frontend.generation import OPEN_ANSWERS
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
@@ -108,12 +107,9 @@ async def abort_requests(server: OpenAIServer, request: web.Request) -> web.Resp
     ids = body.get("request_ids")
     if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
         raise bad_request("request_ids must be a list of strings", "request_ids")
-    client = server.engine()
     if not ids:
-        return _json({"status": "aborted", "aborted": len(client.abort_open())})
-    answers = request.app[OPEN_ANSWERS]
-    engine_ids = [e for rid in ids for e in answers.get(rid, [rid])]
-    client.abort_open(engine_ids)
+        return _json({"status": "aborted", "aborted": await server.abort_everywhere(None)})
+    await server.abort_everywhere(ids)
     return _json({"status": "aborted", "aborted": len(ids)})
 
 

@@ -38,7 +38,7 @@ from actors.frontend.chat import start_chat
 from actors.frontend.completions import start_completion
 from actors.frontend.errors import bad_request, error_response, json_encoder
 from actors.frontend.fanout import Choice, submit_choices
-from actors.frontend.generation import OPEN_ANSWERS, Answer, Generation
+from actors.frontend.generation import Answer, Generation
 from actors.engine.messages import Logprobs
 from actors.frontend.logprobs import CompletionLogprobs, chat_logprobs, finite, prompt_logprobs_json
 from actors.frontend.params import PromptInput
@@ -355,8 +355,7 @@ async def abort_requests(server: OpenAIServer, request: web.Request) -> web.Resp
     ids = body.get("request_ids") if isinstance(body, dict) else None
     if not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
         raise bad_request("Missing 'request_ids' in request body (a list of strings)", "request_ids")
-    answers = request.app[OPEN_ANSWERS]
-    server.engine().abort_open([e for rid in ids for e in answers.get(rid, [rid])])
+    await server.abort_everywhere(ids)
     return web.Response(status=200)
 
 

@@ -2,7 +2,8 @@
 share one engine core. Every answer is the one the engine gives whichever server took the
 connection; /metrics, from any of them, adds up every server's requests; a LoRA adapter loaded
 through one is served by all and unloaded from all; a stored response is found through any; a
-sleep asked of one is woken through any; an API server that is killed is started again (its running requests aborted in the engine, the
+sleep asked of one is woken through any; /abort_requests through one aborts every server's
+requests; an API server that is killed is started again (its running requests aborted in the engine, the
 others' answered); an engine core that dies is restarted and every API server serves again.
 On a tiny random Llama with a LoRA adapter. Two API servers also serve a headless machine's engine
 core (data parallelism across machines, both on 127.0.0.1): requests through either reach both
@@ -67,6 +68,11 @@ def _metric(url: str, name: str) -> dict[str, float]:
 
 def _per_server(url: str) -> dict[int, float]:
     samples = _metric(url, "troupe:api_server_requests_total")
+    return {int(re.search(r'api_server="(\d+)"', k).group(1)): v for k, v in samples.items()}
+
+
+def _open(url: str) -> dict[int, float]:
+    samples = _metric(url, "troupe:api_server_requests_open")
     return {int(re.search(r'api_server="(\d+)"', k).group(1)): v for k, v in samples.items()}
 
 
@@ -168,15 +174,33 @@ def test_a_sleep_through_one_server_is_woken_through_any(setup):
     assert all(status == 200 for status, _ in _answers(server.url, PROMPTS))
 
 
+def test_abort_requests_through_one_server_aborts_every_servers_requests(setup):
+    """vLLM's POST /abort_requests (VLLM_SERVER_DEV_MODE): every API server's open requests end."""
+    server, _ = setup
+    assert _request("POST", server.url + "/pause?mode=keep")[0] == 200      # they wait in the engine
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            running = [pool.submit(_request, "POST", server.url + "/v1/completions",
+                                   {"model": "tiny", "prompt": p, "max_tokens": 8}) for p in PROMPTS * 2]
+            deadline = time.monotonic() + 60
+            while sum(_open(server.url).values()) < len(running) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            held = _open(server.url)
+            assert sum(held.values()) == len(running) and len([n for n in held.values() if n]) >= 2, held
+            status, text = _request("POST", server.url + "/abort_requests", {})
+            assert status == 200 and json.loads(text)["aborted"] == len(running), text
+            for f in running:
+                status, text = f.result(timeout=60)
+                assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "abort", text
+    finally:
+        assert _request("POST", server.url + "/resume")[0] == 200
+    assert all(status == 200 for status, _ in _answers(server.url, PROMPTS))
+
+
 def _api_pid(server: Server, index: int, after: int = 0) -> int:
     log = server.log_when(lambda text: len(re.findall(rf"API server {index} serving \(pid (\d+)\)", text)) > after,
                           timeout=120)
     return int(re.findall(rf"API server {index} serving \(pid (\d+)\)", log)[after])
-
-
-def _open(url: str) -> dict[int, float]:
-    samples = _metric(url, "troupe:api_server_requests_open")
-    return {int(re.search(r'api_server="(\d+)"', k).group(1)): v for k, v in samples.items()}
 
 
 def test_a_killed_api_server_is_started_again_and_its_requests_aborted(setup):
