@@ -394,6 +394,9 @@ class ApiServers:
                                          fds=tuple(self.fds))
         self.children[i] = child
         self.tcp[i] = decode_info(ready, ApiServerReady).tcp_address
+        for rank, (node, address) in self._engine_nodes().items():   # restarted while it started
+            if engines.get(rank) != (node, address) and rank not in fe._down:
+                fe.node.ref(topology.API_PEER, name).tell(EngineState(rank, True, node=node, address=address))
         up = [rank for rank in engines if rank not in fe._down]
         await asyncio.gather(*(self._connect(i, rank) for rank in up))
         client = fe.client
