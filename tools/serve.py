@@ -457,9 +457,6 @@ async def serve(args: argparse.Namespace) -> int:
         addr = await http.ask(GetAddress())
         print(f"Troupe listening on {addr.url} (loading the model)", flush=True)
         config = EngineArgs.from_cli_args(args).create_engine_config()
-        if args.api_server_count > 1:
-            from actors.frontend.api_servers import check_api_server_count
-            check_api_server_count(args.api_server_count, config, args.headless)
         defaults = config.model.sampling_defaults.as_dict()
         if defaults:
             log.warning("requests that leave them unset get the generation config's defaults %s "

@@ -74,6 +74,7 @@ class ApiServerSpec(msgspec.Struct):
     engines: dict[int, str]            # served data-parallel rank -> its engine node
     host: str = ""                     # else the host and port to listen on too, with SO_REUSEPORT
     port: int = 0
+    tcp_host: str = ""                 # where engine cores of other machines reach it ("": none)
 
 
 # -- API server 0 -> the others ----------------------------------------------------------------
@@ -383,7 +384,7 @@ class ApiServers:
                  **{node: address for node, address in engines.values()}}
         payload = msgspec.msgpack.encode(ApiServerSpec(i, self.argv, config, self.fds,
                                                        {rank: node for rank, (node, _) in engines.items()},
-                                                       self.host, self.port))
+                                                       self.host, self.port, self._tcp_host()))
         obs = config.observability
         spec = NodeSpec(name, "tools.serve:api_server_entry", payload, fe.ipc_dir, topology.FRONTEND_NODE, peers,
                         trace=obs.trace, flight_dir=obs.flight_recorder_dir)
@@ -405,11 +406,26 @@ class ApiServers:
                   ControlState(client.pause_mode, client.sleep_level)), timeout=ASK_TIMEOUT_S)
         log.info("API server %d serving (pid %d)", i, child.pid)
 
+    def _tcp_ranks(self) -> set[int]:
+        """The engine cores of other machines (headless ones, or all on a Ray cluster)."""
+        p = self.fe.client.config.parallel
+        return set(p.served_ranks) if p.data_parallel_backend == "ray" else set(p.remote_ranks)
+
+    def _tcp_host(self) -> str:
+        """Where the API servers listen for engine cores of other machines: this machine's
+        address on the Ray cluster, or --data-parallel-address ("": none to listen for)."""
+        if not self._tcp_ranks():
+            return ""
+        p = self.fe.client.config.parallel
+        if p.data_parallel_backend == "ray":
+            return self.fe.cluster_address.removeprefix("tcp://").rsplit(":", 1)[0]
+        return p.data_parallel_address
+
     async def _connect(self, i: int, rank: int) -> None:
         """Engine core ``rank`` sends API server ``i``'s outputs to it from now on."""
         child, parallel = self.children[i], self.fe.client.config.parallel
         scheduler = self.fe.engines[parallel.served_ranks.index(rank)].scheduler
-        address = self.tcp[i] if rank in parallel.remote_ranks else child.spec.bind
+        address = self.tcp[i] if rank in self._tcp_ranks() else child.spec.bind
         await scheduler.ask(ConnectClient(i, child.spec.name, address), timeout=ASK_TIMEOUT_S)
 
     def _exited(self, i: int, child: ChildProcess) -> None:
@@ -527,26 +543,11 @@ async def start_api_server(node: Node, spec: ApiServerSpec, server: OpenAIServer
         await node.start(topology.HTTP, lambda: HttpFrontend(server, spec.host, spec.port, ssl_context, refresh_from,
                                                              sockets=sockets, reuse_port=True))
     node.spawn(topology.API_PEER, lambda: ApiPeer(server, start_http=start_http, engines=dict(spec.engines)))
-    p = config.parallel
-    if not p.remote_ranks:
+    if not spec.tcp_host:
         return ApiServerReady()
-    where = f"tcp://{p.data_parallel_address}:*"     # for the headless machines' engine cores
+    where = f"tcp://{spec.tcp_host}:*"              # for the engine cores of other machines
     try:
         return ApiServerReady(node.transport.bind(where))
     except Exception as exc:
-        raise ValueError(f"API server {spec.index} cannot listen at {where} for the headless machines' "
-                         f"engine cores: {exc}") from None
-
-
-def check_api_server_count(count: int, config: EngineConfig, headless: bool) -> None:
-    """--api-server-count: what it can serve with (ValueError naming the conflict)."""
-    p = config.parallel
-    if count < 1:
-        raise ValueError(f"--api-server-count must be at least 1, got {count}")
-    if count == 1:
-        return
-    if headless:
-        raise ValueError("--api-server-count: a --headless machine runs no API server")
-    if p.data_parallel_backend == "ray":
-        raise ValueError("--api-server-count above 1 serves engine cores of this machine and of headless "
-                         "machines, not with --data-parallel-backend ray")
+        raise ValueError(f"API server {spec.index} cannot listen at {where} for the engine cores of "
+                         f"other machines: {exc}") from None

@@ -231,6 +231,7 @@ class RayChild(StoppableChild):
         self.host = host
         self.pid = 0
         self.ip = ""
+        self.address = ""                      # where its node receives (TCP), once ready
         self.returncode: int | None = None
         self.reason = ""                       # why the actor died (no exit code)
         self.exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -344,6 +345,7 @@ async def start_ray_child(node: Node, spec: NodeSpec, host: Any, *, ready_timeou
     else:
         beats.close(linger=0)
     node.connect(spec.name, ready.address)
+    child.address = ready.address
     system_actor(node).children.add(spec.name)
     child._on_exit = on_exit
     if child.exited.done():                  # died between its ready message and now

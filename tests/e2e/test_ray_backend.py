@@ -5,8 +5,8 @@ tokens, a killed rank's actor brings both ranks back with the request recomputed
 or placement group of an engine is left in the cluster once the engine is killed outright or the
 server stops; a rank whose event loop hangs (alive, no CPU used) is killed by its heartbeats, as a
 process is. --data-parallel-backend ray: two engine cores in Ray actors (each with its worker
-process) give the same tokens, a killed one is restarted in a new actor, and nothing is left once
-the server stops. Both at once as a KV producer: a decode server loads the prompt from the ranks'
+process) give the same tokens through both of two API servers (--api-server-count 2), a killed
+one is restarted in a new actor and serves both again, and nothing is left once the server stops. Both at once as a KV producer: a decode server loads the prompt from the ranks'
 side channels on the cluster address and answers the same."""
 from __future__ import annotations
 
@@ -145,6 +145,25 @@ def gone(pids, timeout: float = 15.0) -> bool:
     return not any(alive(p) for p in pids)
 
 
+def _both_api_servers_answer(server: Server) -> None:
+    """Requests on connections of their own until each of the two API servers has answered one
+    more (the kernel spreads the connections over them)."""
+    def answered() -> dict[str, float]:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
+            text = r.read().decode()
+        return dict(re.findall(r'^troupe:api_server_requests_total\{.*api_server="(\d)"\} (\S+)$', text, re.M))
+    before = answered()
+    for _ in range(40):
+        body = json.dumps({"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}).encode()
+        req = urllib.request.Request(server.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200
+        now = answered()
+        if all(float(now[i]) > float(before.get(i, 0)) for i in ("0", "1")):
+            return
+    raise AssertionError(f"one API server took every connection: {before} -> {now}")
+
+
 def _texts(server: Server, prompts: list[str], tokens: list[int]) -> list[str]:
     async def one(session, prompt, n):
         body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
@@ -209,9 +228,9 @@ def test_nothing_of_an_engine_is_left_in_the_cluster_when_it_is_killed_or_the_se
     assert state["groups"][f"troupe-engine-{engine}"] == "REMOVED"
 
 
-def test_engine_cores_in_ray_actors_serve_restart_and_leave_nothing(cluster, one_worker):
-    s = Server("--data-parallel-size", "2", "--data-parallel-backend", "ray", env={"RAY_ADDRESS": cluster},
-               ready_timeout=240)
+def test_engine_cores_in_ray_actors_serve_two_api_servers_restart_and_leave_nothing(cluster, one_worker):
+    s = Server("--data-parallel-size", "2", "--data-parallel-backend", "ray", "--api-server-count", "2",
+               env={"RAY_ADDRESS": cluster}, ready_timeout=240)
     try:
         prefix = f"troupe-frontend-{s.pid}-"
         engines = {n: p for n, p in cluster_state(cluster)["actors"].items() if n.startswith(prefix)}
@@ -222,6 +241,7 @@ def test_engine_cores_in_ray_actors_serve_restart_and_leave_nothing(cluster, one
         assert any("Ray placement group of 2 bundles (1 CPU each) for the engine cores ready" in line
                    for line in s.lines)
         assert _texts(s, PROMPTS, TOKENS) == one_worker
+        _both_api_servers_answer(s)
 
         os.kill(engines[prefix + "engine1-g0"], signal.SIGKILL)
         deadline = time.monotonic() + 240
@@ -232,6 +252,7 @@ def test_engine_cores_in_ray_actors_serve_restart_and_leave_nothing(cluster, one
         now = {n: p for n, p in cluster_state(cluster)["actors"].items() if n.startswith(prefix)}
         assert sorted(now) == [prefix + "engine-g0", prefix + "engine1-g1"]
         assert _texts(s, PROMPTS, TOKENS) == one_worker
+        _both_api_servers_answer(s)
 
         pids = [*now.values(), *(c for p in now.values() for c in children(p))]
         s.stop()

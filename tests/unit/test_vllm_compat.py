@@ -610,16 +610,12 @@ def test_tokenizer_names_a_tokenizer_directory_a_gguf_file_or_a_known_model(tmp_
         resolve_tokenizer("meta-llama/Llama-3.2-1B")
 
 
-def test_several_api_servers_are_refused_where_they_cannot_serve(capsys):
-    from actors.frontend.api_servers import check_api_server_count
+def test_several_api_servers_are_refused_on_a_headless_machine(capsys):
     with pytest.raises(SystemExit) as exc:
         serve.parse_args(["--headless", "-dp", "2", "-dpl", "1", "-asc", "2"])
     assert exc.value.code == 2 and "--api-server-count: a --headless machine runs no API server" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         serve.parse_args(["-asc", "0"])
-    args = serve.parse_args(["-dp", "2", "--data-parallel-backend", "ray", "-asc", "2"])
-    with pytest.raises(ValueError, match="not with --data-parallel-backend ray"):
-        check_api_server_count(2, EngineArgs.from_cli_args(args).create_engine_config(), False)
-    for argv in (["-dp", "2"], ["-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1"], ["-dp", "2", "-dpl", "0"]):
-        args = serve.parse_args([*argv, "-asc", "3"])        # this machine's engine cores, or headless ones
-        check_api_server_count(3, EngineArgs.from_cli_args(args).create_engine_config(), False)
+    for argv in (["-dp", "2"], ["-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1"], ["-dp", "2", "-dpl", "0"],
+                 ["-dp", "2", "--data-parallel-backend", "ray"]):
+        assert serve.parse_args([*argv, "-asc", "3"]).api_server_count == 3
