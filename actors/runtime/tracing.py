@@ -247,8 +247,10 @@ def write_flight_record(directory: str, node: str, pid: int, reason: str,
         path = os.path.join(directory, f"{node}-{pid}-{stamp}.json")
         trace = to_chrome_trace(records, {node: pid, **(pids or {})}, steps)
         trace["metadata"] = {"node": node, "pid": pid, "reason": reason, "records": len(records)}
-        with open(path, "w") as f:
-            json.dump(trace, f)
+        partial = os.path.join(directory, f".{node}-{pid}-{stamp}.{os.getpid()}.partial")
+        with open(partial, "w") as f:                 # a reader never sees half a file:
+            json.dump(trace, f)                       # the .json name appears whole
+        os.replace(partial, path)
         return path
     except OSError as exc:
         log.error("flight recorder: could not write the trace of node '%s' (pid %d): %s", node, pid, exc)
