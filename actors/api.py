@@ -12,6 +12,7 @@ import dataclasses
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence, Sized, Union
 
@@ -434,28 +435,66 @@ def _vllm_logprobs(lp: Logprobs, text_of: TokenText) -> list[dict[int, Logprob]]
 CLOSED = "this LLM is closed: create another to generate"
 
 
+class _LoopThread:
+    """What an ``LLM`` runs on: an event loop in a background thread and the engine on it. Nothing
+    here refers back to the ``LLM``, so the finalizer that stops them runs when the ``LLM`` is
+    collected or, at the latest, when the interpreter exits (vLLM's ``LLM`` is used without
+    closing it: its engine must not outlive the script, nor leave its tasks pending)."""
+
+    def __init__(self) -> None:
+        import uvloop
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="troupe-llm", daemon=True)
+        self.thread.start()
+        self.llm: AsyncLLM | None = None
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        if self.loop.is_closed():
+            coro.close()
+            raise RuntimeError(CLOSED)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if threading.current_thread() is self.thread:     # collected on its own loop: cannot wait there
+            self.loop.call_soon(self.loop.stop)
+            return
+        try:
+            if llm is not None and self.loop.is_running():
+                self.run(llm.shutdown(), timeout=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            if not self.loop.is_running():
+                self.loop.close()
+
+
 class LLM:
-    """Synchronous front of AsyncLLM: its event loop runs in a background thread."""
+    """Synchronous front of AsyncLLM: its event loop runs in a background thread. ``close()`` (or
+    a ``with`` block) stops the engine; otherwise it stops when the object is collected or the
+    interpreter exits."""
 
     def __init__(self, model: str | None = None, *, multiprocess: bool | None = None,
                  **engine_options: Any) -> None:
-        import uvloop
-        self._loop = uvloop.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="troupe-llm", daemon=True)
-        self._thread.start()
+        self._thread = _LoopThread()
+        self._finalizer = weakref.finalize(self, self._thread.close)
         engine_options.setdefault("disable_log_stats", True)      # vLLM's LLM logs no statistics
         try:
-            self._llm: AsyncLLM | None = self._run(AsyncLLM.create(model, multiprocess=multiprocess,
-                                                            **engine_options))
+            self._thread.llm = self._run(AsyncLLM.create(model, multiprocess=multiprocess, **engine_options))
         except BaseException:
-            self._stop_loop()
+            self._finalizer()
             raise
 
+    @property
+    def _llm(self) -> AsyncLLM | None:
+        return self._thread.llm
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self._thread.loop
+
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
-        if self._loop.is_closed():
-            coro.close()
-            raise RuntimeError(CLOSED)
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self._thread.run(coro, timeout)
 
     @property
     def client(self) -> Any:
@@ -617,20 +656,7 @@ class LLM:
     def close(self) -> None:
         """Stop the engine and let go of it: its weights and KV cache are freed even while this
         object is still referred to."""
-        if self._llm is None:
-            return
-        try:
-            if self._loop.is_running():
-                self._run(self._llm.shutdown(), timeout=60)
-        finally:
-            self._llm = None
-            self._stop_loop()
-            if not self._loop.is_running():
-                self._loop.close()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self

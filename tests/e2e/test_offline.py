@@ -222,6 +222,40 @@ def test_an_engine_in_the_users_process_runs_its_openmp_threads_with_the_short_s
     assert proc.stdout.split()[-2:] == ["2", "None"]
 
 
+def test_a_script_that_never_closes_its_llms_exits_cleanly_and_leaves_no_process():
+    """vLLM's scripts make an ``LLM`` and never close it: at the interpreter's exit an in-process
+    engine and one with processes of its own both stop as ``close()`` stops them (no pending tasks
+    destroyed, no engine core mourning its parent, no flight record, no process left)."""
+    script = ("import psutil\nfrom actors.api import LLM, SamplingParams\n"
+              "here = LLM(max_model_len=256)\n"
+              "apart = LLM(max_model_len=256, multiprocess=True)\n"
+              "for llm in (here, apart):\n"
+              "    print(len(llm.generate('Hello', SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids))\n"
+              "print(*[p.pid for p in psutil.Process().children(recursive=True)])\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "TROUPE_LOG_LEVEL": "info"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.split("\n")
+    assert lines[:2] == ["2", "2"]
+    children = [int(p) for p in lines[2].split()]
+    assert len(children) >= 2                                   # the engine core and its worker
+    for bad in ("Task was destroyed", "CRITICAL", "flight recorder", "Traceback"):
+        assert bad not in proc.stderr, proc.stderr[-3000:]
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in children if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie's parent, gone, no longer reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_beam_search_keeps_the_most_likely_sequences_with_their_true_logprobs(llm):
     """vLLM's LLM.beam_search: width 1 is greedy decoding; wider, the beams are distinct, best
     first by length-penalized score, and each beam's cumulative log-prob is what the model gives
