@@ -1,9 +1,10 @@
 """The GGUF block formats run natively: each linear layer keeps its checkpoint's Q4_1 / Q8_0
 weights (repacked into the panels of ``kernels/cpu/gemm.c``: 0.625 / 1.06 bytes a weight instead
 of float32's 4) and multiplies them by float32 activations with the native panel kernel, which
-dequantizes to exactly the checkpoint's float32 values, so only the summation order differs
-from the exact mode. A decode step reads a fifth of float32's weight bytes; larger batches
-dequantize each panel once per call and run at float32 speed.
+dequantizes to exactly the checkpoint's float32 values and sums the products in the order it sums
+float32 panels: the results are float32 copies' bit for bit (which is why exact mode on the CPU
+keeps a GGUF file's blocks, actors/worker/worker.py). A decode step reads a fifth of float32's
+weight bytes; larger batches dequantize each panel once per call and run at float32 speed.
 
 Fused layers (q|k|v, gate|up) take their shards' block rows in shard order; the model class's
 row fixups (llama.cpp's permutation of attn_q / attn_k) are undone on whole block rows, and a

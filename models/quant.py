@@ -3,8 +3,8 @@ of it).
 
 ``gguf``: linear layers stored as Q4_1 / Q8_0 in the GGUF file keep those weights and multiply
 them by float32 activations with the native panel kernel (``models/gguf_native.py``,
-``kernels/cpu/gemm.c``): the weights are exactly the checkpoint's, only the summation order
-differs, and a decode step reads a fifth of float32's weight bytes.
+``kernels/cpu/gemm.c``): the weights are exactly the checkpoint's, summed in float32 panels' order
+(exact mode's results bit for bit), and a decode step reads a fifth of float32's weight bytes.
 
 ``gguf-i8``: the same weights, but multiplied by the activations split into
 two int8 parts per block of 32 (x ~= s1 q1 + s2 q2, about 14 bits kept) with integer dot

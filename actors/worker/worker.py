@@ -41,6 +41,7 @@ from models.tensor_parallel import shard_model
 
 log = logging.getLogger("troupe.worker")
 
+FLOAT_WEIGHTS_ENV = "TROUPE_GGUF_FLOAT_WEIGHTS"   # 1: exact mode keeps float32 copies of a GGUF file's blocks
 PROFILE_BUDGET_S = 10.0          # the most start-up time the step-cost profile takes (one rank)
 
 
@@ -116,8 +117,9 @@ class Worker:
         if self.config.lora is not None:     # LoRA slots around the (packed, quantized) projections
             from actors.worker.lora_manager import LoRAModelManager
             LoRAModelManager(self.model, self.config.lora, self.config.model.arch, self.device)
-        log.info("model %s loaded on %s (%s) in %.1f s", source.served_name, self.device.type,
-                 self.config.model.dtype, time.monotonic() - t0)
+        log.info("model %s loaded on %s (%s%s) in %.1f s", source.served_name, self.device.type,
+                 self.config.model.dtype, ", linear layers from the GGUF file's blocks" if self.model.exact_from_blocks
+                 else "", time.monotonic() - t0)
         self.draft_model: torch.nn.Module | None = None    # speculative decoding's draft model
         if draft_ckpt is not None and self.pp_rank == self.pp_size - 1:    # whole, on the stage that samples
             t0 = time.monotonic()
@@ -150,16 +152,37 @@ class Worker:
         packs = self.platform.packs_linears and packs_linears(self.config.compilation, quantization)
         return self.platform.compute_dtype(self.config.model.dtype, packs)
 
+    def _exact_from_blocks(self, quantized: str | None, compute: str, path: str) -> bool:
+        """Whether exact mode runs a GGUF file's Q4_1 / Q8_0 linear weights from their blocks:
+        on the CPU, float32 weights and activations, the native panel kernels (compilation level
+        1). The panel kernel sums each output's products in input order whether its panel was
+        dequantized from blocks or held as float32, and dequantizes exactly as the loader does,
+        so the results are the float32 copies' bit for bit while a decode step reads a fifth of
+        their bytes (tests/e2e/test_quantized.py). ``TROUPE_GGUF_FLOAT_WEIGHTS=1`` keeps float32
+        copies instead (what a float checkpoint reloaded into the model needs)."""
+        cfg = self.config
+        if (quantized is not None or not path.endswith(".gguf") or compute != "float32"
+                or cfg.model.dtype != "float32" or not self.platform.packs_linears
+                or not packs_linears(cfg.compilation, None)
+                or os.environ.get(FLOAT_WEIGHTS_ENV, "").strip().lower() in ("1", "true", "yes")):
+            return False
+        from kernels.cpu.native import available
+        return available()[0]
+
     def _load(self, ckpt: Checkpoint, backend: AttentionBackend, quantization: str | None, path: str,
-              staged: bool = True) -> torch.nn.Module:
+              staged: bool = True, blocks: bool | None = None) -> torch.nn.Module:
         """A model split over this worker's ranks: its tensor-parallel share and, when ``staged``
-        (the target, not a draft model), its pipeline stage's layers."""
+        (the target, not a draft model), its pipeline stage's layers. ``blocks``: whether exact
+        mode keeps a GGUF file's blocks (None: as ``_exact_from_blocks`` decides)."""
         cfg = self.config
         staged = staged and self.pp_size > 1
         quantized = quantization
         if ckpt.quantization_config is not None:     # a quantized checkpoint (config.json says which)
             quantized = str(ckpt.quantization_config.get("quant_method"))
         compute = self._compute_dtype(quantized)
+        storage = quantization
+        if (blocks if blocks is not None else self._exact_from_blocks(quantized, compute, path)):
+            storage = "gguf"                         # exact mode's results from the file's blocks
 
         def this_ranks_part(model: torch.nn.Module) -> None:
             """Once loaded, before quantized weights are processed and anything is packed."""
@@ -170,8 +193,9 @@ class Worker:
                             expert_parallel=cfg.parallel.enable_expert_parallel)
                 log_expert_placement(model, self.tp_rank)
         model = build_model(ckpt, torch_dtype(compute), backend, cfg.cache.block_size,
-                            self.device.type, torch_dtype(cfg.cache.cache_dtype), quantization,
+                            self.device.type, torch_dtype(cfg.cache.cache_dtype), storage,
                             transform=this_ranks_part)
+        model.exact_from_blocks = storage != quantization
         comp = cfg.compilation
         if self.platform.packs_linears and packs_linears(comp, quantized):   # packed once for the native kernels
             prepack_linears(model, bfloat16=compute != cfg.model.dtype and cfg.model.dtype == "bfloat16")
@@ -383,9 +407,15 @@ class Worker:
             except ValueError as exc:
                 raise ValueError(f"reload_weights: {exc}") from None
             source = ModelSource(found.kind, found.path, old.served_name, old.hf_overrides)
+        blocks = self.model.exact_from_blocks
+        if blocks and not source.path.endswith(".gguf"):
+            raise ValueError(f"reload_weights: the served model runs its GGUF file's Q4_1 / Q8_0 blocks, which the "
+                             f"float weights of {source.path} cannot be copied into; start the server with "
+                             f"{FLOAT_WEIGHTS_ENV}=1 to hold float32 copies instead")
         t0 = time.monotonic()
         try:
-            fresh = self._load(open_checkpoint(source), self.attn_backend, self.config.model.quantization, source.path)
+            fresh = self._load(open_checkpoint(source), self.attn_backend, self.config.model.quantization, source.path,
+                               blocks=blocks)
         except OSError as exc:
             raise ValueError(f"reload_weights: {source.path} could not be read ({exc})") from None
         try:

@@ -360,7 +360,7 @@ def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
     before = rss_mib()
     llm.close()
     freed = before - rss_mib()
-    assert freed > 500, f"closing freed only {freed:.0f} MiB"     # the weights alone are 540 MB
+    assert freed > 180, f"closing freed only {freed:.0f} MiB"     # the weights alone: 92 MB of blocks, a 113 MB embedding
     with pytest.raises(RuntimeError, match="this LLM is closed"):
         llm.generate("The capital of France is")
     llm.close()                        # a second close does nothing

@@ -7,6 +7,7 @@ mid-request brings its whole group back, the request recomputed and answered in 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -66,6 +67,23 @@ def _texts(server: Server, prompts: list[str], tokens: list[int]) -> list[str]:
     return asyncio.run(main())
 
 
+def _streamed(server: Server, prompt: str, max_tokens: int, first: threading.Event) -> str:
+    """A streamed completion's text; ``first`` set once its first token arrives."""
+    async def main():
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        text = []
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + "/v1/completions", json=body,
+                                    timeout=aiohttp.ClientTimeout(total=240)) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+                        first.set()
+        return "".join(text)
+    return asyncio.run(main())
+
+
 def test_two_workers_answer_as_one_worker_does(server, one_worker):
     kind, s = server
     (engine,) = children(s.pid)
@@ -80,12 +98,16 @@ def test_a_killed_worker_brings_both_back_and_the_request_is_recomputed(server, 
     (engine,) = children(s.pid)
     before = children(engine)
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(text=_texts(s, PROMPTS[3:], TOKENS[3:])[0]))
+    streaming = threading.Event()
+    thread = threading.Thread(target=lambda: result.update(text=_streamed(s, PROMPTS[3], TOKENS[3], streaming)))
     thread.start()
-    time.sleep(1.0)
-    os.kill(before[1], signal.SIGKILL)
+    assert streaming.wait(120), "no token streamed"
+    os.kill(before[1], signal.SIGKILL)                  # mid-request: its first token is out
     thread.join(240)
     assert result.get("text") == one_worker[3]
+    deadline = time.monotonic() + 60
+    while not any("workers restarted" in line for line in s.lines) and time.monotonic() < deadline:
+        time.sleep(0.2)
     after = children(engine)
     assert len(after) == 2 and not set(after) & set(before) and not any(alive(p) for p in before)
     assert any("workers restarted" in line for line in s.lines)

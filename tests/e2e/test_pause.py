@@ -159,8 +159,9 @@ def _rss_mib(pid: int) -> float:
 
 def test_sleep_gives_back_the_workers_memory_and_wake_up_serves_the_same_tokens(server):
     """Level 2: the worker gives back the weights and the KV cache (its resident memory drops by
-    more than the weights' 500 MB), a request sent meanwhile waits, /wake_up reads the weights again
-    and it is answered with the tokens it had before; level 1 wakes in two steps (tags)."""
+    more than 180 MB: the weights are the GGUF file's 92 MB of blocks and a 113 MB float32
+    embedding), a request sent meanwhile waits, /wake_up reads the weights again and it is
+    answered with the tokens it had before; level 1 wakes in two steps (tags)."""
     async def main():
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             before = await _text(session, server.url, BODY)
@@ -189,7 +190,7 @@ def test_sleep_gives_back_the_workers_memory_and_wake_up_serves_the_same_tokens(
             return before, awake_mib, asleep_mib, after, partly, whole, still, again, bad
     before, awake_mib, asleep_mib, after, partly, whole, still, again, bad = asyncio.run(main())
     print(f"\nworker resident memory: {awake_mib:.0f} MiB awake, {asleep_mib:.0f} MiB asleep (level 2)")
-    assert awake_mib - asleep_mib > 500
+    assert awake_mib - asleep_mib > 180
     assert after == before == again
     assert partly == {"status": "sleeping", "tags": ["weights"]}          # the KV cache still asleep
     assert whole == {"status": "awake", "tags": ["kv_cache"]} and not still
