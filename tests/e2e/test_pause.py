@@ -284,14 +284,19 @@ def test_server_info_shows_the_resolved_config_the_environment_and_the_system_an
     assert bad == 400 and sizes == [1, 1]
 
 
-def test_collective_rpc_reloads_the_weights_and_refuses_what_workers_do_not_answer(server):
+def test_collective_rpc_reloads_the_weights_and_refuses_what_workers_do_not_answer(server, tmp_path):
+    """... and float weights, which the GGUF file's blocks that exact mode runs cannot take."""
+    from helpers import save_tiny_llama
+    floats = save_tiny_llama(tmp_path / "floats", 49152, 64, 128, 4, 2, 16, 512)
+
     async def run():
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             before = await _text(s, server.url, BODY)
             statuses = []
             for body in ({"method": "execute_model"}, {"args": []}, {"method": "reload_weights", "kwargs": {"x": "1"}},
                          {"method": "reload_weights", "kwargs": {"weights_path": "/nowhere"}},
-                         {"method": "reload_weights", "args": "x"}):
+                         {"method": "reload_weights", "args": "x"},
+                         {"method": "reload_weights", "kwargs": {"weights_path": floats}}):
                 async with s.post(server.url + "/collective_rpc", json=body) as resp:
                     statuses.append((resp.status, (await resp.json())["error"]["message"]))
             async with s.post(server.url + "/collective_rpc", json={"method": "reload_weights"}) as resp:
@@ -299,7 +304,9 @@ def test_collective_rpc_reloads_the_weights_and_refuses_what_workers_do_not_answ
                 reloaded = await resp.json()
             return before, statuses, reloaded, await _text(s, server.url, BODY)
     before, statuses, reloaded, after = asyncio.run(run())
-    assert [s for s, _ in statuses] == [400] * 5
+    assert [s for s, _ in statuses] == [400] * 6
     assert "unknown worker method 'execute_model'" in statuses[0][1] and "Missing 'method'" in statuses[1][1]
     assert "unexpected keyword argument 'x'" in statuses[2][1] and "unknown model '/nowhere'" in statuses[3][1]
+    assert "runs its GGUF file's Q4_1 / Q8_0 blocks" in statuses[5][1]
+    assert "TROUPE_GGUF_FLOAT_WEIGHTS=1" in statuses[5][1]
     assert reloaded == {"results": [None]} and after == before      # the same weights read again
