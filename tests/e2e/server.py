@@ -195,3 +195,31 @@ def one_worker_texts(prompts: list[str], tokens: list[int]) -> list[str]:
         results = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                                          for n in tokens], use_tqdm=False)
     return [r.text for r in results]
+
+
+def streamed_text_in_thread(url: str, prompt: str, max_tokens: int, result: dict) -> tuple[threading.Thread, threading.Event]:
+    """A greedy streamed completion of ``prompt`` in a thread of its own: ``result["text"]`` once it
+    ends, and the event set when its first token has arrived (so a fault injected after waiting on
+    it lands mid-request, however fast the model decodes)."""
+    import asyncio
+    import json
+
+    import aiohttp
+    first = threading.Event()
+
+    async def main() -> str:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        text = []
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json=body,
+                                    timeout=aiohttp.ClientTimeout(total=240)) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+                        first.set()
+        return "".join(text)
+
+    thread = threading.Thread(target=lambda: result.update(text=asyncio.run(main())))
+    thread.start()
+    return thread, first

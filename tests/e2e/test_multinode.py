@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from server import HeadlessProcess, Server, alive, children, free_ports, one_worker_texts
+from server import HeadlessProcess, Server, alive, children, free_ports, one_worker_texts, streamed_text_in_thread
 from test_parallel_servers import _texts
 
 pytestmark = pytest.mark.slow
@@ -84,9 +84,9 @@ def test_the_other_machines_rank_killed_mid_request_brings_both_back_and_the_req
     before = [*children(engine), machines[0].engine_pid()]
     mark = len(server.lines)
     result: dict = {}
-    thread = _in_thread(server, result)
-    time.sleep(1.0)
-    os.kill(before[1], signal.SIGKILL)
+    thread, streaming = streamed_text_in_thread(server.url, PROMPTS[2], TOKENS[2], result)
+    assert streaming.wait(120), "no token streamed"
+    os.kill(before[1], signal.SIGKILL)                        # mid-request: its first token is out
     thread.join(240)
     assert result.get("text") == one_worker[2]
     _wait_for(server.lines, "was killed by SIGKILL", mark)

@@ -7,10 +7,8 @@ mid-request brings its whole group back, the request recomputed and answered in 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import threading
 import time
 
 import aiohttp
@@ -18,7 +16,7 @@ import pytest
 
 from actors.api import LLM, SamplingParams
 from kernels.cpu.panels import int8_available
-from server import Server, alive, children
+from server import Server, alive, children, streamed_text_in_thread
 from tools.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -67,23 +65,6 @@ def _texts(server: Server, prompts: list[str], tokens: list[int]) -> list[str]:
     return asyncio.run(main())
 
 
-def _streamed(server: Server, prompt: str, max_tokens: int, first: threading.Event) -> str:
-    """A streamed completion's text; ``first`` set once its first token arrives."""
-    async def main():
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-        text = []
-        async with aiohttp.ClientSession() as session:
-            async with session.post(server.url + "/v1/completions", json=body,
-                                    timeout=aiohttp.ClientTimeout(total=240)) as r:
-                assert r.status == 200, await r.text()
-                async for line in r.content:
-                    if line.startswith(b"data: {"):
-                        text.append(json.loads(line[6:])["choices"][0]["text"])
-                        first.set()
-        return "".join(text)
-    return asyncio.run(main())
-
-
 def test_two_workers_answer_as_one_worker_does(server, one_worker):
     kind, s = server
     (engine,) = children(s.pid)
@@ -98,9 +79,7 @@ def test_a_killed_worker_brings_both_back_and_the_request_is_recomputed(server, 
     (engine,) = children(s.pid)
     before = children(engine)
     result: dict = {}
-    streaming = threading.Event()
-    thread = threading.Thread(target=lambda: result.update(text=_streamed(s, PROMPTS[3], TOKENS[3], streaming)))
-    thread.start()
+    thread, streaming = streamed_text_in_thread(s.url, PROMPTS[3], TOKENS[3], result)
     assert streaming.wait(120), "no token streamed"
     os.kill(before[1], signal.SIGKILL)                  # mid-request: its first token is out
     thread.join(240)

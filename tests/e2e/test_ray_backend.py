@@ -20,14 +20,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
 import aiohttp
 import pytest
 
-from server import ROOT, Server, alive, children, free_ports, one_worker_texts
+from server import ROOT, Server, alive, children, free_ports, one_worker_texts, streamed_text_in_thread
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason="the Ray backend's test needs Ray (pip install ray; `make test` installs it)")
@@ -191,10 +190,9 @@ def test_a_killed_rank_actor_brings_both_back_and_the_request_is_recomputed(clus
     engine = server.engine_pid()
     before = ours(cluster_state(cluster), engine)
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(text=_texts(server, PROMPTS[2:], TOKENS[2:])[0]))
-    thread.start()
-    time.sleep(1.0)
-    os.kill(before[f"troupe-engine-{engine}-worker1-g0"], signal.SIGKILL)
+    thread, streaming = streamed_text_in_thread(server.url, PROMPTS[2], TOKENS[2], result)
+    assert streaming.wait(120), "no token streamed"
+    os.kill(before[f"troupe-engine-{engine}-worker1-g0"], signal.SIGKILL)     # mid-request
     thread.join(240)
     assert result.get("text") == one_worker[2]
     after = ours(cluster_state(cluster), engine)
