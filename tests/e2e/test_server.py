@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -36,6 +37,18 @@ async def _stream(session: aiohttp.ClientSession, url: str, path: str, body: dic
         raw = (await resp.read()).decode()
     assert raw.endswith("\n\n")
     return [line for line in raw.split("\n") if line]
+
+
+async def _until_running(session: aiohttp.ClientSession, url: str, n: int, timeout: float = 60) -> None:
+    """Until the server's /metrics shows ``n`` requests running at once."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        async with session.get(url + "/metrics") as resp:
+            m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", await resp.text(), re.M)
+        if m and float(m.group(1)) >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{n} requests never ran at once")
 
 
 def _events(lines: list[str]) -> list[dict]:
@@ -177,7 +190,7 @@ def test_streams_running_when_the_worker_is_killed_are_recomputed_and_complete()
                         "stream_options": {"include_usage": True}}
                 streams = [asyncio.ensure_future(_stream(session, s.url, "/v1/completions",
                                                          {**body, "prompt": f"Story {i}:"})) for i in range(20)]
-                await asyncio.sleep(3.0)   # 16 are running by now, 4 wait
+                await _until_running(session, s.url, 16)   # 16 running (40 tokens to go at most), 4 wait
                 worker = s.worker_pid()
                 killed_at = time.monotonic()
                 os.kill(worker, signal.SIGKILL)
