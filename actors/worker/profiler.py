@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import socket
+import time
 from typing import Any, Callable, ContextManager
 
 import msgspec
@@ -49,7 +50,7 @@ def warm_up() -> None:
 
 class StepProfiler:
     """One process's recorder. ``kind`` "torch": torch.profiler, the trace written by
-    ``tensorboard_trace_handler`` as ``<name>.<id>.pt.trace.json[.gz]`` and the operator table as
+    ``whole_trace_writer`` as ``<name>.<id>.pt.trace.json[.gz]`` and the operator table as
     ``<name>.profiler_out.txt``; "cuda": cudaProfilerStart / cudaProfilerStop."""
 
     def __init__(self, config: ProfilerConfig, name: str, activities: tuple[str, ...], print_table: bool = True) -> None:
@@ -148,8 +149,7 @@ class StepProfiler:
         return dict(activities=[kinds[a] for a in self.activities], schedule=schedule,
                     record_shapes=c.torch_profiler_record_shapes, profile_memory=c.torch_profiler_with_memory,
                     with_stack=c.torch_profiler_with_stack, with_flops=c.torch_profiler_with_flops,
-                    on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                        c.torch_profiler_dir, worker_name=self.name, use_gzip=c.torch_profiler_use_gzip))
+                    on_trace_ready=whole_trace_writer(c.torch_profiler_dir, self.name, c.torch_profiler_use_gzip))
 
     def _schedule_step(self) -> bool:
         """torch's schedule advanced by one step; whether the step was recorded (not warm-up)."""
@@ -183,6 +183,19 @@ class StepProfiler:
             print(table, file=f)
         if self.print_table:
             print(table, flush=True)
+
+
+def whole_trace_writer(folder: str, name: str, use_gzip: bool) -> Callable[[Any], None]:
+    """torch's ``tensorboard_trace_handler`` (``<name>.<ns>.pt.trace.json[.gz]`` in ``folder``), but
+    the file appears whole: written under a hidden name with the same ending, then renamed, so a
+    tool watching the folder never opens half a trace."""
+    def write(prof: Any) -> None:
+        os.makedirs(folder, exist_ok=True)
+        final = f"{name}.{time.time_ns()}.pt.trace.json" + (".gz" if use_gzip else "")
+        partial = os.path.join(folder, f".{os.getpid()}-{final}")    # gzipped or not by its ending, as torch decides
+        prof.export_chrome_trace(partial)
+        os.replace(partial, os.path.join(folder, final))
+    return write
 
 
 def trace_table(folder: str, name: str, rows: int = TABLE_ROWS) -> str:
