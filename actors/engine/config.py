@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from typing import Literal
 
 import msgspec
@@ -514,6 +515,21 @@ def _resolve_device(name: str, cuda_available: bool) -> str:
     if name == "auto":
         return "cuda" if cuda_available else "cpu"
     return name
+
+
+GGUF_FLOAT_WEIGHTS_ENV = "TROUPE_GGUF_FLOAT_WEIGHTS"   # 1: exact mode holds float32 copies of a GGUF file's blocks
+
+
+def exact_from_gguf_blocks(path: str, quantization: str | None, dtype: str, device: str, level: int) -> bool:
+    """Whether exact mode runs a GGUF file's Q4_1 / Q8_0 linear weights from their blocks: a .gguf
+    model, no quantization, float32 weights and activations on the CPU, the native panel kernels
+    (compilation level 1), and ``TROUPE_GGUF_FLOAT_WEIGHTS`` unset. The kernel sums each output's
+    products in input order whether its panel was dequantized from blocks or held as float32, and
+    dequantizes exactly as the loader does, so the results are those of float32 copies bit for bit
+    (the worker, actors/worker/worker.py, also needs the native kernels built; the step estimate
+    of actors/scheduler/perf.py counts the blocks' bytes)."""
+    return (quantization is None and path.endswith(".gguf") and dtype == "float32" and device == "cpu"
+            and level == 1 and os.environ.get(GGUF_FLOAT_WEIGHTS_ENV, "").strip().lower() not in ("1", "true", "yes"))
 
 
 def check_config(cfg: EngineConfig) -> None:

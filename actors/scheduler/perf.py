@@ -15,14 +15,15 @@ share of the layers):
               the weights of every expert the step touches read once)
   LM head     2 N D V for the N tokens that sample; reads the D x V weights
 
-The bytes of a weight follow the quantization (4-bit formats half a byte, 8-bit ones a byte),
+The bytes of a weight follow the quantization (4-bit formats half a byte, 8-bit ones a byte; exact
+mode on a GGUF file reads its blocks),
 activations the model's dtype, the KV cache its own. Estimates, not measurements: kernels read
 some operands more than once and fuse others."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.engine.config import DTYPE_BYTES, EngineConfig
+from actors.engine.config import DTYPE_BYTES, EngineConfig, exact_from_gguf_blocks
 from models.config import ArchConfig
 
 # bytes per weight of the quantized formats (Q4_1 blocks of 32: 4.5 bits in GGUF's default mix)
@@ -49,7 +50,11 @@ class PerfModel:
         act = DTYPE_BYTES.get(config.model.dtype, 4)
         self.act = act
         self.cache = DTYPE_BYTES.get(config.cache.cache_dtype, act)
-        self.weight = WEIGHT_BYTES.get(config.model.quantization or "", act)
+        quantization = config.model.quantization
+        if exact_from_gguf_blocks(config.model.source.path, quantization, config.model.dtype, config.device.device,
+                                  config.compilation.level):
+            quantization = "gguf"                  # exact mode reads the file's blocks
+        self.weight = WEIGHT_BYTES.get(quantization or "", act)
         windows = [arch.layer_sliding_window(i) for i in range(arch.num_layers)]
         self.full_layers = sum(w is None for w in windows) / self.pp
         self.sliding = [w for w in windows if w is not None]

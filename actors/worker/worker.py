@@ -18,7 +18,7 @@ import msgspec
 import torch
 
 from actors.engine import vllm_env
-from actors.engine.config import EngineConfig
+from actors.engine.config import GGUF_FLOAT_WEIGHTS_ENV, EngineConfig, exact_from_gguf_blocks
 from actors.engine.profiler import check_prefix
 from actors.engine.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from actors.engine.sampling_params import SamplingParams
@@ -41,7 +41,6 @@ from models.tensor_parallel import shard_model
 
 log = logging.getLogger("troupe.worker")
 
-FLOAT_WEIGHTS_ENV = "TROUPE_GGUF_FLOAT_WEIGHTS"   # 1: exact mode keeps float32 copies of a GGUF file's blocks
 PROFILE_BUDGET_S = 10.0          # the most start-up time the step-cost profile takes (one rank)
 
 
@@ -153,18 +152,11 @@ class Worker:
         return self.platform.compute_dtype(self.config.model.dtype, packs)
 
     def _exact_from_blocks(self, quantized: str | None, compute: str, path: str) -> bool:
-        """Whether exact mode runs a GGUF file's Q4_1 / Q8_0 linear weights from their blocks:
-        on the CPU, float32 weights and activations, the native panel kernels (compilation level
-        1). The panel kernel sums each output's products in input order whether its panel was
-        dequantized from blocks or held as float32, and dequantizes exactly as the loader does,
-        so the results are the float32 copies' bit for bit while a decode step reads a fifth of
-        their bytes (tests/e2e/test_quantized.py). ``TROUPE_GGUF_FLOAT_WEIGHTS=1`` keeps float32
-        copies instead (what a float checkpoint reloaded into the model needs)."""
+        """Whether exact mode runs this checkpoint's GGUF blocks (actors/engine/config.py
+        ``exact_from_gguf_blocks``), where the platform packs linears and the native kernels build."""
         cfg = self.config
-        if (quantized is not None or not path.endswith(".gguf") or compute != "float32"
-                or cfg.model.dtype != "float32" or not self.platform.packs_linears
-                or not packs_linears(cfg.compilation, None)
-                or os.environ.get(FLOAT_WEIGHTS_ENV, "").strip().lower() in ("1", "true", "yes")):
+        if not (self.platform.packs_linears and compute == "float32"
+                and exact_from_gguf_blocks(path, quantized, cfg.model.dtype, self.device.type, cfg.compilation.level)):
             return False
         from kernels.cpu.native import available
         return available()[0]
@@ -411,7 +403,7 @@ class Worker:
         if blocks and not source.path.endswith(".gguf"):
             raise ValueError(f"reload_weights: the served model runs its GGUF file's Q4_1 / Q8_0 blocks, which the "
                              f"float weights of {source.path} cannot be copied into; start the server with "
-                             f"{FLOAT_WEIGHTS_ENV}=1 to hold float32 copies instead")
+                             f"{GGUF_FLOAT_WEIGHTS_ENV}=1 to hold float32 copies instead")
         t0 = time.monotonic()
         try:
             fresh = self._load(open_checkpoint(source), self.attn_backend, self.config.model.quantization, source.path,

@@ -389,7 +389,9 @@ def test_mfu_metrics_count_each_steps_estimated_flops_and_bytes(server):
     client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=4, temperature=0,
                               extra_body={"ignore_eos": True})
     after = [sample(n) for n in names]
-    weights = 134_515_008                        # SmolLM2-135M's parameters (float32: 4 bytes each)
+    weights = 134_515_008                        # SmolLM2-135M's parameters
     assert after[0] - before[0] >= 2 * weights * 9     # 5 prompt tokens and 3 more, at 2 FLOPs per weight
-    assert after[1] - before[1] >= 4 * weights * 3     # the weights read on each of the (at least 4) steps
+    # the weights read on each of the 4 steps: exact mode runs the GGUF file's blocks (4.5 bits a
+    # weight), not float32 copies (4 bytes)
+    assert 0.5 * weights * 4 <= after[1] - before[1] < 4 * weights * 4
     assert after[2] > before[2]
