@@ -216,8 +216,11 @@ def test_each_request_is_an_opentelemetry_span_in_its_callers_trace(server, coll
 
 def test_killing_the_worker_leaves_a_flight_record_that_loads_as_a_trace(server, client, flight_dir):
     client.completions.create(model=MODEL, prompt="Warm", max_tokens=4)
-    time.sleep(1.0)                                       # a collection reaches the engine
     worker = next(p["pid"] for p in get(server, "/debug/actors")["processes"] if p["node"] == "worker0")
+    deadline = time.monotonic() + 30      # until a collection brought the worker's spans up (through the engine)
+    while not any(e["ph"] == "X" and e["pid"] == worker for e in get(server, "/debug/trace?seconds=60")["traceEvents"]):
+        assert time.monotonic() < deadline, "the worker's spans never reached the frontend"
+        time.sleep(0.2)
     os.kill(worker, 9)
     deadline = time.monotonic() + 30
     while not glob.glob(os.path.join(flight_dir, f"worker0-{worker}-*.json")) and time.monotonic() < deadline:
