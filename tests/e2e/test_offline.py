@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from actors.api import LLM, SamplingParams
-from server import ROOT
+from server import ROOT, alive
 
 pytestmark = pytest.mark.slow
 
@@ -242,18 +242,9 @@ def test_a_script_that_never_closes_its_llms_exits_cleanly_and_leaves_no_process
     for bad in ("Task was destroyed", "CRITICAL", "flight recorder", "Traceback"):
         assert bad not in proc.stderr, proc.stderr[-3000:]
     deadline = time.monotonic() + 10
-    while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [pid for pid in children if _running(pid)]
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a zombie's parent, gone, no longer reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not [pid for pid in children if alive(pid)]
 
 
 def test_beam_search_keeps_the_most_likely_sequences_with_their_true_logprobs(llm):
