@@ -299,6 +299,7 @@ def _rank_main(rank: int, fn, world: int, init: str, out: str, args: tuple) -> N
         torch.set_num_threads(1)
         torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         torch.save(fn(rank, world, *args), f"{out}.{rank}")
+        torch.distributed.barrier()        # no rank tears gloo down while another's last collective is in flight
         torch.distributed.destroy_process_group()
     except BaseException:
         traceback.print_exc()
