@@ -134,6 +134,9 @@ class AsyncLLM:
         self._fe = frontend
         self.client = frontend.client
         self._token_text: TokenText | None = None
+        # never shut down (dropped, or still running when its asyncio.run ends): its processes
+        # stop when it is collected or, at the latest, when the interpreter exits, as vLLM's do
+        weakref.finalize(self, _stop_abandoned, frontend)
 
     @classmethod
     async def create(cls, model: str | None = None, *, multiprocess: bool | None = None,
@@ -361,6 +364,31 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         await self._fe.shutdown()
+
+
+_STOPPING: set[asyncio.Task] = set()
+
+
+def _stop_abandoned(fe: Frontend) -> None:
+    if fe.stopped:
+        return
+    fe.stop_now()
+    node = fe.node
+
+    def close_transport(task: asyncio.Task | None = None) -> None:
+        _STOPPING.discard(task)
+        if node.transport is not None:       # its sockets (a context left open blocks its collection)
+            node.transport.close()
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        close_transport()
+        return
+    # the frontend's own actors stop on the loop still running; the transport closes even when
+    # that is cancelled (an asyncio.run ending)
+    task = loop.create_task(node.stop())
+    _STOPPING.add(task)
+    task.add_done_callback(close_transport)
 
 
 @dataclass(slots=True)

@@ -82,6 +82,8 @@ class ZmqTransport:
         return await self._pull.recv_multipart(copy=False)
 
     def close(self) -> None:
+        if self.ctx.closed:
+            return
         for name in list(self._peers):
             self.drop_peer(name)
         self._pull.close(linger=0)

@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
@@ -84,6 +85,7 @@ class Frontend:
         self.engine_core: EngineCore | None = None
         self.router: ActorRef | None = None       # with data parallelism
         self.stopping = False
+        self.stopped = False                       # shut down (or stopped by stop_now)
         self._restarts: RestartBudget | None = None
         self._down: set[int] = set()               # engine cores being restarted
         self.remote: RemoteEngines | None = None      # engine cores of headless machines
@@ -249,6 +251,24 @@ class Frontend:
             self.request_tracer = None
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        self.stopped = True
+
+    def stop_now(self, timeout: float = 30.0) -> None:
+        """``shutdown`` without the event loop, for an engine nobody shut down (an AsyncLLM
+        collected, or left running when its ``asyncio.run`` ended): each engine process on this
+        machine is asked to stop through its death pipe, waited for, and killed after ``timeout``;
+        Ray's actors are killed and the IPC directory removed."""
+        self.stopping = True
+        children = [p for p in self.engine_processes.values() if isinstance(p, ChildProcess)]
+        for child in children:
+            child.request_stop()
+        deadline = time.monotonic() + timeout
+        for child in children:
+            child.wait_exit(max(0.0, deadline - time.monotonic()))
+        self.close_ray()
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        self.stopped = True
 
     def close_ray(self) -> None:
         """Kill the engine cores' actors, remove their placement group, leave the cluster."""

@@ -120,12 +120,20 @@ async def run_child(spec: NodeSpec, death_fd: int | None, heartbeat_fd: int | No
     for peer, address in spec.peers.items():
         node.connect(peer, address)
 
-    def parent_died() -> None:
+    def parent_says() -> None:
+        try:
+            data = os.read(death_fd, 64)
+        except BlockingIOError:
+            return
         loop.remove_reader(death_fd)
-        node.fatal(f"parent node '{spec.parent}' died")
+        if not data:
+            node.fatal(f"parent node '{spec.parent}' died")
+        elif not node.closed.done():     # a stop the parent asked without its event loop (ChildProcess.request_stop)
+            log.info("node '%s': '%s' asked it to stop", node.name, spec.parent)
+            node.closed.set_result(0)
 
     if death_fd is not None:
-        loop.add_reader(death_fd, parent_died)
+        loop.add_reader(death_fd, parent_says)
         loop.add_signal_handler(signal.SIGTERM, on_sigterm(node, spec.parent))
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the parent handles Ctrl-C
     entry = asyncio.ensure_future(resolve_entry(spec.entry)(node, spec.config))

@@ -138,7 +138,7 @@ class ChildProcess(StoppableChild):
     def __init__(self, node: Node, spec: NodeSpec, popen: subprocess.Popen[bytes], death_pipe: int,
                  beats: int, on_exit: Callable[[ChildProcess], None] | None) -> None:
         self.node = node
-        self._death_pipe = death_pipe  # the child exits when this end closes (we died)
+        self._death_pipe = death_pipe  # the child exits when this end closes (we died) or a byte comes
         self._beats = beats            # read end of the child's heartbeat pipe (non-blocking)
         self.spec = spec
         self.popen = popen
@@ -174,6 +174,7 @@ class ChildProcess(StoppableChild):
         loop.remove_reader(self._beats)
         os.close(self._pidfd)
         os.close(self._death_pipe)
+        self._death_pipe = -1
         os.close(self._beats)
         self.returncode = self.popen.wait()
         if self._watch is not None:
@@ -216,6 +217,24 @@ class ChildProcess(StoppableChild):
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def request_stop(self) -> None:
+        """Ask the child to shut down as ``stop`` does, through its death pipe: what a parent can
+        still do when its event loop (and the transport on it) is gone or going."""
+        if self.returncode is None and self._death_pipe >= 0:
+            try:
+                os.write(self._death_pipe, b"s")
+            except OSError:               # it has exited (its end is closed)
+                pass
+
+    def wait_exit(self, timeout: float) -> int:
+        """Block until the child has exited (``request_stop`` asked it to); kill it after ``timeout``."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("process '%s' did not stop within %g s; killing it", self.name, timeout)
+            self.kill()
+            return self.popen.wait()
 
 def hung(child: StoppableChild, liveness: Liveness) -> bool:
     """Kill ``child`` when it has made no progress for its spec's ``hung_after_s``; whether it did."""

@@ -247,6 +247,40 @@ def test_a_script_that_never_closes_its_llms_exits_cleanly_and_leaves_no_process
     assert not [pid for pid in children if alive(pid)]
 
 
+def test_an_async_llm_never_shut_down_stops_its_processes_when_asyncio_run_ends_or_at_exit():
+    """An ``AsyncLLM`` whose ``shutdown()`` is never awaited: one collected when its
+    ``asyncio.run`` ends has stopped its processes by the time ``asyncio.run`` returns, one kept
+    alive in a global stops them when the interpreter exits; neither engine core mourns its
+    parent or writes a flight record."""
+    script = ("import asyncio, os, psutil\nfrom actors.api import AsyncLLM, SamplingParams\n"
+              "KEPT = []\n"
+              "async def main(keep):\n"
+              "    llm = await AsyncLLM.create(max_model_len=256, multiprocess=True)\n"
+              "    out = await llm.complete('Hello', SamplingParams(max_tokens=2))\n"
+              "    print(len(out.outputs[0].token_ids), flush=True)\n"
+              "    if keep:\n"
+              "        KEPT.append(llm)\n"
+              "    return [p.pid for p in psutil.Process().children(recursive=True)]\n"
+              "dropped = asyncio.run(main(False))\n"
+              "print(*[psutil.pid_exists(p) and psutil.Process(p).status() != 'zombie' for p in dropped])\n"
+              "print(*asyncio.run(main(True)))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "TROUPE_LOG_LEVEL": "info"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.split("\n")
+    assert lines[0] == "2" and lines[2] == "2"
+    assert lines[1].split() == ["False", "False"]                  # engine core and worker, gone
+    kept = [int(p) for p in lines[3].split()]
+    assert len(kept) == 2
+    for bad in ("Task was destroyed", "CRITICAL", "flight recorder", "Traceback"):
+        assert bad not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("'frontend' asked it to stop") == 2
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in kept) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in kept if alive(pid)]
+
+
 def test_beam_search_keeps_the_most_likely_sequences_with_their_true_logprobs(llm):
     """vLLM's LLM.beam_search: width 1 is greedy decoding; wider, the beams are distinct, best
     first by length-penalized score, and each beam's cumulative log-prob is what the model gives
