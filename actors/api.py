@@ -463,6 +463,9 @@ def _vllm_logprobs(lp: Logprobs, text_of: TokenText) -> list[dict[int, Logprob]]
 CLOSED = "this LLM is closed: create another to generate"
 
 
+CANCEL_WAIT_S = 10.0      # how long an interrupted call waits for its coroutine to stop
+
+
 class _LoopThread:
     """What an ``LLM`` runs on: an event loop in a background thread and the engine on it. Nothing
     here refers back to the ``LLM``, so the finalizer that stops them runs when the ``LLM`` is
@@ -477,10 +480,27 @@ class _LoopThread:
         self.llm: AsyncLLM | None = None
 
     def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """``coro``'s result, run on the loop. Interrupted (Ctrl-C) or timed out, it is cancelled
+        and waited for (briefly): what it had submitted is aborted, not left running."""
         if self.loop.is_closed():
             coro.close()
             raise RuntimeError(CLOSED)
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        started, finished = threading.Event(), threading.Event()
+
+        async def body() -> Any:
+            started.set()
+            try:
+                return await coro
+            finally:
+                finished.set()
+        future = asyncio.run_coroutine_threadsafe(body(), self.loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            if started.is_set():
+                finished.wait(CANCEL_WAIT_S)
+            raise
 
     def close(self) -> None:
         llm, self.llm = self.llm, None

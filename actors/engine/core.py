@@ -49,6 +49,7 @@ from transport.zmq_channel import endpoint
 log = logging.getLogger("troupe.engine")
 
 INIT_KV_TIMEOUT_S = 120.0
+QUIESCE_S = 2.0                  # how long a stopping engine core waits for the step under way
 
 
 class EngineCore:
@@ -247,6 +248,10 @@ class EngineCore:
 
     async def stop(self) -> None:
         self._restarting = True
+        # no step goes to workers being stopped: the scheduler ends the step under way, then the
+        # executor stops
+        await self.node.stop_actors([topology.SCHEDULER], timeout=QUIESCE_S)
+        await self.node.stop_actors([topology.EXECUTOR], timeout=QUIESCE_S)
         await asyncio.gather(*(w.stop() for w in self.workers))
         if self.ray is not None:          # the actors, their placement group, this process's Ray driver
             self.ray.close()

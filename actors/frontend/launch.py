@@ -68,6 +68,7 @@ log = logging.getLogger("troupe.launch")
 
 READY_TIMEOUT_S = 600.0
 RESTART_RETRY_AFTER_S = 10.0     # what a 503 tells clients while the engine restarts
+SHUT_DOWN = "the engine was shut down"
 
 
 class Frontend:
@@ -237,6 +238,8 @@ class Frontend:
 
     async def shutdown(self) -> None:
         self.stopping = True
+        if self.client is not None and self.client.dead is None:     # what is still open fails now
+            self.client.mark_dead(SHUT_DOWN)
         if self.api_servers is not None:
             await self.api_servers.stop()
         if self.remote is not None:

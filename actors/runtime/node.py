@@ -275,8 +275,21 @@ class Node:
                     f"actor '{p.actor}' died before answering {p.msg_type}: {reason}"))
 
     # -- shutdown ----------------------------------------------------------------------------
-    async def stop(self, timeout: float = 5.0) -> None:
+    async def stop_actors(self, names: list[str], timeout: float = 5.0) -> None:
+        """Stop the actors ``names`` (each once the message it is handling is done) and wait for
+        them; those still running after ``timeout`` are cancelled."""
         from actors.runtime.messages import Stop
+        cells = [self.cells[name] for name in names if name in self.cells]
+        for cell in cells:
+            if not cell.stopping:
+                cell.deliver(Delivery(Stop(), None, 0, 0, 0, now_ns()))
+        tasks = [c.task for c in cells if c.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            for t in pending:
+                t.cancel()
+
+    async def stop(self, timeout: float = 5.0) -> None:
         self.stopping = True
         hooks, self.on_stop = self.on_stop, []
         for hook in hooks:
@@ -284,14 +297,7 @@ class Node:
                 await asyncio.wait_for(hook(), timeout)
             except Exception:
                 log.exception("node '%s': a stop hook failed", self.name)
-        for cell in list(self.cells.values()):
-            if not cell.stopping:
-                cell.deliver(Delivery(Stop(), None, 0, 0, 0, now_ns()))
-        tasks = [c.task for c in list(self.cells.values()) if c.task is not None]
-        if tasks:
-            done, pending = await asyncio.wait(tasks, timeout=timeout)
-            for t in pending:
-                t.cancel()
+        await self.stop_actors(list(self.cells), timeout)
         if self._recv_task is not None:
             self._recv_task.cancel()
         if self.transport is not None:

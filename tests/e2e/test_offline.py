@@ -281,6 +281,59 @@ def test_an_async_llm_never_shut_down_stops_its_processes_when_asyncio_run_ends_
     assert not [pid for pid in kept if alive(pid)]
 
 
+def test_ctrl_c_during_generate_aborts_its_requests_and_the_llm_serves_on():
+    """Ctrl-C in ``LLM.generate`` raises KeyboardInterrupt in the script and aborts the batch's
+    requests (the engine runs nothing for nobody); the same LLM then answers, and the script exits
+    without a traceback."""
+    script = ("import os, signal, threading, time\nfrom actors.api import LLM, SamplingParams\n"
+              "llm = LLM(max_model_len=512, multiprocess=True)\n"
+              "threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+              "try:\n"
+              "    llm.generate(['Tell me a story'] * 8, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)\n"
+              "except KeyboardInterrupt:\n"
+              "    print('interrupted', llm.client.num_open, flush=True)\n"
+              "deadline = time.monotonic() + 10\n"
+              "while llm.client.stats.last.num_running and time.monotonic() < deadline:\n"
+              "    time.sleep(0.1)\n"
+              "print(llm.client.stats.last.num_running)\n"
+              "out = llm.generate('The capital of France is', SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)\n"
+              "print(repr(out[0].outputs[0].text))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:3] == ["interrupted 0", "0", repr(" Paris.\n\n")], proc.stdout
+    for bad in ("Traceback", "ERROR", "CRITICAL"):
+        assert bad not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("multiprocess", [True, False], ids=["processes", "in-process"])
+def test_shutdown_with_requests_running_ends_each_with_an_error_and_logs_no_failure(multiprocess):
+    """``AsyncLLM.shutdown()`` while requests stream: each ends at once with the reason (none
+    hangs), the engine stops its steps before its workers (no failed step logged), and nothing
+    is left running."""
+    script = ("import asyncio, psutil\nfrom actors.api import AsyncLLM, SamplingParams\n"
+              "async def main():\n"
+              f"    llm = await AsyncLLM.create(max_model_len=512, multiprocess={multiprocess})\n"
+              "    params = SamplingParams(max_tokens=400, ignore_eos=True)\n"
+              "    runs = [asyncio.create_task(llm.complete('Tell me a story', params)) for _ in range(6)]\n"
+              "    while not llm.client.stats.last.num_running:\n"
+              "        await asyncio.sleep(0.05)\n"
+              "    await asyncio.sleep(0.5)\n"
+              "    await asyncio.wait_for(llm.shutdown(), 30)\n"
+              "    for r in await asyncio.wait_for(asyncio.gather(*runs), 10):\n"
+              "        print(r.outputs[0].finish_reason, r.error, 0 < len(r.outputs[0].token_ids) < 400)\n"
+              "    print(len(psutil.Process().children(recursive=True)))\n"
+              "asyncio.run(main())\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.split("\n")
+    assert lines[:6] == ["error the engine was shut down True"] * 6, proc.stdout
+    assert lines[6] == "0"
+    for bad in ("Traceback", "ERROR", "CRITICAL", "killing"):
+        assert bad not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_beam_search_keeps_the_most_likely_sequences_with_their_true_logprobs(llm):
     """vLLM's LLM.beam_search: width 1 is greedy decoding; wider, the beams are distinct, best
     first by length-penalized score, and each beam's cumulative log-prob is what the model gives
