@@ -286,6 +286,7 @@ def test_ctrl_c_during_generate_aborts_its_requests_and_the_llm_serves_on():
     requests (the engine runs nothing for nobody); the same LLM then answers, and the script exits
     without a traceback."""
     script = ("import os, signal, threading, time\nfrom actors.api import LLM, SamplingParams\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"   # a test runner's workers ignore it
               "llm = LLM(max_model_len=512, multiprocess=True)\n"
               "threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
               "try:\n"
