@@ -22,18 +22,19 @@ import numpy as np
 from actors.engine.args import EngineArgs
 from actors.engine.lora import LoRARequest
 from actors.engine.messages import Logprobs
-from actors.engine.sampling_params import RepetitionDetectionParams, SamplingParams
+from actors.engine.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
 from actors.frontend.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from actors.frontend.fanout import close_all, merged_outputs, submit_choices
-from actors.frontend.launch import Frontend, start_frontend
+from actors.frontend.client import EngineDeadError
+from actors.frontend.launch import SHUT_DOWN, Frontend, start_frontend
 from actors.frontend.logprobs import TokenText, ranked_positions
 from actors.frontend.protocol import MAX_N
 from actors.frontend.streams import RequestOutput
 from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER
 from actors.tokenizer.prompt_embeds import embeds_array
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RepetitionDetectionParams", "GenerationResult", "CompletionOutput", "Logprob",
-           "LoRARequest"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RepetitionDetectionParams", "GenerationResult",
+           "CompletionOutput", "Logprob", "LoRARequest"]
 
 
 @dataclass(slots=True)
@@ -71,9 +72,10 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class GenerationResult:
-    """A finished request, shaped as vLLM's ``RequestOutput``: ``outputs`` holds the ``n``
-    sequences (``SamplingParams(n=...)``); ``text``, ``token_ids`` and ``finish_reason`` are the
-    first one's. ``prompt_logprobs`` (when asked for): per prompt token, None for the first."""
+    """A request's result, shaped as vLLM's ``RequestOutput`` (finished, or one output of an
+    ``AsyncLLM`` stream): ``outputs`` holds the ``n`` sequences (``SamplingParams(n=...)``);
+    ``text``, ``token_ids`` and ``finish_reason`` are the first one's. ``prompt_logprobs`` (when
+    asked for): per prompt token, None for the first."""
     request_id: str
     prompt: Any
     prompt_token_ids: list[int]
@@ -163,25 +165,51 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one text (or token-id, or vLLM prompt-dict) prompt, as they are produced; with
-        ``lora_request``, from the base model plus that adapter (vLLM's argument)."""
-        sampling_params = _one_sequence(sampling_params or self.default_sampling_params())
-        kw: dict[str, Any] = (_prompt_dict(prompt) if isinstance(prompt, dict) else {"prompt": prompt}
-                              if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
-        lora = self.client.register_lora(lora_request) if lora_request is not None else None
-        async for out in self.client.generate(sampling_params, request_id=request_id, lora_request=lora, **kw):
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[GenerationResult]:
+        """vLLM's: one text (or token-id, or vLLM prompt-dict) prompt's outputs as they are
+        produced, each in the shape of vLLM's ``RequestOutput`` (the last has ``finished``):
+        everything so far, only what is new, or only the finished request, as
+        ``sampling_params.output_kind`` says (``RequestOutputKind.CUMULATIVE``, vLLM's default,
+        ``DELTA``, ``FINAL_ONLY``). ``lora_request``: from the base model plus that adapter."""
+        what = (_prompt_dict(prompt) if isinstance(prompt, dict) else {"prompt": prompt}
+                if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
+        async for out in self._stream(prompt, what, sampling_params, request_id, lora_request):
             yield out
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, *,
                    request_id: str | None = None, lora_request: LoRARequest | None = None,
-                   **template: Any) -> AsyncIterator[RequestOutput]:
-        """Outputs of one conversation rendered with the model's chat template."""
-        sampling_params = _one_sequence(sampling_params or self.default_sampling_params())
-        lora = self.client.register_lora(lora_request) if lora_request is not None else None
-        async for out in self.client.generate(sampling_params, request_id=request_id, messages=messages,
-                                              lora_request=lora, **template):
+                   **template: Any) -> AsyncIterator[GenerationResult]:
+        """``generate``'s outputs for one conversation rendered with the model's chat template."""
+        async for out in self._stream(messages, {"messages": messages, **template}, sampling_params, request_id,
+                                      lora_request):
             yield out
+
+    async def _stream(self, prompt: Any, what: dict[str, Any], params: SamplingParams | None, request_id: str | None,
+                      lora_request: LoRARequest | None) -> AsyncIterator[GenerationResult]:
+        params = _one_sequence(params or self.default_sampling_params())
+        lora = self.client.register_lora(lora_request) if lora_request is not None else None
+        handle = await self.client.submit(params, request_id=request_id, lora_request=lora, **what)
+        kind = params.output_kind
+        total: GenerationResult | None = None
+        try:
+            async for out in handle:
+                new = self._result(handle.request_id, prompt, handle.prompt_token_ids, params, [out],
+                                   first=total is None)
+                new.finished = out.finished
+                if kind == RequestOutputKind.DELTA:
+                    total = new
+                    yield new
+                    continue
+                if total is None:
+                    total = new
+                    total.outputs[0].token_ids = list(out.token_ids)       # the request's own, growing
+                else:
+                    total = _extended(total, new)
+                if kind == RequestOutputKind.CUMULATIVE or out.finished:
+                    # a snapshot: its lists are the request's own, which grow as vLLM's do
+                    yield dataclasses.replace(total, outputs=[dataclasses.replace(o) for o in total.outputs])
+        finally:
+            handle.close()
 
     async def get_tokenizer(self) -> Any:
         return _text_tokenizer(self.client.tokenizer)
@@ -276,7 +304,10 @@ class AsyncLLM:
         return await beam_search(self.client, params, **what)
 
     def _result(self, request_id: str, prompt: Any, prompt_token_ids: list[int], params: SamplingParams,
-                done: list[RequestOutput]) -> GenerationResult:
+                done: list[RequestOutput], first: bool = True) -> GenerationResult:
+        """The result of ``done`` (one whole output per sequence, or a stream's newest output:
+        ``first`` False when it is not the stream's first, whose prompt log-probs start with the
+        first token's None)."""
         if self._token_text is None:
             self._token_text = TokenText(self.client.tokenizer)
         text_of = self._token_text
@@ -288,10 +319,11 @@ class AsyncLLM:
                                             out.stop_reason, (out.metrics or {}).get("speculative_decoding"),
                                             SamplingMask(out.sampling_mask) if out.sampling_mask is not None
                                             else None))
+        first_row = int(first)
         first = done[0]
         prompt_lps = None
         if params.prompt_logprobs is not None and first.prompt_logprobs is not None:
-            prompt_lps = [None, *_vllm_logprobs(first.prompt_logprobs, text_of)]
+            prompt_lps = [None] * first_row + _vllm_logprobs(first.prompt_logprobs, text_of)
         return GenerationResult(request_id, prompt, list(prompt_token_ids), outputs,
                                 error=next((o.error for o in done if o.error), None),
                                 num_cached_tokens=first.num_cached_tokens, prompt_logprobs=prompt_lps,
@@ -362,8 +394,80 @@ class AsyncLLM:
             if bar is not None:
                 bar.close()
 
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """vLLM's: abort requests by the ``request_id`` they were generated with; each one's
+        stream ends with finish reason "abort" (ids of no open request are ignored)."""
+        self.client.abort_open([request_id] if isinstance(request_id, str) else list(request_id))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's: make an adapter known before a request uses it (validated now: InvalidAdapter
+        says what is wrong); the workers load it when a request first runs with it."""
+        self.client.register_lora(lora_request)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's: forget the adapter of ``lora_id`` (requests running with it finish); False when
+        no adapter has that id."""
+        name = next((n for n, r in self.client.lora_requests.items() if r.lora_int_id == lora_id), None)
+        return name is not None and self.client.remove_lora(name)
+
+    async def list_loras(self) -> set[int]:
+        """vLLM's: the ids of the adapters known."""
+        return {r.lora_int_id for r in self.client.lora_requests.values()}
+
+    async def check_health(self) -> None:
+        """vLLM's: raises EngineDeadError (saying why) when the engine has died or was shut down."""
+        if self.errored:
+            raise self.dead_error
+
+    @property
+    def errored(self) -> bool:
+        """vLLM's: the engine died (or was shut down) and serves nothing more."""
+        return self.client.dead is not None or self._fe.stopped
+
+    @property
+    def is_running(self) -> bool:
+        return not self.errored
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.errored
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineDeadError(self.client.dead or SHUT_DOWN, self.client.retry_after)
+
     async def shutdown(self) -> None:
         await self._fe.shutdown()
+
+
+def _extended(total: GenerationResult, new: GenerationResult) -> GenerationResult:
+    """``total`` (a stream's result so far) with ``new`` (its next output's) added."""
+    acc, add = total.outputs[0], new.outputs[0]
+    acc.text += add.text
+    acc.token_ids.extend(add.token_ids)
+    if add.logprobs is not None:
+        if acc.logprobs is None:
+            acc.logprobs = []
+        acc.logprobs.extend(add.logprobs)
+        acc.cumulative_logprob = (acc.cumulative_logprob or 0.0) + (add.cumulative_logprob or 0.0)
+    if add.sampling_mask is not None:
+        if acc.sampling_mask is None:
+            acc.sampling_mask = SamplingMask([])
+        acc.sampling_mask.token_ids.extend(add.sampling_mask.token_ids)
+    acc.finish_reason, acc.stop_reason = add.finish_reason, add.stop_reason
+    acc.spec_decode_metrics = add.spec_decode_metrics or acc.spec_decode_metrics
+    if new.prompt_logprobs:
+        total.prompt_logprobs = (total.prompt_logprobs or []) + new.prompt_logprobs
+    if new.prompt_token_id_logprobs is not None:
+        total.prompt_token_id_logprobs = (new.prompt_token_id_logprobs if total.prompt_token_id_logprobs is None
+                                          else np.concatenate([total.prompt_token_id_logprobs,
+                                                               new.prompt_token_id_logprobs]))
+    total.finished = new.finished
+    total.error = new.error or total.error
+    total.num_cached_tokens = max(total.num_cached_tokens, new.num_cached_tokens)
+    total.kv_transfer_params = new.kv_transfer_params or total.kv_transfer_params
+    return total
 
 
 _STOPPING: set[asyncio.Task] = set()

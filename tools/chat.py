@@ -42,10 +42,10 @@ class Counts:
 
 async def _local_stream(llm, messages, params, counts: Counts, complete: bool) -> AsyncIterator[str]:
     outputs = llm.generate(messages, params) if complete else llm.chat(messages, params)
-    async for out in outputs:
+    async for out in outputs:                  # DELTA outputs: each holds what is new
         if out.error:
             raise RuntimeError(out.error)
-        counts.tokens = out.num_output_tokens
+        counts.tokens += len(out.token_ids)
         if out.text:
             yield out.text
 
@@ -196,7 +196,7 @@ def command(line: str, messages: list[dict[str, str]], system: str | None) -> bo
 
 
 async def repl(args: argparse.Namespace) -> int:
-    from actors.api import AsyncLLM, SamplingParams
+    from actors.api import AsyncLLM, RequestOutputKind, SamplingParams
     session = llm = None
     if args.url:
         import aiohttp
@@ -206,7 +206,8 @@ async def repl(args: argparse.Namespace) -> int:
     else:
         print("loading the model...", file=sys.stderr, flush=True)
         llm = await AsyncLLM.create(args.model or args.model_name, disable_log_stats=True)   # a conversation, not a log
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            output_kind=RequestOutputKind.DELTA)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

@@ -4,6 +4,7 @@ API) through the tokenizer, the scheduler and the worker to the sampler
 (``SamplingMetadata.from_params``). Names and meanings are vLLM's."""
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any, Literal
 
@@ -85,6 +86,14 @@ MAX_REPETITION_WORK = 1 << 18
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: each output of a stream holds everything so far, only what is new, or the stream
+    has one output, the finished request."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_tokens: int | None = 16          # None: until the end of the context
     temperature: float = 1.0
@@ -128,6 +137,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # sequences per prompt, for the offline API's results (a served request fans out by its own n,
     # and each engine request samples one sequence)
     n: int = 1
+    # vLLM's: what each of AsyncLLM.generate's outputs holds (the offline API's alone reads it)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def check(self, vocab_size: int, max_logprobs: int) -> None:
         """ValueError naming the first field the engine cannot take (vLLM's checks, and the ranges

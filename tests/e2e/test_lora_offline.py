@@ -107,3 +107,29 @@ def test_adapters_over_two_pipeline_stages_give_one_workers_tokens(setup):
              pipeline_parallel_size=2) as pp:
         got = [r.token_ids for r in pp.generate(PROMPTS[:4], GREEDY, lora_request=row_loras, use_tqdm=False)]
     assert got == want
+
+
+def test_async_llm_adds_lists_and_removes_adapters_by_id_as_vllms_does(setup):
+    """vLLM's AsyncLLM.add_lora / list_loras / remove_lora: an added adapter is listed by its id
+    and serves its tokens; removed, it is no longer listed (a second removal is False)."""
+    import asyncio
+
+    from actors.api import AsyncLLM
+    _, loras, _, root = setup
+
+    async def scenario() -> tuple:
+        llm = await AsyncLLM.create(str(root / "base"), enable_lora=True, max_lora_rank=16, block_size=4)
+        try:
+            added = await llm.add_lora(loras[1])
+            listed = await llm.list_loras()
+            out = await llm.complete(PROMPTS[0], GREEDY, lora_request=loras[1])
+            base = await llm.complete(PROMPTS[0], GREEDY)
+            removed = await llm.remove_lora(loras[1].lora_int_id), await llm.remove_lora(loras[1].lora_int_id)
+            return added, listed, out.token_ids, base.token_ids, removed, await llm.list_loras()
+        finally:
+            await llm.shutdown()
+
+    added, listed, with_adapter, base, removed, after = asyncio.run(scenario())
+    assert added and listed == {loras[1].lora_int_id}
+    assert len(with_adapter) == 8 and with_adapter != base
+    assert removed == (True, False) and after == set()

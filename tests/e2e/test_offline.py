@@ -6,10 +6,11 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
-from actors.api import LLM, SamplingParams
+from actors.api import LLM, AsyncLLM, SamplingParams
 from server import ROOT, alive
 
 pytestmark = pytest.mark.slow
@@ -333,6 +334,82 @@ def test_shutdown_with_requests_running_ends_each_with_an_error_and_logs_no_fail
     assert lines[6] == "0"
     for bad in ("Traceback", "ERROR", "CRITICAL", "killing"):
         assert bad not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_async_llm_streams_vllms_request_outputs_cumulative_delta_or_final_only():
+    """``AsyncLLM.generate`` yields vLLM's RequestOutput shape (``request_id``,
+    ``prompt_token_ids``, ``outputs[0].text`` / ``token_ids`` / ``logprobs``, ``finished`` on the
+    last): by default each output holds everything so far (vLLM's CUMULATIVE), with DELTA only
+    what is new, with FINAL_ONLY one output; all three give the greedy tokens and log-probs of
+    the offline LLM."""
+    import asyncio
+
+    from actors.api import RequestOutputKind
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    async def scenario() -> dict:
+        llm = await AsyncLLM.create(max_model_len=256)
+        seen = {}
+        try:
+            for kind in RequestOutputKind:
+                p = msgspec.structs.replace(params, output_kind=kind)
+                seen[kind] = [(o.request_id, list(o.prompt_token_ids), o.outputs[0].text, list(o.outputs[0].token_ids),
+                               len(o.outputs[0].logprobs or []), o.outputs[0].cumulative_logprob, o.finished)
+                              async for o in llm.generate("The capital of France is", p, request_id=f"r{kind}")]
+            whole = await llm.complete("The capital of France is", params)
+        finally:
+            await llm.shutdown()
+        return seen, whole
+
+    seen, whole = asyncio.run(scenario())
+    cumulative, delta, final = (seen[k] for k in RequestOutputKind)
+    assert len(cumulative) == len(delta) > 1 and len(final) == 1
+    for outs, kind in ((cumulative, 0), (delta, 1), (final, 2)):
+        assert all(o[0] == f"r{kind}" and o[1] == whole.prompt_token_ids for o in outs)
+        assert [o[6] for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert cumulative[-1][2:5] == final[0][2:5] == (whole.text, whole.token_ids, 10)
+    assert cumulative[-1][5] == pytest.approx(whole.outputs[0].cumulative_logprob)
+    lengths = [len(o[3]) for o in cumulative]
+    assert lengths == sorted(lengths) and lengths[-1] == 10
+    assert "".join(o[2] for o in delta) == whole.text
+    assert sum((o[3] for o in delta), []) == whole.token_ids
+    assert sum(o[4] for o in delta) == 10
+    assert [len(o[3]) for o in delta] == [b - a for a, b in zip([0] + lengths, lengths)]
+
+
+def test_async_llm_aborts_by_request_id_and_reports_its_health_as_vllms_does():
+    """vLLM's AsyncLLM calls: ``abort(request_id)`` ends that stream with finish reason "abort"
+    (the other request runs to its end), ``check_health()`` passes while serving, and after
+    ``shutdown()`` ``errored`` is true and ``check_health()`` raises EngineDeadError."""
+    import asyncio
+
+    from actors.frontend.client import EngineDeadError
+
+    async def scenario() -> tuple:
+        llm = await AsyncLLM.create(max_model_len=256)
+        try:
+            await llm.check_health()
+            running = (llm.is_running, llm.errored)
+            long = SamplingParams(max_tokens=200, ignore_eos=True)
+
+            async def last(request_id: str, params: SamplingParams):
+                async for out in llm.generate("Tell me a story", params, request_id=request_id):
+                    if request_id == "doomed" and len(out.outputs[0].token_ids) >= 2:
+                        await llm.abort("doomed")
+                return out.outputs[0].finish_reason, len(out.outputs[0].token_ids)
+            doomed, kept = await asyncio.wait_for(asyncio.gather(
+                last("doomed", long), last("kept", SamplingParams(max_tokens=12, ignore_eos=True))), 120)
+        finally:
+            await llm.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await llm.check_health()
+        return running, doomed, kept, llm.errored
+
+    running, doomed, kept, errored = asyncio.run(scenario())
+    assert running == (True, False)
+    assert doomed[0] == "abort" and 2 <= doomed[1] < 200
+    assert kept == ("length", 12)
+    assert errored
 
 
 def test_beam_search_keeps_the_most_likely_sequences_with_their_true_logprobs(llm):

@@ -14,7 +14,7 @@ from tools.bench import workload
 
 
 async def warm(args: Any) -> dict[str, float]:
-    from actors.api import AsyncLLM, SamplingParams
+    from actors.api import AsyncLLM, RequestOutputKind, SamplingParams
     from actors.engine.args import EngineArgs
     # in this process, unless the layout needs a worker process per rank (tensor or pipeline parallelism)
     ranks = args.tensor_parallel_size * args.pipeline_parallel_size
@@ -28,7 +28,7 @@ async def warm(args: Any) -> dict[str, float]:
             prompt = prompts.pop()
             t0 = time.perf_counter()
             first, n = 0.0, 0
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
             async for out in llm.generate(prompt, params):
                 if n == 0:
                     first = time.perf_counter() - t0

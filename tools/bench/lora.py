@@ -40,7 +40,7 @@ def write_random_adapter(path: str, arch: Any, rank: int, seed: int, std: float 
 
 
 async def run(args: Any) -> dict[str, Any]:
-    from actors.api import AsyncLLM, LoRARequest, SamplingParams
+    from actors.api import AsyncLLM, LoRARequest, RequestOutputKind, SamplingParams
     from actors.engine.args import EngineArgs
 
     reqs = workload.from_args(args)
@@ -59,7 +59,7 @@ async def run(args: Any) -> dict[str, Any]:
         try:
             async def one(r: dict, lora: Any) -> int:
                 n = 0
-                params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+                params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, output_kind=RequestOutputKind.DELTA)
                 async for out in llm.generate(r["prompt_token_ids"], params, lora_request=lora):
                     n += len(out.token_ids)
                 return n

@@ -10,7 +10,7 @@ from tools.bench import flops, workload
 
 
 async def run(args: Any) -> dict[str, Any]:
-    from actors.api import AsyncLLM, SamplingParams
+    from actors.api import AsyncLLM, RequestOutputKind, SamplingParams
     from actors.engine.args import EngineArgs
 
     reqs = workload.from_args(args)
@@ -24,7 +24,7 @@ async def run(args: Any) -> dict[str, Any]:
             return n
 
         def params(r: dict) -> SamplingParams:
-            return SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+            return SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
         # warm-up on the first two requests, as tools/bench/vllm_peer.py does for vLLM
         await asyncio.gather(*(one(r, params(r)) for r in reqs[:2]))

@@ -39,15 +39,17 @@ async def compile_times(llm: Any) -> dict[str, float]:
 
 async def throughput(llm: Any, n: int) -> dict[str, float]:
     """N json_schema requests at once, then N free ones of the same output lengths."""
-    from actors.api import SamplingParams
+    import msgspec
+
+    from actors.api import RequestOutputKind, SamplingParams
     from actors.engine.sampling_params import StructuredOutputsParams
     picked = (schemas() * (n // 50 + 1))[:n]
 
     async def run(params: SamplingParams, prompt: str) -> int:
-        count = 0
-        async for out in llm.generate(prompt, params):
-            count += len(out.token_ids)
-        return count
+        out = None
+        async for out in llm.generate(prompt, msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)):
+            pass
+        return len(out.token_ids)
 
     constrained = [SamplingParams(max_tokens=200, temperature=0,
                                   structured_outputs=StructuredOutputsParams(json=json.dumps(s))) for s in picked]
