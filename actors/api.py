@@ -28,6 +28,7 @@ from actors.frontend.fanout import close_all, merged_outputs, submit_choices
 from actors.frontend.client import EngineDeadError
 from actors.frontend.launch import SHUT_DOWN, Frontend, start_frontend
 from actors.frontend.logprobs import TokenText, ranked_positions
+from actors.frontend.metrics_reader import Metric, metrics_snapshot
 from actors.frontend.protocol import MAX_N
 from actors.frontend.streams import RequestOutput
 from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER
@@ -772,6 +773,15 @@ class LLM:
         """Forget every cached prefix (vLLM's; the server's POST /reset_prefix_cache); blocks in
         use keep their contents. True once every engine has."""
         return self._run(self._engine().reset_prefix_cache(), timeout=60)
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the engine's metrics, those the server's /metrics has under ``vllm:``, as
+        ``actors.frontend.metrics_reader``'s Counter, Gauge, Histogram and Vector objects."""
+        engine = self._engine()
+
+        async def text() -> str:           # read on the loop that updates them
+            return engine.client.stats.prometheus(("vllm",))
+        return metrics_snapshot(self._run(text(), timeout=60))
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's ``LLM.sleep``: see ``AsyncLLM.sleep`` (needs ``enable_sleep_mode=True``)."""

@@ -107,6 +107,36 @@ def test_drafts_are_accepted_and_counted(spec):
         assert stats.spec_num_accepted_tokens >= 0.8 * stats.spec_num_draft_tokens
 
 
+def test_get_metrics_reads_the_drafts_as_vllms_spec_decode_example_does(spec):
+    """``LLM.get_metrics()`` as vLLM's: the counters under their family names, the accepted
+    drafts by position one Vector, histograms with cumulative buckets (vLLM's
+    examples/offline_inference/spec_decode.py loop runs on it unchanged)."""
+    from actors.frontend.metrics_reader import Counter, Histogram, Vector
+    method, _, llm = spec
+    stats = llm.client.stats.last
+    num_drafts = num_accepted = 0
+    acceptance_counts = [0] * METHODS[method]["num_speculative_tokens"]
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            assert isinstance(metric, Counter)
+            num_drafts += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+            assert isinstance(metric, Counter)
+            num_accepted += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            assert isinstance(metric, Vector)
+            for pos in range(len(metric.values)):
+                acceptance_counts[pos] += metric.values[pos]
+        elif metric.name == "vllm:e2e_request_latency_seconds":
+            assert isinstance(metric, Histogram)
+            finished = metric.count
+            assert metric.buckets["+Inf"] == metric.count and metric.sum > 0
+            assert list(metric.buckets.values()) == sorted(metric.buckets.values())
+    assert (num_drafts, num_accepted) == (stats.spec_num_drafts, stats.spec_num_accepted_tokens) and num_drafts > 0
+    assert acceptance_counts == list(stats.spec_num_accepted_tokens_per_pos)
+    assert finished >= len(PROMPTS)
+
+
 def test_each_requests_drafts_are_counted_as_its_own_and_add_up_to_the_engines(spec):
     """vLLM's per-request speculative decoding metrics: each request's verify steps, drafts and
     accepted drafts (the per-step lists agree with the histogram and the totals), the request

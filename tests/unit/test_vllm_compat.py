@@ -619,3 +619,34 @@ def test_several_api_servers_are_refused_on_a_headless_machine(capsys):
     for argv in (["-dp", "2"], ["-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1"], ["-dp", "2", "-dpl", "0"],
                  ["-dp", "2", "--data-parallel-backend", "ray"]):
         assert serve.parse_args([*argv, "-asc", "3"]).api_server_count == 3
+
+
+def test_the_metrics_reader_gives_vllms_objects_for_every_metric_of_the_exposition():
+    """``metrics_snapshot`` (what LLM.get_metrics returns) of the text /metrics serves: a label
+    value with quotes and backslashes comes back as it was, every vllm: metric is one object per
+    label set (no Troupe-only troupe: names), counters lose ``_total``, histogram buckets count
+    up to ``+Inf``."""
+    from actors.frontend.metrics_reader import Counter, Gauge, Histogram, metrics_snapshot
+    stats = EngineStats(model='a "quoted" \\ model')
+    stats.time_to_first_token.observe(0.03)
+    stats.time_to_first_token.observe(7.0)
+    stats.observe_finished("length")
+    text = stats.prometheus(("vllm", "troupe"))
+    metrics = metrics_snapshot(text)
+    assert all(m.name.startswith("vllm:") for m in metrics)
+    samples = [line for line in text.splitlines() if line.startswith("vllm:")]
+    families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE vllm:")
+                if any(s.startswith(line.split()[2]) for s in samples)}      # those with samples
+    assert {m.name for m in metrics} == {f.removesuffix("_total") if f"# TYPE {f} counter" in text else f
+                                         for f in families}
+    by_name = {}
+    for m in metrics:
+        by_name.setdefault(m.name, []).append(m)
+    ttft, = by_name["vllm:time_to_first_token_seconds"]
+    assert isinstance(ttft, Histogram) and (ttft.count, ttft.sum) == (2, pytest.approx(7.03))
+    assert ttft.labels == {"model_name": 'a "quoted" \\ model', "engine": "0"}
+    assert list(ttft.buckets)[-1] == "+Inf" and ttft.buckets["+Inf"] == 2 and ttft.buckets["0.04"] == 1
+    success = {m.labels["finished_reason"]: m.value for m in by_name["vllm:request_success"]}
+    assert all(isinstance(m, Counter) for m in by_name["vllm:request_success"]) and success["length"] == 1
+    running, = by_name["vllm:num_requests_running"]
+    assert isinstance(running, Gauge) and running.value == 0.0
