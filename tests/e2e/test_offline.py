@@ -223,6 +223,27 @@ def test_an_engine_in_the_users_process_runs_its_openmp_threads_with_the_short_s
     assert proc.stdout.split()[-2:] == ["2", "None"]
 
 
+UNCLEAN = ("Task was destroyed", "CRITICAL", "flight recorder", "Traceback")   # what a clean exit never logs
+
+
+def run_script(script: str, **env: str) -> subprocess.CompletedProcess:
+    """``script`` run by a fresh interpreter here; it must succeed."""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def assert_clean_exit(proc: subprocess.CompletedProcess, pids: list[int] | tuple[()] = (), unclean: tuple[str, ...] = UNCLEAN) -> None:
+    """``proc`` logged none of ``unclean``, and the processes ``pids`` are gone (within 10 s)."""
+    for bad in unclean:
+        assert bad not in proc.stderr, proc.stderr[-3000:]
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if alive(pid)]
+
+
 def test_a_script_that_never_closes_its_llms_exits_cleanly_and_leaves_no_process():
     """vLLM's scripts make an ``LLM`` and never close it: at the interpreter's exit an in-process
     engine and one with processes of its own both stop as ``close()`` stops them (no pending tasks
@@ -233,19 +254,12 @@ def test_a_script_that_never_closes_its_llms_exits_cleanly_and_leaves_no_process
               "for llm in (here, apart):\n"
               "    print(len(llm.generate('Hello', SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids))\n"
               "print(*[p.pid for p in psutil.Process().children(recursive=True)])\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={**os.environ, "TROUPE_LOG_LEVEL": "info"})
-    assert proc.returncode == 0, proc.stderr
+    proc = run_script(script, TROUPE_LOG_LEVEL="info")
     lines = proc.stdout.split("\n")
     assert lines[:2] == ["2", "2"]
     children = [int(p) for p in lines[2].split()]
     assert len(children) >= 2                                   # the engine core and its worker
-    for bad in ("Task was destroyed", "CRITICAL", "flight recorder", "Traceback"):
-        assert bad not in proc.stderr, proc.stderr[-3000:]
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [pid for pid in children if alive(pid)]
+    assert_clean_exit(proc, children)
 
 
 def test_an_async_llm_never_shut_down_stops_its_processes_when_asyncio_run_ends_or_at_exit():
@@ -265,21 +279,14 @@ def test_an_async_llm_never_shut_down_stops_its_processes_when_asyncio_run_ends_
               "dropped = asyncio.run(main(False))\n"
               "print(*[psutil.pid_exists(p) and psutil.Process(p).status() != 'zombie' for p in dropped])\n"
               "print(*asyncio.run(main(True)))\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={**os.environ, "TROUPE_LOG_LEVEL": "info"})
-    assert proc.returncode == 0, proc.stderr
+    proc = run_script(script, TROUPE_LOG_LEVEL="info")
     lines = proc.stdout.split("\n")
     assert lines[0] == "2" and lines[2] == "2"
     assert lines[1].split() == ["False", "False"]                  # engine core and worker, gone
     kept = [int(p) for p in lines[3].split()]
     assert len(kept) == 2
-    for bad in ("Task was destroyed", "CRITICAL", "flight recorder", "Traceback"):
-        assert bad not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count("'frontend' asked it to stop") == 2
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in kept) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [pid for pid in kept if alive(pid)]
+    assert_clean_exit(proc, kept)
 
 
 def test_ctrl_c_during_generate_aborts_its_requests_and_the_llm_serves_on():
@@ -300,12 +307,9 @@ def test_ctrl_c_during_generate_aborts_its_requests_and_the_llm_serves_on():
               "print(llm.client.stats.last.num_running)\n"
               "out = llm.generate('The capital of France is', SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)\n"
               "print(repr(out[0].outputs[0].text))\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={**os.environ})
-    assert proc.returncode == 0, proc.stderr
+    proc = run_script(script)
     assert proc.stdout.split("\n")[:3] == ["interrupted 0", "0", repr(" Paris.\n\n")], proc.stdout
-    for bad in ("Traceback", "ERROR", "CRITICAL"):
-        assert bad not in proc.stderr, proc.stderr[-3000:]
+    assert_clean_exit(proc, unclean=(*UNCLEAN, "ERROR"))
 
 
 @pytest.mark.parametrize("multiprocess", [True, False], ids=["processes", "in-process"])
@@ -326,14 +330,11 @@ def test_shutdown_with_requests_running_ends_each_with_an_error_and_logs_no_fail
               "        print(r.outputs[0].finish_reason, r.error, 0 < len(r.outputs[0].token_ids) < 400)\n"
               "    print(len(psutil.Process().children(recursive=True)))\n"
               "asyncio.run(main())\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={**os.environ})
-    assert proc.returncode == 0, proc.stderr
+    proc = run_script(script)
     lines = proc.stdout.split("\n")
     assert lines[:6] == ["error the engine was shut down True"] * 6, proc.stdout
     assert lines[6] == "0"
-    for bad in ("Traceback", "ERROR", "CRITICAL", "killing"):
-        assert bad not in proc.stderr, proc.stderr[-3000:]
+    assert_clean_exit(proc, unclean=(*UNCLEAN, "ERROR", "killing"))
 
 
 def test_async_llm_streams_vllms_request_outputs_cumulative_delta_or_final_only():
