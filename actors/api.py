@@ -7,6 +7,8 @@ backend: each engine core and rank needs a process, or a Ray actor, of its own).
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import itertools
 import dataclasses
 import sys
@@ -132,14 +134,54 @@ class Progress:
         self.bar.close()
 
 
+FOREIGN_LOOP = ("this AsyncLLM serves on the event loop it was created on, which is not the running one "
+                "(an asyncio.run that has ended?): create it inside the asyncio.run that uses it")
+
+
+def _on_its_loop(cls: type) -> type:
+    """``cls`` with each public coroutine and async-generator method first checking that it runs
+    on the instance's own event loop: from another one (a second ``asyncio.run``) its actors
+    would never answer, so the call fails at once saying why."""
+    def check(self: Any) -> None:
+        loop = getattr(self, "_loop", None)
+        if loop is not None and asyncio.get_running_loop() is not loop:
+            raise RuntimeError(FOREIGN_LOOP)
+
+    def wrap(fn: Any) -> Any:
+        if inspect.isasyncgenfunction(fn):
+            @functools.wraps(fn)
+            async def gen(self: Any, *args: Any, **kwargs: Any) -> Any:
+                check(self)
+                inner = fn(self, *args, **kwargs)
+                try:
+                    async for item in inner:
+                        yield item
+                finally:                      # a reader that stops early closes it now (aborting)
+                    await inner.aclose()
+            return gen
+
+        @functools.wraps(fn)
+        async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            check(self)
+            return await fn(self, *args, **kwargs)
+        return call
+    for name, fn in list(vars(cls).items()):
+        if not name.startswith("_") and name != "shutdown" and (
+                inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)):
+            setattr(cls, name, wrap(fn))
+    return cls
+
+
+@_on_its_loop
 class AsyncLLM:
     def __init__(self, frontend: Frontend) -> None:
         self._fe = frontend
         self.client = frontend.client
         self._token_text: TokenText | None = None
+        self._loop = asyncio.get_running_loop()        # its actors' loop: the only one it serves on
         # never shut down (dropped, or still running when its asyncio.run ends): its processes
         # stop when it is collected or, at the latest, when the interpreter exits, as vLLM's do
-        weakref.finalize(self, _stop_abandoned, frontend)
+        self._finalizer = weakref.finalize(self, _stop_abandoned, frontend, self._loop)
 
     @classmethod
     async def create(cls, model: str | None = None, *, multiprocess: bool | None = None,
@@ -439,6 +481,9 @@ class AsyncLLM:
         return EngineDeadError(self.client.dead or SHUT_DOWN, self.client.retry_after)
 
     async def shutdown(self) -> None:
+        if asyncio.get_running_loop() is not self._loop:    # its loop is gone: stopped without it
+            self._finalizer()
+            return
         await self._fe.shutdown()
 
 
@@ -474,7 +519,7 @@ def _extended(total: GenerationResult, new: GenerationResult) -> GenerationResul
 _STOPPING: set[asyncio.Task] = set()
 
 
-def _stop_abandoned(fe: Frontend) -> None:
+def _stop_abandoned(fe: Frontend, own_loop: asyncio.AbstractEventLoop) -> None:
     if fe.stopped:
         return
     fe.stop_now()
@@ -487,6 +532,8 @@ def _stop_abandoned(fe: Frontend) -> None:
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
+        loop = None
+    if loop is not own_loop:                 # the actors' loop has ended (or is another thread's)
         close_transport()
         return
     # the frontend's own actors stop on the loop still running; the transport closes even when

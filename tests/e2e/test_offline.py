@@ -378,6 +378,35 @@ def test_async_llm_streams_vllms_request_outputs_cumulative_delta_or_final_only(
     assert [len(o[3]) for o in delta] == [b - a for a, b in zip([0] + lengths, lengths)]
 
 
+def test_an_async_llm_used_from_another_event_loop_fails_at_once_saying_why():
+    """An AsyncLLM made in one ``asyncio.run`` and used in a later one (whose loop its actors do
+    not run on) refuses at once with the reason instead of waiting for an answer that never
+    comes; its ``shutdown()`` there still stops its processes."""
+    import asyncio
+
+    import psutil
+
+    async def make() -> AsyncLLM:
+        return await AsyncLLM.create(max_model_len=256, multiprocess=True)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    llm = asyncio.run(make())
+    children = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
+    async def use() -> None:
+        with pytest.raises(RuntimeError, match="created on"):
+            await llm.complete("Hello", SamplingParams(max_tokens=2))
+        with pytest.raises(RuntimeError, match="created on"):
+            async for _ in llm.generate("Hello", SamplingParams(max_tokens=2)):
+                pass
+        await asyncio.wait_for(llm.shutdown(), 30)
+    asyncio.run(use())
+    assert len(children) >= 2
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in children if alive(pid)]
+
+
 def test_async_llm_aborts_by_request_id_and_reports_its_health_as_vllms_does():
     """vLLM's AsyncLLM calls: ``abort(request_id)`` ends that stream with finish reason "abort"
     (the other request runs to its end), ``check_health()`` passes while serving, and after
