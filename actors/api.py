@@ -207,24 +207,26 @@ class AsyncLLM:
         return SamplingParams(**defaults.as_dict()) if defaults is not None else SamplingParams()
 
     async def generate(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[GenerationResult]:
+                       request_id: str | None = None, *, lora_request: LoRARequest | None = None,
+                       priority: int = 0) -> AsyncIterator[GenerationResult]:
         """vLLM's: one text (or token-id, or vLLM prompt-dict) prompt's outputs as they are
         produced, each in the shape of vLLM's ``RequestOutput`` (the last has ``finished``):
         everything so far, only what is new, or only the finished request, as
         ``sampling_params.output_kind`` says (``RequestOutputKind.CUMULATIVE``, vLLM's default,
-        ``DELTA``, ``FINAL_ONLY``). ``lora_request``: from the base model plus that adapter."""
+        ``DELTA``, ``FINAL_ONLY``). ``lora_request``: from the base model plus that adapter;
+        ``priority``: as ``complete``'s."""
         what = (_prompt_dict(prompt) if isinstance(prompt, dict) else {"prompt": prompt}
                 if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
-        async for out in self._stream(prompt, what, sampling_params, request_id, lora_request):
+        async for out in self._stream(prompt, {**what, "priority": priority}, sampling_params, request_id,
+                                      lora_request):
             yield out
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, *,
-                   request_id: str | None = None, lora_request: LoRARequest | None = None,
+                   request_id: str | None = None, lora_request: LoRARequest | None = None, priority: int = 0,
                    **template: Any) -> AsyncIterator[GenerationResult]:
         """``generate``'s outputs for one conversation rendered with the model's chat template."""
-        async for out in self._stream(messages, {"messages": messages, **template}, sampling_params, request_id,
-                                      lora_request):
+        async for out in self._stream(messages, {"messages": messages, "priority": priority, **template},
+                                      sampling_params, request_id, lora_request):
             yield out
 
     async def _stream(self, prompt: Any, what: dict[str, Any], params: SamplingParams | None, request_id: str | None,
@@ -309,10 +311,13 @@ class AsyncLLM:
         await self.client.stop_profile()
 
     async def complete(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-                       lora_request: LoRARequest | None = None, **template: Any) -> GenerationResult:
+                       lora_request: LoRARequest | None = None, request_id: str | None = None,
+                       priority: int = 0, _admitted: asyncio.Future | None = None,
+                       **template: Any) -> GenerationResult:
         """One prompt (text, token ids, or a conversation: a list of messages, rendered with
         ``template``'s chat-template options) run to the end, its ``sampling_params.n`` sequences in one
-        result (sequence i of a seeded request samples with ``seed + i``, as in vLLM)."""
+        result (sequence i of a seeded request samples with ``seed + i``, as in vLLM). ``priority``:
+        its place in the queue under ``scheduling_policy="priority"`` (lower first; vLLM's)."""
         sampling_params = sampling_params or self.default_sampling_params()
         n = sampling_params.n
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
@@ -322,8 +327,19 @@ class AsyncLLM:
         what = _prompt_what(prompt, **template)
         if lora_request is not None:
             what["lora_request"] = self.client.register_lora(lora_request)
-        request_id = self.client.new_request_id()
-        choices = await submit_choices(self.client.submit, request_id, sampling_params, n, **what)
+        request_id = request_id or self.client.new_request_id()
+        try:
+            choices = await submit_choices(self.client.submit, request_id, sampling_params, n, priority=priority,
+                                           **what)
+        except BaseException as exc:
+            if _admitted is not None and not _admitted.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    _admitted.cancel()
+                else:
+                    _admitted.set_exception(exc)
+            raise
+        if _admitted is not None:          # (LLM.enqueue waits for this: a refusal is raised there)
+            _admitted.set_result(None)
         done: list[RequestOutput | None] = [None] * n
         try:
             async for c, out in merged_outputs(choices):
@@ -590,6 +606,18 @@ def _prompt_dict(prompt: dict[str, Any]) -> dict[str, Any]:
     return what
 
 
+def _prompt_list(prompts: Any) -> list[Any]:
+    """``LLM.generate``'s prompts: one prompt (text, a prompt dict, token ids) or a list of them."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _conversation_list(messages: Any) -> list[Any]:
+    """``LLM.chat``'s conversations: one (a list of messages) or a list of them."""
+    return [messages] if messages and isinstance(messages[0], dict) else list(messages)
+
+
 def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
     """One value for every prompt, or a sequence of one per prompt."""
     values = list(value) if isinstance(value, Sequence) else [value] * n
@@ -677,6 +705,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, multiprocess: bool | None = None,
                  **engine_options: Any) -> None:
         self._thread = _LoopThread()
+        self._queued: list[asyncio.Future] = []       # enqueue()'s runs, for wait_for_completion()
         self._finalizer = weakref.finalize(self, self._thread.close)
         engine_options.setdefault("disable_log_stats", True)      # vLLM's LLM logs no statistics
         try:
@@ -704,29 +733,88 @@ class LLM:
     def generate(self, prompts: str | list[int] | dict[str, Any] | Sequence[str | list[int] | dict[str, Any]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[GenerationResult]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: int | Sequence[int] | None = None) -> list[GenerationResult]:
         """Generate for every prompt concurrently (they share engine steps); results in order.
         ``sampling_params``: one for all prompts, or one per prompt; ``lora_request`` likewise (vLLM's
-        argument: the adapter each prompt runs with, None for the base model)."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        per_prompt = self._checked(_per_prompt(sampling_params, len(prompts), "sampling parameters"))
-        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
-        return self._batch([lambda p=p, sp=sp, lr=lr: self._engine().complete(p, sp, lora_request=lr)
-                            for p, sp, lr in zip(prompts, per_prompt, loras)], use_tqdm)
+        argument: the adapter each prompt runs with, None for the base model), and ``priority``
+        (vLLM's: the queue order under ``scheduling_policy="priority"``, lower first)."""
+        return self._batch(self._jobs(_prompt_list(prompts), sampling_params, lora_request, priority), use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool = True,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-             **template: Any) -> list[GenerationResult]:
+             priority: int | Sequence[int] | None = None, **template: Any) -> list[GenerationResult]:
         """Reply to one conversation (a list of messages) or to each of several (vLLM's
         arguments; ``template``: the chat template's options, e.g. ``add_generation_prompt``)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        per_prompt = self._checked(_per_prompt(sampling_params, len(conversations), "sampling parameters"))
-        loras = _per_prompt(lora_request, len(conversations), "LoRA requests")
-        return self._batch([lambda c=c, sp=sp, lr=lr: self._engine().complete(c, sp, lora_request=lr, **template)
-                            for c, sp, lr in zip(conversations, per_prompt, loras)], use_tqdm)
+        return self._batch(self._jobs(_conversation_list(messages), sampling_params, lora_request, priority,
+                                      **template), use_tqdm)
+
+    def enqueue(self, prompts: str | list[int] | dict[str, Any] | Sequence[str | list[int] | dict[str, Any]],
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                priority: int | Sequence[int] | None = None, use_tqdm: bool = True) -> list[str]:
+        """vLLM's: submit the prompts (``generate``'s arguments) without waiting; returns their
+        request ids. They run at once, beside anything else submitted; ``wait_for_completion()``
+        returns the results of everything enqueued."""
+        return self._enqueue(self._jobs(_prompt_list(prompts), sampling_params, lora_request, priority))
+
+    def enqueue_chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+                     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                     use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                     priority: int | Sequence[int] | None = None, **template: Any) -> list[str]:
+        """vLLM's: ``enqueue`` for conversations (``chat``'s arguments)."""
+        return self._enqueue(self._jobs(_conversation_list(messages), sampling_params, lora_request, priority,
+                                        **template))
+
+    def wait_for_completion(self, output_type: Any = None, *, use_tqdm: bool = True) -> list[GenerationResult]:
+        """vLLM's: the results of every request enqueued since the last call, once all have
+        finished, in the order they were enqueued (a request that failed: its result's ``error``).
+        ``output_type`` is vLLM's argument (the results are always GenerationResults here)."""
+        queued, self._queued = self._queued, []
+
+        async def gather() -> list[GenerationResult]:
+            bar = Progress(len(queued), "Generating") if use_tqdm and len(queued) > 1 else None
+            try:
+                for task in asyncio.as_completed(queued):
+                    result = await task
+                    if bar is not None:
+                        bar.update(result.num_output_tokens)
+            finally:
+                if bar is not None:
+                    bar.close()
+            return [task.result() for task in queued]
+        return self._run(gather()) if queued else []
+
+    def _jobs(self, prompts: list[Any], sampling_params: Any, lora_request: Any, priority: Any,
+              **template: Any) -> list[Any]:
+        """One job (a coroutine function running one prompt) per prompt, its parameters checked."""
+        per_prompt = self._checked(_per_prompt(sampling_params, len(prompts), "sampling parameters"))
+        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
+        priorities = _per_prompt(priority or 0, len(prompts), "priorities")
+        return [functools.partial(self._engine().complete, p, sp, lora_request=lr, priority=pr, **template)
+                for p, sp, lr, pr in zip(prompts, per_prompt, loras, priorities)]
+
+    def _enqueue(self, jobs: list[Any]) -> list[str]:
+        engine = self._engine()
+
+        async def start() -> list[str]:
+            """Every job admitted (a refusal, e.g. a prompt too long, is raised here, and the
+            call's other requests are aborted, as vLLM's enqueue does), then left running."""
+            ids = [engine.client.new_request_id() for _ in jobs]
+            admitted = [asyncio.get_running_loop().create_future() for _ in jobs]
+            tasks = [asyncio.ensure_future(job(request_id=rid, _admitted=a)) for job, rid, a in zip(jobs, ids, admitted)]
+            try:
+                await asyncio.gather(*admitted)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, *admitted, return_exceptions=True)   # every one retrieved
+                raise
+            self._queued.extend(tasks)
+            return ids
+        return self._run(start())
 
     def generate_many(self, prompts: Iterable[Prompt],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -442,6 +442,30 @@ def test_async_llm_aborts_by_request_id_and_reports_its_health_as_vllms_does():
     assert errored
 
 
+def test_enqueue_and_wait_for_completion_run_by_priority_as_vllms_llm_does():
+    """vLLM's ``LLM.enqueue`` / ``enqueue_chat`` / ``wait_for_completion`` and ``priority``: with
+    scheduling paused (``sleep(level=0)``), one request at a time and the priority policy, the
+    request of priority 0 runs first though enqueued second (the other then finds the prompt in
+    the prefix cache); results come in enqueue order under the returned ids; a prompt too long
+    is refused by ``enqueue`` itself and nothing of that call stays queued."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4           # 40 tokens: two whole blocks
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(max_model_len=256, max_num_seqs=1, scheduling_policy="priority") as llm:
+        with pytest.raises(ValueError, match="maximum context length"):
+            llm.enqueue(["Hello", "word " * 400], greedy)
+        assert llm.client.num_open == 0 and llm.wait_for_completion() == []
+        llm.sleep(level=0)
+        ids = llm.enqueue([prompt, prompt], greedy, priority=[5, 0])
+        ids += llm.enqueue_chat([{"role": "user", "content": "Hi"}], greedy)
+        llm.wake_up(tags=["scheduling"])
+        results = llm.wait_for_completion(use_tqdm=False)
+        assert [r.request_id for r in results] == ids and len(set(ids)) == 3
+        assert [r.num_cached_tokens for r in results[:2]] == [32, 0]          # priority 0 ran first
+        assert results[0].token_ids == results[1].token_ids and len(results[2].token_ids) == 6
+        alone = llm.generate(prompt, greedy, priority=3, use_tqdm=False)[0]
+        assert alone.token_ids == results[0].token_ids
+
+
 def test_beam_search_keeps_the_most_likely_sequences_with_their_true_logprobs(llm):
     """vLLM's LLM.beam_search: width 1 is greedy decoding; wider, the beams are distinct, best
     first by length-penalized score, and each beam's cumulative log-prob is what the model gives
