@@ -704,12 +704,22 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, multiprocess: bool | None = None,
                  **engine_options: Any) -> None:
+        engine_options.setdefault("disable_log_stats", True)      # vLLM's LLM logs no statistics
+        self._start(lambda: AsyncLLM.create(model, multiprocess=multiprocess, **engine_options))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """vLLM's: an LLM of ``engine_args`` (``EngineArgs.from_options(model, {...})``)."""
+        llm = cls.__new__(cls)
+        llm._start(lambda: AsyncLLM.from_engine_args(engine_args))
+        return llm
+
+    def _start(self, create: Any) -> None:
         self._thread = _LoopThread()
         self._queued: list[asyncio.Future] = []       # enqueue()'s runs, for wait_for_completion()
         self._finalizer = weakref.finalize(self, self._thread.close)
-        engine_options.setdefault("disable_log_stats", True)      # vLLM's LLM logs no statistics
         try:
-            self._thread.llm = self._run(AsyncLLM.create(model, multiprocess=multiprocess, **engine_options))
+            self._thread.llm = self._run(create())
         except BaseException:
             self._finalizer()
             raise
@@ -908,6 +918,16 @@ class LLM:
         """Forget every cached prefix (vLLM's; the server's POST /reset_prefix_cache); blocks in
         use keep their contents. True once every engine has."""
         return self._run(self._engine().reset_prefix_cache(), timeout=60)
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the workers of one engine core (tensor-parallel ranks times pipeline stages),
+        times the engine cores with ``include_dp``."""
+        p = self._engine().client.config.parallel
+        return p.world_size * (p.data_parallel_size if include_dp else 1)
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's: clears the multi-modal cache; the models served here take text only, so there
+        is none to clear."""
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's: the engine's metrics, those the server's /metrics has under ``vllm:``, as

@@ -95,16 +95,21 @@ def test_adapters_over_two_tensor_parallel_ranks_give_one_workers_tokens(setup):
     with LLM(str(root / "base"), enable_lora=True, max_loras=4, max_cpu_loras=4, max_lora_rank=16, block_size=4,
              tensor_parallel_size=2) as tp:
         got = [r.token_ids for r in tp.generate(PROMPTS[:4], GREEDY, lora_request=row_loras, use_tqdm=False)]
+        assert tp.get_world_size() == tp.get_world_size(include_dp=False) == 2        # vLLM's
     assert got == want
 
 
 def test_adapters_over_two_pipeline_stages_give_one_workers_tokens(setup):
-    """Each stage applies an adapter to its own layers (the others' weights are the other stage's)."""
+    """Each stage applies an adapter to its own layers (the others' weights are the other stage's).
+    (The LLM is made as vLLM's ``LLM.from_engine_args(EngineArgs(...))`` makes one.)"""
+    from actors.engine.args import EngineArgs
     llm, loras, _, root = setup
     row_loras = [loras[1], loras[2], None, loras[3]]
     want = [r.token_ids for r in llm.generate(PROMPTS[:4], GREEDY, lora_request=row_loras, use_tqdm=False)]
-    with LLM(str(root / "base"), enable_lora=True, max_loras=4, max_cpu_loras=4, max_lora_rank=16, block_size=4,
-             pipeline_parallel_size=2) as pp:
+    args = EngineArgs.from_options(str(root / "base"), dict(enable_lora=True, max_loras=4, max_cpu_loras=4,
+                                                            max_lora_rank=16, block_size=4, pipeline_parallel_size=2))
+    with LLM.from_engine_args(args) as pp:
+        assert pp.get_world_size() == 2
         got = [r.token_ids for r in pp.generate(PROMPTS[:4], GREEDY, lora_request=row_loras, use_tqdm=False)]
     assert got == want
 
