@@ -142,7 +142,9 @@ def _on_its_loop(cls: type) -> type:
     """``cls`` with each public coroutine and async-generator method first checking that it runs
     on the instance's own event loop: from another one (a second ``asyncio.run``) its actors
     would never answer, so the call fails at once saying why."""
-    def check(self: Any) -> None:
+    async def check(self: Any) -> None:
+        if getattr(self, "_args", None) is not None:     # made by vLLM's from_engine_args: started now
+            await self._start()
         loop = getattr(self, "_loop", None)
         if loop is not None and asyncio.get_running_loop() is not loop:
             raise RuntimeError(FOREIGN_LOOP)
@@ -151,7 +153,7 @@ def _on_its_loop(cls: type) -> type:
         if inspect.isasyncgenfunction(fn):
             @functools.wraps(fn)
             async def gen(self: Any, *args: Any, **kwargs: Any) -> Any:
-                check(self)
+                await check(self)
                 inner = fn(self, *args, **kwargs)
                 try:
                     async for item in inner:
@@ -162,7 +164,7 @@ def _on_its_loop(cls: type) -> type:
 
         @functools.wraps(fn)
         async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            check(self)
+            await check(self)
             return await fn(self, *args, **kwargs)
         return call
     for name, fn in list(vars(cls).items()):
@@ -174,14 +176,41 @@ def _on_its_loop(cls: type) -> type:
 
 @_on_its_loop
 class AsyncLLM:
-    def __init__(self, frontend: Frontend) -> None:
+    """vLLM's AsyncLLM. ``await AsyncLLM.create(model, **options)`` (or ``await
+    AsyncLLM.from_engine_args(args)``) returns it started; vLLM's ``AsyncLLM.from_engine_args(args)``
+    without ``await`` returns it unstarted, and its first awaited call starts it (loads the
+    model) on the running event loop, the one it then serves on."""
+
+    def __init__(self, frontend: Frontend | None = None, *, args: EngineArgs | None = None) -> None:
+        self._fe: Frontend | None = None
+        self.client: Any = None
+        self._args = args
+        self._starting: asyncio.Future | None = None
+        self._token_text: TokenText | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if frontend is not None:
+            self._started(frontend)
+
+    def _started(self, frontend: Frontend) -> None:
         self._fe = frontend
         self.client = frontend.client
-        self._token_text: TokenText | None = None
         self._loop = asyncio.get_running_loop()        # its actors' loop: the only one it serves on
         # never shut down (dropped, or still running when its asyncio.run ends): its processes
         # stop when it is collected or, at the latest, when the interpreter exits, as vLLM's do
         self._finalizer = weakref.finalize(self, _stop_abandoned, frontend, self._loop)
+
+    async def _start(self) -> AsyncLLM:
+        """Started (once, however many callers wait for it)."""
+        if self._fe is None:
+            if self._starting is None:
+                self._starting = asyncio.ensure_future(start_frontend(self._args.create_engine_config()))
+            frontend = await asyncio.shield(self._starting)
+            if self._fe is None:
+                self._started(frontend)
+        return self
+
+    def __await__(self) -> Any:
+        return self._start().__await__()
 
     @classmethod
     async def create(cls, model: str | None = None, *, multiprocess: bool | None = None,
@@ -196,8 +225,9 @@ class AsyncLLM:
             EngineArgs.from_options(model, {**engine_options, "multiprocess": multiprocess}))
 
     @classmethod
-    async def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        return cls(await start_frontend(args.create_engine_config()))
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        """vLLM's: an AsyncLLM of ``args``, started by its first awaited call (or ``await``)."""
+        return cls(args=args)
 
     def default_sampling_params(self) -> SamplingParams:
         """What a prompt given no SamplingParams samples with: vLLM's defaults, overridden by
@@ -496,11 +526,28 @@ class AsyncLLM:
     def dead_error(self) -> BaseException:
         return EngineDeadError(self.client.dead or SHUT_DOWN, self.client.retry_after)
 
-    async def shutdown(self) -> None:
-        if asyncio.get_running_loop() is not self._loop:    # its loop is gone: stopped without it
+    def shutdown(self) -> asyncio.Future | None:
+        """Stop the engine: vLLM's (called without ``await``) or awaited (returns once all has
+        stopped). Requests still running end with the error "the engine was shut down". Off its
+        own event loop (that loop has ended), its processes are stopped at once."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if self._fe is not None and running is self._loop:
+            task = running.create_task(self._fe.shutdown())
+            _STOPPING.add(task)
+            task.add_done_callback(_STOPPING.discard)
+            return task
+        if self._fe is not None:             # its loop is gone: stopped without it
             self._finalizer()
-            return
-        await self._fe.shutdown()
+        elif self._starting is not None:     # never started
+            self._starting.cancel()
+        if running is None:
+            return None
+        done = running.create_future()       # nothing left to wait for, to whoever awaits
+        done.set_result(None)
+        return done
 
 
 def _extended(total: GenerationResult, new: GenerationResult) -> GenerationResult:
@@ -533,6 +580,12 @@ def _extended(total: GenerationResult, new: GenerationResult) -> GenerationResul
 
 
 _STOPPING: set[asyncio.Task] = set()
+
+
+async def _shut_down(llm: AsyncLLM) -> None:
+    task = llm.shutdown()
+    if task is not None:
+        await task
 
 
 def _stop_abandoned(fe: Frontend, own_loop: asyncio.AbstractEventLoop) -> None:
@@ -689,7 +742,7 @@ class _LoopThread:
             return
         try:
             if llm is not None and self.loop.is_running():
-                self.run(llm.shutdown(), timeout=60)
+                self.run(_shut_down(llm), timeout=60)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)

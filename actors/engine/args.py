@@ -1083,3 +1083,6 @@ def at_least(kind: type, low: float, strict: bool = False) -> Any:
 
 def _positive(kind: type) -> Any:
     return at_least(kind, 0, strict=True)
+
+
+AsyncEngineArgs = EngineArgs      # vLLM's name for the same arguments of its AsyncLLM

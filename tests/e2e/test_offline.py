@@ -289,6 +289,37 @@ def test_an_async_llm_never_shut_down_stops_its_processes_when_asyncio_run_ends_
     assert_clean_exit(proc, kept)
 
 
+def test_vllms_async_llm_example_runs_with_only_its_imports_changed():
+    """vLLM's examples/offline_inference/async_llm_streaming.py: ``AsyncLLM.from_engine_args``
+    without ``await`` (started by the first ``generate``), DELTA outputs streamed by keyword
+    arguments, and ``engine.shutdown()`` without ``await`` in ``finally``; the script prints its
+    answers and exits cleanly with no process left."""
+    script = ("import asyncio, psutil\n"
+              "from actors.api import AsyncLLM, RequestOutputKind, SamplingParams\n"
+              "from actors.engine.args import AsyncEngineArgs\n"
+              "async def main():\n"
+              "    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(max_model_len=256, multiprocess=True))\n"
+              "    params = SamplingParams(max_tokens=8, temperature=0, output_kind=RequestOutputKind.DELTA)\n"
+              "    try:\n"
+              "        for i, prompt in enumerate(['The capital of France is', 'One, two,']):\n"
+              "            text = ''\n"
+              "            async for output in engine.generate(request_id=f'stream-{i}', prompt=prompt,\n"
+              "                                                sampling_params=params):\n"
+              "                text += ''.join(c.text for c in output.outputs)\n"
+              "                if output.finished:\n"
+              "                    print(output.request_id, repr(text), flush=True)\n"
+              "        print(*[p.pid for p in psutil.Process().children(recursive=True)], flush=True)\n"
+              "    finally:\n"
+              "        engine.shutdown()\n"
+              "asyncio.run(main())\n")
+    proc = run_script(script, TROUPE_LOG_LEVEL="info")
+    lines = proc.stdout.split("\n")
+    assert lines[0].startswith("stream-0 ' Paris") and lines[1].startswith("stream-1 ")
+    children = [int(p) for p in lines[2].split()]
+    assert len(children) == 2
+    assert_clean_exit(proc, children)
+
+
 def test_ctrl_c_during_generate_aborts_its_requests_and_the_llm_serves_on():
     """Ctrl-C in ``LLM.generate`` raises KeyboardInterrupt in the script and aborts the batch's
     requests (the engine runs nothing for nobody); the same LLM then answers, and the script exits
