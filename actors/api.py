@@ -187,6 +187,7 @@ class AsyncLLM:
         self._args = args
         self._starting: asyncio.Future | None = None
         self._token_text: TokenText | None = None
+        self._choices: dict[str, list[str]] = {}      # a stream's request id -> its sequences' (n > 1)
         self._loop: asyncio.AbstractEventLoop | None = None
         if frontend is not None:
             self._started(frontend)
@@ -261,30 +262,42 @@ class AsyncLLM:
 
     async def _stream(self, prompt: Any, what: dict[str, Any], params: SamplingParams | None, request_id: str | None,
                       lora_request: LoRARequest | None) -> AsyncIterator[GenerationResult]:
-        params = _one_sequence(params or self.default_sampling_params())
-        lora = self.client.register_lora(lora_request) if lora_request is not None else None
-        handle = await self.client.submit(params, request_id=request_id, lora_request=lora, **what)
+        """The outputs of one prompt's request and its ``n`` sequences (vLLM's: with DELTA, each
+        output holds the sequence that moved, under its ``index``; otherwise all ``n``)."""
+        params = params or self.default_sampling_params()
+        n = _sequences(params)
+        if n > 1:
+            params = msgspec.structs.replace(params, n=1)            # each choice is one sequence
+        if lora_request is not None:
+            what["lora_request"] = self.client.register_lora(lora_request)
+        request_id = request_id or self.client.new_request_id()
+        choices = await submit_choices(self.client.submit, request_id, params, n, **what)
+        self._choices[request_id] = [c.handle.request_id for c in choices]
+        prompt_ids = choices[0].handle.prompt_token_ids
         kind = params.output_kind
-        total: GenerationResult | None = None
+        totals: list[GenerationResult | None] = [None] * n            # each sequence's so far
+        running = n
         try:
-            async for out in handle:
-                new = self._result(handle.request_id, prompt, handle.prompt_token_ids, params, [out],
-                                   first=total is None)
-                new.finished = out.finished
+            async for c, out in merged_outputs(choices):
+                i = c.index
+                new = self._result(request_id, prompt, prompt_ids, params, [out], first=totals[i] is None)
+                new.outputs[0].index = i
+                running -= out.finished
                 if kind == RequestOutputKind.DELTA:
-                    total = new
+                    new.finished = not running
+                    totals[i] = new
                     yield new
                     continue
-                if total is None:
-                    total = new
-                    total.outputs[0].token_ids = list(out.token_ids)       # the request's own, growing
+                if totals[i] is None:
+                    new.outputs[0].token_ids = list(out.token_ids)       # the sequence's own, growing
+                    totals[i] = new
                 else:
-                    total = _extended(total, new)
-                if kind == RequestOutputKind.CUMULATIVE or out.finished:
-                    # a snapshot: its lists are the request's own, which grow as vLLM's do
-                    yield dataclasses.replace(total, outputs=[dataclasses.replace(o) for o in total.outputs])
+                    _extended(totals[i], new)
+                if kind == RequestOutputKind.CUMULATIVE or not running:
+                    yield _snapshot(totals, not running)
         finally:
-            handle.close()
+            self._choices.pop(request_id, None)
+            close_all(choices)
 
     async def get_tokenizer(self) -> Any:
         return _text_tokenizer(self.client.tokenizer)
@@ -349,9 +362,7 @@ class AsyncLLM:
         result (sequence i of a seeded request samples with ``seed + i``, as in vLLM). ``priority``:
         its place in the queue under ``scheduling_policy="priority"`` (lower first; vLLM's)."""
         sampling_params = sampling_params or self.default_sampling_params()
-        n = sampling_params.n
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+        n = _sequences(sampling_params)
         if n > 1:
             sampling_params = msgspec.structs.replace(sampling_params, n=1)   # each choice is one sequence
         what = _prompt_what(prompt, **template)
@@ -486,7 +497,8 @@ class AsyncLLM:
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """vLLM's: abort requests by the ``request_id`` they were generated with; each one's
         stream ends with finish reason "abort" (ids of no open request are ignored)."""
-        self.client.abort_open([request_id] if isinstance(request_id, str) else list(request_id))
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.client.abort_open([c for rid in ids for c in self._choices.get(rid, [rid])])
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's: make an adapter known before a request uses it (validated now: InvalidAdapter
@@ -679,11 +691,21 @@ def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
     return values
 
 
-def _one_sequence(params: SamplingParams) -> SamplingParams:
-    if params.n != 1:
-        raise ValueError(f"a stream carries one sequence, and n is {params.n!r}: for n sequences of a prompt "
-                         f"use AsyncLLM.complete or generate_many, or LLM.generate")
-    return params
+def _sequences(params: SamplingParams) -> int:
+    n = params.n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+    return n
+
+
+def _snapshot(totals: list[GenerationResult | None], finished: bool) -> GenerationResult:
+    """A stream's result so far: each sequence's (one not started yet: empty); its lists are
+    the sequences' own, which grow as vLLM's do."""
+    head = totals[0] or next(t for t in totals if t is not None)
+    outputs = [dataclasses.replace(t.outputs[0]) if t is not None else CompletionOutput(i, "", [])
+               for i, t in enumerate(totals)]
+    return dataclasses.replace(head, outputs=outputs, finished=finished,
+                               error=next((t.error for t in totals if t is not None and t.error), None))
 
 
 def _vllm_logprobs(lp: Logprobs, text_of: TokenText) -> list[dict[int, Logprob]]:

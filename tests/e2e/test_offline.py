@@ -389,12 +389,26 @@ def test_async_llm_streams_vllms_request_outputs_cumulative_delta_or_final_only(
                                len(o.outputs[0].logprobs or []), o.outputs[0].cumulative_logprob, o.finished)
                               async for o in llm.generate("The capital of France is", p, request_id=f"r{kind}")]
             whole = await llm.complete("The capital of France is", params)
+            two = SamplingParams(n=2, max_tokens=6, seed=1, ignore_eos=True)    # vLLM's n: one stream, n sequences
+            pair = await llm.complete("One, two,", two)
+            for kind in RequestOutputKind:
+                texts = ["", ""]
+                async for o in llm.generate("One, two,", msgspec.structs.replace(two, output_kind=kind)):
+                    for c in o.outputs:
+                        texts[c.index] = texts[c.index] + c.text if kind == RequestOutputKind.DELTA else c.text
+                seen[("n=2", kind)] = (texts, o.finished, len(o.outputs))
         finally:
             await llm.shutdown()
+        seen["pair"] = [c.text for c in pair.outputs]
         return seen, whole
 
     seen, whole = asyncio.run(scenario())
-    cumulative, delta, final = (seen[k] for k in RequestOutputKind)
+    assert seen["pair"][0] != seen["pair"][1]
+    for kind in RequestOutputKind:
+        texts, finished, width = seen[("n=2", kind)]
+        assert texts == seen["pair"] and finished
+        assert width == (1 if kind == RequestOutputKind.DELTA else 2)
+    cumulative, delta, final = (seen[k] for k in RequestOutputKind)     # n = 1
     assert len(cumulative) == len(delta) > 1 and len(final) == 1
     for outs, kind in ((cumulative, 0), (delta, 1), (final, 2)):
         assert all(o[0] == f"r{kind}" and o[1] == whole.prompt_token_ids for o in outs)
