@@ -256,7 +256,7 @@ class AsyncLLM:
                    request_id: str | None = None, lora_request: LoRARequest | None = None, priority: int = 0,
                    **template: Any) -> AsyncIterator[GenerationResult]:
         """``generate``'s outputs for one conversation rendered with the model's chat template."""
-        async for out in self._stream(messages, {"messages": messages, "priority": priority, **template},
+        async for out in self._stream(messages, {"messages": messages, "priority": priority, **_chat_options(**template)},
                                       sampling_params, request_id, lora_request):
             yield out
 
@@ -637,12 +637,20 @@ def _prompt_what(prompt: Prompt, **template: Any) -> dict[str, Any]:
     """What the engine client takes of a prompt: text, token ids, a prompt dict, or a
     conversation (with ``template``'s chat-template options)."""
     if _is_conversation(prompt):
-        return {"messages": prompt, **template}
+        return {"messages": prompt, **_chat_options(**template)}
     if isinstance(prompt, dict):
         return _prompt_dict(prompt)
     if isinstance(prompt, str):
         return {"prompt": prompt}
     return {"prompt_token_ids": list(prompt)}               # type: ignore[arg-type]
+
+
+def _chat_options(tools: list[dict[str, Any]] | None = None, **template: Any) -> dict[str, Any]:
+    """A conversation's chat-template options, vLLM's ``tools`` among them: handed to the
+    template (as a chat request's are), which renders them as the model expects."""
+    if tools is not None:
+        template["chat_template_kwargs"] = {"tools": tools, **(template.get("chat_template_kwargs") or {})}
+    return template
 
 
 def _is_conversation(prompt: Any) -> bool:

@@ -511,6 +511,22 @@ def test_enqueue_and_wait_for_completion_run_by_priority_as_vllms_llm_does():
         assert alone.token_ids == results[0].token_ids
 
 
+def test_chat_hands_vllms_tools_argument_to_the_chat_template(llm):
+    """``LLM.chat(messages, tools=[...])`` (vLLM's argument) renders the tools through the chat
+    template, as a chat request's tools are (a template that names them shows them)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    template = ("{% for t in tools or [] %}Tool: {{ t.function.name }}. {% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    one = SamplingParams(max_tokens=1)
+    with_tools = llm.chat(messages, one, tools=tools, chat_template=template, use_tqdm=False)[0]
+    without = llm.chat(messages, one, chat_template=template, use_tqdm=False)[0]
+    decode = llm.get_tokenizer().decode
+    assert decode(with_tools.prompt_token_ids) == "Tool: get_weather. Weather in Paris?"
+    assert decode(without.prompt_token_ids) == "Weather in Paris?"
+
+
 def test_beam_search_keeps_the_most_likely_sequences_with_their_true_logprobs(llm):
     """vLLM's LLM.beam_search: width 1 is greedy decoding; wider, the beams are distinct, best
     first by length-penalized score, and each beam's cumulative log-prob is what the model gives
