@@ -44,7 +44,8 @@ log = logging.getLogger("troupe.http")
 MAX_BODY_BYTES = 8 << 20
 PROTECTED_PATHS = ("/v1/", "/inference/", "/debug/", "/dashboard", "/invocations",   # need the API key when set
                    "/generative_scoring", "/pause", "/resume", "/is_paused", "/abort_requests", "/sleep",
-                   "/wake_up", "/is_sleeping", "/start_profile", "/stop_profile", "/server_info", "/get_world_size", "/collective_rpc")
+                   "/wake_up", "/is_sleeping", "/start_profile", "/stop_profile", "/server_info", "/get_world_size", "/collective_rpc",
+                   "/reset_mm_cache", "/reset_encoder_cache")
 KEY_COOKIE = "troupe_api_key"                          # the key, for the dashboard's own requests
 
 

@@ -12,6 +12,7 @@ started with VLLM_SERVER_DEV_MODE=1:
   GET  /get_world_size?include_dp=true                {"world_size": n}  (ranks: tensor x pipeline [x data])
   GET  /server_info?config_format=text|json           {"vllm_config", "vllm_env", "system_env"}
   POST /collective_rpc  {"method", "args", "kwargs", "timeout"}   {"results": [one per worker]}
+  POST /reset_mm_cache, /reset_encoder_cache          200 (text models: no such caches)
 
 ``abort`` (the default) aborts every request, ``wait`` lets the running ones finish, ``keep``
 freezes every request where it is (they go on after /resume); requests that arrive while paused
@@ -168,6 +169,12 @@ async def stop_profile(server: OpenAIServer, request: web.Request) -> web.Respon
     return web.Response(status=200)
 
 
+async def reset_mm_cache(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's /reset_mm_cache and /reset_encoder_cache: the models served here take text only,
+    so there is no multi-modal or encoder cache to clear (200, as vLLM answers a text model)."""
+    return web.Response(status=200)
+
+
 async def get_world_size(server: OpenAIServer, request: web.Request) -> web.Response:
     """vLLM's: the ranks of one engine (tensor x pipeline), times the data-parallel engines
     unless include_dp=false."""
@@ -227,4 +234,5 @@ PROFILE_ROUTES = [("POST", "/start_profile", start_profile), ("POST", "/stop_pro
 ROUTES = [("POST", "/pause", pause), ("POST", "/resume", resume), ("GET", "/is_paused", is_paused),
           ("POST", "/abort_requests", abort_requests), ("POST", "/sleep", sleep), ("POST", "/wake_up", wake_up),
           ("GET", "/is_sleeping", is_sleeping), ("GET", "/get_world_size", get_world_size),
-          ("GET", "/server_info", server_info), ("POST", "/collective_rpc", collective_rpc)]
+          ("GET", "/server_info", server_info), ("POST", "/collective_rpc", collective_rpc),
+          ("POST", "/reset_mm_cache", reset_mm_cache), ("POST", "/reset_encoder_cache", reset_mm_cache)]

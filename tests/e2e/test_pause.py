@@ -261,6 +261,7 @@ def test_start_and_stop_profile_write_a_trace_per_process_with_every_step_labell
 
 
 def test_server_info_shows_the_resolved_config_the_environment_and_the_system_and_world_size_the_ranks(server):
+    """... and the multi-modal and encoder cache resets answer 200 (a text model has neither)."""
     async def run():
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             async with s.get(server.url + "/server_info?config_format=json") as resp:
@@ -273,7 +274,11 @@ def test_server_info_shows_the_resolved_config_the_environment_and_the_system_an
             for query in ("", "?include_dp=false"):
                 async with s.get(server.url + "/get_world_size" + query) as resp:
                     sizes.append((await resp.json())["world_size"])
-            return info, text, bad, sizes
+            resets = []
+            for path in ("/reset_mm_cache", "/reset_encoder_cache"):     # vLLM's; no such caches here
+                async with s.post(server.url + path) as resp:
+                    resets.append(resp.status)
+            return info, text, bad, sizes + resets
     info, text, bad, sizes = asyncio.run(run())
     config = info["vllm_config"]
     assert config["model"]["max_model_len"] > 0 and config["scheduler"]["max_num_seqs"] == 2
@@ -281,7 +286,7 @@ def test_server_info_shows_the_resolved_config_the_environment_and_the_system_an
     assert info["vllm_env"]["VLLM_SERVER_DEV_MODE"] == "1"
     assert info["system_env"]["torch_version"].startswith("2.") and info["system_env"]["troupe_version"]
     assert text.startswith("EngineConfig(") and "max_num_seqs=2" in text
-    assert bad == 400 and sizes == [1, 1]
+    assert bad == 400 and sizes == [1, 1, 200, 200]
 
 
 def test_collective_rpc_reloads_the_weights_and_refuses_what_workers_do_not_answer(server, tmp_path):
