@@ -270,6 +270,8 @@ class AsyncLLM:
             params = msgspec.structs.replace(params, n=1)            # each choice is one sequence
         if lora_request is not None:
             what["lora_request"] = self.client.register_lora(lora_request)
+        if params.stream_interval is not None:
+            what["stream_interval"] = params.stream_interval
         request_id = request_id or self.client.new_request_id()
         choices = await submit_choices(self.client.submit, request_id, params, n, **what)
         self._choices[request_id] = [c.handle.request_id for c in choices]

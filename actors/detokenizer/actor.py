@@ -17,7 +17,9 @@ from actors.frontend.admission import WaitingRequests
 from actors.runtime import Actor, ActorRef, Msg
 from actors.runtime.otel import RequestTracer
 from actors.scheduler.actor import AbortRequests
+from actors.tokenizer.gguf_tokenizer import TokenIdsOnly
 
+NO_TEXT = TokenIdsOnly(0)     # the text of a request with detokenize=False: none (its token ids are its output)
 log = logging.getLogger("troupe.detokenizer")
 
 
@@ -171,7 +173,7 @@ class DetokenizerActor(Actor):
                               arrival_time=arrival, parent_id=parent, n=n, trace_headers=headers):
                 self.ctx.link((rid,))
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
+                    self.tokenizer if p.detokenize else NO_TEXT, ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
                     include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)
                 span = (p, n, headers) if self.tracer is not None else None
                 st = self.states[rid] = _State(detok, len(ids), arrival, p.max_tokens, parent, span)

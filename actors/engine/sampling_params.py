@@ -139,6 +139,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     n: int = 1
     # vLLM's: what each of AsyncLLM.generate's outputs holds (the offline API's alone reads it)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    detokenize: bool = True              # vLLM's: False, the output is its token ids (text empty)
+    skip_reading_prefix_cache: bool | None = None   # vLLM's: True, no prompt block read from the cache
+    # vLLM's: an offline stream's output holds at least this many new tokens (None: each step's)
+    stream_interval: int | None = None
+    spaces_between_special_tokens: bool = True   # vLLM's (its fast tokenizers' decoding ignores it too)
+    skip_clone: bool = False             # vLLM's: whether its engine may skip copying the params (never copied here)
 
     def check(self, vocab_size: int, max_logprobs: int) -> None:
         """ValueError naming the first field the engine cannot take (vLLM's checks, and the ranges
@@ -173,6 +179,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         need(0 <= self.min_tokens and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         need(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        need(not self.stop or self.detokenize,
+             "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+        need(self.stream_interval is None or (isinstance(self.stream_interval, int) and self.stream_interval >= 1),
+             f"stream_interval must be at least 1, got {self.stream_interval}.")
         token_ids(self.stop_token_ids, "stop_token_ids")
         for key, value in (self.logit_bias or {}).items():
             token_ids([key], "logit_bias keys")

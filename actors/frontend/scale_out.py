@@ -54,8 +54,8 @@ DISABLED = ("Scale-out endpoints are disabled. Restart the server with --enable-
 MAX_CHOICES = 128
 
 # vLLM SamplingParams fields a render writes or a client may send that change nothing here
-_INERT = {"output_kind", "skip_clone", "detokenize", "output_text_buffer_length", "skip_reading_prefix_cache",
-          "spaces_between_special_tokens", "routed_experts_prompt_start"}
+_INERT = {"output_kind", "skip_clone", "output_text_buffer_length", "spaces_between_special_tokens",
+          "routed_experts_prompt_start"}
 # vLLM SamplingParams fields Troupe does not implement: refused when set to something
 _UNSUPPORTED = {"trace_decode_token_ids", "flat_logprobs"}
 _OURS = set(SamplingParams.__struct_fields__) - {"bad_words_token_ids", "truncate_prompt_tokens"}

@@ -684,9 +684,11 @@ class Scheduler:
 
     def _lookup_hashes(self, req: Request) -> list:
         """The block hashes a waiting request may hit: capped so its last token is computed;
-        none when it asks for prompt log-probs (every prompt position's logits are needed)."""
+        none when it asks for prompt log-probs (every prompt position's logits are needed) or
+        not to read the cache (vLLM's skip_reading_prefix_cache)."""
         p = req.sampling_params
-        if not self.enable_prefix_caching or p.prompt_logprobs is not None or p.prompt_logprob_token_ids is not None:
+        if (not self.enable_prefix_caching or p.prompt_logprobs is not None or p.prompt_logprob_token_ids is not None
+                or p.skip_reading_prefix_cache):
             return []
         return req.block_hashes[:(req.num_tokens - 1) // self.block_size]
 

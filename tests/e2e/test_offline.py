@@ -527,6 +527,30 @@ def test_chat_hands_vllms_tools_argument_to_the_chat_template(llm):
     assert decode(without.prompt_token_ids) == "Weather in Paris?"
 
 
+def test_vllms_sampling_params_for_text_cache_and_streaming_take_effect(llm):
+    """vLLM's SamplingParams fields: ``detokenize=False`` gives the token ids without text (and
+    refuses stop strings in vLLM's words), ``skip_reading_prefix_cache`` computes a prompt the
+    cache holds, and ``stream_interval`` batches a stream's tokens (the first output at once)."""
+    from actors.api import RequestOutputKind
+    prompt = "A river winds through the valley below the old stone bridge. " * 3      # over two blocks
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    texted = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    bare = llm.generate(prompt, msgspec.structs.replace(greedy, detokenize=False), use_tqdm=False)[0]
+    assert bare.token_ids == texted.token_ids and texted.text and bare.text == ""
+    with pytest.raises(ValueError, match="only supported when detokenize is True"):
+        llm.generate(prompt, SamplingParams(stop=["."], detokenize=False), use_tqdm=False)
+    cached = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    fresh = llm.generate(prompt, msgspec.structs.replace(greedy, skip_reading_prefix_cache=True), use_tqdm=False)[0]
+    assert cached.num_cached_tokens >= 32 and fresh.num_cached_tokens == 0
+    assert fresh.token_ids == cached.token_ids
+
+    async def sizes() -> list[int]:
+        params = msgspec.structs.replace(greedy, max_tokens=10, stream_interval=4,
+                                         output_kind=RequestOutputKind.DELTA)
+        return [len(o.outputs[0].token_ids) async for o in llm._engine().generate(prompt, params)]
+    assert llm._run(sizes()) == [1, 4, 4, 1]
+
+
 def test_beam_search_keeps_the_most_likely_sequences_with_their_true_logprobs(llm):
     """vLLM's LLM.beam_search: width 1 is greedy decoding; wider, the beams are distinct, best
     first by length-penalized score, and each beam's cumulative log-prob is what the model gives
