@@ -584,15 +584,25 @@ def test_the_offline_api_samples_with_generation_config_defaults_when_given_no_p
 def test_every_request_field_of_vllm_0_32_is_a_field_here():
     """tests/unit/data/vllm_0.32_request_fields.json: the fields of vLLM 0.32's chat, completion
     and Responses requests (their pydantic models'). Each is a field of Troupe's request, so none
-    is an "unknown field" 400: it is served, accepted as what Troupe does, or refused naming it."""
+    is an "unknown field" 400: it is served, accepted as what Troupe does, or refused naming it.
+    The same for its SamplingParams, but for four named fields."""
     from actors.frontend.protocol import ChatCompletionRequest, CompletionRequest
     from actors.frontend.responses import ResponsesRequest
     with open(os.path.join(ROOT, "tests", "unit", "data", "vllm_0.32_request_fields.json")) as f:
         vllm = json.load(f)
-    assert {k: len(v) for k, v in vllm.items()} == {"chat": 68, "completion": 55, "responses": 53}
+    assert {k: len(v) for k, v in vllm.items()} == {"chat": 68, "completion": 55, "responses": 53,
+                                                    "sampling_params": 39}
     for name, cls in (("chat", ChatCompletionRequest), ("completion", CompletionRequest),
                       ("responses", ResponsesRequest)):
         assert not set(vllm[name]) - set(cls.__struct_fields__), name
+    # the offline SamplingParams: vLLM's public fields but an internal one and those refused by
+    # name (a TypeError naming it): flat logprob containers, decode tracing, MoE routing capture
+    from actors.engine.sampling_params import SamplingParams
+    missing = set(vllm["sampling_params"]) - set(SamplingParams.__struct_fields__)
+    assert missing == {"output_text_buffer_length", "flat_logprobs", "trace_decode_token_ids",
+                       "routed_experts_prompt_start"}
+    with pytest.raises(TypeError, match="flat_logprobs"):
+        SamplingParams(flat_logprobs=True)
 
 
 def test_tokenizer_names_a_tokenizer_directory_a_gguf_file_or_a_known_model(tmp_path):
