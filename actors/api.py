@@ -275,7 +275,7 @@ class AsyncLLM:
         request_id = request_id or self.client.new_request_id()
         choices = await submit_choices(self.client.submit, request_id, params, n, **what)
         self._choices[request_id] = [c.handle.request_id for c in choices]
-        prompt_ids = choices[0].handle.prompt_token_ids
+        prompt_ids = list(choices[0].handle.prompt_token_ids)     # shared by the stream's outputs
         kind = params.output_kind
         totals: list[GenerationResult | None] = [None] * n            # each sequence's so far
         running = n
@@ -394,7 +394,7 @@ class AsyncLLM:
         finally:
             close_all(choices)
         ids = choices[0].handle.prompt_token_ids
-        return self._result(request_id, prompt, ids, sampling_params, done)  # type: ignore[arg-type]
+        return self._result(request_id, prompt, list(ids), sampling_params, done)  # type: ignore[arg-type]
 
     async def beam_search(self, prompt: Prompt, params: BeamSearchParams, *,
                           lora_request: LoRARequest | None = None) -> BeamSearchOutput:
@@ -426,7 +426,7 @@ class AsyncLLM:
         prompt_lps = None
         if params.prompt_logprobs is not None and first.prompt_logprobs is not None:
             prompt_lps = [None] * first_row + _vllm_logprobs(first.prompt_logprobs, text_of)
-        return GenerationResult(request_id, prompt, list(prompt_token_ids), outputs,
+        return GenerationResult(request_id, prompt, prompt_token_ids, outputs,
                                 error=next((o.error for o in done if o.error), None),
                                 num_cached_tokens=first.num_cached_tokens, prompt_logprobs=prompt_lps,
                                 kv_transfer_params=first.kv_transfer_params,
