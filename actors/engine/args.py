@@ -32,6 +32,7 @@ from actors.engine.watermark import WatermarkConfig
 from actors.runtime.otel import check_available as check_otel
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig
+from actors.engine.vllm_options import offline_option
 from models.resolve import ModelSource, resolve_model, resolve_tokenizer
 
 log = logging.getLogger("troupe.engine")
@@ -157,10 +158,18 @@ class EngineArgs:
     def from_options(cls, model: str | None, options: dict[str, Any]) -> EngineArgs:
         """The offline API's keyword options; an unknown one is a TypeError listing them all."""
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(options) - names
+        unknown: list[str] = []
+        for name in sorted(set(options) - names):
+            try:
+                why = offline_option(name, options[name])
+            except KeyError:
+                unknown.append(name)
+                continue
+            if why is not None:                 # a vLLM option asking for what Troupe does not do
+                raise ValueError(why)
         if unknown:
-            raise TypeError(f"unknown engine options {sorted(unknown)}; accepted: {sorted(names)}")
-        return cls(model=model, **options)
+            raise TypeError(f"unknown engine options {unknown}; accepted: {sorted(names)}")
+        return cls(model=model, **{k: v for k, v in options.items() if k in names})
 
     def _data_parallel_ranks(self) -> dict[str, Any]:
         """This server's ranks: --data-parallel-rank (external load balancing) is a server of that

@@ -660,3 +660,26 @@ def test_the_metrics_reader_gives_vllms_objects_for_every_metric_of_the_expositi
     assert all(isinstance(m, Counter) for m in by_name["vllm:request_success"]) and success["length"] == 1
     running, = by_name["vllm:num_requests_running"]
     assert isinstance(running, Gauge) and running.value == 0.0
+
+
+def test_the_offline_api_takes_vllms_keywords_as_the_server_takes_their_flags():
+    """``LLM(model, trust_remote_code=True, enable_chunked_prefill=True, ...)``, a vLLM script's
+    keywords: those asking for what Troupe does are accepted (changing nothing), those it does
+    not implement are a ValueError with the server's reason, a name vLLM does not have either is
+    the TypeError listing the options."""
+    accepted = EngineArgs.from_options(None, dict(trust_remote_code=True, enable_chunked_prefill=True,
+                                                  tokenizer_mode="auto", disable_custom_all_reduce=False,
+                                                  max_model_len=512))
+    assert accepted.max_model_len == 512 and accepted == EngineArgs(max_model_len=512)
+    for options, why in ((dict(swap_space=4), "swap_space is a vLLM option Troupe does not implement: Troupe keeps"),
+                         (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False is a vLLM setting"),
+                         (dict(tokenizer_mode="mistral"), "tokenizer_mode='mistral' is a vLLM setting")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            EngineArgs.from_options(None, options)
+    with pytest.raises(TypeError, match=r"unknown engine options \['no_such_option'\]"):
+        EngineArgs.from_options(None, dict(no_such_option=1, trust_remote_code=True))
+    # one table for both: every refused flag's keyword is refused offline, with the same reason
+    from actors.engine.vllm_options import offline_option
+    for flag, reason in vllm_flags.REFUSED.items():
+        assert offline_option(flag[2:].replace("-", "_"), 7) == \
+            f"{flag[2:].replace('-', '_')} is a vLLM option Troupe does not implement: {reason}"
