@@ -138,6 +138,17 @@ FOREIGN_LOOP = ("this AsyncLLM serves on the event loop it was created on, which
                 "(an asyncio.run that has ended?): create it inside the asyncio.run that uses it")
 
 
+def _request_field(request: Any, field: str) -> Any:
+    """vLLM's weight transfer request (an object with ``field``) or its dict, as its ``field``."""
+    if isinstance(request, dict):
+        if field not in request:
+            raise ValueError(f"the request needs {field!r}: {{{field!r}: {{...}}}}")
+        return request[field]
+    if not hasattr(request, field):
+        raise ValueError(f"the request needs {field!r}: {{{field!r}: {{...}}}}")
+    return getattr(request, field)
+
+
 def _on_its_loop(cls: type) -> type:
     """``cls`` with each public coroutine and async-generator method first checking that it runs
     on the instance's own event loop: from another one (a second ``asyncio.run``) its actors
@@ -341,6 +352,42 @@ class AsyncLLM:
         workers answer ``reload_weights`` (kwargs ``weights_path``: a checkpoint of the same
         architecture; none: the served one again), which reads the weights into the running model."""
         return await self.client.collective_rpc(method, timeout, args, kwargs)
+
+    # -- weight transfer (vLLM's RL API, with weight_transfer_config; actors/worker/weight_transfer.py)
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        """Every worker joins the trainer's process group: ``request`` is vLLM's
+        WeightTransferInitRequest or ``{"init_info": {...}}`` (master_address, master_port,
+        rank_offset, world_size, packed, packed_buffer_size_bytes)."""
+        await self.client.init_weight_transfer_engine(_request_field(request, "init_info"))
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        """The workers leave the trainer's group (the engine serves on)."""
+        await self.client.shutdown_weight_transfer_engine()
+
+    async def start_weight_update(self) -> None:
+        await self.client.start_weight_update()
+
+    async def start_draft_weight_update(self) -> None:
+        """A round into speculative decoding's draft model."""
+        await self.client.start_weight_update(draft=True)
+
+    async def update_weights(self, request: Any) -> None:
+        """One chunk of the round: ``request`` is vLLM's WeightTransferUpdateRequest or
+        ``{"update_info": {"names": [...], "dtype_names": [...], "shapes": [...]}}``; the trainer
+        broadcasts the tensors meanwhile."""
+        await self.client.update_weights(_request_field(request, "update_info"))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """The round's weights replace the served ones, all or nothing (ValueError naming what is
+        missing); with ``weight_version``, the engine's version becomes it."""
+        await self.client.finish_weight_update(weight_version)
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self.client.update_weight_version(new_version)
+
+    async def get_weight_version(self) -> str:
+        """The weights' version: "default" until a round or update_weight_version names one."""
+        return await self.client.get_weight_version()
 
     async def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
                             max_iterations: int | None = None) -> None:
@@ -1039,6 +1086,32 @@ class LLM:
         """vLLM's ``LLM.collective_rpc``: see ``AsyncLLM.collective_rpc``."""
         return self._run(self._engine().collective_rpc(method, timeout, args, kwargs),
                          timeout=(timeout or 600) + 30)
+
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        """vLLM's: see ``AsyncLLM.init_weight_transfer_engine``."""
+        self._run(self._engine().init_weight_transfer_engine(request), timeout=660)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._run(self._engine().shutdown_weight_transfer_engine(), timeout=660)
+
+    def start_weight_update(self) -> None:
+        self._run(self._engine().start_weight_update(), timeout=660)
+
+    def start_draft_weight_update(self) -> None:
+        self._run(self._engine().start_draft_weight_update(), timeout=660)
+
+    def update_weights(self, request: Any) -> None:
+        """vLLM's: see ``AsyncLLM.update_weights``."""
+        self._run(self._engine().update_weights(request), timeout=660)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._run(self._engine().finish_weight_update(weight_version), timeout=660)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._run(self._engine().update_weight_version(new_version), timeout=60)
+
+    def get_weight_version(self) -> str:
+        return self._run(self._engine().get_weight_version(), timeout=60)
 
     def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
                       max_iterations: int | None = None) -> None:

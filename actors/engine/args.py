@@ -25,6 +25,7 @@ from actors.grammar.config import structured_outputs_config
 from actors.engine.profiler import profiler_config
 from actors.kv_manager.block_hash import HASH_ALGOS
 from actors.kv_manager.kv_events import kv_events_config
+from actors.engine.weight_transfer import weight_transfer_config
 from actors.kv_transfer.config import kv_transfer_config
 from actors.kv_transfer.factory import KVConnectorFactory
 from actors.frontend.stats import check_histogram_buckets
@@ -144,6 +145,8 @@ class EngineArgs:
     profiler_config: dict[str, Any] | str | None = None
     # vLLM's --watermark-config: the watermark's key and settings (JSON text or a dict)
     watermark_config: dict[str, Any] | str | None = None
+    # vLLM's --weight-transfer-config: how a trainer pushes weights (JSON text or a dict)
+    weight_transfer_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         load_general_plugins()         # this process's plugins first (e.g. an architecture they register)
@@ -286,7 +289,8 @@ class EngineArgs:
             kv_events=kv_events_config(self.kv_events_config),
             structured_outputs=structured_outputs_config(self.structured_outputs_config),
             profiler=profiler_config(self.profiler_config),
-            watermark=self.watermark())
+            watermark=self.watermark(),
+            weight_transfer=weight_transfer_config(self.weight_transfer_config))
         KVConnectorFactory.check_engine(config)
         return config
 
@@ -884,6 +888,12 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "\"cuda\": cudaProfilerStart/Stop for nsys. Also torch_profiler_with_stack (default true), "
                  "_record_shapes, _with_memory, _with_flops, _use_gzip, _activities, delay_iterations, "
                  "max_iterations, wait/warmup/active_iterations, ignore_frontend, detailed_trace_annotation")),
+        (("--weight-transfer-config",), "weight_transfer_config", dict(
+            default=d["weight_transfer_config"], metavar="JSON",
+            help='vLLM\'s: let a trainer push new weights into the running engine (RL loops), e.g. '
+                 '{"backend": "gloo"} (gloo on any device; "nccl" between CUDA devices) and "timeout_s" (300): '
+                 "the routes /init_weight_transfer_engine, /start_weight_update, /update_weights, "
+                 "/finish_weight_update (VLLM_SERVER_DEV_MODE=1), LLM.update_weights offline")),
         (("--kv-events-config",), "kv_events_config", dict(
             default=d["kv_events_config"], metavar="JSON",
             help='publish the prefix cache\'s changes as vLLM\'s KV events, for KV-aware routers: a JSON object '

@@ -35,6 +35,7 @@ from actors.spec_decode.config import SpeculativeConfig
 from models.config import ArchConfig
 from models.resolve import ModelSource
 from actors.engine.watermark import WatermarkConfig
+from actors.engine.weight_transfer import WeightTransferConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -328,6 +329,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     profiler: ProfilerConfig = ProfilerConfig()
     # --watermark-config: sampled tokens carry a keyed watermark (models/watermark.py; None: off)
     watermark: WatermarkConfig | None = None
+    # --weight-transfer-config: a trainer's process group pushes new weights (None: off)
+    weight_transfer: WeightTransferConfig | None = None
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -520,16 +523,19 @@ def _resolve_device(name: str, cuda_available: bool) -> str:
 GGUF_FLOAT_WEIGHTS_ENV = "TROUPE_GGUF_FLOAT_WEIGHTS"   # 1: exact mode holds float32 copies of a GGUF file's blocks
 
 
-def exact_from_gguf_blocks(path: str, quantization: str | None, dtype: str, device: str, level: int) -> bool:
+def exact_from_gguf_blocks(path: str, quantization: str | None, dtype: str, device: str, level: int,
+                           weight_transfer: bool = False) -> bool:
     """Whether exact mode runs a GGUF file's Q4_1 / Q8_0 linear weights from their blocks: a .gguf
     model, no quantization, float32 weights and activations on the CPU, the native panel kernels
-    (compilation level 1), and ``TROUPE_GGUF_FLOAT_WEIGHTS`` unset. The kernel sums each output's
+    (compilation level 1), ``TROUPE_GGUF_FLOAT_WEIGHTS`` unset and no --weight-transfer-config (a
+    trainer's float weights replace float32 copies, not blocks). The kernel sums each output's
     products in input order whether its panel was dequantized from blocks or held as float32, and
     dequantizes exactly as the loader does, so the results are those of float32 copies bit for bit
     (the worker, actors/worker/worker.py, also needs the native kernels built; the step estimate
     of actors/scheduler/perf.py counts the blocks' bytes)."""
     return (quantization is None and path.endswith(".gguf") and dtype == "float32" and device == "cpu"
-            and level == 1 and os.environ.get(GGUF_FLOAT_WEIGHTS_ENV, "").strip().lower() not in ("1", "true", "yes"))
+            and level == 1 and not weight_transfer
+            and os.environ.get(GGUF_FLOAT_WEIGHTS_ENV, "").strip().lower() not in ("1", "true", "yes"))
 
 
 def check_config(cfg: EngineConfig) -> None:

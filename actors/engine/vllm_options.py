@@ -111,7 +111,7 @@ for _flags, _why in (
     (("--allow-deprecated-quantization", "--quantization-config", "--model-class-overrides", "--engram-config",
       "--safetensors-prefetch-block-size", "--safetensors-prefetch-num-threads", "--offload-backend",
       "--offload-group-size", "--offload-num-in-group", "--offload-params", "--offload-prefetch-step",
-      "--cpu-offload-params", "--weight-transfer-config"), _LOADING),
+      "--cpu-offload-params"), _LOADING),
     (("--lora-target-modules", "--max-lora-cls-labels", "--enable-mixed-moe-lora-format", "--enable-moe-shared-loras",
       "--specialize-active-lora"), _LORA),
     (("--cudagraph-metrics",

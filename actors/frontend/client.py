@@ -404,6 +404,40 @@ class EngineClient:
                 raise TimeoutError(exc.message) from None
             raise
 
+    # -- weight transfer (vLLM's RL routes; actors/worker/weight_transfer.py) -------------------
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Every worker joins the trainer's process group (the trainer opens it meanwhile)."""
+        await self.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self.collective_rpc("shutdown_weight_transfer_engine")
+
+    async def start_weight_update(self, draft: bool = False) -> None:
+        await self.collective_rpc("start_draft_weight_update" if draft else "start_weight_update")
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Receive one chunk of the round (the trainer broadcasts its tensors meanwhile)."""
+        await self.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """The round's weights replace the served ones (the prefix cache is emptied); with
+        ``weight_version``, the engine's version becomes it."""
+        await self.collective_rpc("finish_weight_update")
+        if weight_version is not None:
+            await self.update_weight_version(weight_version)
+
+    async def update_weight_version(self, new_version: str) -> None:
+        if not isinstance(new_version, str):
+            raise ValueError(f"a weight version is a string, got {type(new_version).__name__}")
+        await self.collective_rpc("set_weight_version", args=[new_version])
+
+    async def get_weight_version(self) -> str:
+        return (await self.collective_rpc("get_weight_version"))[0]
+
+    async def compute_weight_checksums(self) -> list[dict[str, str]]:
+        """Every worker's SHA-256 of each tensor of its model (vLLM's /weight_checker)."""
+        return await self.collective_rpc("compute_weight_checksums")
+
     # -- profiling (vLLM's --profiler-config: /start_profile, /stop_profile) -------------------
     async def start_profile(self, prefix: str | None = None, delay_iterations: int | None = None,
                             max_iterations: int | None = None) -> None:

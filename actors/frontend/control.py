@@ -229,10 +229,102 @@ async def collective_rpc(server: OpenAIServer, request: web.Request) -> web.Resp
     return _json({"results": [r if r is None or isinstance(r, (dict, list)) else str(r) for r in results]})
 
 
+# -- weight transfer (vLLM's RL routes; actors/worker/weight_transfer.py) ---------------------------
+async def _engine_call(what: str, call: Any) -> None:
+    """A weight transfer call: refusals are the caller's (400), a timeout a 504."""
+    try:
+        await call
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    except TimeoutError as exc:
+        raise ApiError(error_response(504, f"{what} timed out: {exc}")) from None
+
+
+def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], required: bool = True) -> Any:
+    value = body.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, kinds):
+        raise bad_request(f"the body needs {name!r}" if value is None else
+                          f"{name!r} has the wrong type ({type(value).__name__})", name)
+    return value
+
+
+async def init_weight_transfer_engine(server: OpenAIServer, request: web.Request) -> web.Response:
+    init_info = _field(await _object_body(request), "init_info", dict)
+    await _engine_call("init_weight_transfer_engine", server.engine().init_weight_transfer_engine(init_info))
+    return _json({"message": "Weight transfer initialized"})
+
+
+async def shutdown_weight_transfer_engine(server: OpenAIServer, request: web.Request) -> web.Response:
+    await _engine_call("shutdown_weight_transfer_engine", server.engine().shutdown_weight_transfer_engine())
+    return _json({"message": "Weight transfer shut down"})
+
+
+async def start_weight_update(server: OpenAIServer, request: web.Request) -> web.Response:
+    await _engine_call("start_weight_update", server.engine().start_weight_update())
+    return _json({"message": "Weight update started"})
+
+
+async def start_draft_weight_update(server: OpenAIServer, request: web.Request) -> web.Response:
+    await _engine_call("start_draft_weight_update", server.engine().start_weight_update(draft=True))
+    return _json({"message": "Draft weight update started"})
+
+
+async def update_weights(server: OpenAIServer, request: web.Request) -> web.Response:
+    update_info = _field(await _object_body(request), "update_info", (dict, list))
+    await _engine_call("update_weights", server.engine().update_weights(update_info))
+    return _json({"message": "Weights updated"})
+
+
+async def finish_weight_update(server: OpenAIServer, request: web.Request) -> web.Response:
+    version = _field(await _object_body(request), "weight_version", str, required=False)
+    await _engine_call("finish_weight_update", server.engine().finish_weight_update(version))
+    return _json({"message": "Weight update finished"})
+
+
+async def update_weight_version(server: OpenAIServer, request: web.Request) -> web.Response:
+    version = _field(await _object_body(request), "new_version", str)
+    await _engine_call("update_weight_version", server.engine().update_weight_version(version))
+    return _json({"success": True, "new_version": version})
+
+
+async def weight_info(server: OpenAIServer, request: web.Request) -> web.Response:
+    return _json({"weight_version": await server.engine().get_weight_version()})
+
+
+async def weight_checker(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's: ``checksum`` (SHA-256 of every tensor of every worker's model), ``reset`` (every
+    weight zeroed) or ``compare`` (the checksums against ``baseline``: match and mismatches)."""
+    body = await _object_body(request)
+    action = _field(body, "action", str)
+    if action not in ("checksum", "reset", "compare"):
+        raise bad_request(f"action must be checksum, reset or compare, got {action!r}", "action")
+    engine = server.engine()
+    if action == "reset":
+        await _engine_call("weight_checker", engine.collective_rpc("reset_weights"))
+        return _json({"status": "reset"})
+    baseline = _field(body, "baseline", dict, required=action == "compare")
+    checksums: dict[str, str] = {}
+    for each in await engine.compute_weight_checksums():
+        checksums.update(each)
+    if action == "checksum":
+        return _json({"checksums": checksums})
+    mismatches = sorted(k for k in checksums.keys() | baseline.keys() if checksums.get(k) != baseline.get(k))
+    return _json({"match": not mismatches, "mismatches": mismatches})
+
+
 PROFILE_ROUTES = [("POST", "/start_profile", start_profile), ("POST", "/stop_profile", stop_profile)]
 
 ROUTES = [("POST", "/pause", pause), ("POST", "/resume", resume), ("GET", "/is_paused", is_paused),
           ("POST", "/abort_requests", abort_requests), ("POST", "/sleep", sleep), ("POST", "/wake_up", wake_up),
           ("GET", "/is_sleeping", is_sleeping), ("GET", "/get_world_size", get_world_size),
           ("GET", "/server_info", server_info), ("POST", "/collective_rpc", collective_rpc),
-          ("POST", "/reset_mm_cache", reset_mm_cache), ("POST", "/reset_encoder_cache", reset_mm_cache)]
+          ("POST", "/reset_mm_cache", reset_mm_cache), ("POST", "/reset_encoder_cache", reset_mm_cache),
+          ("POST", "/init_weight_transfer_engine", init_weight_transfer_engine),
+          ("POST", "/shutdown_weight_transfer_engine", shutdown_weight_transfer_engine),
+          ("POST", "/start_weight_update", start_weight_update),
+          ("POST", "/start_draft_weight_update", start_draft_weight_update),
+          ("POST", "/update_weights", update_weights), ("POST", "/finish_weight_update", finish_weight_update),
+          ("POST", "/update_weight_version", update_weight_version), ("GET", "/weight_info", weight_info),
+          ("POST", "/weight_checker", weight_checker)]

@@ -152,6 +152,8 @@ SchedulerProtocol = (AddRequest | AbortRequests | Step | GrammarReady | WorkersL
                      | ConnectClient | ClientGone | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine
                      | WorkerRPC)
 
+# worker methods after which the prefix cache holds keys and values of the old weights
+NEW_WEIGHTS = ("reload_weights", "finish_weight_update", "reset_weights")
 STEP_TIMEOUT_S = 600.0
 SLEEP_TIMEOUT_S = 600.0          # a wake-up after level 2 reads the weights again
 KV_POLL_EMIT_S = 0.5             # polls that changed nothing still send the stats this often
@@ -202,6 +204,7 @@ class SchedulerActor(Actor):
         self._depth = core.batch_queue_size     # steps in flight at most (async scheduling, pipeline stages)
         self._in_flight: deque[_InFlight] = deque()
         self.sleep_level = 0                 # sleep mode: what the workers gave back (0: nothing)
+        self.weight_version = "default"      # vLLM's: the weights' version (finish_weight_update, /update_weight_version)
         # Aborts of requests not (yet) known here: an abort sent while the request was being
         # admitted may overtake it, and the request must then not run for nobody.
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
@@ -315,12 +318,17 @@ class SchedulerActor(Actor):
                 await self.executor.ask(SleepWorker(level), timeout=SLEEP_TIMEOUT_S)
                 self.sleep_level = level
                 return level
+            case WorkerRPC(method="get_weight_version"):     # the engine's, not a worker's (vLLM's)
+                return [self.weight_version]
+            case WorkerRPC(method="set_weight_version", args=[str() as version]):
+                self.weight_version = version
+                return [None]
             case WorkerRPC(timeout=timeout):
                 try:
                     results = await self.executor.ask(msg, timeout=(timeout or SLEEP_TIMEOUT_S) + 5)
                 except RemoteError as exc:
                     raise passed_on(exc) from None
-                if msg.method == "reload_weights":       # no new request reads keys of the old weights
+                if msg.method in NEW_WEIGHTS:            # no new request reads keys of the old weights
                     self.core.kv.reset_prefix_cache()
                 return results
             case ProfileEngine(start=start, prefix=prefix, delay_iterations=delay, max_iterations=limit):

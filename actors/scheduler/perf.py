@@ -52,7 +52,7 @@ class PerfModel:
         self.cache = DTYPE_BYTES.get(config.cache.cache_dtype, act)
         quantization = config.model.quantization
         if exact_from_gguf_blocks(config.model.source.path, quantization, config.model.dtype, config.device.device,
-                                  config.compilation.level):
+                                  config.compilation.level, config.weight_transfer is not None):
             quantization = "gguf"                  # exact mode reads the file's blocks
         self.weight = WEIGHT_BYTES.get(quantization or "", act)
         windows = [arch.layer_sliding_window(i) for i in range(arch.num_layers)]

@@ -29,11 +29,13 @@ from actors.worker.gpu_memory import GIB, device_memory, kv_cache_bytes_for_gpu
 from actors.worker.model_runner import ModelRunner, torch_dtype
 from actors.worker.platforms import platform_for
 from actors.worker.profiler import StepProfiler, rank_name, worker_profiler
+from actors.worker.weight_transfer import WeightReceiver, drain, tensor_digests
 from kernels.attention.base import AttentionBackend
 from kernels.cpu import shm_comm
 from models.layers import calculate_kv_scales_on_next_batch
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
+from models.hf_config import read_quantization_config
 from models.resolve import ModelSource, resolve_model
 from models.registry import Checkpoint, attention_requirements, build_model, open_checkpoint
 from models.pipeline_parallel import StageLink, split_stage
@@ -103,6 +105,10 @@ class Worker:
         self.runner: ModelRunner | None = None         # until init_kv_cache
         self.asleep = 0                                # sleep mode's level (0: awake)
         self.kv_connector = None                       # --kv-transfer-config: the connector's worker side
+        parallel = self.config.parallel                # --weight-transfer-config: the trainer's group
+        self.weight_receiver = WeightReceiver(self.config.weight_transfer, self.device,
+                                              parallel.data_parallel_rank * parallel.world_size
+                                              + pp_rank * self.tp_size + tp_rank)
         self.profiler: StepProfiler | None = None      # --profiler-config: from the first /start_profile
         if not self.config.kv_cache_sized:             # CUDA, sized by --gpu-memory-utilization
             self.config = self.config.with_kv_cache_bytes(self._gpu_kv_cache_bytes())
@@ -156,7 +162,8 @@ class Worker:
         ``exact_from_gguf_blocks``), where the platform packs linears and the native kernels build."""
         cfg = self.config
         if not (self.platform.packs_linears and compute == "float32"
-                and exact_from_gguf_blocks(path, quantized, cfg.model.dtype, self.device.type, cfg.compilation.level)):
+                and exact_from_gguf_blocks(path, quantized, cfg.model.dtype, self.device.type, cfg.compilation.level,
+                                           cfg.weight_transfer is not None)):
             return False
         from kernels.cpu.native import available
         return available()[0]
@@ -386,11 +393,7 @@ class Worker:
         pauses, reloads, resets the prefix cache and resumes."""
         if str(is_checkpoint_format).strip().lower() not in ("true", "1"):
             raise ValueError("reload_weights reads checkpoints only (is_checkpoint_format true)")
-        if self.config.lora is not None:
-            raise ValueError("reload_weights with --enable-lora is not supported (the adapters' slots "
-                             "are built around the loaded projections)")
-        if self.model is None or self.weights_asleep:
-            raise ValueError("reload_weights while the weights sleep: wake the engine up first")
+        self._check_weights_replaceable("reload_weights", blocks=True)
         old = self.config.model.source
         source = old
         if weights_path is not None:
@@ -418,6 +421,99 @@ class Worker:
             heap.started()
         self.config = self.config.replace(model=msgspec.structs.replace(self.config.model, source=source))
         log.info("reloaded %d weight tensors from %s in %.1f s", n, source.path, time.monotonic() - t0)
+
+    # -- weight transfer (vLLM's --weight-transfer-config; actors/worker/weight_transfer.py) -------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's process group (blocks until every rank met, or the config's timeout)."""
+        self.weight_receiver.init(init_info)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.weight_receiver.shutdown()
+
+    def start_weight_update(self) -> None:
+        self._start_weight_update(draft=False)
+
+    def start_draft_weight_update(self) -> None:
+        self._start_weight_update(draft=True)
+
+    def _start_weight_update(self, draft: bool) -> None:
+        self._check_weights_replaceable("weight transfer")
+        if draft and self.draft_model is None:
+            raise ValueError("start_draft_weight_update: this engine has no draft model "
+                             "(--speculative-config with a draft \"model\")")
+        source = self.config.model.draft_source if draft else self.config.model.source
+        if source.kind == "hf_dir" and read_quantization_config(source.path) is not None:
+            raise ValueError(f"weight transfer: {source.path} is a quantized checkpoint; the trainer's float "
+                             f"weights cannot replace its packed integers (serve the float checkpoint, with "
+                             f"--quantization fp8 to quantize what is received)")
+        self.weight_receiver.start(draft)
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> int:
+        """Receive one chunk of the round (the trainer broadcasts its tensors meanwhile)."""
+        return self.weight_receiver.receive(update_info)
+
+    def finish_weight_update(self) -> int:
+        """The round's tensors loaded into a fresh model as start-up loads a checkpoint, then
+        copied into the served one; ValueError (no weight changed) for a missing or unknown
+        parameter or a shape that differs."""
+        received, draft = self.weight_receiver.take()
+        t0 = time.monotonic()
+        source = self.config.model.draft_source if draft else self.config.model.source
+        ckpt = open_checkpoint(source)
+        if self.config.model.disable_sliding_window:
+            ckpt = ckpt._replace(config=ckpt.config.without_sliding_window())
+        ckpt = ckpt._replace(weights=drain(received), tensor_map="hf_tensor_map", quantization_config=None)
+        try:
+            if draft:
+                fresh = self._load(ckpt, self._backend(ckpt), self.config.speculative.quantization, source.path,
+                                   staged=False)
+            else:
+                fresh = self._load(ckpt, self.attn_backend, self.config.model.quantization, source.path, blocks=False)
+        except ValueError as exc:
+            raise ValueError(f"finish_weight_update: {exc}; no weight was changed") from None
+        finally:
+            received.clear()
+        try:
+            n = copy_weights(self.draft_model if draft else self.model, fresh)
+        finally:
+            del fresh
+            heap.collect_all()
+            heap.started()
+        log.info("weight transfer: %d %stensors replaced in %.1f s", n, "draft model " if draft else "",
+                 time.monotonic() - t0)
+        return n
+
+    def compute_weight_checksums(self) -> dict[str, str]:
+        """vLLM's /weight_checker checksums: SHA-256 of every tensor the model holds (packed ones
+        as packed), named with this rank's place."""
+        p = self.config.parallel
+        return tensor_digests(self._weights_model(), _module_tensors,
+                              f"dp{p.data_parallel_rank}:pp{self.pp_rank}:pcp0:tp{self.tp_rank}:")
+
+    def reset_weights(self) -> None:
+        """vLLM's /weight_checker reset: every weight zeroed (a test that an update lands)."""
+        with torch.no_grad():
+            for module in self._weights_model().modules():
+                for t in _module_tensors(module).values():
+                    t.zero_()
+
+    def _weights_model(self) -> torch.nn.Module:
+        if self.model is None or self.weights_asleep:
+            raise ValueError("the weights sleep: wake the engine up first")
+        return self.model
+
+    def _check_weights_replaceable(self, what: str, blocks: bool = False) -> None:
+        """Refuse to replace the weights where they cannot be; ``blocks``: a GGUF file's blocks
+        may be replaced (by the blocks of another file)."""
+        if self.config.lora is not None:
+            raise ValueError(f"{what} with --enable-lora is not supported (the adapters' slots are built "
+                             f"around the loaded projections)")
+        if self.model is None or self.weights_asleep:
+            raise ValueError(f"{what} while the weights sleep: wake the engine up first")
+        if self.model.exact_from_blocks and not blocks:
+            raise ValueError(f"{what}: the served model runs its GGUF file's Q4_1 / Q8_0 blocks, which float "
+                             f"weights cannot be copied into; start the server with {GGUF_FLOAT_WEIGHTS_ENV}=1 "
+                             f"to hold float32 copies instead")
 
     # -- profiling (vLLM's --profiler-config: /start_profile, /stop_profile) --------------------
     def profile(self, start: bool, prefix: str | None = None, delay_iterations: int | None = None,
@@ -476,7 +572,9 @@ class Worker:
         return out
 
 
-RPC_METHODS = ("reload_weights",)
+RPC_METHODS = ("reload_weights", "init_weight_transfer_engine", "shutdown_weight_transfer_engine",
+               "start_weight_update", "start_draft_weight_update", "update_weights", "finish_weight_update",
+               "compute_weight_checksums", "reset_weights")
 
 
 def copy_weights(model: torch.nn.Module, fresh: torch.nn.Module) -> int:

@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,frontend,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora,moe,kv-transfer,kv-storage,pd}``: each
+"""``python -m tools.bench {offline,serve,frontend,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora,moe,kv-transfer,kv-storage,pd,weight-transfer}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -160,6 +160,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     pdb.add_argument("--pd-threads", type=int, default=0,
                      help="compute threads of the prefill and of the decode server each (0: all cores each)")
 
+    wtb = sub.add_parser("weight-transfer", help="seconds per round of a trainer pushing a checkpoint's tensors "
+                                                 "into a running engine (--weight-transfer-config), beside "
+                                                 "reload_weights from the same directory")
+    EngineArgs.add_cli_args(wtb)
+    wtb.add_argument("--trainer-weights", required=True, help="a Hugging Face checkpoint directory of the served "
+                                                             "architecture: the trainer's tensors")
+    wtb.add_argument("--trainer-dtype", default="as-is", choices=["as-is", "float32", "bfloat16"])
+    wtb.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True)
+    wtb.add_argument("--rounds", type=int, default=3)
+    wtb.add_argument("--prompt", default="The capital of France is")
+
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.cmd == "offline":
@@ -213,6 +224,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "moe":
         from tools.bench import moe as moe_bench
         moe_bench.main(args)
+    elif args.cmd == "weight-transfer":
+        from tools.bench import weight_transfer
+        weight_transfer.main(args)
     elif args.cmd == "latency":
         from tools.bench import latency
         latency.main(args)
