@@ -37,6 +37,7 @@ from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER
 from actors.tokenizer.prompt_embeds import embeds_array
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RepetitionDetectionParams", "GenerationResult",
+           "WeightVersionSpan",
            "CompletionOutput", "Logprob", "LoRARequest"]
 
 
@@ -71,6 +72,17 @@ class CompletionOutput:
     # server's metrics.speculative_decoding; None: off, or no drafts
     spec_decode_metrics: dict[str, Any] | None = None
     sampling_mask: SamplingMask | None = None        # vLLM's: with return_sampling_mask
+    # vLLM's: on the finished output, the weight versions that sampled its tokens, in spans
+    # ("default" until a weight transfer round or update_weight_version names another)
+    weight_versions: list[WeightVersionSpan] | None = None
+
+
+@dataclass(slots=True)
+class WeightVersionSpan:
+    """vLLM's: output tokens [start, end) were sampled by the weights labelled ``version``."""
+    version: str
+    start: int
+    end: int
 
 
 @dataclass(slots=True)
@@ -136,6 +148,10 @@ class Progress:
 
 FOREIGN_LOOP = ("this AsyncLLM serves on the event loop it was created on, which is not the running one "
                 "(an asyncio.run that has ended?): create it inside the asyncio.run that uses it")
+
+
+def _spans(versions: list[tuple[str, int, int]] | None) -> list[WeightVersionSpan] | None:
+    return None if versions is None else [WeightVersionSpan(*v) for v in versions]
 
 
 def _request_field(request: Any, field: str) -> Any:
@@ -467,7 +483,7 @@ class AsyncLLM:
             outputs.append(CompletionOutput(i, out.text, out.token_ids, cumulative, lps, out.finish_reason,
                                             out.stop_reason, (out.metrics or {}).get("speculative_decoding"),
                                             SamplingMask(out.sampling_mask) if out.sampling_mask is not None
-                                            else None))
+                                            else None, _spans(out.weight_versions)))
         first_row = int(first)
         first = done[0]
         prompt_lps = None
@@ -627,6 +643,7 @@ def _extended(total: GenerationResult, new: GenerationResult) -> GenerationResul
         acc.sampling_mask.token_ids.extend(add.sampling_mask.token_ids)
     acc.finish_reason, acc.stop_reason = add.finish_reason, add.stop_reason
     acc.spec_decode_metrics = add.spec_decode_metrics or acc.spec_decode_metrics
+    acc.weight_versions = add.weight_versions or acc.weight_versions
     if new.prompt_logprobs:
         total.prompt_logprobs = (total.prompt_logprobs or []) + new.prompt_logprobs
     if new.prompt_token_id_logprobs is not None:

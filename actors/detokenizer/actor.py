@@ -60,7 +60,7 @@ DetokenizerProtocol = TrackRequest | EngineCoreOutputs | Untrack | EndGroup | En
 class _State:
     __slots__ = ("detok", "num_prompt_tokens", "arrival_time", "last_token_time", "queued",
                  "scheduled_time", "first_token_time", "max_tokens", "parent_id", "span", "spec",
-                 "model_times", "watermark")
+                 "model_times", "watermark", "versions")
 
     def __init__(self, detok: IncrementalDetokenizer, num_prompt_tokens: int, arrival_time: float,
                  max_tokens: int | None, parent_id: str, span: tuple | None = None) -> None:
@@ -77,6 +77,16 @@ class _State:
         self.spec: SpecDecodeMetrics | None = None   # its drafts' acceptance (--per-request-spec-decode-metrics)
         self.model_times: tuple[float, float] | None = None   # (--collect-detailed-traces)
         self.watermark = ""              # with --watermark-config: its watermark_requests status
+        self.versions: list[tuple[str, int]] = []    # vLLM's weight version spans: (version, first token)
+
+    def weight_versions(self) -> list[tuple[str, int, int]] | None:
+        """vLLM's: the output tokens [start, end) each weight version sampled (None: no version
+        was reported for the tokens there are)."""
+        n = self.detok.num_output_tokens
+        if not self.versions:
+            return [] if n == 0 else None
+        ends = [start for _, start in self.versions[1:]] + [n]
+        return [(v, start, end) for (v, start), end in zip(self.versions, ends)]
 
     def metrics(self) -> dict[str, Any]:
         """vLLM's per-request metrics of the finished request (--enable-per-request-metrics):
@@ -161,12 +171,12 @@ class DetokenizerActor(Actor):
 
     async def receive(self, msg: DetokenizerProtocol) -> Any:
         match msg:
-            case EngineCoreOutputs(outputs=outputs, stats=stats, engine_index=engine):
+            case EngineCoreOutputs(outputs=outputs, stats=stats, engine_index=engine, weight_version=version):
                 self.ctx.link([o.request_id for o in outputs])
                 if stats is not None:
                     self.stats.observe_step(stats, engine)
                 now = time.time()
-                aborts = [o.request_id for o in outputs if self._process(o, now)]
+                aborts = [o.request_id for o in outputs if self._process(o, now, version)]
                 if aborts:
                     self.engine.tell(AbortRequests(aborts))
             case TrackRequest(request_id=rid, prompt_token_ids=ids, sampling_params=p,
@@ -208,7 +218,7 @@ class DetokenizerActor(Actor):
                     self.waiting.release(rid)
                     self.streams.fail(rid, reason)
 
-    def _process(self, o: EngineCoreOutput, now: float) -> bool:
+    def _process(self, o: EngineCoreOutput, now: float, version: str | None = None) -> bool:
         """Deliver one request's output; True if a stop string ended it (abort in the engine)."""
         st = self.states.get(o.request_id)
         if st is None:
@@ -216,6 +226,8 @@ class DetokenizerActor(Actor):
         before = st.detok.num_output_tokens
         delta = st.detok.update(o.new_token_ids, stop_terminated=o.finish_reason == "stop")
         num_new = st.detok.num_output_tokens - before     # tokens past a stop string are dropped
+        if num_new and version is not None and (not st.versions or st.versions[-1][0] != version):
+            st.versions.append((version, before))
         self._observe_timing(st, o, num_new, now)
         if o.spec_step is not None and self.spec_metrics is not None:
             if st.spec is None:
@@ -246,7 +258,8 @@ class DetokenizerActor(Actor):
                 stop_reason, st.num_prompt_tokens, st.detok.num_output_tokens, o.error,
                 _head(o.logprobs, num_new), o.prompt_logprobs, o.num_cached_tokens, o.kv_transfer_params,
                 o.error_status, st.metrics() if finished else None, o.prompt_token_id_logprobs,
-                [m.tolist() for m in o.sampling_mask[:num_new]] if o.sampling_mask is not None else None))
+                [m.tolist() for m in o.sampling_mask[:num_new]] if o.sampling_mask is not None else None,
+                st.weight_versions() if finished else None))
         return stopped_here
 
     def _trace(self, rid: str, st: _State, now: float) -> None:

@@ -116,6 +116,7 @@ class EngineCoreOutputs(Msg):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
     engine_index: int = 0                # which engine core (data parallelism) sent them
+    weight_version: str | None = None    # vLLM's: the version of the weights that sampled them
 
 
 # -- engine core <-> worker ------------------------------------------------------------------

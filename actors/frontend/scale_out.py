@@ -248,10 +248,12 @@ class TokensGeneration(Generation):
                 for ids, values, rank in zip(out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)]
 
     def _entry(self, c: Choice, token_ids: list[int], logprobs: list | None, text: str,
-               finish_reason: str | None, stop_reason: Any, sampling_mask: list[list[int]] | None) -> dict[str, Any]:
+               finish_reason: str | None, stop_reason: Any, sampling_mask: list[list[int]] | None,
+               weight_versions: list[tuple[str, int, int]] | None) -> dict[str, Any]:
         entry = {"index": c.index, "finish_reason": finish_reason, "stop_reason": stop_reason,
                  "token_ids": token_ids, "routed_experts": None, "sampling_mask": sampling_mask,
-                 "weight_versions": None}
+                 "weight_versions": None if weight_versions is None else
+                 [{"version": v, "start": start, "end": end} for v, start, end in weight_versions]}
         if self.text_mode:
             entry["text"] = text
         entry["logprobs"] = None if logprobs is None else {"content": logprobs}
@@ -272,7 +274,7 @@ class TokensGeneration(Generation):
             return None
         return self._entry(c, out.token_ids, self._logprobs(out), out.text,
                            out.finish_reason if out.finished else None, out.stop_reason if out.finished else None,
-                           out.sampling_mask)
+                           out.sampling_mask, out.weight_versions if out.finished else None)
 
     def finish(self, c: Choice, out: RequestOutput) -> None:
         return None
@@ -286,7 +288,7 @@ class TokensGeneration(Generation):
     def final(self, c: Choice) -> dict:
         lp = c.state if self.num_logprobs is not None else None
         return self._entry(c, c.token_ids, lp, "".join(c.text), c.last.finish_reason, c.last.stop_reason,
-                           c.sampling_mask)
+                           c.sampling_mask, c.last.weight_versions)
 
     async def collect(self) -> dict[str, Any] | web.Response:
         body = await super().collect()

@@ -46,6 +46,8 @@ class RequestOutput:
     prompt_token_id_logprobs: np.ndarray | None = None
     # --return-sampling-mask: per entry of token_ids, the token ids its draw could pick
     sampling_mask: list[list[int]] | None = None
+    # on a request's last output: vLLM's weight version spans, (version, start, end) over its tokens
+    weight_versions: list[tuple[str, int, int]] | None = None
 
     def merge(self, later: RequestOutput) -> None:
         self.text += later.text
@@ -64,6 +66,7 @@ class RequestOutput:
         self.prompt_token_id_logprobs = _stacked(self.prompt_token_id_logprobs, later.prompt_token_id_logprobs)
         if later.sampling_mask is not None:
             self.sampling_mask = (self.sampling_mask or []) + later.sampling_mask
+        self.weight_versions = later.weight_versions or self.weight_versions
 
 
 class StreamTimeout(TimeoutError):

@@ -488,7 +488,7 @@ class SchedulerActor(Actor):
         each one's router and gauges read them)."""
         self._last_emit = time.monotonic()
         if len(self.clients) == 1:
-            self.outputs.tell(EngineCoreOutputs(outs, self.core.stats(), self.engine_index))
+            self.outputs.tell(EngineCoreOutputs(outs, self.core.stats(), self.engine_index, self.weight_version))
             return
         by_client: dict[int, list[EngineCoreOutput]] = {c: [] for c in self.clients}
         for o in outs:
@@ -499,7 +499,7 @@ class SchedulerActor(Actor):
         stats = self.core.stats()
         for c, ref in list(self.clients.items()):
             try:
-                ref.tell(EngineCoreOutputs(by_client[c], stats, self.engine_index))
+                ref.tell(EngineCoreOutputs(by_client[c], stats, self.engine_index, self.weight_version))
             except ActorDied as exc:
                 if c == 0:
                     raise

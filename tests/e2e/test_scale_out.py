@@ -59,6 +59,7 @@ def test_a_rendered_chat_generates_the_tokens_the_chat_endpoint_gives(server):
     (choice,) = out["choices"]
     assert choice["token_ids"] == chat["choices"][0]["token_ids"] and choice["finish_reason"] == "length"
     assert out["usage"]["prompt_tokens"] == len(rendered["token_ids"]) and out["usage"]["completion_tokens"] == 5
+    assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": 5}]     # as vLLM answers
 
 
 def test_vllms_own_render_output_is_generated_as_it_is(server):
@@ -215,6 +216,10 @@ def test_a_streamed_chat_derendered_chunk_by_chunk_reads_as_the_chat_endpoint(se
         deltas += [c["delta"] for c in out["chunk"]["choices"]]
     assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
     assert "".join(d.get("content") or "" for d in deltas) == direct
+    choices = [c for chunk in _generate_stream(server, rendered) for c in chunk["choices"]]
+    n = sum(len(c["token_ids"]) for c in choices)
+    assert choices[-1]["weight_versions"] == [{"version": "default", "start": 0, "end": n}]    # the last chunk's
+    assert not any(c["weight_versions"] for c in choices[:-1])
 
 
 def test_vllms_stream_state_is_taken_mid_stream(server):

@@ -175,3 +175,32 @@ def test_a_trainer_updates_a_tensor_parallel_server_over_http_and_the_weight_che
     assert status == 400 and "no draft model" in body["error"]["message"]
     trainer.shutdown()
     assert _complete(url) == from_a
+
+
+def test_a_finished_output_names_the_weight_versions_that_sampled_its_tokens(checkpoints):
+    """vLLM's CompletionOutput.weight_versions: spans of output tokens per version, the version
+    changed here while the request was frozen by a pause (mode keep) halfway."""
+    from actors.api import AsyncLLM, RequestOutputKind, WeightVersionSpan
+
+    async def body():
+        llm = await AsyncLLM.create(checkpoints[0], weight_transfer_config=GLOO)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            plain = [out async for out in llm.generate({"prompt_token_ids": PROMPT}, params, request_id="plain")]
+            assert plain[-1].outputs[0].weight_versions == [WeightVersionSpan("default", 0, 200)]
+            assert all(out.outputs[0].weight_versions is None for out in plain[:-1])   # on the last output only
+            stream = llm.generate({"prompt_token_ids": PROMPT}, params, request_id="across")
+            first = await anext(stream)
+            await llm.pause_generation(mode="keep")
+            await llm.update_weight_version("v2")
+            assert await llm.get_weight_version() == "v2"
+            await llm.resume_generation()
+            outs = [first] + [out async for out in stream]
+            spans = outs[-1].outputs[0].weight_versions
+            assert [s.version for s in spans] == ["default", "v2"]
+            assert spans[0].start == 0 and 0 < spans[0].end == spans[1].start < 200 and spans[1].end == 200
+            assert sum(len(o.outputs[0].token_ids) for o in outs) == 200
+        finally:
+            await llm.shutdown()
+    import asyncio
+    asyncio.run(asyncio.wait_for(body(), 120))
