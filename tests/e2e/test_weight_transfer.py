@@ -204,3 +204,31 @@ def test_a_finished_output_names_the_weight_versions_that_sampled_its_tokens(che
             await llm.shutdown()
     import asyncio
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_a_draft_round_goes_into_the_speculative_draft_model_and_the_target_answers_the_same(checkpoints):
+    """/start_draft_weight_update's round: the target drafting with a copy of itself has every
+    draft accepted; other weights pushed into the draft lower the acceptance but not the tokens;
+    its own weights pushed back restore it."""
+    a, _, weights_a, weights_b = checkpoints
+    spec = {"method": "draft_model", "model": a, "num_speculative_tokens": 3}
+    with LLM(a, speculative_config=spec, weight_transfer_config=GLOO) as llm:
+        def run() -> tuple[list[int], int, int]:
+            before = llm.client.stats.last
+            drafted0, accepted0 = before.spec_num_draft_tokens, before.spec_num_accepted_tokens
+            tokens = _tokens(llm)
+            after = llm.client.stats.last
+            return tokens, after.spec_num_draft_tokens - drafted0, after.spec_num_accepted_tokens - accepted0
+        tokens, drafted, accepted = run()
+        assert drafted > 0 and accepted == drafted
+        trainer = TrainerWeightTransferEngine.trainer_init(_init_info(2), client=LLMWeightSyncClient(llm),
+                                                           source=weights_b)
+        checksums = llm.collective_rpc("compute_weight_checksums")
+        trainer.send_weights(draft=True)
+        assert llm.collective_rpc("compute_weight_checksums") == checksums      # the target's weights stay
+        other, drafted, accepted = run()
+        assert other == tokens and drafted > 0 and accepted < drafted
+        trainer.send_weights(weights_a, draft=True)
+        again, drafted, accepted = run()
+        assert again == tokens and drafted > 0 and accepted == drafted
+        trainer.shutdown()
