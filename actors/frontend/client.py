@@ -407,22 +407,27 @@ class EngineClient:
     # -- weight transfer (vLLM's RL routes; actors/worker/weight_transfer.py) -------------------
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Every worker joins the trainer's process group (the trainer opens it meanwhile)."""
-        await self.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+        with self.stats.weight_operation("init"):
+            await self.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
     async def shutdown_weight_transfer_engine(self) -> None:
-        await self.collective_rpc("shutdown_weight_transfer_engine")
+        with self.stats.weight_operation("shutdown"):
+            await self.collective_rpc("shutdown_weight_transfer_engine")
 
     async def start_weight_update(self, draft: bool = False) -> None:
-        await self.collective_rpc("start_draft_weight_update" if draft else "start_weight_update")
+        with self.stats.weight_operation("start_draft" if draft else "start"):
+            await self.collective_rpc("start_draft_weight_update" if draft else "start_weight_update")
 
     async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Receive one chunk of the round (the trainer broadcasts its tensors meanwhile)."""
-        await self.collective_rpc("update_weights", kwargs={"update_info": update_info})
+        with self.stats.weight_operation("update"):
+            await self.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         """The round's weights replace the served ones (the prefix cache is emptied); with
         ``weight_version``, the engine's version becomes it."""
-        await self.collective_rpc("finish_weight_update")
+        with self.stats.weight_operation("finish"):
+            await self.collective_rpc("finish_weight_update")
         if weight_version is not None:
             await self.update_weight_version(weight_version)
 

@@ -6,6 +6,7 @@ weight version and weight checker."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import urllib.error
 import urllib.request
@@ -175,6 +176,14 @@ def test_a_trainer_updates_a_tensor_parallel_server_over_http_and_the_weight_che
     assert status == 400 and "no draft model" in body["error"]["message"]
     trainer.shutdown()
     assert _complete(url) == from_a
+
+    # vLLM's metrics of the weight operations (the refused ones counted too)
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        metrics = r.read().decode()
+    count = {op: float(re.search(rf'vllm:rl_weight_update_operation_duration_seconds_count{{[^}}]*operation="{op}"}} '
+                                 rf'(\S+)', metrics).group(1)) for op in ("init", "start", "update", "finish", "shutdown")}
+    assert count == {"init": 1, "start": 2, "update": 3, "finish": 2, "shutdown": 1}
+    assert re.findall(r'vllm:rl_weight_update_operations_in_flight{[^}]*} (\S+)', metrics) == ["0"] * 6
 
 
 def test_a_finished_output_names_the_weight_versions_that_sampled_its_tokens(checkpoints):

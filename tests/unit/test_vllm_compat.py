@@ -448,12 +448,18 @@ def test_metrics_add_up_every_api_servers_requests_and_keep_the_engines_once():
 def test_metrics_are_written_under_vllm_and_troupe_prefixes_as_chosen():
     assert "watermark_requests" not in EngineStats(model="m").prometheus()    # vLLM's: only with a watermark
     assert "estimated_flops" not in EngineStats(model="m").prometheus()      # only with --enable-mfu-metrics
+    assert "rl_weight_update" not in EngineStats(model="m").prometheus()     # once a weight transfer call ran
     stats = EngineStats(model="my-model", max_model_len=1000,
                         watermark_requests={"watermarked": 2, "skipped": 0, "not_watermarked": 1}, mfu=True)
     stats.last = msgspec.structs.replace(stats.last, spec_num_accepted_tokens_per_pos=[3, 1])
     assert "api_server_requests" not in stats.prometheus()            # only with several API servers
     stats = stats.with_requests_of([EngineStats(model="my-model", api_server=1).request_stats(2)], 1)
+    with stats.weight_operation("init"):
+        assert 'vllm:rl_weight_update_operations_in_flight{model_name="my-model",engine="0",operation="init"} 1' \
+            in stats.prometheus()
     both = stats.prometheus()
+    assert 'vllm:rl_weight_update_operation_duration_seconds_count{model_name="my-model",engine="0",operation="init"} 1' \
+        in both
     assert 'troupe:api_server_requests_open{model_name="my-model",engine="0",api_server="1"} 2' in both
     assert 'vllm:watermark_requests_total{model_name="my-model",engine="0",status="watermarked"} 2' in both
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="my-model",engine="0",position="1"} 1' in both
