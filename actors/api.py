@@ -362,6 +362,11 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return await self.client.is_sleeping()
 
+    async def release_kv_cache_memory(self) -> None:
+        """vLLM's: after ``sleep(level=0)`` (a completed pause, no request held), the KV cache's
+        memory given back, the weights staying; ``wake_up(tags=["kv_cache"])`` restores it."""
+        await self.client.release_kv_cache_memory()
+
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
         """vLLM's: a worker method by name on every worker, their results in rank order. Troupe's
@@ -1097,6 +1102,10 @@ class LLM:
 
     def is_sleeping(self) -> bool:
         return self._run(self._engine().is_sleeping(), timeout=60)
+
+    def release_kv_cache_memory(self) -> None:
+        """vLLM's ``LLM.release_kv_cache_memory``: see ``AsyncLLM.release_kv_cache_memory``."""
+        self._run(self._engine().release_kv_cache_memory(), timeout=600)
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -45,7 +45,7 @@ MAX_BODY_BYTES = 8 << 20
 PROTECTED_PATHS = ("/v1/", "/inference/", "/debug/", "/dashboard", "/invocations",   # need the API key when set
                    "/generative_scoring", "/pause", "/resume", "/is_paused", "/abort_requests", "/sleep",
                    "/wake_up", "/is_sleeping", "/start_profile", "/stop_profile", "/server_info", "/get_world_size", "/collective_rpc",
-                   "/reset_mm_cache", "/reset_encoder_cache", "/init_weight_transfer_engine",
+                   "/reset_mm_cache", "/reset_encoder_cache", "/release_kv_cache_memory", "/init_weight_transfer_engine",
                    "/shutdown_weight_transfer_engine", "/start_weight_update", "/start_draft_weight_update",
                    "/update_weights", "/finish_weight_update", "/update_weight_version", "/weight_info",
                    "/weight_checker")

@@ -351,20 +351,38 @@ class EngineClient:
         """Pause generation (``mode`` as pause_generation's) and, from level 1, have the workers
         give back the KV cache's memory (level 1) or that and the weights' (level 2; they are
         read again from the checkpoint at wake-up). Needs --enable-sleep-mode from level 1."""
-        if level not in (0, 1, 2) or isinstance(level, bool):
-            raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
-        if level >= 1 and not self.config.model.enable_sleep_mode:
-            raise ValueError("sleep level 1 and 2 need the engine started with --enable-sleep-mode "
-                             "(enable_sleep_mode=True)")
-        await self.pause_generation(mode, clear_cache=level >= 1)
-        if level >= 1:
+        with self.stats.operation("sleep_mode", "sleep"):
+            if level not in (0, 1, 2) or isinstance(level, bool):
+                raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
+            if level >= 1 and not self.config.model.enable_sleep_mode:
+                raise ValueError("sleep level 1 and 2 need the engine started with --enable-sleep-mode "
+                                 "(enable_sleep_mode=True)")
+            await self.pause_generation(mode, clear_cache=level >= 1)
+            if level >= 1:
+                try:
+                    await self.engine.ask(SleepEngine(level), timeout=SLEEP_TIMEOUT_S)
+                except RemoteError as exc:
+                    raise ValueError(exc.message) from None
+            self.sleep_level = max(level, self.sleep_level or 0)
+            self.stats.sleep_level = self.sleep_level
+            log.info("sleeping (level %d)", level)
+
+    async def release_kv_cache_memory(self) -> None:
+        """vLLM's: once a pause completed with no request held (sleep level 0, or a pause in
+        mode abort or wait), the KV cache's memory given back, the weights staying where they
+        are; wake_up(["kv_cache"]) takes it again. Needs --enable-sleep-mode."""
+        with self.stats.operation("sleep_mode", "release_kv_cache_memory"):
+            if not self.config.model.enable_sleep_mode:
+                raise ValueError("release_kv_cache_memory needs the engine started with --enable-sleep-mode "
+                                 "(enable_sleep_mode=True)")
+            self._check_alive()
             try:
-                await self.engine.ask(SleepEngine(level), timeout=SLEEP_TIMEOUT_S)
+                await self.engine.ask(SleepEngine(1, kv_cache_only=True), timeout=SLEEP_TIMEOUT_S)
             except RemoteError as exc:
                 raise ValueError(exc.message) from None
-        self.sleep_level = max(level, self.sleep_level or 0)
-        self.stats.sleep_level = self.sleep_level
-        log.info("sleeping (level %d)", level)
+            if self.sleep_level is None:
+                self.sleep_level = self.stats.sleep_level = 0
+            log.info("the KV cache's memory was given back")
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """The workers take back ``tags`` ("weights", "kv_cache"; "scheduling" for level 0;
@@ -375,12 +393,15 @@ class EngineClient:
             raise ValueError(f"wake_up tags must be weights, kv_cache or scheduling, got {sorted(unknown)}")
         self._check_alive()
         awake = True
-        if self.sleep_level and (rest is None or rest):
-            awake = await self.engine.ask(WakeEngine(rest), timeout=SLEEP_TIMEOUT_S)
-        if awake and self.sleep_level is not None:
-            await self.resume_generation()
-            self.sleep_level = self.stats.sleep_level = None
-            log.info("awake")
+        with self.stats.operation("sleep_mode", "wake"):
+            # the engine knows what still sleeps (released at level 0, or through another API
+            # server): generation resumes only once nothing does
+            if self.sleep_level is not None:
+                awake = await self.engine.ask(WakeEngine(rest), timeout=SLEEP_TIMEOUT_S)
+            if awake and self.sleep_level is not None:
+                await self.resume_generation()
+                self.sleep_level = self.stats.sleep_level = None
+                log.info("awake")
         return awake
 
     async def is_sleeping(self) -> bool:
@@ -407,26 +428,26 @@ class EngineClient:
     # -- weight transfer (vLLM's RL routes; actors/worker/weight_transfer.py) -------------------
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Every worker joins the trainer's process group (the trainer opens it meanwhile)."""
-        with self.stats.weight_operation("init"):
+        with self.stats.operation("rl_weight_update", "init"):
             await self.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
     async def shutdown_weight_transfer_engine(self) -> None:
-        with self.stats.weight_operation("shutdown"):
+        with self.stats.operation("rl_weight_update", "shutdown"):
             await self.collective_rpc("shutdown_weight_transfer_engine")
 
     async def start_weight_update(self, draft: bool = False) -> None:
-        with self.stats.weight_operation("start_draft" if draft else "start"):
+        with self.stats.operation("rl_weight_update", "start_draft" if draft else "start"):
             await self.collective_rpc("start_draft_weight_update" if draft else "start_weight_update")
 
     async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Receive one chunk of the round (the trainer broadcasts its tensors meanwhile)."""
-        with self.stats.weight_operation("update"):
+        with self.stats.operation("rl_weight_update", "update"):
             await self.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         """The round's weights replace the served ones (the prefix cache is emptied); with
         ``weight_version``, the engine's version becomes it."""
-        with self.stats.weight_operation("finish"):
+        with self.stats.operation("rl_weight_update", "finish"):
             await self.collective_rpc("finish_weight_update")
         if weight_version is not None:
             await self.update_weight_version(weight_version)

@@ -145,6 +145,17 @@ async def is_sleeping(server: OpenAIServer, request: web.Request) -> web.Respons
     return _json({"is_sleeping": await server.engine().is_sleeping()})
 
 
+async def release_kv_cache_memory(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's: the KV cache's memory given back after a completed pause (the weights stay)."""
+    try:
+        await server.engine().release_kv_cache_memory()
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    finally:
+        await server.control_changed()
+    return _json({"status": "kv_cache_released"})
+
+
 async def start_profile(server: OpenAIServer, request: web.Request) -> web.Response:
     body = await _object_body(request)
     options = {k: body.get(k) for k in ("profile_prefix", "delay_iterations", "max_iterations")}
@@ -318,7 +329,7 @@ PROFILE_ROUTES = [("POST", "/start_profile", start_profile), ("POST", "/stop_pro
 
 ROUTES = [("POST", "/pause", pause), ("POST", "/resume", resume), ("GET", "/is_paused", is_paused),
           ("POST", "/abort_requests", abort_requests), ("POST", "/sleep", sleep), ("POST", "/wake_up", wake_up),
-          ("GET", "/is_sleeping", is_sleeping), ("GET", "/get_world_size", get_world_size),
+          ("GET", "/is_sleeping", is_sleeping), ("POST", "/release_kv_cache_memory", release_kv_cache_memory), ("GET", "/get_world_size", get_world_size),
           ("GET", "/server_info", server_info), ("POST", "/collective_rpc", collective_rpc),
           ("POST", "/reset_mm_cache", reset_mm_cache), ("POST", "/reset_encoder_cache", reset_mm_cache),
           ("POST", "/init_weight_transfer_engine", init_weight_transfer_engine),

@@ -110,6 +110,10 @@ METRICS: tuple[Metric, ...] = (
            labels="operation"),
     Metric("rl_weight_update_operations_in_flight", "gauge", "Weight-transfer operations currently awaited.",
            labels="operation"),
+    Metric("sleep_mode_operation_duration_seconds", "histogram", "Duration of one sleep-mode operation.",
+           labels="operation"),
+    Metric("sleep_mode_operations_in_flight", "gauge", "Sleep-mode operations currently awaited.",
+           labels="operation"),
     Metric("max_batch_size", "gauge", "Most requests served by one engine step.", vllm=False),
     Metric("api_server_requests_total", "counter", "Finished requests by the API server that took them (only with "
            "--api-server-count above 1).", vllm=False, labels="api_server"),
@@ -218,7 +222,8 @@ def check_histogram_buckets(value: dict[str, list[float]]) -> tuple[tuple[str, t
     return tuple(out)
 
 
-WEIGHT_OPERATION_BUCKETS = (0.01, 0.1, 1, 10, 30, 60, 120, 300, 600)     # vLLM's
+OPERATION_BUCKETS = (0.01, 0.1, 1, 10, 30, 60, 120, 300, 600)     # vLLM's
+OPERATION_FAMILIES = ("rl_weight_update", "sleep_mode")
 
 
 def _hist(buckets: tuple[float, ...]) -> Callable[[], Histogram]:
@@ -252,9 +257,11 @@ class EngineStats:
     kv_block_lifetime: Histogram = field(default_factory=_hist(KV_RESIDENCY_BUCKETS))
     kv_block_idle_before_evict: Histogram = field(default_factory=_hist(KV_RESIDENCY_BUCKETS))
     kv_block_reuse_gap: Histogram = field(default_factory=_hist(KV_RESIDENCY_BUCKETS))
-    # vLLM's RL weight operations (init, shutdown, start, start_draft, update, finish), once one ran
-    weight_operations: dict[str, Histogram] = field(default_factory=dict)
-    weight_operations_in_flight: dict[str, int] = field(default_factory=dict)
+    # vLLM's timed control operations, once one ran: (family, operation) -> durations, and calls
+    # under way (families rl_weight_update: init, shutdown, start, start_draft, update, finish;
+    # sleep_mode: sleep, wake, release_kv_cache_memory)
+    operations: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+    operations_in_flight: dict[tuple[str, str], int] = field(default_factory=dict)
     # token counts, bucketed up to the context length (set in __post_init__)
     request_prompt_tokens: Histogram = field(init=False)
     request_generation_tokens: Histogram = field(init=False)
@@ -389,11 +396,13 @@ class EngineStats:
             return [f'{name}{{{labels},api_server="{i}"}} {n}' for i, n in sorted(counts.items())]
         if m.name == "watermark_requests_total":
             return [f'{name}{{{labels},status="{s}"}} {n}' for s, n in (self.watermark_requests or {}).items()]
-        if m.name == "rl_weight_update_operation_duration_seconds":
-            return [line for op, h in sorted(self.weight_operations.items())
-                    for line in h.lines(name, f'{labels},operation="{op}"')]
-        if m.name == "rl_weight_update_operations_in_flight":
-            return [f'{name}{{{labels},operation="{op}"}} {n}' for op, n in sorted(self.weight_operations_in_flight.items())]
+        if m.name.startswith(OPERATION_FAMILIES):
+            family = m.name.removesuffix("_operation_duration_seconds").removesuffix("_operations_in_flight")
+            if m.kind == "histogram":
+                return [line for (f, op), h in sorted(self.operations.items()) if f == family
+                        for line in h.lines(name, f'{labels},operation="{op}"')]
+            return [f'{name}{{{labels},operation="{op}"}} {n}'
+                    for (f, op), n in sorted(self.operations_in_flight.items()) if f == family]
         if m.name == "request_success_total":
             counts = dict.fromkeys(FINISH_REASONS, 0) | self.requests_finished
             return [f'{name}{{{labels},finished_reason="{_escape(r)}"}} {n}' for r, n in counts.items()]
@@ -470,18 +479,20 @@ class EngineStats:
         return out
 
     @contextlib.contextmanager
-    def weight_operation(self, operation: str) -> Iterator[None]:
-        """Time one weight transfer operation (vLLM's rl_weight_update_* metrics)."""
-        if operation not in self.weight_operations:
-            self.weight_operations[operation] = Histogram(WEIGHT_OPERATION_BUCKETS)
-            self.weight_operations_in_flight[operation] = 0
-        self.weight_operations_in_flight[operation] += 1
+    def operation(self, family: str, operation: str) -> Iterator[None]:
+        """Time one control operation of ``family`` (vLLM's rl_weight_update_* and sleep_mode_*
+        metrics), refused ones too."""
+        key = (family, operation)
+        if key not in self.operations:
+            self.operations[key] = Histogram(OPERATION_BUCKETS)
+            self.operations_in_flight[key] = 0
+        self.operations_in_flight[key] += 1
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self.weight_operations_in_flight[operation] -= 1
-            self.weight_operations[operation].observe(time.perf_counter() - t0)
+            self.operations_in_flight[key] -= 1
+            self.operations[key].observe(time.perf_counter() - t0)
 
     def prometheus(self, prefixes: tuple[str, ...] = PREFIXES) -> str:
         """Every metric of ``METRICS`` under each prefix (``vllm``: those vLLM has)."""
@@ -495,7 +506,8 @@ class EngineStats:
                                                           and self.watermark_requests is None)
                         or (m.name.startswith("api_server_requests_") and not self.api_server_requests)
                         or (m.name.startswith("estimated_") and not self.mfu)
-                        or (m.name.startswith("rl_weight_update_") and not self.weight_operations)):
+                        or (m.name.startswith(OPERATION_FAMILIES)
+                            and not any(m.name.startswith(f) for f, _ in self.operations))):
                     continue
                 name = f"{prefix}:{m.name}"
                 yield f"# HELP {name} {m.help}"

@@ -37,7 +37,7 @@ from actors.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineC
 from actors.engine.sampling_params import StructuredOutputsParams
 from actors.grammar.actor import CompileGrammar
 from actors.runtime import Actor, ActorDied, ActorRef, AskTimeout, Msg, RemoteError
-from actors.runtime.errors import passed_on
+from actors.runtime.errors import Refused, passed_on
 from actors.runtime.tracing import StepRecord, now_ns
 from actors.kv_manager.kv_events import KVEventBatch, ZmqEventPublisher
 from actors.scheduler.scheduler import PauseState, Scheduler
@@ -127,9 +127,11 @@ class GetPauseStatus(Msg):
 
 class SleepEngine(Msg):
     """Sleep mode, once paused: the workers give back the KV cache (``level`` 1) or that and the
-    weights (2). The reply: the level now."""
+    weights (2). ``kv_cache_only``: vLLM's release_kv_cache_memory, the KV cache only (the
+    weights stay where they are, on a GPU too), with no request held. The reply: the level now."""
     reply_type: ClassVar[Any] = int
     level: int = 1
+    kv_cache_only: bool = False
 
 
 class WakeEngine(Msg):
@@ -307,15 +309,19 @@ class SchedulerActor(Actor):
                 return self._pause_status()
             case GetPauseStatus():
                 return self._pause_status()
-            case SleepEngine(level=level):
+            case SleepEngine(level=level, kv_cache_only=kv_cache_only):
                 status = self._pause_status()
+                if kv_cache_only and (not status.drained or self._in_flight or self.core.running
+                                      or self.core.waiting):
+                    raise Refused("release_kv_cache_memory() requires a completed pause first (POST "
+                                  "/pause?mode=abort or wait: no request held or queued)")
                 if not status.drained or self._in_flight:
                     raise RuntimeError("the engine sleeps once generation is paused and nothing runs")
                 kept = self.core.recompute_running()     # the KV cache a keep pause held goes: vLLM's
                 if kept:                                 # kept requests are computed again after wake-up
                     log.info("sleep: %d kept request(s) will be computed again after wake-up", kept)
                 self.core.kv.reset_prefix_cache()        # no cached prefix outlives the cache's contents
-                await self.executor.ask(SleepWorker(level), timeout=SLEEP_TIMEOUT_S)
+                await self.executor.ask(SleepWorker(level, kv_cache_only), timeout=SLEEP_TIMEOUT_S)
                 self.sleep_level = level
                 return level
             case WorkerRPC(method="get_weight_version"):     # the engine's, not a worker's (vLLM's)

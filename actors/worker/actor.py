@@ -57,8 +57,10 @@ class ProfileStepCosts(Msg):
 
 
 class SleepWorker(Msg):
-    """Sleep mode: give back the KV cache's memory (``level`` 1) or that and the weights' (2)."""
+    """Sleep mode: give back the KV cache's memory (``level`` 1) or that and the weights' (2);
+    ``kv_cache_only``: the KV cache's only, the weights staying on the device."""
     level: int = 1
+    kv_cache_only: bool = False
 
 
 class WakeWorker(Msg):
@@ -172,8 +174,8 @@ class WorkerActor(Actor):
                 return await self._on_core_thread(self._loaded().init_kv_cache, config)
             case ProfileStepCosts():
                 return await self._on_core_thread(self._loaded().profile_step_costs)
-            case SleepWorker(level=level):
-                return await self._on_core_thread(self._loaded().sleep, level)
+            case SleepWorker(level=level, kv_cache_only=kv_cache_only):
+                return await self._on_core_thread(self._loaded().sleep, level, kv_cache_only)
             case WakeWorker(tags=tags):
                 return await self._on_core_thread(self._loaded().wake_up, tags)
             case WorkerRPC(method=method, args=args, kwargs=kwargs):

@@ -239,10 +239,10 @@ class Worker:
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     # -- sleep mode (vLLM's --enable-sleep-mode) -----------------------------------------------
-    def sleep(self, level: int) -> None:
+    def sleep(self, level: int, kv_cache_only: bool = False) -> None:
         """Give back the KV cache's memory (level 1; on a GPU the weights go to the host's
-        memory), or that and the weights' (level 2). The engine paused first (nothing runs,
-        the prefix cache forgotten)."""
+        memory, unless ``kv_cache_only``), or that and the weights' (level 2). The engine paused
+        first (nothing runs, the prefix cache forgotten)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.kv_connector is not None:
@@ -254,14 +254,15 @@ class Worker:
                 stack.unbind()              # it keeps the caches it wrote last
         if level == 2:
             self.model = self.draft_model = None
-        elif self.device.type != "cpu":
+        elif self.device.type != "cpu" and not kv_cache_only:
             self.model.to("cpu")
             if self.draft_model is not None:
                 self.draft_model.to("cpu")
         heap.collect_all()                  # the model's cycles were frozen with the start-up's objects
         self.platform.empty_cache()
         self.asleep = level
-        log.info("asleep (level %d): the KV cache%s given back", level, " and the weights" if level == 2 else "")
+        log.info("asleep (level %d): the KV cache%s given back", level, " and the weights" if level == 2 else
+                 " (only)" if kv_cache_only else "")
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """The weights back (reloaded from the checkpoint after level 2), then the KV cache

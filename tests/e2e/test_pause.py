@@ -152,9 +152,9 @@ def test_a_pause_mode_vllm_does_not_know_is_a_400_and_pauses_nothing(server):
     asyncio.run(run())
 
 
-def _rss_mib(pid: int) -> float:
+def _rss_mib(pid: int, field: str = "VmRSS") -> float:
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
 def test_sleep_gives_back_the_workers_memory_and_wake_up_serves_the_same_tokens(server):
@@ -195,6 +195,38 @@ def test_sleep_gives_back_the_workers_memory_and_wake_up_serves_the_same_tokens(
     assert partly == {"status": "sleeping", "tags": ["weights"]}          # the KV cache still asleep
     assert whole == {"status": "awake", "tags": ["kv_cache"]} and not still
     assert bad == 400
+
+
+def test_release_kv_cache_memory_after_a_level_0_sleep_and_wake_up_takes_it_back(server):
+    """vLLM's /release_kv_cache_memory: refused unless a pause completed with no request held;
+    then the worker gives back its KV cache (resident memory drops by most of the cache), the
+    weights staying; /wake_up?tags=scheduling alone does not resume without a KV cache, tags
+    kv_cache does, and the same tokens come back. vLLM's sleep-mode operation metrics count it."""
+    async def main():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            before = await _text(s, server.url, BODY)
+            async with s.post(server.url + "/release_kv_cache_memory") as resp:
+                refused = resp.status, (await resp.json())["error"]["message"]
+            assert await _post(s, server.url + "/sleep?level=0") == {"status": "sleeping", "level": 0}
+            worker = server.worker_pid()
+            paused_mib = _rss_mib(worker, "VmSize")
+            assert await _post(s, server.url + "/release_kv_cache_memory") == {"status": "kv_cache_released"}
+            released_mib = _rss_mib(worker, "VmSize")
+            not_yet = await _post(s, server.url + "/wake_up?tags=scheduling")
+            async with s.get(server.url + "/is_sleeping") as resp:
+                still = (await resp.json())["is_sleeping"]
+            whole = await _post(s, server.url + "/wake_up?tags=kv_cache")
+            after = await _text(s, server.url, BODY)
+            async with s.get(server.url + "/metrics") as resp:
+                metrics = await resp.text()
+            return before, refused, paused_mib, released_mib, not_yet, still, whole, after, metrics
+    before, refused, paused_mib, released_mib, not_yet, still, whole, after, metrics = asyncio.run(main())
+    print(f"\nworker address space: {paused_mib:.0f} MiB paused, {released_mib:.0f} MiB with the KV cache released")
+    assert refused[0] == 400 and "requires a completed pause first" in refused[1]
+    assert paused_mib - released_mib > 900                      # --kv-cache-gib's default 1 GiB
+    assert not_yet == {"status": "sleeping", "tags": ["scheduling"]} and still is True
+    assert whole == {"status": "awake", "tags": ["kv_cache"]} and after == before
+    assert 'operation="release_kv_cache_memory"} 2' in metrics     # vllm:sleep_mode_operation_duration_seconds_count
 
 
 def test_sleep_with_keep_recomputes_a_frozen_stream_after_wake_up(server):

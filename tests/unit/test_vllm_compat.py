@@ -454,7 +454,7 @@ def test_metrics_are_written_under_vllm_and_troupe_prefixes_as_chosen():
     stats.last = msgspec.structs.replace(stats.last, spec_num_accepted_tokens_per_pos=[3, 1])
     assert "api_server_requests" not in stats.prometheus()            # only with several API servers
     stats = stats.with_requests_of([EngineStats(model="my-model", api_server=1).request_stats(2)], 1)
-    with stats.weight_operation("init"):
+    with stats.operation("rl_weight_update", "init"), stats.operation("sleep_mode", "wake"):
         assert 'vllm:rl_weight_update_operations_in_flight{model_name="my-model",engine="0",operation="init"} 1' \
             in stats.prometheus()
     both = stats.prometheus()
