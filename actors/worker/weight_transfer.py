@@ -395,7 +395,9 @@ class TrainerWeightTransferEngine:
         info = dict(init_info)
         backend = info.pop("backend", "gloo")
         timeout_s = float(info.pop("timeout_s", 300.0))
-        info.pop("rank", None)
+        if info.pop("rank", 0) != 0:
+            raise ValueError("this trainer helper is the sender, rank 0: other trainer ranks hand their "
+                             "tensors to it (one process sends)")
         packed = bool(info.get("packed", True))
         buffer_bytes = int(info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES))
         address, port, world = info["master_address"], int(info["master_port"]), int(info["world_size"])
