@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable, Iterator, Sequence, Sized, Union
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence, Sized, Union
 
 import msgspec
 import numpy as np
@@ -130,9 +130,14 @@ class GenerationResult:
 class Progress:
     """A tqdm bar on standard error: requests done, output tokens per second, time left."""
 
-    def __init__(self, total: int, desc: str) -> None:
-        from tqdm import tqdm
-        self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
+    def __init__(self, total: int, desc: str, use_tqdm: Any = True) -> None:
+        """``use_tqdm``: True, or vLLM's callable that makes the bar (e.g. functools.partial(tqdm,
+        leave=False)), called with total, desc and dynamic_ncols."""
+        if callable(use_tqdm):
+            self.bar = use_tqdm(total=total, desc=desc, dynamic_ncols=True)
+        else:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
         self.started = time.monotonic()
         self.tokens = 0
 
@@ -502,7 +507,7 @@ class AsyncLLM:
 
     async def generate_many(self, prompts: Iterable[Prompt],
                             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                            max_pending: int = 1024, use_tqdm: bool = False,
+                            max_pending: int = 1024, use_tqdm: bool | Callable[..., Any] = False,
                             **template: Any) -> AsyncIterator[GenerationResult]:
         """Results of many prompts (text, token ids, a vLLM prompt dict, or a conversation: a list
         of messages), in the order they finish; ``result.index`` is the prompt's place. At most ``max_pending``
@@ -514,7 +519,7 @@ class AsyncLLM:
         slots = asyncio.Semaphore(max_pending)
         arrived: asyncio.Queue[Any] = asyncio.Queue()     # results, errors, then the count
         tasks: set[asyncio.Future] = set()
-        bar = Progress(len(prompts), "Generating") if use_tqdm and isinstance(prompts, Sized) else None
+        bar = Progress(len(prompts), "Generating", use_tqdm) if use_tqdm and isinstance(prompts, Sized) else None
 
         async def one(i: int, prompt: Prompt, sp: SamplingParams | None) -> None:
             try:
@@ -896,7 +901,7 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | dict[str, Any] | Sequence[str | list[int] | dict[str, Any]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True,
+                 use_tqdm: bool | Callable[..., Any] = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  priority: int | Sequence[int] | None = None) -> list[GenerationResult]:
         """Generate for every prompt concurrently (they share engine steps); results in order.
@@ -907,7 +912,7 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True,
+             use_tqdm: bool | Callable[..., Any] = True,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              priority: int | Sequence[int] | None = None, **template: Any) -> list[GenerationResult]:
         """Reply to one conversation (a list of messages) or to each of several (vLLM's
@@ -918,7 +923,7 @@ class LLM:
     def enqueue(self, prompts: str | list[int] | dict[str, Any] | Sequence[str | list[int] | dict[str, Any]],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                priority: int | Sequence[int] | None = None, use_tqdm: bool = True) -> list[str]:
+                priority: int | Sequence[int] | None = None, use_tqdm: bool | Callable[..., Any] = True) -> list[str]:
         """vLLM's: submit the prompts (``generate``'s arguments) without waiting; returns their
         request ids. They run at once, beside anything else submitted; ``wait_for_completion()``
         returns the results of everything enqueued."""
@@ -926,20 +931,20 @@ class LLM:
 
     def enqueue_chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
                      sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                     use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                     use_tqdm: bool | Callable[..., Any] = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                      priority: int | Sequence[int] | None = None, **template: Any) -> list[str]:
         """vLLM's: ``enqueue`` for conversations (``chat``'s arguments)."""
         return self._enqueue(self._jobs(_conversation_list(messages), sampling_params, lora_request, priority,
                                         **template))
 
-    def wait_for_completion(self, output_type: Any = None, *, use_tqdm: bool = True) -> list[GenerationResult]:
+    def wait_for_completion(self, output_type: Any = None, *, use_tqdm: bool | Callable[..., Any] = True) -> list[GenerationResult]:
         """vLLM's: the results of every request enqueued since the last call, once all have
         finished, in the order they were enqueued (a request that failed: its result's ``error``).
         ``output_type`` is vLLM's argument (the results are always GenerationResults here)."""
         queued, self._queued = self._queued, []
 
         async def gather() -> list[GenerationResult]:
-            bar = Progress(len(queued), "Generating") if use_tqdm and len(queued) > 1 else None
+            bar = Progress(len(queued), "Generating", use_tqdm) if use_tqdm and len(queued) > 1 else None
             try:
                 for task in asyncio.as_completed(queued):
                     result = await task
@@ -982,7 +987,7 @@ class LLM:
 
     def generate_many(self, prompts: Iterable[Prompt],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                      max_pending: int = 1024, use_tqdm: bool = True,
+                      max_pending: int = 1024, use_tqdm: bool | Callable[..., Any] = True,
                       **template: Any) -> Iterator[GenerationResult]:
         """``AsyncLLM.generate_many`` for a synchronous caller: results as they finish, in
         bounded memory."""
@@ -1000,7 +1005,7 @@ class LLM:
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+                    use_tqdm: bool | Callable[..., Any] = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: for each prompt (text, token ids, a prompt dict, or a
         conversation) the best ``params.beam_width`` sequences; at most ``concurrency_limit``
         prompts searched at once (None: all)."""
@@ -1013,7 +1018,7 @@ class LLM:
         limit = asyncio.Semaphore(concurrency_limit or max(len(prompts), 1))
 
         async def run_all() -> list[BeamSearchOutput]:
-            bar = Progress(len(prompts), "Beam search") if use_tqdm and len(prompts) > 1 else None
+            bar = Progress(len(prompts), "Beam search", use_tqdm) if use_tqdm and len(prompts) > 1 else None
 
             async def one(prompt: Prompt, lr: LoRARequest | None) -> BeamSearchOutput:
                 async with limit:
@@ -1028,9 +1033,9 @@ class LLM:
                     bar.close()
         return self._run(run_all())
 
-    def _batch(self, jobs: list[Any], use_tqdm: bool) -> list[GenerationResult]:
+    def _batch(self, jobs: list[Any], use_tqdm: bool | Callable[..., Any]) -> list[GenerationResult]:
         async def run_all() -> list[GenerationResult]:
-            bar = Progress(len(jobs), "Generating") if use_tqdm and len(jobs) > 1 else None
+            bar = Progress(len(jobs), "Generating", use_tqdm) if use_tqdm and len(jobs) > 1 else None
 
             async def one(make: Any) -> GenerationResult:
                 result = await make()

@@ -1,6 +1,7 @@
 """The offline API and the terminal chat, on the real default model."""
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -198,6 +199,19 @@ def test_progress_bar_shows_requests_and_tokens_per_second(llm, capfd):
     llm.generate(["a", "b", "c"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     err = capfd.readouterr().err
     assert "3/3" in err and "tok/s" in err
+
+
+
+def test_use_tqdm_may_be_the_callable_that_makes_the_bar(llm):
+    """vLLM's use_tqdm=functools.partial(tqdm, ...): the bar is made by it, and counts the requests."""
+    from tqdm import tqdm
+    made = []
+
+    def make(**kwargs):
+        made.append(tqdm(file=io.StringIO(), **kwargs))
+        return made[-1]
+    llm.generate(["a", "b", "c"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=make)
+    assert len(made) == 1 and made[0].total == 3 and made[0].n == 3
 
 
 def test_chat_repl_streams_a_reply_from_piped_input():
