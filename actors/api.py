@@ -372,12 +372,19 @@ class AsyncLLM:
         memory given back, the weights staying; ``wake_up(tags=["kv_cache"])`` restores it."""
         await self.client.release_kv_cache_memory()
 
-    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+    async def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
         """vLLM's: a worker method by name on every worker, their results in rank order. Troupe's
         workers answer ``reload_weights`` (kwargs ``weights_path``: a checkpoint of the same
-        architecture; none: the served one again), which reads the weights into the running model."""
+        architecture; none: the served one again), which reads the weights into the running model,
+        the weight transfer methods, and those of ``worker_extension_cls``. A function instead is
+        called in each worker with the worker and ``args`` (workers in other processes: with
+        VLLM_ALLOW_INSECURE_SERIALIZATION=1, as in vLLM)."""
         return await self.client.collective_rpc(method, timeout, args, kwargs)
+
+    async def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """vLLM's: ``func(model)`` in every worker, their results in rank order (see collective_rpc)."""
+        return await self.client.apply_model(func)
 
     # -- weight transfer (vLLM's RL API, with weight_transfer_config; actors/worker/weight_transfer.py)
     async def init_weight_transfer_engine(self, request: Any) -> None:
@@ -1112,11 +1119,15 @@ class LLM:
         """vLLM's ``LLM.release_kv_cache_memory``: see ``AsyncLLM.release_kv_cache_memory``."""
         self._run(self._engine().release_kv_cache_memory(), timeout=600)
 
-    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """vLLM's ``LLM.collective_rpc``: see ``AsyncLLM.collective_rpc``."""
         return self._run(self._engine().collective_rpc(method, timeout, args, kwargs),
                          timeout=(timeout or 600) + 30)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """vLLM's ``LLM.apply_model``: ``func(model)`` in every worker, their results in rank order."""
+        return self._run(self._engine().apply_model(func), timeout=630)
 
     def init_weight_transfer_engine(self, request: Any) -> None:
         """vLLM's: see ``AsyncLLM.init_weight_transfer_engine``."""

@@ -112,6 +112,7 @@ class EngineArgs:
     master_port: int = 29501
     max_restarts: int = 3
     restart_window_s: float = 120.0
+    worker_extension_cls: str = ""        # vLLM's: methods mixed into every worker (module.Class)
     trace: bool = True
     flight_recorder_dir: str = ""
     disable_log_stats: bool = False       # vLLM's: no periodic statistics lines (the offline LLM: none by default)
@@ -273,7 +274,8 @@ class EngineArgs:
                                     nnodes=self.nnodes, node_rank=self.node_rank,
                                     master_addr=self.master_addr, master_port=self.master_port,
                                     max_restarts=self.max_restarts,
-                                    restart_window_s=self.restart_window_s),
+                                    restart_window_s=self.restart_window_s,
+                                    worker_extension_cls=self.worker_extension_cls),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
             observability=ObservabilityConfig(trace=self.trace, flight_recorder_dir=self.flight_recorder_dir,
                                               log_stats=not self.disable_log_stats,
@@ -762,6 +764,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="split the model's decoder layers into N contiguous stages, a worker process each (times "
                  "--tensor-parallel-size), the hidden states sent from stage to stage (gloo on the CPU, NCCL "
                  "on GPUs) and N steps in flight so the stages overlap; exact weights only")),
+        (("--worker-extension-cls",), "worker_extension_cls", dict(
+            default=d["worker_extension_cls"], metavar="MODULE.CLASS",
+            help="vLLM's: a class whose methods every worker gains (it may not redefine one the worker has), "
+                 "called by name with collective_rpc (offline, or POST /collective_rpc with "
+                 "VLLM_SERVER_DEV_MODE=1); they see the worker as self (self.model, self.device, self.config)")),
         (("--distributed-executor-backend",), "distributed_executor_backend", dict(
             default=d["distributed_executor_backend"], choices=DISTRIBUTED_EXECUTOR_BACKENDS,
             help="where each engine core's worker processes run: 'mp' (default), processes it starts on this "

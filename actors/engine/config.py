@@ -223,6 +223,9 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     data_parallel_backend: str = "mp"
     max_restarts: int = 3                  # a worker or engine process dying more often than this ...
     restart_window_s: float = 120.0        # ... within this window stops the server
+    # --worker-extension-cls: a class (module.Name) whose methods every worker gains, called by
+    # name through collective_rpc (vLLM's, for RL frameworks' weight-sync methods)
+    worker_extension_cls: str = ""
     # --nnodes, --node-rank, --master-addr, --master-port: an engine core's ranks split evenly over
     # machines (mp backend, rank order); node rank 0 runs the server and engine core, which listens
     # at master_addr:master_port for the others, started there with --headless

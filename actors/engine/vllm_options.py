@@ -30,7 +30,7 @@ REFUSED: dict[str, str] = {
     "--num-redundant-experts": _PARALLEL, "--eplb-window-size": _PARALLEL,
     "--eplb-step-interval": _PARALLEL, "--eplb-log-balancedness": _PARALLEL,
     "--max-parallel-loading-workers": _PARALLEL, "--ray-workers-use-nsight": _PARALLEL,
-    "--disable-custom-all-reduce": _PARALLEL, "--worker-cls": _PARALLEL, "--worker-extension-cls": _PARALLEL,
+    "--disable-custom-all-reduce": _PARALLEL, "--worker-cls": _PARALLEL,
     "--enable-multimodal-encoder-data-parallel": _PARALLEL,
     "--disable-frontend-multiprocessing": "Troupe's engine always runs in a process of its own",
     # loading the model

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from actors.scheduler.actor import (PAUSE_MODES, SLEEP_TIMEOUT_S, AbortRequests,
                                     PauseStatus, ProfileEngine, RemoveLoRA, ResumeScheduler, SleepEngine,
                                     WakeEngine)
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
-from actors.worker.actor import WorkerRPC
+from actors.worker.actor import CALLABLE, WorkerRPC
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
 from actors.runtime.otel import request_trace_headers
 
@@ -408,12 +408,19 @@ class EngineClient:
         return self.sleep_level is not None or await self.is_paused()
 
     # -- vLLM's collective_rpc ---------------------------------------------------------------
-    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple | list = (),
-                             kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Worker ``method`` (by name: reload_weights) on every worker; their results in rank
-        order. ValueError for an unknown method or what it refuses; TimeoutError past ``timeout``."""
+    async def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                             args: tuple | list = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Worker ``method`` (by name: reload_weights, --worker-extension-cls's methods) on every
+        worker; their results in rank order. A function instead (vLLM's): called in each worker
+        with the worker and ``args``, pickled there and its result back (workers in other
+        processes: with VLLM_ALLOW_INSECURE_SERIALIZATION=1, as vLLM asks). ValueError for an
+        unknown method or what it refuses; TimeoutError past ``timeout``."""
+        if callable(method):
+            return await self._call_function(method, timeout, args, kwargs)
         if not isinstance(method, str):
             raise ValueError("collective_rpc takes a worker method's name (Troupe's workers answer reload_weights)")
+        if method == CALLABLE:
+            raise ValueError(f"{CALLABLE} is not a worker method")
         self._check_alive()
         try:
             return await self.engine.ask(WorkerRPC(method, list(args), dict(kwargs or {}), timeout),
@@ -423,7 +430,38 @@ class EngineClient:
                 raise ValueError(exc.message) from None
             if exc.error_type == "TimedOut":
                 raise TimeoutError(exc.message) from None
+            if exc.error_type == "CallFailed":
+                raise RuntimeError(exc.message) from None
             raise
+
+    async def _call_function(self, fn: Callable[..., Any], timeout: float | None, args: tuple | list,
+                             kwargs: dict[str, Any] | None) -> list[Any]:
+        import pickle
+
+        import cloudpickle
+        p = self.config.parallel
+        in_process = not p.multiprocess and p.world_size == 1 and p.data_parallel_size == 1
+        if not in_process and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "") not in ("1", "true", "True"):
+            raise ValueError("collective_rpc of a function pickles it to the worker processes: set "
+                             "VLLM_ALLOW_INSECURE_SERIALIZATION=1 to allow pickle-based serialization (vLLM's)")
+        self._check_alive()
+        payload = cloudpickle.dumps(fn)
+        try:
+            results = await self.engine.ask(WorkerRPC(CALLABLE, [payload, *args], dict(kwargs or {}), timeout),
+                                            timeout=(timeout or SLEEP_TIMEOUT_S) + 15)
+        except RemoteError as exc:
+            if exc.error_type == "Refused":
+                raise ValueError(exc.message) from None
+            if exc.error_type == "TimedOut":
+                raise TimeoutError(exc.message) from None
+            if exc.error_type == "CallFailed":
+                raise RuntimeError(exc.message) from None
+            raise
+        return [pickle.loads(r) for r in results]
+
+    async def apply_model(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """vLLM's: ``fn(model)`` in every worker, their results in rank order."""
+        return await self._call_function(_ApplyModel(fn), None, (), None)
 
     # -- weight transfer (vLLM's RL routes; actors/worker/weight_transfer.py) -------------------
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -607,3 +645,13 @@ class RequestHandle:
             self.client.abort([self.request_id])
             if self.output_log is not None:
                 self.output_log.write("abort")
+
+
+class _ApplyModel:
+    """apply_model's function, pickled to the workers: ``fn`` on the worker's model."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, worker: Any) -> Any:
+        return worker.apply_model(self.fn)

@@ -237,6 +237,8 @@ async def collective_rpc(server: OpenAIServer, request: web.Request) -> web.Resp
         raise bad_request(str(exc), "method") from None
     except TimeoutError as exc:
         raise ApiError(error_response(504, f"collective_rpc {method} timed out: {exc}")) from None
+    except RuntimeError as exc:                   # the method raised in a worker (it serves on)
+        raise ApiError(error_response(500, f"collective_rpc {method} failed: {exc}")) from None
     return _json({"results": [r if r is None or isinstance(r, (dict, list)) else str(r) for r in results]})
 
 

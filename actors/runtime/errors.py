@@ -50,6 +50,11 @@ class TimedOut(Refusal):
     """A request that an actor further on did not answer in time, passed back the same way."""
 
 
+class CallFailed(Refusal):
+    """Code the caller had run inside an actor (a function, a method of its extension) raised:
+    the caller's failure, passed back the same way, not the actor's (it serves on)."""
+
+
 def passed_on(exc: RemoteError) -> Exception:
     """What an actor that passed a request on raises for the error its asker got: a refusal
     (Refused) or a timeout (TimedOut) as its own refusal of the same kind and message (no
@@ -58,6 +63,8 @@ def passed_on(exc: RemoteError) -> Exception:
         return Refused(exc.message)
     if exc.error_type in ("TimedOut", "AskTimeout"):
         return TimedOut(exc.message)
+    if exc.error_type == "CallFailed":
+        return CallFailed(exc.message)
     return exc
 
 

@@ -22,7 +22,7 @@ from actors import topology
 from actors.engine.config import EngineConfig
 from actors.engine.messages import ModelRunnerOutput, SchedulerOutput
 from actors.runtime import Actor, Msg, Node
-from actors.runtime.errors import Refused
+from actors.runtime.errors import CallFailed, Refused
 from actors.runtime.tracing import SpanRecord, Tracer
 
 if TYPE_CHECKING:
@@ -77,6 +77,9 @@ class ProfileWorker(Msg):
     prefix: str | None = None
     delay_iterations: int | None = None
     max_iterations: int | None = None
+
+
+CALLABLE = "__callable__"        # WorkerRPC's method for a function (vLLM's collective_rpc of a callable)
 
 
 class WorkerRPC(Msg):
@@ -183,6 +186,9 @@ class WorkerActor(Actor):
                     return await self._on_core_thread(self._loaded().rpc, method, args, kwargs)
                 except (ValueError, TypeError) as exc:      # an unknown method or argument: the caller's
                     raise Refused(str(exc)) from None
+                except Exception as exc:    # noqa: BLE001 -- the method's failure goes back to its caller
+                    log.warning("collective_rpc %s failed", method, exc_info=True)
+                    raise CallFailed(f"{type(exc).__name__}: {exc}") from None
             case ProfileWorker(start=start, prefix=prefix, delay_iterations=delay, max_iterations=limit):
                 if start and self._loaded().config.profiler.profiler == "torch":
                     from actors.worker.profiler import warm_up

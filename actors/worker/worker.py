@@ -9,6 +9,7 @@ CUDA; ``execute_model`` runs one step. Pure: no asyncio, no transport."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from actors.engine.config import GGUF_FLOAT_WEIGHTS_ENV, EngineConfig, exact_fro
 from actors.engine.profiler import check_prefix
 from actors.engine.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from actors.engine.sampling_params import SamplingParams
+from actors.worker.actor import CALLABLE
 from actors.worker.compilation import apply_compilation, packs_linears
 from actors.runtime import heap
 from actors.worker.cuda_graphs import graph_sizes
@@ -112,6 +114,28 @@ class Worker:
         self.profiler: StepProfiler | None = None      # --profiler-config: from the first /start_profile
         if not self.config.kv_cache_sized:             # CUDA, sized by --gpu-memory-utilization
             self.config = self.config.with_kv_cache_bytes(self._gpu_kv_cache_bytes())
+        self.extension_methods: tuple[str, ...] = ()   # --worker-extension-cls's
+        if self.config.parallel.worker_extension_cls:
+            self._extend(self.config.parallel.worker_extension_cls)
+
+    def _extend(self, qualified: str) -> None:
+        """vLLM's --worker-extension-cls: this worker gains the class's methods (a class of its
+        own, the extension after Worker); one that redefines a worker attribute is refused."""
+        module_name, _, name = qualified.rpartition(".")
+        try:
+            extension = getattr(importlib.import_module(module_name), name) if module_name else None
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"--worker-extension-cls {qualified}: {exc}") from None
+        if not isinstance(extension, type):
+            raise ValueError(f"--worker-extension-cls {qualified}: not a class (give module.ClassName)")
+        mine = set(dir(self))
+        added = tuple(n for n in vars(extension) if not n.startswith("__"))
+        clash = sorted(n for n in added if n in mine)
+        if clash:
+            raise ValueError(f"--worker-extension-cls {qualified}: the worker already has {', '.join(clash)}")
+        self.__class__ = type(f"Worker+{extension.__name__}", (type(self), extension), {})
+        self.extension_methods = tuple(n for n in added if not n.startswith("_") and callable(getattr(self, n)))
+        log.info("worker extended with %s: %s", qualified, ", ".join(self.extension_methods) or "no methods")
 
     def _load_models(self, ckpt: Checkpoint, draft_ckpt: Checkpoint | None) -> None:
         """The model (with its LoRA slots) and speculative decoding's draft model, from their
@@ -379,11 +403,27 @@ class Worker:
 
     # -- vLLM's collective_rpc: worker methods called by name -------------------------------------
     def rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
-        """``method`` (one of RPC_METHODS) with ``args`` and ``kwargs``; ValueError for another."""
-        if method not in RPC_METHODS:
+        """``method`` (one of RPC_METHODS, or of --worker-extension-cls) with ``args`` and
+        ``kwargs``; ValueError for another. CALLABLE: ``args[0]`` is a pickled function, called
+        with this worker and the other arguments; its result comes back pickled."""
+        if method == CALLABLE:
+            import pickle
+            if not (args and isinstance(args[0], bytes)):
+                raise ValueError("a function comes pickled (collective_rpc of a callable)")
+            fn = pickle.loads(args[0])
+            return pickle.dumps(fn(self, *args[1:], **kwargs))
+        if method not in RPC_METHODS and method not in self.extension_methods:
             raise ValueError(f"unknown worker method {method!r}: Troupe's workers answer "
-                             f"{', '.join(RPC_METHODS)}")
+                             f"{', '.join(RPC_METHODS + self.extension_methods)}")
         return getattr(self, method)(*args, **kwargs)
+
+    def get_model(self) -> torch.nn.Module:
+        """vLLM's: the model this worker runs (its tensor-parallel share, its stage's layers)."""
+        return self._weights_model()
+
+    def apply_model(self, fn: Any) -> Any:
+        """vLLM's: ``fn`` applied to this worker's model."""
+        return fn(self.get_model())
 
     def reload_weights(self, weights_path: str | None = None, is_checkpoint_format: bool | str = True) -> None:
         """vLLM's: the weights read again from the checkpoint, or from ``weights_path`` (a
