@@ -3,6 +3,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import sys
 import types
 
 
@@ -304,6 +305,12 @@ def _rank_main(rank: int, fn, world: int, init: str, out: str, args: tuple) -> N
     except BaseException:
         traceback.print_exc()
         raise
+    # The result is saved: leave without the interpreter's teardown, where a native thread still
+    # joinable (gloo's, OpenMP's) now and then aborts the process ("terminate called without an
+    # active exception") after all the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, tmp_path, *args) -> list:
