@@ -30,7 +30,10 @@ from actors.frontend.fanout import close_all, merged_outputs, submit_choices
 from actors.frontend.client import EngineDeadError
 from actors.frontend.launch import SHUT_DOWN, Frontend, start_frontend
 from actors.frontend.logprobs import TokenText, ranked_positions
+from actors import topology
 from actors.frontend.metrics_reader import Metric, metrics_snapshot
+from actors.frontend.misc import kv_event_sources_of
+from actors.frontend.stat_logger import LogStats
 from actors.frontend.protocol import MAX_N
 from actors.frontend.streams import RequestOutput
 from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER
@@ -335,6 +338,51 @@ class AsyncLLM:
 
     async def get_tokenizer(self) -> Any:
         return _text_tokenizer(self.client.tokenizer)
+
+    @property
+    def tokenizer(self) -> Any:
+        """vLLM's: the tokenizer (None with skip_tokenizer_init)."""
+        tok = self.client.tokenizer
+        return None if tok is NO_TOKENIZER else _text_tokenizer(tok)
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: what the engine serves (text generation only)."""
+        return ("generate",)
+
+    async def is_tracing_enabled(self) -> bool:
+        """vLLM's: whether requests' spans go to an OpenTelemetry endpoint (otlp_traces_endpoint)."""
+        return self.client.config.observability.otlp_traces_endpoint is not None
+
+    async def do_log_stats(self) -> None:
+        """vLLM's: log the engine's statistics lines now (with log_stats; the periodic ones go on)."""
+        if self.client.config.observability.log_stats:
+            await self._fe.node.ref(topology.STAT_LOGGER).ask(LogStats(), timeout=60)
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's: requests admitted and not finished (each of a request's n choices counts)."""
+        return self.client.num_open
+
+    async def wait_for_requests_to_drain(self, drain_timeout: float = 300) -> None:
+        """vLLM's: return once no request is unfinished; TimeoutError after ``drain_timeout`` s."""
+        deadline = time.monotonic() + drain_timeout
+        while self.client.num_open:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Timeout reached after {drain_timeout} seconds waiting for requests to drain.")
+            await asyncio.sleep(0.05)
+
+    def get_kv_event_sources(self) -> dict[int, dict[str, Any]]:
+        """vLLM's: per data-parallel rank, where its KV events are published (with kv_events_config)."""
+        return kv_event_sources_of(self.client.config)
+
+    async def compute_weight_checksums(self) -> list[dict[str, str]]:
+        """vLLM's: per worker, the SHA-256 of each tensor its model holds (see /weight_checker)."""
+        return await self.client.compute_weight_checksums()
+
+    async def reset_mm_cache(self) -> None:
+        """vLLM's: the models served here take text only; there is no multi-modal cache to clear."""
+
+    async def reset_encoder_cache(self) -> None:
+        """vLLM's: no encoder cache for text-only models."""
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; True once every engine has."""

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
 
+from actors.engine.config import EngineConfig
 from actors.frontend.errors import error_response, json_encoder, not_found
 from actors.kv_manager.kv_events import offset_endpoint
 from actors.frontend.params import chat_messages, check_chat_flags
@@ -173,13 +174,18 @@ async def tokenize(server: OpenAIServer, request: web.Request) -> web.Response:
 async def kv_event_sources(server: OpenAIServer, request: web.Request) -> web.Response:
     """vLLM's: where each engine core (by data-parallel rank) publishes its KV events, with the
     rest of its --kv-events-config; {} when they are off."""
-    config = server.engine().config
+    return _json({str(rank): source for rank, source in kv_event_sources_of(server.engine().config).items()})
+
+
+def kv_event_sources_of(config: EngineConfig) -> dict[int, dict[str, Any]]:
+    """Per data-parallel rank, where its engine core publishes KV events and the rest of
+    --kv-events-config ({} when they are off)."""
     events = config.kv_events
     if events is None or not events.active:
-        return _json({})
-    return _json({str(rank): {**msgspec.structs.asdict(events), "endpoint": offset_endpoint(events.endpoint, rank),
-                              "replay_endpoint": offset_endpoint(events.replay_endpoint, rank)}
-                  for rank in config.parallel.served_ranks})
+        return {}
+    return {rank: {**msgspec.structs.asdict(events), "endpoint": offset_endpoint(events.endpoint, rank),
+                   "replay_endpoint": offset_endpoint(events.replay_endpoint, rank)}
+            for rank in config.parallel.served_ranks}
 
 
 async def tokenizer_info(server: OpenAIServer, request: web.Request) -> web.Response:

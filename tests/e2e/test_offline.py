@@ -466,11 +466,15 @@ def test_an_async_llm_used_from_another_event_loop_fails_at_once_saying_why():
     assert not [pid for pid in children if alive(pid)]
 
 
-def test_async_llm_aborts_by_request_id_and_reports_its_health_as_vllms_does():
+def test_async_llm_aborts_by_request_id_and_reports_its_health_as_vllms_does(caplog):
     """vLLM's AsyncLLM calls: ``abort(request_id)`` ends that stream with finish reason "abort"
     (the other request runs to its end), ``check_health()`` passes while serving, and after
-    ``shutdown()`` ``errored`` is true and ``check_health()`` raises EngineDeadError."""
+    ``shutdown()`` ``errored`` is true and ``check_health()`` raises EngineDeadError; and its
+    queries: unfinished requests counted and drained, supported tasks, tracing, KV event
+    sources, the tokenizer, weight checksums, statistics logged on demand."""
     import asyncio
+    import logging
+    caplog.set_level(logging.INFO, logger="troupe.stats")
 
     from actors.frontend.client import EngineDeadError
 
@@ -481,13 +485,24 @@ def test_async_llm_aborts_by_request_id_and_reports_its_health_as_vllms_does():
             running = (llm.is_running, llm.errored)
             long = SamplingParams(max_tokens=200, ignore_eos=True)
 
+            unfinished = []
+
             async def last(request_id: str, params: SamplingParams):
                 async for out in llm.generate("Tell me a story", params, request_id=request_id):
+                    unfinished.append(llm.get_num_unfinished_requests())
                     if request_id == "doomed" and len(out.outputs[0].token_ids) >= 2:
                         await llm.abort("doomed")
                 return out.outputs[0].finish_reason, len(out.outputs[0].token_ids)
             doomed, kept = await asyncio.wait_for(asyncio.gather(
                 last("doomed", long), last("kept", SamplingParams(max_tokens=12, ignore_eos=True))), 120)
+            await llm.wait_for_requests_to_drain(10)
+            assert max(unfinished) == 2 and llm.get_num_unfinished_requests() == 0
+            assert await llm.get_supported_tasks() == ("generate",) and not await llm.is_tracing_enabled()
+            assert llm.get_kv_event_sources() == {}
+            assert llm.tokenizer.decode(llm.tokenizer.encode("Paris", add_special_tokens=False)) == "Paris"
+            (checksums,) = await llm.compute_weight_checksums()
+            assert all(k.startswith("dp0:pp0:pcp0:tp0:") and len(v) == 64 for k, v in checksums.items())
+            await llm.do_log_stats()
         finally:
             await llm.shutdown()
         with pytest.raises(EngineDeadError, match="shut down"):
@@ -499,6 +514,7 @@ def test_async_llm_aborts_by_request_id_and_reports_its_health_as_vllms_does():
     assert doomed[0] == "abort" and 2 <= doomed[1] < 200
     assert kept == ("length", 12)
     assert errored
+    assert any("Avg generation throughput" in r.getMessage() for r in caplog.records)
 
 
 def test_enqueue_and_wait_for_completion_run_by_priority_as_vllms_llm_does():
