@@ -241,3 +241,44 @@ def test_a_draft_round_goes_into_the_speculative_draft_model_and_the_target_answ
         again, drafted, accepted = run()
         assert again == tokens and drafted > 0 and accepted == drafted
         trainer.shutdown()
+
+
+DYING_TRAINER = """
+import os, sys, threading, time
+import torch
+from actors.worker.weight_transfer import HTTPWeightSyncClient, open_group, update_info_of
+url, port = sys.argv[1], int(sys.argv[2])
+client = HTTPWeightSyncClient(url, timeout=60)
+init = threading.Thread(target=client.init_weight_transfer_engine, daemon=True, args=(
+    {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3, "packed": True},))
+init.start()
+group = open_group("gloo", "127.0.0.1", port, 0, 3, 60, torch.device("cpu"))
+init.join()
+client.start_weight_update()
+threading.Thread(target=client.update_weights, daemon=True,
+                 args=(update_info_of([("model.norm.weight", torch.float32, (64,))]),)).start()
+time.sleep(1.0)                       # the workers wait in the broadcast
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_trainer_killed_mid_round_fails_the_round_and_the_next_trainer_is_served(checkpoints, server):
+    """The workers' broadcast ends when the trainer's connections close (not at the timeout):
+    the round is dropped, the server serves on with its weights, and a new trainer's round lands."""
+    import subprocess
+    import sys
+    _, _, weights_a, weights_b = checkpoints
+    url = server.url
+    before = _complete(url)
+    dying = subprocess.run([sys.executable, "-c", DYING_TRAINER, url, str(free_port())], capture_output=True,
+                           text=True, timeout=120, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    assert dying.returncode == -9, dying.stderr
+    assert _complete(url) == before
+    assert "the trainer's broadcast failed" in server.log_when(lambda log: "the trainer's broadcast failed" in log)
+    trainer = TrainerWeightTransferEngine.trainer_init(_init_info(3), client=HTTPWeightSyncClient(url, timeout=60),
+                                                       source=weights_b)
+    trainer.send_weights(weight_version="after-a-death")
+    assert _complete(url) != before
+    trainer.send_weights(weights_a)
+    assert _complete(url) == before
+    trainer.shutdown()
