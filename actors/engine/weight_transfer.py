@@ -12,6 +12,7 @@ from actors.engine.json_flags import checked_fields, convert, parse_object
 
 # gloo: any device (a CUDA worker receives on the host, then copies); nccl: CUDA workers only
 BACKENDS = ("gloo", "nccl")
+MAX_TIMEOUT_S = 540.0
 NOT_CONFIGURED = ("Weight transfer not configured. Please set weight_transfer_config to enable weight "
                   "transfer (--weight-transfer-config '{\"backend\": \"gloo\"}').")   # vLLM's words, then ours
 
@@ -24,8 +25,9 @@ class WeightTransferConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.backend not in BACKENDS:
             raise ValueError(f"weight transfer backend {self.backend!r} is not one Troupe has; "
                              f"choose {' or '.join(BACKENDS)}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"weight transfer timeout_s must be positive, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"weight transfer timeout_s must be positive and at most {MAX_TIMEOUT_S:g} (the engine's "
+                             f"calls to its workers wait 600 s), got {self.timeout_s}")
 
 
 def weight_transfer_config(value: Mapping[str, Any] | str | WeightTransferConfig | None) -> WeightTransferConfig | None:

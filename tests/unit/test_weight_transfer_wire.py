@@ -64,6 +64,7 @@ def test_weight_transfer_config_takes_vllms_json_and_refuses_what_troupe_lacks()
     for bad, message in [('{"backend": "ipc"}', "'ipc' is not one Troupe has; choose gloo or nccl"),
                          ('{"backend": "gloo", "packed": true}', "unsupported weight transfer config field"),
                          ('{"timeout_s": 0}', "timeout_s must be positive"),
+                         ('{"timeout_s": 900}', "at most 540"),
                          ("gloo", "not valid JSON")]:
         with pytest.raises(ValueError, match=message):
             EngineArgs(weight_transfer_config=bad).create_engine_config()
