@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import MutableSequence
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence, Sized, Union
 
@@ -40,7 +41,7 @@ from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER
 from actors.tokenizer.prompt_embeds import embeds_array
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RepetitionDetectionParams", "GenerationResult",
-           "WeightVersionSpan",
+           "WeightVersionSpan", "FlatLogprobs",
            "CompletionOutput", "Logprob", "LoRARequest"]
 
 
@@ -50,6 +51,79 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+class FlatLogprobs(MutableSequence):
+    """vLLM's (``SamplingParams(flat_logprobs=True)``): per-position log-probs as a few flat lists
+    (position i's entries are ``start_indices[i]:end_indices[i]`` of ``token_ids``, ``logprobs``,
+    ``ranks``, ``decoded_tokens``), read like ``list[dict[int, Logprob]]``: ``flat[i]`` builds
+    position i's dict, slices are FlatLogprobs, iteration yields each position's."""
+
+    def __init__(self, start_indices: list[int] | None = None, end_indices: list[int] | None = None,
+                 token_ids: list[int] | None = None, logprobs: list[float] | None = None,
+                 ranks: list[int | None] | None = None, decoded_tokens: list[str | None] | None = None) -> None:
+        self.start_indices, self.end_indices = start_indices or [], end_indices or []
+        self.token_ids, self.logprobs = token_ids or [], logprobs or []
+        self.ranks, self.decoded_tokens = ranks or [], decoded_tokens or []
+
+    def append(self, position: dict[int, Logprob] | None) -> None:
+        self.start_indices.append(len(self.logprobs))
+        for token_id, lp in (position or {}).items():
+            self.append_entry(token_id, lp.logprob, lp.rank, lp.decoded_token)
+        self.end_indices.append(len(self.logprobs))
+
+    def append_entry(self, token_id: int, logprob: float, rank: int | None, decoded: str | None) -> None:
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self.ranks.append(rank)
+        self.decoded_tokens.append(decoded)
+
+    def extend(self, positions: Iterable[dict[int, Logprob] | None]) -> None:
+        if isinstance(positions, FlatLogprobs):
+            shift = len(self.logprobs) - (positions.start_indices[0] if positions.start_indices else 0)
+            self.start_indices += [i + shift for i in positions.start_indices]
+            self.end_indices += [i + shift for i in positions.end_indices]
+            lo, hi = (positions.start_indices[0], positions.end_indices[-1]) if positions.start_indices else (0, 0)
+            self.token_ids += positions.token_ids[lo:hi]
+            self.logprobs += positions.logprobs[lo:hi]
+            self.ranks += positions.ranks[lo:hi]
+            self.decoded_tokens += positions.decoded_tokens[lo:hi]
+            return
+        for position in positions:
+            self.append(position)
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            out = FlatLogprobs()
+            out.extend(FlatLogprobs(self.start_indices[index], self.end_indices[index], self.token_ids,
+                                    self.logprobs, self.ranks, self.decoded_tokens))
+            return out
+        if not isinstance(index, int):
+            raise TypeError(f"Invalid index type: {type(index)}")
+        return {self.token_ids[i]: Logprob(self.logprobs[i], self.ranks[i], self.decoded_tokens[i])
+                for i in range(self.start_indices[index], self.end_indices[index])}
+
+    def __iter__(self) -> Iterator[dict[int, Logprob]]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise TypeError("Cannot set logprobs in FlatLogprobs")
+
+    def __delitem__(self, index: Any) -> None:
+        raise TypeError("Cannot delete logprobs from FlatLogprobs")
+
+    def insert(self, index: int, value: Any) -> None:
+        raise TypeError("Cannot insert logprobs to FlatLogprobs")
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (FlatLogprobs, list)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"FlatLogprobs({len(self)} positions, {len(self.logprobs)} entries)"
 
 
 @dataclass(slots=True)
@@ -543,7 +617,8 @@ class AsyncLLM:
         text_of = self._token_text
         outputs = []
         for i, out in enumerate(done):
-            lps = _vllm_logprobs(out.logprobs, text_of) if params.logprobs is not None and out.logprobs else None
+            lps = (_vllm_logprobs(out.logprobs, text_of, params.flat_logprobs)
+                   if params.logprobs is not None and out.logprobs else None)
             cumulative = sum(position[0] for position in out.logprobs.logprobs) if lps is not None else None
             outputs.append(CompletionOutput(i, out.text, out.token_ids, cumulative, lps, out.finish_reason,
                                             out.stop_reason, (out.metrics or {}).get("speculative_decoding"),
@@ -553,7 +628,7 @@ class AsyncLLM:
         first = done[0]
         prompt_lps = None
         if params.prompt_logprobs is not None and first.prompt_logprobs is not None:
-            prompt_lps = [None] * first_row + _vllm_logprobs(first.prompt_logprobs, text_of)
+            prompt_lps = _vllm_logprobs(first.prompt_logprobs, text_of, params.flat_logprobs, bool(first_row))
         return GenerationResult(request_id, prompt, prompt_token_ids, outputs,
                                 error=next((o.error for o in done if o.error), None),
                                 num_cached_tokens=first.num_cached_tokens, prompt_logprobs=prompt_lps,
@@ -699,7 +774,7 @@ def _extended(total: GenerationResult, new: GenerationResult) -> GenerationResul
     acc.token_ids.extend(add.token_ids)
     if add.logprobs is not None:
         if acc.logprobs is None:
-            acc.logprobs = []
+            acc.logprobs = FlatLogprobs() if isinstance(add.logprobs, FlatLogprobs) else []
         acc.logprobs.extend(add.logprobs)
         acc.cumulative_logprob = (acc.cumulative_logprob or 0.0) + (add.cumulative_logprob or 0.0)
     if add.sampling_mask is not None:
@@ -710,7 +785,12 @@ def _extended(total: GenerationResult, new: GenerationResult) -> GenerationResul
     acc.spec_decode_metrics = add.spec_decode_metrics or acc.spec_decode_metrics
     acc.weight_versions = add.weight_versions or acc.weight_versions
     if new.prompt_logprobs:
-        total.prompt_logprobs = (total.prompt_logprobs or []) + new.prompt_logprobs
+        if total.prompt_logprobs is None and isinstance(new.prompt_logprobs, FlatLogprobs):
+            total.prompt_logprobs = FlatLogprobs()
+        if isinstance(total.prompt_logprobs, FlatLogprobs):
+            total.prompt_logprobs.extend(new.prompt_logprobs)
+        else:
+            total.prompt_logprobs = (total.prompt_logprobs or []) + new.prompt_logprobs
     if new.prompt_token_id_logprobs is not None:
         total.prompt_token_id_logprobs = (new.prompt_token_id_logprobs if total.prompt_token_id_logprobs is None
                                           else np.concatenate([total.prompt_token_id_logprobs,
@@ -847,11 +927,23 @@ def _snapshot(totals: list[GenerationResult | None], finished: bool) -> Generati
                                error=next((t.error for t in totals if t is not None and t.error), None))
 
 
-def _vllm_logprobs(lp: Logprobs, text_of: TokenText) -> list[dict[int, Logprob]]:
+def _vllm_logprobs(lp: Logprobs, text_of: TokenText, flat: bool = False,
+                   first: bool = False) -> list[dict[int, Logprob] | None] | FlatLogprobs:
     """Positions of ``lp`` (the chosen token first, then the top alternatives) as vLLM's
-    ``{token_id: Logprob}`` per position: the chosen token with its rank, alternative i with rank i."""
-    return [{tok: Logprob(value, rank, text_of(tok)[0]) for tok, (value, rank) in entry.items()}
-            for entry in ranked_positions(lp)]
+    ``{token_id: Logprob}`` per position: the chosen token with its rank, alternative i with rank i;
+    ``flat``: as FlatLogprobs. ``first``: a None position first (the prompt's first token)."""
+    if not flat:
+        return [None] * first + [{tok: Logprob(value, rank, text_of(tok)[0]) for tok, (value, rank) in entry.items()}
+                                 for entry in ranked_positions(lp)]
+    out = FlatLogprobs()
+    if first:
+        out.append(None)
+    for entry in ranked_positions(lp):
+        out.start_indices.append(len(out.logprobs))
+        for tok, (value, rank) in entry.items():
+            out.append_entry(tok, value, rank, text_of(tok)[0])
+        out.end_indices.append(len(out.logprobs))
+    return out
 
 
 CLOSED = "this LLM is closed: create another to generate"

@@ -140,6 +140,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # vLLM's: what each of AsyncLLM.generate's outputs holds (the offline API's alone reads it)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     detokenize: bool = True              # vLLM's: False, the output is its token ids (text empty)
+    # vLLM's: the offline result's logprobs and prompt_logprobs as FlatLogprobs (a few flat lists,
+    # not an object per token); the server's JSON is the same either way
+    flat_logprobs: bool = False
     skip_reading_prefix_cache: bool | None = None   # vLLM's: True, no prompt block read from the cache
     # vLLM's: an offline stream's output holds at least this many new tokens (None: each step's)
     stream_interval: int | None = None

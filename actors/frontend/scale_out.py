@@ -57,7 +57,7 @@ MAX_CHOICES = 128
 _INERT = {"output_kind", "skip_clone", "output_text_buffer_length", "spaces_between_special_tokens",
           "routed_experts_prompt_start"}
 # vLLM SamplingParams fields Troupe does not implement: refused when set to something
-_UNSUPPORTED = {"trace_decode_token_ids", "flat_logprobs"}
+_UNSUPPORTED = {"trace_decode_token_ids"}
 _OURS = set(SamplingParams.__struct_fields__) - {"bad_words_token_ids", "truncate_prompt_tokens"}
 
 

@@ -202,6 +202,23 @@ def test_progress_bar_shows_requests_and_tokens_per_second(llm, capfd):
 
 
 
+def test_flat_logprobs_hold_the_log_probs_of_the_plain_lists(llm):
+    """vLLM's SamplingParams(flat_logprobs=True): the result's logprobs and prompt_logprobs are
+    FlatLogprobs (flat lists), read position by position as the plain lists read."""
+    from actors.api import FlatLogprobs
+    fields = dict(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    plain = llm.generate(["The sky is"], SamplingParams(**fields), use_tqdm=False)[0]
+    flat = llm.generate(["The sky is"], SamplingParams(**fields, flat_logprobs=True), use_tqdm=False)[0]
+    lps, prompt = flat.outputs[0].logprobs, flat.prompt_logprobs
+    assert isinstance(lps, FlatLogprobs) and isinstance(prompt, FlatLogprobs)
+    assert len(lps) == 6 and list(lps) == plain.outputs[0].logprobs and lps == plain.outputs[0].logprobs
+    assert len(prompt) == len(plain.prompt_logprobs) and prompt[0] == {} and plain.prompt_logprobs[0] is None
+    assert list(prompt)[1:] == plain.prompt_logprobs[1:]
+    assert lps[2:4] == plain.outputs[0].logprobs[2:4] and isinstance(lps[2:4], FlatLogprobs)
+    assert len(lps.logprobs) == lps.end_indices[-1] <= 6 * 4        # the sampled token and up to 3 more each
+    with pytest.raises(TypeError):
+        lps[0] = {}
+
 def test_use_tqdm_may_be_the_callable_that_makes_the_bar(llm):
     """vLLM's use_tqdm=functools.partial(tqdm, ...): the bar is made by it, and counts the requests."""
     from tqdm import tqdm
@@ -689,4 +706,5 @@ def test_a_closed_llm_frees_the_engines_memory_while_still_referenced(llm):
     with pytest.raises(RuntimeError, match="this LLM is closed"):
         llm.generate("The capital of France is")
     llm.close()                        # a second close does nothing
+
 

@@ -40,7 +40,6 @@ def test_a_render_round_trips_through_generate():
     ({"bad_words_token_ids": [[1]]}, "sampling_params.bad_words_token_ids"),     # ours, not vLLM's
     ({"prompt_logprob_token_ids": [1]}, "sampling_params"),        # rows of ids, not ids
     ({"trace_decode_token_ids": [1]}, "sampling_params.trace_decode_token_ids"),   # vLLM's, not served here
-    ({"flat_logprobs": True}, "sampling_params.flat_logprobs"),
     ({"n": 0}, "sampling_params.n"),
     ({"stream_interval": 0}, "sampling_params.stream_interval"),
     ({"temperature": "hot"}, "sampling_params"),

@@ -602,13 +602,12 @@ def test_every_request_field_of_vllm_0_32_is_a_field_here():
                       ("responses", ResponsesRequest)):
         assert not set(vllm[name]) - set(cls.__struct_fields__), name
     # the offline SamplingParams: vLLM's public fields but an internal one and those refused by
-    # name (a TypeError naming it): flat logprob containers, decode tracing, MoE routing capture
+    # name (a TypeError naming it): decode tracing, MoE routing capture
     from actors.engine.sampling_params import SamplingParams
     missing = set(vllm["sampling_params"]) - set(SamplingParams.__struct_fields__)
-    assert missing == {"output_text_buffer_length", "flat_logprobs", "trace_decode_token_ids",
-                       "routed_experts_prompt_start"}
-    with pytest.raises(TypeError, match="flat_logprobs"):
-        SamplingParams(flat_logprobs=True)
+    assert missing == {"output_text_buffer_length", "trace_decode_token_ids", "routed_experts_prompt_start"}
+    with pytest.raises(TypeError, match="trace_decode_token_ids"):
+        SamplingParams(trace_decode_token_ids=[1])
 
 
 def test_tokenizer_names_a_tokenizer_directory_a_gguf_file_or_a_known_model(tmp_path):
