@@ -112,6 +112,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     estimated_write_bytes: int = 0
 
 
+CALLABLE = "__callable__"        # WorkerRPC's method for a function (vLLM's collective_rpc of a callable)
+
+
 class EngineCoreOutputs(Msg):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None

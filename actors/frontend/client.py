@@ -30,7 +30,8 @@ from actors.scheduler.actor import (PAUSE_MODES, SLEEP_TIMEOUT_S, AbortRequests,
                                     PauseStatus, ProfileEngine, RemoveLoRA, ResumeScheduler, SleepEngine,
                                     WakeEngine)
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
-from actors.worker.actor import CALLABLE, WorkerRPC
+from actors.engine.messages import CALLABLE
+from actors.worker.actor import WorkerRPC
 from actors.tokenizer.gguf_tokenizer import TextTokenizer
 from actors.runtime.otel import request_trace_headers
 

@@ -79,9 +79,6 @@ class ProfileWorker(Msg):
     max_iterations: int | None = None
 
 
-CALLABLE = "__callable__"        # WorkerRPC's method for a function (vLLM's collective_rpc of a callable)
-
-
 class WorkerRPC(Msg):
     """vLLM's collective_rpc: a worker method by name (Worker.rpc; ``reload_weights``) with
     JSON-like arguments. A worker's reply: the method's result; the executor's and the engine's:

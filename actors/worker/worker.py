@@ -21,9 +21,8 @@ import torch
 from actors.engine import vllm_env
 from actors.engine.config import GGUF_FLOAT_WEIGHTS_ENV, EngineConfig, exact_from_gguf_blocks
 from actors.engine.profiler import check_prefix
-from actors.engine.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from actors.engine.messages import CALLABLE, CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from actors.engine.sampling_params import SamplingParams
-from actors.worker.actor import CALLABLE
 from actors.worker.compilation import apply_compilation, packs_linears
 from actors.runtime import heap
 from actors.worker.cuda_graphs import graph_sizes
