@@ -422,10 +422,14 @@ class EngineClient:
             raise ValueError("collective_rpc takes a worker method's name (Troupe's workers answer reload_weights)")
         if method == CALLABLE:
             raise ValueError(f"{CALLABLE} is not a worker method")
+        return await self._ask_workers(WorkerRPC(method, list(args), dict(kwargs or {}), timeout))
+
+    async def _ask_workers(self, rpc: WorkerRPC) -> list[Any]:
+        """Every worker's answer to ``rpc``: a refusal as ValueError, a timeout as TimeoutError,
+        the method's own failure as RuntimeError."""
         self._check_alive()
         try:
-            return await self.engine.ask(WorkerRPC(method, list(args), dict(kwargs or {}), timeout),
-                                         timeout=(timeout or SLEEP_TIMEOUT_S) + 15)
+            return await self.engine.ask(rpc, timeout=(rpc.timeout or SLEEP_TIMEOUT_S) + 15)
         except RemoteError as exc:
             if exc.error_type == "Refused":
                 raise ValueError(exc.message) from None
@@ -445,19 +449,8 @@ class EngineClient:
         if not in_process and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "") not in ("1", "true", "True"):
             raise ValueError("collective_rpc of a function pickles it to the worker processes: set "
                              "VLLM_ALLOW_INSECURE_SERIALIZATION=1 to allow pickle-based serialization (vLLM's)")
-        self._check_alive()
-        payload = cloudpickle.dumps(fn)
-        try:
-            results = await self.engine.ask(WorkerRPC(CALLABLE, [payload, *args], dict(kwargs or {}), timeout),
-                                            timeout=(timeout or SLEEP_TIMEOUT_S) + 15)
-        except RemoteError as exc:
-            if exc.error_type == "Refused":
-                raise ValueError(exc.message) from None
-            if exc.error_type == "TimedOut":
-                raise TimeoutError(exc.message) from None
-            if exc.error_type == "CallFailed":
-                raise RuntimeError(exc.message) from None
-            raise
+        results = await self._ask_workers(WorkerRPC(CALLABLE, [cloudpickle.dumps(fn), *args], dict(kwargs or {}),
+                                                     timeout))
         return [pickle.loads(r) for r in results]
 
     async def apply_model(self, fn: Callable[[Any], Any]) -> list[Any]:
