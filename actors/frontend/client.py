@@ -28,7 +28,7 @@ from actors.runtime import ActorRef, RemoteError
 from actors.engine.profiler import check_bounds, check_prefix
 from actors.scheduler.actor import (PAUSE_MODES, SLEEP_TIMEOUT_S, AbortRequests, GetPauseStatus, PauseScheduler,
                                     PauseStatus, ProfileEngine, RemoveLoRA, ResumeScheduler, SleepEngine,
-                                    WakeEngine)
+                                    WakeEngine, WeightVersion)
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
 from actors.engine.messages import CALLABLE
 from actors.worker.actor import WorkerRPC
@@ -487,10 +487,12 @@ class EngineClient:
     async def update_weight_version(self, new_version: str) -> None:
         if not isinstance(new_version, str):
             raise ValueError(f"a weight version is a string, got {type(new_version).__name__}")
-        await self.collective_rpc("set_weight_version", args=[new_version])
+        self._check_alive()
+        await self.engine.ask(WeightVersion(new_version), timeout=30)
 
     async def get_weight_version(self) -> str:
-        return (await self.collective_rpc("get_weight_version"))[0]
+        self._check_alive()
+        return await self.engine.ask(WeightVersion(), timeout=30)
 
     async def compute_weight_checksums(self) -> list[dict[str, str]]:
         """Every worker's SHA-256 of each tensor of its model (vLLM's /weight_checker)."""

@@ -28,7 +28,7 @@ from actors.runtime import Actor, ActorRef, Msg, RemoteError
 from actors.runtime.errors import passed_on
 from actors.scheduler.actor import (SLEEP_TIMEOUT_S, AbortRequests, AddRequest, GetPauseStatus, GrammarReady,
                                     PauseScheduler, PauseStatus, ProfileEngine, RemoveLoRA, ResumeScheduler,
-                                    SleepEngine, WakeEngine)
+                                    SleepEngine, WakeEngine, WeightVersion)
 from actors.worker.actor import WorkerRPC
 
 AFFINITY_BLOCKS = 4            # the prompt prefix that keys affinity: its first blocks, at most this many
@@ -48,6 +48,7 @@ class EngineUp(Msg):
 
 RouterProtocol = (AddRequest | AbortRequests | GrammarReady | RemoveLoRA | EngineDown | EngineUp
                   | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine
+                  | WeightVersion
                   | WorkerRPC)
 PAUSE_ASK_TIMEOUT_S = 30.0
 
@@ -133,6 +134,10 @@ class DataParallelRouter(Actor):
             case ProfileEngine():                       # profiling: every engine core's workers
                 up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
                 await asyncio.gather(*(s.ask(msg, timeout=SLEEP_TIMEOUT_S) for s in up))
+            case WeightVersion():                       # every engine core's, set alike
+                up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
+                each = await asyncio.gather(*(s.ask(msg, timeout=PAUSE_ASK_TIMEOUT_S) for s in up))
+                return each[0] if each else (msg.new or "default")
             case PauseScheduler() | ResumeScheduler() | GetPauseStatus():
                 up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
                 each = await asyncio.gather(*(s.ask(msg, timeout=PAUSE_ASK_TIMEOUT_S) for s in up))

@@ -125,6 +125,14 @@ class GetPauseStatus(Msg):
     lane: ClassVar[str] = "system"
 
 
+class WeightVersion(Msg):
+    """vLLM's weight version (the label of the weights that sample the outputs from now on):
+    ``new`` sets it (None: asks). The reply: the version now."""
+    reply_type: ClassVar[Any] = str
+    lane: ClassVar[str] = "system"
+    new: str | None = None
+
+
 class SleepEngine(Msg):
     """Sleep mode, once paused: the workers give back the KV cache (``level`` 1) or that and the
     weights (2). ``kv_cache_only``: vLLM's release_kv_cache_memory, the KV cache only (the
@@ -152,7 +160,7 @@ class ProfileEngine(Msg):
 
 SchedulerProtocol = (AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady | RemoveLoRA
                      | ConnectClient | ClientGone | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine
-                     | WorkerRPC)
+                     | WorkerRPC | WeightVersion)
 
 # worker methods after which the prefix cache holds keys and values of the old weights
 NEW_WEIGHTS = ("reload_weights", "finish_weight_update", "reset_weights")
@@ -324,11 +332,10 @@ class SchedulerActor(Actor):
                 await self.executor.ask(SleepWorker(level, kv_cache_only), timeout=SLEEP_TIMEOUT_S)
                 self.sleep_level = level
                 return level
-            case WorkerRPC(method="get_weight_version"):     # the engine's, not a worker's (vLLM's)
-                return [self.weight_version]
-            case WorkerRPC(method="set_weight_version", args=[str() as version]):
-                self.weight_version = version
-                return [None]
+            case WeightVersion(new=new):
+                if new is not None:
+                    self.weight_version = new
+                return self.weight_version
             case WorkerRPC(timeout=timeout):
                 try:
                     results = await self.executor.ask(msg, timeout=(timeout or SLEEP_TIMEOUT_S) + 5)
