@@ -51,6 +51,9 @@ class CausalLM(nn.Module):
         they hold for dequantized tensors and raw quantized block rows alike."""
         if not cls.gguf_permuted_qk:
             return []
+        if config.rotary_dim is not None:
+            raise ValueError(f"{cls.__name__}: a GGUF file with a partial rotary ({config.rotary_dim} of "
+                             f"{config.head_size} head dimensions) is not supported")
         return [(".attn_q.weight", lambda w: unpermute_rotary_rows(w, config.num_heads)),
                 (".attn_k.weight", lambda w: unpermute_rotary_rows(w, config.num_kv_heads))]
 

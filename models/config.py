@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from models.rope import DEFAULT as PLAIN_ROPE
+from models.rope import RopeScaling
+
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types values
 
 
@@ -31,7 +34,8 @@ class ArchConfig:
     sliding_window: int | None = None          # W: a sliding layer's query at p sees keys p-W < k <= p
     layer_types: tuple[str, ...] | None = None  # per layer SLIDING | FULL; None: every layer slides iff W
     rope_local_theta: float | None = None      # rotary base of sliding layers (Gemma 3); None: rope_theta
-    rope_scaling_factor: float = 1.0           # linear rope scaling (positions / factor) of full layers
+    rope_scaling: RopeScaling = PLAIN_ROPE     # the rope scaling of full layers (models/rope.py)
+    rotary_dim: int | None = None              # a partial rotary: the leading dims of each head that turn
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_size ** -0.5
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
@@ -41,6 +45,8 @@ class ArchConfig:
     moe_intermediate_size: int = 0             # one expert's intermediate size
     norm_topk_prob: bool = True                # the top-k routing weights renormalized to sum to 1
     moe_layers: tuple[int, ...] | None = None  # the layers whose MLP is the MoE block; None: all
+    # -- how the engine serves it (set by ``serving``, not read from the checkpoint) -------------
+    serving_len: int = 0                       # the engine's --max-model-len; 0: default_max_model_len
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
@@ -51,6 +57,9 @@ class ArchConfig:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
             if not set(self.layer_types) <= {SLIDING, FULL}:
                 raise ValueError(f"layer_types may hold {SLIDING!r} and {FULL!r}, got {sorted(set(self.layer_types))}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_size and self.rotary_dim % 2 == 0):
+            raise ValueError(f"a rotary over {self.rotary_dim} of {self.head_size} head dimensions is not supported "
+                             "(an even number, at most the head's)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
 
@@ -72,6 +81,24 @@ class ArchConfig:
         if window is None:
             return self
         return dataclasses.replace(self, sliding_window=None, max_model_len=min(self.max_model_len, window))
+
+    @property
+    def default_max_model_len(self) -> int:
+        """The context an engine serves when not told (vLLM's): all of ``max_model_len``, but
+        for longrope scaling the original context."""
+        return self.rope_scaling.default_len(self.max_model_len)
+
+    def serving(self, max_model_len: int) -> ArchConfig:
+        """This config for an engine serving contexts up to ``max_model_len`` (0: the default):
+        the rotary tables cover them, and the rope scalings that depend on the context (longrope,
+        dynamic) take theirs."""
+        return dataclasses.replace(self, serving_len=max_model_len or self.default_max_model_len)
+
+    @property
+    def rope_positions(self) -> int:
+        """The positions the rotary tables cover: the model's context, or more where the
+        engine was allowed to serve more (VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+        return max(self.max_model_len, self.serving_len)
 
     @property
     def max_sliding_window(self) -> int | None:

@@ -13,7 +13,7 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.base import CausalLM, Fixups, TensorMap
 from models.config import FULL, SLIDING, ArchConfig
 from models.gguf_loader import GGUFArchKeys
-from models.hf_config import rope_theta_and_factor
+from models.hf_config import rope_parameters
 from models.layers import Embedding, GatedMLP, GemmaRMSNorm, Linear, RotaryEmbedding, SelfAttention
 from models.pipeline_parallel import IntermediateTensors, is_last_stage, stage_layers
 
@@ -104,8 +104,12 @@ class Gemma3ForCausalLM(CausalLM):
         if raw.get("rope_parameters") is None:                       # 4.x
             local_theta = float(raw.get("rope_local_base_freq", LOCAL_ROPE_THETA))
         else:                                                          # 5.x, per layer type
-            local_theta = rope_theta_and_factor(raw, SLIDING)[0]
-        return dict(sliding_window=raw.get("sliding_window"), layer_types=tuple(types), rope_local_theta=local_theta,
+            local_theta, local_scaling = rope_parameters(raw, SLIDING)
+            if not local_scaling.is_default:
+                raise ValueError(f"Gemma 3's sliding layers with {local_scaling.rope_type} rope scaling are not "
+                                 "supported (their rope is plain)")
+        # its max_position_embeddings is the scaled context already (vLLM's exception to stretching)
+        return dict(max_model_len=raw["max_position_embeddings"], sliding_window=raw.get("sliding_window"), layer_types=tuple(types), rope_local_theta=local_theta,
                     query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
                     hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu")
 
@@ -119,6 +123,7 @@ class Gemma3ForCausalLM(CausalLM):
         # llama.cpp: 27B (62 layers) scales by hidden / heads, every other size by head_size
         scalar = fields["hidden_size"] // fields["num_heads"] if n == 62 else fields["head_size"]
         return dict(
+            max_model_len=keys.require("context_length"),     # the scaled context already, as in config.json
             hidden_act="gelu_pytorch_tanh",
             sliding_window=keys.require("attention.sliding_window"),
             layer_types=layer_types,
@@ -138,11 +143,14 @@ class Gemma3ForCausalLM(CausalLM):
         if config.attn_logit_softcapping is not None:
             raise ValueError("Gemma3ForCausalLM: attention logit softcapping is not supported by the attention "
                              "backends; this checkpoint sets attn_logit_softcapping")
+        if config.rotary_dim is not None:
+            raise ValueError(f"Gemma3ForCausalLM with a partial rotary ({config.rotary_dim} of {config.head_size} "
+                             "head dimensions) is not supported")
         c = self.config = config
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
         self.embed_scale = c.hidden_size ** 0.5    # applied in the model dtype, as transformers does
-        self.rotary_global = RotaryEmbedding(c.head_size, c.max_model_len, c.rope_theta, c.rope_scaling_factor)
-        self.rotary_local = RotaryEmbedding(c.head_size, c.max_model_len, c.rope_local_theta or c.rope_theta)
+        self.rotary_global = RotaryEmbedding(c.head_size, c.rope_positions, c.rope_theta, c.rope_scaling, c.serving_len)
+        self.rotary_local = RotaryEmbedding(c.head_size, c.rope_positions, c.rope_local_theta or c.rope_theta)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(c, i, attn_backend, dtype) for i in range(c.num_layers))
         self.start_layer, self.end_layer = 0, c.num_layers     # a pipeline stage's (pipeline_parallel.py)
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)

@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 
 from models.config import ArchConfig
 from models.gguf_header import GGUFFile, GGUFTensorInfo, read_gguf, read_gguf_metadata
+from models.rope import STRETCHING_TYPES, RopeScaling, rope_scaling_from
 
 if TYPE_CHECKING:
     from models.base import CausalLM
@@ -60,11 +61,11 @@ def gguf_model_config(gguf: GGUFFile) -> ArchConfig:
 # The registry is imported when called: it imports the model classes, which import this module.
 # config.json keys an override may set on a GGUF file's config -> how (the header is its config)
 _GGUF_OVERRIDES = {
-    "max_position_embeddings": lambda c, v: {"max_model_len": int(v)},
+    "max_position_embeddings": lambda c, v: _max_positions_override(c, int(v)),
     "rope_theta": lambda c, v: {"rope_theta": float(v)},
     "rms_norm_eps": lambda c, v: {"rms_norm_eps": float(v)},
     "sliding_window": lambda c, v: {"sliding_window": None if v is None else int(v)},
-    "rope_scaling": lambda c, v: {"rope_scaling_factor": _rope_factor(v)},
+    "rope_scaling": lambda c, v: _rope_override(c, v),
     "bos_token_id": lambda c, v: {"bos_token_id": v},
     "eos_token_id": lambda c, v: {"eos_token_ids": tuple(v) if isinstance(v, list) else (v,)},
     "query_pre_attn_scalar": lambda c, v: {"query_pre_attn_scalar": v},
@@ -73,9 +74,21 @@ _GGUF_OVERRIDES = {
 }
 
 
-def _rope_factor(scaling: Any) -> float:
-    from models.hf_config import rope_theta_and_factor
-    return rope_theta_and_factor({"rope_scaling": scaling})[1]
+def _max_positions_override(config: ArchConfig, max_positions: int) -> dict[str, Any]:
+    """A config.json max_position_embeddings over a GGUF file's context (stretched by its rope
+    scaling, as config.json's would be)."""
+    rope = config.rope_scaling
+    if rope.rope_type in STRETCHING_TYPES:
+        rope = dataclasses.replace(rope, original_max_position_embeddings=max_positions)
+    return {"max_model_len": rope.stretched_len(max_positions), "rope_scaling": rope}
+
+
+def _rope_override(config: ArchConfig, scaling: Any) -> dict[str, Any]:
+    """A config.json rope_scaling over a GGUF file's: its context stretched as a config.json's
+    max_position_embeddings would be."""
+    original = config.rope_scaling.original_max_position_embeddings or config.max_model_len
+    rope = rope_scaling_from(scaling, original)
+    return {"rope_scaling": rope, "max_model_len": rope.stretched_len(original)}
 
 
 def with_gguf_overrides(config: ArchConfig, overrides: dict[str, Any]) -> ArchConfig:
@@ -111,6 +124,9 @@ def _generic_fields(gguf: GGUFFile, keys: GGUFArchKeys, architecture: str,
     eos = meta.get("tokenizer.ggml.eos_token_id")
     tokens = meta.get("tokenizer.ggml.tokens") or ()
     eog = tuple(i for i, t in enumerate(tokens) if t in eog_tokens and i != eos)
+    rope_scaling = _rope_scaling(gguf, keys)
+    head_size = keys.require("attention.key_length", hidden // num_heads)
+    rotary = keys.get("rope.dimension_count", head_size)
     return dict(
         architecture=architecture,
         vocab_size=_vocab_size(gguf, keys),
@@ -119,8 +135,8 @@ def _generic_fields(gguf: GGUFFile, keys: GGUFArchKeys, architecture: str,
         num_layers=keys.require("block_count"),
         num_heads=num_heads,
         num_kv_heads=keys.require("attention.head_count_kv", num_heads),
-        head_size=keys.require("attention.key_length", hidden // num_heads),
-        max_model_len=keys.require("context_length"),
+        head_size=head_size,
+        max_model_len=rope_scaling.stretched_len(keys.require("context_length")),
         rope_theta=float(keys.require("rope.freq_base", 10000.0)),
         rms_norm_eps=float(keys.require("attention.layer_norm_rms_epsilon")),
         tie_word_embeddings="output.weight" not in gguf.tensors,
@@ -128,7 +144,8 @@ def _generic_fields(gguf: GGUFFile, keys: GGUFArchKeys, architecture: str,
         eos_token_ids=(() if eos is None else (eos,)) + eog,
         qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
         o_bias="blk.0.attn_output.bias" in gguf.tensors,
-        rope_scaling_factor=_linear_rope_factor(keys),
+        rope_scaling=rope_scaling,
+        rotary_dim=None if rotary == head_size else rotary,
     )
 
 
@@ -142,11 +159,42 @@ def _vocab_size(gguf: GGUFFile, keys: GGUFArchKeys) -> int:
     return vocab_size
 
 
-def _linear_rope_factor(keys: GGUFArchKeys) -> float:
+# tensors that are rope tables' inputs, not weights: read into the config, never loaded
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _rope_scaling(gguf: GGUFFile, keys: GGUFArchKeys) -> RopeScaling:
+    """The header's rope scaling as llama.cpp's converter writes it: ``rope.scaling.type``
+    none, linear or yarn; Llama 3.1's scaling as a ``rope_freqs`` tensor (a divisor per
+    frequency); Phi-3's longrope as ``rope_factors_short``/``rope_factors_long`` tensors."""
+    data = np.memmap(gguf.path, mode="r")
+    vectors = {name: tuple(dequantize_tensor(data, gguf.tensors[name]).reshape(-1).tolist())
+               for name in ROPE_TENSORS if name in gguf.tensors}
     kind = keys.get("rope.scaling.type", "none")
-    if kind not in ("none", "linear"):
-        raise ValueError(f"GGUF rope scaling {kind!r} is not supported; supported: none, linear")
-    return float(keys.get("rope.scaling.factor", 1.0)) if kind == "linear" else 1.0
+    context = keys.require("context_length")
+    original = keys.get("rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in vectors:
+        if "rope_factors_short.weight" not in vectors:
+            raise ValueError(f"{gguf.path}: rope_factors_long without rope_factors_short")
+        return rope_scaling_from({"rope_type": "longrope", "short_factor": vectors["rope_factors_short.weight"],
+                                  "long_factor": vectors["rope_factors_long.weight"],
+                                  "attention_factor": keys.get("rope.scaling.attn_factor")},
+                                 context, original or context)
+    if kind in ("none", "linear"):
+        scaling = (rope_scaling_from({"rope_type": "linear", "factor": keys.require("rope.scaling.factor")}, context)
+                   if kind == "linear" else RopeScaling())
+    elif kind == "yarn":
+        if float(keys.get("rope.scaling.yarn_log_multiplier", 0.0)):
+            raise ValueError(f"{gguf.path}: YaRN with a yarn_log_multiplier (DeepSeek's) is not supported")
+        scaling = rope_scaling_from({"rope_type": "yarn", "factor": keys.require("rope.scaling.factor"),
+                                     "beta_fast": keys.get("rope.scaling.yarn_beta_fast"),
+                                     "beta_slow": keys.get("rope.scaling.yarn_beta_slow")},
+                                    context, original or context)
+    else:
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported; supported: none, linear, yarn")
+    if "rope_freqs.weight" in vectors:
+        scaling = dataclasses.replace(scaling, freq_factors=vectors["rope_freqs.weight"])
+    return scaling
 
 
 def raw_tensor_data(data: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
@@ -230,6 +278,8 @@ def iter_gguf_weights(gguf: GGUFFile, config: ArchConfig) -> Iterator[tuple[str,
     fixups = model_class.gguf_row_fixups(config) + model_class.gguf_value_fixups(config)
     data = np.memmap(gguf.path, mode="r")
     for info in gguf.tensors.values():
+        if info.name in ROPE_TENSORS:
+            continue
         tensor = dequantize_tensor(data, info)
         for suffix, fix in fixups:
             if info.name.endswith(suffix):

@@ -6,12 +6,11 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from models.config import FULL, ArchConfig
+from models.rope import DEFAULT_ROPE_THETA, RopeScaling, rope_scaling_from
 
 if TYPE_CHECKING:
     from models.base import CausalLM
 
-DEFAULT_ROPE_THETA = 10_000.0   # transformers' default when a config names none
-ROPE_TYPES = ("default", "linear")
 
 
 def read_hf_config(checkpoint_dir: str, overrides: dict[str, Any] | None = None) -> ArchConfig:
@@ -63,20 +62,18 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     return ArchConfig(**{**fields, **model_class.hf_fields(raw, fields)})
 
 
-def rope_theta_and_factor(raw: dict[str, Any], layer_type: str = FULL) -> tuple[float, float]:
-    """(theta, linear scaling factor) of the layers of ``layer_type``: from transformers 5.x's
+def rope_parameters(raw: dict[str, Any], layer_type: str = FULL) -> tuple[float, RopeScaling]:
+    """(theta, rope scaling) of the layers of ``layer_type``: from transformers 5.x's
     ``rope_parameters`` (one dict, or one per layer type), else 4.x's ``rope_theta`` and
-    ``rope_scaling``. Refuses rope types other than ROPE_TYPES."""
+    ``rope_scaling``. Refuses rope types other than models/rope.py's ROPE_TYPES."""
     params = raw.get("rope_parameters")
     if params is not None and layer_type in params:
         params = params[layer_type]
     if params is None:
         params = {"rope_theta": raw.get("rope_theta", DEFAULT_ROPE_THETA), **(raw.get("rope_scaling") or {})}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise ValueError(f"rope type {kind!r} is not supported; supported: {', '.join(map(repr, ROPE_TYPES))}")
-    factor = float(params.get("factor", 1.0)) if kind == "linear" else 1.0
-    return float(params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))), factor
+    scaling = rope_scaling_from({k: v for k, v in params.items() if k != "rope_theta"},
+                                raw["max_position_embeddings"], raw.get("original_max_position_embeddings"))
+    return float(params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))), scaling
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -100,7 +97,9 @@ def _generic_fields(raw: dict[str, Any], generation: dict[str, Any]) -> dict[str
     if raw.get("mlp_bias"):
         raise ValueError(f"{arch} with mlp_bias=true is not supported")
     hidden, num_heads = raw["hidden_size"], raw["num_attention_heads"]
-    theta, factor = rope_theta_and_factor(raw)
+    theta, rope_scaling = rope_parameters(raw)
+    head_size = raw.get("head_dim") or hidden // num_heads
+    partial = _partial_rotary_factor(raw)
     attention_bias = bool(raw.get("attention_bias", False))
     return dict(
         architecture=arch,
@@ -110,8 +109,8 @@ def _generic_fields(raw: dict[str, Any], generation: dict[str, Any]) -> dict[str
         num_layers=raw["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_size=raw.get("head_dim") or hidden // num_heads,
-        max_model_len=raw["max_position_embeddings"],
+        head_size=head_size,
+        max_model_len=rope_scaling.stretched_len(raw["max_position_embeddings"]),
         rope_theta=theta,
         rms_norm_eps=float(raw["rms_norm_eps"]),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -120,10 +119,28 @@ def _generic_fields(raw: dict[str, Any], generation: dict[str, Any]) -> dict[str
         qkv_bias=attention_bias,
         o_bias=attention_bias,
         hidden_act=raw.get("hidden_act") or "silu",
-        rope_scaling_factor=factor,
+        rope_scaling=rope_scaling,
+        rotary_dim=None if partial == 1.0 else int(head_size * partial),
         attn_logit_softcapping=raw.get("attn_logit_softcapping"),
         final_logit_softcapping=raw.get("final_logit_softcapping"),
     )
+
+
+def _partial_rotary_factor(raw: dict[str, Any]) -> float:
+    """The share of each head the rotary turns: transformers 5.x's rope_parameters key, else a
+    config's own (under the names vLLM reads: partial_rotary_factor, rotary_pct,
+    rotary_emb_fraction); 1.0 when none says."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and FULL in params:
+        params = params[FULL]
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    for name in ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction"):
+        if factor is None:
+            factor = raw.get(name)
+    factor = 1.0 if factor is None else float(factor)
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor={factor} must be in (0, 1]")
+    return factor
 
 
 def _eos_token_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:

@@ -22,6 +22,8 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata
 from kernels.attention.fp8 import K_SCALE_CONSTANT, V_SCALE_CONSTANT, calibrated_scale, is_fp8
 from kernels.cpu import fused
 from kernels.triton import fused as triton_fused
+from models.rope import DEFAULT as PLAIN_ROPE
+from models.rope import RopeScaling, rope_tables
 
 
 def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -148,20 +150,18 @@ class GemmaRMSNorm(RMSNorm):
 class RotaryEmbedding(nn.Module):
     """Hugging Face-style ("half-split", NeoX) rotary: dimension j pairs with j + head_size/2.
 
-    cos/sin for every position up to max_positions are precomputed once in float32;
-    ``scaling_factor`` > 1 is linear scaling (position p rotates like p / factor).
+    cos/sin for every position up to max_positions are precomputed once in float32, with the
+    rope scaling of ``scaling`` (models/rope.py: linear, dynamic, yarn, llama3, longrope) for an
+    engine serving contexts of ``serving_len`` (0: ``max_positions``).
     """
 
-    def __init__(self, head_size: int, max_positions: int, theta: float, scaling_factor: float = 1.0) -> None:
+    def __init__(self, head_size: int, max_positions: int, theta: float, scaling: RopeScaling = PLAIN_ROPE,
+                 serving_len: int = 0) -> None:
         super().__init__()
-        # Same arithmetic as transformers' default rope init, so float32 results match bit for bit.
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
-        if scaling_factor != 1.0:
-            inv_freq = inv_freq / scaling_factor
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)                                         # (P, D)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        # Same arithmetic as transformers' rope init functions, so float32 results match bit for bit.
+        cos, sin = rope_tables(head_size, max_positions, theta, scaling, serving_len)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions (T,) -> cos, sin (T, 1, D): broadcast over heads
@@ -303,11 +303,12 @@ class SelfAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int,
                  backend: AttentionBackend, dtype: torch.dtype, *, scale: float,
                  sliding_window: int | None = None, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm: Callable[[], nn.Module] | None = None) -> None:
+                 qk_norm: Callable[[], nn.Module] | None = None, rotary_dim: int | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.rotary_dim = rotary_dim or head_size     # a partial rotary turns the leading dims only
         self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
         self.scale, self.sliding_window = scale, sliding_window
         self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
@@ -333,7 +334,12 @@ class SelfAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_size)    # (T, KVH, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, cos, sin, self.custom_ops)
+        if self.rotary_dim == self.head_size:
+            q, k = apply_rotary_qk(q, k, cos, sin, self.custom_ops)
+        else:       # cos/sin (T, 1, rotary_dim): the leading dims turn (half-split among them), the rest pass
+            rd = self.rotary_dim
+            q = torch.cat((apply_rotary(q[..., :rd], cos, sin), q[..., rd:]), dim=-1)
+            k = torch.cat((apply_rotary(k[..., :rd], cos, sin), k[..., rd:]), dim=-1)
         step_meta, meta = meta, meta.for_group(self.kv_cache_group)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)

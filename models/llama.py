@@ -25,7 +25,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = SelfAttention(
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
             sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            qk_norm=(lambda: RMSNorm(c.head_size, c.rms_norm_eps, dtype)) if qk_norm else None)
+            qk_norm=(lambda: RMSNorm(c.head_size, c.rms_norm_eps, dtype)) if qk_norm else None,
+            rotary_dim=c.rotary_dim)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
 
@@ -90,8 +91,8 @@ class LlamaForCausalLM(CausalLM):
             raise ValueError(f"{type(self).__name__}: attention logit softcapping is not supported")
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.rotary_emb = RotaryEmbedding(config.head_size, config.max_model_len, config.rope_theta,
-                                          config.rope_scaling_factor)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_size, config.rope_positions, config.rope_theta,
+                                          config.rope_scaling, config.serving_len)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attn_backend, dtype, self.qk_norm)
                                     for i in range(config.num_layers))
         self.start_layer, self.end_layer = 0, config.num_layers     # a pipeline stage's (pipeline_parallel.py)

@@ -1,6 +1,6 @@
 """Phi-3: Llama whose checkpoint stores q|k|v and gate|up already fused (our fused parameters take
-them whole), with one optional sliding window for every layer. Refused: a partial rotary
-(``partial_rotary_factor`` < 1, Phi-4-mini) and longrope scaling (the 128k models). llama.cpp
+them whole), with one optional sliding window for every layer, the 128k models' longrope scaling
+(models/rope.py) and Phi-4-mini's partial rotary (``partial_rotary_factor``). llama.cpp
 runs it with NeoX rotary, so its GGUF keeps q/k rows as they are; a GGUF's window is applied as
 transformers applies config.json's (llama.cpp ignores it)."""
 from __future__ import annotations
@@ -30,21 +30,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-        """One window for every layer (null: none); the rotary must cover the whole head (the
-        rope type itself the generic parsing checks: longrope is refused there)."""
-        rope = raw.get("rope_parameters") or {}
-        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ValueError(f"Phi3ForCausalLM with partial_rotary_factor={partial} is not supported; "
-                             f"rotary over the whole head only")
+        """One window for every layer (null: none; the rope and a partial rotary the generic
+        parsing reads)."""
         return {"sliding_window": raw.get("sliding_window")}
 
     @classmethod
     def gguf_fields(cls, keys: GGUFArchKeys, fields: dict[str, Any]) -> dict[str, Any]:
-        if keys.get("rope.scaling.attn_factor") is not None:
-            raise ValueError(f"{keys.path}: a phi3 GGUF with longrope scaling (rope_factors tensors) is not supported")
-        rotary = keys.get("rope.dimension_count", fields["head_size"])
-        if rotary != fields["head_size"]:
-            raise ValueError(f"{keys.path}: phi3 rotary over {rotary} of {fields['head_size']} head dimensions "
-                             f"(a partial rotary) is not supported")
         return {"sliding_window": keys.get("attention.sliding_window") or None}   # 0: no window

@@ -93,13 +93,17 @@ def attention_requirements(config: ArchConfig, dtype: torch.dtype, block_size: i
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
                attn_backend: AttentionBackend | None = None,
                block_size: int = DEFAULT_BLOCK_SIZE, device: str = "cpu",
-               kv_cache_dtype: torch.dtype | None = None, quantization: str | None = None) -> LoadedModel:
+               kv_cache_dtype: torch.dtype | None = None, quantization: str | None = None,
+               max_model_len: int = 0) -> LoadedModel:
     """Build the model for ``source`` with its weights, in eval mode, on ``device`` ("cpu" or
-    "cuda"), quantized as its checkpoint says or as ``quantization`` (--quantization) asks. Attention goes through ``attn_backend``, by default the first backend that accepts
+    "cuda"), quantized as its checkpoint says or as ``quantization`` (--quantization) asks,
+    its rotary tables for contexts of ``max_model_len`` (0: the model's default; what longrope
+    and dynamic rope scaling choose by). Attention goes through ``attn_backend``, by default the first backend that accepts
     the model's requirements on that device and KV cache dtype (``kv_cache_dtype``, by default
     ``dtype``; raises ValueError naming every backend's refusal when none does). Weights are always read and converted on the CPU, then moved: the host
     briefly holds the model in ``dtype`` (plus one float32 tensor at a time while loading)."""
     ckpt = open_checkpoint(source)
+    ckpt = ckpt._replace(config=ckpt.config.serving(max_model_len))
     return LoadedModel(build_model(ckpt, dtype, attn_backend, block_size, device, kv_cache_dtype, quantization),
                        ckpt.config)
 

@@ -27,6 +27,8 @@ from typing import Any, Iterator
 
 import torch
 
+from models.rope import STRETCHING_TYPES
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
 SCHEMES = ("fp8", "int8", "awq", "gptq")
@@ -117,9 +119,10 @@ def hf_config_of(config, raw_path: str | None) -> dict[str, Any]:
         "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_size,
-        "max_position_embeddings": config.max_model_len, "rope_theta": config.rope_theta,
-        "rope_scaling": None if config.rope_scaling_factor == 1.0 else {"rope_type": "linear",
-                                                                         "factor": config.rope_scaling_factor},
+        "max_position_embeddings": (config.rope_scaling.original_max_position_embeddings
+                                    if config.rope_scaling.rope_type in STRETCHING_TYPES else config.max_model_len),
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling.to_hf(),
         "rms_norm_eps": config.rms_norm_eps, "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": config.qkv_bias, "hidden_act": config.hidden_act, "torch_dtype": "float32",
         "bos_token_id": config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,

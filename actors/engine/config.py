@@ -394,7 +394,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                                             self._largest_stage(groups, arch.num_layers)), 2)
         else:       # sized by the worker once the weights are on the GPU (with_kv_cache_bytes)
             num_blocks = 0
-        max_model_len = self.model.max_model_len or arch.max_model_len
+        max_model_len = self.model.max_model_len or arch.default_max_model_len
         if num_blocks:
             max_model_len = self._fitting_len(groups, num_blocks, max_model_len)
         sched = self.scheduler

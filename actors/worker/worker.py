@@ -47,6 +47,18 @@ log = logging.getLogger("troupe.worker")
 PROFILE_BUDGET_S = 10.0          # the most start-up time the step-cost profile takes (one rank)
 
 
+def serving_checkpoint(source: ModelSource, config: EngineConfig, max_model_len: int) -> Checkpoint:
+    """``source`` opened, its architecture config as ``config`` serves it: without sliding
+    windows where vLLM's --disable-sliding-window asks, its rotary tables for the context asked
+    for (``max_model_len``: --max-model-len as given, before the KV cache caps it; 0: the
+    model's default)."""
+    ckpt = open_checkpoint(source)
+    arch = ckpt.config
+    if config.model.disable_sliding_window:     # vLLM's: full attention, the context capped at the window
+        arch = arch.without_sliding_window()
+    return ckpt._replace(config=arch.serving(max_model_len))
+
+
 class Worker:
     def __init__(self, config: EngineConfig, tp_rank: int = 0, init_method: str = "", pp_rank: int = 0) -> None:
         """Resolve ``config`` for this platform and checkpoint and load the model (with tensor
@@ -54,13 +66,10 @@ class Worker:
         joining the ranks' process group at ``init_method``)."""
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
         source = config.model.source
-        ckpt = open_checkpoint(source)
+        self.requested_len = config.model.max_model_len     # what the rotary tables serve (serving_checkpoint)
+        ckpt = serving_checkpoint(source, config, self.requested_len)
         draft = config.model.draft_source
-        draft_ckpt = open_checkpoint(draft) if draft is not None else None
-        if config.model.disable_sliding_window:     # vLLM's: full attention, the context capped at the window
-            ckpt = ckpt._replace(config=ckpt.config.without_sliding_window())
-            if draft_ckpt is not None:
-                draft_ckpt = draft_ckpt._replace(config=draft_ckpt.config.without_sliding_window())
+        draft_ckpt = serving_checkpoint(draft, config, self.requested_len) if draft is not None else None
         self.config = config.resolve(cuda_available=platform_for("cuda").is_available(),
                                      cpu_count=os.cpu_count() or 1,
                                      arch=ckpt.config, draft_arch=draft_ckpt.config if draft_ckpt else None)
@@ -298,8 +307,9 @@ class Worker:
             t0 = time.monotonic()
             if self.model is None:          # level 2: read again
                 draft = self.config.model.draft_source
-                self._load_models(open_checkpoint(self.config.model.source),
-                                  open_checkpoint(draft) if draft is not None else None)
+                self._load_models(serving_checkpoint(self.config.model.source, self.config, self.requested_len),
+                                  serving_checkpoint(draft, self.config, self.requested_len)
+                                  if draft is not None else None)
             else:
                 self.model.to(self.device)
                 if self.draft_model is not None:
@@ -449,7 +459,8 @@ class Worker:
                              f"{GGUF_FLOAT_WEIGHTS_ENV}=1 to hold float32 copies instead")
         t0 = time.monotonic()
         try:
-            fresh = self._load(open_checkpoint(source), self.attn_backend, self.config.model.quantization, source.path,
+            fresh = self._load(serving_checkpoint(source, self.config, self.requested_len), self.attn_backend,
+                               self.config.model.quantization, source.path,
                                blocks=blocks)
         except OSError as exc:
             raise ValueError(f"reload_weights: {source.path} could not be read ({exc})") from None
@@ -499,9 +510,7 @@ class Worker:
         received, draft = self.weight_receiver.take()
         t0 = time.monotonic()
         source = self.config.model.draft_source if draft else self.config.model.source
-        ckpt = open_checkpoint(source)
-        if self.config.model.disable_sliding_window:
-            ckpt = ckpt._replace(config=ckpt.config.without_sliding_window())
+        ckpt = serving_checkpoint(source, self.config, self.requested_len)
         ckpt = ckpt._replace(weights=drain(received), tensor_map="hf_tensor_map", quantization_config=None)
         try:
             if draft:

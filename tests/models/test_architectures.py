@@ -237,29 +237,27 @@ def test_hf_config_defaults_and_errors():
     assert [gemma.layer_sliding_window(i) for i in (0, 5, 11)] == [4096, None, None] and gemma.eos_token_ids == (1, 106)
     qwen2 = hf_model_config({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 8})
     assert qwen2.qkv_bias and not qwen2.o_bias and qwen2.max_sliding_window is None   # use_sliding_window is off
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        hf_model_config({**base, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope type 'deepseek_yarn' is not supported"):
+        hf_model_config({**base, "architectures": ["LlamaForCausalLM"],
+                         "rope_scaling": {"rope_type": "deepseek_yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="architectures \\['GPT2LMHeadModel'\\] is not supported"):
         hf_model_config({**base, "architectures": ["GPT2LMHeadModel"]})
 
 
-def test_phi3_refuses_what_we_do_not_implement():
-    """Phi-3's config: one window for every layer; a partial rotary (4.x or 5.x key) and
-    longrope (5.x name, or 4.x's "su") are refused by name."""
+def test_phi3_reads_one_window_and_a_partial_rotary():
+    """Phi-3's config: one window for every layer; a partial rotary read from the 4.x or 5.x key
+    (longrope and partial rotary models: tests/models/test_rope_scaling.py)."""
     from models.hf_config import hf_model_config
     base = dict(architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5)
     phi3 = hf_model_config({**base, "sliding_window": 2047})
     assert [phi3.layer_sliding_window(i) for i in range(2)] == [2047, 2047] and not phi3.qkv_bias
     assert hf_model_config(base).max_sliding_window is None
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.75 is not supported"):
-        hf_model_config({**base, "partial_rotary_factor": 0.75})
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported"):
-        hf_model_config({**base, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}})
-    with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
-        hf_model_config({**base, "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8}})
-    with pytest.raises(ValueError, match="rope type 'su' is not supported"):
-        hf_model_config({**base, "rope_scaling": {"type": "su", "short_factor": [1.0] * 8}})
+    assert hf_model_config({**base, "partial_rotary_factor": 0.75}).rotary_dim == 12
+    assert hf_model_config({**base, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}
+                           ).rotary_dim == 8
+    with pytest.raises(ValueError, match="rotary over 5 of 16 head dimensions is not supported"):
+        hf_model_config({**base, "partial_rotary_factor": 0.3125})
 
 
 def test_the_registry_is_the_only_list_of_architectures():

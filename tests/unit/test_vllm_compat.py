@@ -168,7 +168,8 @@ def test_hf_overrides_set_config_json_keys_over_the_checkpoints_and_a_gguf_heade
     args = serve.parse_args(["--model", ckpt, "--hf-overrides",
                              '{"max_position_embeddings": 96, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}'])
     arch = model_config(EngineArgs.from_cli_args(args).create_engine_config().model.source)
-    assert (arch.max_model_len, arch.rope_scaling_factor) == (96, 2.0)
+    # linear scaling stretches the context max_position_embeddings gives (vLLM's derived max_model_len)
+    assert (arch.max_model_len, arch.rope_scaling.rope_type, arch.rope_scaling.factor) == (192, "linear", 2.0)
     gguf = EngineArgs(hf_overrides={"max_position_embeddings": 1024, "rope_theta": 50000}).create_engine_config()
     arch = model_config(gguf.model.source)
     assert (arch.max_model_len, arch.rope_theta) == (1024, 50000.0)
