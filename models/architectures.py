@@ -13,7 +13,9 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
     name: f"models.{module}:{name}" for name, module in (
         ("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
         ("Qwen3ForCausalLM", "qwen3"), ("Gemma3ForCausalLM", "gemma3"), ("Phi3ForCausalLM", "phi3"),
-        ("Qwen3MoeForCausalLM", "qwen3_moe"), ("MixtralForCausalLM", "mixtral"))}
+        ("Qwen3MoeForCausalLM", "qwen3_moe"), ("MixtralForCausalLM", "mixtral"),
+        # multimodal checkpoints: their language model, on text (vLLM's --language-model-only)
+        ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
 
 

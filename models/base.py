@@ -18,6 +18,24 @@ TensorMap = dict[str, tuple[str, str | None]]
 Fixups = list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
 
 
+# where transformers' multimodal checkpoints keep the vision side: older saves, then 5.x's
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_tensor_map(text_map: TensorMap) -> TensorMap:
+    """A causal LM's config.json tensor names as a multimodal checkpoint holds its language
+    model: transformers' older layout (``language_model.model.*``, ``language_model.lm_head.*``,
+    the hub's files) and 5.x's (``model.language_model.*``, ``lm_head.*``)."""
+    out: TensorMap = {}
+    for name, place in text_map.items():
+        if name.startswith("model."):
+            rest = name.removeprefix("model.")
+            out[f"language_model.model.{rest}"] = out[f"model.language_model.{rest}"] = place
+        else:
+            out[f"language_model.{name}"] = out[name] = place
+    return out
+
+
 class CausalLM(nn.Module):
     hf_tensor_map: ClassVar[TensorMap]
     gguf_tensor_map: ClassVar[TensorMap]
@@ -29,6 +47,11 @@ class CausalLM(nn.Module):
     gguf_permuted_qk: ClassVar[bool] = False
     # token texts llama.cpp ends generation on beside eos (end-of-turn markers)
     gguf_eog_tokens: ClassVar[tuple[str, ...]] = ()
+    # the language model of a multimodal checkpoint (vLLM's --language-model-only, always here):
+    # the config.json key its own keys are under, e.g. "text_config" (None: a causal LM's own)
+    hf_text_config: ClassVar[str | None] = None
+    # tensor-name prefixes of the parts Troupe does not run (a vision tower, its projector): never read
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = ()
     # pipeline parallelism (models/pipeline_parallel.py): what a stage hands the next, each
     # (tokens, hidden); () when the forward takes no intermediate tensors (one stage only)
     intermediate_keys: ClassVar[tuple[str, ...]] = ()

@@ -1,7 +1,8 @@
 """Gemma 3 (text): sliding-window layers interleaved with global ones, each kind with its own
 rotary base; (1 + weight) RMSNorms before and after attention and the MLP; per-head q/k norm;
 embeddings scaled by sqrt(hidden); gelu-tanh MLP; tied LM head, optional final softcap.
-Its GGUF stores the norms as 1 + weight and leaves out what llama.cpp hard-codes."""
+Its GGUF stores the norms as 1 + weight and leaves out what llama.cpp hard-codes. The 4B-27B
+checkpoints (Gemma3ForConditionalGeneration) serve their language model."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from models.base import CausalLM, Fixups, TensorMap
+from models.base import VISION_PREFIXES, CausalLM, Fixups, TensorMap, language_model_tensor_map
 from models.config import FULL, SLIDING, ArchConfig
 from models.gguf_loader import GGUFArchKeys
 from models.hf_config import rope_parameters
@@ -71,6 +72,9 @@ def _layer_types(pattern: int, num_layers: int) -> tuple[str, ...]:
 
 class Gemma3ForCausalLM(CausalLM):
     hf_defaults: ClassVar[dict[str, Any]] = {
+        # transformers' Gemma3TextConfig defaults: the hub's multimodal configs state few keys
+        "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 131_072,
         "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
         "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}
     gguf_architectures: ClassVar[tuple[str, ...]] = ("gemma3",)
@@ -187,3 +191,13 @@ class Gemma3ForCausalLM(CausalLM):
         logits = self.lm_head(hidden).float()                # (N, hidden) -> (N, vocab) float32
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3 4B, 12B and 27B as published (a SigLIP vision tower beside the language model):
+    the language model, served on text (vLLM's --language-model-only); the vision tensors are
+    never read."""
+    hf_text_config: ClassVar[str | None] = "text_config"
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = VISION_PREFIXES
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()     # llama.cpp writes the language model as "gemma3"
+    hf_tensor_map: ClassVar[TensorMap] = language_model_tensor_map(Gemma3ForCausalLM.hf_tensor_map)

@@ -57,9 +57,22 @@ def read_quantization_config(checkpoint_dir: str) -> dict[str, Any] | None:
 def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ArchConfig:
     """The ArchConfig of a parsed config.json (``generation``: its generation_config.json)."""
     model_class = _model_class(raw)
+    if model_class.hf_text_config is not None:     # a multimodal checkpoint: its language model's keys
+        raw = language_model_config(raw, model_class.hf_text_config)
     raw = {**model_class.hf_defaults, **raw}   # a key present as null stays null (sliding_window: none)
     fields = _generic_fields(raw, generation or {})
     return ArchConfig(**{**fields, **model_class.hf_fields(raw, fields)})
+
+
+def language_model_config(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    """A multimodal config.json's language model, as one config: the keys under ``key``
+    (``text_config``) over the top level's own (eos_token_id, tie_word_embeddings, ...), the
+    other modalities' sub-configs left out."""
+    text = raw.get(key)
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json of {raw.get('architectures')} has no {key} object (its language model's keys)")
+    top = {k: v for k, v in raw.items() if not (k.endswith("_config") and isinstance(v, dict))}
+    return {**top, **text, "architectures": raw["architectures"]}
 
 
 def rope_parameters(raw: dict[str, Any], layer_type: str = FULL) -> tuple[float, RopeScaling]:

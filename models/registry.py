@@ -120,10 +120,13 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
                                                                     kv_cache_dtype))
     model = get_model_class(config.architecture)(config, backend, dtype)
     tensor_map = getattr(model, ckpt.tensor_map)
+    weights, skipped = ckpt.weights, model.hf_skipped_prefixes
+    if skipped and ckpt.tensor_map == "hf_tensor_map":    # a trainer's round may hold the vision side too
+        weights = ((name, tensor) for name, tensor in weights if not name.startswith(skipped))
     quant = resolve_quantization(quantization, ckpt.quantization_config, ckpt.path, device, dtype)
     if quant is not None:
         attach_linear_methods(model, quant, tensor_map)
-    load_weights(model, ckpt.weights, tensor_map)
+    load_weights(model, weights, tensor_map)
     if transform is not None:
         transform(model)
     if quant is not None:
@@ -160,7 +163,9 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
         config = _gguf_config(gguf, source)
         return Checkpoint(config, iter_gguf_weights(gguf, config), "gguf_tensor_map", path=source.path)
     if source.kind == "hf_dir":
-        return Checkpoint(read_hf_config(source.path, hf_overrides(source)), iter_safetensors_weights(source.path),
+        config = read_hf_config(source.path, hf_overrides(source))
+        skipped = get_model_class(config.architecture).hf_skipped_prefixes
+        return Checkpoint(config, iter_safetensors_weights(source.path, skipped),
                           "hf_tensor_map", read_quantization_config(source.path), source.path)
     raise ValueError(f"model source kind {source.kind!r} is not supported; supported: 'gguf', 'hf_dir'")
 

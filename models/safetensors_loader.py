@@ -33,10 +33,12 @@ def safetensors_files(checkpoint_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors_weights(checkpoint_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (checkpoint name, tensor in the file's dtype), file after file."""
+def iter_safetensors_weights(checkpoint_dir: str, skipped_prefixes: tuple[str, ...] = ()
+                             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (checkpoint name, tensor in the file's dtype), file after file; tensors named
+    with one of ``skipped_prefixes`` (a part the model does not run) are never read."""
     for path in safetensors_files(checkpoint_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                if not name.endswith(IGNORED_SUFFIXES):
+                if not name.endswith(IGNORED_SUFFIXES) and not name.startswith(skipped_prefixes):
                     yield name, f.get_tensor(name)

@@ -180,7 +180,8 @@ ALWAYS: dict[str, str] = {
     "--disable-fastapi-docs": "Troupe serves no API documentation pages",
     "--enable-request-id-headers": "Troupe always answers with an X-Request-Id header",
     "--enable-server-load-tracking": "Troupe always counts the requests being answered (GET /load)",
-    "--language-model-only": "Troupe serves text-only models",
+    "--language-model-only": "Troupe serves text: a multimodal checkpoint (Gemma 3 4B-27B, Mistral 3) serves its "
+                             "language model",
     "--enable-prompt-tokens-details": "Troupe reports prompt_tokens_details.cached_tokens whenever the "
                                       "prefix cache served part of a prompt",
 }

@@ -1,0 +1,116 @@
+"""Multimodal checkpoints served as their language model (vLLM's --language-model-only): tiny
+random Gemma 3 and Mistral 3 checkpoints with a vision tower, written by transformers, give
+transformers' text-only logits, in the hub's tensor layout and in transformers 5's, with the
+vision tensors never read; the hub's sparse Gemma 3 text_config takes transformers' defaults."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from models.hf_config import hf_model_config
+from models.registry import load_model
+from models.resolve import resolve_model
+from models.safetensors_loader import iter_safetensors_weights
+from test_architectures import Paged, hf_logits
+
+TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def _gemma3():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    text = dict(TEXT, num_hidden_layers=4, sliding_window=4, query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"])
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                       image_token_index=299, boi_token_index=297,
+                                                       eoi_token_index=298))
+
+
+def _mistral3():
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    text = dict(TEXT, model_type="mistral", num_hidden_layers=2, sliding_window=None, tie_word_embeddings=False)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                  num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)
+    return Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision, image_token_index=299,
+                                                           spatial_merge_size=1, tie_word_embeddings=False))
+
+
+BUILDERS = {"Gemma3ForConditionalGeneration": _gemma3, "Mistral3ForConditionalGeneration": _mistral3}
+
+
+def _relayout(path) -> None:
+    """The checkpoint's tensors renamed to transformers 5's in-memory layout (model.language_model.*,
+    model.vision_tower.*, lm_head.*), as a 5.x save without the hub conversion writes them."""
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        with safe_open(file, "pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        renamed = {}
+        for name, tensor in tensors.items():
+            for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                             ("vision_tower.", "model.vision_tower."),
+                             ("multi_modal_projector.", "model.multi_modal_projector.")):
+                if name.startswith(old):
+                    name = new + name.removeprefix(old)
+                    break
+            renamed[name] = tensor.contiguous()
+        save_file(renamed, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers5"])
+@pytest.mark.parametrize("architecture", sorted(BUILDERS))
+def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(architecture, layout, tmp_path):
+    torch.manual_seed(0)
+    hf = BUILDERS[architecture]()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") and "Gemma" not in architecture else 0.0, 0.15)
+    hf.config.get_text_config()._attn_implementation = "eager"
+    hf.config._attn_implementation = "eager"
+    hf.eval().save_pretrained(tmp_path)
+    if layout == "transformers5":
+        _relayout(tmp_path)
+    names = [n for f in glob.glob(os.path.join(tmp_path, "*.safetensors")) for n in safe_open(f, "pt").keys()]
+    assert any("vision_tower." in n for n in names) and any("multi_modal_projector." in n for n in names)
+    model, config = load_model(resolve_model(str(tmp_path)))
+    assert config.architecture == architecture and config.vocab_size == 300 and config.num_layers == len(model.layers)
+    read = [name for name, _ in iter_safetensors_weights(str(tmp_path), type(model).hf_skipped_prefixes)]
+    assert read and not any("vision_tower." in n or "multi_modal_projector." in n for n in read)
+    tokens = torch.randint(3, 290, (29,), generator=torch.Generator().manual_seed(1)).tolist()
+    paged = Paged(config)
+    (ours,) = paged.step(model, [(tokens, 0, paged.blocks_for([], 29))])
+    expected = hf_logits(hf, tokens)
+    assert expected.std() > 0.5
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_hubs_sparse_gemma3_text_config_takes_transformers_defaults():
+    """gemma-3-4b-it's config.json states a handful of text keys (the rest are Gemma3TextConfig's
+    defaults) beside top-level eos ids and a vision config."""
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "model_type": "gemma3",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}
+    c = hf_model_config(raw)
+    assert (c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_size) == \
+        (262_208, 2560, 34, 8, 4, 256)
+    assert (c.max_model_len, c.sliding_window, c.rope_scaling.rope_type, c.rope_scaling.factor) == \
+        (131_072, 1024, "linear", 8.0)
+    assert c.eos_token_ids == (1, 106) and c.tie_word_embeddings and c.rope_local_theta == 10_000.0
+    assert [c.layer_sliding_window(i) for i in (0, 5)] == [1024, None]
+    with pytest.raises(ValueError, match="has no text_config object"):
+        hf_model_config({**raw, "text_config": None})
+
+
+def test_a_multimodal_checkpoint_is_named_by_its_architecture_in_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"]}))
+    with pytest.raises(ValueError, match="LlavaForConditionalGeneration.*is not supported"):
+        hf_model_config(json.loads((tmp_path / "config.json").read_text()))
