@@ -36,8 +36,12 @@ class ArchConfig:
     rope_local_theta: float | None = None      # rotary base of sliding layers (Gemma 3); None: rope_theta
     rope_scaling: RopeScaling = PLAIN_ROPE     # the rope scaling of full layers (models/rope.py)
     rotary_dim: int | None = None              # a partial rotary: the leading dims of each head that turn
+    rope_layers: tuple[bool, ...] | None = None  # per layer whether q and k turn (SmolLM3's NoPE); None: all
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_size ** -0.5
     attn_logit_softcapping: float | None = None
+    embedding_multiplier: float = 1.0          # input embeddings scaled (Granite)
+    residual_multiplier: float = 1.0           # each sublayer's output scaled before the residual add (Granite)
+    logits_scaling: float = 1.0                # logits divided (Granite)
     final_logit_softcapping: float | None = None
     # -- mixture of experts (Qwen3-MoE, Mixtral); 0 experts: every MLP is dense ---------------
     num_experts: int = 0                       # routed experts per MoE layer
@@ -60,12 +64,17 @@ class ArchConfig:
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_size and self.rotary_dim % 2 == 0):
             raise ValueError(f"a rotary over {self.rotary_dim} of {self.head_size} head dimensions is not supported "
                              "(an even number, at most the head's)")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
+            raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for {self.num_layers} layers")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         """Bytes of K and V one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * dtype_bytes
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        return self.rope_layers is None or self.rope_layers[layer]
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The window of ``layer``'s attention, None for full attention."""

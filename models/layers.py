@@ -303,12 +303,14 @@ class SelfAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int,
                  backend: AttentionBackend, dtype: torch.dtype, *, scale: float,
                  sliding_window: int | None = None, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm: Callable[[], nn.Module] | None = None, rotary_dim: int | None = None) -> None:
+                 qk_norm: Callable[[], nn.Module] | None = None, rotary_dim: int | None = None,
+                 use_rope: bool = True) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.rotary_dim = rotary_dim or head_size     # a partial rotary turns the leading dims only
+        self.use_rope = use_rope                      # False: no position encoding in this layer (NoPE)
         self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
         self.scale, self.sliding_window = scale, sliding_window
         self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
@@ -334,7 +336,9 @@ class SelfAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_size)    # (T, KVH, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary_dim == self.head_size:
+        if not self.use_rope:
+            pass
+        elif self.rotary_dim == self.head_size:
             q, k = apply_rotary_qk(q, k, cos, sin, self.custom_ops)
         else:       # cos/sin (T, 1, rotary_dim): the leading dims turn (half-split among them), the rest pass
             rd = self.rotary_dim

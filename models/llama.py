@@ -26,7 +26,8 @@ class LlamaDecoderLayer(nn.Module):
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
             sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
             qk_norm=(lambda: RMSNorm(c.head_size, c.rms_norm_eps, dtype)) if qk_norm else None,
-            rotary_dim=c.rotary_dim)
+            rotary_dim=c.rotary_dim, use_rope=c.layer_uses_rope(layer))
+        self.residual_multiplier = c.residual_multiplier
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
 
@@ -42,8 +43,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class LlamaForCausalLM(CausalLM):
@@ -113,6 +119,8 @@ class LlamaForCausalLM(CausalLM):
         layers = stage_layers(self, kv_caches)
         if intermediate is None:
             hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+            if self.config.embedding_multiplier != 1.0:                     # Granite's, on prompt embeds too
+                hidden = hidden * self.config.embedding_multiplier
             residual = None                                                 # (T, hidden)
         else:
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
@@ -128,4 +136,6 @@ class LlamaForCausalLM(CausalLM):
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()                    # (N, hidden) -> (N, vocab) float32
+        logits = self.lm_head(hidden).float()                  # (N, hidden) -> (N, vocab) float32
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling

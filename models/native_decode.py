@@ -97,7 +97,8 @@ class NativeDecodeStack:
                     or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
                            for n in norms)
                     or attn.q_norm is not None or type(attn.backend) is not CpuAttentionBackend
-                    or not attn.backend.native or attn.head_size % 2 or attn.rotary_dim != attn.head_size):
+                    or not attn.backend.native or attn.head_size % 2 or attn.rotary_dim != attn.head_size
+                    or not attn.use_rope or getattr(layer, "residual_multiplier", 1.0) != 1.0):
                 return None
             o, down = attn.o_proj, mlp.down_proj
             if type(o) is RowParallel and type(down) is RowParallel:     # a tensor-parallel rank's

@@ -48,7 +48,23 @@ def _phi3():  # attn_qkv and ffn_up (gate | up) fused; its window in the header
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
-BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma3": _gemma3, "phi3": _phi3}
+def _granite():  # its multipliers as header keys
+    from transformers import GraniteConfig, GraniteForCausalLM
+    return GraniteForCausalLM(GraniteConfig(**TINY, num_hidden_layers=2, tie_word_embeddings=False,
+                                            embedding_multiplier=1.5, residual_multiplier=0.7,
+                                            attention_multiplier=0.2, logits_scaling=1.25))
+
+
+def _smollm3():  # llama.cpp's fixed NoPE interval of 4
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+    return SmolLM3ForCausalLM(SmolLM3Config(**TINY, num_hidden_layers=4, tie_word_embeddings=True,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                                            pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma3": _gemma3, "phi3": _phi3, "granite": _granite,
+            "smollm3": _smollm3}
+PERMUTED_QK = ("llama", "granite", "smollm3")     # llama.cpp's LlamaModel and its subclasses
 
 
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -81,13 +97,18 @@ def convert_to_gguf(hf, arch: str, path: str, extra=None) -> None:
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         base, suffix = hf_name.rsplit(".", 1)
-        if arch == "llama" and base.endswith("q_proj"):
+        if arch in PERMUTED_QK and base.endswith("q_proj"):
             tensor = _permute(tensor, c.num_attention_heads)
-        if arch == "llama" and base.endswith("k_proj"):
+        if arch in PERMUTED_QK and base.endswith("k_proj"):
             tensor = _permute(tensor, c.num_key_value_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             tensor = tensor + 1.0
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy().astype(np.float32))
+    if arch == "granite":
+        writer.add_embedding_scale(c.embedding_multiplier)
+        writer.add_residual_scale(c.residual_multiplier)
+        writer.add_attention_scale(c.attention_multiplier)
+        writer.add_logit_scale(c.logits_scaling)
     if extra is not None:
         extra(writer)
     writer.write_header_to_file()
