@@ -32,7 +32,7 @@ from kernels.attention.base import AttentionMetadata
 from kernels.cpu import shm_comm
 from models.tensor_parallel import RowParallel
 
-WORDS = 4 * 8 + 6         # decode_stack.c's DS_WORDS
+WORDS = 4 * 8 + 7         # decode_stack.c's DS_WORDS
 KV_WORD = 4 * 8 + 2       # the word of a layer's KV cache address (then its window, k_scale, v_scale)
 # decode_stack.c's phases, in its order: the keys of NativeDecodeStack.profile_seconds() (silu_and_mul
 # stays 0 where the SiLU is fused into the gate|up matmul: its time is counted in gate_up_proj)
@@ -70,7 +70,7 @@ class NativeDecodeStack:
         self.model = model          # holds the weights (and KV scales) whose addresses ``words`` records
         self.comm = comm            # a tensor-parallel rank's: its shared-memory all-reduce (decode_stack.c)
         self.words = words          # (L, WORDS) int64; the KV cache addresses are filled per runner
-        self.floats = floats        # (L, 3) float32: scale, eps of the two norms
+        self.floats = floats        # (L, 4) float32: scale, eps of the two norms, residual multiplier
         self.dims = dims            # hidden, heads, kv heads, head size, intermediate
         self.profile: torch.Tensor | None = None   # (len(PHASES),) float64 seconds, when profiling
         self._caches: list[torch.Tensor] | None = None
@@ -97,8 +97,7 @@ class NativeDecodeStack:
                     or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
                            for n in norms)
                     or attn.q_norm is not None or type(attn.backend) is not CpuAttentionBackend
-                    or not attn.backend.native or attn.head_size % 2 or attn.rotary_dim != attn.head_size
-                    or not attn.use_rope or getattr(layer, "residual_multiplier", 1.0) != 1.0):
+                    or not attn.backend.native or attn.head_size % 2 or attn.rotary_dim != attn.head_size):
                 return None
             o, down = attn.o_proj, mlp.down_proj
             if type(o) is RowParallel and type(down) is RowParallel:     # a tensor-parallel rank's
@@ -116,8 +115,8 @@ class NativeDecodeStack:
                 return None
             rows.append([w for lin in lins for w in lin] + [norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
                                                              0, attn.sliding_window or 0, attn.k_scale.data_ptr(),
-                                                             attn.v_scale.data_ptr()])
-            floats.append([attn.scale, norms[0].eps, norms[1].eps])
+                                                             attn.v_scale.data_ptr(), int(attn.use_rope)])
+            floats.append([attn.scale, norms[0].eps, norms[1].eps, getattr(layer, "residual_multiplier", 1.0)])
         comm = None
         if groups:               # the all-reduces in the call: through the ranks' shared memory only
             shm = shm_comm.communicator(*groups) if len(groups) == 1 else None

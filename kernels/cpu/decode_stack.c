@@ -8,16 +8,17 @@
  *
  *   layer 0:   residual = emb,  x = rmsnorm(emb)
  *   layer l>0: residual += h,   x = rmsnorm(residual)          (rms_norm_f32 with residual)
- *   qkv = x Wqkv^T (+ b);  rotary on q, k in place;  k, v into the paged cache (kv_store)
+ *   qkv = x Wqkv^T (+ b);  rotary on q, k in place (not in a NoPE layer);  k, v into the paged cache
  *   a = paged decode attention of q (copied contiguous, as the Python path does)
- *   o = a Wo^T (+ b);  residual += o,  x = rmsnorm(residual)
- *   h = (silu(x Wg^T) * x Wu^T) Wd^T
+ *   o = a Wo^T (+ b) (times m);  residual += o,  x = rmsnorm(residual)
+ *   h = (silu(x Wg^T) * x Wu^T) Wd^T (times m)
  * and returns h and residual (the caller applies the final norm).
  *
  * Per layer, desc holds DS_WORDS int64 words (four linears of DS_LIN words each: kernel, kind,
  * codes, d, m, N, K, bias; then the two norm weights, the layer's KV cache, its window, and the
- * addresses of its k_scale and v_scale floats, read at each call, for an 8-bit cache) and
- * fdesc three floats (attention scale, the two norms' eps). Linear kernel 0 is panel_gemm,
+ * addresses of its k_scale and v_scale floats, read at each call, for an 8-bit cache, and
+ * whether it rotates q and k: 0 in a NoPE layer) and fdesc four floats (attention scale, the two
+ * norms' eps, the residual multiplier m: Granite's, 1 elsewhere). Linear kernel 0 is panel_gemm,
  * 1 is i8x2_gemm (kinds as gemm.c numbers them).
  *
  * lora_desc, when not NULL, adds LoRA after each of the four linears (lora.c's kernel, the same
@@ -66,7 +67,7 @@ int64_t lora_shrink_expand(int64_t T, const float *x, int64_t ldx, float *y, int
                            int64_t num_slices, const int64_t *offsets);
 
 #define DS_LIN 8
-#define DS_WORDS (4 * DS_LIN + 6)
+#define DS_WORDS (4 * DS_LIN + 7)
 #define DS_LORA 6
 #define DS_LORA_WORDS (4 * DS_LORA)
 #define DS_ALLOC_FAILED (-2)
@@ -146,7 +147,9 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         const int64_t window = ld[4 * DS_LIN + 3];
         const float *k_scale = (const float *)(intptr_t)ld[4 * DS_LIN + 4];
         const float *v_scale = (const float *)(intptr_t)ld[4 * DS_LIN + 5];
-        const float scale = fdesc[3 * l], eps_in = fdesc[3 * l + 1], eps_post = fdesc[3 * l + 2];
+        const int64_t rope = ld[4 * DS_LIN + 6];
+        const float scale = fdesc[4 * l], eps_in = fdesc[4 * l + 1], eps_post = fdesc[4 * l + 2],
+                    m = fdesc[4 * l + 3];
         const int64_t *lw = lora_desc ? lora_desc + l * DS_LORA_WORDS : NULL;
 
         if (l == 0) rms_norm_f32(emb, Hd, NULL, in_w, x, B, Hd, eps_in);
@@ -155,7 +158,7 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         if (!ds_linear(wqkv, x, B, qkv)) { status = DS_ALLOC_FAILED; break; }
         if (lw) ds_lora(lw, lora_slots, x, B, Hd, qkv, NQKV);
         ds_lap(seconds, DS_QKV, &t);
-        rotary_f32(qkv, NQKV, H, qkv + HD, NQKV, KVH, cos, sin, cs_stride, B, D);
+        if (rope) rotary_f32(qkv, NQKV, H, qkv + HD, NQKV, KVH, cos, sin, cs_stride, B, D);
         const int64_t bad = kv_store(qkv + HD, NQKV, qkv + HD + KVH * D, NQKV, slots, B, kv, kt,
                                      num_blocks * BS, KVH * D, k_scale, v_scale);
         if (bad >= 0) { status = bad; break; }
@@ -167,6 +170,8 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         if (!ds_linear(wo, a, B, o)) { status = DS_ALLOC_FAILED; break; }
         if (lw) ds_lora(lw + DS_LORA, lora_slots, a, B, HD, o, Hd);
         if (!ds_all_reduce(comm, o, B * Hd)) { status = DS_PEER_DIED; break; }
+        if (m != 1.0f)
+            for (int64_t i = 0; i < B * Hd; i++) o[i] *= m;
         ds_lap(seconds, DS_O, &t);
         rms_norm_f32(o, Hd, residual, post_w, x, B, Hd, eps_post);
         ds_lap(seconds, DS_NORM, &t);
@@ -190,6 +195,8 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         if (!ds_linear(wd, act, B, h)) { status = DS_ALLOC_FAILED; break; }
         if (lw) ds_lora(lw + 3 * DS_LORA, lora_slots, act, B, I, h, Hd);
         if (!ds_all_reduce(comm, h, B * Hd)) { status = DS_PEER_DIED; break; }
+        if (m != 1.0f)
+            for (int64_t i = 0; i < B * Hd; i++) h[i] *= m;
         ds_lap(seconds, DS_DOWN, &t);
     }
     free(buf);
