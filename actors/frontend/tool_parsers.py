@@ -314,6 +314,50 @@ class Llama3JsonToolParser(ToolParser):
         return Reading("", calls)
 
 
+class _JsonArrayToolParser(ToolParser):
+    """Calls as a JSON array of ``{"name", "arguments"}`` objects (``"parameters"`` read too)
+    after one of ``TAGS``; an output that is not such a call is content."""
+    TAGS: ClassVar[tuple[str, ...]]
+    BARE_ARRAY: ClassVar[bool] = False       # an array without a tag is calls too
+
+    def read(self, text: str, final: bool) -> Reading:
+        s = text.lstrip()
+        start = len(text) - len(s)
+        tag = next((t for t in self.TAGS if s.startswith(t)), None)
+        if tag is not None:
+            start += len(tag)
+        elif not (self.BARE_ARRAY and s.startswith("[")):
+            may_start = not final and any(t.startswith(s) for t in self.TAGS)
+            return Reading("" if may_start else text)
+        j = skip_ws(text, start)
+        if j >= len(text):
+            return Reading(text if final else "")
+        if text[j] != "[":
+            return Reading(text)
+        calls, _ = _objects(text, j + 1, ("arguments", "parameters"), ",")
+        if final and not calls:
+            return Reading(text)
+        return Reading("", calls)
+
+
+@register
+class GraniteToolParser(_JsonArrayToolParser):
+    """Granite 3.x's calls (vLLM's ``granite``): ``<|tool_call|>`` (Granite 3.0 8B:
+    ``<tool_call>``) then a JSON array of ``{"name", "arguments"}`` objects, or the bare array."""
+    name = "granite"
+    keeps_special_tokens = True
+    TAGS = ("<|tool_call|>", "<tool_call>")
+    BARE_ARRAY = True
+
+
+@register
+class Phi4MiniJsonToolParser(_JsonArrayToolParser):
+    """Phi-4-mini's calls (vLLM's ``phi4_mini_json``): ``functools[{"name": ..., "arguments":
+    {...}}, ...]``."""
+    name = "phi4_mini_json"
+    TAGS = ("functools",)
+
+
 # JSON Schema type names and the spellings models and schemas use for them (vLLM's aliases)
 _TYPE_NAMES = {"str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
                "int": "integer", "int32": "integer", "int64": "integer", "uint": "integer", "uint32": "integer",

@@ -13,15 +13,17 @@ import pytest
 
 from actors.frontend.protocol import ChatCompletionRequest
 from actors.frontend.structured import NotStructured
-from actors.frontend.tool_parsers import (TOOL_PARSERS, Call, HermesToolParser, Llama3JsonToolParser,
-                                          NamedToolParser, Reading, RequiredToolParser, ToolCallStream,
-                                          ToolParserManager, tool_parser)
+from actors.frontend.tool_parsers import (TOOL_PARSERS, Call, GraniteToolParser, HermesToolParser,
+                                          Llama3JsonToolParser, NamedToolParser, Phi4MiniJsonToolParser, Reading,
+                                          RequiredToolParser, ToolCallStream, ToolParserManager, tool_parser)
 from actors.frontend.tools import required_schema, tool_constraint, tool_use
 
 HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], '
           '"note": "a } and a \\" inside"}}\n</tool_call>\n<tool_call>\n{"arguments": {"a": -1.5e3}, "name": "add"}'
           '\n</tool_call>')
 LLAMA = '<|python_tag|>{"name": "f", "parameters": {"x": [1, {"y": "}"}]}}; {"name": "g", "parameters": {}}'
+GRANITE = '<|tool_call|>[{"name": "f", "arguments": {"x": "a], {b"}}, {"name": "g", "arguments": {}}]'
+PHI4 = 'functools[{"name": "f", "arguments": {"x": [1, 2]}}, {"name": "g", "parameters": {"y": "z"}}]'
 
 
 def stream_all(parser, text: str, sizes: list[int], max_calls=None) -> tuple[str, list[dict], ToolCallStream]:
@@ -42,6 +44,7 @@ def stream_all(parser, text: str, sizes: list[int], max_calls=None) -> tuple[str
 
 
 @pytest.mark.parametrize("parser, text", [(HermesToolParser(), HERMES), (Llama3JsonToolParser(), LLAMA),
+                                          (GraniteToolParser(), GRANITE), (Phi4MiniJsonToolParser(), PHI4),
                                           (RequiredToolParser(), '[{"name": "f", "parameters": {"a": "b,c"}}, '
                                                                  '{"name": "g", "parameters": {}}]'),
                                           (NamedToolParser("f"), '{"a": [1, 2, "]"]}')])
@@ -99,6 +102,27 @@ def test_llama3_json_reads_calls_joined_by_semicolons_and_other_output_as_conten
     assert p.read("<|pyth", False).content == ""
 
 
+@pytest.mark.parametrize("parser, text, tag", [(GraniteToolParser(), GRANITE, "<|tool_call|>"),
+                                               (Phi4MiniJsonToolParser(), PHI4, "functools")])
+def test_json_array_formats_read_their_calls_and_leave_other_output_as_content(parser, text, tag):
+    """Granite's and Phi-4-mini's: a tag, then a JSON array of calls; anything else is content,
+    held back only while it may still be the tag."""
+    r = parser.read(text, True)
+    assert r.content == "" and [c.name for c in r.calls] == ["f", "g"]
+    assert [json.loads(c.arguments) for c in r.calls][1] in ({}, {"y": "z"})
+    assert parser.read("The answer is 4.", True).content == "The answer is 4."
+    assert parser.read(tag[:4], False).content == "" and parser.read(tag[:4], True).content == tag[:4]
+    assert parser.read(tag + " not a list", True).content == tag + " not a list"
+    assert parser.read(tag + "[{", True).content == tag + "[{"                  # no call came: all content
+
+
+def test_granite_reads_its_older_tag_and_a_bare_array():
+    p = GraniteToolParser()
+    for text in ('<tool_call>[{"name": "f", "arguments": {"a": 1}}]', '  [{"name": "f", "arguments": {"a": 1}}]'):
+        r = p.read(text, True)
+        assert [(c.name, json.loads(c.arguments)) for c in r.calls] == [("f", {"a": 1})] and r.content == ""
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     content, calls, _ = stream_all(HermesToolParser(), HERMES, [5] * len(HERMES), max_calls=1)
     assert [c["name"] for c in calls] == ["get_weather"]
@@ -107,6 +131,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 def test_the_registry_names_vllms_parsers_and_refuses_others():
     assert isinstance(tool_parser("hermes"), HermesToolParser)
     assert isinstance(tool_parser("llama3_json"), Llama3JsonToolParser)
+    assert isinstance(tool_parser("granite"), GraniteToolParser)
+    assert isinstance(tool_parser("phi4_mini_json"), Phi4MiniJsonToolParser)
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("mistral_v9")
 
