@@ -179,9 +179,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     custom_ops: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary on q (T, H, D) and k (T, KVH, D); the fused kernel rotates them in place (they may
-    be views into the qkv output), the plain path returns new tensors. Same results either way."""
+    """Rotary on q (T, H, D) and k (T, KVH, D) by cos/sin (T, 1, RD): the leading RD dims of each
+    head turn (all of them unless a partial rotary); the fused kernel rotates them in place (they
+    may be views into the qkv output), the plain path returns new tensors. Same results either way."""
     D = q.shape[-1]
+    if cos.shape[-1] != D:
+        if custom_ops and not torch.compiler.is_compiling() and fused.supports(q, k, cos, sin) \
+                and q.stride(1) == D and k.stride(1) == D and cos.stride(0) == sin.stride(0):
+            fused.rotary_(q, k, cos, sin)
+            return q, k
+        return _partial_rotary(q, cos, sin), _partial_rotary(k, cos, sin)
     if not custom_ops or torch.compiler.is_compiling():    # in place on views of qkv: not traced
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     if (fused.supports(q, k, cos, sin) and q.stride(1) == D and k.stride(1) == D
@@ -192,6 +199,11 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         triton_fused.rotary_(q, k, cos, sin)
         return q, k
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def _partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rd = cos.shape[-1]
+    return torch.cat((apply_rotary(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
 
 
 def silu_and_mul(gate_up: torch.Tensor, custom_ops: bool = True) -> torch.Tensor:
@@ -336,14 +348,8 @@ class SelfAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_size)    # (T, KVH, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not self.use_rope:
-            pass
-        elif self.rotary_dim == self.head_size:
+        if self.use_rope:       # cos/sin (T, 1, rotary_dim): a partial rotary turns the leading dims only
             q, k = apply_rotary_qk(q, k, cos, sin, self.custom_ops)
-        else:       # cos/sin (T, 1, rotary_dim): the leading dims turn (half-split among them), the rest pass
-            rd = self.rotary_dim
-            q = torch.cat((apply_rotary(q[..., :rd], cos, sin), q[..., rd:]), dim=-1)
-            k = torch.cat((apply_rotary(k[..., :rd], cos, sin), k[..., rd:]), dim=-1)
         step_meta, meta = meta, meta.for_group(self.kv_cache_group)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)

@@ -97,7 +97,7 @@ class NativeDecodeStack:
                     or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
                            for n in norms)
                     or attn.q_norm is not None or type(attn.backend) is not CpuAttentionBackend
-                    or not attn.backend.native or attn.head_size % 2 or attn.rotary_dim != attn.head_size):
+                    or not attn.backend.native or attn.head_size % 2):
                 return None
             o, down = attn.o_proj, mlp.down_proj
             if type(o) is RowParallel and type(down) is RowParallel:     # a tensor-parallel rank's
@@ -115,7 +115,8 @@ class NativeDecodeStack:
                 return None
             rows.append([w for lin in lins for w in lin] + [norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
                                                              0, attn.sliding_window or 0, attn.k_scale.data_ptr(),
-                                                             attn.v_scale.data_ptr(), int(attn.use_rope)])
+                                                             attn.v_scale.data_ptr(),
+                                                             attn.rotary_dim if attn.use_rope else 0])
             floats.append([attn.scale, norms[0].eps, norms[1].eps, getattr(layer, "residual_multiplier", 1.0)])
         comm = None
         if groups:               # the all-reduces in the call: through the ranks' shared memory only

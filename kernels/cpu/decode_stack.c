@@ -8,7 +8,7 @@
  *
  *   layer 0:   residual = emb,  x = rmsnorm(emb)
  *   layer l>0: residual += h,   x = rmsnorm(residual)          (rms_norm_f32 with residual)
- *   qkv = x Wqkv^T (+ b);  rotary on q, k in place (not in a NoPE layer);  k, v into the paged cache
+ *   qkv = x Wqkv^T (+ b);  rotary on q, k in place (its leading dims; none in a NoPE layer);  k, v into the paged cache
  *   a = paged decode attention of q (copied contiguous, as the Python path does)
  *   o = a Wo^T (+ b) (times m);  residual += o,  x = rmsnorm(residual)
  *   h = (silu(x Wg^T) * x Wu^T) Wd^T (times m)
@@ -17,7 +17,8 @@
  * Per layer, desc holds DS_WORDS int64 words (four linears of DS_LIN words each: kernel, kind,
  * codes, d, m, N, K, bias; then the two norm weights, the layer's KV cache, its window, and the
  * addresses of its k_scale and v_scale floats, read at each call, for an 8-bit cache, and
- * whether it rotates q and k: 0 in a NoPE layer) and fdesc four floats (attention scale, the two
+ * how many leading dims of each head turn: the head's, fewer for a partial rotary, 0 in a NoPE
+ * layer) and fdesc four floats (attention scale, the two
  * norms' eps, the residual multiplier m: Granite's, 1 elsewhere). Linear kernel 0 is panel_gemm,
  * 1 is i8x2_gemm (kinds as gemm.c numbers them).
  *
@@ -43,7 +44,7 @@
 void rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *w, float *out,
                   int64_t T, int64_t N, float eps);
 void rotary_f32(float *q, int64_t q_stride, int64_t H, float *k, int64_t k_stride, int64_t KVH,
-                const float *cos, const float *sin, int64_t cs_stride, int64_t T, int64_t D);
+                const float *cos, const float *sin, int64_t cs_stride, int64_t T, int64_t D, int64_t RD);
 void silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t T, int64_t I);
 int panel_gemm(int kind, const void *codes, const void *d, const void *m, int64_t N, int64_t K,
                const float *x, int64_t M, float *y);
@@ -147,7 +148,7 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         const int64_t window = ld[4 * DS_LIN + 3];
         const float *k_scale = (const float *)(intptr_t)ld[4 * DS_LIN + 4];
         const float *v_scale = (const float *)(intptr_t)ld[4 * DS_LIN + 5];
-        const int64_t rope = ld[4 * DS_LIN + 6];
+        const int64_t rd = ld[4 * DS_LIN + 6];        /* the dims that turn: D, fewer, or 0 (NoPE) */
         const float scale = fdesc[4 * l], eps_in = fdesc[4 * l + 1], eps_post = fdesc[4 * l + 2],
                     m = fdesc[4 * l + 3];
         const int64_t *lw = lora_desc ? lora_desc + l * DS_LORA_WORDS : NULL;
@@ -158,7 +159,7 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         if (!ds_linear(wqkv, x, B, qkv)) { status = DS_ALLOC_FAILED; break; }
         if (lw) ds_lora(lw, lora_slots, x, B, Hd, qkv, NQKV);
         ds_lap(seconds, DS_QKV, &t);
-        if (rope) rotary_f32(qkv, NQKV, H, qkv + HD, NQKV, KVH, cos, sin, cs_stride, B, D);
+        if (rd) rotary_f32(qkv, NQKV, H, qkv + HD, NQKV, KVH, cos, sin, cs_stride, B, D, rd);
         const int64_t bad = kv_store(qkv + HD, NQKV, qkv + HD + KVH * D, NQKV, slots, B, kv, kt,
                                      num_blocks * BS, KVH * D, k_scale, v_scale);
         if (bad >= 0) { status = bad; break; }

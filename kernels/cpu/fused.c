@@ -56,12 +56,14 @@ void rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float
 }
 
 /* ---- Rotary embedding (NeoX / Hugging Face half-split), in place ----------------------------
- * Dimension j pairs with j + D/2:  x' = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
- * q (T, H, D) and k (T, KVH, D) with heads contiguous inside a row and row strides q_stride,
- * k_stride (views into the fused qkv output need no copy); cos, sin (T, D) with row stride
- * cs_stride, already looked up by position. */
-static inline void rotate_heads(float *x, int64_t heads, int64_t D, const float *c, const float *s) {
-    const int64_t half = D / 2;
+ * The leading RD dimensions of each head turn (RD = D, or less for a partial rotary), dimension
+ * j pairing with j + RD/2:  x' = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); the
+ * others pass. q (T, H, D) and k (T, KVH, D) with heads contiguous inside a row and row strides
+ * q_stride, k_stride (views into the fused qkv output need no copy); cos, sin (T, RD) with row
+ * stride cs_stride, already looked up by position. */
+static inline void rotate_heads(float *x, int64_t heads, int64_t D, int64_t RD, const float *c,
+                                const float *s) {
+    const int64_t half = RD / 2;
     for (int64_t h = 0; h < heads; h++) {
         float *x1 = x + h * D, *x2 = x1 + half;
         #pragma omp simd
@@ -74,12 +76,12 @@ static inline void rotate_heads(float *x, int64_t heads, int64_t D, const float 
 }
 
 void rotary_f32(float *q, int64_t q_stride, int64_t H, float *k, int64_t k_stride, int64_t KVH,
-                const float *cos, const float *sin, int64_t cs_stride, int64_t T, int64_t D) {
-    #pragma omp parallel for schedule(static) if (T * (H + KVH) * D >= PAR_MIN_ELEMENTS)
+                const float *cos, const float *sin, int64_t cs_stride, int64_t T, int64_t D, int64_t RD) {
+    #pragma omp parallel for schedule(static) if (T * (H + KVH) * RD >= PAR_MIN_ELEMENTS)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos + t * cs_stride, *s = sin + t * cs_stride;
-        rotate_heads(q + t * q_stride, H, D, c, s);
-        rotate_heads(k + t * k_stride, KVH, D, c, s);
+        rotate_heads(q + t * q_stride, H, D, RD, c, s);
+        rotate_heads(k + t * k_stride, KVH, D, RD, c, s);
     }
 }
 

@@ -54,7 +54,7 @@ def supports(*tensors: torch.Tensor) -> bool:
 def _kernel(name: str) -> ctypes._CFuncPtr:
     argtypes = {
         "rms_norm_f32": [_P, _I64, _P, _P, _P, _I64, _I64, _F32],
-        "rotary_f32": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64],
+        "rotary_f32": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64],
         "silu_and_mul_f32": [_P, _I64, _P, _I64, _I64],
     }[name]
     return native.declare(name, argtypes)
@@ -73,7 +73,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Half-split (NeoX) rotary in place: q (T, H, D) and k (T, KVH, D) with packed heads
     (stride(1) == D) and any row stride (views into a fused qkv output need no copy); cos and
-    sin (T, 1, D) or (T, D) with one row stride."""
+    sin (T, 1, RD) or (T, RD) with one row stride: the leading RD (<= D, even) dimensions of
+    each head turn (a partial rotary when RD < D)."""
     torch.ops.troupe.cpu_rotary_(q, k, cos, sin)
 
 
@@ -96,9 +97,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch
 
 def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     T, H, D = q.shape
+    RD = cos.shape[-1]
+    if RD > D or RD % 2:
+        raise ValueError(f"rotary over {RD} of a head's {D} dimensions: an even number, at most the head's")
     if T:
         _kernel("rotary_f32")(q.data_ptr(), q.stride(0), H, k.data_ptr(), k.stride(0), k.shape[1],
-                              cos.data_ptr(), sin.data_ptr(), cos.stride(0), T, D)
+                              cos.data_ptr(), sin.data_ptr(), cos.stride(0), T, D, RD)
 
 
 def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,25 @@ def test_rotary_on_qkv_views(T, H, KVH, D):
     assert torch.equal(v, v_before)
 
 
+@pytest.mark.parametrize("T", [1, 300])
+def test_a_partial_rotary_turns_the_leading_dims_in_place_and_passes_the_rest(T):
+    """Phi-4-mini's: 48 of 64 dims of each head turn (half-split among them), bit for bit the
+    plain path's slices; the other 16 are left as they were."""
+    g = _gen(T)
+    cos, sin = RotaryEmbedding(48, 4096, 10000.0)(torch.randint(0, 4096, (T,), generator=g), torch.float32)
+    qkv = torch.randn(T, 7 * 64, generator=g)
+    q, k, _ = qkv.split([4 * 64, 64, 2 * 64], dim=-1)
+    q, k = q.view(T, 4, 64), k.view(T, 1, 64)
+    before_q, before_k = q.clone(), k.clone()
+    out_q, out_k = apply_rotary_qk(q, k, cos, sin)
+    assert out_q.data_ptr() == qkv.data_ptr()
+    assert torch.equal(out_q[..., :48], apply_rotary(before_q[..., :48], cos, sin))
+    assert torch.equal(out_k[..., :48], apply_rotary(before_k[..., :48], cos, sin))
+    assert torch.equal(out_q[..., 48:], before_q[..., 48:]) and torch.equal(out_k[..., 48:], before_k[..., 48:])
+    plain_q, _ = apply_rotary_qk(before_q.clone(), before_k.clone(), cos, sin, custom_ops=False)
+    assert torch.equal(plain_q, out_q)
+
+
 def test_plain_rotary_returns_new_tensors(plain):
     q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
     cos, sin = RotaryEmbedding(16, 64, 10000.0)(torch.arange(5), torch.float32)

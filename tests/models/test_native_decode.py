@@ -157,10 +157,10 @@ def test_native_decode_stack_takes_phi3(monkeypatch):
     _compare(model, config, monkeypatch)
 
 
-def test_native_decode_stack_takes_nope_layers_and_a_residual_multiplier(monkeypatch):
-    """SmolLM3's layers without rotary (layer 1 here) and Granite's residual multiplier (with
-    its other multipliers, applied outside the stack): bit for bit the per-layer path, and each
-    matters (without it, other logits)."""
+def test_native_decode_stack_takes_nope_layers_a_partial_rotary_and_a_residual_multiplier(monkeypatch):
+    """SmolLM3's layers without rotary (layer 1 here), Phi-4-mini's partial rotary (8 of 16 dims
+    here) and Granite's residual multiplier (with its other multipliers, applied outside the
+    stack): bit for bit the per-layer path, and each matters (without it, other logits)."""
     from models.granite import GraniteForCausalLM
     from models.smollm3 import SmolLM3ForCausalLM
     smollm3, config = _model(SmolLM3ForCausalLM, rope_layers=(True, False, True))
@@ -168,18 +168,19 @@ def test_native_decode_stack_takes_nope_layers_and_a_residual_multiplier(monkeyp
     granite, config = _model(GraniteForCausalLM, residual_multiplier=0.7, embedding_multiplier=1.5,
                              logits_scaling=1.25, query_pre_attn_scalar=25.0)
     _compare(granite, config, monkeypatch)
+    phi4, config = _model(Phi3ForCausalLM, rotary_dim=8)
+    _compare(phi4, config, monkeypatch)
     plain_smollm3, _ = _model(SmolLM3ForCausalLM)                 # the same weights, every layer turning
+    plain_phi4, _ = _model(Phi3ForCausalLM)
     plain_granite, _ = _model(GraniteForCausalLM, embedding_multiplier=1.5, logits_scaling=1.25,
                               query_pre_attn_scalar=25.0)
-    for model, plain in ((smollm3, plain_smollm3), (granite, plain_granite)):
+    for model, plain in ((smollm3, plain_smollm3), (phi4, plain_phi4), (granite, plain_granite)):
         assert not torch.equal(_steps(plain, plain.config), _steps(model, model.config))
 
 
 def test_models_the_stack_cannot_reproduce_keep_their_layers():
     qwen3, _ = _model(Qwen3ForCausalLM)                       # per-head q/k norms
     assert not native_decode.attach(qwen3) and qwen3.native_decode is None
-    phi4, _ = _model(Phi3ForCausalLM, rotary_dim=8)           # a partial rotary
-    assert not native_decode.attach(phi4)
     plain = LlamaForCausalLM(_model()[1], CpuAttentionBackend()).eval()   # weights not packed
     assert not native_decode.attach(plain)
 
