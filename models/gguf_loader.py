@@ -97,13 +97,12 @@ def with_gguf_overrides(config: ArchConfig, overrides: dict[str, Any]) -> ArchCo
     if unknown:
         raise ValueError(f"--hf-overrides: {', '.join(unknown)} cannot be set on a GGUF file's config; "
                          f"these can: {', '.join(_GGUF_OVERRIDES)}")
-    fields: dict[str, Any] = {}
-    for key, value in overrides.items():
+    for key, value in overrides.items():       # each over the others before it (the context and the rope meet)
         try:
-            fields.update(_GGUF_OVERRIDES[key](config, value))
+            config = dataclasses.replace(config, **_GGUF_OVERRIDES[key](config, value))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"--hf-overrides: {key} {value!r}: {exc}") from None
-    return dataclasses.replace(config, **fields)
+    return config
 
 
 def _hf_architecture(gguf_architecture: str | None) -> str:

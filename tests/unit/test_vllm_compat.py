@@ -173,6 +173,13 @@ def test_hf_overrides_set_config_json_keys_over_the_checkpoints_and_a_gguf_heade
     gguf = EngineArgs(hf_overrides={"max_position_embeddings": 1024, "rope_theta": 50000}).create_engine_config()
     arch = model_config(gguf.model.source)
     assert (arch.max_model_len, arch.rope_theta) == (1024, 50000.0)
+    yarn = model_config(EngineArgs(hf_overrides={"rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}}).create_engine_config().model.source)
+    assert (yarn.rope_scaling.rope_type, yarn.rope_scaling.original_max_position_embeddings, yarn.max_model_len) == \
+        ("yarn", 2048, 8192)                                 # SmolLM2's GGUF context: 8192, not stretched by yarn
+    linear = model_config(EngineArgs(hf_overrides={"max_position_embeddings": 1024, "rope_scaling": {
+        "type": "linear", "factor": 2.0}}).create_engine_config().model.source)
+    assert (linear.rope_scaling.factor, linear.max_model_len) == (2.0, 2048)
     with pytest.raises(ValueError, match="num_hidden_layers cannot be set on a GGUF file's config"):
         EngineArgs(hf_overrides='{"num_hidden_layers": 3}').create_engine_config()
     with pytest.raises(ValueError, match="JSON object"):
