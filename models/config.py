@@ -105,9 +105,10 @@ class ArchConfig:
 
     @property
     def rope_positions(self) -> int:
-        """The positions the rotary tables cover: the model's context, or more where the
-        engine was allowed to serve more (VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
-        return max(self.max_model_len, self.serving_len)
+        """The positions the rotary tables cover: the context the engine serves (less than the
+        model's: a Llama 3.1's 131,072 positions of float32 cos and sin are 128 MB; more where
+        VLLM_ALLOW_LONG_MAX_MODEL_LEN allowed it), else the model's."""
+        return self.serving_len or self.max_model_len
 
     @property
     def max_sliding_window(self) -> int | None:
