@@ -84,7 +84,8 @@ class RopeScaling:
         dynamic, config.json's max_position_embeddings is ``original_max_position_embeddings``);
         a GGUF file's per-frequency divisors have no config.json form."""
         if self.freq_factors:
-            raise ValueError("rope scaling by llama.cpp's rope_freqs tensor has no config.json form")
+            raise ValueError("rope scaling by llama.cpp's rope_freqs tensor (a Llama 3.1 GGUF's) has no config.json "
+                             "form: start from the model's Hugging Face checkpoint instead")
         if self.is_default:
             return None
         out: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
