@@ -220,7 +220,7 @@ class EngineArgs:
                                        self.max_cudagraph_capture_size)
         config = EngineConfig(
             model=ModelConfig(source=source, dtype=self.dtype,
-                              quantization=self.quantization, max_model_len=self.max_model_len,
+                              quantization=self.quantization, max_model_len=_context_len(self.max_model_len),
                               seed=self.seed, enforce_eager=self.enforce_eager,
                               disable_cascade_attn=self.disable_cascade_attn,
                               logprobs_mode=self.logprobs_mode,
@@ -929,8 +929,9 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--max-lora-rank",), "max_lora_rank", dict(
             type=_positive(int), default=d["max_lora_rank"], metavar="R",
             help="the largest rank an adapter may have (its A and B are padded to it in the slots)")),
-        (("--max-model-len",), "max_model_len", dict(type=human_readable_int, default=d["max_model_len"],
-                                                     help="0: the model's own")),
+        (("--max-model-len",), "max_model_len", dict(type=human_readable_int_or_auto, default=d["max_model_len"],
+                                                     help="0, -1 or auto: the model's own, capped to what the "
+                                                          "KV cache holds")),
         (("--scheduling-policy",), "scheduling_policy", dict(
             default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
             help="'priority': requests' priority field orders the queue (lower first)")),
@@ -1029,6 +1030,24 @@ def human_readable_int(text: str) -> int:
 
 
 human_readable_int.__name__ = "int"
+
+
+def human_readable_int_or_auto(text: str) -> int:
+    """--max-model-len's (vLLM's): a size as ``human_readable_int`` reads it, or -1 / ``auto``:
+    the longest context that fits (here 0, what Troupe does when not told)."""
+    if text.strip().lower() in ("auto", "-1"):
+        return 0
+    return human_readable_int(text)
+
+
+human_readable_int_or_auto.__name__ = "int"
+
+
+def _context_len(value: int | str | None) -> int:
+    """An offline max_model_len as vLLM takes it: None, -1 or "auto" mean the model's own (0)."""
+    if value is None or value == -1 or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return 0
+    return human_readable_int(value) if isinstance(value, str) else value
 
 
 SPEC_DECODE_METRICS_LEVELS = ("none", "summary", "detailed")

@@ -47,6 +47,17 @@ def test_a_vllm_serve_command_line_builds_the_engine_config_it_asks_for():
     assert config.scheduler.max_num_batched_tokens == 8192
 
 
+def test_max_model_len_auto_or_minus_one_is_the_longest_context_that_fits():
+    """vLLM's -1 / auto (and the offline None): the model's own context, capped to what the KV
+    cache holds, which is what Troupe does when not told (0)."""
+    for value in ("auto", "-1", "AUTO"):
+        args = serve.parse_args(["--max-model-len", value])
+        assert EngineArgs.from_cli_args(args).create_engine_config().model.max_model_len == 0
+    for value in (None, -1, "auto"):
+        assert EngineArgs(max_model_len=value).create_engine_config().model.max_model_len == 0
+    assert EngineArgs(max_model_len="2k").create_engine_config().model.max_model_len == 2000
+
+
 def test_server_flags_have_vllms_defaults_and_troupes_own_keep_working():
     args = serve.parse_args([])
     config = EngineArgs.from_cli_args(args).create_engine_config()
