@@ -8,9 +8,11 @@ then ``delta.content``); tool calls are read from the content only.
                an output without ``</think>`` is all reasoning
   qwen3        the model opens its thinking itself: reasoning only between the tags; an output
                that does not start with ``<think>`` (``enable_thinking`` false) is all content
+  granite      Granite 3.2 / 3.3 with ``thinking`` on: as qwen3, its tags plain text,
+               "Here is my thought process:" (or "Here's ...") and "Here is my response:"
 
-As vLLM does, a parser needs its tags to be tokens of the model's vocabulary: the server refuses
-to start with one the tokenizer lacks. The split reads the text, so a tag split across stream
+As vLLM does, a parser needs its tags to be tokens of the model's vocabulary (granite's are plain
+text): the server refuses to start with one the tokenizer lacks. The split reads the text, so a tag split across stream
 chunks is held back until it is whole."""
 from __future__ import annotations
 
@@ -29,9 +31,23 @@ class ReasoningParser:
     start: str = "<think>"
     end: str = "</think>"
     opened_by_prompt: bool = True      # deepseek_r1: the output begins inside the reasoning
+    # other spellings of the tags (granite's "Here's ..." beside "Here is ...")
+    start_alternatives: tuple[str, ...] = ()
+    end_alternatives: tuple[str, ...] = ()
+    tags_are_tokens: bool = True       # False: the tags are plain text (granite's), not checked
+
+    @property
+    def starts(self) -> tuple[str, ...]:
+        return (self.start, *self.start_alternatives)
+
+    @property
+    def ends(self) -> tuple[str, ...]:
+        return (self.end, *self.end_alternatives)
 
     def check(self, tokenizer: Any) -> None:
-        """ValueError unless both tags are single tokens of ``tokenizer``."""
+        """ValueError unless both tags are single tokens of ``tokenizer`` (for token tags)."""
+        if not self.tags_are_tokens:
+            return
         for tag in (self.start, self.end):
             if len(tokenizer.encode(tag)) != 1:
                 raise ValueError(f"--reasoning-parser {self.name}: the model's tokenizer has no {tag} token "
@@ -68,24 +84,26 @@ class ReasoningStream:
                 break
             if self.state == "opening":
                 stripped = text.lstrip()
-                if not final and (not stripped or self.p.start.startswith(stripped)):
+                if not final and (not stripped or any(s.startswith(stripped) for s in self.p.starts)):
                     self.held = text             # maybe the start of <think>
                     break
-                if stripped.startswith(self.p.start):
-                    text = stripped[len(self.p.start):]
+                start = next((s for s in self.p.starts if stripped.startswith(s)), None)
+                if start is not None:
+                    text = stripped[len(start):]
                     self.reasoned = True
                 elif not self.p.opened_by_prompt:
                     self.state = "content"       # qwen3 without <think>: no thinking
                     continue
                 self.state = "reasoning"
                 continue
-            at = text.find(self.p.end)           # reasoning, up to </think>
+            found = [(text.find(e), e) for e in self.p.ends]
+            at, end = min(((a, e) for a, e in found if a >= 0), default=(-1, ""))   # reasoning, up to </think>
             if at >= 0:
                 reasoning.append(text[:at])
-                text = text[at + len(self.p.end):]
+                text = text[at + len(end):]
                 self.state = "content"
                 continue
-            keep = 0 if final else _partial_tag(text, self.p.end)
+            keep = 0 if final else max(_partial_tag(text, e) for e in self.p.ends)
             reasoning.append(text[:len(text) - keep])
             self.held = text[len(text) - keep:]
             break
@@ -107,6 +125,9 @@ def _partial_tag(text: str, tag: str) -> int:
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", opened_by_prompt=True),
     "qwen3": ReasoningParser("qwen3", opened_by_prompt=False),
+    "granite": ReasoningParser("granite", "Here is my thought process:", "Here is my response:", opened_by_prompt=False,
+                               start_alternatives=("Here's my thought process:",),
+                               end_alternatives=("Here's my response:",), tags_are_tokens=False),
 }
 
 

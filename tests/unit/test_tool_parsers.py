@@ -256,6 +256,30 @@ REASONING_PLUGIN = os.path.join(os.path.dirname(__file__), "..", "plugins", "tro
                                 "reasoning_parser.py")
 
 
+@pytest.mark.parametrize("text, reasoning, content", [
+    ("Here is my thought process:\nTwo and two.\nHere is my response:\nFour.", "\nTwo and two.\n", "\nFour."),
+    ("Here's my thought process: sum. Here's my response: 4", " sum. ", " 4"),
+    ("Here is my thought process: sum. Here's my response: 4", " sum. ", " 4"),
+    ("Four.", None, "Four."),                                  # thinking off: all content
+    ("Here is my thought process: still thinking", " still thinking", None),
+])
+def test_granites_plain_text_markers_split_its_reasoning_whole_and_streamed(text, reasoning, content):
+    """Granite 3.2 / 3.3's thinking: its markers are plain text in two spellings; any chunking of
+    the stream adds up to the whole output's split, a marker held back until it is whole."""
+    from actors.frontend.reasoning import REASONING_PARSERS
+    parser = REASONING_PARSERS["granite"]
+    parser.check(None)                               # text markers: no token check
+    assert parser.split(text) == (reasoning, content)
+    rng = random.Random(0)
+    for _ in range(20):
+        stream, got, pos = parser.stream(), ["", ""], 0
+        while pos < len(text):
+            n = rng.randint(1, 6)
+            r, c = stream.feed(text[pos:pos + n], final=pos + n >= len(text))
+            got[0], got[1], pos = got[0] + r, got[1] + c, pos + n
+        assert (got[0] or None, got[1] or None) == (reasoning, content)
+
+
 def test_a_reasoning_parser_plugin_file_registers_a_parser_the_server_can_name(tmp_path, capsys):
     """vLLM's --reasoning-parser-plugin: the file runs at start-up and registers its parser (here
     a subclass with tags of its own), which --reasoning-parser then names; it splits whole and
