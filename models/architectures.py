@@ -16,7 +16,9 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("Qwen3MoeForCausalLM", "qwen3_moe"), ("MixtralForCausalLM", "mixtral"),
         ("GraniteForCausalLM", "granite"), ("SmolLM3ForCausalLM", "smollm3"),
         # multimodal checkpoints: their language model, on text (vLLM's --language-model-only)
-        ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"))}
+        ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"),
+        ("Qwen2VLForConditionalGeneration", "qwen2"), ("Qwen2_5_VLForConditionalGeneration", "qwen2"),
+        ("Qwen3VLForConditionalGeneration", "qwen3"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
 
 

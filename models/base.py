@@ -20,6 +20,7 @@ Fixups = list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
 
 # where transformers' multimodal checkpoints keep the vision side: older saves, then 5.x's
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+QWEN_VISION_PREFIXES = ("visual.", "model.visual.")      # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's
 
 
 def language_model_tensor_map(text_map: TensorMap) -> TensorMap:

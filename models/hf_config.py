@@ -69,6 +69,8 @@ def language_model_config(raw: dict[str, Any], key: str) -> dict[str, Any]:
     (``text_config``) over the top level's own (eos_token_id, tie_word_embeddings, ...), the
     other modalities' sub-configs left out."""
     text = raw.get(key)
+    if text is None and "num_hidden_layers" in raw:     # an older save: the language model's keys at the top
+        text = {}
     if not isinstance(text, dict):
         raise ValueError(f"config.json of {raw.get('architectures')} has no {key} object (its language model's keys)")
     top = {k: v for k, v in raw.items() if not (k.endswith("_config") and isinstance(v, dict))}

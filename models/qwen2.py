@@ -1,10 +1,12 @@
 """Qwen2: Llama with biases on the q/k/v projections, always, and optional sliding-window layers
 (``layer_types``); the tensor names are Llama's. llama.cpp runs it with NeoX rotary, so its
-GGUF keeps q/k rows as they are."""
+GGUF keeps q/k rows as they are. Qwen2-VL's and Qwen2.5-VL's checkpoints serve their language
+model."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from models.base import QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
 from models.config import FULL, SLIDING
 from models.llama import LlamaForCausalLM
 
@@ -26,3 +28,21 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         return {"qkv_bias": True, **qwen_sliding_fields(raw, fields["num_layers"])}
+
+
+class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
+    """Qwen2-VL's checkpoints (a vision tower beside the language model): the language model,
+    served on text (vLLM's --language-model-only). Its M-RoPE gives a text token the same
+    position in all three sections: plain rope (models/rope.py). The hub's tensors keep the
+    language model at ``model.*`` (the vision tower at ``visual.*``), transformers 5's at
+    ``model.language_model.*``; the vision tensors are never read."""
+    hf_text_config: ClassVar[str | None] = "text_config"
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+    hf_tensor_map: ClassVar[TensorMap] = {**Qwen2ForCausalLM.hf_tensor_map,
+                                          **language_model_tensor_map(Qwen2ForCausalLM.hf_tensor_map)}
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL's checkpoints: as Qwen2-VL's."""
+

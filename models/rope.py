@@ -115,7 +115,9 @@ def rope_scaling_from(params: dict[str, Any] | None, max_position_embeddings: in
     params = dict(params or {})
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    kind = {"su": "longrope"}.get(kind, kind)
+    # M-RoPE (Qwen2-VL's and later): a text token has one position in all sections, so on text,
+    # which is all Troupe serves, it is plain rope
+    kind = {"su": "longrope", "mrope": "default"}.get(kind, kind)
     if kind not in ROPE_TYPES:
         raise ValueError(f"rope type {kind!r} is not supported; supported: {', '.join(map(repr, ROPE_TYPES))}")
     if kind == "default":

@@ -1,7 +1,8 @@
 """Multimodal checkpoints served as their language model (vLLM's --language-model-only): tiny
-random Gemma 3 and Mistral 3 checkpoints with a vision tower, written by transformers, give
-transformers' text-only logits, in the hub's tensor layout and in transformers 5's, with the
-vision tensors never read; the hub's sparse Gemma 3 text_config takes transformers' defaults."""
+random Gemma 3, Mistral 3, Qwen2.5-VL and Qwen3-VL checkpoints with a vision tower, written by
+transformers, give transformers' text-only logits (Qwen's M-RoPE included), in the hub's tensor
+layout and in transformers 5's, with the vision tensors never read; the hub's sparse Gemma 3
+text_config takes transformers' defaults, an older Qwen2.5-VL config its top-level keys."""
 from __future__ import annotations
 
 import glob
@@ -43,20 +44,49 @@ def _mistral3():
                                                            spatial_merge_size=1, tie_word_embeddings=False))
 
 
-BUILDERS = {"Gemma3ForConditionalGeneration": _gemma3, "Mistral3ForConditionalGeneration": _mistral3}
+QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
+                   spatial_merge_size=2, temporal_patch_size=2)
 
 
-def _relayout(path) -> None:
-    """The checkpoint's tensors renamed to transformers 5's in-memory layout (model.language_model.*,
-    model.vision_tower.*, lm_head.*), as a 5.x save without the hub conversion writes them."""
+def _qwen2_5_vl():  # M-RoPE over sections of 2, 3 and 3 frequencies
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    text = dict({k: v for k, v in TEXT.items() if k != "head_dim"}, num_hidden_layers=2, rope_theta=5000.0,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=1, eos_token_id=2)
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=text, vision_config=dict(QWEN_VISION, fullatt_block_indexes=[0], window_size=56),
+        image_token_id=299, video_token_id=298, vision_start_token_id=297))
+
+
+def _qwen3_vl():  # interleaved M-RoPE, q/k norms
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    text = dict(TEXT, num_hidden_layers=2, rope_theta=5000.0, bos_token_id=1, eos_token_id=2,
+                rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    vision = dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=299,
+                                                         video_token_id=298, vision_start_token_id=297))
+
+
+BUILDERS = {"Gemma3ForConditionalGeneration": _gemma3, "Mistral3ForConditionalGeneration": _mistral3,
+            "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl, "Qwen3VLForConditionalGeneration": _qwen3_vl}
+# the hub's layout (what transformers writes) -> transformers 5's in-memory one
+RENAMES = {"Qwen": (("model.", "model.language_model."), ("visual.", "model.visual.")),
+           "other": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                     ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))}
+
+
+def _relayout(path, architecture: str) -> None:
+    """The checkpoint's tensors renamed from the hub's layout to transformers 5's in-memory one
+    (model.language_model.*, model.vision_tower.* or model.visual.*, lm_head.*), as a 5.x save
+    without the conversion back writes them."""
+    renames = RENAMES["Qwen" if architecture.startswith("Qwen") else "other"]
     for file in glob.glob(os.path.join(path, "*.safetensors")):
         with safe_open(file, "pt") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         renamed = {}
         for name, tensor in tensors.items():
-            for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                             ("vision_tower.", "model.vision_tower."),
-                             ("multi_modal_projector.", "model.multi_modal_projector.")):
+            for old, new in renames:
+                if name.startswith(tuple(n for _, n in renames)):      # Qwen3-VL's hub layout is 5's
+                    break
                 if name.startswith(old):
                     name = new + name.removeprefix(old)
                     break
@@ -76,13 +106,14 @@ def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(arch
     hf.config._attn_implementation = "eager"
     hf.eval().save_pretrained(tmp_path)
     if layout == "transformers5":
-        _relayout(tmp_path)
-    names = [n for f in glob.glob(os.path.join(tmp_path, "*.safetensors")) for n in safe_open(f, "pt").keys()]
-    assert any("vision_tower." in n for n in names) and any("multi_modal_projector." in n for n in names)
+        _relayout(tmp_path, architecture)
     model, config = load_model(resolve_model(str(tmp_path)))
+    skipped = type(model).hf_skipped_prefixes
+    names = [n for f in glob.glob(os.path.join(tmp_path, "*.safetensors")) for n in safe_open(f, "pt").keys()]
+    assert any(n.startswith(skipped) for n in names)
     assert config.architecture == architecture and config.vocab_size == 300 and config.num_layers == len(model.layers)
-    read = [name for name, _ in iter_safetensors_weights(str(tmp_path), type(model).hf_skipped_prefixes)]
-    assert read and not any("vision_tower." in n or "multi_modal_projector." in n for n in read)
+    read = [name for name, _ in iter_safetensors_weights(str(tmp_path), skipped)]
+    assert read and not any(n.startswith(skipped) for n in read)
     tokens = torch.randint(3, 290, (29,), generator=torch.Generator().manual_seed(1)).tolist()
     paged = Paged(config)
     (ours,) = paged.step(model, [(tokens, 0, paged.blocks_for([], 29))])
@@ -108,6 +139,16 @@ def test_the_hubs_sparse_gemma3_text_config_takes_transformers_defaults():
     assert [c.layer_sliding_window(i) for i in (0, 5)] == [1024, None]
     with pytest.raises(ValueError, match="has no text_config object"):
         hf_model_config({**raw, "text_config": None})
+
+
+def test_an_older_qwen2_5_vl_config_keeps_its_language_models_keys_at_the_top():
+    """The hub's Qwen2.5-VL config.json: no text_config, its M-RoPE as rope_scaling type mrope."""
+    raw = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+           "max_position_embeddings": 128000, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vision_config": {"depth": 32}}
+    c = hf_model_config(raw)
+    assert (c.num_layers, c.hidden_size, c.rope_theta, c.rope_scaling.is_default, c.qkv_bias) == (2, 64, 1e6, True, True)
 
 
 def test_a_multimodal_checkpoint_is_named_by_its_architecture_in_config_json(tmp_path):

@@ -127,8 +127,8 @@ def test_config_json_reads_each_type_with_vllms_context_lengths():
                             "rope_scaling": {"type": "longrope", "short_factor": SHORT, "long_factor": LONG,
                                              "original_max_position_embeddings": 64}})
     assert phi3.rope_scaling.original_max_position_embeddings == 32 and phi3.default_max_model_len == 32
-    with pytest.raises(ValueError, match="rope type 'mrope' is not supported; supported: 'default', 'linear'"):
-        hf_model_config({**base, "rope_scaling": {"rope_type": "mrope", "factor": 2.0}})
+    with pytest.raises(ValueError, match="rope type 'deepseek_yarn' is not supported; supported: 'default', 'linear'"):
+        hf_model_config({**base, "rope_scaling": {"rope_type": "deepseek_yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="llama3 rope scaling needs low_freq_factor and high_freq_factor"):
         hf_model_config({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(ValueError, match="longrope rope scaling needs short_factor and long_factor"):
