@@ -14,7 +14,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
         ("Qwen3ForCausalLM", "qwen3"), ("Gemma3ForCausalLM", "gemma3"), ("Phi3ForCausalLM", "phi3"),
         ("Qwen3MoeForCausalLM", "qwen3_moe"), ("MixtralForCausalLM", "mixtral"),
-        ("GraniteForCausalLM", "granite"), ("SmolLM3ForCausalLM", "smollm3"),
+        ("GraniteForCausalLM", "granite"), ("SmolLM3ForCausalLM", "smollm3"), ("Gemma2ForCausalLM", "gemma2"),
         # multimodal checkpoints: their language model, on text (vLLM's --language-model-only)
         ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"),
         ("Qwen2VLForConditionalGeneration", "qwen2"), ("Qwen2_5_VLForConditionalGeneration", "qwen2"),

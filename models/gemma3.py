@@ -23,7 +23,8 @@ LOCAL_ROPE_THETA = 10_000.0   # the sliding layers' rotary base, when a config d
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
+                 qk_norm: bool = True) -> None:
         super().__init__()
         c = config
         # a sliding layer by its type (its rotary base is the local one even with the window off)
@@ -33,7 +34,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
             sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            qk_norm=lambda: GemmaRMSNorm(c.head_size, c.rms_norm_eps, dtype))
+            qk_norm=(lambda: GemmaRMSNorm(c.head_size, c.rms_norm_eps, dtype)) if qk_norm else None,
+            logits_soft_cap=c.attn_logit_softcapping)
         self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
@@ -79,6 +81,7 @@ class Gemma3ForCausalLM(CausalLM):
         "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}
     gguf_architectures: ClassVar[tuple[str, ...]] = ("gemma3",)
     gguf_eog_tokens: ClassVar[tuple[str, ...]] = ("<end_of_turn>",)
+    qk_norm: ClassVar[bool] = True         # per-head RMSNorm of q and k (Gemma 2 has none)
     intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states",)
 
     gguf_tensor_map: ClassVar[TensorMap] = {
@@ -144,18 +147,16 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        if config.attn_logit_softcapping is not None:
-            raise ValueError("Gemma3ForCausalLM: attention logit softcapping is not supported by the attention "
-                             "backends; this checkpoint sets attn_logit_softcapping")
         if config.rotary_dim is not None:
-            raise ValueError(f"Gemma3ForCausalLM with a partial rotary ({config.rotary_dim} of {config.head_size} "
+            raise ValueError(f"{type(self).__name__} with a partial rotary ({config.rotary_dim} of {config.head_size} "
                              "head dimensions) is not supported")
         c = self.config = config
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
         self.embed_scale = c.hidden_size ** 0.5    # applied in the model dtype, as transformers does
         self.rotary_global = RotaryEmbedding(c.head_size, c.rope_positions, c.rope_theta, c.rope_scaling, c.serving_len)
         self.rotary_local = RotaryEmbedding(c.head_size, c.rope_positions, c.rope_local_theta or c.rope_theta)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, i, attn_backend, dtype) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, i, attn_backend, dtype, self.qk_norm)
+                                    for i in range(c.num_layers))
         self.start_layer, self.end_layer = 0, c.num_layers     # a pipeline stage's (pipeline_parallel.py)
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         tied = self.embed_tokens.weight if c.tie_word_embeddings else None

@@ -285,7 +285,7 @@ def kv_layer_hooks_active() -> bool:
 def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None,
               k_scale: torch.Tensor, v_scale: torch.Tensor, layer: int = 0,
-              group_meta: AttentionMetadata | None = None) -> torch.Tensor:
+              group_meta: AttentionMetadata | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """The attention call (KV store and paged attention through the backend, between a KV
     connector's per-layer hooks when a step has them): torch.compile's splitting op
     (``split_at_attention`` makes it untraced), so compiled layers run as the pieces between
@@ -294,8 +294,12 @@ def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: to
     hooks = _kv_layer_hooks
     if hooks is not None:
         hooks.wait_for_layer_load(layer)
-    out = backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
-                          k_scale=k_scale, v_scale=v_scale)
+    if logits_soft_cap:           # only backends that take it are given it (and chosen: supports_logits_soft_cap)
+        out = backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
+                              k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap)
+    else:
+        out = backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
+                              k_scale=k_scale, v_scale=v_scale)
     if hooks is not None:
         hooks.save_kv_layer(layer, kv_cache, group_meta if group_meta is not None else meta)
     return out
@@ -316,13 +320,14 @@ class SelfAttention(nn.Module):
                  backend: AttentionBackend, dtype: torch.dtype, *, scale: float,
                  sliding_window: int | None = None, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: Callable[[], nn.Module] | None = None, rotary_dim: int | None = None,
-                 use_rope: bool = True) -> None:
+                 use_rope: bool = True, logits_soft_cap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.rotary_dim = rotary_dim or head_size     # a partial rotary turns the leading dims only
         self.use_rope = use_rope                      # False: no position encoding in this layer (NoPE)
+        self.logits_soft_cap = logits_soft_cap        # Gemma 2's attention score cap (None: none)
         self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
         self.scale, self.sliding_window = scale, sliding_window
         self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
@@ -354,7 +359,7 @@ class SelfAttention(nn.Module):
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
         out = self.attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.sliding_window,
-                             self.k_scale, self.v_scale, self.kv_index, step_meta)
+                             self.k_scale, self.v_scale, self.kv_index, step_meta, self.logits_soft_cap)
         return self.o_proj(out.reshape(T, self.q_size))     # (T, hidden)
 
     def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype,

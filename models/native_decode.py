@@ -97,7 +97,7 @@ class NativeDecodeStack:
                     or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
                            for n in norms)
                     or attn.q_norm is not None or type(attn.backend) is not CpuAttentionBackend
-                    or not attn.backend.native or attn.head_size % 2):
+                    or not attn.backend.native or attn.head_size % 2 or attn.logits_soft_cap):
                 return None
             o, down = attn.o_proj, mlp.down_proj
             if type(o) is RowParallel and type(down) is RowParallel:     # a tensor-parallel rank's

@@ -57,6 +57,7 @@ class AttentionRequirements:
     block_size: int
     sliding_window: int | None       # the largest window of any layer; None = full attention only
     device: str                      # "cpu" | "cuda"
+    logits_soft_cap: bool = False    # some layer caps its scores (Gemma 2): cap * tanh(score / cap)
 
 
 CudaGraphSupport = Literal["never", "uniform_decode", "always"]
@@ -81,6 +82,9 @@ class AttentionBackend(ABC):
     ``supports_cascade`` may attend over that prefix once for all queries (cascade attention,
     kernels/attention/cascade.py) when the layer has no sliding window; any backend may ignore it.
 
+    ``logits_soft_cap`` C (Gemma 2's attn_logit_softcapping) replaces each scaled score s by
+    C * tanh(s / C) before the softmax; only a backend that ``supports_logits_soft_cap`` takes it.
+
     Subclasses declare their capabilities; ``refusal`` turns them into a reason string.
     """
 
@@ -91,6 +95,7 @@ class AttentionBackend(ABC):
     head_sizes: ClassVar[tuple[int, ...] | None] = None      # None: any
     block_sizes: ClassVar[tuple[int, ...] | None] = None     # None: any
     supports_sliding_window: ClassVar[bool] = False
+    supports_logits_soft_cap: ClassVar[bool] = False   # takes forward's logits_soft_cap
     supports_cascade: ClassVar[bool] = False        # uses meta.common_prefix_len
     cascade_min_prefix: ClassVar[int] = 256         # the shortest shared prefix worth a cascade here
     cudagraph_support: ClassVar[CudaGraphSupport] = "never"
@@ -110,6 +115,8 @@ class AttentionBackend(ABC):
             return f"{cls.name}: block size {req.block_size} not supported ({cls.block_sizes})"
         if req.sliding_window is not None and not cls.supports_sliding_window:
             return f"{cls.name}: sliding-window attention not supported"
+        if req.logits_soft_cap and not cls.supports_logits_soft_cap:
+            return f"{cls.name}: attention logit softcapping not supported"
         return None
 
     @abstractmethod
@@ -124,6 +131,7 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         k_scale: torch.Tensor | None = None,   # () float32
         v_scale: torch.Tensor | None = None,
+        logits_soft_cap: float | None = None,  # scores (after the scale) capped: cap * tanh(s / cap)
     ) -> torch.Tensor:           # (T, num_heads, head_size)
         ...
 

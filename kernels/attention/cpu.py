@@ -50,6 +50,7 @@ class CpuAttentionBackend(AttentionBackend):
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
     supports_sliding_window = True
+    supports_logits_soft_cap = True     # every path then is one batched ``attend``, the cap applied there
     supports_cascade = True
     # Measured (python -m tools.bench cascade, 64 decodes): below ~1k shared tokens the native decode
     # kernel, re-reading a short prefix from the CPU's caches, beats cascade's extra passes.
@@ -71,12 +72,20 @@ class CpuAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         k_scale: torch.Tensor | None = None,   # () float32, fp8 caches only
         v_scale: torch.Tensor | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         scales = _Scales(k_scale, v_scale)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         B = meta.num_reqs
+        if logits_soft_cap:       # Gemma 2's capped scores: the torch path, for every request at once
+            out = query.new_zeros(query.shape)
+            reqs = _Requests.of(meta)
+            o, tokens = attend(query, kv_cache, reqs.block_table, reqs.seq_lens, reqs.starts, reqs.query_lens,
+                               meta.max_query_len, scale, sliding_window, *scales, logits_soft_cap=logits_soft_cap)
+            out[tokens] = o
+            return out
         if meta.common_prefix_len > 0 and sliding_window is None:
             return self._cascade(query, kv_cache, meta, scale, scales)
         if meta.is_pure_decode and query.shape[0] == B:  # no padding: request i owns token i

@@ -10,12 +10,15 @@ from kernels.attention.fp8 import dequantize_kv, is_fp8
 def attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            starts: torch.Tensor, query_lens: torch.Tensor, max_query_len: int, scale: float,
            sliding_window: int | None, k_scale: torch.Tensor | None = None,
-           v_scale: torch.Tensor | None = None, with_lse: bool = False) -> tuple[torch.Tensor, ...]:
+           v_scale: torch.Tensor | None = None, with_lse: bool = False,
+           logits_soft_cap: float | None = None) -> tuple[torch.Tensor, ...]:
     """Attention for b requests whose queries are query[starts[i] : starts[i] + query_lens[i]],
     the last query_lens[i] of their seq_lens[i] (int64) tokens, in one SDPA call with every
     request's queries padded to max_query_len. Returns (outputs (n, H, D), their token indices
     (n,)), n = sum(query_lens), and with ``with_lse`` also each output row's log-sum-exp of its
-    scaled scores (n, H) float32. An fp8 cache is read as fp8 * k_scale / v_scale.
+    scaled scores (n, H) float32. An fp8 cache is read as fp8 * k_scale / v_scale. With
+    ``logits_soft_cap`` C the scores are capped (C * tanh(s / C)) before the softmax, in plain
+    torch (SDPA takes no cap).
 
     Keys are gathered from a window of nb blocks per request starting at first_block[i]: block 0
     without a sliding window; with one, the block of the oldest key the first query can see, so
@@ -58,6 +61,17 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         mask &= key_pos[:, None, :] > pos[:, :, None] - sliding_window
     mask = mask[:, None].expand(b, G, Q, L).reshape(b, 1, G * Q, L)
 
+    if logits_soft_cap:
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale                # (b, KVH, G*Q, L)
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)                                      # (b, KVH, G*Q)
+        o = (torch.softmax(scores, dim=-1) @ v.float()).to(query.dtype)            # (b, KVH, G*Q, D)
+        o = o.view(b, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(b, Q, H, D)
+        if not with_lse:
+            return o[valid], tokens[valid]
+        lse = lse.view(b, KVH, G, Q).permute(0, 3, 1, 2).reshape(b, Q, H)
+        return o[valid], tokens[valid], lse[valid]
     if not with_lse:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (b, KVH, G*Q, D)
         o = o.view(b, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(b, Q, H, D)

@@ -17,6 +17,7 @@ def reference_paged_attention(
     sliding_window: int | None = None,
     k_scale: torch.Tensor | float | None = None,   # fp8 caches: stored fp8(k / k_scale), read fp8 * k_scale
     v_scale: torch.Tensor | float | None = None,
+    logits_soft_cap: float | None = None,          # scores capped: C * tanh(s / C)
 ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
     """Slow and plain: write token by token, then per request gather its context block by block,
     repeat K/V per query head, softmax with a causal mask (and p - W < k with a window W)."""
@@ -41,6 +42,8 @@ def reference_paged_attention(
         v = dequantize_kv(v, v_scale).repeat_interleave(group, dim=1).transpose(0, 1)  # (H, S, D)
         q = query[start:end].transpose(0, 1).float()                                # (H, q, D)
         scores = q @ k.transpose(1, 2) * scale                                      # (H, q, S)
+        if logits_soft_cap:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         q_pos = torch.arange(seq_len - (end - start), seq_len)
         k_pos = torch.arange(seq_len)[None, :]                                      # (1, S)
         hidden = k_pos > q_pos[:, None]                                             # (q, S)

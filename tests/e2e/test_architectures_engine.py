@@ -1,7 +1,7 @@
-"""Architectures whose layers leave the shape of the native decode stack (one C call for all
-layers of a decode step) decode through the whole engine to transformers' greedy tokens: the
-stack steps aside for SmolLM3's NoPE layers and Granite's residual multiplier, and the
-per-layer path serves them."""
+"""Architectures whose layers differ from Llama's where the native kernels run decode through
+the whole engine to transformers' greedy tokens: the one-call decode stack takes SmolLM3's NoPE
+layers and Granite's residual multiplier; Gemma 2's capped attention scores take the CPU
+backend's torch path."""
 from __future__ import annotations
 
 import pytest
@@ -27,13 +27,19 @@ def _smollm3():
                                             rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
 
 
-@pytest.mark.parametrize("build", [_granite, _smollm3], ids=["granite", "smollm3"])
+def _gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    return Gemma2ForCausalLM(Gemma2Config(**TINY, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
+                                          attn_logit_softcapping=0.5, final_logit_softcapping=30.0))
+
+
+@pytest.mark.parametrize("build", [_granite, _smollm3, _gemma2], ids=["granite", "smollm3", "gemma2"])
 def test_greedy_tokens_through_the_engine_equal_transformers(build, tmp_path):
     torch.manual_seed(0)
     hf = build()
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+            p.normal_(1.0 if name.endswith("norm.weight") and build is not _gemma2 else 0.0, 0.15)
     hf.config._attn_implementation = "eager"
     hf.eval().save_pretrained(tmp_path)
     prompt = torch.randint(3, 128, (21,), generator=torch.Generator().manual_seed(3)).tolist()

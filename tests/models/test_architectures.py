@@ -70,6 +70,13 @@ def _mixtral():  # every layer 4 experts of intermediate_size, top 2
                                             num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False))
 
 
+def _gemma2():  # even layers sliding (W = 4), capped attention scores and logits
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    return Gemma2ForCausalLM(Gemma2Config(**TINY, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=24,
+                                          attn_logit_softcapping=0.5, final_logit_softcapping=30.0,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
 def _granite():  # the four multipliers away from 1
     from transformers import GraniteConfig, GraniteForCausalLM
     return GraniteForCausalLM(GraniteConfig(**TINY, num_hidden_layers=2, tie_word_embeddings=False,
@@ -87,7 +94,7 @@ def _smollm3():  # layer 3 of 4 without rope (NoPE), tied embeddings
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
-            "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3}
+            "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3, "Gemma2ForCausalLM": _gemma2}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))

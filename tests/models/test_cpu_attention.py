@@ -18,7 +18,7 @@ SCENARIOS = {
 
 
 def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, sliding_window=None,
-              kv_dtype=torch.float32, native=True):
+              kv_dtype=torch.float32, native=True, logits_soft_cap=None):
     gen = torch.Generator().manual_seed(seed)
     meta, num_blocks = shuffled_paged_metadata(reqs, block_size, gen, num_padding)
     T = meta.num_tokens
@@ -28,8 +28,10 @@ def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, 
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_SIZE, generator=gen).to(kv_dtype)  # the cached prefix
     ours_cache, ref_cache = cache.clone(), cache.clone()
     scale = HEAD_SIZE ** -0.5
-    ours = CpuAttentionBackend(native).forward(query, key, value, ours_cache, meta, scale, sliding_window=sliding_window)
-    ref = reference_paged_attention(query, key, value, ref_cache, meta, scale, sliding_window=sliding_window)
+    cap = {} if logits_soft_cap is None else {"logits_soft_cap": logits_soft_cap}
+    ours = CpuAttentionBackend(native).forward(query, key, value, ours_cache, meta, scale, sliding_window=sliding_window,
+                                               **cap)
+    ref = reference_paged_attention(query, key, value, ref_cache, meta, scale, sliding_window=sliding_window, **cap)
     return ours, ref, ours_cache, ref_cache, cache, meta
 
 
@@ -131,6 +133,21 @@ def test_decode_ignores_keys_outside_the_window():
 
 # ---- backend selection ---------------------------------------------------------------------
 
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["f32", "bf16", "fp8"])
+def test_logit_softcapping_matches_the_reference_and_matters(scenario, window, kv_dtype):
+    """Gemma 2's capped scores (C * tanh(s / C)) on every path: decodes, prompts, chunks after
+    cached context, with and without a window, over 32-bit, 16-bit and fp8 caches."""
+    ours, ref, ours_cache, ref_cache, _, _ = _run_case(SCENARIOS[scenario], 16, 6, 2, num_padding=3, seed=4,
+                                                       sliding_window=window, kv_dtype=kv_dtype, logits_soft_cap=0.5)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_cache.float(), ref_cache.float(), atol=0, rtol=0)
+    uncapped, *_ = _run_case(SCENARIOS[scenario], 16, 6, 2, num_padding=3, seed=4, sliding_window=window,
+                             kv_dtype=kv_dtype)
+    assert (ours - uncapped).abs().max() > 1e-2
+
+
 def test_selection_names_every_refusal():
     from kernels.attention.base import AttentionRequirements
     from kernels.attention.selector import BACKENDS, select_backend
@@ -142,6 +159,10 @@ def test_selection_names_every_refusal():
     for name in BACKENDS:
         assert f"{name}:" in str(info.value)
     assert "cpu: runs on cpu, not tpu" in str(info.value)
+    capped = AttentionRequirements(torch.bfloat16, torch.bfloat16, 64, 16, sliding_window=None, device="cuda",
+                                   logits_soft_cap=True)
+    with pytest.raises(ValueError, match="triton: attention logit softcapping not supported"):
+        select_backend(capped)
 
 
 @pytest.mark.parametrize("window", [None, 5, 40])

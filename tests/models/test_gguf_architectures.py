@@ -48,6 +48,13 @@ def _phi3():  # attn_qkv and ffn_up (gate | up) fused; its window in the header
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
+def _gemma2():  # what llama.cpp assumes: even layers sliding, scale 1/sqrt(head_dim); both caps in the header
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    return Gemma2ForCausalLM(Gemma2Config(**TINY, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=16,
+                                          attn_logit_softcapping=0.5, final_logit_softcapping=30.0,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
 def _granite():  # its multipliers as header keys
     from transformers import GraniteConfig, GraniteForCausalLM
     return GraniteForCausalLM(GraniteConfig(**TINY, num_hidden_layers=2, tie_word_embeddings=False,
@@ -63,7 +70,7 @@ def _smollm3():  # llama.cpp's fixed NoPE interval of 4
 
 
 BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma3": _gemma3, "phi3": _phi3, "granite": _granite,
-            "smollm3": _smollm3}
+            "smollm3": _smollm3, "gemma2": _gemma2}
 PERMUTED_QK = ("llama", "granite", "smollm3")     # llama.cpp's LlamaModel and its subclasses
 
 
@@ -101,9 +108,12 @@ def convert_to_gguf(hf, arch: str, path: str, extra=None) -> None:
             tensor = _permute(tensor, c.num_attention_heads)
         if arch in PERMUTED_QK and base.endswith("k_proj"):
             tensor = _permute(tensor, c.num_key_value_heads)
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             tensor = tensor + 1.0
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy().astype(np.float32))
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
     if arch == "granite":
         writer.add_embedding_scale(c.embedding_multiplier)
         writer.add_residual_scale(c.residual_multiplier)
