@@ -70,7 +70,7 @@ class NativeDecodeStack:
         self.model = model          # holds the weights (and KV scales) whose addresses ``words`` records
         self.comm = comm            # a tensor-parallel rank's: its shared-memory all-reduce (decode_stack.c)
         self.words = words          # (L, WORDS) int64; the KV cache addresses are filled per runner
-        self.floats = floats        # (L, 4) float32: scale, eps of the two norms, residual multiplier
+        self.floats = floats        # (L, 5) float32: scale, eps of the two norms, residual multiplier, score cap
         self.dims = dims            # hidden, heads, kv heads, head size, intermediate
         self.profile: torch.Tensor | None = None   # (len(PHASES),) float64 seconds, when profiling
         self._caches: list[torch.Tensor] | None = None
@@ -97,7 +97,7 @@ class NativeDecodeStack:
                     or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
                            for n in norms)
                     or attn.q_norm is not None or type(attn.backend) is not CpuAttentionBackend
-                    or not attn.backend.native or attn.head_size % 2 or attn.logits_soft_cap):
+                    or not attn.backend.native or attn.head_size % 2):
                 return None
             o, down = attn.o_proj, mlp.down_proj
             if type(o) is RowParallel and type(down) is RowParallel:     # a tensor-parallel rank's
@@ -117,7 +117,8 @@ class NativeDecodeStack:
                                                              0, attn.sliding_window or 0, attn.k_scale.data_ptr(),
                                                              attn.v_scale.data_ptr(),
                                                              attn.rotary_dim if attn.use_rope else 0])
-            floats.append([attn.scale, norms[0].eps, norms[1].eps, getattr(layer, "residual_multiplier", 1.0)])
+            floats.append([attn.scale, norms[0].eps, norms[1].eps, getattr(layer, "residual_multiplier", 1.0),
+                           attn.logits_soft_cap or 0.0])
         comm = None
         if groups:               # the all-reduces in the call: through the ranks' shared memory only
             shm = shm_comm.communicator(*groups) if len(groups) == 1 else None

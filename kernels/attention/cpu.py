@@ -79,13 +79,8 @@ class CpuAttentionBackend(AttentionBackend):
         scales = _Scales(k_scale, v_scale)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         B = meta.num_reqs
-        if logits_soft_cap:       # Gemma 2's capped scores: the torch path, for every request at once
-            out = query.new_zeros(query.shape)
-            reqs = _Requests.of(meta)
-            o, tokens = attend(query, kv_cache, reqs.block_table, reqs.seq_lens, reqs.starts, reqs.query_lens,
-                               meta.max_query_len, scale, sliding_window, *scales, logits_soft_cap=logits_soft_cap)
-            out[tokens] = o
-            return out
+        if logits_soft_cap:
+            return self._capped(query, kv_cache, meta, scale, sliding_window, scales, logits_soft_cap)
         if meta.common_prefix_len > 0 and sliding_window is None:
             return self._cascade(query, kv_cache, meta, scale, scales)
         if meta.is_pure_decode and query.shape[0] == B:  # no padding: request i owns token i
@@ -104,6 +99,27 @@ class CpuAttentionBackend(AttentionBackend):
         if split.chunks.numel():
             self._chunks(query, key, value, kv_cache, out, reqs.take(split.chunks), meta.max_query_len, scale,
                          sliding_window, scales)
+        return out
+
+    def _capped(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None, scales: _Scales, cap: float) -> torch.Tensor:
+        """Gemma 2's capped scores: decodes through the native decode kernel (its portable tile
+        caps), every prompt chunk in one batched ``attend`` (the prefill kernels do not cap)."""
+        out = query.new_zeros(query.shape)
+        reqs = _Requests.of(meta)
+        rows = torch.arange(meta.num_reqs)
+        if self._native_takes_decode(query, kv_cache):
+            is_decode = reqs.query_lens == 1
+            decode, rows = is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)
+            if decode.numel():
+                tokens = reqs.starts[decode]
+                out[tokens] = paged_decode(query[tokens], kv_cache, reqs.block_table[decode], reqs.seq_lens[decode],
+                                           scale, sliding_window, *scales, logits_soft_cap=cap)
+        if rows.numel():
+            r = reqs.take(rows)
+            o, tokens = attend(query, kv_cache, r.block_table, r.seq_lens, r.starts, r.query_lens,
+                               int(r.query_lens.max()), scale, sliding_window, *scales, logits_soft_cap=cap)
+            out[tokens] = o
         return out
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

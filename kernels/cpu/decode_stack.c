@@ -18,8 +18,9 @@
  * codes, d, m, N, K, bias; then the two norm weights, the layer's KV cache, its window, and the
  * addresses of its k_scale and v_scale floats, read at each call, for an 8-bit cache, and
  * how many leading dims of each head turn: the head's, fewer for a partial rotary, 0 in a NoPE
- * layer) and fdesc four floats (attention scale, the two
- * norms' eps, the residual multiplier m: Granite's, 1 elsewhere). Linear kernel 0 is panel_gemm,
+ * layer) and fdesc DS_FLOATS floats (attention scale, the two
+ * norms' eps, the residual multiplier m: Granite's, 1 elsewhere; the attention score cap:
+ * Gemma 2's, 0 elsewhere). Linear kernel 0 is panel_gemm,
  * 1 is i8x2_gemm (kinds as gemm.c numbers them).
  *
  * lora_desc, when not NULL, adds LoRA after each of the four linears (lora.c's kernel, the same
@@ -57,10 +58,10 @@ int panel_gated_gemm(int kind, const void *codes, const void *d, const void *m, 
 int64_t kv_store(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
                  const int64_t *slots, int64_t T, void *kv, int64_t kt, int64_t num_slots, int64_t row,
                  const float *k_scale, const float *v_scale);
-void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *table,
-                  const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                  int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window,
-                  const float *k_scale, const float *v_scale);
+void paged_decode_lse(const float *q, const void *kv, int64_t kt, const int32_t *table,
+                      const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                      int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window,
+                      const float *k_scale, const float *v_scale, float *lse, float softcap);
 
 int64_t lora_shrink_expand(int64_t T, const float *x, int64_t ldx, float *y, int64_t ldy,
                            const float *a, const float *b, const int64_t *token_slots,
@@ -69,6 +70,7 @@ int64_t lora_shrink_expand(int64_t T, const float *x, int64_t ldx, float *y, int
 
 #define DS_LIN 8
 #define DS_WORDS (4 * DS_LIN + 7)
+#define DS_FLOATS 5
 #define DS_LORA 6
 #define DS_LORA_WORDS (4 * DS_LORA)
 #define DS_ALLOC_FAILED (-2)
@@ -149,8 +151,9 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         const float *k_scale = (const float *)(intptr_t)ld[4 * DS_LIN + 4];
         const float *v_scale = (const float *)(intptr_t)ld[4 * DS_LIN + 5];
         const int64_t rd = ld[4 * DS_LIN + 6];        /* the dims that turn: D, fewer, or 0 (NoPE) */
-        const float scale = fdesc[4 * l], eps_in = fdesc[4 * l + 1], eps_post = fdesc[4 * l + 2],
-                    m = fdesc[4 * l + 3];
+        const float scale = fdesc[DS_FLOATS * l], eps_in = fdesc[DS_FLOATS * l + 1],
+                    eps_post = fdesc[DS_FLOATS * l + 2], m = fdesc[DS_FLOATS * l + 3],
+                    softcap = fdesc[DS_FLOATS * l + 4];
         const int64_t *lw = lora_desc ? lora_desc + l * DS_LORA_WORDS : NULL;
 
         if (l == 0) rms_norm_f32(emb, Hd, NULL, in_w, x, B, Hd, eps_in);
@@ -165,8 +168,8 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         if (bad >= 0) { status = bad; break; }
         for (int64_t b = 0; b < B; b++) memcpy(q + b * HD, qkv + b * NQKV, sizeof(float) * HD);
         ds_lap(seconds, DS_ROTARY_STORE, &t);
-        paged_decode(q, kv, kt, table, seq_lens, a, B, H, KVH, D, BS, num_blocks, max_blocks, scale,
-                     window, k_scale, v_scale);
+        paged_decode_lse(q, kv, kt, table, seq_lens, a, B, H, KVH, D, BS, num_blocks, max_blocks, scale,
+                         window, k_scale, v_scale, NULL, softcap);
         ds_lap(seconds, DS_ATTENTION, &t);
         if (!ds_linear(wo, a, B, o)) { status = DS_ALLOC_FAILED; break; }
         if (lw) ds_lora(lw + DS_LORA, lora_slots, a, B, HD, o, Hd);

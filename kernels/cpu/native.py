@@ -70,7 +70,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.paged_decode.restype = None
     lib.paged_decode.argtypes = [ptr, ptr, i64] + [ptr] * 3 + [i64] * 7 + [ctypes.c_float, i64, ptr, ptr]
     lib.paged_decode_lse.restype = None
-    lib.paged_decode_lse.argtypes = lib.paged_decode.argtypes + [ptr]
+    lib.paged_decode_lse.argtypes = lib.paged_decode.argtypes + [ptr, ctypes.c_float]
     return lib, ""
 
 
@@ -146,13 +146,14 @@ def ptr(t: torch.Tensor | None) -> int | None:
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                  k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None,
-                 lse: torch.Tensor | None = None) -> torch.Tensor:
+                 lse: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """Decode attention read in place through the block table (see paged_attention.c).
     query (B, H, D) float32, kv_cache (2, num_blocks, BS, KVH, D) float32, float16, bfloat16,
     float8_e4m3fn or float8_e5m2 (narrower rows are widened as they are read; 8-bit ones read as
     value * k_scale / v_scale, None: 1), block_table (B, M) int32, seq_lens (B,) int32
     -> (B, H, D) float32. ``lse`` (B, H) float32 contiguous, when given, receives each row's
-    log-sum-exp of its scaled scores (-inf for seq_len 0)."""
+    log-sum-exp of its scaled scores (-inf for seq_len 0). ``logits_soft_cap`` C: each scaled
+    score s is C * tanh(s / C) (Gemma 2's; the kernel's portable tile)."""
     lib, reason = _library()
     if lib is None:
         raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
@@ -172,10 +173,10 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     args = (q.data_ptr(), kv_cache.data_ptr(), KV_TYPES[kv_cache.dtype], table.data_ptr(), lens.data_ptr(),
             out.data_ptr(), B, H, KVH, D, BS, num_blocks, table.shape[1], scale, sliding_window or 0, ptr(ks),
             ptr(vs))
-    if lse is None:
+    if lse is None and not logits_soft_cap:
         lib.paged_decode(*args)
         return out
-    if lse.shape != (B, H) or lse.dtype != torch.float32 or not lse.is_contiguous():
+    if lse is not None and (lse.shape != (B, H) or lse.dtype != torch.float32 or not lse.is_contiguous()):
         raise ValueError(f"lse must be a contiguous float32 ({B}, {H}), got {tuple(lse.shape)} {lse.dtype}")
-    lib.paged_decode_lse(*args, lse.data_ptr())
+    lib.paged_decode_lse(*args, ptr(lse), float(logits_soft_cap or 0.0))
     return out

@@ -74,6 +74,7 @@ typedef struct {
     int kt;
     float scale;                   /* softmax scale, times the keys' read factor (8-bit caches) */
     float vmul;                    /* the values' read factor (1 but for 8-bit caches) */
+    float softcap;                 /* > 0: scores capped, softcap * tanh(s / softcap) (Gemma 2) */
 } pa_ctx;
 
 /* ---- 8-bit floats ------------------------------------------------------------------------
@@ -480,9 +481,10 @@ pa_tile256(const int NH, const int64_t DVc, const int KT, const float *qh, const
 PA_TILE_TABLE(pa_tile256, 8, 16)        /* D / 8 == 8, == 16 */
 #endif
 
-/* Portable tile: the same blockwise softmax in plain C. */
+/* Portable tile: the same blockwise softmax in plain C; softcap > 0 caps each scaled score
+ * (softcap * tanh(s / softcap)), the one tile that does. */
 static void pa_tile_c(int NH, const float *qh, const float *k, const float *v, int64_t ts, int n,
-                      int64_t D, float scale, float *m, float *l, float *acc, const float *kp,
+                      int64_t D, float scale, float softcap, float *m, float *l, float *acc, const float *kp,
                       const float *vp, int np) {
     float p[PA_GROUP][PA_TILE];
     for (int t = 0; t < np; t++)
@@ -499,6 +501,7 @@ static void pa_tile_c(int NH, const float *qh, const float *k, const float *v, i
             #pragma omp simd reduction(+:dot)
             for (int64_t d = 0; d < D; d++) dot += qq[d] * kt[d];
             p[h][t] = dot * scale;
+            if (softcap > 0.f) p[h][t] = softcap * tanhf(p[h][t] / softcap);
             mx = p[h][t] > mx ? p[h][t] : mx;
         }
         const float mnew = mx > m[h] ? mx : m[h];
@@ -536,7 +539,7 @@ static void pa_range(const pa_ctx *cx, const float *qb, const int32_t *tab, int6
     }
     memset(acc, 0, sizeof(float) * H * D);
 #ifdef PA_VW
-    const int vec = D % PA_VW == 0;
+    const int vec = D % PA_VW == 0 && !(cx->softcap > 0.f);     /* capped scores: the C tile */
     const pa_tile_fn *tiles = pa_tiles[cx->kt][D == 64 ? 0 : D == 128 ? 1 : 2];
 #endif
     for (int64_t pos = p0; pos < p1;) {
@@ -577,7 +580,8 @@ static void pa_range(const pa_ctx *cx, const float *qb, const int32_t *tab, int6
                 }
 #endif
                 if (cx->kt == PA_F32) {
-                    pa_tile_c(nh, qh, (const float *)k, (const float *)v, ts, (int)n, D, cx->scale, mh, lh,
+                    pa_tile_c(nh, qh, (const float *)k, (const float *)v, ts, (int)n, D, cx->scale, cx->softcap,
+                              mh, lh,
                               ah, (const float *)(ka + g * D * es), (const float *)(va + g * D * es), np);
                     continue;
                 }
@@ -588,7 +592,7 @@ static void pa_range(const pa_ctx *cx, const float *qb, const int32_t *tab, int6
                     }
                     converted = 1;
                 }
-                pa_tile_c(nh, qh, kbuf, vbuf, D, (int)n, D, cx->scale, mh, lh, ah, kbuf, vbuf, 0);
+                pa_tile_c(nh, qh, kbuf, vbuf, D, (int)n, D, cx->scale, cx->softcap, mh, lh, ah, kbuf, vbuf, 0);
             }
         }
         pos += n;
@@ -609,27 +613,28 @@ static void pa_write_lse(float *lse, const float *m, const float *l, int64_t H) 
 void paged_decode_lse(const float *q, const void *kv, int64_t kt, const int32_t *table,
                       const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                       int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window,
-                      const float *k_scale, const float *v_scale, float *lse);
+                      const float *k_scale, const float *v_scale, float *lse, float softcap);
 
 void paged_decode(const float *q, const void *kv, int64_t kt, const int32_t *table,
                   const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                   int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window,
                   const float *k_scale, const float *v_scale) {
     paged_decode_lse(q, kv, kt, table, seq_lens, out, B, H, KVH, D, BS, num_blocks, max_blocks, scale, window,
-                     k_scale, v_scale, NULL);
+                     k_scale, v_scale, NULL, 0.f);
 }
 
 /* paged_decode that also writes, when lse is not NULL, each (request, head)'s log-sum-exp of
  * its scaled scores, lse (B, H) float32 (-inf for an empty context): what merging this
- * attention with another over other keys needs. */
+ * attention with another over other keys needs. softcap > 0 caps the scaled scores (softcap *
+ * tanh(s / softcap), Gemma 2's), through the portable tile. */
 void paged_decode_lse(const float *q, const void *kv, int64_t kt, const int32_t *table,
                       const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                       int64_t BS, int64_t num_blocks, int64_t max_blocks, float scale, int64_t window,
-                      const float *k_scale, const float *v_scale, float *lse) {
+                      const float *k_scale, const float *v_scale, float *lse, float softcap) {
     if (B <= 0 || kt < PA_F32 || kt >= PA_KT_COUNT) return;
     int vec = 0;
 #ifdef PA_VW
-    vec = D % PA_VW == 0;
+    vec = D % PA_VW == 0 && !(softcap > 0.f);    /* as pa_range decides: the key read factor follows */
 #endif
     pa_ctx cx;
     cx.kt = (int)kt;
@@ -642,6 +647,7 @@ void paged_decode_lse(const float *q, const void *kv, int64_t kt, const int32_t 
     cx.vbase = cx.kv + num_blocks * cx.block_stride * cx.es;
     cx.scale = scale * pa_read_factor((int)kt, vec, k_scale);    /* exactly scale but for 8-bit caches */
     cx.vmul = pa_read_factor((int)kt, vec, v_scale);
+    cx.softcap = softcap;
     int nth = 1;
 #ifdef _OPENMP
     nth = omp_get_max_threads();
