@@ -93,8 +93,8 @@ class ArchConfig:
 
     @property
     def default_max_model_len(self) -> int:
-        """The context an engine serves when not told (vLLM's): all of ``max_model_len``, but
-        for longrope scaling the original context."""
+        """The context an engine serves when not told (vLLM's): all of ``max_model_len``, but the
+        original context for longrope and dynamic NTK scaling (models/rope.py)."""
         return self.rope_scaling.default_len(self.max_model_len)
 
     def serving(self, max_model_len: int) -> ArchConfig:

@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     from models.base import CausalLM
 
 
-
 def read_hf_config(checkpoint_dir: str, overrides: dict[str, Any] | None = None) -> ArchConfig:
     """The ArchConfig of the checkpoint in ``checkpoint_dir`` (config.json required), with
     ``overrides`` over config.json's keys (vLLM's --hf-overrides: a key's value replaced, a

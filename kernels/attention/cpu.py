@@ -50,7 +50,7 @@ class CpuAttentionBackend(AttentionBackend):
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
     supports_sliding_window = True
-    supports_logits_soft_cap = True     # every path then is one batched ``attend``, the cap applied there
+    supports_logits_soft_cap = True     # decodes natively (capped), prompts in one batched ``attend`` (_capped)
     supports_cascade = True
     # Measured (python -m tools.bench cascade, 64 decodes): below ~1k shared tokens the native decode
     # kernel, re-reading a short prefix from the CPU's caches, beats cascade's extra passes.
