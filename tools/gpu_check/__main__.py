@@ -3,7 +3,8 @@
   0) no CUDA: exit 2 at once, saying so
   1) wheels: install those of --wheels DIR whose package is missing, into /tmp/troupe-site
   2) model: --model (a cut SmolLM2 from prepare.py), merged with --rest into the whole model
-  3) tests: pytest tests/kernels, the CUDA-graph dispatch tests, the server on CUDA, weight transfer
+  3) tests: pytest tests/kernels, the CUDA-graph dispatch tests, the server on CUDA, weight transfer,
+     the newer model shapes (rope scalings, partial rotary, NoPE, Granite's multipliers)
   4) parity: greedy GPU vs CPU (tools/gpu_check/parity.py)
   5) bench: decode tokens/s eager vs CUDA graphs, bandwidth vs peak (tools/gpu_check/bench.py)
   6) offline: the engine's offline throughput benchmark with CUDA graphs and with
@@ -224,6 +225,7 @@ def _model(args: argparse.Namespace) -> dict:
 def _pytest_command() -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/unit/test_cuda_graph_dispatch.py",
            "tests/unit/test_lora_graphs.py", "tests/e2e/test_gpu_server.py", "tests/e2e/test_weight_transfer_gpu.py",
+           "tests/e2e/test_architectures_gpu.py",
            "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "120", "-rs"]
     try:

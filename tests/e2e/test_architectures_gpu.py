@@ -1,0 +1,83 @@
+"""The newer model shapes on a GPU (``-m gpu``, skipped without CUDA): Granite's multipliers,
+SmolLM3's NoPE layers, a Phi-4-mini-shaped model (longrope over a partial rotary, served past its
+original context) and Llama 3.1's rope scaling give transformers' greedy tokens through a CUDA
+engine with its graphs; Gemma 2's capped scores stop the start naming the GPU backend's refusal."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.api import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SHORT, LONG = [1.0, 1.1, 1.2, 1.3], [1.5, 2.0, 2.5, 3.0]
+
+
+def _model(name: str):
+    import transformers as t
+    if name == "granite":
+        return t.GraniteForCausalLM(t.GraniteConfig(**TINY, head_dim=16, num_hidden_layers=2, embedding_multiplier=1.5,
+                                                    residual_multiplier=0.7, attention_multiplier=0.2,
+                                                    logits_scaling=1.25, tie_word_embeddings=False))
+    if name == "smollm3":
+        return t.SmolLM3ForCausalLM(t.SmolLM3Config(**TINY, head_dim=16, num_hidden_layers=4,
+                                                    rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+    if name == "phi4_mini":      # longrope over half of each 16-wide head, its original context 32
+        rope = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": SHORT, "long_factor": LONG,
+                "partial_rotary_factor": 0.5}
+        return t.Phi3ForCausalLM(t.Phi3Config(**TINY, num_hidden_layers=2, original_max_position_embeddings=32,
+                                              rope_parameters=rope, tie_word_embeddings=False))
+    if name == "llama3_rope":
+        rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        return t.LlamaForCausalLM(t.LlamaConfig(**TINY, head_dim=16, num_hidden_layers=2, rope_parameters=rope,
+                                                tie_word_embeddings=False))
+    return t.Gemma2ForCausalLM(t.Gemma2Config(**TINY, head_dim=16, num_hidden_layers=3, sliding_window=8,
+                                              query_pre_attn_scalar=24, attn_logit_softcapping=0.5))
+
+
+def _saved(name: str, path) -> tuple[object, str]:
+    torch.manual_seed(0)
+    hf = _model(name)
+    with torch.no_grad():
+        for param_name, p in hf.named_parameters():
+            p.normal_(1.0 if param_name.endswith("norm.weight") and name != "gemma2" else 0.0, 0.15)
+    hf.config._attn_implementation = "eager"
+    hf.eval().save_pretrained(path)
+    return hf, str(path)
+
+
+def _greedy(hf, prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def check_greedy_tokens(name: str, path, device: str) -> None:
+    """The engine's greedy tokens on ``device`` against transformers' (on the CPU) for a prompt
+    of 40 tokens (past the Phi-4-mini shape's original 32)."""
+    hf, path = _saved(name, path)
+    prompt = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    with LLM(path, device=device, dtype="float32", skip_tokenizer_init=True, max_model_len=128,
+             kv_cache_bytes=256 << 20) as llm:
+        (out,) = llm.generate([{"prompt_token_ids": prompt}],
+                              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == _greedy(hf, prompt, 8)
+
+
+@pytest.mark.parametrize("name", ["granite", "smollm3", "phi4_mini", "llama3_rope"])
+def test_greedy_tokens_on_cuda_equal_transformers(name, tmp_path):
+    check_greedy_tokens(name, tmp_path, "cuda")
+
+
+def test_gemma2_capped_scores_are_refused_on_cuda_by_name(tmp_path):
+    _, path = _saved("gemma2", tmp_path)
+    with pytest.raises(Exception, match="attention logit softcapping not supported"):
+        with LLM(path, device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_bytes=256 << 20):
+            pass
