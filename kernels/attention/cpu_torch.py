@@ -63,13 +63,13 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
 
     if logits_soft_cap:
         scores = (q.float() @ k.float().transpose(-1, -2)) * scale                # (b, KVH, G*Q, L)
-        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)                                      # (b, KVH, G*Q)
+        scores = torch.tanh_(scores.div_(logits_soft_cap)).mul_(logits_soft_cap)
+        scores.masked_fill_(~mask, float("-inf"))
         o = (torch.softmax(scores, dim=-1) @ v.float()).to(query.dtype)            # (b, KVH, G*Q, D)
         o = o.view(b, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(b, Q, H, D)
         if not with_lse:
             return o[valid], tokens[valid]
+        lse = torch.logsumexp(scores, dim=-1)                                      # (b, KVH, G*Q)
         lse = lse.view(b, KVH, G, Q).permute(0, 3, 1, 2).reshape(b, Q, H)
         return o[valid], tokens[valid], lse[valid]
     if not with_lse:
