@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,frontend,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,hybrid-kv,spec-decode,lora,moe,kv-transfer,kv-storage,pd,weight-transfer}``: each
+"""``python -m tools.bench {offline,serve,frontend,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,softcap,hybrid-kv,spec-decode,lora,moe,kv-transfer,kv-storage,pd,weight-transfer}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -105,6 +105,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     cas.add_argument("--suffix", type=int, default=64, help="each request's own tokens after the prefix")
     cas.add_argument("--repeats", type=int, default=8)
     cas.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
+    cap = sub.add_parser("softcap", help="one layer's attention with Gemma 2's capped scores and without: "
+                                         "decodes and fresh prompts on the CPU backend")
+    cap.add_argument("--heads", type=int, default=8)
+    cap.add_argument("--kv-heads", type=int, default=4)
+    cap.add_argument("--head-size", type=int, default=256)
+    cap.add_argument("--cap", type=float, default=50.0, help="the score cap (Gemma 2's attn_logit_softcapping)")
+    cap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    cap.add_argument("--contexts", type=int, nargs="+", default=[512, 1024], help="decodes' context tokens")
+    cap.add_argument("--prompts", type=int, nargs="+", default=[512], help="fresh prompts' tokens")
+    cap.add_argument("--repeats", type=int, default=5)
+    cap.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
     hyb = sub.add_parser("hybrid-kv", help="long requests a KV cache holds with and without the hybrid KV cache "
                                            "manager (computed, then run through the scheduler)")
     hyb.add_argument("--model", default="gemma3-270m")
@@ -215,6 +226,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     elif args.cmd == "cascade":
         from tools.bench import cascade
         cascade.main(args)
+    elif args.cmd == "softcap":
+        from tools.bench import softcap
+        softcap.main(args)
     elif args.cmd == "lora":
         from tools.bench import lora
         lora.main(args)
