@@ -35,14 +35,16 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     served on text (vLLM's --language-model-only). Its M-RoPE gives a text token the same
     position in all three sections: plain rope (models/rope.py). The hub's tensors keep the
     language model at ``model.*`` (the vision tower at ``visual.*``), transformers 5's at
-    ``model.language_model.*``; the vision tensors are never read."""
+    ``model.language_model.*``; the vision tensors are never read. llama.cpp writes the language
+    model of both as a "qwen2vl" GGUF (Qwen2's tensors, the M-RoPE sections in its header)."""
     hf_text_config: ClassVar[str | None] = "text_config"
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES
-    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+    gguf_architectures: ClassVar[tuple[str, ...]] = ("qwen2vl",)
     hf_tensor_map: ClassVar[TensorMap] = {**Qwen2ForCausalLM.hf_tensor_map,
                                           **language_model_tensor_map(Qwen2ForCausalLM.hf_tensor_map)}
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
-    """Qwen2.5-VL's checkpoints: as Qwen2-VL's."""
+    """Qwen2.5-VL's checkpoints: as Qwen2-VL's (its GGUF is Qwen2-VL's class's)."""
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
 

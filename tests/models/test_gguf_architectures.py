@@ -70,7 +70,8 @@ def _smollm3():  # llama.cpp's fixed NoPE interval of 4
 
 
 BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma3": _gemma3, "phi3": _phi3, "granite": _granite,
-            "smollm3": _smollm3, "gemma2": _gemma2}
+            "smollm3": _smollm3, "gemma2": _gemma2,
+            "qwen2vl": _qwen2}   # Qwen2(.5)-VL's language model: Qwen2's tensors, M-RoPE sections in the header
 PERMUTED_QK = ("llama", "granite", "smollm3")     # llama.cpp's LlamaModel and its subclasses
 
 
@@ -111,6 +112,8 @@ def convert_to_gguf(hf, arch: str, path: str, extra=None) -> None:
         if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             tensor = tensor + 1.0
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy().astype(np.float32))
+    if arch == "qwen2vl":                # M-RoPE's sections: on text, plain rope
+        writer.add_rope_dimension_sections([2, 3, 3, 0])
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
         writer.add_final_logit_softcapping(c.final_logit_softcapping)
