@@ -294,12 +294,8 @@ def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: to
     hooks = _kv_layer_hooks
     if hooks is not None:
         hooks.wait_for_layer_load(layer)
-    if logits_soft_cap:           # only backends that take it are given it (and chosen: supports_logits_soft_cap)
-        out = backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
-                              k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap)
-    else:
-        out = backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
-                              k_scale=k_scale, v_scale=v_scale)
+    out = backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
+                          k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap)
     if hooks is not None:
         hooks.save_kv_layer(layer, kv_cache, group_meta if group_meta is not None else meta)
     return out

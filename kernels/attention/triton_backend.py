@@ -81,7 +81,10 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         k_scale: torch.Tensor | None = None,   # () float32, fp8 caches only
         v_scale: torch.Tensor | None = None,
+        logits_soft_cap: float | None = None,  # not taken (supports_logits_soft_cap is False)
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
+        if logits_soft_cap:
+            raise ValueError(f"{self.name}: attention logit softcapping not supported")
         if kv_cache.shape[2] != meta.block_size:
             raise ValueError(f"kv_cache pages hold {kv_cache.shape[2]} tokens, metadata says {meta.block_size}")
         self._kv_store.store_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)

@@ -132,9 +132,10 @@ def test_calculated_kv_scales_come_from_the_first_batch_which_the_layers_run(mon
     seen = []
     real_forward = Backend.forward
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None,
+                logits_soft_cap=None):
         seen.append((k.abs().max() / 200, v.abs().max() / 100, k_scale.clone(), v_scale.clone()))
-        return real_forward(self, q, k, v, kv_cache, meta, scale, sliding_window, k_scale, v_scale)
+        return real_forward(self, q, k, v, kv_cache, meta, scale, sliding_window, k_scale, v_scale, logits_soft_cap)
     monkeypatch.setattr(Backend, "forward", forward)
     assert calculate_kv_scales_on_next_batch(model) == 3
     caches = allocate_kv_caches(config, 16, BLOCK_SIZE, torch.float8_e4m3fn)
