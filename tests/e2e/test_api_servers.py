@@ -275,7 +275,11 @@ def test_two_api_servers_serve_a_headless_machines_engine_core_too(setup):
             time.sleep(0.5)
         before = _metric(server.url, "vllm:prefix_cache_queries_total")
         assert set(_served_by_several(server.url)) == {0, 1}
+        deadline = time.monotonic() + 15          # an engine core's counters reach /metrics with its next stats
         after = _metric(server.url, "vllm:prefix_cache_queries_total")
+        while time.monotonic() < deadline and not all(after[k] > before[k] for k in after):
+            time.sleep(0.5)
+            after = _metric(server.url, "vllm:prefix_cache_queries_total")
         assert all(after[k] > before[k] for k in after), (before, after)          # the new one serves again
     finally:
         if server is not None:
