@@ -25,6 +25,7 @@ import numpy as np
 from actors.engine.args import EngineArgs
 from actors.engine.lora import LoRARequest
 from actors.engine.messages import Logprobs
+from actors.engine.pooling import PoolingParams
 from actors.engine.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
 from actors.frontend.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from actors.frontend.fanout import close_all, merged_outputs, submit_choices
@@ -42,7 +43,8 @@ from actors.tokenizer.prompt_embeds import embeds_array
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RepetitionDetectionParams", "GenerationResult",
            "WeightVersionSpan", "FlatLogprobs",
-           "CompletionOutput", "Logprob", "LoRARequest"]
+           "CompletionOutput", "Logprob", "LoRARequest", "PoolingParams", "PoolingOutput", "PoolingRequestOutput",
+           "EmbeddingOutput", "EmbeddingRequestOutput"]
 
 
 @dataclass(slots=True)
@@ -160,6 +162,50 @@ class WeightVersionSpan:
     version: str
     start: int
     end: int
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """vLLM's: a pooling request's answer, ``data`` a float32 torch tensor ((dims,), or (prompt
+    tokens, dims) for token_embed)."""
+    data: Any
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """vLLM's ``PoolingRequestOutput``: what ``LLM.encode`` returns per prompt."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+    prompt: Any = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding, as a list of floats."""
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's ``EmbeddingRequestOutput``: what ``LLM.embed`` returns per prompt."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+    prompt: Any = None
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.num_cached_tokens, out.finished, out.prompt)
 
 
 @dataclass(slots=True)
@@ -420,8 +466,37 @@ class AsyncLLM:
         return None if tok is NO_TOKENIZER else _text_tokenizer(tok)
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
-        """vLLM's: what the engine serves (text generation only)."""
-        return ("generate",)
+        """vLLM's: what the engine serves: "generate", or a pooling model's tasks."""
+        pooling = self.client.config.model.pooling
+        return ("generate",) if pooling is None else pooling.tasks
+
+    async def encode(self, prompt: Prompt, pooling_params: PoolingParams | None = None, *,
+                     request_id: str | None = None, truncate_prompt_tokens: int | None = None,
+                     priority: int = 0, tokenization_kwargs: dict[str, Any] | None = None,
+                     **template: Any) -> PoolingRequestOutput:
+        """vLLM's ``encode`` with a pooling model (``runner="pooling"``): one prompt (text, token
+        ids, a prompt dict, or a conversation) through the model once, pooled as
+        ``pooling_params`` asks (its task "embed" by default). ValueError for what the model
+        cannot do; RuntimeError when the engine failed the request."""
+        what = _prompt_what(prompt, **template)
+        if tokenization_kwargs:
+            truncate_prompt_tokens = tokenization_kwargs.get("truncate_prompt_tokens", truncate_prompt_tokens)
+        out, prompt_ids = await self.client.encode(pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                                                   request_id=request_id, priority=priority,
+                                                   **{"add_special_tokens": "messages" not in what, **what})
+        if out is None or out.error is not None or out.pooling_output is None:
+            raise RuntimeError(f"the pooling request failed: {out.error if out is not None else 'no output'}")
+        import torch                    # vLLM's outputs hold tensors (the offline API's process has torch)
+        return PoolingRequestOutput(out.request_id, PoolingOutput(torch.from_numpy(out.pooling_output)),
+                                    prompt_ids, out.num_cached_tokens, True, prompt)
+
+    async def embed(self, prompt: Prompt, pooling_params: PoolingParams | None = None,
+                    **kwargs: Any) -> EmbeddingRequestOutput:
+        """vLLM's ``embed``: ``encode`` with task "embed", the vector as a list of floats."""
+        params = pooling_params or PoolingParams()
+        if params.task != "embed":
+            params = msgspec.structs.replace(params, task="embed")
+        return EmbeddingRequestOutput.from_base(await self.encode(prompt, params, **kwargs))
 
     async def is_tracing_enabled(self) -> bool:
         """vLLM's: whether requests' spans go to an OpenTelemetry endpoint (otlp_traces_endpoint)."""
@@ -1056,6 +1131,46 @@ class LLM:
         argument: the adapter each prompt runs with, None for the base model), and ``priority``
         (vLLM's: the queue order under ``scheduling_policy="priority"``, lower first)."""
         return self._batch(self._jobs(_prompt_list(prompts), sampling_params, lora_request, priority), use_tqdm)
+
+    def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams] | None
+               = None, *, pooling_task: str | None = None, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool | Callable[..., Any] = True, priority: int | Sequence[int] | None = None,
+               tokenization_kwargs: dict[str, Any] | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.encode`` for a pooling model (``runner="pooling"``, or ``convert="embed"``):
+        every prompt (text, token ids, a prompt dict) pooled concurrently, results in order.
+        ``pooling_task``: "embed" (one vector per prompt) or "token_embed" (one per token); it
+        sets the task of ``pooling_params`` (one for all prompts, or one per prompt)."""
+        items = _prompt_list(prompts)
+        params = _per_prompt(pooling_params, len(items), "pooling params")
+        if pooling_task is not None:
+            params = [msgspec.structs.replace(p or PoolingParams(), task=pooling_task) for p in params]
+        priorities = _per_prompt(priority or 0, len(items), "priorities")
+
+        async def run_all() -> list[PoolingRequestOutput]:
+            bar = Progress(len(items), "Processed prompts", use_tqdm) if use_tqdm and len(items) > 1 else None
+
+            async def one(prompt: Prompt, p: PoolingParams | None, prio: int) -> PoolingRequestOutput:
+                out = await self._engine().encode(prompt, p, truncate_prompt_tokens=truncate_prompt_tokens,
+                                                  priority=prio, tokenization_kwargs=tokenization_kwargs)
+                if bar is not None:
+                    bar.update(0)
+                return out
+            try:
+                return list(await asyncio.gather(*(one(x, p, r) for x, p, r in zip(items, params, priorities))))
+            finally:
+                if bar is not None:
+                    bar.close()
+        return self._run(run_all())
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams] | None
+              = None, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
+              priority: int | Sequence[int] | None = None,
+              tokenization_kwargs: dict[str, Any] | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: ``encode`` with task "embed", each result's
+        ``outputs.embedding`` a list of floats."""
+        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(
+            prompts, pooling_params, pooling_task="embed", truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm, priority=priority, tokenization_kwargs=tokenization_kwargs)]
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -20,6 +20,13 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("Qwen2VLForConditionalGeneration", "qwen2"), ("Qwen2_5_VLForConditionalGeneration", "qwen2"),
         ("Qwen3VLForConditionalGeneration", "qwen3"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
+# transformers' bare decoder stacks (a checkpoint of the model without its LM head, as embedding
+# models are saved): served as pooling models by the causal LM class of the same layers
+BARE_MODELS: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM", "Phi3Model": "Phi3ForCausalLM",
+    "Qwen3MoeModel": "Qwen3MoeForCausalLM", "MixtralModel": "MixtralForCausalLM", "GraniteModel": "GraniteForCausalLM",
+    "SmolLM3Model": "SmolLM3ForCausalLM", "Gemma2Model": "Gemma2ForCausalLM"}
 
 
 class ModelRegistry:

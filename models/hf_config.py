@@ -5,6 +5,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from models.architectures import BARE_MODELS
 from models.config import FULL, ArchConfig
 from models.rope import DEFAULT_ROPE_THETA, RopeScaling, rope_scaling_from
 
@@ -55,6 +56,9 @@ def read_quantization_config(checkpoint_dir: str) -> dict[str, Any] | None:
 
 def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ArchConfig:
     """The ArchConfig of a parsed config.json (``generation``: its generation_config.json)."""
+    archs = raw.get("architectures") or []
+    if len(archs) == 1 and archs[0] in BARE_MODELS:      # a bare decoder stack: its causal LM's layers
+        raw = {**raw, "architectures": [BARE_MODELS[archs[0]]]}
     model_class = _model_class(raw)
     if model_class.hf_text_config is not None:     # a multimodal checkpoint: its language model's keys
         raw = language_model_config(raw, model_class.hf_text_config)

@@ -4,6 +4,7 @@ picks an attention backend, builds a model and dispatches checkpoint tensors ont
 the model's tensor map."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
@@ -169,6 +170,21 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
         return Checkpoint(config, iter_safetensors_weights(source.path, skipped),
                           "hf_tensor_map", read_quantization_config(source.path), source.path)
     raise ValueError(f"model source kind {source.kind!r} is not supported; supported: 'gguf', 'hf_dir'")
+
+
+# a bare decoder stack's top-level modules: saved without its causal LM's "model." prefix
+_BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+
+
+def pooling_checkpoint(ckpt: Checkpoint) -> Checkpoint:
+    """``ckpt`` served as a pooling model (--runner pooling): its LM head never runs, so it
+    is tied to the embeddings (a checkpoint's own head, when it has one, is skipped, and a bare
+    decoder stack's, which has none, is not missed), and a bare stack's tensor names (without
+    the "model." prefix, as transformers saves a ``LlamaModel``) read as its causal LM's."""
+    weights = ckpt.weights
+    if ckpt.tensor_map == "hf_tensor_map":
+        weights = (("model." + name if name.startswith(_BARE_PREFIXES) else name, tensor) for name, tensor in weights)
+    return ckpt._replace(config=dataclasses.replace(ckpt.config, tie_word_embeddings=True), weights=weights)
 
 
 def _compile_tensor_map(tensor_map: dict[str, tuple[str, str | None]]) -> list[tuple[re.Pattern, str, str | None]]:

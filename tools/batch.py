@@ -2,7 +2,8 @@
 ``python -m tools.batch -i requests.jsonl -o results.jsonl [--resume] [engine flags]``.
 
 The input is OpenAI's batch format, one JSON object per line: ``custom_id``, ``method``
-(``POST``), ``url`` (``/v1/chat/completions``, ``/v1/completions`` or ``/v1/responses``) and ``body``, the request the
+(``POST``), ``url`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, or with a
+pooling model (``--runner pooling``) ``/v1/embeddings`` and ``/pooling``) and ``body``, the request the
 server would take (``stream`` and ``stream_options`` are ignored, as OpenAI's batches do). The
 output is OpenAI's batch output format, one line per input line, in the order they finish:
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, the body
@@ -37,7 +38,7 @@ from tools.config_file import add_config_flag
 
 log = logging.getLogger("troupe.batch")
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/pooling")
 IGNORED_FIELDS = ("stream", "stream_options")     # a batch answers whole, as OpenAI's does
 RETRY_STATUS = 503                                 # the engine restarting or its queue full
 MAX_RETRIES = 20
@@ -145,6 +146,7 @@ class Runner:
         """The status and JSON body the server gives this line's request."""
         from actors.frontend.chat import start_chat
         from actors.frontend.completions import start_completion
+        from actors.frontend.embeddings import EMBEDDINGS, POOLING, pooled
         from actors.frontend.protocol import ChatCompletionRequest, CompletionRequest
         from actors.frontend.responses import ResponsesRequest, start_response
         chat = line.url == URLS[0]
@@ -152,6 +154,8 @@ class Runner:
 
         async def call() -> Any:
             arrival = time.time()
+            if line.url in (EMBEDDINGS, POOLING):
+                return await pooled(self.server, line.url, body)
             if line.url == URLS[2]:
                 answer = await start_response(self.server, self.server.decode(body, ResponsesRequest), arrival)
                 return await answer.whole_response()

@@ -259,7 +259,7 @@ class DetokenizerActor(Actor):
                 _head(o.logprobs, num_new), o.prompt_logprobs, o.num_cached_tokens, o.kv_transfer_params,
                 o.error_status, st.metrics() if finished else None, o.prompt_token_id_logprobs,
                 [m.tolist() for m in o.sampling_mask[:num_new]] if o.sampling_mask is not None else None,
-                st.weight_versions() if finished else None))
+                st.weight_versions() if finished else None, o.pooling_output))
         return stopped_here
 
     def _trace(self, rid: str, st: _State, now: float) -> None:

@@ -20,6 +20,7 @@ from actors.engine.config import (CHAT_TEMPLATE_CONTENT_FORMATS, DATA_PARALLEL_B
 from actors.engine.compilation import compilation_config, with_graph_flags
 from actors.engine.json_flags import checked_fields, convert, parse_object
 from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
+from actors.engine.pooling import CONVERTS, RUNNERS, ModelPooling, model_pooling, pooler_config, resolve_runner
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
 from actors.grammar.config import structured_outputs_config
 from actors.engine.profiler import profiler_config
@@ -59,6 +60,9 @@ class EngineArgs:
     reasoning_parser: str | None = None   # the server's --reasoning-parser (its tags start and end reasoning)
     reasoning_config: str | dict[str, Any] | None = None   # vLLM's --reasoning-config JSON
     hf_overrides: dict[str, Any] | str | None = None   # vLLM's: config.json keys over the checkpoint's
+    runner: str = "auto"                  # vLLM's: "generate" | "pooling" ("auto": as the architecture says)
+    convert: str = "auto"                 # vLLM's: a generative model adapted into a pooling one ("embed")
+    pooler_config: dict[str, Any] | str | None = None   # vLLM's --pooler-config JSON
     tokenizer: str | None = None          # None: the model's own
     served_model_name: str | list[str] | tuple[str, ...] | None = None   # None: the model's own name
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
@@ -238,7 +242,8 @@ class EngineArgs:
                                                                         self.override_generation_config),
                               draft_source=draft_source(speculative, source),
                               logits_processors=logits_processor_names(self.logits_processors),
-                              tokenizer_source=resolve_tokenizer(self.tokenizer)),
+                              tokenizer_source=resolve_tokenizer(self.tokenizer),
+                              pooling=self.pooling(source)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               num_blocks=self.num_gpu_blocks_override, cache_dtype=self.kv_cache_dtype,
@@ -295,6 +300,19 @@ class EngineArgs:
             weight_transfer=weight_transfer_config(self.weight_transfer_config))
         KVConnectorFactory.check_engine(config)
         return config
+
+    def pooling(self, source: ModelSource) -> ModelPooling | None:
+        """--runner, --convert and --pooler-config resolved for the checkpoint (vLLM's rules):
+        None for a generative model."""
+        raw = checkpoint_config(source)
+        architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]   # a GGUF file's: a causal LM
+        runner, convert = resolve_runner(architecture, self.runner, self.convert)
+        user = pooler_config(self.pooler_config)
+        if runner != "pooling":
+            if user is not None:
+                raise ValueError("--pooler-config is for pooling models (--runner pooling)")
+            return None
+        return model_pooling(user, convert, source.path if source.kind == "hf_dir" else None, raw)
 
     def watermark(self) -> WatermarkConfig | None:
         """--watermark-config, checked; vLLM's warning for settings that favour repetition loops."""
@@ -386,6 +404,16 @@ def with_hf_overrides(source: ModelSource, overrides: dict[str, Any] | str | Non
     from models.registry import model_config       # torch: loaded here only when overrides are given
     model_config(source)               # the keys apply, or the start stops naming them
     return source
+
+
+def checkpoint_config(source: ModelSource) -> dict[str, Any]:
+    """A checkpoint directory's config.json with its --hf-overrides (top-level keys), read
+    without torch; {} for a GGUF file."""
+    if source.kind != "hf_dir":
+        return {}
+    with open(os.path.join(source.path, "config.json")) as f:
+        raw = json.load(f)
+    return {**raw, **(json.loads(source.hf_overrides) if source.hf_overrides else {})}
 
 
 def check_load_format(load_format: str, source: ModelSource) -> None:
@@ -639,6 +667,21 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "'{\"max_position_embeddings\": 4096}'; a nested config such as text_config merged key by "
                  "key); on a GGUF file, the keys its header gives (max_position_embeddings, rope_theta, "
                  "rope_scaling, rms_norm_eps, sliding_window, bos/eos_token_id, softcapping)")),
+        (("--runner",), "runner", dict(
+            choices=RUNNERS, default=d["runner"],
+            help="vLLM's: generate (the model writes text) or pooling (it embeds prompts: /v1/embeddings, "
+                 "/pooling, LLM.embed); auto: as the checkpoint's architecture name says (...ForCausalLM "
+                 "generates, a bare ...Model embeds)")),
+        (("--convert",), "convert", dict(
+            choices=CONVERTS, default=d["convert"],
+            help="vLLM's: embed turns a generative checkpoint into an embedding model (its last layer's "
+                 "hidden states pooled, by default the last token's, L2-normalized); implies --runner pooling")),
+        (("--pooler-config",), "pooler_config", dict(
+            default=d["pooler_config"], metavar="JSON",
+            help="vLLM's: how a pooling model pools, e.g. '{\"pooling_type\": \"MEAN\"}' (CLS, LAST, MEAN; "
+                 "ALL for token_embed), '{\"use_activation\": false}' (no normalization), \"dimensions\" "
+                 "(a Matryoshka model's default size); unset keys come from a sentence-transformers "
+                 "checkpoint's modules.json")),
         (("--load-format",), "load_format", dict(
             choices=LOAD_FORMATS, default=d["load_format"],
             help="vLLM's: the weights' format; Troupe reads it from the model's files (a .gguf file, or a "

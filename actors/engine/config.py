@@ -22,6 +22,7 @@ import msgspec
 from actors.engine import vllm_env
 from actors.engine.compilation import CompilationConfig
 from actors.engine.lora import LoRAConfig
+from actors.engine.pooling import ModelPooling
 from actors.grammar.config import StructuredOutputsConfig
 from actors.engine.profiler import ProfilerConfig
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
@@ -104,6 +105,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     logits_processors: tuple[str, ...] = ()
     # vLLM's --tokenizer: where the tokenizer is read from instead of the model's own checkpoint
     tokenizer_source: ModelSource | None = None
+    # vLLM's --runner pooling: the model embeds prompts (actors/engine/pooling.py); None: it generates
+    pooling: ModelPooling | None = None
+
+    @property
+    def runner(self) -> str:
+        """vLLM's runner type: "generate" or "pooling"."""
+        return "generate" if self.pooling is None else "pooling"
 
     @property
     def tokenizer(self) -> ModelSource:
@@ -401,7 +409,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if sched.async_scheduling is None:     # a step's drafts come from the previous step's output
             # (pipeline parallelism keeps steps in flight its own way: a batch queue)
             sched = msgspec.structs.replace(sched, async_scheduling=self.parallel.multiprocess
-                                            and self.speculative is None
+                                            and self.speculative is None and self.model.pooling is None
                                             and self.parallel.pipeline_parallel_size == 1)
         if sched.max_num_partial_prefills > 1 and not sched.long_prefill_token_threshold:
             sched = msgspec.structs.replace(sched, long_prefill_token_threshold=max(max_model_len * 4 // 100, 1))
@@ -541,6 +549,19 @@ def exact_from_gguf_blocks(path: str, quantization: str | None, dtype: str, devi
             and os.environ.get(GGUF_FLOAT_WEIGHTS_ENV, "").strip().lower() not in ("1", "true", "yes"))
 
 
+def _check_pooling(cfg: EngineConfig) -> None:
+    """A pooling model (--runner pooling) computes each prompt once and samples nothing: the
+    options that shape generation have nothing to act on, and are refused by name."""
+    refused = [name for name, on in (
+        ("--speculative-config", cfg.speculative is not None), ("--enable-lora", cfg.lora is not None),
+        ("--async-scheduling", cfg.scheduler.async_scheduling is True),
+        ("--pipeline-parallel-size", cfg.parallel.pipeline_parallel_size > 1),
+        ("--watermark-config", cfg.watermark is not None), ("--kv-transfer-config", cfg.kv_transfer is not None),
+        ("--return-sampling-mask", cfg.model.return_sampling_mask)) if on]
+    if refused:
+        raise ValueError(f"--runner pooling (an embedding model) does not take {', '.join(refused)}")
+
+
 def check_config(cfg: EngineConfig) -> None:
     """Refuse values no component could serve, naming the field and what is accepted."""
     _one_of("device", cfg.device.device, DEVICES)
@@ -572,6 +593,8 @@ def check_config(cfg: EngineConfig) -> None:
         raise ValueError(f"--watermark-config with speculative decoding ({cfg.speculative.method}) is not supported: "
                          "Troupe watermarks the tokens its sampler draws, and its drafts are verified by rejection "
                          "sampling; serve watermarked text without --speculative-config")
+    if cfg.model.pooling is not None:
+        _check_pooling(cfg)
     if cfg.model.max_logprobs < -1:
         raise ValueError(f"max_logprobs must be at least 0 (-1: no bound), got {cfg.model.max_logprobs}")
     if any(not name for name in cfg.model.served_model_names):

@@ -76,6 +76,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_token_id_logprobs: np.ndarray | None = None
     # --return-sampling-mask: the support (token ids, int32) each new token was drawn from
     sampling_mask: list[np.ndarray] | None = None
+    # a pooling request's answer, on its last output: float32, (dims,) or (prompt tokens, dims)
+    pooling_output: np.ndarray | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -162,6 +164,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     spec_token_ids: dict[str, list[int]] = {}
     kv_connector_output: KVConnectorOutput | None = None   # transfers that ended (a KV connector's)
     errors: dict[str, str] = {}            # requests that failed in this step (their rows' outputs ignored): why
+    # pooling requests whose prompt this step completed: what they pooled (float32, on the host)
+    pooler_output: dict[str, np.ndarray] = {}
 
 
 class SchedulerOutput(Msg):

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from actors.engine.pooling import PoolingParams
+
 # vLLM's --logprobs-mode: what the log-probs a request asks for are. "raw_*": the model's own
 # distribution, before any processor; "processed_*": the one sampled from (after penalties,
 # temperature, truncation); "*_logits": the values before the softmax.
@@ -148,6 +150,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stream_interval: int | None = None
     spaces_between_special_tokens: bool = True   # vLLM's (its fast tokenizers' decoding ignores it too)
     skip_clone: bool = False             # vLLM's: whether its engine may skip copying the params (never copied here)
+    # a pooling model's request (--runner pooling): its prompt is pooled into its answer, and it
+    # finishes when the prompt is computed, sampling nothing (actors/engine/pooling.py)
+    pooling: PoolingParams | None = None
 
     def check(self, vocab_size: int, max_logprobs: int) -> None:
         """ValueError naming the first field the engine cannot take (vLLM's checks, and the ranges

@@ -43,8 +43,8 @@ REFUSED: dict[str, str] = {
     "--max-seq-len-to-capture": _COMPILE,
     "--quantization-param-path": _LOADING,
     # what the model is run for
-    "--task": "Troupe serves text generation only", "--pooler-config": "Troupe serves text generation only",
-    "--override-pooler-config": "Troupe serves text generation only",
+    "--task": "vLLM's old name: give --runner pooling (and --convert embed) for an embedding model",
+    "--override-pooler-config": "vLLM's old name: give --pooler-config",
     "--io-processor-plugin": "Troupe loads no IO processor plugins",
     "--logits-processor-pattern": "Troupe has no per-request logits processors (see --logits-processors)",
     # other modalities
@@ -166,8 +166,6 @@ BOOLEAN = frozenset({
 VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--tokenizer-mode": (("auto", "hf"), "Troupe reads tokenizers with Hugging Face's tokenizers library "
                                          "(tokenizer.json, or a GGUF file's vocabulary)"),
-    "--runner": (("auto", "generate"), "Troupe serves text generation only"),
-    "--convert": (("auto", "none"), "Troupe serves text generation only"),
     "--model-impl": (("auto", "vllm"), "Troupe runs its own implementation of each architecture"),
     "--config-format": (("auto", "hf"), "Troupe reads Hugging Face config.json files and GGUF metadata"),
 }

@@ -17,8 +17,8 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from actors.frontend import (anthropic, chat, chat_batch, completions, control, dashboard, debug, generative_scoring,
-                             lora, misc, observe, request_log, responses, scale_out, sse)
+from actors.frontend import (anthropic, chat, chat_batch, completions, control, dashboard, debug, embeddings,
+                             generative_scoring, lora, misc, observe, request_log, responses, scale_out, sse)
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
@@ -115,6 +115,7 @@ class OpenAIServer:
         self.server_load = 0             # generation requests being answered (GET /load)
         self.anthropic_merge_system: bool | None = None   # the template takes one leading system message only
         self.has_text = True             # False: --skip-tokenizer-init (token ids in and out, no text)
+        self.pooling = False             # --runner pooling: the model embeds, generation is refused
         self.system_fingerprint: str | None = None   # every answer's (--fingerprint-mode), once serving
         self._otel_warned = False        # a request with trace context came while tracing is off
         self.reasoning_parser = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
@@ -175,6 +176,7 @@ class OpenAIServer:
             self.reasoning_parser.check(client.tokenizer)
         self.token_text = TokenText(client.tokenizer)
         self.has_text = client.tokenizer.has_text
+        self.pooling = client.config.model.pooling is not None
         self.vocab_size = min(client.tokenizer.vocab_size, client.vocab_size)
         model = client.config.model
         self.request_defaults = ServerDefaults(model.max_logprobs, model.sampling_defaults)
@@ -223,6 +225,8 @@ class OpenAIServer:
             ("POST", chat_batch.PATH, self._loading(chat_batch.batch_chat_completions)),
             ("POST", generative_scoring.PATH, self._loading(generative_scoring.generative_scoring)),
             ("POST", "/v1/completions", self._loading(completions.completions)),
+            ("POST", "/v1/embeddings", self._loading(embeddings.create_embedding)),
+            ("POST", "/pooling", self._loading(embeddings.create_pooling)),
             ("POST", "/v1/responses", self._loading(responses.create_response)),
             ("POST", anthropic.MESSAGES, self._loading(anthropic.create_message)),
             ("POST", anthropic.COUNT_TOKENS, anthropic.count_tokens),
@@ -392,6 +396,9 @@ class OpenAIServer:
         if kwargs.get("timeout_s") is None:
             kwargs["timeout_s"] = self.options.request_timeout or None
         kwargs["stream_interval"] = max(kwargs.get("stream_interval") or 1, self.options.stream_interval)
+        if self.pooling and params.pooling is None:
+            raise not_found("The model does not support generation: it is a pooling model (--runner pooling), "
+                            "served at /v1/embeddings and /pooling")
         if params.thinking_token_budget is not None and not self.engine().thinking_budgets:
             raise bad_request(NO_REASONING_CONFIG, "thinking_token_budget")
         if not self.has_text:            # --skip-tokenizer-init: the field named

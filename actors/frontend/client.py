@@ -19,6 +19,7 @@ from actors.detokenizer.actor import EndGroup, EngineLost, Untrack
 from actors.engine.config import CHAT_TEMPLATE_CONTENT_FORMATS, EngineConfig
 from actors.engine.lora import LoRARequest
 from actors.frontend.admission import Overloaded, WaitingRequests
+from actors.engine.pooling import PoolingParams
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from actors.frontend.stats import EngineStats
 from actors.grammar.actor import CompileGrammar, InvalidGrammar
@@ -230,6 +231,10 @@ class EngineClient:
         ``stream_interval``: new tokens per output after the first (vLLM's). Raises
         InvalidPrompt (or PromptTooLong) when it is refused, Overloaded when too many wait
         already, and EngineDeadError when the engine is gone or the server is shutting down."""
+        if (params.pooling is None) != (self.config.model.pooling is None):
+            raise InvalidPrompt("this model embeds (--runner pooling): it answers pooling requests (encode, embed, "
+                                "/v1/embeddings, /pooling), not generation" if params.pooling is None else
+                                "this model generates text: pooling requests need --runner pooling")
         if params.watermarking:
             self._warn_unwatermarked(params)
         if self.config.model.return_sampling_mask:         # vLLM's rules, in its words
@@ -289,6 +294,42 @@ class EngineClient:
                 yield out
         finally:
             handle.close()
+
+    def pooling_request(self, params: PoolingParams | None = None,
+                        truncate_prompt_tokens: int | None = None) -> SamplingParams:
+        """What a pooling request (``params``, checked and completed with the model's pooler
+        settings) is submitted with: ``submit`` and ``generate`` take it as a generating
+        request's SamplingParams. InvalidPrompt (a 400) for what the model cannot do, and
+        for a model that does not pool."""
+        pooling = self.config.model.pooling
+        if pooling is None:
+            raise InvalidPrompt("this model generates text (--runner generate): serve it with --runner pooling "
+                                "(or --convert embed) for embeddings")
+        try:
+            params = pooling.params(params, self.config.model.arch.hidden_size)
+        except ValueError as exc:
+            raise InvalidPrompt(str(exc)) from None
+        return SamplingParams(max_tokens=1, temperature=0.0, pooling=params, detokenize=False,
+                              truncate_prompt_tokens=truncate_prompt_tokens)
+
+    async def encode(self, params: PoolingParams | None = None, *, truncate_prompt_tokens: int | None = None,
+                     **kwargs: Any) -> tuple[RequestOutput, list[int]]:
+        """A pooling request (vLLM's ``encode``): its prompt (``submit``'s keywords) through the
+        model once. Returns its finished output, whose ``pooling_output`` is the answer (None,
+        with ``error`` set, when the engine failed it), and the prompt's token ids.
+        ``submit``'s refusals."""
+        kwargs.setdefault("add_generation_prompt", False)
+        handle = await self.submit(self.pooling_request(params, truncate_prompt_tokens), **kwargs)
+        final: RequestOutput | None = None
+        try:
+            async for out in handle:
+                if final is None:
+                    final = out
+                else:
+                    final.merge(out)
+        finally:
+            handle.close()
+        return final, list(handle.prompt_token_ids)
 
     async def check_grammar(self, spec: StructuredOutputsParams) -> float:
         """Have the engine compile ``spec`` (cached for the request that follows); raises

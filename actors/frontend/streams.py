@@ -48,6 +48,8 @@ class RequestOutput:
     sampling_mask: list[list[int]] | None = None
     # on a request's last output: vLLM's weight version spans, (version, start, end) over its tokens
     weight_versions: list[tuple[str, int, int]] | None = None
+    # a pooling request's answer (its one, last output): float32, (dims,) or (prompt tokens, dims)
+    pooling_output: np.ndarray | None = None
 
     def merge(self, later: RequestOutput) -> None:
         self.text += later.text
@@ -63,6 +65,8 @@ class RequestOutput:
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
         self.metrics = later.metrics or self.metrics
+        if later.pooling_output is not None:
+            self.pooling_output = later.pooling_output
         self.prompt_token_id_logprobs = _stacked(self.prompt_token_id_logprobs, later.prompt_token_id_logprobs)
         if later.sampling_mask is not None:
             self.sampling_mask = (self.sampling_mask or []) + later.sampling_mask

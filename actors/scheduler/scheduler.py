@@ -187,7 +187,8 @@ class Scheduler:
         """Queue a request; returns an immediate error output if it can never be served."""
         if r.request_id in self.requests:
             return EngineCoreOutput(r.request_id, [], "error", error=f"duplicate request id {r.request_id}")
-        if len(r.prompt_token_ids) >= self.max_model_len:
+        room = 0 if r.sampling_params.pooling is not None else 1    # a pooling request generates nothing
+        if len(r.prompt_token_ids) + room > self.max_model_len:
             return EngineCoreOutput(r.request_id, [], "error", error=(
                 f"prompt of {len(r.prompt_token_ids)} tokens leaves no room to generate "
                 f"(limit {self.max_model_len} tokens)"))
@@ -684,11 +685,12 @@ class Scheduler:
 
     def _lookup_hashes(self, req: Request) -> list:
         """The block hashes a waiting request may hit: capped so its last token is computed;
-        none when it asks for prompt log-probs (every prompt position's logits are needed) or
-        not to read the cache (vLLM's skip_reading_prefix_cache)."""
+        none when it asks for prompt log-probs (every prompt position's logits are needed), pools
+        every position (MEAN, CLS, token embeddings) or asks not to read the cache (vLLM's
+        skip_reading_prefix_cache)."""
         p = req.sampling_params
         if (not self.enable_prefix_caching or p.prompt_logprobs is not None or p.prompt_logprob_token_ids is not None
-                or p.skip_reading_prefix_cache):
+                or p.skip_reading_prefix_cache or (p.pooling is not None and p.pooling.needs_all_positions)):
             return []
         return req.block_hashes[:(req.num_tokens - 1) // self.block_size]
 
@@ -831,8 +833,17 @@ class Scheduler:
             req = self.requests.get(rid)
             prompt_lp = out.prompt_logprobs.get(rid)
             scored = out.prompt_token_id_logprobs.get(rid) if out.prompt_token_id_logprobs else None
-            if req is None or req.status.finished or not (sampled or prompt_lp or scored is not None):
-                continue   # aborted meanwhile, or a prompt chunk with nothing to report
+            pooled = out.pooler_output.get(rid) if out.pooler_output else None
+            if req is None or req.status.finished:
+                continue   # aborted meanwhile
+            if pooled is not None:      # a pooling request: its prompt is done, and so is it
+                outs.append(EngineCoreOutput(rid, [], "stop", num_cached_tokens=req.num_cached_tokens,
+                                             first_scheduled_time=req.first_scheduled_time, pooling_output=pooled))
+                req.first_output_sent = True
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                continue
+            if not (sampled or prompt_lp or scored is not None):
+                continue   # a prompt chunk with nothing to report
             drafts = so.scheduled_spec_decode_tokens.get(rid)
             spec_step = None
             if drafts and sampled:

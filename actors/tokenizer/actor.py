@@ -131,11 +131,12 @@ class TokenizerActor(Actor):
         n = len(ids)
         if n == 0:
             raise InvalidPrompt("the prompt is empty")
-        if n >= self.max_model_len:
+        pooling = msg.sampling_params.pooling is not None     # a pooling request fills the context, no more
+        if n > self.max_model_len or (n == self.max_model_len and not pooling):
             raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
                                 f"However, your prompt has {n} tokens.")
         params = self._with_bad_word_ids(msg.sampling_params)
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len and not pooling:
             raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
                                 f"However, you requested {n + params.max_tokens} tokens ({n} in the "
                                 f"prompt, {params.max_tokens} for the completion). Please reduce the "

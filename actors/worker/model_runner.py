@@ -62,6 +62,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from actors.kv_manager.kv_cache_spec import create_kv_cache_views, layer_groups, stage_groups
 from actors.worker.cuda_graphs import CudaGraphRunner
+from actors.worker.pooler import Pooler
 from actors.worker.input_batch import InputBatch
 from actors.worker.platforms import platform_for
 from kernels.attention.base import AttentionMetadata
@@ -175,6 +176,8 @@ class ModelRunner:
         # a KV connector whose hooks this step's forward calls in every attention layer (the
         # worker sets it per step: KVConnectorBase.has_layer_work); such a step runs eagerly
         self.kv_layer_hooks = None
+        # --runner pooling: every request pools its prompt's hidden states, none samples
+        self.pooler = Pooler() if config.model.pooling is not None else None
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""
@@ -187,6 +190,8 @@ class ModelRunner:
         b, procs = self.batch, self.logitsprocs
         if self.watermarker is not None:
             self.watermarker.forget(so.finished_req_ids)
+        if self.pooler is not None:
+            self.pooler.forget(so.finished_req_ids)
         for rid in so.finished_req_ids:
             if procs is not None and rid in b:
                 procs.remove(b.slot(rid))
@@ -273,6 +278,10 @@ class ModelRunner:
             self.link.send(hidden)
             out.compute_s = time.perf_counter() - t0
             return out
+        if self.pooler is not None:
+            self._pool(so, inp, hidden, out)
+            out.compute_s = time.perf_counter() - t0
+            return out
         self._prompt_logprobs(so, inp, hidden, out)
         t_sample = time.perf_counter()
         if len(inp.sample_rows):
@@ -289,6 +298,17 @@ class ModelRunner:
         out.compute_s = t_end - t0                    # forward and sampling: model compute
         out.sample_s = t_end - t_sample
         return out
+
+    def _pool(self, so: SchedulerOutput, inp: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Each request's chunk of hidden states to the pooler; the answers of those whose
+        prompt this step completed."""
+        b, cu = self.batch, inp.meta.query_start_loc.tolist()
+        for row, (rid, n) in enumerate(so.num_scheduled_tokens.items()):
+            i = int(inp.slots[row])
+            pooled = self.pooler.add(rid, b.states[i].params.pooling, hidden[cu[row]:cu[row] + n],
+                                     int(b.num_computed_tokens[i]) - n, int(b.num_prompt_tokens[i]))
+            if pooled is not None:
+                out.pooler_output[rid] = pooled
 
     def _sample(self, so: SchedulerOutput, req_ids: list[str], rows: np.ndarray, sample_slots: np.ndarray,
                 logits: torch.Tensor, out: ModelRunnerOutput) -> None:

@@ -22,6 +22,7 @@ from actors.engine import vllm_env
 from actors.engine.config import GGUF_FLOAT_WEIGHTS_ENV, EngineConfig, exact_from_gguf_blocks
 from actors.engine.profiler import check_prefix
 from actors.engine.messages import CALLABLE, CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from actors.engine.pooling import PoolingParams
 from actors.engine.sampling_params import SamplingParams
 from actors.worker.compilation import apply_compilation, packs_linears
 from actors.runtime import heap
@@ -38,7 +39,7 @@ from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
 from models.hf_config import read_quantization_config
 from models.resolve import ModelSource, resolve_model
-from models.registry import Checkpoint, attention_requirements, build_model, open_checkpoint
+from models.registry import Checkpoint, attention_requirements, build_model, open_checkpoint, pooling_checkpoint
 from models.pipeline_parallel import StageLink, split_stage
 from models.tensor_parallel import shard_model
 
@@ -53,6 +54,8 @@ def serving_checkpoint(source: ModelSource, config: EngineConfig, max_model_len:
     for (``max_model_len``: --max-model-len as given, before the KV cache caps it; 0: the
     model's default)."""
     ckpt = open_checkpoint(source)
+    if config.model.pooling is not None:       # an embedding model: no LM head runs
+        ckpt = pooling_checkpoint(ckpt)
     arch = ckpt.config
     if config.model.disable_sliding_window:     # vLLM's: full attention, the context capped at the window
         arch = arch.without_sliding_window()
@@ -372,7 +375,8 @@ class Worker:
             start += groups * blocks[rid]
         if start > cfg.cache.num_blocks:
             return []
-        greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True,
+                                pooling=PoolingParams(pooling_type="LAST") if cfg.model.pooling is not None else None)
         vocab = cfg.model.arch.vocab_size
         computed: dict[str, int] = {}
         costs: list[tuple[int, int, float]] = []
@@ -738,8 +742,12 @@ def profile_run(model: torch.nn.Module, config: EngineConfig, link: StageLink | 
     scratch = config.replace(cache=msgspec.structs.replace(config.cache, num_blocks=G * blocks + 1))
     runner = ModelRunner(model, scratch, link=link)    # every stage profiles at once, handing tensors on
     block_ids = tuple(list(range(1 + g * blocks, 1 + (g + 1) * blocks)) for g in range(G))
-    request = NewRequestData(PROFILE_REQUEST, [0] * n, [], SamplingParams(temperature=0.0, max_tokens=1),
-                             block_ids, 0)
+    pooling = PoolingParams(pooling_type="LAST") if config.model.pooling is not None else None
+    request = NewRequestData(PROFILE_REQUEST, [0] * n, [], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                         pooling=pooling), block_ids, 0)
     out = runner.execute_model(SchedulerOutput(0, [request], CachedRequestData(), {PROFILE_REQUEST: n}, n, []))
-    if runner.samples and [len(t) for t in out.sampled_token_ids] != [1]:
+    if pooling is not None:
+        if list(out.pooler_output) != [PROFILE_REQUEST]:
+            raise RuntimeError("the profiling step pooled nothing")
+    elif runner.samples and [len(t) for t in out.sampled_token_ids] != [1]:
         raise RuntimeError(f"the profiling step sampled {out.sampled_token_ids}, not one token")

@@ -115,6 +115,12 @@ def test_models_list_retrieve_and_unknown_model(client, model):
     assert exc.value.body["param"] == "model" and exc.value.body["code"] == exc.value.status_code == 404
 
 
+def test_a_generative_model_refuses_embedding_requests_naming_the_runner(http):
+    for path in ("/v1/embeddings", "/pooling"):
+        r = http.post(path, json={"input": "hello"})
+        assert r.status_code == 404 and "--runner pooling" in r.json()["error"]["message"], r.text
+
+
 def test_probes_and_version(http):
     assert http.get("/health").status_code == 200
     assert http.get("/ping").status_code == 200

@@ -137,15 +137,16 @@ def test_vllm_0_32_spellings_set_what_they_name():
 
 
 def test_settings_that_name_what_troupe_does_are_accepted_and_others_refused_naming_the_value(capsys):
-    """vLLM flags whose value may be what Troupe does: --tokenizer-mode auto, --runner generate,
-    --load-format as the model's files are; another value exits 2 with one line naming it."""
+    """vLLM flags whose value may be what Troupe does: --tokenizer-mode auto, --model-impl auto,
+    --load-format as the model's files are; another value exits 2 with one line naming it.
+    (--runner and --convert are Troupe's own flags: tests/unit/test_pooling.py.)"""
     args = serve.parse_args(["--tokenizer-mode", "hf", "--runner", "generate", "--convert", "none",
                              "--model-impl", "auto", "--config-format", "hf", "--load-format", "gguf",
                              "--api-server-count", "1"])
     EngineArgs.from_cli_args(args).create_engine_config()
     assert serve.parse_args(["-asc", "3"]).api_server_count == 3
-    for flag, value in (("--tokenizer-mode", "mistral"), ("--runner", "pooling"), ("--convert", "embed"),
-                        ("--model-impl", "transformers"), ("--config-format", "mistral")):
+    for flag, value in (("--tokenizer-mode", "mistral"), ("--model-impl", "transformers"),
+                        ("--config-format", "mistral")):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args([flag, value])
         line = capsys.readouterr().err.strip()

@@ -1,0 +1,268 @@
+"""Pooling models (vLLM's ``--runner pooling``): a request's prompt goes through the model once
+and the answer is a vector pooled from its hidden states (an embedding), not generated tokens.
+Here: which runner a checkpoint gets (``--runner``, ``--convert``: vLLM's names and defaults),
+the pooler's settings (``--pooler-config``, completed from a sentence-transformers checkpoint's
+own ``modules.json``), and a request's ``PoolingParams``. The worker pools
+(``actors/worker/pooler.py``); the engine carries the params inside the request's
+SamplingParams (``SamplingParams.pooling``), so a pooling request takes every path a generating
+one does, and finishes when its prompt has been computed."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger("troupe.engine")
+
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify", "reward")
+SEQ_POOLING_TYPES = ("CLS", "LAST", "MEAN")      # one vector per prompt
+TOK_POOLING_TYPES = ("ALL", "STEP")              # one vector per prompt token
+POOLING_TASKS = ("embed", "token_embed", "classify", "token_classify")
+SUPPORTED_TASKS = ("embed", "token_embed")       # what --convert embed serves
+
+# vLLM's: the runner and conversion a checkpoint's architecture name implies, by its suffix
+_SUFFIX_DEFAULTS = (
+    ("ForCausalLM", ("generate", "none")), ("ForConditionalGeneration", ("generate", "none")),
+    ("ChatModel", ("generate", "none")), ("LMHeadModel", ("generate", "none")),
+    ("ForTextEncoding", ("pooling", "embed")), ("EmbeddingModel", ("pooling", "embed")),
+    ("ForSequenceClassification", ("pooling", "classify")), ("ForTokenClassification", ("pooling", "classify")),
+    ("ClassificationModel", ("pooling", "classify")), ("ForRewardModeling", ("pooling", "embed")),
+    ("RewardModel", ("pooling", "embed")), ("Model", ("pooling", "embed")))
+
+# sentence-transformers' module types (its old and new paths), as vLLM reads them
+_ST_POOLING = ("sentence_transformers.models.Pooling",
+               "sentence_transformers.sentence_transformer.modules.pooling.Pooling")
+_ST_NORMALIZE = ("sentence_transformers.models.Normalize", "sentence_transformers.base.modules.normalize.Normalize",
+                 "sentence_transformers.sentence_transformer.modules.normalize.Normalize")
+_ST_DENSE = ("sentence_transformers.models.Dense",
+             "sentence_transformers.sentence_transformer.modules.dense.Dense")
+
+
+class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """vLLM's ``--pooler-config`` (its JSON keys). ``pooling_type`` fills ``seq_pooling_type``
+    (CLS, LAST, MEAN) or ``tok_pooling_type`` (ALL); ``use_activation``: the embedding
+    normalized (None: yes); ``dimensions``: a default Matryoshka size for requests that give
+    none."""
+    task: str | None = None
+    pooling_type: str | None = None
+    seq_pooling_type: str | None = None
+    tok_pooling_type: str | None = None
+    use_activation: bool | None = None
+    dimensions: int | None = None
+    enable_chunked_processing: bool = False
+    max_embed_len: int | None = None
+    enable_flash_late_interaction: bool = True
+    logit_mean: float | None = None
+    logit_sigma: float | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
+
+    def check(self) -> PoolerConfig:
+        """The config with ``pooling_type`` resolved; ValueError naming what it cannot take."""
+        p = self
+        if p.pooling_type is not None:
+            if p.seq_pooling_type is not None:
+                raise ValueError("Cannot set both `pooling_type` and `seq_pooling_type`")
+            if p.tok_pooling_type is not None:
+                raise ValueError("Cannot set both `pooling_type` and `tok_pooling_type`")
+            kind = p.pooling_type.upper()
+            if kind in SEQ_POOLING_TYPES:
+                p = msgspec.structs.replace(p, seq_pooling_type=kind)
+            elif kind in TOK_POOLING_TYPES:
+                p = msgspec.structs.replace(p, tok_pooling_type=kind)
+            else:
+                raise ValueError(f"pooling_type {p.pooling_type!r} is not one of "
+                                 f"{', '.join(SEQ_POOLING_TYPES + TOK_POOLING_TYPES)}")
+        if p.seq_pooling_type is not None and p.seq_pooling_type.upper() not in SEQ_POOLING_TYPES:
+            raise ValueError(f"seq_pooling_type {p.seq_pooling_type!r} is not one of {', '.join(SEQ_POOLING_TYPES)}")
+        if p.tok_pooling_type is not None and p.tok_pooling_type.upper() != "ALL":
+            raise ValueError(f"tok_pooling_type {p.tok_pooling_type!r} is not supported; supported: ALL")
+        if p.logit_sigma == 0:
+            raise ValueError("logit_sigma cannot be 0 (division by zero)")
+        if p.enable_chunked_processing:
+            raise ValueError("pooler_config.enable_chunked_processing (embedding prompts longer than the model's "
+                             "context, in pieces) is not supported: prompts are embedded whole, up to "
+                             "--max-model-len")
+        if p.dimensions is not None and p.dimensions < 1:
+            raise ValueError(f"pooler_config.dimensions must be at least 1, got {p.dimensions}")
+        return msgspec.structs.replace(
+            p, pooling_type=None,
+            seq_pooling_type=p.seq_pooling_type.upper() if p.seq_pooling_type else None,
+            tok_pooling_type=p.tok_pooling_type.upper() if p.tok_pooling_type else None)
+
+
+class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """vLLM's ``PoolingParams``: what a pooling request asks. ``task``: "embed" (one vector for
+    the prompt) or "token_embed" (one per prompt token); ``dimensions``: keep the first d
+    (a Matryoshka model's); ``use_activation``: L2-normalize (None: the pooler's default, yes).
+    ``pooling_type`` is the engine's, resolved from the server's pooler config
+    (``ModelPooling.params``): how the worker pools."""
+    task: str = "embed"
+    dimensions: int | None = None
+    use_activation: bool | None = None
+    pooling_type: str = ""
+
+    @property
+    def needs_all_positions(self) -> bool:
+        """Whether every prompt position's hidden state is pooled (so none may come from the
+        prefix cache: a cached block's hidden states were never kept)."""
+        return self.pooling_type != "LAST"
+
+
+class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
+    """A pooling model's resolved settings: the conversion (vLLM's ``convert_type``), the
+    pooler's config, and the model's Matryoshka sizes (config.json's ``is_matryoshka`` /
+    ``matryoshka_dimensions``)."""
+    convert: str = "embed"
+    pooler: PoolerConfig = PoolerConfig()
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return SUPPORTED_TASKS
+
+    def params(self, params: PoolingParams | None, hidden_size: int) -> PoolingParams:
+        """``params`` checked and completed (vLLM's ``PoolingParams.verify``): the pooler's
+        defaults for what it leaves unset, the pooling type its task uses; ValueError, in
+        vLLM's words, for what this model cannot do."""
+        params = params or PoolingParams()
+        if params.task not in POOLING_TASKS:
+            raise ValueError(f"Unknown pooling task: {params.task!r}")
+        if params.task not in self.tasks:
+            raise ValueError(f"Task {params.task} is not supported by this model (it supports "
+                             f"{', '.join(self.tasks)})")
+        p = self.pooler
+        dims = params.dimensions if params.dimensions is not None else p.dimensions
+        use = params.use_activation if params.use_activation is not None else p.use_activation
+        if params.dimensions is not None:
+            if not self.is_matryoshka:
+                raise ValueError(f"Model does not support Matryoshka embeddings; dimensions must be unset "
+                                 f"(received dimensions={params.dimensions}).")
+            if not 1 <= params.dimensions <= hidden_size:
+                raise ValueError(f"Model only supports dimensions in range [1, {hidden_size}], "
+                                 f"got {params.dimensions}.")
+            if self.matryoshka_dimensions and params.dimensions not in self.matryoshka_dimensions:
+                raise ValueError(f"Model only supports Matryoshka dimensions {list(self.matryoshka_dimensions)}, "
+                                 f"got {params.dimensions}.")
+        kind = p.tok_pooling_type or "ALL" if params.task == "token_embed" else p.seq_pooling_type or "LAST"
+        return PoolingParams(task=params.task, dimensions=dims, use_activation=True if use is None else use,
+                             pooling_type=kind)
+
+
+def default_runner(architecture: str) -> tuple[str, str]:
+    """vLLM's (runner, convert) for an architecture name, by its suffix."""
+    for suffix, defaults in _SUFFIX_DEFAULTS:
+        if architecture.endswith(suffix):
+            return defaults
+    return "generate", "none"
+
+
+def resolve_runner(architecture: str, runner: str, convert: str) -> tuple[str, str]:
+    """(runner, convert) as vLLM resolves ``--runner`` and ``--convert`` for a checkpoint of
+    ``architecture``; ValueError, in vLLM's words, for a pair it cannot serve."""
+    if runner not in RUNNERS:
+        raise ValueError(f"--runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    if convert not in CONVERTS:
+        raise ValueError(f"--convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
+    native_runner, native_convert = default_runner(architecture)
+    if runner == "auto":
+        runner = native_runner if convert in ("auto", "none") else "pooling"
+    if convert == "auto":
+        convert = native_convert if runner == native_runner else ("embed" if runner == "pooling" else "none")
+    if runner == "generate":
+        if native_runner == "pooling":
+            raise ValueError(f"Embedding models do not support `--runner generate` ({architecture}). "
+                             "Use `--runner pooling` or `--runner auto` for embedding models.")
+        if convert != "none":
+            raise ValueError(f"--convert {convert} makes a pooling model: it goes with --runner pooling")
+        return runner, convert
+    if convert == "none":
+        raise ValueError(f"This model does not support `--runner pooling` as it is ({architecture}). "
+                         "You can pass `--convert embed` to adapt it into a pooling model.")
+    if convert != "embed":
+        raise ValueError(f"--convert {convert} ({architecture}) is not supported yet: pooling models serve "
+                         "embeddings (--convert embed)")
+    return runner, convert
+
+
+def pooler_config(value: dict[str, Any] | str | PoolerConfig | None) -> PoolerConfig | None:
+    """vLLM's --pooler-config: JSON text, a dict (the offline API's), or the struct."""
+    if value is None or isinstance(value, PoolerConfig):
+        return value.check() if value is not None else None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--pooler-config takes a JSON object, got {value!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--pooler-config takes a JSON object, got {value!r}")
+    if "normalize" in value:
+        raise ValueError("Parameter `normalize` was removed; use `use_activation` instead.")
+    try:
+        return msgspec.convert(value, PoolerConfig).check()
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"--pooler-config: {exc}") from None
+
+
+def sentence_transformers_pooling(path: str) -> dict[str, Any]:
+    """A sentence-transformers checkpoint's pooling (its ``modules.json`` and the Pooling
+    module's ``config.json``) as pooler-config fields, as vLLM reads them: the pooling type,
+    and ``use_activation`` from whether it normalizes. {} for another checkpoint. A Dense
+    projection after the pooling is refused (its weights would be left out)."""
+    modules_file = os.path.join(path, "modules.json")
+    if not os.path.isfile(modules_file):
+        return {}
+    with open(modules_file) as f:
+        modules = json.load(f)
+    types = [m.get("type") for m in modules]
+    if any(t in _ST_DENSE for t in types):
+        raise ValueError(f"{path}: its sentence-transformers Dense projection is not supported")
+    pooling = next((m for m in modules if m.get("type") in _ST_POOLING), None)
+    if pooling is None:
+        return {}
+    found: dict[str, Any] = {"use_activation": any(t in _ST_NORMALIZE for t in types)}
+    pooling_file = os.path.join(path, pooling.get("path", ""), "config.json")
+    settings = {}
+    if os.path.isfile(pooling_file):
+        with open(pooling_file) as f:
+            settings = json.load(f)
+    for key, value in settings.items():
+        if key == "pooling_mode" and isinstance(value, str):
+            name = value
+        elif value is True:
+            name = key
+        else:
+            continue
+        name = name.replace("pooling_mode_", "").split("_", 1)[0]
+        kind = "LAST" if "lasttoken" in name else name.upper()
+        if kind in SEQ_POOLING_TYPES:
+            found["seq_pooling_type"] = kind
+        elif kind in TOK_POOLING_TYPES:
+            found["tok_pooling_type"] = kind
+    if "seq_pooling_type" not in found and "tok_pooling_type" not in found:
+        log.warning("could not tell the sentence-transformers pooling type from %s; the model's default "
+                    "(LAST) is used unless --pooler-config says", pooling_file)
+    return found
+
+
+def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str | None,
+                  hf_config: dict[str, Any]) -> ModelPooling:
+    """A pooling model's settings: the user's pooler config, completed by the checkpoint's
+    sentence-transformers modules, then by the model's defaults (LAST pooling for a converted
+    decoder, ALL for token embeddings)."""
+    pooler = user or PoolerConfig()
+    found = sentence_transformers_pooling(checkpoint_dir) if checkpoint_dir else {}
+    filled = {k: v for k, v in found.items() if getattr(pooler, k) is None}
+    if filled:
+        pooler = msgspec.structs.replace(pooler, **filled)
+    pooler = msgspec.structs.replace(pooler, seq_pooling_type=pooler.seq_pooling_type or "LAST",
+                                     tok_pooling_type=pooler.tok_pooling_type or "ALL")
+    dims = hf_config.get("matryoshka_dimensions")
+    return ModelPooling(convert=convert, pooler=pooler,
+                        is_matryoshka=bool(dims) or bool(hf_config.get("is_matryoshka", False)),
+                        matryoshka_dimensions=tuple(dims) if dims else None)

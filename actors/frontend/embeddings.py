@@ -1,0 +1,209 @@
+"""POST /v1/embeddings (OpenAI's, with vLLM's fields) and POST /pooling (vLLM's): the answers of
+a pooling model (``--runner pooling``). ``input`` is a string, token ids, a list of either, or a
+chat conversation (``messages``, or a list of conversations), each item one engine request
+admitted at once; ``encoding_format`` float or base64 (of ``embed_dtype`` float32, float16 or
+bfloat16, in ``endianness`` byte order), as vLLM encodes them."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import sys
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+from aiohttp import web
+
+from actors.engine.pooling import PoolingParams
+from actors.frontend.errors import bad_request, error_response, not_found
+from actors.frontend.params import check_priority, chat_messages, completion_prompts, served_name
+from actors.frontend.protocol import ChatMessage, require
+from actors.frontend.streams import RequestOutput
+
+if TYPE_CHECKING:
+    from actors.frontend.app import OpenAIServer
+    from actors.frontend.client import RequestHandle
+
+EMBED_DTYPES = ("float32", "float16", "bfloat16")
+ENDIANNESS = ("native", "big", "little")
+ENCODING_FORMATS = ("float", "base64")
+
+
+class PoolingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The fields /v1/embeddings and /pooling share (vLLM's names). ``task`` is /pooling's:
+    "embed" (one vector per input) or "token_embed" (one per input token)."""
+    model: str | None = None
+    input: str | list[Any] | None = None
+    messages: list[Any] | None = None
+    encoding_format: str = "float"
+    embed_dtype: str = "float32"
+    endianness: str = "native"
+    dimensions: int | None = None
+    use_activation: bool | None = None
+    normalize: bool | None = None        # vLLM's old name: refused as vLLM refuses it
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    padding: str | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    priority: int = 0
+    request_id: str | None = None
+    task: str | None = None
+
+
+class Prompt(msgspec.Struct):
+    """One engine request of a pooling request: ``submit``'s prompt keywords."""
+    kwargs: dict[str, Any]
+
+
+EMBEDDINGS, POOLING = "/v1/embeddings", "/pooling"
+
+
+async def create_embedding(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
+    """OpenAI's embeddings: one vector per input."""
+    return await pooled(server, EMBEDDINGS, await request.read())
+
+
+async def create_pooling(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
+    """vLLM's /pooling: the pooler's output per input (``task``: embed, or token_embed)."""
+    return await pooled(server, POOLING, await request.read())
+
+
+async def pooled(server: OpenAIServer, path: str, body: bytes) -> web.Response:
+    """The answer to a request ``body`` for ``path`` (EMBEDDINGS or POOLING): the HTTP
+    handlers' and the batch runner's."""
+    task, object_name, id_prefix = ("embed", "embedding", "embd-") if path == EMBEDDINGS else (None, "pooling", "pool-")
+    client = server.engine()
+    pooling = client.config.model.pooling
+    if pooling is None:
+        raise not_found(f"The model does not support {'Embeddings' if task else 'Pooling'} API: it generates "
+                        "text. Serve it with --runner pooling (or --convert embed) for embeddings.")
+    req: PoolingRequest = server.decode(body, PoolingRequest)
+    if task is not None:
+        require(req.task is None, "task is /pooling's field", "task")
+    require(req.normalize is None, "Parameter `normalize` was removed; use `use_activation` instead.", "normalize")
+    require(req.encoding_format in ENCODING_FORMATS, f"encoding_format must be one of "
+            f"{', '.join(ENCODING_FORMATS)}, got {req.encoding_format!r}", "encoding_format")
+    require(req.embed_dtype in EMBED_DTYPES, f"embed_dtype must be one of {', '.join(EMBED_DTYPES)}, "
+            f"got {req.embed_dtype!r}", "embed_dtype")
+    require(req.endianness in ENDIANNESS, f"endianness must be one of {', '.join(ENDIANNESS)}, "
+            f"got {req.endianness!r}", "endianness")
+    require(req.padding in (None, "do_not_pad"), "padding 'max_length' is not supported (decoder models "
+            "read prompts unpadded)", "padding")
+    require(req.truncation_side in (None, "left", "right"), "truncation_side must be left or right",
+            "truncation_side")
+    t = req.truncate_prompt_tokens
+    require(t is None or t == -1 or t >= 1, f"truncate_prompt_tokens must be -1 (the last max_model_len) or "
+            f"at least 1, got {t}", "truncate_prompt_tokens")
+    params = PoolingParams(task=task or req.task or pooling.pooler.task or "embed", dimensions=req.dimensions,
+                           use_activation=req.use_activation)
+    try:
+        engine_params = client.pooling_request(params, req.truncate_prompt_tokens)
+    except ValueError as exc:            # InvalidPrompt: what the model cannot do
+        param = "task" if "task" in str(exc).lower() else "dimensions"
+        raise bad_request(str(exc), param) from None
+    prompts = _prompts(server, req)
+    priority = check_priority(req, client.config.scheduler.policy)
+    rid = req.request_id or uuid.uuid4().hex
+    handles: list[RequestHandle] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            handles.append(await server.submit(
+                engine_params, request_id=f"{rid}-{i}" if len(prompts) > 1 else rid, priority=priority,
+                truncation_side=req.truncation_side or "left", **prompt.kwargs))
+        outs = await asyncio.gather(*(_final(h) for h in handles))
+    finally:
+        for h in handles:
+            h.close()
+    for out in outs:
+        if out.error is not None or out.pooling_output is None:
+            return error_response(out.error_status or 500, out.error or "the request ended without an output")
+    data = [{"index": i, "object": object_name,
+             ("embedding" if task else "data"): _encoded(out.pooling_output, req)} for i, out in enumerate(outs)]
+    prompt_tokens = sum(h.num_prompt_tokens for h in handles)
+    return web.json_response({
+        "id": f"{id_prefix}{rid}", "object": "list", "created": int(time.time()),
+        "model": served_name(client, req.model), "data": data,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0}},
+        dumps=lambda obj: msgspec.json.encode(obj).decode())
+
+
+async def _final(handle: RequestHandle) -> RequestOutput:
+    final: RequestOutput | None = None
+    async for out in handle:
+        if final is None:
+            final = out
+        else:
+            final.merge(out)
+    return final
+
+
+def _prompts(server: OpenAIServer, req: PoolingRequest) -> list[Prompt]:
+    """Each engine request's prompt: ``messages`` (a conversation, or a list of them), or
+    ``input`` (text, token ids, a list of either, or a conversation)."""
+    conversations: list[list[Any]] | None = None
+    if req.messages is not None:
+        require(req.input is None, "give input or messages, not both", "messages")
+        conversations = _conversations(req.messages, "messages")
+    elif isinstance(req.input, list) and req.input and isinstance(req.input[0], (dict, list)) \
+            and _conversations(req.input, None) is not None:
+        conversations = _conversations(req.input, "input")
+    if conversations is not None:
+        require(not (req.add_generation_prompt and req.continue_final_message),
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message")
+        if req.chat_template is not None and not server.options.trust_request_chat_template:
+            raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
+                              "set. Refused request with untrusted chat template.", "chat_template")
+        return [Prompt({"messages": chat_messages(msgspec.convert(c, list[ChatMessage])),
+                        "add_generation_prompt": req.add_generation_prompt,
+                        "continue_final_message": req.continue_final_message,
+                        "chat_template_kwargs": server.template_kwargs(req.chat_template_kwargs),
+                        "chat_template": req.chat_template,
+                        "add_special_tokens": bool(req.add_special_tokens)}) for c in conversations]
+    require(req.input is not None, "input is required (a string, token ids, or a list of either)", "input")
+    add_special = req.add_special_tokens is not False
+    try:
+        inputs = completion_prompts(req.input, server.vocab_size)
+    except Exception as exc:
+        raise bad_request(str(exc).replace("prompt", "input"), "input") from None
+    return [Prompt({"prompt": p.text, "prompt_token_ids": p.token_ids, "add_special_tokens": add_special})
+            for p in inputs]
+
+
+def _conversations(value: list[Any], param: str | None) -> list[list[Any]] | None:
+    """A conversation (a list of messages) or a list of them, as a list of conversations;
+    None (with no ``param`` to name in an error) when ``value`` is neither."""
+    def is_message(m: Any) -> bool:
+        return isinstance(m, dict) and isinstance(m.get("role"), str)
+    if value and all(is_message(m) for m in value):
+        return [value]
+    if value and all(isinstance(c, list) and c and all(is_message(m) for m in c) for c in value):
+        return value
+    if param is None:
+        return None
+    raise bad_request(f"{param} must be a conversation (a list of messages with a role) or a list of them", param)
+
+
+def _encoded(vector: np.ndarray, req: PoolingRequest) -> list | str:
+    """The answer as JSON floats, or base64 of its bytes in ``embed_dtype`` and ``endianness``
+    (vLLM's; bfloat16 rounded to nearest even, as torch converts)."""
+    if req.encoding_format == "float":
+        return vector.tolist()
+    flat = np.ascontiguousarray(vector, dtype=np.float32).reshape(-1)
+    if req.embed_dtype == "float16":
+        raw = flat.astype(np.float16)
+    elif req.embed_dtype == "bfloat16":
+        bits = flat.view(np.uint32)
+        raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    else:
+        raw = flat
+    if req.endianness != "native" and req.endianness != sys.byteorder:
+        raw = raw.byteswap()
+    return base64.b64encode(raw.tobytes()).decode("ascii")

@@ -1,0 +1,62 @@
+"""The pooling model's head (vLLM's ``Pooler``, for ``--runner pooling``): each pooling
+request's last-layer hidden states (after the final norm), chunk by chunk as its prompt is
+computed, turned into its answer once the prompt is done: the last token's (LAST), the first's
+(CLS), their mean (MEAN), or every token's (ALL, task token_embed); then its first ``dimensions``
+kept (a Matryoshka model's) and L2-normalized unless ``use_activation`` is off. Sums run in
+float32 whatever the model's dtype."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from actors.engine.pooling import PoolingParams
+
+
+class Pooler:
+    def __init__(self) -> None:
+        # a request whose prompt spans several steps: what its chunks have added up so far
+        # (MEAN: the sum of rows; CLS: the first row; ALL: the rows)
+        self.partial: dict[str, torch.Tensor | list[torch.Tensor]] = {}
+
+    def forget(self, req_ids: list[str]) -> None:
+        """Drop finished, aborted or preempted requests (a preempted one starts over)."""
+        for rid in req_ids:
+            self.partial.pop(rid, None)
+
+    def add(self, rid: str, params: PoolingParams, rows: torch.Tensor, start: int, num_prompt: int
+            ) -> np.ndarray | None:
+        """Chunk ``rows`` (n, hidden) of positions [start, start + n) of a prompt of
+        ``num_prompt`` tokens; the request's answer once the chunk ends the prompt, else None."""
+        kind, done = params.pooling_type, start + len(rows) >= num_prompt
+        if kind == "LAST":
+            if not done:
+                return None
+            pooled = rows[-1].float()
+        elif kind == "CLS":
+            if start == 0:
+                self.partial[rid] = rows[0].float()
+            if not done:
+                return None
+            pooled = self.partial.pop(rid)
+        elif kind == "MEAN":
+            total = rows.float().sum(0)
+            if rid in self.partial:
+                total += self.partial.pop(rid)
+            if not done:
+                self.partial[rid] = total
+                return None
+            pooled = total / num_prompt
+        elif kind == "ALL":
+            chunks = self.partial.setdefault(rid, [])
+            chunks.append(rows.float())
+            if not done:
+                return None
+            pooled = torch.cat(self.partial.pop(rid))
+        else:
+            raise ValueError(f"pooling type {kind!r} is not supported")
+        if params.dimensions is not None:
+            pooled = pooled[..., :params.dimensions]
+        if params.use_activation:
+            pooled = F.normalize(pooled, p=2, dim=-1)
+        return pooled.cpu().numpy()

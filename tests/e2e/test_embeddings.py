@@ -1,0 +1,235 @@
+"""Pooling models (vLLM's --runner pooling): embeddings through the whole engine equal
+transformers' hidden states pooled the same way, whether a prompt is computed whole or in
+chunks, beside others, or partly from the prefix cache; the server answers /v1/embeddings (the
+OpenAI client's base64 included) and /pooling, and refuses generation on such a model."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from actors.api import LLM, PoolingParams
+from helpers import save_tiny_tokenizer
+from server import Server
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 128
+
+
+def _random_weights(model) -> None:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+
+
+@pytest.fixture(scope="module")
+def bare_llama(tmp_path_factory):
+    """A sentence-transformers-style embedding checkpoint: a bare ``LlamaModel`` (no LM head, its
+    tensors without the "model." prefix) whose modules.json pools the mean and normalizes."""
+    import json
+
+    from transformers import LlamaConfig, LlamaModel
+    path = tmp_path_factory.mktemp("bare_llama")
+    model = LlamaModel(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                   rms_norm_eps=1e-6, num_hidden_layers=2))
+    _random_weights(model)
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, VOCAB)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                                "pooling_mode_mean_tokens": True}))
+    return str(path), model.eval()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A tiny Qwen3ForCausalLM checkpoint (an LM head of its own), embedded with --runner pooling."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    path = tmp_path_factory.mktemp("qwen3")
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2,
+                                         tie_word_embeddings=False))
+    _random_weights(model)
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, VOCAB)
+    return str(path), model.eval()
+
+
+def _hidden(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return out.hidden_states[-1][0].float()          # after the final norm, as the last layer's output
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    return [[(7 * i + 3 * n) % (VOCAB - 1) + 1 for i in range(n)] for n in lengths]
+
+
+def test_a_bare_sentence_transformers_checkpoint_embeds_as_transformers_pools_it(bare_llama):
+    """Mean pooling and normalization read from modules.json; prompts batched, the longest in
+    chunks of 16 tokens, equal to transformers' mean of the last hidden states."""
+    path, reference = bare_llama
+    prompts = _prompts([1, 5, 23, 100])
+    with LLM(path, multiprocess=False, max_num_batched_tokens=16, max_model_len=128) as llm:
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+        assert llm._run(llm._engine().get_supported_tasks()) == ("embed", "token_embed")
+        with pytest.raises(ValueError, match="it answers pooling requests"):
+            llm.generate([prompts[1]], use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        expected = torch.nn.functional.normalize(_hidden(reference, ids).mean(0), dim=-1)
+        assert out.prompt_token_ids == ids and out.outputs.hidden_size == 64
+        np.testing.assert_allclose(out.outputs.embedding, expected.numpy(), atol=2e-5)
+
+
+def test_a_causal_lm_converted_to_embeddings_pools_its_last_token_and_reuses_the_prefix_cache(qwen3):
+    path, reference = qwen3
+    (long_prompt,) = _prompts([70])
+    with LLM(path, multiprocess=False, runner="pooling", max_model_len=128,
+             hf_overrides={"matryoshka_dimensions": [16, 32]}) as llm:
+        first, again = (llm.embed([{"prompt_token_ids": long_prompt}], use_tqdm=False)[0] for _ in range(2))
+        cut = llm.embed([{"prompt_token_ids": long_prompt}], PoolingParams(dimensions=16), use_tqdm=False)[0]
+        raw = llm.encode([{"prompt_token_ids": long_prompt}], PoolingParams(use_activation=False),
+                         pooling_task="token_embed", use_tqdm=False)[0]
+        with pytest.raises(ValueError, match=r"only supports Matryoshka dimensions \[16, 32\], got 8"):
+            llm.embed([long_prompt], PoolingParams(dimensions=8), use_tqdm=False)
+    hidden = _hidden(reference, long_prompt)
+    np.testing.assert_allclose(first.outputs.embedding, torch.nn.functional.normalize(hidden[-1], dim=-1).numpy(),
+                               atol=2e-5)
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64       # four blocks of 16 reused
+    np.testing.assert_allclose(again.outputs.embedding, first.outputs.embedding, atol=1e-6)
+    np.testing.assert_allclose(cut.outputs.embedding, torch.nn.functional.normalize(hidden[-1, :16], dim=-1).numpy(),
+                               atol=2e-5)
+    # token embeddings need every position: the cache is not read for them, and every row is right
+    assert raw.num_cached_tokens == 0 and tuple(raw.outputs.data.shape) == (70, 64)
+    np.testing.assert_allclose(raw.outputs.data.numpy(), hidden.numpy(), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--runner", "pooling", "--max-model-len", "256", "--threads", "1")
+    yield s
+    s.stop()
+
+
+def _embed(server, **body) -> requests.Response:
+    return requests.post(f"{server.url}/v1/embeddings", json=body, timeout=60)
+
+
+def test_the_default_model_embeds_through_the_server_as_transformers_computes_it(server):
+    from helpers import transformers_model_from_gguf, transformers_tokenizer_from_gguf
+    from models.resolve import default_gguf_path
+    texts = ["The capital of France is Paris.", "I like green apples."]
+    r = _embed(server, input=texts)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["id"].startswith("embd-") and body["model"]
+    assert [d["index"] for d in body["data"]] == [0, 1] and body["data"][0]["object"] == "embedding"
+    tokenizer = transformers_tokenizer_from_gguf(default_gguf_path())
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids)),
+                             "completion_tokens": 0}
+    model = transformers_model_from_gguf(default_gguf_path())
+    for d, prompt in zip(body["data"], ids):
+        expected = torch.nn.functional.normalize(_hidden(model, prompt)[-1], dim=-1).numpy()
+        got = np.array(d["embedding"])
+        assert got.shape == (576,) and float(got @ expected) > 0.9999
+    # the same prompt as token ids gives the same vector
+    again = _embed(server, input=ids[0]).json()["data"][0]["embedding"]
+    np.testing.assert_allclose(again, body["data"][0]["embedding"], atol=1e-5)
+
+
+def test_the_openai_client_reads_its_base64_embeddings(server):
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    got = client.embeddings.create(model=client.models.list().data[0].id, input=["hello world", "goodbye"])
+    floats = _embed(server, input=["hello world", "goodbye"]).json()["data"]
+    for item, plain in zip(got.data, floats):
+        np.testing.assert_allclose(item.embedding, plain["embedding"], atol=1e-6)
+
+
+def test_base64_in_each_dtype_and_byte_order_decodes_to_the_floats(server):
+    plain = np.array(_embed(server, input="hello world").json()["data"][0]["embedding"], dtype=np.float32)
+    for dtype, endianness, tol in (("float32", "little", 0), ("float16", "big", 1e-3), ("bfloat16", "native", 8e-3)):
+        r = _embed(server, input="hello world", encoding_format="base64", embed_dtype=dtype, endianness=endianness)
+        raw = base64.b64decode(r.json()["data"][0]["embedding"])
+        if dtype == "bfloat16":
+            values = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            values = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<" if endianness == "little" else ">"))
+        np.testing.assert_allclose(values.astype(np.float32), plain, atol=tol)
+
+
+def test_pooling_endpoint_gives_every_tokens_vector_and_chat_input_is_rendered(server):
+    r = requests.post(f"{server.url}/pooling", json={"input": "hello world", "task": "token_embed"}, timeout=60)
+    assert r.status_code == 200, r.text
+    rows = np.array(r.json()["data"][0]["data"])
+    assert r.json()["data"][0]["object"] == "pooling" and rows.shape == (2, 576)
+    last = _embed(server, input="hello world").json()["data"][0]["embedding"]
+    np.testing.assert_allclose(rows[-1], last, atol=1e-5)          # LAST pooling: the last token's, normalized
+    pooled = requests.post(f"{server.url}/pooling", json={"input": "hello world"}, timeout=60).json()
+    np.testing.assert_allclose(pooled["data"][0]["data"], last, atol=1e-6)
+    messages = [{"role": "user", "content": "hello world"}]
+    chat = _embed(server, messages=messages)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] > 2        # the chat template's tokens around the text
+    in_input = _embed(server, input=messages).json()
+    np.testing.assert_allclose(in_input["data"][0]["embedding"], chat.json()["data"][0]["embedding"], atol=1e-6)
+
+
+def test_what_a_pooling_server_cannot_do_is_refused_by_name(server):
+    chat = requests.post(f"{server.url}/v1/chat/completions", timeout=30,
+                         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert chat.status_code == 404 and "pooling model" in chat.json()["error"]["message"]
+    for body, param, words in (
+            ({"input": "hi", "dimensions": 8}, "dimensions", "does not support Matryoshka"),
+            ({"input": "hi", "normalize": True}, "normalize", "use `use_activation` instead"),
+            ({"input": "hi", "encoding_format": "bytes"}, "encoding_format", "encoding_format must be one of"),
+            ({"input": []}, "input", "must not be empty"),
+            ({"input": "hi " * 300}, "prompt", "maximum context length is 256 tokens")):
+        r = _embed(server, **body)
+        assert r.status_code == 400, (body, r.text)
+        assert words in r.json()["error"]["message"], r.text
+    r = requests.post(f"{server.url}/pooling", json={"input": "hi", "task": "classify"}, timeout=30)
+    assert r.status_code == 400 and "Task classify is not supported" in r.json()["error"]["message"]
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_batch_file_of_embedding_requests_runs_offline(bare_llama, tmp_path):
+    """tools.batch with a pooling model: /v1/embeddings and /pooling lines answered as the server
+    answers them, a generation line refused with the server's 404."""
+    import json
+    import subprocess
+    import sys
+
+    from server import ROOT
+    path, reference = bare_llama
+    prompts = _prompts([6, 9])
+    lines = [{"custom_id": "a", "url": "/v1/embeddings", "body": {"input": prompts}},
+             {"custom_id": "b", "url": "/pooling", "body": {"input": prompts[0], "task": "token_embed"}},
+             {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": prompts[0], "max_tokens": 2}}]
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = subprocess.run([sys.executable, "-m", "tools.batch", "-i", str(source), "-o", str(results),
+                           "--model", path, "--no-progress", "--threads", "1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    by_id = {rec["custom_id"]: rec["response"] for rec in map(json.loads, results.read_text().splitlines())}
+    assert by_id["a"]["status_code"] == 200 and by_id["b"]["status_code"] == 200
+    for ids, item in zip(prompts, by_id["a"]["body"]["data"]):
+        expected = torch.nn.functional.normalize(_hidden(reference, ids).mean(0), dim=-1).numpy()
+        np.testing.assert_allclose(item["embedding"], expected, atol=2e-5)
+    np.testing.assert_allclose(by_id["b"]["body"]["data"][0]["data"],
+                               torch.nn.functional.normalize(_hidden(reference, prompts[0]), dim=-1).numpy(),
+                               atol=2e-5)
+    assert by_id["c"]["status_code"] == 404

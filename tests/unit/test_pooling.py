@@ -1,0 +1,155 @@
+"""Pooling models' settings, resolved as vLLM resolves them (--runner, --convert, --pooler-config,
+a sentence-transformers checkpoint's modules.json, a request's PoolingParams), and the pooler's
+arithmetic over a prompt computed in chunks."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from actors.engine.args import EngineArgs
+from actors.engine.pooling import (ModelPooling, PoolerConfig, PoolingParams, model_pooling, pooler_config,
+                                   resolve_runner, sentence_transformers_pooling)
+from actors.worker.pooler import Pooler
+
+
+@pytest.mark.parametrize("architecture,runner,convert,expected", [
+    ("LlamaForCausalLM", "auto", "auto", ("generate", "none")),
+    ("LlamaModel", "auto", "auto", ("pooling", "embed")),
+    ("Qwen3ForCausalLM", "pooling", "auto", ("pooling", "embed")),
+    ("Qwen3ForCausalLM", "auto", "embed", ("pooling", "embed")),
+    ("Gemma3TextModel", "pooling", "auto", ("pooling", "embed")),
+])
+def test_runner_and_conversion_follow_vllms_defaults(architecture, runner, convert, expected):
+    assert resolve_runner(architecture, runner, convert) == expected
+
+
+def test_runners_that_cannot_serve_the_checkpoint_are_refused_in_vllms_words():
+    with pytest.raises(ValueError, match="Embedding models do not support `--runner generate`"):
+        resolve_runner("LlamaModel", "generate", "auto")
+    with pytest.raises(ValueError, match="You can pass `--convert embed`"):
+        resolve_runner("LlamaForCausalLM", "pooling", "none")
+    with pytest.raises(ValueError, match="--convert classify .* is not supported yet"):
+        resolve_runner("LlamaForCausalLM", "pooling", "classify")
+    with pytest.raises(ValueError, match="--runner must be one of"):
+        resolve_runner("LlamaForCausalLM", "embedding", "auto")
+
+
+def test_pooler_config_reads_vllms_json_and_refuses_what_it_cannot_do():
+    assert pooler_config('{"pooling_type": "mean"}').seq_pooling_type == "MEAN"
+    assert pooler_config({"pooling_type": "ALL"}).tok_pooling_type == "ALL"
+    assert pooler_config('{"use_activation": false, "dimensions": 8}') == PoolerConfig(use_activation=False,
+                                                                                       dimensions=8)
+    with pytest.raises(ValueError, match="Parameter `normalize` was removed; use `use_activation` instead."):
+        pooler_config('{"normalize": true}')
+    with pytest.raises(ValueError, match="pooling_type 'MAX' is not one of"):
+        pooler_config('{"pooling_type": "MAX"}')
+    with pytest.raises(ValueError, match="Cannot set both `pooling_type` and `seq_pooling_type`"):
+        pooler_config('{"pooling_type": "CLS", "seq_pooling_type": "MEAN"}')
+    with pytest.raises(ValueError, match="enable_chunked_processing"):
+        pooler_config('{"enable_chunked_processing": true}')
+    with pytest.raises(ValueError, match="--pooler-config"):
+        pooler_config('{"pooling_typ": "MEAN"}')
+
+
+def _sentence_transformers_files(path, pooling: dict, normalize: bool, dense: bool = False) -> str:
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if dense:
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    if normalize:
+        modules.append({"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **pooling}))
+    return str(path)
+
+
+def test_a_sentence_transformers_checkpoint_says_how_it_pools(tmp_path):
+    (tmp_path / "mean").mkdir()
+    mean = _sentence_transformers_files(tmp_path / "mean", {"pooling_mode_mean_tokens": True,
+                                                             "pooling_mode_cls_token": False}, normalize=True)
+    assert sentence_transformers_pooling(mean) == {"use_activation": True, "seq_pooling_type": "MEAN"}
+    (tmp_path / "last").mkdir()
+    last = _sentence_transformers_files(tmp_path / "last", {"pooling_mode_lasttoken": True}, normalize=False)
+    assert sentence_transformers_pooling(last) == {"use_activation": False, "seq_pooling_type": "LAST"}
+    # the user's --pooler-config wins over the checkpoint's own, key by key
+    settings = model_pooling(PoolerConfig(seq_pooling_type="CLS"), "embed", mean, {})
+    assert (settings.pooler.seq_pooling_type, settings.pooler.use_activation) == ("CLS", True)
+    assert sentence_transformers_pooling(str(tmp_path)) == {}        # no modules.json: not one
+    (tmp_path / "dense").mkdir()
+    dense = _sentence_transformers_files(tmp_path / "dense", {"pooling_mode_mean_tokens": True}, True, dense=True)
+    with pytest.raises(ValueError, match="Dense projection is not supported"):
+        sentence_transformers_pooling(dense)
+
+
+def test_request_params_take_the_models_defaults_and_matryoshka_limits():
+    plain = ModelPooling(pooler=PoolerConfig(seq_pooling_type="MEAN", tok_pooling_type="ALL"))
+    assert plain.params(None, 64) == PoolingParams(task="embed", use_activation=True, pooling_type="MEAN")
+    assert plain.params(PoolingParams(task="token_embed", use_activation=False), 64).pooling_type == "ALL"
+    with pytest.raises(ValueError, match="does not support Matryoshka embeddings"):
+        plain.params(PoolingParams(dimensions=8), 64)
+    with pytest.raises(ValueError, match="Task classify is not supported by this model"):
+        plain.params(PoolingParams(task="classify"), 64)
+    matryoshka = ModelPooling(pooler=PoolerConfig(seq_pooling_type="LAST"), is_matryoshka=True,
+                              matryoshka_dimensions=(16, 32))
+    assert matryoshka.params(PoolingParams(dimensions=16), 64).dimensions == 16
+    with pytest.raises(ValueError, match=r"only supports Matryoshka dimensions \[16, 32\], got 8"):
+        matryoshka.params(PoolingParams(dimensions=8), 64)
+    with pytest.raises(ValueError, match=r"only supports dimensions in range \[1, 64\], got 65"):
+        ModelPooling(is_matryoshka=True).params(PoolingParams(dimensions=65), 64)
+
+
+def test_engine_config_of_a_pooling_model_refuses_generation_options_and_async_scheduling():
+    config = EngineArgs(runner="pooling").create_engine_config()
+    assert config.model.runner == "pooling" and config.model.pooling.pooler.seq_pooling_type == "LAST"
+    assert EngineArgs().create_engine_config().model.pooling is None
+    with pytest.raises(ValueError, match="--runner pooling .* does not take --async-scheduling"):
+        EngineArgs(runner="pooling", async_scheduling=True).create_engine_config()
+    with pytest.raises(ValueError, match="--pooler-config is for pooling models"):
+        EngineArgs(pooler_config='{"pooling_type": "MEAN"}').create_engine_config()
+    from actors.engine.config import DeviceConfig
+    resolved = config.replace(device=DeviceConfig(device="cpu"))
+    from models.registry import model_config
+    arch = model_config(config.model.source)
+    assert resolved.resolve(cuda_available=False, cpu_count=2, arch=arch).scheduler.async_scheduling is False
+
+
+def _pooled_in_chunks(params: PoolingParams, rows: torch.Tensor, chunks: list[int]) -> np.ndarray:
+    pooler, start, out = Pooler(), 0, None
+    for n in chunks:
+        got = pooler.add("r", params, rows[start:start + n], start, len(rows))
+        assert (got is not None) == (start + n == len(rows))
+        out, start = got, start + n
+    assert not pooler.partial
+    return out
+
+
+@pytest.mark.parametrize("kind", ["LAST", "MEAN", "CLS", "ALL"])
+def test_a_prompt_pooled_in_chunks_equals_it_pooled_whole(kind):
+    rows = torch.randn(11, 8, generator=torch.Generator().manual_seed(0))
+    params = PoolingParams(pooling_type=kind, use_activation=False)
+    whole = _pooled_in_chunks(params, rows, [11])
+    expected = {"LAST": rows[-1], "MEAN": rows.mean(0), "CLS": rows[0], "ALL": rows}[kind].numpy()
+    np.testing.assert_allclose(whole, expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_pooled_in_chunks(params, rows, [4, 4, 3]), whole, rtol=1e-6, atol=1e-6)
+
+
+def test_pooled_vectors_are_cut_to_their_dimensions_then_normalized():
+    rows = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    out = _pooled_in_chunks(PoolingParams(pooling_type="MEAN", dimensions=3, use_activation=True), rows, [5])
+    expected = rows.mean(0)[:3] / rows.mean(0)[:3].norm()
+    np.testing.assert_allclose(out, expected.numpy(), rtol=1e-6, atol=1e-6)
+    assert abs(float(np.linalg.norm(out)) - 1.0) < 1e-6
+
+
+def test_a_preempted_request_starts_its_pooling_over():
+    rows = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    params = PoolingParams(pooling_type="MEAN", use_activation=False)
+    pooler = Pooler()
+    assert pooler.add("r", params, rows[:3], 0, 6) is None
+    pooler.forget(["r"])                         # preempted: recomputed from its first token
+    assert pooler.add("r", params, rows[:3], 0, 6) is None
+    np.testing.assert_allclose(pooler.add("r", params, rows[3:], 3, 6), rows.mean(0).numpy(), rtol=1e-6, atol=1e-6)
