@@ -44,7 +44,7 @@ from actors.tokenizer.prompt_embeds import embeds_array
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RepetitionDetectionParams", "GenerationResult",
            "WeightVersionSpan", "FlatLogprobs",
            "CompletionOutput", "Logprob", "LoRARequest", "PoolingParams", "PoolingOutput", "PoolingRequestOutput",
-           "EmbeddingOutput", "EmbeddingRequestOutput"]
+           "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput"]
 
 
 @dataclass(slots=True)
@@ -206,6 +206,22 @@ class EmbeddingRequestOutput:
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
         return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
                    out.num_cached_tokens, out.finished, out.prompt)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """vLLM's: a pair's score (an embedding model's: the cosine similarity of the two)."""
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """vLLM's ``ScoringRequestOutput``: what ``LLM.score`` returns per pair."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
 
 
 @dataclass(slots=True)
@@ -1171,6 +1187,31 @@ class LLM:
         return [EmbeddingRequestOutput.from_base(o) for o in self.encode(
             prompts, pooling_params, pooling_task="embed", truncate_prompt_tokens=truncate_prompt_tokens,
             use_tqdm=use_tqdm, priority=priority, tokenization_kwargs=tokenization_kwargs)]
+
+    def score(self, data_1: Prompt | Sequence[Prompt], data_2: Prompt | Sequence[Prompt], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` with an embedding model: each pair's cosine similarity, one
+        ``data_1`` against every ``data_2`` or the two paired one to one (ValueError
+        otherwise)."""
+        first, second = _prompt_list(data_1), _prompt_list(data_2)
+        if not first or not second:
+            raise ValueError("At least one text element must be given")
+        if len(first) not in (1, len(second)):
+            raise ValueError("Input lengths must be either 1:1, 1:N or N:N")
+        params = msgspec.structs.replace(pooling_params or PoolingParams(), task="embed")
+        outs = self.encode(first + second, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        queries, docs = outs[:len(first)], outs[len(first):]
+        if len(queries) == 1:
+            queries = queries * len(docs)
+        results = []
+        for q, d in zip(queries, docs):
+            a, b = q.outputs.data.double(), d.outputs.data.double()
+            score = float(a @ b / max(float(a.norm() * b.norm()), 1e-8))
+            results.append(ScoringRequestOutput(f"{q.request_id}_{d.request_id}", ScoringOutput(score),
+                                                q.prompt_token_ids + d.prompt_token_ids,
+                                                q.num_cached_tokens + d.num_cached_tokens))
+        return results
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

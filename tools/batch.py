@@ -3,7 +3,8 @@
 
 The input is OpenAI's batch format, one JSON object per line: ``custom_id``, ``method``
 (``POST``), ``url`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, or with a
-pooling model (``--runner pooling``) ``/v1/embeddings`` and ``/pooling``) and ``body``, the request the
+pooling model (``--runner pooling``) ``/v1/embeddings``, ``/pooling``, ``/v1/score`` and ``/v1/rerank``) and
+``body``, the request the
 server would take (``stream`` and ``stream_options`` are ignored, as OpenAI's batches do). The
 output is OpenAI's batch output format, one line per input line, in the order they finish:
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, the body
@@ -38,7 +39,8 @@ from tools.config_file import add_config_flag
 
 log = logging.getLogger("troupe.batch")
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/pooling")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/pooling", "/v1/score",
+        "/v1/rerank")
 IGNORED_FIELDS = ("stream", "stream_options")     # a batch answers whole, as OpenAI's does
 RETRY_STATUS = 503                                 # the engine restarting or its queue full
 MAX_RETRIES = 20
@@ -147,6 +149,7 @@ class Runner:
         from actors.frontend.chat import start_chat
         from actors.frontend.completions import start_completion
         from actors.frontend.embeddings import EMBEDDINGS, POOLING, pooled
+        from actors.frontend.scoring import RERANK_PATHS, SCORE_PATHS, scored
         from actors.frontend.protocol import ChatCompletionRequest, CompletionRequest
         from actors.frontend.responses import ResponsesRequest, start_response
         chat = line.url == URLS[0]
@@ -156,6 +159,8 @@ class Runner:
             arrival = time.time()
             if line.url in (EMBEDDINGS, POOLING):
                 return await pooled(self.server, line.url, body)
+            if line.url in SCORE_PATHS + RERANK_PATHS:
+                return await scored(self.server, line.url, body)
             if line.url == URLS[2]:
                 answer = await start_response(self.server, self.server.decode(body, ResponsesRequest), arrival)
                 return await answer.whole_response()

@@ -18,7 +18,8 @@ import msgspec
 from aiohttp import web
 
 from actors.frontend import (anthropic, chat, chat_batch, completions, control, dashboard, debug, embeddings,
-                             generative_scoring, lora, misc, observe, request_log, responses, scale_out, sse)
+                             generative_scoring, lora, misc, observe, request_log, responses, scale_out, scoring,
+                             sse)
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
@@ -227,6 +228,8 @@ class OpenAIServer:
             ("POST", "/v1/completions", self._loading(completions.completions)),
             ("POST", "/v1/embeddings", self._loading(embeddings.create_embedding)),
             ("POST", "/pooling", self._loading(embeddings.create_pooling)),
+            *(("POST", path, self._loading(scoring.create_score)) for path in scoring.SCORE_PATHS),
+            *(("POST", path, self._loading(scoring.create_rerank)) for path in scoring.RERANK_PATHS),
             ("POST", "/v1/responses", self._loading(responses.create_response)),
             ("POST", anthropic.MESSAGES, self._loading(anthropic.create_message)),
             ("POST", anthropic.COUNT_TOKENS, anthropic.count_tokens),

@@ -17,7 +17,8 @@ import numpy as np
 from aiohttp import web
 
 from actors.engine.pooling import PoolingParams
-from actors.frontend.errors import bad_request, error_response, not_found
+from actors.engine.sampling_params import SamplingParams
+from actors.frontend.errors import ApiError, bad_request, error_response, not_found
 from actors.frontend.params import check_priority, chat_messages, completion_prompts, served_name
 from actors.frontend.protocol import ChatMessage, require
 from actors.frontend.streams import RequestOutput
@@ -108,30 +109,39 @@ async def pooled(server: OpenAIServer, path: str, body: bytes) -> web.Response:
     except ValueError as exc:            # InvalidPrompt: what the model cannot do
         param = "task" if "task" in str(exc).lower() else "dimensions"
         raise bad_request(str(exc), param) from None
-    prompts = _prompts(server, req)
     priority = check_priority(req, client.config.scheduler.policy)
     rid = req.request_id or uuid.uuid4().hex
+    outs, prompt_tokens = await run_pooling(server, engine_params, _prompts(server, req), rid, priority,
+                                            req.truncation_side or "left")
+    data = [{"index": i, "object": object_name,
+             ("embedding" if task else "data"): _encoded(out.pooling_output, req)} for i, out in enumerate(outs)]
+    return web.json_response({
+        "id": f"{id_prefix}{rid}", "object": "list", "created": int(time.time()),
+        "model": served_name(client, req.model), "data": data,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0}},
+        dumps=lambda obj: msgspec.json.encode(obj).decode())
+
+
+async def run_pooling(server: OpenAIServer, params: SamplingParams, prompts: list[Prompt], rid: str, priority: int,
+                      truncation_side: str) -> tuple[list[RequestOutput], int]:
+    """Every prompt admitted at once as a pooling request (``params``: the engine's, from
+    ``EngineClient.pooling_request``), then their finished outputs, in order, and their prompt
+    tokens in all. A refusal ends those admitted before it; an output the engine failed is
+    answered with its error and status."""
     handles: list[RequestHandle] = []
     try:
         for i, prompt in enumerate(prompts):
             handles.append(await server.submit(
-                engine_params, request_id=f"{rid}-{i}" if len(prompts) > 1 else rid, priority=priority,
-                truncation_side=req.truncation_side or "left", **prompt.kwargs))
+                params, request_id=f"{rid}-{i}" if len(prompts) > 1 else rid, priority=priority,
+                truncation_side=truncation_side, **prompt.kwargs))
         outs = await asyncio.gather(*(_final(h) for h in handles))
     finally:
         for h in handles:
             h.close()
     for out in outs:
         if out.error is not None or out.pooling_output is None:
-            return error_response(out.error_status or 500, out.error or "the request ended without an output")
-    data = [{"index": i, "object": object_name,
-             ("embedding" if task else "data"): _encoded(out.pooling_output, req)} for i, out in enumerate(outs)]
-    prompt_tokens = sum(h.num_prompt_tokens for h in handles)
-    return web.json_response({
-        "id": f"{id_prefix}{rid}", "object": "list", "created": int(time.time()),
-        "model": served_name(client, req.model), "data": data,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0}},
-        dumps=lambda obj: msgspec.json.encode(obj).decode())
+            raise ApiError(error_response(out.error_status or 500, out.error or "the request ended without an output"))
+    return list(outs), sum(h.num_prompt_tokens for h in handles)
 
 
 async def _final(handle: RequestHandle) -> RequestOutput:

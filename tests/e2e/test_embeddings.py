@@ -1,7 +1,8 @@
 """Pooling models (vLLM's --runner pooling): embeddings through the whole engine equal
 transformers' hidden states pooled the same way, whether a prompt is computed whole or in
 chunks, beside others, or partly from the prefix cache; the server answers /v1/embeddings (the
-OpenAI client's base64 included) and /pooling, and refuses generation on such a model."""
+OpenAI client's base64 included), /pooling, and vLLM's score and rerank endpoints (cosine
+similarities of the embeddings), and refuses generation on such a model."""
 from __future__ import annotations
 
 import base64
@@ -84,12 +85,18 @@ def test_a_bare_sentence_transformers_checkpoint_embeds_as_transformers_pools_it
     with LLM(path, multiprocess=False, max_num_batched_tokens=16, max_model_len=128) as llm:
         outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
         assert llm._run(llm._engine().get_supported_tasks()) == ("embed", "token_embed")
+        scores = llm.score({"prompt_token_ids": prompts[0]}, [{"prompt_token_ids": p} for p in prompts[1:]],
+                           use_tqdm=False)
+        with pytest.raises(ValueError, match="Input lengths must be either 1:1, 1:N or N:N"):
+            llm.score(prompts[:2], prompts[:3], use_tqdm=False)
         with pytest.raises(ValueError, match="it answers pooling requests"):
             llm.generate([prompts[1]], use_tqdm=False)
     for ids, out in zip(prompts, outs):
         expected = torch.nn.functional.normalize(_hidden(reference, ids).mean(0), dim=-1)
         assert out.prompt_token_ids == ids and out.outputs.hidden_size == 64
         np.testing.assert_allclose(out.outputs.embedding, expected.numpy(), atol=2e-5)
+    vectors = np.array([out.outputs.embedding for out in outs])
+    np.testing.assert_allclose([s.outputs.score for s in scores], vectors[1:] @ vectors[0], atol=1e-5)
 
 
 def test_a_causal_lm_converted_to_embeddings_pools_its_last_token_and_reuses_the_prefix_cache(qwen3):
@@ -185,6 +192,29 @@ def test_pooling_endpoint_gives_every_tokens_vector_and_chat_input_is_rendered(s
     assert chat.json()["usage"]["prompt_tokens"] > 2        # the chat template's tokens around the text
     in_input = _embed(server, input=messages).json()
     np.testing.assert_allclose(in_input["data"][0]["embedding"], chat.json()["data"][0]["embedding"], atol=1e-6)
+
+
+def test_score_and_rerank_are_the_cosine_similarities_of_the_embeddings(server):
+    query, docs = "Where is Paris?", ["Paris is in France.", "Apples are green.", "The Eiffel Tower is in Paris."]
+    vectors = np.array([d["embedding"] for d in _embed(server, input=[query, *docs]).json()["data"]])
+    expected = vectors[1:] @ vectors[0]
+    r = requests.post(f"{server.url}/score", json={"queries": query, "documents": docs}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1, 2]
+    np.testing.assert_allclose([d["score"] for d in body["data"]], expected, atol=1e-5)
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
+    pairs = requests.post(f"{server.url}/v1/score", json={"text_1": [query, docs[0]], "text_2": [docs[0], docs[0]]},
+                          timeout=60).json()
+    np.testing.assert_allclose([d["score"] for d in pairs["data"]], [expected[0], 1.0], atol=1e-5)
+    ranked = requests.post(f"{server.url}/v1/rerank", json={"query": query, "documents": docs, "top_n": 2},
+                           timeout=60).json()
+    order = list(np.argsort(-expected)[:2])
+    assert [res["index"] for res in ranked["results"]] == order
+    assert [res["document"]["text"] for res in ranked["results"]] == [docs[i] for i in order]
+    np.testing.assert_allclose([res["relevance_score"] for res in ranked["results"]], expected[order], atol=1e-5)
+    bad = requests.post(f"{server.url}/score", json={"queries": [query, query], "documents": docs}, timeout=30)
+    assert bad.status_code == 400 and "Input lengths must be either 1:1, 1:N or N:N" in bad.json()["error"]["message"]
 
 
 def test_what_a_pooling_server_cannot_do_is_refused_by_name(server):

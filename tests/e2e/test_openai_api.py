@@ -116,7 +116,7 @@ def test_models_list_retrieve_and_unknown_model(client, model):
 
 
 def test_a_generative_model_refuses_embedding_requests_naming_the_runner(http):
-    for path in ("/v1/embeddings", "/pooling"):
+    for path in ("/v1/embeddings", "/pooling", "/score", "/v1/rerank"):
         r = http.post(path, json={"input": "hello"})
         assert r.status_code == 404 and "--runner pooling" in r.json()["error"]["message"], r.text
 

@@ -1,0 +1,142 @@
+"""vLLM's score and rerank endpoints for an embedding model (a bi-encoder, as vLLM scores with
+one): every query and document embedded once, each pair's score the cosine similarity of their
+embeddings. ``POST /score`` and ``/v1/score`` pair ``queries`` with ``documents`` (or vLLM's
+other names: ``items``, ``data_1``/``data_2``, ``text_1``/``text_2``) one to one, or one query
+to every document; ``POST /rerank``, ``/v1/rerank`` and ``/v2/rerank`` (Jina's and Cohere's
+shape) rank ``documents`` by their score against ``query``, the best ``top_n``."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+from aiohttp import web
+
+from actors.engine.pooling import PoolingParams
+from actors.frontend.embeddings import Prompt, run_pooling
+from actors.frontend.errors import bad_request, not_found
+from actors.frontend.params import check_priority, served_name
+from actors.frontend.protocol import BadRequest, require
+
+if TYPE_CHECKING:
+    from actors.frontend.app import OpenAIServer
+
+SCORE_PATHS = ("/score", "/v1/score")
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+# vLLM's names of the two sides of a score request, in the order it reads them
+_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+
+
+class ScoringRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The fields of vLLM's score and rerank requests (each endpoint checks its own)."""
+    model: str | None = None
+    queries: Any = None
+    documents: Any = None
+    items: Any = None
+    data_1: Any = None
+    data_2: Any = None
+    text_1: Any = None
+    text_2: Any = None
+    query: Any = None
+    top_n: int = 0
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    max_tokens_per_query: int = 0
+    max_tokens_per_doc: int = 0
+    use_activation: bool | None = None
+    instruction: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    priority: int = 0
+    request_id: str | None = None
+    padding: str | None = None
+
+
+async def create_score(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
+    return await scored(server, SCORE_PATHS[0], await request.read())
+
+
+async def create_rerank(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
+    return await scored(server, RERANK_PATHS[0], await request.read())
+
+
+async def scored(server: OpenAIServer, path: str, body: bytes) -> web.Response:
+    """The answer to a score (``path`` in SCORE_PATHS) or rerank request ``body``."""
+    client = server.engine()
+    if client.config.model.pooling is None:
+        raise not_found(f"The model does not support {'Rerank' if path in RERANK_PATHS else 'Score'} API: it "
+                        "generates text. Serve an embedding model (--runner pooling) to score with it.")
+    req: ScoringRequest = server.decode(body, ScoringRequest)
+    rerank = path in RERANK_PATHS
+    if rerank:
+        require(req.query is not None, "query is required", "query")
+        require(req.documents is not None, "documents is required", "documents")
+        require(req.top_n >= 0, f"top_n must be at least 0, got {req.top_n}", "top_n")
+        queries, documents = [_text(req.query, "query")], _texts(req.documents, "documents")
+        first, second = "query", "documents"
+    else:
+        first, second = next(((a, b) for a, b in _SIDES if getattr(req, a) is not None), _SIDES[0])
+        require(getattr(req, first) is not None, f"{first} is required", first)
+        require(getattr(req, second) is not None, f"{second} is required", second)
+        queries, documents = _texts(getattr(req, first), first), _texts(getattr(req, second), second)
+    require(len(queries) > 0, "At least one text element must be given", first)
+    require(len(documents) > 0, "At least one text_pair element must be given", second)
+    require(len(queries) in (1, len(documents)), "Input lengths must be either 1:1, 1:N or N:N", second)
+    for name, value in (("max_tokens_per_query", req.max_tokens_per_query),
+                        ("max_tokens_per_doc", req.max_tokens_per_doc)):
+        require(value >= 0, f"{name} must be at least 0 (0: no truncation), got {value}", name)
+    t = req.truncate_prompt_tokens
+    require(t is None or t == -1 or t >= 1, f"truncate_prompt_tokens must be -1 (the last max_model_len) or "
+            f"at least 1, got {t}", "truncate_prompt_tokens")
+    require(req.padding in (None, "do_not_pad"), "padding 'max_length' is not supported", "padding")
+    priority = check_priority(req, client.config.scheduler.policy)
+    rid = req.request_id or uuid.uuid4().hex
+    side = req.truncation_side or "left"
+    require(side in ("left", "right"), "truncation_side must be left or right", "truncation_side")
+    try:
+        params = PoolingParams(task="embed", use_activation=req.use_activation)
+        per_query = client.pooling_request(params, req.max_tokens_per_query or t)
+        per_doc = client.pooling_request(params, req.max_tokens_per_doc or t)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    # a side's own cap keeps its first tokens, as vLLM truncates a query or a document
+    q_out, q_tokens = await run_pooling(server, per_query, [_prompt(q) for q in queries], f"{rid}-q", priority,
+                                        "right" if req.max_tokens_per_query else side)
+    d_out, d_tokens = await run_pooling(server, per_doc, [_prompt(d) for d in documents], f"{rid}-d", priority,
+                                        "right" if req.max_tokens_per_doc else side)
+    q = np.stack([o.pooling_output for o in q_out])
+    d = np.stack([o.pooling_output for o in d_out])
+    q = np.broadcast_to(q, d.shape) if len(q) == 1 else q
+    scores = (q * d).sum(-1) / np.maximum(np.linalg.norm(q, axis=-1) * np.linalg.norm(d, axis=-1), 1e-8)
+    tokens = q_tokens + d_tokens
+    name = served_name(client, req.model)
+    dumps = lambda obj: msgspec.json.encode(obj).decode()      # noqa: E731
+    if rerank:
+        results = sorted(({"index": i, "document": {"text": documents[i]}, "relevance_score": float(s)}
+                          for i, s in enumerate(scores)), key=lambda r: -r["relevance_score"])
+        return web.json_response({"id": f"rerank-{rid}", "model": name,
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                                  "results": results[:req.top_n or len(results)]}, dumps=dumps)
+    return web.json_response({"id": f"score-{rid}", "object": "list", "created": int(time.time()), "model": name,
+                              "data": [{"index": i, "object": "score", "score": float(s)}
+                                       for i, s in enumerate(scores)],
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}},
+                             dumps=dumps)
+
+
+def _text(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        raise BadRequest(f"{param}: multimodal score inputs are not supported (this is a text model)", param)
+    raise BadRequest(f"{param} must be a string or a list of strings", param)
+
+
+def _texts(value: Any, param: str) -> list[str]:
+    return [_text(v, param) for v in value] if isinstance(value, list) else [_text(value, param)]
+
+
+def _prompt(text: str) -> Prompt:
+    return Prompt({"prompt": text, "add_special_tokens": True})
