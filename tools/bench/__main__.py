@@ -1,4 +1,4 @@
-"""``python -m tools.bench {offline,serve,frontend,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,softcap,hybrid-kv,spec-decode,lora,moe,kv-transfer,kv-storage,pd,weight-transfer}``: each
+"""``python -m tools.bench {offline,embed,serve,frontend,latency,agreement,structured,tracing,workload,kv-dtypes,cascade,softcap,hybrid-kv,spec-decode,lora,moe,kv-transfer,kv-storage,pd,weight-transfer}``: each
 prints one JSON line last."""
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     workload.add_arguments(off)
     EngineArgs.add_cli_args(off, skip=("seed",), max_num_seqs=256)   # the workload's --seed seeds the engine too
     off.add_argument("--multiprocess", action="store_true", help="the server's 3-process layout")
+
+    emb = sub.add_parser("embed", help="embedding throughput of an in-process pooling model (--runner pooling)")
+    workload.add_arguments(emb)
+    EngineArgs.add_cli_args(emb, skip=("seed",), max_num_seqs=256, runner="pooling")
+    emb.add_argument("--multiprocess", action="store_true", help="the server's 3-process layout")
 
     srv = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
     workload.add_arguments(srv)
@@ -187,6 +192,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     if args.cmd == "offline":
         from tools.bench import offline
         offline.main(args)
+    elif args.cmd == "embed":
+        from tools.bench import embed
+        embed.main(args)
     elif args.cmd == "structured":
         from tools.bench import structured
         structured.main(args)

@@ -67,6 +67,26 @@ def offline(args: argparse.Namespace) -> None:
                       "seconds": round(seconds, 3), "output_tok_per_s": round(n_out / seconds, 2)}))
 
 
+def embed(args: argparse.Namespace) -> None:
+    """``tools.bench embed`` for vLLM: the workload's prompts embedded in one ``LLM.embed`` call
+    (the checkpoint converted to an embedding model, its last token pooled), after a warm-up on
+    the first two."""
+    from vllm import LLM
+    reqs = workload.from_args(args)
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=256,
+              gpu_memory_utilization=0.4, runner="pooling", convert="embed")
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
+    llm.embed(prompts[:2], use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.embed(prompts, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
+    import vllm
+    print(json.dumps({"bench": "embed", "engine": f"vllm-{vllm.__version__}", "requests": len(reqs),
+                      "dims": len(outs[0].outputs.embedding), "prompt_tokens": n_in, "seconds": round(seconds, 3),
+                      "prompts_per_s": round(len(reqs) / seconds, 2), "prompt_tok_per_s": round(n_in / seconds, 1)}))
+
+
 def lora(args: argparse.Namespace) -> None:
     """``tools.bench lora`` for vLLM: the workload spread over 0, 1, 4 and 8 distinct random rank-R
     adapters (the same files: same writer, same seeds), one engine with --enable-lora, the counts
@@ -131,6 +151,11 @@ def main() -> None:
     off.add_argument("--model", default="/tmp/peers/smollm2-hf")
     off.add_argument("--dtype", default="float32")
     off.add_argument("--max-model-len", type=int, default=2048)
+    emb = sub.add_parser("embed", help="embedding throughput of vLLM, as tools.bench embed measures it")
+    workload.add_arguments(emb)
+    emb.add_argument("--model", default="/tmp/peers/smollm2-hf")
+    emb.add_argument("--dtype", default="float32")
+    emb.add_argument("--max-model-len", type=int, default=2048)
     lra = sub.add_parser("lora", help="multi-LoRA throughput of vLLM, as tools.bench lora measures it")
     workload.add_arguments(lra)
     lra.add_argument("--model", default="/tmp/peers/smollm2-hf")
@@ -144,6 +169,8 @@ def main() -> None:
         export_hf(args.out)
     elif args.cmd == "lora":
         lora(args)
+    elif args.cmd == "embed":
+        embed(args)
     else:
         offline(args)
 
