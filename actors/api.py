@@ -44,7 +44,8 @@ from actors.tokenizer.prompt_embeds import embeds_array
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RepetitionDetectionParams", "GenerationResult",
            "WeightVersionSpan", "FlatLogprobs",
            "CompletionOutput", "Logprob", "LoRARequest", "PoolingParams", "PoolingOutput", "PoolingRequestOutput",
-           "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput"]
+           "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
+           "ClassificationOutput", "ClassificationRequestOutput"]
 
 
 @dataclass(slots=True)
@@ -205,6 +206,32 @@ class EmbeddingRequestOutput:
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
         return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.num_cached_tokens, out.finished, out.prompt)
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """vLLM's: a classifier's scores of its labels (after its activation: probabilities)."""
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """vLLM's ``ClassificationRequestOutput``: what ``LLM.classify`` returns per prompt."""
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+    prompt: Any = None
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids,
                    out.num_cached_tokens, out.finished, out.prompt)
 
 
@@ -509,10 +536,14 @@ class AsyncLLM:
     async def embed(self, prompt: Prompt, pooling_params: PoolingParams | None = None,
                     **kwargs: Any) -> EmbeddingRequestOutput:
         """vLLM's ``embed``: ``encode`` with task "embed", the vector as a list of floats."""
-        params = pooling_params or PoolingParams()
-        if params.task != "embed":
-            params = msgspec.structs.replace(params, task="embed")
+        params = msgspec.structs.replace(pooling_params or PoolingParams(), task="embed")
         return EmbeddingRequestOutput.from_base(await self.encode(prompt, params, **kwargs))
+
+    async def classify(self, prompt: Prompt, pooling_params: PoolingParams | None = None,
+                       **kwargs: Any) -> ClassificationRequestOutput:
+        """vLLM's ``classify``: ``encode`` with task "classify", the labels' probabilities."""
+        params = msgspec.structs.replace(pooling_params or PoolingParams(), task="classify")
+        return ClassificationRequestOutput.from_base(await self.encode(prompt, params, **kwargs))
 
     async def is_tracing_enabled(self) -> bool:
         """vLLM's: whether requests' spans go to an OpenTelemetry endpoint (otlp_traces_endpoint)."""
@@ -1188,17 +1219,42 @@ class LLM:
             prompts, pooling_params, pooling_task="embed", truncate_prompt_tokens=truncate_prompt_tokens,
             use_tqdm=use_tqdm, priority=priority, tokenization_kwargs=tokenization_kwargs)]
 
+    def classify(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
+                 truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
+                 priority: int | Sequence[int] | None = None,
+                 tokenization_kwargs: dict[str, Any] | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify`` for a classifier (``convert="classify"``, or a
+        ``...ForSequenceClassification`` checkpoint): each result's ``outputs.probs``."""
+        return [ClassificationRequestOutput.from_base(o) for o in self.encode(
+            prompts, pooling_params, pooling_task="classify", truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm, priority=priority, tokenization_kwargs=tokenization_kwargs)]
+
     def score(self, data_1: Prompt | Sequence[Prompt], data_2: Prompt | Sequence[Prompt], *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
               pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's ``LLM.score`` with an embedding model: each pair's cosine similarity, one
-        ``data_1`` against every ``data_2`` or the two paired one to one (ValueError
-        otherwise)."""
+        """vLLM's ``LLM.score``: one ``data_1`` against every ``data_2``, or the two paired one
+        to one (ValueError otherwise). An embedding model's score is the cosine similarity of
+        the pair's embeddings; a cross-encoder's (a classifier of one label) its score of the
+        pair read together."""
         first, second = _prompt_list(data_1), _prompt_list(data_2)
         if not first or not second:
             raise ValueError("At least one text element must be given")
         if len(first) not in (1, len(second)):
             raise ValueError("Input lengths must be either 1:1, 1:N or N:N")
+        pooling = self.client.config.model.pooling
+        if pooling is not None and pooling.convert == "classify":       # a cross-encoder reads each pair
+            if pooling.num_labels != 1:
+                raise ValueError(f"scoring pairs needs a cross-encoder (a classifier of one label); this model has "
+                                 f"{pooling.num_labels} labels: use LLM.classify")
+            if not all(isinstance(p, str) for p in first + second):
+                raise ValueError("a cross-encoder scores texts: give data_1 and data_2 as strings")
+            from actors.frontend.scoring import pair_token_ids
+            pairs = [pair_token_ids(self.client.tokenizer, pooling.use_sep_token, q, d)
+                     for q, d in zip(first * len(second) if len(first) == 1 else first, second)]
+            outs = self.classify([{"prompt_token_ids": ids} for ids in pairs], pooling_params,
+                                 truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids,
+                                         o.num_cached_tokens) for o in outs]
         params = msgspec.structs.replace(pooling_params or PoolingParams(), task="embed")
         outs = self.encode(first + second, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
         queries, docs = outs[:len(first)], outs[len(first):]

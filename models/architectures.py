@@ -21,12 +21,17 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("Qwen3VLForConditionalGeneration", "qwen3"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
 # transformers' bare decoder stacks (a checkpoint of the model without its LM head, as embedding
-# models are saved): served as pooling models by the causal LM class of the same layers
+# models are saved) and sequence classifiers: served as pooling models by the causal LM class of
+# the same layers
 BARE_MODELS: dict[str, str] = {
     "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM", "Phi3Model": "Phi3ForCausalLM",
     "Qwen3MoeModel": "Qwen3MoeForCausalLM", "MixtralModel": "MixtralForCausalLM", "GraniteModel": "GraniteForCausalLM",
-    "SmolLM3Model": "SmolLM3ForCausalLM", "Gemma2Model": "Gemma2ForCausalLM"}
+    "SmolLM3Model": "SmolLM3ForCausalLM", "Gemma2Model": "Gemma2ForCausalLM",
+    # transformers' sequence classifiers: the same stack and a ``score`` head (--convert classify)
+    **{f"{name}ForSequenceClassification": f"{name}ForCausalLM" for name in (
+        "Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Qwen3Moe", "Mixtral", "Gemma2", "Granite", "SmolLM3")},
+    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
 
 
 class ModelRegistry:

@@ -51,6 +51,8 @@ class ArchConfig:
     moe_layers: tuple[int, ...] | None = None  # the layers whose MLP is the MoE block; None: all
     # -- how the engine serves it (set by ``serving``, not read from the checkpoint) -------------
     serving_len: int = 0                       # the engine's --max-model-len; 0: default_max_model_len
+    # a classifier's labels (--convert classify: a ``score`` head, hidden -> labels); 0: none
+    num_labels: int = 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)

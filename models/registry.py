@@ -122,6 +122,12 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
                                                                     kv_cache_dtype))
     model = get_model_class(config.architecture)(config, backend, dtype)
     tensor_map = getattr(model, ckpt.tensor_map)
+    if config.num_labels:      # a classifier's score head, in float32 (vLLM's head dtype for pooling models)
+        if ckpt.tensor_map != "hf_tensor_map":
+            raise ValueError("a classifier (--convert classify) needs its score head, which only a Hugging Face "
+                             "checkpoint (score.weight) holds")
+        model.score = nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=torch.float32)
+        tensor_map = {**tensor_map, "score.weight": ("score.weight", None)}
     weights, skipped = ckpt.weights, model.hf_skipped_prefixes
     if skipped and ckpt.tensor_map == "hf_tensor_map":    # a trainer's round may hold the vision side too
         weights = ((name, tensor) for name, tensor in weights if not name.startswith(skipped))
@@ -176,15 +182,17 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
 _BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 
-def pooling_checkpoint(ckpt: Checkpoint) -> Checkpoint:
+def pooling_checkpoint(ckpt: Checkpoint, num_labels: int = 0) -> Checkpoint:
     """``ckpt`` served as a pooling model (--runner pooling): its LM head never runs, so it
     is tied to the embeddings (a checkpoint's own head, when it has one, is skipped, and a bare
     decoder stack's, which has none, is not missed), and a bare stack's tensor names (without
-    the "model." prefix, as transformers saves a ``LlamaModel``) read as its causal LM's."""
+    the "model." prefix, as transformers saves a ``LlamaModel``) read as its causal LM's. A
+    classifier's (``num_labels``): its ``score`` head (hidden -> labels) is loaded too."""
     weights = ckpt.weights
     if ckpt.tensor_map == "hf_tensor_map":
         weights = (("model." + name if name.startswith(_BARE_PREFIXES) else name, tensor) for name, tensor in weights)
-    return ckpt._replace(config=dataclasses.replace(ckpt.config, tie_word_embeddings=True), weights=weights)
+    return ckpt._replace(config=dataclasses.replace(ckpt.config, tie_word_embeddings=True, num_labels=num_labels),
+                         weights=weights)
 
 
 def _compile_tensor_map(tensor_map: dict[str, tuple[str, str | None]]) -> list[tuple[re.Pattern, str, str | None]]:

@@ -22,7 +22,11 @@ CONVERTS = ("auto", "none", "embed", "classify", "reward")
 SEQ_POOLING_TYPES = ("CLS", "LAST", "MEAN")      # one vector per prompt
 TOK_POOLING_TYPES = ("ALL", "STEP")              # one vector per prompt token
 POOLING_TASKS = ("embed", "token_embed", "classify", "token_classify")
-SUPPORTED_TASKS = ("embed", "token_embed")       # what --convert embed serves
+CONVERT_TASKS = {"embed": ("embed", "token_embed"), "classify": ("classify",)}   # what each conversion serves
+ACTIVATIONS = ("sigmoid", "softmax", "identity")
+# a cross-encoder's activation as sentence-transformers names it (config.json), and what it is here
+_ST_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity",
+                   "torch.nn.modules.activation.Softmax": "softmax"}
 
 # vLLM's: the runner and conversion a checkpoint's architecture name implies, by its suffix
 _SUFFIX_DEFAULTS = (
@@ -97,11 +101,13 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
 
 class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """vLLM's ``PoolingParams``: what a pooling request asks. ``task``: "embed" (one vector for
-    the prompt) or "token_embed" (one per prompt token); ``dimensions``: keep the first d
-    (a Matryoshka model's); ``use_activation``: L2-normalize (None: the pooler's default, yes).
+    the prompt), "token_embed" (one per prompt token) or a classifier's "classify" (its labels'
+    scores); ``dimensions``: keep the first d (a Matryoshka model's); ``use_activation``:
+    L2-normalize an embedding, put a classifier's scores through its activation (None: the
+    pooler's default, yes).
     ``pooling_type`` is the engine's, resolved from the server's pooler config
     (``ModelPooling.params``): how the worker pools."""
-    task: str = "embed"
+    task: str | None = None              # None: the model's (--pooler-config's task, else its first)
     dimensions: int | None = None
     use_activation: bool | None = None
     pooling_type: str = ""
@@ -116,21 +122,34 @@ class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
 class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
     """A pooling model's resolved settings: the conversion (vLLM's ``convert_type``), the
     pooler's config, and the model's Matryoshka sizes (config.json's ``is_matryoshka`` /
-    ``matryoshka_dimensions``)."""
+    ``matryoshka_dimensions``). A classifier (``convert`` "classify"): its labels (config.json's
+    ``id2label``, in order), the activation of its scores (vLLM's rule, as transformers' loss:
+    ``problem_type``, a cross-encoder's sentence-transformers activation, else sigmoid for one
+    label and softmax for more) and whether a scored pair is encoded as the tokenizer encodes a
+    text pair (``use_sep_token``, vLLM's) or as the two texts joined."""
     convert: str = "embed"
     pooler: PoolerConfig = PoolerConfig()
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    labels: tuple[str, ...] = ()
+    activation: str = "softmax"
+    use_sep_token: bool = True
 
     @property
     def tasks(self) -> tuple[str, ...]:
-        return SUPPORTED_TASKS
+        return CONVERT_TASKS[self.convert]
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
 
     def params(self, params: PoolingParams | None, hidden_size: int) -> PoolingParams:
         """``params`` checked and completed (vLLM's ``PoolingParams.verify``): the pooler's
         defaults for what it leaves unset, the pooling type its task uses; ValueError, in
         vLLM's words, for what this model cannot do."""
         params = params or PoolingParams()
+        if params.task is None:
+            params = msgspec.structs.replace(params, task=self.pooler.task or self.tasks[0])
         if params.task not in POOLING_TASKS:
             raise ValueError(f"Unknown pooling task: {params.task!r}")
         if params.task not in self.tasks:
@@ -149,9 +168,9 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
             if self.matryoshka_dimensions and params.dimensions not in self.matryoshka_dimensions:
                 raise ValueError(f"Model only supports Matryoshka dimensions {list(self.matryoshka_dimensions)}, "
                                  f"got {params.dimensions}.")
-        kind = p.tok_pooling_type or "ALL" if params.task == "token_embed" else p.seq_pooling_type or "LAST"
-        return PoolingParams(task=params.task, dimensions=dims, use_activation=True if use is None else use,
-                             pooling_type=kind)
+        kind = (p.tok_pooling_type or "ALL") if params.task == "token_embed" else (p.seq_pooling_type or "LAST")
+        return PoolingParams(task=params.task, dimensions=dims if params.task != "classify" else None,
+                             use_activation=True if use is None else use, pooling_type=kind)
 
 
 def default_runner(architecture: str) -> tuple[str, str]:
@@ -184,9 +203,9 @@ def resolve_runner(architecture: str, runner: str, convert: str) -> tuple[str, s
     if convert == "none":
         raise ValueError(f"This model does not support `--runner pooling` as it is ({architecture}). "
                          "You can pass `--convert embed` to adapt it into a pooling model.")
-    if convert != "embed":
+    if convert not in CONVERT_TASKS:
         raise ValueError(f"--convert {convert} ({architecture}) is not supported yet: pooling models serve "
-                         "embeddings (--convert embed)")
+                         "embeddings (--convert embed) and classifiers (--convert classify)")
     return runner, convert
 
 
@@ -263,6 +282,49 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
     pooler = msgspec.structs.replace(pooler, seq_pooling_type=pooler.seq_pooling_type or "LAST",
                                      tok_pooling_type=pooler.tok_pooling_type or "ALL")
     dims = hf_config.get("matryoshka_dimensions")
-    return ModelPooling(convert=convert, pooler=pooler,
-                        is_matryoshka=bool(dims) or bool(hf_config.get("is_matryoshka", False)),
-                        matryoshka_dimensions=tuple(dims) if dims else None)
+    settings = ModelPooling(convert=convert, pooler=pooler,
+                            is_matryoshka=bool(dims) or bool(hf_config.get("is_matryoshka", False)),
+                            matryoshka_dimensions=tuple(dims) if dims else None)
+    if convert != "classify":
+        return settings
+    return msgspec.structs.replace(settings, labels=classifier_labels(hf_config),
+                                   activation=classifier_activation(hf_config),
+                                   use_sep_token=bool(hf_config.get("use_sep_token", hf_config.get("use_pad_token",
+                                                                                                   True))))
+
+
+def classifier_labels(hf_config: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's labels in order: config.json's ``id2label``, else ``num_labels`` of them
+    named as transformers names them (LABEL_0, ...); transformers' default is two."""
+    id2label = hf_config.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        try:
+            by_id = {int(k): str(v) for k, v in id2label.items()}
+        except ValueError:
+            raise ValueError(f"config.json id2label keys must be label ids, got {sorted(id2label)}") from None
+        if sorted(by_id) != list(range(len(by_id))):
+            raise ValueError(f"config.json id2label must number its labels 0 to {len(by_id) - 1}")
+        return tuple(by_id[i] for i in range(len(by_id)))
+    n = int(hf_config.get("num_labels", 2))
+    if n < 1:
+        raise ValueError(f"a classifier needs at least one label, config.json says num_labels {n}")
+    return tuple(f"LABEL_{i}" for i in range(n))
+
+
+def classifier_activation(hf_config: dict[str, Any]) -> str:
+    """vLLM's (transformers' loss's) activation of a classifier's scores."""
+    problem = hf_config.get("problem_type") or ""
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification":
+        return "sigmoid"
+    if problem != "single_label_classification":
+        st = hf_config.get("sentence_transformers")
+        name = (st.get("activation_fn") if isinstance(st, dict) else None) \
+            or hf_config.get("sbert_ce_default_activation_function")
+        if name is not None:
+            if name not in _ST_ACTIVATIONS:
+                raise ValueError(f"the cross-encoder's activation {name!r} is not supported; supported: "
+                                 f"{', '.join(_ST_ACTIVATIONS)}")
+            return _ST_ACTIVATIONS[name]
+    return "sigmoid" if len(classifier_labels(hf_config)) < 2 else "softmax"

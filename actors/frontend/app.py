@@ -228,6 +228,7 @@ class OpenAIServer:
             ("POST", "/v1/completions", self._loading(completions.completions)),
             ("POST", "/v1/embeddings", self._loading(embeddings.create_embedding)),
             ("POST", "/pooling", self._loading(embeddings.create_pooling)),
+            ("POST", "/classify", self._loading(embeddings.create_classification)),
             *(("POST", path, self._loading(scoring.create_score)) for path in scoring.SCORE_PATHS),
             *(("POST", path, self._loading(scoring.create_rerank)) for path in scoring.RERANK_PATHS),
             ("POST", "/v1/responses", self._loading(responses.create_response)),

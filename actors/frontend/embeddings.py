@@ -1,5 +1,5 @@
-"""POST /v1/embeddings (OpenAI's, with vLLM's fields) and POST /pooling (vLLM's): the answers of
-a pooling model (``--runner pooling``). ``input`` is a string, token ids, a list of either, or a
+"""POST /v1/embeddings (OpenAI's, with vLLM's fields), POST /pooling and POST /classify (vLLM's):
+the answers of a pooling model (``--runner pooling``). ``input`` is a string, token ids, a list of either, or a
 chat conversation (``messages``, or a list of conversations), each item one engine request
 admitted at once; ``encoding_format`` float or base64 (of ``embed_dtype`` float32, float16 or
 bfloat16, in ``endianness`` byte order), as vLLM encodes them."""
@@ -63,7 +63,7 @@ class Prompt(msgspec.Struct):
     kwargs: dict[str, Any]
 
 
-EMBEDDINGS, POOLING = "/v1/embeddings", "/pooling"
+EMBEDDINGS, POOLING, CLASSIFY = "/v1/embeddings", "/pooling", "/classify"
 
 
 async def create_embedding(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
@@ -76,15 +76,24 @@ async def create_pooling(server: OpenAIServer, request: web.Request) -> web.Stre
     return await pooled(server, POOLING, await request.read())
 
 
+async def create_classification(server: OpenAIServer, request: web.Request) -> web.StreamResponse:
+    """vLLM's /classify: a classifier's label and probabilities per input."""
+    return await pooled(server, CLASSIFY, await request.read())
+
+
+_APIS = {EMBEDDINGS: ("embed", "embedding", "embd-", "Embeddings"), POOLING: (None, "pooling", "pool-", "Pooling"),
+         CLASSIFY: ("classify", "classification", "classify-", "Classification")}
+
+
 async def pooled(server: OpenAIServer, path: str, body: bytes) -> web.Response:
-    """The answer to a request ``body`` for ``path`` (EMBEDDINGS or POOLING): the HTTP
-    handlers' and the batch runner's."""
-    task, object_name, id_prefix = ("embed", "embedding", "embd-") if path == EMBEDDINGS else (None, "pooling", "pool-")
+    """The answer to a request ``body`` for ``path`` (EMBEDDINGS, POOLING or CLASSIFY): the
+    HTTP handlers' and the batch runner's."""
+    task, object_name, id_prefix, api = _APIS[path]
     client = server.engine()
     pooling = client.config.model.pooling
     if pooling is None:
-        raise not_found(f"The model does not support {'Embeddings' if task else 'Pooling'} API: it generates "
-                        "text. Serve it with --runner pooling (or --convert embed) for embeddings.")
+        raise not_found(f"The model does not support {api} API: it generates text. Serve it with --runner "
+                        "pooling (--convert embed, or classify) for embeddings and classification.")
     req: PoolingRequest = server.decode(body, PoolingRequest)
     if task is not None:
         require(req.task is None, "task is /pooling's field", "task")
@@ -102,8 +111,7 @@ async def pooled(server: OpenAIServer, path: str, body: bytes) -> web.Response:
     t = req.truncate_prompt_tokens
     require(t is None or t == -1 or t >= 1, f"truncate_prompt_tokens must be -1 (the last max_model_len) or "
             f"at least 1, got {t}", "truncate_prompt_tokens")
-    params = PoolingParams(task=task or req.task or pooling.pooler.task or "embed", dimensions=req.dimensions,
-                           use_activation=req.use_activation)
+    params = PoolingParams(task=task or req.task, dimensions=req.dimensions, use_activation=req.use_activation)
     try:
         engine_params = client.pooling_request(params, req.truncate_prompt_tokens)
     except ValueError as exc:            # InvalidPrompt: what the model cannot do
@@ -113,8 +121,11 @@ async def pooled(server: OpenAIServer, path: str, body: bytes) -> web.Response:
     rid = req.request_id or uuid.uuid4().hex
     outs, prompt_tokens = await run_pooling(server, engine_params, _prompts(server, req), rid, priority,
                                             req.truncation_side or "left")
-    data = [{"index": i, "object": object_name,
-             ("embedding" if task else "data"): _encoded(out.pooling_output, req)} for i, out in enumerate(outs)]
+    if task == "classify":
+        data = [_classification(i, out.pooling_output, pooling.labels) for i, out in enumerate(outs)]
+    else:
+        data = [{"index": i, "object": object_name,
+                 ("embedding" if task else "data"): _encoded(out.pooling_output, req)} for i, out in enumerate(outs)]
     return web.json_response({
         "id": f"{id_prefix}{rid}", "object": "list", "created": int(time.time()),
         "model": served_name(client, req.model), "data": data,
@@ -142,6 +153,12 @@ async def run_pooling(server: OpenAIServer, params: SamplingParams, prompts: lis
         if out.error is not None or out.pooling_output is None:
             raise ApiError(error_response(out.error_status or 500, out.error or "the request ended without an output"))
     return list(outs), sum(h.num_prompt_tokens for h in handles)
+
+
+def _classification(index: int, probs: np.ndarray, labels: tuple[str, ...]) -> dict[str, Any]:
+    """vLLM's ClassificationData: the most likely label, every label's probability."""
+    return {"index": index, "label": labels[int(np.argmax(probs))] if len(probs) == len(labels) else None,
+            "probs": probs.tolist(), "num_classes": len(probs)}
 
 
 async def _final(handle: RequestHandle) -> RequestOutput:

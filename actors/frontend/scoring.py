@@ -1,6 +1,7 @@
-"""vLLM's score and rerank endpoints for an embedding model (a bi-encoder, as vLLM scores with
-one): every query and document embedded once, each pair's score the cosine similarity of their
-embeddings. ``POST /score`` and ``/v1/score`` pair ``queries`` with ``documents`` (or vLLM's
+"""vLLM's score and rerank endpoints. With an embedding model (a bi-encoder) every query and
+document is embedded once and each pair's score is the cosine similarity of their embeddings;
+with a classifier of one label (a cross-encoder) each pair is read together, as the tokenizer
+encodes a text pair, and its score is the classifier's. ``POST /score`` and ``/v1/score`` pair ``queries`` with ``documents`` (or vLLM's
 other names: ``items``, ``data_1``/``data_2``, ``text_1``/``text_2``) one to one, or one query
 to every document; ``POST /rerank``, ``/v1/rerank`` and ``/v2/rerank`` (Jina's and Cohere's
 shape) rank ``documents`` by their score against ``query``, the best ``top_n``."""
@@ -95,22 +96,10 @@ async def scored(server: OpenAIServer, path: str, body: bytes) -> web.Response:
     rid = req.request_id or uuid.uuid4().hex
     side = req.truncation_side or "left"
     require(side in ("left", "right"), "truncation_side must be left or right", "truncation_side")
-    try:
-        params = PoolingParams(task="embed", use_activation=req.use_activation)
-        per_query = client.pooling_request(params, req.max_tokens_per_query or t)
-        per_doc = client.pooling_request(params, req.max_tokens_per_doc or t)
-    except ValueError as exc:
-        raise bad_request(str(exc)) from None
-    # a side's own cap keeps its first tokens, as vLLM truncates a query or a document
-    q_out, q_tokens = await run_pooling(server, per_query, [_prompt(q) for q in queries], f"{rid}-q", priority,
-                                        "right" if req.max_tokens_per_query else side)
-    d_out, d_tokens = await run_pooling(server, per_doc, [_prompt(d) for d in documents], f"{rid}-d", priority,
-                                        "right" if req.max_tokens_per_doc else side)
-    q = np.stack([o.pooling_output for o in q_out])
-    d = np.stack([o.pooling_output for o in d_out])
-    q = np.broadcast_to(q, d.shape) if len(q) == 1 else q
-    scores = (q * d).sum(-1) / np.maximum(np.linalg.norm(q, axis=-1) * np.linalg.norm(d, axis=-1), 1e-8)
-    tokens = q_tokens + d_tokens
+    if client.config.model.pooling.convert == "classify":
+        scores, tokens = await _cross_encoder_scores(server, req, queries, documents, rid, priority, side)
+    else:
+        scores, tokens = await _bi_encoder_scores(server, req, queries, documents, rid, priority, side)
     name = served_name(client, req.model)
     dumps = lambda obj: msgspec.json.encode(obj).decode()      # noqa: E731
     if rerank:
@@ -124,6 +113,64 @@ async def scored(server: OpenAIServer, path: str, body: bytes) -> web.Response:
                                        for i, s in enumerate(scores)],
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}},
                              dumps=dumps)
+
+
+async def _bi_encoder_scores(server: OpenAIServer, req: ScoringRequest, queries: list[str], documents: list[str],
+                             rid: str, priority: int, side: str) -> tuple[np.ndarray, int]:
+    """An embedding model's scores: each query and document embedded once, each pair's cosine
+    similarity. A side's own token cap keeps its first tokens."""
+    client = server.engine()
+    t = req.truncate_prompt_tokens
+    try:
+        params = PoolingParams(task="embed", use_activation=req.use_activation)
+        per_query = client.pooling_request(params, req.max_tokens_per_query or t)
+        per_doc = client.pooling_request(params, req.max_tokens_per_doc or t)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    q_out, q_tokens = await run_pooling(server, per_query, [_prompt(q) for q in queries], f"{rid}-q", priority,
+                                        "right" if req.max_tokens_per_query else side)
+    d_out, d_tokens = await run_pooling(server, per_doc, [_prompt(d) for d in documents], f"{rid}-d", priority,
+                                        "right" if req.max_tokens_per_doc else side)
+    q = np.stack([o.pooling_output for o in q_out])
+    d = np.stack([o.pooling_output for o in d_out])
+    q = np.broadcast_to(q, d.shape) if len(q) == 1 else q
+    scores = (q * d).sum(-1) / np.maximum(np.linalg.norm(q, axis=-1) * np.linalg.norm(d, axis=-1), 1e-8)
+    return scores, q_tokens + d_tokens
+
+
+async def _cross_encoder_scores(server: OpenAIServer, req: ScoringRequest, queries: list[str],
+                                documents: list[str], rid: str, priority: int, side: str) -> tuple[np.ndarray, int]:
+    """A classifier of one label (a cross-encoder) scores each query and document read together:
+    its one score, after its activation."""
+    client = server.engine()
+    pooling = client.config.model.pooling
+    if pooling.num_labels != 1:
+        raise bad_request(f"scoring pairs needs a cross-encoder (a classifier of one label); this model has "
+                          f"{pooling.num_labels} labels: use /classify")
+    try:
+        params = client.pooling_request(PoolingParams(task="classify", use_activation=req.use_activation),
+                                        req.truncate_prompt_tokens)
+        pairs = [pair_token_ids(client.tokenizer, pooling.use_sep_token, q, d, req.max_tokens_per_query,
+                                req.max_tokens_per_doc)
+                 for q, d in zip(queries * len(documents) if len(queries) == 1 else queries, documents)]
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    outs, tokens = await run_pooling(server, params, [Prompt({"prompt_token_ids": ids}) for ids in pairs], rid,
+                                     priority, side)
+    return np.array([float(o.pooling_output[0]) for o in outs]), tokens
+
+
+def pair_token_ids(tokenizer: Any, use_sep_token: bool, first: str, second: str, max_first: int = 0,
+                   max_second: int = 0) -> list[int]:
+    """A cross-encoder's prompt, as vLLM builds it: the query and the document (each first cut
+    to its own token cap, when given) encoded as a text pair (``use_sep_token``, the default),
+    or joined as one text (an LLM used as a reranker)."""
+    def cut(text: str, n: int) -> str:
+        return tokenizer.decode(tokenizer.encode(text)[:n], skip_special_tokens=False) if n else text
+    first, second = cut(first, max_first), cut(second, max_second)
+    if use_sep_token:
+        return tokenizer.encode_pair(first, second)
+    return tokenizer.encode(first + second, add_special_tokens=True)
 
 
 def _text(value: Any, param: str) -> str:

@@ -308,6 +308,15 @@ class TextTokenizer:
                 ids = [*ids, self.eos_token_id]
         return ids
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Token ids of a text pair as transformers' fast tokenizer encodes ``text`` with
+        ``text_pair`` (a cross-encoder's query and document): tokenizer.json's post-processor
+        joins them and adds its special tokens (a GGUF file's vocabulary has none: the two
+        joined, BOS first where the file asks)."""
+        enc = self.backend_tokenizer.encode(first, second, add_special_tokens=True)
+        ids = list(enc.ids)
+        return ids if self.backend_tokenizer.post_processor is not None else self._with_bos(ids)
+
     def token_offsets(self, text: str, ids: Sequence[int]) -> list[tuple[int, int]] | None:
         """Each of ``ids``' (start, end) characters in ``text``, where ``ids`` are ``text``'s
         tokens (with BOS before or EOS after them: (0, 0), as transformers gives special
@@ -447,6 +456,9 @@ class TokenIdsOnly:
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], *args: Any, **kwargs: Any) -> list[int]:
         raise NoTokenizer(NO_TOKENIZER)
+
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        raise NoTokenizer(TEXT_PROMPTS_REFUSED)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], *args: Any, **kwargs: Any) -> str:
         raise NoTokenizer(NO_TOKENIZER)

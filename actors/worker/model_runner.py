@@ -177,7 +177,9 @@ class ModelRunner:
         # worker sets it per step: KVConnectorBase.has_layer_work); such a step runs eagerly
         self.kv_layer_hooks = None
         # --runner pooling: every request pools its prompt's hidden states, none samples
-        self.pooler = Pooler() if config.model.pooling is not None else None
+        pooling = config.model.pooling
+        self.pooler = None if pooling is None else Pooler(
+            getattr(model, "score", None), pooling.activation, pooling.pooler.logit_mean, pooling.pooler.logit_sigma)
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""

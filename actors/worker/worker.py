@@ -54,8 +54,9 @@ def serving_checkpoint(source: ModelSource, config: EngineConfig, max_model_len:
     for (``max_model_len``: --max-model-len as given, before the KV cache caps it; 0: the
     model's default)."""
     ckpt = open_checkpoint(source)
-    if config.model.pooling is not None:       # an embedding model: no LM head runs
-        ckpt = pooling_checkpoint(ckpt)
+    pooling = config.model.pooling
+    if pooling is not None:       # an embedding model or a classifier: no LM head runs
+        ckpt = pooling_checkpoint(ckpt, pooling.num_labels if pooling.convert == "classify" else 0)
     arch = ckpt.config
     if config.model.disable_sliding_window:     # vLLM's: full attention, the context capped at the window
         arch = arch.without_sliding_window()

@@ -21,6 +21,8 @@ from actors.worker.pooler import Pooler
     ("Qwen3ForCausalLM", "pooling", "auto", ("pooling", "embed")),
     ("Qwen3ForCausalLM", "auto", "embed", ("pooling", "embed")),
     ("Gemma3TextModel", "pooling", "auto", ("pooling", "embed")),
+    ("Qwen3ForSequenceClassification", "auto", "auto", ("pooling", "classify")),
+    ("LlamaForCausalLM", "auto", "classify", ("pooling", "classify")),
 ])
 def test_runner_and_conversion_follow_vllms_defaults(architecture, runner, convert, expected):
     assert resolve_runner(architecture, runner, convert) == expected
@@ -31,8 +33,8 @@ def test_runners_that_cannot_serve_the_checkpoint_are_refused_in_vllms_words():
         resolve_runner("LlamaModel", "generate", "auto")
     with pytest.raises(ValueError, match="You can pass `--convert embed`"):
         resolve_runner("LlamaForCausalLM", "pooling", "none")
-    with pytest.raises(ValueError, match="--convert classify .* is not supported yet"):
-        resolve_runner("LlamaForCausalLM", "pooling", "classify")
+    with pytest.raises(ValueError, match="--convert reward .* is not supported yet"):
+        resolve_runner("LlamaForCausalLM", "pooling", "reward")
     with pytest.raises(ValueError, match="--runner must be one of"):
         resolve_runner("LlamaForCausalLM", "embedding", "auto")
 
@@ -83,6 +85,26 @@ def test_a_sentence_transformers_checkpoint_says_how_it_pools(tmp_path):
     dense = _sentence_transformers_files(tmp_path / "dense", {"pooling_mode_mean_tokens": True}, True, dense=True)
     with pytest.raises(ValueError, match="Dense projection is not supported"):
         sentence_transformers_pooling(dense)
+
+
+@pytest.mark.parametrize("config,labels,activation", [
+    ({"id2label": {"0": "neg", "1": "pos"}}, ("neg", "pos"), "softmax"),
+    ({"num_labels": 1}, ("LABEL_0",), "sigmoid"),
+    ({}, ("LABEL_0", "LABEL_1"), "softmax"),                          # transformers' default: two
+    ({"num_labels": 3, "problem_type": "multi_label_classification"}, ("LABEL_0", "LABEL_1", "LABEL_2"), "sigmoid"),
+    ({"num_labels": 1, "problem_type": "regression"}, ("LABEL_0",), "identity"),
+    ({"num_labels": 1, "sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}},
+     ("LABEL_0",), "identity"),
+])
+def test_a_classifiers_labels_and_activation_follow_its_config(config, labels, activation):
+    settings = model_pooling(None, "classify", None, config)
+    assert (settings.labels, settings.activation, settings.tasks) == (labels, activation, ("classify",))
+    assert settings.params(None, 64) == PoolingParams(task="classify", use_activation=True, pooling_type="LAST")
+
+
+def test_a_cross_encoders_activation_outside_torch_nn_is_refused():
+    with pytest.raises(ValueError, match="activation 'os.system' is not supported"):
+        model_pooling(None, "classify", None, {"sbert_ce_default_activation_function": "os.system"})
 
 
 def test_request_params_take_the_models_defaults_and_matryoshka_limits():

@@ -1,0 +1,151 @@
+"""Classifiers (vLLM's --convert classify; transformers' ...ForSequenceClassification checkpoints):
+their label probabilities through the whole engine equal transformers'; a classifier of one label
+is a cross-encoder that /score, /rerank and LLM.score read each query and document pair with, as
+transformers' tokenizer encodes a text pair."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from actors.api import LLM
+from helpers import save_tiny_tokenizer
+from server import Server
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 128
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def _randomized(model):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def sentiment(tmp_path_factory):
+    """A tiny LlamaForSequenceClassification with three named labels."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    path = tmp_path_factory.mktemp("sentiment")
+    model = _randomized(LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2, pad_token_id=0,
+        num_labels=3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})))
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, VOCAB)
+    return str(path), model
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    """A tiny Qwen3ForSequenceClassification of one label (a cross-encoder)."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+    path = tmp_path_factory.mktemp("reranker")
+    model = _randomized(Qwen3ForSequenceClassification(Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2, pad_token_id=0,
+        num_labels=1)))
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, VOCAB)
+    return str(path), model
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _text(ids: list[int]) -> str:
+    return " ".join(f"t{i}" for i in ids)
+
+
+PROMPTS = [[5, 9, 2, 7, 3], [11, 12, 13], [(7 * i + 5) % 127 + 1 for i in range(40)]]
+
+
+def test_a_sequence_classifier_gives_transformers_label_probabilities(sentiment):
+    path, reference = sentiment
+    with LLM(path, multiprocess=False, max_num_batched_tokens=16) as llm:     # the long prompt in chunks
+        assert llm._run(llm._engine().get_supported_tasks()) == ("classify",)
+        outs = llm.classify([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+        raw = llm.encode([{"prompt_token_ids": PROMPTS[0]}], use_tqdm=False)[0]     # the model's own task
+        with pytest.raises(ValueError, match="Task embed is not supported by this model"):
+            llm.embed([PROMPTS[0]], use_tqdm=False)
+        with pytest.raises(ValueError, match="needs a cross-encoder"):
+            llm.score("t1 t2", ["t3 t4"], use_tqdm=False)
+    for ids, out in zip(PROMPTS, outs):
+        assert out.outputs.num_classes == 3
+        np.testing.assert_allclose(out.outputs.probs, torch.softmax(_logits(reference, ids), -1).numpy(), atol=2e-5)
+    np.testing.assert_allclose(raw.outputs.data.numpy(), outs[0].outputs.probs, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def server(reranker):
+    path, _ = reranker
+    s = Server("--model", path, "--threads", "1")
+    yield s
+    s.stop()
+
+
+def test_classify_endpoint_names_the_label_and_its_probabilities(server, reranker):
+    _, reference = reranker
+    r = requests.post(f"{server.url}/classify", json={"input": [_text(p) for p in PROMPTS[:2]]}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["id"].startswith("classify-")
+    for ids, item in zip(PROMPTS, body["data"]):
+        assert item["label"] == "LABEL_0" and item["num_classes"] == 1
+        np.testing.assert_allclose(item["probs"], torch.sigmoid(_logits(reference, ids)).numpy(), atol=2e-5)
+    assert body["usage"]["prompt_tokens"] == len(PROMPTS[0]) + len(PROMPTS[1])
+    plain = requests.post(f"{server.url}/classify", json={"input": PROMPTS[0], "use_activation": False},
+                          timeout=60).json()
+    np.testing.assert_allclose(plain["data"][0]["probs"], _logits(reference, PROMPTS[0]).numpy(), atol=2e-5)
+    r = requests.post(f"{server.url}/v1/embeddings", json={"input": "t1 t2"}, timeout=30)
+    assert r.status_code == 400 and "Task embed is not supported" in r.json()["error"]["message"]
+
+
+def test_a_cross_encoder_scores_and_reranks_each_pair_read_together(server, reranker, tmp_path):
+    _, reference = reranker
+    query, docs = [4, 8, 15], [[16, 23], [42, 4, 8], [1, 2, 3, 4, 5, 6]]
+    expected = [float(torch.sigmoid(_logits(reference, query + d))[0]) for d in docs]   # the pair, joined
+    r = requests.post(f"{server.url}/score", json={"queries": _text(query), "documents": [_text(d) for d in docs]},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose([d["score"] for d in r.json()["data"]], expected, atol=2e-5)
+    ranked = requests.post(f"{server.url}/rerank", json={"query": _text(query), "documents": [_text(d) for d in docs],
+                                                          "top_n": 2}, timeout=60).json()
+    order = list(np.argsort(expected)[::-1][:2])
+    assert [res["index"] for res in ranked["results"]] == order
+    np.testing.assert_allclose([res["relevance_score"] for res in ranked["results"]],
+                               [expected[i] for i in order], atol=2e-5)
+    assert ranked["usage"]["prompt_tokens"] == sum(len(query) + len(d) for d in docs)
+
+
+def test_a_pair_is_encoded_as_transformers_encodes_text_with_text_pair(tmp_path):
+    """A tokenizer.json with a pair template (BERT's: [CLS] A [SEP] B [SEP]): the cross-encoder's
+    prompt is what transformers' fast tokenizer gives for text and text_pair."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from actors.frontend.scoring import pair_token_ids
+    from actors.tokenizer.gguf_tokenizer import TextTokenizer
+    vocab = {"[CLS]": 0, "[SEP]": 1, **{f"w{i}": i + 2 for i in range(20)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[SEP]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", 0), ("[SEP]", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    ours = TextTokenizer.from_hf_dir(str(tmp_path))
+    theirs = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    expected = theirs("w1 w2", text_pair="w3 w4 w5")["input_ids"]
+    assert pair_token_ids(ours, True, "w1 w2", "w3 w4 w5") == expected == [0, 3, 4, 1, 5, 6, 7, 1]
+    assert pair_token_ids(ours, True, "w1 w2", "w3 w4 w5", max_second=1) == [0, 3, 4, 1, 5, 1]
+    # an LLM used as a reranker (use_sep_token false): the two joined, read as one prompt is
+    assert pair_token_ids(ours, False, "w1 w2 ", "w3") == ours.encode("w1 w2 w3", add_special_tokens=True)
