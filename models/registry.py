@@ -134,7 +134,13 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
     quant = resolve_quantization(quantization, ckpt.quantization_config, ckpt.path, device, dtype)
     if quant is not None:
         attach_linear_methods(model, quant, tensor_map)
-    load_weights(model, weights, tensor_map)
+    try:
+        load_weights(model, weights, tensor_map)
+    except ValueError as exc:
+        if config.num_labels and "'score.weight'" in str(exc) and "unloaded" in str(exc):
+            raise ValueError("the checkpoint has no score head (score.weight): --convert classify serves a "
+                             "classifier's checkpoint (...ForSequenceClassification)") from None
+        raise
     if transform is not None:
         transform(model)
     if quant is not None:

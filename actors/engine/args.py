@@ -312,6 +312,9 @@ class EngineArgs:
             if user is not None:
                 raise ValueError("--pooler-config is for pooling models (--runner pooling)")
             return None
+        if convert == "classify" and source.kind != "hf_dir":
+            raise ValueError("--convert classify needs a classifier's score head, which only a Hugging Face "
+                             "checkpoint (score.weight) holds; a GGUF file has none")
         return model_pooling(user, convert, source.path if source.kind == "hf_dir" else None, raw)
 
     def watermark(self) -> WatermarkConfig | None:
