@@ -132,6 +132,8 @@ def test_engine_config_of_a_pooling_model_refuses_generation_options_and_async_s
         EngineArgs(runner="pooling", async_scheduling=True).create_engine_config()
     with pytest.raises(ValueError, match="--pooler-config is for pooling models"):
         EngineArgs(pooler_config='{"pooling_type": "MEAN"}').create_engine_config()
+    with pytest.raises(ValueError, match="a GGUF file has none"):
+        EngineArgs(convert="classify").create_engine_config()
     from actors.engine.config import DeviceConfig
     resolved = config.replace(device=DeviceConfig(device="cpu"))
     from models.registry import model_config
