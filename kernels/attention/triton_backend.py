@@ -48,6 +48,7 @@ class TritonAttentionBackend(AttentionBackend):
     head_sizes = None
     block_sizes = (16, 32, 64)
     supports_sliding_window = True
+    supports_logits_soft_cap = True     # Gemma 2's capped scores, in both kernels
     supports_cascade = True
     cudagraph_support = "uniform_decode"
 
@@ -81,15 +82,13 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         k_scale: torch.Tensor | None = None,   # () float32, fp8 caches only
         v_scale: torch.Tensor | None = None,
-        logits_soft_cap: float | None = None,  # not taken (supports_logits_soft_cap is False)
+        logits_soft_cap: float | None = None,  # each scaled score s becomes C * tanh(s / C) (Gemma 2)
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
-        if logits_soft_cap:
-            raise ValueError(f"{self.name}: attention logit softcapping not supported")
         if kv_cache.shape[2] != meta.block_size:
             raise ValueError(f"kv_cache pages hold {kv_cache.shape[2]} tokens, metadata says {meta.block_size}")
         self._kv_store.store_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         B = meta.num_reqs
-        if meta.common_prefix_len > 0 and sliding_window is None:
+        if meta.common_prefix_len > 0 and sliding_window is None and not logits_soft_cap:
             return self._cascade(query, kv_cache, meta, scale, k_scale, v_scale)
         if meta.is_pure_decode:
             # pure decode: request i owns token i (query_start_loc = 0, 1, ..., B); tokens past B are padding
@@ -97,12 +96,13 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits = self._decode.default_num_splits(B, kv_cache.shape[3], meta.max_seq_len)
             self._decode.paged_decode_attention(query[:B], kv_cache, meta.block_table[:B], meta.seq_lens[:B],
                                                 scale, sliding_window, num_splits, out=out[:B], k_scale=k_scale,
-                                                v_scale=v_scale)
+                                                v_scale=v_scale, soft_cap=logits_soft_cap)
             out[B:].zero_()
             return out
         return self._prefill.paged_prefill_attention(query, kv_cache, meta.query_start_loc[:B + 1],
                                                      meta.seq_lens[:B], meta.block_table[:B], meta.max_query_len,
-                                                     scale, sliding_window, k_scale=k_scale, v_scale=v_scale)
+                                                     scale, sliding_window, k_scale=k_scale, v_scale=v_scale,
+                                                     soft_cap=logits_soft_cap)
 
     def _cascade(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:

@@ -26,6 +26,15 @@ MIN_TOKENS_PER_SPLIT = 128
 
 
 @triton.jit
+def soft_capped(s, cap):
+    """Log2-scaled scores ``s`` capped as Gemma 2 caps its scaled scores (C * tanh(x / C)):
+    ``cap`` is C * log2(e), so the result stays log2-scaled. tanh from exp (1 - 2 / (e^2y + 1)),
+    which saturates to +-1 without overflow trouble."""
+    y = s / cap
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,              # (B, H, D)
     cache_ptr,          # (2, num_blocks, BLOCK_SIZE, KVH, D); uint8 bytes of an fp8 cache
@@ -39,6 +48,7 @@ def _paged_decode_kernel(
     v_scale_ptr,        # () float32, read when FP8
     qk_scale,           # softmax scale * log2(e)
     window,             # sliding window in tokens, 0 = none
+    soft_cap,           # the score cap C * log2(e), read when SOFT_CAP
     stride_qb, stride_qh,
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt,
@@ -46,7 +56,7 @@ def _paged_decode_kernel(
     num_heads, group, head_size,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -89,6 +99,8 @@ def _paged_decode_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_SIZE)
+        if SOFT_CAP:
+            s = soft_capped(s, soft_cap)
         pos = blk * BLOCK_SIZE + t
         s = tl.where(((pos < seq_len) & (pos >= first))[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -157,6 +169,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # (B, H, D), written in place when given
     k_scale: torch.Tensor | None = None,  # () float32 on the device: an fp8 cache's keys are fp8 * k_scale
     v_scale: torch.Tensor | None = None,
+    soft_cap: float | None = None,    # Gemma 2's: each scaled score s becomes C * tanh(s / C)
 ) -> torch.Tensor:                    # (B, H, D); rows with seq_len 0 are zeros
     """Attention of each request's single query (at position seq_len - 1) over its cached
     context. The cache must already hold the query's own key and value. The cache is in the
@@ -189,14 +202,14 @@ def paged_decode_attention(
     cache = kv_cache.view(torch.uint8) if fmt else kv_cache
     _paged_decode_kernel[(B, KVH, num_splits)](
         query, cache, block_table, seq_lens, out, part_acc, part_m, part_l, k_scale, v_scale,
-        scale * LOG2E, sliding_window or 0,
+        scale * LOG2E, sliding_window or 0, (soft_cap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_table.stride(0), out.stride(0), out.stride(1),
         H, group, D,
         BLOCK_SIZE=block_size, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=max(16, next_power_of_2(D)),
         NUM_SPLITS=num_splits, DOT_F32=dot_in_float32(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
-        FP8=fmt,
+        FP8=fmt, SOFT_CAP=bool(soft_cap),
     )
     if num_splits > 1:
         _paged_decode_reduce_kernel[(B, H)](
@@ -209,10 +222,10 @@ def paged_decode_attention(
 def paged_decode_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                               v_scale: torch.Tensor | None = None, soft_cap: float | None = None) -> torch.Tensor:
     """Per request: gather the context token by token (an fp8 cache dequantized: fp8 * scale),
     repeat K/V per query head, softmax in float32 over the visible positions (p - W < k <= p,
-    p = seq_len - 1)."""
+    p = seq_len - 1), the scores capped first when ``soft_cap`` (C * tanh(s / C))."""
     B, H, D = query.shape
     block_size, KVH = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.zeros_like(query)
@@ -225,6 +238,8 @@ def paged_decode_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, bloc
         k = dequantize_kv(kv_cache[0, pages, pos % block_size], k_scale).repeat_interleave(H // KVH, dim=1)
         v = dequantize_kv(kv_cache[1, pages, pos % block_size], v_scale).repeat_interleave(H // KVH, dim=1)
         scores = torch.einsum("hd,shd->hs", query[b].float(), k) * scale                   # (H, S)
+        if soft_cap:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         if sliding_window is not None:
             scores[:, pos <= seq_len - 1 - sliding_window] = float("-inf")
         out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), v).to(query.dtype)

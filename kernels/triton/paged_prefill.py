@@ -24,6 +24,7 @@ from kernels.attention.fp8 import dequantize_kv
 from kernels.triton import (LOG2E, check_attention_args, check_query_and_cache, check_shape, check_tensor,
                             dot_in_float32, dot_precision, kv_scale_args, next_power_of_2)
 from kernels.triton.fp8 import fp8_format, fp8_to_float
+from kernels.triton.paged_decode import soft_capped
 
 
 @triton.jit
@@ -39,6 +40,7 @@ def _paged_prefill_kernel(
     v_scale_ptr,        # () float32, read when FP8
     qk_scale,           # softmax scale * log2(e)
     window,             # sliding window in tokens, 0 = none
+    soft_cap,           # the score cap C * log2(e), read when SOFT_CAP
     stride_qt, stride_qh,
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt,
@@ -47,7 +49,7 @@ def _paged_prefill_kernel(
     group, head_size,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, STORE_LSE: tl.constexpr,
+    FP8: tl.constexpr, STORE_LSE: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     tile_start = tl.program_id(1) * BLOCK_Q      # first query (relative to the request) of this tile
@@ -94,6 +96,8 @@ def _paged_prefill_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_SIZE)
+            if SOFT_CAP:
+                s = soft_capped(s, soft_cap)
             kpos = (blk * BLOCK_SIZE + t)[None, :]
             visible = row_mask[:, None] & (kpos <= pos[:, None]) & (kpos > first[:, None])
             s = tl.where(visible, s, float("-inf"))
@@ -127,6 +131,7 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,  # () float32 on the device: an fp8 cache's keys are fp8 * k_scale
     v_scale: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,      # (T, H) float32, written when given: each row's log-sum-exp
+    soft_cap: float | None = None,        # Gemma 2's: each scaled score s becomes C * tanh(s / C)
 ) -> torch.Tensor:                  # (T, H, D); rows of tokens past query_start_loc[B] are zeros
     """Causal attention of every request's queries over its cached context (which must already
     hold the new keys and values). ``max_query_len`` is a host int that sizes the grid; a request
@@ -161,14 +166,14 @@ def paged_prefill_attention(
     cache = kv_cache.view(torch.uint8) if fmt else kv_cache
     _paged_prefill_kernel[grid](
         query, cache, block_table, seq_lens, query_start_loc, out, out if lse is None else lse, k_scale, v_scale,
-        scale * LOG2E, sliding_window or 0,
+        scale * LOG2E, sliding_window or 0, (soft_cap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_table.stride(0), out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         group, D,
         BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, BLOCK_D=max(16, next_power_of_2(D)),
         DOT_F32=dot_in_float32(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
-        FP8=fmt, STORE_LSE=lse is not None,
+        FP8=fmt, STORE_LSE=lse is not None, SOFT_CAP=bool(soft_cap),
     )
     return out
 
@@ -176,10 +181,10 @@ def paged_prefill_attention(
 def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
                         sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        v_scale: torch.Tensor | None = None, soft_cap: float | None = None) -> torch.Tensor:
     """Per request: gather its context token by token (an fp8 cache dequantized: fp8 * scale),
     repeat K/V per query head, mask at absolute positions (causal, and p - W < k when windowed),
-    softmax in float32."""
+    softmax in float32; the scores capped first when ``soft_cap`` (C * tanh(s / C))."""
     T, H, D = query.shape
     block_size, KVH = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.zeros_like(query)
@@ -192,6 +197,8 @@ def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, query_start
         k = dequantize_kv(kv_cache[0, pages, kpos % block_size], k_scale).repeat_interleave(H // KVH, dim=1)
         v = dequantize_kv(kv_cache[1, pages, kpos % block_size], v_scale).repeat_interleave(H // KVH, dim=1)
         scores = torch.einsum("qhd,shd->hqs", query[start:end].float(), k) * scale              # (H, q, S)
+        if soft_cap:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         qpos = torch.arange(seq_len - (end - start), seq_len, device=query.device)[:, None]     # (q, 1)
         hidden = kpos[None, :] > qpos
         if sliding_window is not None:

@@ -89,6 +89,24 @@ def test_decode_step_after_prefill_matches_one_prefill(backend):
     assert_close(last, one[20:])
 
 
+@pytest.mark.parametrize("scenario, window, dtype", [("decode", None, torch.float32), ("mixed", 12, torch.bfloat16),
+                                                      ("prefill_cached_prefix", None, torch.float32)], ids=_id)
+def test_capped_scores_match_the_reference_and_the_cap_matters(backend, scenario, window, dtype):
+    """Gemma 2's logits_soft_cap in both kernels (decode with split-K among them): each scaled
+    score s becomes C * tanh(s / C) before the mask and the softmax."""
+    case = make_case(SCENARIOS[scenario], 16, 6, 2, HEAD_SIZE, dtype, num_padding=2, seed=4)
+    scale, cap = 1.0, 0.5                       # scores of a few units: the cap changes them
+    out = backend.forward(case.query, case.key, case.value, case.kv_cache.clone(), case.meta, scale,
+                          sliding_window=window, logits_soft_cap=cap)
+    cpu = [x.cpu() for x in (case.query, case.key, case.value)]
+    expected = reference_paged_attention(*cpu, case.kv_cache.cpu().clone(), meta_on(case.meta, "cpu"), scale,
+                                         sliding_window=window, logits_soft_cap=cap)
+    assert_close(out, expected)
+    plain = backend.forward(case.query, case.key, case.value, case.kv_cache.clone(), case.meta, scale,
+                            sliding_window=window)
+    assert (plain.float() - out.float()).abs().max() > 0.05
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("scenario", ["decode", "mixed"])
 def test_backend_with_an_fp8_cache_matches_the_reference(backend, kv_dtype, scenario):
@@ -120,6 +138,7 @@ def test_capabilities_and_refusals():
     assert cls.refusal(_req()) is None
     assert cls.refusal(_req(dtype=torch.float32, kv_cache_dtype=torch.float32, head_size=80, block_size=64)) is None
     assert cls.cudagraph_support == "uniform_decode" and cls.supports_sliding_window
+    assert cls.refusal(_req(logits_soft_cap=True)) is None          # Gemma 2's capped scores
     assert "head size 512" in cls.refusal(_req(head_size=512))
     assert "block size 8" in cls.refusal(_req(block_size=8))
     assert "must equal the model dtype" in cls.refusal(_req(kv_cache_dtype=torch.float16))
@@ -135,3 +154,36 @@ def test_cpu_only_when_asked(monkeypatch):
         assert isinstance(select_backend(_req("cpu", sliding_window=None)), CpuAttentionBackend)
     monkeypatch.setattr(TritonAttentionBackend, "devices", ("cuda", "cpu"))
     assert TritonAttentionBackend.refusal(_req("cpu")) is None
+
+
+def test_gemma2_through_the_triton_kernels_gives_transformers_logits(backend, tmp_path):
+    """A tiny Gemma 2 (capped scores, sliding and global layers, capped logits) with the Triton
+    backend: a prompt, then decode steps, equal transformers' logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from models.registry import load_model
+    from models.resolve import resolve_model
+    from kernels.attention import allocate_kv_caches
+    torch.manual_seed(0)
+    hf = Gemma2ForCausalLM(Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, num_hidden_layers=3, sliding_window=8,
+                                        max_position_embeddings=128, query_pre_attn_scalar=24,
+                                        attn_logit_softcapping=0.5, final_logit_softcapping=30.0, pad_token_id=0))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.15)
+    hf.config._attn_implementation = "eager"
+    hf.eval().save_pretrained(tmp_path)
+    model, config = load_model(resolve_model(str(tmp_path)), attn_backend=backend, device=DEVICE)
+    tokens = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0].float()
+    caches = allocate_kv_caches(config, 8, 16, torch.float32, device=DEVICE)
+    table, outs = [[1, 2]], []
+    with torch.inference_mode():
+        for start, n in ((0, 20), (20, 1), (21, 1), (22, 2)):
+            meta = meta_on(build_attention_metadata([n], [start + n], table, 16), DEVICE)
+            ids = torch.tensor(tokens[start:start + n], device=DEVICE)
+            pos = torch.arange(start, start + n, device=DEVICE)
+            outs.append(model.compute_logits(model(ids, pos, caches, meta)).float().cpu())
+    torch.testing.assert_close(torch.cat(outs), expected, atol=2e-4, rtol=2e-4)
