@@ -28,8 +28,8 @@ BARE_MODELS: dict[str, str] = {
     "Qwen3Model": "Qwen3ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM", "Phi3Model": "Phi3ForCausalLM",
     "Qwen3MoeModel": "Qwen3MoeForCausalLM", "MixtralModel": "MixtralForCausalLM", "GraniteModel": "GraniteForCausalLM",
     "SmolLM3Model": "SmolLM3ForCausalLM", "Gemma2Model": "Gemma2ForCausalLM",
-    # transformers' sequence classifiers: the same stack and a ``score`` head (--convert classify)
-    **{f"{name}ForSequenceClassification": f"{name}ForCausalLM" for name in (
+    # transformers' sequence and token classifiers: the same stack and a ``score`` head (--convert classify)
+    **{f"{name}For{kind}Classification": f"{name}ForCausalLM" for kind in ("Sequence", "Token") for name in (
         "Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Qwen3Moe", "Mixtral", "Gemma2", "Granite", "SmolLM3")},
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
 

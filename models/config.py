@@ -53,6 +53,7 @@ class ArchConfig:
     serving_len: int = 0                       # the engine's --max-model-len; 0: default_max_model_len
     # a classifier's labels (--convert classify: a ``score`` head, hidden -> labels); 0: none
     num_labels: int = 0
+    score_bias: bool = False                   # the score head has a bias (a token classifier's)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)

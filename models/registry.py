@@ -126,8 +126,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
         if ckpt.tensor_map != "hf_tensor_map":
             raise ValueError("a classifier (--convert classify) needs its score head, which only a Hugging Face "
                              "checkpoint (score.weight) holds")
-        model.score = nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=torch.float32)
-        tensor_map = {**tensor_map, "score.weight": ("score.weight", None)}
+        model.score = nn.Linear(config.hidden_size, config.num_labels, bias=config.score_bias, dtype=torch.float32)
+        tensor_map = {**tensor_map, "score.weight": ("score.weight", None), "score.bias": ("score.bias", None)}
     weights, skipped = ckpt.weights, model.hf_skipped_prefixes
     if skipped and ckpt.tensor_map == "hf_tensor_map":    # a trainer's round may hold the vision side too
         weights = ((name, tensor) for name, tensor in weights if not name.startswith(skipped))
@@ -188,17 +188,18 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
 _BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 
-def pooling_checkpoint(ckpt: Checkpoint, num_labels: int = 0) -> Checkpoint:
+def pooling_checkpoint(ckpt: Checkpoint, num_labels: int = 0, score_bias: bool = False) -> Checkpoint:
     """``ckpt`` served as a pooling model (--runner pooling): its LM head never runs, so it
     is tied to the embeddings (a checkpoint's own head, when it has one, is skipped, and a bare
     decoder stack's, which has none, is not missed), and a bare stack's tensor names (without
     the "model." prefix, as transformers saves a ``LlamaModel``) read as its causal LM's. A
-    classifier's (``num_labels``): its ``score`` head (hidden -> labels) is loaded too."""
+    classifier's (``num_labels``): its ``score`` head (hidden -> labels, with a bias where
+    ``score_bias``: a token classifier's) is loaded too."""
     weights = ckpt.weights
     if ckpt.tensor_map == "hf_tensor_map":
         weights = (("model." + name if name.startswith(_BARE_PREFIXES) else name, tensor) for name, tensor in weights)
-    return ckpt._replace(config=dataclasses.replace(ckpt.config, tie_word_embeddings=True, num_labels=num_labels),
-                         weights=weights)
+    return ckpt._replace(config=dataclasses.replace(ckpt.config, tie_word_embeddings=True, num_labels=num_labels,
+                                                    score_bias=score_bias), weights=weights)
 
 
 def _compile_tensor_map(tensor_map: dict[str, tuple[str, str | None]]) -> list[tuple[re.Pattern, str, str | None]]:

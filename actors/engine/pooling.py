@@ -134,10 +134,14 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
     labels: tuple[str, ...] = ()
     activation: str = "softmax"
     use_sep_token: bool = True
+    # a token classifier (...ForTokenClassification): labels per prompt token (task token_classify),
+    # its head with a bias (config.json's token_classification_bias, transformers' default true)
+    per_token: bool = False
+    head_bias: bool = False
 
     @property
     def tasks(self) -> tuple[str, ...]:
-        return CONVERT_TASKS[self.convert]
+        return ("token_classify",) if self.per_token else CONVERT_TASKS[self.convert]
 
     @property
     def num_labels(self) -> int:
@@ -168,8 +172,9 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
             if self.matryoshka_dimensions and params.dimensions not in self.matryoshka_dimensions:
                 raise ValueError(f"Model only supports Matryoshka dimensions {list(self.matryoshka_dimensions)}, "
                                  f"got {params.dimensions}.")
-        kind = (p.tok_pooling_type or "ALL") if params.task == "token_embed" else (p.seq_pooling_type or "LAST")
-        return PoolingParams(task=params.task, dimensions=dims if params.task != "classify" else None,
+        per_token = params.task in ("token_embed", "token_classify")
+        kind = (p.tok_pooling_type or "ALL") if per_token else (p.seq_pooling_type or "LAST")
+        return PoolingParams(task=params.task, dimensions=dims if "classify" not in params.task else None,
                              use_activation=True if use is None else use, pooling_type=kind)
 
 
@@ -287,7 +292,9 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
                             matryoshka_dimensions=tuple(dims) if dims else None)
     if convert != "classify":
         return settings
-    return msgspec.structs.replace(settings, labels=classifier_labels(hf_config),
+    per_token = str((hf_config.get("architectures") or [""])[0]).endswith("ForTokenClassification")
+    return msgspec.structs.replace(settings, labels=classifier_labels(hf_config), per_token=per_token,
+                                   head_bias=per_token and bool(hf_config.get("token_classification_bias", True)),
                                    activation=classifier_activation(hf_config),
                                    use_sep_token=bool(hf_config.get("use_sep_token", hf_config.get("use_pad_token",
                                                                                                    True))))

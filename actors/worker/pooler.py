@@ -3,7 +3,7 @@ request's last-layer hidden states (after the final norm), chunk by chunk as its
 computed, turned into its answer once the prompt is done: the last token's (LAST), the first's
 (CLS), their mean (MEAN), or every token's (ALL, task token_embed); then its first ``dimensions``
 kept (a Matryoshka model's) and L2-normalized unless ``use_activation`` is off; or, for a
-classifier (task classify), its score head's label scores. Sums run in float32 whatever the
+classifier (task classify; token_classify: every token's), its score head's label scores. Sums run in float32 whatever the
 model's dtype."""
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class Pooler:
             pooled = torch.cat(self.partial.pop(rid))
         else:
             raise ValueError(f"pooling type {kind!r} is not supported")
-        if params.task == "classify":
+        if params.task in ("classify", "token_classify"):     # one row, or one per token
             return self._classify(pooled, params.use_activation).cpu().numpy()
         if params.dimensions is not None:
             pooled = pooled[..., :params.dimensions]

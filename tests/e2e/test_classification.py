@@ -85,6 +85,25 @@ def test_a_sequence_classifier_gives_transformers_label_probabilities(sentiment)
     np.testing.assert_allclose(raw.outputs.data.numpy(), outs[0].outputs.probs, atol=1e-6)
 
 
+def test_a_token_classifier_labels_every_prompt_token_as_transformers_does(tmp_path):
+    """A tiny Qwen2ForTokenClassification (its head with a bias): the pooling task token_classify
+    gives each prompt token's label probabilities, the prompt computed in chunks."""
+    from transformers import Qwen2Config, Qwen2ForTokenClassification
+    reference = _randomized(Qwen2ForTokenClassification(Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2, pad_token_id=0, num_labels=4)))
+    reference.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path, VOCAB)
+    with LLM(str(tmp_path), multiprocess=False, max_num_batched_tokens=16) as llm:
+        assert llm._run(llm._engine().get_supported_tasks()) == ("token_classify",)
+        (out,) = llm.encode([{"prompt_token_ids": PROMPTS[2]}], use_tqdm=False)
+        with pytest.raises(ValueError, match="Task classify is not supported by this model"):
+            llm.classify([PROMPTS[0]], use_tqdm=False)
+    assert tuple(out.outputs.data.shape) == (40, 4)
+    np.testing.assert_allclose(out.outputs.data.numpy(), torch.softmax(_logits(reference, PROMPTS[2]), -1).numpy(),
+                               atol=2e-5)
+
+
 @pytest.fixture(scope="module")
 def server(reranker):
     path, _ = reranker

@@ -102,6 +102,16 @@ def test_a_classifiers_labels_and_activation_follow_its_config(config, labels, a
     assert settings.params(None, 64) == PoolingParams(task="classify", use_activation=True, pooling_type="LAST")
 
 
+def test_a_token_classifier_labels_tokens_with_a_biased_head():
+    settings = model_pooling(None, "classify", None, {"architectures": ["LlamaForTokenClassification"],
+                                                      "num_labels": 5})
+    assert settings.tasks == ("token_classify",) and settings.head_bias and settings.num_labels == 5
+    assert settings.params(None, 64).pooling_type == "ALL"
+    assert not model_pooling(None, "classify", None, {"architectures": ["LlamaForTokenClassification"],
+                                                      "token_classification_bias": False}).head_bias
+    assert resolve_runner("Qwen2ForTokenClassification", "auto", "auto") == ("pooling", "classify")
+
+
 def test_a_cross_encoders_activation_outside_torch_nn_is_refused():
     with pytest.raises(ValueError, match="activation 'os.system' is not supported"):
         model_pooling(None, "classify", None, {"sbert_ce_default_activation_function": "os.system"})
