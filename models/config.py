@@ -54,6 +54,9 @@ class ArchConfig:
     # a classifier's labels (--convert classify: a ``score`` head, hidden -> labels); 0: none
     num_labels: int = 0
     score_bias: bool = False                   # the score head has a bias (a token classifier's)
+    # the score head made from the LM head's rows of these tokens (vLLM's classifier_from_token):
+    # one label and two tokens, row[1] - row[0]; otherwise a row per label
+    score_from_tokens: tuple[int, ...] = ()
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)

@@ -122,7 +122,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
                                                                     kv_cache_dtype))
     model = get_model_class(config.architecture)(config, backend, dtype)
     tensor_map = getattr(model, ckpt.tensor_map)
-    if config.num_labels:      # a classifier's score head, in float32 (vLLM's head dtype for pooling models)
+    if config.num_labels and not config.score_from_tokens:   # a classifier's score head, in float32 (vLLM's)
         if ckpt.tensor_map != "hf_tensor_map":
             raise ValueError("a classifier (--convert classify) needs its score head, which only a Hugging Face "
                              "checkpoint (score.weight) holds")
@@ -141,6 +141,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
             raise ValueError("the checkpoint has no score head (score.weight): --convert classify serves a "
                              "classifier's checkpoint (...ForSequenceClassification)") from None
         raise
+    if config.score_from_tokens:       # before any split: the LM head whole
+        model.score = score_from_lm_head(model.lm_head.weight, config.score_from_tokens, config.num_labels)
     if transform is not None:
         transform(model)
     if quant is not None:
@@ -148,6 +150,18 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
     if device != "cpu":
         model = model.to(device)
     return model.eval()
+
+
+def score_from_lm_head(lm_head: torch.Tensor, token_ids: tuple[int, ...], num_labels: int) -> nn.Linear:
+    """vLLM's classifier_from_token: a score head (float32) from the LM head's rows of
+    ``token_ids``; one label from two tokens is row[true] - row[false] (from_2_way_softmax: its
+    sigmoid is the softmax of the two tokens' logits), otherwise each row is a label's."""
+    rows = lm_head.detach().float()[list(token_ids)]
+    weight = rows[1:2] - rows[0:1] if num_labels == 1 and len(token_ids) == 2 else rows
+    score = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.float32)
+    with torch.no_grad():
+        score.weight.copy_(weight)
+    return score
 
 
 def model_config(source: ModelSource) -> ArchConfig:
@@ -188,18 +202,22 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
 _BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 
-def pooling_checkpoint(ckpt: Checkpoint, num_labels: int = 0, score_bias: bool = False) -> Checkpoint:
+def pooling_checkpoint(ckpt: Checkpoint, num_labels: int = 0, score_bias: bool = False,
+                       score_from_tokens: tuple[int, ...] = ()) -> Checkpoint:
     """``ckpt`` served as a pooling model (--runner pooling): its LM head never runs, so it
     is tied to the embeddings (a checkpoint's own head, when it has one, is skipped, and a bare
     decoder stack's, which has none, is not missed), and a bare stack's tensor names (without
     the "model." prefix, as transformers saves a ``LlamaModel``) read as its causal LM's. A
     classifier's (``num_labels``): its ``score`` head (hidden -> labels, with a bias where
-    ``score_bias``: a token classifier's) is loaded too."""
+    ``score_bias``: a token classifier's) is loaded too, or made from the LM head's rows of
+    ``score_from_tokens`` (vLLM's classifier_from_token: the LM head is then loaded)."""
     weights = ckpt.weights
     if ckpt.tensor_map == "hf_tensor_map":
         weights = (("model." + name if name.startswith(_BARE_PREFIXES) else name, tensor) for name, tensor in weights)
-    return ckpt._replace(config=dataclasses.replace(ckpt.config, tie_word_embeddings=True, num_labels=num_labels,
-                                                    score_bias=score_bias), weights=weights)
+    tied = ckpt.config.tie_word_embeddings or not score_from_tokens     # a head made from LM rows keeps them
+    return ckpt._replace(config=dataclasses.replace(ckpt.config, tie_word_embeddings=tied, num_labels=num_labels,
+                                                    score_bias=score_bias, score_from_tokens=score_from_tokens),
+                         weights=weights)
 
 
 def _compile_tensor_map(tensor_map: dict[str, tuple[str, str | None]]) -> list[tuple[re.Pattern, str, str | None]]:

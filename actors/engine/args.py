@@ -315,7 +315,12 @@ class EngineArgs:
         if convert == "classify" and source.kind != "hf_dir":
             raise ValueError("--convert classify needs a classifier's score head, which only a Hugging Face "
                              "checkpoint (score.weight) holds; a GGUF file has none")
-        return model_pooling(user, convert, source.path if source.kind == "hf_dir" else None, raw)
+        token_id = None
+        if raw.get("classifier_from_token"):     # the tokenizer's ids of the tokens whose head rows score
+            from actors.tokenizer.gguf_tokenizer import TextTokenizer
+            tokenizer_source = resolve_tokenizer(self.tokenizer) or source
+            token_id = TextTokenizer.from_source(tokenizer_source.kind, tokenizer_source.path).backend_tokenizer.token_to_id
+        return model_pooling(user, convert, source.path if source.kind == "hf_dir" else None, raw, token_id)
 
     def watermark(self) -> WatermarkConfig | None:
         """--watermark-config, checked; vLLM's warning for settings that favour repetition loops."""

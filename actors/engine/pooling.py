@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -138,6 +138,10 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
     # its head with a bias (config.json's token_classification_bias, transformers' default true)
     per_token: bool = False
     head_bias: bool = False
+    # vLLM's classifier_from_token: a causal LM's head rows made the score head (the token ids, in
+    # config.json's order); with one label, two tokens give row[second] - row[first] (vLLM's
+    # from_2_way_softmax: Qwen3-Reranker); otherwise each token's row is a label's (no_post_processing)
+    score_from_tokens: tuple[int, ...] = ()
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -275,10 +279,11 @@ def sentence_transformers_pooling(path: str) -> dict[str, Any]:
 
 
 def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str | None,
-                  hf_config: dict[str, Any]) -> ModelPooling:
+                  hf_config: dict[str, Any], token_id: Callable[[str], int | None] | None = None) -> ModelPooling:
     """A pooling model's settings: the user's pooler config, completed by the checkpoint's
     sentence-transformers modules, then by the model's defaults (LAST pooling for a converted
-    decoder, ALL for token embeddings)."""
+    decoder, ALL for token embeddings). ``token_id``: the tokenizer's id of a token (for a
+    classifier made from its LM head's rows, ``classifier_from_token``)."""
     pooler = user or PoolerConfig()
     found = sentence_transformers_pooling(checkpoint_dir) if checkpoint_dir else {}
     filled = {k: v for k, v in found.items() if getattr(pooler, k) is None}
@@ -293,11 +298,45 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
     if convert != "classify":
         return settings
     per_token = str((hf_config.get("architectures") or [""])[0]).endswith("ForTokenClassification")
+    if hf_config.get("classifier_from_token"):
+        labels, from_tokens = tokens_classifier(hf_config, token_id)
+        return msgspec.structs.replace(settings, labels=labels, score_from_tokens=from_tokens,
+                                       activation=classifier_activation({**hf_config, "num_labels": len(labels),
+                                                                         "id2label": None}),
+                                       use_sep_token=bool(hf_config.get("use_sep_token", True)))
     return msgspec.structs.replace(settings, labels=classifier_labels(hf_config), per_token=per_token,
                                    head_bias=per_token and bool(hf_config.get("token_classification_bias", True)),
                                    activation=classifier_activation(hf_config),
                                    use_sep_token=bool(hf_config.get("use_sep_token", hf_config.get("use_pad_token",
                                                                                                    True))))
+
+
+def tokens_classifier(hf_config: dict[str, Any], token_id: Callable[[str], int | None] | None
+                      ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(labels, token ids) of a classifier made from a causal LM's head rows, as vLLM makes it
+    (``classifier_from_token`` with ``method``; ``is_original_qwen3_reranker`` means
+    from_2_way_softmax): from_2_way_softmax, one label scored row[true] - row[false] of the two
+    tokens (false first, as config.json lists them); no_post_processing, a label per token."""
+    tokens = hf_config["classifier_from_token"]
+    method = hf_config.get("method") or ("from_2_way_softmax" if hf_config.get("is_original_qwen3_reranker") else None)
+    if method not in ("from_2_way_softmax", "no_post_processing"):
+        raise ValueError(f"classifier_from_token needs a method: from_2_way_softmax (or is_original_qwen3_reranker) "
+                         f"or no_post_processing, got {method!r}")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must be a list of tokens, got {tokens!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(f"from_2_way_softmax takes two tokens (false, true), got {tokens}")
+    if token_id is None:
+        raise ValueError("classifier_from_token needs the model's tokenizer")
+    ids = []
+    for t in tokens:
+        i = token_id(t)
+        if i is None:
+            raise ValueError(f"classifier_from_token {t!r} is not a token of the model's tokenizer")
+        ids.append(i)
+    if method == "from_2_way_softmax":
+        return ("LABEL_0",), tuple(ids)
+    return tuple(tokens), tuple(ids)
 
 
 def classifier_labels(hf_config: dict[str, Any]) -> tuple[str, ...]:

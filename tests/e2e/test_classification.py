@@ -104,6 +104,37 @@ def test_a_token_classifier_labels_every_prompt_token_as_transformers_does(tmp_p
                                atol=2e-5)
 
 
+@pytest.mark.parametrize("overrides, expected_labels", [
+    ({"classifier_from_token": ["t5", "t9"], "is_original_qwen3_reranker": True}, 1),       # Qwen3-Reranker's way
+    ({"classifier_from_token": ["t7", "t11", "t13"], "method": "no_post_processing"}, 3),
+])
+def test_a_causal_lm_becomes_a_classifier_from_its_head_rows_as_vllms_overrides_ask(overrides, expected_labels,
+                                                                                      tmp_path):
+    """vLLM's recipe for rerankers saved as causal LMs (Qwen3-Reranker: --hf-overrides with
+    Qwen3ForSequenceClassification and classifier_from_token): the score head is the LM head's
+    rows of those tokens; from_2_way_softmax scores the softmax of the two tokens' logits."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    reference = _randomized(Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2,
+        tie_word_embeddings=False)))
+    reference.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path, VOCAB)
+    with LLM(str(tmp_path), multiprocess=False,
+             hf_overrides={"architectures": ["Qwen3ForSequenceClassification"], **overrides}) as llm:
+        outs = llm.classify([{"prompt_token_ids": p} for p in PROMPTS[:2]], use_tqdm=False)
+        scores = llm.score("t4 t8", ["t16 t23", "t42"], use_tqdm=False) if expected_labels == 1 else None
+    ids = [int(t[1:]) for t in overrides["classifier_from_token"]]
+    for prompt, out in zip(PROMPTS, outs):
+        logits = _logits(reference, prompt)[-1]
+        expected = (torch.softmax(logits[ids], -1)[1:] if expected_labels == 1 else torch.softmax(logits[ids], -1))
+        np.testing.assert_allclose(out.outputs.probs, expected.numpy(), atol=2e-5)
+    if scores is not None:
+        for doc, s in zip(([16, 23], [42]), scores):
+            logits = _logits(reference, [4, 8] + doc)[-1]
+            assert s.outputs.score == pytest.approx(float(torch.softmax(logits[ids], -1)[1]), abs=2e-5)
+
+
 @pytest.fixture(scope="module")
 def server(reranker):
     path, _ = reranker

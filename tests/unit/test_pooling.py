@@ -112,6 +112,18 @@ def test_a_token_classifier_labels_tokens_with_a_biased_head():
     assert resolve_runner("Qwen2ForTokenClassification", "auto", "auto") == ("pooling", "classify")
 
 
+def test_a_classifier_from_token_rows_names_what_it_lacks():
+    ids = {"no": 3, "yes": 7}.get
+    qwen3 = {"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+    settings = model_pooling(None, "classify", None, qwen3, ids)
+    assert (settings.labels, settings.score_from_tokens, settings.activation) == (("LABEL_0",), (3, 7), "sigmoid")
+    for config, words in (({"classifier_from_token": ["no", "yes"]}, "needs a method"),
+                          ({**qwen3, "classifier_from_token": ["yes"]}, "takes two tokens"),
+                          ({**qwen3, "classifier_from_token": ["no", "maybe"]}, "'maybe' is not a token")):
+        with pytest.raises(ValueError, match=words):
+            model_pooling(None, "classify", None, config, ids)
+
+
 def test_a_cross_encoders_activation_outside_torch_nn_is_refused():
     with pytest.raises(ValueError, match="activation 'os.system' is not supported"):
         model_pooling(None, "classify", None, {"sbert_ce_default_activation_function": "os.system"})
