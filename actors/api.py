@@ -173,17 +173,6 @@ class PoolingOutput:
 
 
 @dataclass(slots=True)
-class PoolingRequestOutput:
-    """vLLM's ``PoolingRequestOutput``: what ``LLM.encode`` returns per prompt."""
-    request_id: str
-    outputs: PoolingOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
-    prompt: Any = None
-
-
-@dataclass(slots=True)
 class EmbeddingOutput:
     """vLLM's: one prompt's embedding, as a list of floats."""
     embedding: list[float]
@@ -191,22 +180,6 @@ class EmbeddingOutput:
     @property
     def hidden_size(self) -> int:
         return len(self.embedding)
-
-
-@dataclass(slots=True)
-class EmbeddingRequestOutput:
-    """vLLM's ``EmbeddingRequestOutput``: what ``LLM.embed`` returns per prompt."""
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
-    prompt: Any = None
-
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
-                   out.num_cached_tokens, out.finished, out.prompt)
 
 
 @dataclass(slots=True)
@@ -220,14 +193,36 @@ class ClassificationOutput:
 
 
 @dataclass(slots=True)
-class ClassificationRequestOutput:
-    """vLLM's ``ClassificationRequestOutput``: what ``LLM.classify`` returns per prompt."""
+class ScoringOutput:
+    """vLLM's: a pair's score (an embedding model's: the cosine similarity of the two)."""
+    score: float
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """vLLM's ``PoolingRequestOutput``: what ``LLM.encode`` returns per prompt (``outputs`` a
+    PoolingOutput), and the shape of its task-specific kinds below."""
     request_id: str
-    outputs: ClassificationOutput
+    outputs: Any
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = True
     prompt: Any = None
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """vLLM's: what ``LLM.embed`` returns per prompt (``outputs`` an EmbeddingOutput)."""
+    __slots__ = ()
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.num_cached_tokens, out.finished, out.prompt)
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """vLLM's: what ``LLM.classify`` returns per prompt (``outputs`` a ClassificationOutput)."""
+    __slots__ = ()
 
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
@@ -235,20 +230,9 @@ class ClassificationRequestOutput:
                    out.num_cached_tokens, out.finished, out.prompt)
 
 
-@dataclass(slots=True)
-class ScoringOutput:
-    """vLLM's: a pair's score (an embedding model's: the cosine similarity of the two)."""
-    score: float
-
-
-@dataclass(slots=True)
-class ScoringRequestOutput:
-    """vLLM's ``ScoringRequestOutput``: what ``LLM.score`` returns per pair."""
-    request_id: str
-    outputs: ScoringOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
+class ScoringRequestOutput(PoolingRequestOutput):
+    """vLLM's: what ``LLM.score`` returns per pair (``outputs`` a ScoringOutput)."""
+    __slots__ = ()
 
 
 @dataclass(slots=True)
