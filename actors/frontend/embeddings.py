@@ -188,7 +188,7 @@ def _prompts(server: OpenAIServer, req: PoolingRequest) -> list[Prompt]:
         if req.chat_template is not None and not server.options.trust_request_chat_template:
             raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
                               "set. Refused request with untrusted chat template.", "chat_template")
-        return [Prompt({"messages": chat_messages(msgspec.convert(c, list[ChatMessage])),
+        return [Prompt({"messages": chat_messages(_messages(c)),
                         "add_generation_prompt": req.add_generation_prompt,
                         "continue_final_message": req.continue_final_message,
                         "chat_template_kwargs": server.template_kwargs(req.chat_template_kwargs),
@@ -202,6 +202,13 @@ def _prompts(server: OpenAIServer, req: PoolingRequest) -> list[Prompt]:
         raise bad_request(str(exc).replace("prompt", "input"), "input") from None
     return [Prompt({"prompt": p.text, "prompt_token_ids": p.token_ids, "add_special_tokens": add_special})
             for p in inputs]
+
+
+def _messages(conversation: list[Any]) -> list[ChatMessage]:
+    try:
+        return msgspec.convert(conversation, list[ChatMessage])
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"messages: {exc}", "messages") from None
 
 
 def _conversations(value: list[Any], param: str | None) -> list[list[Any]] | None:

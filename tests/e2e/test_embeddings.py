@@ -226,7 +226,8 @@ def test_what_a_pooling_server_cannot_do_is_refused_by_name(server):
             ({"input": "hi", "normalize": True}, "normalize", "use `use_activation` instead"),
             ({"input": "hi", "encoding_format": "bytes"}, "encoding_format", "encoding_format must be one of"),
             ({"input": []}, "input", "must not be empty"),
-            ({"input": "hi " * 300}, "prompt", "maximum context length is 256 tokens")):
+            ({"input": "hi " * 300}, "prompt", "maximum context length is 256 tokens"),
+            ({"messages": [{"role": "user", "content": 5}]}, "messages", "messages:")):
         r = _embed(server, **body)
         assert r.status_code == 400, (body, r.text)
         assert words in r.json()["error"]["message"], r.text
