@@ -402,7 +402,8 @@ class OpenAIServer:
         kwargs["stream_interval"] = max(kwargs.get("stream_interval") or 1, self.options.stream_interval)
         if self.pooling and params.pooling is None:
             raise not_found("The model does not support generation: it is a pooling model (--runner pooling), "
-                            "served at /v1/embeddings and /pooling")
+                            "served at /pooling and, as its tasks allow, /v1/embeddings, /classify, /score and "
+                            "/rerank")
         if params.thinking_token_budget is not None and not self.engine().thinking_budgets:
             raise bad_request(NO_REASONING_CONFIG, "thinking_token_budget")
         if not self.has_text:            # --skip-tokenizer-init: the field named

@@ -232,8 +232,8 @@ class EngineClient:
         InvalidPrompt (or PromptTooLong) when it is refused, Overloaded when too many wait
         already, and EngineDeadError when the engine is gone or the server is shutting down."""
         if (params.pooling is None) != (self.config.model.pooling is None):
-            raise InvalidPrompt("this model embeds (--runner pooling): it answers pooling requests (encode, embed, "
-                                "/v1/embeddings, /pooling), not generation" if params.pooling is None else
+            raise InvalidPrompt("this model embeds or classifies (--runner pooling): it answers pooling requests "
+                                "(encode, embed, classify, score), not generation" if params.pooling is None else
                                 "this model generates text: pooling requests need --runner pooling")
         if params.watermarking:
             self._warn_unwatermarked(params)
