@@ -209,25 +209,23 @@ class PoolingRequestOutput:
     finished: bool = True
     prompt: Any = None
 
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> PoolingRequestOutput:
+        """``out`` (``encode``'s) as this kind: its tensor read by the kind's ``outputs_of``."""
+        return cls(out.request_id, cls.outputs_of(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.num_cached_tokens, out.finished, out.prompt)
+
 
 class EmbeddingRequestOutput(PoolingRequestOutput):
     """vLLM's: what ``LLM.embed`` returns per prompt (``outputs`` an EmbeddingOutput)."""
     __slots__ = ()
-
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
-                   out.num_cached_tokens, out.finished, out.prompt)
+    outputs_of = EmbeddingOutput
 
 
 class ClassificationRequestOutput(PoolingRequestOutput):
     """vLLM's: what ``LLM.classify`` returns per prompt (``outputs`` a ClassificationOutput)."""
     __slots__ = ()
-
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids,
-                   out.num_cached_tokens, out.finished, out.prompt)
+    outputs_of = ClassificationOutput
 
 
 class ScoringRequestOutput(PoolingRequestOutput):
