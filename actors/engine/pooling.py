@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from typing import Any, Callable
 
 import msgspec
@@ -42,15 +43,21 @@ _ST_POOLING = ("sentence_transformers.models.Pooling",
                "sentence_transformers.sentence_transformer.modules.pooling.Pooling")
 _ST_NORMALIZE = ("sentence_transformers.models.Normalize", "sentence_transformers.base.modules.normalize.Normalize",
                  "sentence_transformers.sentence_transformer.modules.normalize.Normalize")
-_ST_DENSE = ("sentence_transformers.models.Dense",
-             "sentence_transformers.sentence_transformer.modules.dense.Dense")
+_ST_DENSE = ("sentence_transformers.models.Dense", "sentence_transformers.base.modules.dense.Dense",
+             "sentence_transformers.sentence_transformer.modules.dense.Dense", "pylate.models.Dense.Dense")
+# a Dense layer's activation as sentence-transformers names it (torch.nn.modules.X.Name), vLLM's names
+DENSE_ACTIVATIONS = ("identity", "tanh", "relu", "sigmoid", "silu", "swish", "gelu", "gelu_pytorch_tanh",
+                     "gelu_new", "gelu_fast", "quick_gelu")
 
 
 class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """vLLM's ``--pooler-config`` (its JSON keys). ``pooling_type`` fills ``seq_pooling_type``
     (CLS, LAST, MEAN) or ``tok_pooling_type`` (ALL); ``use_activation``: the embedding
     normalized (None: yes); ``dimensions``: a default Matryoshka size for requests that give
-    none."""
+    none. ``enable_chunked_processing``: an embeddings request's prompt longer than the context
+    is embedded in pieces of max_model_len tokens, their vectors averaged by their tokens
+    (vLLM's long-text embedding); ``max_embed_len``: the most tokens such a prompt may have
+    (None: no bound; without chunking, the bound below max_model_len)."""
     task: str | None = None
     pooling_type: str | None = None
     seq_pooling_type: str | None = None
@@ -87,16 +94,26 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
             raise ValueError(f"tok_pooling_type {p.tok_pooling_type!r} is not supported; supported: ALL")
         if p.logit_sigma == 0:
             raise ValueError("logit_sigma cannot be 0 (division by zero)")
-        if p.enable_chunked_processing:
-            raise ValueError("pooler_config.enable_chunked_processing (embedding prompts longer than the model's "
-                             "context, in pieces) is not supported: prompts are embedded whole, up to "
-                             "--max-model-len")
+        if p.max_embed_len is not None and p.max_embed_len < 1:
+            raise ValueError(f"pooler_config.max_embed_len must be at least 1, got {p.max_embed_len}")
         if p.dimensions is not None and p.dimensions < 1:
             raise ValueError(f"pooler_config.dimensions must be at least 1, got {p.dimensions}")
         return msgspec.structs.replace(
             p, pooling_type=None,
             seq_pooling_type=p.seq_pooling_type.upper() if p.seq_pooling_type else None,
             tok_pooling_type=p.tok_pooling_type.upper() if p.tok_pooling_type else None)
+
+
+class DenseLayer(msgspec.Struct, frozen=True, kw_only=True):
+    """One of a sentence-transformers checkpoint's Dense projections after its pooling (vLLM's
+    ST projector): ``in_features`` -> ``out_features``, with a bias or not, then ``activation``
+    (one of DENSE_ACTIVATIONS); its weights in the file ``weights`` (safetensors or a torch
+    pickle)."""
+    in_features: int
+    out_features: int
+    bias: bool = True
+    activation: str = "identity"
+    weights: str = ""
 
 
 class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -142,6 +159,15 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
     # config.json's order); with one label, two tokens give row[second] - row[first] (vLLM's
     # from_2_way_softmax: Qwen3-Reranker); otherwise each token's row is a label's (no_post_processing)
     score_from_tokens: tuple[int, ...] = ()
+    # Cohere's input_type (/v2/embed): each type's instruction put before its texts (config.json's
+    # task_instructions, else config_sentence_transformers.json's prompts; vLLM's)
+    task_instructions: tuple[tuple[str, str], ...] = ()
+    # a sentence-transformers checkpoint's Dense projections of the pooled vector, in order
+    dense: tuple[DenseLayer, ...] = ()
+
+    def embedding_size(self, hidden_size: int) -> int:
+        """An embedding's size: the last Dense projection's, else the model's hidden size."""
+        return self.dense[-1].out_features if self.dense else hidden_size
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -166,6 +192,7 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
         p = self.pooler
         dims = params.dimensions if params.dimensions is not None else p.dimensions
         use = params.use_activation if params.use_activation is not None else p.use_activation
+        hidden_size = self.embedding_size(hidden_size)
         if params.dimensions is not None:
             if not self.is_matryoshka:
                 raise ValueError(f"Model does not support Matryoshka embeddings; dimensions must be unset "
@@ -180,6 +207,16 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
         kind = (p.tok_pooling_type or "ALL") if per_token else (p.seq_pooling_type or "LAST")
         return PoolingParams(task=params.task, dimensions=dims if "classify" not in params.task else None,
                              use_activation=True if use is None else use, pooling_type=kind)
+
+
+def embed_lens(pooling: ModelPooling | None) -> tuple[int | None, int | None]:
+    """The Tokenizer's bounds on a pooling prompt: (max_embed_len, the bound on a prompt
+    rendered whole to be embedded in pieces: max_embed_len, or sys.maxsize, with
+    enable_chunked_processing; None without)."""
+    if pooling is None:
+        return None, None
+    p = pooling.pooler
+    return p.max_embed_len, (p.max_embed_len or sys.maxsize) if p.enable_chunked_processing else None
 
 
 def default_runner(architecture: str) -> tuple[str, str]:
@@ -240,16 +277,9 @@ def pooler_config(value: dict[str, Any] | str | PoolerConfig | None) -> PoolerCo
 def sentence_transformers_pooling(path: str) -> dict[str, Any]:
     """A sentence-transformers checkpoint's pooling (its ``modules.json`` and the Pooling
     module's ``config.json``) as pooler-config fields, as vLLM reads them: the pooling type,
-    and ``use_activation`` from whether it normalizes. {} for another checkpoint. A Dense
-    projection after the pooling is refused (its weights would be left out)."""
-    modules_file = os.path.join(path, "modules.json")
-    if not os.path.isfile(modules_file):
-        return {}
-    with open(modules_file) as f:
-        modules = json.load(f)
+    and ``use_activation`` from whether it normalizes. {} for another checkpoint."""
+    modules = _st_modules(path)
     types = [m.get("type") for m in modules]
-    if any(t in _ST_DENSE for t in types):
-        raise ValueError(f"{path}: its sentence-transformers Dense projection is not supported")
     pooling = next((m for m in modules if m.get("type") in _ST_POOLING), None)
     if pooling is None:
         return {}
@@ -278,6 +308,56 @@ def sentence_transformers_pooling(path: str) -> dict[str, Any]:
     return found
 
 
+def _st_modules(path: str) -> list[dict[str, Any]]:
+    """A sentence-transformers checkpoint's modules (modules.json), [] for another checkpoint."""
+    modules_file = os.path.join(path, "modules.json")
+    if not os.path.isfile(modules_file):
+        return []
+    with open(modules_file) as f:
+        modules = json.load(f)
+    if isinstance(modules, dict):
+        modules = modules.get("modules", [])
+    return [m for m in modules if isinstance(m, dict)]
+
+
+def dense_activation(name: str | None) -> str:
+    """A Dense layer's activation_function (sentence-transformers' torch class path, or a
+    name) as one of DENSE_ACTIVATIONS; ValueError for another, in vLLM's words."""
+    if not name:
+        return "identity"
+    name = name.lower()
+    if name.startswith("torch.nn.modules."):
+        name = name.rsplit(".", 1)[-1]
+    if name not in DENSE_ACTIVATIONS:
+        raise ValueError(f"Activation function {name!r} is not supported.")
+    return name
+
+
+def sentence_transformers_dense(path: str) -> tuple[DenseLayer, ...]:
+    """A sentence-transformers checkpoint's Dense projections after its pooling, in order (each
+    module folder's config.json and weights), as vLLM loads them; ValueError naming a folder
+    whose weights are missing."""
+    layers = []
+    for module in _st_modules(path):
+        if module.get("type") not in _ST_DENSE:
+            continue
+        folder = os.path.join(path, module.get("path", ""))
+        config_file = os.path.join(folder, "config.json")
+        if not os.path.isfile(config_file):
+            continue
+        with open(config_file) as f:
+            config = json.load(f)
+        weights = next((os.path.join(folder, name) for name in ("model.safetensors", "pytorch_model.bin")
+                        if os.path.isfile(os.path.join(folder, name))), None)
+        if weights is None:
+            raise ValueError(f"{folder}: the sentence-transformers Dense projection has no weights "
+                             "(model.safetensors or pytorch_model.bin)")
+        layers.append(DenseLayer(in_features=int(config["in_features"]), out_features=int(config["out_features"]),
+                                 bias=bool(config.get("bias", True)),
+                                 activation=dense_activation(config.get("activation_function")), weights=weights))
+    return tuple(layers)
+
+
 def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str | None,
                   hf_config: dict[str, Any], token_id: Callable[[str], int | None] | None = None) -> ModelPooling:
     """A pooling model's settings: the user's pooler config, completed by the checkpoint's
@@ -294,7 +374,10 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
     dims = hf_config.get("matryoshka_dimensions")
     settings = ModelPooling(convert=convert, pooler=pooler,
                             is_matryoshka=bool(dims) or bool(hf_config.get("is_matryoshka", False)),
-                            matryoshka_dimensions=tuple(dims) if dims else None)
+                            matryoshka_dimensions=tuple(dims) if dims else None,
+                            task_instructions=task_instructions(hf_config, checkpoint_dir),
+                            dense=sentence_transformers_dense(checkpoint_dir)
+                            if checkpoint_dir and convert == "embed" else ())
     if convert != "classify":
         return settings
     per_token = str((hf_config.get("architectures") or [""])[0]).endswith("ForTokenClassification")
@@ -309,6 +392,20 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
                                    activation=classifier_activation(hf_config),
                                    use_sep_token=bool(hf_config.get("use_sep_token", hf_config.get("use_pad_token",
                                                                                                    True))))
+
+
+def task_instructions(hf_config: dict[str, Any], checkpoint_dir: str | None) -> tuple[tuple[str, str], ...]:
+    """(input type, instruction) pairs, as vLLM reads them: config.json's ``task_instructions``,
+    else a sentence-transformers checkpoint's ``prompts`` (config_sentence_transformers.json)."""
+    found = hf_config.get("task_instructions")
+    if not (isinstance(found, dict) and found) and checkpoint_dir:
+        st_file = os.path.join(checkpoint_dir, "config_sentence_transformers.json")
+        if os.path.isfile(st_file):
+            with open(st_file) as f:
+                found = json.load(f).get("prompts")
+    if not isinstance(found, dict):
+        return ()
+    return tuple((k, v) for k, v in found.items() if isinstance(k, str) and isinstance(v, str))
 
 
 def tokens_classifier(hf_config: dict[str, Any], token_id: Callable[[str], int | None] | None

@@ -17,9 +17,9 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from actors.frontend import (anthropic, chat, chat_batch, completions, control, dashboard, debug, embeddings,
-                             generative_scoring, lora, misc, observe, request_log, responses, scale_out, scoring,
-                             sse)
+from actors.frontend import (anthropic, chat, chat_batch, cohere_embed, completions, control, dashboard, debug,
+                             embeddings, generative_scoring, lora, misc, observe, request_log, responses, scale_out,
+                             scoring, sse)
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
@@ -43,7 +43,7 @@ from actors.tokenizer.actor import NO_REASONING_CONFIG, InvalidPrompt
 log = logging.getLogger("troupe.http")
 
 MAX_BODY_BYTES = 8 << 20
-PROTECTED_PATHS = ("/v1/", "/inference/", "/debug/", "/dashboard", "/invocations",   # need the API key when set
+PROTECTED_PATHS = ("/v1/", "/v2/", "/inference/", "/debug/", "/dashboard", "/invocations",   # need the API key when set
                    "/generative_scoring", "/pause", "/resume", "/is_paused", "/abort_requests", "/sleep",
                    "/wake_up", "/is_sleeping", "/start_profile", "/stop_profile", "/server_info", "/get_world_size", "/collective_rpc",
                    "/reset_mm_cache", "/reset_encoder_cache", "/release_kv_cache_memory", "/init_weight_transfer_engine",
@@ -227,6 +227,7 @@ class OpenAIServer:
             ("POST", generative_scoring.PATH, self._loading(generative_scoring.generative_scoring)),
             ("POST", "/v1/completions", self._loading(completions.completions)),
             ("POST", "/v1/embeddings", self._loading(embeddings.create_embedding)),
+            ("POST", cohere_embed.PATH, self._loading(cohere_embed.create_cohere_embedding)),
             ("POST", "/pooling", self._loading(embeddings.create_pooling)),
             ("POST", "/classify", self._loading(embeddings.create_classification)),
             *(("POST", path, self._loading(scoring.create_score)) for path in scoring.SCORE_PATHS),

@@ -319,6 +319,7 @@ class EngineClient:
         with ``error`` set, when the engine failed it), and the prompt's token ids.
         ``submit``'s refusals."""
         kwargs.setdefault("add_generation_prompt", False)
+        kwargs.setdefault("truncation_side", "right")       # vLLM's pooling tokenizers keep a prompt's start
         handle = await self.submit(self.pooling_request(params, truncate_prompt_tokens), **kwargs)
         final: RequestOutput | None = None
         try:

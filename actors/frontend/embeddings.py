@@ -1,8 +1,9 @@
 """POST /v1/embeddings (OpenAI's, with vLLM's fields), POST /pooling and POST /classify (vLLM's):
 the answers of a pooling model (``--runner pooling``). ``input`` is a string, token ids, a list of either, or a
 chat conversation (``messages``, or a list of conversations), each item one engine request
-admitted at once; ``encoding_format`` float or base64 (of ``embed_dtype`` float32, float16 or
-bfloat16, in ``endianness`` byte order), as vLLM encodes them."""
+admitted at once; ``encoding_format`` float, base64 (of ``embed_dtype`` float32, float16 or
+bfloat16, in ``endianness`` byte order), or the raw bytes (``bytes``, with a ``metadata`` header
+locating each vector; ``bytes_only``), as vLLM encodes them."""
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 EMBED_DTYPES = ("float32", "float16", "bfloat16")
 ENDIANNESS = ("native", "big", "little")
-ENCODING_FORMATS = ("float", "base64")
+ENCODING_FORMATS = ("float", "base64", "bytes", "bytes_only")
 
 
 class PoolingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -119,17 +120,25 @@ async def pooled(server: OpenAIServer, path: str, body: bytes) -> web.Response:
         raise bad_request(str(exc), param) from None
     priority = check_priority(req, client.config.scheduler.policy)
     rid = req.request_id or uuid.uuid4().hex
-    outs, prompt_tokens = await run_pooling(server, engine_params, _prompts(server, req), rid, priority,
-                                            req.truncation_side or "left")
-    if task == "classify":
-        data = [_classification(i, out.pooling_output, pooling.labels) for i, out in enumerate(outs)]
+    prompts, side = _prompts(server, req), req.truncation_side or "right"     # vLLM's pooling tokenizers keep the start
+    if task == "embed":
+        vectors, counts = await embed_prompts(server, engine_params, prompts, rid, priority, side)
+        prompt_tokens = sum(counts)
     else:
-        data = [{"index": i, "object": object_name,
-                 ("embedding" if task else "data"): _encoded(out.pooling_output, req)} for i, out in enumerate(outs)]
+        outs, prompt_tokens = await run_pooling(server, engine_params, prompts, rid, priority, side)
+        vectors = [out.pooling_output for out in outs]
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    if task != "classify" and req.encoding_format in ("bytes", "bytes_only"):
+        return _bytes_response(vectors, req, f"{id_prefix}{rid}", served_name(client, req.model), usage)
+    if task == "classify":
+        data = [_classification(i, probs, pooling.labels) for i, probs in enumerate(vectors)]
+    else:
+        data = [{"index": i, "object": object_name, ("embedding" if task else "data"): _encoded(vector, req)}
+                for i, vector in enumerate(vectors)]
     return web.json_response({
         "id": f"{id_prefix}{rid}", "object": "list", "created": int(time.time()),
         "model": served_name(client, req.model), "data": data,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0}},
+        "usage": {**usage, "completion_tokens": 0}},
         dumps=lambda obj: msgspec.json.encode(obj).decode())
 
 
@@ -153,6 +162,54 @@ async def run_pooling(server: OpenAIServer, params: SamplingParams, prompts: lis
         if out.error is not None or out.pooling_output is None:
             raise ApiError(error_response(out.error_status or 500, out.error or "the request ended without an output"))
     return list(outs), sum(h.num_prompt_tokens for h in handles)
+
+
+async def embed_prompts(server: OpenAIServer, params: SamplingParams, prompts: list[Prompt], rid: str, priority: int,
+                        truncation_side: str) -> tuple[list[np.ndarray], list[int]]:
+    """The embeddings of ``prompts`` (``params``: an embed task's engine params), in order,
+    and each prompt's tokens: /v1/embeddings' and /v2/embed's, in pieces where the pooler
+    config enables chunked processing."""
+    if server.engine().config.model.pooling.pooler.enable_chunked_processing:
+        return await run_chunked(server, params, prompts, rid, priority, truncation_side)
+    outs, _ = await run_pooling(server, params, prompts, rid, priority, truncation_side)
+    return [out.pooling_output for out in outs], [out.num_prompt_tokens for out in outs]
+
+
+async def run_chunked(server: OpenAIServer, params: SamplingParams, prompts: list[Prompt], rid: str, priority: int,
+                      truncation_side: str) -> tuple[list[np.ndarray], list[int]]:
+    """vLLM's long-text embedding (the pooler config's ``enable_chunked_processing``): each
+    prompt rendered whole (up to ``max_embed_len`` tokens), cut into pieces of max_model_len
+    tokens embedded as requests of their own, and the pieces' vectors averaged, each weighing
+    its tokens; the average is normalized again where the pieces were (``use_activation``).
+    Returns the prompts' vectors, in order, and each one's tokens."""
+    size = server.engine().max_model_len
+    pieces: list[Prompt] = []
+    owners: list[int] = []
+    for i, prompt in enumerate(prompts):
+        rendered = await server.submit(params, request_id=f"{rid}-{i}", priority=priority, render_only=True,
+                                       truncation_side=truncation_side, **prompt.kwargs)
+        ids = list(rendered.prompt_token_ids)
+        for start in range(0, len(ids), size):
+            pieces.append(Prompt({"prompt_token_ids": ids[start:start + size]}))
+            owners.append(i)
+    whole = msgspec.structs.replace(params, truncate_prompt_tokens=None)    # truncated when rendered
+    outs, _ = await run_pooling(server, whole, pieces, rid, priority, truncation_side)
+    sums: list[np.ndarray | None] = [None] * len(prompts)
+    weights, counts, unit = [0] * len(prompts), [0] * len(prompts), [True] * len(prompts)
+    for out, owner, piece in zip(outs, owners, pieces):
+        vector = np.asarray(out.pooling_output, dtype=np.float32)
+        weight = len(piece.kwargs["prompt_token_ids"])
+        unit[owner] &= bool(np.isclose(np.linalg.norm(vector), 1.0, rtol=1e-2, atol=1e-5))
+        sums[owner] = vector * weight if sums[owner] is None else sums[owner] + vector * weight
+        weights[owner] += weight
+        counts[owner] += 1
+    vectors = []
+    for total, weight, count, normalized in zip(sums, weights, counts, unit):
+        mean = total / weight
+        if params.pooling.use_activation and count > 1 and normalized:
+            mean = mean / max(float(np.linalg.norm(mean)), 1e-12)
+        vectors.append(mean)
+    return vectors, weights
 
 
 def _classification(index: int, probs: np.ndarray, labels: tuple[str, ...]) -> dict[str, Any]:
@@ -188,12 +245,10 @@ def _prompts(server: OpenAIServer, req: PoolingRequest) -> list[Prompt]:
         if req.chat_template is not None and not server.options.trust_request_chat_template:
             raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
                               "set. Refused request with untrusted chat template.", "chat_template")
-        return [Prompt({"messages": chat_messages(_messages(c)),
-                        "add_generation_prompt": req.add_generation_prompt,
-                        "continue_final_message": req.continue_final_message,
-                        "chat_template_kwargs": server.template_kwargs(req.chat_template_kwargs),
-                        "chat_template": req.chat_template,
-                        "add_special_tokens": bool(req.add_special_tokens)}) for c in conversations]
+        return [chat_prompt(server, c, add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message,
+                            chat_template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template,
+                            add_special_tokens=bool(req.add_special_tokens)) for c in conversations]
     require(req.input is not None, "input is required (a string, token ids, or a list of either)", "input")
     add_special = req.add_special_tokens is not False
     try:
@@ -202,6 +257,16 @@ def _prompts(server: OpenAIServer, req: PoolingRequest) -> list[Prompt]:
         raise bad_request(str(exc).replace("prompt", "input"), "input") from None
     return [Prompt({"prompt": p.text, "prompt_token_ids": p.token_ids, "add_special_tokens": add_special})
             for p in inputs]
+
+
+def chat_prompt(server: OpenAIServer, conversation: list[Any], *, add_generation_prompt: bool = False,
+                continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+                chat_template: str | None = None, add_special_tokens: bool = False) -> Prompt:
+    """A conversation (JSON messages) as a prompt rendered by the chat template."""
+    return Prompt({"messages": chat_messages(_messages(conversation)), "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message,
+                   "chat_template_kwargs": server.template_kwargs(chat_template_kwargs),
+                   "chat_template": chat_template, "add_special_tokens": add_special_tokens})
 
 
 def _messages(conversation: list[Any]) -> list[ChatMessage]:
@@ -225,11 +290,33 @@ def _conversations(value: list[Any], param: str | None) -> list[list[Any]] | Non
     raise bad_request(f"{param} must be a conversation (a list of messages with a role) or a list of them", param)
 
 
+def _bytes_response(vectors: list[np.ndarray], req: PoolingRequest, rid: str, model: str,
+                    usage: dict[str, int]) -> web.Response:
+    """vLLM's ``bytes`` encoding: the vectors' raw bytes one after another (``embed_dtype``,
+    ``endianness``), and for ``bytes`` (not ``bytes_only``) a ``metadata`` header, JSON, saying
+    where each one starts and ends and its shape."""
+    body, items, offset = [], [], 0
+    for i, vector in enumerate(vectors):
+        raw = _raw(vector, req)
+        items.append({"index": i, "embed_dtype": req.embed_dtype, "endianness": req.endianness, "start": offset,
+                      "end": offset + len(raw), "shape": list(np.shape(vector))})
+        body.append(raw)
+        offset += len(raw)
+    headers = None if req.encoding_format == "bytes_only" else {"metadata": msgspec.json.encode(
+        {"id": rid, "created": int(time.time()), "model": model, "data": items, "usage": usage}).decode()}
+    return web.Response(body=b"".join(body), headers=headers, content_type="application/octet-stream")
+
+
 def _encoded(vector: np.ndarray, req: PoolingRequest) -> list | str:
-    """The answer as JSON floats, or base64 of its bytes in ``embed_dtype`` and ``endianness``
-    (vLLM's; bfloat16 rounded to nearest even, as torch converts)."""
+    """The answer as JSON floats, or base64 of its bytes (``_raw``)."""
     if req.encoding_format == "float":
         return vector.tolist()
+    return base64.b64encode(_raw(vector, req)).decode("ascii")
+
+
+def _raw(vector: np.ndarray, req: PoolingRequest) -> bytes:
+    """The answer's bytes in ``embed_dtype`` and ``endianness`` (vLLM's; bfloat16 rounded to
+    nearest even, as torch converts)."""
     flat = np.ascontiguousarray(vector, dtype=np.float32).reshape(-1)
     if req.embed_dtype == "float16":
         raw = flat.astype(np.float16)
@@ -240,4 +327,4 @@ def _encoded(vector: np.ndarray, req: PoolingRequest) -> list | str:
         raw = flat
     if req.endianness != "native" and req.endianness != sys.byteorder:
         raw = raw.byteswap()
-    return base64.b64encode(raw.tobytes()).decode("ascii")
+    return raw.tobytes()

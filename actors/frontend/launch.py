@@ -38,6 +38,7 @@ from actors import topology
 from actors.detokenizer.actor import DetokenizerActor
 from actors.engine.config import EngineConfig
 from actors.engine.core import EngineCore
+from actors.engine.pooling import embed_lens
 from actors.frontend.admission import WaitingRequests
 from actors.frontend.client import EngineClient
 from actors.frontend.dp_router import DataParallelRouter, EngineDown, EngineUp
@@ -437,7 +438,8 @@ def client_actors(node: Node, config: EngineConfig, tokenizer: TextTokenizer | T
         tokenizer, config.model.max_model_len, list(arch.eos_token_ids), detok,
         scheduler, waiting, count_prompt_tokens, config.model.max_logprobs, arch.vocab_size,
         arch.hidden_size if config.model.enable_prompt_embeds else None,
-        config.model.reasoning is not None and config.model.reasoning.resolved, client_index))
+        config.model.reasoning is not None and config.model.reasoning.resolved, client_index,
+        *embed_lens(config.model.pooling)))
     client = EngineClient(config, tokenizer, tok, detok, scheduler, [e.kv_manager for e in engines],
                           engines[0].grammar, streams, stats, waiting)
     return client, router

@@ -94,7 +94,7 @@ async def scored(server: OpenAIServer, path: str, body: bytes) -> web.Response:
     require(req.padding in (None, "do_not_pad"), "padding 'max_length' is not supported", "padding")
     priority = check_priority(req, client.config.scheduler.policy)
     rid = req.request_id or uuid.uuid4().hex
-    side = req.truncation_side or "left"
+    side = req.truncation_side or "right"          # vLLM's pooling tokenizers keep the start
     require(side in ("left", "right"), "truncation_side must be left or right", "truncation_side")
     if client.config.model.pooling.convert == "classify":
         scores, tokens = await _cross_encoder_scores(server, req, queries, documents, rid, priority, side)

@@ -83,11 +83,18 @@ class TokenizerActor(Actor):
                  on_prompt_tokens: Callable[[int], None] | None = None,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS, logits_size: int | None = None,
                  embeds_hidden_size: int | None = None, thinking_budgets: bool = False,
-                 client_index: int = 0) -> None:
+                 client_index: int = 0, pooling_len: int | None = None,
+                 chunked_embed_len: int | None = None) -> None:
         """``embeds_hidden_size``: with --enable-prompt-embeds, the rows prompt embeddings must have
         (None: such prompts are refused). ``thinking_budgets``: the engine has a resolved reasoning
         config (else a request's thinking_token_budget is refused). ``client_index``: this API
-        server's (--api-server-count), on each request so its outputs come back here."""
+        server's (--api-server-count), on each request so its outputs come back here.
+        ``pooling_len``: the most tokens a pooling request's prompt may have (the pooler
+        config's max_embed_len where it is below max_model_len); ``chunked_embed_len``: with
+        the pooler config's enable_chunked_processing, the most a pooling prompt rendered whole
+        may have, to be embedded in pieces (sys.maxsize: no bound; None: no chunking)."""
+        self.pooling_len = min(pooling_len or max_model_len, max_model_len)
+        self.chunked_embed_len = chunked_embed_len
         self.client_index = client_index
         self.thinking_budgets = thinking_budgets
         self.tokenizer = tokenizer
@@ -112,17 +119,18 @@ class TokenizerActor(Actor):
         if not self.tokenizer.has_text:
             self._check_token_ids_only(msg)
         truncate = msg.sampling_params.truncate_prompt_tokens
+        limit = self._limit(msg)
         embeds = self._embeds(msg)
         if embeds is not None:            # placeholders for the positions the rows stand for
             ids, offsets = [0] * len(embeds), None
         else:
-            chars = self._check_size(msg, enforce=truncate is None)   # a truncated prompt may be long
+            chars = self._check_size(msg, limit, enforce=truncate is None)   # a truncated prompt may be long
             # a long text is tokenized in a thread (the tokenizer releases the GIL), so the
             # frontend's other requests and probes do not wait behind it
             ids = await asyncio.to_thread(self._prompt_ids, msg) if chars > OFF_LOOP_CHARS else self._prompt_ids(msg)
             offsets = self._offsets(msg, ids) if msg.render_only and msg.return_token_offsets else None
         if truncate is not None:          # vLLM's: the prompt's last tokens (the left side goes), or first
-            keep = self.max_model_len if truncate == -1 else truncate
+            keep = limit if truncate == -1 else truncate
             ids = ids[:keep] if msg.truncation_side == "right" else ids[-keep:]
             if offsets is not None:
                 offsets = offsets[:keep] if msg.truncation_side == "right" else offsets[-keep:]
@@ -132,8 +140,8 @@ class TokenizerActor(Actor):
         if n == 0:
             raise InvalidPrompt("the prompt is empty")
         pooling = msg.sampling_params.pooling is not None     # a pooling request fills the context, no more
-        if n > self.max_model_len or (n == self.max_model_len and not pooling):
-            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
+        if n > limit or (n == limit and not pooling):
+            raise PromptTooLong(f"This model's maximum context length is {limit} tokens. "
                                 f"However, your prompt has {n} tokens.")
         params = self._with_bad_word_ids(msg.sampling_params)
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len and not pooling:
@@ -166,6 +174,15 @@ class TokenizerActor(Actor):
         if self.on_prompt_tokens is not None:
             self.on_prompt_tokens(n)
         return PromptAccepted(n, shown)
+
+    def _limit(self, msg: Generate) -> int:
+        """The most tokens ``msg``'s prompt may have: the context, or a pooling prompt's bound
+        (larger when it is rendered whole to be embedded in pieces)."""
+        if msg.sampling_params.pooling is None:
+            return self.max_model_len
+        if msg.render_only and self.chunked_embed_len is not None:
+            return self.chunked_embed_len
+        return self.pooling_len
 
     def _embeds(self, msg: Generate) -> np.ndarray | None:
         """A prompt given as embeddings, checked (InvalidPrompt); None for the other prompts."""
@@ -203,16 +220,16 @@ class TokenizerActor(Actor):
             raise InvalidPrompt("Structured outputs requires a tokenizer so it can't be used with "
                                 "'skip_tokenizer_init'")
 
-    def _check_size(self, msg: Generate, enforce: bool = True) -> int:
+    def _check_size(self, msg: Generate, limit: int, enforce: bool = True) -> int:
         """The prompt's characters; PromptTooLong at once, before tokenizing, when there are
-        so many that no tokenization could fit the context (``enforce``)."""
+        so many that no tokenization could fit ``limit`` tokens (``enforce``)."""
         if msg.messages is not None:
             chars = sum(len(m["content"]) for m in msg.messages if isinstance(m.get("content"), str))
         else:
             chars = len(msg.prompt or "")
         at_least = chars // self.tokenizer.max_token_chars
-        if enforce and at_least >= self.max_model_len:
-            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
+        if enforce and at_least >= limit:
+            raise PromptTooLong(f"This model's maximum context length is {limit} tokens. "
                                 f"However, your prompt has at least {at_least} tokens ({chars} characters).")
         return chars
 

@@ -62,7 +62,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from actors.kv_manager.kv_cache_spec import create_kv_cache_views, layer_groups, stage_groups
 from actors.worker.cuda_graphs import CudaGraphRunner
-from actors.worker.pooler import Pooler
+from actors.worker.pooler import Pooler, dense_projector
 from actors.worker.input_batch import InputBatch
 from actors.worker.platforms import platform_for
 from kernels.attention.base import AttentionMetadata
@@ -179,7 +179,8 @@ class ModelRunner:
         # --runner pooling: every request pools its prompt's hidden states, none samples
         pooling = config.model.pooling
         self.pooler = None if pooling is None else Pooler(
-            getattr(model, "score", None), pooling.activation, pooling.pooler.logit_mean, pooling.pooler.logit_sigma)
+            getattr(model, "score", None), pooling.activation, pooling.pooler.logit_mean, pooling.pooler.logit_sigma,
+            dense_projector(pooling.dense))
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""

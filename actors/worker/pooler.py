@@ -1,17 +1,55 @@
 """The pooling model's head (vLLM's ``Pooler``, for ``--runner pooling``): each pooling
 request's last-layer hidden states (after the final norm), chunk by chunk as its prompt is
 computed, turned into its answer once the prompt is done: the last token's (LAST), the first's
-(CLS), their mean (MEAN), or every token's (ALL, task token_embed); then its first ``dimensions``
-kept (a Matryoshka model's) and L2-normalized unless ``use_activation`` is off; or, for a
-classifier (task classify; token_classify: every token's), its score head's label scores. Sums run in float32 whatever the
-model's dtype."""
+(CLS), their mean (MEAN), or every token's (ALL, task token_embed); then put through a
+sentence-transformers checkpoint's Dense projections, its first ``dimensions`` kept (a Matryoshka
+model's) and L2-normalized unless ``use_activation`` is off; or, for a classifier (task
+classify; token_classify: every token's), its score head's label scores. Sums run in float32
+whatever the model's dtype."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actors.engine.pooling import PoolingParams
+from actors.engine.pooling import DenseLayer, PoolingParams
+
+_ACTIVATIONS = {"identity": torch.nn.Identity, "tanh": torch.nn.Tanh, "relu": torch.nn.ReLU, "sigmoid": torch.nn.Sigmoid,
+                "silu": torch.nn.SiLU, "swish": torch.nn.SiLU, "gelu": torch.nn.GELU,
+                "gelu_pytorch_tanh": lambda: torch.nn.GELU(approximate="tanh"),
+                "gelu_new": lambda: torch.nn.GELU(approximate="tanh"),
+                "gelu_fast": lambda: torch.nn.GELU(approximate="tanh")}
+
+
+class _QuickGELU(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+def dense_projector(layers: tuple[DenseLayer, ...]) -> torch.nn.Sequential | None:
+    """A sentence-transformers checkpoint's Dense projections (float32, as vLLM's head dtype),
+    their weights read from each layer's file (``linear.weight`` as sentence-transformers saves
+    it, or ``weight`` / ``dense.weight``); None without any."""
+    if not layers:
+        return None
+    modules: list[torch.nn.Module] = []
+    for layer in layers:
+        if layer.weights.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            state = load_file(layer.weights)
+        else:
+            state = torch.load(layer.weights, map_location="cpu", weights_only=True)
+        key = next((k for k in ("linear.weight", "weight", "dense.weight") if k in state), None)
+        if key is None:
+            raise ValueError(f"{layer.weights}: no Dense weight (linear.weight) in it")
+        linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias, dtype=torch.float32)
+        with torch.no_grad():
+            linear.weight.copy_(state[key].float())
+            if layer.bias:
+                linear.bias.copy_(state[key.replace("weight", "bias")].float())
+        modules.append(linear)
+        modules.append(_QuickGELU() if layer.activation == "quick_gelu" else _ACTIVATIONS[layer.activation]())
+    return torch.nn.Sequential(*modules).eval()
 
 
 class Pooler:
@@ -20,12 +58,14 @@ class Pooler:
     through ``activation`` (sigmoid, softmax or identity)."""
 
     def __init__(self, head: torch.nn.Module | None = None, activation: str = "softmax",
-                 logit_mean: float | None = None, logit_sigma: float | None = None) -> None:
+                 logit_mean: float | None = None, logit_sigma: float | None = None,
+                 projector: torch.nn.Module | None = None) -> None:
         # a request whose prompt spans several steps: what its chunks have added up so far
         # (MEAN: the sum of rows; CLS: the first row; ALL: the rows)
         self.partial: dict[str, torch.Tensor | list[torch.Tensor]] = {}
         self.head, self.activation = head, activation
         self.logit_mean, self.logit_sigma = logit_mean, logit_sigma
+        self.projector = projector        # an embedding's Dense projections (sentence-transformers')
 
     def forget(self, req_ids: list[str]) -> None:
         """Drop finished, aborted or preempted requests (a preempted one starts over)."""
@@ -65,6 +105,9 @@ class Pooler:
             raise ValueError(f"pooling type {kind!r} is not supported")
         if params.task in ("classify", "token_classify"):     # one row, or one per token
             return self._classify(pooled, params.use_activation).cpu().numpy()
+        if self.projector is not None:
+            with torch.no_grad():
+                pooled = self.projector(pooled)
         if params.dimensions is not None:
             pooled = pooled[..., :params.dimensions]
         if params.use_activation:

@@ -49,6 +49,8 @@ def bare_llama(tmp_path_factory):
     (path / "1_Pooling").mkdir()
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
                                                                 "pooling_mode_mean_tokens": True}))
+    (path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "t5 t6 ",
+                                                                                    "document": ""}}))
     return str(path), model.eval()
 
 
@@ -97,6 +99,35 @@ def test_a_bare_sentence_transformers_checkpoint_embeds_as_transformers_pools_it
         np.testing.assert_allclose(out.outputs.embedding, expected.numpy(), atol=2e-5)
     vectors = np.array([out.outputs.embedding for out in outs])
     np.testing.assert_allclose([s.outputs.score for s in scores], vectors[1:] @ vectors[0], atol=1e-5)
+
+
+def test_a_dense_projection_after_the_pooling_shapes_the_embedding(bare_llama, tmp_path):
+    """A sentence-transformers checkpoint with a Dense layer (64 -> 24, tanh) between its pooling
+    and its normalization: embeddings of 24 floats, as sentence-transformers computes them."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    path, reference = bare_llama
+    st = tmp_path / "with_dense"
+    shutil.copytree(path, st)
+    modules = json.loads((st / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (st / "modules.json").write_text(json.dumps(modules))
+    (st / "2_Dense").mkdir()
+    (st / "2_Dense" / "config.json").write_text(json.dumps({
+        "in_features": 64, "out_features": 24, "bias": True, "activation_function": "torch.nn.modules.activation.Tanh"}))
+    torch.manual_seed(1)
+    weight, bias = torch.randn(24, 64) * 0.2, torch.randn(24) * 0.2
+    save_file({"linear.weight": weight, "linear.bias": bias}, str(st / "2_Dense" / "model.safetensors"))
+    prompts = _prompts([3, 40])
+    with LLM(str(st), multiprocess=False, max_model_len=128) as llm:
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        projected = torch.tanh(_hidden(reference, ids).mean(0) @ weight.T + bias)
+        assert out.outputs.hidden_size == 24
+        np.testing.assert_allclose(out.outputs.embedding, torch.nn.functional.normalize(projected, dim=-1).numpy(),
+                                   atol=2e-5)
 
 
 def test_a_causal_lm_converted_to_embeddings_pools_its_last_token_and_reuses_the_prefix_cache(qwen3):
@@ -165,6 +196,25 @@ def test_the_openai_client_reads_its_base64_embeddings(server):
         np.testing.assert_allclose(item.embedding, plain["embedding"], atol=1e-6)
 
 
+def test_raw_bytes_with_their_metadata_header_decode_to_the_floats(server):
+    """vLLM's bytes encoding: the vectors' bytes back to back, a metadata header locating each;
+    bytes_only the same body without it."""
+    import json
+    plain = np.array([d["embedding"] for d in _embed(server, input=["hello world", "goodbye"]).json()["data"]])
+    r = _embed(server, input=["hello world", "goodbye"], encoding_format="bytes", embed_dtype="float16",
+               endianness="big")
+    assert r.status_code == 200 and r.headers["Content-Type"] == "application/octet-stream"
+    meta = json.loads(r.headers["metadata"])
+    assert meta["id"].startswith("embd-") and meta["usage"]["prompt_tokens"] == meta["usage"]["total_tokens"] > 0
+    assert [(d["index"], d["start"], d["end"], d["shape"]) for d in meta["data"]] == [(0, 0, 1152, [576]),
+                                                                                     (1, 1152, 2304, [576])]
+    got = np.frombuffer(r.content, dtype=">f2").astype(np.float32).reshape(2, 576)
+    np.testing.assert_allclose(got, plain, atol=1e-3)
+    only = _embed(server, input=["hello world", "goodbye"], encoding_format="bytes_only")
+    assert "metadata" not in only.headers
+    np.testing.assert_allclose(np.frombuffer(only.content, dtype=np.float32).reshape(2, 576), plain, atol=1e-6)
+
+
 def test_base64_in_each_dtype_and_byte_order_decodes_to_the_floats(server):
     plain = np.array(_embed(server, input="hello world").json()["data"][0]["embedding"], dtype=np.float32)
     for dtype, endianness, tol in (("float32", "little", 0), ("float16", "big", 1e-3), ("bfloat16", "native", 8e-3)):
@@ -224,7 +274,7 @@ def test_what_a_pooling_server_cannot_do_is_refused_by_name(server):
     for body, param, words in (
             ({"input": "hi", "dimensions": 8}, "dimensions", "does not support Matryoshka"),
             ({"input": "hi", "normalize": True}, "normalize", "use `use_activation` instead"),
-            ({"input": "hi", "encoding_format": "bytes"}, "encoding_format", "encoding_format must be one of"),
+            ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "encoding_format must be one of"),
             ({"input": []}, "input", "must not be empty"),
             ({"input": "hi " * 300}, "prompt", "maximum context length is 256 tokens"),
             ({"messages": [{"role": "user", "content": 5}]}, "messages", "messages:")):
@@ -264,3 +314,84 @@ def test_a_batch_file_of_embedding_requests_runs_offline(bare_llama, tmp_path):
                                torch.nn.functional.normalize(_hidden(reference, prompts[0]), dim=-1).numpy(),
                                atol=2e-5)
     assert by_id["c"]["status_code"] == 404
+
+
+@pytest.fixture(scope="module")
+def long_text_server(bare_llama):
+    """The bare checkpoint with a context of 64 tokens, embedding longer prompts in pieces
+    (vLLM's enable_chunked_processing) up to 300 tokens."""
+    import json
+    s = Server("--model", bare_llama[0], "--max-model-len", "64", "--threads", "1", "--pooler-config",
+               json.dumps({"enable_chunked_processing": True, "max_embed_len": 300}))
+    yield s
+    s.stop()
+
+
+def _mean_embedding(reference, ids: list[int]) -> np.ndarray:
+    return torch.nn.functional.normalize(_hidden(reference, ids).mean(0), dim=-1).numpy()
+
+
+def test_a_prompt_longer_than_the_context_is_embedded_in_pieces_averaged_by_their_tokens(bare_llama,
+                                                                                          long_text_server):
+    """150 tokens against a context of 64: pieces of 64, 64 and 22 tokens, each embedded as
+    transformers pools it, averaged with those weights and normalized again; a short prompt
+    beside it is one piece; past max_embed_len a prompt is refused unless truncated, and
+    truncation keeps the prompt's start, as vLLM's pooling tokenizers do."""
+    _, reference = bare_llama
+    long_ids, short_ids = _prompts([150, 12])
+    r = _embed(long_text_server, input=[long_ids, short_ids])
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == 162
+    pieces = [long_ids[:64], long_ids[64:128], long_ids[128:]]
+    mean = sum(len(p) * _mean_embedding(reference, p) for p in pieces) / 150
+    np.testing.assert_allclose(body["data"][0]["embedding"], mean / np.linalg.norm(mean), atol=3e-5)
+    np.testing.assert_allclose(body["data"][1]["embedding"], _mean_embedding(reference, short_ids), atol=3e-5)
+    (too_long,) = _prompts([301])
+    refused = _embed(long_text_server, input=too_long)
+    assert refused.status_code == 400 and "maximum context length is 300 tokens" in refused.json()["error"]["message"]
+    cut = _embed(long_text_server, input=too_long, truncate_prompt_tokens=40).json()
+    np.testing.assert_allclose(cut["data"][0]["embedding"], _mean_embedding(reference, too_long[:40]), atol=3e-5)
+    # /pooling is not chunked: its prompts keep to the context
+    r = requests.post(f"{long_text_server.url}/pooling", json={"input": long_ids}, timeout=60)
+    assert r.status_code == 400 and "maximum context length is 64 tokens" in r.json()["error"]["message"]
+
+
+def test_cohere_embed_gives_each_asked_type_and_puts_the_input_types_instruction_first(bare_llama,
+                                                                                       long_text_server):
+    """/v2/embed: float, binary, ubinary and base64 of the same vectors; input_type "query" puts
+    the checkpoint's sentence-transformers prompt before each text (no chat template here);
+    truncate NONE with max_tokens refuses a longer input, START keeps its end."""
+    _, reference = bare_llama
+    url = f"{long_text_server.url}/v2/embed"
+    texts = ["t1 t2 t3", "t9 t8 t7 t6 t5 t4 t3 t2"]
+    r = requests.post(url, json={"texts": texts, "embedding_types": ["float", "binary", "ubinary", "base64"]},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["response_type"] == "embeddings_by_type" and body["texts"] == texts and body["id"].startswith("embd-")
+    assert body["meta"] == {"api_version": {"version": "2"}, "billed_units": {"input_tokens": 11, "image_tokens": 0}}
+    floats = np.array(body["embeddings"]["float"], dtype=np.float32)
+    np.testing.assert_allclose(floats[0], _mean_embedding(reference, [1, 2, 3]), atol=3e-5)
+    bits = np.packbits(floats >= 0, axis=-1)
+    assert body["embeddings"]["ubinary"] == bits.tolist()
+    assert body["embeddings"]["binary"] == (bits.astype(int) - 128).tolist()
+    decoded = [np.frombuffer(base64.b64decode(b), dtype="<f4") for b in body["embeddings"]["base64"]]
+    np.testing.assert_array_equal(decoded, floats)
+    query = requests.post(url, json={"texts": texts[:1], "input_type": "query"}, timeout=60).json()
+    np.testing.assert_allclose(query["embeddings"]["float"][0], _mean_embedding(reference, [5, 6, 1, 2, 3]),
+                               atol=3e-5)
+    assert query["meta"]["billed_units"]["input_tokens"] == 5 and "binary" not in query["embeddings"]
+    start = requests.post(url, json={"texts": texts[1:], "truncate": "START", "max_tokens": 3}, timeout=60).json()
+    np.testing.assert_allclose(start["embeddings"]["float"][0], _mean_embedding(reference, [4, 3, 2]), atol=3e-5)
+    for body, param, words in (
+            ({"texts": texts[1:], "truncate": "NONE", "max_tokens": 3}, "max_tokens",
+             "Input of 8 tokens exceeds max_tokens=3 with truncate=NONE"),
+            ({"texts": texts, "input_type": "classification"}, "input_type",
+             "Unsupported input_type 'classification'. Supported values: document, query"),
+            ({"texts": texts, "images": ["data:image/png;base64,AAAA"]}, "texts", "Exactly one of texts, images"),
+            ({"images": ["data:image/png;base64,AAAA"]}, "images", "embeds text only"),
+            ({"texts": texts, "embedding_types": ["int8"]}, "embedding_types", "embedding_types must be of")):
+        r = requests.post(url, json=body, timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        assert words in r.json()["error"]["message"] and r.json()["error"]["param"] == param, r.text

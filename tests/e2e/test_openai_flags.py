@@ -94,7 +94,7 @@ def test_api_key_guards_v1_only(server):
     assert good.models.list().data
     for path in ("/health", "/ping", "/metrics", "/version"):
         assert _status(server.url + path) == 200, path
-    for path in ("/v1/completions", "/invocations", "/generative_scoring"):   # generation needs the key on every route
+    for path in ("/v1/completions", "/invocations", "/generative_scoring", "/v2/rerank", "/v2/embed"):   # every route
         req = urllib.request.Request(server.url + path, data=b'{"prompt": "x"}',
                                      headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as http_exc:

@@ -11,7 +11,7 @@ import torch
 
 from actors.engine.args import EngineArgs
 from actors.engine.pooling import (ModelPooling, PoolerConfig, PoolingParams, model_pooling, pooler_config,
-                                   resolve_runner, sentence_transformers_pooling)
+                                   resolve_runner, sentence_transformers_dense, sentence_transformers_pooling)
 from actors.worker.pooler import Pooler
 
 
@@ -50,8 +50,9 @@ def test_pooler_config_reads_vllms_json_and_refuses_what_it_cannot_do():
         pooler_config('{"pooling_type": "MAX"}')
     with pytest.raises(ValueError, match="Cannot set both `pooling_type` and `seq_pooling_type`"):
         pooler_config('{"pooling_type": "CLS", "seq_pooling_type": "MEAN"}')
-    with pytest.raises(ValueError, match="enable_chunked_processing"):
-        pooler_config('{"enable_chunked_processing": true}')
+    assert pooler_config('{"enable_chunked_processing": true}').enable_chunked_processing
+    with pytest.raises(ValueError, match="max_embed_len must be at least 1, got 0"):
+        pooler_config('{"max_embed_len": 0}')
     with pytest.raises(ValueError, match="--pooler-config"):
         pooler_config('{"pooling_typ": "MEAN"}')
 
@@ -81,10 +82,38 @@ def test_a_sentence_transformers_checkpoint_says_how_it_pools(tmp_path):
     settings = model_pooling(PoolerConfig(seq_pooling_type="CLS"), "embed", mean, {})
     assert (settings.pooler.seq_pooling_type, settings.pooler.use_activation) == ("CLS", True)
     assert sentence_transformers_pooling(str(tmp_path)) == {}        # no modules.json: not one
-    (tmp_path / "dense").mkdir()
-    dense = _sentence_transformers_files(tmp_path / "dense", {"pooling_mode_mean_tokens": True}, True, dense=True)
-    with pytest.raises(ValueError, match="Dense projection is not supported"):
-        sentence_transformers_pooling(dense)
+
+
+def test_a_sentence_transformers_dense_projection_is_read_with_its_weights_and_activation(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from actors.worker.pooler import dense_projector
+    dense = _sentence_transformers_files(tmp_path, {"pooling_mode_mean_tokens": True}, True, dense=True)
+    assert sentence_transformers_pooling(dense) == {"use_activation": True, "seq_pooling_type": "MEAN"}
+    assert sentence_transformers_dense(dense) == ()         # a Dense folder without its config.json: skipped
+    (tmp_path / "2_Dense").mkdir()
+    config = {"in_features": 64, "out_features": 32, "bias": True,
+              "activation_function": "torch.nn.modules.activation.Tanh"}
+    (tmp_path / "2_Dense" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="Dense projection has no weights"):
+        sentence_transformers_dense(dense)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(32, 64), torch.randn(32)
+    save_file({"linear.weight": weight, "linear.bias": bias}, str(tmp_path / "2_Dense" / "model.safetensors"))
+    (layer,) = sentence_transformers_dense(dense)
+    assert (layer.in_features, layer.out_features, layer.bias, layer.activation) == (64, 32, True, "tanh")
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(dense_projector((layer,))(x), torch.tanh(x @ weight.T + bias))
+    settings = model_pooling(None, "embed", dense, {"is_matryoshka": True})
+    assert settings.dense == (layer,) and settings.embedding_size(64) == 32
+    with pytest.raises(ValueError, match=r"dimensions in range \[1, 32\], got 48"):
+        settings.params(PoolingParams(dimensions=48), 64)
+    assert model_pooling(None, "classify", dense, {}).dense == ()      # a classifier's head is its score layer
+    config["activation_function"] = "torch.nn.modules.activation.Softplus"
+    (tmp_path / "2_Dense" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="Activation function 'softplus' is not supported."):
+        sentence_transformers_dense(dense)
 
 
 @pytest.mark.parametrize("config,labels,activation", [
