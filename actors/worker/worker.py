@@ -31,6 +31,7 @@ from actors.worker.gpu_memory import GIB, device_memory, kv_cache_bytes_for_gpu
 from actors.worker.model_runner import ModelRunner, torch_dtype
 from actors.worker.platforms import platform_for
 from actors.worker.profiler import StepProfiler, rank_name, worker_profiler
+from actors.worker.step_memory import keep_step_heap
 from actors.worker.weight_transfer import WeightReceiver, drain, tensor_digests
 from kernels.attention.base import AttentionBackend
 from kernels.cpu import shm_comm
@@ -271,6 +272,8 @@ class Worker:
             self.kv_connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER,
                                                                    self.pp_rank * self.tp_size + self.tp_rank)
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
+        if self.device.type == "cpu":        # from now on step tensors reuse the heap (actors/worker/step_memory.py)
+            keep_step_heap()
         # layers of different groups share one tensor
         tensors = {t.data_ptr(): t for t in self.runner.kv_caches + self.runner.draft_kv_caches}
         return sum(t.numel() * t.element_size() for t in tensors.values())

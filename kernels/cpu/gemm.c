@@ -531,12 +531,23 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* One row of K floats -> bfloat16 (K2 pairs). With AVX512-BF16, 16 at a time (vcvtneps2bf16: the
+ * same nearest-even rounding; it flushes subnormal inputs to zero, which the dot products below
+ * do to them anyway). */
+static inline void round_row_to_bf16(const float *x, int64_t K, uint16_t *out) {
+    int64_t k = 0;
+#ifdef __AVX512BF16__
+    for (; k + 16 <= K; k += 16)
+        _mm256_storeu_si256((__m256i *)(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
+#endif
+    for (; k < K; k++) out[k] = bf16_round(x[k]);
+    if (K & 1) out[K] = 0;
+}
+
 void round_to_bf16(const float *x, int64_t M, int64_t K, uint16_t *out) {   /* out (M, 2 K2) */
     const int64_t K2 = (K + 1) / 2;
-    for (int64_t r = 0; r < M; r++) {
-        for (int64_t k = 0; k < K; k++) out[r * 2 * K2 + k] = bf16_round(x[r * K + k]);
-        if (K & 1) out[r * 2 * K2 + K] = 0;
-    }
+    #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+    for (int64_t r = 0; r < M; r++) round_row_to_bf16(x + r * K, K, out + r * 2 * K2);
 }
 
 static inline __attribute__((always_inline)) void bf16_micro(const int MR, const uint32_t *xa, int64_t K2,
