@@ -179,8 +179,7 @@ int64_t decode_stack(int64_t L, const int64_t *desc, const float *fdesc, const f
         ds_lap(seconds, DS_O, &t);
         rms_norm_f32(o, Hd, residual, post_w, x, B, Hd, eps_post);
         ds_lap(seconds, DS_NORM, &t);
-        if (!wgu[7] && I % 32 == 0 && !lw && (wgu[0] || wgu[1] != 3)) {   /* SiLU fused in, as GatedMLP
-                                                                             does (not for bfloat16) */
+        if (!wgu[7] && I % 32 == 0 && !lw) {          /* SiLU fused in, as GatedMLP does */
             const void *c = (const void *)(intptr_t)wgu[2], *gd = (const void *)(intptr_t)wgu[3],
                        *gm = (const void *)(intptr_t)wgu[4];
             if (!(wgu[0] ? i8x2_gated_gemm((int)wgu[1], c, gd, gm, wgu[5], wgu[6], x, B, act)

@@ -40,6 +40,7 @@ void silu_and_mul_serial_f32(const float *gate_up, int64_t in_stride, float *out
 enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_BF16 = 3 };
 
 static int bf16_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y);
+static int bf16_gated_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *out);
 
 #ifdef __AVX512F__
 /* 16 float16 values -> float32 */
@@ -452,7 +453,7 @@ int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m
 #define GATED_ROWS 48
 
 /* out (M, I) = silu(x Wg^T) * (x Wu^T) for W (2I, K) = the gate rows then the up rows in panels of
- * kind W_F32 / W_Q4_1 / W_Q8_0, I a multiple of 32: each gate panel with its up panel, a tile of
+ * kind W_F32 / W_Q4_1 / W_Q8_0 (W_BF16: bf16_gated_gemm), I a multiple of 32: each gate panel with its up panel, a tile of
  * rows at a time, and fused.c's SiLU-and-multiply applied to that tile, so the (M, 2I) product is
  * never written out and read back. The same values as panel_gemm followed by silu_and_mul_f32 (the
  * products do not depend on how the rows are grouped, and the row blocks and the few-row path are
@@ -460,7 +461,9 @@ int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m
 int panel_gated_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N,
                      int64_t K, const float *x, int64_t M, float *out) {
     const int64_t I = N / 2, PI = I / NR;
-    if (N % (2 * NR) || (kind != W_F32 && kind != W_Q4_1 && kind != W_Q8_0)) return 0;
+    if (N % (2 * NR)) return 0;
+    if (kind == W_BF16) return bf16_gated_gemm((const uint32_t *)codes, N, K, x, M, out);
+    if (kind != W_F32 && kind != W_Q4_1 && kind != W_Q8_0) return 0;
     const int64_t rows = row_block(K);
     int ok = 1;
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
@@ -733,43 +736,98 @@ int bf16_available(void) {
 #endif
 }
 
-static int bf16_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
-    const int64_t P = (N + NR - 1) / NR, K2 = (K + 1) / 2;
-    int64_t rows = ROW_BLOCK_BYTES / (K2 * (int64_t)sizeof(uint32_t));
-    if (rows < 64) rows = 64;
-    const int64_t mb_max = M < rows ? M : rows;
-    if (bf16_x_len < (size_t)(mb_max * 2 * K2)) {         /* room for the float32 form */
+/* The row block of a bfloat16 call (rows of K features): at least 64, within ROW_BLOCK_BYTES. */
+static int64_t bf16_row_block(int64_t K) {
+    const int64_t K2 = (K + 1) / 2, rows = ROW_BLOCK_BYTES / (K2 * (int64_t)sizeof(uint32_t));
+    return rows < 64 ? 64 : rows;
+}
+
+/* This thread's bf16_x with room for a row block of M rows (the float32 form); 0 when it could
+ * not be allocated. */
+static int bf16_x_room(int64_t M, int64_t K) {
+    const int64_t rows = bf16_row_block(K), mb_max = M < rows ? M : rows;
+    const size_t need = (size_t)(mb_max * 2 * ((K + 1) / 2));
+    if (bf16_x_len < need) {
         free(bf16_x);
-        bf16_x = malloc(sizeof(uint32_t) * (size_t)(mb_max * 2 * K2));
-        bf16_x_len = bf16_x ? (size_t)(mb_max * 2 * K2) : 0;
-        if (!bf16_x) return 0;
+        bf16_x = malloc(sizeof(uint32_t) * need);
+        bf16_x_len = bf16_x ? need : 0;
     }
+    return bf16_x != NULL;
+}
+
+/* Rows [r0, r0 + mb) of x into bf16_x in the form the kernels take for mb rows: bfloat16 pairs,
+ * or (as_float) their rounded values as float32. */
+static void bf16_load_rows(const float *x, int64_t mb, int64_t K, int as_float) {
+    const int64_t K2 = (K + 1) / 2;
+    if (!as_float) {
+        round_to_bf16(x, mb, K, (uint16_t *)bf16_x);
+        return;
+    }
+    for (int64_t r = 0; r < mb; r++) {
+        const float *xr = x + r * K;
+        uint32_t *o = bf16_x + r * 2 * K2;
+        for (int64_t k = 0; k < K; k++) o[k] = (uint32_t)bf16_round(xr[k]) << 16;
+        if (K & 1) o[K] = 0;
+    }
+}
+
+/* mr rows of the block in bf16_x form (from row t0) times one panel, into y (ldy, cols). */
+static inline void bf16_tile(const uint32_t *xa, int as_float, int64_t t0, int64_t mr, int64_t K2,
+                             const uint32_t *pan, float *y, int64_t ldy, int64_t cols) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    if (as_float) {
+        bf16_rows_avx2((const float *)xa + t0 * 2 * K2, mr, K2, pan, y, ldy, cols);
+        return;
+    }
+#else
+    (void)as_float;
+#endif
+    bf16_rows(xa + t0 * K2, mr, K2, pan, y, ldy, cols);
+}
+
+static int bf16_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
+    const int64_t P = (N + NR - 1) / NR, K2 = (K + 1) / 2, rows = bf16_row_block(K);
+    if (!bf16_x_room(M, K)) return 0;
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
         const int64_t mb = M - r0 < rows ? M - r0 : rows;
         const int as_float = bf16_float_rows(mb);
-        if (as_float) {
-            for (int64_t r = 0; r < mb; r++) {
-                const float *xr = x + (r0 + r) * K;
-                uint32_t *o = bf16_x + r * 2 * K2;
-                for (int64_t k = 0; k < K; k++) o[k] = (uint32_t)bf16_round(xr[k]) << 16;
-                if (K & 1) o[K] = 0;
-            }
-        } else {
-            round_to_bf16(x + r0 * K, mb, K, (uint16_t *)bf16_x);
-        }
+        bf16_load_rows(x + r0 * K, mb, K, as_float);
         const uint32_t *xa = bf16_x;
         float *yb = y + r0 * N;
         #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
-            const uint32_t *pan = codes + p * K2 * NR;
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-            if (as_float) {
-                bf16_rows_avx2((const float *)xa, mb, K2, pan, yb + p * NR, N, cols);
-                continue;
+            bf16_tile(xa, as_float, 0, mb, K2, codes + p * K2 * NR, yb + p * NR, N, cols);
+        }
+    }
+    return 1;
+}
+
+/* panel_gated_gemm for bfloat16 panels (codes as bf16_gemm's, N = 2 I, I a multiple of 32): each
+ * gate panel with its up panel over GATED_ROWS rows at a time, their SiLU-and-multiply taken in
+ * the L1 cache; the same bits as bf16_gemm followed by silu_and_mul_f32 (a row's products do not
+ * depend on the rows beside it). */
+static int bf16_gated_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *out) {
+    const int64_t I = N / 2, PI = I / NR, K2 = (K + 1) / 2, rows = bf16_row_block(K);
+    if (!bf16_x_room(M, K)) return 0;
+    for (int64_t r0 = 0; r0 < M; r0 += rows) {
+        const int64_t mb = M - r0 < rows ? M - r0 : rows;
+        const int as_float = bf16_float_rows(mb);
+        bf16_load_rows(x + r0 * K, mb, K, as_float);
+        const uint32_t *xa = bf16_x;
+        #pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < PI; p++) {
+            float gu[GATED_ROWS * 2 * NR] __attribute__((aligned(64)));   /* [row][gate 32 | up 32] */
+            float act[GATED_ROWS * NR] __attribute__((aligned(64)));
+            const uint32_t *pg = codes + p * K2 * NR, *pu = codes + (p + PI) * K2 * NR;
+            for (int64_t t0 = 0; t0 < mb; t0 += GATED_ROWS) {
+                const int64_t mr = mb - t0 < GATED_ROWS ? mb - t0 : GATED_ROWS;
+                bf16_tile(xa, as_float, t0, mr, K2, pg, gu, 2 * NR, NR);
+                bf16_tile(xa, as_float, t0, mr, K2, pu, gu + NR, 2 * NR, NR);
+                silu_and_mul_serial_f32(gu, 2 * NR, act, mr, NR);
+                for (int64_t r = 0; r < mr; r++)
+                    memcpy(out + (r0 + t0 + r) * I + p * NR, act + r * NR, sizeof(float) * NR);
             }
-#endif
-            bf16_rows(xa, mb, K2, pan, yb + p * NR, N, cols);
         }
     }
     return 1;

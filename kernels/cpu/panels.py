@@ -186,9 +186,8 @@ def _gated_gemm(name: str):
 def gated_silu_matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor | None:
     """silu(x Wg^T) * (x Wu^T) (T, N / 2) for a gate|up weight W (N, K) = gate rows then up rows,
     in one pass that never stores the (T, N) product: bit for bit ``silu_and_mul`` of
-    ``matmul(x, w)``. None when this weight has no such kernel (bfloat16 weights, or N not a
-    multiple of 64)."""
-    if w.kind == "BF16" or w.out_features % (2 * NR):
+    ``matmul(x, w)``. None when this weight has no such kernel (N not a multiple of 64)."""
+    if w.out_features % (2 * NR):
         return None
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be (T, {w.in_features}), got {tuple(x.shape)}")

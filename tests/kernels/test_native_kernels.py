@@ -294,23 +294,46 @@ def test_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(qtype):
 
 
 @pytest.mark.skipif(not available()[0], reason="the native kernels need AVX2, FMA and a C compiler")
-@pytest.mark.parametrize("qtype", ["F32", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["F32", "BF16", "Q4_1", "Q8_0"])
 def test_float_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(qtype):
-    """float32 activations: any number of rows (the few-row path, tiles of rows, several row
-    blocks of a call) gives exactly the two-step path's values."""
+    """float32 activations (bfloat16 weights: the activations rounded to bfloat16): any number of
+    rows (the few-row path, tiles of rows, several row blocks of a call) gives exactly the
+    two-step path's values."""
     from kernels.cpu import fused
     from kernels.cpu.panels import gated_silu_matmul
     n, k = 2 * 96, 160                                      # gate | up, 3 panels each
-    raw, dense = _gguf("Q8_0" if qtype == "F32" else qtype, n, k, 11)
-    w = PanelWeight.pack_f32(dense) if qtype == "F32" else PanelWeight.pack_gguf(qtype, raw, n, k)
-    x = torch.randn(7000, k) * 2                            # 7,000 rows: two row blocks of the call
+    raw, dense = _gguf("Q8_0" if qtype in ("F32", "BF16") else qtype, n, k, 11)
+    packs = {"F32": PanelWeight.pack_f32, "BF16": PanelWeight.pack_bf16}
+    w = packs[qtype](dense) if qtype in packs else PanelWeight.pack_gguf(qtype, raw, n, k)
+    rows_all = 14000 if qtype == "BF16" else 7000          # two row blocks of the call
+    x = torch.randn(rows_all, k) * 2
     x[4] = 0.0
-    for rows in (1, 2, 3, 8, 9, 49, 301, 7000):
+    for rows in (1, 2, 3, 8, 9, 49, 301, rows_all):
         got = gated_silu_matmul(x[:rows], w)
         assert got.shape == (rows, n // 2)
         assert torch.equal(got, fused.silu_and_mul(matmul(x[:rows], w)))
-    assert gated_silu_matmul(x[:5], PanelWeight.pack_bf16(dense)) is None       # no such kernel
     assert gated_silu_matmul(x[:5], PanelWeight.pack_f32(dense[:160])) is None  # halves of 80
+
+
+def test_portable_bfloat16_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(tmp_path, monkeypatch):
+    """Without AVX-512 (the AVX2 kernels take a row block's rows as float32 at its two ends):
+    the gated bfloat16 product is the two-step path's, bit for bit."""
+    import ctypes
+
+    import kernels.cpu.panels as panels
+    from kernels.cpu import fused
+    lib = _build_gemm(tmp_path, "-mno-avx512f")
+    lib.panel_gated_gemm.argtypes = lib.panel_gemm.argtypes
+    lib.panel_gated_gemm.restype = ctypes.c_int
+    monkeypatch.setattr(panels, "_panel_gemm", lambda: lib.panel_gemm)
+    monkeypatch.setattr(panels, "_gated_gemm", lambda name: lib.panel_gated_gemm)
+    dense = torch.randn(2 * 64, 97)
+    w = PanelWeight.pack_bf16(dense)
+    x = torch.randn(120, 97)
+    for rows in (1, 5, 40, 41, 120):
+        got = panels.gated_silu_matmul(x[:rows], w)
+        assert torch.equal(got, fused.silu_and_mul(matmul(x[:rows], w)))
+        assert _close(matmul(x[:rows], w), _bf16_product(x[:rows], dense), tol=1e-5)
 
 
 @pytest.mark.parametrize("vocab,words", [(70, 2), (70, 3), (1000, 32), (49152, 1536)])
