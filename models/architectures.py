@@ -31,7 +31,9 @@ BARE_MODELS: dict[str, str] = {
     # transformers' sequence and token classifiers: the same stack and a ``score`` head (--convert classify)
     **{f"{name}For{kind}Classification": f"{name}ForCausalLM" for kind in ("Sequence", "Token") for name in (
         "Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Qwen3Moe", "Mixtral", "Gemma2", "Granite", "SmolLM3")},
-    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
+    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
+    # vLLM's reward models: the stack and a score MLP on every token (actors/engine/pooling.py)
+    "Qwen2ForRewardModel": "Qwen2ForCausalLM", "Qwen2ForProcessRewardModel": "Qwen2ForCausalLM"}
 
 
 class ModelRegistry:

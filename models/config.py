@@ -57,6 +57,8 @@ class ArchConfig:
     # the score head made from the LM head's rows of these tokens (vLLM's classifier_from_token):
     # one label and two tokens, row[1] - row[0]; otherwise a row per label
     score_from_tokens: tuple[int, ...] = ()
+    # a reward model's score head (vLLM's Qwen2ForRewardModel): hidden -> hidden, ReLU, -> labels
+    score_mlp: bool = False
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)

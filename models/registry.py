@@ -126,8 +126,15 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
         if ckpt.tensor_map != "hf_tensor_map":
             raise ValueError("a classifier (--convert classify) needs its score head, which only a Hugging Face "
                              "checkpoint (score.weight) holds")
-        model.score = nn.Linear(config.hidden_size, config.num_labels, bias=config.score_bias, dtype=torch.float32)
-        tensor_map = {**tensor_map, "score.weight": ("score.weight", None), "score.bias": ("score.bias", None)}
+        if config.score_mlp:       # a reward model's: hidden -> hidden, ReLU, -> labels (biases)
+            model.score = nn.Sequential(nn.Linear(config.hidden_size, config.hidden_size, dtype=torch.float32),
+                                        nn.ReLU(), nn.Linear(config.hidden_size, config.num_labels, dtype=torch.float32))
+            tensor_map = {**tensor_map, **{f"score.{i}.{p}": (f"score.{i}.{p}", None) for i in (0, 2)
+                                           for p in ("weight", "bias")}}
+        else:
+            model.score = nn.Linear(config.hidden_size, config.num_labels, bias=config.score_bias,
+                                    dtype=torch.float32)
+            tensor_map = {**tensor_map, "score.weight": ("score.weight", None), "score.bias": ("score.bias", None)}
     weights, skipped = ckpt.weights, model.hf_skipped_prefixes
     if skipped and ckpt.tensor_map == "hf_tensor_map":    # a trainer's round may hold the vision side too
         weights = ((name, tensor) for name, tensor in weights if not name.startswith(skipped))
@@ -137,7 +144,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
     try:
         load_weights(model, weights, tensor_map)
     except ValueError as exc:
-        if config.num_labels and "'score.weight'" in str(exc) and "unloaded" in str(exc):
+        if config.num_labels and "'score." in str(exc) and "unloaded" in str(exc):
             raise ValueError("the checkpoint has no score head (score.weight): --convert classify serves a "
                              "classifier's checkpoint (...ForSequenceClassification)") from None
         raise
@@ -203,20 +210,22 @@ _BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 
 def pooling_checkpoint(ckpt: Checkpoint, num_labels: int = 0, score_bias: bool = False,
-                       score_from_tokens: tuple[int, ...] = ()) -> Checkpoint:
+                       score_from_tokens: tuple[int, ...] = (), score_mlp: bool = False) -> Checkpoint:
     """``ckpt`` served as a pooling model (--runner pooling): its LM head never runs, so it
     is tied to the embeddings (a checkpoint's own head, when it has one, is skipped, and a bare
     decoder stack's, which has none, is not missed), and a bare stack's tensor names (without
     the "model." prefix, as transformers saves a ``LlamaModel``) read as its causal LM's. A
     classifier's (``num_labels``): its ``score`` head (hidden -> labels, with a bias where
     ``score_bias``: a token classifier's) is loaded too, or made from the LM head's rows of
-    ``score_from_tokens`` (vLLM's classifier_from_token: the LM head is then loaded)."""
+    ``score_from_tokens`` (vLLM's classifier_from_token: the LM head is then loaded); a reward
+    model's is an MLP (``score_mlp``)."""
     weights = ckpt.weights
     if ckpt.tensor_map == "hf_tensor_map":
         weights = (("model." + name if name.startswith(_BARE_PREFIXES) else name, tensor) for name, tensor in weights)
     tied = ckpt.config.tie_word_embeddings or not score_from_tokens     # a head made from LM rows keeps them
     return ckpt._replace(config=dataclasses.replace(ckpt.config, tie_word_embeddings=tied, num_labels=num_labels,
-                                                    score_bias=score_bias, score_from_tokens=score_from_tokens),
+                                                    score_bias=score_bias, score_from_tokens=score_from_tokens,
+                                                    score_mlp=score_mlp),
                          weights=weights)
 
 

@@ -24,7 +24,12 @@ SEQ_POOLING_TYPES = ("CLS", "LAST", "MEAN")      # one vector per prompt
 TOK_POOLING_TYPES = ("ALL", "STEP")              # one vector per prompt token
 POOLING_TASKS = ("embed", "token_embed", "classify", "token_classify")
 CONVERT_TASKS = {"embed": ("embed", "token_embed"), "classify": ("classify",)}   # what each conversion serves
-ACTIVATIONS = ("sigmoid", "softmax", "identity")
+ACTIVATIONS = ("sigmoid", "softmax", "identity", "auto")   # auto: sigmoid for one score a row, else softmax
+# vLLM's reward models: (their labels, their token pooling): a score MLP on every token's hidden
+# state (task token_classify); a process reward model's default pooling keeps the rows of the
+# step tag's tokens (STEP, with the pooler config's step_tag_id and returned_token_ids)
+REWARD_MODELS: dict[str, tuple[int, str]] = {"Qwen2ForRewardModel": (1, "ALL"),
+                                             "Qwen2ForProcessRewardModel": (2, "STEP")}
 # a cross-encoder's activation as sentence-transformers names it (config.json), and what it is here
 _ST_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity",
                    "torch.nn.modules.activation.Softmax": "softmax"}
@@ -90,8 +95,8 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
                                  f"{', '.join(SEQ_POOLING_TYPES + TOK_POOLING_TYPES)}")
         if p.seq_pooling_type is not None and p.seq_pooling_type.upper() not in SEQ_POOLING_TYPES:
             raise ValueError(f"seq_pooling_type {p.seq_pooling_type!r} is not one of {', '.join(SEQ_POOLING_TYPES)}")
-        if p.tok_pooling_type is not None and p.tok_pooling_type.upper() != "ALL":
-            raise ValueError(f"tok_pooling_type {p.tok_pooling_type!r} is not supported; supported: ALL")
+        if p.tok_pooling_type is not None and p.tok_pooling_type.upper() not in TOK_POOLING_TYPES:
+            raise ValueError(f"tok_pooling_type {p.tok_pooling_type!r} is not one of {', '.join(TOK_POOLING_TYPES)}")
         if p.logit_sigma == 0:
             raise ValueError("logit_sigma cannot be 0 (division by zero)")
         if p.max_embed_len is not None and p.max_embed_len < 1:
@@ -128,6 +133,10 @@ class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     dimensions: int | None = None
     use_activation: bool | None = None
     pooling_type: str = ""
+    # STEP pooling (a process reward model's): the rows of the prompt tokens equal to step_tag_id
+    # (None: every row), their columns returned_token_ids (None: all); unset, the pooler config's
+    step_tag_id: int | None = None
+    returned_token_ids: tuple[int, ...] | None = None
 
     @property
     def needs_all_positions(self) -> bool:
@@ -162,6 +171,9 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
     # Cohere's input_type (/v2/embed): each type's instruction put before its texts (config.json's
     # task_instructions, else config_sentence_transformers.json's prompts; vLLM's)
     task_instructions: tuple[tuple[str, str], ...] = ()
+    # a reward model's score head is an MLP (hidden -> hidden, ReLU, -> labels; REWARD_MODELS),
+    # applied before STEP pooling picks its columns
+    score_mlp: bool = False
     # a sentence-transformers checkpoint's Dense projections of the pooled vector, in order
     dense: tuple[DenseLayer, ...] = ()
 
@@ -192,7 +204,7 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
         p = self.pooler
         dims = params.dimensions if params.dimensions is not None else p.dimensions
         use = params.use_activation if params.use_activation is not None else p.use_activation
-        hidden_size = self.embedding_size(hidden_size)
+        hidden_size, model_hidden = self.embedding_size(hidden_size), hidden_size
         if params.dimensions is not None:
             if not self.is_matryoshka:
                 raise ValueError(f"Model does not support Matryoshka embeddings; dimensions must be unset "
@@ -205,8 +217,25 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
                                  f"got {params.dimensions}.")
         per_token = params.task in ("token_embed", "token_classify")
         kind = (p.tok_pooling_type or "ALL") if per_token else (p.seq_pooling_type or "LAST")
+        step_tag, returned = params.step_tag_id, params.returned_token_ids
+        if kind == "STEP":
+            step_tag = p.step_tag_id if step_tag is None else step_tag
+            returned = p.returned_token_ids if returned is None else returned
+            # a reward model's columns are its labels (picked after its head); otherwise, as vLLM
+            # pools, the hidden state's, before the head
+            columns = self.num_labels if self.score_mlp else model_hidden
+            if returned is not None:
+                returned = tuple(int(t) for t in returned)
+                if not all(0 <= t < columns for t in returned):
+                    raise ValueError(f"returned_token_ids must be in [0, {columns}), got {list(returned)}")
+        elif step_tag is not None or returned is not None:
+            valid = ["dimensions", "use_activation"] if "embed" in params.task else ["use_activation"]
+            given = [k for k, v in (("step_tag_id", step_tag), ("returned_token_ids", returned)) if v is not None]
+            raise ValueError(f"Task {params.task} only supports {valid} parameters, does not support {given} "
+                             "parameters")
         return PoolingParams(task=params.task, dimensions=dims if "classify" not in params.task else None,
-                             use_activation=True if use is None else use, pooling_type=kind)
+                             use_activation=True if use is None else use, pooling_type=kind,
+                             step_tag_id=step_tag, returned_token_ids=returned)
 
 
 def embed_lens(pooling: ModelPooling | None) -> tuple[int | None, int | None]:
@@ -235,6 +264,11 @@ def resolve_runner(architecture: str, runner: str, convert: str) -> tuple[str, s
     if convert not in CONVERTS:
         raise ValueError(f"--convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
     native_runner, native_convert = default_runner(architecture)
+    if architecture in REWARD_MODELS and runner != "generate":      # a pooling model with a head of its own
+        if convert not in ("auto", "none", "classify"):
+            raise ValueError(f"{architecture} is a reward model: it scores every token with its own head "
+                             f"(task token_classify); --convert {convert} does not apply to it")
+        return "pooling", "classify"
     if runner == "auto":
         runner = native_runner if convert in ("auto", "none") else "pooling"
     if convert == "auto":
@@ -369,8 +403,10 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
     filled = {k: v for k, v in found.items() if getattr(pooler, k) is None}
     if filled:
         pooler = msgspec.structs.replace(pooler, **filled)
+    architecture = str((hf_config.get("architectures") or [""])[0])
+    reward = REWARD_MODELS.get(architecture)
     pooler = msgspec.structs.replace(pooler, seq_pooling_type=pooler.seq_pooling_type or "LAST",
-                                     tok_pooling_type=pooler.tok_pooling_type or "ALL")
+                                     tok_pooling_type=pooler.tok_pooling_type or (reward[1] if reward else "ALL"))
     dims = hf_config.get("matryoshka_dimensions")
     settings = ModelPooling(convert=convert, pooler=pooler,
                             is_matryoshka=bool(dims) or bool(hf_config.get("is_matryoshka", False)),
@@ -380,7 +416,12 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
                             if checkpoint_dir and convert == "embed" else ())
     if convert != "classify":
         return settings
-    per_token = str((hf_config.get("architectures") or [""])[0]).endswith("ForTokenClassification")
+    if reward is not None:          # vLLM's: its labels fixed, their activation by the columns kept
+        labels = tuple(f"LABEL_{i}" for i in range(reward[0]))
+        return msgspec.structs.replace(settings, labels=labels, per_token=True, head_bias=True, score_mlp=True,
+                                       activation=classifier_activation({**hf_config, "num_labels": reward[0]},
+                                                                        per_token=True))
+    per_token = architecture.endswith("ForTokenClassification")
     if hf_config.get("classifier_from_token"):
         labels, from_tokens = tokens_classifier(hf_config, token_id)
         return msgspec.structs.replace(settings, labels=labels, score_from_tokens=from_tokens,
@@ -389,7 +430,7 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
                                        use_sep_token=bool(hf_config.get("use_sep_token", True)))
     return msgspec.structs.replace(settings, labels=classifier_labels(hf_config), per_token=per_token,
                                    head_bias=per_token and bool(hf_config.get("token_classification_bias", True)),
-                                   activation=classifier_activation(hf_config),
+                                   activation=classifier_activation(hf_config, per_token),
                                    use_sep_token=bool(hf_config.get("use_sep_token", hf_config.get("use_pad_token",
                                                                                                    True))))
 
@@ -454,8 +495,9 @@ def classifier_labels(hf_config: dict[str, Any]) -> tuple[str, ...]:
     return tuple(f"LABEL_{i}" for i in range(n))
 
 
-def classifier_activation(hf_config: dict[str, Any]) -> str:
-    """vLLM's (transformers' loss's) activation of a classifier's scores."""
+def classifier_activation(hf_config: dict[str, Any], per_token: bool = False) -> str:
+    """vLLM's (transformers' loss's) activation of a classifier's scores; a token classifier's
+    default is "auto" (vLLM's: sigmoid or softmax by the scores a row keeps)."""
     problem = hf_config.get("problem_type") or ""
     if problem == "regression":
         return "identity"
@@ -470,4 +512,6 @@ def classifier_activation(hf_config: dict[str, Any]) -> str:
                 raise ValueError(f"the cross-encoder's activation {name!r} is not supported; supported: "
                                  f"{', '.join(_ST_ACTIVATIONS)}")
             return _ST_ACTIVATIONS[name]
+    if per_token:
+        return "auto"
     return "sigmoid" if len(classifier_labels(hf_config)) < 2 else "softmax"

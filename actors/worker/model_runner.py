@@ -180,7 +180,7 @@ class ModelRunner:
         pooling = config.model.pooling
         self.pooler = None if pooling is None else Pooler(
             getattr(model, "score", None), pooling.activation, pooling.pooler.logit_mean, pooling.pooler.logit_sigma,
-            dense_projector(pooling.dense))
+            dense_projector(pooling.dense), step_after_head=pooling.score_mlp)
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""
@@ -308,8 +308,9 @@ class ModelRunner:
         b, cu = self.batch, inp.meta.query_start_loc.tolist()
         for row, (rid, n) in enumerate(so.num_scheduled_tokens.items()):
             i = int(inp.slots[row])
-            pooled = self.pooler.add(rid, b.states[i].params.pooling, hidden[cu[row]:cu[row] + n],
-                                     int(b.num_computed_tokens[i]) - n, int(b.num_prompt_tokens[i]))
+            params, start = b.states[i].params.pooling, int(b.num_computed_tokens[i]) - n
+            pooled = self.pooler.add(rid, params, hidden[cu[row]:cu[row] + n], start, int(b.num_prompt_tokens[i]),
+                                     b.token_ids[i, start:start + n] if params.pooling_type == "STEP" else None)
             if pooled is not None:
                 out.pooler_output[rid] = pooled
 

@@ -1,7 +1,8 @@
 """The pooling model's head (vLLM's ``Pooler``, for ``--runner pooling``): each pooling
 request's last-layer hidden states (after the final norm), chunk by chunk as its prompt is
 computed, turned into its answer once the prompt is done: the last token's (LAST), the first's
-(CLS), their mean (MEAN), or every token's (ALL, task token_embed); then put through a
+(CLS), their mean (MEAN), every token's (ALL, task token_embed), or the step tag's (STEP, a
+process reward model's); then put through a
 sentence-transformers checkpoint's Dense projections, its first ``dimensions`` kept (a Matryoshka
 model's) and L2-normalized unless ``use_activation`` is off; or, for a classifier (task
 classify; token_classify: every token's), its score head's label scores. Sums run in float32
@@ -59,23 +60,22 @@ class Pooler:
 
     def __init__(self, head: torch.nn.Module | None = None, activation: str = "softmax",
                  logit_mean: float | None = None, logit_sigma: float | None = None,
-                 projector: torch.nn.Module | None = None) -> None:
+                 projector: torch.nn.Module | None = None, step_after_head: bool = False) -> None:
         # a request whose prompt spans several steps: what its chunks have added up so far
         # (MEAN: the sum of rows; CLS: the first row; ALL: the rows)
         self.partial: dict[str, torch.Tensor | list[torch.Tensor]] = {}
+        self.step_ids: dict[str, list[torch.Tensor]] = {}      # STEP: the token ids of its chunks so far
         self.head, self.activation = head, activation
         self.logit_mean, self.logit_sigma = logit_mean, logit_sigma
         self.projector = projector        # an embedding's Dense projections (sentence-transformers')
+        # STEP's columns picked from the head's scores (a reward model's), else from the hidden rows
+        self.step_after_head = step_after_head
 
-    def forget(self, req_ids: list[str]) -> None:
-        """Drop finished, aborted or preempted requests (a preempted one starts over)."""
-        for rid in req_ids:
-            self.partial.pop(rid, None)
-
-    def add(self, rid: str, params: PoolingParams, rows: torch.Tensor, start: int, num_prompt: int
-            ) -> np.ndarray | None:
+    def add(self, rid: str, params: PoolingParams, rows: torch.Tensor, start: int, num_prompt: int,
+            token_ids: np.ndarray | None = None) -> np.ndarray | None:
         """Chunk ``rows`` (n, hidden) of positions [start, start + n) of a prompt of
-        ``num_prompt`` tokens; the request's answer once the chunk ends the prompt, else None."""
+        ``num_prompt`` tokens (``token_ids``: theirs, for STEP pooling); the request's answer
+        once the chunk ends the prompt, else None."""
         kind, done = params.pooling_type, start + len(rows) >= num_prompt
         if kind == "LAST":
             if not done:
@@ -95,16 +95,22 @@ class Pooler:
                 self.partial[rid] = total
                 return None
             pooled = total / num_prompt
-        elif kind == "ALL":
+        elif kind in ("ALL", "STEP"):
             chunks = self.partial.setdefault(rid, [])
             chunks.append(rows.float())
+            if kind == "STEP":
+                if token_ids is None or len(token_ids) != len(rows):
+                    raise ValueError("STEP pooling needs the chunk's token ids")
+                self.step_ids.setdefault(rid, []).append(torch.as_tensor(np.asarray(token_ids)))
             if not done:
                 return None
             pooled = torch.cat(self.partial.pop(rid))
+            if kind == "STEP":
+                pooled = self._steps(pooled, torch.cat(self.step_ids.pop(rid)), params)
         else:
             raise ValueError(f"pooling type {kind!r} is not supported")
         if params.task in ("classify", "token_classify"):     # one row, or one per token
-            return self._classify(pooled, params.use_activation).cpu().numpy()
+            return self._classify(pooled, params.use_activation, params if kind == "STEP" else None).cpu().numpy()
         if self.projector is not None:
             with torch.no_grad():
                 pooled = self.projector(pooled)
@@ -114,14 +120,33 @@ class Pooler:
             pooled = F.normalize(pooled, p=2, dim=-1)
         return pooled.cpu().numpy()
 
-    def _classify(self, pooled: torch.Tensor, activate: bool) -> torch.Tensor:
+    def forget(self, req_ids: list[str]) -> None:
+        """Drop finished, aborted or preempted requests (a preempted one starts over)."""
+        for rid in req_ids:
+            self.partial.pop(rid, None)
+            self.step_ids.pop(rid, None)
+
+    def _steps(self, rows: torch.Tensor, token_ids: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """STEP pooling (vLLM's): the rows of the step tag's tokens; before the head, the
+        columns asked for too (after it, for a reward model: ``_classify``)."""
+        if params.step_tag_id is not None:
+            rows = rows[token_ids == params.step_tag_id]
+        if params.returned_token_ids and not self.step_after_head:
+            rows = rows[:, list(params.returned_token_ids)]
+        return rows
+
+    def _classify(self, pooled: torch.Tensor, activate: bool, step: PoolingParams | None = None) -> torch.Tensor:
         if self.head is None:
             raise ValueError("this model has no score head to classify with (--convert classify)")
-        scores = self.head(pooled.to(self.head.weight.dtype))
+        with torch.no_grad():
+            scores = self.head(pooled.float())          # score heads are float32 (vLLM's head dtype)
+        if step is not None and step.returned_token_ids and self.step_after_head:
+            scores = scores[:, list(step.returned_token_ids)]
         if self.logit_mean is not None:
             scores = scores - self.logit_mean
         if self.logit_sigma is not None:
             scores = scores / self.logit_sigma
         if not activate or self.activation == "identity":
             return scores
-        return torch.sigmoid(scores) if self.activation == "sigmoid" else torch.softmax(scores, dim=-1)
+        sigmoid = self.activation == "sigmoid" or (self.activation == "auto" and scores.shape[-1] < 2)
+        return torch.sigmoid(scores) if sigmoid else torch.softmax(scores, dim=-1)

@@ -58,7 +58,7 @@ def serving_checkpoint(source: ModelSource, config: EngineConfig, max_model_len:
     pooling = config.model.pooling
     if pooling is not None:       # an embedding model or a classifier: no LM head runs
         ckpt = pooling_checkpoint(ckpt, pooling.num_labels if pooling.convert == "classify" else 0, pooling.head_bias,
-                                  pooling.score_from_tokens)
+                                  pooling.score_from_tokens, pooling.score_mlp)
     arch = ckpt.config
     if config.model.disable_sliding_window:     # vLLM's: full attention, the context capped at the window
         arch = arch.without_sliding_window()

@@ -104,6 +104,68 @@ def test_a_token_classifier_labels_every_prompt_token_as_transformers_does(tmp_p
                                atol=2e-5)
 
 
+def _reward_checkpoint(path, architecture: str, labels: int):
+    """A tiny Qwen2 reward model as its (remote-code) checkpoints are saved: the decoder stack under
+    "model.", a score MLP (hidden -> hidden, ReLU, -> labels) under "score.0" and "score.2"."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2Model
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2,
+                         architectures=[architecture])
+    stack = _randomized(Qwen2Model(config))
+    torch.manual_seed(3)
+    score = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, labels)).eval()
+    tensors = {f"model.{k}": v.contiguous() for k, v in stack.state_dict().items()}
+    tensors.update({f"score.{k}": v.contiguous() for k, v in score.state_dict().items()})
+    tensors["lm_head.weight"] = torch.randn(VOCAB, 64)          # saved by the causal LM it came from; unused
+    save_file(tensors, str(path / "model.safetensors"))
+    config.to_json_file(str(path / "config.json"))
+    save_tiny_tokenizer(path, VOCAB)
+
+    def reference(ids: list[int]) -> torch.Tensor:             # every token's scores
+        with torch.no_grad():
+            return score(stack(torch.tensor([ids])).last_hidden_state[0].float())
+    return reference
+
+
+def test_a_process_reward_model_scores_each_step_tag_and_an_outcome_model_every_token(tmp_path):
+    """vLLM's Qwen2ForProcessRewardModel (STEP pooling: the rows of the step tag's tokens,
+    softmax over its two labels, or the columns returned_token_ids keeps) and
+    Qwen2ForRewardModel (a score per token, sigmoid; raw without activation), prompts computed
+    in chunks."""
+    from actors.api import PoolingParams
+    (tmp_path / "prm").mkdir()
+    (tmp_path / "rm").mkdir()
+    prm = _reward_checkpoint(tmp_path / "prm", "Qwen2ForProcessRewardModel", 2)
+    rm = _reward_checkpoint(tmp_path / "rm", "Qwen2ForRewardModel", 1)
+    tag = 99
+    prompt = [tag if i % 7 == 6 else t for i, t in enumerate(PROMPTS[2])]     # a step every 7 tokens
+    steps = [i for i, t in enumerate(prompt) if t == tag]
+    assert len(steps) == 5
+    with LLM(str(tmp_path / "prm"), multiprocess=False, max_num_batched_tokens=16,
+             pooler_config={"step_tag_id": tag}) as llm:
+        assert llm._run(llm._engine().get_supported_tasks()) == ("token_classify",)
+        (out,) = llm.encode([{"prompt_token_ids": prompt}], pooling_task="token_classify", use_tqdm=False)
+        (one,) = llm.encode([{"prompt_token_ids": prompt}], PoolingParams(returned_token_ids=[1]),
+                            pooling_task="token_classify", use_tqdm=False)
+        with pytest.raises(ValueError, match=r"returned_token_ids must be in \[0, 2\)"):
+            llm.encode([prompt], PoolingParams(returned_token_ids=[2]), pooling_task="token_classify",
+                       use_tqdm=False)
+    scores = prm(prompt)[steps]
+    np.testing.assert_allclose(out.outputs.data.numpy(), torch.softmax(scores, -1).numpy(), atol=2e-5)
+    np.testing.assert_allclose(one.outputs.data.numpy(), torch.sigmoid(scores[:, 1:]).numpy(), atol=2e-5)
+    with LLM(str(tmp_path / "rm"), multiprocess=False, max_num_batched_tokens=16) as llm:
+        (out,) = llm.encode([{"prompt_token_ids": prompt}], pooling_task="token_classify", use_tqdm=False)
+        (raw,) = llm.encode([{"prompt_token_ids": prompt}], PoolingParams(use_activation=False),
+                            pooling_task="token_classify", use_tqdm=False)
+        with pytest.raises(ValueError, match=r"Task token_classify only supports \['use_activation'\] "
+                                             r"parameters, does not support \['step_tag_id'\]"):
+            llm.encode([prompt], PoolingParams(step_tag_id=3), pooling_task="token_classify", use_tqdm=False)
+    assert tuple(out.outputs.data.shape) == (len(prompt), 1)
+    np.testing.assert_allclose(raw.outputs.data.numpy(), rm(prompt).numpy(), atol=3e-5)
+    np.testing.assert_allclose(out.outputs.data.numpy(), torch.sigmoid(rm(prompt)).numpy(), atol=2e-5)
+
+
 @pytest.mark.parametrize("overrides, expected_labels", [
     ({"classifier_from_token": ["t5", "t9"], "is_original_qwen3_reranker": True}, 1),       # Qwen3-Reranker's way
     ({"classifier_from_token": ["t7", "t11", "t13"], "method": "no_post_processing"}, 3),

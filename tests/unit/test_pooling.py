@@ -228,3 +228,20 @@ def test_a_preempted_request_starts_its_pooling_over():
     pooler.forget(["r"])                         # preempted: recomputed from its first token
     assert pooler.add("r", params, rows[:3], 0, 6) is None
     np.testing.assert_allclose(pooler.add("r", params, rows[3:], 3, 6), rows.mean(0).numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_reward_model_is_a_token_classifier_with_its_own_head():
+    assert resolve_runner("Qwen2ForProcessRewardModel", "auto", "auto") == ("pooling", "classify")
+    assert resolve_runner("Qwen2ForRewardModel", "pooling", "none") == ("pooling", "classify")
+    with pytest.raises(ValueError, match="is a reward model: it scores every token with its own head"):
+        resolve_runner("Qwen2ForRewardModel", "pooling", "embed")
+    prm = model_pooling(pooler_config('{"step_tag_id": 12, "returned_token_ids": [1]}'), "classify", None,
+                        {"architectures": ["Qwen2ForProcessRewardModel"]})
+    assert (prm.tasks, prm.labels, prm.score_mlp, prm.activation) == (("token_classify",), ("LABEL_0", "LABEL_1"),
+                                                                      True, "auto")
+    assert prm.params(None, 64) == PoolingParams(task="token_classify", use_activation=True, pooling_type="STEP",
+                                                 step_tag_id=12, returned_token_ids=(1,))
+    assert prm.params(PoolingParams(step_tag_id=5), 64).step_tag_id == 5        # the request's own wins
+    rm = model_pooling(None, "classify", None, {"architectures": ["Qwen2ForRewardModel"]})
+    assert rm.num_labels == 1 and rm.params(None, 64).pooling_type == "ALL"
+    assert pooler_config('{"pooling_type": "STEP"}').tok_pooling_type == "STEP"
