@@ -1213,11 +1213,13 @@ class LLM:
 
     def score(self, data_1: Prompt | Sequence[Prompt], data_2: Prompt | Sequence[Prompt], *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
-              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+              pooling_params: PoolingParams | None = None, chat_template: str | None = None
+              ) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``: one ``data_1`` against every ``data_2``, or the two paired one
         to one (ValueError otherwise). An embedding model's score is the cosine similarity of
         the pair's embeddings; a cross-encoder's (a classifier of one label) its score of the
-        pair read together."""
+        pair read together (``chat_template``: a score template, Jinja, that renders the pair as
+        a "query" and a "document" message)."""
         first, second = _prompt_list(data_1), _prompt_list(data_2)
         if not first or not second:
             raise ValueError("At least one text element must be given")
@@ -1231,7 +1233,7 @@ class LLM:
             if not all(isinstance(p, str) for p in first + second):
                 raise ValueError("a cross-encoder scores texts: give data_1 and data_2 as strings")
             from actors.frontend.scoring import pair_token_ids
-            pairs = [pair_token_ids(self.client.tokenizer, pooling.use_sep_token, q, d)
+            pairs = [pair_token_ids(self.client.tokenizer, pooling.use_sep_token, q, d, template=chat_template)
                      for q, d in zip(first * len(second) if len(first) == 1 else first, second)]
             outs = self.classify([{"prompt_token_ids": ids} for ids in pairs], pooling_params,
                                  truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)

@@ -315,6 +315,10 @@ class EngineArgs:
         if convert == "classify" and source.kind != "hf_dir":
             raise ValueError("--convert classify needs a classifier's score head, which only a Hugging Face "
                              "checkpoint (score.weight) holds; a GGUF file has none")
+        if raw.get("is_original_qwen3_reranker") and self.chat_template is None:     # vLLM's warning
+            log.warning("Serving an original Qwen3 reranker without a --chat-template. The model was trained with "
+                        "a specific prompt template; running without it may produce inaccurate relevance scores. "
+                        "Give --chat-template with its score template (a 'query' and a 'document' message).")
         token_id = None
         if raw.get("classifier_from_token"):     # the tokenizer's ids of the tokens whose head rows score
             from actors.tokenizer.gguf_tokenizer import TextTokenizer

@@ -151,7 +151,7 @@ async def _cross_encoder_scores(server: OpenAIServer, req: ScoringRequest, queri
         params = client.pooling_request(PoolingParams(task="classify", use_activation=req.use_activation),
                                         req.truncate_prompt_tokens)
         pairs = [pair_token_ids(client.tokenizer, pooling.use_sep_token, q, d, req.max_tokens_per_query,
-                                req.max_tokens_per_doc)
+                                req.max_tokens_per_doc, client.config.model.chat_template, req.chat_template_kwargs)
                  for q, d in zip(queries * len(documents) if len(queries) == 1 else queries, documents)]
     except ValueError as exc:
         raise bad_request(str(exc)) from None
@@ -161,13 +161,26 @@ async def _cross_encoder_scores(server: OpenAIServer, req: ScoringRequest, queri
 
 
 def pair_token_ids(tokenizer: Any, use_sep_token: bool, first: str, second: str, max_first: int = 0,
-                   max_second: int = 0) -> list[int]:
+                   max_second: int = 0, template: str | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """A cross-encoder's prompt, as vLLM builds it: the query and the document (each first cut
-    to its own token cap, when given) encoded as a text pair (``use_sep_token``, the default),
-    or joined as one text (an LLM used as a reranker)."""
+    to its own token cap, when given) put through ``template`` (the server's --chat-template,
+    or LLM.score's ``chat_template``: a "query" and a "document" message, as vLLM's score
+    templates read them, e.g. Qwen3-Reranker's), else encoded as a text pair (``use_sep_token``,
+    the default) or joined as one text (an LLM used as a reranker)."""
     def cut(text: str, n: int) -> str:
         return tokenizer.decode(tokenizer.encode(text)[:n], skip_special_tokens=False) if n else text
     first, second = cut(first, max_first), cut(second, max_second)
+    if template is not None:
+        kwargs = dict(template_kwargs or {})
+        reserved = {"chat_template", "tools", "tokenize"} & kwargs.keys()
+        if reserved:
+            raise ValueError(f"chat_template_kwargs contains reserved keys that conflict with fixed scorer "
+                             f"arguments: {reserved}")
+        text = tokenizer.apply_chat_template([{"role": "query", "content": first},
+                                              {"role": "document", "content": second}],
+                                             add_generation_prompt=False, chat_template=template, **kwargs)
+        return tokenizer.encode(text, add_special_tokens=True)
     if use_sep_token:
         return tokenizer.encode_pair(first, second)
     return tokenizer.encode(first + second, add_special_tokens=True)

@@ -261,3 +261,24 @@ def test_a_pair_is_encoded_as_transformers_encodes_text_with_text_pair(tmp_path)
     assert pair_token_ids(ours, True, "w1 w2", "w3 w4 w5", max_second=1) == [0, 3, 4, 1, 5, 1]
     # an LLM used as a reranker (use_sep_token false): the two joined, read as one prompt is
     assert pair_token_ids(ours, False, "w1 w2 ", "w3") == ours.encode("w1 w2 w3", add_special_tokens=True)
+    # a score template (vLLM's, e.g. Qwen3-Reranker's): the pair as a "query" and a "document" message
+    template = "{% for m in messages %}{{ m['role'] == 'query' and 'w9' or 'w8' }} {{ m['content'] }} {% endfor %}"
+    rendered = ours.encode("w9 w1 w2 w8 w3 w4 w5 ", add_special_tokens=True)
+    assert pair_token_ids(ours, True, "w1 w2", "w3 w4 w5", template=template) == rendered
+    assert rendered[-7:] == [11, 3, 4, 10, 5, 6, 7]
+    assert pair_token_ids(ours, True, "w1 w2", "w3 w4 w5", max_first=1, template=template)[-6:] == [11, 3, 10, 5, 6,
+                                                                                                   7]
+    with pytest.raises(ValueError, match="reserved keys"):
+        pair_token_ids(ours, True, "w1", "w2", template=template, template_kwargs={"tools": []})
+
+
+def test_a_cross_encoder_reads_each_pair_through_a_score_template(reranker):
+    """LLM.score with vLLM's chat_template: each pair rendered as a query and a document message,
+    scored as the classifier scores that prompt."""
+    path, reference = reranker
+    template = "{% for m in messages %}{{ m['content'] }} t99 {% endfor %}"
+    query, docs = [4, 8, 15], [[16, 23], [42, 4, 8]]
+    with LLM(path, multiprocess=False) as llm:
+        scores = llm.score(_text(query), [_text(d) for d in docs], chat_template=template, use_tqdm=False)
+    expected = [float(torch.sigmoid(_logits(reference, query + [99] + d + [99]))[0]) for d in docs]
+    np.testing.assert_allclose([s.outputs.score for s in scores], expected, atol=2e-5)
