@@ -785,52 +785,56 @@ static inline void bf16_tile(const uint32_t *xa, int as_float, int64_t t0, int64
     bf16_rows(xa + t0 * K2, mr, K2, pan, y, ldy, cols);
 }
 
-static int bf16_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
-    const int64_t P = (N + NR - 1) / NR, K2 = (K + 1) / 2, rows = bf16_row_block(K);
+/* One gate panel p with its up panel (PI panels later) over a row block's mb rows, GATED_ROWS at
+ * a time, their SiLU-and-multiply taken in the L1 cache: out's columns 32 p .. 32 p + 31. */
+static void bf16_gated_panel(const uint32_t *codes, const uint32_t *xa, int as_float, int64_t mb, int64_t K2,
+                             int64_t p, int64_t PI, float *out, int64_t I) {
+    float gu[GATED_ROWS * 2 * NR] __attribute__((aligned(64)));   /* [row][gate 32 | up 32] */
+    float act[GATED_ROWS * NR] __attribute__((aligned(64)));
+    const uint32_t *pg = codes + p * K2 * NR, *pu = codes + (p + PI) * K2 * NR;
+    for (int64_t t0 = 0; t0 < mb; t0 += GATED_ROWS) {
+        const int64_t mr = mb - t0 < GATED_ROWS ? mb - t0 : GATED_ROWS;
+        bf16_tile(xa, as_float, t0, mr, K2, pg, gu, 2 * NR, NR);
+        bf16_tile(xa, as_float, t0, mr, K2, pu, gu + NR, 2 * NR, NR);
+        silu_and_mul_serial_f32(gu, 2 * NR, act, mr, NR);
+        for (int64_t r = 0; r < mr; r++) memcpy(out + (t0 + r) * I + p * NR, act + r * NR, sizeof(float) * NR);
+    }
+}
+
+/* y (M, N) = x W^T for bfloat16 panels, or (gated: N = 2 I, I a multiple of 32) out (M, I) =
+ * silu(x Wg^T) * (x Wu^T), each gate panel with its up panel, so the (M, 2 I) product is never
+ * written out; the same bits as the product followed by silu_and_mul_f32 (a row's products do not
+ * depend on the rows beside it). */
+static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                         int gated) {
+    const int64_t K2 = (K + 1) / 2, rows = bf16_row_block(K), width = gated ? N / 2 : N;
+    const int64_t P = gated ? width / NR : (N + NR - 1) / NR;
     if (!bf16_x_room(M, K)) return 0;
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
         const int64_t mb = M - r0 < rows ? M - r0 : rows;
         const int as_float = bf16_float_rows(mb);
         bf16_load_rows(x + r0 * K, mb, K, as_float);
         const uint32_t *xa = bf16_x;
-        float *yb = y + r0 * N;
+        float *yb = y + r0 * width;
         #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < P; p++) {
-            const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
-            bf16_tile(xa, as_float, 0, mb, K2, codes + p * K2 * NR, yb + p * NR, N, cols);
+            if (gated) {
+                bf16_gated_panel(codes, xa, as_float, mb, K2, p, P, yb, width);
+            } else {
+                const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+                bf16_tile(xa, as_float, 0, mb, K2, codes + p * K2 * NR, yb + p * NR, N, cols);
+            }
         }
     }
     return 1;
 }
 
-/* panel_gated_gemm for bfloat16 panels (codes as bf16_gemm's, N = 2 I, I a multiple of 32): each
- * gate panel with its up panel over GATED_ROWS rows at a time, their SiLU-and-multiply taken in
- * the L1 cache; the same bits as bf16_gemm followed by silu_and_mul_f32 (a row's products do not
- * depend on the rows beside it). */
+static int bf16_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
+    return bf16_products(codes, N, K, x, M, y, 0);
+}
+
 static int bf16_gated_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *out) {
-    const int64_t I = N / 2, PI = I / NR, K2 = (K + 1) / 2, rows = bf16_row_block(K);
-    if (!bf16_x_room(M, K)) return 0;
-    for (int64_t r0 = 0; r0 < M; r0 += rows) {
-        const int64_t mb = M - r0 < rows ? M - r0 : rows;
-        const int as_float = bf16_float_rows(mb);
-        bf16_load_rows(x + r0 * K, mb, K, as_float);
-        const uint32_t *xa = bf16_x;
-        #pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < PI; p++) {
-            float gu[GATED_ROWS * 2 * NR] __attribute__((aligned(64)));   /* [row][gate 32 | up 32] */
-            float act[GATED_ROWS * NR] __attribute__((aligned(64)));
-            const uint32_t *pg = codes + p * K2 * NR, *pu = codes + (p + PI) * K2 * NR;
-            for (int64_t t0 = 0; t0 < mb; t0 += GATED_ROWS) {
-                const int64_t mr = mb - t0 < GATED_ROWS ? mb - t0 : GATED_ROWS;
-                bf16_tile(xa, as_float, t0, mr, K2, pg, gu, 2 * NR, NR);
-                bf16_tile(xa, as_float, t0, mr, K2, pu, gu + NR, 2 * NR, NR);
-                silu_and_mul_serial_f32(gu, 2 * NR, act, mr, NR);
-                for (int64_t r = 0; r < mr; r++)
-                    memcpy(out + (r0 + t0 + r) * I + p * NR, act + r * NR, sizeof(float) * NR);
-            }
-        }
-    }
-    return 1;
+    return bf16_products(codes, N, K, x, M, out, 1);
 }
 
 /* Float32 weight (N, K) row-major -> panels (P, K, 32), zero-padded. */
