@@ -498,7 +498,7 @@ class AsyncLLM:
     async def encode(self, prompt: Prompt, pooling_params: PoolingParams | None = None, *,
                      request_id: str | None = None, truncate_prompt_tokens: int | None = None,
                      priority: int = 0, tokenization_kwargs: dict[str, Any] | None = None,
-                     **template: Any) -> PoolingRequestOutput:
+                     lora_request: LoRARequest | None = None, **template: Any) -> PoolingRequestOutput:
         """vLLM's ``encode`` with a pooling model (``runner="pooling"``): one prompt (text, token
         ids, a prompt dict, or a conversation) through the model once, pooled as
         ``pooling_params`` asks (its task "embed" by default). ValueError for what the model
@@ -508,6 +508,8 @@ class AsyncLLM:
             truncate_prompt_tokens = tokenization_kwargs.get("truncate_prompt_tokens", truncate_prompt_tokens)
         out, prompt_ids = await self.client.encode(pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                                                    request_id=request_id, priority=priority,
+                                                   lora_request=None if lora_request is None else
+                                                   self.client.register_lora(lora_request),
                                                    **{"add_special_tokens": "messages" not in what, **what})
         if out is None or out.error is not None or out.pooling_output is None:
             raise RuntimeError(f"the pooling request failed: {out.error if out is not None else 'no output'}")
@@ -1164,7 +1166,8 @@ class LLM:
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams] | None
                = None, *, pooling_task: str | None = None, truncate_prompt_tokens: int | None = None,
                use_tqdm: bool | Callable[..., Any] = True, priority: int | Sequence[int] | None = None,
-               tokenization_kwargs: dict[str, Any] | None = None) -> list[PoolingRequestOutput]:
+               tokenization_kwargs: dict[str, Any] | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.encode`` for a pooling model (``runner="pooling"``, or ``convert="embed"``):
         every prompt (text, token ids, a prompt dict) pooled concurrently, results in order.
         ``pooling_task``: "embed" (one vector per prompt) or "token_embed" (one per token); it
@@ -1174,18 +1177,22 @@ class LLM:
         if pooling_task is not None:
             params = [msgspec.structs.replace(p or PoolingParams(), task=pooling_task) for p in params]
         priorities = _per_prompt(priority or 0, len(items), "priorities")
+        loras = _per_prompt(lora_request, len(items), "LoRA requests")
 
         async def run_all() -> list[PoolingRequestOutput]:
             bar = Progress(len(items), "Processed prompts", use_tqdm) if use_tqdm and len(items) > 1 else None
 
-            async def one(prompt: Prompt, p: PoolingParams | None, prio: int) -> PoolingRequestOutput:
+            async def one(prompt: Prompt, p: PoolingParams | None, prio: int, lora: LoRARequest | None
+                          ) -> PoolingRequestOutput:
                 out = await self._engine().encode(prompt, p, truncate_prompt_tokens=truncate_prompt_tokens,
-                                                  priority=prio, tokenization_kwargs=tokenization_kwargs)
+                                                  priority=prio, tokenization_kwargs=tokenization_kwargs,
+                                                  lora_request=lora)
                 if bar is not None:
                     bar.update(0)
                 return out
             try:
-                return list(await asyncio.gather(*(one(x, p, r) for x, p, r in zip(items, params, priorities))))
+                return list(await asyncio.gather(*(one(x, p, r, a) for x, p, r, a in
+                                                   zip(items, params, priorities, loras))))
             finally:
                 if bar is not None:
                     bar.close()
@@ -1194,27 +1201,29 @@ class LLM:
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams] | None
               = None, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
               priority: int | Sequence[int] | None = None,
-              tokenization_kwargs: dict[str, Any] | None = None) -> list[EmbeddingRequestOutput]:
+              tokenization_kwargs: dict[str, Any] | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's ``LLM.embed``: ``encode`` with task "embed", each result's
         ``outputs.embedding`` a list of floats."""
         return [EmbeddingRequestOutput.from_base(o) for o in self.encode(
             prompts, pooling_params, pooling_task="embed", truncate_prompt_tokens=truncate_prompt_tokens,
-            use_tqdm=use_tqdm, priority=priority, tokenization_kwargs=tokenization_kwargs)]
+            use_tqdm=use_tqdm, priority=priority, tokenization_kwargs=tokenization_kwargs, lora_request=lora_request)]
 
     def classify(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
                  truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
                  priority: int | Sequence[int] | None = None,
-                 tokenization_kwargs: dict[str, Any] | None = None) -> list[ClassificationRequestOutput]:
+                 tokenization_kwargs: dict[str, Any] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[ClassificationRequestOutput]:
         """vLLM's ``LLM.classify`` for a classifier (``convert="classify"``, or a
         ``...ForSequenceClassification`` checkpoint): each result's ``outputs.probs``."""
         return [ClassificationRequestOutput.from_base(o) for o in self.encode(
             prompts, pooling_params, pooling_task="classify", truncate_prompt_tokens=truncate_prompt_tokens,
-            use_tqdm=use_tqdm, priority=priority, tokenization_kwargs=tokenization_kwargs)]
+            use_tqdm=use_tqdm, priority=priority, tokenization_kwargs=tokenization_kwargs, lora_request=lora_request)]
 
     def score(self, data_1: Prompt | Sequence[Prompt], data_2: Prompt | Sequence[Prompt], *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
-              pooling_params: PoolingParams | None = None, chat_template: str | None = None
-              ) -> list[ScoringRequestOutput]:
+              pooling_params: PoolingParams | None = None, chat_template: str | None = None,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``: one ``data_1`` against every ``data_2``, or the two paired one
         to one (ValueError otherwise). An embedding model's score is the cosine similarity of
         the pair's embeddings; a cross-encoder's (a classifier of one label) its score of the
@@ -1236,11 +1245,13 @@ class LLM:
             pairs = [pair_token_ids(self.client.tokenizer, pooling.use_sep_token, q, d, template=chat_template)
                      for q, d in zip(first * len(second) if len(first) == 1 else first, second)]
             outs = self.classify([{"prompt_token_ids": ids} for ids in pairs], pooling_params,
-                                 truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+                                 truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                                 lora_request=lora_request)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids,
                                          o.num_cached_tokens) for o in outs]
         params = msgspec.structs.replace(pooling_params or PoolingParams(), task="embed")
-        outs = self.encode(first + second, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        outs = self.encode(first + second, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           lora_request=lora_request)
         queries, docs = outs[:len(first)], outs[len(first):]
         if len(queries) == 1:
             queries = queries * len(docs)

@@ -553,7 +553,7 @@ def _check_pooling(cfg: EngineConfig) -> None:
     """A pooling model (--runner pooling) computes each prompt once and samples nothing: the
     options that shape generation have nothing to act on, and are refused by name."""
     refused = [name for name, on in (
-        ("--speculative-config", cfg.speculative is not None), ("--enable-lora", cfg.lora is not None),
+        ("--speculative-config", cfg.speculative is not None),
         ("--async-scheduling", cfg.scheduler.async_scheduling is True),
         ("--pipeline-parallel-size", cfg.parallel.pipeline_parallel_size > 1),
         ("--watermark-config", cfg.watermark is not None), ("--kv-transfer-config", cfg.kv_transfer is not None),

@@ -97,7 +97,8 @@ async def create_cohere_embedding(server: OpenAIServer, request: web.Request) ->
         raise bad_request(str(exc), "output_dimension") from None
     priority = check_priority(req, client.config.scheduler.policy)
     rid = uuid.uuid4().hex
-    vectors, counts = await embed_prompts(server, params, _prompts(server, req, prefix), rid, priority, side)
+    vectors, counts = await embed_prompts(server, params, _prompts(server, req, prefix), rid, priority, side,
+                                          client.lora_request_for(req.model))
     if req.truncate == "NONE" and req.max_tokens is not None:
         for n in counts:
             require(n <= req.max_tokens, f"Input of {n} tokens exceeds max_tokens={req.max_tokens} with "

@@ -25,6 +25,7 @@ from actors.frontend.protocol import ChatMessage, require
 from actors.frontend.streams import RequestOutput
 
 if TYPE_CHECKING:
+    from actors.engine.lora import LoRARequest
     from actors.frontend.app import OpenAIServer
     from actors.frontend.client import RequestHandle
 
@@ -121,11 +122,12 @@ async def pooled(server: OpenAIServer, path: str, body: bytes) -> web.Response:
     priority = check_priority(req, client.config.scheduler.policy)
     rid = req.request_id or uuid.uuid4().hex
     prompts, side = _prompts(server, req), req.truncation_side or "right"     # vLLM's pooling tokenizers keep the start
+    lora = client.lora_request_for(req.model)          # a served LoRA adapter named as the model
     if task == "embed":
-        vectors, counts = await embed_prompts(server, engine_params, prompts, rid, priority, side)
+        vectors, counts = await embed_prompts(server, engine_params, prompts, rid, priority, side, lora)
         prompt_tokens = sum(counts)
     else:
-        outs, prompt_tokens = await run_pooling(server, engine_params, prompts, rid, priority, side)
+        outs, prompt_tokens = await run_pooling(server, engine_params, prompts, rid, priority, side, lora)
         vectors = [out.pooling_output for out in outs]
     usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
     if task != "classify" and req.encoding_format in ("bytes", "bytes_only"):
@@ -143,7 +145,8 @@ async def pooled(server: OpenAIServer, path: str, body: bytes) -> web.Response:
 
 
 async def run_pooling(server: OpenAIServer, params: SamplingParams, prompts: list[Prompt], rid: str, priority: int,
-                      truncation_side: str) -> tuple[list[RequestOutput], int]:
+                      truncation_side: str, lora_request: LoRARequest | None = None
+                      ) -> tuple[list[RequestOutput], int]:
     """Every prompt admitted at once as a pooling request (``params``: the engine's, from
     ``EngineClient.pooling_request``), then their finished outputs, in order, and their prompt
     tokens in all. A refusal ends those admitted before it; an output the engine failed is
@@ -153,7 +156,7 @@ async def run_pooling(server: OpenAIServer, params: SamplingParams, prompts: lis
         for i, prompt in enumerate(prompts):
             handles.append(await server.submit(
                 params, request_id=f"{rid}-{i}" if len(prompts) > 1 else rid, priority=priority,
-                truncation_side=truncation_side, **prompt.kwargs))
+                truncation_side=truncation_side, lora_request=lora_request, **prompt.kwargs))
         outs = await asyncio.gather(*(_final(h) for h in handles))
     finally:
         for h in handles:
@@ -165,18 +168,20 @@ async def run_pooling(server: OpenAIServer, params: SamplingParams, prompts: lis
 
 
 async def embed_prompts(server: OpenAIServer, params: SamplingParams, prompts: list[Prompt], rid: str, priority: int,
-                        truncation_side: str) -> tuple[list[np.ndarray], list[int]]:
+                        truncation_side: str, lora_request: LoRARequest | None = None
+                        ) -> tuple[list[np.ndarray], list[int]]:
     """The embeddings of ``prompts`` (``params``: an embed task's engine params), in order,
     and each prompt's tokens: /v1/embeddings' and /v2/embed's, in pieces where the pooler
     config enables chunked processing."""
     if server.engine().config.model.pooling.pooler.enable_chunked_processing:
-        return await run_chunked(server, params, prompts, rid, priority, truncation_side)
-    outs, _ = await run_pooling(server, params, prompts, rid, priority, truncation_side)
+        return await run_chunked(server, params, prompts, rid, priority, truncation_side, lora_request)
+    outs, _ = await run_pooling(server, params, prompts, rid, priority, truncation_side, lora_request)
     return [out.pooling_output for out in outs], [out.num_prompt_tokens for out in outs]
 
 
 async def run_chunked(server: OpenAIServer, params: SamplingParams, prompts: list[Prompt], rid: str, priority: int,
-                      truncation_side: str) -> tuple[list[np.ndarray], list[int]]:
+                      truncation_side: str, lora_request: LoRARequest | None = None
+                      ) -> tuple[list[np.ndarray], list[int]]:
     """vLLM's long-text embedding (the pooler config's ``enable_chunked_processing``): each
     prompt rendered whole (up to ``max_embed_len`` tokens), cut into pieces of max_model_len
     tokens embedded as requests of their own, and the pieces' vectors averaged, each weighing
@@ -193,7 +198,7 @@ async def run_chunked(server: OpenAIServer, params: SamplingParams, prompts: lis
             pieces.append(Prompt({"prompt_token_ids": ids[start:start + size]}))
             owners.append(i)
     whole = msgspec.structs.replace(params, truncate_prompt_tokens=None)    # truncated when rendered
-    outs, _ = await run_pooling(server, whole, pieces, rid, priority, truncation_side)
+    outs, _ = await run_pooling(server, whole, pieces, rid, priority, truncation_side, lora_request)
     sums: list[np.ndarray | None] = [None] * len(prompts)
     weights, counts, unit = [0] * len(prompts), [0] * len(prompts), [True] * len(prompts)
     for out, owner, piece in zip(outs, owners, pieces):

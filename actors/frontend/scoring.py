@@ -127,10 +127,11 @@ async def _bi_encoder_scores(server: OpenAIServer, req: ScoringRequest, queries:
         per_doc = client.pooling_request(params, req.max_tokens_per_doc or t)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+    lora = client.lora_request_for(req.model)
     q_out, q_tokens = await run_pooling(server, per_query, [_prompt(q) for q in queries], f"{rid}-q", priority,
-                                        "right" if req.max_tokens_per_query else side)
+                                        "right" if req.max_tokens_per_query else side, lora)
     d_out, d_tokens = await run_pooling(server, per_doc, [_prompt(d) for d in documents], f"{rid}-d", priority,
-                                        "right" if req.max_tokens_per_doc else side)
+                                        "right" if req.max_tokens_per_doc else side, lora)
     q = np.stack([o.pooling_output for o in q_out])
     d = np.stack([o.pooling_output for o in d_out])
     q = np.broadcast_to(q, d.shape) if len(q) == 1 else q
@@ -156,7 +157,7 @@ async def _cross_encoder_scores(server: OpenAIServer, req: ScoringRequest, queri
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     outs, tokens = await run_pooling(server, params, [Prompt({"prompt_token_ids": ids}) for ids in pairs], rid,
-                                     priority, side)
+                                     priority, side, client.lora_request_for(req.model))
     return np.array([float(o.pooling_output[0]) for o in outs]), tokens
 
 

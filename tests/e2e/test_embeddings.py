@@ -395,3 +395,44 @@ def test_cohere_embed_gives_each_asked_type_and_puts_the_input_types_instruction
         r = requests.post(url, json=body, timeout=60)
         assert r.status_code == 400, (body, r.text)
         assert words in r.json()["error"]["message"] and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_lora_adapter_shapes_the_embeddings_of_the_requests_that_name_it(tmp_path):
+    """--enable-lora with --runner pooling: a request naming an adapter (LLM.embed's lora_request,
+    or the server's model field for a --lora-modules name) embeds as peft's model with that
+    adapter computes it, one beside it without embeds as the base model, in the same batch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.engine.lora import LoRARequest
+    from helpers import save_tiny_lora
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                         rms_norm_eps=1e-6, num_hidden_layers=2, tie_word_embeddings=False))
+    _random_weights(model)
+    model.save_pretrained(base)
+    save_tiny_tokenizer(base, VOCAB)
+    peft = save_tiny_lora(str(base), str(adapter), 8, ["q_proj", "v_proj", "gate_proj"], seed=1)
+    (ids,) = _prompts([40])
+    with LLM(str(base), multiprocess=False, runner="pooling", enable_lora=True, max_lora_rank=8,
+             max_num_batched_tokens=16) as llm:
+        with_adapter, plain = llm.embed([{"prompt_token_ids": ids}] * 2, lora_request=[LoRARequest("a", 1, str(adapter)),
+                                                                                       None], use_tqdm=False)
+    with torch.no_grad():
+        expected = peft(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+        with peft.disable_adapter():
+            expected_plain = peft(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+    np.testing.assert_allclose(with_adapter.outputs.embedding,
+                               torch.nn.functional.normalize(expected, dim=-1).numpy(), atol=2e-5)
+    np.testing.assert_allclose(plain.outputs.embedding,
+                               torch.nn.functional.normalize(expected_plain, dim=-1).numpy(), atol=2e-5)
+    server = Server("--model", str(base), "--runner", "pooling", "--enable-lora", "--max-lora-rank", "8",
+                    "--lora-modules", f"sql={adapter}", "--threads", "1")
+    try:
+        served = _embed(server, model="sql", input=ids).json()
+        base_served = _embed(server, input=ids).json()
+    finally:
+        server.stop()
+    assert served["model"] == "sql"
+    np.testing.assert_allclose(served["data"][0]["embedding"], with_adapter.outputs.embedding, atol=1e-5)
+    np.testing.assert_allclose(base_served["data"][0]["embedding"], plain.outputs.embedding, atol=1e-5)
