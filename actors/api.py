@@ -1249,7 +1249,9 @@ class LLM:
                                  lora_request=lora_request)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids,
                                          o.num_cached_tokens) for o in outs]
-        params = msgspec.structs.replace(pooling_params or PoolingParams(), task="embed")
+        from actors.frontend.scoring import late_interaction, pair_score
+        late = late_interaction(pooling)         # token embeddings, ColBERT's MaxSim (vLLM's late interaction)
+        params = msgspec.structs.replace(pooling_params or PoolingParams(), task="token_embed" if late else "embed")
         outs = self.encode(first + second, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                            lora_request=lora_request)
         queries, docs = outs[:len(first)], outs[len(first):]
@@ -1257,8 +1259,7 @@ class LLM:
             queries = queries * len(docs)
         results = []
         for q, d in zip(queries, docs):
-            a, b = q.outputs.data.double(), d.outputs.data.double()
-            score = float(a @ b / max(float(a.norm() * b.norm()), 1e-8))
+            score = pair_score(q.outputs.data.numpy(), d.outputs.data.numpy(), late)
             results.append(ScoringRequestOutput(f"{q.request_id}_{d.request_id}", ScoringOutput(score),
                                                 q.prompt_token_ids + d.prompt_token_ids,
                                                 q.num_cached_tokens + d.num_cached_tokens))

@@ -118,11 +118,13 @@ async def scored(server: OpenAIServer, path: str, body: bytes) -> web.Response:
 async def _bi_encoder_scores(server: OpenAIServer, req: ScoringRequest, queries: list[str], documents: list[str],
                              rid: str, priority: int, side: str) -> tuple[np.ndarray, int]:
     """An embedding model's scores: each query and document embedded once, each pair's cosine
-    similarity. A side's own token cap keeps its first tokens."""
+    similarity; with the pooler config's task token_embed, vLLM's late interaction (ColBERT's
+    MaxSim over the two sides' token embeddings). A side's own token cap keeps its first tokens."""
     client = server.engine()
     t = req.truncate_prompt_tokens
+    late = late_interaction(client.config.model.pooling)
     try:
-        params = PoolingParams(task="embed", use_activation=req.use_activation)
+        params = PoolingParams(task="token_embed" if late else "embed", use_activation=req.use_activation)
         per_query = client.pooling_request(params, req.max_tokens_per_query or t)
         per_doc = client.pooling_request(params, req.max_tokens_per_doc or t)
     except ValueError as exc:
@@ -132,11 +134,25 @@ async def _bi_encoder_scores(server: OpenAIServer, req: ScoringRequest, queries:
                                         "right" if req.max_tokens_per_query else side, lora)
     d_out, d_tokens = await run_pooling(server, per_doc, [_prompt(d) for d in documents], f"{rid}-d", priority,
                                         "right" if req.max_tokens_per_doc else side, lora)
-    q = np.stack([o.pooling_output for o in q_out])
-    d = np.stack([o.pooling_output for o in d_out])
-    q = np.broadcast_to(q, d.shape) if len(q) == 1 else q
-    scores = (q * d).sum(-1) / np.maximum(np.linalg.norm(q, axis=-1) * np.linalg.norm(d, axis=-1), 1e-8)
-    return scores, q_tokens + d_tokens
+    q = [o.pooling_output for o in q_out]
+    q = q * len(d_out) if len(q) == 1 else q
+    return np.array([pair_score(a, o.pooling_output, late) for a, o in zip(q, d_out)]), q_tokens + d_tokens
+
+
+def late_interaction(pooling: Any) -> bool:
+    """Whether an embedding model scores by late interaction (vLLM's: its pooling task, the
+    pooler config's, is token_embed)."""
+    return pooling is not None and pooling.pooler.task == "token_embed"
+
+
+def pair_score(query: np.ndarray, document: np.ndarray, late: bool) -> float:
+    """A bi-encoder's score of a pair: the cosine similarity of the two embeddings, or (``late``)
+    ColBERT's MaxSim of their token embeddings (each query token's best dot product with a
+    document token, summed; float32, as vLLM computes it)."""
+    if late:
+        return float((query.astype(np.float32) @ document.astype(np.float32).T).max(-1).sum())
+    a, b = query.astype(np.float64), document.astype(np.float64)
+    return float(a @ b / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-8))
 
 
 async def _cross_encoder_scores(server: OpenAIServer, req: ScoringRequest, queries: list[str],

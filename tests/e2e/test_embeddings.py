@@ -436,3 +436,16 @@ def test_a_lora_adapter_shapes_the_embeddings_of_the_requests_that_name_it(tmp_p
     assert served["model"] == "sql"
     np.testing.assert_allclose(served["data"][0]["embedding"], with_adapter.outputs.embedding, atol=1e-5)
     np.testing.assert_allclose(base_served["data"][0]["embedding"], plain.outputs.embedding, atol=1e-5)
+
+
+def test_a_token_embedding_model_scores_by_late_interaction(bare_llama):
+    """--pooler-config '{"task": "token_embed"}': LLM.score is vLLM's late interaction, ColBERT's
+    MaxSim: each query token's best dot product with a document token's (both normalized), summed."""
+    path, reference = bare_llama
+    query, docs = _prompts([6, 9, 14])[0], _prompts([9, 14])
+    with LLM(path, multiprocess=False, pooler_config={"task": "token_embed"}) as llm:
+        scores = llm.score({"prompt_token_ids": query}, [{"prompt_token_ids": d} for d in docs], use_tqdm=False)
+    q = torch.nn.functional.normalize(_hidden(reference, query), dim=-1)
+    for doc, got in zip(docs, scores):
+        d = torch.nn.functional.normalize(_hidden(reference, doc), dim=-1)
+        assert got.outputs.score == pytest.approx(float((q @ d.T).max(-1).values.sum()), abs=1e-4)
