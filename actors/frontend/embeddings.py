@@ -1,8 +1,8 @@
 """POST /v1/embeddings (OpenAI's, with vLLM's fields), POST /pooling and POST /classify (vLLM's):
 the answers of a pooling model (``--runner pooling``). ``input`` is a string, token ids, a list of either, or a
 chat conversation (``messages``, or a list of conversations), each item one engine request
-admitted at once; ``encoding_format`` float, base64 (of ``embed_dtype`` float32, float16 or
-bfloat16, in ``endianness`` byte order), or the raw bytes (``bytes``, with a ``metadata`` header
+admitted at once; ``encoding_format`` float, base64 (of ``embed_dtype`` float32, float16,
+bfloat16, fp8_e4m3 or fp8_e5m2, in ``endianness`` byte order), or the raw bytes (``bytes``, with a ``metadata`` header
 locating each vector; ``bytes_only``), as vLLM encodes them."""
 from __future__ import annotations
 
@@ -29,7 +29,11 @@ if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
     from actors.frontend.client import RequestHandle
 
-EMBED_DTYPES = ("float32", "float16", "bfloat16")
+EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+# float8 formats as torch converts to them (vLLM's embed_dtype): (mantissa bits, exponent bias,
+# the float32 exponent below which a value is subnormal, the float32 bits from which it overflows,
+# and the code it overflows to: e4m3fn saturates at 448, e5m2 goes to infinity)
+_FP8 = {"fp8_e4m3": (3, 7, 121, 0x43E00000, 0x7E), "fp8_e5m2": (2, 15, 113, 143 << 23, 0x7C)}
 ENDIANNESS = ("native", "big", "little")
 ENCODING_FORMATS = ("float", "base64", "bytes", "bytes_only")
 
@@ -319,6 +323,23 @@ def _encoded(vector: np.ndarray, req: PoolingRequest) -> list | str:
     return base64.b64encode(_raw(vector, req)).decode("ascii")
 
 
+def _fp8(flat: np.ndarray, mant: int, bias: int, subnormal_exp: int, overflow_bits: int, overflow: int
+         ) -> np.ndarray:
+    """float32 -> float8 codes (uint8) exactly as torch converts: nearest even, the subnormals as
+    multiples of the smallest one, what overflows to ``overflow``, NaN to 0x7F."""
+    bits = flat.view(np.uint32)
+    sign = ((bits >> 24) & 0x80).astype(np.uint8)
+    mag = bits & 0x7FFFFFFF
+    shift = 23 - mant
+    normal = (mag + ((bias - 127) << 23 & 0xFFFFFFFF) + ((1 << (shift - 1)) - 1) + ((mag >> shift) & 1)) >> shift
+    smallest = np.float32(2.0 ** (1 - bias - mant))
+    with np.errstate(invalid="ignore"):      # NaN and infinity lanes are replaced below
+        subnormal = np.rint(np.abs(flat) / smallest).astype(np.uint32)   # nearest even, as the float add does
+    code = np.where(mag < (subnormal_exp << 23), subnormal, normal & 0xFF)
+    code = np.where(mag >= overflow_bits, np.where(mag > 0x7F800000, 0x7F, overflow), code)
+    return code.astype(np.uint8) | sign
+
+
 def _raw(vector: np.ndarray, req: PoolingRequest) -> bytes:
     """The answer's bytes in ``embed_dtype`` and ``endianness`` (vLLM's; bfloat16 rounded to
     nearest even, as torch converts)."""
@@ -328,6 +349,8 @@ def _raw(vector: np.ndarray, req: PoolingRequest) -> bytes:
     elif req.embed_dtype == "bfloat16":
         bits = flat.view(np.uint32)
         raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    elif req.embed_dtype in _FP8:
+        raw = _fp8(flat, *_FP8[req.embed_dtype])
     else:
         raw = flat
     if req.endianness != "native" and req.endianness != sys.byteorder:

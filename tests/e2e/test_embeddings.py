@@ -225,6 +225,11 @@ def test_base64_in_each_dtype_and_byte_order_decodes_to_the_floats(server):
         else:
             values = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<" if endianness == "little" else ">"))
         np.testing.assert_allclose(values.astype(np.float32), plain, atol=tol)
+    for dtype, torch_dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        r = _embed(server, input="hello world", encoding_format="base64", embed_dtype=dtype)
+        raw = bytearray(base64.b64decode(r.json()["data"][0]["embedding"]))
+        got = torch.frombuffer(raw, dtype=torch.uint8).view(torch_dtype)
+        assert torch.equal(got.view(torch.uint8), torch.from_numpy(plain).to(torch_dtype).view(torch.uint8)), dtype
 
 
 def test_pooling_endpoint_gives_every_tokens_vector_and_chat_input_is_rendered(server):
