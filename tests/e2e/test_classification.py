@@ -21,6 +21,19 @@ VOCAB = 128
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
 
+# the tiny decoder every checkpoint here has (with its architecture's own extra keys)
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2)
+
+
+def _saved(path, model):
+    """``model`` with random weights, saved at ``path`` with the tiny tokenizer: (its path, it)."""
+    model = _randomized(model)
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, VOCAB)
+    return str(path), model
+
+
 def _randomized(model):
     torch.manual_seed(0)
     with torch.no_grad():
@@ -33,28 +46,16 @@ def _randomized(model):
 def sentiment(tmp_path_factory):
     """A tiny LlamaForSequenceClassification with three named labels."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
-    path = tmp_path_factory.mktemp("sentiment")
-    model = _randomized(LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2, pad_token_id=0,
-        num_labels=3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})))
-    model.save_pretrained(path)
-    save_tiny_tokenizer(path, VOCAB)
-    return str(path), model
+    return _saved(tmp_path_factory.mktemp("sentiment"), LlamaForSequenceClassification(LlamaConfig(
+        **TINY, pad_token_id=0, num_labels=3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})))
 
 
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory):
     """A tiny Qwen3ForSequenceClassification of one label (a cross-encoder)."""
     from transformers import Qwen3Config, Qwen3ForSequenceClassification
-    path = tmp_path_factory.mktemp("reranker")
-    model = _randomized(Qwen3ForSequenceClassification(Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2, pad_token_id=0,
-        num_labels=1)))
-    model.save_pretrained(path)
-    save_tiny_tokenizer(path, VOCAB)
-    return str(path), model
+    return _saved(tmp_path_factory.mktemp("reranker"), Qwen3ForSequenceClassification(Qwen3Config(
+        **TINY, pad_token_id=0, num_labels=1)))
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
@@ -89,11 +90,7 @@ def test_a_token_classifier_labels_every_prompt_token_as_transformers_does(tmp_p
     """A tiny Qwen2ForTokenClassification (its head with a bias): the pooling task token_classify
     gives each prompt token's label probabilities, the prompt computed in chunks."""
     from transformers import Qwen2Config, Qwen2ForTokenClassification
-    reference = _randomized(Qwen2ForTokenClassification(Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2, pad_token_id=0, num_labels=4)))
-    reference.save_pretrained(tmp_path)
-    save_tiny_tokenizer(tmp_path, VOCAB)
+    _, reference = _saved(tmp_path, Qwen2ForTokenClassification(Qwen2Config(**TINY, pad_token_id=0, num_labels=4)))
     with LLM(str(tmp_path), multiprocess=False, max_num_batched_tokens=16) as llm:
         assert llm._run(llm._engine().get_supported_tasks()) == ("token_classify",)
         (out,) = llm.encode([{"prompt_token_ids": PROMPTS[2]}], use_tqdm=False)
@@ -109,9 +106,7 @@ def _reward_checkpoint(path, architecture: str, labels: int):
     "model.", a score MLP (hidden -> hidden, ReLU, -> labels) under "score.0" and "score.2"."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2Model
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2,
-                         architectures=[architecture])
+    config = Qwen2Config(**TINY, architectures=[architecture])
     stack = _randomized(Qwen2Model(config))
     torch.manual_seed(3)
     score = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, labels)).eval()
@@ -176,12 +171,7 @@ def test_a_causal_lm_becomes_a_classifier_from_its_head_rows_as_vllms_overrides_
     Qwen3ForSequenceClassification and classifier_from_token): the score head is the LM head's
     rows of those tokens; from_2_way_softmax scores the softmax of the two tokens' logits."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    reference = _randomized(Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=2,
-        tie_word_embeddings=False)))
-    reference.save_pretrained(tmp_path)
-    save_tiny_tokenizer(tmp_path, VOCAB)
+    _, reference = _saved(tmp_path, Qwen3ForCausalLM(Qwen3Config(**TINY, tie_word_embeddings=False)))
     with LLM(str(tmp_path), multiprocess=False,
              hf_overrides={"architectures": ["Qwen3ForSequenceClassification"], **overrides}) as llm:
         outs = llm.classify([{"prompt_token_ids": p} for p in PROMPTS[:2]], use_tqdm=False)
