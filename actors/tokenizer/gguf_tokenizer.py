@@ -198,6 +198,11 @@ class TextTokenizer:
         self.add_bos_token: bool = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
         self.add_eos_token: bool = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         self.all_special_ids: list[int] = sorted(_special_ids(metadata, types))
+        # a Hugging Face tokenizer.json whose post-processor adds the special tokens (BERT's [CLS] and
+        # [SEP], Llama 3's BOS) where tokenizer_config.json sets no BOS/EOS flags of its own: what
+        # transformers' fast tokenizer adds with add_special_tokens, as it adds them
+        self._post_processed = (config is not None and tokenizer.post_processor is not None
+                                and not {"add_bos_token", "add_eos_token"} & config.keys())
         self.chat_template: str | None = metadata.get("tokenizer.chat_template") or None
         self._chat_template = ChatTemplate(self.chat_template) if self.chat_template else None
         self.content_format = "auto"      # --chat-template-content-format: auto, string or openai
@@ -215,6 +220,9 @@ class TextTokenizer:
             raise ValueError(f"{path} has no tokenizer.json: give one with --tokenizer, or serve token ids "
                              "without a tokenizer with --skip-tokenizer-init")
         tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        # a saved padding or truncation applies only where a caller asks (as in transformers)
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         n = tokenizer.get_vocab_size(with_added_tokens=True)
         types = [0] * n
@@ -300,7 +308,10 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token text (`<|im_start|>`) always maps to its id; `add_special_tokens`
-        adds BOS/EOS where the GGUF's add_bos_token/add_eos_token ask for them."""
+        adds BOS/EOS where the GGUF's add_bos_token/add_eos_token ask for them (a Hugging Face
+        tokenizer.json's post-processor, where its flags are unset)."""
+        if add_special_tokens and self._post_processed:
+            return self.backend_tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
         ids = self._ids(text)
         if add_special_tokens:
             ids = self._with_bos(ids)
@@ -313,9 +324,16 @@ class TextTokenizer:
         ``text_pair`` (a cross-encoder's query and document): tokenizer.json's post-processor
         joins them and adds its special tokens (a GGUF file's vocabulary has none: the two
         joined, BOS first where the file asks)."""
+        return self.encode_pair_with_types(first, second)[0]
+
+    def encode_pair_with_types(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """``encode_pair``'s ids and each one's token type (0: the first text's, 1: the second's,
+        as tokenizer.json's post-processor types them; all 0 where it types none)."""
         enc = self.backend_tokenizer.encode(first, second, add_special_tokens=True)
         ids = list(enc.ids)
-        return ids if self.backend_tokenizer.post_processor is not None else self._with_bos(ids)
+        if self.backend_tokenizer.post_processor is None:
+            return self._with_bos(ids), [0] * len(self._with_bos(ids))
+        return ids, list(enc.type_ids)
 
     def token_offsets(self, text: str, ids: Sequence[int]) -> list[tuple[int, int]] | None:
         """Each of ``ids``' (start, end) characters in ``text``, where ``ids`` are ``text``'s
@@ -458,6 +476,9 @@ class TokenIdsOnly:
         raise NoTokenizer(NO_TOKENIZER)
 
     def encode_pair(self, first: str, second: str) -> list[int]:
+        raise NoTokenizer(TEXT_PROMPTS_REFUSED)
+
+    def encode_pair_with_types(self, first: str, second: str) -> tuple[list[int], list[int]]:
         raise NoTokenizer(TEXT_PROMPTS_REFUSED)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], *args: Any, **kwargs: Any) -> str:

@@ -255,9 +255,10 @@ def test_a_pair_is_encoded_as_transformers_encodes_text_with_text_pair(tmp_path)
     template = "{% for m in messages %}{{ m['role'] == 'query' and 'w9' or 'w8' }} {{ m['content'] }} {% endfor %}"
     rendered = ours.encode("w9 w1 w2 w8 w3 w4 w5 ", add_special_tokens=True)
     assert pair_token_ids(ours, True, "w1 w2", "w3 w4 w5", template=template) == rendered
-    assert rendered[-7:] == [11, 3, 4, 10, 5, 6, 7]
-    assert pair_token_ids(ours, True, "w1 w2", "w3 w4 w5", max_first=1, template=template)[-6:] == [11, 3, 10, 5, 6,
-                                                                                                   7]
+    # the rendered text encoded with the special tokens tokenizer.json's post-processor adds, as transformers does
+    assert rendered == theirs("w9 w1 w2 w8 w3 w4 w5 ")["input_ids"] == [0, 11, 3, 4, 10, 5, 6, 7, 1]
+    assert pair_token_ids(ours, True, "w1 w2", "w3 w4 w5", max_first=1, template=template) == [0, 11, 3, 10, 5, 6, 7,
+                                                                                                1]
     with pytest.raises(ValueError, match="reserved keys"):
         pair_token_ids(ours, True, "w1", "w2", template=template, template_kwargs={"tools": []})
 
