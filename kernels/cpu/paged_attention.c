@@ -777,7 +777,11 @@ void paged_decode_lse(const float *q, const void *kv, int64_t kt, const int32_t 
  *   3. acc += P V, 4 rows x 4 vectors of D held in registers per pass over the tile's values.
  * On AVX2 CPUs (cp_item256) the same with 8-lane vectors, for D a multiple of 8. Other D and
  * CPUs take a plain C path: per query, its scores, softmax and weighted sum of values.
- * Returns 0, or -1 when its scratch memory could not be allocated (nothing written then).
+ * With ``bidirectional`` set (an encoder's prompts, ctx 0), every query sees every position of
+ * its prompt: an item walks all the prompt's key tiles, the last one's keys past the prompt
+ * masked instead of the diagonal's.
+ * Returns 0, or -1 when its scratch memory could not be allocated, or a bidirectional call has
+ * cached context (nothing written then).
  */
 #define CP_TILE 16
 
@@ -823,13 +827,13 @@ static void cp_finish(float *o0, int64_t os0, int64_t os1, int r0, int nq, int G
  * any), and their table cp_items[D == 64, == 128, other] (DV64, DV128: D / lanes there). */
 typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
                            float *, int64_t, int64_t, int64_t, int, int, int, int64_t, float, float *,
-                           float *, int64_t);
+                           float *, int64_t, int64_t);
 #define CP_ITEM_FN(T, DV)                                                                          \
     static void T##_##DV(const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep, \
                          const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, \
                          int r0, int nq, int G, int64_t D, float scale, float *ws, float *lse0,      \
-                         int64_t ls0) {                                                            \
-        T(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws, lse0, ls0); \
+                         int64_t ls0, int64_t nkeys) {                                             \
+        T(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws, lse0, ls0, nkeys); \
     }
 #define CP_ITEM_TABLE(T, DV64, DV128)                                                              \
     CP_ITEM_FN(T, 0) CP_ITEM_FN(T, DV64) CP_ITEM_FN(T, DV128)                                      \
@@ -884,7 +888,7 @@ static inline __m512 cp_max16(const __m512 *v) {
 static inline __attribute__((always_inline)) void
 cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
            const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
-           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0) {
+           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys) {
     const int64_t DV = DVc ? DVc : Dr / 16, D = 16 * DV;
     float *Qs = ws;                                  /* [G][16][D], scaled, padded rows zero */
     float *acc = Qs + (int64_t)G * CP_TILE * D;      /* [G][16][D] */
@@ -895,10 +899,13 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     float *cr = mr + CP_TILE;                        /* [16] rescale per row */
     cp_start(q0, qs0, qs1, r0, nq, G, D, scale, Qs, acc, mv, lv);
     const int rows = (nq + 3) & ~3;
-    for (int64_t kt = 0; kt <= qt; kt++) {
+    const int64_t last = nkeys ? (nkeys - 1) / CP_TILE : qt;
+    for (int64_t kt = 0; kt <= last; kt++) {
         const float *K = kT + kt * kstep;
         const float *V = V0 + kt * CP_TILE * vs0;
-        const int diag = kt == qt, nk = diag ? nq : CP_TILE;
+        const int diag = !nkeys && kt == qt, tail = nkeys && kt == last;
+        const int nk = diag ? nq : tail ? (int)(nkeys - kt * CP_TILE) : CP_TILE;
+        const __mmask16 keep = (__mmask16)((1u << nk) - 1u);      /* a tail tile's keys */
         for (int h = 0; h < G; h++) {
             const float *Qh = Qs + h * CP_TILE * D;
             __m512 s[CP_TILE];
@@ -911,6 +918,8 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
             if (diag)
                 for (int r = 0; r < CP_TILE; r++)
                     s[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((2u << r) - 1u), s[r]);
+            if (tail)
+                for (int r = 0; r < CP_TILE; r++) s[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[r]);
             const __m512 mold = _mm512_load_ps(mv + h * CP_TILE);
             const __m512 mnew = _mm512_max_ps(mold, cp_max16(s));
             const __m512 c = pa_exp512(_mm512_sub_ps(mold, mnew));   /* 0 on the first tile */
@@ -920,6 +929,7 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
             for (int r = 0; r < CP_TILE; r++) {
                 __m512 e = pa_exp512(_mm512_sub_ps(s[r], _mm512_set1_ps(mr[r])));
                 if (diag) e = _mm512_maskz_mov_ps((__mmask16)((2u << r) - 1u), e);
+                if (tail) e = _mm512_maskz_mov_ps(keep, e);
                 _mm512_store_ps(P + r * CP_TILE, e);
                 s[r] = e;
             }
@@ -967,7 +977,7 @@ cp_pv256(const int W, float *ah, int64_t D, int rg, int64_t d0, const float *cr,
 static inline __attribute__((always_inline)) void
 cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
            const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
-           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0) {
+           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys) {
     const int64_t DV = DVc ? DVc : Dr / 8, D = 8 * DV;
     float *Qs = ws;                                  /* [G][16][D], scaled, padded rows zero */
     float *acc = Qs + (int64_t)G * CP_TILE * D;      /* [G][16][D] */
@@ -978,10 +988,12 @@ cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     cp_start(q0, qs0, qs1, r0, nq, G, D, scale, Qs, acc, mv, lv);
     const int rows = (nq + 3) & ~3;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lane8 = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
-    for (int64_t kt = 0; kt <= qt; kt++) {
+    const int64_t last = nkeys ? (nkeys - 1) / CP_TILE : qt;
+    for (int64_t kt = 0; kt <= last; kt++) {
         const float *K = kT + kt * kstep;
         const float *V = V0 + kt * CP_TILE * vs0;
-        const int diag = kt == qt, nk = diag ? nq : CP_TILE;
+        const int diag = !nkeys && kt == qt, tail = nkeys && kt == last;
+        const int nk = diag ? nq : tail ? (int)(nkeys - kt * CP_TILE) : CP_TILE;
         for (int h = 0; h < G; h++) {
             const float *Qh = Qs + h * CP_TILE * D;
             for (int rg = 0; rg < rows; rg += 4) {
@@ -1003,8 +1015,8 @@ cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
             float *mh = mv + h * CP_TILE, *lh = lv + h * CP_TILE;
             for (int r = 0; r < rows; r++) {
                 __m256 s0 = _mm256_load_ps(P + r * CP_TILE), s1 = _mm256_load_ps(P + r * CP_TILE + 8);
-                if (diag) {            /* keys past the row's position: -inf, so exp gives 0 */
-                    const __m256i lim = _mm256_set1_epi32(r + 1);
+                if (diag || tail) {    /* keys past the row's position (a tail: the prompt's end): -inf */
+                    const __m256i lim = _mm256_set1_epi32(diag ? r + 1 : nk);
                     s0 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s0, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, lane)));
                     s1 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s1, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, lane8)));
                 }
@@ -1039,11 +1051,11 @@ CP_ITEM_TABLE(cp_item256, 8, 16)        /* D / 8 == 8, == 16 */
 static void cp_item_c(const float *q0, int64_t qs0, int64_t qs1, const float *K0, int64_t ks0,
                       const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt,
                       int r0, int nq, int G, int64_t D, float scale, float *sc, double *od, float *lse0,
-                      int64_t ls0) {
+                      int64_t ls0, int64_t nkeys) {
     for (int h = 0; h < G; h++)
         for (int r = r0; r < nq; r++) {
             const float *qq = q0 + (r - r0) * qs0 + h * qs1;
-            const int64_t n = qt * CP_TILE + r + 1;          /* keys 0 .. position */
+            const int64_t n = nkeys ? nkeys : qt * CP_TILE + r + 1;   /* keys 0 .. position, or all */
             float mx = -INFINITY;
             for (int64_t j = 0; j < n; j++) {
                 const float *kj = K0 + j * ks0;
@@ -1075,8 +1087,11 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
                            const int64_t *qstarts, const int64_t *kstarts, const int64_t *lens,
                            const int64_t *ctx, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t qs0,
                            int64_t qs1, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1, int64_t os0,
-                           int64_t os1, float scale, float *lse, int64_t ls0) {
+                           int64_t os1, float scale, float *lse, int64_t ls0, int64_t bidirectional) {
     if (R <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0) return R <= 0 ? 0 : -1;
+    if (bidirectional)                  /* every query sees its whole prompt: no cached context */
+        for (int64_t i = 0; i < R; i++)
+            if (ctx[i]) return -1;
     const int64_t G = H / KVH;
     int vec = 0;
 #ifdef CP_VW
@@ -1159,15 +1174,16 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
                 float *o0 = out + row * os0 + g * G * os1;
                 float *lse0 = lse ? lse + row * ls0 + g * G : NULL;
                 const float *V0 = v + kstarts[i] * vs0 + g * vs1;
+                const int64_t nkeys = bidirectional ? L : 0;
 #ifdef CP_VW
                 if (vec) {
                     fn(q0, qs0, qs1, kT + (ktile_base[i] * KVH + g) * D * CP_TILE, KVH * D * CP_TILE, V0, vs0,
-                       o0, os0, os1, qt, r0, nq, (int)G, D, scale, ws, lse0, ls0);
+                       o0, os0, os1, qt, r0, nq, (int)G, D, scale, ws, lse0, ls0, nkeys);
                     continue;
                 }
 #endif
                 cp_item_c(q0, qs0, qs1, k + kstarts[i] * ks0 + g * ks1, ks0, V0, vs0, o0, os0, os1, qt, r0, nq,
-                          (int)G, D, scale, ws, (double *)(ws + (max_len + 1) / 2 * 2), lse0, ls0);
+                          (int)G, D, scale, ws, (double *)(ws + (max_len + 1) / 2 * 2), lse0, ls0, nkeys);
             }
         }
         free(ws);
