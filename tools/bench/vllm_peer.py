@@ -74,7 +74,7 @@ def embed(args: argparse.Namespace) -> None:
     from vllm import LLM
     reqs = workload.from_args(args)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=256,
-              gpu_memory_utilization=0.4, runner="pooling", convert="embed")
+              gpu_memory_utilization=0.4, runner="pooling", convert=args.convert)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     llm.embed(prompts[:2], use_tqdm=False)
     t0 = time.perf_counter()
@@ -156,6 +156,7 @@ def main() -> None:
     emb.add_argument("--model", default="/tmp/peers/smollm2-hf")
     emb.add_argument("--dtype", default="float32")
     emb.add_argument("--max-model-len", type=int, default=2048)
+    emb.add_argument("--convert", default="embed", help="vLLM's --convert (auto: an embedding model's own pooling)")
     lra = sub.add_parser("lora", help="multi-LoRA throughput of vLLM, as tools.bench lora measures it")
     workload.add_arguments(lra)
     lra.add_argument("--model", default="/tmp/peers/smollm2-hf")

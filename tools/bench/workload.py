@@ -44,7 +44,7 @@ def load(path: str) -> list[dict[str, Any]]:
 def from_args(args: Any) -> list[dict[str, Any]]:
     if args.workload:
         return load(args.workload)
-    return generate(args.n, tuple(args.inp), tuple(args.out), args.seed)
+    return generate(args.n, tuple(args.inp), tuple(args.out), args.seed, args.vocab)
 
 
 def add_arguments(p: Any) -> None:
@@ -53,3 +53,5 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--in", dest="inp", type=int, nargs=2, default=[64, 256], metavar=("LO", "HI"))
     p.add_argument("--out", type=int, nargs=2, default=[64, 128], metavar=("LO", "HI"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=49152,
+                   help="prompt token ids are drawn below this (the model's vocabulary; default: SmolLM2's)")
