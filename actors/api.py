@@ -1241,10 +1241,13 @@ class LLM:
                                  f"{pooling.num_labels} labels: use LLM.classify")
             if not all(isinstance(p, str) for p in first + second):
                 raise ValueError("a cross-encoder scores texts: give data_1 and data_2 as strings")
-            from actors.frontend.scoring import pair_token_ids
-            pairs = [pair_token_ids(self.client.tokenizer, pooling.use_sep_token, q, d, template=chat_template)
+            from actors.frontend.scoring import pair_prompt
+            pairs = [pair_prompt(self.client.tokenizer, pooling.use_sep_token, q, d, template=chat_template)
                      for q, d in zip(first * len(second) if len(first) == 1 else first, second)]
-            outs = self.classify([{"prompt_token_ids": ids} for ids in pairs], pooling_params,
+            base = pooling_params or PoolingParams()
+            per_pair = [base if types is None else msgspec.structs.replace(base, compressed_token_type_ids=types)
+                        for _, types in pairs]
+            outs = self.classify([{"prompt_token_ids": ids} for ids, _ in pairs], per_pair,
                                  truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                                  lora_request=lora_request)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids,

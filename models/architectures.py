@@ -18,8 +18,17 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         # multimodal checkpoints: their language model, on text (vLLM's --language-model-only)
         ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"),
         ("Qwen2VLForConditionalGeneration", "qwen2"), ("Qwen2_5_VLForConditionalGeneration", "qwen2"),
-        ("Qwen3VLForConditionalGeneration", "qwen3"))}
+        ("Qwen3VLForConditionalGeneration", "qwen3"),
+        # encoder-only models (bidirectional attention): embedding models and cross-encoders
+        ("BertModel", "bert"), ("BertForSequenceClassification", "bert"), ("RobertaModel", "bert"),
+        ("RobertaForSequenceClassification", "bert"), ("XLMRobertaModel", "bert"),
+        ("XLMRobertaForSequenceClassification", "bert"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
+# the encoder-only ones: each prompt computed whole (no chunked prefill, no prefix caching), CLS
+# pooling by default (vLLM's)
+ENCODER_ONLY_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
+                              "RobertaForSequenceClassification", "XLMRobertaModel",
+                              "XLMRobertaForSequenceClassification")
 # transformers' bare decoder stacks (a checkpoint of the model without its LM head, as embedding
 # models are saved) and sequence classifiers: served as pooling models by the causal LM class of
 # the same layers

@@ -49,6 +49,11 @@ class ArchConfig:
     moe_intermediate_size: int = 0             # one expert's intermediate size
     norm_topk_prob: bool = True                # the top-k routing weights renormalized to sum to 1
     moe_layers: tuple[int, ...] | None = None  # the layers whose MLP is the MoE block; None: all
+    # -- encoder-only models (BERT, RoBERTa: models/bert.py) --------------------------------------
+    encoder_only: bool = False                 # bidirectional attention over each prompt whole, no KV cache
+    type_vocab_size: int = 0                   # token types (a text pair's segments); 0: none
+    position_offset: int = 0                   # a prompt's first position in the position table (RoBERTa's 2)
+    max_position_embeddings: int = 0          # the position table's rows; 0: max_model_len + position_offset
     # -- how the engine serves it (set by ``serving``, not read from the checkpoint) -------------
     serving_len: int = 0                       # the engine's --max-model-len; 0: default_max_model_len
     # a classifier's labels (--convert classify: a ``score`` head, hidden -> labels); 0: none

@@ -1,6 +1,7 @@
 """config.json (+ generation_config.json) -> ArchConfig: the keys all architectures share; a class reads its own."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -21,9 +22,32 @@ def read_hf_config(checkpoint_dir: str, overrides: dict[str, Any] | None = None)
     gen_path = os.path.join(checkpoint_dir, "generation_config.json")
     generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     try:
-        return hf_model_config(raw, generation)
+        config = hf_model_config(raw, generation)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{checkpoint_dir}/config.json is missing or has a malformed field: {exc!r}") from exc
+    seq_len = sentence_transformers_max_seq_length(checkpoint_dir)
+    if seq_len is not None and "max_position_embeddings" not in (overrides or {}):
+        config = dataclasses.replace(config, max_model_len=min(seq_len, config.max_model_len))
+    return config
+
+
+# sentence-transformers' tokenization settings, by the base model's kind (vLLM reads the same files)
+SENTENCE_TRANSFORMERS_CONFIGS = ("sentence_bert_config.json", "sentence_roberta_config.json",
+                                 "sentence_distilbert_config.json", "sentence_camembert_config.json",
+                                 "sentence_albert_config.json", "sentence_xlm-roberta_config.json",
+                                 "sentence_xlnet_config.json")
+
+
+def sentence_transformers_max_seq_length(checkpoint_dir: str) -> int | None:
+    """A sentence-transformers checkpoint's ``max_seq_length`` (sentence_bert_config.json and its
+    kin): the context vLLM serves it with (None: no such file, or it says none)."""
+    for name in SENTENCE_TRANSFORMERS_CONFIGS:
+        path = os.path.join(checkpoint_dir, name)
+        if os.path.isfile(path):
+            value = _read_json(path).get("max_seq_length")
+            if value is not None:
+                return int(value)
+    return None
 
 
 def with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -400,6 +400,8 @@ def bind_kv_cache_groups(model: nn.Module, layer_groups: list[int]) -> None:
     """Attention layer i (its cache is the runner's KV cache i) reads the block table of KV
     cache group ``layer_groups[i]``."""
     layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    if not layers and getattr(model, "encoder_only", False):
+        return                   # attends over whole prompts: reads and writes no KV cache
     if len(layers) != len(layer_groups):
         raise ValueError(f"{len(layer_groups)} layers in the KV cache groups, the model has {len(layers)}")
     for i, (m, g) in enumerate(zip(layers, layer_groups)):

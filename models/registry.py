@@ -123,6 +123,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
     model = get_model_class(config.architecture)(config, backend, dtype)
     tensor_map = getattr(model, ckpt.tensor_map)
     if config.num_labels and not config.score_from_tokens:   # a classifier's score head, in float32 (vLLM's)
+        own_head = model.classifier_head(config) if hasattr(model, "classifier_head") else None
         if ckpt.tensor_map != "hf_tensor_map":
             raise ValueError("a classifier (--convert classify) needs its score head, which only a Hugging Face "
                              "checkpoint (score.weight) holds")
@@ -131,6 +132,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
                                         nn.ReLU(), nn.Linear(config.hidden_size, config.num_labels, dtype=torch.float32))
             tensor_map = {**tensor_map, **{f"score.{i}.{p}": (f"score.{i}.{p}", None) for i in (0, 2)
                                            for p in ("weight", "bias")}}
+        elif own_head is not None:       # the model's own (an encoder's pooler and classifier)
+            model.score = own_head
         else:
             model.score = nn.Linear(config.hidden_size, config.num_labels, bias=config.score_bias,
                                     dtype=torch.float32)

@@ -12,11 +12,12 @@ import os
 import re
 from typing import Any
 
-from actors.engine.config import (CHAT_TEMPLATE_CONTENT_FORMATS, DATA_PARALLEL_BACKENDS, DEFAULT_MAX_LOGPROBS, DEVICES,
+from actors.engine.config import (CHAT_TEMPLATE_CONTENT_FORMATS, DATA_PARALLEL_BACKENDS, DEFAULT_MAX_LOGPROBS,
+                                  DEFAULT_MAX_NUM_BATCHED_TOKENS, DEVICES,
                                   DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, GENERATION_CONFIGS,
                                   KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, CacheConfig,
                                   DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig, ReasoningConfig,
-                                  ParallelConfig, SchedulerConfig)
+                                  ParallelConfig, SchedulerConfig, encoder_chunking_refused)
 from actors.engine.compilation import compilation_config, with_graph_flags
 from actors.engine.json_flags import checked_fields, convert, parse_object
 from actors.engine.lora import LoRAConfig, LoRAModulePath, parse_lora_module
@@ -35,6 +36,7 @@ from actors.runtime.otel import check_available as check_otel
 from actors.runtime.plugins import load_general_plugins, qualified_name, resolve_class
 from actors.spec_decode.config import SpeculativeConfig
 from actors.engine.vllm_options import offline_option
+from models.architectures import ENCODER_ONLY_ARCHITECTURES
 from models.resolve import ModelSource, resolve_model, resolve_tokenizer
 
 log = logging.getLogger("troupe.engine")
@@ -80,7 +82,10 @@ class EngineArgs:
     prefix_caching_hash_algo: str = "sha256"
     disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None     # None: 2048, or the context length where prompts go whole
+    # vLLM's --enable-chunked-prefill: prompts longer than the step's budget computed in chunks
+    # (None: on, except for encoder-only models, whose prompts are computed whole)
+    enable_chunked_prefill: bool | None = None
     max_num_scheduled_tokens: int | None = None   # vLLM's: a step's token budget (None: max_num_batched_tokens)
     max_num_active_seqs: int | None = None        # vLLM's: requests running at once (None: max_num_seqs)
     long_prefill_token_threshold: int = 0
@@ -214,9 +219,10 @@ class EngineArgs:
         if self.max_num_active_seqs is not None and self.max_num_active_seqs > self.max_num_seqs:
             raise ValueError(f"max_num_active_seqs ({self.max_num_active_seqs}) cannot be greater than "
                              f"max_num_seqs ({self.max_num_seqs}).")
-        if self.max_num_scheduled_tokens is not None and self.max_num_scheduled_tokens > self.max_num_batched_tokens:
+        budget = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if self.max_num_scheduled_tokens is not None and self.max_num_scheduled_tokens > budget:
             raise ValueError(f"max_num_scheduled_tokens ({self.max_num_scheduled_tokens}) cannot be greater than "
-                             f"max_num_batched_tokens ({self.max_num_batched_tokens}), what the worker is sized for.")
+                             f"max_num_batched_tokens ({budget}), what the worker is sized for.")
         if self.enable_prompt_embeds and speculative is not None and speculative.method != "ngram":
             raise ValueError(f"--enable-prompt-embeds with speculative method {speculative.method!r} is not "
                              "supported (its draft model reads tokens); ngram drafts are")
@@ -251,7 +257,9 @@ class EngineArgs:
                               enable_prefix_caching=self.enable_prefix_caching,
                               prefix_caching_hash_algo=self.prefix_caching_hash_algo),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_batched_tokens=budget,
+                                      budget_given=self.max_num_batched_tokens is not None,
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
                                       max_num_scheduled_tokens=self.max_num_scheduled_tokens,
                                       max_num_active_seqs=self.max_num_active_seqs,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
@@ -307,6 +315,8 @@ class EngineArgs:
         raw = checkpoint_config(source)
         architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]   # a GGUF file's: a causal LM
         runner, convert = resolve_runner(architecture, self.runner, self.convert)
+        if architecture in ENCODER_ONLY_ARCHITECTURES and self.enable_chunked_prefill:   # before any process starts
+            raise ValueError(encoder_chunking_refused(architecture))
         user = pooler_config(self.pooler_config)
         if runner != "pooling":
             if user is not None:
@@ -756,7 +766,13 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                                                    help="requests per engine step at most")),
         (("--max-num-batched-tokens",), "max_num_batched_tokens",
          dict(type=_positive(human_readable_int), default=d["max_num_batched_tokens"],
-              help="tokens per engine step at most (prompts are chunked to fit)")),
+              help="tokens per engine step at most (prompts are chunked to fit; default 2048, or the context "
+                   "length where prompts are computed whole, if that is more)")),
+        (("--enable-chunked-prefill",), "enable_chunked_prefill", dict(
+            action=argparse.BooleanOptionalAction, default=d["enable_chunked_prefill"],
+            help="vLLM's: compute a prompt longer than --max-num-batched-tokens in chunks over several steps "
+                 "(the default); --no-enable-chunked-prefill schedules each prompt whole, the default for "
+                 "encoder-only models (BERT, RoBERTa: bidirectional attention over the whole prompt)")),
         (("--max-num-scheduled-tokens",), "max_num_scheduled_tokens",
          dict(type=_positive(human_readable_int), default=d["max_num_scheduled_tokens"],
               help="vLLM's: the tokens the scheduler gives a step (default: --max-num-batched-tokens, what the "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 from typing import Literal
 
@@ -37,6 +38,8 @@ from models.config import ArchConfig
 from models.resolve import ModelSource
 from actors.engine.watermark import WatermarkConfig
 from actors.engine.weight_transfer import WeightTransferConfig
+
+log = logging.getLogger("troupe.engine")
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -142,9 +145,16 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefix_caching_hash_algo: str = "sha256"   # vLLM's block hashes (actors/kv_manager/block_hash.py)
 
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    budget_given: bool = True              # False: the default, raised to the context where prompts go whole
+    # vLLM's: prompts longer than the step's budget are computed in chunks; False: each prompt is
+    # scheduled whole (None: on, except for encoder-only models, resolved by ``EngineConfig.resolve``)
+    enable_chunked_prefill: bool | None = None
     # vLLM's: the tokens the scheduler gives a step (None: max_num_batched_tokens, what the worker is
     # sized for) and the requests it lets run at once (None: max_num_seqs, what the runner is sized for)
     max_num_scheduled_tokens: int | None = None
@@ -185,6 +195,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     def active_seqs(self) -> int:
         """The requests that may run (hold KV and be scheduled) at once."""
         return self.max_num_active_seqs or self.max_num_seqs
+
+    @property
+    def chunks_prompts(self) -> bool:
+        """Whether a prompt may be computed over several steps."""
+        return self.enable_chunked_prefill is not False
 
     @property
     def stall_free(self) -> bool:
@@ -411,17 +426,59 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             sched = msgspec.structs.replace(sched, async_scheduling=self.parallel.multiprocess
                                             and self.speculative is None and self.model.pooling is None
                                             and self.parallel.pipeline_parallel_size == 1)
-        if sched.max_num_partial_prefills > 1 and not sched.long_prefill_token_threshold:
+        sched, cache = self._whole_prompts(sched, arch, max_model_len)
+        if sched.max_num_partial_prefills > 1 and not sched.long_prefill_token_threshold and sched.chunks_prompts:
             sched = msgspec.structs.replace(sched, long_prefill_token_threshold=max(max_model_len * 4 // 100, 1))
         return self.replace(
             scheduler=sched,
             model=msgspec.structs.replace(self.model, dtype=dtype, max_model_len=max_model_len, arch=arch,
                                           draft_arch=draft_arch if self.model.draft_source is not None else None),
-            cache=msgspec.structs.replace(self.cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
+            cache=msgspec.structs.replace(cache, cache_dtype=cache_dtype, num_blocks=num_blocks),
             device=msgspec.structs.replace(self.device, device=device, num_threads=self.device.num_threads or max(
                 1, (cpu_count - vllm_env.reserved_cpus()) // (self.parallel.local_world_size
                                                              * max(len(self.parallel.local_ranks), 1)))))
 
+
+    def _whole_prompts(self, sched: SchedulerConfig, arch: ArchConfig, max_model_len: int
+                       ) -> tuple[SchedulerConfig, CacheConfig]:
+        """Chunked prefill and prefix caching decided (vLLM's rules): an encoder-only model
+        attends over each prompt whole, so its prompts are never chunked nor read from the prefix
+        cache; without chunking, a step's budget holds the longest prompt (the default raised to
+        the context length; one given smaller is refused, in vLLM's words)."""
+        cache = self.cache
+        if arch.encoder_only:
+            if sched.enable_chunked_prefill:
+                raise ValueError(encoder_chunking_refused(arch.architecture))
+            refused = [name for name, on in (("--enable-lora", self.lora is not None),
+                                             ("--tensor-parallel-size", self.parallel.tensor_parallel_size > 1))
+                       if on]
+            if refused:
+                raise ValueError(f"{arch.architecture} (an encoder-only model) is not supported with "
+                                 f"{', '.join(refused)} yet")
+            sched = msgspec.structs.replace(sched, enable_chunked_prefill=False)
+            if cache.enable_prefix_caching:
+                log.info("%s attends over whole prompts: chunked prefill and prefix caching are off",
+                         arch.architecture)
+                cache = msgspec.structs.replace(cache, enable_prefix_caching=False)
+        elif sched.enable_chunked_prefill is None:
+            sched = msgspec.structs.replace(sched, enable_chunked_prefill=True)
+        if sched.chunks_prompts:
+            return sched, cache
+        if sched.stall_free:
+            raise ValueError("--max-step-latency-ms sizes prompt chunks beside decodes: it needs chunked prefill "
+                             "(drop --no-enable-chunked-prefill)")
+        if sched.max_num_batched_tokens < max_model_len:
+            if sched.budget_given:
+                raise ValueError(f"max_num_batched_tokens ({sched.max_num_batched_tokens}) is smaller than "
+                                 f"max_model_len ({max_model_len}). This effectively limits the maximum sequence "
+                                 "length to max_num_batched_tokens and makes vLLM reject longer sequences. Please "
+                                 "increase max_num_batched_tokens or decrease max_model_len.")
+            sched = msgspec.structs.replace(sched, max_num_batched_tokens=max_model_len)
+        if sched.max_num_scheduled_tokens is not None and sched.max_num_scheduled_tokens < max_model_len:
+            raise ValueError(f"max_num_scheduled_tokens ({sched.max_num_scheduled_tokens}) is smaller than "
+                             f"max_model_len ({max_model_len}): without chunked prefill a step must hold a whole "
+                             "prompt")
+        return sched, cache
 
     def compute_hash(self) -> str:
         """A digest of what decides the model's computation (vLLM's ``compute_hash``): the
@@ -547,6 +604,11 @@ def exact_from_gguf_blocks(path: str, quantization: str | None, dtype: str, devi
     return (quantization is None and path.endswith(".gguf") and dtype == "float32" and device == "cpu"
             and level == 1 and not weight_transfer
             and os.environ.get(GGUF_FLOAT_WEIGHTS_ENV, "").strip().lower() not in ("1", "true", "yes"))
+
+
+def encoder_chunking_refused(architecture: str) -> str:
+    return (f"{architecture} is an encoder-only model (bidirectional attention over the whole prompt): its prompts "
+            "cannot be computed in chunks; drop --enable-chunked-prefill")
 
 
 def _check_pooling(cfg: EngineConfig) -> None:

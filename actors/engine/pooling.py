@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import msgspec
 
+from models.architectures import ENCODER_ONLY_ARCHITECTURES
+
 log = logging.getLogger("troupe.engine")
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -137,6 +139,10 @@ class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # (None: every row), their columns returned_token_ids (None: all); unset, the pooler config's
     step_tag_id: int | None = None
     returned_token_ids: tuple[int, ...] | None = None
+    # a text pair read by an encoder with token types (BERT's cross-encoders): the position from
+    # which the prompt's tokens are of type 1, the second text's (vLLM's extra_kwargs
+    # "compressed_token_type_ids"); None: every token of type 0
+    compressed_token_type_ids: int | None = None
 
     @property
     def needs_all_positions(self) -> bool:
@@ -235,7 +241,8 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
                              "parameters")
         return PoolingParams(task=params.task, dimensions=dims if "classify" not in params.task else None,
                              use_activation=True if use is None else use, pooling_type=kind,
-                             step_tag_id=step_tag, returned_token_ids=returned)
+                             step_tag_id=step_tag, returned_token_ids=returned,
+                             compressed_token_type_ids=params.compressed_token_type_ids)
 
 
 def embed_lens(pooling: ModelPooling | None) -> tuple[int | None, int | None]:
@@ -405,7 +412,8 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
         pooler = msgspec.structs.replace(pooler, **filled)
     architecture = str((hf_config.get("architectures") or [""])[0])
     reward = REWARD_MODELS.get(architecture)
-    pooler = msgspec.structs.replace(pooler, seq_pooling_type=pooler.seq_pooling_type or "LAST",
+    default_seq = "CLS" if architecture in ENCODER_ONLY_ARCHITECTURES else "LAST"     # vLLM's defaults
+    pooler = msgspec.structs.replace(pooler, seq_pooling_type=pooler.seq_pooling_type or default_seq,
                                      tok_pooling_type=pooler.tok_pooling_type or (reward[1] if reward else "ALL"))
     dims = hf_config.get("matryoshka_dimensions")
     settings = ModelPooling(convert=convert, pooler=pooler,

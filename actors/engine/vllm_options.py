@@ -172,8 +172,6 @@ VALUES: dict[str, tuple[tuple[str, ...], str]] = {
 
 # vLLM flags that ask for what Troupe always does: accepted, changing nothing.
 ALWAYS: dict[str, str] = {
-    "--enable-chunked-prefill": "Troupe always chunks prompts longer than --max-num-batched-tokens "
-                                "(--no-enable-chunked-prefill is refused)",
     "--disable-uvicorn-access-log": "Troupe writes no access log",
     "--disable-fastapi-docs": "Troupe serves no API documentation pages",
     "--enable-request-id-headers": "Troupe always answers with an X-Request-Id header",
@@ -184,7 +182,6 @@ ALWAYS: dict[str, str] = {
                                       "prefix cache served part of a prompt",
 }
 NEVER: dict[str, str] = {    # the opposite of an ALWAYS flag: refused
-    "--no-enable-chunked-prefill": "Troupe always chunks prompts longer than --max-num-batched-tokens",
     "--no-disable-uvicorn-access-log": "Troupe writes no access log",
     "--no-disable-fastapi-docs": "Troupe serves no API documentation pages",
     "--no-enable-request-id-headers": "Troupe always answers with an X-Request-Id header",

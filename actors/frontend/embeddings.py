@@ -65,8 +65,10 @@ class PoolingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Prompt(msgspec.Struct):
-    """One engine request of a pooling request: ``submit``'s prompt keywords."""
+    """One engine request of a pooling request: ``submit``'s prompt keywords, and its own
+    engine params where they differ from the request's (a text pair's token types)."""
     kwargs: dict[str, Any]
+    params: SamplingParams | None = None
 
 
 EMBEDDINGS, POOLING, CLASSIFY = "/v1/embeddings", "/pooling", "/classify"
@@ -159,7 +161,7 @@ async def run_pooling(server: OpenAIServer, params: SamplingParams, prompts: lis
     try:
         for i, prompt in enumerate(prompts):
             handles.append(await server.submit(
-                params, request_id=f"{rid}-{i}" if len(prompts) > 1 else rid, priority=priority,
+                prompt.params or params, request_id=f"{rid}-{i}" if len(prompts) > 1 else rid, priority=priority,
                 truncation_side=truncation_side, lora_request=lora_request, **prompt.kwargs))
         outs = await asyncio.gather(*(_final(h) for h in handles))
     finally:

@@ -16,6 +16,7 @@ import numpy as np
 from aiohttp import web
 
 from actors.engine.pooling import PoolingParams
+from actors.engine.sampling_params import SamplingParams
 from actors.frontend.embeddings import Prompt, run_pooling
 from actors.frontend.errors import bad_request, not_found
 from actors.frontend.params import check_priority, served_name
@@ -139,6 +140,12 @@ async def _bi_encoder_scores(server: OpenAIServer, req: ScoringRequest, queries:
     return np.array([pair_score(a, o.pooling_output, late) for a, o in zip(q, d_out)]), q_tokens + d_tokens
 
 
+def with_token_types(params: SamplingParams, start: int) -> SamplingParams:
+    """A pair's engine params: ``params`` with its second text's token type starting at ``start``."""
+    return msgspec.structs.replace(params, pooling=msgspec.structs.replace(params.pooling,
+                                                                           compressed_token_type_ids=start))
+
+
 def late_interaction(pooling: Any) -> bool:
     """Whether an embedding model scores by late interaction (vLLM's: its pooling task, the
     pooler config's, is token_embed)."""
@@ -167,13 +174,14 @@ async def _cross_encoder_scores(server: OpenAIServer, req: ScoringRequest, queri
     try:
         params = client.pooling_request(PoolingParams(task="classify", use_activation=req.use_activation),
                                         req.truncate_prompt_tokens)
-        pairs = [pair_token_ids(client.tokenizer, pooling.use_sep_token, q, d, req.max_tokens_per_query,
-                                req.max_tokens_per_doc, client.config.model.chat_template, req.chat_template_kwargs)
+        pairs = [pair_prompt(client.tokenizer, pooling.use_sep_token, q, d, req.max_tokens_per_query,
+                             req.max_tokens_per_doc, client.config.model.chat_template, req.chat_template_kwargs)
                  for q, d in zip(queries * len(documents) if len(queries) == 1 else queries, documents)]
     except ValueError as exc:
         raise bad_request(str(exc)) from None
-    outs, tokens = await run_pooling(server, params, [Prompt({"prompt_token_ids": ids}) for ids in pairs], rid,
-                                     priority, side, client.lora_request_for(req.model))
+    prompts = [Prompt({"prompt_token_ids": ids}, None if types is None else with_token_types(params, types))
+               for ids, types in pairs]
+    outs, tokens = await run_pooling(server, params, prompts, rid, priority, side, client.lora_request_for(req.model))
     return np.array([float(o.pooling_output[0]) for o in outs]), tokens
 
 
@@ -185,6 +193,14 @@ def pair_token_ids(tokenizer: Any, use_sep_token: bool, first: str, second: str,
     or LLM.score's ``chat_template``: a "query" and a "document" message, as vLLM's score
     templates read them, e.g. Qwen3-Reranker's), else encoded as a text pair (``use_sep_token``,
     the default) or joined as one text (an LLM used as a reranker)."""
+    return pair_prompt(tokenizer, use_sep_token, first, second, max_first, max_second, template, template_kwargs)[0]
+
+
+def pair_prompt(tokenizer: Any, use_sep_token: bool, first: str, second: str, max_first: int = 0,
+                max_second: int = 0, template: str | None = None, template_kwargs: dict[str, Any] | None = None
+                ) -> tuple[list[int], int | None]:
+    """``pair_token_ids``' ids, and where the second text's token type (1) starts, for an
+    encoder with token types (vLLM's compressed_token_type_ids; None: every token of type 0)."""
     def cut(text: str, n: int) -> str:
         return tokenizer.decode(tokenizer.encode(text)[:n], skip_special_tokens=False) if n else text
     first, second = cut(first, max_first), cut(second, max_second)
@@ -197,10 +213,20 @@ def pair_token_ids(tokenizer: Any, use_sep_token: bool, first: str, second: str,
         text = tokenizer.apply_chat_template([{"role": "query", "content": first},
                                               {"role": "document", "content": second}],
                                              add_generation_prompt=False, chat_template=template, **kwargs)
-        return tokenizer.encode(text, add_special_tokens=True)
+        return tokenizer.encode(text, add_special_tokens=True), None
     if use_sep_token:
-        return tokenizer.encode_pair(first, second)
-    return tokenizer.encode(first + second, add_special_tokens=True)
+        ids, types = tokenizer.encode_pair_with_types(first, second)
+        return ids, compress_token_types(types)
+    return tokenizer.encode(first + second, add_special_tokens=True), None
+
+
+def compress_token_types(types: list[int]) -> int | None:
+    """Token types 0...0 1...1 as the position of the first 1 (vLLM's compression); None when
+    every one is 0. ValueError for another pattern."""
+    start = next((i for i, t in enumerate(types) if t), None)
+    if start is not None and any(t != 1 for t in types[start:]):
+        raise ValueError(f"token types must be zeros then ones, got {types}")
+    return start
 
 
 def _text(value: Any, param: str) -> str:

@@ -696,6 +696,8 @@ class Scheduler:
 
     def _num_new_tokens(self, req: Request, computed: int, step: _Step) -> int:
         n = req.num_tokens_with_spec + req.num_output_placeholders - computed
+        if not self.config.chunks_prompts and computed < req.num_prompt_tokens:
+            return n if n <= step.budget else 0       # without chunked prefill: the prompt whole, or not yet
         threshold = self.config.long_prefill_token_threshold
         eligible = len(self.running) + len(self.waiting)
         if threshold and eligible > 1:

@@ -239,6 +239,8 @@ class ModelRunner:
         cu = ti.query_start_loc
         sample_rows = np.flatnonzero(start + n - num_drafts == b.num_tokens[slots])   # prompt complete
         input_ids, positions = torch.from_numpy(ti.input_ids), torch.from_numpy(ti.positions)
+        if self.pooler is not None and self.arch.type_vocab_size > 1:
+            input_ids = self._with_token_types(input_ids, positions, slots, cu)
         given = b.embeds_inputs(slots, start, n)
         embeds = None if given is None else (torch.from_numpy(given[0]), torch.from_numpy(given[1]))
         if not drafts:
@@ -248,6 +250,21 @@ class ModelRunner:
         logits_indices = ranges(cu[1:][sample_rows] - 1 - k, k + 1)         # (S + N,)
         return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(logits_indices), k,
                           embeds)
+
+    def _with_token_types(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: np.ndarray,
+                          cu: np.ndarray) -> torch.Tensor:
+        """An encoder's token types packed into the step's token ids (models/bert.py, vLLM's
+        packing): type 1 from each text pair's ``compressed_token_type_ids`` on, 0 elsewhere."""
+        from models.bert import encode_token_types
+        types = None
+        for r, i in enumerate(slots.tolist()):
+            start = self.batch.states[i].params.pooling.compressed_token_type_ids
+            if start is None:
+                continue
+            if types is None:
+                types = torch.zeros_like(input_ids)
+            types[cu[r]:cu[r + 1]] = (positions[cu[r]:cu[r + 1]] >= start).to(types.dtype)
+        return input_ids if types is None else encode_token_types(input_ids, types)
 
     # -- 3) forward, sample, record -----------------------------------------------------------
     @torch.inference_mode()

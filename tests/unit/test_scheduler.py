@@ -52,6 +52,22 @@ def test_token_budget_limits_what_joins_a_step():
     assert so.num_scheduled_tokens == {"a": 1, "b": 2}
 
 
+def test_without_chunked_prefill_a_prompt_is_scheduled_whole_or_waits_its_turn():
+    """--no-enable-chunked-prefill (an encoder's prompts): a prompt that does not fit what is
+    left of the step's budget waits for the next step, keeping its place; neither the long
+    prefill threshold nor a shared budget ever cuts one."""
+    h = Harness(max_num_batched_tokens=10, enable_chunked_prefill=False, long_prefill_token_threshold=4)
+    h.add("a", 6)
+    h.add("b", 6)
+    h.add("c", 3)
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"a": 6}             # b does not fit beside a; c waits behind b
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 6, "c": 3}
+    so, _ = h.step()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1}
+
+
 def test_long_prefill_threshold_caps_chunks_but_not_a_lone_request():
     h = Harness(long_prefill_token_threshold=4, max_num_batched_tokens=64, max_num_partial_prefills=2,
                 max_long_partial_prefills=2)

@@ -1,0 +1,285 @@
+"""Encoder-only transformers: BERT (``BertModel``, ``BertForSequenceClassification``), RoBERTa and
+XLM-RoBERTa (``RobertaModel``, ``XLMRobertaModel`` and their sequence classifiers), the
+architectures of most sentence-transformers embedding models (all-MiniLM, bge, e5, gte) and
+cross-encoder rerankers (ms-marco-MiniLM, bge-reranker).
+
+Each layer attends over its whole prompt in both directions, so a prompt is computed whole in
+one step and reads no KV cache (the engine serves these models without chunked prefill or prefix
+caching: vLLM's rules for bidirectional attention). Post-norm layers: LayerNorm (with bias) after
+each residual add; learned absolute positions (RoBERTa's offset past its padding index) and
+token types (a text pair's second segment, type 1) added to the word embeddings.
+
+A step carries each prompt's token types inside its token ids, above ``TOKEN_TYPE_SHIFT``
+(vLLM's packing: the model runner sets them from a pooling request's
+``compressed_token_type_ids``, the position where type 1 starts)."""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention.base import AttentionBackend, AttentionMetadata
+from kernels.cpu import fused
+from models.base import CausalLM, TensorMap
+from models.config import ArchConfig
+from models.layers import Embedding, Linear, MergedLinear
+
+TOKEN_TYPE_SHIFT = 30           # a token's type in the bits of its id from here (vLLM's)
+
+_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
+                "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_fast": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def encode_token_types(input_ids: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
+    """``input_ids`` with each token's type (0 or 1) in its bits from TOKEN_TYPE_SHIFT."""
+    return input_ids | (token_types.to(input_ids.dtype) << TOKEN_TYPE_SHIFT)
+
+
+def decode_token_types(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, token types) of ids packed by ``encode_token_types``."""
+    mask = 1 << TOKEN_TYPE_SHIFT
+    return input_ids & (mask - 1), (input_ids & mask) >> TOKEN_TYPE_SHIFT
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a bias over the last dimension, in float32 whatever the model's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.layer_norm(x, self.weight.shape, self.weight.float(), self.bias.float(), self.eps)
+        y = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: list[int],
+                      scale: float) -> torch.Tensor:
+    """Bidirectional attention of each prompt's tokens over the same prompt's: q, k, v (T, H, D),
+    prompt i's rows ``query_start_loc[i]:query_start_loc[i + 1]``; (T, H * D)."""
+    T, H, D = q.shape
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    if q.device.type == "cpu" and q.dtype == torch.float32 and fused.ENABLED:    # one native call for all
+        from kernels.attention.cpu import causal_prefill
+        bounds = torch.tensor(query_start_loc, dtype=torch.int64)
+        if causal_prefill(q, k, v, out, bounds[:-1], bounds[1:] - bounds[:-1], scale, bidirectional=True):
+            return out.view(T, H * D)
+    for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
+        if end == start:
+            continue
+        # (1, H, n, D): four dimensions, which torch's CPU flash attention takes (three go the
+        # slower math path)
+        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1)
+    return out.view(T, H * D)
+
+
+class BertLayer(nn.Module):
+    """Self-attention then the feed-forward block, each followed by its residual add and
+    LayerNorm (post-norm)."""
+
+    def __init__(self, config: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c, hidden = config, config.hidden_size
+        if c.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"{c.architecture}: activation {c.hidden_act!r} is not supported; supported: "
+                             f"{sorted(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[c.hidden_act]
+        self.num_heads, self.head_size, self.scale = c.num_heads, c.head_size, c.attn_scale
+        inner = c.num_heads * c.head_size
+        self.qkv_proj = MergedLinear(hidden, {"q": inner, "k": inner, "v": inner}, dtype, bias=True)
+        self.o_proj = Linear(inner, hidden, dtype, bias=True)
+        self.attn_norm = LayerNorm(hidden, c.rms_norm_eps, dtype)
+        self.up_proj = Linear(hidden, c.intermediate_size, dtype, bias=True)
+        self.down_proj = Linear(c.intermediate_size, hidden, dtype, bias=True)
+        self.mlp_norm = LayerNorm(hidden, c.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:   # (T, hidden)
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).view(T, 3, self.num_heads, self.head_size).unbind(1)
+        attn = encoder_attention(q, k, v, query_start_loc, self.scale)
+        x = self.attn_norm(x + self.o_proj(attn))
+        return self.mlp_norm(x + self.down_proj(self.act(self.up_proj(x))))
+
+
+def _encoder_map(prefix: str) -> TensorMap:
+    """The tensor names of BERT's encoder stack under ``prefix`` ("" for a bare ``BertModel``)."""
+    e, lay = f"{prefix}embeddings.", f"{prefix}encoder.layer.{{i}}."
+    return {
+        f"{e}word_embeddings.weight": ("embed_tokens.weight", None),
+        f"{e}position_embeddings.weight": ("position_embeddings.weight", None),
+        f"{e}token_type_embeddings.weight": ("token_type_embeddings.weight", None),
+        f"{e}LayerNorm.weight": ("emb_norm.weight", None), f"{e}LayerNorm.bias": ("emb_norm.bias", None),
+        **{f"{lay}attention.self.{name}.{p}": (f"layers.{{i}}.qkv_proj.{p}", s)
+           for name, s in (("query", "q"), ("key", "k"), ("value", "v")) for p in ("weight", "bias")},
+        **{f"{lay}{ours}.{p}": (f"layers.{{i}}.{theirs}.{p}", None) for ours, theirs in (
+            ("attention.output.dense", "o_proj"), ("attention.output.LayerNorm", "attn_norm"),
+            ("intermediate.dense", "up_proj"), ("output.dense", "down_proj"), ("output.LayerNorm", "mlp_norm"))
+           for p in ("weight", "bias")},
+    }
+
+
+class BertModel(CausalLM):
+    """The encoder stack; its hidden states are pooled (CLS by default, a sentence-transformers
+    checkpoint's own pooling where it says). Its ``pooler`` (dense + tanh over the first token)
+    serves the sequence classifier only."""
+    encoder_only: ClassVar[bool] = True
+    # the checkpoint's prefix of the stack: a classifier's ("bert."), or none (a bare model saved
+    # alone); both read
+    stack_prefix: ClassVar[str] = "bert."
+    hf_defaults: ClassVar[dict[str, Any]] = {"rms_norm_eps": 1e-12, "type_vocab_size": 2, "pad_token_id": 0}
+    hf_tensor_map: ClassVar[TensorMap] = {}
+    gguf_tensor_map: ClassVar[TensorMap] = {}
+    # position_ids buffers some checkpoints hold; a bare model's pooler (unused when embedding)
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._set_maps()
+
+    @classmethod
+    def _set_maps(cls) -> None:
+        head = cls.head_map()
+        cls.hf_tensor_map = {**_encoder_map(""), **_encoder_map(cls.stack_prefix), **head}
+        # never read: position and token type buffers some saves hold, a masked-LM head, and the
+        # pooler where the head does not use it
+        prefixes = ("", cls.stack_prefix)
+        cls.hf_skipped_prefixes = tuple(f"{p}embeddings.{b}" for p in prefixes for b in ("position_ids",
+                                                                                         "token_type_ids")) + \
+            ("cls.", "lm_head.") + tuple(f"{p}pooler." for p in prefixes if not any(
+                name.startswith(f"{p}pooler.") for name in head))
+
+    @classmethod
+    def head_map(cls) -> TensorMap:
+        """The classifier head's tensors (``score``, when the model classifies: models/registry.py
+        builds it from ``classifier_head``)."""
+        return {}
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        if raw.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"{fields['architecture']}: position_embedding_type "
+                             f"{raw['position_embedding_type']!r} is not supported (absolute positions are)")
+        offset, positions = cls.position_offset(raw), int(raw["max_position_embeddings"])
+        return dict(rms_norm_eps=float(raw.get("layer_norm_eps", 1e-12)), encoder_only=True,
+                    type_vocab_size=int(raw.get("type_vocab_size") or 0), position_offset=offset,
+                    max_position_embeddings=positions, max_model_len=positions - offset,
+                    tie_word_embeddings=False, bos_token_id=None, eos_token_ids=())
+
+    @classmethod
+    def position_offset(cls, raw: dict[str, Any]) -> int:
+        """Where a prompt's first position sits in the position table: 0 (RoBERTa's: past its
+        padding index)."""
+        return 0
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        c = config
+        if c.num_kv_heads != c.num_heads:
+            raise ValueError(f"{c.architecture}: every head has its own keys and values here "
+                             f"({c.num_kv_heads} KV heads for {c.num_heads})")
+        self.config = config
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
+        self.position_embeddings = Embedding(c.max_position_embeddings or c.max_model_len + c.position_offset,
+                                             c.hidden_size, dtype)
+        self.token_type_embeddings = (Embedding(c.type_vocab_size, c.hidden_size, dtype)
+                                      if c.type_vocab_size else None)
+        self.emb_norm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(BertLayer(c, dtype) for _ in range(c.num_layers))
+
+    def classifier_head(self, config: ArchConfig) -> nn.Module | None:
+        """The score head a sequence classifier pools through (float32, vLLM's head dtype);
+        None: the registry's plain one."""
+        return None
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(decode_token_types(input_ids)[0])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, intermediate: Any = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids, positions (T,): whole prompts, each from position 0; the KV caches are unused
+        if intermediate is not None:
+            raise ValueError(f"{type(self).__name__} runs in one pipeline stage")
+        starts = meta.query_start_loc.tolist()
+        lens = meta.seq_lens.tolist()
+        if any(end - start != n for start, end, n in zip(starts, starts[1:], lens)):
+            raise ValueError(f"{type(self).__name__} attends over whole prompts: a step gave it part of one "
+                             "(this model is served without chunked prefill or prefix caching)")
+        ids, types = decode_token_types(input_ids)
+        hidden = self.embed_tokens(ids) if inputs_embeds is None else inputs_embeds
+        hidden = hidden + self.position_embeddings(positions + self.config.position_offset)
+        if self.token_type_embeddings is not None:
+            hidden = hidden + self.token_type_embeddings(types)
+        hidden = self.emb_norm(hidden)
+        for layer in self.layers:
+            hidden = layer(hidden, starts)
+        return hidden
+
+
+BertModel._set_maps()
+
+
+class _Pooler(nn.Module):
+    """BERT's pooler, then its classifier: dense + tanh over the pooled (first) token, then the
+    labels' scores."""
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden, dtype=torch.float32)
+        self.out_proj = nn.Linear(hidden, num_labels, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(x)))
+
+
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder or classifier: BERT's pooler (dense + tanh) over the CLS token, then its
+    ``classifier``."""
+
+    @classmethod
+    def head_map(cls) -> TensorMap:
+        return {f"{cls.stack_prefix}pooler.dense.{p}": (f"score.dense.{p}", None) for p in ("weight", "bias")} | {
+            f"classifier.{p}": (f"score.out_proj.{p}", None) for p in ("weight", "bias")}
+
+    def classifier_head(self, config: ArchConfig) -> nn.Module | None:
+        return _Pooler(config.hidden_size, config.num_labels)
+
+
+class RobertaModel(BertModel):
+    """RoBERTa: BERT's stack with positions counted from its padding index + 1."""
+    stack_prefix: ClassVar[str] = "roberta."
+    hf_defaults: ClassVar[dict[str, Any]] = {"rms_norm_eps": 1e-5, "type_vocab_size": 1, "pad_token_id": 1}
+
+    @classmethod
+    def position_offset(cls, raw: dict[str, Any]) -> int:
+        return int(raw.get("pad_token_id", 1)) + 1
+
+
+class RobertaForSequenceClassification(RobertaModel):
+    """RoBERTa's classifier head: dense + tanh over the first token, then ``out_proj``."""
+
+    @classmethod
+    def head_map(cls) -> TensorMap:
+        return {f"classifier.{name}.{p}": (f"score.{name}.{p}", None)
+                for name in ("dense", "out_proj") for p in ("weight", "bias")}
+
+    def classifier_head(self, config: ArchConfig) -> nn.Module | None:
+        return _Pooler(config.hidden_size, config.num_labels)
+
+
+class XLMRobertaModel(RobertaModel):
+    pass
+
+
+class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
+    pass

