@@ -195,3 +195,27 @@ def test_a_served_minilm_answers_embeddings_and_similarity_scores(minilm_server)
     scores = [d["score"] for d in r.json()["data"]]
     assert scores == pytest.approx([float(vectors[0] @ vectors[1]), float(vectors[0] @ vectors[2])], abs=1e-5)
     assert scores[0] > scores[1]          # the bread sentence is the closer one
+
+
+def test_a_served_bert_cross_encoder_reranks_with_the_pairs_token_types(bert_reranker):
+    """/rerank through a real server: each document read with the query as a text pair (its
+    tokens of type 1), ordered by transformers' scores of those pairs."""
+    path, reference = bert_reranker
+    server = Server("--model", path, "--threads", "1")
+    try:
+        r = requests.post(f"{server.url}/rerank", json={"query": _text(QUERIES[1]),
+                                                        "documents": [_text(d) for d in DOCS]}, timeout=60)
+    finally:
+        server.stop()
+    assert r.status_code == 200, r.text
+    expected = []
+    for doc in DOCS:
+        ids = [CLS, *QUERIES[1], SEP, *doc, SEP]
+        types = [0] * (len(QUERIES[1]) + 2) + [1] * (len(doc) + 1)
+        with torch.no_grad():
+            expected.append(torch.sigmoid(reference(torch.tensor([ids]),
+                                                    token_type_ids=torch.tensor([types])).logits[0, 0]).item())
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(len(DOCS)), key=lambda i: -expected[i])
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=2e-6)
