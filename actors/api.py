@@ -502,7 +502,14 @@ class AsyncLLM:
         """vLLM's ``encode`` with a pooling model (``runner="pooling"``): one prompt (text, token
         ids, a prompt dict, or a conversation) through the model once, pooled as
         ``pooling_params`` asks (its task "embed" by default). ValueError for what the model
-        cannot do; RuntimeError when the engine failed the request."""
+        cannot do; RuntimeError when the engine failed the request. A prompt dict's
+        ``token_type_ids`` (vLLM's TokensPrompt's: zeros, then ones from the second text of a
+        pair on) reach an encoder with token types (a BERT cross-encoder)."""
+        if isinstance(prompt, dict) and "token_type_ids" in prompt:
+            from actors.frontend.scoring import compress_token_types
+            prompt = dict(prompt)
+            start = compress_token_types(list(prompt.pop("token_type_ids")))
+            pooling_params = msgspec.structs.replace(pooling_params or PoolingParams(), compressed_token_type_ids=start)
         what = _prompt_what(prompt, **template)
         if tokenization_kwargs:
             truncate_prompt_tokens = tokenization_kwargs.get("truncate_prompt_tokens", truncate_prompt_tokens)

@@ -126,6 +126,10 @@ def test_a_bert_cross_encoder_scores_pairs_with_their_token_types(bert_reranker)
     path, reference = bert_reranker
     with LLM(path, multiprocess=False, max_num_batched_tokens=80) as llm:       # steps of whole prompts
         outs = llm.score(_text(QUERIES[0]), [_text(d) for d in DOCS], use_tqdm=False)
+        # a prompt dict's token types (vLLM's TokensPrompt) reach the model as the pair's did
+        given = llm.classify([{"prompt_token_ids": [CLS, *QUERIES[0], SEP, *DOCS[0], SEP],
+                               "token_type_ids": [0] * 5 + [1] * 3}], use_tqdm=False)
+    assert given[0].outputs.probs[0] == pytest.approx(outs[0].outputs.score, abs=1e-6)
     for out, doc in zip(outs, DOCS):
         ids = [CLS, *QUERIES[0], SEP, *doc, SEP]
         types = [0] * (len(QUERIES[0]) + 2) + [1] * (len(doc) + 1)
