@@ -21,10 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from kernels.cpu import fused
 from models.base import CausalLM, TensorMap
 from models.config import ArchConfig
-from models.layers import Embedding, Linear, MergedLinear
+from models.layers import Embedding, Linear, MergedLinear, encoder_attention, whole_prompts
 
 TOKEN_TYPE_SHIFT = 30           # a token's type in the bits of its id from here (vLLM's)
 
@@ -61,27 +60,6 @@ class LayerNorm(nn.Module):
         return y.to(x.dtype)
 
 
-def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: list[int],
-                      scale: float) -> torch.Tensor:
-    """Bidirectional attention of each prompt's tokens over the same prompt's: q, k, v (T, H, D),
-    prompt i's rows ``query_start_loc[i]:query_start_loc[i + 1]``; (T, H * D)."""
-    T, H, D = q.shape
-    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-    if q.device.type == "cpu" and q.dtype == torch.float32 and fused.ENABLED:    # one native call for all
-        from kernels.attention.cpu import causal_prefill
-        bounds = torch.tensor(query_start_loc, dtype=torch.int64)
-        if causal_prefill(q, k, v, out, bounds[:-1], bounds[1:] - bounds[:-1], scale, bidirectional=True):
-            return out.view(T, H * D)
-    for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
-        if end == start:
-            continue
-        # (1, H, n, D): four dimensions, which torch's CPU flash attention takes (three go the
-        # slower math path)
-        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1)
-    return out.view(T, H * D)
-
-
 class BertLayer(nn.Module):
     """Self-attention then the feed-forward block, each followed by its residual add and
     LayerNorm (post-norm)."""
@@ -105,7 +83,7 @@ class BertLayer(nn.Module):
     def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:   # (T, hidden)
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).view(T, 3, self.num_heads, self.head_size).unbind(1)
-        attn = encoder_attention(q, k, v, query_start_loc, self.scale)
+        attn = encoder_attention(q, k, v, query_start_loc, self.scale).view(T, -1)
         x = self.attn_norm(x + self.o_proj(attn))
         return self.mlp_norm(x + self.down_proj(self.act(self.up_proj(x))))
 
@@ -210,11 +188,7 @@ class BertModel(CausalLM):
         # input_ids, positions (T,): whole prompts, each from position 0; the KV caches are unused
         if intermediate is not None:
             raise ValueError(f"{type(self).__name__} runs in one pipeline stage")
-        starts = meta.query_start_loc.tolist()
-        lens = meta.seq_lens.tolist()
-        if any(end - start != n for start, end, n in zip(starts, starts[1:], lens)):
-            raise ValueError(f"{type(self).__name__} attends over whole prompts: a step gave it part of one "
-                             "(this model is served without chunked prefill or prefix caching)")
+        starts = whole_prompts(meta, type(self).__name__)
         ids, types = decode_token_types(input_ids)
         hidden = self.embed_tokens(ids) if inputs_embeds is None else inputs_embeds
         hidden = hidden + self.position_embeddings(positions + self.config.position_offset)

@@ -35,7 +35,7 @@ class Gemma3DecoderLayer(nn.Module):
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
             sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
             qk_norm=(lambda: GemmaRMSNorm(c.head_size, c.rms_norm_eps, dtype)) if qk_norm else None,
-            logits_soft_cap=c.attn_logit_softcapping)
+            logits_soft_cap=c.attn_logit_softcapping, bidirectional=c.encoder_only)
         self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
@@ -104,8 +104,6 @@ class Gemma3ForCausalLM(CausalLM):
     def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         """Sliding layers by ``layer_types`` (else every SLIDING_PATTERN-th layer global), their
         own rotary base, the attention scale's query_pre_attn_scalar, ``hidden_activation``."""
-        if raw.get("use_bidirectional_attention"):
-            raise ValueError("Gemma 3 with use_bidirectional_attention=true (an encoder) is not supported")
         types = raw.get("layer_types") or _layer_types(raw.get("sliding_window_pattern", SLIDING_PATTERN),
                                                        fields["num_layers"])
         if raw.get("rope_parameters") is None:                       # 4.x
@@ -116,9 +114,14 @@ class Gemma3ForCausalLM(CausalLM):
                 raise ValueError(f"Gemma 3's sliding layers with {local_scaling.rope_type} rope scaling are not "
                                  "supported (their rope is plain)")
         # its max_position_embeddings is the scaled context already (vLLM's exception to stretching)
-        return dict(max_model_len=raw["max_position_embeddings"], sliding_window=raw.get("sliding_window"), layer_types=tuple(types), rope_local_theta=local_theta,
+        window = raw.get("sliding_window")
+        if raw.get("use_bidirectional_attention") and window is not None:
+            window = window // 2 + 1     # transformers': a query sees keys fewer than this apart, either side
+        return dict(max_model_len=raw["max_position_embeddings"], sliding_window=window, layer_types=tuple(types), rope_local_theta=local_theta,
                     query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
-                    hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu")
+                    hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
+                    # EmbeddingGemma's: an encoder (bidirectional attention, within the window on both sides)
+                    encoder_only=bool(raw.get("use_bidirectional_attention")))
 
     @classmethod
     def gguf_fields(cls, keys: GGUFArchKeys, fields: dict[str, Any]) -> dict[str, Any]:

@@ -301,6 +301,47 @@ def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: to
     return out
 
 
+def whole_prompts(meta: AttentionMetadata, model: str) -> list[int]:
+    """The step's query_start_loc as a list, once checked that every request's queries are its
+    whole prompt (an encoder's step: no cached context, no chunk); ValueError otherwise."""
+    starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    if any(end - start != n for start, end, n in zip(starts, starts[1:], lens)):
+        raise ValueError(f"{model} attends over whole prompts: a step gave it part of one (this model is "
+                         "served without chunked prefill or prefix caching)")
+    return starts
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: list[int],
+                      scale: float, window: int | None = None) -> torch.Tensor:
+    """Bidirectional attention of each prompt's tokens over the same prompt's (an encoder's):
+    q (T, H, D), k and v (T, KVH, D), prompt i's rows ``query_start_loc[i]:query_start_loc[i + 1]``;
+    with ``window`` W, a query sees the keys fewer than W positions from it on either side
+    (transformers' bidirectional sliding window). -> (T, H, D). The native kernel takes every
+    prompt of a step in one call (those longer than the window go through torch's SDPA with the
+    band as a mask)."""
+    T, H, D = q.shape
+    G = H // k.shape[1]
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    spans = [(a, b) for a, b in zip(query_start_loc[:-1], query_start_loc[1:]) if b > a]
+    banded = [(a, b) for a, b in spans if window is not None and b - a > window]
+    whole = [(a, b) for a, b in spans if not (window is not None and b - a > window)]
+    if whole and q.device.type == "cpu" and q.dtype == torch.float32 and fused.ENABLED:
+        from kernels.attention.cpu import causal_prefill
+        bounds = torch.tensor(whole, dtype=torch.int64)
+        if causal_prefill(q, k, v, out, bounds[:, 0], bounds[:, 1] - bounds[:, 0], scale, bidirectional=True):
+            whole = []
+    for a, b in whole + banded:
+        # (1, H, n, D): four dimensions, which torch's CPU flash attention takes
+        qs = q[a:b].transpose(0, 1).unsqueeze(0)
+        ks, vs = (t[a:b].repeat_interleave(G, 1).transpose(0, 1).unsqueeze(0) for t in (k, v))
+        mask = None
+        if (a, b) in banded:
+            pos = torch.arange(b - a, device=q.device)
+            mask = (pos[:, None] - pos[None, :]).abs() < window
+        out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1)
+    return out
+
+
 class SelfAttention(nn.Module):
     """q|k|v projection, optional per-head q/k norm, rotary, paged attention through the
     backend (with this layer's sliding window, if any), output projection.
@@ -316,8 +357,13 @@ class SelfAttention(nn.Module):
                  backend: AttentionBackend, dtype: torch.dtype, *, scale: float,
                  sliding_window: int | None = None, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: Callable[[], nn.Module] | None = None, rotary_dim: int | None = None,
-                 use_rope: bool = True, logits_soft_cap: float | None = None) -> None:
+                 use_rope: bool = True, logits_soft_cap: float | None = None, bidirectional: bool = False) -> None:
         super().__init__()
+        # an encoder's layer (Gemma 3 with use_bidirectional_attention): each query sees its whole
+        # prompt (within the sliding window on either side), no KV cache read or written
+        self.bidirectional = bidirectional
+        if bidirectional and logits_soft_cap is not None:
+            raise ValueError("bidirectional attention with capped scores is not supported")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
@@ -351,6 +397,9 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:       # cos/sin (T, 1, rotary_dim): a partial rotary turns the leading dims only
             q, k = apply_rotary_qk(q, k, cos, sin, self.custom_ops)
+        if self.bidirectional:
+            out = encoder_attention(q, k, v, whole_prompts(meta, "this encoder"), self.scale, self.sliding_window)
+            return self.o_proj(out.reshape(T, self.q_size))
         step_meta, meta = meta, meta.for_group(self.kv_cache_group)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)

