@@ -343,6 +343,8 @@ class Worker:
         if (not self.platform.supports_cuda_graphs or self.config.model.enforce_eager
                 or self.config.compilation.cudagraph_mode == "NONE"):
             return False
+        if self.config.model.arch.encoder_only:     # whole prompts only: it never runs a decode step
+            return False
         if self.tp_size > 1:
             log.warning("tensor parallelism runs every step eagerly for now (no all-reduce inside CUDA graphs)")
             return False
