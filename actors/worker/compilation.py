@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 
 import torch
@@ -17,6 +18,7 @@ from actors.engine.compilation import CompilationConfig
 from kernels.cpu import fused
 from models.layers import set_custom_ops, split_at_attention
 
+log = logging.getLogger("troupe.worker")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CODE = ("models/*.py", "models/quantization/*.py", "kernels/cpu/*.py", "kernels/cpu/*.c", "kernels/attention/*.py",
         "kernels/triton/*.py", "actors/worker/compilation.py")
@@ -48,6 +50,13 @@ def apply_compilation(model: nn.Module, compilation: CompilationConfig, arch_rep
     if not compilation.custom_ops:
         set_custom_ops(model, False)
     if not compilation.compiles:
+        return None
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "encoder_only", False):
+        # an encoder's layers attend prompt by prompt (a step's prompt bounds are Python values):
+        # they run eagerly, as vLLM runs its encoder-only attention outside the compiled graph
+        log.info("compilation level %d: %s is an encoder; its layers run eagerly", compilation.level,
+                 type(model).__name__)
         return None
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
