@@ -316,26 +316,25 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_s
     """Bidirectional attention of each prompt's tokens over the same prompt's (an encoder's):
     q (T, H, D), k and v (T, KVH, D), prompt i's rows ``query_start_loc[i]:query_start_loc[i + 1]``;
     with ``window`` W, a query sees the keys fewer than W positions from it on either side
-    (transformers' bidirectional sliding window). -> (T, H, D). The native kernel takes every
-    prompt of a step in one call (those longer than the window go through torch's SDPA with the
-    band as a mask)."""
+    (transformers' bidirectional sliding window). -> (T, H, D). On the CPU the native kernel takes
+    every prompt of a step in one call; elsewhere torch's SDPA one prompt at a time (a prompt
+    longer than the window with the band as a mask)."""
     T, H, D = q.shape
     G = H // k.shape[1]
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     spans = [(a, b) for a, b in zip(query_start_loc[:-1], query_start_loc[1:]) if b > a]
-    banded = [(a, b) for a, b in spans if window is not None and b - a > window]
-    whole = [(a, b) for a, b in spans if not (window is not None and b - a > window)]
-    if whole and q.device.type == "cpu" and q.dtype == torch.float32 and fused.ENABLED:
+    if spans and q.device.type == "cpu" and q.dtype == torch.float32 and fused.ENABLED:
         from kernels.attention.cpu import causal_prefill
-        bounds = torch.tensor(whole, dtype=torch.int64)
-        if causal_prefill(q, k, v, out, bounds[:, 0], bounds[:, 1] - bounds[:, 0], scale, bidirectional=True):
-            whole = []
-    for a, b in whole + banded:
+        bounds = torch.tensor(spans, dtype=torch.int64)
+        if causal_prefill(q, k, v, out, bounds[:, 0], bounds[:, 1] - bounds[:, 0], scale, bidirectional=True,
+                          window=window):
+            return out
+    for a, b in spans:
         # (1, H, n, D): four dimensions, which torch's CPU flash attention takes
         qs = q[a:b].transpose(0, 1).unsqueeze(0)
         ks, vs = (t[a:b].repeat_interleave(G, 1).transpose(0, 1).unsqueeze(0) for t in (k, v))
         mask = None
-        if (a, b) in banded:
+        if window is not None and b - a > window:
             pos = torch.arange(b - a, device=q.device)
             mask = (pos[:, None] - pos[None, :]).abs() < window
         out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1)

@@ -779,11 +779,25 @@ void paged_decode_lse(const float *q, const void *kv, int64_t kt, const int32_t 
  * CPUs take a plain C path: per query, its scores, softmax and weighted sum of values.
  * With ``bidirectional`` set (an encoder's prompts, ctx 0), every query sees every position of
  * its prompt: an item walks all the prompt's key tiles, the last one's keys past the prompt
- * masked instead of the diagonal's.
+ * masked instead of the diagonal's; with ``window`` W > 0 too, only the keys fewer than W
+ * positions from the query, on either side (the tiles holding none of them skipped).
  * Returns 0, or -1 when its scratch memory could not be allocated, or a bidirectional call has
  * cached context (nothing written then).
  */
 #define CP_TILE 16
+
+/* The key tiles an item of query tile qt walks: causal (nkeys 0) 0 .. qt; bidirectional over a
+ * prompt of nkeys keys, all of them, or with a window those holding a key fewer than win
+ * positions from one of the tile's queries. */
+static inline void cp_key_tiles(int64_t qt, int64_t nkeys, int64_t win, int64_t *first, int64_t *last) {
+    *first = 0;
+    *last = nkeys ? (nkeys - 1) / CP_TILE : qt;
+    if (nkeys && win) {
+        const int64_t lo = qt * CP_TILE - win + 1, hi = qt * CP_TILE + CP_TILE - 1 + win - 1;
+        *first = lo > 0 ? lo / CP_TILE : 0;
+        if (hi / CP_TILE < *last) *last = hi / CP_TILE;
+    }
+}
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 /* An item's start: the G heads' 16 query rows scaled into Qs (rows outside r0..nq zero), the
@@ -827,13 +841,13 @@ static void cp_finish(float *o0, int64_t os0, int64_t os1, int r0, int nq, int G
  * any), and their table cp_items[D == 64, == 128, other] (DV64, DV128: D / lanes there). */
 typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
                            float *, int64_t, int64_t, int64_t, int, int, int, int64_t, float, float *,
-                           float *, int64_t, int64_t);
+                           float *, int64_t, int64_t, int64_t);
 #define CP_ITEM_FN(T, DV)                                                                          \
     static void T##_##DV(const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep, \
                          const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, \
                          int r0, int nq, int G, int64_t D, float scale, float *ws, float *lse0,      \
-                         int64_t ls0, int64_t nkeys) {                                             \
-        T(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws, lse0, ls0, nkeys); \
+                         int64_t ls0, int64_t nkeys, int64_t win) {                                \
+        T(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws, lse0, ls0, nkeys, win); \
     }
 #define CP_ITEM_TABLE(T, DV64, DV128)                                                              \
     CP_ITEM_FN(T, 0) CP_ITEM_FN(T, DV64) CP_ITEM_FN(T, DV128)                                      \
@@ -888,7 +902,7 @@ static inline __m512 cp_max16(const __m512 *v) {
 static inline __attribute__((always_inline)) void
 cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
            const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
-           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys) {
+           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys, int64_t win) {
     const int64_t DV = DVc ? DVc : Dr / 16, D = 16 * DV;
     float *Qs = ws;                                  /* [G][16][D], scaled, padded rows zero */
     float *acc = Qs + (int64_t)G * CP_TILE * D;      /* [G][16][D] */
@@ -899,13 +913,24 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     float *cr = mr + CP_TILE;                        /* [16] rescale per row */
     cp_start(q0, qs0, qs1, r0, nq, G, D, scale, Qs, acc, mv, lv);
     const int rows = (nq + 3) & ~3;
-    const int64_t last = nkeys ? (nkeys - 1) / CP_TILE : qt;
-    for (int64_t kt = 0; kt <= last; kt++) {
+    int64_t first, last;
+    cp_key_tiles(qt, nkeys, win, &first, &last);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 band[CP_TILE];                          /* with a window: each row's keys in the tile */
+    for (int64_t kt = first; kt <= last; kt++) {
         const float *K = kT + kt * kstep;
         const float *V = V0 + kt * CP_TILE * vs0;
-        const int diag = !nkeys && kt == qt, tail = nkeys && kt == last;
+        const int diag = !nkeys && kt == qt, tail = nkeys && kt == (nkeys - 1) / CP_TILE;
         const int nk = diag ? nq : tail ? (int)(nkeys - kt * CP_TILE) : CP_TILE;
         const __mmask16 keep = (__mmask16)((1u << nk) - 1u);      /* a tail tile's keys */
+        if (win) {          /* keys k with |k - position| < win, and k < nkeys */
+            const __m512i kpos = _mm512_add_epi32(_mm512_set1_epi32((int)(kt * CP_TILE)), lane);
+            for (int r = 0; r < CP_TILE; r++) {
+                const int64_t p = qt * CP_TILE + r;
+                band[r] = _mm512_cmpgt_epi32_mask(kpos, _mm512_set1_epi32((int)(p - win))) &
+                          _mm512_cmplt_epi32_mask(kpos, _mm512_set1_epi32((int)(p + win < nkeys ? p + win : nkeys)));
+            }
+        }
         for (int h = 0; h < G; h++) {
             const float *Qh = Qs + h * CP_TILE * D;
             __m512 s[CP_TILE];
@@ -918,18 +943,24 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
             if (diag)
                 for (int r = 0; r < CP_TILE; r++)
                     s[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((2u << r) - 1u), s[r]);
-            if (tail)
+            if (tail && !win)
                 for (int r = 0; r < CP_TILE; r++) s[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[r]);
+            if (win)
+                for (int r = 0; r < CP_TILE; r++) s[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), band[r], s[r]);
             const __m512 mold = _mm512_load_ps(mv + h * CP_TILE);
-            const __m512 mnew = _mm512_max_ps(mold, cp_max16(s));
-            const __m512 c = pa_exp512(_mm512_sub_ps(mold, mnew));   /* 0 on the first tile */
+            __m512 mnew = _mm512_max_ps(mold, cp_max16(s));
             _mm512_store_ps(mv + h * CP_TILE, mnew);
+            /* a row none of whose keys so far were in its window: nothing to rescale or add yet */
+            mnew = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                      _mm512_setzero_ps());
+            const __m512 c = pa_exp512(_mm512_sub_ps(mold, mnew));   /* 0 on the first tile */
             _mm512_store_ps(mr, mnew);
             _mm512_store_ps(cr, c);
             for (int r = 0; r < CP_TILE; r++) {
                 __m512 e = pa_exp512(_mm512_sub_ps(s[r], _mm512_set1_ps(mr[r])));
                 if (diag) e = _mm512_maskz_mov_ps((__mmask16)((2u << r) - 1u), e);
-                if (tail) e = _mm512_maskz_mov_ps(keep, e);
+                if (tail && !win) e = _mm512_maskz_mov_ps(keep, e);
+                if (win) e = _mm512_maskz_mov_ps(band[r], e);
                 _mm512_store_ps(P + r * CP_TILE, e);
                 s[r] = e;
             }
@@ -977,7 +1008,7 @@ cp_pv256(const int W, float *ah, int64_t D, int rg, int64_t d0, const float *cr,
 static inline __attribute__((always_inline)) void
 cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
            const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
-           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys) {
+           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys, int64_t win) {
     const int64_t DV = DVc ? DVc : Dr / 8, D = 8 * DV;
     float *Qs = ws;                                  /* [G][16][D], scaled, padded rows zero */
     float *acc = Qs + (int64_t)G * CP_TILE * D;      /* [G][16][D] */
@@ -988,11 +1019,12 @@ cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     cp_start(q0, qs0, qs1, r0, nq, G, D, scale, Qs, acc, mv, lv);
     const int rows = (nq + 3) & ~3;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lane8 = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
-    const int64_t last = nkeys ? (nkeys - 1) / CP_TILE : qt;
-    for (int64_t kt = 0; kt <= last; kt++) {
+    int64_t first, last;
+    cp_key_tiles(qt, nkeys, win, &first, &last);
+    for (int64_t kt = first; kt <= last; kt++) {
         const float *K = kT + kt * kstep;
         const float *V = V0 + kt * CP_TILE * vs0;
-        const int diag = !nkeys && kt == qt, tail = nkeys && kt == last;
+        const int diag = !nkeys && kt == qt, tail = nkeys && kt == (nkeys - 1) / CP_TILE;
         const int nk = diag ? nq : tail ? (int)(nkeys - kt * CP_TILE) : CP_TILE;
         for (int h = 0; h < G; h++) {
             const float *Qh = Qs + h * CP_TILE * D;
@@ -1015,13 +1047,27 @@ cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
             float *mh = mv + h * CP_TILE, *lh = lv + h * CP_TILE;
             for (int r = 0; r < rows; r++) {
                 __m256 s0 = _mm256_load_ps(P + r * CP_TILE), s1 = _mm256_load_ps(P + r * CP_TILE + 8);
-                if (diag || tail) {    /* keys past the row's position (a tail: the prompt's end): -inf */
-                    const __m256i lim = _mm256_set1_epi32(diag ? r + 1 : nk);
-                    s0 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s0, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, lane)));
-                    s1 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s1, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, lane8)));
+                if (diag || tail || win) {  /* keys past the row's position (a tail: the prompt's end), or
+                                               * outside its window: -inf */
+                    const int64_t p = qt * CP_TILE + r - kt * CP_TILE;   /* the row's position in the tile */
+                    const int hi = diag ? r + 1 : win ? (int)(p + win < nk ? p + win : nk) : nk;
+                    const __m256i lim = _mm256_set1_epi32(hi);
+                    const __m256i lo = _mm256_set1_epi32(win ? (int)(p - win > -1 ? p - win : -1) : -1);
+                    const __m256 in0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(lim, lane),
+                                                                             _mm256_cmpgt_epi32(lane, lo)));
+                    const __m256 in1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(lim, lane8),
+                                                                             _mm256_cmpgt_epi32(lane8, lo)));
+                    s0 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s0, in0);
+                    s1 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s1, in1);
                 }
                 const float rmax = hmax8(_mm256_max_ps(s0, s1));
                 const float mold = mh[r], mnew = rmax > mold ? rmax : mold;
+                if (mnew == -INFINITY) {   /* none of the row's keys so far in its window */
+                    _mm256_store_ps(P + r * CP_TILE, _mm256_setzero_ps());
+                    _mm256_store_ps(P + r * CP_TILE + 8, _mm256_setzero_ps());
+                    cr[r] = 1.f;
+                    continue;
+                }
                 const float c = expf(mold - mnew);         /* 0 on the first tile */
                 const __m256 mb = _mm256_set1_ps(mnew);
                 const __m256 e0 = pa_exp256(_mm256_sub_ps(s0, mb)), e1 = pa_exp256(_mm256_sub_ps(s1, mb));
@@ -1051,13 +1097,19 @@ CP_ITEM_TABLE(cp_item256, 8, 16)        /* D / 8 == 8, == 16 */
 static void cp_item_c(const float *q0, int64_t qs0, int64_t qs1, const float *K0, int64_t ks0,
                       const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt,
                       int r0, int nq, int G, int64_t D, float scale, float *sc, double *od, float *lse0,
-                      int64_t ls0, int64_t nkeys) {
+                      int64_t ls0, int64_t nkeys, int64_t win) {
     for (int h = 0; h < G; h++)
         for (int r = r0; r < nq; r++) {
             const float *qq = q0 + (r - r0) * qs0 + h * qs1;
-            const int64_t n = nkeys ? nkeys : qt * CP_TILE + r + 1;   /* keys 0 .. position, or all */
+            const int64_t pos = qt * CP_TILE + r;
+            int64_t n = nkeys ? nkeys : pos + 1;                 /* keys 0 .. position, or all */
+            int64_t j0 = 0;
+            if (win) {                                           /* or those fewer than win away */
+                j0 = pos - win + 1 > 0 ? pos - win + 1 : 0;
+                n = pos + win < n ? pos + win : n;
+            }
             float mx = -INFINITY;
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = j0; j < n; j++) {
                 const float *kj = K0 + j * ks0;
                 float dot = 0.f;
                 #pragma omp simd reduction(+:dot)
@@ -1066,12 +1118,12 @@ static void cp_item_c(const float *q0, int64_t qs0, int64_t qs1, const float *K0
                 mx = sc[j] > mx ? sc[j] : mx;
             }
             double sum = 0.;                                 /* long sums in double */
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = j0; j < n; j++) {
                 sc[j] = expf(sc[j] - mx);
                 sum += sc[j];
             }
             for (int64_t d = 0; d < D; d++) od[d] = 0.;
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = j0; j < n; j++) {
                 const float *vj = V0 + j * vs0;
                 const double w = sc[j];
                 #pragma omp simd
@@ -1087,8 +1139,10 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
                            const int64_t *qstarts, const int64_t *kstarts, const int64_t *lens,
                            const int64_t *ctx, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t qs0,
                            int64_t qs1, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1, int64_t os0,
-                           int64_t os1, float scale, float *lse, int64_t ls0, int64_t bidirectional) {
-    if (R <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0) return R <= 0 ? 0 : -1;
+                           int64_t os1, float scale, float *lse, int64_t ls0, int64_t bidirectional,
+                           int64_t window) {
+    if (R <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || window < 0 || (window && !bidirectional))
+        return R <= 0 ? 0 : -1;
     if (bidirectional)                  /* every query sees its whole prompt: no cached context */
         for (int64_t i = 0; i < R; i++)
             if (ctx[i]) return -1;
@@ -1178,12 +1232,12 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
 #ifdef CP_VW
                 if (vec) {
                     fn(q0, qs0, qs1, kT + (ktile_base[i] * KVH + g) * D * CP_TILE, KVH * D * CP_TILE, V0, vs0,
-                       o0, os0, os1, qt, r0, nq, (int)G, D, scale, ws, lse0, ls0, nkeys);
+                       o0, os0, os1, qt, r0, nq, (int)G, D, scale, ws, lse0, ls0, nkeys, window);
                     continue;
                 }
 #endif
                 cp_item_c(q0, qs0, qs1, k + kstarts[i] * ks0 + g * ks1, ks0, V0, vs0, o0, os0, os1, qt, r0, nq,
-                          (int)G, D, scale, ws, (double *)(ws + (max_len + 1) / 2 * 2), lse0, ls0, nkeys);
+                          (int)G, D, scale, ws, (double *)(ws + (max_len + 1) / 2 * 2), lse0, ls0, nkeys, window);
             }
         }
         free(ws);

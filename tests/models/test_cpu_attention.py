@@ -456,10 +456,12 @@ def test_native_causal_prefill_kernel(H, KVH, D):
 
 @pytest.mark.parametrize("H,KVH", [(4, 4), (12, 12), (8, 1)])
 @pytest.mark.parametrize("D", [20, 24, 32, 64, 128])                      # 20: the portable path; 24: AVX2 only
-def test_native_bidirectional_prefill_kernel(H, KVH, D):
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 17, 40])
+def test_native_bidirectional_prefill_kernel(H, KVH, D, window):
     """An encoder's attention (``bidirectional``): every query of a prompt sees all of the
-    prompt's keys, prompts on and off the 16-position tiles, against the float64 reference;
-    rows of no request untouched, and cached context refused."""
+    prompt's keys (with a ``window`` W, those fewer than W positions away on either side), prompts
+    on and off the 16-position tiles, against the float64 reference; rows of no request untouched,
+    and cached context refused."""
     from kernels.attention.cpu import causal_prefill
     from kernels.cpu.native import available
     if not available()[0]:
@@ -477,10 +479,15 @@ def test_native_bidirectional_prefill_kernel(H, KVH, D):
     for threads in (1, 3):
         out = torch.full((T, H, D), 7.0)
         with _with_omp_threads(threads):
-            assert causal_prefill(q, k, v, out, torch.tensor(starts), torch.tensor(lens), scale, bidirectional=True)
+            assert causal_prefill(q, k, v, out, torch.tensor(starts), torch.tensor(lens), scale, bidirectional=True,
+                                  window=window)
         for s, n in zip(starts, lens):
             kk, vv = (t[s:s + n].double().repeat_interleave(G, 1).transpose(0, 1) for t in (k, v))
-            ref = ((q[s:s + n].double().transpose(0, 1) @ kk.transpose(1, 2) * scale).softmax(-1) @ vv).transpose(0, 1)
+            scores = q[s:s + n].double().transpose(0, 1) @ kk.transpose(1, 2) * scale
+            if window is not None:
+                pos = torch.arange(n)
+                scores = scores.masked_fill((pos[:, None] - pos[None, :]).abs() >= window, float("-inf"))
+            ref = (scores.softmax(-1) @ vv).transpose(0, 1)
             torch.testing.assert_close(out[s:s + n].double(), ref, atol=1e-5, rtol=1e-5)
         assert (out[:2] == 7).all() and (out[a:] == 7).all()
     assert not causal_prefill(q, k, v, out, torch.tensor(starts[:1]), torch.tensor(lens[:1]), scale,
