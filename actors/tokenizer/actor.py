@@ -222,13 +222,18 @@ class TokenizerActor(Actor):
 
     def _check_size(self, msg: Generate, limit: int, enforce: bool = True) -> int:
         """The prompt's characters; PromptTooLong at once, before tokenizing, when there are
-        so many that no tokenization could fit ``limit`` tokens (``enforce``)."""
+        so many that no tokenization could fit ``limit`` tokens (``enforce``; a pooling prompt may
+        fill them, a generating one must leave one). The bound counts the characters other than
+        whitespace, which some tokenizers drop (BERT's WordPiece): each token covers at most
+        max_token_chars of them."""
         if msg.messages is not None:
-            chars = sum(len(m["content"]) for m in msg.messages if isinstance(m.get("content"), str))
+            texts = [m["content"] for m in msg.messages if isinstance(m.get("content"), str)]
         else:
-            chars = len(msg.prompt or "")
-        at_least = chars // self.tokenizer.max_token_chars
-        if enforce and at_least >= limit:
+            texts = [msg.prompt or ""]
+        chars = sum(map(len, texts))
+        spaces = sum(t.count(" ") + t.count("\n") + t.count("\t") + t.count("\r") for t in texts)
+        at_least = (chars - spaces) // self.tokenizer.max_token_chars
+        if enforce and (at_least > limit or (at_least == limit and msg.sampling_params.pooling is None)):
             raise PromptTooLong(f"This model's maximum context length is {limit} tokens. "
                                 f"However, your prompt has at least {at_least} tokens ({chars} characters).")
         return chars
