@@ -418,7 +418,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         else:       # sized by the worker once the weights are on the GPU (with_kv_cache_bytes)
             num_blocks = 0
         max_model_len = self.model.max_model_len or arch.default_max_model_len
-        if num_blocks:
+        if arch.encoder_only and device == "cpu" and not self.cache.num_blocks:
+            # its layers never read or write the cache (whose pages are then never taken from the
+            # system): blocks only count the tokens in flight, so there are enough for a step's
+            # budget beside the longest prompt, whatever the cache's memory would hold
+            budget = max(self.scheduler.max_num_batched_tokens, max_model_len)
+            num_blocks = max(num_blocks, len(groups) * -(-(budget + max_model_len) // self.cache.block_size) + 1)
+        elif num_blocks:
             max_model_len = self._fitting_len(groups, num_blocks, max_model_len)
         sched = self.scheduler
         if sched.async_scheduling is None:     # a step's drafts come from the previous step's output

@@ -216,6 +216,20 @@ def test_an_encoder_model_refuses_chunked_prefill_and_a_budget_below_its_context
         LLM(path, multiprocess=False, max_num_batched_tokens=64)
 
 
+def test_an_encoder_is_not_bounded_by_a_kv_cache_it_never_uses(xlmr_classifier):
+    """An encoder reads and writes no KV cache: a cache too small for one whole prompt still
+    serves the whole context, many prompts at once."""
+    path, reference = xlmr_classifier
+    prompts = [[(3 * i + j) % 120 + 4 for i in range(76)] for j in range(6)]
+    with LLM(path, multiprocess=False, kv_cache_bytes=16 * 1024) as llm:    # 2 blocks' worth of float32 KV
+        assert llm._engine().client.config.model.max_model_len == 78
+        outs = llm.classify([_text(p) for p in prompts], use_tqdm=False)
+    for out, p in zip(outs, prompts):
+        with torch.no_grad():
+            probs = torch.softmax(reference(torch.tensor([[BOS, *p, SEP]])).logits[0], -1)
+        np.testing.assert_allclose(out.outputs.probs, probs.numpy(), atol=2e-6)
+
+
 @pytest.fixture(scope="module")
 def minilm_server():
     server = Server("--model", minilm_path(), "--threads", "1")
