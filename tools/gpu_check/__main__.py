@@ -225,7 +225,7 @@ def _model(args: argparse.Namespace) -> dict:
 def _pytest_command() -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/unit/test_cuda_graph_dispatch.py",
            "tests/unit/test_lora_graphs.py", "tests/e2e/test_gpu_server.py", "tests/e2e/test_weight_transfer_gpu.py",
-           "tests/e2e/test_architectures_gpu.py",
+           "tests/e2e/test_architectures_gpu.py", "tests/e2e/test_encoder_models_gpu.py",
            "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "120", "-rs"]
     try:
