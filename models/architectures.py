@@ -22,13 +22,15 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         # encoder-only models (bidirectional attention): embedding models and cross-encoders
         ("BertModel", "bert"), ("BertForSequenceClassification", "bert"), ("RobertaModel", "bert"),
         ("RobertaForSequenceClassification", "bert"), ("XLMRobertaModel", "bert"),
-        ("XLMRobertaForSequenceClassification", "bert"))}
+        ("XLMRobertaForSequenceClassification", "bert"), ("ModernBertModel", "modernbert"),
+        ("ModernBertForSequenceClassification", "modernbert"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
 # the encoder-only ones: each prompt computed whole (no chunked prefill, no prefix caching), CLS
 # pooling by default (vLLM's)
 ENCODER_ONLY_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
                               "RobertaForSequenceClassification", "XLMRobertaModel",
-                              "XLMRobertaForSequenceClassification")
+                              "XLMRobertaForSequenceClassification", "ModernBertModel",
+                              "ModernBertForSequenceClassification")
 # transformers' bare decoder stacks (a checkpoint of the model without its LM head, as embedding
 # models are saved) and sequence classifiers: served as pooling models by the causal LM class of
 # the same layers

@@ -45,19 +45,20 @@ def decode_token_types(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with a bias over the last dimension, in float32 whatever the model's dtype."""
+    """LayerNorm over the last dimension (with a bias, or without one), in float32 whatever the
+    model's dtype."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, bias: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
         if x.dtype == torch.float32:
-            return F.layer_norm(x, self.weight.shape, self.weight.float(), self.bias.float(), self.eps)
-        y = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps)
-        return y.to(x.dtype)
+            return F.layer_norm(x, self.weight.shape, self.weight.float(), bias, self.eps)
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps).to(x.dtype)
 
 
 class BertLayer(nn.Module):

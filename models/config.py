@@ -54,6 +54,8 @@ class ArchConfig:
     type_vocab_size: int = 0                   # token types (a text pair's segments); 0: none
     position_offset: int = 0                   # a prompt's first position in the position table (RoBERTa's 2)
     max_position_embeddings: int = 0          # the position table's rows; 0: max_model_len + position_offset
+    norm_bias: bool = True                     # their LayerNorms carry a bias (ModernBERT's do not)
+    classifier_bias: bool = False              # a classifier head's dense layer has a bias (ModernBERT's)
     # -- how the engine serves it (set by ``serving``, not read from the checkpoint) -------------
     serving_len: int = 0                       # the engine's --max-model-len; 0: default_max_model_len
     # a classifier's labels (--convert classify: a ``score`` head, hidden -> labels); 0: none

