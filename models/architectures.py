@@ -23,14 +23,18 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("BertModel", "bert"), ("BertForSequenceClassification", "bert"), ("RobertaModel", "bert"),
         ("RobertaForSequenceClassification", "bert"), ("XLMRobertaModel", "bert"),
         ("XLMRobertaForSequenceClassification", "bert"), ("ModernBertModel", "modernbert"),
-        ("ModernBertForSequenceClassification", "modernbert"))}
+        ("ModernBertForSequenceClassification", "modernbert"), ("BertForTokenClassification", "bert"),
+        ("RobertaForTokenClassification", "bert"), ("XLMRobertaForTokenClassification", "bert"),
+        ("ModernBertForTokenClassification", "modernbert"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
 # the encoder-only ones: each prompt computed whole (no chunked prefill, no prefix caching), CLS
 # pooling by default (vLLM's)
 ENCODER_ONLY_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
                               "RobertaForSequenceClassification", "XLMRobertaModel",
                               "XLMRobertaForSequenceClassification", "ModernBertModel",
-                              "ModernBertForSequenceClassification")
+                              "ModernBertForSequenceClassification", "BertForTokenClassification",
+                              "RobertaForTokenClassification", "XLMRobertaForTokenClassification",
+                              "ModernBertForTokenClassification")
 # transformers' bare decoder stacks (a checkpoint of the model without its LM head, as embedding
 # models are saved) and sequence classifiers: served as pooling models by the causal LM class of
 # the same layers

@@ -258,3 +258,34 @@ class XLMRobertaModel(RobertaModel):
 
 class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
     pass
+
+
+class _TokenClassifier(nn.Module):
+    """A token classifier's head: ``classifier`` (hidden -> labels, with a bias) on every token."""
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.out_proj = nn.Linear(hidden, num_labels, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(x)
+
+
+class BertForTokenClassification(BertModel):
+    """A token classifier (NER and the like): ``classifier`` on every token's hidden state."""
+
+    @classmethod
+    def head_map(cls) -> TensorMap:
+        return {f"classifier.{p}": (f"score.out_proj.{p}", None) for p in ("weight", "bias")}
+
+    def classifier_head(self, config: ArchConfig) -> nn.Module | None:
+        return _TokenClassifier(config.hidden_size, config.num_labels)
+
+
+class RobertaForTokenClassification(RobertaModel):
+    head_map = BertForTokenClassification.head_map
+    classifier_head = BertForTokenClassification.classifier_head
+
+
+class XLMRobertaForTokenClassification(RobertaForTokenClassification):
+    pass

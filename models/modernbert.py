@@ -161,3 +161,7 @@ class ModernBertForSequenceClassification(ModernBertModel):
 
     def classifier_head(self, config: ArchConfig) -> nn.Module | None:
         return _Head(config)
+
+
+class ModernBertForTokenClassification(ModernBertForSequenceClassification):
+    """A token classifier: the prediction head and ``classifier`` on every token's hidden state."""

@@ -244,6 +244,34 @@ def test_modernbert_embeds_and_classifies_as_transformers_does(tmp_path):
             np.testing.assert_allclose(out, ref.numpy(), atol=2e-6)
 
 
+@pytest.mark.parametrize("kind", ["bert", "modernbert"])
+def test_an_encoder_token_classifier_labels_every_token_as_transformers_does(tmp_path, kind):
+    """BertForTokenClassification and ModernBertForTokenClassification (NER models): a row of
+    label probabilities per prompt token (task token_classify, vLLM's softmax over the labels)."""
+    import transformers as t
+    from helpers import save_tiny_tokenizer
+    if kind == "bert":
+        model = t.BertForTokenClassification(t.BertConfig(**TINY, num_labels=5))
+    else:
+        model = t.ModernBertForTokenClassification(t.ModernBertConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            max_position_embeddings=256, local_attention=8, num_labels=5, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, cls_token_id=1, sep_token_id=2))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in param.lower() else 0.0, 0.2)
+    model.eval().save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path, VOCAB)
+    prompts = [[CLS, 5, 9, 7, 3, SEP], [CLS, *((7 * i + 5) % 120 + 4 for i in range(20)), SEP]]
+    with LLM(str(tmp_path), multiprocess=False) as llm:
+        outs = llm.encode([{"prompt_token_ids": p} for p in prompts], pooling_task="token_classify", use_tqdm=False)
+    for out, p in zip(outs, prompts):
+        with torch.no_grad():
+            ref = torch.softmax(model(torch.tensor([p])).logits[0], -1)
+        np.testing.assert_allclose(out.outputs.data.numpy(), ref.numpy(), atol=2e-6)
+
+
 def test_an_encoder_model_refuses_chunked_prefill_and_a_budget_below_its_context(bert_reranker):
     path, _ = bert_reranker
     with pytest.raises(ValueError, match="cannot be computed in chunks"):
