@@ -27,14 +27,6 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("RobertaForTokenClassification", "bert"), ("XLMRobertaForTokenClassification", "bert"),
         ("ModernBertForTokenClassification", "modernbert"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
-# the encoder-only ones: each prompt computed whole (no chunked prefill, no prefix caching), CLS
-# pooling by default (vLLM's)
-ENCODER_ONLY_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
-                              "RobertaForSequenceClassification", "XLMRobertaModel",
-                              "XLMRobertaForSequenceClassification", "ModernBertModel",
-                              "ModernBertForSequenceClassification", "BertForTokenClassification",
-                              "RobertaForTokenClassification", "XLMRobertaForTokenClassification",
-                              "ModernBertForTokenClassification")
 # transformers' bare decoder stacks (a checkpoint of the model without its LM head, as embedding
 # models are saved) and sequence classifiers: served as pooling models by the causal LM class of
 # the same layers
@@ -48,7 +40,19 @@ BARE_MODELS: dict[str, str] = {
         "Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Qwen3Moe", "Mixtral", "Gemma2", "Granite", "SmolLM3")},
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
     # vLLM's reward models: the stack and a score MLP on every token (actors/engine/pooling.py)
-    "Qwen2ForRewardModel": "Qwen2ForCausalLM", "Qwen2ForProcessRewardModel": "Qwen2ForCausalLM"}
+    "Qwen2ForRewardModel": "Qwen2ForCausalLM", "Qwen2ForProcessRewardModel": "Qwen2ForCausalLM",
+    # Llama's layers attending both ways (NVIDIA's Llama embedding and reranking models, vLLM's names)
+    "LlamaBidirectionalModel": "LlamaForCausalLM", "LlamaBidirectionalForSequenceClassification": "LlamaForCausalLM"}
+# the bare stacks above whose layers attend both ways (an encoder's: use_bidirectional_attention)
+BIDIRECTIONAL_MODELS = ("LlamaBidirectionalModel", "LlamaBidirectionalForSequenceClassification")
+# the encoder-only ones: each prompt computed whole (no chunked prefill, no prefix caching), CLS
+# pooling by default (vLLM's)
+ENCODER_ONLY_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
+                              "RobertaForSequenceClassification", "XLMRobertaModel",
+                              "XLMRobertaForSequenceClassification", "ModernBertModel",
+                              "ModernBertForSequenceClassification", "BertForTokenClassification",
+                              "RobertaForTokenClassification", "XLMRobertaForTokenClassification",
+                              "ModernBertForTokenClassification", *BIDIRECTIONAL_MODELS)
 
 
 class ModelRegistry:

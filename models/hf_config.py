@@ -6,7 +6,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from models.architectures import BARE_MODELS
+from models.architectures import BARE_MODELS, BIDIRECTIONAL_MODELS
 from models.config import FULL, ArchConfig
 from models.rope import DEFAULT_ROPE_THETA, RopeScaling, rope_scaling_from
 
@@ -83,6 +83,8 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     archs = raw.get("architectures") or []
     if len(archs) == 1 and archs[0] in BARE_MODELS:      # a bare decoder stack: its causal LM's layers
         raw = {**raw, "architectures": [BARE_MODELS[archs[0]]]}
+        if archs[0] in BIDIRECTIONAL_MODELS:              # attending both ways
+            raw["use_bidirectional_attention"] = True
     model_class = _model_class(raw)
     if model_class.hf_text_config is not None:     # a multimodal checkpoint: its language model's keys
         raw = language_model_config(raw, model_class.hf_text_config)

@@ -3,7 +3,7 @@ KV cache. Qwen2, Qwen3, Mistral and Phi-3 are this model with their differences 
 tensor map, a flag, a config hook)."""
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ class LlamaDecoderLayer(nn.Module):
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
             sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
             qk_norm=(lambda: RMSNorm(c.head_size, c.rms_norm_eps, dtype)) if qk_norm else None,
-            rotary_dim=c.rotary_dim, use_rope=c.layer_uses_rope(layer))
+            rotary_dim=c.rotary_dim, use_rope=c.layer_uses_rope(layer), bidirectional=c.encoder_only)
         self.residual_multiplier = c.residual_multiplier
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
@@ -89,6 +89,11 @@ class LlamaForCausalLM(CausalLM):
         "model.norm.weight": ("norm.weight", None),
         "lm_head.weight": ("lm_head.weight", None),
     }
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        """An encoder's (LlamaBidirectionalModel: its layers attend both ways); nothing else here."""
+        return {"encoder_only": True} if raw.get("use_bidirectional_attention") else {}
 
     def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from models.architectures import ENCODER_ONLY_ARCHITECTURES
+from models.architectures import BIDIRECTIONAL_MODELS, ENCODER_ONLY_ARCHITECTURES
 
 log = logging.getLogger("troupe.engine")
 
@@ -415,6 +415,8 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
     default_seq = "CLS" if architecture in ENCODER_ONLY_ARCHITECTURES else "LAST"     # vLLM's defaults
     if architecture == "ModernBertForSequenceClassification":      # its own (vLLM reads it so)
         default_seq = str(hf_config.get("classifier_pooling") or "cls").upper()
+    if architecture in BIDIRECTIONAL_MODELS:      # config.json's "pooling", which vLLM requires
+        default_seq = bidirectional_pooling(hf_config)
     pooler = msgspec.structs.replace(pooler, seq_pooling_type=pooler.seq_pooling_type or default_seq,
                                      tok_pooling_type=pooler.tok_pooling_type or (reward[1] if reward else "ALL"))
     dims = hf_config.get("matryoshka_dimensions")
@@ -443,6 +445,20 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
                                    activation=classifier_activation(hf_config, per_token),
                                    use_sep_token=bool(hf_config.get("use_sep_token", hf_config.get("use_pad_token",
                                                                                                    True))))
+
+
+def bidirectional_pooling(hf_config: dict[str, Any]) -> str:
+    """A LlamaBidirectional model's pooling type, from its config.json's ``pooling`` (vLLM's
+    names and errors)."""
+    pooling = hf_config.get("pooling")
+    if pooling is None:
+        raise ValueError("This bidirectional model requires a 'pooling' field in its HF config (one of 'avg', 'cls', "
+                         "'last'), but none was found. Unlike the VL variants, no default is assumed here because "
+                         "silently picking a pooling for an embedding model can produce wrong embeddings.")
+    kinds = {"avg": "MEAN", "cls": "CLS", "last": "LAST"}
+    if pooling not in kinds:
+        raise ValueError(f"pool_type {pooling!r} not supported")
+    return kinds[pooling]
 
 
 def task_instructions(hf_config: dict[str, Any], checkpoint_dir: str | None) -> tuple[tuple[str, str], ...]:

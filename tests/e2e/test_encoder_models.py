@@ -272,6 +272,42 @@ def test_an_encoder_token_classifier_labels_every_token_as_transformers_does(tmp
         np.testing.assert_allclose(out.outputs.data.numpy(), ref.numpy(), atol=2e-6)
 
 
+def test_a_llama_bidirectional_model_embeds_with_attention_both_ways(tmp_path):
+    """LlamaBidirectionalModel (vLLM's name for NVIDIA's Llama embedders): Llama's layers with
+    every query seeing its whole prompt, pooled as config.json's ``pooling`` says (avg: MEAN;
+    vLLM's error without it); equal to transformers' LlamaModel given a mask that hides nothing,
+    and unlike its causal outputs."""
+    from helpers import save_tiny_tokenizer
+    from transformers import LlamaConfig, LlamaModel
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                   rms_norm_eps=1e-6, num_hidden_layers=2))
+    with torch.no_grad():
+        for param, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in param else 0.0, 0.15)
+    model.eval().save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path, VOCAB)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaBidirectionalModel"]}))
+    with pytest.raises(ValueError, match="requires a 'pooling' field"):
+        LLM(str(tmp_path), multiprocess=False)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaBidirectionalModel"],
+                                                      "pooling": "avg"}))
+    prompts = [[5, 9, 2, 7, 3], [(7 * i + 5) % 120 + 4 for i in range(30)], [11, 12]]
+    with LLM(str(tmp_path), multiprocess=False) as llm:
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    model.config._attn_implementation = "eager"
+    for out, p in zip(outs, prompts):
+        with torch.no_grad():
+            both_ways = model(torch.tensor([p]), attention_mask=torch.zeros(1, 1, len(p), len(p)))
+            causal = model(torch.tensor([p]))
+        expected = torch.nn.functional.normalize(both_ways.last_hidden_state[0].mean(0), dim=-1).numpy()
+        np.testing.assert_allclose(out.outputs.embedding, expected, atol=2e-6)
+        causal = torch.nn.functional.normalize(causal.last_hidden_state[0].mean(0), dim=-1).numpy()
+        assert np.abs(np.asarray(out.outputs.embedding) - causal).max() > 1e-3
+
+
 def test_an_encoder_model_refuses_chunked_prefill_and_a_budget_below_its_context(bert_reranker):
     path, _ = bert_reranker
     with pytest.raises(ValueError, match="cannot be computed in chunks"):
