@@ -106,19 +106,34 @@ def _encoder_map(prefix: str) -> TensorMap:
     }
 
 
-class BertModel(CausalLM):
+class EncoderLM(CausalLM):
+    """What the encoder-only architectures share: no KV cache, each step's prompts whole
+    (``prompt_starts``), one pipeline stage, and a classifier head of their own where they have one."""
+    encoder_only: ClassVar[bool] = True
+    gguf_tensor_map: ClassVar[TensorMap] = {}
+
+    def classifier_head(self, config: ArchConfig) -> nn.Module | None:
+        """The score head a classifier pools through (float32, vLLM's head dtype); None: the
+        registry's plain one."""
+        return None
+
+    def prompt_starts(self, meta: AttentionMetadata, intermediate: Any) -> list[int]:
+        """The step's prompt bounds (query_start_loc), each prompt whole; ValueError otherwise."""
+        if intermediate is not None:
+            raise ValueError(f"{type(self).__name__} runs in one pipeline stage")
+        return whole_prompts(meta, type(self).__name__)
+
+
+class BertModel(EncoderLM):
     """The encoder stack; its hidden states are pooled (CLS by default, a sentence-transformers
     checkpoint's own pooling where it says). Its ``pooler`` (dense + tanh over the first token)
     serves the sequence classifier only."""
-    encoder_only: ClassVar[bool] = True
     # the checkpoint's prefix of the stack: a classifier's ("bert."), or none (a bare model saved
     # alone); both read
     stack_prefix: ClassVar[str] = "bert."
     hf_defaults: ClassVar[dict[str, Any]] = {"rms_norm_eps": 1e-12, "type_vocab_size": 2, "pad_token_id": 0}
     hf_tensor_map: ClassVar[TensorMap] = {}
-    gguf_tensor_map: ClassVar[TensorMap] = {}
-    # position_ids buffers some checkpoints hold; a bare model's pooler (unused when embedding)
-    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = ()
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = ()      # _set_maps's
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -175,11 +190,6 @@ class BertModel(CausalLM):
         self.emb_norm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.layers = nn.ModuleList(BertLayer(c, dtype) for _ in range(c.num_layers))
 
-    def classifier_head(self, config: ArchConfig) -> nn.Module | None:
-        """The score head a sequence classifier pools through (float32, vLLM's head dtype);
-        None: the registry's plain one."""
-        return None
-
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(decode_token_types(input_ids)[0])
 
@@ -187,9 +197,7 @@ class BertModel(CausalLM):
                 meta: AttentionMetadata, intermediate: Any = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         # input_ids, positions (T,): whole prompts, each from position 0; the KV caches are unused
-        if intermediate is not None:
-            raise ValueError(f"{type(self).__name__} runs in one pipeline stage")
-        starts = whole_prompts(meta, type(self).__name__)
+        starts = self.prompt_starts(meta, intermediate)
         ids, types = decode_token_types(input_ids)
         hidden = self.embed_tokens(ids) if inputs_embeds is None else inputs_embeds
         hidden = hidden + self.position_embeddings(positions + self.config.position_offset)

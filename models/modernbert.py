@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from models.base import CausalLM, TensorMap
-from models.bert import LayerNorm
+from models.base import TensorMap
+from models.bert import EncoderLM, LayerNorm
 from models.config import FULL, SLIDING, ArchConfig
 from models.hf_config import rope_parameters
-from models.layers import Embedding, Linear, RotaryEmbedding, apply_rotary_qk, encoder_attention, whole_prompts
+from models.layers import Embedding, Linear, RotaryEmbedding, apply_rotary_qk, encoder_attention
 
 GLOBAL_ROPE_THETA, LOCAL_ROPE_THETA = 160_000.0, 10_000.0     # transformers' defaults
 
@@ -60,15 +60,13 @@ def _stack_map(prefix: str) -> TensorMap:
     }
 
 
-class ModernBertModel(CausalLM):
+class ModernBertModel(EncoderLM):
     """The encoder stack, its last hidden states after ``final_norm`` pooled (CLS by default,
     vLLM's)."""
-    encoder_only: ClassVar[bool] = True
     hf_defaults: ClassVar[dict[str, Any]] = {"rms_norm_eps": 1e-5, "intermediate_size": 1152, "local_attention": 128,
                                             "global_attn_every_n_layers": 3, "hidden_activation": "gelu",
                                             "norm_bias": False, "classifier_pooling": "cls"}
     hf_tensor_map: ClassVar[TensorMap] = {**_stack_map(""), **_stack_map("model.")}
-    gguf_tensor_map: ClassVar[TensorMap] = {}
     # a masked-LM checkpoint's prediction head and decoder; the embedding model has no head
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = ("head.", "decoder.")
 
@@ -108,18 +106,13 @@ class ModernBertModel(CausalLM):
         self.layers = nn.ModuleList(ModernBertLayer(c, i, dtype) for i in range(c.num_layers))
         self.norm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_bias)
 
-    def classifier_head(self, config: ArchConfig) -> nn.Module | None:
-        return None
-
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, intermediate: Any = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        if intermediate is not None:
-            raise ValueError(f"{type(self).__name__} runs in one pipeline stage")
-        starts = whole_prompts(meta, type(self).__name__)
+        starts = self.prompt_starts(meta, intermediate)
         hidden = self.emb_norm(self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds)
         rope = {False: self.rotary_global(positions, hidden.dtype), True: self.rotary_local(positions, hidden.dtype)}
         for layer in self.layers:

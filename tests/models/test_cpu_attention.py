@@ -428,6 +428,15 @@ def _reference_causal(q, k, v, scale):
     return (s.softmax(-1) @ vv).transpose(0, 1)
 
 
+def _packed(lens: list[int], first: int) -> tuple[list[int], int]:
+    """Requests of ``lens`` rows back to back from row ``first``: their first rows, and the row after."""
+    starts = []
+    for n in lens:
+        starts.append(first)
+        first += n
+    return starts, first
+
+
 @pytest.mark.parametrize("H,KVH", [(4, 4), (9, 3), (8, 1), (16, 2)])     # GQA 1, 3, 8, 8
 @pytest.mark.parametrize("D", [20, 24, 48, 64, 128])                     # 20: the portable path; 24: AVX2 only
 def test_native_causal_prefill_kernel(H, KVH, D):
@@ -437,10 +446,7 @@ def test_native_causal_prefill_kernel(H, KVH, D):
         pytest.skip(available()[1])
     gen = torch.Generator().manual_seed(H * 131 + KVH * 7 + D)
     lens = [1, 15, 16, 17, 100, 300, 33]
-    starts, a = [], 3                       # rows 0..2 and the tail belong to no request
-    for n in lens:
-        starts.append(a)
-        a += n
+    starts, a = _packed(lens, 3)            # rows 0..2 and the tail belong to no request
     T = a + 4
     q, k, v = _fused_qkv(T, H, KVH, D, gen)
     scale = D ** -0.5
@@ -468,10 +474,7 @@ def test_native_bidirectional_prefill_kernel(H, KVH, D, window):
         pytest.skip(available()[1])
     gen = torch.Generator().manual_seed(H * 29 + KVH * 5 + D)
     lens = [1, 15, 16, 17, 100, 33]
-    starts, a = [], 2
-    for n in lens:
-        starts.append(a)
-        a += n
+    starts, a = _packed(lens, 2)
     T = a + 3
     q, k, v = _fused_qkv(T, H, KVH, D, gen)
     scale = D ** -0.5
