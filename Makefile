@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.troupe-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml tests/plugins/pyproject.toml
+$(STAMP): pyproject.toml tests/plugins/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
