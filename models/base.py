@@ -53,6 +53,9 @@ class CausalLM(nn.Module):
     hf_text_config: ClassVar[str | None] = None
     # tensor-name prefixes of the parts Troupe does not run (a vision tower, its projector): never read
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = ()
+    # its layers can attend both ways (config.json's use_bidirectional_attention, an encoder's:
+    # ArchConfig.encoder_only), as LlamaBidirectionalModel's do
+    bidirectional_layers: ClassVar[bool] = False
     # pipeline parallelism (models/pipeline_parallel.py): what a stage hands the next, each
     # (tokens, hidden); () when the forward takes no intermediate tensors (one stage only)
     intermediate_keys: ClassVar[tuple[str, ...]] = ()

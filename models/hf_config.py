@@ -90,7 +90,10 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         raw = language_model_config(raw, model_class.hf_text_config)
     raw = {**model_class.hf_defaults, **raw}   # a key present as null stays null (sliding_window: none)
     fields = _generic_fields(raw, generation or {})
-    return ArchConfig(**{**fields, **model_class.hf_fields(raw, fields)})
+    fields = {**fields, **model_class.hf_fields(raw, fields)}
+    if raw.get("use_bidirectional_attention") and model_class.bidirectional_layers:
+        fields["encoder_only"] = True            # an encoder (LlamaBidirectionalModel)
+    return ArchConfig(**fields)
 
 
 def language_model_config(raw: dict[str, Any], key: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@ KV cache. Qwen2, Qwen3, Mistral and Phi-3 are this model with their differences 
 tensor map, a flag, a config hook)."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -54,6 +54,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     qk_norm: ClassVar[bool] = False   # per-head RMSNorm of q and k before rotary (Qwen3)
+    bidirectional_layers: ClassVar[bool] = True     # LlamaBidirectionalModel: its layers attend both ways
     gguf_architectures: ClassVar[tuple[str, ...]] = ("llama",)
     gguf_permuted_qk: ClassVar[bool] = True
     intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states", "residual")
@@ -89,11 +90,6 @@ class LlamaForCausalLM(CausalLM):
         "model.norm.weight": ("norm.weight", None),
         "lm_head.weight": ("lm_head.weight", None),
     }
-
-    @classmethod
-    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-        """An encoder's (LlamaBidirectionalModel: its layers attend both ways); nothing else here."""
-        return {"encoder_only": True} if raw.get("use_bidirectional_attention") else {}
 
     def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32) -> None:
