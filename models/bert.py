@@ -1,7 +1,8 @@
-"""Encoder-only transformers: BERT (``BertModel``, ``BertForSequenceClassification``), RoBERTa and
-XLM-RoBERTa (``RobertaModel``, ``XLMRobertaModel`` and their sequence classifiers), the
-architectures of most sentence-transformers embedding models (all-MiniLM, bge, e5, gte) and
-cross-encoder rerankers (ms-marco-MiniLM, bge-reranker).
+"""Encoder-only transformers: BERT (``BertModel``, ``BertForSequenceClassification``,
+``BertForTokenClassification``), RoBERTa and XLM-RoBERTa (``RobertaModel``, ``XLMRobertaModel`` and
+their sequence and token classifiers), the architectures of most sentence-transformers embedding
+models (all-MiniLM, bge, e5, gte), cross-encoder rerankers (ms-marco-MiniLM, bge-reranker) and NER
+models; ``EncoderLM``, what they and ModernBERT (models/modernbert.py) share.
 
 Each layer attends over its whole prompt in both directions, so a prompt is computed whole in
 one step and reads no KV cache (the engine serves these models without chunked prefill or prefix
