@@ -34,6 +34,7 @@ from actors.kv_manager.block_hash import HASH_ALGOS
 from actors.kv_manager.kv_events import KVEventsConfig
 from actors.kv_transfer.config import KVTransferConfig
 from actors.spec_decode.config import SpeculativeConfig
+from models.architectures import ENCODER_ONLY_ARCHITECTURES
 from models.config import ArchConfig
 from models.resolve import ModelSource
 from actors.engine.watermark import WatermarkConfig
@@ -455,9 +456,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if arch.encoder_only:
             if sched.enable_chunked_prefill:
                 raise ValueError(encoder_chunking_refused(arch.architecture))
+            # a decoder's layers attending both ways (LlamaBidirectional, EmbeddingGemma) split over
+            # ranks as a decoder's do; the encoders of their own (BERT, ModernBERT) are not split yet
+            split = self.parallel.tensor_parallel_size > 1 and arch.architecture in ENCODER_ONLY_ARCHITECTURES
             refused = [name for name, on in (("--enable-lora", self.lora is not None),
-                                             ("--tensor-parallel-size", self.parallel.tensor_parallel_size > 1))
-                       if on]
+                                             ("--tensor-parallel-size", split)) if on]
             if refused:
                 raise ValueError(f"{arch.architecture} (an encoder-only model) is not supported with "
                                  f"{', '.join(refused)} yet")

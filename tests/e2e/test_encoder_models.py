@@ -276,7 +276,7 @@ def test_a_llama_bidirectional_model_embeds_with_attention_both_ways(tmp_path):
     """LlamaBidirectionalModel (vLLM's name for NVIDIA's Llama embedders): Llama's layers with
     every query seeing its whole prompt, pooled as config.json's ``pooling`` says (avg: MEAN;
     vLLM's error without it); equal to transformers' LlamaModel given a mask that hides nothing,
-    and unlike its causal outputs."""
+    and unlike its causal outputs; its heads split over two tensor-parallel ranks give the same."""
     from helpers import save_tiny_tokenizer
     from transformers import LlamaConfig, LlamaModel
     torch.manual_seed(0)
@@ -297,6 +297,10 @@ def test_a_llama_bidirectional_model_embeds_with_attention_both_ways(tmp_path):
     prompts = [[5, 9, 2, 7, 3], [(7 * i + 5) % 120 + 4 for i in range(30)], [11, 12]]
     with LLM(str(tmp_path), multiprocess=False) as llm:
         outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    with LLM(str(tmp_path), tensor_parallel_size=2) as llm:        # its heads split over two ranks
+        split = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for one, two in zip(outs, split):
+        np.testing.assert_allclose(two.outputs.embedding, one.outputs.embedding, atol=1e-6)
     model.config._attn_implementation = "eager"
     for out, p in zip(outs, prompts):
         with torch.no_grad():
