@@ -43,13 +43,15 @@ class PanelLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:              # (..., in) -> (..., out)
-        mm = _traced_matmul if torch.compiler.is_compiling() else matmul
-        if x.dim() == 2 and self.bias is None:
-            return mm(x, self.weight)
-        y = mm(x.reshape(-1, self.in_features), self.weight)
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        if torch.compiler.is_compiling():
+            y = _traced_matmul(x.reshape(-1, self.in_features), self.weight)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if x.dim() == 2:                 # the bias added by the kernel, tile by tile
+            return matmul(x, self.weight, self.bias)
+        return matmul(x.reshape(-1, self.in_features), self.weight, self.bias).reshape(*x.shape[:-1],
+                                                                                       self.out_features)
 
     def silu_and_mul_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """For a gate|up projection: silu(gate) * up in one native pass (kernels/cpu/panels.py

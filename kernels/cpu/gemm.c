@@ -39,7 +39,8 @@ void silu_and_mul_serial_f32(const float *gate_up, int64_t in_stride, float *out
 
 enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_BF16 = 3 };
 
-static int bf16_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y);
+static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                         int gated, const float *bias);
 static int bf16_gated_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *out);
 
 #ifdef __AVX512F__
@@ -409,11 +410,22 @@ static int64_t row_block(int64_t K) {
     return rows < 64 ? 64 : rows;
 }
 
-/* y (M, N) = x (M, K) W^T with W in panels of kind W_F32 / W_Q4_1 / W_Q8_0 (see the top) or
- * W_BF16 (see bf16_gemm). Returns 0 when a buffer could not be allocated (y is then incomplete). */
-int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
-               const float *x, int64_t M, float *y) {
-    if (kind == W_BF16) return bf16_gemm((const uint32_t *)codes, N, K, x, M, y);
+/* y's rows (ldy apart) plus a bias over cols columns: y + b rounded once, as a separate add would
+ * round it, while the thread's tile is still in its cache. */
+static inline void add_bias_cols(float *y, int64_t ldy, int64_t rows, const float *b, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *yr = y + r * ldy;
+        #pragma omp simd
+        for (int64_t c = 0; c < cols; c++) yr[c] += b[c];
+    }
+}
+
+/* y (M, N) = x (M, K) W^T (+ bias, N values, or NULL) with W in panels of kind W_F32 / W_Q4_1 /
+ * W_Q8_0 (see the top) or W_BF16 (see bf16_products); each panel's columns get the bias as soon as
+ * they are written. Returns 0 when a buffer could not be allocated (y is then incomplete). */
+static int panel_products(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
+                          const float *x, int64_t M, float *y, const float *bias) {
+    if (kind == W_BF16) return bf16_products((const uint32_t *)codes, N, K, x, M, y, 0, bias);
     const int64_t P = (N + NR - 1) / NR;
     const int64_t rows = row_block(K);
     int ok = 1;
@@ -428,6 +440,7 @@ int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m
 #ifdef __AVX512F__
             if (kind != W_F32 && mb <= DIRECT_ROWS) {
                 quant_rows(kind, (const uint8_t *)codes, d, m, p, K, xb, mb, yb + p * NR, N, cols);
+                if (bias) add_bias_cols(yb + p * NR, N, mb, bias + p * NR, cols);
                 continue;
             }
 #endif
@@ -444,9 +457,21 @@ int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m
                 pan = buf;
             }
             panel_rows(xb, mb, K, pan, yb + p * NR, N, cols);
+            if (bias) add_bias_cols(yb + p * NR, N, mb, bias + p * NR, cols);
         }
     }
     return ok;
+}
+
+int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
+               const float *x, int64_t M, float *y) {
+    return panel_products(kind, codes, d, m, N, K, x, M, y, NULL);
+}
+
+/* panel_gemm with a bias (N float32 values): the same bits as the product followed by an add. */
+int panel_gemm_bias(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
+                    const float *x, int64_t M, float *y, const float *bias) {
+    return panel_products(kind, codes, d, m, N, K, x, M, y, bias);
 }
 
 /* Rows of a gated call's tile: the gate and up products of this many rows stay in the L1 cache. */
@@ -806,7 +831,7 @@ static void bf16_gated_panel(const uint32_t *codes, const uint32_t *xa, int as_f
  * written out; the same bits as the product followed by silu_and_mul_f32 (a row's products do not
  * depend on the rows beside it). */
 static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                         int gated) {
+                         int gated, const float *bias) {
     const int64_t K2 = (K + 1) / 2, rows = bf16_row_block(K), width = gated ? N / 2 : N;
     const int64_t P = gated ? width / NR : (N + NR - 1) / NR;
     if (!bf16_x_room(M, K)) return 0;
@@ -823,18 +848,15 @@ static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const floa
             } else {
                 const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
                 bf16_tile(xa, as_float, 0, mb, K2, codes + p * K2 * NR, yb + p * NR, N, cols);
+                if (bias) add_bias_cols(yb + p * NR, N, mb, bias + p * NR, cols);
             }
         }
     }
     return 1;
 }
 
-static int bf16_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
-    return bf16_products(codes, N, K, x, M, y, 0);
-}
-
 static int bf16_gated_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *out) {
-    return bf16_products(codes, N, K, x, M, out, 1);
+    return bf16_products(codes, N, K, x, M, out, 1, NULL);
 }
 
 /* Float32 weight (N, K) row-major -> panels (P, K, 32), zero-padded. */

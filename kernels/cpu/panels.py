@@ -126,6 +126,13 @@ def _panel_gemm():
                           + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)
 
 
+@lru_cache(maxsize=1)
+def _panel_gemm_bias():
+    return native.declare("panel_gemm_bias", [ctypes.c_int] + [ctypes.c_void_p] * 3
+                          + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
+                          ctypes.c_int)
+
+
 def _panels(n: int) -> int:
     return (n + NR - 1) // NR
 
@@ -161,8 +168,10 @@ def bf16_available() -> bool:
     return native.available()[0] and bool(native.declare("bf16_available", [], ctypes.c_int)())
 
 
-def matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
-    """x (T, K) float32 -> x W^T (T, N) float32."""
+def matmul(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (T, K) float32 -> x W^T (+ bias, N float32 values) (T, N) float32; the bias is added by
+    the kernel to each tile it writes (the same bits as an add afterwards), or afterwards for the
+    int8 kernels."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be (T, {w.in_features}), got {tuple(x.shape)}")
     if x.dtype != torch.float32 or not x.is_contiguous():
@@ -172,8 +181,18 @@ def matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
     if rows == 0:
         return y
     fn, args = w.call
-    if not fn(*args, x.data_ptr(), rows, y.data_ptr()):
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (w.out_features,)):
+        raise ValueError(f"the bias must be {w.out_features} contiguous float32 values, got "
+                         f"{tuple(bias.shape)} {bias.dtype}")
+    fused_bias = bias is not None and not w.kind.endswith("_I8X2")
+    if fused_bias:
+        ok = _panel_gemm_bias()(*args, x.data_ptr(), rows, y.data_ptr(), bias.data_ptr())
+    else:
+        ok = fn(*args, x.data_ptr(), rows, y.data_ptr())
+    if not ok:
         raise MemoryError(f"the native {w.kind} matmul could not allocate its buffer")
+    if bias is not None and not fused_bias:
+        y.add_(bias)
     return y
 
 

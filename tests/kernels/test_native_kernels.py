@@ -348,3 +348,29 @@ def test_native_bitmask_matches_the_reference(vocab, words):
     assert apply_bitmask_(got, bitmask)
     apply_bitmask_ref(want, bitmask)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["F32", "BF16", "Q4_1", "Q8_0", "Q4_1_I8X2"])
+@pytest.mark.parametrize("rows", [1, 5, 40, 300])      # the few-row paths, the panel path, several row blocks
+def test_a_bias_added_in_the_kernel_gives_the_bits_of_an_add_afterwards(kind, rows):
+    """``matmul(x, w, bias)`` (the kernel adds the bias to each tile it writes; the int8 kernels
+    add it afterwards) equals the product followed by ``add_``, bit for bit, and the packed linear
+    layer (with its bias) is that, for 2-D and batched inputs."""
+    n, k = 70, 96
+    if kind in ("F32", "BF16"):
+        dense = torch.randn(n, k)
+        w = PanelWeight.pack_f32(dense) if kind == "F32" else PanelWeight.pack_bf16(dense)
+    else:
+        qtype = kind.removesuffix("_I8X2")
+        raw, _ = _gguf(qtype, n, k, 7)
+        w = PanelWeight.pack_gguf(qtype, raw, n, k, int8_activations=kind.endswith("_I8X2"))
+    bias, x = torch.randn(n), torch.randn(rows, k)
+    expected = matmul(x, w)
+    expected.add_(bias)
+    assert torch.equal(matmul(x, w, bias), expected)
+    from models.packed import PanelLinear
+    layer = PanelLinear(w, bias)
+    assert torch.equal(layer(x), expected)
+    assert torch.equal(layer(x.view(1, rows, k)).view(rows, n), expected)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        matmul(x, w, torch.randn(n, dtype=torch.float64))
