@@ -24,14 +24,9 @@ from torch import nn
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.base import CausalLM, TensorMap
 from models.config import ArchConfig
-from models.layers import Embedding, Linear, MergedLinear, encoder_attention, whole_prompts
+from models.layers import Embedding, Linear, MergedLinear, encoder_attention, hf_activation, linear_act, whole_prompts
 
 TOKEN_TYPE_SHIFT = 30           # a token's type in the bits of its id from here (vLLM's)
-
-_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
-                "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_fast": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def encode_token_types(input_ids: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
@@ -69,10 +64,7 @@ class BertLayer(nn.Module):
     def __init__(self, config: ArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         c, hidden = config, config.hidden_size
-        if c.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"{c.architecture}: activation {c.hidden_act!r} is not supported; supported: "
-                             f"{sorted(_ACTIVATIONS)}")
-        self.act = _ACTIVATIONS[c.hidden_act]
+        self.act = hf_activation(c.hidden_act, c.architecture)
         self.num_heads, self.head_size, self.scale = c.num_heads, c.head_size, c.attn_scale
         inner = c.num_heads * c.head_size
         self.qkv_proj = MergedLinear(hidden, {"q": inner, "k": inner, "v": inner}, dtype, bias=True)
@@ -87,7 +79,8 @@ class BertLayer(nn.Module):
         q, k, v = self.qkv_proj(x).view(T, 3, self.num_heads, self.head_size).unbind(1)
         attn = encoder_attention(q, k, v, query_start_loc, self.scale).view(T, -1)
         x = self.attn_norm(x + self.o_proj(attn))
-        return self.mlp_norm(x + self.down_proj(self.act(self.up_proj(x))))
+        # the activation on the CPU in the up projection's own pass
+        return self.mlp_norm(x + self.down_proj(linear_act(self.up_proj, x, self.act)))
 
 
 def _encoder_map(prefix: str) -> TensorMap:

@@ -206,29 +206,65 @@ def _partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat((apply_rotary(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
 
 
+# Hugging Face's activation names (config.json's hidden_act / hidden_activation) -> the
+# activations of kernels/cpu/fused.py (ACTIVATIONS) and their torch forms
+HF_ACTIVATIONS: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu",
+                                  "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+def hf_activation(name: str, model: str) -> str:
+    """The activation a checkpoint's ``name`` means (a key of TORCH_ACTIVATIONS); ValueError naming
+    the supported ones otherwise."""
+    if name not in HF_ACTIVATIONS:
+        raise ValueError(f"{model}: activation {name!r} is not supported; supported: {sorted(HF_ACTIVATIONS)}")
+    return HF_ACTIVATIONS[name]
+
+
+def activation(x: torch.Tensor, act: str, custom_ops: bool = True) -> torch.Tensor:
+    """act(x), ``act`` a key of TORCH_ACTIVATIONS: the native kernel on the CPU (what the packed
+    linear layers apply to their tiles, so fused and unfused paths agree bit for bit), torch's op
+    elsewhere or with ``custom_ops`` False."""
+    if custom_ops and x.dim() == 2 and fused.supports(x):
+        return fused.activation(x, act)
+    return TORCH_ACTIVATIONS[act](x)
+
+
+def gated_activation(gate_up: torch.Tensor, act: str, custom_ops: bool = True) -> torch.Tensor:
+    """gate_up (T, 2I) = gate | up -> act(gate) * up (T, I)."""
+    if custom_ops and gate_up.dim() == 2:
+        if fused.supports(gate_up):
+            return fused.gated_activation(gate_up, act)
+        if act == "silu" and triton_fused.supports(gate_up):
+            return triton_fused.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return TORCH_ACTIVATIONS[act](gate) * up
+
+
 def silu_and_mul(gate_up: torch.Tensor, custom_ops: bool = True) -> torch.Tensor:
     # gate_up (T, 2I) = gate | up -> (T, I)
-    if not custom_ops:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    if gate_up.dim() == 2 and fused.supports(gate_up):
-        return fused.silu_and_mul(gate_up)
-    if gate_up.dim() == 2 and triton_fused.supports(gate_up):
-        return triton_fused.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return gated_activation(gate_up, "silu", custom_ops)
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    # gate_up (T, 2I) = gate | up -> (T, I)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+def linear_act(layer: nn.Module, x: torch.Tensor, act: str, custom_ops: bool = True) -> torch.Tensor:
+    """act(layer(x)): in one native pass where the layer has one (a packed linear layer applies
+    the activation to each tile as it writes it), else the layer then ``activation``."""
+    fused_act = getattr(layer, "act_forward", None) if custom_ops else None
+    y = fused_act(x, act) if fused_act is not None else None
+    return y if y is not None else activation(layer(x), act, custom_ops)
 
 
-GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": silu_and_mul,
-    "gelu_pytorch_tanh": gelu_tanh_and_mul,
-}
+def gated_linear_act(layer: nn.Module, x: torch.Tensor, act: str, custom_ops: bool = True) -> torch.Tensor:
+    """``gated_activation(layer(x), act)`` for a gate|up projection, in one native pass where the
+    layer has one."""
+    fused_act = getattr(layer, "gated_act_forward", None) if custom_ops else None
+    y = fused_act(x, act) if fused_act is not None else None
+    return y if y is not None else gated_activation(layer(x), act, custom_ops)
+
+
+# the gated MLPs' activations (config.hidden_act)
+GATED_ACTIVATIONS: dict[str, str] = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class GatedMLP(nn.Module):
@@ -244,13 +280,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        if self.act is silu_and_mul:      # a packed projection may fuse the activation in
-            fused_act = getattr(self.gate_up_proj, "silu_and_mul_forward", None)
-            act = fused_act(x) if fused_act is not None else None
-            if act is not None:
-                return self.down_proj(act)
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.custom_ops))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # a packed projection fuses the activation in
+        return self.down_proj(gated_linear_act(self.gate_up_proj, x, self.act, self.custom_ops))
 
 
 class KVLayerHooks(Protocol):

@@ -146,11 +146,11 @@ class LoRALinear(nn.Module):
                                                 self.offsets_list)
         return y
 
-    def silu_and_mul_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The base layer's fused gate|up + SiLU when the step has no LoRA token; None otherwise
-        (the caller then takes the two-step path through ``forward``)."""
-        fused = getattr(self.base_layer, "silu_and_mul_forward", None)
-        return None if self.mapping.applies or fused is None else fused(x)
+    def gated_act_forward(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """The base layer's fused gate|up + activation when the step has no LoRA token; None
+        otherwise (the caller then takes the two-step path through ``forward``)."""
+        fused = getattr(self.base_layer, "gated_act_forward", None)
+        return None if self.mapping.applies or fused is None else fused(x, act)
 
 
 def _in_features(layer: nn.Module) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
@@ -17,7 +16,7 @@ from models.base import TensorMap
 from models.bert import EncoderLM, LayerNorm
 from models.config import FULL, SLIDING, ArchConfig
 from models.hf_config import rope_parameters
-from models.layers import Embedding, Linear, RotaryEmbedding, apply_rotary_qk, encoder_attention
+from models.layers import Embedding, Linear, RotaryEmbedding, apply_rotary_qk, encoder_attention, gated_linear_act
 
 GLOBAL_ROPE_THETA, LOCAL_ROPE_THETA = 160_000.0, 10_000.0     # transformers' defaults
 
@@ -43,8 +42,8 @@ class ModernBertLayer(nn.Module):
         q, k = apply_rotary_qk(q, k, cos, sin)
         attn = encoder_attention(q, k, v, starts, self.scale, self.window)
         hidden = hidden + self.o_proj(attn.view(T, -1))
-        act, gate = self.gate_up_proj(self.mlp_norm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.gelu(act) * gate)
+        # gelu(input) * gate: on the CPU in the projection's own pass
+        return hidden + self.down_proj(gated_linear_act(self.gate_up_proj, self.mlp_norm(hidden), "gelu"))
 
 
 def _stack_map(prefix: str) -> TensorMap:

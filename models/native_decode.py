@@ -80,7 +80,7 @@ class NativeDecodeStack:
     def build(cls, model: nn.Module) -> "NativeDecodeStack | None":
         from kernels.attention.cpu import CpuAttentionBackend
         from kernels.cpu import fused, native
-        from models.layers import GatedMLP, RMSNorm, SelfAttention, silu_and_mul
+        from models.layers import GatedMLP, RMSNorm, SelfAttention
         layers = getattr(model, "layers", None)
         if not layers or not native.available()[0] or not fused.ENABLED:
             return None
@@ -93,7 +93,7 @@ class NativeDecodeStack:
         for layer in layers:
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-            if (type(attn) is not SelfAttention or type(mlp) is not GatedMLP or mlp.act is not silu_and_mul
+            if (type(attn) is not SelfAttention or type(mlp) is not GatedMLP or mlp.act != "silu"
                     or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
                            for n in norms)
                     or attn.q_norm is not None or attn.bidirectional or type(attn.backend) is not CpuAttentionBackend

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kernels.cpu import fused
-from kernels.cpu.panels import gated_silu_matmul, matmul
+from kernels.cpu.panels import gated_matmul, matmul
 from models.layers import Linear
 
 
@@ -53,13 +53,21 @@ class PanelLinear(nn.Module):
         return matmul(x.reshape(-1, self.in_features), self.weight, self.bias).reshape(*x.shape[:-1],
                                                                                        self.out_features)
 
-    def silu_and_mul_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """For a gate|up projection: silu(gate) * up in one native pass (kernels/cpu/panels.py
-        gated_silu_matmul), bit for bit ``silu_and_mul(self(x))``; None when there is no such
-        kernel for these weights (the caller takes the two-step path, as torch.compile does)."""
+    def act_forward(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """act(self(x)) for x (T, in) in one native pass, the activation (kernels/cpu/fused.py's
+        ACTIVATIONS) applied to each tile as it is written: bit for bit ``fused.activation`` of
+        ``self(x)``; None where the caller should take the two-step path (as torch.compile does)."""
+        if x.dim() != 2 or not fused.ENABLED or torch.compiler.is_compiling():
+            return None
+        return matmul(x, self.weight, self.bias, act)
+
+    def gated_act_forward(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """For a gate|up projection: act(gate) * up in one native pass (kernels/cpu/panels.py
+        gated_matmul), bit for bit ``fused.gated_activation(self(x), act)``; None when there is no
+        such kernel for these weights (the caller takes the two-step path, as torch.compile does)."""
         if self.bias is not None or x.dim() != 2 or not fused.ENABLED or torch.compiler.is_compiling():
             return None
-        return gated_silu_matmul(x, self.weight)
+        return gated_matmul(x, self.weight, act)
 
     def extra_repr(self) -> str:
         return f"{self.weight.kind}, in={self.in_features}, out={self.out_features}"

@@ -1,12 +1,18 @@
 """Fused elementwise kernels of the float32 CPU path (fused.c): RMSNorm with the residual add
-folded in, rotary embedding in place on q and k, SiLU(gate) * up. Each is a torch custom op
-(namespace ``troupe``, a CPU kernel and a fake one giving the output's shape) so torch.compile
-traces it as one opaque node; the functions below call the ops, the model and the tests alike::
+folded in, rotary embedding in place on q and k, the activations alone or gating a second half
+(SiLU(gate) * up). Each is a torch custom op (namespace ``troupe``, a CPU kernel and a fake one
+giving the output's shape) so torch.compile traces it as one opaque node; the functions below call
+the ops, the model and the tests alike::
 
     cpu_rms_norm(x, weight, eps) -> Tensor
     cpu_fused_add_rms_norm(x, residual!, weight, eps) -> Tensor     residual += x, norm of the sum
     cpu_rotary_(q!, k!, cos, sin) -> ()
-    cpu_silu_and_mul(x) -> Tensor
+    cpu_activation(x, act) -> Tensor                  act(x), act an ACTIVATIONS code
+    cpu_gated_activation(x, act) -> Tensor            act(gate) * up for x = gate | up
+
+The activations (``ACTIVATIONS``, fused.c's ACT_* codes): ``silu``, ``gelu`` (erf), ``gelu_tanh``
+and ``relu``. The panel matmuls (kernels/cpu/panels.py) apply the same code to each tile they
+write, with the same bits.
 
 ``supports`` is the one place that decides between them and the plain torch ops: float32 CPU
 tensors, the native library available, and ``ENABLED`` (set ``TROUPE_FUSED_CPU=0``, or patch it,
@@ -27,6 +33,9 @@ ENABLED = os.environ.get("TROUPE_FUSED_CPU", "1") != "0"
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
+
+# fused.c's ACT_* codes
+ACTIVATIONS: dict[str, int] = {"silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 
 _NATIVE_OK: list[bool] = []      # filled once: whether the library builds and loads here
 
@@ -55,7 +64,8 @@ def _kernel(name: str) -> ctypes._CFuncPtr:
     argtypes = {
         "rms_norm_f32": [_P, _I64, _P, _P, _P, _I64, _I64, _F32],
         "rotary_f32": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64],
-        "silu_and_mul_f32": [_P, _I64, _P, _I64, _I64],
+        "act_f32": [ctypes.c_int, _P, _I64, _P, _I64, _I64],
+        "gated_act_f32": [ctypes.c_int, _P, _I64, _P, _I64, _I64],
     }[name]
     return native.declare(name, argtypes)
 
@@ -80,7 +90,17 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up (T, 2I) with any row stride = gate | up -> silu(gate) * up (T, I), silu(g) = g / (1 + exp(-g))."""
-    return torch.ops.troupe.cpu_silu_and_mul(gate_up)
+    return gated_activation(gate_up, "silu")
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    """x (T, N) with any row stride -> act(x) (T, N); ``act`` one of ACTIVATIONS."""
+    return torch.ops.troupe.cpu_activation(x, ACTIVATIONS[act])
+
+
+def gated_activation(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """gate_up (T, 2I) with any row stride = gate | up -> act(gate) * up (T, I)."""
+    return torch.ops.troupe.cpu_gated_activation(gate_up, ACTIVATIONS[act])
 
 
 # The kernels behind the ops (CPU dispatch key: a few microseconds per call, where a Python
@@ -105,11 +125,19 @@ def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                               cos.data_ptr(), sin.data_ptr(), cos.stride(0), T, D, RD)
 
 
-def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def _gated_activation(gate_up: torch.Tensor, act: int) -> torch.Tensor:
     T, I2 = gate_up.shape
     out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
     if T:
-        _kernel("silu_and_mul_f32")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), T, I2 // 2)
+        _kernel("gated_act_f32")(act, gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), T, I2 // 2)
+    return out
+
+
+def _activation(x: torch.Tensor, act: int) -> torch.Tensor:
+    T, N = x.shape
+    out = torch.empty(T, N, dtype=x.dtype)
+    if T:
+        _kernel("act_f32")(act, x.data_ptr(), x.stride(0), out.data_ptr(), T, N)
     return out
 
 
@@ -117,22 +145,25 @@ _LIB = torch.library.Library("troupe", "FRAGMENT")
 _LIB.define("cpu_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIB.define("cpu_fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor")
 _LIB.define("cpu_rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()")
-_LIB.define("cpu_silu_and_mul(Tensor x) -> Tensor")
+_LIB.define("cpu_activation(Tensor x, int act) -> Tensor")
+_LIB.define("cpu_gated_activation(Tensor x, int act) -> Tensor")
 _LIB.impl("cpu_rms_norm", lambda x, weight, eps: _rms_norm(x, weight, eps, None), "CPU")
 _LIB.impl("cpu_fused_add_rms_norm", lambda x, residual, weight, eps: _rms_norm(x, weight, eps, residual), "CPU")
 _LIB.impl("cpu_rotary_", _rotary, "CPU")
-_LIB.impl("cpu_silu_and_mul", _silu_and_mul, "CPU")
+_LIB.impl("cpu_activation", _activation, "CPU")
+_LIB.impl("cpu_gated_activation", _gated_activation, "CPU")
 
 
 def _fake_norm(x: torch.Tensor, *args) -> torch.Tensor:
     return x.new_empty(x.shape)
 
 
-def _fake_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def _fake_gated(x: torch.Tensor, act: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], x.shape[1] // 2)
 
 
 torch.library.register_fake("troupe::cpu_rms_norm", _fake_norm, lib=_LIB)
 torch.library.register_fake("troupe::cpu_fused_add_rms_norm", _fake_norm, lib=_LIB)
 torch.library.register_fake("troupe::cpu_rotary_", lambda q, k, cos, sin: None, lib=_LIB)
-torch.library.register_fake("troupe::cpu_silu_and_mul", _fake_silu_and_mul, lib=_LIB)
+torch.library.register_fake("troupe::cpu_activation", lambda x, act: x.new_empty(x.shape), lib=_LIB)
+torch.library.register_fake("troupe::cpu_gated_activation", _fake_gated, lib=_LIB)

@@ -27,7 +27,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-void silu_and_mul_serial_f32(const float *gate_up, int64_t in_stride, float *out, int64_t T, int64_t I);  /* fused.c */
+/* fused.c: an activation (ACT_* codes: 0 none, 1 SiLU, 2 GELU, 3 GELU tanh, 4 ReLU) in place over a
+ * tile, or gating the second half of a gate|up tile */
+void act_rows_serial_f32(int act, float *y, int64_t ldy, int64_t rows, int64_t cols);
+void gated_act_serial_f32(int act, const float *gate_up, int64_t in_stride, float *out, int64_t T, int64_t I);
+enum { ACT_SILU = 1 };
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #include "vec8.h"
@@ -40,8 +44,7 @@ void silu_and_mul_serial_f32(const float *gate_up, int64_t in_stride, float *out
 enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_BF16 = 3 };
 
 static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                         int gated, const float *bias);
-static int bf16_gated_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *out);
+                         int gated, const float *bias, int act);
 
 #ifdef __AVX512F__
 /* 16 float16 values -> float32 */
@@ -420,12 +423,20 @@ static inline void add_bias_cols(float *y, int64_t ldy, int64_t rows, const floa
     }
 }
 
-/* y (M, N) = x (M, K) W^T (+ bias, N values, or NULL) with W in panels of kind W_F32 / W_Q4_1 /
- * W_Q8_0 (see the top) or W_BF16 (see bf16_products); each panel's columns get the bias as soon as
- * they are written. Returns 0 when a buffer could not be allocated (y is then incomplete). */
+/* A panel's tile of y just written (rows ldy apart, cols columns): + bias, then act (0: none), while
+ * it is in the thread's cache; the same bits as the add and the activation as passes of their own. */
+static inline void tile_epilogue(float *y, int64_t ldy, int64_t rows, const float *b, int64_t cols, int act) {
+    if (b) add_bias_cols(y, ldy, rows, b, cols);
+    if (act) act_rows_serial_f32(act, y, ldy, rows, cols);
+}
+
+/* y (M, N) = act(x (M, K) W^T (+ bias, N values, or NULL)) with W in panels of kind W_F32 / W_Q4_1 /
+ * W_Q8_0 (see the top) or W_BF16 (see bf16_products); each panel's columns get the bias and the
+ * activation (ACT_*, 0: none) as soon as they are written. Returns 0 when a buffer could not be
+ * allocated (y is then incomplete). */
 static int panel_products(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
-                          const float *x, int64_t M, float *y, const float *bias) {
-    if (kind == W_BF16) return bf16_products((const uint32_t *)codes, N, K, x, M, y, 0, bias);
+                          const float *x, int64_t M, float *y, const float *bias, int act) {
+    if (kind == W_BF16) return bf16_products((const uint32_t *)codes, N, K, x, M, y, 0, bias, act);
     const int64_t P = (N + NR - 1) / NR;
     const int64_t rows = row_block(K);
     int ok = 1;
@@ -440,7 +451,7 @@ static int panel_products(int kind, const void *codes, const uint16_t *d, const 
 #ifdef __AVX512F__
             if (kind != W_F32 && mb <= DIRECT_ROWS) {
                 quant_rows(kind, (const uint8_t *)codes, d, m, p, K, xb, mb, yb + p * NR, N, cols);
-                if (bias) add_bias_cols(yb + p * NR, N, mb, bias + p * NR, cols);
+                tile_epilogue(yb + p * NR, N, mb, bias ? bias + p * NR : NULL, cols, act);
                 continue;
             }
 #endif
@@ -457,7 +468,7 @@ static int panel_products(int kind, const void *codes, const uint16_t *d, const 
                 pan = buf;
             }
             panel_rows(xb, mb, K, pan, yb + p * NR, N, cols);
-            if (bias) add_bias_cols(yb + p * NR, N, mb, bias + p * NR, cols);
+            tile_epilogue(yb + p * NR, N, mb, bias ? bias + p * NR : NULL, cols, act);
         }
     }
     return ok;
@@ -465,29 +476,31 @@ static int panel_products(int kind, const void *codes, const uint16_t *d, const 
 
 int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
                const float *x, int64_t M, float *y) {
-    return panel_products(kind, codes, d, m, N, K, x, M, y, NULL);
+    return panel_products(kind, codes, d, m, N, K, x, M, y, NULL, 0);
 }
 
-/* panel_gemm with a bias (N float32 values): the same bits as the product followed by an add. */
-int panel_gemm_bias(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
-                    const float *x, int64_t M, float *y, const float *bias) {
-    return panel_products(kind, codes, d, m, N, K, x, M, y, bias);
+/* panel_gemm with a bias (N float32 values, or NULL) and an activation (ACT_*, 0: none): the
+ * same bits as the product followed by an add and fused.c's act_f32. */
+int panel_gemm_act(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
+                   const float *x, int64_t M, float *y, const float *bias, int act) {
+    return panel_products(kind, codes, d, m, N, K, x, M, y, bias, act);
 }
 
 /* Rows of a gated call's tile: the gate and up products of this many rows stay in the L1 cache. */
 #define GATED_ROWS 48
 
-/* out (M, I) = silu(x Wg^T) * (x Wu^T) for W (2I, K) = the gate rows then the up rows in panels of
- * kind W_F32 / W_Q4_1 / W_Q8_0 (W_BF16: bf16_gated_gemm), I a multiple of 32: each gate panel with its up panel, a tile of
- * rows at a time, and fused.c's SiLU-and-multiply applied to that tile, so the (M, 2I) product is
- * never written out and read back. The same values as panel_gemm followed by silu_and_mul_f32 (the
- * products do not depend on how the rows are grouped, and the row blocks and the few-row path are
- * panel_gemm's). Returns 0 for another kind or I, or when a buffer could not be allocated. */
-int panel_gated_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N,
-                     int64_t K, const float *x, int64_t M, float *out) {
+/* out (M, I) = act(x Wg^T) * (x Wu^T) for W (2I, K) = the gate rows then the up rows in panels of
+ * kind W_F32 / W_Q4_1 / W_Q8_0 / W_BF16, I a multiple of 32: each gate panel with its up panel, a
+ * tile of rows at a time, and fused.c's activation-and-multiply (ACT_SILU, ACT_GELU, ACT_GELU_TANH,
+ * ACT_RELU) applied to that tile, so the (M, 2I) product is never written out and read back. The same
+ * values as panel_gemm followed by gated_act_f32 (the products do not depend on how the rows are
+ * grouped, and the row blocks and the few-row path are panel_gemm's). Returns 0 for another kind or
+ * I, or when a buffer could not be allocated. */
+int panel_gated_act_gemm(int act, int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N,
+                         int64_t K, const float *x, int64_t M, float *out) {
     const int64_t I = N / 2, PI = I / NR;
     if (N % (2 * NR)) return 0;
-    if (kind == W_BF16) return bf16_gated_gemm((const uint32_t *)codes, N, K, x, M, out);
+    if (kind == W_BF16) return bf16_products((const uint32_t *)codes, N, K, x, M, out, 1, NULL, act);
     if (kind != W_F32 && kind != W_Q4_1 && kind != W_Q8_0) return 0;
     const int64_t rows = row_block(K);
     int ok = 1;
@@ -497,7 +510,7 @@ int panel_gated_gemm(int kind, const void *codes, const uint16_t *d, const uint1
         #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < PI; p++) {
             float gu[GATED_ROWS * 2 * NR] __attribute__((aligned(64)));   /* [row][gate 32 | up 32] */
-            float act[GATED_ROWS * NR] __attribute__((aligned(64)));
+            float prod[GATED_ROWS * NR] __attribute__((aligned(64)));
             const float *pg = NULL, *pu = NULL;
             int direct = 0;
 #ifdef __AVX512F__
@@ -531,13 +544,19 @@ int panel_gated_gemm(int kind, const void *codes, const uint16_t *d, const uint1
                     panel_rows(xt, mr, K, pg, gu, 2 * NR, NR);
                     panel_rows(xt, mr, K, pu, gu + NR, 2 * NR, NR);
                 }
-                silu_and_mul_serial_f32(gu, 2 * NR, act, mr, NR);
+                gated_act_serial_f32(act, gu, 2 * NR, prod, mr, NR);
                 for (int64_t r = 0; r < mr; r++)
-                    memcpy(out + (r0 + t0 + r) * I + p * NR, act + r * NR, sizeof(float) * NR);
+                    memcpy(out + (r0 + t0 + r) * I + p * NR, prod + r * NR, sizeof(float) * NR);
             }
         }
     }
     return ok;
+}
+
+/* panel_gated_act_gemm with SiLU (a gated MLP's usual activation). */
+int panel_gated_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N,
+                     int64_t K, const float *x, int64_t M, float *out) {
+    return panel_gated_act_gemm(ACT_SILU, kind, codes, d, m, N, K, x, M, out);
 }
 
 /* ---- bfloat16 weights (--dtype bfloat16 on the CPU) -------------------------------------------
@@ -811,27 +830,27 @@ static inline void bf16_tile(const uint32_t *xa, int as_float, int64_t t0, int64
 }
 
 /* One gate panel p with its up panel (PI panels later) over a row block's mb rows, GATED_ROWS at
- * a time, their SiLU-and-multiply taken in the L1 cache: out's columns 32 p .. 32 p + 31. */
+ * a time, their activation-and-multiply (act) taken in the L1 cache: out's columns 32 p .. 32 p + 31. */
 static void bf16_gated_panel(const uint32_t *codes, const uint32_t *xa, int as_float, int64_t mb, int64_t K2,
-                             int64_t p, int64_t PI, float *out, int64_t I) {
+                             int64_t p, int64_t PI, float *out, int64_t I, int act) {
     float gu[GATED_ROWS * 2 * NR] __attribute__((aligned(64)));   /* [row][gate 32 | up 32] */
-    float act[GATED_ROWS * NR] __attribute__((aligned(64)));
+    float prod[GATED_ROWS * NR] __attribute__((aligned(64)));
     const uint32_t *pg = codes + p * K2 * NR, *pu = codes + (p + PI) * K2 * NR;
     for (int64_t t0 = 0; t0 < mb; t0 += GATED_ROWS) {
         const int64_t mr = mb - t0 < GATED_ROWS ? mb - t0 : GATED_ROWS;
         bf16_tile(xa, as_float, t0, mr, K2, pg, gu, 2 * NR, NR);
         bf16_tile(xa, as_float, t0, mr, K2, pu, gu + NR, 2 * NR, NR);
-        silu_and_mul_serial_f32(gu, 2 * NR, act, mr, NR);
-        for (int64_t r = 0; r < mr; r++) memcpy(out + (t0 + r) * I + p * NR, act + r * NR, sizeof(float) * NR);
+        gated_act_serial_f32(act, gu, 2 * NR, prod, mr, NR);
+        for (int64_t r = 0; r < mr; r++) memcpy(out + (t0 + r) * I + p * NR, prod + r * NR, sizeof(float) * NR);
     }
 }
 
-/* y (M, N) = x W^T for bfloat16 panels, or (gated: N = 2 I, I a multiple of 32) out (M, I) =
- * silu(x Wg^T) * (x Wu^T), each gate panel with its up panel, so the (M, 2 I) product is never
- * written out; the same bits as the product followed by silu_and_mul_f32 (a row's products do not
- * depend on the rows beside it). */
+/* y (M, N) = act(x W^T + bias) for bfloat16 panels (act, bias as panel_products'), or (gated: N = 2 I,
+ * I a multiple of 32) out (M, I) = act(x Wg^T) * (x Wu^T), each gate panel with its up panel, so the
+ * (M, 2 I) product is never written out; the same bits as the product followed by gated_act_f32 (a
+ * row's products do not depend on the rows beside it). */
 static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                         int gated, const float *bias) {
+                         int gated, const float *bias, int act) {
     const int64_t K2 = (K + 1) / 2, rows = bf16_row_block(K), width = gated ? N / 2 : N;
     const int64_t P = gated ? width / NR : (N + NR - 1) / NR;
     if (!bf16_x_room(M, K)) return 0;
@@ -844,20 +863,17 @@ static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const floa
         #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             if (gated) {
-                bf16_gated_panel(codes, xa, as_float, mb, K2, p, P, yb, width);
+                bf16_gated_panel(codes, xa, as_float, mb, K2, p, P, yb, width, act);
             } else {
                 const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
                 bf16_tile(xa, as_float, 0, mb, K2, codes + p * K2 * NR, yb + p * NR, N, cols);
-                if (bias) add_bias_cols(yb + p * NR, N, mb, bias + p * NR, cols);
+                tile_epilogue(yb + p * NR, N, mb, bias ? bias + p * NR : NULL, cols, act);
             }
         }
     }
     return 1;
 }
 
-static int bf16_gated_gemm(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *out) {
-    return bf16_products(codes, N, K, x, M, out, 1, NULL);
-}
 
 /* Float32 weight (N, K) row-major -> panels (P, K, 32), zero-padded. */
 void pack_f32_panels(const float *w, int64_t N, int64_t K, float *out) {
@@ -1297,7 +1313,7 @@ int i8x2_gated_gemm(int kind, const uint8_t *codes, const uint16_t *d, const voi
             const int64_t mr = M - r0 < I8_MR ? M - r0 : I8_MR;
             i8_panel_rows(kind, codes, d, m, K, p, &A, r0, mr, gu, 2 * NR, NR);
             i8_panel_rows(kind, codes, d, m, K, p + PI, &A, r0, mr, gu + NR, 2 * NR, NR);
-            silu_and_mul_serial_f32(gu, 2 * NR, act, mr, NR);
+            gated_act_serial_f32(ACT_SILU, gu, 2 * NR, act, mr, NR);
             for (int64_t r = 0; r < mr; r++) memcpy(out + (r0 + r) * I + p * NR, act + r * NR, sizeof(float) * NR);
         }
     }

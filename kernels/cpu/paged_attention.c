@@ -838,7 +838,8 @@ static void cp_finish(float *o0, int64_t os0, int64_t os1, int r0, int nq, int G
 #endif
 
 /* The item functions of a vector width from one always-inline template T, per D / lanes DV (0:
- * any), and their table cp_items[D == 64, == 128, other] (DV64, DV128: D / lanes there). */
+ * any), and their table cp_items[D == 64, == 128, == 32, other] (DV64, DV128, DV32: D / lanes
+ * there; all-MiniLM and other small encoders have heads of 32). */
 typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64_t, const float *, int64_t,
                            float *, int64_t, int64_t, int64_t, int, int, int, int64_t, float, float *,
                            float *, int64_t, int64_t, int64_t);
@@ -849,9 +850,9 @@ typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64
                          int64_t ls0, int64_t nkeys, int64_t win) {                                \
         T(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws, lse0, ls0, nkeys, win); \
     }
-#define CP_ITEM_TABLE(T, DV64, DV128)                                                              \
-    CP_ITEM_FN(T, 0) CP_ITEM_FN(T, DV64) CP_ITEM_FN(T, DV128)                                      \
-    static const cp_item_fn cp_items[3] = {T##_##DV64, T##_##DV128, T##_0};
+#define CP_ITEM_TABLE(T, DV64, DV128, DV32)                                                        \
+    CP_ITEM_FN(T, 0) CP_ITEM_FN(T, DV64) CP_ITEM_FN(T, DV128) CP_ITEM_FN(T, DV32)                  \
+    static const cp_item_fn cp_items[4] = {T##_##DV64, T##_##DV128, T##_##DV32, T##_0};
 
 
 #ifdef __AVX512F__
@@ -970,6 +971,7 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
             for (int rg = 0; rg < rows; rg += 4) {
                 int64_t d0 = 0;
                 for (; d0 + 4 <= DV; d0 += 4) CP_PV(4);
+                for (; d0 + 2 <= DV; d0 += 2) CP_PV(2);
                 for (; d0 < DV; d0++) CP_PV(1);
             }
         }
@@ -977,7 +979,7 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     cp_finish(o0, os0, os1, r0, nq, G, D, acc, mv, lv, lse0, ls0);
 }
 
-CP_ITEM_TABLE(cp_item512, 4, 8)         /* D / 16 == 4, == 8 */
+CP_ITEM_TABLE(cp_item512, 4, 8, 2)      /* D / 16 == 4, == 8, == 2 */
 #define CP_VW 16
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* acc rows rg..rg+3 (of one head, D apart), vectors d0..d0+W-1 of 8: acc = acc * c + P V. */
@@ -1088,7 +1090,7 @@ cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     cp_finish(o0, os0, os1, r0, nq, G, D, acc, mv, lv, lse0, ls0);
 }
 
-CP_ITEM_TABLE(cp_item256, 8, 16)        /* D / 8 == 8, == 16 */
+CP_ITEM_TABLE(cp_item256, 8, 16, 4)     /* D / 8 == 8, == 16, == 4 */
 #define CP_VW 8
 #endif
 
@@ -1215,7 +1217,7 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
         #pragma omp barrier
         if (!failed) {
 #ifdef CP_VW
-            const cp_item_fn fn = cp_items[D == 64 ? 0 : D == 128 ? 1 : 2];
+            const cp_item_fn fn = cp_items[D == 64 ? 0 : D == 128 ? 1 : D == 32 ? 2 : 3];
 #endif
             #pragma omp for schedule(dynamic, 1)
             for (int64_t x = 0; x < items; x++) {

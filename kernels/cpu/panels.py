@@ -6,7 +6,8 @@ for integer dot products with int8 activations in two parts (``int8_activations=
 AVX512-VNNI, or AVX2's two-instruction form).
 
 ``PanelWeight.pack_f32`` / ``pack_bf16`` / ``pack_gguf`` build one at load time; ``matmul(x, w)``
-computes x W^T for any number of rows. ``torch.ops.troupe.cpu_panel_matmul`` is the same product as
+computes x W^T for any number of rows, with a bias and an activation (kernels/cpu/fused.py's) applied
+to each tile as it is written; ``gated_matmul`` act(x Wg^T) * (x Wu^T) for a gate|up weight. ``torch.ops.troupe.cpu_panel_matmul`` is the same product as
 a custom op (with a fake implementation), which the packed linear layers call inside
 torch.compile's graphs.
 """
@@ -19,7 +20,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 import torch
 
-from kernels.cpu import native
+from kernels.cpu import fused, native
 
 NR = 32                       # output features per panel
 QK = 32                       # weights per GGUF block
@@ -127,10 +128,10 @@ def _panel_gemm():
 
 
 @lru_cache(maxsize=1)
-def _panel_gemm_bias():
-    return native.declare("panel_gemm_bias", [ctypes.c_int] + [ctypes.c_void_p] * 3
-                          + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
-                          ctypes.c_int)
+def _panel_gemm_act():
+    return native.declare("panel_gemm_act", [ctypes.c_int] + [ctypes.c_void_p] * 3
+                          + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                                    ctypes.c_int], ctypes.c_int)
 
 
 def _panels(n: int) -> int:
@@ -168,14 +169,20 @@ def bf16_available() -> bool:
     return native.available()[0] and bool(native.declare("bf16_available", [], ctypes.c_int)())
 
 
-def matmul(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (T, K) float32 -> x W^T (+ bias, N float32 values) (T, N) float32; the bias is added by
-    the kernel to each tile it writes (the same bits as an add afterwards), or afterwards for the
-    int8 kernels."""
+def _rows_of(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be (T, {w.in_features}), got {tuple(x.shape)}")
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.to(torch.float32).contiguous()
+    return x
+
+
+def matmul(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
+    """x (T, K) float32 -> act(x W^T (+ bias, N float32 values)) (T, N) float32, ``act`` one of
+    kernels/cpu/fused.py's ACTIVATIONS or None; the bias and the activation are applied by the
+    kernel to each tile it writes (the same bits as an add and ``fused.activation`` afterwards),
+    or afterwards for the int8 kernels."""
+    x = _rows_of(x, w)
     rows = x.shape[0]
     y = torch.empty(rows, w.out_features, dtype=torch.float32)
     if rows == 0:
@@ -184,15 +191,20 @@ def matmul(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) ->
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (w.out_features,)):
         raise ValueError(f"the bias must be {w.out_features} contiguous float32 values, got "
                          f"{tuple(bias.shape)} {bias.dtype}")
-    fused_bias = bias is not None and not w.kind.endswith("_I8X2")
-    if fused_bias:
-        ok = _panel_gemm_bias()(*args, x.data_ptr(), rows, y.data_ptr(), bias.data_ptr())
+    code = 0 if act is None else fused.ACTIVATIONS[act]
+    in_kernel = not w.kind.endswith("_I8X2")
+    if in_kernel and (bias is not None or code):
+        ok = _panel_gemm_act()(*args, x.data_ptr(), rows, y.data_ptr(),
+                               None if bias is None else bias.data_ptr(), code)
     else:
         ok = fn(*args, x.data_ptr(), rows, y.data_ptr())
     if not ok:
         raise MemoryError(f"the native {w.kind} matmul could not allocate its buffer")
-    if bias is not None and not fused_bias:
-        y.add_(bias)
+    if not in_kernel:
+        if bias is not None:
+            y.add_(bias)
+        if code:
+            y = fused.activation(y, act)
     return y
 
 
@@ -202,21 +214,28 @@ def _gated_gemm(name: str):
                           + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)
 
 
-def gated_silu_matmul(x: torch.Tensor, w: PanelWeight) -> torch.Tensor | None:
-    """silu(x Wg^T) * (x Wu^T) (T, N / 2) for a gate|up weight W (N, K) = gate rows then up rows,
-    in one pass that never stores the (T, N) product: bit for bit ``silu_and_mul`` of
-    ``matmul(x, w)``. None when this weight has no such kernel (N not a multiple of 64)."""
-    if w.out_features % (2 * NR):
+@lru_cache(maxsize=1)
+def _gated_act_gemm():
+    return native.declare("panel_gated_act_gemm", [ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3
+                          + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)
+
+
+def gated_matmul(x: torch.Tensor, w: PanelWeight, act: str = "silu") -> torch.Tensor | None:
+    """act(x Wg^T) * (x Wu^T) (T, N / 2) for a gate|up weight W (N, K) = gate rows then up rows,
+    in one pass that never stores the (T, N) product: bit for bit ``fused.gated_activation`` of
+    ``matmul(x, w)``. None when this weight has no such kernel (N not a multiple of 64, or an
+    int8 kernel with another activation than SiLU)."""
+    int8 = w.kind.endswith("_I8X2")
+    if w.out_features % (2 * NR) or (int8 and act != "silu"):
         return None
-    if x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"x must be (T, {w.in_features}), got {tuple(x.shape)}")
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.to(torch.float32).contiguous()
+    x = _rows_of(x, w)
     rows = x.shape[0]
     out = torch.empty(rows, w.out_features // 2, dtype=torch.float32)
-    fn = _gated_gemm("i8x2_gated_gemm" if w.kind.endswith("_I8X2") else "panel_gated_gemm")
-    if rows and not fn(*w.call[1], x.data_ptr(), rows, out.data_ptr()):
-        raise MemoryError(f"the native {w.kind} matmul could not allocate its buffer")
+    if rows:
+        ok = (_gated_gemm("i8x2_gated_gemm")(*w.call[1], x.data_ptr(), rows, out.data_ptr()) if int8 else
+              _gated_act_gemm()(fused.ACTIVATIONS[act], *w.call[1], x.data_ptr(), rows, out.data_ptr()))
+        if not ok:
+            raise MemoryError(f"the native {w.kind} matmul could not allocate its buffer")
     return out
 
 

@@ -279,28 +279,30 @@ def test_int8_activation_sums_do_not_overflow_at_the_extreme_codes(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(qtype):
     from kernels.cpu import fused
-    from kernels.cpu.panels import gated_silu_matmul
+    from kernels.cpu.panels import gated_matmul
     n, k = 2 * 96, 160                                      # gate | up, 3 panels each
     raw, _ = _gguf(qtype, n, k, 9)
     w = PanelWeight.pack_gguf(qtype, raw, n, k, int8_activations=True)
     x = torch.randn(301, k) * 2
     x[4] = 0.0
     for rows in (1, 2, 3, 4, 7, 64, 301):
-        got = gated_silu_matmul(x[:rows], w)
+        got = gated_matmul(x[:rows], w)
         assert got.shape == (rows, n // 2)
         assert torch.equal(got, fused.silu_and_mul(matmul(x[:rows], w)))
     odd = PanelWeight.pack_gguf(qtype, raw[:160], 160, k, int8_activations=True)   # halves of 80
-    assert gated_silu_matmul(x, odd) is None
+    assert gated_matmul(x, odd) is None
+    assert gated_matmul(x, w, "gelu_tanh") is None          # the int8 kernels gate with SiLU only
 
 
 @pytest.mark.skipif(not available()[0], reason="the native kernels need AVX2, FMA and a C compiler")
 @pytest.mark.parametrize("qtype", ["F32", "BF16", "Q4_1", "Q8_0"])
-def test_float_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(qtype):
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu"])
+def test_float_gated_matmul_is_the_gated_activation_of_the_product_bit_for_bit(qtype, act):
     """float32 activations (bfloat16 weights: the activations rounded to bfloat16): any number of
     rows (the few-row path, tiles of rows, several row blocks of a call) gives exactly the
-    two-step path's values."""
+    two-step path's values, for each activation."""
     from kernels.cpu import fused
-    from kernels.cpu.panels import gated_silu_matmul
+    from kernels.cpu.panels import gated_matmul
     n, k = 2 * 96, 160                                      # gate | up, 3 panels each
     raw, dense = _gguf("Q8_0" if qtype in ("F32", "BF16") else qtype, n, k, 11)
     packs = {"F32": PanelWeight.pack_f32, "BF16": PanelWeight.pack_bf16}
@@ -309,10 +311,10 @@ def test_float_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(qtyp
     x = torch.randn(rows_all, k) * 2
     x[4] = 0.0
     for rows in (1, 2, 3, 8, 9, 49, 301, rows_all):
-        got = gated_silu_matmul(x[:rows], w)
+        got = gated_matmul(x[:rows], w, act)
         assert got.shape == (rows, n // 2)
-        assert torch.equal(got, fused.silu_and_mul(matmul(x[:rows], w)))
-    assert gated_silu_matmul(x[:5], PanelWeight.pack_f32(dense[:160])) is None  # halves of 80
+        assert torch.equal(got, fused.gated_activation(matmul(x[:rows], w), act))
+    assert gated_matmul(x[:5], PanelWeight.pack_f32(dense[:160]), act) is None  # halves of 80
 
 
 def test_portable_bfloat16_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_for_bit(tmp_path, monkeypatch):
@@ -323,15 +325,15 @@ def test_portable_bfloat16_gated_silu_matmul_is_silu_and_mul_of_the_product_bit_
     import kernels.cpu.panels as panels
     from kernels.cpu import fused
     lib = _build_gemm(tmp_path, "-mno-avx512f")
-    lib.panel_gated_gemm.argtypes = lib.panel_gemm.argtypes
-    lib.panel_gated_gemm.restype = ctypes.c_int
+    lib.panel_gated_act_gemm.argtypes = [ctypes.c_int] + lib.panel_gemm.argtypes
+    lib.panel_gated_act_gemm.restype = ctypes.c_int
     monkeypatch.setattr(panels, "_panel_gemm", lambda: lib.panel_gemm)
-    monkeypatch.setattr(panels, "_gated_gemm", lambda name: lib.panel_gated_gemm)
+    monkeypatch.setattr(panels, "_gated_act_gemm", lambda: lib.panel_gated_act_gemm)
     dense = torch.randn(2 * 64, 97)
     w = PanelWeight.pack_bf16(dense)
     x = torch.randn(120, 97)
     for rows in (1, 5, 40, 41, 120):
-        got = panels.gated_silu_matmul(x[:rows], w)
+        got = panels.gated_matmul(x[:rows], w)
         assert torch.equal(got, fused.silu_and_mul(matmul(x[:rows], w)))
         assert _close(matmul(x[:rows], w), _bf16_product(x[:rows], dense), tol=1e-5)
 
@@ -355,7 +357,8 @@ def test_native_bitmask_matches_the_reference(vocab, words):
 def test_a_bias_added_in_the_kernel_gives_the_bits_of_an_add_afterwards(kind, rows):
     """``matmul(x, w, bias)`` (the kernel adds the bias to each tile it writes; the int8 kernels
     add it afterwards) equals the product followed by ``add_``, bit for bit, and the packed linear
-    layer (with its bias) is that, for 2-D and batched inputs."""
+    layer (with its bias) is that, for 2-D and batched inputs; with an activation too, the
+    kernel's is ``fused.activation`` after the add, bit for bit."""
     n, k = 70, 96
     if kind in ("F32", "BF16"):
         dense = torch.randn(n, k)
@@ -374,3 +377,8 @@ def test_a_bias_added_in_the_kernel_gives_the_bits_of_an_add_afterwards(kind, ro
     assert torch.equal(layer(x.view(1, rows, k)).view(rows, n), expected)
     with pytest.raises(ValueError, match="contiguous float32"):
         matmul(x, w, torch.randn(n, dtype=torch.float64))
+    from kernels.cpu import fused
+    for act in fused.ACTIVATIONS:
+        assert torch.equal(matmul(x, w, bias, act), fused.activation(expected, act)), act
+        assert torch.equal(matmul(x, w, None, act), fused.activation(matmul(x, w), act)), act
+        assert torch.equal(layer.act_forward(x, act), fused.activation(expected, act)), act

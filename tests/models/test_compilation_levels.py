@@ -39,7 +39,9 @@ def test_cpu_custom_ops_pass_torch_opcheck():
     torch.library.opcheck(ops.cpu_fused_add_rms_norm.default, (x, torch.randn(5, 64), w, 1e-6))
     torch.library.opcheck(ops.cpu_rotary_.default, (qkv[:, :32].view(5, 2, 16), qkv[:, 32:48].view(5, 1, 16),
                                                     cos, sin), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(ops.cpu_silu_and_mul.default, (torch.randn(5, 2 * 64),))
+    for act in fused.ACTIVATIONS.values():
+        torch.library.opcheck(ops.cpu_gated_activation.default, (torch.randn(5, 2 * 64), act))
+        torch.library.opcheck(ops.cpu_activation.default, (torch.randn(5, 64), act))
 
 
 def test_compilation_config_parses_levels_json_and_refuses_what_it_does_not_run():

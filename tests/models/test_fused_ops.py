@@ -126,6 +126,32 @@ def test_silu_and_mul(T, I, monkeypatch):
     torch.testing.assert_close(out, F.silu(gate_up[:, :I]) * gate_up[:, I:], **TOL)
 
 
+def _exact_activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    import math
+    x = x.double()
+    if act == "gelu":
+        return x * 0.5 * (1 + torch.special.erf(x / math.sqrt(2)))
+    if act == "gelu_tanh":
+        return x * 0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return F.silu(x) if act == "silu" else F.relu(x)
+
+
+@pytest.mark.parametrize("act,tol", [("gelu", 1.5e-6), ("gelu_tanh", 1e-6), ("silu", 1e-6), ("relu", 0.0)])
+def test_native_activations_are_within_a_few_float32_steps_of_the_exact_values(act, tol):
+    """Over [-12, 12] (and far out: +-200, where GELU is x or 0), alone and gating a second half;
+    as close as torch's own CPU kernels (its erf GELU is within 1.2e-6), with a row stride."""
+    x = torch.cat([torch.linspace(-12, 12, 240_000), torch.tensor([-200.0, -90.0, -1e-4, 0.0, 1e-4, 90.0, 200.0]),
+                   torch.zeros(3)]).view(-1, 10)
+    got = fused.activation(x, act)
+    assert ((got.double() - _exact_activation(x, act)).abs() <= tol * x.abs().clamp(min=1)).all()
+    wide = torch.cat([x, torch.randn(x.shape[0], 10) * 3, torch.zeros(x.shape[0], 5)], 1)[:, :20]   # stride 25
+    gated = fused.gated_activation(wide, act)
+    assert torch.equal(gated, fused.activation(x, act) * wide[:, 10:])
+    plain = F.gelu(x, approximate="tanh" if act == "gelu_tanh" else "none") if act.startswith("gelu") else \
+        (F.silu(x) if act == "silu" else F.relu(x))
+    torch.testing.assert_close(got, plain, rtol=0, atol=3e-6)
+
+
 def test_other_dtypes_take_the_plain_path():
     norm = RMSNorm(32, 1e-6, torch.bfloat16)
     x, residual = torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(3, 32, dtype=torch.bfloat16)
@@ -166,7 +192,7 @@ def _prefill_then_decode(model, config) -> torch.Tensor:
                                            (Qwen3ForCausalLM, {})], ids=["llama", "qkv_bias", "qwen3"])
 def test_model_fused_equals_plain(cls, overrides, monkeypatch):
     model, config = _model(cls, **overrides)
-    calls = {"rms_norm": 0, "rotary_": 0, "silu_and_mul": 0}
+    calls = {"rms_norm": 0, "rotary_": 0, "gated_activation": 0}
     for name in calls:
         def counted(*args, _f=getattr(fused, name), _n=name):
             calls[_n] += 1
