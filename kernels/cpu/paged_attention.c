@@ -873,11 +873,12 @@ static inline __m512 cp_max16(const __m512 *v) {
     return _mm512_max_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-/* acc rows rg..rg+3 (of one head, D apart), vectors d0..d0+W-1: acc = acc * c + P V. */
-#define CP_PV(W)                                                                                  \
+/* acc rows rg..rg+R-1 (of one head, D apart), vectors d0..d0+W-1: acc = acc * c + P V (R W
+ * independent sums: 8 rows for heads of 32, whose two vectors a row give 4 rows too few). */
+#define CP_PVR(R, W)                                                                              \
     do {                                                                                          \
-        __m512 a[4][W];                                                                           \
-        for (int i = 0; i < 4; i++) {                                                             \
+        __m512 a[R][W];                                                                           \
+        for (int i = 0; i < R; i++) {                                                             \
             const __m512 ci = _mm512_set1_ps(cr[rg + i]);                                         \
             for (int j = 0; j < W; j++)                                                           \
                 a[i][j] = _mm512_mul_ps(_mm512_load_ps(ah + (rg + i) * D + 16 * (d0 + j)), ci);  \
@@ -886,14 +887,15 @@ static inline __m512 cp_max16(const __m512 *v) {
             const float *vt = V + t * vs0 + 16 * d0;                                              \
             __m512 vv[W];                                                                         \
             for (int j = 0; j < W; j++) vv[j] = _mm512_loadu_ps(vt + 16 * j);                     \
-            for (int i = 0; i < 4; i++) {                                                         \
+            for (int i = 0; i < R; i++) {                                                         \
                 const __m512 pb = _mm512_set1_ps(P[(rg + i) * CP_TILE + t]);                      \
                 for (int j = 0; j < W; j++) a[i][j] = _mm512_fmadd_ps(pb, vv[j], a[i][j]);        \
             }                                                                                     \
         }                                                                                         \
-        for (int i = 0; i < 4; i++)                                                               \
+        for (int i = 0; i < R; i++)                                                               \
             for (int j = 0; j < W; j++) _mm512_store_ps(ah + (rg + i) * D + 16 * (d0 + j), a[i][j]); \
     } while (0)
+#define CP_PV(W) CP_PVR(4, W)
 
 /* One item: query tile qt (positions 16 qt + r, queries in rows r0 <= r < nq) of one request,
  * the G query heads of one KV head. q0/o0: row r0's query / output at the group's first head;
@@ -968,11 +970,17 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
             _mm512_store_ps(lv + h * CP_TILE,
                             _mm512_fmadd_ps(_mm512_load_ps(lv + h * CP_TILE), c, pa_sum16(s)));
             float *ah = acc + h * CP_TILE * D;
-            for (int rg = 0; rg < rows; rg += 4) {
+            for (int rg = 0; rg < rows;) {
                 int64_t d0 = 0;
+                if (DV == 2 && rg + 8 <= rows) {
+                    CP_PVR(8, 2);
+                    rg += 8;
+                    continue;
+                }
                 for (; d0 + 4 <= DV; d0 += 4) CP_PV(4);
                 for (; d0 + 2 <= DV; d0 += 2) CP_PV(2);
                 for (; d0 < DV; d0++) CP_PV(1);
+                rg += 4;
             }
         }
     }
