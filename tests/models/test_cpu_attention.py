@@ -438,7 +438,7 @@ def _packed(lens: list[int], first: int) -> tuple[list[int], int]:
 
 
 @pytest.mark.parametrize("H,KVH", [(4, 4), (9, 3), (8, 1), (16, 2)])     # GQA 1, 3, 8, 8
-@pytest.mark.parametrize("D", [20, 24, 48, 64, 128])                     # 20: the portable path; 24: AVX2 only
+@pytest.mark.parametrize("D", [20, 24, 32, 48, 64, 128])                 # 20: the portable path; 24: AVX2 only
 def test_native_causal_prefill_kernel(H, KVH, D):
     from kernels.attention.cpu import causal_prefill
     from kernels.cpu.native import available
