@@ -24,7 +24,8 @@ from torch import nn
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.base import CausalLM, TensorMap
 from models.config import ArchConfig
-from models.layers import Embedding, Linear, MergedLinear, encoder_attention, hf_activation, linear_act, whole_prompts
+from models.layers import (Embedding, Linear, MergedLinear, encoder_attention, hf_activation, linear_act,
+                           linear_residual, whole_prompts)
 
 TOKEN_TYPE_SHIFT = 30           # a token's type in the bits of its id from here (vLLM's)
 
@@ -78,9 +79,9 @@ class BertLayer(nn.Module):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).view(T, 3, self.num_heads, self.head_size).unbind(1)
         attn = encoder_attention(q, k, v, query_start_loc, self.scale).view(T, -1)
-        x = self.attn_norm(x + self.o_proj(attn))
-        # the activation on the CPU in the up projection's own pass
-        return self.mlp_norm(x + self.down_proj(linear_act(self.up_proj, x, self.act)))
+        # on the CPU the residual adds and the activation are the projections' own passes
+        x = self.attn_norm(linear_residual(self.o_proj, attn, x))
+        return self.mlp_norm(linear_residual(self.down_proj, linear_act(self.up_proj, x, self.act), x))
 
 
 def _encoder_map(prefix: str) -> TensorMap:

@@ -255,6 +255,14 @@ def linear_act(layer: nn.Module, x: torch.Tensor, act: str, custom_ops: bool = T
     return y if y is not None else activation(layer(x), act, custom_ops)
 
 
+def linear_residual(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + layer(x): in one native pass where the layer has one (a packed linear layer adds
+    the residual to each tile as it writes it), with the same bits."""
+    fused_add = getattr(layer, "residual_forward", None)
+    y = fused_add(x, residual) if fused_add is not None and residual.shape[:-1] == x.shape[:-1] else None
+    return y if y is not None else residual + layer(x)
+
+
 def gated_linear_act(layer: nn.Module, x: torch.Tensor, act: str, custom_ops: bool = True) -> torch.Tensor:
     """``gated_activation(layer(x), act)`` for a gate|up projection, in one native pass where the
     layer has one."""

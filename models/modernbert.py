@@ -16,7 +16,8 @@ from models.base import TensorMap
 from models.bert import EncoderLM, LayerNorm
 from models.config import FULL, SLIDING, ArchConfig
 from models.hf_config import rope_parameters
-from models.layers import Embedding, Linear, RotaryEmbedding, apply_rotary_qk, encoder_attention, gated_linear_act
+from models.layers import (Embedding, Linear, RotaryEmbedding, apply_rotary_qk, encoder_attention, gated_linear_act,
+                           linear_residual)
 
 GLOBAL_ROPE_THETA, LOCAL_ROPE_THETA = 160_000.0, 10_000.0     # transformers' defaults
 
@@ -41,9 +42,9 @@ class ModernBertLayer(nn.Module):
         q, k, v = self.qkv_proj(self.attn_norm(hidden)).view(T, 3, self.num_heads, self.head_size).unbind(1)
         q, k = apply_rotary_qk(q, k, cos, sin)
         attn = encoder_attention(q, k, v, starts, self.scale, self.window)
-        hidden = hidden + self.o_proj(attn.view(T, -1))
-        # gelu(input) * gate: on the CPU in the projection's own pass
-        return hidden + self.down_proj(gated_linear_act(self.gate_up_proj, self.mlp_norm(hidden), "gelu"))
+        hidden = linear_residual(self.o_proj, attn.view(T, -1), hidden)
+        # gelu(input) * gate, and the residual adds: on the CPU in the projections' own passes
+        return linear_residual(self.down_proj, gated_linear_act(self.gate_up_proj, self.mlp_norm(hidden), "gelu"), hidden)
 
 
 def _stack_map(prefix: str) -> TensorMap:

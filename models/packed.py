@@ -61,6 +61,15 @@ class PanelLinear(nn.Module):
             return None
         return matmul(x, self.weight, self.bias, act)
 
+    def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """residual + self(x) for x (T, in) in one native pass, the residual added to each tile
+        as it is written: bit for bit ``residual + self(x)``; None where the caller should take
+        the two-step path."""
+        if x.dim() != 2 or not fused.ENABLED or torch.compiler.is_compiling() or not fused.supports(residual) \
+                or not residual.is_contiguous():
+            return None
+        return matmul(x, self.weight, self.bias, residual=residual)
+
     def gated_act_forward(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
         """For a gate|up projection: act(gate) * up in one native pass (kernels/cpu/panels.py
         gated_matmul), bit for bit ``fused.gated_activation(self(x), act)``; None when there is no

@@ -43,8 +43,15 @@ enum { ACT_SILU = 1 };
 
 enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_BF16 = 3 };
 
+/* What a product's tiles get as they are written (panel_gemm_act): a bias (N values), a residual
+ * (a matrix the shape of y, row-major), then an activation (ACT_*); NULL / 0: none. */
+typedef struct {
+    const float *bias, *res;
+    int act;
+} epilogue;
+
 static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                         int gated, const float *bias, int act);
+                         int gated, const epilogue *epi, int act);
 
 #ifdef __AVX512F__
 /* 16 float16 values -> float32 */
@@ -423,20 +430,31 @@ static inline void add_bias_cols(float *y, int64_t ldy, int64_t rows, const floa
     }
 }
 
-/* A panel's tile of y just written (rows ldy apart, cols columns): + bias, then act (0: none), while
- * it is in the thread's cache; the same bits as the add and the activation as passes of their own. */
-static inline void tile_epilogue(float *y, int64_t ldy, int64_t rows, const float *b, int64_t cols, int act) {
-    if (b) add_bias_cols(y, ldy, rows, b, cols);
-    if (act) act_rows_serial_f32(act, y, ldy, rows, cols);
+/* A panel's tile of y just written (rows ldy apart, cols columns; its first element y's [r0, c0]):
+ * + bias, + residual, then the activation, while it is in the thread's cache; the same bits as the
+ * adds and the activation as passes of their own. */
+static inline void tile_epilogue(float *y, int64_t ldy, int64_t rows, int64_t cols, const epilogue *e,
+                                 int64_t r0, int64_t c0) {
+    if (!e) return;
+    if (e->bias) add_bias_cols(y, ldy, rows, e->bias + c0, cols);
+    if (e->res) {
+        const float *res = e->res + r0 * ldy + c0;
+        for (int64_t r = 0; r < rows; r++) {
+            float *yr = y + r * ldy;
+            const float *rr = res + r * ldy;
+            #pragma omp simd
+            for (int64_t c = 0; c < cols; c++) yr[c] += rr[c];
+        }
+    }
+    if (e->act) act_rows_serial_f32(e->act, y, ldy, rows, cols);
 }
 
-/* y (M, N) = act(x (M, K) W^T (+ bias, N values, or NULL)) with W in panels of kind W_F32 / W_Q4_1 /
- * W_Q8_0 (see the top) or W_BF16 (see bf16_products); each panel's columns get the bias and the
- * activation (ACT_*, 0: none) as soon as they are written. Returns 0 when a buffer could not be
- * allocated (y is then incomplete). */
+/* y (M, N) = x (M, K) W^T with W in panels of kind W_F32 / W_Q4_1 / W_Q8_0 (see the top) or W_BF16
+ * (see bf16_products); each panel's columns get the epilogue (or NULL) as soon as they are written.
+ * Returns 0 when a buffer could not be allocated (y is then incomplete). */
 static int panel_products(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
-                          const float *x, int64_t M, float *y, const float *bias, int act) {
-    if (kind == W_BF16) return bf16_products((const uint32_t *)codes, N, K, x, M, y, 0, bias, act);
+                          const float *x, int64_t M, float *y, const epilogue *epi) {
+    if (kind == W_BF16) return bf16_products((const uint32_t *)codes, N, K, x, M, y, 0, epi, 0);
     const int64_t P = (N + NR - 1) / NR;
     const int64_t rows = row_block(K);
     int ok = 1;
@@ -451,7 +469,7 @@ static int panel_products(int kind, const void *codes, const uint16_t *d, const 
 #ifdef __AVX512F__
             if (kind != W_F32 && mb <= DIRECT_ROWS) {
                 quant_rows(kind, (const uint8_t *)codes, d, m, p, K, xb, mb, yb + p * NR, N, cols);
-                tile_epilogue(yb + p * NR, N, mb, bias ? bias + p * NR : NULL, cols, act);
+                tile_epilogue(yb + p * NR, N, mb, cols, epi, r0, p * NR);
                 continue;
             }
 #endif
@@ -468,7 +486,7 @@ static int panel_products(int kind, const void *codes, const uint16_t *d, const 
                 pan = buf;
             }
             panel_rows(xb, mb, K, pan, yb + p * NR, N, cols);
-            tile_epilogue(yb + p * NR, N, mb, bias ? bias + p * NR : NULL, cols, act);
+            tile_epilogue(yb + p * NR, N, mb, cols, epi, r0, p * NR);
         }
     }
     return ok;
@@ -476,14 +494,16 @@ static int panel_products(int kind, const void *codes, const uint16_t *d, const 
 
 int panel_gemm(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
                const float *x, int64_t M, float *y) {
-    return panel_products(kind, codes, d, m, N, K, x, M, y, NULL, 0);
+    return panel_products(kind, codes, d, m, N, K, x, M, y, NULL);
 }
 
-/* panel_gemm with a bias (N float32 values, or NULL) and an activation (ACT_*, 0: none): the
- * same bits as the product followed by an add and fused.c's act_f32. */
+/* panel_gemm with a bias (N float32 values, or NULL), a residual (M x N float32 values, row-major,
+ * or NULL) and an activation (ACT_*, 0: none), in that order: the same bits as the product
+ * followed by the two adds and fused.c's act_f32. */
 int panel_gemm_act(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
-                   const float *x, int64_t M, float *y, const float *bias, int act) {
-    return panel_products(kind, codes, d, m, N, K, x, M, y, bias, act);
+                   const float *x, int64_t M, float *y, const float *bias, const float *res, int act) {
+    const epilogue e = {bias, res, act};
+    return panel_products(kind, codes, d, m, N, K, x, M, y, &e);
 }
 
 /* Rows of a gated call's tile: the gate and up products of this many rows stay in the L1 cache. */
@@ -845,12 +865,12 @@ static void bf16_gated_panel(const uint32_t *codes, const uint32_t *xa, int as_f
     }
 }
 
-/* y (M, N) = act(x W^T + bias) for bfloat16 panels (act, bias as panel_products'), or (gated: N = 2 I,
- * I a multiple of 32) out (M, I) = act(x Wg^T) * (x Wu^T), each gate panel with its up panel, so the
- * (M, 2 I) product is never written out; the same bits as the product followed by gated_act_f32 (a
- * row's products do not depend on the rows beside it). */
+/* y (M, N) = x W^T for bfloat16 panels, each tile with the epilogue (as panel_products'), or
+ * (gated: N = 2 I, I a multiple of 32) out (M, I) = act(x Wg^T) * (x Wu^T), each gate panel with its
+ * up panel, so the (M, 2 I) product is never written out; the same bits as the product followed by
+ * gated_act_f32 (a row's products do not depend on the rows beside it). */
 static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                         int gated, const float *bias, int act) {
+                         int gated, const epilogue *epi, int act) {
     const int64_t K2 = (K + 1) / 2, rows = bf16_row_block(K), width = gated ? N / 2 : N;
     const int64_t P = gated ? width / NR : (N + NR - 1) / NR;
     if (!bf16_x_room(M, K)) return 0;
@@ -867,7 +887,7 @@ static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const floa
             } else {
                 const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
                 bf16_tile(xa, as_float, 0, mb, K2, codes + p * K2 * NR, yb + p * NR, N, cols);
-                tile_epilogue(yb + p * NR, N, mb, bias ? bias + p * NR : NULL, cols, act);
+                tile_epilogue(yb + p * NR, N, mb, cols, epi, r0, p * NR);
             }
         }
     }

@@ -130,8 +130,8 @@ def _panel_gemm():
 @lru_cache(maxsize=1)
 def _panel_gemm_act():
     return native.declare("panel_gemm_act", [ctypes.c_int] + [ctypes.c_void_p] * 3
-                          + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                                    ctypes.c_int], ctypes.c_int)
+                          + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                          + [ctypes.c_int], ctypes.c_int)
 
 
 def _panels(n: int) -> int:
@@ -177,11 +177,12 @@ def _rows_of(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
     return x
 
 
-def matmul(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
-    """x (T, K) float32 -> act(x W^T (+ bias, N float32 values)) (T, N) float32, ``act`` one of
-    kernels/cpu/fused.py's ACTIVATIONS or None; the bias and the activation are applied by the
-    kernel to each tile it writes (the same bits as an add and ``fused.activation`` afterwards),
-    or afterwards for the int8 kernels."""
+def matmul(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None, act: str | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (T, K) float32 -> act(x W^T (+ bias, N float32 values) (+ residual, (T, N) float32)) (T, N)
+    float32, ``act`` one of kernels/cpu/fused.py's ACTIVATIONS or None; the bias, the residual and
+    the activation are applied by the kernel to each tile it writes (the same bits as the adds and
+    ``fused.activation`` afterwards), or afterwards for the int8 kernels."""
     x = _rows_of(x, w)
     rows = x.shape[0]
     y = torch.empty(rows, w.out_features, dtype=torch.float32)
@@ -191,11 +192,15 @@ def matmul(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None, ac
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (w.out_features,)):
         raise ValueError(f"the bias must be {w.out_features} contiguous float32 values, got "
                          f"{tuple(bias.shape)} {bias.dtype}")
+    if residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
+                                 or residual.shape != y.shape):
+        raise ValueError(f"the residual must be a contiguous float32 {tuple(y.shape)} matrix, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
     code = 0 if act is None else fused.ACTIVATIONS[act]
     in_kernel = not w.kind.endswith("_I8X2")
-    if in_kernel and (bias is not None or code):
-        ok = _panel_gemm_act()(*args, x.data_ptr(), rows, y.data_ptr(),
-                               None if bias is None else bias.data_ptr(), code)
+    if in_kernel and (bias is not None or residual is not None or code):
+        ptr = lambda t: None if t is None else t.data_ptr()      # noqa: E731
+        ok = _panel_gemm_act()(*args, x.data_ptr(), rows, y.data_ptr(), ptr(bias), ptr(residual), code)
     else:
         ok = fn(*args, x.data_ptr(), rows, y.data_ptr())
     if not ok:
@@ -203,6 +208,8 @@ def matmul(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None, ac
     if not in_kernel:
         if bias is not None:
             y.add_(bias)
+        if residual is not None:
+            y.add_(residual)
         if code:
             y = fused.activation(y, act)
     return y

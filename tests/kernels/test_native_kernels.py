@@ -358,7 +358,8 @@ def test_a_bias_added_in_the_kernel_gives_the_bits_of_an_add_afterwards(kind, ro
     """``matmul(x, w, bias)`` (the kernel adds the bias to each tile it writes; the int8 kernels
     add it afterwards) equals the product followed by ``add_``, bit for bit, and the packed linear
     layer (with its bias) is that, for 2-D and batched inputs; with an activation too, the
-    kernel's is ``fused.activation`` after the add, bit for bit."""
+    kernel's is ``fused.activation`` after the add, and a residual added in the kernel is the add
+    afterwards, bit for bit."""
     n, k = 70, 96
     if kind in ("F32", "BF16"):
         dense = torch.randn(n, k)
@@ -382,3 +383,9 @@ def test_a_bias_added_in_the_kernel_gives_the_bits_of_an_add_afterwards(kind, ro
         assert torch.equal(matmul(x, w, bias, act), fused.activation(expected, act)), act
         assert torch.equal(matmul(x, w, None, act), fused.activation(matmul(x, w), act)), act
         assert torch.equal(layer.act_forward(x, act), fused.activation(expected, act)), act
+    residual = torch.randn(rows, n)
+    assert torch.equal(matmul(x, w, bias, residual=residual), residual + expected)
+    assert torch.equal(matmul(x, w, None, residual=residual), residual + matmul(x, w))
+    assert torch.equal(layer.residual_forward(x, residual), residual + expected)
+    with pytest.raises(ValueError, match="residual"):
+        matmul(x, w, bias, residual=torch.randn(rows + 1, n))
