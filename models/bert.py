@@ -61,6 +61,7 @@ class LayerNorm(nn.Module):
 class BertLayer(nn.Module):
     """Self-attention then the feed-forward block, each followed by its residual add and
     LayerNorm (post-norm)."""
+    attention_bfloat16 = False      # models.layers.set_attention_bfloat16
 
     def __init__(self, config: ArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -78,7 +79,7 @@ class BertLayer(nn.Module):
     def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:   # (T, hidden)
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).view(T, 3, self.num_heads, self.head_size).unbind(1)
-        attn = encoder_attention(q, k, v, query_start_loc, self.scale).view(T, -1)
+        attn = encoder_attention(q, k, v, query_start_loc, self.scale, bfloat16=self.attention_bfloat16).view(T, -1)
         # on the CPU the residual adds and the activation are the projections' own passes
         x = self.attn_norm(linear_residual(self.o_proj, attn, x))
         return self.mlp_norm(linear_residual(self.down_proj, linear_act(self.up_proj, x, self.act), x))

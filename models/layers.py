@@ -351,13 +351,14 @@ def whole_prompts(meta: AttentionMetadata, model: str) -> list[int]:
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: list[int],
-                      scale: float, window: int | None = None) -> torch.Tensor:
+                      scale: float, window: int | None = None, bfloat16: bool = False) -> torch.Tensor:
     """Bidirectional attention of each prompt's tokens over the same prompt's (an encoder's):
     q (T, H, D), k and v (T, KVH, D), prompt i's rows ``query_start_loc[i]:query_start_loc[i + 1]``;
     with ``window`` W, a query sees the keys fewer than W positions from it on either side
     (transformers' bidirectional sliding window). -> (T, H, D). On the CPU the native kernel takes
-    every prompt of a step in one call; elsewhere torch's SDPA one prompt at a time (a prompt
-    longer than the window with the band as a mask)."""
+    every prompt of a step in one call (``bfloat16``: its products in bfloat16 where the CPU has
+    AVX512-BF16, the CPU's ``--dtype bfloat16``); elsewhere torch's SDPA one prompt at a time (a
+    prompt longer than the window with the band as a mask)."""
     T, H, D = q.shape
     G = H // k.shape[1]
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
@@ -366,7 +367,7 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_s
         from kernels.attention.cpu import causal_prefill
         bounds = torch.tensor(spans, dtype=torch.int64)
         if causal_prefill(q, k, v, out, bounds[:, 0], bounds[:, 1] - bounds[:, 0], scale, bidirectional=True,
-                          window=window):
+                          window=window, bfloat16=bfloat16):
             return out
     for a, b in spans:
         # (1, H, n, D): four dimensions, which torch's CPU flash attention takes
@@ -380,6 +381,14 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_s
     return out
 
 
+def set_attention_bfloat16(model: nn.Module, enabled: bool) -> None:
+    """Whether the model's encoder attention (bidirectional layers) multiplies in bfloat16 on the
+    CPU: the CPU's ``--dtype bfloat16``, whose linear layers multiply bfloat16 weights."""
+    for m in model.modules():
+        if hasattr(m, "attention_bfloat16"):
+            m.attention_bfloat16 = enabled
+
+
 class SelfAttention(nn.Module):
     """q|k|v projection, optional per-head q/k norm, rotary, paged attention through the
     backend (with this layer's sliding window, if any), output projection.
@@ -390,6 +399,7 @@ class SelfAttention(nn.Module):
     them from its keys' and values' largest magnitudes (as vLLM: key amax / 200, value amax / 100,
     K_SCALE_CONSTANT and V_SCALE_CONSTANT) and clears the flag. They are updated in place only:
     kernels may hold their addresses."""
+    attention_bfloat16 = False      # set_attention_bfloat16: bidirectional layers' products in bfloat16
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int,
                  backend: AttentionBackend, dtype: torch.dtype, *, scale: float,
@@ -436,7 +446,8 @@ class SelfAttention(nn.Module):
         if self.use_rope:       # cos/sin (T, 1, rotary_dim): a partial rotary turns the leading dims only
             q, k = apply_rotary_qk(q, k, cos, sin, self.custom_ops)
         if self.bidirectional:
-            out = encoder_attention(q, k, v, whole_prompts(meta, "this encoder"), self.scale, self.sliding_window)
+            out = encoder_attention(q, k, v, whole_prompts(meta, "this encoder"), self.scale, self.sliding_window,
+                                    self.attention_bfloat16)
             return self.o_proj(out.reshape(T, self.q_size))
         step_meta, meta = meta, meta.for_group(self.kv_cache_group)
         if self.calculate_kv_scales:

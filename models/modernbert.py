@@ -23,6 +23,8 @@ GLOBAL_ROPE_THETA, LOCAL_ROPE_THETA = 160_000.0, 10_000.0     # transformers' de
 
 
 class ModernBertLayer(nn.Module):
+    attention_bfloat16 = False      # models.layers.set_attention_bfloat16
+
     def __init__(self, config: ArchConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         c, hidden = config, config.hidden_size
@@ -41,7 +43,7 @@ class ModernBertLayer(nn.Module):
         T = hidden.shape[0]
         q, k, v = self.qkv_proj(self.attn_norm(hidden)).view(T, 3, self.num_heads, self.head_size).unbind(1)
         q, k = apply_rotary_qk(q, k, cos, sin)
-        attn = encoder_attention(q, k, v, starts, self.scale, self.window)
+        attn = encoder_attention(q, k, v, starts, self.scale, self.window, self.attention_bfloat16)
         hidden = linear_residual(self.o_proj, attn.view(T, -1), hidden)
         # gelu(input) * gate, and the residual adds: on the CPU in the projections' own passes
         return linear_residual(self.down_proj, gated_linear_act(self.gate_up_proj, self.mlp_norm(hidden), "gelu"), hidden)

@@ -35,7 +35,7 @@ from actors.worker.step_memory import keep_step_heap
 from actors.worker.weight_transfer import WeightReceiver, drain, tensor_digests
 from kernels.attention.base import AttentionBackend
 from kernels.cpu import shm_comm
-from models.layers import calculate_kv_scales_on_next_batch
+from models.layers import calculate_kv_scales_on_next_batch, set_attention_bfloat16
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
 from models.hf_config import read_quantization_config
@@ -235,7 +235,9 @@ class Worker:
         model.exact_from_blocks = storage != quantization
         comp = cfg.compilation
         if self.platform.packs_linears and packs_linears(comp, quantized):   # packed once for the native kernels
-            prepack_linears(model, bfloat16=compute != cfg.model.dtype and cfg.model.dtype == "bfloat16")
+            bf16 = compute != cfg.model.dtype and cfg.model.dtype == "bfloat16"
+            prepack_linears(model, bfloat16=bf16)
+            set_attention_bfloat16(model, bf16)      # encoders' prompt attention, as their matmuls
             if comp.level == 1 and not staged:     # the native stack runs every layer from the embedding
                 attach_native_decode(model)
         compiled = apply_compilation(model, comp, repr(ckpt.config))

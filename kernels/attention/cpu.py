@@ -253,7 +253,8 @@ class _Requests(NamedTuple):
 def causal_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                    starts: torch.Tensor, lens: torch.Tensor, scale: float,
                    kstarts: torch.Tensor | None = None, ctx: torch.Tensor | None = None,
-                   lse: torch.Tensor | None = None, bidirectional: bool = False, window: int | None = None) -> bool:
+                   lse: torch.Tensor | None = None, bidirectional: bool = False, window: int | None = None,
+                   bfloat16: bool = False) -> bool:
     """Causal attention of prompt chunks in one native call (causal_prefill_f32 of
     kernels/cpu/paged_attention.c). Request i's queries are the rows starts[i] .. starts[i] +
     lens[i] of query (T, H, D); its keys and values the rows kstarts[i] .. kstarts[i] + ctx[i] +
@@ -264,7 +265,9 @@ def causal_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     along H when given: each row's log-sum-exp of its scaled scores. False, with nothing
     written, when the kernel cannot take these tensors (the caller falls back to torch).
     ``bidirectional``: each query sees its whole prompt (an encoder's; fresh prompts only), or with
-    ``window`` W the keys fewer than W positions from it on either side."""
+    ``window`` W the keys fewer than W positions from it on either side. ``bfloat16``: queries, keys,
+    values and probabilities rounded to bfloat16 and multiplied with AVX512-BF16 dot products
+    (float32 sums and softmax), where the CPU has them and D is a multiple of 32; float32 otherwise."""
     T, H, D = query.shape
     KVH = key.shape[1]
     tensors = (query, key, value, out)
@@ -282,7 +285,7 @@ def causal_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), st.data_ptr(), ks.data_ptr(),
         ln.data_ptr(), cx.data_ptr(), st.numel(), H, KVH, D, query.stride(0), query.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), out.stride(0), out.stride(1),
-        scale, ptr(lse), 0 if lse is None else lse.stride(0), int(bidirectional), window or 0) == 0
+        scale, ptr(lse), 0 if lse is None else lse.stride(0), int(bidirectional), window or 0, int(bfloat16)) == 0
 
 
 def _native_chunks(query: torch.Tensor, kv_cache: torch.Tensor, reqs: _Requests, out: torch.Tensor,
@@ -357,7 +360,7 @@ def _kv_store_native(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Ten
 @lru_cache(maxsize=1)
 def _causal_prefill_kernel() -> ctypes._CFuncPtr:
     """paged_attention.c's causal_prefill_f32, declared once; RuntimeError when the kernels cannot run here."""
-    return declare("causal_prefill_f32", [_PTR] * 8 + [_I64] * 12 + [ctypes.c_float, _PTR, _I64, _I64, _I64], _I64)
+    return declare("causal_prefill_f32", [_PTR] * 8 + [_I64] * 12 + [ctypes.c_float, _PTR] + [_I64] * 4, _I64)
 
 
 @lru_cache(maxsize=1)

@@ -799,6 +799,13 @@ static inline void cp_key_tiles(int64_t qt, int64_t nkeys, int64_t win, int64_t 
     }
 }
 
+static inline uint16_t pa_f32_to_bf16(float f) {   /* round to nearest even, NaN kept quiet */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 /* An item's start: the G heads' 16 query rows scaled into Qs (rows outside r0..nq zero), the
  * accumulators zero, the running maxima -inf and sums 0. */
@@ -850,9 +857,9 @@ typedef void (*cp_item_fn)(const float *, int64_t, int64_t, const float *, int64
                          int64_t ls0, int64_t nkeys, int64_t win) {                                \
         T(DV, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, D, scale, ws, lse0, ls0, nkeys, win); \
     }
-#define CP_ITEM_TABLE(T, DV64, DV128, DV32)                                                        \
+#define CP_ITEM_TABLE(T, NAME, DV64, DV128, DV32)                                                  \
     CP_ITEM_FN(T, 0) CP_ITEM_FN(T, DV64) CP_ITEM_FN(T, DV128) CP_ITEM_FN(T, DV32)                  \
-    static const cp_item_fn cp_items[4] = {T##_##DV64, T##_##DV128, T##_##DV32, T##_0};
+    static const cp_item_fn NAME[4] = {T##_##DV64, T##_##DV128, T##_##DV32, T##_0};
 
 
 #ifdef __AVX512F__
@@ -897,15 +904,49 @@ static inline __m512 cp_max16(const __m512 *v) {
     } while (0)
 #define CP_PV(W) CP_PVR(4, W)
 
+#ifdef __AVX512BF16__
+/* acc rows rg..rg+R-1, vectors d0..d0+W-1: acc = acc * c + P V with bfloat16 P and V, two keys a
+ * dot product (vdpbf16ps): P2 [16][8] words (keys 2j, 2j + 1 of a row), Vw [8][D] words (keys 2j,
+ * 2j + 1 of a value dimension). */
+#define CP_PVR_BF(R, W)                                                                           \
+    do {                                                                                          \
+        __m512 a[R][W];                                                                           \
+        for (int i = 0; i < R; i++) {                                                             \
+            const __m512 ci = _mm512_set1_ps(cr[rg + i]);                                         \
+            for (int j = 0; j < W; j++)                                                           \
+                a[i][j] = _mm512_mul_ps(_mm512_load_ps(ah + (rg + i) * D + 16 * (d0 + j)), ci);  \
+        }                                                                                         \
+        for (int t = 0; t < (nk + 1) / 2; t++) {                                                  \
+            const uint32_t *vt = Vw + t * D + 16 * d0;                                            \
+            __m512i vv[W];                                                                        \
+            for (int j = 0; j < W; j++) vv[j] = _mm512_loadu_si512(vt + 16 * j);                  \
+            for (int i = 0; i < R; i++) {                                                         \
+                const __m512i pb = _mm512_set1_epi32((int)P2[(rg + i) * 8 + t]);                  \
+                for (int j = 0; j < W; j++)                                                       \
+                    a[i][j] = _mm512_dpbf16_ps(a[i][j], (__m512bh)pb, (__m512bh)vv[j]);            \
+            }                                                                                     \
+        }                                                                                         \
+        for (int i = 0; i < R; i++)                                                               \
+            for (int j = 0; j < W; j++) _mm512_store_ps(ah + (rg + i) * D + 16 * (d0 + j), a[i][j]); \
+    } while (0)
+#else
+#define CP_PVR_BF(R, W) do { } while (0)
+#endif
+
 /* One item: query tile qt (positions 16 qt + r, queries in rows r0 <= r < nq) of one request,
  * the G query heads of one KV head. q0/o0: row r0's query / output at the group's first head;
  * kT: the request's first transposed key tile of this KV head (tiles kstep apart); V: the
  * request's first value row of this KV head. ws: 64-byte aligned scratch of cp_ws_floats(G, D)
- * floats. */
+ * floats.
+ * BF (AVX512-BF16 only): the queries, keys, values and probabilities rounded to bfloat16 and
+ * multiplied two dimensions (or two keys) a dot product, float32 sums and softmax: kT is then the
+ * tiles of key pairs, kw[tile][D / 2][16] words (dimensions 2i, 2i + 1 of a key), and V0 the first
+ * of the value tiles, [8][D] words each, V0 + kt * 16 * vs0 (in floats) the tile kt's. */
 static inline __attribute__((always_inline)) void
-cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
-           const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
-           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys, int64_t win) {
+cp_item512_t(const int BF, const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT,
+             int64_t kstep, const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0,
+             int nq, int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys,
+             int64_t win) {
     const int64_t DV = DVc ? DVc : Dr / 16, D = 16 * DV;
     float *Qs = ws;                                  /* [G][16][D], scaled, padded rows zero */
     float *acc = Qs + (int64_t)G * CP_TILE * D;      /* [G][16][D] */
@@ -914,7 +955,16 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     float *P = lv + G * CP_TILE;                     /* [16][16] */
     float *mr = P + CP_TILE * CP_TILE;               /* [16] new max per row */
     float *cr = mr + CP_TILE;                        /* [16] rescale per row */
+    uint32_t *P2 = (uint32_t *)P;                    /* BF: [16][8] words */
     cp_start(q0, qs0, qs1, r0, nq, G, D, scale, Qs, acc, mv, lv);
+#ifdef __AVX512BF16__
+    if (BF)              /* each scaled query row as bfloat16 pairs, in place: [G][16][D / 2] words */
+        for (int i = 0; i < G * CP_TILE; i++)
+            for (int64_t d = 0; d < D; d += 32) {
+                const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_load_ps(Qs + i * D + d + 16), _mm512_load_ps(Qs + i * D + d));
+                _mm512_storeu_si512((uint32_t *)Qs + i * D / 2 + d / 2, (__m512i)w);
+            }
+#endif
     const int rows = (nq + 3) & ~3;
     int64_t first, last;
     cp_key_tiles(qt, nkeys, win, &first, &last);
@@ -923,6 +973,7 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     for (int64_t kt = first; kt <= last; kt++) {
         const float *K = kT + kt * kstep;
         const float *V = V0 + kt * CP_TILE * vs0;
+        const uint32_t *Vw = (const uint32_t *)V;
         const int diag = !nkeys && kt == qt, tail = nkeys && kt == (nkeys - 1) / CP_TILE;
         const int nk = diag ? nq : tail ? (int)(nkeys - kt * CP_TILE) : CP_TILE;
         const __mmask16 keep = (__mmask16)((1u << nk) - 1u);      /* a tail tile's keys */
@@ -938,10 +989,21 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
             const float *Qh = Qs + h * CP_TILE * D;
             __m512 s[CP_TILE];
             for (int r = 0; r < CP_TILE; r++) s[r] = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d++) {
-                const __m512 kd = _mm512_load_ps(K + d * CP_TILE);
-                for (int r = 0; r < CP_TILE; r++)
-                    s[r] = _mm512_fmadd_ps(_mm512_set1_ps(Qh[r * D + d]), kd, s[r]);
+            if (BF) {
+#ifdef __AVX512BF16__
+                const uint32_t *Qw = (const uint32_t *)Qs + h * CP_TILE * D / 2, *Kw = (const uint32_t *)K;
+                for (int64_t i = 0; i < D / 2; i++) {
+                    const __m512i kd = _mm512_load_si512(Kw + i * CP_TILE);
+                    for (int r = 0; r < CP_TILE; r++)
+                        s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32((int)Qw[r * D / 2 + i]), (__m512bh)kd);
+                }
+#endif
+            } else {
+                for (int64_t d = 0; d < D; d++) {
+                    const __m512 kd = _mm512_load_ps(K + d * CP_TILE);
+                    for (int r = 0; r < CP_TILE; r++)
+                        s[r] = _mm512_fmadd_ps(_mm512_set1_ps(Qh[r * D + d]), kd, s[r]);
+                }
             }
             if (diag)
                 for (int r = 0; r < CP_TILE; r++)
@@ -964,13 +1026,29 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
                 if (diag) e = _mm512_maskz_mov_ps((__mmask16)((2u << r) - 1u), e);
                 if (tail && !win) e = _mm512_maskz_mov_ps(keep, e);
                 if (win) e = _mm512_maskz_mov_ps(band[r], e);
+#ifdef __AVX512BF16__
+                if (BF) _mm256_storeu_si256((__m256i *)(P2 + r * 8), (__m256i)_mm512_cvtneps_pbh(e));
+                else
+#endif
                 _mm512_store_ps(P + r * CP_TILE, e);
                 s[r] = e;
             }
             _mm512_store_ps(lv + h * CP_TILE,
                             _mm512_fmadd_ps(_mm512_load_ps(lv + h * CP_TILE), c, pa_sum16(s)));
             float *ah = acc + h * CP_TILE * D;
-            for (int rg = 0; rg < rows;) {
+            for (int rg = 0; rg < rows && BF;) {
+                int64_t d0 = 0;
+                if (DV == 2 && rg + 8 <= rows) {
+                    CP_PVR_BF(8, 2);
+                    rg += 8;
+                    continue;
+                }
+                for (; d0 + 4 <= DV; d0 += 4) CP_PVR_BF(4, 4);
+                for (; d0 + 2 <= DV; d0 += 2) CP_PVR_BF(4, 2);
+                for (; d0 < DV; d0++) CP_PVR_BF(4, 1);
+                rg += 4;
+            }
+            for (int rg = 0; rg < rows && !BF;) {
                 int64_t d0 = 0;
                 if (DV == 2 && rg + 8 <= rows) {
                     CP_PVR(8, 2);
@@ -987,7 +1065,24 @@ cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     cp_finish(o0, os0, os1, r0, nq, G, D, acc, mv, lv, lse0, ls0);
 }
 
-CP_ITEM_TABLE(cp_item512, 4, 8, 2)      /* D / 16 == 4, == 8, == 2 */
+static inline __attribute__((always_inline)) void
+cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
+           const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
+           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys, int64_t win) {
+    cp_item512_t(0, DVc, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, Dr, scale, ws, lse0, ls0,
+                 nkeys, win);
+}
+CP_ITEM_TABLE(cp_item512, cp_items, 4, 8, 2)      /* D / 16 == 4, == 8, == 2 */
+#ifdef __AVX512BF16__
+static inline __attribute__((always_inline)) void
+cp_item512bf(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
+             const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
+             int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys, int64_t win) {
+    cp_item512_t(1, DVc, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, Dr, scale, ws, lse0, ls0,
+                 nkeys, win);
+}
+CP_ITEM_TABLE(cp_item512bf, cp_items_bf16, 4, 8, 2)
+#endif
 #define CP_VW 16
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* acc rows rg..rg+3 (of one head, D apart), vectors d0..d0+W-1 of 8: acc = acc * c + P V. */
@@ -1034,6 +1129,7 @@ cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     for (int64_t kt = first; kt <= last; kt++) {
         const float *K = kT + kt * kstep;
         const float *V = V0 + kt * CP_TILE * vs0;
+        const uint32_t *Vw = (const uint32_t *)V;
         const int diag = !nkeys && kt == qt, tail = nkeys && kt == (nkeys - 1) / CP_TILE;
         const int nk = diag ? nq : tail ? (int)(nkeys - kt * CP_TILE) : CP_TILE;
         for (int h = 0; h < G; h++) {
@@ -1098,7 +1194,7 @@ cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     cp_finish(o0, os0, os1, r0, nq, G, D, acc, mv, lv, lse0, ls0);
 }
 
-CP_ITEM_TABLE(cp_item256, 8, 16, 4)     /* D / 8 == 8, == 16, == 4 */
+CP_ITEM_TABLE(cp_item256, cp_items, 8, 16, 4)     /* D / 8 == 8, == 16, == 4 */
 #define CP_VW 8
 #endif
 
@@ -1150,9 +1246,14 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
                            const int64_t *ctx, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t qs0,
                            int64_t qs1, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1, int64_t os0,
                            int64_t os1, float scale, float *lse, int64_t ls0, int64_t bidirectional,
-                           int64_t window) {
+                           int64_t window, int64_t bf16) {
     if (R <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || window < 0 || (window && !bidirectional))
         return R <= 0 ? 0 : -1;
+#ifdef __AVX512BF16__
+    bf16 = bf16 && D % 32 == 0;         /* otherwise (and without the instructions) float32 */
+#else
+    bf16 = 0;
+#endif
     if (bidirectional)                  /* every query sees its whole prompt: no cached context */
         for (int64_t i = 0; i < R; i++)
             if (ctx[i]) return -1;
@@ -1206,7 +1307,7 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
             #pragma omp atomic write
             failed = 1;
         }
-        if (vec) {   /* keys transposed: kT[tile][g][d][16], positions past the request zero */
+        if (vec && !bf16) {   /* keys transposed: kT[tile][g][d][16], positions past the request zero */
             #pragma omp for schedule(static)
             for (int64_t x = 0; x < tiles * KVH; x++) {
                 const int64_t t = x / KVH, g = x % KVH, i = tile_req[t], p0 = (t - ktile_base[i]) * CP_TILE;
@@ -1222,10 +1323,52 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
                 }
             }
         }
+        if (bf16 && ws) {   /* bfloat16 pairs: keys kw[tile][g][D / 2][16] (two dimensions of a key a word),
+                       * values vw[tile][g][8][D] (two keys of a dimension), positions past the request zero */
+            uint32_t *kw = (uint32_t *)kT, *vw = kw + tiles * KVH * (D / 2) * CP_TILE;
+#ifdef __AVX512BF16__
+            uint32_t *rowp = (uint32_t *)ws;            /* a tile's keys as pairs: [16][D / 2] */
+            #pragma omp for schedule(static)
+            for (int64_t x = 0; x < tiles * KVH; x++) {
+                const int64_t t = x / KVH, g = x % KVH, i = tile_req[t], p0 = (t - ktile_base[i]) * CP_TILE;
+                const int64_t L = ctx[i] + lens[i];
+                uint32_t *kd = kw + x * (D / 2) * CP_TILE, *vd = vw + x * 8 * D;
+                for (int j = 0; j < CP_TILE; j++) {
+                    const float *src = p0 + j < L ? k + (kstarts[i] + p0 + j) * ks0 + g * ks1 : NULL;
+                    for (int64_t d = 0; d < D; d += 32) {
+                        const __m512i w = src ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + d + 16),
+                                                                             _mm512_loadu_ps(src + d))
+                                              : _mm512_setzero_si512();
+                        _mm512_storeu_si512(rowp + j * (D / 2) + d / 2, w);
+                    }
+                }
+                for (int64_t w = 0; w < D / 2; w++)
+                    for (int j = 0; j < CP_TILE; j++) kd[w * CP_TILE + j] = rowp[j * (D / 2) + w];
+                for (int j = 0; j < CP_TILE; j += 2) {
+                    const int64_t p = p0 + j;
+                    const float *a = p < L ? v + (kstarts[i] + p) * vs0 + g * vs1 : NULL;
+                    const float *b = p + 1 < L ? v + (kstarts[i] + p + 1) * vs0 + g * vs1 : NULL;
+                    for (int64_t d = 0; d < D; d += 16) {
+                        const __m512i lo = a ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + d)))
+                                             : _mm512_setzero_si512();
+                        const __m512i hi = b ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b + d)))
+                                             : _mm512_setzero_si512();
+                        _mm512_storeu_si512(vd + (j / 2) * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                    }
+                }
+            }
+#else
+            (void)kw; (void)vw;
+#endif
+        }
         #pragma omp barrier
         if (!failed) {
 #ifdef CP_VW
-            const cp_item_fn fn = cp_items[D == 64 ? 0 : D == 128 ? 1 : D == 32 ? 2 : 3];
+            const int fi = D == 64 ? 0 : D == 128 ? 1 : D == 32 ? 2 : 3;
+            cp_item_fn fn = cp_items[fi];
+#ifdef __AVX512BF16__
+            if (bf16) fn = cp_items_bf16[fi];
+#endif
 #endif
             #pragma omp for schedule(dynamic, 1)
             for (int64_t x = 0; x < items; x++) {
@@ -1240,6 +1383,13 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
                 const float *V0 = v + kstarts[i] * vs0 + g * vs1;
                 const int64_t nkeys = bidirectional ? L : 0;
 #ifdef CP_VW
+                if (bf16) {     /* the pair tiles: kT's words, then vw's (tile strides in 4-byte units) */
+                    const float *vw = kT + tiles * KVH * (D / 2) * CP_TILE;
+                    fn(q0, qs0, qs1, kT + (ktile_base[i] * KVH + g) * (D / 2) * CP_TILE, KVH * (D / 2) * CP_TILE,
+                       vw + (ktile_base[i] * KVH + g) * 8 * D, KVH * D / 2, o0, os0, os1, qt, r0, nq, (int)G, D,
+                       scale, ws, lse0, ls0, nkeys, window);
+                    continue;
+                }
                 if (vec) {
                     fn(q0, qs0, qs1, kT + (ktile_base[i] * KVH + g) * D * CP_TILE, KVH * D * CP_TILE, V0, vs0,
                        o0, os0, os1, qt, r0, nq, (int)G, D, scale, ws, lse0, ls0, nkeys, window);
@@ -1256,12 +1406,6 @@ int64_t causal_prefill_f32(const float *q, const float *k, const float *v, float
     return failed ? -1 : 0;
 }
 
-static inline uint16_t pa_f32_to_bf16(float f) {   /* round to nearest even, NaN kept quiet */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 #ifdef __AVX512F__
 /* pa_f32_to_fp8 of 16 lanes (the same arithmetic), as 16 bytes. */

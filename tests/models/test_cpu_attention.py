@@ -497,6 +497,52 @@ def test_native_bidirectional_prefill_kernel(H, KVH, D, window):
                               torch.tensor(starts[:1]), torch.tensor([4]), bidirectional=True)
 
 
+@pytest.mark.parametrize("H,KVH", [(12, 12), (8, 2)])
+@pytest.mark.parametrize("D", [16, 32, 64, 96, 128])                     # 16: not a multiple of 32, float32
+@pytest.mark.parametrize("window", [None, 5, 17])
+def test_bfloat16_bidirectional_prefill_multiplies_bfloat16_values_with_float32_sums(H, KVH, D, window):
+    """``bfloat16=True`` (an encoder under the CPU's --dtype bfloat16): where the CPU has AVX512-BF16
+    and D is a multiple of 32, the queries (scaled), keys, values and the softmax's numerators are
+    rounded to bfloat16 and everything else stays float32: the float64 reference of those rounded
+    values with float32 softmax: each output within the bound that rounding each probability to
+    bfloat16 allows (2^-9 of it, relative, taken twice over: the kernel rounds them tile by tile
+    against a running maximum, so no reference rounds the same ones), with the queries, keys and
+    values as bfloat16; elsewhere the float32 kernel's own result, bit for bit."""
+    from kernels.attention.cpu import causal_prefill
+    from kernels.cpu.native import available
+    from kernels.cpu.panels import bf16_available
+    if not available()[0]:
+        pytest.skip(available()[1])
+    gen = torch.Generator().manual_seed(H * 31 + KVH * 3 + D)
+    lens = [1, 2, 15, 16, 17, 100, 33]
+    starts, a = _packed(lens, 2)
+    T = a + 3
+    q, k, v = _fused_qkv(T, H, KVH, D, gen)
+    scale = D ** -0.5
+    G = H // KVH
+    out = torch.full((T, H, D), 7.0)
+    assert causal_prefill(q, k, v, out, torch.tensor(starts), torch.tensor(lens), scale, bidirectional=True,
+                          window=window, bfloat16=True)
+    assert (out[:2] == 7).all() and (out[a:] == 7).all()
+    plain = torch.full((T, H, D), 7.0)
+    assert causal_prefill(q, k, v, plain, torch.tensor(starts), torch.tensor(lens), scale, bidirectional=True,
+                          window=window)
+    if not (bf16_available() and D % 32 == 0):
+        assert torch.equal(out, plain)
+        return
+    assert (out - plain).abs().max() > 1e-4            # bfloat16 products, not float32 ones
+    bf = lambda t: t.to(torch.bfloat16).double()                             # noqa: E731
+    for s, n in zip(starts, lens):
+        kk, vv = (bf(t[s:s + n]).repeat_interleave(G, 1).transpose(0, 1) for t in (k, v))
+        scores = bf(q[s:s + n] * scale).transpose(0, 1) @ kk.transpose(1, 2)
+        if window is not None:
+            pos = torch.arange(n)
+            scores = scores.masked_fill((pos[:, None] - pos[None, :]).abs() >= window, float("-inf"))
+        p = scores.softmax(-1)
+        ref, bound = (p @ vv).transpose(0, 1), (p @ vv.abs()).transpose(0, 1) * 2.0 ** -8 + 1e-5
+        assert ((out[s:s + n].double() - ref).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("H,KVH", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("D", [20, 24, 64, 128])                          # 20: the portable path; 24: AVX2 only
 def test_native_prefill_of_chunks_after_cached_context(H, KVH, D):
