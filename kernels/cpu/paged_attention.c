@@ -880,16 +880,23 @@ static inline __m512 cp_max16(const __m512 *v) {
     return _mm512_max_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-/* acc rows rg..rg+R-1 (of one head, D apart), vectors d0..d0+W-1: acc = acc * c + P V (R W
- * independent sums: 8 rows for heads of 32, whose two vectors a row give 4 rows too few). */
+/* The accumulators a[R][W] of acc rows rg..rg+R-1 (of one head, D apart), vectors d0..d0+W-1,
+ * loaded times their rows' rescale, and stored back. */
+#define CP_ACC_LOAD(R, W)                                                                         \
+    __m512 a[R][W];                                                                               \
+    for (int i = 0; i < R; i++) {                                                                 \
+        const __m512 ci = _mm512_set1_ps(cr[rg + i]);                                             \
+        for (int j = 0; j < W; j++) a[i][j] = _mm512_mul_ps(_mm512_load_ps(ah + (rg + i) * D + 16 * (d0 + j)), ci); \
+    }
+#define CP_ACC_STORE(R, W)                                                                        \
+    for (int i = 0; i < R; i++)                                                                   \
+        for (int j = 0; j < W; j++) _mm512_store_ps(ah + (rg + i) * D + 16 * (d0 + j), a[i][j]);
+
+/* acc rows rg..rg+R-1, vectors d0..d0+W-1: acc = acc * c + P V (R W independent sums: 8 rows for
+ * heads of 32, whose two vectors a row give 4 rows too few). */
 #define CP_PVR(R, W)                                                                              \
     do {                                                                                          \
-        __m512 a[R][W];                                                                           \
-        for (int i = 0; i < R; i++) {                                                             \
-            const __m512 ci = _mm512_set1_ps(cr[rg + i]);                                         \
-            for (int j = 0; j < W; j++)                                                           \
-                a[i][j] = _mm512_mul_ps(_mm512_load_ps(ah + (rg + i) * D + 16 * (d0 + j)), ci);  \
-        }                                                                                         \
+        CP_ACC_LOAD(R, W)                                                                         \
         for (int t = 0; t < nk; t++) {                                                            \
             const float *vt = V + t * vs0 + 16 * d0;                                              \
             __m512 vv[W];                                                                         \
@@ -899,35 +906,25 @@ static inline __m512 cp_max16(const __m512 *v) {
                 for (int j = 0; j < W; j++) a[i][j] = _mm512_fmadd_ps(pb, vv[j], a[i][j]);        \
             }                                                                                     \
         }                                                                                         \
-        for (int i = 0; i < R; i++)                                                               \
-            for (int j = 0; j < W; j++) _mm512_store_ps(ah + (rg + i) * D + 16 * (d0 + j), a[i][j]); \
+        CP_ACC_STORE(R, W)                                                                        \
     } while (0)
 #define CP_PV(W) CP_PVR(4, W)
 
 #ifdef __AVX512BF16__
-/* acc rows rg..rg+R-1, vectors d0..d0+W-1: acc = acc * c + P V with bfloat16 P and V, two keys a
- * dot product (vdpbf16ps): P2 [16][8] words (keys 2j, 2j + 1 of a row), Vw [8][D] words (keys 2j,
- * 2j + 1 of a value dimension). */
+/* The same with bfloat16 P and V, two keys a dot product (vdpbf16ps): P2 [16][8] words (keys 2j,
+ * 2j + 1 of a row), Vw [8][D] words (keys 2j, 2j + 1 of a value dimension). */
 #define CP_PVR_BF(R, W)                                                                           \
     do {                                                                                          \
-        __m512 a[R][W];                                                                           \
-        for (int i = 0; i < R; i++) {                                                             \
-            const __m512 ci = _mm512_set1_ps(cr[rg + i]);                                         \
-            for (int j = 0; j < W; j++)                                                           \
-                a[i][j] = _mm512_mul_ps(_mm512_load_ps(ah + (rg + i) * D + 16 * (d0 + j)), ci);  \
-        }                                                                                         \
+        CP_ACC_LOAD(R, W)                                                                         \
         for (int t = 0; t < (nk + 1) / 2; t++) {                                                  \
-            const uint32_t *vt = Vw + t * D + 16 * d0;                                            \
             __m512i vv[W];                                                                        \
-            for (int j = 0; j < W; j++) vv[j] = _mm512_loadu_si512(vt + 16 * j);                  \
+            for (int j = 0; j < W; j++) vv[j] = _mm512_loadu_si512(Vw + t * D + 16 * (d0 + j));   \
             for (int i = 0; i < R; i++) {                                                         \
-                const __m512i pb = _mm512_set1_epi32((int)P2[(rg + i) * 8 + t]);                  \
-                for (int j = 0; j < W; j++)                                                       \
-                    a[i][j] = _mm512_dpbf16_ps(a[i][j], (__m512bh)pb, (__m512bh)vv[j]);            \
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)P2[(rg + i) * 8 + t]);       \
+                for (int j = 0; j < W; j++) a[i][j] = _mm512_dpbf16_ps(a[i][j], pb, (__m512bh)vv[j]); \
             }                                                                                     \
         }                                                                                         \
-        for (int i = 0; i < R; i++)                                                               \
-            for (int j = 0; j < W; j++) _mm512_store_ps(ah + (rg + i) * D + 16 * (d0 + j), a[i][j]); \
+        CP_ACC_STORE(R, W)                                                                        \
     } while (0)
 #else
 #define CP_PVR_BF(R, W) do { } while (0)
@@ -956,6 +953,7 @@ cp_item512_t(const int BF, const int64_t DVc, const float *q0, int64_t qs0, int6
     float *mr = P + CP_TILE * CP_TILE;               /* [16] new max per row */
     float *cr = mr + CP_TILE;                        /* [16] rescale per row */
     uint32_t *P2 = (uint32_t *)P;                    /* BF: [16][8] words */
+    (void)P2;
     cp_start(q0, qs0, qs1, r0, nq, G, D, scale, Qs, acc, mv, lv);
 #ifdef __AVX512BF16__
     if (BF)              /* each scaled query row as bfloat16 pairs, in place: [G][16][D / 2] words */
@@ -973,7 +971,8 @@ cp_item512_t(const int BF, const int64_t DVc, const float *q0, int64_t qs0, int6
     for (int64_t kt = first; kt <= last; kt++) {
         const float *K = kT + kt * kstep;
         const float *V = V0 + kt * CP_TILE * vs0;
-        const uint32_t *Vw = (const uint32_t *)V;
+        const uint32_t *Vw = (const uint32_t *)V;       /* BF: the value tile's words */
+        (void)Vw;
         const int diag = !nkeys && kt == qt, tail = nkeys && kt == (nkeys - 1) / CP_TILE;
         const int nk = diag ? nq : tail ? (int)(nkeys - kt * CP_TILE) : CP_TILE;
         const __mmask16 keep = (__mmask16)((1u << nk) - 1u);      /* a tail tile's keys */
@@ -1065,22 +1064,19 @@ cp_item512_t(const int BF, const int64_t DVc, const float *q0, int64_t qs0, int6
     cp_finish(o0, os0, os1, r0, nq, G, D, acc, mv, lv, lse0, ls0);
 }
 
-static inline __attribute__((always_inline)) void
-cp_item512(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
-           const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
-           int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys, int64_t win) {
-    cp_item512_t(0, DVc, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, Dr, scale, ws, lse0, ls0,
-                 nkeys, win);
-}
+/* The item template for float32 products (BF 0) or bfloat16 ones (BF 1), with CP_ITEM_FN's arguments. */
+#define CP_ITEM512_OF(NAME, BF)                                                                    \
+    static inline __attribute__((always_inline)) void                                              \
+    NAME(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep, \
+         const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq, \
+         int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys, int64_t win) { \
+        cp_item512_t(BF, DVc, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, Dr, scale, ws, \
+                     lse0, ls0, nkeys, win);                                                        \
+    }
+CP_ITEM512_OF(cp_item512, 0)
 CP_ITEM_TABLE(cp_item512, cp_items, 4, 8, 2)      /* D / 16 == 4, == 8, == 2 */
 #ifdef __AVX512BF16__
-static inline __attribute__((always_inline)) void
-cp_item512bf(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const float *kT, int64_t kstep,
-             const float *V0, int64_t vs0, float *o0, int64_t os0, int64_t os1, int64_t qt, int r0, int nq,
-             int G, int64_t Dr, float scale, float *ws, float *lse0, int64_t ls0, int64_t nkeys, int64_t win) {
-    cp_item512_t(1, DVc, q0, qs0, qs1, kT, kstep, V0, vs0, o0, os0, os1, qt, r0, nq, G, Dr, scale, ws, lse0, ls0,
-                 nkeys, win);
-}
+CP_ITEM512_OF(cp_item512bf, 1)
 CP_ITEM_TABLE(cp_item512bf, cp_items_bf16, 4, 8, 2)
 #endif
 #define CP_VW 16
@@ -1129,7 +1125,6 @@ cp_item256(const int64_t DVc, const float *q0, int64_t qs0, int64_t qs1, const f
     for (int64_t kt = first; kt <= last; kt++) {
         const float *K = kT + kt * kstep;
         const float *V = V0 + kt * CP_TILE * vs0;
-        const uint32_t *Vw = (const uint32_t *)V;
         const int diag = !nkeys && kt == qt, tail = nkeys && kt == (nkeys - 1) / CP_TILE;
         const int nk = diag ? nq : tail ? (int)(nkeys - kt * CP_TILE) : CP_TILE;
         for (int h = 0; h < G; h++) {
