@@ -233,7 +233,7 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         chat_template_kwargs=template_kwargs, priority=priority, arrival_time=arrival,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
-        lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left",
+        lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side,
         chat_template=req.chat_template, add_special_tokens=bool(req.add_special_tokens),
         stream_interval=req.stream_interval)
     last = messages[-1]

@@ -215,7 +215,7 @@ class EngineClient:
                      priority: int = 0, arrival_time: float = 0.0,
                      add_special_tokens: bool = False, cache_salt: str | None = None,
                      timeout_s: float | None = None, parent_id: str = "", n: int = 1,
-                     lora_request: LoRARequest | None = None, truncation_side: str = "left",
+                     lora_request: LoRARequest | None = None, truncation_side: str | None = None,
                      chat_template: str | None = None, stream_interval: int = 1,
                      render_only: bool = False, return_token_offsets: bool = False,
                      chat_template_content_format: str | None = None,
@@ -319,7 +319,6 @@ class EngineClient:
         with ``error`` set, when the engine failed it), and the prompt's token ids.
         ``submit``'s refusals."""
         kwargs.setdefault("add_generation_prompt", False)
-        kwargs.setdefault("truncation_side", "right")       # vLLM's pooling tokenizers keep a prompt's start
         handle = await self.submit(self.pooling_request(params, truncate_prompt_tokens), **kwargs)
         final: RequestOutput | None = None
         try:

@@ -173,7 +173,7 @@ async def start_completion(server: OpenAIServer, req: CompletionRequest, arrival
         submit or server.submit, rid, engine_params, sampled, prompts, priority=priority,
         arrival_time=arrival, add_special_tokens=req.add_special_tokens is not False,
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
-        lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side or "left",
+        lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side,
         stream_interval=req.stream_interval)
     echo_texts = [_prompt_text(client.tokenizer, p) for p in prompts] if echo else None
     gen = CompletionGeneration(rid, served_name(client, req.model), choices, include_usage, answer,

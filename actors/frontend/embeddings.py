@@ -127,7 +127,7 @@ async def pooled(server: OpenAIServer, path: str, body: bytes) -> web.Response:
         raise bad_request(str(exc), param) from None
     priority = check_priority(req, client.config.scheduler.policy)
     rid = req.request_id or uuid.uuid4().hex
-    prompts, side = _prompts(server, req), req.truncation_side or "right"     # vLLM's pooling tokenizers keep the start
+    prompts, side = _prompts(server, req), req.truncation_side   # None: as the tokenizer truncates (the start kept)
     lora = client.lora_request_for(req.model)          # a served LoRA adapter named as the model
     if task == "embed":
         vectors, counts = await embed_prompts(server, engine_params, prompts, rid, priority, side, lora)
@@ -151,7 +151,7 @@ async def pooled(server: OpenAIServer, path: str, body: bytes) -> web.Response:
 
 
 async def run_pooling(server: OpenAIServer, params: SamplingParams, prompts: list[Prompt], rid: str, priority: int,
-                      truncation_side: str, lora_request: LoRARequest | None = None
+                      truncation_side: str | None, lora_request: LoRARequest | None = None
                       ) -> tuple[list[RequestOutput], int]:
     """Every prompt admitted at once as a pooling request (``params``: the engine's, from
     ``EngineClient.pooling_request``), then their finished outputs, in order, and their prompt
@@ -174,7 +174,7 @@ async def run_pooling(server: OpenAIServer, params: SamplingParams, prompts: lis
 
 
 async def embed_prompts(server: OpenAIServer, params: SamplingParams, prompts: list[Prompt], rid: str, priority: int,
-                        truncation_side: str, lora_request: LoRARequest | None = None
+                        truncation_side: str | None, lora_request: LoRARequest | None = None
                         ) -> tuple[list[np.ndarray], list[int]]:
     """The embeddings of ``prompts`` (``params``: an embed task's engine params), in order,
     and each prompt's tokens: /v1/embeddings' and /v2/embed's, in pieces where the pooler
@@ -186,7 +186,7 @@ async def embed_prompts(server: OpenAIServer, params: SamplingParams, prompts: l
 
 
 async def run_chunked(server: OpenAIServer, params: SamplingParams, prompts: list[Prompt], rid: str, priority: int,
-                      truncation_side: str, lora_request: LoRARequest | None = None
+                      truncation_side: str | None, lora_request: LoRARequest | None = None
                       ) -> tuple[list[np.ndarray], list[int]]:
     """vLLM's long-text embedding (the pooler config's ``enable_chunked_processing``): each
     prompt rendered whole (up to ``max_embed_len`` tokens), cut into pieces of max_model_len

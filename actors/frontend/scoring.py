@@ -95,8 +95,8 @@ async def scored(server: OpenAIServer, path: str, body: bytes) -> web.Response:
     require(req.padding in (None, "do_not_pad"), "padding 'max_length' is not supported", "padding")
     priority = check_priority(req, client.config.scheduler.policy)
     rid = req.request_id or uuid.uuid4().hex
-    side = req.truncation_side or "right"          # vLLM's pooling tokenizers keep the start
-    require(side in ("left", "right"), "truncation_side must be left or right", "truncation_side")
+    side = req.truncation_side                     # None: as the tokenizer truncates (the start kept)
+    require(side in (None, "left", "right"), "truncation_side must be left or right", "truncation_side")
     if client.config.model.pooling.convert == "classify":
         scores, tokens = await _cross_encoder_scores(server, req, queries, documents, rid, priority, side)
     else:
@@ -117,7 +117,7 @@ async def scored(server: OpenAIServer, path: str, body: bytes) -> web.Response:
 
 
 async def _bi_encoder_scores(server: OpenAIServer, req: ScoringRequest, queries: list[str], documents: list[str],
-                             rid: str, priority: int, side: str) -> tuple[np.ndarray, int]:
+                             rid: str, priority: int, side: str | None) -> tuple[np.ndarray, int]:
     """An embedding model's scores: each query and document embedded once, each pair's cosine
     similarity; with the pooler config's task token_embed, vLLM's late interaction (ColBERT's
     MaxSim over the two sides' token embeddings). A side's own token cap keeps its first tokens."""
@@ -163,7 +163,7 @@ def pair_score(query: np.ndarray, document: np.ndarray, late: bool) -> float:
 
 
 async def _cross_encoder_scores(server: OpenAIServer, req: ScoringRequest, queries: list[str],
-                                documents: list[str], rid: str, priority: int, side: str) -> tuple[np.ndarray, int]:
+                                documents: list[str], rid: str, priority: int, side: str | None) -> tuple[np.ndarray, int]:
     """A classifier of one label (a cross-encoder) scores each query and document read together:
     its one score, after its activation."""
     client = server.engine()

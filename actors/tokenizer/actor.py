@@ -50,7 +50,10 @@ class Generate(Msg):
     parent_id: str = ""                    # with n > 1: the request this is one choice of (for metrics)
     n: int = 1                             # the choices of that request
     lora_request: LoRARequest | None = None   # the adapter it runs with (None: the base model)
-    truncation_side: str = "left"          # with truncate_prompt_tokens: "left" keeps the last ones, "right" the first
+    # with truncate_prompt_tokens: "left" keeps the last tokens, "right" the first; None: as the
+    # tokenizer truncates (vLLM's default): a pooling request's first, another's last, and a text
+    # prompt's own tokens cut so that the special tokens the tokenizer adds around them stay
+    truncation_side: str | None = None
     chat_template: str | None = None       # the request's own template for messages (None: the model's)
     render_only: bool = False              # checked and tokenized as it would be admitted, not admitted (/render)
     return_token_offsets: bool = False     # with render_only: each token's characters in the prompt text
@@ -129,17 +132,18 @@ class TokenizerActor(Actor):
             # frontend's other requests and probes do not wait behind it
             ids = await asyncio.to_thread(self._prompt_ids, msg) if chars > OFF_LOOP_CHARS else self._prompt_ids(msg)
             offsets = self._offsets(msg, ids) if msg.render_only and msg.return_token_offsets else None
+        pooling = msg.sampling_params.pooling is not None     # a pooling request fills the context, no more
         if truncate is not None:          # vLLM's: the prompt's last tokens (the left side goes), or first
             keep = limit if truncate == -1 else truncate
-            ids = ids[:keep] if msg.truncation_side == "right" else ids[-keep:]
+            kept = self._truncated(msg, ids, keep, msg.truncation_side or ("right" if pooling else "left"))
+            ids = [ids[i] for i in kept]
             if offsets is not None:
-                offsets = offsets[:keep] if msg.truncation_side == "right" else offsets[-keep:]
+                offsets = [offsets[i] for i in kept]
             if embeds is not None:
-                embeds = embeds[:keep] if msg.truncation_side == "right" else embeds[len(embeds) - len(ids):]
+                embeds = embeds[kept]
         n = len(ids)
         if n == 0:
             raise InvalidPrompt("the prompt is empty")
-        pooling = msg.sampling_params.pooling is not None     # a pooling request fills the context, no more
         if n > limit or (n == limit and not pooling):
             raise PromptTooLong(f"This model's maximum context length is {limit} tokens. "
                                 f"However, your prompt has {n} tokens.")
@@ -264,6 +268,25 @@ class TokenizerActor(Actor):
                 continue_final_message=msg.continue_final_message, chat_template=msg.chat_template,
                 content_format=msg.chat_template_content_format, **msg.chat_template_kwargs)
         return self.tokenizer.token_offsets(text or "", ids)
+
+    def _truncated(self, msg: Generate, ids: list[int], keep: int, side: str) -> list[int]:
+        """The positions of ``ids`` that truncation to ``keep`` tokens keeps, from ``side``. With no
+        side asked for, a text prompt the tokenizer added special tokens to ([CLS] .. [SEP], BOS)
+        keeps them and loses its own tokens instead, as transformers' ``truncation=True`` does
+        (where vLLM leaves truncation to the tokenizer); otherwise the ids themselves are cut."""
+        n = len(ids)
+        if n <= keep:
+            return list(range(n))
+        if msg.truncation_side is None and msg.prompt is not None and msg.messages is None \
+                and msg.prompt_token_ids is None and msg.add_special_tokens:
+            core = self.tokenizer.encode(msg.prompt, add_special_tokens=False)
+            head = next((h for h in range(n - len(core) + 1) if ids[h:h + len(core)] == core), None)
+            if head is not None and len(core) < n:
+                tail, room = n - head - len(core), keep - (n - len(core))
+                if room > 0:
+                    own = range(head, head + room) if side == "right" else range(n - tail - room, n - tail)
+                    return [*range(head), *own, *range(n - tail, n)]
+        return list(range(keep)) if side == "right" else list(range(n - keep, n))
 
     def _prompt_ids(self, msg: Generate) -> list[int]:
         if msg.messages is not None:

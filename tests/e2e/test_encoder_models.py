@@ -374,6 +374,33 @@ def test_a_served_minilm_answers_embeddings_and_similarity_scores(minilm_server)
     assert scores[0] > scores[1]          # the bread sentence is the closer one
 
 
+def test_truncated_minilm_prompts_keep_cls_and_sep_as_transformers_truncation_does(minilm_server):
+    """``truncate_prompt_tokens`` with no ``truncation_side``: the text's own tokens are cut and
+    BERT's [CLS] and [SEP] stay (transformers' ``truncation=True``, which vLLM leaves it to), the
+    start kept; an explicit side cuts the token ids themselves, as vLLM does then."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    text = "The quick brown fox jumps over the lazy dog by the river bank at dawn."
+    expected = tok(text, truncation=True, max_length=8)["input_ids"]
+    full = tok(text)["input_ids"]
+    assert expected[0] == tok.cls_token_id and expected[-1] == tok.sep_token_id and len(full) > 8
+
+    def embed(**fields):
+        r = requests.post(f"{minilm_server.url}/v1/embeddings", json={"input": text} | fields, timeout=60)
+        assert r.status_code == 200, r.text
+        return np.array(r.json()["data"][0]["embedding"]), r.json()["usage"]["prompt_tokens"]
+
+    cut, n = embed(truncate_prompt_tokens=8)
+    same, _ = embed(input=[expected])
+    assert n == 8
+    np.testing.assert_allclose(cut, same, atol=1e-6)
+    right, n = embed(truncate_prompt_tokens=8, truncation_side="right")
+    np.testing.assert_allclose(right, embed(input=[full[:8]])[0], atol=1e-6)
+    left, _ = embed(truncate_prompt_tokens=8, truncation_side="left")
+    np.testing.assert_allclose(left, embed(input=[full[-8:]])[0], atol=1e-6)
+    assert np.abs(cut - right).max() > 1e-3             # [SEP] kept or not: another embedding
+
+
 def test_a_served_bert_cross_encoder_reranks_with_the_pairs_token_types(bert_reranker):
     """/rerank through a real server: each document read with the query as a text pair (its
     tokens of type 1), ordered by transformers' scores of those pairs."""
