@@ -53,6 +53,7 @@ class ArchConfig:
     encoder_only: bool = False                 # bidirectional attention over each prompt whole, no KV cache
     type_vocab_size: int = 0                   # token types (a text pair's segments); 0: none
     position_offset: int = 0                   # a prompt's first position in the position table (RoBERTa's 2)
+    do_lower_case: bool = False                # sentence-transformers' config: pooling prompts lower-cased first
     max_position_embeddings: int = 0          # the position table's rows; 0: max_model_len + position_offset
     norm_bias: bool = True                     # their LayerNorms carry a bias (ModernBERT's do not)
     classifier_bias: bool = False              # a classifier head's dense layer has a bias (ModernBERT's)

@@ -25,9 +25,12 @@ def read_hf_config(checkpoint_dir: str, overrides: dict[str, Any] | None = None)
         config = hf_model_config(raw, generation)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{checkpoint_dir}/config.json is missing or has a malformed field: {exc!r}") from exc
-    seq_len = sentence_transformers_max_seq_length(checkpoint_dir)
+    st = sentence_transformers_config(checkpoint_dir)
+    seq_len = st.get("max_seq_length")
     if seq_len is not None and "max_position_embeddings" not in (overrides or {}):
-        config = dataclasses.replace(config, max_model_len=min(seq_len, config.max_model_len))
+        config = dataclasses.replace(config, max_model_len=min(int(seq_len), config.max_model_len))
+    if st.get("do_lower_case"):
+        config = dataclasses.replace(config, do_lower_case=True)
     return config
 
 
@@ -38,16 +41,15 @@ SENTENCE_TRANSFORMERS_CONFIGS = ("sentence_bert_config.json", "sentence_roberta_
                                  "sentence_xlnet_config.json")
 
 
-def sentence_transformers_max_seq_length(checkpoint_dir: str) -> int | None:
-    """A sentence-transformers checkpoint's ``max_seq_length`` (sentence_bert_config.json and its
-    kin): the context vLLM serves it with (None: no such file, or it says none)."""
+def sentence_transformers_config(checkpoint_dir: str) -> dict[str, Any]:
+    """A sentence-transformers checkpoint's tokenization settings (sentence_bert_config.json and
+    its kin; {} without one): ``max_seq_length``, the context vLLM serves it with, and
+    ``do_lower_case``, whether vLLM lower-cases a pooling request's text before tokenizing it."""
     for name in SENTENCE_TRANSFORMERS_CONFIGS:
         path = os.path.join(checkpoint_dir, name)
         if os.path.isfile(path):
-            value = _read_json(path).get("max_seq_length")
-            if value is not None:
-                return int(value)
-    return None
+            return _read_json(path)
+    return {}
 
 
 def with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

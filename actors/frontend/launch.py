@@ -439,7 +439,7 @@ def client_actors(node: Node, config: EngineConfig, tokenizer: TextTokenizer | T
         scheduler, waiting, count_prompt_tokens, config.model.max_logprobs, arch.vocab_size,
         arch.hidden_size if config.model.enable_prompt_embeds else None,
         config.model.reasoning is not None and config.model.reasoning.resolved, client_index,
-        *embed_lens(config.model.pooling)))
+        *embed_lens(config.model.pooling), lower_case=arch.do_lower_case))
     client = EngineClient(config, tokenizer, tok, detok, scheduler, [e.kv_manager for e in engines],
                           engines[0].grammar, streams, stats, waiting)
     return client, router

@@ -87,7 +87,7 @@ class TokenizerActor(Actor):
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS, logits_size: int | None = None,
                  embeds_hidden_size: int | None = None, thinking_budgets: bool = False,
                  client_index: int = 0, pooling_len: int | None = None,
-                 chunked_embed_len: int | None = None) -> None:
+                 chunked_embed_len: int | None = None, lower_case: bool = False) -> None:
         """``embeds_hidden_size``: with --enable-prompt-embeds, the rows prompt embeddings must have
         (None: such prompts are refused). ``thinking_budgets``: the engine has a resolved reasoning
         config (else a request's thinking_token_budget is refused). ``client_index``: this API
@@ -95,7 +95,10 @@ class TokenizerActor(Actor):
         ``pooling_len``: the most tokens a pooling request's prompt may have (the pooler
         config's max_embed_len where it is below max_model_len); ``chunked_embed_len``: with
         the pooler config's enable_chunked_processing, the most a pooling prompt rendered whole
-        may have, to be embedded in pieces (sys.maxsize: no bound; None: no chunking)."""
+        may have, to be embedded in pieces (sys.maxsize: no bound; None: no chunking).
+        ``lower_case``: a pooling request's text is lower-cased before it is tokenized (a
+        sentence-transformers checkpoint's ``do_lower_case``, as vLLM reads it)."""
+        self.lower_case = lower_case
         self.pooling_len = min(pooling_len or max_model_len, max_model_len)
         self.chunked_embed_len = chunked_embed_len
         self.client_index = client_index
@@ -279,7 +282,7 @@ class TokenizerActor(Actor):
             return list(range(n))
         if msg.truncation_side is None and msg.prompt is not None and msg.messages is None \
                 and msg.prompt_token_ids is None and msg.add_special_tokens:
-            core = self.tokenizer.encode(msg.prompt, add_special_tokens=False)
+            core = self.tokenizer.encode(self._text(msg), add_special_tokens=False)
             head = next((h for h in range(n - len(core) + 1) if ids[h:h + len(core)] == core), None)
             if head is not None and len(core) < n:
                 tail, room = n - head - len(core), keep - (n - len(core))
@@ -287,6 +290,12 @@ class TokenizerActor(Actor):
                     own = range(head, head + room) if side == "right" else range(n - tail - room, n - tail)
                     return [*range(head), *own, *range(n - tail, n)]
         return list(range(keep)) if side == "right" else list(range(n - keep, n))
+
+    def _text(self, msg: Generate) -> str:
+        """A text prompt as it is tokenized: lower-cased for a pooling request where the model's
+        sentence-transformers config says ``do_lower_case``."""
+        assert msg.prompt is not None
+        return msg.prompt.lower() if self.lower_case and msg.sampling_params.pooling is not None else msg.prompt
 
     def _prompt_ids(self, msg: Generate) -> list[int]:
         if msg.messages is not None:
@@ -306,7 +315,7 @@ class TokenizerActor(Actor):
             return list(msg.prompt_token_ids)
         if msg.prompt is not None:
             try:
-                return self.tokenizer.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)
+                return self.tokenizer.encode(self._text(msg), add_special_tokens=msg.add_special_tokens)
             except Exception as exc:   # e.g. text that is not valid Unicode (lone surrogates)
                 raise InvalidPrompt(f"could not tokenize the prompt: {exc}") from exc
         raise InvalidPrompt("one of prompt, prompt_token_ids or messages is required")

@@ -329,6 +329,28 @@ def test_a_llama_bidirectional_model_embeds_with_attention_both_ways(tmp_path):
         assert np.abs(np.asarray(out.outputs.embedding) - causal).max() > 1e-3
 
 
+def test_a_sentence_transformers_do_lower_case_lower_cases_pooling_prompts(tmp_path):
+    """sentence_bert_config.json's ``do_lower_case`` (as vLLM reads it): a pooling request's text
+    is lower-cased before tokenizing ("T5" is not in this tiny cased vocabulary, "t5" is), its
+    ``max_seq_length`` the context; without the flag the capitals stay (unknown tokens)."""
+    from transformers import BertConfig, BertModel
+    path, _ = _tiny(tmp_path / "st", BertModel, BertConfig(**TINY, type_vocab_size=2, pad_token_id=PAD))
+    texts = ["T5 T9 T7", "t5 t9 t7"]
+
+    def embed() -> np.ndarray:
+        with LLM(path, multiprocess=False, pooler_config={"pooling_type": "MEAN"}) as llm:
+            outs = llm.embed(texts, use_tqdm=False)
+        assert [o.prompt_token_ids for o in outs][1] == [CLS, 5, 9, 7, SEP]
+        return np.stack([o.outputs.embedding for o in outs])
+
+    cased = embed()
+    assert np.abs(cased[0] - cased[1]).max() > 1e-3
+    (tmp_path / "st" / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 40, "do_lower_case": True}))
+    lowered = embed()
+    np.testing.assert_allclose(lowered[0], lowered[1], atol=1e-6)
+    np.testing.assert_allclose(lowered[1], cased[1], atol=1e-6)
+
+
 def test_an_encoder_model_refuses_chunked_prefill_and_a_budget_below_its_context(bert_reranker):
     path, _ = bert_reranker
     with pytest.raises(ValueError, match="cannot be computed in chunks"):
