@@ -834,6 +834,11 @@ class AsyncLLM:
         """vLLM's: the ids of the adapters known."""
         return {r.lora_int_id for r in self.client.lora_requests.values()}
 
+    async def pin_lora(self, lora_id: int) -> bool:
+        """vLLM's: keep an added adapter resident: the workers read it now and evict it last
+        (from their host cache and their layer slots). ValueError when no adapter has that id."""
+        return self.client.pin_lora(lora_id)
+
     async def check_health(self) -> None:
         """vLLM's: raises EngineDeadError (saying why) when the engine has died or was shut down."""
         if self.errored:

@@ -189,3 +189,4 @@ class SchedulerOutput(Msg):
     # is still sent while transfers are under way, so the worker reports them
     kv_connector_metadata: bytes | None = None
     removed_lora_ids: list[int] = []         # unloaded adapters (lora_int_id): drop them before this step
+    pinned_loras: list[LoRARequest] = []     # adapters to read now and evict last (vLLM's pin_lora)

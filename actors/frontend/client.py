@@ -28,7 +28,7 @@ from actors.kv_manager.actor import ResetPrefixCache
 from actors.runtime import ActorRef, RemoteError
 from actors.engine.profiler import check_bounds, check_prefix
 from actors.scheduler.actor import (PAUSE_MODES, SLEEP_TIMEOUT_S, AbortRequests, GetPauseStatus, PauseScheduler,
-                                    PauseStatus, ProfileEngine, RemoveLoRA, ResumeScheduler, SleepEngine,
+                                    PauseStatus, PinLoRA, ProfileEngine, RemoveLoRA, ResumeScheduler, SleepEngine,
                                     WakeEngine, WeightVersion)
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
 from actors.engine.messages import CALLABLE
@@ -139,6 +139,16 @@ class EngineClient:
             return False
         if self.dead is None:
             self.engine.tell(RemoveLoRA(req.lora_int_id))
+        return True
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """vLLM's pin_lora: the workers read adapter ``lora_id`` now and evict it last from their
+        host cache and layer slots. ValueError (vLLM's words) when no adapter has that id."""
+        req = next((r for r in self.lora_requests.values() if r.lora_int_id == lora_id), None)
+        if req is None:
+            raise ValueError(f"Pinning failed. LoRA {lora_id} is not registered.")
+        if self.dead is None:
+            self.engine.tell(PinLoRA(req))
         return True
 
     @property

@@ -27,7 +27,7 @@ from actors.frontend.streams import OutputStreams
 from actors.runtime import Actor, ActorRef, Msg, RemoteError
 from actors.runtime.errors import passed_on
 from actors.scheduler.actor import (SLEEP_TIMEOUT_S, AbortRequests, AddRequest, GetPauseStatus, GrammarReady,
-                                    PauseScheduler, PauseStatus, ProfileEngine, RemoveLoRA, ResumeScheduler,
+                                    PauseScheduler, PauseStatus, PinLoRA, ProfileEngine, RemoveLoRA, ResumeScheduler,
                                     SleepEngine, WakeEngine, WeightVersion)
 from actors.worker.actor import WorkerRPC
 
@@ -46,7 +46,7 @@ class EngineUp(Msg):
     dp_rank: int
 
 
-RouterProtocol = (AddRequest | AbortRequests | GrammarReady | RemoveLoRA | EngineDown | EngineUp
+RouterProtocol = (AddRequest | AbortRequests | GrammarReady | RemoveLoRA | PinLoRA | EngineDown | EngineUp
                   | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine
                   | WeightVersion
                   | WorkerRPC)
@@ -99,7 +99,7 @@ class DataParallelRouter(Actor):
                 for e, rids in by_engine.items():
                     if self.up[e]:
                         self.schedulers[e].tell(AbortRequests(rids))
-            case RemoveLoRA():                      # every engine's workers may hold the adapter
+            case RemoveLoRA() | PinLoRA():          # every engine's workers may hold the adapter
                 for e, scheduler in enumerate(self.schedulers):
                     if self.up[e]:
                         scheduler.tell(msg)

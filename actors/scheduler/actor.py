@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from actors.topology import DETOKENIZER
+from actors.engine.lora import LoRARequest
 from actors.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput,
                                     SchedulerOutput)
 from actors.engine.sampling_params import StructuredOutputsParams
@@ -59,6 +60,11 @@ class RemoveLoRA(Msg):
     """An adapter was unloaded: the workers drop it from their layer slots and host cache
     before their next step."""
     lora_int_id: int
+
+
+class PinLoRA(Msg):
+    """vLLM's pin_lora: the workers read the adapter now and evict it last."""
+    lora_request: LoRARequest
 
 
 class Step(Msg):
@@ -159,6 +165,7 @@ class ProfileEngine(Msg):
 
 
 SchedulerProtocol = (AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady | RemoveLoRA
+                     | PinLoRA
                      | ConnectClient | ClientGone | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine
                      | WorkerRPC | WeightVersion)
 
@@ -283,6 +290,9 @@ class SchedulerActor(Actor):
                 self._kick()
             case RemoveLoRA(lora_int_id=lora_id):
                 self.core.removed_lora_ids.append(lora_id)
+            case PinLoRA(lora_request=req):
+                self.core.pinned_loras.append(req)
+                self._kick()
             case ConnectClient(client_index=c, node=name, address=address):
                 self.ctx.node.connect(name, address)
                 self.clients[c] = self.ctx.node.ref(DETOKENIZER, name, EngineCoreOutputs)

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from actors.engine.config import EngineConfig
+from actors.engine.lora import LoRARequest
 from actors.engine.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest,
                                     ModelRunnerOutput, NewRequestData, SchedulerOutput,
                                     SchedulerStats)
@@ -179,6 +180,7 @@ class Scheduler:
         self._remote_loaded: set[str] = set()      # back in the queue holding loaded blocks
         self._held_for_remote: set[str] = set()    # finished; blocks freed when the worker says so
         self.removed_lora_ids: list[int] = []     # unloaded adapters the workers drop with the next step
+        self.pinned_loras: list[LoRARequest] = []  # adapters the workers pin with the next step
         self.pause_state = PauseState.UNPAUSED
         self._kv_events: list[KVCacheEvent] = []    # converted, not yet taken (--kv-events-config)
 
@@ -795,11 +797,15 @@ class Scheduler:
                                sum(num_scheduled.values()), finished, grammar_ids,
                                self.structured.fill_bitmask(grammar_ids, spec) if grammar_ids else None,
                                scheduled_spec_decode_tokens=spec, kv_connector_metadata=meta,
-                               removed_lora_ids=self._take_removed_loras())
+                               removed_lora_ids=self._take_removed_loras(), pinned_loras=self._take_pinned_loras())
 
     def _take_removed_loras(self) -> list[int]:
         removed, self.removed_lora_ids = self.removed_lora_ids, []
         return removed
+
+    def _take_pinned_loras(self) -> list[LoRARequest]:
+        pinned, self.pinned_loras = self.pinned_loras, []
+        return pinned
 
     def grammar_needs_outputs(self) -> bool:
         """Whether a running request with a grammar has tokens in flight: its matcher must see

@@ -2,7 +2,9 @@
 PEFT directory the first time a step needs them and kept on the host, at most
 ``max_cpu_loras`` (the least recently used one goes first); the adapters a step uses are
 activated into the layers' ``max_loras`` slots (``lora_index_to_id``), a free one or the least
-recently used one not needed by the step. The scheduler never puts more than ``max_loras``
+recently used one not needed by the step. A pinned adapter (vLLM's ``pin_lora``) is read at
+once and goes last from both: only when every other place is taken by the step's own adapters,
+where vLLM would fail the step. The scheduler never puts more than ``max_loras``
 adapters in a step, so every step finds its slots. An adapter that cannot be read when a step
 needs it (its directory removed or its files corrupted since it was loaded) fails only its own
 rows: they run without an adapter and ``failed`` names it, the model runner fails those
@@ -16,7 +18,7 @@ requests with that reason. Pure: no asyncio, no transport.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -51,6 +53,7 @@ class LoRAModelManager:
         self._registered: OrderedDict[int, LoRAModel] = OrderedDict()
         self.lora_index_to_id: list[int | None] = [None] * config.max_loras
         self._slot_lru: OrderedDict[int, None] = OrderedDict()   # slots, least recently used first
+        self.pinned: set[int] = set()        # adapters evicted last (pin_adapter)
         self.failed: dict[int, str] = {}     # the last step's adapters that could not be read: id -> why
         if getattr(model, "native_decode", None) is not None:     # LoRA steps through it too
             model.native_decode = LoRAAwareDecode(model.native_decode, self.mapping,
@@ -60,7 +63,7 @@ class LoRAModelManager:
     # -- the host cache ----------------------------------------------------------------------
     def add_adapter(self, req: LoRARequest, keep: frozenset[int] = frozenset()) -> LoRAModel:
         """The adapter of ``req``, read from its directory unless already on the host; makes room
-        by dropping the least recently used adapter not in ``keep``."""
+        by dropping the least recently used adapter not in ``keep`` (an unpinned one first)."""
         lora = self._registered.get(req.lora_int_id)
         if lora is not None:
             self._registered.move_to_end(req.lora_int_id)
@@ -72,7 +75,7 @@ class LoRAModelManager:
                                  f"{exc}") from exc
         lora = LoRAModel(req.lora_int_id, req.lora_name, weights)
         while len(self._registered) >= self.config.cpu_capacity:
-            victim = next((i for i in self._registered if i not in keep), None)
+            victim = self._least_recent(self._registered, lambda i: i not in keep)
             if victim is None:
                 raise RuntimeError(f"no room for adapter {req.lora_name!r}: {len(keep)} adapters in one step, "
                                    f"max_cpu_loras is {self.config.cpu_capacity}")
@@ -80,8 +83,22 @@ class LoRAModelManager:
         self._registered[lora.id] = lora
         return lora
 
+    def pin_adapter(self, req: LoRARequest) -> None:
+        """Read ``req``'s adapter onto the host now (InvalidAdapter when it cannot be) and evict it
+        last from the host cache and from the layer slots."""
+        self.add_adapter(req)
+        self.pinned.add(req.lora_int_id)
+
+    def _least_recent(self, order: Iterable[int], candidate: Callable[[int], bool],
+                      adapter: Callable[[int], int | None] = lambda i: i) -> int | None:
+        """The first key of ``order`` (least recently used first) that ``candidate`` allows, one
+        whose adapter (``adapter`` of the key) is not pinned before any that is."""
+        allowed = [i for i in order if candidate(i)]
+        return next((i for i in allowed if adapter(i) not in self.pinned), allowed[0] if allowed else None)
+
     def remove_adapter(self, lora_id: int) -> bool:
         """Drop an adapter from the host and from its slot, if it has one."""
+        self.pinned.discard(lora_id)
         if self._registered.pop(lora_id, None) is None:
             return False
         if lora_id in self.lora_index_to_id:
@@ -112,8 +129,8 @@ class LoRAModelManager:
             slot = self.lora_index_to_id.index(lora_id)
         else:
             free = [i for i, x in enumerate(self.lora_index_to_id) if x is None]
-            slot = free[0] if free else next(
-                (i for i in self._slot_lru if self.lora_index_to_id[i] not in keep), None)
+            slot = free[0] if free else self._least_recent(
+                self._slot_lru, lambda i: self.lora_index_to_id[i] not in keep, lambda i: self.lora_index_to_id[i])
             if slot is None:
                 raise RuntimeError(f"no free LoRA slot: a step uses more than max_loras "
                                    f"({self.config.max_loras}) adapters")

@@ -52,6 +52,7 @@ stage's layers, in views of the same blocks).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import NamedTuple
 
@@ -69,6 +70,7 @@ from kernels.attention.base import AttentionMetadata
 from kernels.attention.cascade import cascade_prefix_len
 from kernels.attention.fp8 import FP8_NAMES
 from models.layers import bind_kv_cache_groups, first_attention, kv_layer_hooks
+from models.lora import InvalidAdapter
 from models.pipeline_parallel import StageLink
 from actors.spec_decode.draft_model import DraftModelProposer
 from actors.spec_decode.ngram import NgramProposer
@@ -78,6 +80,8 @@ from models.rejection_sampler import RejectionSampler, SpecDecodeMetadata, rewin
 from models.watermark import Watermarker, contexts_of
 from models.sampler import (LogprobsTensors, Sampler, SamplingMetadata, apply_logits_processors,
                             compute_prompt_logprobs, score_prompt_token_ids)
+
+log = logging.getLogger("troupe.worker")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -273,6 +277,11 @@ class ModelRunner:
         if self.lora is not None:          # unloaded adapters leave their slot and the host cache
             for lora_id in so.removed_lora_ids:
                 self.lora.remove_adapter(lora_id)
+            for req in so.pinned_loras:
+                try:
+                    self.lora.pin_adapter(req)
+                except InvalidAdapter as exc:   # its requests will fail with the reason; nothing to pin
+                    log.warning("pin_lora: %s", exc)
         if self.logitsprocs is not None:
             self.logitsprocs.flush()
         req_ids = list(so.num_scheduled_tokens)

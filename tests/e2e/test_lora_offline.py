@@ -138,3 +138,41 @@ def test_async_llm_adds_lists_and_removes_adapters_by_id_as_vllms_does(setup):
     assert added and listed == {loras[1].lora_int_id}
     assert len(with_adapter) == 8 and with_adapter != base
     assert removed == (True, False) and after == set()
+
+
+def test_async_llm_pins_an_adapter_which_then_outlives_the_host_caches_least_recently_used_order(setup):
+    """vLLM's AsyncLLM.pin_lora: a pinned adapter is read at once and evicted last, so with room
+    for two adapters on the host (max_cpu_loras 2) three others run after it and it is still
+    there once its directory is gone: its prompt gets the tokens it got before. An unpinned one
+    in its place is dropped and then fails; an unknown id is vLLM's ValueError."""
+    import asyncio
+    import shutil
+
+    from actors.api import AsyncLLM
+    _, loras, _, root = setup
+    for name in ("pinned", "unpinned"):
+        shutil.copytree(root / "a0", root / name)
+    pinned, unpinned = LoRARequest("pinned", 70, str(root / "pinned")), LoRARequest("unpinned", 71, str(root / "unpinned"))
+
+    async def scenario() -> tuple:
+        llm = await AsyncLLM.create(str(root / "base"), enable_lora=True, max_loras=1, max_cpu_loras=2,
+                                    max_lora_rank=16, block_size=4)
+        try:
+            with pytest.raises(ValueError, match="Pinning failed. LoRA 70 is not registered."):
+                await llm.pin_lora(70)
+            await llm.add_lora(pinned)
+            assert await llm.pin_lora(70)
+            first = await llm.complete(PROMPTS[0], GREEDY, lora_request=pinned)
+            before = await llm.complete(PROMPTS[0], GREEDY, lora_request=unpinned)
+            for lora in loras[1:4]:
+                await llm.complete(PROMPTS[1], GREEDY, lora_request=lora)
+            shutil.rmtree(root / "pinned")
+            shutil.rmtree(root / "unpinned")
+            return first, before, (await llm.complete(PROMPTS[0], GREEDY, lora_request=pinned),
+                                   await llm.complete(PROMPTS[0], GREEDY, lora_request=unpinned))
+        finally:
+            await llm.shutdown()
+
+    first, before, (kept, dropped) = asyncio.run(scenario())
+    assert kept.finish_reason == "length" and kept.token_ids == first.token_ids == before.token_ids
+    assert dropped.finish_reason == "error" and "LoRA adapter 'unpinned' could not be loaded" in dropped.error
