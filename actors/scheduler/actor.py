@@ -214,6 +214,7 @@ class SchedulerActor(Actor):
         self.grammar = grammar
         self._tasks: set[asyncio.Task[None]] = set()      # grammar compiles under way
         self.generation = generation
+        self._pins: dict[int, LoRARequest] = {}     # pinned adapters (pin_lora), re-pinned on a restarted worker
         self.paused = False
         self._step_queued = False
         self._last_step_start = 0.0
@@ -290,7 +291,9 @@ class SchedulerActor(Actor):
                 self._kick()
             case RemoveLoRA(lora_int_id=lora_id):
                 self.core.removed_lora_ids.append(lora_id)
+                self._pins.pop(lora_id, None)
             case PinLoRA(lora_request=req):
+                self._pins[req.lora_int_id] = req
                 self.core.pinned_loras.append(req)
                 self._kick()
             case ConnectClient(client_index=c, node=name, address=address):
@@ -314,6 +317,7 @@ class SchedulerActor(Actor):
                     self.generation = g
                     self._workers_lost("the worker process was restarted")
                     self.core.reset_blocks()         # the new worker's cache holds nothing
+                    self.core.pinned_loras = list(self._pins.values())   # nor the pinned adapters
                 self.paused = False
                 self._kick()
             case PauseScheduler(mode=mode, clear_cache=clear_cache):
