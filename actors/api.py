@@ -1254,7 +1254,9 @@ class LLM:
             if not all(isinstance(p, str) for p in first + second):
                 raise ValueError("a cross-encoder scores texts: give data_1 and data_2 as strings")
             from actors.frontend.scoring import pair_prompt
-            pairs = [pair_prompt(self.client.tokenizer, pooling.use_sep_token, q, d, template=chat_template)
+            t = truncate_prompt_tokens
+            pairs = [pair_prompt(self.client.tokenizer, pooling.use_sep_token, q, d, template=chat_template,
+                                 max_length=self.client.max_model_len if t == -1 else t)
                      for q, d in zip(first * len(second) if len(first) == 1 else first, second)]
             base = pooling_params or PoolingParams()
             per_pair = [base if types is None else msgspec.structs.replace(base, compressed_token_type_ids=types)

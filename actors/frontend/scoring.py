@@ -174,8 +174,10 @@ async def _cross_encoder_scores(server: OpenAIServer, req: ScoringRequest, queri
     try:
         params = client.pooling_request(PoolingParams(task="classify", use_activation=req.use_activation),
                                         req.truncate_prompt_tokens)
+        t = req.truncate_prompt_tokens
         pairs = [pair_prompt(client.tokenizer, pooling.use_sep_token, q, d, req.max_tokens_per_query,
-                             req.max_tokens_per_doc, client.config.model.chat_template, req.chat_template_kwargs)
+                             req.max_tokens_per_doc, client.config.model.chat_template, req.chat_template_kwargs,
+                             max_length=client.max_model_len if t == -1 else t)
                  for q, d in zip(queries * len(documents) if len(queries) == 1 else queries, documents)]
     except ValueError as exc:
         raise bad_request(str(exc)) from None
@@ -197,10 +199,13 @@ def pair_token_ids(tokenizer: Any, use_sep_token: bool, first: str, second: str,
 
 
 def pair_prompt(tokenizer: Any, use_sep_token: bool, first: str, second: str, max_first: int = 0,
-                max_second: int = 0, template: str | None = None, template_kwargs: dict[str, Any] | None = None
-                ) -> tuple[list[int], int | None]:
+                max_second: int = 0, template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                max_length: int | None = None) -> tuple[list[int], int | None]:
     """``pair_token_ids``' ids, and where the second text's token type (1) starts, for an
-    encoder with token types (vLLM's compressed_token_type_ids; None: every token of type 0)."""
+    encoder with token types (vLLM's compressed_token_type_ids; None: every token of type 0).
+    ``max_length`` (a request's truncate_prompt_tokens): a text pair longer than that loses
+    tokens of its longer text first and keeps its special tokens, as transformers' pair
+    truncation (``truncation=True``) does, which vLLM's cross-encoders use."""
     def cut(text: str, n: int) -> str:
         return tokenizer.decode(tokenizer.encode(text)[:n], skip_special_tokens=False) if n else text
     first, second = cut(first, max_first), cut(second, max_second)
@@ -216,8 +221,34 @@ def pair_prompt(tokenizer: Any, use_sep_token: bool, first: str, second: str, ma
         return tokenizer.encode(text, add_special_tokens=True), None
     if use_sep_token:
         ids, types = tokenizer.encode_pair_with_types(first, second)
-        return ids, compress_token_types(types)
+        start = compress_token_types(types)
+        if max_length is not None and len(ids) > max_length:
+            ids, start = _longest_first(tokenizer, ids, start, first, second, max_length)
+        return ids, start
     return tokenizer.encode(first + second, add_special_tokens=True), None
+
+
+def _longest_first(tokenizer: Any, ids: list[int], start: int | None, first: str, second: str,
+                   max_length: int) -> tuple[list[int], int | None]:
+    """A text pair's ids (its special tokens around the two texts' own) cut to ``max_length``:
+    the texts get lengths as transformers' ``longest_first`` truncation gives them (the shorter
+    one whole when it fits in half, else both halves), their special tokens stay; the ids cut
+    from the end where the texts cannot be found among them."""
+    a, b = tokenizer.encode(first), tokenizer.encode(second)
+    at = next((i for i in range(len(ids) - len(a) + 1) if ids[i:i + len(a)] == a), None)
+    bt = None if at is None else next((i for i in range(at + len(a), len(ids) - len(b) + 1)
+                                       if ids[i:i + len(b)] == b), None)
+    room = max_length - (len(ids) - len(a) - len(b))
+    if bt is None or room <= 0:
+        return ids[:max_length], start if start is None or start < max_length else None
+    n1, n2 = sorted((len(a), len(b)))
+    n2 = n1 if n1 > room else max(n1, room - n1)
+    if n1 + n2 > room:
+        n1 = room // 2
+        n2 = n1 + room % 2
+    na, nb = (n1, n2) if len(a) <= len(b) else (n2, n1)
+    cut = ids[:at] + a[:na] + ids[at + len(a):bt] + b[:nb] + ids[bt + len(b):]
+    return cut, None if start is None else start - (len(a) - na)
 
 
 def compress_token_types(types: list[int]) -> int | None:

@@ -181,6 +181,34 @@ def test_a_bert_cross_encoder_scores_pairs_with_their_token_types(bert_reranker)
     assert abs(zero - outs[0].outputs.score) > 1e-4
 
 
+def test_a_truncated_pair_loses_its_longer_texts_tokens_first_as_transformers_does(bert_reranker):
+    """truncate_prompt_tokens on a cross-encoder's pair: the ids transformers' fast tokenizer gives
+    with ``truncation=True`` (longest first; [CLS] and both [SEP] kept; the document still of
+    type 1), for pairs where one text or both are cut, and LLM.score scores those ids."""
+    from transformers import PreTrainedTokenizerFast
+
+    from actors.frontend.scoring import pair_prompt
+    path, reference = bert_reranker
+    hf = PreTrainedTokenizerFast(tokenizer_file=f"{path}/tokenizer.json", cls_token="t1", sep_token="t2",
+                                 pad_token="t0")
+    # words clear of "t1" and "t2" (transformers' wrapper splits "t13" into the special "t1" and "3")
+    query, doc = _text([35, 39, 37, 41, 42, 43]), _text([(7 * i + 5) % 60 + 30 for i in range(20)])
+    with LLM(path, multiprocess=False) as llm:
+        tok = llm._engine().client.tokenizer
+        for first, second in ((query, doc), (doc, query), (query, query)):
+            for n in (30, 24, 12, 9, 8):
+                want = hf(first, second, truncation=True, max_length=n, return_token_type_ids=True)
+                ids, start = pair_prompt(tok, True, first, second, max_length=n)
+                assert ids == want["input_ids"], (n, first, second)
+                assert start == want["token_type_ids"].index(1)
+        out = llm.score(query, doc, truncate_prompt_tokens=12, use_tqdm=False)[0]
+    want = hf(query, doc, truncation=True, max_length=12, return_token_type_ids=True)
+    assert out.prompt_token_ids == want["input_ids"]
+    with torch.no_grad():
+        logit = reference(torch.tensor([want["input_ids"]]), token_type_ids=torch.tensor([want["token_type_ids"]]))
+    assert out.outputs.score == pytest.approx(torch.sigmoid(logit.logits[0, 0]).item(), abs=2e-6)
+
+
 def test_an_xlm_roberta_classifier_gives_transformers_label_probabilities(xlmr_classifier):
     """RoBERTa's positions start past its padding index and its head reads the first token: the
     engine's label probabilities equal transformers' softmax, including a prompt that fills the
