@@ -82,7 +82,8 @@ class BertLayer(nn.Module):
         attn = encoder_attention(q, k, v, query_start_loc, self.scale, bfloat16=self.attention_bfloat16).view(T, -1)
         # on the CPU the residual adds and the activation are the projections' own passes
         x = self.attn_norm(linear_residual(self.o_proj, attn, x))
-        return self.mlp_norm(linear_residual(self.down_proj, linear_act(self.up_proj, x, self.act), x))
+        h = linear_act(self.up_proj, x, self.act, bfloat16_out=True)    # bfloat16 where the weights are
+        return self.mlp_norm(linear_residual(self.down_proj, h, x))
 
 
 def _encoder_map(prefix: str) -> TensorMap:

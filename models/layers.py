@@ -247,11 +247,14 @@ def silu_and_mul(gate_up: torch.Tensor, custom_ops: bool = True) -> torch.Tensor
     return gated_activation(gate_up, "silu", custom_ops)
 
 
-def linear_act(layer: nn.Module, x: torch.Tensor, act: str, custom_ops: bool = True) -> torch.Tensor:
+def linear_act(layer: nn.Module, x: torch.Tensor, act: str, custom_ops: bool = True,
+               bfloat16_out: bool = False) -> torch.Tensor:
     """act(layer(x)): in one native pass where the layer has one (a packed linear layer applies
-    the activation to each tile as it writes it), else the layer then ``activation``."""
+    the activation to each tile as it writes it), else the layer then ``activation``.
+    ``bfloat16_out``: the result is only a linear layer's input, which bfloat16 weights may then
+    write in bfloat16 (rounded as the next layer would round it: the CPU's --dtype bfloat16)."""
     fused_act = getattr(layer, "act_forward", None) if custom_ops else None
-    y = fused_act(x, act) if fused_act is not None else None
+    y = fused_act(x, act, bfloat16_out) if fused_act is not None else None
     return y if y is not None else activation(layer(x), act, custom_ops)
 
 
@@ -263,11 +266,12 @@ def linear_residual(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -
     return y if y is not None else residual + layer(x)
 
 
-def gated_linear_act(layer: nn.Module, x: torch.Tensor, act: str, custom_ops: bool = True) -> torch.Tensor:
+def gated_linear_act(layer: nn.Module, x: torch.Tensor, act: str, custom_ops: bool = True,
+                     bfloat16_out: bool = False) -> torch.Tensor:
     """``gated_activation(layer(x), act)`` for a gate|up projection, in one native pass where the
-    layer has one."""
+    layer has one (``bfloat16_out``: as ``linear_act``'s)."""
     fused_act = getattr(layer, "gated_act_forward", None) if custom_ops else None
-    y = fused_act(x, act) if fused_act is not None else None
+    y = fused_act(x, act, bfloat16_out) if fused_act is not None else None
     return y if y is not None else gated_activation(layer(x), act, custom_ops)
 
 
@@ -289,7 +293,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
         # a packed projection fuses the activation in
-        return self.down_proj(gated_linear_act(self.gate_up_proj, x, self.act, self.custom_ops))
+        return self.down_proj(gated_linear_act(self.gate_up_proj, x, self.act, self.custom_ops, bfloat16_out=True))
 
 
 class KVLayerHooks(Protocol):

@@ -146,11 +146,11 @@ class LoRALinear(nn.Module):
                                                 self.offsets_list)
         return y
 
-    def gated_act_forward(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+    def gated_act_forward(self, x: torch.Tensor, act: str, bfloat16_out: bool = False) -> torch.Tensor | None:
         """The base layer's fused gate|up + activation when the step has no LoRA token; None
         otherwise (the caller then takes the two-step path through ``forward``)."""
         fused = getattr(self.base_layer, "gated_act_forward", None)
-        return None if self.mapping.applies or fused is None else fused(x, act)
+        return None if self.mapping.applies or fused is None else fused(x, act, bfloat16_out)
 
 
 def _in_features(layer: nn.Module) -> int:

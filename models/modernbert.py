@@ -46,7 +46,8 @@ class ModernBertLayer(nn.Module):
         attn = encoder_attention(q, k, v, starts, self.scale, self.window, self.attention_bfloat16)
         hidden = linear_residual(self.o_proj, attn.view(T, -1), hidden)
         # gelu(input) * gate, and the residual adds: on the CPU in the projections' own passes
-        return linear_residual(self.down_proj, gated_linear_act(self.gate_up_proj, self.mlp_norm(hidden), "gelu"), hidden)
+        act = gated_linear_act(self.gate_up_proj, self.mlp_norm(hidden), "gelu", bfloat16_out=True)
+        return linear_residual(self.down_proj, act, hidden)
 
 
 def _stack_map(prefix: str) -> TensorMap:

@@ -53,13 +53,15 @@ class PanelLinear(nn.Module):
         return matmul(x.reshape(-1, self.in_features), self.weight, self.bias).reshape(*x.shape[:-1],
                                                                                        self.out_features)
 
-    def act_forward(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+    def act_forward(self, x: torch.Tensor, act: str, bfloat16_out: bool = False) -> torch.Tensor | None:
         """act(self(x)) for x (T, in) in one native pass, the activation (kernels/cpu/fused.py's
         ACTIVATIONS) applied to each tile as it is written: bit for bit ``fused.activation`` of
-        ``self(x)``; None where the caller should take the two-step path (as torch.compile does)."""
+        ``self(x)``; None where the caller should take the two-step path (as torch.compile does).
+        ``bfloat16_out``: bfloat16 weights write it in bfloat16, rounded as the next bfloat16
+        layer would round it (for that layer only: the CPU's --dtype bfloat16)."""
         if x.dim() != 2 or not fused.ENABLED or torch.compiler.is_compiling():
             return None
-        return matmul(x, self.weight, self.bias, act)
+        return matmul(x, self.weight, self.bias, act, out_bf16=bfloat16_out)
 
     def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
         """residual + self(x) for x (T, in) in one native pass, the residual added to each tile
@@ -70,13 +72,14 @@ class PanelLinear(nn.Module):
             return None
         return matmul(x, self.weight, self.bias, residual=residual)
 
-    def gated_act_forward(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+    def gated_act_forward(self, x: torch.Tensor, act: str, bfloat16_out: bool = False) -> torch.Tensor | None:
         """For a gate|up projection: act(gate) * up in one native pass (kernels/cpu/panels.py
         gated_matmul), bit for bit ``fused.gated_activation(self(x), act)``; None when there is no
-        such kernel for these weights (the caller takes the two-step path, as torch.compile does)."""
+        such kernel for these weights (the caller takes the two-step path, as torch.compile does).
+        ``bfloat16_out``: as ``act_forward``'s."""
         if self.bias is not None or x.dim() != 2 or not fused.ENABLED or torch.compiler.is_compiling():
             return None
-        return gated_matmul(x, self.weight, act)
+        return gated_matmul(x, self.weight, act, out_bf16=bfloat16_out)
 
     def extra_repr(self) -> str:
         return f"{self.weight.kind}, in={self.in_features}, out={self.out_features}"

@@ -50,8 +50,8 @@ typedef struct {
     int act;
 } epilogue;
 
-static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                         int gated, const epilogue *epi, int act);
+static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const float *x, const uint16_t *xh,
+                         int64_t M, float *y, uint16_t *yh, int gated, const epilogue *epi, int act);
 
 #ifdef __AVX512F__
 /* 16 float16 values -> float32 */
@@ -454,7 +454,7 @@ static inline void tile_epilogue(float *y, int64_t ldy, int64_t rows, int64_t co
  * Returns 0 when a buffer could not be allocated (y is then incomplete). */
 static int panel_products(int kind, const void *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
                           const float *x, int64_t M, float *y, const epilogue *epi) {
-    if (kind == W_BF16) return bf16_products((const uint32_t *)codes, N, K, x, M, y, 0, epi, 0);
+    if (kind == W_BF16) return bf16_products((const uint32_t *)codes, N, K, x, NULL, M, y, NULL, 0, epi, 0);
     const int64_t P = (N + NR - 1) / NR;
     const int64_t rows = row_block(K);
     int ok = 1;
@@ -520,7 +520,7 @@ int panel_gated_act_gemm(int act, int kind, const void *codes, const uint16_t *d
                          int64_t K, const float *x, int64_t M, float *out) {
     const int64_t I = N / 2, PI = I / NR;
     if (N % (2 * NR)) return 0;
-    if (kind == W_BF16) return bf16_products((const uint32_t *)codes, N, K, x, M, out, 1, NULL, act);
+    if (kind == W_BF16) return bf16_products((const uint32_t *)codes, N, K, x, NULL, M, out, NULL, 1, NULL, act);
     if (kind != W_F32 && kind != W_Q4_1 && kind != W_Q8_0) return 0;
     const int64_t rows = row_block(K);
     int ok = 1;
@@ -852,7 +852,7 @@ static inline void bf16_tile(const uint32_t *xa, int as_float, int64_t t0, int64
 /* One gate panel p with its up panel (PI panels later) over a row block's mb rows, GATED_ROWS at
  * a time, their activation-and-multiply (act) taken in the L1 cache: out's columns 32 p .. 32 p + 31. */
 static void bf16_gated_panel(const uint32_t *codes, const uint32_t *xa, int as_float, int64_t mb, int64_t K2,
-                             int64_t p, int64_t PI, float *out, int64_t I, int act) {
+                             int64_t p, int64_t PI, float *out, uint16_t *outh, int64_t I, int act) {
     float gu[GATED_ROWS * 2 * NR] __attribute__((aligned(64)));   /* [row][gate 32 | up 32] */
     float prod[GATED_ROWS * NR] __attribute__((aligned(64)));
     const uint32_t *pg = codes + p * K2 * NR, *pu = codes + (p + PI) * K2 * NR;
@@ -861,37 +861,73 @@ static void bf16_gated_panel(const uint32_t *codes, const uint32_t *xa, int as_f
         bf16_tile(xa, as_float, t0, mr, K2, pg, gu, 2 * NR, NR);
         bf16_tile(xa, as_float, t0, mr, K2, pu, gu + NR, 2 * NR, NR);
         gated_act_serial_f32(act, gu, 2 * NR, prod, mr, NR);
-        for (int64_t r = 0; r < mr; r++) memcpy(out + (t0 + r) * I + p * NR, prod + r * NR, sizeof(float) * NR);
+        for (int64_t r = 0; r < mr; r++) {
+            if (outh) round_row_to_bf16(prod + r * NR, NR, outh + (t0 + r) * I + p * NR);
+            else memcpy(out + (t0 + r) * I + p * NR, prod + r * NR, sizeof(float) * NR);
+        }
     }
 }
 
 /* y (M, N) = x W^T for bfloat16 panels, each tile with the epilogue (as panel_products'), or
  * (gated: N = 2 I, I a multiple of 32) out (M, I) = act(x Wg^T) * (x Wu^T), each gate panel with its
  * up panel, so the (M, 2 I) product is never written out; the same bits as the product followed by
- * gated_act_f32 (a row's products do not depend on the rows beside it). */
-static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                         int gated, const epilogue *epi, int act) {
+ * gated_act_f32 (a row's products do not depend on the rows beside it). xh (or NULL): the rows
+ * already as bfloat16 (K even: M rows of K values), taken as they are instead of rounding x; yh (or
+ * NULL; its width even, no residual in the epilogue): the result written as bfloat16 instead of y,
+ * each tile rounded as the next bfloat16 product would round it (round_row_to_bf16). */
+static int bf16_products(const uint32_t *codes, int64_t N, int64_t K, const float *x, const uint16_t *xh,
+                         int64_t M, float *y, uint16_t *yh, int gated, const epilogue *epi, int act) {
     const int64_t K2 = (K + 1) / 2, rows = bf16_row_block(K), width = gated ? N / 2 : N;
     const int64_t P = gated ? width / NR : (N + NR - 1) / NR;
     if (!bf16_x_room(M, K)) return 0;
+    int ok = 1;
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
         const int64_t mb = M - r0 < rows ? M - r0 : rows;
         const int as_float = bf16_float_rows(mb);
-        bf16_load_rows(x + r0 * K, mb, K, as_float);
         const uint32_t *xa = bf16_x;
-        float *yb = y + r0 * width;
+        if (!xh)
+            bf16_load_rows(x + r0 * K, mb, K, as_float);
+        else if (!as_float)
+            xa = (const uint32_t *)(xh + r0 * K);
+        else                                              /* the AVX2 kernels' float32 form */
+            for (int64_t i = 0; i < mb * K; i++) bf16_x[i] = (uint32_t)xh[r0 * K + i] << 16;
+        float *yb = yh ? NULL : y + r0 * width;
+        uint16_t *yhb = yh ? yh + r0 * width : NULL;
         #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             if (gated) {
-                bf16_gated_panel(codes, xa, as_float, mb, K2, p, P, yb, width, act);
-            } else {
-                const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+                bf16_gated_panel(codes, xa, as_float, mb, K2, p, P, yb, yhb, width, act);
+                continue;
+            }
+            const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+            if (!yh) {
                 bf16_tile(xa, as_float, 0, mb, K2, codes + p * K2 * NR, yb + p * NR, N, cols);
                 tile_epilogue(yb + p * NR, N, mb, cols, epi, r0, p * NR);
+                continue;
             }
+            float *t = thread_scratch(mb * NR);           /* the tile in float32, then rounded */
+            if (!t) {
+                #pragma omp atomic write
+                ok = 0;
+                continue;
+            }
+            bf16_tile(xa, as_float, 0, mb, K2, codes + p * K2 * NR, t, NR, cols);
+            tile_epilogue(t, NR, mb, cols, epi, 0, p * NR);
+            for (int64_t r = 0; r < mb; r++) round_row_to_bf16(t + r * NR, cols, yhb + r * N + p * NR);
         }
     }
-    return 1;
+    return ok;
+}
+
+/* The bfloat16 panels' product (gated or not) with bfloat16 rows in (xh) and / or a bfloat16 result
+ * out (yh), as bf16_products says; a bias, a residual (not with yh) and an activation as
+ * panel_gemm_act's. Returns 0 for an odd K with xh, an odd width or a residual with yh, or when a
+ * buffer could not be allocated. */
+int bf16_gemm_io(const void *codes, int64_t N, int64_t K, const float *x, const uint16_t *xh, int64_t M, float *y,
+                 uint16_t *yh, const float *bias, const float *res, int act, int gated) {
+    if ((xh && K % 2) || (yh && ((gated ? N / 2 : N) % 2 || res)) || (gated && N % (2 * NR))) return 0;
+    const epilogue e = {bias, res, act};
+    return bf16_products((const uint32_t *)codes, N, K, x, xh, M, y, yh, gated, gated ? NULL : &e, act);
 }
 
 

@@ -169,6 +169,37 @@ def bf16_available() -> bool:
     return native.available()[0] and bool(native.declare("bf16_available", [], ctypes.c_int)())
 
 
+@lru_cache(maxsize=1)
+def _bf16_gemm_io():
+    return native.declare("bf16_gemm_io", [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
+                          + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2, ctypes.c_int)
+
+
+def _bf16_io(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None, act: str | None, out_bf16: bool,
+             gated: bool, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The bfloat16 panels' product taking bfloat16 rows as they are and / or writing a bfloat16
+    result (bf16_gemm_io); None where it does not apply (another kind, float32 in and out, odd
+    widths), for the caller's float32 path."""
+    width = w.out_features // 2 if gated else w.out_features
+    bf16_in = x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() and w.in_features % 2 == 0
+    out_bf16 = out_bf16 and residual is None
+    if w.kind != "BF16" or not (bf16_in or out_bf16) or (out_bf16 and width % 2) \
+            or x.dim() != 2 or x.shape[1] != w.in_features:
+        return None
+    xf = None if bf16_in else x.to(torch.float32).contiguous()
+    rows = x.shape[0]
+    y = torch.empty(rows, width, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    if rows:
+        ptr = lambda t: None if t is None else t.data_ptr()      # noqa: E731
+        ok = _bf16_gemm_io()(w.codes.data_ptr(), w.out_features, w.in_features, ptr(xf),
+                             x.data_ptr() if bf16_in else None, rows, None if out_bf16 else y.data_ptr(),
+                             y.data_ptr() if out_bf16 else None, ptr(bias), ptr(residual),
+                             0 if act is None else fused.ACTIVATIONS[act], int(gated))
+        if not ok:
+            raise MemoryError(f"the native {w.kind} matmul could not allocate its buffer")
+    return y
+
+
 def _rows_of(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be (T, {w.in_features}), got {tuple(x.shape)}")
@@ -178,24 +209,29 @@ def _rows_of(x: torch.Tensor, w: PanelWeight) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None, act: str | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, out_bf16: bool = False) -> torch.Tensor:
     """x (T, K) float32 -> act(x W^T (+ bias, N float32 values) (+ residual, (T, N) float32)) (T, N)
     float32, ``act`` one of kernels/cpu/fused.py's ACTIVATIONS or None; the bias, the residual and
     the activation are applied by the kernel to each tile it writes (the same bits as the adds and
-    ``fused.activation`` afterwards), or afterwards for the int8 kernels."""
+    ``fused.activation`` afterwards), or afterwards for the int8 kernels. bfloat16 panels take x in
+    bfloat16 as it is (the rounding they would do) and, with ``out_bf16`` (no residual), write the
+    result rounded to bfloat16 as the next bfloat16 product would round it; other kinds ignore it."""
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (w.out_features,)):
+        raise ValueError(f"the bias must be {w.out_features} contiguous float32 values, got "
+                         f"{tuple(bias.shape)} {bias.dtype}")
+    if residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
+                                 or residual.shape != (x.shape[0], w.out_features)):
+        raise ValueError(f"the residual must be a contiguous float32 {(x.shape[0], w.out_features)} matrix, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    y = _bf16_io(x, w, bias, act, out_bf16, gated=False, residual=residual)
+    if y is not None:
+        return y
     x = _rows_of(x, w)
     rows = x.shape[0]
     y = torch.empty(rows, w.out_features, dtype=torch.float32)
     if rows == 0:
         return y
     fn, args = w.call
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (w.out_features,)):
-        raise ValueError(f"the bias must be {w.out_features} contiguous float32 values, got "
-                         f"{tuple(bias.shape)} {bias.dtype}")
-    if residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
-                                 or residual.shape != y.shape):
-        raise ValueError(f"the residual must be a contiguous float32 {tuple(y.shape)} matrix, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
     code = 0 if act is None else fused.ACTIVATIONS[act]
     in_kernel = not w.kind.endswith("_I8X2")
     if in_kernel and (bias is not None or residual is not None or code):
@@ -227,14 +263,17 @@ def _gated_act_gemm():
                           + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)
 
 
-def gated_matmul(x: torch.Tensor, w: PanelWeight, act: str = "silu") -> torch.Tensor | None:
+def gated_matmul(x: torch.Tensor, w: PanelWeight, act: str = "silu", out_bf16: bool = False) -> torch.Tensor | None:
     """act(x Wg^T) * (x Wu^T) (T, N / 2) for a gate|up weight W (N, K) = gate rows then up rows,
     in one pass that never stores the (T, N) product: bit for bit ``fused.gated_activation`` of
     ``matmul(x, w)``. None when this weight has no such kernel (N not a multiple of 64, or an
-    int8 kernel with another activation than SiLU)."""
+    int8 kernel with another activation than SiLU). ``out_bf16``: as ``matmul``'s."""
     int8 = w.kind.endswith("_I8X2")
     if w.out_features % (2 * NR) or (int8 and act != "silu"):
         return None
+    y = _bf16_io(x, w, None, act, out_bf16, gated=True)
+    if y is not None:
+        return y
     x = _rows_of(x, w)
     rows = x.shape[0]
     out = torch.empty(rows, w.out_features // 2, dtype=torch.float32)

@@ -389,3 +389,51 @@ def test_a_bias_added_in_the_kernel_gives_the_bits_of_an_add_afterwards(kind, ro
     assert torch.equal(layer.residual_forward(x, residual), residual + expected)
     with pytest.raises(ValueError, match="residual"):
         matmul(x, w, bias, residual=torch.randn(rows + 1, n))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40, 41, 300, 30000])    # the few-row paths, tiles, two row blocks
+def test_bfloat16_panels_chain_a_bfloat16_result_into_the_next_product_with_the_same_bits(rows):
+    """``out_bf16``: a bfloat16 panel product (with its bias and activation, or gated) written in
+    bfloat16 is the float32 result rounded as the next bfloat16 product rounds its input; fed
+    to that product (with a bias and a residual) it gives the float32 chain's bits. Other kinds
+    ignore the flag and take bfloat16 input as float32."""
+    from kernels.cpu.panels import gated_matmul
+    gen = torch.Generator().manual_seed(rows)
+    up, down = PanelWeight.pack_bf16(torch.randn(192, 96, generator=gen)), PanelWeight.pack_bf16(torch.randn(96, 192, generator=gen))
+    gate_up = PanelWeight.pack_bf16(torch.randn(2 * 192, 96, generator=gen))
+    b_up, b_down = torch.randn(192, generator=gen), torch.randn(96, generator=gen)
+    x, res = torch.randn(rows, 96, generator=gen), torch.randn(rows, 96, generator=gen)
+    for first, first16 in ((matmul(x, up, b_up, "gelu"), matmul(x, up, b_up, "gelu", out_bf16=True)),
+                           (gated_matmul(x, gate_up, "silu"), gated_matmul(x, gate_up, "silu", out_bf16=True))):
+        assert first16.dtype == torch.bfloat16 and first.dtype == torch.float32
+        assert torch.equal(first16, first.to(torch.bfloat16))
+        assert torch.equal(matmul(first16, down, b_down, residual=res), matmul(first, down, b_down, residual=res))
+        assert torch.equal(matmul(first16, down), matmul(first, down))
+    f32 = PanelWeight.pack_f32(torch.randn(96, 192, generator=gen))
+    h = matmul(x, up, b_up, "gelu", out_bf16=True)
+    assert matmul(x, PanelWeight.pack_f32(torch.randn(192, 96)), out_bf16=True).dtype == torch.float32
+    assert torch.equal(matmul(h, f32), matmul(h.float(), f32))
+
+
+def test_portable_bfloat16_chain_gives_the_same_bits(tmp_path, monkeypatch):
+    """Without AVX-512 (the AVX2 kernels take some row counts as float32): a bfloat16 result fed
+    back in bfloat16 still gives the float32 chain's bits."""
+    import ctypes
+
+    import kernels.cpu.panels as panels
+    lib = _build_gemm(tmp_path, "-mno-avx512f")
+    lib.bf16_gemm_io.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+                                 + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2)
+    lib.bf16_gemm_io.restype = ctypes.c_int
+    lib.panel_gemm_act.argtypes = lib.panel_gemm.argtypes + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    lib.panel_gemm_act.restype = ctypes.c_int
+    monkeypatch.setattr(panels, "_bf16_gemm_io", lambda: lib.bf16_gemm_io)
+    monkeypatch.setattr(panels, "_panel_gemm", lambda: lib.panel_gemm)
+    monkeypatch.setattr(panels, "_panel_gemm_act", lambda: lib.panel_gemm_act)
+    gen = torch.Generator().manual_seed(3)
+    up, down = PanelWeight.pack_bf16(torch.randn(64, 96, generator=gen)), PanelWeight.pack_bf16(torch.randn(96, 64, generator=gen))
+    for rows in (1, 5, 40, 41, 120):
+        x = torch.randn(rows, 96, generator=gen)
+        h16, h = matmul(x, up, None, "relu", out_bf16=True), matmul(x, up, None, "relu")
+        assert torch.equal(h16, h.to(torch.bfloat16))
+        assert torch.equal(matmul(h16, down), matmul(h, down))
