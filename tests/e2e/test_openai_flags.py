@@ -246,8 +246,10 @@ def test_reasoning_effort_and_default_kwargs_reach_the_chat_template(server):
 
 
 def test_stream_interval_sends_tokens_in_chunks_of_the_servers_or_the_requests_interval(server):
-    """--stream-interval 2: after the first token, chunks of 2 new tokens (the last may be
-    fewer); a request's stream_interval raises it, never lowers it; the text is the same."""
+    """--stream-interval 2: after the first token, chunks of at least 2 new tokens (the last may
+    be fewer; a chunk the client was too slow to take holds more, as vLLM merges outputs its
+    reader has not taken); a request's stream_interval raises it, never lowers it; the text is
+    the same."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     model = client.models.list().data[0].id
 
@@ -258,11 +260,14 @@ def test_stream_interval_sends_tokens_in_chunks_of_the_servers_or_the_requests_i
         got = [c.choices[0] for c in chunks if c.choices]
         return [len(c.model_extra["token_ids"]) for c in got if c.model_extra.get("token_ids")], \
             "".join(c.text for c in got)
+    def chunked_by(got: list[int], interval: int) -> bool:
+        return len(got) >= 2 and got[0] == 1 and sum(got) == 12 and all(n >= interval for n in got[1:-1])
+
     server_sizes, text = sizes()
-    assert server_sizes == [1, 2, 2, 2, 2, 2, 1]
+    assert chunked_by(server_sizes, 2), server_sizes       # [1, 2, 2, 2, 2, 2, 1] on a quiet machine
     own, own_text = sizes(stream_interval=5)
-    assert own == [1, 5, 5, 1] and own_text == text
-    assert sizes(stream_interval=1)[0] == server_sizes
+    assert chunked_by(own, 5) and own_text == text, own    # [1, 5, 5, 1]
+    assert chunked_by(sizes(stream_interval=1)[0], 2)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"stream_interval": 0})
 
