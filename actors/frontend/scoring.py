@@ -120,21 +120,21 @@ async def _bi_encoder_scores(server: OpenAIServer, req: ScoringRequest, queries:
                              rid: str, priority: int, side: str | None) -> tuple[np.ndarray, int]:
     """An embedding model's scores: each query and document embedded once, each pair's cosine
     similarity; with the pooler config's task token_embed, vLLM's late interaction (ColBERT's
-    MaxSim over the two sides' token embeddings). A side's own token cap keeps its first tokens."""
+    MaxSim over the two sides' token embeddings). A side's own token cap keeps its texts' first
+    tokens (``truncate_text_to_tokens``), their special tokens then added as usual."""
     client = server.engine()
-    t = req.truncate_prompt_tokens
     late = late_interaction(client.config.model.pooling)
     try:
-        params = PoolingParams(task="token_embed" if late else "embed", use_activation=req.use_activation)
-        per_query = client.pooling_request(params, req.max_tokens_per_query or t)
-        per_doc = client.pooling_request(params, req.max_tokens_per_doc or t)
+        params = client.pooling_request(PoolingParams(task="token_embed" if late else "embed",
+                                                      use_activation=req.use_activation), req.truncate_prompt_tokens)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     lora = client.lora_request_for(req.model)
-    q_out, q_tokens = await run_pooling(server, per_query, [_prompt(q) for q in queries], f"{rid}-q", priority,
-                                        "right" if req.max_tokens_per_query else side, lora)
-    d_out, d_tokens = await run_pooling(server, per_doc, [_prompt(d) for d in documents], f"{rid}-d", priority,
-                                        "right" if req.max_tokens_per_doc else side, lora)
+    queries = [truncate_text_to_tokens(client.tokenizer, q, req.max_tokens_per_query) for q in queries]
+    documents = [truncate_text_to_tokens(client.tokenizer, d, req.max_tokens_per_doc) for d in documents]
+    q_out, q_tokens = await run_pooling(server, params, [_prompt(q) for q in queries], f"{rid}-q", priority, side, lora)
+    d_out, d_tokens = await run_pooling(server, params, [_prompt(d) for d in documents], f"{rid}-d", priority, side,
+                                        lora)
     q = [o.pooling_output for o in q_out]
     q = q * len(d_out) if len(q) == 1 else q
     return np.array([pair_score(a, o.pooling_output, late) for a, o in zip(q, d_out)]), q_tokens + d_tokens
@@ -206,9 +206,8 @@ def pair_prompt(tokenizer: Any, use_sep_token: bool, first: str, second: str, ma
     ``max_length`` (a request's truncate_prompt_tokens): a text pair longer than that loses
     tokens of its longer text first and keeps its special tokens, as transformers' pair
     truncation (``truncation=True``) does, which vLLM's cross-encoders use."""
-    def cut(text: str, n: int) -> str:
-        return tokenizer.decode(tokenizer.encode(text)[:n], skip_special_tokens=False) if n else text
-    first, second = cut(first, max_first), cut(second, max_second)
+    first, second = truncate_text_to_tokens(tokenizer, first, max_first), truncate_text_to_tokens(tokenizer, second,
+                                                                                                  max_second)
     if template is not None:
         kwargs = dict(template_kwargs or {})
         reserved = {"chat_template", "tools", "tokenize"} & kwargs.keys()
@@ -249,6 +248,23 @@ def _longest_first(tokenizer: Any, ids: list[int], start: int | None, first: str
     na, nb = (n1, n2) if len(a) <= len(b) else (n2, n1)
     cut = ids[:at] + a[:na] + ids[at + len(a):bt] + b[:nb] + ids[bt + len(b):]
     return cut, None if start is None else start - (len(a) - na)
+
+
+def truncate_text_to_tokens(tokenizer: Any, text: str, max_tokens: int) -> str:
+    """``text`` cut to at most ``max_tokens`` of its own tokens (0: whole), as vLLM applies
+    max_tokens_per_query / max_tokens_per_doc: the original characters up to where the last kept
+    token ends, tokenized again until they fit (no decode, which can change the text); a
+    vocabulary without character offsets (a GGUF file's) decodes its first tokens instead."""
+    while text and max_tokens:
+        ids = tokenizer.encode(text)
+        if len(ids) <= max_tokens:
+            break
+        offsets = tokenizer.token_offsets(text, ids)
+        if offsets is None:
+            return tokenizer.decode(ids[:max_tokens], skip_special_tokens=False)
+        end = min(offsets[max_tokens - 1][1], offsets[max_tokens][0])
+        text = text[:min(end, len(text) - 1)]
+    return text
 
 
 def compress_token_types(types: list[int]) -> int | None:

@@ -451,6 +451,24 @@ def test_truncated_minilm_prompts_keep_cls_and_sep_as_transformers_truncation_do
     assert np.abs(cut - right).max() > 1e-3             # [SEP] kept or not: another embedding
 
 
+def test_a_documents_token_cap_cuts_its_text_and_keeps_the_special_tokens(minilm_server):
+    """/score's max_tokens_per_doc on an embedding model (vLLM's): the document's text is cut to
+    that many of its own tokens, then encoded as usual, [CLS] and [SEP] around them; the score is
+    the cosine similarity with that embedding."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    query, doc = "A man is eating food.", "The quick brown fox jumps over the lazy dog by the river."
+    cut_ids = tok(doc)["input_ids"][:6] + [tok.sep_token_id]        # [CLS] and five words, then [SEP]
+    r = requests.post(f"{minilm_server.url}/score", json={"text_1": query, "text_2": doc, "max_tokens_per_doc": 5},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+    vecs = requests.post(f"{minilm_server.url}/v1/embeddings", json={"input": [tok(query)["input_ids"], cut_ids]},
+                         timeout=60).json()["data"]
+    a, b = (np.array(v["embedding"]) for v in vecs)
+    assert r.json()["data"][0]["score"] == pytest.approx(float(a @ b), abs=1e-5)
+    assert r.json()["usage"]["prompt_tokens"] == len(tok(query)["input_ids"]) + len(cut_ids)
+
+
 def test_a_served_bert_cross_encoder_reranks_with_the_pairs_token_types(bert_reranker):
     """/rerank through a real server: each document read with the query as a text pair (its
     tokens of type 1), ordered by transformers' scores of those pairs."""
