@@ -223,9 +223,10 @@ def matmul(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None, ac
                                  or residual.shape != (x.shape[0], w.out_features)):
         raise ValueError(f"the residual must be a contiguous float32 {(x.shape[0], w.out_features)} matrix, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
-    y = _bf16_io(x, w, bias, act, out_bf16, gated=False, residual=residual)
-    if y is not None:
-        return y
+    if w.kind == "BF16":                  # bfloat16 in or out: its own entry point
+        y = _bf16_io(x, w, bias, act, out_bf16, gated=False, residual=residual)
+        if y is not None:
+            return y
     x = _rows_of(x, w)
     rows = x.shape[0]
     y = torch.empty(rows, w.out_features, dtype=torch.float32)
@@ -271,7 +272,7 @@ def gated_matmul(x: torch.Tensor, w: PanelWeight, act: str = "silu", out_bf16: b
     int8 = w.kind.endswith("_I8X2")
     if w.out_features % (2 * NR) or (int8 and act != "silu"):
         return None
-    y = _bf16_io(x, w, None, act, out_bf16, gated=True)
+    y = _bf16_io(x, w, None, act, out_bf16, gated=True) if w.kind == "BF16" else None
     if y is not None:
         return y
     x = _rows_of(x, w)
