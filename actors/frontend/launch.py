@@ -48,7 +48,7 @@ from actors.frontend.telemetry import Telemetry, TelemetryActor, TelemetryWindow
 from actors.grammar.actor import GrammarCompilerProtocol
 from actors.frontend.streams import OutputStreams
 from actors.kv_manager.actor import KVManagerProtocol
-from actors.runtime import ActorRef, Node
+from actors.runtime import ActorRef, Node, heap
 from actors.runtime.process import (ChildProcess, NodeSpec, RestartBudget, decode_info, start_child,
                                     system_actor)
 from actors.runtime.faults import InjectFault
@@ -255,6 +255,8 @@ class Frontend:
             self.request_tracer = None
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        else:
+            heap.unfreeze()
         self.stopped = True
 
     def stop_now(self, timeout: float = 30.0) -> None:
@@ -272,6 +274,8 @@ class Frontend:
         self.close_ray()
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        else:
+            heap.unfreeze()
         self.stopped = True
 
     def close_ray(self) -> None:
@@ -299,6 +303,8 @@ async def start_frontend(config: EngineConfig, *, ready_timeout: float = READY_T
         if fe.ipc_dir:
             shutil.rmtree(fe.ipc_dir, ignore_errors=True)
         raise
+    if fe.ipc_dir is None:            # the engine lives in this process: its start-up heap frozen
+        heap.freeze_started()
     return fe
 
 

@@ -22,6 +22,20 @@ def started() -> None:
     gc.enable()
 
 
+def freeze_started() -> None:
+    """A process that did not start under :func:`starting` (an engine in the caller's own process,
+    a server's frontend): what lives once the engine is up is frozen all the same, as vLLM's engine
+    core freezes its heap wherever it runs; whether the collector runs is left as it was."""
+    gc.collect()
+    gc.freeze()
+
+
+def unfreeze() -> None:
+    """What :func:`freeze_started` froze is the collector's again (an engine in this process shut
+    down: its weights and caches are freed with the cycles they are in, as vLLM's shutdown does)."""
+    gc.unfreeze()
+
+
 def collect_all() -> None:
     """Collect what start-up froze too (its cycles included): a process giving memory back (a
     worker going to sleep) lets go of objects that were to live as long as it did."""
