@@ -76,6 +76,13 @@ class BertLayer(nn.Module):
         self.down_proj = Linear(c.intermediate_size, hidden, dtype, bias=True)
         self.mlp_norm = LayerNorm(hidden, c.rms_norm_eps, dtype)
 
+    def lora_slices(self) -> dict[str, dict[str, int]]:
+        """The projections LoRA adapts (models/lora_layers.py) and their outputs' slices: an
+        adapter's query, key and value, attention.output.dense, intermediate.dense, output.dense."""
+        inner, hidden = self.num_heads * self.head_size, self.down_proj.out_features
+        return {"qkv_proj": {"q": inner, "k": inner, "v": inner}, "o_proj": {"": hidden},
+                "up_proj": {"": self.down_proj.in_features}, "down_proj": {"": hidden}}
+
     def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:   # (T, hidden)
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).view(T, 3, self.num_heads, self.head_size).unbind(1)

@@ -152,6 +152,18 @@ class LoRALinear(nn.Module):
         fused = getattr(self.base_layer, "gated_act_forward", None)
         return None if self.mapping.applies or fused is None else fused(x, act, bfloat16_out)
 
+    def act_forward(self, x: torch.Tensor, act: str, bfloat16_out: bool = False) -> torch.Tensor | None:
+        """The base layer's product with its activation in one pass when the step has no LoRA
+        token; None otherwise (as ``gated_act_forward``)."""
+        fused = getattr(self.base_layer, "act_forward", None)
+        return None if self.mapping.applies or fused is None else fused(x, act, bfloat16_out)
+
+    def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """The base layer's product with the residual added in one pass when the step has no LoRA
+        token; None otherwise (as ``gated_act_forward``)."""
+        fused = getattr(self.base_layer, "residual_forward", None)
+        return None if self.mapping.applies or fused is None else fused(x, residual)
+
 
 def _in_features(layer: nn.Module) -> int:
     layer = getattr(layer, "linear", layer)                  # a row-parallel layer's own
@@ -161,7 +173,8 @@ def _in_features(layer: nn.Module) -> int:
 
 def wrap_lora_modules(model: nn.Module, max_loras: int, max_rank: int, mapping: LoRAMapping,
                       device: torch.device) -> dict[str, LoRALinear]:
-    """Wrap every attention and MLP projection of ``model``; returns them by module name
+    """Wrap every attention and MLP projection of ``model`` (and those a layer names in its
+    ``lora_slices()``: projection attribute -> its output slices); returns them by module name
     ("layers.3.self_attn.qkv_proj")."""
     wrapped: dict[str, LoRALinear] = {}
     for parent_name, parent in list(model.named_modules()):
@@ -171,6 +184,8 @@ def wrap_lora_modules(model: nn.Module, max_loras: int, max_rank: int, mapping: 
         elif isinstance(parent, GatedMLP):
             inter = _in_features(parent.down_proj)
             targets = {"gate_up_proj": {"gate": inter, "up": inter}, "down_proj": {"": _out_features(parent.down_proj)}}
+        elif hasattr(parent, "lora_slices"):       # a layer of its own kind (an encoder's)
+            targets = parent.lora_slices()
         else:
             continue
         shards = getattr(parent, "tp_shards", {})          # split by tensor parallelism

@@ -39,6 +39,13 @@ class ModernBertLayer(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * c.intermediate_size, dtype)      # Wi: input | gate
         self.down_proj = Linear(c.intermediate_size, hidden, dtype)
 
+    def lora_slices(self) -> dict[str, dict[str, int]]:
+        """The projections LoRA adapts (models/lora_layers.py), each one slice: an adapter's
+        attn.Wqkv, attn.Wo, mlp.Wi and mlp.Wo."""
+        hidden, inter = self.o_proj.out_features, self.down_proj.in_features
+        return {"qkv_proj": {"": 3 * hidden}, "o_proj": {"": hidden}, "gate_up_proj": {"": 2 * inter},
+                "down_proj": {"": hidden}}
+
     def forward(self, hidden: torch.Tensor, starts: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = hidden.shape[0]
         q, k, v = self.qkv_proj(self.attn_norm(hidden)).view(T, 3, self.num_heads, self.head_size).unbind(1)

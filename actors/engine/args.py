@@ -182,6 +182,8 @@ class EngineArgs:
                 raise ValueError(why)
         if unknown:
             raise TypeError(f"unknown engine options {unknown}; accepted: {sorted(names)}")
+        if isinstance(model, os.PathLike):           # a pathlib.Path of a checkpoint directory or file
+            model = os.fspath(model)
         return cls(model=model, **{k: v for k, v in options.items() if k in names})
 
     def _data_parallel_ranks(self) -> dict[str, Any]:

@@ -459,11 +459,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             # a decoder's layers attending both ways (LlamaBidirectional, EmbeddingGemma) split over
             # ranks as a decoder's do; the encoders of their own (BERT, ModernBERT) are not split yet
             split = self.parallel.tensor_parallel_size > 1 and arch.architecture in ENCODER_ONLY_ARCHITECTURES
-            refused = [name for name, on in (("--enable-lora", self.lora is not None),
-                                             ("--tensor-parallel-size", split)) if on]
-            if refused:
+            if split:
                 raise ValueError(f"{arch.architecture} (an encoder-only model) is not supported with "
-                                 f"{', '.join(refused)} yet")
+                                 "--tensor-parallel-size yet")
             sched = msgspec.structs.replace(sched, enable_chunked_prefill=False)
             if cache.enable_prefix_caching:
                 log.info("%s attends over whole prompts: chunked prefill and prefix caching are off",

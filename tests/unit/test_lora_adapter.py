@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import dataclasses
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -88,3 +89,53 @@ def test_lora_modules_take_name_equals_path_and_vllms_json():
         EngineArgs(lora_modules=["a=/x"]).lora_config()
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineArgs(enable_lora=True, max_loras=4, max_cpu_loras=2).lora_config()
+
+
+# BERT's layout: hidden 32, 4 heads of 8 (query, key, value 32 each), intermediate 48, 2 layers
+BERT = dataclasses.replace(ARCH, architecture="BertModel", num_kv_heads=4, encoder_only=True)
+
+
+def _bert_tensors(prefix: str = "", modules=("attention.self.query", "attention.output.dense", "output.dense"),
+                  r: int = 4) -> dict:
+    shapes = {"attention.self.query": (32, 32), "attention.output.dense": (32, 32), "intermediate.dense": (48, 32),
+              "output.dense": (32, 48), "pooler.dense": (32, 32)}
+    tensors = {}
+    for module in modules:
+        out, inp = shapes[module]
+        names = [f"{prefix}pooler.dense"] if module == "pooler.dense" else [
+            f"{prefix}encoder.layer.{layer}.{module}" for layer in range(2)]
+        for name in names:
+            tensors[f"base_model.model.{name}.lora_A.weight"] = torch.ones(r, inp)
+            tensors[f"base_model.model.{name}.lora_B.weight"] = torch.ones(out, r)
+    return tensors
+
+
+def test_a_bert_adapter_names_its_encoder_layers_and_leaves_the_bare_models_pooler_out(tmp_path):
+    """An adapter PEFT wrote on BERT (targets query, dense, ...): its layers' modules, under the
+    bare model's names or a classifier's ``bert.``; a bare model's ``pooler.dense`` (which its
+    embeddings never pass through) is left out, as vLLM leaves it."""
+    modules = ("attention.self.query", "attention.output.dense", "output.dense", "pooler.dense")
+    info = check_adapter(write(tmp_path / "bare", tensors=_bert_tensors("", modules),
+                               target_modules=["query", "dense"]), BERT, 16)
+    assert info.modules == tuple(sorted(f"encoder.layer.{i}.{m}" for i in range(2) for m in modules[:3]))
+    a, b = load_adapter(str(tmp_path / "bare"), BERT, 16)["encoder.layer.1.output.dense"]
+    assert a.shape == (4, 48) and b.shape == (32, 4)
+    classifier = dataclasses.replace(BERT, architecture="BertForSequenceClassification")
+    assert len(check_adapter(write(tmp_path / "cls", tensors=_bert_tensors("bert."), target_modules=["query"]),
+                             classifier, 16).modules) == 6
+
+
+@pytest.mark.parametrize("arch, tensors, config, reason", [
+    ("BertForSequenceClassification", _bert_tensors("bert.", ("pooler.dense",)), {}, "not a LoRA weight of a supported module"),
+    ("BertModel", _bert_tensors("", ("intermediate.dense",)), {"target_modules": ["q_proj"]},
+     "target modules ['q_proj'] are not supported"),
+    ("BertModel", _bert_tensors("roberta."), {}, "not a LoRA weight of a supported module"),
+    ("BertModel", _tensor("q_proj"), {}, "not a LoRA weight of a supported module"),
+    ("ModernBertModel", _bert_tensors(), {"target_modules": ["Wo"]}, "not a LoRA weight of a supported module (a layer's attn.Wo"),
+])
+def test_an_encoder_adapter_for_other_modules_is_refused_saying_which(tmp_path, arch, tensors, config, reason):
+    """A classifier's pooler (it runs, it is not adapted), the decoder's names on BERT, RoBERTa's
+    prefix on BERT, BERT's names on ModernBERT, a target BERT has not."""
+    path = write(tmp_path / "bad", tensors=tensors, **({"target_modules": ["dense"]} | config))
+    with pytest.raises(InvalidAdapter, match=reason.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        check_adapter(path, dataclasses.replace(BERT, architecture=arch), 16)
