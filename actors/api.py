@@ -521,7 +521,9 @@ class AsyncLLM:
         if out is None or out.error is not None or out.pooling_output is None:
             raise RuntimeError(f"the pooling request failed: {out.error if out is not None else 'no output'}")
         import torch                    # vLLM's outputs hold tensors (the offline API's process has torch)
-        return PoolingRequestOutput(out.request_id, PoolingOutput(torch.from_numpy(out.pooling_output)),
+        data = out.pooling_output       # read-only when it came in a frame from another process: a copy of its own
+        return PoolingRequestOutput(out.request_id, PoolingOutput(torch.from_numpy(
+                                        data if data.flags.writeable else data.copy())),
                                     prompt_ids, out.num_cached_tokens, True, prompt)
 
     async def embed(self, prompt: Prompt, pooling_params: PoolingParams | None = None,

@@ -26,6 +26,8 @@ from models.base import CausalLM, TensorMap
 from models.config import ArchConfig
 from models.layers import (Embedding, Linear, MergedLinear, encoder_attention, hf_activation, linear_act,
                            linear_residual, whole_prompts)
+from models.tensor_parallel import TPShard, column_parallel, row_parallel
+from models.tp_layout import split
 
 TOKEN_TYPE_SHIFT = 30           # a token's type in the bits of its id from here (vLLM's)
 
@@ -77,11 +79,28 @@ class BertLayer(nn.Module):
         self.mlp_norm = LayerNorm(hidden, c.rms_norm_eps, dtype)
 
     def lora_slices(self) -> dict[str, dict[str, int]]:
-        """The projections LoRA adapts (models/lora_layers.py) and their outputs' slices: an
-        adapter's query, key and value, attention.output.dense, intermediate.dense, output.dense."""
-        inner, hidden = self.num_heads * self.head_size, self.down_proj.out_features
+        """The projections LoRA adapts (models/lora_layers.py) and their outputs' slices (this
+        rank's, under tensor parallelism): an adapter's query, key and value,
+        attention.output.dense, intermediate.dense, output.dense."""
+        inner, hidden = self.num_heads * self.head_size, self.attn_norm.weight.shape[0]
         return {"qkv_proj": {"q": inner, "k": inner, "v": inner}, "o_proj": {"": hidden},
-                "up_proj": {"": self.down_proj.in_features}, "down_proj": {"": hidden}}
+                "up_proj": {"": self.up_proj.out_features}, "down_proj": {"": hidden}}
+
+    def shard_tensor_parallel(self, world: int, rank: int, group: Any) -> None:
+        """Megatron's split (models/tensor_parallel.py), as vLLM splits BERT: this rank's run of
+        heads (their query, key and value rows; the output projection's columns) and of the
+        intermediate size (up rows, down columns), an all-reduce after each block."""
+        D = self.head_size
+        h0, hn = split(self.num_heads, world, rank)
+        i0, n = split(self.up_proj.out_features, world, rank)
+        rows = {s: (h0 * D, hn * D) for s in ("q", "k", "v")}
+        self.qkv_proj = column_parallel(self.qkv_proj, rows)
+        self.o_proj = row_parallel(self.o_proj, (h0 * D, hn * D), rank, group)
+        self.up_proj = column_parallel(self.up_proj, [(i0, n)])
+        self.down_proj = row_parallel(self.down_proj, (i0, n), rank, group)
+        self.num_heads = hn
+        self.tp_shards = {"qkv_proj": TPShard(rows=rows), "o_proj": TPShard(cols=(h0 * D, hn * D)),
+                          "up_proj": TPShard(rows={"": (i0, n)}), "down_proj": TPShard(cols=(i0, n))}
 
     def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:   # (T, hidden)
         T = x.shape[0]

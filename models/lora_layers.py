@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from kernels.cpu import lora as lora_ops
-from kernels.triton import lora as triton_lora
 from models.layers import GatedMLP, SelfAttention
-from models.tensor_parallel import RowParallel
+from models.tensor_parallel import RowParallel, take_rows
 
 
 class LoRAMapping:
@@ -113,8 +112,7 @@ class LoRALinear(nn.Module):
                 c0, n = self.shard.cols
                 a = a[:, c0:c0 + n]
             if self.shard is not None and self.shard.rows is not None:
-                r0, n = self.shard.rows[name]
-                b = b[r0:r0 + n]
+                b = take_rows(b, self.shard.rows[name])
             j = self.slice_names.index(name)
             r = a.shape[0]
             o0, o1 = self.offsets_list[j], self.offsets_list[j + 1]
@@ -136,6 +134,7 @@ class LoRALinear(nn.Module):
         if slots.shape[0] != x.shape[0]:
             raise ValueError(f"LoRA slots for {slots.shape[0]} tokens, the layer got {x.shape[0]}")
         if x.is_cuda:
+            from kernels.triton import lora as triton_lora      # triton only where it runs
             triton_lora.lora_shrink_expand(y, x, self.lora_a, self.lora_b, slots, self.slot_ranks_t, self.offsets)
         elif lora_ops.native_supports(y, x, self.lora_a):
             lora_ops.lora_shrink_expand(y, x, self.lora_a, self.lora_b, slots, self.slot_ranks_t, self.offsets)

@@ -18,6 +18,8 @@ from models.config import FULL, SLIDING, ArchConfig
 from models.hf_config import rope_parameters
 from models.layers import (Embedding, Linear, RotaryEmbedding, apply_rotary_qk, encoder_attention, gated_linear_act,
                            linear_residual)
+from models.tensor_parallel import TPShard, column_parallel, row_parallel
+from models.tp_layout import split
 
 GLOBAL_ROPE_THETA, LOCAL_ROPE_THETA = 160_000.0, 10_000.0     # transformers' defaults
 
@@ -40,11 +42,29 @@ class ModernBertLayer(nn.Module):
         self.down_proj = Linear(c.intermediate_size, hidden, dtype)
 
     def lora_slices(self) -> dict[str, dict[str, int]]:
-        """The projections LoRA adapts (models/lora_layers.py), each one slice: an adapter's
-        attn.Wqkv, attn.Wo, mlp.Wi and mlp.Wo."""
-        hidden, inter = self.o_proj.out_features, self.down_proj.in_features
-        return {"qkv_proj": {"": 3 * hidden}, "o_proj": {"": hidden}, "gate_up_proj": {"": 2 * inter},
-                "down_proj": {"": hidden}}
+        """The projections LoRA adapts (models/lora_layers.py), each one slice (this rank's, under
+        tensor parallelism): an adapter's attn.Wqkv, attn.Wo, mlp.Wi and mlp.Wo."""
+        hidden = self.mlp_norm.weight.shape[0]
+        return {"qkv_proj": {"": self.qkv_proj.out_features}, "o_proj": {"": hidden},
+                "gate_up_proj": {"": self.gate_up_proj.out_features}, "down_proj": {"": hidden}}
+
+    def shard_tensor_parallel(self, world: int, rank: int, group: Any) -> None:
+        """As BERT's (models/bert.py): this rank's heads, their rows of each third of Wqkv and
+        columns of Wo; its run of the intermediate size, rows of each half of Wi (input, gate)
+        and columns of the MLP's Wo."""
+        D, hidden = self.head_size, self.mlp_norm.weight.shape[0]
+        inter = self.gate_up_proj.out_features // 2
+        h0, hn = split(self.num_heads, world, rank)
+        i0, n = split(inter, world, rank)
+        qkv = [(j * hidden + h0 * D, hn * D) for j in range(3)]
+        gate_up = [(i0, n), (inter + i0, n)]
+        self.qkv_proj = column_parallel(self.qkv_proj, qkv)
+        self.o_proj = row_parallel(self.o_proj, (h0 * D, hn * D), rank, group)
+        self.gate_up_proj = column_parallel(self.gate_up_proj, gate_up)
+        self.down_proj = row_parallel(self.down_proj, (i0, n), rank, group)
+        self.num_heads = hn
+        self.tp_shards = {"qkv_proj": TPShard(rows={"": qkv}), "o_proj": TPShard(cols=(h0 * D, hn * D)),
+                          "gate_up_proj": TPShard(rows={"": gate_up}), "down_proj": TPShard(cols=(i0, n))}
 
     def forward(self, hidden: torch.Tensor, starts: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = hidden.shape[0]

@@ -38,10 +38,18 @@ from models.tp_layout import head_split, split
 
 class TPShard(NamedTuple):
     """What a split projection holds of the unsplit one: per output slice, (first row, rows) of
-    a column-parallel layer (its slice's rows within the slice); or (first column, columns) of
-    a row-parallel one's input."""
-    rows: dict[str, tuple[int, int]] | None = None
+    a column-parallel layer (its slice's rows within the slice), or a list of such runs, put
+    together in order (ModernBERT's one-tensor q|k|v); or (first column, columns) of a
+    row-parallel one's input."""
+    rows: dict[str, tuple[int, int] | list[tuple[int, int]]] | None = None
     cols: tuple[int, int] | None = None
+
+
+def take_rows(t: torch.Tensor, rows: tuple[int, int] | list[tuple[int, int]]) -> torch.Tensor:
+    """The rows of ``t`` a TPShard's ``rows`` entry names (one run, or runs put together)."""
+    if isinstance(rows, tuple):
+        return t[rows[0]:rows[0] + rows[1]]
+    return torch.cat([t[r0:r0 + n] for r0, n in rows])
 
 
 class RowParallel(nn.Module):
@@ -99,7 +107,7 @@ class VocabParallelLMHead(nn.Module):
 def shard_vocab(model: nn.Module, world: int, rank: int, group: Any) -> None:
     """The embedding and LM head split by vocabulary rows (a tied head shares the split rows);
     a pipeline stage holding only one of them splits that one."""
-    emb, head = model.embed_tokens, model.lm_head
+    emb, head = model.embed_tokens, getattr(model, "lm_head", None)       # an encoder has no LM head
     has_emb, has_head = isinstance(emb, Embedding), isinstance(head, Linear)
     vocab = (emb if has_emb else head).weight.shape[0]
     start, count = split(vocab, world, rank)
@@ -168,34 +176,43 @@ def _rows(lin: MergedLinear, shard: str, start: int, count: int) -> tuple[torch.
     return w, b
 
 
+def column_parallel(lin: Linear, rows: dict[str, tuple[int, int]] | list[tuple[int, int]]) -> Linear:
+    """This rank's output rows of ``lin``: per slice of a MergedLinear (slice -> (first row, rows)
+    within it), or runs of a plain Linear's rows put together in order."""
+    if isinstance(rows, dict):
+        return _quantized(_merged({s: _rows(lin, s, *r) for s, r in rows.items()}), lin, rows=rows)
+    if lin.quant_method is not None and len(rows) > 1:
+        raise ValueError("a quantized checkpoint's one-tensor q|k|v is not split over tensor-parallel ranks yet")
+    bias = take_rows(lin.bias.data, rows) if lin.bias is not None else None
+    return _quantized(_linear(take_rows(_weight(lin), rows), bias), lin, rows={None: rows[0]})
+
+
+def row_parallel(lin: Linear, cols: tuple[int, int], rank: int, group: Any) -> RowParallel:
+    """This rank's input columns of ``lin``, its product summed over the ranks (the bias added
+    once, on rank 0)."""
+    bias = lin.bias.data if lin.bias is not None and rank == 0 else None
+    start, count = cols
+    return RowParallel(_quantized(_linear(_weight(lin)[:, start:start + count], bias), lin, cols=cols), group)
+
+
 def shard_attention(m: SelfAttention, world: int, rank: int, group: Any) -> None:
     D = m.head_size
     q0, qn, k0, kn = head_split(m.num_heads, m.num_kv_heads, world, rank)
-    qkv = m.qkv_proj
     rows = {"q": (q0 * D, qn * D), "k": (k0 * D, kn * D), "v": (k0 * D, kn * D)}
-    m.qkv_proj = _quantized(_merged({s: _rows(qkv, s, *r) for s, r in rows.items()}), qkv, rows=rows)
-    o = m.o_proj
-    bias = o.bias.data if o.bias is not None and rank == 0 else None
-    m.o_proj = RowParallel(_quantized(_linear(_weight(o)[:, q0 * D:(q0 + qn) * D], bias), o,
-                                      cols=(q0 * D, qn * D)), group)
+    m.qkv_proj = column_parallel(m.qkv_proj, rows)
+    m.o_proj = row_parallel(m.o_proj, (q0 * D, qn * D), rank, group)
     m.num_heads, m.num_kv_heads = qn, kn
     m.q_size, m.kv_size = qn * D, kn * D
     # what of each projection's unsplit rows or columns this rank holds (a LoRA adapter's share)
-    m.tp_shards = {"qkv_proj": TPShard(rows={"q": (q0 * D, qn * D), "k": (k0 * D, kn * D), "v": (k0 * D, kn * D)}),
-                   "o_proj": TPShard(cols=(q0 * D, qn * D))}
+    m.tp_shards = {"qkv_proj": TPShard(rows=rows), "o_proj": TPShard(cols=(q0 * D, qn * D))}
 
 
 def shard_mlp(m: GatedMLP, world: int, rank: int, group: Any) -> None:
-    gu = m.gate_up_proj
-    start, count = split(gu.shard_sizes["gate"], world, rank)
-    m.gate_up_proj = _quantized(_merged({"gate": _rows(gu, "gate", start, count), "up": _rows(gu, "up", start, count)}),
-                                gu, rows={"gate": (start, count), "up": (start, count)})
-    d = m.down_proj
-    bias = d.bias.data if d.bias is not None and rank == 0 else None
-    m.down_proj = RowParallel(_quantized(_linear(_weight(d)[:, start:start + count], bias), d,
-                                         cols=(start, count)), group)
-    m.tp_shards = {"gate_up_proj": TPShard(rows={"gate": (start, count), "up": (start, count)}),
-                   "down_proj": TPShard(cols=(start, count))}
+    start, count = split(m.gate_up_proj.shard_sizes["gate"], world, rank)
+    rows = {"gate": (start, count), "up": (start, count)}
+    m.gate_up_proj = column_parallel(m.gate_up_proj, rows)
+    m.down_proj = row_parallel(m.down_proj, (start, count), rank, group)
+    m.tp_shards = {"gate_up_proj": TPShard(rows=rows), "down_proj": TPShard(cols=(start, count))}
 
 
 def shard_model(model: nn.Module, world: int, rank: int, group: Any = None,
@@ -205,10 +222,13 @@ def shard_model(model: nn.Module, world: int, rank: int, group: Any = None,
     of a share of every expert. ValueError for a model whose layers are not the ones split here."""
     if world == 1:
         return model
+    own = [m for m in model.modules() if callable(getattr(m, "shard_tensor_parallel", None))]
+    for m in own:                        # layers that split themselves (the encoders')
+        m.shard_tensor_parallel(world, rank, group)
     attention = [m for m in model.modules() if isinstance(m, SelfAttention)]
     mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    if not attention or len(mlps) + len(moes) != len(attention):
+    if not own and (not attention or len(mlps) + len(moes) != len(attention)):
         raise ValueError(f"{type(model).__name__}: tensor parallelism splits models made of attention and gated "
                          "MLP or mixture-of-experts layers")
     for m in attention:

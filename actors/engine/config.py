@@ -34,7 +34,6 @@ from actors.kv_manager.block_hash import HASH_ALGOS
 from actors.kv_manager.kv_events import KVEventsConfig
 from actors.kv_transfer.config import KVTransferConfig
 from actors.spec_decode.config import SpeculativeConfig
-from models.architectures import ENCODER_ONLY_ARCHITECTURES
 from models.config import ArchConfig
 from models.resolve import ModelSource
 from actors.engine.watermark import WatermarkConfig
@@ -456,12 +455,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if arch.encoder_only:
             if sched.enable_chunked_prefill:
                 raise ValueError(encoder_chunking_refused(arch.architecture))
-            # a decoder's layers attending both ways (LlamaBidirectional, EmbeddingGemma) split over
-            # ranks as a decoder's do; the encoders of their own (BERT, ModernBERT) are not split yet
-            split = self.parallel.tensor_parallel_size > 1 and arch.architecture in ENCODER_ONLY_ARCHITECTURES
-            if split:
-                raise ValueError(f"{arch.architecture} (an encoder-only model) is not supported with "
-                                 "--tensor-parallel-size yet")
             sched = msgspec.structs.replace(sched, enable_chunked_prefill=False)
             if cache.enable_prefix_caching:
                 log.info("%s attends over whole prompts: chunked prefill and prefix caching are off",

