@@ -176,3 +176,53 @@ def test_async_llm_pins_an_adapter_which_then_outlives_the_host_caches_least_rec
     first, before, (kept, dropped) = asyncio.run(scenario())
     assert kept.finish_reason == "length" and kept.token_ids == first.token_ids == before.token_ids
     assert dropped.finish_reason == "error" and "LoRA adapter 'unpinned' could not be loaded" in dropped.error
+
+
+def test_a_pinned_adapter_is_pinned_again_on_the_worker_that_replaces_a_killed_one(setup):
+    """The engine restarts a worker killed with SIGKILL; the adapters pinned before are read again
+    by the new worker with its first step, so once their directory is gone a pinned adapter still
+    answers with the tokens it gave before the kill, while one only used before the kill (the new
+    worker never read it) fails."""
+    import asyncio
+    import os
+    import shutil
+    import signal
+    import time
+
+    import psutil
+
+    from actors.api import AsyncLLM
+    _, _, _, root = setup
+    for name in ("repinned", "used"):
+        shutil.copytree(root / "a2", root / name)
+    pinned, used = LoRARequest("repinned", 80, str(root / "repinned")), LoRARequest("used", 81, str(root / "used"))
+
+    async def scenario() -> tuple:
+        llm = await AsyncLLM.create(str(root / "base"), multiprocess=True, enable_lora=True, max_loras=2,
+                                    max_cpu_loras=2, max_lora_rank=16, block_size=4)
+        try:
+            await llm.add_lora(pinned)
+            assert await llm.pin_lora(80)
+            first = await llm.complete(PROMPTS[0], GREEDY, lora_request=pinned)
+            await llm.complete(PROMPTS[0], GREEDY, lora_request=used)
+            (engine,) = psutil.Process().children()
+            (worker,) = engine.children()
+            os.kill(worker.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while True:                     # the first request the new worker serves carries the pin
+                assert time.monotonic() < deadline, "the worker was not restarted"
+                base = await llm.complete(PROMPTS[1], GREEDY)
+                if base.finish_reason == "length":
+                    break
+                await asyncio.sleep(0.5)
+            assert [p.pid for p in engine.children()] != [worker.pid]
+            shutil.rmtree(root / "repinned")
+            shutil.rmtree(root / "used")
+            return first, (await llm.complete(PROMPTS[0], GREEDY, lora_request=pinned),
+                           await llm.complete(PROMPTS[0], GREEDY, lora_request=used))
+        finally:
+            await llm.shutdown()
+
+    first, (kept, lost) = asyncio.run(scenario())
+    assert kept.finish_reason == "length" and kept.token_ids == first.token_ids
+    assert lost.finish_reason == "error" and "LoRA adapter 'used' could not be loaded" in lost.error
