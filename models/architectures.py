@@ -25,7 +25,8 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("XLMRobertaForSequenceClassification", "bert"), ("ModernBertModel", "modernbert"),
         ("ModernBertForSequenceClassification", "modernbert"), ("BertForTokenClassification", "bert"),
         ("RobertaForTokenClassification", "bert"), ("XLMRobertaForTokenClassification", "bert"),
-        ("ModernBertForTokenClassification", "modernbert"))}
+        ("ModernBertForTokenClassification", "modernbert"), ("NomicBertModel", "bert_rope"), ("GteNewModel", "bert_rope"),
+        ("GteModel", "bert_rope"), ("GteNewForSequenceClassification", "bert_rope"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
 # transformers' bare decoder stacks (a checkpoint of the model without its LM head, as embedding
 # models are saved) and sequence classifiers: served as pooling models by the causal LM class of
@@ -52,7 +53,8 @@ ENCODER_ONLY_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "Rob
                               "XLMRobertaForSequenceClassification", "ModernBertModel",
                               "ModernBertForSequenceClassification", "BertForTokenClassification",
                               "RobertaForTokenClassification", "XLMRobertaForTokenClassification",
-                              "ModernBertForTokenClassification", *BIDIRECTIONAL_MODELS)
+                              "ModernBertForTokenClassification", "NomicBertModel", "GteNewModel", "GteModel",
+                              "GteNewForSequenceClassification", *BIDIRECTIONAL_MODELS)
 
 
 class ModelRegistry:

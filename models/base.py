@@ -3,7 +3,7 @@ defaults declare nothing particular (config.json read as Llama's, no GGUF form, 
 fixups); a class overrides only its differences."""
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -59,6 +59,18 @@ class CausalLM(nn.Module):
     # pipeline parallelism (models/pipeline_parallel.py): what a stage hands the next, each
     # (tokens, hidden); () when the forward takes no intermediate tensors (one stage only)
     intermediate_keys: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def hf_raw(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """config.json under transformers' common key names (hidden_size, num_attention_heads, ...)
+        for an architecture whose config names them otherwise; as it is here."""
+        return raw
+
+    @classmethod
+    def hf_weights(cls, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """A Hugging Face checkpoint's (name, tensor) pairs as the tensor map reads them (a fused
+        tensor the model holds as two parts, split); as they are here."""
+        return weights
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

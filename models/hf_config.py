@@ -90,7 +90,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     model_class = _model_class(raw)
     if model_class.hf_text_config is not None:     # a multimodal checkpoint: its language model's keys
         raw = language_model_config(raw, model_class.hf_text_config)
-    raw = {**model_class.hf_defaults, **raw}   # a key present as null stays null (sliding_window: none)
+    raw = model_class.hf_raw({**model_class.hf_defaults, **raw})   # a key present as null stays null
     fields = _generic_fields(raw, generation or {})
     fields = {**fields, **model_class.hf_fields(raw, fields)}
     if raw.get("use_bidirectional_attention") and model_class.bidirectional_layers:
@@ -135,7 +135,11 @@ def _model_class(raw: dict[str, Any]) -> type[CausalLM]:
     from models.architectures import ModelRegistry
     archs = raw.get("architectures") or []
     if len(archs) != 1 or not ModelRegistry.is_supported(archs[0]):
-        raise ValueError(f"config.json architectures {archs} is not supported; supported: "
+        hint = ""
+        if archs == ["NewModel"]:         # Alibaba's GTE v1.5 names its own implementation so
+            hint = ("; a GTE v1.5 checkpoint (model_type 'new') is served as vLLM serves it, with "
+                    "--hf-overrides '{\"architectures\": [\"GteNewModel\"]}'")
+        raise ValueError(f"config.json architectures {archs} is not supported{hint}; supported: "
                          f"{', '.join(ModelRegistry.get_supported_archs())}")
     return ModelRegistry.get_model_class(archs[0])
 

@@ -141,6 +141,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
     weights, skipped = ckpt.weights, model.hf_skipped_prefixes
     if skipped and ckpt.tensor_map == "hf_tensor_map":    # a trainer's round may hold the vision side too
         weights = ((name, tensor) for name, tensor in weights if not name.startswith(skipped))
+    if ckpt.tensor_map == "hf_tensor_map":
+        weights = model.hf_weights(weights)
     quant = resolve_quantization(quantization, ckpt.quantization_config, ckpt.path, device, dtype)
     if quant is not None:
         attach_linear_methods(model, quant, tensor_map)

@@ -19,10 +19,10 @@ if TYPE_CHECKING:      # the config side (RopeScaling) stays free of torch: the 
     import torch
 
 DEFAULT_ROPE_THETA = 10_000.0   # transformers' default when a config names none
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "ntk")
 # rope types whose factor stretches the context a config's max_position_embeddings gives (vLLM's
 # rule); the others' max_position_embeddings is already the stretched context
-STRETCHING_TYPES = ("linear", "dynamic")
+STRETCHING_TYPES = ("linear", "dynamic", "ntk")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,7 @@ class RopeScaling:
     short_mscale: float | None = None        # longrope (vLLM's keys): the attention factor of each set
     long_mscale: float | None = None
     alpha: float | None = None               # dynamic, alpha form: base * alpha ** (d / (d - 2))
+    mixed_b: float | None = None             # ntk: the mixed form's exponent (None: fixed NTK)
     # llama.cpp's rope_freqs tensor (its form of llama3 scaling): a divisor per frequency
     freq_factors: tuple[float, ...] = ()
 
@@ -103,7 +104,7 @@ DEFAULT = RopeScaling()
 _TYPE_KEYS = {"llama3": ("low_freq_factor", "high_freq_factor"),
               "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
               "longrope": ("short_factor", "long_factor", "attention_factor", "short_mscale", "long_mscale"),
-              "dynamic": ("alpha",)}
+              "dynamic": ("alpha",), "ntk": ("mixed_b",)}
 
 
 def rope_scaling_from(params: dict[str, Any] | None, max_position_embeddings: int,
@@ -166,10 +167,18 @@ def inv_freq_and_scale(head_size: int, theta: float, scaling: RopeScaling,
         elif serving_len > s.original_max_position_embeddings:
             base = theta * ((s.factor * serving_len / s.original_max_position_embeddings)
                             - (s.factor - 1)) ** (dim / (dim - 2))
+    if s.rope_type == "ntk" and s.mixed_b is None:
+        base = theta * s.factor
     # the same arithmetic as transformers' rope init functions, so float32 tables match theirs
     inv_freq = 1.0 / (base ** exponents)
     if s.rope_type == "linear":
         inv_freq = inv_freq / s.factor
+    elif s.rope_type == "ntk":      # fixed NTK (GTE's "ntk" type, vLLM's NTKScalingRotaryEmbedding)
+        if s.mixed_b is None:
+            inv_freq = inv_freq / s.factor ** (2 / dim)
+        else:                       # mixed NTK: frequency i divided by exp(a i^b)
+            a = torch.tensor(s.factor).log() / (dim / 2) ** s.mixed_b
+            inv_freq = inv_freq / (a * torch.arange(1, dim // 2 + 1).float() ** s.mixed_b).exp()
     elif s.rope_type == "llama3":
         inv_freq = _llama3(inv_freq, s)
     elif s.rope_type == "yarn":

@@ -135,6 +135,26 @@ def test_config_json_reads_each_type_with_vllms_context_lengths():
         hf_model_config({**base, "rope_scaling": {"rope_type": "longrope", "short_factor": SHORT}})
 
 
+def test_fixed_and_mixed_ntk_scale_the_frequencies_as_vllms_ntk_rope():
+    """GTE's ``ntk`` rope (vLLM's NTKScalingRotaryEmbedding, as its authors' code computes it):
+    fixed NTK takes the base times the factor and divides each frequency by factor ** (2 / d);
+    the mixed form divides frequency i (from 1) by exp(a i ** b), a = ln(factor) / (d / 2) ** b;
+    both stretch the context by the factor (vLLM's derived length) and write back as read."""
+    d, theta, factor = 16, 500000.0, 2.0
+    plain = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    fixed, _ = inv_freq_and_scale(d, theta, rope_scaling_from({"type": "ntk", "factor": factor}, 128), 256)
+    expected = 1.0 / (theta * factor) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d) / factor ** (2 / d)
+    torch.testing.assert_close(fixed, expected, rtol=1e-6, atol=0)
+    assert (fixed < plain).all()
+    mixed_scaling = rope_scaling_from({"rope_type": "ntk", "factor": factor, "mixed_b": 0.7}, 128)
+    mixed, _ = inv_freq_and_scale(d, theta, mixed_scaling, 256)
+    a = math.log(factor) / (d / 2) ** 0.7
+    torch.testing.assert_close(mixed, plain / torch.exp(a * torch.arange(1, d // 2 + 1).float() ** 0.7),
+                               rtol=1e-6, atol=0)
+    assert rope_scaling_from(mixed_scaling.to_hf(), 128) == mixed_scaling
+    assert mixed_scaling.stretched_len(128) == 256
+
+
 def test_a_scaling_writes_back_the_config_json_it_was_read_from():
     for rope in (LLAMA3, YARN, {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False},
                  {"rope_type": "linear", "factor": 2.0},
