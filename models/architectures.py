@@ -28,6 +28,10 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("ModernBertForTokenClassification", "modernbert"), ("NomicBertModel", "bert_rope"), ("GteNewModel", "bert_rope"),
         ("GteModel", "bert_rope"), ("GteNewForSequenceClassification", "bert_rope"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
+# config.json names served only under another (vLLM's overrides): what the refusal of each says
+RENAMED_ARCHITECTURES: dict[str, str] = {
+    "NewModel": "a GTE v1.5 checkpoint (model_type 'new') is served as vLLM serves it, with "
+                "--hf-overrides '{\"architectures\": [\"GteNewModel\"]}'"}
 # transformers' bare decoder stacks (a checkpoint of the model without its LM head, as embedding
 # models are saved) and sequence classifiers: served as pooling models by the causal LM class of
 # the same layers

@@ -135,10 +135,8 @@ def _model_class(raw: dict[str, Any]) -> type[CausalLM]:
     from models.architectures import ModelRegistry
     archs = raw.get("architectures") or []
     if len(archs) != 1 or not ModelRegistry.is_supported(archs[0]):
-        hint = ""
-        if archs == ["NewModel"]:         # Alibaba's GTE v1.5 names its own implementation so
-            hint = ("; a GTE v1.5 checkpoint (model_type 'new') is served as vLLM serves it, with "
-                    "--hf-overrides '{\"architectures\": [\"GteNewModel\"]}'")
+        from models.architectures import RENAMED_ARCHITECTURES
+        hint = f"; {RENAMED_ARCHITECTURES[archs[0]]}" if len(archs) == 1 and archs[0] in RENAMED_ARCHITECTURES else ""
         raise ValueError(f"config.json architectures {archs} is not supported{hint}; supported: "
                          f"{', '.join(ModelRegistry.get_supported_archs())}")
     return ModelRegistry.get_model_class(archs[0])

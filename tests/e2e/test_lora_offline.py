@@ -198,6 +198,7 @@ def test_a_pinned_adapter_is_pinned_again_on_the_worker_that_replaces_a_killed_o
     pinned, used = LoRARequest("repinned", 80, str(root / "repinned")), LoRARequest("used", 81, str(root / "used"))
 
     async def scenario() -> tuple:
+        before = {p.pid for p in psutil.Process().children()}
         llm = await AsyncLLM.create(str(root / "base"), multiprocess=True, enable_lora=True, max_loras=2,
                                     max_cpu_loras=2, max_lora_rank=16, block_size=4)
         try:
@@ -205,7 +206,7 @@ def test_a_pinned_adapter_is_pinned_again_on_the_worker_that_replaces_a_killed_o
             assert await llm.pin_lora(80)
             first = await llm.complete(PROMPTS[0], GREEDY, lora_request=pinned)
             await llm.complete(PROMPTS[0], GREEDY, lora_request=used)
-            (engine,) = psutil.Process().children()
+            (engine,) = [p for p in psutil.Process().children() if p.pid not in before]     # this engine's
             (worker,) = engine.children()
             os.kill(worker.pid, signal.SIGKILL)
             deadline = time.monotonic() + 60
