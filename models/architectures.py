@@ -26,7 +26,8 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("ModernBertForSequenceClassification", "modernbert"), ("BertForTokenClassification", "bert"),
         ("RobertaForTokenClassification", "bert"), ("XLMRobertaForTokenClassification", "bert"),
         ("ModernBertForTokenClassification", "modernbert"), ("NomicBertModel", "bert_rope"), ("GteNewModel", "bert_rope"),
-        ("GteModel", "bert_rope"), ("GteNewForSequenceClassification", "bert_rope"))}
+        ("GteModel", "bert_rope"), ("GteNewForSequenceClassification", "bert_rope"), ("HF_ColBERT", "bert"),
+        ("ColBERTModernBertModel", "modernbert"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
 # config.json names served only under another (vLLM's overrides): what the refusal of each says
 RENAMED_ARCHITECTURES: dict[str, str] = {
@@ -58,7 +59,12 @@ ENCODER_ONLY_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "Rob
                               "ModernBertForSequenceClassification", "BertForTokenClassification",
                               "RobertaForTokenClassification", "XLMRobertaForTokenClassification",
                               "ModernBertForTokenClassification", "NomicBertModel", "GteNewModel", "GteModel",
-                              "GteNewForSequenceClassification", *BIDIRECTIONAL_MODELS)
+                              "GteNewForSequenceClassification", "HF_ColBERT", "ColBERTModernBertModel",
+                              *BIDIRECTIONAL_MODELS)
+# late-interaction models (ColBERT's): each prompt token's embedding (task token_embed), projected by
+# the checkpoint tensor of one of these names, or else by a sentence-transformers Dense folder
+LATE_INTERACTION_MODELS: dict[str, tuple[str, ...]] = {
+    name: ("linear.weight", "colbert_linear.weight") for name in ("HF_ColBERT", "ColBERTModernBertModel")}
 
 
 class ModelRegistry:

@@ -261,6 +261,18 @@ class BertForSequenceClassification(BertModel):
         return _Pooler(config.hidden_size, config.num_labels)
 
 
+class HF_ColBERT(BertModel):        # noqa: N801 - the checkpoints' (and vLLM's) architecture name
+    """ColBERT (colbert-ir's ``HF_ColBERT``): BERT's stack, each prompt token's hidden state
+    projected by the checkpoint's ``linear`` (hidden -> its dimension, no bias) and normalized, its
+    task token_embed and its scores late interaction (MaxSim), as vLLM serves it. The projection
+    is the pooler's (actors/engine/pooling.py ``checkpoint_projection``), read from the file."""
+
+    @classmethod
+    def _set_maps(cls) -> None:
+        super()._set_maps()
+        cls.hf_skipped_prefixes += ("linear.", "colbert_linear.")
+
+
 class RobertaModel(BertModel):
     """RoBERTa: BERT's stack with positions counted from its padding index + 1."""
     stack_prefix: ClassVar[str] = "roberta."

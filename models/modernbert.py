@@ -188,3 +188,11 @@ class ModernBertForSequenceClassification(ModernBertModel):
 
 class ModernBertForTokenClassification(ModernBertForSequenceClassification):
     """A token classifier: the prediction head and ``classifier`` on every token's hidden state."""
+
+
+class ColBERTModernBertModel(ModernBertModel):
+    """ColBERT on ModernBERT (GTE-ModernColBERT and its kin, served as vLLM serves them, with
+    ``--hf-overrides '{"architectures": ["ColBERTModernBertModel"]}'``): the stack's token
+    embeddings projected by the checkpoint's ``linear`` or its sentence-transformers Dense folder,
+    normalized; task token_embed, scores by late interaction (as models/bert.py's HF_ColBERT)."""
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = ("head.", "decoder.", "linear.", "colbert_linear.")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from models.architectures import BIDIRECTIONAL_MODELS, ENCODER_ONLY_ARCHITECTURES
+from models.architectures import BIDIRECTIONAL_MODELS, ENCODER_ONLY_ARCHITECTURES, LATE_INTERACTION_MODELS
 
 log = logging.getLogger("troupe.engine")
 
@@ -121,6 +121,7 @@ class DenseLayer(msgspec.Struct, frozen=True, kw_only=True):
     bias: bool = True
     activation: str = "identity"
     weights: str = ""
+    key: str = ""              # its weight's tensor name in that file ("": linear.weight, weight or dense.weight)
 
 
 class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -256,7 +257,10 @@ def embed_lens(pooling: ModelPooling | None) -> tuple[int | None, int | None]:
 
 
 def default_runner(architecture: str) -> tuple[str, str]:
-    """vLLM's (runner, convert) for an architecture name, by its suffix."""
+    """vLLM's (runner, convert) for an architecture name, by its suffix (a late-interaction
+    model's, whatever its name: pooling)."""
+    if architecture in LATE_INTERACTION_MODELS:
+        return "pooling", "embed"
     for suffix, defaults in _SUFFIX_DEFAULTS:
         if architecture.endswith(suffix):
             return defaults
@@ -419,13 +423,17 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
         default_seq = bidirectional_pooling(hf_config)
     pooler = msgspec.structs.replace(pooler, seq_pooling_type=pooler.seq_pooling_type or default_seq,
                                      tok_pooling_type=pooler.tok_pooling_type or (reward[1] if reward else "ALL"))
+    dense = sentence_transformers_dense(checkpoint_dir) if checkpoint_dir and convert == "embed" else ()
+    if architecture in LATE_INTERACTION_MODELS:      # ColBERT's: token embeddings, through its projection
+        pooler = msgspec.structs.replace(pooler, task=pooler.task or "token_embed")
+        if checkpoint_dir and convert == "embed":
+            dense = checkpoint_projection(checkpoint_dir, LATE_INTERACTION_MODELS[architecture],
+                                          int(hf_config["hidden_size"])) or dense
     dims = hf_config.get("matryoshka_dimensions")
     settings = ModelPooling(convert=convert, pooler=pooler,
                             is_matryoshka=bool(dims) or bool(hf_config.get("is_matryoshka", False)),
                             matryoshka_dimensions=tuple(dims) if dims else None,
-                            task_instructions=task_instructions(hf_config, checkpoint_dir),
-                            dense=sentence_transformers_dense(checkpoint_dir)
-                            if checkpoint_dir and convert == "embed" else ())
+                            task_instructions=task_instructions(hf_config, checkpoint_dir), dense=dense)
     if convert != "classify":
         return settings
     if reward is not None:          # vLLM's: its labels fixed, their activation by the columns kept
@@ -445,6 +453,28 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
                                    activation=classifier_activation(hf_config, per_token),
                                    use_sep_token=bool(hf_config.get("use_sep_token", hf_config.get("use_pad_token",
                                                                                                    True))))
+
+
+def checkpoint_projection(checkpoint_dir: str, names: tuple[str, ...], hidden_size: int) -> tuple[DenseLayer, ...]:
+    """A late-interaction model's projection held in its own checkpoint (ColBERT's ``linear``:
+    hidden -> its dimension, no bias), as the one Dense layer after pooling; () without one.
+    Found from the safetensors files' headers, without reading their tensors."""
+    from models.lora import read_safetensors_header
+    files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
+    for file in files:
+        path = os.path.join(checkpoint_dir, file)
+        header = read_safetensors_header(path)
+        for name in names:
+            key = next((k for k in header if k == name or k.endswith("." + name)), None)
+            if key is None:
+                continue
+            shape = header[key].get("shape", [])
+            if len(shape) != 2 or shape[1] != hidden_size:
+                raise ValueError(f"{path}: {key} has shape {shape}; a projection of the {hidden_size} hidden "
+                                 "features is (dim, hidden)")
+            return (DenseLayer(in_features=hidden_size, out_features=int(shape[0]), bias=False, weights=path,
+                               key=key),)
+    return ()
 
 
 def bidirectional_pooling(hf_config: dict[str, Any]) -> str:

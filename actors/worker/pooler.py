@@ -36,11 +36,14 @@ def dense_projector(layers: tuple[DenseLayer, ...]) -> torch.nn.Sequential | Non
     modules: list[torch.nn.Module] = []
     for layer in layers:
         if layer.weights.endswith(".safetensors"):
-            from safetensors.torch import load_file
-            state = load_file(layer.weights)
+            from safetensors import safe_open
+            with safe_open(layer.weights, "pt") as f:      # its own tensors only (a model's file holds more)
+                wanted = [k for k in f.keys() if k in (layer.key, "linear.weight", "weight", "dense.weight",
+                                                      "linear.bias", "bias", "dense.bias")]
+                state = {k: f.get_tensor(k) for k in wanted}
         else:
             state = torch.load(layer.weights, map_location="cpu", weights_only=True)
-        key = next((k for k in ("linear.weight", "weight", "dense.weight") if k in state), None)
+        key = next((k for k in (layer.key, "linear.weight", "weight", "dense.weight") if k and k in state), None)
         if key is None:
             raise ValueError(f"{layer.weights}: no Dense weight (linear.weight) in it")
         linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias, dtype=torch.float32)

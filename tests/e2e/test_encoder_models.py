@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import requests
 import torch
+import torch.nn.functional as F
 
 from actors.api import LLM
 from server import Server
@@ -612,3 +613,81 @@ def test_a_served_bert_cross_encoder_reranks_with_the_pairs_token_types(bert_rer
     assert [x["index"] for x in results] == sorted(range(len(DOCS)), key=lambda i: -expected[i])
     for x in results:
         assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=2e-6)
+
+
+def _maxsim(q: torch.Tensor, d: torch.Tensor) -> float:
+    """ColBERT's late interaction: each query token's best dot product with a document token's."""
+    return float((q @ d.T).max(-1).values.sum())
+
+
+def test_a_colbert_checkpoint_embeds_each_token_through_its_projection_and_scores_by_maxsim(tmp_path):
+    """colbert-ir's ``HF_ColBERT`` (BERT's stack under ``bert.``, its ``linear`` projection to 16
+    dimensions, no bias): served as a pooling model without being told (vLLM's registry), each
+    prompt token's embedding is the projected hidden state, normalized (task token_embed), and
+    LLM.score is the MaxSim of query and document tokens, as transformers' BertModel and the
+    projection compute them."""
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(**TINY), add_pooling_layer=False).eval()
+    with torch.no_grad():
+        for name, p in bert.named_parameters():
+            p.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.2)
+    projection = torch.randn(16, TINY["hidden_size"]) * 0.2
+    path = tmp_path / "colbert"
+    path.mkdir()
+    from safetensors.torch import save_file
+    save_file({**{f"bert.{k}": v.contiguous() for k, v in bert.state_dict().items()}, "linear.weight": projection},
+              str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**bert.config.to_dict(), "architectures": ["HF_ColBERT"]}))
+    _save_tokenizer(path, roberta=False)
+    query, docs = [CLS, 5, 9, 17, SEP], [[CLS, 9, 17, 40, SEP], [CLS, *range(60, 90), SEP]]
+
+    def expected(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return F.normalize(bert(torch.tensor([ids])).last_hidden_state[0] @ projection.T, dim=-1)
+
+    with LLM(str(path), multiprocess=False) as llm:
+        assert llm._engine().client.config.model.pooling.pooler.task == "token_embed"
+        outs = llm.encode([{"prompt_token_ids": p} for p in [query, *docs]], pooling_task="token_embed",
+                          use_tqdm=False)
+        scores = llm.score({"prompt_token_ids": query}, [{"prompt_token_ids": d} for d in docs], use_tqdm=False)
+    for out, ids in zip(outs, [query, *docs]):
+        assert tuple(out.outputs.data.shape) == (len(ids), 16)
+        np.testing.assert_allclose(out.outputs.data.numpy(), expected(ids).numpy(), atol=2e-6)
+    for got, doc in zip(scores, docs):
+        assert got.outputs.score == pytest.approx(_maxsim(expected(query), expected(doc)), abs=1e-5)
+
+
+def test_a_modernbert_colbert_takes_its_sentence_transformers_projection(tmp_path):
+    """A ModernBERT ColBERT saved as pylate saves it (the bare stack and a Dense folder, 64 -> 8,
+    no bias), served under vLLM's override to ColBERTModernBertModel: token embeddings through
+    the Dense projection, normalized."""
+    from helpers import save_tiny_tokenizer
+    from safetensors.torch import save_file
+    from transformers import ModernBertConfig, ModernBertModel
+    torch.manual_seed(0)
+    model = ModernBertModel(ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=256, local_attention=8, global_attn_every_n_layers=2, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    path = tmp_path / "modern-colbert"
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, VOCAB)
+    (path / "1_Dense").mkdir()
+    projection = torch.randn(8, 64) * 0.2
+    save_file({"linear.weight": projection}, str(path / "1_Dense" / "model.safetensors"))
+    (path / "1_Dense" / "config.json").write_text(json.dumps({
+        "in_features": 64, "out_features": 8, "bias": False,
+        "activation_function": "torch.nn.modules.linear.Identity"}))
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]))
+    ids = [1, 5, 9, 2, 7, 3, 2, 40, 41, 42, 43, 44, 2]
+    with LLM(str(path), multiprocess=False, hf_overrides={"architectures": ["ColBERTModernBertModel"]}) as llm:
+        (out,) = llm.encode([{"prompt_token_ids": ids}], pooling_task="token_embed", use_tqdm=False)
+    with torch.no_grad():
+        expected = F.normalize(model(torch.tensor([ids])).last_hidden_state[0] @ projection.T, dim=-1)
+    np.testing.assert_allclose(out.outputs.data.numpy(), expected.numpy(), atol=2e-6)
