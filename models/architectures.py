@@ -26,11 +26,14 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("ModernBertForSequenceClassification", "modernbert"), ("BertForTokenClassification", "bert"),
         ("RobertaForTokenClassification", "bert"), ("XLMRobertaForTokenClassification", "bert"),
         ("ModernBertForTokenClassification", "modernbert"), ("NomicBertModel", "bert_rope"), ("GteNewModel", "bert_rope"),
-        ("GteModel", "bert_rope"), ("GteNewForSequenceClassification", "bert_rope"), ("HF_ColBERT", "bert"),
+        ("GteModel", "bert_rope"), ("GteNewForSequenceClassification", "bert_rope"), ("HF_ColBERT", "bert"), ("BertSpladeSparseEmbeddingModel", "bert"),
+        ("RobertaForMaskedLM", "bert"),
         ("ColBERTModernBertModel", "modernbert"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
 # config.json names served only under another (vLLM's overrides): what the refusal of each says
 RENAMED_ARCHITECTURES: dict[str, str] = {
+    "BertForMaskedLM": "a SPLADE checkpoint (a BERT masked LM) is served as vLLM serves it, with "
+                       "--hf-overrides '{\"architectures\": [\"BertSpladeSparseEmbeddingModel\"]}'",
     "NewModel": "a GTE v1.5 checkpoint (model_type 'new') is served as vLLM serves it, with "
                 "--hf-overrides '{\"architectures\": [\"GteNewModel\"]}'"}
 # transformers' bare decoder stacks (a checkpoint of the model without its LM head, as embedding
@@ -60,6 +63,7 @@ ENCODER_ONLY_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "Rob
                               "RobertaForTokenClassification", "XLMRobertaForTokenClassification",
                               "ModernBertForTokenClassification", "NomicBertModel", "GteNewModel", "GteModel",
                               "GteNewForSequenceClassification", "HF_ColBERT", "ColBERTModernBertModel",
+                              "BertSpladeSparseEmbeddingModel", "RobertaForMaskedLM",
                               *BIDIRECTIONAL_MODELS)
 # late-interaction models (ColBERT's): each prompt token's embedding (task token_embed), projected by
 # the checkpoint tensor of one of these names, or else by a sentence-transformers Dense folder

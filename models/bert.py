@@ -273,6 +273,62 @@ class HF_ColBERT(BertModel):        # noqa: N801 - the checkpoints' (and vLLM's)
         cls.hf_skipped_prefixes += ("linear.", "colbert_linear.")
 
 
+class _SpladeHead(nn.Module):
+    """SPLADE's sparse embedding: BERT's masked-LM head (dense, GELU, LayerNorm, the vocabulary
+    decoder, its weight the word embeddings') on each prompt token, log(1 + relu(logits)), the
+    maximum over the tokens: one weight per vocabulary entry. As vLLM pools it, a first token that
+    is config.json's ``cls_token_id`` and a last that is its ``sep_token_id`` are left out (none
+    without those ids)."""
+
+    def __init__(self, config: ArchConfig, embedding: nn.Parameter) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.dense = nn.Linear(hidden, hidden, dtype=torch.float32)
+        self.norm = nn.LayerNorm(hidden, eps=config.rms_norm_eps, dtype=torch.float32)
+        self.decoder_weight = embedding                               # tied, as BERT's masked-LM decoder is
+        self.decoder_bias = nn.Parameter(torch.zeros(config.vocab_size), requires_grad=False)
+        self.cls_id, self.sep_id = config.cls_token_id, config.sep_token_id
+
+    def forward(self, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        start = 1 if self.cls_id is not None and len(token_ids) and int(token_ids[0]) == self.cls_id else 0
+        end = len(rows) - 1 if self.sep_id is not None and int(token_ids[-1]) == self.sep_id else len(rows)
+        if end <= start:
+            return rows.new_zeros(self.decoder_weight.shape[0], dtype=torch.float32)
+        x = F.gelu(self.dense(rows[start:max(end, start)].float()))
+        logits = F.linear(self.norm(x), self.decoder_weight.float(), self.decoder_bias)
+        return torch.log1p(torch.relu(logits)).amax(0)
+
+
+class BertSpladeSparseEmbeddingModel(BertModel):
+    """SPLADE (naver's splade models, BERT masked-LM checkpoints, served as vLLM serves them with
+    ``--hf-overrides '{"architectures": ["BertSpladeSparseEmbeddingModel"]}'``): task embed gives
+    each prompt's sparse vocabulary weights (``sparse_head``; not normalized, as vLLM's), task
+    token_embed its tokens' hidden states."""
+
+    @classmethod
+    def _set_maps(cls) -> None:
+        super()._set_maps()
+        cls.hf_skipped_prefixes = tuple(p for p in cls.hf_skipped_prefixes if p != "cls.") + \
+            ("cls.seq_relationship.", "cls.predictions.decoder.weight")      # the decoder: the word embeddings
+
+    @classmethod
+    def head_map(cls) -> TensorMap:
+        t = "cls.predictions.transform."
+        return {**{f"{t}dense.{p}": (f"sparse_head.dense.{p}", None) for p in ("weight", "bias")},
+                **{f"{t}LayerNorm.{p}": (f"sparse_head.norm.{p}", None) for p in ("weight", "bias")},
+                "cls.predictions.bias": ("sparse_head.decoder_bias", None),
+                "cls.predictions.decoder.bias": ("sparse_head.decoder_bias", None)}
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        return {**super().hf_fields(raw, fields), "cls_token_id": raw.get("cls_token_id"),
+                "sep_token_id": raw.get("sep_token_id")}
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, attn_backend, dtype)
+        self.sparse_head = _SpladeHead(config, self.embed_tokens.weight)
+
+
 class RobertaModel(BertModel):
     """RoBERTa: BERT's stack with positions counted from its padding index + 1."""
     stack_prefix: ClassVar[str] = "roberta."
@@ -293,6 +349,11 @@ class RobertaForSequenceClassification(RobertaModel):
 
     def classifier_head(self, config: ArchConfig) -> nn.Module | None:
         return _Pooler(config.hidden_size, config.num_labels)
+
+
+class RobertaForMaskedLM(RobertaModel):
+    """A RoBERTa masked-LM checkpoint served as vLLM serves it: its stack's embeddings (CLS by
+    default), the LM head not read."""
 
 
 class XLMRobertaModel(RobertaModel):

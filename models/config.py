@@ -57,6 +57,8 @@ class ArchConfig:
     max_position_embeddings: int = 0          # the position table's rows; 0: max_model_len + position_offset
     norm_bias: bool = True                     # their LayerNorms carry a bias (ModernBERT's do not)
     classifier_bias: bool = False              # a classifier head's dense layer has a bias (ModernBERT's)
+    cls_token_id: int | None = None            # config.json's (SPLADE's pooling leaves those tokens out)
+    sep_token_id: int | None = None
     # -- how the engine serves it (set by ``serving``, not read from the checkpoint) -------------
     serving_len: int = 0                       # the engine's --max-model-len; 0: default_max_model_len
     # a classifier's labels (--convert classify: a ``score`` head, hidden -> labels); 0: none

@@ -43,7 +43,8 @@ _SUFFIX_DEFAULTS = (
     ("ForTextEncoding", ("pooling", "embed")), ("EmbeddingModel", ("pooling", "embed")),
     ("ForSequenceClassification", ("pooling", "classify")), ("ForTokenClassification", ("pooling", "classify")),
     ("ClassificationModel", ("pooling", "classify")), ("ForRewardModeling", ("pooling", "embed")),
-    ("RewardModel", ("pooling", "embed")), ("Model", ("pooling", "embed")))
+    ("RewardModel", ("pooling", "embed")), ("Model", ("pooling", "embed")),
+    ("ForMaskedLM", ("pooling", "embed")))       # RobertaForMaskedLM: its stack's embeddings (vLLM's registry)
 
 # sentence-transformers' module types (its old and new paths), as vLLM reads them
 _ST_POOLING = ("sentence_transformers.models.Pooling",

@@ -185,7 +185,8 @@ class ModelRunner:
         pooling = config.model.pooling
         self.pooler = None if pooling is None else Pooler(
             getattr(model, "score", None), pooling.activation, pooling.pooler.logit_mean, pooling.pooler.logit_sigma,
-            dense_projector(pooling.dense), step_after_head=pooling.score_mlp)
+            dense_projector(pooling.dense), step_after_head=pooling.score_mlp,
+            sparse=getattr(model, "sparse_head", None))
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""
@@ -337,7 +338,7 @@ class ModelRunner:
             i = int(inp.slots[row])
             params, start = b.states[i].params.pooling, int(b.num_computed_tokens[i]) - n
             pooled = self.pooler.add(rid, params, hidden[cu[row]:cu[row] + n], start, int(b.num_prompt_tokens[i]),
-                                     b.token_ids[i, start:start + n] if params.pooling_type == "STEP" else None)
+                                     b.token_ids[i, start:start + n] if self.pooler.needs_token_ids(params) else None)
             if pooled is not None:
                 out.pooler_output[rid] = pooled
 

@@ -63,7 +63,8 @@ class Pooler:
 
     def __init__(self, head: torch.nn.Module | None = None, activation: str = "softmax",
                  logit_mean: float | None = None, logit_sigma: float | None = None,
-                 projector: torch.nn.Module | None = None, step_after_head: bool = False) -> None:
+                 projector: torch.nn.Module | None = None, step_after_head: bool = False,
+                 sparse: torch.nn.Module | None = None) -> None:
         # a request whose prompt spans several steps: what its chunks have added up so far
         # (MEAN: the sum of rows; CLS: the first row; ALL: the rows)
         self.partial: dict[str, torch.Tensor | list[torch.Tensor]] = {}
@@ -73,6 +74,12 @@ class Pooler:
         self.projector = projector        # an embedding's Dense projections (sentence-transformers')
         # STEP's columns picked from the head's scores (a reward model's), else from the hidden rows
         self.step_after_head = step_after_head
+        # a sparse embedding model's own pooling of task embed (SPLADE's: (rows, token ids) -> vocab weights)
+        self.sparse = sparse
+
+    def needs_token_ids(self, params: PoolingParams) -> bool:
+        """Whether ``add`` takes the chunk's token ids for this request."""
+        return params.pooling_type == "STEP" or (self.sparse is not None and params.task == "embed")
 
     def add(self, rid: str, params: PoolingParams, rows: torch.Tensor, start: int, num_prompt: int,
             token_ids: np.ndarray | None = None) -> np.ndarray | None:
@@ -80,6 +87,8 @@ class Pooler:
         ``num_prompt`` tokens (``token_ids``: theirs, for STEP pooling); the request's answer
         once the chunk ends the prompt, else None."""
         kind, done = params.pooling_type, start + len(rows) >= num_prompt
+        if self.sparse is not None and params.task == "embed":
+            return self._sparse(rid, rows, token_ids, done)
         if kind == "LAST":
             if not done:
                 return None
@@ -122,6 +131,19 @@ class Pooler:
         if params.use_activation:
             pooled = F.normalize(pooled, p=2, dim=-1)
         return pooled.cpu().numpy()
+
+    def _sparse(self, rid: str, rows: torch.Tensor, token_ids: np.ndarray | None, done: bool) -> np.ndarray | None:
+        """The sparse model's vector of the whole prompt, once its last chunk is in (not
+        normalized, as vLLM leaves SPLADE's)."""
+        if token_ids is None or len(token_ids) != len(rows):
+            raise ValueError("a sparse embedding needs the chunk's token ids")
+        self.partial.setdefault(rid, []).append(rows)
+        self.step_ids.setdefault(rid, []).append(torch.as_tensor(np.asarray(token_ids)))
+        if not done:
+            return None
+        with torch.no_grad():
+            pooled = self.sparse(torch.cat(self.partial.pop(rid)), torch.cat(self.step_ids.pop(rid)))
+        return pooled.float().cpu().numpy()
 
     def forget(self, req_ids: list[str]) -> None:
         """Drop finished, aborted or preempted requests (a preempted one starts over)."""

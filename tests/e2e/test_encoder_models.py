@@ -691,3 +691,40 @@ def test_a_modernbert_colbert_takes_its_sentence_transformers_projection(tmp_pat
     with torch.no_grad():
         expected = F.normalize(model(torch.tensor([ids])).last_hidden_state[0] @ projection.T, dim=-1)
     np.testing.assert_allclose(out.outputs.data.numpy(), expected.numpy(), atol=2e-6)
+
+
+def test_a_splade_checkpoint_gives_its_sparse_vocabulary_weights(tmp_path):
+    """naver's SPLADE (a BERT masked LM) under vLLM's override to BertSpladeSparseEmbeddingModel:
+    each prompt's embedding is max over its tokens of log(1 + relu(masked-LM logits)), the
+    config's CLS and SEP tokens left out (vLLM's), not normalized; the decoder tied to the word
+    embeddings, as transformers saves it. Without the override the start names it."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from actors.runtime.errors import RemoteError
+    path = tmp_path / "splade"
+    model, ids = _tiny(path, BertForMaskedLM, BertConfig(**TINY, cls_token_id=CLS, sep_token_id=SEP))[1], \
+        [[CLS, 5, 9, 17, 40, SEP], [CLS, *range(60, 80), SEP]]
+    with pytest.raises(RemoteError, match="BertSpladeSparseEmbeddingModel"):
+        LLM(str(path), multiprocess=False)
+    with LLM(str(path), multiprocess=False, hf_overrides={"architectures": ["BertSpladeSparseEmbeddingModel"]}) as llm:
+        outs = llm.embed([{"prompt_token_ids": p} for p in ids], use_tqdm=False)
+    for out, p in zip(outs, ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([p])).logits[0]
+        expected = torch.log1p(torch.relu(logits[1:-1])).amax(0)
+        assert len(out.outputs.embedding) == VOCAB and (expected == 0).any()      # sparse
+        np.testing.assert_allclose(out.outputs.embedding, expected.numpy(), atol=2e-5)
+        assert not np.allclose(out.outputs.embedding, torch.log1p(torch.relu(logits)).amax(0).numpy(), atol=1e-4)
+
+
+def test_a_roberta_masked_lm_checkpoint_embeds_with_its_stack(tmp_path):
+    """RobertaForMaskedLM, as vLLM's registry serves it: a pooling model whose embedding is its
+    stack's CLS hidden state, normalized, the LM head not read."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+    path, model = _tiny(tmp_path / "roberta-mlm", RobertaForMaskedLM, RobertaConfig(**TINY, pad_token_id=1), roberta=True)
+    ids = [BOS, 5, 9, 17, 2]
+    with LLM(str(path), multiprocess=False) as llm:
+        (out,) = llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)
+    with torch.no_grad():
+        expected = F.normalize(model.roberta(torch.tensor([ids])).last_hidden_state[0, 0], dim=-1)
+    np.testing.assert_allclose(out.outputs.embedding, expected.numpy(), atol=2e-6)
