@@ -146,6 +146,23 @@ class EncoderLM(CausalLM):
             raise ValueError(f"{type(self).__name__} runs in one pipeline stage")
         return whole_prompts(meta, type(self).__name__)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(decode_token_types(input_ids)[0])
+
+    def embeddings(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor | None,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The layers' input: the word embeddings (or ``inputs_embeds``), plus ``positions``
+        (learned ones, BERT's), plus the token types' where the model has them (packed in the
+        ids), through the embeddings' norm."""
+        ids, types = decode_token_types(input_ids)
+        hidden = self.embed_tokens(ids) if inputs_embeds is None else inputs_embeds
+        if positions is not None:
+            hidden = hidden + positions
+        token_types = getattr(self, "token_type_embeddings", None)
+        if token_types is not None:
+            hidden = hidden + token_types(types)
+        return self.emb_norm(hidden)
+
 
 class BertModel(EncoderLM):
     """The encoder stack; its hidden states are pooled (CLS by default, a sentence-transformers
@@ -213,20 +230,13 @@ class BertModel(EncoderLM):
         self.emb_norm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.layers = nn.ModuleList(BertLayer(c, dtype) for _ in range(c.num_layers))
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(decode_token_types(input_ids)[0])
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, intermediate: Any = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         # input_ids, positions (T,): whole prompts, each from position 0; the KV caches are unused
         starts = self.prompt_starts(meta, intermediate)
-        ids, types = decode_token_types(input_ids)
-        hidden = self.embed_tokens(ids) if inputs_embeds is None else inputs_embeds
-        hidden = hidden + self.position_embeddings(positions + self.config.position_offset)
-        if self.token_type_embeddings is not None:
-            hidden = hidden + self.token_type_embeddings(types)
-        hidden = self.emb_norm(hidden)
+        hidden = self.embeddings(input_ids, inputs_embeds,
+                                 self.position_embeddings(positions + self.config.position_offset))
         for layer in self.layers:
             hidden = layer(hidden, starts)
         return hidden

@@ -19,7 +19,7 @@ from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.base import TensorMap
-from models.bert import EncoderLM, LayerNorm, _Pooler, decode_token_types
+from models.bert import EncoderLM, LayerNorm, _Pooler
 from models.config import ArchConfig
 from models.layers import (Embedding, Linear, MergedLinear, RotaryEmbedding, apply_rotary_qk, encoder_attention,
                            gated_linear_act, linear_act, linear_residual)
@@ -126,18 +126,11 @@ class BertWithRope(EncoderLM):
         up_bias, down_bias = self.mlp_biases(c)
         self.layers = nn.ModuleList(BertWithRopeLayer(c, dtype, up_bias, down_bias) for _ in range(c.num_layers))
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(decode_token_types(input_ids)[0])
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, intermediate: Any = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         starts = self.prompt_starts(meta, intermediate)
-        ids, types = decode_token_types(input_ids)
-        hidden = self.embed_tokens(ids) if inputs_embeds is None else inputs_embeds
-        if self.token_type_embeddings is not None:
-            hidden = hidden + self.token_type_embeddings(types)
-        hidden = self.emb_norm(hidden)
+        hidden = self.embeddings(input_ids, inputs_embeds)
         cos, sin = self.rotary(positions, hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, starts, cos, sin)

@@ -139,13 +139,20 @@ def save_tiny_lora(hf_path, out, r: int, targets: list[str], seed: int, rslora: 
     hf.config._attn_implementation = "eager"
     peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_rslora=rslora,
                                                lora_dropout=0.0, init_lora_weights=False))
+    randomize_lora(peft_model, seed, scale, zero_b)
+    peft_model.save_pretrained(out)
+    return peft_model.eval()
+
+
+def randomize_lora(peft_model, seed: int, scale: float, zero_b: bool = False) -> None:
+    """A peft model's LoRA A and B drawn from N(0, scale^2), seeded: B non-zero, unlike peft's
+    default, so the adapter changes what the model computes (B zero with ``zero_b``)."""
+    import torch
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.zeros_like(p) if zero_b and "lora_B" in name else torch.randn(p.shape, generator=g) * scale)
-    peft_model.save_pretrained(out)
-    return peft_model.eval()
 
 
 class _PlainArrays(types.ModuleType):

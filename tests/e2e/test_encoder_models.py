@@ -423,14 +423,12 @@ def minilm_adapter(tmp_path_factory):
     non-zero B) -> (its directory, MINILM_TEXTS' embeddings with it, and without it)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModel
+
+    from helpers import randomize_lora
     peft = get_peft_model(AutoModel.from_pretrained(minilm_path()), LoraConfig(
         r=8, lora_alpha=16, target_modules=["query", "key", "value", "dense"], lora_dropout=0.0,
         init_lora_weights=False))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    randomize_lora(peft, seed=0, scale=0.05)
     path = tmp_path_factory.mktemp("minilm-lora") / "adapter"
     peft.eval().save_pretrained(path)
     with_adapter = _mean_pooled(peft, MINILM_TEXTS)
@@ -490,7 +488,7 @@ def test_a_lora_adapter_on_an_encoder_classifier_gives_pefts_probabilities(tmp_p
     from peft import LoraConfig, get_peft_model
 
     from actors.engine.lora import LoRARequest
-    from helpers import save_tiny_tokenizer
+    from helpers import randomize_lora, save_tiny_tokenizer
     if kind == "modernbert":
         model = t.ModernBertForSequenceClassification(t.ModernBertConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -508,11 +506,7 @@ def test_a_lora_adapter_on_an_encoder_classifier_gives_pefts_probabilities(tmp_p
     save_tiny_tokenizer(tmp_path / "model", VOCAB)
     peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
                                             init_lora_weights=False))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    randomize_lora(peft, seed=1, scale=0.1)
     peft.eval().save_pretrained(tmp_path / "adapter")
     prompts = [[0, 5, 9, 2, 7, 3, 2], [0, *((7 * i + 5) % 120 + 4 for i in range(30)), 2]]   # no XLM-R padding id (1)
     with torch.no_grad():

@@ -114,21 +114,16 @@ def _smollm2_adapter(out) -> str:
     """A random rank-8 PEFT adapter on every projection of the default model, saved at ``out``."""
     import copy
 
-    import torch
     from peft import LoraConfig, get_peft_model
 
-    from helpers import transformers_model_from_gguf
+    from helpers import randomize_lora, transformers_model_from_gguf
     from models.resolve import default_gguf_path
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     # a copy: peft changes the model it wraps, and the helper's model is shared by the process's tests
     peft_model = get_peft_model(copy.deepcopy(transformers_model_from_gguf(default_gguf_path())),
                                 LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0,
                                            init_lora_weights=False))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    randomize_lora(peft_model, seed=0, scale=0.05)
     peft_model.save_pretrained(out)
     return str(out)
 
