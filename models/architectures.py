@@ -26,7 +26,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("ModernBertForSequenceClassification", "modernbert"), ("BertForTokenClassification", "bert"),
         ("RobertaForTokenClassification", "bert"), ("XLMRobertaForTokenClassification", "bert"),
         ("ModernBertForTokenClassification", "modernbert"), ("NomicBertModel", "bert_rope"), ("GteNewModel", "bert_rope"),
-        ("GteModel", "bert_rope"), ("GteNewForSequenceClassification", "bert_rope"), ("HF_ColBERT", "bert"), ("BertSpladeSparseEmbeddingModel", "bert"),
+        ("GteModel", "bert_rope"), ("GteNewForSequenceClassification", "bert_rope"), ("HF_ColBERT", "bert"), ("BertSpladeSparseEmbeddingModel", "bert"), ("BgeM3EmbeddingModel", "bert"),
         ("RobertaForMaskedLM", "bert"),
         ("ColBERTModernBertModel", "modernbert"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
@@ -63,7 +63,7 @@ ENCODER_ONLY_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "Rob
                               "RobertaForTokenClassification", "XLMRobertaForTokenClassification",
                               "ModernBertForTokenClassification", "NomicBertModel", "GteNewModel", "GteModel",
                               "GteNewForSequenceClassification", "HF_ColBERT", "ColBERTModernBertModel",
-                              "BertSpladeSparseEmbeddingModel", "RobertaForMaskedLM",
+                              "BertSpladeSparseEmbeddingModel", "RobertaForMaskedLM", "BgeM3EmbeddingModel",
                               *BIDIRECTIONAL_MODELS)
 # late-interaction models (ColBERT's): each prompt token's embedding (task token_embed), projected by
 # the checkpoint tensor of one of these names, or else by a sentence-transformers Dense folder

@@ -370,6 +370,13 @@ class XLMRobertaModel(RobertaModel):
     pass
 
 
+class BgeM3EmbeddingModel(XLMRobertaModel):
+    """BGE-M3 (an XLMRobertaModel checkpoint, served as vLLM serves it with ``--hf-overrides
+    '{"architectures": ["BgeM3EmbeddingModel"]}'``): XLM-RoBERTa's stack; its multi-vector and
+    lexical heads, colbert_linear.pt and sparse_linear.pt beside the checkpoint, are the pooler's
+    (actors/engine/pooling.py ``bge_m3_heads``)."""
+
+
 class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
     pass
 

@@ -24,7 +24,7 @@ RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify", "reward")
 SEQ_POOLING_TYPES = ("CLS", "LAST", "MEAN")      # one vector per prompt
 TOK_POOLING_TYPES = ("ALL", "STEP")              # one vector per prompt token
-POOLING_TASKS = ("embed", "token_embed", "classify", "token_classify")
+POOLING_TASKS = ("embed", "token_embed", "classify", "token_classify", "embed&token_classify")
 CONVERT_TASKS = {"embed": ("embed", "token_embed"), "classify": ("classify",)}   # what each conversion serves
 ACTIVATIONS = ("sigmoid", "softmax", "identity", "auto")   # auto: sigmoid for one score a row, else softmax
 # vLLM's reward models: (their labels, their token pooling): a score MLP on every token's hidden
@@ -125,6 +125,18 @@ class DenseLayer(msgspec.Struct, frozen=True, kw_only=True):
     key: str = ""              # its weight's tensor name in that file ("": linear.weight, weight or dense.weight)
 
 
+class TokenHead(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's own head of a per-token task (BGE-M3's): ``layer`` on each prompt token's hidden
+    state, the first token left out when it is ``drop_first`` and the last when it is
+    ``drop_last``; then, with use_activation, ``activation`` ("normalize": each row L2-normalized;
+    "relu")."""
+    task: str
+    layer: DenseLayer
+    activation: str
+    drop_first: int | None = None
+    drop_last: int | None = None
+
+
 class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """vLLM's ``PoolingParams``: what a pooling request asks. ``task``: "embed" (one vector for
     the prompt), "token_embed" (one per prompt token) or a classifier's "classify" (its labels'
@@ -184,6 +196,10 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
     score_mlp: bool = False
     # a sentence-transformers checkpoint's Dense projections of the pooled vector, in order
     dense: tuple[DenseLayer, ...] = ()
+    # a model of several heads (BGE-M3's): its tasks, in place of its conversion's, and the heads
+    # of its per-token ones
+    own_tasks: tuple[str, ...] = ()
+    token_heads: tuple[TokenHead, ...] = ()
 
     def embedding_size(self, hidden_size: int) -> int:
         """An embedding's size: the last Dense projection's, else the model's hidden size."""
@@ -191,6 +207,8 @@ class ModelPooling(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def tasks(self) -> tuple[str, ...]:
+        if self.own_tasks:
+            return self.own_tasks
         return ("token_classify",) if self.per_token else CONVERT_TASKS[self.convert]
 
     @property
@@ -425,6 +443,10 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
     pooler = msgspec.structs.replace(pooler, seq_pooling_type=pooler.seq_pooling_type or default_seq,
                                      tok_pooling_type=pooler.tok_pooling_type or (reward[1] if reward else "ALL"))
     dense = sentence_transformers_dense(checkpoint_dir) if checkpoint_dir and convert == "embed" else ()
+    if architecture == "BgeM3EmbeddingModel" and checkpoint_dir and convert == "embed":
+        tasks, heads = bge_m3_heads(checkpoint_dir, hf_config)
+        return ModelPooling(convert=convert, pooler=pooler, own_tasks=tasks, token_heads=heads,
+                            task_instructions=task_instructions(hf_config, checkpoint_dir))
     if architecture in LATE_INTERACTION_MODELS:      # ColBERT's: token embeddings, through its projection
         pooler = msgspec.structs.replace(pooler, task=pooler.task or "token_embed")
         if checkpoint_dir and convert == "embed":
@@ -476,6 +498,27 @@ def checkpoint_projection(checkpoint_dir: str, names: tuple[str, ...], hidden_si
             return (DenseLayer(in_features=hidden_size, out_features=int(shape[0]), bias=False, weights=path,
                                key=key),)
     return ()
+
+
+BGE_M3_FILES = ("colbert_linear.pt", "sparse_linear.pt")
+
+
+def bge_m3_heads(checkpoint_dir: str, hf_config: dict[str, Any]) -> tuple[tuple[str, ...], tuple[TokenHead, ...]]:
+    """BGE-M3's tasks and heads, as vLLM's BgeM3EmbeddingModel serves them: embed, the CLS
+    vector; token_embed, its multi-vector (ColBERT) form: colbert_linear.pt (hidden -> hidden)
+    on every token but a first BOS, normalized; token_classify, its lexical weights:
+    sparse_linear.pt (hidden -> 1) on every token but a first BOS and a last EOS, through relu;
+    embed&token_classify, the two joined."""
+    missing = [f for f in BGE_M3_FILES if not os.path.isfile(os.path.join(checkpoint_dir, f))]
+    if missing:
+        raise ValueError(f"BgeM3EmbeddingModel reads {', '.join(BGE_M3_FILES)} beside the checkpoint; "
+                         f"{checkpoint_dir} has no {', '.join(missing)}")
+    hidden, bos, eos = int(hf_config["hidden_size"]), hf_config.get("bos_token_id"), hf_config.get("eos_token_id")
+    colbert = DenseLayer(in_features=hidden, out_features=hidden, weights=os.path.join(checkpoint_dir, BGE_M3_FILES[0]))
+    sparse = DenseLayer(in_features=hidden, out_features=1, weights=os.path.join(checkpoint_dir, BGE_M3_FILES[1]))
+    return (("embed", "token_embed", "token_classify", "embed&token_classify"),
+            (TokenHead(task="token_embed", layer=colbert, activation="normalize", drop_first=bos),
+             TokenHead(task="token_classify", layer=sparse, activation="relu", drop_first=bos, drop_last=eos)))
 
 
 def bidirectional_pooling(hf_config: dict[str, Any]) -> str:

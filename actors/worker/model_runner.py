@@ -186,7 +186,7 @@ class ModelRunner:
         self.pooler = None if pooling is None else Pooler(
             getattr(model, "score", None), pooling.activation, pooling.pooler.logit_mean, pooling.pooler.logit_sigma,
             dense_projector(pooling.dense), step_after_head=pooling.score_mlp,
-            sparse=getattr(model, "sparse_head", None))
+            sparse=getattr(model, "sparse_head", None), token_heads=pooling.token_heads)
 
     def capture_cudagraphs(self) -> float:
         """Capture the decode graphs (CUDA only, after the KV cache exists). Returns seconds."""

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actors.engine.pooling import DenseLayer, PoolingParams
+from actors.engine.pooling import DenseLayer, PoolingParams, TokenHead
 
 _ACTIVATIONS = {"identity": torch.nn.Identity, "tanh": torch.nn.Tanh, "relu": torch.nn.ReLU, "sigmoid": torch.nn.Sigmoid,
                 "silu": torch.nn.SiLU, "swish": torch.nn.SiLU, "gelu": torch.nn.GELU,
@@ -64,7 +64,7 @@ class Pooler:
     def __init__(self, head: torch.nn.Module | None = None, activation: str = "softmax",
                  logit_mean: float | None = None, logit_sigma: float | None = None,
                  projector: torch.nn.Module | None = None, step_after_head: bool = False,
-                 sparse: torch.nn.Module | None = None) -> None:
+                 sparse: torch.nn.Module | None = None, token_heads: tuple[TokenHead, ...] = ()) -> None:
         # a request whose prompt spans several steps: what its chunks have added up so far
         # (MEAN: the sum of rows; CLS: the first row; ALL: the rows)
         self.partial: dict[str, torch.Tensor | list[torch.Tensor]] = {}
@@ -76,10 +76,17 @@ class Pooler:
         self.step_after_head = step_after_head
         # a sparse embedding model's own pooling of task embed (SPLADE's: (rows, token ids) -> vocab weights)
         self.sparse = sparse
+        # a model's own per-token heads (BGE-M3's), by task: (head, its settings)
+        self.token_heads = {h.task: (dense_projector((h.layer,)), h) for h in token_heads}
 
     def needs_token_ids(self, params: PoolingParams) -> bool:
         """Whether ``add`` takes the chunk's token ids for this request."""
-        return params.pooling_type == "STEP" or (self.sparse is not None and params.task == "embed")
+        return (params.pooling_type == "STEP" or (self.sparse is not None and params.task == "embed")
+                or self._own(params))
+
+    def _own(self, params: PoolingParams) -> bool:
+        """Whether the request's task is one of the model's own heads' (or joins them)."""
+        return bool(self.token_heads) and (params.task in self.token_heads or params.task == "embed&token_classify")
 
     def add(self, rid: str, params: PoolingParams, rows: torch.Tensor, start: int, num_prompt: int,
             token_ids: np.ndarray | None = None) -> np.ndarray | None:
@@ -89,6 +96,8 @@ class Pooler:
         kind, done = params.pooling_type, start + len(rows) >= num_prompt
         if self.sparse is not None and params.task == "embed":
             return self._sparse(rid, rows, token_ids, done)
+        if self._own(params):
+            return self._own_heads(rid, params, rows, token_ids, done)
         if kind == "LAST":
             if not done:
                 return None
@@ -132,18 +141,50 @@ class Pooler:
             pooled = F.normalize(pooled, p=2, dim=-1)
         return pooled.cpu().numpy()
 
-    def _sparse(self, rid: str, rows: torch.Tensor, token_ids: np.ndarray | None, done: bool) -> np.ndarray | None:
-        """The sparse model's vector of the whole prompt, once its last chunk is in (not
-        normalized, as vLLM leaves SPLADE's)."""
+    def _whole(self, rid: str, rows: torch.Tensor, token_ids: np.ndarray | None,
+               done: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the prompt's rows, its token ids) once its last chunk is in; None before."""
         if token_ids is None or len(token_ids) != len(rows):
-            raise ValueError("a sparse embedding needs the chunk's token ids")
+            raise ValueError("this pooling needs the chunk's token ids")
         self.partial.setdefault(rid, []).append(rows)
         self.step_ids.setdefault(rid, []).append(torch.as_tensor(np.asarray(token_ids)))
         if not done:
             return None
+        return torch.cat(self.partial.pop(rid)), torch.cat(self.step_ids.pop(rid))
+
+    def _sparse(self, rid: str, rows: torch.Tensor, token_ids: np.ndarray | None, done: bool) -> np.ndarray | None:
+        """The sparse model's vector of the whole prompt (not normalized, as vLLM leaves SPLADE's)."""
+        whole = self._whole(rid, rows, token_ids, done)
+        if whole is None:
+            return None
         with torch.no_grad():
-            pooled = self.sparse(torch.cat(self.partial.pop(rid)), torch.cat(self.step_ids.pop(rid)))
-        return pooled.float().cpu().numpy()
+            return self.sparse(*whole).float().cpu().numpy()
+
+    def _own_heads(self, rid: str, params: PoolingParams, rows: torch.Tensor, token_ids: np.ndarray | None,
+                   done: bool) -> np.ndarray | None:
+        """A task of the model's own heads over the whole prompt: the head's rows (filtered,
+        activated); embed&token_classify: the CLS embedding then the token_classify rows, joined
+        (vLLM's BGE-M3)."""
+        whole = self._whole(rid, rows, token_ids, done)
+        if whole is None:
+            return None
+        rows, ids = whole[0].float(), whole[1]
+        with torch.no_grad():
+            if params.task != "embed&token_classify":
+                return self._head(params.task, rows, ids, params.use_activation).cpu().numpy()
+            dense = F.normalize(rows[0], dim=-1) if params.use_activation else rows[0]
+            return torch.cat([dense, self._head("token_classify", rows, ids, params.use_activation)]).cpu().numpy()
+
+    def _head(self, task: str, rows: torch.Tensor, ids: torch.Tensor, activate: bool) -> torch.Tensor:
+        head, spec = self.token_heads[task]
+        if spec.drop_first is not None and len(ids) and int(ids[0]) == spec.drop_first:
+            rows, ids = rows[1:], ids[1:]
+        if spec.drop_last is not None and len(ids) and int(ids[-1]) == spec.drop_last:
+            rows, ids = rows[:-1], ids[:-1]
+        out = head(rows)
+        if activate:
+            out = F.normalize(out, p=2, dim=-1) if spec.activation == "normalize" else torch.relu(out)
+        return out.squeeze(-1) if out.shape[-1] == 1 else out
 
     def forget(self, req_ids: list[str]) -> None:
         """Drop finished, aborted or preempted requests (a preempted one starts over)."""

@@ -722,3 +722,36 @@ def test_a_roberta_masked_lm_checkpoint_embeds_with_its_stack(tmp_path):
     with torch.no_grad():
         expected = F.normalize(model.roberta(torch.tensor([ids])).last_hidden_state[0, 0], dim=-1)
     np.testing.assert_allclose(out.outputs.embedding, expected.numpy(), atol=2e-6)
+
+
+def test_bge_m3_gives_its_dense_multi_vector_and_lexical_outputs_by_task(tmp_path):
+    """BGE-M3 (an XLM-RoBERTa checkpoint with colbert_linear.pt and sparse_linear.pt beside it)
+    under vLLM's override to BgeM3EmbeddingModel, task by task as vLLM serves it: embed, the
+    normalized CLS state; token_embed, colbert_linear on every token but the first BOS,
+    normalized; token_classify, relu(sparse_linear) on every token but BOS and EOS;
+    embed&token_classify, the two joined. Without its two files the start names them."""
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+    path = tmp_path / "bge-m3"
+    _, model = _tiny(path, XLMRobertaModel, XLMRobertaConfig(**TINY, pad_token_id=1, bos_token_id=BOS, eos_token_id=2),
+                     roberta=True)
+    overrides = {"architectures": ["BgeM3EmbeddingModel"]}
+    with pytest.raises(ValueError, match="colbert_linear.pt, sparse_linear.pt"):
+        LLM(str(path), multiprocess=False, hf_overrides=overrides)
+    g = torch.Generator().manual_seed(3)
+    colbert = {"weight": torch.randn(64, 64, generator=g) * 0.2, "bias": torch.randn(64, generator=g) * 0.2}
+    ids = [BOS, 5, 9, 17, 40, 77, 2]
+    with torch.no_grad():
+        h = model(torch.tensor([ids])).last_hidden_state[0]
+    weight = torch.randn(1, 64, generator=g) * 0.5
+    sparse = {"weight": weight, "bias": -(h[1:-1] @ weight.T).median().reshape(1)}   # about half the tokens weigh
+    torch.save(colbert, path / "colbert_linear.pt")
+    torch.save(sparse, path / "sparse_linear.pt")
+    expected = {"embed": F.normalize(h[0], dim=-1),
+                "token_embed": F.normalize(F.linear(h[1:], colbert["weight"], colbert["bias"]), dim=-1),
+                "token_classify": torch.relu(F.linear(h[1:-1], sparse["weight"], sparse["bias"])).squeeze(-1)}
+    expected["embed&token_classify"] = torch.cat([expected["embed"], expected["token_classify"]])
+    assert (expected["token_classify"] == 0).any() and (expected["token_classify"] > 0).any()
+    with LLM(str(path), multiprocess=False, hf_overrides=overrides) as llm:
+        for task, want in expected.items():
+            (out,) = llm.encode([{"prompt_token_ids": ids}], pooling_task=task, use_tqdm=False)
+            np.testing.assert_allclose(out.outputs.data.numpy(), want.numpy(), atol=2e-6, err_msg=task)
