@@ -5,8 +5,9 @@ computed, turned into its answer once the prompt is done: the last token's (LAST
 process reward model's); then put through a
 sentence-transformers checkpoint's Dense projections, its first ``dimensions`` kept (a Matryoshka
 model's) and L2-normalized unless ``use_activation`` is off; or, for a classifier (task
-classify; token_classify: every token's), its score head's label scores. Sums run in float32
-whatever the model's dtype."""
+classify; token_classify: every token's), its score head's label scores. A model may pool in
+its own way: SPLADE's sparse vocabulary weights (the model's ``sparse_head``), BGE-M3's per-token
+heads (ModelPooling's ``token_heads``). Sums run in float32 whatever the model's dtype."""
 from __future__ import annotations
 
 import numpy as np
@@ -91,7 +92,7 @@ class Pooler:
     def add(self, rid: str, params: PoolingParams, rows: torch.Tensor, start: int, num_prompt: int,
             token_ids: np.ndarray | None = None) -> np.ndarray | None:
         """Chunk ``rows`` (n, hidden) of positions [start, start + n) of a prompt of
-        ``num_prompt`` tokens (``token_ids``: theirs, for STEP pooling); the request's answer
+        ``num_prompt`` tokens (``token_ids``: theirs, where ``needs_token_ids``); the request's answer
         once the chunk ends the prompt, else None."""
         kind, done = params.pooling_type, start + len(rows) >= num_prompt
         if self.sparse is not None and params.task == "embed":
