@@ -34,6 +34,7 @@ from actors.kv_manager.block_hash import HASH_ALGOS
 from actors.kv_manager.kv_events import KVEventsConfig
 from actors.kv_transfer.config import KVTransferConfig
 from actors.spec_decode.config import SpeculativeConfig
+from models.architectures import ENCODER_ONLY_ARCHITECTURES
 from models.config import ArchConfig
 from models.resolve import ModelSource
 from actors.engine.watermark import WatermarkConfig
@@ -455,6 +456,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if arch.encoder_only:
             if sched.enable_chunked_prefill:
                 raise ValueError(encoder_chunking_refused(arch.architecture))
+            if self.parallel.pipeline_parallel_size > 1 and arch.architecture in ENCODER_ONLY_ARCHITECTURES:
+                raise ValueError(f"{arch.architecture} is an encoder-only model: its layers run in one pipeline "
+                                 "stage; drop --pipeline-parallel-size (--tensor-parallel-size splits it)")
             sched = msgspec.structs.replace(sched, enable_chunked_prefill=False)
             if cache.enable_prefix_caching:
                 log.info("%s attends over whole prompts: chunked prefill and prefix caching are off",
@@ -617,7 +621,6 @@ def _check_pooling(cfg: EngineConfig) -> None:
     refused = [name for name, on in (
         ("--speculative-config", cfg.speculative is not None),
         ("--async-scheduling", cfg.scheduler.async_scheduling is True),
-        ("--pipeline-parallel-size", cfg.parallel.pipeline_parallel_size > 1),
         ("--watermark-config", cfg.watermark is not None), ("--kv-transfer-config", cfg.kv_transfer is not None),
         ("--return-sampling-mask", cfg.model.return_sampling_mask)) if on]
     if refused:

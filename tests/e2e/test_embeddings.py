@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import requests
 import torch
+import torch.nn.functional as F
 
 from actors.api import LLM, PoolingParams
 from helpers import save_tiny_tokenizer
@@ -289,6 +290,21 @@ def test_what_a_pooling_server_cannot_do_is_refused_by_name(server):
     r = requests.post(f"{server.url}/pooling", json={"input": "hi", "task": "classify"}, timeout=30)
     assert r.status_code == 400 and "Task classify is not supported" in r.json()["error"]["message"]
     assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_pooling_model_splits_over_pipeline_stages_the_last_one_pooling(bare_llama):
+    """--runner pooling with --pipeline-parallel-size 2, as vLLM runs it (the last stage pools):
+    prompts computed in 8-token chunks through two stages give transformers' mean-pooled
+    embeddings, and every token's vector (task token_embed)."""
+    path, model = bare_llama
+    prompts = _prompts([5, 30, 12])
+    with LLM(path, pipeline_parallel_size=2, max_num_batched_tokens=8) as llm:
+        embeds = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+        tokens = llm.encode([{"prompt_token_ids": p} for p in prompts], pooling_task="token_embed", use_tqdm=False)
+    for p, embed, token in zip(prompts, embeds, tokens):
+        hidden = _hidden(model, p)
+        np.testing.assert_allclose(embed.outputs.embedding, F.normalize(hidden.mean(0), dim=-1).numpy(), atol=2e-6)
+        np.testing.assert_allclose(token.outputs.data.numpy(), F.normalize(hidden, dim=-1).numpy(), atol=2e-6)
 
 
 def test_a_batch_file_of_embedding_requests_runs_offline(bare_llama, tmp_path):

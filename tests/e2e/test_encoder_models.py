@@ -380,12 +380,15 @@ def test_a_sentence_transformers_do_lower_case_lower_cases_pooling_prompts(tmp_p
     np.testing.assert_allclose(lowered[1], cased[1], atol=1e-6)
 
 
-def test_an_encoder_model_refuses_chunked_prefill_and_a_budget_below_its_context(bert_reranker):
+def test_an_encoder_model_refuses_chunked_prefill_pipeline_stages_and_a_budget_below_its_context(bert_reranker):
+    from actors.runtime.errors import ChildStartError
     path, _ = bert_reranker
     with pytest.raises(ValueError, match="cannot be computed in chunks"):
         LLM(path, multiprocess=False, enable_chunked_prefill=True)
     with pytest.raises(Exception, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(80\)"):
         LLM(path, multiprocess=False, max_num_batched_tokens=64)
+    with pytest.raises(ChildStartError, match="its layers run in one pipeline stage; drop --pipeline-parallel-size"):
+        LLM(path, pipeline_parallel_size=2)
 
 
 def test_an_encoder_is_not_bounded_by_a_kv_cache_it_never_uses(xlmr_classifier):
