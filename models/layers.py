@@ -409,7 +409,8 @@ class SelfAttention(nn.Module):
                  backend: AttentionBackend, dtype: torch.dtype, *, scale: float,
                  sliding_window: int | None = None, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: Callable[[], nn.Module] | None = None, rotary_dim: int | None = None,
-                 use_rope: bool = True, logits_soft_cap: float | None = None, bidirectional: bool = False) -> None:
+                 use_rope: bool = True, logits_soft_cap: float | None = None, bidirectional: bool = False,
+                 qk_norm_whole: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         # an encoder's layer (Gemma 3 with use_bidirectional_attention): each query sees its whole
         # prompt (within the sliding window on either side), no KV cache read or written
@@ -427,8 +428,12 @@ class SelfAttention(nn.Module):
         self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
                                      dtype, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden_size, dtype, bias=o_bias)
-        self.q_norm = qk_norm() if qk_norm else None   # over head_size, per head
-        self.k_norm = qk_norm() if qk_norm else None
+        if qk_norm and qk_norm_whole:
+            raise ValueError("a q/k norm is per head or over the whole projection, not both")
+        # over head_size, per head; or (OLMo 2's, qk_norm_whole(size)) over all of q's and k's features
+        self.qk_norm_whole = qk_norm_whole is not None
+        self.q_norm = qk_norm() if qk_norm else qk_norm_whole(self.q_size) if qk_norm_whole else None
+        self.k_norm = qk_norm() if qk_norm else qk_norm_whole(self.kv_size) if qk_norm_whole else None
         self.backend = backend
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
@@ -442,10 +447,12 @@ class SelfAttention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(T, self.num_heads, self.head_size)       # (T, H, D)
         k = k.view(T, self.num_kv_heads, self.head_size)    # (T, KVH, D)
         v = v.view(T, self.num_kv_heads, self.head_size)    # (T, KVH, D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:       # cos/sin (T, 1, rotary_dim): a partial rotary turns the leading dims only
             q, k = apply_rotary_qk(q, k, cos, sin, self.custom_ops)

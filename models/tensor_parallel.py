@@ -196,6 +196,9 @@ def row_parallel(lin: Linear, cols: tuple[int, int], rank: int, group: Any) -> R
 
 
 def shard_attention(m: SelfAttention, world: int, rank: int, group: Any) -> None:
+    if m.qk_norm_whole:
+        raise ValueError("a q/k norm over the whole projection (OLMo 2's) is not split over tensor-parallel ranks "
+                         "yet: drop --tensor-parallel-size")
     D = m.head_size
     q0, qn, k0, kn = head_split(m.num_heads, m.num_kv_heads, world, rank)
     rows = {"q": (q0 * D, qn * D), "k": (k0 * D, kn * D), "v": (k0 * D, kn * D)}

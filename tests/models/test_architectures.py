@@ -91,10 +91,23 @@ def _smollm3():  # layer 3 of 4 without rope (NoPE), tied embeddings
                                             pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
+def _olmo2():  # norms after attention and the MLP, q/k norms over the whole projections
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    return Olmo2ForCausalLM(Olmo2Config(**TINY, num_hidden_layers=2, tie_word_embeddings=False,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
+def _olmo3():  # OLMo 2's layers, three sliding (W = 5) and a global one with linear-scaled rope
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+    return Olmo3ForCausalLM(Olmo3Config(**TINY, num_hidden_layers=4, tie_word_embeddings=False, sliding_window=5,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=5000.0))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
-            "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3, "Gemma2ForCausalLM": _gemma2}
+            "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3, "Gemma2ForCausalLM": _gemma2,
+            "Olmo2ForCausalLM": _olmo2, "Olmo3ForCausalLM": _olmo3}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))

@@ -1,0 +1,123 @@
+"""OLMo 2 and OLMo 3 (AllenAI's open models): Llama's attention and SiLU-gated MLP with the norms
+moved after them (each sublayer's output normalized before its residual add; no norm before),
+and RMSNorms of q and k over the whole projection (every head's features at once) before
+rotary. OLMo 3 adds sliding-window layers (``layer_types``; by default every fourth layer
+global), its config's rope scaling on the global layers only."""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention.base import AttentionBackend, AttentionMetadata
+from models.base import CausalLM, TensorMap
+from models.config import FULL, SLIDING, ArchConfig
+from models.hf_config import rope_parameters
+from models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention
+from models.pipeline_parallel import IntermediateTensors, is_last_stage, stage_layers
+
+
+class Olmo2RMSNorm(RMSNorm):
+    """RMSNorm as OLMo's: in a 16-bit dtype the weight multiplies the float32 normalized values,
+    rounded once (Llama's rounds them first); the same in float32."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super()._norm(x)
+        return (self.weight.float() * F.rms_norm(x.float(), self.weight.shape, None, self.eps)).to(x.dtype)
+
+
+class Olmo2DecoderLayer(nn.Module):
+    def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.is_sliding = c.layer_types is not None and c.layer_types[layer] == SLIDING
+        self.self_attn = SelfAttention(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
+            sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
+            qk_norm_whole=lambda size: Olmo2RMSNorm(size, c.rms_norm_eps, dtype))
+        self.post_attention_layernorm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
+        self.post_feedforward_layernorm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, cos, sin, kv_cache, meta))
+        return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
+
+
+_LAYER = ("self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm",
+          "post_feedforward_layernorm", "mlp.down_proj")
+_FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", "q"), "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+          "self_attn.v_proj": ("self_attn.qkv_proj", "v"), "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+          "mlp.up_proj": ("mlp.gate_up_proj", "up")}
+
+
+class Olmo2ForCausalLM(CausalLM):
+    hf_defaults: ClassVar[dict[str, Any]] = {"rms_norm_eps": 1e-5}
+    intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states",)
+    hf_tensor_map: ClassVar[TensorMap] = {
+        "model.embed_tokens.weight": ("embed_tokens.weight", None),
+        **{f"model.layers.{{i}}.{name}.weight": (f"layers.{{i}}.{name}.weight", None) for name in _LAYER},
+        **{f"model.layers.{{i}}.{theirs}.weight": (f"layers.{{i}}.{ours}.weight", shard)
+           for theirs, (ours, shard) in _FUSED.items()},
+        "model.norm.weight": ("norm.weight", None),
+        "lm_head.weight": ("lm_head.weight", None),
+    }
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        c = self.config = config
+        if c.rotary_dim is not None:
+            raise ValueError(f"{type(self).__name__} with a partial rotary is not supported")
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
+        self.rotary_global = RotaryEmbedding(c.head_size, c.rope_positions, c.rope_theta, c.rope_scaling, c.serving_len)
+        self.rotary_local = (RotaryEmbedding(c.head_size, c.rope_positions, c.rope_local_theta or c.rope_theta)
+                             if c.layer_types is not None and SLIDING in c.layer_types else None)
+        self.layers = nn.ModuleList(Olmo2DecoderLayer(c, i, attn_backend, dtype) for i in range(c.num_layers))
+        self.start_layer, self.end_layer = 0, c.num_layers     # a pipeline stage's (pipeline_parallel.py)
+        self.norm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        tied = self.embed_tokens.weight if c.tie_word_embeddings else None
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype, weight=tied)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        layers = stage_layers(self, kv_caches)
+        if intermediate is None:
+            hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        else:
+            hidden = intermediate["hidden_states"]
+        rope_global = self.rotary_global(positions, hidden.dtype)                 # cos, sin (T, 1, D)
+        rope_local = self.rotary_local(positions, hidden.dtype) if self.rotary_local is not None else None
+        for layer, kv_cache in zip(layers, kv_caches):
+            cos, sin = rope_local if layer.is_sliding else rope_global
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        if not is_last_stage(self):
+            return {"hidden_states": hidden}
+        return self.norm(hidden)                                                  # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    """OLMo 3: OLMo 2's layers, most of them sliding (``layer_types``, else every fourth layer
+    global, transformers' default), the config's rope scaling on the global ones only."""
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        n = fields["num_layers"]
+        types = tuple(raw.get("layer_types") or (SLIDING if (i + 1) % 4 else FULL for i in range(n)))
+        local_theta, local_scaling = rope_parameters(raw, SLIDING) if isinstance(raw.get("rope_parameters"), dict) \
+            and SLIDING in raw["rope_parameters"] else (fields["rope_theta"], None)
+        if local_scaling is not None and not local_scaling.is_default:
+            raise ValueError(f"OLMo 3's sliding layers with {local_scaling.rope_type} rope scaling are not supported "
+                             "(their rope is plain)")
+        return dict(sliding_window=raw.get("sliding_window"), layer_types=types, rope_local_theta=local_theta)
