@@ -195,12 +195,31 @@ def row_parallel(lin: Linear, cols: tuple[int, int], rank: int, group: Any) -> R
     return RowParallel(_quantized(_linear(_weight(lin)[:, start:start + count], bias), lin, cols=cols), group)
 
 
+class ShardedRMSNorm(nn.Module):
+    """An RMSNorm over features split between the ranks (OLMo 2's q/k norms, over all heads at
+    once): this rank's features and their share of the weight, the mean of squares over all of
+    them by an all-reduce of the ranks' sums (each feature held by ``copies`` ranks: replicated KV
+    heads)."""
+
+    def __init__(self, norm: nn.Module, start: int, count: int, copies: int, group: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(norm.weight.data[start:start + count].clone(), requires_grad=False)
+        self.eps, self.size, self.copies, self.group = norm.eps, norm.weight.shape[0], copies, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        sums = xf.pow(2).sum(-1, keepdim=True)
+        shm_comm.all_reduce(sums, self.group)
+        y = xf * torch.rsqrt(sums / (self.size * self.copies) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
 def shard_attention(m: SelfAttention, world: int, rank: int, group: Any) -> None:
-    if m.qk_norm_whole:
-        raise ValueError("a q/k norm over the whole projection (OLMo 2's) is not split over tensor-parallel ranks "
-                         "yet: drop --tensor-parallel-size")
     D = m.head_size
     q0, qn, k0, kn = head_split(m.num_heads, m.num_kv_heads, world, rank)
+    if m.qk_norm_whole:          # each rank's features of q and k, normalized over all ranks' together
+        m.q_norm = ShardedRMSNorm(m.q_norm, q0 * D, qn * D, 1, group)
+        m.k_norm = ShardedRMSNorm(m.k_norm, k0 * D, kn * D, max(1, world // m.num_kv_heads), group)
     rows = {"q": (q0 * D, qn * D), "k": (k0 * D, kn * D), "v": (k0 * D, kn * D)}
     m.qkv_proj = column_parallel(m.qkv_proj, rows)
     m.o_proj = row_parallel(m.o_proj, (q0 * D, qn * D), rank, group)

@@ -1,6 +1,6 @@
 """Tensor parallelism on tiny random models of each architecture: two real ranks (processes in a
 gloo group), each holding its share of the heads (even and uneven splits, KV heads replicated
-when fewer than the ranks), of the MLP columns and of the vocabulary (embedding and LM head,
+when fewer than the ranks; OLMo 2's q/k norms over all heads), of the MLP columns and of the vocabulary (embedding and LM head,
 tied or not), give the logits of the unsplit model within float32 rounding, over a prompt step
 and decode steps of a paged KV cache; with a LoRA adapter on every projection too."""
 from __future__ import annotations
@@ -20,6 +20,7 @@ from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
 from models.lora_layers import LoRAMapping, wrap_lora_modules
 from models.mistral import MistralForCausalLM
+from models.olmo2 import Olmo2ForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.tensor_parallel import RowParallel, shard_model
 from models.tp_layout import head_split, max_local_kv_heads, split
@@ -27,7 +28,8 @@ from helpers import run_steps
 
 BS = 4
 CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
-           "MistralForCausalLM": MistralForCausalLM, "Gemma3ForCausalLM": Gemma3ForCausalLM}
+           "MistralForCausalLM": MistralForCausalLM, "Gemma3ForCausalLM": Gemma3ForCausalLM,
+           "Olmo2ForCausalLM": Olmo2ForCausalLM}
 
 
 def _arch(name: str, heads: int, kv_heads: int, **more) -> ArchConfig:
@@ -68,6 +70,8 @@ CASES = [
     ("Qwen3ForCausalLM", 4, 2),          # per-head q/k norms
     ("MistralForCausalLM", 4, 2),        # sliding window, q/k/v and output biases
     ("Gemma3ForCausalLM", 4, 2),         # sliding and full layers, its own norms
+    ("Olmo2ForCausalLM", 6, 3),          # q/k norms over all heads: each rank's features, the ranks' sums
+    ("Olmo2ForCausalLM", 4, 1),          # ... with the one KV head replicated on both ranks
     ("LlamaForCausalLM", 4, 2, {"tie_word_embeddings": True, "vocab_size": 97}),   # a tied head, 49 + 48 rows
 ]
 
