@@ -18,7 +18,7 @@ from models.pipeline_parallel import IntermediateTensors, is_last_stage, stage_l
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, qk_norm_whole: bool = False) -> None:
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
@@ -26,7 +26,8 @@ class LlamaDecoderLayer(nn.Module):
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
             sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
             qk_norm=(lambda: RMSNorm(c.head_size, c.rms_norm_eps, dtype)) if qk_norm else None,
-            rotary_dim=c.rotary_dim, use_rope=c.layer_uses_rope(layer), bidirectional=c.encoder_only)
+            rotary_dim=c.rotary_dim, use_rope=c.layer_uses_rope(layer), bidirectional=c.encoder_only,
+            qk_norm_whole=(lambda size: RMSNorm(size, c.rms_norm_eps, dtype)) if qk_norm_whole else None)
         self.residual_multiplier = c.residual_multiplier
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
@@ -54,6 +55,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     qk_norm: ClassVar[bool] = False   # per-head RMSNorm of q and k before rotary (Qwen3)
+    qk_norm_whole: ClassVar[bool] = False   # RMSNorm of all of q's and of k's features at once (OLMoE)
     bidirectional_layers: ClassVar[bool] = True     # LlamaBidirectionalModel: its layers attend both ways
     gguf_architectures: ClassVar[tuple[str, ...]] = ("llama",)
     gguf_permuted_qk: ClassVar[bool] = True
@@ -100,7 +102,7 @@ class LlamaForCausalLM(CausalLM):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_size, config.rope_positions, config.rope_theta,
                                           config.rope_scaling, config.serving_len)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attn_backend, dtype, self.qk_norm)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attn_backend, dtype, self.qk_norm, self.qk_norm_whole)
                                     for i in range(config.num_layers))
         self.start_layer, self.end_layer = 0, config.num_layers     # a pipeline stage's (pipeline_parallel.py)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

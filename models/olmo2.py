@@ -2,7 +2,8 @@
 moved after them (each sublayer's output normalized before its residual add; no norm before),
 and RMSNorms of q and k over the whole projection (every head's features at once) before
 rotary. OLMo 3 adds sliding-window layers (``layer_types``; by default every fourth layer
-global), its config's rope scaling on the global layers only."""
+global), its config's rope scaling on the global layers only. OLMoE: Llama's layers (norms
+before) with those q/k norms and a mixture of experts in every MLP (models/moe.py)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
@@ -16,7 +17,9 @@ from models.base import CausalLM, TensorMap
 from models.config import FULL, SLIDING, ArchConfig
 from models.hf_config import rope_parameters
 from models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention
+from models.llama import LlamaForCausalLM
 from models.pipeline_parallel import IntermediateTensors, is_last_stage, stage_layers
+from models.qwen3_moe import Qwen3MoeForCausalLM, num_experts, use_moe_layers
 
 
 class Olmo2RMSNorm(RMSNorm):
@@ -121,3 +124,26 @@ class Olmo3ForCausalLM(Olmo2ForCausalLM):
             raise ValueError(f"OLMo 3's sliding layers with {local_scaling.rope_type} rope scaling are not supported "
                              "(their rope is plain)")
         return dict(sliding_window=raw.get("sliding_window"), layer_types=types, rope_local_theta=local_theta)
+
+
+class OlmoeForCausalLM(LlamaForCausalLM):
+    """OLMoE: Llama's pre-norm layers, q/k RMSNorms over the whole projections, every MLP a
+    mixture of ``num_experts`` experts of ``intermediate_size`` (top ``num_experts_per_tok``, their
+    weights renormalized only with ``norm_topk_prob``), named as Qwen3-MoE's."""
+    qk_norm_whole: ClassVar[bool] = True
+    hf_defaults: ClassVar[dict[str, Any]] = {"rms_norm_eps": 1e-5, "norm_topk_prob": False}
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+    hf_tensor_map: ClassVar[TensorMap] = Qwen3MoeForCausalLM.hf_tensor_map     # the same names
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        if raw.get("clip_qkv") is not None:
+            raise ValueError("OLMoE with clip_qkv is not supported")
+        return {"num_experts": num_experts(raw), "num_experts_per_tok": raw["num_experts_per_tok"],
+                "moe_intermediate_size": fields["intermediate_size"], "norm_topk_prob": bool(raw["norm_topk_prob"]),
+                "moe_layers": tuple(range(fields["num_layers"]))}
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, attn_backend, dtype)
+        use_moe_layers(self, config, dtype)

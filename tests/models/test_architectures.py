@@ -103,11 +103,18 @@ def _olmo3():  # OLMo 2's layers, three sliding (W = 5) and a global one with li
                                         rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=5000.0))
 
 
+def _olmoe():  # pre-norm layers with whole-projection q/k norms, 8 experts top 2, not renormalized
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+    return OlmoeForCausalLM(OlmoeConfig(**{**TINY, "intermediate_size": 32}, num_hidden_layers=2, num_experts=8,
+                                        num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
             "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3, "Gemma2ForCausalLM": _gemma2,
-            "Olmo2ForCausalLM": _olmo2, "Olmo3ForCausalLM": _olmo3}
+            "Olmo2ForCausalLM": _olmo2, "Olmo3ForCausalLM": _olmo3, "OlmoeForCausalLM": _olmoe}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))

@@ -20,7 +20,7 @@ from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
 from models.lora_layers import LoRAMapping, wrap_lora_modules
 from models.mistral import MistralForCausalLM
-from models.olmo2 import Olmo2ForCausalLM
+from models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.tensor_parallel import RowParallel, shard_model
 from models.tp_layout import head_split, max_local_kv_heads, split
@@ -29,7 +29,7 @@ from helpers import run_steps
 BS = 4
 CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
            "MistralForCausalLM": MistralForCausalLM, "Gemma3ForCausalLM": Gemma3ForCausalLM,
-           "Olmo2ForCausalLM": Olmo2ForCausalLM}
+           "Olmo2ForCausalLM": Olmo2ForCausalLM, "OlmoeForCausalLM": OlmoeForCausalLM}
 
 
 def _arch(name: str, heads: int, kv_heads: int, **more) -> ArchConfig:
@@ -39,6 +39,9 @@ def _arch(name: str, heads: int, kv_heads: int, **more) -> ArchConfig:
     if name == "Gemma3ForCausalLM":
         extra = dict(sliding_window=6, layer_types=(SLIDING, FULL, SLIDING), hidden_act="gelu_pytorch_tanh",
                      query_pre_attn_scalar=16.0, rope_local_theta=10000.0)
+    if name == "OlmoeForCausalLM":
+        extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, moe_layers=(0, 1, 2),
+                     norm_topk_prob=False)
     fields = dict(architecture=name, vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3,
                   num_heads=heads, num_kv_heads=kv_heads, head_size=16, max_model_len=256, rope_theta=10000.0,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_ids=())
@@ -72,6 +75,7 @@ CASES = [
     ("Gemma3ForCausalLM", 4, 2),         # sliding and full layers, its own norms
     ("Olmo2ForCausalLM", 6, 3),          # q/k norms over all heads: each rank's features, the ranks' sums
     ("Olmo2ForCausalLM", 4, 1),          # ... with the one KV head replicated on both ranks
+    ("OlmoeForCausalLM", 4, 2),          # those norms before the experts, each expert's columns split
     ("LlamaForCausalLM", 4, 2, {"tie_word_embeddings": True, "vocab_size": 97}),   # a tied head, 49 + 48 rows
 ]
 
