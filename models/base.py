@@ -66,11 +66,15 @@ class CausalLM(nn.Module):
         for an architecture whose config names them otherwise; as it is here."""
         return raw
 
-    @classmethod
-    def hf_weights(cls, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    def hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """A Hugging Face checkpoint's (name, tensor) pairs as the tensor map reads them (a fused
-        tensor the model holds as two parts, split); as they are here."""
-        return weights
+        tensor the model holds as two parts, split; rows in the model's order: ``hf_rows``)."""
+        return ((name, self.hf_rows(name, tensor)) for name, tensor in weights)
+
+    def hf_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The rows of checkpoint tensor ``name`` in the order this model holds them (a LoRA
+        adapter's B rows for that module follow the same order); as they are here."""
+        return tensor
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

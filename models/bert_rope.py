@@ -235,8 +235,7 @@ class GteNewModel(BertWithRope):
         bias = bool(raw.get("bias", True))
         return {**super().hf_fields(raw, fields), "qkv_bias": bias, "o_bias": bias, "hidden_act": "geglu"}
 
-    @classmethod
-    def hf_weights(cls, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    def hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if name.endswith("mlp.up_gate_proj.weight"):       # value rows, then gate rows
                 up, gate = tensor.chunk(2, dim=0)

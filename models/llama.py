@@ -60,6 +60,7 @@ class LlamaForCausalLM(CausalLM):
     gguf_architectures: ClassVar[tuple[str, ...]] = ("llama",)
     gguf_permuted_qk: ClassVar[bool] = True
     intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states", "residual")
+    decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer     # (config, layer, backend, dtype, qk norms)
     # models/native_decode.py: all layers of a pure-decode step in one native call (CPU), set
     # once the weights are packed when the layers qualify; the per-layer path otherwise.
     native_decode = None
@@ -102,7 +103,7 @@ class LlamaForCausalLM(CausalLM):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_size, config.rope_positions, config.rope_theta,
                                           config.rope_scaling, config.serving_len)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attn_backend, dtype, self.qk_norm, self.qk_norm_whole)
+        self.layers = nn.ModuleList(self.decoder_layer(config, i, attn_backend, dtype, self.qk_norm, self.qk_norm_whole)
                                     for i in range(config.num_layers))
         self.start_layer, self.end_layer = 0, config.num_layers     # a pipeline stage's (pipeline_parallel.py)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

@@ -81,6 +81,7 @@ class NativeDecodeStack:
         from kernels.attention.cpu import CpuAttentionBackend
         from kernels.cpu import fused, native
         from models.layers import GatedMLP, RMSNorm, SelfAttention
+        from models.llama import LlamaDecoderLayer
         layers = getattr(model, "layers", None)
         if not layers or not native.available()[0] or not fused.ENABLED:
             return None
@@ -91,6 +92,8 @@ class NativeDecodeStack:
         rows, floats = [], []
         dims, groups = None, set()
         for layer in layers:
+            if type(layer) is not LlamaDecoderLayer:         # Llama's order of norms and adds, no other
+                return None
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
             if (type(attn) is not SelfAttention or type(mlp) is not GatedMLP or mlp.act != "silu"

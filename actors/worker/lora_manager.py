@@ -47,6 +47,7 @@ class LoRAModelManager:
         if not self.modules:
             raise ValueError(f"{type(model).__name__} has no layers LoRA can adapt")
         self._names = _compile_tensor_map(type(model).hf_tensor_map)
+        self._rows = model.hf_rows
         self._model_name = type(model).__name__
         # a pipeline stage's layers (models/pipeline_parallel.py): an adapter's others are other stages'
         self._stage = range(getattr(model, "start_layer", 0), getattr(model, "end_layer", 1 << 30))
@@ -118,7 +119,8 @@ class LoRAModelManager:
                 continue                        # held by another pipeline stage, which applies it
             if target not in self.modules:
                 raise ValueError(f"adapter module {module} maps to {target}, which has no LoRA slots")
-            out.setdefault(target, {})[shard or ""] = ab
+            a, b = ab                           # B's rows in the order the model holds the module's (GLM's q, k)
+            out.setdefault(target, {})[shard or ""] = (a, self._rows(f"{module}.weight", b))
         return out
 
     # -- the layer slots ---------------------------------------------------------------------

@@ -110,11 +110,26 @@ def _olmoe():  # pre-norm layers with whole-projection q/k norms, 8 experts top 
                                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
 
 
+def _glm():  # interleaved rotary over half of each head, q/k/v biases, gate|up in one tensor
+    from transformers import GlmConfig, GlmForCausalLM
+    return GlmForCausalLM(GlmConfig(**TINY, num_hidden_layers=2, tie_word_embeddings=False, partial_rotary_factor=0.5,
+                                    attention_bias=True, pad_token_id=0, eos_token_id=[1], bos_token_id=None,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
+def _glm4():  # GLM's layers with a norm after attention and one after the MLP
+    from transformers import Glm4Config, Glm4ForCausalLM
+    return Glm4ForCausalLM(Glm4Config(**TINY, num_hidden_layers=2, tie_word_embeddings=False, partial_rotary_factor=0.5,
+                                      attention_bias=True, pad_token_id=0, eos_token_id=[1], bos_token_id=None,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
             "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3, "Gemma2ForCausalLM": _gemma2,
-            "Olmo2ForCausalLM": _olmo2, "Olmo3ForCausalLM": _olmo3, "OlmoeForCausalLM": _olmoe}
+            "Olmo2ForCausalLM": _olmo2, "Olmo3ForCausalLM": _olmo3, "OlmoeForCausalLM": _olmoe,
+            "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
