@@ -213,3 +213,38 @@ def test_an_adapter_whose_files_are_gone_fails_only_its_rows_and_unloading_frees
     assert m.lora_index_to_id.count(None) == 1                          # its slot is free again
     m.set_adapter_mapping([ok], one)
     assert not m.failed
+
+
+def test_an_adapter_on_glms_reordered_q_and_k_rows_matches_peft(tmp_path):
+    """GLM's q and k rows are reordered at load (its interleaved rotary served half-split): an
+    adapter's B rows for them are reordered alike, so the engine's greedy tokens with an adapter
+    on q, k, v and o equal peft's on transformers' GLM, and differ from the base model's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GlmConfig, GlmForCausalLM
+
+    from actors.api import LLM, SamplingParams
+    from tests.helpers import randomize_lora, save_tiny_tokenizer
+    torch.manual_seed(0)
+    hf = GlmForCausalLM(GlmConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, num_hidden_layers=2, partial_rotary_factor=0.5,
+                                  attention_bias=True, tie_word_embeddings=False, pad_token_id=0, eos_token_id=[1],
+                                  bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+    hf.save_pretrained(tmp_path / "glm")
+    save_tiny_tokenizer(tmp_path / "glm", VOCAB)
+    peft = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                         lora_dropout=0.0, init_lora_weights=False))
+    randomize_lora(peft, seed=1, scale=0.2)
+    peft.save_pretrained(tmp_path / "adapter")
+    with torch.inference_mode():
+        expected = peft.generate(torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False)[0, len(PROMPT):].tolist()
+        with peft.disable_adapter():
+            plain = peft.generate(torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False)[0, len(PROMPT):].tolist()
+    assert expected != plain
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with LLM(str(tmp_path / "glm"), multiprocess=False, enable_lora=True, max_lora_rank=8, max_model_len=128) as llm:
+        got = llm.generate([{"prompt_token_ids": PROMPT}], greedy, lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")),
+                           use_tqdm=False)[0].outputs[0].token_ids
+    assert got == expected
