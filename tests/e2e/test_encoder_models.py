@@ -757,4 +757,5 @@ def test_bge_m3_gives_its_dense_multi_vector_and_lexical_outputs_by_task(tmp_pat
     with LLM(str(path), multiprocess=False, hf_overrides=overrides) as llm:
         for task, want in expected.items():
             (out,) = llm.encode([{"prompt_token_ids": ids}], pooling_task=task, use_tqdm=False)
-            np.testing.assert_allclose(out.outputs.data.numpy(), want.numpy(), atol=2e-6, err_msg=task)
+            # the lexical weights are not normalized (about 1): relative float32 rounding, as the vectors' absolute
+            np.testing.assert_allclose(out.outputs.data.numpy(), want.numpy(), rtol=2e-5, atol=2e-6, err_msg=task)
