@@ -82,6 +82,7 @@ class Gemma3ForCausalLM(CausalLM):
     gguf_architectures: ClassVar[tuple[str, ...]] = ("gemma3",)
     gguf_eog_tokens: ClassVar[tuple[str, ...]] = ("<end_of_turn>",)
     qk_norm: ClassVar[bool] = True         # per-head RMSNorm of q and k (Gemma 2 has none)
+    decoder_layer: ClassVar[type[nn.Module]] = Gemma3DecoderLayer    # (config, layer, backend, dtype, qk_norm)
     intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states",)
 
     gguf_tensor_map: ClassVar[TensorMap] = {
@@ -158,7 +159,7 @@ class Gemma3ForCausalLM(CausalLM):
         self.embed_scale = c.hidden_size ** 0.5    # applied in the model dtype, as transformers does
         self.rotary_global = RotaryEmbedding(c.head_size, c.rope_positions, c.rope_theta, c.rope_scaling, c.serving_len)
         self.rotary_local = RotaryEmbedding(c.head_size, c.rope_positions, c.rope_local_theta or c.rope_theta)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, i, attn_backend, dtype, self.qk_norm)
+        self.layers = nn.ModuleList(self.decoder_layer(c, i, attn_backend, dtype, self.qk_norm)
                                     for i in range(c.num_layers))
         self.start_layer, self.end_layer = 0, c.num_layers     # a pipeline stage's (pipeline_parallel.py)
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)

@@ -124,12 +124,18 @@ def _glm4():  # GLM's layers with a norm after attention and one after the MLP
                                       rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
 
 
+def _gemma():  # the first Gemma: scaled embeddings, (1 + weight) norms before the sublayers only
+    from transformers import GemmaConfig, GemmaForCausalLM
+    return GemmaForCausalLM(GemmaConfig(**TINY, num_hidden_layers=2, hidden_act="gelu",
+                                        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
             "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3, "Gemma2ForCausalLM": _gemma2,
             "Olmo2ForCausalLM": _olmo2, "Olmo3ForCausalLM": _olmo3, "OlmoeForCausalLM": _olmoe,
-            "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4}
+            "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "GemmaForCausalLM": _gemma}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
