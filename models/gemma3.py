@@ -72,7 +72,36 @@ def _layer_types(pattern: int, num_layers: int) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
 
 
-class Gemma3ForCausalLM(CausalLM):
+class LocalGlobalLM(CausalLM):
+    """A decoder whose layers carry one stream (the hidden states) and each turn q and k by the
+    global rotary (``rotary_global``) or, a sliding layer (``is_sliding``), by the local one
+    (``rotary_local``, None where no layer slides): Gemma 3's and OLMo's forward, a pipeline
+    stage's layers only."""
+    intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states",)
+    rotary_local: RotaryEmbedding | None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        # input_ids, positions (T,) int64; kv_caches[l] (2, num_blocks, block_size, KVH, D), one
+        # per layer this stage runs; ``intermediate``: the previous pipeline stage's tensors;
+        # ``inputs_embeds`` (T, hidden): the first stage's inputs instead of the tokens' embeddings
+        layers = stage_layers(self, kv_caches)
+        if intermediate is None:
+            hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        else:
+            hidden = intermediate["hidden_states"]
+        rope_global = self.rotary_global(positions, hidden.dtype)                 # cos, sin (T, 1, D)
+        rope_local = self.rotary_local(positions, hidden.dtype) if self.rotary_local is not None else None
+        for layer, kv_cache in zip(layers, kv_caches):
+            cos, sin = rope_local if layer.is_sliding else rope_global
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        if not is_last_stage(self):
+            return {"hidden_states": hidden}
+        return self.norm(hidden)                                                  # (T, hidden)
+
+
+class Gemma3ForCausalLM(LocalGlobalLM):
     hf_defaults: ClassVar[dict[str, Any]] = {
         # transformers' Gemma3TextConfig defaults: the hub's multimodal configs state few keys
         "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -83,7 +112,6 @@ class Gemma3ForCausalLM(CausalLM):
     gguf_eog_tokens: ClassVar[tuple[str, ...]] = ("<end_of_turn>",)
     qk_norm: ClassVar[bool] = True         # per-head RMSNorm of q and k (Gemma 2 has none)
     decoder_layer: ClassVar[type[nn.Module]] = Gemma3DecoderLayer    # (config, layer, backend, dtype, qk_norm)
-    intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states",)
 
     gguf_tensor_map: ClassVar[TensorMap] = {
         "token_embd.weight": ("embed_tokens.weight", None),
@@ -171,26 +199,6 @@ class Gemma3ForCausalLM(CausalLM):
         vLLM's prompt embeds stand for)."""
         hidden = self.embed_tokens(input_ids)
         return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
-        # input_ids, positions (T,) int64; kv_caches[l] (2, num_blocks, block_size, KVH, D), one
-        # per layer this stage runs; ``intermediate``: the previous pipeline stage's tensors;
-        # ``inputs_embeds`` (T, hidden): the first stage's inputs instead of the tokens' embeddings
-        layers = stage_layers(self, kv_caches)
-        if intermediate is None:
-            hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        else:
-            hidden = intermediate["hidden_states"]
-        rope_global = self.rotary_global(positions, hidden.dtype)                 # cos, sin (T, 1, D)
-        rope_local = self.rotary_local(positions, hidden.dtype)                   # cos, sin (T, 1, D)
-        for layer, kv_cache in zip(layers, kv_caches):
-            cos, sin = rope_local if layer.is_sliding else rope_global
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        if not is_last_stage(self):
-            return {"hidden_states": hidden}
-        return self.norm(hidden)                                                  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()                # (N, hidden) -> (N, vocab) float32

@@ -16,8 +16,8 @@ from torch import nn
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.base import TensorMap
 from models.config import ArchConfig
-from models.layers import GatedMLP, RMSNorm, SelfAttention
-from models.llama import LlamaForCausalLM
+from models.layers import RMSNorm
+from models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
 def interleaved_to_half_split(rows: torch.Tensor, head_size: int, rotary_dim: int) -> torch.Tensor:
@@ -51,24 +51,16 @@ class GlmForCausalLM(LlamaForCausalLM):
         return tensor
 
 
-class Glm4DecoderLayer(nn.Module):
+class Glm4DecoderLayer(LlamaDecoderLayer):
     """GLM-4's layer: norm, attention, norm, residual add; norm, MLP, norm, residual add. Carried as
     Llama's (``hidden`` + ``residual`` is the stream entering it), so the next layer's, or the final,
     norm adds the last MLP output."""
 
     def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
                  qk_norm: bool = False, qk_norm_whole: bool = False) -> None:
-        super().__init__()
-        c = config
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.self_attn = SelfAttention(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
-            sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            rotary_dim=c.rotary_dim)
-        self.post_self_attn_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
-        self.post_mlp_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        super().__init__(config, layer, backend, dtype, qk_norm, qk_norm_whole)
+        self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from models.base import CausalLM, TensorMap
+from models.base import TensorMap
 from models.config import FULL, SLIDING, ArchConfig
+from models.gemma3 import LocalGlobalLM
 from models.hf_config import rope_parameters
 from models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention
 from models.llama import LlamaForCausalLM
-from models.pipeline_parallel import IntermediateTensors, is_last_stage, stage_layers
 from models.qwen3_moe import Qwen3MoeForCausalLM, num_experts, use_moe_layers
 
 
@@ -58,9 +58,8 @@ _FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", "q"), "self_attn.k_proj": (
           "mlp.up_proj": ("mlp.gate_up_proj", "up")}
 
 
-class Olmo2ForCausalLM(CausalLM):
+class Olmo2ForCausalLM(LocalGlobalLM):
     hf_defaults: ClassVar[dict[str, Any]] = {"rms_norm_eps": 1e-5}
-    intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states",)
     hf_tensor_map: ClassVar[TensorMap] = {
         "model.embed_tokens.weight": ("embed_tokens.weight", None),
         **{f"model.layers.{{i}}.{name}.weight": (f"layers.{{i}}.{name}.weight", None) for name in _LAYER},
@@ -88,23 +87,6 @@ class Olmo2ForCausalLM(CausalLM):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
-        layers = stage_layers(self, kv_caches)
-        if intermediate is None:
-            hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        else:
-            hidden = intermediate["hidden_states"]
-        rope_global = self.rotary_global(positions, hidden.dtype)                 # cos, sin (T, 1, D)
-        rope_local = self.rotary_local(positions, hidden.dtype) if self.rotary_local is not None else None
-        for layer, kv_cache in zip(layers, kv_caches):
-            cos, sin = rope_local if layer.is_sliding else rope_global
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        if not is_last_stage(self):
-            return {"hidden_states": hidden}
-        return self.norm(hidden)                                                  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
