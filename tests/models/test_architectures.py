@@ -130,12 +130,27 @@ def _gemma():  # the first Gemma: scaled embeddings, (1 + weight) norms before t
                                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
 
 
+def _cohere():  # a parallel block after one LayerNorm, an interleaved rotary, logits scaled, a tied head
+    from transformers import CohereConfig, CohereForCausalLM
+    return CohereForCausalLM(CohereConfig(**TINY, num_hidden_layers=2, logit_scale=2.5, layer_norm_eps=1e-5,
+                                          pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
+def _cohere2():  # Command R7B: three sliding layers (W = 5) with rotary, a global one without (NoPE)
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+    return Cohere2ForCausalLM(Cohere2Config(**TINY, num_hidden_layers=4, logit_scale=2.5, layer_norm_eps=1e-5,
+                                            sliding_window=5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
             "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3, "Gemma2ForCausalLM": _gemma2,
             "Olmo2ForCausalLM": _olmo2, "Olmo3ForCausalLM": _olmo3, "OlmoeForCausalLM": _olmoe,
-            "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "GemmaForCausalLM": _gemma}
+            "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "GemmaForCausalLM": _gemma,
+            "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere2}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
