@@ -296,6 +296,20 @@ class GatedMLP(nn.Module):
         return self.down_proj(gated_linear_act(self.gate_up_proj, x, self.act, self.custom_ops, bfloat16_out=True))
 
 
+class MLP(nn.Module):
+    """down(act(up(x))): the ungated MLP (StarCoder2's, Phi's), with biases where the model has
+    them; on the CPU the activation runs inside the up projection's matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, dtype: torch.dtype, bias: bool) -> None:
+        super().__init__()
+        self.act = act                   # a key of TORCH_ACTIVATIONS (hf_activation)
+        self.up_proj = Linear(hidden_size, intermediate_size, dtype, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(linear_act(self.up_proj, x, self.act, bfloat16_out=True))
+
+
 class KVLayerHooks(Protocol):
     """A KV connector's per-layer hooks (actors/kv_transfer/base.py): the layer's share of the
     step's loads before its attention reads the cache, its share of the saves after it wrote."""

@@ -144,13 +144,28 @@ def _cohere2():  # Command R7B: three sliding layers (W = 5) with rotary, a glob
                                             rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
 
 
+def _starcoder2():  # LayerNorms with biases, an ungated GELU MLP, biases throughout, one window (W = 6)
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+    return Starcoder2ForCausalLM(Starcoder2Config(**TINY, num_hidden_layers=2, sliding_window=6, use_bias=True,
+                                                  norm_epsilon=1e-5, tie_word_embeddings=True,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
+def _phi():  # Phi-2: a parallel block, rotary over 40% of each head (6 of 16 dims), an LM head with a bias
+    from transformers import PhiConfig, PhiForCausalLM
+    return PhiForCausalLM(PhiConfig(**{k: v for k, v in TINY.items() if k != "head_dim"}, num_hidden_layers=2,
+                                    partial_rotary_factor=0.4, layer_norm_eps=1e-5,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
             "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3, "Gemma2ForCausalLM": _gemma2,
             "Olmo2ForCausalLM": _olmo2, "Olmo3ForCausalLM": _olmo3, "OlmoeForCausalLM": _olmoe,
             "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "GemmaForCausalLM": _gemma,
-            "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere2}
+            "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere2, "Starcoder2ForCausalLM": _starcoder2,
+            "PhiForCausalLM": _phi}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
