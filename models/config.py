@@ -41,6 +41,7 @@ class ArchConfig:
     attn_logit_softcapping: float | None = None
     embedding_multiplier: float = 1.0          # input embeddings scaled (Granite)
     residual_multiplier: float = 1.0           # each sublayer's output scaled before the residual add (Granite)
+    parallel_residual: bool = False            # GPT-NeoX's use_parallel_residual: attention and MLP both read the stream
     logits_scaling: float = 1.0                # logits divided (Granite)
     final_logit_softcapping: float | None = None
     # -- mixture of experts (Qwen3-MoE, Mixtral); 0 experts: every MLP is dense ---------------

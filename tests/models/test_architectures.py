@@ -158,6 +158,15 @@ def _phi():  # Phi-2: a parallel block, rotary over 40% of each head (6 of 16 di
                                     rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
 
 
+def _gpt_neox(parallel: bool = True):  # Pythia: q|k|v rows head by head, rotary over a quarter of each head
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                            max_position_embeddings=256, num_hidden_layers=2, layer_norm_eps=1e-5,
+                                            use_parallel_residual=parallel, tie_word_embeddings=False,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                                                             "partial_rotary_factor": 0.25}))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -165,7 +174,7 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "Olmo2ForCausalLM": _olmo2, "Olmo3ForCausalLM": _olmo3, "OlmoeForCausalLM": _olmoe,
             "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "GemmaForCausalLM": _gemma,
             "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere2, "Starcoder2ForCausalLM": _starcoder2,
-            "PhiForCausalLM": _phi}
+            "PhiForCausalLM": _phi, "GPTNeoXForCausalLM": _gpt_neox}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -405,3 +414,21 @@ def test_tied_head_copy_in_checkpoint_is_skipped(case):
     load_weights(fresh, state.items(), fresh.hf_tensor_map)
     assert fresh.lm_head.weight is fresh.embed_tokens.weight
     torch.testing.assert_close(fresh.embed_tokens.weight, model.embed_tokens.weight, atol=0, rtol=0)
+
+
+def test_gpt_neox_without_the_parallel_residual_adds_its_sublayers_in_llamas_order(tmp_path):
+    """``use_parallel_residual: false`` (some GPT-NeoX checkpoints): attention added, then the MLP of
+    the sum's norm; the prompt's logits equal transformers'."""
+    torch.manual_seed(0)
+    hf = _gpt_neox(parallel=False)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+    hf.config._attn_implementation = "eager"
+    hf.save_pretrained(tmp_path)
+    model, config = load_model(resolve_model(str(tmp_path)))
+    assert not config.parallel_residual
+    tokens = _prompt(29, 1)
+    paged = Paged(config)
+    (logits,) = paged.step(model, [(tokens, 0, paged.blocks_for([], 29))])
+    _close(logits, hf_logits(hf.eval(), tokens))

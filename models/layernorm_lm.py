@@ -1,11 +1,13 @@
-"""StarCoder2 (``Starcoder2ForCausalLM``) and Phi-2 (``PhiForCausalLM``): decoders with LayerNorms
-(weight and bias) and an ungated GELU MLP, biases throughout. StarCoder2's layers are Llama's
-order (norm, attention, add; norm, MLP, add), with one sliding window for every layer where the
-config sets one; Phi's are a parallel block (one norm read by attention and the MLP, both added
-to the stream), its rotary over a share of each head and its LM head with a bias."""
+"""Decoders with LayerNorms (weight and bias) and an ungated GELU MLP, biases throughout:
+StarCoder2 (``Starcoder2ForCausalLM``: Llama's order of sublayers, norm, attention, add; norm, MLP,
+add; one sliding window for every layer where the config sets one), Phi-2 (``PhiForCausalLM``: a
+parallel block, one norm read by attention and the MLP, both added to the stream; a rotary over
+a share of each head; an LM head with a bias) and GPT-NeoX (``GPTNeoXForCausalLM``, Pythia: a
+parallel block with a norm for each side, or Llama's order, its q|k|v rows head by head in the
+checkpoint, put in the fused projection's order at load)."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -18,20 +20,24 @@ from models.gemma3 import LocalGlobalLM
 from models.layers import MLP, Embedding, Linear, RotaryEmbedding, SelfAttention, hf_activation
 
 
+SEQUENTIAL, PARALLEL, PARALLEL_TWO_NORMS = "sequential", "parallel", "parallel, two norms"
+_NEOX_BUFFERS = ("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq")
+
+
 class _Layer(nn.Module):
     is_sliding = False          # one rotary table for every layer
 
     def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
-                 parallel: bool) -> None:
+                 block: str) -> None:
         super().__init__()
         c = config
-        self.parallel = parallel
+        self.block = block
         self.input_layernorm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.self_attn = SelfAttention(
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
             sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
             rotary_dim=c.rotary_dim)
-        if not parallel:
+        if block != PARALLEL:
             self.post_attention_layernorm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = MLP(c.hidden_size, c.intermediate_size, hf_activation(c.hidden_act, c.architecture), dtype,
                        bias=c.o_bias)
@@ -40,8 +46,10 @@ class _Layer(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         normed = self.input_layernorm(hidden)
         attn = self.self_attn(normed, cos, sin, kv_cache, meta)
-        if self.parallel:
+        if self.block == PARALLEL:
             return hidden + attn + self.mlp(normed)
+        if self.block == PARALLEL_TWO_NORMS:
+            return hidden + attn + self.mlp(self.post_attention_layernorm(hidden))
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -52,7 +60,7 @@ def _layer_map(names: dict[str, str]) -> TensorMap:
 
 
 class Starcoder2ForCausalLM(LocalGlobalLM):
-    parallel: ClassVar[bool] = False
+    block: ClassVar[str] = SEQUENTIAL
     hf_defaults: ClassVar[dict[str, Any]] = {"norm_epsilon": 1e-5, "use_bias": True, "hidden_act": "gelu_pytorch_tanh",
                                              "tie_word_embeddings": True}
     hf_tensor_map: ClassVar[TensorMap] = {
@@ -83,13 +91,17 @@ class Starcoder2ForCausalLM(LocalGlobalLM):
         self.rotary_global = RotaryEmbedding(c.rotary_dim or c.head_size, c.rope_positions, c.rope_theta,
                                              c.rope_scaling, c.serving_len)
         self.rotary_local = None
-        self.layers = nn.ModuleList(_Layer(c, i, attn_backend, dtype, self.parallel) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(_Layer(c, i, attn_backend, dtype, self.layer_block(c)) for i in range(c.num_layers))
         self.start_layer, self.end_layer = 0, c.num_layers     # a pipeline stage's (pipeline_parallel.py)
         self.norm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype)
         tied = self.embed_tokens.weight if c.tie_word_embeddings else None
         self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype, weight=tied, bias=self.lm_head_bias)
 
     lm_head_bias: ClassVar[bool] = False
+
+    def layer_block(self, config: ArchConfig) -> str:
+        """How each layer adds its sublayers (SEQUENTIAL, PARALLEL, PARALLEL_TWO_NORMS)."""
+        return self.block
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -102,7 +114,7 @@ class PhiForCausalLM(Starcoder2ForCausalLM):
     """Phi-2 (and Phi-1.5): a parallel block, ``partial_rotary_factor`` of each head turning, the
     output projection named ``dense``, the MLP ``fc1``/``fc2``, the final norm ``final_layernorm``,
     an LM head with a bias."""
-    parallel: ClassVar[bool] = True
+    block: ClassVar[str] = PARALLEL
     lm_head_bias: ClassVar[bool] = True
     hf_defaults: ClassVar[dict[str, Any]] = {"layer_norm_eps": 1e-5, "hidden_act": "gelu_new",
                                              "partial_rotary_factor": 0.5, "tie_word_embeddings": False,
@@ -126,3 +138,50 @@ class PhiForCausalLM(Starcoder2ForCausalLM):
         if raw.get("qk_layernorm"):
             raise ValueError("PhiForCausalLM with qk_layernorm is not supported")
         return {"qkv_bias": True, "o_bias": True, "sliding_window": None}
+
+
+class GPTNeoXForCausalLM(Starcoder2ForCausalLM):
+    """GPT-NeoX (Pythia): ``use_parallel_residual`` (the default) adds attention of one norm and the
+    MLP of another to the stream together; otherwise Llama's order. ``rotary_pct`` of each head
+    turns (half-split, NeoX's own style)."""
+    hf_defaults: ClassVar[dict[str, Any]] = {"layer_norm_eps": 1e-5, "hidden_act": "gelu", "rotary_pct": 0.25,
+                                             "rotary_emb_base": 10_000, "tie_word_embeddings": False,
+                                             "use_parallel_residual": True, "attention_bias": True}
+    hf_tensor_map: ClassVar[TensorMap] = {
+        "gpt_neox.embed_in.weight": ("embed_tokens.weight", None),
+        **{f"gpt_neox.layers.{{i}}.attention.query_key_value.{p}": (f"layers.{{i}}.self_attn.qkv_proj.{p}", None)
+           for p in ("weight", "bias")},
+        **{f"gpt_neox.layers.{{i}}.{theirs}.{p}": (f"layers.{{i}}.{ours}.{p}", None) for theirs, ours in (
+            ("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm"),
+            ("attention.dense", "self_attn.o_proj"), ("mlp.dense_h_to_4h", "mlp.up_proj"),
+            ("mlp.dense_4h_to_h", "mlp.down_proj")) for p in ("weight", "bias")},
+        **{f"gpt_neox.final_layer_norm.{p}": (f"norm.{p}", None) for p in ("weight", "bias")},
+        "embed_out.weight": ("lm_head.weight", None),
+    }
+
+    @classmethod
+    def hf_raw(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        out = {**raw, "rms_norm_eps": raw["layer_norm_eps"], "rope_theta": raw.get("rope_theta", raw["rotary_emb_base"])}
+        if raw.get("rope_parameters") is None and "partial_rotary_factor" not in raw:
+            out["partial_rotary_factor"] = raw["rotary_pct"]
+        return out
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        bias = bool(raw["attention_bias"])
+        return {"qkv_bias": bias, "o_bias": bias, "sliding_window": None,
+                "parallel_residual": bool(raw["use_parallel_residual"])}
+
+    def layer_block(self, config: ArchConfig) -> str:
+        return PARALLEL_TWO_NORMS if config.parallel_residual else SEQUENTIAL
+
+    def hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        # older saves hold the attention's causal mask and rotary frequencies as buffers: not weights
+        kept = ((n, t) for n, t in weights if not n.endswith(_NEOX_BUFFERS))
+        return super().hf_weights(kept)
+
+    def hf_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(("attention.query_key_value.weight", "attention.query_key_value.bias")):
+            D, H = self.config.head_size, self.config.num_heads      # (H, 3, D) rows -> (3, H, D)
+            return tensor.reshape(H, 3, D, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
+        return tensor
