@@ -18,7 +18,7 @@ from models.bert import LayerNorm
 from models.config import FULL, SLIDING, ArchConfig
 from models.gemma3 import LocalGlobalLM
 from models.glm import interleaved_to_half_split
-from models.layers import Embedding, GatedMLP, Linear, RotaryEmbedding, SelfAttention
+from models.layers import GatedMLP, SelfAttention
 
 
 class CohereDecoderLayer(nn.Module):
@@ -72,18 +72,11 @@ class CohereForCausalLM(LocalGlobalLM):
     def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        c = self.config = config
-        if c.rotary_dim is not None:
+        if config.rotary_dim is not None:
             raise ValueError(f"{type(self).__name__} with a partial rotary is not supported")
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
-        self.rotary_global = RotaryEmbedding(c.head_size, c.rope_positions, c.rope_theta, c.rope_scaling, c.serving_len)
-        self.rotary_local = None
-        self.layers = nn.ModuleList(CohereDecoderLayer(c, i, attn_backend, dtype) for i in range(c.num_layers))
-        self.start_layer, self.end_layer = 0, c.num_layers     # a pipeline stage's (pipeline_parallel.py)
-        self.norm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype, bias=False)
-        tied = self.embed_tokens.weight if c.tie_word_embeddings else None
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype, weight=tied)
-        self.logit_scale = 1.0 / c.logits_scaling
+        self.build(config, dtype, lambda i: CohereDecoderLayer(config, i, attn_backend, dtype),
+                   LayerNorm(config.hidden_size, config.rms_norm_eps, dtype, bias=False), local=False)
+        self.logit_scale = 1.0 / config.logits_scaling
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

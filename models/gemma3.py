@@ -5,7 +5,7 @@ Its GGUF stores the norms as 1 + weight and leaves out what llama.cpp hard-codes
 checkpoints (Gemma3ForConditionalGeneration) serve their language model."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -79,6 +79,22 @@ class LocalGlobalLM(CausalLM):
     stage's layers only."""
     intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states",)
     rotary_local: RotaryEmbedding | None
+
+    def build(self, config: ArchConfig, dtype: torch.dtype, layer: Callable[[int], nn.Module], norm: nn.Module,
+              local: bool, lm_head_bias: bool = False) -> None:
+        """The parts such a model has: the embedding, the global rotary (over ``rotary_dim`` where
+        partial) and, with ``local``, the sliding layers' (their own base), ``layer(i)`` for every
+        layer, the final ``norm``, and the LM head (tied where the config says)."""
+        c = self.config = config
+        turned = c.rotary_dim or c.head_size
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
+        self.rotary_global = RotaryEmbedding(turned, c.rope_positions, c.rope_theta, c.rope_scaling, c.serving_len)
+        self.rotary_local = RotaryEmbedding(turned, c.rope_positions, c.rope_local_theta or c.rope_theta) if local else None
+        self.layers = nn.ModuleList(layer(i) for i in range(c.num_layers))
+        self.start_layer, self.end_layer = 0, c.num_layers     # a pipeline stage's (pipeline_parallel.py)
+        self.norm = norm
+        tied = self.embed_tokens.weight if c.tie_word_embeddings else None
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype, weight=tied, bias=lm_head_bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, intermediate: IntermediateTensors | None = None,
@@ -182,17 +198,9 @@ class Gemma3ForCausalLM(LocalGlobalLM):
         if config.rotary_dim is not None:
             raise ValueError(f"{type(self).__name__} with a partial rotary ({config.rotary_dim} of {config.head_size} "
                              "head dimensions) is not supported")
-        c = self.config = config
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
-        self.embed_scale = c.hidden_size ** 0.5    # applied in the model dtype, as transformers does
-        self.rotary_global = RotaryEmbedding(c.head_size, c.rope_positions, c.rope_theta, c.rope_scaling, c.serving_len)
-        self.rotary_local = RotaryEmbedding(c.head_size, c.rope_positions, c.rope_local_theta or c.rope_theta)
-        self.layers = nn.ModuleList(self.decoder_layer(c, i, attn_backend, dtype, self.qk_norm)
-                                    for i in range(c.num_layers))
-        self.start_layer, self.end_layer = 0, c.num_layers     # a pipeline stage's (pipeline_parallel.py)
-        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        tied = self.embed_tokens.weight if c.tie_word_embeddings else None
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype, weight=tied)
+        self.build(config, dtype, lambda i: self.decoder_layer(config, i, attn_backend, dtype, self.qk_norm),
+                   GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype), local=True)
+        self.embed_scale = config.hidden_size ** 0.5    # applied in the model dtype, as transformers does
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' input embeddings (T,) -> (T, hidden), scaled as the layers take them (what

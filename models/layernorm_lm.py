@@ -17,7 +17,7 @@ from models.base import TensorMap
 from models.bert import LayerNorm
 from models.config import ArchConfig
 from models.gemma3 import LocalGlobalLM
-from models.layers import MLP, Embedding, Linear, RotaryEmbedding, SelfAttention, hf_activation
+from models.layers import MLP, SelfAttention, hf_activation
 
 
 SEQUENTIAL, PARALLEL, PARALLEL_TWO_NORMS = "sequential", "parallel", "parallel, two norms"
@@ -86,16 +86,10 @@ class Starcoder2ForCausalLM(LocalGlobalLM):
     def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        c = self.config = config
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
-        self.rotary_global = RotaryEmbedding(c.rotary_dim or c.head_size, c.rope_positions, c.rope_theta,
-                                             c.rope_scaling, c.serving_len)
-        self.rotary_local = None
-        self.layers = nn.ModuleList(_Layer(c, i, attn_backend, dtype, self.layer_block(c)) for i in range(c.num_layers))
-        self.start_layer, self.end_layer = 0, c.num_layers     # a pipeline stage's (pipeline_parallel.py)
-        self.norm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        tied = self.embed_tokens.weight if c.tie_word_embeddings else None
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype, weight=tied, bias=self.lm_head_bias)
+        block = self.layer_block(config)
+        self.build(config, dtype, lambda i: _Layer(config, i, attn_backend, dtype, block),
+                   LayerNorm(config.hidden_size, config.rms_norm_eps, dtype), local=False,
+                   lm_head_bias=self.lm_head_bias)
 
     lm_head_bias: ClassVar[bool] = False
 

@@ -17,7 +17,7 @@ from models.base import TensorMap
 from models.config import FULL, SLIDING, ArchConfig
 from models.gemma3 import LocalGlobalLM
 from models.hf_config import rope_parameters
-from models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention
+from models.layers import GatedMLP, RMSNorm, SelfAttention
 from models.llama import LlamaForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM, num_experts, use_moe_layers
 
@@ -72,18 +72,11 @@ class Olmo2ForCausalLM(LocalGlobalLM):
     def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        c = self.config = config
-        if c.rotary_dim is not None:
+        if config.rotary_dim is not None:
             raise ValueError(f"{type(self).__name__} with a partial rotary is not supported")
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
-        self.rotary_global = RotaryEmbedding(c.head_size, c.rope_positions, c.rope_theta, c.rope_scaling, c.serving_len)
-        self.rotary_local = (RotaryEmbedding(c.head_size, c.rope_positions, c.rope_local_theta or c.rope_theta)
-                             if c.layer_types is not None and SLIDING in c.layer_types else None)
-        self.layers = nn.ModuleList(Olmo2DecoderLayer(c, i, attn_backend, dtype) for i in range(c.num_layers))
-        self.start_layer, self.end_layer = 0, c.num_layers     # a pipeline stage's (pipeline_parallel.py)
-        self.norm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        tied = self.embed_tokens.weight if c.tie_word_embeddings else None
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype, weight=tied)
+        self.build(config, dtype, lambda i: Olmo2DecoderLayer(config, i, attn_backend, dtype),
+                   Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps, dtype),
+                   local=config.layer_types is not None and SLIDING in config.layer_types)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
