@@ -19,6 +19,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("GlmForCausalLM", "glm"), ("Glm4ForCausalLM", "glm"), ("GemmaForCausalLM", "gemma2"),
         ("CohereForCausalLM", "cohere"), ("Cohere2ForCausalLM", "cohere"), ("Starcoder2ForCausalLM", "layernorm_lm"),
         ("PhiForCausalLM", "layernorm_lm"), ("GPTNeoXForCausalLM", "layernorm_lm"),
+        ("GPT2LMHeadModel", "layernorm_lm"),
         # multimodal checkpoints: their language model, on text (vLLM's --language-model-only)
         ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"),
         ("Qwen2VLForConditionalGeneration", "qwen2"), ("Qwen2_5_VLForConditionalGeneration", "qwen2"),
@@ -52,7 +53,7 @@ BARE_MODELS: dict[str, str] = {
     "Glm4Model": "Glm4ForCausalLM", "GemmaModel": "GemmaForCausalLM",
     "CohereModel": "CohereForCausalLM", "Cohere2Model": "Cohere2ForCausalLM",
     "Starcoder2Model": "Starcoder2ForCausalLM", "PhiModel": "PhiForCausalLM",
-    "GPTNeoXModel": "GPTNeoXForCausalLM",
+    "GPTNeoXModel": "GPTNeoXForCausalLM", "GPT2Model": "GPT2LMHeadModel",
     # transformers' sequence and token classifiers: the same stack and a ``score`` head (--convert classify)
     **{f"{name}For{kind}Classification": f"{name}ForCausalLM" for kind in ("Sequence", "Token") for name in (
         "Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Qwen3Moe", "Mixtral", "Gemma2", "Granite", "SmolLM3")},

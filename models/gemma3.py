@@ -96,6 +96,12 @@ class LocalGlobalLM(CausalLM):
         tied = self.embed_tokens.weight if c.tie_word_embeddings else None
         self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype, weight=tied, bias=lm_head_bias)
 
+    def input_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's input: the tokens' embeddings, or ``inputs_embeds`` (GPT-2 adds its
+        learned positions')."""
+        return self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, intermediate: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
@@ -104,7 +110,7 @@ class LocalGlobalLM(CausalLM):
         # ``inputs_embeds`` (T, hidden): the first stage's inputs instead of the tokens' embeddings
         layers = stage_layers(self, kv_caches)
         if intermediate is None:
-            hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+            hidden = self.input_hidden(input_ids, positions, inputs_embeds)
         else:
             hidden = intermediate["hidden_states"]
         rope_global = self.rotary_global(positions, hidden.dtype)                 # cos, sin (T, 1, D)

@@ -2,9 +2,10 @@
 StarCoder2 (``Starcoder2ForCausalLM``: Llama's order of sublayers, norm, attention, add; norm, MLP,
 add; one sliding window for every layer where the config sets one), Phi-2 (``PhiForCausalLM``: a
 parallel block, one norm read by attention and the MLP, both added to the stream; a rotary over
-a share of each head; an LM head with a bias) and GPT-NeoX (``GPTNeoXForCausalLM``, Pythia: a
+a share of each head; an LM head with a bias), GPT-NeoX (``GPTNeoXForCausalLM``, Pythia: a
 parallel block with a norm for each side, or Llama's order, its q|k|v rows head by head in the
-checkpoint, put in the fused projection's order at load)."""
+checkpoint, put in the fused projection's order at load) and GPT-2 (``GPT2LMHeadModel``: learned
+positions and no rotary, its projections stored transposed, as Conv1D holds them)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Iterable
@@ -17,11 +18,11 @@ from models.base import TensorMap
 from models.bert import LayerNorm
 from models.config import ArchConfig
 from models.gemma3 import LocalGlobalLM
-from models.layers import MLP, SelfAttention, hf_activation
+from models.layers import MLP, Embedding, SelfAttention, hf_activation
 
 
 SEQUENTIAL, PARALLEL, PARALLEL_TWO_NORMS = "sequential", "parallel", "parallel, two norms"
-_NEOX_BUFFERS = ("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq")
+_NEOX_BUFFERS = (".attention.bias", ".attention.masked_bias", ".attention.rotary_emb.inv_freq")
 
 
 class _Layer(nn.Module):
@@ -36,7 +37,7 @@ class _Layer(nn.Module):
         self.self_attn = SelfAttention(
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
             sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            rotary_dim=c.rotary_dim)
+            rotary_dim=c.rotary_dim, use_rope=c.layer_uses_rope(layer))
         if block != PARALLEL:
             self.post_attention_layernorm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = MLP(c.hidden_size, c.intermediate_size, hf_activation(c.hidden_act, c.architecture), dtype,
@@ -179,3 +180,64 @@ class GPTNeoXForCausalLM(Starcoder2ForCausalLM):
             D, H = self.config.head_size, self.config.num_heads      # (H, 3, D) rows -> (3, H, D)
             return tensor.reshape(H, 3, D, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
         return tensor
+
+
+_GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")
+_GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _gpt2_map(prefix: str) -> TensorMap:
+    lay = f"{prefix}h.{{i}}."
+    return {
+        f"{prefix}wte.weight": ("embed_tokens.weight", None),
+        f"{prefix}wpe.weight": ("position_embeddings.weight", None),
+        **{f"{lay}{theirs}.{p}": (f"layers.{{i}}.{ours}.{p}", None) for theirs, ours in (
+            ("ln_1", "input_layernorm"), ("attn.c_attn", "self_attn.qkv_proj"), ("attn.c_proj", "self_attn.o_proj"),
+            ("ln_2", "post_attention_layernorm"), ("mlp.c_fc", "mlp.up_proj"), ("mlp.c_proj", "mlp.down_proj"))
+           for p in ("weight", "bias")},
+        **{f"{prefix}ln_f.{p}": (f"norm.{p}", None) for p in ("weight", "bias")},
+    }
+
+
+class GPT2LMHeadModel(Starcoder2ForCausalLM):
+    """GPT-2: learned absolute positions added to the token embeddings, no rotary, Llama's order of
+    sublayers with LayerNorms, the GELU (tanh) MLP, a tied head; config.json in its own names
+    (n_embd, n_head, n_layer, n_positions, n_inner, layer_norm_epsilon, activation_function)."""
+    hf_defaults: ClassVar[dict[str, Any]] = {"layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+                                             "tie_word_embeddings": True, "n_inner": None,
+                                             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                                             "reorder_and_upcast_attn": False}
+    hf_tensor_map: ClassVar[TensorMap] = {**_gpt2_map(""), **_gpt2_map("transformer."),
+                                          "lm_head.weight": ("lm_head.weight", None)}
+
+    @classmethod
+    def hf_raw(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        hidden = raw["n_embd"]
+        return {**raw, "hidden_size": hidden, "num_attention_heads": raw["n_head"], "num_hidden_layers": raw["n_layer"],
+                "intermediate_size": raw["n_inner"] or 4 * hidden, "max_position_embeddings": raw["n_positions"],
+                "rms_norm_eps": raw["layer_norm_epsilon"], "hidden_act": raw["activation_function"]}
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        odd = [k for k, bad in (("scale_attn_weights false", not raw["scale_attn_weights"]),
+                                ("scale_attn_by_inverse_layer_idx", raw["scale_attn_by_inverse_layer_idx"]),
+                                ("reorder_and_upcast_attn", raw["reorder_and_upcast_attn"])) if bad]
+        if odd:
+            raise ValueError(f"GPT2LMHeadModel with {', '.join(odd)} is not supported")
+        return {"qkv_bias": True, "o_bias": True, "sliding_window": None, "max_position_embeddings": raw["n_positions"],
+                "rope_layers": (False,) * fields["num_layers"]}
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, attn_backend, dtype)
+        self.position_embeddings = Embedding(config.max_position_embeddings, config.hidden_size, dtype)
+
+    def input_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        return super().input_hidden(input_ids, positions, inputs_embeds) + self.position_embeddings(positions)
+
+    def hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name.endswith(_GPT2_BUFFERS):            # the attention's mask, in older saves: not a weight
+                continue
+            yield name, (tensor.t() if name.endswith(_GPT2_CONV1D) else tensor)     # Conv1D's (in, out)

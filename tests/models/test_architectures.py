@@ -167,6 +167,12 @@ def _gpt_neox(parallel: bool = True):  # Pythia: q|k|v rows head by head, rotary
                                                              "partial_rotary_factor": 0.25}))
 
 
+def _gpt2():  # learned positions, no rotary, Conv1D (transposed) projections, a tied head
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_head=4, n_layer=2, n_positions=256,
+                                      n_inner=96))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -174,7 +180,7 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "Olmo2ForCausalLM": _olmo2, "Olmo3ForCausalLM": _olmo3, "OlmoeForCausalLM": _olmoe,
             "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "GemmaForCausalLM": _gemma,
             "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere2, "Starcoder2ForCausalLM": _starcoder2,
-            "PhiForCausalLM": _phi, "GPTNeoXForCausalLM": _gpt_neox}
+            "PhiForCausalLM": _phi, "GPTNeoXForCausalLM": _gpt_neox, "GPT2LMHeadModel": _gpt2}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -184,7 +190,8 @@ def case(request, tmp_path_factory):
     hf = BUILDERS[request.param]()
     with torch.no_grad():  # weights large enough that logits spread out: a wrong detail shows
         for name, p in hf.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") and "Gemma" not in request.param else 0.0, 0.15)
+            is_norm = name.endswith("norm.weight") or (".ln_" in name and name.endswith(".weight"))    # GPT-2's ln_1
+            p.normal_(1.0 if is_norm and "Gemma" not in request.param else 0.0, 0.15)
     hf.config._attn_implementation = "eager"
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, max_shard_size="40KB" if request.param == "LlamaForCausalLM" else "50GB")
@@ -345,8 +352,8 @@ def test_hf_config_defaults_and_errors():
     with pytest.raises(ValueError, match="rope type 'deepseek_yarn' is not supported"):
         hf_model_config({**base, "architectures": ["LlamaForCausalLM"],
                          "rope_scaling": {"rope_type": "deepseek_yarn", "factor": 4.0}})
-    with pytest.raises(ValueError, match="architectures \\['GPT2LMHeadModel'\\] is not supported"):
-        hf_model_config({**base, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="architectures \\['BloomForCausalLM'\\] is not supported"):
+        hf_model_config({**base, "architectures": ["BloomForCausalLM"]})
 
 
 def test_phi3_reads_one_window_and_a_partial_rotary():
@@ -411,7 +418,7 @@ def test_tied_head_copy_in_checkpoint_is_skipped(case):
     state = hf.state_dict()
     assert "lm_head.weight" in state
     fresh = get_model_class(config.architecture)(config, model.layers[0].self_attn.backend)
-    load_weights(fresh, state.items(), fresh.hf_tensor_map)
+    load_weights(fresh, fresh.hf_weights(state.items()), fresh.hf_tensor_map)     # as the loader reads a checkpoint
     assert fresh.lm_head.weight is fresh.embed_tokens.weight
     torch.testing.assert_close(fresh.embed_tokens.weight, model.embed_tokens.weight, atol=0, rtol=0)
 
