@@ -19,7 +19,9 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("GlmForCausalLM", "glm"), ("Glm4ForCausalLM", "glm"), ("GemmaForCausalLM", "gemma2"),
         ("CohereForCausalLM", "cohere"), ("Cohere2ForCausalLM", "cohere"), ("Starcoder2ForCausalLM", "layernorm_lm"),
         ("PhiForCausalLM", "layernorm_lm"), ("GPTNeoXForCausalLM", "layernorm_lm"),
-        ("GPT2LMHeadModel", "layernorm_lm"),
+        ("GPT2LMHeadModel", "layernorm_lm"), ("HeliumForCausalLM", "llama_variants"),
+        ("Ernie4_5ForCausalLM", "llama_variants"), ("SeedOssForCausalLM", "llama_variants"),
+        ("MinistralForCausalLM", "llama_variants"),
         # multimodal checkpoints: their language model, on text (vLLM's --language-model-only)
         ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"),
         ("Qwen2VLForConditionalGeneration", "qwen2"), ("Qwen2_5_VLForConditionalGeneration", "qwen2"),
@@ -54,6 +56,8 @@ BARE_MODELS: dict[str, str] = {
     "CohereModel": "CohereForCausalLM", "Cohere2Model": "Cohere2ForCausalLM",
     "Starcoder2Model": "Starcoder2ForCausalLM", "PhiModel": "PhiForCausalLM",
     "GPTNeoXModel": "GPTNeoXForCausalLM", "GPT2Model": "GPT2LMHeadModel",
+    "HeliumModel": "HeliumForCausalLM", "Ernie4_5Model": "Ernie4_5ForCausalLM", "SeedOssModel": "SeedOssForCausalLM",
+    "MinistralModel": "MinistralForCausalLM",
     # transformers' sequence and token classifiers: the same stack and a ``score`` head (--convert classify)
     **{f"{name}For{kind}Classification": f"{name}ForCausalLM" for kind in ("Sequence", "Token") for name in (
         "Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Qwen3Moe", "Mixtral", "Gemma2", "Granite", "SmolLM3")},

@@ -30,7 +30,19 @@ def interleaved_to_half_split(rows: torch.Tensor, head_size: int, rotary_dim: in
     return rows[index]
 
 
-class GlmForCausalLM(LlamaForCausalLM):
+class InterleavedRotary:
+    """A model whose rotary turns interleaved pairs: q's and k's checkpoint rows (and a LoRA
+    adapter's B rows for them) reordered to the kernels' half-split pairs at load."""
+
+    def hf_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+                          "self_attn.k_proj.bias")):
+            return interleaved_to_half_split(tensor, c.head_size, c.rotary_dim or c.head_size)
+        return tensor
+
+
+class GlmForCausalLM(InterleavedRotary, LlamaForCausalLM):
     gguf_architectures: ClassVar[tuple[str, ...]] = ()
     hf_defaults: ClassVar[dict[str, Any]] = {"partial_rotary_factor": 0.5, "attention_bias": True,
                                              "rms_norm_eps": 1.5625e-07}
@@ -42,13 +54,6 @@ class GlmForCausalLM(LlamaForCausalLM):
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         return {"o_bias": False}             # attention_bias is q's, k's and v's
-
-    def hf_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
-                          "self_attn.k_proj.bias")):
-            return interleaved_to_half_split(tensor, c.head_size, c.rotary_dim or c.head_size)
-        return tensor
 
 
 class Glm4DecoderLayer(LlamaDecoderLayer):

@@ -173,6 +173,32 @@ def _gpt2():  # learned positions, no rotary, Conv1D (transposed) projections, a
                                       n_inner=96))
 
 
+def _helium():  # an interleaved rotary, q/k/v biases
+    from transformers import HeliumConfig, HeliumForCausalLM
+    return HeliumForCausalLM(HeliumConfig(**TINY, num_hidden_layers=2, attention_bias=True, tie_word_embeddings=False,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
+def _ernie4_5():  # an interleaved rotary over the whole head
+    from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
+    return Ernie4_5ForCausalLM(Ernie4_5Config(**TINY, num_hidden_layers=2, tie_word_embeddings=False, use_bias=False,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
+def _seed_oss():  # q/k/v biases and an output one
+    from transformers import SeedOssConfig, SeedOssForCausalLM
+    return SeedOssForCausalLM(SeedOssConfig(**TINY, num_hidden_layers=2, attention_bias=True, attention_out_bias=True,
+                                            tie_word_embeddings=False,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
+def _ministral():  # sliding layers (W = 5) beside a global one
+    from transformers import MinistralConfig, MinistralForCausalLM
+    return MinistralForCausalLM(MinistralConfig(**TINY, num_hidden_layers=3, sliding_window=5,
+                                                layer_types=[SLIDING, FULL, SLIDING], tie_word_embeddings=False,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -180,7 +206,9 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "Olmo2ForCausalLM": _olmo2, "Olmo3ForCausalLM": _olmo3, "OlmoeForCausalLM": _olmoe,
             "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "GemmaForCausalLM": _gemma,
             "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere2, "Starcoder2ForCausalLM": _starcoder2,
-            "PhiForCausalLM": _phi, "GPTNeoXForCausalLM": _gpt_neox, "GPT2LMHeadModel": _gpt2}
+            "PhiForCausalLM": _phi, "GPTNeoXForCausalLM": _gpt_neox, "GPT2LMHeadModel": _gpt2,
+            "HeliumForCausalLM": _helium, "Ernie4_5ForCausalLM": _ernie4_5, "SeedOssForCausalLM": _seed_oss,
+            "MinistralForCausalLM": _ministral}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
