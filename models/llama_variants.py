@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from models.config import SLIDING
 from models.glm import InterleavedRotary
 from models.llama import LlamaForCausalLM
 from models.mistral import MistralForCausalLM
