@@ -304,7 +304,7 @@ class _SpladeHead(nn.Module):
         end = len(rows) - 1 if self.sep_id is not None and int(token_ids[-1]) == self.sep_id else len(rows)
         if end <= start:
             return rows.new_zeros(self.decoder_weight.shape[0], dtype=torch.float32)
-        x = F.gelu(self.dense(rows[start:max(end, start)].float()))
+        x = F.gelu(self.dense(rows[start:end].float()))
         logits = F.linear(self.norm(x), self.decoder_weight.float(), self.decoder_bias)
         return torch.log1p(torch.relu(logits)).amax(0)
 

@@ -442,11 +442,11 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
         default_seq = bidirectional_pooling(hf_config)
     pooler = msgspec.structs.replace(pooler, seq_pooling_type=pooler.seq_pooling_type or default_seq,
                                      tok_pooling_type=pooler.tok_pooling_type or (reward[1] if reward else "ALL"))
-    dense = sentence_transformers_dense(checkpoint_dir) if checkpoint_dir and convert == "embed" else ()
     if architecture == "BgeM3EmbeddingModel" and checkpoint_dir and convert == "embed":
         tasks, heads = bge_m3_heads(checkpoint_dir, hf_config)
         return ModelPooling(convert=convert, pooler=pooler, own_tasks=tasks, token_heads=heads,
                             task_instructions=task_instructions(hf_config, checkpoint_dir))
+    dense = sentence_transformers_dense(checkpoint_dir) if checkpoint_dir and convert == "embed" else ()
     if architecture in LATE_INTERACTION_MODELS:      # ColBERT's: token embeddings, through its projection
         pooler = msgspec.structs.replace(pooler, task=pooler.task or "token_embed")
         if checkpoint_dir and convert == "embed":
