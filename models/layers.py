@@ -342,7 +342,8 @@ def kv_layer_hooks_active() -> bool:
 def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None,
               k_scale: torch.Tensor, v_scale: torch.Tensor, layer: int = 0,
-              group_meta: AttentionMetadata | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+              group_meta: AttentionMetadata | None = None, logits_soft_cap: float | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The attention call (KV store and paged attention through the backend, between a KV
     connector's per-layer hooks when a step has them): torch.compile's splitting op
     (``split_at_attention`` makes it untraced), so compiled layers run as the pieces between
@@ -352,7 +353,7 @@ def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: to
     if hooks is not None:
         hooks.wait_for_layer_load(layer)
     out = backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
-                          k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap)
+                          k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap, sinks=sinks)
     if hooks is not None:
         hooks.save_kv_layer(layer, kv_cache, group_meta if group_meta is not None else meta)
     return out
@@ -424,7 +425,7 @@ class SelfAttention(nn.Module):
                  sliding_window: int | None = None, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: Callable[[], nn.Module] | None = None, rotary_dim: int | None = None,
                  use_rope: bool = True, logits_soft_cap: float | None = None, bidirectional: bool = False,
-                 qk_norm_whole: Callable[[int], nn.Module] | None = None) -> None:
+                 qk_norm_whole: Callable[[int], nn.Module] | None = None, sinks: bool = False) -> None:
         super().__init__()
         # an encoder's layer (Gemma 3 with use_bidirectional_attention): each query sees its whole
         # prompt (within the sliding window on either side), no KV cache read or written
@@ -437,6 +438,10 @@ class SelfAttention(nn.Module):
         self.rotary_dim = rotary_dim or head_size     # a partial rotary turns the leading dims only
         self.use_rope = use_rope                      # False: no position encoding in this layer (NoPE)
         self.logits_soft_cap = logits_soft_cap        # Gemma 2's attention score cap (None: none)
+        # gpt-oss's attention sinks: a learned logit per head, float32 (None: none)
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
+        if sinks and bidirectional:
+            raise ValueError("bidirectional attention with sinks is not supported")
         self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
         self.scale, self.sliding_window = scale, sliding_window
         self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
@@ -478,7 +483,8 @@ class SelfAttention(nn.Module):
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
         out = self.attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.sliding_window,
-                             self.k_scale, self.v_scale, self.kv_index, step_meta, self.logits_soft_cap)
+                             self.k_scale, self.v_scale, self.kv_index, step_meta, self.logits_soft_cap,
+                             self.sinks)
         return self.o_proj(out.reshape(T, self.q_size))     # (T, hidden)
 
     def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype,

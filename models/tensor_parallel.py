@@ -223,6 +223,8 @@ def shard_attention(m: SelfAttention, world: int, rank: int, group: Any) -> None
     rows = {"q": (q0 * D, qn * D), "k": (k0 * D, kn * D), "v": (k0 * D, kn * D)}
     m.qkv_proj = column_parallel(m.qkv_proj, rows)
     m.o_proj = row_parallel(m.o_proj, (q0 * D, qn * D), rank, group)
+    if m.sinks is not None:      # each rank's heads' sinks
+        m.sinks = nn.Parameter(m.sinks.data[q0:q0 + qn].clone(), requires_grad=False)
     m.num_heads, m.num_kv_heads = qn, kn
     m.q_size, m.kv_size = qn * D, kn * D
     # what of each projection's unsplit rows or columns this rank holds (a LoRA adapter's share)

@@ -58,6 +58,7 @@ class AttentionRequirements:
     sliding_window: int | None       # the largest window of any layer; None = full attention only
     device: str                      # "cpu" | "cuda"
     logits_soft_cap: bool = False    # some layer caps its scores (Gemma 2): cap * tanh(score / cap)
+    sinks: bool = False              # the layers have attention sinks (gpt-oss): a learned logit per head
 
 
 CudaGraphSupport = Literal["never", "uniform_decode", "always"]
@@ -85,6 +86,11 @@ class AttentionBackend(ABC):
     ``logits_soft_cap`` C (Gemma 2's attn_logit_softcapping) replaces each scaled score s by
     C * tanh(s / C) before the softmax; only a backend that ``supports_logits_soft_cap`` takes it.
 
+    ``sinks`` S (H,) float32 (gpt-oss's attention sinks): head h's softmax has one more term,
+    exp(S[h]), with no value behind it, so a query's weights sum to less than one: the output is
+    scaled by sum(exp(s)) / (sum(exp(s)) + exp(S[h])); only a backend that ``supports_sinks``
+    takes them.
+
     Subclasses declare their capabilities; ``refusal`` turns them into a reason string.
     """
 
@@ -96,6 +102,7 @@ class AttentionBackend(ABC):
     block_sizes: ClassVar[tuple[int, ...] | None] = None     # None: any
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False   # takes forward's logits_soft_cap
+    supports_sinks: ClassVar[bool] = False          # takes forward's sinks
     supports_cascade: ClassVar[bool] = False        # uses meta.common_prefix_len
     cascade_min_prefix: ClassVar[int] = 256         # the shortest shared prefix worth a cascade here
     cudagraph_support: ClassVar[CudaGraphSupport] = "never"
@@ -117,6 +124,8 @@ class AttentionBackend(ABC):
             return f"{cls.name}: sliding-window attention not supported"
         if req.logits_soft_cap and not cls.supports_logits_soft_cap:
             return f"{cls.name}: attention logit softcapping not supported"
+        if req.sinks and not cls.supports_sinks:
+            return f"{cls.name}: attention sinks not supported"
         return None
 
     @abstractmethod
@@ -132,6 +141,7 @@ class AttentionBackend(ABC):
         k_scale: torch.Tensor | None = None,   # () float32
         v_scale: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,  # scores (after the scale) capped: cap * tanh(s / cap)
+        sinks: torch.Tensor | None = None,     # (num_heads,) float32, each head's sink logit
     ) -> torch.Tensor:           # (T, num_heads, head_size)
         ...
 

@@ -43,6 +43,9 @@ class CpuAttentionBackend(AttentionBackend):
     once (fp8 dequantized) and every query of the step attended against it in one flash call per
     layer (a GEMM per KV head); each request's positions P.. attended as above with their
     log-sum-exps (native decode and chunk kernels, or one batched ``attend``); the two merged.
+
+    Sinks (gpt-oss): every row attended with its log-sum-exp as cascade's suffix is (prompt
+    chunks with a sliding window through ``attend``), then scaled by its sink's share (_sunk).
     """
 
     name = "cpu"
@@ -51,6 +54,7 @@ class CpuAttentionBackend(AttentionBackend):
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
     supports_sliding_window = True
     supports_logits_soft_cap = True     # decodes natively (capped), prompts in one batched ``attend`` (_capped)
+    supports_sinks = True               # every row with its log-sum-exp, then scaled (_sunk)
     supports_cascade = True
     # Measured (python -m tools.bench cascade, 64 decodes): below ~1k shared tokens the native decode
     # kernel, re-reading a short prefix from the CPU's caches, beats cascade's extra passes.
@@ -73,12 +77,15 @@ class CpuAttentionBackend(AttentionBackend):
         k_scale: torch.Tensor | None = None,   # () float32, fp8 caches only
         v_scale: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,     # (H,) float32
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         scales = _Scales(k_scale, v_scale)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         B = meta.num_reqs
+        if sinks is not None:
+            return self._sunk(query, kv_cache, meta, scale, sliding_window, scales, logits_soft_cap, sinks)
         if logits_soft_cap:
             return self._capped(query, kv_cache, meta, scale, sliding_window, scales, logits_soft_cap)
         if meta.common_prefix_len > 0 and sliding_window is None:
@@ -180,12 +187,31 @@ class CpuAttentionBackend(AttentionBackend):
                 scales: _Scales) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention of the step's N queries over their requests' positions past the
         prefix: (out (N, H, D), lse (N, H) float32)."""
-        N, H, _ = query.shape
         sv = suffix_view(meta)
         qsl = meta.query_start_loc[:meta.num_reqs + 1].long()
         reqs = _Requests(qsl[:-1], qsl[1:] - qsl[:-1], sv.seq_lens.long(), sv.block_table)
+        return self._with_lse(query, kv_cache, reqs, scale, None, scales)
+
+    def _sunk(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+              sliding_window: int | None, scales: _Scales, cap: float | None, sinks: torch.Tensor) -> torch.Tensor:
+        """Attention with sinks (gpt-oss): each row's output and log-sum-exp L, the output then
+        scaled by e^L / (e^L + e^S) = sigmoid(L - S), S its head's sink: the same as a softmax
+        with the sink as one more score whose value is zero."""
+        N = int(meta.query_start_loc[meta.num_reqs])          # tokens past N are padding
+        o, lse = self._with_lse(query[:N], kv_cache, _Requests.of(meta), scale, sliding_window, scales, cap)
+        out = query.new_zeros(query.shape)
+        torch.mul(o, torch.sigmoid(lse - sinks.float())[:, :, None].to(o.dtype), out=out[:N])
+        return out
+
+    def _with_lse(self, query: torch.Tensor, kv_cache: torch.Tensor, reqs: _Requests, scale: float,
+                  sliding_window: int | None, scales: _Scales, cap: float | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention of requests ``reqs`` (their N = sum(query_lens) queries, the step's
+        rows 0..N-1) with each row's log-sum-exp: (out (N, H, D), lse (N, H) float32). Decodes
+        natively, prompt chunks natively when no window or cap asks for the torch path."""
+        N, H, _ = query.shape
         out, lse = torch.empty_like(query), torch.empty(N, H)
-        rest = torch.arange(meta.num_reqs)                    # requests left to the torch path
+        rest = torch.arange(len(reqs.starts))                 # requests left to the torch path
         if self._native_takes_decode(query, kv_cache):
             is_decode = reqs.query_lens == 1
             decode, rest = is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)
@@ -193,14 +219,17 @@ class CpuAttentionBackend(AttentionBackend):
                 tokens = reqs.starts[decode]                                    # (d,)
                 d_lse = torch.empty(len(tokens), H)
                 out[tokens] = paged_decode(query[tokens], kv_cache, reqs.block_table[decode],
-                                           reqs.seq_lens[decode], scale, None, *scales, lse=d_lse)
+                                           reqs.seq_lens[decode], scale, sliding_window, *scales, lse=d_lse,
+                                           logits_soft_cap=cap)
                 lse[tokens] = d_lse
-            if rest.numel() and _native_chunks(query, kv_cache, reqs.take(rest), out, scale, scales, lse):
+            if (rest.numel() and sliding_window is None and not cap
+                    and _native_chunks(query, kv_cache, reqs.take(rest), out, scale, scales, lse)):
                 return out, lse
         if rest.numel():
             r = reqs.take(rest)
             o, tokens, r_lse = attend(query, kv_cache, r.block_table, r.seq_lens, r.starts, r.query_lens,
-                                      int(r.query_lens.max()), scale, None, *scales, with_lse=True)
+                                      int(r.query_lens.max()), scale, sliding_window, *scales, with_lse=True,
+                                      logits_soft_cap=cap)
             out[tokens], lse[tokens] = o, r_lse
         return out, lse
 

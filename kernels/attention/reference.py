@@ -18,6 +18,7 @@ def reference_paged_attention(
     k_scale: torch.Tensor | float | None = None,   # fp8 caches: stored fp8(k / k_scale), read fp8 * k_scale
     v_scale: torch.Tensor | float | None = None,
     logits_soft_cap: float | None = None,          # scores capped: C * tanh(s / C)
+    sinks: torch.Tensor | None = None,             # (H,) each head's sink logit, a softmax term with no value
 ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
     """Slow and plain: write token by token, then per request gather its context block by block,
     repeat K/V per query head, softmax with a causal mask (and p - W < k with a window W)."""
@@ -50,5 +51,10 @@ def reference_paged_attention(
         if sliding_window is not None:
             hidden |= k_pos <= q_pos[:, None] - sliding_window
         scores = scores.masked_fill(hidden, float("-inf"))
-        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1).to(query.dtype)   # (q, H, D)
+        if sinks is not None:     # one more column per head, dropped after the softmax
+            sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[start:end] = (probs @ v).transpose(0, 1).to(query.dtype)                # (q, H, D)
     return out

@@ -46,6 +46,7 @@ def _paged_decode_kernel(
     part_l_ptr,         # (B, H, NUM_SPLITS) float32, sum of exp2(score - max)
     k_scale_ptr,        # () float32, read when FP8: keys are fp8 * k_scale
     v_scale_ptr,        # () float32, read when FP8
+    sinks_ptr,          # (H,) float32, each head's sink logit, read when SINKS
     qk_scale,           # softmax scale * log2(e)
     window,             # sliding window in tokens, 0 = none
     soft_cap,           # the score cap C * log2(e), read when SOFT_CAP
@@ -56,7 +57,7 @@ def _paged_decode_kernel(
     num_heads, group, head_size,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, SOFT_CAP: tl.constexpr,
+    FP8: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -112,6 +113,8 @@ def _paged_decode_kernel(
 
     # 4) one split: normalise and write; several: leave partials for the reduction
     if NUM_SPLITS == 1:
+        if SINKS:              # the sink: one more softmax term with no value (log2-scaled like the scores)
+            l_i += tl.exp2(tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * 1.4426950408889634 - m_i)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]          # seq_len 0 gives zeros
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -129,9 +132,10 @@ def _paged_decode_reduce_kernel(
     part_acc_ptr,       # (B, H, NUM_SPLITS, D) float32
     part_m_ptr,         # (B, H, NUM_SPLITS) float32
     part_l_ptr,         # (B, H, NUM_SPLITS) float32
+    sinks_ptr,          # (H,) float32, read when SINKS
     stride_ob, stride_oh,
     num_heads, head_size,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -146,6 +150,8 @@ def _paged_decode_reduce_kernel(
     m_max = tl.max(m, 0)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
     total = tl.sum(w * l, 0)
+    if SINKS:
+        total += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - m_max)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < head_size)
 
@@ -170,10 +176,12 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,  # () float32 on the device: an fp8 cache's keys are fp8 * k_scale
     v_scale: torch.Tensor | None = None,
     soft_cap: float | None = None,    # Gemma 2's: each scaled score s becomes C * tanh(s / C)
+    sinks: torch.Tensor | None = None,  # (H,) float32 on the device: each head's sink logit (gpt-oss)
 ) -> torch.Tensor:                    # (B, H, D); rows with seq_len 0 are zeros
     """Attention of each request's single query (at position seq_len - 1) over its cached
     context. The cache must already hold the query's own key and value. The cache is in the
-    query's dtype or fp8 (float8_e4m3fn / float8_e5m2, dequantized as it is read)."""
+    query's dtype or fp8 (float8_e4m3fn / float8_e5m2, dequantized as it is read). ``sinks``:
+    head h's softmax has one more term e^sinks[h] with no value behind it."""
     H, D, block_size, KVH = check_query_and_cache(query, kv_cache)
     B, dev = query.shape[0], query.device
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=dev)
@@ -181,6 +189,9 @@ def paged_decode_attention(
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)
     check_shape("seq_lens", seq_lens, (B,))
     check_attention_args(H, KVH, D, block_size, sliding_window)
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, dtypes=(torch.float32,), device=dev)
+        check_shape("sinks", sinks, (H,))
     if not 1 <= num_splits <= 64:
         raise ValueError(f"num_splits must be in [1, 64], got {num_splits}")
     if out is None:
@@ -202,19 +213,20 @@ def paged_decode_attention(
     cache = kv_cache.view(torch.uint8) if fmt else kv_cache
     _paged_decode_kernel[(B, KVH, num_splits)](
         query, cache, block_table, seq_lens, out, part_acc, part_m, part_l, k_scale, v_scale,
-        scale * LOG2E, sliding_window or 0, (soft_cap or 1.0) * LOG2E,
+        out if sinks is None else sinks, scale * LOG2E, sliding_window or 0, (soft_cap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_table.stride(0), out.stride(0), out.stride(1),
         H, group, D,
         BLOCK_SIZE=block_size, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=max(16, next_power_of_2(D)),
         NUM_SPLITS=num_splits, DOT_F32=dot_in_float32(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
-        FP8=fmt, SOFT_CAP=bool(soft_cap),
+        FP8=fmt, SOFT_CAP=bool(soft_cap), SINKS=sinks is not None,
     )
     if num_splits > 1:
         _paged_decode_reduce_kernel[(B, H)](
-            out, part_acc, part_m, part_l, out.stride(0), out.stride(1), H, D,
+            out, part_acc, part_m, part_l, out if sinks is None else sinks, out.stride(0), out.stride(1), H, D,
             NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=next_power_of_2(D),
+            SINKS=sinks is not None,
         )
     return out
 

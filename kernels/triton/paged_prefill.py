@@ -38,6 +38,7 @@ def _paged_prefill_kernel(
     lse_ptr,            # (T, H) float32, written when STORE_LSE: each row's natural log-sum-exp
     k_scale_ptr,        # () float32, read when FP8: keys are fp8 * k_scale
     v_scale_ptr,        # () float32, read when FP8
+    sinks_ptr,          # (H,) float32, each head's sink logit, read when SINKS
     qk_scale,           # softmax scale * log2(e)
     window,             # sliding window in tokens, 0 = none
     soft_cap,           # the score cap C * log2(e), read when SOFT_CAP
@@ -49,7 +50,7 @@ def _paged_prefill_kernel(
     group, head_size,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, STORE_LSE: tl.constexpr, SOFT_CAP: tl.constexpr,
+    FP8: tl.constexpr, STORE_LSE: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     tile_start = tl.program_id(1) * BLOCK_Q      # first query (relative to the request) of this tile
@@ -109,7 +110,10 @@ def _paged_prefill_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        denom = l_i
+        if SINKS:              # the sink: one more softmax term with no value (log2-scaled like the scores)
+            denom += tl.exp2(tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * 1.4426950408889634 - m_i)
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
         if STORE_LSE:          # log2-scaled running max and sum -> natural log-sum-exp
@@ -132,11 +136,14 @@ def paged_prefill_attention(
     v_scale: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,      # (T, H) float32, written when given: each row's log-sum-exp
     soft_cap: float | None = None,        # Gemma 2's: each scaled score s becomes C * tanh(s / C)
+    sinks: torch.Tensor | None = None,    # (H,) float32 on the device: each head's sink logit (gpt-oss)
 ) -> torch.Tensor:                  # (T, H, D); rows of tokens past query_start_loc[B] are zeros
     """Causal attention of every request's queries over its cached context (which must already
     hold the new keys and values). ``max_query_len`` is a host int that sizes the grid; a request
     with a longer query would have its tail left at zero, so it must be exact or larger. The
-    cache is in the query's dtype or fp8 (float8_e4m3fn / float8_e5m2, dequantized as it is read)."""
+    cache is in the query's dtype or fp8 (float8_e4m3fn / float8_e5m2, dequantized as it is read).
+    ``sinks``: head h's softmax has one more term e^sinks[h] with no value behind it (``lse``
+    leaves it out)."""
     H, D, block_size, KVH = check_query_and_cache(query, kv_cache)
     T, dev = query.shape[0], query.device
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)
@@ -153,6 +160,9 @@ def paged_prefill_attention(
         check_shape("lse", lse, (T, H))
         if lse.stride(1) != 1:
             raise ValueError("lse must have unit stride along its heads")
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, dtypes=(torch.float32,), device=dev)
+        check_shape("sinks", sinks, (H,))
     out = torch.zeros_like(query)
     if B == 0 or T == 0 or max_query_len <= 0:
         return out
@@ -166,14 +176,14 @@ def paged_prefill_attention(
     cache = kv_cache.view(torch.uint8) if fmt else kv_cache
     _paged_prefill_kernel[grid](
         query, cache, block_table, seq_lens, query_start_loc, out, out if lse is None else lse, k_scale, v_scale,
-        scale * LOG2E, sliding_window or 0, (soft_cap or 1.0) * LOG2E,
+        out if sinks is None else sinks, scale * LOG2E, sliding_window or 0, (soft_cap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_table.stride(0), out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         group, D,
         BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, BLOCK_D=max(16, next_power_of_2(D)),
         DOT_F32=dot_in_float32(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
-        FP8=fmt, STORE_LSE=lse is not None, SOFT_CAP=bool(soft_cap),
+        FP8=fmt, STORE_LSE=lse is not None, SOFT_CAP=bool(soft_cap), SINKS=sinks is not None,
     )
     return out
 

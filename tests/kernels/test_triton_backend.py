@@ -107,6 +107,24 @@ def test_capped_scores_match_the_reference_and_the_cap_matters(backend, scenario
     assert (plain.float() - out.float()).abs().max() > 0.05
 
 
+@pytest.mark.parametrize("scenario, window, dtype", [("decode", None, torch.float32), ("mixed", 12, torch.bfloat16),
+                                                      ("prefill_cached_prefix", None, torch.float32)], ids=_id)
+def test_attention_sinks_match_the_reference_and_matter(backend, scenario, window, dtype):
+    """gpt-oss's sinks in both kernels' softmax denominators (decode with split-K among them)."""
+    case = make_case(SCENARIOS[scenario], 16, 6, 2, HEAD_SIZE, dtype, num_padding=2, seed=6)
+    sinks = torch.tensor([-1.0, 0.0, 0.5, 1.0, 2.0, 3.0], device=case.query.device)
+    out = backend.forward(case.query, case.key, case.value, case.kv_cache.clone(), case.meta, 0.25,
+                          sliding_window=window, sinks=sinks)
+    cpu = [x.cpu() for x in (case.query, case.key, case.value)]
+    expected = reference_paged_attention(*cpu, case.kv_cache.cpu().clone(), meta_on(case.meta, "cpu"), 0.25,
+                                         sliding_window=window, sinks=sinks.cpu())
+    assert_close(out, expected)
+    assert torch.equal(out[-2:].cpu(), torch.zeros_like(expected[-2:]))      # padding rows
+    plain = backend.forward(case.query, case.key, case.value, case.kv_cache.clone(), case.meta, 0.25,
+                            sliding_window=window)
+    assert (plain.float() - out.float()).abs().max() > 0.05
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("scenario", ["decode", "mixed"])
 def test_backend_with_an_fp8_cache_matches_the_reference(backend, kv_dtype, scenario):

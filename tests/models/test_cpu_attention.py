@@ -18,7 +18,7 @@ SCENARIOS = {
 
 
 def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, sliding_window=None,
-              kv_dtype=torch.float32, native=True, logits_soft_cap=None):
+              kv_dtype=torch.float32, native=True, logits_soft_cap=None, sinks=None):
     gen = torch.Generator().manual_seed(seed)
     meta, num_blocks = shuffled_paged_metadata(reqs, block_size, gen, num_padding)
     T = meta.num_tokens
@@ -29,6 +29,8 @@ def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, 
     ours_cache, ref_cache = cache.clone(), cache.clone()
     scale = HEAD_SIZE ** -0.5
     cap = {} if logits_soft_cap is None else {"logits_soft_cap": logits_soft_cap}
+    if sinks is not None:
+        cap["sinks"] = sinks
     ours = CpuAttentionBackend(native).forward(query, key, value, ours_cache, meta, scale, sliding_window=sliding_window,
                                                **cap)
     ref = reference_paged_attention(query, key, value, ref_cache, meta, scale, sliding_window=sliding_window, **cap)
@@ -129,6 +131,24 @@ def test_decode_ignores_keys_outside_the_window():
     torch.testing.assert_close(out1, out2)
     out3 = CpuAttentionBackend().forward(q, k, v, cache2.clone(), meta, 0.25)
     assert not torch.allclose(out1, out3)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_attention_sinks_match_the_reference_and_matter(scenario, window, native):
+    """gpt-oss's sinks (one more softmax term per head, with no value) on every path: decodes,
+    fresh prompts, chunks after cached context, with and without a window, padding rows zero."""
+    sinks = torch.tensor([-1.0, 0.0, 0.5, 1.0, 2.0, 3.0])
+    ours, ref, ours_cache, ref_cache, _, meta = _run_case(SCENARIOS[scenario], 16, 6, 2, num_padding=3, seed=5,
+                                                          sliding_window=window, native=native, sinks=sinks)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_cache, ref_cache, atol=0, rtol=0)
+    assert torch.equal(ours[-3:], torch.zeros_like(ours[-3:]))
+    plain, *_ = _run_case(SCENARIOS[scenario], 16, 6, 2, num_padding=3, seed=5, sliding_window=window, native=native)
+    # a sink only takes weight away: each head's output shrinks, the larger the sink the more
+    ratio = ours[:-3].norm(dim=-1) / plain[:-3].norm(dim=-1)                   # (N, H)
+    assert (ratio < 1).all() and (ratio[:, -1] < ratio[:, 0]).all()
 
 
 # ---- backend selection ---------------------------------------------------------------------
