@@ -1,10 +1,15 @@
-"""The mixture-of-experts MLP of Qwen3-MoE and Mixtral (vLLM's ``FusedMoE``): a router, top-k
-routing, and the experts' weights stacked into two tensors, run as one fused call.
+"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral, OLMoE and gpt-oss (vLLM's ``FusedMoE``): a
+router, top-k routing, and the experts' weights stacked into two tensors, run as one fused call.
 
-  router logits = x Wg^T  ->  softmax (float32)  ->  top-k experts per token (their weights
-  renormalized to sum to 1 when ``renormalize``)  ->  the tokens grouped by expert  ->  per
-  expert: down(SiLU(gate(x)) * up(x))  ->  each token's outputs summed, weighted by its routing
-  weights.
+  router logits = x Wg^T (+ b)  ->  softmax (float32)  ->  top-k experts per token (their
+  weights renormalized to sum to 1 when ``renormalize``)  ->  the tokens grouped by expert  ->
+  per expert: down(act(gate(x), up(x)))  ->  each token's outputs summed, weighted by its
+  routing weights.
+
+The activation is SiLU(gate) * up, or gpt-oss's "swigluoai" (vLLM's name): g = min(gate, limit),
+u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g). gpt-oss's experts also carry
+biases (``w13_bias`` (E, 2I), ``w2_bias`` (E, H)), and its router one; its softmax over the top-k
+logits is the renormalized top-k of the full softmax.
 
 The experts are stacked at load: ``w13_weight`` (E, 2I, H) holds each expert's gate rows then
 its up rows, ``w2_weight`` (E, H, I) its down projection; the checkpoint's per-expert tensors
@@ -26,7 +31,7 @@ Parallelism (``shard``, called by models/tensor_parallel.py):
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,12 +53,33 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, ids
 
 
+ACTIVATIONS = ("silu", "swigluoai")
+
+
+class ExpertActivation(NamedTuple):
+    """The experts' gated activation (module docstring); alpha and limit are swigluoai's."""
+    name: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.name == "silu":
+            return F.silu(gate) * up
+        g = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * g * torch.sigmoid(g * self.alpha)
+
+
+SILU = ExpertActivation()
+
+
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+                      topk_ids: torch.Tensor, expert_start: int = 0, w13_bias: torch.Tensor | None = None,
+                      w2_bias: torch.Tensor | None = None, activation: ExpertActivation = SILU) -> torch.Tensor:
     """The reference: a loop over the experts held here (global ids ``expert_start`` ..
-    ``expert_start + E``), each a gate|up matmul, SiLU-and-mul and a down matmul on the tokens
-    routed to it; pairs routed to experts not held here add nothing. x (T, H), w13 (E, 2I, H),
-    w2 (E, H, I), topk_weights (T, k), topk_ids (T, k) -> (T, H) in x's dtype."""
+    ``expert_start + E``), each a gate|up matmul, the activation and a down matmul (with their
+    biases when given) on the tokens routed to it; pairs routed to experts not held here add
+    nothing. x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_weights (T, k), topk_ids (T, k),
+    w13_bias (E, 2I), w2_bias (E, H) -> (T, H) in x's dtype."""
     out = torch.zeros_like(x)
     inter = w2.shape[2]
     local = topk_ids - expert_start
@@ -61,43 +87,52 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
         token, slot = torch.where(local == e)
         if token.numel() == 0:
             continue
-        gate_up = F.linear(x[token], w13[e])
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(h, w2[e]) * topk_weights[token, slot, None].to(x.dtype)
-        out[token] += y        # a token meets an expert once (not index_add_: slow on the CPU)
+        gate_up = F.linear(x[token], w13[e], None if w13_bias is None else w13_bias[e].to(x.dtype))
+        h = activation(gate_up[:, :inter], gate_up[:, inter:])
+        y = F.linear(h, w2[e], None if w2_bias is None else w2_bias[e].to(x.dtype))
+        out[token] += y * topk_weights[token, slot, None].to(x.dtype)   # a token meets an expert once
     return out
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+                  topk_ids: torch.Tensor, expert_start: int = 0, w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None, activation: ExpertActivation = SILU) -> torch.Tensor:
     """``fused_experts_ref``'s result through the fastest path these tensors take: the native
     CPU kernel (float32 CPU tensors), the Triton kernel (CUDA tensors), else the reference."""
     from kernels.cpu import moe as cpu_moe
     from kernels.triton import fused as triton_fused
     if cpu_moe.supports(x, w13, w2):
-        return cpu_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_start)
+        return cpu_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_start, w13_bias, w2_bias,
+                                     *activation)
     if triton_fused.supports(x, w13, w2):
         from kernels.triton.moe import fused_experts as triton_fused_experts
-        return triton_fused_experts(x, w13, w2, topk_weights, topk_ids, expert_start)
-    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start)
+        return triton_fused_experts(x, w13, w2, topk_weights, topk_ids, expert_start, w13_bias, w2_bias,
+                                    *activation)
+    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, w13_bias, w2_bias, activation)
 
 
 class FusedMoE(nn.Module):
-    """Router (``gate``) and E stacked SiLU-gated experts; (T, H) -> (T, H)."""
+    """Router (``gate``) and E stacked gated experts; (T, H) -> (T, H). ``bias``: the experts'
+    projections and the router have biases (gpt-oss's)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 renormalize: bool, dtype: torch.dtype, hidden_act: str = "silu") -> None:
+                 renormalize: bool, dtype: torch.dtype, hidden_act: str = "silu", bias: bool = False,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> None:
         super().__init__()
-        if hidden_act != "silu":
+        if hidden_act not in ACTIVATIONS:
             raise ValueError(f"mixture-of-experts layers with activation {hidden_act!r} are not supported; "
-                             "supported: 'silu'")
+                             f"supported: {', '.join(ACTIVATIONS)}")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.activation = ExpertActivation(hidden_act, swiglu_alpha, swiglu_limit)
         self.intermediate_size = intermediate_size             # this rank's share under tensor parallelism
-        self.gate = Linear(hidden_size, num_experts, dtype)    # the router (replicated on every rank)
+        self.gate = Linear(hidden_size, num_experts, dtype, bias=bias)   # the router (replicated on every rank)
         self.w13_weight = _empty_param(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)
         self.w2_weight = _empty_param(num_experts, hidden_size, intermediate_size, dtype=dtype)
+        # the experts' biases, float32 (each added to a float32 sum): gate rows then up rows, down
+        self.w13_bias = _empty_param(num_experts, 2 * intermediate_size, dtype=torch.float32) if bias else None
+        self.w2_bias = _empty_param(num_experts, hidden_size, dtype=torch.float32) if bias else None
         self.expert_start = 0           # global id of this rank's first expert (expert parallelism)
         self.parallel = "none"          # "none" | "tensor" | "expert" (``shard``)
         self.world, self.rank, self.group = 1, 0, None
@@ -105,7 +140,8 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.w13_weight.shape[0]} of {self.num_experts} from {self.expert_start}, "
-                f"top_k={self.top_k}, intermediate={self.intermediate_size}, parallel={self.parallel}")
+                f"top_k={self.top_k}, intermediate={self.intermediate_size}, parallel={self.parallel}, "
+                f"activation={self.activation.name}, bias={self.w13_bias is not None}")
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -144,12 +180,16 @@ class FusedMoE(nn.Module):
         if world == 1:
             return
         w13, w2, inter = self.w13_weight.data, self.w2_weight.data, self.intermediate_size
+        b13 = None if self.w13_bias is None else self.w13_bias.data
+        b2 = None if self.w2_bias is None else self.w2_bias.data
         if expert_parallel:
             if self.num_experts < world:
                 raise ValueError(f"expert parallelism over {world} ranks needs at least as many experts, the model "
                                  f"has {self.num_experts}")
             start, count = split(self.num_experts, world, rank)
             w13, w2 = w13[start:start + count], w2[start:start + count]
+            if b13 is not None:
+                b13, b2 = b13[start:start + count], b2[start:start + count]
             self.expert_start = start
             self.expert_starts = [split(self.num_experts, world, r)[0] for r in range(world)]
             self.parallel = "expert"
@@ -157,10 +197,16 @@ class FusedMoE(nn.Module):
             start, count = split(inter, world, rank)
             w13 = torch.cat([w13[:, start:start + count], w13[:, inter + start:inter + start + count]], dim=1)
             w2 = w2[:, :, start:start + count]
+            if b13 is not None:      # the down bias once: the ranks' partial outputs are summed
+                b13 = torch.cat([b13[:, start:start + count], b13[:, inter + start:inter + start + count]], dim=1)
+                b2 = b2 if rank == 0 else torch.zeros_like(b2)
             self.intermediate_size = count
             self.parallel = "tensor"
         self.w13_weight = nn.Parameter(w13.contiguous(), requires_grad=False)
         self.w2_weight = nn.Parameter(w2.contiguous(), requires_grad=False)
+        if b13 is not None:
+            self.w13_bias = nn.Parameter(b13.contiguous(), requires_grad=False)
+            self.w2_bias = nn.Parameter(b2.contiguous(), requires_grad=False)
         self.world, self.rank, self.group = world, rank, group
 
     # -- forward ---------------------------------------------------------------------------------
@@ -169,7 +215,8 @@ class FusedMoE(nn.Module):
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         if self.parallel == "expert":
             return self._expert_parallel(x, weights, ids)
-        out = fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        out = fused_experts(x, self.w13_weight, self.w2_weight, weights, ids, 0, self.w13_bias, self.w2_bias,
+                            self.activation)
         if self.parallel == "tensor":
             shm_comm.all_reduce(out, self.group)
         return out
@@ -199,7 +246,8 @@ class FusedMoE(nn.Module):
         dist.all_to_all_single(recv_ids, pair_ids[order].contiguous(), recvs, sends, group=self.group)
         # this rank's experts, one row per received pair (weight 1: the sender weights)
         ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x.device)
-        y = fused_experts(recv_x, self.w13_weight, self.w2_weight, ones, recv_ids[:, None], self.expert_start)
+        y = fused_experts(recv_x, self.w13_weight, self.w2_weight, ones, recv_ids[:, None], self.expert_start,
+                          self.w13_bias, self.w2_bias, self.activation)
         # combine: the results back to the pairs' ranks, weighted and summed per token
         back = x.new_empty(len(order), H)
         dist.all_to_all_single(back, y.contiguous(), sends, recvs, group=self.group)

@@ -1,9 +1,12 @@
 /* The experts of a mixture-of-experts layer in one call, float32 (models/moe.py):
  *
- *   out[t] = sum_k  w[t, k] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),   e = ids[t, k] - e0
+ *   out[t] = sum_k  w[t, k] * down_e( act(gate_e(x[t]), up_e(x[t])) ),   e = ids[t, k] - e0
  *
  *   x (T, H) row stride x_stride;  ids (T, K) int64 global expert ids, w (T, K) float32;
  *   w13 (E, 2I, H): expert e's gate rows 0..I-1 then its up rows I..2I-1;  w2 (E, H, I);
+ *   b13 (E, 2I) and b2 (E, H): the projections' biases, or NULL (none);
+ *   act 0: silu(g) * u;  act 1 (gpt-oss's swigluoai): g' = min(g, limit), u' = clamp(u, +-limit),
+ *   (u' + 1) * g' * sigmoid(alpha * g');
  *   out (T, H) contiguous, overwritten. Pairs whose expert is not among the E held here
  *   (e outside 0..E-1: another rank's, under expert parallelism) add nothing.
  *
@@ -66,7 +69,8 @@ static void block_dots(const float *const *rows, int64_t nrows, const float *w, 
 
 /* Returns 0, or -1 when a work buffer cannot be allocated. */
 int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const float *w, int64_t T, int64_t K,
-                  const float *w13, const float *w2, int64_t E, int64_t e0, int64_t H, int64_t I, float *out) {
+                  const float *w13, const float *w2, int64_t E, int64_t e0, int64_t H, int64_t I, float *out,
+                  const float *b13, const float *b2, int act, float alpha, float limit) {
     const int64_t TK = T * K;
     int64_t *start = calloc((size_t)E + 1, sizeof *start);
     int64_t *pair = malloc((size_t)(TK ? TK : 1) * sizeof *pair);       /* sorted pair -> t * K + k */
@@ -100,15 +104,15 @@ int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const fl
         }
         free(fill);
     }
-    float *act = malloc((size_t)(P ? P : 1) * (size_t)I * sizeof *act);
+    float *act_rows = malloc((size_t)(P ? P : 1) * (size_t)I * sizeof *act_rows);
     float *y = malloc((size_t)(P ? P : 1) * (size_t)H * sizeof *y);
     /* work items: (expert, first pair of its block); column blocks are the inner parallel index */
     int64_t nblocks = 0;
     for (int64_t e = 0; e < E; e++)
         nblocks += (start[e + 1] - start[e] + MB - 1) / MB;
     int64_t *blk = malloc((size_t)(nblocks ? nblocks : 1) * 2 * sizeof *blk);
-    if (!act || !y || !blk) {
-        free(start); free(pair); free(slot); free(act); free(y); free(blk);
+    if (!act_rows || !y || !blk) {
+        free(start); free(pair); free(slot); free(act_rows); free(y); free(blk);
         return -1;
     }
     nblocks = 0;
@@ -122,7 +126,7 @@ int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const fl
     const int64_t flops = P * 3 * I * H;
     #pragma omp parallel if (flops >= 262144)
     {
-        /* pass 1: gate and up rows, then SiLU-and-mul */
+        /* pass 1: gate and up rows (plus their biases), then the activation */
         #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t b = 0; b < nblocks; b++)
             for (int64_t cb = 0; cb < ncol1; cb++) {
@@ -136,10 +140,21 @@ int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const fl
                 const float *we = w13 + e * 2 * I * H;
                 block_dots(rows, n, we, c0, c1, H, g, NB);              /* gate rows c0..c1 */
                 block_dots(rows, n, we + I * H, c0, c1, H, u, NB);      /* up rows I+c0..I+c1 */
+                const float *bg = b13 ? b13 + e * 2 * I : NULL, *bu = b13 ? b13 + e * 2 * I + I : NULL;
                 for (int64_t r = 0; r < n; r++)
                     for (int64_t c = c0; c < c1; c++) {
-                        const float gv = g[r * NB + c - c0];
-                        act[(p0 + r) * I + c] = gv / (1.f + expf(-gv)) * u[r * NB + c - c0];
+                        float gv = g[r * NB + c - c0], uv = u[r * NB + c - c0];
+                        if (bg) {
+                            gv += bg[c];
+                            uv += bu[c];
+                        }
+                        if (act == 1) {
+                            gv = gv < limit ? gv : limit;
+                            uv = uv < -limit ? -limit : (uv > limit ? limit : uv);
+                            act_rows[(p0 + r) * I + c] = (uv + 1.f) * (gv / (1.f + expf(-alpha * gv)));
+                        } else {
+                            act_rows[(p0 + r) * I + c] = gv / (1.f + expf(-gv)) * uv;
+                        }
                     }
             }
         /* pass 2: down rows */
@@ -151,8 +166,12 @@ int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const fl
                 const int64_t c0 = cb * NB, c1 = (c0 + NB) < H ? (c0 + NB) : H;
                 const float *rows[MB];
                 for (int64_t r = 0; r < n; r++)
-                    rows[r] = act + (p0 + r) * I;
+                    rows[r] = act_rows + (p0 + r) * I;
                 block_dots(rows, n, w2 + e * H * I, c0, c1, I, y + p0 * H + c0, H);
+                if (b2)
+                    for (int64_t r = 0; r < n; r++)
+                        for (int64_t c = c0; c < c1; c++)
+                            y[(p0 + r) * H + c] += b2[e * H + c];
             }
         /* combine: each token's rows, weighted, in k order */
         #pragma omp for schedule(static)
@@ -170,6 +189,6 @@ int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const fl
             }
         }
     }
-    free(start); free(pair); free(slot); free(act); free(y); free(blk);
+    free(start); free(pair); free(slot); free(act_rows); free(y); free(blk);
     return 0;
 }

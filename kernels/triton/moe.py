@@ -3,9 +3,10 @@ pairs sorted by expert into blocks of BLOCK_M pairs of one expert (``moe_align_b
 then one grouped GEMM launch per projection, each program multiplying one block of pairs by a
 tile of its expert's weight:
 
-  1. cache1[p] = x[token(p)] w13[e]^T                       (T k, 2I)
-  2. cache2 = SiLU(gate) * up of cache1                      (T k, I)   (silu_mul.py)
-  3. cache3[p] = weight(p) * cache2[p] w2[e]^T               (T k, H)
+  1. cache1[p] = x[token(p)] w13[e]^T (+ b13[e])            (T k, 2I)
+  2. cache2 = SiLU(gate) * up of cache1                      (T k, I)   (silu_mul.py; gpt-oss's
+                                                                         swigluoai in torch)
+  3. cache3[p] = weight(p) * (cache2[p] w2[e]^T (+ b2[e]))   (T k, H)
   4. out[t] = sum over k of cache3[t k + k]                  (T, H)
 
 The alignment runs as torch ops sized by the worst case (T k + E (BLOCK_M - 1) slots), so no
@@ -59,10 +60,11 @@ def _grouped_gemm_kernel(
     b_ptr,              # (E, N, K)
     c_ptr,              # (T k, N): row per pair
     w_ptr,              # (T k,) routing weights (read with MUL_WEIGHT)
+    bias_ptr,           # (E, N) float32, each expert's bias (read with HAS_BIAS)
     sorted_ptr, expert_ptr, padded_ptr,
     N, K, num_pairs,
     stride_am, stride_be, stride_bn, stride_cm,
-    TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -88,6 +90,8 @@ def _grouped_gemm_kernel(
         if DOT_F32:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(w_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -95,20 +99,26 @@ def _grouped_gemm_kernel(
 
 
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor | None,
-                  sorted_ids: torch.Tensor, expert_ids: torch.Tensor, padded: torch.Tensor, top_k: int) -> None:
+                  sorted_ids: torch.Tensor, expert_ids: torch.Tensor, padded: torch.Tensor, top_k: int,
+                  bias: torch.Tensor | None = None) -> None:
     E, N, K = b.shape
     grid = (expert_ids.shape[0], triton.cdiv(N, BLOCK_N))
     _grouped_gemm_kernel[grid](
-        a, b, c, weights if weights is not None else c, sorted_ids, expert_ids, padded,
-        N, K, c.shape[0], a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        TOP_K=top_k, MUL_WEIGHT=weights is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        a, b, c, weights if weights is not None else c, bias if bias is not None else c, sorted_ids, expert_ids,
+        padded, N, K, c.shape[0], a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        TOP_K=top_k, MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         DOT_F32=dot_in_float32(a.dtype), DOT_PRECISION=dot_precision(a.dtype))
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+                  topk_ids: torch.Tensor, expert_start: int = 0, w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+                  limit: float = 7.0) -> torch.Tensor:
     """x (T, H), w13 (E, 2I, H), w2 (E, H, I) contiguous, topk_weights / topk_ids (T, k) global
-    expert ids -> (T, H) in x's dtype (pairs of experts not held here add nothing)."""
+    expert ids, the biases w13_bias (E, 2I) and w2_bias (E, H) float32 or None -> (T, H) in x's
+    dtype (pairs of experts not held here add nothing). ``activation``: "silu" or gpt-oss's
+    "swigluoai" (min(g, limit) * sigmoid(alpha min(g, limit)) * (clamp(u, +-limit) + 1))."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), device=x.device)
     check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), device=x.device)
@@ -119,15 +129,28 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"topk_weights and topk_ids must both be ({T}, k), got {tuple(topk_weights.shape)} "
                          f"and {tuple(topk_ids.shape)}")
+    for name, bias, shape in (("w13_bias", w13_bias, (E, two_i)), ("w2_bias", w2_bias, (E, H))):
+        if bias is not None:
+            check_tensor(name, bias, ndim=2, dtypes=(torch.float32,), device=x.device)
+            if tuple(bias.shape) != shape:
+                raise ValueError(f"{name} must be {shape}, got {tuple(bias.shape)}")
+    if activation not in ("silu", "swigluoai"):
+        raise ValueError(f"expert activation {activation!r} is not supported; supported: silu, swigluoai")
     k = topk_ids.shape[1]
     if T == 0:
         return torch.zeros_like(x)
     w13, w2 = w13.contiguous(), w2.contiguous()
     sorted_ids, expert_ids, padded = moe_align_block_size(topk_ids, BLOCK_M, E, expert_start)
     cache1 = torch.zeros(T * k, two_i, dtype=x.dtype, device=x.device)   # rows of pairs left out stay 0
-    _grouped_gemm(x, w13, cache1, None, sorted_ids, expert_ids, padded, top_k=k)
-    cache2 = silu_and_mul(cache1)
+    _grouped_gemm(x, w13, cache1, None, sorted_ids, expert_ids, padded, top_k=k,
+                  bias=None if w13_bias is None else w13_bias.contiguous())
+    if activation == "silu":
+        cache2 = silu_and_mul(cache1)
+    else:                      # rows of pairs left out stay 0: (0 + 1) * 0 * sigmoid(0) = 0
+        g = cache1[:, :two_i // 2].float().clamp(max=limit)
+        u = cache1[:, two_i // 2:].float().clamp(-limit, limit)
+        cache2 = ((u + 1) * g * torch.sigmoid(g * alpha)).to(x.dtype)
     cache3 = torch.zeros(T * k, H, dtype=x.dtype, device=x.device)
     _grouped_gemm(cache2, w2, cache3, topk_weights.reshape(-1).to(torch.float32).contiguous(), sorted_ids,
-                  expert_ids, padded, top_k=1)
+                  expert_ids, padded, top_k=1, bias=None if w2_bias is None else w2_bias.contiguous())
     return cache3.view(T, k, H).sum(dim=1)

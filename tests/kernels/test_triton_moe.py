@@ -35,6 +35,25 @@ def test_triton_fused_moe_matches_the_torch_reference_loop(dtype, start, held, a
     torch.testing.assert_close(got, want, rtol=atol, atol=atol)
 
 
+@pytest.mark.parametrize("dtype, start, held, atol", [(torch.float32, 0, 6, 1e-5), (torch.bfloat16, 2, 3, 5e-2)])
+def test_triton_fused_moe_with_biases_and_swigluoai_matches_the_reference_loop(dtype, start, held, atol):
+    from models.moe import ExpertActivation
+    g = torch.Generator().manual_seed(2)
+    T, H, I, E, k = 11, 48, 40, 6, 2
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.5, torch.randn(E, H, I, generator=g) * 0.2
+    b13, b2 = torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)
+    weights, ids = select_experts(torch.randn(T, E, generator=g), k, renormalize=True)
+    x, w13, w2 = x.to(dtype), w13[start:start + held].to(dtype), w2[start:start + held].to(dtype)
+    b13, b2 = b13[start:start + held].contiguous(), b2[start:start + held].contiguous()
+    act = ExpertActivation("swigluoai", 1.702, 3.0)
+    want = fused_experts_ref(x, w13, w2, weights, ids, start, b13, b2, act).float()
+    got = fused_experts(*(t.to(DEVICE) for t in (x, w13, w2, weights, ids)), start, b13.to(DEVICE), b2.to(DEVICE),
+                        *act).float().cpu()
+    assert (want - fused_experts_ref(x, w13, w2, weights, ids, start).float()).abs().max() > 0.5
+    torch.testing.assert_close(got, want, rtol=atol, atol=atol)
+
+
 def test_pairs_are_grouped_by_expert_in_blocks_padded_with_the_sentinel():
     ids = torch.tensor([[0, 2], [3, 2], [1, 0], [2, 3]])        # pairs 0..7; experts 1 and 2 held here
     sorted_ids, expert_ids, padded = moe_align_block_size(ids, 4, 2, expert_start=1)

@@ -64,6 +64,49 @@ def test_the_native_fused_moe_matches_the_torch_reference_loop(T, H, I, E, k, st
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not native.available()[0], reason="native CPU kernels unavailable")
+@pytest.mark.parametrize("T,start,held", [(1, 0, 6), (90, 0, 6), (33, 2, 3)])
+def test_the_native_fused_moe_with_biases_and_swigluoai_matches_the_reference_loop(T, start, held):
+    """gpt-oss's experts: biases on both projections, the clamped swigluoai activation (its
+    limit reached: some gate and up values beyond +-limit)."""
+    from kernels.cpu import moe as cpu_moe
+    from models.moe import ExpertActivation
+    H, I, E = 40, 24, 6
+    x, w13, w2, weights, ids = _experts(T, H, I, E, 2, seed=T)
+    g = torch.Generator().manual_seed(T + 1)
+    b13, b2 = torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)
+    w13, w2 = w13[start:start + held].contiguous() * 4, w2[start:start + held].contiguous()
+    b13, b2 = b13[start:start + held].contiguous(), b2[start:start + held].contiguous()
+    act = ExpertActivation("swigluoai", 1.702, 3.0)
+    want = fused_experts_ref(x, w13, w2, weights, ids, start, b13, b2, act)
+    got = cpu_moe.fused_experts(x, w13, w2, weights, ids, start, b13, b2, *act)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = fused_experts_ref(x, w13, w2, weights, ids, start)
+    assert (want - plain).abs().max() > 0.5 and (x @ w13[0, :I].T).abs().max() > 3.0
+
+
+def test_the_swigluoai_reference_equals_transformers_gpt_oss_experts():
+    """Our stacked layout (gate rows, then up rows; biases apart) against transformers' gpt-oss
+    experts (columns interleaved gate, up, gate, ...)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from models.moe import ExpertActivation
+    torch.manual_seed(3)
+    cfg = GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                       swiglu_limit=2.0)
+    hf = GptOssExperts(cfg)
+    for p in hf.parameters():
+        p.data.normal_(0.0, 0.5)
+    x = torch.randn(9, 32)
+    weights, ids = select_experts(torch.randn(9, 4), 2, renormalize=True)
+    want = hf(x, ids, weights)
+    w13 = torch.cat([hf.gate_up_proj[:, :, ::2], hf.gate_up_proj[:, :, 1::2]], dim=2).transpose(1, 2)
+    b13 = torch.cat([hf.gate_up_proj_bias[:, ::2], hf.gate_up_proj_bias[:, 1::2]], dim=1)
+    got = fused_experts_ref(x, w13.detach(), hf.down_proj.transpose(1, 2).detach(), weights, ids, 0, b13.detach(),
+                            hf.down_proj_bias.detach(), ExpertActivation("swigluoai", 1.702, 2.0))
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_routing_takes_the_top_k_softmax_probabilities_renormalized_or_not():
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
     w, ids = select_experts(logits, 2, renormalize=False)
