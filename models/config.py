@@ -51,6 +51,9 @@ class ArchConfig:
     moe_intermediate_size: int = 0             # one expert's intermediate size
     norm_topk_prob: bool = True                # the top-k routing weights renormalized to sum to 1
     moe_layers: tuple[int, ...] | None = None  # the layers whose MLP is the MoE block; None: all
+    moe_bias: bool = False                     # the experts' projections and the router have biases (gpt-oss)
+    swiglu_limit: float | None = None          # gpt-oss's clamped experts ("swigluoai"); None: SiLU-gated
+    swiglu_alpha: float = 1.702                # its sigmoid's slope
     # -- encoder-only models (BERT, RoBERTa: models/bert.py) --------------------------------------
     encoder_only: bool = False                 # bidirectional attention over each prompt whole, no KV cache
     type_vocab_size: int = 0                   # token types (a text pair's segments); 0: none

@@ -438,8 +438,8 @@ class SelfAttention(nn.Module):
         self.rotary_dim = rotary_dim or head_size     # a partial rotary turns the leading dims only
         self.use_rope = use_rope                      # False: no position encoding in this layer (NoPE)
         self.logits_soft_cap = logits_soft_cap        # Gemma 2's attention score cap (None: none)
-        # gpt-oss's attention sinks: a learned logit per head, float32 (None: none)
-        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
+        # gpt-oss's attention sinks: a learned logit per head (None: none)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=dtype), requires_grad=False) if sinks else None
         if sinks and bidirectional:
             raise ValueError("bidirectional attention with sinks is not supported")
         self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size

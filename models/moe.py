@@ -130,9 +130,9 @@ class FusedMoE(nn.Module):
         self.gate = Linear(hidden_size, num_experts, dtype, bias=bias)   # the router (replicated on every rank)
         self.w13_weight = _empty_param(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)
         self.w2_weight = _empty_param(num_experts, hidden_size, intermediate_size, dtype=dtype)
-        # the experts' biases, float32 (each added to a float32 sum): gate rows then up rows, down
-        self.w13_bias = _empty_param(num_experts, 2 * intermediate_size, dtype=torch.float32) if bias else None
-        self.w2_bias = _empty_param(num_experts, hidden_size, dtype=torch.float32) if bias else None
+        # the experts' biases: gate rows then up rows, down
+        self.w13_bias = _empty_param(num_experts, 2 * intermediate_size, dtype=dtype) if bias else None
+        self.w2_bias = _empty_param(num_experts, hidden_size, dtype=dtype) if bias else None
         self.expert_start = 0           # global id of this rank's first expert (expert parallelism)
         self.parallel = "none"          # "none" | "tensor" | "expert" (``shard``)
         self.world, self.rank, self.group = 1, 0, None

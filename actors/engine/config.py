@@ -46,7 +46,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")   # fp8: e4m3
 # None: exact. models/quantization's registry, spelled out (importing it loads torch)
-QUANTIZATIONS = ("fp8", "compressed-tensors", "awq", "gptq", "gguf", "gguf-i8")
+QUANTIZATIONS = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4", "gguf", "gguf-i8")
 CPU_ONLY_QUANTIZATIONS = ("gguf", "gguf-i8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni")   # vLLM's names

@@ -86,7 +86,7 @@ class AttentionBackend(ABC):
     ``logits_soft_cap`` C (Gemma 2's attn_logit_softcapping) replaces each scaled score s by
     C * tanh(s / C) before the softmax; only a backend that ``supports_logits_soft_cap`` takes it.
 
-    ``sinks`` S (H,) float32 (gpt-oss's attention sinks): head h's softmax has one more term,
+    ``sinks`` S (H,) (gpt-oss's attention sinks, in the model's dtype): head h's softmax has one more term,
     exp(S[h]), with no value behind it, so a query's weights sum to less than one: the output is
     scaled by sum(exp(s)) / (sum(exp(s)) + exp(S[h])); only a backend that ``supports_sinks``
     takes them.
@@ -141,7 +141,7 @@ class AttentionBackend(ABC):
         k_scale: torch.Tensor | None = None,   # () float32
         v_scale: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,  # scores (after the scale) capped: cap * tanh(s / cap)
-        sinks: torch.Tensor | None = None,     # (num_heads,) float32, each head's sink logit
+        sinks: torch.Tensor | None = None,     # (num_heads,), each head's sink logit
     ) -> torch.Tensor:           # (T, num_heads, head_size)
         ...
 

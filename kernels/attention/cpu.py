@@ -77,7 +77,7 @@ class CpuAttentionBackend(AttentionBackend):
         k_scale: torch.Tensor | None = None,   # () float32, fp8 caches only
         v_scale: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
-        sinks: torch.Tensor | None = None,     # (H,) float32
+        sinks: torch.Tensor | None = None,     # (H,)
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")

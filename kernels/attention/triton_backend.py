@@ -84,12 +84,14 @@ class TritonAttentionBackend(AttentionBackend):
         k_scale: torch.Tensor | None = None,   # () float32, fp8 caches only
         v_scale: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,  # each scaled score s becomes C * tanh(s / C) (Gemma 2)
-        sinks: torch.Tensor | None = None,     # (H,) float32: each head's sink logit (gpt-oss)
+        sinks: torch.Tensor | None = None,     # (H,): each head's sink logit (gpt-oss)
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
         if kv_cache.shape[2] != meta.block_size:
             raise ValueError(f"kv_cache pages hold {kv_cache.shape[2]} tokens, metadata says {meta.block_size}")
         self._kv_store.store_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         B = meta.num_reqs
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.float()
         if meta.common_prefix_len > 0 and sliding_window is None and not logits_soft_cap and sinks is None:
             return self._cascade(query, kv_cache, meta, scale, k_scale, v_scale)
         if meta.is_pure_decode:

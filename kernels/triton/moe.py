@@ -60,7 +60,7 @@ def _grouped_gemm_kernel(
     b_ptr,              # (E, N, K)
     c_ptr,              # (T k, N): row per pair
     w_ptr,              # (T k,) routing weights (read with MUL_WEIGHT)
-    bias_ptr,           # (E, N) float32, each expert's bias (read with HAS_BIAS)
+    bias_ptr,           # (E, N), each expert's bias (read with HAS_BIAS, added in float32)
     sorted_ptr, expert_ptr, padded_ptr,
     N, K, num_pairs,
     stride_am, stride_be, stride_bn, stride_cm,
@@ -116,7 +116,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   w2_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
                   limit: float = 7.0) -> torch.Tensor:
     """x (T, H), w13 (E, 2I, H), w2 (E, H, I) contiguous, topk_weights / topk_ids (T, k) global
-    expert ids, the biases w13_bias (E, 2I) and w2_bias (E, H) float32 or None -> (T, H) in x's
+    expert ids, the biases w13_bias (E, 2I) and w2_bias (E, H) or None -> (T, H) in x's
     dtype (pairs of experts not held here add nothing). ``activation``: "silu" or gpt-oss's
     "swigluoai" (min(g, limit) * sigmoid(alpha min(g, limit)) * (clamp(u, +-limit) + 1))."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -131,7 +131,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                          f"and {tuple(topk_ids.shape)}")
     for name, bias, shape in (("w13_bias", w13_bias, (E, two_i)), ("w2_bias", w2_bias, (E, H))):
         if bias is not None:
-            check_tensor(name, bias, ndim=2, dtypes=(torch.float32,), device=x.device)
+            check_tensor(name, bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
             if tuple(bias.shape) != shape:
                 raise ValueError(f"{name} must be {shape}, got {tuple(bias.shape)}")
     if activation not in ("silu", "swigluoai"):

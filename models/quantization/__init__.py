@@ -18,12 +18,14 @@ from models.layers import Linear
 from models.quantization.base import LinearMethod, QuantizationConfig, hf_layer_names
 from models.quantization.formats import AWQConfig, CompressedTensorsConfig, Fp8Config, GPTQConfig
 from models.quantization.gguf import GGUFConfig, GGUFInt8Config
+from models.quantization.mxfp4 import Mxfp4Config
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
     "fp8": Fp8Config,
     "compressed-tensors": CompressedTensorsConfig,
     "awq": AWQConfig,
     "gptq": GPTQConfig,
+    "mxfp4": Mxfp4Config,
     "gguf": GGUFConfig,
     "gguf-i8": GGUFInt8Config,
 }

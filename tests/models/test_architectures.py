@@ -199,6 +199,15 @@ def _ministral():  # sliding layers (W = 5) beside a global one
                                                 rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
 
 
+def _gpt_oss():  # sinks, alternating sliding (W = 5) and full layers, YaRN, 4 experts top 2 with biases, clamped
+    from transformers import GptOssConfig, GptOssForCausalLM
+    rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 5000.0,
+            "original_max_position_embeddings": 64, "truncate": False}
+    return GptOssForCausalLM(GptOssConfig(**{**TINY, "intermediate_size": 32}, num_hidden_layers=3, sliding_window=5,
+                                          num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0,
+                                          rope_parameters=rope, tie_word_embeddings=False))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -208,7 +217,7 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere2, "Starcoder2ForCausalLM": _starcoder2,
             "PhiForCausalLM": _phi, "GPTNeoXForCausalLM": _gpt_neox, "GPT2LMHeadModel": _gpt2,
             "HeliumForCausalLM": _helium, "Ernie4_5ForCausalLM": _ernie4_5, "SeedOssForCausalLM": _seed_oss,
-            "MinistralForCausalLM": _ministral}
+            "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
