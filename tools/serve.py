@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
                         "Qwen2.5, Qwen3), llama3_json ({\"name\": ..., \"parameters\": ...}), pythonic "
                         "([name(key=value), ...]: Llama 3.2 and 4), llama4_pythonic, mistral ([TOOL_CALLS]...), "
                         "qwen3_coder (<function=NAME><parameter=KEY>...: Qwen3-Coder, typed by the tools' schemas), "
-                        "or one a "
+                        "openai (gpt-oss's harmony messages to functions.NAME), or one a "
                         "--tool-parser-plugin registers")
     p.add_argument("--tool-parser-plugin", default="", metavar="FILE",
                    help="vLLM's: a Python file run at start-up that registers tool parsers "
@@ -143,8 +143,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tools.serve
     p.add_argument("--reasoning-parser", default=None, metavar="{" + ",".join(sorted(REASONING_PARSERS)) + "}",
                    help="split a thinking model's output into the message's reasoning (between <think> and "
                         "</think>) and content: deepseek_r1 (the template opens the thinking) or qwen3 (the "
-                        "model opens it), or one a --reasoning-parser-plugin registers; the tokenizer must have "
-                        "both tags as tokens")
+                        "model opens it), openai_gptoss (gpt-oss's harmony analysis channel), or one a "
+                        "--reasoning-parser-plugin registers; the tokenizer must have both tags as tokens")
     p.add_argument("--reasoning-parser-plugin", default="", metavar="FILE",
                    help="vLLM's: a Python file run at start-up that registers reasoning parsers "
                         "(ReasoningParserManager.register_module in actors.frontend.reasoning), which "

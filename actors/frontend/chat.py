@@ -194,7 +194,8 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         tools = tool_use(req, server.options.tool_call_parser if server.options.enable_auto_tool_choice else None)
     except NotStructured as exc:
         raise BadRequest(str(exc), exc.param) from None
-    if tools is not None and tools.parser.keeps_special_tokens:
+    if ((tools is not None and tools.parser.keeps_special_tokens)
+            or (server.reasoning_parser is not None and server.reasoning_parser.keeps_special_tokens)):
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     template_kwargs = server.template_kwargs(req.chat_template_kwargs)
     if req.tools:

@@ -10,6 +10,9 @@ then ``delta.content``); tool calls are read from the content only.
                that does not start with ``<think>`` (``enable_thinking`` false) is all content
   granite      Granite 3.2 / 3.3 with ``thinking`` on: as qwen3, its tags plain text,
                "Here is my thought process:" (or "Here's ...") and "Here is my response:"
+  openai_gptoss  gpt-oss's harmony messages (actors/frontend/harmony.py): the analysis channel
+               is the reasoning, the final and commentary channels the content; a tool call's
+               message stays in the content, whole, for the ``openai`` tool parser to read
 
 As vLLM does, a parser needs its tags to be tokens of the model's vocabulary (granite's are plain
 text): the server refuses to start with one the tokenizer lacks. The split reads the text, so a tag split across stream
@@ -18,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
 from actors.engine.config import ReasoningConfig
+from actors.frontend import harmony
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class ReasoningParser:
     start_alternatives: tuple[str, ...] = ()
     end_alternatives: tuple[str, ...] = ()
     tags_are_tokens: bool = True       # False: the tags are plain text (granite's), not checked
+    # the tags are special tokens: the text is decoded with them kept (harmony's markers)
+    keeps_special_tokens: ClassVar[bool] = False
 
     @property
     def starts(self) -> tuple[str, ...]:
@@ -52,6 +58,12 @@ class ReasoningParser:
             if len(tokenizer.encode(tag)) != 1:
                 raise ValueError(f"--reasoning-parser {self.name}: the model's tokenizer has no {tag} token "
                                  "(this model does not think in those tags)")
+
+    @property
+    def budget_tags(self) -> tuple[str, str, str]:
+        """For a request's thinking_token_budget: what opens the reasoning, what a spent budget
+        forces, and what closes the reasoning when the model ends it itself (here the tags)."""
+        return self.start, self.end, self.end
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output (None: none of it)."""
@@ -122,12 +134,54 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss's harmony messages: the analysis channel's bodies are the reasoning; the final
+    and commentary channels' (and any text outside a header) the content, where each tool call
+    stays whole (harmony.call_text) for the ``openai`` tool parser."""
+    name: str = "openai_gptoss"
+    start: str = harmony.CHANNEL           # the markers the tokenizer must have as tokens
+    end: str = harmony.MESSAGE
+    opened_by_prompt: bool = False
+    keeps_special_tokens: ClassVar[bool] = True
+
+    @property
+    def budget_tags(self) -> tuple[str, str, str]:
+        """The analysis message's header; a spent budget ends it and opens the final channel."""
+        h = harmony
+        return (f"{h.CHANNEL}{h.ANALYSIS}{h.MESSAGE}", f"{h.END}{h.START}assistant{h.CHANNEL}{h.FINAL}{h.MESSAGE}", h.END)
+
+    def stream(self) -> HarmonyReasoningStream:      # type: ignore[override]
+        return HarmonyReasoningStream()
+
+
+class HarmonyReasoningStream:
+    """One choice's harmony output as it comes: the whole text read again at each piece
+    (harmony.read's readings extend one another), what is new of each part shown."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.shown = ("", "")
+        self.reasoned = False
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        self.text += text
+        messages = harmony.read(self.text, final)
+        reasoning = "".join(m.body for m in messages if m.channel == harmony.ANALYSIS and not harmony.is_call(m))
+        content = "".join(harmony.call_text(m) if harmony.is_call(m) else m.body for m in messages
+                          if harmony.is_call(m) or m.channel != harmony.ANALYSIS)
+        self.reasoned = self.reasoned or bool(reasoning)
+        (r0, c0), self.shown = self.shown, (reasoning, content)
+        return reasoning[len(r0):], content[len(c0):]
+
+
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", opened_by_prompt=True),
     "qwen3": ReasoningParser("qwen3", opened_by_prompt=False),
     "granite": ReasoningParser("granite", "Here is my thought process:", "Here is my response:", opened_by_prompt=False,
                                start_alternatives=("Here's my thought process:",),
                                end_alternatives=("Here's my response:",), tags_are_tokens=False),
+    "openai_gptoss": HarmonyReasoningParser(),
 }
 
 
@@ -215,9 +269,10 @@ def resolve_reasoning(config: ReasoningConfig, tokenizer: Any) -> ReasoningConfi
         if parser is None:
             raise ValueError(f"unknown reasoning parser {config.reasoning_parser!r}; choose from "
                              f"{', '.join(sorted(REASONING_PARSERS))}")
-    start = config.reasoning_start_str or (parser.start if parser else "")
-    end = config.reasoning_end_str or (parser.end if parser else "")
-    natural = parser.end if parser else end
+    tags = parser.budget_tags if parser else ("", "", "")
+    start = config.reasoning_start_str or tags[0]
+    end = config.reasoning_end_str or tags[1]
+    natural = tags[2] if parser else end
     if not start or not end:
         return config
     if not tokenizer.has_text:

@@ -64,7 +64,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     user: str | None = None
     truncation: str | None = None                   # "disabled" only
     background: bool | None = None                  # not supported
-    reasoning: dict[str, Any] | None = None         # none of these models reasons
+    reasoning: dict[str, Any] | None = None         # its effort: the chat's reasoning_effort (the template's)
     # OpenAI's, about its platform (billing, its own caches, abuse ids, built-in tool calls, the
     # stream's obfuscation): accepted and without effect here, as vLLM accepts them
     service_tier: str | None = None
@@ -118,8 +118,8 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
                 "while it runs)", "background")
         require(self.truncation in (None, "disabled"), f"truncation must be \"disabled\", got {self.truncation!r}",
                 "truncation")
-        require(not any(v is not None for v in (self.reasoning or {}).values()),
-                "reasoning options (effort, summary) are not supported on /v1/responses", "reasoning")
+        require(not any(v is not None for k, v in (self.reasoning or {}).items() if k != "effort"),
+                "reasoning options other than effort (summary) are not supported on /v1/responses", "reasoning")
         other = [i for i in self.include or [] if i != LOGPROBS_INCLUDE]
         require(not other, f"include supports only {LOGPROBS_INCLUDE!r}, got {other}", "include")
         require(bool(self.input), "input must not be empty", "input")
@@ -141,6 +141,8 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         fmt = (self.text or {}).get("format")
         if fmt is not None and fmt.get("type") != "text":
             body["response_format"] = _response_format(fmt)
+        if (self.reasoning or {}).get("effort") is not None:
+            body["reasoning_effort"] = self.reasoning["effort"]      # gpt-oss's template reads it
         if LOGPROBS_INCLUDE in (self.include or []):
             body["logprobs"] = True
             body["top_logprobs"] = self.top_logprobs or 0

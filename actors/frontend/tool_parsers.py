@@ -3,7 +3,8 @@
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` of Hermes and Qwen2.5 models, and
 ``llama3_json``, ``{"name": ..., "parameters": ...}`` objects joined by ``;``, and ``pythonic`` /
 ``llama4_pythonic``, a Python list of calls ``[name(key=value, ...)]``, and ``mistral``, calls after
-its ``[TOOL_CALLS]`` token, and ``qwen3_coder``, XML calls whose values the tools' schemas type),
+its ``[TOOL_CALLS]`` token, and ``qwen3_coder``, XML calls whose values the tools' schemas type,
+and ``openai``, gpt-oss's harmony messages to ``functions.NAME``),
 and the two that
 constrained decoding produces for ``tool_choice`` ``"required"`` (a JSON array of
 ``{"name", "parameters"}``) and a named function (its arguments alone).
@@ -22,6 +23,8 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from actors.frontend import harmony
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +293,22 @@ class HermesToolParser(ToolParser):
                 break
             i = close + len(self.END)
         return Reading("".join(content), calls)
+
+
+@register
+class OpenAIToolParser(ToolParser):
+    """gpt-oss's tool calls in its harmony messages (actors/frontend/harmony.py): each message to
+    a recipient (``to=functions.get_weather``) is a call of that function, its body the
+    arguments; the final and commentary channels' bodies are the content (analysis messages are
+    left out: the ``openai_gptoss`` reasoning parser shows them)."""
+    name = "openai"
+    keeps_special_tokens = True
+
+    def read(self, text: str, final: bool) -> Reading:
+        messages = harmony.read(text, final)
+        calls = [Call(harmony.function_name(m.recipient), m.body) for m in messages if harmony.is_call(m)]
+        content = "".join(m.body for m in messages if not harmony.is_call(m) and m.channel != harmony.ANALYSIS)
+        return Reading(content, calls)
 
 
 @register

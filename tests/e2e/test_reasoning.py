@@ -1,7 +1,8 @@
 """--reasoning-parser on the real server, with a model whose tokenizer has the <think> and
 </think> tokens (a tiny random Llama with SmolLM2's tokenizer and the two added): the answer's
 reasoning and content are the output split where vLLM's parsers split it, plain and streamed;
-a model without the tokens is refused at start-up."""
+a model without the tokens is refused at start-up. And gpt-oss's harmony markers, special
+tokens in its vocabulary, reach the ``openai_gptoss`` parser (the text it reads keeps them)."""
 from __future__ import annotations
 
 import copy
@@ -155,3 +156,51 @@ def test_thinking_token_budget_ends_the_reasoning_after_that_many_tokens(server,
     assert chat["token_ids"][2] == think_end and chat["message"]["content"] is not None
     bad = requests.post(server.url + "/v1/completions", json={**body, "thinking_token_budget": -1}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_token_budget"
+
+
+HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+
+
+@pytest.fixture(scope="module")
+def harmony_server(tmp_path_factory):
+    """A tiny random Llama whose tokenizer has harmony's markers as special tokens."""
+    from helpers import save_tiny_llama, transformers_tokenizer_from_gguf
+    from models.resolve import default_gguf_path
+    out = tmp_path_factory.mktemp("harmony-llama")
+    tok = copy.deepcopy(transformers_tokenizer_from_gguf(default_gguf_path()))
+    tok.add_special_tokens({"additional_special_tokens": HARMONY})
+    tok.save_pretrained(out)
+    save_tiny_llama(out, vocab=len(tok), hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
+                    max_positions=512)
+    s = Server("--model", str(out), "--threads", "1", "--reasoning-parser", "openai_gptoss",
+               "--served-model-name", "oss")
+    yield s, tok
+    s.stop()
+
+
+def test_harmony_markers_reach_the_parser_which_splits_the_analysis_channel_from_the_final_one(harmony_server):
+    """Outputs sampled from the markers and a few words: the answer's reasoning and content are
+    the split of the output's text with its special tokens kept (plain and streamed), and some
+    outputs have an analysis message (which the text without the markers could not show)."""
+    from actors.frontend.reasoning import REASONING_PARSERS
+    server, tok = harmony_server
+    parser = REASONING_PARSERS["openai_gptoss"]
+    allowed = tok.convert_tokens_to_ids(["<|channel|>", "<|message|>"]) + tok.encode("analysis yes",
+                                                                                    add_special_tokens=False)
+    body = {"model": "oss", "messages": [{"role": "user", "content": "Think."}], "max_tokens": 32,
+            "temperature": 1.0, "allowed_token_ids": allowed, "return_token_ids": True}
+    reasoned = 0
+    for seed in range(8):
+        choice = requests.post(server.url + "/v1/chat/completions", json={**body, "seed": seed},
+                               timeout=120).json()["choices"][0]
+        raw = requests.post(server.url + "/detokenize", json={"tokens": choice["token_ids"]}, timeout=30).json()["prompt"]
+        reasoning, content = parser.split(raw)
+        assert (choice["message"].get("reasoning"), choice["message"]["content"]) == (reasoning, content), raw
+        reasoned += reasoning is not None
+        with requests.post(server.url + "/v1/chat/completions", json={**body, "seed": seed, "stream": True},
+                           stream=True, timeout=120) as resp:
+            deltas = [c["delta"] for line in resp.iter_lines() if line.startswith(b"data: {")
+                      for c in json.loads(line[6:])["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == (reasoning or "")
+        assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+    assert reasoned
