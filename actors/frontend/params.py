@@ -122,7 +122,8 @@ def _chat_message(i: int, m: ChatMessage) -> dict[str, Any]:
     if reasoning is not None:
         require(m.role == "assistant", f"reasoning may only be set on assistant messages, not on a {m.role!r} "
                 "message", f"messages[{i}].reasoning")
-        msg["reasoning_content"] = msg["reasoning"] = reasoning
+        # under each name a template reads it by (gpt-oss's reads ``thinking``)
+        msg["reasoning_content"] = msg["reasoning"] = msg["thinking"] = reasoning
     return msg
 
 

@@ -101,7 +101,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     tool_calls: list[ToolCall] | None = None    # an assistant's calls
     tool_call_id: str | None = None             # a tool's result: the call it answers
     # an assistant's reasoning (vLLM's; ``reasoning_content`` is its older name): the template's
-    # ``reasoning_content``, which thinking models' templates read
+    # ``reasoning_content`` and ``thinking`` (gpt-oss's), which thinking models' templates read
     reasoning: str | None = None
     reasoning_content: str | None = None
 

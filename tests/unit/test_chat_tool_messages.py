@@ -95,3 +95,17 @@ def test_templates_without_tool_support_still_render_the_turns():
                                  {"role": "tool", "content": "ok", "tool_call_id": "call_1"}])
     assert template.render(normalize_messages(messages)) == "user:hi|assistant:|tool:ok|"
     assert tool_calls_for_template([call("{}")])[0]["function"]["arguments"] == {}
+
+
+def test_an_assistants_reasoning_reaches_templates_under_each_name_they_read():
+    """vLLM's ``reasoning`` (or ``reasoning_content``) on an assistant message: gpt-oss's template
+    reads it as ``thinking``, others as ``reasoning_content``."""
+    metadata = read_gguf_metadata(GGUF_PATH)
+    template = ("{%- for m in messages -%}<{{ m.role }}>{{ m.thinking }}|{{ m.reasoning_content }}|{{ m.content }}"
+                "{%- endfor -%}")
+    tok = TextTokenizer(build_tokenizer(metadata), {**metadata, "tokenizer.chat_template": template})
+    for field in ("reasoning", "reasoning_content"):
+        messages = request_messages([{"role": "user", "content": "2 + 2?"},
+                                     {"role": "assistant", "content": "4", field: "Add them."}])
+        assert tok.apply_chat_template(messages, add_generation_prompt=False) == \
+            "<user>||2 + 2?<assistant>Add them.|Add them.|4"
