@@ -352,8 +352,9 @@ def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: to
     hooks = _kv_layer_hooks
     if hooks is not None:
         hooks.wait_for_layer_load(layer)
+    sunk = {} if sinks is None else {"sinks": sinks}    # (backends that take none need not know the word)
     out = backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
-                          k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap, sinks=sinks)
+                          k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap, **sunk)
     if hooks is not None:
         hooks.save_kv_layer(layer, kv_cache, group_meta if group_meta is not None else meta)
     return out
