@@ -4,8 +4,10 @@ add; one sliding window for every layer where the config sets one), Phi-2 (``Phi
 parallel block, one norm read by attention and the MLP, both added to the stream; a rotary over
 a share of each head; an LM head with a bias), GPT-NeoX (``GPTNeoXForCausalLM``, Pythia: a
 parallel block with a norm for each side, or Llama's order, its q|k|v rows head by head in the
-checkpoint, put in the fused projection's order at load) and GPT-2 (``GPT2LMHeadModel``: learned
-positions and no rotary, its projections stored transposed, as Conv1D holds them)."""
+checkpoint, put in the fused projection's order at load), GPT-2 (``GPT2LMHeadModel``: learned
+positions and no rotary, its projections stored transposed, as Conv1D holds them) and OPT
+(``OPTForCausalLM``: GPT-2's shape with its positions offset by 2 and a ReLU MLP; OPT-350m's norms
+after each sublayer's add and its embeddings projected in and out of a narrower size)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Iterable
@@ -18,10 +20,10 @@ from models.base import TensorMap
 from models.bert import LayerNorm
 from models.config import ArchConfig
 from models.gemma3 import LocalGlobalLM
-from models.layers import MLP, Embedding, SelfAttention, hf_activation
+from models.layers import MLP, Embedding, Linear, SelfAttention, hf_activation
 
 
-SEQUENTIAL, PARALLEL, PARALLEL_TWO_NORMS = "sequential", "parallel", "parallel, two norms"
+SEQUENTIAL, PARALLEL, PARALLEL_TWO_NORMS, POST_NORM = "sequential", "parallel", "parallel, two norms", "post-norm"
 _NEOX_BUFFERS = (".attention.bias", ".attention.masked_bias", ".attention.rotary_emb.inv_freq")
 
 
@@ -45,6 +47,9 @@ class _Layer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.block == POST_NORM:         # each norm after its sublayer's add (OPT-350m)
+            hidden = self.input_layernorm(hidden + self.self_attn(hidden, cos, sin, kv_cache, meta))
+            return self.post_attention_layernorm(hidden + self.mlp(hidden))
         normed = self.input_layernorm(hidden)
         attn = self.self_attn(normed, cos, sin, kv_cache, meta)
         if self.block == PARALLEL:
@@ -234,10 +239,84 @@ class GPT2LMHeadModel(Starcoder2ForCausalLM):
 
     def input_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      inputs_embeds: torch.Tensor | None) -> torch.Tensor:
-        return super().input_hidden(input_ids, positions, inputs_embeds) + self.position_embeddings(positions)
+        rows = positions + self.config.position_offset if self.config.position_offset else positions
+        return super().input_hidden(input_ids, positions, inputs_embeds) + self.position_embeddings(rows)
 
     def hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if name.endswith(_GPT2_BUFFERS):            # the attention's mask, in older saves: not a weight
                 continue
             yield name, (tensor.t() if name.endswith(_GPT2_CONV1D) else tensor)     # Conv1D's (in, out)
+
+
+def _opt_map(prefix: str) -> TensorMap:
+    lay = f"{prefix}layers.{{i}}."
+    return {
+        f"{prefix}embed_tokens.weight": ("embed_tokens.weight", None),
+        f"{prefix}embed_positions.weight": ("position_embeddings.weight", None),
+        f"{prefix}project_in.weight": ("project_in.weight", None),
+        f"{prefix}project_out.weight": ("project_out.weight", None),
+        **{f"{lay}self_attn.{s}_proj.{p}": (f"layers.{{i}}.self_attn.qkv_proj.{p}", s)
+           for s in "qkv" for p in ("weight", "bias")},
+        **{f"{lay}{theirs}.{p}": (f"layers.{{i}}.{ours}.{p}", None) for theirs, ours in (
+            ("self_attn_layer_norm", "input_layernorm"), ("self_attn.out_proj", "self_attn.o_proj"),
+            ("final_layer_norm", "post_attention_layernorm"), ("fc1", "mlp.up_proj"), ("fc2", "mlp.down_proj"))
+           for p in ("weight", "bias")},
+        **{f"{prefix}final_layer_norm.{p}": (f"norm.{p}", None) for p in ("weight", "bias")},
+    }
+
+
+class OPTForCausalLM(GPT2LMHeadModel):
+    """OPT (facebook/opt-125m to 66b): learned positions read 2 rows on (``position_offset``), q, k
+    and v apart, ``ffn_dim`` ReLU MLPs, a tied head. ``do_layer_norm_before`` false (OPT-350m): each
+    norm after its sublayer's add, no final norm; ``word_embed_proj_dim`` below the hidden size
+    (350m too): the embeddings projected in to the hidden size and the last hidden states out."""
+    hf_defaults: ClassVar[dict[str, Any]] = {"activation_function": "relu", "do_layer_norm_before": True,
+                                             "enable_bias": True, "layer_norm_elementwise_affine": True,
+                                             "tie_word_embeddings": True, "_remove_final_layer_norm": False,
+                                             "word_embed_proj_dim": None}
+    hf_tensor_map: ClassVar[TensorMap] = {**_opt_map("model.decoder."), **_opt_map("decoder."),
+                                          "lm_head.weight": ("lm_head.weight", None)}
+
+    @classmethod
+    def hf_raw(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        return {**raw, "intermediate_size": raw["ffn_dim"], "rms_norm_eps": 1e-5,
+                "hidden_act": raw["activation_function"]}
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        if not raw["enable_bias"] or not raw["layer_norm_elementwise_affine"]:
+            raise ValueError("OPTForCausalLM without biases or with norms that have no weights is not supported")
+        if raw["_remove_final_layer_norm"] and raw["do_layer_norm_before"]:
+            raise ValueError("OPTForCausalLM with _remove_final_layer_norm is not supported")
+        width = raw["word_embed_proj_dim"]
+        return {"qkv_bias": True, "o_bias": True, "sliding_window": None, "position_offset": 2,
+                "max_position_embeddings": raw["max_position_embeddings"] + 2,
+                "rope_layers": (False,) * fields["num_layers"],
+                "post_norm": not raw["do_layer_norm_before"],
+                "embedding_size": 0 if width in (None, fields["hidden_size"]) else width}
+
+    def layer_block(self, config: ArchConfig) -> str:
+        return POST_NORM if config.post_norm else SEQUENTIAL
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, attn_backend, dtype)
+        c = config
+        if c.post_norm:
+            self.norm = nn.Identity()
+        if c.embedding_size:                # token embeddings narrower than the hidden size
+            self.embed_tokens = Embedding(c.vocab_size, c.embedding_size, dtype)
+            self.project_in = Linear(c.embedding_size, c.hidden_size, dtype)
+            self.project_out = Linear(c.hidden_size, c.embedding_size, dtype)
+            tied = self.embed_tokens.weight if c.tie_word_embeddings else None
+            self.lm_head = Linear(c.embedding_size, c.vocab_size, dtype, weight=tied)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        return self.project_in(hidden) if self.config.embedding_size else hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.embedding_size:
+            hidden = self.project_out(hidden)
+        return self.lm_head(hidden).float()

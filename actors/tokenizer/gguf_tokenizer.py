@@ -163,6 +163,34 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def _byte_level_bpe(path: str, config: dict[str, Any]) -> Tokenizer:
+    """GPT-2's byte-level BPE from vocab.json and merges.txt (what transformers' GPT2Tokenizer reads,
+    OPT's and RoBERTa's among them), as its fast tokenizer is built: no prefix space unless
+    tokenizer_config.json asks, bytes decoded back; the special tokens it (or
+    special_tokens_map.json) names, and its added tokens, kept whole."""
+    from tokenizers import processors
+    tok = Tokenizer(models.BPE.from_file(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"),
+                                         continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space", False)))
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    named = {**_read_json(os.path.join(path, "special_tokens_map.json")), **config}
+    special: list[str] = []
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
+        value = named.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value not in special:
+            special.append(value)
+    added = sorted(((int(i), t) for i, t in (config.get("added_tokens_decoder") or {}).items()), key=lambda p: p[0])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    for _, t in added:
+        token = AddedToken(t["content"], special=bool(t.get("special")), normalized=bool(t.get("normalized")),
+                           lstrip=bool(t.get("lstrip")), rstrip=bool(t.get("rstrip")),
+                           single_word=bool(t.get("single_word")))
+        (tok.add_special_tokens if t.get("special") else tok.add_tokens)([token])
+    return tok
+
+
 def _special_ids(metadata: dict[str, Any], types: list[int]) -> set[int]:
     """CONTROL tokens plus whichever of bos/eos/unk/pad the file names."""
     ids = {i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL}
@@ -214,16 +242,20 @@ class TextTokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str) -> TextTokenizer:
-        """A Hugging Face checkpoint directory: tokenizer.json, and tokenizer_config.json for the
-        special tokens, the BOS flag and the chat template (or chat_template.jinja)."""
-        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            raise ValueError(f"{path} has no tokenizer.json: give one with --tokenizer, or serve token ids "
-                             "without a tokenizer with --skip-tokenizer-init")
-        tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        """A Hugging Face checkpoint directory: tokenizer.json (or, in older saves, GPT-2's
+        vocab.json and merges.txt), and tokenizer_config.json for the special tokens, the BOS flag
+        and the chat template (or chat_template.jinja)."""
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        elif os.path.isfile(os.path.join(path, "vocab.json")) and os.path.isfile(os.path.join(path, "merges.txt")):
+            tokenizer = _byte_level_bpe(path, config)
+        else:
+            raise ValueError(f"{path} has no tokenizer.json (nor GPT-2's vocab.json and merges.txt): give one with "
+                             "--tokenizer, or serve token ids without a tokenizer with --skip-tokenizer-init")
         # a saved padding or truncation applies only where a caller asks (as in transformers)
         tokenizer.no_padding()
         tokenizer.no_truncation()
-        config = _read_json(os.path.join(path, "tokenizer_config.json"))
         n = tokenizer.get_vocab_size(with_added_tokens=True)
         types = [0] * n
         for token_id, added in tokenizer.get_added_tokens_decoder().items():

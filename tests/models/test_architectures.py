@@ -208,6 +208,20 @@ def _gpt_oss():  # sinks, alternating sliding (W = 5) and full layers, YaRN, 4 e
                                           rope_parameters=rope, tie_word_embeddings=False))
 
 
+def _opt():  # learned positions offset by 2, ReLU MLPs, norms before the sublayers, a tied head
+    from transformers import OPTConfig, OPTForCausalLM
+    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=256, pad_token_id=0,
+                                    bos_token_id=1, eos_token_id=2))
+
+
+def _opt_350m():  # OPT-350m's shape: norms after the adds, no final norm, embeddings projected in and out
+    from transformers import OPTConfig, OPTForCausalLM
+    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32,
+                                    do_layer_norm_before=False, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -217,7 +231,8 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "CohereForCausalLM": _cohere, "Cohere2ForCausalLM": _cohere2, "Starcoder2ForCausalLM": _starcoder2,
             "PhiForCausalLM": _phi, "GPTNeoXForCausalLM": _gpt_neox, "GPT2LMHeadModel": _gpt2,
             "HeliumForCausalLM": _helium, "Ernie4_5ForCausalLM": _ernie4_5, "SeedOssForCausalLM": _seed_oss,
-            "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss}
+            "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss,
+            "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -233,7 +248,8 @@ def case(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, max_shard_size="40KB" if request.param == "LlamaForCausalLM" else "50GB")
     model, config = load_model(resolve_model(str(path)))
-    assert config.architecture == request.param and isinstance(model, get_model_class(request.param))
+    arch = request.param.split("-")[0]          # "-350m": another shape of the same architecture
+    assert config.architecture == arch and isinstance(model, get_model_class(arch))
     return model, config, hf.eval(), path
 
 

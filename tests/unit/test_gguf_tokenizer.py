@@ -342,3 +342,30 @@ def test_token_offsets_give_each_tokens_characters_and_zero_spans_to_bos_and_eos
     assert tok.token_offsets(text, [bos, *ids])[:2] == [(0, 0), offsets[0]]
     assert tok.token_offsets(text, [*ids, eos])[-1] == (0, 0)
     assert tok.token_offsets(text, ids[1:]) is None                # not this text's tokens
+
+
+def test_a_directory_with_gpt2s_vocab_and_merges_reads_as_transformers_gpt2_tokenizer(tmp_path):
+    """Older saves (OPT's, GPT-2's) hold vocab.json and merges.txt, no tokenizer.json: the same
+    byte-level BPE as transformers' GPT2Tokenizer, its special tokens whole, OPT's BOS first."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2Tokenizer
+    bpe = ByteLevelBPETokenizer()
+    corpus = ["Hello world, the quick brown fox jumps over the lazy dog.", "Café déjà vu — naïve façade!",
+              "tokens and more tokens: 1234 5678"] * 20
+    bpe.train_from_iterator(corpus, vocab_size=400, min_frequency=1, special_tokens=["<s>", "<pad>", "</s>", "<unk>"])
+    bpe.save_model(str(tmp_path))
+    config = {"bos_token": "</s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+              "add_bos_token": True, "add_prefix_space": False, "tokenizer_class": "GPT2Tokenizer"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = TextTokenizer.from_hf_dir(str(tmp_path))
+    theirs = GPT2Tokenizer.from_pretrained(str(tmp_path))
+    for text in ["Hello world, the quick brown fox", " leading space and  two", "Café déjà vu — naïve 🙂",
+                 "a</s>b<pad>c", "1234 zebra quokka"]:
+        want = theirs(text)["input_ids"]
+        assert ours.encode(text, add_special_tokens=True) == want, text
+        assert want[0] == theirs.bos_token_id == 2
+        assert ours.decode(want[1:], skip_special_tokens=False) == theirs.decode(want[1:])
+    assert ours.decode(ours.encode("x</s>y", add_special_tokens=False), skip_special_tokens=True) == "xy"
+    (tmp_path / "merges.txt").unlink()
+    with pytest.raises(ValueError, match="has no tokenizer.json \\(nor GPT-2's vocab.json and merges.txt\\)"):
+        TextTokenizer.from_hf_dir(str(tmp_path))
