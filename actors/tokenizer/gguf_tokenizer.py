@@ -163,7 +163,7 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def _byte_level_bpe(path: str, config: dict[str, Any]) -> Tokenizer:
+def _gpt2_files_bpe(path: str, config: dict[str, Any]) -> Tokenizer:
     """GPT-2's byte-level BPE from vocab.json and merges.txt (what transformers' GPT2Tokenizer reads,
     OPT's and RoBERTa's among them), as its fast tokenizer is built: no prefix space unless
     tokenizer_config.json asks, bytes decoded back; the special tokens it (or
@@ -249,7 +249,7 @@ class TextTokenizer:
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
         elif os.path.isfile(os.path.join(path, "vocab.json")) and os.path.isfile(os.path.join(path, "merges.txt")):
-            tokenizer = _byte_level_bpe(path, config)
+            tokenizer = _gpt2_files_bpe(path, config)
         else:
             raise ValueError(f"{path} has no tokenizer.json (nor GPT-2's vocab.json and merges.txt): give one with "
                              "--tokenizer, or serve token ids without a tokenizer with --skip-tokenizer-init")
