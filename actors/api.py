@@ -966,13 +966,15 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "cache_salt")   # 
 
 def _prompt_what(prompt: Prompt, **template: Any) -> dict[str, Any]:
     """What the engine client takes of a prompt: text, token ids, a prompt dict, or a
-    conversation (with ``template``'s chat-template options)."""
+    conversation (with ``template``'s chat-template options). Text is tokenized with the special
+    tokens the tokenizer adds (BOS where it asks), as vLLM's LLM encodes it; a rendered
+    conversation without (its template wrote them)."""
     if _is_conversation(prompt):
         return {"messages": prompt, **_chat_options(**template)}
     if isinstance(prompt, dict):
         return _prompt_dict(prompt)
     if isinstance(prompt, str):
-        return {"prompt": prompt}
+        return {"prompt": prompt, "add_special_tokens": True}
     return {"prompt_token_ids": list(prompt)}               # type: ignore[arg-type]
 
 
@@ -1004,7 +1006,7 @@ def _prompt_dict(prompt: dict[str, Any]) -> dict[str, Any]:
     elif "prompt_token_ids" in prompt:
         what = {"prompt_token_ids": list(prompt["prompt_token_ids"])}
     else:
-        what = {"prompt": prompt["prompt"]}
+        what = {"prompt": prompt["prompt"], "add_special_tokens": True}
     if prompt.get("cache_salt") is not None:
         what["cache_salt"] = prompt["cache_salt"]
     return what
