@@ -55,6 +55,7 @@ class ArchConfig:
     norm_topk_prob: bool = True                # the top-k routing weights renormalized to sum to 1
     moe_layers: tuple[int, ...] | None = None  # the layers whose MLP is the MoE block; None: all
     moe_bias: bool = False                     # the experts' projections and the router have biases (gpt-oss)
+    shared_expert_intermediate_size: int = 0   # a shared expert beside the routed ones (Granite MoE Shared); 0: none
     swiglu_limit: float | None = None          # gpt-oss's clamped experts ("swigluoai"); None: SiLU-gated
     swiglu_alpha: float = 1.702                # its sigmoid's slope
     # -- encoder-only models (BERT, RoBERTa: models/bert.py) --------------------------------------

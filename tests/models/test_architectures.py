@@ -222,6 +222,22 @@ def _opt_350m():  # OPT-350m's shape: norms after the adds, no final norm, embed
                                     do_layer_norm_before=False, pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
+def _granitemoe():  # Granite's four multipliers around 4 experts top 2
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+    return GraniteMoeForCausalLM(GraniteMoeConfig(**{**TINY, "intermediate_size": 32}, num_hidden_layers=2,
+                                                  num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                                                  embedding_multiplier=1.5, residual_multiplier=0.7,
+                                                  attention_multiplier=0.2, logits_scaling=1.25))
+
+
+def _granitemoeshared():  # and a shared expert beside the routed ones
+    from transformers import GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM
+    return GraniteMoeSharedForCausalLM(GraniteMoeSharedConfig(
+        **{**TINY, "intermediate_size": 32}, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=48, tie_word_embeddings=False, embedding_multiplier=1.5, residual_multiplier=0.7,
+        attention_multiplier=0.2, logits_scaling=1.25))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -232,7 +248,8 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "PhiForCausalLM": _phi, "GPTNeoXForCausalLM": _gpt_neox, "GPT2LMHeadModel": _gpt2,
             "HeliumForCausalLM": _helium, "Ernie4_5ForCausalLM": _ernie4_5, "SeedOssForCausalLM": _seed_oss,
             "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss,
-            "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m}
+            "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m,
+            "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoeshared}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))

@@ -222,3 +222,65 @@ def test_llm_with_expert_parallelism_over_two_workers_answers_as_one_worker(chec
     with LLM(checkpoint, tensor_parallel_size=2, enable_expert_parallel=True, kv_cache_bytes=1 << 22) as llm:
         got = [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want and all(len(t) == 10 for t in want) and len({tuple(t) for t in want}) == 3
+
+
+# -- Granite MoE with a shared expert: both tensor namings, and two ranks --------------------------
+
+@pytest.fixture(scope="module")
+def granite_shared(tmp_path_factory):
+    """A tiny GraniteMoeShared checkpoint (saved in the hub's names: router.layer, input_linear,
+    output_linear) and transformers' model of it."""
+    from transformers import GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM
+    torch.manual_seed(4)
+    hf = GraniteMoeSharedForCausalLM(GraniteMoeSharedConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=2, shared_intermediate_size=40,
+        embedding_multiplier=1.5, residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=1.25,
+        tie_word_embeddings=False, max_position_embeddings=256))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+    path = tmp_path_factory.mktemp("granite_shared")
+    hf.save_pretrained(path)
+    return str(path), hf.eval()
+
+
+def _granite_logits(model, config, kv_heads: int) -> torch.Tensor:
+    import dataclasses
+    g = torch.Generator().manual_seed(3)
+    steps = [[torch.randint(0, VOCAB, (n,), generator=g) for n in (7, 4)]] + \
+        [[torch.tensor([s + 3]), torch.tensor([s + 9])] for s in range(3)]
+    return run_steps(model, allocate_kv_caches(dataclasses.replace(config, num_kv_heads=kv_heads), 32, BS, torch.float32),
+                     [list(range(1, 8)), list(range(8, 16))], steps, BS)
+
+
+def _granite_rank(rank: int, world: int, checkpoint: str) -> torch.Tensor:
+    from models.tensor_parallel import shard_model
+    model, config = load_model(resolve_model(checkpoint))
+    shard_model(model, world, rank)
+    return _granite_logits(model, config, 1)
+
+
+def test_granite_moe_shared_reads_both_namings_and_splits_over_two_ranks(granite_shared, tmp_path):
+    """The hub's tensor names and transformers 5's in-memory ones (router.weight,
+    experts.gate_up_proj: what a trainer sends) load the same weights; the logits are
+    transformers'; two ranks (each expert's columns and the shared expert's split) give them too."""
+    from models.registry import get_model_class, load_weights
+    path, hf = granite_shared
+    model, config = load_model(resolve_model(path))
+    assert type(model.layers[0].mlp).__name__ == "SharedExpertMoE"
+    fresh = get_model_class(config.architecture)(config, model.layers[0].self_attn.backend)
+    state = hf.state_dict()
+    assert "model.layers.0.block_sparse_moe.experts.gate_up_proj" in state
+    load_weights(fresh, state.items(), fresh.hf_tensor_map)
+    for (name, got), want in zip(fresh.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
+    tokens = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(5))
+    ours = run_steps(model, allocate_kv_caches(config, 32, BS, torch.float32), [list(range(1, 8))], [[tokens]], BS)
+    with torch.inference_mode():
+        want = hf(tokens[None]).logits[0]
+    assert want.std() > 0.5
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+    whole = _granite_logits(model, config, 2)
+    for part in run_ranks(_granite_rank, 2, tmp_path, path):
+        torch.testing.assert_close(part, whole, rtol=1e-4, atol=1e-4)
