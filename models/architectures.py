@@ -17,7 +17,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("GraniteForCausalLM", "granite"), ("SmolLM3ForCausalLM", "smollm3"), ("Gemma2ForCausalLM", "gemma2"),
         ("Olmo2ForCausalLM", "olmo2"), ("Olmo3ForCausalLM", "olmo2"), ("OlmoeForCausalLM", "olmo2"),
         ("GptOssForCausalLM", "gpt_oss"), ("OPTForCausalLM", "layernorm_lm"),
-        ("GraniteMoeForCausalLM", "granite"), ("GraniteMoeSharedForCausalLM", "granite"),
+        ("GraniteMoeForCausalLM", "granite"), ("Exaone4ForCausalLM", "olmo2"), ("GraniteMoeSharedForCausalLM", "granite"),
         ("GlmForCausalLM", "glm"), ("Glm4ForCausalLM", "glm"), ("GemmaForCausalLM", "gemma2"),
         ("CohereForCausalLM", "cohere"), ("Cohere2ForCausalLM", "cohere"), ("Starcoder2ForCausalLM", "layernorm_lm"),
         ("PhiForCausalLM", "layernorm_lm"), ("GPTNeoXForCausalLM", "layernorm_lm"),

@@ -3,7 +3,8 @@ moved after them (each sublayer's output normalized before its residual add; no 
 and RMSNorms of q and k over the whole projection (every head's features at once) before
 rotary. OLMo 3 adds sliding-window layers (``layer_types``; by default every fourth layer
 global), its config's rope scaling on the global layers only. OLMoE: Llama's layers (norms
-before) with those q/k norms and a mixture of experts in every MLP (models/moe.py)."""
+before) with those q/k norms and a mixture of experts in every MLP (models/moe.py). EXAONE 4.0:
+OLMo 2's layer order with per-head q/k norms and no rotary in a hybrid model's global layers."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
@@ -69,14 +70,21 @@ class Olmo2ForCausalLM(LocalGlobalLM):
         "lm_head.weight": ("lm_head.weight", None),
     }
 
+    decoder_layer: ClassVar[type[nn.Module]] = Olmo2DecoderLayer       # (config, layer, backend, dtype)
+    final_norm: ClassVar[type[nn.Module]] = Olmo2RMSNorm
+
     def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if config.rotary_dim is not None:
             raise ValueError(f"{type(self).__name__} with a partial rotary is not supported")
-        self.build(config, dtype, lambda i: Olmo2DecoderLayer(config, i, attn_backend, dtype),
-                   Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps, dtype),
-                   local=config.layer_types is not None and SLIDING in config.layer_types)
+        self.build(config, dtype, lambda i: self.decoder_layer(config, i, attn_backend, dtype),
+                   self.final_norm(config.hidden_size, config.rms_norm_eps, dtype), local=self.local_rotary(config))
+
+    @classmethod
+    def local_rotary(cls, config: ArchConfig) -> bool:
+        """Whether the sliding layers turn by a rotary of their own (OLMo 3's plain one)."""
+        return config.layer_types is not None and SLIDING in config.layer_types
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -122,3 +130,48 @@ class OlmoeForCausalLM(LlamaForCausalLM):
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, attn_backend, dtype)
         use_moe_layers(self, config, dtype)
+
+
+class Exaone4DecoderLayer(Olmo2DecoderLayer):
+    """EXAONE 4.0's layer: OLMo 2's norms after attention and the MLP, per-head q/k RMSNorms,
+    no rotary in the global layers of a model with sliding ones."""
+
+    def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        c = config
+        self.is_sliding = False             # one rotary: the global layers of a hybrid model turn none
+        self.self_attn = SelfAttention(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
+            sliding_window=c.layer_sliding_window(layer), qk_norm=lambda: RMSNorm(c.head_size, c.rms_norm_eps, dtype),
+            use_rope=c.layer_uses_rope(layer))
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
+        self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+
+
+class Exaone4ForCausalLM(Olmo2ForCausalLM):
+    decoder_layer: ClassVar[type[nn.Module]] = Exaone4DecoderLayer
+    final_norm: ClassVar[type[nn.Module]] = RMSNorm
+    """EXAONE 4.0 (LG AI Research, 1.2B and 32B): OLMo 2's layer order with per-head q/k norms
+    (Llama's RMSNorm); with a ``sliding_window``, the layers of ``layer_types`` (else
+    ``sliding_window_pattern``: every n-th global, or a string such as "LLLG") slide and the
+    global ones attend with no rotary; without one, every layer is global with rotary."""
+    hf_defaults: ClassVar[dict[str, Any]] = {"rms_norm_eps": 1e-5, "sliding_window": None,
+                                             "sliding_window_pattern": 4}
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        n, window = fields["num_layers"], raw.get("sliding_window")
+        if window is None:
+            return {"sliding_window": None, "layer_types": None, "rope_layers": None}
+        pattern = raw.get("sliding_window_pattern") or 4
+        if isinstance(pattern, str):
+            default = tuple(FULL if pattern[i % len(pattern)] == "G" else SLIDING for i in range(n))
+        else:
+            default = tuple(FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n))
+        types = tuple(raw.get("layer_types") or default)
+        return {"sliding_window": window, "layer_types": types, "rope_layers": tuple(t == SLIDING for t in types)}
+
+    @classmethod
+    def local_rotary(cls, config: ArchConfig) -> bool:
+        return False                        # the sliding layers turn by the config's rotary

@@ -238,6 +238,13 @@ def _granitemoeshared():  # and a shared expert beside the routed ones
         attention_multiplier=0.2, logits_scaling=1.25))
 
 
+def _exaone4():  # norms after the sublayers, per-head q/k norms, three sliding layers (W = 5), a global one without rotary
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+    return Exaone4ForCausalLM(Exaone4Config(**TINY, num_hidden_layers=4, sliding_window=5, sliding_window_pattern=4,
+                                            tie_word_embeddings=False,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -249,7 +256,7 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "HeliumForCausalLM": _helium, "Ernie4_5ForCausalLM": _ernie4_5, "SeedOssForCausalLM": _seed_oss,
             "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss,
             "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m,
-            "GraniteMoeForCausalLM": _granitemoe, "GraniteMoeSharedForCausalLM": _granitemoeshared}
+            "GraniteMoeForCausalLM": _granitemoe, "Exaone4ForCausalLM": _exaone4, "GraniteMoeSharedForCausalLM": _granitemoeshared}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -404,6 +411,16 @@ def test_no_backend_for_the_requirements(case):
     with pytest.raises(ValueError, match="no attention backend supports this model") as info:
         load_model(resolve_model(str(path)), dtype=torch.float64)
     assert "cpu: dtype torch.float64 not supported" in str(info.value)
+
+
+def test_exaone4_reads_its_string_pattern_and_without_a_window_turns_every_layer():
+    from models.hf_config import hf_model_config
+    base = dict(architectures=["Exaone4ForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, vocab_size=128, max_position_embeddings=64)
+    hybrid = hf_model_config({**base, "sliding_window": 8, "sliding_window_pattern": "LLLG"})
+    assert hybrid.layer_types == (SLIDING, SLIDING, SLIDING, FULL) and hybrid.rope_layers == (True, True, True, False)
+    plain = hf_model_config(base)
+    assert plain.max_sliding_window is None and all(map(plain.layer_uses_rope, range(4)))
 
 
 def test_hf_config_defaults_and_errors():
