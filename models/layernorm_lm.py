@@ -7,7 +7,8 @@ parallel block with a norm for each side, or Llama's order, its q|k|v rows head 
 checkpoint, put in the fused projection's order at load), GPT-2 (``GPT2LMHeadModel``: learned
 positions and no rotary, its projections stored transposed, as Conv1D holds them) and OPT
 (``OPTForCausalLM``: GPT-2's shape with its positions offset by 2 and a ReLU MLP; OPT-350m's norms
-after each sublayer's add and its embeddings projected in and out of a narrower size)."""
+after each sublayer's add and its embeddings projected in and out of a narrower size), and StableLM
+(``StableLmForCausalLM``: LayerNorms around a SiLU-gated MLP, a quarter of each head turning)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Iterable
@@ -20,7 +21,7 @@ from models.base import TensorMap
 from models.bert import LayerNorm
 from models.config import ArchConfig
 from models.gemma3 import LocalGlobalLM
-from models.layers import MLP, Embedding, Linear, SelfAttention, hf_activation
+from models.layers import MLP, Embedding, GatedMLP, Linear, SelfAttention, hf_activation
 
 
 SEQUENTIAL, PARALLEL, PARALLEL_TWO_NORMS, POST_NORM = "sequential", "parallel", "parallel, two norms", "post-norm"
@@ -320,3 +321,51 @@ class OPTForCausalLM(GPT2LMHeadModel):
         if self.config.embedding_size:
             hidden = self.project_out(hidden)
         return self.lm_head(hidden).float()
+
+
+class _StableLmLayer(_Layer):
+    def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
+                 block: str) -> None:
+        super().__init__(config, layer, backend, dtype, block)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, dtype)
+
+
+class StableLmForCausalLM(Starcoder2ForCausalLM):
+    """StableLM (stablelm-3b-4e1t, StableLM 2 1.6B, Zephyr): LayerNorms with biases around a
+    SiLU-gated MLP without them, q/k/v biases where ``use_qkv_bias``, a rotary over the leading
+    quarter of each head (``partial_rotary_factor``), Llama's order of sublayers or, with
+    ``use_parallel_residual``, attention and the MLP both of one norm. Its per-head q/k LayerNorms
+    (``qk_layernorm``, StableLM 2 12B) are refused by name."""
+    hf_defaults: ClassVar[dict[str, Any]] = {"layer_norm_eps": 1e-5, "use_qkv_bias": False, "qk_layernorm": False,
+                                             "use_parallel_residual": False, "partial_rotary_factor": 0.25,
+                                             "tie_word_embeddings": False, "hidden_act": "silu"}
+    hf_tensor_map: ClassVar[TensorMap] = {
+        "model.embed_tokens.weight": ("embed_tokens.weight", None),
+        **{f"model.layers.{{i}}.self_attn.{s}_proj.{p}": (f"layers.{{i}}.self_attn.qkv_proj.{p}", s)
+           for s in "qkv" for p in ("weight", "bias")},
+        **_layer_map({"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm"}),
+        "model.layers.{i}.self_attn.o_proj.weight": ("layers.{i}.self_attn.o_proj.weight", None),
+        "model.layers.{i}.mlp.gate_proj.weight": ("layers.{i}.mlp.gate_up_proj.weight", "gate"),
+        "model.layers.{i}.mlp.up_proj.weight": ("layers.{i}.mlp.gate_up_proj.weight", "up"),
+        "model.layers.{i}.mlp.down_proj.weight": ("layers.{i}.mlp.down_proj.weight", None),
+        **{f"model.norm.{p}": (f"norm.{p}", None) for p in ("weight", "bias")},
+        "lm_head.weight": ("lm_head.weight", None),
+    }
+
+    @classmethod
+    def hf_raw(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        return {**raw, "rms_norm_eps": raw["layer_norm_eps"]}
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        if raw["qk_layernorm"]:
+            raise ValueError("StableLmForCausalLM with qk_layernorm (per-head q/k LayerNorms) is not supported")
+        return {"qkv_bias": bool(raw["use_qkv_bias"]), "o_bias": False, "sliding_window": None,
+                "parallel_residual": bool(raw["use_parallel_residual"])}
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32) -> None:
+        LocalGlobalLM.__init__(self)
+        block = PARALLEL if config.parallel_residual else SEQUENTIAL
+        self.build(config, dtype, lambda i: _StableLmLayer(config, i, attn_backend, dtype, block),
+                   LayerNorm(config.hidden_size, config.rms_norm_eps, dtype), local=False)

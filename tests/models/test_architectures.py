@@ -245,6 +245,18 @@ def _exaone4():  # norms after the sublayers, per-head q/k norms, three sliding 
                                             rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
 
 
+def _stablelm():  # LayerNorms around a SiLU-gated MLP, q/k/v biases, a quarter of each head turning
+    from transformers import StableLmConfig, StableLmForCausalLM
+    return StableLmForCausalLM(StableLmConfig(**{k: v for k, v in TINY.items() if k != "head_dim"}, num_hidden_layers=2,
+                                              use_qkv_bias=True, tie_word_embeddings=False, layer_norm_eps=1e-5))
+
+
+def _stablelm_parallel():  # attention and the MLP of one norm, added together
+    from transformers import StableLmConfig, StableLmForCausalLM
+    return StableLmForCausalLM(StableLmConfig(**{k: v for k, v in TINY.items() if k != "head_dim"}, num_hidden_layers=2,
+                                              use_parallel_residual=True, tie_word_embeddings=False))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -256,7 +268,8 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "HeliumForCausalLM": _helium, "Ernie4_5ForCausalLM": _ernie4_5, "SeedOssForCausalLM": _seed_oss,
             "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss,
             "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m,
-            "GraniteMoeForCausalLM": _granitemoe, "Exaone4ForCausalLM": _exaone4, "GraniteMoeSharedForCausalLM": _granitemoeshared}
+            "GraniteMoeForCausalLM": _granitemoe, "Exaone4ForCausalLM": _exaone4,
+            "StableLmForCausalLM": _stablelm, "StableLmForCausalLM-parallel": _stablelm_parallel, "GraniteMoeSharedForCausalLM": _granitemoeshared}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
