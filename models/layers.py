@@ -11,6 +11,7 @@ and never require grad.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Protocol
 
@@ -343,7 +344,7 @@ def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: to
               kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None,
               k_scale: torch.Tensor, v_scale: torch.Tensor, layer: int = 0,
               group_meta: AttentionMetadata | None = None, logits_soft_cap: float | None = None,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """The attention call (KV store and paged attention through the backend, between a KV
     connector's per-layer hooks when a step has them): torch.compile's splitting op
     (``split_at_attention`` makes it untraced), so compiled layers run as the pieces between
@@ -352,7 +353,8 @@ def attention(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: to
     hooks = _kv_layer_hooks
     if hooks is not None:
         hooks.wait_for_layer_load(layer)
-    sunk = {} if sinks is None else {"sinks": sinks}    # (backends that take none need not know the word)
+    # (backends that take neither need not know the words)
+    sunk = {k: v for k, v in (("sinks", sinks), ("alibi_slopes", alibi_slopes)) if v is not None}
     out = backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
                           k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap, **sunk)
     if hooks is not None:
@@ -409,6 +411,15 @@ def set_attention_bfloat16(model: nn.Module, enabled: bool) -> None:
             m.attention_bfloat16 = enabled
 
 
+def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
+    """ALiBi's per-head slopes (Press et al.; BLOOM's and MPT's): for the largest power of two
+    n <= H, 2^(-bias_max * i / n) for i = 1..n; the heads past it take the odd ones of 2n's."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-bias_max * i / n) for i in range(1, n + 1)]
+    slopes += [2.0 ** (-bias_max * i / (2 * n)) for i in range(1, 2 * (num_heads - n), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
 class SelfAttention(nn.Module):
     """q|k|v projection, optional per-head q/k norm, rotary, paged attention through the
     backend (with this layer's sliding window, if any), output projection.
@@ -426,7 +437,8 @@ class SelfAttention(nn.Module):
                  sliding_window: int | None = None, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: Callable[[], nn.Module] | None = None, rotary_dim: int | None = None,
                  use_rope: bool = True, logits_soft_cap: float | None = None, bidirectional: bool = False,
-                 qk_norm_whole: Callable[[int], nn.Module] | None = None, sinks: bool = False) -> None:
+                 qk_norm_whole: Callable[[int], nn.Module] | None = None, sinks: bool = False,
+                 alibi: bool = False) -> None:
         super().__init__()
         # an encoder's layer (Gemma 3 with use_bidirectional_attention): each query sees its whole
         # prompt (within the sliding window on either side), no KV cache read or written
@@ -443,6 +455,10 @@ class SelfAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=dtype), requires_grad=False) if sinks else None
         if sinks and bidirectional:
             raise ValueError("bidirectional attention with sinks is not supported")
+        # ALiBi (BLOOM, MPT): each head's slope, float32, in place of rotary positions (None: none)
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads) if alibi else None, persistent=False)
+        if alibi and (use_rope or bidirectional or sinks):
+            raise ValueError("ALiBi attention takes no rotary, sinks or bidirectional attention")
         self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
         self.scale, self.sliding_window = scale, sliding_window
         self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
@@ -485,7 +501,7 @@ class SelfAttention(nn.Module):
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
         out = self.attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.sliding_window,
                              self.k_scale, self.v_scale, self.kv_index, step_meta, self.logits_soft_cap,
-                             self.sinks)
+                             self.sinks, self.alibi_slopes)
         return self.o_proj(out.reshape(T, self.q_size))     # (T, hidden)
 
     def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype,

@@ -99,7 +99,8 @@ class NativeDecodeStack:
             if (type(attn) is not SelfAttention or type(mlp) is not GatedMLP or mlp.act != "silu"
                     or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
                            for n in norms)
-                    or attn.q_norm is not None or attn.sinks is not None or attn.bidirectional or type(attn.backend) is not CpuAttentionBackend
+                    or attn.q_norm is not None or attn.sinks is not None or attn.alibi_slopes is not None
+                    or attn.bidirectional or type(attn.backend) is not CpuAttentionBackend
                     or not attn.backend.native or attn.head_size % 2):
                 return None
             o, down = attn.o_proj, mlp.down_proj

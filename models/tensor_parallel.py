@@ -225,6 +225,8 @@ def shard_attention(m: SelfAttention, world: int, rank: int, group: Any) -> None
     m.o_proj = row_parallel(m.o_proj, (q0 * D, qn * D), rank, group)
     if m.sinks is not None:      # each rank's heads' sinks
         m.sinks = nn.Parameter(m.sinks.data[q0:q0 + qn].clone(), requires_grad=False)
+    if m.alibi_slopes is not None:
+        m.alibi_slopes = m.alibi_slopes[q0:q0 + qn].clone()
     m.num_heads, m.num_kv_heads = qn, kn
     m.q_size, m.kv_size = qn * D, kn * D
     # what of each projection's unsplit rows or columns this rank holds (a LoRA adapter's share)

@@ -59,6 +59,7 @@ class AttentionRequirements:
     device: str                      # "cpu" | "cuda"
     logits_soft_cap: bool = False    # some layer caps its scores (Gemma 2): cap * tanh(score / cap)
     sinks: bool = False              # the layers have attention sinks (gpt-oss): a learned logit per head
+    alibi: bool = False              # ALiBi (BLOOM, MPT): each score biased by its head's slope times the distance
 
 
 CudaGraphSupport = Literal["never", "uniform_decode", "always"]
@@ -91,6 +92,10 @@ class AttentionBackend(ABC):
     scaled by sum(exp(s)) / (sum(exp(s)) + exp(S[h])); only a backend that ``supports_sinks``
     takes them.
 
+    ``alibi_slopes`` A (H,) float32 (ALiBi: BLOOM's, MPT's positions): head h's score of a key
+    at position k for a query at position p gains A[h] * (k - p), after the scale; only a backend
+    that ``supports_alibi`` takes them.
+
     Subclasses declare their capabilities; ``refusal`` turns them into a reason string.
     """
 
@@ -103,6 +108,7 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False   # takes forward's logits_soft_cap
     supports_sinks: ClassVar[bool] = False          # takes forward's sinks
+    supports_alibi: ClassVar[bool] = False          # takes forward's alibi_slopes
     supports_cascade: ClassVar[bool] = False        # uses meta.common_prefix_len
     cascade_min_prefix: ClassVar[int] = 256         # the shortest shared prefix worth a cascade here
     cudagraph_support: ClassVar[CudaGraphSupport] = "never"
@@ -126,6 +132,8 @@ class AttentionBackend(ABC):
             return f"{cls.name}: attention logit softcapping not supported"
         if req.sinks and not cls.supports_sinks:
             return f"{cls.name}: attention sinks not supported"
+        if req.alibi and not cls.supports_alibi:
+            return f"{cls.name}: ALiBi not supported"
         return None
 
     @abstractmethod
@@ -142,6 +150,7 @@ class AttentionBackend(ABC):
         v_scale: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,  # scores (after the scale) capped: cap * tanh(s / cap)
         sinks: torch.Tensor | None = None,     # (num_heads,), each head's sink logit
+        alibi_slopes: torch.Tensor | None = None,   # (num_heads,) float32, ALiBi's slopes
     ) -> torch.Tensor:           # (T, num_heads, head_size)
         ...
 

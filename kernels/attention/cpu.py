@@ -55,6 +55,7 @@ class CpuAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True     # decodes natively (capped), prompts in one batched ``attend`` (_capped)
     supports_sinks = True               # every row with its log-sum-exp, then scaled (_sunk)
+    supports_alibi = True               # decodes and prompts through ``attend`` (_alibi)
     supports_cascade = True
     # Measured (python -m tools.bench cascade, 64 decodes): below ~1k shared tokens the native decode
     # kernel, re-reading a short prefix from the CPU's caches, beats cascade's extra passes.
@@ -78,12 +79,15 @@ class CpuAttentionBackend(AttentionBackend):
         v_scale: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,     # (H,)
+        alibi_slopes: torch.Tensor | None = None,   # (H,)
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         scales = _Scales(k_scale, v_scale)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         B = meta.num_reqs
+        if alibi_slopes is not None:
+            return self._alibi(query, kv_cache, meta, scale, sliding_window, scales, alibi_slopes)
         if sinks is not None:
             return self._sunk(query, kv_cache, meta, scale, sliding_window, scales, logits_soft_cap, sinks)
         if logits_soft_cap:
@@ -127,6 +131,21 @@ class CpuAttentionBackend(AttentionBackend):
             o, tokens = attend(query, kv_cache, r.block_table, r.seq_lens, r.starts, r.query_lens,
                                int(r.query_lens.max()), scale, sliding_window, *scales, logits_soft_cap=cap)
             out[tokens] = o
+        return out
+
+    def _alibi(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               sliding_window: int | None, scales: _Scales, slopes: torch.Tensor) -> torch.Tensor:
+        """ALiBi (BLOOM, MPT): the decodes in one batched ``attend``, the prompt chunks in another
+        (the native kernels add no biases)."""
+        out = query.new_zeros(query.shape)
+        reqs = _Requests.of(meta)
+        is_decode = reqs.query_lens == 1
+        for rows in (is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)):
+            if rows.numel():
+                r = reqs.take(rows)
+                o, tokens = attend(query, kv_cache, r.block_table, r.seq_lens, r.starts, r.query_lens,
+                                   int(r.query_lens.max()), scale, sliding_window, *scales, alibi_slopes=slopes)
+                out[tokens] = o
         return out
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

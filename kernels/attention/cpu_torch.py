@@ -11,14 +11,15 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
            starts: torch.Tensor, query_lens: torch.Tensor, max_query_len: int, scale: float,
            sliding_window: int | None, k_scale: torch.Tensor | None = None,
            v_scale: torch.Tensor | None = None, with_lse: bool = False,
-           logits_soft_cap: float | None = None) -> tuple[torch.Tensor, ...]:
+           logits_soft_cap: float | None = None, alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Attention for b requests whose queries are query[starts[i] : starts[i] + query_lens[i]],
     the last query_lens[i] of their seq_lens[i] (int64) tokens, in one SDPA call with every
     request's queries padded to max_query_len. Returns (outputs (n, H, D), their token indices
     (n,)), n = sum(query_lens), and with ``with_lse`` also each output row's log-sum-exp of its
     scaled scores (n, H) float32. An fp8 cache is read as fp8 * k_scale / v_scale. With
     ``logits_soft_cap`` C the scores are capped (C * tanh(s / C)) before the softmax, in plain
-    torch (SDPA takes no cap).
+    torch (SDPA takes no cap); with ``alibi_slopes`` (H,) each score gains its head's slope times
+    (key position - query position), likewise.
 
     Keys are gathered from a window of nb blocks per request starting at first_block[i]: block 0
     without a sliding window; with one, the block of the oldest key the first query can see, so
@@ -61,9 +62,14 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         mask &= key_pos[:, None, :] > pos[:, :, None] - sliding_window
     mask = mask[:, None].expand(b, G, Q, L).reshape(b, 1, G * Q, L)
 
-    if logits_soft_cap:
+    if logits_soft_cap or alibi_slopes is not None:
         scores = (q.float() @ k.float().transpose(-1, -2)) * scale                # (b, KVH, G*Q, L)
-        scores = torch.tanh_(scores.div_(logits_soft_cap)).mul_(logits_soft_cap)
+        if logits_soft_cap:
+            scores = torch.tanh_(scores.div_(logits_soft_cap)).mul_(logits_soft_cap)
+        if alibi_slopes is not None:
+            rel = (key_pos[:, None, :] - pos[:, :, None]).float()                  # (b, Q, L)
+            bias = alibi_slopes.float().view(1, KVH, G, 1, 1) * rel[:, None, None]  # (b, KVH, G, Q, L)
+            scores += bias.reshape(b, KVH, G * Q, L)
         scores.masked_fill_(~mask, float("-inf"))
         o = (torch.softmax(scores, dim=-1) @ v.float()).to(query.dtype)            # (b, KVH, G*Q, D)
         o = o.view(b, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(b, Q, H, D)

@@ -19,6 +19,7 @@ def reference_paged_attention(
     v_scale: torch.Tensor | float | None = None,
     logits_soft_cap: float | None = None,          # scores capped: C * tanh(s / C)
     sinks: torch.Tensor | None = None,             # (H,) each head's sink logit, a softmax term with no value
+    alibi_slopes: torch.Tensor | None = None,      # (H,) ALiBi: each score + slope * (key pos - query pos)
 ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
     """Slow and plain: write token by token, then per request gather its context block by block,
     repeat K/V per query head, softmax with a causal mask (and p - W < k with a window W)."""
@@ -47,6 +48,8 @@ def reference_paged_attention(
             scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         q_pos = torch.arange(seq_len - (end - start), seq_len)
         k_pos = torch.arange(seq_len)[None, :]                                      # (1, S)
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float()[:, None, None] * (k_pos - q_pos[:, None]).float()
         hidden = k_pos > q_pos[:, None]                                             # (q, S)
         if sliding_window is not None:
             hidden |= k_pos <= q_pos[:, None] - sliding_window

@@ -13,7 +13,7 @@ its share of the context from the request's seq_len on the device. A graph captu
 size therefore replays correctly for any seq_lens. The prefill path has no host syncs either,
 but its grid follows max_query_len, so it is not captured.
 
-Cascade (``meta.common_prefix_len`` P > 0, no sliding window, cap or sinks; never captured): the prefix kernel
+Cascade (``meta.common_prefix_len`` P > 0, no sliding window, cap, sinks or ALiBi; never captured): the prefix kernel
 attends every query over the shared pages at once (kernels/triton/cascade.py), the prefill kernel
 attends each request's pages from P on and returns log-sum-exps, the merge kernel combines them.
 No host syncs: padding rows are zeroed on the device.
@@ -50,6 +50,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True     # Gemma 2's capped scores, in both kernels
     supports_sinks = True               # gpt-oss's attention sinks, in both kernels' softmax denominators
+    supports_alibi = True               # BLOOM's and MPT's biases, in both kernels' scores
     supports_cascade = True
     cudagraph_support = "uniform_decode"
 
@@ -85,6 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
         v_scale: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,  # each scaled score s becomes C * tanh(s / C) (Gemma 2)
         sinks: torch.Tensor | None = None,     # (H,): each head's sink logit (gpt-oss)
+        alibi_slopes: torch.Tensor | None = None,   # (H,) float32: ALiBi's slopes
     ) -> torch.Tensor:           # (T, H, D); rows of padding tokens are zero
         if kv_cache.shape[2] != meta.block_size:
             raise ValueError(f"kv_cache pages hold {kv_cache.shape[2]} tokens, metadata says {meta.block_size}")
@@ -92,7 +94,8 @@ class TritonAttentionBackend(AttentionBackend):
         B = meta.num_reqs
         if sinks is not None and sinks.dtype != torch.float32:
             sinks = sinks.float()
-        if meta.common_prefix_len > 0 and sliding_window is None and not logits_soft_cap and sinks is None:
+        if (meta.common_prefix_len > 0 and sliding_window is None and not logits_soft_cap and sinks is None
+                and alibi_slopes is None):
             return self._cascade(query, kv_cache, meta, scale, k_scale, v_scale)
         if meta.is_pure_decode:
             # pure decode: request i owns token i (query_start_loc = 0, 1, ..., B); tokens past B are padding
@@ -100,13 +103,14 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits = self._decode.default_num_splits(B, kv_cache.shape[3], meta.max_seq_len)
             self._decode.paged_decode_attention(query[:B], kv_cache, meta.block_table[:B], meta.seq_lens[:B],
                                                 scale, sliding_window, num_splits, out=out[:B], k_scale=k_scale,
-                                                v_scale=v_scale, soft_cap=logits_soft_cap, sinks=sinks)
+                                                v_scale=v_scale, soft_cap=logits_soft_cap, sinks=sinks,
+                                                alibi_slopes=alibi_slopes)
             out[B:].zero_()
             return out
         return self._prefill.paged_prefill_attention(query, kv_cache, meta.query_start_loc[:B + 1],
                                                      meta.seq_lens[:B], meta.block_table[:B], meta.max_query_len,
                                                      scale, sliding_window, k_scale=k_scale, v_scale=v_scale,
-                                                     soft_cap=logits_soft_cap, sinks=sinks)
+                                                     soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes)
 
     def _cascade(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:

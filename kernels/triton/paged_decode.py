@@ -47,6 +47,7 @@ def _paged_decode_kernel(
     k_scale_ptr,        # () float32, read when FP8: keys are fp8 * k_scale
     v_scale_ptr,        # () float32, read when FP8
     sinks_ptr,          # (H,) float32, each head's sink logit, read when SINKS
+    alibi_ptr,          # (H,) float32, ALiBi's slopes, read when ALIBI
     qk_scale,           # softmax scale * log2(e)
     window,             # sliding window in tokens, 0 = none
     soft_cap,           # the score cap C * log2(e), read when SOFT_CAP
@@ -57,7 +58,7 @@ def _paged_decode_kernel(
     num_heads, group, head_size,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
+    FP8: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, ALIBI: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -84,6 +85,8 @@ def _paged_decode_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
     kv_base = cache_ptr + kvh * stride_c_head + t[:, None] * stride_c_slot + d[None, :]  # (BLOCK_SIZE, BLOCK_D)
+    if ALIBI:                  # log2-scaled like the scores
+        slope = tl.load(alibi_ptr + heads, mask=g_mask, other=0.0) * 1.4426950408889634
 
     # 3) online softmax over the split's pages; every page in range holds a visible key
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -103,6 +106,8 @@ def _paged_decode_kernel(
         if SOFT_CAP:
             s = soft_capped(s, soft_cap)
         pos = blk * BLOCK_SIZE + t
+        if ALIBI:              # the query is at seq_len - 1
+            s += slope[:, None] * (pos - (seq_len - 1)).to(tl.float32)[None, :]
         s = tl.where(((pos < seq_len) & (pos >= first))[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -177,6 +182,7 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     soft_cap: float | None = None,    # Gemma 2's: each scaled score s becomes C * tanh(s / C)
     sinks: torch.Tensor | None = None,  # (H,) float32 on the device: each head's sink logit (gpt-oss)
+    alibi_slopes: torch.Tensor | None = None,  # (H,) float32 on the device: ALiBi's slopes (BLOOM)
 ) -> torch.Tensor:                    # (B, H, D); rows with seq_len 0 are zeros
     """Attention of each request's single query (at position seq_len - 1) over its cached
     context. The cache must already hold the query's own key and value. The cache is in the
@@ -189,9 +195,10 @@ def paged_decode_attention(
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)
     check_shape("seq_lens", seq_lens, (B,))
     check_attention_args(H, KVH, D, block_size, sliding_window)
-    if sinks is not None:
-        check_tensor("sinks", sinks, ndim=1, dtypes=(torch.float32,), device=dev)
-        check_shape("sinks", sinks, (H,))
+    for name, per_head in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if per_head is not None:
+            check_tensor(name, per_head, ndim=1, dtypes=(torch.float32,), device=dev)
+            check_shape(name, per_head, (H,))
     if not 1 <= num_splits <= 64:
         raise ValueError(f"num_splits must be in [1, 64], got {num_splits}")
     if out is None:
@@ -213,14 +220,14 @@ def paged_decode_attention(
     cache = kv_cache.view(torch.uint8) if fmt else kv_cache
     _paged_decode_kernel[(B, KVH, num_splits)](
         query, cache, block_table, seq_lens, out, part_acc, part_m, part_l, k_scale, v_scale,
-        out if sinks is None else sinks, scale * LOG2E, sliding_window or 0, (soft_cap or 1.0) * LOG2E,
+        out if sinks is None else sinks, out if alibi_slopes is None else alibi_slopes, scale * LOG2E, sliding_window or 0, (soft_cap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_table.stride(0), out.stride(0), out.stride(1),
         H, group, D,
         BLOCK_SIZE=block_size, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=max(16, next_power_of_2(D)),
         NUM_SPLITS=num_splits, DOT_F32=dot_in_float32(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
-        FP8=fmt, SOFT_CAP=bool(soft_cap), SINKS=sinks is not None,
+        FP8=fmt, SOFT_CAP=bool(soft_cap), SINKS=sinks is not None, ALIBI=alibi_slopes is not None,
     )
     if num_splits > 1:
         _paged_decode_reduce_kernel[(B, H)](

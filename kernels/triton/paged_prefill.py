@@ -39,6 +39,7 @@ def _paged_prefill_kernel(
     k_scale_ptr,        # () float32, read when FP8: keys are fp8 * k_scale
     v_scale_ptr,        # () float32, read when FP8
     sinks_ptr,          # (H,) float32, each head's sink logit, read when SINKS
+    alibi_ptr,          # (H,) float32, ALiBi's slopes, read when ALIBI
     qk_scale,           # softmax scale * log2(e)
     window,             # sliding window in tokens, 0 = none
     soft_cap,           # the score cap C * log2(e), read when SOFT_CAP
@@ -51,6 +52,7 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr, STORE_LSE: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     tile_start = tl.program_id(1) * BLOCK_Q      # first query (relative to the request) of this tile
@@ -81,6 +83,8 @@ def _paged_prefill_kernel(
         hi = tl.minimum(context_len + tile_start + BLOCK_Q, seq_len) - 1
         lo = tl.where(window > 0, tl.maximum(context_len + tile_start - window + 1, 0), 0)
         first = tl.where(window > 0, pos - window, -1)          # (BLOCK_M,) keys k > first are visible
+        if ALIBI:              # log2-scaled like the scores
+            slope = tl.load(alibi_ptr + heads, mask=row_mask, other=0.0) * 1.4426950408889634
 
         # 3) online softmax page by page; a row may see nothing in a page (window, padding)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -100,6 +104,8 @@ def _paged_prefill_kernel(
             if SOFT_CAP:
                 s = soft_capped(s, soft_cap)
             kpos = (blk * BLOCK_SIZE + t)[None, :]
+            if ALIBI:
+                s += slope[:, None] * (kpos - pos[:, None]).to(tl.float32)
             visible = row_mask[:, None] & (kpos <= pos[:, None]) & (kpos > first[:, None])
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -137,6 +143,7 @@ def paged_prefill_attention(
     lse: torch.Tensor | None = None,      # (T, H) float32, written when given: each row's log-sum-exp
     soft_cap: float | None = None,        # Gemma 2's: each scaled score s becomes C * tanh(s / C)
     sinks: torch.Tensor | None = None,    # (H,) float32 on the device: each head's sink logit (gpt-oss)
+    alibi_slopes: torch.Tensor | None = None,  # (H,) float32 on the device: ALiBi's slopes (BLOOM)
 ) -> torch.Tensor:                  # (T, H, D); rows of tokens past query_start_loc[B] are zeros
     """Causal attention of every request's queries over its cached context (which must already
     hold the new keys and values). ``max_query_len`` is a host int that sizes the grid; a request
@@ -160,9 +167,10 @@ def paged_prefill_attention(
         check_shape("lse", lse, (T, H))
         if lse.stride(1) != 1:
             raise ValueError("lse must have unit stride along its heads")
-    if sinks is not None:
-        check_tensor("sinks", sinks, ndim=1, dtypes=(torch.float32,), device=dev)
-        check_shape("sinks", sinks, (H,))
+    for name, per_head in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if per_head is not None:
+            check_tensor(name, per_head, ndim=1, dtypes=(torch.float32,), device=dev)
+            check_shape(name, per_head, (H,))
     out = torch.zeros_like(query)
     if B == 0 or T == 0 or max_query_len <= 0:
         return out
@@ -176,7 +184,7 @@ def paged_prefill_attention(
     cache = kv_cache.view(torch.uint8) if fmt else kv_cache
     _paged_prefill_kernel[grid](
         query, cache, block_table, seq_lens, query_start_loc, out, out if lse is None else lse, k_scale, v_scale,
-        out if sinks is None else sinks, scale * LOG2E, sliding_window or 0, (soft_cap or 1.0) * LOG2E,
+        out if sinks is None else sinks, out if alibi_slopes is None else alibi_slopes, scale * LOG2E, sliding_window or 0, (soft_cap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_table.stride(0), out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
@@ -184,6 +192,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, BLOCK_D=max(16, next_power_of_2(D)),
         DOT_F32=dot_in_float32(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
         FP8=fmt, STORE_LSE=lse is not None, SOFT_CAP=bool(soft_cap), SINKS=sinks is not None,
+        ALIBI=alibi_slopes is not None,
     )
     return out
 

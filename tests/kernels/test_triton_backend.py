@@ -125,6 +125,25 @@ def test_attention_sinks_match_the_reference_and_matter(backend, scenario, windo
     assert (plain.float() - out.float()).abs().max() > 0.05
 
 
+@pytest.mark.parametrize("scenario, window, dtype", [("decode", None, torch.float32), ("mixed", 12, torch.bfloat16),
+                                                      ("prefill_cached_prefix", None, torch.float32)], ids=_id)
+def test_alibi_matches_the_reference_and_matters(backend, scenario, window, dtype):
+    """ALiBi's biases in both kernels' scores (decode with split-K among them)."""
+    from models.layers import alibi_slopes
+    case = make_case(SCENARIOS[scenario], 16, 6, 2, HEAD_SIZE, dtype, num_padding=2, seed=8)
+    slopes = alibi_slopes(6).to(case.query.device)
+    out = backend.forward(case.query, case.key, case.value, case.kv_cache.clone(), case.meta, 0.25,
+                          sliding_window=window, alibi_slopes=slopes)
+    cpu = [x.cpu() for x in (case.query, case.key, case.value)]
+    expected = reference_paged_attention(*cpu, case.kv_cache.cpu().clone(), meta_on(case.meta, "cpu"), 0.25,
+                                         sliding_window=window, alibi_slopes=slopes.cpu())
+    assert_close(out, expected)
+    assert torch.equal(out[-2:].cpu(), torch.zeros_like(expected[-2:]))      # padding rows
+    plain = backend.forward(case.query, case.key, case.value, case.kv_cache.clone(), case.meta, 0.25,
+                            sliding_window=window)
+    assert (plain.float() - out.float()).abs().max() > 0.05
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("scenario", ["decode", "mixed"])
 def test_backend_with_an_fp8_cache_matches_the_reference(backend, kv_dtype, scenario):

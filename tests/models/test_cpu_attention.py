@@ -18,7 +18,7 @@ SCENARIOS = {
 
 
 def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, sliding_window=None,
-              kv_dtype=torch.float32, native=True, logits_soft_cap=None, sinks=None):
+              kv_dtype=torch.float32, native=True, logits_soft_cap=None, sinks=None, alibi_slopes=None):
     gen = torch.Generator().manual_seed(seed)
     meta, num_blocks = shuffled_paged_metadata(reqs, block_size, gen, num_padding)
     T = meta.num_tokens
@@ -31,6 +31,8 @@ def _run_case(reqs, block_size, num_heads, num_kv_heads, num_padding=0, seed=0, 
     cap = {} if logits_soft_cap is None else {"logits_soft_cap": logits_soft_cap}
     if sinks is not None:
         cap["sinks"] = sinks
+    if alibi_slopes is not None:
+        cap["alibi_slopes"] = alibi_slopes
     ours = CpuAttentionBackend(native).forward(query, key, value, ours_cache, meta, scale, sliding_window=sliding_window,
                                                **cap)
     ref = reference_paged_attention(query, key, value, ref_cache, meta, scale, sliding_window=sliding_window, **cap)
@@ -149,6 +151,32 @@ def test_attention_sinks_match_the_reference_and_matter(scenario, window, native
     # a sink only takes weight away: each head's output shrinks, the larger the sink the more
     ratio = ours[:-3].norm(dim=-1) / plain[:-3].norm(dim=-1)                   # (N, H)
     assert (ratio < 1).all() and (ratio[:, -1] < ratio[:, 0]).all()
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=["f32", "fp8"])
+def test_alibi_matches_the_reference_and_matters(scenario, window, kv_dtype):
+    """ALiBi's biases (each score + slope * (key position - query position)) on every path."""
+    from models.layers import alibi_slopes
+    slopes = alibi_slopes(6)
+    ours, ref, ours_cache, ref_cache, _, _ = _run_case(SCENARIOS[scenario], 16, 6, 2, num_padding=3, seed=7,
+                                                       sliding_window=window, kv_dtype=kv_dtype, alibi_slopes=slopes)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_cache.float(), ref_cache.float(), atol=0, rtol=0)
+    assert torch.equal(ours[-3:], torch.zeros_like(ours[-3:]))
+    plain, *_ = _run_case(SCENARIOS[scenario], 16, 6, 2, num_padding=3, seed=7, sliding_window=window,
+                          kv_dtype=kv_dtype)
+    assert (ours - plain).abs().max() > 1e-2
+
+
+def test_alibi_slopes_are_blooms():
+    """transformers' BLOOM slopes, for a power of two and for the heads past one."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+    from models.layers import alibi_slopes
+    for heads in (8, 12, 6):
+        theirs = build_alibi_tensor(torch.ones(1, 2), heads, torch.float32).view(heads, 2)[:, 1]   # slope * 1
+        torch.testing.assert_close(alibi_slopes(heads), theirs, atol=1e-7, rtol=1e-6)
 
 
 # ---- backend selection ---------------------------------------------------------------------
