@@ -18,7 +18,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("Olmo2ForCausalLM", "olmo2"), ("Olmo3ForCausalLM", "olmo2"), ("OlmoeForCausalLM", "olmo2"),
         ("GptOssForCausalLM", "gpt_oss"), ("OPTForCausalLM", "layernorm_lm"),
         ("GraniteMoeForCausalLM", "granite"), ("Exaone4ForCausalLM", "olmo2"),
-        ("StableLmForCausalLM", "layernorm_lm"), ("GraniteMoeSharedForCausalLM", "granite"),
+        ("StableLmForCausalLM", "layernorm_lm"), ("BloomForCausalLM", "layernorm_lm"), ("GraniteMoeSharedForCausalLM", "granite"),
         ("GlmForCausalLM", "glm"), ("Glm4ForCausalLM", "glm"), ("GemmaForCausalLM", "gemma2"),
         ("CohereForCausalLM", "cohere"), ("Cohere2ForCausalLM", "cohere"), ("Starcoder2ForCausalLM", "layernorm_lm"),
         ("PhiForCausalLM", "layernorm_lm"), ("GPTNeoXForCausalLM", "layernorm_lm"),

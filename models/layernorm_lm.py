@@ -8,7 +8,8 @@ checkpoint, put in the fused projection's order at load), GPT-2 (``GPT2LMHeadMod
 positions and no rotary, its projections stored transposed, as Conv1D holds them) and OPT
 (``OPTForCausalLM``: GPT-2's shape with its positions offset by 2 and a ReLU MLP; OPT-350m's norms
 after each sublayer's add and its embeddings projected in and out of a narrower size), and StableLM
-(``StableLmForCausalLM``: LayerNorms around a SiLU-gated MLP, a quarter of each head turning)."""
+(``StableLmForCausalLM``: LayerNorms around a SiLU-gated MLP, a quarter of each head turning), and
+BLOOM (``BloomForCausalLM``: ALiBi's biases for positions, its embeddings normalized)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Iterable
@@ -40,7 +41,7 @@ class _Layer(nn.Module):
         self.self_attn = SelfAttention(
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
             sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            rotary_dim=c.rotary_dim, use_rope=c.layer_uses_rope(layer))
+            rotary_dim=c.rotary_dim, use_rope=c.layer_uses_rope(layer), alibi=c.alibi)
         if block != PARALLEL:
             self.post_attention_layernorm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = MLP(c.hidden_size, c.intermediate_size, hf_activation(c.hidden_act, c.architecture), dtype,
@@ -183,9 +184,15 @@ class GPTNeoXForCausalLM(Starcoder2ForCausalLM):
 
     def hf_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name.endswith(("attention.query_key_value.weight", "attention.query_key_value.bias")):
-            D, H = self.config.head_size, self.config.num_heads      # (H, 3, D) rows -> (3, H, D)
-            return tensor.reshape(H, 3, D, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
+            return _qkv_by_part(tensor, self.config)
         return tensor
+
+
+def _qkv_by_part(tensor: torch.Tensor, config: ArchConfig) -> torch.Tensor:
+    """A fused q|k|v tensor whose rows go head by head, (H, 3, D) (GPT-NeoX's, BLOOM's), in the
+    fused projection's order, (3, H, D)."""
+    D, H = config.head_size, config.num_heads
+    return tensor.reshape(H, 3, D, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
 
 
 _GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")
@@ -369,3 +376,58 @@ class StableLmForCausalLM(Starcoder2ForCausalLM):
         block = PARALLEL if config.parallel_residual else SEQUENTIAL
         self.build(config, dtype, lambda i: _StableLmLayer(config, i, attn_backend, dtype, block),
                    LayerNorm(config.hidden_size, config.rms_norm_eps, dtype), local=False)
+
+
+def _bloom_map(prefix: str) -> TensorMap:
+    lay = f"{prefix}h.{{i}}."
+    return {
+        f"{prefix}word_embeddings.weight": ("embed_tokens.weight", None),
+        **{f"{prefix}word_embeddings_layernorm.{p}": (f"embed_norm.{p}", None) for p in ("weight", "bias")},
+        **{f"{lay}{theirs}.{p}": (f"layers.{{i}}.{ours}.{p}", None) for theirs, ours in (
+            ("input_layernorm", "input_layernorm"), ("self_attention.query_key_value", "self_attn.qkv_proj"),
+            ("self_attention.dense", "self_attn.o_proj"), ("post_attention_layernorm", "post_attention_layernorm"),
+            ("mlp.dense_h_to_4h", "mlp.up_proj"), ("mlp.dense_4h_to_h", "mlp.down_proj")) for p in ("weight", "bias")},
+        **{f"{prefix}ln_f.{p}": (f"norm.{p}", None) for p in ("weight", "bias")},
+    }
+
+
+class BloomForCausalLM(Starcoder2ForCausalLM):
+    """BLOOM (bigscience/bloom-560m to 176b, BLOOMZ): ALiBi's distance biases in place of positions,
+    a LayerNorm on the token embeddings, Llama's order of sublayers with LayerNorms, a 4x GELU
+    (tanh) MLP, biases throughout, q|k|v fused head by head, a tied head; config.json in its own
+    names (n_embed or hidden_size, n_layer, n_head, layer_norm_epsilon). No position table bounds
+    the context: 2,048 tokens by default, as vLLM's, or --max-model-len."""
+    hf_defaults: ClassVar[dict[str, Any]] = {"layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,
+                                             "apply_residual_connection_post_layernorm": False,
+                                             "max_position_embeddings": 2048}
+    hf_tensor_map: ClassVar[TensorMap] = {**_bloom_map("transformer."), **_bloom_map(""),
+                                          "lm_head.weight": ("lm_head.weight", None)}
+
+    @classmethod
+    def hf_raw(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        hidden = raw.get("hidden_size") or raw["n_embed"]
+        return {**raw, "hidden_size": hidden, "num_attention_heads": raw.get("num_attention_heads") or raw["n_head"],
+                "num_hidden_layers": raw.get("num_hidden_layers") or raw["n_layer"], "intermediate_size": 4 * hidden,
+                "rms_norm_eps": raw["layer_norm_epsilon"], "hidden_act": "gelu_new",
+                "max_position_embeddings": raw.get("seq_length") or raw["max_position_embeddings"]}
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        if raw["apply_residual_connection_post_layernorm"]:
+            raise ValueError("BloomForCausalLM with apply_residual_connection_post_layernorm is not supported")
+        return {"qkv_bias": True, "o_bias": True, "sliding_window": None, "alibi": True,
+                "rope_layers": (False,) * fields["num_layers"]}
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, attn_backend, dtype)
+        self.embed_norm = LayerNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def input_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        return self.embed_norm(super().input_hidden(input_ids, positions, inputs_embeds))
+
+    def hf_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(("self_attention.query_key_value.weight", "self_attention.query_key_value.bias")):
+            return _qkv_by_part(tensor, self.config)
+        return tensor

@@ -257,6 +257,11 @@ def _stablelm_parallel():  # attention and the MLP of one norm, added together
                                               use_parallel_residual=True, tie_word_embeddings=False))
 
 
+def _bloom():  # ALiBi, normalized embeddings, q|k|v head by head, 6 heads (4 + 2 of ALiBi's slopes)
+    from transformers import BloomConfig, BloomForCausalLM
+    return BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=96, n_layer=2, n_head=6))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -269,7 +274,7 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss,
             "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m,
             "GraniteMoeForCausalLM": _granitemoe, "Exaone4ForCausalLM": _exaone4,
-            "StableLmForCausalLM": _stablelm, "StableLmForCausalLM-parallel": _stablelm_parallel, "GraniteMoeSharedForCausalLM": _granitemoeshared}
+            "StableLmForCausalLM": _stablelm, "BloomForCausalLM": _bloom, "StableLmForCausalLM-parallel": _stablelm_parallel, "GraniteMoeSharedForCausalLM": _granitemoeshared}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
