@@ -40,7 +40,8 @@ class ArchConfig:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_size ** -0.5
     attn_logit_softcapping: float | None = None
     attention_sinks: bool = False              # a learned sink logit per head in every softmax (gpt-oss)
-    alibi: bool = False                        # ALiBi's distance biases in place of positions (BLOOM, MPT)
+    alibi_bias_max: float | None = None        # ALiBi's distance biases in place of positions (BLOOM's 8, MPT's
+                                               # attn_config); None: none
     embedding_multiplier: float = 1.0          # input embeddings scaled (Granite)
     residual_multiplier: float = 1.0           # each sublayer's output scaled before the residual add (Granite)
     parallel_residual: bool = False            # GPT-NeoX's use_parallel_residual: attention and MLP both read the stream

@@ -9,7 +9,8 @@ positions and no rotary, its projections stored transposed, as Conv1D holds them
 (``OPTForCausalLM``: GPT-2's shape with its positions offset by 2 and a ReLU MLP; OPT-350m's norms
 after each sublayer's add and its embeddings projected in and out of a narrower size), and StableLM
 (``StableLmForCausalLM``: LayerNorms around a SiLU-gated MLP, a quarter of each head turning), and
-BLOOM (``BloomForCausalLM``: ALiBi's biases for positions, its embeddings normalized)."""
+BLOOM (``BloomForCausalLM``: ALiBi's biases for positions, its embeddings normalized) and MPT
+(``MptForCausalLM``: ALiBi, no biases)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Iterable
@@ -37,13 +38,13 @@ class _Layer(nn.Module):
         super().__init__()
         c = config
         self.block = block
-        self.input_layernorm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.input_layernorm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype, bias=c.norm_bias)
         self.self_attn = SelfAttention(
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size, backend, dtype, scale=c.attn_scale,
             sliding_window=c.layer_sliding_window(layer), qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            rotary_dim=c.rotary_dim, use_rope=c.layer_uses_rope(layer), alibi=c.alibi)
+            rotary_dim=c.rotary_dim, use_rope=c.layer_uses_rope(layer), alibi_bias_max=c.alibi_bias_max)
         if block != PARALLEL:
-            self.post_attention_layernorm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype)
+            self.post_attention_layernorm = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype, bias=c.norm_bias)
         self.mlp = MLP(c.hidden_size, c.intermediate_size, hf_activation(c.hidden_act, c.architecture), dtype,
                        bias=c.o_bias)
 
@@ -96,7 +97,7 @@ class Starcoder2ForCausalLM(LocalGlobalLM):
         super().__init__()
         block = self.layer_block(config)
         self.build(config, dtype, lambda i: _Layer(config, i, attn_backend, dtype, block),
-                   LayerNorm(config.hidden_size, config.rms_norm_eps, dtype), local=False,
+                   LayerNorm(config.hidden_size, config.rms_norm_eps, dtype, bias=config.norm_bias), local=False,
                    lm_head_bias=self.lm_head_bias)
 
     lm_head_bias: ClassVar[bool] = False
@@ -415,7 +416,7 @@ class BloomForCausalLM(Starcoder2ForCausalLM):
     def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         if raw["apply_residual_connection_post_layernorm"]:
             raise ValueError("BloomForCausalLM with apply_residual_connection_post_layernorm is not supported")
-        return {"qkv_bias": True, "o_bias": True, "sliding_window": None, "alibi": True,
+        return {"qkv_bias": True, "o_bias": True, "sliding_window": None, "alibi_bias_max": 8.0,
                 "rope_layers": (False,) * fields["num_layers"]}
 
     def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
@@ -431,3 +432,48 @@ class BloomForCausalLM(Starcoder2ForCausalLM):
         if name.endswith(("self_attention.query_key_value.weight", "self_attention.query_key_value.bias")):
             return _qkv_by_part(tensor, self.config)
         return tensor
+
+
+class MptForCausalLM(Starcoder2ForCausalLM):
+    """MPT (mosaicml/mpt-7b and its chat and instruct models): ALiBi for positions (its
+    ``attn_config.alibi_bias_max``), LayerNorms and projections without biases (``no_bias``), q|k|v
+    fused in one tensor, a 4x exact-GELU MLP, a tied head; config.json in its own names (d_model,
+    n_heads, n_layers, expansion_ratio, max_seq_len, attn_config). ``clip_qkv``, ``qk_ln``, learned
+    positions without ALiBi and a ``logit_scale`` are refused by name."""
+    hf_defaults: ClassVar[dict[str, Any]] = {"layer_norm_epsilon": 1e-5, "no_bias": True, "expansion_ratio": 4,
+                                             "tie_word_embeddings": True, "attn_config": {}, "logit_scale": None}
+    hf_tensor_map: ClassVar[TensorMap] = {
+        "transformer.wte.weight": ("embed_tokens.weight", None),
+        **{f"transformer.blocks.{{i}}.{theirs}.{p}": (f"layers.{{i}}.{ours}.{p}", None) for theirs, ours in (
+            ("norm_1", "input_layernorm"), ("attn.Wqkv", "self_attn.qkv_proj"), ("attn.out_proj", "self_attn.o_proj"),
+            ("norm_2", "post_attention_layernorm"), ("ffn.up_proj", "mlp.up_proj"), ("ffn.down_proj", "mlp.down_proj"))
+           for p in ("weight", "bias")},
+        **{f"transformer.norm_f.{p}": (f"norm.{p}", None) for p in ("weight", "bias")},
+        "lm_head.weight": ("lm_head.weight", None),
+    }
+
+    @classmethod
+    def hf_raw(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        hidden = raw["d_model"]
+        return {**raw, "hidden_size": hidden, "num_attention_heads": raw["n_heads"], "num_hidden_layers": raw["n_layers"],
+                "intermediate_size": int(raw["expansion_ratio"] * hidden), "max_position_embeddings": raw["max_seq_len"],
+                "rms_norm_eps": raw["layer_norm_epsilon"], "hidden_act": "gelu"}
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        attn = {"alibi": False, "alibi_bias_max": 8, "clip_qkv": None, "qk_ln": False, "softmax_scale": None,
+                **(raw["attn_config"] or {})}
+        odd = [what for what, bad in (("clip_qkv", attn["clip_qkv"]), ("qk_ln", attn["qk_ln"]),
+                                      ("learned positions without alibi", not attn["alibi"]),
+                                      ("logit_scale", raw["logit_scale"] is not None)) if bad]
+        if odd:
+            raise ValueError(f"MptForCausalLM with {', '.join(odd)} is not supported")
+        bias = not raw["no_bias"]
+        scale = attn["softmax_scale"]
+        return {"qkv_bias": bias, "o_bias": bias, "norm_bias": bias, "sliding_window": None,
+                "alibi_bias_max": float(attn["alibi_bias_max"]), "rope_layers": (False,) * fields["num_layers"],
+                **({"query_pre_attn_scalar": float(scale) ** -2} if scale is not None else {})}
+
+
+class MPTForCausalLM(MptForCausalLM):
+    """MPT under the architecture name mosaicml's own checkpoints give (their config.json's)."""

@@ -412,8 +412,9 @@ def set_attention_bfloat16(model: nn.Module, enabled: bool) -> None:
 
 
 def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
-    """ALiBi's per-head slopes (Press et al.; BLOOM's and MPT's): for the largest power of two
-    n <= H, 2^(-bias_max * i / n) for i = 1..n; the heads past it take the odd ones of 2n's."""
+    """ALiBi's per-head slopes (Press et al.; BLOOM's, and MPT's with its alibi_bias_max): for the
+    largest power of two n <= H, 2^(-bias_max * i / n) for i = 1..n; the heads past it take the
+    odd ones of 2n's."""
     n = 2 ** math.floor(math.log2(num_heads))
     slopes = [2.0 ** (-bias_max * i / n) for i in range(1, n + 1)]
     slopes += [2.0 ** (-bias_max * i / (2 * n)) for i in range(1, 2 * (num_heads - n), 2)]
@@ -438,7 +439,7 @@ class SelfAttention(nn.Module):
                  qk_norm: Callable[[], nn.Module] | None = None, rotary_dim: int | None = None,
                  use_rope: bool = True, logits_soft_cap: float | None = None, bidirectional: bool = False,
                  qk_norm_whole: Callable[[int], nn.Module] | None = None, sinks: bool = False,
-                 alibi: bool = False) -> None:
+                 alibi_bias_max: float | None = None) -> None:
         super().__init__()
         # an encoder's layer (Gemma 3 with use_bidirectional_attention): each query sees its whole
         # prompt (within the sliding window on either side), no KV cache read or written
@@ -456,7 +457,9 @@ class SelfAttention(nn.Module):
         if sinks and bidirectional:
             raise ValueError("bidirectional attention with sinks is not supported")
         # ALiBi (BLOOM, MPT): each head's slope, float32, in place of rotary positions (None: none)
-        self.register_buffer("alibi_slopes", alibi_slopes(num_heads) if alibi else None, persistent=False)
+        alibi = alibi_bias_max is not None
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads, alibi_bias_max) if alibi else None,
+                             persistent=False)
         if alibi and (use_rope or bidirectional or sinks):
             raise ValueError("ALiBi attention takes no rotary, sinks or bidirectional attention")
         self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size

@@ -90,7 +90,8 @@ def attention_requirements(config: ArchConfig, dtype: torch.dtype, block_size: i
     return AttentionRequirements(dtype=dtype, kv_cache_dtype=kv_cache_dtype or dtype, head_size=config.head_size,
                                  block_size=block_size, sliding_window=config.max_sliding_window, device=device,
                                  logits_soft_cap=config.attn_logit_softcapping is not None,
-                                 sinks=config.attention_sinks, alibi=config.alibi)
+                                 sinks=config.attention_sinks,
+                                 alibi=config.alibi_bias_max is not None)
 
 
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,

@@ -262,6 +262,13 @@ def _bloom():  # ALiBi, normalized embeddings, q|k|v head by head, 6 heads (4 + 
     return BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=96, n_layer=2, n_head=6))
 
 
+def _mpt():  # ALiBi over 6 heads, no biases, q|k|v fused, exact GELU, its own softmax scale (transformers reads
+    # no alibi_bias_max but 8, which every MPT checkpoint has; Troupe reads the config's, as vLLM)
+    from transformers import MptConfig, MptForCausalLM
+    return MptForCausalLM(MptConfig(vocab_size=VOCAB, d_model=96, n_layers=2, n_heads=6, max_seq_len=256,
+                                    attn_config={"alibi": True, "alibi_bias_max": 8, "softmax_scale": 0.3}))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -274,7 +281,7 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss,
             "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m,
             "GraniteMoeForCausalLM": _granitemoe, "Exaone4ForCausalLM": _exaone4,
-            "StableLmForCausalLM": _stablelm, "BloomForCausalLM": _bloom, "StableLmForCausalLM-parallel": _stablelm_parallel, "GraniteMoeSharedForCausalLM": _granitemoeshared}
+            "StableLmForCausalLM": _stablelm, "BloomForCausalLM": _bloom, "MptForCausalLM": _mpt, "StableLmForCausalLM-parallel": _stablelm_parallel, "GraniteMoeSharedForCausalLM": _granitemoeshared}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -284,7 +291,8 @@ def case(request, tmp_path_factory):
     hf = BUILDERS[request.param]()
     with torch.no_grad():  # weights large enough that logits spread out: a wrong detail shows
         for name, p in hf.named_parameters():
-            is_norm = name.endswith("norm.weight") or (".ln_" in name and name.endswith(".weight"))    # GPT-2's ln_1
+            is_norm = name.endswith("norm.weight") or (
+                (".ln_" in name or ".norm_" in name) and name.endswith(".weight"))        # GPT-2's ln_1, MPT's norm_1
             p.normal_(1.0 if is_norm and "Gemma" not in request.param else 0.0, 0.15)
     hf.config._attn_implementation = "eager"
     path = tmp_path_factory.mktemp(request.param)
@@ -457,8 +465,8 @@ def test_hf_config_defaults_and_errors():
     with pytest.raises(ValueError, match="rope type 'deepseek_yarn' is not supported"):
         hf_model_config({**base, "architectures": ["LlamaForCausalLM"],
                          "rope_scaling": {"rope_type": "deepseek_yarn", "factor": 4.0}})
-    with pytest.raises(ValueError, match="architectures \\['BloomForCausalLM'\\] is not supported"):
-        hf_model_config({**base, "architectures": ["BloomForCausalLM"]})
+    with pytest.raises(ValueError, match="architectures \\['MambaForCausalLM'\\] is not supported"):
+        hf_model_config({**base, "architectures": ["MambaForCausalLM"]})
 
 
 def test_phi3_reads_one_window_and_a_partial_rotary():
