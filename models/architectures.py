@@ -18,6 +18,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("Olmo2ForCausalLM", "olmo2"), ("Olmo3ForCausalLM", "olmo2"), ("OlmoeForCausalLM", "olmo2"),
         ("GptOssForCausalLM", "gpt_oss"), ("OPTForCausalLM", "layernorm_lm"),
         ("GraniteMoeForCausalLM", "granite"), ("Exaone4ForCausalLM", "olmo2"),
+        ("Qwen2MoeForCausalLM", "qwen3_moe"),
         ("StableLmForCausalLM", "layernorm_lm"), ("BloomForCausalLM", "layernorm_lm"),
         ("MptForCausalLM", "layernorm_lm"), ("MPTForCausalLM", "layernorm_lm"), ("GraniteMoeSharedForCausalLM", "granite"),
         ("GlmForCausalLM", "glm"), ("Glm4ForCausalLM", "glm"), ("GemmaForCausalLM", "gemma2"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from kernels.attention.base import AttentionBackend
 from models.base import TensorMap
@@ -16,7 +15,7 @@ from models.config import ArchConfig
 from models.gguf_loader import GGUFArchKeys
 from models.layers import GatedMLP
 from models.llama import LlamaForCausalLM
-from models.moe import FusedMoE
+from models.moe import SharedExpertMoE
 from models.qwen3_moe import num_experts, use_moe_layers
 
 
@@ -70,17 +69,6 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, attn_backend, dtype)
         use_moe_layers(self, config, dtype)
-
-
-class SharedExpertMoE(nn.Module):
-    """Routed experts plus a shared expert every token goes through (a SiLU-gated MLP), summed."""
-
-    def __init__(self, moe: FusedMoE, shared: GatedMLP) -> None:
-        super().__init__()
-        self.moe, self.shared_mlp = moe, shared
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.moe(x) + self.shared_mlp(x)
 
 
 class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):

@@ -262,3 +262,20 @@ class FusedMoE(nn.Module):
         parts = [torch.empty_like(local) for _ in range(world)]
         shm_comm.all_gather(parts, local.contiguous(), self.group)
         return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+
+class SharedExpertMoE(nn.Module):
+    """Routed experts plus a shared expert every token goes through (a SiLU-gated MLP), summed;
+    with ``shared_gate`` (hidden -> 1, Qwen2-MoE's) the shared expert's output scaled by its sigmoid."""
+
+    def __init__(self, moe: FusedMoE, shared: nn.Module | None, shared_gate: nn.Module | None = None) -> None:
+        super().__init__()
+        self.moe, self.shared_mlp, self.shared_gate = moe, shared, shared_gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_mlp is None:          # (a config with no shared expert)
+            return self.moe(x)
+        shared = self.shared_mlp(x)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(x)) * shared
+        return self.moe(x) + shared
