@@ -9,8 +9,9 @@ positions and no rotary, its projections stored transposed, as Conv1D holds them
 (``OPTForCausalLM``: GPT-2's shape with its positions offset by 2 and a ReLU MLP; OPT-350m's norms
 after each sublayer's add and its embeddings projected in and out of a narrower size), and StableLM
 (``StableLmForCausalLM``: LayerNorms around a SiLU-gated MLP, a quarter of each head turning), and
-BLOOM (``BloomForCausalLM``: ALiBi's biases for positions, its embeddings normalized) and MPT
-(``MptForCausalLM``: ALiBi, no biases)."""
+BLOOM (``BloomForCausalLM``: ALiBi's biases for positions, its embeddings normalized), MPT
+(``MptForCausalLM``: ALiBi, no biases) and GPT-BigCode (``GPTBigCodeForCausalLM``: GPT-2 with one
+key/value head)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Iterable
@@ -477,3 +478,25 @@ class MptForCausalLM(Starcoder2ForCausalLM):
 
 class MPTForCausalLM(MptForCausalLM):
     """MPT under the architecture name mosaicml's own checkpoints give (their config.json's)."""
+
+
+class GPTBigCodeForCausalLM(GPT2LMHeadModel):
+    """GPT-BigCode (StarCoder 1, SantaCoder, WizardCoder, Granite 3B/8B Code's older saves): GPT-2's
+    model with plain linear projections (no Conv1D transpose) and, with ``multi_query`` (the
+    default), one key/value head shared by every query head: its fused projection's rows q | k | v;
+    without it, per head (H, 3, D), reordered at load."""
+    hf_defaults: ClassVar[dict[str, Any]] = {**GPT2LMHeadModel.hf_defaults, "activation_function": "gelu_pytorch_tanh",
+                                             "multi_query": True}
+
+    @classmethod
+    def hf_raw(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        out = super().hf_raw(raw)
+        return {**out, "num_key_value_heads": 1 if raw["multi_query"] else out["num_attention_heads"]}
+
+    def hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name.endswith(_GPT2_BUFFERS):
+                continue
+            if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")) and self.config.num_kv_heads > 1:
+                tensor = _qkv_by_part(tensor, self.config)
+            yield name, tensor

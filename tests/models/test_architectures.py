@@ -277,6 +277,18 @@ def _qwen2_moe():  # 4 experts top 2 and a gated shared expert; layer 1 dense (m
                                               tie_word_embeddings=False))
 
 
+def _gpt_bigcode():  # GPT-2's model with one key/value head (multi-query), plain linear projections
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+    return GPTBigCodeForCausalLM(GPTBigCodeConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                  bos_token_id=1, eos_token_id=2))
+
+
+def _gpt_bigcode_mha():  # without multi_query: q|k|v per head in the fused projection
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+    return GPTBigCodeForCausalLM(GPTBigCodeConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                  multi_query=False, bos_token_id=1, eos_token_id=2))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -289,7 +301,8 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss,
             "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m,
             "GraniteMoeForCausalLM": _granitemoe, "Exaone4ForCausalLM": _exaone4, "Qwen2MoeForCausalLM": _qwen2_moe,
-            "StableLmForCausalLM": _stablelm, "BloomForCausalLM": _bloom, "MptForCausalLM": _mpt, "StableLmForCausalLM-parallel": _stablelm_parallel, "GraniteMoeSharedForCausalLM": _granitemoeshared}
+            "StableLmForCausalLM": _stablelm, "BloomForCausalLM": _bloom, "MptForCausalLM": _mpt,
+            "GPTBigCodeForCausalLM": _gpt_bigcode, "GPTBigCodeForCausalLM-mha": _gpt_bigcode_mha, "StableLmForCausalLM-parallel": _stablelm_parallel, "GraniteMoeSharedForCausalLM": _granitemoeshared}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
