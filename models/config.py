@@ -45,6 +45,7 @@ class ArchConfig:
     embedding_multiplier: float = 1.0          # input embeddings scaled (Granite)
     residual_multiplier: float = 1.0           # each sublayer's output scaled before the residual add (Granite)
     parallel_residual: bool = False            # GPT-NeoX's use_parallel_residual: attention and MLP both read the stream
+    shared_parallel_norm: bool = False         # and both read one norm of it (Falcon-7b's), not a norm each
     post_norm: bool = False                    # each norm after its sublayer's add, no final norm (OPT-350m)
     embedding_size: int = 0                    # token embeddings narrower than hidden, projected in and out (OPT's
                                                # word_embed_proj_dim); 0: hidden_size

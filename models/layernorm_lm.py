@@ -500,3 +500,70 @@ class GPTBigCodeForCausalLM(GPT2LMHeadModel):
             if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")) and self.config.num_kv_heads > 1:
                 tensor = _qkv_by_part(tensor, self.config)
             yield name, tensor
+
+
+class FalconForCausalLM(Starcoder2ForCausalLM):
+    """Falcon (tiiuae/falcon-7b, 40b, 180b, Falcon2-11B): rotary over whole heads, LayerNorms, a 4x
+    GELU MLP, biases only where ``bias``, a tied head. Falcon-7b: one key/value head
+    (``multi_query``) and attention and the MLP in parallel on one norm; the new decoder
+    architecture (40b, 180b): ``num_kv_heads`` groups whose q|k|v rows go group by group (each
+    group's query heads, then its key, then its value: reordered at load) and a norm for each
+    side (``num_ln_in_parallel_attn`` 2). Falcon-RW's ALiBi is refused by name (its biases scaled
+    with the scores)."""
+    hf_defaults: ClassVar[dict[str, Any]] = {"layer_norm_epsilon": 1e-5, "bias": False, "alibi": False,
+                                             "multi_query": True, "parallel_attn": True,
+                                             "new_decoder_architecture": False, "num_ln_in_parallel_attn": None,
+                                             "num_kv_heads": None, "activation": "gelu", "ffn_hidden_size": None,
+                                             "tie_word_embeddings": True, "max_position_embeddings": 2048}
+    hf_tensor_map: ClassVar[TensorMap] = {
+        "transformer.word_embeddings.weight": ("embed_tokens.weight", None),
+        **{f"transformer.h.{{i}}.{theirs}.{p}": (f"layers.{{i}}.{ours}.{p}", None) for theirs, ours in (
+            ("input_layernorm", "input_layernorm"), ("ln_attn", "input_layernorm"),
+            ("post_attention_layernorm", "post_attention_layernorm"), ("ln_mlp", "post_attention_layernorm"),
+            ("self_attention.query_key_value", "self_attn.qkv_proj"), ("self_attention.dense", "self_attn.o_proj"),
+            ("mlp.dense_h_to_4h", "mlp.up_proj"), ("mlp.dense_4h_to_h", "mlp.down_proj")) for p in ("weight", "bias")},
+        **{f"transformer.ln_f.{p}": (f"norm.{p}", None) for p in ("weight", "bias")},
+        "lm_head.weight": ("lm_head.weight", None),
+    }
+
+    @classmethod
+    def hf_raw(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        hidden, heads = raw["hidden_size"], raw.get("num_attention_heads") or raw["n_head"]
+        if raw["new_decoder_architecture"]:
+            kv = raw["num_kv_heads"] or heads
+        else:
+            kv = 1 if raw["multi_query"] else heads
+        return {**raw, "num_attention_heads": heads, "num_hidden_layers": raw.get("num_hidden_layers") or raw["n_layer"],
+                "num_key_value_heads": kv, "intermediate_size": raw["ffn_hidden_size"] or 4 * hidden,
+                "rms_norm_eps": raw["layer_norm_epsilon"], "hidden_act": raw["activation"]}
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        if raw["alibi"]:
+            raise ValueError("FalconForCausalLM with alibi (Falcon-RW: its biases scaled with the scores) is not "
+                             "supported")
+        new, parallel = bool(raw["new_decoder_architecture"]), bool(raw["parallel_attn"])
+        norms = raw["num_ln_in_parallel_attn"] or (2 if new else 1)
+        if new and not parallel and norms == 1:
+            raise ValueError("FalconForCausalLM with the new decoder architecture, one norm and no parallel "
+                             "attention is not supported")
+        bias = bool(raw["bias"])
+        return {"qkv_bias": bias, "o_bias": bias, "sliding_window": None,
+                "parallel_residual": parallel or new, "shared_parallel_norm": not (new and norms == 2)}
+
+    def layer_block(self, config: ArchConfig) -> str:
+        if not config.parallel_residual:
+            return SEQUENTIAL
+        return PARALLEL if config.shared_parallel_norm else PARALLEL_TWO_NORMS
+
+    def hf_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not name.endswith(("self_attention.query_key_value.weight", "self_attention.query_key_value.bias")):
+            return tensor
+        c = self.config
+        if c.num_kv_heads == 1:                       # q | k | v already
+            return tensor
+        # (KVH, G + 2, D) -> q (KVH * G, D) | k | v; with G = 1 (every head its own key) this is (H, 3, D)
+        G, D = c.num_heads // c.num_kv_heads, c.head_size
+        rows = tensor.reshape(c.num_kv_heads, G + 2, D, *tensor.shape[1:])
+        return torch.cat([rows[:, :G].reshape(-1, *tensor.shape[1:]), rows[:, G].reshape(-1, *tensor.shape[1:]),
+                          rows[:, G + 1].reshape(-1, *tensor.shape[1:])])

@@ -289,6 +289,27 @@ def _gpt_bigcode_mha():  # without multi_query: q|k|v per head in the fused proj
                                                   multi_query=False, bos_token_id=1, eos_token_id=2))
 
 
+def _falcon():  # Falcon-7b's shape: one key/value head, attention and the MLP in parallel on one norm
+    from transformers import FalconConfig, FalconForCausalLM
+    return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          max_position_embeddings=256, rope_theta=5000.0, bos_token_id=1,
+                                          eos_token_id=2))
+
+
+def _falcon_40b():  # the new decoder architecture: 2 key/value groups, q|k|v group by group, a norm for each side
+    from transformers import FalconConfig, FalconForCausalLM
+    return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=256,
+                                          bias=True, rope_theta=5000.0, bos_token_id=1, eos_token_id=2))
+
+
+def _falcon_sequential():  # no parallel attention, every head its own key (q|k|v head by head)
+    from transformers import FalconConfig, FalconForCausalLM
+    return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          multi_query=False, parallel_attn=False, max_position_embeddings=256,
+                                          rope_theta=5000.0, bos_token_id=1, eos_token_id=2))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -302,7 +323,8 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m,
             "GraniteMoeForCausalLM": _granitemoe, "Exaone4ForCausalLM": _exaone4, "Qwen2MoeForCausalLM": _qwen2_moe,
             "StableLmForCausalLM": _stablelm, "BloomForCausalLM": _bloom, "MptForCausalLM": _mpt,
-            "GPTBigCodeForCausalLM": _gpt_bigcode, "GPTBigCodeForCausalLM-mha": _gpt_bigcode_mha, "StableLmForCausalLM-parallel": _stablelm_parallel, "GraniteMoeSharedForCausalLM": _granitemoeshared}
+            "GPTBigCodeForCausalLM": _gpt_bigcode, "FalconForCausalLM": _falcon,
+            "FalconForCausalLM-40b": _falcon_40b, "FalconForCausalLM-sequential": _falcon_sequential, "GPTBigCodeForCausalLM-mha": _gpt_bigcode_mha, "StableLmForCausalLM-parallel": _stablelm_parallel, "GraniteMoeSharedForCausalLM": _granitemoeshared}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
