@@ -20,7 +20,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("GraniteMoeForCausalLM", "granite"), ("Exaone4ForCausalLM", "olmo2"),
         ("Qwen2MoeForCausalLM", "qwen3_moe"),
         ("StableLmForCausalLM", "layernorm_lm"), ("BloomForCausalLM", "layernorm_lm"), ("GPTBigCodeForCausalLM", "layernorm_lm"),
-        ("FalconForCausalLM", "layernorm_lm"),
+        ("FalconForCausalLM", "layernorm_lm"), ("GPTJForCausalLM", "layernorm_lm"),
         ("MptForCausalLM", "layernorm_lm"), ("MPTForCausalLM", "layernorm_lm"), ("GraniteMoeSharedForCausalLM", "granite"),
         ("GlmForCausalLM", "glm"), ("Glm4ForCausalLM", "glm"), ("GemmaForCausalLM", "gemma2"),
         ("CohereForCausalLM", "cohere"), ("Cohere2ForCausalLM", "cohere"), ("Starcoder2ForCausalLM", "layernorm_lm"),

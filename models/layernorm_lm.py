@@ -10,8 +10,9 @@ positions and no rotary, its projections stored transposed, as Conv1D holds them
 after each sublayer's add and its embeddings projected in and out of a narrower size), and StableLM
 (``StableLmForCausalLM``: LayerNorms around a SiLU-gated MLP, a quarter of each head turning), and
 BLOOM (``BloomForCausalLM``: ALiBi's biases for positions, its embeddings normalized), MPT
-(``MptForCausalLM``: ALiBi, no biases) and GPT-BigCode (``GPTBigCodeForCausalLM``: GPT-2 with one
-key/value head)."""
+(``MptForCausalLM``: ALiBi, no biases), GPT-BigCode (``GPTBigCodeForCausalLM``: GPT-2 with one
+key/value head), Falcon (``FalconForCausalLM``) and GPT-J (``GPTJForCausalLM``: a parallel block,
+an interleaved rotary over part of each head)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Iterable
@@ -24,6 +25,7 @@ from models.base import TensorMap
 from models.bert import LayerNorm
 from models.config import ArchConfig
 from models.gemma3 import LocalGlobalLM
+from models.glm import interleaved_to_half_split
 from models.layers import MLP, Embedding, GatedMLP, Linear, SelfAttention, hf_activation
 
 
@@ -567,3 +569,57 @@ class FalconForCausalLM(Starcoder2ForCausalLM):
         rows = tensor.reshape(c.num_kv_heads, G + 2, D, *tensor.shape[1:])
         return torch.cat([rows[:, :G].reshape(-1, *tensor.shape[1:]), rows[:, G].reshape(-1, *tensor.shape[1:]),
                           rows[:, G + 1].reshape(-1, *tensor.shape[1:])])
+
+
+class _GPTJLayer(_Layer):
+    def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
+                 block: str) -> None:
+        super().__init__(config, layer, backend, dtype, block)     # no attention biases; the MLP's:
+        self.mlp = MLP(config.hidden_size, config.intermediate_size,
+                       hf_activation(config.hidden_act, config.architecture), dtype, bias=True)
+
+
+class GPTJForCausalLM(Starcoder2ForCausalLM):
+    """GPT-J (EleutherAI/gpt-j-6b, GPT4All-J): attention and the MLP in parallel on one LayerNorm, a
+    rotary over the first ``rotary_dim`` dimensions of each head turning interleaved pairs (q's and
+    k's rows put in the kernels' half-split order at load), no attention biases, a GELU MLP and an
+    LM head with biases; config.json in GPT-2's names."""
+    block: ClassVar[str] = PARALLEL
+    lm_head_bias: ClassVar[bool] = True
+    hf_defaults: ClassVar[dict[str, Any]] = {"layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+                                             "n_inner": None, "rotary_dim": None, "tie_word_embeddings": False}
+    hf_tensor_map: ClassVar[TensorMap] = {
+        "transformer.wte.weight": ("embed_tokens.weight", None),
+        **{f"transformer.h.{{i}}.attn.{s}_proj.weight": (f"layers.{{i}}.self_attn.qkv_proj.weight", s) for s in "qkv"},
+        **{f"transformer.h.{{i}}.{theirs}.{p}": (f"layers.{{i}}.{ours}.{p}", None) for theirs, ours in (
+            ("ln_1", "input_layernorm"), ("attn.out_proj", "self_attn.o_proj"), ("mlp.fc_in", "mlp.up_proj"),
+            ("mlp.fc_out", "mlp.down_proj")) for p in ("weight", "bias")},
+        **{f"transformer.ln_f.{p}": (f"norm.{p}", None) for p in ("weight", "bias")},
+        **{f"lm_head.{p}": (f"lm_head.{p}", None) for p in ("weight", "bias")},
+    }
+
+    @classmethod
+    def hf_raw(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        hidden, heads = raw["n_embd"], raw["n_head"]
+        out = {**raw, "hidden_size": hidden, "num_attention_heads": heads, "num_hidden_layers": raw["n_layer"],
+               "intermediate_size": raw["n_inner"] or 4 * hidden, "max_position_embeddings": raw["n_positions"],
+               "rms_norm_eps": raw["layer_norm_epsilon"], "hidden_act": raw["activation_function"]}
+        if raw["rotary_dim"] is not None and raw.get("rope_parameters") is None:
+            out["partial_rotary_factor"] = raw["rotary_dim"] / (hidden // heads)
+        return out
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        return {"qkv_bias": False, "o_bias": False, "sliding_window": None}
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32) -> None:
+        LocalGlobalLM.__init__(self)
+        self.build(config, dtype, lambda i: _GPTJLayer(config, i, attn_backend, dtype, PARALLEL),
+                   LayerNorm(config.hidden_size, config.rms_norm_eps, dtype), local=False, lm_head_bias=True)
+
+    def hf_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(("attn.q_proj.weight", "attn.k_proj.weight")):
+            c = self.config
+            return interleaved_to_half_split(tensor, c.head_size, c.rotary_dim or c.head_size)
+        return tensor

@@ -310,6 +310,12 @@ def _falcon_sequential():  # no parallel attention, every head its own key (q|k|
                                           rope_theta=5000.0, bos_token_id=1, eos_token_id=2))
 
 
+def _gptj():  # a parallel block on one norm, an interleaved rotary over 8 of each head's 16 dimensions
+    from transformers import GPTJConfig, GPTJForCausalLM
+    return GPTJForCausalLM(GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8,
+                                      bos_token_id=1, eos_token_id=2))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -323,7 +329,7 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m,
             "GraniteMoeForCausalLM": _granitemoe, "Exaone4ForCausalLM": _exaone4, "Qwen2MoeForCausalLM": _qwen2_moe,
             "StableLmForCausalLM": _stablelm, "BloomForCausalLM": _bloom, "MptForCausalLM": _mpt,
-            "GPTBigCodeForCausalLM": _gpt_bigcode, "FalconForCausalLM": _falcon,
+            "GPTBigCodeForCausalLM": _gpt_bigcode, "FalconForCausalLM": _falcon, "GPTJForCausalLM": _gptj,
             "FalconForCausalLM-40b": _falcon_40b, "FalconForCausalLM-sequential": _falcon_sequential, "GPTBigCodeForCausalLM-mha": _gpt_bigcode_mha, "StableLmForCausalLM-parallel": _stablelm_parallel, "GraniteMoeSharedForCausalLM": _granitemoeshared}
 
 
