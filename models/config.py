@@ -4,11 +4,41 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from models.rope import DEFAULT as PLAIN_ROPE
 from models.rope import RopeScaling
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types values
+
+
+class Routing(NamedTuple):
+    """How a router's logits choose experts beyond plain softmax top-k (DeepSeek's): ``scoring``
+    "softmax" or "sigmoid" (V3's); with ``n_group`` groups, only the experts of the ``topk_group``
+    best groups compete, a group scored by its best expert ("max", V2's group_limited_greedy) or
+    its best two summed ("top2", V3's); ``correction_bias``: a learned per-expert bias added to the
+    scores to choose, not to weight (V3's e_score_correction_bias); the weights, renormalized or
+    not, times ``scale`` (routed_scaling_factor)."""
+    scoring: str = "softmax"
+    n_group: int = 0
+    topk_group: int = 0
+    group_by: str = "max"
+    correction_bias: bool = False
+    scale: float = 1.0
+
+
+
+@dataclass(frozen=True, slots=True)
+class MLADims:
+    """DeepSeek's multi-head latent attention (models/deepseek.py): q through a ``q_lora_rank``
+    bottleneck (None: one projection), keys and values from one latent of ``kv_lora_rank`` per
+    token plus a rotary key part of ``qk_rope_head_dim`` shared by the heads; each head's query and
+    key ``qk_nope_head_dim + qk_rope_head_dim`` wide, its value ``v_head_dim``."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +89,9 @@ class ArchConfig:
     moe_layers: tuple[int, ...] | None = None  # the layers whose MLP is the MoE block; None: all
     moe_bias: bool = False                     # the experts' projections and the router have biases (gpt-oss)
     shared_expert_intermediate_size: int = 0   # a shared expert beside the routed ones (Granite MoE Shared); 0: none
+    moe_routing: Routing = Routing()           # DeepSeek's scoring, groups and scale; the default: softmax top-k
+    mla: MLADims | None = None                 # DeepSeek's latent attention; head_size is then its cache row's width
+    rotary_interleaved: bool = False           # the rotary turns interleaved pairs: q/k rows reordered at load (DeepSeek)
     swiglu_limit: float | None = None          # gpt-oss's clamped experts ("swigluoai"); None: SiLU-gated
     swiglu_alpha: float = 1.702                # its sigmoid's slope
     # -- encoder-only models (BERT, RoBERTa: models/bert.py) --------------------------------------

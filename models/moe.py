@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu import shm_comm
+from models.config import Routing
 from models.layers import Linear, _empty_param
 from models.tp_layout import split
 
@@ -70,6 +71,32 @@ class ExpertActivation(NamedTuple):
 
 
 SILU = ExpertActivation()
+
+
+PLAIN = Routing()
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, routing: Routing = PLAIN,
+          correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, E) router logits -> (weights (T, k) float32, expert ids (T, k) int64) as ``routing``
+    says (module docstring; plain routing is ``select_experts``)."""
+    if routing == PLAIN:
+        return select_experts(router_logits, top_k, renormalize)
+    logits = router_logits.float()
+    scores = torch.sigmoid(logits) if routing.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if correction is None else scores + correction.float()
+    if routing.n_group > 1:
+        T, E = choice.shape
+        groups = choice.view(T, routing.n_group, E // routing.n_group)
+        group_scores = groups.max(-1).values if routing.group_by == "max" else groups.topk(2, -1).values.sum(-1)
+        best = group_scores.topk(routing.topk_group, dim=-1).indices                      # (T, topk_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // routing.n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routing.scale if routing.scale != 1.0 else weights, ids
 
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -117,7 +144,7 @@ class FusedMoE(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype, hidden_act: str = "silu", bias: bool = False,
-                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> None:
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, routing: Routing = PLAIN) -> None:
         super().__init__()
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"mixture-of-experts layers with activation {hidden_act!r} are not supported; "
@@ -125,6 +152,11 @@ class FusedMoE(nn.Module):
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        if routing.n_group > 1 and (num_experts % routing.n_group or not 0 < routing.topk_group <= routing.n_group):
+            raise ValueError(f"{num_experts} experts in n_group={routing.n_group} groups with "
+                             f"topk_group={routing.topk_group}: the groups must divide the experts and "
+                             "topk_group be in [1, n_group]")
+        self.routing = routing
         self.activation = ExpertActivation(hidden_act, swiglu_alpha, swiglu_limit)
         self.intermediate_size = intermediate_size             # this rank's share under tensor parallelism
         self.gate = Linear(hidden_size, num_experts, dtype, bias=bias)   # the router (replicated on every rank)
@@ -133,6 +165,9 @@ class FusedMoE(nn.Module):
         # the experts' biases: gate rows then up rows, down
         self.w13_bias = _empty_param(num_experts, 2 * intermediate_size, dtype=dtype) if bias else None
         self.w2_bias = _empty_param(num_experts, hidden_size, dtype=dtype) if bias else None
+        # DeepSeek V3's per-expert bias on the scores that choose (float32), when its routing has one
+        self.e_score_correction_bias = (_empty_param(num_experts, dtype=torch.float32) if routing.correction_bias
+                                        else None)
         self.expert_start = 0           # global id of this rank's first expert (expert parallelism)
         self.parallel = "none"          # "none" | "tensor" | "expert" (``shard``)
         self.world, self.rank, self.group = 1, 0, None
@@ -212,7 +247,7 @@ class FusedMoE(nn.Module):
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # (T, H) -> (T, H)
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.routing, self.e_score_correction_bias)
         if self.parallel == "expert":
             return self._expert_parallel(x, weights, ids)
         out = fused_experts(x, self.w13_weight, self.w2_weight, weights, ids, 0, self.w13_bias, self.w2_bias,

@@ -253,7 +253,9 @@ class CpuAttentionBackend(AttentionBackend):
         return out, lse
 
     def _native_takes_decode(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        return self.native and query.dtype == torch.float32 and kv_cache.dtype in KV_TYPES
+        # (at most 64 heads of 256 dimensions: DeepSeek's latent rows, 576 wide, take the torch path)
+        return (self.native and query.dtype == torch.float32 and kv_cache.dtype in KV_TYPES
+                and query.shape[1] <= 64 and query.shape[2] <= 256)
 
     def _native_takes_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         return self.native and query.dtype == key.dtype == value.dtype == torch.float32

@@ -316,6 +316,39 @@ def _gptj():  # a parallel block on one norm, an interleaved rotary over 8 of ea
                                       bos_token_id=1, eos_token_id=2))
 
 
+MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+MLA_TINY = {**{k: v for k, v in TINY.items() if k != "head_dim"}, "num_key_value_heads": 4}   # (head_dim: the rotary's)
+
+
+def _deepseek_v2():  # latent attention, a dense first layer, 4 experts top 2 within the best 2 of 2 groups by their
+    # best expert, a shared expert, the routing weights scaled
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    return DeepseekV2ForCausalLM(DeepseekV2Config(
+        **MLA_TINY, **MLA, q_lora_rank=None, moe_intermediate_size=32, num_hidden_layers=3,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, tie_word_embeddings=False))
+
+
+def _deepseek_v3():  # q through a bottleneck, sigmoid routing with a correction bias in groups, YaRN with mscale
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        **MLA_TINY, **MLA, q_lora_rank=24, moe_intermediate_size=32, num_hidden_layers=3,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, rope_parameters=rope, tie_word_embeddings=False))
+
+
+def _deepseek_v3_half_split():  # rope_interleave off: the rotary's pairs half-split, as the kernels turn them
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        **MLA_TINY, **MLA, q_lora_rank=None, moe_intermediate_size=32, num_hidden_layers=2,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, n_group=1,
+        topk_group=1, rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        tie_word_embeddings=False))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -328,6 +361,8 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss,
             "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m,
             "GraniteMoeForCausalLM": _granitemoe, "Exaone4ForCausalLM": _exaone4, "Qwen2MoeForCausalLM": _qwen2_moe,
+            "DeepseekV2ForCausalLM": _deepseek_v2, "DeepseekV3ForCausalLM": _deepseek_v3,
+            "DeepseekV3ForCausalLM-half-split": _deepseek_v3_half_split,
             "StableLmForCausalLM": _stablelm, "BloomForCausalLM": _bloom, "MptForCausalLM": _mpt,
             "GPTBigCodeForCausalLM": _gpt_bigcode, "FalconForCausalLM": _falcon, "GPTJForCausalLM": _gptj,
             "FalconForCausalLM-40b": _falcon_40b, "FalconForCausalLM-sequential": _falcon_sequential, "GPTBigCodeForCausalLM-mha": _gpt_bigcode_mha, "StableLmForCausalLM-parallel": _stablelm_parallel, "GraniteMoeSharedForCausalLM": _granitemoeshared}
@@ -469,7 +504,8 @@ def test_bfloat16_weights(case):
     import copy
     model, config, hf, path = case
     bf16, bf16_config = load_model(resolve_model(str(path)), dtype=torch.bfloat16)
-    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    assert {p.dtype for n, p in bf16.named_parameters()
+            if not n.endswith("e_score_correction_bias")} == {torch.bfloat16}    # (DeepSeek V3's stays float32)
     tokens = _prompt(29, 1)
     paged = Paged(bf16_config, dtype=torch.bfloat16)
     (logits,) = paged.step(bf16, [(tokens, 0, paged.blocks_for([], 29))])

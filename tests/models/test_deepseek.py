@@ -1,0 +1,89 @@
+"""DeepSeek-V2/V3 beyond the per-architecture checks of test_architectures.py: latent attention at
+DeepSeek's real widths (128 heads over one 576-wide latent row) on the CPU backend, the whole
+engine's greedy tokens, the multi-token-prediction layer a V3 checkpoint carries left unread,
+and what is refused by name."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import save_tiny_tokenizer, shuffled_paged_metadata
+from kernels.attention import CpuAttentionBackend, reference_paged_attention
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A tiny DeepSeek-V3 (q bottleneck, grouped sigmoid routing with a correction bias, a dense
+    first layer, shared experts) as transformers saves it, with a word-level tokenizer."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=4, topk_group=2, max_position_embeddings=256, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, eos_token_id=None, bos_token_id=None))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
+        for layer in hf.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    hf.save_pretrained(path)
+    return save_tiny_tokenizer(path, VOCAB)
+
+
+@pytest.mark.parametrize("reqs", [[(0, 5), (7, 1), (3, 4)], [(9, 1), (2, 1)]], ids=["mixed", "decode"])
+def test_latent_rows_576_wide_over_128_heads_match_the_reference(reqs):
+    """DeepSeek-V3's real widths: one key/value head 576 wide (the latent and the rotary part)
+    under 128 query heads, past what the native kernels take: the torch path's results."""
+    gen = torch.Generator().manual_seed(0)
+    meta, blocks = shuffled_paged_metadata(reqs, 16, gen, 1)
+    T = meta.num_tokens
+    q, k = torch.randn(T, 128, 576, generator=gen), torch.randn(T, 1, 576, generator=gen)
+    cache = torch.randn(2, blocks, 16, 1, 576, generator=gen)
+    ours = CpuAttentionBackend().forward(q, k, k, cache.clone(), meta, 0.1)
+    torch.testing.assert_close(ours, reference_paged_attention(q, k, k, cache.clone(), meta, 0.1), atol=2e-5,
+                               rtol=1e-5)
+
+
+def test_the_engine_generates_transformers_greedy_tokens(checkpoint):
+    from transformers import DeepseekV3ForCausalLM
+    from actors.api import LLM, SamplingParams
+    hf = DeepseekV3ForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 13)]
+    want = []
+    with torch.inference_mode():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(10):
+                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+            want.append(seq[len(p):])
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(checkpoint, multiprocess=False, kv_cache_bytes=1 << 22, max_num_batched_tokens=8,
+             enable_chunked_prefill=True) as llm:
+        got = [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want and len({tuple(t) for t in want}) == 2
+
+
+def test_the_prediction_layer_past_the_models_is_left_unread_and_tensor_parallelism_is_refused(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from models.registry import load_model
+    from models.resolve import resolve_model
+    from models.tensor_parallel import shard_model
+    state = load_file(f"{checkpoint}/model.safetensors")
+    state["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)         # V3's multi-token-prediction layer
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).write_text(open(f"{checkpoint}/{name}").read())
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model, _ = load_model(resolve_model(str(tmp_path)))
+    with pytest.raises(ValueError, match="tensor parallelism over DeepSeek's latent attention is not supported"):
+        shard_model(model, 2, 0)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "topk_method": "random"}))
+    with pytest.raises(ValueError, match="DeepSeek's topk_method 'random' is not supported"):
+        load_model(resolve_model(str(tmp_path)))
