@@ -106,6 +106,20 @@ def shared_prefix_metadata(reqs, prefix_blocks: int, block_size: int, gen, num_p
     return dataclasses.replace(meta, common_prefix_len=P), num_blocks
 
 
+def hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, ``n`` tokens, one whole-sequence forward a
+    token (no cache: its generate caches some layers its own way; an eos does not end it)."""
+    import torch
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(n):
+                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+            out.append(seq[len(p):])
+    return out
+
+
 def save_tiny_tokenizer(path, vocab: int) -> str:
     """A word-level tokenizer.json of ``vocab`` tokens ("t0" .. "t{vocab-1}", split on spaces) in
     checkpoint directory ``path``, so that a tiny random checkpoint serves text end to end."""

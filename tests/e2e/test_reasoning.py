@@ -47,6 +47,15 @@ def _expected(text: str) -> tuple[str | None, str | None]:
     return reasoning or None, (content or None) if tag else None
 
 
+def _streamed(server, body: dict) -> tuple[str, str]:
+    """The streamed answer's reasoning and content, each its deltas joined."""
+    with requests.post(server.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True,
+                       timeout=120) as resp:
+        deltas = [c["delta"] for line in resp.iter_lines() if line.startswith(b"data: {")
+                  for c in json.loads(line[6:])["choices"]]
+    return "".join(d.get("reasoning") or "" for d in deltas), "".join(d.get("content") or "" for d in deltas)
+
+
 def test_the_answer_splits_the_output_into_reasoning_and_content_plain_and_streamed(server, checkpoint):
     _, tok = checkpoint
     think_end = tok.convert_tokens_to_ids("</think>")
@@ -61,12 +70,7 @@ def test_the_answer_splits_the_output_into_reasoning_and_content_plain_and_strea
         reasoning, content = _expected(raw)
         assert (choice["message"]["reasoning"], choice["message"]["content"]) == (reasoning, content), raw
         seen_split |= reasoning is not None and content is not None
-        with requests.post(server.url + "/v1/chat/completions", json={**body, "seed": seed, "stream": True},
-                           stream=True, timeout=120) as resp:
-            deltas = [c["delta"] for line in resp.iter_lines() if line.startswith(b"data: {")
-                      for c in json.loads(line[6:])["choices"]]
-        assert "".join(d.get("reasoning") or "" for d in deltas) == (reasoning or "")
-        assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+        assert _streamed(server, {**body, "seed": seed}) == (reasoning or "", content or "")
     assert seen_split                               # some outputs had both parts
 
 
@@ -197,10 +201,5 @@ def test_harmony_markers_reach_the_parser_which_splits_the_analysis_channel_from
         reasoning, content = parser.split(raw)
         assert (choice["message"].get("reasoning"), choice["message"]["content"]) == (reasoning, content), raw
         reasoned += reasoning is not None
-        with requests.post(server.url + "/v1/chat/completions", json={**body, "seed": seed, "stream": True},
-                           stream=True, timeout=120) as resp:
-            deltas = [c["delta"] for line in resp.iter_lines() if line.startswith(b"data: {")
-                      for c in json.loads(line[6:])["choices"]]
-        assert "".join(d.get("reasoning") or "" for d in deltas) == (reasoning or "")
-        assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+        assert _streamed(server, {**body, "seed": seed}) == (reasoning or "", content or "")
     assert reasoned

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from helpers import save_tiny_tokenizer, shuffled_paged_metadata
+from helpers import hf_greedy, save_tiny_tokenizer, shuffled_paged_metadata
 from kernels.attention import CpuAttentionBackend, reference_paged_attention
 
 VOCAB = 96
@@ -56,13 +56,7 @@ def test_the_engine_generates_transformers_greedy_tokens(checkpoint):
     from actors.api import LLM, SamplingParams
     hf = DeepseekV3ForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
     prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 13)]
-    want = []
-    with torch.inference_mode():
-        for p in prompts:
-            seq = list(p)
-            for _ in range(10):
-                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-            want.append(seq[len(p):])
+    want = hf_greedy(hf, prompts, 10)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with LLM(checkpoint, multiprocess=False, kv_cache_bytes=1 << 22, max_num_batched_tokens=8,
              enable_chunked_prefill=True) as llm:

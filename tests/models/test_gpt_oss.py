@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from helpers import run_ranks, run_steps, save_tiny_tokenizer
+from helpers import hf_greedy, run_ranks, run_steps, save_tiny_tokenizer
 from kernels.attention import allocate_kv_caches
 from models.registry import load_model
 from models.resolve import resolve_model
@@ -185,13 +185,7 @@ def test_the_engine_generates_transformers_greedy_tokens(checkpoint):
     from actors.api import LLM, SamplingParams
     hf = GptOssForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
     prompts = [_prompt(n, 10 + n) for n in (7, 12, 19)]
-    want = []
-    with torch.inference_mode():
-        for p in prompts:
-            seq = list(p)
-            for _ in range(12):
-                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-            want.append(seq[len(p):])
+    want = hf_greedy(hf, prompts, 12)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(checkpoint, multiprocess=False, kv_cache_bytes=1 << 22, max_num_batched_tokens=16,
              enable_chunked_prefill=True) as llm:

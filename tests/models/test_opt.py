@@ -31,6 +31,7 @@ def tokenizer_dir(tmp_path_factory):
 def test_the_engine_generates_transformers_greedy_tokens_from_a_text_prompt(tokenizer_dir, pre_norm):
     from transformers import GPT2Tokenizer, OPTConfig, OPTForCausalLM
     from actors.api import LLM, SamplingParams
+    from helpers import hf_greedy
     path, vocab = tokenizer_dir
     torch.manual_seed(0)
     hf = OPTForCausalLM(OPTConfig(vocab_size=vocab, hidden_size=64, ffn_dim=96, num_hidden_layers=2,
@@ -44,11 +45,7 @@ def test_the_engine_generates_transformers_greedy_tokens_from_a_text_prompt(toke
     hf.eval()
     ids = GPT2Tokenizer.from_pretrained(str(path))(PROMPT)["input_ids"]
     assert ids[0] == 2
-    seq = list(ids)
-    with torch.inference_mode():           # greedy, one whole-sequence forward a token (eos not ending it)
-        for _ in range(12):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    want = seq[len(ids):]
+    (want,) = hf_greedy(hf, [ids], 12)
     with LLM(str(path), multiprocess=False, kv_cache_bytes=1 << 22) as llm:
         out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                            use_tqdm=False)[0]
