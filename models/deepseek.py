@@ -19,8 +19,9 @@ Routing (models/moe.py ``route``): V2's softmax scores, top-k greedy or within t
 by their best expert (``group_limited_greedy``); V3's sigmoid scores with a learned correction
 bias to choose, within the best groups by their two best experts, renormalized; both times
 ``routed_scaling_factor``. ``n_shared_experts`` experts of ``moe_intermediate_size`` every token
-goes through, as one gated MLP. Tensor parallelism over the latent attention is not split yet
-(refused by name)."""
+goes through, as one gated MLP. Tensor parallelism splits the heads (each rank their query rows,
+their share of ``kv_b_proj`` and of the output projection) and keeps the latent whole on every
+rank."""
 from __future__ import annotations
 
 import math
@@ -77,8 +78,22 @@ class MLAttention(SelfAttention):
         self.attention = attention
 
     def shard_tensor_parallel(self, world: int, rank: int, group: Any) -> None:
-        raise ValueError("tensor parallelism over DeepSeek's latent attention is not supported yet; serve it on "
-                         "one rank (data parallelism or pipeline stages split it otherwise)")
+        """This rank's run of heads: their query rows, their rows of ``kv_b_proj`` and the output
+        projection's columns (summed over the ranks); the latent, its norm and the cache row
+        whole on every rank (the one key/value head, replicated)."""
+        from models.tensor_parallel import column_parallel, row_parallel
+        from models.tp_layout import split
+        m = self.mla
+        start, count = split(self.num_heads, world, rank)
+        qk, kv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_nope_head_dim + m.v_head_dim
+        if m.q_lora_rank is None:
+            self.q_proj = column_parallel(self.q_proj, [(start * qk, count * qk)])
+        else:
+            self.q_b_proj = column_parallel(self.q_b_proj, [(start * qk, count * qk)])
+        self.kv_b_weight = nn.Parameter(self.kv_b_weight.data[start * kv:(start + count) * kv].clone(),
+                                        requires_grad=False)
+        self.o_proj = row_parallel(self.o_proj, (start * m.v_head_dim, count * m.v_head_dim), rank, group)
+        self.num_heads, self.q_size = count, count * self.head_size
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

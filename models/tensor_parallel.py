@@ -251,7 +251,7 @@ def shard_model(model: nn.Module, world: int, rank: int, group: Any = None,
     own = [m for m in model.modules() if callable(getattr(m, "shard_tensor_parallel", None))]
     for m in own:                        # layers that split themselves (the encoders')
         m.shard_tensor_parallel(world, rank, group)
-    attention = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    attention = [m for m in model.modules() if isinstance(m, SelfAttention) and not any(m is o for o in own)]
     mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     if not own and (not attention or len(mlps) + len(moes) < len(attention)):      # (a shared expert: both)

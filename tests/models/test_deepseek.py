@@ -1,7 +1,7 @@
 """DeepSeek-V2/V3 beyond the per-architecture checks of test_architectures.py: latent attention at
 DeepSeek's real widths (128 heads over one 576-wide latent row) on the CPU backend, the whole
 engine's greedy tokens, the multi-token-prediction layer a V3 checkpoint carries left unread,
-and what is refused by name."""
+a routing refused by name, and two tensor-parallel ranks (the heads split, the latent whole)."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from helpers import hf_greedy, save_tiny_tokenizer, shuffled_paged_metadata
-from kernels.attention import CpuAttentionBackend, reference_paged_attention
+from helpers import hf_greedy, run_ranks, run_steps, save_tiny_tokenizer, shuffled_paged_metadata
+from kernels.attention import CpuAttentionBackend, allocate_kv_caches, reference_paged_attention
 
 VOCAB = 96
 
@@ -64,20 +64,46 @@ def test_the_engine_generates_transformers_greedy_tokens(checkpoint):
     assert got == want and len({tuple(t) for t in want}) == 2
 
 
-def test_the_prediction_layer_past_the_models_is_left_unread_and_tensor_parallelism_is_refused(checkpoint, tmp_path):
+def test_the_prediction_layer_past_the_models_is_left_unread_and_bad_routing_is_refused(checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
     from models.registry import load_model
     from models.resolve import resolve_model
-    from models.tensor_parallel import shard_model
     state = load_file(f"{checkpoint}/model.safetensors")
     state["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)         # V3's multi-token-prediction layer
     for name in ("config.json", "tokenizer.json"):
         (tmp_path / name).write_text(open(f"{checkpoint}/{name}").read())
     save_file(state, str(tmp_path / "model.safetensors"))
-    model, _ = load_model(resolve_model(str(tmp_path)))
-    with pytest.raises(ValueError, match="tensor parallelism over DeepSeek's latent attention is not supported"):
-        shard_model(model, 2, 0)
+    load_model(resolve_model(str(tmp_path)))
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "topk_method": "random"}))
     with pytest.raises(ValueError, match="DeepSeek's topk_method 'random' is not supported"):
         load_model(resolve_model(str(tmp_path)))
+
+
+def _logits(model, config) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    steps = [[torch.randint(0, VOCAB, (n,), generator=g) for n in (9, 5)]] + \
+        [[torch.tensor([s + 3]), torch.tensor([s + 40])] for s in range(3)]
+    return run_steps(model, allocate_kv_caches(config, 32, 4, torch.float32), [list(range(1, 8)), list(range(8, 16))],
+                     steps, 4)
+
+
+def _rank(rank: int, world: int, checkpoint: str) -> tuple[int, torch.Tensor]:
+    from models.registry import load_model
+    from models.resolve import resolve_model
+    from models.tensor_parallel import shard_model
+    model, config = load_model(resolve_model(checkpoint))
+    shard_model(model, world, rank)
+    return model.layers[0].self_attn.num_heads, _logits(model, config)      # one latent head on every rank
+
+
+def test_two_ranks_split_the_heads_and_give_the_unsplit_logits(checkpoint, tmp_path):
+    from models.registry import load_model
+    from models.resolve import resolve_model
+    model, config = load_model(resolve_model(checkpoint))
+    want = _logits(model, config)
+    assert want.std() > 0.5
+    ranks = run_ranks(_rank, 2, tmp_path, checkpoint)
+    assert [heads for heads, _ in ranks] == [2, 2]
+    for _, got in ranks:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
