@@ -1,13 +1,15 @@
 """The newer model shapes on a GPU (``-m gpu``, skipped without CUDA): Granite's multipliers,
 SmolLM3's NoPE layers, a Phi-4-mini-shaped model (longrope over a partial rotary, served past its
-original context), Llama 3.1's rope scaling and Gemma 2's capped scores (in the Triton kernels)
-give transformers' greedy tokens through a CUDA engine with its graphs."""
+original context), Llama 3.1's rope scaling, Gemma 2's capped scores, gpt-oss's attention sinks
+and biased swigluoai experts, BLOOM's ALiBi (in the Triton kernels) give transformers' greedy
+tokens through a CUDA engine with its graphs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from actors.api import LLM, SamplingParams
+from helpers import hf_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -36,6 +38,14 @@ def _model(name: str):
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
         return t.LlamaForCausalLM(t.LlamaConfig(**TINY, head_dim=16, num_hidden_layers=2, rope_parameters=rope,
                                                 tie_word_embeddings=False))
+    if name == "gpt_oss":
+        return t.GptOssForCausalLM(t.GptOssConfig(**{**TINY, "intermediate_size": 32}, head_dim=16, num_hidden_layers=2,
+                                                  sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                                                  swiglu_limit=1.0, tie_word_embeddings=False,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+    if name == "bloom":
+        return t.BloomForCausalLM(t.BloomConfig(vocab_size=128, hidden_size=96, n_layer=2, n_head=6,
+                                                bos_token_id=1, eos_token_id=2))
     return t.Gemma2ForCausalLM(t.Gemma2Config(**TINY, head_dim=16, num_hidden_layers=3, sliding_window=8,
                                               query_pre_attn_scalar=24, attn_logit_softcapping=0.5))
 
@@ -45,18 +55,11 @@ def _saved(name: str, path) -> tuple[object, str]:
     hf = _model(name)
     with torch.no_grad():
         for param_name, p in hf.named_parameters():
-            p.normal_(1.0 if param_name.endswith("norm.weight") and name != "gemma2" else 0.0, 0.15)
+            is_norm = param_name.endswith(("norm.weight", "layernorm.weight", "ln_f.weight"))
+            p.normal_(1.0 if is_norm and name != "gemma2" else 0.0, 0.15)
     hf.config._attn_implementation = "eager"
     hf.eval().save_pretrained(path)
     return hf, str(path)
-
-
-def _greedy(hf, prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
 
 
 def check_greedy_tokens(name: str, path, device: str) -> None:
@@ -68,9 +71,9 @@ def check_greedy_tokens(name: str, path, device: str) -> None:
              kv_cache_bytes=256 << 20) as llm:
         (out,) = llm.generate([{"prompt_token_ids": prompt}],
                               SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert list(out.outputs[0].token_ids) == _greedy(hf, prompt, 8)
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, [prompt], 8)[0]
 
 
-@pytest.mark.parametrize("name", ["granite", "smollm3", "phi4_mini", "llama3_rope", "gemma2"])
+@pytest.mark.parametrize("name", ["granite", "smollm3", "phi4_mini", "llama3_rope", "gemma2", "gpt_oss", "bloom"])
 def test_greedy_tokens_on_cuda_equal_transformers(name, tmp_path):
     check_greedy_tokens(name, tmp_path, "cuda")
