@@ -18,7 +18,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("Olmo2ForCausalLM", "olmo2"), ("Olmo3ForCausalLM", "olmo2"), ("OlmoeForCausalLM", "olmo2"),
         ("GptOssForCausalLM", "gpt_oss"), ("OPTForCausalLM", "layernorm_lm"),
         ("GraniteMoeForCausalLM", "granite"), ("Exaone4ForCausalLM", "olmo2"),
-        ("Qwen2MoeForCausalLM", "qwen3_moe"), ("DeepseekV2ForCausalLM", "deepseek"),
+        ("Qwen2MoeForCausalLM", "qwen3_moe"), ("DeepseekV2ForCausalLM", "deepseek"), ("Glm4MoeForCausalLM", "glm"),
         ("DeepseekV3ForCausalLM", "deepseek"),
         ("StableLmForCausalLM", "layernorm_lm"), ("BloomForCausalLM", "layernorm_lm"), ("GPTBigCodeForCausalLM", "layernorm_lm"),
         ("FalconForCausalLM", "layernorm_lm"), ("GPTJForCausalLM", "layernorm_lm"),

@@ -59,6 +59,7 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...]
     # -- optional features; the defaults are plain Llama ------------------------------------
     qkv_bias: bool = False                     # bias on q/k/v projections (Qwen2, attention_bias)
+    qk_norm: bool = False                      # per-head RMSNorms of q and k (GLM-4.5's use_qk_norm; Qwen3's always)
     o_bias: bool = False                       # bias on the output projection (attention_bias)
     hidden_act: str = "silu"                   # gated MLP activation: "silu" | "gelu_pytorch_tanh"
     sliding_window: int | None = None          # W: a sliding layer's query at p sees keys p-W < k <= p

@@ -33,11 +33,11 @@ from torch import nn
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.base import TensorMap
 from models.config import ArchConfig, MLADims, Routing
-from models.glm import interleaved_to_half_split
 from models.layers import GatedMLP, Linear, RMSNorm, SelfAttention, _empty_param, apply_rotary_qk, attention
 from models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from models.moe import FusedMoE, SharedExpertMoE
 from models.qwen3_moe import Qwen3MoeForCausalLM
+from models.rope import interleaved_to_half_split
 
 
 class MLAttention(SelfAttention):
@@ -126,14 +126,48 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
         self.self_attn = MLAttention(c, backend, dtype)
         self.residual_multiplier = 1.0
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        if c.is_moe_layer(layer):
-            moe = FusedMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-                           c.norm_topk_prob, dtype, c.hidden_act, routing=c.moe_routing)
-            shared = (GatedMLP(c.hidden_size, c.shared_expert_intermediate_size, c.hidden_act, dtype)
-                      if c.shared_expert_intermediate_size else None)
-            self.mlp = SharedExpertMoE(moe, shared)
-        else:
-            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
+        self.mlp = deepseek_mlp(c, layer, dtype)
+
+
+def deepseek_mlp(c: ArchConfig, layer: int, dtype: torch.dtype) -> nn.Module:
+    """Layer ``layer``'s MLP: dense before ``first_k_dense_replace``, else the routed experts
+    with the shared ones (GLM-4.5's too)."""
+    if not c.is_moe_layer(layer):
+        return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
+    moe = FusedMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                   c.norm_topk_prob, dtype, c.hidden_act, routing=c.moe_routing)
+    shared = (GatedMLP(c.hidden_size, c.shared_expert_intermediate_size, c.hidden_act, dtype)
+              if c.shared_expert_intermediate_size else None)
+    return SharedExpertMoE(moe, shared)
+
+
+def deepseek_moe_fields(raw: dict[str, Any], num_layers: int, method: str, sigmoid: bool) -> dict[str, Any]:
+    """The experts' ArchConfig fields from DeepSeek's keys (n_routed_experts, n_shared_experts,
+    first_k_dense_replace, moe_layer_freq, n_group, topk_group, routed_scaling_factor,
+    norm_topk_prob) for its ``method`` of choosing (greedy, group_limited_greedy, noaux_tc)."""
+    E = raw["n_routed_experts"] or 0
+    first, freq = raw["first_k_dense_replace"] or 0, raw["moe_layer_freq"] or 1
+    grouped = method != "greedy" and (raw["n_group"] or 1) > 1
+    routing = Routing("sigmoid" if sigmoid else "softmax", raw["n_group"] if grouped else 0,
+                      raw["topk_group"] if grouped else 0, "top2" if method == "noaux_tc" else "max",
+                      method == "noaux_tc", float(raw["routed_scaling_factor"]))
+    return {"num_experts": E, "num_experts_per_tok": raw.get("num_experts_per_tok") or 0,
+            "moe_intermediate_size": raw.get("moe_intermediate_size") or 0,
+            "norm_topk_prob": bool(raw["norm_topk_prob"]),
+            "moe_layers": tuple(i for i in range(num_layers) if E and i >= first and i % freq == 0),
+            "shared_expert_intermediate_size": (raw.get("moe_intermediate_size") or 0) * (raw["n_shared_experts"] or 0),
+            "moe_routing": routing}
+
+
+def skip_layers_past(weights: Iterable[tuple[str, torch.Tensor]], num_layers: int
+                     ) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors less those of layers past the model's (DeepSeek-V3's and
+    GLM-4.5's multi-token-prediction layers: not run)."""
+    for name, tensor in weights:
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= num_layers:
+            continue
+        yield name, tensor
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -145,6 +179,16 @@ def _routed() -> TensorMap:
     held under the shared-expert wrapper's ``moe``."""
     return {k: (v[0].replace(".mlp.", ".mlp.moe."), v[1]) for k, v in Qwen3MoeForCausalLM.hf_tensor_map.items()
             if ".mlp.experts." in k}
+
+
+DEEPSEEK_MOE_MAP: TensorMap = {       # the router, the routed experts, the shared ones (GLM-4.5's names too)
+    "model.layers.{i}.mlp.gate.weight": ("layers.{i}.mlp.moe.gate.weight", None),
+    "model.layers.{i}.mlp.gate.e_score_correction_bias": ("layers.{i}.mlp.moe.e_score_correction_bias", None),
+    **_routed(),
+    **{f"model.layers.{{i}}.mlp.shared_experts.{p}_proj.weight":
+       ("layers.{i}.mlp.shared_mlp." + ("down_proj.weight" if p == "down" else "gate_up_proj.weight"),
+        None if p == "down" else p) for p in ("gate", "up", "down")},
+}
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
@@ -162,12 +206,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
            for name in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
                         "o_proj") for p in ("weight", "bias")},
         "model.layers.{i}.self_attn.kv_b_proj.weight": ("layers.{i}.self_attn.kv_b_weight", None),
-        "model.layers.{i}.mlp.gate.weight": ("layers.{i}.mlp.moe.gate.weight", None),
-        "model.layers.{i}.mlp.gate.e_score_correction_bias": ("layers.{i}.mlp.moe.e_score_correction_bias", None),
-        **_routed(),
-        **{f"model.layers.{{i}}.mlp.shared_experts.{p}_proj.weight":
-           ("layers.{i}.mlp.shared_mlp." + ("down_proj.weight" if p == "down" else "gate_up_proj.weight"),
-            None if p == "down" else p) for p in ("gate", "up", "down")},
+        **DEEPSEEK_MOE_MAP,
     }
 
     @classmethod
@@ -179,41 +218,24 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         rope = fields["rope_scaling"]
         if rope.rope_type != "default" and rope.mscale_all_dim:  # YaRN's softmax scale (DeepSeek's yarn_get_mscale)
             scale *= _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
-        E = raw["n_routed_experts"] or 0
-        first, freq = raw["first_k_dense_replace"] or 0, raw["moe_layer_freq"] or 1
         method = raw["topk_method"]
         if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ValueError(f"DeepSeek's topk_method {method!r} is not supported; supported: greedy, "
                              "group_limited_greedy, noaux_tc")
-        sigmoid = raw["scoring_func"] == "sigmoid"
         if raw["scoring_func"] not in ("softmax", "sigmoid"):
             raise ValueError(f"DeepSeek's scoring_func {raw['scoring_func']!r} is not supported; supported: "
                              "softmax, sigmoid")
-        grouped = method != "greedy" and (raw["n_group"] or 1) > 1
-        routing = Routing("sigmoid" if sigmoid else "softmax", raw["n_group"] if grouped else 0,
-                          raw["topk_group"] if grouped else 0, "top2" if method == "noaux_tc" else "max",
-                          method == "noaux_tc", float(raw["routed_scaling_factor"]))
         return {
             "num_kv_heads": 1, "head_size": mla.kv_lora_rank + mla.qk_rope_head_dim, "rotary_dim": mla.qk_rope_head_dim,
-            "query_pre_attn_scalar": scale ** -2, "mla": mla,
-            "num_experts": E, "num_experts_per_tok": raw.get("num_experts_per_tok") or 0,
-            "moe_intermediate_size": raw.get("moe_intermediate_size") or 0,
-            "norm_topk_prob": bool(raw["norm_topk_prob"]),
-            "moe_layers": tuple(i for i in range(n) if E and i >= first and i % freq == 0),
-            "shared_expert_intermediate_size": (raw.get("moe_intermediate_size") or 0) * (raw["n_shared_experts"] or 0),
-            "moe_routing": routing, "rotary_interleaved": cls.interleaves(raw)}
+            "query_pre_attn_scalar": scale ** -2, "mla": mla, "rotary_interleaved": cls.interleaves(raw),
+            **deepseek_moe_fields(raw, n, method, raw["scoring_func"] == "sigmoid")}
 
     @classmethod
     def interleaves(cls, raw: dict[str, Any]) -> bool:
         return True                           # V2's complex rotary turns interleaved pairs
 
     def hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        n = self.config.num_layers
-        for name, tensor in weights:
-            parts = name.split(".")
-            if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= n:
-                continue                      # V3's multi-token-prediction layer past the model's: not run
-            yield name, self.hf_rows(name, tensor)
+        return ((name, self.hf_rows(name, tensor)) for name, tensor in skip_layers_past(weights, self.config.num_layers))
 
     def hf_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The rotary rows (q's per head, k_pe's) from interleaved pairs to the kernels' half-split."""

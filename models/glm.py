@@ -5,10 +5,11 @@ turns interleaved pairs of dimensions (0 with 1, 2 with 3, ...). The kernels tur
 pairs (i with i + d/2), so q's and k's rows are put in that order at load: each head's rotary
 rows evens first, then odds (the attention scores are unchanged, as q and k move together; a
 LoRA adapter's B rows are reordered the same way). GLM-4 adds a norm after attention and one
-after the MLP, each before its residual add."""
+after the MLP, each before its residual add. GLM-4.5 (``Glm4MoeForCausalLM``): Llama's layers
+around DeepSeek-V3's experts."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -16,18 +17,10 @@ from torch import nn
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.base import TensorMap
 from models.config import ArchConfig
+from models.deepseek import DEEPSEEK_MOE_MAP, deepseek_mlp, deepseek_moe_fields, skip_layers_past
 from models.layers import RMSNorm
 from models.llama import LlamaDecoderLayer, LlamaForCausalLM
-
-
-def interleaved_to_half_split(rows: torch.Tensor, head_size: int, rotary_dim: int) -> torch.Tensor:
-    """``rows`` (heads * head_size, ...) with each head's first ``rotary_dim`` rows reordered from
-    interleaved rotary pairs to half-split ones: even rows, then odd rows, then the rest."""
-    order = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
-                       torch.arange(rotary_dim, head_size)])
-    heads = rows.shape[0] // head_size
-    index = (torch.arange(heads)[:, None] * head_size + order[None]).reshape(-1)
-    return rows[index]
+from models.rope import interleaved_to_half_split
 
 
 class InterleavedRotary:
@@ -83,3 +76,37 @@ class Glm4ForCausalLM(GlmForCausalLM):
         **{f"model.layers.{{i}}.{n}.weight": (f"layers.{{i}}.{n}.weight", None)
            for n in ("post_self_attn_layernorm", "post_mlp_layernorm")},
     }
+
+
+class Glm4MoeForCausalLM(LlamaForCausalLM):
+    """GLM-4.5 and GLM-4.6 (``Glm4MoeForCausalLM``: GLM-4.5, GLM-4.5-Air): Llama's layers with q/k/v
+    biases (``attention_bias``), per-head q/k RMSNorms where ``use_qk_norm``, a half-split rotary
+    over ``partial_rotary_factor`` of each head, and past ``first_k_dense_replace`` DeepSeek-V3's
+    experts (sigmoid scores with a correction bias, groups, ``routed_scaling_factor``) with shared
+    ones (models/deepseek.py); the multi-token-prediction layers past the model's left unread."""
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+    hf_defaults: ClassVar[dict[str, Any]] = {"attention_bias": False, "use_qk_norm": False,
+                                             "partial_rotary_factor": 0.5, "first_k_dense_replace": 1,
+                                             "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+                                             "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+                                             "n_shared_experts": 1, "n_routed_experts": 128}
+    hf_tensor_map: ClassVar[TensorMap] = {
+        **{k: v for k, v in LlamaForCausalLM.hf_tensor_map.items()},
+        **{f"model.layers.{{i}}.self_attn.{n}.weight": (f"layers.{{i}}.self_attn.{n}.weight", None)
+           for n in ("q_norm", "k_norm")},
+        **DEEPSEEK_MOE_MAP,
+    }
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        return {"o_bias": False, "qk_norm": bool(raw["use_qk_norm"]),
+                **deepseek_moe_fields(raw, fields["num_layers"], "noaux_tc", sigmoid=True)}
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, attn_backend, dtype)
+        for i, layer in enumerate(self.layers):
+            layer.mlp = deepseek_mlp(config, i, dtype)
+
+    def hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        return super().hf_weights(skip_layers_past(weights, self.config.num_layers))

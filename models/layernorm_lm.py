@@ -25,8 +25,8 @@ from models.base import TensorMap
 from models.bert import LayerNorm
 from models.config import ArchConfig
 from models.gemma3 import LocalGlobalLM
-from models.glm import interleaved_to_half_split
 from models.layers import MLP, Embedding, GatedMLP, Linear, SelfAttention, hf_activation
+from models.rope import interleaved_to_half_split
 
 
 SEQUENTIAL, PARALLEL, PARALLEL_TWO_NORMS, POST_NORM = "sequential", "parallel", "parallel, two norms", "post-norm"

@@ -104,7 +104,8 @@ class LlamaForCausalLM(CausalLM):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_size, config.rope_positions, config.rope_theta,
                                           config.rope_scaling, config.serving_len)
-        self.layers = nn.ModuleList(self.decoder_layer(config, i, attn_backend, dtype, self.qk_norm, self.qk_norm_whole)
+        qk_norm = self.qk_norm or config.qk_norm
+        self.layers = nn.ModuleList(self.decoder_layer(config, i, attn_backend, dtype, qk_norm, self.qk_norm_whole)
                                     for i in range(config.num_layers))
         self.start_layer, self.end_layer = 0, config.num_layers     # a pipeline stage's (pipeline_parallel.py)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

@@ -262,3 +262,14 @@ def rope_tables(head_size: int, num_positions: int, theta: float, scaling: RopeS
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
     return cos, sin
+
+
+def interleaved_to_half_split(rows: torch.Tensor, head_size: int, rotary_dim: int) -> torch.Tensor:
+    """``rows`` (heads * head_size, ...) with each head's first ``rotary_dim`` rows reordered from
+    interleaved rotary pairs to half-split ones: even rows, then odd rows, then the rest."""
+    import torch                    # (this module is read without torch: the engine's config imports it)
+    order = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                       torch.arange(rotary_dim, head_size)])
+    heads = rows.shape[0] // head_size
+    index = (torch.arange(heads)[:, None] * head_size + order[None]).reshape(-1)
+    return rows[index]

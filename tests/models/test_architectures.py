@@ -349,6 +349,15 @@ def _deepseek_v3_half_split():  # rope_interleave off: the rotary's pairs half-s
         tie_word_embeddings=False))
 
 
+def _glm4_moe():  # per-head q/k norms, a half-split rotary over half of each head, DeepSeek-V3's experts in groups
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    return Glm4MoeForCausalLM(Glm4MoeConfig(
+        **TINY, num_hidden_layers=3, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.8,
+        use_qk_norm=True, attention_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5}))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -361,7 +370,7 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss,
             "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m,
             "GraniteMoeForCausalLM": _granitemoe, "Exaone4ForCausalLM": _exaone4, "Qwen2MoeForCausalLM": _qwen2_moe,
-            "DeepseekV2ForCausalLM": _deepseek_v2, "DeepseekV3ForCausalLM": _deepseek_v3,
+            "DeepseekV2ForCausalLM": _deepseek_v2, "Glm4MoeForCausalLM": _glm4_moe, "DeepseekV3ForCausalLM": _deepseek_v3,
             "DeepseekV3ForCausalLM-half-split": _deepseek_v3_half_split,
             "StableLmForCausalLM": _stablelm, "BloomForCausalLM": _bloom, "MptForCausalLM": _mpt,
             "GPTBigCodeForCausalLM": _gpt_bigcode, "FalconForCausalLM": _falcon, "GPTJForCausalLM": _gptj,
