@@ -27,7 +27,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("CohereForCausalLM", "cohere"), ("Cohere2ForCausalLM", "cohere"), ("Starcoder2ForCausalLM", "layernorm_lm"),
         ("PhiForCausalLM", "layernorm_lm"), ("GPTNeoXForCausalLM", "layernorm_lm"),
         ("GPT2LMHeadModel", "layernorm_lm"), ("HeliumForCausalLM", "llama_variants"),
-        ("Ernie4_5ForCausalLM", "llama_variants"), ("SeedOssForCausalLM", "llama_variants"),
+        ("Ernie4_5ForCausalLM", "llama_variants"), ("Ernie4_5_MoeForCausalLM", "llama_variants"), ("SeedOssForCausalLM", "llama_variants"),
         ("MinistralForCausalLM", "llama_variants"),
         # multimodal checkpoints: their language model, on text (vLLM's --language-model-only)
         ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"),

@@ -358,6 +358,14 @@ def _glm4_moe():  # per-head q/k norms, a half-split rotary over half of each he
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5}))
 
 
+def _ernie4_5_moe():  # ERNIE 4.5's layers, a dense first layer, 4 experts chosen with a correction bias, a shared one
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+    return Ernie4_5_MoeForCausalLM(Ernie4_5_MoeConfig(
+        **TINY, num_hidden_layers=3, moe_intermediate_size=32, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+        moe_layer_start_index=1, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+
+
 BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCausalLM": _qwen3,
             "MistralForCausalLM": _mistral, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "Qwen3MoeForCausalLM": _qwen3_moe, "MixtralForCausalLM": _mixtral,
@@ -370,7 +378,7 @@ BUILDERS = {"LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _qwen2, "Qwen3ForCau
             "MinistralForCausalLM": _ministral, "GptOssForCausalLM": _gpt_oss,
             "OPTForCausalLM": _opt, "OPTForCausalLM-350m": _opt_350m,
             "GraniteMoeForCausalLM": _granitemoe, "Exaone4ForCausalLM": _exaone4, "Qwen2MoeForCausalLM": _qwen2_moe,
-            "DeepseekV2ForCausalLM": _deepseek_v2, "Glm4MoeForCausalLM": _glm4_moe, "DeepseekV3ForCausalLM": _deepseek_v3,
+            "DeepseekV2ForCausalLM": _deepseek_v2, "Glm4MoeForCausalLM": _glm4_moe, "Ernie4_5_MoeForCausalLM": _ernie4_5_moe, "DeepseekV3ForCausalLM": _deepseek_v3,
             "DeepseekV3ForCausalLM-half-split": _deepseek_v3_half_split,
             "StableLmForCausalLM": _stablelm, "BloomForCausalLM": _bloom, "MptForCausalLM": _mpt,
             "GPTBigCodeForCausalLM": _gpt_bigcode, "FalconForCausalLM": _falcon, "GPTJForCausalLM": _gptj,
