@@ -1,5 +1,8 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral, OLMoE and gpt-oss (vLLM's ``FusedMoE``): a
-router, top-k routing, and the experts' weights stacked into two tensors, run as one fused call.
+"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral, OLMoE, gpt-oss, Granite MoE, Qwen2-MoE,
+DeepSeek, GLM-4.5 and ERNIE 4.5 MoE (vLLM's ``FusedMoE``): a router, top-k routing (``route``:
+DeepSeek's scoring, groups, correction bias and scale where ``Routing`` says), the experts'
+weights stacked into two tensors, run as one fused call, and a shared expert beside them where a
+model has one (``SharedExpertMoE``).
 
   router logits = x Wg^T (+ b)  ->  softmax (float32)  ->  top-k experts per token (their
   weights renormalized to sum to 1 when ``renormalize``)  ->  the tokens grouped by expert  ->
