@@ -91,9 +91,21 @@ def read(text: str, final: bool) -> list[Message]:
     return out
 
 
+BUILTIN_TOOLS = ("browser", "python", "container")    # gpt-oss's built-in tools: not the request's functions
+
+
 def is_call(message: Message) -> bool:
-    """A message to a tool (its recipient is not the assistant)."""
-    return message.recipient is not None and message.recipient != "assistant"
+    """A message to one of the request's functions (``functions.NAME``, or a bare name that is
+    not a built-in tool's or the assistant)."""
+    r = message.recipient
+    return r is not None and r != "assistant" and r.split(".", 1)[0] not in BUILTIN_TOOLS
+
+
+def is_builtin(message: Message) -> bool:
+    """A message to a built-in tool (browser, python, container: run by no one here), left out of
+    the content and the calls."""
+    r = message.recipient
+    return r is not None and r.split(".", 1)[0] in BUILTIN_TOOLS
 
 
 def function_name(recipient: str) -> str:

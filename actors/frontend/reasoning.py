@@ -167,9 +167,9 @@ class HarmonyReasoningStream:
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         self.text += text
         messages = harmony.read(self.text, final)
-        reasoning = "".join(m.body for m in messages if m.channel == harmony.ANALYSIS and not harmony.is_call(m))
+        reasoning = "".join(m.body for m in messages if m.channel == harmony.ANALYSIS and m.recipient is None)
         content = "".join(harmony.call_text(m) if harmony.is_call(m) else m.body for m in messages
-                          if harmony.is_call(m) or m.channel != harmony.ANALYSIS)
+                          if harmony.is_call(m) or (m.channel != harmony.ANALYSIS and not harmony.is_builtin(m)))
         self.reasoned = self.reasoned or bool(reasoning)
         (r0, c0), self.shown = self.shown, (reasoning, content)
         return reasoning[len(r0):], content[len(c0):]

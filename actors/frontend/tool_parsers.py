@@ -307,7 +307,8 @@ class OpenAIToolParser(ToolParser):
     def read(self, text: str, final: bool) -> Reading:
         messages = harmony.read(text, final)
         calls = [Call(harmony.function_name(m.recipient), m.body) for m in messages if harmony.is_call(m)]
-        content = "".join(m.body for m in messages if not harmony.is_call(m) and m.channel != harmony.ANALYSIS)
+        content = "".join(m.body for m in messages if not harmony.is_call(m) and not harmony.is_builtin(m)
+                          and m.channel != harmony.ANALYSIS)
         return Reading(content, calls)
 
 

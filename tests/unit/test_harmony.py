@@ -21,6 +21,9 @@ CALL = ("<|channel|>analysis<|message|>Need the weather; call the tool.<|end|>"
 CALL_FIRST = ("<|channel|>analysis<|message|>Two cities.<|end|>"
               '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>'
               '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"tz": "CET"}')
+BUILTIN = ("<|channel|>analysis<|message|>Search first.<|end|>"
+           '<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{"query": "oslo"}<|call|>'
+           "<|start|>assistant<|channel|>final<|message|>Done.")
 PREAMBLE = ("<|channel|>commentary<|message|>Checking now.<|end|>"
             '<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}')
 
@@ -56,6 +59,7 @@ def test_the_analysis_channel_is_the_reasoning_and_the_final_one_the_content(tex
     (CALL_FIRST, [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"tz": "CET"}')], ""),
     (PREAMBLE, [("f", "{}")], "Checking now."),
     (ANSWER, [], "It is 4 (a |> and a <| inside)."),
+    (BUILTIN, [], "Done."),                        # a built-in tool's message: no call, not the content
 ])
 def test_messages_to_functions_are_calls_read_from_the_raw_output_or_from_the_reasoning_parsers_content(
         text, calls, content):
@@ -65,7 +69,8 @@ def test_messages_to_functions_are_calls_read_from_the_raw_output_or_from_the_re
     assert [(c.name, c.arguments) for c in reading.calls] == calls and reading.content == content
     for c in reading.calls:
         json.loads(c.arguments)
-    _, after_reasoning = reasoning_parser.split(text)       # the calls stay in the content, whole
+    reasoning, after_reasoning = reasoning_parser.split(text)   # the calls stay in the content, whole
+    assert reasoning is None or "{" not in reasoning        # no tool's arguments in the reasoning
     again = tool_parser.read(after_reasoning or "", True)
     assert [(c.name, c.arguments) for c in again.calls] == calls and again.content == content
 
