@@ -56,6 +56,13 @@ def _held(body: str) -> str:
 
 def read(text: str, final: bool) -> list[Message]:
     """The messages of ``text`` (the whole output so far; ``final``: all of it)."""
+    return scan(text, final)[0]
+
+
+def scan(text: str, final: bool) -> tuple[list[Message], int]:
+    """``read``'s messages, and where the last of the closed ones ends: what follows (an open
+    message, a header still arriving) is all a later reading can change, so a stream may read on
+    from there."""
     out: list[Message] = []
     i, n = 0, len(text)
     while i < n:
@@ -68,7 +75,7 @@ def read(text: str, final: bool) -> list[Message]:
             if body:
                 out.append(Message(None, None, body, nxt >= 0 or final))
             if nxt < 0:
-                break
+                return out, i
             i = nxt
             if text.startswith((END, RETURN, CALL), i):  # a stray end marker closes nothing
                 i = text.find("|>", i) + 2
@@ -78,17 +85,17 @@ def read(text: str, final: bool) -> list[Message]:
             continue
         m = text.find(MESSAGE, i)
         if m < 0:
-            break                                       # a header still arriving (or cut off: dropped)
+            return out, i                               # a header still arriving (or cut off: dropped)
         channel, recipient = header_fields(text[i:m])
         b = m + len(MESSAGE)
         ends = [(k, mk) for mk in (END, RETURN, CALL, START, CHANNEL) if (k := text.find(mk, b)) >= 0]
         if not ends:
             out.append(Message(channel, recipient, text[b:] if final else _held(text[b:]), final))
-            break
+            return out, i
         e, marker = min(ends)
         out.append(Message(channel, recipient, text[b:e], True))
         i = e + len(marker) if marker in (END, RETURN, CALL) else e
-    return out
+    return out, n
 
 
 BUILTIN_TOOLS = ("browser", "python", "container")    # gpt-oss's built-in tools: not the request's functions

@@ -156,23 +156,37 @@ class HarmonyReasoningParser(ReasoningParser):
 
 
 class HarmonyReasoningStream:
-    """One choice's harmony output as it comes: the whole text read again at each piece
-    (harmony.read's readings extend one another), what is new of each part shown."""
+    """One choice's harmony output as it comes: each piece read from the start of the message
+    still open (harmony.scan; the closed ones' parts are kept), what is new of each part shown
+    (the readings extend one another)."""
 
     def __init__(self) -> None:
-        self.text = ""
+        self.open = ""                 # the text from the first message not yet closed
+        self.closed = ("", "")         # the closed messages' reasoning and content
         self.shown = ("", "")
         self.reasoned = False
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
-        self.text += text
-        messages = harmony.read(self.text, final)
-        reasoning = "".join(m.body for m in messages if m.channel == harmony.ANALYSIS and m.recipient is None)
-        content = "".join(harmony.call_text(m) if harmony.is_call(m) else m.body for m in messages
-                          if harmony.is_call(m) or (m.channel != harmony.ANALYSIS and not harmony.is_builtin(m)))
+        self.open += text
+        messages, done = harmony.scan(self.open, final)
+        still_open = 0 if final or not messages or messages[-1].closed else 1
+        settled = _harmony_parts(messages[:len(messages) - still_open])
+        self.closed = (self.closed[0] + settled[0], self.closed[1] + settled[1])
+        self.open = self.open[done:]
+        rest = _harmony_parts(messages[len(messages) - still_open:])
+        reasoning, content = self.closed[0] + rest[0], self.closed[1] + rest[1]
         self.reasoned = self.reasoned or bool(reasoning)
         (r0, c0), self.shown = self.shown, (reasoning, content)
         return reasoning[len(r0):], content[len(c0):]
+
+
+def _harmony_parts(messages: list[harmony.Message]) -> tuple[str, str]:
+    """(reasoning, content) of harmony messages: the analysis channel's bodies, then the final and
+    commentary channels' (a call whole, for the tool parser; a built-in tool's left out)."""
+    reasoning = "".join(m.body for m in messages if m.channel == harmony.ANALYSIS and m.recipient is None)
+    content = "".join(harmony.call_text(m) if harmony.is_call(m) else m.body for m in messages
+                      if harmony.is_call(m) or (m.channel != harmony.ANALYSIS and not harmony.is_builtin(m)))
+    return reasoning, content
 
 
 REASONING_PARSERS = {
