@@ -29,6 +29,8 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("GPT2LMHeadModel", "layernorm_lm"), ("HeliumForCausalLM", "llama_variants"),
         ("Ernie4_5ForCausalLM", "llama_variants"), ("Ernie4_5_MoeForCausalLM", "llama_variants"), ("SeedOssForCausalLM", "llama_variants"),
         ("MinistralForCausalLM", "llama_variants"),
+        # state-space models (a recurrent state per request, no KV cache)
+        ("MambaForCausalLM", "mamba"), ("FalconMambaForCausalLM", "mamba"), ("Mamba2ForCausalLM", "mamba"),
         # multimodal checkpoints: their language model, on text (vLLM's --language-model-only)
         ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"),
         ("Qwen2VLForConditionalGeneration", "qwen2"), ("Qwen2_5_VLForConditionalGeneration", "qwen2"),

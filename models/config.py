@@ -42,6 +42,59 @@ class MLADims:
 
 
 @dataclass(frozen=True, slots=True)
+class MambaDims:
+    """State-space mixers (models/mamba.py) in place of attention: each request carries a state
+    through its tokens instead of a KV cache. ``version`` 1 (Mamba): a selective state of
+    ``d_state`` per channel, the time step from a ``dt_rank`` projection; 2 (Mamba-2): ``num_heads``
+    heads of ``head_dim`` channels, one decay per head, B and C shared by the heads of each of
+    ``n_groups`` groups, a gated RMSNorm before the output. Both convolve their inputs causally over
+    ``d_conv`` tokens first."""
+    version: int
+    d_inner: int                               # channels of the mixer (intermediate_size)
+    d_state: int                               # N: the state's size per channel
+    d_conv: int                                # the causal convolution's width
+    dt_rank: int = 0                           # Mamba: the time step's projection rank
+    num_heads: int = 0                         # Mamba-2
+    head_dim: int = 0
+    n_groups: int = 1
+    conv_bias: bool = True
+    proj_bias: bool = False                    # in_proj and out_proj have biases (use_bias)
+    bcdt_rms_eps: float | None = None          # Falcon-Mamba: weightless RMSNorms of B, C and dt
+    norm_eps: float = 1e-5                     # Mamba-2's gated RMSNorm
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))   # Mamba-2's clamp of the time steps
+
+    def __post_init__(self) -> None:
+        if self.version not in (1, 2):
+            raise ValueError(f"Mamba version {self.version} is not supported (1 or 2)")
+        if self.version == 2 and (self.num_heads * self.head_dim != self.d_inner or self.num_heads % self.n_groups):
+            raise ValueError(f"Mamba-2: {self.num_heads} heads of {self.head_dim} must make the {self.d_inner} "
+                             f"channels and split into {self.n_groups} groups")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the convolution turns: x (Mamba), or x, B and C (Mamba-2)."""
+        return self.d_inner if self.version == 1 else self.d_inner + 2 * self.n_groups * self.d_state
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, ...]:
+        return (self.d_inner, self.d_state) if self.version == 1 else (self.num_heads, self.head_dim, self.d_state)
+
+    @property
+    def conv_state_shape(self) -> tuple[int, ...]:
+        """The last d_conv - 1 inputs of the convolution."""
+        return (self.conv_dim, self.d_conv - 1)
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """One request's state in one layer: the convolution's inputs in the model's dtype, the
+        state-space state in float32."""
+        conv = self.conv_dim * (self.d_conv - 1) * dtype_bytes
+        ssm = 4
+        for n in self.ssm_state_shape:
+            ssm *= n
+        return conv + ssm
+
+
+@dataclass(frozen=True, slots=True)
 class ArchConfig:
     architecture: str          # Hugging Face architecture name, e.g. "LlamaForCausalLM"
     vocab_size: int
@@ -95,6 +148,9 @@ class ArchConfig:
     rotary_interleaved: bool = False           # the rotary turns interleaved pairs: q/k rows reordered at load (DeepSeek)
     swiglu_limit: float | None = None          # gpt-oss's clamped experts ("swigluoai"); None: SiLU-gated
     swiglu_alpha: float = 1.702                # its sigmoid's slope
+    # -- state-space layers (Mamba, Mamba-2, and the hybrids that mix them with attention) -------
+    mamba: MambaDims | None = None             # None: every layer attends
+    mamba_layers: tuple[int, ...] | None = None  # the layers whose mixer is Mamba; None with ``mamba``: all
     # -- encoder-only models (BERT, RoBERTa: models/bert.py) --------------------------------------
     encoder_only: bool = False                 # bidirectional attention over each prompt whole, no KV cache
     type_vocab_size: int = 0                   # token types (a text pair's segments); 0: none
@@ -116,6 +172,21 @@ class ArchConfig:
     # a reward model's score head (vLLM's Qwen2ForRewardModel): hidden -> hidden, ReLU, -> labels
     score_mlp: bool = False
 
+    def is_mamba_layer(self, layer: int) -> bool:
+        """The layer mixes with a state-space state, not attention (no KV cache)."""
+        return self.mamba is not None and (self.mamba_layers is None or layer in self.mamba_layers)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend, and hold KV cache."""
+        return tuple(i for i in range(self.num_layers) if not self.is_mamba_layer(i))
+
+    def mamba_state_bytes(self, dtype_bytes: int) -> int:
+        """The recurrent state one request holds over all the state-space layers."""
+        if self.mamba is None:
+            return 0
+        return (self.num_layers - len(self.attention_layers)) * self.mamba.state_bytes(dtype_bytes)
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
 
@@ -134,8 +205,8 @@ class ArchConfig:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * dtype_bytes
+        """Bytes of K and V one token occupies across all the attention layers."""
+        return 2 * len(self.attention_layers) * self.num_kv_heads * self.head_size * dtype_bytes
 
     def layer_uses_rope(self, layer: int) -> bool:
         return self.rope_layers is None or self.rope_layers[layer]

@@ -27,7 +27,7 @@ from actors.engine.pooling import ModelPooling
 from actors.grammar.config import StructuredOutputsConfig
 from actors.engine.profiler import ProfilerConfig
 from actors.engine.sampling_params import LOGPROBS_MODES, SamplingDefaults
-from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, group_size, kv_cache_groups,
+from actors.kv_manager.kv_cache_spec import (KVCacheGroupSpec, KVCacheSpec, bytes_per_block, group_size, kv_cache_groups,
                                              max_tokens_per_request, model_kv_cache_specs, num_blocks_for,
                                              stage_groups, with_draft_layers)
 from actors.kv_manager.block_hash import HASH_ALGOS
@@ -411,14 +411,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                              f"max_model_len ({arch.max_model_len}, the model's context length). To allow overriding "
                              "this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (with caution: positions "
                              "past the model's training give it inputs it never saw)")
+        max_model_len = self.model.max_model_len or arch.default_max_model_len
+        if arch.mamba is not None:
+            self._check_state_space(arch)
         if self.cache.num_blocks:
             num_blocks = self.cache.num_blocks
         elif kv_bytes or device != "cuda":
-            num_blocks = max(num_blocks_for(specs, kv_bytes or CPU_KV_CACHE_BYTES,
-                                            self._largest_stage(groups, arch.num_layers)), 2)
+            num_blocks = self._blocks_in(kv_bytes or CPU_KV_CACHE_BYTES, specs, groups, arch, max_model_len, dtype)
         else:       # sized by the worker once the weights are on the GPU (with_kv_cache_bytes)
             num_blocks = 0
-        max_model_len = self.model.max_model_len or arch.default_max_model_len
         if arch.encoder_only and device == "cpu" and not self.cache.num_blocks:
             # its layers never read or write the cache (whose pages are then never taken from the
             # system): blocks only count the tokens in flight, so there are enough for a step's
@@ -466,6 +467,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 cache = msgspec.structs.replace(cache, enable_prefix_caching=False)
         elif sched.enable_chunked_prefill is None:
             sched = msgspec.structs.replace(sched, enable_chunked_prefill=True)
+        if arch.mamba is not None and cache.enable_prefix_caching:
+            # a prefix's KV blocks would not give back the state its tokens left (vLLM's default too)
+            log.info("%s has state-space layers: prefix caching is off", arch.architecture)
+            cache = msgspec.structs.replace(cache, enable_prefix_caching=False)
         if sched.chunks_prompts:
             return sched, cache
         if sched.stall_free:
@@ -514,12 +519,47 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not self.resolved:
             raise ValueError("with_kv_cache_bytes needs a resolved config")
         groups = self.kv_cache_groups()
-        num_blocks = max(num_blocks_for(self.kv_cache_specs(), kv_bytes,
-                                        self._largest_stage(groups, self.model.arch.num_layers)), 2)
+        num_blocks = self._blocks_in(kv_bytes, self.kv_cache_specs(), groups, self.model.arch,
+                                     self.model.max_model_len, self.model.dtype)
         return self.replace(
             model=msgspec.structs.replace(self.model, max_model_len=self._fitting_len(
                 groups, num_blocks, self.model.max_model_len)),
             cache=msgspec.structs.replace(self.cache, kv_cache_memory_bytes=kv_bytes, num_blocks=num_blocks))
+
+    def _blocks_in(self, kv_bytes: int, specs: list[KVCacheSpec], groups: tuple[KVCacheGroupSpec, ...],
+                   arch: ArchConfig, max_model_len: int, dtype: str) -> int:
+        """The KV blocks ``kv_bytes`` hold once the state-space layers' states (one per request the
+        worker may run, vLLM counts them in the cache's memory too) are set aside. A model of
+        state-space layers only: blocks that take no memory, enough for every request at its
+        longest."""
+        states = self.scheduler.max_num_seqs * arch.mamba_state_bytes(DTYPE_BYTES[dtype])
+        if not arch.attention_layers:
+            if states > kv_bytes:
+                raise ValueError(self._states_too_large(arch, states, kv_bytes))
+            return self.scheduler.max_num_seqs * -(-max_model_len // self.cache.block_size) + 1
+        if states and kv_bytes - states < bytes_per_block(self._largest_stage(groups, arch.num_layers)):
+            raise ValueError(self._states_too_large(arch, states, kv_bytes))
+        return max(num_blocks_for(specs, kv_bytes - states, self._largest_stage(groups, arch.num_layers)), 2)
+
+    def _states_too_large(self, arch: ArchConfig, states: int, kv_bytes: int) -> str:
+        return (f"{arch.architecture}'s recurrent states for {self.scheduler.max_num_seqs} sequences take "
+                f"{states / 2**30:.2f} GiB, more than the KV cache's {kv_bytes / 2**30:.2f} GiB: lower "
+                "--max-num-seqs or raise --kv-cache-memory-bytes")
+
+    def _check_state_space(self, arch: ArchConfig) -> None:
+        """What a model with state-space layers cannot be served with (yet), refused by name: each
+        request's state lives in one worker's slot, advances with every token it computes and
+        cannot be rolled back or shipped."""
+        name = arch.architecture
+        refused = [("--speculative-config", self.speculative is not None,
+                    "rejected drafts would have advanced its recurrent state"),
+                   ("--tensor-parallel-size", self.parallel.tensor_parallel_size > 1, "its mixers run unsplit"),
+                   ("--pipeline-parallel-size", self.parallel.pipeline_parallel_size > 1, "its layers run in one stage"),
+                   ("--kv-transfer-config", self.kv_transfer is not None, "its recurrent state is not KV blocks"),
+                   ("--enable-lora", self.lora is not None, "adapters on its mixers are not supported")]
+        for flag, used, why in refused:
+            if used:
+                raise ValueError(f"{name} has state-space (Mamba) layers: {flag} is not supported with it ({why})")
 
     def kv_cache_specs(self, num_kv_heads: int | None = None) -> list[KVCacheSpec]:
         """One spec per attention layer of a resolved config's model, then of its draft model.

@@ -29,6 +29,7 @@ joins a target of one group.
 """
 from __future__ import annotations
 
+import math
 import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,22 @@ SUPPORTED_SPECS = (FullAttentionSpec, SlidingWindowSpec)
 
 
 @dataclass(frozen=True, slots=True)
+class MambaSpec:
+    """A state-space layer (models/mamba.py): no KV blocks, but a recurrent state of
+    ``state_bytes`` per request, kept in the worker's state slots (one per request it runs). Such
+    layers join no KV cache group; the attention layers beside them (a hybrid model) group as
+    always, and a model of state-space layers only has one group of no layers, whose blocks
+    count tokens and take no memory."""
+    block_size: int
+    state_bytes: int
+
+
+def attention_specs(specs: list[Any]) -> list[tuple[int, KVCacheSpec]]:
+    """(layer, spec) of the layers that hold KV cache (state-space layers left out)."""
+    return [(i, s) for i, s in enumerate(specs) if not isinstance(s, MambaSpec)]
+
+
+@dataclass(frozen=True, slots=True)
 class KVCacheGroupSpec:
     """Layers sharing one block table, and the kind of attention that decides which blocks
     that table holds (a SlidingWindowSpec: only the last window's)."""
@@ -82,17 +99,21 @@ def kv_cache_groups(specs: list[KVCacheSpec], hybrid: bool = True) -> tuple[KVCa
     of every layer; with a single kind that is a sliding window and ``hybrid``, that group keeps
     only the window's blocks. Otherwise one or more groups per kind, each of ``group_size``
     layers as vLLM sizes them (the fewest layers of any kind, or the most when the counts are
-    within 25%); full attention groups first."""
+    within 25%); full attention groups first. State-space layers (MambaSpec) join no group; a
+    model of those only has one group of no layers."""
     check_kv_cache_specs(specs)
-    s = specs[0]
+    attending = attention_specs(specs)
+    if not attending:
+        return (KVCacheGroupSpec((), FullAttentionSpec(specs[0].block_size, 0, 0, 0)),)
+    s = attending[0][1]
     shape = (s.block_size, s.num_kv_heads, s.head_size, s.dtype_bytes)
     kinds: dict[KVCacheSpec, list[int]] = {}
-    for layer, spec in enumerate(specs):
+    for layer, spec in attending:
         window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
         kind = SlidingWindowSpec(*shape, sliding_window=window) if window else FullAttentionSpec(*shape)
         kinds.setdefault(kind, []).append(layer)
     if not hybrid:
-        return (KVCacheGroupSpec(tuple(range(len(specs))), FullAttentionSpec(*shape)),)
+        return (KVCacheGroupSpec(tuple(i for i, _ in attending), FullAttentionSpec(*shape)),)
     if len(kinds) == 1:
         (kind, layers), = kinds.items()
         return (KVCacheGroupSpec(tuple(layers), kind),)
@@ -147,15 +168,21 @@ def describe_groups(groups: tuple[KVCacheGroupSpec, ...]) -> str:
             + ", ".join(f"{n} {kind}" for kind, n in kinds.items()))
 
 
-def layer_groups(groups: tuple[KVCacheGroupSpec, ...], num_layers: int) -> list[int]:
-    """The KV cache group of each layer."""
+def layer_groups(groups: tuple[KVCacheGroupSpec, ...], num_layers: int, stateful: frozenset[int] = frozenset()
+                 ) -> list[int]:
+    """The KV cache group of each layer; -1 for the state-space layers ``stateful``."""
     out = [-1] * num_layers
     for g, group in enumerate(groups):
         for layer in group.layer_ids:
             out[layer] = g
-    if -1 in out:
-        raise ValueError(f"layer {out.index(-1)} belongs to no KV cache group")
+    missing = [i for i, g in enumerate(out) if g < 0 and i not in stateful]
+    if missing:
+        raise ValueError(f"layer {missing[0]} belongs to no KV cache group")
     return out
+
+
+def stateful_layers(specs: list[Any]) -> frozenset[int]:
+    return frozenset(i for i, s in enumerate(specs) if isinstance(s, MambaSpec))
 
 
 def group_size(groups: tuple[KVCacheGroupSpec, ...]) -> int:
@@ -203,10 +230,14 @@ def max_tokens_per_request(groups: tuple[KVCacheGroupSpec, ...], num_blocks: int
     return lo
 
 
-def model_kv_cache_specs(config: Any, block_size: int, dtype_bytes: int) -> list[KVCacheSpec]:
-    """One spec per attention layer of a model (``models.config.ArchConfig``)."""
-    specs: list[KVCacheSpec] = []
+def model_kv_cache_specs(config: Any, block_size: int, dtype_bytes: int) -> list[KVCacheSpec | MambaSpec]:
+    """One spec per layer of a model (``models.config.ArchConfig``): its attention's, or a
+    MambaSpec for a state-space layer."""
+    specs: list[KVCacheSpec | MambaSpec] = []
     for layer in range(config.num_layers):
+        if config.is_mamba_layer(layer):
+            specs.append(MambaSpec(block_size, config.mamba.state_bytes(dtype_bytes)))
+            continue
         window = config.layer_sliding_window(layer)
         shape = (block_size, config.num_kv_heads, config.head_size, dtype_bytes)
         specs.append(SlidingWindowSpec(*shape, sliding_window=window) if window
@@ -219,6 +250,9 @@ def check_kv_cache_specs(specs: list[KVCacheSpec]) -> None:
     kinds only, and one page shape for all layers."""
     if not specs:
         raise ValueError("the model declares no KV cache layers")
+    specs = [s for _, s in attention_specs(specs)]
+    if not specs:
+        return                    # state-space layers only
     unknown = sorted({type(s).__name__ for s in specs if not isinstance(s, SUPPORTED_SPECS)})
     if unknown:
         raise ValueError(f"no KV cache manager serves {', '.join(unknown)}; supported: "
@@ -233,7 +267,10 @@ def num_blocks_for(specs: list[KVCacheSpec], memory_bytes: int,
     """How many blocks fit in ``memory_bytes``: each block id takes a page in every cache
     tensor (``groups``; None: one group of every layer, each layer holding each block)."""
     groups = groups or kv_cache_groups(specs, hybrid=False)
-    return memory_bytes // bytes_per_block(groups)
+    per_block = bytes_per_block(groups)
+    if not per_block:
+        raise ValueError("a model without attention layers has no KV blocks to size by memory")
+    return memory_bytes // per_block
 
 
 def stage_groups(groups: tuple[KVCacheGroupSpec, ...], start: int, end: int) -> tuple[KVCacheGroupSpec, ...]:
@@ -271,8 +308,9 @@ def create_kv_cache_views(specs: list[KVCacheSpec], num_blocks: int, dtype: torc
     None: every layer."""
     import torch
     groups = groups or kv_cache_groups(specs, hybrid=False)
-    s = specs[0]
-    if torch.tensor([], dtype=dtype).element_size() != s.dtype_bytes:
+    stateful = stateful_layers(specs)
+    s = groups[0].kv_cache_spec
+    if s.dtype_bytes and torch.tensor([], dtype=dtype).element_size() != s.dtype_bytes:
         raise ValueError(f"dtype {dtype} does not match the spec's {s.dtype_bytes}-byte elements")
     per_tensor = 2 * num_blocks * s.block_size * s.num_kv_heads * s.head_size
     n = group_size(groups)
@@ -283,7 +321,25 @@ def create_kv_cache_views(specs: list[KVCacheSpec], num_blocks: int, dtype: torc
     for g in groups:
         for j, layer in enumerate(g.layer_ids):
             views[layer] = tensors[j]
-    views = views if layers is None else [views[i] for i in layers]
-    if any(v is None for v in views):
-        raise ValueError(f"layers {[i for i, v in enumerate(views) if v is None]} belong to no KV cache group")
-    return views
+    layers = range(len(specs)) if layers is None else layers
+    missing = [i for i in layers if views[i] is None and i not in stateful]
+    if missing:
+        raise ValueError(f"layers {missing} belong to no KV cache group")
+    return [views[i] for i in layers]
+
+
+def create_state_views(config: Any, num_slots: int, dtype: torch.dtype, device: Any = "cpu"
+                       ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per state-space layer of ``config`` (an ArchConfig with ``mamba``): its requests' recurrent
+    states, (conv_state (num_slots, conv_dim, d_conv - 1) in ``dtype``, ssm_state (num_slots,
+    *ssm_state_shape) in float32), slot i the state of the request in row i of the worker's
+    batch. Lazily zeroed: a slot's pages are taken when a request first writes them."""
+    import torch
+    d = config.mamba
+    out = {}
+    for layer in range(config.num_layers):
+        if config.is_mamba_layer(layer):
+            conv = zeroed(num_slots * math.prod(d.conv_state_shape), dtype, device)
+            ssm = zeroed(num_slots * math.prod(d.ssm_state_shape), torch.float32, device)
+            out[layer] = (conv.view(num_slots, *d.conv_state_shape), ssm.view(num_slots, *d.ssm_state_shape))
+    return out

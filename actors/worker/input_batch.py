@@ -178,11 +178,13 @@ class InputBatch:
         common = prefix_len(tables[0], self.num_blocks[0, slots]) if prefix_len is not None else 0
         query_start_loc = torch.from_numpy(cu.astype(np.int32))
         seq_lens_t = torch.from_numpy(seq_lens.astype(np.int32))
+        state_slots = torch.from_numpy(slots.astype(np.int64))      # a state-space layer's recurrent state rows
         metas = [AttentionMetadata(
             num_reqs=len(slots), num_tokens=int(cu[-1]), max_query_len=int(n.max()),
             max_seq_len=int(seq_lens.max()), query_start_loc=query_start_loc, seq_lens=seq_lens_t,
             block_table=torch.from_numpy(np.ascontiguousarray(tables[g])),
-            slot_mapping=torch.from_numpy(slot_mapping[g]), block_size=bs, common_prefix_len=common)
+            slot_mapping=torch.from_numpy(slot_mapping[g]), block_size=bs, common_prefix_len=common,
+            state_slots=state_slots)
             for g in range(len(tables))]
         meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
         return TokenInputs(input_ids, positions, cu, meta)

@@ -61,7 +61,8 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
-from actors.kv_manager.kv_cache_spec import create_kv_cache_views, layer_groups, stage_groups
+from actors.kv_manager.kv_cache_spec import (create_kv_cache_views, create_state_views, layer_groups, stage_groups,
+                                             stateful_layers)
 from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.pooler import Pooler, dense_projector
 from actors.worker.input_batch import InputBatch
@@ -131,20 +132,25 @@ class ModelRunner:
         groups = config.kv_cache_groups()
         self.num_kv_cache_groups = G = len(groups)
         L = self.arch.num_layers
-        group_of = layer_groups(groups, len(specs))
+        group_of = layer_groups(groups, len(specs), stateful_layers(specs))
         self.link = link
         self.samples = link is None or link.next_rank is None       # the last pipeline stage, or the only one
         if link is None:
             views = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device, groups)
             self.kv_caches, self.draft_kv_caches = views[:L], views[L:]
-            bind_kv_cache_groups(model, group_of[:L])
+            bind_kv_cache_groups(model, [g for g in group_of[:L] if g >= 0])
         else:                  # a pipeline stage: its layers' caches only (the last: and the draft model's)
             start, end = model.start_layer, model.end_layer
             last = len(specs) if self.samples else end
             views = create_kv_cache_views(specs, config.cache.num_blocks, kv_dtype, self.device,
                                           stage_groups(groups, start, last), range(start, last))
             self.kv_caches, self.draft_kv_caches = views[:end - start], views[end - start:]
-            bind_kv_cache_groups(model, group_of[start:end])
+            bind_kv_cache_groups(model, [g for g in group_of[start:end] if g >= 0])
+        if self.arch.mamba is not None:     # a state-space layer's cache: its requests' recurrent states
+            start = model.start_layer if link is not None else 0
+            states = create_state_views(self.arch, config.scheduler.max_num_seqs, torch_dtype(config.model.dtype),
+                                        self.device)
+            self.kv_caches = [states.get(start + i, view) for i, view in enumerate(self.kv_caches)]
         max_model_len = config.model.max_model_len
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G)
         self.sampler = Sampler()
@@ -482,7 +488,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, **stage_in)
         to_dev = lambda t: t.to(self.device, non_blocking=True)    # noqa: E731 (pageable: copied at once)
-        shared = {name: to_dev(getattr(inp.meta, name)) for name in ("query_start_loc", "seq_lens")}
+        shared = {name: to_dev(getattr(inp.meta, name)) for name in ("query_start_loc", "seq_lens", "state_slots")}
         metas = [dataclasses.replace(m, **shared, block_table=to_dev(m.block_table),
                                      slot_mapping=to_dev(m.slot_mapping)) for m in inp.meta.groups or (inp.meta,)]
         meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))

@@ -276,8 +276,9 @@ class Worker:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
         if self.device.type == "cpu":        # from now on step tensors reuse the heap (actors/worker/step_memory.py)
             keep_step_heap()
-        # layers of different groups share one tensor
-        tensors = {t.data_ptr(): t for t in self.runner.kv_caches + self.runner.draft_kv_caches}
+        # layers of different groups share one tensor; a state-space layer holds its states (a tuple)
+        tensors = {t.data_ptr(): t for c in self.runner.kv_caches + self.runner.draft_kv_caches
+                   for t in (c if isinstance(c, tuple) else (c,)) if t.numel()}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     # -- sleep mode (vLLM's --enable-sleep-mode) -----------------------------------------------
@@ -346,6 +347,9 @@ class Worker:
                 or self.config.compilation.cudagraph_mode == "NONE"):
             return False
         if self.config.model.arch.encoder_only:     # whole prompts only: it never runs a decode step
+            return False
+        if self.config.model.arch.mamba is not None:
+            log.warning("state-space (Mamba) layers run eagerly for now: no CUDA graphs")
             return False
         if self.tp_size > 1:
             log.warning("tensor parallelism runs every step eagerly for now (no all-reduce inside CUDA graphs)")

@@ -26,9 +26,11 @@ def allocate_kv_caches(config: _KVShape, num_blocks: int, block_size: int,
 
 def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
                              block_tables: Sequence[Sequence[int]], block_size: int,
-                             num_tokens: int | None = None) -> AttentionMetadata:
+                             num_tokens: int | None = None, state_slots: Sequence[int] | None = None
+                             ) -> AttentionMetadata:
     """Metadata for requests whose new tokens are the last query_lens[i] of seq_lens[i], stored
-    in the blocks block_tables[i]. Tokens past sum(query_lens) up to num_tokens are padding."""
+    in the blocks block_tables[i]. Tokens past sum(query_lens) up to num_tokens are padding.
+    ``state_slots``: each request's recurrent state slot (state-space layers); None: 0, 1, 2, ..."""
     if not (len(query_lens) == len(seq_lens) == len(block_tables)):
         raise ValueError("query_lens, seq_lens and block_tables must have one entry per request")
     slots = []
@@ -54,6 +56,7 @@ def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
         block_table=block_table,
         slot_mapping=torch.tensor(slots + [-1] * (num_tokens - total), dtype=torch.int64),
         block_size=block_size,
+        state_slots=torch.tensor(range(len(query_lens)) if state_slots is None else state_slots, dtype=torch.int64),
     )
 
 

@@ -34,6 +34,8 @@ class AttentionMetadata:
     common_prefix_len: int = 0      # P: tokens every request holds in the same first blocks (0 = none); a
                                     # multiple of block_size, every query at a position >= P (cascade.py)
     groups: tuple[AttentionMetadata, ...] = ()   # per KV cache group when there are several
+    state_slots: torch.Tensor | None = None      # (B,) int64: each request's recurrent state slot (its row of
+                                                 # the worker's batch), read by state-space layers (models/mamba.py)
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV cache group ``group``'s layers."""

@@ -569,8 +569,8 @@ def test_hf_config_defaults_and_errors():
     with pytest.raises(ValueError, match="rope type 'deepseek_yarn' is not supported"):
         hf_model_config({**base, "architectures": ["LlamaForCausalLM"],
                          "rope_scaling": {"rope_type": "deepseek_yarn", "factor": 4.0}})
-    with pytest.raises(ValueError, match="architectures \\['MambaForCausalLM'\\] is not supported"):
-        hf_model_config({**base, "architectures": ["MambaForCausalLM"]})
+    with pytest.raises(ValueError, match="architectures \\['RwkvForCausalLM'\\] is not supported"):
+        hf_model_config({**base, "architectures": ["RwkvForCausalLM"]})
 
 
 def test_phi3_reads_one_window_and_a_partial_rotary():
@@ -600,10 +600,10 @@ def test_the_registry_is_the_only_list_of_architectures():
         assert not [name for name in MODEL_REGISTRY if name in source], reader.__name__
     assert GGUF_ARCHITECTURES == {g: name for name, cls in MODEL_REGISTRY.items() for g in cls.gguf_architectures}
     assert GGUF_ARCHITECTURES["llama"] == "LlamaForCausalLM" and "MistralForCausalLM" not in GGUF_ARCHITECTURES.values()
-    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: .*'gemma3'"):
-        hf_architecture_of_gguf("mamba")
+    with pytest.raises(ValueError, match="GGUF architecture 'rwkv6' is not supported; supported: .*'gemma3'"):
+        hf_architecture_of_gguf("rwkv6")
     with pytest.raises(ValueError, match="supported: .*Gemma3ForCausalLM.*LlamaForCausalLM"):
-        get_model_class("MambaForCausalLM")
+        get_model_class("RwkvForCausalLM")
 
 
 def test_a_fused_parameter_loads_whole():

