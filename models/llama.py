@@ -44,7 +44,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden = self.mix(hidden, cos, sin, kv_cache, meta)
         if self.residual_multiplier != 1.0:
             hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -52,6 +52,13 @@ class LlamaDecoderLayer(nn.Module):
         if self.residual_multiplier != 1.0:
             hidden = hidden * self.residual_multiplier
         return hidden, residual
+
+
+    def mix(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """The layer's token mixer: attention here (a hybrid model's state-space layers mix with
+        their recurrent state instead: models/mamba.py)."""
+        return self.self_attn(hidden, cos, sin, kv_cache, meta)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -382,3 +382,114 @@ def mamba2_dims(raw: dict[str, Any], d_inner: int, prefix: str = "mamba_") -> Ma
                      proj_bias=bool(key("proj_bias", "use_bias", False)),
                      norm_eps=float(raw.get("layer_norm_epsilon", raw.get("rms_norm_eps", 1e-5))),
                      time_step_limit=(float(limit[0]), float(limit[1])))
+
+
+# -- hybrids: Llama-built models whose layers mix with attention or with a Mamba-2 state --------
+
+from models.granite import GraniteForCausalLM, GraniteMoeSharedForCausalLM     # noqa: E402
+from models.layers import GatedMLP                                               # noqa: E402
+from models.llama import LlamaDecoderLayer, LlamaForCausalLM                     # noqa: E402
+
+MAMBA2_MIXER = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
+                "norm.weight", "out_proj.weight", "out_proj.bias")
+MAMBA_LAYER_TYPES = ("mamba", "linear_attention")      # the hub's name of a Mamba layer, and transformers 5's
+
+
+class HybridDecoderLayer(LlamaDecoderLayer):
+    """A Llama layer (norms, residual adds, MLP) whose mixer is attention or, in the layers
+    ``config.mamba_layers`` names, a Mamba mixer (``mamba``) over the request's recurrent state."""
+
+    def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
+                 qk_norm: bool = False, qk_norm_whole: bool = False) -> None:
+        super().__init__(config, layer, backend, dtype, qk_norm, qk_norm_whole)
+        self.mamba = None
+        if config.is_mamba_layer(layer):
+            del self.self_attn
+            self.mamba = MambaMixer(config.hidden_size, config.mamba, dtype)
+
+    def mix(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: Any,
+            meta: AttentionMetadata) -> torch.Tensor:
+        if self.mamba is None:
+            return self.self_attn(hidden, cos, sin, kv_cache, meta)
+        return self.mamba(hidden, kv_cache, StateSteps.of(meta))
+
+
+def hybrid_mamba_layers(raw: dict[str, Any]) -> tuple[int, ...]:
+    """The Mamba layers of a hybrid's config.json: ``layer_types`` ("mamba" or transformers 5's
+    "linear_attention"), else every layer but ``attn_layer_indices`` (Bamba's)."""
+    types = raw.get("layer_types") or raw.get("layers_block_type")
+    if types:
+        return tuple(i for i, t in enumerate(types) if t in MAMBA_LAYER_TYPES)
+    attention = set(raw.get("attn_layer_indices") or ())
+    return tuple(i for i in range(raw["num_hidden_layers"]) if i not in attention)
+
+
+def _hybrid_mamba_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    d_inner = int(raw.get("mamba_expand", 2) * raw["hidden_size"])
+    return {"mamba": mamba2_dims(raw, d_inner), "mamba_layers": hybrid_mamba_layers(raw)}
+
+
+def _mamba_submap(prefix: str) -> TensorMap:
+    return {f"model.layers.{{i}}.{prefix}.{name}": (f"layers.{{i}}.mamba.{name}", None) for name in MAMBA2_MIXER}
+
+
+class SharedMLPOnly(nn.Module):
+    """Granite 4.0-H's dense layers: the shared MLP is the layer's only MLP."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.shared_mlp = mlp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shared_mlp(hidden)
+
+
+class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):
+    """Granite 4.0-H: Granite's multipliers over Mamba-2 layers and a few attention ones (without
+    positions: ``position_embedding_type`` "nope"), each followed by a mixture of experts beside a
+    shared MLP, or by the shared MLP alone (no experts: the dense models)."""
+    decoder_layer: ClassVar[type[nn.Module]] = HybridDecoderLayer
+    hf_tensor_map: ClassVar[TensorMap] = {**GraniteMoeSharedForCausalLM.hf_tensor_map, **_mamba_submap("mamba")}
+    hf_defaults: ClassVar[dict[str, Any]] = {"max_position_embeddings": 2048, "num_local_experts": 0}
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        if raw.get("num_local_experts"):
+            out = super().hf_fields(raw, fields)
+        else:
+            out = {**GraniteForCausalLM.hf_fields(raw, fields),
+                   "shared_expert_intermediate_size": int(raw.get("shared_intermediate_size") or 0)}
+        if raw.get("position_embedding_type") != "rope":
+            out["rope_layers"] = (False,) * fields["num_layers"]
+        return {**out, **_hybrid_mamba_fields(raw)}
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype = torch.float32) -> None:
+        if config.num_experts:
+            super().__init__(config, attn_backend, dtype)
+            return
+        GraniteForCausalLM.__init__(self, config, attn_backend, dtype)
+        if not config.shared_expert_intermediate_size:
+            raise ValueError("GraniteMoeHybridForCausalLM without experts needs shared_intermediate_size")
+        for layer in self.layers:
+            layer.mlp = SharedMLPOnly(GatedMLP(config.hidden_size, config.shared_expert_intermediate_size,
+                                               config.hidden_act, dtype))
+
+
+class BambaForCausalLM(LlamaForCausalLM):
+    """Bamba (IBM's): Llama layers, Mamba-2 mixers in all but ``attn_layer_indices``, a rotary
+    over part of each attention head."""
+    decoder_layer: ClassVar[type[nn.Module]] = HybridDecoderLayer
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+    hf_tensor_map: ClassVar[TensorMap] = {
+        **{k: v for k, v in LlamaForCausalLM.hf_tensor_map.items() if ".mlp." not in k and "post_attention" not in k},
+        "model.layers.{i}.pre_ff_layernorm.weight": ("layers.{i}.post_attention_layernorm.weight", None),
+        "model.layers.{i}.feed_forward.gate_proj.weight": ("layers.{i}.mlp.gate_up_proj.weight", "gate"),
+        "model.layers.{i}.feed_forward.up_proj.weight": ("layers.{i}.mlp.gate_up_proj.weight", "up"),
+        "model.layers.{i}.feed_forward.down_proj.weight": ("layers.{i}.mlp.down_proj.weight", None),
+        "model.final_layernorm.weight": ("norm.weight", None),
+        **_mamba_submap("mamba"),
+    }
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        return _hybrid_mamba_fields(raw)

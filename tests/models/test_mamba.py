@@ -38,7 +38,38 @@ def _mamba2():  # 8 heads of 8 channels in 2 groups sharing B and C
                                           architectures=["Mamba2ForCausalLM"]))
 
 
-BUILDERS = {"MambaForCausalLM": _mamba, "FalconMambaForCausalLM": _falcon_mamba, "Mamba2ForCausalLM": _mamba2}
+HYBRID_MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                    mamba_expand=2, mamba_chunk_size=16)
+TINY_ATTENTION = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def _granite_hybrid():  # Granite 4.0-H: attention without positions in layer 1 of 4, experts beside a shared MLP
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    return GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+        **TINY_ATTENTION, **HYBRID_MAMBA, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40, position_embedding_type="nope",
+        embedding_multiplier=1.5, residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=1.3,
+        architectures=["GraniteMoeHybridForCausalLM"]))
+
+
+def _granite_hybrid_dense():  # no experts: the shared MLP alone; a rotary in the attention layers
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    return GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+        **TINY_ATTENTION, **HYBRID_MAMBA, num_hidden_layers=3, layer_types=["attention", "mamba", "attention"],
+        num_local_experts=0, shared_intermediate_size=40, position_embedding_type="rope",
+        architectures=["GraniteMoeHybridForCausalLM"]))
+
+
+def _bamba():  # attention in layer 2 of 3, a rotary over half of each head
+    from transformers import BambaConfig, BambaForCausalLM
+    return BambaForCausalLM(BambaConfig(**TINY_ATTENTION, **HYBRID_MAMBA, num_hidden_layers=3,
+                                        attn_layer_indices=[2], architectures=["BambaForCausalLM"]))
+
+
+BUILDERS = {"MambaForCausalLM": _mamba, "FalconMambaForCausalLM": _falcon_mamba, "Mamba2ForCausalLM": _mamba2,
+            "GraniteMoeHybridForCausalLM": _granite_hybrid, "GraniteMoeHybridForCausalLM-dense": _granite_hybrid_dense,
+            "BambaForCausalLM": _bamba}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -49,17 +80,21 @@ def case(request, tmp_path_factory):
         for name, p in hf.named_parameters():
             if name.endswith("A_log"):
                 p.uniform_(-1.0, 1.5)                   # decays of every speed, from near 1 to fast
-            elif name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+            elif name.endswith("norm.weight") or name.endswith("norm_f.weight") or "layernorm" in name:
                 p.normal_(1.0, 0.15)
             elif name.endswith("dt_bias") or name.endswith("dt_proj.bias"):
                 p.uniform_(-3.0, 0.5)
             else:
                 p.normal_(0.0, 0.3)
+    hf.config._attn_implementation = "eager"
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     model, config = load_model(resolve_model(str(path)))
-    assert config.architecture == request.param and isinstance(model, get_model_class(request.param))
-    assert config.attention_layers == () and config.mamba is not None
+    arch = request.param.split("-")[0]
+    assert config.architecture == arch and isinstance(model, get_model_class(arch))
+    assert config.mamba is not None and len(config.attention_layers) == len(
+        [t for t in getattr(hf.config, "layer_types", None) or getattr(hf.config, "layers_block_type", ())
+         if t == "full_attention"] or getattr(hf.config, "attn_layer_indices", None) or ())
     return model, config, hf.eval(), path
 
 
@@ -68,20 +103,26 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens]), use_cache=False).logits[0].float()
 
 
+BLOCK, SLOT_BLOCKS = 4, 64          # a slot's request writes its KV (attention layers) in blocks of its own
+
+
 class Slots:
-    """The engine's recurrent state slots, driven by hand: the test plays scheduler and batch."""
+    """The engine's recurrent state slots (and a paged KV cache for a hybrid's attention layers),
+    driven by hand: the test plays scheduler and batch."""
 
     def __init__(self, config, num_slots: int = 4, dtype: torch.dtype = torch.float32):
         states = create_state_views(config, num_slots, dtype)
-        self.kv_caches = [states[i] for i in range(config.num_layers)]
+        kv = (2, 1 + num_slots * SLOT_BLOCKS, BLOCK, config.num_kv_heads, config.head_size)
+        self.kv_caches = [states[i] if i in states else torch.zeros(kv, dtype=dtype) for i in range(config.num_layers)]
 
     def step(self, model, reqs: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
         """reqs: (new tokens, tokens computed before, state slot). Each request's (q, V) logits."""
         ids = torch.tensor([t for toks, _, _ in reqs for t in toks])
         pos = torch.tensor([p for toks, start, _ in reqs for p in range(start, start + len(toks))])
-        meta = build_attention_metadata([len(t) for t, _, _ in reqs], [s + len(t) for t, s, _ in reqs],
-                                        [[0] * -(-(s + len(t)) // 16) for t, s, _ in reqs], 16,
-                                        state_slots=[slot for _, _, slot in reqs])
+        tables = [list(range(1 + slot * SLOT_BLOCKS, 1 + slot * SLOT_BLOCKS + -(-(s + len(t)) // BLOCK)))
+                  for t, s, slot in reqs]
+        meta = build_attention_metadata([len(t) for t, _, _ in reqs], [s + len(t) for t, s, _ in reqs], tables,
+                                        BLOCK, state_slots=[slot for _, _, slot in reqs])
         with torch.inference_mode():
             logits = model.compute_logits(model(ids, pos, self.kv_caches, meta))
         return list(logits.split([len(t) for t, _, _ in reqs]))
@@ -155,31 +196,38 @@ def test_bfloat16_weights_agree_with_float32(case):
     assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= min(0.9, hf_agreement - 0.05)
 
 
-@pytest.mark.parametrize("arch", ["MambaForCausalLM", "Mamba2ForCausalLM"])
-def test_the_engine_generates_transformers_greedy_tokens(arch, tmp_path):
+@pytest.mark.parametrize("arch, blocks", [("MambaForCausalLM", 0), ("Mamba2ForCausalLM", 0),
+                                          ("GraniteMoeHybridForCausalLM", 5)])
+def test_the_engine_generates_transformers_greedy_tokens(arch, blocks, tmp_path):
     """Through the scheduler (prompts in chunks of at most 16 tokens beside other requests'
     decodes, more requests than running places so that state slots are reused) and the sampler:
     greedy tokens equal transformers' forward's, and prefix caching is off (a prefix's blocks
-    would not give back its state), so a repeated prompt is computed again, to the same tokens."""
+    would not give back its state), so a repeated prompt is computed again, to the same tokens.
+    The hybrid's attention layers get 5 blocks of 16 tokens: requests are preempted, and
+    computed again from a fresh state."""
     from actors.api import LLM, SamplingParams
     from helpers import hf_greedy, save_tiny_tokenizer
     torch.manual_seed(1)
     hf = BUILDERS[arch]()
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if not (name.endswith("norm.weight") or name.endswith("norm_f.weight") or name.endswith("A_log")):
+            if not (name.endswith("norm.weight") or name.endswith("norm_f.weight") or name.endswith("A_log")
+                    or "layernorm" in name):
                 p.normal_(0.0, 0.3)
+    hf.config._attn_implementation = "eager"
     hf.save_pretrained(tmp_path)
     save_tiny_tokenizer(tmp_path, VOCAB)
     prompts = [_prompt(n, 20 + n) for n in (7, 23, 12, 40, 5)]
     prompts.append(prompts[3])
     want = hf_greedy(hf.eval(), prompts, 10)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    with LLM(str(tmp_path), multiprocess=False, max_num_batched_tokens=16, max_num_seqs=2,
-             enable_chunked_prefill=True) as llm:
+    with LLM(str(tmp_path), multiprocess=False, max_num_batched_tokens=16, max_num_seqs=3 if blocks else 2,
+             enable_chunked_prefill=True, num_gpu_blocks_override=blocks) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.client.stats.last
     assert [r.token_ids for r in outs] == want and len({tuple(t) for t in want}) == 5
     assert [r.num_cached_tokens for r in outs] == [0] * len(prompts)
+    assert (stats.num_preemptions > 0) == bool(blocks)
 
 
 def _state_space_arch(mamba_layers=None):
