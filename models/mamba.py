@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
+from kernels.cpu import ssm
 from models.base import CausalLM, TensorMap
 from models.config import ArchConfig, MambaDims
 from models.layers import Embedding, Linear, RMSNorm
@@ -42,6 +43,7 @@ class StateSteps(NamedTuple):
     slot_index: torch.Tensor        # (B,) int64, the slots
     fresh_mask: torch.Tensor        # (B,) bool
     decode: bool                    # one token each
+    qsl: torch.Tensor               # (B + 1,) int64, where each request's tokens start, then their end
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> StateSteps:
@@ -54,7 +56,8 @@ class StateSteps(NamedTuple):
         slots = meta.state_slots[:meta.num_reqs].to("cpu", torch.int64)
         device = meta.query_start_loc.device
         return cls(slots.tolist(), qsl[:meta.num_reqs], lens, fresh, slots.to(device),
-                   torch.tensor(fresh, device=device), all(n == 1 for n in lens))
+                   torch.tensor(fresh, device=device), all(n == 1 for n in lens),
+                   meta.query_start_loc[:meta.num_reqs + 1].to(torch.int64))
 
 
 class CausalConv1d(nn.Module):
@@ -171,7 +174,12 @@ class MambaMixer(nn.Module):
                 ts, B, C = (_rms(t, d.bcdt_rms_eps) for t in (ts, B, C))
             dt = F.softplus(self.dt_proj(ts).float())                     # (T, d)
             A = -torch.exp(self.A_log.float())
-            y = self._scan1(xs.float(), dt, A, B.float(), C.float(), ssm_state, steps)
+            x, B, C, D = xs.float(), B.float(), C.float(), self.D.float()
+            if ssm.supports(ssm_state, x, dt, B, C):
+                y = ssm.ssm_scan(ssm_state, steps.slot_index, steps.fresh_mask, steps.qsl, x, dt, A, True, B, C, D,
+                                 d.d_inner, 1, 1)
+            else:
+                y = self._scan1(x, dt, A, B, C, ssm_state, steps)
             y = y * F.silu(gate.float())
         else:
             gate, xBC, dt = proj.split([d.d_inner, d.conv_dim, d.num_heads], -1)
@@ -182,6 +190,10 @@ class MambaMixer(nn.Module):
             if lo > 0.0 or hi != float("inf"):
                 dt = dt.clamp(lo, hi)
             A = -torch.exp(self.A_log.float())
+            if ssm.supports(ssm_state, x, dt, B, C):
+                y = ssm.ssm_scan(ssm_state, steps.slot_index, steps.fresh_mask, steps.qsl, x, dt, A, False, B, C,
+                                 self.D.float(), d.num_heads, d.head_dim, d.n_groups)
+                return self.out_proj(self._gated_norm(y, gate).to(hidden.dtype))
             T, rep = x.shape[0], d.num_heads // d.n_groups
             Bh = B.view(T, d.n_groups, 1, d.d_state).expand(T, d.n_groups, rep, d.d_state).reshape(T, d.num_heads, -1)
             Ch = C.view(T, d.n_groups, 1, d.d_state).expand(T, d.n_groups, rep, d.d_state).reshape(T, d.num_heads, -1)
@@ -199,6 +211,8 @@ class MambaMixer(nn.Module):
 
     def _scan1(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                ssm_state: torch.Tensor, steps: StateSteps) -> torch.Tensor:
+        """The torch reference of Mamba's recurrence over the step's requests (kernels/cpu/ssm.py
+        runs it natively)."""
         D = self.D.float()
         if steps.decode:
             b = steps.slot_index.numel()
@@ -220,6 +234,7 @@ class MambaMixer(nn.Module):
 
     def _scan2(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                ssm_state: torch.Tensor, steps: StateSteps) -> torch.Tensor:
+        """The torch reference of Mamba-2's (B and C given per head)."""
         D = self.D.float()
         if steps.decode:
             b = steps.slot_index.numel()

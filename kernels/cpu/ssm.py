@@ -1,0 +1,75 @@
+"""The state-space recurrence of Mamba and Mamba-2 layers on the float32 CPU path (ssm.c): every
+request of a step, prompt chunks and decodes alike, its state updated in place in its slot. A
+torch custom op (a CPU kernel and a fake one) like the other native kernels::
+
+    cpu_ssm_scan(state!, slots, fresh, qsl, x, dt, A, a_per_state, B, C, D, heads, head_dim, groups) -> y
+
+``state`` (slots, H, P, N) or (slots, H, N) float32 contiguous; ``slots`` (R,) int64 each
+request's slot, ``fresh`` (R,) bool (zero its state first), ``qsl`` (R + 1,) int64 where each
+request's tokens start in the step; ``x`` (T, H * P), ``dt`` (T, H), ``B`` and ``C`` (T, G * N),
+rows of any stride, columns contiguous; ``A`` (H, N) (``a_per_state``: Mamba) or (H,) (Mamba-2);
+``D`` (H,). Returns y (T, H * P). models/mamba.py's torch scans are the reference.
+
+``supports`` decides between it and that reference, as kernels/cpu/fused.py does."""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from kernels.cpu import fused, native
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+MAX_STATE = 1024          # ssm.c's SSM_MAX_N
+
+
+def supports(state: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """float32 CPU tensors with contiguous columns, the state contiguous and at most MAX_STATE
+    wide, the native library built here."""
+    return (state.is_contiguous() and state.shape[-1] <= MAX_STATE and all(t.stride(-1) == 1 for t in tensors)
+            and fused.supports(state, *tensors))
+
+
+@lru_cache(maxsize=None)
+def _kernel() -> ctypes._CFuncPtr:
+    return native.declare("ssm_scan_f32", [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I64, _P, ctypes.c_int,
+                                           _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64])
+
+
+def _scan(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, qsl: torch.Tensor, x: torch.Tensor,
+          dt: torch.Tensor, A: torch.Tensor, a_per_state: bool, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+          heads: int, head_dim: int, groups: int) -> torch.Tensor:
+    N = state.shape[-1]
+    T, R = x.shape[0], slots.numel()
+    if (x.shape[1] != heads * head_dim or dt.shape != (T, heads) or B.shape != (T, groups * N)
+            or C.shape != (T, groups * N) or state[0].numel() != heads * head_dim * N or heads % groups
+            or qsl.numel() != R + 1 or fresh.numel() != R
+            or tuple(A.shape) != ((heads, N) if a_per_state else (heads,)) or tuple(D.shape) != (heads,)):
+        raise ValueError(f"ssm scan: state {tuple(state.shape)}, x {tuple(x.shape)}, dt {tuple(dt.shape)}, "
+                         f"B {tuple(B.shape)}, C {tuple(C.shape)}, A {tuple(A.shape)}, D {tuple(D.shape)} do not "
+                         f"make {heads} heads of {head_dim} in {groups} groups")
+    y = torch.empty(T, heads * head_dim, dtype=torch.float32)
+    slots, qsl = slots.to(torch.int64).contiguous(), qsl.to(torch.int64).contiguous()
+    fresh = fresh.to(torch.uint8).contiguous()
+    A, D = A.contiguous(), D.contiguous()
+    _kernel()(state.data_ptr(), state[0].numel(), slots.data_ptr(), fresh.data_ptr(), qsl.data_ptr(), R,
+              x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), A.data_ptr(), int(a_per_state),
+              B.data_ptr(), B.stride(0), C.data_ptr(), C.stride(0), D.data_ptr(), y.data_ptr(), y.stride(0),
+              heads, head_dim, groups, N)
+    return y
+
+
+def ssm_scan(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, qsl: torch.Tensor, x: torch.Tensor,
+             dt: torch.Tensor, A: torch.Tensor, a_per_state: bool, B: torch.Tensor, C: torch.Tensor,
+             D: torch.Tensor, heads: int, head_dim: int, groups: int) -> torch.Tensor:
+    return torch.ops.troupe.cpu_ssm_scan(state, slots, fresh, qsl, x, dt, A, a_per_state, B, C, D,
+                                         heads, head_dim, groups)
+
+
+_LIB = torch.library.Library("troupe", "FRAGMENT")
+_LIB.define("cpu_ssm_scan(Tensor(a!) state, Tensor slots, Tensor fresh, Tensor qsl, Tensor x, Tensor dt, Tensor A, "
+            "bool a_per_state, Tensor B, Tensor C, Tensor D, int heads, int head_dim, int groups) -> Tensor")
+_LIB.impl("cpu_ssm_scan", _scan, "CPU")
+torch.library.register_fake("troupe::cpu_ssm_scan", lambda state, slots, fresh, qsl, x, *rest: x.new_empty(x.shape),
+                            lib=_LIB)
