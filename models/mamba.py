@@ -440,8 +440,13 @@ def hybrid_mamba_layers(raw: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _hybrid_mamba_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The Mamba-2 layers of a hybrid; none (an attention-only model, as granite-4.0-micro is)
+    when every layer attends."""
+    layers = hybrid_mamba_layers(raw)
+    if not layers:
+        return {}
     d_inner = int(raw.get("mamba_expand", 2) * raw["hidden_size"])
-    return {"mamba": mamba2_dims(raw, d_inner), "mamba_layers": hybrid_mamba_layers(raw)}
+    return {"mamba": mamba2_dims(raw, d_inner), "mamba_layers": layers}
 
 
 def _mamba_submap(prefix: str) -> TensorMap:

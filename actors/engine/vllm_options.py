@@ -16,6 +16,9 @@ _COMPILE = ("Troupe takes the CUDA graph sizes as --cudagraph-capture-sizes or -
             "(or in --compilation-config); --enforce-eager turns the graphs off")
 _HTTP = "Troupe's HTTP server has no such option"
 _KV = "Troupe keeps the KV cache on one device, in blocks of one layout"
+_HYBRID = ("Troupe keeps a Mamba layer's state per request in the worker, its convolution inputs in the model's "
+           "dtype and its state-space state in float32, and computes it again after a preemption (no prefix "
+           "caching of states)")
 _SCHED = "Troupe's scheduler has no such option"
 _LOGS = "Troupe has no such logging option (see --enable-log-requests, /metrics, /debug/*)"
 _STRUCT = "Troupe's structured outputs always use xgrammar"
@@ -61,8 +64,8 @@ REFUSED: dict[str, str] = {
     "--speculative-model": _SPEC, "--num-speculative-tokens": _SPEC,
     # the KV cache
     "--swap-space": _KV, "--cpu-offload-gb": _KV,
-    "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _KV,
-    "--mamba-ssm-cache-dtype": _KV, "--mamba-block-size": _KV,
+    "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _HYBRID,
+    "--mamba-ssm-cache-dtype": _HYBRID, "--mamba-block-size": _HYBRID,
     "--kv-offloading-size": _KV, "--kv-offloading-backend": _KV,
     # the scheduler and compilation
     "--num-lookahead-slots": _SCHED, "--disable-chunked-mm-input": _MODALITY, "--scheduler-cls": _SCHED,
@@ -87,7 +90,6 @@ REFUSED: dict[str, str] = {
 _KERNELS = "Troupe picks its own kernels (the native C kernels on the CPU, its Triton kernels on GPUs)"
 _METRICS = "Troupe has no such metrics or tracing option (see /metrics, /debug/* and --no-trace)"
 _SLEEP = "Troupe's sleep mode (--enable-sleep-mode) has no such option"
-_HYBRID = "Troupe serves attention-only models (no Mamba or linear-attention layers)"
 for _flags, _why in (
     (("--cp-kv-cache-interleave-size", "--cpu-distributed-timeout-seconds", "--data-parallel-multi-port-external-lb",
       "--data-parallel-supervisor-port", "--dcp-comm-backend", "--dcp-kv-cache-interleave-size", "--dcp-q-replicate",

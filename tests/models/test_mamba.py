@@ -239,6 +239,18 @@ def _state_space_arch(mamba_layers=None):
                       mamba=dims, mamba_layers=mamba_layers)
 
 
+def test_a_hybrid_whose_layers_all_attend_is_an_attention_model():
+    """granite-4.0-micro: GraniteMoeHybridForCausalLM with attention in every layer, served as
+    any attention model (prefix caching, no state slots)."""
+    from models.hf_config import hf_model_config
+    raw = {**TINY_ATTENTION, **HYBRID_MAMBA, "architectures": ["GraniteMoeHybridForCausalLM"], "rms_norm_eps": 1e-6,
+           "num_hidden_layers": 2, "layer_types": ["attention", "attention"], "shared_intermediate_size": 40,
+           "position_embedding_type": "rope"}
+    config = hf_model_config(raw)
+    assert config.mamba is None and config.attention_layers == (0, 1) and config.rope_layers is None
+    assert hf_model_config({**raw, "layer_types": ["mamba", "attention"]}).mamba_layers == (0,)
+
+
 def test_the_kv_cache_sets_the_states_aside_and_groups_only_attention_layers():
     from actors.engine.args import EngineArgs
     from actors.kv_manager.kv_cache_spec import MambaSpec, kv_cache_groups, model_kv_cache_specs
