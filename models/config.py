@@ -59,7 +59,8 @@ class MambaDims:
     n_groups: int = 1
     conv_bias: bool = True
     proj_bias: bool = False                    # in_proj and out_proj have biases (use_bias)
-    bcdt_rms_eps: float | None = None          # Falcon-Mamba: weightless RMSNorms of B, C and dt
+    bcdt_rms_eps: float | None = None          # RMSNorms of B, C and dt (Falcon-Mamba's weightless ones)
+    bcdt_norm_weights: bool = False            # and with weights (Jamba's dt_layernorm, b_layernorm, c_layernorm)
     norm_eps: float = 1e-5                     # Mamba-2's gated RMSNorm
     time_step_limit: tuple[float, float] = (0.0, float("inf"))   # Mamba-2's clamp of the time steps
 

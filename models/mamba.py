@@ -152,6 +152,10 @@ class MambaMixer(nn.Module):
             self.dt_proj = Linear(d.dt_rank, d.d_inner, dtype, bias=True)
             self.A_log = nn.Parameter(torch.empty(d.d_inner, d.d_state, dtype=dtype), requires_grad=False)
             self.D = nn.Parameter(torch.empty(d.d_inner, dtype=dtype), requires_grad=False)
+            if d.bcdt_norm_weights:
+                self.dt_layernorm = RMSNorm(d.dt_rank, d.bcdt_rms_eps, dtype)
+                self.b_layernorm = RMSNorm(d.d_state, d.bcdt_rms_eps, dtype)
+                self.c_layernorm = RMSNorm(d.d_state, d.bcdt_rms_eps, dtype)
         else:
             self.in_proj = Linear(hidden_size, d.d_inner + d.conv_dim + d.num_heads, dtype, bias=d.proj_bias)
             self.dt_bias = nn.Parameter(torch.empty(d.num_heads, dtype=dtype), requires_grad=False)
@@ -170,7 +174,9 @@ class MambaMixer(nn.Module):
             xs, gate = proj.split([d.d_inner, d.d_inner], -1)
             xs = self.conv1d(xs, conv_state, steps)                       # (T, d)
             ts, B, C = self.x_proj(xs).split([d.dt_rank, d.d_state, d.d_state], -1)
-            if d.bcdt_rms_eps is not None:
+            if d.bcdt_norm_weights:
+                ts, B, C = self.dt_layernorm(ts), self.b_layernorm(B), self.c_layernorm(C)
+            elif d.bcdt_rms_eps is not None:
                 ts, B, C = (_rms(t, d.bcdt_rms_eps) for t in (ts, B, C))
             dt = F.softplus(self.dt_proj(ts).float())                     # (T, d)
             A = -torch.exp(self.A_log.float())
@@ -402,6 +408,7 @@ def mamba2_dims(raw: dict[str, Any], d_inner: int, prefix: str = "mamba_") -> Ma
 # -- hybrids: Llama-built models whose layers mix with attention or with a Mamba-2 state --------
 
 from models.granite import GraniteForCausalLM, GraniteMoeSharedForCausalLM     # noqa: E402
+from models.qwen3_moe import use_moe_layers                                      # noqa: E402
 from models.layers import GatedMLP                                               # noqa: E402
 from models.llama import LlamaDecoderLayer, LlamaForCausalLM                     # noqa: E402
 
@@ -513,3 +520,51 @@ class BambaForCausalLM(LlamaForCausalLM):
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         return _hybrid_mamba_fields(raw)
+
+
+class JambaForCausalLM(LlamaForCausalLM):
+    """Jamba (AI21's): Llama layers without positions, attention in every ``attn_layer_period``-th
+    layer (from ``attn_layer_offset``) and Mamba mixers, with RMSNorms of their time step, B and C,
+    in the others; every ``expert_layer_period``-th MLP a mixture of experts (the softmax's top-k,
+    not renormalized)."""
+    decoder_layer: ClassVar[type[nn.Module]] = HybridDecoderLayer
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+    hf_defaults: ClassVar[dict[str, Any]] = {"attn_layer_period": 8, "attn_layer_offset": 4, "expert_layer_period": 2,
+                                             "expert_layer_offset": 1, "num_experts": 16, "mamba_d_state": 16,
+                                             "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": "auto",
+                                             "mamba_conv_bias": True, "mamba_proj_bias": False}
+    hf_tensor_map: ClassVar[TensorMap] = {
+        **BambaForCausalLM.hf_tensor_map,
+        **{f"model.layers.{{i}}.mamba.{name}": (f"layers.{{i}}.mamba.{name}", None) for name in (
+            "in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
+            "dt_proj.bias", "A_log", "D", "out_proj.weight", "out_proj.bias", "dt_layernorm.weight",
+            "b_layernorm.weight", "c_layernorm.weight")},
+        "model.layers.{i}.feed_forward.router.weight": ("layers.{i}.mlp.gate.weight", None),
+        "model.layers.{i}.feed_forward.experts.{e}.gate_proj.weight": ("layers.{i}.mlp.w13_weight", "gate.{e}"),
+        "model.layers.{i}.feed_forward.experts.{e}.up_proj.weight": ("layers.{i}.mlp.w13_weight", "up.{e}"),
+        "model.layers.{i}.feed_forward.experts.{e}.down_proj.weight": ("layers.{i}.mlp.w2_weight", "down.{e}"),
+        "model.layers.{i}.feed_forward.experts.gate_up_proj": ("layers.{i}.mlp.w13_weight", None),
+        "model.layers.{i}.feed_forward.experts.down_proj": ("layers.{i}.mlp.w2_weight", None),
+    }
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        L, hidden = fields["num_layers"], raw["hidden_size"]
+        attention = {i for i in range(L) if i % raw["attn_layer_period"] == raw["attn_layer_offset"]}
+        rank = raw["mamba_dt_rank"]
+        rank = -(-hidden // 16) if rank == "auto" else int(rank)
+        dims = MambaDims(1, int(raw["mamba_expand"] * hidden), raw["mamba_d_state"], raw["mamba_d_conv"], dt_rank=rank,
+                         conv_bias=bool(raw["mamba_conv_bias"]), proj_bias=bool(raw["mamba_proj_bias"]),
+                         bcdt_rms_eps=fields["rms_norm_eps"], bcdt_norm_weights=True)
+        experts = int(raw["num_experts"] or 1)
+        moe = tuple(i for i in range(L) if i % raw["expert_layer_period"] == raw["expert_layer_offset"])
+        out: dict[str, Any] = {"mamba": dims, "mamba_layers": tuple(i for i in range(L) if i not in attention),
+                               "rope_layers": (False,) * L}
+        if experts > 1 and moe:
+            out.update(num_experts=experts, num_experts_per_tok=raw["num_experts_per_tok"], moe_layers=moe,
+                       moe_intermediate_size=fields["intermediate_size"], norm_topk_prob=False)
+        return out
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, attn_backend, dtype)
+        use_moe_layers(self, config, dtype)

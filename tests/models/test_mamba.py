@@ -67,7 +67,15 @@ def _bamba():  # attention in layer 2 of 3, a rotary over half of each head
                                         attn_layer_indices=[2], architectures=["BambaForCausalLM"]))
 
 
-BUILDERS = {"MambaForCausalLM": _mamba, "FalconMambaForCausalLM": _falcon_mamba, "Mamba2ForCausalLM": _mamba2,
+def _jamba():  # attention in layer 1 of 4 (no positions), 4 experts top 2 in layers 1 and 3, normed dt, B and C
+    from transformers import JambaConfig, JambaForCausalLM
+    return JambaForCausalLM(JambaConfig(
+        **TINY_ATTENTION, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_dt_rank=6, use_mamba_kernels=False, architectures=["JambaForCausalLM"]))
+
+
+BUILDERS = {"JambaForCausalLM": _jamba, "MambaForCausalLM": _mamba, "FalconMambaForCausalLM": _falcon_mamba, "Mamba2ForCausalLM": _mamba2,
             "GraniteMoeHybridForCausalLM": _granite_hybrid, "GraniteMoeHybridForCausalLM-dense": _granite_hybrid_dense,
             "BambaForCausalLM": _bamba}
 
