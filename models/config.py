@@ -152,6 +152,7 @@ class ArchConfig:
     # -- state-space layers (Mamba, Mamba-2, and the hybrids that mix them with attention) -------
     mamba: MambaDims | None = None             # None: every layer attends
     mamba_layers: tuple[int, ...] | None = None  # the layers whose mixer is Mamba; None with ``mamba``: all
+    mixerless_layers: tuple[int, ...] = ()     # layers without a token mixer (Nemotron-H's MLP blocks): no cache
     # -- encoder-only models (BERT, RoBERTa: models/bert.py) --------------------------------------
     encoder_only: bool = False                 # bidirectional attention over each prompt whole, no KV cache
     type_vocab_size: int = 0                   # token types (a text pair's segments); 0: none
@@ -180,13 +181,13 @@ class ArchConfig:
     @property
     def attention_layers(self) -> tuple[int, ...]:
         """The layers that attend, and hold KV cache."""
-        return tuple(i for i in range(self.num_layers) if not self.is_mamba_layer(i))
+        return tuple(i for i in range(self.num_layers) if not self.is_mamba_layer(i) and i not in self.mixerless_layers)
 
     def mamba_state_bytes(self, dtype_bytes: int) -> int:
         """The recurrent state one request holds over all the state-space layers."""
         if self.mamba is None:
             return 0
-        return (self.num_layers - len(self.attention_layers)) * self.mamba.state_bytes(dtype_bytes)
+        return sum(map(self.is_mamba_layer, range(self.num_layers))) * self.mamba.state_bytes(dtype_bytes)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)

@@ -209,10 +209,11 @@ def _partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 # Hugging Face's activation names (config.json's hidden_act / hidden_activation) -> the
 # activations of kernels/cpu/fused.py (ACTIVATIONS) and their torch forms
-HF_ACTIVATIONS: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu",
+HF_ACTIVATIONS: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "relu2": "relu2",
                                   "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square()}
 
 
 def hf_activation(name: str, model: str) -> str:

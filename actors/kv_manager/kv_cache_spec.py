@@ -76,9 +76,18 @@ class MambaSpec:
     state_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class MixerlessSpec:
+    """A layer without a token mixer (Nemotron-H's MLP blocks): neither KV blocks nor state."""
+    block_size: int
+
+
+NO_KV_SPECS = (MambaSpec, MixerlessSpec)       # layers that join no KV cache group
+
+
 def attention_specs(specs: list[Any]) -> list[tuple[int, KVCacheSpec]]:
-    """(layer, spec) of the layers that hold KV cache (state-space layers left out)."""
-    return [(i, s) for i, s in enumerate(specs) if not isinstance(s, MambaSpec)]
+    """(layer, spec) of the layers that hold KV cache (state-space and mixerless layers left out)."""
+    return [(i, s) for i, s in enumerate(specs) if not isinstance(s, NO_KV_SPECS)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +191,8 @@ def layer_groups(groups: tuple[KVCacheGroupSpec, ...], num_layers: int, stateful
 
 
 def stateful_layers(specs: list[Any]) -> frozenset[int]:
-    return frozenset(i for i, s in enumerate(specs) if isinstance(s, MambaSpec))
+    """The layers without KV cache: state-space layers (their states are the worker's) and mixerless ones."""
+    return frozenset(i for i, s in enumerate(specs) if isinstance(s, NO_KV_SPECS))
 
 
 def group_size(groups: tuple[KVCacheGroupSpec, ...]) -> int:
@@ -230,13 +240,16 @@ def max_tokens_per_request(groups: tuple[KVCacheGroupSpec, ...], num_blocks: int
     return lo
 
 
-def model_kv_cache_specs(config: Any, block_size: int, dtype_bytes: int) -> list[KVCacheSpec | MambaSpec]:
-    """One spec per layer of a model (``models.config.ArchConfig``): its attention's, or a
-    MambaSpec for a state-space layer."""
-    specs: list[KVCacheSpec | MambaSpec] = []
+def model_kv_cache_specs(config: Any, block_size: int, dtype_bytes: int) -> list[Any]:
+    """One spec per layer of a model (``models.config.ArchConfig``): its attention's, a MambaSpec
+    for a state-space layer, a MixerlessSpec for a layer without a token mixer."""
+    specs: list[Any] = []
     for layer in range(config.num_layers):
         if config.is_mamba_layer(layer):
             specs.append(MambaSpec(block_size, config.mamba.state_bytes(dtype_bytes)))
+            continue
+        if layer in config.mixerless_layers:
+            specs.append(MixerlessSpec(block_size))
             continue
         window = config.layer_sliding_window(layer)
         shape = (block_size, config.num_kv_heads, config.head_size, dtype_bytes)

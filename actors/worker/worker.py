@@ -276,9 +276,10 @@ class Worker:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
         if self.device.type == "cpu":        # from now on step tensors reuse the heap (actors/worker/step_memory.py)
             keep_step_heap()
-        # layers of different groups share one tensor; a state-space layer holds its states (a tuple)
+        # layers of different groups share one tensor; a state-space layer holds its states (a
+        # tuple), a layer without a token mixer nothing (None)
         tensors = {t.data_ptr(): t for c in self.runner.kv_caches + self.runner.draft_kv_caches
-                   for t in (c if isinstance(c, tuple) else (c,)) if t.numel()}
+                   for t in (c if isinstance(c, tuple) else (c,)) if t is not None and t.numel()}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     # -- sleep mode (vLLM's --enable-sleep-mode) -----------------------------------------------

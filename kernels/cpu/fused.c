@@ -96,8 +96,9 @@ void rotary_f32(float *q, int64_t q_stride, int64_t H, float *k, int64_t k_strid
  *      ACT_GELU_TANH  x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))), computed as
  *                x / (1 + exp(-2 sqrt(2 / pi) (x + 0.044715 x^3)))
  *      ACT_RELU  max(x, 0)
+ *      ACT_RELU2  max(x, 0)^2 (Nemotron-H's squared ReLU)
  * The same numbers in fused.py's ``ACTIVATIONS``. */
-enum { ACT_NONE = 0, ACT_SILU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_RELU = 4 };
+enum { ACT_NONE = 0, ACT_SILU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_RELU = 4, ACT_RELU2 = 5 };
 
 static inline float silu_f32(float x) { return x / (1.f + exp_f32(-x)); }
 
@@ -151,6 +152,7 @@ static inline float gelu_tanh_f32(float x) {
     } while (0)
 
 static inline float relu_f32(float x) { return x > 0.f ? x : 0.f; }
+static inline float relu2_f32(float x) { return x > 0.f ? x * x : 0.f; }
 
 static void act_rows(int act, const float *x, int64_t xs, float *o, int64_t os, int64_t rows, int64_t n) {
     switch (act) {
@@ -158,6 +160,7 @@ static void act_rows(int act, const float *x, int64_t xs, float *o, int64_t os, 
     case ACT_GELU: ACT_ROWS(gelu_erf_f32); break;
     case ACT_GELU_TANH: ACT_ROWS(gelu_tanh_f32); break;
     case ACT_RELU: ACT_ROWS(relu_f32); break;
+    case ACT_RELU2: ACT_ROWS(relu2_f32); break;
     default:
         if (o != x)
             for (int64_t r = 0; r < rows; r++) memcpy(o + r * os, x + r * xs, sizeof(float) * (size_t)n);
@@ -179,6 +182,10 @@ static inline void gated_row(int act, const float *restrict g, const float *rest
     case ACT_RELU:
         #pragma omp simd
         for (int64_t i = 0; i < n; i++) o[i] = relu_f32(g[i]) * u[i];
+        break;
+    case ACT_RELU2:
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = relu2_f32(g[i]) * u[i];
         break;
     default:                                      /* ACT_SILU */
         #pragma omp simd

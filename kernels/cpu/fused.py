@@ -11,7 +11,7 @@ the ops, the model and the tests alike::
     cpu_gated_activation(x, act) -> Tensor            act(gate) * up for x = gate | up
 
 The activations (``ACTIVATIONS``, fused.c's ACT_* codes): ``silu``, ``gelu`` (erf), ``gelu_tanh``
-and ``relu``. The panel matmuls (kernels/cpu/panels.py) apply the same code to each tile they
+``relu`` and ``relu2`` (its square). The panel matmuls (kernels/cpu/panels.py) apply the same code to each tile they
 write, with the same bits.
 
 ``supports`` is the one place that decides between them and the plain torch ops: float32 CPU
@@ -35,7 +35,7 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 # fused.c's ACT_* codes
-ACTIVATIONS: dict[str, int] = {"silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
+ACTIVATIONS: dict[str, int] = {"silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4, "relu2": 5}
 
 _NATIVE_OK: list[bool] = []      # filled once: whether the library builds and loads here
 

@@ -133,10 +133,13 @@ def _exact_activation(x: torch.Tensor, act: str) -> torch.Tensor:
         return x * 0.5 * (1 + torch.special.erf(x / math.sqrt(2)))
     if act == "gelu_tanh":
         return x * 0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    if act == "relu2":
+        return F.relu(x) ** 2
     return F.silu(x) if act == "silu" else F.relu(x)
 
 
-@pytest.mark.parametrize("act,tol", [("gelu", 1.5e-6), ("gelu_tanh", 1e-6), ("silu", 1e-6), ("relu", 0.0)])
+@pytest.mark.parametrize("act,tol", [("gelu", 1.5e-6), ("gelu_tanh", 1e-6), ("silu", 1e-6), ("relu", 0.0),
+                                     ("relu2", 2e-5)])   # x * x rounded once: 6e-8 of x^2, up to 200 |x|
 def test_native_activations_are_within_a_few_float32_steps_of_the_exact_values(act, tol):
     """Over [-12, 12] (and far out: +-200, where GELU is x or 0), alone and gating a second half;
     as close as torch's own CPU kernels (its erf GELU is within 1.2e-6), with a row stride."""
@@ -148,7 +151,7 @@ def test_native_activations_are_within_a_few_float32_steps_of_the_exact_values(a
     gated = fused.gated_activation(wide, act)
     assert torch.equal(gated, fused.activation(x, act) * wide[:, 10:])
     plain = F.gelu(x, approximate="tanh" if act == "gelu_tanh" else "none") if act.startswith("gelu") else \
-        (F.silu(x) if act == "silu" else F.relu(x))
+        (F.silu(x) if act == "silu" else F.relu(x) ** (2 if act == "relu2" else 1))
     torch.testing.assert_close(got, plain, rtol=0, atol=3e-6)
 
 

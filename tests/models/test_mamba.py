@@ -75,7 +75,16 @@ def _jamba():  # attention in layer 1 of 4 (no positions), 4 experts top 2 in la
         mamba_dt_rank=6, use_mamba_kernels=False, architectures=["JambaForCausalLM"]))
 
 
-BUILDERS = {"JambaForCausalLM": _jamba, "MambaForCausalLM": _mamba, "FalconMambaForCausalLM": _falcon_mamba, "Mamba2ForCausalLM": _mamba2,
+def _nemotron_h():  # Mamba-2, attention without positions, squared-ReLU MLP blocks, one mixer each
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+    return NemotronHForCausalLM(NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, max_position_embeddings=256, hybrid_override_pattern="M-*M-", ssm_state_size=8,
+        mamba_num_heads=8, mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5,
+        time_step_min=1e-30, tie_word_embeddings=False, architectures=["NemotronHForCausalLM"]))
+
+
+BUILDERS = {"JambaForCausalLM": _jamba, "NemotronHForCausalLM": _nemotron_h, "MambaForCausalLM": _mamba, "FalconMambaForCausalLM": _falcon_mamba, "Mamba2ForCausalLM": _mamba2,
             "GraniteMoeHybridForCausalLM": _granite_hybrid, "GraniteMoeHybridForCausalLM-dense": _granite_hybrid_dense,
             "BambaForCausalLM": _bamba}
 
@@ -205,7 +214,7 @@ def test_bfloat16_weights_agree_with_float32(case):
 
 
 @pytest.mark.parametrize("arch, blocks", [("MambaForCausalLM", 0), ("Mamba2ForCausalLM", 0),
-                                          ("GraniteMoeHybridForCausalLM", 5)])
+                                          ("GraniteMoeHybridForCausalLM", 5), ("NemotronHForCausalLM", 5)])
 def test_the_engine_generates_transformers_greedy_tokens(arch, blocks, tmp_path):
     """Through the scheduler (prompts in chunks of at most 16 tokens beside other requests'
     decodes, more requests than running places so that state slots are reused) and the sampler:
