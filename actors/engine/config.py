@@ -414,6 +414,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         max_model_len = self.model.max_model_len or arch.default_max_model_len
         if arch.mamba is not None:
             self._check_state_space(arch)
+            fitting = self._fitting_seqs(kv_bytes or (CPU_KV_CACHE_BYTES if device != "cuda" else 0), arch, dtype)
+            if fitting < self.scheduler.max_num_seqs:
+                log.warning("%s's recurrent states take %.1f MiB a request: max_num_seqs lowered from %d to %d, "
+                            "the requests whose states the KV cache's memory holds", arch.architecture,
+                            arch.mamba_state_bytes(DTYPE_BYTES[dtype]) / 2**20, self.scheduler.max_num_seqs, fitting)
+                lowered = self.replace(scheduler=msgspec.structs.replace(self.scheduler, max_num_seqs=fitting))
+                return lowered.resolve(cuda_available=cuda_available, cpu_count=cpu_count, arch=arch,
+                                       draft_arch=draft_arch)
         if self.cache.num_blocks:
             num_blocks = self.cache.num_blocks
         elif kv_bytes or device != "cuda":
@@ -541,9 +549,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(self._states_too_large(arch, states, kv_bytes))
         return max(num_blocks_for(specs, kv_bytes - states, self._largest_stage(groups, arch.num_layers)), 2)
 
+    def _fitting_seqs(self, kv_bytes: int, arch: ArchConfig, dtype: str) -> int:
+        """The running requests whose recurrent states fit: in all of ``kv_bytes`` for a model of
+        state-space layers only, in half of it beside attention layers' KV blocks (0 bytes:
+        unknown yet, max_num_seqs stands); at least 1 (a start that cannot fit one says so)."""
+        per_request = arch.mamba_state_bytes(DTYPE_BYTES[dtype])
+        if not kv_bytes or not per_request:
+            return self.scheduler.max_num_seqs
+        share = kv_bytes if not arch.attention_layers else kv_bytes // 2
+        return max(1, min(self.scheduler.max_num_seqs, share // per_request))
+
     def _states_too_large(self, arch: ArchConfig, states: int, kv_bytes: int) -> str:
         return (f"{arch.architecture}'s recurrent states for {self.scheduler.max_num_seqs} sequences take "
-                f"{states / 2**30:.2f} GiB, more than the KV cache's {kv_bytes / 2**30:.2f} GiB: lower "
+                f"{states / 2**20:.1f} MiB, more than the KV cache's {kv_bytes / 2**20:.1f} MiB leaves them: lower "
                 "--max-num-seqs or raise --kv-cache-memory-bytes")
 
     def _check_state_space(self, arch: ArchConfig) -> None:

@@ -151,6 +151,9 @@ class ModelRunner:
             states = create_state_views(self.arch, config.scheduler.max_num_seqs, torch_dtype(config.model.dtype),
                                         self.device)
             self.kv_caches = [states.get(start + i, view) for i, view in enumerate(self.kv_caches)]
+            per_slot = sum(t[0].numel() * t.element_size() for pair in states.values() for t in pair)
+            log.info("recurrent states of %d Mamba layers: %d slots of %.2f MiB (taken as requests first write them)",
+                     len(states), config.scheduler.max_num_seqs, per_slot / 2**20)
         max_model_len = config.model.max_model_len
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G)
         self.sampler = Sampler()

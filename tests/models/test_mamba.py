@@ -278,8 +278,11 @@ def test_the_kv_cache_sets_the_states_aside_and_groups_only_attention_layers():
         cuda_available=False, cpu_count=2, arch=arch)
     assert c.cache.num_blocks == 8 * 2048 // 16 + 1                   # blocks that count tokens, no memory
     assert not c.cache.enable_prefix_caching and c.model.max_model_len == 2048
-    with pytest.raises(ValueError, match="recurrent states for 64 sequences take 0.17 GiB"):
-        EngineArgs(max_num_seqs=64, kv_cache_bytes=1 << 27).create_engine_config().resolve(
+    few = EngineArgs(max_num_seqs=64, kv_cache_bytes=1 << 27).create_engine_config().resolve(
+        cuda_available=False, cpu_count=2, arch=arch)
+    assert few.scheduler.max_num_seqs == (1 << 27) // per_request == 47     # the states 128 MiB hold
+    with pytest.raises(ValueError, match="recurrent states for 1 sequences take 2.7 MiB, more than the KV cache's 1.0"):
+        EngineArgs(max_num_seqs=64, kv_cache_bytes=1 << 20).create_engine_config().resolve(
             cuda_available=False, cpu_count=2, arch=arch)
     hybrid = _state_space_arch(mamba_layers=tuple(i for i in range(24) if i % 6))   # attention at 0, 6, 12, 18
     specs = model_kv_cache_specs(hybrid, 16, 4)
@@ -290,6 +293,9 @@ def test_the_kv_cache_sets_the_states_aside_and_groups_only_attention_layers():
         cuda_available=False, cpu_count=2, arch=hybrid)
     states = 8 * 20 * (1536 * 3 * 4 + 1536 * 16 * 4)
     assert h.cache.num_blocks == ((1 << 30) - states) // (4 * 2 * 16 * 4 * 64 * 4)
+    hybrid_few = EngineArgs(max_num_seqs=256, kv_cache_bytes=1 << 30).create_engine_config().resolve(
+        cuda_available=False, cpu_count=2, arch=hybrid)                  # beside KV blocks: half the memory
+    assert hybrid_few.scheduler.max_num_seqs == (1 << 29) // (20 * (1536 * 3 * 4 + 1536 * 16 * 4)) == 229
 
 
 @pytest.mark.parametrize("option, flag", [(dict(tensor_parallel_size=2), "--tensor-parallel-size"),
