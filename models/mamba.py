@@ -71,6 +71,9 @@ class CausalConv1d(nn.Module):
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, steps: StateSteps) -> torch.Tensor:
         # x (T, C) -> (T, C), silu applied
+        if self.weight.shape[-1] <= ssm.MAX_CONV and ssm.supports(conv_state, x, self.weight):
+            return ssm.causal_conv(x, conv_state, steps.slot_index, steps.fresh_mask, steps.qsl, self.weight,
+                                   self.bias)
         w = self.weight[:, 0, :]                                          # (C, K)
         if steps.decode:
             prev = conv_state[steps.slot_index]                           # (B, C, K-1)
@@ -210,6 +213,8 @@ class MambaMixer(nn.Module):
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Mamba-2's RMSNorm of y * silu(gate), over each group's channels, float32."""
         d = self.dims
+        if ssm.supports(y, gate, self.norm.weight):
+            return ssm.gated_norm(y, gate, self.norm.weight, d.n_groups, d.norm_eps)
         g = y * F.silu(gate.float())
         g = g.view(g.shape[0], d.n_groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + d.norm_eps)

@@ -64,3 +64,83 @@ void ssm_scan_f32(float *state, int64_t slot_stride, const int64_t *slots, const
         }
     }
 }
+
+/* The causal depthwise convolution of a Mamba layer's inputs over every request of a step, SiLU
+ * applied, continued from each request's last K - 1 inputs: for request r (tokens qsl[r] ..
+ * qsl[r+1] - 1, state slot slots[r]; ``fresh[r]``: zero inputs before its first token) and channel c,
+ *     out[t,c] = silu(bias[c] + sum_k w[c,k] in[t - (K-1) + k, c])
+ * x (T, C) row stride x_stride, conv_state (slots, C, K - 1) contiguous (updated: the last K - 1
+ * inputs), w (C, K), bias (C,) or NULL, out (T, C) contiguous. OpenMP over blocks of 64 channels,
+ * each running every request with the block's weights loaded once; the channels of a block run
+ * side by side (vectorized). */
+#define CONV_BLOCK 64
+#define CONV_MAX_K 8
+
+/* One block of nc channels of request r's tokens; K a constant where inlined with one (its loops unrolled). */
+static inline __attribute__((always_inline)) void conv_block(
+        const float *x, int64_t x_stride, float *st, int fresh, int64_t t0, int64_t t1, float wk[][CONV_BLOCK],
+        const float *b, float *out, int64_t C, int64_t c0, int64_t nc, const int64_t K) {
+    const int64_t keep = K - 1;
+    float win[CONV_MAX_K][CONV_BLOCK];                  /* win[k][c]: the K - 1 inputs before the token */
+    for (int64_t c = 0; c < nc; c++)
+        for (int64_t k = 0; k < keep; k++) win[k][c] = fresh ? 0.f : st[(c0 + c) * keep + k];
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xt = x + t * x_stride + c0;
+        float *ot = out + t * C + c0;
+        #pragma omp simd
+        for (int64_t c = 0; c < nc; c++) {
+            float acc = b[c] + wk[keep][c] * xt[c];
+            for (int64_t k = 0; k < keep; k++) acc += wk[k][c] * win[k][c];
+            for (int64_t k = 0; k + 1 < keep; k++) win[k][c] = win[k + 1][c];
+            win[keep - 1][c] = xt[c];
+            ot[c] = acc / (1.f + exp_f32(-acc));
+        }
+    }
+    for (int64_t c = 0; c < nc; c++)
+        for (int64_t k = 0; k < keep; k++) st[(c0 + c) * keep + k] = win[k][c];
+}
+
+void ssm_conv_f32(const float *x, int64_t x_stride, float *conv_state, const int64_t *slots, const uint8_t *fresh,
+                  const int64_t *qsl, int64_t R, const float *w, const float *bias, float *out, int64_t C, int64_t K) {
+    const int64_t blocks = (C + CONV_BLOCK - 1) / CONV_BLOCK, keep = K - 1;
+    #pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t c0 = blk * CONV_BLOCK, nc = C - c0 < CONV_BLOCK ? C - c0 : CONV_BLOCK;
+        float wk[CONV_MAX_K][CONV_BLOCK], b[CONV_BLOCK];
+        for (int64_t c = 0; c < nc; c++) {
+            for (int64_t k = 0; k < K; k++) wk[k][c] = w[(c0 + c) * K + k];
+            b[c] = bias ? bias[c0 + c] : 0.f;
+        }
+        for (int64_t r = 0; r < R; r++) {
+            float *st = conv_state + slots[r] * C * keep;
+            if (K == 4)                                 /* every Mamba checkpoint's width */
+                conv_block(x, x_stride, st, fresh[r], qsl[r], qsl[r + 1], wk, b, out, C, c0, nc, 4);
+            else
+                conv_block(x, x_stride, st, fresh[r], qsl[r], qsl[r + 1], wk, b, out, C, c0, nc, K);
+        }
+    }
+}
+
+/* Mamba-2's gated RMSNorm: g = y * silu(gate), each of G groups of its D / G channels divided by
+ * their root mean square (+ eps), times w. y (T, D) contiguous, gate (T, D) row stride g_stride,
+ * w (D,), out (T, D) contiguous. */
+void ssm_gated_norm_f32(const float *y, const float *gate, int64_t g_stride, const float *w, float *out,
+                        int64_t T, int64_t D, int64_t G, float eps) {
+    const int64_t n = D / G;
+    #pragma omp parallel for schedule(static) if (T * D >= 32768)
+    for (int64_t t = 0; t < T; t++) {
+        const float *yt = y + t * D, *gt = gate + t * g_stride;
+        float *ot = out + t * D;
+        #pragma omp simd
+        for (int64_t i = 0; i < D; i++) ot[i] = yt[i] * (gt[i] / (1.f + exp_f32(-gt[i])));
+        for (int64_t g = 0; g < G; g++) {
+            float *o = ot + g * n;
+            float ss = 0.f;
+            #pragma omp simd reduction(+:ss)
+            for (int64_t i = 0; i < n; i++) ss += o[i] * o[i];
+            const float inv = 1.f / sqrtf(ss / (float)n + eps);
+            #pragma omp simd
+            for (int64_t i = 0; i < n; i++) o[i] = o[i] * inv * w[g * n + i];
+        }
+    }
+}

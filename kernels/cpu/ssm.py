@@ -1,8 +1,11 @@
-"""The state-space recurrence of Mamba and Mamba-2 layers on the float32 CPU path (ssm.c): every
-request of a step, prompt chunks and decodes alike, its state updated in place in its slot. A
-torch custom op (a CPU kernel and a fake one) like the other native kernels::
+"""The state-space layers' kernels on the float32 CPU path (ssm.c): the recurrence of Mamba and
+Mamba-2 and the causal convolution before it, for every request of a step, prompt chunks and
+decodes alike, each request's state updated in place in its slot; Mamba-2's gated RMSNorm.
+Torch custom ops (a CPU kernel and a fake one) like the other native kernels::
 
     cpu_ssm_scan(state!, slots, fresh, qsl, x, dt, A, a_per_state, B, C, D, heads, head_dim, groups) -> y
+    cpu_ssm_conv(x, conv_state!, slots, fresh, qsl, weight, bias) -> silu(causal conv of x)
+    cpu_ssm_gated_norm(y, gate, weight, groups, eps) -> Tensor
 
 ``state`` (slots, H, P, N) or (slots, H, N) float32 contiguous; ``slots`` (R,) int64 each
 request's slot, ``fresh`` (R,) bool (zero its state first), ``qsl`` (R + 1,) int64 where each
@@ -22,6 +25,7 @@ from kernels.cpu import fused, native
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 MAX_STATE = 1024          # ssm.c's SSM_MAX_N
+MAX_CONV = 8              # and CONV_MAX_K
 
 
 def supports(state: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -35,6 +39,52 @@ def supports(state: torch.Tensor, *tensors: torch.Tensor) -> bool:
 def _kernel() -> ctypes._CFuncPtr:
     return native.declare("ssm_scan_f32", [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I64, _P, ctypes.c_int,
                                            _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64])
+
+
+@lru_cache(maxsize=None)
+def _conv_kernel() -> ctypes._CFuncPtr:
+    return native.declare("ssm_conv_f32", [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64])
+
+
+@lru_cache(maxsize=None)
+def _norm_kernel() -> ctypes._CFuncPtr:
+    return native.declare("ssm_gated_norm_f32", [_P, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_float])
+
+
+def _conv(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, qsl: torch.Tensor,
+          weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    T, C = x.shape
+    K = weight.shape[-1]
+    if (weight.numel() != C * K or conv_state.shape[1:] != (C, K - 1) or not 2 <= K <= MAX_CONV
+            or (bias is not None and bias.shape != (C,))):
+        raise ValueError(f"ssm conv: x {tuple(x.shape)}, state {tuple(conv_state.shape)}, weight {tuple(weight.shape)}")
+    out = torch.empty(T, C, dtype=torch.float32)
+    slots, qsl = slots.to(torch.int64).contiguous(), qsl.to(torch.int64).contiguous()
+    fresh = fresh.to(torch.uint8).contiguous()
+    weight = weight.contiguous()
+    _conv_kernel()(x.data_ptr(), x.stride(0), conv_state.data_ptr(), slots.data_ptr(), fresh.data_ptr(),
+                   qsl.data_ptr(), slots.numel(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+                   out.data_ptr(), C, K)
+    return out
+
+
+def _gated_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    T, D = y.shape
+    if gate.shape != (T, D) or weight.shape != (D,) or D % groups:
+        raise ValueError(f"ssm gated norm: y {tuple(y.shape)}, gate {tuple(gate.shape)}, weight {tuple(weight.shape)}")
+    out = torch.empty(T, D, dtype=torch.float32)
+    y, weight = y.contiguous(), weight.contiguous()
+    _norm_kernel()(y.data_ptr(), gate.data_ptr(), gate.stride(0), weight.data_ptr(), out.data_ptr(), T, D, groups, eps)
+    return out
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                qsl: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.troupe.cpu_ssm_conv(x, conv_state, slots, fresh, qsl, weight, bias)
+
+
+def gated_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    return torch.ops.troupe.cpu_ssm_gated_norm(y, gate, weight, groups, eps)
 
 
 def _scan(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, qsl: torch.Tensor, x: torch.Tensor,
@@ -73,3 +123,10 @@ _LIB.define("cpu_ssm_scan(Tensor(a!) state, Tensor slots, Tensor fresh, Tensor q
 _LIB.impl("cpu_ssm_scan", _scan, "CPU")
 torch.library.register_fake("troupe::cpu_ssm_scan", lambda state, slots, fresh, qsl, x, *rest: x.new_empty(x.shape),
                             lib=_LIB)
+_LIB.define("cpu_ssm_conv(Tensor x, Tensor(a!) conv_state, Tensor slots, Tensor fresh, Tensor qsl, Tensor weight, "
+            "Tensor? bias) -> Tensor")
+_LIB.impl("cpu_ssm_conv", _conv, "CPU")
+torch.library.register_fake("troupe::cpu_ssm_conv", lambda x, *rest: x.new_empty(x.shape), lib=_LIB)
+_LIB.define("cpu_ssm_gated_norm(Tensor y, Tensor gate, Tensor weight, int groups, float eps) -> Tensor")
+_LIB.impl("cpu_ssm_gated_norm", _gated_norm, "CPU")
+torch.library.register_fake("troupe::cpu_ssm_gated_norm", lambda y, *rest: y.new_empty(y.shape), lib=_LIB)
