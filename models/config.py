@@ -47,10 +47,12 @@ class MambaDims:
     through its tokens instead of a KV cache. ``version`` 1 (Mamba): a selective state of
     ``d_state`` per channel, the time step from a ``dt_rank`` projection; 2 (Mamba-2): ``num_heads``
     heads of ``head_dim`` channels, one decay per head, B and C shared by the heads of each of
-    ``n_groups`` groups, a gated RMSNorm before the output. Both convolve their inputs causally over
+    ``n_groups`` groups, a gated RMSNorm before the output; 3 (Gated DeltaNet): ``num_heads`` value
+    heads of ``head_dim`` reading ``n_groups`` query/key heads of ``d_state`` through a (d_state,
+    head_dim) state per head updated by the delta rule. All convolve their inputs causally over
     ``d_conv`` tokens first."""
-    version: int
-    d_inner: int                               # channels of the mixer (intermediate_size)
+    version: int                               # 1 Mamba, 2 Mamba-2, 3 Gated DeltaNet (Qwen3-Next's linear attention)
+    d_inner: int                               # channels of the mixer (intermediate_size; the values')
     d_state: int                               # N: the state's size per channel
     d_conv: int                                # the causal convolution's width
     dt_rank: int = 0                           # Mamba: the time step's projection rank
@@ -65,19 +67,21 @@ class MambaDims:
     time_step_limit: tuple[float, float] = (0.0, float("inf"))   # Mamba-2's clamp of the time steps
 
     def __post_init__(self) -> None:
-        if self.version not in (1, 2):
-            raise ValueError(f"Mamba version {self.version} is not supported (1 or 2)")
-        if self.version == 2 and (self.num_heads * self.head_dim != self.d_inner or self.num_heads % self.n_groups):
-            raise ValueError(f"Mamba-2: {self.num_heads} heads of {self.head_dim} must make the {self.d_inner} "
+        if self.version not in (1, 2, 3):
+            raise ValueError(f"Mamba version {self.version} is not supported (1, 2, or 3: Gated DeltaNet)")
+        if self.version > 1 and (self.num_heads * self.head_dim != self.d_inner or self.num_heads % self.n_groups):
+            raise ValueError(f"{self.num_heads} heads of {self.head_dim} must make the {self.d_inner} "
                              f"channels and split into {self.n_groups} groups")
 
     @property
     def conv_dim(self) -> int:
-        """Channels the convolution turns: x (Mamba), or x, B and C (Mamba-2)."""
+        """Channels the convolution turns: x (Mamba), x, B and C (Mamba-2), or q, k and v (Gated DeltaNet)."""
         return self.d_inner if self.version == 1 else self.d_inner + 2 * self.n_groups * self.d_state
 
     @property
     def ssm_state_shape(self) -> tuple[int, ...]:
+        if self.version == 3:
+            return (self.num_heads, self.d_state, self.head_dim)
         return (self.d_inner, self.d_state) if self.version == 1 else (self.num_heads, self.head_dim, self.d_state)
 
     @property
@@ -125,6 +129,7 @@ class ArchConfig:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_size ** -0.5
     attn_logit_softcapping: float | None = None
     attention_sinks: bool = False              # a learned sink logit per head in every softmax (gpt-oss)
+    attn_output_gate: bool = False             # attention's output times a sigmoid gate projected beside q (Qwen3-Next)
     alibi_bias_max: float | None = None        # ALiBi's distance biases in place of positions (BLOOM's 8, MPT's
                                                # attn_config); None: none
     embedding_multiplier: float = 1.0          # input embeddings scaled (Granite)

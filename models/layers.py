@@ -440,7 +440,7 @@ class SelfAttention(nn.Module):
                  qk_norm: Callable[[], nn.Module] | None = None, rotary_dim: int | None = None,
                  use_rope: bool = True, logits_soft_cap: float | None = None, bidirectional: bool = False,
                  qk_norm_whole: Callable[[int], nn.Module] | None = None, sinks: bool = False,
-                 alibi_bias_max: float | None = None) -> None:
+                 alibi_bias_max: float | None = None, output_gate: bool = False) -> None:
         super().__init__()
         # an encoder's layer (Gemma 3 with use_bidirectional_attention): each query sees its whole
         # prompt (within the sliding window on either side), no KV cache read or written
@@ -465,8 +465,10 @@ class SelfAttention(nn.Module):
             raise ValueError("ALiBi attention takes no rotary, sinks or bidirectional attention")
         self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
         self.scale, self.sliding_window = scale, sliding_window
-        self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                                     dtype, bias=qkv_bias)
+        # Qwen3-Next's gated attention: a sigmoid gate per output feature, projected beside q
+        self.output_gate = output_gate
+        shards = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size, **({"gate": self.q_size} if output_gate else {})}
+        self.qkv_proj = MergedLinear(hidden_size, shards, dtype, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden_size, dtype, bias=o_bias)
         if qk_norm and qk_norm_whole:
             raise ValueError("a q/k norm is per head or over the whole projection, not both")
@@ -486,7 +488,15 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
+        if self.output_gate:
+            q, k, v, gate = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size, self.q_size], dim=-1)
+            return self.o_proj(self._attend(q, k, v, T, cos, sin, kv_cache, meta) * torch.sigmoid(gate))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self._attend(q, k, v, T, cos, sin, kv_cache, meta))     # (T, hidden)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, T: int, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention of the projected q, k, v: (T, H * D), before the output projection."""
         if self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(T, self.num_heads, self.head_size)       # (T, H, D)
@@ -499,14 +509,14 @@ class SelfAttention(nn.Module):
         if self.bidirectional:
             out = encoder_attention(q, k, v, whole_prompts(meta, "this encoder"), self.scale, self.sliding_window,
                                     self.attention_bfloat16)
-            return self.o_proj(out.reshape(T, self.q_size))
+            return out.reshape(T, self.q_size)
         step_meta, meta = meta, meta.for_group(self.kv_cache_group)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
         out = self.attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.sliding_window,
                              self.k_scale, self.v_scale, self.kv_index, step_meta, self.logits_soft_cap,
                              self.sinks, self.alibi_slopes)
-        return self.o_proj(out.reshape(T, self.q_size))     # (T, hidden)
+        return out.reshape(T, self.q_size)
 
     def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype,
                              meta: AttentionMetadata) -> None:

@@ -28,7 +28,7 @@ class LlamaDecoderLayer(nn.Module):
             qk_norm=(lambda: RMSNorm(c.head_size, c.rms_norm_eps, dtype)) if qk_norm else None,
             rotary_dim=c.rotary_dim, use_rope=c.layer_uses_rope(layer), bidirectional=c.encoder_only,
             qk_norm_whole=(lambda size: RMSNorm(size, c.rms_norm_eps, dtype)) if qk_norm_whole else None,
-            sinks=c.attention_sinks)
+            sinks=c.attention_sinks, output_gate=c.attn_output_gate)
         self.residual_multiplier = c.residual_multiplier
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)

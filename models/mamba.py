@@ -432,7 +432,11 @@ class HybridDecoderLayer(LlamaDecoderLayer):
         self.mamba = None
         if config.is_mamba_layer(layer):
             del self.self_attn
-            self.mamba = MambaMixer(config.hidden_size, config.mamba, dtype)
+            self.mamba = self.make_mixer(config, dtype)
+
+    def make_mixer(self, config: ArchConfig, dtype: torch.dtype) -> nn.Module:
+        """A state-space layer's mixer: Mamba's or Mamba-2's here."""
+        return MambaMixer(config.hidden_size, config.mamba, dtype)
 
     def mix(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: Any,
             meta: AttentionMetadata) -> torch.Tensor:
