@@ -33,6 +33,8 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("MambaForCausalLM", "mamba"), ("FalconMambaForCausalLM", "mamba"), ("Mamba2ForCausalLM", "mamba"),
         ("GraniteMoeHybridForCausalLM", "mamba"), ("BambaForCausalLM", "mamba"), ("JambaForCausalLM", "mamba"),
         ("NemotronHForCausalLM", "nemotron_h"), ("Qwen3NextForCausalLM", "qwen3_next"),
+        ("Qwen3_5ForCausalLM", "qwen3_next"), ("Qwen3_5MoeForCausalLM", "qwen3_next"),
+        ("Qwen3_5ForConditionalGeneration", "qwen3_next"), ("Qwen3_5MoeForConditionalGeneration", "qwen3_next"),
         # multimodal checkpoints: their language model, on text (vLLM's --language-model-only)
         ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"),
         ("Qwen2VLForConditionalGeneration", "qwen2"), ("Qwen2_5_VLForConditionalGeneration", "qwen2"),

@@ -143,7 +143,12 @@ class GemmaRMSNorm(RMSNorm):
         super().__init__(hidden_size, eps, dtype)
         self.weight.data.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., hidden) -> (..., hidden)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # (..., hidden) -> (..., hidden)
+        """With a ``residual``: (norm(residual + x), residual + x), as RMSNorm's."""
+        if residual is not None:
+            residual = residual + x
+            return self.forward(residual), residual
         y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 

@@ -11,8 +11,7 @@ and o through an RMSNorm gated by silu(z) per head.
 
 The checkpoint's in_proj_qkvz and in_proj_ba rows are grouped by key head; they are read into
 one projection of q | k | v | z | b | a (Qwen3.5's separate in_proj_qkv, in_proj_z, in_proj_b,
-in_proj_a in that order). Its (1 + weight) norms are stored as 1 + weight, so they run as plain
-RMSNorms (the fused residual add included).
+in_proj_a in that order). Its norms scale by 1 + weight (Gemma's), in float32, rounded once.
 """
 from __future__ import annotations
 
@@ -22,10 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.base import TensorMap
+from models.base import QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
 from models.config import ArchConfig, MambaDims
-from models.layers import Linear, MergedLinear, RMSNorm
+from kernels.attention.base import AttentionBackend
+from models.layers import GemmaRMSNorm, Linear, MergedLinear, RMSNorm
 from models.mamba import CausalConv1d, HybridDecoderLayer, StateSteps, hybrid_mamba_layers
+from models.qwen2 import Qwen2ForCausalLM
 from models.qwen3_moe import Qwen2MoeForCausalLM
 
 
@@ -110,13 +111,29 @@ class GatedDeltaNet(nn.Module):
 class Qwen3NextDecoderLayer(HybridDecoderLayer):
     """Llama's layer with a Gated DeltaNet in the linear-attention layers."""
 
+    def __init__(self, config: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
+                 qk_norm: bool = False, qk_norm_whole: bool = False) -> None:
+        super().__init__(config, layer, backend, dtype, qk_norm, qk_norm_whole)
+        c = config          # (1 + weight) norms, in float32 and rounded once, as the checkpoint's
+        self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        if self.mamba is None:
+            self.self_attn.q_norm = GemmaRMSNorm(c.head_size, c.rms_norm_eps, dtype)
+            self.self_attn.k_norm = GemmaRMSNorm(c.head_size, c.rms_norm_eps, dtype)
+
     def make_mixer(self, config: ArchConfig, dtype: torch.dtype) -> nn.Module:
         return GatedDeltaNet(config.hidden_size, config.mamba, config.rms_norm_eps, dtype)
 
 
-# names of the (1 + weight) norms, stored as 1 + weight
-_PLUS_ONE = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
-             "model.norm.weight")
+def linear_attention_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's and Qwen3.5's: the Gated DeltaNet layers (``layer_types``) and their
+    dimensions, the gated attention of the others."""
+    layers = hybrid_mamba_layers(raw)
+    dims = MambaDims(3, raw["linear_num_value_heads"] * raw["linear_value_head_dim"], raw["linear_key_head_dim"],
+                     raw["linear_conv_kernel_dim"], num_heads=raw["linear_num_value_heads"],
+                     head_dim=raw["linear_value_head_dim"], n_groups=raw["linear_num_key_heads"], conv_bias=False)
+    return {"qkv_bias": bool(raw.get("attention_bias", False)), "attn_output_gate": True,
+            "mamba": dims if layers else None, "mamba_layers": layers or None}
 
 
 class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
@@ -138,16 +155,15 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
 
     @classmethod
     def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-        layers = hybrid_mamba_layers(raw)
-        dims = MambaDims(3, raw["linear_num_value_heads"] * raw["linear_value_head_dim"], raw["linear_key_head_dim"],
-                         raw["linear_conv_kernel_dim"], num_heads=raw["linear_num_value_heads"],
-                         head_dim=raw["linear_value_head_dim"], n_groups=raw["linear_num_key_heads"], conv_bias=False)
-        return {**super().hf_fields(raw, fields), "qkv_bias": bool(raw.get("attention_bias", False)),
-                "attn_output_gate": True, "mamba": dims if layers else None, "mamba_layers": layers or None}
+        return {**super().hf_fields(raw, fields), **linear_attention_fields(raw)}
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, attn_backend, dtype)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Qwen3-Next's grouped projections into Qwen3.5's separate ones, q_proj's per-head q | gate
-        rows into q and gate, and 1 + weight for its (1 + weight) norms."""
+        rows into q and gate."""
         c = self.config
         for name, tensor in weights:
             if name.endswith("linear_attn.in_proj_qkvz.weight"):
@@ -162,8 +178,6 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
                 qg = tensor.view(c.num_heads, 2, c.head_size, -1)
                 yield name, qg[:, 0].reshape(c.num_heads * c.head_size, -1)
                 yield name.replace("q_proj", "gate_proj"), qg[:, 1].reshape(c.num_heads * c.head_size, -1)
-            elif name.endswith(_PLUS_ONE):
-                yield name, tensor.float() + 1.0
             else:
                 yield name, self.hf_rows(name, tensor)
 
@@ -175,3 +189,37 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
         q, k, v, z = grouped.split([dk, dk, r * dv, r * dv], 1)
         yield prefix + "in_proj_qkv.weight", torch.cat([x.reshape(-1, tensor.shape[-1]) for x in (q, k, v)])
         yield prefix + "in_proj_z.weight", z.reshape(-1, tensor.shape[-1])
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5's mixture-of-experts models (Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B): Qwen3-Next's
+    layers with Qwen3.5's separate Gated DeltaNet projections, experts in every layer."""
+    hf_defaults: ClassVar[dict[str, Any]] = {**Qwen3NextForCausalLM.hf_defaults, "decoder_sparse_step": 1,
+                                             "mlp_only_layers": []}
+
+    @classmethod
+    def hf_raw(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        return {"intermediate_size": raw.get("moe_intermediate_size"), **raw}
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5's dense models (Qwen3.5-0.8B to 27B): Qwen3-Next's layers with a dense MLP."""
+
+    @classmethod
+    def hf_fields(cls, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        return {**Qwen2ForCausalLM.hf_fields(raw, fields), **linear_attention_fields(raw)}
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """Qwen3.5's published checkpoints: the language model, served on text (vLLM's
+    --language-model-only), its interleaved M-RoPE plain rope for text, the vision tower never read."""
+    hf_text_config: ClassVar[str | None] = "text_config"
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES
+    hf_tensor_map: ClassVar[TensorMap] = {**Qwen3NextForCausalLM.hf_tensor_map,
+                                          **language_model_tensor_map(Qwen3NextForCausalLM.hf_tensor_map)}
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    hf_text_config: ClassVar[str | None] = "text_config"
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES
+    hf_tensor_map: ClassVar[TensorMap] = Qwen3_5ForConditionalGeneration.hf_tensor_map
