@@ -24,6 +24,7 @@ from torch import nn
 from models.base import QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
 from models.config import ArchConfig, MambaDims
 from kernels.attention.base import AttentionBackend
+from kernels.cpu import ssm
 from models.layers import GemmaRMSNorm, Linear, MergedLinear, RMSNorm
 from models.mamba import CausalConv1d, HybridDecoderLayer, StateSteps, hybrid_mamba_layers
 from models.qwen2 import Qwen2ForCausalLM
@@ -86,6 +87,10 @@ class GatedDeltaNet(nn.Module):
 
     def _recurrence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     S: torch.Tensor, steps: StateSteps) -> torch.Tensor:
+        """The delta rule over the step's requests: natively (kernels/cpu/ssm.c) where it can, else
+        this torch reference."""
+        if ssm.supports(S, q, k, v, g, beta) and v.shape[-1] <= ssm.MAX_VALUE_DIM:
+            return ssm.gdn_scan(S, steps.slot_index, steps.fresh_mask, steps.qsl, q, k, v, g, beta)
         if steps.decode:
             n = steps.slot_index.numel()
             h = S[steps.slot_index]                                       # (B, H, d_k, d_v)

@@ -1,6 +1,8 @@
-/* The state-space recurrence of Mamba and Mamba-2 layers (models/mamba.py) for the float32 CPU
- * path: every request of a step, prompt chunks and decodes alike, its state read and written in
- * place in its slot (no gather, no scatter), one pass over the state per token.
+/* The state-space layers' kernels (models/mamba.py, models/qwen3_next.py) for the float32 CPU path:
+ * the recurrences of Mamba, Mamba-2 and Gated DeltaNet and the causal convolution before them, for
+ * every request of a step, prompt chunks and decodes alike, each state read and written in place in
+ * its slot (no gather, no scatter); Mamba-2's gated RMSNorm. Mamba's and Mamba-2's recurrence below,
+ * one pass over the state per token:
  *
  * For request r (tokens qsl[r] .. qsl[r+1] - 1 of the step, state slot slots[r]), head h of H (its
  * group g = h / (H / G) of B and C), channel p of the head's P, state index n of N:
@@ -141,6 +143,54 @@ void ssm_gated_norm_f32(const float *y, const float *gate, int64_t g_stride, con
             const float inv = 1.f / sqrtf(ss / (float)n + eps);
             #pragma omp simd
             for (int64_t i = 0; i < n; i++) o[i] = o[i] * inv * w[g * n + i];
+        }
+    }
+}
+
+/* Gated DeltaNet's recurrence (Qwen3-Next, Qwen3.5) for every request of a step: for request r
+ * (tokens qsl[r] .. qsl[r+1] - 1, state slot slots[r], zeroed first where fresh[r]) and value head
+ * h, its state S (DK, DV) at state + slot * slot_stride + h * DK * DV, for each token
+ *     S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q
+ * q, k (T, H, DK) and v, o (T, H, DV) contiguous; g, beta (T, H). OpenMP over (request, head)
+ * pairs; two passes over S a token (S^T k, then the update with o accumulated), vectorized over DV. */
+#define GDN_MAX_DV 1024
+
+void gdn_scan_f32(float *state, int64_t slot_stride, const int64_t *slots, const uint8_t *fresh,
+                  const int64_t *qsl, int64_t R, const float *q, const float *k, const float *v,
+                  const float *g, const float *beta, float *o, int64_t H, int64_t DK, int64_t DV) {
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t h = 0; h < H; h++) {
+            float *S = state + slots[r] * slot_stride + h * DK * DV;
+            if (fresh[r]) memset(S, 0, (size_t)(DK * DV) * sizeof(float));
+            float kv[GDN_MAX_DV], delta[GDN_MAX_DV], out[GDN_MAX_DV];
+            for (int64_t t = qsl[r]; t < qsl[r + 1]; t++) {
+                const float *qt = q + (t * H + h) * DK, *kt = k + (t * H + h) * DK, *vt = v + (t * H + h) * DV;
+                const float decay = exp_f32(g[t * H + h]), b = beta[t * H + h];
+                for (int64_t j = 0; j < DV; j++) kv[j] = 0.f;
+                for (int64_t i = 0; i < DK; i++) {
+                    const float ki = kt[i];
+                    const float *Si = S + i * DV;
+                    #pragma omp simd
+                    for (int64_t j = 0; j < DV; j++) kv[j] += Si[j] * ki;
+                }
+                #pragma omp simd
+                for (int64_t j = 0; j < DV; j++) {
+                    delta[j] = (vt[j] - decay * kv[j]) * b;
+                    out[j] = 0.f;
+                }
+                for (int64_t i = 0; i < DK; i++) {
+                    const float ki = kt[i], qi = qt[i];
+                    float *Si = S + i * DV;
+                    #pragma omp simd
+                    for (int64_t j = 0; j < DV; j++) {
+                        const float s = decay * Si[j] + ki * delta[j];
+                        Si[j] = s;
+                        out[j] += s * qi;
+                    }
+                }
+                memcpy(o + (t * H + h) * DV, out, (size_t)DV * sizeof(float));
+            }
         }
     }
 }

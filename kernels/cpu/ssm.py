@@ -6,6 +6,7 @@ Torch custom ops (a CPU kernel and a fake one) like the other native kernels::
     cpu_ssm_scan(state!, slots, fresh, qsl, x, dt, A, a_per_state, B, C, D, heads, head_dim, groups) -> y
     cpu_ssm_conv(x, conv_state!, slots, fresh, qsl, weight, bias) -> silu(causal conv of x)
     cpu_ssm_gated_norm(y, gate, weight, groups, eps) -> Tensor
+    cpu_gdn_scan(state!, slots, fresh, qsl, q, k, v, g, beta) -> o       Gated DeltaNet's delta rule
 
 ``state`` (slots, H, P, N) or (slots, H, N) float32 contiguous; ``slots`` (R,) int64 each
 request's slot, ``fresh`` (R,) bool (zero its state first), ``qsl`` (R + 1,) int64 where each
@@ -26,6 +27,7 @@ from kernels.cpu import fused, native
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 MAX_STATE = 1024          # ssm.c's SSM_MAX_N
 MAX_CONV = 8              # and CONV_MAX_K
+MAX_VALUE_DIM = 1024      # and GDN_MAX_DV
 
 
 def supports(state: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -76,6 +78,34 @@ def _gated_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group
     y, weight = y.contiguous(), weight.contiguous()
     _norm_kernel()(y.data_ptr(), gate.data_ptr(), gate.stride(0), weight.data_ptr(), out.data_ptr(), T, D, groups, eps)
     return out
+
+
+@lru_cache(maxsize=None)
+def _gdn_kernel() -> ctypes._CFuncPtr:
+    return native.declare("gdn_scan_f32", [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64])
+
+
+def _gdn(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, qsl: torch.Tensor, q: torch.Tensor,
+         k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    T, H, DK = q.shape
+    DV = v.shape[-1]
+    if (k.shape != q.shape or v.shape[:2] != (T, H) or g.shape != (T, H) or beta.shape != (T, H)
+            or state.shape[1:] != (H, DK, DV) or DV > MAX_VALUE_DIM):
+        raise ValueError(f"gdn scan: state {tuple(state.shape)}, q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
+    o = torch.empty(T, H, DV, dtype=torch.float32)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    slots, qsl = slots.to(torch.int64).contiguous(), qsl.to(torch.int64).contiguous()
+    fresh = fresh.to(torch.uint8).contiguous()
+    _gdn_kernel()(state.data_ptr(), state[0].numel(), slots.data_ptr(), fresh.data_ptr(), qsl.data_ptr(),
+                  slots.numel(), q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                  o.data_ptr(), H, DK, DV)
+    return o
+
+
+def gdn_scan(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, qsl: torch.Tensor, q: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    return torch.ops.troupe.cpu_gdn_scan(state, slots, fresh, qsl, q, k, v, g, beta)
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
@@ -130,3 +160,8 @@ torch.library.register_fake("troupe::cpu_ssm_conv", lambda x, *rest: x.new_empty
 _LIB.define("cpu_ssm_gated_norm(Tensor y, Tensor gate, Tensor weight, int groups, float eps) -> Tensor")
 _LIB.impl("cpu_ssm_gated_norm", _gated_norm, "CPU")
 torch.library.register_fake("troupe::cpu_ssm_gated_norm", lambda y, *rest: y.new_empty(y.shape), lib=_LIB)
+_LIB.define("cpu_gdn_scan(Tensor(a!) state, Tensor slots, Tensor fresh, Tensor qsl, Tensor q, Tensor k, Tensor v, "
+            "Tensor g, Tensor beta) -> Tensor")
+_LIB.impl("cpu_gdn_scan", _gdn, "CPU")
+torch.library.register_fake("troupe::cpu_gdn_scan", lambda state, slots, fresh, qsl, q, k, v, *rest: v.new_empty(v.shape),
+                            lib=_LIB)

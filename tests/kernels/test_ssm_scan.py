@@ -53,3 +53,35 @@ def test_the_native_scan_gives_the_reference_outputs_and_states(dims, monkeypatc
         b = mixer(hidden[:2], (c2, s2), StateSteps.of(decode))
     torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(s1, s2, atol=2e-5, rtol=2e-5)
+
+
+def test_the_native_delta_rule_gives_the_reference_outputs_and_states(monkeypatch):
+    """Gated DeltaNet (Qwen3-Next): 4 value heads over 2 query/key heads, prompts and a decode."""
+    from models.qwen3_next import GatedDeltaNet
+    torch.manual_seed(0)
+    dims = MambaDims(3, 24, 8, 4, num_heads=4, head_dim=6, n_groups=2, conv_bias=False)
+    mixer = GatedDeltaNet(16, dims, 1e-6, torch.float32)
+    with torch.no_grad():
+        for name, p in mixer.named_parameters():
+            p.copy_(torch.rand_like(p) * 2 - 0.5 if name in ("A_log", "dt_bias") else torch.randn_like(p) * 0.4)
+    conv = torch.randn(6, *dims.conv_state_shape)
+    state = torch.randn(6, *dims.ssm_state_shape)
+    lens, starts, slots = [5, 70, 1], [9, 0, 30], [4, 1, 5]
+    meta = build_attention_metadata(lens, [s + n for s, n in zip(starts, lens)], [[0] * 8 for _ in lens], 16,
+                                    state_slots=slots)
+    hidden = torch.randn(sum(lens), 16)
+    decode = build_attention_metadata([1, 1], [80, 15], [[0] * 8] * 2, 16, state_slots=[1, 4])
+    outs = []
+    for native_path in (True, False):
+        if not native_path:
+            monkeypatch.setattr(ssm, "supports", lambda *t: False)
+        states = (conv.clone(), state.clone())
+        with torch.inference_mode():
+            y = mixer(hidden, states, StateSteps.of(meta))
+            y2 = mixer(hidden[:2], states, StateSteps.of(decode))
+        outs.append((y, y2, states[1]))
+    (y, y2, s1), (ref, ref2, s2) = outs
+    torch.testing.assert_close(y, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(y2, ref2, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(s1, s2, atol=2e-5, rtol=2e-5)
+    assert torch.equal(s1[[0, 2, 3]], state[[0, 2, 3]])
