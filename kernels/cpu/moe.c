@@ -17,8 +17,8 @@
  *   1. act[p, j] = silu(x[t_p] . gate_e[j]) * (x[t_p] . up_e[j])     (P, I)
  *   2. y[p, h]   = act[p] . down_e[h]                                 (P, H)
  * and a combine pass sums each token's rows, weighted, in k order. Every dot product runs over
- * a contiguous weight row and a contiguous activation row; blocks of 4 pairs share each weight
- * row read. All arithmetic is float32 (the sums in another order than torch's matmul). */
+ * a contiguous weight row and a contiguous activation row; tiles of 4 pairs by 4 weight rows share
+ * each row read. All arithmetic is float32 (the sums in another order than torch's matmul). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,18 +50,48 @@ static inline void dot4(const float *restrict a0, const float *restrict a1, cons
     s[0] = s0; s[1] = s1; s[2] = s2; s[3] = s3;
 }
 
+/* s[4 * r + c] = a_r . b_c for 4 rows and 4 weight rows at once: 16 sums, each load of a row
+ * vector feeding 4 of them (twice dot4's products per load). */
+static inline void dot4x4(const float *const *a, const float *restrict b0, const float *restrict b1,
+                          const float *restrict b2, const float *restrict b3, int64_t n, float *s) {
+    const float *restrict a0 = a[0], *restrict a1 = a[1], *restrict a2 = a[2], *restrict a3 = a[3];
+    float s00 = 0.f, s01 = 0.f, s02 = 0.f, s03 = 0.f, s10 = 0.f, s11 = 0.f, s12 = 0.f, s13 = 0.f;
+    float s20 = 0.f, s21 = 0.f, s22 = 0.f, s23 = 0.f, s30 = 0.f, s31 = 0.f, s32 = 0.f, s33 = 0.f;
+    #pragma omp simd reduction(+:s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33)
+    for (int64_t i = 0; i < n; i++) {
+        const float w0 = b0[i], w1 = b1[i], w2 = b2[i], w3 = b3[i];
+        const float x0 = a0[i], x1 = a1[i], x2 = a2[i], x3 = a3[i];
+        s00 += x0 * w0; s01 += x0 * w1; s02 += x0 * w2; s03 += x0 * w3;
+        s10 += x1 * w0; s11 += x1 * w1; s12 += x1 * w2; s13 += x1 * w3;
+        s20 += x2 * w0; s21 += x2 * w1; s22 += x2 * w2; s23 += x2 * w3;
+        s30 += x3 * w0; s31 += x3 * w1; s32 += x3 * w2; s33 += x3 * w3;
+    }
+    s[0] = s00; s[1] = s01; s[2] = s02; s[3] = s03; s[4] = s10; s[5] = s11; s[6] = s12; s[7] = s13;
+    s[8] = s20; s[9] = s21; s[10] = s22; s[11] = s23; s[12] = s30; s[13] = s31; s[14] = s32; s[15] = s33;
+}
+
 /* y[r * ldy + c - c0] = rows[r] . (w + c * n) for the block's rows and the columns c0..c1 of
- * one expert's weight (its row c at w + c * n). */
+ * one expert's weight (its row c at w + c * n): tiles of 4 rows by 4 columns, then 4 rows by
+ * one column, then single rows. */
 static void block_dots(const float *const *rows, int64_t nrows, const float *w, int64_t c0, int64_t c1,
                        int64_t n, float *y, int64_t ldy) {
     int64_t r = 0;
-    for (; r + 4 <= nrows; r += 4)
-        for (int64_t c = c0; c < c1; c++) {
+    for (; r + 4 <= nrows; r += 4) {
+        int64_t c = c0;
+        for (; c + 4 <= c1; c += 4) {
+            float s[16];
+            dot4x4(rows + r, w + c * n, w + (c + 1) * n, w + (c + 2) * n, w + (c + 3) * n, n, s);
+            for (int q = 0; q < 4; q++)
+                for (int j = 0; j < 4; j++)
+                    y[(r + q) * ldy + c + j - c0] = s[4 * q + j];
+        }
+        for (; c < c1; c++) {
             float s[4];
             dot4(rows[r], rows[r + 1], rows[r + 2], rows[r + 3], w + c * n, n, s);
             for (int q = 0; q < 4; q++)
                 y[(r + q) * ldy + c - c0] = s[q];
         }
+    }
     for (; r < nrows; r++)
         for (int64_t c = c0; c < c1; c++)
             y[r * ldy + c - c0] = dot(rows[r], w + c * n, n);
