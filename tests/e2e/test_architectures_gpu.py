@@ -1,8 +1,8 @@
 """The newer model shapes on a GPU (``-m gpu``, skipped without CUDA): Granite's multipliers,
 SmolLM3's NoPE layers, a Phi-4-mini-shaped model (longrope over a partial rotary, served past its
 original context), Llama 3.1's rope scaling, Gemma 2's capped scores, gpt-oss's attention sinks
-and biased swigluoai experts, BLOOM's ALiBi (in the Triton kernels) give transformers' greedy
-tokens through a CUDA engine with its graphs."""
+and biased swigluoai experts, BLOOM's ALiBi (in the Triton kernels), Mamba-2's and Qwen3-Next's
+recurrent states (eager: no graphs for them) give transformers' greedy tokens through a CUDA engine."""
 from __future__ import annotations
 
 import pytest
@@ -43,6 +43,17 @@ def _model(name: str):
                                                   sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
                                                   swiglu_limit=1.0, tie_word_embeddings=False,
                                                   rope_parameters={"rope_type": "default", "rope_theta": 5000.0}))
+    if name == "mamba2":          # state-space layers only: their recurrent states in the worker's slots, eager
+        return t.Mamba2ForCausalLM(t.Mamba2Config(vocab_size=128, hidden_size=64, state_size=16, num_hidden_layers=2,
+                                                  num_heads=8, head_dim=16, n_groups=2, expand=2, conv_kernel=4,
+                                                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
+    if name == "qwen3_next":      # Gated DeltaNet beside gated attention, experts
+        return t.Qwen3NextForCausalLM(t.Qwen3NextConfig(
+            **{**TINY, "intermediate_size": 48}, head_dim=16, num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
+            linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+            shared_expert_intermediate_size=20, tie_word_embeddings=False))
     if name == "bloom":
         return t.BloomForCausalLM(t.BloomConfig(vocab_size=128, hidden_size=96, n_layer=2, n_head=6,
                                                 bos_token_id=1, eos_token_id=2))
@@ -55,8 +66,9 @@ def _saved(name: str, path) -> tuple[object, str]:
     hf = _model(name)
     with torch.no_grad():
         for param_name, p in hf.named_parameters():
-            is_norm = param_name.endswith(("norm.weight", "layernorm.weight", "ln_f.weight"))
-            p.normal_(1.0 if is_norm and name != "gemma2" else 0.0, 0.15)
+            is_norm = param_name.endswith(("norm.weight", "layernorm.weight", "ln_f.weight", "norm_f.weight"))
+            plus_one = name in ("gemma2", "qwen3_next") and "linear_attn" not in param_name   # (1 + weight) norms
+            p.normal_(1.0 if is_norm and not plus_one else 0.0, 0.15)
     hf.config._attn_implementation = "eager"
     hf.eval().save_pretrained(path)
     return hf, str(path)
@@ -74,6 +86,7 @@ def check_greedy_tokens(name: str, path, device: str) -> None:
     assert list(out.outputs[0].token_ids) == hf_greedy(hf, [prompt], 8)[0]
 
 
-@pytest.mark.parametrize("name", ["granite", "smollm3", "phi4_mini", "llama3_rope", "gemma2", "gpt_oss", "bloom"])
+@pytest.mark.parametrize("name", ["granite", "smollm3", "phi4_mini", "llama3_rope", "gemma2", "gpt_oss", "bloom",
+                                  "mamba2", "qwen3_next"])
 def test_greedy_tokens_on_cuda_equal_transformers(name, tmp_path):
     check_greedy_tokens(name, tmp_path, "cuda")
