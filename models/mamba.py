@@ -17,7 +17,7 @@ chunk, plus the state carried in from before it), and a gated RMSNorm takes the 
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,25 @@ class StateSteps(NamedTuple):
     fresh_mask: torch.Tensor        # (B,) bool
     decode: bool                    # one token each
     qsl: torch.Tensor               # (B + 1,) int64, where each request's tokens start, then their end
+
+    def gather(self, state: torch.Tensor) -> torch.Tensor:
+        """A decode step's states, (B, ...) copies of the requests' slots, zero where fresh."""
+        h = state[self.slot_index]
+        if any(self.fresh):
+            h[self.fresh_mask] = 0
+        return h
+
+    def each_request(self, state: torch.Tensor, out: torch.Tensor,
+                     scan: Callable[[slice, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``out[tokens] = scan(tokens, h)`` for each request, h its slot of ``state`` (zeroed first
+        where fresh), updated in place by ``scan``."""
+        for slot, start, n, fresh in zip(self.slots, self.starts, self.lens, self.fresh):
+            h = state[slot]
+            if fresh:
+                h.zero_()
+            s = slice(start, start + n)
+            out[s] = scan(s, h)
+        return out
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> StateSteps:
@@ -76,9 +95,7 @@ class CausalConv1d(nn.Module):
                                    self.bias)
         w = self.weight[:, 0, :]                                          # (C, K)
         if steps.decode:
-            prev = conv_state[steps.slot_index]                           # (B, C, K-1)
-            if any(steps.fresh):
-                prev[steps.fresh_mask] = 0
+            prev = steps.gather(conv_state)                               # (B, C, K-1)
             window = torch.cat([prev, x[:steps.slot_index.numel(), :, None].to(prev.dtype)], -1)   # (B, C, K)
             conv_state[steps.slot_index] = window[:, :, 1:]
             out = (window.to(w.dtype) * w).sum(-1)
@@ -227,21 +244,13 @@ class MambaMixer(nn.Module):
         D = self.D.float()
         if steps.decode:
             b = steps.slot_index.numel()
-            h = ssm_state[steps.slot_index]                               # (B, d, N)
-            if any(steps.fresh):
-                h[steps.fresh_mask] = 0
+            h = steps.gather(ssm_state)                                   # (B, d, N)
             x, dt, B, C = x[:b], dt[:b], B[:b], C[:b]
             h = torch.addcmul((dt * x)[:, :, None] * B[:, None, :], torch.exp(dt[:, :, None] * A), h)
             ssm_state[steps.slot_index] = h
             return torch.einsum("bdn,bn->bd", h, C) + D * x
-        out = torch.empty_like(x)
-        for slot, start, n, fresh in zip(steps.slots, steps.starts, steps.lens, steps.fresh):
-            h = ssm_state[slot]
-            if fresh:
-                h.zero_()
-            s = slice(start, start + n)
-            out[s] = selective_scan(x[s], dt[s], A, B[s], C[s], D, h)
-        return out
+        return steps.each_request(ssm_state, torch.empty_like(x),
+                                  lambda s, h: selective_scan(x[s], dt[s], A, B[s], C[s], D, h))
 
     def _scan2(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                ssm_state: torch.Tensor, steps: StateSteps) -> torch.Tensor:
@@ -249,22 +258,14 @@ class MambaMixer(nn.Module):
         D = self.D.float()
         if steps.decode:
             b = steps.slot_index.numel()
-            h = ssm_state[steps.slot_index]                               # (B, H, P, N)
-            if any(steps.fresh):
-                h[steps.fresh_mask] = 0
+            h = steps.gather(ssm_state)                                   # (B, H, P, N)
             x, dt, B, C = x[:b], dt[:b], B[:b], C[:b]
             decay = torch.exp(dt * A)[:, :, None, None]                   # (B, H, 1, 1)
             h = decay * h + (dt[:, :, None] * x)[:, :, :, None] * B[:, :, None, :]
             ssm_state[steps.slot_index] = h
             return torch.einsum("bhpn,bhn->bhp", h, C) + D[:, None] * x
-        out = torch.empty_like(x)
-        for slot, start, n, fresh in zip(steps.slots, steps.starts, steps.lens, steps.fresh):
-            h = ssm_state[slot]
-            if fresh:
-                h.zero_()
-            s = slice(start, start + n)
-            out[s] = ssd_chunk_scan(x[s], dt[s], A, B[s], C[s], D, h)
-        return out
+        return steps.each_request(ssm_state, torch.empty_like(x),
+                                  lambda s, h: ssd_chunk_scan(x[s], dt[s], A, B[s], C[s], D, h))
 
 
 class MambaDecoderLayer(nn.Module):
@@ -295,11 +296,15 @@ def _mamba_map(mixer: tuple[str, ...]) -> TensorMap:
     return out
 
 
+MAMBA_MIXER = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
+               "dt_proj.bias", "A_log", "D", "out_proj.weight", "out_proj.bias")
+MAMBA2_MIXER = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
+                "norm.weight", "out_proj.weight", "out_proj.bias")
+
+
 class MambaForCausalLM(CausalLM):
     """state-spaces/mamba-*-hf: Mamba layers only, each a pre-norm residual block."""
-    hf_tensor_map: ClassVar[TensorMap] = _mamba_map((
-        "in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
-        "dt_proj.bias", "A_log", "D", "out_proj.weight", "out_proj.bias"))
+    hf_tensor_map: ClassVar[TensorMap] = _mamba_map(MAMBA_MIXER)
     gguf_tensor_map: ClassVar[TensorMap] = {}
     hf_defaults: ClassVar[dict[str, Any]] = {"layer_norm_epsilon": 1e-5, "conv_kernel": 4, "expand": 2,
                                              "use_bias": False, "use_conv_bias": True, "tie_word_embeddings": True}
@@ -367,9 +372,7 @@ class FalconMambaForCausalLM(MambaForCausalLM):
 
 class Mamba2ForCausalLM(MambaForCausalLM):
     """Mamba-2 (mamba-codestral, mamba2-*-hf): Mamba-2 layers only."""
-    hf_tensor_map: ClassVar[TensorMap] = _mamba_map((
-        "in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
-        "norm.weight", "out_proj.weight", "out_proj.bias"))
+    hf_tensor_map: ClassVar[TensorMap] = _mamba_map(MAMBA2_MIXER)
     hf_defaults: ClassVar[dict[str, Any]] = {**MambaForCausalLM.hf_defaults, "tie_word_embeddings": False,
                                              "n_groups": 1, "time_step_limit": (0.0, float("inf"))}
     mamba_version: ClassVar[int] = 2
@@ -417,8 +420,6 @@ from models.qwen3_moe import use_moe_layers                                     
 from models.layers import GatedMLP                                               # noqa: E402
 from models.llama import LlamaDecoderLayer, LlamaForCausalLM                     # noqa: E402
 
-MAMBA2_MIXER = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
-                "norm.weight", "out_proj.weight", "out_proj.bias")
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")      # the hub's name of a Mamba layer, and transformers 5's
 
 
@@ -544,10 +545,8 @@ class JambaForCausalLM(LlamaForCausalLM):
                                              "mamba_conv_bias": True, "mamba_proj_bias": False}
     hf_tensor_map: ClassVar[TensorMap] = {
         **BambaForCausalLM.hf_tensor_map,
-        **{f"model.layers.{{i}}.mamba.{name}": (f"layers.{{i}}.mamba.{name}", None) for name in (
-            "in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
-            "dt_proj.bias", "A_log", "D", "out_proj.weight", "out_proj.bias", "dt_layernorm.weight",
-            "b_layernorm.weight", "c_layernorm.weight")},
+        **{f"model.layers.{{i}}.mamba.{name}": (f"layers.{{i}}.mamba.{name}", None)
+           for name in MAMBA_MIXER + ("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight")},
         "model.layers.{i}.feed_forward.router.weight": ("layers.{i}.mlp.gate.weight", None),
         "model.layers.{i}.feed_forward.experts.{e}.gate_proj.weight": ("layers.{i}.mlp.w13_weight", "gate.{e}"),
         "model.layers.{i}.feed_forward.experts.{e}.up_proj.weight": ("layers.{i}.mlp.w13_weight", "up.{e}"),

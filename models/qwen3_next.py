@@ -93,9 +93,7 @@ class GatedDeltaNet(nn.Module):
             return ssm.gdn_scan(S, steps.slot_index, steps.fresh_mask, steps.qsl, q, k, v, g, beta)
         if steps.decode:
             n = steps.slot_index.numel()
-            h = S[steps.slot_index]                                       # (B, H, d_k, d_v)
-            if any(steps.fresh):
-                h[steps.fresh_mask] = 0
+            h = steps.gather(S)                                           # (B, H, d_k, d_v)
             q, k, v, g, beta = q[:n], k[:n], v[:n], g[:n], beta[:n]
             h = h * torch.exp(g)[:, :, None, None]
             delta = (v - torch.einsum("bhk,bhkv->bhv", k, h)) * beta[:, :, None]
@@ -103,14 +101,8 @@ class GatedDeltaNet(nn.Module):
             S[steps.slot_index] = h
             out = torch.einsum("bhk,bhkv->bhv", q, h)
             return torch.cat([out, v.new_zeros(q.shape[0] - n, *out.shape[1:])]) if q.shape[0] > n else out
-        out = torch.zeros_like(v)
-        for slot, start, n, fresh in zip(steps.slots, steps.starts, steps.lens, steps.fresh):
-            h = S[slot]
-            if fresh:
-                h.zero_()
-            s = slice(start, start + n)
-            out[s] = gated_delta_rule(q[s], k[s], v[s], g[s], beta[s], h)
-        return out
+        return steps.each_request(S, torch.zeros_like(v),
+                                  lambda s, h: gated_delta_rule(q[s], k[s], v[s], g[s], beta[s], h))
 
 
 class Qwen3NextDecoderLayer(HybridDecoderLayer):
