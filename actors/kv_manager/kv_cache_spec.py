@@ -322,7 +322,8 @@ def create_kv_cache_views(specs: list[KVCacheSpec], num_blocks: int, dtype: torc
     import torch
     groups = groups or kv_cache_groups(specs, hybrid=False)
     stateful = stateful_layers(specs)
-    s = groups[0].kv_cache_spec
+    attending = attention_specs(specs)          # the layers' own shape (a tensor-parallel rank's KV heads)
+    s = attending[0][1] if attending else groups[0].kv_cache_spec
     if s.dtype_bytes and torch.tensor([], dtype=dtype).element_size() != s.dtype_bytes:
         raise ValueError(f"dtype {dtype} does not match the spec's {s.dtype_bytes}-byte elements")
     per_tensor = 2 * num_blocks * s.block_size * s.num_kv_heads * s.head_size

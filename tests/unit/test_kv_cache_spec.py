@@ -92,3 +92,13 @@ def test_model_specs_follow_each_layers_window():
     assert [type(s).__name__ for s in specs] == ["SlidingWindowSpec", "SlidingWindowSpec", "FullAttentionSpec"]
     assert specs[0].sliding_window == 8
     check_kv_cache_specs(specs)
+
+
+def test_a_tensor_parallel_ranks_views_hold_its_own_kv_heads():
+    """Blocks are sized for the most KV heads any rank holds (the groups' spec); each rank's views
+    take the shape of its own layers' specs (3 KV heads over 2 ranks: 2 and 1)."""
+    from actors.kv_manager.kv_cache_spec import kv_cache_groups
+    groups = kv_cache_groups([FullAttentionSpec(16, 2, 64, 4)] * 3)
+    views = create_kv_cache_views([FullAttentionSpec(16, 1, 64, 4)] * 3, num_blocks=5, dtype=torch.float32,
+                                  groups=groups)
+    assert [tuple(v.shape) for v in views] == [(2, 5, 16, 1, 64)] * 3
