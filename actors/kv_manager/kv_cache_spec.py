@@ -20,6 +20,10 @@ are contiguous (page_size_bytes / 2 bytes). With one group of all layers (a mode
 sliding windows, or --disable-hybrid-kv-cache-manager) every layer has a tensor of its own and
 holds every block.
 
+State-space layers (Mamba, Gated DeltaNet: MambaSpec) hold no KV blocks: each request's recurrent
+state sits in the worker's state slots (``create_state_views``); they, and layers without a token
+mixer (MixerlessSpec), join no group. A model of such layers only has one group of no layers.
+
 A draft model (speculative decoding, ``with_draft_layers``) keeps its KV cache in the same blocks:
 its layers are numbered after the target's and join the target's groups, so one block id stands
 for the target's page and the draft's, and the KV manager allocates, caches and frees both at
@@ -108,7 +112,7 @@ def kv_cache_groups(specs: list[KVCacheSpec], hybrid: bool = True) -> tuple[KVCa
     of every layer; with a single kind that is a sliding window and ``hybrid``, that group keeps
     only the window's blocks. Otherwise one or more groups per kind, each of ``group_size``
     layers as vLLM sizes them (the fewest layers of any kind, or the most when the counts are
-    within 25%); full attention groups first. State-space layers (MambaSpec) join no group; a
+    within 25%); full attention groups first. State-space and mixerless layers join no group; a
     model of those only has one group of no layers."""
     check_kv_cache_specs(specs)
     attending = attention_specs(specs)
@@ -177,20 +181,20 @@ def describe_groups(groups: tuple[KVCacheGroupSpec, ...]) -> str:
             + ", ".join(f"{n} {kind}" for kind, n in kinds.items()))
 
 
-def layer_groups(groups: tuple[KVCacheGroupSpec, ...], num_layers: int, stateful: frozenset[int] = frozenset()
+def layer_groups(groups: tuple[KVCacheGroupSpec, ...], num_layers: int, without_kv: frozenset[int] = frozenset()
                  ) -> list[int]:
-    """The KV cache group of each layer; -1 for the state-space layers ``stateful``."""
+    """The KV cache group of each layer; -1 for the layers ``without_kv`` (state-space and mixerless ones)."""
     out = [-1] * num_layers
     for g, group in enumerate(groups):
         for layer in group.layer_ids:
             out[layer] = g
-    missing = [i for i, g in enumerate(out) if g < 0 and i not in stateful]
+    missing = [i for i, g in enumerate(out) if g < 0 and i not in without_kv]
     if missing:
         raise ValueError(f"layer {missing[0]} belongs to no KV cache group")
     return out
 
 
-def stateful_layers(specs: list[Any]) -> frozenset[int]:
+def layers_without_kv(specs: list[Any]) -> frozenset[int]:
     """The layers without KV cache: state-space layers (their states are the worker's) and mixerless ones."""
     return frozenset(i for i, s in enumerate(specs) if isinstance(s, NO_KV_SPECS))
 
@@ -321,7 +325,7 @@ def create_kv_cache_views(specs: list[KVCacheSpec], num_blocks: int, dtype: torc
     None: every layer."""
     import torch
     groups = groups or kv_cache_groups(specs, hybrid=False)
-    stateful = stateful_layers(specs)
+    without_kv = layers_without_kv(specs)
     attending = attention_specs(specs)          # the layers' own shape (a tensor-parallel rank's KV heads)
     s = attending[0][1] if attending else groups[0].kv_cache_spec
     if s.dtype_bytes and torch.tensor([], dtype=dtype).element_size() != s.dtype_bytes:
@@ -336,7 +340,7 @@ def create_kv_cache_views(specs: list[KVCacheSpec], num_blocks: int, dtype: torc
         for j, layer in enumerate(g.layer_ids):
             views[layer] = tensors[j]
     layers = range(len(specs)) if layers is None else layers
-    missing = [i for i in layers if views[i] is None and i not in stateful]
+    missing = [i for i in layers if views[i] is None and i not in without_kv]
     if missing:
         raise ValueError(f"layers {missing} belong to no KV cache group")
     return [views[i] for i in layers]

@@ -62,7 +62,7 @@ import torch
 from actors.engine.config import EngineConfig
 from actors.engine.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from actors.kv_manager.kv_cache_spec import (create_kv_cache_views, create_state_views, layer_groups, stage_groups,
-                                             stateful_layers)
+                                             layers_without_kv)
 from actors.worker.cuda_graphs import CudaGraphRunner
 from actors.worker.pooler import Pooler, dense_projector
 from actors.worker.input_batch import InputBatch
@@ -132,7 +132,7 @@ class ModelRunner:
         groups = config.kv_cache_groups()
         self.num_kv_cache_groups = G = len(groups)
         L = self.arch.num_layers
-        group_of = layer_groups(groups, len(specs), stateful_layers(specs))
+        group_of = layer_groups(groups, len(specs), layers_without_kv(specs))
         self.link = link
         self.samples = link is None or link.next_rank is None       # the last pipeline stage, or the only one
         if link is None:
