@@ -32,7 +32,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         # state-space models (a recurrent state per request, no KV cache)
         ("MambaForCausalLM", "mamba"), ("FalconMambaForCausalLM", "mamba"), ("Mamba2ForCausalLM", "mamba"),
         ("GraniteMoeHybridForCausalLM", "mamba"), ("BambaForCausalLM", "mamba"), ("JambaForCausalLM", "mamba"),
-        ("NemotronHForCausalLM", "nemotron_h"), ("Qwen3NextForCausalLM", "qwen3_next"),
+        ("NemotronHForCausalLM", "nemotron_h"), ("Lfm2ForCausalLM", "lfm2"), ("Qwen3NextForCausalLM", "qwen3_next"),
         ("Qwen3_5ForCausalLM", "qwen3_next"), ("Qwen3_5MoeForCausalLM", "qwen3_next"),
         ("Qwen3_5ForConditionalGeneration", "qwen3_next"), ("Qwen3_5MoeForConditionalGeneration", "qwen3_next"),
         # multimodal checkpoints: their language model, on text (vLLM's --language-model-only)

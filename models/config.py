@@ -49,9 +49,10 @@ class MambaDims:
     heads of ``head_dim`` channels, one decay per head, B and C shared by the heads of each of
     ``n_groups`` groups, a gated RMSNorm before the output; 3 (Gated DeltaNet): ``num_heads`` value
     heads of ``head_dim`` reading ``n_groups`` query/key heads of ``d_state`` through a (d_state,
-    head_dim) state per head updated by the delta rule. All convolve their inputs causally over
-    ``d_conv`` tokens first."""
-    version: int                               # 1 Mamba, 2 Mamba-2, 3 Gated DeltaNet (Qwen3-Next's linear attention)
+    head_dim) state per head updated by the delta rule; 4 (LFM2's short convolution): the
+    convolution alone, gated before and after. All convolve their inputs causally over ``d_conv``
+    tokens."""
+    version: int                               # 1 Mamba, 2 Mamba-2, 3 Gated DeltaNet (Qwen3-Next), 4 LFM2's short conv
     d_inner: int                               # channels of the mixer (intermediate_size; the values')
     d_state: int                               # N: the state's size per channel
     d_conv: int                                # the causal convolution's width
@@ -67,21 +68,23 @@ class MambaDims:
     time_step_limit: tuple[float, float] = (0.0, float("inf"))   # Mamba-2's clamp of the time steps
 
     def __post_init__(self) -> None:
-        if self.version not in (1, 2, 3):
-            raise ValueError(f"Mamba version {self.version} is not supported (1, 2, or 3: Gated DeltaNet)")
-        if self.version > 1 and (self.num_heads * self.head_dim != self.d_inner or self.num_heads % self.n_groups):
+        if self.version not in (1, 2, 3, 4):
+            raise ValueError(f"Mamba version {self.version} is not supported (1, 2, 3: Gated DeltaNet, 4: short conv)")
+        if self.version in (2, 3) and (self.num_heads * self.head_dim != self.d_inner or self.num_heads % self.n_groups):
             raise ValueError(f"{self.num_heads} heads of {self.head_dim} must make the {self.d_inner} "
                              f"channels and split into {self.n_groups} groups")
 
     @property
     def conv_dim(self) -> int:
         """Channels the convolution turns: x (Mamba), x, B and C (Mamba-2), or q, k and v (Gated DeltaNet)."""
-        return self.d_inner if self.version == 1 else self.d_inner + 2 * self.n_groups * self.d_state
+        return self.d_inner if self.version in (1, 4) else self.d_inner + 2 * self.n_groups * self.d_state
 
     @property
     def ssm_state_shape(self) -> tuple[int, ...]:
         if self.version == 3:
             return (self.num_heads, self.d_state, self.head_dim)
+        if self.version == 4:
+            return (0,)                        # the convolution's inputs are all it keeps
         return (self.d_inner, self.d_state) if self.version == 1 else (self.num_heads, self.head_dim, self.d_state)
 
     @property

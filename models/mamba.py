@@ -81,18 +81,19 @@ class StateSteps(NamedTuple):
 
 class CausalConv1d(nn.Module):
     """A depthwise causal convolution over each request's tokens, continued from the inputs its
-    previous step left (``conv_state`` (slots, channels, width - 1))."""
+    previous step left (``conv_state`` (slots, channels, width - 1)); SiLU applied where ``silu``."""
 
-    def __init__(self, channels: int, width: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, channels: int, width: int, bias: bool, dtype: torch.dtype, silu: bool = True) -> None:
         super().__init__()
+        self.silu = silu
         self.weight = nn.Parameter(torch.empty(channels, 1, width, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(channels, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, steps: StateSteps) -> torch.Tensor:
-        # x (T, C) -> (T, C), silu applied
+        # x (T, C) -> (T, C)
         if self.weight.shape[-1] <= ssm.MAX_CONV and ssm.supports(conv_state, x, self.weight):
             return ssm.causal_conv(x, conv_state, steps.slot_index, steps.fresh_mask, steps.qsl, self.weight,
-                                   self.bias)
+                                   self.bias, self.silu)
         w = self.weight[:, 0, :]                                          # (C, K)
         if steps.decode:
             prev = steps.gather(conv_state)                               # (B, C, K-1)
@@ -101,7 +102,7 @@ class CausalConv1d(nn.Module):
             out = (window.to(w.dtype) * w).sum(-1)
             if self.bias is not None:
                 out = out + self.bias
-            return F.silu(out)
+            return F.silu(out) if self.silu else out
         out = torch.empty_like(x)
         keep = conv_state.shape[-1]
         for slot, start, n, fresh in zip(steps.slots, steps.starts, steps.lens, steps.fresh):
@@ -109,7 +110,7 @@ class CausalConv1d(nn.Module):
             seq = torch.cat([prev, x[start:start + n].T], -1)             # (C, K-1+n)
             conv_state[slot] = seq[:, seq.shape[1] - keep:]
             out[start:start + n] = F.conv1d(seq[None], self.weight, self.bias, groups=seq.shape[0])[0].T
-        return F.silu(out)
+        return F.silu(out) if self.silu else out
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:

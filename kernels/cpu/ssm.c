@@ -67,9 +67,10 @@ void ssm_scan_f32(float *state, int64_t slot_stride, const int64_t *slots, const
     }
 }
 
-/* The causal depthwise convolution of a Mamba layer's inputs over every request of a step, SiLU
- * applied, continued from each request's last K - 1 inputs: for request r (tokens qsl[r] ..
- * qsl[r+1] - 1, state slot slots[r]; ``fresh[r]``: zero inputs before its first token) and channel c,
+/* The causal depthwise convolution of a state-space layer's inputs over every request of a step,
+ * SiLU applied where ``silu`` (LFM2's short convolutions take none), continued from each request's
+ * last K - 1 inputs: for request r (tokens qsl[r] .. qsl[r+1] - 1, state slot slots[r];
+ * ``fresh[r]``: zero inputs before its first token) and channel c,
  *     out[t,c] = silu(bias[c] + sum_k w[c,k] in[t - (K-1) + k, c])
  * x (T, C) row stride x_stride, conv_state (slots, C, K - 1) contiguous (updated: the last K - 1
  * inputs), w (C, K), bias (C,) or NULL, out (T, C) contiguous. OpenMP over blocks of 64 channels,
@@ -81,7 +82,7 @@ void ssm_scan_f32(float *state, int64_t slot_stride, const int64_t *slots, const
 /* One block of nc channels of request r's tokens; K a constant where inlined with one (its loops unrolled). */
 static inline __attribute__((always_inline)) void conv_block(
         const float *x, int64_t x_stride, float *st, int fresh, int64_t t0, int64_t t1, float wk[][CONV_BLOCK],
-        const float *b, float *out, int64_t C, int64_t c0, int64_t nc, const int64_t K) {
+        const float *b, float *out, int64_t C, int64_t c0, int64_t nc, const int64_t K, const int silu) {
     const int64_t keep = K - 1;
     float win[CONV_MAX_K][CONV_BLOCK];                  /* win[k][c]: the K - 1 inputs before the token */
     for (int64_t c = 0; c < nc; c++)
@@ -95,7 +96,7 @@ static inline __attribute__((always_inline)) void conv_block(
             for (int64_t k = 0; k < keep; k++) acc += wk[k][c] * win[k][c];
             for (int64_t k = 0; k + 1 < keep; k++) win[k][c] = win[k + 1][c];
             win[keep - 1][c] = xt[c];
-            ot[c] = acc / (1.f + exp_f32(-acc));
+            ot[c] = silu ? acc / (1.f + exp_f32(-acc)) : acc;
         }
     }
     for (int64_t c = 0; c < nc; c++)
@@ -103,7 +104,8 @@ static inline __attribute__((always_inline)) void conv_block(
 }
 
 void ssm_conv_f32(const float *x, int64_t x_stride, float *conv_state, const int64_t *slots, const uint8_t *fresh,
-                  const int64_t *qsl, int64_t R, const float *w, const float *bias, float *out, int64_t C, int64_t K) {
+                  const int64_t *qsl, int64_t R, const float *w, const float *bias, float *out, int64_t C, int64_t K,
+                  int silu) {
     const int64_t blocks = (C + CONV_BLOCK - 1) / CONV_BLOCK, keep = K - 1;
     #pragma omp parallel for schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -115,10 +117,12 @@ void ssm_conv_f32(const float *x, int64_t x_stride, float *conv_state, const int
         }
         for (int64_t r = 0; r < R; r++) {
             float *st = conv_state + slots[r] * C * keep;
-            if (K == 4)                                 /* every Mamba checkpoint's width */
-                conv_block(x, x_stride, st, fresh[r], qsl[r], qsl[r + 1], wk, b, out, C, c0, nc, 4);
+            if (K == 4 && silu)                         /* every Mamba checkpoint's */
+                conv_block(x, x_stride, st, fresh[r], qsl[r], qsl[r + 1], wk, b, out, C, c0, nc, 4, 1);
+            else if (K == 3 && !silu)                   /* LFM2's */
+                conv_block(x, x_stride, st, fresh[r], qsl[r], qsl[r + 1], wk, b, out, C, c0, nc, 3, 0);
             else
-                conv_block(x, x_stride, st, fresh[r], qsl[r], qsl[r + 1], wk, b, out, C, c0, nc, K);
+                conv_block(x, x_stride, st, fresh[r], qsl[r], qsl[r + 1], wk, b, out, C, c0, nc, K, silu);
         }
     }
 }

@@ -4,7 +4,7 @@ decodes alike, each request's state updated in place in its slot; Mamba-2's gate
 Torch custom ops (a CPU kernel and a fake one) like the other native kernels::
 
     cpu_ssm_scan(state!, slots, fresh, qsl, x, dt, A, a_per_state, B, C, D, heads, head_dim, groups) -> y
-    cpu_ssm_conv(x, conv_state!, slots, fresh, qsl, weight, bias) -> silu(causal conv of x)
+    cpu_ssm_conv(x, conv_state!, slots, fresh, qsl, weight, bias, silu) -> (silu of) the causal conv of x
     cpu_ssm_gated_norm(y, gate, weight, groups, eps) -> Tensor
     cpu_gdn_scan(state!, slots, fresh, qsl, q, k, v, g, beta) -> o       Gated DeltaNet's delta rule
 
@@ -45,7 +45,7 @@ def _kernel() -> ctypes._CFuncPtr:
 
 @lru_cache(maxsize=None)
 def _conv_kernel() -> ctypes._CFuncPtr:
-    return native.declare("ssm_conv_f32", [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64])
+    return native.declare("ssm_conv_f32", [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_int])
 
 
 @lru_cache(maxsize=None)
@@ -54,7 +54,7 @@ def _norm_kernel() -> ctypes._CFuncPtr:
 
 
 def _conv(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, qsl: torch.Tensor,
-          weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+          weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     T, C = x.shape
     K = weight.shape[-1]
     if (weight.numel() != C * K or conv_state.shape[1:] != (C, K - 1) or not 2 <= K <= MAX_CONV
@@ -66,7 +66,7 @@ def _conv(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, fresh:
     weight = weight.contiguous()
     _conv_kernel()(x.data_ptr(), x.stride(0), conv_state.data_ptr(), slots.data_ptr(), fresh.data_ptr(),
                    qsl.data_ptr(), slots.numel(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
-                   out.data_ptr(), C, K)
+                   out.data_ptr(), C, K, int(silu))
     return out
 
 
@@ -109,8 +109,8 @@ def gdn_scan(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, qsl:
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
-                qsl: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.troupe.cpu_ssm_conv(x, conv_state, slots, fresh, qsl, weight, bias)
+                qsl: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = True) -> torch.Tensor:
+    return torch.ops.troupe.cpu_ssm_conv(x, conv_state, slots, fresh, qsl, weight, bias, silu)
 
 
 def gated_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
@@ -154,7 +154,7 @@ _LIB.impl("cpu_ssm_scan", _scan, "CPU")
 torch.library.register_fake("troupe::cpu_ssm_scan", lambda state, slots, fresh, qsl, x, *rest: x.new_empty(x.shape),
                             lib=_LIB)
 _LIB.define("cpu_ssm_conv(Tensor x, Tensor(a!) conv_state, Tensor slots, Tensor fresh, Tensor qsl, Tensor weight, "
-            "Tensor? bias) -> Tensor")
+            "Tensor? bias, bool silu) -> Tensor")
 _LIB.impl("cpu_ssm_conv", _conv, "CPU")
 torch.library.register_fake("troupe::cpu_ssm_conv", lambda x, *rest: x.new_empty(x.shape), lib=_LIB)
 _LIB.define("cpu_ssm_gated_norm(Tensor y, Tensor gate, Tensor weight, int groups, float eps) -> Tensor")

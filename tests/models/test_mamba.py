@@ -121,7 +121,16 @@ def _qwen3_5_moe():  # and experts in every layer, saved as the published multim
         architectures=["Qwen3_5MoeForConditionalGeneration"]))
 
 
-BUILDERS = {"Qwen3_5ForCausalLM": _qwen3_5, "Qwen3_5MoeForConditionalGeneration": _qwen3_5_moe,
+def _lfm2():  # short gated convolutions (width 3) in layers 0, 2 and 3, attention with q/k norms in layer 1
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+    return Lfm2ForCausalLM(Lfm2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"],
+        conv_L_cache=3, block_multiple_of=16, block_ffn_dim_multiplier=1.0, tie_word_embeddings=True,
+        architectures=["Lfm2ForCausalLM"]))
+
+
+BUILDERS = {"Lfm2ForCausalLM": _lfm2, "Qwen3_5ForCausalLM": _qwen3_5, "Qwen3_5MoeForConditionalGeneration": _qwen3_5_moe,
             "Qwen3NextForCausalLM": _qwen3_next, "JambaForCausalLM": _jamba, "NemotronHForCausalLM": _nemotron_h, "MambaForCausalLM": _mamba, "FalconMambaForCausalLM": _falcon_mamba, "Mamba2ForCausalLM": _mamba2,
             "GraniteMoeHybridForCausalLM": _granite_hybrid, "GraniteMoeHybridForCausalLM-dense": _granite_hybrid_dense,
             "BambaForCausalLM": _bamba}
@@ -265,7 +274,7 @@ def test_bfloat16_weights_agree_with_float32(case):
 
 @pytest.mark.parametrize("arch, blocks", [("MambaForCausalLM", 0), ("Mamba2ForCausalLM", 0),
                                           ("GraniteMoeHybridForCausalLM", 5), ("NemotronHForCausalLM", 5),
-                                          ("Qwen3NextForCausalLM", 5)])
+                                          ("Qwen3NextForCausalLM", 5), ("Lfm2ForCausalLM", 5)])
 def test_the_engine_generates_transformers_greedy_tokens(arch, blocks, tmp_path):
     """Through the scheduler (prompts in chunks of at most 16 tokens beside other requests'
     decodes, more requests than running places so that state slots are reused) and the sampler:
