@@ -64,8 +64,7 @@ REFUSED: dict[str, str] = {
     "--speculative-model": _SPEC, "--num-speculative-tokens": _SPEC,
     # the KV cache
     "--swap-space": _KV, "--cpu-offload-gb": _KV,
-    "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _HYBRID,
-    "--mamba-ssm-cache-dtype": _HYBRID, "--mamba-block-size": _HYBRID,
+    "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _HYBRID, "--mamba-block-size": _HYBRID,
     "--kv-offloading-size": _KV, "--kv-offloading-backend": _KV,
     # the scheduler and compilation
     "--num-lookahead-slots": _SCHED, "--disable-chunked-mm-input": _MODALITY, "--scheduler-cls": _SCHED,
@@ -170,6 +169,7 @@ VALUES: dict[str, tuple[tuple[str, ...], str]] = {
                                          "(tokenizer.json, or a GGUF file's vocabulary)"),
     "--model-impl": (("auto", "vllm"), "Troupe runs its own implementation of each architecture"),
     "--config-format": (("auto", "hf"), "Troupe reads Hugging Face config.json files and GGUF metadata"),
+    "--mamba-ssm-cache-dtype": (("float32",), "Troupe keeps a state-space layer's recurrent state in float32"),
 }
 
 # vLLM flags that ask for what Troupe always does: accepted, changing nothing.

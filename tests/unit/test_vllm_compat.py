@@ -142,11 +142,11 @@ def test_settings_that_name_what_troupe_does_are_accepted_and_others_refused_nam
     (--runner and --convert are Troupe's own flags: tests/unit/test_pooling.py.)"""
     args = serve.parse_args(["--tokenizer-mode", "hf", "--runner", "generate", "--convert", "none",
                              "--model-impl", "auto", "--config-format", "hf", "--load-format", "gguf",
-                             "--api-server-count", "1"])
+                             "--api-server-count", "1", "--mamba-ssm-cache-dtype", "float32"])
     EngineArgs.from_cli_args(args).create_engine_config()
     assert serve.parse_args(["-asc", "3"]).api_server_count == 3
     for flag, value in (("--tokenizer-mode", "mistral"), ("--model-impl", "transformers"),
-                        ("--config-format", "mistral")):
+                        ("--config-format", "mistral"), ("--mamba-ssm-cache-dtype", "bfloat16")):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args([flag, value])
         line = capsys.readouterr().err.strip()
