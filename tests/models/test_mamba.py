@@ -307,6 +307,29 @@ def test_the_engine_generates_transformers_greedy_tokens(arch, blocks, tmp_path)
     assert (stats.num_preemptions > 0) == bool(blocks)
 
 
+def test_in_its_own_processes_with_async_scheduling_the_engine_gives_the_same_tokens(tmp_path):
+    """The worker in a process of its own plans step N + 1 while it computes step N (async
+    scheduling); a hybrid's states still advance once per computed token: transformers' greedy
+    tokens, with prompts in chunks and more requests than running places."""
+    from actors.api import LLM, SamplingParams
+    from helpers import hf_greedy, save_tiny_tokenizer
+    torch.manual_seed(2)
+    hf = BUILDERS["GraniteMoeHybridForCausalLM-dense"]()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if not (name.endswith("norm.weight") or name.endswith("A_log") or "layernorm" in name):
+                p.normal_(0.0, 0.3)
+    hf.config._attn_implementation = "eager"
+    hf.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path, VOCAB)
+    prompts = [_prompt(n, 40 + n) for n in (9, 30, 4)]
+    want = hf_greedy(hf.eval(), prompts, 12)
+    with LLM(str(tmp_path), multiprocess=True, async_scheduling=True, max_num_batched_tokens=16,
+             max_num_seqs=2) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [r.token_ids for r in outs] == want
+
+
 def _state_space_arch(mamba_layers=None):
     """Mamba-130m's dimensions (24 layers of 1,536 channels, a state of 16), or a hybrid of them
     with attention layers where ``mamba_layers`` names the Mamba ones."""
