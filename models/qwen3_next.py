@@ -135,6 +135,7 @@ def linear_attention_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
     qk_norm: ClassVar[bool] = True
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = ("mtp.",)     # its multi-token-prediction layer: not run
     decoder_layer: ClassVar[type[nn.Module]] = Qwen3NextDecoderLayer
     hf_defaults: ClassVar[dict[str, Any]] = {**Qwen2MoeForCausalLM.hf_defaults, "norm_topk_prob": True,
                                              "linear_conv_kernel_dim": 4}
@@ -211,12 +212,12 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """Qwen3.5's published checkpoints: the language model, served on text (vLLM's
     --language-model-only), its interleaved M-RoPE plain rope for text, the vision tower never read."""
     hf_text_config: ClassVar[str | None] = "text_config"
-    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES + ("mtp.",)
     hf_tensor_map: ClassVar[TensorMap] = {**Qwen3NextForCausalLM.hf_tensor_map,
                                           **language_model_tensor_map(Qwen3NextForCausalLM.hf_tensor_map)}
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
     hf_text_config: ClassVar[str | None] = "text_config"
-    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES + ("mtp.",)
     hf_tensor_map: ClassVar[TensorMap] = Qwen3_5ForConditionalGeneration.hf_tensor_map

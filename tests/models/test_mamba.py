@@ -330,6 +330,23 @@ def test_in_its_own_processes_with_async_scheduling_the_engine_gives_the_same_to
     assert [r.token_ids for r in outs] == want
 
 
+@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"])
+def test_qwen3_next_checkpoints_multi_token_prediction_layer_is_not_read(arch, tmp_path):
+    """The published Qwen3-Next and Qwen3.5 checkpoints carry an MTP layer (``mtp.*``): it is
+    not run, so it is not read."""
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(0)
+    hf = BUILDERS[arch]()
+    hf.save_pretrained(tmp_path)
+    model, config = load_model(resolve_model(str(tmp_path)))
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(4, 4), "mtp.layers.0.input_layernorm.weight": torch.zeros(4)},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    again, _ = load_model(resolve_model(str(tmp_path)))
+    tokens = _prompt(20, 9)
+    torch.testing.assert_close(Slots(config).step(again, [(tokens, 0, 0)])[0], Slots(config).step(model, [(tokens, 0, 0)])[0])
+
+
 def _state_space_arch(mamba_layers=None):
     """Mamba-130m's dimensions (24 layers of 1,536 channels, a state of 16), or a hybrid of them
     with attention layers where ``mamba_layers`` names the Mamba ones."""
