@@ -113,6 +113,23 @@ class CausalConv1d(nn.Module):
         return F.silu(out) if self.silu else out
 
 
+def native_scan(state: torch.Tensor, steps: StateSteps, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                a_per_state: bool, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, heads: int, head_dim: int,
+                groups: int) -> torch.Tensor | None:
+    """The selective scan over the step's requests by a kernel (kernels/cpu/ssm.c on the CPU,
+    kernels/triton/ssm.py on GPUs); None where neither takes these tensors (the caller runs its
+    torch reference)."""
+    from kernels.triton import fused as triton_fused
+    args = (state, steps.slot_index, steps.fresh_mask, steps.qsl, x, dt, A, a_per_state, B, C, D, heads, head_dim,
+            groups)
+    if ssm.supports(state, x, dt, B, C):
+        return ssm.ssm_scan(*args)
+    if triton_fused.supports(state, x, dt, B, C):
+        from kernels.triton.ssm import ssm_scan as triton_scan
+        return triton_scan(*args)
+    return None
+
+
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """A weightless RMSNorm in float32 (Falcon-Mamba's of B, C and dt)."""
     xf = x.float()
@@ -202,10 +219,8 @@ class MambaMixer(nn.Module):
             dt = F.softplus(self.dt_proj(ts).float())                     # (T, d)
             A = -torch.exp(self.A_log.float())
             x, B, C, D = xs.float(), B.float(), C.float(), self.D.float()
-            if ssm.supports(ssm_state, x, dt, B, C):
-                y = ssm.ssm_scan(ssm_state, steps.slot_index, steps.fresh_mask, steps.qsl, x, dt, A, True, B, C, D,
-                                 d.d_inner, 1, 1)
-            else:
+            y = native_scan(ssm_state, steps, x, dt, A, True, B, C, D, d.d_inner, 1, 1)
+            if y is None:
                 y = self._scan1(x, dt, A, B, C, ssm_state, steps)
             y = y * F.silu(gate.float())
         else:
@@ -217,9 +232,9 @@ class MambaMixer(nn.Module):
             if lo > 0.0 or hi != float("inf"):
                 dt = dt.clamp(lo, hi)
             A = -torch.exp(self.A_log.float())
-            if ssm.supports(ssm_state, x, dt, B, C):
-                y = ssm.ssm_scan(ssm_state, steps.slot_index, steps.fresh_mask, steps.qsl, x, dt, A, False, B, C,
-                                 self.D.float(), d.num_heads, d.head_dim, d.n_groups)
+            y = native_scan(ssm_state, steps, x, dt, A, False, B, C, self.D.float(), d.num_heads, d.head_dim,
+                            d.n_groups)
+            if y is not None:
                 return self.out_proj(self._gated_norm(y, gate).to(hidden.dtype))
             T, rep = x.shape[0], d.num_heads // d.n_groups
             Bh = B.view(T, d.n_groups, 1, d.d_state).expand(T, d.n_groups, rep, d.d_state).reshape(T, d.num_heads, -1)

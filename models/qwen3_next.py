@@ -25,6 +25,7 @@ from models.base import QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_m
 from models.config import ArchConfig, MambaDims
 from kernels.attention.base import AttentionBackend
 from kernels.cpu import ssm
+from kernels.triton import fused as triton_fused
 from models.layers import GemmaRMSNorm, Linear, MergedLinear, RMSNorm
 from models.mamba import CausalConv1d, HybridDecoderLayer, StateSteps, hybrid_mamba_layers
 from models.qwen2 import Qwen2ForCausalLM
@@ -87,10 +88,14 @@ class GatedDeltaNet(nn.Module):
 
     def _recurrence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     S: torch.Tensor, steps: StateSteps) -> torch.Tensor:
-        """The delta rule over the step's requests: natively (kernels/cpu/ssm.c) where it can, else
-        this torch reference."""
+        """The delta rule over the step's requests: by a kernel (kernels/cpu/ssm.c on the CPU,
+        kernels/triton/ssm.py on GPUs) where one takes these tensors, else this torch reference."""
+        args = (S, steps.slot_index, steps.fresh_mask, steps.qsl, q, k, v, g, beta)
         if ssm.supports(S, q, k, v, g, beta) and v.shape[-1] <= ssm.MAX_VALUE_DIM:
-            return ssm.gdn_scan(S, steps.slot_index, steps.fresh_mask, steps.qsl, q, k, v, g, beta)
+            return ssm.gdn_scan(*args)
+        if triton_fused.supports(S, q, k, v, g, beta):
+            from kernels.triton.ssm import gdn_scan as triton_gdn_scan
+            return triton_gdn_scan(*args)
         if steps.decode:
             n = steps.slot_index.numel()
             h = steps.gather(S)                                           # (B, H, d_k, d_v)
