@@ -27,7 +27,10 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata
 from kernels.cpu import ssm
 from models.base import CausalLM, TensorMap
 from models.config import ArchConfig, MambaDims
-from models.layers import Embedding, Linear, RMSNorm
+from models.granite import GraniteForCausalLM, GraniteMoeSharedForCausalLM
+from models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from models.qwen3_moe import use_moe_layers
 
 CHUNK = 64          # Mamba-2: the tokens of a prompt computed at once
 
@@ -429,12 +432,8 @@ def mamba2_dims(raw: dict[str, Any], d_inner: int, prefix: str = "mamba_") -> Ma
                      time_step_limit=(float(limit[0]), float(limit[1])))
 
 
-# -- hybrids: Llama-built models whose layers mix with attention or with a Mamba-2 state --------
+# -- hybrids: Llama-built models whose layers mix with attention or with a Mamba state ------------
 
-from models.granite import GraniteForCausalLM, GraniteMoeSharedForCausalLM     # noqa: E402
-from models.qwen3_moe import use_moe_layers                                      # noqa: E402
-from models.layers import GatedMLP                                               # noqa: E402
-from models.llama import LlamaDecoderLayer, LlamaForCausalLM                     # noqa: E402
 
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")      # the hub's name of a Mamba layer, and transformers 5's
 
