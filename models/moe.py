@@ -117,9 +117,9 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
         token, slot = torch.where(local == e)
         if token.numel() == 0:
             continue
-        gate_up = F.linear(x[token], w13[e], None if w13_bias is None else w13_bias[e].to(x.dtype))
+        gate_up = F.linear(x[token], w13[e].to(x.dtype), None if w13_bias is None else w13_bias[e].to(x.dtype))
         h = activation(gate_up[:, :inter], gate_up[:, inter:])
-        y = F.linear(h, w2[e], None if w2_bias is None else w2_bias[e].to(x.dtype))
+        y = F.linear(h, w2[e].to(x.dtype), None if w2_bias is None else w2_bias[e].to(x.dtype))
         out[token] += y * topk_weights[token, slot, None].to(x.dtype)   # a token meets an expert once
     return out
 

@@ -97,10 +97,27 @@ def native_available() -> bool:
     return available()[0]
 
 
+def bfloat16_experts(model: nn.Module) -> int:
+    """The CPU's ``--dtype bfloat16`` for mixtures of experts: each FusedMoE's float32 stacked
+    expert weights rounded to bfloat16 (the native MoE kernel's bfloat16 products: half the bytes
+    to read); returns how many layers."""
+    from models.moe import FusedMoE
+    n = 0
+    for m in model.modules():
+        if isinstance(m, FusedMoE) and m.w13_weight.dtype == torch.float32 and m.w13_weight.device.type == "cpu":
+            m.w13_weight = nn.Parameter(m.w13_weight.detach().to(torch.bfloat16), requires_grad=False)
+            m.w2_weight = nn.Parameter(m.w2_weight.detach().to(torch.bfloat16), requires_grad=False)
+            n += 1
+    return n
+
+
 def prepack_linears(model: nn.Module, bfloat16: bool = False) -> int:
     """Replace every float32 / bfloat16 ``Linear`` on the CPU; returns how many. ``bfloat16``:
-    float32 weights become bfloat16 panels (the CPU's ``--dtype bfloat16``)."""
+    float32 weights become bfloat16 panels (the CPU's ``--dtype bfloat16``), and the experts'
+    stacked weights bfloat16 (``bfloat16_experts``)."""
     native = native_available()
+    if bfloat16 and native and fused.ENABLED:
+        bfloat16_experts(model)
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):

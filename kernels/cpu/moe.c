@@ -18,11 +18,19 @@
  *   2. y[p, h]   = act[p] . down_e[h]                                 (P, H)
  * and a combine pass sums each token's rows, weighted, in k order. Every dot product runs over
  * a contiguous weight row and a contiguous activation row; tiles of 4 pairs by 4 weight rows share
- * each row read. All arithmetic is float32 (the sums in another order than torch's matmul). */
+ * each row read. All arithmetic is float32 (the sums in another order than torch's matmul).
+ *
+ * fused_moe_bf16: the same with bfloat16 expert weights (the CPU's --dtype bfloat16), the rows
+ * rounded to bfloat16 (nearest, ties even) as they enter each product, the products summed in
+ * float32 (AVX512-BF16's dot product of pairs where the CPU has it, float32 FMAs otherwise): half
+ * the weight bytes to read, twice the products an instruction. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define MB 32      /* pairs per work item */
 #define NB 16      /* output columns per work item */
@@ -97,10 +105,96 @@ static void block_dots(const float *const *rows, int64_t nrows, const float *w, 
             y[r * ldy + c - c0] = dot(rows[r], w + c * n, n);
 }
 
-/* Returns 0, or -1 when a work buffer cannot be allocated. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {               /* nearest, ties even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* s[4 * r + c] = a_r . b_c over n bfloat16 values, for 4 rows and 4 weight rows (fewer where
+ * nr / nc say; the rest of s untouched), summed in float32. Inlined with constant nr and nc (the
+ * full 4 by 4 tile) its accumulators stay in registers. */
+static inline __attribute__((always_inline)) void dots_bf16_tile(const uint16_t *const *a, const int nr,
+                                                                 const uint16_t *const *b, const int nc, int64_t n,
+                                                                 float *s) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__)
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        __m512i av[4], bv[4];
+        for (int r = 0; r < nr; r++) av[r] = _mm512_loadu_si512(a[r] + i);
+        for (int c = 0; c < nc; c++) bv[c] = _mm512_loadu_si512(b[c] + i);
+        for (int r = 0; r < nr; r++)
+            for (int c = 0; c < nc; c++)
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)av[r], (__m512bh)bv[c]);
+    }
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < nc; c++) s[4 * r + c] = _mm512_reduce_add_ps(acc[r][c]);
+#else
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < nc; c++) s[4 * r + c] = 0.f;
+#endif
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < nc; c++) {
+            float t = 0.f;
+            #pragma omp simd reduction(+:t)
+            for (int64_t j = i; j < n; j++) t += bf16_to_f32(a[r][j]) * bf16_to_f32(b[c][j]);
+            s[4 * r + c] += t;
+        }
+}
+
+/* block_dots over bfloat16 rows and weights. */
+static void block_dots_bf16(const uint16_t *const *rows, int64_t nrows, const uint16_t *w, int64_t c0, int64_t c1,
+                            int64_t n, float *y, int64_t ldy) {
+    for (int64_t r = 0; r < nrows; r += 4) {
+        const int nr = nrows - r < 4 ? (int)(nrows - r) : 4;
+        for (int64_t c = c0; c < c1; c += 4) {
+            const int nc = c1 - c < 4 ? (int)(c1 - c) : 4;
+            const uint16_t *b[4] = {w + c * n, w + (c + 1 < c1 ? c + 1 : c) * n, w + (c + 2 < c1 ? c + 2 : c) * n,
+                                    w + (c + 3 < c1 ? c + 3 : c) * n};
+            float s[16];
+            if (nr == 4 && nc == 4)
+                dots_bf16_tile(rows + r, 4, b, 4, n, s);
+            else
+                dots_bf16_tile(rows + r, nr, b, nc, n, s);
+            for (int q = 0; q < nr; q++)
+                for (int j = 0; j < nc; j++)
+                    y[(r + q) * ldy + c + j - c0] = s[4 * q + j];
+        }
+    }
+}
+
+/* Returns 0, or -1 when a work buffer cannot be allocated. ``bf16``: w13 and w2 hold bfloat16. */
+static int fused_moe(const float *x, int64_t x_stride, const int64_t *ids, const float *w, int64_t T, int64_t K,
+                     const void *w13, const void *w2, int64_t E, int64_t e0, int64_t H, int64_t I, float *out,
+                     const float *b13, const float *b2, int act, float alpha, float limit, int bf16);
+
 int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const float *w, int64_t T, int64_t K,
                   const float *w13, const float *w2, int64_t E, int64_t e0, int64_t H, int64_t I, float *out,
                   const float *b13, const float *b2, int act, float alpha, float limit) {
+    return fused_moe(x, x_stride, ids, w, T, K, w13, w2, E, e0, H, I, out, b13, b2, act, alpha, limit, 0);
+}
+
+int fused_moe_bf16(const float *x, int64_t x_stride, const int64_t *ids, const float *w, int64_t T, int64_t K,
+                   const uint16_t *w13, const uint16_t *w2, int64_t E, int64_t e0, int64_t H, int64_t I, float *out,
+                   const float *b13, const float *b2, int act, float alpha, float limit) {
+    return fused_moe(x, x_stride, ids, w, T, K, w13, w2, E, e0, H, I, out, b13, b2, act, alpha, limit, 1);
+}
+
+static int fused_moe(const float *x, int64_t x_stride, const int64_t *ids, const float *w, int64_t T, int64_t K,
+                     const void *w13, const void *w2, int64_t E, int64_t e0, int64_t H, int64_t I, float *out,
+                     const float *b13, const float *b2, int act, float alpha, float limit, int bf16) {
     const int64_t TK = T * K;
     int64_t *start = calloc((size_t)E + 1, sizeof *start);
     int64_t *pair = malloc((size_t)(TK ? TK : 1) * sizeof *pair);       /* sorted pair -> t * K + k */
@@ -136,13 +230,20 @@ int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const fl
     }
     float *act_rows = malloc((size_t)(P ? P : 1) * (size_t)I * sizeof *act_rows);
     float *y = malloc((size_t)(P ? P : 1) * (size_t)H * sizeof *y);
+    /* bfloat16: the rows as the products read them (x's, then the activations') */
+    uint16_t *xh = bf16 ? malloc((size_t)(T ? T : 1) * (size_t)H * sizeof *xh) : NULL;
+    uint16_t *acth = bf16 ? malloc((size_t)(P ? P : 1) * (size_t)I * sizeof *acth) : NULL;
+    if (bf16 && (!xh || !acth)) {
+        free(start); free(pair); free(slot); free(act_rows); free(y); free(xh); free(acth);
+        return -1;
+    }
     /* work items: (expert, first pair of its block); column blocks are the inner parallel index */
     int64_t nblocks = 0;
     for (int64_t e = 0; e < E; e++)
         nblocks += (start[e + 1] - start[e] + MB - 1) / MB;
     int64_t *blk = malloc((size_t)(nblocks ? nblocks : 1) * 2 * sizeof *blk);
     if (!act_rows || !y || !blk) {
-        free(start); free(pair); free(slot); free(act_rows); free(y); free(blk);
+        free(start); free(pair); free(slot); free(act_rows); free(y); free(blk); free(xh); free(acth);
         return -1;
     }
     nblocks = 0;
@@ -156,6 +257,11 @@ int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const fl
     const int64_t flops = P * 3 * I * H;
     #pragma omp parallel if (flops >= 262144)
     {
+        if (bf16) {
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t h = 0; h < H; h++) xh[t * H + h] = f32_to_bf16(x[t * x_stride + h]);
+        }
         /* pass 1: gate and up rows (plus their biases), then the activation */
         #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t b = 0; b < nblocks; b++)
@@ -163,13 +269,22 @@ int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const fl
                 const int64_t e = blk[2 * b], p0 = blk[2 * b + 1];
                 const int64_t n = (start[e + 1] - p0) < MB ? (start[e + 1] - p0) : MB;
                 const int64_t c0 = cb * NB, c1 = (c0 + NB) < I ? (c0 + NB) : I;
-                const float *rows[MB];
                 float g[MB * NB], u[MB * NB];
-                for (int64_t r = 0; r < n; r++)
-                    rows[r] = x + (pair[p0 + r] / K) * x_stride;
-                const float *we = w13 + e * 2 * I * H;
-                block_dots(rows, n, we, c0, c1, H, g, NB);              /* gate rows c0..c1 */
-                block_dots(rows, n, we + I * H, c0, c1, H, u, NB);      /* up rows I+c0..I+c1 */
+                if (bf16) {
+                    const uint16_t *rows[MB];
+                    for (int64_t r = 0; r < n; r++)
+                        rows[r] = xh + (pair[p0 + r] / K) * H;
+                    const uint16_t *we = (const uint16_t *)w13 + e * 2 * I * H;
+                    block_dots_bf16(rows, n, we, c0, c1, H, g, NB);
+                    block_dots_bf16(rows, n, we + I * H, c0, c1, H, u, NB);
+                } else {
+                    const float *rows[MB];
+                    for (int64_t r = 0; r < n; r++)
+                        rows[r] = x + (pair[p0 + r] / K) * x_stride;
+                    const float *we = (const float *)w13 + e * 2 * I * H;
+                    block_dots(rows, n, we, c0, c1, H, g, NB);              /* gate rows c0..c1 */
+                    block_dots(rows, n, we + I * H, c0, c1, H, u, NB);      /* up rows I+c0..I+c1 */
+                }
                 const float *bg = b13 ? b13 + e * 2 * I : NULL, *bu = b13 ? b13 + e * 2 * I + I : NULL;
                 for (int64_t r = 0; r < n; r++)
                     for (int64_t c = c0; c < c1; c++) {
@@ -185,6 +300,8 @@ int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const fl
                         } else {
                             act_rows[(p0 + r) * I + c] = gv / (1.f + expf(-gv)) * uv;
                         }
+                        if (bf16)
+                            acth[(p0 + r) * I + c] = f32_to_bf16(act_rows[(p0 + r) * I + c]);
                     }
             }
         /* pass 2: down rows */
@@ -194,10 +311,17 @@ int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const fl
                 const int64_t e = blk[2 * b], p0 = blk[2 * b + 1];
                 const int64_t n = (start[e + 1] - p0) < MB ? (start[e + 1] - p0) : MB;
                 const int64_t c0 = cb * NB, c1 = (c0 + NB) < H ? (c0 + NB) : H;
-                const float *rows[MB];
-                for (int64_t r = 0; r < n; r++)
-                    rows[r] = act_rows + (p0 + r) * I;
-                block_dots(rows, n, w2 + e * H * I, c0, c1, I, y + p0 * H + c0, H);
+                if (bf16) {
+                    const uint16_t *rows[MB];
+                    for (int64_t r = 0; r < n; r++)
+                        rows[r] = acth + (p0 + r) * I;
+                    block_dots_bf16(rows, n, (const uint16_t *)w2 + e * H * I, c0, c1, I, y + p0 * H + c0, H);
+                } else {
+                    const float *rows[MB];
+                    for (int64_t r = 0; r < n; r++)
+                        rows[r] = act_rows + (p0 + r) * I;
+                    block_dots(rows, n, (const float *)w2 + e * H * I, c0, c1, I, y + p0 * H + c0, H);
+                }
                 if (b2)
                     for (int64_t r = 0; r < n; r++)
                         for (int64_t c = c0; c < c1; c++)
@@ -219,6 +343,6 @@ int fused_moe_f32(const float *x, int64_t x_stride, const int64_t *ids, const fl
             }
         }
     }
-    free(start); free(pair); free(slot); free(act_rows); free(y); free(blk);
+    free(start); free(pair); free(slot); free(act_rows); free(y); free(blk); free(xh); free(acth);
     return 0;
 }

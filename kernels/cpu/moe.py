@@ -1,4 +1,5 @@
-"""The fused mixture-of-experts kernel of the float32 CPU path (moe.c): the (token, expert) pairs
+"""The fused mixture-of-experts kernel of the float32 CPU path (moe.c; its experts in float32, or
+in bfloat16 under the CPU's --dtype bfloat16: fused_moe_bf16): the (token, expert) pairs
 grouped by expert and every expert's gate|up, activation and down matmuls (with their biases,
 when the experts have them) in one native call, threaded with OpenMP. A torch custom op
 (``torch.ops.troupe.cpu_fused_moe``, with a fake kernel giving the output's shape) so
@@ -25,15 +26,20 @@ ACTIVATIONS = {"silu": 0, "swigluoai": 1}      # the kernel's codes
 
 
 def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """float32 CPU tensors, x (T, H) with unit column stride, the stacked weights contiguous,
-    the native library built here."""
-    return (x.dim() == 2 and w13.is_contiguous() and w2.is_contiguous() and fused.supports(x, w13, w2))
+    """float32 CPU tensors, x (T, H) with unit column stride, the stacked weights contiguous
+    (float32, or bfloat16: the CPU's --dtype bfloat16), the native library built here."""
+    if x.dim() != 2 or not w13.is_contiguous() or not w2.is_contiguous():
+        return False
+    if w13.dtype == torch.bfloat16 and w2.dtype == torch.bfloat16 and w13.is_cpu and w2.is_cpu:
+        return fused.supports(x)
+    return fused.supports(x, w13, w2)
 
 
 @lru_cache(maxsize=None)
-def _kernel() -> ctypes._CFuncPtr:
-    return native.declare("fused_moe_f32", [_P, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _P,
-                                            _P, _P, ctypes.c_int, ctypes.c_float, ctypes.c_float], ctypes.c_int)
+def _kernel(name: str = "fused_moe_f32") -> ctypes._CFuncPtr:
+    """fused_moe_f32, or fused_moe_bf16 (bfloat16 weights; the same signature)."""
+    return native.declare(name, [_P, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _P,
+                                 _P, _P, ctypes.c_int, ctypes.c_float, ctypes.c_float], ctypes.c_int)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -69,7 +75,8 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     b2 = None if w2_bias is None else w2_bias.contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    rc = _kernel()(x.data_ptr(), x.stride(0), ids.data_ptr(), weights.data_ptr(), T, ids.shape[1],
+    name = "fused_moe_bf16" if w13.dtype == torch.bfloat16 else "fused_moe_f32"
+    rc = _kernel(name)(x.data_ptr(), x.stride(0), ids.data_ptr(), weights.data_ptr(), T, ids.shape[1],
                    w13.data_ptr(), w2.data_ptr(), E, expert_start, H, two_i // 2, out.data_ptr(),
                    None if b13 is None else b13.data_ptr(), None if b2 is None else b2.data_ptr(), activation,
                    alpha, limit)

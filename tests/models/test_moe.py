@@ -85,6 +85,24 @@ def test_the_native_fused_moe_with_biases_and_swigluoai_matches_the_reference_lo
     assert (want - plain).abs().max() > 0.5 and (x @ w13[0, :I].T).abs().max() > 3.0
 
 
+@pytest.mark.skipif(not native.available()[0], reason="native CPU kernels unavailable")
+@pytest.mark.parametrize("T,start,held", [(1, 0, 8), (150, 0, 8), (33, 3, 3)])
+def test_bfloat16_experts_give_the_reference_of_their_rounded_inputs(T, start, held):
+    """The CPU's --dtype bfloat16: bfloat16 expert weights, the rows rounded to bfloat16 as they
+    enter each product (hidden 72 and intermediate 48: the pairs' vector loop and its tail)."""
+    from kernels.cpu import moe as cpu_moe
+    x, w13, w2, weights, ids = _experts(T, 72, 48, 8, 2, seed=T)
+    w13 = w13[start:start + held].contiguous().bfloat16()
+    w2 = w2[start:start + held].contiguous().bfloat16()
+    assert cpu_moe.supports(x, w13, w2)
+    got = cpu_moe.fused_experts(x, w13, w2, weights, ids, start)
+    want = fused_experts_ref(x.bfloat16().float(), w13.float(), w2.float(), weights, ids, start)
+    assert want.abs().max() > 0.5
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    torch.testing.assert_close(fused_experts_ref(x, w13, w2, weights, ids, start), want, rtol=5e-2,
+                               atol=5e-2 * want.abs().max().item())       # the reference takes them too
+
+
 def test_the_swigluoai_reference_equals_transformers_gpt_oss_experts():
     """Our stacked layout (gate rows, then up rows; biases apart) against transformers' gpt-oss
     experts (columns interleaved gate, up, gate, ...)."""
