@@ -69,6 +69,18 @@ class StateSteps(NamedTuple):
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> StateSteps:
+        """The step's, taken once: every state-space layer of a step is given the same metadata
+        object, so the last one's are kept and handed on (no host reads per layer). (A metadata
+        object refilled in place, as a captured CUDA graph's is, would not do: these layers run
+        eagerly.)"""
+        if _LAST_STEPS[0] is meta:
+            return _LAST_STEPS[1]
+        steps = cls._read(meta)
+        _LAST_STEPS[:] = [meta, steps]
+        return steps
+
+    @classmethod
+    def _read(cls, meta: AttentionMetadata) -> StateSteps:
         if meta.state_slots is None:
             raise ValueError("a state-space layer needs the step's state slots (AttentionMetadata.state_slots)")
         qsl = meta.query_start_loc.tolist()
@@ -80,6 +92,9 @@ class StateSteps(NamedTuple):
         return cls(slots.tolist(), qsl[:meta.num_reqs], lens, fresh, slots.to(device),
                    torch.tensor(fresh, device=device), all(n == 1 for n in lens),
                    meta.query_start_loc[:meta.num_reqs + 1].to(torch.int64))
+
+
+_LAST_STEPS: list = [None, None]        # (the metadata, its StateSteps): the step being run
 
 
 class CausalConv1d(nn.Module):
