@@ -29,6 +29,8 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("GPT2LMHeadModel", "layernorm_lm"), ("HeliumForCausalLM", "llama_variants"),
         ("Ernie4_5ForCausalLM", "llama_variants"), ("Ernie4_5_MoeForCausalLM", "llama_variants"), ("SeedOssForCausalLM", "llama_variants"),
         ("MinistralForCausalLM", "llama_variants"),
+        # any causal LM transformers implements, through its modeling code (--model-impl transformers)
+        ("TransformersForCausalLM", "transformers_backend"),
         # state-space models (a recurrent state per request, no KV cache)
         ("MambaForCausalLM", "mamba"), ("FalconMambaForCausalLM", "mamba"), ("Mamba2ForCausalLM", "mamba"),
         ("GraniteMoeHybridForCausalLM", "mamba"), ("BambaForCausalLM", "mamba"), ("JambaForCausalLM", "mamba"),
@@ -50,6 +52,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("RobertaForMaskedLM", "bert"),
         ("ColBERTModernBertModel", "modernbert"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
+TRANSFORMERS_BACKEND = "TransformersForCausalLM"    # transformers' modeling code (vLLM's name for the class)
 # config.json names served only under another (vLLM's overrides): what the refusal of each says
 RENAMED_ARCHITECTURES: dict[str, str] = {
     "BertForMaskedLM": "a SPLADE checkpoint (a BERT masked LM) is served as vLLM serves it, with "

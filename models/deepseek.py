@@ -33,7 +33,7 @@ from torch import nn
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.base import TensorMap
 from models.config import ArchConfig, MLADims, Routing
-from models.layers import GatedMLP, Linear, RMSNorm, SelfAttention, _empty_param, apply_rotary_qk, attention
+from models.layers import AttentionLayer, GatedMLP, Linear, RMSNorm, SelfAttention, _empty_param, apply_rotary_qk
 from models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from models.moe import FusedMoE, SharedExpertMoE
 from models.qwen3_moe import Qwen3MoeForCausalLM
@@ -45,7 +45,7 @@ class MLAttention(SelfAttention):
     the engine (its cache, scales and groups), with its own projections."""
 
     def __init__(self, config: ArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
-        nn.Module.__init__(self)
+        AttentionLayer.__init__(self, backend)      # the cache binding; its projections are its own
         c, m = config, config.mla
         H = c.num_heads
         self.mla = m
@@ -68,14 +68,7 @@ class MLAttention(SelfAttention):
         self.kv_b_weight = _empty_param(H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, dtype=dtype)
         self.o_proj = Linear(H * m.v_head_dim, c.hidden_size, dtype, bias=c.o_bias)
         self.q_size, self.kv_size = H * self.head_size, self.head_size
-        self.backend = backend
-        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
-        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
-        self.calculate_kv_scales = False
-        self.kv_cache_group = 0
-        self.kv_index = 0
         self.custom_ops = True
-        self.attention = attention
 
     def shard_tensor_parallel(self, world: int, rank: int, group: Any) -> None:
         """This rank's run of heads: their query rows, their rows of ``kv_b_proj`` and the output
@@ -108,9 +101,7 @@ class MLAttention(SelfAttention):
         w = self.kv_b_weight.view(H, nope + m.v_head_dim, r)
         query = torch.cat([torch.einsum("thn,hnr->thr", q[..., :nope], w[:, :nope]), q_pe], dim=-1)  # (T, H, r + rope)
         key = torch.cat([latent, k_pe.view(T, rope)], dim=-1).view(T, 1, r + rope)
-        step_meta, meta = meta, meta.for_group(self.kv_cache_group)
-        out = self.attention(self.backend, query, key, key, kv_cache, meta, self.scale, None, self.k_scale,
-                             self.v_scale, self.kv_index, step_meta)                # (T, H, r + rope)
+        out = self.attend(query, key, key, kv_cache, meta, self.scale, None)      # (T, H, r + rope)
         heads = torch.einsum("thr,hvr->thv", out[..., :r], w[:, nope:])            # (T, H, v)
         return self.o_proj(heads.reshape(T, H * m.v_head_dim))
 

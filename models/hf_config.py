@@ -3,26 +3,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from models.architectures import BARE_MODELS, BIDIRECTIONAL_MODELS
+from models.architectures import BARE_MODELS, BIDIRECTIONAL_MODELS, RENAMED_ARCHITECTURES
 from models.config import FULL, ArchConfig
 from models.rope import DEFAULT_ROPE_THETA, RopeScaling, rope_scaling_from
 
 if TYPE_CHECKING:
     from models.base import CausalLM
 
+log = logging.getLogger("troupe.models")
 
-def read_hf_config(checkpoint_dir: str, overrides: dict[str, Any] | None = None) -> ArchConfig:
+
+def read_hf_config(checkpoint_dir: str, overrides: dict[str, Any] | None = None,
+                   model_impl: str = "auto") -> ArchConfig:
     """The ArchConfig of the checkpoint in ``checkpoint_dir`` (config.json required), with
     ``overrides`` over config.json's keys (vLLM's --hf-overrides: a key's value replaced, a
-    sub-config's keys merged)."""
+    sub-config's keys merged); ``model_impl`` as vLLM's --model-impl (``model_implementation``)."""
     raw = with_overrides(_read_json(os.path.join(checkpoint_dir, "config.json")), overrides or {})
     gen_path = os.path.join(checkpoint_dir, "generation_config.json")
     generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     try:
-        config = hf_model_config(raw, generation)
+        config = hf_model_config(raw, generation, model_impl)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{checkpoint_dir}/config.json is missing or has a malformed field: {exc!r}") from exc
     st = sentence_transformers_config(checkpoint_dir)
@@ -80,8 +84,35 @@ def read_quantization_config(checkpoint_dir: str) -> dict[str, Any] | None:
     return _read_json(os.path.join(checkpoint_dir, "config.json")).get("quantization_config")
 
 
-def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ArchConfig:
-    """The ArchConfig of a parsed config.json (``generation``: its generation_config.json)."""
+MODEL_IMPLS = ("auto", "vllm", "transformers")   # vLLM's --model-impl values ("vllm": Troupe's own classes)
+
+
+def model_implementation(raw: dict[str, Any], model_impl: str = "auto") -> str:
+    """Which implementation serves a parsed config.json: "vllm" (Troupe's class of its
+    architecture) or "transformers" (transformers' modeling code through the transformers
+    backend: asked for, named as the architecture, or, with "auto", the architecture's only one)."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
+    from models.architectures import TRANSFORMERS_BACKEND, ModelRegistry
+    from models.transformers_backend import serves
+    archs = raw.get("architectures") or []
+    if model_impl == "transformers" or archs == [TRANSFORMERS_BACKEND]:
+        return "transformers"
+    if model_impl == "auto" and len(archs) == 1 and not ModelRegistry.is_supported(archs[0]) \
+            and archs[0] not in BARE_MODELS and archs[0] not in RENAMED_ARCHITECTURES and serves(raw):
+        log.info("%s has no Troupe implementation: it is served by transformers' modeling code (the transformers "
+                 "backend, vLLM's --model-impl transformers)", archs[0])
+        return "transformers"
+    return "vllm"
+
+
+def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None,
+                    model_impl: str = "auto") -> ArchConfig:
+    """The ArchConfig of a parsed config.json (``generation``: its generation_config.json) for
+    the implementation ``model_impl`` chooses (``model_implementation``)."""
+    if model_implementation(raw, model_impl) == "transformers":
+        from models.transformers_backend import transformers_arch_config
+        return transformers_arch_config(raw, generation or {})
     archs = raw.get("architectures") or []
     if len(archs) == 1 and archs[0] in BARE_MODELS:      # a bare decoder stack: its causal LM's layers
         raw = {**raw, "architectures": [BARE_MODELS[archs[0]]]}
@@ -135,8 +166,10 @@ def _model_class(raw: dict[str, Any]) -> type[CausalLM]:
     from models.architectures import ModelRegistry
     archs = raw.get("architectures") or []
     if len(archs) != 1 or not ModelRegistry.is_supported(archs[0]):
-        from models.architectures import RENAMED_ARCHITECTURES
         hint = f"; {RENAMED_ARCHITECTURES[archs[0]]}" if len(archs) == 1 and archs[0] in RENAMED_ARCHITECTURES else ""
+        from models.transformers_backend import serves
+        if not hint and len(archs) == 1 and serves(raw):
+            hint = "; --model-impl transformers (or auto) serves it through transformers' modeling code"
         raise ValueError(f"config.json architectures {archs} is not supported{hint}; supported: "
                          f"{', '.join(ModelRegistry.get_supported_archs())}")
     return ModelRegistry.get_model_class(archs[0])

@@ -427,9 +427,10 @@ def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-class SelfAttention(nn.Module):
-    """q|k|v projection, optional per-head q/k norm, rotary, paged attention through the
-    backend (with this layer's sliding window, if any), output projection.
+class AttentionLayer(nn.Module):
+    """A layer that writes and reads a KV cache through the attention backend: what the runner
+    binds to its cache (``bind_kv_cache_groups``), what ``--calculate-kv-scales`` calibrates and
+    what torch.compile splits at. ``attend`` is the paged attention of projected, rotated q, k, v.
 
     ``k_scale`` / ``v_scale`` (float32 scalars, vLLM's names) scale this layer's keys and values
     in an fp8 KV cache: stored fp8(k / k_scale), read fp8 * k_scale. They are 1.0 unless
@@ -437,6 +438,43 @@ class SelfAttention(nn.Module):
     them from its keys' and values' largest magnitudes (as vLLM: key amax / 200, value amax / 100,
     K_SCALE_CONSTANT and V_SCALE_CONSTANT) and clears the flag. They are updated in place only:
     kernels may hold their addresses."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.calculate_kv_scales = False
+        self.kv_cache_group = 0     # whose block table this layer reads (bind_kv_cache_groups)
+        self.kv_index = 0           # its cache's index in the runner's KV caches (bind_kv_cache_groups)
+        self.attention = attention  # torch.compiler.disable(attention) once compiled (split_at_attention)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float, sliding_window: int | None,
+               logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+        """q (T, H, D), k and v (T, KVH, D) stored in ``kv_cache`` and attended over it (``meta``:
+        the step's, this layer's group's block table taken from it) -> (T, H, D)."""
+        step_meta, meta = meta, meta.for_group(self.kv_cache_group)
+        if self.calculate_kv_scales:
+            self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
+        return self.attention(self.backend, q, k, v, kv_cache, meta, scale, sliding_window, self.k_scale,
+                              self.v_scale, self.kv_index, step_meta, logits_soft_cap, sinks, alibi_slopes)
+
+    def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype,
+                             meta: AttentionMetadata) -> None:
+        """vLLM's --calculate-kv-scales, from this batch's real tokens (padding left out)."""
+        self.calculate_kv_scales = False
+        if not is_fp8(kv_dtype):
+            return
+        real = meta.slot_mapping[:k.shape[0]] >= 0
+        self.k_scale.copy_(calibrated_scale(k[real], K_SCALE_CONSTANT))
+        self.v_scale.copy_(calibrated_scale(v[real], V_SCALE_CONSTANT))
+
+
+class SelfAttention(AttentionLayer):
+    """q|k|v projection, optional per-head q/k norm, rotary, paged attention through the
+    backend (with this layer's sliding window, if any), output projection."""
     attention_bfloat16 = False      # set_attention_bfloat16: bidirectional layers' products in bfloat16
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int,
@@ -446,7 +484,7 @@ class SelfAttention(nn.Module):
                  use_rope: bool = True, logits_soft_cap: float | None = None, bidirectional: bool = False,
                  qk_norm_whole: Callable[[int], nn.Module] | None = None, sinks: bool = False,
                  alibi_bias_max: float | None = None, output_gate: bool = False) -> None:
-        super().__init__()
+        super().__init__(backend)
         # an encoder's layer (Gemma 3 with use_bidirectional_attention): each query sees its whole
         # prompt (within the sliding window on either side), no KV cache read or written
         self.bidirectional = bidirectional
@@ -481,14 +519,7 @@ class SelfAttention(nn.Module):
         self.qk_norm_whole = qk_norm_whole is not None
         self.q_norm = qk_norm() if qk_norm else qk_norm_whole(self.q_size) if qk_norm_whole else None
         self.k_norm = qk_norm() if qk_norm else qk_norm_whole(self.kv_size) if qk_norm_whole else None
-        self.backend = backend
-        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
-        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
-        self.calculate_kv_scales = False
-        self.kv_cache_group = 0     # whose block table this layer reads (bind_kv_cache_groups)
-        self.kv_index = 0           # its cache's index in the runner's KV caches (bind_kv_cache_groups)
         self.custom_ops = True      # rotary through the custom kernels (set_custom_ops)
-        self.attention = attention  # torch.compiler.disable(attention) once compiled (split_at_attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -515,29 +546,15 @@ class SelfAttention(nn.Module):
             out = encoder_attention(q, k, v, whole_prompts(meta, "this encoder"), self.scale, self.sliding_window,
                                     self.attention_bfloat16)
             return out.reshape(T, self.q_size)
-        step_meta, meta = meta, meta.for_group(self.kv_cache_group)
-        if self.calculate_kv_scales:
-            self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
-        out = self.attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.sliding_window,
-                             self.k_scale, self.v_scale, self.kv_index, step_meta, self.logits_soft_cap,
-                             self.sinks, self.alibi_slopes)
+        out = self.attend(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.logits_soft_cap,
+                          self.sinks, self.alibi_slopes)
         return out.reshape(T, self.q_size)
-
-    def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype,
-                             meta: AttentionMetadata) -> None:
-        """vLLM's --calculate-kv-scales, from this batch's real tokens (padding left out)."""
-        self.calculate_kv_scales = False
-        if not is_fp8(kv_dtype):
-            return
-        real = meta.slot_mapping[:k.shape[0]] >= 0
-        self.k_scale.copy_(calibrated_scale(k[real], K_SCALE_CONSTANT))
-        self.v_scale.copy_(calibrated_scale(v[real], V_SCALE_CONSTANT))
 
 
 def calculate_kv_scales_on_next_batch(model: nn.Module) -> int:
     """Every attention layer of ``model`` sets its fp8 KV scales from the next batch it runs
     (--calculate-kv-scales); returns how many layers will."""
-    layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    layers = [m for m in model.modules() if isinstance(m, AttentionLayer)]
     for m in layers:
         m.calculate_kv_scales = True
     return len(layers)
@@ -557,14 +574,14 @@ def split_at_attention(model: nn.Module) -> None:
     """torch.compile never traces the model's attention calls (dynamo imported only here: a
     process that never compiles never loads it)."""
     for m in model.modules():
-        if isinstance(m, SelfAttention):
+        if isinstance(m, AttentionLayer):
             m.attention = torch.compiler.disable(attention)
 
 
 def bind_kv_cache_groups(model: nn.Module, layer_groups: list[int]) -> None:
     """Attention layer i (its cache is the runner's KV cache i) reads the block table of KV
     cache group ``layer_groups[i]``."""
-    layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    layers = [m for m in model.modules() if isinstance(m, AttentionLayer)]
     if not layers and getattr(model, "encoder_only", False):
         return                   # attends over whole prompts: reads and writes no KV cache
     if len(layers) != len(layer_groups):
@@ -573,8 +590,8 @@ def bind_kv_cache_groups(model: nn.Module, layer_groups: list[int]) -> None:
         m.kv_cache_group, m.kv_index = g, i
 
 
-def first_attention(model: nn.Module) -> SelfAttention | None:
+def first_attention(model: nn.Module) -> AttentionLayer | None:
     """The model's first attention layer: while its ``calculate_kv_scales`` is set, the layers
     still wait for a batch to set their KV scales, so a step must run through their forward, not
     a path that skips it (a captured graph, the native decode stack)."""
-    return next((m for m in model.modules() if isinstance(m, SelfAttention)), None)
+    return next((m for m in model.modules() if isinstance(m, AttentionLayer)), None)

@@ -83,6 +83,7 @@ class Checkpoint(NamedTuple):
     tensor_map: str                                 # the model class's map for these names
     quantization_config: dict | None = None         # config.json's quantization_config
     path: str | None = None                         # the .gguf file or checkpoint directory
+    overrides: dict | None = None                   # its --hf-overrides (config.json keys)
 
 
 def attention_requirements(config: ArchConfig, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -123,6 +124,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
     backend = attn_backend or select_backend(attention_requirements(config, dtype, block_size, device,
                                                                     kv_cache_dtype))
     model = get_model_class(config.architecture)(config, backend, dtype)
+    if hasattr(model, "load_checkpoint"):       # it reads its checkpoint itself (the transformers backend)
+        return _self_loading(model, ckpt, quantization, device, transform)
     tensor_map = getattr(model, ckpt.tensor_map)
     if config.num_labels and not config.score_from_tokens:   # a classifier's score head, in float32 (vLLM's)
         own_head = model.classifier_head(config) if hasattr(model, "classifier_head") else None
@@ -166,6 +169,26 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
     return model.eval()
 
 
+def _self_loading(model: nn.Module, ckpt: Checkpoint, quantization: str | None, device: str,
+                  transform: Callable[[nn.Module], Any] | None) -> nn.Module:
+    """``build_model`` for a model that reads its own checkpoint directory."""
+    name = type(model).__name__
+    if ckpt.tensor_map != "hf_tensor_map" or ckpt.path is None:
+        raise ValueError(f"{name} reads Hugging Face checkpoint directories, not GGUF files")
+    if quantization is not None or ckpt.quantization_config is not None:
+        method = quantization or ckpt.quantization_config.get("quant_method")
+        raise ValueError(f"{name}: quantized checkpoints ({method}) are not supported")
+    if ckpt.config.num_labels:
+        raise ValueError(f"{name} serves text generation and embeddings: a classifier (--convert classify) needs "
+                         "one of Troupe's own architectures")
+    model.load_checkpoint(ckpt.path, ckpt.overrides)
+    if transform is not None:
+        transform(model)
+    if device != "cpu":
+        model = model.to(device)
+    return model.eval()
+
+
 def score_from_lm_head(lm_head: torch.Tensor, token_ids: tuple[int, ...], num_labels: int) -> nn.Linear:
     """vLLM's classifier_from_token: a score head (float32) from the LM head's rows of
     ``token_ids``; one label from two tokens is row[true] - row[false] (from_2_way_softmax: its
@@ -183,7 +206,7 @@ def model_config(source: ModelSource) -> ArchConfig:
     if source.kind == "gguf":
         return _gguf_config(read_gguf(source.path), source)
     if source.kind == "hf_dir":
-        return read_hf_config(source.path, hf_overrides(source))
+        return read_hf_config(source.path, hf_overrides(source), source.model_impl)
     return open_checkpoint(source).config       # says which kinds there are
 
 
@@ -205,10 +228,10 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
         config = _gguf_config(gguf, source)
         return Checkpoint(config, iter_gguf_weights(gguf, config), "gguf_tensor_map", path=source.path)
     if source.kind == "hf_dir":
-        config = read_hf_config(source.path, hf_overrides(source))
+        config = read_hf_config(source.path, hf_overrides(source), source.model_impl)
         skipped = get_model_class(config.architecture).hf_skipped_prefixes
         return Checkpoint(config, iter_safetensors_weights(source.path, skipped),
-                          "hf_tensor_map", read_quantization_config(source.path), source.path)
+                          "hf_tensor_map", read_quantization_config(source.path), source.path, hf_overrides(source))
     raise ValueError(f"model source kind {source.kind!r} is not supported; supported: 'gguf', 'hf_dir'")
 
 

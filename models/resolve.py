@@ -37,6 +37,7 @@ class ModelSource:
     path: str          # the .gguf file, or the checkpoint directory
     served_name: str   # the name the API reports, e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"
     hf_overrides: str = ""   # vLLM's --hf-overrides: config keys over the checkpoint's, as JSON ("": none)
+    model_impl: str = "auto"  # vLLM's --model-impl: "auto", "vllm" (Troupe's classes) or "transformers"
 
 
 def resolve_tokenizer(name: str | None) -> ModelSource | None:

@@ -37,6 +37,7 @@ from actors.runtime.plugins import load_general_plugins, qualified_name, resolve
 from actors.spec_decode.config import SpeculativeConfig
 from actors.engine.vllm_options import offline_option
 from models.architectures import ENCODER_ONLY_ARCHITECTURES
+from models.hf_config import MODEL_IMPLS
 from models.resolve import ModelSource, resolve_model, resolve_tokenizer
 
 log = logging.getLogger("troupe.engine")
@@ -62,6 +63,8 @@ class EngineArgs:
     reasoning_parser: str | None = None   # the server's --reasoning-parser (its tags start and end reasoning)
     reasoning_config: str | dict[str, Any] | None = None   # vLLM's --reasoning-config JSON
     hf_overrides: dict[str, Any] | str | None = None   # vLLM's: config.json keys over the checkpoint's
+    model_impl: str = "auto"              # vLLM's: "vllm" (Troupe's own classes), "transformers" (transformers'
+                                          # modeling code), "auto" (Troupe's where it has one)
     runner: str = "auto"                  # vLLM's: "generate" | "pooling" ("auto": as the architecture says)
     convert: str = "auto"                 # vLLM's: a generative model adapted into a pooling one ("embed")
     pooler_config: dict[str, Any] | str | None = None   # vLLM's --pooler-config JSON
@@ -205,7 +208,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The composed config; resolves the model's source (fails fast, naming the package to
         install, when the model is not on this machine) and reads its generation config."""
-        source = with_hf_overrides(resolve_model(self.model), self.hf_overrides)
+        source = with_model_impl(with_hf_overrides(resolve_model(self.model), self.hf_overrides), self.model_impl)
         check_load_format(self.load_format, source)
         names = self.served_model_name
         speculative = speculative_config(with_spec_flags(self.speculative_config, self.spec_method,
@@ -429,6 +432,16 @@ def with_hf_overrides(source: ModelSource, overrides: dict[str, Any] | str | Non
     from models.registry import model_config       # torch: loaded here only when overrides are given
     model_config(source)               # the keys apply, or the start stops naming them
     return source
+
+
+def with_model_impl(source: ModelSource, model_impl: str) -> ModelSource:
+    """vLLM's --model-impl carried by the model's source (every process reads the checkpoint with it)."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
+    if model_impl == "transformers" and source.kind != "hf_dir":
+        raise ValueError("--model-impl transformers builds the model with transformers from a Hugging Face checkpoint "
+                         f"directory; {source.path} is a GGUF file")
+    return source if model_impl == source.model_impl else dataclasses.replace(source, model_impl=model_impl)
 
 
 def checkpoint_config(source: ModelSource) -> dict[str, Any]:
@@ -692,6 +705,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "'{\"max_position_embeddings\": 4096}'; a nested config such as text_config merged key by "
                  "key); on a GGUF file, the keys its header gives (max_position_embeddings, rope_theta, "
                  "rope_scaling, rms_norm_eps, sliding_window, bos/eos_token_id, softcapping)")),
+        (("--model-impl",), "model_impl", dict(
+            choices=MODEL_IMPLS, default=d["model_impl"],
+            help="vLLM's: which implementation of the architecture runs: vllm (Troupe's own), transformers "
+                 "(transformers' modeling code, its attention over Troupe's paged KV cache: any causal LM "
+                 "transformers implements), auto (Troupe's where it has one, else transformers')")),
         (("--runner",), "runner", dict(
             choices=RUNNERS, default=d["runner"],
             help="vLLM's: generate (the model writes text) or pooling (it embeds prompts: /v1/embeddings, "

@@ -34,7 +34,7 @@ from actors.kv_manager.block_hash import HASH_ALGOS
 from actors.kv_manager.kv_events import KVEventsConfig
 from actors.kv_transfer.config import KVTransferConfig
 from actors.spec_decode.config import SpeculativeConfig
-from models.architectures import ENCODER_ONLY_ARCHITECTURES
+from models.architectures import ENCODER_ONLY_ARCHITECTURES, TRANSFORMERS_BACKEND
 from models.config import ArchConfig
 from models.resolve import ModelSource
 from actors.engine.watermark import WatermarkConfig
@@ -412,6 +412,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                              "this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (with caution: positions "
                              "past the model's training give it inputs it never saw)")
         max_model_len = self.model.max_model_len or arch.default_max_model_len
+        if arch.architecture == TRANSFORMERS_BACKEND:
+            self._check_transformers_backend()
         if arch.mamba is not None:
             self._check_state_space(arch)
             fitting = self._fitting_seqs(kv_bytes or (CPU_KV_CACHE_BYTES if device != "cuda" else 0), arch, dtype)
@@ -578,6 +580,20 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         for flag, used, why in refused:
             if used:
                 raise ValueError(f"{name} has state-space (Mamba) layers: {flag} is not supported with it ({why})")
+
+    def _check_transformers_backend(self) -> None:
+        """What a model served by transformers' modeling code cannot be served with (yet), refused
+        by name: transformers' layers are whole, unpacked torch modules."""
+        spec = self.speculative
+        refused = [("--tensor-parallel-size", self.parallel.tensor_parallel_size > 1, "its layers run unsplit"),
+                   ("--pipeline-parallel-size", self.parallel.pipeline_parallel_size > 1, "its layers run in one stage"),
+                   ("--enable-lora", self.lora is not None, "adapters on its layers are not supported"),
+                   ("--speculative-config", spec is not None and spec.method == "self_draft",
+                    "a self draft quantizes Troupe's own layers")]
+        for flag, used, why in refused:
+            if used:
+                raise ValueError(f"the transformers backend (--model-impl transformers): {flag} is not supported "
+                                 f"with it ({why})")
 
     def kv_cache_specs(self, num_kv_heads: int | None = None) -> list[KVCacheSpec]:
         """One spec per attention layer of a resolved config's model, then of its draft model.

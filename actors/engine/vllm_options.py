@@ -167,7 +167,6 @@ BOOLEAN = frozenset({
 VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--tokenizer-mode": (("auto", "hf"), "Troupe reads tokenizers with Hugging Face's tokenizers library "
                                          "(tokenizer.json, or a GGUF file's vocabulary)"),
-    "--model-impl": (("auto", "vllm"), "Troupe runs its own implementation of each architecture"),
     "--config-format": (("auto", "hf"), "Troupe reads Hugging Face config.json files and GGUF metadata"),
     "--mamba-ssm-cache-dtype": (("float32",), "Troupe keeps a state-space layer's recurrent state in float32"),
 }

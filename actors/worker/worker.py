@@ -35,6 +35,7 @@ from actors.worker.step_memory import keep_step_heap
 from actors.worker.weight_transfer import WeightReceiver, drain, tensor_digests
 from kernels.attention.base import AttentionBackend
 from kernels.cpu import shm_comm
+from models.architectures import TRANSFORMERS_BACKEND
 from models.layers import calculate_kv_scales_on_next_batch, set_attention_bfloat16
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
@@ -240,6 +241,10 @@ class Worker:
             set_attention_bfloat16(model, bf16)      # encoders' prompt attention, as their matmuls
             if comp.level == 1 and not staged:     # the native stack runs every layer from the embedding
                 attach_native_decode(model)
+        if comp.compiles and ckpt.config.architecture == TRANSFORMERS_BACKEND:
+            log.info("compilation level %d: the transformers backend's layers run eagerly (custom ops only)",
+                     comp.level)
+            comp = msgspec.structs.replace(comp, level=1)
         compiled = apply_compilation(model, comp, repr(ckpt.config))
         if compiled is not None:
             log.info("compilation level %d: decoder layers compiled on first use (artifacts in %s)",
@@ -351,6 +356,9 @@ class Worker:
             return False
         if self.config.model.arch.mamba is not None:
             log.warning("state-space (Mamba) layers run eagerly for now: no CUDA graphs")
+            return False
+        if self.config.model.arch.architecture == TRANSFORMERS_BACKEND:
+            log.warning("the transformers backend runs eagerly for now: no CUDA graphs")
             return False
         if self.tp_size > 1:
             log.warning("tensor parallelism runs every step eagerly for now (no all-reduce inside CUDA graphs)")

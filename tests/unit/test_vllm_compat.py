@@ -137,22 +137,30 @@ def test_vllm_0_32_spellings_set_what_they_name():
 
 
 def test_settings_that_name_what_troupe_does_are_accepted_and_others_refused_naming_the_value(capsys):
-    """vLLM flags whose value may be what Troupe does: --tokenizer-mode auto, --model-impl auto,
-    --load-format as the model's files are; another value exits 2 with one line naming it.
+    """vLLM flags whose value may be what Troupe does: --tokenizer-mode auto, --load-format as the
+    model's files are; another value exits 2 with one line naming it. --model-impl takes vLLM's
+    values but terratorch (a library for geospatial models).
     (--runner and --convert are Troupe's own flags: tests/unit/test_pooling.py.)"""
     args = serve.parse_args(["--tokenizer-mode", "hf", "--runner", "generate", "--convert", "none",
                              "--model-impl", "auto", "--config-format", "hf", "--load-format", "gguf",
                              "--api-server-count", "1", "--mamba-ssm-cache-dtype", "float32"])
     EngineArgs.from_cli_args(args).create_engine_config()
     assert serve.parse_args(["-asc", "3"]).api_server_count == 3
-    for flag, value in (("--tokenizer-mode", "mistral"), ("--model-impl", "transformers"),
-                        ("--config-format", "mistral"), ("--mamba-ssm-cache-dtype", "bfloat16")):
+    for flag, value in (("--tokenizer-mode", "mistral"), ("--config-format", "mistral"),
+                        ("--mamba-ssm-cache-dtype", "bfloat16")):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args([flag, value])
         line = capsys.readouterr().err.strip()
         assert exc.value.code == 2 and line.startswith(f"troupe: error: {flag} {value} is a vLLM setting")
     with pytest.raises(ValueError, match="--load-format safetensors: the model's weights are gguf"):
         EngineArgs.from_cli_args(serve.parse_args(["--load-format", "safetensors"])).create_engine_config()
+    assert serve.parse_args(["--model-impl", "transformers"]).model_impl == "transformers"
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args(["--model-impl", "terratorch"])
+    assert exc.value.code == 2 and "invalid choice: 'terratorch'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--model-impl transformers builds the model with transformers from a Hugging "
+                                         "Face checkpoint directory; .* is a GGUF file"):
+        EngineArgs.from_cli_args(serve.parse_args(["--model-impl", "transformers"])).create_engine_config()
 
 
 def test_the_structured_outputs_config_takes_xgrammars_options_and_names_the_reasoning_parser(capsys):

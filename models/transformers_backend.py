@@ -1,0 +1,324 @@
+"""Any causal LM transformers implements, served through transformers' own modeling code: vLLM's
+Transformers modeling backend (``--model-impl transformers``; ``auto``, the default, takes it for
+an architecture Troupe has no implementation of).
+
+transformers builds the model from the checkpoint (its config class, its weight conversions, its
+layers) with ``attn_implementation="troupe"``: every attention module then hands its projected,
+rotated q, k and v to ``troupe_attention``, which stores them in the paged KV cache and attends
+through the engine's backend, so scheduling, chunked prefill, prefix caching, preemption and
+sampling are the engine's as for a built-in model. transformers computes everything else (norms,
+rotary from the step's positions, MLPs, experts) in torch. The step's tokens go through as one
+sequence of a batch of one, as vLLM passes them; no mask is built (the backend knows each request's
+span from the step's metadata).
+
+What it cannot follow is refused when the model is built, by name: layers that do not attend
+through transformers' attention interface (state-space and linear-attention layers), layer types
+other than full and sliding attention, chunked local attention, multi-head latent attention,
+bidirectional layers, quantized checkpoints, tensor and pipeline parallelism, LoRA."""
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import os
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from kernels.attention.base import AttentionBackend, AttentionMetadata
+from models.architectures import TRANSFORMERS_BACKEND
+from models.base import CausalLM, TensorMap
+from models.config import FULL, SLIDING, ArchConfig
+from models.layers import AttentionLayer
+
+log = logging.getLogger("troupe.models")
+
+ATTN_IMPLEMENTATION = "troupe"                      # the name transformers' attention interface knows it by
+_LAYER_TYPES = {FULL: FULL, SLIDING: SLIDING}       # transformers' layer_types this backend attends
+_KV_SHAPE = {"head_dim", "num_key_value_heads", "num_attention_heads", "hidden_size"}   # what sizes a KV page
+
+
+def transformers_config(raw: dict[str, Any]):
+    """transformers' config object of a parsed config.json (its class by ``model_type``)."""
+    from transformers import CONFIG_MAPPING
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"config.json's model_type {model_type!r} is not one transformers "
+                         f"{_transformers_version()} knows, so its modeling code cannot serve it")
+    cls = CONFIG_MAPPING[model_type]
+    return cls.from_dict(cls._decode_special_floats(raw))      # as from_pretrained reads config.json
+
+
+def causal_lm_class(raw: dict[str, Any]) -> type | None:
+    """The transformers class that generates text from this config (AutoModelForCausalLM's
+    choice), or None when transformers has none for its model_type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(raw.get("model_type"))
+    if name is None:
+        return None
+    import transformers
+    return getattr(transformers, name, None)
+
+
+def serves(raw: dict[str, Any]) -> bool:
+    """Whether transformers has a causal LM class for this config.json (what ``auto`` falls back to)."""
+    try:
+        return causal_lm_class(raw) is not None
+    except ImportError:
+        return False
+
+
+def _transformers_version() -> str:
+    import transformers
+    return transformers.__version__
+
+
+def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any]) -> ArchConfig:
+    """The ArchConfig of a checkpoint served by the transformers backend: read from the config
+    object transformers builds (its defaults for the keys config.json leaves out, its layer
+    types), what the engine sizes the KV cache and the context by."""
+    from models.hf_config import _eos_token_ids, rope_parameters
+    arch = (raw.get("architectures") or ["?"])[0]
+    if causal_lm_class(raw) is None:
+        raise ValueError(f"{arch} (model_type {raw.get('model_type')!r}) has no causal LM class in transformers "
+                         f"{_transformers_version()}: the transformers backend serves text generation models")
+    hf = transformers_config(raw)
+    text = hf.get_text_config()
+    varying = sorted((getattr(text, "per_layer_attributes", None) or set()) & _KV_SHAPE)
+    if getattr(text, "is_heterogeneous", False) and varying:
+        raise ValueError(f"{arch}'s layers differ in {', '.join(varying)} (per-layer configs): the KV cache takes one "
+                         "page shape for all layers")
+    t = text.to_dict()
+    for key, why in (("kv_lora_rank", "multi-head latent attention"), ("attention_chunk_size", "chunked local attention")):
+        if t.get(key):
+            raise ValueError(f"{arch} through the transformers backend: its {why} ({key}) is not supported")
+    if hf is not text:
+        raise ValueError(f"{arch} is a multimodal model: the transformers backend serves text-only causal LMs")
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    layers = text.num_hidden_layers
+    window = getattr(text, "sliding_window", None) or None
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        unknown = sorted({kind for kind in layer_types if kind not in _LAYER_TYPES})
+        if unknown:
+            raise ValueError(f"{arch} has layers of type {', '.join(map(repr, unknown))}: the transformers backend "
+                             f"attends full and sliding attention layers only")
+        layer_types = tuple(layer_types[:layers])
+        if SLIDING not in layer_types:
+            window, layer_types = None, None
+        elif window is None:
+            raise ValueError(f"{arch} has sliding layers but no sliding_window")
+    elif getattr(text, "use_sliding_window", True) is False:
+        window = None
+    positions = (getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+                 or getattr(text, "max_sequence_length", None) or 2048)
+    try:            # a context stretched by rope scaling (YaRN's factor), as the built-in models read it
+        theta, scaling = rope_parameters({**raw, "max_position_embeddings": positions})
+        max_len = scaling.stretched_len(positions)
+    except (ValueError, KeyError, TypeError):      # a rope type Troupe's own rotary lacks: transformers turns it
+        theta, max_len = 10000.0, positions
+    eps = getattr(text, "rms_norm_eps", None) or getattr(text, "layer_norm_eps", None) or 1e-6
+    return ArchConfig(
+        architecture=TRANSFORMERS_BACKEND, vocab_size=text.vocab_size, hidden_size=hidden,
+        intermediate_size=getattr(text, "intermediate_size", 0) or 0, num_layers=layers, num_heads=heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_size=getattr(text, "head_dim", None) or hidden // heads, max_model_len=max_len, rope_theta=theta,
+        rms_norm_eps=float(eps), tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_token_ids(raw, generation),
+        sliding_window=window, layer_types=layer_types,
+        attn_logit_softcapping=getattr(text, "attn_logit_softcapping", None),
+        final_logit_softcapping=getattr(text, "final_logit_softcapping", None))
+
+
+# -- attention -------------------------------------------------------------------------------------
+
+_step: tuple[list[torch.Tensor], AttentionMetadata] | None = None     # the running forward's caches and metadata
+
+
+class TransformersAttention(AttentionLayer):
+    """The engine's side of one transformers attention module (its ``troupe_attn``): the layer's
+    KV cache binding, its window, and what its keys must look like to fit the cache."""
+
+    def __init__(self, backend: AttentionBackend, layer: int, num_kv_heads: int, head_size: int,
+                 sliding_window: int | None) -> None:
+        super().__init__(backend)
+        self.layer, self.num_kv_heads, self.head_size = layer, num_kv_heads, head_size
+        self.sliding_window = sliding_window
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        """transformers' (1, H, T, D) q and (1, KVH, T, D) k, v -> its attention output (1, T, H, D)."""
+        if _step is None:
+            raise RuntimeError("a transformers attention module ran outside TransformersForCausalLM.forward")
+        caches, meta = _step
+        if key.shape[1] != self.num_kv_heads or key.shape[-1] != self.head_size or value.shape[-1] != self.head_size:
+            raise ValueError(f"layer {self.layer}'s keys and values have {key.shape[1]} heads of {key.shape[-1]} and "
+                             f"{value.shape[-1]}, where the KV cache was sized for {self.num_kv_heads} heads of "
+                             f"{self.head_size} (config.json's num_key_value_heads and head_dim)")
+        if (sliding_window or None) != self.sliding_window:
+            raise ValueError(f"layer {self.layer} attends within a window of {sliding_window}, where config.json's "
+                             f"layer types and sliding_window gave {self.sliding_window}")
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))     # (T, heads, D)
+        scale = self.head_size ** -0.5 if scaling is None else float(scaling)
+        out = self.attend(q, k, v, caches[self.kv_index], meta, scale, self.sliding_window, softcap or None, sinks)
+        return out.unsqueeze(0)
+
+
+def troupe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     sliding_window: int | None = None, softcap: float | None = None,
+                     s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface function (``attn_implementation="troupe"``): the paged
+    attention of the module's layer over the step's KV cache. transformers builds no mask for
+    this implementation, so a mask here is one the module made itself (a learned or dynamic one),
+    which the paged kernels cannot apply."""
+    if attention_mask is not None:
+        raise ValueError(f"{type(module).__name__} (layer {module.troupe_attn.layer}) attends under a mask of its own "
+                         "making, which the transformers backend's paged attention cannot apply")
+    return module.troupe_attn(query, key, value, scaling, sliding_window, softcap, s_aux), None
+
+
+@functools.cache
+def _register() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN_IMPLEMENTATION, troupe_attention)
+
+
+@functools.cache
+def _dispatches_attention(cls: type) -> bool:
+    """Whether ``cls.forward`` calls through transformers' attention interface (the modules
+    ``troupe_attention`` serves)."""
+    try:
+        source = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source
+
+
+class _Decoder(nn.Module):
+    """Where the causal LM keeps its decoder stack: the stack itself, or, while ``hidden`` is set,
+    the hidden states already computed. The causal LM's own forward then makes the logits of
+    those rows with everything it does after the stack (its LM head, a logit scale, a softcap)."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.hidden is None:
+            return self.decoder(*args, **kwargs)
+        from transformers.modeling_outputs import MoeModelOutputWithPast
+        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("decoder"), name)
+
+
+class TransformersForCausalLM(CausalLM):
+    """A transformers causal LM whose attention runs over the engine's paged KV cache. The
+    checkpoint is read by transformers (``load_checkpoint``), not through a tensor map."""
+    hf_tensor_map: ClassVar[TensorMap] = {}
+    gguf_tensor_map: ClassVar[TensorMap] = {}
+    bidirectional_layers: ClassVar[bool] = False
+
+    def __init__(self, config: ArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config, self.backend, self.dtype = config, attn_backend, dtype
+        self.hf: nn.Module | None = None
+
+    def load_checkpoint(self, path: str, overrides: dict[str, Any] | None = None) -> None:
+        """Build transformers' model of the checkpoint directory ``path`` (config.json with
+        ``overrides``, the --hf-overrides), its weights read by transformers, and bind each
+        layer's attention module to the engine's KV cache."""
+        from transformers.utils import logging as hf_logging
+
+        from models.hf_config import with_overrides
+        _register()
+        with open(os.path.join(path, "config.json")) as f:
+            raw = with_overrides(json.load(f), overrides or {})
+        cls = causal_lm_class(raw)
+        if cls is None:
+            raise ValueError(f"model_type {raw.get('model_type')!r} has no causal LM class in transformers")
+        hf_config = transformers_config(raw)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()         # its notes on weights it initialized itself are checked below
+        try:
+            hf, info = cls.from_pretrained(path, config=hf_config, dtype=self.dtype,
+                                           attn_implementation=ATTN_IMPLEMENTATION, output_loading_info=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        if info.get("missing_keys"):
+            missing = sorted(info["missing_keys"])
+            raise ValueError(f"{cls.__name__}: the checkpoint left {len(missing)} parameters unloaded: {missing[:8]}")
+        self.hf = hf.eval()
+        self._bind_attention(cls.__name__)
+        prefix = hf.base_model_prefix
+        self.decoder = getattr(hf, prefix)
+        setattr(hf, prefix, _Decoder(self.decoder))
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_position = "cache_position" in params
+
+    def _bind_attention(self, name: str) -> None:
+        c = self.config
+        found: dict[int, nn.Module] = {}
+        for module in self.hf.modules():
+            idx = getattr(module, "layer_idx", None)
+            if not isinstance(idx, int) or not _dispatches_attention(type(module)):
+                continue
+            if getattr(module, "is_causal", True) is False:
+                raise ValueError(f"{name}'s layer {idx} attends both ways: the transformers backend serves causal "
+                                 "attention")
+            if idx in found:
+                raise ValueError(f"{name}'s layer {idx} attends in two modules, which one KV cache cannot serve")
+            found[idx] = module
+        missing = [i for i in range(c.num_layers) if i not in found]
+        if missing:
+            raise ValueError(f"{name}'s layers {missing[:8]} do not attend through transformers' attention "
+                             "interface (state-space or linear-attention layers): the transformers backend cannot "
+                             "give them a cache")
+        for idx in sorted(found):
+            attn = TransformersAttention(self.backend, idx, c.num_kv_heads, c.head_size, c.layer_sliding_window(idx))
+            attn.kv_index = idx          # cache i is layer i's (the runner binds them again, in the same order)
+            found[idx].troupe_attn = attn
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf.get_input_embeddings()(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, intermediate: Any = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's tokens (T,) at ``positions`` (T,) as one sequence -> hidden states (T, hidden)."""
+        global _step
+        if intermediate is not None:
+            raise ValueError("the transformers backend runs in one pipeline stage")
+        kwargs: dict[str, Any] = {"position_ids": positions[None], "use_cache": False, "return_dict": True}
+        if self._cache_position:
+            kwargs["cache_position"] = positions
+        if inputs_embeds is not None:
+            kwargs["inputs_embeds"] = inputs_embeds[None]
+        else:
+            kwargs["input_ids"] = input_ids[None]
+        previous, _step = _step, (kv_caches, meta)
+        try:
+            out = self.decoder(**kwargs)
+        finally:
+            _step = previous
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (N, vocab) float32 of hidden states (N, hidden), by the causal LM's own forward
+        over them (so any logit scale or softcap it applies is applied)."""
+        head = getattr(self.hf, self.hf.base_model_prefix)
+        head.hidden = hidden[None]
+        try:
+            ids = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
+            logits = self.hf(input_ids=ids, use_cache=False, return_dict=True, logits_to_keep=0).logits
+        finally:
+            head.hidden = None
+        return logits[0].float()

@@ -1,0 +1,174 @@
+"""The transformers backend (--model-impl transformers; auto's fallback): architectures Troupe has
+no class of, served by transformers' modeling code with their attention over the paged KV cache.
+Each is a tiny random checkpoint written by transformers, checked against transformers' own
+forward: prompts whole, chunked, token by token and several requests in one step (transformers
+sees a step's tokens as one sequence: the backend keeps the requests apart), sliding windows, and
+the engine's greedy tokens; what it cannot serve is refused by name."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from helpers import hf_greedy, run_steps, save_tiny_llama, save_tiny_tokenizer
+from kernels.attention import allocate_kv_caches
+from models.registry import load_model, model_config
+from models.resolve import resolve_model
+
+VOCAB, BS = 96, 4
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# model_type -> its config's own keys beside SMALL's (experts, windows)
+ARCHITECTURES = {
+    "apertus": {},                                         # xIELU MLP, per-head q/k norms, Llama 3's rope
+    "arcee": {},                                           # an ungated ReLU^2 MLP
+    "nemotron": {"partial_rotary_factor": 0.5},            # LayerNorm1p, squared ReLU, a partial rotary
+    "minimax_m2": {"num_local_experts": 4, "num_experts_per_tok": 2, "rotary_dim": 8},   # experts, q/k norms
+    "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},   # experts beside a shared one, q/k norms
+    "vaultgemma": {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+}
+
+
+def _write(path, model_type: str, seed: int = 0, **extra) -> tuple[str, torch.nn.Module]:
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    config = CONFIG_MAPPING[model_type](**{**SMALL, **ARCHITECTURES.get(model_type, {}), **extra})
+    torch.manual_seed(seed)
+    hf = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config)
+    with torch.no_grad():       # spread out, so that a wrong row, position or window changes the logits
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.15)
+    hf.save_pretrained(path)
+    return save_tiny_tokenizer(path, VOCAB), hf.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def checkpoint(request, tmp_path_factory):
+    return _write(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _want(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([tokens])).logits[0]
+
+
+def test_a_prompt_whole_chunked_and_token_by_token_gives_transformers_logits(checkpoint):
+    path, hf = checkpoint
+    model, config = load_model(resolve_model(path))
+    assert type(model).__name__ == config.architecture == "TransformersForCausalLM"
+    tokens = _tokens(21, 4)
+    want = _want(hf, tokens)
+    assert want.std() > 0.5
+    for cuts in ((21,), (13, 1, 1, 1, 1, 1, 1, 1, 1), (5, 6, 3, 7)):
+        steps, start = [], 0
+        for n in cuts:
+            steps.append([torch.tensor(tokens[start:start + n])])
+            start += n
+        ours = run_steps(model, allocate_kv_caches(config, 32, BS, torch.float32), [list(range(3, 10))], steps, BS)
+        torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"cuts {cuts}: {m}")
+
+
+def test_requests_in_one_step_each_attend_only_over_their_own_tokens(checkpoint):
+    """transformers sees a step's tokens as one sequence; each request's rows must still be its
+    own forward's: prompts in chunks beside other requests' decodes, in shuffled blocks."""
+    from kernels.attention import build_attention_metadata
+    path, hf = checkpoint
+    model, config = load_model(resolve_model(path))
+    prompts = [_tokens(n, 10 + n) for n in (9, 14, 6)]
+    wants = [_want(hf, p) for p in prompts]
+    blocks = (torch.randperm(15, generator=torch.Generator().manual_seed(5)) + 1).tolist()
+    tables = [blocks[0:3], blocks[3:7], blocks[7:9]]
+    caches = allocate_kv_caches(config, 16, BS, torch.float32)
+    done = [0, 0, 0]
+    for step in [(6, 4, 3), (1, 4, 1), (1, 3, 1), (1, 1, 1), (0, 1, 0), (0, 1, 0)]:     # tokens a request a step
+        running = [r for r, n in enumerate(step) if n]
+        meta = build_attention_metadata([step[r] for r in running], [done[r] + step[r] for r in running],
+                                        [tables[r] for r in running], BS)
+        ids = torch.tensor([t for r in running for t in prompts[r][done[r]:done[r] + step[r]]])
+        pos = torch.tensor([p for r in running for p in range(done[r], done[r] + step[r])])
+        with torch.inference_mode():
+            logits = model.compute_logits(model(ids, pos, caches, meta))
+        row = 0
+        for r in running:
+            n = step[r]
+            torch.testing.assert_close(logits[row:row + n], wants[r][done[r]:done[r] + n], atol=1e-4, rtol=1e-4)
+            row, done[r] = row + n, done[r] + n
+    assert done == [9, 14, 6]
+
+
+def test_model_impl_transformers_on_a_troupe_architecture_gives_troupes_logits(tmp_path):
+    path = save_tiny_llama(tmp_path, VOCAB, 64, 96, 4, 2, 16, 256)
+    tokens = _tokens(17, 2)
+    steps = [[torch.tensor(tokens[:11])]] + [[torch.tensor([t])] for t in tokens[11:]]
+    logits = {}
+    for impl in ("vllm", "transformers"):
+        source = dataclasses.replace(resolve_model(path), model_impl=impl)
+        model, config = load_model(source)
+        logits[impl] = run_steps(model, allocate_kv_caches(config, 16, BS, torch.float32), [list(range(1, 6))],
+                                 steps, BS)
+        assert (config.architecture == "TransformersForCausalLM") == (impl == "transformers")
+    torch.testing.assert_close(logits["transformers"], logits["vllm"], atol=2e-5, rtol=1e-5)
+
+
+def test_the_engine_serves_it_with_transformers_greedy_tokens(tmp_path):
+    """In the engine's own processes, through the scheduler, chunked prefill, prefix caching (a
+    shared prefix read back from the cache) and preemptions (a KV cache of 12 blocks): transformers'
+    greedy tokens, for an architecture ``auto`` hands to the transformers backend."""
+    from actors.api import LLM, SamplingParams
+    path, hf = _write(tmp_path, "apertus", seed=3)
+    shared = _tokens(12, 7)
+    prompts = [shared + _tokens(n, 20 + n) for n in (3, 8)] + [_tokens(19, 9), _tokens(6, 4)]
+    want = hf_greedy(hf, prompts, 14)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    with LLM(path, multiprocess=True, num_gpu_blocks_override=12, block_size=BS, max_num_batched_tokens=16,
+             max_num_seqs=4, enable_chunked_prefill=True, enable_prefix_caching=True) as llm:
+        first = [r.token_ids for r in llm.generate(prompts[:1], params, use_tqdm=False)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.client.stats.last
+    assert first == want[:1] and [r.token_ids for r in outs] == want and len({tuple(t) for t in want}) == 4
+    assert outs[1].num_cached_tokens >= 12 and stats.num_preemptions > 0
+
+
+def test_what_it_cannot_serve_is_refused_by_name(tmp_path):
+    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+    path, _ = _write(tmp_path / "apertus", "apertus")
+    with pytest.raises(ValueError, match=r"ApertusForCausalLM.* is not supported; --model-impl transformers \(or "
+                                         r"auto\) serves it through transformers' modeling code"):
+        model_config(dataclasses.replace(resolve_model(path), model_impl="vllm"))
+    # layers of another kind than attention (a hybrid's linear attention), latent attention
+    hybrid = tmp_path / "hybrid"
+    hybrid.mkdir()
+    (hybrid / "config.json").write_text(json.dumps({
+        "architectures": ["OlmoHybridForCausalLM"], "model_type": "olmo_hybrid", **SMALL,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"]}))
+    with pytest.raises(ValueError, match="OlmoHybridForCausalLM has layers of type 'linear_attention': the "
+                                         "transformers backend attends full and sliding attention layers only"):
+        model_config(resolve_model(str(hybrid)))
+    Glm4MoeLiteForCausalLM(Glm4MoeLiteConfig(**{**SMALL, "kv_lora_rank": 16, "q_lora_rank": 16,
+                                                 "n_routed_experts": 4})).save_pretrained(tmp_path / "mla")
+    with pytest.raises(ValueError, match=r"multi-head latent attention \(kv_lora_rank\) is not supported"):
+        model_config(resolve_model(str(tmp_path / "mla")))
+    # a mask the attention module makes itself (Doge's dynamic mask)
+    doge, _ = _write(tmp_path / "doge", "doge")
+    model, config = load_model(resolve_model(doge))
+    with pytest.raises(ValueError, match="DogeAttention .* attends under a mask of its own making"):
+        run_steps(model, allocate_kv_caches(config, 8, BS, torch.float32), [[1, 2]], [[torch.tensor([3, 4, 5])]], BS)
+    # what the engine cannot split or adapt
+    from actors.engine.args import EngineArgs
+    arch = model_config(resolve_model(path))
+    for flags, name in (({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+                        ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
+                        ({"enable_lora": True}, "--enable-lora"),
+                        ({"speculative_config": {"method": "self_draft", "quantization": "gguf-i8",
+                                                 "num_speculative_tokens": 2}}, "--speculative-config")):
+        with pytest.raises(ValueError, match=f"the transformers backend .*: {name} is not supported"):
+            EngineArgs(model=path, kv_cache_bytes=1 << 24, **flags).create_engine_config().resolve(
+                cuda_available=False, cpu_count=2, arch=arch)
