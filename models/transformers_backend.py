@@ -17,6 +17,7 @@ other than full and sliding attention, chunked local attention, multi-head laten
 bidirectional layers, quantized checkpoints, tensor and pipeline parallelism, LoRA."""
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import json
@@ -31,12 +32,13 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata
 from models.architectures import TRANSFORMERS_BACKEND
 from models.base import CausalLM, TensorMap
 from models.config import FULL, SLIDING, ArchConfig
-from models.layers import AttentionLayer
+from models.layers import AttentionLayer, Linear
 
 log = logging.getLogger("troupe.models")
 
 ATTN_IMPLEMENTATION = "troupe"                      # the name transformers' attention interface knows it by
 _LAYER_TYPES = {FULL: FULL, SLIDING: SLIDING}       # transformers' layer_types this backend attends
+_TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")   # the tp_plan styles Troupe splits by
 _KV_SHAPE = {"head_dim", "num_key_value_heads", "num_attention_heads", "hidden_size"}   # what sizes a KV page
 
 
@@ -197,6 +199,22 @@ def _dispatches_attention(cls: type) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in source
 
 
+def _own_linears(model: nn.Module) -> int:
+    """Each ``nn.Linear`` of ``model`` becomes Troupe's ``Linear`` over the same parameters, so the
+    worker packs it for the native kernels as it packs its own models' (models/packed.py); returns
+    how many."""
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            own = Linear(child.in_features, child.out_features, child.weight.dtype, weight=child.weight)
+            own.bias = child.bias
+            setattr(module, name, own)
+            replaced += 1
+    return replaced
+
+
 class _Decoder(nn.Module):
     """Where the causal LM keeps its decoder stack: the stack itself, or, while ``hidden`` is set,
     the hidden states already computed. The causal LM's own forward then makes the logits of
@@ -257,7 +275,11 @@ class TransformersForCausalLM(CausalLM):
             missing = sorted(info["missing_keys"])
             raise ValueError(f"{cls.__name__}: the checkpoint left {len(missing)} parameters unloaded: {missing[:8]}")
         self.hf = hf.eval()
+        linears = _own_linears(hf)
         self._bind_attention(cls.__name__)
+        log.info("%s built by transformers %s (the transformers backend): %d attention layers over the paged KV "
+                 "cache, %d linear layers Troupe's", cls.__name__, _transformers_version(), self.config.num_layers,
+                 linears)
         prefix = hf.base_model_prefix
         self.decoder = getattr(hf, prefix)
         setattr(hf, prefix, _Decoder(self.decoder))
@@ -286,6 +308,54 @@ class TransformersForCausalLM(CausalLM):
             attn = TransformersAttention(self.backend, idx, c.num_kv_heads, c.head_size, c.layer_sliding_window(idx))
             attn.kv_index = idx          # cache i is layer i's (the runner binds them again, in the same order)
             found[idx].troupe_attn = attn
+
+    def shard_tensor_parallel(self, world: int, rank: int, group: Any) -> None:
+        """This rank's share of the layers, as the checkpoint's transformers config plans it
+        (``base_model_tp_plan``): "colwise" q, k and v projections take the rank's heads (a KV
+        head replicated where there are fewer than ranks), "colwise" MLP projections an even run
+        of rows, "rowwise" ones the matching columns with their products summed over the ranks;
+        per-head norms stay whole. Embeddings and the LM head stay whole on every rank. A plan
+        with other styles (experts, gathered outputs) is refused by name."""
+        import re
+
+        from models.tensor_parallel import column_parallel, row_parallel
+        from models.tp_layout import head_split, split
+        c, name = self.config, type(self.hf).__name__
+        plan = getattr(self.hf.config.get_text_config(), "base_model_tp_plan", None) or {}
+        styles = sorted({style for style in plan.values() if style not in _TP_STYLES})
+        if styles:
+            raise ValueError(f"{name}'s tensor-parallel plan splits by {', '.join(styles)}, which the transformers "
+                             "backend does not: serve it without --tensor-parallel-size")
+        rules = [(re.compile(re.escape(key).replace(r"\*", r"\d+") + "$"), style) for key, style in plan.items()]
+        D = c.head_size
+        q0, qn, k0, kn = head_split(c.num_heads, c.num_kv_heads, world, rank)
+        heads = {"q_proj": (q0 * D, qn * D), "k_proj": (k0 * D, kn * D), "v_proj": (k0 * D, kn * D),
+                 "o_proj": (q0 * D, qn * D)}
+        split_heads = collections.Counter()
+        for path, module in list(self.decoder.named_modules()):
+            style = next((st for pattern, st in rules if pattern.match(path)), None)
+            if style is None or style.startswith("replicated"):
+                continue
+            parent, _, leaf = path.rpartition(".")
+            if not isinstance(module, Linear):
+                raise ValueError(f"{name}: {path} is planned {style!r} but is not a linear layer")
+            if style == "colwise":
+                rows = heads.get(leaf) or split(module.out_features, world, rank)
+                part = column_parallel(module, [rows])
+            else:
+                cols = heads.get(leaf) or split(module.in_features, world, rank)
+                part = row_parallel(module, cols, rank, group)
+            setattr(self.decoder.get_submodule(parent), leaf, part)
+            split_heads[leaf] += leaf in heads
+        if any(split_heads[p] != c.num_layers for p in heads):
+            raise ValueError(f"{name}'s tensor-parallel plan does not split every layer's q, k, v and o projections "
+                             f"({dict(split_heads)}): serve it without --tensor-parallel-size")
+        for module in self.hf.modules():
+            sinks = getattr(module, "sinks", None)
+            if isinstance(sinks, nn.Parameter) and sinks.shape[0] == c.num_heads:
+                module.sinks = nn.Parameter(sinks.data[q0:q0 + qn].clone(), requires_grad=False)
+            if isinstance(module, TransformersAttention):
+                module.num_kv_heads = kn
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.hf.get_input_embeddings()(input_ids)

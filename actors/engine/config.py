@@ -583,9 +583,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def _check_transformers_backend(self) -> None:
         """What a model served by transformers' modeling code cannot be served with (yet), refused
-        by name: transformers' layers are whole, unpacked torch modules."""
+        by name (tensor parallelism splits it as its transformers config plans, or refuses at load)."""
         spec = self.speculative
-        refused = [("--tensor-parallel-size", self.parallel.tensor_parallel_size > 1, "its layers run unsplit"),
+        refused = [("--enable-expert-parallel", self.parallel.enable_expert_parallel,
+                    "its experts are transformers' own modules"),
                    ("--pipeline-parallel-size", self.parallel.pipeline_parallel_size > 1, "its layers run in one stage"),
                    ("--enable-lora", self.lora is not None, "adapters on its layers are not supported"),
                    ("--speculative-config", spec is not None and spec.method == "self_draft",

@@ -2,7 +2,8 @@
 SmolLM3's NoPE layers, a Phi-4-mini-shaped model (longrope over a partial rotary, served past its
 original context), Llama 3.1's rope scaling, Gemma 2's capped scores, gpt-oss's attention sinks
 and biased swigluoai experts, BLOOM's ALiBi (in the Triton kernels), Mamba-2's and Qwen3-Next's
-recurrent states (eager: no graphs for them) give transformers' greedy tokens through a CUDA engine."""
+recurrent states (eager: no graphs for them), and architectures served by the transformers backend
+(Apertus; VaultGemma's sliding layers) give transformers' greedy tokens through a CUDA engine."""
 from __future__ import annotations
 
 import pytest
@@ -54,6 +55,12 @@ def _model(name: str):
             linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
             linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
             shared_expert_intermediate_size=20, tie_word_embeddings=False))
+    if name == "apertus":         # no Troupe class: the transformers backend (auto), its attention in Triton
+        return t.ApertusForCausalLM(t.ApertusConfig(**TINY, head_dim=16, num_hidden_layers=2, tie_word_embeddings=False))
+    if name == "vaultgemma":      # the same, with sliding layers
+        return t.VaultGemmaForCausalLM(t.VaultGemmaConfig(**TINY, head_dim=16, num_hidden_layers=3, sliding_window=8,
+                                                          layer_types=["sliding_attention", "full_attention",
+                                                                       "sliding_attention"]))
     if name == "bloom":
         return t.BloomForCausalLM(t.BloomConfig(vocab_size=128, hidden_size=96, n_layer=2, n_head=6,
                                                 bos_token_id=1, eos_token_id=2))
@@ -67,7 +74,7 @@ def _saved(name: str, path) -> tuple[object, str]:
     with torch.no_grad():
         for param_name, p in hf.named_parameters():
             is_norm = param_name.endswith(("norm.weight", "layernorm.weight", "ln_f.weight", "norm_f.weight"))
-            plus_one = name in ("gemma2", "qwen3_next") and "linear_attn" not in param_name   # (1 + weight) norms
+            plus_one = name in ("gemma2", "qwen3_next", "vaultgemma") and "linear_attn" not in param_name   # (1 + weight) norms
             p.normal_(1.0 if is_norm and not plus_one else 0.0, 0.15)
     hf.config._attn_implementation = "eager"
     hf.eval().save_pretrained(path)
@@ -87,6 +94,6 @@ def check_greedy_tokens(name: str, path, device: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["granite", "smollm3", "phi4_mini", "llama3_rope", "gemma2", "gpt_oss", "bloom",
-                                  "mamba2", "qwen3_next"])
+                                  "mamba2", "qwen3_next", "apertus", "vaultgemma"])
 def test_greedy_tokens_on_cuda_equal_transformers(name, tmp_path):
     check_greedy_tokens(name, tmp_path, "cuda")

@@ -137,6 +137,75 @@ def test_the_engine_serves_it_with_transformers_greedy_tokens(tmp_path):
     assert outs[1].num_cached_tokens >= 12 and stats.num_preemptions > 0
 
 
+def test_ngram_speculation_verifies_drafts_with_transformers_greedy_tokens(tmp_path):
+    from actors.api import LLM, SamplingParams
+    path, hf = _write(tmp_path, "minimax_m2", seed=6)
+    prompts = [_tokens(n, 40 + n) * 2 for n in (7, 12)]     # repeats for the n-grams to find
+    want = hf_greedy(hf, prompts, 16)
+    with LLM(path, multiprocess=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                            "prompt_lookup_min": 2, "prompt_lookup_max": 3}) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        stats = llm.client.stats.last
+    assert [r.token_ids for r in outs] == want and stats.spec_num_draft_tokens > 0
+
+
+def test_as_an_embedding_model_it_pools_transformers_hidden_states(tmp_path):
+    """--convert embed: the last token's final hidden state, L2-normalized (vLLM's default)."""
+    from actors.api import LLM
+    path, hf = _write(tmp_path, "arcee", seed=5)
+    prompts = [_tokens(n, 30 + n) for n in (5, 11)]
+    with LLM(path, multiprocess=False, convert="embed") as llm:
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        with torch.inference_mode():
+            want = torch.nn.functional.normalize(hf.model(torch.tensor([p])).last_hidden_state[0, -1], dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-5, rtol=1e-5)
+
+
+# -- tensor parallelism over two gloo ranks, as the checkpoints' transformers configs plan it -----------
+
+def _tp_logits(model, config, num_kv_heads: int) -> torch.Tensor:
+    local = dataclasses.replace(config, num_kv_heads=num_kv_heads)
+    prompts = [torch.tensor(_tokens(n, 50 + n)) for n in (9, 6)]
+    steps = [prompts] + [[torch.tensor([(5 * s + r) % VOCAB + 3]) for r in range(2)] for s in range(3)]
+    return run_steps(model, allocate_kv_caches(local, 32, BS, torch.float32), [list(range(1, 8)), list(range(8, 16))],
+                     steps, BS)
+
+
+def _tp_rank(rank: int, world: int, paths: dict) -> dict:
+    from models.tensor_parallel import shard_model
+    out = {}
+    for name, path in paths.items():
+        model, config = load_model(resolve_model(path))
+        try:
+            shard_model(model, world, rank)
+        except ValueError as exc:
+            out[name] = str(exc)
+            continue
+        attn = next(m for m in model.modules() if type(m).__name__ == "TransformersAttention")
+        out[name] = (attn.num_kv_heads, _tp_logits(model, config, attn.num_kv_heads))
+    return out
+
+
+def test_two_ranks_split_it_as_its_tp_plan_says_and_give_the_unsplit_logits(tmp_path):
+    """Apertus (two KV heads: one a rank) and Nemotron with one KV head (replicated on both
+    ranks); MiniMax-M2's plan (experts, gathered outputs) is refused by name."""
+    from helpers import run_ranks
+    paths = {"apertus": _write(tmp_path / "apertus", "apertus")[0],
+             "nemotron": _write(tmp_path / "nemotron", "nemotron", num_key_value_heads=1)[0],
+             "minimax_m2": _write(tmp_path / "minimax", "minimax_m2")[0]}
+    ranks = run_ranks(_tp_rank, 2, tmp_path, paths)
+    for name, kv in (("apertus", 1), ("nemotron", 1)):
+        model, config = load_model(resolve_model(paths[name]))
+        want = _tp_logits(model, config, config.num_kv_heads)
+        assert want.std() > 0.5
+        for r in ranks:
+            assert r[name][0] == kv
+            torch.testing.assert_close(r[name][1], want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert all("MiniMaxM2ForCausalLM's tensor-parallel plan splits by colwise_gather_output, moe_tp_experts, "
+               "packed_colwise, rowwise_split_input" in r["minimax_m2"] for r in ranks)
+
+
 def test_what_it_cannot_serve_is_refused_by_name(tmp_path):
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
     path, _ = _write(tmp_path / "apertus", "apertus")
@@ -164,7 +233,7 @@ def test_what_it_cannot_serve_is_refused_by_name(tmp_path):
     # what the engine cannot split or adapt
     from actors.engine.args import EngineArgs
     arch = model_config(resolve_model(path))
-    for flags, name in (({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+    for flags, name in (({"tensor_parallel_size": 2, "enable_expert_parallel": True}, "--enable-expert-parallel"),
                         ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
                         ({"enable_lora": True}, "--enable-lora"),
                         ({"speculative_config": {"method": "self_draft", "quantization": "gguf-i8",

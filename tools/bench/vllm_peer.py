@@ -54,7 +54,7 @@ def offline(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     reqs = workload.from_args(args)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=256,
-              gpu_memory_utilization=0.4)
+              gpu_memory_utilization=0.4, model_impl=args.model_impl)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)
@@ -151,6 +151,8 @@ def main() -> None:
     off.add_argument("--model", default="/tmp/peers/smollm2-hf")
     off.add_argument("--dtype", default="float32")
     off.add_argument("--max-model-len", type=int, default=2048)
+    off.add_argument("--model-impl", default="auto", help="vLLM's --model-impl (transformers: its Transformers "
+                     "modeling backend)")
     emb = sub.add_parser("embed", help="embedding throughput of vLLM, as tools.bench embed measures it")
     workload.add_arguments(emb)
     emb.add_argument("--model", default="/tmp/peers/smollm2-hf")
