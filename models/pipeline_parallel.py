@@ -33,6 +33,9 @@ def split_stage(model: nn.Module, pp_size: int, pp_rank: int) -> nn.Module:
     stage (its forward does not take intermediate tensors)."""
     if pp_size == 1:
         return model
+    if hasattr(model, "split_pipeline_stage"):       # a model that cuts itself (the transformers backend)
+        model.split_pipeline_stage(pp_size, pp_rank)
+        return model
     if not getattr(model, "intermediate_keys", ()) or not isinstance(getattr(model, "layers", None), nn.ModuleList):
         raise ValueError(f"{type(model).__name__} does not support pipeline parallelism (its forward takes no "
                          "intermediate tensors)")

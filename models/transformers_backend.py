@@ -215,6 +215,13 @@ def _own_linears(model: nn.Module) -> int:
     return replaced
 
 
+class _PassThrough(nn.Module):
+    """A decoder layer another pipeline stage holds: its input hidden states pass through."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states
+
+
 class _Decoder(nn.Module):
     """Where the causal LM keeps its decoder stack: the stack itself, or, while ``hidden`` is set,
     the hidden states already computed. The causal LM's own forward then makes the logits of
@@ -245,10 +252,13 @@ class TransformersForCausalLM(CausalLM):
     gguf_tensor_map: ClassVar[TensorMap] = {}
     bidirectional_layers: ClassVar[bool] = False
 
+    intermediate_keys: ClassVar[tuple[str, ...]] = ("hidden_states",)   # between pipeline stages
+
     def __init__(self, config: ArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config, self.backend, self.dtype = config, attn_backend, dtype
         self.hf: nn.Module | None = None
+        self.start_layer, self.end_layer = 0, config.num_layers     # a pipeline stage's (split_pipeline_stage)
 
     def load_checkpoint(self, path: str, overrides: dict[str, Any] | None = None) -> None:
         """Build transformers' model of the checkpoint directory ``path`` (config.json with
@@ -309,6 +319,41 @@ class TransformersForCausalLM(CausalLM):
             attn.kv_index = idx          # cache i is layer i's (the runner binds them again, in the same order)
             found[idx].troupe_attn = attn
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        """transformers' decoder layers (``num_hidden_layers`` of them, by the base model's
+        ``base_model_pp_plan`` or its ``layers``)."""
+        plan = getattr(self.hf.config.get_text_config(), "base_model_pp_plan", None) or {}
+        names = [n for n in plan if isinstance(getattr(self.decoder, n, None), nn.ModuleList)] or ["layers"]
+        layers = getattr(self.decoder, names[0], None)
+        if not isinstance(layers, nn.ModuleList) or len(layers) != self.config.num_layers:
+            raise ValueError(f"{type(self.hf).__name__}: no list of its {self.config.num_layers} decoder layers to "
+                             "cut into pipeline stages")
+        return layers
+
+    def split_pipeline_stage(self, pp_size: int, pp_rank: int) -> None:
+        """Keep stage ``pp_rank``'s layers of ``pp_size`` (vLLM's split, models/pp_layout.py): the
+        others pass their input through, the final norm runs on the last stage only, and a stage
+        after the first starts from the previous one's hidden states (as input embeddings)."""
+        from models.pp_layout import pp_layers
+        layers = self.layers
+        if "= decoder_layer(" not in inspect.getsource(inspect.unwrap(type(self.decoder).forward)):
+            raise ValueError(f"{type(self.hf).__name__}'s decoder layers do not hand their hidden states on as they "
+                             "are: the transformers backend cannot cut it into pipeline stages")
+        start, end = pp_layers(len(layers), pp_size, pp_rank)
+        for i in range(len(layers)):
+            if not start <= i < end:
+                layers[i] = _PassThrough()
+        if pp_rank < pp_size - 1:
+            norm = next((n for n in ("norm", "final_layernorm", "ln_f") if hasattr(self.decoder, n)), None)
+            if norm is None:
+                raise ValueError(f"{type(self.hf).__name__}: no final norm to leave to the last pipeline stage")
+            setattr(self.decoder, norm, nn.Identity())
+        for module in self.hf.modules():
+            if isinstance(module, TransformersAttention):
+                module.kv_index = module.layer - start      # this stage's caches are its own layers'
+        self.start_layer, self.end_layer = start, end
+
     def shard_tensor_parallel(self, world: int, rank: int, group: Any) -> None:
         """This rank's share of the layers, as the checkpoint's transformers config plans it
         (``base_model_tp_plan``): "colwise" q, k and v projections take the rank's heads (a KV
@@ -365,12 +410,12 @@ class TransformersForCausalLM(CausalLM):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The step's tokens (T,) at ``positions`` (T,) as one sequence -> hidden states (T, hidden)."""
         global _step
-        if intermediate is not None:
-            raise ValueError("the transformers backend runs in one pipeline stage")
         kwargs: dict[str, Any] = {"position_ids": positions[None], "use_cache": False, "return_dict": True}
         if self._cache_position:
             kwargs["cache_position"] = positions
-        if inputs_embeds is not None:
+        if intermediate is not None:       # a later pipeline stage: the previous stage's hidden states
+            kwargs["inputs_embeds"] = intermediate["hidden_states"][None]
+        elif inputs_embeds is not None:
             kwargs["inputs_embeds"] = inputs_embeds[None]
         else:
             kwargs["input_ids"] = input_ids[None]
@@ -379,6 +424,8 @@ class TransformersForCausalLM(CausalLM):
             out = self.decoder(**kwargs)
         finally:
             _step = previous
+        if self.end_layer < self.config.num_layers:
+            return {"hidden_states": out.last_hidden_state[0]}
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

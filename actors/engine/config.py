@@ -587,7 +587,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         spec = self.speculative
         refused = [("--enable-expert-parallel", self.parallel.enable_expert_parallel,
                     "its experts are transformers' own modules"),
-                   ("--pipeline-parallel-size", self.parallel.pipeline_parallel_size > 1, "its layers run in one stage"),
                    ("--enable-lora", self.lora is not None, "adapters on its layers are not supported"),
                    ("--speculative-config", spec is not None and spec.method == "self_draft",
                     "a self draft quantizes Troupe's own layers")]

@@ -206,6 +206,33 @@ def test_two_ranks_split_it_as_its_tp_plan_says_and_give_the_unsplit_logits(tmp_
                "packed_colwise, rowwise_split_input" in r["minimax_m2"] for r in ranks)
 
 
+def test_two_pipeline_stages_give_the_unsplit_logits(checkpoint):
+    """The first stage's hidden states (its layers, no final norm) feed the second (its layers
+    from them, the final norm, the logits), each stage over its own layers' KV caches."""
+    import copy
+
+    from models.pipeline_parallel import split_stage
+    path, _ = checkpoint
+    model, config = load_model(resolve_model(path))
+    prompts = [torch.tensor(_tokens(n, 60 + n)) for n in (9, 6)]
+    steps = [prompts] + [[torch.tensor([(3 * s + r) % VOCAB + 3]) for r in range(2)] for s in range(3)]
+    tables = [list(range(1, 8)), list(range(8, 16))]
+    want = run_steps(model, allocate_kv_caches(config, 32, BS, torch.float32), tables, steps, BS)
+    first, last = (split_stage(copy.deepcopy(model), 2, r) for r in range(2))
+    assert (first.start_layer, first.end_layer, last.start_layer, last.end_layer) == (0, 2, 2, 3)
+
+    class Pipeline:
+        def __call__(self, ids, pos, caches, meta):
+            hidden = first(ids, pos, caches[:2], meta)
+            assert set(hidden) == {"hidden_states"}
+            return last(ids, pos, caches[2:], meta, intermediate=hidden)
+
+        compute_logits = staticmethod(last.compute_logits)
+
+    got = run_steps(Pipeline(), allocate_kv_caches(config, 32, BS, torch.float32), tables, steps, BS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_what_it_cannot_serve_is_refused_by_name(tmp_path):
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
     path, _ = _write(tmp_path / "apertus", "apertus")
@@ -234,7 +261,6 @@ def test_what_it_cannot_serve_is_refused_by_name(tmp_path):
     from actors.engine.args import EngineArgs
     arch = model_config(resolve_model(path))
     for flags, name in (({"tensor_parallel_size": 2, "enable_expert_parallel": True}, "--enable-expert-parallel"),
-                        ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
                         ({"enable_lora": True}, "--enable-lora"),
                         ({"speculative_config": {"method": "self_draft", "quantization": "gguf-i8",
                                                  "num_speculative_tokens": 2}}, "--speculative-config")):
