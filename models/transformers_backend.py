@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -83,9 +84,14 @@ def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any]) ->
     types), what the engine sizes the KV cache and the context by."""
     from models.hf_config import _eos_token_ids, rope_parameters
     arch = (raw.get("architectures") or ["?"])[0]
-    if causal_lm_class(raw) is None:
+    cls = causal_lm_class(raw)
+    if cls is None:
         raise ValueError(f"{arch} (model_type {raw.get('model_type')!r}) has no causal LM class in transformers "
                          f"{_transformers_version()}: the transformers backend serves text generation models")
+    if not getattr(cls, "_supports_attention_backend", False):
+        raise ValueError(f"{cls.__name__} does not call its attention through transformers' attention interface "
+                         "(its _supports_attention_backend is off), so the transformers backend cannot give it the "
+                         "paged KV cache")
     hf = transformers_config(raw)
     text = hf.get_text_config()
     varying = sorted((getattr(text, "per_layer_attributes", None) or set()) & _KV_SHAPE)
@@ -136,7 +142,9 @@ def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any]) ->
 
 # -- attention -------------------------------------------------------------------------------------
 
-_step: tuple[list[torch.Tensor], AttentionMetadata] | None = None     # the running forward's caches and metadata
+# the running forward's caches, metadata and number (each forward a new one)
+_step: tuple[list[torch.Tensor], AttentionMetadata, int] | None = None
+_forwards = itertools.count()
 
 
 class TransformersAttention(AttentionLayer):
@@ -148,13 +156,18 @@ class TransformersAttention(AttentionLayer):
         super().__init__(backend)
         self.layer, self.num_kv_heads, self.head_size = layer, num_kv_heads, head_size
         self.sliding_window = sliding_window
+        self._step_no = -1         # the forward it last attended in (each attends once a forward)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
                 sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """transformers' (1, H, T, D) q and (1, KVH, T, D) k, v -> its attention output (1, T, H, D)."""
         if _step is None:
             raise RuntimeError("a transformers attention module ran outside TransformersForCausalLM.forward")
-        caches, meta = _step
+        caches, meta, step_no = _step
+        if self._step_no == step_no:
+            raise ValueError(f"layer {self.layer} attended twice in one forward (a looped or shared layer): the "
+                             "transformers backend gives a layer one KV cache write a step")
+        self._step_no = step_no
         if key.shape[1] != self.num_kv_heads or key.shape[-1] != self.head_size or value.shape[-1] != self.head_size:
             raise ValueError(f"layer {self.layer}'s keys and values have {key.shape[1]} heads of {key.shape[-1]} and "
                              f"{value.shape[-1]}, where the KV cache was sized for {self.num_kv_heads} heads of "
@@ -189,14 +202,20 @@ def _register() -> None:
 
 
 @functools.cache
-def _dispatches_attention(cls: type) -> bool:
-    """Whether ``cls.forward`` calls through transformers' attention interface (the modules
-    ``troupe_attention`` serves)."""
+def _interface_calls(cls: type) -> int:
+    """How many calls ``cls.forward`` makes through transformers' attention interface (a function
+    read from ``ALL_ATTENTION_FUNCTIONS``): the modules ``troupe_attention`` serves make one."""
+    import ast
+    import textwrap
     try:
-        source = inspect.getsource(inspect.unwrap(cls.forward))
-    except (OSError, TypeError):
-        return False
-    return "ALL_ATTENTION_FUNCTIONS" in source
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
+    except (OSError, TypeError, SyntaxError):
+        return 0
+    names = {t.id for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+             and node.value is not None and "ALL_ATTENTION_FUNCTIONS" in ast.unparse(node.value)
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    return sum(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names
+               for node in ast.walk(tree))
 
 
 def _own_linears(model: nn.Module) -> int:
@@ -295,14 +314,31 @@ class TransformersForCausalLM(CausalLM):
         setattr(hf, prefix, _Decoder(self.decoder))
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_position = "cache_position" in params
+        if "cpu" in type(self.backend).devices:
+            self._trial_step()
+
+    def _trial_step(self) -> None:
+        """One step of two tokens over a scratch cache, so that what the checks of
+        ``troupe_attention`` refuse (a layer attending twice, a mask of its own, keys that do not
+        fit the cache) stops the start rather than the first request."""
+        from kernels.attention import allocate_kv_caches, build_attention_metadata
+        caches = allocate_kv_caches(self.config, 2, 16, self.dtype)
+        meta = build_attention_metadata([2], [2], [[1]], 16)
+        with torch.inference_mode():
+            self.compute_logits(self(torch.tensor([1, 2]), torch.tensor([0, 1]), caches, meta))
 
     def _bind_attention(self, name: str) -> None:
         c = self.config
         found: dict[int, nn.Module] = {}
         for module in self.hf.modules():
             idx = getattr(module, "layer_idx", None)
-            if not isinstance(idx, int) or not _dispatches_attention(type(module)):
+            calls = _interface_calls(type(module)) if isinstance(idx, int) else 0
+            if not calls:
                 continue
+            if calls > 1:
+                raise ValueError(f"{name}'s layer {idx} ({type(module).__name__}) attends {calls} times over its keys "
+                                 "and values (differential attention): the transformers backend gives a layer one "
+                                 "KV cache write a step")
             if getattr(module, "is_causal", True) is False:
                 raise ValueError(f"{name}'s layer {idx} attends both ways: the transformers backend serves causal "
                                  "attention")
@@ -419,7 +455,7 @@ class TransformersForCausalLM(CausalLM):
             kwargs["inputs_embeds"] = inputs_embeds[None]
         else:
             kwargs["input_ids"] = input_ids[None]
-        previous, _step = _step, (kv_caches, meta)
+        previous, _step = _step, (kv_caches, meta, next(_forwards))
         try:
             out = self.decoder(**kwargs)
         finally:

@@ -32,11 +32,20 @@ ARCHITECTURES = {
 }
 
 
-def _write(path, model_type: str, seed: int = 0, **extra) -> tuple[str, torch.nn.Module]:
+def _write(path, model_type: str, seed: int = 0, own_keys: bool = False, **extra) -> tuple[str, torch.nn.Module]:
+    """A tiny random checkpoint of ``model_type`` at SMALL's sizes (``own_keys``: only those of
+    SMALL's keys its config class declares) -> (path, transformers' model of it)."""
+    import inspect
+
     import transformers
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    config = CONFIG_MAPPING[model_type](**{**SMALL, **ARCHITECTURES.get(model_type, {}), **extra})
+    cls = CONFIG_MAPPING[model_type]
+    small = SMALL
+    if own_keys:
+        params = inspect.signature(cls.__init__).parameters
+        small = {k: v for k, v in SMALL.items() if k in params or k in cls.__annotations__}
+    config = cls(**{**small, **ARCHITECTURES.get(model_type, {}), **extra})
     torch.manual_seed(seed)
     hf = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config)
     with torch.no_grad():       # spread out, so that a wrong row, position or window changes the logits
@@ -74,6 +83,32 @@ def test_a_prompt_whole_chunked_and_token_by_token_gives_transformers_logits(che
             start += n
         ours = run_steps(model, allocate_kv_caches(config, 32, BS, torch.float32), [list(range(3, 10))], steps, BS)
         torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"cuts {cuts}: {m}")
+
+
+# more architectures without a Troupe class, each with its config's defaults at SMALL's sizes (experts
+# where it has them): a prompt's logits and decodes after it equal transformers' forward
+MORE = ("olmo", "hunyuan_v1_dense", "dots1", "phimoe", "ministral3", "granite_swa", "granitemoe_swa", "cohere2_moe",
+        "exaone_moe", "jais2", "flex_olmo", "solar_open", "afmoe", "apertus1p5_text", "bitnet", "cwm", "flint",
+        "hy_v3", "hyperclovax", "kolibri1", "laguna", "mellum", "modernbert-decoder", "nanochat", "persimmon")
+EXPERTS = dict(moe_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+               n_shared_experts=1, first_k_dense_replace=1, shared_intermediate_size=32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MORE)
+def test_more_architectures_give_transformers_logits(model_type, tmp_path):
+    from transformers import CONFIG_MAPPING
+    cls = CONFIG_MAPPING[model_type]
+    path, hf = _write(tmp_path, model_type, own_keys=True,
+                      **{k: v for k, v in EXPERTS.items() if k in cls.__annotations__})
+    model, config = load_model(resolve_model(path))
+    assert config.architecture == "TransformersForCausalLM"
+    tokens = _tokens(21, 4)
+    steps = [[torch.tensor(tokens[:13])]] + [[torch.tensor([t])] for t in tokens[13:]]
+    ours = run_steps(model, allocate_kv_caches(config, 32, BS, torch.float32), [list(range(3, 10))], steps, BS)
+    want = _want(hf, tokens)
+    assert want.std() > 0.05        # (Cohere's logit scale makes them small)
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
 
 
 def test_requests_in_one_step_each_attend_only_over_their_own_tokens(checkpoint):
@@ -252,11 +287,14 @@ def test_what_it_cannot_serve_is_refused_by_name(tmp_path):
                                                  "n_routed_experts": 4})).save_pretrained(tmp_path / "mla")
     with pytest.raises(ValueError, match=r"multi-head latent attention \(kv_lora_rank\) is not supported"):
         model_config(resolve_model(str(tmp_path / "mla")))
-    # a mask the attention module makes itself (Doge's dynamic mask)
-    doge, _ = _write(tmp_path / "doge", "doge")
-    model, config = load_model(resolve_model(doge))
-    with pytest.raises(ValueError, match="DogeAttention .* attends under a mask of its own making"):
-        run_steps(model, allocate_kv_caches(config, 8, BS, torch.float32), [[1, 2]], [[torch.tensor([3, 4, 5])]], BS)
+    # attention the paged cache cannot give, found by the model's source or by a trial step at load: a mask
+    # the module makes itself (Doge's dynamic mask), two attentions a layer (DiffLlama's differential
+    # attention), a layer run again in a loop (Dory's recurrent depth)
+    for model_type, why in (("doge", "DogeAttention .* attends under a mask of its own making"),
+                            ("diffllama", r"layer 0 \(DiffLlamaAttention\) attends 2 times over its keys and values"),
+                            ("dory", "layer .* attended twice in one forward")):
+        with pytest.raises(ValueError, match=why):
+            load_model(resolve_model(_write(tmp_path / model_type, model_type)[0]))
     # what the engine cannot split or adapt
     from actors.engine.args import EngineArgs
     arch = model_config(resolve_model(path))
