@@ -274,15 +274,19 @@ def test_what_it_cannot_serve_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"ApertusForCausalLM.* is not supported; --model-impl transformers \(or "
                                          r"auto\) serves it through transformers' modeling code"):
         model_config(dataclasses.replace(resolve_model(path), model_impl="vllm"))
-    # layers of another kind than attention (a hybrid's linear attention), latent attention
-    hybrid = tmp_path / "hybrid"
-    hybrid.mkdir()
-    (hybrid / "config.json").write_text(json.dumps({
-        "architectures": ["OlmoHybridForCausalLM"], "model_type": "olmo_hybrid", **SMALL,
-        "layer_types": ["linear_attention", "full_attention", "linear_attention"]}))
-    with pytest.raises(ValueError, match="OlmoHybridForCausalLM has layers of type 'linear_attention': the "
-                                         "transformers backend attends full and sliding attention layers only"):
-        model_config(resolve_model(str(hybrid)))
+    # layers of another kind than attention (MiniMax-Text's lightning attention), a model off the interface
+    for arch, model_type, why in (
+            ("MiniMaxForCausalLM", "minimax", "MiniMaxForCausalLM has layers of type 'linear_attention': the "
+                                              "transformers backend attends full and sliding attention layers only"),
+            ("OlmoHybridForCausalLM", "olmo_hybrid", "OlmoHybridForCausalLM does not call its attention through "
+                                                     "transformers' attention interface")):
+        hybrid = tmp_path / model_type
+        hybrid.mkdir()
+        (hybrid / "config.json").write_text(json.dumps({
+            "architectures": [arch], "model_type": model_type, **SMALL,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"]}))
+        with pytest.raises(ValueError, match=why):
+            model_config(resolve_model(str(hybrid)))
     Glm4MoeLiteForCausalLM(Glm4MoeLiteConfig(**{**SMALL, "kv_lora_rank": 16, "q_lora_rank": 16,
                                                  "n_routed_experts": 4})).save_pretrained(tmp_path / "mla")
     with pytest.raises(ValueError, match=r"multi-head latent attention \(kv_lora_rank\) is not supported"):
