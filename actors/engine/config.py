@@ -507,8 +507,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         not the names it is served under, nor observability, nor where it listens. The same
         configuration on another start, or another machine, gives the same digest."""
         m, p = self.model, self.parallel
-        factors = {"source": [m.source.kind, m.source.served_name, m.source.hf_overrides], "dtype": m.dtype,
-                   "quantization": m.quantization,
+        factors = {"source": [m.source.kind, m.source.served_name, m.source.hf_overrides, m.source.model_impl],
+                   "dtype": m.dtype, "quantization": m.quantization,
                    "max_model_len": m.max_model_len, "architecture": m.arch.architecture if m.arch else None,
                    "draft": m.draft_source.served_name if m.draft_source else None,
                    "cache": [self.cache.cache_dtype, self.cache.block_size], "device": self.device.device,
