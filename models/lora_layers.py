@@ -126,6 +126,8 @@ class LoRALinear(nn.Module):
         self.slot_ranks_t[slot] = rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:              # (T, in) -> (T, out)
+        if x.dim() > 2:           # (..., T, in): a transformers layer's batch of one (the transformers backend)
+            return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         y = self.base_layer(x)
         m = self.mapping
         if not m.applies:

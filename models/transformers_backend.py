@@ -234,6 +234,16 @@ def _own_linears(model: nn.Module) -> int:
     return replaced
 
 
+def _lora_slices(module: nn.Module, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """LoRA's slices of a transformers layer's projections (each its own, unfused): name -> {"": rows}."""
+    out = {}
+    for name in names:
+        layer = getattr(module, name)
+        layer = getattr(layer, "linear", layer)          # a row-parallel layer's own
+        out[name] = {"": int(getattr(layer, "out_features", None) or layer.weight.shape[0])}
+    return out
+
+
 class _PassThrough(nn.Module):
     """A decoder layer another pipeline stage holds: its input hidden states pass through."""
 
@@ -314,6 +324,7 @@ class TransformersForCausalLM(CausalLM):
         setattr(hf, prefix, _Decoder(self.decoder))
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_position = "cache_position" in params
+        self._lora_targets()
         if "cpu" in type(self.backend).devices:
             self._trial_step()
 
@@ -399,7 +410,7 @@ class TransformersForCausalLM(CausalLM):
         with other styles (experts, gathered outputs) is refused by name."""
         import re
 
-        from models.tensor_parallel import column_parallel, row_parallel
+        from models.tensor_parallel import TPShard, column_parallel, row_parallel
         from models.tp_layout import head_split, split
         c, name = self.config, type(self.hf).__name__
         plan = getattr(self.hf.config.get_text_config(), "base_model_tp_plan", None) or {}
@@ -420,13 +431,15 @@ class TransformersForCausalLM(CausalLM):
             parent, _, leaf = path.rpartition(".")
             if not isinstance(module, Linear):
                 raise ValueError(f"{name}: {path} is planned {style!r} but is not a linear layer")
+            owner = self.decoder.get_submodule(parent)
             if style == "colwise":
                 rows = heads.get(leaf) or split(module.out_features, world, rank)
-                part = column_parallel(module, [rows])
+                part, share = column_parallel(module, [rows]), TPShard(rows={"": rows})
             else:
                 cols = heads.get(leaf) or split(module.in_features, world, rank)
-                part = row_parallel(module, cols, rank, group)
-            setattr(self.decoder.get_submodule(parent), leaf, part)
+                part, share = row_parallel(module, cols, rank, group), TPShard(cols=cols)
+            setattr(owner, leaf, part)
+            owner.tp_shards = {**getattr(owner, "tp_shards", {}), leaf: share}     # a LoRA adapter's share
             split_heads[leaf] += leaf in heads
         if any(split_heads[p] != c.num_layers for p in heads):
             raise ValueError(f"{name}'s tensor-parallel plan does not split every layer's q, k, v and o projections "
@@ -437,6 +450,24 @@ class TransformersForCausalLM(CausalLM):
                 module.sinks = nn.Parameter(sinks.data[q0:q0 + qn].clone(), requires_grad=False)
             if isinstance(module, TransformersAttention):
                 module.num_kv_heads = kn
+
+    def _lora_targets(self) -> None:
+        """What LoRA adapts (models/lora_layers.py): each decoder layer's ``self_attn`` and ``mlp``
+        projections of PEFT's names, with the adapter's module names mapped onto them."""
+        from models.lora import TARGET_MODULES
+        prefix = self.hf.base_model_prefix
+        where = next(path for path, m in self.named_modules() if m is self.decoder)
+        for path, module in self.decoder.named_modules():
+            parts = path.split(".")
+            if len(parts) != 3 or not parts[1].isdigit() or parts[2] not in ("self_attn", "mlp"):
+                continue
+            names = [n for n in TARGET_MODULES if isinstance(getattr(module, n, None), Linear)]
+            if names:
+                module.lora_slices = functools.partial(_lora_slices, module, tuple(names))
+        layers = next((n for n, m in self.decoder.named_children() if isinstance(m, nn.ModuleList)), "layers")
+        self.hf_tensor_map = {f"{prefix}.{layers}.{{i}}.{part}.{n}.weight": (f"{where}.{layers}.{{i}}.{part}.{n}.weight",
+                                                                              None)
+                              for part in ("self_attn", "mlp") for n in TARGET_MODULES}
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.hf.get_input_embeddings()(input_ids)

@@ -587,7 +587,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         spec = self.speculative
         refused = [("--enable-expert-parallel", self.parallel.enable_expert_parallel,
                     "its experts are transformers' own modules"),
-                   ("--enable-lora", self.lora is not None, "adapters on its layers are not supported"),
+                   ("--enable-lora with --pipeline-parallel-size", self.lora is not None
+                    and self.parallel.pipeline_parallel_size > 1, "its adapters are read on one stage"),
                    ("--speculative-config", spec is not None and spec.method == "self_draft",
                     "a self draft quantizes Troupe's own layers")]
         for flag, used, why in refused:

@@ -46,7 +46,7 @@ class LoRAModelManager:
                                                                 self.mapping, device)
         if not self.modules:
             raise ValueError(f"{type(model).__name__} has no layers LoRA can adapt")
-        self._names = _compile_tensor_map(type(model).hf_tensor_map)
+        self._names = _compile_tensor_map(model.hf_tensor_map)     # (the transformers backend's: its own)
         self._rows = model.hf_rows
         self._model_name = type(model).__name__
         # a pipeline stage's layers (models/pipeline_parallel.py): an adapter's others are other stages'

@@ -184,6 +184,32 @@ def test_ngram_speculation_verifies_drafts_with_transformers_greedy_tokens(tmp_p
     assert [r.token_ids for r in outs] == want and stats.spec_num_draft_tokens > 0
 
 
+def test_a_lora_adapter_on_its_layers_gives_pefts_greedy_tokens(tmp_path):
+    """A PEFT adapter on Apertus' q, v, o and MLP projections (transformers' own module names),
+    beside requests without it in the same steps."""
+    from peft import LoraConfig, get_peft_model
+
+    from actors.api import LLM, SamplingParams
+    from actors.engine.lora import LoRARequest
+    from helpers import randomize_lora
+    path, hf = _write(tmp_path / "apertus", "apertus", seed=8)
+    peft = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "up_proj",
+                                                                             "down_proj"],
+                                         lora_dropout=0.0, init_lora_weights=False))
+    randomize_lora(peft, seed=2, scale=0.2)
+    peft.save_pretrained(tmp_path / "adapter")
+    prompts = [_tokens(n, 70 + n) for n in (9, 13)]
+    want = hf_greedy(peft.eval(), prompts, 10)
+    with peft.disable_adapter():
+        plain = hf_greedy(peft, prompts, 10)
+    assert want != plain
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    with LLM(path, multiprocess=False, enable_lora=True, max_lora_rank=8) as llm:
+        outs = llm.generate(prompts + prompts, params, lora_request=[lora, lora, None, None], use_tqdm=False)
+    assert [r.token_ids for r in outs] == want + plain
+
+
 def test_as_an_embedding_model_it_pools_transformers_hidden_states(tmp_path):
     """--convert embed: the last token's final hidden state, L2-normalized (vLLM's default)."""
     from actors.api import LLM
@@ -303,7 +329,7 @@ def test_what_it_cannot_serve_is_refused_by_name(tmp_path):
     from actors.engine.args import EngineArgs
     arch = model_config(resolve_model(path))
     for flags, name in (({"tensor_parallel_size": 2, "enable_expert_parallel": True}, "--enable-expert-parallel"),
-                        ({"enable_lora": True}, "--enable-lora"),
+                        ({"enable_lora": True, "pipeline_parallel_size": 2}, "--enable-lora with --pipeline-parallel-size"),
                         ({"speculative_config": {"method": "self_draft", "quantization": "gguf-i8",
                                                  "num_speculative_tokens": 2}}, "--speculative-config")):
         with pytest.raises(ValueError, match=f"the transformers backend .*: {name} is not supported"):
