@@ -303,13 +303,16 @@ class TransformersForCausalLM(CausalLM):
         if cls is None:
             raise ValueError(f"model_type {raw.get('model_type')!r} has no causal LM class in transformers")
         hf_config = transformers_config(raw)
-        verbosity = hf_logging.get_verbosity()
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
         hf_logging.set_verbosity_error()         # its notes on weights it initialized itself are checked below
+        hf_logging.disable_progress_bar()        # the worker logs the load itself
         try:
             hf, info = cls.from_pretrained(path, config=hf_config, dtype=self.dtype,
                                            attn_implementation=ATTN_IMPLEMENTATION, output_loading_info=True)
         finally:
             hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
         if info.get("missing_keys"):
             missing = sorted(info["missing_keys"])
             raise ValueError(f"{cls.__name__}: the checkpoint left {len(missing)} parameters unloaded: {missing[:8]}")
