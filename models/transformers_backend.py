@@ -54,15 +54,27 @@ def transformers_config(raw: dict[str, Any]):
     return cls.from_dict(cls._decode_special_floats(raw))      # as from_pretrained reads config.json
 
 
-def causal_lm_class(raw: dict[str, Any]) -> type | None:
-    """The transformers class that generates text from this config (AutoModelForCausalLM's
-    choice), or None when transformers has none for its model_type."""
+def _class_of(model_type: str | None) -> type | None:
+    """AutoModelForCausalLM's class for ``model_type``, or None."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(raw.get("model_type"))
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     if name is None:
         return None
     import transformers
     return getattr(transformers, name, None)
+
+
+def causal_lm_class(raw: dict[str, Any]) -> type | None:
+    """The transformers class that generates text from this config: AutoModelForCausalLM's choice
+    for a text model; for a multimodal checkpoint (a ``text_config``), its language model's causal
+    LM, served on text as vLLM's --language-model-only serves it. None when transformers has none."""
+    text = raw.get("text_config")
+    if isinstance(text, dict):
+        try:
+            return _class_of(transformers_config(raw).get_text_config().model_type)
+        except ValueError:
+            return None
+    return _class_of(raw.get("model_type"))
 
 
 def serves(raw: dict[str, Any]) -> bool:
@@ -71,6 +83,20 @@ def serves(raw: dict[str, Any]) -> bool:
         return causal_lm_class(raw) is not None
     except ImportError:
         return False
+
+
+# a multimodal checkpoint's language model tensors, under transformers 5's names and older saves'
+LANGUAGE_MODEL_KEYS = {r"^model\.language_model\.": "model.", r"^language_model\.model\.": "model.",
+                       r"^language_model\.lm_head\.": "lm_head."}
+
+
+def _language_model_config(hf):
+    """The config the causal LM is built from: the model's own, or a multimodal checkpoint's text
+    config (tied embeddings as the checkpoint ties them)."""
+    text = hf.get_text_config()
+    if text is not hf and getattr(hf, "tie_word_embeddings", None) is not None:
+        text.tie_word_embeddings = hf.tie_word_embeddings
+    return text
 
 
 def _transformers_version() -> str:
@@ -102,8 +128,6 @@ def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any]) ->
     for key, why in (("kv_lora_rank", "multi-head latent attention"), ("attention_chunk_size", "chunked local attention")):
         if t.get(key):
             raise ValueError(f"{arch} through the transformers backend: its {why} ({key}) is not supported")
-    if hf is not text:
-        raise ValueError(f"{arch} is a multimodal model: the transformers backend serves text-only causal LMs")
     hidden, heads = text.hidden_size, text.num_attention_heads
     layers = text.num_hidden_layers
     window = getattr(text, "sliding_window", None) or None
@@ -302,12 +326,14 @@ class TransformersForCausalLM(CausalLM):
         cls = causal_lm_class(raw)
         if cls is None:
             raise ValueError(f"model_type {raw.get('model_type')!r} has no causal LM class in transformers")
-        hf_config = transformers_config(raw)
+        whole = transformers_config(raw)
+        hf_config = _language_model_config(whole)      # a multimodal checkpoint: its language model alone
+        keys = LANGUAGE_MODEL_KEYS if hf_config is not whole else None
         verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
         hf_logging.set_verbosity_error()         # its notes on weights it initialized itself are checked below
         hf_logging.disable_progress_bar()        # the worker logs the load itself
         try:
-            hf, info = cls.from_pretrained(path, config=hf_config, dtype=self.dtype,
+            hf, info = cls.from_pretrained(path, config=hf_config, dtype=self.dtype, key_mapping=keys,
                                            attn_implementation=ATTN_IMPLEMENTATION, output_loading_info=True)
         finally:
             hf_logging.set_verbosity(verbosity)

@@ -172,6 +172,49 @@ def test_the_engine_serves_it_with_transformers_greedy_tokens(tmp_path):
     assert outs[1].num_cached_tokens >= 12 and stats.num_preemptions > 0
 
 
+def test_gemma_3n_per_layer_inputs_and_kv_shared_layers_give_transformers_logits(tmp_path):
+    """Gemma 3n's text model: per-layer input embeddings, AltUp, LAuReL, and its last layers reading
+    the keys and values of earlier ones (each writes them to its own cache here, as computed)."""
+    path, hf = _write(tmp_path, "gemma3n_text", seed=10, num_hidden_layers=4, sliding_window=5,
+                      layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                      vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, laurel_rank=4,
+                      activation_sparsity_pattern=[0.0] * 4)
+    model, config = load_model(resolve_model(path))
+    tokens = _tokens(21, 13)
+    steps = [[torch.tensor(tokens[:13])]] + [[torch.tensor([t])] for t in tokens[13:]]
+    ours = run_steps(model, allocate_kv_caches(config, 32, BS, torch.float32), [list(range(3, 10))], steps, BS)
+    want = _want(hf, tokens)
+    assert want.std() > 0.05        # (its final softcap keeps the logits small)
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_multimodal_checkpoint_serves_its_language_model_on_text(tmp_path):
+    """A LLaVA checkpoint (a CLIP vision tower, a projector, a Llama language model) without a
+    Troupe class: its language model alone is built and read (vLLM's --language-model-only), its
+    logits on text those of transformers' whole model, the vision tower never loaded."""
+    import transformers
+    text = transformers.LlamaConfig(**{k: v for k, v in SMALL.items() if k not in ("pad_token_id",)})
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(9)
+    hf = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(text_config=text, vision_config=vision,
+                                                                             image_token_index=VOCAB - 1))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+    hf.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path, VOCAB)
+    model, config = load_model(resolve_model(str(tmp_path)))
+    assert type(model.hf).__name__ == "LlamaForCausalLM" and config.architecture == "TransformersForCausalLM"
+    assert not any("vision" in name for name, _ in model.named_parameters())
+    tokens = _tokens(21, 12)
+    steps = [[torch.tensor(tokens[:13])]] + [[torch.tensor([t])] for t in tokens[13:]]
+    ours = run_steps(model, allocate_kv_caches(config, 32, BS, torch.float32), [list(range(3, 10))], steps, BS)
+    want = _want(hf.eval(), tokens)
+    assert want.std() > 0.5
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+
+
 def test_ngram_speculation_verifies_drafts_with_transformers_greedy_tokens(tmp_path):
     from actors.api import LLM, SamplingParams
     path, hf = _write(tmp_path, "minimax_m2", seed=6)
