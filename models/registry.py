@@ -178,9 +178,9 @@ def _self_loading(model: nn.Module, ckpt: Checkpoint, quantization: str | None, 
     if quantization is not None or ckpt.quantization_config is not None:
         method = quantization or ckpt.quantization_config.get("quant_method")
         raise ValueError(f"{name}: quantized checkpoints ({method}) are not supported")
-    if ckpt.config.num_labels:
-        raise ValueError(f"{name} serves text generation and embeddings: a classifier (--convert classify) needs "
-                         "one of Troupe's own architectures")
+    if ckpt.config.score_from_tokens or ckpt.config.score_mlp:
+        raise ValueError(f"{name}: a score head made from the LM head's rows or a reward model's MLP needs one of "
+                         "Troupe's own architectures")
     model.load_checkpoint(ckpt.path, ckpt.overrides)
     if transform is not None:
         transform(model)

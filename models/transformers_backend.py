@@ -64,6 +64,14 @@ def _class_of(model_type: str | None) -> type | None:
     return getattr(transformers, name, None)
 
 
+def classifier_class(raw: dict[str, Any]) -> type | None:
+    """AutoModelForSequenceClassification's class for this config's (text) model type, or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    name = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(raw.get("model_type"))
+    import transformers
+    return getattr(transformers, name, None) if name else None
+
+
 def causal_lm_class(raw: dict[str, Any]) -> type | None:
     """The transformers class that generates text from this config: AutoModelForCausalLM's choice
     for a text model; for a multimodal checkpoint (a ``text_config``), its language model's causal
@@ -324,6 +332,11 @@ class TransformersForCausalLM(CausalLM):
         with open(os.path.join(path, "config.json")) as f:
             raw = with_overrides(json.load(f), overrides or {})
         cls = causal_lm_class(raw)
+        if self.config.num_labels:         # a classifier (--convert classify): its score head, no LM head
+            cls = classifier_class(raw)
+            if cls is None:
+                raise ValueError(f"model_type {raw.get('model_type')!r} has no sequence classifier in transformers")
+            raw = {**raw, "num_labels": self.config.num_labels}
         if cls is None:
             raise ValueError(f"model_type {raw.get('model_type')!r} has no causal LM class in transformers")
         whole = transformers_config(raw)
@@ -343,6 +356,11 @@ class TransformersForCausalLM(CausalLM):
             missing = sorted(info["missing_keys"])
             raise ValueError(f"{cls.__name__}: the checkpoint left {len(missing)} parameters unloaded: {missing[:8]}")
         self.hf = hf.eval()
+        if self.config.num_labels:         # the pooler's score head, in float32 (vLLM's head dtype)
+            head = hf.score
+            self.score = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None,
+                                   dtype=torch.float32)
+            self.score.load_state_dict({k: v.float() for k, v in head.state_dict().items()})
         linears = _own_linears(hf)
         self._bind_attention(cls.__name__)
         log.info("%s built by transformers %s (the transformers backend): %d attention layers over the paged KV "
@@ -365,7 +383,9 @@ class TransformersForCausalLM(CausalLM):
         caches = allocate_kv_caches(self.config, 2, 16, self.dtype)
         meta = build_attention_metadata([2], [2], [[1]], 16)
         with torch.inference_mode():
-            self.compute_logits(self(torch.tensor([1, 2]), torch.tensor([0, 1]), caches, meta))
+            hidden = self(torch.tensor([1, 2]), torch.tensor([0, 1]), caches, meta)
+            if not self.config.num_labels:        # (a classifier's head is the pooler's)
+                self.compute_logits(hidden)
 
     def _bind_attention(self, name: str) -> None:
         c = self.config

@@ -215,6 +215,29 @@ def test_a_multimodal_checkpoint_serves_its_language_model_on_text(tmp_path):
     torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
 
 
+def test_a_sequence_classifier_scores_as_transformers_does(tmp_path):
+    """ArceeForSequenceClassification (no Troupe class): served as a classifier (vLLM's pooling
+    runner, its last token pooled), its labels' probabilities those of transformers' classifier."""
+    import transformers
+
+    from actors.api import LLM
+    config = transformers.ArceeConfig(**{**SMALL, "num_labels": 3})
+    torch.manual_seed(11)
+    hf = transformers.ArceeForSequenceClassification(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+    hf.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path, VOCAB)
+    prompts = [_tokens(n, 80 + n) for n in (6, 11)]
+    with LLM(str(tmp_path), multiprocess=False) as llm:
+        outs = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        with torch.inference_mode():
+            want = hf.eval()(torch.tensor([p])).logits[0].softmax(-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), want, atol=1e-5, rtol=1e-4)
+
+
 def test_ngram_speculation_verifies_drafts_with_transformers_greedy_tokens(tmp_path):
     from actors.api import LLM, SamplingParams
     path, hf = _write(tmp_path, "minimax_m2", seed=6)
