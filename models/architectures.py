@@ -30,7 +30,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("Ernie4_5ForCausalLM", "llama_variants"), ("Ernie4_5_MoeForCausalLM", "llama_variants"), ("SeedOssForCausalLM", "llama_variants"),
         ("MinistralForCausalLM", "llama_variants"),
         # any causal LM transformers implements, through its modeling code (--model-impl transformers)
-        ("TransformersForCausalLM", "transformers_backend"),
+        ("TransformersForCausalLM", "transformers_backend"), ("TransformersEmbeddingModel", "transformers_backend"),
         # state-space models (a recurrent state per request, no KV cache)
         ("MambaForCausalLM", "mamba"), ("FalconMambaForCausalLM", "mamba"), ("Mamba2ForCausalLM", "mamba"),
         ("GraniteMoeHybridForCausalLM", "mamba"), ("BambaForCausalLM", "mamba"), ("JambaForCausalLM", "mamba"),
@@ -53,6 +53,8 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("ColBERTModernBertModel", "modernbert"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
 TRANSFORMERS_BACKEND = "TransformersForCausalLM"    # transformers' modeling code (vLLM's name for the class)
+TRANSFORMERS_ENCODER = "TransformersEmbeddingModel"  # the same for a bidirectional encoder (vLLM's name)
+TRANSFORMERS_BACKENDS = (TRANSFORMERS_BACKEND, TRANSFORMERS_ENCODER)
 # config.json names served only under another (vLLM's overrides): what the refusal of each says
 RENAMED_ARCHITECTURES: dict[str, str] = {
     "BertForMaskedLM": "a SPLADE checkpoint (a BERT masked LM) is served as vLLM serves it, with "
@@ -99,6 +101,13 @@ ENCODER_ONLY_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "Rob
 # the checkpoint tensor of one of these names, or else by a sentence-transformers Dense folder
 LATE_INTERACTION_MODELS: dict[str, tuple[str, ...]] = {
     name: ("linear.weight", "colbert_linear.weight") for name in ("HF_ColBERT", "ColBERTModernBertModel")}
+
+
+def transformers_bare_model(architecture: str) -> bool:
+    """A bare ``...Model`` checkpoint no Troupe class serves: the transformers backend embeds it
+    (``--model-impl auto``), pooled by CLS by default as vLLM's transformers backend pools."""
+    return (architecture.endswith("Model") and architecture not in _ARCHITECTURES and architecture not in BARE_MODELS
+            and architecture not in RENAMED_ARCHITECTURES)
 
 
 class ModelRegistry:

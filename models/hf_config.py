@@ -93,10 +93,10 @@ def model_implementation(raw: dict[str, Any], model_impl: str = "auto") -> str:
     backend: asked for, named as the architecture, or, with "auto", the architecture's only one)."""
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
-    from models.architectures import TRANSFORMERS_BACKEND, ModelRegistry
+    from models.architectures import TRANSFORMERS_BACKENDS, ModelRegistry
     from models.transformers_backend import serves
     archs = raw.get("architectures") or []
-    if model_impl == "transformers" or archs == [TRANSFORMERS_BACKEND]:
+    if model_impl == "transformers" or (len(archs) == 1 and archs[0] in TRANSFORMERS_BACKENDS):
         return "transformers"
     if model_impl == "auto" and len(archs) == 1 and not ModelRegistry.is_supported(archs[0]) \
             and archs[0] not in BARE_MODELS and archs[0] not in RENAMED_ARCHITECTURES and serves(raw):

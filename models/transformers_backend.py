@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from models.architectures import TRANSFORMERS_BACKEND
+from models.architectures import TRANSFORMERS_BACKEND, TRANSFORMERS_ENCODER
 from models.base import CausalLM, TensorMap
 from models.config import FULL, SLIDING, ArchConfig
 from models.layers import AttentionLayer, Linear
@@ -85,10 +85,24 @@ def causal_lm_class(raw: dict[str, Any]) -> type | None:
     return _class_of(raw.get("model_type"))
 
 
+def encoder_class(raw: dict[str, Any]) -> type | None:
+    """The base model class (AutoModel's) of a bidirectional encoder's checkpoint: a bare
+    ``...Model`` of a model type with a masked-LM head (BERT's kin: DistilBERT, ELECTRA, ALBERT),
+    served as an embedding model; None otherwise."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+    archs, model_type = raw.get("architectures") or [], raw.get("model_type")
+    if len(archs) != 1 or not archs[0].endswith("Model") or model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return None
+    import transformers
+    name = MODEL_MAPPING_NAMES.get(model_type)
+    return getattr(transformers, name, None) if isinstance(name, str) else None
+
+
 def serves(raw: dict[str, Any]) -> bool:
-    """Whether transformers has a causal LM class for this config.json (what ``auto`` falls back to)."""
+    """Whether transformers has a causal LM class, or an encoder's base model, for this
+    config.json (what ``auto`` falls back to)."""
     try:
-        return causal_lm_class(raw) is not None
+        return encoder_class(raw) is not None or causal_lm_class(raw) is not None
     except ImportError:
         return False
 
@@ -118,7 +132,8 @@ def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any]) ->
     types), what the engine sizes the KV cache and the context by."""
     from models.hf_config import _eos_token_ids, rope_parameters
     arch = (raw.get("architectures") or ["?"])[0]
-    cls = causal_lm_class(raw)
+    encoder = encoder_class(raw)
+    cls = encoder or causal_lm_class(raw)
     if cls is None:
         raise ValueError(f"{arch} (model_type {raw.get('model_type')!r}) has no causal LM class in transformers "
                          f"{_transformers_version()}: the transformers backend serves text generation models")
@@ -160,8 +175,12 @@ def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any]) ->
     except (ValueError, KeyError, TypeError):      # a rope type Troupe's own rotary lacks: transformers turns it
         theta, max_len = 10000.0, positions
     eps = getattr(text, "rms_norm_eps", None) or getattr(text, "layer_norm_eps", None) or 1e-6
+    if encoder is not None and window is not None:
+        raise ValueError(f"{arch}: an encoder's local attention windows through the transformers backend are not "
+                         "supported")
     return ArchConfig(
-        architecture=TRANSFORMERS_BACKEND, vocab_size=text.vocab_size, hidden_size=hidden,
+        architecture=TRANSFORMERS_ENCODER if encoder else TRANSFORMERS_BACKEND, encoder_only=encoder is not None,
+        vocab_size=text.vocab_size, hidden_size=hidden,
         intermediate_size=getattr(text, "intermediate_size", 0) or 0, num_layers=layers, num_heads=heads,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_size=getattr(text, "head_dim", None) or hidden // heads, max_model_len=max_len, rope_theta=theta,
@@ -210,6 +229,30 @@ class TransformersAttention(AttentionLayer):
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))     # (T, heads, D)
         scale = self.head_size ** -0.5 if scaling is None else float(scaling)
         out = self.attend(q, k, v, caches[self.kv_index], meta, scale, self.sliding_window, softcap or None, sinks)
+        return out.unsqueeze(0)
+
+
+class EncoderAttention(nn.Module):
+    """The engine's side of a bidirectional encoder's attention module: each prompt's queries over
+    the same prompt's keys (no KV cache: an encoder's prompts come whole)."""
+
+    def __init__(self, layer: int, num_heads: int, head_size: int) -> None:
+        super().__init__()
+        self.layer, self.num_heads, self.head_size = layer, num_heads, head_size
+        self.attention_bfloat16 = False   # set_attention_bfloat16: the CPU's --dtype bfloat16
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        from models.layers import encoder_attention, whole_prompts
+        if _step is None:
+            raise RuntimeError("a transformers attention module ran outside the transformers backend's forward")
+        if sliding_window or softcap or sinks is not None:
+            raise ValueError(f"encoder layer {self.layer} attends with a window, a softcap or sinks, which the "
+                             "transformers backend's encoder attention does not")
+        meta = _step[1]
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))     # (T, heads, D)
+        scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        out = encoder_attention(q, k, v, whole_prompts(meta, "this encoder"), scale, None, self.attention_bfloat16)
         return out.unsqueeze(0)
 
 
@@ -331,14 +374,7 @@ class TransformersForCausalLM(CausalLM):
         _register()
         with open(os.path.join(path, "config.json")) as f:
             raw = with_overrides(json.load(f), overrides or {})
-        cls = causal_lm_class(raw)
-        if self.config.num_labels:         # a classifier (--convert classify): its score head, no LM head
-            cls = classifier_class(raw)
-            if cls is None:
-                raise ValueError(f"model_type {raw.get('model_type')!r} has no sequence classifier in transformers")
-            raw = {**raw, "num_labels": self.config.num_labels}
-        if cls is None:
-            raise ValueError(f"model_type {raw.get('model_type')!r} has no causal LM class in transformers")
+        cls, raw = self._hf_class(raw)
         whole = transformers_config(raw)
         hf_config = _language_model_config(whole)      # a multimodal checkpoint: its language model alone
         keys = LANGUAGE_MODEL_KEYS if hf_config is not whole else None
@@ -363,17 +399,33 @@ class TransformersForCausalLM(CausalLM):
             self.score.load_state_dict({k: v.float() for k, v in head.state_dict().items()})
         linears = _own_linears(hf)
         self._bind_attention(cls.__name__)
-        log.info("%s built by transformers %s (the transformers backend): %d attention layers over the paged KV "
-                 "cache, %d linear layers Troupe's", cls.__name__, _transformers_version(), self.config.num_layers,
-                 linears)
+        log.info("%s built by transformers %s (the transformers backend): %d attention layers, %d linear layers "
+                 "Troupe's", cls.__name__, _transformers_version(), self.config.num_layers, linears)
+        self._wire(hf)
+        if "cpu" in type(self.backend).devices:
+            self._trial_step()
+
+    def _hf_class(self, raw: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+        """The transformers class to build and the config.json it is built from: the causal LM, or
+        a classifier's (--convert classify: its score head, no LM head)."""
+        if self.config.num_labels:
+            cls = classifier_class(raw)
+            if cls is None:
+                raise ValueError(f"model_type {raw.get('model_type')!r} has no sequence classifier in transformers")
+            return cls, {**raw, "num_labels": self.config.num_labels}
+        cls = causal_lm_class(raw)
+        if cls is None:
+            raise ValueError(f"model_type {raw.get('model_type')!r} has no causal LM class in transformers")
+        return cls, raw
+
+    def _wire(self, hf: nn.Module) -> None:
+        """The decoder stack the forward runs, and the causal LM's own forward kept for the logits."""
         prefix = hf.base_model_prefix
         self.decoder = getattr(hf, prefix)
         setattr(hf, prefix, _Decoder(self.decoder))
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_position = "cache_position" in params
         self._lora_targets()
-        if "cpu" in type(self.backend).devices:
-            self._trial_step()
 
     def _trial_step(self) -> None:
         """One step of two tokens over a scratch cache, so that what the checks of
@@ -423,8 +475,7 @@ class TransformersForCausalLM(CausalLM):
         names = [n for n in plan if isinstance(getattr(self.decoder, n, None), nn.ModuleList)] or ["layers"]
         layers = getattr(self.decoder, names[0], None)
         if not isinstance(layers, nn.ModuleList) or len(layers) != self.config.num_layers:
-            raise ValueError(f"{type(self.hf).__name__}: no list of its {self.config.num_layers} decoder layers to "
-                             "cut into pipeline stages")
+            raise AttributeError(f"{type(self.hf).__name__} has no list of its {self.config.num_layers} decoder layers")
         return layers
 
     def split_pipeline_stage(self, pp_size: int, pp_rank: int) -> None:
@@ -432,7 +483,10 @@ class TransformersForCausalLM(CausalLM):
         others pass their input through, the final norm runs on the last stage only, and a stage
         after the first starts from the previous one's hidden states (as input embeddings)."""
         from models.pp_layout import pp_layers
-        layers = self.layers
+        try:
+            layers = self.layers
+        except AttributeError as exc:
+            raise ValueError(f"{exc}: the transformers backend cannot cut it into pipeline stages") from None
         if "= decoder_layer(" not in inspect.getsource(inspect.unwrap(type(self.decoder).forward)):
             raise ValueError(f"{type(self.hf).__name__}'s decoder layers do not hand their hidden states on as they "
                              "are: the transformers backend cannot cut it into pipeline stages")
@@ -555,3 +609,67 @@ class TransformersForCausalLM(CausalLM):
         finally:
             head.hidden = None
         return logits[0].float()
+
+
+class TransformersEmbeddingModel(TransformersForCausalLM):
+    """A bidirectional encoder's base model (DistilBERT, ELECTRA, ALBERT: a bare ``...Model``
+    checkpoint without a Troupe class) served as an embedding model: its attention modules take
+    each prompt whole, both ways (no KV cache; the engine gives an encoder's prompts whole), its
+    last hidden states pooled by the engine (the checkpoint's sentence-transformers pooling)."""
+    encoder_only = True         # bind_kv_cache_groups: no layer reads or writes the KV cache
+
+    def _hf_class(self, raw: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+        cls = encoder_class(raw)
+        if cls is None:
+            raise ValueError(f"model_type {raw.get('model_type')!r} has no encoder base model in transformers")
+        if self.config.num_labels:
+            raise ValueError(f"{cls.__name__} through the transformers backend embeds; its classifiers need one of "
+                             "Troupe's own encoder architectures")
+        return cls, raw
+
+    def _bind_attention(self, name: str) -> None:
+        # (a module may serve several layers, as ALBERT's one shared layer: an encoder keeps no cache)
+        found = [m for m in self.hf.modules() if _interface_calls(type(m))]
+        if not found or any(getattr(m, "is_causal", False) for m in found):
+            raise ValueError(f"{name}: its layers do not attend both ways through transformers' attention interface")
+        for i, module in enumerate(found):
+            module.troupe_attn = EncoderAttention(i, self.config.num_heads, self.config.head_size)
+
+    def _wire(self, hf: nn.Module) -> None:
+        embeddings = getattr(hf, "embeddings", None)
+        if getattr(embeddings, "padding_idx", None) is not None:
+            raise ValueError(f"{type(hf).__name__} numbers its positions after its padding index (RoBERTa's): the "
+                             "transformers backend does not")
+        self.decoder = hf
+        params = inspect.signature(hf.forward).parameters
+        self._cache_position = False
+        self._token_types = "token_type_ids" in params
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, intermediate: Any = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's whole prompts (T,) at their positions, as one sequence -> hidden states (T, hidden)."""
+        global _step
+        if intermediate is not None:
+            raise ValueError("an encoder runs in one pipeline stage")
+        kwargs: dict[str, Any] = {"position_ids": positions[None], "return_dict": True}
+        if inputs_embeds is not None:
+            kwargs["inputs_embeds"] = inputs_embeds[None]
+        else:
+            kwargs["input_ids"] = input_ids[None]
+        if self._token_types:         # one segment (an embedding model's text)
+            kwargs["token_type_ids"] = torch.zeros_like(positions)[None]
+        previous, _step = _step, (kv_caches, meta, next(_forwards))
+        try:
+            out = self.decoder(**kwargs)
+        finally:
+            _step = previous
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"{type(self.hf).__name__} is an encoder: it embeds, it generates no tokens")
+
+    def _trial_step(self) -> None:
+        from kernels.attention import build_attention_metadata
+        with torch.inference_mode():
+            self(torch.tensor([1, 2]), torch.tensor([0, 1]), [], build_attention_metadata([2], [2], [[1]], 16))

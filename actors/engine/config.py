@@ -34,7 +34,7 @@ from actors.kv_manager.block_hash import HASH_ALGOS
 from actors.kv_manager.kv_events import KVEventsConfig
 from actors.kv_transfer.config import KVTransferConfig
 from actors.spec_decode.config import SpeculativeConfig
-from models.architectures import ENCODER_ONLY_ARCHITECTURES, TRANSFORMERS_BACKEND
+from models.architectures import ENCODER_ONLY_ARCHITECTURES, TRANSFORMERS_BACKENDS
 from models.config import ArchConfig
 from models.resolve import ModelSource
 from actors.engine.watermark import WatermarkConfig
@@ -412,7 +412,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                              "this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (with caution: positions "
                              "past the model's training give it inputs it never saw)")
         max_model_len = self.model.max_model_len or arch.default_max_model_len
-        if arch.architecture == TRANSFORMERS_BACKEND:
+        if arch.architecture in TRANSFORMERS_BACKENDS:
             self._check_transformers_backend()
         if arch.mamba is not None:
             self._check_state_space(arch)

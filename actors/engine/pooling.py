@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import msgspec
 
-from models.architectures import BIDIRECTIONAL_MODELS, ENCODER_ONLY_ARCHITECTURES, LATE_INTERACTION_MODELS
+from models.architectures import (BIDIRECTIONAL_MODELS, ENCODER_ONLY_ARCHITECTURES, LATE_INTERACTION_MODELS,
+                                  transformers_bare_model)
 
 log = logging.getLogger("troupe.engine")
 
@@ -435,7 +436,8 @@ def model_pooling(user: PoolerConfig | None, convert: str, checkpoint_dir: str |
         pooler = msgspec.structs.replace(pooler, **filled)
     architecture = str((hf_config.get("architectures") or [""])[0])
     reward = REWARD_MODELS.get(architecture)
-    default_seq = "CLS" if architecture in ENCODER_ONLY_ARCHITECTURES else "LAST"     # vLLM's defaults
+    # vLLM's defaults: CLS for encoders and for bare models its transformers backend embeds, else LAST
+    default_seq = "CLS" if architecture in ENCODER_ONLY_ARCHITECTURES or transformers_bare_model(architecture) else "LAST"
     if architecture == "ModernBertForSequenceClassification":      # its own (vLLM reads it so)
         default_seq = str(hf_config.get("classifier_pooling") or "cls").upper()
     if architecture in BIDIRECTIONAL_MODELS:      # config.json's "pooling", which vLLM requires

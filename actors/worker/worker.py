@@ -35,7 +35,7 @@ from actors.worker.step_memory import keep_step_heap
 from actors.worker.weight_transfer import WeightReceiver, drain, tensor_digests
 from kernels.attention.base import AttentionBackend
 from kernels.cpu import shm_comm
-from models.architectures import TRANSFORMERS_BACKEND
+from models.architectures import TRANSFORMERS_BACKENDS
 from models.layers import calculate_kv_scales_on_next_batch, set_attention_bfloat16
 from models.native_decode import attach as attach_native_decode
 from models.packed import prepack_linears
@@ -241,7 +241,7 @@ class Worker:
             set_attention_bfloat16(model, bf16)      # encoders' prompt attention, as their matmuls
             if comp.level == 1 and not staged:     # the native stack runs every layer from the embedding
                 attach_native_decode(model)
-        if comp.compiles and ckpt.config.architecture == TRANSFORMERS_BACKEND:
+        if comp.compiles and ckpt.config.architecture in TRANSFORMERS_BACKENDS:
             log.info("compilation level %d: the transformers backend's layers run eagerly (custom ops only)",
                      comp.level)
             comp = msgspec.structs.replace(comp, level=1)
@@ -357,7 +357,7 @@ class Worker:
         if self.config.model.arch.mamba is not None:
             log.warning("state-space (Mamba) layers run eagerly for now: no CUDA graphs")
             return False
-        if self.config.model.arch.architecture == TRANSFORMERS_BACKEND:
+        if self.config.model.arch.architecture in TRANSFORMERS_BACKENDS:
             log.warning("the transformers backend runs eagerly for now: no CUDA graphs")
             return False
         if self.tp_size > 1:

@@ -238,6 +238,40 @@ def test_a_sequence_classifier_scores_as_transformers_does(tmp_path):
         torch.testing.assert_close(torch.tensor(out.outputs.probs), want, atol=1e-5, rtol=1e-4)
 
 
+ENCODERS = {   # model_type -> (config keys beside the vocabulary and positions)
+    "distilbert": dict(dim=64, n_layers=2, n_heads=4, hidden_dim=96),
+    "electra": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, embedding_size=32),
+    "albert": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                   embedding_size=32),            # one layer's weights shared by the stack
+    "bert": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(ENCODERS))
+def test_an_encoder_embeds_as_transformers_does(model_type, tmp_path):
+    """Bare encoder checkpoints without a Troupe class (DistilBERT, ELECTRA, ALBERT; BERT, which has
+    one, by --model-impl transformers): each prompt attended whole, both ways, several in one step,
+    pooled by CLS (vLLM's default for the transformers backend's embeddings) and normalized."""
+    import transformers
+
+    from actors.api import LLM
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    torch.manual_seed(14)
+    hf = getattr(transformers, MODEL_MAPPING_NAMES[model_type])(
+        CONFIG_MAPPING[model_type](vocab_size=VOCAB, max_position_embeddings=64, **ENCODERS[model_type])).eval()
+    hf.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path, VOCAB)
+    prompts = [_tokens(n, 90 + n) for n in (6, 11, 3)]
+    impl = "transformers" if model_type == "bert" else "auto"
+    with LLM(str(tmp_path), multiprocess=False, model_impl=impl) as llm:
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        with torch.inference_mode():
+            want = torch.nn.functional.normalize(hf(torch.tensor([p])).last_hidden_state[0, 0], dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-5, rtol=1e-4)
+
+
 def test_ngram_speculation_verifies_drafts_with_transformers_greedy_tokens(tmp_path):
     from actors.api import LLM, SamplingParams
     path, hf = _write(tmp_path, "minimax_m2", seed=6)
