@@ -1,20 +1,24 @@
-"""Any causal LM transformers implements, served through transformers' own modeling code: vLLM's
-Transformers modeling backend (``--model-impl transformers``; ``auto``, the default, takes it for
-an architecture Troupe has no implementation of).
+"""Any causal LM (or bare encoder) transformers implements, served through transformers' own
+modeling code: vLLM's Transformers modeling backend (``--model-impl transformers``; ``auto``, the
+default, takes it for an architecture Troupe has no implementation of).
 
 transformers builds the model from the checkpoint (its config class, its weight conversions, its
 layers) with ``attn_implementation="troupe"``: every attention module then hands its projected,
 rotated q, k and v to ``troupe_attention``, which stores them in the paged KV cache and attends
 through the engine's backend, so scheduling, chunked prefill, prefix caching, preemption and
 sampling are the engine's as for a built-in model. transformers computes everything else (norms,
-rotary from the step's positions, MLPs, experts) in torch. The step's tokens go through as one
-sequence of a batch of one, as vLLM passes them; no mask is built (the backend knows each request's
-span from the step's metadata).
+rotary from the step's positions, MLPs, experts) in torch, its linear layers made Troupe's (packed
+for the native kernels). The step's tokens go through as one sequence of a batch of one, as vLLM
+passes them; no mask is built (the backend knows each request's span from the step's metadata).
+A classifier's checkpoint is built as transformers' classifier (its score head the pooler's), a
+multimodal checkpoint as its language model alone, and a bare encoder
+(``TransformersEmbeddingModel``) attends each whole prompt both ways with no KV cache.
 
 What it cannot follow is refused when the model is built, by name: layers that do not attend
 through transformers' attention interface (state-space and linear-attention layers), layer types
 other than full and sliding attention, chunked local attention, multi-head latent attention,
-bidirectional layers, quantized checkpoints, tensor and pipeline parallelism, LoRA."""
+keys that do not fit one page shape, two attentions a layer or a layer attending twice a step, a
+mask of a module's own making (the last three by a trial step at load), quantized checkpoints."""
 from __future__ import annotations
 
 import collections
