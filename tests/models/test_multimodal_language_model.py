@@ -122,6 +122,30 @@ def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(arch
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["hub", "transformers5"])
+@pytest.mark.parametrize("architecture", ["Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration"])
+def test_through_the_transformers_backend_the_language_model_matches_too(architecture, layout, tmp_path):
+    """--model-impl transformers: transformers' own causal LM of the text config, reading the
+    language model's tensors of either layout, the vision tower never built."""
+    import dataclasses
+    torch.manual_seed(0)
+    hf = BUILDERS[architecture]()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") and "Gemma" not in architecture else 0.0, 0.15)
+    hf.config.get_text_config()._attn_implementation = "eager"
+    hf.config._attn_implementation = "eager"
+    hf.eval().save_pretrained(tmp_path)
+    if layout == "transformers5":
+        _relayout(tmp_path, architecture)
+    model, config = load_model(dataclasses.replace(resolve_model(str(tmp_path)), model_impl="transformers"))
+    assert config.architecture == "TransformersForCausalLM" and type(model.hf).__name__.endswith("ForCausalLM")
+    tokens = torch.randint(3, 290, (29,), generator=torch.Generator().manual_seed(1)).tolist()
+    paged = Paged(config)
+    (ours,) = paged.step(model, [(tokens, 0, paged.blocks_for([], 29))])
+    torch.testing.assert_close(ours, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+
+
 def test_the_hubs_sparse_gemma3_text_config_takes_transformers_defaults():
     """gemma-3-4b-it's config.json states a handful of text keys (the rest are Gemma3TextConfig's
     defaults) beside top-level eos ids and a vision config."""
