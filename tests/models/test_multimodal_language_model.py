@@ -94,9 +94,9 @@ def _relayout(path, architecture: str) -> None:
         save_file(renamed, file, metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("layout", ["hub", "transformers5"])
-@pytest.mark.parametrize("architecture", sorted(BUILDERS))
-def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(architecture, layout, tmp_path):
+def _saved(architecture: str, layout: str, path):
+    """A tiny random checkpoint of ``architecture`` written at ``path`` in ``layout`` ("hub" or
+    "transformers5") -> transformers' model of it."""
     torch.manual_seed(0)
     hf = BUILDERS[architecture]()
     with torch.no_grad():
@@ -104,9 +104,16 @@ def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(arch
             p.normal_(1.0 if name.endswith("norm.weight") and "Gemma" not in architecture else 0.0, 0.15)
     hf.config.get_text_config()._attn_implementation = "eager"
     hf.config._attn_implementation = "eager"
-    hf.eval().save_pretrained(tmp_path)
+    hf.eval().save_pretrained(path)
     if layout == "transformers5":
-        _relayout(tmp_path, architecture)
+        _relayout(path, architecture)
+    return hf
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers5"])
+@pytest.mark.parametrize("architecture", sorted(BUILDERS))
+def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(architecture, layout, tmp_path):
+    hf = _saved(architecture, layout, tmp_path)
     model, config = load_model(resolve_model(str(tmp_path)))
     skipped = type(model).hf_skipped_prefixes
     names = [n for f in glob.glob(os.path.join(tmp_path, "*.safetensors")) for n in safe_open(f, "pt").keys()]
@@ -128,16 +135,7 @@ def test_through_the_transformers_backend_the_language_model_matches_too(archite
     """--model-impl transformers: transformers' own causal LM of the text config, reading the
     language model's tensors of either layout, the vision tower never built."""
     import dataclasses
-    torch.manual_seed(0)
-    hf = BUILDERS[architecture]()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") and "Gemma" not in architecture else 0.0, 0.15)
-    hf.config.get_text_config()._attn_implementation = "eager"
-    hf.config._attn_implementation = "eager"
-    hf.eval().save_pretrained(tmp_path)
-    if layout == "transformers5":
-        _relayout(tmp_path, architecture)
+    hf = _saved(architecture, layout, tmp_path)
     model, config = load_model(dataclasses.replace(resolve_model(str(tmp_path)), model_impl="transformers"))
     assert config.architecture == "TransformersForCausalLM" and type(model.hf).__name__.endswith("ForCausalLM")
     tokens = torch.randint(3, 290, (29,), generator=torch.Generator().manual_seed(1)).tolist()
