@@ -961,7 +961,8 @@ class _Total:
 
 
 Prompt = Union[str, list[int], list[dict[str, Any]], dict[str, Any]]
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "cache_salt")   # vLLM's Text/Tokens/EmbedsPrompt
+# vLLM's Text/Tokens/EmbedsPrompt (multi_modal_data: {"image": PIL image or a list}, a model taking images)
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "cache_salt", "multi_modal_data")
 
 
 def _prompt_what(prompt: Prompt, **template: Any) -> dict[str, Any]:
@@ -993,7 +994,9 @@ def _is_conversation(prompt: Any) -> bool:
 def _prompt_dict(prompt: dict[str, Any]) -> dict[str, Any]:
     """vLLM's prompt dicts: ``{"prompt": text}``, ``{"prompt_token_ids": ids}`` or
     ``{"prompt_embeds": tensor}`` (with --enable-prompt-embeds: (tokens, hidden) input embeddings),
-    with an optional ``cache_salt``; anything else (multi-modal data) is refused by name."""
+    with an optional ``cache_salt`` and, for a model that takes images, ``multi_modal_data``
+    (``{"image": PIL image or a list of them}``, one per placeholder of the prompt); any other
+    key is refused by name."""
     unknown = sorted(set(prompt) - set(PROMPT_KEYS))
     if unknown:
         raise ValueError(f"prompt keys {unknown} are not supported; a prompt dict takes "
@@ -1009,6 +1012,8 @@ def _prompt_dict(prompt: dict[str, Any]) -> dict[str, Any]:
         what = {"prompt": prompt["prompt"], "add_special_tokens": True}
     if prompt.get("cache_salt") is not None:
         what["cache_salt"] = prompt["cache_salt"]
+    if prompt.get("multi_modal_data") is not None:
+        what["multi_modal_data"] = prompt["multi_modal_data"]
     return what
 
 

@@ -171,6 +171,8 @@ class ArchConfig:
     classifier_bias: bool = False              # a classifier head's dense layer has a bias (ModernBERT's)
     cls_token_id: int | None = None            # config.json's (SPLADE's pooling leaves those tokens out)
     sep_token_id: int | None = None
+    # -- image input (a multimodal checkpoint served whole by the transformers backend) -----------
+    image_token_id: int | None = None          # the token whose positions take an image's embeddings; None: text only
     # -- how the engine serves it (set by ``serving``, not read from the checkpoint) -------------
     serving_len: int = 0                       # the engine's --max-model-len; 0: default_max_model_len
     # a classifier's labels (--convert classify: a ``score`` head, hidden -> labels); 0: none

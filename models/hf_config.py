@@ -18,15 +18,16 @@ log = logging.getLogger("troupe.models")
 
 
 def read_hf_config(checkpoint_dir: str, overrides: dict[str, Any] | None = None,
-                   model_impl: str = "auto") -> ArchConfig:
+                   model_impl: str = "auto", language_model_only: bool = False) -> ArchConfig:
     """The ArchConfig of the checkpoint in ``checkpoint_dir`` (config.json required), with
     ``overrides`` over config.json's keys (vLLM's --hf-overrides: a key's value replaced, a
-    sub-config's keys merged); ``model_impl`` as vLLM's --model-impl (``model_implementation``)."""
+    sub-config's keys merged); ``model_impl`` as vLLM's --model-impl (``model_implementation``),
+    ``language_model_only`` as its --language-model-only."""
     raw = with_overrides(_read_json(os.path.join(checkpoint_dir, "config.json")), overrides or {})
     gen_path = os.path.join(checkpoint_dir, "generation_config.json")
     generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     try:
-        config = hf_model_config(raw, generation, model_impl)
+        config = hf_model_config(raw, generation, model_impl, language_model_only)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{checkpoint_dir}/config.json is missing or has a malformed field: {exc!r}") from exc
     st = sentence_transformers_config(checkpoint_dir)
@@ -107,12 +108,14 @@ def model_implementation(raw: dict[str, Any], model_impl: str = "auto") -> str:
 
 
 def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None,
-                    model_impl: str = "auto") -> ArchConfig:
+                    model_impl: str = "auto", language_model_only: bool = False) -> ArchConfig:
     """The ArchConfig of a parsed config.json (``generation``: its generation_config.json) for
-    the implementation ``model_impl`` chooses (``model_implementation``)."""
+    the implementation ``model_impl`` chooses (``model_implementation``); a multimodal
+    checkpoint the transformers backend serves whole takes images unless ``language_model_only``
+    (Troupe's own classes serve a multimodal checkpoint's language model)."""
     if model_implementation(raw, model_impl) == "transformers":
         from models.transformers_backend import transformers_arch_config
-        return transformers_arch_config(raw, generation or {})
+        return transformers_arch_config(raw, generation or {}, language_model_only)
     archs = raw.get("architectures") or []
     if len(archs) == 1 and archs[0] in BARE_MODELS:      # a bare decoder stack: its causal LM's layers
         raw = {**raw, "architectures": [BARE_MODELS[archs[0]]]}

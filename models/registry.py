@@ -206,7 +206,7 @@ def model_config(source: ModelSource) -> ArchConfig:
     if source.kind == "gguf":
         return _gguf_config(read_gguf(source.path), source)
     if source.kind == "hf_dir":
-        return read_hf_config(source.path, hf_overrides(source), source.model_impl)
+        return read_hf_config(source.path, hf_overrides(source), source.model_impl, source.language_model_only)
     return open_checkpoint(source).config       # says which kinds there are
 
 
@@ -228,7 +228,7 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
         config = _gguf_config(gguf, source)
         return Checkpoint(config, iter_gguf_weights(gguf, config), "gguf_tensor_map", path=source.path)
     if source.kind == "hf_dir":
-        config = read_hf_config(source.path, hf_overrides(source), source.model_impl)
+        config = read_hf_config(source.path, hf_overrides(source), source.model_impl, source.language_model_only)
         skipped = get_model_class(config.architecture).hf_skipped_prefixes
         return Checkpoint(config, iter_safetensors_weights(source.path, skipped),
                           "hf_tensor_map", read_quantization_config(source.path), source.path, hf_overrides(source))

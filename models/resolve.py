@@ -38,6 +38,7 @@ class ModelSource:
     served_name: str   # the name the API reports, e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"
     hf_overrides: str = ""   # vLLM's --hf-overrides: config keys over the checkpoint's, as JSON ("": none)
     model_impl: str = "auto"  # vLLM's --model-impl: "auto", "vllm" (Troupe's classes) or "transformers"
+    language_model_only: bool = False   # vLLM's --language-model-only: a multimodal checkpoint served on text
 
 
 def resolve_tokenizer(name: str | None) -> ModelSource | None:

@@ -102,6 +102,53 @@ def encoder_class(raw: dict[str, Any]) -> type | None:
     return getattr(transformers, name, None) if isinstance(name, str) else None
 
 
+# model types whose language model attends both ways among an image's tokens (vLLM's is_mm_prefix_lm)
+_PREFIX_LM_TYPES = ("gemma3", "gemma3n", "paligemma")
+
+
+def image_text_to_text_class(raw: dict[str, Any]) -> type | None:
+    """AutoModelForImageTextToText's class for this config's model type (LLaVA's, Mistral 3's, ...), or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(raw.get("model_type"))
+    import transformers
+    return getattr(transformers, name, None) if isinstance(name, str) else None
+
+
+@functools.cache
+def _text_only(arch: str, why: str) -> None:
+    log.info("%s is served on text only: %s", arch, why)
+
+
+def image_token_id(raw: dict[str, Any], hf) -> int | None:
+    """The token whose positions take an image's embeddings, when the transformers backend serves
+    this multimodal checkpoint whole (its vision tower and projector in front of the language
+    model, as vLLM serves it): transformers has its image-text-to-text class, the class computes
+    image features, its language model attends causally over plain positions. None otherwise,
+    the reason logged: the checkpoint is then served as its language model, on text."""
+    arch = (raw.get("architectures") or ["?"])[0]
+    cls = image_text_to_text_class(raw)
+    token = getattr(hf, "image_token_id", None)
+    if token is None:
+        token = getattr(hf, "image_token_index", None)
+    text = hf.get_text_config().to_dict()
+    rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
+    why = None
+    if cls is None or not hasattr(cls, "get_image_features"):
+        why = f"transformers {_transformers_version()} has no image-text-to-text class of it that computes image features"
+    elif not getattr(cls, "_supports_attention_backend", False):
+        why = f"{cls.__name__} does not attend through transformers' attention interface"
+    elif raw.get("model_type") in _PREFIX_LM_TYPES or getattr(hf, "is_mm_prefix_lm", False):
+        why = "its image tokens attend to each other both ways (a prefix LM), which the paged attention does not"
+    elif "mrope_section" in rope:
+        why = "its image tokens take M-RoPE's three-dimensional positions"
+    elif not isinstance(token, int):
+        why = "its config names no image token"
+    if why is not None:
+        _text_only(arch, why)
+        return None
+    return token
+
+
 def serves(raw: dict[str, Any]) -> bool:
     """Whether transformers has a causal LM class, or an encoder's base model, for this
     config.json (what ``auto`` falls back to)."""
@@ -130,10 +177,13 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any]) -> ArchConfig:
+def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any],
+                             language_model_only: bool = False) -> ArchConfig:
     """The ArchConfig of a checkpoint served by the transformers backend: read from the config
     object transformers builds (its defaults for the keys config.json leaves out, its layer
-    types), what the engine sizes the KV cache and the context by."""
+    types), what the engine sizes the KV cache and the context by. A multimodal checkpoint
+    takes images where the backend can serve it whole (``image_token_id``), unless
+    ``language_model_only`` (vLLM's --language-model-only)."""
     from models.hf_config import _eos_token_ids, rope_parameters
     arch = (raw.get("architectures") or ["?"])[0]
     encoder = encoder_class(raw)
@@ -192,7 +242,8 @@ def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any]) ->
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_token_ids(raw, generation),
         sliding_window=window, layer_types=layer_types,
         attn_logit_softcapping=getattr(text, "attn_logit_softcapping", None),
-        final_logit_softcapping=getattr(text, "final_logit_softcapping", None))
+        final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
+        image_token_id=None if language_model_only or text is hf or encoder else image_token_id(raw, hf))
 
 
 # -- attention -------------------------------------------------------------------------------------
@@ -330,6 +381,25 @@ class _PassThrough(nn.Module):
         return hidden_states
 
 
+class _HiddenStates:
+    """A base model's output of hidden states alone: the causal LM's forward reads them as
+    ``last_hidden_state`` or ``[0]``, and finds any other output it reads (a cache, attentions,
+    a multimodal model's image outputs) absent."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.last_hidden_state = hidden
+
+    def __getitem__(self, key: int | str) -> torch.Tensor:
+        if key in (0, "last_hidden_state"):
+            return self.last_hidden_state
+        raise KeyError(key)
+
+    def __getattr__(self, name: str) -> None:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _Decoder(nn.Module):
     """Where the causal LM keeps its decoder stack: the stack itself, or, while ``hidden`` is set,
     the hidden states already computed. The causal LM's own forward then makes the logits of
@@ -343,8 +413,7 @@ class _Decoder(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.hidden is None:
             return self.decoder(*args, **kwargs)
-        from transformers.modeling_outputs import MoeModelOutputWithPast
-        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+        return _HiddenStates(self.hidden)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -366,6 +435,7 @@ class TransformersForCausalLM(CausalLM):
         super().__init__()
         self.config, self.backend, self.dtype = config, attn_backend, dtype
         self.hf: nn.Module | None = None
+        self.vision: nn.Module | None = None     # a multimodal model's base model, when it takes images
         self.start_layer, self.end_layer = 0, config.num_layers     # a pipeline stage's (split_pipeline_stage)
 
     def load_checkpoint(self, path: str, overrides: dict[str, Any] | None = None) -> None:
@@ -380,14 +450,21 @@ class TransformersForCausalLM(CausalLM):
             raw = with_overrides(json.load(f), overrides or {})
         cls, raw = self._hf_class(raw)
         whole = transformers_config(raw)
-        hf_config = _language_model_config(whole)      # a multimodal checkpoint: its language model alone
-        keys = LANGUAGE_MODEL_KEYS if hf_config is not whole else None
+        attn: str | dict[str, str] = ATTN_IMPLEMENTATION
+        if self.config.image_token_id is not None:     # served whole: the encoders attend as transformers does
+            hf_config, keys = whole, None
+            attn = {key: ATTN_IMPLEMENTATION if getattr(whole, key) is whole.get_text_config() else "sdpa"
+                    for key in whole.sub_configs}
+            attn[""] = "sdpa"
+        else:
+            hf_config = _language_model_config(whole)      # a multimodal checkpoint: its language model alone
+            keys = LANGUAGE_MODEL_KEYS if hf_config is not whole else None
         verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
         hf_logging.set_verbosity_error()         # its notes on weights it initialized itself are checked below
         hf_logging.disable_progress_bar()        # the worker logs the load itself
         try:
             hf, info = cls.from_pretrained(path, config=hf_config, dtype=self.dtype, key_mapping=keys,
-                                           attn_implementation=ATTN_IMPLEMENTATION, output_loading_info=True)
+                                           attn_implementation=attn, output_loading_info=True)
         finally:
             hf_logging.set_verbosity(verbosity)
             if bars:
@@ -402,10 +479,11 @@ class TransformersForCausalLM(CausalLM):
                                    dtype=torch.float32)
             self.score.load_state_dict({k: v.float() for k, v in head.state_dict().items()})
         linears = _own_linears(hf)
+        self._wire(hf)
         self._bind_attention(cls.__name__)
         log.info("%s built by transformers %s (the transformers backend): %d attention layers, %d linear layers "
-                 "Troupe's", cls.__name__, _transformers_version(), self.config.num_layers, linears)
-        self._wire(hf)
+                 "Troupe's%s", cls.__name__, _transformers_version(), self.config.num_layers, linears,
+                 ", image input" if self.vision is not None else "")
         if "cpu" in type(self.backend).devices:
             self._trial_step()
 
@@ -417,16 +495,21 @@ class TransformersForCausalLM(CausalLM):
             if cls is None:
                 raise ValueError(f"model_type {raw.get('model_type')!r} has no sequence classifier in transformers")
             return cls, {**raw, "num_labels": self.config.num_labels}
-        cls = causal_lm_class(raw)
+        cls = image_text_to_text_class(raw) if self.config.image_token_id is not None else causal_lm_class(raw)
         if cls is None:
             raise ValueError(f"model_type {raw.get('model_type')!r} has no causal LM class in transformers")
         return cls, raw
 
     def _wire(self, hf: nn.Module) -> None:
-        """The decoder stack the forward runs, and the causal LM's own forward kept for the logits."""
+        """The decoder stack the forward runs, and the causal LM's own forward kept for the logits.
+        A multimodal model served whole: its language model is the stack, and its base model
+        (vision tower and projector) makes the images' embeddings (``embed_multimodal``)."""
         prefix = hf.base_model_prefix
-        self.decoder = getattr(hf, prefix)
-        setattr(hf, prefix, _Decoder(self.decoder))
+        base = getattr(hf, prefix)
+        self.vision = base if self.config.image_token_id is not None else None
+        self.decoder = base.language_model if self.vision is not None else base
+        self._hf_decoder_path = next(path for path, m in hf.named_modules() if m is self.decoder)
+        setattr(hf, prefix, _Decoder(base))
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_position = "cache_position" in params
         self._lora_targets()
@@ -446,7 +529,7 @@ class TransformersForCausalLM(CausalLM):
     def _bind_attention(self, name: str) -> None:
         c = self.config
         found: dict[int, nn.Module] = {}
-        for module in self.hf.modules():
+        for module in self.decoder.modules():
             idx = getattr(module, "layer_idx", None)
             calls = _interface_calls(type(module)) if isinstance(idx, int) else 0
             if not calls:
@@ -562,7 +645,7 @@ class TransformersForCausalLM(CausalLM):
         """What LoRA adapts (models/lora_layers.py): each decoder layer's ``self_attn`` and ``mlp``
         projections of PEFT's names, with the adapter's module names mapped onto them."""
         from models.lora import TARGET_MODULES
-        prefix = self.hf.base_model_prefix
+        prefix = self._hf_decoder_path
         where = next(path for path, m in self.named_modules() if m is self.decoder)
         for path, module in self.decoder.named_modules():
             parts = path.split(".")
@@ -578,6 +661,21 @@ class TransformersForCausalLM(CausalLM):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.hf.get_input_embeddings()(input_ids)
+
+    def embed_multimodal(self, modality: str, data: dict[str, Any]) -> torch.Tensor:
+        """One image's embeddings (its placeholder tokens, hidden) from what the checkpoint's
+        processor made of it (``pixel_values`` and the like, a batch of one), by the model's own
+        vision tower and projector (``get_image_features``)."""
+        if self.vision is None or modality != "image":
+            raise ValueError(f"{type(self.hf).__name__} takes no {modality} input")
+        device = self.hf.get_input_embeddings().weight.device
+        kwargs = {key: torch.as_tensor(value, device=device) for key, value in data.items()}
+        kwargs["pixel_values"] = kwargs["pixel_values"].to(self.dtype)
+        out = self.vision.get_image_features(return_dict=True, **kwargs)
+        features = getattr(out, "pooler_output", out)
+        if not isinstance(features, torch.Tensor):       # one tensor per image
+            features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+        return features.reshape(-1, features.shape[-1])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, intermediate: Any = None,

@@ -343,3 +343,55 @@ def run_ranks(fn, world: int, tmp_path, *args) -> list:
     mp.start_processes(_rank_main, args=(fn, world, f"file://{tmp_path}/rank-init", out, args), nprocs=world,
                        start_method="spawn", join=True)
     return [torch.load(f"{out}.{r}") for r in range(world)]
+
+
+# a chat template over OpenAI content parts (vLLM's "openai" format): "t1" opens a user's turn,
+# "t2" an assistant's, "t3" asks for the answer; an image part is LLaVA's "<image>"
+LLAVA_CHAT_TEMPLATE = ("{% for message in messages %}{{ 't1 ' if message['role'] == 'user' else 't2 ' }}"
+                       "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image> "
+                       "{% elif part['type'] == 'text' %}{{ part['text'] }} {% endif %}{% endfor %}{% endfor %}"
+                       "{% if add_generation_prompt %}t3{% endif %}")
+
+
+def save_tiny_llava(path, vocab: int = 300, image_size: int = 56, seed: int = 9):
+    """A tiny random LLaVA checkpoint (a CLIP vision tower of ``image_size`` pixels in patches of
+    14, a projector, a two-layer Llama) with its processor: CLIP's image processor and a
+    word-level tokenizer ("t0" .. "t{vocab-2}", then "<image>", the image token), and a chat
+    template over content parts. An image takes (image_size / 14)^2 positions. Returns
+    transformers' model and processor, as read back from ``path``."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+    text = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    bos_token_id=None, eos_token_id=None)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=image_size, patch_size=14)
+    torch.manual_seed(seed)
+    hf = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        text_config=text, vision_config=vision, image_token_index=vocab - 1))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+    hf.save_pretrained(path)
+    save_tiny_tokenizer(path, vocab - 1)
+    tokenizer_file = os.path.join(str(path), "tokenizer.json")
+    tok = Tokenizer.from_file(tokenizer_file)
+    tok.add_special_tokens(["<image>"])
+    tok.save(tokenizer_file)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, unk_token="t0")
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": image_size},
+                                             crop_size={"height": image_size, "width": image_size})
+    processor = transformers.LlavaProcessor(image_processor=images, tokenizer=fast, patch_size=14,
+                                            vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                            image_token="<image>", chat_template=LLAVA_CHAT_TEMPLATE)
+    processor.save_pretrained(path)
+    return (transformers.LlavaForConditionalGeneration.from_pretrained(path).eval(),
+            transformers.AutoProcessor.from_pretrained(path))
+
+
+def random_image(seed: int, width: int = 50, height: int = 40):
+    """An RGB PIL image of uniform noise."""
+    import numpy as np
+    from PIL import Image
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8))

@@ -13,7 +13,8 @@ import re
 from typing import Any
 
 from actors.engine.config import (CHAT_TEMPLATE_CONTENT_FORMATS, DATA_PARALLEL_BACKENDS, DEFAULT_MAX_LOGPROBS,
-                                  DEFAULT_MAX_NUM_BATCHED_TOKENS, DEVICES,
+                                  DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MM_LIMIT, DEVICES, MODALITIES,
+                                  MultiModalConfig,
                                   DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, GENERATION_CONFIGS,
                                   KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, CacheConfig,
                                   DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig, ReasoningConfig,
@@ -65,6 +66,11 @@ class EngineArgs:
     hf_overrides: dict[str, Any] | str | None = None   # vLLM's: config.json keys over the checkpoint's
     model_impl: str = "auto"              # vLLM's: "vllm" (Troupe's own classes), "transformers" (transformers'
                                           # modeling code), "auto" (Troupe's where it has one)
+    language_model_only: bool = False     # vLLM's: a multimodal checkpoint served as its language model, on text
+    limit_mm_per_prompt: dict[str, Any] | str | None = None   # vLLM's JSON: most items of a modality a prompt holds
+    mm_processor_kwargs: dict[str, Any] | str | None = None   # vLLM's JSON: the checkpoint processor's keywords
+    allowed_local_media_path: str = ""    # vLLM's: file:// image URLs are read from under this folder only
+    allowed_media_domains: list[str] | tuple[str, ...] | None = None   # vLLM's: the hosts http(s) URLs may name
     runner: str = "auto"                  # vLLM's: "generate" | "pooling" ("auto": as the architecture says)
     convert: str = "auto"                 # vLLM's: a generative model adapted into a pooling one ("embed")
     pooler_config: dict[str, Any] | str | None = None   # vLLM's --pooler-config JSON
@@ -209,6 +215,9 @@ class EngineArgs:
         """The composed config; resolves the model's source (fails fast, naming the package to
         install, when the model is not on this machine) and reads its generation config."""
         source = with_model_impl(with_hf_overrides(resolve_model(self.model), self.hf_overrides), self.model_impl)
+        multimodal = self.multimodal()
+        if self.language_model_only or (multimodal.limit_per_prompt and not any(multimodal.limit_per_prompt.values())):
+            source = dataclasses.replace(source, language_model_only=True)     # vLLM's: every limit 0 asks the same
         check_load_format(self.load_format, source)
         names = self.served_model_name
         speculative = speculative_config(with_spec_flags(self.speculative_config, self.spec_method,
@@ -254,7 +263,7 @@ class EngineArgs:
                               draft_source=draft_source(speculative, source),
                               logits_processors=logits_processor_names(self.logits_processors),
                               tokenizer_source=resolve_tokenizer(self.tokenizer),
-                              pooling=self.pooling(source)),
+                              pooling=self.pooling(source), multimodal=multimodal),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               num_blocks=self.num_gpu_blocks_override, cache_dtype=self.kv_cache_dtype,
@@ -313,6 +322,31 @@ class EngineArgs:
             weight_transfer=weight_transfer_config(self.weight_transfer_config))
         KVConnectorFactory.check_engine(config)
         return config
+
+    def multimodal(self) -> MultiModalConfig:
+        """--limit-mm-per-prompt, --mm-processor-kwargs and the media flags, checked."""
+        limits = self.limit_mm_per_prompt
+        limits = parse_object(limits, "--limit-mm-per-prompt") if isinstance(limits, str) else (limits or {})
+        kwargs = self.mm_processor_kwargs
+        kwargs = parse_object(kwargs, "--mm-processor-kwargs") if isinstance(kwargs, str) else (kwargs or {})
+        if not isinstance(limits, dict) or not isinstance(kwargs, dict):
+            raise ValueError("--limit-mm-per-prompt and --mm-processor-kwargs take JSON objects")
+        counts = {}
+        for modality, value in limits.items():
+            count = value.get("count", DEFAULT_MM_LIMIT) if isinstance(value, dict) else value
+            if modality not in MODALITIES:
+                raise ValueError(f"--limit-mm-per-prompt: {modality!r} is not a modality ({', '.join(MODALITIES)})")
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"--limit-mm-per-prompt: {modality}'s limit must be a count of at least 0, "
+                                 f"got {count!r}")
+            counts[modality] = count
+        path = self.allowed_local_media_path
+        if path:
+            if not os.path.isdir(path):
+                raise ValueError(f"--allowed-local-media-path {path!r} is not a folder on this machine")
+            path = os.path.realpath(path)
+        return MultiModalConfig(limit_per_prompt=counts, mm_processor_kwargs=kwargs, allowed_local_media_path=path,
+                                allowed_media_domains=tuple(self.allowed_media_domains or ()))
 
     def pooling(self, source: ModelSource) -> ModelPooling | None:
         """--runner, --convert and --pooler-config resolved for the checkpoint (vLLM's rules):
@@ -710,6 +744,23 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="vLLM's: which implementation of the architecture runs: vllm (Troupe's own), transformers "
                  "(transformers' modeling code, its attention over Troupe's paged KV cache: any causal LM "
                  "transformers implements), auto (Troupe's where it has one, else transformers')")),
+        (("--language-model-only",), "language_model_only", dict(
+            action=argparse.BooleanOptionalAction, default=d["language_model_only"],
+            help="vLLM's: a multimodal checkpoint is served as its language model, on text (its vision tower "
+                 "never loaded; image parts refused)")),
+        (("--limit-mm-per-prompt",), "limit_mm_per_prompt", dict(
+            default=d["limit_mm_per_prompt"], metavar="JSON",
+            help="vLLM's: the most items of each modality one prompt may hold, e.g. '{\"image\": 2}' (unset: 999; "
+                 "every limit 0 serves the language model alone)")),
+        (("--mm-processor-kwargs",), "mm_processor_kwargs", dict(
+            default=d["mm_processor_kwargs"], metavar="JSON",
+            help="vLLM's: keywords for the checkpoint's processor (its processor_config.json's settings), as JSON")),
+        (("--allowed-local-media-path",), "allowed_local_media_path", dict(
+            default=d["allowed_local_media_path"], metavar="DIR",
+            help="vLLM's: image_url parts may name file:// URLs of files under this folder (unset: none)")),
+        (("--allowed-media-domains",), "allowed_media_domains", dict(
+            nargs="+", default=d["allowed_media_domains"], metavar="HOST",
+            help="vLLM's: the only hosts http(s) image URLs may name (unset: any)")),
         (("--runner",), "runner", dict(
             choices=RUNNERS, default=d["runner"],
             help="vLLM's: generate (the model writes text) or pooling (it embeds prompts: /v1/embeddings, "

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import logging
 import os
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -75,6 +75,22 @@ class ReasoningConfig(msgspec.Struct, frozen=True, kw_only=True):
         return bool(self.start_token_ids and self.end_token_ids)
 
 
+MODALITIES = ("image", "video", "audio")     # vLLM's input modalities (Troupe's models take images)
+DEFAULT_MM_LIMIT = 999                       # vLLM's limit of items of a modality a prompt may hold, unset
+
+
+class MultiModalConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's multimodal settings: how many items of each modality a prompt may hold, the
+    checkpoint processor's keywords, and where media may be read from."""
+    limit_per_prompt: dict[str, int] = {}     # vLLM's --limit-mm-per-prompt; unset: DEFAULT_MM_LIMIT
+    mm_processor_kwargs: dict[str, Any] = {}  # vLLM's --mm-processor-kwargs: the processor's keywords
+    allowed_local_media_path: str = ""        # vLLM's: file:// URLs are read from under it only ("": never)
+    allowed_media_domains: tuple[str, ...] = ()   # vLLM's: the hosts http(s) URLs may name (): any
+
+    def limit(self, modality: str) -> int:
+        return self.limit_per_prompt.get(modality, DEFAULT_MM_LIMIT)
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     source: ModelSource                    # the checkpoint, resolved from the user's model name
     dtype: str = "auto"                    # "auto": bfloat16 on CUDA, float32 on the CPU
@@ -111,6 +127,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tokenizer_source: ModelSource | None = None
     # vLLM's --runner pooling: the model embeds prompts (actors/engine/pooling.py); None: it generates
     pooling: ModelPooling | None = None
+    multimodal: MultiModalConfig = MultiModalConfig()   # image input (a model whose arch has image_token_id)
 
     @property
     def runner(self) -> str:
@@ -413,7 +430,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                              "past the model's training give it inputs it never saw)")
         max_model_len = self.model.max_model_len or arch.default_max_model_len
         if arch.architecture in TRANSFORMERS_BACKENDS:
-            self._check_transformers_backend()
+            self._check_transformers_backend(arch)
         if arch.mamba is not None:
             self._check_state_space(arch)
             fitting = self._fitting_seqs(kv_bytes or (CPU_KV_CACHE_BYTES if device != "cuda" else 0), arch, dtype)
@@ -507,7 +524,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         not the names it is served under, nor observability, nor where it listens. The same
         configuration on another start, or another machine, gives the same digest."""
         m, p = self.model, self.parallel
-        factors = {"source": [m.source.kind, m.source.served_name, m.source.hf_overrides, m.source.model_impl],
+        factors = {"source": [m.source.kind, m.source.served_name, m.source.hf_overrides, m.source.model_impl,
+                              *(["language_model_only"] if m.source.language_model_only else [])],
                    "dtype": m.dtype, "quantization": m.quantization,
                    "max_model_len": m.max_model_len, "architecture": m.arch.architecture if m.arch else None,
                    "draft": m.draft_source.served_name if m.draft_source else None,
@@ -581,16 +599,20 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if used:
                 raise ValueError(f"{name} has state-space (Mamba) layers: {flag} is not supported with it ({why})")
 
-    def _check_transformers_backend(self) -> None:
+    def _check_transformers_backend(self, arch: ArchConfig) -> None:
         """What a model served by transformers' modeling code cannot be served with (yet), refused
         by name (tensor parallelism splits it as its transformers config plans, or refuses at load)."""
         spec = self.speculative
+        images = arch.image_token_id is not None
         refused = [("--enable-expert-parallel", self.parallel.enable_expert_parallel,
                     "its experts are transformers' own modules"),
                    ("--enable-lora with --pipeline-parallel-size", self.lora is not None
                     and self.parallel.pipeline_parallel_size > 1, "its adapters are read on one stage"),
                    ("--speculative-config", spec is not None and spec.method == "self_draft",
-                    "a self draft quantizes Troupe's own layers")]
+                    "a self draft quantizes Troupe's own layers"),
+                   ("--speculative-config with a draft model on a model that takes images", images and spec is not None
+                    and spec.method != "ngram", "the draft model reads tokens, not images; give --language-model-only "
+                    "or ngram drafts")]
         for flag, used, why in refused:
             if used:
                 raise ValueError(f"the transformers backend (--model-impl transformers): {flag} is not supported "

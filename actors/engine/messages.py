@@ -18,6 +18,27 @@ from transport.msg import Msg
 
 # -- requests ----------------------------------------------------------------------------------
 
+class MultiModalFeature(msgspec.Struct, array_like=True):
+    """One multimodal item of a prompt (vLLM's MultiModalFeatureSpec): what the checkpoint's
+    processor made of it, and the prompt positions its placeholder tokens span."""
+    modality: str                       # "image"
+    identifier: str                     # a digest of the item and its processing: prefix cache and encoder keys
+    offset: int                         # its first placeholder position in the prompt
+    length: int                         # the positions it spans
+    data: dict[str, np.ndarray]         # the processor's outputs for it (pixel_values, ...), a batch of one
+    # which of its positions take its embeddings, in order (None: all); the others (an image's
+    # start and end markers) are plain tokens
+    is_embed: np.ndarray | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def num_embeds(self) -> int:
+        return self.length if self.is_embed is None else int(self.is_embed.sum())
+
+
 class EngineCoreRequest(msgspec.Struct):
     request_id: str
     prompt_token_ids: list[int]
@@ -32,6 +53,7 @@ class EngineCoreRequest(msgspec.Struct):
     prompt_embeds: np.ndarray | None = None
     # vLLM's: which API server sent it (--api-server-count): its outputs go back to that one
     client_index: int = 0
+    mm_features: list[MultiModalFeature] | None = None   # its images, in prompt order (None: text)
 
 
 # -- engine outputs (engine core -> frontend), one message per step ---------------------------
@@ -136,6 +158,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
     prompt_embeds: np.ndarray | None = None   # a prompt given as embeddings (EngineCoreRequest's)
+    mm_features: list[MultiModalFeature] | None = None   # its images (EngineCoreRequest's)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

@@ -10,6 +10,8 @@ service's environment works unchanged:
                                     threads are counted from the machine's cores
   VLLM_ALLOW_LONG_MAX_MODEL_LEN=1   --max-model-len may exceed the model's context length
   VLLM_HTTP_TIMEOUT_KEEP_ALIVE=5    seconds an idle HTTP connection is kept open
+  VLLM_IMAGE_FETCH_TIMEOUT=5        seconds an http(s) image URL may take to fetch
+  VLLM_MEDIA_URL_ALLOW_REDIRECTS=1  an image URL's redirects are followed (0: refused)
   VLLM_LOGGING_LEVEL, VLLM_LOGGING_CONFIG_PATH, VLLM_CONFIGURE_LOGGING (actors/runtime/logs.py)
 
 A value that does not parse is a ValueError naming the variable."""
@@ -102,3 +104,14 @@ def parse_cores(spec: str, whole: str | None = None) -> list[int]:
         raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={whole or spec!r}: cores are given as 0-3,6 "
                          f"('|' between workers), got {spec!r}") from None
     return sorted(set(cores))
+
+
+def image_fetch_timeout_s() -> int:
+    """VLLM_IMAGE_FETCH_TIMEOUT (vLLM's default: 5 s)."""
+    value = _int("VLLM_IMAGE_FETCH_TIMEOUT", minimum=1)
+    return 5 if value is None else value
+
+
+def media_url_allow_redirects() -> bool:
+    """VLLM_MEDIA_URL_ALLOW_REDIRECTS (vLLM's default: 1, followed)."""
+    return os.environ.get("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "1").strip().lower() not in ("0", "false")

@@ -9,7 +9,9 @@ _PARALLEL = ("Troupe implements tensor, pipeline and data parallelism (--tensor-
              "--pipeline-parallel-size, --data-parallel-size), across machines with --distributed-executor-backend ray, "
              "--nnodes or --headless")
 _LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directories as they are"
-_MODALITY = "Troupe serves text-only models"
+_MODALITY = ("Troupe takes images (a multimodal checkpoint the transformers backend serves whole) with "
+             "--limit-mm-per-prompt, --mm-processor-kwargs, --allowed-local-media-path and --allowed-media-domains "
+             "only")
 _LORA = "Troupe's LoRA takes --enable-lora, --lora-modules, --max-loras, --max-cpu-loras and --max-lora-rank only"
 _SPEC = "Troupe takes speculative decoding as --speculative-config JSON only"
 _COMPILE = ("Troupe takes the CUDA graph sizes as --cudagraph-capture-sizes or --max-cudagraph-capture-size "
@@ -51,14 +53,13 @@ REFUSED: dict[str, str] = {
     "--io-processor-plugin": "Troupe loads no IO processor plugins",
     "--logits-processor-pattern": "Troupe has no per-request logits processors (see --logits-processors)",
     # other modalities
-    "--limit-mm-per-prompt": _MODALITY, "--enable-mm-embeds": _MODALITY, "--media-io-kwargs": _MODALITY,
-    "--mm-processor-kwargs": _MODALITY, "--mm-processor-cache-gb": _MODALITY,
+    "--enable-mm-embeds": _MODALITY, "--media-io-kwargs": _MODALITY,
+    "--mm-processor-cache-gb": _MODALITY,
     "--disable-mm-preprocessor-cache": _MODALITY, "--mm-processor-cache-type": _MODALITY,
     "--mm-shm-cache-max-object-size-mb": _MODALITY, "--mm-encoder-tp-mode": _MODALITY,
     "--mm-encoder-attn-backend": _MODALITY, "--interleave-mm-strings": _MODALITY,
     "--skip-mm-profiling": _MODALITY, "--video-pruning-rate": _MODALITY,
-    "--allowed-local-media-path": _MODALITY, "--allowed-media-domains": _MODALITY,
-    # adapters and speculative decoding
+        # adapters and speculative decoding
     "--lora-extra-vocab-size": _LORA, "--lora-dtype": _LORA, "--fully-sharded-loras": _LORA, "--default-mm-loras": _LORA, "--enable-prompt-adapter": _LORA,
     "--prompt-adapters": _LORA, "--max-prompt-adapters": _LORA, "--max-prompt-adapter-token": _LORA,
     "--speculative-model": _SPEC, "--num-speculative-tokens": _SPEC,
@@ -177,8 +178,6 @@ ALWAYS: dict[str, str] = {
     "--disable-fastapi-docs": "Troupe serves no API documentation pages",
     "--enable-request-id-headers": "Troupe always answers with an X-Request-Id header",
     "--enable-server-load-tracking": "Troupe always counts the requests being answered (GET /load)",
-    "--language-model-only": "Troupe serves text: a multimodal checkpoint (Gemma 3 4B-27B, Mistral 3) serves its "
-                             "language model",
     "--enable-prompt-tokens-details": "Troupe reports prompt_tokens_details.cached_tokens whenever the "
                                       "prefix cache served part of a prompt",
 }
@@ -187,7 +186,6 @@ NEVER: dict[str, str] = {    # the opposite of an ALWAYS flag: refused
     "--no-disable-fastapi-docs": "Troupe serves no API documentation pages",
     "--no-enable-request-id-headers": "Troupe always answers with an X-Request-Id header",
     "--no-enable-server-load-tracking": "Troupe always counts the requests being answered (GET /load)",
-    "--no-language-model-only": "Troupe serves text-only models",
     "--no-enable-prompt-tokens-details": "Troupe reports prompt_tokens_details.cached_tokens whenever the "
                                          "prefix cache served part of a prompt",
 }

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from actors.tokenizer.multimodal import has_images
 from actors.engine.sampling_params import SamplingParams
 from actors.frontend.errors import error_response, json_encoder
 from actors.frontend.generation import usage
@@ -121,6 +122,8 @@ async def beam_search(client: EngineClient, params: BeamSearchParams, submit: An
     to HTTP errors; default ``client.submit``)."""
     submit = submit or client.submit
     params.check()
+    if what.get("multi_modal_data") or has_images(what.get("messages")):
+        raise ValueError("beam search is not supported with image input (its later steps send token ids)")
     width = params.beam_width
     eos = frozenset(client.config.model.arch.eos_token_ids)
     step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
+from actors.tokenizer.multimodal import has_images
 from actors.frontend.beam_search import beam_answer
 from actors.frontend.fanout import Choice, Submit, submit_choices
 from actors.frontend.generation import Answer, Generation
@@ -212,6 +213,9 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
     if req.use_beam_search:
         if req.tools:
             raise BadRequest("tools cannot be combined with beam search", "tools")
+        if has_images(messages):
+            raise BadRequest("beam search is not supported with image input (its later steps send token ids)",
+                             "use_beam_search")
         job = {"messages": messages, "add_generation_prompt": add_generation_prompt,
                "continue_final_message": continue_final_message, "chat_template_kwargs": template_kwargs,
                "priority": priority, "cache_salt": cache_salt(req), "lora_request": client.lora_request_for(req.model),

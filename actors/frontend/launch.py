@@ -57,6 +57,7 @@ from actors.runtime.system import SYSTEM_ACTOR
 from actors.scheduler.actor import SchedulerProtocol
 from actors.tokenizer.actor import TokenizerActor
 from actors.tokenizer.gguf_tokenizer import TextTokenizer, TokenIdsOnly
+from actors.tokenizer.multimodal import ImageProcessor
 from actors.runtime.otel import RequestTracer
 from actors.frontend.reasoning import resolve_reasoning
 from transport.zmq_channel import ZmqTransport, endpoint
@@ -440,15 +441,30 @@ def client_actors(node: Node, config: EngineConfig, tokenizer: TextTokenizer | T
     def count_prompt_tokens(n: int) -> None:
         stats.prompt_tokens += n
 
+    images = image_processor(config, tokenizer)
     tok = node.spawn(topology.TOKENIZER, lambda: TokenizerActor(
         tokenizer, config.model.max_model_len, list(arch.eos_token_ids), detok,
         scheduler, waiting, count_prompt_tokens, config.model.max_logprobs, arch.vocab_size,
         arch.hidden_size if config.model.enable_prompt_embeds else None,
         config.model.reasoning is not None and config.model.reasoning.resolved, client_index,
-        *embed_lens(config.model.pooling), lower_case=arch.do_lower_case))
+        *embed_lens(config.model.pooling), lower_case=arch.do_lower_case, images=images))
     client = EngineClient(config, tokenizer, tok, detok, scheduler, [e.kv_manager for e in engines],
                           engines[0].grammar, streams, stats, waiting)
     return client, router
+
+
+def image_processor(config: EngineConfig, tokenizer: TextTokenizer | TokenIdsOnly) -> ImageProcessor | None:
+    """For a model that takes images, its checkpoint's processor, the tokenizer's chat templates
+    then rendering image parts as its placeholder; None for a text model (or without a tokenizer)."""
+    arch = config.model.arch
+    if arch.image_token_id is None or not isinstance(tokenizer, TextTokenizer):
+        return None
+    images = ImageProcessor(config.model.source.path, arch.image_token_id, config.model.multimodal,
+                            lambda text: tokenizer.encode(text, add_special_tokens=False))
+    tokenizer.image_placeholder = images.placeholder
+    log.info("images are taken (at most %d a prompt), each as %s's processor makes it",
+             config.model.multimodal.limit("image"), type(images.processor).__name__)
+    return images
 
 
 def with_reasoning_resolved(config: EngineConfig, tokenizer: TextTokenizer | TokenIdsOnly | None) -> EngineConfig:

@@ -10,12 +10,14 @@ import msgspec
 from aiohttp import web
 
 from actors.engine.config import EngineConfig
-from actors.frontend.errors import error_response, json_encoder, not_found
+from actors.engine.sampling_params import SamplingParams
+from actors.frontend.errors import ApiError, error_response, json_encoder, not_found
 from actors.kv_manager.kv_events import offset_endpoint
 from actors.frontend.params import chat_messages, check_chat_flags
 from actors.frontend.protocol import BadRequest, DetokenizeRequest, TokenizeRequest
 from actors.frontend.tools import template_tools
 from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER
+from actors.tokenizer.multimodal import has_images
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
@@ -157,11 +159,20 @@ async def tokenize(server: OpenAIServer, request: web.Request) -> web.Response:
             kwargs = dict(server.template_kwargs(req.chat_template_kwargs) or {})
             if req.tools:
                 kwargs = {"tools": template_tools(req), **kwargs}
-            ids = tok.encode_chat(chat_messages(req.messages), add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=bool(req.continue_final_message),
-                                  chat_template=req.chat_template, add_special_tokens=req.add_special_tokens is True,
-                                  **kwargs)
-    except BadRequest:
+            messages = chat_messages(req.messages)
+            if has_images(messages):       # read and expanded as the chat's own are
+                rendered = await server.submit(SamplingParams(max_tokens=1), messages=messages, render_only=True,
+                                               add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=bool(req.continue_final_message),
+                                               chat_template=req.chat_template, chat_template_kwargs=kwargs,
+                                               add_special_tokens=req.add_special_tokens is True)
+                ids = list(rendered.prompt_token_ids)
+            else:
+                ids = tok.encode_chat(messages, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=bool(req.continue_final_message),
+                                      chat_template=req.chat_template, add_special_tokens=req.add_special_tokens is True,
+                                      **kwargs)
+    except (BadRequest, ApiError):
         raise
     except Exception as exc:      # template errors, text that is not valid Unicode: the input's
         raise BadRequest(f"could not tokenize: {exc}", "messages" if req.messages else "prompt") from None

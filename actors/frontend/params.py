@@ -127,16 +127,24 @@ def _chat_message(i: int, m: ChatMessage) -> dict[str, Any]:
     return msg
 
 
-def _content(i: int, content: Any) -> str | list[dict[str, str]]:
-    """A string, or the text parts as the chat template's content format takes them
-    (tokenizer.chat joins them with newlines or keeps them as parts)."""
+def _content(i: int, content: Any) -> str | list[dict[str, Any]]:
+    """A string, or the parts as the chat template's content format takes them (tokenizer.chat
+    joins the texts with newlines or keeps them as parts); image parts go on to the tokenizer,
+    which reads them for a model that takes images and refuses them otherwise."""
     if not isinstance(content, list):
         return content or ""
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise BadRequest(f"content part of type {part.type!r} is not supported; only 'text' parts are",
-                             f"messages[{i}].content[{j}]")
-    return [{"type": "text", "text": part.text} for part in content]
+        if part.type == "text" and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        elif part.type == "image_url" and part.image_url is not None:
+            url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+            require(bool(url), "an image_url part needs a non-empty url", f"messages[{i}].content[{j}].image_url")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise BadRequest(f"content part of type {part.type!r} is not supported; only 'text' and 'image_url' "
+                             "parts are (with the field of their type)", f"messages[{i}].content[{j}]")
+    return parts
 
 
 def served_name(client, model: str | None) -> str:

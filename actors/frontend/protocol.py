@@ -76,9 +76,16 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool | None = False    # vLLM's: with include_usage, the usage so far in every chunk
 
 
+class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    detail: str | None = None           # OpenAI's "auto" | "low" | "high": the processor decides the resolution
+
+
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    """A content part: a text, or (for a model that takes images) an image by URL."""
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):

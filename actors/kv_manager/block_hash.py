@@ -9,7 +9,8 @@ set, else "vllm-none-hash"; xxhash's seed is random per process without PYTHONHA
 it is not collision resistant). The algorithms: ``sha256`` (pickle, then SHA-256: vLLM's default),
 ``sha256_cbor`` (canonical CBOR, then SHA-256: reproducible from any language), ``xxhash`` and
 ``xxhash_cbor`` (xxHash's 128-bit XXH3; the ``xxhash`` package). Extra keys, vLLM's: the LoRA
-adapter on every block (``("lora", name, path)``), the cache salt on the first block only
+adapter on every block (``("lora", name, path)``), each image whose placeholders the block holds
+(``("mm", identifier, its offset from the block's start)``), the cache salt on the first block only
 (``("cache_salt", salt)``), and a prompt given as embeddings' rows in the block (``("prompt_embeds",
 SHA-256 of their bytes)``, every block: the token ids of such a prompt are placeholders).
 """
@@ -24,6 +25,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from actors.engine.lora import LoRARequest
+    from actors.engine.messages import MultiModalFeature
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -78,13 +80,19 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_
 
 
 def block_extra_keys(block_index: int, lora: LoRARequest | None, cache_salt: str | None,
-                     prompt_embeds: np.ndarray | None = None, block_size: int = 0) -> tuple | None:
-    """vLLM's extra keys of a block: its adapter's name and path, then the cache salt (first block),
-    then, for a prompt given as embeddings, the SHA-256 of the block's rows of them (their bytes;
-    none past the prompt: the digest of nothing)."""
+                     prompt_embeds: np.ndarray | None = None, block_size: int = 0,
+                     mm_features: Sequence[MultiModalFeature] | None = None) -> tuple | None:
+    """vLLM's extra keys of a block: its adapter's name and path, then each multimodal item
+    whose placeholders it holds (``("mm", identifier, the item's offset from the block's start)``:
+    their tokens are alike, their embeddings are not), then the cache salt (first block), then,
+    for a prompt given as embeddings, the SHA-256 of the block's rows of them (their bytes; none
+    past the prompt: the digest of nothing)."""
     keys: list = []
     if lora is not None:
         keys.append(("lora", lora.lora_name, lora.lora_path))
+    if mm_features:
+        start, end = block_index * block_size, (block_index + 1) * block_size
+        keys.extend(("mm", f.identifier, f.offset - start) for f in mm_features if f.offset < end and f.end > start)
     if cache_salt and block_index == 0:
         keys.append(("cache_salt", cache_salt))
     if prompt_embeds is not None:
@@ -94,19 +102,22 @@ def block_extra_keys(block_index: int, lora: LoRARequest | None, cache_salt: str
 
 
 def event_extra_keys(keys: tuple | None) -> tuple | None:
-    """A block's extra keys as vLLM's KV events show them: the bare adapter name and salt."""
-    return None if keys is None else tuple(k[1] for k in keys)
+    """A block's extra keys as vLLM's KV events show them: the bare adapter name and salt, an
+    item's (identifier, offset)."""
+    return None if keys is None else tuple(k[1:] if k[0] == "mm" else k[1] for k in keys)
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
                         lora: LoRARequest | None = None, cache_salt: str | None = None,
-                        hasher: BlockHasher = DEFAULT_HASHER, prompt_embeds: np.ndarray | None = None) -> None:
+                        hasher: BlockHasher = DEFAULT_HASHER, prompt_embeds: np.ndarray | None = None,
+                        mm_features: Sequence[MultiModalFeature] | None = None) -> None:
     """Append the hashes of the blocks of ``token_ids`` that became full since the last call
-    (``prompt_embeds``: the prompt's embeddings, when it was given as those)."""
+    (``prompt_embeds``: the prompt's embeddings, when it was given as those; ``mm_features``:
+    its images)."""
     start = len(hashes) * block_size
     while start + block_size <= len(token_ids):
         i = len(hashes)
         parent = hashes[-1] if hashes else None
-        keys = block_extra_keys(i, lora, cache_salt, prompt_embeds, block_size)
+        keys = block_extra_keys(i, lora, cache_salt, prompt_embeds, block_size, mm_features)
         hashes.append(hasher(parent, token_ids[start:start + block_size], keys))
         start += block_size

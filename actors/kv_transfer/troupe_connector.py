@@ -179,10 +179,13 @@ def per_group(block_ids: Any) -> list[list[int]]:
 
 def prompt_hash(request: Request) -> str:
     """A digest of the prompt's token ids (and of its embeddings when it came as those: its ids
-    are then placeholders): a consumer loads KV computed for the same prompt only."""
+    are then placeholders; and of its images' identifiers, whose placeholders are alike): a
+    consumer loads KV computed for the same prompt only."""
     h = hashlib.blake2b(array.array("q", request.prompt_token_ids).tobytes(), digest_size=8)
     if request.prompt_embeds is not None:
         h.update(request.prompt_embeds.tobytes())
+    for feature in request.mm_features or ():
+        h.update(f"{feature.identifier}@{feature.offset}".encode())
     return h.hexdigest()
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from actors.kv_manager.block_hash import DEFAULT_HASHER, BlockHash, BlockHasher, extend_block_hashes
 from actors.engine.lora import LoRARequest
-from actors.engine.messages import EngineCoreRequest
+from actors.engine.messages import EngineCoreRequest, MultiModalFeature
 from actors.engine.sampling_params import SamplingParams
 
 
@@ -59,6 +59,7 @@ class Request:
     # a prompt given as embeddings (vLLM's prompt_embeds): (prompt tokens, hidden) float32; its
     # prompt_token_ids are then placeholders (0), hashed with the embeddings' digests
     prompt_embeds: np.ndarray | None = None
+    mm_features: list[MultiModalFeature] | None = None   # its images: their digests join its blocks' hashes
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -101,7 +102,7 @@ class Request:
                             hasher: BlockHasher = DEFAULT_HASHER) -> Request:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.arrival_time,
                    tuple(r.eos_token_ids), r.priority, block_size, r.cache_salt, r.lora_request, hasher,
-                   prompt_embeds=r.prompt_embeds)
+                   prompt_embeds=r.prompt_embeds, mm_features=r.mm_features)
 
     @property
     def num_tokens(self) -> int:
@@ -127,4 +128,5 @@ class Request:
     def _update_block_hashes(self) -> None:
         if self.block_size:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
-                                self.lora_request, self.cache_salt, self.hasher, self.prompt_embeds)
+                                self.lora_request, self.cache_salt, self.hasher, self.prompt_embeds,
+                                self.mm_features)

@@ -322,7 +322,8 @@ class Scheduler:
                 lora = req.lora_request if req is not None else None
                 tokens = req.all_token_ids[first * bs:(first + len(hashes)) * bs] if req is not None else []
                 keys = [block_extra_keys(first + i, lora, req.cache_salt if req is not None else None,
-                                         req.prompt_embeds if req is not None else None, bs)
+                                         req.prompt_embeds if req is not None else None, bs,
+                                         req.mm_features if req is not None else None)
                         for i in range(len(hashes))]
                 self._kv_events.append(BlockStored(
                     [external_hash(h) for h in hashes], None if parent is None else external_hash(parent),
@@ -770,7 +771,7 @@ class Scheduler:
             if req in step.admitted:
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids),
                                                req.sampling_params, blocks, start, req.lora_request,
-                                               req.prompt_embeds))
+                                               req.prompt_embeds, req.mm_features))
             else:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(blocks)

@@ -19,6 +19,7 @@ from actors.frontend.admission import WaitingRequests
 from actors.runtime import Actor, ActorRef, Msg, Refusal
 from actors.scheduler.actor import AddRequest
 from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER, TEXT_PROMPTS_REFUSED, TextTokenizer, TokenIdsOnly
+from actors.tokenizer.multimodal import ImageProcessor, MediaError, extract_images, images_of, load_image
 
 
 OFF_LOOP_CHARS = 20_000          # longer prompts are tokenized in a thread
@@ -60,6 +61,9 @@ class Generate(Msg):
     chat_template_content_format: str | None = None   # how content reaches the template (None: the server's)
     prompt_embeds: np.ndarray | None = None  # vLLM's: the prompt as input embeddings, (tokens, hidden) float32
     trace_headers: dict[str, str] | None = None   # the caller's W3C trace context (for its OpenTelemetry span)
+    # the offline API's images for a text or token-ids prompt ({"image": PIL image or a list}), each
+    # in place of a placeholder of the prompt; a chat's come as its messages' image parts
+    multi_modal_data: dict[str, Any] | None = None
 
 
 NO_REASONING_CONFIG = ("thinking_token_budget is set but reasoning_config is not configured. Please set "
@@ -87,7 +91,8 @@ class TokenizerActor(Actor):
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS, logits_size: int | None = None,
                  embeds_hidden_size: int | None = None, thinking_budgets: bool = False,
                  client_index: int = 0, pooling_len: int | None = None,
-                 chunked_embed_len: int | None = None, lower_case: bool = False) -> None:
+                 chunked_embed_len: int | None = None, lower_case: bool = False,
+                 images: ImageProcessor | None = None) -> None:
         """``embeds_hidden_size``: with --enable-prompt-embeds, the rows prompt embeddings must have
         (None: such prompts are refused). ``thinking_budgets``: the engine has a resolved reasoning
         config (else a request's thinking_token_budget is refused). ``client_index``: this API
@@ -97,7 +102,9 @@ class TokenizerActor(Actor):
         the pooler config's enable_chunked_processing, the most a pooling prompt rendered whole
         may have, to be embedded in pieces (sys.maxsize: no bound; None: no chunking).
         ``lower_case``: a pooling request's text is lower-cased before it is tokenized (a
-        sentence-transformers checkpoint's ``do_lower_case``, as vLLM reads it)."""
+        sentence-transformers checkpoint's ``do_lower_case``, as vLLM reads it). ``images``: a
+        model that takes images, its checkpoint's processor (None: image input is refused)."""
+        self.images = images
         self.lower_case = lower_case
         self.pooling_len = min(pooling_len or max_model_len, max_model_len)
         self.chunked_embed_len = chunked_embed_len
@@ -127,6 +134,8 @@ class TokenizerActor(Actor):
         truncate = msg.sampling_params.truncate_prompt_tokens
         limit = self._limit(msg)
         embeds = self._embeds(msg)
+        msg, images = await self._images(msg)
+        features = None
         if embeds is not None:            # placeholders for the positions the rows stand for
             ids, offsets = [0] * len(embeds), None
         else:
@@ -135,6 +144,16 @@ class TokenizerActor(Actor):
             # frontend's other requests and probes do not wait behind it
             ids = await asyncio.to_thread(self._prompt_ids, msg) if chars > OFF_LOOP_CHARS else self._prompt_ids(msg)
             offsets = self._offsets(msg, ids) if msg.render_only and msg.return_token_offsets else None
+        if images:                        # each placeholder expanded into its image's positions
+            assert self.images is not None
+            if truncate is not None:
+                raise InvalidPrompt("truncate_prompt_tokens is not supported with image input (it would cut into "
+                                    "an image's positions)")
+            try:
+                ids, features = self.images.expand(ids, images)
+            except MediaError as exc:
+                raise InvalidPrompt(str(exc)) from None
+            offsets = None
         pooling = msg.sampling_params.pooling is not None     # a pooling request fills the context, no more
         if truncate is not None:          # vLLM's: the prompt's last tokens (the left side goes), or first
             keep = limit if truncate == -1 else truncate
@@ -177,10 +196,35 @@ class TokenizerActor(Actor):
                                            msg.trace_headers))
         self.engine.tell(AddRequest(EngineCoreRequest(
             msg.request_id, ids, params, arrival, self.eos_token_ids, msg.priority, msg.cache_salt,
-            msg.lora_request, embeds, self.client_index)))
+            msg.lora_request, embeds, self.client_index, features)))
         if self.on_prompt_tokens is not None:
             self.on_prompt_tokens(n)
         return PromptAccepted(n, shown)
+
+    async def _images(self, msg: Generate) -> tuple[Generate, list[tuple[list[int], dict[str, np.ndarray], str]]]:
+        """The request's images read and processed (its messages' image parts then the chat
+        template's image parts); none for a prompt without images. InvalidPrompt when the model
+        takes none, or an image cannot be read."""
+        try:
+            sources = images_of(msg.multi_modal_data)
+            messages = msg.messages
+            if messages is not None and self.images is not None:
+                messages, found = extract_images(messages)
+                sources += found
+            if not sources:
+                return msg, []
+            if self.images is None:
+                raise InvalidPrompt("this model takes no images: it is served on text (a multimodal checkpoint the "
+                                    "transformers backend serves whole takes them)")
+            if msg.prompt_embeds is not None:
+                raise InvalidPrompt("prompt_embeds cannot come with images")
+            self.images.check_count(len(sources))
+            images = await asyncio.gather(*(load_image(source, self.images.config) for source in sources))
+            processor = self.images
+            items = await asyncio.to_thread(lambda: [processor.process(image) for image in images])
+        except MediaError as exc:
+            raise InvalidPrompt(str(exc)) from None
+        return msgspec.structs.replace(msg, messages=messages), items
 
     def _limit(self, msg: Generate) -> int:
         """The most tokens ``msg``'s prompt may have: the context, or a pooling prompt's bound

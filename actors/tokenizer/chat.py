@@ -19,55 +19,72 @@ log = logging.getLogger("troupe.tokenizer")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-def content_to_text(content: Any) -> str:
+def content_to_text(content: Any, image_placeholder: str | None = None) -> str:
     """OpenAI message content -> one string (vLLM's "string" content format).
 
     Accepts a string, None (-> ""), or a list of parts where each part is a string or a
     `{"type": "text", "text": ...}` dict; the texts are joined with newlines, as vLLM joins them.
-    Any other part type (image_url, input_audio, file, ...) raises ValueError naming it.
+    With ``image_placeholder`` (a model that takes images), `{"type": "image"}` parts are
+    allowed: each image the text does not already place gets the placeholder before the text,
+    as vLLM places them. Any other part type (image_url, input_audio, file, ...) raises
+    ValueError naming it.
     """
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(_texts(content))
+    parts = _parts(content, image_placeholder is not None)
+    text = "\n".join(p["text"] for p in parts if p["type"] == "text")
+    missing = sum(p["type"] == "image" for p in parts) - (text.count(image_placeholder) if image_placeholder else 0)
+    return "\n".join([image_placeholder] * missing + [text]) if missing > 0 else text
 
 
-def content_to_parts(content: Any) -> list[dict[str, str]]:
+def content_to_parts(content: Any, images: bool = False) -> list[dict[str, str]]:
     """OpenAI message content -> a list of ``{"type": "text", "text": ...}`` parts (vLLM's
-    "openai" content format: a string is one part; None is no part)."""
+    "openai" content format: a string is one part; None is no part), and, with ``images`` (a
+    model that takes them), ``{"type": "image"}`` parts where the images are."""
     if content is None:
         return []
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    return [{"type": "text", "text": text} for text in _texts(content)]
+    return _parts(content, images)
 
 
-def _texts(content: Any) -> list[str]:
+def _parts(content: Any, images: bool) -> list[dict[str, str]]:
     if not isinstance(content, list):
         raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
-    texts = []
+    parts = []
     for part in content:
         if isinstance(part, str):
-            texts.append(part)
+            parts.append({"type": "text", "text": part})
             continue
         part_type = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if part_type == "image" and images:
+            parts.append({"type": "image"})
+            continue
         if part_type != "text":
-            raise ValueError(f"message content part of type {part_type!r} is not supported; only 'text' parts are")
+            raise ValueError(f"message content part of type {part_type!r} is not supported; only 'text' parts are"
+                             + ("" if images else " (this model takes no images)" if part_type in _IMAGE_PARTS
+                                else ""))
         text = part.get("text")
         if not isinstance(text, str):
             raise ValueError(f"a 'text' content part needs a string 'text' field, got {text!r}")
-        texts.append(text)
-    return texts
+        parts.append({"type": "text", "text": text})
+    return parts
 
 
-def normalize_messages(messages: Iterable[Mapping[str, Any]], content_format: str = "string") -> list[dict[str, Any]]:
+_IMAGE_PARTS = ("image_url", "image_pil", "image", "image_embeds")
+
+
+def normalize_messages(messages: Iterable[Mapping[str, Any]], content_format: str = "string",
+                       image_placeholder: str | None = None) -> list[dict[str, Any]]:
     """OpenAI chat messages -> fresh dicts a chat template can render.
 
     Keys whose value is None are dropped (APIs send `content: null` beside `tool_calls`, and
     templates handle a missing key better than a literal None); `content`, when present, becomes
     a string (`content_to_text`) or, with the "openai" content format, a list of text parts
-    (`content_to_parts`; a tool's result stays a string, as vLLM keeps it, since most templates
+    (`content_to_parts`; with ``image_placeholder``, a model that takes images, image parts
+    too, as the placeholder text in the string format; a tool's result stays a string, as vLLM keeps it, since most templates
     read it as one); an assistant's `tool_calls` get their `arguments` as objects
     (`tool_calls_for_template`). Every message needs a string `role`.
     """
@@ -82,8 +99,10 @@ def normalize_messages(messages: Iterable[Mapping[str, Any]], content_format: st
         out = {key: value for key, value in message.items() if value is not None}
         try:
             if "content" in out:
-                as_parts = content_format == "openai" and out["role"] != "tool"
-                out["content"] = (content_to_parts if as_parts else content_to_text)(out["content"])
+                if content_format == "openai" and out["role"] != "tool":
+                    out["content"] = content_to_parts(out["content"], image_placeholder is not None)
+                else:
+                    out["content"] = content_to_text(out["content"], image_placeholder)
             if "tool_calls" in out:
                 out["tool_calls"] = tool_calls_for_template(out["tool_calls"])
                 if not out["tool_calls"]:

@@ -234,6 +234,7 @@ class TextTokenizer:
         self.chat_template: str | None = metadata.get("tokenizer.chat_template") or None
         self._chat_template = ChatTemplate(self.chat_template) if self.chat_template else None
         self.content_format = "auto"      # --chat-template-content-format: auto, string or openai
+        self.image_placeholder: str | None = None   # a model that takes images: its processor's image token
 
     @classmethod
     def from_gguf(cls, path: str) -> TextTokenizer:
@@ -437,7 +438,7 @@ class TextTokenizer:
             **template_kwargs,
         }
         return template.render(
-            normalize_messages(messages, self.content_format_of(template.source, content_format)),
+            normalize_messages(messages, self.content_format_of(template.source, content_format), self.image_placeholder),
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **variables,
         )

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from actors.engine.lora import LoRARequest
-from actors.engine.messages import NewRequestData
+from actors.engine.messages import MultiModalFeature, NewRequestData
 from kernels.attention.base import AttentionMetadata
 from actors.engine.sampling_params import SamplingParams
 from actors.spec_decode.config import accepts_drafts
@@ -40,6 +40,14 @@ class SlotState:
     generator: torch.Generator | None
     lora_request: LoRARequest | None = None
     prompt_embeds: np.ndarray | None = None   # (prompt tokens, hidden): a prompt given as embeddings
+    mm_features: list[MultiModalFeature] | None = None   # its images
+    # the encoder's outputs of its images (by index), held from the first pass over an image's
+    # positions to the pass that reaches its last
+    mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def has_embeds(self) -> bool:
+        return self.prompt_embeds is not None or bool(self.mm_features)
 
 
 class TokenInputs(NamedTuple):
@@ -70,7 +78,7 @@ class InputBatch:
         self.num_blocks = np.zeros((G, max_num_reqs), dtype=np.int64)
         self.slots: dict[str, int] = {}
         self.states: list[SlotState | None] = [None] * max_num_reqs
-        self.num_prompt_embeds = 0            # requests held whose prompt came as embeddings
+        self.num_with_embeds = 0              # requests held whose prompt came as embeddings, or holds images
         self._free = list(range(max_num_reqs))
 
     def __len__(self) -> int:
@@ -97,8 +105,9 @@ class InputBatch:
         self.accepts_drafts[i] = accepts_drafts(r.sampling_params)
         self.num_blocks[:, i] = 0
         self.append_blocks(i, r.block_ids)
-        self.states[i] = SlotState(r.req_id, r.sampling_params, self._generator(r), r.lora_request, r.prompt_embeds)
-        self.num_prompt_embeds += r.prompt_embeds is not None
+        self.states[i] = SlotState(r.req_id, r.sampling_params, self._generator(r), r.lora_request, r.prompt_embeds,
+                                   r.mm_features)
+        self.num_with_embeds += self.states[i].has_embeds
         return i
 
     def _generator(self, r: NewRequestData) -> torch.Generator | None:
@@ -111,7 +120,7 @@ class InputBatch:
     def remove(self, req_id: str) -> None:
         i = self.slots.pop(req_id, None)
         if i is not None:
-            self.num_prompt_embeds -= self.states[i].prompt_embeds is not None
+            self.num_with_embeds -= self.states[i].has_embeds
             self.states[i] = None
             self.block_table[:, i] = 0
             heapq.heappush(self._free, i)
@@ -189,23 +198,49 @@ class InputBatch:
         meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
         return TokenInputs(input_ids, positions, cu, meta)
 
-    def embeds_inputs(self, slots: np.ndarray, start: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    def embeds_inputs(self, slots: np.ndarray, start: np.ndarray, n: np.ndarray,
+                      encode: Callable[[MultiModalFeature], torch.Tensor] | None = None,
+                      ) -> tuple[np.ndarray, list[torch.Tensor]] | None:
         """For a pass over tokens ``start .. start + n`` of the requests in ``slots``: the tokens
-        (indices into the pass) that are prompt positions given as embeddings, and those rows of
-        the embeddings (k, hidden); None when there are none."""
-        if not self.num_prompt_embeds:
+        (indices into the pass) that take embeddings rather than their token's, and those rows
+        (pieces of (k, hidden)); None when there are none. They are prompt positions given as
+        embeddings, and the positions of an image that take its embeddings: ``encode`` makes an
+        image's (its embedding positions, hidden) on the first pass over any of its positions,
+        kept until the pass that reaches its last (None: images are not read here, a pipeline
+        stage after the first)."""
+        if not self.num_with_embeds:
             return None
         index, rows, offset = [], [], 0
         for r, i in enumerate(slots.tolist()):
-            embeds, first, count = self.states[i].prompt_embeds, int(start[r]), int(n[r])
+            state, first, count = self.states[i], int(start[r]), int(n[r])
+            embeds = state.prompt_embeds
             if embeds is not None and first < len(embeds):
                 end = min(first + count, len(embeds))
                 index.append(np.arange(offset, offset + end - first))
-                rows.append(embeds[first:end])
+                rows.append(torch.from_numpy(embeds[first:end]))
+            features = (state.mm_features or ()) if encode is not None else ()
+            for k, feature in enumerate(features):
+                lo, hi = max(first, feature.offset), min(first + count, feature.end)
+                if lo >= hi:
+                    continue
+                out = state.mm_embeds.get(k)
+                if out is None:
+                    out = state.mm_embeds[k] = encode(feature)
+                a, b = lo - feature.offset, hi - feature.offset          # the item's own positions
+                if feature.is_embed is None:
+                    positions, taken, rows_from = np.arange(a, b), b - a, a
+                else:
+                    positions = np.flatnonzero(feature.is_embed[a:b]) + a
+                    taken, rows_from = len(positions), int(feature.is_embed[:a].sum())
+                if taken:
+                    index.append(positions - a + (lo - first) + offset)
+                    rows.append(out[rows_from:rows_from + taken])
+                if hi == feature.end:
+                    del state.mm_embeds[k]
             offset += count
         if not index:
             return None
-        return np.concatenate(index), np.concatenate(rows)
+        return np.concatenate(index), rows
 
     def output_token_ids(self, i: int) -> list[int]:
         return self.token_ids[i, self.num_prompt_tokens[i]:self.num_tokens[i]].tolist()

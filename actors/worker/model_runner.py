@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from actors.engine.config import EngineConfig
-from actors.engine.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+from actors.engine.messages import Logprobs, ModelRunnerOutput, MultiModalFeature, SchedulerOutput
 from actors.kv_manager.kv_cache_spec import (create_kv_cache_views, create_state_views, layer_groups, stage_groups,
                                              layers_without_kv)
 from actors.worker.cuda_graphs import CudaGraphRunner
@@ -256,8 +256,10 @@ class ModelRunner:
         input_ids, positions = torch.from_numpy(ti.input_ids), torch.from_numpy(ti.positions)
         if self.pooler is not None and self.arch.type_vocab_size > 1:
             input_ids = self._with_token_types(input_ids, positions, slots, cu)
-        given = b.embeds_inputs(slots, start, n)
-        embeds = None if given is None else (torch.from_numpy(given[0]), torch.from_numpy(given[1]))
+        first_stage = self.link is None or self.link.prev_rank is None
+        given = b.embeds_inputs(slots, start, n, self._encode if first_stage else None)
+        embeds = None if given is None else (torch.from_numpy(given[0]),
+                                             torch.cat([rows.to(self.device, torch.float32) for rows in given[1]]))
         if not drafts:
             return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1),
                               embeds=embeds)
@@ -265,6 +267,15 @@ class ModelRunner:
         logits_indices = ranges(cu[1:][sample_rows] - 1 - k, k + 1)         # (S + N,)
         return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(logits_indices), k,
                           embeds)
+
+    @torch.inference_mode()
+    def _encode(self, feature: MultiModalFeature) -> torch.Tensor:
+        """An image's embeddings (its embedding positions, hidden), by the model's encoder."""
+        out = self.model.embed_multimodal(feature.modality, feature.data)
+        if out.shape[0] != feature.num_embeds:
+            raise ValueError(f"the {feature.modality} encoder made {out.shape[0]} embeddings for an item whose "
+                             f"placeholders take {feature.num_embeds}")
+        return out
 
     def _with_token_types(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: np.ndarray,
                           cu: np.ndarray) -> torch.Tensor:

@@ -477,7 +477,8 @@ class Worker:
                 found = resolve_model(str(weights_path))
             except ValueError as exc:
                 raise ValueError(f"reload_weights: {exc}") from None
-            source = ModelSource(found.kind, found.path, old.served_name, old.hf_overrides, old.model_impl)
+            source = ModelSource(found.kind, found.path, old.served_name, old.hf_overrides, old.model_impl,
+                                 old.language_model_only)
         blocks = self.model.exact_from_blocks
         if blocks and not source.path.endswith(".gguf"):
             raise ValueError(f"reload_weights: the served model runs its GGUF file's Q4_1 / Q8_0 blocks, which the "

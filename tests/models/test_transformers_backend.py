@@ -190,7 +190,7 @@ def test_gemma_3n_per_layer_inputs_and_kv_shared_layers_give_transformers_logits
 
 def test_a_multimodal_checkpoint_serves_its_language_model_on_text(tmp_path):
     """A LLaVA checkpoint (a CLIP vision tower, a projector, a Llama language model) without a
-    Troupe class: its language model alone is built and read (vLLM's --language-model-only), its
+    Troupe class, served with vLLM's --language-model-only: its language model alone is built and read, its
     logits on text those of transformers' whole model, the vision tower never loaded."""
     import transformers
     text = transformers.LlamaConfig(**{k: v for k, v in SMALL.items() if k not in ("pad_token_id",)})
@@ -204,7 +204,11 @@ def test_a_multimodal_checkpoint_serves_its_language_model_on_text(tmp_path):
             p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
     hf.save_pretrained(tmp_path)
     save_tiny_tokenizer(tmp_path, VOCAB)
-    model, config = load_model(resolve_model(str(tmp_path)))
+    source = resolve_model(str(tmp_path))
+    whole = model_config(source)                  # served whole by default: its images too
+    assert whole.image_token_id == VOCAB - 1
+    model, config = load_model(dataclasses.replace(source, language_model_only=True))
+    assert config.image_token_id is None
     assert type(model.hf).__name__ == "LlamaForCausalLM" and config.architecture == "TransformersForCausalLM"
     assert not any("vision" in name for name, _ in model.named_parameters())
     tokens = _tokens(21, 12)

@@ -108,6 +108,9 @@ def test_vllm_0_32_spellings_set_what_they_name():
     assert config.compilation.level == 0 and config.cache.gpu_memory_utilization == 0.5
     assert args.enable_expert_parallel and not args.enable_auto_tool_choice
     assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    assert config.model.source.language_model_only
+    assert not EngineArgs.from_cli_args(serve.parse_args(["--no-language-model-only"])).create_engine_config() \
+        .model.source.language_model_only
     queued = EngineArgs.from_cli_args(serve.parse_args(["--max-num-queued-reqs", "4", "--max-num-queued-tokens",
                                                         "1000"])).create_engine_config().scheduler
     assert (queued.max_num_queued_reqs, queued.max_waiting_tokens) == (4, 1000)
@@ -129,7 +132,7 @@ def test_vllm_0_32_spellings_set_what_they_name():
     assert EngineArgs.from_cli_args(traced).create_engine_config().observability.collect_detailed_traces == \
         ("model", "worker")
     for bad in (["--default-chat-template-kwargs", "[1]"], ["--no-enable-request-id-headers"],
-                ["--no-language-model-only"], ["--watermark", "1"], ["--fingerprint-mode", "custom"],
+                ["--watermark", "1"], ["--fingerprint-mode", "custom"],
                 ["--enable-per-request-metrics", "--disable-log-stats"]):
         with pytest.raises(SystemExit) as exc:
             serve.parse_args(bad)

@@ -1,0 +1,285 @@
+"""Images in prompts (vLLM's multimodal inputs), for a model whose ArchConfig has an
+``image_token_id`` (a multimodal checkpoint the transformers backend serves whole).
+
+A chat message's ``image_url`` parts (``data:`` base64 URLs, ``http(s)://`` URLs fetched with
+VLLM_IMAGE_FETCH_TIMEOUT from --allowed-media-domains' hosts, ``file://`` URLs under
+--allowed-local-media-path) and the offline API's ``image_pil`` parts and
+``multi_modal_data={"image": ...}`` become PIL images; the chat template renders an image part as
+the processor's placeholder (``{"type": "image"}`` parts in vLLM's "openai" content format, the
+placeholder text before the message's text in its "string" format). The checkpoint's own
+processor (transformers' ``AutoProcessor``) makes each image's inputs (``pixel_values`` and the
+like) and says what its placeholder expands to; each placeholder in the prompt's token ids is
+replaced by that expansion, and the image goes to the engine as a ``MultiModalFeature`` over
+those positions (its identifier, a digest of its pixels and the processing, keys the prefix
+cache: the same text with another image shares no block past the image)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import io
+import json
+import logging
+import os
+import urllib.parse
+import urllib.request
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from actors.engine import vllm_env
+from actors.engine.config import MultiModalConfig
+from actors.engine.messages import MultiModalFeature
+
+log = logging.getLogger("troupe.tokenizer")
+
+IMAGE = "image"
+IMAGE_PART = {"type": "image"}      # an image's place in a message, as the chat template sees it
+MAX_IMAGE_BYTES = 64 << 20          # the most an image URL's or data URL's bytes may be
+_NOT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "text_replacement_offsets")
+
+
+class MediaError(ValueError):
+    """An image that cannot be read, or may not be (an HTTP 400)."""
+
+
+# -- images out of messages -------------------------------------------------------------------
+
+def extract_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Chat messages with each image part (``image_url`` with its ``url``, the offline API's
+    ``image_pil``) as ``{"type": "image"}``, and the images' sources in order (URLs, PIL images).
+    Messages without image parts come back as they are."""
+    out, sources = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list) or not any(_image_source(p) is not None for p in content):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            source = _image_source(part)
+            if source is None:
+                parts.append(part)
+                continue
+            if isinstance(source, str) and not source:
+                raise MediaError(f"messages[{i}]: an image_url part needs a non-empty url")
+            sources.append(source)
+            parts.append(IMAGE_PART)
+        out.append({**message, "content": parts})
+    return out, sources
+
+
+def has_images(messages: Sequence[Mapping[str, Any]] | None) -> bool:
+    """Whether any message holds an image part."""
+    return any(isinstance(m.get("content"), list) and any(_image_source(p) is not None for p in m["content"])
+               for m in messages or () if isinstance(m, Mapping))
+
+
+def _image_source(part: Any) -> Any:
+    """An image part's URL or PIL image; None for any other part."""
+    if not isinstance(part, Mapping):
+        return None
+    kind = part.get("type")
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, Mapping) else url
+        return url if isinstance(url, str) else ""
+    if kind == "image_pil":
+        return part.get("image_pil")
+    return None
+
+
+def images_of(data: Mapping[str, Any] | None) -> list[Any]:
+    """The offline API's ``multi_modal_data``: ``{"image": image or [images]}`` -> the images."""
+    if not data:
+        return []
+    unknown = sorted(set(data) - {IMAGE})
+    if unknown:
+        raise MediaError(f"multi_modal_data {unknown} is not supported: Troupe's models take images "
+                         "({'image': PIL image or a list of them})")
+    images = data[IMAGE]
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+# -- reading an image ---------------------------------------------------------------------------
+
+async def load_image(source: Any, config: MultiModalConfig) -> Any:
+    """A source (a PIL image, or a data, http(s) or file URL) as an RGB PIL image (MediaError
+    saying why not)."""
+    from PIL import Image
+    if isinstance(source, Image.Image):
+        return _rgb(source)
+    if not isinstance(source, str):
+        raise MediaError(f"an image must be a URL or a PIL image, got {type(source).__name__}")
+    if source[:5].lower() == "data:":
+        return _decode(_data_url_bytes(source), "the data URL")
+    scheme = urllib.parse.urlsplit(source).scheme.lower()
+    if scheme in ("http", "https"):
+        return _decode(await _fetch(source, config), source)
+    if scheme == "file":
+        return _decode(await asyncio.to_thread(_local_bytes, source, config), source)
+    raise MediaError("The URL must be either a HTTP, data or file URL.")
+
+
+def _data_url_bytes(url: str) -> bytes:
+    """RFC 2397's data:[<mediatype>][;base64],<data>, base64 only (as vLLM)."""
+    spec, sep, data = url[5:].partition(",")
+    if not sep:
+        raise MediaError(f"Invalid data URL {url[:32]!r}: missing ',' separator.")
+    if spec.rpartition(";")[2] != "base64":
+        raise MediaError("Only base64 data URLs are supported for now.")
+    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise MediaError(f"the data URL's image is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError("the data URL's data is not valid base64") from None
+
+
+async def _fetch(url: str, config: MultiModalConfig) -> bytes:
+    import aiohttp
+    host = urllib.parse.urlsplit(url).hostname
+    if config.allowed_media_domains and host not in config.allowed_media_domains:
+        raise MediaError(f"The URL must be from one of the allowed domains: {list(config.allowed_media_domains)}. "
+                         f"Input URL domain: {host}")
+    timeout = vllm_env.image_fetch_timeout_s()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async with session.get(url, allow_redirects=vllm_env.media_url_allow_redirects()) as response:
+                if response.status != 200:
+                    raise MediaError(f"fetching the image at {url} answered HTTP {response.status}")
+                data = await response.content.read(MAX_IMAGE_BYTES + 1)
+    except TimeoutError:
+        raise MediaError(f"fetching the image at {url} took longer than {timeout} s (VLLM_IMAGE_FETCH_TIMEOUT)") \
+            from None
+    except aiohttp.ClientError as exc:
+        raise MediaError(f"could not fetch the image at {url}: {exc}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise MediaError(f"the image at {url} is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+    return data
+
+
+def _local_bytes(url: str, config: MultiModalConfig) -> bytes:
+    root = config.allowed_local_media_path
+    if not root:
+        raise MediaError("Cannot load local files without `--allowed-local-media-path`.")
+    parts = urllib.parse.urlsplit(url)
+    path = os.path.realpath(urllib.request.url2pathname(parts.netloc + parts.path))
+    if os.path.commonpath([root, path]) != root or path == root:
+        raise MediaError(f"The file path {path} must be a subpath of `--allowed-local-media-path {root}`.")
+    try:
+        if os.path.getsize(path) > MAX_IMAGE_BYTES:
+            raise MediaError(f"the image {path} is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise MediaError(f"could not read the image {path}: {exc.strerror or exc}") from None
+
+
+def _decode(data: bytes, where: str) -> Any:
+    from PIL import Image, UnidentifiedImageError
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise MediaError(f"{where} does not hold an image Pillow can read ({exc})") from None
+    return _rgb(image)
+
+
+def _rgb(image: Any) -> Any:
+    """As vLLM's image loader converts: RGB (an alpha channel composed over white)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        from PIL import Image
+        rgba = image.convert("RGBA")
+        background = Image.new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.split()[3])
+        return background
+    return image.convert("RGB")
+
+
+# -- the checkpoint's processor ------------------------------------------------------------------
+
+class ImageProcessor:
+    """The checkpoint's processor (transformers' ``AutoProcessor``) for one model: each image's
+    inputs, and the expansion of its placeholder in the prompt."""
+
+    def __init__(self, checkpoint_dir: str, image_token_id: int, config: MultiModalConfig,
+                 encode: Callable[[str], list[int]]) -> None:
+        """``encode``: the served tokenizer's text -> token ids, no special tokens added."""
+        from transformers import AutoProcessor
+        from transformers.utils import logging as hf_logging
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()       # its notes on the image processor's backend it falls back to
+        try:
+            self.processor = AutoProcessor.from_pretrained(checkpoint_dir)
+        except (OSError, ValueError, ImportError) as exc:
+            raise ValueError(f"{checkpoint_dir}: the checkpoint's processor (processor_config.json, "
+                             f"preprocessor_config.json) could not be built, so images cannot be served ("
+                             f"{str(exc).strip()}); --language-model-only serves the model on text") from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        self.placeholder = getattr(self.processor, "image_token", None)
+        if not isinstance(self.placeholder, str) or not hasattr(self.processor, "image_processor"):
+            raise ValueError(f"{type(self.processor).__name__} has no image processor and image token, so images "
+                             "cannot be served")
+        placeholder_ids = encode(self.placeholder)
+        if len(placeholder_ids) != 1:
+            raise ValueError(f"the image placeholder {self.placeholder!r} is {len(placeholder_ids)} tokens to the "
+                             "served tokenizer, not one")
+        self.placeholder_id = placeholder_ids[0]
+        self.image_token_id = image_token_id
+        self.config = config
+        self.encode = encode
+        self.kwargs = dict(config.mm_processor_kwargs)
+        self._kwargs_key = json.dumps(self.kwargs, sort_keys=True, default=str)
+
+    def process(self, image: Any) -> tuple[list[int], dict[str, np.ndarray], str]:
+        """One image -> the token ids its placeholder expands to, its inputs for the model's
+        encoder (a batch of one), and its identifier."""
+        try:
+            out = self.processor(text=self.placeholder, images=[image], return_text_replacement_offsets=True,
+                                 return_tensors="np", **self.kwargs)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise MediaError(f"{type(self.processor).__name__} could not process the image: {exc}") from None
+        replacements = out["text_replacement_offsets"][0]
+        if len(replacements) != 1:
+            raise MediaError(f"{type(self.processor).__name__} expanded one image into {len(replacements)} places")
+        ids = self.encode(replacements[0]["replacement"])
+        data = {key: np.ascontiguousarray(value) for key, value in out.items() if key not in _NOT_INPUTS
+                and isinstance(value, np.ndarray)}
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{image.mode}:{image.size}:{self._kwargs_key}".encode())
+        h.update(image.tobytes())
+        return ids, data, h.hexdigest()
+
+    def expand(self, ids: list[int], items: list[tuple[list[int], dict[str, np.ndarray], str]],
+               ) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt's token ids with the i-th placeholder replaced by the i-th image's
+        expansion, and the images as features over those positions."""
+        at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
+        if len(at) != len(items):
+            raise MediaError(f"the prompt has {len(at)} image placeholders ({self.placeholder!r}) for {len(items)} "
+                             "images: each image needs one")
+        out: list[int] = []
+        features: list[MultiModalFeature] = []
+        previous = 0
+        for position, (expansion, data, identifier) in zip(at, items):
+            out.extend(ids[previous:position])
+            is_embed = np.asarray(expansion) == self.image_token_id
+            if not is_embed.any():
+                raise MediaError(f"the image's expansion holds no image token ({self.image_token_id})")
+            features.append(MultiModalFeature(IMAGE, identifier, len(out), len(expansion), data,
+                                              None if is_embed.all() else is_embed))
+            out.extend(expansion)
+            previous = position + 1
+        out.extend(ids[previous:])
+        return out, features
+
+    def check_count(self, n: int) -> None:
+        limit = self.config.limit(IMAGE)
+        if n > limit:
+            raise MediaError(f"At most {limit} image(s) may be provided in one prompt. Set `--limit-mm-per-prompt` "
+                             "to increase this limit.")

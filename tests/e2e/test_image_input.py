@@ -1,0 +1,217 @@
+"""Image input, as vLLM takes it, on a tiny random LLaVA checkpoint (a CLIP vision tower, a
+projector, a Llama; no Troupe class: the transformers backend serves it whole) written with its
+processor by transformers: offline (``multi_modal_data``, ``image_pil`` chat parts) and over
+HTTP (chat ``image_url`` parts as data, http and file URLs), the greedy tokens are those of
+transformers' own ``generate`` over the same images, in prefill chunks that split an image; the
+prefix cache serves an image's blocks to the same image only; unreadable, disallowed and
+surplus images are refused by name."""
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from helpers import random_image, save_tiny_llava
+from server import Server
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "t5 t9 <image> t7 t8 t11"              # the image's 16 positions start at 2
+LONG = "t5 t9 <image> " + " ".join(f"t{i}" for i in range(20, 44))   # 2 + 16 + 24 = 42 positions
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llava")
+    hf, processor = save_tiny_llava(path)
+    return str(path), hf, processor
+
+
+def hf_answer(llava, text: str, images: list) -> list[int]:
+    """transformers' greedy tokens for ``text`` (its placeholders) with ``images``."""
+    import torch
+    _, hf, processor = llava
+    inputs = processor(images=images, text=text, return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+# -- offline ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm(llava):
+    from actors.api import LLM
+    engine = LLM(model=llava[0], max_model_len=256, max_num_batched_tokens=8, limit_mm_per_prompt={"image": 2})
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def greedy():
+    from actors.api import SamplingParams
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+
+
+def test_images_answer_as_transformers_llava_does_in_prefill_chunks_that_split_them(llm, llava):
+    a, b = random_image(1), random_image(2, 30, 64)
+    two = "t5 <image> t6 <image> t7"
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": a}},
+               {"prompt": PROMPT, "multi_modal_data": {"image": [b]}},
+               {"prompt": two, "multi_modal_data": {"image": [a, b]}}]
+    got = [r.outputs[0].token_ids for r in llm.generate(prompts, greedy())]
+    want = [hf_answer(llava, PROMPT, [a]), hf_answer(llava, PROMPT, [b]), hf_answer(llava, two, [a, b])]
+    assert got == want
+    assert want[0] != want[1]                   # the image decides the answer
+    assert [len(r.prompt_token_ids) for r in llm.generate(prompts[:1], greedy())] == [len(PROMPT.split()) + 15]
+
+
+def test_a_chat_with_an_image_pil_part_renders_the_templates_image_token(llm, llava):
+    image = random_image(3)
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                             {"type": "text", "text": "t5 t6"}]}]
+    got = llm.chat(messages, greedy())[0].outputs[0].token_ids
+    assert got == hf_answer(llava, "t1 <image> t5 t6 t3", [image])
+
+
+def test_the_prefix_cache_serves_an_images_blocks_to_that_image_only(llm, llava):
+    a, b = random_image(4), random_image(5)
+    first, again = (llm.generate({"prompt": LONG, "multi_modal_data": {"image": a}}, greedy())[0] for _ in range(2))
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == hf_answer(llava, LONG, [a])
+    assert again.num_cached_tokens == 32            # both full blocks of 42 positions
+    other = llm.generate({"prompt": LONG, "multi_modal_data": {"image": b}}, greedy())[0]
+    assert other.num_cached_tokens == 0             # the same tokens, another image from block 0 on
+    assert other.outputs[0].token_ids == hf_answer(llava, LONG, [b])
+
+
+def test_placeholders_and_images_must_pair_up_within_the_limit(llm):
+    image = random_image(6)
+    cases = [({"prompt": "t5 t6", "multi_modal_data": {"image": image}}, "0 image placeholders"),
+             ({"prompt": "t5 <image> <image>", "multi_modal_data": {"image": image}}, "2 image placeholders"),
+             ({"prompt": "t5 <image> <image> <image>", "multi_modal_data": {"image": [image] * 3}},
+              r"At most 2 image\(s\) may be provided in one prompt"),
+             ({"prompt": PROMPT, "multi_modal_data": {"audio": image}}, "multi_modal_data"),
+             ({"prompt": PROMPT, "multi_modal_data": {"image": "not an image"}}, "HTTP, data or file URL")]
+    for prompt, message in cases:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompt, greedy())
+
+
+# -- over HTTP -------------------------------------------------------------------------------
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """A folder of images, served over HTTP on 127.0.0.1 too."""
+    root = tmp_path_factory.mktemp("media")
+    (root / "a.png").write_bytes(png(random_image(7)))
+    (root / "b.png").write_bytes(png(random_image(8)))
+    (root / "notes.txt").write_text("not an image")
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(root), **k)  # noqa: E731
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(llava, media, tmp_path_factory):
+    allowed = media[0]
+    s = Server("--model", llava[0], "--threads", "1", "--max-model-len", "256", "--allowed-local-media-path",
+               str(allowed), "--limit-mm-per-prompt", '{"image": 2}')
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def post(server, body: dict) -> tuple[int, dict | str]:
+    req = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = r.read().decode()
+            return r.status, json.loads(text) if not body.get("stream") else text
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode())
+
+
+def chat(server, url: str, text: str = "t5 t6", **extra) -> tuple[int, dict | str]:
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+    return post(server, {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+                         "temperature": 0, "return_token_ids": True, **extra})
+
+
+def data_url(path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def test_chat_takes_an_image_as_a_data_url_an_http_url_or_an_allowed_file(server, media, llava):
+    from PIL import Image
+    root, base = media
+    want = hf_answer(llava, "t1 <image> t5 t6 t3", [Image.open(root / "a.png").convert("RGB")])
+    for url in (data_url(root / "a.png"), f"{base}/a.png", f"file://{root / 'a.png'}"):
+        status, body = chat(server, url)
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == want, url
+    other = chat(server, f"{base}/b.png")[1]
+    assert other["choices"][0]["token_ids"] != want
+    status, streamed = chat(server, f"{base}/a.png", stream=True)
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []] == want
+
+
+def test_a_repeated_image_is_served_from_the_prefix_cache(server, media):
+    words = " ".join(f"t{i}" for i in range(20, 50))
+    url = f"{media[1]}/b.png"
+    first, again = (chat(server, url, text=words)[1] for _ in range(2))
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert again["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"] == 1 + 16 + 30 + 1
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+def test_images_that_cannot_or_may_not_be_read_are_400s_saying_why(server, media, tmp_path):
+    root, base = media
+    outside = tmp_path / "c.png"
+    outside.write_bytes((root / "a.png").read_bytes())
+    cases = [("data:image/png;base64,@@@", "not valid base64"),
+             ("data:image/png," + "abc", "Only base64 data URLs"),
+             (data_url(root / "notes.txt"), "does not hold an image"),
+             (f"{base}/missing.png", "HTTP 404"),
+             (f"file://{outside}", "must be a subpath of `--allowed-local-media-path"),
+             ("ftp://example.com/a.png", "HTTP, data or file URL")]
+    for url, message in cases:
+        status, body = chat(server, url)
+        assert status == 400 and message in body["error"]["message"], (url, body)
+    three = [{"type": "image_url", "image_url": {"url": f"{base}/a.png"}}] * 3
+    status, body = post(server, {"messages": [{"role": "user", "content": three}], "max_tokens": 2})
+    assert status == 400 and "At most 2 image(s)" in body["error"]["message"]
+
+
+def test_tokenize_expands_a_chats_images_and_beam_search_refuses_them(server, media):
+    content = [{"type": "image_url", "image_url": {"url": f"{media[1]}/a.png"}}, {"type": "text", "text": "t5"}]
+    req = urllib.request.Request(server.url + "/tokenize", json.dumps(
+        {"messages": [{"role": "user", "content": content}]}).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        tokens = json.loads(r.read())["tokens"]
+    assert tokens == [1] + [299] * 16 + [5, 3]
+    status, body = post(server, {"messages": [{"role": "user", "content": content}], "max_tokens": 2,
+                                 "use_beam_search": True, "n": 2})
+    assert status == 400 and "beam search is not supported with image input" in body["error"]["message"]

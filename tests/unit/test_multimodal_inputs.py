@@ -1,0 +1,163 @@
+"""The parts of image input that need no engine: image parts taken out of chat messages and
+rendered as the model's placeholder, images read from data and file URLs (and refused by
+name), a placeholder expanded by the checkpoint's processor, the prefix cache's extra keys
+(vLLM's), the worker's rows of an image across prefill chunks, and the flags."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from actors.engine.args import EngineArgs
+from actors.engine.config import MultiModalConfig
+from actors.engine.messages import MultiModalFeature, NewRequestData
+from actors.engine.sampling_params import SamplingParams
+from actors.kv_manager.block_hash import block_extra_keys, event_extra_keys
+from actors.tokenizer.chat import content_to_parts, content_to_text, normalize_messages
+from actors.tokenizer.multimodal import IMAGE_PART, MediaError, extract_images, images_of, load_image
+from actors.worker.input_batch import InputBatch
+from helpers import random_image, save_tiny_llava
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_image_parts_leave_the_messages_in_order_as_the_templates_image_parts():
+    image = random_image(0)
+    messages = [{"role": "system", "content": "t1"},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:a"}},
+                                             {"type": "text", "text": "t2"},
+                                             {"type": "image_pil", "image_pil": image}]},
+                {"role": "user", "content": [{"type": "image_url", "image_url": "http://h/b.png"}]}]
+    out, sources = extract_images(messages)
+    assert sources == ["data:a", image, "http://h/b.png"]
+    assert out[0] is messages[0]
+    assert out[1]["content"] == [IMAGE_PART, {"type": "text", "text": "t2"}, IMAGE_PART]
+    with pytest.raises(MediaError, match="non-empty url"):
+        extract_images([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    assert images_of({"image": image}) == [image] and images_of({"image": [image, image]}) == [image, image]
+    with pytest.raises(MediaError, match="audio"):
+        images_of({"audio": b""})
+
+
+def test_the_string_format_puts_missing_placeholders_before_the_text_as_vllm_does():
+    parts = [IMAGE_PART, {"type": "text", "text": "what is it"}, IMAGE_PART]
+    assert content_to_text(parts, "<image>") == "<image>\n<image>\nwhat is it"
+    assert content_to_text([IMAGE_PART, {"type": "text", "text": "a <image> b"}], "<image>") == "a <image> b"
+    assert content_to_parts(parts, images=True) == [IMAGE_PART, {"type": "text", "text": "what is it"}, IMAGE_PART]
+    assert normalize_messages([{"role": "user", "content": parts}], "openai", "<image>")[0]["content"][0] == IMAGE_PART
+    with pytest.raises(ValueError, match="takes no images"):
+        content_to_text([{"type": "image_url", "image_url": {"url": "x"}}])
+    with pytest.raises(ValueError, match="'image'"):
+        content_to_parts(parts)                 # a model without images
+
+
+def test_images_are_read_from_data_and_allowed_file_urls_and_refused_by_name(tmp_path):
+    image = random_image(1, 20, 10)
+    data = png(image)
+    config = MultiModalConfig(allowed_local_media_path=str(tmp_path))
+    (tmp_path / "a.png").write_bytes(data)
+    rgba = random_image(2).convert("RGBA")
+    read = lambda source, c=config: asyncio.run(load_image(source, c))     # noqa: E731
+    got = read("data:image/png;base64," + base64.b64encode(data).decode())
+    assert got.size == (20, 10) and got.mode == "RGB" and got.tobytes() == image.tobytes()
+    assert read(f"file://{tmp_path}/a.png").tobytes() == image.tobytes()
+    assert read(rgba).mode == "RGB"
+    cases = [("data:image/png;base64,***", "not valid base64"), ("data:image/png,abc", "Only base64"),
+             ("data:image/png;base64," + base64.b64encode(b"text").decode(), "does not hold an image"),
+             ("data:nocomma", "missing ','"), ("ftp://x/a.png", "HTTP, data or file URL"),
+             (f"file://{tmp_path}/missing.png", "could not read"), ("file:///etc/passwd", "must be a subpath"),
+             (f"file://{tmp_path}/../{tmp_path.name}/../x.png", "must be a subpath"), (3, "URL or a PIL image")]
+    for source, message in cases:
+        with pytest.raises(MediaError, match=message):
+            read(source)
+    with pytest.raises(MediaError, match="without `--allowed-local-media-path`"):
+        read(f"file://{tmp_path}/a.png", MultiModalConfig())
+    with pytest.raises(MediaError, match="allowed domains"):
+        read("http://example.com/a.png", MultiModalConfig(allowed_media_domains=("127.0.0.1",)))
+
+
+def test_the_processor_expands_each_placeholder_into_its_images_positions(tmp_path):
+    from actors.tokenizer.gguf_tokenizer import TextTokenizer
+    from actors.tokenizer.multimodal import ImageProcessor
+    save_tiny_llava(tmp_path)
+    tok = TextTokenizer.from_hf_dir(str(tmp_path))
+    processor = ImageProcessor(str(tmp_path), 299, MultiModalConfig(limit_per_prompt={"image": 1}),
+                               lambda text: tok.encode(text, add_special_tokens=False))
+    assert processor.placeholder == "<image>" and processor.placeholder_id == 299
+    a, b = processor.process(random_image(3)), processor.process(random_image(4))
+    assert a[0] == [299] * 16 and a[1]["pixel_values"].shape == (1, 3, 56, 56) and a[2] != b[2]
+    assert processor.process(random_image(3))[2] == a[2]        # the identifier is the image's
+    ids, features = processor.expand([5, 299, 6, 299], [a, b])
+    assert ids == [5] + [299] * 16 + [6] + [299] * 16
+    assert [(f.offset, f.length, f.identifier, f.is_embed) for f in features] == [(1, 16, a[2], None),
+                                                                                 (18, 16, b[2], None)]
+    with pytest.raises(MediaError, match="1 image placeholders"):
+        processor.expand([5, 299], [a, b])
+    with pytest.raises(MediaError, match=r"At most 1 image\(s\)"):
+        processor.check_count(2)
+
+
+def feature(identifier: str, offset: int, length: int, is_embed=None) -> MultiModalFeature:
+    return MultiModalFeature("image", identifier, offset, length, {"pixel_values": np.zeros(1, np.float32)},
+                             None if is_embed is None else np.asarray(is_embed))
+
+
+def test_a_blocks_extra_keys_name_each_image_it_holds_with_its_offset_as_vllm_does():
+    from actors.engine.lora import LoRARequest
+    features = [feature("A", 5, 20), feature("B", 30, 2)]
+    keys = [block_extra_keys(i, None, None, None, 16, features) for i in range(3)]
+    assert keys == [(("mm", "A", 5),), (("mm", "A", -11), ("mm", "B", 14)), None]
+    lora = LoRARequest("ad", 1, "/p")
+    assert block_extra_keys(0, lora, "salt", None, 16, features) == (("lora", "ad", "/p"), ("mm", "A", 5),
+                                                                     ("cache_salt", "salt"))
+    assert event_extra_keys(keys[1]) == (("A", -11), ("B", 14))
+
+
+def test_the_worker_encodes_an_image_once_and_takes_its_rows_across_chunks():
+    batch = InputBatch(4, 64, 16, 100)
+    mask = np.array([False] + [True] * 6 + [False])              # start and end markers around 6 rows
+    feats = [feature("A", 2, 8, mask), feature("B", 12, 3)]
+    batch.add(NewRequestData("r", list(range(20)), [], SamplingParams(max_tokens=1), ([1, 2],), 0, mm_features=feats))
+    calls = []
+
+    def encode(f):
+        calls.append(f.identifier)
+        return torch.arange(f.num_embeds, dtype=torch.float32)[:, None] + (100 if f.identifier == "B" else 0)
+
+    slots = np.array([0])
+    chunks = []
+    for start, n in ((0, 5), (5, 9), (14, 6)):
+        got = batch.embeds_inputs(slots, np.array([start]), np.array([n]), encode)
+        chunks.append(None if got is None else (got[0].tolist(), torch.cat(got[1])[:, 0].tolist()))
+    assert calls == ["A", "B"]
+    # A's rows go to positions 3..8 (its markers at 2 and 9 keep their tokens), B's to 12..14
+    assert chunks == [([3, 4], [0.0, 1.0]), ([0, 1, 2, 3, 7, 8], [2.0, 3.0, 4.0, 5.0, 100.0, 101.0]),
+                      ([0], [102.0])]
+    assert not batch.states[0].mm_embeds                          # each dropped once its last position passed
+    assert batch.embeds_inputs(slots, np.array([0]), np.array([20])) is None     # a later pipeline stage reads none
+    batch.remove("r")
+    assert batch.num_with_embeds == 0
+
+
+def test_the_multimodal_flags_are_checked_and_every_limit_zero_serves_text(tmp_path):
+    mm = EngineArgs(limit_mm_per_prompt='{"image": 3, "video": {"count": 0}}', mm_processor_kwargs='{"a": 1}',
+                    allowed_local_media_path=str(tmp_path), allowed_media_domains=["h"]).multimodal()
+    assert mm.limit("image") == 3 and mm.limit("video") == 0 and mm.limit("audio") == 999
+    assert mm.mm_processor_kwargs == {"a": 1} and mm.allowed_media_domains == ("h",)
+    assert mm.allowed_local_media_path == str(tmp_path.resolve())
+    for bad, message in ((dict(limit_mm_per_prompt='{"smell": 1}'), "not a modality"),
+                         (dict(limit_mm_per_prompt='{"image": -1}'), "at least 0"),
+                         (dict(limit_mm_per_prompt="[1]"), "JSON objects"),
+                         (dict(allowed_local_media_path=str(tmp_path / "nope")), "not a folder")):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(**bad).multimodal()
+    assert EngineArgs(limit_mm_per_prompt={"image": 0}).create_engine_config().model.source.language_model_only
+    assert not EngineArgs().create_engine_config().model.source.language_model_only
