@@ -203,7 +203,7 @@ def _chat_messages(i: int, m: Message) -> list[dict[str, Any]]:
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    texts: list[str | dict[str, Any]] = []       # text, and image_url parts where the images are
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
     for j, b in enumerate(m.content):
@@ -224,13 +224,17 @@ def _chat_messages(i: int, m: Message) -> list[dict[str, Any]]:
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id or "", "content": _result_text(b, where)})
             else:
                 texts.append(f"Tool result: {b.content if b.content else ''}")
-        elif b.type in ("image", "document"):
-            raise BadRequest(f"{where}: {b.type} blocks are not supported: Troupe serves text-only models", where)
+        elif b.type == "image":
+            texts.append({"type": "image_url", "image_url": {"url": _image_url(b, where)}})
+        elif b.type == "document":
+            raise BadRequest(f"{where}: document blocks are not supported", where)
         else:
             raise BadRequest(f"{where}: unknown content block type {b.type!r}", where)
     msg: dict[str, Any] = {"role": m.role}
-    if texts:
-        msg["content"] = "".join(texts) if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
+    if len(texts) == 1 and isinstance(texts[0], str):
+        msg["content"] = texts[0]
+    elif texts:
+        msg["content"] = [{"type": "text", "text": t} if isinstance(t, str) else t for t in texts]
     if calls:
         msg["tool_calls"] = calls
     if reasoning:
@@ -238,6 +242,16 @@ def _chat_messages(i: int, m: Message) -> list[dict[str, Any]]:
     if len(msg) > 1:
         out.append(msg)
     return out
+
+
+def _image_url(block: ContentBlock, where: str) -> str:
+    """An image block's source as a chat image URL: base64 data as a data URL, a URL as it is."""
+    source = block.source or {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise BadRequest(f"{where}: an image block's source must be base64 data (with its media_type) or a url", where)
 
 
 def _result_text(block: ContentBlock, where: str) -> str:
@@ -248,7 +262,7 @@ def _result_text(block: ContentBlock, where: str) -> str:
         if item.get("type") == "text":
             parts.append(str(item.get("text", "")))
         elif item.get("type") == "image":
-            raise BadRequest(f"{where}: image results are not supported: Troupe serves text-only models", where)
+            raise BadRequest(f"{where}: images in tool results are not supported", where)
     return "\n".join(parts)
 
 

@@ -181,17 +181,27 @@ def _field(i: int, item: dict[str, Any], name: str) -> str:
     return value
 
 
-def _text(i: int, content: Any) -> str | list[dict[str, str]]:
+def _text(i: int, content: Any) -> str | list[dict[str, Any]]:
     """A message's content as chat content: a string, or its text parts (tokenizer.chat joins
-    them, or keeps them as parts, by the chat template's content format)."""
+    them, or keeps them as parts, by the chat template's content format) and its
+    ``input_image`` parts as chat ``image_url`` parts (a model that takes images reads them)."""
     if isinstance(content, str):
         return content
     require(isinstance(content, list) and all(isinstance(p, dict) for p in content),
             f"input[{i}].content must be a string or a list of content parts", f"input[{i}].content")
-    kinds = [p.get("type") for p in content if p.get("type") not in TEXT_PARTS]
-    require(not kinds, f"input[{i}].content: only text parts are supported ({', '.join(TEXT_PARTS)}), got {kinds}",
-            f"input[{i}].content")
-    return [{"type": "text", "text": str(p.get("text", ""))} for p in content]
+    kinds = [p.get("type") for p in content if p.get("type") not in (*TEXT_PARTS, "input_image")]
+    require(not kinds, f"input[{i}].content: only text and input_image parts are supported "
+            f"({', '.join(TEXT_PARTS)}, input_image), got {kinds}", f"input[{i}].content")
+    parts: list[dict[str, Any]] = []
+    for j, p in enumerate(content):
+        if p.get("type") != "input_image":
+            parts.append({"type": "text", "text": str(p.get("text", ""))})
+            continue
+        url = p.get("image_url")
+        require(isinstance(url, str) and bool(url), "an input_image part needs an image_url (a URL or a data URL; "
+                "file_id is not supported)", f"input[{i}].content[{j}].image_url")
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
 
 
 def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:

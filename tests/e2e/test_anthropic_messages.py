@@ -108,4 +108,4 @@ def test_errors_are_the_sdks_typed_errors_in_anthropics_shape(client):
     with pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
-    assert "Troupe serves text-only models" in bad.value.body["error"]["message"]
+    assert "this model takes no images" in bad.value.body["error"]["message"]

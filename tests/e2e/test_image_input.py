@@ -142,9 +142,8 @@ def server(llava, media, tmp_path_factory):
         s.stop()
 
 
-def post(server, body: dict) -> tuple[int, dict | str]:
-    req = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+def post(server, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict | str]:
+    req = urllib.request.Request(server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             text = r.read().decode()
@@ -215,3 +214,18 @@ def test_tokenize_expands_a_chats_images_and_beam_search_refuses_them(server, me
     status, body = post(server, {"messages": [{"role": "user", "content": content}], "max_tokens": 2,
                                  "use_beam_search": True, "n": 2})
     assert status == 400 and "beam search is not supported with image input" in body["error"]["message"]
+
+
+def test_the_responses_and_messages_apis_take_images_as_chat_does(server, media, llava):
+    root, base = media
+    want = chat(server, f"{base}/a.png")[1]["choices"][0]["message"]["content"]
+    status, answer = post(server, {"model": llava[0], "max_output_tokens": MAX_TOKENS, "temperature": 0, "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": f"{base}/a.png"},
+                                     {"type": "input_text", "text": "t5 t6"}]}]}, "/v1/responses")
+    assert status == 200 and answer["output"][-1]["content"][0]["text"] == want, answer
+    data = base64.b64encode((root / "a.png").read_bytes()).decode()
+    status, message = post(server, {"model": llava[0], "max_tokens": MAX_TOKENS, "temperature": 0, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                   "data": data}},
+                                     {"type": "text", "text": "t5 t6"}]}]}, "/v1/messages")
+    assert status == 200 and message["content"][0]["text"] == want, message

@@ -901,10 +901,13 @@ def test_responses_json_schema_and_refusals(client, http, model):
     for bad, param in ((dict(background=True), "background"), (dict(max_output_tokens=0), "max_output_tokens"),
                        (dict(include=["file_search_call.results"]), "include"), (dict(input=[]), "input"),
                        (dict(tools=[{"type": "web_search"}]), "tools[0].type"),
-                       (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+                       (dict(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]),
                         "input[0].content")):
         resp = http.post("/v1/responses", json={"model": model, "input": "x", **bad})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    image = http.post("/v1/responses", json={"model": model, "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]})
+    assert image.status_code == 400 and "this model takes no images" in image.json()["error"]["message"]
     gone = http.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_none"})
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "previous_response_id"
     assert http.get("/v1/responses/resp_none").status_code == 404
