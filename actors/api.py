@@ -962,7 +962,7 @@ class _Total:
 
 Prompt = Union[str, list[int], list[dict[str, Any]], dict[str, Any]]
 # vLLM's Text/Tokens/EmbedsPrompt (multi_modal_data: {"image": PIL image or a list}, a model taking images)
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "cache_salt", "multi_modal_data")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "cache_salt", "multi_modal_data", "mm_processor_kwargs")
 
 
 def _prompt_what(prompt: Prompt, **template: Any) -> dict[str, Any]:
@@ -1012,8 +1012,9 @@ def _prompt_dict(prompt: dict[str, Any]) -> dict[str, Any]:
         what = {"prompt": prompt["prompt"], "add_special_tokens": True}
     if prompt.get("cache_salt") is not None:
         what["cache_salt"] = prompt["cache_salt"]
-    if prompt.get("multi_modal_data") is not None:
-        what["multi_modal_data"] = prompt["multi_modal_data"]
+    for key in ("multi_modal_data", "mm_processor_kwargs"):
+        if prompt.get(key) is not None:
+            what[key] = prompt[key]
     return what
 
 

@@ -71,6 +71,7 @@ class EngineArgs:
     mm_processor_kwargs: dict[str, Any] | str | None = None   # vLLM's JSON: the checkpoint processor's keywords
     allowed_local_media_path: str = ""    # vLLM's: file:// image URLs are read from under this folder only
     allowed_media_domains: list[str] | tuple[str, ...] | None = None   # vLLM's: the hosts http(s) URLs may name
+    mm_processor_cache_gb: float = 4.0    # vLLM's: GiB of processed images the frontend keeps (0: none)
     runner: str = "auto"                  # vLLM's: "generate" | "pooling" ("auto": as the architecture says)
     convert: str = "auto"                 # vLLM's: a generative model adapted into a pooling one ("embed")
     pooler_config: dict[str, Any] | str | None = None   # vLLM's --pooler-config JSON
@@ -345,8 +346,11 @@ class EngineArgs:
             if not os.path.isdir(path):
                 raise ValueError(f"--allowed-local-media-path {path!r} is not a folder on this machine")
             path = os.path.realpath(path)
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError(f"--mm-processor-cache-gb must be at least 0, got {self.mm_processor_cache_gb:g}")
         return MultiModalConfig(limit_per_prompt=counts, mm_processor_kwargs=kwargs, allowed_local_media_path=path,
-                                allowed_media_domains=tuple(self.allowed_media_domains or ()))
+                                allowed_media_domains=tuple(self.allowed_media_domains or ()),
+                                processor_cache_gb=float(self.mm_processor_cache_gb))
 
     def pooling(self, source: ModelSource) -> ModelPooling | None:
         """--runner, --convert and --pooler-config resolved for the checkpoint (vLLM's rules):
@@ -755,6 +759,10 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
         (("--mm-processor-kwargs",), "mm_processor_kwargs", dict(
             default=d["mm_processor_kwargs"], metavar="JSON",
             help="vLLM's: keywords for the checkpoint's processor (its processor_config.json's settings), as JSON")),
+        (("--mm-processor-cache-gb",), "mm_processor_cache_gb", dict(
+            type=float, default=d["mm_processor_cache_gb"], metavar="GIB",
+            help="vLLM's: GiB of processed images the frontend keeps, by the image and the processing, so an image "
+                 "sent again (each turn of a chat about it) is not processed again (0: none)")),
         (("--allowed-local-media-path",), "allowed_local_media_path", dict(
             default=d["allowed_local_media_path"], metavar="DIR",
             help="vLLM's: image_url parts may name file:// URLs of files under this folder (unset: none)")),

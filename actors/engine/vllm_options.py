@@ -54,7 +54,6 @@ REFUSED: dict[str, str] = {
     "--logits-processor-pattern": "Troupe has no per-request logits processors (see --logits-processors)",
     # other modalities
     "--enable-mm-embeds": _MODALITY, "--media-io-kwargs": _MODALITY,
-    "--mm-processor-cache-gb": _MODALITY,
     "--disable-mm-preprocessor-cache": _MODALITY, "--mm-processor-cache-type": _MODALITY,
     "--mm-shm-cache-max-object-size-mb": _MODALITY, "--mm-encoder-tp-mode": _MODALITY,
     "--mm-encoder-attn-backend": _MODALITY, "--interleave-mm-strings": _MODALITY,

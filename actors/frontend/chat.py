@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from actors.tokenizer.multimodal import has_images
+from actors.tokenizer.multimodal import extract_images, has_images
 from actors.frontend.beam_search import beam_answer
 from actors.frontend.fanout import Choice, Submit, submit_choices
 from actors.frontend.generation import Answer, Generation
@@ -240,13 +240,14 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
         lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side,
         chat_template=req.chat_template, add_special_tokens=bool(req.add_special_tokens),
-        stream_interval=req.stream_interval)
+        stream_interval=req.stream_interval, mm_processor_kwargs=req.mm_processor_kwargs)
     last = messages[-1]
     echo = content_to_text(last.get("content")) if req.echo and last["role"] == "assistant" else ""
     prompt_text = None
     if req.return_prompt_text:        # vLLM's: the prompt as the template rendered it (it rendered already)
+        shown = extract_images(messages)[0] if has_images(messages) else messages    # images as placeholders
         prompt_text = client.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            shown, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=req.chat_template, **(template_kwargs or {}))
     role = server.options.response_role if add_generation_prompt else last["role"]
     gen = ChatGeneration(rid, served_name(client, req.model), choices, include_usage, answer,

@@ -379,9 +379,8 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
 
     def unserved(self) -> list[tuple[str, str]]:
         out = super().unserved()
-        for name in ("media_io_kwargs", "mm_processor_kwargs"):
-            if getattr(self, name):
-                out.append((name, f"{name} is not supported: Troupe serves text-only models"))
+        if self.media_io_kwargs:
+            out.append(("media_io_kwargs", "media_io_kwargs is not supported: Troupe reads images as they are"))
         return out
 
     def constraint(self) -> Constraint | None:

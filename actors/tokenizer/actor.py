@@ -64,6 +64,7 @@ class Generate(Msg):
     # the offline API's images for a text or token-ids prompt ({"image": PIL image or a list}), each
     # in place of a placeholder of the prompt; a chat's come as its messages' image parts
     multi_modal_data: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None   # vLLM's: the processor's keywords for its images
 
 
 NO_REASONING_CONFIG = ("thinking_token_budget is set but reasoning_config is not configured. Please set "
@@ -221,7 +222,8 @@ class TokenizerActor(Actor):
             self.images.check_count(len(sources))
             images = await asyncio.gather(*(load_image(source, self.images.config) for source in sources))
             processor = self.images
-            items = await asyncio.to_thread(lambda: [processor.process(image) for image in images])
+            kwargs = msg.mm_processor_kwargs
+            items = await asyncio.to_thread(lambda: [processor.process(image, kwargs) for image in images])
         except MediaError as exc:
             raise InvalidPrompt(str(exc)) from None
         return msgspec.structs.replace(msg, messages=messages), items

@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import collections
 import hashlib
 import io
 import json
 import logging
 import os
+import threading
 import urllib.parse
 import urllib.request
 from typing import Any, Callable, Mapping, Sequence
@@ -233,15 +235,33 @@ class ImageProcessor:
         self.image_token_id = image_token_id
         self.config = config
         self.encode = encode
-        self.kwargs = dict(config.mm_processor_kwargs)
-        self._kwargs_key = json.dumps(self.kwargs, sort_keys=True, default=str)
+        # vLLM's processor cache (--mm-processor-cache-gb): processed images by identifier, newest last
+        self._cache: collections.OrderedDict[str, tuple[list[int], dict[str, np.ndarray]]] = collections.OrderedDict()
+        self._cache_bytes, self._cache_limit = 0, int(config.processor_cache_gb * (1 << 30))
+        self._lock = threading.Lock()         # images are processed in threads
+        self.hits = self.queries = 0
 
-    def process(self, image: Any) -> tuple[list[int], dict[str, np.ndarray], str]:
+    def process(self, image: Any, kwargs: Mapping[str, Any] | None = None,
+                ) -> tuple[list[int], dict[str, np.ndarray], str]:
         """One image -> the token ids its placeholder expands to, its inputs for the model's
-        encoder (a batch of one), and its identifier."""
+        encoder (a batch of one), and its identifier (a digest of its pixels and the processor's
+        keywords: the server's --mm-processor-kwargs under the request's ``kwargs``). An image
+        processed before with the same keywords comes from the processor cache."""
+        kwargs = {**self.config.mm_processor_kwargs, **(kwargs or {})}
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{image.mode}:{image.size}:{json.dumps(kwargs, sort_keys=True, default=str)}".encode())
+        h.update(image.tobytes())
+        identifier = h.hexdigest()
+        with self._lock:
+            self.queries += 1
+            cached = self._cache.get(identifier)
+            if cached is not None:
+                self.hits += 1
+                self._cache.move_to_end(identifier)
+                return cached[0], cached[1], identifier
         try:
             out = self.processor(text=self.placeholder, images=[image], return_text_replacement_offsets=True,
-                                 return_tensors="np", **self.kwargs)
+                                 return_tensors="np", **kwargs)
         except (ValueError, TypeError, KeyError) as exc:
             raise MediaError(f"{type(self.processor).__name__} could not process the image: {exc}") from None
         replacements = out["text_replacement_offsets"][0]
@@ -250,10 +270,21 @@ class ImageProcessor:
         ids = self.encode(replacements[0]["replacement"])
         data = {key: np.ascontiguousarray(value) for key, value in out.items() if key not in _NOT_INPUTS
                 and isinstance(value, np.ndarray)}
-        h = hashlib.blake2b(digest_size=16)
-        h.update(f"{image.mode}:{image.size}:{self._kwargs_key}".encode())
-        h.update(image.tobytes())
-        return ids, data, h.hexdigest()
+        self._keep(identifier, ids, data)
+        return ids, data, identifier
+
+    def _keep(self, identifier: str, ids: list[int], data: dict[str, np.ndarray]) -> None:
+        size = sum(a.nbytes for a in data.values()) + 8 * len(ids)
+        if size > self._cache_limit:
+            return
+        with self._lock:
+            if identifier in self._cache:
+                return
+            self._cache[identifier] = (ids, data)
+            self._cache_bytes += size
+            while self._cache_bytes > self._cache_limit:
+                _, (old_ids, old) = self._cache.popitem(last=False)
+                self._cache_bytes -= sum(a.nbytes for a in old.values()) + 8 * len(old_ids)
 
     def expand(self, ids: list[int], items: list[tuple[list[int], dict[str, np.ndarray], str]],
                ) -> tuple[list[int], list[MultiModalFeature]]:

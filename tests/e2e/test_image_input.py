@@ -34,11 +34,12 @@ def llava(tmp_path_factory):
     return str(path), hf, processor
 
 
-def hf_answer(llava, text: str, images: list) -> list[int]:
-    """transformers' greedy tokens for ``text`` (its placeholders) with ``images``."""
+def hf_answer(llava, text: str, images: list, **kwargs) -> list[int]:
+    """transformers' greedy tokens for ``text`` (its placeholders) with ``images`` (``kwargs``:
+    the processor's keywords)."""
     import torch
     _, hf, processor = llava
-    inputs = processor(images=images, text=text, return_tensors="pt")
+    inputs = processor(images=images, text=text, return_tensors="pt", **kwargs)
     with torch.no_grad():
         out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
@@ -172,6 +173,11 @@ def test_chat_takes_an_image_as_a_data_url_an_http_url_or_an_allowed_file(server
         assert body["choices"][0]["token_ids"] == want, url
     other = chat(server, f"{base}/b.png")[1]
     assert other["choices"][0]["token_ids"] != want
+    shown = chat(server, f"{base}/a.png", return_prompt_text=True)[1]
+    assert shown["prompt_text"] == "t1 <image> t5 t6 t3" and shown["choices"][0]["token_ids"] == want
+    raw = chat(server, f"{base}/a.png", mm_processor_kwargs={"do_normalize": False})[1]     # other pixels
+    image = Image.open(root / "a.png").convert("RGB")
+    assert raw["choices"][0]["token_ids"] == hf_answer(llava, "t1 <image> t5 t6 t3", [image], do_normalize=False)
     status, streamed = chat(server, f"{base}/a.png", stream=True)
     chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
     assert [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []] == want

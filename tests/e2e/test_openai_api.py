@@ -1018,7 +1018,7 @@ def test_tokenize_renders_tools_as_the_chat_endpoint_does(http):
 def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, model):
     """return_prompt_text shows the prompt as the template rendered it (its tokens are the
     prompt's); fields asking for what Troupe does are taken; those asking for what it does not
-    (a thinking budget on a server without a reasoning parser, multimodal inputs, suffix, prompt
+    (a thinking budget on a server without a reasoning parser, media_io_kwargs, suffix, prompt
     embeddings without --enable-prompt-embeds) are a 400 naming them; watermarking on a server
     without --watermark-config runs unwatermarked, as vLLM runs it (a warning in the log)."""
     out = http.post("/v1/chat/completions", json={"model": model, "messages": CAPITAL, "max_tokens": 2,
@@ -1035,7 +1035,7 @@ def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, mode
     assert chunks[0]["prompt_text"] == body["prompt_text"] and all("prompt_text" not in c for c in chunks[1:])
     for path, field, value, words in (
             ("/v1/chat/completions", "thinking_token_budget", 64, "reasoning_config is not configured"),
-            ("/v1/chat/completions", "mm_processor_kwargs", {"num_crops": 4}, "text-only"),
+            ("/v1/chat/completions", "media_io_kwargs", {"image": {"mode": "L"}}, "reads images as they are"),
             ("/v1/completions", "suffix", "!", "suffix is not currently supported"),
             ("/v1/completions", "prompt_embeds", "AAAA", "--enable-prompt-embeds"),
             ("/v1/responses", "prompt", {"id": "pmpt_1"}, "stored"),

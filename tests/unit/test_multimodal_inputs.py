@@ -101,6 +101,15 @@ def test_the_processor_expands_each_placeholder_into_its_images_positions(tmp_pa
                                                                                  (18, 16, b[2], None)]
     with pytest.raises(MediaError, match="1 image placeholders"):
         processor.expand([5, 299], [a, b])
+    # the processor cache: the same image and keywords processed once; other keywords, another entry
+    assert (processor.hits, processor.queries) == (1, 3)
+    raw = processor.process(random_image(3), {"do_normalize": False})
+    assert raw[2] != a[2] and not np.allclose(raw[1]["pixel_values"], a[1]["pixel_values"])
+    uncached = ImageProcessor(str(tmp_path), 299, MultiModalConfig(processor_cache_gb=0),
+                              lambda text: tok.encode(text, add_special_tokens=False))
+    for _ in range(2):
+        assert uncached.process(random_image(3))[2] == a[2]
+    assert uncached.hits == 0
     with pytest.raises(MediaError, match=r"At most 1 image\(s\)"):
         processor.check_count(2)
 
@@ -149,14 +158,17 @@ def test_the_worker_encodes_an_image_once_and_takes_its_rows_across_chunks():
 
 def test_the_multimodal_flags_are_checked_and_every_limit_zero_serves_text(tmp_path):
     mm = EngineArgs(limit_mm_per_prompt='{"image": 3, "video": {"count": 0}}', mm_processor_kwargs='{"a": 1}',
-                    allowed_local_media_path=str(tmp_path), allowed_media_domains=["h"]).multimodal()
+                    allowed_local_media_path=str(tmp_path), allowed_media_domains=["h"],
+                    mm_processor_cache_gb=0.5).multimodal()
+    assert mm.processor_cache_gb == 0.5
     assert mm.limit("image") == 3 and mm.limit("video") == 0 and mm.limit("audio") == 999
     assert mm.mm_processor_kwargs == {"a": 1} and mm.allowed_media_domains == ("h",)
     assert mm.allowed_local_media_path == str(tmp_path.resolve())
     for bad, message in ((dict(limit_mm_per_prompt='{"smell": 1}'), "not a modality"),
                          (dict(limit_mm_per_prompt='{"image": -1}'), "at least 0"),
                          (dict(limit_mm_per_prompt="[1]"), "JSON objects"),
-                         (dict(allowed_local_media_path=str(tmp_path / "nope")), "not a folder")):
+                         (dict(allowed_local_media_path=str(tmp_path / "nope")), "not a folder"),
+                         (dict(mm_processor_cache_gb=-1), "at least 0")):
         with pytest.raises(ValueError, match=message):
             EngineArgs(**bad).multimodal()
     assert EngineArgs(limit_mm_per_prompt={"image": 0}).create_engine_config().model.source.language_model_only
