@@ -441,7 +441,7 @@ def client_actors(node: Node, config: EngineConfig, tokenizer: TextTokenizer | T
     def count_prompt_tokens(n: int) -> None:
         stats.prompt_tokens += n
 
-    images = image_processor(config, tokenizer)
+    images = image_processor(config, tokenizer, stats)
     tok = node.spawn(topology.TOKENIZER, lambda: TokenizerActor(
         tokenizer, config.model.max_model_len, list(arch.eos_token_ids), detok,
         scheduler, waiting, count_prompt_tokens, config.model.max_logprobs, arch.vocab_size,
@@ -453,14 +453,15 @@ def client_actors(node: Node, config: EngineConfig, tokenizer: TextTokenizer | T
     return client, router
 
 
-def image_processor(config: EngineConfig, tokenizer: TextTokenizer | TokenIdsOnly) -> ImageProcessor | None:
+def image_processor(config: EngineConfig, tokenizer: TextTokenizer | TokenIdsOnly,
+                    stats: EngineStats | None = None) -> ImageProcessor | None:
     """For a model that takes images, its checkpoint's processor, the tokenizer's chat templates
     then rendering image parts as its placeholder; None for a text model (or without a tokenizer)."""
     arch = config.model.arch
     if arch.image_token_id is None or not isinstance(tokenizer, TextTokenizer):
         return None
     images = ImageProcessor(config.model.source.path, arch.image_token_id, config.model.multimodal,
-                            lambda text: tokenizer.encode(text, add_special_tokens=False))
+                            lambda text: tokenizer.encode(text, add_special_tokens=False), stats)
     tokenizer.image_placeholder = images.placeholder
     log.info("images are taken (at most %d a prompt), each as %s's processor makes it",
              config.model.multimodal.limit("image"), type(images.processor).__name__)

@@ -60,6 +60,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("external_prefix_cache_hits_total", "counter",
            "Prompt tokens whose KV was loaded from another instance (a KV connector)."),
     Metric("num_preemptions_total", "counter", "Requests preempted since start."),
+    Metric("mm_cache_queries_total", "counter", "Multi-modal cache queries, in terms of number of queried items "
+           "(images looked up in the processor cache)."),
+    Metric("mm_cache_hits_total", "counter", "Multi-modal cache hits, in terms of number of cached items."),
     Metric("spec_decode_num_drafts_total", "counter", "Requests verified with draft tokens, once per step."),
     Metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified."),
     Metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
@@ -243,6 +246,8 @@ class EngineStats:
     step_tokens: Histogram = field(default_factory=_hist(STEP_TOKEN_BUCKETS))
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    mm_cache_queries: int = 0                   # images looked up in this API server's processor cache
+    mm_cache_hits: int = 0                      # of those, found there
     requests_finished: dict[str, int] = field(default_factory=dict)   # by finish reason
     time_to_first_token: Histogram = field(default_factory=_hist(TTFT_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=_hist(ITL_BUCKETS))
@@ -372,6 +377,7 @@ class EngineStats:
             "prefix_cache_queries_total": s.prefix_cache_queries,
             "prefix_cache_hits_total": s.prefix_cache_hits, "prompt_tokens_total": self.prompt_tokens,
             "generation_tokens_total": self.generation_tokens, "max_batch_size": self.max_batch_size,
+            "mm_cache_queries_total": self.mm_cache_queries, "mm_cache_hits_total": self.mm_cache_hits,
             "engine_busy_seconds_total": f"{s.busy_seconds:.6f}",
             "engine_compute_seconds_total": f"{s.compute_seconds:.6f}",
             "spec_decode_num_drafts_total": s.spec_num_drafts,
@@ -516,7 +522,7 @@ class EngineStats:
 
 
 # what each API server counts of its own requests (--api-server-count: /metrics adds them up)
-REQUEST_COUNTERS = ("prompt_tokens", "generation_tokens")
+REQUEST_COUNTERS = ("prompt_tokens", "generation_tokens", "mm_cache_queries", "mm_cache_hits")
 REQUEST_HISTOGRAMS = ("time_to_first_token", "inter_token_latency", "request_time_per_output_token",
                       "e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
                       "request_inference_time", "request_params_n", "request_prompt_tokens",

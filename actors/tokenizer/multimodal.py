@@ -209,8 +209,10 @@ class ImageProcessor:
     inputs, and the expansion of its placeholder in the prompt."""
 
     def __init__(self, checkpoint_dir: str, image_token_id: int, config: MultiModalConfig,
-                 encode: Callable[[str], list[int]]) -> None:
-        """``encode``: the served tokenizer's text -> token ids, no special tokens added."""
+                 encode: Callable[[str], list[int]], counts: Any = None) -> None:
+        """``encode``: the served tokenizer's text -> token ids, no special tokens added;
+        ``counts``: what counts the processor cache's lookups (``mm_cache_queries`` and
+        ``mm_cache_hits`` attributes: the server's stats; None: itself)."""
         from transformers import AutoProcessor
         from transformers.utils import logging as hf_logging
         verbosity = hf_logging.get_verbosity()
@@ -239,7 +241,8 @@ class ImageProcessor:
         self._cache: collections.OrderedDict[str, tuple[list[int], dict[str, np.ndarray]]] = collections.OrderedDict()
         self._cache_bytes, self._cache_limit = 0, int(config.processor_cache_gb * (1 << 30))
         self._lock = threading.Lock()         # images are processed in threads
-        self.hits = self.queries = 0
+        self.counts = counts if counts is not None else self
+        self.mm_cache_queries = self.mm_cache_hits = 0
 
     def process(self, image: Any, kwargs: Mapping[str, Any] | None = None,
                 ) -> tuple[list[int], dict[str, np.ndarray], str]:
@@ -253,10 +256,10 @@ class ImageProcessor:
         h.update(image.tobytes())
         identifier = h.hexdigest()
         with self._lock:
-            self.queries += 1
+            self.counts.mm_cache_queries += 1
             cached = self._cache.get(identifier)
             if cached is not None:
-                self.hits += 1
+                self.counts.mm_cache_hits += 1
                 self._cache.move_to_end(identifier)
                 return cached[0], cached[1], identifier
         try:

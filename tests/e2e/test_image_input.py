@@ -11,6 +11,7 @@ import base64
 import http.server
 import io
 import json
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -190,6 +191,11 @@ def test_a_repeated_image_is_served_from_the_prefix_cache(server, media):
     assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     assert again["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"] == 1 + 16 + 30 + 1
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    queries = int(float(re.search(r"^vllm:mm_cache_queries_total\{[^}]*\} (\S+)", metrics, re.M).group(1)))
+    hits = int(float(re.search(r"^vllm:mm_cache_hits_total\{[^}]*\} (\S+)", metrics, re.M).group(1)))
+    assert queries >= 2 and hits >= 1                # the second request's picture came from the processor cache
 
 
 def test_images_that_cannot_or_may_not_be_read_are_400s_saying_why(server, media, tmp_path):

@@ -102,14 +102,14 @@ def test_the_processor_expands_each_placeholder_into_its_images_positions(tmp_pa
     with pytest.raises(MediaError, match="1 image placeholders"):
         processor.expand([5, 299], [a, b])
     # the processor cache: the same image and keywords processed once; other keywords, another entry
-    assert (processor.hits, processor.queries) == (1, 3)
+    assert (processor.mm_cache_hits, processor.mm_cache_queries) == (1, 3)
     raw = processor.process(random_image(3), {"do_normalize": False})
     assert raw[2] != a[2] and not np.allclose(raw[1]["pixel_values"], a[1]["pixel_values"])
     uncached = ImageProcessor(str(tmp_path), 299, MultiModalConfig(processor_cache_gb=0),
                               lambda text: tok.encode(text, add_special_tokens=False))
     for _ in range(2):
         assert uncached.process(random_image(3))[2] == a[2]
-    assert uncached.hits == 0
+    assert uncached.mm_cache_hits == 0
     with pytest.raises(MediaError, match=r"At most 1 image\(s\)"):
         processor.check_count(2)
 
