@@ -107,6 +107,17 @@ def test_placeholders_and_images_must_pair_up_within_the_limit(llm):
             llm.generate(prompt, greedy())
 
 
+@pytest.mark.parametrize("parallel", [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}])
+def test_tensor_and_pipeline_parallel_ranks_take_images_too(llava, parallel):
+    """The first pipeline stage alone reads the image (the later one starts from its hidden
+    states); each tensor-parallel rank encodes it whole."""
+    from actors.api import LLM
+    image = random_image(9)
+    with LLM(model=llava[0], max_model_len=256, max_num_batched_tokens=8, **parallel) as engine:
+        got = engine.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, greedy())
+    assert got[0].outputs[0].token_ids == hf_answer(llava, PROMPT, [image])
+
+
 # -- over HTTP -------------------------------------------------------------------------------
 
 def png(image) -> bytes:
