@@ -568,10 +568,13 @@ class AsyncLLM:
         return await self.client.compute_weight_checksums()
 
     async def reset_mm_cache(self) -> None:
-        """vLLM's: the models served here take text only; there is no multi-modal cache to clear."""
+        """vLLM's: the processor cache forgets its images (a model that takes images)."""
+        if self.client.images is not None:
+            self.client.images.clear()
 
     async def reset_encoder_cache(self) -> None:
-        """vLLM's: no encoder cache for text-only models."""
+        """vLLM's: the workers keep an image's embeddings only while its prefill reads them:
+        nothing held to clear."""
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; True once every engine has."""
@@ -1467,8 +1470,8 @@ class LLM:
         return p.world_size * (p.data_parallel_size if include_dp else 1)
 
     def reset_mm_cache(self) -> None:
-        """vLLM's: clears the multi-modal cache; the models served here take text only, so there
-        is none to clear."""
+        """vLLM's: the processor cache forgets its images (a model that takes images)."""
+        self._run(self._engine().reset_mm_cache())
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's: the engine's metrics, those the server's /metrics has under ``vllm:``, as

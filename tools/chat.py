@@ -8,12 +8,15 @@ complete``, vLLM's ``vllm complete``) is the same with each line a prompt to com
 Ctrl-C while a reply streams stops it: the request is aborted (the output iterator is closed;
 with ``--url``, the HTTP response), the part already shown stays in the conversation as the
 assistant's turn, and the prompt comes back. Ctrl-C at the prompt clears the line; /exit or
-Ctrl-D leaves. /help lists the commands."""
+Ctrl-D leaves. /help lists the commands; ``/image PATH_OR_URL`` attaches a picture to the next
+message (for a model that takes images: a file is sent as a data URL, an http(s) URL as it is)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
+import mimetypes
 import os
 import signal
 import sys
@@ -26,6 +29,7 @@ COMMANDS = {
     "/help": "list these commands",
     "/history": "show the conversation so far",
     "/reset": "forget the conversation (the --system prompt stays)",
+    "/image": "/image PATH_OR_URL attaches a picture to the next message (a model that takes images)",
     "/exit": "leave (so does Ctrl-D)",
 }
 SYSTEM_HINT = ("Type a message and press Enter; Ctrl-C stops a reply, /help lists the commands, "
@@ -176,16 +180,51 @@ async def stream_reply(stream: AsyncIterator[str], interrupts: Interrupts) -> tu
     return "".join(shown), False
 
 
-def command(line: str, messages: list[dict[str, str]], system: str | None) -> bool:
-    """Run a /command; False for /exit."""
+def image_part(where: str) -> dict:
+    """A chat image part: an http(s) or data URL as it is, a file as a data URL (ValueError for
+    a file that cannot be read)."""
+    if where.startswith(("http://", "https://", "data:")):
+        return {"type": "image_url", "image_url": {"url": where}}
+    path = os.path.expanduser(where)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    kind = mimetypes.guess_type(path)[0] or "image/png"
+    return {"type": "image_url", "image_url": {"url": f"data:{kind};base64,{base64.b64encode(data).decode()}"}}
+
+
+def shown_content(content) -> str:
+    """A message's content as /history shows it (an image as [image])."""
+    if isinstance(content, str):
+        return content
+    return " ".join(p["text"] if p.get("type") == "text" else "[image]" for p in content)
+
+
+def command(line: str, messages: list[dict], system: str | None, images: list[dict] | None = None) -> bool:
+    """Run a /command; False for /exit. ``images``: the parts /image attached for the next message."""
     if line == "/exit":
         return False
     if line == "/reset":
         messages[:] = messages[:1] if system else []
+        if images is not None:
+            images.clear()
         print("(conversation cleared)", file=sys.stderr)
+    elif line == "/image" or line.startswith("/image "):
+        where = line[len("/image"):].strip()
+        if not where or images is None:
+            print("usage: /image PATH_OR_URL (then type the message it goes with)", file=sys.stderr)
+            return True
+        try:
+            images.append(image_part(where))
+        except ValueError as exc:
+            print(f"({exc})", file=sys.stderr)
+            return True
+        print(f"(image {len(images)} attached to the next message)", file=sys.stderr)
     elif line == "/history":
         for m in messages:
-            print(f"{m['role']}: {m['content']}")
+            print(f"{m['role']}: {shown_content(m['content'])}")
     elif line == "/help":
         for name, what in COMMANDS.items():
             print(f"{name:<10} {what}")
@@ -208,7 +247,8 @@ async def repl(args: argparse.Namespace) -> int:
         llm = await AsyncLLM.create(args.model or args.model_name, disable_log_stats=True)   # a conversation, not a log
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             output_kind=RequestOutputKind.DELTA)
-    messages: list[dict[str, str]] = []
+    messages: list[dict] = []
+    images: list[dict] = []            # /image's parts, sent with the next message
     if args.system:
         messages.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty() and args.quick is None
@@ -229,10 +269,12 @@ async def repl(args: argparse.Namespace) -> int:
             if not line:
                 continue
             if line.startswith("/") and reader is not None:
-                if not command(line, messages, args.system):
+                if not command(line, messages, args.system, None if args.complete else images):
                     break
                 continue
-            messages.append({"role": "user", "content": line})
+            messages.append({"role": "user", "content": [*images, {"type": "text", "text": line}] if images
+                             else line})
+            images.clear()
             counts = Counts()
             asked = line if args.complete else messages
             timed = Timed(_remote_stream(session, args, asked, counts) if session is not None
@@ -241,7 +283,9 @@ async def repl(args: argparse.Namespace) -> int:
                 reply, stopped = await stream_reply(aiter(timed), interrupts)
             except Exception as exc:        # a failed request ends the turn, not the chat
                 print(f"\n[error: {exc}]", file=sys.stderr)
-                messages.pop()
+                failed = messages.pop()["content"]
+                if isinstance(failed, list):       # its pictures wait for the next message again
+                    images[:] = [p for p in failed if p.get("type") == "image_url"]
                 if reader is None:
                     return 1
                 continue

@@ -38,6 +38,7 @@ from actors.runtime.otel import request_trace_headers
 
 if TYPE_CHECKING:
     from actors.frontend.request_log import OutputLog
+    from actors.tokenizer.multimodal import ImageProcessor
 
 # Longest time a request waits for output while the engine runs nothing at all before it is
 # failed (nothing hangs); a request queued behind others waits as long as the engine progresses.
@@ -75,6 +76,7 @@ class EngineClient:
         self.waiting = waiting
         self.tokenizer = tokenizer
         self.tokenizer_actor = tokenizer_actor
+        self.images: ImageProcessor | None = None     # a model that takes images: its processor (and its cache)
         self.detokenizer = detokenizer
         self.engine = engine
         self.kv_managers = kv_managers          # each engine core's (data parallelism: several)

@@ -12,7 +12,7 @@ started with VLLM_SERVER_DEV_MODE=1:
   GET  /get_world_size?include_dp=true                {"world_size": n}  (ranks: tensor x pipeline [x data])
   GET  /server_info?config_format=text|json           {"vllm_config", "vllm_env", "system_env"}
   POST /collective_rpc  {"method", "args", "kwargs", "timeout"}   {"results": [one per worker]}
-  POST /reset_mm_cache, /reset_encoder_cache          200 (text models: no such caches)
+  POST /reset_mm_cache, /reset_encoder_cache          200 (the processor cache cleared; no encoder cache is held)
 
 ``abort`` (the default) aborts every request, ``wait`` lets the running ones finish, ``keep``
 freezes every request where it is (they go on after /resume); requests that arrive while paused
@@ -181,8 +181,17 @@ async def stop_profile(server: OpenAIServer, request: web.Request) -> web.Respon
 
 
 async def reset_mm_cache(server: OpenAIServer, request: web.Request) -> web.Response:
-    """vLLM's /reset_mm_cache and /reset_encoder_cache: the models served here take text only,
-    so there is no multi-modal or encoder cache to clear (200, as vLLM answers a text model)."""
+    """vLLM's /reset_mm_cache: this API server's processor cache forgets its images (a text
+    model has none: 200 all the same, as vLLM answers)."""
+    images = server.engine().images
+    if images is not None:
+        images.clear()
+    return web.Response(status=200)
+
+
+async def reset_encoder_cache(server: OpenAIServer, request: web.Request) -> web.Response:
+    """vLLM's /reset_encoder_cache: 200. The workers keep an image's embeddings only while its
+    request's prefill reads them, so there is nothing held to clear."""
     return web.Response(status=200)
 
 
@@ -333,7 +342,7 @@ ROUTES = [("POST", "/pause", pause), ("POST", "/resume", resume), ("GET", "/is_p
           ("POST", "/abort_requests", abort_requests), ("POST", "/sleep", sleep), ("POST", "/wake_up", wake_up),
           ("GET", "/is_sleeping", is_sleeping), ("POST", "/release_kv_cache_memory", release_kv_cache_memory), ("GET", "/get_world_size", get_world_size),
           ("GET", "/server_info", server_info), ("POST", "/collective_rpc", collective_rpc),
-          ("POST", "/reset_mm_cache", reset_mm_cache), ("POST", "/reset_encoder_cache", reset_mm_cache),
+          ("POST", "/reset_mm_cache", reset_mm_cache), ("POST", "/reset_encoder_cache", reset_encoder_cache),
           ("POST", "/init_weight_transfer_engine", init_weight_transfer_engine),
           ("POST", "/shutdown_weight_transfer_engine", shutdown_weight_transfer_engine),
           ("POST", "/start_weight_update", start_weight_update),

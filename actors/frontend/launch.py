@@ -450,6 +450,7 @@ def client_actors(node: Node, config: EngineConfig, tokenizer: TextTokenizer | T
         *embed_lens(config.model.pooling), lower_case=arch.do_lower_case, images=images))
     client = EngineClient(config, tokenizer, tok, detok, scheduler, [e.kv_manager for e in engines],
                           engines[0].grammar, streams, stats, waiting)
+    client.images = images
     return client, router
 
 

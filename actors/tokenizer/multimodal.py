@@ -276,6 +276,12 @@ class ImageProcessor:
         self._keep(identifier, ids, data)
         return ids, data, identifier
 
+    def clear(self) -> None:
+        """Forget every processed image (vLLM's /reset_mm_cache)."""
+        with self._lock:
+            self._cache.clear()
+            self._cache_bytes = 0
+
     def _keep(self, identifier: str, ids: list[int], data: dict[str, np.ndarray]) -> None:
         size = sum(a.nbytes for a in data.values()) + 8 * len(ids)
         if size > self._cache_limit:

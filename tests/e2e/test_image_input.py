@@ -94,6 +94,18 @@ def test_the_prefix_cache_serves_an_images_blocks_to_that_image_only(llm, llava)
     assert other.outputs[0].token_ids == hf_answer(llava, LONG, [b])
 
 
+def test_the_processor_cache_serves_an_image_again_until_reset(llm):
+    def hits() -> int:
+        return next(m.value for m in llm.get_metrics() if m.name == "vllm:mm_cache_hits")
+    image, before = random_image(10), hits()
+    for _ in range(2):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, greedy())
+    assert hits() == before + 1
+    llm.reset_mm_cache()
+    llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, greedy())
+    assert hits() == before + 1
+
+
 def test_placeholders_and_images_must_pair_up_within_the_limit(llm):
     image = random_image(6)
     cases = [({"prompt": "t5 t6", "multi_modal_data": {"image": image}}, "0 image placeholders"),
@@ -252,3 +264,17 @@ def test_the_responses_and_messages_apis_take_images_as_chat_does(server, media,
                                                                    "data": data}},
                                      {"type": "text", "text": "t5 t6"}]}]}, "/v1/messages")
     assert status == 200 and message["content"][0]["text"] == want, message
+
+
+def test_the_chat_repl_attaches_a_picture_with_slash_image(server, media):
+    import subprocess
+    import sys
+    root, base = media
+    want = chat(server, f"{base}/a.png")[1]["choices"][0]["message"]["content"]
+    lines = f"/image {root / 'missing.png'}\n/image {root / 'a.png'}\nt5 t6\n/history\n"
+    out = subprocess.run([sys.executable, "-m", "tools.chat", "--url", server.url, "--temperature", "0",
+                          "--max-tokens", str(MAX_TOKENS)], input=lines, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "cannot read" in out.stderr and "image 1 attached" in out.stderr
+    assert out.stdout.splitlines()[0].strip() == want.strip()
+    assert "user: [image] t5 t6" in out.stdout
