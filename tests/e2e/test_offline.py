@@ -104,8 +104,11 @@ def test_vllm_prompt_dicts_are_the_prompts_they_hold(llm):
                            use_tqdm=False)
     assert [r.token_ids for r in by_dict] == [text.token_ids] * 2
     assert llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].token_ids == text.token_ids
-    with pytest.raises(ValueError, match=r"prompt keys \['multi_modal_data'\] are not supported"):
-        llm.generate({"prompt": "x", "multi_modal_data": {}}, greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt keys \['multi_modal_uuids'\] are not supported"):
+        llm.generate({"prompt": "x", "multi_modal_uuids": {}}, greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="this model takes no images"):       # a text model
+        llm.generate({"prompt": "x", "multi_modal_data": {"image": "data:image/png;base64,AAAA"}}, greedy,
+                     use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one of"):
         llm.generate({"prompt": "x", "prompt_token_ids": [1]}, greedy, use_tqdm=False)
 

@@ -62,6 +62,17 @@ def test_tool_use_thinking_and_tool_results_become_chat_messages_in_order():
         {"role": "tool", "tool_call_id": "t", "content": "ok"}]          # no empty user message after it
 
 
+def test_image_blocks_become_chat_image_parts_where_they_stand():
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "QUJD"}},
+        {"type": "image", "source": {"type": "url", "url": "https://h/b.png"}}]}]
+    chat = anthropic.chat_body(_req(messages=messages), False)["messages"]
+    assert chat == [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,QUJD"}},
+        {"type": "image_url", "image_url": {"url": "https://h/b.png"}}]}]
+
+
 def test_tools_choices_formats_thinking_and_streams_take_the_chat_requests_names():
     tools = [{"name": "get_weather", "description": "Weather", "input_schema": {"properties": {"city": {"type": "string"}}}}]
     body = anthropic.chat_body(_req(tools=tools, stream=True, stop_sequences=["\n\n"], temperature=0.2, top_k=5,
@@ -96,8 +107,10 @@ def test_tools_choices_formats_thinking_and_streams_take_the_chat_requests_names
      "less than max_tokens"),
     ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool"}}, "tool_choice",
      "tool_choice.name is required"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]},
-     "messages[0].content[0]", "Troupe serves text-only models"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "url", "url": "u"}}]}]},
+     "messages[0].content[0]", "document blocks are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
+     "messages[0].content[0]", "must be base64 data"),
     ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, "messages[0].content[0]",
      "unknown content block type 'hologram'"),
 ])
