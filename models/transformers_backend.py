@@ -669,6 +669,8 @@ class TransformersForCausalLM(CausalLM):
         if self.vision is None or modality != "image":
             raise ValueError(f"{type(self.hf).__name__} takes no {modality} input")
         device = self.hf.get_input_embeddings().weight.device
+        if "image_embeds" in data:           # given as its embeddings (--enable-mm-embeds)
+            return torch.as_tensor(data["image_embeds"], device=device).to(self.dtype)
         kwargs = {key: torch.as_tensor(value, device=device) for key, value in data.items()}
         kwargs["pixel_values"] = kwargs["pixel_values"].to(self.dtype)
         out = self.vision.get_image_features(return_dict=True, **kwargs)

@@ -72,6 +72,7 @@ class EngineArgs:
     allowed_local_media_path: str = ""    # vLLM's: file:// image URLs are read from under this folder only
     allowed_media_domains: list[str] | tuple[str, ...] | None = None   # vLLM's: the hosts http(s) URLs may name
     mm_processor_cache_gb: float = 4.0    # vLLM's: GiB of processed images the frontend keeps (0: none)
+    enable_mm_embeds: bool = False        # vLLM's: images may come as their embeddings (image_embeds parts)
     runner: str = "auto"                  # vLLM's: "generate" | "pooling" ("auto": as the architecture says)
     convert: str = "auto"                 # vLLM's: a generative model adapted into a pooling one ("embed")
     pooler_config: dict[str, Any] | str | None = None   # vLLM's --pooler-config JSON
@@ -350,7 +351,8 @@ class EngineArgs:
             raise ValueError(f"--mm-processor-cache-gb must be at least 0, got {self.mm_processor_cache_gb:g}")
         return MultiModalConfig(limit_per_prompt=counts, mm_processor_kwargs=kwargs, allowed_local_media_path=path,
                                 allowed_media_domains=tuple(self.allowed_media_domains or ()),
-                                processor_cache_gb=float(self.mm_processor_cache_gb))
+                                processor_cache_gb=float(self.mm_processor_cache_gb),
+                                enable_mm_embeds=self.enable_mm_embeds)
 
     def pooling(self, source: ModelSource) -> ModelPooling | None:
         """--runner, --convert and --pooler-config resolved for the checkpoint (vLLM's rules):
@@ -763,6 +765,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             type=float, default=d["mm_processor_cache_gb"], metavar="GIB",
             help="vLLM's: GiB of processed images the frontend keeps, by the image and the processing, so an image "
                  "sent again (each turn of a chat about it) is not processed again (0: none)")),
+        (("--enable-mm-embeds",), "enable_mm_embeds", dict(
+            action=argparse.BooleanOptionalAction, default=d["enable_mm_embeds"],
+            help="vLLM's: images may come as their embeddings: chat image_embeds parts (base64 of a torch.save'd "
+                 "(positions, hidden) tensor), offline multi_modal_data={'image': tensor}; for a model whose "
+                 "image placeholder expands to image tokens alone (LLaVA's)")),
         (("--allowed-local-media-path",), "allowed_local_media_path", dict(
             default=d["allowed_local_media_path"], metavar="DIR",
             help="vLLM's: image_url parts may name file:// URLs of files under this folder (unset: none)")),

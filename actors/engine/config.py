@@ -87,6 +87,7 @@ class MultiModalConfig(msgspec.Struct, frozen=True, kw_only=True):
     allowed_local_media_path: str = ""        # vLLM's: file:// URLs are read from under it only ("": never)
     allowed_media_domains: tuple[str, ...] = ()   # vLLM's: the hosts http(s) URLs may name (): any
     processor_cache_gb: float = 4.0           # vLLM's --mm-processor-cache-gb: processed images kept (0: none)
+    enable_mm_embeds: bool = False            # vLLM's: images may come as their embeddings (image_embeds)
 
     def limit(self, modality: str) -> int:
         return self.limit_per_prompt.get(modality, DEFAULT_MM_LIMIT)

@@ -10,8 +10,8 @@ _PARALLEL = ("Troupe implements tensor, pipeline and data parallelism (--tensor-
              "--nnodes or --headless")
 _LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directories as they are"
 _MODALITY = ("Troupe takes images (a multimodal checkpoint the transformers backend serves whole) with "
-             "--limit-mm-per-prompt, --mm-processor-kwargs, --allowed-local-media-path and --allowed-media-domains "
-             "only")
+             "--limit-mm-per-prompt, --mm-processor-kwargs, --mm-processor-cache-gb, --enable-mm-embeds, "
+             "--allowed-local-media-path and --allowed-media-domains only")
 _LORA = "Troupe's LoRA takes --enable-lora, --lora-modules, --max-loras, --max-cpu-loras and --max-lora-rank only"
 _SPEC = "Troupe takes speculative decoding as --speculative-config JSON only"
 _COMPILE = ("Troupe takes the CUDA graph sizes as --cudagraph-capture-sizes or --max-cudagraph-capture-size "
@@ -53,7 +53,7 @@ REFUSED: dict[str, str] = {
     "--io-processor-plugin": "Troupe loads no IO processor plugins",
     "--logits-processor-pattern": "Troupe has no per-request logits processors (see --logits-processors)",
     # other modalities
-    "--enable-mm-embeds": _MODALITY, "--media-io-kwargs": _MODALITY,
+"--media-io-kwargs": _MODALITY,
     "--disable-mm-preprocessor-cache": _MODALITY, "--mm-processor-cache-type": _MODALITY,
     "--mm-shm-cache-max-object-size-mb": _MODALITY, "--mm-encoder-tp-mode": _MODALITY,
     "--mm-encoder-attn-backend": _MODALITY, "--interleave-mm-strings": _MODALITY,
@@ -143,7 +143,7 @@ BOOLEAN = frozenset({
     "--disable-nccl-for-dp-synchronization", "--enable-eplb", "--eplb-log-balancedness",
     "--ray-workers-use-nsight", "--disable-custom-all-reduce", "--disable-frontend-multiprocessing",
     "--use-tqdm-on-load",
-    "--enable-mm-embeds", "--interleave-mm-strings",
+    "--interleave-mm-strings",
     "--skip-mm-profiling", "--fully-sharded-loras",
     "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",
     # vLLM 0.32's

@@ -141,9 +141,13 @@ def _content(i: int, content: Any) -> str | list[dict[str, Any]]:
             url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
             require(bool(url), "an image_url part needs a non-empty url", f"messages[{i}].content[{j}].image_url")
             parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif part.type == "image_embeds" and part.image_embeds is not None:
+            require(isinstance(part.image_embeds, str), "image_embeds must be the base64 of a torch.save'd tensor "
+                    "(a dict of several is not supported)", f"messages[{i}].content[{j}].image_embeds")
+            parts.append({"type": "image_embeds", "image_embeds": part.image_embeds})
         else:
-            raise BadRequest(f"content part of type {part.type!r} is not supported; only 'text' and 'image_url' "
-                             "parts are (with the field of their type)", f"messages[{i}].content[{j}]")
+            raise BadRequest(f"content part of type {part.type!r} is not supported; only 'text', 'image_url' and "
+                             "'image_embeds' parts are (with the field of their type)", f"messages[{i}].content[{j}]")
     return parts
 
 

@@ -86,6 +86,7 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: str | None = None
     image_url: ImageURL | str | None = None
+    image_embeds: str | dict[str, Any] | None = None   # vLLM's (--enable-mm-embeds): a torch.save'd tensor, base64
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):

@@ -33,6 +33,7 @@ import numpy as np
 from actors.engine import vllm_env
 from actors.engine.config import MultiModalConfig
 from actors.engine.messages import MultiModalFeature
+from actors.tokenizer.prompt_embeds import check_hidden_size, decode_prompt_embeds, embeds_array
 
 log = logging.getLogger("troupe.tokenizer")
 
@@ -46,12 +47,20 @@ class MediaError(ValueError):
     """An image that cannot be read, or may not be (an HTTP 400)."""
 
 
+class EmbedsPayload(str):
+    """A chat ``image_embeds`` part's data: the base64 of a torch.save'd (positions, hidden) tensor."""
+
+
+MM_EMBEDS_OFF = "You must set `--enable-mm-embeds` to input `image_embeds`"
+
+
 # -- images out of messages -------------------------------------------------------------------
 
 def extract_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
     """Chat messages with each image part (``image_url`` with its ``url``, the offline API's
-    ``image_pil``) as ``{"type": "image"}``, and the images' sources in order (URLs, PIL images).
-    Messages without image parts come back as they are."""
+    ``image_pil``, ``image_embeds`` with --enable-mm-embeds) as ``{"type": "image"}``, and the
+    images' sources in order (URLs, PIL images, embeddings' payloads). Messages without image
+    parts come back as they are."""
     out, sources = [], []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
@@ -89,11 +98,16 @@ def _image_source(part: Any) -> Any:
         return url if isinstance(url, str) else ""
     if kind == "image_pil":
         return part.get("image_pil")
+    if kind == "image_embeds":
+        data = part.get("image_embeds")
+        return EmbedsPayload(data) if isinstance(data, str) else ""
     return None
 
 
 def images_of(data: Mapping[str, Any] | None) -> list[Any]:
-    """The offline API's ``multi_modal_data``: ``{"image": image or [images]}`` -> the images."""
+    """The offline API's ``multi_modal_data``: ``{"image": image or [images]}`` -> the images
+    (an image as its embeddings, with --enable-mm-embeds: a (positions, hidden) tensor, or a
+    (images, positions, hidden) one for several)."""
     if not data:
         return []
     unknown = sorted(set(data) - {IMAGE})
@@ -101,6 +115,8 @@ def images_of(data: Mapping[str, Any] | None) -> list[Any]:
         raise MediaError(f"multi_modal_data {unknown} is not supported: Troupe's models take images "
                          "({'image': PIL image or a list of them})")
     images = data[IMAGE]
+    if type(images).__module__.startswith("torch") and getattr(images, "dim", lambda: 0)() == 3:
+        return list(images)                         # (images, positions, hidden) embeddings
     return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
@@ -112,6 +128,10 @@ async def load_image(source: Any, config: MultiModalConfig) -> Any:
     from PIL import Image
     if isinstance(source, Image.Image):
         return _rgb(source)
+    if isinstance(source, EmbedsPayload):
+        return _embeds(lambda: decode_prompt_embeds(source, "image_embeds"), config)
+    if type(source).__module__.startswith("torch"):      # the offline API's embeddings
+        return _embeds(lambda: embeds_array(source, "image_embeds"), config)
     if not isinstance(source, str):
         raise MediaError(f"an image must be a URL or a PIL image, got {type(source).__name__}")
     if source[:5].lower() == "data:":
@@ -122,6 +142,15 @@ async def load_image(source: Any, config: MultiModalConfig) -> Any:
     if scheme == "file":
         return _decode(await asyncio.to_thread(_local_bytes, source, config), source)
     raise MediaError("The URL must be either a HTTP, data or file URL.")
+
+
+def _embeds(read: Callable[[], np.ndarray], config: MultiModalConfig) -> np.ndarray:
+    if not config.enable_mm_embeds:
+        raise MediaError(MM_EMBEDS_OFF)
+    try:
+        return read()
+    except ValueError as exc:
+        raise MediaError(str(exc)) from None
 
 
 def _data_url_bytes(url: str) -> bytes:
@@ -209,10 +238,11 @@ class ImageProcessor:
     inputs, and the expansion of its placeholder in the prompt."""
 
     def __init__(self, checkpoint_dir: str, image_token_id: int, config: MultiModalConfig,
-                 encode: Callable[[str], list[int]], counts: Any = None) -> None:
+                 encode: Callable[[str], list[int]], counts: Any = None, hidden_size: int = 0) -> None:
         """``encode``: the served tokenizer's text -> token ids, no special tokens added;
         ``counts``: what counts the processor cache's lookups (``mm_cache_queries`` and
-        ``mm_cache_hits`` attributes: the server's stats; None: itself)."""
+        ``mm_cache_hits`` attributes: the server's stats; None: itself); ``hidden_size``: the
+        rows image embeddings must have (--enable-mm-embeds)."""
         from transformers import AutoProcessor
         from transformers.utils import logging as hf_logging
         verbosity = hf_logging.get_verbosity()
@@ -241,15 +271,46 @@ class ImageProcessor:
         self._cache: collections.OrderedDict[str, tuple[list[int], dict[str, np.ndarray]]] = collections.OrderedDict()
         self._cache_bytes, self._cache_limit = 0, int(config.processor_cache_gb * (1 << 30))
         self._lock = threading.Lock()         # images are processed in threads
-        self.counts = counts if counts is not None else self
+        self.counts = self
         self.mm_cache_queries = self.mm_cache_hits = 0
+        self.hidden_size = hidden_size
+        # whether an image's placeholder expands to image tokens alone (LLaVA's), so that one given
+        # as embeddings expands to as many as it has rows
+        self.plain_expansion = False
+        if config.enable_mm_embeds:
+            from PIL import Image
+            ids = self._processed(Image.new("RGB", (64, 64)))[0]
+            self.plain_expansion = all(t == image_token_id for t in ids)
+            self.clear()
+        self.mm_cache_queries = self.mm_cache_hits = 0
+        self.counts = counts if counts is not None else self
 
     def process(self, image: Any, kwargs: Mapping[str, Any] | None = None,
                 ) -> tuple[list[int], dict[str, np.ndarray], str]:
-        """One image -> the token ids its placeholder expands to, its inputs for the model's
-        encoder (a batch of one), and its identifier (a digest of its pixels and the processor's
-        keywords: the server's --mm-processor-kwargs under the request's ``kwargs``). An image
-        processed before with the same keywords comes from the processor cache."""
+        """One image (a PIL image, or its embeddings' rows) -> the token ids its placeholder
+        expands to, its inputs for the model (a batch of one), and its identifier."""
+        if isinstance(image, np.ndarray):
+            return self._embedded(image)
+        return self._processed(image, kwargs)
+
+    def _embedded(self, rows: np.ndarray) -> tuple[list[int], dict[str, np.ndarray], str]:
+        """An image given as its embeddings (positions, hidden): as many image tokens."""
+        if not self.plain_expansion:
+            raise MediaError(f"{type(self.processor).__name__} expands an image's placeholder into more than image "
+                             "tokens, so image_embeds cannot say where their rows go: send the image")
+        try:
+            check_hidden_size(rows, self.hidden_size, "image_embeds")
+        except ValueError as exc:
+            raise MediaError(str(exc)) from None
+        identifier = "embeds-" + hashlib.blake2b(rows.tobytes(), digest_size=16).hexdigest()
+        return [self.image_token_id] * len(rows), {"image_embeds": rows}, identifier
+
+    def _processed(self, image: Any, kwargs: Mapping[str, Any] | None = None,
+                   ) -> tuple[list[int], dict[str, np.ndarray], str]:
+        """A PIL image by the checkpoint's processor; its identifier a digest of its pixels and
+        the processor's keywords (the server's --mm-processor-kwargs under the request's
+        ``kwargs``). An image processed before with the same keywords comes from the processor
+        cache."""
         kwargs = {**self.config.mm_processor_kwargs, **(kwargs or {})}
         h = hashlib.blake2b(digest_size=16)
         h.update(f"{image.mode}:{image.size}:{json.dumps(kwargs, sort_keys=True, default=str)}".encode())

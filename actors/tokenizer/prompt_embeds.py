@@ -18,15 +18,16 @@ ENABLE_ERROR = "You must set `--enable-prompt-embeds` to input `prompt_embeds`."
 MAX_REASON_CHARS = 200          # of torch's reason for bytes it could not read (they are the caller's)
 
 
-def decode_prompt_embeds(data: Any) -> np.ndarray:
-    """The rows of one base64 ``torch.save`` payload (ValueError saying what is wrong with it)."""
+def decode_prompt_embeds(data: Any, name: str = "prompt_embeds") -> np.ndarray:
+    """The rows of one base64 ``torch.save`` payload (ValueError saying what is wrong with it,
+    naming the field ``name``)."""
     if not isinstance(data, (str, bytes)) or not data:
-        raise ValueError("`prompt_embeds` must be a non-empty base64 string (a torch.save'd tensor), "
+        raise ValueError(f"`{name}` must be a non-empty base64 string (a torch.save'd tensor), "
                          "or a list of them")
     try:
         payload = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError("`prompt_embeds` is not valid base64") from None
+        raise ValueError(f"`{name}` is not valid base64") from None
     import torch
     try:
         tensor = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
@@ -36,36 +37,37 @@ def decode_prompt_embeds(data: Any) -> np.ndarray:
         reason = str(exc).strip() or type(exc).__name__
         if len(reason) > MAX_REASON_CHARS:
             reason = f"{reason[:MAX_REASON_CHARS]}... ({len(reason) - MAX_REASON_CHARS} more characters truncated)"
-        raise ValueError(f"`prompt_embeds` could not be deserialized as a torch tensor: {reason}") from None
-    return embeds_array(tensor)
+        raise ValueError(f"`{name}` could not be deserialized as a torch tensor: {reason}") from None
+    return embeds_array(tensor, name)
 
 
-def embeds_array(tensor: Any) -> np.ndarray:
-    """A tensor of prompt embeddings as the engine takes them: (tokens, hidden) float32 rows."""
+def embeds_array(tensor: Any, name: str = "prompt_embeds") -> np.ndarray:
+    """A tensor of embeddings (``name``: the field it came as) as the engine takes them:
+    (tokens, hidden) float32 rows."""
     import torch
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"`prompt_embeds` must be a tensor, got {type(tensor).__name__}")
+        raise ValueError(f"`{name}` must be a tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         tensor = tensor.to_dense()
     if tensor.dim() == 3 and tensor.shape[0] == 1:      # a batch of one: unambiguous
         tensor = tensor.squeeze(0)
     if tensor.dim() != 2:
-        raise ValueError("`prompt_embeds` must be a 2D tensor of shape (num_tokens, hidden_size); "
+        raise ValueError(f"`{name}` must be a 2D tensor of shape (num_tokens, hidden_size); "
                          f"got shape {tuple(tensor.shape)}.")
     if not tensor.is_floating_point():
-        raise ValueError(f"`prompt_embeds` dtype {tensor.dtype} is not a floating-point type, cannot safely "
+        raise ValueError(f"`{name}` dtype {tensor.dtype} is not a floating-point type, cannot safely "
                          "cast to the model's dtype.")
     if tensor.shape[0] == 0:
-        raise ValueError("`prompt_embeds` has no rows: the prompt is empty")
+        raise ValueError(f"`{name}` has no rows: the prompt is empty")
     rows = tensor.detach().to(torch.float32).contiguous().numpy()
     if not np.isfinite(rows).all():
-        raise ValueError("`prompt_embeds` holds values that are not finite (nan or inf)")
+        raise ValueError(f"`{name}` holds values that are not finite (nan or inf)")
     return rows
 
 
-def check_hidden_size(rows: np.ndarray, hidden_size: int) -> None:
+def check_hidden_size(rows: np.ndarray, hidden_size: int, name: str = "prompt_embeds") -> None:
     if rows.shape[1] != hidden_size:
-        raise ValueError(f"`prompt_embeds` hidden_size {rows.shape[1]} does not match the model's hidden_size "
+        raise ValueError(f"`{name}` hidden_size {rows.shape[1]} does not match the model's hidden_size "
                          f"{hidden_size}.")
 
 

@@ -51,7 +51,8 @@ def hf_answer(llava, text: str, images: list, **kwargs) -> list[int]:
 @pytest.fixture(scope="module")
 def llm(llava):
     from actors.api import LLM
-    engine = LLM(model=llava[0], max_model_len=256, max_num_batched_tokens=8, limit_mm_per_prompt={"image": 2})
+    engine = LLM(model=llava[0], max_model_len=256, max_num_batched_tokens=8, limit_mm_per_prompt={"image": 2},
+                 enable_mm_embeds=True)
     try:
         yield engine
     finally:
@@ -92,6 +93,32 @@ def test_the_prefix_cache_serves_an_images_blocks_to_that_image_only(llm, llava)
     other = llm.generate({"prompt": LONG, "multi_modal_data": {"image": b}}, greedy())[0]
     assert other.num_cached_tokens == 0             # the same tokens, another image from block 0 on
     assert other.outputs[0].token_ids == hf_answer(llava, LONG, [b])
+
+
+def image_features(llava, image):
+    """transformers' embeddings of ``image`` (its positions, hidden): what its tower and projector make."""
+    import torch
+    _, hf, processor = llava
+    with torch.no_grad():
+        out = hf.model.get_image_features(pixel_values=processor(images=[image], text="<image>",
+                                                                 return_tensors="pt")["pixel_values"],
+                                          return_dict=True).pooler_output
+    return (out[0] if isinstance(out, (list, tuple)) else out.reshape(-1, out.shape[-1])).clone()
+
+
+def test_an_image_given_as_its_embeddings_answers_as_the_image_does(llm, llava):
+    a, b = random_image(11), random_image(12)
+    want = [hf_answer(llava, "t5 <image> t6 <image> t7", [a, b])]
+    rows = [image_features(llava, a), image_features(llava, b)]
+    import torch
+    for data in ([rows[0], rows[1]], torch.stack(rows)):          # a list of (16, 64), or (2, 16, 64)
+        got = llm.generate({"prompt": "t5 <image> t6 <image> t7", "multi_modal_data": {"image": data}}, greedy())
+        assert [got[0].outputs[0].token_ids] == want
+    mixed = llm.generate({"prompt": "t5 <image> t6 <image> t7", "multi_modal_data": {"image": [rows[0], b]}},
+                         greedy())
+    assert [mixed[0].outputs[0].token_ids] == want
+    with pytest.raises(ValueError, match="hidden_size 8 does not match"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(16, 8)}}, greedy())
 
 
 def test_the_processor_cache_serves_an_image_again_until_reset(llm):
@@ -160,7 +187,7 @@ def media(tmp_path_factory):
 def server(llava, media, tmp_path_factory):
     allowed = media[0]
     s = Server("--model", llava[0], "--threads", "1", "--max-model-len", "256", "--allowed-local-media-path",
-               str(allowed), "--limit-mm-per-prompt", '{"image": 2}')
+               str(allowed), "--limit-mm-per-prompt", '{"image": 2}', "--enable-mm-embeds")
     try:
         yield s
     finally:
@@ -205,6 +232,25 @@ def test_chat_takes_an_image_as_a_data_url_an_http_url_or_an_allowed_file(server
     status, streamed = chat(server, f"{base}/a.png", stream=True)
     chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
     assert [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []] == want
+
+
+def test_chat_takes_an_image_as_image_embeds(server, media, llava):
+    import io as _io
+
+    import torch
+    from PIL import Image
+    root, base = media
+    want = chat(server, f"{base}/a.png")[1]["choices"][0]["token_ids"]
+    buf = _io.BytesIO()
+    torch.save(image_features(llava, Image.open(root / "a.png").convert("RGB")), buf)
+    content = [{"type": "image_embeds", "image_embeds": base64.b64encode(buf.getvalue()).decode()},
+               {"type": "text", "text": "t5 t6"}]
+    status, body = post(server, {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+                                 "temperature": 0, "return_token_ids": True})
+    assert status == 200 and body["choices"][0]["token_ids"] == want, body
+    content[0]["image_embeds"] = "not base64!"
+    status, body = post(server, {"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert status == 400 and "`image_embeds` is not valid base64" in body["error"]["message"]
 
 
 def test_a_repeated_image_is_served_from_the_prefix_cache(server, media):

@@ -80,6 +80,9 @@ def test_images_are_read_from_data_and_allowed_file_urls_and_refused_by_name(tmp
             read(source)
     with pytest.raises(MediaError, match="without `--allowed-local-media-path`"):
         read(f"file://{tmp_path}/a.png", MultiModalConfig())
+    with pytest.raises(MediaError, match="--enable-mm-embeds"):
+        read(torch.zeros(4, 8))
+    assert read(torch.ones(4, 8), MultiModalConfig(enable_mm_embeds=True)).shape == (4, 8)
     with pytest.raises(MediaError, match="allowed domains"):
         read("http://example.com/a.png", MultiModalConfig(allowed_media_domains=("127.0.0.1",)))
 
