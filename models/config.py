@@ -173,6 +173,7 @@ class ArchConfig:
     sep_token_id: int | None = None
     # -- image input (a multimodal checkpoint served whole by the transformers backend) -----------
     image_token_id: int | None = None          # the token whose positions take an image's embeddings; None: text only
+    mm_prefix_lm: bool = False                 # an image's positions attend to each other both ways (Gemma 3's)
     # -- how the engine serves it (set by ``serving``, not read from the checkpoint) -------------
     serving_len: int = 0                       # the engine's --max-model-len; 0: default_max_model_len
     # a classifier's labels (--convert classify: a ``score`` head, hidden -> labels); 0: none

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -104,7 +105,15 @@ def model_implementation(raw: dict[str, Any], model_impl: str = "auto") -> str:
         log.info("%s has no Troupe implementation: it is served by transformers' modeling code (the transformers "
                  "backend, vLLM's --model-impl transformers)", archs[0])
         return "transformers"
+    if isinstance(raw.get("vision_config"), dict) and len(archs) == 1:
+        _own_class_on_text(archs[0])
     return "vllm"
+
+
+@functools.cache
+def _own_class_on_text(arch: str) -> None:
+    log.info("%s is served on text by Troupe's own class (its language model); --model-impl transformers serves "
+             "it whole, images too", arch)
 
 
 def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None,

@@ -103,7 +103,15 @@ def encoder_class(raw: dict[str, Any]) -> type | None:
 
 
 # model types whose language model attends both ways among an image's tokens (vLLM's is_mm_prefix_lm)
-_PREFIX_LM_TYPES = ("gemma3", "gemma3n", "paligemma")
+PREFIX_LM_TYPES = ("bagel", "gemma3", "molmo2", "moondream3", "paligemma")
+
+
+def is_mm_prefix_lm(raw: dict[str, Any], hf) -> bool:
+    """Whether an image's positions attend to each other both ways (vLLM's rule: the config's
+    ``is_mm_prefix_lm``, else its list of model types)."""
+    if hasattr(hf, "is_mm_prefix_lm"):
+        return bool(hf.is_mm_prefix_lm)
+    return raw.get("model_type") in PREFIX_LM_TYPES
 
 
 def image_text_to_text_class(raw: dict[str, Any]) -> type | None:
@@ -123,8 +131,9 @@ def image_token_id(raw: dict[str, Any], hf) -> int | None:
     """The token whose positions take an image's embeddings, when the transformers backend serves
     this multimodal checkpoint whole (its vision tower and projector in front of the language
     model, as vLLM serves it): transformers has its image-text-to-text class, the class computes
-    image features, its language model attends causally over plain positions. None otherwise,
-    the reason logged: the checkpoint is then served as its language model, on text."""
+    image features, its language model takes plain positions (a prefix LM's images attend to
+    themselves both ways: ``is_mm_prefix_lm``). None otherwise, the reason logged: the checkpoint
+    is then served as its language model, on text."""
     arch = (raw.get("architectures") or ["?"])[0]
     cls = image_text_to_text_class(raw)
     token = getattr(hf, "image_token_id", None)
@@ -137,8 +146,6 @@ def image_token_id(raw: dict[str, Any], hf) -> int | None:
         why = f"transformers {_transformers_version()} has no image-text-to-text class of it that computes image features"
     elif not getattr(cls, "_supports_attention_backend", False):
         why = f"{cls.__name__} does not attend through transformers' attention interface"
-    elif raw.get("model_type") in _PREFIX_LM_TYPES or getattr(hf, "is_mm_prefix_lm", False):
-        why = "its image tokens attend to each other both ways (a prefix LM), which the paged attention does not"
     elif "mrope_section" in rope:
         why = "its image tokens take M-RoPE's three-dimensional positions"
     elif not isinstance(token, int):
@@ -229,6 +236,7 @@ def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any],
     except (ValueError, KeyError, TypeError):      # a rope type Troupe's own rotary lacks: transformers turns it
         theta, max_len = 10000.0, positions
     eps = getattr(text, "rms_norm_eps", None) or getattr(text, "layer_norm_eps", None) or 1e-6
+    images = None if language_model_only or text is hf or encoder else image_token_id(raw, hf)
     if encoder is not None and window is not None:
         raise ValueError(f"{arch}: an encoder's local attention windows through the transformers backend are not "
                          "supported")
@@ -243,7 +251,7 @@ def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any],
         sliding_window=window, layer_types=layer_types,
         attn_logit_softcapping=getattr(text, "attn_logit_softcapping", None),
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
-        image_token_id=None if language_model_only or text is hf or encoder else image_token_id(raw, hf))
+        image_token_id=images, mm_prefix_lm=images is not None and is_mm_prefix_lm(raw, hf))
 
 
 # -- attention -------------------------------------------------------------------------------------
@@ -284,6 +292,11 @@ class TransformersAttention(AttentionLayer):
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))     # (T, heads, D)
         scale = self.head_size ** -0.5 if scaling is None else float(scaling)
         out = self.attend(q, k, v, caches[self.kv_index], meta, scale, self.sliding_window, softcap or None, sinks)
+        if meta.mm_prefix_spans:          # a prefix LM's image positions: each image seen both ways
+            from kernels.attention.prefix_lm import image_rows_attention
+            image_rows_attention(out, q, caches[self.kv_index], meta.for_group(self.kv_cache_group),
+                                 meta.mm_prefix_spans, scale, self.sliding_window, softcap or None,
+                                 self.k_scale, self.v_scale)
         return out.unsqueeze(0)
 
 

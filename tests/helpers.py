@@ -395,3 +395,39 @@ def random_image(seed: int, width: int = 50, height: int = 40):
     import numpy as np
     from PIL import Image
     return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8))
+
+
+def save_tiny_gemma3_vision(path, vocab: int = 300, seed: int = 5):
+    """A tiny random Gemma 3 checkpoint with a SigLIP vision tower (56 pixels in patches of 14, 16
+    soft tokens an image) and its processor (Gemma 3's, a word-level tokenizer whose last three
+    tokens are <start_of_image>, <end_of_image> and <image_soft_token>). Its sliding layers' window
+    (8) is shorter than an image, whose positions attend to each other both ways. Returns
+    transformers' model and processor, as read back from ``path``."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, num_hidden_layers=4, sliding_window=8,
+                query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"])
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=56,
+                  patch_size=14)
+    torch.manual_seed(seed)
+    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=16, image_token_index=vocab - 1,
+        boi_token_index=vocab - 3, eoi_token_index=vocab - 2))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+    hf.save_pretrained(path)
+    save_tiny_tokenizer(path, vocab - 3)
+    tokenizer_file = os.path.join(str(path), "tokenizer.json")
+    tok = Tokenizer.from_file(tokenizer_file)
+    tok.add_special_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
+    tok.save(tokenizer_file)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, unk_token="t0", extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    images = transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    transformers.Gemma3Processor(image_processor=images, tokenizer=fast, image_seq_length=16).save_pretrained(path)
+    return (transformers.Gemma3ForConditionalGeneration.from_pretrained(path).eval(),
+            transformers.AutoProcessor.from_pretrained(path))

@@ -92,6 +92,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     disable_hybrid_kv_cache_manager: bool = False
+    disable_chunked_mm_input: bool = False   # vLLM's: a step never ends inside an image's positions
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None     # None: 2048, or the context length where prompts go whole
     # vLLM's --enable-chunked-prefill: prompts longer than the step's budget computed in chunks
@@ -290,7 +291,8 @@ class EngineArgs:
                                       max_waiting_requests=self.max_waiting_requests,
                                       max_waiting_tokens=self.max_waiting_tokens,
                                       max_num_queued_reqs=self.max_num_queued_reqs,
-                                      disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
+                                      disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
+                                      disable_chunked_mm_input=self.disable_chunked_mm_input),
             parallel=ParallelConfig(multiprocess=self.multiprocess, data_parallel_size=self.data_parallel_size,
                                     tensor_parallel_size=self.tensor_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel,
@@ -843,6 +845,11 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
                  "reproducible from any language), xxhash, xxhash_cbor (faster, not collision resistant; "
                  "the xxhash package); the first block's parent is the algorithm's hash of PYTHONHASHSEED, "
                  "else of \"vllm-none-hash\" (xxhash: a random seed per process)")),
+        (("--disable-chunked-mm-input",), "disable_chunked_mm_input", dict(
+            action=argparse.BooleanOptionalAction, default=d["disable_chunked_mm_input"],
+            help="vLLM's: with chunked prefill, a step never ends inside an image's positions (it takes the image "
+                 "whole, or stops before it); always so for a model whose image positions attend to each other "
+                 "(Gemma 3's)")),
         (("--disable-hybrid-kv-cache-manager",), "disable_hybrid_kv_cache_manager", dict(
             action=argparse.BooleanOptionalAction, default=d["disable_hybrid_kv_cache_manager"],
             help="every layer holds a KV block for every token; by default the sliding-window layers of "

@@ -205,6 +205,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # every layer holds every block (one KV cache group), as without vLLM's hybrid KV cache
     # manager; else sliding-window layers hold a window's worth of blocks in groups of their own
     disable_hybrid_kv_cache_manager: bool = False
+    # vLLM's: a step never ends inside an image's positions (computed in one step, or not yet);
+    # on for a prefix LM, whose image positions attend to each other
+    disable_chunked_mm_input: bool = False
 
     @property
     def token_budget(self) -> int:
@@ -464,6 +467,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                                             and self.speculative is None and self.model.pooling is None
                                             and self.parallel.pipeline_parallel_size == 1)
         sched, cache = self._whole_prompts(sched, arch, max_model_len)
+        if arch.mm_prefix_lm and not sched.disable_chunked_mm_input:    # an image computed in one step
+            sched = msgspec.structs.replace(sched, disable_chunked_mm_input=True)
         if sched.max_num_partial_prefills > 1 and not sched.long_prefill_token_threshold and sched.chunks_prompts:
             sched = msgspec.structs.replace(sched, long_prefill_token_threshold=max(max_model_len * 4 // 100, 1))
         return self.replace(

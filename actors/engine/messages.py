@@ -38,6 +38,14 @@ class MultiModalFeature(msgspec.Struct, array_like=True):
     def num_embeds(self) -> int:
         return self.length if self.is_embed is None else int(self.is_embed.sum())
 
+    @property
+    def embed_span(self) -> tuple[int, int]:
+        """The positions from its first embedding's to past its last (the markers around left out)."""
+        if self.is_embed is None:
+            return self.offset, self.end
+        at = np.flatnonzero(self.is_embed)
+        return self.offset + int(at[0]), self.offset + int(at[-1]) + 1
+
 
 class EngineCoreRequest(msgspec.Struct):
     request_id: str

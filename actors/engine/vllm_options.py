@@ -67,7 +67,7 @@ REFUSED: dict[str, str] = {
     "--kv-sharing-fast-prefill": _KV, "--mamba-cache-dtype": _HYBRID, "--mamba-block-size": _HYBRID,
     "--kv-offloading-size": _KV, "--kv-offloading-backend": _KV,
     # the scheduler and compilation
-    "--num-lookahead-slots": _SCHED, "--disable-chunked-mm-input": _MODALITY, "--scheduler-cls": _SCHED,
+    "--num-lookahead-slots": _SCHED, "--scheduler-cls": _SCHED,
     "--num-scheduler-steps": _SCHED,
     "--preemption-mode": "Troupe preempts by recomputing (no swapping)", "--scheduler-delay-factor": _SCHED,
     "--cuda-graph-sizes": _COMPILE, "--additional-config": "Troupe's platforms take no additional config",
@@ -145,7 +145,7 @@ BOOLEAN = frozenset({
     "--use-tqdm-on-load",
     "--interleave-mm-strings",
     "--skip-mm-profiling", "--fully-sharded-loras",
-    "--kv-sharing-fast-prefill", "--disable-chunked-mm-input",
+    "--kv-sharing-fast-prefill",
     # vLLM 0.32's
     "--allow-deprecated-quantization", "--cohere-is-reasoning-model", "--cudagraph-metrics", "--dcp-q-replicate",
     "--enable-batch-sharded-sampling", "--enable-cumem-allocator", "--enable-elastic-ep", "--enable-ep-weight-filter",

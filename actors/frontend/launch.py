@@ -462,7 +462,8 @@ def image_processor(config: EngineConfig, tokenizer: TextTokenizer | TokenIdsOnl
     if arch.image_token_id is None or not isinstance(tokenizer, TextTokenizer):
         return None
     images = ImageProcessor(config.model.source.path, arch.image_token_id, config.model.multimodal,
-                            lambda text: tokenizer.encode(text, add_special_tokens=False), stats, arch.hidden_size)
+                            lambda text: tokenizer.encode(text, add_special_tokens=False), stats, arch.hidden_size,
+                            config.scheduler.token_budget if config.scheduler.disable_chunked_mm_input else None)
     tokenizer.image_placeholder = images.placeholder
     log.info("images are taken (at most %d a prompt), each as %s's processor makes it",
              config.model.multimodal.limit("image"), type(images.processor).__name__)

@@ -708,6 +708,9 @@ class Scheduler:
                 threshold = max(threshold, self.config.token_budget // eligible)
             n = min(n, threshold)
         n = min(n, step.budget)
+        whole = self.config.disable_chunked_mm_input and req.mm_features and computed < req.num_prompt_tokens
+        if whole:
+            n = whole_items(req.mm_features, computed, n)
         if step.latency_left is not None and n > 0 and req not in step.reserved:
             if n > 1 + len(req.spec_token_ids) or computed < req.num_prompt_tokens:   # a prompt chunk beside decodes
                 # the largest chunk that keeps the step within the target; the step's first
@@ -717,7 +720,7 @@ class Scheduler:
                 step.chunked = True
             _, c1, c2 = self.cost.coef
             step.latency_left -= c1 * n + c2 * attention_pairs(computed, n) / 1000.0
-        return n
+        return whole_items(req.mm_features, computed, n) if whole else n
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -951,3 +954,14 @@ class Scheduler:
                               self.kv.pool.residency.drain() if self.kv.pool.residency is not None else [],
                               estimated_flops=c.estimated_flops, estimated_read_bytes=c.estimated_read_bytes,
                               estimated_write_bytes=c.estimated_write_bytes)
+
+
+def whole_items(features: list, computed: int, n: int) -> int:
+    """vLLM's disable_chunked_mm_input: the tokens of a prompt chunk from ``computed`` (``n`` at
+    most) that end outside every image: a chunk that would end inside one ends before it, or is
+    none (the image waits for a step that holds it whole)."""
+    end = computed + n
+    for f in features:
+        if f.offset < end < f.end:
+            return max(f.offset - computed, 0)
+    return n

@@ -238,11 +238,15 @@ class ImageProcessor:
     inputs, and the expansion of its placeholder in the prompt."""
 
     def __init__(self, checkpoint_dir: str, image_token_id: int, config: MultiModalConfig,
-                 encode: Callable[[str], list[int]], counts: Any = None, hidden_size: int = 0) -> None:
+                 encode: Callable[[str], list[int]], counts: Any = None, hidden_size: int = 0,
+                 whole_item_budget: int | None = None) -> None:
         """``encode``: the served tokenizer's text -> token ids, no special tokens added;
         ``counts``: what counts the processor cache's lookups (``mm_cache_queries`` and
         ``mm_cache_hits`` attributes: the server's stats; None: itself); ``hidden_size``: the
-        rows image embeddings must have (--enable-mm-embeds)."""
+        rows image embeddings must have (--enable-mm-embeds); ``whole_item_budget``: where an
+        image is computed in one step (--disable-chunked-mm-input, a prefix LM), the step's token
+        budget, which an image may not exceed."""
+        self.whole_item_budget = whole_item_budget
         from transformers import AutoProcessor
         from transformers.utils import logging as hf_logging
         verbosity = hf_logging.get_verbosity()
@@ -372,6 +376,9 @@ class ImageProcessor:
             is_embed = np.asarray(expansion) == self.image_token_id
             if not is_embed.any():
                 raise MediaError(f"the image's expansion holds no image token ({self.image_token_id})")
+            if self.whole_item_budget is not None and len(expansion) > self.whole_item_budget:
+                raise MediaError(f"an image takes {len(expansion)} positions, which are computed in one step, and a "
+                                 f"step takes at most {self.whole_item_budget} tokens (--max-num-batched-tokens)")
             features.append(MultiModalFeature(IMAGE, identifier, len(out), len(expansion), data,
                                               None if is_embed.all() else is_embed))
             out.extend(expansion)

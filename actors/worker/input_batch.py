@@ -242,6 +242,30 @@ class InputBatch:
             return None
         return np.concatenate(index), rows
 
+    def image_spans(self, slots: np.ndarray, start: np.ndarray, n: np.ndarray,
+                    cu: np.ndarray) -> tuple[tuple[int, int, int, int, int], ...]:
+        """A prefix LM's images in a pass over tokens ``start .. start + n`` of the requests in
+        ``slots`` (``cu``: where each request's tokens start in the pass): per image whose
+        positions the pass computes, (request, the pass's row of its first such position, that
+        position, the image's first and end positions) (``AttentionMetadata.mm_prefix_spans``).
+        ValueError for an image the pass cuts (its later positions in a later pass)."""
+        spans = []
+        for r, i in enumerate(slots.tolist()):
+            features = self.states[i].mm_features
+            if not features:
+                continue
+            first, end = int(start[r]), int(start[r] + n[r])
+            for feature in features:
+                lo_img, hi_img = feature.embed_span
+                lo = max(lo_img, first)
+                if lo >= min(hi_img, end):
+                    continue
+                if hi_img > end:
+                    raise ValueError(f"request {self.states[i].req_id!r}: an image of a prefix LM was cut at position "
+                                     f"{end} (it ends at {hi_img}); its positions attend to each other in one step")
+                spans.append((r, int(cu[r]) + lo - first, lo, lo_img, hi_img))
+        return tuple(spans)
+
     def output_token_ids(self, i: int) -> list[int]:
         return self.token_ids[i, self.num_prompt_tokens[i]:self.num_tokens[i]].tolist()
 

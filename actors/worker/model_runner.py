@@ -252,6 +252,10 @@ class ModelRunner:
                 min_prefix=self.cascade_min_prefix)
         ti = b.token_inputs(slots, start, n, prefix_len)
         cu = ti.query_start_loc
+        if self.arch.mm_prefix_lm and b.num_with_embeds:     # images that attend to themselves both ways
+            spans = b.image_spans(slots, start, n, cu)
+            if spans:
+                ti = ti._replace(meta=dataclasses.replace(ti.meta, mm_prefix_spans=spans))
         sample_rows = np.flatnonzero(start + n - num_drafts == b.num_tokens[slots])   # prompt complete
         input_ids, positions = torch.from_numpy(ti.input_ids), torch.from_numpy(ti.positions)
         if self.pooler is not None and self.arch.type_vocab_size > 1:

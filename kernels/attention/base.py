@@ -36,6 +36,10 @@ class AttentionMetadata:
     groups: tuple[AttentionMetadata, ...] = ()   # per KV cache group when there are several
     state_slots: torch.Tensor | None = None      # (B,) int64: each request's recurrent state slot (its row of
                                                  # the worker's batch), read by state-space layers (models/mamba.py)
+    # a prefix LM's images in the step (kernels/attention/prefix_lm.py): (request, the step's row of
+    # the first query, that query's position, the image's first and end positions), one per image
+    # whose positions the step computes; () for any other step
+    mm_prefix_spans: tuple[tuple[int, int, int, int, int], ...] = ()
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV cache group ``group``'s layers."""

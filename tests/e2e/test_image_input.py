@@ -157,6 +157,40 @@ def test_tensor_and_pipeline_parallel_ranks_take_images_too(llava, parallel):
     assert got[0].outputs[0].token_ids == hf_answer(llava, PROMPT, [image])
 
 
+def test_gemma3s_images_attend_to_themselves_both_ways_as_transformers_has_it(tmp_path):
+    """Gemma 3 (--model-impl transformers): an image's 16 positions attend to each other both
+    ways (its sliding layers' window of 8 still bounding what they see behind), the rest
+    causally, as transformers' masks have it; a step never ends inside an image (at a budget of
+    24 tokens the second prompt's first chunk stops after it), the prefix cache serves an
+    image's blocks again, and an image longer than a step's budget is refused."""
+    import torch
+
+    from actors.api import LLM
+    from helpers import save_tiny_gemma3_vision
+    hf, processor = save_tiny_gemma3_vision(tmp_path)
+    cases = [(random_image(13), "t5 t9 <start_of_image> t7 t8"),
+             (random_image(14), "t5 <start_of_image> " + " ".join(f"t{i}" for i in range(20, 32)))]
+    want, causal = [], []
+    for image, prompt in cases:
+        inputs = processor(images=[image], text=prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+            plain = hf.generate(**{k: v for k, v in inputs.items() if k != "token_type_ids"},
+                                max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        n = inputs["input_ids"].shape[1]
+        want.append(out[0, n:].tolist())
+        causal.append(plain[0, n:].tolist())
+    assert want != causal                            # the images' two-way attention decides the answers
+    prompts = [{"prompt": p, "multi_modal_data": {"image": i}} for i, p in cases]
+    with LLM(model=str(tmp_path), model_impl="transformers", max_model_len=256, max_num_batched_tokens=24) as engine:
+        assert [r.outputs[0].token_ids for r in engine.generate(prompts, greedy())] == want
+        again = engine.generate(prompts[1], greedy())[0]
+        assert again.outputs[0].token_ids == want[1] and again.num_cached_tokens == 16
+    with LLM(model=str(tmp_path), model_impl="transformers", max_model_len=256, max_num_batched_tokens=16) as engine:
+        with pytest.raises(ValueError, match="an image takes 18 positions, which are computed in one step"):
+            engine.generate(prompts[0], greedy())
+
+
 # -- over HTTP -------------------------------------------------------------------------------
 
 def png(image) -> bytes:

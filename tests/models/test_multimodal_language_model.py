@@ -132,21 +132,20 @@ def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(arch
 @pytest.mark.parametrize("layout", ["hub", "transformers5"])
 @pytest.mark.parametrize("architecture", ["Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration"])
 def test_through_the_transformers_backend_the_language_model_matches_too(architecture, layout, tmp_path):
-    """--model-impl transformers: Gemma 3 (its image tokens attend both ways, which the paged
-    attention does not) as transformers' own causal LM of the text config, reading the language
-    model's tensors of either layout, the vision tower never built; Mistral 3 whole (its Pixtral
-    vision tower too: it takes images), and as its language model with --language-model-only.
-    Either way the logits on text are transformers'."""
+    """--model-impl transformers: the checkpoint whole (its vision tower too: it takes images;
+    Gemma 3's image positions attend to each other both ways), and, with --language-model-only,
+    transformers' own causal LM of the text config alone, reading the language model's tensors of
+    either layout, the vision tower never built. Either way the logits on text are transformers'."""
     import dataclasses
     hf = _saved(architecture, layout, tmp_path)
     source = dataclasses.replace(resolve_model(str(tmp_path)), model_impl="transformers")
-    whole = architecture.startswith("Mistral3")
     tokens = torch.randint(3, 290, (29,), generator=torch.Generator().manual_seed(1)).tolist()
-    for text_only in (False, True) if whole else (False,):
+    for text_only in (False, True):
         model, config = load_model(dataclasses.replace(source, language_model_only=text_only))
         assert config.architecture == "TransformersForCausalLM"
-        assert (config.image_token_id == 299) == (whole and not text_only)
-        assert type(model.hf).__name__.endswith("ForConditionalGeneration") == (whole and not text_only)
+        assert (config.image_token_id == 299) == (not text_only)
+        assert config.mm_prefix_lm == (architecture.startswith("Gemma3") and not text_only)
+        assert type(model.hf).__name__.endswith("ForConditionalGeneration") == (not text_only)
         paged = Paged(config)
         (ours,) = paged.step(model, [(tokens, 0, paged.blocks_for([], 29))])
         torch.testing.assert_close(ours, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)

@@ -176,3 +176,26 @@ def test_the_multimodal_flags_are_checked_and_every_limit_zero_serves_text(tmp_p
             EngineArgs(**bad).multimodal()
     assert EngineArgs(limit_mm_per_prompt={"image": 0}).create_engine_config().model.source.language_model_only
     assert not EngineArgs().create_engine_config().model.source.language_model_only
+
+
+def test_with_disable_chunked_mm_input_no_step_ends_inside_an_image():
+    """vLLM's --disable-chunked-mm-input (always on for a prefix LM): a prompt chunk that would end
+    inside an image stops before it, and the image comes whole in the next step; without it the
+    chunks are the budget's. Images also key the blocks they touch."""
+    from actors.engine.messages import EngineCoreRequest
+    from sched_utils import EOS, Harness
+
+    def chunks(**cfg) -> list[int]:
+        h = Harness(max_num_batched_tokens=10, **cfg)
+        req = EngineCoreRequest("r", list(range(100, 130)), SamplingParams(max_tokens=1, temperature=0), 0.0, [EOS],
+                                mm_features=[feature("A", 6, 8), feature("B", 20, 6)])
+        assert h.s.add_request(req) is None
+        got = []
+        for _ in range(8):
+            so, _ = h.step()
+            if "r" not in so.num_scheduled_tokens:
+                break
+            got.append(so.num_scheduled_tokens["r"])
+        return got
+    assert chunks() == [10, 10, 10]
+    assert chunks(disable_chunked_mm_input=True) == [6, 10, 10, 4]       # 0-6, then A (6-14) whole, B (20-26) whole
