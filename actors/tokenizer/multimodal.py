@@ -329,13 +329,16 @@ class ImageProcessor:
                 return cached[0], cached[1], identifier
         try:
             out = self.processor(text=self.placeholder, images=[image], return_text_replacement_offsets=True,
-                                 return_tensors="np", **kwargs)
+                                 add_special_tokens=False, return_tensors="np", **kwargs)
         except (ValueError, TypeError, KeyError) as exc:
             raise MediaError(f"{type(self.processor).__name__} could not process the image: {exc}") from None
-        replacements = out["text_replacement_offsets"][0]
-        if len(replacements) != 1:
-            raise MediaError(f"{type(self.processor).__name__} expanded one image into {len(replacements)} places")
-        ids = self.encode(replacements[0]["replacement"])
+        if "text_replacement_offsets" in out:       # what the placeholder became, as text (vLLM's way)
+            replacements = out["text_replacement_offsets"][0]
+            if len(replacements) != 1:
+                raise MediaError(f"{type(self.processor).__name__} expanded one image into {len(replacements)} places")
+            ids = self.encode(replacements[0]["replacement"])
+        else:                                       # a transformers without them: the expansion's token ids
+            ids = [int(t) for t in out["input_ids"][0]]
         data = {key: np.ascontiguousarray(value) for key, value in out.items() if key not in _NOT_INPUTS
                 and isinstance(value, np.ndarray)}
         self._keep(identifier, ids, data)

@@ -3,7 +3,8 @@ SmolLM3's NoPE layers, a Phi-4-mini-shaped model (longrope over a partial rotary
 original context), Llama 3.1's rope scaling, Gemma 2's capped scores, gpt-oss's attention sinks
 and biased swigluoai experts, BLOOM's ALiBi (in the Triton kernels), Mamba-2's and Qwen3-Next's
 recurrent states (eager: no graphs for them), and architectures served by the transformers backend
-(Apertus; VaultGemma's sliding layers) give transformers' greedy tokens through a CUDA engine."""
+(Apertus; VaultGemma's sliding layers) give transformers' greedy tokens through a CUDA engine, and so do
+images (LLaVA; Gemma 3, its image rows attended both ways)."""
 from __future__ import annotations
 
 import pytest
@@ -97,3 +98,23 @@ def check_greedy_tokens(name: str, path, device: str) -> None:
                                   "mamba2", "qwen3_next", "apertus", "vaultgemma"])
 def test_greedy_tokens_on_cuda_equal_transformers(name, tmp_path):
     check_greedy_tokens(name, tmp_path, "cuda")
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_images_on_cuda_answer_as_transformers_does(family, tmp_path):
+    """Image input on a GPU (the transformers backend whole, --model-impl transformers for Gemma 3):
+    the vision tower's embeddings in the worker, Gemma 3's image rows attended both ways over the
+    Triton backend's cache; greedy tokens as transformers' generate (float32)."""
+    from helpers import random_image, save_tiny_gemma3_vision, save_tiny_llava
+    hf, processor = (save_tiny_llava if family == "llava" else save_tiny_gemma3_vision)(tmp_path)
+    image = random_image(21)
+    prompt = "t5 t9 <image> t7 t8" if family == "llava" else "t5 t9 <start_of_image> t7 t8"
+    inputs = processor(images=[image], text=prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    want = out[0, inputs["input_ids"].shape[1]:].tolist()
+    with LLM(model=str(tmp_path), model_impl="transformers", device="cuda", dtype="float32", max_model_len=128,
+             kv_cache_bytes=256 << 20) as llm:
+        (got,) = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}},
+                              SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert list(got.outputs[0].token_ids) == want
