@@ -55,6 +55,16 @@ BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
 TRANSFORMERS_BACKEND = "TransformersForCausalLM"    # transformers' modeling code (vLLM's name for the class)
 TRANSFORMERS_ENCODER = "TransformersEmbeddingModel"  # the same for a bidirectional encoder (vLLM's name)
 TRANSFORMERS_BACKENDS = (TRANSFORMERS_BACKEND, TRANSFORMERS_ENCODER)
+# model types whose language model attends both ways among an image's tokens (vLLM's is_mm_prefix_lm list)
+PREFIX_LM_TYPES = ("bagel", "gemma3", "molmo2", "moondream3", "paligemma")
+
+
+def is_mm_prefix_lm(raw: dict) -> bool:
+    """Whether a multimodal config.json's image positions attend to each other both ways (vLLM's
+    rule: its ``is_mm_prefix_lm``, else its list of model types)."""
+    if "is_mm_prefix_lm" in raw:
+        return bool(raw["is_mm_prefix_lm"])
+    return raw.get("model_type") in PREFIX_LM_TYPES
 # config.json names served only under another (vLLM's overrides): what the refusal of each says
 RENAMED_ARCHITECTURES: dict[str, str] = {
     "BertForMaskedLM": "a SPLADE checkpoint (a BERT masked LM) is served as vLLM serves it, with "

@@ -48,10 +48,14 @@ class CausalLM(nn.Module):
     gguf_permuted_qk: ClassVar[bool] = False
     # token texts llama.cpp ends generation on beside eos (end-of-turn markers)
     gguf_eog_tokens: ClassVar[tuple[str, ...]] = ()
-    # the language model of a multimodal checkpoint (vLLM's --language-model-only, always here):
-    # the config.json key its own keys are under, e.g. "text_config" (None: a causal LM's own)
+    # the language model of a multimodal checkpoint: the config.json key its own keys are under,
+    # e.g. "text_config" (None: a causal LM's own)
     hf_text_config: ClassVar[str | None] = None
-    # tensor-name prefixes of the parts Troupe does not run (a vision tower, its projector): never read
+    # a multimodal class that takes images: ``load_vision`` reads its vision tower beside the
+    # language model, ``embed_multimodal`` makes an image's embeddings (False: served on text)
+    takes_images: ClassVar[bool] = False
+    # tensor-name prefixes the language model's tensor map does not read (a vision tower, its
+    # projector: ``load_vision`` reads those where the class takes images)
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = ()
     # its layers can attend both ways (config.json's use_bidirectional_attention, an encoder's:
     # ArchConfig.encoder_only), as LlamaBidirectionalModel's do

@@ -222,9 +222,26 @@ class Gemma3ForCausalLM(LocalGlobalLM):
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """Gemma 3 4B, 12B and 27B as published (a SigLIP vision tower beside the language model):
-    the language model, served on text (vLLM's --language-model-only); the vision tensors are
-    never read."""
+    the language model with its images (``load_vision``: transformers' SigLIP tower and Gemma 3's
+    projector, read from the checkpoint; an image's positions attend to each other both ways, a
+    prefix LM's), or on text alone with --language-model-only (the vision tensors never read)."""
     hf_text_config: ClassVar[str | None] = "text_config"
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = VISION_PREFIXES
+    takes_images: ClassVar[bool] = True
     gguf_architectures: ClassVar[tuple[str, ...]] = ()     # llama.cpp writes the language model as "gemma3"
     hf_tensor_map: ClassVar[TensorMap] = language_model_tensor_map(Gemma3ForCausalLM.hf_tensor_map)
+
+    def load_vision(self, path: str, overrides: dict[str, Any] | None = None) -> None:
+        """The vision tower and the projector, built by transformers from the checkpoint's
+        config (its SigLIP, its Gemma3MultiModalProjector) and read from its tensors (the hub's
+        ``vision_tower.*`` / ``multi_modal_projector.*`` or transformers 5's ``model.``-prefixed)."""
+        from models.vision import load_vision_parts
+        tower, projector = load_vision_parts(path, overrides, "gemma3", self.embed_tokens.weight.dtype)
+        self.vision_tower, self.multi_modal_projector = tower, projector
+
+    def embed_multimodal(self, modality: str, data: dict[str, Any]) -> torch.Tensor:
+        """One image's embeddings (its soft tokens, hidden) from its pixel values (a batch of
+        one), or its embeddings as given (--enable-mm-embeds)."""
+        from models.vision import image_embeddings
+        return image_embeddings(self, modality, data, lambda pixels: self.multi_modal_projector(
+            self.vision_tower(pixel_values=pixels).last_hidden_state))

@@ -105,8 +105,6 @@ def model_implementation(raw: dict[str, Any], model_impl: str = "auto") -> str:
         log.info("%s has no Troupe implementation: it is served by transformers' modeling code (the transformers "
                  "backend, vLLM's --model-impl transformers)", archs[0])
         return "transformers"
-    if isinstance(raw.get("vision_config"), dict) and len(archs) == 1:
-        _own_class_on_text(archs[0])
     return "vllm"
 
 
@@ -131,14 +129,29 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         if archs[0] in BIDIRECTIONAL_MODELS:              # attending both ways
             raw["use_bidirectional_attention"] = True
     model_class = _model_class(raw)
+    images: dict[str, Any] = {}
     if model_class.hf_text_config is not None:     # a multimodal checkpoint: its language model's keys
+        if isinstance(raw.get("vision_config"), dict) and not language_model_only:
+            images = _image_fields(raw, model_class)
         raw = language_model_config(raw, model_class.hf_text_config)
     raw = model_class.hf_raw({**model_class.hf_defaults, **raw})   # a key present as null stays null
     fields = _generic_fields(raw, generation or {})
     fields = {**fields, **model_class.hf_fields(raw, fields)}
     if raw.get("use_bidirectional_attention") and model_class.bidirectional_layers:
         fields["encoder_only"] = True            # an encoder (LlamaBidirectionalModel)
-    return ArchConfig(**fields)
+    return ArchConfig(**fields, **images)
+
+
+def _image_fields(raw: dict[str, Any], model_class: type[CausalLM]) -> dict[str, Any]:
+    """A multimodal checkpoint's image fields where Troupe's own class takes its images (its
+    ``takes_images``): the image token, and whether an image's positions attend to each other
+    both ways; {} where it serves the language model on text (the log says so)."""
+    token = raw.get("image_token_id", raw.get("image_token_index"))
+    if not model_class.takes_images or not isinstance(token, int):
+        _own_class_on_text((raw.get("architectures") or ["?"])[0])
+        return {}
+    from models.architectures import is_mm_prefix_lm
+    return {"image_token_id": token, "mm_prefix_lm": is_mm_prefix_lm(raw)}
 
 
 def language_model_config(raw: dict[str, Any], key: str) -> dict[str, Any]:

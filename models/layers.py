@@ -458,8 +458,15 @@ class AttentionLayer(nn.Module):
         step_meta, meta = meta, meta.for_group(self.kv_cache_group)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(k, v, kv_cache.dtype, meta)
-        return self.attention(self.backend, q, k, v, kv_cache, meta, scale, sliding_window, self.k_scale,
-                              self.v_scale, self.kv_index, step_meta, logits_soft_cap, sinks, alibi_slopes)
+        out = self.attention(self.backend, q, k, v, kv_cache, meta, scale, sliding_window, self.k_scale,
+                             self.v_scale, self.kv_index, step_meta, logits_soft_cap, sinks, alibi_slopes)
+        if step_meta.mm_prefix_spans:        # a prefix LM's image positions: each image seen both ways
+            from kernels.attention.prefix_lm import image_rows_attention
+            if sinks is not None or alibi_slopes is not None:
+                raise ValueError("a prefix LM's images with attention sinks or ALiBi are not supported")
+            image_rows_attention(out, q, kv_cache, meta, step_meta.mm_prefix_spans, scale, sliding_window,
+                                 logits_soft_cap, self.k_scale, self.v_scale)
+        return out
 
     def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype,
                              meta: AttentionMetadata) -> None:

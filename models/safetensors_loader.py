@@ -33,12 +33,15 @@ def safetensors_files(checkpoint_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors_weights(checkpoint_dir: str, skipped_prefixes: tuple[str, ...] = ()
-                             ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(checkpoint_dir: str, skipped_prefixes: tuple[str, ...] = (),
+                             only_prefixes: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (checkpoint name, tensor in the file's dtype), file after file; tensors named
-    with one of ``skipped_prefixes`` (a part the model does not run) are never read."""
+    with one of ``skipped_prefixes`` (a part the model does not run) are never read, nor, when
+    ``only_prefixes`` are given, those named with none of them."""
     for path in safetensors_files(checkpoint_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                if not name.endswith(IGNORED_SUFFIXES) and not name.startswith(skipped_prefixes):
+                if name.endswith(IGNORED_SUFFIXES) or name.startswith(skipped_prefixes):
+                    continue
+                if not only_prefixes or name.startswith(only_prefixes):
                     yield name, f.get_tensor(name)

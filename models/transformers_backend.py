@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from models.architectures import TRANSFORMERS_BACKEND, TRANSFORMERS_ENCODER
+from models.architectures import TRANSFORMERS_BACKEND, TRANSFORMERS_ENCODER, is_mm_prefix_lm
 from models.base import CausalLM, TensorMap
 from models.config import FULL, SLIDING, ArchConfig
 from models.layers import AttentionLayer, Linear
@@ -100,18 +100,6 @@ def encoder_class(raw: dict[str, Any]) -> type | None:
     import transformers
     name = MODEL_MAPPING_NAMES.get(model_type)
     return getattr(transformers, name, None) if isinstance(name, str) else None
-
-
-# model types whose language model attends both ways among an image's tokens (vLLM's is_mm_prefix_lm)
-PREFIX_LM_TYPES = ("bagel", "gemma3", "molmo2", "moondream3", "paligemma")
-
-
-def is_mm_prefix_lm(raw: dict[str, Any], hf) -> bool:
-    """Whether an image's positions attend to each other both ways (vLLM's rule: the config's
-    ``is_mm_prefix_lm``, else its list of model types)."""
-    if hasattr(hf, "is_mm_prefix_lm"):
-        return bool(hf.is_mm_prefix_lm)
-    return raw.get("model_type") in PREFIX_LM_TYPES
 
 
 def image_text_to_text_class(raw: dict[str, Any]) -> type | None:
@@ -251,7 +239,7 @@ def transformers_arch_config(raw: dict[str, Any], generation: dict[str, Any],
         sliding_window=window, layer_types=layer_types,
         attn_logit_softcapping=getattr(text, "attn_logit_softcapping", None),
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
-        image_token_id=images, mm_prefix_lm=images is not None and is_mm_prefix_lm(raw, hf))
+        image_token_id=images, mm_prefix_lm=images is not None and is_mm_prefix_lm(raw))
 
 
 # -- attention -------------------------------------------------------------------------------------
@@ -292,11 +280,6 @@ class TransformersAttention(AttentionLayer):
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))     # (T, heads, D)
         scale = self.head_size ** -0.5 if scaling is None else float(scaling)
         out = self.attend(q, k, v, caches[self.kv_index], meta, scale, self.sliding_window, softcap or None, sinks)
-        if meta.mm_prefix_spans:          # a prefix LM's image positions: each image seen both ways
-            from kernels.attention.prefix_lm import image_rows_attention
-            image_rows_attention(out, q, caches[self.kv_index], meta.for_group(self.kv_cache_group),
-                                 meta.mm_prefix_spans, scale, self.sliding_window, softcap or None,
-                                 self.k_scale, self.v_scale)
         return out.unsqueeze(0)
 
 

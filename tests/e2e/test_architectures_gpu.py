@@ -100,11 +100,12 @@ def test_greedy_tokens_on_cuda_equal_transformers(name, tmp_path):
     check_greedy_tokens(name, tmp_path, "cuda")
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3"])
-def test_images_on_cuda_answer_as_transformers_does(family, tmp_path):
-    """Image input on a GPU (the transformers backend whole, --model-impl transformers for Gemma 3):
-    the vision tower's embeddings in the worker, Gemma 3's image rows attended both ways over the
-    Triton backend's cache; greedy tokens as transformers' generate (float32)."""
+@pytest.mark.parametrize(("family", "impl"), [("llava", "auto"), ("gemma3", "auto"), ("gemma3", "transformers")])
+def test_images_on_cuda_answer_as_transformers_does(family, impl, tmp_path):
+    """Image input on a GPU (LLaVA through the transformers backend; Gemma 3 through Troupe's own
+    class and the backend): the vision tower's embeddings in the worker, Gemma 3's image rows
+    attended both ways over the Triton backend's cache; greedy tokens as transformers' generate
+    (float32)."""
     from helpers import random_image, save_tiny_gemma3_vision, save_tiny_llava
     hf, processor = (save_tiny_llava if family == "llava" else save_tiny_gemma3_vision)(tmp_path)
     image = random_image(21)
@@ -113,7 +114,7 @@ def test_images_on_cuda_answer_as_transformers_does(family, tmp_path):
     with torch.no_grad():
         out = hf.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=0)
     want = out[0, inputs["input_ids"].shape[1]:].tolist()
-    with LLM(model=str(tmp_path), model_impl="transformers", device="cuda", dtype="float32", max_model_len=128,
+    with LLM(model=str(tmp_path), model_impl=impl, device="cuda", dtype="float32", max_model_len=128,
              kv_cache_bytes=256 << 20) as llm:
         (got,) = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}},
                               SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)

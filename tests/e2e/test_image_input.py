@@ -157,12 +157,14 @@ def test_tensor_and_pipeline_parallel_ranks_take_images_too(llava, parallel):
     assert got[0].outputs[0].token_ids == hf_answer(llava, PROMPT, [image])
 
 
-def test_gemma3s_images_attend_to_themselves_both_ways_as_transformers_has_it(tmp_path):
-    """Gemma 3 (--model-impl transformers): an image's 16 positions attend to each other both
-    ways (its sliding layers' window of 8 still bounding what they see behind), the rest
-    causally, as transformers' masks have it; a step never ends inside an image (at a budget of
-    24 tokens the second prompt's first chunk stops after it), the prefix cache serves an
-    image's blocks again, and an image longer than a step's budget is refused."""
+@pytest.mark.parametrize("impl", ["auto", "transformers"])
+def test_gemma3s_images_attend_to_themselves_both_ways_as_transformers_has_it(tmp_path, impl):
+    """Gemma 3 (Troupe's own class, and transformers' through --model-impl transformers): an
+    image's 16 positions attend to each other both ways (its sliding layers' window of 8 still
+    bounding what they see behind), the rest causally, as transformers' masks have it; a step
+    never ends inside an image (at a budget of 24 tokens the second prompt's first chunk stops
+    after it), the prefix cache serves an image's blocks again, and an image longer than a
+    step's budget is refused."""
     import torch
 
     from actors.api import LLM
@@ -182,11 +184,11 @@ def test_gemma3s_images_attend_to_themselves_both_ways_as_transformers_has_it(tm
         causal.append(plain[0, n:].tolist())
     assert want != causal                            # the images' two-way attention decides the answers
     prompts = [{"prompt": p, "multi_modal_data": {"image": i}} for i, p in cases]
-    with LLM(model=str(tmp_path), model_impl="transformers", max_model_len=256, max_num_batched_tokens=24) as engine:
+    with LLM(model=str(tmp_path), model_impl=impl, max_model_len=256, max_num_batched_tokens=24) as engine:
         assert [r.outputs[0].token_ids for r in engine.generate(prompts, greedy())] == want
         again = engine.generate(prompts[1], greedy())[0]
         assert again.outputs[0].token_ids == want[1] and again.num_cached_tokens == 16
-    with LLM(model=str(tmp_path), model_impl="transformers", max_model_len=256, max_num_batched_tokens=16) as engine:
+    with LLM(model=str(tmp_path), model_impl=impl, max_model_len=256, max_num_batched_tokens=16) as engine:
         with pytest.raises(ValueError, match="an image takes 18 positions, which are computed in one step"):
             engine.generate(prompts[0], greedy())
 

@@ -121,6 +121,15 @@ def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(arch
     assert config.architecture == architecture and config.vocab_size == 300 and config.num_layers == len(model.layers)
     read = [name for name, _ in iter_safetensors_weights(str(tmp_path), skipped)]
     assert read and not any(n.startswith(skipped) for n in read)
+    if type(model).takes_images:      # Gemma 3: its vision tower read beside, by load_vision (either layout)
+        assert config.image_token_id == 299 and config.mm_prefix_lm
+        pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            want = hf.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
+            got = model.embed_multimodal("image", {"pixel_values": pixels.numpy()})
+        torch.testing.assert_close(got, want.reshape(-1, want.shape[-1]), atol=1e-5, rtol=1e-5)
+    else:
+        assert config.image_token_id is None
     tokens = torch.randint(3, 290, (29,), generator=torch.Generator().manual_seed(1)).tolist()
     paged = Paged(config)
     (ours,) = paged.step(model, [(tokens, 0, paged.blocks_for([], 29))])
