@@ -11,8 +11,10 @@ rotary from the step's positions, MLPs, experts) in torch, its linear layers mad
 for the native kernels). The step's tokens go through as one sequence of a batch of one, as vLLM
 passes them; no mask is built (the backend knows each request's span from the step's metadata).
 A classifier's checkpoint is built as transformers' classifier (its score head the pooler's), a
-multimodal checkpoint as its language model alone, and a bare encoder
-(``TransformersEmbeddingModel``) attends each whole prompt both ways with no KV cache.
+multimodal checkpoint whole (its vision tower and projector make an image's embeddings,
+``embed_multimodal``) or, with --language-model-only or where its images cannot be served (M-RoPE),
+as its language model alone, and a bare encoder (``TransformersEmbeddingModel``) attends each whole
+prompt both ways with no KV cache.
 
 What it cannot follow is refused when the model is built, by name: layers that do not attend
 through transformers' attention interface (state-space and linear-attention layers), layer types
