@@ -111,7 +111,7 @@ def model_implementation(raw: dict[str, Any], model_impl: str = "auto") -> str:
 @functools.cache
 def _own_class_on_text(arch: str) -> None:
     log.info("%s is served on text by Troupe's own class (its language model); --model-impl transformers serves "
-             "it whole, images too", arch)
+             "it whole, images too, where transformers' class can (not with M-RoPE positions)", arch)
 
 
 def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None,
