@@ -353,6 +353,25 @@ LLAVA_CHAT_TEMPLATE = ("{% for message in messages %}{{ 't1 ' if message['role']
                        "{% if add_generation_prompt %}t3{% endif %}")
 
 
+def _save_vlm(hf, path, vocab: int, specials: list[str], **tokenizer_kwargs):
+    """A tiny multimodal model's weights drawn at random (norms about 1) and saved at ``path``,
+    beside a word-level tokenizer whose last tokens are ``specials``; returns transformers' fast
+    tokenizer of it (``tokenizer_kwargs``: its special-token attributes)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
+    hf.save_pretrained(path)
+    save_tiny_tokenizer(path, vocab - len(specials))
+    tokenizer_file = os.path.join(str(path), "tokenizer.json")
+    tok = Tokenizer.from_file(tokenizer_file)
+    tok.add_special_tokens(specials)
+    tok.save(tokenizer_file)
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, unk_token="t0", **tokenizer_kwargs)
+
+
 def save_tiny_llava(path, vocab: int = 300, image_size: int = 56, seed: int = 9):
     """A tiny random LLaVA checkpoint (a CLIP vision tower of ``image_size`` pixels in patches of
     14, a projector, a two-layer Llama) with its processor: CLIP's image processor and a
@@ -361,7 +380,6 @@ def save_tiny_llava(path, vocab: int = 300, image_size: int = 56, seed: int = 9)
     transformers' model and processor, as read back from ``path``."""
     import torch
     import transformers
-    from tokenizers import Tokenizer
     text = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                     bos_token_id=None, eos_token_id=None)
@@ -370,16 +388,7 @@ def save_tiny_llava(path, vocab: int = 300, image_size: int = 56, seed: int = 9)
     torch.manual_seed(seed)
     hf = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
         text_config=text, vision_config=vision, image_token_index=vocab - 1))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
-    hf.save_pretrained(path)
-    save_tiny_tokenizer(path, vocab - 1)
-    tokenizer_file = os.path.join(str(path), "tokenizer.json")
-    tok = Tokenizer.from_file(tokenizer_file)
-    tok.add_special_tokens(["<image>"])
-    tok.save(tokenizer_file)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, unk_token="t0")
+    fast = _save_vlm(hf, path, vocab, ["<image>"])
     images = transformers.CLIPImageProcessor(size={"shortest_edge": image_size},
                                              crop_size={"height": image_size, "width": image_size})
     processor = transformers.LlavaProcessor(image_processor=images, tokenizer=fast, patch_size=14,
@@ -405,7 +414,6 @@ def save_tiny_gemma3_vision(path, vocab: int = 300, seed: int = 5):
     transformers' model and processor, as read back from ``path``."""
     import torch
     import transformers
-    from tokenizers import Tokenizer
     text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, num_hidden_layers=4, sliding_window=8,
                 query_pre_attn_scalar=24,
@@ -416,16 +424,7 @@ def save_tiny_gemma3_vision(path, vocab: int = 300, seed: int = 5):
     hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=16, image_token_index=vocab - 1,
         boi_token_index=vocab - 3, eoi_token_index=vocab - 2))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
-    hf.save_pretrained(path)
-    save_tiny_tokenizer(path, vocab - 3)
-    tokenizer_file = os.path.join(str(path), "tokenizer.json")
-    tok = Tokenizer.from_file(tokenizer_file)
-    tok.add_special_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
-    tok.save(tokenizer_file)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, unk_token="t0", extra_special_tokens={
+    fast = _save_vlm(hf, path, vocab, ["<start_of_image>", "<end_of_image>", "<image_soft_token>"], extra_special_tokens={
         "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
     images = transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
     transformers.Gemma3Processor(image_processor=images, tokenizer=fast, image_seq_length=16).save_pretrained(path)
