@@ -206,11 +206,13 @@ class InputBatch:
         (pieces of (k, hidden)); None when there are none. They are prompt positions given as
         embeddings, and the positions of an image that take its embeddings: ``encode`` makes an
         image's (its embedding positions, hidden) on the first pass over any of its positions,
-        kept until the pass that reaches its last (None: images are not read here, a pipeline
-        stage after the first)."""
+        once for the requests of the pass that hold the same image (a request's n choices), kept
+        until the pass that reaches its last (None: images are not read here, a pipeline stage
+        after the first)."""
         if not self.num_with_embeds:
             return None
         index, rows, offset = [], [], 0
+        encoded: dict[str, torch.Tensor] = {}       # this pass's images by identifier (n choices share one)
         for r, i in enumerate(slots.tolist()):
             state, first, count = self.states[i], int(start[r]), int(n[r])
             embeds = state.prompt_embeds
@@ -225,7 +227,10 @@ class InputBatch:
                     continue
                 out = state.mm_embeds.get(k)
                 if out is None:
-                    out = state.mm_embeds[k] = encode(feature)
+                    out = encoded.get(feature.identifier)
+                    if out is None:
+                        out = encoded[feature.identifier] = encode(feature)
+                    state.mm_embeds[k] = out
                 a, b = lo - feature.offset, hi - feature.offset          # the item's own positions
                 if feature.is_embed is None:
                     positions, taken, rows_from = np.arange(a, b), b - a, a

@@ -199,3 +199,14 @@ def test_with_disable_chunked_mm_input_no_step_ends_inside_an_image():
         return got
     assert chunks() == [10, 10, 10]
     assert chunks(disable_chunked_mm_input=True) == [6, 10, 10, 4]       # 0-6, then A (6-14) whole, B (20-26) whole
+
+
+def test_requests_of_one_pass_with_the_same_image_share_one_encoding():
+    batch = InputBatch(4, 64, 16, 100)
+    for rid in ("a", "b"):                      # a request's two choices, say
+        batch.add(NewRequestData(rid, list(range(12)), [], SamplingParams(max_tokens=1), ([1],), 0,
+                                 mm_features=[feature("A", 2, 4)]))
+    calls = []
+    got = batch.embeds_inputs(np.array([0, 1]), np.array([0, 0]), np.array([12, 12]),
+                              lambda f: calls.append(f.identifier) or torch.ones(4, 3))
+    assert calls == ["A"] and got[0].tolist() == [2, 3, 4, 5, 14, 15, 16, 17]
