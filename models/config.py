@@ -129,6 +129,9 @@ class ArchConfig:
     rope_scaling: RopeScaling = PLAIN_ROPE     # the rope scaling of full layers (models/rope.py)
     rotary_dim: int | None = None              # a partial rotary: the leading dims of each head that turn
     rope_layers: tuple[bool, ...] | None = None  # per layer whether q and k turn (SmolLM3's NoPE); None: all
+    # M-RoPE (Qwen2-VL's): the rotary frequencies split in sections, each turned by one of a
+    # position's three rows (time, height, width); a text token's rows agree (plain rope). (): none
+    mrope_section: tuple[int, ...] = ()
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_size ** -0.5
     attn_logit_softcapping: float | None = None
     attention_sinks: bool = False              # a learned sink logit per head in every softmax (gpt-oss)
@@ -174,6 +177,8 @@ class ArchConfig:
     # -- image input (a multimodal checkpoint served whole by the transformers backend) -----------
     image_token_id: int | None = None          # the token whose positions take an image's embeddings; None: text only
     mm_prefix_lm: bool = False                 # an image's positions attend to each other both ways (Gemma 3's)
+    # M-RoPE: the vision patches merged into one image position, per side (spatial_merge_size)
+    image_merge_size: int = 1
     # -- how the engine serves it (set by ``serving``, not read from the checkpoint) -------------
     serving_len: int = 0                       # the engine's --max-model-len; 0: default_max_model_len
     # a classifier's labels (--convert classify: a ``score`` head, hidden -> labels); 0: none
@@ -212,6 +217,9 @@ class ArchConfig:
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_size and self.rotary_dim % 2 == 0):
             raise ValueError(f"a rotary over {self.rotary_dim} of {self.head_size} head dimensions is not supported "
                              "(an even number, at most the head's)")
+        if self.mrope_section and 2 * sum(self.mrope_section) != (self.rotary_dim or self.head_size):
+            raise ValueError(f"mrope_section {list(self.mrope_section)} covers {2 * sum(self.mrope_section)} rotary "
+                             f"dimensions of {self.rotary_dim or self.head_size}")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
             raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for {self.num_layers} layers")
         if self.sliding_window is not None and self.sliding_window < 1:

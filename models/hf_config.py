@@ -151,7 +151,8 @@ def _image_fields(raw: dict[str, Any], model_class: type[CausalLM]) -> dict[str,
         _own_class_on_text((raw.get("architectures") or ["?"])[0])
         return {}
     from models.architectures import is_mm_prefix_lm
-    return {"image_token_id": token, "mm_prefix_lm": is_mm_prefix_lm(raw)}
+    return {"image_token_id": token, "mm_prefix_lm": is_mm_prefix_lm(raw),
+            "image_merge_size": int(raw["vision_config"].get("spatial_merge_size", 1))}
 
 
 def language_model_config(raw: dict[str, Any], key: str) -> dict[str, Any]:
@@ -230,9 +231,19 @@ def _generic_fields(raw: dict[str, Any], generation: dict[str, Any]) -> dict[str
         hidden_act=raw.get("hidden_act") or "silu",
         rope_scaling=rope_scaling,
         rotary_dim=None if partial == 1.0 else int(head_size * partial),
+        mrope_section=_mrope_section(raw),
         attn_logit_softcapping=raw.get("attn_logit_softcapping"),
         final_logit_softcapping=raw.get("final_logit_softcapping"),
     )
+
+
+def _mrope_section(raw: dict[str, Any]) -> tuple[int, ...]:
+    """M-RoPE's sections (Qwen2-VL's ``mrope_section``, in transformers 5.x's rope_parameters or
+    4.x's rope_scaling); () without them."""
+    for params in (raw.get("rope_parameters"), raw.get("rope_scaling")):
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return tuple(int(n) for n in params["mrope_section"])
+    return ()
 
 
 def _partial_rotary_factor(raw: dict[str, Any]) -> float:

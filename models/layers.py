@@ -162,15 +162,26 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_size: int, max_positions: int, theta: float, scaling: RopeScaling = PLAIN_ROPE,
-                 serving_len: int = 0) -> None:
+                 serving_len: int = 0, mrope_section: tuple[int, ...] = ()) -> None:
         super().__init__()
         # Same arithmetic as transformers' rope init functions, so float32 results match bit for bit.
         cos, sin = rope_tables(head_size, max_positions, theta, scaling, serving_len)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        # M-RoPE (Qwen2-VL's): which of a position's three rows turns each dimension (the
+        # sections over the frequencies, the same for both halves)
+        rows = torch.repeat_interleave(torch.arange(len(mrope_section)), torch.tensor(mrope_section, dtype=torch.long))
+        self.register_buffer("mrope_rows", torch.cat((rows, rows)), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions (T,) -> cos, sin (T, 1, D): broadcast over heads
+        # positions (T,) -> cos, sin (T, 1, D): broadcast over heads; M-RoPE's (3, T): dimension j
+        # of a token's cos and sin at the position of row mrope_rows[j]
+        if positions.dim() == 2:
+            if not len(self.mrope_rows):
+                raise ValueError("three-row (M-RoPE) positions for a rotary without mrope_section")
+            at = positions[self.mrope_rows].T                          # (T, D)
+            dims = torch.arange(at.shape[1], device=at.device)
+            return (self.cos_cache[at, dims].to(dtype).unsqueeze(1), self.sin_cache[at, dims].to(dtype).unsqueeze(1))
         cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
         return cos, sin

@@ -110,7 +110,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_size, config.rope_positions, config.rope_theta,
-                                          config.rope_scaling, config.serving_len)
+                                          config.rope_scaling, config.serving_len, config.mrope_section)
         qk_norm = self.qk_norm or config.qk_norm
         self.layers = nn.ModuleList(self.decoder_layer(config, i, attn_backend, dtype, qk_norm, self.qk_norm_whole)
                                     for i in range(config.num_layers))

@@ -1,10 +1,13 @@
 """Qwen2: Llama with biases on the q/k/v projections, always, and optional sliding-window layers
 (``layer_types``); the tensor names are Llama's. llama.cpp runs it with NeoX rotary, so its
 GGUF keeps q/k rows as they are. Qwen2-VL's and Qwen2.5-VL's checkpoints serve their language
-model."""
+model and their images."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
+
+import numpy as np
+import torch
 
 from models.base import QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
 from models.config import FULL, SLIDING
@@ -31,20 +34,39 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
-    """Qwen2-VL's checkpoints (a vision tower beside the language model): the language model,
-    served on text (vLLM's --language-model-only). Its M-RoPE gives a text token the same
-    position in all three sections: plain rope (models/rope.py). The hub's tensors keep the
-    language model at ``model.*`` (the vision tower at ``visual.*``), transformers 5's at
-    ``model.language_model.*``; the vision tensors are never read. llama.cpp writes the language
-    model of both as a "qwen2vl" GGUF (Qwen2's tensors, the M-RoPE sections in its header)."""
+    """Qwen2-VL's checkpoints (a vision tower beside the language model): the language model
+    with its images (``load_vision``: transformers' vision tower and patch merger, read from the
+    checkpoint), or on text alone with --language-model-only (the vision tensors never read).
+    An image's tokens take M-RoPE's positions (models/mrope.py: time, height and width rows,
+    each turning its section of the rotary frequencies); a text token's rows agree, plain rope.
+    The hub's tensors keep the language model at ``model.*`` (the vision tower at ``visual.*``),
+    transformers 5's at ``model.language_model.*`` (``model.visual.*``). llama.cpp writes the
+    language model of both as a "qwen2vl" GGUF (Qwen2's tensors, the M-RoPE sections in its
+    header), served on text."""
     hf_text_config: ClassVar[str | None] = "text_config"
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES
+    takes_images: ClassVar[bool] = True
+    vision_family: ClassVar[str] = "qwen2_vl"
     gguf_architectures: ClassVar[tuple[str, ...]] = ("qwen2vl",)
     hf_tensor_map: ClassVar[TensorMap] = {**Qwen2ForCausalLM.hf_tensor_map,
                                           **language_model_tensor_map(Qwen2ForCausalLM.hf_tensor_map)}
 
+    def load_vision(self, path: str, overrides: dict[str, Any] | None = None) -> None:
+        """The vision tower with its patch merger (projecting to the language model's width),
+        built by transformers from the checkpoint's vision_config and read from its tensors."""
+        from models.vision import load_vision_parts
+        self.visual, = load_vision_parts(path, overrides, self.vision_family, self.embed_tokens.weight.dtype)
+
+    def embed_multimodal(self, modality: str, data: dict[str, Any]) -> torch.Tensor:
+        """One image's embeddings (its merged patches, hidden) from its flattened patches and
+        their grid (``pixel_values``, ``image_grid_thw``), or its embeddings as given."""
+        from models.vision import image_embeddings
+        return image_embeddings(self, modality, data, lambda pixels: self.visual(
+            pixels, grid_thw=torch.as_tensor(np.asarray(data["image_grid_thw"]), device=pixels.device)).pooler_output)
+
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
-    """Qwen2.5-VL's checkpoints: as Qwen2-VL's (its GGUF is Qwen2-VL's class's)."""
+    """Qwen2.5-VL's checkpoints: as Qwen2-VL's, with its vision tower (windowed attention, a
+    gated MLP); its GGUF is Qwen2-VL's class's."""
+    vision_family: ClassVar[str] = "qwen2_5_vl"
     gguf_architectures: ClassVar[tuple[str, ...]] = ()
-

@@ -15,15 +15,24 @@ from torch import nn
 
 from models.safetensors_loader import iter_safetensors_weights
 
-# each family's projector class in transformers, and its two parts' tensor-name prefixes
-_PROJECTORS = {"gemma3": "transformers.models.gemma3.modeling_gemma3:Gemma3MultiModalProjector"}
-_PARTS = ("vision_tower.", "multi_modal_projector.")
+# each family's parts: their tensor-name prefix, and transformers' class that builds them from the
+# checkpoint's config ("vision:" a class of its vision_config; None: AutoModel's of it)
+_FAMILIES: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "gemma3": (("vision_tower.", None),
+               ("multi_modal_projector.", "transformers.models.gemma3.modeling_gemma3:Gemma3MultiModalProjector")),
+    # the vision tower and its patch merger, one module (the merger projects to the language model)
+    "qwen2_vl": (("visual.", "vision:transformers.models.qwen2_vl.modeling_qwen2_vl:"
+                             "Qwen2VisionTransformerPretrainedModel"),),
+    "qwen2_5_vl": (("visual.", "vision:transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:"
+                               "Qwen2_5_VisionTransformerPretrainedModel"),),
+}
 
 
 def load_vision_parts(path: str, overrides: dict[str, Any] | None, family: str,
-                      dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
-    """(vision tower, projector) of the checkpoint directory ``path``, in ``dtype``, their
-    tensors all read (ValueError naming what is missing or left over)."""
+                      dtype: torch.dtype) -> tuple[nn.Module, ...]:
+    """The vision parts of ``family`` (``_FAMILIES``: Gemma 3's vision tower and projector,
+    Qwen2-VL's tower) of the checkpoint directory ``path``, in ``dtype``, their tensors all read
+    (ValueError naming what is missing or left over)."""
     import importlib
 
     from transformers import AutoModel
@@ -32,22 +41,31 @@ def load_vision_parts(path: str, overrides: dict[str, Any] | None, family: str,
     from models.transformers_backend import transformers_config
     with open(os.path.join(path, "config.json")) as f:
         config = transformers_config(with_overrides(json.load(f), overrides or {}))
-    tower = AutoModel.from_config(config.vision_config, attn_implementation="sdpa")
-    module, _, name = _PROJECTORS[family].partition(":")
-    projector = getattr(importlib.import_module(module), name)(config)
-    states: dict[str, dict[str, torch.Tensor]] = {part: {} for part in _PARTS}
-    for name, tensor in iter_safetensors_weights(path, only_prefixes=_PARTS + tuple(f"model.{p}" for p in _PARTS)):
+    parts = _FAMILIES[family]
+    modules = []
+    for _, where in parts:
+        if where is None:
+            modules.append(AutoModel.from_config(config.vision_config, attn_implementation="sdpa"))
+            continue
+        of_vision = where.startswith("vision:")
+        module, _, name = where.removeprefix("vision:").partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        modules.append(cls._from_config(config.vision_config, attn_implementation="sdpa") if of_vision
+                       else cls(config))
+    prefixes = tuple(prefix for prefix, _ in parts)
+    states: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in prefixes}
+    for name, tensor in iter_safetensors_weights(path, only_prefixes=prefixes + tuple(f"model.{p}" for p in prefixes)):
         bare = name.removeprefix("model.")
-        for part in _PARTS:
-            if bare.startswith(part):
-                states[part][bare.removeprefix(part)] = tensor
-    for part, module_ in zip(_PARTS, (tower, projector)):
-        missing, unexpected = module_.load_state_dict(states[part], strict=False)
+        for prefix in prefixes:
+            if bare.startswith(prefix):
+                states[prefix][bare.removeprefix(prefix)] = tensor
+    for prefix, module_ in zip(prefixes, modules):
+        missing, unexpected = module_.load_state_dict(states[prefix], strict=False)
         missing = [m for m in missing if not m.endswith("position_ids")]
         if missing or unexpected:
-            raise ValueError(f"{path}: the checkpoint's {part.rstrip('.')} does not fit {type(module_).__name__}: "
+            raise ValueError(f"{path}: the checkpoint's {prefix.rstrip('.')} does not fit {type(module_).__name__}: "
                              f"missing {missing[:4]}, unexpected {unexpected[:4]}")
-    return tower.to(dtype).eval(), projector.to(dtype).eval()
+    return tuple(m.to(dtype).eval() for m in modules)
 
 
 def image_embeddings(model: nn.Module, modality: str, data: dict[str, Any],

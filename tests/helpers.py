@@ -2,6 +2,7 @@
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import sys
 import types
@@ -397,6 +398,75 @@ def save_tiny_llava(path, vocab: int = 300, image_size: int = 56, seed: int = 9)
     processor.save_pretrained(path)
     return (transformers.LlavaForConditionalGeneration.from_pretrained(path).eval(),
             transformers.AutoProcessor.from_pretrained(path))
+
+
+QWEN2_VL_CHAT_TEMPLATE = ("{% for message in messages %}{{ 't1 ' if message['role'] == 'user' else 't2 ' }}"
+                          "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+                          "<|vision_start|><|image_pad|><|vision_end|> {% elif part['type'] == 'text' %}"
+                          "{{ part['text'] }} {% endif %}{% endfor %}{% endfor %}"
+                          "{% if add_generation_prompt %}t3{% endif %}")
+
+
+def save_tiny_qwen2_vl(path, family: str = "qwen2_vl", vocab: int = 300, seed: int = 3):
+    """A tiny random Qwen2-VL (``family`` "qwen2_5_vl": Qwen2.5-VL) checkpoint as the hub has
+    them: a vision tower of 14-pixel patches merged 2x2 into an image position, a two-layer
+    language model with M-RoPE sections (2, 3, 3) over its 16-dimension heads, its image
+    processor's preprocessor_config.json (naming the processor class; images between 56x56 and
+    112x112 pixels) and chat_template.json, and a word-level tokenizer whose last four tokens are
+    <|vision_start|>, <|vision_end|>, <|video_pad|> and <|image_pad|>. Returns transformers'
+    model as read back and a function of (text with one <|image_pad|> per image, images) ->
+    transformers' generate inputs, the placeholder expanded as Qwen2-VL's processor does."""
+    import numpy as np
+    import torch
+    import transformers
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+                eos_token_id=None,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    vision = dict(depth=2, embed_dim=32, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_5_vl":
+        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=48, window_size=56,
+                      fullatt_block_indexes=[1])
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+        processor_class = "Qwen2_5_VLProcessor"
+    else:
+        vision.update(hidden_size=64, mlp_ratio=2)
+        config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        processor_class = "Qwen2VLProcessor"
+    torch.manual_seed(seed)
+    hf = model_class(config_class(text_config=text, vision_config=vision, image_token_id=vocab - 1,
+                                  video_token_id=vocab - 2, vision_start_token_id=vocab - 4,
+                                  vision_end_token_id=vocab - 3))
+    _save_vlm(hf, path, vocab, ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<|image_pad|>"])
+    images = transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    images.save_pretrained(path)
+    config_file = os.path.join(str(path), "preprocessor_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config.update(image_processor_type="Qwen2VLImageProcessor", processor_class=processor_class)
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(str(path), "chat_template.json"), "w") as f:
+        json.dump({"chat_template": QWEN2_VL_CHAT_TEMPLATE}, f)
+    words = {f"t{i}": i for i in range(vocab - 4)}
+    words.update({"<|vision_start|>": vocab - 4, "<|vision_end|>": vocab - 3, "<|image_pad|>": vocab - 1})
+
+    def inputs(prompt: str, pictures: list) -> dict:
+        ids, pixels, grids, picture = [], [], [], iter(pictures)
+        for word in prompt.split():
+            if word != "<|image_pad|>":
+                ids.append(words[word])
+                continue
+            out = images(images=[next(picture)], return_tensors="np")
+            pixels.append(out["pixel_values"])
+            grids.append(out["image_grid_thw"])
+            ids.extend([vocab - 1] * (int(np.prod(out["image_grid_thw"][0])) // 4))
+        ids_t = torch.tensor([ids])
+        return {"input_ids": ids_t, "attention_mask": torch.ones_like(ids_t),
+                "mm_token_type_ids": (ids_t == vocab - 1).int(),
+                "pixel_values": torch.from_numpy(np.concatenate(pixels)),
+                "image_grid_thw": torch.from_numpy(np.concatenate(grids))}
+    return model_class.from_pretrained(path).eval(), inputs
 
 
 def random_image(seed: int, width: int = 50, height: int = 40):

@@ -463,10 +463,11 @@ def image_processor(config: EngineConfig, tokenizer: TextTokenizer | TokenIdsOnl
         return None
     images = ImageProcessor(config.model.source.path, arch.image_token_id, config.model.multimodal,
                             lambda text: tokenizer.encode(text, add_special_tokens=False), stats, arch.hidden_size,
-                            config.scheduler.token_budget if config.scheduler.disable_chunked_mm_input else None)
-    tokenizer.image_placeholder = images.placeholder
-    log.info("images are taken (at most %d a prompt), each as %s's processor makes it",
-             config.model.multimodal.limit("image"), type(images.processor).__name__)
+                            config.scheduler.token_budget if config.scheduler.disable_chunked_mm_input else None,
+                            needs_grid=bool(arch.mrope_section))
+    tokenizer.image_placeholder = images.prompt_placeholder
+    log.info("images are taken (at most %d a prompt), each as %s makes it", config.model.multimodal.limit("image"),
+             images.name)
     return images
 
 

@@ -245,7 +245,7 @@ class TextTokenizer:
     def from_hf_dir(cls, path: str) -> TextTokenizer:
         """A Hugging Face checkpoint directory: tokenizer.json (or, in older saves, GPT-2's
         vocab.json and merges.txt), and tokenizer_config.json for the special tokens, the BOS flag
-        and the chat template (or chat_template.jinja)."""
+        and the chat template (or chat_template.jinja, or a processor's chat_template.json)."""
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
@@ -274,6 +274,9 @@ class TextTokenizer:
         if template is None and os.path.isfile(jinja):
             with open(jinja) as f:
                 template = f.read()
+        processor_template = os.path.join(path, "chat_template.json")     # a processor's (Qwen2-VL's)
+        if template is None and os.path.isfile(processor_template):
+            template = _read_json(processor_template).get("chat_template")
         metadata = {
             "tokenizer.ggml.tokens": range(n), "tokenizer.ggml.token_type": types,
             "tokenizer.ggml.bos_token_id": token_id("bos_token"),

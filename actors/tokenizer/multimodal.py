@@ -233,36 +233,98 @@ def _rgb(image: Any) -> Any:
 
 # -- the checkpoint's processor ------------------------------------------------------------------
 
+def _qwen2_vl_tokens(image_processor: Any, out: Mapping[str, np.ndarray]) -> int:
+    """Qwen2-VL's processor's rule: an image's placeholder becomes one token per merged patch."""
+    return int(np.prod(out["image_grid_thw"][0])) // int(image_processor.merge_size) ** 2
+
+
+# processors whose image side can be rebuilt from the image processor alone: their placeholder,
+# and what it expands to (how many of it, from the image processor's outputs)
+_IMAGES_ONLY: dict[str, tuple[str, Callable[[Any, Mapping[str, np.ndarray]], int]]] = {
+    "Qwen2VLProcessor": ("<|image_pad|>", _qwen2_vl_tokens),
+    "Qwen2_5_VLProcessor": ("<|image_pad|>", _qwen2_vl_tokens),
+}
+
+
+# where a prompt writes an image as more than its placeholder token (vLLM's placeholder strings)
+_PROMPT_PLACEHOLDERS = {"Qwen2VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>",
+                        "Qwen2_5_VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>"}
+
+
+class ImagesOnlyProcessor:
+    """A checkpoint's processor rebuilt from its image processor, where transformers cannot
+    build the whole one here (Qwen2-VL's video processor needs torchvision): the image
+    processor's inputs, and the placeholder expanded by the processor's own rule."""
+
+    def __init__(self, name: str, image_processor: Any, image_token: str,
+                 count: Callable[[Any, Mapping[str, np.ndarray]], int]) -> None:
+        self.name, self.image_processor, self.image_token, self._count = name, image_processor, image_token, count
+
+    def __call__(self, text: str, images: list[Any], return_text_replacement_offsets: bool = True,
+                 add_special_tokens: bool = False, return_tensors: str = "np", **kwargs: Any) -> dict[str, Any]:
+        if text != self.image_token or len(images) != 1:
+            raise ValueError(f"{self.name} (its images alone) processes one image for its placeholder")
+        out = dict(self.image_processor(images=images, return_tensors=return_tensors, **kwargs))
+        out["text_replacement_offsets"] = [[{"replacement": self.image_token * self._count(self.image_processor, out)}]]
+        return out
+
+
+def images_only_processor(checkpoint_dir: str) -> ImagesOnlyProcessor | None:
+    """The checkpoint's processor rebuilt from its image processor (``ImagesOnlyProcessor``),
+    where its class is one ``_IMAGES_ONLY`` knows; None otherwise."""
+    name = None
+    for config in ("processor_config.json", "preprocessor_config.json"):
+        path = os.path.join(checkpoint_dir, config)
+        if name is None and os.path.isfile(path):
+            with open(path) as f:
+                name = json.load(f).get("processor_class")
+    if name not in _IMAGES_ONLY:
+        return None
+    from transformers import AutoImageProcessor
+    image_token, count = _IMAGES_ONLY[name]
+    return ImagesOnlyProcessor(name, AutoImageProcessor.from_pretrained(checkpoint_dir), image_token, count)
+
+
 class ImageProcessor:
     """The checkpoint's processor (transformers' ``AutoProcessor``) for one model: each image's
     inputs, and the expansion of its placeholder in the prompt."""
 
     def __init__(self, checkpoint_dir: str, image_token_id: int, config: MultiModalConfig,
                  encode: Callable[[str], list[int]], counts: Any = None, hidden_size: int = 0,
-                 whole_item_budget: int | None = None) -> None:
+                 whole_item_budget: int | None = None, needs_grid: bool = False) -> None:
         """``encode``: the served tokenizer's text -> token ids, no special tokens added;
         ``counts``: what counts the processor cache's lookups (``mm_cache_queries`` and
         ``mm_cache_hits`` attributes: the server's stats; None: itself); ``hidden_size``: the
         rows image embeddings must have (--enable-mm-embeds); ``whole_item_budget``: where an
         image is computed in one step (--disable-chunked-mm-input, a prefix LM), the step's token
-        budget, which an image may not exceed."""
+        budget, which an image may not exceed; ``needs_grid``: an image's positions come from its
+        grid of patches (M-RoPE's), which embeddings given alone do not say."""
         self.whole_item_budget = whole_item_budget
+        self.needs_grid = needs_grid
         from transformers import AutoProcessor
         from transformers.utils import logging as hf_logging
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()       # its notes on the image processor's backend it falls back to
         try:
-            self.processor = AutoProcessor.from_pretrained(checkpoint_dir)
+            try:
+                self.processor = AutoProcessor.from_pretrained(checkpoint_dir)
+            except ImportError:               # a part this environment cannot build (a video processor)
+                self.processor = images_only_processor(checkpoint_dir)
+                if self.processor is None:
+                    raise
         except (OSError, ValueError, ImportError) as exc:
             raise ValueError(f"{checkpoint_dir}: the checkpoint's processor (processor_config.json, "
                              f"preprocessor_config.json) could not be built, so images cannot be served ("
                              f"{str(exc).strip()}); --language-model-only serves the model on text") from None
         finally:
             hf_logging.set_verbosity(verbosity)
+        self.name = getattr(self.processor, "name", type(self.processor).__name__)
         self.placeholder = getattr(self.processor, "image_token", None)
         if not isinstance(self.placeholder, str) or not hasattr(self.processor, "image_processor"):
-            raise ValueError(f"{type(self.processor).__name__} has no image processor and image token, so images "
-                             "cannot be served")
+            raise ValueError(f"{self.name} has no image processor and image token, so images cannot be served")
+        # what a prompt writes for an image (vLLM's placeholder string): the image token, or with
+        # the markers the model's template puts around it
+        self.prompt_placeholder = _PROMPT_PLACEHOLDERS.get(self.name, self.placeholder)
         placeholder_ids = encode(self.placeholder)
         if len(placeholder_ids) != 1:
             raise ValueError(f"the image placeholder {self.placeholder!r} is {len(placeholder_ids)} tokens to the "
@@ -299,8 +361,11 @@ class ImageProcessor:
 
     def _embedded(self, rows: np.ndarray) -> tuple[list[int], dict[str, np.ndarray], str]:
         """An image given as its embeddings (positions, hidden): as many image tokens."""
+        if self.needs_grid:
+            raise MediaError("this model's image positions (M-RoPE's) come from an image's grid of patches, which "
+                             "image_embeds alone do not give: send the image")
         if not self.plain_expansion:
-            raise MediaError(f"{type(self.processor).__name__} expands an image's placeholder into more than image "
+            raise MediaError(f"{self.name} expands an image's placeholder into more than image "
                              "tokens, so image_embeds cannot say where their rows go: send the image")
         try:
             check_hidden_size(rows, self.hidden_size, "image_embeds")
@@ -331,11 +396,11 @@ class ImageProcessor:
             out = self.processor(text=self.placeholder, images=[image], return_text_replacement_offsets=True,
                                  add_special_tokens=False, return_tensors="np", **kwargs)
         except (ValueError, TypeError, KeyError) as exc:
-            raise MediaError(f"{type(self.processor).__name__} could not process the image: {exc}") from None
+            raise MediaError(f"{self.name} could not process the image: {exc}") from None
         if "text_replacement_offsets" in out:       # what the placeholder became, as text (vLLM's way)
             replacements = out["text_replacement_offsets"][0]
             if len(replacements) != 1:
-                raise MediaError(f"{type(self.processor).__name__} expanded one image into {len(replacements)} places")
+                raise MediaError(f"{self.name} expanded one image into {len(replacements)} places")
             ids = self.encode(replacements[0]["replacement"])
         else:                                       # a transformers without them: the expansion's token ids
             ids = [int(t) for t in out["input_ids"][0]]

@@ -44,6 +44,8 @@ class SlotState:
     # the encoder's outputs of its images (by index), held from the first pass over an image's
     # positions to the pass that reaches its last
     mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    # M-RoPE with images: (its prompt's positions (3, prompt tokens), the delta of those after)
+    mrope: tuple[np.ndarray, int] | None = None
 
     @property
     def has_embeds(self) -> bool:
@@ -61,7 +63,11 @@ class TokenInputs(NamedTuple):
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device | str = "cpu", num_kv_cache_groups: int = 1) -> None:
+                 device: torch.device | str = "cpu", num_kv_cache_groups: int = 1, mrope_merge_size: int = 0) -> None:
+        """``mrope_merge_size``: for a model whose images take M-RoPE positions (models/mrope.py),
+        its vision patches merged per side into an image position; 0: positions are the tokens'
+        indices."""
+        self.mrope_merge_size = mrope_merge_size
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -79,6 +85,7 @@ class InputBatch:
         self.slots: dict[str, int] = {}
         self.states: list[SlotState | None] = [None] * max_num_reqs
         self.num_with_embeds = 0              # requests held whose prompt came as embeddings, or holds images
+        self.num_mrope = 0                    # requests held with M-RoPE positions of their own (images)
         self._free = list(range(max_num_reqs))
 
     def __len__(self) -> int:
@@ -108,6 +115,10 @@ class InputBatch:
         self.states[i] = SlotState(r.req_id, r.sampling_params, self._generator(r), r.lora_request, r.prompt_embeds,
                                    r.mm_features)
         self.num_with_embeds += self.states[i].has_embeds
+        if self.mrope_merge_size and r.mm_features:
+            from models.mrope import mrope_positions
+            self.states[i].mrope = mrope_positions(len(r.prompt_token_ids), r.mm_features, self.mrope_merge_size)
+            self.num_mrope += 1
         return i
 
     def _generator(self, r: NewRequestData) -> torch.Generator | None:
@@ -121,6 +132,7 @@ class InputBatch:
         i = self.slots.pop(req_id, None)
         if i is not None:
             self.num_with_embeds -= self.states[i].has_embeds
+            self.num_mrope -= self.states[i].mrope is not None
             self.states[i] = None
             self.block_table[:, i] = 0
             heapq.heappush(self._free, i)
@@ -197,6 +209,24 @@ class InputBatch:
             for g in range(len(tables))]
         meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], groups=tuple(metas))
         return TokenInputs(input_ids, positions, cu, meta)
+
+    def rope_positions(self, slots: np.ndarray, positions: np.ndarray, cu: np.ndarray) -> np.ndarray:
+        """The rotary positions of a pass whose tokens sit at ``positions`` (T,) of the requests in
+        ``slots`` (``cu``: where each request's tokens start in the pass): the tokens' indices,
+        but M-RoPE's for the requests holding images: their prompt's rows, the delta past it. One
+        row (T,) where every token's rows agree (no image position in the pass), else (3, T)."""
+        if not self.num_mrope:
+            return positions
+        out = np.broadcast_to(positions, (3, len(positions))).copy()
+        for r, i in enumerate(slots.tolist()):
+            mrope = self.states[i].mrope
+            if mrope is None:
+                continue
+            table, delta = mrope
+            at = positions[cu[r]:cu[r + 1]]
+            inside = at < table.shape[1]
+            out[:, cu[r]:cu[r + 1]] = np.where(inside, table[:, np.minimum(at, table.shape[1] - 1)], at + delta)
+        return out[0].copy() if (out[0] == out[1]).all() and (out[0] == out[2]).all() else out
 
     def embeds_inputs(self, slots: np.ndarray, start: np.ndarray, n: np.ndarray,
                       encode: Callable[[MultiModalFeature], torch.Tensor] | None = None,

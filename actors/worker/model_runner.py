@@ -99,7 +99,7 @@ def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 class StepInputs(NamedTuple):
     input_ids: torch.Tensor        # (T,) int64
-    positions: torch.Tensor        # (T,) int64
+    positions: torch.Tensor        # (T,) int64; M-RoPE's (3, T) where a pass holds image positions
     meta: AttentionMetadata
     slots: np.ndarray              # (B,) batch slot of each scheduled request, in order
     sample_rows: np.ndarray        # (S,) rows of the requests that sample this step
@@ -155,7 +155,10 @@ class ModelRunner:
             log.info("recurrent states of %d Mamba layers: %d slots of %.2f MiB (taken as requests first write them)",
                      len(states), config.scheduler.max_num_seqs, per_slot / 2**20)
         max_model_len = config.model.max_model_len
-        self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G)
+        mrope_images = bool(self.arch.mrope_section) and self.arch.image_token_id is not None
+        mrope_merge = self.arch.image_merge_size if mrope_images else 0
+        self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G,
+                                mrope_merge)
         self.sampler = Sampler()
         # plugins' batch-level logits processors, and the built-in thinking budget where the engine
         # knows the model's reasoning tags (None: none of them)
@@ -257,9 +260,10 @@ class ModelRunner:
             if spans:
                 ti = ti._replace(meta=dataclasses.replace(ti.meta, mm_prefix_spans=spans))
         sample_rows = np.flatnonzero(start + n - num_drafts == b.num_tokens[slots])   # prompt complete
-        input_ids, positions = torch.from_numpy(ti.input_ids), torch.from_numpy(ti.positions)
+        input_ids = torch.from_numpy(ti.input_ids)
+        positions = torch.from_numpy(b.rope_positions(slots, ti.positions, cu))     # M-RoPE's with images
         if self.pooler is not None and self.arch.type_vocab_size > 1:
-            input_ids = self._with_token_types(input_ids, positions, slots, cu)
+            input_ids = self._with_token_types(input_ids, torch.from_numpy(ti.positions), slots, cu)
         first_stage = self.link is None or self.link.prev_rank is None
         given = b.embeds_inputs(slots, start, n, self._encode if first_stage else None)
         embeds = None if given is None else (torch.from_numpy(given[0]),
@@ -487,7 +491,7 @@ class ModelRunner:
                 return self._forward_layers(inp)
         eager = self._first_attn is not None and self._first_attn.calculate_kv_scales   # layers set KV scales
         has_lora = self.lora is not None and self.lora.mapping.active    # the graph with LoRA deltas
-        eager = eager or inp.embeds is not None                        # prompt embeddings: not a graph's inputs
+        eager = eager or inp.embeds is not None or inp.positions.dim() == 2   # prompt embeddings, M-RoPE's rows
         desc = self.graphs.dispatch(inp.meta, has_lora) if self.graphs is not None and not eager else None
         if desc is not None:
             return self.graphs.run(desc, inp)                  # padded buffers, a graph on CUDA

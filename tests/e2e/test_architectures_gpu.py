@@ -119,3 +119,21 @@ def test_images_on_cuda_answer_as_transformers_does(family, impl, tmp_path):
         (got,) = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}},
                               SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert list(got.outputs[0].token_ids) == want
+
+
+def test_qwen2_vls_images_on_cuda_take_mrope_positions(tmp_path):
+    """Qwen2-VL on a GPU: its image's M-RoPE rows in the eager prefill, the decode's positions
+    shifted past the image replayed by the CUDA graphs; greedy tokens as transformers' generate
+    (float32; a 56-pixel square image, which no processor backend resizes)."""
+    from helpers import random_image, save_tiny_qwen2_vl
+    hf, inputs = save_tiny_qwen2_vl(tmp_path)
+    image = random_image(21, 56, 56)
+    given = inputs("t5 t9 <|vision_start|> <|image_pad|> <|vision_end|> t7 t8", [image])
+    with torch.no_grad():
+        out = hf.generate(**given, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    want = out[0, given["input_ids"].shape[1]:].tolist()
+    with LLM(model=str(tmp_path), device="cuda", dtype="float32", max_model_len=128, kv_cache_bytes=256 << 20) as llm:
+        (got,) = llm.generate({"prompt": "t5 t9 <|vision_start|><|image_pad|><|vision_end|> t7 t8",
+                               "multi_modal_data": {"image": image}},
+                              SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert list(got.outputs[0].token_ids) == want

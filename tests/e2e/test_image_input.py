@@ -193,6 +193,61 @@ def test_gemma3s_images_attend_to_themselves_both_ways_as_transformers_has_it(tm
             engine.generate(prompts[0], greedy())
 
 
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def qwen_answer(inputs, hf, prompt: str, images: list) -> list[int]:
+    """transformers' greedy tokens for a Qwen2-VL prompt (``QWEN_IMAGE`` per image)."""
+    import torch
+    given = inputs(prompt.replace(QWEN_IMAGE, "<|vision_start|> <|image_pad|> <|vision_end|>"), images)
+    with torch.no_grad():
+        out = hf.generate(**given, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, given["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen2_vls_images_take_mrope_positions_as_transformers_gives_them(tmp_path, family):
+    """Qwen2-VL and Qwen2.5-VL (Troupe's own classes, their vision towers by transformers, the
+    processor rebuilt from its image processor where transformers cannot build it whole): an
+    image's tokens take M-RoPE's (time, height, width) positions and the text after it counts on
+    from the image's longer side, as transformers' generate has it (their plain positions answer
+    otherwise), in prefill chunks of 8 that split the images; the chat template of
+    chat_template.json renders an image part; the prefix cache serves an image's blocks again
+    with the same positions; embeddings without the image's grid are refused."""
+    import torch
+
+    from actors.api import LLM
+    from helpers import save_tiny_qwen2_vl
+    hf, inputs = save_tiny_qwen2_vl(tmp_path, family)
+    a, b = random_image(1), random_image(2, 30, 64)
+    one = f"t5 t9 {QWEN_IMAGE} " + " ".join(f"t{i}" for i in range(20, 34))
+    cases = [(one, [a]), (one, [b]), (f"t5 {QWEN_IMAGE} t6 {QWEN_IMAGE} t7", [a, b])]
+    want = [qwen_answer(inputs, hf, prompt, images) for prompt, images in cases]
+    assert want[0] != want[1]
+    prompts = [{"prompt": p, "multi_modal_data": {"image": i}} for p, i in cases]
+    with LLM(model=str(tmp_path), max_model_len=256, max_num_batched_tokens=8, limit_mm_per_prompt={"image": 2},
+             enable_mm_embeds=True) as llm:
+        assert [r.outputs[0].token_ids for r in llm.generate(prompts, greedy())] == want
+        again = llm.generate(prompts[0], greedy())[0]
+        assert again.outputs[0].token_ids == want[0] and again.num_cached_tokens == 16
+        messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": b},
+                                                 {"type": "text", "text": "t7"}]}]
+        assert llm.chat(messages, greedy())[0].outputs[0].token_ids == qwen_answer(
+            inputs, hf, f"t1 {QWEN_IMAGE} t7 t3", [b])
+        with pytest.raises(ValueError, match="image_embeds alone do not give"):
+            llm.generate({"prompt": one, "multi_modal_data": {"image": torch.zeros(6, 64)}}, greedy())
+
+
+def test_a_later_pipeline_stage_turns_qwen2_vls_image_positions_too(tmp_path):
+    from actors.api import LLM
+    from helpers import save_tiny_qwen2_vl
+    hf, inputs = save_tiny_qwen2_vl(tmp_path)
+    prompt, image = f"t5 {QWEN_IMAGE} t6 t7", random_image(4, 64, 64)
+    with LLM(model=str(tmp_path), max_model_len=256, max_num_batched_tokens=8, pipeline_parallel_size=2) as engine:
+        got = engine.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, greedy())
+    assert got[0].outputs[0].token_ids == qwen_answer(inputs, hf, prompt, [image])
+
+
 # -- over HTTP -------------------------------------------------------------------------------
 
 def png(image) -> bytes:

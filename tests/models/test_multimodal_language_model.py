@@ -1,8 +1,9 @@
-"""Multimodal checkpoints served as their language model (vLLM's --language-model-only): tiny
-random Gemma 3, Mistral 3, Qwen2.5-VL and Qwen3-VL checkpoints with a vision tower, written by
-transformers, give transformers' text-only logits (Qwen's M-RoPE included), in the hub's tensor
-layout and in transformers 5's, with the vision tensors never read; the hub's sparse Gemma 3
-text_config takes transformers' defaults, an older Qwen2.5-VL config its top-level keys."""
+"""Multimodal checkpoints' language models: tiny random Gemma 3, Mistral 3, Qwen2.5-VL and
+Qwen3-VL checkpoints with a vision tower, written by transformers, give transformers' text-only
+logits (Qwen's M-RoPE included), in the hub's tensor layout and in transformers 5's, with the
+vision tensors never read by the language model's loader (Gemma 3's and Qwen2.5-VL's vision
+towers, read beside, embed an image as transformers does); the hub's sparse Gemma 3 text_config
+takes transformers' defaults, an older Qwen2.5-VL config its top-level keys."""
 from __future__ import annotations
 
 import glob
@@ -121,12 +122,17 @@ def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(arch
     assert config.architecture == architecture and config.vocab_size == 300 and config.num_layers == len(model.layers)
     read = [name for name, _ in iter_safetensors_weights(str(tmp_path), skipped)]
     assert read and not any(n.startswith(skipped) for n in read)
-    if type(model).takes_images:      # Gemma 3: its vision tower read beside, by load_vision (either layout)
-        assert config.image_token_id == 299 and config.mm_prefix_lm
-        pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(2))
+    if type(model).takes_images:      # Gemma 3, Qwen2.5-VL: the vision tower read beside (either layout)
+        qwen = architecture.startswith("Qwen")
+        assert config.image_token_id == 299 and config.mm_prefix_lm == (not qwen)
+        assert config.mrope_section == ((2, 3, 3) if qwen else ()) and config.image_merge_size == (2 if qwen else 1)
+        pixels = torch.randn(*((16, 3 * 2 * 14 * 14) if qwen else (1, 3, 28, 28)),
+                             generator=torch.Generator().manual_seed(2))
+        data = {"pixel_values": pixels, **({"image_grid_thw": torch.tensor([[1, 4, 4]])} if qwen else {})}
         with torch.no_grad():
-            want = hf.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
-            got = model.embed_multimodal("image", {"pixel_values": pixels.numpy()})
+            want = hf.model.get_image_features(**data, return_dict=True).pooler_output
+            got = model.embed_multimodal("image", {k: v.numpy() for k, v in data.items()})
+        want = torch.cat(want) if isinstance(want, (tuple, list)) else want
         torch.testing.assert_close(got, want.reshape(-1, want.shape[-1]), atol=1e-5, rtol=1e-5)
     else:
         assert config.image_token_id is None
@@ -184,9 +190,11 @@ def test_an_older_qwen2_5_vl_config_keeps_its_language_models_keys_at_the_top():
     raw = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "hidden_size": 64, "intermediate_size": 96,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
            "max_position_embeddings": 128000, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vision_config": {"depth": 32}}
+           "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, "vision_config": {"depth": 32},
+           "image_token_id": 299}
     c = hf_model_config(raw)
     assert (c.num_layers, c.hidden_size, c.rope_theta, c.rope_scaling.is_default, c.qkv_bias) == (2, 64, 1e6, True, True)
+    assert (c.mrope_section, c.image_token_id, c.image_merge_size) == ((2, 3, 3), 299, 1)
 
 
 def test_a_multimodal_checkpoint_is_named_by_its_architecture_in_config_json(tmp_path):

@@ -210,3 +210,33 @@ def test_requests_of_one_pass_with_the_same_image_share_one_encoding():
     got = batch.embeds_inputs(np.array([0, 1]), np.array([0, 0]), np.array([12, 12]),
                               lambda f: calls.append(f.identifier) or torch.ones(4, 3))
     assert calls == ["A"] and got[0].tolist() == [2, 3, 4, 5, 14, 15, 16, 17]
+
+
+def test_mrope_positions_are_transformers_rope_index_and_a_pass_without_images_keeps_one_row():
+    """Qwen2-VL's M-RoPE positions of a prompt with two images (grids of 2x3 and 2x2 merged
+    patches, the 2x2 merge of 14-pixel patches) as transformers' get_rope_index gives them, with
+    the delta of the tokens past the prompt; the worker's pass over a request's image positions
+    has three rows, a pass over its later text one row (the rows agree)."""
+    import types
+
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+    from models.mrope import mrope_positions
+    grids = [np.array([[1, 4, 6]]), np.array([[1, 4, 4]])]
+    # t0 t1 [6 image] t2 t3 t4 [4 image] t5
+    features = [MultiModalFeature("image", "a", 2, 6, {"image_grid_thw": grids[0]}),
+                MultiModalFeature("image", "b", 11, 4, {"image_grid_thw": grids[1]})]
+    types_ = torch.tensor([[0, 0] + [1] * 6 + [0] * 3 + [1] * 4 + [0]])
+    vision = types.SimpleNamespace(spatial_merge_size=2)
+    fake = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=vision),
+                                 get_vision_position_ids=lambda *a, **k: Qwen2VLModel.get_vision_position_ids(None, *a, **k))
+    want, delta = Qwen2VLModel.get_rope_index(fake, torch.zeros_like(types_), types_,
+                                              image_grid_thw=torch.from_numpy(np.concatenate(grids)))
+    got, got_delta = mrope_positions(16, features, 2)
+    np.testing.assert_array_equal(got, want[:, 0].numpy())
+    assert got_delta == int(delta) == -5
+    batch = InputBatch(2, 64, 16, 300, mrope_merge_size=2)
+    batch.add(NewRequestData("r", list(range(16)), [], SamplingParams(max_tokens=4), ([1],), 0, mm_features=features))
+    slots, cu = np.array([0]), np.array([0, 4])
+    assert batch.rope_positions(slots, np.arange(4), cu).shape == (3, 4)        # image a's first positions
+    np.testing.assert_array_equal(batch.rope_positions(slots, np.arange(15, 19), cu), [10, 11, 12, 13])

@@ -1,0 +1,46 @@
+"""M-RoPE's positions (Qwen2-VL's and Qwen2.5-VL's multimodal rotary): each prompt position has
+three rows (time, height, width). A text token's rows agree and count on from the position
+before it; an image's tokens take its grid's coordinates, (0, row, column) of its merged patches
+offset by the position it starts at, and the text after it counts on from that position plus the
+longer of its grid's sides. Tokens past the prompt continue from the prompt's last position plus
+one (the request's ``delta`` added to their index), all rows alike.
+
+Torch-free: the worker computes a request's positions once, when it joins the batch.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from actors.engine.messages import MultiModalFeature
+
+
+def mrope_positions(num_prompt_tokens: int, features: Sequence[MultiModalFeature],
+                    merge_size: int) -> tuple[np.ndarray, int]:
+    """(the prompt's positions (3, num_prompt_tokens) int64, the delta of the positions after it:
+    position of index i >= num_prompt_tokens is i + delta) for a prompt holding ``features``
+    (images with their processor's ``image_grid_thw``, patches merged ``merge_size`` per side)."""
+    out = np.empty((3, num_prompt_tokens), dtype=np.int64)
+    index = position = 0
+    for feature in sorted(features, key=lambda f: f.offset):
+        lo, hi = feature.embed_span
+        if lo < index or hi > num_prompt_tokens:
+            raise ValueError(f"an image's positions {lo}..{hi} overlap another's or pass the prompt's end")
+        out[:, index:lo] = position + np.arange(lo - index)
+        position += lo - index
+        grid = feature.data.get("image_grid_thw")
+        if grid is None:
+            raise ValueError("an image for M-RoPE positions needs its grid (image_grid_thw)")
+        t, h, w = (int(v) for v in np.asarray(grid).reshape(-1)[:3])
+        h, w = h // merge_size, w // merge_size
+        if t * h * w != hi - lo:
+            raise ValueError(f"an image's grid {t}x{h}x{w} (merged) does not cover its {hi - lo} positions")
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        out[:, lo:hi] = position + np.stack((tt.ravel(), hh.ravel(), ww.ravel()))
+        position += max(h, w)
+        index = hi
+    out[:, index:] = position + np.arange(num_prompt_tokens - index)
+    position += num_prompt_tokens - index
+    return out, position - num_prompt_tokens
