@@ -132,6 +132,7 @@ class ArchConfig:
     # M-RoPE (Qwen2-VL's): the rotary frequencies split in sections, each turned by one of a
     # position's three rows (time, height, width); a text token's rows agree (plain rope). (): none
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False            # Qwen3-VL's: the rows' frequencies interleaved (t h w t h w ...)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_size ** -0.5
     attn_logit_softcapping: float | None = None
     attention_sinks: bool = False              # a learned sink logit per head in every softmax (gpt-oss)

@@ -232,6 +232,8 @@ def _generic_fields(raw: dict[str, Any], generation: dict[str, Any]) -> dict[str
         rope_scaling=rope_scaling,
         rotary_dim=None if partial == 1.0 else int(head_size * partial),
         mrope_section=_mrope_section(raw),
+        mrope_interleaved=any(isinstance(p, dict) and bool(p.get("mrope_interleaved"))
+                              for p in (raw.get("rope_parameters"), raw.get("rope_scaling"))),
         attn_logit_softcapping=raw.get("attn_logit_softcapping"),
         final_logit_softcapping=raw.get("final_logit_softcapping"),
     )

@@ -162,15 +162,19 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_size: int, max_positions: int, theta: float, scaling: RopeScaling = PLAIN_ROPE,
-                 serving_len: int = 0, mrope_section: tuple[int, ...] = ()) -> None:
+                 serving_len: int = 0, mrope_section: tuple[int, ...] = (), mrope_interleaved: bool = False) -> None:
         super().__init__()
         # Same arithmetic as transformers' rope init functions, so float32 results match bit for bit.
         cos, sin = rope_tables(head_size, max_positions, theta, scaling, serving_len)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
         # M-RoPE (Qwen2-VL's): which of a position's three rows turns each dimension (the
-        # sections over the frequencies, the same for both halves)
+        # sections over the frequencies, the same for both halves); interleaved (Qwen3-VL's):
+        # frequency i turns by row i % 3 within that row's share, by row 0 past it
         rows = torch.repeat_interleave(torch.arange(len(mrope_section)), torch.tensor(mrope_section, dtype=torch.long))
+        if mrope_interleaved:
+            i = torch.arange(sum(mrope_section))
+            rows = torch.where(i < 3 * torch.tensor(mrope_section)[i % 3], i % 3, 0)
         self.register_buffer("mrope_rows", torch.cat((rows, rows)), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,7 +110,8 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_size, config.rope_positions, config.rope_theta,
-                                          config.rope_scaling, config.serving_len, config.mrope_section)
+                                          config.rope_scaling, config.serving_len, config.mrope_section,
+                                          config.mrope_interleaved)
         qk_norm = self.qk_norm or config.qk_norm
         self.layers = nn.ModuleList(self.decoder_layer(config, i, attn_backend, dtype, qk_norm, self.qk_norm_whole)
                                     for i in range(config.num_layers))
@@ -125,10 +126,13 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, intermediate: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
-        # input_ids, positions (T,) int64; kv_caches[l] (2, num_blocks, block_size, KVH, D), one
-        # per layer this stage runs; ``intermediate``: the previous pipeline stage's tensors;
-        # ``inputs_embeds`` (T, hidden): the first stage's inputs instead of the tokens' embeddings
+                inputs_embeds: torch.Tensor | None = None,
+                deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | IntermediateTensors:
+        # input_ids, positions (T,) int64 (M-RoPE's (3, T)); kv_caches[l] (2, num_blocks,
+        # block_size, KVH, D), one per layer this stage runs; ``intermediate``: the previous
+        # pipeline stage's tensors; ``inputs_embeds`` (T, hidden): the first stage's inputs instead
+        # of the tokens' embeddings; ``deepstack``: (image positions (k,), features (n, k, hidden)),
+        # Qwen3-VL's, added to the outputs of the first n layers at those positions
         layers = stage_layers(self, kv_caches)
         if intermediate is None:
             hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
@@ -138,12 +142,15 @@ class LlamaForCausalLM(CausalLM):
         else:
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         cos, sin = self.rotary_emb(positions, hidden.dtype)    # (T, 1, D) each
-        if self.native_decode is not None and intermediate is None and not kv_layer_hooks_active():
+        if self.native_decode is not None and intermediate is None and deepstack is None \
+                and not kv_layer_hooks_active():
             out = self.native_decode.run(hidden, cos, sin, kv_caches, meta)
             if out is not None:
                 return self.norm(*out)[0]
-        for layer, kv_cache in zip(layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+            if deepstack is not None and self.start_layer + i < len(deepstack[1]):
+                hidden = hidden.index_add(0, deepstack[0], deepstack[1][self.start_layer + i].to(hidden.dtype))
         if not is_last_stage(self):
             return {"hidden_states": hidden, "residual": residual}
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)  # (T, hidden)

@@ -40,6 +40,8 @@ def split_stage(model: nn.Module, pp_size: int, pp_rank: int) -> nn.Module:
         raise ValueError(f"{type(model).__name__} does not support pipeline parallelism (its forward takes no "
                          "intermediate tensors)")
     start, end = pp_layers(len(model.layers), pp_size, pp_rank)
+    if hasattr(model, "check_pipeline_stage"):       # a model whose layers need more than their inputs
+        model.check_pipeline_stage(start, end)
     for i in range(len(model.layers)):
         if not start <= i < end:
             model.layers[i] = PPMissingLayer()

@@ -1,9 +1,12 @@
 """Qwen3: Llama with a per-head RMSNorm of q and k before rotary, no q/k/v bias by default, and
 Qwen2's sliding-window rule; its GGUF, like Qwen2's, keeps q/k rows as they are. Qwen3-VL's
-checkpoints serve their language model."""
+checkpoints serve their language model and their images."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
+
+import numpy as np
+import torch
 
 from models.base import QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
 from models.llama import LlamaForCausalLM
@@ -33,12 +36,41 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
-    """Qwen3-VL's checkpoints: the language model, served on text (vLLM's --language-model-only),
-    its interleaved M-RoPE plain rope for text, the vision tower (and the DeepStack features it
-    adds to early layers, with images only) never read."""
+    """Qwen3-VL's checkpoints: the language model with its images (``load_vision``:
+    transformers' vision tower, read from the checkpoint), or on text alone with
+    --language-model-only (the vision tensors never read). An image's tokens take interleaved
+    M-RoPE positions (models/mrope.py), and its DeepStack features, made by the tower's
+    intermediate blocks, are added to the outputs of the first decoder layers at its positions
+    (``embed_multimodal`` returns them beside its embeddings, one hidden-wide slice per layer)."""
     hf_text_config: ClassVar[str | None] = "text_config"
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES
+    takes_images: ClassVar[bool] = True
     gguf_architectures: ClassVar[tuple[str, ...]] = ()
     hf_tensor_map: ClassVar[TensorMap] = {**Qwen3ForCausalLM.hf_tensor_map,
                                           **language_model_tensor_map(Qwen3ForCausalLM.hf_tensor_map)}
+
+    def load_vision(self, path: str, overrides: dict[str, Any] | None = None) -> None:
+        """The vision tower (its patch merger and DeepStack mergers inside), built by
+        transformers from the checkpoint's vision_config and read from its tensors."""
+        from models.vision import load_vision_parts
+        self.visual, = load_vision_parts(path, overrides, "qwen3_vl", self.embed_tokens.weight.dtype)
+
+    def check_pipeline_stage(self, start: int, end: int) -> None:
+        """ValueError where the first pipeline stage holds fewer layers than DeepStack feeds
+        (the features reach the first stage alone)."""
+        fed = len(self.visual.deepstack_visual_indexes) if hasattr(self, "visual") else 0
+        if start == 0 and end < fed:
+            raise ValueError(f"Qwen3-VL adds an image's DeepStack features to its first {fed} layers, and the first "
+                             f"pipeline stage holds {end}: use fewer pipeline stages")
+
+    def embed_multimodal(self, modality: str, data: dict[str, Any]) -> torch.Tensor:
+        """One image's embeddings with its DeepStack features beside them, (merged patches,
+        hidden * (1 + DeepStack layers)), from its flattened patches and their grid."""
+        from models.vision import image_embeddings
+
+        def encode(pixels: torch.Tensor) -> torch.Tensor:
+            grid = torch.as_tensor(np.asarray(data["image_grid_thw"]), device=pixels.device)
+            out = self.visual(pixels, grid_thw=grid, return_dict=True)
+            return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+        return image_embeddings(self, modality, data, encode)
 

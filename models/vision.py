@@ -25,14 +25,15 @@ _FAMILIES: dict[str, tuple[tuple[str, str | None], ...]] = {
                              "Qwen2VisionTransformerPretrainedModel"),),
     "qwen2_5_vl": (("visual.", "vision:transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:"
                                "Qwen2_5_VisionTransformerPretrainedModel"),),
+    "qwen3_vl": (("visual.", None),),       # with its DeepStack mergers
 }
 
 
 def load_vision_parts(path: str, overrides: dict[str, Any] | None, family: str,
                       dtype: torch.dtype) -> tuple[nn.Module, ...]:
     """The vision parts of ``family`` (``_FAMILIES``: Gemma 3's vision tower and projector,
-    Qwen2-VL's tower) of the checkpoint directory ``path``, in ``dtype``, their tensors all read
-    (ValueError naming what is missing or left over)."""
+    Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's towers) of the checkpoint directory ``path``, in
+    ``dtype``, their tensors all read (ValueError naming what is missing or left over)."""
     import importlib
 
     from transformers import AutoModel

@@ -408,8 +408,8 @@ QWEN2_VL_CHAT_TEMPLATE = ("{% for message in messages %}{{ 't1 ' if message['rol
 
 
 def save_tiny_qwen2_vl(path, family: str = "qwen2_vl", vocab: int = 300, seed: int = 3):
-    """A tiny random Qwen2-VL (``family`` "qwen2_5_vl": Qwen2.5-VL) checkpoint as the hub has
-    them: a vision tower of 14-pixel patches merged 2x2 into an image position, a two-layer
+    """A tiny random Qwen2-VL (``family`` "qwen2_5_vl": Qwen2.5-VL; "qwen3_vl": Qwen3-VL)
+    checkpoint as the hub has them: a vision tower of 14-pixel patches merged 2x2 into an image position, a two-layer
     language model with M-RoPE sections (2, 3, 3) over its 16-dimension heads, its image
     processor's preprocessor_config.json (naming the processor class; images between 56x56 and
     112x112 pixels) and chat_template.json, and a word-level tokenizer whose last four tokens are
@@ -429,6 +429,13 @@ def save_tiny_qwen2_vl(path, family: str = "qwen2_vl", vocab: int = 300, seed: i
                       fullatt_block_indexes=[1])
         config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
         processor_class = "Qwen2_5_VLProcessor"
+    elif family == "qwen3_vl":      # interleaved M-RoPE; DeepStack features from both blocks into both layers
+        vision = {k: v for k, v in vision.items() if k != "embed_dim"}
+        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=48, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0, 1])
+        text.update(head_dim=16, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
+        config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+        processor_class = "Qwen3VLProcessor"
     else:
         vision.update(hidden_size=64, mlp_ratio=2)
         config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration

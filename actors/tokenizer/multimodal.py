@@ -243,12 +243,14 @@ def _qwen2_vl_tokens(image_processor: Any, out: Mapping[str, np.ndarray]) -> int
 _IMAGES_ONLY: dict[str, tuple[str, Callable[[Any, Mapping[str, np.ndarray]], int]]] = {
     "Qwen2VLProcessor": ("<|image_pad|>", _qwen2_vl_tokens),
     "Qwen2_5_VLProcessor": ("<|image_pad|>", _qwen2_vl_tokens),
+    "Qwen3VLProcessor": ("<|image_pad|>", _qwen2_vl_tokens),
 }
 
 
 # where a prompt writes an image as more than its placeholder token (vLLM's placeholder strings)
 _PROMPT_PLACEHOLDERS = {"Qwen2VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>",
-                        "Qwen2_5_VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>"}
+                        "Qwen2_5_VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>",
+                        "Qwen3VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>"}
 
 
 class ImagesOnlyProcessor:

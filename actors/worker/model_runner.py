@@ -91,6 +91,15 @@ def torch_dtype(name: str) -> torch.dtype:
     return FP8_NAMES[name] if name in FP8_NAMES else getattr(torch, name)
 
 
+def _rows(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A pass's embedding rows as one (k, width) float32 tensor: pieces narrower than the widest
+    (a prompt's embeddings beside an image's with its DeepStack features) padded with zeros,
+    which add nothing."""
+    width = max(p.shape[1] for p in pieces)
+    return torch.cat([torch.nn.functional.pad(p.to(device, torch.float32), (0, width - p.shape[1]))
+                      for p in pieces])
+
+
 def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The concatenation of arange(start, start + length) for each pair (vectorized)."""
     offsets = np.cumsum(lengths) - lengths
@@ -266,8 +275,7 @@ class ModelRunner:
             input_ids = self._with_token_types(input_ids, torch.from_numpy(ti.positions), slots, cu)
         first_stage = self.link is None or self.link.prev_rank is None
         given = b.embeds_inputs(slots, start, n, self._encode if first_stage else None)
-        embeds = None if given is None else (torch.from_numpy(given[0]),
-                                             torch.cat([rows.to(self.device, torch.float32) for rows in given[1]]))
+        embeds = None if given is None else (torch.from_numpy(given[0]), _rows(given[1], self.device))
         if not drafts:
             return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1),
                               embeds=embeds)
@@ -505,8 +513,12 @@ class ModelRunner:
         if inp.embeds is not None and not stage_in:          # the first stage: prompt embeddings in
             hidden = self.model.embed_input_ids(inp.input_ids.to(self.device))
             index, rows = inp.embeds
-            hidden[index.to(self.device)] = rows.to(self.device, hidden.dtype)
+            index, width = index.to(self.device), hidden.shape[1]
+            hidden[index] = rows[:, :width].to(self.device, hidden.dtype)
             stage_in = {"inputs_embeds": hidden}
+            if rows.shape[1] > width:       # an image's DeepStack features beside its embeddings (Qwen3-VL's)
+                stage_in["deepstack"] = (index, rows[:, width:].to(self.device, hidden.dtype)
+                                         .unflatten(1, (-1, width)).transpose(0, 1))
         if self.device.type == "cpu":
             return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, **stage_in)
         to_dev = lambda t: t.to(self.device, non_blocking=True)    # noqa: E731 (pageable: copied at once)

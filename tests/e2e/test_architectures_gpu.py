@@ -121,12 +121,14 @@ def test_images_on_cuda_answer_as_transformers_does(family, impl, tmp_path):
     assert list(got.outputs[0].token_ids) == want
 
 
-def test_qwen2_vls_images_on_cuda_take_mrope_positions(tmp_path):
-    """Qwen2-VL on a GPU: its image's M-RoPE rows in the eager prefill, the decode's positions
-    shifted past the image replayed by the CUDA graphs; greedy tokens as transformers' generate
-    (float32; a 56-pixel square image, which no processor backend resizes)."""
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_qwen2_vls_images_on_cuda_take_mrope_positions(family, tmp_path):
+    """Qwen2-VL and Qwen3-VL on a GPU: the image's M-RoPE rows (and Qwen3-VL's DeepStack
+    features) in the eager prefill, the decode's positions shifted past the image replayed by the
+    CUDA graphs; greedy tokens as transformers' generate (float32; a 56-pixel square image, which
+    no processor backend resizes)."""
     from helpers import random_image, save_tiny_qwen2_vl
-    hf, inputs = save_tiny_qwen2_vl(tmp_path)
+    hf, inputs = save_tiny_qwen2_vl(tmp_path, family)
     image = random_image(21, 56, 56)
     given = inputs("t5 t9 <|vision_start|> <|image_pad|> <|vision_end|> t7 t8", [image])
     with torch.no_grad():

@@ -205,13 +205,14 @@ def qwen_answer(inputs, hf, prompt: str, images: list) -> list[int]:
     return out[0, given["input_ids"].shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_qwen2_vls_images_take_mrope_positions_as_transformers_gives_them(tmp_path, family):
-    """Qwen2-VL and Qwen2.5-VL (Troupe's own classes, their vision towers by transformers, the
-    processor rebuilt from its image processor where transformers cannot build it whole): an
-    image's tokens take M-RoPE's (time, height, width) positions and the text after it counts on
-    from the image's longer side, as transformers' generate has it (their plain positions answer
-    otherwise), in prefill chunks of 8 that split the images; the chat template of
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL (Troupe's own classes, their vision towers by
+    transformers, the processor rebuilt from its image processor where transformers cannot build
+    it whole): an image's tokens take M-RoPE's (time, height, width) positions (Qwen3-VL's
+    interleaved) and the text after it counts on from the image's longer side, Qwen3-VL's
+    DeepStack features join its first layers' outputs, as transformers' generate has it, in
+    prefill chunks of 8 that split the images; the chat template of
     chat_template.json renders an image part; the prefix cache serves an image's blocks again
     with the same positions; embeddings without the image's grid are refused."""
     import torch
@@ -239,13 +240,20 @@ def test_qwen2_vls_images_take_mrope_positions_as_transformers_gives_them(tmp_pa
 
 
 def test_a_later_pipeline_stage_turns_qwen2_vls_image_positions_too(tmp_path):
+    """The later stage computes the image's M-RoPE positions itself; Qwen3-VL's DeepStack
+    features, which reach the first stage alone, refuse a first stage shorter than they feed."""
     from actors.api import LLM
+    from actors.runtime.errors import ChildStartError
     from helpers import save_tiny_qwen2_vl
-    hf, inputs = save_tiny_qwen2_vl(tmp_path)
+    hf, inputs = save_tiny_qwen2_vl(tmp_path / "qwen2_vl")
     prompt, image = f"t5 {QWEN_IMAGE} t6 t7", random_image(4, 64, 64)
-    with LLM(model=str(tmp_path), max_model_len=256, max_num_batched_tokens=8, pipeline_parallel_size=2) as engine:
+    with LLM(model=str(tmp_path / "qwen2_vl"), max_model_len=256, max_num_batched_tokens=8,
+             pipeline_parallel_size=2) as engine:
         got = engine.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, greedy())
     assert got[0].outputs[0].token_ids == qwen_answer(inputs, hf, prompt, [image])
+    save_tiny_qwen2_vl(tmp_path / "qwen3_vl", "qwen3_vl")
+    with pytest.raises(ChildStartError, match="its first 2 layers, and the first pipeline stage holds 1"):
+        LLM(model=str(tmp_path / "qwen3_vl"), max_model_len=256, pipeline_parallel_size=2)
 
 
 # -- over HTTP -------------------------------------------------------------------------------
