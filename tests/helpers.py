@@ -476,6 +476,64 @@ def save_tiny_qwen2_vl(path, family: str = "qwen2_vl", vocab: int = 300, seed: i
     return model_class.from_pretrained(path).eval(), inputs
 
 
+def save_tiny_mistral3(path, vocab: int = 300, seed: int = 7):
+    """A tiny random Mistral 3 checkpoint as the hub has it: a Pixtral vision tower of 14-pixel
+    patches, a projector merging them 2x2, a two-layer Mistral; its image processor's
+    preprocessor_config.json (images resized to at most 112 pixels a side) and its processor's
+    processor_config.json (patch size, merge, tokens), the chat template of save_tiny_llava with
+    "[IMG]" for an image, and a word-level tokenizer whose last three tokens are [IMG_BREAK],
+    [IMG_END] and [IMG]. Returns transformers' model as read back and a function of (text with
+    one [IMG] per image, images) -> transformers' generate inputs, the placeholder expanded as
+    Pixtral's processor does (a row of [IMG] per row of merged patches, [IMG_BREAK] between
+    rows, [IMG_END] last)."""
+    import numpy as np
+    import torch
+    import transformers
+    text = dict(model_type="mistral", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                rms_norm_eps=1e-6, sliding_window=None, bos_token_id=None, eos_token_id=None)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=2, head_dim=16, image_size=112, patch_size=14)
+    torch.manual_seed(seed)
+    hf = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=vocab - 1, spatial_merge_size=2,
+        tie_word_embeddings=False))
+    _save_vlm(hf, path, vocab, ["[IMG_BREAK]", "[IMG_END]", "[IMG]"])
+    images = transformers.PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14)
+    images.save_pretrained(path)
+    config_file = os.path.join(str(path), "preprocessor_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config.update(image_processor_type="PixtralImageProcessor", processor_class="PixtralProcessor")
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(str(path), "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2,
+                   "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}, f)
+    with open(os.path.join(str(path), "chat_template.json"), "w") as f:
+        json.dump({"chat_template": LLAVA_CHAT_TEMPLATE.replace("<image>", "[IMG]")}, f)
+    words = {f"t{i}": i for i in range(vocab - 3)}
+
+    def inputs(prompt: str, pictures: list) -> dict:
+        ids, pixels, sizes, picture = [], [], [], iter(pictures)
+        for word in prompt.split():
+            if word != "[IMG]":
+                ids.append(words[word])
+                continue
+            out = images(images=[next(picture)], return_tensors="np")
+            pixels.append(torch.from_numpy(out["pixel_values"]))
+            sizes.append(out["image_sizes"])
+            rows, cols = (int(v) // 28 for v in out["image_sizes"][0])
+            ids.extend(([vocab - 1] * cols + [vocab - 3]) * rows)
+            ids[-1] = vocab - 2
+        height = max(p.shape[2] for p in pixels)
+        width = max(p.shape[3] for p in pixels)
+        padded = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[3], 0, height - p.shape[2])) for p in pixels])
+        return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+                "pixel_values": padded, "image_sizes": torch.from_numpy(np.concatenate(sizes))}
+    return transformers.Mistral3ForConditionalGeneration.from_pretrained(path).eval(), inputs
+
+
 def random_image(seed: int, width: int = 50, height: int = 40):
     """An RGB PIL image of uniform noise."""
     import numpy as np

@@ -233,17 +233,32 @@ def _rgb(image: Any) -> Any:
 
 # -- the checkpoint's processor ------------------------------------------------------------------
 
-def _qwen2_vl_tokens(image_processor: Any, out: Mapping[str, np.ndarray]) -> int:
-    """Qwen2-VL's processor's rule: an image's placeholder becomes one token per merged patch."""
-    return int(np.prod(out["image_grid_thw"][0])) // int(image_processor.merge_size) ** 2
+Expansion = Callable[[Mapping[str, Any], Any, Mapping[str, np.ndarray]], str]
+
+
+def _qwen2_vl_expansion(settings: Mapping[str, Any], image_processor: Any, out: Mapping[str, np.ndarray]) -> str:
+    """Qwen2-VL's processor's rule: an image's placeholder becomes one per merged patch."""
+    return "<|image_pad|>" * (int(np.prod(out["image_grid_thw"][0])) // int(image_processor.merge_size) ** 2)
+
+
+def _pixtral_expansion(settings: Mapping[str, Any], image_processor: Any, out: Mapping[str, np.ndarray]) -> str:
+    """Pixtral's processor's rule (Mistral 3's): a row of image tokens per row of merged
+    patches of the resized image, each row but the last ended by a break token, the last by the
+    end token (``settings``: processor_config.json's patch size, merge and tokens)."""
+    height, width = (int(v) for v in out["image_sizes"][0])
+    step = int(settings.get("patch_size", 16)) * int(settings.get("spatial_merge_size", 1))
+    image, row_break = settings.get("image_token", "[IMG]"), settings.get("image_break_token", "[IMG_BREAK]")
+    rows = [image * (width // step)] * (height // step)
+    return row_break.join(rows) + settings.get("image_end_token", "[IMG_END]")
 
 
 # processors whose image side can be rebuilt from the image processor alone: their placeholder,
-# and what it expands to (how many of it, from the image processor's outputs)
-_IMAGES_ONLY: dict[str, tuple[str, Callable[[Any, Mapping[str, np.ndarray]], int]]] = {
-    "Qwen2VLProcessor": ("<|image_pad|>", _qwen2_vl_tokens),
-    "Qwen2_5_VLProcessor": ("<|image_pad|>", _qwen2_vl_tokens),
-    "Qwen3VLProcessor": ("<|image_pad|>", _qwen2_vl_tokens),
+# and what it expands to (from processor_config.json's settings and the image processor's outputs)
+_IMAGES_ONLY: dict[str, tuple[str, Expansion]] = {
+    "Qwen2VLProcessor": ("<|image_pad|>", _qwen2_vl_expansion),
+    "Qwen2_5_VLProcessor": ("<|image_pad|>", _qwen2_vl_expansion),
+    "Qwen3VLProcessor": ("<|image_pad|>", _qwen2_vl_expansion),
+    "PixtralProcessor": ("[IMG]", _pixtral_expansion),
 }
 
 
@@ -258,33 +273,37 @@ class ImagesOnlyProcessor:
     build the whole one here (Qwen2-VL's video processor needs torchvision): the image
     processor's inputs, and the placeholder expanded by the processor's own rule."""
 
-    def __init__(self, name: str, image_processor: Any, image_token: str,
-                 count: Callable[[Any, Mapping[str, np.ndarray]], int]) -> None:
-        self.name, self.image_processor, self.image_token, self._count = name, image_processor, image_token, count
+    def __init__(self, name: str, image_processor: Any, image_token: str, expansion: Expansion,
+                 settings: Mapping[str, Any]) -> None:
+        self.name, self.image_processor, self.image_token = name, image_processor, image_token
+        self._expansion, self._settings = expansion, settings
 
     def __call__(self, text: str, images: list[Any], return_text_replacement_offsets: bool = True,
                  add_special_tokens: bool = False, return_tensors: str = "np", **kwargs: Any) -> dict[str, Any]:
         if text != self.image_token or len(images) != 1:
             raise ValueError(f"{self.name} (its images alone) processes one image for its placeholder")
         out = dict(self.image_processor(images=images, return_tensors=return_tensors, **kwargs))
-        out["text_replacement_offsets"] = [[{"replacement": self.image_token * self._count(self.image_processor, out)}]]
+        out["text_replacement_offsets"] = [[{"replacement": self._expansion(self._settings, self.image_processor, out)}]]
         return out
 
 
 def images_only_processor(checkpoint_dir: str) -> ImagesOnlyProcessor | None:
     """The checkpoint's processor rebuilt from its image processor (``ImagesOnlyProcessor``),
     where its class is one ``_IMAGES_ONLY`` knows; None otherwise."""
-    name = None
+    name, settings = None, {}
     for config in ("processor_config.json", "preprocessor_config.json"):
         path = os.path.join(checkpoint_dir, config)
-        if name is None and os.path.isfile(path):
+        if os.path.isfile(path):
             with open(path) as f:
-                name = json.load(f).get("processor_class")
+                found = json.load(f)
+            settings = {**found, **settings}
+            name = name or found.get("processor_class")
     if name not in _IMAGES_ONLY:
         return None
     from transformers import AutoImageProcessor
-    image_token, count = _IMAGES_ONLY[name]
-    return ImagesOnlyProcessor(name, AutoImageProcessor.from_pretrained(checkpoint_dir), image_token, count)
+    placeholder, expansion = _IMAGES_ONLY[name]
+    return ImagesOnlyProcessor(name, AutoImageProcessor.from_pretrained(checkpoint_dir),
+                               settings.get("image_token", placeholder), expansion, settings)
 
 
 class ImageProcessor:

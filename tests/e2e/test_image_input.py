@@ -256,6 +256,44 @@ def test_a_later_pipeline_stage_turns_qwen2_vls_image_positions_too(tmp_path):
         LLM(model=str(tmp_path / "qwen3_vl"), max_model_len=256, pipeline_parallel_size=2)
 
 
+@pytest.mark.parametrize("impl", ["auto", "transformers"])
+def test_mistral3s_images_answer_as_transformers_does_without_torchvision(tmp_path, impl):
+    """Mistral 3 (Troupe's own class with transformers' Pixtral tower and projector, and the
+    whole checkpoint through --model-impl transformers), Pixtral's processor rebuilt from its
+    image processor where transformers cannot build it whole: an image's rows of [IMG] between
+    [IMG_BREAK]s and its [IMG_END] take their places, the markers plain tokens, in prefill chunks
+    of 8 that split them; the chat template renders an image part; the prefix cache serves an
+    image's blocks again."""
+    import torch
+
+    from actors.api import LLM
+    from helpers import save_tiny_mistral3
+    hf, inputs = save_tiny_mistral3(tmp_path)
+    a, b = random_image(1, 100, 80), random_image(2, 200, 60)
+    cases = [("t5 t9 [IMG] t7 t8 " + " ".join(f"t{i}" for i in range(20, 34)), [a]),
+             ("t5 [IMG] t6 [IMG] t7", [a, b])]
+    want = []
+    for prompt, images in cases:
+        given = inputs(prompt, images)
+        with torch.no_grad():
+            out = hf.generate(**given, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        want.append(out[0, given["input_ids"].shape[1]:].tolist())
+    prompts = [{"prompt": p, "multi_modal_data": {"image": i}} for p, i in cases]
+    with LLM(model=str(tmp_path), model_impl=impl, max_model_len=256, max_num_batched_tokens=8,
+             limit_mm_per_prompt={"image": 2}) as llm:
+        got = llm.generate(prompts, greedy())
+        assert [r.outputs[0].token_ids for r in got] == want
+        assert len(got[0].prompt_token_ids) == 2 + 15 + 16          # 3 rows of 4 [IMG], 2 breaks, the end
+        again = llm.generate(prompts[0], greedy())[0]
+        assert again.outputs[0].token_ids == want[0] and again.num_cached_tokens == 32
+        messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": b},
+                                                 {"type": "text", "text": "t7"}]}]
+        given = inputs("t1 [IMG] t7 t3", [b])
+        with torch.no_grad():
+            out = hf.generate(**given, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        assert llm.chat(messages, greedy())[0].outputs[0].token_ids == out[0, given["input_ids"].shape[1]:].tolist()
+
+
 # -- over HTTP -------------------------------------------------------------------------------
 
 def png(image) -> bytes:

@@ -1,8 +1,8 @@
 """Multimodal checkpoints' language models: tiny random Gemma 3, Mistral 3, Qwen2.5-VL and
 Qwen3-VL checkpoints with a vision tower, written by transformers, give transformers' text-only
 logits (Qwen's M-RoPE included), in the hub's tensor layout and in transformers 5's, with the
-vision tensors never read by the language model's loader (Gemma 3's and Qwen2.5-VL's vision
-towers, read beside, embed an image as transformers does); the hub's sparse Gemma 3 text_config
+vision tensors never read by the language model's loader (their vision towers, read beside,
+embed an image as transformers does); the hub's sparse Gemma 3 text_config
 takes transformers' defaults, an older Qwen2.5-VL config its top-level keys."""
 from __future__ import annotations
 
@@ -122,25 +122,24 @@ def test_the_language_model_of_a_multimodal_checkpoint_matches_transformers(arch
     assert config.architecture == architecture and config.vocab_size == 300 and config.num_layers == len(model.layers)
     read = [name for name, _ in iter_safetensors_weights(str(tmp_path), skipped)]
     assert read and not any(n.startswith(skipped) for n in read)
-    if type(model).takes_images:      # the vision tower read beside (either layout)
-        qwen = architecture.startswith("Qwen")
-        assert config.image_token_id == 299 and config.mm_prefix_lm == (not qwen)
-        assert config.mrope_section == ((2, 3, 3) if qwen else ()) and config.image_merge_size == (2 if qwen else 1)
-        assert config.mrope_interleaved == architecture.startswith("Qwen3")
-        pixels = torch.randn(*((16, 3 * 2 * 14 * 14) if qwen else (1, 3, 28, 28)),
-                             generator=torch.Generator().manual_seed(2))
-        data = {"pixel_values": pixels, **({"image_grid_thw": torch.tensor([[1, 4, 4]])} if qwen else {})}
-        with torch.no_grad():
-            out = hf.model.get_image_features(**data, return_dict=True)
-            got = model.embed_multimodal("image", {k: v.numpy() for k, v in data.items()})
-        joined = lambda t: torch.cat(t) if isinstance(t, (tuple, list)) else t    # noqa: E731 (split per image)
-        want = joined(out.pooler_output)
-        want = want.reshape(-1, want.shape[-1])
-        # Qwen3-VL's DeepStack features beside the embeddings, one slice per layer they feed
-        want = torch.cat([want, *map(joined, getattr(out, "deepstack_features", None) or [])], dim=-1)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    else:
-        assert config.image_token_id is None
+    assert type(model).takes_images     # its vision tower read beside, by load_vision (either layout)
+    qwen = architecture.startswith("Qwen")
+    assert config.image_token_id == 299 and config.mm_prefix_lm == architecture.startswith("Gemma3")
+    assert config.mrope_section == ((2, 3, 3) if qwen else ()) and config.image_merge_size == (2 if qwen else 1)
+    assert config.mrope_interleaved == architecture.startswith("Qwen3")
+    pixels = torch.randn(*((16, 3 * 2 * 14 * 14) if qwen else (1, 3, 28, 28)),
+                         generator=torch.Generator().manual_seed(2))
+    data = {"pixel_values": pixels, **({"image_grid_thw": torch.tensor([[1, 4, 4]])} if qwen else {}),
+            **({"image_sizes": torch.tensor([[28, 28]])} if architecture.startswith("Mistral3") else {})}
+    with torch.no_grad():
+        out = hf.model.get_image_features(**data, return_dict=True)
+        got = model.embed_multimodal("image", {k: v.numpy() for k, v in data.items()})
+    joined = lambda t: torch.cat(t) if isinstance(t, (tuple, list)) else t    # noqa: E731 (split per image)
+    want = joined(out.pooler_output)
+    want = want.reshape(-1, want.shape[-1])
+    # Qwen3-VL's DeepStack features beside the embeddings, one slice per layer they feed
+    want = torch.cat([want, *map(joined, getattr(out, "deepstack_features", None) or [])], dim=-1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     tokens = torch.randint(3, 290, (29,), generator=torch.Generator().manual_seed(1)).tolist()
     paged = Paged(config)
     (ours,) = paged.step(model, [(tokens, 0, paged.blocks_for([], 29))])
