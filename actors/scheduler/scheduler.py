@@ -345,8 +345,10 @@ class Scheduler:
         polled (steps without tokens) until they end."""
         return self.connector is not None and self.connector.has_pending()
 
-    def _finish(self, req: Request, status: RequestStatus) -> dict | None:
-        """End the request; returns the kv_transfer_params its response carries (a KV connector's)."""
+    def _finish(self, req: Request, status: RequestStatus, written_tokens: int | None = None) -> dict | None:
+        """End the request; returns the kv_transfer_params its response carries (a KV connector's).
+        ``written_tokens``: see KVCacheManager.free (0: none of its blocks keeps its place in the
+        prefix cache, their KV not to be trusted)."""
         req.status = status
         rid = req.request_id
         loading = False
@@ -372,7 +374,7 @@ class Scheduler:
         if delay:
             self._held_for_remote.add(rid)
         else:
-            self.kv.free(rid)
+            self.kv.free(rid, written_tokens)
         if self.structured is not None:
             self.structured.free(rid)
         del self.requests[rid]
@@ -829,10 +831,10 @@ class Scheduler:
         outs = []
         if out.kv_connector_output is not None and self.connector is not None:
             outs.extend(self._update_from_kv_xfer(out.kv_connector_output))
-        for rid, error in out.errors.items():        # e.g. its LoRA adapter could not be read
+        for rid, error in out.errors.items():        # its LoRA adapter could not be read, its image encoded
             req = self.requests.get(rid)
-            if req is not None and not req.status.finished:
-                self._finish(req, RequestStatus.FINISHED_ERROR)
+            if req is not None and not req.status.finished:      # its blocks' KV may be wrong: none is cached
+                self._finish(req, RequestStatus.FINISHED_ERROR, written_tokens=0)
                 outs.append(EngineCoreOutput(rid, [], "error", error=error, error_status=400))
         if self.model_times:        # --collect-detailed-traces: every request of the step is charged it
             forward, execute = max(out.compute_s - out.sample_s, 0.0), out.worker_s

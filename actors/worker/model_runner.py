@@ -199,6 +199,7 @@ class ModelRunner:
                         and self.arch.max_sliding_window is None)
         self.cascade_min_prefix = getattr(backend, "cascade_min_prefix", 0)
         self.lora = getattr(model, "lora_manager", None)   # actors/worker/lora_manager.py, with --enable-lora
+        self.encoder_failures: dict[str, str] = {}     # this step's images whose encoding failed: why
         # a KV connector whose hooks this step's forward calls in every attention layer (the
         # worker sets it per step: KVConnectorBase.has_layer_work); such a step runs eagerly
         self.kv_layer_hooks = None
@@ -286,12 +287,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _encode(self, feature: MultiModalFeature) -> torch.Tensor:
-        """An image's embeddings (its embedding positions, hidden), by the model's encoder."""
-        out = self.model.embed_multimodal(feature.modality, feature.data)
-        if out.shape[0] != feature.num_embeds:
-            raise ValueError(f"the {feature.modality} encoder made {out.shape[0]} embeddings for an item whose "
-                             f"placeholders take {feature.num_embeds}")
-        return out
+        """An image's embeddings (its embedding positions, hidden), by the model's encoder. An
+        encoder that fails fails the requests holding the image, not the step: the reason is
+        kept (``encoder_failures``, by identifier) and zeros stand in for the rows this step."""
+        try:
+            out = self.model.embed_multimodal(feature.modality, feature.data)
+            if out.shape[0] != feature.num_embeds:
+                raise ValueError(f"it made {out.shape[0]} embeddings for an item whose placeholders take "
+                                 f"{feature.num_embeds}")
+            return out
+        except Exception as exc:       # noqa: BLE001 (any failure of one item's encoding is that item's)
+            log.warning("the %s encoder failed on item %s: %s", feature.modality, feature.identifier[:12], exc)
+            self.encoder_failures[feature.identifier] = f"the {feature.modality} encoder failed: {exc}"
+            return torch.zeros(feature.num_embeds, self.arch.hidden_size)
+
+    def _failed_by_encoder(self, req_ids: list[str], slots: np.ndarray) -> dict[str, str]:
+        """The step's requests holding an image whose encoding failed, with the reason; the
+        failures are forgotten (another request sending such an image tries again)."""
+        failures, self.encoder_failures = self.encoder_failures, {}
+        errors = {}
+        for rid, i in zip(req_ids, slots.tolist()):
+            for feature in self.batch.states[i].mm_features or ():
+                if feature.identifier in failures:
+                    errors[rid] = failures[feature.identifier]
+        return errors
 
     def _with_token_types(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: np.ndarray,
                           cu: np.ndarray) -> torch.Tensor:
@@ -328,13 +347,16 @@ class ModelRunner:
             return out
         t_prepare = time.perf_counter()
         inp = self.prepare_inputs(so)
+        if self.encoder_failures:         # the requests holding an image that could not be encoded
+            out.errors = self._failed_by_encoder(req_ids, inp.slots)
         if self.lora is not None:          # each token's adapter slot, the step's adapters resident
             row_loras = [self.batch.states[i].lora_request for i in inp.slots.tolist()]
             self.lora.set_adapter_mapping(row_loras, np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64,
                                                                  count=len(req_ids)))
             if self.lora.failed:           # an adapter that could not be read fails its requests only
-                out.errors = {rid: self.lora.failed[lr.lora_int_id] for rid, lr in zip(req_ids, row_loras)
-                              if lr is not None and lr.lora_int_id in self.lora.failed}
+                out.errors = {**out.errors, **{rid: self.lora.failed[lr.lora_int_id]
+                                               for rid, lr in zip(req_ids, row_loras)
+                                               if lr is not None and lr.lora_int_id in self.lora.failed}}
         t0 = time.perf_counter()
         out.prepare_s = t0 - t_prepare
         hidden = self._forward(inp)                                                    # (T, hidden)
