@@ -1,7 +1,8 @@
 """The parts of image input that need no engine: image parts taken out of chat messages and
 rendered as the model's placeholder, images read from data and file URLs (and refused by
-name), a placeholder expanded by the checkpoint's processor, the prefix cache's extra keys
-(vLLM's), the worker's rows of an image across prefill chunks, and the flags."""
+name), a placeholder expanded by the checkpoint's processor (or one rebuilt from its image
+processor), the prefix cache's extra keys (vLLM's), the worker's rows of an image across prefill
+chunks, M-RoPE's positions, and the flags."""
 from __future__ import annotations
 
 import asyncio
@@ -115,6 +116,41 @@ def test_the_processor_expands_each_placeholder_into_its_images_positions(tmp_pa
     assert uncached.mm_cache_hits == 0
     with pytest.raises(MediaError, match=r"At most 1 image\(s\)"):
         processor.check_count(2)
+
+
+def test_qwen2_vls_and_pixtrals_processors_are_rebuilt_from_their_image_processors(tmp_path):
+    """Without torchvision transformers builds neither processor whole: each is its image
+    processor with the processor's rule: Qwen2-VL's one <|image_pad|> per merged patch (a 100x80
+    picture resized to 112x84: 8x6 patches, 4x3 merged), written in a prompt between its vision
+    markers; Pixtral's (processor_config.json's patch of 14 merged 2x2) three rows of four [IMG],
+    [IMG_BREAK] between them, [IMG_END] last, its markers plain tokens."""
+    import importlib.util
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("with torchvision, transformers builds these processors whole")
+    from actors.tokenizer.gguf_tokenizer import TextTokenizer
+    from actors.tokenizer.multimodal import ImageProcessor
+    from helpers import save_tiny_mistral3, save_tiny_qwen2_vl
+    image = random_image(5, 100, 80)
+    save_tiny_qwen2_vl(tmp_path / "qwen")
+    tok = TextTokenizer.from_hf_dir(str(tmp_path / "qwen"))
+    qwen = ImageProcessor(str(tmp_path / "qwen"), 299, MultiModalConfig(),
+                          lambda text: tok.encode(text, add_special_tokens=False), needs_grid=True)
+    assert (qwen.name, qwen.placeholder, qwen.placeholder_id) == ("Qwen2VLProcessor", "<|image_pad|>", 299)
+    assert qwen.prompt_placeholder == "<|vision_start|><|image_pad|><|vision_end|>"
+    ids, data, _ = qwen.process(image)
+    assert ids == [299] * 12 and data["image_grid_thw"].tolist() == [[1, 6, 8]]
+    assert data["pixel_values"].shape == (48, 3 * 2 * 14 * 14)
+    with pytest.raises(MediaError, match="image_embeds alone do not give"):
+        qwen.process(np.zeros((12, 64), np.float32))
+    save_tiny_mistral3(tmp_path / "mistral")
+    tok = TextTokenizer.from_hf_dir(str(tmp_path / "mistral"))
+    pixtral = ImageProcessor(str(tmp_path / "mistral"), 299, MultiModalConfig(),
+                             lambda text: tok.encode(text, add_special_tokens=False))
+    assert (pixtral.name, pixtral.prompt_placeholder) == ("PixtralProcessor", "[IMG]")
+    ids, data, _ = pixtral.process(image)
+    assert ids == ([299] * 4 + [297]) * 2 + [299] * 4 + [298] and data["image_sizes"].tolist() == [[84, 112]]
+    _, (item,) = pixtral.expand([5, 299, 6], [(ids, data, "x")])
+    assert item.num_embeds == 12 and item.embed_span == (1, 15)
 
 
 def feature(identifier: str, offset: int, length: int, is_embed=None) -> MultiModalFeature:
