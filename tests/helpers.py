@@ -400,6 +400,21 @@ def save_tiny_llava(path, vocab: int = 300, image_size: int = 56, seed: int = 9)
             transformers.AutoProcessor.from_pretrained(path))
 
 
+def _save_as_hub_processor(path, images, image_processor_type: str, processor_class: str, chat_template: str) -> None:
+    """A processor saved as the hub has it, where transformers cannot build the processor here
+    (it needs torchvision): the image processor's preprocessor_config.json naming the hub's
+    image processor and processor classes, and the chat template in chat_template.json."""
+    images.save_pretrained(path)
+    config_file = os.path.join(str(path), "preprocessor_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config.update(image_processor_type=image_processor_type, processor_class=processor_class)
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(str(path), "chat_template.json"), "w") as f:
+        json.dump({"chat_template": chat_template}, f)
+
+
 QWEN2_VL_CHAT_TEMPLATE = ("{% for message in messages %}{{ 't1 ' if message['role'] == 'user' else 't2 ' }}"
                           "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
                           "<|vision_start|><|image_pad|><|vision_end|> {% elif part['type'] == 'text' %}"
@@ -446,15 +461,7 @@ def save_tiny_qwen2_vl(path, family: str = "qwen2_vl", vocab: int = 300, seed: i
                                   vision_end_token_id=vocab - 3))
     _save_vlm(hf, path, vocab, ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<|image_pad|>"])
     images = transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
-    images.save_pretrained(path)
-    config_file = os.path.join(str(path), "preprocessor_config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    config.update(image_processor_type="Qwen2VLImageProcessor", processor_class=processor_class)
-    with open(config_file, "w") as f:
-        json.dump(config, f)
-    with open(os.path.join(str(path), "chat_template.json"), "w") as f:
-        json.dump({"chat_template": QWEN2_VL_CHAT_TEMPLATE}, f)
+    _save_as_hub_processor(path, images, "Qwen2VLImageProcessor", processor_class, QWEN2_VL_CHAT_TEMPLATE)
     words = {f"t{i}": i for i in range(vocab - 4)}
     words.update({"<|vision_start|>": vocab - 4, "<|vision_end|>": vocab - 3, "<|image_pad|>": vocab - 1})
 
@@ -500,18 +507,11 @@ def save_tiny_mistral3(path, vocab: int = 300, seed: int = 7):
         tie_word_embeddings=False))
     _save_vlm(hf, path, vocab, ["[IMG_BREAK]", "[IMG_END]", "[IMG]"])
     images = transformers.PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14)
-    images.save_pretrained(path)
-    config_file = os.path.join(str(path), "preprocessor_config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    config.update(image_processor_type="PixtralImageProcessor", processor_class="PixtralProcessor")
-    with open(config_file, "w") as f:
-        json.dump(config, f)
+    _save_as_hub_processor(path, images, "PixtralImageProcessor", "PixtralProcessor",
+                           LLAVA_CHAT_TEMPLATE.replace("<image>", "[IMG]"))
     with open(os.path.join(str(path), "processor_config.json"), "w") as f:
         json.dump({"processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2,
                    "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}, f)
-    with open(os.path.join(str(path), "chat_template.json"), "w") as f:
-        json.dump({"chat_template": LLAVA_CHAT_TEMPLATE.replace("<image>", "[IMG]")}, f)
     words = {f"t{i}": i for i in range(vocab - 3)}
 
     def inputs(prompt: str, pictures: list) -> dict:
