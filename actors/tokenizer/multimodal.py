@@ -1,5 +1,6 @@
 """Images in prompts (vLLM's multimodal inputs), for a model whose ArchConfig has an
-``image_token_id`` (a multimodal checkpoint the transformers backend serves whole).
+``image_token_id`` (a multimodal checkpoint the transformers backend serves whole, or one of
+Troupe's own classes that take images).
 
 A chat message's ``image_url`` parts (``data:`` base64 URLs, ``http(s)://`` URLs fetched with
 VLLM_IMAGE_FETCH_TIMEOUT from --allowed-media-domains' hosts, ``file://`` URLs under
@@ -270,8 +271,9 @@ _PROMPT_PLACEHOLDERS = {"Qwen2VLProcessor": "<|vision_start|><|image_pad|><|visi
 
 class ImagesOnlyProcessor:
     """A checkpoint's processor rebuilt from its image processor, where transformers cannot
-    build the whole one here (Qwen2-VL's video processor needs torchvision): the image
-    processor's inputs, and the placeholder expanded by the processor's own rule."""
+    build the whole one here (Qwen-VL's video processor and Pixtral's processor need
+    torchvision): the image processor's inputs, and the placeholder expanded by the processor's
+    own rule."""
 
     def __init__(self, name: str, image_processor: Any, image_token: str, expansion: Expansion,
                  settings: Mapping[str, Any]) -> None:
