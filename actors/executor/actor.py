@@ -140,6 +140,10 @@ class Executor(Actor):
             reports = [f.result().kv_connector_output for f in sends]
             if any(r is not None for r in reports):
                 out = msgspec.structs.replace(out, kv_connector_output=self._kv_reports.aggregate(reports))
+            # a request failed on any rank fails (an image the first pipeline stage could not encode)
+            errors = {rid: why for f in sends for rid, why in f.result().errors.items()}
+            if errors.keys() != out.errors.keys():
+                out = msgspec.structs.replace(out, errors={**errors, **out.errors})
             return out
         finally:
             for f in sends:

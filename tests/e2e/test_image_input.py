@@ -146,18 +146,19 @@ def test_placeholders_and_images_must_pair_up_within_the_limit(llm):
             llm.generate(prompt, greedy())
 
 
-def test_an_image_its_encoder_fails_on_fails_its_own_request_only(llava):
+@pytest.mark.parametrize("parallel", [{}, {"pipeline_parallel_size": 2}])
+def test_an_image_its_encoder_fails_on_fails_its_own_request_only(llava, parallel):
     """Processed at twice the tower's resolution (a request's mm_processor_kwargs), an image
-    that the vision tower refuses: its request ends with an error naming the encoder, the other
-    request of the same step gets its tokens, none of the blocks the failed step computed is
-    served from the prefix cache (the same request fails again rather than reading them), and
-    the engine goes on."""
+    that the vision tower refuses: its request ends with an error naming the encoder (reported
+    by the first pipeline stage, which reads the images), the other request of the same step
+    gets its tokens, none of the blocks the failed step computed is served from the prefix cache
+    (the same request fails again rather than reading them), and the engine goes on."""
     from actors.api import LLM
     good, bad = random_image(15), random_image(16)
     big = {"size": {"shortest_edge": 112}, "crop_size": {"height": 112, "width": 112}}
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": good}},        # 90 positions in one step:
                {"prompt": LONG, "multi_modal_data": {"image": bad}, "mm_processor_kwargs": big}]   # 5 blocks
-    with LLM(model=llava[0], max_model_len=256, max_num_batched_tokens=256) as engine:
+    with LLM(model=llava[0], max_model_len=256, max_num_batched_tokens=256, **parallel) as engine:
         for _ in range(2):
             ok, failed = engine.generate(prompts, greedy())
             assert ok.outputs[0].token_ids == hf_answer(llava, PROMPT, [good])
