@@ -160,7 +160,9 @@ def test_the_consumer_loads_the_producers_blocks_and_computes_only_the_last_prom
     add(consumer, "d1", PROMPT, 3, params)
     consumer.step()                                        # admitted: blocks taken, load started
     req = consumer.sched.requests["d1"]
-    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not consumer.last.num_scheduled_tokens
+    assert not consumer.last.num_scheduled_tokens          # nothing computed while it loads
+    # loading still, or (a fast load on a busy machine) reported done within that very step
+    assert req.status in (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING)
     consumer.until(lambda: req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS)
     consumer.step()
     assert consumer.last.num_scheduled_tokens == {"d1": 1}          # the prompt's last token only
