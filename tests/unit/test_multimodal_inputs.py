@@ -120,9 +120,9 @@ def test_the_processor_expands_each_placeholder_into_its_images_positions(tmp_pa
 
 def test_qwen2_vls_and_pixtrals_processors_are_rebuilt_from_their_image_processors(tmp_path, monkeypatch):
     """Where transformers cannot build either processor whole (without torchvision; made so
-    here on any machine), each is its image processor with the processor's rule: Qwen2-VL's one <|image_pad|> per merged patch (a 100x80
-    picture resized to 112x84: 8x6 patches, 4x3 merged), written in a prompt between its vision
-    markers; Pixtral's (processor_config.json's patch of 14 merged 2x2) three rows of four [IMG],
+    here on any machine), each is its image processor with the processor's rule: Qwen2-VL's one
+    <|image_pad|> per merged patch (a 100x80 picture resized to 112x84: 8x6 patches, 4x3 merged),
+    written in a prompt between its vision markers; Pixtral's (processor_config.json's patch of 14 merged 2x2) three rows of four [IMG],
     [IMG_BREAK] between them, [IMG_END] last, its markers plain tokens."""
     import transformers
 
