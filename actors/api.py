@@ -573,8 +573,9 @@ class AsyncLLM:
             self.client.images.clear()
 
     async def reset_encoder_cache(self) -> None:
-        """vLLM's: the workers keep an image's embeddings only while its prefill reads them:
-        nothing held to clear."""
+        """vLLM's: every engine forgets its images' embeddings (encoded again when needed; for
+        after the encoder's weights changed)."""
+        await self.client.reset_encoder_cache()
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; True once every engine has."""

@@ -93,6 +93,8 @@ class EngineArgs:
     prefix_caching_hash_algo: str = "sha256"
     disable_hybrid_kv_cache_manager: bool = False
     disable_chunked_mm_input: bool = False   # vLLM's: a step never ends inside an image's positions
+    max_num_batched_encoder_embeds: int | None = None   # vLLM's: image embeddings encoded a step (None: the token budget)
+    encoder_cache_size: int | None = None    # vLLM's: image embeddings the encoder cache keeps (None: the above)
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None     # None: 2048, or the context length where prompts go whole
     # vLLM's --enable-chunked-prefill: prompts longer than the step's budget computed in chunks
@@ -292,7 +294,9 @@ class EngineArgs:
                                       max_waiting_tokens=self.max_waiting_tokens,
                                       max_num_queued_reqs=self.max_num_queued_reqs,
                                       disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
-                                      disable_chunked_mm_input=self.disable_chunked_mm_input),
+                                      disable_chunked_mm_input=self.disable_chunked_mm_input,
+                                      max_num_batched_encoder_embeds=self.max_num_batched_encoder_embeds,
+                                      encoder_cache_size=self.encoder_cache_size),
             parallel=ParallelConfig(multiprocess=self.multiprocess, data_parallel_size=self.data_parallel_size,
                                     tensor_parallel_size=self.tensor_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel,
@@ -325,6 +329,7 @@ class EngineArgs:
             watermark=self.watermark(),
             weight_transfer=weight_transfer_config(self.weight_transfer_config))
         KVConnectorFactory.check_engine(config)
+        config.scheduler.check_encoder_cache()
         return config
 
     def multimodal(self) -> MultiModalConfig:
@@ -850,6 +855,16 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="vLLM's: with chunked prefill, a step never ends inside an image's positions (it takes the image "
                  "whole, or stops before it); always so for a model whose image positions attend to each other "
                  "(Gemma 3's)")),
+        (("--max-num-batched-encoder-embeds",), "max_num_batched_encoder_embeds",
+         dict(type=_positive(human_readable_int), default=d["max_num_batched_encoder_embeds"],
+              help="vLLM's: the image embeddings the model's encoder makes in one step at most (default: "
+                   "--max-num-batched-tokens); a prompt chunk stops before an image that does not fit, which "
+                   "waits for a later step (an image larger than this goes alone)")),
+        (("--encoder-cache-size",), "encoder_cache_size",
+         dict(type=_positive(human_readable_int), default=d["encoder_cache_size"],
+              help="vLLM's: the image embeddings the workers keep (default: --max-num-batched-encoder-embeds): "
+                   "an image's embeddings serve every step over its positions and later requests with the same "
+                   "image, until evicted (oldest unused first) for a new one")),
         (("--disable-hybrid-kv-cache-manager",), "disable_hybrid_kv_cache_manager", dict(
             action=argparse.BooleanOptionalAction, default=d["disable_hybrid_kv_cache_manager"],
             help="every layer holds a KV block for every token; by default the sliding-window layers of "

@@ -208,6 +208,26 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's: a step never ends inside an image's positions (computed in one step, or not yet);
     # on for a prefix LM, whose image positions attend to each other
     disable_chunked_mm_input: bool = False
+    # vLLM's: the image embeddings the encoder makes in one step, and those the workers' encoder
+    # cache keeps (None: max_num_batched_tokens, and the encoder budget); an image larger than
+    # either still goes, alone
+    max_num_batched_encoder_embeds: int | None = None
+    encoder_cache_size: int | None = None
+
+    @property
+    def encoder_budget(self) -> int:
+        """The embeddings the encoder may make in one step."""
+        return self.max_num_batched_encoder_embeds or self.max_num_batched_tokens
+
+    @property
+    def encoder_cache_embeds(self) -> int:
+        """The embeddings the workers' encoder cache keeps."""
+        return self.encoder_cache_size or self.encoder_budget
+
+    def check_encoder_cache(self) -> None:
+        if self.encoder_cache_embeds < self.encoder_budget:
+            raise ValueError(f"encoder_cache_size ({self.encoder_cache_embeds}) must be no smaller than "
+                             f"max_num_batched_encoder_embeds ({self.encoder_budget})")
 
     @property
     def token_budget(self) -> int:
@@ -467,6 +487,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                                             and self.speculative is None and self.model.pooling is None
                                             and self.parallel.pipeline_parallel_size == 1)
         sched, cache = self._whole_prompts(sched, arch, max_model_len)
+        sched.check_encoder_cache()
         if arch.mm_prefix_lm and not sched.disable_chunked_mm_input:    # an image computed in one step
             sched = msgspec.structs.replace(sched, disable_chunked_mm_input=True)
         if sched.max_num_partial_prefills > 1 and not sched.long_prefill_token_threshold and sched.chunks_prompts:

@@ -142,6 +142,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     estimated_flops: int = 0
     estimated_read_bytes: int = 0
     estimated_write_bytes: int = 0
+    # images, since start: looked up in the workers' encoder cache, and found there
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 CALLABLE = "__callable__"        # WorkerRPC's method for a function (vLLM's collective_rpc of a callable)
@@ -221,3 +224,9 @@ class SchedulerOutput(Msg):
     kv_connector_metadata: bytes | None = None
     removed_lora_ids: list[int] = []         # unloaded adapters (lora_int_id): drop them before this step
     pinned_loras: list[LoRARequest] = []     # adapters to read now and evict last (vLLM's pin_lora)
+    # images: per request, the mm_features (indices) the encoder makes embeddings of this step;
+    # the images' identifiers whose embeddings the encoder cache drops before it (evicted), or
+    # every one (reset_encoder_cache)
+    scheduled_encoder_inputs: dict[str, list[int]] = {}
+    free_encoder_mm_hashes: list[str] = []
+    reset_encoder_cache: bool = False

@@ -28,8 +28,8 @@ from actors.kv_manager.actor import ResetPrefixCache
 from actors.runtime import ActorRef, RemoteError
 from actors.engine.profiler import check_bounds, check_prefix
 from actors.scheduler.actor import (PAUSE_MODES, SLEEP_TIMEOUT_S, AbortRequests, GetPauseStatus, PauseScheduler,
-                                    PauseStatus, PinLoRA, ProfileEngine, RemoveLoRA, ResumeScheduler, SleepEngine,
-                                    WakeEngine, WeightVersion)
+                                    PauseStatus, PinLoRA, ProfileEngine, RemoveLoRA, ResetEncoderCache, ResumeScheduler,
+                                    SleepEngine, WakeEngine, WeightVersion)
 from actors.tokenizer.actor import Generate, InvalidPrompt, PromptTooLong
 from actors.engine.messages import CALLABLE
 from actors.worker.actor import WorkerRPC
@@ -393,6 +393,11 @@ class EngineClient:
             await asyncio.sleep(PAUSE_POLL_S)
             self._check_alive()
             status = await self.engine.ask(GetPauseStatus(), timeout=30)
+
+    async def reset_encoder_cache(self) -> None:
+        """vLLM's: every engine forgets its images' embeddings (they are encoded again when needed)."""
+        self._check_alive()
+        await self.engine.ask(ResetEncoderCache(), timeout=30)
 
     async def resume_generation(self) -> None:
         """End a pause: the queued and frozen requests go on."""

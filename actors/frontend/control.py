@@ -12,7 +12,7 @@ started with VLLM_SERVER_DEV_MODE=1:
   GET  /get_world_size?include_dp=true                {"world_size": n}  (ranks: tensor x pipeline [x data])
   GET  /server_info?config_format=text|json           {"vllm_config", "vllm_env", "system_env"}
   POST /collective_rpc  {"method", "args", "kwargs", "timeout"}   {"results": [one per worker]}
-  POST /reset_mm_cache, /reset_encoder_cache          200 (the processor cache cleared; no encoder cache is held)
+  POST /reset_mm_cache, /reset_encoder_cache          200 (the processor cache, the engines' encoder caches cleared)
 
 ``abort`` (the default) aborts every request, ``wait`` lets the running ones finish, ``keep``
 freezes every request where it is (they go on after /resume); requests that arrive while paused
@@ -190,8 +190,9 @@ async def reset_mm_cache(server: OpenAIServer, request: web.Request) -> web.Resp
 
 
 async def reset_encoder_cache(server: OpenAIServer, request: web.Request) -> web.Response:
-    """vLLM's /reset_encoder_cache: 200. The workers keep an image's embeddings only while its
-    request's prefill reads them, so there is nothing held to clear."""
+    """vLLM's /reset_encoder_cache: every engine forgets its images' embeddings (a text model
+    holds none: 200 all the same)."""
+    await server.engine().reset_encoder_cache()
     return web.Response(status=200)
 
 

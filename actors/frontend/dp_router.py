@@ -27,8 +27,8 @@ from actors.frontend.streams import OutputStreams
 from actors.runtime import Actor, ActorRef, Msg, RemoteError
 from actors.runtime.errors import passed_on
 from actors.scheduler.actor import (SLEEP_TIMEOUT_S, AbortRequests, AddRequest, GetPauseStatus, GrammarReady,
-                                    PauseScheduler, PauseStatus, PinLoRA, ProfileEngine, RemoveLoRA, ResumeScheduler,
-                                    SleepEngine, WakeEngine, WeightVersion)
+                                    PauseScheduler, PauseStatus, PinLoRA, ProfileEngine, RemoveLoRA, ResetEncoderCache,
+                                    ResumeScheduler, SleepEngine, WakeEngine, WeightVersion)
 from actors.worker.actor import WorkerRPC
 
 AFFINITY_BLOCKS = 4            # the prompt prefix that keys affinity: its first blocks, at most this many
@@ -48,7 +48,7 @@ class EngineUp(Msg):
 
 RouterProtocol = (AddRequest | AbortRequests | GrammarReady | RemoveLoRA | PinLoRA | EngineDown | EngineUp
                   | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine
-                  | WeightVersion
+                  | WeightVersion | ResetEncoderCache
                   | WorkerRPC)
 PAUSE_ASK_TIMEOUT_S = 30.0
 
@@ -131,6 +131,9 @@ class DataParallelRouter(Actor):
                 except RemoteError as exc:
                     raise passed_on(exc) from None
                 return [r for results in each for r in results]
+            case ResetEncoderCache():                   # every engine core's encoder cache
+                up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
+                await asyncio.gather(*(s.ask(msg, timeout=PAUSE_ASK_TIMEOUT_S) for s in up))
             case ProfileEngine():                       # profiling: every engine core's workers
                 up = [s for e, s in enumerate(self.schedulers) if self.up[e]]
                 await asyncio.gather(*(s.ask(msg, timeout=SLEEP_TIMEOUT_S) for s in up))

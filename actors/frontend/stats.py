@@ -124,6 +124,10 @@ METRICS: tuple[Metric, ...] = (
            "--api-server-count above 1).", vllm=False, labels="api_server"),
     Metric("batch_size", "histogram", "Requests served per engine step.", vllm=False),
     Metric("engine_busy_seconds_total", "counter", "Wall time of back-to-back engine step cycles.", vllm=False),
+    Metric("encoder_cache_queries_total", "counter", "Images looked up in the workers' encoder cache (once per "
+           "request and image, as its positions are first computed).", vllm=False),
+    Metric("encoder_cache_hits_total", "counter", "Of those, images whose embeddings were there (not encoded "
+           "again).", vllm=False),
     Metric("engine_compute_seconds_total", "counter",
            "Of that, model forward and sampling (the rest is engine overhead).", vllm=False),
     *(Metric(f"kv_transfer_{name}_total", "counter", help, vllm=False) for name, help in (
@@ -379,6 +383,7 @@ class EngineStats:
             "generation_tokens_total": self.generation_tokens, "max_batch_size": self.max_batch_size,
             "mm_cache_queries_total": self.mm_cache_queries, "mm_cache_hits_total": self.mm_cache_hits,
             "engine_busy_seconds_total": f"{s.busy_seconds:.6f}",
+            "encoder_cache_queries_total": s.encoder_cache_queries, "encoder_cache_hits_total": s.encoder_cache_hits,
             "engine_compute_seconds_total": f"{s.compute_seconds:.6f}",
             "spec_decode_num_drafts_total": s.spec_num_drafts,
             "spec_decode_num_draft_tokens_total": s.spec_num_draft_tokens,
@@ -578,7 +583,8 @@ def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         external_prefix_cache_queries=total("external_prefix_cache_queries"),
         external_prefix_cache_hits=total("external_prefix_cache_hits"), kv_transfer=transfer,
         estimated_flops=total("estimated_flops"), estimated_read_bytes=total("estimated_read_bytes"),
-        estimated_write_bytes=total("estimated_write_bytes"))
+        estimated_write_bytes=total("estimated_write_bytes"),
+        encoder_cache_queries=total("encoder_cache_queries"), encoder_cache_hits=total("encoder_cache_hits"))
 
 
 def parse_prefixes(text: str) -> tuple[str, ...]:

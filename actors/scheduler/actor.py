@@ -155,6 +155,12 @@ class WakeEngine(Msg):
     tags: list[str] | None = None
 
 
+class ResetEncoderCache(Msg):
+    """vLLM's reset_encoder_cache: every image's embeddings are forgotten (the workers drop
+    theirs with the next step); images still needed are encoded again."""
+    lane: ClassVar[str] = "system"
+
+
 class ProfileEngine(Msg):
     """--profiler-config's session in every worker: start it (``prefix``, ``delay_iterations``,
     ``max_iterations``: vLLM's per-session options) or stop it."""
@@ -167,7 +173,7 @@ class ProfileEngine(Msg):
 SchedulerProtocol = (AddRequest | AbortRequests | Step | GrammarReady | WorkersLost | WorkersReady | RemoveLoRA
                      | PinLoRA
                      | ConnectClient | ClientGone | PauseScheduler | ResumeScheduler | GetPauseStatus | SleepEngine | WakeEngine | ProfileEngine
-                     | WorkerRPC | WeightVersion)
+                     | WorkerRPC | WeightVersion | ResetEncoderCache)
 
 # worker methods after which the prefix cache holds keys and values of the old weights
 NEW_WEIGHTS = ("reload_weights", "finish_weight_update", "reset_weights")
@@ -357,7 +363,10 @@ class SchedulerActor(Actor):
                     raise passed_on(exc) from None
                 if msg.method in NEW_WEIGHTS:            # no new request reads keys of the old weights
                     self.core.kv.reset_prefix_cache()
+                    self.core.reset_encoder_cache()      # nor embeddings of the old encoder
                 return results
+            case ResetEncoderCache():
+                self.core.reset_encoder_cache()
             case ProfileEngine(start=start, prefix=prefix, delay_iterations=delay, max_iterations=limit):
                 await self.executor.ask(ProfileWorker(start, prefix, delay, limit), timeout=SLEEP_TIMEOUT_S)
             case WakeEngine(tags=tags):

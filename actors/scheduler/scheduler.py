@@ -48,6 +48,13 @@ cached block) covers them. A preempted request loses its drafts. Speculative dec
 without async scheduling (its drafts need the previous step's output). With a draft model, every
 allocation reserves k lookahead slots past the step's tokens (capped by the context length): the
 draft model writes the KV of its next drafts there in the same step, before the next schedule.
+
+Images (vLLM's encoder scheduling): a prompt chunk that reaches an image's embedding positions
+either finds the image in the workers' encoder cache (``encoder_cache.py``; the request then
+references it until its positions are computed) or has the workers encode it this step, within
+the step's encoder budget (max_num_batched_encoder_embeds) and the cache's room; otherwise the
+chunk stops before the image, which waits for a later step. ``scheduled_encoder_inputs`` tells
+the workers what to encode, ``free_encoder_mm_hashes`` what to drop.
 """
 from __future__ import annotations
 
@@ -58,6 +65,7 @@ from typing import Callable
 
 from actors.engine.config import EngineConfig
 from actors.engine.lora import LoRARequest
+from actors.scheduler.encoder_cache import EncoderCache
 from actors.engine.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest,
                                     ModelRunnerOutput, NewRequestData, SchedulerOutput,
                                     SchedulerStats)
@@ -122,6 +130,8 @@ class _Step:
     latency_left: float | None = None       # seconds prompt chunks may add (None: no latency target)
     reserved: frozenset = frozenset()       # the decoding requests whose share latency_left left out
     chunked: bool = False                   # a prompt chunk was sized by the latency target already
+    encoder_budget: int = 0                 # image embeddings the encoder may still make this step
+    encoder_inputs: dict[Request, list[int]] = field(default_factory=dict)   # images encoded (mm_features indices)
 
 
 class Scheduler:
@@ -183,6 +193,10 @@ class Scheduler:
         self.pinned_loras: list[LoRARequest] = []  # adapters the workers pin with the next step
         self.pause_state = PauseState.UNPAUSED
         self._kv_events: list[KVCacheEvent] = []    # converted, not yet taken (--kv-events-config)
+        # the workers' encoder cache; per request, its images (mm_features indices) it references
+        self.encoder_cache = EncoderCache(self.config.encoder_cache_embeds)
+        self._encoder_refs: dict[str, set[int]] = {}
+        self._reset_encoder = False                 # the workers drop every image with the next step
 
     # -- admission and abort -----------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -246,6 +260,7 @@ class Scheduler:
         front of the queue to be recomputed, as after a preemption, unless it already lost
         MAX_WORKER_FAILURES workers (then it fails with ``reason``)."""
         self.forget_in_flight()
+        self.reset_encoder_cache()                # the worker's cache went with it
         outs = self._drop_transfers()
         for req in reversed(self.running):        # prepended in reverse: the queue keeps their order
             req.num_worker_failures += 1
@@ -261,6 +276,7 @@ class Scheduler:
     def fail_running(self, error: str) -> list[EngineCoreOutput]:
         """The workers failed mid-step: every running request ends with ``error``."""
         self.forget_in_flight()
+        self.reset_encoder_cache()                # what the failed steps encoded or dropped is unknown
         outs = []
         for req in list(self.running):
             self._finish(req, RequestStatus.FINISHED_ERROR)
@@ -286,6 +302,14 @@ class Scheduler:
             raise RuntimeError("cannot reset KV blocks while requests are running")
         self.kv.reset()
         self._finished_for_workers.clear()
+        self.reset_encoder_cache()
+
+    def reset_encoder_cache(self) -> None:
+        """Forget every image's embeddings (vLLM's reset_encoder_cache): the workers drop theirs
+        with the next step, and images still needed are encoded again."""
+        self.encoder_cache.reset()
+        self._encoder_refs.clear()
+        self._reset_encoder = True
 
     def has_work(self) -> bool:
         """Whether a step would schedule something (a pause holds some requests back)."""
@@ -360,6 +384,7 @@ class Scheduler:
         elif self.awaiting_grammar.pop(rid, None) is None:
             self.waiting.remove(req)
         self._remote_loaded.discard(rid)
+        self._release_images(req)
         params = None
         delay = False
         if self.connector is not None:
@@ -444,7 +469,7 @@ class Scheduler:
     # -- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decide the next step and take its blocks; an empty step schedules no tokens."""
-        step = _Step(self.config.token_budget, {}, {}, set(), [])
+        step = _Step(self.config.token_budget, {}, {}, set(), [], encoder_budget=self.config.encoder_budget)
         step.latency_left, step.reserved = self._latency_budget()
         if self.pause_state != PauseState.PAUSED_ALL:
             self._schedule_running(step)
@@ -468,6 +493,8 @@ class Scheduler:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 c.prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n           # scheduled tokens count as computed
+            if req.request_id in self._encoder_refs:
+                self._release_passed_images(req)
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 sampling.append(req)               # its prompt complete: it samples a token
             if req.spec_token_ids:                 # the drafts that fit the budget, after its tokens
@@ -532,6 +559,7 @@ class Scheduler:
             req = self.running[i]
             n = (0 if self._reaches_limit(req) or req.request_id in self._busy
                  else self._num_new_tokens(req, req.num_computed_tokens, step))
+            n, encode = self._plan_images(req, req.num_computed_tokens, n, step)
             if n == 0:
                 i += 1
                 continue
@@ -553,6 +581,7 @@ class Scheduler:
             step.num_tokens[req] = n
             step.new_block_ids[req] = blocks
             step.budget -= n
+            self._encode_images(req, encode, step)
             self._count_partial(req, req.num_computed_tokens, n, step)
             i += 1
 
@@ -604,7 +633,8 @@ class Scheduler:
                 if self.connector is not None and self._start_remote_load(req, hits, computed, step):
                     continue
             n = self._num_new_tokens(req, computed, step)
-            if n == 0:                                # the step's latency target leaves it no room
+            n, encode = self._plan_images(req, computed, n, step)
+            if n == 0:                                # the step's latency target (or the encoder's) leaves it no room
                 break
             if self._partial_prefills_full(req, computed, n, step):
                 skipped.append(self.waiting.pop())    # a prompt that fits whole may pass it
@@ -634,6 +664,7 @@ class Scheduler:
             step.new_block_ids[req] = blocks
             step.admitted.add(req)
             step.budget -= n
+            self._encode_images(req, encode, step)
             self._count_partial(req, computed, n, step)
 
     def _start_remote_load(self, req: Request, hits, computed: int, step: _Step) -> bool:
@@ -724,6 +755,82 @@ class Scheduler:
             step.latency_left -= c1 * n + c2 * attention_pairs(computed, n) / 1000.0
         return whole_items(req.mm_features, computed, n) if whole else n
 
+    def _plan_images(self, req: Request, computed: int, n: int, step: _Step) -> tuple[int, list[int]]:
+        """vLLM's encoder scheduling for a chunk of ``n`` tokens from ``computed``: each image
+        whose embedding positions the chunk reaches is referenced in the encoder cache, or is to
+        be encoded this step where the step's encoder budget and the cache have room (an image
+        larger than the budget goes alone, as the step's first); the chunk stops before the first
+        image with no room (none of it, when the chunk starts inside that image). Returns the
+        tokens and the images to encode (``mm_features`` indices; ``_encode_images`` once the
+        request is scheduled)."""
+        features = req.mm_features
+        if not features or n == 0:
+            return n, []
+        end, rid, cache = computed + n, req.request_id, self.encoder_cache
+        held = self._encoder_refs.setdefault(rid, set())
+        held_ids = {features[k].identifier for k in held}
+        encode: list[int] = []
+        pending = 0                                     # embeddings of ``encode``
+        for k, f in enumerate(features):
+            if f.offset >= end:
+                break
+            if k in held or f.end <= computed:
+                continue
+            lo, hi = f.embed_span
+            if hi <= computed or lo >= end:             # only its markers in the chunk
+                continue
+            if f.identifier in held_ids:                # the prompt holds the image twice
+                if not any(features[j].identifier == f.identifier for j in encode):
+                    held.add(k)
+                else:
+                    encode.append(k)
+                continue
+            if cache.reference(f, rid):
+                held.add(k)
+                held_ids.add(f.identifier)
+                continue
+            size = f.num_embeds
+            alone = not pending and step.encoder_budget == self.config.encoder_budget
+            if (size > step.encoder_budget - pending and not alone) or not cache.can_allocate(size, pending):
+                return max(f.offset - computed, 0), encode
+            encode.append(k)
+            held_ids.add(f.identifier)
+            pending += size
+        return n, encode
+
+    def _encode_images(self, req: Request, encode: list[int], step: _Step) -> None:
+        """The scheduled request's images to encode this step: room in the cache, the budget spent."""
+        if not encode:
+            return
+        held = self._encoder_refs[req.request_id]
+        for k in encode:
+            feature = req.mm_features[k]
+            if feature.identifier not in self.encoder_cache:
+                step.encoder_budget -= feature.num_embeds
+            self.encoder_cache.allocate(feature, req.request_id)
+            held.add(k)
+        step.encoder_inputs[req] = encode
+
+    def _release_passed_images(self, req: Request) -> None:
+        """The images whose positions ``req`` has now computed are no longer referenced by it
+        (unless it holds the same image again further on)."""
+        held = self._encoder_refs[req.request_id]
+        done = req.num_computed_tokens
+        passed = [k for k in held if req.mm_features[k].end <= done]
+        if not passed:
+            return
+        held.difference_update(passed)
+        live = {req.mm_features[k].identifier for k in held}
+        for k in passed:
+            if req.mm_features[k].identifier not in live:
+                self.encoder_cache.release(req.mm_features[k], req.request_id)
+
+    def _release_images(self, req: Request) -> None:
+        """``req`` ended or was preempted: it references no image any more."""
+        held = self._encoder_refs.pop(req.request_id, None)
+        for k in held or ():
+            self.encoder_cache.release(req.mm_features[k], req.request_id)
+
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -735,6 +842,12 @@ class Scheduler:
         n = step.num_tokens.pop(req, 0)
         step.budget += n
         step.new_block_ids.pop(req, None)
+        encoded = step.encoder_inputs.pop(req, ())
+        self._release_images(req)
+        for k in encoded:                  # its images this step was to encode: not encoded after all
+            feature = req.mm_features[k]
+            if self.encoder_cache.discard(feature):
+                step.encoder_budget += feature.num_embeds
         # scheduled earlier in this step: its blocks were offered to the prefix cache as if the
         # step computed its n tokens past num_computed_tokens, which it now will not
         self._recompute_later(req, req.num_computed_tokens if n else None)
@@ -758,6 +871,7 @@ class Scheduler:
         """Back to the front of the queue without blocks: prompt and output so far are
         computed again when it is scheduled. ``written_tokens``: see KVCacheManager.free."""
         self.kv.free(req.request_id, written_tokens)
+        self._release_images(req)
         if self.connector is not None:     # no remote reader may read its freed blocks any more
             self.connector.request_dropped(req.request_id)
         req.status = RequestStatus.PREEMPTED
@@ -787,10 +901,14 @@ class Scheduler:
         meta = None       # sent without tokens too while transfers are under way (the worker reports them)
         if self.connector is not None and (num_scheduled or self.kv_connector_pending()):
             meta = self.connector.build_connector_meta(list(step.num_tokens), self.kv.get_block_ids)
-        if num_scheduled or meta is not None:      # a step nobody runs keeps them for the next
+        sent = bool(num_scheduled) or meta is not None
+        if sent:                                   # a step nobody runs keeps them for the next
             self._finished_for_workers = []
         else:
             self._finished_for_workers = finished
+        freed, reset = (self.encoder_cache.take_freed(), self._reset_encoder) if sent else ([], False)
+        if sent:
+            self._reset_encoder = False
         grammar_ids = []
         if self.structured is not None:
             for req in sampling:
@@ -803,7 +921,9 @@ class Scheduler:
                                sum(num_scheduled.values()), finished, grammar_ids,
                                self.structured.fill_bitmask(grammar_ids, spec) if grammar_ids else None,
                                scheduled_spec_decode_tokens=spec, kv_connector_metadata=meta,
-                               removed_lora_ids=self._take_removed_loras(), pinned_loras=self._take_pinned_loras())
+                               removed_lora_ids=self._take_removed_loras(), pinned_loras=self._take_pinned_loras(),
+                               scheduled_encoder_inputs={r.request_id: k for r, k in step.encoder_inputs.items()},
+                               free_encoder_mm_hashes=freed, reset_encoder_cache=reset)
 
     def _take_removed_loras(self) -> list[int]:
         removed, self.removed_lora_ids = self.removed_lora_ids, []
@@ -955,7 +1075,9 @@ class Scheduler:
                               c.external_prefix_cache_queries, c.external_prefix_cache_hits, dict(c.kv_transfer),
                               self.kv.pool.residency.drain() if self.kv.pool.residency is not None else [],
                               estimated_flops=c.estimated_flops, estimated_read_bytes=c.estimated_read_bytes,
-                              estimated_write_bytes=c.estimated_write_bytes)
+                              estimated_write_bytes=c.estimated_write_bytes,
+                              encoder_cache_queries=self.encoder_cache.queries,
+                              encoder_cache_hits=self.encoder_cache.hits)
 
 
 def whole_items(features: list, computed: int, n: int) -> int:

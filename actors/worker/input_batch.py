@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -41,9 +41,6 @@ class SlotState:
     lora_request: LoRARequest | None = None
     prompt_embeds: np.ndarray | None = None   # (prompt tokens, hidden): a prompt given as embeddings
     mm_features: list[MultiModalFeature] | None = None   # its images
-    # the encoder's outputs of its images (by index), held from the first pass over an image's
-    # positions to the pass that reaches its last
-    mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
     # M-RoPE with images: (its prompt's positions (3, prompt tokens), the delta of those after)
     mrope: tuple[np.ndarray, int] | None = None
 
@@ -234,11 +231,10 @@ class InputBatch:
         """For a pass over tokens ``start .. start + n`` of the requests in ``slots``: the tokens
         (indices into the pass) that take embeddings rather than their token's, and those rows
         (pieces of (k, hidden)); None when there are none. They are prompt positions given as
-        embeddings, and the positions of an image that take its embeddings: ``encode`` makes an
-        image's (its embedding positions, hidden) on the first pass over any of its positions,
-        once for the requests of the pass that hold the same image (a request's n choices), kept
-        until the pass that reaches its last (None: images are not read here, a pipeline stage
-        after the first)."""
+        embeddings, and the positions of an image that take its embeddings: ``encode`` gives an
+        image's (its embedding positions, hidden) (the runner's encoder cache), asked once per
+        pass for the requests that hold the same image (a request's n choices) (None: images are
+        not read here, a pipeline stage after the first)."""
         if not self.num_with_embeds:
             return None
         index, rows, offset = [], [], 0
@@ -251,16 +247,13 @@ class InputBatch:
                 index.append(np.arange(offset, offset + end - first))
                 rows.append(torch.from_numpy(embeds[first:end]))
             features = (state.mm_features or ()) if encode is not None else ()
-            for k, feature in enumerate(features):
+            for feature in features:
                 lo, hi = max(first, feature.offset), min(first + count, feature.end)
                 if lo >= hi:
                     continue
-                out = state.mm_embeds.get(k)
+                out = encoded.get(feature.identifier)
                 if out is None:
-                    out = encoded.get(feature.identifier)
-                    if out is None:
-                        out = encoded[feature.identifier] = encode(feature)
-                    state.mm_embeds[k] = out
+                    out = encoded[feature.identifier] = encode(feature)
                 a, b = lo - feature.offset, hi - feature.offset          # the item's own positions
                 if feature.is_embed is None:
                     positions, taken, rows_from = np.arange(a, b), b - a, a
@@ -270,8 +263,6 @@ class InputBatch:
                 if taken:
                     index.append(positions - a + (lo - first) + offset)
                     rows.append(out[rows_from:rows_from + taken])
-                if hi == feature.end:
-                    del state.mm_embeds[k]
             offset += count
         if not index:
             return None

@@ -200,6 +200,9 @@ class ModelRunner:
         self.cascade_min_prefix = getattr(backend, "cascade_min_prefix", 0)
         self.lora = getattr(model, "lora_manager", None)   # actors/worker/lora_manager.py, with --enable-lora
         self.encoder_failures: dict[str, str] = {}     # this step's images whose encoding failed: why
+        # the encoder cache: images' embeddings by identifier, kept as the scheduler says
+        # (SchedulerOutput.scheduled_encoder_inputs, free_encoder_mm_hashes)
+        self.encoder_cache: dict[str, torch.Tensor] = {}
         # a KV connector whose hooks this step's forward calls in every attention layer (the
         # worker sets it per step: KVConnectorBase.has_layer_work); such a step runs eagerly
         self.kv_layer_hooks = None
@@ -219,6 +222,10 @@ class ModelRunner:
     # -- 1) the scheduler's diffs ------------------------------------------------------------
     def update_states(self, so: SchedulerOutput) -> None:
         b, procs = self.batch, self.logitsprocs
+        if so.reset_encoder_cache:
+            self.encoder_cache.clear()
+        for ident in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(ident, None)
         if self.watermarker is not None:
             self.watermarker.forget(so.finished_req_ids)
         if self.pooler is not None:
@@ -275,7 +282,9 @@ class ModelRunner:
         if self.pooler is not None and self.arch.type_vocab_size > 1:
             input_ids = self._with_token_types(input_ids, torch.from_numpy(ti.positions), slots, cu)
         first_stage = self.link is None or self.link.prev_rank is None
-        given = b.embeds_inputs(slots, start, n, self._encode if first_stage else None)
+        if first_stage and so.scheduled_encoder_inputs:
+            self._encode_scheduled(so.scheduled_encoder_inputs)
+        given = b.embeds_inputs(slots, start, n, self._embeddings if first_stage else None)
         embeds = None if given is None else (torch.from_numpy(given[0]), _rows(given[1], self.device))
         if not drafts:
             return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(cu[1:][sample_rows] - 1),
@@ -284,6 +293,26 @@ class ModelRunner:
         logits_indices = ranges(cu[1:][sample_rows] - 1 - k, k + 1)         # (S + N,)
         return StepInputs(input_ids, positions, ti.meta, slots, sample_rows, torch.from_numpy(logits_indices), k,
                           embeds)
+
+    def _encode_scheduled(self, scheduled: dict[str, list[int]]) -> None:
+        """The images the scheduler has this step encode, into the encoder cache."""
+        for rid, indices in scheduled.items():
+            features = self.batch.states[self.batch.slot(rid)].mm_features
+            for k in indices:
+                self._embeddings(features[k])
+
+    def _embeddings(self, feature: MultiModalFeature) -> torch.Tensor:
+        """An image's embeddings from the encoder cache, encoded (and kept) where they are not
+        there: the step the scheduler encodes it in, or a later one after a reset (a failed
+        encoding is not kept: another request with the image tries again)."""
+        out = self.encoder_cache.get(feature.identifier)
+        if out is None and feature.identifier in self.encoder_failures:    # failed this step already
+            return torch.zeros(feature.num_embeds, self.arch.hidden_size)
+        if out is None:
+            out = self._encode(feature)
+            if feature.identifier not in self.encoder_failures:
+                self.encoder_cache[feature.identifier] = out
+        return out
 
     @torch.inference_mode()
     def _encode(self, feature: MultiModalFeature) -> torch.Tensor:

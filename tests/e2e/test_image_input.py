@@ -345,7 +345,8 @@ def media(tmp_path_factory):
 def server(llava, media, tmp_path_factory):
     allowed = media[0]
     s = Server("--model", llava[0], "--threads", "1", "--max-model-len", "256", "--allowed-local-media-path",
-               str(allowed), "--limit-mm-per-prompt", '{"image": 2}', "--enable-mm-embeds")
+               str(allowed), "--limit-mm-per-prompt", '{"image": 2}', "--enable-mm-embeds",
+               env={"VLLM_SERVER_DEV_MODE": "1"})                 # /reset_encoder_cache
     try:
         yield s
     finally:
@@ -423,6 +424,45 @@ def test_a_repeated_image_is_served_from_the_prefix_cache(server, media):
     queries = int(float(re.search(r"^vllm:mm_cache_queries_total\{[^}]*\} (\S+)", metrics, re.M).group(1)))
     hits = int(float(re.search(r"^vllm:mm_cache_hits_total\{[^}]*\} (\S+)", metrics, re.M).group(1)))
     assert queries >= 2 and hits >= 1                # the second request's picture came from the processor cache
+
+
+def encoder_cache_counts(server) -> tuple[int, int]:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    return tuple(int(float(re.search(rf"^troupe:encoder_cache_{name}_total\{{[^}}]*\}} (\S+)", metrics, re.M).group(1)))
+                 for name in ("queries", "hits"))
+
+
+def reset_encoder_cache(server) -> int:
+    req = urllib.request.Request(server.url + "/reset_encoder_cache", b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.status
+
+
+def test_an_image_is_encoded_once_for_requests_that_differ_before_it_until_the_encoder_cache_is_reset(
+        server, media, llava):
+    from PIL import Image
+    root, base = media
+    image = Image.open(root / "b.png").convert("RGB")
+    assert reset_encoder_cache(server) == 200
+
+    def ask(lead: str) -> None:            # text before the image: no prefix cache hit on its positions
+        content = [{"type": "text", "text": lead}, {"type": "image_url", "image_url": {"url": f"{base}/b.png"}},
+                   {"type": "text", "text": "t5 t6"}]
+        status, body = post(server, {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+                                     "temperature": 0, "return_token_ids": True, "return_prompt_text": True})
+        assert status == 200, body
+        assert body["prompt_text"].split("<image>")[0].endswith(f"{lead} ")
+        assert body["choices"][0]["token_ids"] == hf_answer(llava, body["prompt_text"], [image])
+    before = encoder_cache_counts(server)
+    ask("t40")
+    ask("t41")                             # its embeddings from the encoder cache
+    after = encoder_cache_counts(server)
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 1)
+    assert reset_encoder_cache(server) == 200
+    ask("t42")                             # encoded again
+    last = encoder_cache_counts(server)
+    assert (last[0] - after[0], last[1] - after[1]) == (1, 0)
 
 
 def test_images_that_cannot_or_may_not_be_read_are_400s_saying_why(server, media, tmp_path):

@@ -307,7 +307,7 @@ def test_server_info_shows_the_resolved_config_the_environment_and_the_system_an
                 async with s.get(server.url + "/get_world_size" + query) as resp:
                     sizes.append((await resp.json())["world_size"])
             resets = []
-            for path in ("/reset_mm_cache", "/reset_encoder_cache"):     # vLLM's; no such caches here
+            for path in ("/reset_mm_cache", "/reset_encoder_cache"):     # vLLM's; a text model has none
                 async with s.post(server.url + path) as resp:
                     resets.append(resp.status)
             return info, text, bad, sizes + resets

@@ -23,6 +23,8 @@ tower): a 400x300 picture is 616 patches of 14 pixels merged 2x2 into 154 positi
 
 ``run``: ``--requests`` prompts, each with a picture of its own (random pixels, 400x300), greedy to
 ``--max-tokens`` (EOS ignored), in one ``LLM.generate`` call after a warm-up on two other pictures.
+``--shared-image``: every request asks about one picture, with a question of its own before it (so
+the prefix cache cannot serve the picture's positions; an encoder cache can serve its embeddings).
 One JSON line last, like the other benches.
 """
 from __future__ import annotations
@@ -162,13 +164,19 @@ def run(args: argparse.Namespace) -> None:
     with open(os.path.join(args.model, "config.json")) as f:
         prompt = {"gemma3": GEMMA3_PROMPT, "qwen2_vl": QWEN2_VL_PROMPT}.get(json.load(f).get("model_type"), PROMPT)
     generate([{"prompt": prompt, "multi_modal_data": {"image": p}} for p in pictures(2, 1)], params)
-    prompts = [{"prompt": prompt, "multi_modal_data": {"image": p}} for p in pictures(args.requests, 2)]
+    if args.shared_image:
+        picture = pictures(1, 2)[0]
+        prompts = [{"prompt": prompt.replace("user\n", f"user\nQuestion {i}: ", 1),
+                    "multi_modal_data": {"image": picture}} for i in range(args.requests)]
+    else:
+        prompts = [{"prompt": prompt, "multi_modal_data": {"image": p}} for p in pictures(args.requests, 2)]
     t0 = time.perf_counter()
     outs = generate(prompts, params)
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
-    print(json.dumps({"engine": args.engine, "requests": args.requests, "elapsed_s": round(elapsed, 2),
+    print(json.dumps({"engine": args.engine, "requests": args.requests, "shared_image": args.shared_image,
+                      "elapsed_s": round(elapsed, 2),
                       "requests_per_s": round(args.requests / elapsed, 3),
                       "output_tok_per_s": round(out_tokens / elapsed, 1),
                       "total_tok_per_s": round((out_tokens + prompt_tokens) / elapsed, 1),
@@ -188,6 +196,8 @@ def main() -> None:
     r.add_argument("--engine", choices=("troupe", "vllm"), default="troupe")
     r.add_argument("--requests", type=int, default=32)
     r.add_argument("--max-tokens", type=int, default=32)
+    r.add_argument("--shared-image", action="store_true", help="one picture for every request, after a question "
+                   "of its own")
     r.add_argument("--dtype", default="float32", help="float32 (Troupe's exact mode) or bfloat16")
     r.add_argument("--model-impl", default="auto", help="--model-impl, either engine's (vLLM's own LLaVA class "
                    "needs torchvision; its transformers backend does not)")
