@@ -40,7 +40,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         # multimodal checkpoints: their language model, on text (vLLM's --language-model-only)
         ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"),
         ("Qwen2VLForConditionalGeneration", "qwen2"), ("Qwen2_5_VLForConditionalGeneration", "qwen2"),
-        ("Qwen3VLForConditionalGeneration", "qwen3"),
+        ("Qwen3VLForConditionalGeneration", "qwen3"), ("LlavaForConditionalGeneration", "llama"),
         # encoder-only models (bidirectional attention): embedding models and cross-encoders
         ("BertModel", "bert"), ("BertForSequenceClassification", "bert"), ("RobertaModel", "bert"),
         ("RobertaForSequenceClassification", "bert"), ("XLMRobertaModel", "bert"),
@@ -52,6 +52,17 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("RobertaForMaskedLM", "bert"),
         ("ColBERTModernBertModel", "modernbert"))}
 BUILTIN_ARCHITECTURES = tuple(_ARCHITECTURES)
+# multimodal architectures whose language model may be of several kinds: those Troupe's class
+# serves (text_config's model_type); the transformers backend serves the others whole (``auto``)
+TEXT_MODEL_TYPES: dict[str, tuple[str, ...]] = {"LlavaForConditionalGeneration": ("llama",)}
+
+
+def own_text_model(raw: dict) -> bool:
+    """Whether Troupe's class of a config.json's one architecture serves its language model's kind."""
+    archs = raw.get("architectures") or []
+    kinds = TEXT_MODEL_TYPES.get(archs[0]) if len(archs) == 1 else None
+    text = raw.get("text_config")
+    return kinds is None or (text or {}).get("model_type", kinds[0]) in kinds
 TRANSFORMERS_BACKEND = "TransformersForCausalLM"    # transformers' modeling code (vLLM's name for the class)
 TRANSFORMERS_ENCODER = "TransformersEmbeddingModel"  # the same for a bidirectional encoder (vLLM's name)
 TRANSFORMERS_BACKENDS = (TRANSFORMERS_BACKEND, TRANSFORMERS_ENCODER)

@@ -95,11 +95,19 @@ def model_implementation(raw: dict[str, Any], model_impl: str = "auto") -> str:
     backend: asked for, named as the architecture, or, with "auto", the architecture's only one)."""
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
-    from models.architectures import TRANSFORMERS_BACKENDS, ModelRegistry
+    from models.architectures import TRANSFORMERS_BACKENDS, ModelRegistry, own_text_model
     from models.transformers_backend import serves
     archs = raw.get("architectures") or []
     if model_impl == "transformers" or (len(archs) == 1 and archs[0] in TRANSFORMERS_BACKENDS):
         return "transformers"
+    if not own_text_model(raw):
+        text_type = raw["text_config"].get("model_type")
+        if model_impl == "auto" and serves(raw):
+            log.info("%s with a %s language model has no Troupe implementation: it is served by transformers' "
+                     "modeling code (the transformers backend)", archs[0], text_type)
+            return "transformers"
+        raise ValueError(f"Troupe's {archs[0]} serves a Llama language model, not {text_type!r}: "
+                         "--model-impl transformers serves it through transformers' modeling code")
     if model_impl == "auto" and len(archs) == 1 and not ModelRegistry.is_supported(archs[0]) \
             and archs[0] not in BARE_MODELS and archs[0] not in RENAMED_ARCHITECTURES and serves(raw):
         log.info("%s has no Troupe implementation: it is served by transformers' modeling code (the transformers "

@@ -3,13 +3,15 @@ KV cache. Qwen2, Qwen3, Mistral and Phi-3 are this model with their differences 
 tensor map, a flag, a config hook)."""
 from __future__ import annotations
 
-from typing import ClassVar
+import json
+import os
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from models.base import CausalLM, TensorMap
+from models.base import VISION_PREFIXES, CausalLM, TensorMap, language_model_tensor_map
 from models.config import ArchConfig
 from models.layers import (Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention,
                            kv_layer_hooks_active)
@@ -159,3 +161,43 @@ class LlamaForCausalLM(CausalLM):
         logits = self.lm_head(hidden).float()                  # (N, hidden) -> (N, vocab) float32
         scaling = self.config.logits_scaling
         return logits if scaling == 1.0 else logits / scaling
+
+
+class LlavaForConditionalGeneration(LlamaForCausalLM):
+    """LLaVA (1.5 and its kind) as published: a CLIP vision tower and a projector beside a Llama.
+    The language model is Troupe's Llama; ``load_vision`` builds transformers' vision tower and
+    LLaVA's projector from the checkpoint's config and reads them (either layout). An image's
+    embeddings are the projector's of the tower layer ``vision_feature_layer`` (the second to last
+    by default; a list: those layers side by side), its CLS position dropped ("default" strategy)
+    or kept ("full"), as transformers' get_image_features makes them. Its language model of another
+    kind than Llama is served whole by the transformers backend (``auto``); with
+    --language-model-only the vision tensors are never read."""
+    hf_text_config: ClassVar[str | None] = "text_config"
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = VISION_PREFIXES
+    takes_images: ClassVar[bool] = True
+    hf_tensor_map: ClassVar[TensorMap] = language_model_tensor_map(LlamaForCausalLM.hf_tensor_map)
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+
+    def load_vision(self, path: str, overrides: dict[str, Any] | None = None) -> None:
+        from models.hf_config import with_overrides
+        from models.vision import load_vision_parts
+        self.vision_tower, self.multi_modal_projector = load_vision_parts(path, overrides, "llava",
+                                                                          self.embed_tokens.weight.dtype)
+        with open(os.path.join(path, "config.json")) as f:
+            raw = with_overrides(json.load(f), overrides or {})
+        self.vision_feature_layer = raw.get("vision_feature_layer", -2)
+        self.vision_feature_select_strategy = raw.get("vision_feature_select_strategy", "default")
+
+    def embed_multimodal(self, modality: str, data: dict[str, Any]) -> torch.Tensor:
+        """One image's embeddings (its patches, hidden) from its pixel values (a batch of one), or
+        its embeddings as given (--enable-mm-embeds)."""
+        from models.vision import image_embeddings
+
+        def encode(pixels: torch.Tensor) -> torch.Tensor:
+            states = self.vision_tower(pixels, output_hidden_states=True, return_dict=True).hidden_states
+            layers = self.vision_feature_layer
+            chosen = [states[i] for i in ([layers] if isinstance(layers, int) else layers)]
+            if self.vision_feature_select_strategy == "default":      # the CLS position dropped
+                chosen = [s[:, 1:] for s in chosen]
+            return self.multi_modal_projector(torch.cat(chosen, dim=-1))
+        return image_embeddings(self, modality, data, encode)

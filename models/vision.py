@@ -26,6 +26,8 @@ _FAMILIES: dict[str, tuple[tuple[str, str | None], ...]] = {
     "qwen2_5_vl": (("visual.", "vision:transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:"
                                "Qwen2_5_VisionTransformerPretrainedModel"),),
     "qwen3_vl": (("visual.", None),),       # with its DeepStack mergers
+    "llava": (("vision_tower.", None),       # CLIP's (or SigLIP's)
+              ("multi_modal_projector.", "transformers.models.llava.modeling_llava:LlavaMultiModalProjector")),
     "mistral3": (("vision_tower.", None),    # Pixtral's
                  ("multi_modal_projector.", "transformers.models.mistral3.modeling_mistral3:Mistral3MultiModalProjector")),
 }
@@ -33,7 +35,7 @@ _FAMILIES: dict[str, tuple[tuple[str, str | None], ...]] = {
 
 def load_vision_parts(path: str, overrides: dict[str, Any] | None, family: str,
                       dtype: torch.dtype) -> tuple[nn.Module, ...]:
-    """The vision parts of ``family`` (``_FAMILIES``: Gemma 3's and Mistral 3's vision tower and
+    """The vision parts of ``family`` (``_FAMILIES``: LLaVA's, Gemma 3's and Mistral 3's vision tower and
     projector, Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's towers) of the checkpoint directory ``path``, in
     ``dtype``, their tensors all read (ValueError naming what is missing or left over)."""
     import importlib

@@ -764,7 +764,7 @@ class Scheduler:
         tokens and the images to encode (``mm_features`` indices; ``_encode_images`` once the
         request is scheduled)."""
         features = req.mm_features
-        if not features or n == 0:
+        if not features or n == 0 or computed >= features[-1].end:     # no image left ahead (decoding)
             return n, []
         end, rid, cache = computed + n, req.request_id, self.encoder_cache
         held = self._encoder_refs.setdefault(rid, set())

@@ -100,10 +100,11 @@ def test_greedy_tokens_on_cuda_equal_transformers(name, tmp_path):
     check_greedy_tokens(name, tmp_path, "cuda")
 
 
-@pytest.mark.parametrize(("family", "impl"), [("llava", "auto"), ("gemma3", "auto"), ("gemma3", "transformers")])
+@pytest.mark.parametrize(("family", "impl"), [("llava", "auto"), ("llava", "transformers"), ("gemma3", "auto"),
+                                             ("gemma3", "transformers")])
 def test_images_on_cuda_answer_as_transformers_does(family, impl, tmp_path):
-    """Image input on a GPU (LLaVA through the transformers backend; Gemma 3 through Troupe's own
-    class and the backend): the vision tower's embeddings in the worker, Gemma 3's image rows
+    """Image input on a GPU (LLaVA and Gemma 3 through Troupe's own classes and through the
+    transformers backend): the vision tower's embeddings in the worker, Gemma 3's image rows
     attended both ways over the Triton backend's cache; greedy tokens as transformers' generate
     (float32)."""
     from helpers import random_image, save_tiny_gemma3_vision, save_tiny_llava

@@ -1,6 +1,6 @@
 """Image input, as vLLM takes it, on a tiny random LLaVA checkpoint (a CLIP vision tower, a
-projector, a Llama; no Troupe class: the transformers backend serves it whole) written with its
-processor by transformers: offline (``multi_modal_data``, ``image_pil`` chat parts) and over
+projector, a Llama: Troupe's own LLaVA class, and the transformers backend serving it whole)
+written with its processor by transformers: offline (``multi_modal_data``, ``image_pil`` chat parts) and over
 HTTP (chat ``image_url`` parts as data, http and file URLs), the greedy tokens are those of
 transformers' own ``generate`` over the same images, in prefill chunks that split an image; the
 prefix cache serves an image's blocks to the same image only; unreadable, disallowed and
@@ -64,17 +64,25 @@ def greedy():
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 
 
-def test_images_answer_as_transformers_llava_does_in_prefill_chunks_that_split_them(llm, llava):
+@pytest.mark.parametrize("impl", ["auto", "transformers"])
+def test_images_answer_as_transformers_llava_does_in_prefill_chunks_that_split_them(llm, llava, impl):
+    """Troupe's own LLaVA class (``auto``: its Llama, transformers' CLIP tower and LLaVA's
+    projector) and the whole checkpoint through --model-impl transformers."""
+    from actors.api import LLM
     a, b = random_image(1), random_image(2, 30, 64)
     two = "t5 <image> t6 <image> t7"
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": a}},
                {"prompt": PROMPT, "multi_modal_data": {"image": [b]}},
                {"prompt": two, "multi_modal_data": {"image": [a, b]}}]
-    got = [r.outputs[0].token_ids for r in llm.generate(prompts, greedy())]
     want = [hf_answer(llava, PROMPT, [a]), hf_answer(llava, PROMPT, [b]), hf_answer(llava, two, [a, b])]
-    assert got == want
     assert want[0] != want[1]                   # the image decides the answer
-    assert [len(r.prompt_token_ids) for r in llm.generate(prompts[:1], greedy())] == [len(PROMPT.split()) + 15]
+    if impl == "auto":
+        assert [r.outputs[0].token_ids for r in llm.generate(prompts, greedy())] == want
+        assert [len(r.prompt_token_ids) for r in llm.generate(prompts[:1], greedy())] == [len(PROMPT.split()) + 15]
+        return
+    with LLM(model=llava[0], model_impl="transformers", max_model_len=256, max_num_batched_tokens=8,
+             limit_mm_per_prompt={"image": 2}) as whole:
+        assert [r.outputs[0].token_ids for r in whole.generate(prompts, greedy())] == want
 
 
 def test_a_chat_with_an_image_pil_part_renders_the_templates_image_token(llm, llava):

@@ -202,6 +202,6 @@ def test_an_older_qwen2_5_vl_config_keeps_its_language_models_keys_at_the_top():
 
 
 def test_a_multimodal_checkpoint_is_named_by_its_architecture_in_config_json(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"]}))
-    with pytest.raises(ValueError, match="LlavaForConditionalGeneration.*is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaNextForConditionalGeneration"]}))
+    with pytest.raises(ValueError, match="LlavaNextForConditionalGeneration.*is not supported"):
         hf_model_config(json.loads((tmp_path / "config.json").read_text()))

@@ -189,9 +189,10 @@ def test_gemma_3n_per_layer_inputs_and_kv_shared_layers_give_transformers_logits
 
 
 def test_a_multimodal_checkpoint_serves_its_language_model_on_text(tmp_path):
-    """A LLaVA checkpoint (a CLIP vision tower, a projector, a Llama language model) without a
-    Troupe class, served with vLLM's --language-model-only: its language model alone is built and read, its
-    logits on text those of transformers' whole model, the vision tower never loaded."""
+    """A LLaVA checkpoint (a CLIP vision tower, a projector, a Llama language model) served with
+    vLLM's --language-model-only, through the transformers backend and Troupe's own class: its
+    language model alone is built and read, its logits on text those of transformers' whole model,
+    the vision tower never loaded."""
     import transformers
     text = transformers.LlamaConfig(**{k: v for k, v in SMALL.items() if k not in ("pad_token_id",)})
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
@@ -204,19 +205,23 @@ def test_a_multimodal_checkpoint_serves_its_language_model_on_text(tmp_path):
             p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15)
     hf.save_pretrained(tmp_path)
     save_tiny_tokenizer(tmp_path, VOCAB)
-    source = resolve_model(str(tmp_path))
-    whole = model_config(source)                  # served whole by default: its images too
-    assert whole.image_token_id == VOCAB - 1
-    model, config = load_model(dataclasses.replace(source, language_model_only=True))
-    assert config.image_token_id is None
-    assert type(model.hf).__name__ == "LlamaForCausalLM" and config.architecture == "TransformersForCausalLM"
-    assert not any("vision" in name for name, _ in model.named_parameters())
     tokens = _tokens(21, 12)
     steps = [[torch.tensor(tokens[:13])]] + [[torch.tensor([t])] for t in tokens[13:]]
-    ours = run_steps(model, allocate_kv_caches(config, 32, BS, torch.float32), [list(range(3, 10))], steps, BS)
     want = _want(hf.eval(), tokens)
     assert want.std() > 0.5
-    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+    for impl in ("transformers", "auto"):
+        source = dataclasses.replace(resolve_model(str(tmp_path)), model_impl=impl)
+        whole = model_config(source)                  # served whole by default: its images too
+        assert whole.image_token_id == VOCAB - 1
+        model, config = load_model(dataclasses.replace(source, language_model_only=True))
+        assert config.image_token_id is None
+        if impl == "transformers":
+            assert type(model.hf).__name__ == "LlamaForCausalLM" and config.architecture == "TransformersForCausalLM"
+        else:
+            assert config.architecture == "LlavaForConditionalGeneration"
+        assert not any("vision" in name or "projector" in name for name, _ in model.named_parameters())
+        ours = run_steps(model, allocate_kv_caches(config, 32, BS, torch.float32), [list(range(3, 10))], steps, BS)
+        torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
 
 
 def test_a_sequence_classifier_scores_as_transformers_does(tmp_path):

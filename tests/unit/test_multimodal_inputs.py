@@ -278,3 +278,15 @@ def test_mrope_positions_are_transformers_rope_index_and_a_pass_without_images_k
     slots, cu = np.array([0]), np.array([0, 4])
     assert batch.rope_positions(slots, np.arange(4), cu).shape == (3, 4)        # image a's first positions
     np.testing.assert_array_equal(batch.rope_positions(slots, np.arange(15, 19), cu), [10, 11, 12, 13])
+
+
+def test_a_llava_of_a_llama_is_troupes_own_class_and_of_another_language_model_transformers():
+    from models.hf_config import model_implementation
+    raw = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
+           "text_config": {"model_type": "llama"}, "vision_config": {"model_type": "clip_vision_model"}}
+    assert model_implementation(raw) == model_implementation(raw, "vllm") == "vllm"
+    assert model_implementation(raw, "transformers") == "transformers"
+    qwen = {**raw, "text_config": {"model_type": "qwen2"}}
+    assert model_implementation(qwen) == "transformers"
+    with pytest.raises(ValueError, match="serves a Llama language model, not 'qwen2': --model-impl transformers"):
+        model_implementation(qwen, "vllm")

@@ -25,6 +25,7 @@ tower): a 400x300 picture is 616 patches of 14 pixels merged 2x2 into 154 positi
 ``--max-tokens`` (EOS ignored), in one ``LLM.generate`` call after a warm-up on two other pictures.
 ``--shared-image``: every request asks about one picture, with a question of its own before it (so
 the prefix cache cannot serve the picture's positions; an encoder cache can serve its embeddings).
+``--sequential``: the requests one after another (a ``generate`` call each), as one user's would.
 One JSON line last, like the other benches.
 """
 from __future__ import annotations
@@ -171,11 +172,12 @@ def run(args: argparse.Namespace) -> None:
     else:
         prompts = [{"prompt": prompt, "multi_modal_data": {"image": p}} for p in pictures(args.requests, 2)]
     t0 = time.perf_counter()
-    outs = generate(prompts, params)
+    outs = [o for p in prompts for o in generate([p], params)] if args.sequential else generate(prompts, params)
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     print(json.dumps({"engine": args.engine, "requests": args.requests, "shared_image": args.shared_image,
+                      "sequential": args.sequential,
                       "elapsed_s": round(elapsed, 2),
                       "requests_per_s": round(args.requests / elapsed, 3),
                       "output_tok_per_s": round(out_tokens / elapsed, 1),
@@ -198,6 +200,7 @@ def main() -> None:
     r.add_argument("--max-tokens", type=int, default=32)
     r.add_argument("--shared-image", action="store_true", help="one picture for every request, after a question "
                    "of its own")
+    r.add_argument("--sequential", action="store_true", help="one request after another, not all at once")
     r.add_argument("--dtype", default="float32", help="float32 (Troupe's exact mode) or bfloat16")
     r.add_argument("--model-impl", default="auto", help="--model-impl, either engine's (vLLM's own LLaVA class "
                    "needs torchvision; its transformers backend does not)")
