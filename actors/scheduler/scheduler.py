@@ -820,6 +820,8 @@ class Scheduler:
         if not passed:
             return
         held.difference_update(passed)
+        if not held:                       # none left: its decode steps look no more
+            del self._encoder_refs[req.request_id]
         live = {req.mm_features[k].identifier for k in held}
         for k in passed:
             if req.mm_features[k].identifier not in live:
