@@ -54,6 +54,8 @@ class CausalLM(nn.Module):
     # a multimodal class that takes images: ``load_vision`` reads its vision tower beside the
     # language model, ``embed_multimodal`` makes an image's embeddings (False: served on text)
     takes_images: ClassVar[bool] = False
+    # it takes videos too (``embed_multimodal("video", ...)``, config.json's video_token_id)
+    takes_videos: ClassVar[bool] = False
     # tensor-name prefixes the language model's tensor map does not read (a vision tower, its
     # projector: ``load_vision`` reads those where the class takes images)
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = ()

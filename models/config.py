@@ -180,6 +180,12 @@ class ArchConfig:
     mm_prefix_lm: bool = False                 # an image's positions attend to each other both ways (Gemma 3's)
     # M-RoPE: the vision patches merged into one image position, per side (spatial_merge_size)
     image_merge_size: int = 1
+    # video input (Troupe's Qwen2-VL and Qwen2.5-VL classes): the token whose positions take a
+    # video's embeddings (None: no videos), and M-RoPE's time positions per second of video
+    # (Qwen2.5-VL's vision_config.tokens_per_second; a video's temporal patch spans its
+    # second_per_grid_ts of them)
+    video_token_id: int | None = None
+    video_tokens_per_second: float = 1.0
     # -- how the engine serves it (set by ``serving``, not read from the checkpoint) -------------
     serving_len: int = 0                       # the engine's --max-model-len; 0: default_max_model_len
     # a classifier's labels (--convert classify: a ``score`` head, hidden -> labels); 0: none

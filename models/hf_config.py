@@ -159,8 +159,13 @@ def _image_fields(raw: dict[str, Any], model_class: type[CausalLM]) -> dict[str,
         _own_class_on_text((raw.get("architectures") or ["?"])[0])
         return {}
     from models.architectures import is_mm_prefix_lm
-    return {"image_token_id": token, "mm_prefix_lm": is_mm_prefix_lm(raw),
-            "image_merge_size": int(raw["vision_config"].get("spatial_merge_size", 1))}
+    fields = {"image_token_id": token, "mm_prefix_lm": is_mm_prefix_lm(raw),
+              "image_merge_size": int(raw["vision_config"].get("spatial_merge_size", 1))}
+    video = raw.get("video_token_id")
+    if model_class.takes_videos and isinstance(video, int):
+        fields.update(video_token_id=video,
+                      video_tokens_per_second=float(raw["vision_config"].get("tokens_per_second", 1.0)))
+    return fields
 
 
 def language_model_config(raw: dict[str, Any], key: str) -> dict[str, Any]:

@@ -2,7 +2,10 @@
 three rows (time, height, width). A text token's rows agree and count on from the position
 before it; an image's tokens take its grid's coordinates, (0, row, column) of its merged patches
 offset by the position it starts at, and the text after it counts on from that position plus the
-longer of its grid's sides. Tokens past the prompt continue from the prompt's last position plus
+longer of its grid's sides. A video's take (time, row, column), its time the temporal patch's
+index times its seconds (``second_per_grid_ts``) times the model's tokens per second (Qwen2.5-VL's;
+Qwen2-VL's count 1 a patch), and the text after it counts on from past its largest position
+(vLLM's rule, which for an image is the one above). Tokens past the prompt continue from the prompt's last position plus
 one (the request's ``delta`` added to their index), all rows alike.
 
 Torch-free: the worker computes a request's positions once, when it joins the batch.
@@ -18,10 +21,11 @@ if TYPE_CHECKING:
 
 
 def mrope_positions(num_prompt_tokens: int, features: Sequence[MultiModalFeature],
-                    merge_size: int) -> tuple[np.ndarray, int]:
+                    merge_size: int, tokens_per_second: float = 1.0) -> tuple[np.ndarray, int]:
     """(the prompt's positions (3, num_prompt_tokens) int64, the delta of the positions after it:
     position of index i >= num_prompt_tokens is i + delta) for a prompt holding ``features``
-    (images with their processor's ``image_grid_thw``, patches merged ``merge_size`` per side)."""
+    (images with their processor's ``image_grid_thw``, videos with ``video_grid_thw``, patches
+    merged ``merge_size`` per side; a video's time positions ``tokens_per_second`` a second)."""
     out = np.empty((3, num_prompt_tokens), dtype=np.int64)
     index = position = 0
     for feature in sorted(features, key=lambda f: f.offset):
@@ -30,16 +34,23 @@ def mrope_positions(num_prompt_tokens: int, features: Sequence[MultiModalFeature
             raise ValueError(f"an image's positions {lo}..{hi} overlap another's or pass the prompt's end")
         out[:, index:lo] = position + np.arange(lo - index)
         position += lo - index
-        grid = feature.data.get("image_grid_thw")
+        video = feature.modality == "video"
+        grid = feature.data.get("video_grid_thw" if video else "image_grid_thw")
         if grid is None:
-            raise ValueError("an image for M-RoPE positions needs its grid (image_grid_thw)")
+            raise ValueError(f"an {feature.modality} for M-RoPE positions needs its grid ({feature.modality}_grid_thw)")
         t, h, w = (int(v) for v in np.asarray(grid).reshape(-1)[:3])
         h, w = h // merge_size, w // merge_size
         if t * h * w != hi - lo:
-            raise ValueError(f"an image's grid {t}x{h}x{w} (merged) does not cover its {hi - lo} positions")
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+            raise ValueError(f"an {feature.modality}'s grid {t}x{h}x{w} (merged) does not cover its {hi - lo} positions")
+        times = np.arange(t)
+        if video:
+            seconds = feature.data.get("second_per_grid_ts")
+            factor = (1.0 if seconds is None else float(np.asarray(seconds).reshape(-1)[0])) * tokens_per_second
+            if factor != 1.0:
+                times = (times * factor).astype(np.int64)
+        tt, hh, ww = np.meshgrid(times, np.arange(h), np.arange(w), indexing="ij")
         out[:, lo:hi] = position + np.stack((tt.ravel(), hh.ravel(), ww.ravel()))
-        position += max(h, w)
+        position += max(int(times[-1]) + 1, h, w)
         index = hi
     out[:, index:] = position + np.arange(num_prompt_tokens - index)
     position += num_prompt_tokens - index

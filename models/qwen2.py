@@ -46,6 +46,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     hf_text_config: ClassVar[str | None] = "text_config"
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES
     takes_images: ClassVar[bool] = True
+    takes_videos: ClassVar[bool] = True
     vision_family: ClassVar[str] = "qwen2_vl"
     gguf_architectures: ClassVar[tuple[str, ...]] = ("qwen2vl",)
     hf_tensor_map: ClassVar[TensorMap] = {**Qwen2ForCausalLM.hf_tensor_map,
@@ -59,8 +60,15 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def embed_multimodal(self, modality: str, data: dict[str, Any]) -> torch.Tensor:
         """One image's embeddings (its merged patches, hidden) from its flattened patches and
-        their grid (``pixel_values``, ``image_grid_thw``), or its embeddings as given."""
+        their grid (``pixel_values``, ``image_grid_thw``), or its embeddings as given; a video's
+        from its patches of frames (``pixel_values_videos``, ``video_grid_thw``) by the same tower."""
         from models.vision import image_embeddings
+        if modality == "video":
+            weight = self.embed_tokens.weight
+            pixels = torch.as_tensor(np.asarray(data["pixel_values_videos"]), device=weight.device).to(weight.dtype)
+            grid = torch.as_tensor(np.asarray(data["video_grid_thw"]), device=weight.device)
+            out = self.visual(pixels, grid_thw=grid).pooler_output
+            return out.reshape(-1, out.shape[-1])
         return image_embeddings(self, modality, data, lambda pixels: self.visual(
             pixels, grid_thw=torch.as_tensor(np.asarray(data["image_grid_thw"]), device=pixels.device)).pooler_output)
 

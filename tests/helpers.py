@@ -417,7 +417,8 @@ def _save_as_hub_processor(path, images, image_processor_type: str, processor_cl
 
 QWEN2_VL_CHAT_TEMPLATE = ("{% for message in messages %}{{ 't1 ' if message['role'] == 'user' else 't2 ' }}"
                           "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
-                          "<|vision_start|><|image_pad|><|vision_end|> {% elif part['type'] == 'text' %}"
+                          "<|vision_start|><|image_pad|><|vision_end|> {% elif part['type'] == 'video' %}"
+                          "<|vision_start|><|video_pad|><|vision_end|> {% elif part['type'] == 'text' %}"
                           "{{ part['text'] }} {% endif %}{% endfor %}{% endfor %}"
                           "{% if add_generation_prompt %}t3{% endif %}")
 
@@ -565,3 +566,20 @@ def save_tiny_gemma3_vision(path, vocab: int = 300, seed: int = 5):
     transformers.Gemma3Processor(image_processor=images, tokenizer=fast, image_seq_length=16).save_pretrained(path)
     return (transformers.Gemma3ForConditionalGeneration.from_pretrained(path).eval(),
             transformers.AutoProcessor.from_pretrained(path))
+
+
+def mp4(levels: list[int], fps: float = 10.0, size: tuple[int, int] = (64, 48)) -> bytes:
+    """An MP4 (MPEG-4 part 2) of flat grey frames, one a level, written by OpenCV."""
+    import os
+    import tempfile
+
+    import cv2
+    import numpy as np
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "v.mp4")
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, size)
+        for level in levels:
+            writer.write(np.full((size[1], size[0], 3), level, np.uint8))
+        writer.release()
+        with open(path, "rb") as f:
+            return f.read()

@@ -9,7 +9,8 @@ Ctrl-C while a reply streams stops it: the request is aborted (the output iterat
 with ``--url``, the HTTP response), the part already shown stays in the conversation as the
 assistant's turn, and the prompt comes back. Ctrl-C at the prompt clears the line; /exit or
 Ctrl-D leaves. /help lists the commands; ``/image PATH_OR_URL`` attaches a picture to the next
-message (for a model that takes images: a file is sent as a data URL, an http(s) URL as it is)."""
+message (for a model that takes images: a file is sent as a data URL, an http(s) URL as it is),
+``/video PATH_OR_URL`` a video (a model that takes videos)."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ COMMANDS = {
     "/history": "show the conversation so far",
     "/reset": "forget the conversation (the --system prompt stays)",
     "/image": "/image PATH_OR_URL attaches a picture to the next message (a model that takes images)",
+    "/video": "/video PATH_OR_URL attaches a video to the next message (a model that takes videos)",
     "/exit": "leave (so does Ctrl-D)",
 }
 SYSTEM_HINT = ("Type a message and press Enter; Ctrl-C stops a reply, /help lists the commands, "
@@ -180,30 +182,33 @@ async def stream_reply(stream: AsyncIterator[str], interrupts: Interrupts) -> tu
     return "".join(shown), False
 
 
-def image_part(where: str) -> dict:
-    """A chat image part: an http(s) or data URL as it is, a file as a data URL (ValueError for
-    a file that cannot be read)."""
+def image_part(where: str, kind: str = "image") -> dict:
+    """A chat image (``kind`` "video": video) part: an http(s) or data URL as it is, a file as a
+    data URL (ValueError for a file that cannot be read)."""
+    field = f"{kind}_url"
     if where.startswith(("http://", "https://", "data:")):
-        return {"type": "image_url", "image_url": {"url": where}}
+        return {"type": field, field: {"url": where}}
     path = os.path.expanduser(where)
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    kind = mimetypes.guess_type(path)[0] or "image/png"
-    return {"type": "image_url", "image_url": {"url": f"data:{kind};base64,{base64.b64encode(data).decode()}"}}
+    media = mimetypes.guess_type(path)[0] or ("video/mp4" if kind == "video" else "image/png")
+    return {"type": field, field: {"url": f"data:{media};base64,{base64.b64encode(data).decode()}"}}
 
 
 def shown_content(content) -> str:
-    """A message's content as /history shows it (an image as [image])."""
+    """A message's content as /history shows it (an image as [image], a video as [video])."""
     if isinstance(content, str):
         return content
-    return " ".join(p["text"] if p.get("type") == "text" else "[image]" for p in content)
+    return " ".join(p["text"] if p.get("type") == "text" else
+                    "[video]" if p.get("type") == "video_url" else "[image]" for p in content)
 
 
 def command(line: str, messages: list[dict], system: str | None, images: list[dict] | None = None) -> bool:
-    """Run a /command; False for /exit. ``images``: the parts /image attached for the next message."""
+    """Run a /command; False for /exit. ``images``: the parts /image and /video attached for the
+    next message."""
     if line == "/exit":
         return False
     if line == "/reset":
@@ -211,17 +216,19 @@ def command(line: str, messages: list[dict], system: str | None, images: list[di
         if images is not None:
             images.clear()
         print("(conversation cleared)", file=sys.stderr)
-    elif line == "/image" or line.startswith("/image "):
-        where = line[len("/image"):].strip()
+    elif line.split(" ", 1)[0] in ("/image", "/video"):
+        kind, _, where = line[1:].partition(" ")
+        where = where.strip()
         if not where or images is None:
-            print("usage: /image PATH_OR_URL (then type the message it goes with)", file=sys.stderr)
+            print(f"usage: /{kind} PATH_OR_URL (then type the message it goes with)", file=sys.stderr)
             return True
         try:
-            images.append(image_part(where))
+            images.append(image_part(where, kind))
         except ValueError as exc:
             print(f"({exc})", file=sys.stderr)
             return True
-        print(f"(image {len(images)} attached to the next message)", file=sys.stderr)
+        print(f"({kind} {sum(p['type'] == f'{kind}_url' for p in images)} attached to the next message)",
+              file=sys.stderr)
     elif line == "/history":
         for m in messages:
             print(f"{m['role']}: {shown_content(m['content'])}")
@@ -285,7 +292,7 @@ async def repl(args: argparse.Namespace) -> int:
                 print(f"\n[error: {exc}]", file=sys.stderr)
                 failed = messages.pop()["content"]
                 if isinstance(failed, list):       # its pictures wait for the next message again
-                    images[:] = [p for p in failed if p.get("type") == "image_url"]
+                    images[:] = [p for p in failed if p.get("type") in ("image_url", "video_url")]
                 if reader is None:
                     return 1
                 continue

@@ -14,7 +14,7 @@ from typing import Any
 
 from actors.engine.config import (CHAT_TEMPLATE_CONTENT_FORMATS, DATA_PARALLEL_BACKENDS, DEFAULT_MAX_LOGPROBS,
                                   DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MM_LIMIT, DEVICES, MODALITIES,
-                                  MultiModalConfig,
+                                  MultiModalConfig, media_io_problem,
                                   DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, GENERATION_CONFIGS,
                                   KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, CacheConfig,
                                   DeviceConfig, EngineConfig, ModelConfig, ObservabilityConfig, ReasoningConfig,
@@ -73,6 +73,7 @@ class EngineArgs:
     allowed_media_domains: list[str] | tuple[str, ...] | None = None   # vLLM's: the hosts http(s) URLs may name
     mm_processor_cache_gb: float = 4.0    # vLLM's: GiB of processed images the frontend keeps (0: none)
     enable_mm_embeds: bool = False        # vLLM's: images may come as their embeddings (image_embeds parts)
+    media_io_kwargs: dict[str, Any] | str | None = None   # vLLM's JSON: how videos are read ({"video": {"num_frames": 16}})
     runner: str = "auto"                  # vLLM's: "generate" | "pooling" ("auto": as the architecture says)
     convert: str = "auto"                 # vLLM's: a generative model adapted into a pooling one ("embed")
     pooler_config: dict[str, Any] | str | None = None   # vLLM's --pooler-config JSON
@@ -356,10 +357,15 @@ class EngineArgs:
             path = os.path.realpath(path)
         if self.mm_processor_cache_gb < 0:
             raise ValueError(f"--mm-processor-cache-gb must be at least 0, got {self.mm_processor_cache_gb:g}")
+        media = self.media_io_kwargs
+        media = parse_object(media, "--media-io-kwargs") if isinstance(media, str) else (media or {})
+        problem = media_io_problem(media)
+        if problem:
+            raise ValueError(f"--media-io-kwargs: {problem}")
         return MultiModalConfig(limit_per_prompt=counts, mm_processor_kwargs=kwargs, allowed_local_media_path=path,
                                 allowed_media_domains=tuple(self.allowed_media_domains or ()),
                                 processor_cache_gb=float(self.mm_processor_cache_gb),
-                                enable_mm_embeds=self.enable_mm_embeds)
+                                enable_mm_embeds=self.enable_mm_embeds, media_io_kwargs=media)
 
     def pooling(self, source: ModelSource) -> ModelPooling | None:
         """--runner, --convert and --pooler-config resolved for the checkpoint (vLLM's rules):
@@ -777,12 +783,17 @@ def _cli_flags(d: dict[str, Any]) -> list[tuple[tuple[str, ...], str, dict[str, 
             help="vLLM's: images may come as their embeddings: chat image_embeds parts (base64 of a torch.save'd "
                  "(positions, hidden) tensor), offline multi_modal_data={'image': tensor}; for a model whose "
                  "image placeholder expands to image tokens alone (LLaVA's)")),
+        (("--media-io-kwargs",), "media_io_kwargs", dict(
+            default=d["media_io_kwargs"], metavar="JSON",
+            help="vLLM's: how media are read, per modality: '{\"video\": {\"num_frames\": 16, \"fps\": 2}}' samples a "
+                 "video's frames evenly, that many (default 32; -1: all) and at most fps a second (a request's "
+                 "media_io_kwargs over it)")),
         (("--allowed-local-media-path",), "allowed_local_media_path", dict(
             default=d["allowed_local_media_path"], metavar="DIR",
-            help="vLLM's: image_url parts may name file:// URLs of files under this folder (unset: none)")),
+            help="vLLM's: image_url and video_url parts may name file:// URLs of files under this folder (unset: none)")),
         (("--allowed-media-domains",), "allowed_media_domains", dict(
             nargs="+", default=d["allowed_media_domains"], metavar="HOST",
-            help="vLLM's: the only hosts http(s) image URLs may name (unset: any)")),
+            help="vLLM's: the only hosts http(s) image and video URLs may name (unset: any)")),
         (("--runner",), "runner", dict(
             choices=RUNNERS, default=d["runner"],
             help="vLLM's: generate (the model writes text) or pooling (it embeds prompts: /v1/embeddings, "

@@ -88,9 +88,37 @@ class MultiModalConfig(msgspec.Struct, frozen=True, kw_only=True):
     allowed_media_domains: tuple[str, ...] = ()   # vLLM's: the hosts http(s) URLs may name (): any
     processor_cache_gb: float = 4.0           # vLLM's --mm-processor-cache-gb: processed images kept (0: none)
     enable_mm_embeds: bool = False            # vLLM's: images may come as their embeddings (image_embeds)
+    # vLLM's --media-io-kwargs: how media are read, per modality ({"video": {"num_frames": 16, "fps": 2}})
+    media_io_kwargs: dict[str, dict[str, Any]] = {}
 
     def limit(self, modality: str) -> int:
         return self.limit_per_prompt.get(modality, DEFAULT_MM_LIMIT)
+
+
+MEDIA_IO_KEYS = {"video": ("num_frames", "fps")}     # what Troupe's media readers take (vLLM's names)
+
+
+def media_io_problem(value: Any) -> str | None:
+    """Why media_io_kwargs (a request's or --media-io-kwargs) cannot be taken; None where it can:
+    an object of modality -> object of keywords each reader takes, numbers."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        return "media_io_kwargs must be an object of modality -> object of keywords"
+    for modality, kwargs in value.items():
+        if modality not in MEDIA_IO_KEYS:
+            if kwargs:
+                return (f"media_io_kwargs for {modality!r} are not supported: Troupe reads images as they are and "
+                        f"takes {MEDIA_IO_KEYS} for videos")
+            continue
+        unknown = sorted(set(kwargs) - set(MEDIA_IO_KEYS[modality]))
+        if unknown:
+            return f"media_io_kwargs' {modality} keywords {unknown} are not supported (Troupe's take {MEDIA_IO_KEYS[modality]})"
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in kwargs.values()):
+            return f"media_io_kwargs' {modality} keywords must be numbers, got {kwargs}"
+        if kwargs.get("num_frames") == 0:
+            return "num_frames must be greater than 0 or -1"
+    return None
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):

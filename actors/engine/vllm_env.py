@@ -11,6 +11,7 @@ service's environment works unchanged:
   VLLM_ALLOW_LONG_MAX_MODEL_LEN=1   --max-model-len may exceed the model's context length
   VLLM_HTTP_TIMEOUT_KEEP_ALIVE=5    seconds an idle HTTP connection is kept open
   VLLM_IMAGE_FETCH_TIMEOUT=5        seconds an http(s) image URL may take to fetch
+  VLLM_VIDEO_FETCH_TIMEOUT=30       seconds an http(s) video URL may take to fetch
   VLLM_MEDIA_URL_ALLOW_REDIRECTS=1  an image URL's redirects are followed (0: refused)
   VLLM_LOGGING_LEVEL, VLLM_LOGGING_CONFIG_PATH, VLLM_CONFIGURE_LOGGING (actors/runtime/logs.py)
 
@@ -110,6 +111,12 @@ def image_fetch_timeout_s() -> int:
     """VLLM_IMAGE_FETCH_TIMEOUT (vLLM's default: 5 s)."""
     value = _int("VLLM_IMAGE_FETCH_TIMEOUT", minimum=1)
     return 5 if value is None else value
+
+
+def video_fetch_timeout_s() -> int:
+    """VLLM_VIDEO_FETCH_TIMEOUT (vLLM's default: 30 s)."""
+    value = _int("VLLM_VIDEO_FETCH_TIMEOUT", minimum=1)
+    return 30 if value is None else value
 
 
 def media_url_allow_redirects() -> bool:

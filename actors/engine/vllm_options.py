@@ -9,9 +9,9 @@ _PARALLEL = ("Troupe implements tensor, pipeline and data parallelism (--tensor-
              "--pipeline-parallel-size, --data-parallel-size), across machines with --distributed-executor-backend ray, "
              "--nnodes or --headless")
 _LOADING = "Troupe loads local GGUF files and Hugging Face checkpoint directories as they are"
-_MODALITY = ("Troupe takes images (a multimodal checkpoint the transformers backend serves whole) with "
-             "--limit-mm-per-prompt, --mm-processor-kwargs, --mm-processor-cache-gb, --enable-mm-embeds, "
-             "--allowed-local-media-path and --allowed-media-domains only")
+_MODALITY = ("Troupe takes images (and Qwen2-VL's videos) with --limit-mm-per-prompt, --mm-processor-kwargs, "
+             "--mm-processor-cache-gb, --enable-mm-embeds, --media-io-kwargs, --allowed-local-media-path and "
+             "--allowed-media-domains only")
 _LORA = "Troupe's LoRA takes --enable-lora, --lora-modules, --max-loras, --max-cpu-loras and --max-lora-rank only"
 _SPEC = "Troupe takes speculative decoding as --speculative-config JSON only"
 _COMPILE = ("Troupe takes the CUDA graph sizes as --cudagraph-capture-sizes or --max-cudagraph-capture-size "
@@ -53,7 +53,6 @@ REFUSED: dict[str, str] = {
     "--io-processor-plugin": "Troupe loads no IO processor plugins",
     "--logits-processor-pattern": "Troupe has no per-request logits processors (see --logits-processors)",
     # other modalities
-"--media-io-kwargs": _MODALITY,
     "--disable-mm-preprocessor-cache": _MODALITY, "--mm-processor-cache-type": _MODALITY,
     "--mm-shm-cache-max-object-size-mb": _MODALITY, "--mm-encoder-tp-mode": _MODALITY,
     "--mm-encoder-attn-backend": _MODALITY, "--interleave-mm-strings": _MODALITY,

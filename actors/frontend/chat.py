@@ -240,7 +240,8 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         cache_salt=cache_salt(req), timeout_s=request_timeout(req),
         lora_request=client.lora_request_for(req.model), truncation_side=req.truncation_side,
         chat_template=req.chat_template, add_special_tokens=bool(req.add_special_tokens),
-        stream_interval=req.stream_interval, mm_processor_kwargs=req.mm_processor_kwargs)
+        stream_interval=req.stream_interval, mm_processor_kwargs=req.mm_processor_kwargs,
+        media_io_kwargs=req.media_io_kwargs)
     last = messages[-1]
     echo = content_to_text(last.get("content")) if req.echo and last["role"] == "assistant" else ""
     prompt_text = None

@@ -233,7 +233,8 @@ class EngineClient:
                      chat_template_content_format: str | None = None,
                      prompt_embeds: np.ndarray | None = None,
                      multi_modal_data: dict[str, Any] | None = None,
-                     mm_processor_kwargs: dict[str, Any] | None = None) -> RequestHandle | RenderedPrompt:
+                     mm_processor_kwargs: dict[str, Any] | None = None,
+                     media_io_kwargs: dict[str, Any] | None = None) -> RequestHandle | RenderedPrompt:
         """Admit one request; ``timeout_s``: it is aborted (its KV freed) if it has not finished
         that long after now. ``parent_id`` and ``n``: it is one of the n choices of request
         ``parent_id`` (for the metrics of requests with n > 1; see ``end_group``).
@@ -244,7 +245,8 @@ class EngineClient:
         ``prompt_embeds``: the prompt as input embeddings, (tokens, hidden) float32 (vLLM's).
         ``multi_modal_data``: ``{"image": image or [images]}`` for a text or token-ids prompt
         holding as many image placeholders (vLLM's; a chat's images are its messages' parts);
-        ``mm_processor_kwargs``: the checkpoint processor's keywords for them (vLLM's).
+        ``mm_processor_kwargs``: the checkpoint processor's keywords for them (vLLM's);
+        ``media_io_kwargs``: how its videos are read (vLLM's, ``{"video": {"num_frames": 8}}``).
         ``stream_interval``: new tokens per output after the first (vLLM's). Raises
         InvalidPrompt (or PromptTooLong) when it is refused, Overloaded when too many wait
         already, and EngineDeadError when the engine is gone or the server is shutting down."""
@@ -273,7 +275,7 @@ class EngineClient:
             add_generation_prompt, continue_final_message, chat_template_kwargs or {},
             priority, arrival_time, add_special_tokens, cache_salt, parent_id, n, lora_request, truncation_side,
             chat_template, render_only, return_token_offsets, chat_template_content_format, prompt_embeds,
-            request_trace_headers.get(), multi_modal_data, mm_processor_kwargs)
+            request_trace_headers.get(), multi_modal_data, mm_processor_kwargs, media_io_kwargs)
         if render_only:
             try:
                 rendered = await self.tokenizer_actor.ask(generate, timeout=60)

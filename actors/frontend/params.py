@@ -129,25 +129,28 @@ def _chat_message(i: int, m: ChatMessage) -> dict[str, Any]:
 
 def _content(i: int, content: Any) -> str | list[dict[str, Any]]:
     """A string, or the parts as the chat template's content format takes them (tokenizer.chat
-    joins the texts with newlines or keeps them as parts); image parts go on to the tokenizer,
-    which reads them for a model that takes images and refuses them otherwise."""
+    joins the texts with newlines or keeps them as parts); image and video parts go on to the
+    tokenizer, which reads them for a model that takes them and refuses them otherwise."""
     if not isinstance(content, list):
         return content or ""
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         if part.type == "text" and part.text is not None:
             parts.append({"type": "text", "text": part.text})
-        elif part.type == "image_url" and part.image_url is not None:
-            url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-            require(bool(url), "an image_url part needs a non-empty url", f"messages[{i}].content[{j}].image_url")
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif part.type in ("image_url", "video_url") and getattr(part, part.type) is not None:
+            given = getattr(part, part.type)
+            url = given if isinstance(given, str) else given.url
+            require(bool(url), f"{'a' if part.type == 'video_url' else 'an'} {part.type} part needs a non-empty url",
+                    f"messages[{i}].content[{j}].{part.type}")
+            parts.append({"type": part.type, part.type: {"url": url}})
         elif part.type == "image_embeds" and part.image_embeds is not None:
             require(isinstance(part.image_embeds, str), "image_embeds must be the base64 of a torch.save'd tensor "
                     "(a dict of several is not supported)", f"messages[{i}].content[{j}].image_embeds")
             parts.append({"type": "image_embeds", "image_embeds": part.image_embeds})
         else:
-            raise BadRequest(f"content part of type {part.type!r} is not supported; only 'text', 'image_url' and "
-                             "'image_embeds' parts are (with the field of their type)", f"messages[{i}].content[{j}]")
+            raise BadRequest(f"content part of type {part.type!r} is not supported; only 'text', 'image_url', "
+                             "'video_url' and 'image_embeds' parts are (with the field of their type)",
+                             f"messages[{i}].content[{j}]")
     return parts
 
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from actors.engine.config import DEFAULT_MAX_LOGPROBS
+from actors.engine.config import DEFAULT_MAX_LOGPROBS, media_io_problem
 from actors.engine.sampling_params import SEED_RANGE, RepetitionDetectionParams, SamplingDefaults, SamplingParams
 from actors.frontend.structured import Constraint, NotStructured, StructuredOutputsFields, constraint_of
 from actors.frontend.tools import Tool, ToolChoice, check_tools, tool_constraint
@@ -82,10 +82,12 @@ class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
-    """A content part: a text, or (for a model that takes images) an image by URL."""
+    """A content part: a text, or (for a model that takes images) an image by URL, or (one that
+    takes videos) a video by URL."""
     type: str
     text: str | None = None
     image_url: ImageURL | str | None = None
+    video_url: ImageURL | str | None = None
     image_embeds: str | dict[str, Any] | None = None   # vLLM's (--enable-mm-embeds): a torch.save'd tensor, base64
 
 
@@ -375,13 +377,14 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     modalities: list[Literal["text"]] | None = None     # audio output is refused
     include_reasoning: bool | None = True     # vLLM's: with --reasoning-parser, show the reasoning part
     return_prompt_text: bool | None = False   # vLLM's: the answer shows the prompt as the template rendered it
-    media_io_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None   # vLLM's: how videos are read ({"video": {"num_frames": 8}})
     mm_processor_kwargs: dict[str, Any] | None = None
 
     def unserved(self) -> list[tuple[str, str]]:
         out = super().unserved()
-        if self.media_io_kwargs:
-            out.append(("media_io_kwargs", "media_io_kwargs is not supported: Troupe reads images as they are"))
+        problem = media_io_problem(self.media_io_kwargs)
+        if problem:
+            out.append(("media_io_kwargs", problem))
         return out
 
     def constraint(self) -> Constraint | None:

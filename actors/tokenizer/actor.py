@@ -19,7 +19,8 @@ from actors.frontend.admission import WaitingRequests
 from actors.runtime import Actor, ActorRef, Msg, Refusal
 from actors.scheduler.actor import AddRequest
 from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER, TEXT_PROMPTS_REFUSED, TextTokenizer, TokenIdsOnly
-from actors.tokenizer.multimodal import ImageProcessor, MediaError, extract_images, images_of, load_image
+from actors.tokenizer.multimodal import (ImageProcessor, MediaError, Processed, extract_images, images_of,
+                                         load_image)
 
 
 OFF_LOOP_CHARS = 20_000          # longer prompts are tokenized in a thread
@@ -65,6 +66,7 @@ class Generate(Msg):
     # in place of a placeholder of the prompt; a chat's come as its messages' image parts
     multi_modal_data: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None   # vLLM's: the processor's keywords for its images
+    media_io_kwargs: dict[str, Any] | None = None       # vLLM's: how its videos are read ({"video": {"num_frames": 8}})
 
 
 NO_REASONING_CONFIG = ("thinking_token_budget is set but reasoning_config is not configured. Please set "
@@ -202,10 +204,10 @@ class TokenizerActor(Actor):
             self.on_prompt_tokens(n)
         return PromptAccepted(n, shown)
 
-    async def _images(self, msg: Generate) -> tuple[Generate, list[tuple[list[int], dict[str, np.ndarray], str]]]:
-        """The request's images read and processed (its messages' image parts then the chat
-        template's image parts); none for a prompt without images. InvalidPrompt when the model
-        takes none, or an image cannot be read."""
+    async def _images(self, msg: Generate) -> tuple[Generate, list[Processed]]:
+        """The request's images and videos read and processed (the offline API's, then its
+        messages' parts, which become the chat template's image and video parts); none for a
+        prompt without them. InvalidPrompt when the model takes none, or one cannot be read."""
         try:
             sources = images_of(msg.multi_modal_data)
             messages = msg.messages
@@ -219,8 +221,9 @@ class TokenizerActor(Actor):
                                     "transformers backend serves whole takes them)")
             if msg.prompt_embeds is not None:
                 raise InvalidPrompt("prompt_embeds cannot come with images")
-            self.images.check_count(len(sources))
-            images = await asyncio.gather(*(load_image(source, self.images.config) for source in sources))
+            self.images.check_count(sources)
+            images = await asyncio.gather(*(load_image(source, self.images.config, msg.media_io_kwargs)
+                                            for source in sources))
             processor = self.images
             kwargs = msg.mm_processor_kwargs
             items = await asyncio.to_thread(lambda: [processor.process(image, kwargs) for image in images])

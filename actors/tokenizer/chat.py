@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -19,38 +19,51 @@ log = logging.getLogger("troupe.tokenizer")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-def content_to_text(content: Any, image_placeholder: str | None = None) -> str:
+def _placeholders(placeholder: str | Mapping[str, str] | None) -> dict[str, str]:
+    """Each modality the model takes and its placeholder text (a string alone: images')."""
+    if placeholder is None:
+        return {}
+    return {"image": placeholder} if isinstance(placeholder, str) else dict(placeholder)
+
+
+def content_to_text(content: Any, image_placeholder: str | Mapping[str, str] | None = None) -> str:
     """OpenAI message content -> one string (vLLM's "string" content format).
 
     Accepts a string, None (-> ""), or a list of parts where each part is a string or a
     `{"type": "text", "text": ...}` dict; the texts are joined with newlines, as vLLM joins them.
-    With ``image_placeholder`` (a model that takes images), `{"type": "image"}` parts are
-    allowed: each image the text does not already place gets the placeholder before the text,
-    as vLLM places them. Any other part type (image_url, input_audio, file, ...) raises
+    With ``image_placeholder`` (a model that takes images: its placeholder, or each modality's
+    as a mapping, ``{"image": ..., "video": ...}``), `{"type": "image"}` (and `{"type": "video"}`)
+    parts are allowed: each item the text does not already place gets the placeholder before
+    the text, as vLLM places them. Any other part type (image_url, input_audio, file, ...) raises
     ValueError naming it.
     """
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    parts = _parts(content, image_placeholder is not None)
+    placeholders = _placeholders(image_placeholder)
+    parts = _parts(content, placeholders)
     text = "\n".join(p["text"] for p in parts if p["type"] == "text")
-    missing = sum(p["type"] == "image" for p in parts) - (text.count(image_placeholder) if image_placeholder else 0)
-    return "\n".join([image_placeholder] * missing + [text]) if missing > 0 else text
+    missing = []
+    for modality, placeholder in placeholders.items():
+        missing += [placeholder] * (sum(p["type"] == modality for p in parts) - text.count(placeholder))
+    return "\n".join(missing + [text]) if missing else text
 
 
-def content_to_parts(content: Any, images: bool = False) -> list[dict[str, str]]:
+def content_to_parts(content: Any, images: bool | Collection[str] = False) -> list[dict[str, str]]:
     """OpenAI message content -> a list of ``{"type": "text", "text": ...}`` parts (vLLM's
     "openai" content format: a string is one part; None is no part), and, with ``images`` (a
-    model that takes them), ``{"type": "image"}`` parts where the images are."""
+    model that takes them: True, or the modalities it takes), ``{"type": "image"}`` (and
+    ``{"type": "video"}``) parts where the items are."""
     if content is None:
         return []
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    return _parts(content, images)
+    return _parts(content, ("image",) if images is True else images or ())
 
 
-def _parts(content: Any, images: bool) -> list[dict[str, str]]:
+def _parts(content: Any, modalities: Collection[str]) -> list[dict[str, str]]:
+    images = "image" in modalities
     if not isinstance(content, list):
         raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
     parts = []
@@ -59,13 +72,14 @@ def _parts(content: Any, images: bool) -> list[dict[str, str]]:
             parts.append({"type": "text", "text": part})
             continue
         part_type = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-        if part_type == "image" and images:
-            parts.append({"type": "image"})
+        if part_type in modalities:
+            parts.append({"type": part_type})
             continue
         if part_type != "text":
             raise ValueError(f"message content part of type {part_type!r} is not supported; only 'text' parts are"
                              + ("" if images else " (this model takes no images)" if part_type in _IMAGE_PARTS
-                                else ""))
+                                else "")
+                             + (" (this model takes no videos)" if part_type in ("video", "video_url") else ""))
         text = part.get("text")
         if not isinstance(text, str):
             raise ValueError(f"a 'text' content part needs a string 'text' field, got {text!r}")
@@ -77,7 +91,7 @@ _IMAGE_PARTS = ("image_url", "image_pil", "image", "image_embeds")
 
 
 def normalize_messages(messages: Iterable[Mapping[str, Any]], content_format: str = "string",
-                       image_placeholder: str | None = None) -> list[dict[str, Any]]:
+                       image_placeholder: str | Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """OpenAI chat messages -> fresh dicts a chat template can render.
 
     Keys whose value is None are dropped (APIs send `content: null` beside `tool_calls`, and
@@ -100,7 +114,7 @@ def normalize_messages(messages: Iterable[Mapping[str, Any]], content_format: st
         try:
             if "content" in out:
                 if content_format == "openai" and out["role"] != "tool":
-                    out["content"] = content_to_parts(out["content"], image_placeholder is not None)
+                    out["content"] = content_to_parts(out["content"], tuple(_placeholders(image_placeholder)))
                 else:
                     out["content"] = content_to_text(out["content"], image_placeholder)
             if "tool_calls" in out:

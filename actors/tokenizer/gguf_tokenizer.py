@@ -234,7 +234,7 @@ class TextTokenizer:
         self.chat_template: str | None = metadata.get("tokenizer.chat_template") or None
         self._chat_template = ChatTemplate(self.chat_template) if self.chat_template else None
         self.content_format = "auto"      # --chat-template-content-format: auto, string or openai
-        self.image_placeholder: str | None = None   # a model that takes images: its processor's image token
+        self.image_placeholder: dict[str, str] | None = None   # a model that takes images (videos): each one's placeholder
 
     @classmethod
     def from_gguf(cls, path: str) -> TextTokenizer:

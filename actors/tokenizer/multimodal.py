@@ -12,7 +12,12 @@ processor (transformers' ``AutoProcessor``) makes each image's inputs (``pixel_v
 like) and says what its placeholder expands to; each placeholder in the prompt's token ids is
 replaced by that expansion, and the image goes to the engine as a ``MultiModalFeature`` over
 those positions (its identifier, a digest of its pixels and the processing, keys the prefix
-cache: the same text with another image shares no block past the image)."""
+cache: the same text with another image shares no block past the image).
+
+A model that takes videos (Troupe's Qwen2-VL and Qwen2.5-VL classes) takes a message's
+``video_url`` parts and the offline API's ``multi_modal_data={"video": ...}`` the same way,
+read and processed by ``actors/tokenizer/video.py``; each placeholder pairs with the item of its
+own modality, in order."""
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +32,7 @@ import os
 import threading
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -35,17 +40,29 @@ from actors.engine import vllm_env
 from actors.engine.config import MultiModalConfig
 from actors.engine.messages import MultiModalFeature
 from actors.tokenizer.prompt_embeds import check_hidden_size, decode_prompt_embeds, embeds_array
+from actors.tokenizer.video import (DEFAULT_NUM_FRAMES as DEFAULT_VIDEO_FRAMES, VIDEO, VIDEO_PART, QwenVideoProcessor, Video, VideoError, VideoSource,
+                                    decode_jpeg_frames, decode_video, video_of)
 
 log = logging.getLogger("troupe.tokenizer")
 
 IMAGE = "image"
 IMAGE_PART = {"type": "image"}      # an image's place in a message, as the chat template sees it
 MAX_IMAGE_BYTES = 64 << 20          # the most an image URL's or data URL's bytes may be
+MAX_VIDEO_BYTES = 512 << 20         # a video's
 _NOT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "text_replacement_offsets")
 
 
 class MediaError(ValueError):
-    """An image that cannot be read, or may not be (an HTTP 400)."""
+    """An image or video that cannot be read, or may not be (an HTTP 400)."""
+
+
+class Processed(NamedTuple):
+    """One item as the processor made it: the token ids its placeholder expands to, its inputs
+    for the model (a batch of one), its identifier and its modality."""
+    ids: list[int]
+    data: dict[str, np.ndarray]
+    identifier: str
+    modality: str = IMAGE
 
 
 class EmbedsPayload(str):
@@ -59,8 +76,9 @@ MM_EMBEDS_OFF = "You must set `--enable-mm-embeds` to input `image_embeds`"
 
 def extract_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
     """Chat messages with each image part (``image_url`` with its ``url``, the offline API's
-    ``image_pil``, ``image_embeds`` with --enable-mm-embeds) as ``{"type": "image"}``, and the
-    images' sources in order (URLs, PIL images, embeddings' payloads). Messages without image
+    ``image_pil``, ``image_embeds`` with --enable-mm-embeds) as ``{"type": "image"}`` and each
+    ``video_url`` part as ``{"type": "video"}``, and the items' sources in order (URLs, PIL
+    images, embeddings' payloads; a video's URL as a ``VideoSource``). Messages without such
     parts come back as they are."""
     out, sources = [], []
     for i, message in enumerate(messages):
@@ -75,28 +93,31 @@ def extract_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str
                 parts.append(part)
                 continue
             if isinstance(source, str) and not source:
-                raise MediaError(f"messages[{i}]: an image_url part needs a non-empty url")
+                kind = part.get("type")
+                raise MediaError(f"messages[{i}]: {'a' if kind == 'video_url' else 'an'} {kind} part needs a non-empty url")
             sources.append(source)
-            parts.append(IMAGE_PART)
+            parts.append(VIDEO_PART if isinstance(source, VideoSource) else IMAGE_PART)
         out.append({**message, "content": parts})
     return out, sources
 
 
 def has_images(messages: Sequence[Mapping[str, Any]] | None) -> bool:
-    """Whether any message holds an image part."""
+    """Whether any message holds an image or video part."""
     return any(isinstance(m.get("content"), list) and any(_image_source(p) is not None for p in m["content"])
                for m in messages or () if isinstance(m, Mapping))
 
 
 def _image_source(part: Any) -> Any:
-    """An image part's URL or PIL image; None for any other part."""
+    """An image part's URL or PIL image, a video part's URL (a ``VideoSource``); None for any
+    other part."""
     if not isinstance(part, Mapping):
         return None
     kind = part.get("type")
-    if kind == "image_url":
-        url = part.get("image_url")
+    if kind in ("image_url", "video_url"):
+        url = part.get(kind)
         url = url.get("url") if isinstance(url, Mapping) else url
-        return url if isinstance(url, str) else ""
+        url = url if isinstance(url, str) else ""
+        return VideoSource(url) if kind == "video_url" else url
     if kind == "image_pil":
         return part.get("image_pil")
     if kind == "image_embeds":
@@ -108,25 +129,54 @@ def _image_source(part: Any) -> Any:
 def images_of(data: Mapping[str, Any] | None) -> list[Any]:
     """The offline API's ``multi_modal_data``: ``{"image": image or [images]}`` -> the images
     (an image as its embeddings, with --enable-mm-embeds: a (positions, hidden) tensor, or a
-    (images, positions, hidden) one for several)."""
+    (images, positions, hidden) one for several), then ``{"video": video or [videos]}``'s videos
+    (``Video``; vLLM's reading: an array (frames, height, width, 3), a list of frames or a
+    (frames, metadata) pair is one video; a list of those, or a 5-dimensional array, several)."""
     if not data:
         return []
-    unknown = sorted(set(data) - {IMAGE})
+    unknown = sorted(set(data) - {IMAGE, VIDEO})
     if unknown:
         raise MediaError(f"multi_modal_data {unknown} is not supported: Troupe's models take images "
-                         "({'image': PIL image or a list of them})")
-    images = data[IMAGE]
-    if type(images).__module__.startswith("torch") and getattr(images, "dim", lambda: 0)() == 3:
-        return list(images)                         # (images, positions, hidden) embeddings
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+                         "({'image': PIL image or a list of them}) and videos ({'video': frames or a list of them})")
+    out: list[Any] = []
+    images = data.get(IMAGE)
+    if images is not None:
+        if type(images).__module__.startswith("torch") and getattr(images, "dim", lambda: 0)() == 3:
+            out += list(images)                     # (images, positions, hidden) embeddings
+        else:
+            out += list(images) if isinstance(images, (list, tuple)) else [images]
+    videos = data.get(VIDEO)
+    if videos is not None:
+        try:
+            out += [video_of(v) for v in _videos(videos)]
+        except VideoError as exc:
+            raise MediaError(str(exc)) from None
+    return out
+
+
+def _videos(value: Any) -> list[Any]:
+    """``multi_modal_data["video"]`` as a list of videos, by vLLM's rules."""
+    dims = getattr(value, "ndim", None)
+    if dims == 4 or (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping)):
+        return [value]
+    if dims == 5:
+        return list(value)
+    if isinstance(value, (list, tuple)) and value and (hasattr(value[0], "convert") or getattr(value[0], "ndim", 0) == 3):
+        return [value]                              # one video's frames
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 # -- reading an image ---------------------------------------------------------------------------
 
-async def load_image(source: Any, config: MultiModalConfig) -> Any:
-    """A source (a PIL image, or a data, http(s) or file URL) as an RGB PIL image (MediaError
-    saying why not)."""
+async def load_image(source: Any, config: MultiModalConfig, io_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """A source (a PIL image, or a data, http(s) or file URL) as an RGB PIL image; a video's
+    (a ``VideoSource`` URL, or a ``Video``) as a ``Video`` of its sampled frames (``io_kwargs``:
+    the request's media_io_kwargs over --media-io-kwargs). MediaError saying why not."""
     from PIL import Image
+    if isinstance(source, Video):
+        return source
+    if isinstance(source, VideoSource):
+        return await _load_video(source, config, io_kwargs)
     if isinstance(source, Image.Image):
         return _rgb(source)
     if isinstance(source, EmbedsPayload):
@@ -145,6 +195,40 @@ async def load_image(source: Any, config: MultiModalConfig) -> Any:
     raise MediaError("The URL must be either a HTTP, data or file URL.")
 
 
+async def _load_video(url: str, config: MultiModalConfig, io_kwargs: Mapping[str, Any] | None) -> Video:
+    """A video URL's frames (``actors/tokenizer/video.py``), decoded in a thread."""
+    settings = {**config.media_io_kwargs.get(VIDEO, {}), **((io_kwargs or {}).get(VIDEO) or {})}
+    if io_kwargs and VIDEO in io_kwargs:     # vLLM's: a request's num_frames or fps drops the server's other
+        asked = io_kwargs[VIDEO] or {}
+        if "num_frames" in asked and "fps" not in asked:
+            settings.pop("fps", None)
+        elif "fps" in asked and "num_frames" not in asked:
+            settings.pop("num_frames", None)
+    try:
+        num_frames = int(settings.get("num_frames", DEFAULT_VIDEO_FRAMES))
+        fps = float(settings.get("fps", -1))
+    except (TypeError, ValueError):
+        raise MediaError(f"media_io_kwargs' video num_frames and fps must be numbers, got {settings}") from None
+    try:
+        if url[:5].lower() == "data:":
+            spec = url[5:].partition(",")[0].partition(";")[0].lower()
+            if spec == "video/jpeg":
+                payload = url.partition(",")[2]
+                return await asyncio.to_thread(decode_jpeg_frames, payload, num_frames, fps if fps > 0 else 1.0)
+            data = _data_url_bytes(url, VIDEO, MAX_VIDEO_BYTES)
+        else:
+            scheme = urllib.parse.urlsplit(url).scheme.lower()
+            if scheme in ("http", "https"):
+                data = await _fetch(url, config, VIDEO, MAX_VIDEO_BYTES)
+            elif scheme == "file":
+                data = await asyncio.to_thread(_local_bytes, url, config, VIDEO, MAX_VIDEO_BYTES)
+            else:
+                raise MediaError("The URL must be either a HTTP, data or file URL.")
+        return await asyncio.to_thread(decode_video, data, num_frames, fps)
+    except VideoError as exc:
+        raise MediaError(f"the video could not be read: {exc}") from None
+
+
 def _embeds(read: Callable[[], np.ndarray], config: MultiModalConfig) -> np.ndarray:
     if not config.enable_mm_embeds:
         raise MediaError(MM_EMBEDS_OFF)
@@ -154,45 +238,45 @@ def _embeds(read: Callable[[], np.ndarray], config: MultiModalConfig) -> np.ndar
         raise MediaError(str(exc)) from None
 
 
-def _data_url_bytes(url: str) -> bytes:
+def _data_url_bytes(url: str, kind: str = IMAGE, limit: int = MAX_IMAGE_BYTES) -> bytes:
     """RFC 2397's data:[<mediatype>][;base64],<data>, base64 only (as vLLM)."""
     spec, sep, data = url[5:].partition(",")
     if not sep:
         raise MediaError(f"Invalid data URL {url[:32]!r}: missing ',' separator.")
     if spec.rpartition(";")[2] != "base64":
         raise MediaError("Only base64 data URLs are supported for now.")
-    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-        raise MediaError(f"the data URL's image is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+    if len(data) > limit * 4 // 3 + 4:
+        raise MediaError(f"the data URL's {kind} is larger than {limit >> 20} MiB")
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise MediaError("the data URL's data is not valid base64") from None
 
 
-async def _fetch(url: str, config: MultiModalConfig) -> bytes:
+async def _fetch(url: str, config: MultiModalConfig, kind: str = IMAGE, limit: int = MAX_IMAGE_BYTES) -> bytes:
     import aiohttp
     host = urllib.parse.urlsplit(url).hostname
     if config.allowed_media_domains and host not in config.allowed_media_domains:
         raise MediaError(f"The URL must be from one of the allowed domains: {list(config.allowed_media_domains)}. "
                          f"Input URL domain: {host}")
-    timeout = vllm_env.image_fetch_timeout_s()
+    timeout, variable = ((vllm_env.video_fetch_timeout_s(), "VLLM_VIDEO_FETCH_TIMEOUT") if kind == VIDEO
+                         else (vllm_env.image_fetch_timeout_s(), "VLLM_IMAGE_FETCH_TIMEOUT"))
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             async with session.get(url, allow_redirects=vllm_env.media_url_allow_redirects()) as response:
                 if response.status != 200:
-                    raise MediaError(f"fetching the image at {url} answered HTTP {response.status}")
-                data = await response.content.read(MAX_IMAGE_BYTES + 1)
+                    raise MediaError(f"fetching the {kind} at {url} answered HTTP {response.status}")
+                data = await response.content.read(limit + 1)
     except TimeoutError:
-        raise MediaError(f"fetching the image at {url} took longer than {timeout} s (VLLM_IMAGE_FETCH_TIMEOUT)") \
-            from None
+        raise MediaError(f"fetching the {kind} at {url} took longer than {timeout} s ({variable})") from None
     except aiohttp.ClientError as exc:
-        raise MediaError(f"could not fetch the image at {url}: {exc}") from None
-    if len(data) > MAX_IMAGE_BYTES:
-        raise MediaError(f"the image at {url} is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+        raise MediaError(f"could not fetch the {kind} at {url}: {exc}") from None
+    if len(data) > limit:
+        raise MediaError(f"the {kind} at {url} is larger than {limit >> 20} MiB")
     return data
 
 
-def _local_bytes(url: str, config: MultiModalConfig) -> bytes:
+def _local_bytes(url: str, config: MultiModalConfig, kind: str = IMAGE, limit: int = MAX_IMAGE_BYTES) -> bytes:
     root = config.allowed_local_media_path
     if not root:
         raise MediaError("Cannot load local files without `--allowed-local-media-path`.")
@@ -201,12 +285,12 @@ def _local_bytes(url: str, config: MultiModalConfig) -> bytes:
     if os.path.commonpath([root, path]) != root or path == root:
         raise MediaError(f"The file path {path} must be a subpath of `--allowed-local-media-path {root}`.")
     try:
-        if os.path.getsize(path) > MAX_IMAGE_BYTES:
-            raise MediaError(f"the image {path} is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+        if os.path.getsize(path) > limit:
+            raise MediaError(f"the {kind} {path} is larger than {limit >> 20} MiB")
         with open(path, "rb") as f:
             return f.read()
     except OSError as exc:
-        raise MediaError(f"could not read the image {path}: {exc.strerror or exc}") from None
+        raise MediaError(f"could not read the {kind} {path}: {exc.strerror or exc}") from None
 
 
 def _decode(data: bytes, where: str) -> Any:
@@ -267,6 +351,9 @@ _IMAGES_ONLY: dict[str, tuple[str, Expansion]] = {
 _PROMPT_PLACEHOLDERS = {"Qwen2VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>",
                         "Qwen2_5_VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>",
                         "Qwen3VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>"}
+# processors whose videos Troupe processes (actors/tokenizer/video.py): what a prompt writes for a video
+VIDEO_PROCESSORS = {"Qwen2VLProcessor": "<|vision_start|><|video_pad|><|vision_end|>",
+                    "Qwen2_5_VLProcessor": "<|vision_start|><|video_pad|><|vision_end|>"}
 
 
 class ImagesOnlyProcessor:
@@ -314,14 +401,17 @@ class ImageProcessor:
 
     def __init__(self, checkpoint_dir: str, image_token_id: int, config: MultiModalConfig,
                  encode: Callable[[str], list[int]], counts: Any = None, hidden_size: int = 0,
-                 whole_item_budget: int | None = None, needs_grid: bool = False) -> None:
+                 whole_item_budget: int | None = None, needs_grid: bool = False,
+                 video_token_id: int | None = None) -> None:
         """``encode``: the served tokenizer's text -> token ids, no special tokens added;
         ``counts``: what counts the processor cache's lookups (``mm_cache_queries`` and
         ``mm_cache_hits`` attributes: the server's stats; None: itself); ``hidden_size``: the
         rows image embeddings must have (--enable-mm-embeds); ``whole_item_budget``: where an
         image is computed in one step (--disable-chunked-mm-input, a prefix LM), the step's token
         budget, which an image may not exceed; ``needs_grid``: an image's positions come from its
-        grid of patches (M-RoPE's), which embeddings given alone do not say."""
+        grid of patches (M-RoPE's), which embeddings given alone do not say; ``video_token_id``: a
+        model that takes videos, the token whose positions take a video's embeddings (its
+        processor one ``VIDEO_PROCESSORS`` names)."""
         self.whole_item_budget = whole_item_budget
         self.needs_grid = needs_grid
         from transformers import AutoProcessor
@@ -373,16 +463,64 @@ class ImageProcessor:
             self.clear()
         self.mm_cache_queries = self.mm_cache_hits = 0
         self.counts = counts if counts is not None else self
+        self.video: QwenVideoProcessor | None = None
+        self.video_token_id = video_token_id
+        if video_token_id is not None:
+            self._take_videos(checkpoint_dir, encode)
 
-    def process(self, image: Any, kwargs: Mapping[str, Any] | None = None,
-                ) -> tuple[list[int], dict[str, np.ndarray], str]:
-        """One image (a PIL image, or its embeddings' rows) -> the token ids its placeholder
-        expands to, its inputs for the model (a batch of one), and its identifier."""
+    def _take_videos(self, checkpoint_dir: str, encode: Callable[[str], list[int]]) -> None:
+        if self.name not in VIDEO_PROCESSORS:
+            raise ValueError(f"{self.name}: videos are taken by Qwen2-VL's and Qwen2.5-VL's processors only "
+                             "(--limit-mm-per-prompt '{\"video\": 0}' serves this model on images)")
+        self.video = QwenVideoProcessor.from_checkpoint(checkpoint_dir, self.name)
+        ids = encode(self.video.placeholder)
+        if len(ids) != 1:
+            raise ValueError(f"the video placeholder {self.video.placeholder!r} is {len(ids)} tokens to the served "
+                             "tokenizer, not one")
+        self.video_placeholder_id = ids[0]
+        self.prompt_video_placeholder = VIDEO_PROCESSORS[self.name]
+
+    @property
+    def placeholders(self) -> dict[str, str]:
+        """What a prompt writes for each modality the model takes (vLLM's placeholder strings)."""
+        out = {IMAGE: self.prompt_placeholder}
+        if self.video is not None:
+            out[VIDEO] = self.prompt_video_placeholder
+        return out
+
+    def process(self, image: Any, kwargs: Mapping[str, Any] | None = None) -> Processed:
+        """One image (a PIL image, or its embeddings' rows) or video (a ``Video``) -> the token
+        ids its placeholder expands to, its inputs for the model (a batch of one), its identifier
+        and modality."""
+        if isinstance(image, Video):
+            return self._processed_video(image, kwargs)
         if isinstance(image, np.ndarray):
             return self._embedded(image)
         return self._processed(image, kwargs)
 
-    def _embedded(self, rows: np.ndarray) -> tuple[list[int], dict[str, np.ndarray], str]:
+    def _processed_video(self, video: Video, kwargs: Mapping[str, Any] | None) -> Processed:
+        """A video by the model's video processor; its identifier a digest of its frames, their
+        metadata and the processor's keywords (the processor cache keeps it as an image's)."""
+        if self.video is None:
+            raise MediaError(f"this model takes no videos ({self.name} takes images)")
+        kwargs = {**self.config.mm_processor_kwargs, **(kwargs or {})}
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"video:{video.frames.shape}:{json.dumps(video.metadata, sort_keys=True, default=str)}:"
+                 f"{json.dumps(kwargs, sort_keys=True, default=str)}".encode())
+        h.update(video.frames.tobytes())
+        identifier = h.hexdigest()
+        cached = self._cached(identifier, VIDEO)
+        if cached is not None:
+            return cached
+        try:
+            text, data = self.video(video, kwargs)
+        except (VideoError, ValueError, TypeError) as exc:
+            raise MediaError(f"{self.name} could not process the video: {exc}") from None
+        ids = self.encode(text)
+        self._keep(identifier, ids, data)
+        return Processed(ids, data, identifier, VIDEO)
+
+    def _embedded(self, rows: np.ndarray) -> Processed:
         """An image given as its embeddings (positions, hidden): as many image tokens."""
         if self.needs_grid:
             raise MediaError("this model's image positions (M-RoPE's) come from an image's grid of patches, which "
@@ -395,10 +533,9 @@ class ImageProcessor:
         except ValueError as exc:
             raise MediaError(str(exc)) from None
         identifier = "embeds-" + hashlib.blake2b(rows.tobytes(), digest_size=16).hexdigest()
-        return [self.image_token_id] * len(rows), {"image_embeds": rows}, identifier
+        return Processed([self.image_token_id] * len(rows), {"image_embeds": rows}, identifier)
 
-    def _processed(self, image: Any, kwargs: Mapping[str, Any] | None = None,
-                   ) -> tuple[list[int], dict[str, np.ndarray], str]:
+    def _processed(self, image: Any, kwargs: Mapping[str, Any] | None = None) -> Processed:
         """A PIL image by the checkpoint's processor; its identifier a digest of its pixels and
         the processor's keywords (the server's --mm-processor-kwargs under the request's
         ``kwargs``). An image processed before with the same keywords comes from the processor
@@ -408,13 +545,9 @@ class ImageProcessor:
         h.update(f"{image.mode}:{image.size}:{json.dumps(kwargs, sort_keys=True, default=str)}".encode())
         h.update(image.tobytes())
         identifier = h.hexdigest()
-        with self._lock:
-            self.counts.mm_cache_queries += 1
-            cached = self._cache.get(identifier)
-            if cached is not None:
-                self.counts.mm_cache_hits += 1
-                self._cache.move_to_end(identifier)
-                return cached[0], cached[1], identifier
+        cached = self._cached(identifier, IMAGE)
+        if cached is not None:
+            return cached
         try:
             out = self.processor(text=self.placeholder, images=[image], return_text_replacement_offsets=True,
                                  add_special_tokens=False, return_tensors="np", **kwargs)
@@ -430,10 +563,21 @@ class ImageProcessor:
         data = {key: np.ascontiguousarray(value) for key, value in out.items() if key not in _NOT_INPUTS
                 and isinstance(value, np.ndarray)}
         self._keep(identifier, ids, data)
-        return ids, data, identifier
+        return Processed(ids, data, identifier)
+
+    def _cached(self, identifier: str, modality: str) -> Processed | None:
+        """An item processed before (the processor cache), counted as a lookup."""
+        with self._lock:
+            self.counts.mm_cache_queries += 1
+            cached = self._cache.get(identifier)
+            if cached is None:
+                return None
+            self.counts.mm_cache_hits += 1
+            self._cache.move_to_end(identifier)
+            return Processed(cached[0], cached[1], identifier, modality)
 
     def clear(self) -> None:
-        """Forget every processed image (vLLM's /reset_mm_cache)."""
+        """Forget every processed image and video (vLLM's /reset_mm_cache)."""
         with self._lock:
             self._cache.clear()
             self._cache_bytes = 0
@@ -451,34 +595,45 @@ class ImageProcessor:
                 _, (old_ids, old) = self._cache.popitem(last=False)
                 self._cache_bytes -= sum(a.nbytes for a in old.values()) + 8 * len(old_ids)
 
-    def expand(self, ids: list[int], items: list[tuple[list[int], dict[str, np.ndarray], str]],
-               ) -> tuple[list[int], list[MultiModalFeature]]:
-        """The prompt's token ids with the i-th placeholder replaced by the i-th image's
-        expansion, and the images as features over those positions."""
-        at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
-        if len(at) != len(items):
-            raise MediaError(f"the prompt has {len(at)} image placeholders ({self.placeholder!r}) for {len(items)} "
-                             "images: each image needs one")
+    def expand(self, ids: list[int], items: Sequence[tuple[Any, ...]]) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt's token ids with the i-th placeholder of each modality replaced by the
+        i-th item of that modality's expansion, and the items as features over those positions."""
+        items = [item if isinstance(item, Processed) else Processed(*item) for item in items]
+        slots: list[tuple[int, Processed]] = []
+        for modality, token, name in ((IMAGE, self.placeholder_id, self.placeholder),
+                                      (VIDEO, getattr(self, "video_placeholder_id", None), "<|video_pad|>")):
+            mine = [item for item in items if item.modality == modality]
+            at = [i for i, t in enumerate(ids) if t == token] if token is not None else []
+            if len(at) != len(mine):
+                raise MediaError(f"the prompt has {len(at)} {modality} placeholders ({name!r}) for {len(mine)} "
+                                 f"{modality}s: each {modality} needs one")
+            slots += zip(at, mine)
         out: list[int] = []
         features: list[MultiModalFeature] = []
         previous = 0
-        for position, (expansion, data, identifier) in zip(at, items):
+        for position, (expansion, data, identifier, modality) in sorted(slots, key=lambda slot: slot[0]):
             out.extend(ids[previous:position])
-            is_embed = np.asarray(expansion) == self.image_token_id
+            token = self.image_token_id if modality == IMAGE else self.video_token_id
+            is_embed = np.asarray(expansion) == token
             if not is_embed.any():
-                raise MediaError(f"the image's expansion holds no image token ({self.image_token_id})")
+                raise MediaError(f"the {modality}'s expansion holds no {modality} token ({token})")
             if self.whole_item_budget is not None and len(expansion) > self.whole_item_budget:
                 raise MediaError(f"an image takes {len(expansion)} positions, which are computed in one step, and a "
                                  f"step takes at most {self.whole_item_budget} tokens (--max-num-batched-tokens)")
-            features.append(MultiModalFeature(IMAGE, identifier, len(out), len(expansion), data,
+            features.append(MultiModalFeature(modality, identifier, len(out), len(expansion), data,
                                               None if is_embed.all() else is_embed))
             out.extend(expansion)
             previous = position + 1
         out.extend(ids[previous:])
         return out, features
 
-    def check_count(self, n: int) -> None:
-        limit = self.config.limit(IMAGE)
-        if n > limit:
-            raise MediaError(f"At most {limit} image(s) may be provided in one prompt. Set `--limit-mm-per-prompt` "
-                             "to increase this limit.")
+    def check_count(self, sources: Sequence[Any]) -> None:
+        """At most --limit-mm-per-prompt items of each modality; videos to a model that takes them."""
+        videos = sum(isinstance(s, (Video, VideoSource)) for s in sources)
+        if videos and self.video is None:
+            raise MediaError(f"this model takes no videos ({self.name} takes images)")
+        for modality, n in ((IMAGE, len(sources) - videos), (VIDEO, videos)):
+            limit = self.config.limit(modality)
+            if n > limit:
+                raise MediaError(f"At most {limit} {modality}(s) may be provided in one prompt. Set "
+                                 "`--limit-mm-per-prompt` to increase this limit.")

@@ -60,11 +60,13 @@ class TokenInputs(NamedTuple):
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device | str = "cpu", num_kv_cache_groups: int = 1, mrope_merge_size: int = 0) -> None:
+                 device: torch.device | str = "cpu", num_kv_cache_groups: int = 1, mrope_merge_size: int = 0,
+                 video_tokens_per_second: float = 1.0) -> None:
         """``mrope_merge_size``: for a model whose images take M-RoPE positions (models/mrope.py),
         its vision patches merged per side into an image position; 0: positions are the tokens'
-        indices."""
+        indices. ``video_tokens_per_second``: a video's M-RoPE time positions a second."""
         self.mrope_merge_size = mrope_merge_size
+        self.video_tokens_per_second = video_tokens_per_second
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -114,7 +116,8 @@ class InputBatch:
         self.num_with_embeds += self.states[i].has_embeds
         if self.mrope_merge_size and r.mm_features:
             from models.mrope import mrope_positions
-            self.states[i].mrope = mrope_positions(len(r.prompt_token_ids), r.mm_features, self.mrope_merge_size)
+            self.states[i].mrope = mrope_positions(len(r.prompt_token_ids), r.mm_features, self.mrope_merge_size,
+                                                   self.video_tokens_per_second)
             self.num_mrope += 1
         return i
 

@@ -167,7 +167,7 @@ class ModelRunner:
         mrope_images = bool(self.arch.mrope_section) and self.arch.image_token_id is not None
         mrope_merge = self.arch.image_merge_size if mrope_images else 0
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, bs, self.arch.vocab_size, self.device, G,
-                                mrope_merge)
+                                mrope_merge, self.arch.video_tokens_per_second)
         self.sampler = Sampler()
         # plugins' batch-level logits processors, and the built-in thinking budget where the engine
         # knows the model's reasoning tags (None: none of them)

@@ -244,6 +244,7 @@ def test_qwen2_vls_images_take_mrope_positions_as_transformers_gives_them(tmp_pa
     prefill chunks of 8 that split the images; the chat template of
     chat_template.json renders an image part; the prefix cache serves an image's blocks again
     with the same positions; embeddings without the image's grid are refused."""
+    import numpy as np
     import torch
 
     from actors.api import LLM
@@ -266,6 +267,10 @@ def test_qwen2_vls_images_take_mrope_positions_as_transformers_gives_them(tmp_pa
             inputs, hf, f"t1 {QWEN_IMAGE} t7 t3", [b])
         with pytest.raises(ValueError, match="image_embeds alone do not give"):
             llm.generate({"prompt": one, "multi_modal_data": {"image": torch.zeros(6, 64)}}, greedy())
+        if family == "qwen3_vl":     # its videos' timestamps are not built here
+            with pytest.raises(ValueError, match="this model takes no videos"):
+                llm.generate({"prompt": one, "multi_modal_data": {"video": np.zeros((2, 28, 28, 3), np.uint8)}},
+                             greedy())
 
 
 def test_a_later_pipeline_stage_turns_qwen2_vls_image_positions_too(tmp_path):
@@ -283,6 +288,85 @@ def test_a_later_pipeline_stage_turns_qwen2_vls_image_positions_too(tmp_path):
     save_tiny_qwen2_vl(tmp_path / "qwen3_vl", "qwen3_vl")
     with pytest.raises(ChildStartError, match="its first 2 layers, and the first pipeline stage holds 1"):
         LLM(model=str(tmp_path / "qwen3_vl"), max_model_len=256, pipeline_parallel_size=2)
+
+
+QWEN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def qwen_generate(hf, prompt: str, items: list[dict]) -> list[int]:
+    """transformers' greedy tokens for a Qwen2-VL prompt of words, ``QWEN_IMAGE`` and
+    ``QWEN_VIDEO``, each item's processed inputs given in order (the placeholder expanded to one
+    token per merged patch, as Qwen2-VL's processor does)."""
+    import numpy as np
+    import torch
+    vocab = hf.config.text_config.vocab_size
+    ids, types, given, item = [], [], {}, iter(items)
+    for word in prompt.replace(QWEN_IMAGE, " [I] ").replace(QWEN_VIDEO, " [V] ").split():
+        if word not in ("[I]", "[V]"):
+            ids.append(int(word[1:]))
+            types.append(0)
+            continue
+        video, data = word == "[V]", next(item)
+        grid = data["video_grid_thw" if video else "image_grid_thw"]
+        n = int(np.prod(grid[0])) // 4
+        ids += [vocab - 4] + [vocab - 2 if video else vocab - 1] * n + [vocab - 3]
+        types += [0] + [2 if video else 1] * n + [0]
+        for key, value in data.items():
+            given.setdefault(key, []).append(value)
+    ids_t = torch.tensor([ids])
+    inputs = {key: torch.from_numpy(np.concatenate(values)) for key, values in given.items()}
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t), mm_token_type_ids=torch.tensor([types]),
+                          **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen2_vls_videos_answer_as_transformers_does(tmp_path, family):
+    """A video to Qwen2-VL's and Qwen2.5-VL's own classes: its frames processed into patches of
+    two frames, encoded by the vision tower, its positions M-RoPE's (Qwen2.5-VL's time spaced by
+    the seconds a patch of frames covers), answer as transformers' generate does with the same
+    inputs, alone and beside an image, in prefill chunks of 8 that split them; a chat's
+    video_url part (an MP4 data URL, its frames decoded by OpenCV, as many as --media-io-kwargs
+    says) answers as those frames given offline; the processor cache serves a video again."""
+    import numpy as np
+    import transformers
+
+    from actors.api import LLM
+    from actors.tokenizer.video import QwenVideoProcessor, Video, decode_video
+    from helpers import mp4, save_tiny_qwen2_vl
+    hf, _ = save_tiny_qwen2_vl(tmp_path, family)
+    rng = np.random.default_rng(7)
+    clip = rng.integers(0, 256, (4, 84, 84, 3), dtype=np.uint8)
+    metadata = {"fps": 4.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3], "duration": 1.0}
+    videos = QwenVideoProcessor.from_checkpoint(str(tmp_path), "Qwen2_5_VLProcessor" if family == "qwen2_5_vl"
+                                                else "Qwen2VLProcessor")
+    video_inputs = videos(Video(clip, metadata))[1]
+    image = random_image(3, 60, 40)
+    image_inputs = dict(transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)(
+        images=[image], return_tensors="np"))
+    one = f"t5 t9 {QWEN_VIDEO} " + " ".join(f"t{i}" for i in range(20, 30))
+    both = f"t5 {QWEN_IMAGE} t6 {QWEN_VIDEO} t7"
+    want = [qwen_generate(hf, one, [video_inputs]), qwen_generate(hf, both, [image_inputs, video_inputs])]
+    movie = mp4([i * 12 for i in range(20)])
+    url = "data:video/mp4;base64," + base64.b64encode(movie).decode()
+    with LLM(model=str(tmp_path), max_model_len=256, max_num_batched_tokens=8,
+             media_io_kwargs={"video": {"num_frames": 4}}) as llm:
+        got = llm.generate([{"prompt": one, "multi_modal_data": {"video": (clip, metadata)}},
+                            {"prompt": both, "multi_modal_data": {"image": image, "video": (clip, metadata)}}],
+                           greedy())
+        assert [r.outputs[0].token_ids for r in got] == want
+        messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                 {"type": "text", "text": "t7"}]}]
+        chat = llm.chat(messages, greedy())[0]
+        decoded = decode_video(movie, num_frames=4)
+        offline = llm.generate({"prompt": f"t1 {QWEN_VIDEO} t7 t3",
+                                "multi_modal_data": {"video": (decoded.frames, decoded.metadata)}}, greedy())[0]
+        assert chat.outputs[0].token_ids == offline.outputs[0].token_ids
+        assert chat.prompt_token_ids == offline.prompt_token_ids
+        if family == "qwen2_vl":     # 2 patches of frames: transformers' positions agree with vLLM's rule here
+            assert chat.outputs[0].token_ids == qwen_generate(hf, f"t1 {QWEN_VIDEO} t7 t3",
+                                                              [videos(decoded)[1]])
 
 
 @pytest.mark.parametrize("impl", ["auto", "transformers"])
@@ -474,6 +558,7 @@ def test_an_image_is_encoded_once_for_requests_that_differ_before_it_until_the_e
 
 
 def test_images_that_cannot_or_may_not_be_read_are_400s_saying_why(server, media, tmp_path):
+    """And a video to LLaVA, which takes none."""
     root, base = media
     outside = tmp_path / "c.png"
     outside.write_bytes((root / "a.png").read_bytes())
@@ -489,6 +574,9 @@ def test_images_that_cannot_or_may_not_be_read_are_400s_saying_why(server, media
     three = [{"type": "image_url", "image_url": {"url": f"{base}/a.png"}}] * 3
     status, body = post(server, {"messages": [{"role": "user", "content": three}], "max_tokens": 2})
     assert status == 400 and "At most 2 image(s)" in body["error"]["message"]
+    video = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    status, body = post(server, {"messages": [{"role": "user", "content": video}], "max_tokens": 2})
+    assert status == 400 and "this model takes no videos" in body["error"]["message"], body
 
 
 def test_tokenize_expands_a_chats_images_and_beam_search_refuses_them(server, media):
@@ -530,3 +618,34 @@ def test_the_chat_repl_attaches_a_picture_with_slash_image(server, media):
     assert "cannot read" in out.stderr and "image 1 attached" in out.stderr
     assert out.stdout.splitlines()[0].strip() == want.strip()
     assert "user: [image] t5 t6" in out.stdout
+
+
+def test_a_served_qwen2_vl_reads_a_video_url_with_the_requests_media_io_kwargs(tmp_path):
+    """Over HTTP: a chat's video_url (an MP4 data URL) is decoded into as many frames as the
+    request's media_io_kwargs say, over the server's --media-io-kwargs (4 frames of 64x48, resized
+    to 56x56: 2 patches of two frames, 4 merged patches each, 8 video positions; 8 frames: 16), and
+    the answer is the one
+    the same frames get offline."""
+    from helpers import mp4, save_tiny_qwen2_vl
+    save_tiny_qwen2_vl(tmp_path)
+    url = "data:video/mp4;base64," + base64.b64encode(mp4([i * 12 for i in range(20)])).decode()
+    s = Server("--model", str(tmp_path), "--threads", "1", "--max-model-len", "256",
+               "--media-io-kwargs", '{"video": {"num_frames": 4}}')
+    try:
+        def ask(**extra) -> dict:
+            content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "t7"}]
+            status, body = post(s, {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+                                    "temperature": 0, **extra})
+            assert status == 200, body
+            return body
+        four, eight = ask(), ask(media_io_kwargs={"video": {"num_frames": 8}})
+        assert eight["usage"]["prompt_tokens"] - four["usage"]["prompt_tokens"] == 8
+    finally:
+        s.stop()
+    from actors.api import LLM
+    from actors.tokenizer.video import decode_video
+    decoded = decode_video(mp4([i * 12 for i in range(20)]), num_frames=4)
+    with LLM(model=str(tmp_path), max_model_len=256) as llm:
+        offline = llm.generate({"prompt": f"t1 {QWEN_VIDEO} t7 t3",
+                                "multi_modal_data": {"video": (decoded.frames, decoded.metadata)}}, greedy())[0]
+    assert four["choices"][0]["message"]["content"] == offline.outputs[0].text

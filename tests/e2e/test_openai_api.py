@@ -1036,6 +1036,7 @@ def test_vllm_0_32_fields_are_served_taken_or_refused_by_name(client, http, mode
     for path, field, value, words in (
             ("/v1/chat/completions", "thinking_token_budget", 64, "reasoning_config is not configured"),
             ("/v1/chat/completions", "media_io_kwargs", {"image": {"mode": "L"}}, "reads images as they are"),
+            ("/v1/chat/completions", "media_io_kwargs", {"video": {"backend": "x"}}, "not supported"),
             ("/v1/completions", "suffix", "!", "suffix is not currently supported"),
             ("/v1/completions", "prompt_embeds", "AAAA", "--enable-prompt-embeds"),
             ("/v1/responses", "prompt", {"id": "pmpt_1"}, "stored"),

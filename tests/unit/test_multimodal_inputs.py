@@ -115,7 +115,7 @@ def test_the_processor_expands_each_placeholder_into_its_images_positions(tmp_pa
         assert uncached.process(random_image(3))[2] == a[2]
     assert uncached.mm_cache_hits == 0
     with pytest.raises(MediaError, match=r"At most 1 image\(s\)"):
-        processor.check_count(2)
+        processor.check_count([random_image(3), random_image(4)])
 
 
 def test_qwen2_vls_and_pixtrals_processors_are_rebuilt_from_their_image_processors(tmp_path, monkeypatch):
@@ -140,7 +140,7 @@ def test_qwen2_vls_and_pixtrals_processors_are_rebuilt_from_their_image_processo
                           lambda text: tok.encode(text, add_special_tokens=False), needs_grid=True)
     assert (qwen.name, qwen.placeholder, qwen.placeholder_id) == ("Qwen2VLProcessor", "<|image_pad|>", 299)
     assert qwen.prompt_placeholder == "<|vision_start|><|image_pad|><|vision_end|>"
-    ids, data, _ = qwen.process(image)
+    ids, data, *_ = qwen.process(image)
     assert ids == [299] * 12 and data["image_grid_thw"].tolist() == [[1, 6, 8]]
     assert data["pixel_values"].shape == (48, 3 * 2 * 14 * 14)
     with pytest.raises(MediaError, match="image_embeds alone do not give"):
@@ -150,7 +150,7 @@ def test_qwen2_vls_and_pixtrals_processors_are_rebuilt_from_their_image_processo
     pixtral = ImageProcessor(str(tmp_path / "mistral"), 299, MultiModalConfig(),
                              lambda text: tok.encode(text, add_special_tokens=False))
     assert (pixtral.name, pixtral.prompt_placeholder) == ("PixtralProcessor", "[IMG]")
-    ids, data, _ = pixtral.process(image)
+    ids, data, *_ = pixtral.process(image)
     assert ids == ([299] * 4 + [297]) * 2 + [299] * 4 + [298] and data["image_sizes"].tolist() == [[84, 112]]
     _, (item,) = pixtral.expand([5, 299, 6], [(ids, data, "x")])
     assert item.num_embeds == 12 and item.embed_span == (1, 15)

@@ -1,0 +1,301 @@
+"""Videos in prompts (vLLM's video input) for a model that takes them (Troupe's Qwen2-VL and
+Qwen2.5-VL classes): a video read into frames, and Qwen2-VL's video processing.
+
+Reading: a video's bytes (a ``video_url`` part's data, http(s) or file URL) are decoded by OpenCV
+(vLLM's default video backend) into frames sampled evenly, ``num_frames`` of them (vLLM's default
+32) and at most ``fps`` a second where it is given (``--media-io-kwargs '{"video": {"num_frames": 16}}'``
+or a request's ``media_io_kwargs``), with the metadata the processor reads (the source's fps and
+frame count, the sampled frames' indices). A ``data:video/jpeg;base64,`` URL holds the frames as
+JPEGs, their base64 joined by commas (vLLM's). The offline API's ``multi_modal_data={"video": ...}``
+takes frames as they are: an array (frames, height, width, 3) of uint8, a list of PIL images or of
+(height, width, 3) arrays, or vLLM's (frames, metadata) pair.
+
+Processing: transformers' Qwen2-VL video processor needs torchvision, so its steps are here, on
+numpy and PIL as its image processor's PIL path does an image: the settings of the checkpoint's
+video processor (processor_config.json's ``video_processor``, else video_preprocessor_config.json,
+else preprocessor_config.json, over the class's defaults: 128 to 768 merged patches of 28 pixels
+a frame), every frame resized to one size (``smart_resize``), rescaled and normalized, the frames
+padded to a multiple of the temporal patch by repeating the last, and cut into patches of
+(temporal patch, patch, patch) in the order the vision tower reads them; the placeholder
+``<|video_pad|>`` expands to one per merged patch. Qwen2.5-VL's ``second_per_grid_ts`` (the seconds
+one temporal patch covers, from the sampled frames' rate) spaces its time positions.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+VIDEO = "video"
+VIDEO_PART = {"type": "video"}       # a video's place in a message, as the chat template sees it
+DEFAULT_NUM_FRAMES = 32              # vLLM's VideoMediaIO default
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+class VideoError(ValueError):
+    """A video that cannot be read or processed (an HTTP 400)."""
+
+
+class VideoSource(str):
+    """A ``video_url`` part's URL (as against an image's)."""
+
+
+class Video:
+    """A video's frames, (frames, height, width, 3) uint8 RGB, and its metadata (vLLM's and
+    transformers' keys: ``fps`` of the source, ``total_num_frames``, ``frames_indices`` of the
+    frames kept, ``duration``); None where the frames came without it."""
+
+    def __init__(self, frames: np.ndarray, metadata: dict[str, Any] | None = None) -> None:
+        self.frames, self.metadata = frames, metadata
+
+    @property
+    def sampled_fps(self) -> float | None:
+        """The kept frames' rate (transformers' VideoMetadata.sampled_fps); None without metadata."""
+        m = self.metadata
+        if not m or not m.get("fps"):
+            return None
+        indices, total = m.get("frames_indices"), m.get("total_num_frames")
+        if not indices or not total:
+            return float(m["fps"])
+        return len(indices) / total * float(m["fps"])
+
+
+# -- frames out of bytes and values ------------------------------------------------------------
+
+def sample_indices(total: int, fps: float, num_frames: int, want_fps: float) -> list[int]:
+    """vLLM's frame choice: ``num_frames`` (-1: all) spread evenly over ``total``, fewer where
+    ``want_fps`` (> 0) a second of the video's length gives fewer; at least one."""
+    n = total if num_frames <= 0 else min(num_frames, total)
+    if want_fps > 0 and fps > 0:
+        n = min(n, math.floor(total / fps * want_fps))
+    n = max(1, n)
+    if n == total:
+        return list(range(total))
+    return np.linspace(0, total - 1, n, dtype=int).tolist()
+
+
+def decode_video(data: bytes, num_frames: int = DEFAULT_NUM_FRAMES, fps: float = -1) -> Video:
+    """A video file's bytes (any container and codec OpenCV's FFmpeg reads) -> its sampled frames
+    (``sample_indices``) and metadata."""
+    try:
+        import cv2
+    except ImportError:
+        raise VideoError("reading a video needs OpenCV (pip install opencv-python-headless)") from None
+    if num_frames == 0:
+        raise VideoError("num_frames must be greater than 0 or -1")
+    stream = io.BytesIO(data)        # held until the capture is released: OpenCV reads it, without a reference
+    cap = cv2.VideoCapture(stream, cv2.CAP_FFMPEG, [])
+    try:
+        if not cap.isOpened():
+            raise VideoError("the video could not be opened (no container or codec OpenCV reads)")
+        total = int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
+        source_fps = float(cap.get(cv2.CAP_PROP_FPS) or 0.0)
+        if total <= 0:
+            raise VideoError("the video holds no frames")
+        wanted = sample_indices(total, source_fps, num_frames, fps)
+        chosen, frames, last = set(wanted), [], max(wanted)
+        kept = []
+        for index in range(last + 1):
+            if not cap.grab():
+                break
+            if index in chosen:
+                ok, frame = cap.retrieve()
+                if ok:
+                    frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+                    kept.append(index)
+    finally:
+        cap.release()
+        del stream
+    if not frames:
+        raise VideoError("no frame of the video could be decoded")
+    return Video(np.stack(frames), {"total_num_frames": total, "fps": source_fps,
+                                    "duration": total / source_fps if source_fps > 0 else 0.0,
+                                    "frames_indices": kept, "video_backend": "opencv"})
+
+
+def decode_jpeg_frames(data: str, num_frames: int = DEFAULT_NUM_FRAMES, fps: float = 1.0) -> Video:
+    """vLLM's ``data:video/jpeg;base64,`` payload: each frame's JPEG in base64, joined by commas
+    (the first ``num_frames``; -1: all), at ``fps`` frames a second (default 1)."""
+    from PIL import Image, UnidentifiedImageError
+    parts = data.split(",") if num_frames < 0 else data.split(",", num_frames)[:num_frames]
+    frames = []
+    for i, part in enumerate(parts):
+        try:
+            image = Image.open(io.BytesIO(base64.b64decode(part, validate=True)))
+            frames.append(np.asarray(image.convert("RGB")))
+        except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as exc:
+            raise VideoError(f"frame {i} of the video/jpeg data is not a base64 JPEG ({exc})") from None
+    if len({f.shape for f in frames}) > 1:
+        raise VideoError("the video/jpeg frames differ in size")
+    return Video(np.stack(frames), {"total_num_frames": len(frames), "fps": float(fps),
+                                    "duration": len(frames) / float(fps), "frames_indices": list(range(len(frames))),
+                                    "video_backend": "jpeg"})
+
+
+def video_of(value: Any) -> Video:
+    """The offline API's video: an array (frames, height, width, 3), a list of frames (PIL
+    images or (height, width, 3) arrays), or a (frames, metadata) pair; uint8 RGB frames."""
+    metadata = None
+    if isinstance(value, Video):
+        return value
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):
+        value, metadata = value[0], dict(value[1])
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise VideoError("a video needs at least one frame")
+        frames = [np.asarray(f.convert("RGB")) if hasattr(f, "convert") else np.asarray(f) for f in value]
+        if len({f.shape for f in frames}) > 1:
+            raise VideoError("a video's frames must all have one size")
+        value = np.stack(frames)
+    if type(value).__module__.startswith("torch"):
+        value = value.numpy()
+    if not isinstance(value, np.ndarray) or value.ndim != 4 or value.shape[-1] != 3 or not len(value):
+        raise VideoError("a video is an array (frames, height, width, 3), a list of frames or (frames, "
+                         f"metadata), got {type(value).__name__} of shape {getattr(value, 'shape', None)}")
+    if value.dtype != np.uint8:
+        value = np.clip(value, 0, 255).astype(np.uint8)
+    return Video(np.ascontiguousarray(value), metadata)
+
+
+# -- Qwen2-VL's video processing ----------------------------------------------------------------
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's: the size nearest (height, width) whose sides are multiples of ``factor``, its
+    pixels between ``min_pixels`` and ``max_pixels``, the aspect ratio about kept."""
+    if max(height, width) / min(height, width) > 200:
+        raise VideoError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+# transformers' Qwen2VLVideoProcessor's defaults
+_QWEN2_VL_VIDEO = {"min_pixels": 128 * 28 * 28, "max_pixels": 28 * 28 * 768, "patch_size": 14,
+                   "temporal_patch_size": 2, "merge_size": 2, "image_mean": OPENAI_CLIP_MEAN,
+                   "image_std": OPENAI_CLIP_STD, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+                   "do_normalize": True, "resample": 3, "do_sample_frames": False, "fps": None, "num_frames": None,
+                   "min_frames": 4, "max_frames": 768}
+
+
+def _settings(found: Mapping[str, Any]) -> dict[str, Any]:
+    """A video processor config's keys over the defaults (``size`` as min and max pixels)."""
+    out = dict(_QWEN2_VL_VIDEO)
+    size = found.get("size")
+    if isinstance(size, Mapping):
+        if size.get("shortest_edge"):
+            out["min_pixels"] = int(size["shortest_edge"])
+        if size.get("longest_edge"):
+            out["max_pixels"] = int(size["longest_edge"])
+    for key in _QWEN2_VL_VIDEO:
+        if found.get(key) is not None:
+            out[key] = found[key]
+    return out
+
+
+class QwenVideoProcessor:
+    """Qwen2-VL's (and Qwen2.5-VL's) video processing, as transformers' Qwen2VLVideoProcessor
+    does it (see the module's doc): ``__call__`` gives a video's placeholder expansion and its
+    inputs (``pixel_values_videos``, ``video_grid_thw``, and for Qwen2.5-VL ``second_per_grid_ts``)."""
+
+    placeholder = "<|video_pad|>"
+
+    def __init__(self, settings: Mapping[str, Any], seconds_per_grid: bool) -> None:
+        self.settings, self.seconds_per_grid = dict(settings), seconds_per_grid
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str, processor_name: str) -> QwenVideoProcessor:
+        found: dict[str, Any] = {}
+        nested = os.path.join(checkpoint_dir, "processor_config.json")
+        if os.path.isfile(nested):
+            with open(nested) as f:
+                found = json.load(f).get("video_processor") or {}
+        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            path = os.path.join(checkpoint_dir, name)
+            if not found and os.path.isfile(path):
+                with open(path) as f:
+                    found = json.load(f)
+        return cls(_settings(found), seconds_per_grid=processor_name == "Qwen2_5_VLProcessor")
+
+    def __call__(self, video: Video, kwargs: Mapping[str, Any] | None = None) -> tuple[str, dict[str, np.ndarray]]:
+        s = dict(self.settings)
+        for key, value in (kwargs or {}).items():      # the request's and the server's processor keywords
+            if key == "size" and isinstance(value, Mapping):
+                s.update({k: v for k, v in _settings(value).items() if k in ("min_pixels", "max_pixels")})
+            elif key in s:
+                s[key] = value
+        if self.seconds_per_grid and not video.metadata:
+            raise VideoError("Video metadata is required but not found in mm input. Please check your video input "
+                             "in `multi_modal_data`")
+        frames = self._sampled(video.frames, video.metadata, s)
+        patch, merge, temporal = int(s["patch_size"]), int(s["merge_size"]), int(s["temporal_patch_size"])
+        pixels = self._pixels(frames, s, patch * merge)               # (T, C, H, W) float32
+        if pad := -len(pixels) % temporal:
+            pixels = np.concatenate([pixels, np.repeat(pixels[-1:], pad, axis=0)])
+        t, c, height, width = pixels.shape
+        gt, gh, gw = t // temporal, height // patch, width // patch
+        patches = pixels.reshape(gt, temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
+        patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        data = {"pixel_values_videos": np.ascontiguousarray(patches.reshape(gt * gh * gw, c * temporal * patch * patch)),
+                "video_grid_thw": np.array([[gt, gh, gw]], dtype=np.int64)}
+        if self.seconds_per_grid:
+            fps = video.sampled_fps or 24.0       # transformers' assumption where the rate is unknown
+            data["second_per_grid_ts"] = np.array([temporal / fps], dtype=np.float32)
+        return self.placeholder * (gt * gh * gw // merge ** 2), data
+
+    @staticmethod
+    def _sampled(frames: np.ndarray, metadata: Mapping[str, Any] | None, s: Mapping[str, Any]) -> np.ndarray:
+        """transformers' sample_frames where ``do_sample_frames`` asks for it (``num_frames``, or
+        ``fps`` frames a second by the metadata), over the frames given."""
+        if not s.get("do_sample_frames") or (s.get("num_frames") is None and s.get("fps") is None):
+            return frames
+        temporal, total = int(s["temporal_patch_size"]), len(frames)
+        if s.get("num_frames") is not None and s.get("fps") is not None:
+            raise VideoError("`num_frames` and `fps` are mutually exclusive arguments, please use only one!")
+        if s.get("num_frames") is not None:
+            n = round(int(s["num_frames"]) / temporal) * temporal
+        else:
+            fps = (metadata or {}).get("fps")
+            if not fps:
+                raise VideoError("sampling `fps` frames a second needs the video's metadata (its fps)")
+            top = math.floor(min(int(s["max_frames"]), total) / temporal) * temporal
+            n = min(max(total / float(fps) * float(s["fps"]), int(s["min_frames"])), top, total)
+            n = math.floor(n / temporal) * temporal
+        if n > total or n <= 0:
+            raise VideoError(f"Video can't be sampled. The inferred `num_frames={n}` exceeds `total_num_frames={total}`."
+                             " Decrease `num_frames` or `fps` for sampling.")
+        return frames[np.arange(0, total, total / n).astype(np.int64)]
+
+    @staticmethod
+    def _pixels(frames: np.ndarray, s: Mapping[str, Any], factor: int) -> np.ndarray:
+        """Every frame resized to the video's one size (bicubic, by PIL), rescaled and normalized:
+        (frames, channels, height, width) float32."""
+        from PIL import Image
+        height, width = frames.shape[1:3]
+        if s["do_resize"]:
+            height, width = smart_resize(height, width, factor, int(s["min_pixels"]), int(s["max_pixels"]))
+        out = np.empty((len(frames), 3, height, width), dtype=np.float32)
+        for i, frame in enumerate(frames):
+            if frame.shape[:2] != (height, width):
+                frame = np.asarray(Image.fromarray(frame).resize((width, height), resample=int(s["resample"])))
+            pixels = frame.astype(np.float32)
+            if s["do_rescale"]:
+                pixels = pixels * np.float32(s["rescale_factor"])
+            if s["do_normalize"]:
+                pixels = (pixels - np.asarray(s["image_mean"], np.float32)) / np.asarray(s["image_std"], np.float32)
+            out[i] = pixels.transpose(2, 0, 1)
+        return out
