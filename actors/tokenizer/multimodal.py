@@ -40,7 +40,8 @@ from actors.engine import vllm_env
 from actors.engine.config import MultiModalConfig
 from actors.engine.messages import MultiModalFeature
 from actors.tokenizer.prompt_embeds import check_hidden_size, decode_prompt_embeds, embeds_array
-from actors.tokenizer.video import (DEFAULT_NUM_FRAMES as DEFAULT_VIDEO_FRAMES, VIDEO, VIDEO_PART, QwenVideoProcessor, Video, VideoError, VideoSource,
+from actors.tokenizer.video import DEFAULT_NUM_FRAMES as DEFAULT_VIDEO_FRAMES
+from actors.tokenizer.video import (VIDEO, VIDEO_PART, QwenVideoProcessor, Video, VideoError, VideoSource,
                                     decode_jpeg_frames, decode_video, video_of)
 
 log = logging.getLogger("troupe.tokenizer")
