@@ -470,14 +470,16 @@ class ImageProcessor:
             self._take_videos(checkpoint_dir, encode)
 
     def _take_videos(self, checkpoint_dir: str, encode: Callable[[str], list[int]]) -> None:
-        if self.name not in VIDEO_PROCESSORS:
-            raise ValueError(f"{self.name}: videos are taken by Qwen2-VL's and Qwen2.5-VL's processors only "
-                             "(--limit-mm-per-prompt '{\"video\": 0}' serves this model on images)")
+        """Videos by Qwen2-VL's video processing, where the checkpoint's processor is Qwen2-VL's or
+        Qwen2.5-VL's and its tokenizer has the video token; otherwise videos are refused (the log
+        says why)."""
+        ids = encode(QwenVideoProcessor.placeholder)
+        if self.name not in VIDEO_PROCESSORS or len(ids) != 1:
+            log.warning("videos are not taken: %s", f"{self.name} is not Qwen2-VL's or Qwen2.5-VL's processor"
+                        if self.name not in VIDEO_PROCESSORS else
+                        f"the video placeholder is {len(ids)} tokens to the served tokenizer, not one")
+            return
         self.video = QwenVideoProcessor.from_checkpoint(checkpoint_dir, self.name)
-        ids = encode(self.video.placeholder)
-        if len(ids) != 1:
-            raise ValueError(f"the video placeholder {self.video.placeholder!r} is {len(ids)} tokens to the served "
-                             "tokenizer, not one")
         self.video_placeholder_id = ids[0]
         self.prompt_video_placeholder = VIDEO_PROCESSORS[self.name]
 

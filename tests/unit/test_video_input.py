@@ -198,3 +198,16 @@ def test_the_chat_repls_slash_video_attaches_a_video_file_as_a_data_url(tmp_path
     assert command(f"/video {tmp_path / 'missing.mp4'}", [], None, parts) and len(parts) == 1
     assert "video 1 attached" in capsys.readouterr().err
     assert shown_content([*parts, {"type": "text", "text": "what happens"}]) == "[video] what happens"
+
+
+def test_a_processor_that_is_not_qwen2_vls_leaves_videos_refused_rather_than_failing_to_start(tmp_path):
+    from actors.tokenizer.gguf_tokenizer import TextTokenizer
+    from actors.tokenizer.multimodal import ImageProcessor
+    from helpers import save_tiny_llava
+    save_tiny_llava(tmp_path)
+    tok = TextTokenizer.from_hf_dir(str(tmp_path))
+    processor = ImageProcessor(str(tmp_path), 299, MultiModalConfig(),
+                               lambda text: tok.encode(text, add_special_tokens=False), video_token_id=298)
+    assert processor.video is None and list(processor.placeholders) == ["image"]
+    with pytest.raises(MediaError, match="this model takes no videos"):
+        processor.check_count([VideoSource("x")])
