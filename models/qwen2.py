@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from models.base import QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
@@ -62,15 +61,9 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         """One image's embeddings (its merged patches, hidden) from its flattened patches and
         their grid (``pixel_values``, ``image_grid_thw``), or its embeddings as given; a video's
         from its patches of frames (``pixel_values_videos``, ``video_grid_thw``) by the same tower."""
-        from models.vision import image_embeddings
-        if modality == "video":
-            weight = self.embed_tokens.weight
-            pixels = torch.as_tensor(np.asarray(data["pixel_values_videos"]), device=weight.device).to(weight.dtype)
-            grid = torch.as_tensor(np.asarray(data["video_grid_thw"]), device=weight.device)
-            out = self.visual(pixels, grid_thw=grid).pooler_output
-            return out.reshape(-1, out.shape[-1])
+        from models.vision import grid_of, image_embeddings
         return image_embeddings(self, modality, data, lambda pixels: self.visual(
-            pixels, grid_thw=torch.as_tensor(np.asarray(data["image_grid_thw"]), device=pixels.device)).pooler_output)
+            pixels, grid_thw=grid_of(data, modality, pixels.device)).pooler_output)
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

@@ -1,11 +1,10 @@
 """Qwen3: Llama with a per-head RMSNorm of q and k before rotary, no q/k/v bias by default, and
 Qwen2's sliding-window rule; its GGUF, like Qwen2's, keeps q/k rows as they are. Qwen3-VL's
-checkpoints serve their language model and their images."""
+checkpoints serve their language model, their images and their videos."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from models.base import QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
@@ -36,15 +35,17 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
-    """Qwen3-VL's checkpoints: the language model with its images (``load_vision``:
+    """Qwen3-VL's checkpoints: the language model with its images and videos (``load_vision``:
     transformers' vision tower, read from the checkpoint), or on text alone with
     --language-model-only (the vision tensors never read). An image's tokens take interleaved
     M-RoPE positions (models/mrope.py), and its DeepStack features, made by the tower's
     intermediate blocks, are added to the outputs of the first decoder layers at its positions
-    (``embed_multimodal`` returns them beside its embeddings, one hidden-wide slice per layer)."""
+    (``embed_multimodal`` returns them beside its embeddings, one hidden-wide slice per layer). A
+    video's temporal patches each follow their timestamp as text and take positions as images do."""
     hf_text_config: ClassVar[str | None] = "text_config"
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = QWEN_VISION_PREFIXES
     takes_images: ClassVar[bool] = True
+    takes_videos: ClassVar[bool] = True
     gguf_architectures: ClassVar[tuple[str, ...]] = ()
     hf_tensor_map: ClassVar[TensorMap] = {**Qwen3ForCausalLM.hf_tensor_map,
                                           **language_model_tensor_map(Qwen3ForCausalLM.hf_tensor_map)}
@@ -64,13 +65,12 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
                              f"pipeline stage holds {end}: use fewer pipeline stages")
 
     def embed_multimodal(self, modality: str, data: dict[str, Any]) -> torch.Tensor:
-        """One image's embeddings with its DeepStack features beside them, (merged patches,
-        hidden * (1 + DeepStack layers)), from its flattened patches and their grid."""
-        from models.vision import image_embeddings
+        """One image's or video's embeddings with its DeepStack features beside them, (merged
+        patches, hidden * (1 + DeepStack layers)), from its flattened patches and their grid."""
+        from models.vision import grid_of, image_embeddings
 
         def encode(pixels: torch.Tensor) -> torch.Tensor:
-            grid = torch.as_tensor(np.asarray(data["image_grid_thw"]), device=pixels.device)
-            out = self.visual(pixels, grid_thw=grid, return_dict=True)
+            out = self.visual(pixels, grid_thw=grid_of(data, modality, pixels.device), return_dict=True)
             return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
         return image_embeddings(self, modality, data, encode)
 

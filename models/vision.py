@@ -76,12 +76,20 @@ def load_vision_parts(path: str, overrides: dict[str, Any] | None, family: str,
 def image_embeddings(model: nn.Module, modality: str, data: dict[str, Any],
                      encode: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """One image's embeddings (positions, hidden) in the model's dtype and device: ``encode``
-    of its pixel values, or its embeddings as given (``image_embeds``)."""
-    if modality != "image":
+    of its pixel values, or its embeddings as given (``image_embeds``); a video's, for a model
+    that takes videos, ``encode`` of its patches of frames (``pixel_values_videos``)."""
+    video = modality == "video" and getattr(model, "takes_videos", False)
+    if modality != "image" and not video:
         raise ValueError(f"{type(model).__name__} takes no {modality} input")
     weight = model.embed_tokens.weight
-    if "image_embeds" in data:
+    if "image_embeds" in data and not video:
         return torch.as_tensor(np.asarray(data["image_embeds"]), device=weight.device).to(weight.dtype)
-    pixels = torch.as_tensor(np.asarray(data["pixel_values"]), device=weight.device).to(weight.dtype)
-    out = encode(pixels)
+    pixels = np.asarray(data["pixel_values_videos" if video else "pixel_values"])
+    out = encode(torch.as_tensor(pixels, device=weight.device).to(weight.dtype))
     return out.reshape(-1, out.shape[-1])
+
+
+def grid_of(data: dict[str, Any], modality: str, device: torch.device) -> torch.Tensor:
+    """An image's or video's grid of patches (``image_grid_thw``, ``video_grid_thw``) on ``device``."""
+    return torch.as_tensor(np.asarray(data["video_grid_thw" if modality == "video" else "image_grid_thw"]),
+                           device=device)

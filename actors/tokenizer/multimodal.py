@@ -14,7 +14,7 @@ replaced by that expansion, and the image goes to the engine as a ``MultiModalFe
 those positions (its identifier, a digest of its pixels and the processing, keys the prefix
 cache: the same text with another image shares no block past the image).
 
-A model that takes videos (Troupe's Qwen2-VL and Qwen2.5-VL classes) takes a message's
+A model that takes videos (Troupe's Qwen2-VL, Qwen2.5-VL and Qwen3-VL classes) takes a message's
 ``video_url`` parts and the offline API's ``multi_modal_data={"video": ...}`` the same way,
 read and processed by ``actors/tokenizer/video.py``; each placeholder pairs with the item of its
 own modality, in order."""
@@ -354,7 +354,8 @@ _PROMPT_PLACEHOLDERS = {"Qwen2VLProcessor": "<|vision_start|><|image_pad|><|visi
                         "Qwen3VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>"}
 # processors whose videos Troupe processes (actors/tokenizer/video.py): what a prompt writes for a video
 VIDEO_PROCESSORS = {"Qwen2VLProcessor": "<|vision_start|><|video_pad|><|vision_end|>",
-                    "Qwen2_5_VLProcessor": "<|vision_start|><|video_pad|><|vision_end|>"}
+                    "Qwen2_5_VLProcessor": "<|vision_start|><|video_pad|><|vision_end|>",
+                    "Qwen3VLProcessor": "<|vision_start|><|video_pad|><|vision_end|>"}
 
 
 class ImagesOnlyProcessor:
@@ -470,12 +471,12 @@ class ImageProcessor:
             self._take_videos(checkpoint_dir, encode)
 
     def _take_videos(self, checkpoint_dir: str, encode: Callable[[str], list[int]]) -> None:
-        """Videos by Qwen2-VL's video processing, where the checkpoint's processor is Qwen2-VL's or
-        Qwen2.5-VL's and its tokenizer has the video token; otherwise videos are refused (the log
-        says why)."""
+        """Videos by Qwen-VL's video processing, where the checkpoint's processor is Qwen2-VL's,
+        Qwen2.5-VL's or Qwen3-VL's and its tokenizer has the video token; otherwise videos are
+        refused (the log says why)."""
         ids = encode(QwenVideoProcessor.placeholder)
         if self.name not in VIDEO_PROCESSORS or len(ids) != 1:
-            log.warning("videos are not taken: %s", f"{self.name} is not Qwen2-VL's or Qwen2.5-VL's processor"
+            log.warning("videos are not taken: %s", f"{self.name} is not Qwen2-VL's, Qwen2.5-VL's or Qwen3-VL's processor"
                         if self.name not in VIDEO_PROCESSORS else
                         f"the video placeholder is {len(ids)} tokens to the served tokenizer, not one")
             return

@@ -267,10 +267,6 @@ def test_qwen2_vls_images_take_mrope_positions_as_transformers_gives_them(tmp_pa
             inputs, hf, f"t1 {QWEN_IMAGE} t7 t3", [b])
         with pytest.raises(ValueError, match="image_embeds alone do not give"):
             llm.generate({"prompt": one, "multi_modal_data": {"image": torch.zeros(6, 64)}}, greedy())
-        if family == "qwen3_vl":     # its videos' timestamps are not built here
-            with pytest.raises(ValueError, match="this model takes no videos"):
-                llm.generate({"prompt": one, "multi_modal_data": {"video": np.zeros((2, 28, 28, 3), np.uint8)}},
-                             greedy())
 
 
 def test_a_later_pipeline_stage_turns_qwen2_vls_image_positions_too(tmp_path):
@@ -293,12 +289,14 @@ def test_a_later_pipeline_stage_turns_qwen2_vls_image_positions_too(tmp_path):
 QWEN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
-def qwen_generate(hf, prompt: str, items: list[dict]) -> list[int]:
+def qwen_generate(hf, prompt: str, items: list[dict], path=None) -> list[int]:
     """transformers' greedy tokens for a Qwen2-VL prompt of words, ``QWEN_IMAGE`` and
     ``QWEN_VIDEO``, each item's processed inputs given in order (the placeholder expanded to one
-    token per merged patch, as Qwen2-VL's processor does)."""
+    token per merged patch, as Qwen2-VL's processor does; a Qwen3-VL video's to its "expansion",
+    the text transformers' Qwen3VLProcessor writes, read by the checkpoint's tokenizer at ``path``)."""
     import numpy as np
     import torch
+    from tokenizers import Tokenizer
     vocab = hf.config.text_config.vocab_size
     ids, types, given, item = [], [], {}, iter(items)
     for word in prompt.replace(QWEN_IMAGE, " [I] ").replace(QWEN_VIDEO, " [V] ").split():
@@ -306,11 +304,15 @@ def qwen_generate(hf, prompt: str, items: list[dict]) -> list[int]:
             ids.append(int(word[1:]))
             types.append(0)
             continue
-        video, data = word == "[V]", next(item)
+        video, data = word == "[V]", dict(next(item))
         grid = data["video_grid_thw" if video else "image_grid_thw"]
         n = int(np.prod(grid[0])) // 4
-        ids += [vocab - 4] + [vocab - 2 if video else vocab - 1] * n + [vocab - 3]
-        types += [0] + [2 if video else 1] * n + [0]
+        inner = [vocab - 2 if video else vocab - 1] * n
+        if "expansion" in data:
+            inner = Tokenizer.from_file(str(path / "tokenizer.json")).encode(data.pop("expansion"),
+                                                                            add_special_tokens=False).ids
+        ids += [vocab - 4] + inner + [vocab - 3]
+        types += [0] + [2 if t == vocab - 2 else 1 if t == vocab - 1 else 0 for t in inner] + [0]
         for key, value in data.items():
             given.setdefault(key, []).append(value)
     ids_t = torch.tensor([ids])
@@ -321,14 +323,19 @@ def qwen_generate(hf, prompt: str, items: list[dict]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+QWEN_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_qwen2_vls_videos_answer_as_transformers_does(tmp_path, family):
-    """A video to Qwen2-VL's and Qwen2.5-VL's own classes: its frames processed into patches of
-    two frames, encoded by the vision tower, its positions M-RoPE's (Qwen2.5-VL's time spaced by
-    the seconds a patch of frames covers), answer as transformers' generate does with the same
-    inputs, alone and beside an image, in prefill chunks of 8 that split them; a chat's
-    video_url part (an MP4 data URL, its frames decoded by OpenCV, as many as --media-io-kwargs
-    says) answers as those frames given offline; the processor cache serves a video again."""
+    """A video to Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's own classes: its frames processed into
+    patches of two frames, encoded by the vision tower, its positions M-RoPE's (Qwen2.5-VL's time
+    spaced by the seconds a patch of frames covers; Qwen3-VL's patches each after its timestamp's
+    text, placed as images, with their DeepStack features), answer as transformers' generate does
+    with the same inputs, alone and beside an image, in prefill chunks of 8 that split them; a
+    chat's video_url part (an MP4 data URL, its frames decoded by OpenCV, as many as
+    --media-io-kwargs says) answers as those frames given offline; Qwen3-VL samples a video read
+    whole at 2 frames a second."""
     import numpy as np
     import transformers
 
@@ -339,15 +346,19 @@ def test_qwen2_vls_videos_answer_as_transformers_does(tmp_path, family):
     rng = np.random.default_rng(7)
     clip = rng.integers(0, 256, (4, 84, 84, 3), dtype=np.uint8)
     metadata = {"fps": 4.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3], "duration": 1.0}
-    videos = QwenVideoProcessor.from_checkpoint(str(tmp_path), "Qwen2_5_VLProcessor" if family == "qwen2_5_vl"
-                                                else "Qwen2VLProcessor")
-    video_inputs = videos(Video(clip, metadata))[1]
+    videos = QwenVideoProcessor.from_checkpoint(str(tmp_path), QWEN_PROCESSORS[family])
+
+    def processed(video: Video) -> dict:
+        text, data = videos(video)
+        return {**data, "expansion": text} if family == "qwen3_vl" else data
+    video_inputs = processed(Video(clip, metadata))
     image = random_image(3, 60, 40)
     image_inputs = dict(transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)(
         images=[image], return_tensors="np"))
     one = f"t5 t9 {QWEN_VIDEO} " + " ".join(f"t{i}" for i in range(20, 30))
     both = f"t5 {QWEN_IMAGE} t6 {QWEN_VIDEO} t7"
-    want = [qwen_generate(hf, one, [video_inputs]), qwen_generate(hf, both, [image_inputs, video_inputs])]
+    want = [qwen_generate(hf, one, [video_inputs], tmp_path),
+            qwen_generate(hf, both, [image_inputs, video_inputs], tmp_path)]
     movie = mp4([i * 12 for i in range(20)])
     url = "data:video/mp4;base64," + base64.b64encode(movie).decode()
     with LLM(model=str(tmp_path), max_model_len=256, max_num_batched_tokens=8,
@@ -364,9 +375,15 @@ def test_qwen2_vls_videos_answer_as_transformers_does(tmp_path, family):
                                 "multi_modal_data": {"video": (decoded.frames, decoded.metadata)}}, greedy())[0]
         assert chat.outputs[0].token_ids == offline.outputs[0].token_ids
         assert chat.prompt_token_ids == offline.prompt_token_ids
-        if family == "qwen2_vl":     # 2 patches of frames: transformers' positions agree with vLLM's rule here
+        if family != "qwen2_5_vl":   # 2 patches of frames: transformers' positions agree with vLLM's rule here
             assert chat.outputs[0].token_ids == qwen_generate(hf, f"t1 {QWEN_VIDEO} t7 t3",
-                                                              [videos(decoded)[1]])
+                                                              [processed(decoded)], tmp_path)
+        if family == "qwen3_vl":     # all 20 frames (2 s) read: sampled again, 4 frames, 2 patches of 4 positions
+            whole = decode_video(movie, num_frames=-1)
+            got = llm.generate({"prompt": one, "multi_modal_data": {"video": (whole.frames, whole.metadata)}},
+                               greedy())[0]
+            assert got.prompt_token_ids.count(hf.config.video_token_id) == 8
+            assert got.outputs[0].token_ids == qwen_generate(hf, one, [processed(whole)], tmp_path)
 
 
 @pytest.mark.parametrize("impl", ["auto", "transformers"])

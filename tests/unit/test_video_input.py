@@ -17,7 +17,7 @@ from actors.engine.messages import MultiModalFeature
 from actors.tokenizer.chat import content_to_parts, content_to_text
 from actors.tokenizer.multimodal import MediaError, extract_images, images_of, load_image
 from actors.tokenizer.video import (VIDEO_PART, QwenVideoProcessor, Video, VideoSource, _settings, decode_jpeg_frames,
-                                    decode_video)
+                                    decode_video, smart_resize)
 from helpers import mp4
 from models.mrope import mrope_positions
 
@@ -60,15 +60,69 @@ def test_frames_pad_to_the_temporal_patch_by_repeating_the_last_and_qwen2_5_vl_g
     assert small.count("<|video_pad|>") == 2      # 4 frames -> 2 temporal patches of one merged patch
 
 
+def qwen3_vl_videos(**settings) -> QwenVideoProcessor:
+    return QwenVideoProcessor(_settings(settings, QwenVideoProcessor.FAMILIES["Qwen3VLProcessor"]), False,
+                              timestamps=True)
+
+
+def test_qwen3_vls_frames_are_sized_as_transformers_sizes_them_over_all_frames_together():
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as reference
+    for n, height, width in [(4, 90, 130), (32, 360, 640), (2, 20, 300), (8, 1080, 1920), (6, 33, 31)]:
+        assert smart_resize(height, width, 32, 128 * 32 * 32, 768 * 32 * 32, num_frames=n) == reference(
+            n, height, width, 2, 32, 128 * 32 * 32, 768 * 32 * 32)
+    with pytest.raises(ValueError, match="t:1 must be larger than temporal_factor:2"):
+        qwen3_vl_videos()(Video(frames(1), {"fps": 1.0}))
+
+
+def test_qwen3_vls_placeholder_becomes_each_patch_of_frames_after_its_timestamp_as_transformers_writes_it():
+    """The expansion is transformers' Qwen3VLProcessor.replace_video_token's for the same grid
+    and frames: each temporal patch's time (the mean of its two frames', in the source's seconds)
+    as text, then its own vision markers around one token per merged patch."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+    metadata = {"fps": 10.0, "total_num_frames": 50, "frames_indices": [0, 13, 26, 37, 49]}
+    text, data = qwen3_vl_videos(min_pixels=64 * 64, max_pixels=6 * 64 * 64)(Video(frames(5, 64, 64), metadata))
+    assert data["video_grid_thw"].tolist() == [[3, 4, 4]]      # 5 frames padded to 6, 64 pixels in patches of 16
+    hf = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+                         vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+                         video_token="<|video_pad|>",
+                         _calculate_timestamps=lambda *a: Qwen3VLProcessor._calculate_timestamps(None, *a))
+    want = Qwen3VLProcessor.replace_video_token(hf, {"video_grid_thw": data["video_grid_thw"],
+                                                     "video_metadata": [VideoMetadata(**metadata)]}, 0)
+    assert text == want
+    assert text.startswith("<0.7 seconds><|vision_start|>" + "<|video_pad|>" * 4 + "<|vision_end|><3.2 seconds>")
+    assert text.endswith("<4.9 seconds><|vision_start|>" + "<|video_pad|>" * 4 + "<|vision_end|>")
+    with pytest.raises(ValueError, match="Video metadata is required"):
+        qwen3_vl_videos()(Video(frames(4)))
+
+
+def test_qwen3_vl_samples_a_video_read_whole_at_two_frames_a_second_and_keeps_one_read_sampled():
+    """vLLM's rule: a reader that kept every frame asks the processor to sample (2 a second, at
+    least 4); frames already sampled stay; the request's num_frames or fps sample again."""
+    videos = qwen3_vl_videos(min_pixels=32 * 32, max_pixels=64 * 32 * 32)
+    whole = {"fps": 10.0, "total_num_frames": 30, "frames_indices": list(range(30)), "do_sample_frames": True}
+    text, data = videos(Video(frames(30, 32, 32), whole))
+    assert data["video_grid_thw"].tolist() == [[3, 2, 2]]       # 3 s at 2 a second: 6 frames, 3 patches
+    assert [float(t.split(" ")[0]) for t in text.split("<")[1::4]] == [0.3, 1.4, 2.6]   # frames 0,6,12,17,23,29
+    kept = {**whole, "frames_indices": [0, 10, 20, 29], "do_sample_frames": False}
+    assert videos(Video(frames(4, 32, 32), kept))[1]["video_grid_thw"].tolist() == [[2, 2, 2]]
+    assert videos(Video(frames(30, 32, 32), whole), {"num_frames": 8})[1]["video_grid_thw"].tolist() == [[4, 2, 2]]
+    assert videos(Video(frames(30, 32, 32), whole), {"fps": 0.5})[1]["video_grid_thw"].tolist() == [[2, 2, 2]]  # 4 at least
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        videos(Video(frames(30, 32, 32), whole), {"fps": 1, "num_frames": 4})
+
+
 def test_an_mp4_decodes_into_evenly_sampled_frames_with_their_metadata():
     data = mp4([i * 12 for i in range(20)])
     video = decode_video(data, num_frames=4)
     assert video.frames.shape == (4, 48, 64, 3) and video.frames.dtype == np.uint8
     assert video.metadata["frames_indices"] == [0, 6, 12, 19] and video.metadata["total_num_frames"] == 20
-    assert video.metadata["fps"] == 10.0
+    assert video.metadata["fps"] == 10.0 and not video.metadata["do_sample_frames"]
     levels = video.frames.reshape(4, -1).mean(axis=1)
     np.testing.assert_allclose(levels, [0, 72, 144, 228], atol=6)        # lossy, but those frames
-    assert decode_video(data, num_frames=-1).frames.shape[0] == 20
+    assert decode_video(data, num_frames=-1).metadata["do_sample_frames"]        # every frame kept (vLLM's)
     assert decode_video(data, num_frames=-1, fps=2).metadata["frames_indices"] == [0, 6, 12, 19]   # 2 s at 2 a second
     with pytest.raises(ValueError, match="could not be opened"):
         decode_video(b"not a video")
@@ -174,6 +228,24 @@ def test_a_videos_mrope_positions_space_its_time_by_seconds_and_text_counts_on_p
     assert plain[0, 2:14].tolist() == [2] * 4 + [4] * 4 + [6] * 4         # no seconds: Qwen2-VL's count
     with pytest.raises(ValueError, match="needs its grid"):
         mrope_positions(4, [MultiModalFeature("video", "v", 0, 4, {})], merge_size=2)
+
+
+def test_qwen3_vls_video_places_each_patch_of_frames_as_an_image_after_its_timestamp():
+    """Transformers' and vLLM's rule: each run of a video's tokens is a frame grid (1, h, w) at
+    the position the text before it reached, and the text after it counts on past its longer side."""
+    # t0 t1 | <ts ts> <vs> [4 video] <ve> <ts ts> <vs> [4 video] <ve> | t2
+    layout = [0, 0, 0, 1, 1, 1, 1, 0] * 2
+    feature = MultiModalFeature("video", "v", 2, 16, {"video_grid_thw": np.array([[2, 4, 4]])},
+                                np.array(layout, dtype=bool))
+    positions, delta = mrope_positions(2 + 16 + 1, [feature], merge_size=2)
+    assert positions[:, :5].tolist() == [[0, 1, 2, 3, 4]] * 3          # text, the first timestamp, <vs>
+    assert positions[:, 5:9].tolist() == [[5, 5, 5, 5], [5, 5, 6, 6], [5, 6, 5, 6]]
+    assert positions[:, 9:13].tolist() == [[7, 8, 9, 10]] * 3           # <ve>, timestamp, <vs> past side 2
+    assert positions[:, 13:17].tolist() == [[11, 11, 11, 11], [11, 11, 12, 12], [11, 12, 11, 12]]
+    assert positions[:, 17:].tolist() == [[13, 14]] * 3 and delta == 14 + 1 - 19
+    wrong = MultiModalFeature("video", "v", 2, 16, {"video_grid_thw": np.array([[3, 4, 4]])}, feature.is_embed)
+    with pytest.raises(ValueError, match="does not match its 2 runs"):
+        mrope_positions(19, [wrong], merge_size=2)
 
 
 def test_media_io_kwargs_take_a_videos_frames_and_fps_only():
