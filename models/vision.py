@@ -77,13 +77,15 @@ def image_embeddings(model: nn.Module, modality: str, data: dict[str, Any],
                      encode: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """One image's embeddings (positions, hidden) in the model's dtype and device: ``encode``
     of its pixel values, or its embeddings as given (``image_embeds``); a video's, for a model
-    that takes videos, ``encode`` of its patches of frames (``pixel_values_videos``)."""
+    that takes videos, ``encode`` of its patches of frames (``pixel_values_videos``) or its
+    embeddings as given (``video_embeds``)."""
     video = modality == "video" and getattr(model, "takes_videos", False)
     if modality != "image" and not video:
         raise ValueError(f"{type(model).__name__} takes no {modality} input")
     weight = model.embed_tokens.weight
-    if "image_embeds" in data and not video:
-        return torch.as_tensor(np.asarray(data["image_embeds"]), device=weight.device).to(weight.dtype)
+    given = data.get("video_embeds" if video else "image_embeds")
+    if given is not None:
+        return torch.as_tensor(np.asarray(given), device=weight.device).to(weight.dtype)
     pixels = np.asarray(data["pixel_values_videos" if video else "pixel_values"])
     out = encode(torch.as_tensor(pixels, device=weight.device).to(weight.dtype))
     return out.reshape(-1, out.shape[-1])

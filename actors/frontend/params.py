@@ -143,14 +143,16 @@ def _content(i: int, content: Any) -> str | list[dict[str, Any]]:
             require(bool(url), f"{'a' if part.type == 'video_url' else 'an'} {part.type} part needs a non-empty url",
                     f"messages[{i}].content[{j}].{part.type}")
             parts.append({"type": part.type, part.type: {"url": url}})
-        elif part.type == "image_embeds" and part.image_embeds is not None:
-            require(isinstance(part.image_embeds, str), "image_embeds must be the base64 of a torch.save'd tensor "
-                    "(a dict of several is not supported)", f"messages[{i}].content[{j}].image_embeds")
-            parts.append({"type": "image_embeds", "image_embeds": part.image_embeds})
+        elif part.type in ("image_embeds", "video_embeds") and getattr(part, part.type) is not None:
+            given = getattr(part, part.type)
+            require(isinstance(given, str) or all(isinstance(v, (str, list)) for v in given.values()),
+                    f"{part.type} must be the base64 of a torch.save'd tensor, or a dict of those or lists of "
+                    "numbers", f"messages[{i}].content[{j}].{part.type}")
+            parts.append({"type": part.type, part.type: given})
         else:
             raise BadRequest(f"content part of type {part.type!r} is not supported; only 'text', 'image_url', "
-                             "'video_url' and 'image_embeds' parts are (with the field of their type)",
-                             f"messages[{i}].content[{j}]")
+                             "'video_url', 'image_embeds' and 'video_embeds' parts are (with the field of their "
+                             "type)", f"messages[{i}].content[{j}]")
     return parts
 
 

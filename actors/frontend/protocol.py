@@ -88,7 +88,10 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str | None = None
     image_url: ImageURL | str | None = None
     video_url: ImageURL | str | None = None
-    image_embeds: str | dict[str, Any] | None = None   # vLLM's (--enable-mm-embeds): a torch.save'd tensor, base64
+    # vLLM's (--enable-mm-embeds): a torch.save'd tensor, base64, or (Qwen-VL's) a dict of them (or
+    # JSON lists) with the grid: {"image_embeds": ..., "image_grid_thw": ...}
+    image_embeds: str | dict[str, Any] | None = None
+    video_embeds: str | dict[str, Any] | None = None   # the same for a video: video_embeds, video_grid_thw
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):

@@ -39,7 +39,7 @@ import numpy as np
 from actors.engine import vllm_env
 from actors.engine.config import MultiModalConfig
 from actors.engine.messages import MultiModalFeature
-from actors.tokenizer.prompt_embeds import check_hidden_size, decode_prompt_embeds, embeds_array
+from actors.tokenizer.prompt_embeds import check_hidden_size, decode_prompt_embeds, decode_tensor, embeds_array
 from actors.tokenizer.video import DEFAULT_NUM_FRAMES as DEFAULT_VIDEO_FRAMES
 from actors.tokenizer.video import (VIDEO, VIDEO_PART, QwenVideoProcessor, Video, VideoError, VideoSource,
                                     decode_jpeg_frames, decode_video, video_of)
@@ -70,6 +70,19 @@ class EmbedsPayload(str):
     """A chat ``image_embeds`` part's data: the base64 of a torch.save'd (positions, hidden) tensor."""
 
 
+class GridEmbeds(NamedTuple):
+    """An image or video given as its embeddings beside the grid of patches they came from
+    (vLLM's dict form for Qwen-VL, with --enable-mm-embeds: ``{"image_embeds": rows,
+    "image_grid_thw": grid}``, ``{"video_embeds": rows, "video_grid_thw": grid}`` and Qwen3-VL's
+    ``"timestamps"``; offline tensors, over HTTP base64 torch.save'd tensors or JSON lists).
+    ``index``: which of the dict's items (its grid's rows, their embeddings one after another)
+    this is; ``count``: how many the dict holds (None: a chat part's, which holds one)."""
+    modality: str
+    fields: Mapping[str, Any]
+    index: int = 0
+    count: int | None = None
+
+
 MM_EMBEDS_OFF = "You must set `--enable-mm-embeds` to input `image_embeds`"
 
 
@@ -97,9 +110,16 @@ def extract_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str
                 kind = part.get("type")
                 raise MediaError(f"messages[{i}]: {'a' if kind == 'video_url' else 'an'} {kind} part needs a non-empty url")
             sources.append(source)
-            parts.append(VIDEO_PART if isinstance(source, VideoSource) else IMAGE_PART)
+            parts.append(VIDEO_PART if modality_of(source) == VIDEO else IMAGE_PART)
         out.append({**message, "content": parts})
     return out, sources
+
+
+def modality_of(source: Any) -> str:
+    """An item's modality: a video's (a ``Video``, its URL, its embeddings) or an image's."""
+    if isinstance(source, GridEmbeds):
+        return source.modality
+    return VIDEO if isinstance(source, (Video, VideoSource)) else IMAGE
 
 
 def has_images(messages: Sequence[Mapping[str, Any]] | None) -> bool:
@@ -121,8 +141,13 @@ def _image_source(part: Any) -> Any:
         return VideoSource(url) if kind == "video_url" else url
     if kind == "image_pil":
         return part.get("image_pil")
-    if kind == "image_embeds":
-        data = part.get("image_embeds")
+    if kind in ("image_embeds", "video_embeds"):
+        data = part.get(kind)
+        modality = IMAGE if kind == "image_embeds" else VIDEO
+        if isinstance(data, Mapping):
+            return GridEmbeds(modality, data)
+        if kind == "video_embeds" and isinstance(data, str) and data:
+            return GridEmbeds(VIDEO, {"video_embeds": data})
         return EmbedsPayload(data) if isinstance(data, str) else ""
     return None
 
@@ -141,18 +166,30 @@ def images_of(data: Mapping[str, Any] | None) -> list[Any]:
                          "({'image': PIL image or a list of them}) and videos ({'video': frames or a list of them})")
     out: list[Any] = []
     images = data.get(IMAGE)
-    if images is not None:
+    if isinstance(images, Mapping):                 # embeddings beside their grids (Qwen-VL's)
+        out += _grid_items(IMAGE, images)
+    elif images is not None:
         if type(images).__module__.startswith("torch") and getattr(images, "dim", lambda: 0)() == 3:
             out += list(images)                     # (images, positions, hidden) embeddings
         else:
             out += list(images) if isinstance(images, (list, tuple)) else [images]
     videos = data.get(VIDEO)
-    if videos is not None:
+    if isinstance(videos, Mapping):
+        out += _grid_items(VIDEO, videos)
+    elif videos is not None:
         try:
             out += [video_of(v) for v in _videos(videos)]
         except VideoError as exc:
             raise MediaError(str(exc)) from None
     return out
+
+
+def _grid_items(modality: str, fields: Mapping[str, Any]) -> list[GridEmbeds]:
+    """A ``multi_modal_data`` dict of embeddings and grids: one item per row of its grid."""
+    grid = fields.get(f"{modality}_grid_thw")
+    shape = getattr(grid, "shape", None) or np.shape(grid if grid is not None else [])
+    count = shape[0] if len(shape) == 2 else 1
+    return [GridEmbeds(modality, fields, i, count) for i in range(count)]
 
 
 def _videos(value: Any) -> list[Any]:
@@ -182,6 +219,9 @@ async def load_image(source: Any, config: MultiModalConfig, io_kwargs: Mapping[s
         return _rgb(source)
     if isinstance(source, EmbedsPayload):
         return _embeds(lambda: decode_prompt_embeds(source, "image_embeds"), config)
+    if isinstance(source, GridEmbeds):
+        return _embeds(lambda: source._replace(fields={k: _field(v, k) for k, v in source.fields.items()}), config,
+                       source.modality)
     if type(source).__module__.startswith("torch"):      # the offline API's embeddings
         return _embeds(lambda: embeds_array(source, "image_embeds"), config)
     if not isinstance(source, str):
@@ -230,13 +270,27 @@ async def _load_video(url: str, config: MultiModalConfig, io_kwargs: Mapping[str
         raise MediaError(f"the video could not be read: {exc}") from None
 
 
-def _embeds(read: Callable[[], np.ndarray], config: MultiModalConfig) -> np.ndarray:
+def _embeds(read: Callable[[], Any], config: MultiModalConfig, modality: str = IMAGE) -> Any:
     if not config.enable_mm_embeds:
-        raise MediaError(MM_EMBEDS_OFF)
+        raise MediaError(MM_EMBEDS_OFF.replace("image_embeds", f"{modality}_embeds"))
     try:
         return read()
     except ValueError as exc:
         raise MediaError(str(exc)) from None
+
+
+def _field(value: Any, name: str) -> np.ndarray:
+    """One field of a dict of embeddings as an array: a tensor, a base64 torch.save'd one, or
+    numbers (a JSON list)."""
+    if isinstance(value, (str, bytes)):
+        value = decode_tensor(value, name)
+    if type(value).__module__.startswith("torch"):
+        value = value.detach().cpu()
+        value = value.float().numpy() if value.is_floating_point() else value.numpy()
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"`{name}` must be a tensor or a list of numbers") from None
 
 
 def _data_url_bytes(url: str, kind: str = IMAGE, limit: int = MAX_IMAGE_BYTES) -> bytes:
@@ -397,6 +451,16 @@ def images_only_processor(checkpoint_dir: str) -> ImagesOnlyProcessor | None:
                                settings.get("image_token", placeholder), expansion, settings)
 
 
+def _checkpoint_config(checkpoint_dir: str) -> dict[str, Any]:
+    """The checkpoint's config.json ({} where it has none or it is not a dict)."""
+    try:
+        with open(os.path.join(checkpoint_dir, "config.json")) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 class ImageProcessor:
     """The checkpoint's processor (transformers' ``AutoProcessor``) for one model: each image's
     inputs, and the expansion of its placeholder in the prompt."""
@@ -455,6 +519,12 @@ class ImageProcessor:
         self.counts = self
         self.mm_cache_queries = self.mm_cache_hits = 0
         self.hidden_size = hidden_size
+        # the rows an item's embeddings have: the hidden size, Qwen3-VL's with its DeepStack
+        # features beside (the vision tower's outputs), and the side of the patches merged into one
+        vision = _checkpoint_config(checkpoint_dir).get("vision_config") or {}
+        self.embeds_width = hidden_size * (1 + len(vision.get("deepstack_visual_indexes") or ()))
+        self.merge_size = int(getattr(self.processor.image_processor, "merge_size", None)
+                              or vision.get("spatial_merge_size") or 1)
         # whether an image's placeholder expands to image tokens alone (LLaVA's), so that one given
         # as embeddings expands to as many as it has rows
         self.plain_expansion = False
@@ -498,6 +568,8 @@ class ImageProcessor:
         and modality."""
         if isinstance(image, Video):
             return self._processed_video(image, kwargs)
+        if isinstance(image, GridEmbeds):
+            return self._grid_embedded(image)
         if isinstance(image, np.ndarray):
             return self._embedded(image)
         return self._processed(image, kwargs)
@@ -524,11 +596,73 @@ class ImageProcessor:
         self._keep(identifier, ids, data)
         return Processed(ids, data, identifier, VIDEO)
 
+    def _grid_embedded(self, item: GridEmbeds) -> Processed:
+        """An image or video given as its embeddings beside its grid (``GridEmbeds``, read):
+        its rows of the dict's, as many of its tokens (a Qwen3-VL video's expansion with its
+        timestamps); the rows as wide as the vision tower's outputs (Qwen3-VL's with their
+        DeepStack features)."""
+        modality, fields = item.modality, item.fields
+        embeds, grid_key = f"{modality}_embeds", f"{modality}_grid_thw"
+        if not self.needs_grid:
+            raise MediaError(f"this model takes {modality} embeddings as a tensor of rows, not a dict with a grid")
+        if modality == VIDEO and self.video is None:
+            raise MediaError(f"this model takes no videos ({self.name} takes images)")
+        timestamps = modality == VIDEO and self.video.timestamps
+        allowed = {embeds, grid_key} | ({"timestamps"} if timestamps else set())
+        missing, unknown = sorted(allowed - set(fields)), sorted(set(fields) - allowed)
+        if missing or unknown:
+            raise MediaError(f"{modality} embeddings for this model are a dict of {sorted(allowed)}"
+                             + (f"; missing {missing}" if missing else "") + (f"; unknown {unknown}" if unknown else ""))
+        import torch
+        try:
+            rows = embeds_array(torch.as_tensor(fields[embeds]), embeds)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise MediaError(str(exc)) from None
+        if rows.shape[1] != self.embeds_width:
+            layers = self.embeds_width // max(self.hidden_size, 1) - 1
+            raise MediaError(f"`{embeds}` rows are {rows.shape[1]} wide, and this model's are {self.embeds_width}: its "
+                             f"hidden_size {self.hidden_size}" + (f" and beside it {layers} DeepStack features of that "
+                                                                 "size (the vision tower's outputs)" if layers else ""))
+        grids = np.asarray(fields[grid_key])
+        if grids.dtype.kind not in "iu" or grids.size % 3 or (grids < 1).any():
+            raise MediaError(f"`{grid_key}` must be positive integers (t, h, w) per {modality}, got {grids.tolist()}")
+        grids = grids.reshape(-1, 3).astype(np.int64)
+        if item.count is None and len(grids) != 1:
+            raise MediaError(f"one {modality}_embeds part holds one {modality}'s embeddings; this one's grid holds "
+                             f"{len(grids)}")
+        merge = self.merge_size
+        if (grids[:, 1:] % merge).any():
+            raise MediaError(f"`{grid_key}` {grids.tolist()}: the height and width in patches must be multiples "
+                             f"of the merge size {merge}")
+        sizes = grids.prod(axis=1) // merge ** 2
+        if int(sizes.sum()) != len(rows):
+            raise MediaError(f"`{embeds}` has {len(rows)} rows, and its grid `{grid_key}` {grids.tolist()} takes "
+                             f"{int(sizes.sum())} (one per {merge}x{merge} merged patches)")
+        lo = int(sizes[:item.index].sum())
+        rows, grid = rows[lo:lo + int(sizes[item.index])], grids[item.index:item.index + 1]
+        data = {embeds: rows, grid_key: grid}
+        h = hashlib.blake2b(rows.tobytes(), digest_size=16)
+        h.update(grid.tobytes())
+        if modality == IMAGE:
+            ids = [self.image_token_id] * len(rows)
+        else:
+            times = None
+            if timestamps:
+                times = np.asarray(fields["timestamps"], np.float64)
+                times = (times[item.index] if times.ndim == 2 else times).reshape(-1).tolist()
+                h.update(np.asarray(times).tobytes())
+            try:
+                ids = self.encode(self.video.expansion(int(grid[0, 0]), int(sizes[item.index]) // int(grid[0, 0]), times))
+            except VideoError as exc:
+                raise MediaError(str(exc)) from None
+        return Processed(ids, data, "embeds-" + h.hexdigest(), modality)
+
     def _embedded(self, rows: np.ndarray) -> Processed:
         """An image given as its embeddings (positions, hidden): as many image tokens."""
         if self.needs_grid:
             raise MediaError("this model's image positions (M-RoPE's) come from an image's grid of patches, which "
-                             "image_embeds alone do not give: send the image")
+                             "image_embeds alone do not give: send the image, or a dict of its image_embeds and "
+                             "image_grid_thw")
         if not self.plain_expansion:
             raise MediaError(f"{self.name} expands an image's placeholder into more than image "
                              "tokens, so image_embeds cannot say where their rows go: send the image")
@@ -633,7 +767,7 @@ class ImageProcessor:
 
     def check_count(self, sources: Sequence[Any]) -> None:
         """At most --limit-mm-per-prompt items of each modality; videos to a model that takes them."""
-        videos = sum(isinstance(s, (Video, VideoSource)) for s in sources)
+        videos = sum(modality_of(s) == VIDEO for s in sources)
         if videos and self.video is None:
             raise MediaError(f"this model takes no videos ({self.name} takes images)")
         for modality, n in ((IMAGE, len(sources) - videos), (VIDEO, videos)):

@@ -21,6 +21,11 @@ MAX_REASON_CHARS = 200          # of torch's reason for bytes it could not read 
 def decode_prompt_embeds(data: Any, name: str = "prompt_embeds") -> np.ndarray:
     """The rows of one base64 ``torch.save`` payload (ValueError saying what is wrong with it,
     naming the field ``name``)."""
+    return embeds_array(decode_tensor(data, name), name)
+
+
+def decode_tensor(data: Any, name: str) -> Any:
+    """The tensor of one base64 ``torch.save`` payload, read without code (``weights_only``)."""
     if not isinstance(data, (str, bytes)) or not data:
         raise ValueError(f"`{name}` must be a non-empty base64 string (a torch.save'd tensor), "
                          "or a list of them")
@@ -38,7 +43,7 @@ def decode_prompt_embeds(data: Any, name: str = "prompt_embeds") -> np.ndarray:
         if len(reason) > MAX_REASON_CHARS:
             reason = f"{reason[:MAX_REASON_CHARS]}... ({len(reason) - MAX_REASON_CHARS} more characters truncated)"
         raise ValueError(f"`{name}` could not be deserialized as a torch tensor: {reason}") from None
-    return embeds_array(tensor, name)
+    return tensor
 
 
 def embeds_array(tensor: Any, name: str = "prompt_embeds") -> np.ndarray:

@@ -290,11 +290,19 @@ class QwenVideoProcessor:
         if self.seconds_per_grid:
             fps = video.sampled_fps or 24.0       # transformers' assumption where the rate is unknown
             data["second_per_grid_ts"] = np.array([temporal / fps], dtype=np.float32)
-        per_frame = gh * gw // merge ** 2
-        if times is None:
-            return self.placeholder * (gt * per_frame), data
-        return "".join(f"<{time:.1f} seconds>{VISION_START}{self.placeholder * per_frame}{VISION_END}"
-                       for time in times), data
+        return self.expansion(gt, gh * gw // merge ** 2, times), data
+
+    def expansion(self, patches: int, per_patch: int, times: list[float] | None = None) -> str:
+        """What a video's placeholder becomes: one ``<|video_pad|>`` per merged patch of its
+        ``patches`` temporal patches of ``per_patch`` each; Qwen3-VL's, each temporal patch after
+        its time (``times``, seconds) as text, between its own vision markers."""
+        if not self.timestamps:
+            return self.placeholder * (patches * per_patch)
+        if times is None or len(times) != patches:
+            raise VideoError(f"Qwen3-VL's video needs a timestamp per temporal patch ({patches}), got "
+                             f"{None if times is None else len(times)}")
+        return "".join(f"<{float(time):.1f} seconds>{VISION_START}{self.placeholder * per_patch}{VISION_END}"
+                       for time in times)
 
     def _pixel_bounds(self, s: Mapping[str, Any], num_frames: int, factor: int) -> tuple[int, int]:
         """(min, max) pixels; Qwen3-VL's ``cap_pixels_per_frame`` caps a frame's share of the

@@ -243,8 +243,8 @@ def test_qwen2_vls_images_take_mrope_positions_as_transformers_gives_them(tmp_pa
     DeepStack features join its first layers' outputs, as transformers' generate has it, in
     prefill chunks of 8 that split the images; the chat template of
     chat_template.json renders an image part; the prefix cache serves an image's blocks again
-    with the same positions; embeddings without the image's grid are refused."""
-    import numpy as np
+    with the same positions; embeddings without the image's grid are refused, and vLLM's dict of
+    the tower's rows beside the grids answers as the images do."""
     import torch
 
     from actors.api import LLM
@@ -267,6 +267,29 @@ def test_qwen2_vls_images_take_mrope_positions_as_transformers_gives_them(tmp_pa
             inputs, hf, f"t1 {QWEN_IMAGE} t7 t3", [b])
         with pytest.raises(ValueError, match="image_embeds alone do not give"):
             llm.generate({"prompt": one, "multi_modal_data": {"image": torch.zeros(6, 64)}}, greedy())
+        # vLLM's dict: the tower's rows (Qwen3-VL's with their DeepStack features) beside the grid
+        pixels = [inputs("<|image_pad|>", [image]) for image in (a, b)]
+        rows = torch.cat([tower_rows(hf, p["pixel_values"], p["image_grid_thw"]) for p in pixels])
+        grids = torch.cat([p["image_grid_thw"] for p in pixels])
+        both = {"image_embeds": rows, "image_grid_thw": grids}
+        got = llm.generate({"prompt": cases[2][0], "multi_modal_data": {"image": both}}, greedy())[0]
+        assert got.outputs[0].token_ids == want[2]
+        with pytest.raises(ValueError, match=r"has \d+ rows, and its grid `image_grid_thw` .* takes"):
+            llm.generate({"prompt": one, "multi_modal_data": {"image": {"image_embeds": rows,
+                                                                       "image_grid_thw": grids[:1]}}}, greedy())
+        if family == "qwen3_vl":      # its rows carry the DeepStack features: 64 x 3 wide
+            with pytest.raises(ValueError, match="rows are 64 wide, and this model's are 192: its hidden_size 64 and beside it 2 DeepStack"):
+                llm.generate({"prompt": one, "multi_modal_data": {"image": {
+                    "image_embeds": rows[:, :64], "image_grid_thw": grids}}}, greedy())
+
+
+def tower_rows(hf, pixels, grid):
+    """transformers' vision tower's rows for patches of one or more images or videos (Qwen3-VL's
+    with their DeepStack features beside them), as vLLM's image_embeds and video_embeds take them."""
+    import torch
+    with torch.no_grad():
+        out = hf.model.visual(torch.as_tensor(pixels), grid_thw=torch.as_tensor(grid), return_dict=True)
+    return torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=-1)
 
 
 def test_a_later_pipeline_stage_turns_qwen2_vls_image_positions_too(tmp_path):
@@ -362,11 +385,25 @@ def test_qwen2_vls_videos_answer_as_transformers_does(tmp_path, family):
     movie = mp4([i * 12 for i in range(20)])
     url = "data:video/mp4;base64," + base64.b64encode(movie).decode()
     with LLM(model=str(tmp_path), max_model_len=256, max_num_batched_tokens=8,
-             media_io_kwargs={"video": {"num_frames": 4}}) as llm:
+             media_io_kwargs={"video": {"num_frames": 4}}, enable_mm_embeds=True) as llm:
         got = llm.generate([{"prompt": one, "multi_modal_data": {"video": (clip, metadata)}},
                             {"prompt": both, "multi_modal_data": {"image": image, "video": (clip, metadata)}}],
                            greedy())
         assert [r.outputs[0].token_ids for r in got] == want
+        # vLLM's video_embeds with the grid (Qwen3-VL's with the patches' timestamps; Qwen2.5-VL's
+        # positions then take a second a patch, as vLLM's: as the frames at 2 a second do)
+        fields = {"video_embeds": tower_rows(hf, video_inputs["pixel_values_videos"], video_inputs["video_grid_thw"]),
+                  "video_grid_thw": video_inputs["video_grid_thw"]}
+        if family == "qwen3_vl":
+            fields["timestamps"] = [0.125, 0.625]         # frames 0-1 and 2-3 at 4 a second
+        embedded = llm.generate({"prompt": one, "multi_modal_data": {"video": fields}}, greedy())[0]
+        assert embedded.outputs[0].token_ids == (want[0] if family != "qwen2_5_vl" else llm.generate(
+            {"prompt": one, "multi_modal_data": {"video": (clip, {**metadata, "fps": 2.0})}},
+            greedy())[0].outputs[0].token_ids)
+        if family == "qwen3_vl":
+            with pytest.raises(ValueError, match=r"missing \['timestamps'\]"):
+                llm.generate({"prompt": one, "multi_modal_data": {"video": {
+                    k: v for k, v in fields.items() if k != "timestamps"}}}, greedy())
         messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                                  {"type": "text", "text": "t7"}]}]
         chat = llm.chat(messages, greedy())[0]
@@ -641,27 +678,43 @@ def test_a_served_qwen2_vl_reads_a_video_url_with_the_requests_media_io_kwargs(t
     """Over HTTP: a chat's video_url (an MP4 data URL) is decoded into as many frames as the
     request's media_io_kwargs say, over the server's --media-io-kwargs (4 frames of 64x48, resized
     to 56x56: 2 patches of two frames, 4 merged patches each, 8 video positions; 8 frames: 16), and
-    the answer is the one
-    the same frames get offline."""
+    the answer is the one the same frames get offline; a video_embeds part (vLLM's dict of base64
+    torch.save'd rows and a JSON grid, with --enable-mm-embeds) answers as the video does."""
+    import torch
+
+    from actors.tokenizer.video import QwenVideoProcessor, decode_video
     from helpers import mp4, save_tiny_qwen2_vl
-    save_tiny_qwen2_vl(tmp_path)
+    hf, _ = save_tiny_qwen2_vl(tmp_path)
     url = "data:video/mp4;base64," + base64.b64encode(mp4([i * 12 for i in range(20)])).decode()
+    decoded = decode_video(mp4([i * 12 for i in range(20)]), num_frames=4)
+    processed = QwenVideoProcessor.from_checkpoint(str(tmp_path), "Qwen2VLProcessor")(decoded)[1]
+
+    def saved(tensor) -> str:
+        buf = io.BytesIO()
+        torch.save(tensor, buf)
+        return base64.b64encode(buf.getvalue()).decode()
+    embeds = {"video_embeds": saved(tower_rows(hf, processed["pixel_values_videos"], processed["video_grid_thw"])),
+              "video_grid_thw": processed["video_grid_thw"].tolist()}
     s = Server("--model", str(tmp_path), "--threads", "1", "--max-model-len", "256",
-               "--media-io-kwargs", '{"video": {"num_frames": 4}}')
+               "--media-io-kwargs", '{"video": {"num_frames": 4}}', "--enable-mm-embeds")
     try:
-        def ask(**extra) -> dict:
-            content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "t7"}]
+        def ask(part: dict | None = None, **extra) -> dict:
+            content = [part or {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "t7"}]
             status, body = post(s, {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
                                     "temperature": 0, **extra})
             assert status == 200, body
             return body
         four, eight = ask(), ask(media_io_kwargs={"video": {"num_frames": 8}})
         assert eight["usage"]["prompt_tokens"] - four["usage"]["prompt_tokens"] == 8
+        given = ask({"type": "video_embeds", "video_embeds": embeds})
+        assert given["choices"][0]["message"]["content"] == four["choices"][0]["message"]["content"]
+        assert given["usage"]["prompt_tokens"] == four["usage"]["prompt_tokens"]
+        status, body = post(s, {"messages": [{"role": "user", "content": [{"type": "video_embeds", "video_embeds": {
+            "video_embeds": embeds["video_embeds"]}}]}], "max_tokens": 2})
+        assert status == 400 and "missing ['video_grid_thw']" in body["error"]["message"], body
     finally:
         s.stop()
     from actors.api import LLM
-    from actors.tokenizer.video import decode_video
-    decoded = decode_video(mp4([i * 12 for i in range(20)]), num_frames=4)
     with LLM(model=str(tmp_path), max_model_len=256) as llm:
         offline = llm.generate({"prompt": f"t1 {QWEN_VIDEO} t7 t3",
                                 "multi_modal_data": {"video": (decoded.frames, decoded.metadata)}}, greedy())[0]

@@ -170,6 +170,26 @@ def test_video_url_parts_leave_the_messages_as_video_parts_with_their_placeholde
         content_to_text(parts, "<I>")
 
 
+def test_embeddings_beside_their_grid_are_items_of_their_own_modality():
+    """vLLM's dict form (image_embeds / video_embeds parts, multi_modal_data dicts): one item a
+    part, one a row of an offline dict's grid; only with --enable-mm-embeds."""
+    grid = {"video_embeds": "AAAA", "video_grid_thw": [2, 4, 4]}
+    messages = [{"role": "user", "content": [{"type": "video_embeds", "video_embeds": grid},
+                                             {"type": "image_embeds", "image_embeds": {"image_embeds": "AAAA"}}]}]
+    out, sources = extract_images(messages)
+    assert out[0]["content"] == [VIDEO_PART, {"type": "image"}]
+    assert [s.modality for s in sources] == ["video", "image"] and sources[0].count is None
+    with pytest.raises(MediaError, match="set `--enable-mm-embeds` to input `video_embeds`"):
+        asyncio.run(load_image(sources[0], MultiModalConfig(), None))
+    items = images_of({"image": {"image_embeds": np.zeros((4, 8), np.float32), "image_grid_thw": np.array(
+        [[1, 2, 4], [1, 2, 2]])}, "video": {"video_embeds": np.zeros((4, 8), np.float32), "video_grid_thw": [2, 2, 4]}})
+    assert [(i.modality, i.index, i.count) for i in items] == [("image", 0, 2), ("image", 1, 2), ("video", 0, 1)]
+    read = asyncio.run(load_image(sources[0]._replace(
+        fields={"video_embeds": np.ones((8, 4), np.float32), "video_grid_thw": [2, 4, 4]}),
+        MultiModalConfig(enable_mm_embeds=True), None))
+    assert read.fields["video_grid_thw"].tolist() == [2, 4, 4] and read.fields["video_embeds"].shape == (8, 4)
+
+
 def test_video_urls_are_read_with_media_io_kwargs_and_refused_by_name(tmp_path):
     data = mp4([i * 12 for i in range(20)])
     (tmp_path / "a.mp4").write_bytes(data)
