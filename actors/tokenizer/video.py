@@ -372,16 +372,18 @@ class QwenVideoProcessor:
     @staticmethod
     def _pixels(frames: np.ndarray, s: Mapping[str, Any], height: int, width: int) -> np.ndarray:
         """Every frame resized to (height, width) (bicubic, by PIL), rescaled and normalized:
-        (frames, channels, height, width) float32."""
+        (frames, channels, height, width) float32, each channel one multiply-add over all frames."""
         from PIL import Image
+        if frames.shape[1:3] != (height, width):
+            frames = np.stack([np.asarray(Image.fromarray(frame).resize((width, height), resample=int(s["resample"])))
+                               for frame in frames])
+        scale = np.full(3, np.float32(s["rescale_factor"]) if s["do_rescale"] else 1.0, np.float32)
+        shift = np.zeros(3, np.float32)
+        if s["do_normalize"]:
+            std = np.asarray(s["image_std"], np.float32)
+            scale, shift = scale / std, -np.asarray(s["image_mean"], np.float32) / std
         out = np.empty((len(frames), 3, height, width), dtype=np.float32)
-        for i, frame in enumerate(frames):
-            if frame.shape[:2] != (height, width):
-                frame = np.asarray(Image.fromarray(frame).resize((width, height), resample=int(s["resample"])))
-            pixels = frame.astype(np.float32)
-            if s["do_rescale"]:
-                pixels = pixels * np.float32(s["rescale_factor"])
-            if s["do_normalize"]:
-                pixels = (pixels - np.asarray(s["image_mean"], np.float32)) / np.asarray(s["image_std"], np.float32)
-            out[i] = pixels.transpose(2, 0, 1)
+        for c in range(3):
+            np.multiply(frames[..., c], scale[c], out=out[:, c], dtype=np.float32)
+            out[:, c] += shift[c]
         return out
