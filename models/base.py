@@ -21,6 +21,8 @@ Fixups = list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
 # where transformers' multimodal checkpoints keep the vision side: older saves, then 5.x's
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 QWEN_VISION_PREFIXES = ("visual.", "model.visual.")      # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's
+# where they keep the audio side (Qwen2-Audio's audio tower and projector)
+AUDIO_PREFIXES = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
 
 
 def language_model_tensor_map(text_map: TensorMap) -> TensorMap:
@@ -56,6 +58,9 @@ class CausalLM(nn.Module):
     takes_images: ClassVar[bool] = False
     # it takes videos too (``embed_multimodal("video", ...)``, config.json's video_token_id)
     takes_videos: ClassVar[bool] = False
+    # a multimodal class that takes audio: ``load_audio`` reads its audio tower beside the language
+    # model, ``embed_multimodal("audio", ...)`` makes a clip's embeddings (config.json's audio_token_index)
+    takes_audio: ClassVar[bool] = False
     # tensor-name prefixes the language model's tensor map does not read (a vision tower, its
     # projector: ``load_vision`` reads those where the class takes images)
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = ()

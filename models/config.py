@@ -186,6 +186,9 @@ class ArchConfig:
     # second_per_grid_ts of them)
     video_token_id: int | None = None
     video_tokens_per_second: float = 1.0
+    # audio input (Troupe's Qwen2-Audio class): the token whose positions take an audio clip's
+    # embeddings; None: no audio
+    audio_token_id: int | None = None
     # -- how the engine serves it (set by ``serving``, not read from the checkpoint) -------------
     serving_len: int = 0                       # the engine's --max-model-len; 0: default_max_model_len
     # a classifier's labels (--convert classify: a ``score`` head, hidden -> labels); 0: none

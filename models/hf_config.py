@@ -141,6 +141,8 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     if model_class.hf_text_config is not None:     # a multimodal checkpoint: its language model's keys
         if isinstance(raw.get("vision_config"), dict) and not language_model_only:
             images = _image_fields(raw, model_class)
+        elif isinstance(raw.get("audio_config"), dict) and not language_model_only:
+            images = _audio_fields(raw, model_class)
         raw = language_model_config(raw, model_class.hf_text_config)
     raw = model_class.hf_raw({**model_class.hf_defaults, **raw})   # a key present as null stays null
     fields = _generic_fields(raw, generation or {})
@@ -166,6 +168,16 @@ def _image_fields(raw: dict[str, Any], model_class: type[CausalLM]) -> dict[str,
         fields.update(video_token_id=video,
                       video_tokens_per_second=float(raw["vision_config"].get("tokens_per_second", 1.0)))
     return fields
+
+
+def _audio_fields(raw: dict[str, Any], model_class: type[CausalLM]) -> dict[str, Any]:
+    """A checkpoint with an audio tower, where Troupe's own class takes its audio (its
+    ``takes_audio``): the audio token; {} where it serves the language model on text."""
+    token = raw.get("audio_token_id", raw.get("audio_token_index"))
+    if not model_class.takes_audio or not isinstance(token, int):
+        _own_class_on_text((raw.get("architectures") or ["?"])[0])
+        return {}
+    return {"audio_token_id": token}
 
 
 def language_model_config(raw: dict[str, Any], key: str) -> dict[str, Any]:

@@ -1,14 +1,14 @@
 """Qwen2: Llama with biases on the q/k/v projections, always, and optional sliding-window layers
 (``layer_types``); the tensor names are Llama's. llama.cpp runs it with NeoX rotary, so its
 GGUF keeps q/k rows as they are. Qwen2-VL's and Qwen2.5-VL's checkpoints serve their language
-model and their images."""
+model and their images, Qwen2-Audio's its language model and its audio."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
 import torch
 
-from models.base import QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
+from models.base import AUDIO_PREFIXES, QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
 from models.config import FULL, SLIDING
 from models.llama import LlamaForCausalLM
 
@@ -71,3 +71,46 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     gated MLP); its GGUF is Qwen2-VL's class's."""
     vision_family: ClassVar[str] = "qwen2_5_vl"
     gguf_architectures: ClassVar[tuple[str, ...]] = ()
+
+
+class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
+    """Qwen2-Audio's checkpoints: a Whisper-style audio tower (two convolutions over the log-mel
+    frames, an encoder, a pooling by two) and a linear projector beside a Qwen2. The language
+    model is Troupe's Qwen2; ``load_audio`` builds transformers' audio tower and projector from the
+    checkpoint's audio_config and reads them. A clip's embeddings are the projector's of the tower's
+    outputs over its own frames (the padding up to the feature extractor's window masked out of
+    the attention, then cut off), as transformers' Qwen2-Audio makes them; with
+    --language-model-only the audio tensors are never read."""
+    hf_text_config: ClassVar[str | None] = "text_config"
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = AUDIO_PREFIXES
+    takes_audio: ClassVar[bool] = True
+    hf_tensor_map: ClassVar[TensorMap] = language_model_tensor_map(Qwen2ForCausalLM.hf_tensor_map)
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+
+    def load_audio(self, path: str, overrides: dict[str, Any] | None = None) -> None:
+        from models.vision import load_vision_parts
+        self.audio_tower, self.multi_modal_projector = load_vision_parts(path, overrides, "qwen2_audio",
+                                                                         self.embed_tokens.weight.dtype)
+
+    def embed_multimodal(self, modality: str, data: dict[str, Any]) -> torch.Tensor:
+        """One clip's embeddings (its audio positions, hidden) from its log-mel features padded to
+        the window (``input_features``, a batch of one) and the mask of its own frames
+        (``feature_attention_mask``), or its embeddings as given (``audio_embeds``)."""
+        import numpy as np
+        from transformers.masking_utils import create_bidirectional_mask
+        if modality != "audio":
+            raise ValueError(f"{type(self).__name__} takes no {modality} input")
+        weight = self.embed_tokens.weight
+        given = data.get("audio_embeds")
+        if given is not None:
+            return torch.as_tensor(np.asarray(given), device=weight.device).to(weight.dtype)
+        features = torch.as_tensor(np.asarray(data["input_features"]), device=weight.device).to(weight.dtype)
+        frames = int(np.asarray(data["feature_attention_mask"]).sum())
+        convolved = (frames - 1) // 2 + 1                # after the stride-2 convolution
+        positions = (features.shape[-1] - 2) // 2 + 1
+        own = (torch.arange(positions, device=weight.device) < convolved).long()[None]
+        mask = create_bidirectional_mask(config=self.audio_tower.config, attention_mask=own,
+                                         inputs_embeds=torch.zeros(1, positions, 1, dtype=weight.dtype,
+                                                                   device=weight.device))
+        states = self.audio_tower(features, attention_mask=mask).last_hidden_state
+        return self.multi_modal_projector(states)[0, :(convolved - 2) // 2 + 1]

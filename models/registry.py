@@ -162,6 +162,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, attn_backe
         model.score = score_from_lm_head(model.lm_head.weight, config.score_from_tokens, config.num_labels)
     if config.image_token_id is not None:      # its vision tower, read beside the language model
         model.load_vision(ckpt.path, ckpt.overrides)
+    if config.audio_token_id is not None:      # its audio tower
+        model.load_audio(ckpt.path, ckpt.overrides)
     if transform is not None:
         transform(model)
     if quant is not None:

@@ -1,8 +1,8 @@
-"""The vision side of a multimodal checkpoint served by Troupe's own language model classes:
-transformers builds the vision tower and the projector from the checkpoint's config.json, and
-their tensors are read from its safetensors files (the hub's names or transformers 5's,
-``model.``-prefixed). The language model stays Troupe's own; an image's embeddings take its
-placeholder positions (``embed_multimodal``)."""
+"""The vision (or audio) side of a multimodal checkpoint served by Troupe's own language model
+classes: transformers builds the vision tower (audio tower) and the projector from the
+checkpoint's config.json, and their tensors are read from its safetensors files (the hub's names
+or transformers 5's, ``model.``-prefixed). The language model stays Troupe's own; an image's (a
+clip's) embeddings take its placeholder positions (``embed_multimodal``)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,8 @@ from torch import nn
 from models.safetensors_loader import iter_safetensors_weights
 
 # each family's parts: their tensor-name prefix, and transformers' class that builds them from the
-# checkpoint's config ("vision:" a class of its vision_config; None: AutoModel's of it)
+# checkpoint's config ("vision:" a class of its vision_config, "audio:" of its audio_config; None:
+# AutoModel's of its vision_config)
 _FAMILIES: dict[str, tuple[tuple[str, str | None], ...]] = {
     "gemma3": (("vision_tower.", None),
                ("multi_modal_projector.", "transformers.models.gemma3.modeling_gemma3:Gemma3MultiModalProjector")),
@@ -30,13 +31,17 @@ _FAMILIES: dict[str, tuple[tuple[str, str | None], ...]] = {
               ("multi_modal_projector.", "transformers.models.llava.modeling_llava:LlavaMultiModalProjector")),
     "mistral3": (("vision_tower.", None),    # Pixtral's
                  ("multi_modal_projector.", "transformers.models.mistral3.modeling_mistral3:Mistral3MultiModalProjector")),
+    "qwen2_audio": (("audio_tower.", "audio:transformers.models.qwen2_audio.modeling_qwen2_audio:Qwen2AudioEncoder"),
+                    ("multi_modal_projector.", "transformers.models.qwen2_audio.modeling_qwen2_audio:"
+                                               "Qwen2AudioMultiModalProjector")),
 }
 
 
 def load_vision_parts(path: str, overrides: dict[str, Any] | None, family: str,
                       dtype: torch.dtype) -> tuple[nn.Module, ...]:
     """The vision parts of ``family`` (``_FAMILIES``: LLaVA's, Gemma 3's and Mistral 3's vision tower and
-    projector, Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's towers) of the checkpoint directory ``path``, in
+    projector, Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's towers; Qwen2-Audio's audio tower and
+    projector) of the checkpoint directory ``path``, in
     ``dtype``, their tensors all read (ValueError naming what is missing or left over)."""
     import importlib
 
@@ -52,10 +57,10 @@ def load_vision_parts(path: str, overrides: dict[str, Any] | None, family: str,
         if where is None:
             modules.append(AutoModel.from_config(config.vision_config, attn_implementation="sdpa"))
             continue
-        of_vision = where.startswith("vision:")
-        module, _, name = where.removeprefix("vision:").partition(":")
+        side, _, where = where.partition(":") if where.startswith(("vision:", "audio:")) else ("", "", where)
+        module, _, name = where.partition(":")
         cls = getattr(importlib.import_module(module), name)
-        modules.append(cls._from_config(config.vision_config, attn_implementation="sdpa") if of_vision
+        modules.append(cls._from_config(getattr(config, f"{side}_config"), attn_implementation="sdpa") if side
                        else cls(config))
     prefixes = tuple(prefix for prefix, _ in parts)
     states: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in prefixes}

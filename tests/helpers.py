@@ -2,6 +2,7 @@
 import asyncio
 import contextlib
 import functools
+import io
 import json
 import os
 import sys
@@ -533,6 +534,54 @@ def save_tiny_mistral3(path, vocab: int = 300, seed: int = 7):
         return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
                 "pixel_values": padded, "image_sizes": torch.from_numpy(np.concatenate(sizes))}
     return transformers.Mistral3ForConditionalGeneration.from_pretrained(path).eval(), inputs
+
+
+QWEN2_AUDIO_CHAT_TEMPLATE = ("{% for message in messages %}{{ 't1 ' if message['role'] == 'user' else 't2 ' }}"
+                             "{% for part in message['content'] %}{% if part['type'] == 'audio' %}"
+                             "<|audio_bos|><|AUDIO|><|audio_eos|> {% elif part['type'] == 'text' %}"
+                             "{{ part['text'] }} {% endif %}{% endfor %}{% endfor %}"
+                             "{% if add_generation_prompt %}t3{% endif %}")
+
+
+def save_tiny_qwen2_audio(path, vocab: int = 300, seed: int = 11):
+    """A tiny random Qwen2-Audio checkpoint as transformers saves it: a two-layer audio tower over
+    80 log-mel bins in a window of 2 s (200 frames; a clip of s seconds takes
+    ((100 s - 1) // 2 + 1 - 2) // 2 + 1 positions, 50 for the whole window), a projector, a
+    two-layer Qwen2, and its processor (Whisper's feature extractor at 16 kHz, a word-level
+    tokenizer whose last three tokens are <|audio_bos|>, <|audio_eos|> and <|AUDIO|>, a chat
+    template over content parts). Returns transformers' model and processor, as read back."""
+    import torch
+    import transformers
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+                eos_token_id=None)
+    audio = dict(num_mel_bins=80, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=48, d_model=32,
+                 max_source_positions=100)
+    torch.manual_seed(seed)
+    hf = transformers.Qwen2AudioForConditionalGeneration(transformers.Qwen2AudioConfig(
+        text_config=text, audio_config=audio, audio_token_index=vocab - 1))
+    fast = _save_vlm(hf, path, vocab, ["<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>"])
+    features = transformers.WhisperFeatureExtractor(feature_size=80, chunk_length=2, sampling_rate=16000)
+    transformers.Qwen2AudioProcessor(feature_extractor=features, tokenizer=fast,
+                                     chat_template=QWEN2_AUDIO_CHAT_TEMPLATE).save_pretrained(path)
+    return (transformers.Qwen2AudioForConditionalGeneration.from_pretrained(path).eval(),
+            transformers.AutoProcessor.from_pretrained(path))
+
+
+def audio_file(samples, rate: int = 16000, fmt: str = "WAV") -> bytes:
+    """Samples (mono, or (samples, channels)) written as an audio file of ``fmt`` by libsndfile."""
+    import soundfile
+    buf = io.BytesIO()
+    soundfile.write(buf, samples, rate, format=fmt)
+    return buf.getvalue()
+
+
+def tone(seconds: float, rate: int = 16000, period: float = 7.0, seed: int = 0):
+    """A float32 clip: a sine of ``period`` samples with a little noise."""
+    import numpy as np
+    n = int(rate * seconds)
+    noise = np.random.default_rng(seed).standard_normal(n)
+    return (0.3 * np.sin(np.arange(n) / period) + 0.05 * noise).astype(np.float32)
 
 
 def random_image(seed: int, width: int = 50, height: int = 40):

@@ -10,7 +10,8 @@ with ``--url``, the HTTP response), the part already shown stays in the conversa
 assistant's turn, and the prompt comes back. Ctrl-C at the prompt clears the line; /exit or
 Ctrl-D leaves. /help lists the commands; ``/image PATH_OR_URL`` attaches a picture to the next
 message (for a model that takes images: a file is sent as a data URL, an http(s) URL as it is),
-``/video PATH_OR_URL`` a video (a model that takes videos)."""
+``/video PATH_OR_URL`` a video (a model that takes videos), ``/audio PATH_OR_URL`` an audio clip
+(a model that takes audio)."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,7 @@ COMMANDS = {
     "/reset": "forget the conversation (the --system prompt stays)",
     "/image": "/image PATH_OR_URL attaches a picture to the next message (a model that takes images)",
     "/video": "/video PATH_OR_URL attaches a video to the next message (a model that takes videos)",
+    "/audio": "/audio PATH_OR_URL attaches an audio clip to the next message (a model that takes audio)",
     "/exit": "leave (so does Ctrl-D)",
 }
 SYSTEM_HINT = ("Type a message and press Enter; Ctrl-C stops a reply, /help lists the commands, "
@@ -183,8 +185,8 @@ async def stream_reply(stream: AsyncIterator[str], interrupts: Interrupts) -> tu
 
 
 def image_part(where: str, kind: str = "image") -> dict:
-    """A chat image (``kind`` "video": video) part: an http(s) or data URL as it is, a file as a
-    data URL (ValueError for a file that cannot be read)."""
+    """A chat image (``kind`` "video": video, "audio": audio clip) part: an http(s) or data URL as
+    it is, a file as a data URL (ValueError for a file that cannot be read)."""
     field = f"{kind}_url"
     if where.startswith(("http://", "https://", "data:")):
         return {"type": field, field: {"url": where}}
@@ -194,21 +196,22 @@ def image_part(where: str, kind: str = "image") -> dict:
             data = f.read()
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    media = mimetypes.guess_type(path)[0] or ("video/mp4" if kind == "video" else "image/png")
+    media = mimetypes.guess_type(path)[0] or {"video": "video/mp4", "audio": "audio/wav"}.get(kind, "image/png")
     return {"type": field, field: {"url": f"data:{media};base64,{base64.b64encode(data).decode()}"}}
 
 
 def shown_content(content) -> str:
-    """A message's content as /history shows it (an image as [image], a video as [video])."""
+    """A message's content as /history shows it (an image as [image], a video as [video], an
+    audio clip as [audio])."""
     if isinstance(content, str):
         return content
-    return " ".join(p["text"] if p.get("type") == "text" else
-                    "[video]" if p.get("type") == "video_url" else "[image]" for p in content)
+    kinds = {"video_url": "[video]", "audio_url": "[audio]", "input_audio": "[audio]"}
+    return " ".join(p["text"] if p.get("type") == "text" else kinds.get(p.get("type"), "[image]") for p in content)
 
 
 def command(line: str, messages: list[dict], system: str | None, images: list[dict] | None = None) -> bool:
-    """Run a /command; False for /exit. ``images``: the parts /image and /video attached for the
-    next message."""
+    """Run a /command; False for /exit. ``images``: the parts /image, /video and /audio attached
+    for the next message."""
     if line == "/exit":
         return False
     if line == "/reset":
@@ -216,7 +219,7 @@ def command(line: str, messages: list[dict], system: str | None, images: list[di
         if images is not None:
             images.clear()
         print("(conversation cleared)", file=sys.stderr)
-    elif line.split(" ", 1)[0] in ("/image", "/video"):
+    elif line.split(" ", 1)[0] in ("/image", "/video", "/audio"):
         kind, _, where = line[1:].partition(" ")
         where = where.strip()
         if not where or images is None:
@@ -292,7 +295,7 @@ async def repl(args: argparse.Namespace) -> int:
                 print(f"\n[error: {exc}]", file=sys.stderr)
                 failed = messages.pop()["content"]
                 if isinstance(failed, list):       # its pictures wait for the next message again
-                    images[:] = [p for p in failed if p.get("type") in ("image_url", "video_url")]
+                    images[:] = [p for p in failed if p.get("type") in ("image_url", "video_url", "audio_url")]
                 if reader is None:
                     return 1
                 continue

@@ -75,7 +75,7 @@ class ReasoningConfig(msgspec.Struct, frozen=True, kw_only=True):
         return bool(self.start_token_ids and self.end_token_ids)
 
 
-MODALITIES = ("image", "video", "audio")     # vLLM's input modalities (Troupe's models take images)
+MODALITIES = ("image", "video", "audio")     # vLLM's input modalities (each taken by some of Troupe's models)
 DEFAULT_MM_LIMIT = 999                       # vLLM's limit of items of a modality a prompt may hold, unset
 
 

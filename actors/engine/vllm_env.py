@@ -12,6 +12,10 @@ service's environment works unchanged:
   VLLM_HTTP_TIMEOUT_KEEP_ALIVE=5    seconds an idle HTTP connection is kept open
   VLLM_IMAGE_FETCH_TIMEOUT=5        seconds an http(s) image URL may take to fetch
   VLLM_VIDEO_FETCH_TIMEOUT=30       seconds an http(s) video URL may take to fetch
+  VLLM_AUDIO_FETCH_TIMEOUT=10       seconds an http(s) audio URL may take to fetch
+  VLLM_MAX_AUDIO_CLIP_FILESIZE_MB=25   the most an audio file's bytes may be
+  VLLM_MAX_AUDIO_DECODE_DURATION_S=600 the longest an audio clip may play
+  VLLM_MAX_AUDIO_DECODE_BYTES=268435456  the most a clip's decoded samples may take (float32, all channels)
   VLLM_MEDIA_URL_ALLOW_REDIRECTS=1  an image URL's redirects are followed (0: refused)
   VLLM_LOGGING_LEVEL, VLLM_LOGGING_CONFIG_PATH, VLLM_CONFIGURE_LOGGING (actors/runtime/logs.py)
 
@@ -117,6 +121,22 @@ def video_fetch_timeout_s() -> int:
     """VLLM_VIDEO_FETCH_TIMEOUT (vLLM's default: 30 s)."""
     value = _int("VLLM_VIDEO_FETCH_TIMEOUT", minimum=1)
     return 30 if value is None else value
+
+
+def audio_fetch_timeout_s() -> int:
+    """VLLM_AUDIO_FETCH_TIMEOUT (vLLM's default: 10 s)."""
+    value = _int("VLLM_AUDIO_FETCH_TIMEOUT", minimum=1)
+    return 10 if value is None else value
+
+
+def audio_limits() -> tuple[int, int, int]:
+    """(VLLM_MAX_AUDIO_CLIP_FILESIZE_MB in bytes, VLLM_MAX_AUDIO_DECODE_DURATION_S,
+    VLLM_MAX_AUDIO_DECODE_BYTES); vLLM's defaults 25 MiB, 600 s, 256 MiB."""
+    size = _int("VLLM_MAX_AUDIO_CLIP_FILESIZE_MB", minimum=1)
+    seconds = _int("VLLM_MAX_AUDIO_DECODE_DURATION_S", minimum=1)
+    decoded = _int("VLLM_MAX_AUDIO_DECODE_BYTES", minimum=1)
+    return ((25 if size is None else size) << 20, 600 if seconds is None else seconds,
+            268_435_456 if decoded is None else decoded)
 
 
 def media_url_allow_redirects() -> bool:

@@ -456,20 +456,25 @@ def client_actors(node: Node, config: EngineConfig, tokenizer: TextTokenizer | T
 
 def image_processor(config: EngineConfig, tokenizer: TextTokenizer | TokenIdsOnly,
                     stats: EngineStats | None = None) -> ImageProcessor | None:
-    """For a model that takes images, its checkpoint's processor (and its video processor, for a
-    model that takes videos), the tokenizer's chat templates then rendering image (video) parts as
-    the placeholders; None for a text model (or without a tokenizer)."""
+    """For a model that takes images (or audio), its checkpoint's processor (and its video
+    processor, for a model that takes videos), the tokenizer's chat templates then rendering image
+    (video, audio) parts as the placeholders; None for a text model (or without a tokenizer)."""
     arch = config.model.arch
-    if arch.image_token_id is None or not isinstance(tokenizer, TextTokenizer):
+    if (arch.image_token_id is None and arch.audio_token_id is None) or not isinstance(tokenizer, TextTokenizer):
         return None
     images = ImageProcessor(config.model.source.path, arch.image_token_id, config.model.multimodal,
                             lambda text: tokenizer.encode(text, add_special_tokens=False), stats, arch.hidden_size,
                             config.scheduler.token_budget if config.scheduler.disable_chunked_mm_input else None,
                             needs_grid=bool(arch.mrope_section),
-                            video_token_id=arch.video_token_id if config.model.multimodal.limit("video") else None)
+                            video_token_id=arch.video_token_id if config.model.multimodal.limit("video") else None,
+                            audio_token_id=arch.audio_token_id)
     tokenizer.image_placeholder = images.placeholders
-    log.info("images are taken (at most %d a prompt), each as %s makes it", config.model.multimodal.limit("image"),
-             images.name)
+    if images.takes("image"):
+        log.info("images are taken (at most %d a prompt), each as %s makes it", config.model.multimodal.limit("image"),
+                 images.name)
+    if images.takes("audio"):
+        log.info("audio is taken (at most %d clips a prompt), each as %s makes its features at %d Hz",
+                 config.model.multimodal.limit("audio"), images.name, images.sampling_rate)
     if images.video is not None:
         log.info("videos are taken (at most %d a prompt), their frames as %s's video processor makes them",
                  config.model.multimodal.limit("video"), images.name)

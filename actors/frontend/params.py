@@ -137,13 +137,18 @@ def _content(i: int, content: Any) -> str | list[dict[str, Any]]:
     for j, part in enumerate(content):
         if part.type == "text" and part.text is not None:
             parts.append({"type": "text", "text": part.text})
-        elif part.type in ("image_url", "video_url") and getattr(part, part.type) is not None:
+        elif part.type in ("image_url", "video_url", "audio_url") and getattr(part, part.type) is not None:
             given = getattr(part, part.type)
             url = given if isinstance(given, str) else given.url
             require(bool(url), f"{'a' if part.type == 'video_url' else 'an'} {part.type} part needs a non-empty url",
                     f"messages[{i}].content[{j}].{part.type}")
             parts.append({"type": part.type, part.type: {"url": url}})
-        elif part.type in ("image_embeds", "video_embeds") and getattr(part, part.type) is not None:
+        elif part.type == "input_audio" and part.input_audio is not None:
+            require(bool(part.input_audio.data), "an input_audio part needs its file's bytes in base64 as data",
+                    f"messages[{i}].content[{j}].input_audio.data")
+            parts.append({"type": "input_audio", "input_audio": {"data": part.input_audio.data,
+                                                                 "format": part.input_audio.format}})
+        elif part.type in ("image_embeds", "video_embeds", "audio_embeds") and getattr(part, part.type) is not None:
             given = getattr(part, part.type)
             require(isinstance(given, str) or all(isinstance(v, (str, list)) for v in given.values()),
                     f"{part.type} must be the base64 of a torch.save'd tensor, or a dict of those or lists of "
@@ -151,8 +156,8 @@ def _content(i: int, content: Any) -> str | list[dict[str, Any]]:
             parts.append({"type": part.type, part.type: given})
         else:
             raise BadRequest(f"content part of type {part.type!r} is not supported; only 'text', 'image_url', "
-                             "'video_url', 'image_embeds' and 'video_embeds' parts are (with the field of their "
-                             "type)", f"messages[{i}].content[{j}]")
+                             "'video_url', 'image_embeds', 'video_embeds', 'input_audio', 'audio_url' and "
+                             "'audio_embeds' parts are (with the field of their type)", f"messages[{i}].content[{j}]")
     return parts
 
 

@@ -81,13 +81,22 @@ class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
     detail: str | None = None           # OpenAI's "auto" | "low" | "high": the processor decides the resolution
 
 
+class InputAudio(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's ``input_audio``: an audio file's bytes in base64, and its format."""
+    data: str
+    format: str = ""                    # "wav", "mp3", ...: the file says its own format, read as it is
+
+
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     """A content part: a text, or (for a model that takes images) an image by URL, or (one that
-    takes videos) a video by URL."""
+    takes videos) a video by URL, or (one that takes audio) an audio clip, by URL or inline."""
     type: str
     text: str | None = None
     image_url: ImageURL | str | None = None
     video_url: ImageURL | str | None = None
+    audio_url: ImageURL | str | None = None
+    input_audio: InputAudio | None = None
+    audio_embeds: str | None = None     # vLLM's (--enable-mm-embeds): a clip's torch.save'd rows, base64
     # vLLM's (--enable-mm-embeds): a torch.save'd tensor, base64, or (Qwen-VL's) a dict of them (or
     # JSON lists) with the grid: {"image_embeds": ..., "image_grid_thw": ...}
     image_embeds: str | dict[str, Any] | None = None

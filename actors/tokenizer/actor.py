@@ -19,7 +19,7 @@ from actors.frontend.admission import WaitingRequests
 from actors.runtime import Actor, ActorRef, Msg, Refusal
 from actors.scheduler.actor import AddRequest
 from actors.tokenizer.gguf_tokenizer import NO_TOKENIZER, TEXT_PROMPTS_REFUSED, TextTokenizer, TokenIdsOnly
-from actors.tokenizer.multimodal import (ImageProcessor, MediaError, Processed, extract_images, images_of,
+from actors.tokenizer.multimodal import (ImageProcessor, MediaError, Processed, extract_images, images_of, modality_of,
                                          load_image)
 
 
@@ -217,10 +217,11 @@ class TokenizerActor(Actor):
             if not sources:
                 return msg, []
             if self.images is None:
-                raise InvalidPrompt("this model takes no images: it is served on text (a multimodal checkpoint the "
-                                    "transformers backend serves whole takes them)")
+                what = {"audio": "audio", "video": "videos"}.get(modality_of(sources[0]), "images")
+                raise InvalidPrompt(f"this model takes no {what}: it is served on text (a multimodal checkpoint the "
+                                    "transformers backend serves whole takes images)")
             if msg.prompt_embeds is not None:
-                raise InvalidPrompt("prompt_embeds cannot come with images")
+                raise InvalidPrompt("prompt_embeds cannot come with images, videos or audio")
             self.images.check_count(sources)
             images = await asyncio.gather(*(load_image(source, self.images.config, msg.media_io_kwargs)
                                             for source in sources))

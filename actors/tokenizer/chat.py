@@ -79,7 +79,9 @@ def _parts(content: Any, modalities: Collection[str]) -> list[dict[str, str]]:
             raise ValueError(f"message content part of type {part_type!r} is not supported; only 'text' parts are"
                              + ("" if images else " (this model takes no images)" if part_type in _IMAGE_PARTS
                                 else "")
-                             + (" (this model takes no videos)" if part_type in ("video", "video_url", "video_embeds") else ""))
+                             + (" (this model takes no videos)" if part_type in ("video", "video_url", "video_embeds") else "")
+                             + (" (this model takes no audio)" if part_type in ("audio", "input_audio", "audio_url", "audio_embeds")
+                                else ""))
         text = part.get("text")
         if not isinstance(text, str):
             raise ValueError(f"a 'text' content part needs a string 'text' field, got {text!r}")

@@ -17,7 +17,12 @@ cache: the same text with another image shares no block past the image).
 A model that takes videos (Troupe's Qwen2-VL, Qwen2.5-VL and Qwen3-VL classes) takes a message's
 ``video_url`` parts and the offline API's ``multi_modal_data={"video": ...}`` the same way,
 read and processed by ``actors/tokenizer/video.py``; each placeholder pairs with the item of its
-own modality, in order."""
+own modality, in order.
+
+A model that takes audio (Troupe's Qwen2-Audio class) takes a message's ``input_audio`` and
+``audio_url`` parts and ``multi_modal_data={"audio": ...}``, read by ``actors/tokenizer/audio.py``
+and resampled to its feature extractor's rate; its processor (transformers') makes each clip's
+log-mel features and says what its placeholder expands to."""
 from __future__ import annotations
 
 import asyncio
@@ -39,6 +44,8 @@ import numpy as np
 from actors.engine import vllm_env
 from actors.engine.config import MultiModalConfig
 from actors.engine.messages import MultiModalFeature
+from actors.tokenizer.audio import (AUDIO, AUDIO_PART, Audio, AudioError, AudioSource, InputAudio, audios_of,
+                                    decode_audio, input_audio_bytes, resample)
 from actors.tokenizer.prompt_embeds import check_hidden_size, decode_prompt_embeds, decode_tensor, embeds_array
 from actors.tokenizer.video import DEFAULT_NUM_FRAMES as DEFAULT_VIDEO_FRAMES
 from actors.tokenizer.video import (VIDEO, VIDEO_PART, QwenVideoProcessor, Video, VideoError, VideoSource,
@@ -54,7 +61,7 @@ _NOT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_i
 
 
 class MediaError(ValueError):
-    """An image or video that cannot be read, or may not be (an HTTP 400)."""
+    """An image, video or audio clip that cannot be read, or may not be (an HTTP 400)."""
 
 
 class Processed(NamedTuple):
@@ -68,6 +75,16 @@ class Processed(NamedTuple):
 
 class EmbedsPayload(str):
     """A chat ``image_embeds`` part's data: the base64 of a torch.save'd (positions, hidden) tensor."""
+
+
+class AudioEmbedsPayload(str):
+    """A chat ``audio_embeds`` part's data, as ``EmbedsPayload``'s."""
+
+
+class ClipEmbeds(NamedTuple):
+    """An audio clip given as its embeddings (--enable-mm-embeds): the offline API's tensor as
+    given, then, read, its (positions, hidden) float32 rows."""
+    rows: Any
 
 
 class GridEmbeds(NamedTuple):
@@ -90,10 +107,11 @@ MM_EMBEDS_OFF = "You must set `--enable-mm-embeds` to input `image_embeds`"
 
 def extract_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
     """Chat messages with each image part (``image_url`` with its ``url``, the offline API's
-    ``image_pil``, ``image_embeds`` with --enable-mm-embeds) as ``{"type": "image"}`` and each
-    ``video_url`` part as ``{"type": "video"}``, and the items' sources in order (URLs, PIL
-    images, embeddings' payloads; a video's URL as a ``VideoSource``). Messages without such
-    parts come back as they are."""
+    ``image_pil``, ``image_embeds`` with --enable-mm-embeds) as ``{"type": "image"}``, each
+    ``video_url`` part as ``{"type": "video"}`` and each ``input_audio`` and ``audio_url`` part as
+    ``{"type": "audio"}``, and the items' sources in order (URLs, PIL images, embeddings'
+    payloads; a video's URL as a ``VideoSource``, a clip's as an ``AudioSource`` or
+    ``InputAudio``). Messages without such parts come back as they are."""
     out, sources = [], []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
@@ -108,37 +126,48 @@ def extract_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str
                 continue
             if isinstance(source, str) and not source:
                 kind = part.get("type")
-                raise MediaError(f"messages[{i}]: {'a' if kind == 'video_url' else 'an'} {kind} part needs a non-empty url")
+                raise MediaError(f"messages[{i}]: {'a' if kind == 'video_url' else 'an'} {kind} part needs a "
+                                 "non-empty url")
             sources.append(source)
-            parts.append(VIDEO_PART if modality_of(source) == VIDEO else IMAGE_PART)
+            parts.append({VIDEO: VIDEO_PART, AUDIO: AUDIO_PART}.get(modality_of(source), IMAGE_PART))
         out.append({**message, "content": parts})
     return out, sources
 
 
 def modality_of(source: Any) -> str:
-    """An item's modality: a video's (a ``Video``, its URL, its embeddings) or an image's."""
+    """An item's modality: a video's (a ``Video``, its URL, its embeddings), an audio clip's (an
+    ``Audio``, its URL or ``input_audio``) or an image's."""
     if isinstance(source, GridEmbeds):
         return source.modality
+    if isinstance(source, (Audio, AudioSource, InputAudio, AudioEmbedsPayload, ClipEmbeds)):
+        return AUDIO
     return VIDEO if isinstance(source, (Video, VideoSource)) else IMAGE
 
 
 def has_images(messages: Sequence[Mapping[str, Any]] | None) -> bool:
-    """Whether any message holds an image or video part."""
+    """Whether any message holds an image, video or audio part."""
     return any(isinstance(m.get("content"), list) and any(_image_source(p) is not None for p in m["content"])
                for m in messages or () if isinstance(m, Mapping))
 
 
 def _image_source(part: Any) -> Any:
-    """An image part's URL or PIL image, a video part's URL (a ``VideoSource``); None for any
-    other part."""
+    """An image part's URL or PIL image, a video part's URL (a ``VideoSource``), an audio part's
+    (an ``AudioSource`` URL or an ``InputAudio``); None for any other part."""
     if not isinstance(part, Mapping):
         return None
     kind = part.get("type")
-    if kind in ("image_url", "video_url"):
+    if kind in ("image_url", "video_url", "audio_url"):
         url = part.get(kind)
         url = url.get("url") if isinstance(url, Mapping) else url
         url = url if isinstance(url, str) else ""
-        return VideoSource(url) if kind == "video_url" else url
+        return {"video_url": VideoSource, "audio_url": AudioSource}.get(kind, str)(url)
+    if kind == "audio_embeds":
+        data = part.get(kind)
+        return AudioEmbedsPayload(data) if isinstance(data, str) else ""
+    if kind == "input_audio":
+        given = part.get("input_audio")
+        given = given if isinstance(given, Mapping) else {}
+        return InputAudio(given.get("data") or "", str(given.get("format") or ""))
     if kind == "image_pil":
         return part.get("image_pil")
     if kind in ("image_embeds", "video_embeds"):
@@ -157,13 +186,17 @@ def images_of(data: Mapping[str, Any] | None) -> list[Any]:
     (an image as its embeddings, with --enable-mm-embeds: a (positions, hidden) tensor, or a
     (images, positions, hidden) one for several), then ``{"video": video or [videos]}``'s videos
     (``Video``; vLLM's reading: an array (frames, height, width, 3), a list of frames or a
-    (frames, metadata) pair is one video; a list of those, or a 5-dimensional array, several)."""
+    (frames, metadata) pair is one video; a list of those, or a 5-dimensional array, several),
+    then ``{"audio": clip or [clips]}``'s clips (``Audio``: a (samples, sampling_rate) pair, or
+    samples at the model's rate; with --enable-mm-embeds, vLLM's embeddings: a (clips, positions,
+    hidden) tensor, or a list of (positions, hidden) tensors)."""
     if not data:
         return []
-    unknown = sorted(set(data) - {IMAGE, VIDEO})
+    unknown = sorted(set(data) - {IMAGE, VIDEO, AUDIO})
     if unknown:
         raise MediaError(f"multi_modal_data {unknown} is not supported: Troupe's models take images "
-                         "({'image': PIL image or a list of them}) and videos ({'video': frames or a list of them})")
+                         "({'image': PIL image or a list of them}), videos ({'video': frames or a list of them}) "
+                         "and audio ({'audio': (samples, sampling_rate) or a list of them})")
     out: list[Any] = []
     images = data.get(IMAGE)
     if isinstance(images, Mapping):                 # embeddings beside their grids (Qwen-VL's)
@@ -181,7 +214,20 @@ def images_of(data: Mapping[str, Any] | None) -> list[Any]:
             out += [video_of(v) for v in _videos(videos)]
         except VideoError as exc:
             raise MediaError(str(exc)) from None
+    clips = data.get(AUDIO)
+    if (_is_torch(clips) and clips.dim() == 3) or (isinstance(clips, list) and clips and all(
+            _is_torch(c) and c.dim() == 2 for c in clips)):
+        out += [ClipEmbeds(c) for c in clips]
+    elif clips is not None:
+        try:
+            out += audios_of(clips)
+        except AudioError as exc:
+            raise MediaError(str(exc)) from None
     return out
+
+
+def _is_torch(value: Any) -> bool:
+    return type(value).__module__.startswith("torch")
 
 
 def _grid_items(modality: str, fields: Mapping[str, Any]) -> list[GridEmbeds]:
@@ -209,16 +255,23 @@ def _videos(value: Any) -> list[Any]:
 async def load_image(source: Any, config: MultiModalConfig, io_kwargs: Mapping[str, Any] | None = None) -> Any:
     """A source (a PIL image, or a data, http(s) or file URL) as an RGB PIL image; a video's
     (a ``VideoSource`` URL, or a ``Video``) as a ``Video`` of its sampled frames (``io_kwargs``:
-    the request's media_io_kwargs over --media-io-kwargs). MediaError saying why not."""
+    the request's media_io_kwargs over --media-io-kwargs); an audio clip's (an ``AudioSource``
+    URL, an ``InputAudio``, an ``Audio``) as an ``Audio``. MediaError saying why not."""
     from PIL import Image
-    if isinstance(source, Video):
+    if isinstance(source, (Video, Audio)):
         return source
+    if isinstance(source, (AudioSource, InputAudio)):
+        return await _load_audio(source, config)
     if isinstance(source, VideoSource):
         return await _load_video(source, config, io_kwargs)
     if isinstance(source, Image.Image):
         return _rgb(source)
     if isinstance(source, EmbedsPayload):
         return _embeds(lambda: decode_prompt_embeds(source, "image_embeds"), config)
+    if isinstance(source, AudioEmbedsPayload):
+        return _embeds(lambda: ClipEmbeds(decode_prompt_embeds(source, "audio_embeds")), config, AUDIO)
+    if isinstance(source, ClipEmbeds):
+        return _embeds(lambda: ClipEmbeds(embeds_array(source.rows, "audio_embeds")), config, AUDIO)
     if isinstance(source, GridEmbeds):
         return _embeds(lambda: source._replace(fields={k: _field(v, k) for k, v in source.fields.items()}), config,
                        source.modality)
@@ -270,6 +323,28 @@ async def _load_video(url: str, config: MultiModalConfig, io_kwargs: Mapping[str
         raise MediaError(f"the video could not be read: {exc}") from None
 
 
+async def _load_audio(source: AudioSource | InputAudio, config: MultiModalConfig) -> Audio:
+    """An audio URL's or ``input_audio`` part's clip (``actors/tokenizer/audio.py``), decoded in a
+    thread, within vLLM's limits."""
+    limit, seconds, decoded = vllm_env.audio_limits()
+    try:
+        if isinstance(source, InputAudio):
+            data = input_audio_bytes(source, limit)
+        elif source[:5].lower() == "data:":
+            data = _data_url_bytes(source, AUDIO, limit)
+        else:
+            scheme = urllib.parse.urlsplit(source).scheme.lower()
+            if scheme in ("http", "https"):
+                data = await _fetch(source, config, AUDIO, limit)
+            elif scheme == "file":
+                data = await asyncio.to_thread(_local_bytes, source, config, AUDIO, limit)
+            else:
+                raise MediaError("The URL must be either a HTTP, data or file URL.")
+        return await asyncio.to_thread(decode_audio, data, seconds, decoded)
+    except AudioError as exc:
+        raise MediaError(f"the audio could not be read: {exc}") from None
+
+
 def _embeds(read: Callable[[], Any], config: MultiModalConfig, modality: str = IMAGE) -> Any:
     if not config.enable_mm_embeds:
         raise MediaError(MM_EMBEDS_OFF.replace("image_embeds", f"{modality}_embeds"))
@@ -314,14 +389,21 @@ async def _fetch(url: str, config: MultiModalConfig, kind: str = IMAGE, limit: i
     if config.allowed_media_domains and host not in config.allowed_media_domains:
         raise MediaError(f"The URL must be from one of the allowed domains: {list(config.allowed_media_domains)}. "
                          f"Input URL domain: {host}")
-    timeout, variable = ((vllm_env.video_fetch_timeout_s(), "VLLM_VIDEO_FETCH_TIMEOUT") if kind == VIDEO
-                         else (vllm_env.image_fetch_timeout_s(), "VLLM_IMAGE_FETCH_TIMEOUT"))
+    timeout, variable = {VIDEO: (vllm_env.video_fetch_timeout_s(), "VLLM_VIDEO_FETCH_TIMEOUT"),
+                         AUDIO: (vllm_env.audio_fetch_timeout_s(), "VLLM_AUDIO_FETCH_TIMEOUT")}.get(
+        kind, (vllm_env.image_fetch_timeout_s(), "VLLM_IMAGE_FETCH_TIMEOUT"))
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             async with session.get(url, allow_redirects=vllm_env.media_url_allow_redirects()) as response:
                 if response.status != 200:
                     raise MediaError(f"fetching the {kind} at {url} answered HTTP {response.status}")
-                data = await response.content.read(limit + 1)
+                chunks, size = [], 0          # read(n) may answer fewer bytes than the body has: read to its end
+                async for chunk in response.content.iter_chunked(1 << 20):
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        break
+                data = b"".join(chunks)
     except TimeoutError:
         raise MediaError(f"fetching the {kind} at {url} took longer than {timeout} s ({variable})") from None
     except aiohttp.ClientError as exc:
@@ -410,6 +492,8 @@ _PROMPT_PLACEHOLDERS = {"Qwen2VLProcessor": "<|vision_start|><|image_pad|><|visi
 VIDEO_PROCESSORS = {"Qwen2VLProcessor": "<|vision_start|><|video_pad|><|vision_end|>",
                     "Qwen2_5_VLProcessor": "<|vision_start|><|video_pad|><|vision_end|>",
                     "Qwen3VLProcessor": "<|vision_start|><|video_pad|><|vision_end|>"}
+# what a prompt writes for an audio clip beside its audio token (vLLM's placeholder strings)
+AUDIO_PROCESSORS = {"Qwen2AudioProcessor": "<|audio_bos|><|AUDIO|><|audio_eos|>"}
 
 
 class ImagesOnlyProcessor:
@@ -463,12 +547,12 @@ def _checkpoint_config(checkpoint_dir: str) -> dict[str, Any]:
 
 class ImageProcessor:
     """The checkpoint's processor (transformers' ``AutoProcessor``) for one model: each image's
-    inputs, and the expansion of its placeholder in the prompt."""
+    (video's, audio clip's) inputs, and the expansion of its placeholder in the prompt."""
 
-    def __init__(self, checkpoint_dir: str, image_token_id: int, config: MultiModalConfig,
+    def __init__(self, checkpoint_dir: str, image_token_id: int | None, config: MultiModalConfig,
                  encode: Callable[[str], list[int]], counts: Any = None, hidden_size: int = 0,
                  whole_item_budget: int | None = None, needs_grid: bool = False,
-                 video_token_id: int | None = None) -> None:
+                 video_token_id: int | None = None, audio_token_id: int | None = None) -> None:
         """``encode``: the served tokenizer's text -> token ids, no special tokens added;
         ``counts``: what counts the processor cache's lookups (``mm_cache_queries`` and
         ``mm_cache_hits`` attributes: the server's stats; None: itself); ``hidden_size``: the
@@ -477,7 +561,9 @@ class ImageProcessor:
         budget, which an image may not exceed; ``needs_grid``: an image's positions come from its
         grid of patches (M-RoPE's), which embeddings given alone do not say; ``video_token_id``: a
         model that takes videos, the token whose positions take a video's embeddings (its
-        processor one ``VIDEO_PROCESSORS`` names)."""
+        processor one ``VIDEO_PROCESSORS`` names); ``image_token_id`` None: a model that takes no
+        images; ``audio_token_id``: a model that takes audio, the token whose positions take a
+        clip's embeddings (its processor has a feature extractor and an audio token)."""
         self.whole_item_budget = whole_item_budget
         self.needs_grid = needs_grid
         from transformers import AutoProcessor
@@ -493,23 +579,23 @@ class ImageProcessor:
                     raise
         except (OSError, ValueError, ImportError) as exc:
             raise ValueError(f"{checkpoint_dir}: the checkpoint's processor (processor_config.json, "
-                             f"preprocessor_config.json) could not be built, so images cannot be served ("
+                             f"preprocessor_config.json) could not be built, so its media cannot be served ("
                              f"{str(exc).strip()}); --language-model-only serves the model on text") from None
         finally:
             hf_logging.set_verbosity(verbosity)
         self.name = getattr(self.processor, "name", type(self.processor).__name__)
-        self.placeholder = getattr(self.processor, "image_token", None)
-        if not isinstance(self.placeholder, str) or not hasattr(self.processor, "image_processor"):
-            raise ValueError(f"{self.name} has no image processor and image token, so images cannot be served")
-        # what a prompt writes for an image (vLLM's placeholder string): the image token, or with
-        # the markers the model's template puts around it
-        self.prompt_placeholder = _PROMPT_PLACEHOLDERS.get(self.name, self.placeholder)
-        placeholder_ids = encode(self.placeholder)
-        if len(placeholder_ids) != 1:
-            raise ValueError(f"the image placeholder {self.placeholder!r} is {len(placeholder_ids)} tokens to the "
-                             "served tokenizer, not one")
-        self.placeholder_id = placeholder_ids[0]
+        self.placeholder = self.placeholder_id = self.prompt_placeholder = None
+        if image_token_id is not None:
+            self.placeholder = getattr(self.processor, "image_token", None)
+            if not isinstance(self.placeholder, str) or not hasattr(self.processor, "image_processor"):
+                raise ValueError(f"{self.name} has no image processor and image token, so images cannot be served")
+            # what a prompt writes for an image (vLLM's placeholder string): the image token, or with
+            # the markers the model's template puts around it
+            self.prompt_placeholder = _PROMPT_PLACEHOLDERS.get(self.name, self.placeholder)
+            self.placeholder_id = self._one_token(encode, self.placeholder, IMAGE)
         self.image_token_id = image_token_id
+        self.video: QwenVideoProcessor | None = None            # set below, for a model that takes them
+        self.audio_placeholder = self.audio_placeholder_id = self.sampling_rate = None
         self.config = config
         self.encode = encode
         # vLLM's processor cache (--mm-processor-cache-gb): processed images by identifier, newest last
@@ -523,22 +609,42 @@ class ImageProcessor:
         # features beside (the vision tower's outputs), and the side of the patches merged into one
         vision = _checkpoint_config(checkpoint_dir).get("vision_config") or {}
         self.embeds_width = hidden_size * (1 + len(vision.get("deepstack_visual_indexes") or ()))
-        self.merge_size = int(getattr(self.processor.image_processor, "merge_size", None)
+        self.merge_size = int(getattr(getattr(self.processor, "image_processor", None), "merge_size", None)
                               or vision.get("spatial_merge_size") or 1)
         # whether an image's placeholder expands to image tokens alone (LLaVA's), so that one given
         # as embeddings expands to as many as it has rows
         self.plain_expansion = False
-        if config.enable_mm_embeds:
+        if config.enable_mm_embeds and image_token_id is not None:
             from PIL import Image
             ids = self._processed(Image.new("RGB", (64, 64)))[0]
             self.plain_expansion = all(t == image_token_id for t in ids)
             self.clear()
         self.mm_cache_queries = self.mm_cache_hits = 0
         self.counts = counts if counts is not None else self
-        self.video: QwenVideoProcessor | None = None
         self.video_token_id = video_token_id
         if video_token_id is not None:
             self._take_videos(checkpoint_dir, encode)
+        self.audio_token_id = audio_token_id
+        if audio_token_id is not None:
+            self._take_audio(encode)
+
+    def _one_token(self, encode: Callable[[str], list[int]], text: str, modality: str) -> int:
+        ids = encode(text)
+        if len(ids) != 1:
+            raise ValueError(f"the {modality} placeholder {text!r} is {len(ids)} tokens to the served tokenizer, "
+                             "not one")
+        return ids[0]
+
+    def _take_audio(self, encode: Callable[[str], list[int]]) -> None:
+        """Audio by the processor's feature extractor (its sampling rate), its audio token the placeholder."""
+        extractor = getattr(self.processor, "feature_extractor", None)
+        token = getattr(self.processor, "audio_token", None)
+        if extractor is None or not isinstance(token, str):
+            raise ValueError(f"{self.name} has no feature extractor and audio token, so audio cannot be served")
+        self.audio_placeholder = token
+        self.audio_placeholder_id = self._one_token(encode, token, AUDIO)
+        self.prompt_audio_placeholder = AUDIO_PROCESSORS.get(self.name, token)
+        self.sampling_rate = int(extractor.sampling_rate)
 
     def _take_videos(self, checkpoint_dir: str, encode: Callable[[str], list[int]]) -> None:
         """Videos by Qwen-VL's video processing, where the checkpoint's processor is Qwen2-VL's,
@@ -557,10 +663,21 @@ class ImageProcessor:
     @property
     def placeholders(self) -> dict[str, str]:
         """What a prompt writes for each modality the model takes (vLLM's placeholder strings)."""
-        out = {IMAGE: self.prompt_placeholder}
+        out = {IMAGE: self.prompt_placeholder} if self.placeholder is not None else {}
         if self.video is not None:
             out[VIDEO] = self.prompt_video_placeholder
+        if self.audio_placeholder is not None:
+            out[AUDIO] = self.prompt_audio_placeholder
         return out
+
+    def takes(self, modality: str) -> bool:
+        """Whether the model takes items of ``modality``."""
+        return {IMAGE: self.placeholder, VIDEO: self.video, AUDIO: self.audio_placeholder}.get(modality) is not None
+
+    def _refusal(self, modality: str) -> str:
+        plural = {IMAGE: "images", VIDEO: "videos", AUDIO: "audio"}
+        takes = [plural[m] for m in (IMAGE, VIDEO, AUDIO) if self.takes(m)]
+        return f"this model takes no {plural[modality]} ({self.name} takes {' and '.join(takes)})"
 
     def process(self, image: Any, kwargs: Mapping[str, Any] | None = None) -> Processed:
         """One image (a PIL image, or its embeddings' rows) or video (a ``Video``) -> the token
@@ -568,6 +685,10 @@ class ImageProcessor:
         and modality."""
         if isinstance(image, Video):
             return self._processed_video(image, kwargs)
+        if isinstance(image, Audio):
+            return self._processed_audio(image, kwargs)
+        if isinstance(image, ClipEmbeds):
+            return self._embedded_audio(image.rows)
         if isinstance(image, GridEmbeds):
             return self._grid_embedded(image)
         if isinstance(image, np.ndarray):
@@ -578,7 +699,7 @@ class ImageProcessor:
         """A video by the model's video processor; its identifier a digest of its frames, their
         metadata and the processor's keywords (the processor cache keeps it as an image's)."""
         if self.video is None:
-            raise MediaError(f"this model takes no videos ({self.name} takes images)")
+            raise MediaError(self._refusal(VIDEO))
         kwargs = {**self.config.mm_processor_kwargs, **(kwargs or {})}
         h = hashlib.blake2b(digest_size=16)
         h.update(f"video:{video.frames.shape}:{json.dumps(video.metadata, sort_keys=True, default=str)}:"
@@ -605,8 +726,8 @@ class ImageProcessor:
         embeds, grid_key = f"{modality}_embeds", f"{modality}_grid_thw"
         if not self.needs_grid:
             raise MediaError(f"this model takes {modality} embeddings as a tensor of rows, not a dict with a grid")
-        if modality == VIDEO and self.video is None:
-            raise MediaError(f"this model takes no videos ({self.name} takes images)")
+        if not self.takes(modality):
+            raise MediaError(self._refusal(modality))
         timestamps = modality == VIDEO and self.video.timestamps
         allowed = {embeds, grid_key} | ({"timestamps"} if timestamps else set())
         missing, unknown = sorted(allowed - set(fields)), sorted(set(fields) - allowed)
@@ -659,6 +780,8 @@ class ImageProcessor:
 
     def _embedded(self, rows: np.ndarray) -> Processed:
         """An image given as its embeddings (positions, hidden): as many image tokens."""
+        if not self.takes(IMAGE):
+            raise MediaError(self._refusal(IMAGE))
         if self.needs_grid:
             raise MediaError("this model's image positions (M-RoPE's) come from an image's grid of patches, which "
                              "image_embeds alone do not give: send the image, or a dict of its image_embeds and "
@@ -673,35 +796,69 @@ class ImageProcessor:
         identifier = "embeds-" + hashlib.blake2b(rows.tobytes(), digest_size=16).hexdigest()
         return Processed([self.image_token_id] * len(rows), {"image_embeds": rows}, identifier)
 
+    def _embedded_audio(self, rows: np.ndarray) -> Processed:
+        """An audio clip given as its embeddings (positions, hidden): as many audio tokens (its
+        processor's expansion of the audio placeholder)."""
+        if not self.takes(AUDIO):
+            raise MediaError(self._refusal(AUDIO))
+        try:
+            check_hidden_size(rows, self.hidden_size, "audio_embeds")
+        except ValueError as exc:
+            raise MediaError(str(exc)) from None
+        identifier = "embeds-" + hashlib.blake2b(rows.tobytes(), digest_size=16).hexdigest()
+        return Processed([self.audio_token_id] * len(rows), {"audio_embeds": rows}, identifier, AUDIO)
+
     def _processed(self, image: Any, kwargs: Mapping[str, Any] | None = None) -> Processed:
         """A PIL image by the checkpoint's processor; its identifier a digest of its pixels and
         the processor's keywords (the server's --mm-processor-kwargs under the request's
         ``kwargs``). An image processed before with the same keywords comes from the processor
         cache."""
+        if not self.takes(IMAGE):
+            raise MediaError(self._refusal(IMAGE))
         kwargs = {**self.config.mm_processor_kwargs, **(kwargs or {})}
         h = hashlib.blake2b(digest_size=16)
         h.update(f"{image.mode}:{image.size}:{json.dumps(kwargs, sort_keys=True, default=str)}".encode())
         h.update(image.tobytes())
-        identifier = h.hexdigest()
-        cached = self._cached(identifier, IMAGE)
+        return self._by_processor(h.hexdigest(), IMAGE, self.placeholder, images=[image], **kwargs)
+
+    def _processed_audio(self, audio: Audio, kwargs: Mapping[str, Any] | None = None) -> Processed:
+        """An audio clip by the checkpoint's processor (its feature extractor's log-mel features),
+        brought to the extractor's sampling rate first; its identifier a digest of its samples, their
+        rate and the processor's keywords."""
+        if not self.takes(AUDIO):
+            raise MediaError(self._refusal(AUDIO))
+        kwargs = {**self.config.mm_processor_kwargs, **(kwargs or {})}
+        samples, rate = audio.samples, self.sampling_rate
+        if audio.sampling_rate is not None:
+            samples = resample(samples, audio.sampling_rate, rate)
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"audio:{rate}:{len(samples)}:{json.dumps(kwargs, sort_keys=True, default=str)}".encode())
+        h.update(samples.tobytes())
+        return self._by_processor(h.hexdigest(), AUDIO, self.audio_placeholder, audio=[samples], sampling_rate=rate,
+                                  **kwargs)
+
+    def _by_processor(self, identifier: str, modality: str, placeholder: str, **inputs: Any) -> Processed:
+        """One item through the checkpoint's processor (``inputs``: the item, the keywords), or
+        from the processor cache: the token ids its placeholder became, and its inputs."""
+        cached = self._cached(identifier, modality)
         if cached is not None:
             return cached
         try:
-            out = self.processor(text=self.placeholder, images=[image], return_text_replacement_offsets=True,
-                                 add_special_tokens=False, return_tensors="np", **kwargs)
+            out = self.processor(text=placeholder, return_text_replacement_offsets=True, add_special_tokens=False,
+                                 return_tensors="np", **inputs)
         except (ValueError, TypeError, KeyError) as exc:
-            raise MediaError(f"{self.name} could not process the image: {exc}") from None
+            raise MediaError(f"{self.name} could not process the {modality}: {exc}") from None
         if "text_replacement_offsets" in out:       # what the placeholder became, as text (vLLM's way)
             replacements = out["text_replacement_offsets"][0]
             if len(replacements) != 1:
-                raise MediaError(f"{self.name} expanded one image into {len(replacements)} places")
+                raise MediaError(f"{self.name} expanded one {modality} into {len(replacements)} places")
             ids = self.encode(replacements[0]["replacement"])
         else:                                       # a transformers without them: the expansion's token ids
             ids = [int(t) for t in out["input_ids"][0]]
         data = {key: np.ascontiguousarray(value) for key, value in out.items() if key not in _NOT_INPUTS
                 and isinstance(value, np.ndarray)}
         self._keep(identifier, ids, data)
-        return Processed(ids, data, identifier)
+        return Processed(ids, data, identifier, modality)
 
     def _cached(self, identifier: str, modality: str) -> Processed | None:
         """An item processed before (the processor cache), counted as a lookup."""
@@ -739,7 +896,8 @@ class ImageProcessor:
         items = [item if isinstance(item, Processed) else Processed(*item) for item in items]
         slots: list[tuple[int, Processed]] = []
         for modality, token, name in ((IMAGE, self.placeholder_id, self.placeholder),
-                                      (VIDEO, getattr(self, "video_placeholder_id", None), "<|video_pad|>")):
+                                      (VIDEO, getattr(self, "video_placeholder_id", None), "<|video_pad|>"),
+                                      (AUDIO, self.audio_placeholder_id, self.audio_placeholder)):
             mine = [item for item in items if item.modality == modality]
             at = [i for i, t in enumerate(ids) if t == token] if token is not None else []
             if len(at) != len(mine):
@@ -751,12 +909,13 @@ class ImageProcessor:
         previous = 0
         for position, (expansion, data, identifier, modality) in sorted(slots, key=lambda slot: slot[0]):
             out.extend(ids[previous:position])
-            token = self.image_token_id if modality == IMAGE else self.video_token_id
+            token = {IMAGE: self.image_token_id, VIDEO: self.video_token_id, AUDIO: self.audio_token_id}[modality]
             is_embed = np.asarray(expansion) == token
             if not is_embed.any():
                 raise MediaError(f"the {modality}'s expansion holds no {modality} token ({token})")
             if self.whole_item_budget is not None and len(expansion) > self.whole_item_budget:
-                raise MediaError(f"an image takes {len(expansion)} positions, which are computed in one step, and a "
+                raise MediaError(f"an {'audio clip' if modality == AUDIO else modality} takes {len(expansion)} positions, "
+                                 "which are computed in one step, and a "
                                  f"step takes at most {self.whole_item_budget} tokens (--max-num-batched-tokens)")
             features.append(MultiModalFeature(modality, identifier, len(out), len(expansion), data,
                                               None if is_embed.all() else is_embed))
@@ -766,11 +925,11 @@ class ImageProcessor:
         return out, features
 
     def check_count(self, sources: Sequence[Any]) -> None:
-        """At most --limit-mm-per-prompt items of each modality; videos to a model that takes them."""
-        videos = sum(modality_of(s) == VIDEO for s in sources)
-        if videos and self.video is None:
-            raise MediaError(f"this model takes no videos ({self.name} takes images)")
-        for modality, n in ((IMAGE, len(sources) - videos), (VIDEO, videos)):
+        """At most --limit-mm-per-prompt items of each modality, of the modalities the model takes."""
+        counts = collections.Counter(modality_of(s) for s in sources)
+        for modality, n in counts.items():
+            if not self.takes(modality):
+                raise MediaError(self._refusal(modality))
             limit = self.config.limit(modality)
             if n > limit:
                 raise MediaError(f"At most {limit} {modality}(s) may be provided in one prompt. Set "

@@ -147,7 +147,9 @@ def test_placeholders_and_images_must_pair_up_within_the_limit(llm):
              ({"prompt": "t5 <image> <image>", "multi_modal_data": {"image": image}}, "2 image placeholders"),
              ({"prompt": "t5 <image> <image> <image>", "multi_modal_data": {"image": [image] * 3}},
               r"At most 2 image\(s\) may be provided in one prompt"),
-             ({"prompt": PROMPT, "multi_modal_data": {"audio": image}}, "multi_modal_data"),
+             ({"prompt": PROMPT, "multi_modal_data": {"audio": ([0.0] * 1600, 16000)}},
+              r"this model takes no audio \(LlavaProcessor takes images\)"),
+             ({"prompt": PROMPT, "multi_modal_data": {"sound": image}}, r"multi_modal_data \['sound'\]"),
              ({"prompt": PROMPT, "multi_modal_data": {"image": "not an image"}}, "HTTP, data or file URL")]
     for prompt, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -205,3 +205,16 @@ def test_a_multimodal_checkpoint_is_named_by_its_architecture_in_config_json(tmp
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaNextForConditionalGeneration"]}))
     with pytest.raises(ValueError, match="LlavaNextForConditionalGeneration.*is not supported"):
         hf_model_config(json.loads((tmp_path / "config.json").read_text()))
+
+
+def test_qwen2_audios_checkpoint_takes_audio_unless_served_as_its_language_model():
+    """Qwen2-Audio's config.json: its language model's keys from text_config (Qwen2's, biases on
+    q/k/v), the audio token from audio_token_index; --language-model-only serves it on text."""
+    from transformers import Qwen2AudioConfig
+    raw = Qwen2AudioConfig(text_config=dict(TEXT, num_hidden_layers=2), audio_token_index=299,
+                           audio_config=dict(d_model=32, encoder_layers=1)).to_dict()
+    raw["architectures"] = ["Qwen2AudioForConditionalGeneration"]
+    config = hf_model_config(raw)
+    assert config.audio_token_id == 299 and config.image_token_id is None and config.qkv_bias
+    assert config.hidden_size == 64 and config.num_layers == 2 and config.vocab_size == 300
+    assert hf_model_config(raw, language_model_only=True).audio_token_id is None

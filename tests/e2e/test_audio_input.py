@@ -1,0 +1,210 @@
+"""Audio input, as vLLM takes it, on a tiny random Qwen2-Audio checkpoint (an audio tower, a
+projector, a Qwen2: Troupe's own class, the tower and projector built by transformers) saved with
+its processor by transformers: offline (``multi_modal_data={"audio": ...}``, ``input_audio`` chat
+parts) and over HTTP (``input_audio`` parts, ``audio_url`` parts as data, http and file URLs), the
+greedy tokens are those of transformers' own ``generate`` over the same clips (brought to the
+feature extractor's 16 kHz first), in prefill chunks that split a clip; the prefix cache serves a
+clip's blocks to the same clip only; unreadable, overlong and surplus clips are refused by name."""
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from helpers import audio_file, save_tiny_qwen2_audio, tone
+from server import Server
+
+pytestmark = pytest.mark.slow
+
+CLIP = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def qwen2_audio(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2_audio")
+    hf, processor = save_tiny_qwen2_audio(path)
+    return str(path), hf, processor
+
+
+def hf_answer(qwen2_audio, text: str, clips: list) -> list[int]:
+    """transformers' greedy tokens for ``text`` (one CLIP per clip) with ``clips`` at 16 kHz."""
+    import torch
+    _, hf, processor = qwen2_audio
+    inputs = processor(text=text, audio=clips, sampling_rate=16000, return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def tower_rows(qwen2_audio, clip):
+    """The rows transformers' Qwen2-Audio puts at a clip's positions (its projector's outputs
+    over the clip's own frames), as vLLM's audio_embeds take them."""
+    import torch
+    _, hf, processor = qwen2_audio
+    inputs = processor(text=CLIP, audio=[clip], sampling_rate=16000, return_tensors="pt")
+    seen = []
+    hook = hf.model.multi_modal_projector.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        with torch.no_grad():
+            hf(**inputs)
+    finally:
+        hook.remove()
+    positions = int((inputs["input_ids"] == hf.config.audio_token_id).sum())
+    return seen[0][0, :positions].float()
+
+
+def greedy():
+    from actors.api import SamplingParams
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+
+
+def test_clips_answer_as_transformers_qwen2_audio_does_in_prefill_chunks_that_split_them(qwen2_audio):
+    """Clips given as (samples, rate) pairs (one at 8 kHz, resampled to 16 kHz), as samples
+    alone (taken at 16 kHz) and as a chat's input_audio part (a WAV file) answer as transformers
+    does; a clip's 32 positions are computed in chunks of 16 prompt tokens; the prefix cache
+    serves the clip's blocks again to the same clip, to no other; placeholders and clips must pair
+    up, within --limit-mm-per-prompt, and images are refused by name; with --enable-mm-embeds the
+    clip's embeddings (vLLM's (clips, positions, hidden) tensor) answer as the clip does."""
+    from actors.api import LLM
+    from actors.tokenizer.audio import resample
+    from helpers import random_image
+    a, b8 = tone(1.3), tone(0.9, 8000, period=3.0, seed=1)
+    one = f"t5 t9 {CLIP} " + " ".join(f"t{i}" for i in range(20, 40))
+    two = f"t5 {CLIP} t6 {CLIP} t7"
+    want_one = hf_answer(qwen2_audio, one, [a])
+    want_two = hf_answer(qwen2_audio, two, [a, resample(b8, 8000, 16000)])
+    assert want_one != hf_answer(qwen2_audio, one, [tone(1.3, seed=5)])
+    with LLM(model=qwen2_audio[0], max_model_len=256, max_num_batched_tokens=16,
+             limit_mm_per_prompt={"audio": 2}, enable_mm_embeds=True) as llm:
+        got = llm.generate([{"prompt": one, "multi_modal_data": {"audio": (a, 16000)}},
+                            {"prompt": two, "multi_modal_data": {"audio": [(a, 16000), (b8, 8000)]}}], greedy())
+        assert [list(r.outputs[0].token_ids) for r in got] == [want_one, want_two]
+        assert len(got[0].prompt_token_ids) == 2 + 34 + 20      # bos, 32 audio positions, eos
+        again = llm.generate({"prompt": one, "multi_modal_data": {"audio": a}}, greedy())[0]
+        assert list(again.outputs[0].token_ids) == want_one and again.num_cached_tokens == 48
+        other = llm.generate({"prompt": one, "multi_modal_data": {"audio": tone(1.3, seed=5)}}, greedy())[0]
+        assert other.num_cached_tokens == 0      # the same text, another clip: no block past the clip shared
+        wav = base64.b64encode(audio_file(a)).decode()
+        messages = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+                                                 {"type": "text", "text": "t7"}]}]
+        assert list(llm.chat(messages, greedy())[0].outputs[0].token_ids) == hf_answer(
+            qwen2_audio, f"t1 {CLIP} t7 t3", [a])
+        rows = tower_rows(qwen2_audio, a)
+        given = llm.generate({"prompt": one, "multi_modal_data": {"audio": rows[None]}}, greedy())[0]
+        assert list(given.outputs[0].token_ids) == want_one and len(given.prompt_token_ids) == 56
+        with pytest.raises(ValueError, match="`audio_embeds` hidden_size 32 does not match the model's hidden_size 64"):
+            llm.generate({"prompt": one, "multi_modal_data": {"audio": [rows[:, :32]]}}, greedy())
+        with pytest.raises(ValueError, match=r"the prompt has 1 audio placeholders \('<\|AUDIO\|>'\) for 2 audios"):
+            llm.generate({"prompt": one, "multi_modal_data": {"audio": [a, a]}}, greedy())
+        with pytest.raises(ValueError, match=r"At most 2 audio\(s\) may be provided in one prompt"):
+            llm.generate({"prompt": one, "multi_modal_data": {"audio": [a, a, a]}}, greedy())
+        with pytest.raises(ValueError, match=r"this model takes no images \(Qwen2AudioProcessor takes audio\)"):
+            llm.generate({"prompt": one, "multi_modal_data": {"image": random_image(1)}}, greedy())
+
+
+# -- over HTTP ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """A folder of audio files (a 16 kHz WAV, a 22.05 kHz stereo FLAC, a 44.1 kHz MP3, text that
+    is no audio, a WAV longer than the server allows), served over HTTP on 127.0.0.1 too."""
+    import numpy as np
+    root = tmp_path_factory.mktemp("audio")
+    (root / "a.wav").write_bytes(audio_file(tone(1.3)))
+    left, right = tone(1.0, 22050, seed=2), tone(1.0, 22050, period=11.0, seed=3)
+    (root / "b.flac").write_bytes(audio_file(np.stack([left, right], axis=1), 22050, "FLAC"))
+    (root / "c.mp3").write_bytes(audio_file(tone(0.8, 44100, seed=4), 44100, "MP3"))
+    (root / "notes.txt").write_text("not audio")
+    (root / "long.wav").write_bytes(audio_file(tone(3.5)))
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(root), **k)  # noqa: E731
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(qwen2_audio, media):
+    s = Server("--model", qwen2_audio[0], "--threads", "1", "--max-model-len", "256", "--allowed-local-media-path",
+               str(media[0]), "--enable-mm-embeds", env={"VLLM_MAX_AUDIO_DECODE_DURATION_S": "3"})
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def post(server, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read().decode())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode())
+
+
+def chat(server, part: dict, text: str = "t5 t6") -> tuple[int, dict]:
+    return post(server, {"messages": [{"role": "user", "content": [part, {"type": "text", "text": text}]}],
+                         "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True})
+
+
+def clip_of(path, rate: int = 16000):
+    """A file's clip as the server reads it (channels averaged), brought to 16 kHz."""
+    import soundfile
+
+    from actors.tokenizer.audio import resample
+    samples, native = soundfile.read(str(path), dtype="float32", always_2d=True)
+    return resample(samples.mean(axis=1), native, rate)
+
+
+def test_chat_takes_input_audio_audio_urls_as_data_http_or_allowed_files_and_audio_embeds(server, media,
+                                                                                           qwen2_audio):
+    import torch
+    root, base = media
+    want = hf_answer(qwen2_audio, f"t1 {CLIP} t5 t6 t3", [clip_of(root / "a.wav")])
+    data = base64.b64encode((root / "a.wav").read_bytes()).decode()
+    for part in ({"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+                 {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{data}"}},
+                 {"type": "audio_url", "audio_url": {"url": f"{base}/a.wav"}},
+                 {"type": "audio_url", "audio_url": {"url": f"file://{root / 'a.wav'}"}}):
+        status, body = chat(server, part)
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == want, part["type"]
+    buf = io.BytesIO()
+    torch.save(tower_rows(qwen2_audio, clip_of(root / "a.wav")), buf)
+    status, body = chat(server, {"type": "audio_embeds", "audio_embeds": base64.b64encode(buf.getvalue()).decode()})
+    assert status == 200 and body["choices"][0]["token_ids"] == want, body
+    for name in ("b.flac", "c.mp3"):          # other rates and formats, a stereo file's channels averaged
+        status, body = chat(server, {"type": "audio_url", "audio_url": {"url": f"{base}/{name}"}})
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == hf_answer(qwen2_audio, f"t1 {CLIP} t5 t6 t3",
+                                                            [clip_of(root / name)]), name
+
+
+def test_audio_that_cannot_or_may_not_be_read_is_a_400_saying_why(server, media):
+    root, base = media
+    cases = [({"type": "input_audio", "input_audio": {"data": "not base64!", "format": "wav"}},
+              "input_audio's data is not valid base64"),
+             ({"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF....").decode()}},
+              "Invalid or unsupported audio file"),
+             ({"type": "audio_url", "audio_url": {"url": f"{base}/notes.txt"}}, "Invalid or unsupported audio file"),
+             ({"type": "audio_url", "audio_url": {"url": f"{base}/long.wav"}},
+              "Audio exceeds maximum allowed duration of 3s (file contains 3.5s at 16000Hz)"),
+             ({"type": "audio_url", "audio_url": {"url": "file:///etc/hostname"}}, "must be a subpath of"),
+             ({"type": "audio_url", "audio_url": {"url": ""}}, "an audio_url part needs a non-empty url"),
+             ({"type": "image_url", "image_url": {"url": f"{base}/a.wav"}},
+              "this model takes no images (Qwen2AudioProcessor takes audio)")]
+    for part, reason in cases:
+        status, body = chat(server, part)
+        assert status == 400 and reason in body["error"]["message"], (part, body)
