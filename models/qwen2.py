@@ -78,9 +78,11 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
     frames, an encoder, a pooling by two) and a linear projector beside a Qwen2. The language
     model is Troupe's Qwen2; ``load_audio`` builds transformers' audio tower and projector from the
     checkpoint's audio_config and reads them. A clip's embeddings are the projector's of the tower's
-    outputs over its own frames (the padding up to the feature extractor's window masked out of
-    the attention, then cut off), as transformers' Qwen2-Audio makes them; with
-    --language-model-only the audio tensors are never read."""
+    outputs over its own frames, as transformers' Qwen2-Audio makes them (which runs the tower over
+    the whole window with the padding masked out of the attention, then cuts it off): the
+    encoder's layers run over the clip's own positions alone, which the padding never reaches, so
+    a 10-second clip costs a third of the 30-second window. With --language-model-only the audio
+    tensors are never read."""
     hf_text_config: ClassVar[str | None] = "text_config"
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = AUDIO_PREFIXES
     takes_audio: ClassVar[bool] = True
@@ -97,20 +99,25 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
         the window (``input_features``, a batch of one) and the mask of its own frames
         (``feature_attention_mask``), or its embeddings as given (``audio_embeds``)."""
         import numpy as np
-        from transformers.masking_utils import create_bidirectional_mask
+        from torch.nn import functional as F
         if modality != "audio":
             raise ValueError(f"{type(self).__name__} takes no {modality} input")
         weight = self.embed_tokens.weight
         given = data.get("audio_embeds")
         if given is not None:
             return torch.as_tensor(np.asarray(given), device=weight.device).to(weight.dtype)
+        tower = self.audio_tower
         features = torch.as_tensor(np.asarray(data["input_features"]), device=weight.device).to(weight.dtype)
+        window = tower.max_source_positions * tower.conv1.stride[0] * tower.conv2.stride[0]
+        if features.shape[-1] != window:
+            raise ValueError(f"the audio tower takes log-mel features of {window} frames, got {features.shape[-1]}")
         frames = int(np.asarray(data["feature_attention_mask"]).sum())
-        convolved = (frames - 1) // 2 + 1                # after the stride-2 convolution
-        positions = (features.shape[-1] - 2) // 2 + 1
-        own = (torch.arange(positions, device=weight.device) < convolved).long()[None]
-        mask = create_bidirectional_mask(config=self.audio_tower.config, attention_mask=own,
-                                         inputs_embeds=torch.zeros(1, positions, 1, dtype=weight.dtype,
-                                                                   device=weight.device))
-        states = self.audio_tower(features, attention_mask=mask).last_hidden_state
-        return self.multi_modal_projector(states)[0, :(convolved - 2) // 2 + 1]
+        own = (frames - 1) // 2 + 1                # positions after the stride-2 convolution
+        # the convolutions' reach past the last of them: frames up to 2 * own (one of padding)
+        states = F.gelu(tower.conv2(F.gelu(tower.conv1(features[..., :min(window, 2 * own + 2)]))))
+        states = states[..., :own].permute(0, 2, 1) + tower.embed_positions.weight[:own]
+        for layer in tower.layers:
+            states = layer(states, None)
+            states = states[0] if isinstance(states, tuple) else states
+        states = tower.layer_norm(tower.avg_pooler(states.permute(0, 2, 1)).permute(0, 2, 1))
+        return self.multi_modal_projector(states)[0, :(own - 2) // 2 + 1]

@@ -60,6 +60,24 @@ def tower_rows(qwen2_audio, clip):
     return seen[0][0, :positions].float()
 
 
+def test_the_towers_rows_over_a_clips_own_positions_are_transformers_over_the_padded_window(qwen2_audio):
+    """Troupe's Qwen2-Audio runs the encoder over the clip's own positions alone; transformers
+    runs it over the whole window with the padding masked out: the rows agree, for a short clip,
+    odd and even frame counts, and one that fills the window."""
+    import torch
+
+    from models.registry import load_model
+    from models.resolve import resolve_model
+    path, _, processor = qwen2_audio
+    model, _ = load_model(resolve_model(path))
+    for seconds in (0.05, 0.3, 1.31, 2.0):
+        clip = tone(seconds)
+        inputs = processor(text=CLIP, audio=[clip], sampling_rate=16000, return_tensors="np")
+        with torch.no_grad():
+            got = model.embed_multimodal("audio", {k: inputs[k] for k in ("input_features", "feature_attention_mask")})
+        torch.testing.assert_close(got, tower_rows(qwen2_audio, clip), atol=1e-5, rtol=1e-5)
+
+
 def greedy():
     from actors.api import SamplingParams
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0)

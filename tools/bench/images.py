@@ -11,11 +11,16 @@ weights, a small SigLIP; its tokenizer from the gemma3-270m package): 256 positi
 attend to each other both ways. ``--family qwen2_vl`` writes a Qwen2-VL-shaped one (SmolLM2-135M's
 weights as its language model, with M-RoPE sections over its heads, and a random Qwen2-VL vision
 tower): a 400x300 picture is 616 patches of 14 pixels merged 2x2 into 154 positions with M-RoPE's
-(time, height, width) positions.
+(time, height, width) positions. ``--family qwen2_audio`` writes a Qwen2-Audio-shaped one (SmolLM2-135M's
+weights as its language model, a random audio tower of Whisper-base's size: 6 layers of 512 over 80
+log-mel bins in a 30-second window): ``run`` then sends each request a clip of its own (``--seconds``
+of noise and tones at 16 kHz; a 10-second clip takes 250 positions).
 
     .venv/bin/python -m tools.bench.images write /tmp/llava-bench --language-model /tmp/peers/smollm2-hf
     .venv/bin/python -m tools.bench.images write /tmp/gemma3-bench --family gemma3
     .venv/bin/python -m tools.bench.images write /tmp/qwen2vl-bench --family qwen2_vl \
+        --language-model /tmp/peers/smollm2-hf
+    .venv/bin/python -m tools.bench.images write /tmp/qwen2audio-bench --family qwen2_audio \
         --language-model /tmp/peers/smollm2-hf
     .venv/bin/python -m tools.bench.images run --model /tmp/llava-bench
     .venv/bin/python -m tools.bench.images video --frames 32 --size 640x360
@@ -145,6 +150,49 @@ def write_qwen2_vl(out: str, language_model: str) -> None:
     print(json.dumps({"wrote": out, "image_token": ids["<|image_pad|>"]}))
 
 
+QWEN2_AUDIO_TOWER = dict(num_mel_bins=80, encoder_layers=6, encoder_attention_heads=8, encoder_ffn_dim=2048,
+                         d_model=512, max_source_positions=1500)
+QWEN2_AUDIO_PROMPT = ("<|im_start|>user\nAudio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\nWhat is said?<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+
+
+def write_qwen2_audio(out: str, language_model: str) -> None:
+    import torch
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(language_model)
+    tokenizer.add_tokens(["<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>"], special_tokens=True)
+    audio_token = tokenizer.convert_tokens_to_ids("<|AUDIO|>")
+    lm = transformers.AutoModelForCausalLM.from_pretrained(language_model, dtype=torch.float32)
+    lm.resize_token_embeddings(len(tokenizer))
+    text = lm.config.to_dict()
+    text.update(vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    config = transformers.Qwen2AudioConfig(
+        text_config={k: v for k, v in text.items() if k not in ("architectures", "model_type")},
+        audio_config=QWEN2_AUDIO_TOWER, audio_token_index=audio_token)
+    model = transformers.Qwen2AudioForConditionalGeneration(config)
+    missing = model.model.language_model.load_state_dict(lm.model.state_dict(), strict=False).missing_keys
+    assert all(k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) for k in missing), missing
+    with torch.no_grad():          # SmolLM2 has no q/k/v biases: Qwen2's, zero
+        for name, p in model.model.language_model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.zero_()
+        model.lm_head.weight.copy_(lm.lm_head.weight)
+    model.to(torch.bfloat16).save_pretrained(out)
+    transformers.Qwen2AudioProcessor(feature_extractor=transformers.WhisperFeatureExtractor(feature_size=80),
+                                     tokenizer=tokenizer).save_pretrained(out)
+    print(json.dumps({"wrote": out, "audio_token": audio_token}))
+
+
+def clips(n: int, seed: int, seconds: float) -> list:
+    """``n`` clips at 16 kHz: a tone of its own under noise."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(16000 * seconds)) / 16000
+    return [((0.3 * np.sin(2 * np.pi * rng.uniform(100, 2000) * t) + 0.05 * rng.standard_normal(len(t)))
+             .astype(np.float32), 16000) for _ in range(n)]
+
+
 def pictures(n: int, seed: int) -> list:
     import numpy as np
     from PIL import Image
@@ -155,7 +203,9 @@ def pictures(n: int, seed: int) -> list:
 def run(args: argparse.Namespace) -> None:
     if args.engine == "vllm":
         from vllm import LLM, SamplingParams
-        llm = LLM(model=args.model, max_model_len=2048, max_num_seqs=256, limit_mm_per_prompt={"image": 1},
+        with open(os.path.join(args.model, "config.json")) as f:
+            modality = "audio" if json.load(f).get("model_type") == "qwen2_audio" else "image"
+        llm = LLM(model=args.model, max_model_len=2048, max_num_seqs=256, limit_mm_per_prompt={modality: 1},
                   dtype=args.dtype, model_impl=args.model_impl, gpu_memory_utilization=0.4)
         generate = lambda prompts, params: llm.generate(prompts, params, use_tqdm=False)    # noqa: E731
     else:
@@ -164,14 +214,17 @@ def run(args: argparse.Namespace) -> None:
         generate = llm.generate
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     with open(os.path.join(args.model, "config.json")) as f:
-        prompt = {"gemma3": GEMMA3_PROMPT, "qwen2_vl": QWEN2_VL_PROMPT}.get(json.load(f).get("model_type"), PROMPT)
-    generate([{"prompt": prompt, "multi_modal_data": {"image": p}} for p in pictures(2, 1)], params)
+        kind = json.load(f).get("model_type")
+    prompt = {"gemma3": GEMMA3_PROMPT, "qwen2_vl": QWEN2_VL_PROMPT, "qwen2_audio": QWEN2_AUDIO_PROMPT}.get(kind, PROMPT)
+    modality, items = (("audio", lambda n, seed: clips(n, seed, args.seconds)) if kind == "qwen2_audio"
+                       else ("image", pictures))
+    generate([{"prompt": prompt, "multi_modal_data": {modality: p}} for p in items(2, 1)], params)
     if args.shared_image:
-        picture = pictures(1, 2)[0]
+        picture = items(1, 2)[0]
         prompts = [{"prompt": prompt.replace("user\n", f"user\nQuestion {i}: ", 1),
-                    "multi_modal_data": {"image": picture}} for i in range(args.requests)]
+                    "multi_modal_data": {modality: picture}} for i in range(args.requests)]
     else:
-        prompts = [{"prompt": prompt, "multi_modal_data": {"image": p}} for p in pictures(args.requests, 2)]
+        prompts = [{"prompt": prompt, "multi_modal_data": {modality: p}} for p in items(args.requests, 2)]
     t0 = time.perf_counter()
     outs = [o for p in prompts for o in generate([p], params)] if args.sequential else generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -211,10 +264,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.bench.images", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    w = sub.add_parser("write", help="write the LLaVA-, Gemma 3- or Qwen2-VL-shaped checkpoint")
+    w = sub.add_parser("write", help="write the LLaVA-, Gemma 3-, Qwen2-VL- or Qwen2-Audio-shaped checkpoint")
     w.add_argument("out")
-    w.add_argument("--family", choices=("llava", "gemma3", "qwen2_vl"), default="llava")
-    w.add_argument("--language-model", help="llava, qwen2_vl: a Hugging Face checkpoint of SmolLM2 (or another Llama)")
+    w.add_argument("--family", choices=("llava", "gemma3", "qwen2_vl", "qwen2_audio"), default="llava")
+    w.add_argument("--language-model", help="llava, qwen2_vl, qwen2_audio: a Hugging Face checkpoint of SmolLM2 "
+                   "(or another Llama)")
     r = sub.add_parser("run", help="measure one engine")
     r.add_argument("--model", required=True)
     r.add_argument("--engine", choices=("troupe", "vllm"), default="troupe")
@@ -223,6 +277,7 @@ def main() -> None:
     r.add_argument("--shared-image", action="store_true", help="one picture for every request, after a question "
                    "of its own")
     r.add_argument("--sequential", action="store_true", help="one request after another, not all at once")
+    r.add_argument("--seconds", type=float, default=10.0, help="qwen2_audio: each clip's length")
     r.add_argument("--dtype", default="float32", help="float32 (Troupe's exact mode) or bfloat16")
     r.add_argument("--model-impl", default="auto", help="--model-impl, either engine's (vLLM's own LLaVA class "
                    "needs torchvision; its transformers backend does not)")
@@ -239,7 +294,8 @@ def main() -> None:
     elif args.command == "write":
         if not args.language_model:
             parser.error(f"write --family {args.family} needs --language-model")
-        (write_qwen2_vl if args.family == "qwen2_vl" else write)(args.out, args.language_model)
+        {"qwen2_vl": write_qwen2_vl, "qwen2_audio": write_qwen2_audio}.get(args.family, write)(
+            args.out, args.language_model)
     else:
         run(args)
 
