@@ -584,6 +584,23 @@ def tone(seconds: float, rate: int = 16000, period: float = 7.0, seed: int = 0):
     return (0.3 * np.sin(np.arange(n) / period) + 0.05 * noise).astype(np.float32)
 
 
+@contextlib.contextmanager
+def http_folder(root):
+    """A folder served over HTTP on 127.0.0.1 (a free port) while the block runs: its base URL."""
+    import http.server
+    import threading
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+
+
 def random_image(seed: int, width: int = 50, height: int = 40):
     """An RGB PIL image of uniform noise."""
     import numpy as np

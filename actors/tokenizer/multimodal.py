@@ -279,13 +279,18 @@ async def load_image(source: Any, config: MultiModalConfig, io_kwargs: Mapping[s
         return _embeds(lambda: embeds_array(source, "image_embeds"), config)
     if not isinstance(source, str):
         raise MediaError(f"an image must be a URL or a PIL image, got {type(source).__name__}")
-    if source[:5].lower() == "data:":
-        return _decode(_data_url_bytes(source), "the data URL")
-    scheme = urllib.parse.urlsplit(source).scheme.lower()
+    return _decode(await _url_bytes(source, config), "the data URL" if source[:5].lower() == "data:" else source)
+
+
+async def _url_bytes(url: str, config: MultiModalConfig, kind: str = IMAGE, limit: int = MAX_IMAGE_BYTES) -> bytes:
+    """A data, http(s) or file URL's bytes, at most ``limit`` of them (MediaError saying why not)."""
+    if url[:5].lower() == "data:":
+        return _data_url_bytes(url, kind, limit)
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):
-        return _decode(await _fetch(source, config), source)
+        return await _fetch(url, config, kind, limit)
     if scheme == "file":
-        return _decode(await asyncio.to_thread(_local_bytes, source, config), source)
+        return await asyncio.to_thread(_local_bytes, url, config, kind, limit)
     raise MediaError("The URL must be either a HTTP, data or file URL.")
 
 
@@ -309,15 +314,7 @@ async def _load_video(url: str, config: MultiModalConfig, io_kwargs: Mapping[str
             if spec == "video/jpeg":
                 payload = url.partition(",")[2]
                 return await asyncio.to_thread(decode_jpeg_frames, payload, num_frames, fps if fps > 0 else 1.0)
-            data = _data_url_bytes(url, VIDEO, MAX_VIDEO_BYTES)
-        else:
-            scheme = urllib.parse.urlsplit(url).scheme.lower()
-            if scheme in ("http", "https"):
-                data = await _fetch(url, config, VIDEO, MAX_VIDEO_BYTES)
-            elif scheme == "file":
-                data = await asyncio.to_thread(_local_bytes, url, config, VIDEO, MAX_VIDEO_BYTES)
-            else:
-                raise MediaError("The URL must be either a HTTP, data or file URL.")
+        data = await _url_bytes(url, config, VIDEO, MAX_VIDEO_BYTES)
         return await asyncio.to_thread(decode_video, data, num_frames, fps)
     except VideoError as exc:
         raise MediaError(f"the video could not be read: {exc}") from None
@@ -328,18 +325,8 @@ async def _load_audio(source: AudioSource | InputAudio, config: MultiModalConfig
     thread, within vLLM's limits."""
     limit, seconds, decoded = vllm_env.audio_limits()
     try:
-        if isinstance(source, InputAudio):
-            data = input_audio_bytes(source, limit)
-        elif source[:5].lower() == "data:":
-            data = _data_url_bytes(source, AUDIO, limit)
-        else:
-            scheme = urllib.parse.urlsplit(source).scheme.lower()
-            if scheme in ("http", "https"):
-                data = await _fetch(source, config, AUDIO, limit)
-            elif scheme == "file":
-                data = await asyncio.to_thread(_local_bytes, source, config, AUDIO, limit)
-            else:
-                raise MediaError("The URL must be either a HTTP, data or file URL.")
+        data = (input_audio_bytes(source, limit) if isinstance(source, InputAudio)
+                else await _url_bytes(source, config, AUDIO, limit))
         return await asyncio.to_thread(decode_audio, data, seconds, decoded)
     except AudioError as exc:
         raise MediaError(f"the audio could not be read: {exc}") from None

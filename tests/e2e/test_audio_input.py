@@ -8,16 +8,14 @@ clip's blocks to the same clip only; unreadable, overlong and surplus clips are 
 from __future__ import annotations
 
 import base64
-import http.server
 import io
 import json
-import threading
 import urllib.error
 import urllib.request
 
 import pytest
 
-from helpers import audio_file, save_tiny_qwen2_audio, tone
+from helpers import audio_file, http_folder, save_tiny_qwen2_audio, tone
 from server import Server
 
 pytestmark = pytest.mark.slow
@@ -141,15 +139,8 @@ def media(tmp_path_factory):
     (root / "c.mp3").write_bytes(audio_file(tone(0.8, 44100, seed=4), 44100, "MP3"))
     (root / "notes.txt").write_text("not audio")
     (root / "long.wav").write_bytes(audio_file(tone(3.5)))
-    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(root), **k)  # noqa: E731
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        thread.join(timeout=10)
+    with http_folder(root) as base:
+        yield root, base
 
 
 @pytest.fixture(scope="module")

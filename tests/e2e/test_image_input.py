@@ -8,17 +8,15 @@ surplus images are refused by name."""
 from __future__ import annotations
 
 import base64
-import http.server
 import io
 import json
 import re
-import threading
 import urllib.error
 import urllib.request
 
 import pytest
 
-from helpers import random_image, save_tiny_llava
+from helpers import http_folder, random_image, save_tiny_llava
 from server import Server
 
 pytestmark = pytest.mark.slow
@@ -478,15 +476,8 @@ def media(tmp_path_factory):
     (root / "a.png").write_bytes(png(random_image(7)))
     (root / "b.png").write_bytes(png(random_image(8)))
     (root / "notes.txt").write_text("not an image")
-    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(root), **k)  # noqa: E731
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        thread.join(timeout=10)
+    with http_folder(root) as base:
+        yield root, base
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.server
-import threading
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ from actors.engine.config import MultiModalConfig
 from actors.tokenizer.audio import Audio, AudioError, InputAudio, audios_of, decode_audio, input_audio_bytes, resample
 from actors.tokenizer.chat import normalize_messages
 from actors.tokenizer.multimodal import AUDIO, MediaError, _fetch, extract_images, images_of, modality_of
-from helpers import audio_file, tone
+from helpers import audio_file, http_folder, tone
 
 
 @pytest.mark.parametrize("rates", [(8000, 16000), (44100, 16000), (48000, 16000), (22050, 16000), (16000, 24000)])
@@ -103,18 +101,11 @@ def test_a_media_url_is_read_to_the_end_of_its_body_within_the_limit(tmp_path):
     HTTP decodes), and one over the limit is refused."""
     body = np.random.default_rng(0).integers(0, 255, 6 << 20, dtype=np.uint8).tobytes()
     (tmp_path / "big.bin").write_bytes(body)
-    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path), **k)  # noqa: E731
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{httpd.server_address[1]}/big.bin"
+    with http_folder(tmp_path) as base:
+        url = f"{base}/big.bin"
         assert asyncio.run(asyncio.wait_for(_fetch(url, MultiModalConfig(), AUDIO, 8 << 20), 60)) == body
         with pytest.raises(MediaError, match="is larger than 4 MiB"):
             asyncio.run(asyncio.wait_for(_fetch(url, MultiModalConfig(), AUDIO, 4 << 20), 60))
-    finally:
-        httpd.shutdown()
-        thread.join(timeout=10)
 
 
 def test_the_chat_repls_slash_audio_attaches_an_audio_file_as_a_data_url(tmp_path, capsys):

@@ -110,6 +110,19 @@ QWEN2_VL_PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|
                    "<|im_start|>assistant\n")
 
 
+def _smollm2_as_qwen2(model, lm) -> None:
+    """SmolLM2's weights (``lm``, transformers' causal LM) into a Qwen2 multimodal model's language
+    model and LM head; SmolLM2 has no q/k/v biases, so Qwen2's are zero."""
+    import torch
+    missing = model.model.language_model.load_state_dict(lm.model.state_dict(), strict=False).missing_keys
+    assert all(k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) for k in missing), missing
+    with torch.no_grad():
+        for name, p in model.model.language_model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.zero_()
+        model.lm_head.weight.copy_(lm.lm_head.weight)
+
+
 def write_qwen2_vl(out: str, language_model: str) -> None:
     import torch
     import transformers
@@ -131,13 +144,7 @@ def write_qwen2_vl(out: str, language_model: str) -> None:
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=text["tie_word_embeddings"])
     model = transformers.Qwen2VLForConditionalGeneration(config)
-    missing = model.model.language_model.load_state_dict(lm.model.state_dict(), strict=False).missing_keys
-    assert all(k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) for k in missing), missing
-    with torch.no_grad():          # SmolLM2 has no q/k/v biases: Qwen2's, zero
-        for name, p in model.model.language_model.named_parameters():
-            if name.endswith("_proj.bias"):
-                p.zero_()
-    model.lm_head.load_state_dict(lm.lm_head.state_dict())
+    _smollm2_as_qwen2(model, lm)
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     transformers.Qwen2VLImageProcessorPil().save_pretrained(out)
@@ -171,13 +178,7 @@ def write_qwen2_audio(out: str, language_model: str) -> None:
         text_config={k: v for k, v in text.items() if k not in ("architectures", "model_type")},
         audio_config=QWEN2_AUDIO_TOWER, audio_token_index=audio_token)
     model = transformers.Qwen2AudioForConditionalGeneration(config)
-    missing = model.model.language_model.load_state_dict(lm.model.state_dict(), strict=False).missing_keys
-    assert all(k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) for k in missing), missing
-    with torch.no_grad():          # SmolLM2 has no q/k/v biases: Qwen2's, zero
-        for name, p in model.model.language_model.named_parameters():
-            if name.endswith("_proj.bias"):
-                p.zero_()
-        model.lm_head.weight.copy_(lm.lm_head.weight)
+    _smollm2_as_qwen2(model, lm)
     model.to(torch.bfloat16).save_pretrained(out)
     transformers.Qwen2AudioProcessor(feature_extractor=transformers.WhisperFeatureExtractor(feature_size=80),
                                      tokenizer=tokenizer).save_pretrained(out)
