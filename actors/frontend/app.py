@@ -19,7 +19,7 @@ from aiohttp import web
 
 from actors.frontend import (anthropic, chat, chat_batch, cohere_embed, completions, control, dashboard, debug,
                              embeddings, generative_scoring, lora, misc, observe, request_log, responses, scale_out,
-                             scoring, sse)
+                             scoring, speech_to_text, sse)
 from actors.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from actors.frontend.admission import Overloaded
 from actors.frontend.client import EngineClient, EngineDeadError, RequestHandle
@@ -236,6 +236,8 @@ class OpenAIServer:
             ("POST", anthropic.MESSAGES, self._loading(anthropic.create_message)),
             ("POST", anthropic.COUNT_TOKENS, anthropic.count_tokens),
             ("POST", "/invocations", self._loading(misc.invocations)),
+            ("POST", speech_to_text.TRANSCRIPTIONS, self._loading(speech_to_text.transcriptions)),
+            ("POST", speech_to_text.TRANSLATIONS, self._loading(speech_to_text.translations)),
             ("GET", "/v1/responses/{response_id}", responses.retrieve_response),
             ("DELETE", "/v1/responses/{response_id}", responses.delete_response),
             ("POST", "/v1/responses/{response_id}/cancel", responses.cancel_response),

@@ -151,3 +151,52 @@ def resample(samples: np.ndarray, orig_rate: float, new_rate: float) -> np.ndarr
                                              (orig * padded.strides[0], padded.strides[0]), writeable=False)
     out = (frames @ kernel.T).reshape(-1)
     return np.ascontiguousarray(out[:math.ceil(new * length / orig)])
+
+
+# -- speech to text (/v1/audio/transcriptions, /v1/audio/translations) ---------------------------
+
+class SpeechToText(NamedTuple):
+    """How a checkpoint's processor transcribes and translates speech: the languages its model
+    takes natively (ISO 639-1), and the instructions that ask it to (``{language}``: the spoken
+    language's name, ``{to}``: the one to translate into)."""
+    languages: tuple[str, ...]
+    transcribe: str
+    transcribe_in: str
+    translate: str
+    no_space: frozenset[str] = frozenset({"zh", "ja", "yue", "th", "lo", "my"})
+
+
+# Qwen2-Audio's speech recognition and speech translation, asked as its card's chat asks them
+SPEECH_TO_TEXT = {"Qwen2AudioProcessor": SpeechToText(
+    ("zh", "en", "yue", "fr", "it", "es", "de", "ja"), "Please transcribe this audio into text.",
+    "Please transcribe this {language} audio into text.", "Please translate this audio into {to}.")}
+MAX_CLIP_SECONDS, OVERLAP_SECONDS, ENERGY_WINDOW = 30, 1, 1600   # vLLM's SpeechToTextConfig defaults
+
+
+def split_speech(samples: np.ndarray, rate: int, max_seconds: float = MAX_CLIP_SECONDS,
+                 overlap_seconds: float = OVERLAP_SECONDS, window: int = ENERGY_WINDOW) -> list[tuple[int, np.ndarray]]:
+    """A clip longer than ``max_seconds`` cut into pieces of at most that long, each cut at the
+    quietest ``window`` of samples (the lowest RMS) within the last ``overlap_seconds`` before the
+    limit (vLLM's chunking of long audio); each piece with its first sample's index."""
+    size, overlap = int(rate * max_seconds), int(rate * overlap_seconds)
+    pieces, start = [], 0
+    while start < len(samples):
+        if start + size >= len(samples):
+            pieces.append((start, samples[start:]))
+            break
+        cut = _quietest(samples, start + size - overlap, start + size, window)
+        cut = cut if cut > start else start + size
+        pieces.append((start, samples[start:cut]))
+        start = cut
+    return pieces
+
+
+def _quietest(samples: np.ndarray, lo: int, hi: int, window: int) -> int:
+    """The start of the quietest whole ``window`` of samples in [lo, hi) (``lo`` when none fits)."""
+    segment = samples[lo:hi]
+    count = (len(segment) - window - 1) // window + 1 if len(segment) > window else 0
+    if count <= 0:
+        return lo
+    energy = np.sqrt(np.mean(np.square(segment[:count * window].reshape(count, window), dtype=np.float64), axis=1))
+    energy[np.isnan(energy)] = np.inf
+    return lo + int(np.argmin(energy)) * window

@@ -632,6 +632,7 @@ class ImageProcessor:
         self.audio_placeholder_id = self._one_token(encode, token, AUDIO)
         self.prompt_audio_placeholder = AUDIO_PROCESSORS.get(self.name, token)
         self.sampling_rate = int(extractor.sampling_rate)
+        self.audio_window_s = float(getattr(extractor, "chunk_length", None) or 30)   # the clip the model hears at once
 
     def _take_videos(self, checkpoint_dir: str, encode: Callable[[str], list[int]]) -> None:
         """Videos by Qwen-VL's video processing, where the checkpoint's processor is Qwen2-VL's,

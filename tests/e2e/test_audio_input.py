@@ -12,7 +12,9 @@ import io
 import json
 import urllib.error
 import urllib.request
+import uuid
 
+import openai
 import pytest
 
 from helpers import audio_file, http_folder, save_tiny_qwen2_audio, tone
@@ -138,7 +140,7 @@ def media(tmp_path_factory):
     (root / "b.flac").write_bytes(audio_file(np.stack([left, right], axis=1), 22050, "FLAC"))
     (root / "c.mp3").write_bytes(audio_file(tone(0.8, 44100, seed=4), 44100, "MP3"))
     (root / "notes.txt").write_text("not audio")
-    (root / "long.wav").write_bytes(audio_file(tone(3.5)))
+    (root / "long.wav").write_bytes(audio_file(tone(5.5)))
     with http_folder(root) as base:
         yield root, base
 
@@ -146,16 +148,15 @@ def media(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(qwen2_audio, media):
     s = Server("--model", qwen2_audio[0], "--threads", "1", "--max-model-len", "256", "--allowed-local-media-path",
-               str(media[0]), "--enable-mm-embeds", env={"VLLM_MAX_AUDIO_DECODE_DURATION_S": "3"})
+               str(media[0]), "--enable-mm-embeds", env={"VLLM_MAX_AUDIO_DECODE_DURATION_S": "5"})
     try:
         yield s
     finally:
         s.stop()
 
 
-def post(server, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+def post(server, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:
+    req = urllib.request.Request(server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read().decode())
@@ -209,7 +210,7 @@ def test_audio_that_cannot_or_may_not_be_read_is_a_400_saying_why(server, media)
               "Invalid or unsupported audio file"),
              ({"type": "audio_url", "audio_url": {"url": f"{base}/notes.txt"}}, "Invalid or unsupported audio file"),
              ({"type": "audio_url", "audio_url": {"url": f"{base}/long.wav"}},
-              "Audio exceeds maximum allowed duration of 3s (file contains 3.5s at 16000Hz)"),
+              "Audio exceeds maximum allowed duration of 5s (file contains 5.5s at 16000Hz)"),
              ({"type": "audio_url", "audio_url": {"url": "file:///etc/hostname"}}, "must be a subpath of"),
              ({"type": "audio_url", "audio_url": {"url": ""}}, "an audio_url part needs a non-empty url"),
              ({"type": "image_url", "image_url": {"url": f"{base}/a.wav"}},
@@ -217,3 +218,102 @@ def test_audio_that_cannot_or_may_not_be_read_is_a_400_saying_why(server, media)
     for part, reason in cases:
         status, body = chat(server, part)
         assert status == 400 and reason in body["error"]["message"], (part, body)
+
+
+# -- /v1/audio/transcriptions and /v1/audio/translations ------------------------------------------
+
+def form(fields: dict, file: bytes | None, name: str = "clip.wav") -> tuple[bytes, str]:
+    """A multipart/form-data body (and its content type) of ``fields`` and the audio ``file``."""
+    boundary = uuid.uuid4().hex
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    if file is not None:
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+                     "Content-Type: application/octet-stream\r\n\r\n".encode() + file + b"\r\n")
+    return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def speech(server, path: str, fields: dict, file: bytes | None) -> tuple[int, str, str]:
+    """POST the form to ``path``: (status, content type, body text)."""
+    body, kind = form(fields, file)
+    req = urllib.request.Request(server.url + path, body, {"Content-Type": kind})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.headers.get_content_type(), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get_content_type(), e.read().decode()
+
+
+def asked(server, clip_bytes: bytes, instruction: str) -> str:
+    """The chat endpoint's greedy answer to the audio and ``instruction``, to the end of the context."""
+    audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip_bytes).decode(), "format": "wav"}}
+    status, body = post(server, {"messages": [{"role": "user", "content": [audio, {"type": "text", "text": instruction}]}],
+                                 "temperature": 0})
+    assert status == 200, body
+    return body["choices"][0]["message"]["content"].strip()
+
+
+def test_transcriptions_and_translations_answer_as_chat_does_with_the_instruction(server, media):
+    """The audio API's answer is the chat endpoint's to the user turn of the clip and the model's
+    instruction (greedy, to the end of the context): json with the clip's duration, or the text
+    alone; streamed, its deltas make the same text, then a usage chunk; translations name the
+    target language (English unless to_language says)."""
+    root, _ = media
+    wav = (root / "a.wav").read_bytes()
+    want = asked(server, wav, "Please transcribe this audio into text.")
+    status, kind, body = speech(server, "/v1/audio/transcriptions", {"model": "qwen2_audio"}, wav)
+    assert status == 404 and "The model `qwen2_audio` does not exist" in body
+    status, kind, body = speech(server, "/v1/audio/transcriptions", {}, wav)
+    assert status == 200 and kind == "application/json", body
+    assert json.loads(body) == {"text": want, "usage": {"type": "duration", "seconds": 2}}
+    assert speech(server, "/v1/audio/transcriptions", {"response_format": "text"}, wav)[1:] == ("text/plain", want)
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = sdk.models.list().data[0].id
+    assert sdk.audio.transcriptions.create(model=model, file=("a.wav", wav)).text == want
+    assert sdk.audio.transcriptions.create(model=model, file=("a.wav", wav), response_format="text").strip() == want
+    french = speech(server, "/v1/audio/transcriptions", {"language": "fr"}, wav)[2]
+    assert json.loads(french)["text"] == asked(server, wav, "Please transcribe this French audio into text.")
+    status, _, body = speech(server, "/v1/audio/transcriptions", {"stream": "true", "stream_include_usage": "true"},
+                             wav)
+    chunks = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    assert body.rstrip().endswith("data: [DONE]") and chunks[0]["object"] == "transcription.chunk"
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"]).strip() == want
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    status, _, body = speech(server, "/v1/audio/translations", {}, wav)
+    assert status == 200 and json.loads(body) == {"text": asked(server, wav, "Please translate this audio into English.")}
+    status, _, body = speech(server, "/v1/audio/translations", {"to_language": "de"}, wav)
+    assert json.loads(body) == {"text": asked(server, wav, "Please translate this audio into German.")}
+
+
+def test_a_clip_longer_than_the_window_is_transcribed_in_pieces_cut_where_it_is_quiet(server):
+    """The tiny model hears 2 s at once: a 4.5-second clip with quiet moments near 1.5 s and 3.3 s
+    is cut there (vLLM's chunking: the quietest 0.1 s in the last second before the window's end),
+    and the answer is the pieces' answers joined by a space."""
+    import numpy as np
+
+    from actors.tokenizer.audio import split_speech
+    samples = tone(4.5, seed=9)
+    samples[24000:25600] *= 0.01
+    samples[52800:54400] *= 0.01
+    pieces = split_speech(samples, 16000, 2.0)
+    assert [start for start, _ in pieces] == [0, 24000, 52800]
+    want = " ".join(asked(server, audio_file(piece), "Please transcribe this audio into text.") for _, piece in pieces)
+    status, _, body = speech(server, "/v1/audio/transcriptions", {}, audio_file(samples))
+    assert status == 200 and json.loads(body) == {"text": want, "usage": {"type": "duration", "seconds": 5}}
+    assert np.concatenate([piece for _, piece in pieces]).shape == samples.shape
+
+
+def test_the_audio_api_refuses_what_it_cannot_serve_by_name(server, media):
+    root, _ = media
+    wav = (root / "a.wav").read_bytes()
+    cases = [({"language": "xx"}, wav, "Unsupported language: 'xx'"),
+             ({"response_format": "srt"}, wav, "Currently only support response_format `text` or `json`"),
+             ({"temperature": "warm"}, wav, "`temperature` must be a number"),
+             ({"stream_include_usage": "true"}, wav, "Stream options can only be defined when `stream=True`."),
+             ({}, b"not audio at all", "Invalid or unsupported audio file"),
+             ({}, None, "the audio `file` field is required")]
+    for fields, file, reason in cases:
+        status, _, body = speech(server, "/v1/audio/transcriptions", fields, file)
+        assert status == 400 and reason in json.loads(body)["error"]["message"], (fields, body)
+    status, body = post(server, {"file": "clip.wav"}, path="/v1/audio/transcriptions")
+    assert status == 400 and "multipart/form-data" in body["error"]["message"]

@@ -121,6 +121,13 @@ def test_a_generative_model_refuses_embedding_requests_naming_the_runner(http):
         assert r.status_code == 404 and "--runner pooling" in r.json()["error"]["message"], r.text
 
 
+def test_a_model_that_takes_no_audio_answers_the_audio_api_with_404(client, model):
+    from helpers import audio_file, tone
+    for create in (client.audio.transcriptions.create, client.audio.translations.create):
+        with pytest.raises(openai.NotFoundError, match="The model does not support (Transcriptions|Translations) API"):
+            create(model=model, file=("clip.wav", audio_file(tone(0.2))))
+
+
 def test_probes_and_version(http):
     assert http.get("/health").status_code == 200
     assert http.get("/ping").status_code == 200
