@@ -3,7 +3,9 @@
 
 The input is OpenAI's batch format, one JSON object per line: ``custom_id``, ``method``
 (``POST``), ``url`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, or with a
-pooling model (``--runner pooling``) ``/v1/embeddings``, ``/pooling``, ``/v1/score`` and ``/v1/rerank``) and
+pooling model (``--runner pooling``) ``/v1/embeddings``, ``/pooling``, ``/v1/score`` and ``/v1/rerank``, or
+with a model that takes audio ``/v1/audio/transcriptions`` and ``/v1/audio/translations``, whose body
+names its audio by ``file_url``, a data, http(s) or file URL, as vLLM's run_batch does) and
 ``body``, the request the
 server would take (``stream`` and ``stream_options`` are ignored, as OpenAI's batches do). The
 output is OpenAI's batch output format, one line per input line, in the order they finish:
@@ -40,7 +42,7 @@ from tools.config_file import add_config_flag
 log = logging.getLogger("troupe.batch")
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/pooling", "/v1/score",
-        "/v1/rerank")
+        "/v1/rerank", "/v1/audio/transcriptions", "/v1/audio/translations")
 IGNORED_FIELDS = ("stream", "stream_options")     # a batch answers whole, as OpenAI's does
 RETRY_STATUS = 503                                 # the engine restarting or its queue full
 MAX_RETRIES = 20
@@ -152,6 +154,7 @@ class Runner:
         from actors.frontend.scoring import RERANK_PATHS, SCORE_PATHS, scored
         from actors.frontend.protocol import ChatCompletionRequest, CompletionRequest
         from actors.frontend.responses import ResponsesRequest, start_response
+        from actors.frontend.speech_to_text import TRANSCRIPTIONS, TRANSLATIONS, batch_speech
         chat = line.url == URLS[0]
         body = json.dumps(line.body).encode()
 
@@ -161,6 +164,8 @@ class Runner:
                 return await pooled(self.server, line.url, body)
             if line.url in SCORE_PATHS + RERANK_PATHS:
                 return await scored(self.server, line.url, body)
+            if line.url in (TRANSCRIPTIONS, TRANSLATIONS):
+                return await batch_speech(self.server, line.url, line.body or {})
             if line.url == URLS[2]:
                 answer = await start_response(self.server, self.server.decode(body, ResponsesRequest), arrival)
                 return await answer.whole_response()

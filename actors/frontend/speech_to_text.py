@@ -56,14 +56,14 @@ def _languages() -> dict[str, str]:
     return LANGUAGES
 
 
-async def _form(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+async def _form(request: web.Request) -> tuple[bytes, dict[str, str]]:
     """The multipart form: the file's bytes (within VLLM_MAX_AUDIO_CLIP_FILESIZE_MB) and the
-    fields, typed as vLLM's request types them (400 naming one that is not)."""
+    other fields, as text."""
     if not request.content_type.startswith("multipart/"):
         raise bad_request("the request must be multipart/form-data, with the audio as its `file` field", "file")
     limit = vllm_env.audio_limits()[0]
     data: bytes | None = None
-    fields: dict[str, Any] = {}
+    fields: dict[str, str] = {}
     reader = await request.multipart()
     async for part in reader:
         name = part.name or ""
@@ -80,8 +80,15 @@ async def _form(request: web.Request) -> tuple[bytes, dict[str, Any]]:
         fields[name.removesuffix("[]")] = value
     if data is None:
         raise bad_request("the audio `file` field is required", "file")
+    return data, fields
+
+
+def typed(fields: dict[str, Any], where: str) -> dict[str, Any]:
+    """A request's fields (a form's text, or a batch line's JSON values) typed as vLLM's request
+    types them (400 naming one that is not); a field it does not know is logged and ignored."""
     out: dict[str, Any] = {}
-    for name, value in fields.items():
+    for name, given in fields.items():
+        value = str(given).lower() if isinstance(given, bool) else str(given)
         try:
             if name in _FLOATS:
                 out[name] = float(value)
@@ -94,11 +101,11 @@ async def _form(request: web.Request) -> tuple[bytes, dict[str, Any]]:
             elif name in _TEXTS:
                 out[name] = value
             else:
-                log.warning("%s: the field %r is not supported and is ignored", request.path, name)
+                log.warning("%s: the field %r is not supported and is ignored", where, name)
         except ValueError:
-            raise bad_request(f"`{name}` must be {'a number' if name in _FLOATS else 'an integer' if name in _INTS else 'true or false'}, "
-                              f"got {value!r}", name) from None
-    return data, out
+            kind = "a number" if name in _FLOATS else "an integer" if name in _INTS else "true or false"
+            raise bad_request(f"`{name}` must be {kind}, got {value!r}", name) from None
+    return out
 
 
 def _sampling(fields: dict[str, Any]) -> SamplingParams:
@@ -139,15 +146,54 @@ async def translations(server: OpenAIServer, request: web.Request) -> web.Stream
     return await _speech_to_text(server, request, "translate")
 
 
+def _rule(server: OpenAIServer, task: str) -> SpeechToText:
+    """How the served model turns speech into text; 404 in vLLM's words for one that does not."""
+    processor = server.engine().images
+    rule = SPEECH_TO_TEXT.get(processor.name) if processor is not None and processor.takes(AUDIO) else None
+    if rule is None:
+        raise not_found(f"The model does not support {'Transcriptions' if task == 'transcribe' else 'Translations'} API")
+    return rule
+
+
 async def _speech_to_text(server: OpenAIServer, request: web.Request, task: str) -> web.StreamResponse:
+    _rule(server, task)
+    audio, fields = await _form(request)
+    return await speech_answer(server, task, audio, typed(fields, request.path), request)
+
+
+async def batch_speech(server: OpenAIServer, path: str, body: dict[str, Any]) -> web.StreamResponse:
+    """A batch line's transcription or translation (vLLM's run_batch): the audio at the body's
+    ``file_url`` (a data, http(s) or file URL, read as chat media URLs are), the other fields as
+    the form's."""
+    from actors.tokenizer.multimodal import MediaError, _url_bytes
+    task = "transcribe" if path == TRANSCRIPTIONS else "translate"
+    processor = server.engine().images
+    _rule(server, task)
+    if "file" in body:
+        raise bad_request("The 'file' field is not supported in batch requests. Use 'file_url' instead.", "file")
+    url = body.get("file_url")
+    if not isinstance(url, str) or not url:
+        raise bad_request("a batch line's audio is its `file_url`: a data, http(s) or file URL", "file_url")
+    try:
+        audio = await _url_bytes(url, processor.config, AUDIO, vllm_env.audio_limits()[0])
+    except MediaError as exc:
+        raise bad_request(f"Failed to process {'transcription' if task == 'transcribe' else 'translation'}: {exc}",
+                          "file_url") from None
+    fields = typed({k: v for k, v in body.items() if k not in ("file_url", "stream", "stream_include_usage",
+                                                                  "stream_continuous_usage_stats")}, path)
+    if fields.get("response_format") == "text":       # a batch's answers are JSON (vLLM's run_batch's too)
+        fields["response_format"] = "json"
+    return await speech_answer(server, task, audio, fields)
+
+
+async def speech_answer(server: OpenAIServer, task: str, audio: bytes, fields: dict[str, Any],
+                        request: web.Request | None = None) -> web.StreamResponse:
+    """The answer to ``task`` ("transcribe" or "translate") of ``audio`` (a file's bytes) with the
+    typed ``fields``; streamed to ``request`` where the fields ask."""
     arrival = time.time()
     client = server.engine()
     processor = client.images
-    rule = SPEECH_TO_TEXT.get(processor.name) if processor is not None and processor.takes(AUDIO) else None
-    if rule is None:
-        api = "Transcriptions" if task == "transcribe" else "Translations"
-        raise not_found(f"The model does not support {api} API")
-    audio, fields = await _form(request)
+    rule = _rule(server, task)
     if fields.get("model") is not None and fields["model"] not in client.model_names \
             and fields["model"] not in client.lora_requests:
         raise not_found(f"The model `{fields['model']}` does not exist.", "model")
@@ -169,7 +215,7 @@ async def _speech_to_text(server: OpenAIServer, request: web.Request, task: str)
     duration = len(clip.samples) / clip.sampling_rate
     pieces = await asyncio.to_thread(split_speech, samples, rate, min(MAX_CLIP_SECONDS, processor.audio_window_s))
     templated = bool(getattr(client.tokenizer, "chat_template", None))
-    base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    base = (request.headers.get("X-Request-Id") if request is not None else None) or uuid.uuid4().hex
     answer_id = f"{'trsc' if task == 'transcribe' else 'trsl'}-{base}"
     rid = client.new_request_id()
     choices: list[Choice] = []
@@ -189,7 +235,7 @@ async def _speech_to_text(server: OpenAIServer, request: web.Request, task: str)
         raise
     separator = "" if (fields.get("language") or "") in rule.no_space else " "
     model = served_name(client, fields.get("model"))
-    if stream:
+    if stream and request is not None:
         events = _stream(choices, answer_id, model, task, separator, fields)
         return await sse.send_events(request, events, base)
     try:

@@ -317,3 +317,27 @@ def test_the_audio_api_refuses_what_it_cannot_serve_by_name(server, media):
         assert status == 400 and reason in json.loads(body)["error"]["message"], (fields, body)
     status, body = post(server, {"file": "clip.wav"}, path="/v1/audio/transcriptions")
     assert status == 400 and "multipart/form-data" in body["error"]["message"]
+
+
+def test_the_batch_runner_transcribes_and_translates_audio_named_by_file_url(server, media, qwen2_audio, tmp_path):
+    """vLLM's run_batch lines for the audio API: the audio by ``file_url`` (a data URL, an http URL),
+    answered as the server answers the same clip; a line with a ``file`` field is refused by name."""
+    import subprocess
+    import sys
+    root, base = media
+    wav = (root / "a.wav").read_bytes()
+    data = "data:audio/wav;base64," + base64.b64encode(wav).decode()
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/audio/transcriptions", "body": {"file_url": data}},
+             {"custom_id": "b", "method": "POST", "url": "/v1/audio/translations",
+              "body": {"file_url": f"{base}/a.wav", "to_language": "de", "response_format": "text"}},
+             {"custom_id": "c", "method": "POST", "url": "/v1/audio/transcriptions", "body": {"file": "a.wav"}}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = subprocess.run([sys.executable, "-m", "tools.batch", "--no-progress", "-i", str(tmp_path / "in.jsonl"),
+                           "-o", str(tmp_path / "out.jsonl"), "--model", qwen2_audio[0], "--max-model-len", "256",
+                           "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = {r["custom_id"]: r["response"] for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert got["a"]["status_code"] == 200
+    assert got["a"]["body"] == json.loads(speech(server, "/v1/audio/transcriptions", {}, wav)[2])
+    assert got["b"]["body"] == json.loads(speech(server, "/v1/audio/translations", {"to_language": "de"}, wav)[2])
+    assert got["c"]["status_code"] == 400 and "Use 'file_url' instead" in got["c"]["body"]["error"]["message"]

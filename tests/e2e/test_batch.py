@@ -59,7 +59,7 @@ def batch_lines() -> list[str]:
     lines.append("{this is not json")
     lines.append(json.dumps(["a", "list"]))
     lines.append(json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "no id"}}))
-    lines.append(json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/audio/transcriptions", "body": {}}))
+    lines.append(json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/images/generations", "body": {}}))
     lines.append(json.dumps({"custom_id": "bad-method", "method": "GET", "url": "/v1/completions", "body": {}}))
     lines.append(json.dumps({"custom_id": "bad-value", "method": "POST", "url": "/v1/completions",
                              "body": {"model": MODEL, "prompt": "x", "temperature": -1}}))
