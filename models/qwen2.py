@@ -84,6 +84,11 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
     a 10-second clip costs a third of the 30-second window. With --language-model-only the audio
     tensors are never read."""
     hf_text_config: ClassVar[str | None] = "text_config"
+    hf_defaults: ClassVar[dict[str, Any]] = {
+        # transformers' Qwen2Config defaults: the hub's Qwen2-Audio configs state few text keys
+        "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32_768,
+        "rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
     hf_skipped_prefixes: ClassVar[tuple[str, ...]] = AUDIO_PREFIXES
     takes_audio: ClassVar[bool] = True
     hf_tensor_map: ClassVar[TensorMap] = language_model_tensor_map(Qwen2ForCausalLM.hf_tensor_map)

@@ -218,3 +218,19 @@ def test_qwen2_audios_checkpoint_takes_audio_unless_served_as_its_language_model
     assert config.audio_token_id == 299 and config.image_token_id is None and config.qkv_bias
     assert config.hidden_size == 64 and config.num_layers == 2 and config.vocab_size == 300
     assert hf_model_config(raw, language_model_only=True).audio_token_id is None
+
+
+def test_the_hubs_sparse_qwen2_audio_text_config_takes_transformers_defaults():
+    """Qwen2-Audio-7B-Instruct's config.json states a handful of text keys (the rest are
+    Qwen2Config's defaults: a 4096-wide, 32-layer Qwen2 with as many KV heads as heads)."""
+    raw = {"architectures": ["Qwen2AudioForConditionalGeneration"], "audio_token_index": 151_646,
+           "model_type": "qwen2_audio", "vocab_size": 156_032,
+           "audio_config": {"model_type": "qwen2_audio_encoder", "d_model": 1280, "encoder_layers": 32},
+           "text_config": {"bos_token_id": 151_643, "eos_token_id": 151_645, "intermediate_size": 11_008,
+                           "max_position_embeddings": 8192, "model_type": "qwen2", "rms_norm_eps": 1e-05,
+                           "torch_dtype": "bfloat16", "use_mrope": False, "vocab_size": 156_032}}
+    c = hf_model_config(raw)
+    assert (c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_size) == \
+        (156_032, 4096, 32, 32, 32, 128)
+    assert (c.max_model_len, c.intermediate_size, c.rope_theta, c.eos_token_ids) == (8192, 11_008, 10_000.0, (151_645,))
+    assert c.audio_token_id == 151_646 and c.qkv_bias and not c.tie_word_embeddings
