@@ -41,7 +41,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("Gemma3ForConditionalGeneration", "gemma3"), ("Mistral3ForConditionalGeneration", "mistral"),
         ("Qwen2VLForConditionalGeneration", "qwen2"), ("Qwen2_5_VLForConditionalGeneration", "qwen2"),
         ("Qwen3VLForConditionalGeneration", "qwen3"), ("LlavaForConditionalGeneration", "llama"),
-        ("Qwen2AudioForConditionalGeneration", "qwen2"),
+        ("Qwen2AudioForConditionalGeneration", "qwen2"), ("GlmAsrForConditionalGeneration", "llama"),
         # encoder-only models (bidirectional attention): embedding models and cross-encoders
         ("BertModel", "bert"), ("BertForSequenceClassification", "bert"), ("RobertaModel", "bert"),
         ("RobertaForSequenceClassification", "bert"), ("XLMRobertaModel", "bert"),

@@ -182,15 +182,17 @@ def _audio_fields(raw: dict[str, Any], model_class: type[CausalLM]) -> dict[str,
 
 def language_model_config(raw: dict[str, Any], key: str) -> dict[str, Any]:
     """A multimodal config.json's language model, as one config: the keys under ``key``
-    (``text_config``) over the top level's own (eos_token_id, tie_word_embeddings, ...), the
-    other modalities' sub-configs left out."""
+    (``text_config``) over the top level's own (eos_token_id, ...), the other modalities'
+    sub-configs left out; but the top level's ``tie_word_embeddings`` where it has one, as
+    transformers ties the whole model's LM head by it."""
     text = raw.get(key)
     if text is None and "num_hidden_layers" in raw:     # an older save: the language model's keys at the top
         text = {}
     if not isinstance(text, dict):
         raise ValueError(f"config.json of {raw.get('architectures')} has no {key} object (its language model's keys)")
     top = {k: v for k, v in raw.items() if not (k.endswith("_config") and isinstance(v, dict))}
-    return {**top, **text, "architectures": raw["architectures"]}
+    tied = {"tie_word_embeddings": top["tie_word_embeddings"]} if "tie_word_embeddings" in top else {}
+    return {**top, **text, **tied, "architectures": raw["architectures"]}
 
 
 def rope_parameters(raw: dict[str, Any], layer_type: str = FULL) -> tuple[float, RopeScaling]:

@@ -31,10 +31,16 @@ _FAMILIES: dict[str, tuple[tuple[str, str | None], ...]] = {
               ("multi_modal_projector.", "transformers.models.llava.modeling_llava:LlavaMultiModalProjector")),
     "mistral3": (("vision_tower.", None),    # Pixtral's
                  ("multi_modal_projector.", "transformers.models.mistral3.modeling_mistral3:Mistral3MultiModalProjector")),
+    "glmasr": (("audio_tower.", "audio:transformers.models.glmasr.modeling_glmasr:GlmAsrEncoder"),
+               ("multi_modal_projector.", "transformers.models.glmasr.modeling_glmasr:GlmAsrMultiModalProjector")),
     "qwen2_audio": (("audio_tower.", "audio:transformers.models.qwen2_audio.modeling_qwen2_audio:Qwen2AudioEncoder"),
                     ("multi_modal_projector.", "transformers.models.qwen2_audio.modeling_qwen2_audio:"
                                                "Qwen2AudioMultiModalProjector")),
 }
+
+
+# tensors a family's checkpoints hold that its modules do not read (GLM-ASR's unused position table)
+_UNREAD: dict[str, tuple[str, ...]] = {"glmasr": ("audio_tower.embed_positions.",)}
 
 
 def load_vision_parts(path: str, overrides: dict[str, Any] | None, family: str,
@@ -66,6 +72,8 @@ def load_vision_parts(path: str, overrides: dict[str, Any] | None, family: str,
     states: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in prefixes}
     for name, tensor in iter_safetensors_weights(path, only_prefixes=prefixes + tuple(f"model.{p}" for p in prefixes)):
         bare = name.removeprefix("model.")
+        if bare.startswith(_UNREAD.get(family, ())):
+            continue
         for prefix in prefixes:
             if bare.startswith(prefix):
                 states[prefix][bare.removeprefix(prefix)] = tensor

@@ -568,11 +568,42 @@ def save_tiny_qwen2_audio(path, vocab: int = 300, seed: int = 11):
             transformers.AutoProcessor.from_pretrained(path))
 
 
-def audio_file(samples, rate: int = 16000, fmt: str = "WAV") -> bytes:
-    """Samples (mono, or (samples, channels)) written as an audio file of ``fmt`` by libsndfile."""
+GLMASR_CHAT_TEMPLATE = ("{% for message in messages %}{{ 't1 ' if message['role'] == 'user' else 't2 ' }}"
+                        "{{ message['content'] }} {% endfor %}{% if add_generation_prompt %}t3{% endif %}")
+
+
+def save_tiny_glmasr(path, vocab: int = 300, seed: int = 13):
+    """A tiny random GLM-ASR checkpoint as transformers saves it: a two-layer rotary audio
+    encoder over 80 log-mel bins in windows of 2 s (a clip is cut into windows, at most 3 of
+    them; a window's own f frames take ((f - 1) // 2 + 1 - 4) // 4 + 1 positions, 25 for a whole
+    one), a projector of four frames into one position, a two-layer Llama tied to its embeddings,
+    and its processor (Whisper's feature extractor at 16 kHz, a word-level tokenizer whose last
+    three tokens are <|begin_of_audio|>, <|end_of_audio|> and <|pad|>, the audio token; a chat
+    template over string content). Returns transformers' model and processor, as read back."""
+    import torch
+    import transformers
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+                eos_token_id=None)
+    audio = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_mel_bins=80,
+                 max_position_embeddings=100)
+    torch.manual_seed(seed)
+    hf = transformers.GlmAsrForConditionalGeneration(transformers.GlmAsrConfig(
+        text_config=text, audio_config=audio, audio_token_id=vocab - 1))
+    fast = _save_vlm(hf, path, vocab, ["<|begin_of_audio|>", "<|end_of_audio|>", "<|pad|>"], pad_token="t0")
+    features = transformers.WhisperFeatureExtractor(feature_size=80, chunk_length=2, sampling_rate=16000)
+    transformers.GlmAsrProcessor(feature_extractor=features, tokenizer=fast, max_audio_len=6,
+                                 chat_template=GLMASR_CHAT_TEMPLATE).save_pretrained(path)
+    return (transformers.GlmAsrForConditionalGeneration.from_pretrained(path).eval(),
+            transformers.AutoProcessor.from_pretrained(path))
+
+
+def audio_file(samples, rate: int = 16000, fmt: str = "WAV", subtype: str | None = None) -> bytes:
+    """Samples (mono, or (samples, channels)) written as an audio file of ``fmt`` by libsndfile
+    (``subtype``: its sample format, "FLOAT" to keep them exactly; None: the format's default)."""
     import soundfile
     buf = io.BytesIO()
-    soundfile.write(buf, samples, rate, format=fmt)
+    soundfile.write(buf, samples, rate, format=fmt, subtype=subtype)
     return buf.getvalue()
 
 

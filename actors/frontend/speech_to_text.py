@@ -9,7 +9,8 @@ vLLM), ``to_language`` (a translation's, English by default), ``response_format`
 ``text``), ``temperature`` (0 by default), ``top_p``, ``top_k``, ``min_p``, ``seed``, the penalties,
 ``max_completion_tokens``, ``stream`` with ``stream_include_usage`` and
 ``stream_continuous_usage_stats``. The clip is decoded and brought to the feature extractor's
-rate; one longer than the model's window (its feature extractor's, 30 s at most) is cut at its quietest moments into pieces of at
+rate; one longer than the model hears at once (Qwen2-Audio: its 30-second window; GLM-ASR: its
+processor's bound, 655 s) is cut at its quietest moments into pieces of at
 most that (vLLM's chunking), each asked about with the model's instruction (the chat template's
 user turn of the audio and the instruction) and all generated at once; their texts are joined
 with a space (none for languages written without). The answer: ``{"text", "usage": {"type":
@@ -34,8 +35,8 @@ from actors.frontend.errors import bad_request, error_body, error_response, json
 from actors.frontend.fanout import Choice, close_all, merged_outputs
 from actors.frontend.params import served_name
 from actors.frontend.streams import StreamTimeout
-from actors.tokenizer.audio import (AUDIO, AUDIO_PART, MAX_CLIP_SECONDS, SPEECH_TO_TEXT, AudioError, SpeechToText,
-                                    decode_audio, resample, split_speech)
+from actors.tokenizer.audio import (AUDIO, AUDIO_PART, SPEECH_TO_TEXT, AudioError, SpeechToText, decode_audio,
+                                    resample, split_speech)
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
@@ -128,8 +129,8 @@ def _instruction(rule: SpeechToText, task: str, fields: dict[str, Any]) -> str:
         if code is None:
             continue
         if code not in names:
-            raise bad_request(f"Unsupported language: {code!r}.  Must be one of {list(rule.languages)}.", field)
-        if code not in rule.languages:
+            raise bad_request(f"Unsupported language: {code!r}.  Must be one of {list(rule.languages or names)}.", field)
+        if rule.languages is not None and code not in rule.languages:
             log.warning("Language %r is not natively supported by the model; results may be less accurate. "
                         "Supported languages: %r", code, list(rule.languages))
     if task == "translate":
@@ -213,7 +214,7 @@ async def speech_answer(server: OpenAIServer, task: str, audio: bytes, fields: d
     rate = processor.sampling_rate
     samples = await asyncio.to_thread(resample, clip.samples, clip.sampling_rate, rate)
     duration = len(clip.samples) / clip.sampling_rate
-    pieces = await asyncio.to_thread(split_speech, samples, rate, min(MAX_CLIP_SECONDS, processor.audio_window_s))
+    pieces = await asyncio.to_thread(split_speech, samples, rate, processor.audio_window_s)
     templated = bool(getattr(client.tokenizer, "chat_template", None))
     base = (request.headers.get("X-Request-Id") if request is not None else None) or uuid.uuid4().hex
     answer_id = f"{'trsc' if task == 'transcribe' else 'trsl'}-{base}"
@@ -222,7 +223,9 @@ async def speech_answer(server: OpenAIServer, task: str, audio: bytes, fields: d
     try:
         for i, (_, piece) in enumerate(pieces):
             what: dict[str, Any] = {"multi_modal_data": {AUDIO: [(piece, rate)]}}
-            if templated:
+            if templated and rule.inline:
+                what["messages"] = [{"role": "user", "content": processor.audio_placeholder + instruction}]
+            elif templated:
                 what["messages"] = [{"role": "user", "content": [AUDIO_PART, {"type": "text", "text": instruction}]}]
             else:
                 what["prompt"] = processor.prompt_audio_placeholder + instruction

@@ -157,19 +157,27 @@ def resample(samples: np.ndarray, orig_rate: float, new_rate: float) -> np.ndarr
 
 class SpeechToText(NamedTuple):
     """How a checkpoint's processor transcribes and translates speech: the languages its model
-    takes natively (ISO 639-1), and the instructions that ask it to (``{language}``: the spoken
-    language's name, ``{to}``: the one to translate into)."""
-    languages: tuple[str, ...]
+    takes natively (ISO 639-1; None: all of Whisper's), and the instructions that ask it to
+    (``{language}``: the spoken language's name, ``{to}``: the one to translate into); ``inline``:
+    the user turn is one string, the audio token then the instruction (vLLM's for GLM-ASR), else
+    an audio part then a text part."""
+    languages: tuple[str, ...] | None
     transcribe: str
     transcribe_in: str
     translate: str
+    inline: bool = False
     no_space: frozenset[str] = frozenset({"zh", "ja", "yue", "th", "lo", "my"})
 
 
-# Qwen2-Audio's speech recognition and speech translation, asked as its card's chat asks them
-SPEECH_TO_TEXT = {"Qwen2AudioProcessor": SpeechToText(
-    ("zh", "en", "yue", "fr", "it", "es", "de", "ja"), "Please transcribe this audio into text.",
-    "Please transcribe this {language} audio into text.", "Please translate this audio into {to}.")}
+SPEECH_TO_TEXT = {
+    # Qwen2-Audio's speech recognition and speech translation (vLLM serves none: Troupe's words)
+    "Qwen2AudioProcessor": SpeechToText(
+        ("zh", "en", "yue", "fr", "it", "es", "de", "ja"), "Please transcribe this audio into text.",
+        "Please transcribe this {language} audio into text.", "Please translate this audio into {to}."),
+    # GLM-ASR's, as vLLM asks it
+    "GlmAsrProcessor": SpeechToText(
+        None, "can you transcribe the speech into a written format?",
+        "can you transcribe the speech into a written format?", "translate the speech to {to}", inline=True)}
 MAX_CLIP_SECONDS, OVERLAP_SECONDS, ENERGY_WINDOW = 30, 1, 1600   # vLLM's SpeechToTextConfig defaults
 
 

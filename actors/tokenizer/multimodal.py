@@ -480,7 +480,10 @@ VIDEO_PROCESSORS = {"Qwen2VLProcessor": "<|vision_start|><|video_pad|><|vision_e
                     "Qwen2_5_VLProcessor": "<|vision_start|><|video_pad|><|vision_end|>",
                     "Qwen3VLProcessor": "<|vision_start|><|video_pad|><|vision_end|>"}
 # what a prompt writes for an audio clip beside its audio token (vLLM's placeholder strings)
-AUDIO_PROCESSORS = {"Qwen2AudioProcessor": "<|audio_bos|><|AUDIO|><|audio_eos|>"}
+AUDIO_PROCESSORS = {"Qwen2AudioProcessor": "<|audio_bos|><|AUDIO|><|audio_eos|>",
+                    "GlmAsrProcessor": "<|begin_of_audio|><|pad|><|end_of_audio|>"}
+# processors that answer torch tensors only (their inputs are turned into arrays here)
+_TORCH_OUTPUTS = ("GlmAsrProcessor",)
 
 
 class ImagesOnlyProcessor:
@@ -632,7 +635,10 @@ class ImageProcessor:
         self.audio_placeholder_id = self._one_token(encode, token, AUDIO)
         self.prompt_audio_placeholder = AUDIO_PROCESSORS.get(self.name, token)
         self.sampling_rate = int(extractor.sampling_rate)
-        self.audio_window_s = float(getattr(extractor, "chunk_length", None) or 30)   # the clip the model hears at once
+        # the longest clip the model hears at once: its processor's bound (GLM-ASR's cuts windows up to
+        # it), else its feature extractor's window
+        self.audio_window_s = float(getattr(self.processor, "max_audio_len", None)
+                                    or getattr(extractor, "chunk_length", None) or 30)
 
     def _take_videos(self, checkpoint_dir: str, encode: Callable[[str], list[int]]) -> None:
         """Videos by Qwen-VL's video processing, where the checkpoint's processor is Qwen2-VL's,
@@ -831,11 +837,14 @@ class ImageProcessor:
         cached = self._cached(identifier, modality)
         if cached is not None:
             return cached
+        torch_outputs = self.name in _TORCH_OUTPUTS
         try:
             out = self.processor(text=placeholder, return_text_replacement_offsets=True, add_special_tokens=False,
-                                 return_tensors="np", **inputs)
+                                 return_tensors="pt" if torch_outputs else "np", **inputs)
         except (ValueError, TypeError, KeyError) as exc:
             raise MediaError(f"{self.name} could not process the {modality}: {exc}") from None
+        if torch_outputs:
+            out = {k: v.numpy() if type(v).__module__.startswith("torch") else v for k, v in out.items()}
         if "text_replacement_offsets" in out:       # what the placeholder became, as text (vLLM's way)
             replacements = out["text_replacement_offsets"][0]
             if len(replacements) != 1:

@@ -341,3 +341,47 @@ def test_the_batch_runner_transcribes_and_translates_audio_named_by_file_url(ser
     assert got["a"]["body"] == json.loads(speech(server, "/v1/audio/transcriptions", {}, wav)[2])
     assert got["b"]["body"] == json.loads(speech(server, "/v1/audio/translations", {"to_language": "de"}, wav)[2])
     assert got["c"]["status_code"] == 400 and "Use 'file_url' instead" in got["c"]["body"]["error"]["message"]
+
+
+# -- GLM-ASR ----------------------------------------------------------------------------------------
+
+GLM_CLIP = "<|begin_of_audio|><|pad|><|end_of_audio|>"
+
+
+def test_glm_asrs_clips_answer_as_transformers_does_window_by_window_and_transcribe_as_vllm_asks(tmp_path):
+    """GLM-ASR (Troupe's Llama, transformers' rotary encoder and projector; the checkpoint's unused
+    position table left unread, as vLLM leaves it): a clip cut into the processor's windows (2 s here; 3.3 s: a whole window and 1.3 s of the next) answers as
+    transformers' generate does, in prefill chunks of 16; its transcription asks vLLM's prompt
+    (the user turn "<|pad|>can you transcribe the speech into a written format?")."""
+    import torch
+
+    from actors.api import LLM
+    from helpers import save_tiny_glmasr
+    from safetensors.torch import load_file, save_file
+    hf, processor = save_tiny_glmasr(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")       # the hub's files carry a position table the
+    tensors["audio_tower.embed_positions.weight"] = torch.zeros(100, 32)    # rotary encoder does not read
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    a, b = tone(3.3, seed=3), tone(1.2, seed=4)
+    prompt = f"t5 t9 {GLM_CLIP} t7 t8"
+
+    def want(clip) -> list[int]:
+        inputs = processor(text=prompt, audio=[clip], sampling_rate=16000, return_tensors="pt")
+        with torch.no_grad():
+            out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        return out[0, inputs["input_ids"].shape[1]:].tolist()
+    asked = "t1 <|pad|>can you transcribe the speech into a written format? t3"    # the template's render
+    with LLM(model=str(tmp_path), max_model_len=256, max_num_batched_tokens=16) as llm:
+        got = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": clip}} for clip in (a, b)], greedy())
+        assert [list(r.outputs[0].token_ids) for r in got] == [want(a), want(b)]
+        assert [len(r.prompt_token_ids) for r in got] == [6 + 25 + 16, 6 + 15]
+        from actors.api import SamplingParams
+        transcribed = llm.generate({"prompt": asked, "multi_modal_data": {"audio": a}},
+                                   SamplingParams(max_tokens=None, temperature=0))[0].outputs[0].text.strip()
+    s = Server("--model", str(tmp_path), "--threads", "1", "--max-model-len", "256")
+    try:
+        status, _, text = speech(s, "/v1/audio/transcriptions", {"response_format": "text"},
+                                 audio_file(a, subtype="FLOAT"))         # the samples exactly
+        assert status == 200 and text == transcribed
+    finally:
+        s.stop()
