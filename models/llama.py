@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
-from models.base import AUDIO_PREFIXES, VISION_PREFIXES, CausalLM, TensorMap, language_model_tensor_map
+from models.base import VISION_PREFIXES, CausalLM, TensorMap, language_model_tensor_map
 from models.config import ArchConfig
 from models.layers import (Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SelfAttention,
                            kv_layer_hooks_active)
 from models.pipeline_parallel import IntermediateTensors, is_last_stage, stage_layers
+from models.vision import AudioTower
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -203,7 +204,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return image_embeddings(self, modality, data, encode)
 
 
-class GlmAsrForConditionalGeneration(LlamaForCausalLM):
+class GlmAsrForConditionalGeneration(AudioTower, LlamaForCausalLM):
     """GLM-ASR (GLM-ASR-Nano): a Whisper-style audio encoder with rotary positions, a projector
     of four frames into one position, and a Llama. The language model is Troupe's Llama;
     ``load_audio`` builds transformers' encoder and projector from the checkpoint's audio_config
@@ -211,35 +212,20 @@ class GlmAsrForConditionalGeneration(LlamaForCausalLM):
     (each padded to it); a clip's embeddings are, window by window, the projector's of the
     encoder's outputs over the whole window (it attends without a mask, as transformers' does), cut
     to the window's own frames, as transformers' get_audio_features makes them."""
-    hf_text_config: ClassVar[str | None] = "text_config"
+    audio_family: ClassVar[str] = "glmasr"
     hf_defaults: ClassVar[dict[str, Any]] = {
         # transformers' GlmAsrConfig text defaults (GLM-ASR-Nano-2512's language model)
         "vocab_size": 59_264, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
         "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
         "eos_token_id": [59_246, 59_253, 59_255], "rope_theta": 10_000.0, "tie_word_embeddings": True}
-    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = AUDIO_PREFIXES
-    takes_audio: ClassVar[bool] = True
     hf_tensor_map: ClassVar[TensorMap] = language_model_tensor_map(LlamaForCausalLM.hf_tensor_map)
-    gguf_architectures: ClassVar[tuple[str, ...]] = ()
 
-    def load_audio(self, path: str, overrides: dict[str, Any] | None = None) -> None:
-        from models.vision import load_vision_parts
-        self.audio_tower, self.multi_modal_projector = load_vision_parts(path, overrides, "glmasr",
-                                                                         self.embed_tokens.weight.dtype)
-
-    def embed_multimodal(self, modality: str, data: dict[str, Any]) -> torch.Tensor:
-        """One clip's embeddings (its audio positions, hidden) from its windows' log-mel features
-        (``input_features``, (windows, mel bins, frames)) and the masks of their own frames
-        (``input_features_mask``), or its embeddings as given (``audio_embeds``)."""
+    def encode_audio(self, data: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """From its windows' log-mel features (``input_features``, (windows, mel bins, frames)) and
+        the masks of their own frames (``input_features_mask``)."""
         import numpy as np
-        if modality != "audio":
-            raise ValueError(f"{type(self).__name__} takes no {modality} input")
-        weight = self.embed_tokens.weight
-        given = data.get("audio_embeds")
-        if given is not None:
-            return torch.as_tensor(np.asarray(given), device=weight.device).to(weight.dtype)
-        features = torch.as_tensor(np.asarray(data["input_features"]), device=weight.device).to(weight.dtype)
-        frames = torch.as_tensor(np.asarray(data["input_features_mask"]), device=weight.device).sum(-1)
+        features = torch.as_tensor(np.asarray(data["input_features"]), device=device).to(dtype)
+        frames = torch.as_tensor(np.asarray(data["input_features_mask"]), device=device).sum(-1)
         states = self.audio_tower(features).last_hidden_state
         merged = self.multi_modal_projector(states.reshape(features.shape[0], -1, 4 * states.shape[-1]))
         convolved = (frames - 1) // 2 + 1                  # after the stride-2 convolution

@@ -8,9 +8,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from models.base import AUDIO_PREFIXES, QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
+from models.base import QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
 from models.config import FULL, SLIDING
 from models.llama import LlamaForCausalLM
+from models.vision import AudioTower
 
 
 def qwen_sliding_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -73,7 +74,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     gguf_architectures: ClassVar[tuple[str, ...]] = ()
 
 
-class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
+class Qwen2AudioForConditionalGeneration(AudioTower, Qwen2ForCausalLM):
     """Qwen2-Audio's checkpoints: a Whisper-style audio tower (two convolutions over the log-mel
     frames, an encoder, a pooling by two) and a linear projector beside a Qwen2. The language
     model is Troupe's Qwen2; ``load_audio`` builds transformers' audio tower and projector from the
@@ -83,36 +84,21 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
     encoder's layers run over the clip's own positions alone, which the padding never reaches, so
     a 10-second clip costs a third of the 30-second window. With --language-model-only the audio
     tensors are never read."""
-    hf_text_config: ClassVar[str | None] = "text_config"
+    audio_family: ClassVar[str] = "qwen2_audio"
     hf_defaults: ClassVar[dict[str, Any]] = {
         # transformers' Qwen2Config defaults: the hub's Qwen2-Audio configs state few text keys
         "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32_768,
         "rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
-    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = AUDIO_PREFIXES
-    takes_audio: ClassVar[bool] = True
     hf_tensor_map: ClassVar[TensorMap] = language_model_tensor_map(Qwen2ForCausalLM.hf_tensor_map)
-    gguf_architectures: ClassVar[tuple[str, ...]] = ()
 
-    def load_audio(self, path: str, overrides: dict[str, Any] | None = None) -> None:
-        from models.vision import load_vision_parts
-        self.audio_tower, self.multi_modal_projector = load_vision_parts(path, overrides, "qwen2_audio",
-                                                                         self.embed_tokens.weight.dtype)
-
-    def embed_multimodal(self, modality: str, data: dict[str, Any]) -> torch.Tensor:
-        """One clip's embeddings (its audio positions, hidden) from its log-mel features padded to
-        the window (``input_features``, a batch of one) and the mask of its own frames
-        (``feature_attention_mask``), or its embeddings as given (``audio_embeds``)."""
+    def encode_audio(self, data: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """From its log-mel features padded to the window (``input_features``, a batch of one) and
+        the mask of its own frames (``feature_attention_mask``)."""
         import numpy as np
         from torch.nn import functional as F
-        if modality != "audio":
-            raise ValueError(f"{type(self).__name__} takes no {modality} input")
-        weight = self.embed_tokens.weight
-        given = data.get("audio_embeds")
-        if given is not None:
-            return torch.as_tensor(np.asarray(given), device=weight.device).to(weight.dtype)
         tower = self.audio_tower
-        features = torch.as_tensor(np.asarray(data["input_features"]), device=weight.device).to(weight.dtype)
+        features = torch.as_tensor(np.asarray(data["input_features"]), device=device).to(dtype)
         window = tower.max_source_positions * tower.conv1.stride[0] * tower.conv2.stride[0]
         if features.shape[-1] != window:
             raise ValueError(f"the audio tower takes log-mel features of {window} frames, got {features.shape[-1]}")

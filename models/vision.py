@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
+from models.base import AUDIO_PREFIXES
 from models.safetensors_loader import iter_safetensors_weights
 
 # each family's parts: their tensor-name prefix, and transformers' class that builds them from the
@@ -108,3 +109,33 @@ def grid_of(data: dict[str, Any], modality: str, device: torch.device) -> torch.
     """An image's or video's grid of patches (``image_grid_thw``, ``video_grid_thw``) on ``device``."""
     return torch.as_tensor(np.asarray(data["video_grid_thw" if modality == "video" else "image_grid_thw"]),
                            device=device)
+
+
+class AudioTower:
+    """What a language model class that takes audio adds (put first among its bases): its audio
+    tower and projector (``audio_family``'s in ``_FAMILIES``) read beside the language model, their
+    tensors skipped by its loader, and a clip's embeddings: ``encode_audio`` of its features, or its
+    rows as given (``audio_embeds``, with --enable-mm-embeds)."""
+    audio_family: ClassVar[str]
+    takes_audio: ClassVar[bool] = True
+    hf_text_config: ClassVar[str | None] = "text_config"
+    hf_skipped_prefixes: ClassVar[tuple[str, ...]] = AUDIO_PREFIXES
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+    embed_tokens: nn.Module
+
+    def load_audio(self, path: str, overrides: dict[str, Any] | None = None) -> None:
+        self.audio_tower, self.multi_modal_projector = load_vision_parts(path, overrides, self.audio_family,
+                                                                         self.embed_tokens.weight.dtype)
+
+    def embed_multimodal(self, modality: str, data: dict[str, Any]) -> torch.Tensor:
+        if modality != "audio":
+            raise ValueError(f"{type(self).__name__} takes no {modality} input")
+        weight = self.embed_tokens.weight
+        given = data.get("audio_embeds")
+        if given is not None:
+            return torch.as_tensor(np.asarray(given), device=weight.device).to(weight.dtype)
+        return self.encode_audio(data, weight.device, weight.dtype)
+
+    def encode_audio(self, data: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """One clip's embeddings (its audio positions, hidden) from its processor's inputs."""
+        raise NotImplementedError
