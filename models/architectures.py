@@ -42,6 +42,7 @@ _ARCHITECTURES: dict[str, type[CausalLM] | str] = {   # built in: the models/ mo
         ("Qwen2VLForConditionalGeneration", "qwen2"), ("Qwen2_5_VLForConditionalGeneration", "qwen2"),
         ("Qwen3VLForConditionalGeneration", "qwen3"), ("LlavaForConditionalGeneration", "llama"),
         ("Qwen2AudioForConditionalGeneration", "qwen2"), ("GlmAsrForConditionalGeneration", "llama"),
+        ("AudioFlamingo3ForConditionalGeneration", "qwen2"),
         # encoder-only models (bidirectional attention): embedding models and cross-encoders
         ("BertModel", "bert"), ("BertForSequenceClassification", "bert"), ("RobertaModel", "bert"),
         ("RobertaForSequenceClassification", "bert"), ("XLMRobertaModel", "bert"),

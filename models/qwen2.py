@@ -11,7 +11,7 @@ import torch
 from models.base import QWEN_VISION_PREFIXES, TensorMap, language_model_tensor_map
 from models.config import FULL, SLIDING
 from models.llama import LlamaForCausalLM
-from models.vision import AudioTower
+from models.vision import AudioTower, whisper_rows
 
 
 def qwen_sliding_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -74,41 +74,50 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     gguf_architectures: ClassVar[tuple[str, ...]] = ()
 
 
+# transformers' Qwen2Config defaults: the hub's audio checkpoints state few text keys
+QWEN2_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32_768,
+    "rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
+
+
 class Qwen2AudioForConditionalGeneration(AudioTower, Qwen2ForCausalLM):
     """Qwen2-Audio's checkpoints: a Whisper-style audio tower (two convolutions over the log-mel
     frames, an encoder, a pooling by two) and a linear projector beside a Qwen2. The language
     model is Troupe's Qwen2; ``load_audio`` builds transformers' audio tower and projector from the
     checkpoint's audio_config and reads them. A clip's embeddings are the projector's of the tower's
     outputs over its own frames, as transformers' Qwen2-Audio makes them (which runs the tower over
-    the whole window with the padding masked out of the attention, then cuts it off): the
-    encoder's layers run over the clip's own positions alone, which the padding never reaches, so
-    a 10-second clip costs a third of the 30-second window. With --language-model-only the audio
-    tensors are never read."""
+    the whole 30-second window with the padding masked out of the attention, then cuts it off):
+    the encoder's layers run over the clip's own positions alone (``whisper_rows``), so a 10-second
+    clip costs a third of the window. With --language-model-only the audio tensors are never read."""
     audio_family: ClassVar[str] = "qwen2_audio"
-    hf_defaults: ClassVar[dict[str, Any]] = {
-        # transformers' Qwen2Config defaults: the hub's Qwen2-Audio configs state few text keys
-        "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32_768,
-        "rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
+    hf_defaults: ClassVar[dict[str, Any]] = QWEN2_DEFAULTS
     hf_tensor_map: ClassVar[TensorMap] = language_model_tensor_map(Qwen2ForCausalLM.hf_tensor_map)
 
     def encode_audio(self, data: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """From its log-mel features padded to the window (``input_features``, a batch of one) and
         the mask of its own frames (``feature_attention_mask``)."""
         import numpy as np
-        from torch.nn import functional as F
-        tower = self.audio_tower
         features = torch.as_tensor(np.asarray(data["input_features"]), device=device).to(dtype)
-        window = tower.max_source_positions * tower.conv1.stride[0] * tower.conv2.stride[0]
-        if features.shape[-1] != window:
-            raise ValueError(f"the audio tower takes log-mel features of {window} frames, got {features.shape[-1]}")
-        frames = int(np.asarray(data["feature_attention_mask"]).sum())
-        own = (frames - 1) // 2 + 1                # positions after the stride-2 convolution
-        # the convolutions' reach past the last of them: frames up to 2 * own (one of padding)
-        states = F.gelu(tower.conv2(F.gelu(tower.conv1(features[..., :min(window, 2 * own + 2)]))))
-        states = states[..., :own].permute(0, 2, 1) + tower.embed_positions.weight[:own]
-        for layer in tower.layers:
-            states = layer(states, None)
-            states = states[0] if isinstance(states, tuple) else states
-        states = tower.layer_norm(tower.avg_pooler(states.permute(0, 2, 1)).permute(0, 2, 1))
-        return self.multi_modal_projector(states)[0, :(own - 2) // 2 + 1]
+        rows = whisper_rows(self.audio_tower, features, int(np.asarray(data["feature_attention_mask"]).sum()))
+        return self.multi_modal_projector(rows)
+
+
+class AudioFlamingo3ForConditionalGeneration(AudioTower, Qwen2ForCausalLM):
+    """Audio Flamingo 3: a Whisper encoder (its masked window, a pooling by two), a two-layer
+    projector and a Qwen2. The processor cuts a clip into windows of its feature extractor's 30 s
+    (up to its ``max_audio_len``, 600 s), each padded to the window; a clip's embeddings are, window by
+    window, the projector's of the encoder's rows over the window's own frames (``whisper_rows``), as
+    transformers' get_audio_features makes them over the masked windows."""
+    audio_family: ClassVar[str] = "audioflamingo3"
+    hf_defaults: ClassVar[dict[str, Any]] = QWEN2_DEFAULTS
+    hf_tensor_map: ClassVar[TensorMap] = language_model_tensor_map(Qwen2ForCausalLM.hf_tensor_map)
+
+    def encode_audio(self, data: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """From its windows' log-mel features (``input_features``, (windows, mel bins, frames)) and
+        the masks of their own frames (``input_features_mask``)."""
+        import numpy as np
+        features = torch.as_tensor(np.asarray(data["input_features"]), device=device).to(dtype)
+        frames = np.asarray(data["input_features_mask"]).sum(-1).tolist()
+        rows = torch.cat([whisper_rows(self.audio_tower, features[i:i + 1], int(n)) for i, n in enumerate(frames)])
+        return self.multi_modal_projector(rows)

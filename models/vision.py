@@ -32,6 +32,10 @@ _FAMILIES: dict[str, tuple[tuple[str, str | None], ...]] = {
               ("multi_modal_projector.", "transformers.models.llava.modeling_llava:LlavaMultiModalProjector")),
     "mistral3": (("vision_tower.", None),    # Pixtral's
                  ("multi_modal_projector.", "transformers.models.mistral3.modeling_mistral3:Mistral3MultiModalProjector")),
+    "audioflamingo3": (("audio_tower.", "audio:transformers.models.audioflamingo3.modeling_audioflamingo3:"
+                                        "AudioFlamingo3Encoder"),
+                       ("multi_modal_projector.", "transformers.models.audioflamingo3.modeling_audioflamingo3:"
+                                                  "AudioFlamingo3MultiModalProjector")),
     "glmasr": (("audio_tower.", "audio:transformers.models.glmasr.modeling_glmasr:GlmAsrEncoder"),
                ("multi_modal_projector.", "transformers.models.glmasr.modeling_glmasr:GlmAsrMultiModalProjector")),
     "qwen2_audio": (("audio_tower.", "audio:transformers.models.qwen2_audio.modeling_qwen2_audio:Qwen2AudioEncoder"),
@@ -139,3 +143,26 @@ class AudioTower:
     def encode_audio(self, data: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """One clip's embeddings (its audio positions, hidden) from its processor's inputs."""
         raise NotImplementedError
+
+
+def whisper_rows(tower: nn.Module, features: torch.Tensor, frames: int) -> torch.Tensor:
+    """A Whisper-style encoder's outputs (two convolutions, a position table, the layers, a pooling
+    by two, a LayerNorm: Qwen2-Audio's, AudioFlamingo 3's) for one window of log-mel features
+    ``features`` (1, mel bins, window frames) whose first ``frames`` are the clip's own, the rest
+    padding: (own positions after the pooling, width). The layers run over the clip's own positions
+    alone: the padding never reaches them (masked keys, the convolutions' reach one frame past the
+    clip, the pooling within it), so the rows are those of the whole window with the padding
+    masked out of the attention, as transformers runs it, at a fraction of the cost."""
+    from torch.nn import functional as F
+    window = tower.max_source_positions * tower.conv1.stride[0] * tower.conv2.stride[0]
+    if features.shape[-1] != window:
+        raise ValueError(f"the audio tower takes log-mel features of {window} frames, got {features.shape[-1]}")
+    own = (frames - 1) // 2 + 1                # positions after the stride-2 convolution
+    # the convolutions' reach past the last of them: frames up to 2 * own (one of padding)
+    states = F.gelu(tower.conv2(F.gelu(tower.conv1(features[..., :min(window, 2 * own + 2)]))))
+    states = states[..., :own].permute(0, 2, 1) + tower.embed_positions.weight[:own]
+    for layer in tower.layers:
+        states = layer(states, None)
+        states = states[0] if isinstance(states, tuple) else states
+    states = tower.layer_norm(tower.avg_pooler(states.permute(0, 2, 1)).permute(0, 2, 1))
+    return states[0, :(own - 2) // 2 + 1]

@@ -598,6 +598,30 @@ def save_tiny_glmasr(path, vocab: int = 300, seed: int = 13):
             transformers.AutoProcessor.from_pretrained(path))
 
 
+def save_tiny_audioflamingo3(path, vocab: int = 300, seed: int = 17):
+    """A tiny random Audio Flamingo 3 checkpoint as transformers saves it: a two-layer Whisper
+    encoder over 80 log-mel bins in windows of 2 s (a clip is cut into windows, at most 3; a window's
+    own f frames take ((f - 1) // 2 + 1 - 2) // 2 + 1 positions, 50 for a whole one), a projector, a
+    two-layer Qwen2, and its processor (Whisper's feature extractor at 16 kHz, a word-level tokenizer
+    whose last token is <sound>, the audio token). Returns transformers' model and processor, as
+    read back."""
+    import torch
+    import transformers
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+                eos_token_id=None)
+    audio = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_mel_bins=80,
+                 max_source_positions=100)
+    torch.manual_seed(seed)
+    hf = transformers.AudioFlamingo3ForConditionalGeneration(transformers.AudioFlamingo3Config(
+        text_config=text, audio_config=audio, audio_token_id=vocab - 1))
+    fast = _save_vlm(hf, path, vocab, ["<sound>"], pad_token="t0")
+    features = transformers.WhisperFeatureExtractor(feature_size=80, chunk_length=2, sampling_rate=16000)
+    transformers.AudioFlamingo3Processor(feature_extractor=features, tokenizer=fast, max_audio_len=6).save_pretrained(path)
+    return (transformers.AudioFlamingo3ForConditionalGeneration.from_pretrained(path).eval(),
+            transformers.AutoProcessor.from_pretrained(path))
+
+
 def audio_file(samples, rate: int = 16000, fmt: str = "WAV", subtype: str | None = None) -> bytes:
     """Samples (mono, or (samples, channels)) written as an audio file of ``fmt`` by libsndfile
     (``subtype``: its sample format, "FLOAT" to keep them exactly; None: the format's default)."""

@@ -483,7 +483,7 @@ VIDEO_PROCESSORS = {"Qwen2VLProcessor": "<|vision_start|><|video_pad|><|vision_e
 AUDIO_PROCESSORS = {"Qwen2AudioProcessor": "<|audio_bos|><|AUDIO|><|audio_eos|>",
                     "GlmAsrProcessor": "<|begin_of_audio|><|pad|><|end_of_audio|>"}
 # processors that answer torch tensors only (their inputs are turned into arrays here)
-_TORCH_OUTPUTS = ("GlmAsrProcessor",)
+_TORCH_OUTPUTS = ("GlmAsrProcessor", "AudioFlamingo3Processor")
 
 
 class ImagesOnlyProcessor:

@@ -385,3 +385,38 @@ def test_glm_asrs_clips_answer_as_transformers_does_window_by_window_and_transcr
         assert status == 200 and text == transcribed
     finally:
         s.stop()
+
+
+def test_audio_flamingo_3s_clips_answer_as_transformers_does_over_its_masked_windows(tmp_path):
+    """Audio Flamingo 3 (Troupe's Qwen2, transformers' Whisper encoder and projector): a clip cut
+    into the processor's windows (2 s here) answers as transformers' generate does, the encoder
+    run over each window's own positions where transformers masks the padding; the rows agree."""
+    import torch
+
+    from actors.api import LLM
+    from helpers import save_tiny_audioflamingo3
+    from models.registry import load_model
+    from models.resolve import resolve_model
+    hf, processor = save_tiny_audioflamingo3(tmp_path)
+    a, b = tone(3.3, seed=5), tone(0.7, seed=6)
+    prompt = "t5 t9 <sound> t7 t8"
+
+    def inputs(clip):
+        return processor(text=prompt, audio=[clip], sampling_rate=16000, return_tensors="pt")
+
+    def want(clip) -> list[int]:
+        given = inputs(clip)
+        with torch.no_grad():
+            out = hf.generate(**given, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        return out[0, given["input_ids"].shape[1]:].tolist()
+    model, _ = load_model(resolve_model(str(tmp_path)))
+    for clip in (a, b):
+        given = inputs(clip)
+        with torch.no_grad():
+            rows = hf.model.get_audio_features(given["input_features"], given["input_features_mask"]).pooler_output
+            got = model.embed_multimodal("audio", {k: given[k].numpy() for k in ("input_features", "input_features_mask")})
+        torch.testing.assert_close(got, rows, atol=1e-5, rtol=1e-5)
+    with LLM(model=str(tmp_path), max_model_len=256, max_num_batched_tokens=16) as llm:
+        got = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": clip}} for clip in (a, b)], greedy())
+        assert [list(r.outputs[0].token_ids) for r in got] == [want(a), want(b)]
+        assert [len(r.prompt_token_ids) for r in got] == [4 + 50 + 32, 4 + 17]
