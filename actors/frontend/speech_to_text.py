@@ -37,6 +37,7 @@ from actors.frontend.params import served_name
 from actors.frontend.streams import StreamTimeout
 from actors.tokenizer.audio import (AUDIO, AUDIO_PART, SPEECH_TO_TEXT, AudioError, SpeechToText, decode_audio,
                                     resample, split_speech)
+from actors.tokenizer.multimodal import MediaError, read_url
 
 if TYPE_CHECKING:
     from actors.frontend.app import OpenAIServer
@@ -166,7 +167,6 @@ async def batch_speech(server: OpenAIServer, path: str, body: dict[str, Any]) ->
     """A batch line's transcription or translation (vLLM's run_batch): the audio at the body's
     ``file_url`` (a data, http(s) or file URL, read as chat media URLs are), the other fields as
     the form's."""
-    from actors.tokenizer.multimodal import MediaError, _url_bytes
     task = "transcribe" if path == TRANSCRIPTIONS else "translate"
     processor = server.engine().images
     _rule(server, task)
@@ -176,7 +176,7 @@ async def batch_speech(server: OpenAIServer, path: str, body: dict[str, Any]) ->
     if not isinstance(url, str) or not url:
         raise bad_request("a batch line's audio is its `file_url`: a data, http(s) or file URL", "file_url")
     try:
-        audio = await _url_bytes(url, processor.config, AUDIO, vllm_env.audio_limits()[0])
+        audio = await read_url(url, processor.config, AUDIO, vllm_env.audio_limits()[0])
     except MediaError as exc:
         raise bad_request(f"Failed to process {'transcription' if task == 'transcribe' else 'translation'}: {exc}",
                           "file_url") from None

@@ -279,10 +279,10 @@ async def load_image(source: Any, config: MultiModalConfig, io_kwargs: Mapping[s
         return _embeds(lambda: embeds_array(source, "image_embeds"), config)
     if not isinstance(source, str):
         raise MediaError(f"an image must be a URL or a PIL image, got {type(source).__name__}")
-    return _decode(await _url_bytes(source, config), "the data URL" if source[:5].lower() == "data:" else source)
+    return _decode(await read_url(source, config), "the data URL" if source[:5].lower() == "data:" else source)
 
 
-async def _url_bytes(url: str, config: MultiModalConfig, kind: str = IMAGE, limit: int = MAX_IMAGE_BYTES) -> bytes:
+async def read_url(url: str, config: MultiModalConfig, kind: str = IMAGE, limit: int = MAX_IMAGE_BYTES) -> bytes:
     """A data, http(s) or file URL's bytes, at most ``limit`` of them (MediaError saying why not)."""
     if url[:5].lower() == "data:":
         return _data_url_bytes(url, kind, limit)
@@ -314,7 +314,7 @@ async def _load_video(url: str, config: MultiModalConfig, io_kwargs: Mapping[str
             if spec == "video/jpeg":
                 payload = url.partition(",")[2]
                 return await asyncio.to_thread(decode_jpeg_frames, payload, num_frames, fps if fps > 0 else 1.0)
-        data = await _url_bytes(url, config, VIDEO, MAX_VIDEO_BYTES)
+        data = await read_url(url, config, VIDEO, MAX_VIDEO_BYTES)
         return await asyncio.to_thread(decode_video, data, num_frames, fps)
     except VideoError as exc:
         raise MediaError(f"the video could not be read: {exc}") from None
@@ -326,7 +326,7 @@ async def _load_audio(source: AudioSource | InputAudio, config: MultiModalConfig
     limit, seconds, decoded = vllm_env.audio_limits()
     try:
         data = (input_audio_bytes(source, limit) if isinstance(source, InputAudio)
-                else await _url_bytes(source, config, AUDIO, limit))
+                else await read_url(source, config, AUDIO, limit))
         return await asyncio.to_thread(decode_audio, data, seconds, decoded)
     except AudioError as exc:
         raise MediaError(f"the audio could not be read: {exc}") from None
