@@ -420,3 +420,17 @@ def test_audio_flamingo_3s_clips_answer_as_transformers_does_over_its_masked_win
         got = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": clip}} for clip in (a, b)], greedy())
         assert [list(r.outputs[0].token_ids) for r in got] == [want(a), want(b)]
         assert [len(r.prompt_token_ids) for r in got] == [4 + 50 + 32, 4 + 17]
+
+
+def test_tokenize_expands_a_chats_clip_and_beam_search_refuses_it(server, media):
+    """/tokenize renders and expands a chat's clip as the chat endpoint admits it (1.3 s: 32 audio
+    positions between the markers); beam search refuses audio as it refuses images."""
+    wav = (media[0] / "a.wav").read_bytes()
+    content = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+               {"type": "text", "text": "t5"}]
+    status, body = post(server, {"messages": [{"role": "user", "content": content}]}, path="/tokenize")
+    assert status == 200, body
+    assert body["tokens"] == [1, 297] + [299] * 32 + [298, 5, 3] and body["count"] == 37
+    status, body = post(server, {"messages": [{"role": "user", "content": content}], "max_tokens": 2,
+                                 "use_beam_search": True, "n": 2})
+    assert status == 400 and "beam search is not supported with" in body["error"]["message"], body
