@@ -123,7 +123,7 @@ async def beam_search(client: EngineClient, params: BeamSearchParams, submit: An
     submit = submit or client.submit
     params.check()
     if what.get("multi_modal_data") or has_images(what.get("messages")):
-        raise ValueError("beam search is not supported with image input (its later steps send token ids)")
+        raise ValueError("beam search is not supported with image, video or audio input (its later steps send token ids)")
     width = params.beam_width
     eos = frozenset(client.config.model.arch.eos_token_ids)
     step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width,

@@ -214,7 +214,7 @@ async def start_chat(server: OpenAIServer, req: ChatCompletionRequest, arrival: 
         if req.tools:
             raise BadRequest("tools cannot be combined with beam search", "tools")
         if has_images(messages):
-            raise BadRequest("beam search is not supported with image input (its later steps send token ids)",
+            raise BadRequest("beam search is not supported with image, video or audio input (its later steps send token ids)",
                              "use_beam_search")
         job = {"messages": messages, "add_generation_prompt": add_generation_prompt,
                "continue_final_message": continue_final_message, "chat_template_kwargs": template_kwargs,

@@ -150,8 +150,8 @@ class TokenizerActor(Actor):
         if images:                        # each placeholder expanded into its image's positions
             assert self.images is not None
             if truncate is not None:
-                raise InvalidPrompt("truncate_prompt_tokens is not supported with image input (it would cut into "
-                                    "an image's positions)")
+                raise InvalidPrompt("truncate_prompt_tokens is not supported with image, video or audio input (it "
+                                    "would cut into an item's positions)")
             try:
                 ids, features = self.images.expand(ids, images)
             except MediaError as exc:

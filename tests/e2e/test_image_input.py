@@ -635,7 +635,7 @@ def test_tokenize_expands_a_chats_images_and_beam_search_refuses_them(server, me
     assert tokens == [1] + [299] * 16 + [5, 3]
     status, body = post(server, {"messages": [{"role": "user", "content": content}], "max_tokens": 2,
                                  "use_beam_search": True, "n": 2})
-    assert status == 400 and "beam search is not supported with image input" in body["error"]["message"]
+    assert status == 400 and "beam search is not supported with image, video or audio input" in body["error"]["message"]
 
 
 def test_the_responses_and_messages_apis_take_images_as_chat_does(server, media, llava):
