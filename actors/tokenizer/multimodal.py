@@ -19,8 +19,9 @@ A model that takes videos (Troupe's Qwen2-VL, Qwen2.5-VL and Qwen3-VL classes) t
 read and processed by ``actors/tokenizer/video.py``; each placeholder pairs with the item of its
 own modality, in order.
 
-A model that takes audio (Troupe's Qwen2-Audio class) takes a message's ``input_audio`` and
-``audio_url`` parts and ``multi_modal_data={"audio": ...}``, read by ``actors/tokenizer/audio.py``
+A model that takes audio (Troupe's Qwen2-Audio, GLM-ASR and Audio Flamingo 3 classes) takes a
+message's ``input_audio``, ``audio_url`` and (with --enable-mm-embeds) ``audio_embeds`` parts and
+``multi_modal_data={"audio": ...}``, read by ``actors/tokenizer/audio.py``
 and resampled to its feature extractor's rate; its processor (transformers') makes each clip's
 log-mel features and says what its placeholder expands to."""
 from __future__ import annotations
