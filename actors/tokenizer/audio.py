@@ -1,4 +1,5 @@
-"""Audio in prompts, as vLLM takes it, for a model that takes audio (Troupe's Qwen2-Audio class).
+"""Audio in prompts, as vLLM takes it, for a model that takes audio (Troupe's Qwen2-Audio, GLM-ASR and
+Audio Flamingo 3 classes).
 
 A chat message's ``input_audio`` parts (OpenAI's: ``{"data": base64, "format": "wav"}``) and
 ``audio_url`` parts (data, http(s) and file URLs, as image URLs are read), and the offline API's
