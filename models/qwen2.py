@@ -91,33 +91,27 @@ class Qwen2AudioForConditionalGeneration(AudioTower, Qwen2ForCausalLM):
     the encoder's layers run over the clip's own positions alone (``whisper_rows``), so a 10-second
     clip costs a third of the window. With --language-model-only the audio tensors are never read."""
     audio_family: ClassVar[str] = "qwen2_audio"
+    audio_mask: ClassVar[str] = "feature_attention_mask"     # the processor's mask of each window's own frames
     hf_defaults: ClassVar[dict[str, Any]] = QWEN2_DEFAULTS
     hf_tensor_map: ClassVar[TensorMap] = language_model_tensor_map(Qwen2ForCausalLM.hf_tensor_map)
 
     def encode_audio(self, data: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """From its log-mel features padded to the window (``input_features``, a batch of one) and
-        the mask of its own frames (``feature_attention_mask``)."""
+        """From its windows' log-mel features padded to the window (``input_features``, (windows,
+        mel bins, frames); Qwen2-Audio's processor makes one) and the masks of their own frames
+        (``audio_mask``): the windows' rows one after another."""
         import numpy as np
         features = torch.as_tensor(np.asarray(data["input_features"]), device=device).to(dtype)
-        rows = whisper_rows(self.audio_tower, features, int(np.asarray(data["feature_attention_mask"]).sum()))
-        return self.multi_modal_projector(rows)
-
-
-class AudioFlamingo3ForConditionalGeneration(AudioTower, Qwen2ForCausalLM):
-    """Audio Flamingo 3: a Whisper encoder (its masked window, a pooling by two), a two-layer
-    projector and a Qwen2. The processor cuts a clip into windows of its feature extractor's 30 s
-    (up to its ``max_audio_len``, 600 s), each padded to the window; a clip's embeddings are, window by
-    window, the projector's of the encoder's rows over the window's own frames (``whisper_rows``), as
-    transformers' get_audio_features makes them over the masked windows."""
-    audio_family: ClassVar[str] = "audioflamingo3"
-    hf_defaults: ClassVar[dict[str, Any]] = QWEN2_DEFAULTS
-    hf_tensor_map: ClassVar[TensorMap] = language_model_tensor_map(Qwen2ForCausalLM.hf_tensor_map)
-
-    def encode_audio(self, data: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """From its windows' log-mel features (``input_features``, (windows, mel bins, frames)) and
-        the masks of their own frames (``input_features_mask``)."""
-        import numpy as np
-        features = torch.as_tensor(np.asarray(data["input_features"]), device=device).to(dtype)
-        frames = np.asarray(data["input_features_mask"]).sum(-1).tolist()
+        frames = np.asarray(data[self.audio_mask]).reshape(len(features), -1).sum(-1).tolist()
         rows = torch.cat([whisper_rows(self.audio_tower, features[i:i + 1], int(n)) for i, n in enumerate(frames)])
         return self.multi_modal_projector(rows)
+
+
+class AudioFlamingo3ForConditionalGeneration(Qwen2AudioForConditionalGeneration):
+    """Audio Flamingo 3: Qwen2-Audio's shape (a Whisper encoder with its masked window and pooling
+    by two, here a two-layer projector, a Qwen2), its processor cutting a clip into windows of its
+    feature extractor's 30 s (up to its ``max_audio_len``, 600 s), each padded to the window; a
+    clip's embeddings are, window by window, the projector's of the encoder's rows over the
+    window's own frames (``whisper_rows``), as transformers' get_audio_features makes them over the
+    masked windows."""
+    audio_family: ClassVar[str] = "audioflamingo3"
+    audio_mask: ClassVar[str] = "input_features_mask"
