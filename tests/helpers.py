@@ -536,6 +536,13 @@ def save_tiny_mistral3(path, vocab: int = 300, seed: int = 7):
     return transformers.Mistral3ForConditionalGeneration.from_pretrained(path).eval(), inputs
 
 
+def tiny_text_config(vocab: int) -> dict:
+    """The two-layer language model of the tiny multimodal checkpoints: 64 wide, 4 heads over 2 KV heads."""
+    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+                eos_token_id=None)
+
+
 QWEN2_AUDIO_CHAT_TEMPLATE = ("{% for message in messages %}{{ 't1 ' if message['role'] == 'user' else 't2 ' }}"
                              "{% for part in message['content'] %}{% if part['type'] == 'audio' %}"
                              "<|audio_bos|><|AUDIO|><|audio_eos|> {% elif part['type'] == 'text' %}"
@@ -552,9 +559,7 @@ def save_tiny_qwen2_audio(path, vocab: int = 300, seed: int = 11):
     template over content parts). Returns transformers' model and processor, as read back."""
     import torch
     import transformers
-    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
-                eos_token_id=None)
+    text = tiny_text_config(vocab)
     audio = dict(num_mel_bins=80, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=48, d_model=32,
                  max_source_positions=100)
     torch.manual_seed(seed)
@@ -582,9 +587,7 @@ def save_tiny_glmasr(path, vocab: int = 300, seed: int = 13):
     template over string content). Returns transformers' model and processor, as read back."""
     import torch
     import transformers
-    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
-                eos_token_id=None)
+    text = tiny_text_config(vocab)
     audio = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_mel_bins=80,
                  max_position_embeddings=100)
     torch.manual_seed(seed)
@@ -607,9 +610,7 @@ def save_tiny_audioflamingo3(path, vocab: int = 300, seed: int = 17):
     read back."""
     import torch
     import transformers
-    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
-                eos_token_id=None)
+    text = tiny_text_config(vocab)
     audio = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_mel_bins=80,
                  max_source_positions=100)
     torch.manual_seed(seed)
